@@ -1,0 +1,1 @@
+"""Packed multi-adapter LoRA training over one frozen base model."""

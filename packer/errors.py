@@ -1,0 +1,20 @@
+"""The project's user-facing exceptions.
+
+Anything a user can fix (a study file, a data file, a model path, a flag) raises ``UserError`` or a
+subclass; the CLI prints its message on one line and exits with status 2. Every other exception is
+a bug and keeps its traceback.
+"""
+
+__all__ = ["UserError", "ConfigError", "DataError"]
+
+
+class UserError(Exception):
+    """Bad user input. The message names the key, file or file:line that is wrong."""
+
+
+class ConfigError(UserError, ValueError):
+    """A configuration value is invalid (names the key)."""
+
+
+class DataError(UserError, ValueError):
+    """A dataset file or row is invalid (names file:line and field)."""

@@ -1,0 +1,102 @@
+"""Per-slot adapter hyperparameters.
+
+``AdapterSpec`` is everything the packer needs to train one adapter in one slot of a pack. It is
+owned by the packer: the sweep layer builds one per trial from its own study config, and the
+packer never sees a study object. Stdlib only, so validation tests run in milliseconds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from packer.errors import ConfigError
+
+__all__ = ["AdapterSpec", "ALL_LINEAR", "SCHEDULES"]
+
+ALL_LINEAR = "all-linear"
+"""Target value meaning every linear projection of the decoder (PEFT's ``"all-linear"``)."""
+
+SCHEDULES = (
+    "constant",
+    "constant_with_warmup",
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "inverse_sqrt",
+)
+"""Learning-rate schedule names, as ``transformers.get_scheduler`` spells them."""
+
+MAX_RANK = 256
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """Hyperparameters of one LoRA adapter trained in one slot.
+
+    Field names follow PEFT/torchtune where they exist (``rank`` is PEFT's ``r``).
+    """
+
+    rank: int = 16
+    """LoRA rank r, 1..256 and at most the smaller dimension of every targeted layer."""
+    alpha: float = 32.0
+    """LoRA alpha; the update is scaled by alpha/r (alpha/sqrt(r) with rsLoRA)."""
+    rslora: bool = False
+    """Rank-stabilised scaling alpha/sqrt(r) (PEFT ``use_rslora``)."""
+    dropout: float = 0.0
+    """Dropout probability on the LoRA input, in [0, 1)."""
+    targets: tuple[str, ...] = (ALL_LINEAR,)
+    """Leaf module names to adapt (e.g. ``q_proj``, GPT-2's ``c_attn``), or ``all-linear``."""
+    lr: float = 2e-4
+    """Peak learning rate of AdamW."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    warmup_steps: int = 0
+    """Linear warm-up steps of the schedule."""
+    schedule: str = "constant"
+    """Learning-rate schedule after warm-up, one of ``SCHEDULES``."""
+    max_steps: int = 100
+    """Optimizer steps this adapter trains for."""
+    micro_batch: int = 4
+    """Sequences per step drawn from this slot's own data stream."""
+    max_grad_norm: float | None = 1.0
+    """Clip this adapter's gradient norm to this value (None: no clipping)."""
+    seed: int = 0
+    """Seeds A's initialisation, the data order and the dropout masks of this slot."""
+    extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
+    """Free-form labels carried along (e.g. the trial number); never read by the packer."""
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.rank, int) and 1 <= self.rank <= MAX_RANK, "rank", f"must be 1..{MAX_RANK}", self.rank)
+        _check(math.isfinite(self.alpha) and self.alpha > 0, "alpha", "must be > 0", self.alpha)
+        _check(0.0 <= self.dropout < 1.0, "dropout", "must be in [0, 1)", self.dropout)
+        _check(len(self.targets) > 0 and all(isinstance(t, str) and t for t in self.targets),
+               "targets", "must be a non-empty list of module names", self.targets)
+        _check(math.isfinite(self.lr) and self.lr > 0, "lr", "must be > 0", self.lr)
+        _check(self.weight_decay >= 0, "weight_decay", "must be >= 0", self.weight_decay)
+        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas", "must be two values in [0, 1)",
+               self.betas)
+        _check(self.eps > 0, "eps", "must be > 0", self.eps)
+        _check(isinstance(self.max_steps, int) and self.max_steps >= 1, "max_steps", "must be >= 1", self.max_steps)
+        _check(isinstance(self.warmup_steps, int) and 0 <= self.warmup_steps, "warmup_steps", "must be >= 0",
+               self.warmup_steps)
+        _check(self.schedule in SCHEDULES, "schedule", f"must be one of {', '.join(SCHEDULES)}", self.schedule)
+        _check(isinstance(self.micro_batch, int) and self.micro_batch >= 1, "micro_batch", "must be >= 1",
+               self.micro_batch)
+        _check(self.max_grad_norm is None or self.max_grad_norm > 0, "max_grad_norm", "must be > 0 or null",
+               self.max_grad_norm)
+
+    @property
+    def scale(self) -> float:
+        """The factor s in ``y = W x + s * B A x`` (PEFT's ``scaling``)."""
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+
+def _check(ok: bool, key: str, rule: str, value: object) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {rule} (got {value!r})")
