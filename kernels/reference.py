@@ -1,0 +1,102 @@
+"""Plain-PyTorch packed LoRA: the CPU path and the oracle the Triton kernels are tested against.
+
+Math, for token t of slot g with A_g: (r_g, D_in), B_g: (D_out, r_g), scale s_g, dropout p_g:
+
+    y_t = base(x_t) + s_g * B_g A_g drop_g(x_t)
+
+where drop_g multiplies by a Bernoulli(1 - p_g) mask / (1 - p_g). The base sees the undropped x; only
+the LoRA path sees the mask (the rule PEFT follows). Gradients come from autograd.
+
+Shapes: B rows, L positions, T = B * L tokens, N slots, R = sum of ranks, D_in / D_out features.
+Packed weights: ``a_cat`` (R, D_in) stacks every slot's A rows; ``bt_cat`` (R, D_out) stacks B_g^T
+with the same row order (slots in ``PackLayout.slots`` order, rank-0 slots contributing no rows).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.meta import LayerRanks, PackLayout, dropout_seed
+
+__all__ = ["lora_loop", "lora_masked_dense", "dropout_keep_mask"]
+
+
+def dropout_keep_mask(layout: PackLayout, g: int, layer_id: int, d_in: int, seq_len: int,
+                      device: torch.device) -> torch.Tensor:
+    """Keep-mask already divided by (1 - p) for segment g, padded to ``seq_len`` with ones.
+
+    Returns:
+        (n_rows[g], seq_len, d_in) float32 tensor.
+    """
+    n, own, p = layout.n_rows[g], layout.own_len[g], layout.dropout[g]
+    gen = torch.Generator(device=device)
+    gen.manual_seed(dropout_seed(layout.seed[g], 0, layer_id))
+    keep = torch.rand((n, own, d_in), generator=gen, device=device) >= p  # (n, own, D_in)
+    mask = keep.to(torch.float32) / (1.0 - p)
+    if seq_len > own:  # padding positions: no loss and never attended to, any value works
+        mask = torch.cat([mask, mask.new_ones((n, seq_len - own, d_in))], dim=1)
+    return mask
+
+
+def lora_loop(x: torch.Tensor, base_out: torch.Tensor, a_cat: torch.Tensor, bt_cat: torch.Tensor,
+              layout: PackLayout, ranks: LayerRanks) -> torch.Tensor:
+    """Per-slot Python loop; the obviously correct version.
+
+    Args:
+        x: (B, L, D_in) layer input.
+        base_out: (B, L, D_out) frozen base layer output.
+        a_cat: (R, D_in) packed A.
+        bt_cat: (R, D_out) packed B^T.
+        layout: row segments of the batch.
+        ranks: this layer's ranks and scales.
+
+    Returns:
+        (B, L, D_out) base_out plus every slot's LoRA term on its own rows.
+    """
+    pieces, off = [], 0
+    for g, (r0, n) in enumerate(zip(layout.row_start, layout.n_rows, strict=True)):
+        r, s = ranks.rank[g], ranks.scale[g]
+        rows = x[r0:r0 + n]  # (n, L, D_in)
+        if r == 0 or n == 0:
+            pieces.append(base_out.new_zeros((n, *base_out.shape[1:])))
+            off += r
+            continue
+        rows = rows.to(a_cat.dtype)
+        if layout.dropout[g] > 0:
+            rows = rows * dropout_keep_mask(layout, g, ranks.layer_id, x.shape[-1], x.shape[1], x.device)
+        h = rows @ a_cat[off:off + r].T  # (n, L, r)
+        pieces.append(((h @ bt_cat[off:off + r]) * s).to(base_out.dtype))  # (n, L, D_out)
+        off += r
+    return base_out + torch.cat(pieces, dim=0)
+
+
+def lora_masked_dense(x: torch.Tensor, base_out: torch.Tensor, a_cat: torch.Tensor, bt_cat: torch.Tensor,
+                      layout: PackLayout, ranks: LayerRanks) -> torch.Tensor:
+    """All slots in three GEMM-sized ops: ``H = drop(x) A_cat^T``, masked to each token's own slot
+    columns and scaled there, then ``y = base + H Bt_cat``.
+
+    Exact (masked entries are multiplied by 0) at N times the tiny LoRA FLOPs, and a constant
+    number of kernel launches whatever N is, which is what makes it the fast CPU path.
+    Same arguments and result as ``lora_loop``.
+    """
+    b, seq, d_in = x.shape
+    xin = x.to(a_cat.dtype)
+    if any(p > 0 for p in layout.dropout):
+        masks = [dropout_keep_mask(layout, g, ranks.layer_id, d_in, seq, x.device) if layout.dropout[g] > 0
+                 else xin.new_ones((n, seq, d_in)) for g, n in enumerate(layout.n_rows)]
+        xin = xin * torch.cat(masks, dim=0)
+    col_scale = _row_column_scale(layout, ranks, device=x.device, dtype=a_cat.dtype)  # (B, 1, R)
+    h = (xin @ a_cat.T) * col_scale  # (B, L, R)
+    return base_out + (h @ bt_cat).to(base_out.dtype)
+
+
+def _row_column_scale(layout: PackLayout, ranks: LayerRanks, *, device: torch.device,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """(B, 1, R) matrix: s_g on row-block g x rank-columns of g, 0 elsewhere."""
+    total_rank = sum(ranks.rank)
+    m = torch.zeros((sum(layout.n_rows), 1, total_rank), dtype=dtype)
+    off = 0
+    for r0, n, r, s in zip(layout.row_start, layout.n_rows, ranks.rank, ranks.scale, strict=True):
+        m[r0:r0 + n, :, off:off + r] = s
+        off += r
+    return m.to(device, non_blocking=True)

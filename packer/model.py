@@ -1,0 +1,141 @@
+"""``PackedModel``: one frozen base causal LM with adapter slots that come and go.
+
+The base model is loaded once (``from_pretrained``: a local checkpoint directory or a hub id),
+frozen, and kept in eval mode so its own dropout never draws random numbers; slots add their LoRA
+weights to the projections they target. Nothing of the base is copied or modified.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kernels import IMPLS, Impl, PackLayout
+from packer.errors import ConfigError, UserError
+from packer.inject import inject, resolve_targets
+from packer.layer import PackedLoRALinear, PackState
+from packer.plan import AdapterSpec
+
+__all__ = ["PackedModel", "load_base", "DTYPES"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_base(name_or_path: str, *, dtype: str = "float32", device: str = "cpu",
+              attn_implementation: str | None = None) -> tuple[nn.Module, object]:
+    """Load a causal LM and its tokenizer the way a user's checkpoint is loaded.
+
+    Args:
+        name_or_path: a local directory saved with ``save_pretrained`` or a hub id.
+        dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto`` (the checkpoint's dtype).
+        device: where the model goes (``cpu``, ``cuda``, ``cuda:1``).
+        attn_implementation: passed to transformers (``sdpa``, ``eager``); None keeps its default.
+
+    Raises:
+        UserError: the path does not exist or transformers cannot load it (one line).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ConfigError(f"model.dtype: must be one of auto, {', '.join(DTYPES)} (got {dtype!r})")
+    looks_local = name_or_path.startswith((".", "/", "~")) or Path(name_or_path).exists()
+    if looks_local and not Path(name_or_path).expanduser().is_dir():
+        raise UserError(f"{name_or_path}: model directory not found")
+    kwargs = {"dtype": "auto" if dtype == "auto" else DTYPES[dtype]}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(Path(name_or_path).expanduser()) if looks_local
+                                                     else name_or_path, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(str(Path(name_or_path).expanduser()) if looks_local
+                                                  else name_or_path)
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(f"{name_or_path}: cannot load model: {first}") from err
+    return model.to(device), tokenizer
+
+
+class PackedModel:
+    """A frozen causal LM with LoRA adapter slots.
+
+    Args:
+        model: a Hugging Face causal LM (``AutoModelForCausalLM``) or any module with the same
+            ``forward(input_ids, attention_mask) -> .logits`` contract.
+        impl: packed-LoRA implementation passed to ``kernels.packed_lora``.
+    """
+
+    def __init__(self, model: nn.Module, *, impl: Impl = "torch") -> None:
+        if impl not in IMPLS:
+            raise ConfigError(f"impl: must be one of {', '.join(IMPLS)} (got {impl!r})")
+        self.model = model
+        model.requires_grad_(False)
+        model.eval()  # the base's own dropout stays off: packed == alone needs no shared RNG
+        self.state = PackState(impl=impl)
+        self.layers: dict[str, PackedLoRALinear] = {}
+        self.specs: dict[int, AdapterSpec] = {}
+        self.slot_paths: dict[int, list[str]] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def add_slot(self, slot: int, spec: AdapterSpec) -> list[nn.Parameter]:
+        """Start a fresh adapter in ``slot``; returns its parameters (A then B per layer, module order).
+
+        The initialisation depends only on ``spec.seed`` (a generator of its own), so a slot started
+        mid-run gets exactly the weights it would get in a fresh run.
+
+        Raises:
+            ConfigError: unknown target, or a rank larger than a targeted layer.
+        """
+        if slot in self.specs:
+            raise ValueError(f"slot {slot} is occupied")
+        paths = resolve_targets(self.model, spec.targets)
+        inject(self.model, paths, self.state, self.layers)
+        for path in paths:
+            layer = self.layers[path]
+            if spec.rank > min(layer.in_features, layer.out_features):
+                raise ConfigError(f"rank: {spec.rank} is larger than layer {path} "
+                                  f"({layer.in_features} -> {layer.out_features})")
+        generator = torch.Generator().manual_seed(spec.seed)
+        params: list[nn.Parameter] = []
+        for path in paths:
+            params.extend(self.layers[path].add_slot(slot, spec.rank, generator))
+        self.specs[slot] = spec
+        self.slot_paths[slot] = paths
+        self.state.scales[slot] = spec.scale
+        return params
+
+    def remove_slot(self, slot: int) -> None:
+        """Drop the slot's adapter; its parameters are freed once the caller lets go of them."""
+        for path in self.slot_paths.pop(slot):
+            self.layers[path].remove_slot(slot)
+        del self.specs[slot]
+        del self.state.scales[slot]
+
+    def slot_weights(self, slot: int) -> dict[str, tuple[nn.Parameter, nn.Parameter]]:
+        """Module path -> (A (r, D_in), B (D_out, r)) of the slot's adapter, in module order."""
+        return {p: (self.layers[p].lora_A[str(slot)], self.layers[p].lora_B[str(slot)])
+                for p in self.slot_paths[slot]}
+
+    def slot_parameters(self, slot: int) -> list[nn.Parameter]:
+        return [t for pair in self.slot_weights(slot).values() for t in pair]
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, layout: PackLayout | None) -> torch.Tensor:
+        """Logits of a packed batch.
+
+        Args:
+            input_ids: (B, L) token ids, rows grouped by slot as ``layout`` says.
+            attention_mask: (B, L) 1 for real tokens, 0 for padding.
+            layout: which rows belong to which slot; None runs the base model alone.
+
+        Returns:
+            (B, L, V) logits.
+        """
+        self.state.layout = layout
+        try:
+            return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        finally:
+            self.state.layout = None

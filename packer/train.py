@@ -1,0 +1,240 @@
+"""The packed training loop: many adapters, one frozen base model, one forward/backward per step.
+
+Read ``train()`` top to bottom. Each step every active slot draws its own micro-batch from its own
+stream; the rows of all slots go through the model together; each slot's loss is the mean over its
+own target tokens, and the pack's loss is the sum of those means, so each slot's gradient is exactly
+the gradient it would get training alone (a global token mean would rescale each slot's gradient by
+its share of tokens: a hidden learning-rate change). Each slot then clips and steps its own AdamW.
+
+Slots have a lifecycle: when one finishes (``max_steps``) or is stopped (``should_stop``), the
+caller is told (``on_end``: it may save or score the adapter, whose weights still exist) and the
+slot is refilled with ``next_job`` while the pack keeps running.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import dropout_seed
+from packer.batch import IGNORE_INDEX, PackBatch, Row, collate
+from packer.model import PackedModel
+from packer.plan import AdapterSpec
+
+__all__ = ["BatchSource", "SlotJob", "StepReport", "TrainResult", "train", "slot_losses", "make_optimizer",
+           "make_scheduler"]
+
+
+class BatchSource(Protocol):
+    """A slot's data stream (``packer.data.SlotStream`` is one)."""
+
+    def next_batch(self) -> list[Any]: ...
+
+
+@dataclass
+class SlotJob:
+    """One adapter to train in a slot: its hyperparameters, its data, and the caller's handle."""
+
+    spec: AdapterSpec
+    stream: BatchSource
+    key: Any = None
+    """Caller's identifier (the sweep passes the Optuna trial number)."""
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one slot did in one global step."""
+
+    step: int
+    """Global step of the pack (0-based)."""
+    slot: int
+    key: Any
+    slot_step: int
+    """Optimizer steps this adapter has taken, this one included (1-based)."""
+    loss: float
+    """Mean cross-entropy over this slot's target tokens in this step."""
+    tokens: int
+    """Target (loss) tokens of this step."""
+    input_tokens: int
+    """Non-padding tokens of this step's rows."""
+    lr: float
+    grad_norm: float
+    """Gradient norm before clipping."""
+
+
+@dataclass
+class TrainResult:
+    """Totals of one call of ``train``."""
+
+    steps: int = 0
+    tokens: int = 0
+    input_tokens: int = 0
+    wall_s: float = 0.0
+    jobs_started: int = 0
+    ended: list[tuple[Any, int, str]] = field(default_factory=list)
+    """(key, steps done, reason) of every job that ended, in order."""
+
+
+@dataclass
+class _Active:
+    job: SlotJob
+    params: list[nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    steps: int = 0
+
+
+def make_optimizer(params: Sequence[nn.Parameter], spec: AdapterSpec) -> torch.optim.Optimizer:
+    """The slot's own AdamW (fp32 states over its fp32 adapter weights)."""
+    return torch.optim.AdamW(params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, spec: AdapterSpec) -> torch.optim.lr_scheduler.LRScheduler:
+    """Warm-up then ``spec.schedule``, by the names and formulas of ``transformers.get_scheduler``."""
+    from transformers import get_scheduler
+
+    name = "constant_with_warmup" if spec.schedule == "constant" else spec.schedule
+    return get_scheduler(name, optimizer, num_warmup_steps=spec.warmup_steps, num_training_steps=spec.max_steps)
+
+
+def slot_losses(logits: torch.Tensor, labels: torch.Tensor, batch: PackBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-slot mean next-token cross-entropy over target tokens.
+
+    Args:
+        logits: (B, L, V).
+        labels: (B, L) unshifted labels, ``IGNORE_INDEX`` where no loss is taken.
+        batch: the packed batch (for its layout).
+
+    Returns:
+        (N,) float32 mean losses (0 for a slot without target tokens) and (N,) target-token counts.
+    """
+    b, seq, vocab = logits.shape
+    shift_labels = labels[:, 1:]  # (B, L-1)
+    ce = F.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), shift_labels.reshape(-1),
+                         ignore_index=IGNORE_INDEX, reduction="none").view(b, seq - 1)
+    layout = batch.layout
+    seg = torch.repeat_interleave(torch.arange(len(layout.slots)), torch.tensor(layout.n_rows)).to(logits.device)
+    n = len(layout.slots)
+    sums = torch.zeros(n, device=logits.device).index_add(0, seg, ce.sum(dim=1))
+    counts = torch.zeros(n, device=logits.device).index_add(0, seg, (shift_labels != IGNORE_INDEX).sum(1).float())
+    return sums / counts.clamp(min=1.0), counts
+
+
+def _start(pm: PackedModel, slot: int, job: SlotJob) -> _Active:
+    params = pm.add_slot(slot, job.spec)
+    optimizer = make_optimizer(params, job.spec)
+    return _Active(job, params, optimizer, make_scheduler(optimizer, job.spec))
+
+
+def _step_slot(active: _Active) -> tuple[float, float]:
+    """Clip, step and zero one slot's adapter. Returns (lr used, grad norm before clipping)."""
+    spec = active.job.spec
+    lr = active.scheduler.get_last_lr()[0]
+    if spec.max_grad_norm is not None:
+        norm = torch.nn.utils.clip_grad_norm_(active.params, spec.max_grad_norm)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in active.params if p.grad is not None])
+    active.optimizer.step()
+    active.scheduler.step()
+    active.optimizer.zero_grad(set_to_none=True)
+    return lr, float(norm)
+
+
+def train(
+    pm: PackedModel,
+    capacity: int,
+    next_job: Callable[[int], SlotJob | None],
+    *,
+    pad_id: int,
+    on_step: Callable[[list[StepReport]], None] | None = None,
+    should_stop: Callable[[StepReport], bool] | None = None,
+    on_end: Callable[[int, SlotJob, int, str], None] | None = None,
+    max_global_steps: int | None = None,
+) -> TrainResult:
+    """Train adapters in ``capacity`` slots until no job is left.
+
+    Args:
+        pm: the packed model (base frozen; slots are added and removed here).
+        capacity: number of slots.
+        next_job: called with each free slot id before every step; returns a job or None. The run
+            ends when no slot is active and every call returns None.
+        pad_id: padding token id.
+        on_step: receives every active slot's ``StepReport`` after each global step.
+        should_stop: asked per slot after each step (after ``on_step``); True ends the slot early.
+        on_end: ``(slot, job, steps_done, reason)`` with reason ``finished`` or ``stopped``, called
+            before the slot's weights are released, so the caller can save or evaluate them.
+        max_global_steps: stop after this many global steps (the slots still running are ended
+            with reason ``interrupted``).
+
+    Returns:
+        Totals of the run.
+    """
+    result = TrainResult()
+    active: dict[int, _Active] = {}
+    t0 = time.perf_counter()
+    while True:
+        # 1. Refill free slots (the sweep's backfill). None means "nothing for this slot now".
+        for slot in range(capacity):
+            job = next_job(slot) if slot not in active else None
+            if job is not None:
+                active[slot] = _start(pm, slot, job)
+                result.jobs_started += 1
+        if not active or (max_global_steps is not None and result.steps >= max_global_steps):
+            break
+
+        # 2. One micro-batch per slot, drawn from the slot's own stream, packed into one batch.
+        slots = sorted(active)
+        rows: list[list[Row]] = [active[s].job.stream.next_batch() for s in slots]
+        specs = [active[s].job.spec for s in slots]
+        batch = collate(slots, rows, pad_id, dropout=[sp.dropout for sp in specs],
+                        seeds=[dropout_seed(sp.seed, active[s].steps) for s, sp in zip(slots, specs, strict=True)],
+                        device=pm.device)
+
+        # 3. One forward/backward for the whole pack; sum of per-slot means keeps slots independent.
+        logits = pm.forward(batch.input_ids, batch.attention_mask, batch.layout)
+        losses, counts = slot_losses(logits, batch.labels, batch)
+        losses.sum().backward()
+        del logits
+
+        # 4. Each slot clips and steps its own optimizer.
+        input_tokens = batch.attention_mask.sum(dim=1).tolist()
+        reports = []
+        for i, (slot, loss, count) in enumerate(zip(slots, losses.tolist(), counts.tolist(), strict=True)):
+            a = active[slot]
+            lr, norm = _step_slot(a)
+            a.steps += 1
+            r0, n = batch.layout.row_start[i], batch.layout.n_rows[i]
+            reports.append(StepReport(result.steps, slot, a.job.key, a.steps, loss, int(count),
+                                      int(sum(input_tokens[r0:r0 + n])), lr, norm))
+        result.steps += 1
+        result.tokens += sum(r.tokens for r in reports)
+        result.input_tokens += sum(r.input_tokens for r in reports)
+        if on_step is not None:
+            on_step(reports)
+
+        # 5. Lifecycle: finished or stopped slots hand their weights to the caller, then free up.
+        for rep in reports:
+            a = active[rep.slot]
+            reason = ("finished" if a.steps >= a.job.spec.max_steps
+                      else "stopped" if should_stop is not None and should_stop(rep) else None)
+            if reason is not None:
+                _end(pm, active, rep.slot, reason, on_end, result)
+    for slot in sorted(active):
+        _end(pm, active, slot, "interrupted", on_end, result)
+    result.wall_s = time.perf_counter() - t0
+    return result
+
+
+def _end(pm: PackedModel, active: dict[int, _Active], slot: int, reason: str,
+         on_end: Callable[[int, SlotJob, int, str], None] | None, result: TrainResult) -> None:
+    a = active.pop(slot)
+    if on_end is not None:
+        on_end(slot, a.job, a.steps, reason)
+    result.ended.append((a.job.key, a.steps, reason))
+    pm.remove_slot(slot)
