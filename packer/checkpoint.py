@@ -1,0 +1,136 @@
+"""Save one slot as a PEFT LoRA adapter directory, and load one back into a slot.
+
+The directory is what ``peft.PeftModel.from_pretrained`` reads (../shared/notes/formats-and-eval.md
+§1): ``adapter_config.json`` and ``adapter_model.safetensors`` with keys
+``base_model.model.<module path>.lora_{A,B}.weight``, A (r, D_in), B (D_out, r), no adapter name.
+Files are written to a temporary directory beside the target and renamed into place, so a reader
+(or a kill) never sees a half-written adapter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers.pytorch_utils import Conv1D
+
+from packer.errors import UserError
+from packer.model import PackedModel
+
+__all__ = ["save_adapter", "load_adapter", "read_adapter", "adapter_config", "CONFIG_NAME", "WEIGHTS_NAME"]
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+
+
+def adapter_config(pm: PackedModel, slot: int, base_model_name_or_path: str) -> dict:
+    """PEFT ``LoraConfig`` fields of the slot's adapter (one uniform r; no patterns; bias none)."""
+    spec = pm.specs[slot]
+    paths = pm.slot_paths[slot]
+    conv1d = any(isinstance(pm.layers[p].base, Conv1D) for p in paths)  # GPT-2 stores W as (D_in, D_out)
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        "use_rslora": spec.rslora,
+        "lora_dropout": spec.dropout,
+        "target_modules": sorted({p.rsplit(".", 1)[-1] for p in paths}),
+        "bias": "none",
+        "use_dora": False,
+        "fan_in_fan_out": conv1d,
+        "modules_to_save": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "init_lora_weights": True,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "inference_mode": True,
+    }
+
+
+def save_adapter(pm: PackedModel, slot: int, out_dir: str | Path, *, base_model_name_or_path: str,
+                 dtype: torch.dtype | None = None, metadata: dict[str, str] | None = None) -> Path:
+    """Write the slot's adapter as a PEFT directory, atomically.
+
+    Args:
+        pm: the packed model holding the slot.
+        slot: slot id.
+        out_dir: target directory (replaced if it exists).
+        base_model_name_or_path: recorded in the config, as PEFT does.
+        dtype: tensor dtype to save (default: the fp32 training weights).
+        metadata: extra safetensors metadata (strings).
+
+    Returns:
+        ``out_dir`` as a Path.
+    """
+    out_dir = Path(out_dir)
+    tensors = {}
+    for path, (a, b) in pm.slot_weights(slot).items():
+        tensors[f"base_model.model.{path}.lora_A.weight"] = a.detach().to("cpu", dtype or a.dtype).contiguous()
+        tensors[f"base_model.model.{path}.lora_B.weight"] = b.detach().to("cpu", dtype or b.dtype).contiguous()
+    config = adapter_config(pm, slot, base_model_name_or_path)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", **(metadata or {})})
+        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        _replace_dir(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """Move ``src`` to ``dst``; an existing ``dst`` is swapped out first and removed after."""
+    if not dst.exists():
+        os.replace(src, dst)
+        return
+    old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+    os.replace(dst, old)
+    os.replace(src, dst)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def read_adapter(adapter_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config, tensors) of a PEFT adapter directory.
+
+    Raises:
+        UserError: the directory or one of its files is missing.
+    """
+    d = Path(adapter_dir)
+    for name in (CONFIG_NAME, WEIGHTS_NAME):
+        if not (d / name).is_file():
+            raise UserError(f"{d / name}: not found (not a PEFT adapter directory)")
+    return json.loads((d / CONFIG_NAME).read_text()), load_file(str(d / WEIGHTS_NAME))
+
+
+def load_adapter(pm: PackedModel, slot: int, adapter_dir: str | Path) -> None:
+    """Copy a saved adapter's weights into ``slot`` (created with the same spec beforehand).
+
+    Raises:
+        UserError: the adapter's modules or shapes do not match the slot.
+    """
+    _, tensors = read_adapter(adapter_dir)
+    weights = pm.slot_weights(slot)
+    expected = {f"base_model.model.{p}.lora_{n}.weight" for p in weights for n in "AB"}
+    if set(tensors) != expected:
+        raise UserError(f"{adapter_dir}: adapter modules do not match slot {slot} "
+                        f"({len(set(tensors) ^ expected)} keys differ)")
+    with torch.no_grad():
+        for path, (a, b) in weights.items():
+            for param, key in ((a, "A"), (b, "B")):
+                src = tensors[f"base_model.model.{path}.lora_{key}.weight"]
+                if src.shape != param.shape:
+                    raise UserError(f"{adapter_dir}: {path}.lora_{key} has shape {tuple(src.shape)}, "
+                                    f"slot {slot} expects {tuple(param.shape)}")
+                param.copy_(src)
