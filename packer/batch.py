@@ -8,10 +8,9 @@ from typing import NamedTuple, Protocol
 import torch
 
 from kernels import PackLayout
+from packer.data import IGNORE_INDEX
 
 __all__ = ["PackBatch", "collate", "IGNORE_INDEX"]
-
-IGNORE_INDEX = -100
 
 
 class Row(Protocol):
