@@ -92,7 +92,10 @@ class _Active:
 
 def make_optimizer(params: Sequence[nn.Parameter], spec: AdapterSpec) -> torch.optim.Optimizer:
     """The slot's own AdamW (fp32 states over its fp32 adapter weights)."""
-    return torch.optim.AdamW(params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
+    # foreach: a handful of multi-tensor kernels per slot instead of ~10 small ops per tensor (the CPU
+    # default is the per-tensor loop); same update rule.
+    return torch.optim.AdamW(params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay,
+                             foreach=True)
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, spec: AdapterSpec) -> torch.optim.lr_scheduler.LRScheduler:

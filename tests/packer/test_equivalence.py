@@ -13,7 +13,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from packer.batch import IGNORE_INDEX, collate
+from packer.batch import collate
 from packer.data import SlotStream
 from packer.model import PackedModel, load_base
 from packer.plan import AdapterSpec

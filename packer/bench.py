@@ -1,0 +1,149 @@
+"""CPU benchmark: 8 adapters trained packed vs one after another (our engine with one slot, and PEFT).
+
+A command, not a timed test: ``sweep bench --cpu``. It builds a tiny model (random init, fixed seed)
+in a temporary directory, loads it back through ``from_pretrained`` and trains the same adapters on
+the same batches three ways, after one warm-up run of each path. Every adapter sees its own data
+stream, so the three ways do identical work per adapter.
+"""
+
+from __future__ import annotations
+
+import platform
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from packer.batch import collate
+from packer.data import Example, SlotStream, tokenize_rows
+from packer.model import PackedModel, load_base
+from packer.plan import AdapterSpec
+from packer.tiny import arithmetic_rows, build_tiny_model
+from packer.train import SlotJob, make_optimizer, make_scheduler, train
+
+__all__ = ["CpuBenchResult", "cpu_bench", "bench_specs"]
+
+
+@dataclass(frozen=True)
+class CpuBenchResult:
+    """Wall-clock seconds of each way of training the same adapters."""
+
+    adapters: int
+    steps: int
+    packed_s: float
+    sequential_engine_s: float
+    sequential_peft_s: float | None
+    tokens: int
+    environment: str
+
+    def table(self) -> str:
+        rows = [("packed (1 run, N slots)", self.packed_s), ("sequential, engine 1 slot", self.sequential_engine_s)]
+        if self.sequential_peft_s is not None:
+            rows.append(("sequential, PEFT", self.sequential_peft_s))
+        lines = [f"{self.adapters} adapters x {self.steps} steps, {self.tokens} trained tokens; {self.environment}",
+                 f"{'mode':<28}{'wall s':>9}{'tokens/s':>11}{'packed speed-up':>17}"]
+        for name, secs in rows:
+            lines.append(f"{name:<28}{secs:>9.2f}{self.tokens / secs:>11.0f}{secs / self.packed_s:>16.2f}x")
+        return "\n".join(lines)
+
+
+def bench_specs(n: int, steps: int) -> list[AdapterSpec]:
+    """A small sweep: ranks 4..32, several learning rates and target sets, micro-batch 4."""
+    ranks, lrs = (4, 8, 16, 32), (1e-3, 3e-3, 1e-2)
+    targets = (("q_proj", "v_proj"), ("all-linear",), ("q_proj", "k_proj", "v_proj", "o_proj"))
+    return [AdapterSpec(rank=ranks[i % 4], alpha=2.0 * ranks[i % 4], lr=lrs[i % 3], targets=targets[i % 3],
+                        micro_batch=4, max_steps=steps, seed=i) for i in range(n)]
+
+
+def _streams(examples: list[Example], specs: list[AdapterSpec]) -> list[SlotStream]:
+    return [SlotStream(examples, s.micro_batch, seed=s.seed) for s in specs]
+
+
+def _engine(model_dir: Path, specs: list[AdapterSpec], examples: list[Example], capacity: int, pad: int) -> float:
+    model, _ = load_base(str(model_dir))
+    pm = PackedModel(model)
+    queue = [SlotJob(s, st, key=i) for i, (s, st) in enumerate(zip(specs, _streams(examples, specs), strict=True))]
+    t0 = time.perf_counter()
+    train(pm, capacity, lambda slot: queue.pop(0) if queue else None, pad_id=pad)
+    return time.perf_counter() - t0
+
+
+def _peft(model_dir: Path, specs: list[AdapterSpec], examples: list[Example], pad: int) -> float:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    elapsed = 0.0
+    for spec, stream in zip(specs, _streams(examples, specs), strict=True):
+        base = AutoModelForCausalLM.from_pretrained(str(model_dir))
+        targets = "all-linear" if "all-linear" in spec.targets else list(spec.targets)
+        model = get_peft_model(base, LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=targets))
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = make_optimizer(params, spec)
+        sched = make_scheduler(opt, spec)
+        t0 = time.perf_counter()
+        for _ in range(spec.max_steps):
+            b = collate([0], [stream.next_batch()], pad, dropout=[0.0], seeds=[0])
+            model(input_ids=b.input_ids, attention_mask=b.attention_mask, labels=b.labels).loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, spec.max_grad_norm)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+        elapsed += time.perf_counter() - t0
+    return elapsed
+
+
+def cpu_bench(adapters: int = 8, steps: int = 30, *, with_peft: bool = True,
+              progress: Callable[[str], None] = print) -> CpuBenchResult:
+    """Train ``adapters`` adapters for ``steps`` steps packed and sequentially; returns the timings."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_tiny_model("llama", Path(tmp) / "tiny-llama", seed=0)
+        _, tokenizer = load_base(str(model_dir))
+        examples = tokenize_rows(arithmetic_rows(512, seed=0, fmt="prompt_completion"), "prompt_completion",
+                                 tokenizer, max_length=64)
+        pad = tokenizer.pad_token_id
+        specs = bench_specs(adapters, steps)
+        warm = bench_specs(2, 3)
+        _engine(model_dir, warm, examples, 2, pad)  # warm-up: first-call allocations and kernel selection
+        progress("packed ...")
+        packed = _engine(model_dir, specs, examples, adapters, pad)
+        progress("sequential (engine, 1 slot) ...")
+        seq_engine = _engine(model_dir, specs, examples, 1, pad)
+        seq_peft = None
+        if with_peft:
+            progress("sequential (PEFT) ...")
+            _peft(model_dir, warm[:1], examples, pad)
+            seq_peft = _peft(model_dir, specs, examples, pad)
+        tokens = _trained_tokens(examples, specs)
+    return CpuBenchResult(adapters, steps, packed, seq_engine, seq_peft, tokens, _environment())
+
+
+def _environment() -> str:
+    """CPU model, thread count and library versions, for BENCHMARKS.md."""
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        import peft
+
+        peft_version = f", peft {peft.__version__}"
+    except ImportError:
+        peft_version = ""
+    return (f"{cpu}, {torch.get_num_threads()} threads; torch {torch.__version__}, "
+            f"transformers {transformers.__version__}{peft_version}")
+
+
+def _trained_tokens(examples: list[Example], specs: list[AdapterSpec]) -> int:
+    """Target tokens all adapters train on (same streams as the runs above)."""
+    total = 0
+    for stream, spec in zip(_streams(examples, specs), specs, strict=True):
+        for _ in range(spec.max_steps):
+            total += sum(sum(1 for t in ex.labels[1:] if t != -100) for ex in stream.next_batch())
+    return total
