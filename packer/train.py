@@ -27,7 +27,7 @@ from packer.batch import IGNORE_INDEX, PackBatch, Row, collate
 from packer.model import PackedModel
 from packer.plan import AdapterSpec
 
-__all__ = ["BatchSource", "SlotJob", "StepReport", "TrainResult", "train", "slot_losses", "make_optimizer",
+__all__ = ["BatchSource", "SlotJob", "SlotEnd", "StepReport", "TrainResult", "train", "slot_losses", "make_optimizer",
            "make_scheduler"]
 
 
@@ -66,6 +66,18 @@ class StepReport:
     lr: float
     grad_norm: float
     """Gradient norm before clipping."""
+
+
+@dataclass(frozen=True)
+class SlotEnd:
+    """A job leaving its slot; its weights are still in the model while the caller is told."""
+
+    slot: int
+    job: SlotJob
+    steps: int
+    """Optimizer steps the adapter took."""
+    reason: str
+    """``finished`` (max_steps), ``stopped`` (should_stop) or ``interrupted`` (max_global_steps)."""
 
 
 @dataclass
@@ -157,7 +169,7 @@ def train(
     pad_id: int,
     on_step: Callable[[list[StepReport]], None] | None = None,
     should_stop: Callable[[StepReport], bool] | None = None,
-    on_end: Callable[[int, SlotJob, int, str], None] | None = None,
+    on_end: Callable[[list[SlotEnd]], None] | None = None,
     max_global_steps: int | None = None,
 ) -> TrainResult:
     """Train adapters in ``capacity`` slots until no job is left.
@@ -170,8 +182,8 @@ def train(
         pad_id: padding token id.
         on_step: receives every active slot's ``StepReport`` after each global step.
         should_stop: asked per slot after each step (after ``on_step``); True ends the slot early.
-        on_end: ``(slot, job, steps_done, reason)`` with reason ``finished`` or ``stopped``, called
-            before the slot's weights are released, so the caller can save or evaluate them.
+        on_end: receives the slots that end at this step, together (so they can be saved and scored
+            in one packed pass), before their weights are released.
         max_global_steps: stop after this many global steps (the slots still running are ended
             with reason ``interrupted``).
 
@@ -222,22 +234,26 @@ def train(
             on_step(reports)
 
         # 5. Lifecycle: finished or stopped slots hand their weights to the caller, then free up.
+        ends = []
         for rep in reports:
             a = active[rep.slot]
             reason = ("finished" if a.steps >= a.job.spec.max_steps
                       else "stopped" if should_stop is not None and should_stop(rep) else None)
             if reason is not None:
-                _end(pm, active, rep.slot, reason, on_end, result)
-    for slot in sorted(active):
-        _end(pm, active, slot, "interrupted", on_end, result)
+                ends.append(SlotEnd(rep.slot, a.job, a.steps, reason))
+        _end(pm, active, ends, on_end, result)
+    _end(pm, active, [SlotEnd(s, a.job, a.steps, "interrupted") for s, a in sorted(active.items())], on_end, result)
     result.wall_s = time.perf_counter() - t0
     return result
 
 
-def _end(pm: PackedModel, active: dict[int, _Active], slot: int, reason: str,
-         on_end: Callable[[int, SlotJob, int, str], None] | None, result: TrainResult) -> None:
-    a = active.pop(slot)
+def _end(pm: PackedModel, active: dict[int, _Active], ends: list[SlotEnd],
+         on_end: Callable[[list[SlotEnd]], None] | None, result: TrainResult) -> None:
+    if not ends:
+        return
     if on_end is not None:
-        on_end(slot, a.job, a.steps, reason)
-    result.ended.append((a.job.key, a.steps, reason))
-    pm.remove_slot(slot)
+        on_end(ends)
+    for e in ends:
+        del active[e.slot]
+        result.ended.append((e.job.key, e.steps, e.reason))
+        pm.remove_slot(e.slot)

@@ -36,8 +36,10 @@ def _trained_adapters(model_dir, specs, out_root):
     queue = list(jobs)
     saved = {}
 
-    def on_end(slot, job, steps, reason):
-        saved[job.key] = save_adapter(pm, slot, out_root / f"trial-{job.key}", base_model_name_or_path=str(model_dir))
+    def on_end(ends):
+        for e in ends:
+            saved[e.job.key] = save_adapter(pm, e.slot, out_root / f"trial-{e.job.key}",
+                                            base_model_name_or_path=str(model_dir))
 
     train(pm, len(specs), lambda s: queue.pop(0) if queue else None, pad_id=0, on_end=on_end)
     return saved

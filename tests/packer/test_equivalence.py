@@ -17,7 +17,7 @@ from packer.batch import collate
 from packer.data import SlotStream
 from packer.model import PackedModel, load_base
 from packer.plan import AdapterSpec
-from packer.train import SlotJob, StepReport, make_scheduler, train
+from packer.train import SlotEnd, SlotJob, StepReport, make_scheduler, train
 from tests.conftest import random_examples
 
 PAD = 0
@@ -60,8 +60,10 @@ def _run_packed(model_dir: Path, jobs: list[SlotJob], capacity: int, impl: str =
         for r in reports:
             losses[r.key].append(r.loss)
 
-    def on_end(slot: int, job: SlotJob, steps: int, reason: str) -> None:
-        final[job.key] = {p: (a.detach().clone(), b.detach().clone()) for p, (a, b) in pm.slot_weights(slot).items()}
+    def on_end(ends: list[SlotEnd]) -> None:
+        for e in ends:
+            final[e.job.key] = {p: (a.detach().clone(), b.detach().clone())
+                                for p, (a, b) in pm.slot_weights(e.slot).items()}
 
     train(pm, capacity, lambda slot: queue.pop(0) if queue else None, pad_id=PAD, on_step=on_step, on_end=on_end)
     return losses, final
@@ -178,8 +180,10 @@ def test_slot_started_mid_run_equals_fresh_run(tiny_dirs) -> None:
         for r in reports:
             losses[r.key].append(r.loss)
 
-    def on_end(slot: int, job: SlotJob, steps: int, reason: str) -> None:
-        final[job.key] = {p: (a.detach().clone(), b.detach().clone()) for p, (a, b) in pm.slot_weights(slot).items()}
+    def on_end(ends: list[SlotEnd]) -> None:
+        for e in ends:
+            final[e.job.key] = {p: (a.detach().clone(), b.detach().clone())
+                                for p, (a, b) in pm.slot_weights(e.slot).items()}
 
     train(pm, 2, next_job, pad_id=PAD, on_step=on_step, on_end=on_end)
     assert steps_at_start[2] == (0, 5), "the late job must have started in the freed slot mid-run"
