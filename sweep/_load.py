@@ -1,0 +1,386 @@
+"""Study file -> ``StudySpec``: sections, key aliases, the W&B ``parameters:`` block, relocated flat keys.
+
+The alias table follows notes/optuna-and-sweeps.md §4 (Axolotl, torchtune, PEFT, HF/TRL names).
+Axolotl-style flat keys at the top level (``base_model``, ``lora_r``, ``learning_rate``,
+``sequence_len``, ...) are moved into their section; W&B's ``method``, ``metric``, ``run_cap`` and
+``parameters`` map onto ``sampler``, ``objectives``, ``budget.trials`` and ``search``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from sweep._yaml import Doc, Item, Key, add, coerce, make, override, read, scalar, section, typed
+from sweep.spec import (
+    SEARCHABLE,
+    Budget,
+    Constraint,
+    DataSpec,
+    EvalSpec,
+    ModelSpec,
+    Objective,
+    PackingSpec,
+    Param,
+    PruningSpec,
+    SamplerSpec,
+    SearchSpace,
+    StudySpec,
+    TrainSpec,
+)
+
+__all__ = ["load_study"]
+
+_TRAIN = {
+    "lora_r": "rank", "r": "rank", "lora_rank": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout",
+    "learning_rate": "lr", "micro_batch_size": "micro_batch", "batch_size": "micro_batch",
+    "per_device_train_batch_size": "micro_batch", "lora_target_modules": "targets", "target_modules": "targets",
+    "lora_attn_modules": "targets", "use_rslora": "rslora", "peft_use_rslora": "rslora", "steps": "max_steps",
+    "warmup": "warmup_steps", "lr_scheduler": "schedule", "lr_scheduler_type": "schedule", "scheduler": "schedule",
+    "alpha_rank_ratio": "alpha_ratio", "gradient_clipping": "max_grad_norm",
+}  # fmt: skip
+_ALIASES: dict[str, dict[str, str]] = {
+    "train": _TRAIN,
+    "search": _TRAIN,
+    "parameters": _TRAIN,
+    "model": {"base_model": "path", "model_name_or_path": "path", "name_or_path": "path", "torch_dtype": "dtype"},
+    "data": {"sequence_len": "max_length", "max_seq_length": "max_length", "max_seq_len": "max_length",
+             "seq_len": "max_length", "train_on_inputs": "train_on_prompt", "train_on_input": "train_on_prompt",
+             "type": "format", "train_file": "train", "eval_file": "eval", "val_file": "eval"},
+    "budget": {"n_trials": "trials", "run_cap": "trials", "timeout": "wall_time", "max_tokens": "tokens"},
+    "sampler": {"type": "name"},
+    "pruning": {"type": "kind", "eta": "reduction_factor"},
+    "packing": {"slots": "max_slots"},
+    "objectives": {"name": "metric", "goal": "direction"},
+    "constraints": {"name": "metric"},
+    "evaluators": {"type": "name", "args": "options"},
+}  # fmt: skip
+"""Section -> {alias: field}."""
+_TRAIN_FIELDS = [f.name for f in fields(TrainSpec)]
+_RELOCATE: dict[str, tuple[str, str]] = {
+    **{k: ("train", _TRAIN.get(k, k)) for k in [*_TRAIN_FIELDS, *_TRAIN]},
+    **{k: ("data", c) for k, c in _ALIASES["data"].items() if c in ("max_length", "train_on_prompt")},
+    "base_model": ("model", "path"),
+    "lora_target_linear": ("train", "targets"),
+}
+"""Top-level Axolotl-style key -> (section, field)."""
+_TOP = [
+    "name", "description", "seed", "model", "data", "search", "parameters", "train", "objectives", "constraints",
+    "sampler", "budget", "pruning", "packing", "evaluators", "output", "storage", "method", "metric", "run_cap",
+]  # fmt: skip
+_WANDB = ["values", "value", "min", "max", "distribution", "q", "probabilities"]
+_DISTRIBUTIONS = ("constant", "categorical", "uniform", "int_uniform", "q_uniform", "log_uniform_values", "log_uniform")
+_DIRECTION = {"maximize": "maximize", "maximise": "maximize", "max": "maximize",
+              "minimize": "minimize", "minimise": "minimize", "min": "minimize"}  # fmt: skip
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "B": 10**9}
+
+
+def load_study(path: Path, overrides: Sequence[str], *, check_paths: bool) -> StudySpec:
+    """See ``sweep.spec.load_study``."""
+    doc, data = read(path, check_paths)
+    for text in overrides:
+        override(doc, data, text, _ALIASES)
+    return _study(doc, data)
+
+
+def _part(
+    doc: Doc, top: dict[str, Item], name: str, cls: type, extra: Mapping[str, Item] = {}, short: str = ""
+) -> dict[str, Item]:
+    """Items of top-level section ``name`` plus ``extra``; a scalar is shorthand for its ``short`` field."""
+    it = top.get(name, Item(None, (name,)))
+    if short and it.value is not None and not isinstance(it.value, dict):
+        items = {short: it}
+        doc.note((name, short), it.path)
+    else:
+        items = section(doc, it.value, it.path, (name,), [f.name for f in fields(cls)], _ALIASES.get(name, {}))
+    add(doc, items, (name,), extra)
+    return items
+
+
+def _study(doc: Doc, data: dict[str, Any]) -> StudySpec:
+    top = section(doc, data, (), (), [*_TOP, *_RELOCATE])
+    moved: dict[str, dict[str, Item]] = {"train": {}, "data": {}, "model": {}}
+    for k in [k for k in top if k in _RELOCATE]:
+        it = top.pop(k)
+        part, name = _RELOCATE[k]
+        if k == "lora_target_linear":  # Axolotl: true means every linear layer
+            if not it.value:
+                continue
+            it = Item("all-linear", it.path)
+        add(doc, moved[part], (part,), {name: it})
+    search, fixed = _search(doc, top)
+    add(doc, moved["train"], ("train",), fixed)
+    packing = typed(doc, PackingSpec, _part(doc, top, "packing", PackingSpec, short="max_slots"), ("packing",))
+    kw: dict[str, Any] = {
+        "name": coerce(doc, top.pop("name", Item(doc.file.stem, ())).value, "str", ("name",)),
+        "model": _model(doc, top, moved["model"]),
+        "data": _data(doc, top, moved["data"]),
+        "search": search,
+        "train": _train(doc, top, moved["train"], search),
+        "budget": _budget(doc, top),
+        "sampler": _sampler(doc, top),
+        "pruning": _pruning(doc, top),
+        "packing": make(doc, PackingSpec, ("packing",), **packing),
+    }
+    for key, build in (("objectives", _objective), ("constraints", _constraint), ("evaluators", _evaluator)):
+        entries = _entries(doc, top, key)
+        if entries is not None:
+            kw[key] = tuple(build(doc, it, (key, i)) for i, it in enumerate(entries))
+    for key, typ in (("description", "str"), ("seed", "int"), ("output", "Path | None"), ("storage", "str | None")):
+        if key in top:
+            kw[key] = coerce(doc, top[key].value, typ, (key,))
+    return make(doc, StudySpec, (), source=doc.file, **kw)
+
+
+def _model(doc: Doc, top: dict[str, Item], extra: dict[str, Item]) -> ModelSpec:
+    canon = ("model",)
+    kw = typed(doc, ModelSpec, _part(doc, top, "model", ModelSpec, extra, short="path"), canon)
+    if "path" not in kw:
+        raise doc.error(canon + ("path",), "is required (a hub id or a local directory)")
+    p = kw["path"]
+    if p.startswith((".", "/", "~")) or (doc.file.parent / p).is_dir():  # a local path; anything else is a hub id
+        full = (doc.file.parent / Path(p).expanduser()).resolve()
+        if doc.check_paths and not full.is_dir():
+            raise doc.error(canon + ("path",), f"local model directory not found: {full} (got {p!r})")
+        kw["path"] = str(full)
+    elif not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", p):
+        raise doc.error(canon + ("path",), f"is neither a hub id (org/name) nor a path starting with . / ~ (got {p!r})")
+    return make(doc, ModelSpec, canon, **kw)
+
+
+def _data(doc: Doc, top: dict[str, Item], extra: dict[str, Item]) -> DataSpec:
+    canon = ("data",)
+    kw = typed(doc, DataSpec, _part(doc, top, "data", DataSpec, extra, short="train"), canon)
+    if "train" not in kw:
+        raise doc.error(canon + ("train",), "is required (a JSON-lines file)")
+    for key in ("train", "eval"):
+        if kw.get(key) is not None:
+            full = (doc.file.parent / kw[key].expanduser()).resolve()
+            if not full.is_file():
+                raise doc.error(canon + (key,), f"file not found: {full} (got '{kw[key]}')")
+            kw[key] = full
+    return make(doc, DataSpec, canon, **kw)
+
+
+def _train(doc: Doc, top: dict[str, Item], extra: dict[str, Item], search: SearchSpace) -> TrainSpec:
+    items = _part(doc, top, "train", TrainSpec, extra)
+    searched = {p.name for p in search.params}
+    for name, it in items.items():
+        if name in searched:
+            raise doc.error(it.path, f"is fixed here but also searched (search.{name}); keep one")
+    for name in ("alpha", "alpha_ratio"):
+        if name in items and {"alpha", "alpha_ratio"} <= set(items) | searched:
+            raise doc.error(items[name].path, "set either alpha or alpha_ratio (alpha = alpha_ratio * rank)")
+    return make(doc, TrainSpec, ("train",), **typed(doc, TrainSpec, items, ("train",)))
+
+
+def _search(doc: Doc, top: dict[str, Item]) -> tuple[SearchSpace, dict[str, Item]]:
+    """The search space, and the fixed values written in it (W&B ``value:``, plain scalars)."""
+    items: dict[str, Item] = {}
+    for name in ("parameters", "search"):
+        if name in top:
+            doc.note(("search",), top[name].path)
+            add(doc, items, ("search",), section(doc, top[name].value, top[name].path, ("search",), SEARCHABLE, _TRAIN))
+    params: list[Param] = []
+    fixed: dict[str, Item] = {}
+    sets: dict[str, tuple[str, ...]] = {}
+    types = {f.name: str(f.type).removesuffix(" | None") for f in fields(TrainSpec)}
+    for name, it in items.items():
+        canon = ("search", name)
+        kw = _targets(doc, it, sets) if name == "targets" else _dimension(doc, it, canon)
+        if isinstance(kw, Item):
+            fixed[name] = kw
+            continue
+        if "choices" in kw and name != "targets":
+            opt = " | None" if name == "max_grad_norm" else ""
+            kw["choices"] = coerce(doc, kw["choices"], f"tuple[{types[name]}{opt}, ...]", canon + ("choices",))
+        numeric = types[name] in ("int", "float")
+        kind = kw.pop("kind", types[name] if numeric else "float")
+        for key in ("low", "high", "step"):
+            if key in kw and numeric and kind != "categorical":
+                kw[key] = coerce(doc, kw[key], kind, canon + (key,))
+        params.append(make(doc, Param, canon, name=name, kind=kind, **kw))
+    return make(doc, SearchSpace, ("search",), params=tuple(params), target_sets=sets), fixed
+
+
+def _dimension(doc: Doc, it: Item, canon: Key) -> dict[str, Any] | Item:
+    """Param arguments from a list, a ``{low, high, log, step}`` range or a W&B mapping; else a fixed Item."""
+    v = it.value
+    if isinstance(v, list):
+        doc.note(canon + ("choices",), it.path)
+        return {"kind": "categorical", "choices": v}
+    if not isinstance(v, dict):
+        return it
+    return _wandb(doc, it, canon) if set(v) & set(_WANDB) else _range(doc, it, canon)
+
+
+def _range(doc: Doc, it: Item, canon: Key) -> dict[str, Any]:
+    s = section(doc, it.value, it.path, canon, ["low", "high", "log", "step", "choices"])
+    if "choices" in s and len(s) > 1:
+        raise doc.error(canon, "set either choices or a range (low, high, log, step)")
+    if "choices" in s:
+        doc.note(canon + ("choices",), s["choices"].path)
+        return {"kind": "categorical", "choices": s["choices"].value}
+    kw = {k: i.value for k, i in s.items()}
+    if "log" in kw:
+        kw["log"] = coerce(doc, kw["log"], "bool", canon + ("log",))
+    return kw
+
+
+def _wandb(doc: Doc, it: Item, canon: Key) -> dict[str, Any] | Item:
+    """A W&B parameter: ``values``, ``value``, or ``min``/``max`` with a ``distribution``."""
+    s = section(doc, it.value, it.path, canon, _WANDB)
+    dist = coerce(doc, s["distribution"].value, "str", canon + ("distribution",)) if "distribution" in s else None
+    if dist is not None and dist not in _DISTRIBUTIONS:
+        raise doc.error(
+            canon + ("distribution",), f"'{dist}' is not supported (use one of {', '.join(_DISTRIBUTIONS)})"
+        )
+    if "probabilities" in s:
+        raise doc.error(canon + ("probabilities",), "is not supported (the sampler weighs the choices itself)")
+    if "value" in s:
+        return s["value"]
+    if "values" in s:
+        doc.note(canon + ("choices",), s["values"].path)
+        if not isinstance(s["values"].value, list):
+            raise doc.error(canon + ("choices",), f"must be a list (got {s['values'].value!r})")
+        return {"kind": "categorical", "choices": s["values"].value}
+    if dist in ("constant", "categorical"):
+        raise doc.error(canon + ("distribution",), f"{dist} needs {'value' if dist == 'constant' else 'values'}")
+    if "min" not in s or "max" not in s:
+        raise doc.error(canon, "needs values, value, or min and max")
+    doc.note(canon + ("low",), s["min"].path)
+    doc.note(canon + ("high",), s["max"].path)
+    kw: dict[str, Any] = {"low": s["min"].value, "high": s["max"].value}
+    if dist is None:  # W&B infers int_uniform from integer bounds
+        ints = all(isinstance(x, int) and not isinstance(x, bool) for x in kw.values())
+        dist = "int_uniform" if ints else "uniform"
+    if dist == "int_uniform":
+        kw["kind"] = "int"
+    if "q" in s and dist != "q_uniform":
+        raise doc.error(canon + ("q",), "only used with distribution q_uniform (Optuna cannot combine log and step)")
+    if dist == "q_uniform":
+        doc.note(canon + ("step",), s["q"].path if "q" in s else it.path)
+        kw["step"] = s["q"].value if "q" in s else 1.0
+    if dist == "log_uniform":  # W&B: the bounds are exponents, samples are e^x
+        kw = {k: math.exp(coerce(doc, x, "float", canon + (k,))) for k, x in kw.items()}
+    kw["log"] = dist in ("log_uniform", "log_uniform_values")
+    return kw
+
+
+def _targets(doc: Doc, it: Item, sets: dict[str, tuple[str, ...]]) -> dict[str, Any] | Item:
+    """Target-module sets: ``{name: modules}``, or a list of module lists (each named by its modules)."""
+    canon: Key = ("search", "targets")
+    v = it.value
+    if isinstance(v, dict) and not set(v) & set(_WANDB):
+        for name, modules in v.items():
+            sets[str(name)] = coerce(doc, modules, "tuple[str, ...]", canon + (str(name),))
+        return {"kind": "categorical", "choices": tuple(sets)}
+    if isinstance(v, dict):
+        d = _dimension(doc, it, canon)
+        if isinstance(d, Item) or "choices" not in d:
+            return d
+        v = d["choices"]
+    if not isinstance(v, list):
+        return it
+    for i, modules in enumerate(v):
+        t = coerce(doc, modules, "tuple[str, ...]", canon + ("choices", i))
+        sets["+".join(t)] = t
+    return {"kind": "categorical", "choices": tuple(sets)}
+
+
+def _budget(doc: Doc, top: dict[str, Item]) -> Budget:
+    canon = ("budget",)
+    items = _part(doc, top, "budget", Budget, {"trials": top["run_cap"]} if "run_cap" in top else {})
+    kw = typed(doc, Budget, {k: i for k, i in items.items() if k == "trials"}, canon)
+    for key, rule in (("wall_time", "seconds or a duration like 90m, 2h, 1h30m"), ("tokens", "a count like 5e6, 50M")):
+        if key in items:
+            kw[key] = _amount(doc, items[key].value, rule, canon + (key,), key == "tokens")
+    return make(doc, Budget, canon, **kw)
+
+
+def _amount(doc: Doc, v: Any, rule: str, canon: Key, whole: bool) -> Any:
+    """A number, or number+unit parts: ``1h30m`` (seconds) or ``50M``, ``1.5B`` (a count)."""
+    if v is None or (isinstance(v, int | float) and not isinstance(v, bool)):
+        return int(v) if whole and isinstance(v, float) and v.is_integer() else v
+    units = "kKMGB" if whole else "smhd"
+    parts = re.findall(rf"(\d+(?:\.\d+)?)([{units}])", v) if isinstance(v, str) else []
+    if not parts or "".join(a + u for a, u in parts) != v.replace(" ", ""):
+        raise doc.error(canon, f"must be {rule} (got {v!r})")
+    total = sum(float(a) * _UNITS[u] for a, u in parts)
+    return round(total) if whole else total
+
+
+def _sampler(doc: Doc, top: dict[str, Item]) -> SamplerSpec:
+    extra = {}
+    if "method" in top:  # W&B: method: bayes | random | grid
+        m = top["method"]
+        extra["name"] = Item({"bayes": "tpe"}.get(m.value, m.value) if isinstance(m.value, str) else m.value, m.path)
+    items = _part(doc, top, "sampler", SamplerSpec, extra, short="name")
+    return make(doc, SamplerSpec, ("sampler",), **typed(doc, SamplerSpec, items, ("sampler",)))
+
+
+def _pruning(doc: Doc, top: dict[str, Item]) -> PruningSpec:
+    if top.get("pruning", Item(None, ())).value in (None, False, "none"):
+        return PruningSpec()
+    kw = typed(doc, PruningSpec, _part(doc, top, "pruning", PruningSpec), ("pruning",))
+    if "proxy_direction" in kw:
+        kw["proxy_direction"] = _DIRECTION.get(kw["proxy_direction"], kw["proxy_direction"])
+    return make(doc, PruningSpec, ("pruning",), **kw)
+
+
+def _entries(doc: Doc, top: dict[str, Item], key: str) -> list[Item] | None:
+    """The items of a top-level list (or of a single value); W&B ``metric:`` is one objective."""
+    if key == "objectives" and "metric" in top:
+        m = top["metric"]
+        if key in top:
+            raise doc.error(m.path, "set either objectives or metric (W&B), not both")
+        doc.note(("objectives", 0), m.path)
+        return [m]
+    if key not in top:
+        return None
+    it = top[key]
+    if not isinstance(it.value, list):
+        return [] if it.value is None else [it]
+    return [Item(v, it.path + (i,)) for i, v in enumerate(it.value)]
+
+
+def _objective(doc: Doc, it: Item, canon: Key) -> Objective:
+    if isinstance(it.value, str):  # "maximize exact_match"
+        words = it.value.split()
+        kw: dict[str, Any] = {"direction": words[0], "metric": words[1]} if len(words) == 2 else {"metric": it.value}
+        doc.note(canon, it.path)
+    else:
+        items = section(doc, it.value, it.path, canon, ["metric", "direction"], _ALIASES["objectives"])
+        kw = typed(doc, Objective, items, canon)
+    kw["direction"] = _DIRECTION.get(kw.get("direction", ""), kw.get("direction"))
+    return make(doc, Objective, canon, **kw)
+
+
+def _constraint(doc: Doc, it: Item, canon: Key) -> Constraint:
+    if isinstance(it.value, str):  # "peak_mem_gb <= 20"
+        m = re.fullmatch(r"\s*([\w.-]+)\s*(<=|>=)\s*(\S+)\s*", it.value)
+        if m is None:
+            raise doc.error(it.path, f"must read 'metric <= value' or 'metric >= value' (got {it.value!r})")
+        doc.note(canon, it.path)
+        value = coerce(doc, scalar(m[3]), "float", canon)
+        return make(doc, Constraint, canon, metric=m[1], op=m[2], value=value)
+    items = section(doc, it.value, it.path, canon, ["metric", "op", "value"], _ALIASES["constraints"])
+    return make(doc, Constraint, canon, **typed(doc, Constraint, items, canon))
+
+
+def _evaluator(doc: Doc, it: Item, canon: Key) -> EvalSpec:
+    if isinstance(it.value, str):
+        doc.note(canon, it.path)
+        return make(doc, EvalSpec, canon, name=it.value)
+    kw = typed(
+        doc, EvalSpec, section(doc, it.value, it.path, canon, ["name", "options"], _ALIASES["evaluators"]), canon
+    )
+    if kw.get("options") is None:
+        kw.pop("options", None)
+    elif not isinstance(kw["options"], dict):
+        raise doc.error(canon + ("options",), f"must be a mapping (got {kw['options']!r})")
+    return make(doc, EvalSpec, canon, **kw)

@@ -1,0 +1,157 @@
+"""The searched dimensions of a study: ``Param`` and ``SearchSpace`` (re-exported by ``sweep.spec``).
+
+Values are checked with ``packer.plan.AdapterSpec``'s own rules, so a range or a list of choices
+accepts exactly what an adapter accepts (rank 1..256, dropout in [0, 1), ...).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from packer.errors import ConfigError
+from packer.plan import AdapterSpec
+
+__all__ = ["Param", "SearchSpace", "SEARCHABLE"]
+
+SEARCHABLE = (
+    "rank",
+    "alpha",
+    "alpha_ratio",
+    "rslora",
+    "dropout",
+    "targets",
+    "lr",
+    "weight_decay",
+    "warmup_steps",
+    "schedule",
+    "max_steps",
+    "micro_batch",
+    "max_grad_norm",
+)
+"""Names a study may search: AdapterSpec fields (less seed/betas/eps/extra) plus ``alpha_ratio``."""
+
+
+def _check(ok: bool, key: str, rule: str, value: object) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {rule} (got {value!r})")
+
+
+def _is_num(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _check_adapter_value(name: str, key: str, value: object) -> None:
+    """Validate one value of adapter field ``name`` with AdapterSpec's own rules, reported at ``key``."""
+    if name == "alpha_ratio":
+        _check(_is_num(value) and value > 0, key, "must be > 0", value)  # type: ignore[operator]
+        return
+    try:
+        AdapterSpec(**{name: value})  # type: ignore[arg-type]
+    except ConfigError as e:
+        raise ConfigError(f"{key}: {str(e).partition(': ')[2]}") from None
+
+
+@dataclass(frozen=True)
+class Param:
+    """One search dimension; ``name`` is an AdapterSpec field or ``alpha_ratio``."""
+
+    name: str
+    """What is searched (one of ``SEARCHABLE``); also the Optuna parameter name."""
+    kind: Literal["float", "int", "categorical"]
+    """``float`` / ``int`` ranges map to ``suggest_float`` / ``suggest_int``; else ``suggest_categorical``."""
+    low: float | None = None
+    """Lower bound of a range (inclusive)."""
+    high: float | None = None
+    """Upper bound of a range (inclusive)."""
+    log: bool = False
+    """Sample the range in log space."""
+    step: float | None = None
+    """Discretisation step of a range (not with ``log``)."""
+    choices: tuple[object, ...] = ()
+    """Values of a categorical; for ``targets``, names of ``SearchSpace.target_sets``."""
+
+    def __post_init__(self) -> None:
+        _check(self.name in SEARCHABLE, "name", f"must be one of {', '.join(SEARCHABLE)}", self.name)
+        _check(self.kind in ("float", "int", "categorical"), "kind", "must be float, int or categorical", self.kind)
+        if self.kind == "categorical":
+            _check(len(self.choices) > 0, "choices", "must not be empty", self.choices)
+            _check(len(set(map(repr, self.choices))) == len(self.choices), "choices", "must be unique", self.choices)
+            if self.name != "targets":
+                for v in self.choices:
+                    _check_adapter_value(self.name, "choices", v)
+            return
+        if self.name in ("rslora", "targets", "schedule"):
+            raise ConfigError("takes a list of values, not a range")
+        for key in ("low", "high"):
+            v = getattr(self, key)
+            _check(_is_num(v) and (self.kind == "float" or isinstance(v, int)), key, f"must be a {self.kind}", v)
+            _check_adapter_value(self.name, key, v)
+        assert self.low is not None and self.high is not None
+        _check(self.low < self.high, "high", f"must be > low ({self.low})", self.high)
+        _check(not self.log or self.low > 0, "low", "must be > 0 with log", self.low)
+        if self.step is not None:
+            _check(not self.log, "step", "cannot be combined with log", self.step)
+            _check(_is_num(self.step) and self.step > 0, "step", "must be > 0", self.step)
+            _check(self.kind == "float" or isinstance(self.step, int), "step", "must be an int", self.step)
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """The searched dimensions and the named target-module sets."""
+
+    params: tuple[Param, ...]
+    """Search dimensions, in file order; at least one."""
+    target_sets: Mapping[str, tuple[str, ...]] = field(default_factory=dict, hash=False)
+    """Set name -> module names (``all-linear`` allowed), the choices of a searched ``targets``."""
+
+    def __post_init__(self) -> None:
+        names = [p.name for p in self.params]
+        if not names:
+            raise ConfigError("no parameter to search: add at least one range or list of values under search:")
+        for n in names:
+            _check(names.count(n) == 1, n, "searched twice", n)
+        _check(
+            not {"alpha", "alpha_ratio"} <= set(names),
+            "alpha_ratio",
+            "cannot search both alpha and alpha_ratio",
+            "alpha",
+        )
+        for set_name, modules in self.target_sets.items():
+            _check_adapter_value("targets", f"targets.{set_name}", modules)
+        if "targets" in names:
+            for c in self.param("targets").choices:
+                _check(c in self.target_sets, "targets", "unknown target set", c)
+
+    def param(self, name: str) -> Param:
+        """The dimension called ``name`` (KeyError if it is not searched)."""
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    def grid(self) -> dict[str, list[object]]:
+        """Every value of every dimension, for ``GridSampler``.
+
+        Raises:
+            ConfigError: a dimension is a float range without ``step``.
+        """
+        out: dict[str, list[object]] = {}
+        for p in self.params:
+            if p.kind == "categorical":
+                out[p.name] = list(p.choices)
+            elif p.kind == "int":
+                out[p.name] = list(range(int(p.low or 0), int(p.high or 0) + 1, int(p.step or 1)))
+            else:
+                _check(
+                    p.step is not None,
+                    p.name,
+                    "grid sampler needs a list of values or a step, not a range",
+                    f"{p.low}..{p.high}",
+                )
+                assert p.low is not None and p.high is not None and p.step is not None
+                n = int(round((p.high - p.low) / p.step))
+                out[p.name] = [p.low + i * p.step for i in range(n + 1)]
+        return out

@@ -1,0 +1,152 @@
+"""A study's ``SearchSpace`` in Optuna terms: suggestions, samplers, the default trial, AdapterSpecs.
+
+Optuna parameter names are the canonical names of ``sweep.spec.SEARCHABLE`` (``rank``, ``lr``,
+``alpha_ratio``, ``targets``, ...); a searched ``targets`` takes target-set *names*, so
+``trial.params`` stays a flat dict of scalars that ``adapter_spec`` turns back into module tuples.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import fields
+from typing import Any
+
+import optuna
+
+from packer.errors import ConfigError
+from packer.plan import AdapterSpec
+from sweep.spec import Param, SamplerSpec, SearchSpace, TrainSpec
+
+__all__ = ["adapter_spec", "default_params", "make_sampler", "suggest"]
+
+_COMMUNITY = ("rank", "alpha", "alpha_ratio", "lr")
+"""Dimensions whose default (rank 16, alpha 32, lr 2e-4) must lie in the space for a default trial."""
+
+
+def suggest(trial: optuna.Trial, space: SearchSpace) -> dict[str, object]:
+    """Ask ``trial`` for one value per dimension of ``space``.
+
+    Args:
+        trial: A trial from ``study.ask()``.
+        space: The study's search space.
+
+    Returns:
+        Parameter name -> value, equal to ``trial.params`` (target sets by name).
+    """
+    out: dict[str, object] = {}
+    for p in space.params:
+        if p.kind == "categorical":
+            out[p.name] = trial.suggest_categorical(p.name, list(p.choices))  # type: ignore[arg-type]
+        elif p.kind == "int":
+            step = int(p.step or 1)
+            out[p.name] = trial.suggest_int(p.name, int(p.low or 0), int(p.high or 0), step=step, log=p.log)
+        else:
+            out[p.name] = trial.suggest_float(p.name, float(p.low or 0), float(p.high or 0), step=p.step, log=p.log)
+    return out
+
+
+def adapter_spec(params: Mapping[str, Any], train: TrainSpec, seed: int, *, space: SearchSpace) -> AdapterSpec:
+    """One trial's adapter: the fixed values of ``train`` overridden by the searched ``params``.
+
+    Args:
+        params: ``suggest(...)`` or ``FrozenTrial.params``.
+        train: The study's fixed values.
+        seed: The adapter's seed (initialisation, data order, dropout).
+        space: The study's search space (resolves target-set names).
+
+    Returns:
+        The AdapterSpec; ``alpha = alpha_ratio * rank`` when ``alpha_ratio`` is searched or fixed.
+
+    Raises:
+        ConfigError: An unknown parameter name or target set, or a value AdapterSpec rejects.
+    """
+    values = train.adapter_values()
+    names = {f.name for f in fields(AdapterSpec)} - {"seed", "extra"}
+    for name, value in params.items():
+        if name not in names and name != "alpha_ratio":
+            raise ConfigError(f"{name}: not an adapter hyperparameter (got {value!r})")
+        values[name] = value
+    ratio = params.get("alpha_ratio", train.alpha_ratio)
+    if ratio is not None:
+        values["alpha"] = float(ratio) * values["rank"]  # type: ignore[operator]
+    values.pop("alpha_ratio", None)
+    if "targets" in params:
+        t = params["targets"]
+        if isinstance(t, str):
+            if t not in space.target_sets:
+                raise ConfigError(f"targets: unknown target set (got {t!r})")
+            t = space.target_sets[t]
+        values["targets"] = tuple(t)
+    return AdapterSpec(seed=seed, **values)  # type: ignore[arg-type]
+
+
+def make_sampler(spec: SamplerSpec, seed: int, space: SearchSpace) -> optuna.samplers.BaseSampler:
+    """The study's Optuna sampler.
+
+    TPE gets ``constant_liar=True, multivariate=True`` explicitly (the 5.0 defaults, not 4.9's), so
+    the trials of one pack, asked together while all are RUNNING, do not crowd one region.
+
+    Raises:
+        ConfigError: ``grid`` over a space with a continuous dimension.
+    """
+    startup: dict[str, Any] = {} if spec.n_startup_trials is None else {"n_startup_trials": spec.n_startup_trials}
+    if spec.name == "tpe":
+        return optuna.samplers.TPESampler(seed=seed, multivariate=True, constant_liar=True, **startup)
+    if spec.name == "gp":
+        return optuna.samplers.GPSampler(seed=seed, **startup)
+    if spec.name == "grid":
+        return optuna.samplers.GridSampler(space.grid(), seed=seed)  # type: ignore[arg-type]
+    if spec.name == "nsga2":
+        pop: dict[str, Any] = {} if spec.population_size is None else {"population_size": spec.population_size}
+        return optuna.samplers.NSGAIISampler(seed=seed, **pop)
+    return optuna.samplers.RandomSampler(seed=seed)
+
+
+def default_params(space: SearchSpace) -> dict[str, object] | None:
+    """The community default trial (rank 16, alpha 32, lr 2e-4: AdapterSpec's defaults) inside ``space``.
+
+    Each searched value starts from AdapterSpec's default and snaps to the nearest choice or step. The
+    community defaults (rank, alpha or alpha_ratio, lr) must lie within their dimension's span; the
+    others are clamped into it. Non-numeric values not among the choices take the first choice (a
+    target set equal to the default targets is preferred). Enqueue it first with
+    ``study.enqueue_trial(params)`` so the searched points are ranked against the default.
+
+    Returns:
+        Parameter name -> value, or None if rank, alpha, alpha_ratio or lr has its default outside the space.
+    """
+    base = AdapterSpec()
+    want: dict[str, Any] = {f.name: getattr(base, f.name) for f in fields(base)} | {
+        "alpha_ratio": base.alpha / base.rank
+    }
+    out: dict[str, object] = {}
+    for p in space.params:
+        if p.name == "targets":
+            same = [n for n in p.choices if space.target_sets[str(n)] == base.targets]
+            out[p.name] = (same or list(p.choices))[0]
+            continue
+        value = _snap(p, want[p.name], clamp=p.name not in _COMMUNITY)
+        if value is None:
+            return None
+        out[p.name] = value
+    return out
+
+
+def _snap(p: Param, x: Any, clamp: bool) -> object | None:
+    """``x`` moved onto dimension ``p``; None if it lies outside ``p``'s span and ``clamp`` is False."""
+    if p.kind == "categorical":
+        if x in p.choices:
+            return next(c for c in p.choices if c == x)
+        nums = [c for c in p.choices if isinstance(c, int | float) and not isinstance(c, bool)]
+        if not nums or isinstance(x, bool) or not isinstance(x, int | float):
+            return p.choices[0]
+        if not clamp and not min(nums) <= x <= max(nums):  # type: ignore[type-var]
+            return None
+        return min(nums, key=lambda c: abs(math.log(c / x)) if c > 0 and x > 0 else abs(c - x))  # type: ignore[operator]
+    assert p.low is not None and p.high is not None
+    if not clamp and not p.low <= x <= p.high:
+        return None
+    x = min(max(x, p.low), p.high)
+    if p.step is not None:
+        x = min(p.low + round((x - p.low) / p.step) * p.step, p.high)
+    return int(round(x)) if p.kind == "int" else float(x)

@@ -1,0 +1,396 @@
+"""The study file as frozen, validated config objects.
+
+``load_study("studies/demo.yaml", ["train.max_steps=50"])`` reads a study file (YAML), maps the
+Axolotl / torchtune / PEFT key aliases and a W&B-style ``parameters:`` block onto these
+dataclasses, applies dotted command-line overrides and validates everything once. Each dataclass
+validates itself in ``__post_init__`` and raises ``ConfigError("key: rule (got value)")``; the
+loader (``sweep/_load.py``) adds the file, the line and the full dotted key. Defaults live only
+here, and the per-adapter ones only in ``packer.plan.AdapterSpec``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+from packer.data import FORMATS as DATA_FORMATS
+from packer.errors import ConfigError
+from packer.plan import AdapterSpec
+from sweep._params import SEARCHABLE, Param, SearchSpace, _check, _check_adapter_value, _is_num
+
+__all__ = [
+    "Budget", "Constraint", "DataSpec", "EvalSpec", "ModelSpec", "Objective", "PackingSpec", "Param", "PruningSpec",
+    "SamplerSpec", "SearchSpace", "StudySpec", "TrainSpec", "load_study",
+    "DTYPES", "EVALUATORS", "FORMATS", "SAMPLERS", "SEARCHABLE",
+]  # fmt: skip
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+FORMATS = ("auto", *DATA_FORMATS)
+_FORMAT_ALIASES = {"messages": "chat", "sharegpt": "chat", "completion": "prompt_completion"}
+SAMPLERS = ("tpe", "random", "grid", "gp", "nsga2")
+EVALUATORS = ("heldout_loss", "generation", "lm_eval", "custom")
+_D = AdapterSpec()
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The frozen base model."""
+
+    path: str
+    """Hub id (``openai-community/gpt2``) or local directory (stored absolute)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Dtype of the frozen base weights; ``auto``: bfloat16 on CUDA, float32 on CPU."""
+    device: str = "auto"
+    """``auto`` (CUDA if available), ``cpu``, ``cuda`` or ``cuda:N``."""
+
+    def __post_init__(self) -> None:
+        _check(
+            isinstance(self.path, str) and self.path.strip() == self.path != "",
+            "path",
+            "must be a hub id or path",
+            self.path,
+        )
+        _check(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}", self.dtype)
+        _check(
+            re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(self.device)) is not None,
+            "device",
+            "must be auto, cpu, cuda or cuda:N",
+            self.device,
+        )
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """Training and evaluation data (JSON lines)."""
+
+    train: Path
+    """Training file; relative paths in a study file are taken from the study file's folder."""
+    eval: Path | None = None
+    """Held-out file the evaluators score; required by ``heldout_loss`` and ``generation``."""
+    format: str = "auto"
+    """Row format: ``auto`` (from the first row's keys), alpaca ``{instruction, input, output}``, chat
+    ``{messages}`` (alias ``messages``), ``prompt_completion`` ``{prompt, completion}``, ``text``."""
+    max_length: int = 512
+    """Truncate tokenized examples to this many tokens."""
+    train_on_prompt: bool = False
+    """Also train on prompt tokens (default: labels masked to the response, as Axolotl)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "format", _FORMAT_ALIASES.get(self.format, self.format))
+        _check(self.format in FORMATS, "format", f"must be one of {', '.join(FORMATS)}", self.format)
+        _check(isinstance(self.max_length, int) and self.max_length >= 1, "max_length", "must be >= 1", self.max_length)
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """Fixed values of every AdapterSpec field that is not searched (defaults: AdapterSpec's)."""
+
+    rank: int = _D.rank
+    """LoRA rank r, 1..256."""
+    alpha: float = _D.alpha
+    """LoRA alpha (ignored when ``alpha_ratio`` is set or searched)."""
+    alpha_ratio: float | None = None
+    """If set: alpha = alpha_ratio * rank for every trial."""
+    rslora: bool = _D.rslora
+    """Scale by alpha/sqrt(r) instead of alpha/r."""
+    dropout: float = _D.dropout
+    """LoRA dropout, in [0, 1)."""
+    targets: tuple[str, ...] = _D.targets
+    """Module names to adapt, or ``all-linear``."""
+    lr: float = _D.lr
+    """Peak learning rate of AdamW."""
+    weight_decay: float = _D.weight_decay
+    """AdamW decoupled weight decay."""
+    betas: tuple[float, float] = _D.betas
+    """AdamW betas."""
+    eps: float = _D.eps
+    """AdamW epsilon."""
+    warmup_steps: int = _D.warmup_steps
+    """Linear warm-up steps."""
+    schedule: str = _D.schedule
+    """Learning-rate schedule after warm-up (``packer.plan.SCHEDULES``)."""
+    max_steps: int = _D.max_steps
+    """Optimizer steps per trial."""
+    micro_batch: int = _D.micro_batch
+    """Sequences per step per trial."""
+    max_grad_norm: float | None = _D.max_grad_norm
+    """Per-trial gradient clipping (null: none)."""
+
+    def __post_init__(self) -> None:
+        if self.alpha_ratio is not None:
+            _check_adapter_value("alpha_ratio", "alpha_ratio", self.alpha_ratio)
+        AdapterSpec(**self.adapter_values())
+
+    def adapter_values(self) -> dict[str, Any]:
+        """These values as AdapterSpec keyword arguments (alpha from ``alpha_ratio`` when set)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "alpha_ratio"}
+        if self.alpha_ratio is not None:
+            values["alpha"] = float(self.alpha_ratio * self.rank)
+        return values
+
+
+@dataclass(frozen=True)
+class Objective:
+    """One optimisation target."""
+
+    metric: str
+    """Metric name an evaluator or the trainer reports (``eval_loss``, ``exact_match``, ``adapter_params``)."""
+    direction: Literal["minimize", "maximize"]
+    """Optuna's spelling."""
+
+    def __post_init__(self) -> None:
+        _check(bool(_NAME.fullmatch(self.metric)), "metric", "must be a metric name", self.metric)
+        _check(self.direction in ("minimize", "maximize"), "direction", "must be minimize or maximize", self.direction)
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A soft constraint ``metric <= value`` or ``metric >= value`` (Optuna ``set_constraint``)."""
+
+    metric: str
+    """Metric name."""
+    op: Literal["<=", ">="]
+    """Comparison."""
+    value: float
+    """Bound."""
+
+    def __post_init__(self) -> None:
+        _check(bool(_NAME.fullmatch(self.metric)), "metric", "must be a metric name", self.metric)
+        _check(self.op in ("<=", ">="), "op", "must be <= or >=", self.op)
+        _check(_is_num(self.value), "value", "must be a number", self.value)
+
+    def violation(self, x: float) -> float:
+        """Optuna's constraint value for metric value ``x``: feasible iff <= 0."""
+        return x - self.value if self.op == "<=" else self.value - x
+
+
+@dataclass(frozen=True)
+class Budget:
+    """When the study stops: whichever limit is reached first (at least one)."""
+
+    trials: int | None = None
+    """Number of finished trials (complete, pruned or failed)."""
+    wall_time: float | None = None
+    """Seconds of wall time; the study file also takes ``90m``, ``2h``, ``1h30m``."""
+    tokens: int | None = None
+    """Training tokens over all trials; the study file also takes ``200k``, ``50M``, ``1.5B``."""
+
+    def __post_init__(self) -> None:
+        if all(v is None for v in (self.trials, self.wall_time, self.tokens)):
+            raise ConfigError("set at least one of trials, wall_time, tokens")
+        for key in ("trials", "wall_time", "tokens"):
+            v = getattr(self, key)
+            _check(v is None or (_is_num(v) and v > 0), key, "must be > 0", v)
+
+
+@dataclass(frozen=True)
+class PruningSpec:
+    """Cohort successive halving among the trials of one pack, at fixed rung steps."""
+
+    kind: Literal["none", "cohort_sha"] = "none"
+    """``none`` or ``cohort_sha``."""
+    rungs: tuple[int, ...] = ()
+    """Optimizer steps at which each pack keeps its best 1/reduction_factor trials (increasing)."""
+    reduction_factor: int = 3
+    """Keep ceil(n / reduction_factor) of n live trials at each rung."""
+    proxy: str | None = None
+    """Metric ranked at rungs; None: the objective if there is one, else ``eval_loss``."""
+    proxy_direction: Literal["minimize", "maximize"] = "minimize"
+    """Direction of ``proxy`` when it is not an objective."""
+
+    def __post_init__(self) -> None:
+        _check(self.kind in ("none", "cohort_sha"), "kind", "must be none or cohort_sha", self.kind)
+        if self.kind == "none":
+            _check(not self.rungs, "rungs", "only used with kind cohort_sha", self.rungs)
+            return
+        _check(len(self.rungs) > 0, "rungs", "cohort_sha needs at least one rung step", self.rungs)
+        _check(all(isinstance(r, int) and r >= 1 for r in self.rungs), "rungs", "must be steps >= 1", self.rungs)
+        _check(list(self.rungs) == sorted(set(self.rungs)), "rungs", "must be increasing", self.rungs)
+        _check(
+            isinstance(self.reduction_factor, int) and self.reduction_factor >= 2,
+            "reduction_factor",
+            "must be an int >= 2",
+            self.reduction_factor,
+        )
+        _check(self.proxy is None or bool(_NAME.fullmatch(self.proxy)), "proxy", "must be a metric name", self.proxy)
+        _check(
+            self.proxy_direction in ("minimize", "maximize"),
+            "proxy_direction",
+            "must be minimize or maximize",
+            self.proxy_direction,
+        )
+
+
+@dataclass(frozen=True)
+class PackingSpec:
+    """How many trials share one training run."""
+
+    max_slots: int | Literal["auto"] = "auto"
+    """Slots per pack, or ``auto``: as many as the planner's memory model allows."""
+
+    def __post_init__(self) -> None:
+        ok = self.max_slots == "auto" or (isinstance(self.max_slots, int) and 1 <= self.max_slots <= 256)
+        _check(ok, "max_slots", "must be auto or an int in 1..256", self.max_slots)
+
+
+@dataclass(frozen=True)
+class SamplerSpec:
+    """Optuna sampler; TPE always runs with ``constant_liar=True, multivariate=True``."""
+
+    name: Literal["tpe", "random", "grid", "gp", "nsga2"] = "tpe"
+    """One of ``SAMPLERS``."""
+    n_startup_trials: int | None = None
+    """Random trials before TPE / GP model (None: Optuna's default)."""
+    population_size: int | None = None
+    """NSGA-II generation size (None: Optuna's default)."""
+
+    def __post_init__(self) -> None:
+        _check(self.name in SAMPLERS, "name", f"must be one of {', '.join(SAMPLERS)}", self.name)
+        n, pop = self.n_startup_trials, self.population_size
+        _check(n is None or self.name in ("tpe", "gp"), "n_startup_trials", "only used by tpe and gp", n)
+        _check(n is None or (isinstance(n, int) and n >= 0), "n_startup_trials", "must be >= 0", n)
+        _check(pop is None or self.name == "nsga2", "population_size", "only used by nsga2", pop)
+        _check(pop is None or (isinstance(pop, int) and pop >= 2), "population_size", "must be >= 2", pop)
+
+
+def _jsonlike(x: object) -> bool:
+    if isinstance(x, Mapping):
+        return all(isinstance(k, str) and _jsonlike(v) for k, v in x.items())
+    if isinstance(x, list | tuple):
+        return all(_jsonlike(v) for v in x)
+    return x is None or isinstance(x, str | int | float | bool)
+
+
+@dataclass(frozen=True)
+class EvalSpec:
+    """One evaluator run on every trial; its options are checked by the evaluator itself."""
+
+    name: Literal["heldout_loss", "generation", "lm_eval", "custom"]
+    """One of ``EVALUATORS``."""
+    options: Mapping[str, object] = field(default_factory=dict, hash=False)
+    """Evaluator options: string keys, JSON-like values."""
+
+    def __post_init__(self) -> None:
+        _check(self.name in EVALUATORS, "name", f"must be one of {', '.join(EVALUATORS)}", self.name)
+        _check(
+            isinstance(self.options, Mapping) and _jsonlike(self.options),
+            "options",
+            "must be a mapping of names to plain values",
+            self.options,
+        )
+
+
+@dataclass(frozen=True)
+class StudySpec:
+    """A whole study: what to train, what to search, how to judge and when to stop."""
+
+    name: str
+    """Study name (Optuna study name and default output folder); default: the file's stem."""
+    model: ModelSpec
+    """Base model."""
+    data: DataSpec
+    """Training and evaluation data."""
+    search: SearchSpace
+    """Searched dimensions."""
+    budget: Budget
+    """Stopping limits."""
+    train: TrainSpec = field(default_factory=TrainSpec)
+    """Fixed values of the adapter fields that are not searched."""
+    objectives: tuple[Objective, ...] = (Objective("eval_loss", "minimize"),)
+    """One or more targets (several: a Pareto front)."""
+    constraints: tuple[Constraint, ...] = ()
+    """Soft constraints on reported metrics."""
+    sampler: SamplerSpec = field(default_factory=SamplerSpec)
+    """Optuna sampler."""
+    pruning: PruningSpec = field(default_factory=PruningSpec)
+    """Within-pack pruning."""
+    packing: PackingSpec = field(default_factory=PackingSpec)
+    """Pack size."""
+    evaluators: tuple[EvalSpec, ...] = (EvalSpec("heldout_loss"),)
+    """Evaluators run after training (and at pruning rungs)."""
+    output: Path | None = None
+    """Output folder; None: ``runs/<name>`` (see ``out_dir``)."""
+    storage: str | None = None
+    """Optuna RDB URL (``sqlite:///x.db``, ``postgresql://...``); None: a file in the output folder."""
+    seed: int = 0
+    """Seeds the sampler (and, through the study loop, the adapters)."""
+    description: str = ""
+    """Free text."""
+    source: Path | None = field(default=None, compare=False)
+    """The study file this was loaded from."""
+
+    def __post_init__(self) -> None:
+        _check(bool(_NAME.fullmatch(self.name)), "name", "must be letters, digits, '.', '_' or '-'", self.name)
+        _check(isinstance(self.seed, int) and self.seed >= 0, "seed", "must be an int >= 0", self.seed)
+        _check(
+            self.storage is None or re.match(r"[a-z][a-z0-9+]*://", self.storage) is not None,
+            "storage",
+            "must be an RDB URL such as sqlite:///study.db",
+            self.storage,
+        )
+        _check(len(self.objectives) > 0, "objectives", "must not be empty", self.objectives)
+        metrics = [o.metric for o in self.objectives]
+        for i, m in enumerate(metrics):
+            _check(metrics.index(m) == i, f"objectives.{i}.metric", "is already an objective", m)
+        names = [e.name for e in self.evaluators]
+        for i, n in enumerate(names):
+            _check(names.index(n) == i, f"evaluators.{i}.name", "is listed twice", n)
+        needs_eval = [n for n in names if n in ("heldout_loss", "generation")]
+        if self.data.eval is None and needs_eval:
+            raise ConfigError(f"data.eval: is needed by {', '.join(needs_eval)}")
+        if self.sampler.name == "grid":
+            try:
+                self.search.grid()
+            except ConfigError as e:
+                raise ConfigError(f"search.{e}") from None
+        if self.pruning.kind == "cohort_sha" and "max_steps" not in [p.name for p in self.search.params]:
+            last = self.pruning.rungs[-1]
+            _check(
+                last < self.train.max_steps,
+                "pruning.rungs",
+                f"must be < train.max_steps ({self.train.max_steps})",
+                last,
+            )
+
+    @property
+    def directions(self) -> list[str]:
+        """Objective directions, for ``optuna.create_study(directions=...)``."""
+        return [o.direction for o in self.objectives]
+
+    @property
+    def out_dir(self) -> Path:
+        """``output``, or ``runs/<name>``."""
+        return self.output if self.output is not None else Path("runs") / self.name
+
+    def prune_metric(self) -> tuple[str, str]:
+        """(metric, direction) ranked at pruning rungs: ``pruning.proxy``, the single objective, or eval_loss."""
+        by_metric = {o.metric: o.direction for o in self.objectives}
+        if self.pruning.proxy is not None:
+            return self.pruning.proxy, by_metric.get(self.pruning.proxy, self.pruning.proxy_direction)
+        if len(self.objectives) == 1:
+            return self.objectives[0].metric, self.objectives[0].direction
+        return "eval_loss", "minimize"
+
+
+def load_study(path: str | Path, overrides: Sequence[str] = (), *, check_paths: bool = True) -> StudySpec:
+    """Read, override and validate a study file.
+
+    Args:
+        path: The study YAML file.
+        overrides: ``dotted.key=value`` strings applied on top of the file; values are YAML.
+        check_paths: Require a local model directory to exist (False: for files whose model is built later).
+            Data files are always checked.
+
+    Returns:
+        The validated study.
+
+    Raises:
+        ConfigError: One line, ``file:line: dotted.key: rule (got value)``.
+    """
+    from sweep import _load  # deferred: _load builds the dataclasses of this module
+
+    return _load.load_study(Path(path), tuple(overrides), check_paths=check_paths)

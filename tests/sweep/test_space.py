@@ -1,0 +1,142 @@
+"""SearchSpace -> Optuna: suggestions, AdapterSpecs, samplers and the default trial.
+
+Run: python -m pytest tests/sweep/test_space.py -q
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import optuna
+import pytest
+
+from packer.errors import ConfigError
+from packer.plan import AdapterSpec
+from sweep.space import adapter_spec, default_params, make_sampler, suggest
+from sweep.spec import Param, SamplerSpec, SearchSpace, TrainSpec
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+SETS = {"attn": ("q_proj", "v_proj"), "all": ("all-linear",)}
+SPACE = SearchSpace(
+    (
+        Param("rank", "categorical", choices=(2, 4, 8, 16, 32)),
+        Param("alpha_ratio", "categorical", choices=(0.5, 1.0, 2.0, 4.0)),
+        Param("lr", "float", low=1e-4, high=3e-2, log=True),
+        Param("dropout", "categorical", choices=(0.0, 0.05)),
+        Param("warmup_steps", "int", low=0, high=20, step=5),
+        Param("targets", "categorical", choices=("attn", "all")),
+    ),
+    target_sets=SETS,
+)
+TRAIN = TrainSpec(max_steps=30, micro_batch=2, schedule="cosine")
+
+
+def inside(space: SearchSpace, params: dict[str, object]) -> bool:
+    for p in space.params:
+        v = params[p.name]
+        if p.kind == "categorical":
+            ok = v in p.choices
+        else:
+            assert p.low is not None and p.high is not None
+            ok = p.low <= v <= p.high and (p.step is None or (v - p.low) % p.step == 0)  # type: ignore[operator]
+        if not ok:
+            return False
+    return set(params) == {p.name for p in space.params}
+
+
+def test_suggest_and_adapter_spec_round_trip() -> None:
+    study = optuna.create_study(sampler=make_sampler(SamplerSpec(), seed=0, space=SPACE))
+    specs = {}
+    for i in range(12):
+        trial = study.ask()
+        params = suggest(trial, SPACE)
+        assert params == trial.params and inside(SPACE, params)
+        spec = adapter_spec(params, TRAIN, seed=i, space=SPACE)
+        assert spec.alpha == params["alpha_ratio"] * params["rank"]  # type: ignore[operator]
+        assert spec.targets == SETS[params["targets"]]  # type: ignore[index]
+        assert (spec.max_steps, spec.micro_batch, spec.schedule, spec.seed) == (30, 2, "cosine", i)
+        specs[trial.number] = spec
+        study.tell(trial, spec.lr * spec.rank)
+    for frozen in study.trials:  # a stored trial rebuilds the same adapter
+        assert adapter_spec(frozen.params, TRAIN, seed=frozen.number, space=SPACE) == specs[frozen.number]
+
+
+def test_adapter_spec_fixed_alpha_ratio_and_errors() -> None:
+    train = TrainSpec(alpha_ratio=2.0, targets=("c_attn",))
+    spec = adapter_spec({"rank": 8}, train, seed=3, space=SPACE)
+    assert (spec.rank, spec.alpha, spec.targets) == (8, 16.0, ("c_attn",))
+    assert adapter_spec({}, TrainSpec(), seed=0, space=SPACE) == AdapterSpec()
+    with pytest.raises(ConfigError, match="^betas2: not an adapter hyperparameter"):
+        adapter_spec({"betas2": 1}, TRAIN, seed=0, space=SPACE)
+    with pytest.raises(ConfigError, match="unknown target set"):
+        adapter_spec({"targets": "mlp"}, TRAIN, seed=0, space=SPACE)
+
+
+def test_tpe_is_explicitly_constant_liar_and_multivariate() -> None:
+    sampler = make_sampler(SamplerSpec(n_startup_trials=3), seed=0, space=SPACE)
+    assert isinstance(sampler, optuna.samplers.TPESampler)
+    assert sampler._constant_liar and sampler._multivariate and sampler._n_startup_trials == 3
+
+
+@pytest.mark.parametrize(
+    ("name", "cls"),
+    [
+        ("random", optuna.samplers.RandomSampler),
+        ("gp", optuna.samplers.GPSampler),
+        ("nsga2", optuna.samplers.NSGAIISampler),
+    ],
+)
+def test_other_samplers(name: str, cls: type) -> None:
+    assert isinstance(make_sampler(SamplerSpec(name=name), seed=0, space=SPACE), cls)  # type: ignore[arg-type]
+
+
+def test_grid_sampler_covers_the_grid() -> None:
+    space = SearchSpace(
+        (
+            Param("rank", "categorical", choices=(4, 8)),
+            Param("micro_batch", "int", low=1, high=3),
+            Param("dropout", "float", low=0.0, high=0.1, step=0.05),
+            Param("targets", "categorical", choices=("attn", "all")),
+        ),
+        target_sets=SETS,
+    )
+    study = optuna.create_study(sampler=make_sampler(SamplerSpec(name="grid"), seed=0, space=space))
+    study.optimize(lambda t: float(len(str(suggest(t, space)))), n_trials=50)
+    seen = {tuple(t.params[p.name] for p in space.params) for t in study.trials}
+    assert len(study.trials) == 2 * 3 * 3 * 2
+    assert seen == set(itertools.product((4, 8), (1, 2, 3), (0.0, 0.05, 0.1), ("attn", "all")))
+    with pytest.raises(ConfigError, match="^lr: grid sampler needs"):
+        make_sampler(SamplerSpec(name="grid"), seed=0, space=SPACE)
+
+
+def test_default_trial_lands_inside_the_space() -> None:
+    params = default_params(SPACE)
+    assert params == {"rank": 16, "alpha_ratio": 2.0, "lr": 2e-4, "dropout": 0.0, "warmup_steps": 0, "targets": "all"}
+    assert inside(SPACE, params)
+    study = optuna.create_study(sampler=make_sampler(SamplerSpec(), seed=0, space=SPACE))
+    study.enqueue_trial(params)
+    trial = study.ask()
+    assert suggest(trial, SPACE) == params
+    spec = adapter_spec(params, TRAIN, seed=0, space=SPACE)
+    assert (spec.rank, spec.alpha, spec.lr, spec.targets) == (16, 32.0, 2e-4, ("all-linear",))
+
+
+def test_default_trial_snaps_or_gives_up() -> None:
+    snapped = SearchSpace(
+        (
+            Param("rank", "categorical", choices=(4, 12, 64)),
+            Param("lr", "float", low=1e-4, high=1e-3, step=3e-4),
+            Param("targets", "categorical", choices=("attn",)),
+            Param("micro_batch", "int", low=1, high=16, log=True),
+            Param("max_steps", "int", low=20, high=60, step=20),
+            Param("max_grad_norm", "categorical", choices=(None, 0.3, 0.5)),
+        ),
+        target_sets=SETS,
+    )
+    params = default_params(snapped)
+    assert params is not None and inside(snapped, params)
+    assert params["rank"] == 12 and params["lr"] == pytest.approx(1e-4) and params["targets"] == "attn"
+    assert (params["micro_batch"], params["max_steps"], params["max_grad_norm"]) == (4, 60, 0.5)  # clamped
+    assert default_params(SearchSpace((Param("lr", "float", low=1e-3, high=1e-2, log=True),))) is None
+    assert default_params(SearchSpace((Param("rank", "categorical", choices=(32, 64)),))) is None

@@ -1,0 +1,308 @@
+"""Study files -> StudySpec: aliases, the W&B block, overrides and located one-line errors.
+
+Run: python -m pytest tests/sweep/test_spec.py -q
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from packer.errors import ConfigError
+from packer.plan import AdapterSpec
+from sweep.spec import Param, SearchSpace, TrainSpec, load_study
+
+BASE = """\
+name: t
+model: org/tiny-model
+data:
+  train: train.jsonl
+  eval: eval.jsonl
+search:
+  rank: [4, 8]
+  lr: {low: 1e-4, high: 1e-2, log: true}
+train:
+  max_steps: 40
+budget:
+  trials: 4
+"""
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    for name in ("train.jsonl", "eval.jsonl"):
+        (tmp_path / name).write_text('{"instruction": "a", "output": "b"}\n')
+    return tmp_path
+
+
+def write(folder: Path, text: str, name: str = "study.yaml") -> Path:
+    path = folder / name
+    path.write_text(text)
+    return path
+
+
+def error_of(path: Path, overrides: tuple[str, ...] = (), **kw: bool) -> str:
+    with pytest.raises(ConfigError) as e:
+        load_study(path, overrides, **kw)
+    msg = str(e.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_minimal_file_and_defaults(folder: Path) -> None:
+    s = load_study(write(folder, BASE))
+    assert s.name == "t" and s.model.path == "org/tiny-model"
+    assert s.data.train == folder / "train.jsonl" and s.data.eval == folder / "eval.jsonl"
+    assert [p.name for p in s.search.params] == ["rank", "lr"]
+    assert s.search.param("lr") == Param("lr", "float", low=1e-4, high=1e-2, log=True)
+    assert s.search.param("rank").choices == (4, 8)
+    assert s.train.max_steps == 40 and s.train.lr == AdapterSpec().lr
+    assert s.objectives[0].metric == "eval_loss" and s.directions == ["minimize"]
+    assert s.sampler.name == "tpe" and s.pruning.kind == "none" and s.packing.max_slots == "auto"
+    assert [e.name for e in s.evaluators] == ["heldout_loss"]
+    assert s.out_dir == Path("runs/t") and s.source == folder / "study.yaml"
+
+
+def test_train_spec_mirrors_adapter_spec() -> None:
+    adapter = {f.name for f in fields(AdapterSpec)} - {"seed", "extra"}
+    assert {f.name for f in fields(TrainSpec)} == adapter | {"alpha_ratio"}
+    assert TrainSpec().adapter_values() == {k: getattr(AdapterSpec(), k) for k in adapter}
+    assert TrainSpec(rank=8, alpha_ratio=2).adapter_values()["alpha"] == 16.0
+
+
+def test_axolotl_torchtune_peft_aliases(folder: Path) -> None:
+    text = """\
+base_model: org/base
+data: {train: train.jsonl, eval: eval.jsonl, type: alpaca}
+sequence_len: 256
+train_on_inputs: true
+micro_batch_size: 2
+learning_rate: 3e-4
+lora_target_modules: [q_proj, v_proj]
+peft_use_rslora: true
+lr_scheduler: cosine
+train:
+  lora_dropout: 0.1
+  warmup: 3
+search:
+  lora_r: [8, 16]
+  lora_alpha: [16, 32]
+budget: {n_trials: 3, timeout: 90m, max_tokens: 5M}
+"""
+    s = load_study(write(folder, text))
+    assert s.model.path == "org/base"
+    assert s.data.max_length == 256 and s.data.train_on_prompt is True and s.data.format == "alpaca"
+    t = s.train
+    assert (t.micro_batch, t.lr, t.targets, t.rslora, t.schedule) == (2, 3e-4, ("q_proj", "v_proj"), True, "cosine")
+    assert (t.dropout, t.warmup_steps) == (0.1, 3)
+    assert [p.name for p in s.search.params] == ["rank", "alpha"]
+    assert s.search.param("alpha").choices == (16.0, 32.0)
+    assert (s.budget.trials, s.budget.wall_time, s.budget.tokens) == (3, 5400.0, 5_000_000)
+
+
+def test_lora_target_linear_means_all_linear(folder: Path) -> None:
+    s = load_study(write(folder, BASE + "lora_target_linear: true\n"))
+    assert s.train.targets == ("all-linear",)
+
+
+def test_wandb_parameters_block(folder: Path) -> None:
+    text = """\
+method: random
+metric: {name: exact_match, goal: maximize}
+run_cap: 10
+model: org/tiny-model
+data: {train: train.jsonl, eval: eval.jsonl}
+parameters:
+  learning_rate: {distribution: log_uniform_values, min: 1e-5, max: 1e-3}
+  lora_r: {values: [4, 8]}
+  lora_dropout: {value: 0.1}
+  lora_alpha: {distribution: log_uniform, min: 0, max: 2}
+  warmup_steps: {distribution: int_uniform, min: 0, max: 10}
+  weight_decay: {distribution: q_uniform, min: 0, max: 0.1, q: 0.05}
+  micro_batch_size: {min: 1, max: 4}
+  lora_target_modules: {values: [[q_proj, v_proj], all-linear]}
+"""
+    s = load_study(write(folder, text))
+    assert s.sampler.name == "random" and s.budget.trials == 10
+    assert (s.objectives[0].metric, s.objectives[0].direction) == ("exact_match", "maximize")
+    sp = s.search
+    assert sp.param("lr") == Param("lr", "float", low=1e-5, high=1e-3, log=True)
+    assert sp.param("rank").choices == (4, 8)
+    alpha = sp.param("alpha")
+    assert alpha.log and alpha.low == pytest.approx(1.0) and alpha.high == pytest.approx(math.e**2)
+    assert sp.param("warmup_steps") == Param("warmup_steps", "int", low=0, high=10)
+    assert sp.param("weight_decay") == Param("weight_decay", "float", low=0.0, high=0.1, step=0.05)
+    assert sp.param("micro_batch") == Param("micro_batch", "int", low=1, high=4)
+    assert sp.param("targets").choices == ("q_proj+v_proj", "all-linear")
+    assert sp.target_sets["q_proj+v_proj"] == ("q_proj", "v_proj")
+    assert s.train.dropout == 0.1  # W&B `value:` is a fixed value
+
+
+def test_overrides(folder: Path) -> None:
+    path = write(folder, BASE + "objectives:\n  - {metric: exact_match, direction: maximize}\n")
+    s = load_study(
+        path,
+        [
+            "train.max_steps=50",  # existing key
+            "train.warmup=5",  # an alias (of warmup_steps) not yet in the file
+            "budget.wall_time=2h",  # nested key not in the file
+            "search.rank=[8, 16, 32]",  # a flow list
+            "objectives.0.direction=minimize",  # a list index
+            "pruning={kind: cohort_sha, rungs: [10, 20]}",
+            "sampler.name=random",  # a section not in the file
+        ],
+    )
+    assert s.train.max_steps == 50 and s.train.warmup_steps == 5 and s.budget.wall_time == 7200.0
+    assert s.search.param("rank").choices == (8, 16, 32) and s.objectives[0].direction == "minimize"
+    assert s.pruning.rungs == (10, 20) and s.sampler.name == "random"
+
+
+def test_override_replaces_an_aliased_key(folder: Path) -> None:
+    path = write(folder, BASE.replace("  max_steps: 40\n", "  max_steps: 40\n  lora_dropout: 0.1\n"))
+    assert load_study(path, ["train.dropout=0.2"]).train.dropout == 0.2
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("train.max_steps=abc", "override 'train.max_steps=abc': train.max_steps: must be an integer (got 'abc')"),
+        ("train.weight_decay=-1", "override 'train.weight_decay=-1': train.weight_decay: must be >= 0"),
+        ("search.rank.low=1", "override 'search.rank.low=1': search.rank is not a mapping"),
+        ("budget.trials.x=1", "override 'budget.trials.x=1': budget.trials is not a mapping"),
+        ("train.max_steps", "override 'train.max_steps': expected dotted.key=value"),
+        ("trian.max_steps=3", "unknown key 'trian' at top level (did you mean 'train'?)"),
+    ],
+)
+def test_override_errors(folder: Path, override: str, expected: str) -> None:
+    path = write(folder, BASE)
+    msg = error_of(path, (override,))
+    assert str(path) in msg and expected in msg
+
+
+# Each case: a study text with `#<` on the offending line, and a piece of the expected message.
+BAD = {
+    "negative rank": (
+        BASE.replace("  rank: [4, 8]\n", "  rank:\n    low: -4 #<\n    high: 8\n"),
+        "search.rank.low: must be 1..256 (got -4)",
+    ),
+    "rank above 256": (BASE.replace("rank: [4, 8]", "rank: [4, 300] #<"), "search.rank: must be 1..256 (got 300)"),
+    "unknown key": (
+        BASE.replace("  lr: {", "  learnig_rate: {").replace("log: true}", "log: true} #<"),
+        "unknown key 'learnig_rate' in search (did you mean 'learning_rate'?)",
+    ),
+    "unknown top-level key": (BASE + "budjet: {trials: 3} #<\n", "unknown key 'budjet' at top level"),
+    "wrong type": (BASE.replace("max_steps: 40", "max_steps: many #<"), "train.max_steps: must be an integer"),
+    "empty search space": (
+        BASE.replace("  rank: [4, 8]\n  lr: {low: 1e-4, high: 1e-2, log: true}\n", "  rank: 8\n").replace(
+            "search:", "search: #<"
+        ),
+        "search: no parameter to search",
+    ),
+    "missing data file": (BASE.replace("train: train.jsonl", "train: nope.jsonl #<"), "data.train: file not found"),
+    "missing local model": (
+        BASE.replace("model: org/tiny-model", "model:\n  path: ./models/nothing-here #<"),
+        "model.path: local model directory not found",
+    ),
+    "bad hub id": (BASE.replace("model: org/tiny-model", "model: not a hub id #<"), "model: is neither a hub id"),
+    "duplicate key": (BASE + "name: again #<\n", "name: duplicate key"),
+    "invalid yaml": (BASE + "oops: a: b #<\n", "invalid YAML: mapping values are not allowed here"),
+    "searched and fixed": (BASE.replace("max_steps: 40", "max_steps: 40\n  lora_r: 8 #<"), "train.lora_r: is fixed"),
+    "alpha and alpha_ratio": (
+        BASE.replace("max_steps: 40", "max_steps: 40\n  alpha_ratio: 2 #<").replace("rank:", "alpha: [8, 16]\n  rank:"),
+        "train.alpha_ratio: set either alpha or alpha_ratio",
+    ),
+    "low above high": (BASE.replace("high: 1e-2", "high: 1e-5").replace("log: true}", "log: true} #<"), "must be >"),
+    "grid over a range": (BASE.replace("log: true}", "log: true} #<") + "sampler: grid\n", "search.lr: grid sampler"),
+    "bad direction": (BASE + "objectives:\n  - {metric: exact_match, direction: up} #<\n", "objectives.0.direction"),
+    "bad constraint": (BASE + "constraints:\n  - mem < 3 #<\n", "constraints.0: must read 'metric <= value'"),
+    "rung past max_steps": (
+        BASE + "pruning:\n  kind: cohort_sha\n  rungs: [10, 40] #<\n",
+        "pruning.rungs: must be < train.max_steps (40) (got 40)",
+    ),
+    "unsupported distribution": (
+        BASE.replace("  lr: {low: 1e-4, high: 1e-2, log: true}", "  lr:\n    distribution: normal #<\n    min: 0"),
+        "search.lr.distribution: 'normal' is not supported",
+    ),
+    "unknown evaluator": (BASE + "evaluators:\n  - name: bleu #<\n", "evaluators.0.name: must be one of"),
+    "no budget": (BASE.replace("budget:\n  trials: 4\n", "budget: {} #<\n"), "budget: set at least one of"),
+    "bad duration": (BASE.replace("trials: 4", "wall_time: soon #<"), "budget.wall_time: must be seconds"),
+    "eval data needed": (BASE.replace("  eval: eval.jsonl\n", "").replace("data:", "data: #<"), "data.eval: is needed"),
+    "range on a flag": (BASE.replace("rank: [4, 8]", "rslora: {low: 0, high: 1} #<"), "search.rslora: takes a list"),
+    "target sets not a list": (
+        BASE.replace("rank: [4, 8]", "targets: {values: 3} #<"),
+        "search.targets.values: must be a list (got 3)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_files_give_one_located_line(folder: Path, case: str) -> None:
+    text, expected = BAD[case]
+    line = next(i for i, s in enumerate(text.splitlines(), 1) if "#<" in s)
+    path = write(folder, text, "x.yaml")
+    msg = error_of(path)
+    assert msg.startswith(f"{path}:{line}: "), msg
+    assert expected in msg, msg
+
+
+def test_missing_study_file(tmp_path: Path) -> None:
+    msg = error_of(tmp_path / "missing.yaml")
+    assert "missing.yaml" in msg and "no such study file" in msg
+
+
+def test_model_path_check_can_be_skipped(folder: Path) -> None:
+    path = write(folder, BASE.replace("model: org/tiny-model", "model: ../models/later"))
+    assert "not found" in error_of(path)
+    s = load_study(path, check_paths=False)
+    assert s.model.path == str((folder.parent / "models/later").resolve())
+
+
+def test_existing_local_model_dir(folder: Path) -> None:
+    (folder / "models" / "tiny").mkdir(parents=True)
+    s = load_study(write(folder, BASE.replace("model: org/tiny-model", "model: models/tiny")))
+    assert s.model.path == str(folder / "models" / "tiny")
+
+
+def test_string_forms_of_objectives_constraints_sampler_pruning(folder: Path) -> None:
+    text = BASE + (
+        "objectives: [maximise exact_match, min adapter_params]\n"
+        "constraints: ['peak_mem_gb <= 20', {metric: eval_loss, op: '>=', value: 0}]\n"
+        "sampler: {name: nsga2, population_size: 8}\n"
+        "pruning: none\npacking: 4\nevaluators: [heldout_loss, {name: generation, options: {max_new_tokens: 4}}]\n"
+    )
+    s = load_study(write(folder, text))
+    assert [(o.metric, o.direction) for o in s.objectives] == [
+        ("exact_match", "maximize"),
+        ("adapter_params", "minimize"),
+    ]
+    c = s.constraints[0]
+    assert (c.metric, c.op, c.value) == ("peak_mem_gb", "<=", 20.0) and c.violation(25.0) == 5.0
+    assert s.constraints[1].violation(1.0) == -1.0
+    assert s.sampler.population_size == 8 and s.pruning.kind == "none" and s.packing.max_slots == 4
+    assert dict(s.evaluators[1].options) == {"max_new_tokens": 4}
+    assert s.prune_metric() == ("eval_loss", "minimize")
+
+
+def test_prune_metric(folder: Path) -> None:
+    single = BASE + "objectives: [maximize exact_match]\npruning: {kind: cohort_sha, rungs: [10]}\n"
+    assert load_study(write(folder, single)).prune_metric() == ("exact_match", "maximize")
+    proxy = BASE + "objectives: [maximize exact_match, minimize adapter_params]\n"
+    proxy += "pruning: {kind: cohort_sha, rungs: [10], proxy: exact_match}\n"
+    assert load_study(write(folder, proxy)).prune_metric() == ("exact_match", "maximize")
+
+
+def test_search_space_rules() -> None:
+    with pytest.raises(ConfigError, match="no parameter to search"):
+        SearchSpace(params=())
+    with pytest.raises(ConfigError, match="^alpha_ratio: cannot search both"):
+        SearchSpace(
+            (Param("alpha", "categorical", choices=(8.0,)), Param("alpha_ratio", "categorical", choices=(2.0,)))
+        )
+    with pytest.raises(ConfigError, match="^step: cannot be combined with log"):
+        Param("lr", "float", low=1e-4, high=1e-2, log=True, step=1e-4)
+    with pytest.raises(ConfigError, match=re.escape("targets: unknown target set (got 'attn')")):
+        SearchSpace((Param("targets", "categorical", choices=("attn",)),))
