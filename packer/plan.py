@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from packer.errors import ConfigError
 
-__all__ = ["AdapterSpec", "ALL_LINEAR", "SCHEDULES"]
+__all__ = ["AdapterSpec", "ALL_LINEAR", "SCHEDULES", "MemoryModel", "adapter_param_count", "ADAPTER_BYTES_PER_PARAM"]
 
 ALL_LINEAR = "all-linear"
 """Target value meaning every linear projection of the decoder (PEFT's ``"all-linear"``)."""
@@ -100,3 +100,55 @@ class AdapterSpec:
 def _check(ok: bool, key: str, rule: str, value: object) -> None:
     if not ok:
         raise ConfigError(f"{key}: {rule} (got {value!r})")
+
+
+ADAPTER_BYTES_PER_PARAM = 16
+"""fp32 weight + fp32 gradient + AdamW's two fp32 moments."""
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Peak memory and time of one packed training step, linear in its parts.
+
+    ``peak = static + tokens * (bytes_per_token + bytes_per_token_rank * total_rank) + 16 * params``:
+    ``static`` is the frozen base (weights, buffers); ``bytes_per_token`` the activations kept for
+    backward plus the logits and cross-entropy buffers of one padded token; ``bytes_per_token_rank``
+    the LoRA intermediates, which grow with the pack's summed rank (the masked-dense path computes
+    every token against every slot's rank columns); the last term every slot's adapter weights,
+    gradients and AdamW moments. The measured numbers come from ``packer.probe.calibrate``.
+    """
+
+    static_bytes: int
+    """Memory with the base model loaded and no step running."""
+    bytes_per_token: float
+    """Extra peak memory per padded token of a step."""
+    bytes_per_token_rank: float = 0.0
+    """Extra peak memory per padded token and unit of the pack's summed rank."""
+    seconds_per_token: float = 0.0
+    """Forward + backward time per padded token (for time predictions)."""
+    seconds_per_step: float = 0.0
+    """Fixed time per step (launches, optimizer, Python)."""
+
+    def predict(self, tokens: int, adapter_params: int, total_rank: int = 0) -> int:
+        """Peak bytes of a step over ``tokens`` padded tokens, ``adapter_params`` trainable parameters and
+        slots whose ranks add up to ``total_rank``."""
+        per_token = self.bytes_per_token + self.bytes_per_token_rank * total_rank
+        return int(self.static_bytes + per_token * tokens + ADAPTER_BYTES_PER_PARAM * adapter_params)
+
+    def step_seconds(self, tokens: int) -> float:
+        return self.seconds_per_step + self.seconds_per_token * tokens
+
+    def max_slots(self, budget_bytes: int, tokens_per_slot: int, params_per_slot: int, rank: int,
+                  limit: int = 256) -> int:
+        """Most slots of ``tokens_per_slot`` tokens, ``params_per_slot`` parameters and rank ``rank`` each
+        whose step fits in ``budget_bytes`` (0 if not even one fits)."""
+        n = 0
+        while n < limit and self.predict(tokens_per_slot * (n + 1), params_per_slot * (n + 1),
+                                         rank * (n + 1)) <= budget_bytes:
+            n += 1
+        return n
+
+
+def adapter_param_count(shapes: list[tuple[int, int]], rank: int) -> int:
+    """Trainable parameters of a rank-``rank`` adapter on layers of (D_in, D_out) ``shapes``."""
+    return sum(rank * (d_in + d_out) for d_in, d_out in shapes)

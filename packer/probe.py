@@ -1,0 +1,143 @@
+"""Measure a packed model's memory and time per token, to calibrate ``packer.plan.MemoryModel``.
+
+The probe runs real packed steps (forward, backward, AdamW) on random tokens at two sizes and fits
+the line through them; it trains nothing that is kept (its slot is removed afterwards). Memory is
+what tensors hold, as ``torch.cuda.max_memory_allocated`` counts it: on CUDA that function; on CPU,
+where PyTorch keeps no such statistic, a dispatch mode that adds up every tensor storage created
+while the step runs and subtracts it when the storage is freed (deterministic, unlike the resident
+set, which the C allocator's caching blurs by tens of percent).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from packer.data import Example
+from packer.model import PackedModel
+from packer.plan import ADAPTER_BYTES_PER_PARAM, AdapterSpec, MemoryModel
+from packer.train import SlotJob, train
+
+__all__ = ["peak_memory", "calibrate", "available_memory", "model_bytes"]
+
+
+def _proc_status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+class _TensorBytes(TorchDispatchMode):
+    """Live bytes of CPU tensor storages created while the mode is active, and their peak."""
+
+    def __init__(self, existing: set[int]) -> None:
+        super().__init__()
+        self.existing = existing  # ids of storages alive before (model weights): views of them are not new memory
+        self.live: dict[int, int] = {}
+        self.current = 0
+        self.peak = 0
+
+    def _free(self, key: int) -> None:
+        self.current -= self.live.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                storage = t.untyped_storage()
+                key = id(storage)
+                if key not in self.live and storage.nbytes() > 0 and key not in self.existing:
+                    self.live[key] = storage.nbytes()
+                    self.current += storage.nbytes()
+                    weakref.finalize(storage, self._free, key)  # storage objects live as long as their data
+        self.peak = max(self.peak, self.current)
+        return out
+
+
+def _model_storages(model: torch.nn.Module) -> dict[int, int]:
+    return {id(t.untyped_storage()): t.untyped_storage().nbytes()
+            for t in list(model.parameters()) + list(model.buffers())}
+
+
+def model_bytes(pm: PackedModel) -> int:
+    """Bytes of the model's parameters and buffers (distinct storages)."""
+    return sum(_model_storages(pm.model).values())
+
+
+def peak_memory(fn: Callable[[], object], pm: PackedModel) -> int:
+    """Peak bytes held by tensors on the model's device while ``fn`` runs, the model's own included."""
+    device = pm.device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+    existing = _model_storages(pm.model)
+    with _TensorBytes(set(existing)) as mode:
+        fn()
+    return sum(existing.values()) + mode.peak
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes a pack may use on ``device``: free GPU memory, or the machine's available RAM."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_allocated(device)
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024 + _proc_status("VmRSS")
+    raise RuntimeError("MemAvailable not in /proc/meminfo")
+
+
+class _Repeat:
+    def __init__(self, rows: list[Example]) -> None:
+        self.rows = rows
+
+    def next_batch(self) -> list[Example]:
+        return self.rows
+
+
+def _step(pm: PackedModel, spec: AdapterSpec, rows: list[Example], pad_id: int, steps: int) -> float:
+    jobs = [SlotJob(spec, _Repeat(rows))]
+    t0 = time.perf_counter()
+    train(pm, 1, lambda slot: jobs.pop() if jobs else None, pad_id=pad_id)
+    if pm.device.type == "cuda":
+        torch.cuda.synchronize(pm.device)
+    return (time.perf_counter() - t0) / steps
+
+
+def calibrate(pm: PackedModel, seq_len: int, *, rows: tuple[int, int] = (2, 8), vocab: int | None = None,
+              pad_id: int = 0, steps: int = 2) -> MemoryModel:
+    """Fit ``MemoryModel`` from three probes: ``rows[0]`` and ``rows[1]`` sequences of ``seq_len``
+    tokens with a rank-8 adapter (the per-token slope), and ``rows[0]`` with rank 40 (the per-rank
+    slope). Each adapter covers every linear projection; its own parameter memory is subtracted.
+    """
+    vocab = vocab or pm.model.get_input_embeddings().num_embeddings
+    gen = torch.Generator().manual_seed(0)
+    static = torch.cuda.memory_allocated(pm.device) if pm.device.type == "cuda" else model_bytes(pm)
+    points = []
+    for n, rank in ((rows[0], 8), (rows[1], 8), (rows[0], 40)):
+        ids = torch.randint(3, vocab, (n, seq_len), generator=gen).tolist()
+        examples = [Example(tuple(r), tuple(r)) for r in ids]
+        spec = AdapterSpec(rank=rank, targets=("all-linear",), max_steps=steps, lr=1e-4)
+        _step(pm, spec, examples, pad_id, steps)  # warm-up: allocator pools, kernel selection
+        seconds = _step(pm, spec, examples, pad_id, steps)  # timed outside the (slow) counting mode
+        peak = peak_memory(lambda: _step(pm, spec, examples, pad_id, steps), pm)  # noqa: B023
+        params = sum(rank * (layer.in_features + layer.out_features) for layer in pm.layers.values())
+        points.append((n * seq_len, peak - ADAPTER_BYTES_PER_PARAM * params, seconds))
+    (t1, m1, s1), (t2, m2, s2), (_, m3, _) = points
+    per_token = max(0.0, (m2 - m1) / (t2 - t1))
+    per_token_rank = max(0.0, (m3 - m1) / (t1 * (40 - 8)))
+    sec_per_token = max(0.0, (s2 - s1) / (t2 - t1))
+    intercept = int(m1 - (per_token + 8 * per_token_rank) * t1)  # base + runtime + fixed per-step workspace
+    return MemoryModel(static_bytes=max(static, intercept), bytes_per_token=per_token,
+                       bytes_per_token_rank=per_token_rank, seconds_per_token=sec_per_token,
+                       seconds_per_step=max(0.0, s1 - sec_per_token * t1))
