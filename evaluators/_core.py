@@ -1,0 +1,236 @@
+"""What every evaluator shares: the data it scores, the result it returns, and slot routing.
+
+An evaluator is ``(model, slots, data, **options) -> EvalResult``: ``model`` is a ``PackedModel`` holding
+the adapters, ``slots`` the slot ids to score, ``data`` the held-out rows (``EvalData``). Every slot is
+scored on the same items in the same order, so ``EvalResult.per_item`` lists line up across slots and a
+paired test (``evaluators.stats.paired_bootstrap``) can compare two adapters item by item.
+
+Routing: a batch holds the rows of several slots, grouped by slot as ``kernels.PackLayout`` says; the
+packed LoRA layers read the layout from the pack's shared state on every forward, so one forward (or
+one decoding step) applies each row's own adapter.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from kernels import PackLayout
+from packer.data import FORMATS, read_jsonl
+from packer.errors import ConfigError, DataError, UserError
+from packer.model import PackedModel
+
+__all__ = ["MC_FORMAT", "TEXT_FORMATS", "EvalData", "EvalResult", "SlotEvalError", "load_eval_data", "make_options",
+           "check_format", "routed", "slot_layout", "chunks", "pad_id", "finite"]
+
+MC_FORMAT = "multiple_choice"
+"""Row format of multiple-choice data: ``{"prompt": str, "choices": [str, ...], "label": int}``."""
+
+
+class SlotEvalError(UserError):
+    """One slot's evaluation failed (e.g. a custom metric raised); the other slots are still scored.
+
+    The caller marks that trial FAIL with ``str(err)`` as the reason.
+
+    Attributes:
+        slot: the slot whose evaluation failed.
+        reason: one line saying why.
+    """
+
+    def __init__(self, slot: int, reason: str) -> None:
+        self.slot = slot
+        self.reason = " ".join(reason.split())  # one line, whatever the callable put in its message
+        super().__init__(f"slot {slot}: {self.reason}")
+
+
+@dataclass(frozen=True)
+class EvalData:
+    """The held-out rows every slot is scored on.
+
+    Attributes:
+        rows: JSON rows, in file order.
+        fmt: ``packer.data`` format of the rows (``alpaca``, ``prompt_completion``, ``chat``, ``text``) or
+            ``multiple_choice``.
+        tokenizer: the base model's Hugging Face tokenizer.
+        source: file name used in error messages.
+        max_length: truncation of held-out-loss rows, as in training.
+        train_on_prompt: held-out loss over every token, as in training with ``train_on_prompt``.
+        work_dir: a study-given directory; lm-eval keeps its Hugging Face cache under ``work_dir/hf_home``.
+    """
+
+    rows: list[dict[str, Any]]
+    fmt: str
+    tokenizer: Any
+    source: str = "<rows>"
+    max_length: int = 512
+    train_on_prompt: bool = False
+    work_dir: Path | None = None
+
+
+@dataclass
+class EvalResult:
+    """What an evaluator returns.
+
+    Attributes:
+        metrics: slot -> metric name -> value (slots listed in ``errors`` may be missing).
+        per_item: slot -> metric name -> one value per item, same items and order for every slot.
+        samples: slot -> one record per item (prompt, generation, reference, scores; evaluator-specific).
+        errors: slot -> why its evaluation failed; the caller fails that trial.
+    """
+
+    metrics: dict[int, dict[str, float]] = field(default_factory=dict)
+    per_item: dict[int, dict[str, list[float]]] = field(default_factory=dict)
+    samples: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    errors: dict[int, SlotEvalError] = field(default_factory=dict)
+
+    def merge(self, other: EvalResult) -> EvalResult:
+        """Add another evaluator's result for the same slots into this one (in place); returns self."""
+        for slot, values in other.metrics.items():
+            self.metrics.setdefault(slot, {}).update(values)
+        for slot, items in other.per_item.items():
+            self.per_item.setdefault(slot, {}).update(items)
+        for slot, records in other.samples.items():
+            self.samples.setdefault(slot, []).extend(records)
+        for slot, err in other.errors.items():
+            self.errors.setdefault(slot, err)
+        return self
+
+
+def load_eval_data(path: str | Path, tokenizer: Any, *, fmt: str = "auto", max_length: int = 512,
+                   train_on_prompt: bool = False, work_dir: str | Path | None = None) -> EvalData:
+    """Read a held-out JSONL file.
+
+    Args:
+        path: JSONL file.
+        tokenizer: the base model's tokenizer.
+        fmt: one of ``packer.data.FORMATS``, ``multiple_choice``, or ``auto`` (rows with ``choices`` are
+            multiple choice; otherwise ``packer.data`` detects the format).
+        max_length: see ``EvalData``.
+        train_on_prompt: see ``EvalData``.
+        work_dir: see ``EvalData``.
+
+    Raises:
+        DataError: missing file, invalid JSON or a row without the format's fields (names ``file:line``).
+    """
+    if fmt == MC_FORMAT or (fmt == "auto" and _first_row_has(path, "choices")):
+        fmt, rows = MC_FORMAT, _read_choice_rows(path)
+    else:
+        fmt, rows = read_jsonl(path, fmt)
+    return EvalData(rows, fmt, tokenizer, str(path), max_length, train_on_prompt,
+                    Path(work_dir) if work_dir is not None else None)
+
+
+def _first_row_has(path: str | Path, key: str) -> bool:
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            line = next((ln for ln in f if ln.strip()), "")
+        return isinstance(row := json.loads(line), dict) and key in row
+    except (OSError, json.JSONDecodeError):
+        return False  # read_jsonl reports it with file:line
+
+
+def _read_choice_rows(path: str | Path) -> list[dict[str, Any]]:
+    rows = []
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            for lineno, line in enumerate(f, start=1):
+                if line.strip():
+                    rows.append(_check_choice_row(line, f"{path}:{lineno}"))
+    except FileNotFoundError:
+        raise DataError(f"{path}: file not found") from None
+    except OSError as err:
+        raise DataError(f"{path}: cannot read ({err.strerror})") from None
+    if not rows:
+        raise DataError(f"{path}: no rows")
+    return rows
+
+
+def _check_choice_row(line: str, where: str) -> dict[str, Any]:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise DataError(f"{where}: invalid JSON: {err.msg} (column {err.colno})") from None
+    ok = (isinstance(row, dict) and isinstance(row.get("prompt"), str) and isinstance(row.get("choices"), list)
+          and len(row["choices"]) > 0 and all(isinstance(c, str) and c for c in row["choices"]))
+    if not ok:
+        raise DataError(f"{where}: a {MC_FORMAT} row needs 'prompt' (string) and 'choices' (non-empty strings)")
+    label = row.get("label")
+    if not (isinstance(label, int) and not isinstance(label, bool) and 0 <= label < len(row["choices"])):
+        raise DataError(f"{where}: field 'label' must be an index into 'choices' (got {label!r})")
+    return row
+
+
+def check_format(data: EvalData, allowed: Sequence[str], evaluator: str) -> None:
+    """Raise ``DataError`` unless ``data.fmt`` is one ``evaluator`` can score."""
+    if data.fmt not in allowed:
+        raise DataError(f"{data.source}: the {evaluator} evaluator needs rows of format "
+                        f"{' or '.join(allowed)}, got {data.fmt}")
+
+
+TEXT_FORMATS = tuple(f for f in FORMATS if f != "text")
+"""Formats with a prompt and a response (generation and custom evaluators)."""
+
+
+def make_options(cls: type[Any], options: Mapping[str, Any], evaluator: str) -> Any:
+    """Build an evaluator's options dataclass; errors name ``<evaluator>.options.<key>``.
+
+    Raises:
+        ConfigError: unknown option, or a value the dataclass rejects.
+    """
+    known = sorted(f.name for f in fields(cls))
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ConfigError(f"{evaluator}.options: unknown option {unknown[0]!r} (expected: {', '.join(known)})")
+    missing = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING
+               and f.name not in options]
+    if missing:
+        raise ConfigError(f"{evaluator}.options.{missing[0]}: is required")
+    try:
+        return cls(**options)
+    except ConfigError as err:
+        raise ConfigError(f"{evaluator}.options.{err}") from None
+
+
+def slot_layout(slots: Sequence[int], rows_per_slot: int, seq_len: int) -> PackLayout:
+    """Layout of a batch where each slot owns ``rows_per_slot`` consecutive rows, dropout off."""
+    n = len(slots)
+    return PackLayout(slots=tuple(slots), row_start=tuple(g * rows_per_slot for g in range(n)),
+                      n_rows=(rows_per_slot,) * n, own_len=(seq_len,) * n, dropout=(0.0,) * n, seed=(0,) * n)
+
+
+@contextmanager
+def routed(model: PackedModel, layout: PackLayout | None) -> Iterator[None]:
+    """Route every forward of ``model.model`` inside the block through ``layout``."""
+    model.state.layout = layout
+    try:
+        yield
+    finally:
+        model.state.layout = None
+
+
+def chunks(n: int, size: int) -> Iterator[range]:
+    """Consecutive index ranges of at most ``size`` covering ``range(n)``."""
+    for start in range(0, n, size):
+        yield range(start, min(n, start + size))
+
+
+def pad_id(tokenizer: Any) -> int:
+    """The tokenizer's padding id (EOS when it has none; padded positions are masked anyway)."""
+    pid = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return int(pid) if pid is not None else 0
+
+
+def finite(value: float, what: str) -> float:
+    """``value`` as a float; raises ``ValueError`` naming ``what`` if it is not a finite number."""
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a number, got {type(value).__name__}") from None
+    if not math.isfinite(out):
+        raise ValueError(f"{what} must be finite, got {out}")
+    return out

@@ -1,0 +1,114 @@
+"""CPU benchmark: N adapters evaluated packed (all slots per forward) vs one slot at a time.
+
+A command, not a timed test (``sweep bench --cpu-eval``). It builds a tiny random-init model in a temporary
+directory, adds N adapters with random non-zero weights (``packer.bench.bench_specs``: ranks 4..32, several
+target sets), and times held-out loss and greedy generation on the same arithmetic items both ways, after
+one warm-up call of each path. Both ways do the same work per adapter and give the same numbers.
+"""
+
+from __future__ import annotations
+
+import platform
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from evaluators._core import EvalData
+from evaluators.generation import generation
+from evaluators.heldout_loss import heldout_loss
+from packer.bench import bench_specs
+from packer.model import PackedModel, load_base
+from packer.tiny import arithmetic_rows, build_tiny_model
+
+__all__ = ["EvalBenchResult", "cpu_eval_bench"]
+
+
+@dataclass(frozen=True)
+class EvalBenchResult:
+    """Wall-clock seconds of each way of evaluating the same adapters on the same items."""
+
+    adapters: int
+    items: int
+    max_new_tokens: int
+    packed_loss_s: float
+    sequential_loss_s: float
+    packed_generation_s: float
+    sequential_generation_s: float
+    environment: str
+
+    def table(self) -> str:
+        """A plain-text table for the terminal and BENCHMARKS.md."""
+        lines = [f"{self.adapters} adapters x {self.items} items, {self.max_new_tokens} new tokens; {self.environment}",
+                 f"{'evaluation':<18}{'packed s':>10}{'one at a time s':>17}{'packed speed-up':>17}"]
+        for name, packed, seq in (("held-out loss", self.packed_loss_s, self.sequential_loss_s),
+                                  ("generation", self.packed_generation_s, self.sequential_generation_s)):
+            lines.append(f"{name:<18}{packed:>10.2f}{seq:>17.2f}{seq / packed:>16.2f}x")
+        return "\n".join(lines)
+
+
+def _pack(model_dir: Path, adapters: int) -> tuple[PackedModel, object]:
+    model, tokenizer = load_base(str(model_dir))
+    pm = PackedModel(model)
+    generator = torch.Generator().manual_seed(0)
+    for slot, spec in enumerate(bench_specs(adapters, steps=1)):
+        pm.add_slot(slot, spec)
+        with torch.no_grad():
+            for _, b in pm.slot_weights(slot).values():  # B = 0 at init: make every adapter change the model
+                b.normal_(0.0, 0.05, generator=generator)
+    return pm, tokenizer
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def cpu_eval_bench(adapters: int = 8, items: int = 64, max_new_tokens: int = 8, *, batch_size: int = 8,
+                   progress: Callable[[str], None] = print) -> EvalBenchResult:
+    """Evaluate ``adapters`` adapters packed and one at a time; returns the timings.
+
+    Args:
+        adapters: number of adapters (slots).
+        items: held-out arithmetic items (prompt/completion rows).
+        max_new_tokens: generation length per answer.
+        batch_size: items per slot in one forward (the same in both ways).
+        progress: called with a line before each timed part.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_tiny_model("llama", Path(tmp) / "tiny-llama", seed=0)
+        pm, tokenizer = _pack(model_dir, adapters)
+        data = EvalData(arithmetic_rows(items, seed=1, fmt="prompt_completion"), "prompt_completion", tokenizer)
+        warm = EvalData(data.rows[:2], data.fmt, tokenizer)
+        slots = list(range(adapters))
+        gen_opts = {"max_new_tokens": max_new_tokens, "batch_size": batch_size}
+        for run_slots in (slots, slots[:1]):  # warm-up: first-call allocations and kernel selection
+            heldout_loss(pm, run_slots, warm, batch_size=batch_size)
+            generation(pm, run_slots, warm, **gen_opts)
+        progress("held-out loss, packed ...")
+        packed_loss = _timed(lambda: heldout_loss(pm, slots, data, batch_size=batch_size))
+        progress("held-out loss, one adapter at a time ...")
+        seq_loss = _timed(lambda: [heldout_loss(pm, [s], data, batch_size=batch_size) for s in slots])
+        progress("generation, packed ...")
+        packed_gen = _timed(lambda: generation(pm, slots, data, **gen_opts))
+        progress("generation, one adapter at a time ...")
+        seq_gen = _timed(lambda: [generation(pm, [s], data, **gen_opts) for s in slots])
+    return EvalBenchResult(adapters, items, max_new_tokens, packed_loss, seq_loss, packed_gen, seq_gen,
+                           _environment())
+
+
+def _environment() -> str:
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    threads = torch.get_num_threads()
+    return f"{cpu}, {threads} threads; torch {torch.__version__}, transformers {transformers.__version__}"

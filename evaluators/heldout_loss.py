@@ -1,0 +1,99 @@
+"""Held-out loss and perplexity of every slot, all slots in one packed forward per batch.
+
+The loss is training's: rows tokenized and prompt-masked by ``packer.data.tokenize_rows`` with the study's
+``max_length`` and ``train_on_prompt``, next-token cross-entropy from ``packer.train.slot_losses``. A slot's
+``eval_loss`` is the mean over all target tokens of the held-out set (sum of token losses / token count),
+so it does not depend on the batch size; ``perplexity`` is ``exp(eval_loss)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from evaluators._core import EvalData, EvalResult, check_format, chunks, make_options, pad_id
+from kernels import PackLayout
+from packer.batch import PackBatch, collate
+from packer.data import FORMATS, tokenize_rows
+from packer.errors import ConfigError
+from packer.model import PackedModel
+from packer.train import slot_losses
+
+__all__ = ["HeldoutOptions", "heldout_loss", "METRICS"]
+
+METRICS = {"eval_loss": "minimize", "perplexity": "minimize"}
+
+
+@dataclass(frozen=True)
+class HeldoutOptions:
+    """Options of the ``heldout_loss`` evaluator."""
+
+    batch_size: int = 8
+    """Held-out rows per slot in one forward (a forward holds ``batch_size * len(slots)`` rows)."""
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.batch_size, int) and self.batch_size >= 1):
+            raise ConfigError(f"batch_size: must be an integer >= 1 (got {self.batch_size!r})")
+
+
+def heldout_loss(model: PackedModel, slots: Sequence[int], data: EvalData, **options: Any) -> EvalResult:
+    """Mean next-token cross-entropy over the target tokens of the held-out rows, per slot.
+
+    Args:
+        model: the packed model holding the slots.
+        slots: slots to score.
+        data: held-out rows in a ``packer.data`` format.
+        **options: ``HeldoutOptions`` fields.
+
+    Returns:
+        ``eval_loss`` and ``perplexity`` per slot; ``per_item["eval_loss"]``: each row's mean token loss.
+
+    Raises:
+        ConfigError: unknown or invalid option.
+        DataError: rows of the wrong format.
+    """
+    opts: HeldoutOptions = make_options(HeldoutOptions, options, "heldout_loss")
+    check_format(data, FORMATS, "heldout_loss")
+    examples = tokenize_rows(data.rows, data.fmt, data.tokenizer, max_length=data.max_length,
+                             train_on_prompt=data.train_on_prompt, source=data.source)
+    n = len(slots)
+    loss_sum = [0.0] * n
+    tokens = [0.0] * n
+    per_item: list[list[float]] = [[] for _ in slots]
+    with torch.no_grad():
+        for idx in chunks(len(examples), opts.batch_size):
+            rows: list[Any] = [examples[i] for i in idx]  # Example satisfies packer.batch.Row
+            batch = collate(slots, [rows] * n, pad_id(data.tokenizer), dropout=[0.0] * n, seeds=[0] * n,
+                            device=model.device)
+            logits = model.forward(batch.input_ids, batch.attention_mask, batch.layout)  # (B, L, V)
+            means, counts = slot_losses(logits, batch.labels, _one_segment_per_row(batch))  # (B,), (B,)
+            row_loss: list[float] = means.tolist()
+            row_tokens: list[float] = counts.tolist()
+            for g in range(n):
+                r0 = batch.layout.row_start[g]
+                for r in range(r0, r0 + len(rows)):
+                    loss_sum[g] += row_loss[r] * row_tokens[r]
+                    tokens[g] += row_tokens[r]
+                    per_item[g].append(row_loss[r])
+    result = EvalResult()
+    for g, slot in enumerate(slots):
+        mean = loss_sum[g] / max(tokens[g], 1.0)
+        result.metrics[slot] = {"eval_loss": mean, "perplexity": math.exp(min(mean, 700.0))}
+        result.per_item[slot] = {"eval_loss": per_item[g]}
+    return result
+
+
+def _one_segment_per_row(batch: PackBatch) -> PackBatch:
+    """The same batch seen by ``slot_losses`` as one segment per row, so it returns per-row means and counts.
+
+    A slot's mean over the whole set is then sum(row mean * row count) / sum(row count): exactly
+    ``slot_losses`` over all its rows at once.
+    """
+    b = batch.input_ids.shape[0]
+    layout = PackLayout(slots=tuple(range(b)), row_start=tuple(range(b)), n_rows=(1,) * b, own_len=(0,) * b,
+                        dropout=(0.0,) * b, seed=(0,) * b)
+    return batch._replace(layout=layout)

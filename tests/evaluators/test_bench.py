@@ -1,0 +1,14 @@
+"""The CPU evaluation benchmark runs (a tiny size; the real one is ``sweep bench --cpu-eval``)."""
+
+from __future__ import annotations
+
+from evaluators.bench import cpu_eval_bench
+
+
+def test_cpu_eval_bench_reports_timings() -> None:
+    lines: list[str] = []
+    result = cpu_eval_bench(adapters=2, items=4, max_new_tokens=2, progress=lines.append)
+    assert result.adapters == 2 and len(lines) == 4
+    assert min(result.packed_loss_s, result.sequential_loss_s, result.packed_generation_s,
+               result.sequential_generation_s) > 0
+    assert "held-out loss" in result.table() and "generation" in result.table()

@@ -1,0 +1,57 @@
+"""Cost metrics from the trainer's numbers, and the paired bootstrap."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from evaluators.cost import adapter_params, cost_metrics, device_seconds, memory_share, slot_adapter_params
+from evaluators.stats import paired_bootstrap
+from packer.model import PackedModel, load_base
+from packer.plan import AdapterSpec
+
+
+def test_adapter_params_from_shapes_equals_the_slot(tiny_dirs) -> None:
+    pm = PackedModel(load_base(str(tiny_dirs("llama")))[0])
+    pm.add_slot(0, AdapterSpec(rank=4, targets=("q_proj", "k_proj", "down_proj")))
+    shapes = [(layer.in_features, layer.out_features) for p, layer in pm.layers.items() if p in pm.slot_paths[0]]
+    # llama tiny: q 64->64, k 64->32 (GQA), down 128->64, two layers
+    assert adapter_params(shapes, 4) == 2 * 4 * ((64 + 64) + (64 + 32) + (128 + 64)) == slot_adapter_params(pm, 0)
+
+
+def test_time_and_memory_are_shared_by_tokens() -> None:
+    assert device_seconds(100.0, 250, 1000) == 25.0
+    assert device_seconds(100.0, 0, 0) == 0.0
+    assert memory_share(1000.0, 1, 4) == 250.0
+    assert memory_share(1000.0, 1, 4, n_trials=2, base_bytes=600.0) == 300.0 + 100.0
+    with pytest.raises(ValueError):
+        device_seconds(1.0, 5, 4)
+    m = cost_metrics(adapter_params=1024, trial_tokens=300, pack_tokens=1200, pack_seconds=8.0, peak_bytes=2**30,
+                     n_trials=4)
+    assert m == {"adapter_params": 1024.0, "train_tokens": 300.0, "device_seconds": 2.0, "peak_memory_mb": 256.0}
+    assert "peak_memory_mb" not in cost_metrics(adapter_params=1, trial_tokens=1, pack_tokens=1, pack_seconds=1.0)
+
+
+def test_paired_bootstrap() -> None:
+    rng = np.random.default_rng(0)
+    b = rng.integers(0, 2, 200).astype(float)
+    a = np.where(rng.random(200) < 0.2, 1.0, b)  # a = b, plus ~20% extra items right
+    mean, low, high = paired_bootstrap(a, b, seed=1)
+    assert mean == pytest.approx((a - b).mean())
+    assert 0 < low < mean < high
+    assert paired_bootstrap(a, b, seed=1) == (mean, low, high)  # fixed seed: reproducible
+    assert paired_bootstrap(b, b) == (0.0, 0.0, 0.0)
+    assert paired_bootstrap([1.0], [0.0]) == (1.0, 1.0, 1.0)
+    with pytest.raises(ValueError, match="equally long"):
+        paired_bootstrap([1.0, 0.0], [1.0])
+
+
+def test_paired_bootstrap_without_scipy(monkeypatch) -> None:
+    import sys
+
+    a, b = [1.0, 0.0, 1.0, 1.0, 0.0, 1.0], [0.0, 0.0, 1.0, 0.0, 0.0, 1.0]
+    with_scipy = paired_bootstrap(a, b, n_resamples=4000)
+    monkeypatch.setitem(sys.modules, "scipy.stats", None)
+    mean, low, high = paired_bootstrap(a, b, n_resamples=4000)
+    assert mean == with_scipy[0] and low <= mean <= high
+    assert low == pytest.approx(with_scipy[1], abs=0.1) and high == pytest.approx(with_scipy[2], abs=0.1)

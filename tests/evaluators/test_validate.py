@@ -1,0 +1,65 @@
+"""Study-file checks owned by the evaluators: names, options, metric names, task files; one-line errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from evaluators import EVALUATORS, METRICS, OPTIONS, metric_direction, metrics_of, validate
+from evaluators.generation import GenerationOptions
+from packer.errors import ConfigError
+
+METRICS_FILE = Path(__file__).parent / "data" / "metrics.py"
+
+
+def _one_line(exc: pytest.ExceptionInfo) -> str:
+    msg = str(exc.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_every_evaluator_has_options_and_defaults_validate() -> None:
+    assert set(EVALUATORS) == set(OPTIONS) == {"heldout_loss", "generation", "multiple_choice", "lm_eval", "custom"}
+    for name in ("heldout_loss", "generation", "multiple_choice"):
+        assert validate(name) == OPTIONS[name]()
+    assert validate("generation", {"max_new_tokens": 8, "stop": "\n"}) == GenerationOptions(8, stop=("\n",))
+    assert set(METRICS) >= {"eval_loss", "perplexity", "exact_match", "adapter_params", "device_seconds"}
+    assert set(METRICS.values()) == {"minimize", "maximize"}
+
+
+@pytest.mark.parametrize(("name", "options", "pattern"), [
+    ("bleu_score", {}, r"^evaluators: unknown evaluator 'bleu_score' \(expected one of: heldout_loss, "),
+    ("heldout_loss", {"batchsize": 4}, r"^heldout_loss\.options: unknown option 'batchsize' \(expected: batch_size\)"),
+    ("generation", {"scorers": ["exact_match", "rouge"]}, r"^generation\.options\.scorers: unknown metric 'rouge'"),
+    ("generation", {"max_new_tokens": 0}, r"^generation\.options\.max_new_tokens: must be an integer >= 1"),
+    ("lm_eval", {}, r"^lm_eval\.options\.tasks: is required$"),
+    ("lm_eval", {"tasks": ["/no/such/task.yaml"]}, r"^lm_eval\.options\.tasks: task file not found: /no/such/task"),
+    ("lm_eval", {"tasks": ["t"], "include_path": "/no/such/dir"}, r"include_path: folder not found: /no/such/dir"),
+    ("custom", {"function": "nope_module_xyz:f"}, r"^custom\.options\.function: cannot import 'nope_module_xyz'"),
+    ("custom", {"function": f"{METRICS_FILE}:says_yes", "direction": "up"}, r"^custom\.options\.direction: must be"),
+])
+def test_bad_entries(name: str, options: dict, pattern: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        validate(name, options)
+    assert _one_line(err)
+    assert err.match(pattern)
+
+
+def test_metric_names_of_objectives(tmp_path) -> None:
+    task = tmp_path / "t.yaml"
+    task.write_text("task: tiny_gen\noutput_type: generate_until\ndoc_to_text: !function utils.f\n")
+    entries = [("heldout_loss", None), ("generation", {"scorers": ["numeric_match"]}),
+               ("custom", {"function": f"{METRICS_FILE}:says_yes", "metric": "yes_rate", "direction": "maximize"}),
+               ("lm_eval", {"tasks": [str(task)]})]
+    assert metrics_of("generation", {"scorers": ["numeric_match"]}) == {"numeric_match": "maximize"}
+    assert metric_direction("eval_loss", entries) == "minimize"
+    assert metric_direction("numeric_match", entries) == "maximize"
+    assert metric_direction("yes_rate", entries) == "maximize"
+    assert metric_direction("adapter_params", entries) == "minimize"  # cost metrics are always there
+    assert metric_direction("tiny_gen.exact_match", entries) == "maximize"
+    assert metric_direction("tiny_gen.perplexity", entries) == "minimize"
+    for unknown in ("exact_match", "accuracy", "other_task.acc"):
+        with pytest.raises(ConfigError, match=rf"^metric: unknown metric '{unknown}' \(reported: ") as err:
+            metric_direction(unknown, entries)
+        assert "lm-eval metrics read <task>.<metric> for tasks tiny_gen" in _one_line(err)
