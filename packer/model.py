@@ -37,7 +37,9 @@ def load_base(name_or_path: str, *, dtype: str = "float32", device: str = "cpu",
         UserError: the path does not exist or transformers cannot load it (one line).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # the sweep shows its own progress; keep stderr for what matters
     if dtype != "auto" and dtype not in DTYPES:
         raise ConfigError(f"model.dtype: must be one of auto, {', '.join(DTYPES)} (got {dtype!r})")
     looks_local = name_or_path.startswith((".", "/", "~")) or Path(name_or_path).exists()

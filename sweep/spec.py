@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
+import evaluators
 from packer.data import FORMATS as DATA_FORMATS
 from packer.errors import ConfigError
 from packer.plan import AdapterSpec
@@ -31,7 +32,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 FORMATS = ("auto", *DATA_FORMATS)
 _FORMAT_ALIASES = {"messages": "chat", "sharegpt": "chat", "completion": "prompt_completion"}
 SAMPLERS = ("tpe", "random", "grid", "gp", "nsga2")
-EVALUATORS = ("heldout_loss", "generation", "lm_eval", "custom")
+EVALUATORS = tuple(evaluators.EVALUATORS)
 _D = AdapterSpec()
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
@@ -269,8 +270,8 @@ def _jsonlike(x: object) -> bool:
 class EvalSpec:
     """One evaluator run on every trial; its options are checked by the evaluator itself."""
 
-    name: Literal["heldout_loss", "generation", "lm_eval", "custom"]
-    """One of ``EVALUATORS``."""
+    name: str
+    """One of ``EVALUATORS`` (``evaluators.EVALUATORS``)."""
     options: Mapping[str, object] = field(default_factory=dict, hash=False)
     """Evaluator options: string keys, JSON-like values."""
 
@@ -282,6 +283,10 @@ class EvalSpec:
             "must be a mapping of names to plain values",
             self.options,
         )
+        try:
+            evaluators.validate(self.name, self.options)
+        except ConfigError as e:  # the evaluator owns its options; strip its "evaluators: " prefix
+            raise ConfigError(str(e).removeprefix("evaluators: ")) from None
 
 
 @dataclass(frozen=True)
@@ -339,7 +344,23 @@ class StudySpec:
         names = [e.name for e in self.evaluators]
         for i, n in enumerate(names):
             _check(names.index(n) == i, f"evaluators.{i}.name", "is listed twice", n)
-        needs_eval = [n for n in names if n in ("heldout_loss", "generation")]
+        entries = [(e.name, e.options) for e in self.evaluators]
+        for i, o in enumerate(self.objectives):
+            try:
+                evaluators.metric_direction(o.metric, entries)
+            except ConfigError as e:
+                raise ConfigError(f"objectives.{i}.{e}") from None
+        for i, c in enumerate(self.constraints):
+            try:
+                evaluators.metric_direction(c.metric, entries)
+            except ConfigError as e:
+                raise ConfigError(f"constraints.{i}.{e}") from None
+        if self.pruning.kind == "cohort_sha" and self.pruning.proxy is not None:
+            try:
+                evaluators.metric_direction(self.pruning.proxy, entries)
+            except ConfigError as e:
+                raise ConfigError(f"pruning.proxy: {str(e).removeprefix('metric: ')}") from None
+        needs_eval = [n for n in names if n in ("heldout_loss", "generation", "multiple_choice", "custom")]
         if self.data.eval is None and needs_eval:
             raise ConfigError(f"data.eval: is needed by {', '.join(needs_eval)}")
         if self.sampler.name == "grid":

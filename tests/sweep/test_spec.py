@@ -113,6 +113,7 @@ def test_wandb_parameters_block(folder: Path) -> None:
     text = """\
 method: random
 metric: {name: exact_match, goal: maximize}
+evaluators: [heldout_loss, generation]
 run_cap: 10
 model: org/tiny-model
 data: {train: train.jsonl, eval: eval.jsonl}
@@ -143,7 +144,8 @@ parameters:
 
 
 def test_overrides(folder: Path) -> None:
-    path = write(folder, BASE + "objectives:\n  - {metric: exact_match, direction: maximize}\n")
+    text = BASE + "objectives:\n  - {metric: exact_match, direction: maximize}\nevaluators: [generation]\n"
+    path = write(folder, text)
     s = load_study(
         path,
         [
@@ -270,7 +272,7 @@ def test_existing_local_model_dir(folder: Path) -> None:
 def test_string_forms_of_objectives_constraints_sampler_pruning(folder: Path) -> None:
     text = BASE + (
         "objectives: [maximise exact_match, min adapter_params]\n"
-        "constraints: ['peak_mem_gb <= 20', {metric: eval_loss, op: '>=', value: 0}]\n"
+        "constraints: ['peak_memory_mb <= 20', {metric: eval_loss, op: '>=', value: 0}]\n"
         "sampler: {name: nsga2, population_size: 8}\n"
         "pruning: none\npacking: 4\nevaluators: [heldout_loss, {name: generation, options: {max_new_tokens: 4}}]\n"
     )
@@ -280,7 +282,7 @@ def test_string_forms_of_objectives_constraints_sampler_pruning(folder: Path) ->
         ("adapter_params", "minimize"),
     ]
     c = s.constraints[0]
-    assert (c.metric, c.op, c.value) == ("peak_mem_gb", "<=", 20.0) and c.violation(25.0) == 5.0
+    assert (c.metric, c.op, c.value) == ("peak_memory_mb", "<=", 20.0) and c.violation(25.0) == 5.0
     assert s.constraints[1].violation(1.0) == -1.0
     assert s.sampler.population_size == 8 and s.pruning.kind == "none" and s.packing.max_slots == 4
     assert dict(s.evaluators[1].options) == {"max_new_tokens": 4}
@@ -289,9 +291,10 @@ def test_string_forms_of_objectives_constraints_sampler_pruning(folder: Path) ->
 
 def test_prune_metric(folder: Path) -> None:
     single = BASE + "objectives: [maximize exact_match]\npruning: {kind: cohort_sha, rungs: [10]}\n"
+    single += "evaluators: [generation]\n"
     assert load_study(write(folder, single)).prune_metric() == ("exact_match", "maximize")
     proxy = BASE + "objectives: [maximize exact_match, minimize adapter_params]\n"
-    proxy += "pruning: {kind: cohort_sha, rungs: [10], proxy: exact_match}\n"
+    proxy += "pruning: {kind: cohort_sha, rungs: [10], proxy: exact_match}\nevaluators: [generation]\n"
     assert load_study(write(folder, proxy)).prune_metric() == ("exact_match", "maximize")
 
 
@@ -306,3 +309,12 @@ def test_search_space_rules() -> None:
         Param("lr", "float", low=1e-4, high=1e-2, log=True, step=1e-4)
     with pytest.raises(ConfigError, match=re.escape("targets: unknown target set (got 'attn')")):
         SearchSpace((Param("targets", "categorical", choices=("attn",)),))
+
+
+def test_metric_names_are_checked_against_the_evaluators(folder: Path) -> None:
+    with pytest.raises(ConfigError, match=r"study.yaml:\d+: objectives.0.metric: unknown metric 'exact_match'"):
+        load_study(write(folder, BASE + "objectives: [maximize exact_match]\n"))  # no generation evaluator
+    with pytest.raises(ConfigError, match=r"constraints.0.metric: unknown metric 'peak_mem_gb'"):
+        load_study(write(folder, BASE + "constraints: ['peak_mem_gb <= 20']\n"))
+    with pytest.raises(ConfigError, match=r"study.yaml:\d+: evaluators.0.name: must be one of heldout_loss"):
+        load_study(write(folder, BASE + "evaluators: [bleu]\n"))

@@ -1,0 +1,202 @@
+"""Open a study directory: create it, or resume it after a stop or a crash.
+
+The Optuna storage is the source of truth. Trials it still holds as RUNNING belong to a run that
+died (a kill loses at most the in-flight work): they are told FAIL, marked ``orphaned`` in the
+results store and their parameters enqueued again, so the constant-liar sampler does not avoid
+their region forever and the budget counts stay exact (an orphan does not count, its retry does).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+
+from packer.errors import UserError
+from packer.model import PackedModel, load_base
+from sweep.space import default_params, make_sampler
+from sweep.spec import StudySpec
+from sweep.store import ResultsStore, StudyDir
+
+__all__ = ["Session", "open_session", "budget_state", "BudgetState", "ORPHAN_REASON"]
+
+ORPHAN_REASON = "orphaned: the run stopped while this trial trained; its parameters were enqueued again"
+_FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+
+
+@dataclass
+class Session:
+    """Everything one ``sweep run`` works with."""
+
+    spec: StudySpec
+    sdir: StudyDir
+    store: ResultsStore
+    study: optuna.Study
+    pm: PackedModel
+    tokenizer: Any
+    capacity: int
+    pad_id: int
+    finished: int = 0
+    """Trials that count against the budget (finished, orphans excluded)."""
+    tokens: int = 0
+    """Tokens trained by earlier runs."""
+    elapsed: float = 0.0
+    """Wall seconds of earlier runs."""
+    completed: list[tuple[int, list[float]]] = field(default_factory=list)
+
+    def rung_history(self, metric: str) -> dict[int, dict[int, float]]:
+        """{rung: {trial: value}} of ``metric`` from earlier runs, so pruning continues where it was."""
+        out: dict[int, dict[int, float]] = {}
+        for row in self.store.evals(kind="rung"):
+            if row.metric == metric:
+                out.setdefault(row.step, {})[row.trial] = math.nan if row.value is None else row.value
+        return out
+
+    def finished_count(self) -> int:
+        return self.finished
+
+    def best_text(self) -> str:
+        if not self.completed:
+            return "-"
+        objectives = self.spec.objectives
+        if len(objectives) == 1:
+            sign = 1 if objectives[0].direction == "minimize" else -1
+            number, values = min(self.completed, key=lambda c: sign * c[1][0])
+            return f"#{number} {objectives[0].metric}={values[0]:.4g}"
+        return f"{len(_pareto(self.completed, [o.direction for o in objectives]))} on the Pareto front"
+
+    def record(self, number: int, state: TrialState, values: list[float] | None) -> None:
+        self.finished += 1
+        if state == TrialState.COMPLETE and values is not None:
+            self.completed.append((number, values))
+
+    def add_elapsed(self, seconds: float) -> None:
+        self.store.set_meta(elapsed=self.elapsed + seconds)
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def _pareto(points: list[tuple[int, list[float]]], directions: list[str]) -> list[int]:
+    signs = [1 if d == "minimize" else -1 for d in directions]
+
+    def dominates(a: list[float], b: list[float]) -> bool:
+        pa, pb = [s * x for s, x in zip(signs, a, strict=True)], [s * x for s, x in zip(signs, b, strict=True)]
+        return all(x <= y for x, y in zip(pa, pb, strict=True)) and pa != pb
+
+    return [n for n, v in points if not any(dominates(w, v) for _, w in points)]
+
+
+@dataclass(frozen=True)
+class BudgetState:
+    exhausted: bool
+    reason: str = ""
+
+
+def budget_state(spec: StudySpec, s: Session, *, live: int, elapsed: float, live_tokens: int) -> BudgetState:
+    """Whether another trial may start: whichever budget ends first."""
+    b = spec.budget
+    if b.trials is not None and s.finished + live >= b.trials:
+        return BudgetState(True, f"{b.trials} trials")
+    if b.tokens is not None and s.tokens + live_tokens >= b.tokens:
+        return BudgetState(True, f"{b.tokens} tokens")
+    if b.wall_time is not None and s.elapsed + elapsed >= b.wall_time:
+        return BudgetState(True, f"{b.wall_time:.0f} s of wall time")
+    return BudgetState(False)
+
+
+def _space_fingerprint(spec: StudySpec) -> str:
+    return json.dumps([[p.name, p.kind, p.low, p.high, p.log, p.step, [str(c) for c in p.choices]]
+                       for p in spec.search.params], sort_keys=True)
+
+
+def _optuna_study(spec: StudySpec, sdir: StudyDir) -> optuna.Study:
+    storage = spec.storage or sdir.optuna_url
+    try:
+        existing = [s.study_name for s in optuna.get_all_study_summaries(storage)]
+    except Exception as err:  # SQLAlchemy raises many types for an unreachable or malformed URL
+        raise UserError(f"storage: cannot open {storage!r}: {str(err).splitlines()[0]}") from err
+    n_trials = 0
+    if spec.name in existing:
+        old = optuna.load_study(study_name=spec.name, storage=storage)
+        if old.user_attrs.get("search_space") not in (None, _space_fingerprint(spec)):
+            raise UserError(f"study {spec.name!r} already exists in {storage} with a different search space; "
+                            f"give the study another name or output directory")
+        if old.directions != [optuna.study.StudyDirection[d.upper()] for d in spec.directions]:
+            raise UserError(f"study {spec.name!r} already exists in {storage} with other objective directions")
+        n_trials = len(old.trials)
+    # Seeding by the trial count keeps a resumed random or TPE sampler from replaying its first proposals.
+    sampler = make_sampler(spec.sampler, spec.seed + n_trials, spec.search)
+    study = optuna.create_study(study_name=spec.name, storage=storage, sampler=sampler,
+                                directions=spec.directions, load_if_exists=True)
+    if n_trials == 0:
+        study.set_user_attr("search_space", _space_fingerprint(spec))
+        with warnings.catch_warnings():  # "experimental since 3.2": it names the axes in optuna-dashboard
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            study.set_metric_names([o.metric for o in spec.objectives])
+        default = default_params(spec.search)
+        if default is not None:  # the community default, so the report can show the gain over it
+            study.enqueue_trial(default, user_attrs={"default": True})
+    return study
+
+
+def _recover(study: optuna.Study, store: ResultsStore, log: Callable[[str], None]) -> None:
+    """Fail and re-enqueue orphaned RUNNING trials; bring the results store in line with Optuna."""
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        study.tell(t.number, state=TrialState.FAIL)
+        store.upsert_trial(t.number, state="FAIL", reason=ORPHAN_REASON)
+        attrs = {"retry_of": t.number, **({"default": True} if t.user_attrs.get("default") else {})}
+        study.enqueue_trial(t.params, user_attrs=attrs)
+        log(f"trial {t.number} was left RUNNING by a stopped run: failed and enqueued again")
+    recorded = {r.number: r for r in store.trials()}
+    for t in study.get_trials(deepcopy=False, states=_FINISHED):
+        row = recorded.get(t.number)
+        if row is None or row.state != t.state.name:
+            store.upsert_trial(t.number, state=t.state.name, params=t.params, objective_values=t.values,
+                               user_attrs=dict(t.user_attrs))
+
+
+def _capacity(spec: StudySpec, pm: PackedModel, log: Callable[[str], None]) -> int:
+    if spec.packing.max_slots != "auto":
+        return int(spec.packing.max_slots)
+    from sweep.planning import auto_slots
+
+    n = auto_slots(spec, pm)
+    log(f"packing: auto -> {n} slots")
+    return n
+
+
+def open_session(spec: StudySpec, *, log: Callable[[str], None] = print) -> Session:
+    """Create or resume the study in ``spec.out_dir`` and load the base model once."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # our progress and store say what happened
+    sdir = StudyDir(spec.out_dir).create()
+    if spec.source is not None:
+        sdir.write_study_yaml(spec.source.read_text())
+    store = ResultsStore(sdir.results_db)
+    study = _optuna_study(spec, sdir)
+    _recover(study, store, log)
+    store.set_meta(name=spec.name, storage=spec.storage or sdir.optuna_url, model=spec.model.path,
+                   data=str(spec.data.train), objectives=[o.metric for o in spec.objectives],
+                   directions=spec.directions)
+    device = spec.model.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, tokenizer = load_base(spec.model.path, dtype=spec.model.dtype, device=device)
+    pm = PackedModel(model)
+    trials = study.get_trials(deepcopy=False)
+    orphans = {t.user_attrs["retry_of"] for t in trials if "retry_of" in t.user_attrs}
+    session = Session(spec, sdir, store, study, pm, tokenizer, _capacity(spec, pm, log),
+                      pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+                      finished=sum(1 for t in trials if t.state in _FINISHED and t.number not in orphans),
+                      tokens=sum(r.tokens or 0 for r in store.trials()),
+                      elapsed=float(store.meta().get("elapsed", 0.0)),
+                      completed=[(t.number, list(t.values)) for t in trials if t.state == TrialState.COMPLETE])
+    return session

@@ -1,0 +1,265 @@
+"""``sweep run``: Optuna asks, one pack trains, evaluators score, Optuna is told, the store records.
+
+One call of ``run_study`` is one pack: a single ``packer.train`` run whose slots are refilled with
+newly asked trials (backfill) until the budget ends. At rung steps the trials reaching the rung are
+scored on the pruning proxy and cohort successive halving (``sweep.pruning``) stops the weak ones;
+finished trials are scored by every configured evaluator in one packed pass, their adapters saved,
+and Optuna told COMPLETE / PRUNED / FAIL (with the reason in the store). The Optuna storage is the
+source of truth; a rerun on the same study resumes it (``sweep.resume``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import optuna
+import torch
+from optuna.trial import TrialState
+
+from evaluators import EvalResult, evaluate, load_eval_data
+from evaluators.cost import cost_metrics, slot_adapter_params
+from packer.checkpoint import save_adapter
+from packer.data import SlotStream, load_examples
+from packer.model import PackedModel
+from packer.plan import AdapterSpec
+from packer.train import SlotEnd, SlotJob, StepReport, train
+from sweep.pruning import CohortSHA
+from sweep.resume import Session, budget_state, open_session
+from sweep.space import adapter_spec, suggest
+from sweep.spec import StudySpec
+
+__all__ = ["run_study", "RunSummary", "Progress"]
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What the CLI shows after each packed step."""
+
+    step: int
+    active: int
+    capacity: int
+    tokens_per_s: float
+    finished: int
+    budget_trials: int | None
+    best: str
+
+
+@dataclass
+class RunSummary:
+    """Totals of one ``run_study`` call."""
+
+    pack_id: int
+    steps: int = 0
+    tokens: int = 0
+    wall_s: float = 0.0
+    complete: int = 0
+    pruned: int = 0
+    failed: int = 0
+
+
+@dataclass
+class _Live:
+    """A trial training in a slot."""
+
+    trial: optuna.Trial
+    params: dict[str, Any]
+    spec: AdapterSpec
+    start_step: int
+    started: float
+    tokens: int = 0
+    device_s: float = 0.0
+    steps: list[dict[str, float]] = field(default_factory=list)
+
+
+class _Sweep:
+    """The callbacks ``packer.train`` runs the pack with; all study state lives here."""
+
+    def __init__(self, spec: StudySpec, session: Session, pm: PackedModel, train_examples: list, eval_data: Any,
+                 pack_id: int, progress: Callable[[Progress], None] | None) -> None:
+        self.spec, self.s, self.pm = spec, session, pm
+        self.train_examples, self.eval_data = train_examples, eval_data
+        self.pack_id, self.progress = pack_id, progress
+        self.live: dict[int, _Live] = {}
+        self.to_prune: set[int] = set()
+        self.global_step = 0
+        self.t_start = time.time()
+        self.step_t = time.perf_counter()
+        self.summary = RunSummary(pack_id)
+        metric, direction = spec.prune_metric()
+        self.proxy = metric
+        self.sha = (CohortSHA(spec.pruning.rungs, spec.pruning.reduction_factor, direction,
+                              session.rung_history(metric)) if spec.pruning.kind == "cohort_sha" else None)
+        self.entries = [(e.name, dict(e.options)) for e in spec.evaluators]
+
+    # -- asking -------------------------------------------------------------------------------
+    def next_job(self, slot: int) -> SlotJob | None:
+        """Backfill: ask Optuna for a trial while the budget allows."""
+        budget = budget_state(self.spec, self.s, live=len(self.live), elapsed=time.time() - self.t_start,
+                              live_tokens=sum(lv.tokens for lv in self.live.values()))
+        if budget.exhausted:
+            return None
+        trial = self.s.study.ask()
+        params = suggest(trial, self.spec.search)
+        spec = adapter_spec(params, self.spec.train, self.spec.seed, space=self.spec.search)
+        self.live[slot] = _Live(trial, params, spec, self.global_step, time.time())
+        self.s.store.upsert_trial(trial.number, state="RUNNING", params=params, pack_id=self.pack_id, slot=slot,
+                                  started=time.time(), user_attrs=dict(trial.user_attrs))
+        self.s.store.open_span(self.pack_id, slot, trial.number, start_step=self.global_step)
+        # Every trial sees the same data order (one data seed): pack peers are paired samples.
+        return SlotJob(spec, SlotStream(self.train_examples, spec.micro_batch, seed=self.spec.seed),
+                       key=trial.number)
+
+    # -- each step ----------------------------------------------------------------------------
+    def on_step(self, reports: list[StepReport]) -> None:
+        now = time.perf_counter()
+        step_s, self.step_t = now - self.step_t, now
+        step_tokens = sum(r.tokens for r in reports) or 1
+        arrivals: dict[int, int] = {}
+        for r in reports:
+            lv = self.live[r.slot]
+            lv.tokens += r.tokens
+            lv.device_s += step_s * r.tokens / step_tokens  # the step's time, shared by trained tokens
+            lv.steps.append({"step": r.slot_step, "loss": r.loss, "tokens": lv.tokens, "lr": r.lr,
+                             "grad_norm": r.grad_norm, "time": time.time()})
+            if len(self.spec.objectives) == 1 and r.slot_step % max(1, lv.spec.max_steps // 50) == 0:
+                lv.trial.report(r.loss, r.slot_step)  # single objective only: Optuna forbids it otherwise
+            if self.sha is not None and r.slot_step in self.sha.rungs and r.slot_step < lv.spec.max_steps:
+                arrivals[r.slot] = r.slot_step
+        self.global_step = reports[0].step + 1
+        self.summary.steps, self.summary.tokens = self.global_step, self.summary.tokens + step_tokens
+        if self.global_step % 10 == 0:
+            self._flush_curves()
+        if arrivals:
+            self._rung(arrivals)
+        if self.progress is not None:
+            self.progress(Progress(self.global_step, len(reports), self.s.capacity, step_tokens / max(step_s, 1e-9),
+                                   self.s.finished_count(), self.spec.budget.trials, self.s.best_text()))
+
+    def _flush_curves(self) -> None:
+        with self.s.store.transaction():
+            for lv in self.live.values():
+                if lv.steps:
+                    self.s.store.add_steps(lv.trial.number, lv.steps)
+                    lv.steps = []
+
+    def _rung(self, arrivals: dict[int, int]) -> None:
+        """Score the slots reaching a rung on the proxy metric and let cohort SHA decide."""
+        assert self.sha is not None
+        result = self._evaluate(sorted(arrivals), proxy_only=True)
+        for rung in sorted(set(arrivals.values())):
+            values = {}
+            for slot in (s for s, r in arrivals.items() if r == rung):
+                value = result.metrics.get(slot, {}).get(self.proxy, math.nan)
+                values[self.live[slot].trial.number] = value
+                self.s.store.add_eval(self.live[slot].trial.number, rung, {self.proxy: value}, kind="rung")
+            for d in self.sha.decide(rung, values):
+                self.s.store.add_prune_decision(self.pack_id, rung, d.trial, "keep" if d.keep else "prune",
+                                                value=d.value, rank=d.rank, cohort_size=d.cohort_size,
+                                                reason=d.reason)
+                slot = next(s for s, lv in self.live.items() if lv.trial.number == d.trial)
+                # The community default is ranked (it sets the bar) but never stopped: the report
+                # compares every trial with its final scores.
+                if not d.keep and not self.live[slot].trial.user_attrs.get("default"):
+                    self.to_prune.add(slot)
+
+    def should_stop(self, report: StepReport) -> bool:
+        return report.slot in self.to_prune
+
+    # -- leaving ------------------------------------------------------------------------------
+    def _evaluate(self, slots: list[int], *, proxy_only: bool = False) -> EvalResult:
+        entries = self.entries
+        if proxy_only:
+            from evaluators import metrics_of
+
+            entries = [e for e in entries if self.proxy in metrics_of(*e)] or entries
+        return evaluate(self.pm, slots, self.eval_data, entries)
+
+    def on_end(self, ends: list[SlotEnd]) -> None:
+        self._flush_curves()
+        done = [e for e in ends if e.reason == "finished"]
+        result = self._evaluate([e.slot for e in done]) if done else EvalResult()
+        for e in ends:
+            lv = self.live.pop(e.slot)
+            self.to_prune.discard(e.slot)
+            if e.reason == "finished":
+                self._complete(e, lv, result)
+            elif e.reason == "stopped":
+                self._tell(lv, TrialState.PRUNED, e, reason=f"pruned by cohort SHA at step {e.steps}")
+            else:
+                self._tell(lv, TrialState.FAIL, e, reason=f"{e.reason} at step {e.steps}")
+
+    def _complete(self, e: SlotEnd, lv: _Live, result: EvalResult) -> None:
+        number = lv.trial.number
+        if e.slot in result.errors:
+            self._tell(lv, TrialState.FAIL, e, reason=result.errors[e.slot].reason)
+            return
+        metrics = dict(result.metrics.get(e.slot, {}))
+        metrics.update(cost_metrics(adapter_params=slot_adapter_params(self.pm, e.slot), trial_tokens=lv.tokens,
+                                    pack_tokens=lv.tokens, pack_seconds=lv.device_s))
+        values = [metrics.get(o.metric, math.nan) for o in self.spec.objectives]
+        bad = [o.metric for o, v in zip(self.spec.objectives, values, strict=True) if not math.isfinite(v)]
+        if bad:
+            self._tell(lv, TrialState.FAIL, e, metrics=metrics, reason=f"objective {', '.join(bad)} is not finite")
+            return
+        for c in self.spec.constraints:
+            lv.trial.set_constraint(c.metric, c.violation(metrics.get(c.metric, math.inf)))
+        adapter = self.s.sdir.adapter_dir(number)
+        save_adapter(self.pm, e.slot, adapter, base_model_name_or_path=self.spec.model.path,
+                     metadata={"trial": str(number), "study": self.spec.name})
+        for metric, items in result.per_item.get(e.slot, {}).items():
+            self.s.store.add_items(number, metric, items)
+        self.s.store.add_eval(number, e.steps, metrics, kind="final")
+        self._tell(lv, TrialState.COMPLETE, e, metrics=metrics, values=values,
+                   adapter=str(adapter.relative_to(self.s.sdir.root)))
+
+    def _tell(self, lv: _Live, state: TrialState, e: SlotEnd, *, reason: str | None = None,
+              metrics: dict[str, float] | None = None, values: list[float] | None = None,
+              adapter: str | None = None) -> None:
+        """Record in the store first, then tell Optuna (the source of truth): a kill in between leaves
+        the trial RUNNING in Optuna, and resume fails and retries it."""
+        number = lv.trial.number
+        with self.s.store.transaction():
+            self.s.store.upsert_trial(number, state=state.name, metrics=metrics, objective_values=values,
+                                      adapter_path=adapter, steps_done=e.steps, tokens=lv.tokens,
+                                      device_seconds=lv.device_s, finished=time.time(), reason=reason)
+            self.s.store.close_span(self.pack_id, e.slot, number, end_step=self.global_step, end_reason=e.reason)
+        if reason is not None:
+            lv.trial.set_user_attr("reason", reason)
+        self.s.study.tell(lv.trial, values=values if state == TrialState.COMPLETE else None, state=state)
+        self.s.record(number, state, values)
+        counter = {"COMPLETE": "complete", "PRUNED": "pruned"}.get(state.name, "failed")
+        setattr(self.summary, counter, getattr(self.summary, counter) + 1)
+
+
+def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = None,
+              log: Callable[[str], None] = print) -> RunSummary:
+    """Run (or resume) the study until its budget ends; returns what this call did."""
+    session = open_session(spec, log=log)
+    pm, tokenizer = session.pm, session.tokenizer
+    train_examples = load_examples(spec.data.train, tokenizer, fmt=spec.data.format,
+                                   max_length=spec.data.max_length, train_on_prompt=spec.data.train_on_prompt)
+    eval_data = (load_eval_data(spec.data.eval, tokenizer, fmt=spec.data.format, max_length=spec.data.max_length,
+                                train_on_prompt=spec.data.train_on_prompt, work_dir=session.sdir.root)
+                 if spec.data.eval is not None else None)
+    pack_id = session.store.start_pack(slots=session.capacity, device=str(pm.device))
+    sweep = _Sweep(spec, session, pm, train_examples, eval_data, pack_id, progress)
+    if pm.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(pm.device)
+    status = "failed"
+    try:
+        result = train(pm, session.capacity, sweep.next_job, pad_id=session.pad_id, on_step=sweep.on_step,
+                       should_stop=sweep.should_stop, on_end=sweep.on_end)
+        status = "finished"
+    finally:
+        peak = torch.cuda.max_memory_allocated(pm.device) if pm.device.type == "cuda" else None
+        elapsed = time.time() - sweep.t_start
+        session.store.finish_pack(pack_id, status=status, steps=sweep.summary.steps, tokens=sweep.summary.tokens,
+                                  peak_mem_bytes=peak)
+        session.add_elapsed(elapsed)
+        session.close()
+    sweep.summary.wall_s = result.wall_s
+    return sweep.summary
