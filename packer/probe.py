@@ -118,13 +118,19 @@ def calibrate(pm: PackedModel, seq_len: int, *, rows: tuple[int, int] = (2, 8), 
               pad_id: int = 0, steps: int = 2) -> MemoryModel:
     """Fit ``MemoryModel`` from three probes: ``rows[0]`` and ``rows[1]`` sequences of ``seq_len``
     tokens with a rank-8 adapter (the per-token slope), and ``rows[0]`` with rank 40 (the per-rank
-    slope). Each adapter covers every linear projection; its own parameter memory is subtracted.
+    slope); both ranks shrink to fit the narrowest layer. Each adapter covers every linear
+    projection; its own parameter memory is subtracted.
     """
     vocab = vocab or pm.model.get_input_embeddings().num_embeddings
     gen = torch.Generator().manual_seed(0)
     static = torch.cuda.memory_allocated(pm.device) if pm.device.type == "cuda" else model_bytes(pm)
+    from packer.inject import linear_shape, projection_names
+
+    narrowest = min(min(linear_shape(pm.model.get_submodule(p)) or (1 << 30,)) for p in projection_names(pm.model))
+    r_hi = min(40, narrowest)
+    r_lo = min(8, max(1, r_hi // 4))
     points = []
-    for n, rank in ((rows[0], 8), (rows[1], 8), (rows[0], 40)):
+    for n, rank in ((rows[0], r_lo), (rows[1], r_lo), (rows[0], r_hi)):
         ids = torch.randint(3, vocab, (n, seq_len), generator=gen).tolist()
         examples = [Example(tuple(r), tuple(r)) for r in ids]
         spec = AdapterSpec(rank=rank, targets=("all-linear",), max_steps=steps, lr=1e-4)
@@ -135,9 +141,9 @@ def calibrate(pm: PackedModel, seq_len: int, *, rows: tuple[int, int] = (2, 8), 
         points.append((n * seq_len, peak - ADAPTER_BYTES_PER_PARAM * params, seconds))
     (t1, m1, s1), (t2, m2, s2), (_, m3, _) = points
     per_token = max(0.0, (m2 - m1) / (t2 - t1))
-    per_token_rank = max(0.0, (m3 - m1) / (t1 * (40 - 8)))
+    per_token_rank = max(0.0, (m3 - m1) / (t1 * (r_hi - r_lo))) if r_hi > r_lo else 0.0
     sec_per_token = max(0.0, (s2 - s1) / (t2 - t1))
-    intercept = int(m1 - (per_token + 8 * per_token_rank) * t1)  # base + runtime + fixed per-step workspace
+    intercept = int(m1 - (per_token + r_lo * per_token_rank) * t1)  # base + runtime + fixed per-step workspace
     return MemoryModel(static_bytes=max(static, intercept), bytes_per_token=per_token,
                        bytes_per_token_rank=per_token_rank, seconds_per_token=sec_per_token,
                        seconds_per_step=max(0.0, s1 - sec_per_token * t1))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sqlite3
@@ -167,3 +168,23 @@ def test_bad_study_file_exits_2_with_one_line(tiny_dirs, tmp_path, case: str) ->
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     assert expected in lines[0], lines[0]
+
+
+def test_plan_and_status_commands(tiny_dirs, tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from sweep.cli import cli
+
+    path = _study_file(tmp_path, tiny_dirs("llama"), name="planned", budget={"trials": 3})
+    runner = CliRunner()
+    planned = runner.invoke(cli, ["plan", str(path)])
+    assert planned.exit_code == 0, planned.output
+    assert "slots per pack" in planned.output and "predicted peak of a full pack" in planned.output
+    assert not (tmp_path / "runs-planned").exists(), "plan must not train or create the study"
+    ran = runner.invoke(cli, ["run", str(path), "--quiet"])
+    assert ran.exit_code == 0, ran.output
+    status = runner.invoke(cli, ["status", str(tmp_path / "runs-planned"), "--json"])
+    info = json.loads(status.output)
+    assert info["study"] == "planned" and sum(info["counts"].values()) == 3
+    assert info["best"] and set(info["best"][0]["params"]) == {"rank", "lr", "targets"}
+    assert info["packs"][0]["status"] == "finished" and info["packs"][0]["slots"] == 3
