@@ -1,11 +1,15 @@
 """Packed multi-adapter LoRA ops.
 
 ``packed_lora`` is the one entry point; the implementation is an explicit argument so the Triton
-kernels drop in without touching the packer. Imports without triton.
+kernels drop in without touching the packer. Imports without triton: the Triton module
+(``kernels.triton_lora``) is loaded on the first ``impl="triton"`` call, after a test's
+``TRITON_INTERPRET=1`` has been set.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 from typing import Literal
 
 import torch
@@ -13,12 +17,18 @@ import torch
 from kernels.meta import LayerRanks, PackLayout, dropout_seed
 from kernels.reference import lora_loop, lora_masked_dense
 
-__all__ = ["packed_lora", "PackLayout", "LayerRanks", "dropout_seed", "IMPLS", "Impl"]
+__all__ = ["packed_lora", "PackLayout", "LayerRanks", "dropout_seed", "IMPLS", "Impl", "triton_available"]
 
-Impl = Literal["torch", "loop"]
-IMPLS: tuple[str, ...] = ("torch", "loop")
+Impl = Literal["torch", "loop", "triton", "auto"]
+IMPLS: tuple[str, ...] = ("torch", "loop", "triton", "auto")
 """``torch``: masked-dense PyTorch (any device, a constant number of ops per layer); ``loop``: the
-per-slot loop oracle."""
+per-slot loop oracle; ``triton``: the Triton kernels (CUDA, or the CPU interpreter); ``auto``: triton
+for CUDA inputs when triton is installed, else torch."""
+
+
+def triton_available() -> bool:
+    """Whether triton is installed (without importing it)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def packed_lora(x: torch.Tensor, base_out: torch.Tensor, a_cat: torch.Tensor, bt_cat: torch.Tensor,
@@ -35,10 +45,21 @@ def packed_lora(x: torch.Tensor, base_out: torch.Tensor, a_cat: torch.Tensor, bt
         impl: which implementation computes it.
 
     Returns:
-        (B, L, D_out) tensor; differentiable in x, a_cat and bt_cat.
+        (B, L, D_out) tensor; differentiable in x, base_out, a_cat and bt_cat.
+
+    Raises:
+        ValueError: unknown ``impl``.
+        ImportError: ``impl="triton"`` without triton installed.
     """
+    if impl == "auto":
+        impl = "triton" if x.is_cuda and triton_available() else "torch"
     if impl == "torch":
         return lora_masked_dense(x, base_out, a_cat, bt_cat, layout, ranks)
     if impl == "loop":
         return lora_loop(x, base_out, a_cat, bt_cat, layout, ranks)
+    if impl == "triton":
+        if not triton_available():
+            raise ImportError("impl='triton' needs triton: pip install 'lora-sweep[triton]' (or use impl='auto')")
+        return importlib.import_module("kernels.triton_lora").packed_lora_triton(x, base_out, a_cat, bt_cat,
+                                                                                 layout, ranks)
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")

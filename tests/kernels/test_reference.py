@@ -84,6 +84,6 @@ def test_dropout_masks_depend_on_slot_seed_and_layer_only() -> None:
 
 def test_unknown_impl_rejected() -> None:
     x, base, a_cat, bt_cat, layout, lr = _inputs((1,), (2,))
-    assert set(IMPLS) == {"torch", "loop"}
+    assert set(IMPLS) == {"torch", "loop", "triton", "auto"}
     with pytest.raises(ValueError, match="impl"):
         packed_lora(x, base, a_cat, bt_cat, layout, lr, impl="cuda-magic")  # type: ignore[arg-type]

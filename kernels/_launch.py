@@ -1,0 +1,158 @@
+"""Host-side metadata for the packed LoRA kernels: segment table, tile maps and block sizes.
+
+Torch only (no triton), so it is importable and testable anywhere. Everything here is built from the
+plain Python ints of ``PackLayout`` / ``LayerRanks``: no device-to-host sync.
+
+Token segments: slot g owns the tokens ``[row_start[g] * L, (row_start[g] + n_rows[g]) * L)`` of the
+flattened ``(B * L, D)`` activations (padding positions included; harmless). Only *active* segments
+(rank > 0 and n_rows > 0) get a row in the tables, so empty and rank-0 segments get no tiles.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import NamedTuple
+
+import torch
+
+from kernels.meta import LayerRanks, PackLayout
+
+__all__ = ["SegmentMeta", "build_meta", "check_2d", "SEG_INT_FIELDS", "SEG_FLT_FIELDS", "POS_BITS"]
+
+SEG_INT_FIELDS = 6
+"""Columns of ``SegmentMeta.seg_int``: tok_start, tok_end, row_start, rank, rank_off, dropout seed (the
+slot's ``PackLayout.seed``; the layer enters the kernels' Philox counter, so one table serves every layer)."""
+SEG_FLT_FIELDS = 3
+"""Columns of ``SegmentMeta.seg_flt``: scale, dropout p, 1 / (1 - p)."""
+POS_BITS = 20
+"""Dropout counters use ``(local_row << POS_BITS) + position``: independent of the packed ``L``."""
+
+BLOCK_M = 64
+"""Tokens per tile of the shrink and expand kernels (kernels.md §3: BM=64 measured best on H200)."""
+CHUNK_TOKENS = 1024
+"""Tokens per weight-gradient partial sum. A constant (not derived from the pack) so a slot's
+reduction order, and hence its gradient bits, do not depend on which slots share the pack."""
+
+
+class SegmentMeta(NamedTuple):
+    """Device tables for one layer call, shared by its forward and backward.
+
+    Attributes:
+        seg_int: (S, 6) int64, columns as ``SEG_INT_FIELDS`` says; S = active segments.
+        seg_flt: (S, 3) float32, columns as ``SEG_FLT_FIELDS`` says.
+        tiles: (n_tiles, 2) int64: segment index, first token; tiles never straddle two segments.
+        chunks: (n_chunks, 4) int64: segment index, first token, end token, partial-sum slot.
+        n_tiles: rows of ``tiles``.
+        n_chunks: rows of ``chunks``.
+        n_partials: partial-sum slots of the weight gradient (the most chunks any segment has).
+        seq_len: L, positions per row.
+        r_pad: columns of the per-token rank buffer h, a power of 2 >= 16 and >= every rank.
+        total_rank: R, rows of ``a_cat`` / ``bt_cat``.
+        covers_all: the active segments cover every token (then outputs need no pre-fill).
+        has_dropout: some active segment has p > 0.
+        block_m: tokens per tile (the ``tiles`` map was built for it).
+        layer_id: ``LayerRanks.layer_id``, the third Philox counter word of the dropout masks.
+    """
+
+    seg_int: torch.Tensor
+    seg_flt: torch.Tensor
+    tiles: torch.Tensor
+    chunks: torch.Tensor
+    n_tiles: int
+    n_chunks: int
+    n_partials: int
+    seq_len: int
+    r_pad: int
+    total_rank: int
+    covers_all: bool
+    has_dropout: bool
+    block_m: int
+    layer_id: int = 0
+
+
+def build_meta(layout: PackLayout, ranks: LayerRanks, n_tokens: int, seq_len: int, device: torch.device, *,
+               block_m: int = BLOCK_M, chunk_tokens: int = CHUNK_TOKENS) -> SegmentMeta:
+    """Segment tables and tile maps of one layer call.
+
+    Args:
+        layout: row segments of the packed batch.
+        ranks: this layer's ranks, scales and layer id.
+        n_tokens: T = B * L of the activations.
+        seq_len: L.
+        device: where the kernels run.
+        block_m: tokens per shrink/expand tile.
+        chunk_tokens: tokens per weight-gradient partial sum.
+
+    Returns:
+        The metadata, with its tensors on ``device``.
+
+    Raises:
+        ValueError: the layout and ranks disagree, a segment leaves the batch, or p is not in [0, 1).
+    """
+    n = len(layout.slots)
+    if len(ranks.rank) != n or len(ranks.scale) != n:
+        raise ValueError(f"ranks describe {len(ranks.rank)} slots, layout {n}")
+    if seq_len >= 1 << POS_BITS:
+        raise ValueError(f"sequence length {seq_len} >= 2**{POS_BITS} (dropout counter width)")
+    # cached without the layer id: every layer of a step shares the tables (no host work, no copy per layer)
+    meta = _tables(layout, ranks.rank, ranks.scale, n_tokens, seq_len, device, block_m, chunk_tokens)
+    return meta._replace(layer_id=ranks.layer_id)
+
+
+@lru_cache(maxsize=64)
+def _tables(layout: PackLayout, rank: tuple[int, ...], scale: tuple[float, ...], n_tokens: int, seq_len: int,
+            device: torch.device, block_m: int, chunk_tokens: int) -> SegmentMeta:
+    n = len(layout.slots)
+    seg_int, seg_flt, tiles, chunks = [], [], [], []  # flat int lists, one float list
+    n_seg, n_partials, covered, rank_off = 0, 0, 0, 0
+    for g in range(n):
+        r0, rows, r, p = layout.row_start[g], layout.n_rows[g], rank[g], layout.dropout[g]
+        if (r0 + rows) * seq_len > n_tokens or min(r0, rows, r) < 0:
+            raise ValueError(f"segment {g}: rows {r0}..{r0 + rows}, rank {r} do not fit {n_tokens // seq_len} rows")
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"segment {g}: dropout {p} not in [0, 1)")
+        if r > 0 and rows > 0:
+            t0, t1 = r0 * seq_len, (r0 + rows) * seq_len
+            seg_int += (t0, t1, r0, r, rank_off, layout.seed[g])
+            seg_flt += (scale[g], p, 1.0 / (1.0 - p))
+            for t in range(t0, t1, block_m):
+                tiles += (n_seg, t)
+            for c, t in enumerate(range(t0, t1, chunk_tokens)):
+                chunks += (n_seg, t, min(t + chunk_tokens, t1), c)
+            n_partials = max(n_partials, -(-(t1 - t0) // chunk_tokens))
+            covered += t1 - t0
+            n_seg += 1
+        rank_off += r
+    blob = _to_device(torch.tensor(seg_int + tiles + chunks, dtype=torch.int64), device)  # one copy for all ints
+    a, b = len(seg_int), len(seg_int) + len(tiles)
+    r_max = max(rank, default=0)
+    return SegmentMeta(
+        seg_int=blob[:a].view(-1, SEG_INT_FIELDS),
+        seg_flt=_to_device(torch.tensor(seg_flt, dtype=torch.float32), device).view(-1, SEG_FLT_FIELDS),
+        tiles=blob[a:b].view(-1, 2),
+        chunks=blob[b:].view(-1, 4),
+        n_tiles=len(tiles) // 2, n_chunks=len(chunks) // 4, n_partials=n_partials, seq_len=seq_len,
+        r_pad=max(16, 1 << max(r_max - 1, 0).bit_length()), total_rank=rank_off,
+        covers_all=covered == n_tokens,
+        has_dropout=any(p > 0 for p in seg_flt[1::3]), block_m=block_m,
+    )
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host table -> device without a stream sync: a blocking (or pageable) copy would stall every layer call.
+    Pinned blocks come from torch's caching host allocator, so pinning a few hundred bytes per call is cheap."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def check_2d(name: str, t: torch.Tensor, rows: int, cols: int) -> None:
+    """Launcher argument check: a contiguous fp32/bf16/fp16 ``(rows, cols)`` tensor.
+
+    Raises:
+        ValueError: any of the three does not hold.
+    """
+    if t.shape != (rows, cols) or not t.is_contiguous() or t.dtype not in (torch.float32, torch.bfloat16,
+                                                                           torch.float16):
+        raise ValueError(f"{name}: expected a contiguous fp32/bf16/fp16 ({rows}, {cols}) tensor, "
+                         f"got {t.dtype} {tuple(t.shape)} contiguous={t.is_contiguous()}")

@@ -1,0 +1,433 @@
+"""Triton kernels for packed multi-slot LoRA: segmented shrink, expand-add and weight gradient.
+
+Math, for the tokens t of slot g (rank r_g, scale s_g, dropout p_g with keep mask M, X~ = X * M / (1 - p_g)):
+
+    forward   H'  = s_g * X~ A_g^T                      (T_g, r_g)  fp32, saved
+              Y   = base + H' B_g^T                     (T_g, D_out)
+    backward  dH  = s_g * dY B_g                        (T_g, r_g)  grad of the unscaled H
+              dBt = H'^T dY                             (r_g, D_out)  rows of d(bt_cat)
+              dA  = dH^T X~                             (r_g, D_in)   rows of d(a_cat); uses the DROPPED input
+              dX  = (dH A_g) * M / (1 - p_g)            (T_g, D_in)   LoRA part; the base GEMM's dX is autograd's
+
+Shape legend: T = B * L tokens (flattened), N slots (S of them active: rank > 0 and rows > 0), R = sum of
+ranks (rows of ``a_cat`` / ``bt_cat``, slot g at ``rank_off[g] : rank_off[g] + r_g``), R_PAD = per-token
+column count of H (power of 2 >= 16, >= max rank), D_in / D_out features, K = reduced feature dim.
+
+Kernels (kernels.md §4), all driven by host-built tables (``kernels._launch.SegmentMeta``):
+
+- ``_seg_shrink_kernel``: grid (token tiles, rank tiles of BR columns). A rank tile at or past r_g exits at
+  once, so a rank-8 slot in a pack with a rank-128 slot costs one BR tile, not R_PAD columns.
+- ``_seg_expand_kernel``: grid (token tiles, D tiles); loops over r_g in chunks of 16 (a runtime bound), so
+  each slot pays for its own rank only. Reads the addend and writes the result in one pass (in place allowed).
+- ``_seg_wgrad_kernel``: grid (token chunks of a segment, D tiles, rank tiles); each program writes its own
+  fp32 partial sum, a deterministic torch sum over partial slots follows: no atomics, bit-identical reruns.
+
+Dropout is regenerated in every kernel that needs it: keep = u >= p_g, u = word (col % 4) of Philox4x32-10
+with key ``PackLayout.seed[g]`` (the slot's own seed for this step) and counter (((local_row << 20) + pos) *
+ceil(D_in / 4) + col // 4 as two words, layer_id, 0): one Philox call per 4 columns. Key and counter depend
+on the slot, its own rows/positions, the column and the layer only, so a slot's mask is the same whichever
+slots share the pack, and every layer draws an independent one. No mask is stored.
+
+Kernels call Triton builtins only (``tl.full``, not ``tl.zeros``; ``_philox``, not ``tl.philox``): the
+``tl`` helpers are themselves ``@triton.jit`` and cannot run in the interpreter when triton was imported
+before ``TRITON_INTERPRET=1`` was set, as happens in a test session that imports transformers first.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as err:  # the one guarded import of triton in the project (style guide habit 11)
+    raise ImportError("kernels.packed_lora needs triton: pip install 'lora-sweep[triton]'") from err
+
+from kernels._launch import POS_BITS, SEG_FLT_FIELDS, SEG_INT_FIELDS, SegmentMeta, build_meta, check_2d
+from kernels.meta import LayerRanks, PackLayout
+
+__all__ = ["PackedLoRAFunction", "dropout_mask", "packed_lora_triton", "seg_expand_add", "seg_shrink", "seg_wgrad"]
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+"""Read once, as ``@triton.jit`` does when it decorates the kernels below."""
+
+_SI: tl.constexpr = tl.constexpr(SEG_INT_FIELDS)
+_SF: tl.constexpr = tl.constexpr(SEG_FLT_FIELDS)
+_POS_BITS: tl.constexpr = tl.constexpr(POS_BITS)
+_KEY_A: tl.constexpr = tl.constexpr(0x9E3779B9)  # Philox4x32 constants, as triton.language.random
+_KEY_B: tl.constexpr = tl.constexpr(0xBB67AE85)
+_ROUND_A: tl.constexpr = tl.constexpr(0xD2511F53)
+_ROUND_B: tl.constexpr = tl.constexpr(0xCD9E8D57)
+_EXPAND_BR = 16  # rank chunk of the expand loop: the smallest tl.dot K, so a slot pays for ceil(r_g / 16) chunks
+_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def _philox(seed, offs, stream):
+    """Philox4x32-10 on the counter (offs_lo, offs_hi, stream, 0) with key (seed_lo, seed_hi), as
+    ``tl.philox(seed, offs_lo, offs_hi, stream, 0)``; with stream 0 it is ``tl.randint4x(seed, offs)``.
+
+    Spelled out so the interpreter can run it (module docstring); ``test_philox_is_tl_philox`` checks the bits.
+    """
+    seed = seed.to(tl.uint64)
+    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    c0 = offs.to(tl.uint32)
+    c1 = (offs >> 32).to(tl.uint32)
+    c2 = c0 * 0 + stream  # uint32 (an int argument equal to 1 arrives as a constexpr: no .to() on it)
+    c3 = c0 * 0
+    for _ in tl.static_range(10):
+        _c0, _c2 = c0, c2
+        c0 = tl.math.umulhi(_ROUND_B, _c2) ^ c1 ^ k0
+        c2 = tl.math.umulhi(_ROUND_A, _c0) ^ c3 ^ k1
+        c1 = _ROUND_B * _c2
+        c3 = _ROUND_A * _c0
+        k0 = k0 + _KEY_A
+        k1 = k1 + _KEY_B
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _keep_scale(seg_int_ptr, seg_flt_ptr, seg, tok, col0, seq_len, d_in, layer_id, BC: tl.constexpr):
+    """(len(tok), BC) fp32 dropout multiplier M / (1 - p) of segment ``seg`` for tokens ``tok`` (int64) and
+    columns ``col0 + arange(BC)`` (col0 a multiple of 4). Column c uses word c % 4 of counter c // 4: one Philox
+    call per 4 columns, the layer id as the third counter word; u = the word mapped to [0, 1) as ``tl.rand``."""
+    seed = tl.load(seg_int_ptr + seg * _SI + 5)
+    row_start = tl.load(seg_int_ptr + seg * _SI + 2)
+    p = tl.load(seg_flt_ptr + seg * _SF + 1)
+    inv_keep = tl.load(seg_flt_ptr + seg * _SF + 2)
+    row = tok // seq_len
+    pos = tok - row * seq_len
+    counter = ((row - row_start) << _POS_BITS) + pos  # slot-local: independent of the other slots and of L
+    quad = col0 // 4 + tl.arange(0, BC // 4)
+    offs = counter[:, None] * ((d_in + 3) // 4) + quad[None, :]  # int64, unique per (local row, pos, quad)
+    c0, c1, c2, c3 = _philox(seed, offs, layer_id)
+    # interleave to columns c0, c1, c2, c3 of quad 0, then quad 1, ... (builtins: tl.interleave is jit'd)
+    n: tl.constexpr = tok.shape[0]
+    even = tl.reshape(tl.join(c0, c2), (n, BC // 2))
+    odd = tl.reshape(tl.join(c1, c3), (n, BC // 2))
+    x = tl.reshape(tl.join(even, odd), (n, BC)).to(tl.int32, bitcast=True)
+    u = tl.where(x < 0, ~x, x) * 4.6566127342e-10  # triton.language.random.uint_to_uniform_float
+    return tl.where(u >= p, inv_keep, 0.0)
+
+
+@triton.jit
+def _seg_shrink_kernel(
+    inp_ptr,  # (T, K) activations: x (forward) or dy (backward), row-major
+    w_ptr,  # (R, K) packed weights: a_cat (forward) or bt_cat (backward), row-major
+    out_ptr,  # (T, R_PAD) fp32 result; column j of token t <-> weight row rank_off[g] + j
+    tiles_ptr,  # (n_tiles, 2) int64 tile map: segment, first token
+    seg_int_ptr,  # (S, 6) int64 segment table (kernels._launch.SEG_INT_FIELDS)
+    seg_flt_ptr,  # (S, 3) fp32 segment table: scale, p, 1 / (1 - p)
+    K, seq_len, layer_id,
+    DROPOUT: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, R_PAD: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    seg = tl.load(tiles_ptr + 2 * pid_m)
+    rank = tl.load(seg_int_ptr + seg * _SI + 3)
+    r_lo = tl.program_id(1) * BR
+    if r_lo >= rank:  # rank tile past this slot's rank: nothing to compute, nobody reads these columns
+        return
+    t0 = tl.load(tiles_ptr + 2 * pid_m + 1)
+    t_end = tl.load(seg_int_ptr + seg * _SI + 1)
+    rank_off = tl.load(seg_int_ptr + seg * _SI + 4)
+    tok = (t0 + tl.arange(0, BM)).to(tl.int64)
+    m_mask = tok < t_end
+    offs_r = r_lo + tl.arange(0, BR)
+    r_mask = offs_r < rank
+    w_rows = (rank_off + offs_r).to(tl.int64)
+    acc = tl.full((BM, BR), 0.0, tl.float32)
+    for k0 in range(0, K, BK):
+        cols = k0 + tl.arange(0, BK)
+        k_mask = cols < K
+        a = tl.load(inp_ptr + tok[:, None] * K + cols[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if DROPOUT:
+            a = a.to(tl.float32) * _keep_scale(seg_int_ptr, seg_flt_ptr, seg, tok, k0, seq_len, K, layer_id, BK)
+        w = tl.load(w_ptr + w_rows[:, None] * K + cols[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = tl.dot(a.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc, input_precision=PRECISION)
+    acc = acc * tl.load(seg_flt_ptr + seg * _SF)
+    tl.store(out_ptr + tok[:, None] * R_PAD + offs_r[None, :], acc, mask=m_mask[:, None])
+
+
+@triton.jit
+def _seg_expand_kernel(
+    h_ptr,  # (T, R_PAD) fp32 per-token rank coefficients from the shrink (h' or dh)
+    w_ptr,  # (R, N) packed weights: bt_cat (forward) or a_cat (backward dx), row-major
+    src_ptr,  # (T, N) addend (the base output); ignored unless HAS_SRC; may alias dst_ptr
+    dst_ptr,  # (T, N) result, written for the active segments' tokens only
+    tiles_ptr,  # (n_tiles, 2) int64 tile map: segment, first token
+    seg_int_ptr,  # (S, 6) int64 segment table
+    seg_flt_ptr,  # (S, 3) fp32 segment table
+    N, seq_len, layer_id,
+    HAS_SRC: tl.constexpr, DROPOUT: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, R_PAD: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    seg = tl.load(tiles_ptr + 2 * pid_m)
+    t0 = tl.load(tiles_ptr + 2 * pid_m + 1)
+    t_end = tl.load(seg_int_ptr + seg * _SI + 1)
+    rank = tl.load(seg_int_ptr + seg * _SI + 3)
+    rank_off = tl.load(seg_int_ptr + seg * _SI + 4)
+    tok = (t0 + tl.arange(0, BM)).to(tl.int64)
+    m_mask = tok < t_end
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    n_mask = cols < N
+    acc = tl.full((BM, BN), 0.0, tl.float32)
+    for k0 in range(0, rank, BR):  # this slot's own rank only: no padding to the pack's largest rank
+        kk = k0 + tl.arange(0, BR)
+        k_mask = kk < rank
+        h = tl.load(h_ptr + tok[:, None] * R_PAD + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w_rows = (rank_off + kk).to(tl.int64)
+        w = tl.load(w_ptr + w_rows[:, None] * N + cols[None, :], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(h.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=PRECISION)
+    if DROPOUT:  # dx epilogue: the same mask the forward shrink drew
+        acc = acc * _keep_scale(seg_int_ptr, seg_flt_ptr, seg, tok, tl.program_id(1) * BN, seq_len, N, layer_id, BN)
+    offs = tok[:, None] * N + cols[None, :]
+    mask = m_mask[:, None] & n_mask[None, :]
+    if HAS_SRC:
+        acc += tl.load(src_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dst_ptr + offs, acc.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _seg_wgrad_kernel(
+    p_ptr,  # (T, R_PAD) fp32 per-token rank coefficients: h' (for d bt_cat) or dh (for d a_cat)
+    q_ptr,  # (T, N) activations: dy (for d bt_cat) or x (for d a_cat, dropout re-applied)
+    out_ptr,  # (n_partials, R, N) fp32 partial sums, zero-initialised
+    chunks_ptr,  # (n_chunks, 4) int64: segment, first token, end token, partial slot
+    seg_int_ptr,  # (S, 6) int64 segment table
+    seg_flt_ptr,  # (S, 3) fp32 segment table
+    N, R, seq_len, layer_id,
+    DROPOUT: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    BT: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, R_PAD: tl.constexpr,
+):
+    pid_c = tl.program_id(0)
+    seg = tl.load(chunks_ptr + 4 * pid_c)
+    rank = tl.load(seg_int_ptr + seg * _SI + 3)
+    r_lo = tl.program_id(2) * BR
+    if r_lo >= rank:  # rank tile past this slot's rank: its rows do not exist
+        return
+    t0 = tl.load(chunks_ptr + 4 * pid_c + 1)
+    t1 = tl.load(chunks_ptr + 4 * pid_c + 2)
+    part = tl.load(chunks_ptr + 4 * pid_c + 3).to(tl.int64)
+    rank_off = tl.load(seg_int_ptr + seg * _SI + 4)
+    offs_r = r_lo + tl.arange(0, BR)
+    r_mask = offs_r < rank
+    col0 = tl.program_id(1) * BN
+    cols = col0 + tl.arange(0, BN)
+    n_mask = cols < N
+    acc = tl.full((BR, BN), 0.0, tl.float32)
+    for t in range(t0, t1, BT):  # fixed order within the chunk: deterministic
+        tok = (t + tl.arange(0, BT)).to(tl.int64)
+        t_mask = tok < t1
+        p = tl.load(p_ptr + tok[:, None] * R_PAD + offs_r[None, :], mask=t_mask[:, None] & r_mask[None, :], other=0.0)
+        q = tl.load(q_ptr + tok[:, None] * N + cols[None, :], mask=t_mask[:, None] & n_mask[None, :], other=0.0)
+        if DROPOUT:
+            q = q.to(tl.float32) * _keep_scale(seg_int_ptr, seg_flt_ptr, seg, tok, col0, seq_len, N, layer_id, BN)
+        acc = tl.dot(tl.trans(p.to(DOT_DTYPE)), q.to(DOT_DTYPE), acc, input_precision=PRECISION)
+    rows = (rank_off + offs_r).to(tl.int64)
+    tl.store(out_ptr + part * R * N + rows[:, None] * N + cols[None, :], acc, mask=r_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _dropout_mask_kernel(
+    out_ptr,  # (T, D) fp32 multiplier M / (1 - p); left untouched outside active segments
+    tiles_ptr,  # (n_tiles, 2) int64 tile map: segment, first token
+    seg_int_ptr,  # (S, 6) int64 segment table
+    seg_flt_ptr,  # (S, 3) fp32 segment table
+    D, seq_len, layer_id,
+    BM: tl.constexpr, BN: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    seg = tl.load(tiles_ptr + 2 * pid_m)
+    t0 = tl.load(tiles_ptr + 2 * pid_m + 1)
+    t_end = tl.load(seg_int_ptr + seg * _SI + 1)
+    tok = (t0 + tl.arange(0, BM)).to(tl.int64)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    mult = _keep_scale(seg_int_ptr, seg_flt_ptr, seg, tok, tl.program_id(1) * BN, seq_len, D, layer_id, BN)
+    tl.store(out_ptr + tok[:, None] * D + cols[None, :], mult, mask=(tok < t_end)[:, None] & (cols < D)[None, :])
+
+
+def _dot_config(act: torch.dtype, *, cast_to_act: bool) -> tuple[tl.dtype, str]:
+    """Operand dtype and fp32 precision of ``tl.dot``.
+
+    fp32 activations (and the interpreter, whose bf16 ``tl.dot`` is wrong, kernels.md §7) use exact fp32.
+    16-bit activations: shrink and expand cast both operands (fp32 master weights, fp32 H) to the activation
+    dtype, the rounding PEFT's bf16 path has too; fp32 operands run 2x slower there on an H200 (expand 191 vs
+    92 us at T=16384, 4096 -> 4096). The weight gradient keeps H in fp32 and uses tf32.
+    """
+    if act == torch.float32 or INTERPRET:
+        return tl.float32, "ieee"
+    return (_TL_DTYPE[act], "tf32") if cast_to_act else (tl.float32, "tf32")
+
+
+def seg_shrink(inp: torch.Tensor, w: torch.Tensor, meta: SegmentMeta, *, dropout: bool,
+               block_k: int = 128) -> torch.Tensor:
+    """``out[t, :r_g] = s_g * drop?(inp[t]) @ w[rank_off_g : rank_off_g + r_g]^T`` for active tokens t.
+
+    Args:
+        inp: (T, K) activations.
+        w: (R, K) packed weights.
+        meta: segment tables of this layer call.
+        dropout: re-draw each slot's dropout mask on ``inp`` (forward: x; never for dy).
+        block_k: reduction tile.
+
+    Returns:
+        (T, R_PAD) fp32. Columns >= r_g and tokens outside active segments are unspecified.
+    """
+    n_tok, k = inp.shape
+    check_2d("inp", inp, n_tok, k)
+    check_2d("w", w, meta.total_rank, k)
+    out = torch.empty((n_tok, meta.r_pad), dtype=torch.float32, device=inp.device)
+    br = min(meta.r_pad, 64)
+    if meta.n_tiles:
+        dot_dtype, precision = _dot_config(inp.dtype, cast_to_act=True)
+        _seg_shrink_kernel[(meta.n_tiles, meta.r_pad // br)](
+            inp, w, out, meta.tiles, meta.seg_int, meta.seg_flt, k, meta.seq_len, meta.layer_id,
+            DROPOUT=dropout and meta.has_dropout, DOT_DTYPE=dot_dtype, PRECISION=precision,
+            BM=meta.block_m, BK=block_k, BR=br, R_PAD=meta.r_pad)
+    return out
+
+
+def seg_expand_add(h: torch.Tensor, w: torch.Tensor, meta: SegmentMeta, dst: torch.Tensor, *,
+                   src: torch.Tensor | None, dropout: bool, block_n: int | None = None) -> torch.Tensor:
+    """``dst[t] = src[t] + drop?(h[t, :r_g] @ w[rank_off_g : rank_off_g + r_g])`` for active tokens t.
+
+    Args:
+        h: (T, R_PAD) fp32 from ``seg_shrink``.
+        w: (R, N) packed weights.
+        meta: segment tables of this layer call.
+        dst: (T, N) output, written on active tokens only; may be ``src`` (in place).
+        src: (T, N) addend, or None to store the LoRA term alone.
+        dropout: multiply by each slot's dropout mask (the backward dx epilogue).
+        block_n: output-feature tile; default 128, or 64 with dropout (H200: 189 vs 245 us, Philox-bound).
+
+    Returns:
+        ``dst``.
+    """
+    n_tok, n = dst.shape
+    check_2d("h", h, n_tok, meta.r_pad)
+    check_2d("w", w, meta.total_rank, n)
+    check_2d("dst", dst, n_tok, n)
+    if src is not None:
+        check_2d("src", src, n_tok, n)
+    if meta.n_tiles:
+        dropout = dropout and meta.has_dropout
+        block_n = block_n or (64 if dropout else 128)
+        dot_dtype, precision = _dot_config(dst.dtype, cast_to_act=True)
+        _seg_expand_kernel[(meta.n_tiles, triton.cdiv(n, block_n))](
+            h, w, dst if src is None else src, dst, meta.tiles, meta.seg_int, meta.seg_flt, n, meta.seq_len,
+            meta.layer_id, HAS_SRC=src is not None, DROPOUT=dropout, DOT_DTYPE=dot_dtype,
+            PRECISION=precision, BM=meta.block_m, BN=block_n, BR=_EXPAND_BR, R_PAD=meta.r_pad)
+    return dst
+
+
+def seg_wgrad(p: torch.Tensor, q: torch.Tensor, meta: SegmentMeta, *, dropout: bool, block_t: int = 64,
+              block_n: int = 128) -> torch.Tensor:
+    """``out[rank_off_g : rank_off_g + r_g] = p_g[:, :r_g]^T @ drop?(q_g)`` over each segment's tokens.
+
+    Args:
+        p: (T, R_PAD) fp32 per-token rank coefficients.
+        q: (T, N) activations.
+        meta: segment tables of this layer call.
+        dropout: re-draw each slot's dropout mask on ``q`` (x for d a_cat).
+        block_t: token step of the reduction.
+        block_n: feature tile.
+
+    Returns:
+        (R, N) fp32; rows of slots without tokens are zero.
+    """
+    n_tok, n = q.shape
+    check_2d("p", p, n_tok, meta.r_pad)
+    check_2d("q", q, n_tok, n)
+    out = torch.zeros((max(meta.n_partials, 1), meta.total_rank, n), dtype=torch.float32, device=q.device)
+    br = min(meta.r_pad, 64)
+    if meta.n_chunks:
+        dot_dtype, precision = _dot_config(q.dtype, cast_to_act=False)
+        _seg_wgrad_kernel[(meta.n_chunks, triton.cdiv(n, block_n), meta.r_pad // br)](
+            p, q, out, meta.chunks, meta.seg_int, meta.seg_flt, n, meta.total_rank, meta.seq_len, meta.layer_id,
+            DROPOUT=dropout and meta.has_dropout, DOT_DTYPE=dot_dtype, PRECISION=precision,
+            BT=block_t, BN=block_n, BR=br, R_PAD=meta.r_pad)
+    return out[0] if out.shape[0] == 1 else out.sum(dim=0)  # fixed-order reduction: deterministic
+
+
+def dropout_mask(meta: SegmentMeta, n_tokens: int, d_in: int, device: torch.device) -> torch.Tensor:
+    """The multiplier M / (1 - p) the kernels apply to x, materialised (tests and debugging only).
+
+    Returns:
+        (T, D_in) fp32; ones on tokens outside active segments.
+    """
+    out = torch.ones((n_tokens, d_in), dtype=torch.float32, device=device)
+    if meta.n_tiles:
+        _dropout_mask_kernel[(meta.n_tiles, triton.cdiv(d_in, 64))](
+            out, meta.tiles, meta.seg_int, meta.seg_flt, d_in, meta.seq_len, meta.layer_id, BM=meta.block_m,
+            BN=64)
+    return out
+
+
+class PackedLoRAFunction(torch.autograd.Function):
+    """``y = base_out + LoRA(x)`` on flattened tokens; gradients for x, base_out, a_cat and bt_cat."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, base_out: torch.Tensor, a_cat: torch.Tensor, bt_cat: torch.Tensor,
+                meta: SegmentMeta) -> torch.Tensor:
+        """x: (T, D_in), base_out: (T, D_out), a_cat: (R, D_in), bt_cat: (R, D_out) -> (T, D_out)."""
+        h = seg_shrink(x, a_cat, meta, dropout=True)  # (T, R_PAD) fp32, scaled by s_g
+        if meta.covers_all:  # one pass: read base_out, write y
+            y = seg_expand_add(h, bt_cat, meta, torch.empty_like(base_out), src=base_out, dropout=False)
+        else:  # tokens of rank-0 / uncovered rows keep base_out: copy, then add in place
+            y = base_out.clone()
+            seg_expand_add(h, bt_cat, meta, y, src=y, dropout=False)
+        ctx.save_for_backward(x, a_cat, bt_cat, h)
+        ctx.meta = meta
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, a_cat, bt_cat, h = ctx.saved_tensors
+        meta: SegmentMeta = ctx.meta
+        need_x, need_base, need_a, need_bt = ctx.needs_input_grad[:4]
+        dy = dy.contiguous()
+        dx = da = dbt = None
+        if need_x or need_a:
+            dh = seg_shrink(dy, bt_cat, meta, dropout=False)  # (T, R_PAD) = s_g * dy B_g
+            if need_x:
+                dx = torch.empty_like(x) if meta.covers_all else torch.zeros_like(x)
+                seg_expand_add(dh, a_cat, meta, dx, src=None, dropout=True)
+            if need_a:
+                da = seg_wgrad(dh, x, meta, dropout=True).to(a_cat.dtype)
+        if need_bt:
+            dbt = seg_wgrad(h, dy, meta, dropout=False).to(bt_cat.dtype)
+        return dx, dy if need_base else None, da, dbt, None
+
+
+def packed_lora_triton(x: torch.Tensor, base_out: torch.Tensor, a_cat: torch.Tensor, bt_cat: torch.Tensor,
+                       layout: PackLayout, ranks: LayerRanks) -> torch.Tensor:
+    """``kernels.packed_lora(..., impl="triton")``: same arguments and result as ``kernels.reference.lora_loop``.
+
+    Args:
+        x: (B, L, D_in) layer input, on CUDA (or CPU under ``TRITON_INTERPRET=1``).
+        base_out: (B, L, D_out) frozen base output.
+        a_cat: (R, D_in) packed A.
+        bt_cat: (R, D_out) packed B^T.
+        layout: row segments of the batch.
+        ranks: this layer's ranks and scales.
+
+    Returns:
+        (B, L, D_out) ``base_out`` plus every slot's LoRA term.
+
+    Raises:
+        RuntimeError: x is on the CPU and the Triton interpreter is off.
+    """
+    if not x.is_cuda and not INTERPRET:
+        raise RuntimeError("impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before kernels.packed_lora "
+                           "is imported); use impl='auto' or 'torch' on the CPU")
+    b, seq, d_in = x.shape
+    meta = build_meta(layout, ranks, b * seq, seq, x.device)
+    y = PackedLoRAFunction.apply(x.reshape(b * seq, d_in).contiguous(),
+                                 base_out.reshape(b * seq, -1).contiguous(),
+                                 a_cat.contiguous(), bt_cat.contiguous(), meta)
+    return y.view(base_out.shape)
