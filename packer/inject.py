@@ -82,6 +82,8 @@ def inject(model: nn.Module, paths: Iterable[str], state: PackState,
         parent_path, _, leaf = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
         base = getattr(parent, leaf)
+        if isinstance(base, PackedLoRALinear):  # wrapped by an earlier PackedModel over the same model
+            base = base.base
         d_in, d_out = linear_shape(base)  # type: ignore[misc]
         layer = PackedLoRALinear(base, d_in, d_out, layer_id=order[path], state=state)
         setattr(parent, leaf, layer)

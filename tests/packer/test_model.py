@@ -81,3 +81,16 @@ def test_bad_adapter_spec_names_the_key(kwargs, key: str) -> None:
 def test_missing_model_dir_is_user_error(tmp_path) -> None:
     with pytest.raises(UserError, match="model directory not found"):
         load_base(str(tmp_path / "nope"))
+
+
+def test_second_packed_model_over_the_same_model_rewraps(tiny_dirs) -> None:
+    model, _ = load_base(str(tiny_dirs("llama")))
+    ids = torch.randint(3, 300, (1, 5))
+    first = PackedModel(model)
+    first.add_slot(0, AdapterSpec(rank=2, targets=("q_proj",)))
+    second = PackedModel(model, impl="loop")
+    second.add_slot(0, AdapterSpec(rank=4, targets=("q_proj",)))
+    q = model.model.layers[0].self_attn.q_proj
+    assert q is second.layers["model.layers.0.self_attn.q_proj"] and isinstance(q.base, nn.Linear)
+    with torch.no_grad():
+        assert second.forward(ids, torch.ones_like(ids), PackLayout((0,), (0,), (1,), (5,), (0.0,), (0,))).shape[-1]
