@@ -6,11 +6,17 @@ Exit codes: 0 done, 2 user error (one line naming the key, file or file:line; no
 
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from packer.errors import UserError
+
+if TYPE_CHECKING:
+    from sweep.spec import StudySpec
 
 __all__ = ["main", "cli"]
 
@@ -18,6 +24,131 @@ __all__ = ["main", "cli"]
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def cli() -> None:
     """Hyperparameter sweeps for LoRA adapters, many trials packed into one training run."""
+
+
+def _load(study: str, overrides: tuple[str, ...], out: str | None) -> StudySpec:
+    from sweep.spec import load_study
+
+    spec = load_study(study, list(overrides))
+    if out is not None:
+        import dataclasses
+
+        spec = dataclasses.replace(spec, output=Path(out))
+    return spec
+
+
+@cli.command()
+@click.argument("study", type=click.Path(dir_okay=False))
+@click.argument("overrides", nargs=-1)
+@click.option("--out", type=click.Path(file_okay=False), help="Study directory (default: the study's output).")
+@click.option("--quiet", is_flag=True, help="No live progress.")
+def run(study: str, overrides: tuple[str, ...], out: str | None, quiet: bool) -> None:
+    """Run STUDY.yaml (or resume it): OVERRIDES are dotted key=value pairs, e.g. train.max_steps=50."""
+    from sweep.live import LiveProgress
+    from sweep.study import run_study
+
+    spec = _load(study, overrides, out)
+    with LiveProgress(enabled=not quiet) as live:
+        summary = run_study(spec, progress=live.update, log=live.log)
+    click.echo(f"{spec.name}: {summary.complete} complete, {summary.pruned} pruned, {summary.failed} failed "
+               f"in {summary.wall_s:.1f} s ({summary.steps} packed steps); study in {spec.out_dir}")
+    _refresh_report(spec.out_dir)
+
+
+def _refresh_report(out_dir: Path) -> None:
+    """Rewrite the study's HTML report when the reports package can (plotly is a dependency)."""
+    try:
+        from reports.html import write_report
+    except ImportError:
+        return
+    path = write_report(out_dir)
+    click.echo(f"report: {path}")
+
+
+@cli.command()
+@click.argument("study", type=click.Path(dir_okay=False))
+@click.argument("overrides", nargs=-1)
+def plan(study: str, overrides: tuple[str, ...]) -> None:
+    """Print the pack layout, predicted memory and time of STUDY.yaml, without training."""
+    from packer.data import load_examples
+    from packer.model import PackedModel, load_base
+    from sweep.planning import padded_mean_length, plan_pack
+
+    spec = _load(study, overrides, None)
+    device = spec.model.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, tokenizer = load_base(spec.model.path, dtype=spec.model.dtype, device=device)
+    data = spec.data
+    examples = load_examples(data.train, tokenizer, fmt=data.format, max_length=data.max_length,
+                             train_on_prompt=data.train_on_prompt)
+    micro = spec.train.micro_batch
+    report = plan_pack(spec, PackedModel(model),
+                       mean_len=padded_mean_length([len(e.input_ids) for e in examples], micro))
+    click.echo(report.table())
+
+
+@cli.command()
+@click.argument("study_dir", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def status(study_dir: str, as_json: bool) -> None:
+    """Counts by state, best trials and packs of the study in STUDY_DIR."""
+    from sweep.status import study_status
+
+    info = study_status(Path(study_dir))
+    if as_json:
+        click.echo(json.dumps(info, indent=2, default=str))
+    else:
+        from sweep.status import render
+
+        render(info)
+
+
+@cli.command("tiny-model")
+@click.option("--family", type=click.Choice(["llama", "qwen2", "mistral", "gpt2"]), default="llama",
+              show_default=True)
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Directory to save model + tokenizer.")
+@click.option("--seed", default=0, show_default=True, help="Initialisation seed.")
+def tiny_model(family: str, out: str, seed: int) -> None:
+    """Build a tiny random-init model and a local tokenizer, saved with save_pretrained."""
+    from packer.tiny import build_tiny_model
+
+    click.echo(build_tiny_model(family, out, seed=seed))
+
+
+@cli.command()
+@click.argument("study_dir", type=click.Path())
+@click.option("--out", type=click.Path(dir_okay=False), help="HTML file to write (default: STUDY_DIR/report.html).")
+def report(study_dir: str, out: str | None) -> None:
+    """Write the self-contained HTML report of the study in STUDY_DIR (opens offline)."""
+    from sweep.store import StudyDir
+
+    if not StudyDir(study_dir).is_study():
+        raise UserError(f"report: {study_dir}: not a study directory (no results.db and study.yaml)")
+    from reports.html import write_report
+
+    click.echo(f"report: {write_report(Path(study_dir), Path(out) if out else None)}")
+
+
+@cli.command()
+@click.argument("study_dir", type=click.Path())
+@click.option("--trial", type=int, help="Export trial N.")
+@click.option("--best", is_flag=True, help="Export the best trial (with --objective in a multi-objective study).")
+@click.option("--objective", help="The objective --best ranks by.")
+@click.option("--out", required=True, type=click.Path(), help="Directory to create (must not exist or be empty).")
+@click.option("--merge", is_flag=True, help="Write the base model with the adapter merged in, plus its tokenizer.")
+@click.option("--no-vllm", is_flag=True, help="Keep the adapter as trained (no padding to a rank vLLM accepts).")
+def export(study_dir: str, trial: int | None, best: bool, objective: str | None, out: str, merge: bool,
+           no_vllm: bool) -> None:
+    """Export one trial of STUDY_DIR as a PEFT adapter directory (vLLM-ready by default) or a merged model."""
+    from sweep.export import export_trial
+
+    done = export_trial(study_dir, out, trial=trial, best=best, objective=objective, vllm=not no_vllm, merge=merge)
+    what = "merged model" if done.merged else f"adapter (rank {done.rank}" + (
+        f" padded to {done.exported_rank})" if done.exported_rank != done.rank else ")")
+    click.echo(f"trial {done.trial}: {what} written to {done.out}")
 
 
 @cli.command()

@@ -58,7 +58,7 @@ created, updated (time of the last write), lora_sweep_version.
     pack_id, slot, trial      Pack, slot index and the trial in it.
     start_step, end_step      Pack steps at which the trial entered and left the slot.
     start_time, end_time      The same as times.
-    end_reason                'complete', 'pruned', 'failed' or 'stopped'; NULL while the trial trains.
+    end_reason                'finished' (max_steps reached), 'stopped' (pruned) or 'interrupted'; NULL while it trains.
 
 ``prune_decisions`` (PK pack_id, rung_step, trial): each decision of the cohort pruner.
     pack_id, rung_step, trial Pack, the trial step of the rung, and the trial decided on.

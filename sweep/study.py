@@ -158,7 +158,7 @@ class _Sweep:
                 self.s.store.add_eval(self.live[slot].trial.number, rung, {self.proxy: value}, kind="rung")
             for d in self.sha.decide(rung, values):
                 self.s.store.add_prune_decision(self.pack_id, rung, d.trial, "keep" if d.keep else "prune",
-                                                value=d.value, rank=d.rank, cohort_size=d.cohort_size,
+                                                value=d.value, rank=d.rank + 1, cohort_size=d.cohort_size,
                                                 reason=d.reason)
                 slot = next(s for s, lv in self.live.items() if lv.trial.number == d.trial)
                 # The community default is ranked (it sets the bar) but never stopped: the report

@@ -1,0 +1,132 @@
+"""Everything the report shows, read once from a study directory's results store.
+
+Reports read only ``sweep.store`` (the results tables and the Optuna storage URL recorded in the
+``study`` table) and the ``budget`` block of the study's ``study.yaml`` copy.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import yaml
+
+from sweep.store import EvalRow, PackRecord, PruneDecision, ResultsStore, SlotSpan, StepRow, StudyDir, TrialRecord
+
+__all__ = ["StudyData", "load_study_data", "load_optuna_study", "objective_values", "pareto_numbers", "best_trial"]
+
+
+class StudyData(NamedTuple):
+    """One snapshot of a study directory."""
+
+    root: Path
+    meta: dict[str, Any]
+    objectives: list[str]
+    directions: list[str]
+    trials: list[TrialRecord]
+    curves: dict[int, list[StepRow]]
+    rung_evals: list[EvalRow]
+    items: dict[str, dict[int, dict[int, float | None]]]
+    """evaluator metric -> trial -> item index -> score; only the default and the best trials."""
+    packs: list[PackRecord]
+    spans: list[SlotSpan]
+    prunes: list[PruneDecision]
+    budget: dict[str, Any]
+
+    @property
+    def complete(self) -> list[TrialRecord]:
+        return [t for t in self.trials if t.state == "COMPLETE"]
+
+    @property
+    def default(self) -> TrialRecord | None:
+        """The community-default trial (user attribute ``default``), its latest retry if it was retried."""
+        found = [t for t in self.trials if (t.user_attrs or {}).get("default")]
+        done = [t for t in found if t.state == "COMPLETE"]
+        pick = done or found
+        return pick[-1] if pick else None
+
+    @property
+    def running(self) -> bool:
+        """True while a run trains (or after a run was killed): RUNNING trials or a 'running' pack."""
+        return any(t.state == "RUNNING" for t in self.trials) or any(p.status == "running" for p in self.packs)
+
+
+def objective_values(t: TrialRecord, n: int) -> list[float] | None:
+    """The trial's ``n`` objective values if all are finite, else None."""
+    vals = t.objective_values or []
+    if len(vals) != n or any(v is None or not math.isfinite(v) for v in vals):
+        return None
+    return [float(v) for v in vals]  # type: ignore[arg-type]
+
+
+def pareto_numbers(trials: list[TrialRecord], directions: list[str]) -> list[int]:
+    """Numbers of the complete trials with finite values that no other such trial dominates."""
+    signs = [1.0 if d == "minimize" else -1.0 for d in directions]
+    pts = [(t.number, [s * v for s, v in zip(signs, vals, strict=True)]) for t in trials
+           if t.state == "COMPLETE" and (vals := objective_values(t, len(directions))) is not None]
+
+    def dominates(a: list[float], b: list[float]) -> bool:
+        return all(x <= y for x, y in zip(a, b, strict=True)) and a != b
+
+    return [n for n, v in pts if not any(dominates(w, v) for _, w in pts)]
+
+
+def best_trial(trials: list[TrialRecord], index: int, directions: list[str]) -> TrialRecord | None:
+    """The complete trial with the best finite value of objective ``index`` (lowest number on ties)."""
+    sign = 1.0 if directions[index] == "minimize" else -1.0
+    done = [(sign * vals[index], t.number, t) for t in trials if t.state == "COMPLETE"
+            and (vals := objective_values(t, len(directions))) is not None]
+    return min(done, key=lambda x: (x[0], x[1]))[2] if done else None
+
+
+def load_study_data(root: str | Path) -> StudyData:
+    """Read a study directory.
+
+    Raises:
+        FileNotFoundError: ``root`` holds no study (no results.db and study.yaml).
+    """
+    sdir = StudyDir(root)
+    if not sdir.is_study():
+        raise FileNotFoundError(f"{root}: not a study directory (no results.db and study.yaml)")
+    with ResultsStore(sdir.results_db, create=False) as store:
+        meta = store.meta()
+        objectives, directions = list(meta.get("objectives") or []), list(meta.get("directions") or [])
+        trials = store.trials()
+        data = StudyData(sdir.root, meta, objectives, directions, trials, store.curves(), store.evals(kind="rung"),
+                         {}, store.packs(), store.spans(), store.prune_decisions(), _budget(sdir))
+        wanted = {t.number for i in range(len(directions)) if (t := best_trial(trials, i, directions))}
+        if data.default is not None:
+            wanted.add(data.default.number)
+        for number in sorted(wanted):
+            for row in store.items(trial=number):
+                data.items.setdefault(row.evaluator, {}).setdefault(number, {})[row.item] = row.score
+    return data
+
+
+def _budget(sdir: StudyDir) -> dict[str, Any]:
+    try:
+        doc = yaml.safe_load(sdir.study_yaml.read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    budget = doc.get("budget") if isinstance(doc, dict) else None
+    return budget if isinstance(budget, dict) else {}
+
+
+def load_optuna_study(data: StudyData) -> Any:
+    """The Optuna study behind the report (for ``optuna.visualization``), or an error text when unreachable."""
+    import optuna
+
+    name, storage = data.meta.get("name"), data.meta.get("storage")
+    if not name or not storage:
+        return "the store records no Optuna storage"
+    if storage.startswith("sqlite:///") and not Path(storage.removeprefix("sqlite:///")).is_file():
+        return f"the Optuna storage {storage} does not exist"  # opening it would create an empty database
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return optuna.load_study(study_name=name, storage=storage)
+    except Exception as err:  # SQLAlchemy and Optuna raise many types for a missing or unreachable storage
+        return f"cannot open the Optuna storage {storage}: {str(err).strip().splitlines()[0] if str(err) else err!r}"

@@ -1,0 +1,326 @@
+"""``sweep export``: one trial's adapter as a PEFT directory (vLLM-ready by default), or merged into the base.
+
+The trial's saved adapter (``adapters/trial-<n>``, written by ``packer.checkpoint``) is rewritten into a new
+directory with a model card (``README.md``: params, metrics, data, study provenance). vLLM's rules
+(../shared/notes/formats-and-eval.md §2) are met without changing the adapter's function: a rank outside
+``VLLM_RANKS`` is zero-padded to the next allowed one (extra rows of A, columns of B) with alpha rescaled so
+the scale s stays (alpha' = s·r', or s·sqrt(r') with rsLoRA); rank/alpha patterns are folded into B; adapter
+names are dropped from keys. ``merge=True`` writes the base model with W + s·B·A folded in, plus its tokenizer.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from packer.errors import UserError
+from sweep.store import ResultsStore, StudyDir, TrialRecord
+
+if TYPE_CHECKING:  # torch, safetensors and transformers load in the functions that need them: errors stay fast
+    import torch
+
+__all__ = ["VLLM_RANKS", "Export", "select_trial", "vllm_adapter", "merge_adapter", "export_trial"]
+
+VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""Values vLLM accepts for ``max_lora_rank`` (vllm/config/lora.py)."""
+
+_KEY = re.compile(r"base_model\.model\.(.+)\.lora_([AB])(?:\.[^.]+)?\.weight")  # an adapter name may sit before .weight
+
+
+@dataclass(frozen=True)
+class Export:
+    """What ``export_trial`` wrote."""
+
+    trial: int
+    out: Path
+    rank: int
+    """Rank the trial trained with."""
+    exported_rank: int
+    merged: bool
+    changes: list[str] = field(default_factory=list)
+    """Conversions made for vLLM (empty when the adapter already met its rules)."""
+
+
+# ---------------------------------------------------------------- choosing the trial
+
+
+def _values(t: TrialRecord, n: int) -> list[float] | None:
+    vals = t.objective_values or []
+    ok = len(vals) == n and all(v is not None and math.isfinite(v) for v in vals)
+    return [float(v) for v in vals] if ok else None  # type: ignore[arg-type]
+
+
+_Done = list[tuple[TrialRecord, list[float]]]
+
+
+def _pareto(done: _Done, directions: list[str]) -> _Done:
+    signs = [1.0 if d == "minimize" else -1.0 for d in directions]
+    key = [(t, [s * v for s, v in zip(signs, vals, strict=True)]) for t, vals in done]
+
+    def dominates(a: list[float], b: list[float]) -> bool:
+        return all(x <= y for x, y in zip(a, b, strict=True)) and a != b
+
+    keep = {t.number for t, v in key if not any(dominates(w, v) for _, w in key)}
+    return [(t, vals) for t, vals in done if t.number in keep]
+
+
+def select_trial(store: ResultsStore, *, trial: int | None = None, best: bool = False,
+                 objective: str | None = None) -> TrialRecord:
+    """The complete trial to export: ``trial`` by number, or the best one.
+
+    Raises:
+        UserError: neither or both of ``trial`` / ``best``; an unknown or unfinished trial; an objective the
+            study does not have; ``best`` without ``objective`` in a multi-objective study whose Pareto front
+            has several trials (the message lists them, on one line).
+    """
+    if (trial is None) == (not best):
+        raise UserError("export: give exactly one of --trial N and --best")
+    if objective is not None and not best:
+        raise UserError("export: --objective goes with --best")
+    if trial is not None:
+        rec = store.trial(trial)
+        if rec is None:
+            numbers = [t.number for t in store.trials()]
+            known = f"trials {min(numbers)}..{max(numbers)}" if numbers else "no trials yet"
+            raise UserError(f"export: trial {trial} does not exist in this study ({known})")
+        if rec.state != "COMPLETE":
+            why = f" ({rec.reason.strip().splitlines()[0]})" if rec.reason and rec.reason.strip() else ""
+            raise UserError(f"export: trial {trial} is {(rec.state or 'unknown').lower()}{why}; "
+                            "only complete trials have an adapter")
+        return rec
+    meta = store.meta()
+    objectives, directions = list(meta.get("objectives") or []), list(meta.get("directions") or [])
+    if objective is not None and objective not in objectives:
+        raise UserError(f"export: --objective {objective!r} is not an objective of this study "
+                        f"(objectives: {', '.join(objectives) or 'none'})")
+    done = [(t, vals) for t in store.trials("COMPLETE") if (vals := _values(t, len(objectives))) is not None]
+    if not done:
+        raise UserError("export: no complete trial with finite objective values yet")
+    if objective is None and len(objectives) > 1:
+        front = sorted(_pareto(done, directions), key=lambda x: x[0].number)
+        if len(front) > 1:
+            listing = "; ".join(f"#{t.number} (" + ", ".join(f"{o}={v:.4g}" for o, v in zip(objectives, vals,
+                                                                                           strict=True)) + ")"
+                                for t, vals in front)
+            raise UserError(f"export: --best is ambiguous in a multi-objective study; Pareto trials: {listing}; "
+                            f"choose one with --trial N, or pass --objective {' | '.join(objectives)}")
+        return front[0][0]
+    i = objectives.index(objective) if objective is not None else 0
+    sign = 1.0 if directions[i] == "minimize" else -1.0
+    return min(done, key=lambda x: (sign * x[1][i], x[0].number))[0]
+
+
+# ---------------------------------------------------------------- converting and merging
+
+
+def _modules(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, list[torch.Tensor]], bool]:
+    """Module path -> [A (r, D_in), B (D_out, r)], and whether any key carried an adapter name."""
+    import torch
+
+    out: dict[str, list[torch.Tensor]] = {}
+    named = False
+    for key, t in tensors.items():
+        m = _KEY.fullmatch(key)
+        if m is None:
+            raise UserError(f"export: tensor {key!r} is not a LoRA A/B weight (vLLM rejects it; use --no-vllm)")
+        named |= not key.endswith(f".lora_{m.group(2)}.weight")
+        out.setdefault(m.group(1), [torch.empty(0), torch.empty(0)])["AB".index(m.group(2))] = t
+    return out, named
+
+
+def _pattern_value(patterns: dict[str, Any], path: str, default: float) -> float:
+    for key, value in patterns.items():  # PEFT's get_pattern_key: a suffix of dotted module names
+        if re.match(rf"(.*\.)?({key})$", path):
+            return float(value)
+    return default
+
+
+def _scale(config: dict[str, Any], path: str, rank: int) -> float:
+    """The module's LoRA scale s as PEFT computes it: alpha/r, or alpha/sqrt(r) with rsLoRA."""
+    alpha = _pattern_value(config.get("alpha_pattern") or {}, path, float(config["lora_alpha"]))
+    return alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+
+
+def vllm_adapter(config: dict[str, Any], tensors: dict[str, torch.Tensor]
+                 ) -> tuple[dict[str, Any], dict[str, torch.Tensor], list[str]]:
+    """The same adapter function under vLLM's rules: (config, tensors, list of the changes made).
+
+    Raises:
+        UserError: DoRA, biases or ``modules_to_save``, which vLLM cannot take without changing the function.
+    """
+    import torch
+
+    for bad, why in ((config.get("use_dora"), "DoRA"), (config.get("modules_to_save"), "modules_to_save"),
+                     (config.get("bias", "none") != "none", f"bias={config.get('bias')!r}")):
+        if bad:
+            raise UserError(f"export: the adapter uses {why}, which vLLM does not support; use --no-vllm")
+    modules, named = _modules(tensors)
+    rank = max(a.shape[0] for a, _ in modules.values())
+    target = next((r for r in VLLM_RANKS if r >= rank), None)
+    if target is None:
+        raise UserError(f"export: rank {rank} exceeds vLLM's largest max_lora_rank {VLLM_RANKS[-1]}; use --no-vllm")
+    s = float(config["lora_alpha"]) / (math.sqrt(config["r"]) if config.get("use_rslora") else config["r"])
+    changes = []
+    if target != config["r"]:
+        changes.append(f"rank {config['r']} zero-padded to {target} (alpha rescaled, same scale {s:.6g})")
+    if config.get("rank_pattern") or config.get("alpha_pattern"):
+        changes.append("rank/alpha patterns folded into lora_B (vLLM ignores patterns)")
+    if named:
+        changes.append("adapter names dropped from tensor keys")
+    out: dict[str, torch.Tensor] = {}
+    for path, (a, b) in modules.items():
+        r = a.shape[0]
+        ratio = _scale(config, path, r) / s  # 1.0 unless patterns give this module its own scale
+        a2 = torch.zeros((target, a.shape[1]), dtype=a.dtype)  # (r', D_in): extra rows are zero
+        b2 = torch.zeros((b.shape[0], target), dtype=b.dtype)  # (D_out, r'): extra columns are zero
+        a2[:r] = a
+        b2[:, :r] = b if ratio == 1.0 else (b.double() * ratio).to(b.dtype)
+        out[f"base_model.model.{path}.lora_A.weight"] = a2
+        out[f"base_model.model.{path}.lora_B.weight"] = b2
+    alpha = s * (math.sqrt(target) if config.get("use_rslora") else target)
+    new = {**config, "r": target, "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
+           "rank_pattern": {}, "alpha_pattern": {}, "bias": "none", "modules_to_save": None, "use_dora": False,
+           "target_modules": sorted({p.rsplit(".", 1)[-1] for p in modules})}
+    return new, out, changes
+
+
+def merge_adapter(model: torch.nn.Module, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """Fold the adapter into ``model`` in place: W += s·B·A (transposed for GPT-2's Conv1D, which stores W as
+    (D_in, D_out)); computed in fp32 and cast back to the weight's dtype.
+
+    Raises:
+        UserError: a module of the adapter is missing from the model or has another shape.
+    """
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    modules, _ = _modules(tensors)
+    with torch.no_grad():
+        for path, (a, b) in modules.items():
+            try:
+                module = model.get_submodule(path)
+            except AttributeError as err:
+                raise UserError(f"export: the base model has no module {path!r}") from err
+            w: torch.Tensor = module.weight  # type: ignore[assignment]
+            delta = _scale(config, path, a.shape[0]) * (b.float() @ a.float())  # (D_out, D_in)
+            if isinstance(module, Conv1D):
+                delta = delta.T  # (D_in, D_out)
+            if delta.shape != w.shape:
+                raise UserError(f"export: {path}: adapter gives {tuple(delta.shape)}, model has {tuple(w.shape)}")
+            w.copy_((w.float() + delta.to(w.device)).to(w.dtype))
+
+
+# ---------------------------------------------------------------- model card and the export itself
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.6g}" if isinstance(v, float) else str(v)
+
+
+def model_card(meta: dict[str, Any], rec: TrialRecord, config: dict[str, Any], out: Path, *, source: Path,
+               changes: list[str], merged: bool) -> str:
+    """README.md of an export: what the trial is, how it scored, where it came from, how to load it."""
+    model, name = str(meta.get("model", "")), str(meta.get("name", ""))
+    objectives = dict(zip(meta.get("objectives") or [], meta.get("directions") or [], strict=False))
+    default = " (the community-default trial)" if (rec.user_attrs or {}).get("default") else ""
+    lines = ["---", f"library_name: {'transformers' if merged else 'peft'}", f"base_model: {json.dumps(model)}",
+             "tags: [lora, lora-sweep]", "---", "",
+             f"# {name} · trial {rec.number}{' (merged into the base model)' if merged else ''}", "",
+             f"LoRA adapter trained by a lora-sweep study{default}.", "",
+             "## Hyperparameters", "", "| name | value |", "|---|---|"]
+    lines += [f"| {k} | {_fmt(v)} |" for k, v in (rec.params or {}).items()]
+    lines += [f"| exported r / lora_alpha / use_rslora | {config['r']} / {_fmt(config['lora_alpha'])} / "
+              f"{config.get('use_rslora', False)} |",
+              f"| target_modules | {', '.join(config.get('target_modules') or [])} |", "",
+              "## Metrics (final evaluation)", "", "| metric | value | objective |", "|---|---|---|"]
+    lines += [f"| {k} | {_fmt(v)} | {objectives.get(k, '')} |" for k, v in (rec.metrics or {}).items()]
+    lines += ["", "## Training", "", f"- data: `{meta.get('data', '')}`",
+              f"- optimizer steps: {rec.steps_done}, training tokens: {rec.tokens}, "
+              f"device seconds: {_fmt(rec.device_seconds)}", f"- pack {rec.pack_id}, slot {rec.slot}", "",
+              "## Provenance", "", f"- study: `{name}` (lora-sweep {meta.get('lora_sweep_version', '?')})",
+              f"- study directory: `{source.parent.parent}`", f"- Optuna storage: `{meta.get('storage', '')}`",
+              f"- trial number: {rec.number}", f"- source adapter: `{source}`",
+              f"- exported: {dt.datetime.now(dt.UTC).strftime('%Y-%m-%d %H:%M:%S UTC')}"]
+    lines += [f"- conversion for vLLM: {c}" for c in changes]
+    lines += ["", "## Use", ""]
+    if merged:
+        lines += ["```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
+                  f"model = AutoModelForCausalLM.from_pretrained({str(out)!r})",
+                  f"tokenizer = AutoTokenizer.from_pretrained({str(out)!r})", "```"]
+    else:
+        lines += ["```python", "from peft import PeftModel", "from transformers import AutoModelForCausalLM",
+                  f"model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({model!r}), {str(out)!r})",
+                  "```", "", "vLLM (pass absolute paths; a relative one is taken for a hub id):", "", "```bash",
+                  f"vllm serve {model} --enable-lora --max-lora-rank {max(16, int(config['r']))} "
+                  f"--lora-modules trial-{rec.number}={out}", "```"]
+    return "\n".join(lines) + "\n"
+
+
+def _check_out(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"export: {out} exists and is not empty; choose a new --out")
+
+
+def _fresh_dir(out: Path) -> Path:
+    """A temporary directory beside ``out`` (renamed onto it once complete)."""
+    _check_out(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+
+
+def export_trial(study_dir: str | Path, out: str | Path, *, trial: int | None = None, best: bool = False,
+                 objective: str | None = None, vllm: bool = True, merge: bool = False) -> Export:
+    """Export one complete trial of the study in ``study_dir`` to ``out`` (see the module docstring).
+
+    Raises:
+        UserError: not a study directory, a bad trial choice (``select_trial``), a missing adapter, an
+            ``out`` that exists and is not empty, or an adapter vLLM cannot take (use ``vllm=False``).
+    """
+    sdir, out = StudyDir(study_dir), Path(out).absolute()
+    if not sdir.is_study():
+        raise UserError(f"export: {study_dir}: not a study directory (no results.db and study.yaml)")
+    with ResultsStore(sdir.results_db, create=False) as store:
+        rec = select_trial(store, trial=trial, best=best, objective=objective)
+        meta = store.meta()
+    _check_out(out)
+    source = (sdir.root / rec.adapter_path if rec.adapter_path else sdir.adapter_dir(rec.number)).absolute()
+    if not source.is_dir():
+        raise UserError(f"export: trial {rec.number}'s adapter {source} is missing")
+    from safetensors.torch import save_file
+
+    from packer.checkpoint import CONFIG_NAME, WEIGHTS_NAME, read_adapter
+
+    config, tensors = read_adapter(source)
+    rank = int(config["r"])
+    changes: list[str] = []
+    if vllm and not merge:
+        config, tensors, changes = vllm_adapter(config, tensors)
+    tmp = _fresh_dir(out)
+    try:
+        if merge:
+            from packer.model import load_base
+
+            model, tokenizer = load_base(str(meta.get("model") or config["base_model_name_or_path"]), dtype="auto")
+            merge_adapter(model, config, tensors)
+            model.save_pretrained(tmp)  # type: ignore[operator]
+            tokenizer.save_pretrained(tmp)  # type: ignore[attr-defined]
+        else:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / WEIGHTS_NAME),
+                      metadata={"format": "pt", "study": str(meta.get("name", "")), "trial": str(rec.number)})
+            (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        (tmp / "README.md").write_text(model_card(meta, rec, config, out, source=source, changes=changes,
+                                                  merged=merge))
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return Export(rec.number, out, rank, int(config["r"]), merge, changes)
