@@ -152,18 +152,33 @@ def export(study_dir: str, trial: int | None, best: bool, objective: str | None,
 
 
 @cli.command()
-@click.option("--cpu", "cpu", is_flag=True, help="The CPU benchmark: N adapters packed vs one after another.")
-@click.option("--adapters", default=8, show_default=True, help="Adapters to train.")
-@click.option("--steps", default=30, show_default=True, help="Optimizer steps per adapter.")
-@click.option("--no-peft", is_flag=True, help="Skip the PEFT baseline.")
-def bench(cpu: bool, adapters: int, steps: int, no_peft: bool) -> None:
-    """Measure packed training against one adapter at a time."""
-    if not cpu:
-        raise UserError("bench: only --cpu exists so far (the GPU benchmark comes with the Triton kernels)")
-    from packer.bench import cpu_bench
+@click.option("--cpu", "cpu", is_flag=True, help="Training: N adapters packed vs one after another, on the CPU.")
+@click.option("--cpu-eval", "cpu_eval", is_flag=True, help="Evaluation: N adapters scored packed vs one at a time.")
+@click.option("--gpu", "gpu", is_flag=True, help="The GPU workloads (W5 gate, W1, W4) on real architecture shapes.")
+@click.option("--adapters", default=8, show_default=True, help="Adapters (CPU benchmarks).")
+@click.option("--steps", default=30, show_default=True, help="Optimizer steps per adapter (--cpu).")
+@click.option("--no-peft", is_flag=True, help="Skip the PEFT baseline (--cpu).")
+def bench(cpu: bool, cpu_eval: bool, gpu: bool, adapters: int, steps: int, no_peft: bool) -> None:
+    """Measure packed training and evaluation against one adapter at a time."""
+    if not (cpu or cpu_eval or gpu):
+        raise UserError("bench: choose --cpu, --cpu-eval or --gpu")
+    progress = lambda m: click.echo(m, err=True)  # noqa: E731
+    if cpu:
+        from packer.bench import cpu_bench
 
-    result = cpu_bench(adapters, steps, with_peft=not no_peft, progress=lambda m: click.echo(m, err=True))
-    click.echo(result.table())
+        click.echo(cpu_bench(adapters, steps, with_peft=not no_peft, progress=progress).table())
+    if cpu_eval:
+        from evaluators.bench import cpu_eval_bench
+
+        click.echo(cpu_eval_bench(adapters, progress=progress).table())
+    if gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UserError("bench --gpu: no CUDA device visible")
+        from packer.gpu_bench import main as gpu_main
+
+        gpu_main([])
 
 
 def main(argv: list[str] | None = None) -> None:
