@@ -14,6 +14,8 @@ with the same row order (slots in ``PackLayout.slots`` order, rank-0 slots contr
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kernels.meta import LayerRanks, PackLayout, dropout_seed
@@ -85,18 +87,23 @@ def lora_masked_dense(x: torch.Tensor, base_out: torch.Tensor, a_cat: torch.Tens
         masks = [dropout_keep_mask(layout, g, ranks.layer_id, d_in, seq, x.device) if layout.dropout[g] > 0
                  else xin.new_ones((n, seq, d_in)) for g, n in enumerate(layout.n_rows)]
         xin = xin * torch.cat(masks, dim=0)
-    col_scale = _row_column_scale(layout, ranks, device=x.device, dtype=a_cat.dtype)  # (B, 1, R)
+    col_scale = _row_column_scale(layout.row_start, layout.n_rows, ranks.rank, ranks.scale, x.device,
+                                  a_cat.dtype)  # (B, 1, R)
     h = (xin @ a_cat.T) * col_scale  # (B, L, R)
     return base_out + (h @ bt_cat).to(base_out.dtype)
 
 
-def _row_column_scale(layout: PackLayout, ranks: LayerRanks, *, device: torch.device,
-                      dtype: torch.dtype) -> torch.Tensor:
-    """(B, 1, R) matrix: s_g on row-block g x rank-columns of g, 0 elsewhere."""
-    total_rank = sum(ranks.rank)
-    m = torch.zeros((sum(layout.n_rows), 1, total_rank), dtype=dtype)
+@functools.lru_cache(maxsize=64)
+def _row_column_scale(row_start: tuple[int, ...], n_rows: tuple[int, ...], rank: tuple[int, ...],
+                      scale: tuple[float, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """(B, 1, R) matrix: s_g on row-block g x rank-columns of g, 0 elsewhere.
+
+    Cached: every layer with the same ranks shares it, and it only changes when the pack does.
+    Read-only for its users (autograd saves it; nothing writes to it).
+    """
+    m = torch.zeros((sum(n_rows), 1, sum(rank)), dtype=dtype)
     off = 0
-    for r0, n, r, s in zip(layout.row_start, layout.n_rows, ranks.rank, ranks.scale, strict=True):
+    for r0, n, r, s in zip(row_start, n_rows, rank, scale, strict=True):
         m[r0:r0 + n, :, off:off + r] = s
         off += r
-    return m.to(device, non_blocking=True)
+    return m.to(device)

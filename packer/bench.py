@@ -33,6 +33,7 @@ class CpuBenchResult:
 
     adapters: int
     steps: int
+    micro_batch: int
     packed_s: float
     sequential_engine_s: float
     sequential_peft_s: float | None
@@ -43,19 +44,20 @@ class CpuBenchResult:
         rows = [("packed (1 run, N slots)", self.packed_s), ("sequential, engine 1 slot", self.sequential_engine_s)]
         if self.sequential_peft_s is not None:
             rows.append(("sequential, PEFT", self.sequential_peft_s))
-        lines = [f"{self.adapters} adapters x {self.steps} steps, {self.tokens} trained tokens; {self.environment}",
+        lines = [f"{self.adapters} adapters x {self.steps} steps, micro-batch {self.micro_batch}, "
+                 f"{self.tokens} trained tokens; {self.environment}",
                  f"{'mode':<28}{'wall s':>9}{'tokens/s':>11}{'packed speed-up':>17}"]
         for name, secs in rows:
             lines.append(f"{name:<28}{secs:>9.2f}{self.tokens / secs:>11.0f}{secs / self.packed_s:>16.2f}x")
         return "\n".join(lines)
 
 
-def bench_specs(n: int, steps: int) -> list[AdapterSpec]:
-    """A small sweep: ranks 4..32, several learning rates and target sets, micro-batch 4."""
+def bench_specs(n: int, steps: int, micro_batch: int = 1) -> list[AdapterSpec]:
+    """A small sweep: ranks 4..32, several learning rates and target sets."""
     ranks, lrs = (4, 8, 16, 32), (1e-3, 3e-3, 1e-2)
     targets = (("q_proj", "v_proj"), ("all-linear",), ("q_proj", "k_proj", "v_proj", "o_proj"))
     return [AdapterSpec(rank=ranks[i % 4], alpha=2.0 * ranks[i % 4], lr=lrs[i % 3], targets=targets[i % 3],
-                        micro_batch=4, max_steps=steps, seed=i) for i in range(n)]
+                        micro_batch=micro_batch, max_steps=steps, seed=i) for i in range(n)]
 
 
 def _streams(examples: list[Example], specs: list[AdapterSpec]) -> list[SlotStream]:
@@ -95,7 +97,7 @@ def _peft(model_dir: Path, specs: list[AdapterSpec], examples: list[Example], pa
     return elapsed
 
 
-def cpu_bench(adapters: int = 8, steps: int = 30, *, with_peft: bool = True,
+def cpu_bench(adapters: int = 8, steps: int = 30, *, micro_batch: int = 1, with_peft: bool = True,
               progress: Callable[[str], None] = print) -> CpuBenchResult:
     """Train ``adapters`` adapters for ``steps`` steps packed and sequentially; returns the timings."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -104,7 +106,7 @@ def cpu_bench(adapters: int = 8, steps: int = 30, *, with_peft: bool = True,
         examples = tokenize_rows(arithmetic_rows(512, seed=0, fmt="prompt_completion"), "prompt_completion",
                                  tokenizer, max_length=64)
         pad = tokenizer.pad_token_id
-        specs = bench_specs(adapters, steps)
+        specs = bench_specs(adapters, steps, micro_batch)
         warm = bench_specs(2, 3)
         _engine(model_dir, warm, examples, 2, pad)  # warm-up: first-call allocations and kernel selection
         progress("packed ...")
@@ -117,7 +119,7 @@ def cpu_bench(adapters: int = 8, steps: int = 30, *, with_peft: bool = True,
             _peft(model_dir, warm[:1], examples, pad)
             seq_peft = _peft(model_dir, specs, examples, pad)
         tokens = _trained_tokens(examples, specs)
-    return CpuBenchResult(adapters, steps, packed, seq_engine, seq_peft, tokens, _environment())
+    return CpuBenchResult(adapters, steps, micro_batch, packed, seq_engine, seq_peft, tokens, _environment())
 
 
 def _environment() -> str:

@@ -9,7 +9,6 @@ concatenates the active slots' weights per forward (a few KB to MB, negligible n
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -56,16 +55,13 @@ class PackedLoRALinear(nn.Module):
     def state(self) -> PackState:
         return self._state[0]
 
-    def add_slot(self, slot: int, rank: int, generator: torch.Generator) -> tuple[nn.Parameter, nn.Parameter]:
-        """Create slot's adapter initialised as PEFT does: A Kaiming-uniform(a=sqrt(5)), B zero.
+    def add_slot(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> tuple[nn.Parameter, nn.Parameter]:
+        """Register slot's adapter weights A (r, D_in) and B (D_out, r).
 
-        ``generator`` is a CPU generator owned by the slot, so the init depends only on its seed.
+        ``a`` and ``b`` are views into the slot's flat buffer (``PackedModel`` owns it); the
+        parameters alias them, so an optimizer can update all of a slot's weights as one tensor.
         """
-        weight = next(self.base.parameters())
-        a = torch.empty((rank, self.in_features), dtype=torch.float32)
-        nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
-        pa = nn.Parameter(a.to(weight.device))
-        pb = nn.Parameter(torch.zeros((self.out_features, rank), dtype=torch.float32, device=weight.device))
+        pa, pb = nn.Parameter(a), nn.Parameter(b)
         self.lora_A[str(slot)] = pa
         self.lora_B[str(slot)] = pb
         return pa, pb

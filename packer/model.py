@@ -7,6 +7,7 @@ weights to the projections they target. Nothing of the base is copied or modifie
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -78,6 +79,7 @@ class PackedModel:
         self.layers: dict[str, PackedLoRALinear] = {}
         self.specs: dict[int, AdapterSpec] = {}
         self.slot_paths: dict[int, list[str]] = {}
+        self.flat: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def device(self) -> torch.device:
@@ -101,17 +103,42 @@ class PackedModel:
             if spec.rank > min(layer.in_features, layer.out_features):
                 raise ConfigError(f"rank: {spec.rank} is larger than layer {path} "
                                   f"({layer.in_features} -> {layer.out_features})")
-        generator = torch.Generator().manual_seed(spec.seed)
-        params: list[nn.Parameter] = []
-        for path in paths:
-            params.extend(self.layers[path].add_slot(slot, spec.rank, generator))
+        params = self._create_weights(slot, spec, paths)
         self.specs[slot] = spec
         self.slot_paths[slot] = paths
         self.state.scales[slot] = spec.scale
         return params
 
+    def _create_weights(self, slot: int, spec: AdapterSpec, paths: list[str]) -> list[nn.Parameter]:
+        """PEFT's init (A Kaiming-uniform(a=sqrt(5)) from the slot's own generator, B zero), all of the
+        slot's weights laid out in one flat fp32 buffer with a flat gradient buffer beside it."""
+        generator = torch.Generator().manual_seed(spec.seed)
+        shapes = [((spec.rank, self.layers[p].in_features), (self.layers[p].out_features, spec.rank)) for p in paths]
+        flat = torch.zeros(sum(spec.rank * (a[1] + b[0]) for a, b in shapes), device=self.device)
+        grad = torch.zeros_like(flat)
+        params: list[nn.Parameter] = []
+        off = 0
+        for path, (a_shape, b_shape) in zip(paths, shapes, strict=True):
+            a = torch.empty(a_shape)
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+            na, nb = a.numel(), b_shape[0] * b_shape[1]
+            flat[off:off + na].copy_(a.flatten())
+            pa, pb = self.layers[path].add_slot(slot, flat[off:off + na].view(a_shape),
+                                                flat[off + na:off + na + nb].view(b_shape))
+            # Gradients accumulate in place into these views, i.e. into the flat gradient buffer.
+            pa.grad, pb.grad = grad[off:off + na].view(a_shape), grad[off + na:off + na + nb].view(b_shape)
+            params += [pa, pb]
+            off += na + nb
+        self.flat[slot] = (flat, grad)
+        return params
+
+    def flat_buffers(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, gradients) of the slot as two flat fp32 tensors that its parameters alias."""
+        return self.flat[slot]
+
     def remove_slot(self, slot: int) -> None:
         """Drop the slot's adapter; its parameters are freed once the caller lets go of them."""
+        del self.flat[slot]
         for path in self.slot_paths.pop(slot):
             self.layers[path].remove_slot(slot)
         del self.specs[slot]

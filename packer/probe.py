@@ -117,7 +117,7 @@ def _step(pm: PackedModel, spec: AdapterSpec, rows: list[Example], pad_id: int, 
 def calibrate(pm: PackedModel, seq_len: int, *, rows: tuple[int, int] = (2, 8), vocab: int | None = None,
               pad_id: int = 0, steps: int = 2) -> MemoryModel:
     """Fit ``MemoryModel`` from three probes: ``rows[0]`` and ``rows[1]`` sequences of ``seq_len``
-    tokens with a rank-8 adapter (the per-token slope), and ``rows[0]`` with rank 40 (the per-rank
+    tokens with a rank-8 adapter (the per-token slope), and ``rows[1]`` with rank 40 (the per-rank
     slope); both ranks shrink to fit the narrowest layer. Each adapter covers every linear
     projection; its own parameter memory is subtracted.
     """
@@ -130,7 +130,7 @@ def calibrate(pm: PackedModel, seq_len: int, *, rows: tuple[int, int] = (2, 8), 
     r_hi = min(40, narrowest)
     r_lo = min(8, max(1, r_hi // 4))
     points = []
-    for n, rank in ((rows[0], r_lo), (rows[1], r_lo), (rows[0], r_hi)):
+    for n, rank in ((rows[0], r_lo), (rows[1], r_lo), (rows[1], r_hi)):
         ids = torch.randint(3, vocab, (n, seq_len), generator=gen).tolist()
         examples = [Example(tuple(r), tuple(r)) for r in ids]
         spec = AdapterSpec(rank=rank, targets=("all-linear",), max_steps=steps, lr=1e-4)
@@ -141,7 +141,8 @@ def calibrate(pm: PackedModel, seq_len: int, *, rows: tuple[int, int] = (2, 8), 
         points.append((n * seq_len, peak - ADAPTER_BYTES_PER_PARAM * params, seconds))
     (t1, m1, s1), (t2, m2, s2), (_, m3, _) = points
     per_token = max(0.0, (m2 - m1) / (t2 - t1))
-    per_token_rank = max(0.0, (m3 - m1) / (t1 * (r_hi - r_lo))) if r_hi > r_lo else 0.0
+    # At the larger token count, where activations outweigh the optimizer's transient buffers.
+    per_token_rank = max(0.0, (m3 - m2) / (t2 * (r_hi - r_lo))) if r_hi > r_lo else 0.0
     sec_per_token = max(0.0, (s2 - s1) / (t2 - t1))
     intercept = int(m1 - (per_token + r_lo * per_token_rank) * t1)  # base + runtime + fixed per-step workspace
     return MemoryModel(static_bytes=max(static, intercept), bytes_per_token=per_token,

@@ -4,7 +4,8 @@ Read ``train()`` top to bottom. Each step every active slot draws its own micro-
 stream; the rows of all slots go through the model together; each slot's loss is the mean over its
 own target tokens, and the pack's loss is the sum of those means, so each slot's gradient is exactly
 the gradient it would get training alone (a global token mean would rescale each slot's gradient by
-its share of tokens: a hidden learning-rate change). Each slot then clips and steps its own AdamW.
+its share of tokens: a hidden learning-rate change). Each slot then clips to its own norm and takes
+its own AdamW step, every slot in one pass (``packer.optim.PackedAdamW``).
 
 Slots have a lifecycle: when one finishes (``max_steps``) or is stopped (``should_stop``), the
 caller is told (``on_end``: it may save or score the adapter, whose weights still exist) and the
@@ -25,6 +26,7 @@ from torch import nn
 from kernels import dropout_seed
 from packer.batch import IGNORE_INDEX, PackBatch, Row, collate
 from packer.model import PackedModel
+from packer.optim import PackedAdamW
 from packer.plan import AdapterSpec
 
 __all__ = ["BatchSource", "SlotJob", "SlotEnd", "StepReport", "TrainResult", "train", "slot_losses", "make_optimizer",
@@ -97,13 +99,11 @@ class TrainResult:
 class _Active:
     job: SlotJob
     params: list[nn.Parameter]
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
     steps: int = 0
 
 
 def make_optimizer(params: Sequence[nn.Parameter], spec: AdapterSpec) -> torch.optim.Optimizer:
-    """The slot's own AdamW (fp32 states over its fp32 adapter weights)."""
+    """One adapter's own torch AdamW: what one-trial-at-a-time baselines use (the pack uses PackedAdamW)."""
     # One fused multi-tensor kernel per slot on CUDA; on CPU foreach (a handful of multi-tensor ops
     # instead of ~10 small ops per tensor, the CPU default). Same update rule either way.
     fast = {"fused": True} if params and params[0].is_cuda else {"foreach": True}
@@ -142,27 +142,10 @@ def slot_losses(logits: torch.Tensor, labels: torch.Tensor, batch: PackBatch) ->
     return sums / counts.clamp(min=1.0), counts
 
 
-def _start(pm: PackedModel, slot: int, job: SlotJob) -> _Active:
+def _start(pm: PackedModel, optimizer: PackedAdamW, slot: int, job: SlotJob) -> _Active:
     params = pm.add_slot(slot, job.spec)
-    optimizer = make_optimizer(params, job.spec)
-    return _Active(job, params, optimizer, make_scheduler(optimizer, job.spec))
-
-
-def _step_slot(active: _Active) -> tuple[float, torch.Tensor]:
-    """Clip, step and zero one slot's adapter. Returns (lr used, grad norm before clipping).
-
-    The norm stays a device tensor: reading it here would stall the host once per slot.
-    """
-    spec = active.job.spec
-    lr = active.scheduler.get_last_lr()[0]
-    if spec.max_grad_norm is not None:
-        norm = torch.nn.utils.clip_grad_norm_(active.params, spec.max_grad_norm)
-    else:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in active.params if p.grad is not None])
-    active.optimizer.step()
-    active.scheduler.step()
-    active.optimizer.zero_grad(set_to_none=True)
-    return lr, norm
+    optimizer.add_slot(slot, *pm.flat_buffers(slot), job.spec)
+    return _Active(job, params)
 
 
 def train(
@@ -196,13 +179,14 @@ def train(
     """
     result = TrainResult()
     active: dict[int, _Active] = {}
+    optimizer = PackedAdamW()
     t0 = time.perf_counter()
     while True:
         # 1. Refill free slots (the sweep's backfill). None means "nothing for this slot now".
         for slot in range(capacity):
             job = next_job(slot) if slot not in active else None
             if job is not None:
-                active[slot] = _start(pm, slot, job)
+                active[slot] = _start(pm, optimizer, slot, job)
                 result.jobs_started += 1
         if not active or (max_global_steps is not None and result.steps >= max_global_steps):
             break
@@ -221,10 +205,9 @@ def train(
         losses.sum().backward()
         del logits
 
-        # 4. Each slot clips and steps its own optimizer.
-        stepped = [_step_slot(active[slot]) for slot in slots]
-        # One host sync per step for everything the reports need.
-        norms = torch.stack([n.detach().float().reshape(()) for _, n in stepped]).tolist()
+        # 4. Each slot clips to its own norm and takes its own AdamW step, all slots in one pass.
+        lrs = [optimizer.lr(slot) for slot in slots]
+        norms = optimizer.step(slots).tolist()
         input_tokens = batch.attention_mask.sum(dim=1).tolist()
         reports = []
         for i, (slot, loss, count) in enumerate(zip(slots, losses.tolist(), counts.tolist(), strict=True)):
@@ -232,7 +215,7 @@ def train(
             a.steps += 1
             r0, n = batch.layout.row_start[i], batch.layout.n_rows[i]
             reports.append(StepReport(result.steps, slot, a.job.key, a.steps, loss, int(count),
-                                      int(sum(input_tokens[r0:r0 + n])), stepped[i][0], norms[i]))
+                                      int(sum(input_tokens[r0:r0 + n])), lrs[i], norms[i]))
         result.steps += 1
         result.tokens += sum(r.tokens for r in reports)
         result.input_tokens += sum(r.input_tokens for r in reports)
@@ -247,13 +230,14 @@ def train(
                       else "stopped" if should_stop is not None and should_stop(rep) else None)
             if reason is not None:
                 ends.append(SlotEnd(rep.slot, a.job, a.steps, reason))
-        _end(pm, active, ends, on_end, result)
-    _end(pm, active, [SlotEnd(s, a.job, a.steps, "interrupted") for s, a in sorted(active.items())], on_end, result)
+        _end(pm, optimizer, active, ends, on_end, result)
+    _end(pm, optimizer, active, [SlotEnd(s, a.job, a.steps, "interrupted") for s, a in sorted(active.items())],
+         on_end, result)
     result.wall_s = time.perf_counter() - t0
     return result
 
 
-def _end(pm: PackedModel, active: dict[int, _Active], ends: list[SlotEnd],
+def _end(pm: PackedModel, optimizer: PackedAdamW, active: dict[int, _Active], ends: list[SlotEnd],
          on_end: Callable[[list[SlotEnd]], None] | None, result: TrainResult) -> None:
     if not ends:
         return
@@ -262,4 +246,5 @@ def _end(pm: PackedModel, active: dict[int, _Active], ends: list[SlotEnd],
     for e in ends:
         del active[e.slot]
         result.ended.append((e.job.key, e.steps, e.reason))
+        optimizer.remove_slot(e.slot)
         pm.remove_slot(e.slot)

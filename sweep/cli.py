@@ -157,8 +157,9 @@ def export(study_dir: str, trial: int | None, best: bool, objective: str | None,
 @click.option("--gpu", "gpu", is_flag=True, help="The GPU workloads (W5 gate, W1, W4) on real architecture shapes.")
 @click.option("--adapters", default=8, show_default=True, help="Adapters (CPU benchmarks).")
 @click.option("--steps", default=30, show_default=True, help="Optimizer steps per adapter (--cpu).")
+@click.option("--micro-batch", default=1, show_default=True, help="Sequences per adapter per step (--cpu).")
 @click.option("--no-peft", is_flag=True, help="Skip the PEFT baseline (--cpu).")
-def bench(cpu: bool, cpu_eval: bool, gpu: bool, adapters: int, steps: int, no_peft: bool) -> None:
+def bench(cpu: bool, cpu_eval: bool, gpu: bool, adapters: int, steps: int, micro_batch: int, no_peft: bool) -> None:
     """Measure packed training and evaluation against one adapter at a time."""
     if not (cpu or cpu_eval or gpu):
         raise UserError("bench: choose --cpu, --cpu-eval or --gpu")
@@ -166,7 +167,8 @@ def bench(cpu: bool, cpu_eval: bool, gpu: bool, adapters: int, steps: int, no_pe
     if cpu:
         from packer.bench import cpu_bench
 
-        click.echo(cpu_bench(adapters, steps, with_peft=not no_peft, progress=progress).table())
+        result = cpu_bench(adapters, steps, micro_batch=micro_batch, with_peft=not no_peft, progress=progress)
+        click.echo(result.table())
     if cpu_eval:
         from evaluators.bench import cpu_eval_bench
 

@@ -152,6 +152,8 @@ def _recover(study: optuna.Study, store: ResultsStore, log: Callable[[str], None
         study.tell(t.number, state=TrialState.FAIL)
         store.upsert_trial(t.number, state="FAIL", reason=ORPHAN_REASON)
         attrs = {"retry_of": t.number, **({"default": True} if t.user_attrs.get("default") else {})}
+        # Killed between ask and suggest, a trial has no parameters yet: its retry draws fresh ones,
+        # and still takes its place in the budget.
         study.enqueue_trial(t.params, user_attrs=attrs)
         log(f"trial {t.number} was left RUNNING by a stopped run: failed and enqueued again")
     recorded = {r.number: r for r in store.trials()}
