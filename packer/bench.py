@@ -9,6 +9,7 @@ stream, so the three ways do identical work per adapter.
 from __future__ import annotations
 
 import platform
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -34,6 +35,7 @@ class CpuBenchResult:
     adapters: int
     steps: int
     micro_batch: int
+    repeats: int
     packed_s: float
     sequential_engine_s: float
     sequential_peft_s: float | None
@@ -45,7 +47,7 @@ class CpuBenchResult:
         if self.sequential_peft_s is not None:
             rows.append(("sequential, PEFT", self.sequential_peft_s))
         lines = [f"{self.adapters} adapters x {self.steps} steps, micro-batch {self.micro_batch}, "
-                 f"{self.tokens} trained tokens; {self.environment}",
+                 f"{self.tokens} trained tokens, median of {self.repeats} runs; {self.environment}",
                  f"{'mode':<28}{'wall s':>9}{'tokens/s':>11}{'packed speed-up':>17}"]
         for name, secs in rows:
             lines.append(f"{name:<28}{secs:>9.2f}{self.tokens / secs:>11.0f}{secs / self.packed_s:>16.2f}x")
@@ -97,9 +99,14 @@ def _peft(model_dir: Path, specs: list[AdapterSpec], examples: list[Example], pa
     return elapsed
 
 
+def _median(run: Callable[[], float], repeats: int) -> float:
+    return statistics.median(run() for _ in range(repeats))
+
+
 def cpu_bench(adapters: int = 8, steps: int = 30, *, micro_batch: int = 1, with_peft: bool = True,
-              progress: Callable[[str], None] = print) -> CpuBenchResult:
-    """Train ``adapters`` adapters for ``steps`` steps packed and sequentially; returns the timings."""
+              repeats: int = 3, progress: Callable[[str], None] = print) -> CpuBenchResult:
+    """Train ``adapters`` adapters for ``steps`` steps packed and sequentially (median of ``repeats`` runs
+    of each way, fresh adapters every run); returns the timings."""
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model("llama", Path(tmp) / "tiny-llama", seed=0)
         _, tokenizer = load_base(str(model_dir))
@@ -110,16 +117,16 @@ def cpu_bench(adapters: int = 8, steps: int = 30, *, micro_batch: int = 1, with_
         warm = bench_specs(2, 3)
         _engine(model_dir, warm, examples, 2, pad)  # warm-up: first-call allocations and kernel selection
         progress("packed ...")
-        packed = _engine(model_dir, specs, examples, adapters, pad)
+        packed = _median(lambda: _engine(model_dir, specs, examples, adapters, pad), repeats)
         progress("sequential (engine, 1 slot) ...")
-        seq_engine = _engine(model_dir, specs, examples, 1, pad)
+        seq_engine = _median(lambda: _engine(model_dir, specs, examples, 1, pad), repeats)
         seq_peft = None
         if with_peft:
             progress("sequential (PEFT) ...")
             _peft(model_dir, warm[:1], examples, pad)
-            seq_peft = _peft(model_dir, specs, examples, pad)
+            seq_peft = _median(lambda: _peft(model_dir, specs, examples, pad), repeats)
         tokens = _trained_tokens(examples, specs)
-    return CpuBenchResult(adapters, steps, micro_batch, packed, seq_engine, seq_peft, tokens, _environment())
+    return CpuBenchResult(adapters, steps, micro_batch, repeats, packed, seq_engine, seq_peft, tokens, _environment())
 
 
 def _environment() -> str:
