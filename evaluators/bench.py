@@ -8,7 +8,6 @@ one warm-up call of each path. Both ways do the same work per adapter and give t
 
 from __future__ import annotations
 
-import platform
 import tempfile
 import time
 from collections.abc import Callable
@@ -20,7 +19,7 @@ import torch
 from evaluators._core import EvalData
 from evaluators.generation import generation
 from evaluators.heldout_loss import heldout_loss
-from packer.bench import bench_specs
+from packer.bench import bench_specs, environment
 from packer.model import PackedModel, load_base
 from packer.tiny import arithmetic_rows, build_tiny_model
 
@@ -98,17 +97,4 @@ def cpu_eval_bench(adapters: int = 8, items: int = 64, max_new_tokens: int = 8, 
         progress("generation, one adapter at a time ...")
         seq_gen = _timed(lambda: [generation(pm, [s], data, **gen_opts) for s in slots])
     return EvalBenchResult(adapters, items, max_new_tokens, packed_loss, seq_loss, packed_gen, seq_gen,
-                           _environment())
-
-
-def _environment() -> str:
-    import transformers
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    threads = torch.get_num_threads()
-    return f"{cpu}, {threads} threads; torch {torch.__version__}, transformers {transformers.__version__}"
+                           environment())

@@ -25,7 +25,7 @@ from packer.plan import AdapterSpec
 from packer.tiny import arithmetic_rows, build_tiny_model
 from packer.train import SlotJob, make_optimizer, make_scheduler, train
 
-__all__ = ["CpuBenchResult", "cpu_bench", "bench_specs"]
+__all__ = ["CpuBenchResult", "cpu_bench", "bench_specs", "environment"]
 
 
 @dataclass(frozen=True)
@@ -126,10 +126,10 @@ def cpu_bench(adapters: int = 8, steps: int = 30, *, micro_batch: int = 1, with_
             _peft(model_dir, warm[:1], examples, pad)
             seq_peft = _median(lambda: _peft(model_dir, specs, examples, pad), repeats)
         tokens = _trained_tokens(examples, specs)
-    return CpuBenchResult(adapters, steps, micro_batch, repeats, packed, seq_engine, seq_peft, tokens, _environment())
+    return CpuBenchResult(adapters, steps, micro_batch, repeats, packed, seq_engine, seq_peft, tokens, environment())
 
 
-def _environment() -> str:
+def environment() -> str:
     """CPU model, thread count and library versions, for BENCHMARKS.md."""
     import transformers
 
