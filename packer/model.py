@@ -3,11 +3,21 @@
 The base model is loaded once (``from_pretrained``: a local checkpoint directory or a hub id),
 frozen, and kept in eval mode so its own dropout never draws random numbers; slots add their LoRA
 weights to the projections they target. Nothing of the base is copied or modified.
+
+Activation checkpointing uses transformers' own per-decoder-layer mechanism, which only checkpoints a
+layer whose ``training`` flag is set. Rather than ``model.train()`` (which would turn on every dropout
+of the base, GPT-2's included), only the decoder-layer modules get ``training = True``, non-recursively:
+their children (attention, MLP, dropout) stay in eval mode. The recompute in the backward runs after
+``forward`` has cleared the pack's layout, so each checkpoint captures the layout it ran with and
+restores it while recomputing; LoRA dropout masks are counter-based (slot seed, slot step, layer), so
+the recompute draws the same masks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -17,6 +27,7 @@ from kernels import IMPLS, Impl, PackLayout
 from packer.errors import ConfigError, UserError
 from packer.inject import inject, resolve_targets
 from packer.layer import PackedLoRALinear, PackState
+from packer.loss import check_plain_head
 from packer.plan import AdapterSpec
 
 __all__ = ["PackedModel", "load_base", "DTYPES"]
@@ -80,6 +91,8 @@ class PackedModel:
         self.specs: dict[int, AdapterSpec] = {}
         self.slot_paths: dict[int, list[str]] = {}
         self.flat: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._checkpointed: list[nn.Module] = []
+        """Decoder layers whose forward is checkpointed (empty: activation checkpointing off)."""
 
     @property
     def device(self) -> torch.device:
@@ -163,8 +176,86 @@ class PackedModel:
         Returns:
             (B, L, V) logits.
         """
-        self.state.layout = layout
-        try:
+        with self._using(layout):
             return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+    def forward_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                       layout: PackLayout | None) -> torch.Tensor:
+        """Final hidden states of a packed batch (the decoder body without the output head).
+
+        Args:
+            input_ids: (B, L) token ids, rows grouped by slot as ``layout`` says.
+            attention_mask: (B, L) 1 for real tokens, 0 for padding.
+            layout: which rows belong to which slot; None runs the base model alone.
+
+        Returns:
+            (B, L, H) hidden states after the final norm; ``output_head()`` maps them to logits.
+
+        Raises:
+            ConfigError: the model has no separate decoder body (``base_model``).
+        """
+        body = getattr(self.model, "base_model", self.model)
+        if body is self.model:
+            raise ConfigError(f"{type(self.model).__name__} has no decoder body (base_model) to run without its head")
+        with self._using(layout):
+            return body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+
+    def output_head(self) -> nn.Module:
+        """The output projection (``get_output_embeddings()``), checked to produce the logits unchanged.
+
+        Raises:
+            ConfigError: the model has no output head, or post-processes its logits (soft-capping, scaling).
+        """
+        get = getattr(self.model, "get_output_embeddings", None)
+        head = get() if callable(get) else None
+        if head is None:
+            raise ConfigError(f"chunked_ce: {type(self.model).__name__} has no output head (get_output_embeddings)")
+        check_plain_head(getattr(self.model, "config", None))
+        return head
+
+    def set_activation_checkpointing(self, enabled: bool) -> None:
+        """Recompute each decoder layer's activations in the backward instead of keeping them.
+
+        Uses transformers' non-reentrant checkpointing of every decoder layer. The base stays frozen
+        and in eval mode (see the module docstring for the per-layer ``training`` flag).
+
+        Raises:
+            ConfigError: the model does not support activation checkpointing.
+        """
+        from transformers import PreTrainedModel
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        model = self.model
+        new_api = hasattr(model, "activation_checkpointing_enable")  # where both names exist, the old one warns
+        if not enabled:
+            if self._checkpointed and isinstance(model, PreTrainedModel):
+                model.activation_checkpointing_disable() if new_api else model.gradient_checkpointing_disable()
+                for layer in self._checkpointed:
+                    layer.training = False
+                self._checkpointed = []
+            return
+        if not (isinstance(model, PreTrainedModel) and model.supports_gradient_checkpointing):
+            raise ConfigError(f"activation_checkpointing: {type(model).__name__} does not support it")
+        kwargs = {"use_reentrant": False, "context_fn": self._checkpoint_contexts}
+        if new_api:
+            model.activation_checkpointing_enable(kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        model.disable_input_require_grads()  # the LoRA weights already require grad; no need for input grads
+        self._checkpointed = [m for m in model.modules()
+                              if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+
+    def _checkpoint_contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        """``context_fn`` of ``torch.utils.checkpoint``: called in the forward; the recompute runs under the
+        layout that was current then."""
+        return contextlib.nullcontext(), self._using(self.state.layout)
+
+    @contextlib.contextmanager
+    def _using(self, layout: PackLayout | None) -> Iterator[None]:
+        for layer in self._checkpointed:
+            layer.training = True  # re-armed every pass: a model.eval() elsewhere would silently turn it off
+        previous, self.state.layout = self.state.layout, layout
+        try:
+            yield
         finally:
-            self.state.layout = None
+            self.state.layout = previous

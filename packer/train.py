@@ -10,6 +10,10 @@ its own AdamW step, every slot in one pass (``packer.optim.PackedAdamW``).
 Slots have a lifecycle: when one finishes (``max_steps``) or is stopped (``should_stop``), the
 caller is told (``on_end``: it may save or score the adapter, whose weights still exist) and the
 slot is refilled with ``next_job`` while the pack keeps running.
+
+Two memory options leave the losses and gradients unchanged: ``chunked_ce`` computes the loss from
+the final hidden states a chunk of target tokens at a time (``packer.loss``), never holding the
+logits of the whole batch; ``activation_checkpointing`` recomputes each decoder layer in the backward.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from torch import nn
 
 from kernels import dropout_seed
 from packer.batch import IGNORE_INDEX, PackBatch, Row, collate
+from packer.loss import DEFAULT_CHUNK_TOKENS, chunked_slot_losses
 from packer.model import PackedModel
 from packer.optim import PackedAdamW
 from packer.plan import AdapterSpec
@@ -142,6 +147,25 @@ def slot_losses(logits: torch.Tensor, labels: torch.Tensor, batch: PackBatch) ->
     return sums / counts.clamp(min=1.0), counts
 
 
+def _pack_losses(pm: PackedModel, batch: PackBatch, chunk_tokens: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-slot losses and target counts of one forward: full logits, or chunked from the hidden states."""
+    if chunk_tokens is None:
+        logits = pm.forward(batch.input_ids, batch.attention_mask, batch.layout)
+        return slot_losses(logits, batch.labels, batch)
+    hidden = pm.forward_hidden(batch.input_ids, batch.attention_mask, batch.layout)
+    return chunked_slot_losses(hidden, pm.output_head(), batch.labels, batch.layout, chunk_tokens=chunk_tokens)
+
+
+def _chunk_tokens(chunked_ce: bool | int) -> int | None:
+    if chunked_ce is True:
+        return DEFAULT_CHUNK_TOKENS
+    if chunked_ce is False:
+        return None
+    if chunked_ce < 1:
+        raise ValueError(f"chunked_ce: tokens per chunk must be >= 1 (got {chunked_ce})")
+    return int(chunked_ce)
+
+
 def _start(pm: PackedModel, optimizer: PackedAdamW, slot: int, job: SlotJob) -> _Active:
     params = pm.add_slot(slot, job.spec)
     optimizer.add_slot(slot, *pm.flat_buffers(slot), job.spec)
@@ -158,6 +182,8 @@ def train(
     should_stop: Callable[[StepReport], bool] | None = None,
     on_end: Callable[[list[SlotEnd]], None] | None = None,
     max_global_steps: int | None = None,
+    chunked_ce: bool | int = False,
+    activation_checkpointing: bool = False,
 ) -> TrainResult:
     """Train adapters in ``capacity`` slots until no job is left.
 
@@ -173,10 +199,22 @@ def train(
             in one packed pass), before their weights are released.
         max_global_steps: stop after this many global steps (the slots still running are ended
             with reason ``interrupted``).
+        chunked_ce: compute the loss from the hidden states, a chunk of target tokens at a time
+            (True: ``packer.loss.DEFAULT_CHUNK_TOKENS`` per chunk; an int: that many).
+        activation_checkpointing: recompute decoder layers in the backward; set on ``pm`` for this
+            run and left as set.
 
     Returns:
         Totals of the run.
+
+    Raises:
+        ConfigError: ``chunked_ce`` for a model that post-processes its logits, or
+            ``activation_checkpointing`` for a model without support for it.
     """
+    chunk_tokens = _chunk_tokens(chunked_ce)
+    if chunk_tokens is not None:
+        pm.output_head()  # refuses models whose logits are not head(hidden), before any slot starts
+    pm.set_activation_checkpointing(activation_checkpointing)
     result = TrainResult()
     active: dict[int, _Active] = {}
     optimizer = PackedAdamW()
@@ -200,10 +238,8 @@ def train(
                         device=pm.device)
 
         # 3. One forward/backward for the whole pack; sum of per-slot means keeps slots independent.
-        logits = pm.forward(batch.input_ids, batch.attention_mask, batch.layout)
-        losses, counts = slot_losses(logits, batch.labels, batch)
+        losses, counts = _pack_losses(pm, batch, chunk_tokens)
         losses.sum().backward()
-        del logits
 
         # 4. Each slot clips to its own norm and takes its own AdamW step, all slots in one pass.
         lrs = [optimizer.lr(slot) for slot in slots]

@@ -1,0 +1,92 @@
+"""Chunked per-slot cross-entropy: the loss of ``packer.train.slot_losses`` without the full logits.
+
+The plain path computes ``(B, L, V)`` logits, then an fp32 copy for the cross-entropy; with a large
+vocabulary (152k for Qwen2) that is the biggest activation of a step, and autograd keeps the fp32
+log-softmax of every token for the backward. Here only the target tokens (those with a label: prompt
+tokens and padding have none) get logits, a chunk of ``chunk_tokens`` at a time, and each chunk's
+head matmul + fp32 log-softmax + gather runs under ``torch.utils.checkpoint`` (non-reentrant): the
+forward keeps only the chunk's input hidden states, and the backward recomputes one chunk's logits
+at a time. Logits memory is a few ``chunk_tokens x V`` fp32 tensors instead of several ``B x L x V`` ones.
+(The approach of Liger's fused linear cross-entropy and of torchtune's chunked loss, in plain PyTorch.)
+
+Models that post-process logits after the head (Gemma-2's ``final_logit_softcapping``, Cohere's
+``logit_scale``, Granite's ``logits_scaling``) are refused by ``check_plain_head``: their head output is
+not their logits, so they train on the plain path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from kernels import PackLayout
+from packer.batch import IGNORE_INDEX
+from packer.errors import ConfigError
+
+__all__ = ["DEFAULT_CHUNK_TOKENS", "chunked_slot_losses", "check_plain_head"]
+
+DEFAULT_CHUNK_TOKENS = 4096
+"""Tokens per chunk: 4096 x 152k x 4 B = 2.5 GB of fp32 logits at a time for a Qwen2-sized vocabulary."""
+
+# Config attributes that, when set, mean the logits are not the head's output (transformers' names).
+_LOGIT_POSTPROCESSING = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0}
+
+
+def check_plain_head(config: object) -> None:
+    """Refuse models whose logits are not ``head(hidden)``.
+
+    Args:
+        config: the model's ``config`` (its text config is read where it has one).
+
+    Raises:
+        ConfigError: the config sets a known logit post-processing (soft-capping or scaling).
+    """
+    get_text = getattr(config, "get_text_config", None)
+    text = get_text() if callable(get_text) else config
+    for name, neutral in _LOGIT_POSTPROCESSING.items():
+        value = getattr(text, name, neutral)
+        if value is not None and value != neutral:
+            raise ConfigError(f"chunked_ce: the model post-processes its logits ({name}={value}); "
+                              "train it with chunked_ce off")
+
+
+def _chunk_nll(head: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x: (C, H) hidden states, y: (C,) targets -> (C,) fp32 negative log-likelihoods."""
+    logits = head(x).float()  # (C, V), upcast as the plain path does
+    return F.cross_entropy(logits, y, reduction="none")
+
+
+def chunked_slot_losses(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor, layout: PackLayout, *,
+                        chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-slot mean next-token cross-entropy over target tokens, from the final hidden states.
+
+    Equal to ``packer.train.slot_losses(head(hidden), labels, batch)`` up to float summation order.
+
+    Args:
+        hidden: (B, L, H) final hidden states (after the last norm).
+        head: the output projection, ``model.get_output_embeddings()``; must not be LoRA-adapted.
+        labels: (B, L) unshifted labels, ``IGNORE_INDEX`` where no loss is taken.
+        layout: row segments of the batch.
+        chunk_tokens: target tokens per chunk.
+
+    Returns:
+        (N,) float32 mean losses (0 for a slot without target tokens) and (N,) target-token counts.
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1 (got {chunk_tokens})")
+    n = len(layout.slots)
+    shift_labels = labels[:, 1:]  # (B, L-1): position t predicts token t+1
+    rows, pos = (shift_labels != IGNORE_INDEX).nonzero(as_tuple=True)  # (T,) each
+    x = hidden[:, :-1][rows, pos]  # (T, H): target positions only
+    y = shift_labels[rows, pos]  # (T,)
+    row_slot = torch.repeat_interleave(torch.arange(n), torch.tensor(layout.n_rows)).to(hidden.device)  # (B,)
+    pieces = [checkpoint(_chunk_nll, head, x[i:i + chunk_tokens], y[i:i + chunk_tokens], use_reentrant=False)
+              for i in range(0, len(y), chunk_tokens)]
+    # No target token at all: an empty tensor that is still in the graph, so backward() works as on the plain path.
+    nll = torch.cat(pieces) if pieces else x.float().sum(dim=-1)  # (T,)
+    seg = row_slot[rows]  # (T,)
+    sums = torch.zeros(n, device=hidden.device).index_add(0, seg, nll)
+    counts = torch.bincount(seg, minlength=n).float()  # (N,)
+    return sums / counts.clamp(min=1.0), counts
