@@ -114,6 +114,19 @@ def _budget(sdir: StudyDir) -> dict[str, Any]:
     return budget if isinstance(budget, dict) else {}
 
 
+def _storage(url: str) -> Any:
+    """An RDB URL as is; ``journal:///path`` (the several-workers-on-one-host form) as a JournalStorage."""
+    if not url.startswith("journal:///"):
+        return url
+    import optuna
+    from optuna.storages.journal import JournalFileBackend
+
+    path = Path(url.removeprefix("journal://"))
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist")
+    return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
+
+
 def load_optuna_study(data: StudyData) -> Any:
     """The Optuna study behind the report (for ``optuna.visualization``), or an error text when unreachable."""
     import optuna
@@ -127,6 +140,6 @@ def load_optuna_study(data: StudyData) -> Any:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return optuna.load_study(study_name=name, storage=storage)
+            return optuna.load_study(study_name=name, storage=_storage(storage))
     except Exception as err:  # SQLAlchemy and Optuna raise many types for a missing or unreachable storage
         return f"cannot open the Optuna storage {storage}: {str(err).strip().splitlines()[0] if str(err) else err!r}"

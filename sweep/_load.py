@@ -70,7 +70,8 @@ _RELOCATE: dict[str, tuple[str, str]] = {
 """Top-level Axolotl-style key -> (section, field)."""
 _TOP = [
     "name", "description", "seed", "model", "data", "search", "parameters", "train", "objectives", "constraints",
-    "sampler", "budget", "pruning", "packing", "evaluators", "output", "storage", "method", "metric", "run_cap",
+    "sampler", "budget", "pruning", "packing", "evaluators", "output", "storage", "artifacts",
+    "method", "metric", "run_cap",
 ]  # fmt: skip
 _WANDB = ["values", "value", "min", "max", "distribution", "q", "probabilities"]
 _DISTRIBUTIONS = ("constant", "categorical", "uniform", "int_uniform", "q_uniform", "log_uniform_values", "log_uniform")
@@ -130,7 +131,8 @@ def _study(doc: Doc, data: dict[str, Any]) -> StudySpec:
         entries = _entries(doc, top, key)
         if entries is not None:
             kw[key] = tuple(build(doc, it, (key, i)) for i, it in enumerate(entries))
-    for key, typ in (("description", "str"), ("seed", "int"), ("output", "Path | None"), ("storage", "str | None")):
+    for key, typ in (("description", "str"), ("seed", "int"), ("output", "Path | None"), ("storage", "str | None"),
+                     ("artifacts", "Path | None")):
         if key in top:
             kw[key] = coerce(doc, top[key].value, typ, (key,))
     return make(doc, StudySpec, (), source=doc.file, **kw)

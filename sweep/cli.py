@@ -42,17 +42,88 @@ def _load(study: str, overrides: tuple[str, ...], out: str | None) -> StudySpec:
 @click.argument("overrides", nargs=-1)
 @click.option("--out", type=click.Path(file_okay=False), help="Study directory (default: the study's output).")
 @click.option("--quiet", is_flag=True, help="No live progress.")
-def run(study: str, overrides: tuple[str, ...], out: str | None, quiet: bool) -> None:
+@click.option("--workers", type=click.IntRange(min=1), help="Start N worker processes sharing the study "
+              "(one per visible GPU, pinned with CUDA_VISIBLE_DEVICES; CPU workers on a host without one).")
+@click.option("--storage", help="Shared Optuna storage of the workers: an RDB URL or a journal file (*.log).")
+@click.option("--heartbeat", default=5.0, show_default=True, help="Seconds between worker heartbeats.")
+@click.option("--grace", default=60.0, show_default=True, help="Seconds without a heartbeat before a "
+              "worker's trials are failed and retried.")
+def run(study: str, overrides: tuple[str, ...], out: str | None, quiet: bool, workers: int | None,
+        storage: str | None, heartbeat: float, grace: float) -> None:
     """Run STUDY.yaml (or resume it): OVERRIDES are dotted key=value pairs, e.g. train.max_steps=50."""
     from sweep.live import LiveProgress
     from sweep.study import run_study
 
     spec = _load(study, overrides, out)
+    if workers is not None:
+        _run_workers(study, overrides, spec, workers, storage, heartbeat, grace, quiet)
+        return
+    if storage is not None:
+        raise UserError("run: --storage needs --workers (or set storage: in the study file)")
     with LiveProgress(enabled=not quiet) as live:
         summary = run_study(spec, progress=live.update, log=live.log)
     click.echo(f"{spec.name}: {summary.complete} complete, {summary.pruned} pruned, {summary.failed} failed "
                f"in {summary.wall_s:.1f} s ({summary.steps} packed steps); study in {spec.out_dir}")
     _refresh_report(spec.out_dir)
+
+
+def _run_workers(study: str, overrides: tuple[str, ...], spec: StudySpec, workers: int, storage: str | None,
+                 heartbeat: float, grace: float, quiet: bool) -> None:
+    from collections import Counter
+
+    from sweep.worker import launch, with_storage
+
+    spec, url = with_storage(spec, storage)
+    seen: list[Counter[str]] = [Counter()]
+
+    def show(counts: Counter[str]) -> None:
+        if not quiet and counts != seen[-1]:
+            click.echo(f"{spec.name}: " + ", ".join(f"{counts[s]} {s.lower()}" for s in
+                                                     ("COMPLETE", "PRUNED", "FAIL", "RUNNING", "WAITING")), err=True)
+        seen.append(counts)
+
+    codes = launch(study, overrides, spec, url, workers, heartbeat=heartbeat, grace=grace, show=show)
+    counts = seen[-1]
+    click.echo(f"{spec.name}: {counts['COMPLETE']} complete, {counts['PRUNED']} pruned, {counts['FAIL']} failed "
+               f"by {len(codes)} workers; study in {spec.out_dir} (worker logs in {spec.out_dir / 'workers'})")
+    bad = [i for i, c in enumerate(codes) if c != 0]
+    if bad:
+        raise UserError(f"run: worker(s) {', '.join(map(str, bad))} exited with an error; see "
+                        f"{spec.out_dir / 'workers'}/worker-<i>.log")
+    _refresh_report(spec.out_dir)
+
+
+@cli.command()
+@click.argument("study", type=click.Path(dir_okay=False))
+@click.argument("overrides", nargs=-1)
+@click.option("--storage", help="The shared Optuna storage: postgresql+psycopg2://..., mysql+pymysql://..., "
+              "sqlite:///x.db, or a journal file (journal:///abs/path.log or path.log) for one host.")
+@click.option("--out", type=click.Path(file_okay=False), help="Study directory (default: the study's output).")
+@click.option("--index", type=int, default=None, help="Worker index (default: SLURM_ARRAY_TASK_ID, "
+              "SLURM_PROCID, else the process id); offsets the sampler seed.")
+@click.option("--heartbeat", default=5.0, show_default=True, help="Seconds between heartbeats.")
+@click.option("--grace", default=60.0, show_default=True, help="Seconds without a heartbeat before a worker's "
+              "trials are failed and retried.")
+@click.option("--quiet", is_flag=True, help="No live progress.")
+def worker(study: str, overrides: tuple[str, ...], storage: str | None, out: str | None, index: int | None,
+           heartbeat: float, grace: float, quiet: bool) -> None:
+    """Join the study of STUDY.yaml as one worker: ask, train, evaluate and tell through the shared storage."""
+    import os
+
+    from sweep.live import LiveProgress
+    from sweep.storage import Sharing
+    from sweep.worker import run_worker, with_storage
+
+    if heartbeat <= 0 or grace <= heartbeat:
+        raise UserError(f"worker: need 0 < --heartbeat < --grace (got {heartbeat} and {grace})")
+    spec, url = with_storage(_load(study, overrides, out), storage)
+    if index is None:
+        index = int(os.environ.get("SLURM_ARRAY_TASK_ID") or os.environ.get("SLURM_PROCID") or os.getpid())
+    sharing = Sharing(url, worker=index, heartbeat=heartbeat, grace=grace)
+    with LiveProgress(enabled=not quiet) as live:
+        summary = run_worker(spec, sharing, progress=live.update, log=live.log)
+    click.echo(f"{spec.name} worker {index}: {summary.complete} complete, {summary.pruned} pruned, "
+               f"{summary.failed} failed in {summary.wall_s:.1f} s; study in {spec.out_dir}")
 
 
 def _refresh_report(out_dir: Path) -> None:

@@ -4,15 +4,22 @@ The Optuna storage is the source of truth. Trials it still holds as RUNNING belo
 died (a kill loses at most the in-flight work): they are told FAIL, marked ``orphaned`` in the
 results store and their parameters enqueued again, so the constant-liar sampler does not avoid
 their region forever and the budget counts stay exact (an orphan does not count, its retry does).
+
+Shared by several workers (``sweep.storage.Sharing``), a RUNNING trial may belong to a live worker:
+only trials whose heartbeat is older than the grace period are orphans (``reap_stale``), and the
+budget is counted in the shared storage rather than by this process.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import time
 import warnings
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import optuna
@@ -22,9 +29,11 @@ from packer.errors import UserError
 from packer.model import PackedModel, load_base
 from sweep.space import default_params, make_sampler
 from sweep.spec import StudySpec
+from sweep.storage import Sharing, last_beat, open_storage, storage_lock
 from sweep.store import ResultsStore, StudyDir
 
-__all__ = ["Session", "open_session", "budget_state", "BudgetState", "ORPHAN_REASON"]
+__all__ = ["Session", "open_session", "budget_state", "BudgetState", "ORPHAN_REASON", "counted_trials",
+           "reap_stale"]
 
 ORPHAN_REASON = "orphaned: the run stopped while this trial trained; its parameters were enqueued again"
 _FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
@@ -49,6 +58,14 @@ class Session:
     elapsed: float = 0.0
     """Wall seconds of earlier runs."""
     completed: list[tuple[int, list[float]]] = field(default_factory=list)
+    sharing: Sharing | None = None
+    """Set when other workers share the study: the budget is then counted in the storage."""
+
+    def adapter_dir(self, number: int) -> Path:
+        """Where trial ``number``'s adapter goes: ``artifacts/trial-<n>``, or the study directory's."""
+        if self.spec.artifacts is not None:
+            return (self.spec.artifacts / f"trial-{number}").absolute()
+        return self.sdir.adapter_dir(number)
 
     def rung_history(self, metric: str) -> dict[int, dict[int, float]]:
         """{rung: {trial: value}} of ``metric`` from earlier runs, so pruning continues where it was."""
@@ -102,7 +119,8 @@ class BudgetState:
 def budget_state(spec: StudySpec, s: Session, *, live: int, elapsed: float, live_tokens: int) -> BudgetState:
     """Whether another trial may start: whichever budget ends first."""
     b = spec.budget
-    if b.trials is not None and s.finished + live >= b.trials:
+    used = counted_trials(s.study) if s.sharing is not None else s.finished + live
+    if b.trials is not None and used >= b.trials:
         return BudgetState(True, f"{b.trials} trials")
     if b.tokens is not None and s.tokens + live_tokens >= b.tokens:
         return BudgetState(True, f"{b.tokens} tokens")
@@ -111,28 +129,47 @@ def budget_state(spec: StudySpec, s: Session, *, live: int, elapsed: float, live
     return BudgetState(False)
 
 
+def counted_trials(study: optuna.Study) -> int:
+    """Trials of the shared storage that count against the budget: finished or RUNNING, orphans excluded."""
+    trials = study.get_trials(deepcopy=False)
+    orphans = {t.user_attrs["retry_of"] for t in trials if "retry_of" in t.user_attrs}
+    return sum(1 for t in trials if t.state in (*_FINISHED, TrialState.RUNNING) and t.number not in orphans)
+
+
 def _space_fingerprint(spec: StudySpec) -> str:
     return json.dumps([[p.name, p.kind, p.low, p.high, p.log, p.step, [str(c) for c in p.choices]]
                        for p in spec.search.params], sort_keys=True)
 
 
-def _optuna_study(spec: StudySpec, sdir: StudyDir) -> optuna.Study:
-    storage = spec.storage or sdir.optuna_url
+def _optuna_study(spec: StudySpec, sdir: StudyDir, sharing: Sharing | None = None) -> optuna.Study:
+    if sharing is None:
+        return _create(spec, spec.storage or sdir.optuna_url, spec.storage or sdir.optuna_url, 0)
+    with ExitStack() as stack:  # one worker at a time creates the tables, the study and its default trial
+        try:
+            stack.enter_context(storage_lock(sharing.url, spec.name))
+            storage = open_storage(sharing.url)
+        except Exception as err:  # SQLAlchemy raises many types for an unreachable or malformed URL
+            raise UserError(f"storage: cannot open {sharing.url!r}: {str(err).strip().splitlines()[0]}") from err
+        return _create(spec, storage, sharing.url, sharing.worker)
+
+
+def _create(spec: StudySpec, storage: Any, url: str, worker: int) -> optuna.Study:
     try:
         existing = [s.study_name for s in optuna.get_all_study_summaries(storage)]
     except Exception as err:  # SQLAlchemy raises many types for an unreachable or malformed URL
-        raise UserError(f"storage: cannot open {storage!r}: {str(err).splitlines()[0]}") from err
+        raise UserError(f"storage: cannot open {url!r}: {str(err).strip().splitlines()[0]}") from err
     n_trials = 0
     if spec.name in existing:
         old = optuna.load_study(study_name=spec.name, storage=storage)
         if old.user_attrs.get("search_space") not in (None, _space_fingerprint(spec)):
-            raise UserError(f"study {spec.name!r} already exists in {storage} with a different search space; "
+            raise UserError(f"study {spec.name!r} already exists in {url} with a different search space; "
                             f"give the study another name or output directory")
         if old.directions != [optuna.study.StudyDirection[d.upper()] for d in spec.directions]:
-            raise UserError(f"study {spec.name!r} already exists in {storage} with other objective directions")
+            raise UserError(f"study {spec.name!r} already exists in {url} with other objective directions")
         n_trials = len(old.trials)
-    # Seeding by the trial count keeps a resumed random or TPE sampler from replaying its first proposals.
-    sampler = make_sampler(spec.sampler, spec.seed + n_trials, spec.search)
+    # Seeding by the trial count keeps a resumed random or TPE sampler from replaying its first proposals;
+    # by the worker index, workers started together from proposing the same ones.
+    sampler = make_sampler(spec.sampler, spec.seed + n_trials + 100_003 * worker, spec.search)
     study = optuna.create_study(study_name=spec.name, storage=storage, sampler=sampler,
                                 directions=spec.directions, load_if_exists=True)
     if n_trials == 0:
@@ -146,9 +183,9 @@ def _optuna_study(spec: StudySpec, sdir: StudyDir) -> optuna.Study:
     return study
 
 
-def _recover(study: optuna.Study, store: ResultsStore, log: Callable[[str], None]) -> None:
-    """Fail and re-enqueue orphaned RUNNING trials; bring the results store in line with Optuna."""
-    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+def _requeue(study: optuna.Study, store: ResultsStore, orphans: list[optuna.trial.FrozenTrial],
+             log: Callable[[str], None]) -> None:
+    for t in orphans:
         study.tell(t.number, state=TrialState.FAIL)
         store.upsert_trial(t.number, state="FAIL", reason=ORPHAN_REASON)
         attrs = {"retry_of": t.number, **({"default": True} if t.user_attrs.get("default") else {})}
@@ -156,12 +193,33 @@ def _recover(study: optuna.Study, store: ResultsStore, log: Callable[[str], None
         # and still takes its place in the budget.
         study.enqueue_trial(t.params, user_attrs=attrs)
         log(f"trial {t.number} was left RUNNING by a stopped run: failed and enqueued again")
+
+
+def reap_stale(study: optuna.Study, store: ResultsStore, grace: float, log: Callable[[str], None]) -> list[int]:
+    """Fail and re-enqueue the RUNNING trials of dead workers (no heartbeat for ``grace`` seconds).
+
+    The caller holds the storage lock, so two survivors never retry the same orphan.
+    """
+    now = time.time()
+    stale = [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) if now - last_beat(t) > grace]
+    _requeue(study, store, stale, log)
+    return [t.number for t in stale]
+
+
+def _recover(study: optuna.Study, store: ResultsStore, log: Callable[[str], None]) -> None:
+    """Fail and re-enqueue orphaned RUNNING trials; bring the results store in line with Optuna."""
+    _requeue(study, store, study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)), log)
+    _sync(study, store)
+
+
+def _sync(study: optuna.Study, store: ResultsStore) -> None:
+    """Copy finished trials other runs (or workers on other hosts) recorded only in Optuna."""
     recorded = {r.number: r for r in store.trials()}
     for t in study.get_trials(deepcopy=False, states=_FINISHED):
         row = recorded.get(t.number)
-        if row is None or row.state != t.state.name:
+        if row is None or row.state != t.state.name or (row.adapter_path is None and "adapter_path" in t.user_attrs):
             store.upsert_trial(t.number, state=t.state.name, params=t.params, objective_values=t.values,
-                               user_attrs=dict(t.user_attrs))
+                               user_attrs=dict(t.user_attrs), adapter_path=t.user_attrs.get("adapter_path"))
 
 
 def _capacity(spec: StudySpec, pm: PackedModel, log: Callable[[str], None]) -> int:
@@ -174,16 +232,26 @@ def _capacity(spec: StudySpec, pm: PackedModel, log: Callable[[str], None]) -> i
     return n
 
 
-def open_session(spec: StudySpec, *, log: Callable[[str], None] = print) -> Session:
-    """Create or resume the study in ``spec.out_dir`` and load the base model once."""
+def open_session(spec: StudySpec, *, log: Callable[[str], None] = print, sharing: Sharing | None = None) -> Session:
+    """Create or resume the study in ``spec.out_dir`` and load the base model once.
+
+    With ``sharing`` the study lives in a storage other workers use too: only stale RUNNING trials
+    are orphans, and the budget is counted there.
+    """
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # our progress and store say what happened
     sdir = StudyDir(spec.out_dir).create()
     if spec.source is not None:
         sdir.write_study_yaml(spec.source.read_text())
     store = ResultsStore(sdir.results_db)
-    study = _optuna_study(spec, sdir)
-    _recover(study, store, log)
-    store.set_meta(name=spec.name, storage=spec.storage or sdir.optuna_url, model=spec.model.path,
+    study = _optuna_study(spec, sdir, sharing)
+    if sharing is None:
+        _recover(study, store, log)
+    else:
+        with storage_lock(sharing.url, spec.name):
+            reap_stale(study, store, sharing.grace, log)
+        _sync(study, store)
+    url = sharing.url if sharing is not None else spec.storage or sdir.optuna_url
+    store.set_meta(name=spec.name, storage=url, model=spec.model.path,
                    data=str(spec.data.train), objectives=[o.metric for o in spec.objectives],
                    directions=spec.directions)
     device = spec.model.device
@@ -200,5 +268,6 @@ def open_session(spec: StudySpec, *, log: Callable[[str], None] = print) -> Sess
                       finished=sum(1 for t in trials if t.state in _FINISHED and t.number not in orphans),
                       tokens=sum(r.tokens or 0 for r in store.trials()),
                       elapsed=float(store.meta().get("elapsed", 0.0)),
-                      completed=[(t.number, list(t.values)) for t in trials if t.state == TrialState.COMPLETE])
+                      completed=[(t.number, list(t.values)) for t in trials if t.state == TrialState.COMPLETE],
+                      sharing=sharing)
     return session

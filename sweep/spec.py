@@ -320,7 +320,11 @@ class StudySpec:
     output: Path | None = None
     """Output folder; None: ``runs/<name>`` (see ``out_dir``)."""
     storage: str | None = None
-    """Optuna RDB URL (``sqlite:///x.db``, ``postgresql://...``); None: a file in the output folder."""
+    """Optuna storage: an RDB URL (``sqlite:///x.db``, ``postgresql+psycopg2://...``) or a journal file
+    (``journal:///abs/path.log`` or a plain ``*.log`` path); None: a file in the output folder."""
+    artifacts: Path | None = None
+    """Folder of the trials' adapters (``trial-<n>/``), e.g. on a filesystem every worker host shares;
+    None: the output folder's ``adapters/``."""
     seed: int = 0
     """Seeds the sampler (and, through the study loop, the adapters)."""
     description: str = ""
@@ -332,9 +336,10 @@ class StudySpec:
         _check(bool(_NAME.fullmatch(self.name)), "name", "must be letters, digits, '.', '_' or '-'", self.name)
         _check(isinstance(self.seed, int) and self.seed >= 0, "seed", "must be an int >= 0", self.seed)
         _check(
-            self.storage is None or re.match(r"[a-z][a-z0-9+]*://", self.storage) is not None,
+            self.storage is None or re.match(r"[a-z][a-z0-9+]*://", self.storage) is not None
+            or self.storage.endswith(".log"),
             "storage",
-            "must be an RDB URL such as sqlite:///study.db",
+            "must be an RDB URL such as sqlite:///study.db or a journal file path ending in .log",
             self.storage,
         )
         _check(len(self.objectives) > 0, "objectives", "must not be empty", self.objectives)

@@ -6,6 +6,10 @@ scored on the pruning proxy and cohort successive halving (``sweep.pruning``) st
 finished trials are scored by every configured evaluator in one packed pass, their adapters saved,
 and Optuna told COMPLETE / PRUNED / FAIL (with the reason in the store). The Optuna storage is the
 source of truth; a rerun on the same study resumes it (``sweep.resume``).
+
+Shared with other workers (``sharing``), the budget check and the ask run under the storage's lock,
+a heartbeat thread stamps this worker's RUNNING trials, and stale trials of dead workers are failed
+and retried every few heartbeats (``sweep.worker`` runs the loop around it).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,9 +33,10 @@ from packer.model import PackedModel
 from packer.plan import AdapterSpec
 from packer.train import SlotEnd, SlotJob, StepReport, train
 from sweep.pruning import CohortSHA
-from sweep.resume import Session, budget_state, open_session
+from sweep.resume import Session, budget_state, open_session, reap_stale
 from sweep.space import adapter_spec, suggest
 from sweep.spec import StudySpec
+from sweep.storage import WORKER_ATTR, Heartbeat, Sharing, storage_lock
 
 __all__ = ["run_study", "RunSummary", "Progress"]
 
@@ -94,16 +100,35 @@ class _Sweep:
         self.sha = (CohortSHA(spec.pruning.rungs, spec.pruning.reduction_factor, direction,
                               session.rung_history(metric)) if spec.pruning.kind == "cohort_sha" else None)
         self.entries = [(e.name, dict(e.options)) for e in spec.evaluators]
+        self.heartbeat: Heartbeat | None = None
+        self.last_reap = time.time()
+        self.idle_until = 0.0  # shared budget spent: look again after a heartbeat, not before every step
+        self.log: Callable[[str], None] = print
+
+    def _lock(self) -> Any:
+        sharing = self.s.sharing
+        return storage_lock(sharing.url, self.spec.name) if sharing is not None else nullcontext()
+
+    def live_trial_ids(self) -> list[int]:
+        return [lv.trial._trial_id for lv in list(self.live.values())]
 
     # -- asking -------------------------------------------------------------------------------
     def next_job(self, slot: int) -> SlotJob | None:
         """Backfill: ask Optuna for a trial while the budget allows."""
-        budget = budget_state(self.spec, self.s, live=len(self.live), elapsed=time.time() - self.t_start,
-                              live_tokens=sum(lv.tokens for lv in self.live.values()))
-        if budget.exhausted:
+        if time.time() < self.idle_until:
             return None
-        trial = self.s.study.ask()
-        params = suggest(trial, self.spec.search)
+        with self._lock():  # count + ask, atomic across workers sharing the study
+            budget = budget_state(self.spec, self.s, live=len(self.live), elapsed=time.time() - self.t_start,
+                                  live_tokens=sum(lv.tokens for lv in self.live.values()))
+            if budget.exhausted:
+                if self.s.sharing is not None:
+                    self.idle_until = time.time() + self.s.sharing.heartbeat
+                return None
+            trial = self.s.study.ask()
+            if self.heartbeat is not None:
+                self.heartbeat.beat(trial._trial_id)
+                self.s.study._storage.set_trial_system_attr(trial._trial_id, WORKER_ATTR, self.s.sharing.worker)
+            params = suggest(trial, self.spec.search)
         spec = adapter_spec(params, self.spec.train, self.spec.seed, space=self.spec.search)
         self.live[slot] = _Live(trial, params, spec, self.global_step, time.time())
         self.s.store.upsert_trial(trial.number, state="RUNNING", params=params, pack_id=self.pack_id, slot=slot,
@@ -133,11 +158,20 @@ class _Sweep:
         self.summary.steps, self.summary.tokens = self.global_step, self.summary.tokens + step_tokens
         if self.global_step % 10 == 0:
             self._flush_curves()
+        if self.s.sharing is not None and time.time() - self.last_reap > 2 * self.s.sharing.heartbeat:
+            self.reap()
         if arrivals:
             self._rung(arrivals)
         if self.progress is not None:
             self.progress(Progress(self.global_step, len(reports), self.s.capacity, step_tokens / max(step_s, 1e-9),
                                    self.s.finished_count(), self.spec.budget.trials, self.s.best_text()))
+
+    def reap(self) -> list[int]:
+        """Fail and retry the trials of dead workers (their retries are asked by the next free slot)."""
+        assert self.s.sharing is not None
+        self.last_reap = time.time()
+        with self._lock():
+            return reap_stale(self.s.study, self.s.store, self.s.sharing.grace, self.log)
 
     def _flush_curves(self) -> None:
         with self.s.store.transaction():
@@ -207,14 +241,16 @@ class _Sweep:
             return
         for c in self.spec.constraints:
             lv.trial.set_constraint(c.metric, c.violation(metrics.get(c.metric, math.inf)))
-        adapter = self.s.sdir.adapter_dir(number)
+        adapter = self.s.adapter_dir(number)
         save_adapter(self.pm, e.slot, adapter, base_model_name_or_path=self.spec.model.path,
                      metadata={"trial": str(number), "study": self.spec.name})
+        lv.trial.set_user_attr("adapter_path", str(adapter.absolute()))  # report and export from any host
         for metric, items in result.per_item.get(e.slot, {}).items():
             self.s.store.add_items(number, metric, items)
         self.s.store.add_eval(number, e.steps, metrics, kind="final")
         self._tell(lv, TrialState.COMPLETE, e, metrics=metrics, values=values,
-                   adapter=str(adapter.relative_to(self.s.sdir.root)))
+                   adapter=str(adapter.relative_to(self.s.sdir.root) if adapter.is_relative_to(self.s.sdir.root)
+                               else adapter))
 
     def _tell(self, lv: _Live, state: TrialState, e: SlotEnd, *, reason: str | None = None,
               metrics: dict[str, float] | None = None, values: list[float] | None = None,
@@ -236,9 +272,12 @@ class _Sweep:
 
 
 def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = None,
-              log: Callable[[str], None] = print) -> RunSummary:
-    """Run (or resume) the study until its budget ends; returns what this call did."""
-    session = open_session(spec, log=log)
+              log: Callable[[str], None] = print, sharing: Sharing | None = None) -> RunSummary:
+    """Run (or resume) the study until its budget ends; returns what this call did.
+
+    With ``sharing`` this is one pack of a worker: other workers share the study's storage and budget.
+    """
+    session = open_session(spec, log=log, sharing=sharing)
     pm, tokenizer = session.pm, session.tokenizer
     train_examples = load_examples(spec.data.train, tokenizer, fmt=spec.data.format,
                                    max_length=spec.data.max_length, train_on_prompt=spec.data.train_on_prompt)
@@ -250,9 +289,13 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
     if pm.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(pm.device)
     status = "failed"
+    sweep.log = log
+    if sharing is not None:
+        sweep.heartbeat = Heartbeat(session.study._storage, sweep.live_trial_ids, sharing.heartbeat, log)
     try:
-        result = train(pm, session.capacity, sweep.next_job, pad_id=session.pad_id, on_step=sweep.on_step,
-                       should_stop=sweep.should_stop, on_end=sweep.on_end)
+        with sweep.heartbeat or nullcontext():
+            result = train(pm, session.capacity, sweep.next_job, pad_id=session.pad_id, on_step=sweep.on_step,
+                           should_stop=sweep.should_stop, on_end=sweep.on_end)
         status = "finished"
     finally:
         peak = torch.cuda.max_memory_allocated(pm.device) if pm.device.type == "cuda" else None

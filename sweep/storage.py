@@ -1,0 +1,162 @@
+"""Shared Optuna storages: open one by URL, lock it across workers, keep heartbeats in it.
+
+Several ``sweep worker`` processes (on one host or many) share one study through its Optuna storage
+(notes §1.6): an RDB URL (``postgresql+psycopg2://...``, ``mysql+pymysql://...``, ``sqlite:///x.db``) or
+a journal file (``journal:///abs/path.log``, or a plain ``*.log`` path) for processes on one host.
+
+``storage_lock`` makes "count the trials that count + ask one" atomic across workers with a lock the
+storage owns: PostgreSQL ``pg_advisory_lock``, MySQL ``GET_LOCK``, and an ``fcntl.flock`` on a file
+beside a SQLite database or journal file. Heartbeats are a trial system attr (``sweep:heartbeat``,
+wall-clock seconds) that works on every storage; Optuna's own heartbeats run only inside
+``Study.optimize`` (notes §1.5).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.storages import BaseStorage
+
+__all__ = ["Sharing", "normalize_url", "open_storage", "storage_lock", "Heartbeat", "HEARTBEAT_ATTR",
+           "WORKER_ATTR", "last_beat"]
+
+HEARTBEAT_ATTR = "sweep:heartbeat"
+WORKER_ATTR = "sweep:worker"
+_JOURNAL = "journal://"
+
+
+@dataclass(frozen=True)
+class Sharing:
+    """How one worker shares its study with others."""
+
+    url: str
+    """The shared Optuna storage URL (``normalize_url`` form)."""
+    worker: int = 0
+    """This worker's index (offsets the sampler seed, so workers started together propose different trials)."""
+    heartbeat: float = 5.0
+    """Seconds between the heartbeats of this worker's RUNNING trials."""
+    grace: float = 60.0
+    """A RUNNING trial whose last heartbeat is older than this belongs to a dead worker."""
+
+
+def normalize_url(text: str) -> str:
+    """A storage URL, or a plain ``*.log`` path turned into ``journal:///<absolute path>``."""
+    if "://" not in text and text.endswith(".log"):
+        return _JOURNAL + str(Path(text).expanduser().absolute())
+    return text
+
+
+def _journal_path(url: str) -> Path:
+    return Path(url.removeprefix(_JOURNAL))
+
+
+def open_storage(url: str) -> BaseStorage:
+    """The Optuna storage behind ``url`` (journal file or RDB, with a patient SQLite)."""
+    if url.startswith(_JOURNAL):
+        from optuna.storages.journal import JournalFileBackend
+
+        path = _journal_path(url)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
+    # SQLite serialises writers: wait for the lock instead of failing (Optuna FAQ).
+    kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
+    return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, skip_table_creation=False)
+
+
+_THREAD_LOCK = threading.Lock()  # threads of one process; the storage lock orders processes
+_ENGINES: dict[str, Any] = {}
+
+
+def _lock_key(name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"lora-sweep:{name}".encode()).digest()[:8], "big", signed=True)
+
+
+def _lock_file(url: str) -> Path | None:
+    if url.startswith(_JOURNAL):
+        return _journal_path(url).with_name(_journal_path(url).name + ".sweep-lock")
+    if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
+        db = Path(url.removeprefix("sqlite:///"))
+        return db.with_name(db.name + ".sweep-lock")
+    return None
+
+
+@contextmanager
+def storage_lock(url: str, study_name: str) -> Iterator[None]:
+    """Hold the study's lock in its storage: one worker at a time counts and asks."""
+    with _THREAD_LOCK:
+        path = _lock_file(url)
+        if path is not None:
+            with open(path, "a+") as f:
+                fcntl.flock(f, fcntl.LOCK_EX)
+                try:
+                    yield
+                finally:
+                    fcntl.flock(f, fcntl.LOCK_UN)
+            return
+        dialect = url.split(":", 1)[0].split("+", 1)[0]
+        if dialect == "postgresql":
+            take, give, arg = "select pg_advisory_lock(:k)", "select pg_advisory_unlock(:k)", _lock_key(study_name)
+        elif dialect in ("mysql", "mariadb"):
+            # MySQL lock names are at most 64 characters.
+            take, give, arg = "select get_lock(:k, -1)", "select release_lock(:k)", f"lora-sweep:{study_name}"[:64]
+        else:
+            raise ValueError(f"storage: no cross-worker lock for {dialect!r} URLs (use PostgreSQL, MySQL, "
+                             f"SQLite or a journal file)")
+        import sqlalchemy as sa
+
+        engine = _ENGINES.get(url)
+        if engine is None:
+            engine = _ENGINES[url] = sa.create_engine(url, poolclass=sa.pool.NullPool)
+        with engine.connect() as conn:
+            conn.execute(sa.text(take), {"k": arg})
+            try:
+                yield
+            finally:
+                conn.execute(sa.text(give), {"k": arg})
+
+
+def last_beat(trial: optuna.trial.FrozenTrial) -> float:
+    """Wall time of the trial's last heartbeat (its start when it never beat)."""
+    beat = trial.system_attrs.get(HEARTBEAT_ATTR)
+    if beat is not None:
+        return float(beat)
+    return trial.datetime_start.timestamp() if trial.datetime_start is not None else 0.0
+
+
+class Heartbeat:
+    """A daemon thread that stamps the heartbeat of every trial ``trial_ids()`` returns."""
+
+    def __init__(self, storage: BaseStorage, trial_ids: Callable[[], Iterable[int]], interval: float,
+                 log: Callable[[str], None]) -> None:
+        self.storage, self.trial_ids, self.interval, self.log = storage, trial_ids, interval, log
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sweep-heartbeat", daemon=True)
+
+    def beat(self, trial_id: int) -> None:
+        self.storage.set_trial_system_attr(trial_id, HEARTBEAT_ATTR, time.time())
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            for trial_id in list(self.trial_ids()):
+                try:
+                    self.beat(trial_id)
+                except Exception as err:  # a trial finished meanwhile, or the storage blinked: retry next beat
+                    if "finished" not in str(err):
+                        self.log(f"heartbeat of trial id {trial_id} failed: {str(err).splitlines()[0]}")
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()

@@ -1,0 +1,136 @@
+"""Workers: many processes (one per GPU, or many hosts) sharing one study through its Optuna storage.
+
+``run_worker`` is ``sweep worker``: it runs packs (``sweep.study.run_study`` with ``sharing``) while
+the shared budget has room, then stays until no other worker has a RUNNING trial, retrying the
+trials of workers that died (stale heartbeat), so the study ends with exactly its budget.
+``launch`` is ``sweep run --workers N``: one ``sweep worker`` process per visible GPU (pinned with
+``CUDA_VISIBLE_DEVICES``; N CPU workers on a host without one) and the combined progress, polled
+from the storage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import optuna
+from optuna.trial import TrialState
+
+from sweep.resume import counted_trials, reap_stale
+from sweep.spec import StudySpec
+from sweep.storage import Sharing, open_storage, storage_lock
+from sweep.store import ResultsStore, StudyDir
+from sweep.study import Progress, RunSummary, run_study
+
+__all__ = ["run_worker", "launch", "study_counts", "with_storage"]
+
+
+def run_worker(spec: StudySpec, sharing: Sharing, *, progress: Callable[[Progress], None] | None = None,
+               log: Callable[[str], None] = print) -> RunSummary:
+    """Run packs of the shared study until its budget is spent and no worker trains; totals of all packs."""
+    total = RunSummary(pack_id=-1)
+    while True:
+        done = run_study(spec, progress=progress, log=log, sharing=sharing)
+        for name in ("steps", "tokens", "wall_s", "complete", "pruned", "failed"):
+            setattr(total, name, getattr(total, name) + getattr(done, name))
+        total.pack_id = done.pack_id
+        if not _wait_for_others(spec, sharing, log):
+            return total
+
+
+def _wait_for_others(spec: StudySpec, sharing: Sharing, log: Callable[[str], None]) -> bool:
+    """After this worker's pack drained: True when the budget has room again (a dead worker's trials
+    were retried: run another pack), False when the study is done."""
+    study = optuna.load_study(study_name=spec.name, storage=open_storage(sharing.url))
+    store = ResultsStore(StudyDir(spec.out_dir).results_db)
+    budget = spec.budget.trials
+    try:
+        while True:
+            with storage_lock(sharing.url, spec.name):
+                reap_stale(study, store, sharing.grace, log)
+                used = counted_trials(study)
+                running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+            if budget is not None and used < budget:
+                return True
+            if budget is None or not running:  # token and wall-time budgets are this worker's own
+                return False
+            time.sleep(sharing.heartbeat)
+    finally:
+        store.close()
+
+
+def study_counts(url: str, name: str) -> Counter[str]:
+    """Trials of study ``name`` in storage ``url`` by state name."""
+    study = optuna.load_study(study_name=name, storage=open_storage(url))
+    return Counter(t.state.name for t in study.get_trials(deepcopy=False))
+
+
+def _gpus() -> list[str]:
+    """Visible GPU ids (as ``CUDA_VISIBLE_DEVICES`` names them); empty on a CPU-only host."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        return [v.strip() for v in visible.split(",") if v.strip()]
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def launch(study_file: str, overrides: tuple[str, ...], spec: StudySpec, url: str, workers: int | None, *,
+           heartbeat: float, grace: float, show: Callable[[Counter[str]], None] | None = None) -> list[int]:
+    """Start the workers of one host and wait for them; returns their exit codes.
+
+    Args:
+        study_file: The study YAML every worker loads (with ``overrides``).
+        spec: The loaded study (its output folder holds the workers' logs, ``workers/worker-<i>.log``).
+        url: The shared storage URL.
+        workers: Number of workers; None: one per visible GPU (one on a CPU-only host).
+        show: Called with the study's counts by state every poll.
+    """
+    gpus = [] if spec.model.device == "cpu" else _gpus()
+    n = workers if workers is not None else max(1, len(gpus))
+    sdir = StudyDir(spec.out_dir).create()
+    ResultsStore(sdir.results_db).close()  # the schema exists before the workers race to open it
+    logs = sdir.root / "workers"
+    logs.mkdir(exist_ok=True)
+    procs = []
+    for i in range(n):
+        env = dict(os.environ)
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
+        cmd = [sys.executable, "-m", "sweep.cli", "worker", study_file, *overrides, "--storage", url,
+               "--out", str(sdir.root), "--index", str(i), "--heartbeat", str(heartbeat), "--grace", str(grace),
+               "--quiet"]
+        with open(logs / f"worker-{i}.log", "wb") as out:
+            procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                          cwd=Path.cwd()))
+    try:
+        while any(p.poll() is None for p in procs):
+            if show is not None:
+                try:
+                    show(study_counts(url, spec.name))
+                except Exception:  # the first worker has not created the study yet
+                    pass
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        for p in procs:
+            p.terminate()
+        raise
+    if show is not None:
+        show(study_counts(url, spec.name))
+    return [p.returncode for p in procs]
+
+
+def with_storage(spec: StudySpec, url: str | None) -> tuple[StudySpec, str]:
+    """The spec with its shared storage URL set (``url``, the study's, or the study directory's SQLite)."""
+    from sweep.storage import normalize_url
+
+    chosen = normalize_url(url or spec.storage or StudyDir(spec.out_dir).optuna_url)
+    return dataclasses.replace(spec, storage=chosen), chosen

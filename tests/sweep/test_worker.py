@@ -1,0 +1,180 @@
+"""Many workers sharing one study: a journal file on one host, PostgreSQL with a worker killed mid-pack.
+
+The PostgreSQL test needs a server: ``.ci/run`` starts one and exports ``LORA_SWEEP_TEST_PG``
+(e.g. ``postgresql+psycopg2://sweep:sweep@127.0.0.1:55432/sweep``). Outside CI it is skipped without it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+from optuna.trial import TrialState
+
+from sweep.resume import _optuna_study
+from sweep.spec import load_study
+from sweep.storage import WORKER_ATTR, Sharing, normalize_url, open_storage
+from sweep.store import StudyDir
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT / "studies" / "data"
+PG = os.environ.get("LORA_SWEEP_TEST_PG")
+
+
+def _pg_url() -> str:
+    if PG:
+        return PG
+    if os.environ.get("CI") == "true":
+        pytest.fail("CI must export LORA_SWEEP_TEST_PG (.ci/run starts PostgreSQL on 127.0.0.1:55432)")
+    pytest.skip("LORA_SWEEP_TEST_PG is unset: no PostgreSQL server for the multi-worker test")
+
+
+def _study_file(tmp_path: Path, model_dir: Path, name: str, **changes) -> Path:
+    doc = {
+        "name": name, "seed": 0,
+        "model": {"path": str(model_dir), "device": "cpu"},
+        "data": {"train": str(DATA / "arith-train.jsonl"), "eval": str(DATA / "arith-eval.jsonl"),
+                 "format": "prompt_completion", "max_length": 48},
+        "search": {"rank": [2, 4, 8, 16], "lr": {"low": 1e-4, "high": 3e-2, "log": True},
+                   "targets": {"attn": ["q_proj", "v_proj"], "all": "all-linear"}},
+        "train": {"max_steps": 20, "micro_batch": 4},
+        "objectives": [{"metric": "eval_loss", "direction": "minimize"}],
+        "budget": {"trials": 9},
+        "pruning": {"kind": "none"},
+        "packing": {"max_slots": 2},
+        "evaluators": [{"name": "heldout_loss"}],
+        "output": str(tmp_path / f"runs-{name}"),
+        "artifacts": str(tmp_path / "shared-adapters" / name),
+        **changes,
+    }
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "sweep.cli", *args]
+
+
+def _trials(url: str, name: str) -> list[optuna.trial.FrozenTrial]:
+    return optuna.load_study(study_name=name, storage=open_storage(url)).get_trials()
+
+
+def _check_study(trials: list[optuna.trial.FrozenTrial], budget: int, artifacts: Path) -> None:
+    """Exactly the budget COMPLETE, each orphan retried once with its parameters, every adapter on disk."""
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    assert len(complete) == budget, Counter(t.state.name for t in trials)
+    assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
+    failed = {t.number: t for t in trials if t.state == TrialState.FAIL}
+    retries = [t.user_attrs["retry_of"] for t in trials if "retry_of" in t.user_attrs]
+    assert sorted(retries) == sorted(failed), "every failed trial is an orphan retried exactly once"
+    for t in trials:  # a trial killed while its parameters were drawn keeps those drawn, draws the rest
+        if "retry_of" in t.user_attrs:
+            orphan = failed[t.user_attrs["retry_of"]].params
+            assert {k: t.params[k] for k in orphan} == orphan
+    for t in complete:
+        assert Path(t.user_attrs["adapter_path"]) == artifacts / f"trial-{t.number}"
+        assert (artifacts / f"trial-{t.number}" / "adapter_model.safetensors").is_file()
+
+
+def test_journal_workers_on_one_host_share_the_budget(tiny_dirs, tmp_path) -> None:
+    name = "journal"
+    path = _study_file(tmp_path, tiny_dirs("llama"), name, budget={"trials": 4},
+                       train={"max_steps": 10, "micro_batch": 4})
+    log = tmp_path / "optuna-journal.log"
+    started = time.time()
+    result = subprocess.run(_cli("run", str(path), "--workers", "2", "--storage", str(log), "--heartbeat", "1",
+                                 "--grace", "10"), capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert result.returncode == 0, result.stderr + "".join(
+        p.read_text() for p in (tmp_path / f"runs-{name}" / "workers").glob("*.log"))
+    trials = _trials(f"journal://{log}", name)
+    _check_study(trials, 4, tmp_path / "shared-adapters" / name)
+    assert not [t for t in trials if t.state == TrialState.FAIL]
+    workers = Counter(t.system_attrs[WORKER_ATTR] for t in trials)
+    assert set(workers) <= {0, 1}, workers  # which worker trains what depends on timing
+    assert "4 complete" in result.stdout and time.time() - started < 180
+    # The study directory's store knows every trial and its adapter: export works from it.
+    out = tmp_path / "exported"
+    exported = subprocess.run(_cli("export", str(tmp_path / f"runs-{name}"), "--trial", "0", "--out", str(out),
+                                   "--no-vllm"), capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert exported.returncode == 0, exported.stderr
+    assert (out / "adapter_model.safetensors").is_file()
+    # ... and the report opens the journal storage for its Optuna figures.
+    from reports._load import load_optuna_study, load_study_data
+
+    study = load_optuna_study(load_study_data(tmp_path / f"runs-{name}"))
+    assert not isinstance(study, str), study
+    assert len(study.trials) == 4
+
+
+def test_pg_three_workers_one_killed_mid_pack(tiny_dirs, tmp_path) -> None:
+    url = _pg_url()
+    name = f"pg-{uuid.uuid4().hex[:8]}"
+    path = _study_file(tmp_path, tiny_dirs("llama"), name)
+    procs = [subprocess.Popen(_cli("worker", str(path), "--storage", url, "--index", str(i), "--heartbeat", "0.5",
+                                   "--grace", "4", "--quiet"), cwd=ROOT, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, start_new_session=True) for i in range(3)]
+    victim, killed = None, []
+    deadline = time.time() + 120
+    while time.time() < deadline:  # kill a worker while it trains, once some trial is complete
+        time.sleep(0.2)
+        try:
+            trials = _trials(url, name)
+        except Exception:
+            continue
+        running = [t.system_attrs[WORKER_ATTR] for t in trials
+                   if t.state == TrialState.RUNNING and WORKER_ATTR in t.system_attrs]
+        if running and any(t.state == TrialState.COMPLETE for t in trials):
+            index = running[0]  # which worker trains what depends on timing: take one that trains now
+            victim = procs[index]
+            os.killpg(victim.pid, signal.SIGKILL)
+            victim.wait()
+            killed = [t for t in _trials(url, name)
+                      if t.state == TrialState.RUNNING and t.system_attrs.get(WORKER_ATTR) == index]
+            break
+    assert killed, "a worker must be killed mid-pack, with trials still training"
+    for p in procs:
+        if p is not victim:
+            _, err = p.communicate(timeout=150)
+            assert p.returncode == 0, err.decode()[-3000:]
+    trials = _trials(url, name)
+    _check_study(trials, 9, tmp_path / "shared-adapters" / name)
+    assert {t.number for t in trials if t.state == TrialState.FAIL} == {t.number for t in killed}
+    params = [tuple(sorted(t.params.items())) for t in trials if t.state == TrialState.COMPLETE]
+    for orphan in killed:  # the killed worker's trials were trained once more, not twice
+        assert params.count(tuple(sorted(orphan.params.items()))) <= 1
+
+
+def _one_line_exit_2(result: subprocess.CompletedProcess, expected: str) -> None:
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert expected in lines[0], lines[0]
+
+
+def test_unreachable_postgres_url_is_one_line_exit_2(tiny_dirs, tmp_path) -> None:
+    path = _study_file(tmp_path, tiny_dirs("llama"), "unreachable")
+    result = subprocess.run(_cli("worker", str(path), "--storage", "postgresql+psycopg2://u:p@127.0.0.1:9/none",
+                                 "--quiet"), capture_output=True, text=True, timeout=120, cwd=ROOT)
+    _one_line_exit_2(result, "storage: cannot open")
+
+
+@pytest.mark.parametrize("backend", ["journal", "postgresql"])
+def test_other_search_space_under_the_same_name_is_one_line_exit_2(tiny_dirs, tmp_path, backend: str) -> None:
+    url = str(tmp_path / "space.log") if backend == "journal" else _pg_url()
+    name = f"space-{uuid.uuid4().hex[:8]}"
+    first = load_study(_study_file(tmp_path, tiny_dirs("llama"), name))
+    _optuna_study(first, StudyDir(first.out_dir), Sharing(normalize_url(url)))  # the study exists, no training
+    other = _study_file(tmp_path, tiny_dirs("llama"), name, search={"rank": [2, 4]})
+    result = subprocess.run(_cli("worker", str(other), "--storage", url, "--quiet"), capture_output=True,
+                            text=True, timeout=120, cwd=ROOT)
+    _one_line_exit_2(result, "with a different search space")
