@@ -232,10 +232,19 @@ class PackingSpec:
 
     max_slots: int | Literal["auto"] = "auto"
     """Slots per pack, or ``auto``: as many as the planner's memory model allows."""
+    chunked_ce: bool | int = False
+    """Cross-entropy in chunks of this many target tokens (``true``: 4096), never all logits at once."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer in backward instead of keeping its activations."""
 
     def __post_init__(self) -> None:
         ok = self.max_slots == "auto" or (isinstance(self.max_slots, int) and 1 <= self.max_slots <= 256)
         _check(ok, "max_slots", "must be auto or an int in 1..256", self.max_slots)
+        ce = self.chunked_ce
+        _check(isinstance(ce, bool) or (isinstance(ce, int) and ce >= 1), "chunked_ce",
+               "must be true, false or a number of tokens >= 1", ce)
+        _check(isinstance(self.activation_checkpointing, bool), "activation_checkpointing", "must be true or false",
+               self.activation_checkpointing)
 
 
 @dataclass(frozen=True)

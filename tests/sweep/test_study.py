@@ -189,3 +189,21 @@ def test_plan_and_status_commands(tiny_dirs, tmp_path) -> None:
     assert info["study"] == "planned" and sum(info["counts"].values()) == 3
     assert info["best"] and set(info["best"][0]["params"]) == {"rank", "lr", "targets"}
     assert info["packs"][0]["status"] == "finished" and info["packs"][0]["slots"] == 3
+
+
+def test_memory_options_reach_the_training_loop(tiny_dirs, tmp_path) -> None:
+    packing = {"max_slots": 2, "chunked_ce": 16, "activation_checkpointing": True}
+    spec = load_study(_study_file(tmp_path, tiny_dirs("llama"), name="memory", packing=packing,
+                                  budget={"trials": 2}, train={"max_steps": 8, "micro_batch": 2}))
+    assert (spec.packing.chunked_ce, spec.packing.activation_checkpointing) == (16, True)
+    plain = load_study(_study_file(tmp_path, tiny_dirs("llama"), name="plain", packing={"max_slots": 2},
+                                   budget={"trials": 2}, train={"max_steps": 8, "micro_batch": 2}))
+    for s in (spec, plain):
+        run_study(s, log=lambda m: None)
+    curves = []
+    for s in (spec, plain):
+        with sqlite3.connect(s.out_dir / "results.db") as db:
+            curves.append(db.execute("select trial, step, loss from steps order by trial, step").fetchall())
+    assert len(curves[0]) == 16
+    for (t1, s1, l1), (t2, s2, l2) in zip(*curves, strict=True):  # same math, less memory
+        assert (t1, s1) == (t2, s2) and abs(l1 - l2) <= 1e-5 * abs(l2)
