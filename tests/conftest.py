@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -38,3 +39,23 @@ def random_examples(n: int, seed: int, vocab: int = 300, min_len: int = 6, max_l
         prompt = rng.randint(1, length - 2)
         rows.append(Example(ids, (IGNORE_INDEX,) * prompt + ids[prompt:]))
     return rows
+
+
+class Recorder:
+    """``train()`` callbacks that keep each job's per-step losses and its final weights."""
+
+    def __init__(self, pm, snapshot=None) -> None:  # noqa: ANN001
+        self.losses: dict = defaultdict(list)
+        self.final: dict = {}
+        self.global_step = 0
+        self.snapshot = snapshot or (lambda slot: {p: (a.detach().clone(), b.detach().clone())
+                                                   for p, (a, b) in pm.slot_weights(slot).items()})
+
+    def on_step(self, reports) -> None:  # noqa: ANN001
+        self.global_step = reports[0].step + 1
+        for r in reports:
+            self.losses[r.key].append(r.loss)
+
+    def on_end(self, ends) -> None:  # noqa: ANN001
+        for e in ends:
+            self.final[e.job.key] = self.snapshot(e.slot)

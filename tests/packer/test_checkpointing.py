@@ -9,8 +9,8 @@ from packer.data import SlotStream
 from packer.layer import PackedLoRALinear
 from packer.model import PackedModel, load_base
 from packer.plan import AdapterSpec
-from packer.train import SlotEnd, SlotJob, StepReport, train
-from tests.conftest import random_examples
+from packer.train import SlotJob, train
+from tests.conftest import Recorder, random_examples
 
 PAD = 0
 STEPS = 8
@@ -31,17 +31,8 @@ def _train(model_dir, family: str, **options):
     """Losses per key, final flat weights per key, and how many times the adapted layers ran forward."""
     pm = PackedModel(load_base(str(model_dir), attn_implementation="eager")[0])
     queue = _jobs(family)
-    losses: dict[int, list[float]] = {j.key: [] for j in queue}
-    final = {}
+    rec = Recorder(pm, snapshot=lambda slot: pm.flat_buffers(slot)[0].clone())
     calls = [0]
-
-    def on_step(reports: list[StepReport]) -> None:
-        for r in reports:
-            losses[r.key].append(r.loss)
-
-    def on_end(ends: list[SlotEnd]) -> None:
-        for e in ends:
-            final[e.job.key] = pm.flat_buffers(e.slot)[0].clone()
 
     def count(module, args, out) -> None:
         calls[0] += 1
@@ -50,9 +41,9 @@ def _train(model_dir, family: str, **options):
     pm.remove_slot(99)
     for layer in pm.layers.values():
         layer.register_forward_hook(count)
-    train(pm, 2, lambda slot: queue.pop(0) if queue else None, pad_id=PAD, on_step=on_step, on_end=on_end,
+    train(pm, 2, lambda slot: queue.pop(0) if queue else None, pad_id=PAD, on_step=rec.on_step, on_end=rec.on_end,
           **options)
-    return losses, final, calls[0]
+    return rec.losses, rec.final, calls[0]
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])

@@ -17,8 +17,8 @@ from packer.batch import collate
 from packer.data import SlotStream
 from packer.model import PackedModel, load_base
 from packer.plan import AdapterSpec
-from packer.train import SlotEnd, SlotJob, StepReport, make_scheduler, train
-from tests.conftest import random_examples
+from packer.train import SlotJob, make_scheduler, train
+from tests.conftest import Recorder, random_examples
 
 PAD = 0
 STEPS = 20
@@ -53,20 +53,10 @@ def _run_packed(model_dir: Path, jobs: list[SlotJob], capacity: int, impl: str =
     model, _ = load_base(str(model_dir), attn_implementation="eager")
     pm = PackedModel(model, impl=impl)
     queue = list(jobs)
-    losses: dict[int, list[float]] = {j.key: [] for j in jobs}
-    final = {}
-
-    def on_step(reports: list[StepReport]) -> None:
-        for r in reports:
-            losses[r.key].append(r.loss)
-
-    def on_end(ends: list[SlotEnd]) -> None:
-        for e in ends:
-            final[e.job.key] = {p: (a.detach().clone(), b.detach().clone())
-                                for p, (a, b) in pm.slot_weights(e.slot).items()}
-
-    train(pm, capacity, lambda slot: queue.pop(0) if queue else None, pad_id=PAD, on_step=on_step, on_end=on_end)
-    return losses, final
+    rec = Recorder(pm)
+    train(pm, capacity, lambda slot: queue.pop(0) if queue else None, pad_id=PAD, on_step=rec.on_step,
+          on_end=rec.on_end)
+    return rec.losses, rec.final
 
 
 def _initial_a(model_dir: Path, spec: AdapterSpec) -> dict[str, torch.Tensor]:
@@ -165,27 +155,16 @@ def test_slot_started_mid_run_equals_fresh_run(tiny_dirs) -> None:
     model, _ = load_base(str(tiny_dirs("llama")), attn_implementation="eager")
     pm = PackedModel(model)
     queue = list(jobs)
-    losses: dict[int, list[float]] = {j.key: [] for j in jobs}
-    final = {}
-    global_step = [0]
+    rec = Recorder(pm)
 
     def next_job(slot: int) -> SlotJob | None:
         if queue:
-            steps_at_start[queue[0].key] = (slot, global_step[0])
+            steps_at_start[queue[0].key] = (slot, rec.global_step)
             return queue.pop(0)
         return None
 
-    def on_step(reports: list[StepReport]) -> None:
-        global_step[0] = reports[0].step + 1
-        for r in reports:
-            losses[r.key].append(r.loss)
-
-    def on_end(ends: list[SlotEnd]) -> None:
-        for e in ends:
-            final[e.job.key] = {p: (a.detach().clone(), b.detach().clone())
-                                for p, (a, b) in pm.slot_weights(e.slot).items()}
-
-    train(pm, 2, next_job, pad_id=PAD, on_step=on_step, on_end=on_end)
+    train(pm, 2, next_job, pad_id=PAD, on_step=rec.on_step, on_end=rec.on_end)
+    losses, final = rec.losses, rec.final
     assert steps_at_start[2] == (0, 5), "the late job must have started in the freed slot mid-run"
     fresh_losses, fresh_final = _run_packed(tiny_dirs("llama"), [_jobs(specs)[2]], capacity=1)
     torch.testing.assert_close(torch.tensor(losses[2]), torch.tensor(fresh_losses[2]), rtol=1e-5, atol=0)

@@ -14,8 +14,8 @@ from packer.model import PackedModel, load_base
 from packer.plan import AdapterSpec
 from packer.probe import peak_memory
 from packer.tiny import tiny_config
-from packer.train import SlotEnd, SlotJob, StepReport, slot_losses, train
-from tests.conftest import random_examples
+from packer.train import SlotJob, slot_losses, train
+from tests.conftest import Recorder, random_examples
 
 PAD = 0
 TARGETS = {"llama": ("q_proj", "v_proj", "down_proj"), "gpt2": ("c_attn", "c_fc")}
@@ -92,20 +92,11 @@ def _train(model_dir, family: str, **options):
     pm = PackedModel(load_base(str(model_dir), attn_implementation="eager")[0])
     queue = [SlotJob(spec, SlotStream(random_examples(30, seed=100 + i), spec.micro_batch, seed=spec.seed), key=i)
              for i, spec in enumerate(_specs(family))]
-    losses: dict[int, list[float]] = {j.key: [] for j in queue}
-    final = {}
+    rec = Recorder(pm, snapshot=lambda slot: pm.flat_buffers(slot)[0].clone())
 
-    def on_step(reports: list[StepReport]) -> None:
-        for r in reports:
-            losses[r.key].append(r.loss)
-
-    def on_end(ends: list[SlotEnd]) -> None:
-        for e in ends:
-            final[e.job.key] = pm.flat_buffers(e.slot)[0].clone()
-
-    train(pm, 2, lambda slot: queue.pop(0) if queue else None, pad_id=PAD, on_step=on_step, on_end=on_end,
+    train(pm, 2, lambda slot: queue.pop(0) if queue else None, pad_id=PAD, on_step=rec.on_step, on_end=rec.on_end,
           **options)
-    return losses, final
+    return rec.losses, rec.final
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
