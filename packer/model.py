@@ -60,11 +60,10 @@ def load_base(name_or_path: str, *, dtype: str = "float32", device: str = "cpu",
     kwargs = {"dtype": "auto" if dtype == "auto" else DTYPES[dtype]}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
+    source = str(Path(name_or_path).expanduser()) if looks_local else name_or_path
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(Path(name_or_path).expanduser()) if looks_local
-                                                     else name_or_path, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(str(Path(name_or_path).expanduser()) if looks_local
-                                                  else name_or_path)
+        model: nn.Module = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UserError(f"{name_or_path}: cannot load model: {first}") from err
