@@ -25,7 +25,7 @@ import optuna
 import torch
 from optuna.trial import TrialState
 
-from evaluators import EvalResult, evaluate, load_eval_data
+from evaluators import EvalResult, evaluate, load_eval_data, metrics_of
 from evaluators.cost import cost_metrics, slot_adapter_params
 from packer.checkpoint import save_adapter
 from packer.data import SlotStream, load_examples
@@ -207,8 +207,6 @@ class _Sweep:
     def _evaluate(self, slots: list[int], *, proxy_only: bool = False) -> EvalResult:
         entries = self.entries
         if proxy_only:
-            from evaluators import metrics_of
-
             entries = [e for e in entries if self.proxy in metrics_of(*e)] or entries
         return evaluate(self.pm, slots, self.eval_data, entries)
 

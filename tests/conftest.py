@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from packer.batch import IGNORE_INDEX
 from packer.data import Example
@@ -59,3 +60,32 @@ class Recorder:
     def on_end(self, ends) -> None:  # noqa: ANN001
         for e in ends:
             self.final[e.job.key] = self.snapshot(e.slot)
+
+
+DEMO_DATA = Path(__file__).resolve().parents[1] / "studies" / "data"
+
+
+def write_study(tmp_path: Path, model_dir: Path, name: str = "small", **changes) -> Path:
+    """A small CPU study file (6 trials of 12 steps, 3 slots, cohort SHA at step 6) with top-level
+    sections replaced by ``changes``; written to ``tmp_path/<name>.yaml``, output ``runs-<name>``."""
+    doc = {
+        "name": name,
+        "seed": 0,
+        "model": {"path": str(model_dir), "device": "cpu"},
+        "data": {"train": str(DEMO_DATA / "arith-train.jsonl"), "eval": str(DEMO_DATA / "arith-eval.jsonl"),
+                 "format": "prompt_completion", "max_length": 48},
+        "search": {"rank": [2, 4, 8, 16], "lr": {"low": 1e-4, "high": 3e-2, "log": True},
+                   "targets": {"attn": ["q_proj", "v_proj"], "all": "all-linear"}},
+        "train": {"max_steps": 12, "micro_batch": 4},
+        "objectives": [{"metric": "eval_loss", "direction": "minimize"},
+                       {"metric": "adapter_params", "direction": "minimize"}],
+        "budget": {"trials": 6},
+        "pruning": {"kind": "cohort_sha", "rungs": [6], "reduction_factor": 2},
+        "packing": {"max_slots": 3},
+        "evaluators": [{"name": "heldout_loss"}, {"name": "generation", "options": {"max_new_tokens": 4}}],
+        "output": str(tmp_path / f"runs-{name}"),
+        **changes,
+    }
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path

@@ -18,34 +18,9 @@ from optuna.trial import TrialState
 
 from sweep.spec import load_study
 from sweep.study import run_study
+from tests.conftest import write_study
 
 ROOT = Path(__file__).resolve().parents[2]
-DATA = ROOT / "studies" / "data"
-
-
-def _study_file(tmp_path: Path, model_dir: Path, name: str = "small", **changes) -> Path:
-    doc = {
-        "name": name,
-        "seed": 0,
-        "model": {"path": str(model_dir), "device": "cpu"},
-        "data": {"train": str(DATA / "arith-train.jsonl"), "eval": str(DATA / "arith-eval.jsonl"),
-                 "format": "prompt_completion", "max_length": 48},
-        "search": {"rank": [2, 4, 8, 16], "lr": {"low": 1e-4, "high": 3e-2, "log": True},
-                   "targets": {"attn": ["q_proj", "v_proj"], "all": "all-linear"}},
-        "train": {"max_steps": 12, "micro_batch": 4},
-        "objectives": [{"metric": "eval_loss", "direction": "minimize"},
-                       {"metric": "adapter_params", "direction": "minimize"}],
-        "budget": {"trials": 6},
-        "pruning": {"kind": "cohort_sha", "rungs": [6], "reduction_factor": 2},
-        "packing": {"max_slots": 3},
-        "evaluators": [{"name": "heldout_loss"}, {"name": "generation", "options": {"max_new_tokens": 4}}],
-        "output": str(tmp_path / f"runs-{name}"),
-    }
-    for key, value in changes.items():
-        doc[key] = value
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    return path
 
 
 def _trials(out: Path, name: str) -> list[optuna.trial.FrozenTrial]:
@@ -58,7 +33,7 @@ def _spans(out: Path) -> list[tuple]:
 
 
 def test_six_trial_study_end_to_end(tiny_dirs, tmp_path) -> None:
-    spec = load_study(_study_file(tmp_path, tiny_dirs("llama")))
+    spec = load_study(write_study(tmp_path, tiny_dirs("llama")))
     summary = run_study(spec, log=lambda m: None)
     trials = _trials(spec.out_dir, "small")
     states = [t.state for t in trials]
@@ -78,7 +53,7 @@ def test_six_trial_study_end_to_end(tiny_dirs, tmp_path) -> None:
 
 
 def test_backfill_keeps_pack_full(tiny_dirs, tmp_path) -> None:
-    spec = load_study(_study_file(tmp_path, tiny_dirs("llama"), name="backfill", budget={"trials": 7}))
+    spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name="backfill", budget={"trials": 7}))
     run_study(spec, log=lambda m: None)
     spans = _spans(spec.out_dir)
     last_start = max(s[2] for s in spans)  # from the last trial's start on the budget is spent: slots may empty
@@ -91,7 +66,7 @@ def test_backfill_keeps_pack_full(tiny_dirs, tmp_path) -> None:
 def test_same_study_twice_decides_the_same(tiny_dirs, tmp_path) -> None:
     runs = []
     for name in ("twin-a", "twin-b"):
-        spec = load_study(_study_file(tmp_path, tiny_dirs("llama"), name=name))
+        spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name=name))
         run_study(spec, log=lambda m: None)
         with sqlite3.connect(spec.out_dir / "results.db") as db:
             decisions = db.execute("select rung_step, trial, decision, value from prune_decisions order by trial")
@@ -105,7 +80,7 @@ def _run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 def test_resume_after_sigkill_loses_and_duplicates_nothing(tiny_dirs, tmp_path) -> None:
-    path = _study_file(tmp_path, tiny_dirs("llama"), name="killed", budget={"trials": 8},
+    path = write_study(tmp_path, tiny_dirs("llama"), name="killed", budget={"trials": 8},
                        train={"max_steps": 30, "micro_batch": 4}, pruning={"kind": "none"})
     out = tmp_path / "runs-killed"
     proc = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path), "--quiet"], cwd=ROOT,
@@ -159,7 +134,7 @@ BAD = {
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_study_file_exits_2_with_one_line(tiny_dirs, tmp_path, case: str) -> None:
     changes, expected = BAD[case]
-    path = _study_file(tmp_path, tiny_dirs("llama"), name="bad")
+    path = write_study(tmp_path, tiny_dirs("llama"), name="bad")
     doc = yaml.safe_load(path.read_text())
     for key, value in changes.items():
         doc[key] = {**doc[key], **value} if key != "search" or value else value
@@ -176,7 +151,7 @@ def test_plan_and_status_commands(tiny_dirs, tmp_path) -> None:
 
     from sweep.cli import cli
 
-    path = _study_file(tmp_path, tiny_dirs("llama"), name="planned", budget={"trials": 3})
+    path = write_study(tmp_path, tiny_dirs("llama"), name="planned", budget={"trials": 3})
     runner = CliRunner()
     planned = runner.invoke(cli, ["plan", str(path)])
     assert planned.exit_code == 0, planned.output
@@ -193,10 +168,10 @@ def test_plan_and_status_commands(tiny_dirs, tmp_path) -> None:
 
 def test_memory_options_reach_the_training_loop(tiny_dirs, tmp_path) -> None:
     packing = {"max_slots": 2, "chunked_ce": 16, "activation_checkpointing": True}
-    spec = load_study(_study_file(tmp_path, tiny_dirs("llama"), name="memory", packing=packing,
+    spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name="memory", packing=packing,
                                   budget={"trials": 2}, train={"max_steps": 8, "micro_batch": 2}))
     assert (spec.packing.chunked_ce, spec.packing.activation_checkpointing) == (16, True)
-    plain = load_study(_study_file(tmp_path, tiny_dirs("llama"), name="plain", packing={"max_slots": 2},
+    plain = load_study(write_study(tmp_path, tiny_dirs("llama"), name="plain", packing={"max_slots": 2},
                                    budget={"trials": 2}, train={"max_steps": 8, "micro_batch": 2}))
     for s in (spec, plain):
         run_study(s, log=lambda m: None)

@@ -17,16 +17,15 @@ from pathlib import Path
 
 import optuna
 import pytest
-import yaml
 from optuna.trial import TrialState
 
 from sweep.resume import _optuna_study
 from sweep.spec import load_study
 from sweep.storage import WORKER_ATTR, Sharing, normalize_url, open_storage
 from sweep.store import StudyDir
+from tests.conftest import write_study
 
 ROOT = Path(__file__).resolve().parents[2]
-DATA = ROOT / "studies" / "data"
 PG = os.environ.get("LORA_SWEEP_TEST_PG")
 
 
@@ -39,26 +38,17 @@ def _pg_url() -> str:
 
 
 def _study_file(tmp_path: Path, model_dir: Path, name: str, **changes) -> Path:
-    doc = {
-        "name": name, "seed": 0,
-        "model": {"path": str(model_dir), "device": "cpu"},
-        "data": {"train": str(DATA / "arith-train.jsonl"), "eval": str(DATA / "arith-eval.jsonl"),
-                 "format": "prompt_completion", "max_length": 48},
-        "search": {"rank": [2, 4, 8, 16], "lr": {"low": 1e-4, "high": 3e-2, "log": True},
-                   "targets": {"attn": ["q_proj", "v_proj"], "all": "all-linear"}},
+    """The shared small study, as a multi-worker job: 9 trials of 20 steps, 2 slots, no pruning."""
+    return write_study(tmp_path, model_dir, name, **{
         "train": {"max_steps": 20, "micro_batch": 4},
         "objectives": [{"metric": "eval_loss", "direction": "minimize"}],
         "budget": {"trials": 9},
         "pruning": {"kind": "none"},
         "packing": {"max_slots": 2},
         "evaluators": [{"name": "heldout_loss"}],
-        "output": str(tmp_path / f"runs-{name}"),
         "artifacts": str(tmp_path / "shared-adapters" / name),
         **changes,
-    }
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    return path
+    })
 
 
 def _cli(*args: str) -> list[str]:
