@@ -1,0 +1,119 @@
+"""W3 makespan benchmark, end to end on the CPU with a tiny model: every mode trains and saves what it
+claims, counts the tokens it really trains and labels its extrapolations."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from packer.gpu_makespan import (
+    LR_RANGE,
+    MICRO_BATCHES,
+    RANKS,
+    SweepConfig,
+    extrapolate,
+    makespan,
+    sample_indices,
+    sweep_configs,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+N, STEPS, SEQ, PROCS = 6, 3, 32, 2
+
+
+@pytest.fixture(scope="module")
+def w3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict]]:
+    """One tiny W3 run of every mode: 6 configs x 3 steps, 3 of 6 sequential, 2 processes on 2 of 6."""
+    work = tmp_path_factory.mktemp("w3")
+    printed: list[dict] = []
+    lines = makespan(n_configs=N, steps=STEPS, seq=SEQ, procs=PROCS, sequential_sample=3, procs_sample=2,
+                     device="cpu", tiny=True, workdir=work, emit=printed.append)
+    assert printed == lines
+    return work, {line["mode"]: line for line in lines}
+
+
+def test_sweep_is_fixed_and_spans_the_grid() -> None:
+    configs = sweep_configs(24)
+    assert configs == sweep_configs(24)
+    assert {(c.rank, c.micro_batch) for c in configs} == {(r, m) for r in RANKS for m in MICRO_BATCHES}
+    assert len({c.lr for c in configs}) == 24
+    assert all(LR_RANGE[0] <= c.lr <= LR_RANGE[1] for c in configs)
+    assert all(c.spec(5).alpha == 2 * c.rank and c.spec(5).dropout == 0.0 and len(c.spec(5).targets) == 7
+               for c in configs)
+    small = sweep_configs(N)
+    assert {c.micro_batch for c in small} == set(MICRO_BATCHES) and {c.rank for c in small} == set(RANKS)
+    assert [c.lr for c in small] == [configs[i].lr for i in sample_indices(24, N)]
+
+
+def test_sample_indices_are_evenly_spaced() -> None:
+    assert sample_indices(24, 8) == [0, 3, 6, 9, 12, 15, 18, 21]
+    assert sample_indices(6, 0) == sample_indices(6, 9) == list(range(6))
+
+
+def test_extrapolate_prefers_the_same_cell_then_the_same_micro_batch() -> None:
+    configs = [SweepConfig(0, 8, 1, 1e-4), SweepConfig(1, 8, 1, 2e-4), SweepConfig(2, 16, 1, 1e-4),
+               SweepConfig(3, 16, 2, 1e-4), SweepConfig(4, 32, 2, 1e-4)]
+    seconds, how = extrapolate(configs[:3], {0: 2.0, 2: 4.0})
+    assert seconds == {0: 2.0, 1: 2.0, 2: 4.0}
+    assert how == {"measured": 2, "cell": 1, "micro_batch": 0, "all": 0}
+    seconds, how = extrapolate(configs, {0: 2.0, 2: 4.0, 3: 10.0})
+    assert seconds == {0: 2.0, 1: 2.0, 2: 4.0, 3: 10.0, 4: 10.0}
+    assert how == {"measured": 3, "cell": 1, "micro_batch": 1, "all": 0}
+    seconds, how = extrapolate(configs[3:], {3: 6.0})
+    assert seconds[4] == 6.0 and how["cell"] == 0 and how["micro_batch"] == 1
+    _, how = extrapolate(configs[:4], {0: 1.0})
+    assert how == {"measured": 1, "cell": 1, "micro_batch": 1, "all": 1}
+
+
+def test_every_mode_emits_its_line_with_the_tokens_it_trains(w3: tuple[Path, dict[str, dict]]) -> None:
+    _, lines = w3
+    assert list(lines) == ["packed", "peft-sequential", "peft-4proc"]
+    expected = sum(STEPS * c.micro_batch * (SEQ - 1) for c in sweep_configs(N))
+    for mode, line in lines.items():
+        assert line["workload"] == "W3" and line["configs"] == N and line["steps"] == STEPS and line["seq"] == SEQ
+        assert line["makespan_s"] > 0 and line["tokens"] == expected, mode
+        assert line["tok_s"] == pytest.approx(expected / line["makespan_s"], rel=1e-2)  # both rounded
+    assert "ratio_vs_packed" not in lines["packed"]
+    for mode in ("peft-sequential", "peft-4proc"):
+        assert lines[mode]["ratio_vs_packed"] == pytest.approx(
+            lines[mode]["makespan_s"] / lines["packed"]["makespan_s"], abs=0.01)
+
+
+def test_extrapolation_is_labelled_and_only_the_sample_trains(w3: tuple[Path, dict[str, dict]]) -> None:
+    work, lines = w3
+    seq, procs = lines["peft-sequential"], lines["peft-4proc"]
+    assert seq["makespan_basis"] == "extrapolated from 3 of 6"
+    assert procs["makespan_basis"] == "extrapolated from 2 of 6" and procs["procs"] == PROCS
+    assert sum(seq["estimated_by"].values()) == sum(procs["estimated_by"].values()) == N
+    assert seq["estimated_by"]["measured"] == 3 and procs["estimated_by"]["measured"] == 2
+    assert sorted(p.name for p in (work / "adapters" / "peft-sequential").iterdir()) == [
+        f"config-{i}" for i in sample_indices(N, 3)]
+    # Two processes deal the configs round-robin and each trains the first of its share.
+    assert sorted(p.name for p in (work / "adapters" / "peft-4proc").iterdir()) == ["config-0", "config-1"]
+
+
+def test_packed_adapters_load_with_peft_and_were_trained(w3: tuple[Path, dict[str, dict]]) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    work, _ = w3
+    for c in sweep_configs(N):
+        adapter = work / "adapters" / "packed" / f"config-{c.index}"
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(work / "base"), adapter)
+        assert model.peft_config["default"].r == c.rank
+        b = [p for n, p in model.named_parameters() if "lora_B" in n]
+        assert len(b) == 7 * 2 and all(p.shape[1] == c.rank for p in b)  # 7 projections x 2 layers
+        assert all(torch.count_nonzero(p) > 0 for p in b)  # B starts at zero: nonzero means it trained
+
+
+def test_module_imports_without_the_sweep_dependencies() -> None:
+    """The GPU image has no optuna, sqlite-utils or plotly: the benchmark must not need them."""
+    code = "import json, sys; import packer.gpu_makespan; print(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    loaded = {m.split(".")[0] for m in json.loads(out.stdout)}
+    assert not loaded & {"optuna", "sqlite_utils", "plotly", "sweep", "peft"}
