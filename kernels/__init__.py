@@ -13,11 +13,13 @@ import importlib.util
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 
 from kernels.meta import LayerRanks, PackLayout, dropout_seed
 from kernels.reference import lora_loop, lora_masked_dense
 
-__all__ = ["packed_lora", "PackLayout", "LayerRanks", "dropout_seed", "IMPLS", "Impl", "triton_available"]
+__all__ = ["packed_lora", "packed_lora_linear", "PackLayout", "LayerRanks", "dropout_seed", "IMPLS", "Impl",
+           "triton_available"]
 
 Impl = Literal["torch", "loop", "triton", "auto"]
 IMPLS: tuple[str, ...] = ("torch", "loop", "triton", "auto")
@@ -63,3 +65,30 @@ def packed_lora(x: torch.Tensor, base_out: torch.Tensor, a_cat: torch.Tensor, bt
         return importlib.import_module("kernels.triton_lora").packed_lora_triton(x, base_out, a_cat, bt_cat,
                                                                                  layout, ranks)
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+
+
+def packed_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a_cat: torch.Tensor,
+                       bt_cat: torch.Tensor, layout: PackLayout, ranks: LayerRanks, *,
+                       impl: Impl = "torch") -> torch.Tensor:
+    """A frozen linear layer plus every slot's LoRA term: ``packed_lora(x, F.linear(x, weight, bias), ...)``.
+
+    The Triton path fuses the two (the LoRA term is written first and the cuBLAS GEMM accumulates onto
+    it, forward and backward), saving the passes over the output that a separate add costs.
+
+    Args:
+        x: (B, L, D_in) layer input, rows grouped by slot as ``layout`` says.
+        weight: (D_out, D_in) base weight.
+        bias: (D_out,) base bias, or None.
+        a_cat, bt_cat, layout, ranks, impl: as ``packed_lora``.
+
+    Returns:
+        (B, L, D_out) tensor; differentiable in x, a_cat and bt_cat (and weight, bias if they require grad).
+    """
+    if impl == "auto":
+        impl = "triton" if x.is_cuda and triton_available() else "torch"
+    if impl != "triton":
+        return packed_lora(x, F.linear(x, weight, bias), a_cat, bt_cat, layout, ranks, impl=impl)
+    if not triton_available():
+        raise ImportError("impl='triton' needs triton: pip install 'lora-sweep[triton]' (or use impl='auto')")
+    return importlib.import_module("kernels.triton_lora").packed_lora_triton(x, None, a_cat, bt_cat, layout, ranks,
+                                                                             weight=weight, bias=bias)

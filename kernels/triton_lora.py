@@ -157,12 +157,14 @@ def _seg_expand_kernel(
     h_ptr,  # (T, R_PAD) fp32 per-token rank coefficients from the shrink (h' or dh)
     w_ptr,  # (R, N) packed weights: bt_cat (forward) or a_cat (backward dx), row-major
     src_ptr,  # (T, N) addend (the base output); ignored unless HAS_SRC; may alias dst_ptr
+    bias_ptr,  # (N,) added to every row; ignored unless HAS_BIAS
     dst_ptr,  # (T, N) result, written for the active segments' tokens only
     tiles_ptr,  # (n_tiles, 2) int64 tile map: segment, first token
     seg_int_ptr,  # (S, 6) int64 segment table
     seg_flt_ptr,  # (S, 3) fp32 segment table
     N, seq_len, layer_id,
-    HAS_SRC: tl.constexpr, DROPOUT: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_SRC: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, R_PAD: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -189,6 +191,8 @@ def _seg_expand_kernel(
     mask = m_mask[:, None] & n_mask[None, :]
     if HAS_SRC:
         acc += tl.load(src_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(dst_ptr + offs, acc.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
@@ -293,8 +297,9 @@ def seg_shrink(inp: torch.Tensor, w: torch.Tensor, meta: SegmentMeta, *, dropout
 
 
 def seg_expand_add(h: torch.Tensor, w: torch.Tensor, meta: SegmentMeta, dst: torch.Tensor, *,
-                   src: torch.Tensor | None, dropout: bool, block_n: int | None = None) -> torch.Tensor:
-    """``dst[t] = src[t] + drop?(h[t, :r_g] @ w[rank_off_g : rank_off_g + r_g])`` for active tokens t.
+                   src: torch.Tensor | None, dropout: bool, bias: torch.Tensor | None = None,
+                   block_n: int | None = None) -> torch.Tensor:
+    """``dst[t] = src[t] + bias + drop?(h[t, :r_g] @ w[rank_off_g : rank_off_g + r_g])`` for active tokens t.
 
     Args:
         h: (T, R_PAD) fp32 from ``seg_shrink``.
@@ -302,6 +307,7 @@ def seg_expand_add(h: torch.Tensor, w: torch.Tensor, meta: SegmentMeta, dst: tor
         meta: segment tables of this layer call.
         dst: (T, N) output, written on active tokens only; may be ``src`` (in place).
         src: (T, N) addend, or None to store the LoRA term alone.
+        bias: (N,) added to every active row, or None.
         dropout: multiply by each slot's dropout mask (the backward dx epilogue).
         block_n: output-feature tile; default 128, or 64 with dropout (H200: 189 vs 245 us, Philox-bound).
 
@@ -314,13 +320,16 @@ def seg_expand_add(h: torch.Tensor, w: torch.Tensor, meta: SegmentMeta, dst: tor
     check_2d("dst", dst, n_tok, n)
     if src is not None:
         check_2d("src", src, n_tok, n)
+    if bias is not None:
+        check_2d("bias", bias.view(1, -1), 1, n)
     if meta.n_tiles:
         dropout = dropout and meta.has_dropout
         block_n = block_n or (64 if dropout else 128)
         dot_dtype, precision = _dot_config(dst.dtype, cast_to_act=True)
         _seg_expand_kernel[(meta.n_tiles, triton.cdiv(n, block_n))](
-            h, w, dst if src is None else src, dst, meta.tiles, meta.seg_int, meta.seg_flt, n, meta.seq_len,
-            meta.layer_id, HAS_SRC=src is not None, DROPOUT=dropout, DOT_DTYPE=dot_dtype,
+            h, w, dst if src is None else src, dst if bias is None else bias, dst, meta.tiles, meta.seg_int,
+            meta.seg_flt, n, meta.seq_len, meta.layer_id, HAS_SRC=src is not None, HAS_BIAS=bias is not None,
+            DROPOUT=dropout, DOT_DTYPE=dot_dtype,
             PRECISION=precision, BM=meta.block_m, BN=block_n, BR=_EXPAND_BR, R_PAD=meta.r_pad)
     return dst
 
@@ -369,65 +378,101 @@ def dropout_mask(meta: SegmentMeta, n_tokens: int, d_in: int, device: torch.devi
 
 
 class PackedLoRAFunction(torch.autograd.Function):
-    """``y = base_out + LoRA(x)`` on flattened tokens; gradients for x, base_out, a_cat and bt_cat."""
+    """``y = base(x) + LoRA(x)`` on flattened tokens.
+
+    The base is either given (``base_out``, differentiated by autograd) or, for a frozen ``nn.Linear``,
+    computed here from ``weight`` and ``bias``: the expand kernel writes the LoRA term (plus bias) and cuBLAS
+    accumulates ``x W^T`` onto it (``addmm_``, beta = 1, read in the GEMM's epilogue). The base output is then
+    never written and re-read, and in the backward ``dx = dy W`` lands on the LoRA part of dx the same way,
+    with no separate add of two dx tensors: per projection that saves about four passes over a (T, D) tensor.
+    """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, base_out: torch.Tensor, a_cat: torch.Tensor, bt_cat: torch.Tensor,
+    def forward(ctx, x: torch.Tensor, base_out: torch.Tensor | None, weight: torch.Tensor | None,
+                bias: torch.Tensor | None, a_cat: torch.Tensor, bt_cat: torch.Tensor,
                 meta: SegmentMeta) -> torch.Tensor:
-        """x: (T, D_in), base_out: (T, D_out), a_cat: (R, D_in), bt_cat: (R, D_out) -> (T, D_out)."""
+        """x: (T, D_in); base_out: (T, D_out) or None; weight: (D_out, D_in) or None; bias: (D_out,) or None;
+        a_cat: (R, D_in); bt_cat: (R, D_out) -> (T, D_out)."""
         h = seg_shrink(x, a_cat, meta, dropout=True)  # (T, R_PAD) fp32, scaled by s_g
-        if meta.covers_all:  # one pass: read base_out, write y
+        if weight is not None:
+            y = _lora_term(h, bt_cat, meta, (x.shape[0], weight.shape[0]), x, bias)
+            y.addmm_(x, weight.t())
+        elif meta.covers_all:  # one pass: read base_out, write y
             y = seg_expand_add(h, bt_cat, meta, torch.empty_like(base_out), src=base_out, dropout=False)
         else:  # tokens of rank-0 / uncovered rows keep base_out: copy, then add in place
             y = base_out.clone()
             seg_expand_add(h, bt_cat, meta, y, src=y, dropout=False)
-        ctx.save_for_backward(x, a_cat, bt_cat, h)
+        ctx.save_for_backward(x, weight, a_cat, bt_cat, h)
         ctx.meta = meta
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, a_cat, bt_cat, h = ctx.saved_tensors
+        x, weight, a_cat, bt_cat, h = ctx.saved_tensors
         meta: SegmentMeta = ctx.meta
-        need_x, need_base, need_a, need_bt = ctx.needs_input_grad[:4]
+        need_x, need_base, need_w, need_bias, need_a, need_bt = ctx.needs_input_grad[:6]
         dy = dy.contiguous()
-        dx = da = dbt = None
+        dx = da = dbt = dw = dbias = None
         if need_x or need_a:
             dh = seg_shrink(dy, bt_cat, meta, dropout=False)  # (T, R_PAD) = s_g * dy B_g
             if need_x:
-                dx = torch.empty_like(x) if meta.covers_all else torch.zeros_like(x)
-                seg_expand_add(dh, a_cat, meta, dx, src=None, dropout=True)
+                dx = _lora_term(dh, a_cat, meta, x.shape, x, None, dropout=True)
+                if weight is not None:
+                    dx.addmm_(dy, weight)
             if need_a:
                 da = seg_wgrad(dh, x, meta, dropout=True).to(a_cat.dtype)
         if need_bt:
             dbt = seg_wgrad(h, dy, meta, dropout=False).to(bt_cat.dtype)
-        return dx, dy if need_base else None, da, dbt, None
+        if need_w:  # only for a base that is not frozen; the packer freezes it
+            dw = dy.t().mm(x)
+        if need_bias:
+            dbias = dy.sum(0)
+        return dx, dy if need_base else None, dw, dbias, da, dbt, None
 
 
-def packed_lora_triton(x: torch.Tensor, base_out: torch.Tensor, a_cat: torch.Tensor, bt_cat: torch.Tensor,
-                       layout: PackLayout, ranks: LayerRanks) -> torch.Tensor:
+def _lora_term(h: torch.Tensor, w: torch.Tensor, meta: SegmentMeta, shape: tuple[int, int] | torch.Size,
+               like: torch.Tensor, bias: torch.Tensor | None, *, dropout: bool = False) -> torch.Tensor:
+    """A new (T, N) tensor: ``bias + h W`` on active tokens, ``bias`` (or 0) elsewhere."""
+    if meta.covers_all:
+        out = torch.empty(shape, dtype=like.dtype, device=like.device)
+        return seg_expand_add(h, w, meta, out, src=None, bias=bias, dropout=dropout)
+    out = torch.zeros(shape, dtype=like.dtype, device=like.device)
+    if bias is not None:
+        out += bias
+    return seg_expand_add(h, w, meta, out, src=out, dropout=dropout)
+
+
+def packed_lora_triton(x: torch.Tensor, base_out: torch.Tensor | None, a_cat: torch.Tensor, bt_cat: torch.Tensor,
+                       layout: PackLayout, ranks: LayerRanks, *, weight: torch.Tensor | None = None,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
     """``kernels.packed_lora(..., impl="triton")``: same arguments and result as ``kernels.reference.lora_loop``.
 
     Args:
         x: (B, L, D_in) layer input, on CUDA (or CPU under ``TRITON_INTERPRET=1``).
-        base_out: (B, L, D_out) frozen base output.
+        base_out: (B, L, D_out) frozen base output, or None to compute it here from ``weight``.
         a_cat: (R, D_in) packed A.
         bt_cat: (R, D_out) packed B^T.
         layout: row segments of the batch.
         ranks: this layer's ranks and scales.
+        weight: (D_out, D_in) base weight when ``base_out`` is None.
+        bias: (D_out,) base bias, or None.
 
     Returns:
-        (B, L, D_out) ``base_out`` plus every slot's LoRA term.
+        (B, L, D_out) the base output plus every slot's LoRA term.
 
     Raises:
         RuntimeError: x is on the CPU and the Triton interpreter is off.
+        ValueError: neither or both of ``base_out`` and ``weight`` given.
     """
     if not x.is_cuda and not INTERPRET:
         raise RuntimeError("impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before kernels.packed_lora "
                            "is imported); use impl='auto' or 'torch' on the CPU")
+    if (base_out is None) == (weight is None):
+        raise ValueError("give exactly one of base_out and weight")
     b, seq, d_in = x.shape
+    d_out = weight.shape[0] if weight is not None else base_out.shape[-1]  # type: ignore[union-attr]
     meta = build_meta(layout, ranks, b * seq, seq, x.device)
     y = PackedLoRAFunction.apply(x.reshape(b * seq, d_in).contiguous(),
-                                 base_out.reshape(b * seq, -1).contiguous(),
-                                 a_cat.contiguous(), bt_cat.contiguous(), meta)
-    return y.view(base_out.shape)
+                                 None if base_out is None else base_out.reshape(b * seq, d_out).contiguous(),
+                                 weight, bias, a_cat.contiguous(), bt_cat.contiguous(), meta)
+    return y.view(b, seq, d_out)

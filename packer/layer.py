@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from kernels import Impl, LayerRanks, PackLayout, packed_lora
+from kernels import Impl, LayerRanks, PackLayout, packed_lora, packed_lora_linear
 
 __all__ = ["PackState", "PackedLoRALinear"]
 
@@ -77,10 +77,9 @@ class PackedLoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, L, D_in) -> (B, L, D_out)."""
-        out = self.base(x)
         layout = self.state.layout
         if layout is None or not any(str(s) in self.lora_A for s in layout.slots):
-            return out
+            return self.base(x)
         a_list, bt_list, rank, scale = [], [], [], []
         for s in layout.slots:
             key = str(s)
@@ -95,7 +94,10 @@ class PackedLoRALinear(nn.Module):
         ranks = LayerRanks(tuple(rank), tuple(scale), self.layer_id)
         a_cat = torch.cat(a_list, dim=0)  # (R, D_in)
         bt_cat = torch.cat(bt_list, dim=0)  # (R, D_out)
-        return packed_lora(x, out, a_cat, bt_cat, layout, ranks, impl=self.state.impl)
+        if type(self.base) is nn.Linear:  # exactly nn.Linear (not a quantised subclass): its GEMM fuses with LoRA
+            return packed_lora_linear(x, self.base.weight, self.base.bias, a_cat, bt_cat, layout, ranks,
+                                      impl=self.state.impl)
+        return packed_lora(x, self.base(x), a_cat, bt_cat, layout, ranks, impl=self.state.impl)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, slots={sorted(int(k) for k in self.lora_A)}"

@@ -20,7 +20,7 @@ if os.environ.get("CI"):  # CI installs triton: a missing triton must fail there
 else:
     pytest.importorskip("triton", reason="pip install 'lora-sweep[triton]'")
 
-from kernels import LayerRanks, PackLayout, packed_lora  # noqa: E402
+from kernels import LayerRanks, PackLayout, packed_lora, packed_lora_linear  # noqa: E402
 from kernels._launch import build_meta  # noqa: E402
 from kernels.reference import lora_loop, lora_masked_dense  # noqa: E402
 from kernels.triton_lora import (  # noqa: E402
@@ -159,10 +159,35 @@ def test_function_matches_loop(n_rows, ranks, seq, d_in, d_out, dropout, blocks)
 
     ours = [t.clone().requires_grad_() for t in tensors]
     flat = [ours[0].view(b * seq, d_in), ours[1].view(b * seq, d_out), ours[2], ours[3]]
-    y = PackedLoRAFunction.apply(*flat, meta).view(b, seq, d_out)
+    y = PackedLoRAFunction.apply(flat[0], flat[1], None, None, flat[2], flat[3], meta).view(b, seq, d_out)
     y.backward(dy)
     ref = [t.double().requires_grad_() for t in tensors]
     y_ref = loop_with_mask(*ref, layout, lr, mask.double())
+    y_ref.backward(dy.double())
+    for got, want in zip([y] + [t.grad for t in ours], [y_ref] + [t.grad for t in ref], strict=True):
+        torch.testing.assert_close(got.detach().double(), want.detach(), **TOL)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dropout", [False, True])
+@pytest.mark.parametrize(("n_rows", "ranks", "seq", "d_in", "d_out"), [CASES[1], CASES[3]], ids=["mixed", "rank0-slot"])
+def test_linear_function_matches_loop(n_rows, ranks, seq, d_in, d_out, dropout, bias) -> None:
+    """The fused base GEMM + LoRA path (``packed_lora_linear``): output and gradients of x, a_cat, bt_cat and,
+    when they require grad, of the base weight and bias; uncovered tokens (rank-0 slot) get the base alone."""
+    x, _, a_cat, bt_cat = _tensors(n_rows, ranks, seq, d_in, d_out)
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn((d_out, d_in), generator=g).to(DEVICE) / d_in**0.5
+    bvec = torch.randn((d_out,), generator=g).to(DEVICE) if bias else None
+    layout, lr = _layout(n_rows, ranks, seq, dropout)
+    mask = _mask(layout, lr, x)
+    dy = torch.randn((x.shape[0], seq, d_out), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    trained = [t for t in (w, bvec) if t is not None]
+    ours = [t.clone().requires_grad_() for t in [x, a_cat, bt_cat, *trained]]
+    y = packed_lora_linear(ours[0], ours[3], ours[4] if bias else None, ours[1], ours[2], layout, lr, impl="triton")
+    y.backward(dy)
+    ref = [t.double().requires_grad_() for t in [x, a_cat, bt_cat, *trained]]
+    base = torch.nn.functional.linear(ref[0], ref[3], ref[4] if bias else None)
+    y_ref = loop_with_mask(ref[0], base, ref[1], ref[2], layout, lr, mask.double())
     y_ref.backward(dy.double())
     for got, want in zip([y] + [t.grad for t in ours], [y_ref] + [t.grad for t in ref], strict=True):
         torch.testing.assert_close(got.detach().double(), want.detach(), **TOL)
@@ -239,7 +264,7 @@ def test_slot_gradients_pack_equal_alone() -> None:
         b = leaves[0].shape[0]
         meta = build_meta(lay, ranks, b * seq, seq, DEVICE, **blocks)
         flat = [leaves[0].view(-1, d_in), leaves[1].view(-1, d_out), leaves[2], leaves[3]]
-        y = PackedLoRAFunction.apply(*flat, meta)
+        y = PackedLoRAFunction.apply(flat[0], flat[1], None, None, flat[2], flat[3], meta)
         y.backward(dy[sl].reshape(-1, d_out))
         return y.view(b, seq, d_out), [t.grad for t in leaves]
 
