@@ -27,9 +27,10 @@ import torch
 from packer.data import Example
 from packer.model import PackedModel
 from packer.plan import AdapterSpec
-from packer.train import SlotJob, StepReport, train
+from packer.train import SlotJob, train
 
-__all__ = ["SHAPES", "gemm_tflops", "packed_run", "peft_run", "layer_bench", "correctness_gate"]
+__all__ = ["SHAPES", "gemm_tflops", "packed_run", "base_run", "peft_run", "layer_bench", "correctness_gate",
+           "profile_step", "calibration_check"]
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SHAPES: dict[str, dict] = {
@@ -88,35 +89,70 @@ class _Fixed:
         return self.rows
 
 
-def _jobs(slots: int, micro: int, seq: int, vocab: int, steps: int, rank: int = 16) -> list[SlotJob]:
+def _jobs(slots: int, micro: int, seq: int, vocab: int, steps: int, rank: int | tuple[int, ...] = 16) -> list[SlotJob]:
+    """``slots`` adapters (rank ``rank``, or ``rank[i % len(rank)]``) on fixed random token rows."""
     gen = torch.Generator().manual_seed(0)
+    ranks = (rank,) if isinstance(rank, int) else rank
     jobs = []
     for i in range(slots):
         ids = torch.randint(0, vocab, (micro, seq), generator=gen).tolist()
-        spec = AdapterSpec(rank=rank, alpha=2 * rank, targets=PROJ, micro_batch=micro, max_steps=steps, seed=i,
-                           lr=1e-4)
-        jobs.append(SlotJob(spec, _Fixed([Example(tuple(r), tuple(r)) for r in ids]), key=i))
+        r = ranks[i % len(ranks)]
+        spec = AdapterSpec(rank=r, alpha=2 * r, targets=PROJ, micro_batch=micro, max_steps=steps, seed=i, lr=1e-4)
+        jobs.append(SlotJob(spec, _Fixed([Example(tuple(row), tuple(row)) for row in ids]), key=i))
     return jobs
 
 
-def packed_run(model: torch.nn.Module, slots: int, micro: int, seq: int, *, impl: str = "triton", warmup: int = 2,
-               steps: int = 5, peak_tflops: float = 790.0) -> dict:
+def _timed_train(pm: PackedModel, jobs: list[SlotJob], slots: int, warmup: int, **options: object) -> float:
+    """Median seconds of the steps after ``warmup`` (each report follows a host sync on the losses)."""
+    stamps: list[float] = []
+    train(pm, slots, lambda s: jobs.pop(0) if jobs else None, pad_id=0,
+          on_step=lambda reports: stamps.append(time.perf_counter()), **options)  # type: ignore[arg-type]
+    return statistics.median(b - a for a, b in zip(stamps[warmup - 1:], stamps[warmup:], strict=False))
+
+
+def packed_run(model: torch.nn.Module, slots: int, micro: int, seq: int, *, impl: str = "triton", warmup: int = 3,
+               steps: int = 6, peak_tflops: float = 790.0, rank: int | tuple[int, ...] = 16,
+               chunked_ce: bool = True, workload: str = "W1") -> dict:
     """Aggregate tokens/s of ``slots`` adapters trained packed (median step of ``steps`` timed)."""
     pm = PackedModel(model, impl=impl)  # type: ignore[arg-type]
-    jobs = _jobs(slots, micro, seq, model.config.vocab_size, warmup + steps)
-    stamps: list[float] = []
-
-    def on_step(reports: list[StepReport]) -> None:
-        stamps.append(time.perf_counter())  # reports come after a host sync on the losses: the step is done
-
+    jobs = _jobs(slots, micro, seq, model.config.vocab_size, warmup + steps, rank)
     torch.cuda.reset_peak_memory_stats()
-    train(pm, slots, lambda s: jobs.pop(0) if jobs else None, pad_id=0, on_step=on_step)
-    step_s = statistics.median(b - a for a, b in zip(stamps[warmup - 1:], stamps[warmup:], strict=False))
+    step_s = _timed_train(pm, jobs, slots, warmup, chunked_ce=chunked_ce)
     tokens = slots * micro * seq
     mfu = _flops(model, slots * micro, seq) / step_s / 1e12 / peak_tflops
-    return dict(workload="W1", mode=f"packed-{impl}", slots=slots, micro=micro, seq=seq, step_ms=round(step_s * 1e3, 1),
+    return dict(workload=workload, mode=f"packed-{impl}", slots=slots, micro=micro, seq=seq,
+                rank=rank if isinstance(rank, int) else "/".join(map(str, rank)), step_ms=round(step_s * 1e3, 1),
                 tok_s=round(tokens / step_s), mfu=round(mfu, 3),
                 peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1))
+
+
+def base_run(model: torch.nn.Module, rows: int, seq: int, *, warmup: int = 3, steps: int = 6,
+             peak_tflops: float = 790.0) -> dict:
+    """U: the frozen base alone (forward, full-vocabulary loss, backward to the activations), same tokens:
+    the ceiling a pack approaches."""
+    ids = torch.randint(0, model.config.vocab_size, (rows, seq), device="cuda")
+
+    def step() -> None:
+        emb = model.get_input_embeddings()(ids).detach().requires_grad_()  # frozen weights: grads stop here
+        model(inputs_embeds=emb, labels=ids, use_cache=False).loss.backward()
+
+    step_s = _time(step, warmup, steps)
+    return dict(workload="U", mode="base-only", slots=rows, micro=1, seq=seq, step_ms=round(step_s * 1e3, 1),
+                tok_s=round(rows * seq / step_s), mfu=round(_flops(model, rows, seq) / step_s / 1e12 / peak_tflops, 3),
+                peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1))
+
+
+def _time(step: Callable[[], None], warmup: int, steps: int) -> float:
+    """Mean seconds per call of ``step`` after ``warmup`` calls (synchronised wall clock)."""
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps
 
 
 def peft_run(name: str, batch: int, seq: int, *, warmup: int = 3, steps: int = 6, peak_tflops: float = 790.0) -> dict:
@@ -134,39 +170,39 @@ def peft_run(name: str, batch: int, seq: int, *, warmup: int = 3, steps: int = 6
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    torch.cuda.reset_peak_memory_stats()
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    torch.cuda.synchronize()
-    step_s = (time.perf_counter() - t0) / steps
+    step_s = _time(step, warmup, steps)
     return dict(workload="W1", mode="peft", slots=1, micro=batch, seq=seq, step_ms=round(step_s * 1e3, 1),
                 tok_s=round(batch * seq / step_s), mfu=round(flops / step_s / 1e12 / peak_tflops, 3),
                 peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1))
 
 
 def correctness_gate(model: torch.nn.Module, slots: int = 4, seq: int = 256, steps: int = 3) -> dict:
-    """W5: per-slot losses of packed Triton vs the masked-dense reference over the same steps, bf16."""
+    """W5: per-slot losses and final adapter weights of packed Triton vs the masked-dense reference, bf16."""
     losses: dict[str, list[float]] = {}
+    weights: dict[str, torch.Tensor] = {}
     for impl in ("torch", "triton"):
         pm = PackedModel(model, impl=impl)  # type: ignore[arg-type]
-        jobs = _jobs(slots, 2, seq, model.config.vocab_size, steps, rank=8)
+        jobs = _jobs(slots, 2, seq, model.config.vocab_size, steps, rank=(8, 16, 32, 1))
         got: list[float] = []
+
+        def keep(ends: list, impl: str = impl) -> None:  # the slots' weights after their last step
+            weights[impl] = torch.cat([torch.cat([a.flatten(), b.flatten()]) for e in ends
+                                       for a, b in pm.slot_weights(e.slot).values()]).float()  # noqa: B023
+
         train(pm, slots, lambda s: jobs.pop(0) if jobs else None, pad_id=0,  # noqa: B023
-              on_step=lambda reps: got.extend(r.loss for r in reps))  # noqa: B023
+              on_step=lambda reps: got.extend(r.loss for r in reps), on_end=keep)  # noqa: B023
         losses[impl] = got
     rel = max(abs(a - b) / abs(a) for a, b in zip(losses["torch"], losses["triton"], strict=True))
-    return dict(workload="W5", slots=slots, steps=steps, max_rel_loss_diff=rel, ok=rel < 2e-2)
+    w_rel = ((weights["torch"] - weights["triton"]).norm() / weights["torch"].norm()).item()
+    return dict(workload="W5", slots=slots, steps=steps, max_rel_loss_diff=rel, rel_weight_diff=w_rel,
+                ok=rel < 2e-2 and w_rel < 2e-2)
 
 
 def layer_bench(d_in: int = 4096, d_out: int = 4096, tokens: int = 16384, slots: int = 8, rank: int = 16) -> dict:
-    """W4: one projection forward+backward, packed LoRA (Triton) vs base only, same tokens."""
+    """W4: one projection forward+backward, base GEMM + packed LoRA (fused Triton) vs the base GEMM alone."""
     import triton.testing
 
-    from kernels import LayerRanks, PackLayout, packed_lora
+    from kernels import LayerRanks, PackLayout, packed_lora_linear
 
     w = torch.randn(d_out, d_in, device="cuda", dtype=torch.bfloat16) / d_in**0.5
     x = torch.randn(slots, tokens // slots, d_in, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -181,7 +217,7 @@ def layer_bench(d_in: int = 4096, d_out: int = 4096, tokens: int = 16384, slots:
         torch.autograd.backward(x @ w.T, dy)
 
     def packed() -> None:
-        torch.autograd.backward(packed_lora(x, x @ w.T, a, bt, layout, ranks, impl="triton"), dy)
+        torch.autograd.backward(packed_lora_linear(x, w, None, a, bt, layout, ranks, impl="triton"), dy)
 
     t_base = triton.testing.do_bench(base, warmup=50, rep=300, return_mode="median")
     t_packed = triton.testing.do_bench(packed, warmup=50, rep=300, return_mode="median")
@@ -189,41 +225,126 @@ def layer_bench(d_in: int = 4096, d_out: int = 4096, tokens: int = 16384, slots:
                 base_ms=round(t_base, 3), packed_ms=round(t_packed, 3), ratio=round(t_packed / t_base, 3))
 
 
+def profile_step(model: torch.nn.Module, slots: int, seq: int, out_dir: str | None) -> dict:
+    """Where a packed step's time goes: wall time vs GPU-busy time, the top host and device ops.
+
+    Writes the full operator table to ``out_dir/profile_<slots>.txt`` when ``out_dir`` is given.
+    """
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    pm = PackedModel(model, impl="triton")
+    jobs = _jobs(slots, 1, seq, model.config.vocab_size, 6)
+    stamps: list[float] = []
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], schedule=torch.profiler.schedule(
+            wait=0, warmup=3, active=3), acc_events=True) as prof:
+        train(pm, slots, lambda s: jobs.pop(0) if jobs else None, pad_id=0, chunked_ce=True,
+              on_step=lambda r: (stamps.append(time.perf_counter()), prof.step()))  # type: ignore[func-returns-value]
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]  # CPU ops carry their kernels' time too
+    device_us = sum(e.self_device_time_total for e in kernels) / 3
+    table = events.table(sort_by="self_cpu_time_total", row_limit=40)
+    if out_dir:
+        from pathlib import Path
+
+        Path(out_dir, f"profile_{slots}.txt").write_text(
+            table + "\n\n" + events.table(sort_by="self_device_time_total", row_limit=40))
+    top_cpu = sorted(events, key=lambda e: -e.self_cpu_time_total)[:6]
+    top_dev = sorted(kernels, key=lambda e: -e.self_device_time_total)[:6]
+    return dict(workload="profile", slots=slots, seq=seq,
+                step_ms=round(statistics.median(b - a for a, b in zip(stamps[3:], stamps[4:], strict=False)) * 1e3, 1),
+                gpu_busy_ms=round(device_us / 1e3, 1),
+                top_cpu_ms={e.key[:40]: round(e.self_cpu_time_total / 3e3, 1) for e in top_cpu},
+                top_gpu_ms={e.key[:40]: round(e.self_device_time_total / 3e3, 1) for e in top_dev})
+
+
+def calibration_check(model: torch.nn.Module, slots: int, seq: int, measured_gib: float) -> dict:
+    """The planner's memory model, calibrated on this GPU by small probes, against a measured pack's peak."""
+    from packer.inject import linear_shape, projection_names
+    from packer.plan import adapter_param_count
+    from packer.probe import calibrate
+
+    pm = PackedModel(model, impl="triton")
+    mm = calibrate(pm, seq, rows=(2, 8), chunked_ce=True)  # the options the measured pack ran with
+    shapes = [linear_shape(pm.model.get_submodule(p)) for p in projection_names(pm.model)]
+    params = adapter_param_count([s for s in shapes if s is not None], 16)  # r=16 on every projection
+    predicted = mm.predict(slots * seq, slots * params, slots * 16) / 2**30
+    return dict(workload="calibration", slots=slots, seq=seq, predicted_gib=round(predicted, 1),
+                measured_gib=measured_gib, error=round(predicted / measured_gib - 1, 3))
+
+
 def _free() -> None:
     gc.collect()
     torch.cuda.empty_cache()
 
 
-def main(argv: list[str] | None = None, emit: Callable[[dict], None] | None = None) -> list[dict]:
-    argparse.ArgumentParser(prog="python -m packer.gpu_bench", description=__doc__).parse_args(argv)
+def _small(peak: float, emit: Callable[[dict], None], out_dir: str | None) -> None:
+    """Qwen2.5-0.5B shape: W5, W1 (slots 1..32) and PEFT, U, W4, the profile, W2, the memory model, then the
+    masked-dense torch path (most important first: a run cut short still has the headline)."""
+    model = _model("qwen2.5-0.5b")
+    gate = correctness_gate(model)
+    emit(gate)
+    if not gate["ok"]:
+        raise SystemExit("W5 correctness gate failed: no timing")
+    runs = {}
+    for slots in (1, 2, 4, 8, 16, 32):
+        runs[slots] = dict(shape="qwen2.5-0.5b", **packed_run(model, slots, 1, 512, peak_tflops=peak))
+        emit(runs[slots])
+        _free()
+    emit(dict(shape="qwen2.5-0.5b", **peft_run("qwen2.5-0.5b", 1, 512, peak_tflops=peak)))
+    _free()
+    emit(dict(shape="qwen2.5-0.5b", **base_run(model, 32, 512, peak_tflops=peak)))
+    _free()
+    for d_in, d_out in ((4096, 4096), (4096, 14336), (14336, 4096)):
+        emit(layer_bench(d_in, d_out))
+    _free()
+    emit(profile_step(model, 32, 512, out_dir))
+    _free()
+    mixed = (8, 16, 32, 64, 128)
+    emit(dict(shape="qwen2.5-0.5b", **packed_run(model, 32, 1, 512, rank=mixed, peak_tflops=peak, workload="W2")))
+    _free()
+    mean_rank = round(sum(mixed[i % 5] for i in range(32)) / 32)
+    emit(dict(shape="qwen2.5-0.5b", **packed_run(model, 32, 1, 512, rank=mean_rank, peak_tflops=peak,
+                                                 workload="W2")))
+    _free()
+    emit(calibration_check(model, 16, 512, runs[16]["peak_gib"]))
+    _free()
+    emit(dict(shape="qwen2.5-0.5b", **packed_run(model, 32, 1, 512, impl="torch", peak_tflops=peak)))
+
+
+def _large(peak: float, emit: Callable[[dict], None]) -> None:
+    """Qwen2.5-7B (16 slots x 1 x 512) and Llama-3-8B (seq 1024) packs, their base-only ceilings, PEFT."""
+    for name, seq, packs in (("qwen2.5-7b", 512, (16,)), ("llama3-8b", 1024, (4, 8))):
+        model = _model(name)
+        for slots in packs:
+            emit(dict(shape=name, **packed_run(model, slots, 1, seq, peak_tflops=peak, warmup=3, steps=5)))
+            _free()
+        emit(dict(shape=name, **base_run(model, packs[-1], seq, peak_tflops=peak)))
+        del model
+        _free()
+        emit(dict(shape=name, **peft_run(name, 1, seq, peak_tflops=peak)))
+        _free()
+
+
+def main(argv: list[str] | None = None, emit: Callable[[dict], None] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m packer.gpu_bench", description=__doc__)
+    parser.add_argument("--part", choices=("small", "large", "all"), default="all",
+                        help="small: the 0.5B shape, W2, W4, W5, profile, memory model; large: 7B and 8B shapes")
+    parser.add_argument("--out", default=None, help="folder for the profile tables")
+    args = parser.parse_args(argv)
     emit = emit or (lambda r: print(json.dumps(r), flush=True))
     import peft
     import transformers
     import triton
 
     peak = gemm_tflops()
-    results = [dict(gpu=torch.cuda.get_device_name(), gemm_tflops=round(peak), torch=torch.__version__,
-                    triton=triton.__version__, transformers=transformers.__version__, peft=peft.__version__)]
-    emit(results[-1])
-    model = _model("qwen2.5-0.5b")
-    results.append(correctness_gate(model))
-    emit(results[-1])
-    if not results[-1]["ok"]:
-        raise SystemExit("W5 correctness gate failed: no timing")
-    for slots in (1, 8, 32):
-        for impl in ("triton", "torch") if slots == 32 else ("triton",):
-            results.append(dict(shape="qwen2.5-0.5b", **packed_run(model, slots, 1, 512, impl=impl, peak_tflops=peak)))
-            emit(results[-1])
-            _free()
-    del model
-    _free()
-    results.append(dict(shape="qwen2.5-0.5b", **peft_run("qwen2.5-0.5b", 1, 512, peak_tflops=peak)))
-    emit(results[-1])
-    _free()
-    for d_in, d_out in ((4096, 4096), (4096, 14336), (14336, 4096)):
-        results.append(layer_bench(d_in, d_out))
-        emit(results[-1])
-    return results
+    emit(dict(gpu=torch.cuda.get_device_name(), gemm_tflops=round(peak), torch=torch.__version__,
+              cuda=torch.version.cuda, triton=triton.__version__, transformers=transformers.__version__,
+              peft=peft.__version__))
+    if args.part in ("small", "all"):
+        _small(peak, emit, args.out)
+    if args.part in ("large", "all"):
+        _large(peak, emit)
 
 
 if __name__ == "__main__":

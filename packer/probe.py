@@ -14,6 +14,7 @@ import time
 import weakref
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -105,22 +106,26 @@ class _Repeat:
         return self.rows
 
 
-def _step(pm: PackedModel, spec: AdapterSpec, rows: list[Example], pad_id: int, steps: int) -> float:
+def _step(pm: PackedModel, spec: AdapterSpec, rows: list[Example], pad_id: int, steps: int,
+          options: dict[str, Any]) -> float:
     jobs = [SlotJob(spec, _Repeat(rows))]
     t0 = time.perf_counter()
-    train(pm, 1, lambda slot: jobs.pop() if jobs else None, pad_id=pad_id)
+    train(pm, 1, lambda slot: jobs.pop() if jobs else None, pad_id=pad_id, **options)
     if pm.device.type == "cuda":
         torch.cuda.synchronize(pm.device)
     return (time.perf_counter() - t0) / steps
 
 
 def calibrate(pm: PackedModel, seq_len: int, *, rows: tuple[int, int] = (2, 8), vocab: int | None = None,
-              pad_id: int = 0, steps: int = 2) -> MemoryModel:
+              pad_id: int = 0, steps: int = 2, chunked_ce: bool | int = False,
+              activation_checkpointing: bool = False) -> MemoryModel:
     """Fit ``MemoryModel`` from three probes: ``rows[0]`` and ``rows[1]`` sequences of ``seq_len``
     tokens with a rank-8 adapter (the per-token slope), and ``rows[1]`` with rank 40 (the per-rank
     slope); both ranks shrink to fit the narrowest layer. Each adapter covers every linear
-    projection; its own parameter memory is subtracted.
+    projection; its own parameter memory is subtracted. ``chunked_ce`` and ``activation_checkpointing``
+    are the pack's own training options (they change the per-token slope several-fold).
     """
+    options: dict[str, Any] = {"chunked_ce": chunked_ce, "activation_checkpointing": activation_checkpointing}
     vocab = vocab or pm.model.get_input_embeddings().num_embeddings
     gen = torch.Generator().manual_seed(0)
     static = torch.cuda.memory_allocated(pm.device) if pm.device.type == "cuda" else model_bytes(pm)
@@ -134,9 +139,9 @@ def calibrate(pm: PackedModel, seq_len: int, *, rows: tuple[int, int] = (2, 8), 
         ids = torch.randint(3, vocab, (n, seq_len), generator=gen).tolist()
         examples = [Example(tuple(r), tuple(r)) for r in ids]
         spec = AdapterSpec(rank=rank, targets=("all-linear",), max_steps=steps, lr=1e-4)
-        _step(pm, spec, examples, pad_id, steps)  # warm-up: allocator pools, kernel selection
-        seconds = _step(pm, spec, examples, pad_id, steps)  # timed outside the (slow) counting mode
-        peak = peak_memory(lambda: _step(pm, spec, examples, pad_id, steps), pm)  # noqa: B023
+        _step(pm, spec, examples, pad_id, steps, options)  # warm-up: allocator pools, kernel selection
+        seconds = _step(pm, spec, examples, pad_id, steps, options)  # timed outside the (slow) counting mode
+        peak = peak_memory(lambda: _step(pm, spec, examples, pad_id, steps, options), pm)  # noqa: B023
         params = sum(rank * (layer.in_features + layer.out_features) for layer in pm.layers.values())
         points.append((n * seq_len, peak - ADAPTER_BYTES_PER_PARAM * params, seconds))
     (t1, m1, s1), (t2, m2, s2), (_, m3, _) = points

@@ -81,7 +81,8 @@ def plan_pack(spec: StudySpec, pm: PackedModel, *, mean_len: float | None = None
     """Calibrate the memory model and size the pack; ``mean_len`` (tokens per row) sharpens the time."""
     rank, micro = _worst(spec)
     seq = spec.data.max_length
-    mm = calibrate(pm, seq, rows=(1, 3), pad_id=0)
+    mm = calibrate(pm, seq, rows=(1, 3), pad_id=0, chunked_ce=spec.packing.chunked_ce,
+                   activation_checkpointing=spec.packing.activation_checkpointing)
     available = int(available_memory(pm.device) * MEMORY_FRACTION)
     params = _slot_params(pm, rank)
     fit = mm.max_slots(available, micro * seq, params, rank, limit=MAX_AUTO_SLOTS)
