@@ -376,6 +376,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--family", choices=FAMILIES, help="architecture of the tiny model")
     parser.add_argument("--out", type=Path, help="directory to save the model and tokenizer in")
     parser.add_argument("--seed", type=int, default=0, help="init seed (default 0)")
+    parser.add_argument("--hidden-size", type=int, default=64, help="model width, a multiple of 4 (default 64)")
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
     parser.add_argument("--write-demo-data", type=Path, metavar="DIR", help="write the arithmetic demo JSONL to DIR")
     args = parser.parse_args(argv)
     if (args.family is None) != (args.out is None):
@@ -386,7 +388,8 @@ def main(argv: list[str] | None = None) -> None:
         for path in write_demo_data(args.write_demo_data):
             print(path)
     if args.family is not None:
-        print(build_tiny_model(args.family, args.out, seed=args.seed))
+        print(build_tiny_model(args.family, args.out, seed=args.seed, hidden_size=args.hidden_size,
+                               num_layers=args.layers))
 
 
 if __name__ == "__main__":

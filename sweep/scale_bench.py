@@ -1,0 +1,70 @@
+"""Scale-out benchmark: trials per hour of the same study run by 1, 2, ... workers on one host.
+
+A command, not a test: ``python -m sweep.scale_bench STUDY --workers 1 2``. For each worker count it
+runs ``sweep run STUDY --workers N`` (one worker process per GPU, pinned with ``CUDA_VISIBLE_DEVICES``)
+in a fresh output folder with its own journal-file storage, and counts the finished trials in that
+storage. Wall time is the whole command: process start, model load, every pack, every evaluation.
+A short warm-up study first fills Triton's kernel cache, so no worker count pays the compile alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from sweep.worker import study_counts
+
+__all__ = ["run_once", "main"]
+
+FINISHED = ("COMPLETE", "PRUNED", "FAIL")
+
+
+def run_once(study: str, workers: int, root: Path, *overrides: str, name: str | None = None) -> dict:
+    """Run the study with ``workers`` workers in ``root/w<workers>``; wall time and finished trials.
+
+    Raises:
+        SystemExit: a worker failed (its log is under the output folder's ``workers/``).
+    """
+    out = root / f"w{workers}"
+    storage = f"journal:///{(out / 'optuna.log').resolve().as_posix().lstrip('/')}"
+    out.mkdir(parents=True, exist_ok=True)
+    name = name or f"scale-w{workers}"
+    cmd = [sys.executable, "-m", "sweep.cli", "run", study, f"name={name}", *overrides, "--out", str(out),
+           "--workers", str(workers), "--storage", storage, "--quiet"]
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    counts = study_counts(storage, name)
+    finished = sum(counts[s] for s in FINISHED)
+    return dict(workers=workers, wall_s=round(wall, 1), finished=finished, complete=counts["COMPLETE"],
+                pruned=counts["PRUNED"], failed=counts["FAIL"], trials_per_hour=round(finished / wall * 3600, 1))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m sweep.scale_bench", description=__doc__)
+    parser.add_argument("study", help="study YAML (studies/scale-out.yaml)")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts to compare")
+    parser.add_argument("--root", type=Path, default=Path("runs/scale-bench"), help="output folders go here")
+    parser.add_argument("--no-warmup", action="store_true", help="skip the kernel-cache warm-up study")
+    args = parser.parse_args(argv)
+    if not args.no_warmup:
+        run_once(args.study, 1, args.root / "warmup", "budget.trials=2", "train.max_steps=3", name="scale-warmup")
+    rows = []
+    for n in args.workers:
+        rows.append(run_once(args.study, n, args.root))
+        print(json.dumps(rows[-1]), flush=True)
+    base = rows[0]["trials_per_hour"]
+    print(f"{'workers':>8}{'wall s':>9}{'finished':>10}{'trials/h':>10}{'vs first':>10}")
+    for r in rows:
+        print(f"{r['workers']:>8}{r['wall_s']:>9.1f}{r['finished']:>10}{r['trials_per_hour']:>10.1f}"
+              f"{r['trials_per_hour'] / base:>9.2f}x")
+
+
+if __name__ == "__main__":
+    main()
