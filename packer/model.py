@@ -123,23 +123,23 @@ class PackedModel:
 
     def _create_weights(self, slot: int, spec: AdapterSpec, paths: list[str]) -> list[nn.Parameter]:
         """PEFT's init (A Kaiming-uniform(a=sqrt(5)) from the slot's own generator, B zero), all of the
-        slot's weights laid out in one flat fp32 buffer with a flat gradient buffer beside it."""
+        slot's weights laid out in one flat fp32 buffer (per layer A, then B^T) with a flat gradient
+        buffer beside it."""
         generator = torch.Generator().manual_seed(spec.seed)
-        shapes = [((spec.rank, self.layers[p].in_features), (self.layers[p].out_features, spec.rank)) for p in paths]
-        flat = torch.zeros(sum(spec.rank * (a[1] + b[0]) for a, b in shapes), device=self.device)
+        r = spec.rank
+        dims = [(self.layers[p].in_features, self.layers[p].out_features) for p in paths]
+        flat = torch.zeros(sum(r * (d_in + d_out) for d_in, d_out in dims), device=self.device)
         grad = torch.zeros_like(flat)
         params: list[nn.Parameter] = []
         off = 0
-        for path, (a_shape, b_shape) in zip(paths, shapes, strict=True):
-            a = torch.empty(a_shape)
+        for path, (d_in, d_out) in zip(paths, dims, strict=True):
+            a = torch.empty(r, d_in)
             nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
-            na, nb = a.numel(), b_shape[0] * b_shape[1]
+            na, nb = r * d_in, r * d_out
             flat[off:off + na].copy_(a.flatten())
-            pa, pb = self.layers[path].add_slot(slot, flat[off:off + na].view(a_shape),
-                                                flat[off + na:off + na + nb].view(b_shape))
-            # Gradients accumulate in place into these views, i.e. into the flat gradient buffer.
-            pa.grad, pb.grad = grad[off:off + na].view(a_shape), grad[off + na:off + na + nb].view(b_shape)
-            params += [pa, pb]
+            params += self.layers[path].add_slot(
+                slot, flat[off:off + na].view(r, d_in), flat[off + na:off + na + nb].view(r, d_out),
+                grad[off:off + na].view(r, d_in), grad[off + na:off + na + nb].view(r, d_out))
             off += na + nb
         self.flat[slot] = (flat, grad)
         return params
