@@ -10,7 +10,7 @@ import torch
 from kernels import PackLayout
 from packer.data import IGNORE_INDEX
 
-__all__ = ["PackBatch", "collate", "IGNORE_INDEX"]
+__all__ = ["PackBatch", "collate", "row_slots", "IGNORE_INDEX"]
 
 
 class Row(Protocol):
@@ -72,3 +72,16 @@ def collate(slots: Sequence[int], rows: Sequence[Sequence[Row]], pad_id: int, *,
         seed=tuple(seeds),
     )
     return PackBatch(ids.to(device), mask.to(device), labels.to(device), layout)
+
+
+def row_slots(layout: PackLayout, device: torch.device) -> torch.Tensor:
+    """(B,) int64: the layout index of the slot each row belongs to, on ``device``.
+
+    Built on the host and copied from pinned memory without blocking: a pageable copy would wait for
+    every kernel queued before it (the whole forward, when the loss asks for it).
+    """
+    rows = torch.repeat_interleave(torch.arange(len(layout.slots)), torch.tensor(layout.n_rows))
+    if device.type != "cuda":
+        return rows.to(device)
+    return rows.pin_memory().to(device, non_blocking=True)
+

@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from kernels import PackLayout
-from packer.batch import IGNORE_INDEX
+from packer.batch import IGNORE_INDEX, row_slots
 from packer.errors import ConfigError
 
 __all__ = ["DEFAULT_CHUNK_TOKENS", "chunked_slot_losses", "check_plain_head"]
@@ -81,7 +81,7 @@ def chunked_slot_losses(hidden: torch.Tensor, head: nn.Module, labels: torch.Ten
     rows, pos = (shift_labels != IGNORE_INDEX).nonzero(as_tuple=True)  # (T,) each
     x = hidden[:, :-1][rows, pos]  # (T, H): target positions only
     y = shift_labels[rows, pos]  # (T,)
-    row_slot = torch.repeat_interleave(torch.arange(n), torch.tensor(layout.n_rows)).to(hidden.device)  # (B,)
+    row_slot = row_slots(layout, hidden.device)  # (B,)
     pieces = [checkpoint(_chunk_nll, head, x[i:i + chunk_tokens], y[i:i + chunk_tokens], use_reentrant=False)
               for i in range(0, len(y), chunk_tokens)]
     # No target token at all: an empty tensor that is still in the graph, so backward() works as on the plain path.

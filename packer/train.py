@@ -28,14 +28,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import dropout_seed
-from packer.batch import IGNORE_INDEX, PackBatch, Row, collate
+from packer.batch import IGNORE_INDEX, PackBatch, Row, collate, row_slots
 from packer.loss import DEFAULT_CHUNK_TOKENS, chunked_slot_losses
 from packer.model import PackedModel
 from packer.optim import PackedAdamW
 from packer.plan import AdapterSpec
 
 __all__ = ["BatchSource", "SlotJob", "SlotEnd", "StepReport", "TrainResult", "train", "slot_losses", "make_optimizer",
-           "make_scheduler"]
+           "make_scheduler", "chunk_tokens_of"]
 
 
 class BatchSource(Protocol):
@@ -140,7 +140,7 @@ def slot_losses(logits: torch.Tensor, labels: torch.Tensor, batch: PackBatch) ->
     ce = F.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), shift_labels.reshape(-1),
                          ignore_index=IGNORE_INDEX, reduction="none").view(b, seq - 1)
     layout = batch.layout
-    seg = torch.repeat_interleave(torch.arange(len(layout.slots)), torch.tensor(layout.n_rows)).to(logits.device)
+    seg = row_slots(layout, logits.device)
     n = len(layout.slots)
     sums = torch.zeros(n, device=logits.device).index_add(0, seg, ce.sum(dim=1))
     counts = torch.zeros(n, device=logits.device).index_add(0, seg, (shift_labels != IGNORE_INDEX).sum(1).float())
@@ -156,7 +156,8 @@ def _pack_losses(pm: PackedModel, batch: PackBatch, chunk_tokens: int | None) ->
     return chunked_slot_losses(hidden, pm.output_head(), batch.labels, batch.layout, chunk_tokens=chunk_tokens)
 
 
-def _chunk_tokens(chunked_ce: bool | int) -> int | None:
+def chunk_tokens_of(chunked_ce: bool | int) -> int | None:
+    """Tokens per loss chunk for a ``chunked_ce`` option (None: not chunked)."""
     if chunked_ce is True:
         return DEFAULT_CHUNK_TOKENS
     if chunked_ce is False:
@@ -211,7 +212,7 @@ def train(
         ConfigError: ``chunked_ce`` for a model that post-processes its logits, or
             ``activation_checkpointing`` for a model without support for it.
     """
-    chunk_tokens = _chunk_tokens(chunked_ce)
+    chunk_tokens = chunk_tokens_of(chunked_ce)
     if chunk_tokens is not None:
         pm.output_head()  # refuses models whose logits are not head(hidden), before any slot starts
     pm.set_activation_checkpointing(activation_checkpointing)
