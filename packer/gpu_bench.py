@@ -268,7 +268,7 @@ def calibration_check(model: torch.nn.Module, slots: int, seq: int, measured_gib
     mm = calibrate(pm, seq, rows=(2, 8), chunked_ce=True)  # the options the measured pack ran with
     shapes = [linear_shape(pm.model.get_submodule(p)) for p in projection_names(pm.model)]
     params = adapter_param_count([s for s in shapes if s is not None], 16)  # r=16 on every projection
-    predicted = mm.predict(slots * seq, slots * params, slots * 16) / 2**30
+    predicted = mm.predict(slots * seq, slots * params, slots * 16, 16) / 2**30
     return dict(workload="calibration", slots=slots, seq=seq, predicted_gib=round(predicted, 1),
                 measured_gib=measured_gib, error=round(predicted / measured_gib - 1, 3))
 

@@ -110,12 +110,15 @@ ADAPTER_BYTES_PER_PARAM = 16
 class MemoryModel:
     """Peak memory and time of one packed training step, linear in its parts.
 
-    ``peak = static + tokens * (bytes_per_token + bytes_per_token_rank * total_rank) + 16 * params``:
+    ``peak = static + tokens * (bytes_per_token + bytes_per_token_rank * rank_width) + ce + 16 * params``:
     ``static`` is the frozen base (weights, buffers); ``bytes_per_token`` the activations kept for
-    backward plus the logits and cross-entropy buffers of one padded token; ``bytes_per_token_rank``
-    the LoRA intermediates, which grow with the pack's summed rank (the masked-dense path computes
-    every token against every slot's rank columns); the last term every slot's adapter weights,
-    gradients and AdamW moments. The measured numbers come from ``packer.probe.calibrate``.
+    backward plus, without chunked cross-entropy, the logits and loss buffers of one padded token;
+    ``bytes_per_token_rank`` the LoRA intermediates per unit of the pack's rank width (the masked-dense
+    path computes every token against every slot's rank columns: the summed rank; the Triton kernels
+    keep one column per rank of the widest slot: the largest rank); ``ce`` the chunked cross-entropy's
+    transient logits, which grow with the tokens only up to one chunk; the last term every slot's
+    adapter weights, gradients and AdamW moments. The measured numbers come from
+    ``packer.probe.calibrate``.
     """
 
     static_bytes: int
@@ -123,17 +126,30 @@ class MemoryModel:
     bytes_per_token: float
     """Extra peak memory per padded token of a step."""
     bytes_per_token_rank: float = 0.0
-    """Extra peak memory per padded token and unit of the pack's summed rank."""
+    """Extra peak memory per padded token and unit of the pack's rank width."""
     seconds_per_token: float = 0.0
     """Forward + backward time per padded token (for time predictions)."""
     seconds_per_step: float = 0.0
     """Fixed time per step (launches, optimizer, Python)."""
+    rank_width_is_max: bool = False
+    """The rank width is the largest rank of the pack (Triton kernels), not the summed rank."""
+    ce_chunk_bytes: int = 0
+    """Peak transient memory of the chunked cross-entropy over one full chunk (0: not chunked)."""
+    ce_chunk_tokens: int = 0
+    """Tokens per cross-entropy chunk."""
 
-    def predict(self, tokens: int, adapter_params: int, total_rank: int = 0) -> int:
+    def ce_bytes(self, tokens: int) -> float:
+        """Transient memory of the chunked cross-entropy over a step of ``tokens`` tokens."""
+        return self.ce_chunk_bytes * min(tokens, self.ce_chunk_tokens) / self.ce_chunk_tokens if self.ce_chunk_tokens \
+            else 0.0
+
+    def predict(self, tokens: int, adapter_params: int, total_rank: int = 0, max_rank: int | None = None) -> int:
         """Peak bytes of a step over ``tokens`` padded tokens, ``adapter_params`` trainable parameters and
-        slots whose ranks add up to ``total_rank``."""
-        per_token = self.bytes_per_token + self.bytes_per_token_rank * total_rank
-        return int(self.static_bytes + per_token * tokens + ADAPTER_BYTES_PER_PARAM * adapter_params)
+        slots whose ranks add up to ``total_rank`` (the largest of them ``max_rank``, default the sum)."""
+        width = (total_rank if max_rank is None else max_rank) if self.rank_width_is_max else total_rank
+        per_token = self.bytes_per_token + self.bytes_per_token_rank * width
+        return int(self.static_bytes + per_token * tokens + self.ce_bytes(tokens)
+                   + ADAPTER_BYTES_PER_PARAM * adapter_params)
 
     def step_seconds(self, tokens: int) -> float:
         return self.seconds_per_step + self.seconds_per_token * tokens
@@ -144,7 +160,7 @@ class MemoryModel:
         whose step fits in ``budget_bytes`` (0 if not even one fits)."""
         n = 0
         while n < limit and self.predict(tokens_per_slot * (n + 1), params_per_slot * (n + 1),
-                                         rank * (n + 1)) <= budget_bytes:
+                                         rank * (n + 1), rank) <= budget_bytes:
             n += 1
         return n
 

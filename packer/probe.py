@@ -20,10 +20,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from kernels import PackLayout, triton_available
 from packer.data import Example
+from packer.loss import chunked_slot_losses
 from packer.model import PackedModel
 from packer.plan import ADAPTER_BYTES_PER_PARAM, AdapterSpec, MemoryModel
-from packer.train import SlotJob, train
+from packer.train import SlotJob, chunk_tokens_of, train
 
 __all__ = ["peak_memory", "calibrate", "available_memory", "model_bytes"]
 
@@ -144,12 +146,43 @@ def calibrate(pm: PackedModel, seq_len: int, *, rows: tuple[int, int] = (2, 8), 
         peak = peak_memory(lambda: _step(pm, spec, examples, pad_id, steps, options), pm)  # noqa: B023
         params = sum(rank * (layer.in_features + layer.out_features) for layer in pm.layers.values())
         points.append((n * seq_len, peak - ADAPTER_BYTES_PER_PARAM * params, seconds))
+    chunk = chunk_tokens_of(chunked_ce)
+    ce = _ce_chunk_bytes(pm, chunk, vocab) if chunk else 0
+    if chunk:  # the chunked loss saturates at one chunk: take it out before fitting the linear slopes
+        points = [(t, m - ce * min(t, chunk) / chunk, sec) for t, m, sec in points]
     (t1, m1, s1), (t2, m2, s2), (_, m3, _) = points
     per_token = max(0.0, (m2 - m1) / (t2 - t1))
-    # At the larger token count, where activations outweigh the optimizer's transient buffers.
-    per_token_rank = max(0.0, (m3 - m2) / (t2 * (r_hi - r_lo))) if r_hi > r_lo else 0.0
+    # At the larger token count, where activations outweigh the optimizer's transient buffers. Triton keeps
+    # one per-token column per rank of the widest slot, padded to a power of 2 (>= 16): the probes' widths.
+    triton = pm.state.impl == "triton" or (pm.state.impl == "auto" and pm.device.type == "cuda"
+                                           and triton_available())
+    width = (_pad(r_hi) - _pad(r_lo)) if triton else (r_hi - r_lo)
+    per_token_rank = max(0.0, (m3 - m2) / (t2 * width)) if width > 0 else 0.0
     sec_per_token = max(0.0, (s2 - s1) / (t2 - t1))
     intercept = int(m1 - (per_token + r_lo * per_token_rank) * t1)  # base + runtime + fixed per-step workspace
     return MemoryModel(static_bytes=max(static, intercept), bytes_per_token=per_token,
                        bytes_per_token_rank=per_token_rank, seconds_per_token=sec_per_token,
-                       seconds_per_step=max(0.0, s1 - sec_per_token * t1))
+                       seconds_per_step=max(0.0, s1 - sec_per_token * t1), rank_width_is_max=triton,
+                       ce_chunk_bytes=int(ce), ce_chunk_tokens=chunk or 0)
+
+
+def _pad(rank: int) -> int:
+    """Per-token rank columns the Triton kernels keep for a widest rank ``rank``."""
+    return max(16, 1 << max(rank - 1, 0).bit_length())
+
+
+def _ce_chunk_bytes(pm: PackedModel, chunk: int, vocab: int) -> int:
+    """Peak transient memory of the chunked loss over one full chunk (forward and backward), measured."""
+    head = pm.output_head()
+    dtype = next(head.parameters()).dtype
+    hidden = torch.randn(1, chunk + 1, head.in_features, dtype=dtype, device=pm.device, requires_grad=True)
+    labels = torch.randint(0, vocab, (1, chunk + 1), device=pm.device)
+    layout = PackLayout((0,), (0,), (1,), (chunk + 1,), (0.0,), (0,))
+    held = hidden.numel() * hidden.element_size()  # hidden's gradient: the body's activations count it already
+
+    def run() -> None:
+        chunked_slot_losses(hidden, head, labels, layout, chunk_tokens=chunk)[0].sum().backward()
+
+    run()  # warm-up: allocator pools
+    before = peak_memory(lambda: None, pm)
+    return max(0, peak_memory(run, pm) - before - held)

@@ -98,7 +98,7 @@ def plan_pack(spec: StudySpec, pm: PackedModel, *, mean_len: float | None = None
                                                                   if p.name == "max_steps"]))
         steps = -(-spec.budget.trials * max_steps // slots)
     return PlanReport(str(pm.device), slots, rank, micro, seq, available,
-                      mm.predict(slots * micro * seq, slots * params, slots * rank), mm, step_s,
+                      mm.predict(slots * micro * seq, slots * params, slots * rank, rank), mm, step_s,
                       None if steps is None else steps * step_s, steps)
 
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from packer.data import Example
 from packer.model import PackedModel, load_base
 from packer.plan import AdapterSpec, adapter_param_count
 from packer.probe import calibrate, peak_memory
-from packer.tiny import build_tiny_model
+from packer.tiny import build_tokenizer, tiny_config
 from packer.train import SlotJob, train
 
 
@@ -20,27 +22,36 @@ class _Fixed:
         return self.rows
 
 
-def test_memory_model_predicts_measured_peak(tmp_path) -> None:
-    # Wide enough that a step's activations (~200 MB) dwarf the weights, so the check has teeth.
-    model_dir = build_tiny_model("llama", tmp_path / "m", hidden_size=256, num_layers=4)
-    model, _ = load_base(str(model_dir))
+@pytest.mark.parametrize("chunked_ce", [False, 640], ids=["full-logits", "chunked-ce"])
+def test_memory_model_predicts_measured_peak(tmp_path, chunked_ce) -> None:
+    """Predicted step growth within 10% of the measured one. With chunked cross-entropy the first probe
+    (384 tokens) is below one chunk (640) and the pack (2304 tokens) far above: the loss's share must
+    saturate at one chunk, not grow with the tokens."""
+    # Wide enough that a step's activations (~200 MB) dwarf the weights, so the check has teeth; a 20k
+    # vocabulary makes one chunk's logits (~100 MB) a real share of the chunked step.
+    config = tiny_config("llama", 20_000, hidden_size=256, num_layers=4)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m")
+    build_tokenizer().save_pretrained(tmp_path / "m")
+    model, _ = load_base(str(tmp_path / "m"))
     pm = PackedModel(model)
     seq = 96
-    mm = calibrate(pm, seq, rows=(4, 12))
+    mm = calibrate(pm, seq, rows=(4, 12), chunked_ce=chunked_ce)
     assert mm.bytes_per_token > 0 and mm.bytes_per_token_rank > 0
+    assert (mm.ce_chunk_tokens, mm.ce_chunk_bytes > 0) == ((640, True) if chunked_ce else (0, False))
 
     ranks, micro = (4, 8, 16, 32), 6
     gen = torch.Generator().manual_seed(1)
     jobs = []
     for i, r in enumerate(ranks):
-        ids = torch.randint(3, 400, (micro, seq), generator=gen).tolist()
+        ids = torch.randint(3, 20_000, (micro, seq), generator=gen).tolist()
         spec = AdapterSpec(rank=r, targets=("all-linear",), micro_batch=micro, max_steps=2, seed=i)
         jobs.append(SlotJob(spec, _Fixed([Example(tuple(x), tuple(x)) for x in ids])))
     shapes = [(layer.in_features, layer.out_features) for layer in pm.layers.values()]
     params = sum(adapter_param_count(shapes, r) for r in ranks)
     predicted = mm.predict(len(ranks) * micro * seq, params, sum(ranks))
-    measured = peak_memory(lambda: train(pm, len(ranks), lambda s: jobs.pop(0) if jobs else None, pad_id=0),
-                           pm)
+    measured = peak_memory(lambda: train(pm, len(ranks), lambda s: jobs.pop(0) if jobs else None, pad_id=0,
+                                         chunked_ce=chunked_ce), pm)
     # Compare what the step adds on top of the static part: that is what the model has to get right.
     growth_pred, growth_meas = predicted - mm.static_bytes, measured - mm.static_bytes
     assert growth_meas > 50e6, "the step must be large enough for the check to mean something"
