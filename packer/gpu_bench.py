@@ -314,12 +314,12 @@ def _small(peak: float, emit: Callable[[dict], None], out_dir: str | None) -> No
 
 def _large(peak: float, emit: Callable[[dict], None]) -> None:
     """Qwen2.5-7B (16 slots x 1 x 512) and Llama-3-8B (seq 1024) packs, their base-only ceilings, PEFT."""
-    for name, seq, packs in (("qwen2.5-7b", 512, (16,)), ("llama3-8b", 1024, (4, 8))):
+    for name, seq, packs in (("qwen2.5-7b", 512, (16,)), ("llama3-8b", 1024, (4, 8, 12))):
         model = _model(name)
         for slots in packs:
             emit(dict(shape=name, **packed_run(model, slots, 1, seq, peak_tflops=peak, warmup=3, steps=5)))
             _free()
-        emit(dict(shape=name, **base_run(model, packs[-1], seq, peak_tflops=peak)))
+        emit(dict(shape=name, **base_run(model, min(packs[-1], 8), seq, peak_tflops=peak)))
         del model
         _free()
         emit(dict(shape=name, **peft_run(name, 1, seq, peak_tflops=peak)))

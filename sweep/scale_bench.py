@@ -4,7 +4,9 @@ A command, not a test: ``python -m sweep.scale_bench STUDY --workers 1 2``. For 
 runs ``sweep run STUDY --workers N`` (one worker process per GPU, pinned with ``CUDA_VISIBLE_DEVICES``)
 in a fresh output folder with its own journal-file storage, and counts the finished trials in that
 storage. Wall time is the whole command: process start, model load, every pack, every evaluation.
-A short warm-up study first fills Triton's kernel cache, so no worker count pays the compile alone.
+Heartbeats every 2 s: a worker that drained its last pack waits for the others' RUNNING trials by
+polling at the heartbeat, and that wait should not blur the comparison. A short warm-up study first
+fills Triton's kernel cache, so no worker count pays the compile alone.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def run_once(study: str, workers: int, root: Path, *overrides: str, name: str | 
     out.mkdir(parents=True, exist_ok=True)
     name = name or f"scale-w{workers}"
     cmd = [sys.executable, "-m", "sweep.cli", "run", study, f"name={name}", *overrides, "--out", str(out),
-           "--workers", str(workers), "--storage", storage, "--quiet"]
+           "--workers", str(workers), "--storage", storage, "--heartbeat", "2", "--quiet"]
     t0 = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -49,15 +51,17 @@ def run_once(study: str, workers: int, root: Path, *overrides: str, name: str | 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m sweep.scale_bench", description=__doc__)
     parser.add_argument("study", help="study YAML (studies/scale-out.yaml)")
+    parser.add_argument("overrides", nargs="*", help="KEY=VALUE overrides, as sweep run takes them")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts to compare")
     parser.add_argument("--root", type=Path, default=Path("runs/scale-bench"), help="output folders go here")
     parser.add_argument("--no-warmup", action="store_true", help="skip the kernel-cache warm-up study")
     args = parser.parse_args(argv)
     if not args.no_warmup:
-        run_once(args.study, 1, args.root / "warmup", "budget.trials=2", "train.max_steps=3", name="scale-warmup")
+        run_once(args.study, 1, args.root / "warmup", *args.overrides, "budget.trials=2", "train.max_steps=3",
+                 name="scale-warmup")
     rows = []
     for n in args.workers:
-        rows.append(run_once(args.study, n, args.root))
+        rows.append(run_once(args.study, n, args.root, *args.overrides))
         print(json.dumps(rows[-1]), flush=True)
     base = rows[0]["trials_per_hour"]
     print(f"{'workers':>8}{'wall s':>9}{'finished':>10}{'trials/h':>10}{'vs first':>10}")
