@@ -102,26 +102,38 @@ def storage_lock(url: str, study_name: str) -> Iterator[None]:
                 finally:
                     fcntl.flock(f, fcntl.LOCK_UN)
             return
-        dialect = url.split(":", 1)[0].split("+", 1)[0]
-        if dialect == "postgresql":
-            take, give, arg = "select pg_advisory_lock(:k)", "select pg_advisory_unlock(:k)", _lock_key(study_name)
-        elif dialect in ("mysql", "mariadb"):
-            # MySQL lock names are at most 64 characters.
-            take, give, arg = "select get_lock(:k, -1)", "select release_lock(:k)", f"lora-sweep:{study_name}"[:64]
-        else:
-            raise ValueError(f"storage: no cross-worker lock for {dialect!r} URLs (use PostgreSQL, MySQL, "
-                             f"SQLite or a journal file)")
         import sqlalchemy as sa
 
         engine = _ENGINES.get(url)
         if engine is None:
             engine = _ENGINES[url] = sa.create_engine(url, poolclass=sa.pool.NullPool)
         with engine.connect() as conn:
-            conn.execute(sa.text(take), {"k": arg})
+            give = _take_server_lock(conn, url, study_name)
             try:
                 yield
             finally:
-                conn.execute(sa.text(give), {"k": arg})
+                conn.execute(*give)
+
+
+def _take_server_lock(conn: Any, url: str, study_name: str) -> tuple[Any, dict[str, Any]]:
+    """Take the study's session-level lock on a database server; returns the statement that gives it back."""
+    import sqlalchemy as sa
+
+    dialect = url.split(":", 1)[0].split("+", 1)[0]
+    if dialect == "postgresql":
+        key = {"k": _lock_key(study_name)}
+        conn.execute(sa.text("select pg_advisory_lock(:k)"), key)
+        return sa.text("select pg_advisory_unlock(:k)"), key
+    if dialect in ("mysql", "mariadb"):
+        key = {"k": f"lora-sweep:{study_name}"[:64]}  # MySQL lock names are at most 64 characters
+        # MariaDB rejects a negative (infinite) timeout with NULL and a warning: wait an hour at a time.
+        # GET_LOCK answers 1 (taken), 0 (timed out) or NULL (error): only 1 may go on.
+        while (got := conn.execute(sa.text("select get_lock(:k, 3600)"), key).scalar()) != 1:
+            if got is None:
+                raise RuntimeError(f"storage: GET_LOCK({key['k']!r}) failed on {dialect}")
+        return sa.text("select release_lock(:k)"), key
+    raise ValueError(f"storage: no cross-worker lock for {dialect!r} URLs (use PostgreSQL, MySQL, "
+                     f"SQLite or a journal file)")
 
 
 def last_beat(trial: optuna.trial.FrozenTrial) -> float:

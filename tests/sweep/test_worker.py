@@ -1,7 +1,8 @@
-"""Many workers sharing one study: a journal file on one host, PostgreSQL with a worker killed mid-pack.
+"""Many workers sharing one study: a journal file, PostgreSQL with a worker killed mid-pack, the storage lock.
 
-The PostgreSQL test needs a server: ``.ci/run`` starts one and exports ``LORA_SWEEP_TEST_PG``
-(e.g. ``postgresql+psycopg2://sweep:sweep@127.0.0.1:55432/sweep``). Outside CI it is skipped without it.
+The server tests need one: ``.ci/run`` starts PostgreSQL and MariaDB and exports ``LORA_SWEEP_TEST_PG``
+(e.g. ``postgresql+psycopg2://sweep:sweep@127.0.0.1:55432/sweep``) and ``LORA_SWEEP_TEST_MYSQL``
+(``mysql+pymysql://sweep:sweep@127.0.0.1:53306/sweep``). Outside CI they are skipped without them.
 """
 
 from __future__ import annotations
@@ -21,20 +22,23 @@ from optuna.trial import TrialState
 
 from sweep.resume import _optuna_study
 from sweep.spec import load_study
-from sweep.storage import WORKER_ATTR, Sharing, normalize_url, open_storage
+from sweep.storage import WORKER_ATTR, Sharing, normalize_url, open_storage, storage_lock
 from sweep.store import StudyDir
 from tests.conftest import write_study
 
 ROOT = Path(__file__).resolve().parents[2]
-PG = os.environ.get("LORA_SWEEP_TEST_PG")
+_SERVERS = {"postgresql": ("LORA_SWEEP_TEST_PG", "PostgreSQL on 127.0.0.1:55432"),
+            "mysql": ("LORA_SWEEP_TEST_MYSQL", "MariaDB on 127.0.0.1:53306")}
 
 
-def _pg_url() -> str:
-    if PG:
-        return PG
+def _server_url(kind: str) -> str:
+    """The test server's URL (``postgresql`` or ``mysql``); CI fails without it, elsewhere the test is skipped."""
+    env, server = _SERVERS[kind]
+    if os.environ.get(env):
+        return os.environ[env]
     if os.environ.get("CI") == "true":
-        pytest.fail("CI must export LORA_SWEEP_TEST_PG (.ci/run starts PostgreSQL on 127.0.0.1:55432)")
-    pytest.skip("LORA_SWEEP_TEST_PG is unset: no PostgreSQL server for the multi-worker test")
+        pytest.fail(f"CI must export {env} (.ci/run starts {server})")
+    pytest.skip(f"{env} is unset: no {kind} server for this test")
 
 
 def _study_file(tmp_path: Path, model_dir: Path, name: str, **changes) -> Path:
@@ -107,7 +111,7 @@ def test_journal_workers_on_one_host_share_the_budget(tiny_dirs, tmp_path) -> No
 
 
 def test_pg_three_workers_one_killed_mid_pack(tiny_dirs, tmp_path) -> None:
-    url = _pg_url()
+    url = _server_url("postgresql")
     name = f"pg-{uuid.uuid4().hex[:8]}"
     path = _study_file(tmp_path, tiny_dirs("llama"), name)
     procs = [subprocess.Popen(_cli("worker", str(path), "--storage", url, "--index", str(i), "--heartbeat", "0.5",
@@ -158,9 +162,32 @@ def test_unreachable_postgres_url_is_one_line_exit_2(tiny_dirs, tmp_path) -> Non
     _one_line_exit_2(result, "storage: cannot open")
 
 
-@pytest.mark.parametrize("backend", ["journal", "postgresql"])
+def _backend_url(backend: str, tmp_path: Path) -> str:
+    return normalize_url(str(tmp_path / f"{backend}.log")) if backend == "journal" else _server_url(backend)
+
+
+@pytest.mark.parametrize("backend", ["journal", "postgresql", "mysql"])
+def test_storage_lock_excludes_other_processes(tmp_path, backend: str) -> None:
+    """Another process holds the study's lock for 2 s: this one waits for it (a lock that is not taken,
+    as MariaDB's GET_LOCK with a negative timeout, lets it through at once)."""
+    url, name = _backend_url(backend, tmp_path), f"lock-{uuid.uuid4().hex[:8]}"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom sweep.storage import storage_lock\n"
+                               "with storage_lock(sys.argv[1], sys.argv[2]):\n    print('held', flush=True)\n"
+                               "    time.sleep(2)\n", url, name], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        started = time.time()
+        with storage_lock(url, name):
+            waited = time.time() - started
+        assert waited > 1.0, f"took a lock another process holds after {waited:.2f} s"
+    finally:
+        holder.wait(timeout=30)
+    assert holder.returncode == 0
+
+
+@pytest.mark.parametrize("backend", ["journal", "postgresql", "mysql"])
 def test_other_search_space_under_the_same_name_is_one_line_exit_2(tiny_dirs, tmp_path, backend: str) -> None:
-    url = str(tmp_path / "space.log") if backend == "journal" else _pg_url()
+    url = _backend_url(backend, tmp_path)
     name = f"space-{uuid.uuid4().hex[:8]}"
     first = load_study(_study_file(tmp_path, tiny_dirs("llama"), name))
     _optuna_study(first, StudyDir(first.out_dir), Sharing(normalize_url(url)))  # the study exists, no training
