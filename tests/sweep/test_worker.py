@@ -59,6 +59,11 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "sweep.cli", *args]
 
 
+# One thread per worker, as conftest gives the test process: workers sharing 2 cores with a pool of
+# threads each spin against one another and a 10-step trial takes a minute instead of a second.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
 def _trials(url: str, name: str) -> list[optuna.trial.FrozenTrial]:
     return optuna.load_study(study_name=name, storage=open_storage(url)).get_trials()
 
@@ -87,7 +92,7 @@ def test_journal_workers_on_one_host_share_the_budget(tiny_dirs, tmp_path) -> No
     log = tmp_path / "optuna-journal.log"
     started = time.time()
     result = subprocess.run(_cli("run", str(path), "--workers", "2", "--storage", str(log), "--heartbeat", "1",
-                                 "--grace", "10"), capture_output=True, text=True, timeout=180, cwd=ROOT)
+                                 "--grace", "10"), capture_output=True, text=True, timeout=180, cwd=ROOT, env=ENV)
     assert result.returncode == 0, result.stderr + "".join(
         p.read_text() for p in (tmp_path / f"runs-{name}" / "workers").glob("*.log"))
     trials = _trials(f"journal://{log}", name)
@@ -115,7 +120,7 @@ def test_pg_three_workers_one_killed_mid_pack(tiny_dirs, tmp_path) -> None:
     name = f"pg-{uuid.uuid4().hex[:8]}"
     path = _study_file(tmp_path, tiny_dirs("llama"), name)
     procs = [subprocess.Popen(_cli("worker", str(path), "--storage", url, "--index", str(i), "--heartbeat", "0.5",
-                                   "--grace", "4", "--quiet"), cwd=ROOT, stdout=subprocess.DEVNULL,
+                                   "--grace", "4", "--quiet"), cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, start_new_session=True) for i in range(3)]
     victim, killed = None, []
     deadline = time.time() + 120
@@ -125,15 +130,18 @@ def test_pg_three_workers_one_killed_mid_pack(tiny_dirs, tmp_path) -> None:
             trials = _trials(url, name)
         except Exception:
             continue
-        running = [t.system_attrs[WORKER_ATTR] for t in trials
-                   if t.state == TrialState.RUNNING and WORKER_ATTR in t.system_attrs]
+        running = sorted((t for t in trials if t.state == TrialState.RUNNING and WORKER_ATTR in t.system_attrs),
+                         key=lambda t: t.datetime_start)
         if running and any(t.state == TrialState.COMPLETE for t in trials):
-            index = running[0]  # which worker trains what depends on timing: take one that trains now
+            # Which worker trains what depends on timing: take the one whose trial started last, the
+            # furthest from its end (a trial of 20 steps lasts well under a second on one thread).
+            index = running[-1].system_attrs[WORKER_ATTR]
             victim = procs[index]
             os.killpg(victim.pid, signal.SIGKILL)
             victim.wait()
+            time.sleep(0.5)  # a live worker names its new trial a few ms after asking; a killed one may never
             killed = [t for t in _trials(url, name)
-                      if t.state == TrialState.RUNNING and t.system_attrs.get(WORKER_ATTR) == index]
+                      if t.state == TrialState.RUNNING and t.system_attrs.get(WORKER_ATTR, index) == index]
             break
     assert killed, "a worker must be killed mid-pack, with trials still training"
     for p in procs:
