@@ -7,7 +7,9 @@ their region forever and the budget counts stay exact (an orphan does not count,
 
 Shared by several workers (``sweep.storage.Sharing``), a RUNNING trial may belong to a live worker:
 only trials whose heartbeat is older than the grace period are orphans (``reap_stale``), and the
-budget is counted in the shared storage rather than by this process.
+budget is counted in the shared storage rather than by this process (``shared_budget``): each trial
+records its planned tokens when asked and its trained tokens when told, and the wall time runs on
+the study's own clock (``sweep.storage.resume_clock``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import json
 import math
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,17 +27,23 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
+from packer.batch import IGNORE_INDEX
+from packer.data import Example, SlotStream
 from packer.errors import UserError
 from packer.model import PackedModel, load_base
 from sweep.space import default_params, make_sampler
 from sweep.spec import StudySpec
-from sweep.storage import Sharing, last_beat, open_storage, storage_lock
+from sweep.storage import Sharing, last_beat, open_storage, resume_clock, storage_lock, study_elapsed
 from sweep.store import ResultsStore, StudyDir
 
-__all__ = ["Session", "open_session", "budget_state", "BudgetState", "ORPHAN_REASON", "counted_trials",
-           "reap_stale"]
+__all__ = ["Session", "open_session", "budget_state", "shared_budget", "BudgetState", "ORPHAN_REASON",
+           "reap_stale", "TokenPlan", "TOKENS_ATTR", "PLANNED_ATTR"]
 
 ORPHAN_REASON = "orphaned: the run stopped while this trial trained; its parameters were enqueued again"
+TOKENS_ATTR = "tokens"
+"""Trial user attr: the target tokens the trial trained (set when it is told)."""
+PLANNED_ATTR = "planned_tokens"
+"""Trial user attr: the target tokens the trial trains if it runs all its steps (set when it is asked)."""
 _FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
 
@@ -54,7 +62,7 @@ class Session:
     finished: int = 0
     """Trials that count against the budget (finished, orphans excluded)."""
     tokens: int = 0
-    """Tokens trained by earlier runs."""
+    """Tokens trained by the trials told so far (earlier runs' and this run's)."""
     elapsed: float = 0.0
     """Wall seconds of earlier runs."""
     completed: list[tuple[int, list[float]]] = field(default_factory=list)
@@ -88,8 +96,10 @@ class Session:
             return f"#{number} {objectives[0].metric}={values[0]:.4g}"
         return f"{len(_pareto(self.completed, [o.direction for o in objectives]))} on the Pareto front"
 
-    def record(self, number: int, state: TrialState, values: list[float] | None) -> None:
+    def record(self, number: int, state: TrialState, values: list[float] | None, tokens: int = 0) -> None:
+        """Count a trial this run told: against the trial budget, and its trained tokens against the token budget."""
         self.finished += 1
+        self.tokens += tokens
         if state == TrialState.COMPLETE and values is not None:
             self.completed.append((number, values))
 
@@ -116,24 +126,96 @@ class BudgetState:
     reason: str = ""
 
 
-def budget_state(spec: StudySpec, s: Session, *, live: int, elapsed: float, live_tokens: int) -> BudgetState:
-    """Whether another trial may start: whichever budget ends first."""
+def budget_state(spec: StudySpec, s: Session, *, live: int, elapsed: float, live_tokens: int,
+                 mine: Collection[int] = ()) -> BudgetState:
+    """Whether another trial may start: whichever budget ends first.
+
+    Each budget stops the asking once reached: a trial starts while the trials counted (finished and
+    training), the tokens trained (by finished trials and so far by training ones) and the wall seconds
+    are all below their budgets; the trials already training then finish. Shared with other workers,
+    the counts come from the storage (``shared_budget``).
+
+    Args:
+        live: Trials training in this run.
+        elapsed: Wall seconds of this run.
+        live_tokens: Tokens this run's training trials trained so far.
+        mine: Numbers of this run's training trials (shared studies: their ``live_tokens`` replace
+            their planned tokens).
+    """
+    if s.sharing is not None:
+        return shared_budget(spec, s.study, mine=mine, live_tokens=live_tokens)
+    return _against(spec, s.finished + live, s.tokens + live_tokens, s.elapsed + elapsed)
+
+
+def _against(spec: StudySpec, trials: int, tokens: int, elapsed: float) -> BudgetState:
     b = spec.budget
-    used = counted_trials(s.study) if s.sharing is not None else s.finished + live
-    if b.trials is not None and used >= b.trials:
+    if b.trials is not None and trials >= b.trials:
         return BudgetState(True, f"{b.trials} trials")
-    if b.tokens is not None and s.tokens + live_tokens >= b.tokens:
+    if b.tokens is not None and tokens >= b.tokens:
         return BudgetState(True, f"{b.tokens} tokens")
-    if b.wall_time is not None and s.elapsed + elapsed >= b.wall_time:
+    if b.wall_time is not None and elapsed >= b.wall_time:
         return BudgetState(True, f"{b.wall_time:.0f} s of wall time")
     return BudgetState(False)
 
 
-def counted_trials(study: optuna.Study) -> int:
+def shared_budget(spec: StudySpec, study: optuna.Study, *, mine: Collection[int] = (),
+                  live_tokens: int = 0) -> BudgetState:
+    """``budget_state`` of a study workers share, counted in its storage (the caller holds its lock).
+
+    Trials count when finished or RUNNING, orphans (trials with a retry) excepted. A finished trial
+    counts the tokens it trained; a RUNNING trial of another worker counts its planned tokens, the
+    most it can train, since its progress reaches the storage only when it is told: so no worker
+    starts a trial once the tokens trained by all workers reach the budget, and the overshoot stays
+    what one worker's pack allows alone. This worker's own training trials (``mine``) count
+    ``live_tokens``, their tokens so far, as in a single run. The wall time is the study's clock
+    (``sweep.storage.study_elapsed``).
+    """
+    trials = _counted(study)
+    tokens = live_tokens + sum(_tokens_of(t) for t in trials if t.number not in mine)
+    elapsed = study_elapsed(study) if spec.budget.wall_time is not None else 0.0
+    return _against(spec, len(trials), tokens, elapsed)
+
+
+def _tokens_of(trial: optuna.trial.FrozenTrial) -> int:
+    # A trial asked or told by an older version has no attr: it counts nothing, as it did then.
+    attr = PLANNED_ATTR if trial.state == TrialState.RUNNING else TOKENS_ATTR
+    return int(trial.user_attrs.get(attr, 0))
+
+
+def _counted(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
     """Trials of the shared storage that count against the budget: finished or RUNNING, orphans excluded."""
     trials = study.get_trials(deepcopy=False)
     orphans = {t.user_attrs["retry_of"] for t in trials if "retry_of" in t.user_attrs}
-    return sum(1 for t in trials if t.state in (*_FINISHED, TrialState.RUNNING) and t.number not in orphans)
+    return [t for t in trials if t.state in (*_FINISHED, TrialState.RUNNING) and t.number not in orphans]
+
+
+class TokenPlan:
+    """Planned tokens: the target tokens a trial trains when it runs all its steps.
+
+    Every trial draws its micro-batches from the same seeded order (``SlotStream``), so a full trial's
+    tokens are known when it is asked: the loss tokens (labels after the causal shift, as the training
+    loop counts them) of its first ``max_steps`` micro-batches. A pruned or failed trial trains fewer.
+    """
+
+    def __init__(self, examples: Sequence[Example], seed: int) -> None:
+        self.examples, self.seed = examples, seed
+        self._per_example: dict[int, int] = {}
+        self._planned: dict[tuple[int, int], int] = {}
+
+    def __call__(self, micro_batch: int, max_steps: int) -> int:
+        key = (micro_batch, max_steps)
+        if key not in self._planned:
+            stream = SlotStream(self.examples, micro_batch, seed=self.seed)
+            self._planned[key] = sum(self._targets(e) for _ in range(max_steps) for e in stream.next_batch())
+        return self._planned[key]
+
+    def _targets(self, example: Example) -> int:
+        # Counted once per example drawn (not over the whole data set), keyed by identity: the stream
+        # hands out the very objects of ``examples``, which stay alive as long as it does.
+        n = self._per_example.get(id(example))
+        if n is None:
+            n = self._per_example[id(example)] = sum(1 for x in example.labels[1:] if x != IGNORE_INDEX)
+        return n
 
 
 def _space_fingerprint(spec: StudySpec) -> str:
@@ -246,10 +328,6 @@ def open_session(spec: StudySpec, *, log: Callable[[str], None] = print, sharing
     study = _optuna_study(spec, sdir, sharing)
     if sharing is None:
         _recover(study, store, log)
-    else:
-        with storage_lock(sharing.url, spec.name):
-            reap_stale(study, store, sharing.grace, log)
-        _sync(study, store)
     url = sharing.url if sharing is not None else spec.storage or sdir.optuna_url
     store.set_meta(name=spec.name, storage=url, model=spec.model.path,
                    data=str(spec.data.train), objectives=[o.metric for o in spec.objectives],
@@ -261,6 +339,11 @@ def open_session(spec: StudySpec, *, log: Callable[[str], None] = print, sharing
         device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tokenizer = load_base(spec.model.path, dtype=spec.model.dtype, device=device)
     pm = PackedModel(model)
+    if sharing is not None:
+        with storage_lock(sharing.url, spec.name):  # the clock first: reaping makes dead trials' ends recent
+            resume_clock(study, sharing.grace, earlier=float(store.meta().get("elapsed", 0.0)))
+            reap_stale(study, store, sharing.grace, log)
+        _sync(study, store)
     trials = study.get_trials(deepcopy=False)
     orphans = {t.user_attrs["retry_of"] for t in trials if "retry_of" in t.user_attrs}
     session = Session(spec, sdir, store, study, pm, tokenizer, _capacity(spec, pm, log),

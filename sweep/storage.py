@@ -8,7 +8,8 @@ a journal file (``journal:///abs/path.log``, or a plain ``*.log`` path) for proc
 storage owns: PostgreSQL ``pg_advisory_lock``, MySQL ``GET_LOCK``, and an ``fcntl.flock`` on a file
 beside a SQLite database or journal file. Heartbeats are a trial system attr (``sweep:heartbeat``,
 wall-clock seconds) that works on every storage; Optuna's own heartbeats run only inside
-``Study.optimize`` (notes §1.5).
+``Study.optimize`` (notes §1.5). The study's wall-time clock is a study user attr (``sweep:clock``), so
+every worker measures the wall-time budget from the same start (``resume_clock``, ``study_elapsed``).
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ import optuna
 from optuna.storages import BaseStorage
 
 __all__ = ["Sharing", "normalize_url", "open_storage", "storage_lock", "Heartbeat", "HEARTBEAT_ATTR",
-           "WORKER_ATTR", "last_beat"]
+           "WORKER_ATTR", "CLOCK_ATTR", "last_beat", "resume_clock", "study_elapsed"]
 
 HEARTBEAT_ATTR = "sweep:heartbeat"
 WORKER_ATTR = "sweep:worker"
+CLOCK_ATTR = "sweep:clock"
 _JOURNAL = "journal://"
 
 
@@ -142,6 +144,48 @@ def last_beat(trial: optuna.trial.FrozenTrial) -> float:
     if beat is not None:
         return float(beat)
     return trial.datetime_start.timestamp() if trial.datetime_start is not None else 0.0
+
+
+def resume_clock(study: optuna.Study, grace: float, *, earlier: float = 0.0, now: float | None = None) -> None:
+    """Start the shared study's wall-time clock, or restart it when the study stood still.
+
+    The clock is ``{"start": wall-clock seconds, "banked": seconds}``; ``study_elapsed`` is ``banked +
+    now - start``. It mirrors a single ``sweep run``, whose wall time counts only while a run runs
+    (resumed, it adds the earlier runs' seconds): when nothing happened in the study (no trial started,
+    finished or beat) for ``grace`` seconds, no worker was alive (a live one beats its RUNNING trials
+    every heartbeat), so the seconds up to that last activity are banked and the clock starts again
+    now. Call it before reaping dead workers' trials: failing them now would make their ends look
+    recent. Workers start the clock once their model is loaded, as a single run starts its clock after
+    loading. The caller holds the storage lock.
+
+    Args:
+        study: The shared study.
+        grace: The workers' grace period (``Sharing.grace``): this long without activity means stopped.
+        earlier: Wall seconds of single-process runs of the study, banked when the clock starts.
+        now: Wall-clock time (tests).
+    """
+    now = time.time() if now is None else now
+    clock = study.user_attrs.get(CLOCK_ATTR)
+    if clock is None:
+        study.set_user_attr(CLOCK_ATTR, {"start": now, "banked": earlier})
+        return
+    last = max([clock["start"], *(_last_activity(t) for t in study.get_trials(deepcopy=False))])
+    if now - last > grace:  # the study stood still
+        study.set_user_attr(CLOCK_ATTR, {"start": now, "banked": clock["banked"] + last - clock["start"]})
+
+
+def _last_activity(trial: optuna.trial.FrozenTrial) -> float:
+    """When the trial last showed life: its last heartbeat (or start), or its end."""
+    done = trial.datetime_complete.timestamp() if trial.datetime_complete is not None else 0.0
+    return max(done, last_beat(trial))
+
+
+def study_elapsed(study: optuna.Study, now: float | None = None) -> float:
+    """Wall seconds the shared study has run (``resume_clock``); 0 before its clock starts."""
+    clock = study.user_attrs.get(CLOCK_ATTR)
+    if clock is None:
+        return 0.0
+    return float(clock["banked"]) + (time.time() if now is None else now) - float(clock["start"])
 
 
 class Heartbeat:

@@ -33,7 +33,7 @@ from packer.model import PackedModel
 from packer.plan import AdapterSpec
 from packer.train import SlotEnd, SlotJob, StepReport, train
 from sweep.pruning import CohortSHA
-from sweep.resume import Session, budget_state, open_session, reap_stale
+from sweep.resume import PLANNED_ATTR, TOKENS_ATTR, Session, TokenPlan, budget_state, open_session, reap_stale
 from sweep.space import adapter_spec, suggest
 from sweep.spec import StudySpec
 from sweep.storage import WORKER_ATTR, Heartbeat, Sharing, storage_lock
@@ -100,6 +100,7 @@ class _Sweep:
         self.sha = (CohortSHA(spec.pruning.rungs, spec.pruning.reduction_factor, direction,
                               session.rung_history(metric)) if spec.pruning.kind == "cohort_sha" else None)
         self.entries = [(e.name, dict(e.options)) for e in spec.evaluators]
+        self.plan = TokenPlan(train_examples, spec.seed)
         self.heartbeat: Heartbeat | None = None
         self.last_reap = time.time()
         self.idle_until = 0.0  # shared budget spent: look again after a heartbeat, not before every step
@@ -119,7 +120,8 @@ class _Sweep:
             return None
         with self._lock():  # count + ask, atomic across workers sharing the study
             budget = budget_state(self.spec, self.s, live=len(self.live), elapsed=time.time() - self.t_start,
-                                  live_tokens=sum(lv.tokens for lv in self.live.values()))
+                                  live_tokens=sum(lv.tokens for lv in self.live.values()),
+                                  mine={lv.trial.number for lv in self.live.values()})
             if budget.exhausted:
                 if self.s.sharing is not None:
                     self.idle_until = time.time() + self.s.sharing.heartbeat
@@ -129,7 +131,9 @@ class _Sweep:
                 self.heartbeat.beat(trial._trial_id)
                 self.s.study._storage.set_trial_system_attr(trial._trial_id, WORKER_ATTR, self.s.sharing.worker)
             params = suggest(trial, self.spec.search)
-        spec = adapter_spec(params, self.spec.train, self.spec.seed, space=self.spec.search)
+            spec = adapter_spec(params, self.spec.train, self.spec.seed, space=self.spec.search)
+            # Under the lock: the next worker to count sees this trial's tokens before it asks.
+            trial.set_user_attr(PLANNED_ATTR, self.plan(spec.micro_batch, spec.max_steps))
         self.live[slot] = _Live(trial, params, spec, self.global_step, time.time())
         self.s.store.upsert_trial(trial.number, state="RUNNING", params=params, pack_id=self.pack_id, slot=slot,
                                   started=time.time(), user_attrs=dict(trial.user_attrs))
@@ -263,8 +267,9 @@ class _Sweep:
             self.s.store.close_span(self.pack_id, e.slot, number, end_step=self.global_step, end_reason=e.reason)
         if reason is not None:
             lv.trial.set_user_attr("reason", reason)
+        lv.trial.set_user_attr(TOKENS_ATTR, lv.tokens)  # other workers count the token budget from it
         self.s.study.tell(lv.trial, values=values if state == TrialState.COMPLETE else None, state=state)
-        self.s.record(number, state, values)
+        self.s.record(number, state, values, lv.tokens)
         counter = {"COMPLETE": "complete", "PRUNED": "pruned"}.get(state.name, "failed")
         setattr(self.summary, counter, getattr(self.summary, counter) + 1)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
-from sweep.resume import counted_trials, reap_stale
+from sweep.resume import reap_stale, shared_budget
 from sweep.spec import StudySpec
 from sweep.storage import Sharing, open_storage, storage_lock
 from sweep.store import ResultsStore, StudyDir
@@ -45,20 +45,24 @@ def run_worker(spec: StudySpec, sharing: Sharing, *, progress: Callable[[Progres
 
 
 def _wait_for_others(spec: StudySpec, sharing: Sharing, log: Callable[[str], None]) -> bool:
-    """After this worker's pack drained: True when the budget has room again (a dead worker's trials
-    were retried: run another pack), False when the study is done."""
+    """After this worker's pack drained: True when the shared budget has room again, False when the study is done.
+
+    Room comes back when a dead worker's trials are failed and retried (they no longer count) or, for
+    tokens, when another worker's trial is pruned or fails short of its planned tokens: run another
+    pack. Spent with no trial RUNNING anywhere, the study is done. Waiting meanwhile lets this worker
+    reap the trials of workers that die, so none stays RUNNING.
+    """
     study = optuna.load_study(study_name=spec.name, storage=open_storage(sharing.url))
     store = ResultsStore(StudyDir(spec.out_dir).results_db)
-    budget = spec.budget.trials
     try:
         while True:
             with storage_lock(sharing.url, spec.name):
                 reap_stale(study, store, sharing.grace, log)
-                used = counted_trials(study)
+                budget = shared_budget(spec, study)
                 running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-            if budget is not None and used < budget:
+            if not budget.exhausted:
                 return True
-            if budget is None or not running:  # token and wall-time budgets are this worker's own
+            if not running:
                 return False
             time.sleep(sharing.heartbeat)
     finally:
