@@ -109,6 +109,9 @@ def launch(study_file: str, overrides: tuple[str, ...], spec: StudySpec, url: st
         env = dict(os.environ)
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
+        # torch sizes its CPU thread pool to every core; N workers would each take all of them and fight
+        # over the host's cores. A user's own setting wins.
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
         cmd = [sys.executable, "-m", "sweep.cli", "worker", study_file, *overrides, "--storage", url,
                "--out", str(sdir.root), "--index", str(i), "--heartbeat", str(heartbeat), "--grace", str(grace),
                "--quiet"]

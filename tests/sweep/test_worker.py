@@ -20,6 +20,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
+from sweep import worker
 from sweep.resume import _optuna_study
 from sweep.spec import load_study
 from sweep.storage import WORKER_ATTR, Sharing, normalize_url, open_storage, storage_lock
@@ -203,3 +204,27 @@ def test_other_search_space_under_the_same_name_is_one_line_exit_2(tiny_dirs, tm
     result = subprocess.run(_cli("worker", str(other), "--storage", url, "--quiet"), capture_output=True,
                             text=True, timeout=120, cwd=ROOT)
     _one_line_exit_2(result, "with a different search space")
+
+
+@pytest.mark.parametrize(("user", "expected"), [(None, "4"), ("3", "3")])
+def test_launch_splits_cpu_threads_between_workers(tiny_dirs, tmp_path, monkeypatch, user, expected) -> None:
+    """Each of N workers gets cores // N CPU threads (torch would give every one of them all the cores);
+    a user's own OMP_NUM_THREADS is kept."""
+    envs: list[dict[str, str]] = []
+
+    class _Done:
+        returncode = 0
+
+        def poll(self) -> int:
+            return 0
+
+    monkeypatch.setattr(worker.subprocess, "Popen", lambda cmd, **kw: envs.append(kw["env"]) or _Done())
+    monkeypatch.setattr(worker.os, "cpu_count", lambda: 8)
+    if user is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", user)
+    path = _study_file(tmp_path, tiny_dirs("llama"), "threads")
+    spec = load_study(path)
+    assert worker.launch(str(path), (), spec, f"journal://{tmp_path / 'j.log'}", 2, heartbeat=1, grace=5) == [0, 0]
+    assert [e["OMP_NUM_THREADS"] for e in envs] == [expected, expected]
