@@ -326,25 +326,57 @@ def _large(peak: float, emit: Callable[[dict], None]) -> None:
         _free()
 
 
-def main(argv: list[str] | None = None, emit: Callable[[dict], None] | None = None) -> None:
+def table(rows: list[dict]) -> str:
+    """The results as a short fixed-width table (one line per measurement; the JSON lines hold everything)."""
+    peft = {r["shape"]: r["tok_s"] for r in rows if r.get("mode") == "peft"}  # one adapter, batch 1, same run
+    lines = [f"{'workload':<12}{'shape':<14}{'mode':<16}{'slots':>6}{'step ms':>9}{'tok/s':>9}{'MFU':>7}"
+             f"{'GiB':>7}{'x PEFT':>8}  other"]
+    for r in rows:
+        if "workload" not in r:
+            continue
+        vs = f"{r['tok_s'] / peft[r['shape']]:.1f}" if r.get("workload") in ("W1", "W2") and r.get("shape") in peft \
+            else ""
+        other = {k: v for k, v in r.items() if k in ("ratio", "max_rel_loss_diff", "error", "makespan_s",
+                                                     "ratio_vs_packed", "rank", "predicted_gib", "measured_gib")}
+        mfu = f"{r['mfu']:.1%}" if "mfu" in r else ""
+        lines.append(f"{r['workload']:<12}{r.get('shape', ''):<14}{r.get('mode', ''):<16}{r.get('slots', ''):>6}"
+                     f"{r.get('step_ms', ''):>9}{r.get('tok_s', ''):>9}{mfu:>7}"
+                     f"{r.get('peak_gib', ''):>7}{vs:>8}  {json.dumps(other) if other else ''}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None, emit: Callable[[dict], None] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(prog="python -m packer.gpu_bench", description=__doc__)
-    parser.add_argument("--part", choices=("small", "large", "all"), default="all",
-                        help="small: the 0.5B shape, W2, W4, W5, profile, memory model; large: 7B and 8B shapes")
+    parser.add_argument("--part", choices=("small", "large", "makespan", "all"), default="all",
+                        help="small: the 0.5B shape (W1, W2, W4, W5, U, profile, memory model); large: the 7B and 8B "
+                             "shapes; makespan: W3 (packer.gpu_makespan, sequential PEFT sampled 8 of 24 by cell)")
     parser.add_argument("--out", default=None, help="folder for the profile tables")
     args = parser.parse_args(argv)
-    emit = emit or (lambda r: print(json.dumps(r), flush=True))
+    results: list[dict] = []
+    printer = emit or (lambda r: print(json.dumps(r), flush=True))
+
+    def keep(r: dict) -> None:
+        results.append(r)
+        printer(r)
+
     import peft
     import transformers
     import triton
 
     peak = gemm_tflops()
-    emit(dict(gpu=torch.cuda.get_device_name(), gemm_tflops=round(peak), torch=torch.__version__,
+    keep(dict(gpu=torch.cuda.get_device_name(), gemm_tflops=round(peak), torch=torch.__version__,
               cuda=torch.version.cuda, triton=triton.__version__, transformers=transformers.__version__,
               peft=peft.__version__))
     if args.part in ("small", "all"):
-        _small(peak, emit, args.out)
+        _small(peak, keep, args.out)
     if args.part in ("large", "all"):
-        _large(peak, emit)
+        _large(peak, keep)
+    if args.part in ("makespan", "all"):
+        from packer.gpu_makespan import makespan
+
+        makespan("qwen2.5-0.5b", sequential_sample=8, emit=keep)
+    print(table(results), flush=True)
+    return results
 
 
 if __name__ == "__main__":

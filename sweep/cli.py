@@ -225,12 +225,16 @@ def export(study_dir: str, trial: int | None, best: bool, objective: str | None,
 @cli.command()
 @click.option("--cpu", "cpu", is_flag=True, help="Training: N adapters packed vs one after another, on the CPU.")
 @click.option("--cpu-eval", "cpu_eval", is_flag=True, help="Evaluation: N adapters scored packed vs one at a time.")
-@click.option("--gpu", "gpu", is_flag=True, help="The GPU workloads (W5 gate, W1, W4) on real architecture shapes.")
+@click.option("--gpu", "gpu", is_flag=True, help="The GPU workloads (W1-W5, base ceiling, profile, memory model) "
+              "on random-init models of real architecture shapes.")
+@click.option("--gpu-part", type=click.Choice(["small", "large", "makespan", "all"]), default="all", show_default=True,
+              help="--gpu: the 0.5B shape, the 7B/8B shapes, the W3 makespan, or all.")
 @click.option("--adapters", default=8, show_default=True, help="Adapters (CPU benchmarks).")
 @click.option("--steps", default=30, show_default=True, help="Optimizer steps per adapter (--cpu).")
 @click.option("--micro-batch", default=1, show_default=True, help="Sequences per adapter per step (--cpu).")
 @click.option("--no-peft", is_flag=True, help="Skip the PEFT baseline (--cpu).")
-def bench(cpu: bool, cpu_eval: bool, gpu: bool, adapters: int, steps: int, micro_batch: int, no_peft: bool) -> None:
+def bench(cpu: bool, cpu_eval: bool, gpu: bool, gpu_part: str, adapters: int, steps: int, micro_batch: int,
+          no_peft: bool) -> None:
     """Measure packed training and evaluation against one adapter at a time."""
     if not (cpu or cpu_eval or gpu):
         raise UserError("bench: choose --cpu, --cpu-eval or --gpu")
@@ -251,7 +255,7 @@ def bench(cpu: bool, cpu_eval: bool, gpu: bool, adapters: int, steps: int, micro
             raise UserError("bench --gpu: no CUDA device visible")
         from packer.gpu_bench import main as gpu_main
 
-        gpu_main([])
+        gpu_main(["--part", gpu_part])
 
 
 def main(argv: list[str] | None = None) -> None:
