@@ -71,19 +71,23 @@ def _run_workers(study: str, overrides: tuple[str, ...], spec: StudySpec, worker
                  heartbeat: float, grace: float, quiet: bool) -> None:
     from collections import Counter
 
-    from sweep.worker import launch, with_storage
+    from sweep.worker import launch, study_counts, with_storage
 
     spec, url = with_storage(spec, storage)
     seen: list[Counter[str]] = [Counter()]
 
     def show(counts: Counter[str]) -> None:
-        if not quiet and counts != seen[-1]:
+        if counts != seen[-1]:
             click.echo(f"{spec.name}: " + ", ".join(f"{counts[s]} {s.lower()}" for s in
                                                      ("COMPLETE", "PRUNED", "FAIL", "RUNNING", "WAITING")), err=True)
         seen.append(counts)
 
-    codes = launch(study, overrides, spec, url, workers, heartbeat=heartbeat, grace=grace, show=show)
-    counts = seen[-1]
+    codes = launch(study, overrides, spec, url, workers, heartbeat=heartbeat, grace=grace,
+                   show=None if quiet else show)
+    try:
+        counts = study_counts(url, spec.name)
+    except Exception:  # no worker got as far as creating the study: the check below names their logs
+        counts = Counter()
     click.echo(f"{spec.name}: {counts['COMPLETE']} complete, {counts['PRUNED']} pruned, {counts['FAIL']} failed "
                f"by {len(codes)} workers; study in {spec.out_dir} (worker logs in {spec.out_dir / 'workers'})")
     bad = [i for i, c in enumerate(codes) if c != 0]

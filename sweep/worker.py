@@ -96,7 +96,8 @@ def launch(study_file: str, overrides: tuple[str, ...], spec: StudySpec, url: st
         spec: The loaded study (its output folder holds the workers' logs, ``workers/worker-<i>.log``).
         url: The shared storage URL.
         workers: Number of workers; None: one per visible GPU (one on a CPU-only host).
-        show: Called with the study's counts by state every poll.
+        show: Called with the study's counts by state every second and at the end; None: no polling (a
+            journal storage's every reader replays the log and takes its lock, beside the workers).
     """
     gpus = [] if spec.model.device == "cpu" else _gpus()
     n = workers if workers is not None else max(1, len(gpus))
@@ -118,11 +119,13 @@ def launch(study_file: str, overrides: tuple[str, ...], spec: StudySpec, url: st
         with open(logs / f"worker-{i}.log", "wb") as out:
             procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                           cwd=Path.cwd()))
+    watched: optuna.Study | None = None  # opened once: a journal storage then replays only what is new
     try:
         while any(p.poll() is None for p in procs):
             if show is not None:
                 try:
-                    show(study_counts(url, spec.name))
+                    watched = watched or optuna.load_study(study_name=spec.name, storage=open_storage(url))
+                    show(Counter(t.state.name for t in watched.get_trials(deepcopy=False)))
                 except Exception:  # the first worker has not created the study yet
                     pass
             time.sleep(1.0)
