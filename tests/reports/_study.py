@@ -10,32 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import yaml
+
+from tests.conftest import write_study
 
 ROOT = Path(__file__).resolve().parents[2]
-DATA = ROOT / "studies" / "data"
 _BUILT: dict[Path, Path] = {}
-
-
-def study_doc(model_dir: Path, out: Path, name: str = "fixture") -> dict:
-    return {
-        "name": name,
-        "seed": 0,
-        "model": {"path": str(model_dir), "device": "cpu"},
-        "data": {"train": str(DATA / "arith-train.jsonl"), "eval": str(DATA / "arith-eval.jsonl"),
-                 "format": "prompt_completion", "max_length": 48},
-        "search": {"rank": {"low": 2, "high": 20, "step": 2}, "rslora": [False, True],
-                   "lr": {"low": 1e-4, "high": 3e-2, "log": True},
-                   "targets": {"attn": ["q_proj", "v_proj"], "all": "all-linear"}},
-        "train": {"max_steps": 12, "micro_batch": 4},
-        "objectives": [{"metric": "eval_loss", "direction": "minimize"},
-                       {"metric": "adapter_params", "direction": "minimize"}],
-        "budget": {"trials": 8},
-        "pruning": {"kind": "cohort_sha", "rungs": [6], "reduction_factor": 2},
-        "packing": {"max_slots": 3},
-        "evaluators": [{"name": "heldout_loss"}],
-        "output": str(out),
-    }
 
 
 def fixture_study(tmp_path_factory: pytest.TempPathFactory, tiny_dirs) -> Path:
@@ -46,8 +25,11 @@ def fixture_study(tmp_path_factory: pytest.TempPathFactory, tiny_dirs) -> Path:
         from sweep.study import run_study
 
         root = tmp_path_factory.mktemp("fixture-study")
-        path = root / "fixture.yaml"
-        path.write_text(yaml.safe_dump(study_doc(tiny_dirs("llama"), root / "runs")))
+        path = write_study(root, tiny_dirs("llama"), "fixture", output=str(root / "runs"), budget={"trials": 8},
+                           search={"rank": {"low": 2, "high": 20, "step": 2}, "rslora": [False, True],
+                                   "lr": {"low": 1e-4, "high": 3e-2, "log": True},
+                                   "targets": {"attn": ["q_proj", "v_proj"], "all": "all-linear"}},
+                           evaluators=[{"name": "heldout_loss"}])
         run_study(load_study(path), log=lambda m: None)
         _BUILT[key] = root / "runs"
     return _BUILT[key]
