@@ -27,7 +27,7 @@ import torch
 from packer.data import Example
 from packer.model import PackedModel
 from packer.plan import AdapterSpec
-from packer.train import SlotJob, train
+from packer.train import FixedBatch, SlotJob, train
 
 __all__ = ["SHAPES", "gemm_tflops", "packed_run", "base_run", "peft_run", "layer_bench", "correctness_gate",
            "profile_step", "calibration_check"]
@@ -81,13 +81,6 @@ def gemm_tflops() -> float:
     return 2 * 8192**3 * 20 / (start.elapsed_time(end) / 1e3) / 1e12
 
 
-class _Fixed:
-    def __init__(self, rows: list[Example]) -> None:
-        self.rows = rows
-
-    def next_batch(self) -> list[Example]:
-        return self.rows
-
 
 def _jobs(slots: int, micro: int, seq: int, vocab: int, steps: int, rank: int | tuple[int, ...] = 16) -> list[SlotJob]:
     """``slots`` adapters (rank ``rank``, or ``rank[i % len(rank)]``) on fixed random token rows."""
@@ -98,7 +91,7 @@ def _jobs(slots: int, micro: int, seq: int, vocab: int, steps: int, rank: int | 
         ids = torch.randint(0, vocab, (micro, seq), generator=gen).tolist()
         r = ranks[i % len(ranks)]
         spec = AdapterSpec(rank=r, alpha=2 * r, targets=PROJ, micro_batch=micro, max_steps=steps, seed=i, lr=1e-4)
-        jobs.append(SlotJob(spec, _Fixed([Example(tuple(row), tuple(row)) for row in ids]), key=i))
+        jobs.append(SlotJob(spec, FixedBatch([Example(tuple(row), tuple(row)) for row in ids]), key=i))
     return jobs
 
 

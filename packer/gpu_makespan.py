@@ -47,7 +47,7 @@ from packer.checkpoint import save_adapter
 from packer.data import Example
 from packer.model import DTYPES, PackedModel
 from packer.plan import AdapterSpec
-from packer.train import SlotJob, make_optimizer, train
+from packer.train import FixedBatch, SlotJob, make_optimizer, train
 
 __all__ = ["SweepConfig", "Setup", "MODES", "sweep_configs", "sample_indices", "extrapolate", "save_base",
            "run_packed", "run_sequential", "run_procs", "makespan", "main"]
@@ -204,15 +204,6 @@ def _basis(n_measured: int, n: int) -> str:
     return "measured" if n_measured == n else f"extrapolated from {n_measured} of {n}"
 
 
-class _Fixed:
-    """A slot's stream: the same rows every step (throughput does not depend on which tokens)."""
-
-    def __init__(self, rows: list[Example]) -> None:
-        self.rows = rows
-
-    def next_batch(self) -> list[Example]:
-        return self.rows
-
 
 def run_packed(setup: Setup, configs: Sequence[SweepConfig], out: Path, slots: int | None = None) -> dict:
     """Train every configuration packed in one run; adapters saved to ``out/config-<index>``."""
@@ -222,7 +213,7 @@ def run_packed(setup: Setup, configs: Sequence[SweepConfig], out: Path, slots: i
     queue = []
     for c in configs:
         rows = [Example(tuple(r), tuple(r)) for r in c.token_ids(setup.seq, setup.vocab).tolist()]
-        queue.append(SlotJob(c.spec(setup.steps), _Fixed(rows), key=c.index))
+        queue.append(SlotJob(c.spec(setup.steps), FixedBatch(rows), key=c.index))
 
     def save(ends: list) -> None:
         for e in ends:

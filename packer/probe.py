@@ -25,7 +25,7 @@ from packer.data import Example
 from packer.loss import chunked_slot_losses
 from packer.model import PackedModel
 from packer.plan import ADAPTER_BYTES_PER_PARAM, AdapterSpec, MemoryModel
-from packer.train import SlotJob, chunk_tokens_of, train
+from packer.train import FixedBatch, SlotJob, chunk_tokens_of, train
 
 __all__ = ["peak_memory", "calibrate", "available_memory", "model_bytes"]
 
@@ -100,17 +100,10 @@ def available_memory(device: torch.device) -> int:
     raise RuntimeError("MemAvailable not in /proc/meminfo")
 
 
-class _Repeat:
-    def __init__(self, rows: list[Example]) -> None:
-        self.rows = rows
-
-    def next_batch(self) -> list[Example]:
-        return self.rows
-
 
 def _step(pm: PackedModel, spec: AdapterSpec, rows: list[Example], pad_id: int, steps: int,
           options: dict[str, Any]) -> float:
-    jobs = [SlotJob(spec, _Repeat(rows))]
+    jobs = [SlotJob(spec, FixedBatch(rows))]
     t0 = time.perf_counter()
     train(pm, 1, lambda slot: jobs.pop() if jobs else None, pad_id=pad_id, **options)
     if pm.device.type == "cuda":

@@ -34,14 +34,25 @@ from packer.model import PackedModel
 from packer.optim import PackedAdamW
 from packer.plan import AdapterSpec
 
-__all__ = ["BatchSource", "SlotJob", "SlotEnd", "StepReport", "TrainResult", "train", "slot_losses", "make_optimizer",
-           "make_scheduler", "chunk_tokens_of"]
+__all__ = ["BatchSource", "FixedBatch", "SlotJob", "SlotEnd", "StepReport", "TrainResult", "train", "slot_losses",
+           "make_optimizer", "make_scheduler", "chunk_tokens_of"]
 
 
 class BatchSource(Protocol):
     """A slot's data stream (``packer.data.SlotStream`` is one)."""
 
     def next_batch(self) -> list[Any]: ...
+
+
+class FixedBatch:
+    """A ``BatchSource`` serving the same rows at every step: for memory probes and benchmarks, whose
+    results do not depend on which tokens a step trains."""
+
+    def __init__(self, rows: list[Any]) -> None:
+        self.rows = rows
+
+    def next_batch(self) -> list[Any]:
+        return self.rows
 
 
 @dataclass

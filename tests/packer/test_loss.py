@@ -14,7 +14,7 @@ from packer.model import PackedModel, load_base
 from packer.plan import AdapterSpec
 from packer.probe import peak_memory
 from packer.tiny import tiny_config
-from packer.train import SlotJob, slot_losses, train
+from packer.train import FixedBatch, SlotJob, slot_losses, train
 from tests.conftest import Recorder, random_examples
 
 PAD = 0
@@ -119,13 +119,6 @@ def test_chunked_ce_refuses_logit_postprocessing(tiny_dirs) -> None:
         train(pm, 1, lambda slot: None, pad_id=PAD, chunked_ce=0)
 
 
-class _Fixed:
-    def __init__(self, rows: list[Example]) -> None:
-        self.rows = rows
-
-    def next_batch(self) -> list[Example]:
-        return self.rows
-
 
 def test_chunked_ce_lowers_peak_memory_with_a_large_vocabulary() -> None:
     vocab, seq, micro = 20_000, 64, 8
@@ -138,7 +131,7 @@ def test_chunked_ce_lowers_peak_memory_with_a_large_vocabulary() -> None:
     spec = AdapterSpec(rank=8, targets=("all-linear",), micro_batch=micro, max_steps=1, seed=0)
 
     def step(**options) -> int:
-        jobs = [SlotJob(spec, _Fixed(rows))]
+        jobs = [SlotJob(spec, FixedBatch(rows))]
         return peak_memory(lambda: train(pm, 1, lambda s: jobs.pop() if jobs else None, pad_id=PAD, **options), pm)
 
     plain, chunked = step(), step(chunked_ce=64)

@@ -11,15 +11,7 @@ from packer.model import PackedModel, load_base
 from packer.plan import AdapterSpec, adapter_param_count
 from packer.probe import calibrate, peak_memory
 from packer.tiny import build_tokenizer, tiny_config
-from packer.train import SlotJob, train
-
-
-class _Fixed:
-    def __init__(self, rows: list[Example]) -> None:
-        self.rows = rows
-
-    def next_batch(self) -> list[Example]:
-        return self.rows
+from packer.train import FixedBatch, SlotJob, train
 
 
 @pytest.mark.parametrize("chunked_ce", [False, 640], ids=["full-logits", "chunked-ce"])
@@ -46,7 +38,7 @@ def test_memory_model_predicts_measured_peak(tmp_path, chunked_ce) -> None:
     for i, r in enumerate(ranks):
         ids = torch.randint(3, 20_000, (micro, seq), generator=gen).tolist()
         spec = AdapterSpec(rank=r, targets=("all-linear",), micro_batch=micro, max_steps=2, seed=i)
-        jobs.append(SlotJob(spec, _Fixed([Example(tuple(x), tuple(x)) for x in ids])))
+        jobs.append(SlotJob(spec, FixedBatch([Example(tuple(x), tuple(x)) for x in ids])))
     shapes = [(layer.in_features, layer.out_features) for layer in pm.layers.values()]
     params = sum(adapter_param_count(shapes, r) for r in ranks)
     predicted = mm.predict(len(ranks) * micro * seq, params, sum(ranks))
