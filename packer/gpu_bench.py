@@ -29,8 +29,8 @@ from packer.model import PackedModel
 from packer.plan import AdapterSpec
 from packer.train import FixedBatch, SlotJob, train
 
-__all__ = ["SHAPES", "gemm_tflops", "packed_run", "base_run", "peft_run", "layer_bench", "correctness_gate",
-           "profile_step", "calibration_check"]
+__all__ = ["SHAPES", "build_shape", "gemm_tflops", "packed_run", "base_run", "peft_run", "layer_bench",
+           "correctness_gate", "profile_step", "calibration_check", "table"]
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SHAPES: dict[str, dict] = {
@@ -43,15 +43,17 @@ SHAPES: dict[str, dict] = {
 }
 
 
-def _model(name: str) -> torch.nn.Module:
+def build_shape(name: str, *, device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    """A random-init (seed 0) causal LM of shape ``SHAPES[name]``, SDPA attention, built on ``device``
+    (where it runs: a 7B init on the CPU alone takes minutes)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     kw = dict(SHAPES[name])
     cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
 
 
 def _counted_params(model: torch.nn.Module) -> int:
@@ -152,7 +154,7 @@ def peft_run(name: str, batch: int, seq: int, *, warmup: int = 3, steps: int = 6
     """One adapter with transformers + PEFT, as users run it today (performance.md's protocol)."""
     from peft import LoraConfig, get_peft_model
 
-    model = _model(name)
+    model = build_shape(name)
     flops = _flops(model, batch, seq)
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=list(PROJ), lora_dropout=0.0))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
@@ -274,7 +276,7 @@ def _free() -> None:
 def _small(peak: float, emit: Callable[[dict], None], out_dir: str | None) -> None:
     """Qwen2.5-0.5B shape: W5, W1 (slots 1..32) and PEFT, U, W4, the profile, W2, the memory model, then the
     masked-dense torch path (most important first: a run cut short still has the headline)."""
-    model = _model("qwen2.5-0.5b")
+    model = build_shape("qwen2.5-0.5b")
     gate = correctness_gate(model)
     emit(gate)
     if not gate["ok"]:
@@ -308,7 +310,7 @@ def _small(peak: float, emit: Callable[[dict], None], out_dir: str | None) -> No
 def _large(peak: float, emit: Callable[[dict], None]) -> None:
     """Qwen2.5-7B (16 slots x 1 x 512) and Llama-3-8B (seq 1024) packs, their base-only ceilings, PEFT."""
     for name, seq, packs in (("qwen2.5-7b", 512, (16,)), ("llama3-8b", 1024, (4, 8, 12))):
-        model = _model(name)
+        model = build_shape(name)
         for slots in packs:
             emit(dict(shape=name, **packed_run(model, slots, 1, seq, peak_tflops=peak, warmup=3, steps=5)))
             _free()

@@ -141,22 +141,19 @@ def extrapolate(configs: Sequence[SweepConfig], measured: dict[int, float]) -> t
 
 def save_base(shape: str, out_dir: Path, *, device: str, dtype: str, tiny: bool = False) -> tuple[Path, int]:
     """Random-init a model of ``shape`` (or a tiny Qwen2) and save it; returns (its directory, vocab size)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     if tiny:
         from packer.tiny import build_tiny_model
 
         build_tiny_model("qwen2", out_dir, seed=0, hidden_size=TINY_HIDDEN)
         return out_dir, AutoConfig.from_pretrained(out_dir).vocab_size
-    kw = dict(gpu_bench.SHAPES[shape])
-    cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
-    torch.manual_seed(0)
-    with torch.device(device):  # initialised where it runs: a 7B init on the CPU alone takes minutes
-        model = AutoModelForCausalLM.from_config(cfg, dtype=DTYPES[dtype])
+    model = gpu_bench.build_shape(shape, device=device, dtype=DTYPES[dtype])
     model.save_pretrained(out_dir)
+    vocab = model.config.vocab_size
     del model
     _free(device)
-    return out_dir, cfg.vocab_size
+    return out_dir, vocab
 
 
 def _load(setup: Setup) -> torch.nn.Module:
