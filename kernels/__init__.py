@@ -19,7 +19,7 @@ from kernels.meta import LayerRanks, PackLayout, dropout_seed
 from kernels.reference import lora_loop, lora_masked_dense
 
 __all__ = ["packed_lora", "packed_lora_linear", "PackLayout", "LayerRanks", "dropout_seed", "IMPLS", "Impl",
-           "triton_available"]
+           "resolve_impl", "triton_available"]
 
 Impl = Literal["torch", "loop", "triton", "auto"]
 IMPLS: tuple[str, ...] = ("torch", "loop", "triton", "auto")
@@ -31,6 +31,21 @@ for CUDA inputs when triton is installed, else torch."""
 def triton_available() -> bool:
     """Whether triton is installed (without importing it)."""
     return importlib.util.find_spec("triton") is not None
+
+
+def resolve_impl(impl: Impl, device: torch.device) -> Impl:
+    """The implementation ``impl`` means on ``device``: ``auto`` is triton for CUDA when triton is
+    installed, else torch; any other name is itself."""
+    if impl == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    return impl
+
+
+def _triton_module():  # type: ignore[no-untyped-def]
+    """``kernels.triton_lora``, imported on first use (after a test's ``TRITON_INTERPRET=1``)."""
+    if not triton_available():
+        raise ImportError("impl='triton' needs triton: pip install 'lora-sweep[triton]' (or use impl='auto')")
+    return importlib.import_module("kernels.triton_lora")
 
 
 def packed_lora(x: torch.Tensor, base_out: torch.Tensor, a_cat: torch.Tensor, bt_cat: torch.Tensor,
@@ -54,16 +69,13 @@ def packed_lora(x: torch.Tensor, base_out: torch.Tensor, a_cat: torch.Tensor, bt
         ImportError: ``impl="triton"`` without triton installed.
     """
     if impl == "auto":
-        impl = "triton" if x.is_cuda and triton_available() else "torch"
+        impl = resolve_impl(impl, x.device)
     if impl == "torch":
         return lora_masked_dense(x, base_out, a_cat, bt_cat, layout, ranks)
     if impl == "loop":
         return lora_loop(x, base_out, a_cat, bt_cat, layout, ranks)
     if impl == "triton":
-        if not triton_available():
-            raise ImportError("impl='triton' needs triton: pip install 'lora-sweep[triton]' (or use impl='auto')")
-        return importlib.import_module("kernels.triton_lora").packed_lora_triton(x, base_out, a_cat, bt_cat,
-                                                                                 layout, ranks)
+        return _triton_module().packed_lora_triton(x, base_out, a_cat, bt_cat, layout, ranks)
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
@@ -85,10 +97,7 @@ def packed_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         (B, L, D_out) tensor; differentiable in x, a_cat and bt_cat (and weight, bias if they require grad).
     """
     if impl == "auto":
-        impl = "triton" if x.is_cuda and triton_available() else "torch"
+        impl = resolve_impl(impl, x.device)
     if impl != "triton":
         return packed_lora(x, F.linear(x, weight, bias), a_cat, bt_cat, layout, ranks, impl=impl)
-    if not triton_available():
-        raise ImportError("impl='triton' needs triton: pip install 'lora-sweep[triton]' (or use impl='auto')")
-    return importlib.import_module("kernels.triton_lora").packed_lora_triton(x, None, a_cat, bt_cat, layout, ranks,
-                                                                             weight=weight, bias=bias)
+    return _triton_module().packed_lora_triton(x, None, a_cat, bt_cat, layout, ranks, weight=weight, bias=bias)

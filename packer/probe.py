@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from kernels import PackLayout, triton_available
+from kernels import PackLayout, resolve_impl
 from packer.data import Example
 from packer.loss import chunked_slot_losses
 from packer.model import PackedModel
@@ -147,8 +147,7 @@ def calibrate(pm: PackedModel, seq_len: int, *, rows: tuple[int, int] = (2, 8), 
     per_token = max(0.0, (m2 - m1) / (t2 - t1))
     # At the larger token count, where activations outweigh the optimizer's transient buffers. Triton keeps
     # one per-token column per rank of the widest slot, padded to a power of 2 (>= 16): the probes' widths.
-    triton = pm.state.impl == "triton" or (pm.state.impl == "auto" and pm.device.type == "cuda"
-                                           and triton_available())
+    triton = resolve_impl(pm.state.impl, pm.device) == "triton"
     width = (_pad(r_hi) - _pad(r_lo)) if triton else (r_hi - r_lo)
     per_token_rank = max(0.0, (m3 - m2) / (t2 * width)) if width > 0 else 0.0
     sec_per_token = max(0.0, (s2 - s1) / (t2 - t1))
