@@ -15,11 +15,12 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from kernels._launch import to_device_async
 from kernels.meta import LayerRanks, PackLayout, dropout_seed
 from kernels.reference import lora_loop, lora_masked_dense
 
 __all__ = ["packed_lora", "packed_lora_linear", "PackLayout", "LayerRanks", "dropout_seed", "IMPLS", "Impl",
-           "resolve_impl", "triton_available"]
+           "resolve_impl", "triton_available", "to_device_async"]
 
 Impl = Literal["torch", "loop", "triton", "auto"]
 IMPLS: tuple[str, ...] = ("torch", "loop", "triton", "auto")

@@ -17,7 +17,7 @@ import torch
 
 from kernels.meta import LayerRanks, PackLayout
 
-__all__ = ["SegmentMeta", "build_meta", "check_2d", "SEG_INT_FIELDS", "SEG_FLT_FIELDS", "POS_BITS"]
+__all__ = ["SegmentMeta", "build_meta", "check_2d", "to_device_async", "SEG_INT_FIELDS", "SEG_FLT_FIELDS", "POS_BITS"]
 
 SEG_INT_FIELDS = 6
 """Columns of ``SegmentMeta.seg_int``: tok_start, tok_end, row_start, rank, rank_off, dropout seed (the
@@ -123,12 +123,12 @@ def _tables(layout: PackLayout, rank: tuple[int, ...], scale: tuple[float, ...],
             covered += t1 - t0
             n_seg += 1
         rank_off += r
-    blob = _to_device(torch.tensor(seg_int + tiles + chunks, dtype=torch.int64), device)  # one copy for all ints
+    blob = to_device_async(torch.tensor(seg_int + tiles + chunks, dtype=torch.int64), device)  # one copy for all ints
     a, b = len(seg_int), len(seg_int) + len(tiles)
     r_max = max(rank, default=0)
     return SegmentMeta(
         seg_int=blob[:a].view(-1, SEG_INT_FIELDS),
-        seg_flt=_to_device(torch.tensor(seg_flt, dtype=torch.float32), device).view(-1, SEG_FLT_FIELDS),
+        seg_flt=to_device_async(torch.tensor(seg_flt, dtype=torch.float32), device).view(-1, SEG_FLT_FIELDS),
         tiles=blob[a:b].view(-1, 2),
         chunks=blob[b:].view(-1, 4),
         n_tiles=len(tiles) // 2, n_chunks=len(chunks) // 4, n_partials=n_partials, seq_len=seq_len,
@@ -138,9 +138,10 @@ def _tables(layout: PackLayout, rank: tuple[int, ...], scale: tuple[float, ...],
     )
 
 
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host table -> device without a stream sync: a blocking (or pageable) copy would stall every layer call.
-    Pinned blocks come from torch's caching host allocator, so pinning a few hundred bytes per call is cheap."""
+def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor -> device without a stream sync: a pageable copy waits for every kernel queued before it
+    (here: stalls every layer call). Pinned blocks come from torch's caching host allocator, so pinning a few
+    hundred bytes per call is cheap."""
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)

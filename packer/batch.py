@@ -7,7 +7,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from kernels import PackLayout
+from kernels import PackLayout, to_device_async
 from packer.data import IGNORE_INDEX
 
 __all__ = ["PackBatch", "collate", "row_slots", "IGNORE_INDEX"]
@@ -77,11 +77,9 @@ def collate(slots: Sequence[int], rows: Sequence[Sequence[Row]], pad_id: int, *,
 def row_slots(layout: PackLayout, device: torch.device) -> torch.Tensor:
     """(B,) int64: the layout index of the slot each row belongs to, on ``device``.
 
-    Built on the host and copied from pinned memory without blocking: a pageable copy would wait for
-    every kernel queued before it (the whole forward, when the loss asks for it).
+    Built on the host and copied without blocking: a blocking copy would wait for the whole forward, when
+    the loss asks for it.
     """
-    rows = torch.repeat_interleave(torch.arange(len(layout.slots)), torch.tensor(layout.n_rows))
-    if device.type != "cuda":
-        return rows.to(device)
-    return rows.pin_memory().to(device, non_blocking=True)
+    return to_device_async(torch.repeat_interleave(torch.arange(len(layout.slots)), torch.tensor(layout.n_rows)),
+                           device)
 
