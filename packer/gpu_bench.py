@@ -255,14 +255,12 @@ def profile_step(model: torch.nn.Module, slots: int, seq: int, out_dir: str | No
 
 def calibration_check(model: torch.nn.Module, slots: int, seq: int, measured_gib: float) -> dict:
     """The planner's memory model, calibrated on this GPU by small probes, against a measured pack's peak."""
-    from packer.inject import linear_shape, projection_names
-    from packer.plan import adapter_param_count
+    from packer.inject import all_linear_params
     from packer.probe import calibrate
 
     pm = PackedModel(model, impl="triton")
     mm = calibrate(pm, seq, rows=(2, 8), chunked_ce=True)  # the options the measured pack ran with
-    shapes = [linear_shape(pm.model.get_submodule(p)) for p in projection_names(pm.model)]
-    params = adapter_param_count([s for s in shapes if s is not None], 16)  # r=16 on every projection
+    params = all_linear_params(pm.model, 16)  # r=16 on every projection
     predicted = mm.predict(slots * seq, slots * params, slots * 16, 16) / 2**30
     return dict(workload="calibration", slots=slots, seq=seq, predicted_gib=round(predicted, 1),
                 measured_gib=measured_gib, error=round(predicted / measured_gib - 1, 3))

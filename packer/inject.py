@@ -14,9 +14,9 @@ from transformers.pytorch_utils import Conv1D
 
 from packer.errors import ConfigError
 from packer.layer import PackedLoRALinear, PackState
-from packer.plan import ALL_LINEAR
+from packer.plan import ALL_LINEAR, adapter_param_count
 
-__all__ = ["linear_shape", "projection_names", "resolve_targets", "inject"]
+__all__ = ["linear_shape", "projection_names", "resolve_targets", "inject", "all_linear_params"]
 
 
 def linear_shape(module: nn.Module) -> tuple[int, int] | None:
@@ -89,3 +89,11 @@ def inject(model: nn.Module, paths: Iterable[str], state: PackState,
         setattr(parent, leaf, layer)
         existing[path] = layer
     return existing
+
+
+def all_linear_params(model: nn.Module, rank: int) -> int:
+    """Trainable parameters of a rank-``rank`` adapter on every linear projection of ``model`` (the
+    widest slot a planner has to fit)."""
+    shapes = [linear_shape(model.get_submodule(p)) for p in projection_names(model)]
+    return adapter_param_count([s for s in shapes if s is not None], rank)
+

@@ -10,8 +10,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from packer.inject import all_linear_params
 from packer.model import PackedModel
-from packer.plan import MemoryModel, adapter_param_count
+from packer.plan import MemoryModel
 from packer.probe import available_memory, calibrate
 from sweep.spec import StudySpec
 
@@ -70,13 +71,6 @@ def _worst(spec: StudySpec) -> tuple[int, int]:
     return rank, micro
 
 
-def _slot_params(pm: PackedModel, rank: int) -> int:
-    from packer.inject import linear_shape, projection_names
-
-    shapes = [linear_shape(pm.model.get_submodule(p)) for p in projection_names(pm.model)]
-    return adapter_param_count([s for s in shapes if s is not None], rank)
-
-
 def plan_pack(spec: StudySpec, pm: PackedModel, *, mean_len: float | None = None) -> PlanReport:
     """Calibrate the memory model and size the pack; ``mean_len`` (tokens per row) sharpens the time."""
     rank, micro = _worst(spec)
@@ -84,7 +78,7 @@ def plan_pack(spec: StudySpec, pm: PackedModel, *, mean_len: float | None = None
     mm = calibrate(pm, seq, rows=(1, 3), pad_id=0, chunked_ce=spec.packing.chunked_ce,
                    activation_checkpointing=spec.packing.activation_checkpointing)
     available = int(available_memory(pm.device) * MEMORY_FRACTION)
-    params = _slot_params(pm, rank)
+    params = all_linear_params(pm.model, rank)
     fit = mm.max_slots(available, micro * seq, params, rank, limit=MAX_AUTO_SLOTS)
     if spec.packing.max_slots != "auto":
         slots = int(spec.packing.max_slots)
