@@ -31,7 +31,7 @@ __all__ = ["PackState", "PackedLoRALinear"]
 class PackState:
     """Shared by all layers of one packed model: what the current forward pass looks like."""
 
-    impl: Impl = "torch"
+    impl: Impl = "auto"
     layout: PackLayout | None = None
     """Set by ``PackedModel`` around each forward; None means the base model alone."""
     scales: dict[int, float] = field(default_factory=dict)

@@ -76,10 +76,11 @@ class PackedModel:
     Args:
         model: a Hugging Face causal LM (``AutoModelForCausalLM``) or any module with the same
             ``forward(input_ids, attention_mask) -> .logits`` contract.
-        impl: packed-LoRA implementation passed to ``kernels.packed_lora``.
+        impl: packed-LoRA implementation passed to ``kernels.packed_lora`` (``auto``: the Triton
+            kernels on CUDA, masked-dense PyTorch on CPU).
     """
 
-    def __init__(self, model: nn.Module, *, impl: Impl = "torch") -> None:
+    def __init__(self, model: nn.Module, *, impl: Impl = "auto") -> None:
         if impl not in IMPLS:
             raise ConfigError(f"impl: must be one of {', '.join(IMPLS)} (got {impl!r})")
         self.model = model

@@ -236,6 +236,9 @@ class PackingSpec:
     """Cross-entropy in chunks of this many target tokens (``true``: 4096), never all logits at once."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer in backward instead of keeping its activations."""
+    kernels: Literal["auto", "triton", "torch"] = "auto"
+    """Packed-LoRA implementation: ``auto`` (Triton on a CUDA device, PyTorch on CPU), ``triton`` or
+    ``torch`` (masked-dense PyTorch, any device)."""
 
     def __post_init__(self) -> None:
         ok = self.max_slots == "auto" or (isinstance(self.max_slots, int) and 1 <= self.max_slots <= 256)
@@ -245,6 +248,7 @@ class PackingSpec:
                "must be true, false or a number of tokens >= 1", ce)
         _check(isinstance(self.activation_checkpointing, bool), "activation_checkpointing", "must be true or false",
                self.activation_checkpointing)
+        _check(self.kernels in ("auto", "triton", "torch"), "kernels", "must be auto, triton or torch", self.kernels)
 
 
 @dataclass(frozen=True)

@@ -182,3 +182,24 @@ def test_memory_options_reach_the_training_loop(tiny_dirs, tmp_path) -> None:
     assert len(curves[0]) == 16
     for (t1, s1, l1), (t2, s2, l2) in zip(*curves, strict=True):  # same math, less memory
         assert (t1, s1) == (t2, s2) and abs(l1 - l2) <= 1e-5 * abs(l2)
+
+
+def test_kernels_option_reaches_the_packed_model(tiny_dirs, tmp_path, monkeypatch) -> None:
+    import sweep.resume
+    from packer.model import PackedModel
+
+    made: list[str] = []
+
+    def recording(model, *, impl="auto"):  # type: ignore[no-untyped-def]
+        made.append(impl)
+        return PackedModel(model, impl=impl)
+
+    monkeypatch.setattr(sweep.resume, "PackedModel", recording)
+    common = dict(budget={"trials": 1}, train={"max_steps": 8, "micro_batch": 2})
+    default = load_study(write_study(tmp_path, tiny_dirs("llama"), name="default-kernels", **common))
+    chosen = load_study(write_study(tmp_path, tiny_dirs("llama"), name="torch-kernels",
+                                    packing={"max_slots": 1, "kernels": "torch"}, **common))
+    assert default.packing.kernels == "auto"  # Triton on a GPU: the sweep must not default to the slow path
+    for s in (default, chosen):
+        run_study(s, log=lambda m: None)
+    assert made == ["auto", "torch"]
