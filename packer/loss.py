@@ -3,11 +3,13 @@
 The plain path computes ``(B, L, V)`` logits, then an fp32 copy for the cross-entropy; with a large
 vocabulary (152k for Qwen2) that is the biggest activation of a step, and autograd keeps the fp32
 log-softmax of every token for the backward. Here only the target tokens (those with a label: prompt
-tokens and padding have none) get logits, a chunk of ``chunk_tokens`` at a time, and each chunk's
-head matmul + fp32 log-softmax + gather runs under ``torch.utils.checkpoint`` (non-reentrant): the
-forward keeps only the chunk's input hidden states, and the backward recomputes one chunk's logits
-at a time. Logits memory is a few ``chunk_tokens x V`` fp32 tensors instead of several ``B x L x V`` ones.
-(The approach of Liger's fused linear cross-entropy and of torchtune's chunked loss, in plain PyTorch.)
+tokens and padding have none) get logits, a chunk of ``chunk_tokens`` at a time. The head is frozen,
+so each chunk's gradient with respect to its hidden states is computed in the forward, while its
+logits exist (Liger's fused linear cross-entropy, in plain PyTorch): ``(softmax - onehot) @ W`` is
+kept, ``(T, H)`` like the hidden states it replaces, and the backward only scales its rows by the
+upstream gradient. The logits are computed once, not again in the backward as a checkpointed chunk
+would; logits memory is one ``chunk_tokens x V`` fp32 tensor and its input-dtype copy instead of
+several ``B x L x V`` ones. A head that trains (never the case in a pack) takes the checkpointed path.
 
 Models that post-process logits after the head (Gemma-2's ``final_logit_softcapping``, Cohere's
 ``logit_scale``, Granite's ``logits_scaling``) are refused by ``check_plain_head``: their head output is
@@ -58,6 +60,53 @@ def _chunk_nll(head: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tenso
     return F.cross_entropy(logits, y, reduction="none")
 
 
+class _FusedLinearCE(torch.autograd.Function):
+    """Per-token NLL of ``F.linear(x, weight, bias)`` with its input gradient computed in the forward.
+
+    forward(x (T, H), weight (V, H), bias (V,) | None, y (T,), chunk) -> (T,) fp32 NLL. The gradient of
+    token t's NLL is ``(softmax_t - onehot(y_t)) @ W``: kept (T, H) in x's dtype; the backward multiplies
+    row t by the upstream gradient of NLL_t (in fp32, then rounds once). ``weight`` and ``bias`` get none.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
+                chunk: int) -> torch.Tensor:
+        nll = x.new_empty(len(y), dtype=torch.float32)
+        grad = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+        probs: torch.Tensor | None = None
+        for i in range(0, len(y), chunk):
+            yc = y[i:i + chunk]
+            logits = F.linear(x[i:i + chunk], weight, bias).float()  # (C, V), upcast as the plain path does
+            lse = torch.logsumexp(logits, dim=-1)  # (C,)
+            nll[i:i + chunk] = lse - logits.gather(1, yc[:, None]).squeeze(1)
+            if grad is not None:
+                probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+                probs[torch.arange(len(yc), device=y.device), yc] -= 1.0
+                torch.mm(probs.to(x.dtype), weight, out=grad[i:i + chunk])  # (C, H)
+            logits = probs = None  # freed before the next chunk's are made: one chunk's logits at a time, not two
+        ctx.save_for_backward(grad)
+        return nll
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None]:
+        (grad,) = ctx.saved_tensors
+        if grad is None:
+            return None, None, None, None, None
+        return (grad.float() * g[:, None]).to(grad.dtype), None, None, None, None
+
+
+def _token_nll(head: nn.Module, x: torch.Tensor, y: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+    """(T,) fp32 NLL of targets ``y`` (T,) under ``head`` applied to ``x`` (T, H), a chunk at a time."""
+    weight, bias = getattr(head, "weight", None), getattr(head, "bias", None)
+    frozen = isinstance(head, nn.Linear) and not weight.requires_grad and (bias is None or not bias.requires_grad)
+    if frozen and len(y) > 0:
+        return _FusedLinearCE.apply(x, weight, bias, y, chunk_tokens)
+    pieces = [checkpoint(_chunk_nll, head, x[i:i + chunk_tokens], y[i:i + chunk_tokens], use_reentrant=False)
+              for i in range(0, len(y), chunk_tokens)]
+    # No target token at all: an empty tensor that is still in the graph, so backward() works as on the plain path.
+    return torch.cat(pieces) if pieces else x.float().sum(dim=-1)
+
+
 def chunked_slot_losses(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor, layout: PackLayout, *,
                         chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-slot mean next-token cross-entropy over target tokens, from the final hidden states.
@@ -82,10 +131,7 @@ def chunked_slot_losses(hidden: torch.Tensor, head: nn.Module, labels: torch.Ten
     x = hidden[:, :-1][rows, pos]  # (T, H): target positions only
     y = shift_labels[rows, pos]  # (T,)
     row_slot = row_slots(layout, hidden.device)  # (B,)
-    pieces = [checkpoint(_chunk_nll, head, x[i:i + chunk_tokens], y[i:i + chunk_tokens], use_reentrant=False)
-              for i in range(0, len(y), chunk_tokens)]
-    # No target token at all: an empty tensor that is still in the graph, so backward() works as on the plain path.
-    nll = torch.cat(pieces) if pieces else x.float().sum(dim=-1)  # (T,)
+    nll = _token_nll(head, x, y, chunk_tokens)  # (T,)
     seg = row_slot[rows]  # (T,)
     sums = torch.zeros(n, device=hidden.device).index_add(0, seg, nll)
     counts = torch.bincount(seg, minlength=n).float()  # (N,)
