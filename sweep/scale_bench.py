@@ -6,7 +6,8 @@ in a fresh output folder with its own journal-file storage, and counts the finis
 storage. Wall time is the whole command: process start, model load, every pack, every evaluation.
 Heartbeats every 2 s: a worker that drained its last pack waits for the others' RUNNING trials by
 polling at the heartbeat, and that wait should not blur the comparison. A short warm-up study first
-fills Triton's kernel cache, so no worker count pays the compile alone.
+fills Triton's kernel cache, so no worker count pays the compile alone (list the larger worker count
+first: kernels the warm-up missed are then compiled in its time, not in the one-worker baseline's).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from sweep.store import ResultsStore, StudyDir
 from sweep.worker import study_counts
 
 __all__ = ["run_once", "main"]
@@ -44,8 +46,15 @@ def run_once(study: str, workers: int, root: Path, *overrides: str, name: str | 
         raise SystemExit(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
     counts = study_counts(storage, name)
     finished = sum(counts[s] for s in FINISHED)
+    store = ResultsStore(StudyDir(out).results_db, create=False)
+    try:  # each worker's packs: the part of the wall time that is training, evaluating and telling
+        packs = [dict(wall_s=round(p.wall_s or 0.0, 1), steps=p.steps, ms_per_step=round(1e3 * (p.wall_s or 0.0)
+                      / max(1, p.steps or 0), 1)) for p in store.packs()]
+    finally:
+        store.close()
     return dict(workers=workers, wall_s=round(wall, 1), finished=finished, complete=counts["COMPLETE"],
-                pruned=counts["PRUNED"], failed=counts["FAIL"], trials_per_hour=round(finished / wall * 3600, 1))
+                pruned=counts["PRUNED"], failed=counts["FAIL"], trials_per_hour=round(finished / wall * 3600, 1),
+                packs=packs)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -55,16 +64,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts to compare")
     parser.add_argument("--root", type=Path, default=Path("runs/scale-bench"), help="output folders go here")
     parser.add_argument("--no-warmup", action="store_true", help="skip the kernel-cache warm-up study")
+    parser.add_argument("--warmup-trials", type=int, default=16,
+                        help="trials of the warm-up study (3 steps each): enough packs to meet the mixes of ranks "
+                             "and dropout whose kernels Triton compiles, so that no timed run compiles them")
     args = parser.parse_args(argv)
     if not args.no_warmup:
-        run_once(args.study, 1, args.root / "warmup", *args.overrides, "budget.trials=2", "train.max_steps=3",
-                 name="scale-warmup")
+        run_once(args.study, 1, args.root / "warmup", *args.overrides, f"budget.trials={args.warmup_trials}",
+                 "train.max_steps=3", name="scale-warmup")
     rows = []
     for n in args.workers:
         rows.append(run_once(args.study, n, args.root, *args.overrides))
         print(json.dumps(rows[-1]), flush=True)
-    base = rows[0]["trials_per_hour"]
-    print(f"{'workers':>8}{'wall s':>9}{'finished':>10}{'trials/h':>10}{'vs first':>10}")
+    base = min(rows, key=lambda r: r["workers"])["trials_per_hour"]
+    print(f"{'workers':>8}{'wall s':>9}{'finished':>10}{'trials/h':>10}{'vs fewest':>10}")
     for r in rows:
         print(f"{r['workers']:>8}{r['wall_s']:>9.1f}{r['finished']:>10}{r['trials_per_hour']:>10.1f}"
               f"{r['trials_per_hour'] / base:>9.2f}x")
