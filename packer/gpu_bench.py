@@ -236,7 +236,8 @@ def profile_step(model: torch.nn.Module, slots: int, seq: int, out_dir: str | No
         train(pm, slots, lambda s: jobs.pop(0) if jobs else None, pad_id=0, chunked_ce=True,
               on_step=lambda r: (stamps.append(time.perf_counter()), prof.step()))  # type: ignore[func-returns-value]
     events = prof.key_averages()
-    kernels = [e for e in events if e.device_type == DeviceType.CUDA]  # CPU ops carry their kernels' time too
+    # CPU ops carry their kernels' time too; the profiler's step ranges carry the step's span on the GPU timeline.
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA and not e.key.startswith("ProfilerStep")]
     device_us = sum(e.self_device_time_total for e in kernels) / 3
     table = events.table(sort_by="self_cpu_time_total", row_limit=40)
     if out_dir:
@@ -264,6 +265,20 @@ def calibration_check(model: torch.nn.Module, slots: int, seq: int, measured_gib
     predicted = mm.predict(slots * seq, slots * params, slots * 16, 16) / 2**30
     return dict(workload="calibration", slots=slots, seq=seq, predicted_gib=round(predicted, 1),
                 measured_gib=measured_gib, error=round(predicted / measured_gib - 1, 3))
+
+
+def memory_curve(model: torch.nn.Module, seq: int, slots: tuple[int, ...] = (2, 8, 16, 24)) -> list[dict]:
+    """The fitted memory model's slopes beside the measured peaks of r=16 packs of ``slots`` x 1 x ``seq``."""
+    from packer.probe import calibrate
+
+    mm = calibrate(PackedModel(model, impl="triton"), seq, rows=(2, 8), chunked_ce=True)
+    rows = [dict(workload="memory-fit", per_token_mb=round(mm.bytes_per_token / 1e6, 3),
+                 ce_chunk_gb=round(mm.ce_chunk_bytes / 1e9, 2), static_gb=round(mm.static_bytes / 1e9, 2))]
+    for n in slots:
+        run = packed_run(model, n, 1, seq, warmup=2, steps=2)
+        rows.append(dict(workload="memory", slots=n, tokens=n * seq, peak_gib=run["peak_gib"], step_ms=run["step_ms"]))
+        _free()
+    return rows
 
 
 def _free() -> None:
@@ -340,9 +355,10 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None, emit: Callable[[dict], None] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(prog="python -m packer.gpu_bench", description=__doc__)
-    parser.add_argument("--part", choices=("small", "large", "makespan", "all"), default="all",
+    parser.add_argument("--part", choices=("small", "large", "makespan", "memory", "all"), default="all",
                         help="small: the 0.5B shape (W1, W2, W4, W5, U, profile, memory model); large: the 7B and 8B "
-                             "shapes; makespan: W3 (packer.gpu_makespan, sequential PEFT sampled 8 of 24 by cell)")
+                             "shapes; makespan: W3 (packer.gpu_makespan, sequential PEFT sampled 8 of 24 by cell); "
+                             "memory: the memory model's fit beside measured 0.5B pack peaks (not in all)")
     parser.add_argument("--out", default=None, help="folder for the profile tables")
     args = parser.parse_args(argv)
     results: list[dict] = []
@@ -364,6 +380,9 @@ def main(argv: list[str] | None = None, emit: Callable[[dict], None] | None = No
         _small(peak, keep, args.out)
     if args.part in ("large", "all"):
         _large(peak, keep)
+    if args.part == "memory":
+        for row in memory_curve(build_shape("qwen2.5-0.5b"), 512):
+            keep(row)
     if args.part in ("makespan", "all"):
         from packer.gpu_makespan import makespan
 

@@ -1,0 +1,90 @@
+"""Where a small model's packed step goes: host time against GPU kernel time (a command, not a test).
+
+``python -m packer.gpu_host --model models/scale-qwen2 --data studies/data/arith-train.jsonl`` trains
+``--slots`` adapters (ranks 8/16/32 cycled, micro-batch ``--micro``) on random full rows and on the
+data file's rows (half the slots with dropout 0.05, as a sweep draws them), on the Triton kernels and on
+masked-dense PyTorch, and prints each median step; then profiles five steps of the data run and prints
+the kernel time per step and the top host and device operators. A scale-out worker of
+``studies/scale-out.yaml`` runs exactly such packs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from packer.data import Example, SlotStream, load_examples
+from packer.model import PackedModel, load_base
+from packer.plan import AdapterSpec
+from packer.train import FixedBatch, SlotJob, train
+
+__all__ = ["main"]
+
+
+def _jobs(kind: str, examples: list[Example], slots: int, micro: int, steps: int, vocab: int) -> list[SlotJob]:
+    gen = torch.Generator().manual_seed(0)
+    jobs = []
+    for i in range(slots):
+        r = (8, 16, 32)[i % 3]
+        spec = AdapterSpec(rank=r, alpha=2 * r, targets=("all-linear",), micro_batch=micro, max_steps=steps, seed=i,
+                           lr=1e-4, dropout=0.05 if kind == "data" and i % 2 else 0.0)
+        if kind == "random":
+            ids = torch.randint(3, vocab, (micro, 64), generator=gen).tolist()
+            source = FixedBatch([Example(tuple(x), tuple(x)) for x in ids])
+        else:
+            source = SlotStream(examples, micro, seed=0)
+        jobs.append(SlotJob(spec, source, key=i))
+    return jobs
+
+
+def _run(model: torch.nn.Module, jobs: list[SlotJob], impl: str, profiler: object | None = None) -> float:
+    """Median step seconds after 5 warm-up steps."""
+    pm = PackedModel(model, impl=impl)  # type: ignore[arg-type]
+    slots, stamps = len(jobs), []
+
+    def on_step(reports: list) -> None:
+        stamps.append(time.perf_counter())
+        if profiler is not None:
+            profiler.step()  # type: ignore[attr-defined]
+
+    train(pm, slots, lambda s: jobs.pop(0) if jobs else None, pad_id=0, on_step=on_step)
+    return statistics.median(b - a for a, b in zip(stamps[5:], stamps[6:], strict=False))
+
+
+def main(argv: list[str] | None = None) -> None:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    parser = argparse.ArgumentParser(prog="python -m packer.gpu_host", description=__doc__)
+    parser.add_argument("--model", required=True, help="model folder (from_pretrained)")
+    parser.add_argument("--data", required=True, help="prompt/completion JSONL")
+    parser.add_argument("--slots", type=int, default=8)
+    parser.add_argument("--micro", type=int, default=16)
+    parser.add_argument("--max-length", type=int, default=64)
+    args = parser.parse_args(argv)
+    model, tokenizer = load_base(args.model, dtype="bfloat16", device="cuda")
+    examples = load_examples(args.data, tokenizer, fmt="prompt_completion", max_length=args.max_length)
+    print(f"{len(examples)} examples, mean length {statistics.mean(len(e.input_ids) for e in examples):.1f} tokens")
+    vocab = model.config.vocab_size
+    for kind, impl in (("random", "triton"), ("data", "triton"), ("data", "torch")):
+        step = _run(model, _jobs(kind, examples, args.slots, args.micro, 25, vocab), impl)
+        print(f"{kind:>6} rows, {impl:>6}: median step {step * 1e3:.1f} ms", flush=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], acc_events=True,
+                 schedule=schedule(wait=10, warmup=3, active=5)) as prof:
+        _run(model, _jobs("data", examples, args.slots, args.micro, 25, vocab), "triton", prof)
+    events = prof.key_averages()
+    # The profiler's own step ranges carry a device time (the step's span on the GPU timeline): not kernels.
+    kernel_ms = sum(e.self_device_time_total for e in events
+                    if e.device_type == DeviceType.CUDA and not e.key.startswith("ProfilerStep")) / 5e3
+    host_ms = sum(e.self_cpu_time_total for e in events if e.key == "ProfilerStep*") / 5e3
+    print(f"profiled data/triton steps: {kernel_ms:.1f} ms of kernels per step; {host_ms:.1f} ms of host time "
+          "per step outside any operator (Python between ops)")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=15))
+    print(events.table(sort_by="self_device_time_total", row_limit=10))
+
+
+if __name__ == "__main__":
+    main()
