@@ -103,21 +103,23 @@ def _check(ok: bool, key: str, rule: str, value: object) -> None:
 
 
 ADAPTER_BYTES_PER_PARAM = 16
-"""fp32 weight + fp32 gradient + AdamW's two fp32 moments."""
+"""fp32 weight + fp32 gradient + AdamW's two fp32 moments: the least an adapter parameter costs."""
 
 
 @dataclass(frozen=True)
 class MemoryModel:
     """Peak memory and time of one packed training step, linear in its parts.
 
-    ``peak = static + tokens * (bytes_per_token + bytes_per_token_rank * rank_width) + ce + 16 * params``:
+    ``peak = static + tokens * (bytes_per_token + bytes_per_token_rank * rank_width) + ce
+    + bytes_per_param * params``:
     ``static`` is the frozen base (weights, buffers); ``bytes_per_token`` the activations kept for
     backward plus, without chunked cross-entropy, the logits and loss buffers of one padded token;
     ``bytes_per_token_rank`` the LoRA intermediates per unit of the pack's rank width (the masked-dense
     path computes every token against every slot's rank columns: the summed rank; the Triton kernels
     keep one column per rank of the widest slot: the largest rank); ``ce`` the chunked cross-entropy's
     transient logits, which grow with the tokens only up to one chunk; the last term every slot's
-    adapter weights, gradients and AdamW moments. The measured numbers come from
+    adapter weights, gradients and AdamW moments, and the per-layer gathered copies the packed layers
+    make of them and of their gradients. The measured numbers come from
     ``packer.probe.calibrate``.
     """
 
@@ -137,6 +139,8 @@ class MemoryModel:
     """Peak transient memory of the chunked cross-entropy over one full chunk (0: not chunked)."""
     ce_chunk_tokens: int = 0
     """Tokens per cross-entropy chunk."""
+    bytes_per_param: float = ADAPTER_BYTES_PER_PARAM
+    """Peak memory per trainable adapter parameter (measured by the probe; at least the optimizer's 16 B)."""
 
     def ce_bytes(self, tokens: int) -> float:
         """Transient memory of the chunked cross-entropy over a step of ``tokens`` tokens."""
@@ -149,7 +153,7 @@ class MemoryModel:
         width = (total_rank if max_rank is None else max_rank) if self.rank_width_is_max else total_rank
         per_token = self.bytes_per_token + self.bytes_per_token_rank * width
         return int(self.static_bytes + per_token * tokens + self.ce_bytes(tokens)
-                   + ADAPTER_BYTES_PER_PARAM * adapter_params)
+                   + self.bytes_per_param * adapter_params)
 
     def step_seconds(self, tokens: int) -> float:
         return self.seconds_per_step + self.seconds_per_token * tokens

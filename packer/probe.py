@@ -101,11 +101,16 @@ def available_memory(device: torch.device) -> int:
 
 
 
+PROBE_SLOTS = 2
+"""Slots of each probe pack: with one, the packed layers use the slot's weights as they are; from two on
+they gather every slot's weights (and gradients) into per-layer copies, a cost per parameter to measure."""
+
+
 def _step(pm: PackedModel, spec: AdapterSpec, rows: list[Example], pad_id: int, steps: int,
           options: dict[str, Any]) -> float:
-    jobs = [SlotJob(spec, FixedBatch(rows))]
+    jobs = [SlotJob(spec, FixedBatch(rows)) for _ in range(PROBE_SLOTS)]
     t0 = time.perf_counter()
-    train(pm, 1, lambda slot: jobs.pop() if jobs else None, pad_id=pad_id, **options)
+    train(pm, PROBE_SLOTS, lambda slot: jobs.pop() if jobs else None, pad_id=pad_id, **options)
     if pm.device.type == "cuda":
         torch.cuda.synchronize(pm.device)
     return (time.perf_counter() - t0) / steps
@@ -114,11 +119,14 @@ def _step(pm: PackedModel, spec: AdapterSpec, rows: list[Example], pad_id: int, 
 def calibrate(pm: PackedModel, seq_len: int, *, rows: tuple[int, int] = (2, 8), vocab: int | None = None,
               pad_id: int = 0, steps: int = 2, chunked_ce: bool | int = False,
               activation_checkpointing: bool = False) -> MemoryModel:
-    """Fit ``MemoryModel`` from three probes: ``rows[0]`` and ``rows[1]`` sequences of ``seq_len``
-    tokens with a rank-8 adapter (the per-token slope), and ``rows[1]`` with rank 40 (the per-rank
-    slope); both ranks shrink to fit the narrowest layer. Each adapter covers every linear
-    projection; its own parameter memory is subtracted. ``chunked_ce`` and ``activation_checkpointing``
-    are the pack's own training options (they change the per-token slope several-fold).
+    """Fit ``MemoryModel`` from four probe packs of ``PROBE_SLOTS`` slots: ``rows[0]`` and ``rows[1]``
+    sequences of ``seq_len`` tokens per slot, with rank-8 and with rank-40 adapters (both ranks shrink to
+    fit the narrowest layer). The four
+    corners separate the per-token slope, the per-token-and-rank slope and the bytes per adapter
+    parameter (the optimizer's fp32 state, and the per-layer gathered weights and gradients the packed
+    layers keep beside it: measured, as they depend on the dtype and path). Each adapter covers every
+    linear projection. ``chunked_ce`` and ``activation_checkpointing`` are the pack's own training
+    options (they change the per-token slope several-fold).
     """
     options: dict[str, Any] = {"chunked_ce": chunked_ce, "activation_checkpointing": activation_checkpointing}
     vocab = vocab or pm.model.get_input_embeddings().num_embeddings
@@ -129,33 +137,51 @@ def calibrate(pm: PackedModel, seq_len: int, *, rows: tuple[int, int] = (2, 8), 
     narrowest = min(min(linear_shape(pm.model.get_submodule(p)) or (1 << 30,)) for p in projection_names(pm.model))
     r_hi = min(40, narrowest)
     r_lo = min(8, max(1, r_hi // 4))
-    points = []
-    for n, rank in ((rows[0], r_lo), (rows[1], r_lo), (rows[1], r_hi)):
+    triton = resolve_impl(pm.state.impl, pm.device) == "triton"
+    probes = {}
+    corners = ((rows[0], r_lo, True), (rows[1], r_lo, True), (rows[1], r_hi, False), (rows[0], r_hi, False))
+    for n, rank, timed in corners:
         ids = torch.randint(3, vocab, (n, seq_len), generator=gen).tolist()
         examples = [Example(tuple(r), tuple(r)) for r in ids]
         spec = AdapterSpec(rank=rank, targets=("all-linear",), max_steps=steps, lr=1e-4)
         _step(pm, spec, examples, pad_id, steps, options)  # warm-up: allocator pools, kernel selection
-        seconds = _step(pm, spec, examples, pad_id, steps, options)  # timed outside the (slow) counting mode
+        seconds = _step(pm, spec, examples, pad_id, steps, options) if timed else 0.0  # outside the counting mode
         peak = peak_memory(lambda: _step(pm, spec, examples, pad_id, steps, options), pm)  # noqa: B023
-        params = sum(rank * (layer.in_features + layer.out_features) for layer in pm.layers.values())
-        points.append((n * seq_len, peak - ADAPTER_BYTES_PER_PARAM * params, seconds))
+        params = PROBE_SLOTS * sum(rank * (layer.in_features + layer.out_features) for layer in pm.layers.values())
+        # Triton keeps one per-token column per rank of the widest slot, padded to a power of 2 (>= 16);
+        # the masked-dense path one per rank of every slot.
+        width = _pad(rank) if triton else PROBE_SLOTS * rank
+        probes[(PROBE_SLOTS * n * seq_len, rank)] = (peak, params, width, seconds)
     chunk = chunk_tokens_of(chunked_ce)
     ce = _ce_chunk_bytes(pm, chunk, vocab) if chunk else 0
     if chunk:  # the chunked loss saturates at one chunk: take it out before fitting the linear slopes
-        points = [(t, m - ce * min(t, chunk) / chunk, sec) for t, m, sec in points]
-    (t1, m1, s1), (t2, m2, s2), (_, m3, _) = points
-    per_token = max(0.0, (m2 - m1) / (t2 - t1))
-    # At the larger token count, where activations outweigh the optimizer's transient buffers. Triton keeps
-    # one per-token column per rank of the widest slot, padded to a power of 2 (>= 16): the probes' widths.
-    triton = resolve_impl(pm.state.impl, pm.device) == "triton"
-    width = (_pad(r_hi) - _pad(r_lo)) if triton else (r_hi - r_lo)
-    per_token_rank = max(0.0, (m3 - m2) / (t2 * width)) if width > 0 else 0.0
+        probes = {(t, r): (m - ce * min(t, chunk) / chunk, *rest) for (t, r), (m, *rest) in probes.items()}
+    t1, t2 = PROBE_SLOTS * rows[0] * seq_len, PROBE_SLOTS * rows[1] * seq_len
+    fit = _fit_memory(probes[(t1, r_lo)], probes[(t2, r_lo)], probes[(t2, r_hi)], probes[(t1, r_hi)], t1, t2)
+    per_token, per_token_rank, per_param, intercept = fit
+    s1, s2 = probes[(t1, r_lo)][3], probes[(t2, r_lo)][3]
     sec_per_token = max(0.0, (s2 - s1) / (t2 - t1))
-    intercept = int(m1 - (per_token + r_lo * per_token_rank) * t1)  # base + runtime + fixed per-step workspace
-    return MemoryModel(static_bytes=max(static, intercept), bytes_per_token=per_token,
+    return MemoryModel(static_bytes=max(static, int(intercept)), bytes_per_token=per_token,
                        bytes_per_token_rank=per_token_rank, seconds_per_token=sec_per_token,
                        seconds_per_step=max(0.0, s1 - sec_per_token * t1), rank_width_is_max=triton,
-                       ce_chunk_bytes=int(ce), ce_chunk_tokens=chunk or 0)
+                       ce_chunk_bytes=int(ce), ce_chunk_tokens=chunk or 0, bytes_per_param=per_param)
+
+
+Probe = tuple[float, int, int, float]
+"""(peak bytes, adapter parameters, rank width, seconds) of one probe."""
+
+
+def _fit_memory(p1: Probe, p2: Probe, p3: Probe, p4: Probe, t1: int, t2: int) -> tuple[float, float, float, float]:
+    """Solve ``peak = c + a t + b t w + q P`` from the probes at (t1, low rank), (t2, low), (t2, high),
+    (t1, high); returns (a, b, q, c). ``q`` is at least the optimizer state's 16 bytes."""
+    (m1, par_lo, w_lo, _), (m2, _, _, _), (m3, par_hi, w_hi, _), (m4, _, _, _) = p1, p2, p3, p4
+    low, high = (m2 - m1) / (t2 - t1), (m3 - m4) / (t2 - t1)  # per-token slopes at each rank width
+    b = max(0.0, (high - low) / (w_hi - w_lo)) if w_hi != w_lo else 0.0
+    a = max(0.0, low - b * w_lo)
+    q = ADAPTER_BYTES_PER_PARAM
+    if par_hi != par_lo:
+        q = max(float(ADAPTER_BYTES_PER_PARAM), (m4 - m1 - b * t1 * (w_hi - w_lo)) / (par_hi - par_lo))
+    return a, b, q, m1 - a * t1 - b * t1 * w_lo - q * par_lo
 
 
 def _pad(rank: int) -> int:

@@ -51,6 +51,7 @@ class PlanReport:
             ("static (base model)", f"{self.memory.static_bytes / gib:.3f} GiB"),
             ("per token / per token x rank", f"{self.memory.bytes_per_token / 1024:.1f} KiB / "
                                              f"{self.memory.bytes_per_token_rank:.0f} B"),
+            ("per adapter parameter", f"{self.memory.bytes_per_param:.1f} B"),
             ("predicted step", f"{self.predicted_step_s * 1000:.0f} ms"),
             ("predicted time for the trial budget (no pruning)", total),
         ]

@@ -49,3 +49,32 @@ def test_memory_model_predicts_measured_peak(tmp_path, chunked_ce) -> None:
     assert growth_meas > 50e6, "the step must be large enough for the check to mean something"
     print(f"growth predicted {growth_pred / 1e6:.1f} MB, measured {growth_meas / 1e6:.1f} MB")
     assert abs(growth_pred - growth_meas) <= 0.10 * growth_meas, (growth_pred / 1e6, growth_meas / 1e6)
+
+
+def test_memory_model_counts_what_a_parameter_costs_in_a_pack(tmp_path) -> None:
+    """Rank-64 adapters on short rows: adapter memory outweighs activations. A pack gathers every slot's
+    weights and gradients into per-layer copies beside the optimizer's 16 B per parameter; the probe
+    (two slots, as packs have) must measure that, or the planner over-fills packs of large ranks."""
+    config = tiny_config("llama", 2_000, hidden_size=256, num_layers=4)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m")
+    build_tokenizer().save_pretrained(tmp_path / "m")
+    model, _ = load_base(str(tmp_path / "m"))
+    pm = PackedModel(model)
+    seq = 32
+    mm = calibrate(pm, seq, rows=(4, 12))
+    assert mm.bytes_per_param > 16
+    ranks = (64,) * 8
+    gen = torch.Generator().manual_seed(1)
+    jobs = []
+    for i, r in enumerate(ranks):
+        ids = torch.randint(3, 2_000, (1, seq), generator=gen).tolist()
+        spec = AdapterSpec(rank=r, targets=("all-linear",), micro_batch=1, max_steps=2, seed=i)
+        jobs.append(SlotJob(spec, FixedBatch([Example(tuple(x), tuple(x)) for x in ids])))
+    shapes = [(layer.in_features, layer.out_features) for layer in pm.layers.values()]
+    params = sum(adapter_param_count(shapes, r) for r in ranks)
+    predicted = mm.predict(len(ranks) * seq, params, sum(ranks))
+    measured = peak_memory(lambda: train(pm, len(ranks), lambda s: jobs.pop(0) if jobs else None, pad_id=0), pm)
+    growth_pred, growth_meas = predicted - mm.static_bytes, measured - mm.static_bytes
+    assert 16 * params > 0.5 * growth_meas, "adapter memory must dominate for the check to mean something"
+    assert abs(growth_pred - growth_meas) <= 0.10 * growth_meas, (growth_pred / 1e6, growth_meas / 1e6)
