@@ -14,40 +14,49 @@ from packer.tiny import build_tokenizer, tiny_config
 from packer.train import FixedBatch, SlotJob, train
 
 
-@pytest.mark.parametrize("chunked_ce", [False, 640], ids=["full-logits", "chunked-ce"])
-def test_memory_model_predicts_measured_peak(tmp_path, chunked_ce) -> None:
-    """Predicted step growth within 10% of the measured one. With chunked cross-entropy the first probe
-    (384 tokens) is below one chunk (640) and the pack (2304 tokens) far above: the loss's share must
-    saturate at one chunk, not grow with the tokens."""
-    # Wide enough that a step's activations (~200 MB) dwarf the weights, so the check has teeth; a 20k
-    # vocabulary makes one chunk's logits (~100 MB) a real share of the chunked step.
-    config = tiny_config("llama", 20_000, hidden_size=256, num_layers=4)
+def _packed(tmp_path, vocab: int) -> PackedModel:
+    """A 4-layer, 256-wide Llama of ``vocab`` tokens, saved and loaded back as a user's checkpoint is."""
+    config = tiny_config("llama", vocab, hidden_size=256, num_layers=4)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m")
     build_tokenizer().save_pretrained(tmp_path / "m")
     model, _ = load_base(str(tmp_path / "m"))
-    pm = PackedModel(model)
-    seq = 96
-    mm = calibrate(pm, seq, rows=(4, 12), chunked_ce=chunked_ce)
-    assert mm.bytes_per_token > 0 and mm.bytes_per_token_rank > 0
-    assert (mm.ce_chunk_tokens, mm.ce_chunk_bytes > 0) == ((640, True) if chunked_ce else (0, False))
+    return PackedModel(model)
 
-    ranks, micro = (4, 8, 16, 32), 6
+
+def _growth(pm: PackedModel, mm, ranks: tuple[int, ...], micro: int, seq: int, vocab: int,
+            **options) -> tuple[float, float]:
+    """(predicted, measured) bytes a pack's step adds on top of the static part, for slots of ``ranks``."""
     gen = torch.Generator().manual_seed(1)
     jobs = []
     for i, r in enumerate(ranks):
-        ids = torch.randint(3, 20_000, (micro, seq), generator=gen).tolist()
+        ids = torch.randint(3, vocab, (micro, seq), generator=gen).tolist()
         spec = AdapterSpec(rank=r, targets=("all-linear",), micro_batch=micro, max_steps=2, seed=i)
         jobs.append(SlotJob(spec, FixedBatch([Example(tuple(x), tuple(x)) for x in ids])))
     shapes = [(layer.in_features, layer.out_features) for layer in pm.layers.values()]
     params = sum(adapter_param_count(shapes, r) for r in ranks)
     predicted = mm.predict(len(ranks) * micro * seq, params, sum(ranks))
     measured = peak_memory(lambda: train(pm, len(ranks), lambda s: jobs.pop(0) if jobs else None, pad_id=0,
-                                         chunked_ce=chunked_ce), pm)
+                                         **options), pm)
+    print(f"growth predicted {(predicted - mm.static_bytes) / 1e6:.1f} MB, measured "
+          f"{(measured - mm.static_bytes) / 1e6:.1f} MB; adapters {params / 1e6:.2f} M parameters")
+    return predicted - mm.static_bytes, measured - mm.static_bytes
+
+
+@pytest.mark.parametrize("chunked_ce", [False, 1024], ids=["full-logits", "chunked-ce"])
+def test_memory_model_predicts_measured_peak(tmp_path, chunked_ce) -> None:
+    """Predicted step growth within 10% of the measured one. With chunked cross-entropy the first probe
+    (two slots x 4 rows x 96 = 768 tokens) is below one chunk (1024) and the pack (2304 tokens) far
+    above: the loss's share must saturate at one chunk, not grow with the tokens."""
+    # Wide enough that a step's activations (~200 MB) dwarf the weights, so the check has teeth; a 20k
+    # vocabulary makes one chunk's logits (~80 MB) a real share of the chunked step.
+    pm = _packed(tmp_path, 20_000)
+    mm = calibrate(pm, 96, rows=(4, 12), chunked_ce=chunked_ce)
+    assert mm.bytes_per_token > 0 and mm.bytes_per_token_rank > 0
+    assert (mm.ce_chunk_tokens, mm.ce_chunk_bytes > 0) == ((1024, True) if chunked_ce else (0, False))
     # Compare what the step adds on top of the static part: that is what the model has to get right.
-    growth_pred, growth_meas = predicted - mm.static_bytes, measured - mm.static_bytes
+    growth_pred, growth_meas = _growth(pm, mm, (4, 8, 16, 32), 6, 96, 20_000, chunked_ce=chunked_ce)
     assert growth_meas > 50e6, "the step must be large enough for the check to mean something"
-    print(f"growth predicted {growth_pred / 1e6:.1f} MB, measured {growth_meas / 1e6:.1f} MB")
     assert abs(growth_pred - growth_meas) <= 0.10 * growth_meas, (growth_pred / 1e6, growth_meas / 1e6)
 
 
@@ -55,26 +64,10 @@ def test_memory_model_counts_what_a_parameter_costs_in_a_pack(tmp_path) -> None:
     """Rank-64 adapters on short rows: adapter memory outweighs activations. A pack gathers every slot's
     weights and gradients into per-layer copies beside the optimizer's 16 B per parameter; the probe
     (two slots, as packs have) must measure that, or the planner over-fills packs of large ranks."""
-    config = tiny_config("llama", 2_000, hidden_size=256, num_layers=4)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m")
-    build_tokenizer().save_pretrained(tmp_path / "m")
-    model, _ = load_base(str(tmp_path / "m"))
-    pm = PackedModel(model)
-    seq = 32
-    mm = calibrate(pm, seq, rows=(4, 12))
+    pm = _packed(tmp_path, 2_000)
+    mm = calibrate(pm, 32, rows=(4, 12))
     assert mm.bytes_per_param > 16
-    ranks = (64,) * 8
-    gen = torch.Generator().manual_seed(1)
-    jobs = []
-    for i, r in enumerate(ranks):
-        ids = torch.randint(3, 2_000, (1, seq), generator=gen).tolist()
-        spec = AdapterSpec(rank=r, targets=("all-linear",), micro_batch=1, max_steps=2, seed=i)
-        jobs.append(SlotJob(spec, FixedBatch([Example(tuple(x), tuple(x)) for x in ids])))
+    growth_pred, growth_meas = _growth(pm, mm, (64,) * 8, 1, 32, 2_000)
     shapes = [(layer.in_features, layer.out_features) for layer in pm.layers.values()]
-    params = sum(adapter_param_count(shapes, r) for r in ranks)
-    predicted = mm.predict(len(ranks) * seq, params, sum(ranks))
-    measured = peak_memory(lambda: train(pm, len(ranks), lambda s: jobs.pop(0) if jobs else None, pad_id=0), pm)
-    growth_pred, growth_meas = predicted - mm.static_bytes, measured - mm.static_bytes
-    assert 16 * params > 0.5 * growth_meas, "adapter memory must dominate for the check to mean something"
+    assert 16 * 8 * adapter_param_count(shapes, 64) > 0.5 * growth_meas, "adapter memory must dominate the step"
     assert abs(growth_pred - growth_meas) <= 0.10 * growth_meas, (growth_pred / 1e6, growth_meas / 1e6)
