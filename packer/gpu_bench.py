@@ -269,14 +269,20 @@ def calibration_check(model: torch.nn.Module, slots: int, seq: int, measured_gib
 
 def memory_curve(model: torch.nn.Module, seq: int, slots: tuple[int, ...] = (2, 8, 16, 24)) -> list[dict]:
     """The fitted memory model's slopes beside the measured peaks of r=16 packs of ``slots`` x 1 x ``seq``."""
+    from packer.inject import all_linear_params
     from packer.probe import calibrate
 
-    mm = calibrate(PackedModel(model, impl="triton"), seq, rows=(2, 8), chunked_ce=True)
+    pm = PackedModel(model, impl="triton")
+    mm = calibrate(pm, seq, rows=(2, 8), chunked_ce=True)
+    params = all_linear_params(pm.model, 16)  # r=16 on every projection
     rows = [dict(workload="memory-fit", per_token_mb=round(mm.bytes_per_token / 1e6, 3),
+                 per_token_rank_b=round(mm.bytes_per_token_rank), per_param_b=round(mm.bytes_per_param, 1),
                  ce_chunk_gb=round(mm.ce_chunk_bytes / 1e9, 2), static_gb=round(mm.static_bytes / 1e9, 2))]
     for n in slots:
         run = packed_run(model, n, 1, seq, warmup=2, steps=2)
-        rows.append(dict(workload="memory", slots=n, tokens=n * seq, peak_gib=run["peak_gib"], step_ms=run["step_ms"]))
+        predicted = mm.predict(n * seq, n * params, n * 16, 16) / 2**30
+        rows.append(dict(workload="memory", slots=n, tokens=n * seq, predicted_gib=round(predicted, 1),
+                         measured_gib=run["peak_gib"], error=round(predicted / run["peak_gib"] - 1, 3)))
         _free()
     return rows
 
