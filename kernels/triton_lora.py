@@ -113,7 +113,10 @@ def _keep_scale(seg_int_ptr, seg_flt_ptr, seg, tok, col0, seq_len, d_in, layer_i
     return tl.where(u >= p, inv_keep, 0.0)
 
 
-@triton.jit
+# Int arguments that change within a run (the layer id, the step's padded length, the pack's total rank)
+# are not specialized: Triton would compile a variant per value class of each (equal to 1, divisible by
+# 16), and a sweep would pay those compiles in its first packs. The tensor sizes K and N stay specialized.
+@triton.jit(do_not_specialize=["seq_len", "layer_id"])
 def _seg_shrink_kernel(
     inp_ptr,  # (T, K) activations: x (forward) or dy (backward), row-major
     w_ptr,  # (R, K) packed weights: a_cat (forward) or bt_cat (backward), row-major
@@ -152,7 +155,7 @@ def _seg_shrink_kernel(
     tl.store(out_ptr + tok[:, None] * R_PAD + offs_r[None, :], acc, mask=m_mask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seq_len", "layer_id"])
 def _seg_expand_kernel(
     h_ptr,  # (T, R_PAD) fp32 per-token rank coefficients from the shrink (h' or dh)
     w_ptr,  # (R, N) packed weights: bt_cat (forward) or a_cat (backward dx), row-major
@@ -196,7 +199,7 @@ def _seg_expand_kernel(
     tl.store(dst_ptr + offs, acc.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R", "seq_len", "layer_id"])
 def _seg_wgrad_kernel(
     p_ptr,  # (T, R_PAD) fp32 per-token rank coefficients: h' (for d bt_cat) or dh (for d a_cat)
     q_ptr,  # (T, N) activations: dy (for d bt_cat) or x (for d a_cat, dropout re-applied)
@@ -236,7 +239,7 @@ def _seg_wgrad_kernel(
     tl.store(out_ptr + part * R * N + rows[:, None] * N + cols[None, :], acc, mask=r_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seq_len", "layer_id"])
 def _dropout_mask_kernel(
     out_ptr,  # (T, D) fp32 multiplier M / (1 - p); left untouched outside active segments
     tiles_ptr,  # (n_tiles, 2) int64 tile map: segment, first token
