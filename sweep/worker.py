@@ -30,6 +30,9 @@ from sweep.study import Progress, RunSummary, run_study
 
 __all__ = ["run_worker", "launch", "study_counts", "with_storage"]
 
+WAIT_POLL_S = 0.5
+"""How often a worker whose pack drained looks for the end of the others' RUNNING trials."""
+
 
 def run_worker(spec: StudySpec, sharing: Sharing, *, progress: Callable[[Progress], None] | None = None,
                log: Callable[[str], None] = print) -> RunSummary:
@@ -64,7 +67,9 @@ def _wait_for_others(spec: StudySpec, sharing: Sharing, log: Callable[[str], Non
                 return True
             if not running:
                 return False
-            time.sleep(sharing.heartbeat)
+            # Not the heartbeat: the last RUNNING trial's end should end this worker at once, as it does
+            # the one that ran it (the study's makespan waits for the slowest worker to notice).
+            time.sleep(min(sharing.heartbeat, WAIT_POLL_S))
     finally:
         store.close()
 
@@ -121,14 +126,17 @@ def launch(study_file: str, overrides: tuple[str, ...], spec: StudySpec, url: st
                                           cwd=Path.cwd()))
     watched: optuna.Study | None = None  # opened once: a journal storage then replays only what is new
     try:
-        while any(p.poll() is None for p in procs):
+        while (running := [p for p in procs if p.poll() is None]):
             if show is not None:
                 try:
                     watched = watched or optuna.load_study(study_name=spec.name, storage=open_storage(url))
                     show(Counter(t.state.name for t in watched.get_trials(deepcopy=False)))
                 except Exception:  # the first worker has not created the study yet
                     pass
-            time.sleep(1.0)
+            try:  # returns as soon as that worker exits (no polling delay at the end of the study)
+                running[0].wait(timeout=None if show is None else 1.0)
+            except subprocess.TimeoutExpired:
+                pass
     except KeyboardInterrupt:
         for p in procs:
             p.terminate()
