@@ -207,21 +207,32 @@ def run_packed(setup: Setup, configs: Sequence[SweepConfig], out: Path, slots: i
     _reset_peak(setup.device)
     t0 = time.perf_counter()
     pm = PackedModel(_load(setup), impl="auto")
+    loaded = time.perf_counter()
     queue = []
     for c in configs:
         rows = [Example(tuple(r), tuple(r)) for r in c.token_ids(setup.seq, setup.vocab).tolist()]
         queue.append(SlotJob(c.spec(setup.steps), FixedBatch(rows), key=c.index))
+    stamps: list[float] = []  # after each step's host sync on its losses
+    saves: list[tuple[float, float]] = []  # (start, seconds) of each batch of saves
 
     def save(ends: list) -> None:
+        t = time.perf_counter()
         for e in ends:
             save_adapter(pm, e.slot, out / f"config-{e.job.key}", base_model_name_or_path=setup.model_dir)
+        saves.append((t, time.perf_counter() - t))
 
     capacity = min(slots or len(configs), len(configs))
     result = train(pm, capacity, lambda _slot: queue.pop(0) if queue else None, pad_id=0, on_end=save,
-                   chunked_ce=True)
+                   on_step=lambda _reports: stamps.append(time.perf_counter()), chunked_ce=True)
     span = time.perf_counter() - t0  # the last save copied its weights to the host: the device is done
+    # Where the makespan went: the first step carries the kernels' compile (cold cache) and allocations.
+    phases: dict[str, float | None] = dict(load_s=round(loaded - t0, 2), save_s=round(sum(d for _, d in saves), 2))
+    if stamps:
+        between = sum(d for t, d in saves if t < stamps[-1])  # saves of slots that ended before the last step
+        phases.update(first_step_s=round(stamps[0] - loaded, 2),
+                      later_steps_s=round(stamps[-1] - stamps[0] - between, 2))
     return _line("packed", setup, configs, span, result.tokens, slots=capacity, global_steps=result.steps,
-                 **_peak_gib(setup.device))
+                 **phases, **_peak_gib(setup.device))
 
 
 def train_peft(setup: Setup, config: SweepConfig, out: Path) -> float:

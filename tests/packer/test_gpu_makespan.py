@@ -79,6 +79,9 @@ def test_every_mode_emits_its_line_with_the_tokens_it_trains(w3: tuple[Path, dic
         assert line["makespan_s"] > 0 and line["tokens"] == expected, mode
         assert line["tok_s"] == pytest.approx(expected / line["makespan_s"], rel=1e-2)  # both rounded
     assert "ratio_vs_packed" not in lines["packed"]
+    packed = lines["packed"]  # its phases add up to no more than its makespan
+    phases = [packed[k] for k in ("load_s", "first_step_s", "later_steps_s", "save_s")]
+    assert all(p >= 0 for p in phases) and sum(phases) <= packed["makespan_s"] + 0.05, packed
     for mode in ("peft-sequential", "peft-4proc"):
         assert lines[mode]["ratio_vs_packed"] == pytest.approx(
             lines[mode]["makespan_s"] / lines["packed"]["makespan_s"], abs=0.01)
