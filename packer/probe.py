@@ -102,15 +102,17 @@ def available_memory(device: torch.device) -> int:
 
 
 PROBE_SLOTS = 2
-"""Slots of each probe pack: with one, the packed layers use the slot's weights as they are; from two on
-they gather every slot's weights (and gradients) into per-layer copies, a cost per parameter to measure."""
+"""Slots of each probe pack: the rows' slot and one without rows. With one slot the packed layers use its
+weights as they are; from two on they gather every slot's weights (and gradients) into per-layer copies,
+a cost per parameter to measure. The idle slot adds that cost without adding tokens, so a probe needs no
+more memory than its rows do."""
 
 
 def _step(pm: PackedModel, spec: AdapterSpec, rows: list[Example], pad_id: int, steps: int,
           options: dict[str, Any]) -> float:
-    jobs = [SlotJob(spec, FixedBatch(rows)) for _ in range(PROBE_SLOTS)]
+    jobs = [SlotJob(spec, FixedBatch(rows))] + [SlotJob(spec, FixedBatch([])) for _ in range(PROBE_SLOTS - 1)]
     t0 = time.perf_counter()
-    train(pm, PROBE_SLOTS, lambda slot: jobs.pop() if jobs else None, pad_id=pad_id, **options)
+    train(pm, PROBE_SLOTS, lambda slot: jobs.pop(0) if jobs else None, pad_id=pad_id, **options)
     if pm.device.type == "cuda":
         torch.cuda.synchronize(pm.device)
     return (time.perf_counter() - t0) / steps
@@ -119,9 +121,9 @@ def _step(pm: PackedModel, spec: AdapterSpec, rows: list[Example], pad_id: int, 
 def calibrate(pm: PackedModel, seq_len: int, *, rows: tuple[int, int] = (2, 8), vocab: int | None = None,
               pad_id: int = 0, steps: int = 2, chunked_ce: bool | int = False,
               activation_checkpointing: bool = False) -> MemoryModel:
-    """Fit ``MemoryModel`` from four probe packs of ``PROBE_SLOTS`` slots: ``rows[0]`` and ``rows[1]``
-    sequences of ``seq_len`` tokens per slot, with rank-8 and with rank-40 adapters (both ranks shrink to
-    fit the narrowest layer). The four
+    """Fit ``MemoryModel`` from four probe packs of ``PROBE_SLOTS`` slots (one of them without rows):
+    ``rows[0]`` and ``rows[1]`` sequences of ``seq_len`` tokens, with rank-8 and with rank-40 adapters
+    (both ranks shrink to fit the narrowest layer). The four
     corners separate the per-token slope, the per-token-and-rank slope and the bytes per adapter
     parameter (the optimizer's fp32 state, and the per-layer gathered weights and gradients the packed
     layers keep beside it: measured, as they depend on the dtype and path). Each adapter covers every
@@ -151,12 +153,12 @@ def calibrate(pm: PackedModel, seq_len: int, *, rows: tuple[int, int] = (2, 8), 
         # Triton keeps one per-token column per rank of the widest slot, padded to a power of 2 (>= 16);
         # the masked-dense path one per rank of every slot.
         width = _pad(rank) if triton else PROBE_SLOTS * rank
-        probes[(PROBE_SLOTS * n * seq_len, rank)] = (peak, params, width, seconds)
+        probes[(n * seq_len, rank)] = (peak, params, width, seconds)
     chunk = chunk_tokens_of(chunked_ce)
     ce = _ce_chunk_bytes(pm, chunk, vocab) if chunk else 0
     if chunk:  # the chunked loss saturates at one chunk: take it out before fitting the linear slopes
         probes = {(t, r): (m - ce * min(t, chunk) / chunk, *rest) for (t, r), (m, *rest) in probes.items()}
-    t1, t2 = PROBE_SLOTS * rows[0] * seq_len, PROBE_SLOTS * rows[1] * seq_len
+    t1, t2 = rows[0] * seq_len, rows[1] * seq_len
     fit = _fit_memory(probes[(t1, r_lo)], probes[(t2, r_lo)], probes[(t2, r_hi)], probes[(t1, r_hi)], t1, t2)
     per_token, per_token_rank, per_param, intercept = fit
     s1, s2 = probes[(t1, r_lo)][3], probes[(t2, r_lo)][3]

@@ -46,7 +46,7 @@ def _growth(pm: PackedModel, mm, ranks: tuple[int, ...], micro: int, seq: int, v
 @pytest.mark.parametrize("chunked_ce", [False, 1024], ids=["full-logits", "chunked-ce"])
 def test_memory_model_predicts_measured_peak(tmp_path, chunked_ce) -> None:
     """Predicted step growth within 10% of the measured one. With chunked cross-entropy the first probe
-    (two slots x 4 rows x 96 = 768 tokens) is below one chunk (1024) and the pack (2304 tokens) far
+    (4 rows x 96 = 384 tokens) is below one chunk (1024) and the pack (2304 tokens) far
     above: the loss's share must saturate at one chunk, not grow with the tokens."""
     # Wide enough that a step's activations (~200 MB) dwarf the weights, so the check has teeth; a 20k
     # vocabulary makes one chunk's logits (~80 MB) a real share of the chunked step.
