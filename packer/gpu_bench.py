@@ -351,7 +351,8 @@ def table(rows: list[dict]) -> str:
         vs = f"{r['tok_s'] / peft[r['shape']]:.1f}" if r.get("workload") in ("W1", "W2") and r.get("shape") in peft \
             else ""
         other = {k: v for k, v in r.items() if k in ("ratio", "max_rel_loss_diff", "error", "makespan_s",
-                                                     "ratio_vs_packed", "rank", "predicted_gib", "measured_gib",
+                                                     "ratio_vs_packed", "ratio_vs_packed_warm", "rank",
+                                                     "predicted_gib", "measured_gib",
                                                      "load_s", "first_step_s", "later_steps_s", "save_s")}
         mfu = f"{r['mfu']:.1%}" if "mfu" in r else ""
         lines.append(f"{r['workload']:<12}{r.get('shape', ''):<14}{r.get('mode', ''):<16}{r.get('slots', ''):>6}"

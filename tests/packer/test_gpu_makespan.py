@@ -72,19 +72,20 @@ def test_extrapolate_prefers_the_same_cell_then_the_same_micro_batch() -> None:
 
 def test_every_mode_emits_its_line_with_the_tokens_it_trains(w3: tuple[Path, dict[str, dict]]) -> None:
     _, lines = w3
-    assert list(lines) == ["packed", "peft-sequential", "peft-4proc"]
+    assert list(lines) == ["packed", "packed-warm", "peft-sequential", "peft-4proc"]
     expected = sum(STEPS * c.micro_batch * (SEQ - 1) for c in sweep_configs(N))
     for mode, line in lines.items():
         assert line["workload"] == "W3" and line["configs"] == N and line["steps"] == STEPS and line["seq"] == SEQ
         assert line["makespan_s"] > 0 and line["tokens"] == expected, mode
         assert line["tok_s"] == pytest.approx(expected / line["makespan_s"], rel=1e-2)  # both rounded
-    assert "ratio_vs_packed" not in lines["packed"]
+    assert "ratio_vs_packed" not in lines["packed"] and "ratio_vs_packed" not in lines["packed-warm"]
     packed = lines["packed"]  # its phases add up to no more than its makespan
     phases = [packed[k] for k in ("load_s", "first_step_s", "later_steps_s", "save_s")]
     assert all(p >= 0 for p in phases) and sum(phases) <= packed["makespan_s"] + 0.05, packed
     for mode in ("peft-sequential", "peft-4proc"):
-        assert lines[mode]["ratio_vs_packed"] == pytest.approx(
-            lines[mode]["makespan_s"] / lines["packed"]["makespan_s"], abs=0.01)
+        for ref in ("packed", "packed-warm"):
+            assert lines[mode]["ratio_vs_" + ref.replace("-", "_")] == pytest.approx(
+                lines[mode]["makespan_s"] / lines[ref]["makespan_s"], abs=0.01)
 
 
 def test_extrapolation_is_labelled_and_only_the_sample_trains(w3: tuple[Path, dict[str, dict]]) -> None:
