@@ -8,8 +8,9 @@ so each chunk's gradient with respect to its hidden states is computed in the fo
 logits exist (Liger's fused linear cross-entropy, in plain PyTorch): ``(softmax - onehot) @ W`` is
 kept, ``(T, H)`` like the hidden states it replaces, and the backward only scales its rows by the
 upstream gradient. The logits are computed once, not again in the backward as a checkpointed chunk
-would; logits memory is one ``chunk_tokens x V`` fp32 tensor and its input-dtype copy instead of
-several ``B x L x V`` ones. A head that trains (never the case in a pack) takes the checkpointed path.
+would; logits memory is one ``chunk_tokens x V`` fp32 tensor, worked on in place, and its input-dtype
+copy for the gradient matmul, instead of several ``B x L x V`` ones. A head that trains (never the
+case in a pack) takes the checkpointed path.
 
 Models that post-process logits after the head (Gemma-2's ``final_logit_softcapping``, Cohere's
 ``logit_scale``, Granite's ``logits_scaling``) are refused by ``check_plain_head``: their head output is
@@ -77,10 +78,14 @@ class _FusedLinearCE(torch.autograd.Function):
         for i in range(0, len(y), chunk):
             yc = y[i:i + chunk]
             logits = F.linear(x[i:i + chunk], weight, bias).float()  # (C, V), upcast as the plain path does
-            lse = torch.logsumexp(logits, dim=-1)  # (C,)
-            nll[i:i + chunk] = lse - logits.gather(1, yc[:, None]).squeeze(1)
+            target = logits.gather(1, yc[:, None]).squeeze(1)  # (C,)
+            top = logits.amax(dim=-1)  # (C,)
+            # exp(logits - max) in place: torch.logsumexp would allocate another (C, V) fp32 temporary
+            probs = logits.sub_(top[:, None]).exp_()
+            total = probs.sum(dim=-1)  # (C,)
+            nll[i:i + chunk] = top + total.log() - target
             if grad is not None:
-                probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+                probs.div_(total[:, None])  # softmax
                 probs[torch.arange(len(yc), device=y.device), yc] -= 1.0
                 torch.mm(probs.to(x.dtype), weight, out=grad[i:i + chunk])  # (C, H)
             logits = probs = None  # freed before the next chunk's are made: one chunk's logits at a time, not two
