@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -27,16 +28,17 @@ __all__ = ["run_once", "main"]
 FINISHED = ("COMPLETE", "PRUNED", "FAIL")
 
 
-def run_once(study: str, workers: int, root: Path, *overrides: str, name: str | None = None) -> dict:
-    """Run the study with ``workers`` workers in ``root/w<workers>``; wall time and finished trials.
+def run_once(study: str, workers: int, root: Path, *overrides: str, name: str | None = None, rep: int = 0) -> dict:
+    """Run the study with ``workers`` workers in ``root/w<workers>`` (``-r<rep>`` after the first repeat);
+    wall time and finished trials.
 
     Raises:
         SystemExit: a worker failed (its log is under the output folder's ``workers/``).
     """
-    out = root / f"w{workers}"
+    out = root / (f"w{workers}" if rep == 0 else f"w{workers}-r{rep}")
     storage = f"journal:///{(out / 'optuna.log').resolve().as_posix().lstrip('/')}"
     out.mkdir(parents=True, exist_ok=True)
-    name = name or f"scale-w{workers}"
+    name = name or out.name.replace("w", "scale-w", 1)
     cmd = [sys.executable, "-m", "sweep.cli", "run", study, f"name={name}", *overrides, "--out", str(out),
            "--workers", str(workers), "--storage", storage, "--heartbeat", "2", "--quiet"]
     t0 = time.perf_counter()
@@ -52,7 +54,7 @@ def run_once(study: str, workers: int, root: Path, *overrides: str, name: str | 
                       / max(1, p.steps or 0), 1)) for p in store.packs()]
     finally:
         store.close()
-    return dict(workers=workers, wall_s=round(wall, 1), finished=finished, complete=counts["COMPLETE"],
+    return dict(workers=workers, rep=rep, wall_s=round(wall, 1), finished=finished, complete=counts["COMPLETE"],
                 pruned=counts["PRUNED"], failed=counts["FAIL"], trials_per_hour=round(finished / wall * 3600, 1),
                 packs=packs)
 
@@ -67,19 +69,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup-trials", type=int, default=16,
                         help="trials of the warm-up study (3 steps each): enough packs to meet the mixes of ranks "
                              "and dropout whose kernels Triton compiles, so that no timed run compiles them")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="runs of each worker count, interleaved (2, 1, 2, 1, ...); the table compares medians")
     args = parser.parse_args(argv)
     if not args.no_warmup:
         run_once(args.study, 1, args.root / "warmup", *args.overrides, f"budget.trials={args.warmup_trials}",
                  "train.max_steps=3", name="scale-warmup")
     rows = []
-    for n in args.workers:
-        rows.append(run_once(args.study, n, args.root, *args.overrides))
-        print(json.dumps(rows[-1]), flush=True)
-    base = min(rows, key=lambda r: r["workers"])["trials_per_hour"]
-    print(f"{'workers':>8}{'wall s':>9}{'finished':>10}{'trials/h':>10}{'vs fewest':>10}")
+    for rep in range(args.repeat):  # interleaved, so a drift of the machine's speed hits every count alike
+        for n in args.workers:
+            rows.append(run_once(args.study, n, args.root, *args.overrides, rep=rep))
+            print(json.dumps(rows[-1]), flush=True)
+    rate = {n: statistics.median(r["trials_per_hour"] for r in rows if r["workers"] == n) for n in args.workers}
+    base = rate[min(args.workers)]
+    print(f"{'workers':>8}{'run':>5}{'wall s':>9}{'finished':>10}{'trials/h':>10}{'vs fewest':>10}")
     for r in rows:
-        print(f"{r['workers']:>8}{r['wall_s']:>9.1f}{r['finished']:>10}{r['trials_per_hour']:>10.1f}"
+        print(f"{r['workers']:>8}{r['rep']:>5}{r['wall_s']:>9.1f}{r['finished']:>10}{r['trials_per_hour']:>10.1f}"
               f"{r['trials_per_hour'] / base:>9.2f}x")
+    if args.repeat > 1:
+        for n in args.workers:
+            print(f"{n:>8}  median {rate[n]:>10.1f} trials/h{rate[n] / base:>9.2f}x")
 
 
 if __name__ == "__main__":
