@@ -207,7 +207,6 @@ def _basis(n_measured: int, n: int) -> str:
     return "measured" if n_measured == n else f"extrapolated from {n_measured} of {n}"
 
 
-
 def run_packed(setup: Setup, configs: Sequence[SweepConfig], out: Path, slots: int | None = None,
                mode: str = "packed") -> dict:
     """Train every configuration packed in one run; adapters saved to ``out/config-<index>``."""

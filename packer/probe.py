@@ -24,7 +24,7 @@ from kernels import PackLayout, resolve_impl
 from packer.data import Example
 from packer.loss import chunked_slot_losses
 from packer.model import PackedModel
-from packer.plan import ADAPTER_BYTES_PER_PARAM, AdapterSpec, MemoryModel
+from packer.plan import ADAPTER_BYTES_PER_PARAM, AdapterSpec, MemoryModel, adapter_param_count
 from packer.train import FixedBatch, SlotJob, chunk_tokens_of, train
 
 __all__ = ["peak_memory", "calibrate", "available_memory", "model_bytes"]
@@ -100,7 +100,6 @@ def available_memory(device: torch.device) -> int:
     raise RuntimeError("MemAvailable not in /proc/meminfo")
 
 
-
 PROBE_SLOTS = 2
 """Slots of each probe pack: the rows' slot and one without rows. With one slot the packed layers use its
 weights as they are; from two on they gather every slot's weights (and gradients) into per-layer copies,
@@ -123,12 +122,12 @@ def calibrate(pm: PackedModel, seq_len: int, *, rows: tuple[int, int] = (2, 8), 
               activation_checkpointing: bool = False) -> MemoryModel:
     """Fit ``MemoryModel`` from four probe packs of ``PROBE_SLOTS`` slots (one of them without rows):
     ``rows[0]`` and ``rows[1]`` sequences of ``seq_len`` tokens, with rank-8 and with rank-40 adapters
-    (both ranks shrink to fit the narrowest layer). The four
-    corners separate the per-token slope, the per-token-and-rank slope and the bytes per adapter
-    parameter (the optimizer's fp32 state, and the per-layer gathered weights and gradients the packed
-    layers keep beside it: measured, as they depend on the dtype and path). Each adapter covers every
-    linear projection. ``chunked_ce`` and ``activation_checkpointing`` are the pack's own training
-    options (they change the per-token slope several-fold).
+    (both ranks shrink to fit the narrowest layer). The four corners separate the per-token slope, the
+    per-token-and-rank slope and the bytes per adapter parameter (the optimizer's fp32 state, and the
+    per-layer gathered weights and gradients the packed layers keep beside it: measured, as they depend
+    on the dtype and path). Each adapter covers every linear projection. ``chunked_ce`` and
+    ``activation_checkpointing`` are the pack's own training options (they change the per-token slope
+    several-fold).
     """
     options: dict[str, Any] = {"chunked_ce": chunked_ce, "activation_checkpointing": activation_checkpointing}
     vocab = vocab or pm.model.get_input_embeddings().num_embeddings
@@ -149,7 +148,8 @@ def calibrate(pm: PackedModel, seq_len: int, *, rows: tuple[int, int] = (2, 8), 
         _step(pm, spec, examples, pad_id, steps, options)  # warm-up: allocator pools, kernel selection
         seconds = _step(pm, spec, examples, pad_id, steps, options) if timed else 0.0  # outside the counting mode
         peak = peak_memory(lambda: _step(pm, spec, examples, pad_id, steps, options), pm)  # noqa: B023
-        params = PROBE_SLOTS * sum(rank * (layer.in_features + layer.out_features) for layer in pm.layers.values())
+        params = PROBE_SLOTS * adapter_param_count([(layer.in_features, layer.out_features)
+                                                    for layer in pm.layers.values()], rank)
         # Triton keeps one per-token column per rank of the widest slot, padded to a power of 2 (>= 16);
         # the masked-dense path one per rank of every slot.
         width = _pad(rank) if triton else PROBE_SLOTS * rank
