@@ -26,7 +26,7 @@ import torch
 
 from packer.data import Example
 from packer.model import PackedModel
-from packer.plan import AdapterSpec
+from packer.plan import AdapterSpec, MemoryModel
 from packer.train import FixedBatch, SlotJob, train
 
 __all__ = ["SHAPES", "build_shape", "gemm_tflops", "packed_run", "base_run", "peft_run", "layer_bench",
@@ -81,7 +81,6 @@ def gemm_tflops() -> float:
     end.record()
     torch.cuda.synchronize()
     return 2 * 8192**3 * 20 / (start.elapsed_time(end) / 1e3) / 1e12
-
 
 
 def _jobs(slots: int, micro: int, seq: int, vocab: int, steps: int, rank: int | tuple[int, ...] = 16) -> list[SlotJob]:
@@ -225,7 +224,6 @@ def profile_step(model: torch.nn.Module, slots: int, seq: int, out_dir: str | No
 
     Writes the full operator table to ``out_dir/profile_<slots>.txt`` when ``out_dir`` is given.
     """
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     pm = PackedModel(model, impl="triton")
@@ -236,8 +234,7 @@ def profile_step(model: torch.nn.Module, slots: int, seq: int, out_dir: str | No
         train(pm, slots, lambda s: jobs.pop(0) if jobs else None, pad_id=0, chunked_ce=True,
               on_step=lambda r: (stamps.append(time.perf_counter()), prof.step()))  # type: ignore[func-returns-value]
     events = prof.key_averages()
-    # CPU ops carry their kernels' time too; the profiler's step ranges carry the step's span on the GPU timeline.
-    kernels = [e for e in events if e.device_type == DeviceType.CUDA and not e.key.startswith("ProfilerStep")]
+    kernels = _kernel_events(events)
     device_us = sum(e.self_device_time_total for e in kernels) / 3
     table = events.table(sort_by="self_cpu_time_total", row_limit=40)
     if out_dir:
@@ -254,35 +251,45 @@ def profile_step(model: torch.nn.Module, slots: int, seq: int, out_dir: str | No
                 top_gpu_ms={e.key[:40]: round(e.self_device_time_total / 3e3, 1) for e in top_dev})
 
 
-def calibration_check(model: torch.nn.Module, slots: int, seq: int, measured_gib: float) -> dict:
-    """The planner's memory model, calibrated on this GPU by small probes, against a measured pack's peak."""
+def _kernel_events(events: list) -> list:
+    """The GPU kernels of a profile's ``key_averages()``. CPU ops carry their kernels' time too, and the
+    profiler's step ranges the step's span on the GPU timeline: neither is kernel time."""
+    from torch.autograd import DeviceType
+
+    return [e for e in events if e.device_type == DeviceType.CUDA and not e.key.startswith("ProfilerStep")]
+
+
+def _planner_model(model: torch.nn.Module, seq: int) -> tuple[MemoryModel, int]:
+    """The planner's memory model, calibrated on this GPU by small probes with the options the measured
+    packs run with, and the parameters of one r=16 adapter on every projection."""
     from packer.inject import all_linear_params
     from packer.probe import calibrate
 
     pm = PackedModel(model, impl="triton")
-    mm = calibrate(pm, seq, rows=(2, 8), chunked_ce=True)  # the options the measured pack ran with
-    params = all_linear_params(pm.model, 16)  # r=16 on every projection
+    return calibrate(pm, seq, rows=(2, 8), chunked_ce=True), all_linear_params(pm.model, 16)
+
+
+def _versus(mm: MemoryModel, params: int, slots: int, seq: int, measured_gib: float) -> dict:
+    """The model's prediction for an r=16 pack of ``slots`` x 1 x ``seq`` beside its measured peak."""
     predicted = mm.predict(slots * seq, slots * params, slots * 16, 16) / 2**30
-    return dict(workload="calibration", slots=slots, seq=seq, predicted_gib=round(predicted, 1),
-                measured_gib=measured_gib, error=round(predicted / measured_gib - 1, 3))
+    return dict(slots=slots, seq=seq, predicted_gib=round(predicted, 1), measured_gib=measured_gib,
+                error=round(predicted / measured_gib - 1, 3))
+
+
+def calibration_check(model: torch.nn.Module, slots: int, seq: int, measured_gib: float) -> dict:
+    """The planner's memory model, calibrated on this GPU by small probes, against a measured pack's peak."""
+    return dict(workload="calibration", **_versus(*_planner_model(model, seq), slots, seq, measured_gib))
 
 
 def memory_curve(model: torch.nn.Module, seq: int, slots: tuple[int, ...] = (2, 8, 16, 24)) -> list[dict]:
     """The fitted memory model's slopes beside the measured peaks of r=16 packs of ``slots`` x 1 x ``seq``."""
-    from packer.inject import all_linear_params
-    from packer.probe import calibrate
-
-    pm = PackedModel(model, impl="triton")
-    mm = calibrate(pm, seq, rows=(2, 8), chunked_ce=True)
-    params = all_linear_params(pm.model, 16)  # r=16 on every projection
+    mm, params = _planner_model(model, seq)
     rows = [dict(workload="memory-fit", per_token_mb=round(mm.bytes_per_token / 1e6, 3),
                  per_token_rank_b=round(mm.bytes_per_token_rank), per_param_b=round(mm.bytes_per_param, 1),
                  ce_chunk_gb=round(mm.ce_chunk_bytes / 1e9, 2), static_gb=round(mm.static_bytes / 1e9, 2))]
     for n in slots:
-        run = packed_run(model, n, 1, seq, warmup=2, steps=2)
-        predicted = mm.predict(n * seq, n * params, n * 16, 16) / 2**30
-        rows.append(dict(workload="memory", slots=n, tokens=n * seq, predicted_gib=round(predicted, 1),
-                         measured_gib=run["peak_gib"], error=round(predicted / run["peak_gib"] - 1, 3)))
+        peak = packed_run(model, n, 1, seq, warmup=2, steps=2)["peak_gib"]
+        rows.append(dict(workload="memory", tokens=n * seq, **_versus(mm, params, n, seq, peak)))
         _free()
     return rows
 
