@@ -11,51 +11,29 @@ the kernel time per step and the top host and device operators. A scale-out work
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
-import time
 
-import torch
-
+from packer import gpu_bench
 from packer.data import Example, SlotStream, load_examples
 from packer.model import PackedModel, load_base
-from packer.plan import AdapterSpec
-from packer.train import FixedBatch, SlotJob, train
+from packer.train import SlotJob, train
 
 __all__ = ["main"]
 
 
 def _jobs(kind: str, examples: list[Example], slots: int, micro: int, steps: int, vocab: int) -> list[SlotJob]:
-    gen = torch.Generator().manual_seed(0)
-    jobs = []
-    for i in range(slots):
-        r = (8, 16, 32)[i % 3]
-        spec = AdapterSpec(rank=r, alpha=2 * r, targets=("all-linear",), micro_batch=micro, max_steps=steps, seed=i,
-                           lr=1e-4, dropout=0.05 if kind == "data" and i % 2 else 0.0)
-        if kind == "random":
-            ids = torch.randint(3, vocab, (micro, 64), generator=gen).tolist()
-            source = FixedBatch([Example(tuple(x), tuple(x)) for x in ids])
-        else:
-            source = SlotStream(examples, micro, seed=0)
-        jobs.append(SlotJob(spec, source, key=i))
+    """``gpu_bench``'s jobs on random full rows of 64 tokens (ranks 8/16/32 cycled); for ``data`` each slot
+    reads the data file instead, and every other slot has dropout 0.05."""
+    jobs = gpu_bench._jobs(slots, micro, 64, vocab, steps, rank=(8, 16, 32))
+    if kind == "data":
+        for i, job in enumerate(jobs):
+            job.spec = dataclasses.replace(job.spec, dropout=0.05 if i % 2 else 0.0)
+            job.stream = SlotStream(examples, micro, seed=0)
     return jobs
 
 
-def _run(model: torch.nn.Module, jobs: list[SlotJob], impl: str, profiler: object | None = None) -> float:
-    """Median step seconds after 5 warm-up steps."""
-    pm = PackedModel(model, impl=impl)  # type: ignore[arg-type]
-    slots, stamps = len(jobs), []
-
-    def on_step(reports: list) -> None:
-        stamps.append(time.perf_counter())
-        if profiler is not None:
-            profiler.step()  # type: ignore[attr-defined]
-
-    train(pm, slots, lambda s: jobs.pop(0) if jobs else None, pad_id=0, on_step=on_step)
-    return statistics.median(b - a for a, b in zip(stamps[5:], stamps[6:], strict=False))
-
-
 def main(argv: list[str] | None = None) -> None:
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, schedule
 
     parser = argparse.ArgumentParser(prog="python -m packer.gpu_host", description=__doc__)
@@ -70,15 +48,16 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{len(examples)} examples, mean length {statistics.mean(len(e.input_ids) for e in examples):.1f} tokens")
     vocab = model.config.vocab_size
     for kind, impl in (("random", "triton"), ("data", "triton"), ("data", "torch")):
-        step = _run(model, _jobs(kind, examples, args.slots, args.micro, 25, vocab), impl)
+        jobs = _jobs(kind, examples, args.slots, args.micro, 25, vocab)
+        step = gpu_bench._timed_train(PackedModel(model, impl=impl), jobs, args.slots, warmup=5)  # type: ignore[arg-type]
         print(f"{kind:>6} rows, {impl:>6}: median step {step * 1e3:.1f} ms", flush=True)
+    jobs = _jobs("data", examples, args.slots, args.micro, 25, vocab)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], acc_events=True,
                  schedule=schedule(wait=10, warmup=3, active=5)) as prof:
-        _run(model, _jobs("data", examples, args.slots, args.micro, 25, vocab), "triton", prof)
+        train(PackedModel(model, impl="triton"), args.slots, lambda s: jobs.pop(0) if jobs else None, pad_id=0,
+              on_step=lambda _reports: prof.step())
     events = prof.key_averages()
-    # The profiler's own step ranges carry a device time (the step's span on the GPU timeline): not kernels.
-    kernel_ms = sum(e.self_device_time_total for e in events
-                    if e.device_type == DeviceType.CUDA and not e.key.startswith("ProfilerStep")) / 5e3
+    kernel_ms = sum(e.self_device_time_total for e in gpu_bench._kernel_events(events)) / 5e3
     host_ms = sum(e.self_cpu_time_total for e in events if e.key == "ProfilerStep*") / 5e3
     print(f"profiled data/triton steps: {kernel_ms:.1f} ms of kernels per step; {host_ms:.1f} ms of host time "
           "per step outside any operator (Python between ops)")
