@@ -4,8 +4,8 @@ A command, not a test: ``python -m sweep.scale_bench STUDY --workers 1 2``. For 
 runs ``sweep run STUDY --workers N`` (one worker process per GPU, pinned with ``CUDA_VISIBLE_DEVICES``)
 in a fresh output folder with its own journal-file storage, and counts the finished trials in that
 storage. Wall time is the whole command: process start, model load, every pack, every evaluation.
-Heartbeats every 2 s: a worker that drained its last pack waits for the others' RUNNING trials by
-polling at the heartbeat, and that wait should not blur the comparison. A short warm-up study first
+Heartbeats every 2 s (a worker that drained its last pack looks for the end of the others' RUNNING
+trials every ``sweep.worker.WAIT_POLL_S``, whatever the heartbeat). A short warm-up study first
 fills Triton's kernel cache, so no worker count pays the compile alone (list the larger worker count
 first: kernels the warm-up missed are then compiled in its time, not in the one-worker baseline's).
 """
