@@ -88,6 +88,8 @@ def _run_workers(study: str, overrides: tuple[str, ...], spec: StudySpec, worker
         counts = study_counts(url, spec.name)
     except Exception:  # no worker got as far as creating the study: the check below names their logs
         counts = Counter()
+    if not quiet:
+        show(counts)
     click.echo(f"{spec.name}: {counts['COMPLETE']} complete, {counts['PRUNED']} pruned, {counts['FAIL']} failed "
                f"by {len(codes)} workers; study in {spec.out_dir} (worker logs in {spec.out_dir / 'workers'})")
     bad = [i for i, c in enumerate(codes) if c != 0]

@@ -101,8 +101,9 @@ def launch(study_file: str, overrides: tuple[str, ...], spec: StudySpec, url: st
         spec: The loaded study (its output folder holds the workers' logs, ``workers/worker-<i>.log``).
         url: The shared storage URL.
         workers: Number of workers; None: one per visible GPU (one on a CPU-only host).
-        show: Called with the study's counts by state every second and at the end; None: no polling (a
-            journal storage's every reader replays the log and takes its lock, beside the workers).
+        show: Called with the study's counts by state every second while the workers run (the caller
+            reads the final counts); None: no polling (a journal storage's every reader replays the log
+            and takes its lock, beside the workers).
     """
     gpus = [] if spec.model.device == "cpu" else _gpus()
     n = workers if workers is not None else max(1, len(gpus))
@@ -141,8 +142,6 @@ def launch(study_file: str, overrides: tuple[str, ...], spec: StudySpec, url: st
         for p in procs:
             p.terminate()
         raise
-    if show is not None:
-        show(study_counts(url, spec.name))
     return [p.returncode for p in procs]
 
 
