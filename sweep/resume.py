@@ -185,8 +185,13 @@ def _tokens_of(trial: optuna.trial.FrozenTrial) -> int:
 def _counted(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
     """Trials of the shared storage that count against the budget: finished or RUNNING, orphans excluded."""
     trials = study.get_trials(deepcopy=False)
-    orphans = {t.user_attrs["retry_of"] for t in trials if "retry_of" in t.user_attrs}
+    orphans = _orphans(trials)
     return [t for t in trials if t.state in (*_FINISHED, TrialState.RUNNING) and t.number not in orphans]
+
+
+def _orphans(trials: Sequence[optuna.trial.FrozenTrial]) -> set[int]:
+    """Numbers of the trials that were retried (another trial's ``retry_of``): they no longer count."""
+    return {t.user_attrs["retry_of"] for t in trials if "retry_of" in t.user_attrs}
 
 
 class TokenPlan:
@@ -231,15 +236,22 @@ def _optuna_study(spec: StudySpec, sdir: StudyDir, sharing: Sharing | None = Non
             stack.enter_context(storage_lock(sharing.url, spec.name))
             storage = open_storage(sharing.url)
         except Exception as err:  # SQLAlchemy raises many types for an unreachable or malformed URL
-            raise UserError(f"storage: cannot open {sharing.url!r}: {str(err).strip().splitlines()[0]}") from err
+            raise _unopenable(sharing.url, err) from err
         return _create(spec, storage, sharing.url, sharing.worker)
+
+
+def _unopenable(url: str, err: Exception) -> UserError:
+    """The one-line error for a storage that cannot be opened: its URL and the first line of the cause
+    (its type when it has no message)."""
+    text = str(err).strip()
+    return UserError(f"storage: cannot open {url!r}: {text.splitlines()[0] if text else type(err).__name__}")
 
 
 def _create(spec: StudySpec, storage: Any, url: str, worker: int) -> optuna.Study:
     try:
         existing = [s.study_name for s in optuna.get_all_study_summaries(storage)]
     except Exception as err:  # SQLAlchemy raises many types for an unreachable or malformed URL
-        raise UserError(f"storage: cannot open {url!r}: {str(err).strip().splitlines()[0]}") from err
+        raise _unopenable(url, err) from err
     n_trials = 0
     if spec.name in existing:
         old = optuna.load_study(study_name=spec.name, storage=storage)
@@ -345,7 +357,7 @@ def open_session(spec: StudySpec, *, log: Callable[[str], None] = print, sharing
             reap_stale(study, store, sharing.grace, log)
         _sync(study, store)
     trials = study.get_trials(deepcopy=False)
-    orphans = {t.user_attrs["retry_of"] for t in trials if "retry_of" in t.user_attrs}
+    orphans = _orphans(trials)
     session = Session(spec, sdir, store, study, pm, tokenizer, _capacity(spec, pm, log),
                       pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
                       finished=sum(1 for t in trials if t.state in _FINISHED and t.number not in orphans),
