@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from packer.data import Example
+from packer.inject import all_linear_params
 from packer.model import PackedModel, load_base
 from packer.plan import AdapterSpec, adapter_param_count
 from packer.probe import calibrate, peak_memory
@@ -71,3 +72,15 @@ def test_memory_model_counts_what_a_parameter_costs_in_a_pack(tmp_path) -> None:
     shapes = [(layer.in_features, layer.out_features) for layer in pm.layers.values()]
     assert 16 * 8 * adapter_param_count(shapes, 64) > 0.5 * growth_meas, "adapter memory must dominate the step"
     assert abs(growth_pred - growth_meas) <= 0.10 * growth_meas, (growth_pred / 1e6, growth_meas / 1e6)
+
+
+def test_planner_counts_adapter_parameters_after_the_probes_wrapped_the_model(tmp_path) -> None:
+    """The planner sizes a pack after calibrating, when every projection is a ``PackedLoRALinear``; it
+    must still count their adapter parameters (it counted none, and on an H200 under-predicted a 24-slot
+    pack's peak by 21%)."""
+    pm = _packed(tmp_path, 2_000)
+    before = all_linear_params(pm.model, 16)
+    calibrate(pm, 32, rows=(1, 3))
+    assert before == 16 * sum(d_in + d_out for d_in, d_out in
+                              [(layer.in_features, layer.out_features) for layer in pm.layers.values()])
+    assert all_linear_params(pm.model, 16) == before
