@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from packer import gpu_bench  # the module, not its names: gpu_bench may import this module in turn
-from packer.checkpoint import save_adapter
+from packer.checkpoint import save_adapters
 from packer.data import Example
 from packer.model import DTYPES, PackedModel
 from packer.plan import AdapterSpec
@@ -223,8 +223,8 @@ def run_packed(setup: Setup, configs: Sequence[SweepConfig], out: Path, slots: i
 
     def save(ends: list) -> None:
         t = time.perf_counter()
-        for e in ends:
-            save_adapter(pm, e.slot, out / f"config-{e.job.key}", base_model_name_or_path=setup.model_dir)
+        save_adapters(pm, [(e.slot, out / f"config-{e.job.key}", None) for e in ends],
+                      base_model_name_or_path=setup.model_dir)
         saves.append((t, time.perf_counter() - t))
 
     capacity = min(slots or len(configs), len(configs))

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import optuna
@@ -27,7 +28,7 @@ from optuna.trial import TrialState
 
 from evaluators import EvalResult, evaluate, load_eval_data, metrics_of
 from evaluators.cost import cost_metrics, slot_adapter_params
-from packer.checkpoint import save_adapter
+from packer.checkpoint import save_adapters
 from packer.data import SlotStream, load_examples
 from packer.model import PackedModel
 from packer.plan import AdapterSpec
@@ -218,34 +219,43 @@ class _Sweep:
         self._flush_curves()
         done = [e for e in ends if e.reason == "finished"]
         result = self._evaluate([e.slot for e in done]) if done else EvalResult()
+        verdicts = {e.slot: self._verdict(e, self.live[e.slot], result) for e in done}
+        kept = [e for e in done if verdicts[e.slot][2] is None]
+        # the adapters of trials that complete together are written together (parallel files)
+        saved = save_adapters(self.pm, [(e.slot, self.s.adapter_dir(self.live[e.slot].trial.number),
+                                         {"trial": str(self.live[e.slot].trial.number), "study": self.spec.name})
+                                        for e in kept], base_model_name_or_path=self.spec.model.path)
+        adapters = {e.slot: path for e, path in zip(kept, saved, strict=True)}
         for e in ends:
             lv = self.live.pop(e.slot)
             self.to_prune.discard(e.slot)
             if e.reason == "finished":
-                self._complete(e, lv, result)
+                self._complete(e, lv, result, *verdicts[e.slot], adapters.get(e.slot))
             elif e.reason == "stopped":
                 self._tell(lv, TrialState.PRUNED, e, reason=f"pruned by cohort SHA at step {e.steps}")
             else:
                 self._tell(lv, TrialState.FAIL, e, reason=f"{e.reason} at step {e.steps}")
 
-    def _complete(self, e: SlotEnd, lv: _Live, result: EvalResult) -> None:
-        number = lv.trial.number
+    def _verdict(self, e: SlotEnd, lv: _Live, result: EvalResult) -> tuple[dict[str, float], list[float], str | None]:
+        """(metrics, objective values, why the trial fails or None) of a slot that finished training."""
         if e.slot in result.errors:
-            self._tell(lv, TrialState.FAIL, e, reason=result.errors[e.slot].reason)
-            return
+            return {}, [], result.errors[e.slot].reason
         metrics = dict(result.metrics.get(e.slot, {}))
         metrics.update(cost_metrics(adapter_params=slot_adapter_params(self.pm, e.slot), trial_tokens=lv.tokens,
                                     pack_tokens=lv.tokens, pack_seconds=lv.device_s))
         values = [metrics.get(o.metric, math.nan) for o in self.spec.objectives]
         bad = [o.metric for o, v in zip(self.spec.objectives, values, strict=True) if not math.isfinite(v)]
-        if bad:
-            self._tell(lv, TrialState.FAIL, e, metrics=metrics, reason=f"objective {', '.join(bad)} is not finite")
+        return metrics, values, f"objective {', '.join(bad)} is not finite" if bad else None
+
+    def _complete(self, e: SlotEnd, lv: _Live, result: EvalResult, metrics: dict[str, float], values: list[float],
+                  failed: str | None, adapter: Path | None) -> None:
+        number = lv.trial.number
+        if failed is not None:
+            self._tell(lv, TrialState.FAIL, e, metrics=metrics or None, reason=failed)
             return
+        assert adapter is not None, "on_end saves the adapter of every trial whose verdict passes"
         for c in self.spec.constraints:
             lv.trial.set_constraint(c.metric, c.violation(metrics.get(c.metric, math.inf)))
-        adapter = self.s.adapter_dir(number)
-        save_adapter(self.pm, e.slot, adapter, base_model_name_or_path=self.spec.model.path,
-                     metadata={"trial": str(number), "study": self.spec.name})
         lv.trial.set_user_attr("adapter_path", str(adapter.absolute()))  # report and export from any host
         for metric, items in result.per_item.get(e.slot, {}).items():
             self.s.store.add_items(number, metric, items)

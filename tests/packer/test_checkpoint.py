@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from kernels import PackLayout
-from packer.checkpoint import load_adapter, save_adapter
+from packer.checkpoint import load_adapter, save_adapter, save_adapters
 from packer.data import SlotStream
 from packer.errors import UserError
 from packer.model import PackedModel, load_base
@@ -36,12 +36,15 @@ def _trained_adapters(model_dir, specs, out_root):
     queue = list(jobs)
     saved = {}
 
-    def on_end(ends):
-        for e in ends:
-            saved[e.job.key] = save_adapter(pm, e.slot, out_root / f"trial-{e.job.key}",
-                                            base_model_name_or_path=str(model_dir))
+    def on_end(ends):  # slots that end together are saved together (one host copy each, parallel writes)
+        dirs = save_adapters(pm, [(e.slot, out_root / f"trial-{e.job.key}", None) for e in ends],
+                             base_model_name_or_path=str(model_dir))
+        saved.update({e.job.key: d for e, d in zip(ends, dirs, strict=True)})
+        batches.append(len(ends))
 
+    batches: list[int] = []
     train(pm, len(specs), lambda s: queue.pop(0) if queue else None, pad_id=0, on_end=on_end)
+    assert batches == [len(specs)], "the slots end together: one batch of saves"
     return saved
 
 
