@@ -4,15 +4,20 @@
 ``--slots`` adapters (ranks 8/16/32 cycled, micro-batch ``--micro``) on random full rows and on the
 data file's rows (half the slots with dropout 0.05, as a sweep draws them), on the Triton kernels and on
 masked-dense PyTorch, and prints each median step; then profiles five steps of the data run and prints
-the kernel time per step and the top host and device operators. A scale-out worker of
-``studies/scale-out.yaml`` runs exactly such packs.
+the kernel time per step and the top host and device operators. ``--cprofile`` instead runs 20 data
+steps on the Triton kernels under cProfile (after 15 unprofiled ones) and prints the Python functions
+that take the host's time. A scale-out worker of ``studies/scale-out.yaml`` runs exactly such packs.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
+import pstats
 import statistics
+
+import torch
 
 from packer import gpu_bench
 from packer.data import Example, SlotStream, load_examples
@@ -42,11 +47,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--micro", type=int, default=16)
     parser.add_argument("--max-length", type=int, default=64)
+    parser.add_argument("--cprofile", action="store_true", help="Python functions of 20 profiled steps instead")
     args = parser.parse_args(argv)
     model, tokenizer = load_base(args.model, dtype="bfloat16", device="cuda")
     examples = load_examples(args.data, tokenizer, fmt="prompt_completion", max_length=args.max_length)
     print(f"{len(examples)} examples, mean length {statistics.mean(len(e.input_ids) for e in examples):.1f} tokens")
     vocab = model.config.vocab_size
+    if args.cprofile:
+        _cprofile(model, examples, args.slots, args.micro, vocab)
+        return
     for kind, impl in (("random", "triton"), ("data", "triton"), ("data", "torch")):
         jobs = _jobs(kind, examples, args.slots, args.micro, 25, vocab)
         step = gpu_bench._timed_train(PackedModel(model, impl=impl), jobs, args.slots, warmup=5)  # type: ignore[arg-type]
@@ -63,6 +72,22 @@ def main(argv: list[str] | None = None) -> None:
           "per step outside any operator (Python between ops)")
     print(events.table(sort_by="self_cpu_time_total", row_limit=15))
     print(events.table(sort_by="self_device_time_total", row_limit=10))
+
+
+def _cprofile(model: torch.nn.Module, examples: list[Example], slots: int, micro: int, vocab: int) -> None:
+    """20 steps of the data pack on the Triton kernels under cProfile, after 15 unprofiled ones (compiles,
+    allocator); prints the functions by own time and by cumulative time."""
+    pm = PackedModel(model, impl="triton")
+    gpu_bench._timed_train(pm, _jobs("data", examples, slots, micro, 15, vocab), slots, warmup=5)
+    jobs = _jobs("data", examples, slots, micro, 20, vocab)
+    prof = cProfile.Profile()
+    prof.enable()
+    train(pm, slots, lambda s: jobs.pop(0) if jobs else None, pad_id=0)
+    torch.cuda.synchronize()
+    prof.disable()
+    stats = pstats.Stats(prof)
+    stats.sort_stats("tottime").print_stats(28)
+    stats.sort_stats("cumulative").print_stats(25)
 
 
 if __name__ == "__main__":
