@@ -111,12 +111,18 @@ def _run_workers(study: str, overrides: tuple[str, ...], spec: StudySpec, worker
 @click.option("--grace", default=60.0, show_default=True, help="Seconds without a heartbeat before a worker's "
               "trials are failed and retried.")
 @click.option("--quiet", is_flag=True, help="No live progress.")
+@click.option("--cpus", help="Run on these CPUs only (Linux list: 0-15 or 0,2,4-7); sweep run --workers N gives "
+              "each worker its share of the host's.")
 def worker(study: str, overrides: tuple[str, ...], storage: str | None, out: str | None, index: int | None,
-           heartbeat: float, grace: float, quiet: bool) -> None:
+           heartbeat: float, grace: float, quiet: bool, cpus: str | None) -> None:
     """Join the study of STUDY.yaml as one worker: ask, train, evaluate and tell through the shared storage."""
     import os
 
+    from sweep.affinity import pin
     from sweep.live import LiveProgress
+
+    if cpus is not None:
+        pin(cpus)  # before torch starts its CPU threads: they inherit the pinning
     from sweep.storage import Sharing
     from sweep.worker import run_worker, with_storage
 

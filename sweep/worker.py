@@ -4,8 +4,8 @@
 the shared budget has room, then stays until no other worker has a RUNNING trial, retrying the
 trials of workers that died (stale heartbeat), so the study ends with exactly its budget.
 ``launch`` is ``sweep run --workers N``: one ``sweep worker`` process per visible GPU (pinned with
-``CUDA_VISIBLE_DEVICES``; N CPU workers on a host without one) and the combined progress, polled
-from the storage.
+``CUDA_VISIBLE_DEVICES``; N CPU workers on a host without one), each on its own share of the host's
+cores (``sweep.affinity``), and the combined progress, polled from the storage.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
+from sweep.affinity import allowed_cpus, cpu_list, cpu_shares
 from sweep.resume import reap_stale, shared_budget
 from sweep.spec import StudySpec
 from sweep.storage import Sharing, open_storage, storage_lock
@@ -111,17 +112,18 @@ def launch(study_file: str, overrides: tuple[str, ...], spec: StudySpec, url: st
     ResultsStore(sdir.results_db).close()  # the schema exists before the workers race to open it
     logs = sdir.root / "workers"
     logs.mkdir(exist_ok=True)
+    shares = cpu_shares(allowed_cpus(), n) if n > 1 else [[]]
     procs = []
     for i in range(n):
         env = dict(os.environ)
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
         # torch sizes its CPU thread pool to every core; N workers would each take all of them and fight
-        # over the host's cores. A user's own setting wins.
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
+        # over the host's cores. Each gets its own share, pinned; a user's own thread count wins.
+        env.setdefault("OMP_NUM_THREADS", str(len(shares[i]) or max(1, (os.cpu_count() or 1) // n)))
         cmd = [sys.executable, "-m", "sweep.cli", "worker", study_file, *overrides, "--storage", url,
                "--out", str(sdir.root), "--index", str(i), "--heartbeat", str(heartbeat), "--grace", str(grace),
-               "--quiet"]
+               "--quiet", *(["--cpus", cpu_list(shares[i])] if shares[i] else [])]
         with open(logs / f"worker-{i}.log", "wb") as out:
             procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                           cwd=Path.cwd()))

@@ -21,6 +21,7 @@ import pytest
 from optuna.trial import TrialState
 
 from sweep import worker
+from sweep.affinity import allowed_cpus
 from sweep.resume import _optuna_study
 from sweep.spec import load_study
 from sweep.storage import WORKER_ATTR, Sharing, normalize_url, open_storage, storage_lock
@@ -207,10 +208,10 @@ def test_other_search_space_under_the_same_name_is_one_line_exit_2(tiny_dirs, tm
 
 
 @pytest.mark.parametrize(("user", "expected"), [(None, "4"), ("3", "3")])
-def test_launch_splits_cpu_threads_between_workers(tiny_dirs, tmp_path, monkeypatch, user, expected) -> None:
-    """Each of N workers gets cores // N CPU threads (torch would give every one of them all the cores);
-    a user's own OMP_NUM_THREADS is kept."""
-    envs: list[dict[str, str]] = []
+def test_launch_gives_each_worker_its_share_of_the_cpus(tiny_dirs, tmp_path, monkeypatch, user, expected) -> None:
+    """Each of N workers is pinned to its own cores // N CPUs and sizes torch's thread pool to them (torch
+    would give every one of them all the cores); a user's own OMP_NUM_THREADS is kept."""
+    calls: list[tuple[list[str], dict[str, str]]] = []
 
     class _Done:
         returncode = 0
@@ -218,8 +219,8 @@ def test_launch_splits_cpu_threads_between_workers(tiny_dirs, tmp_path, monkeypa
         def poll(self) -> int:
             return 0
 
-    monkeypatch.setattr(worker.subprocess, "Popen", lambda cmd, **kw: envs.append(kw["env"]) or _Done())
-    monkeypatch.setattr(worker.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(worker.subprocess, "Popen", lambda cmd, **kw: calls.append((cmd, kw["env"])) or _Done())
+    monkeypatch.setattr(worker, "allowed_cpus", lambda: list(range(8, 16)))
     if user is None:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     else:
@@ -227,4 +228,16 @@ def test_launch_splits_cpu_threads_between_workers(tiny_dirs, tmp_path, monkeypa
     path = _study_file(tmp_path, tiny_dirs("llama"), "threads")
     spec = load_study(path)
     assert worker.launch(str(path), (), spec, f"journal://{tmp_path / 'j.log'}", 2, heartbeat=1, grace=5) == [0, 0]
-    assert [e["OMP_NUM_THREADS"] for e in envs] == [expected, expected]
+    assert [env["OMP_NUM_THREADS"] for _, env in calls] == [expected, expected]
+    assert [cmd[cmd.index("--cpus") + 1] for cmd, _ in calls] == ["8-11", "12-15"]
+
+
+def test_worker_cpus_pins_the_process_and_bad_lists_are_one_line_exit_2(tmp_path) -> None:
+    cpu = min(allowed_cpus())
+    code = f"from sweep.affinity import pin; import os; pin('{cpu}'); print(sorted(os.sched_getaffinity(0)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.stdout.strip() == f"[{cpu}]", out.stderr
+    for bad, why in (("x", "not a CPU list"), ("100000", "this process may use")):
+        result = subprocess.run(_cli("worker", str(tmp_path / "missing.yaml"), "--cpus", bad), capture_output=True,
+                                text=True, timeout=60, cwd=ROOT)
+        _one_line_exit_2(result, why)
