@@ -18,10 +18,11 @@ dropout 0) trains for ``S`` steps each on fixed random token ids, three ways, ea
 The base is a random init of a real architecture's shape (``packer.gpu_bench.SHAPES``; throughput
 does not depend on weight values) saved with ``save_pretrained`` first, so every path pays
 ``from_pretrained`` from disk. Before the clocks, the process runs the base once (forward, backward,
-an AdamW step): kernels every mode uses load then, not in the first mode's time. ``--sequential-sample K`` / ``--procs-sample K`` (or ``--sample K``
-for both) time only K configurations, evenly spaced, and estimate the others from the measured one
-of the same (rank, micro-batch) cell, else of the same micro-batch; the line's ``makespan_basis``
-says so. One JSON line per mode, the packed one first, so a later timeout still leaves it.
+an AdamW step): kernels every mode uses load then, not in the first mode's time.
+``--sequential-sample K`` / ``--procs-sample K`` (or ``--sample K`` for both) time only K
+configurations, evenly spaced, and estimate the others from the measured one of the same (rank,
+micro-batch) cell, else of the same micro-batch; the line's ``makespan_basis`` says so. One JSON line
+per mode, the packed one first, so a later timeout still leaves it.
 
 Run: ``python -m packer.gpu_makespan`` (H200), ``python -m packer.gpu_makespan --tiny --device cpu``.
 """
