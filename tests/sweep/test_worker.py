@@ -139,11 +139,17 @@ def test_pg_three_workers_one_killed_mid_pack(tiny_dirs, tmp_path) -> None:
             # furthest from its end (a trial of 20 steps lasts well under a second on one thread).
             index = running[-1].system_attrs[WORKER_ATTR]
             victim = procs[index]
-            os.killpg(victim.pid, signal.SIGKILL)
-            victim.wait()
-            time.sleep(0.5)  # a live worker names its new trial a few ms after asking; a killed one may never
+            # Frozen first, so that its trials cannot end between looking at them and the kill.
+            os.killpg(victim.pid, signal.SIGSTOP)
+            time.sleep(0.5)  # a live worker names its new trial a few ms after asking; a frozen one may never
             killed = [t for t in _trials(url, name)
                       if t.state == TrialState.RUNNING and t.system_attrs.get(WORKER_ATTR, index) == index]
+            if not killed:  # it was between packs: let it go on, and look again
+                os.killpg(victim.pid, signal.SIGCONT)
+                victim = None
+                continue
+            os.killpg(victim.pid, signal.SIGKILL)
+            victim.wait()
             break
     assert killed, "a worker must be killed mid-pack, with trials still training"
     for p in procs:
