@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -19,8 +20,8 @@ from kernels._launch import to_device_async
 from kernels.meta import LayerRanks, PackLayout, dropout_seed
 from kernels.reference import lora_loop, lora_masked_dense
 
-__all__ = ["packed_lora", "packed_lora_linear", "PackLayout", "LayerRanks", "dropout_seed", "IMPLS", "Impl",
-           "resolve_impl", "triton_available", "to_device_async"]
+__all__ = ["packed_lora", "packed_lora_linear", "precompile", "PackLayout", "LayerRanks", "dropout_seed", "IMPLS",
+           "Impl", "resolve_impl", "triton_available", "to_device_async"]
 
 Impl = Literal["torch", "loop", "triton", "auto"]
 IMPLS: tuple[str, ...] = ("torch", "loop", "triton", "auto")
@@ -102,3 +103,9 @@ def packed_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if impl != "triton":
         return packed_lora(x, F.linear(x, weight, bias), a_cat, bt_cat, layout, ranks, impl=impl)
     return _triton_module().packed_lora_triton(x, None, a_cat, bt_cat, layout, ranks, weight=weight, bias=bias)
+
+
+def precompile(run: Callable[[], object]) -> None:
+    """Compile, in parallel, the Triton kernel variants that ``run`` launches (``kernels.triton_lora.precompile``:
+    launches become compile-only warm-ups while ``run`` executes)."""
+    _triton_module().precompile(run)

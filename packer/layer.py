@@ -16,6 +16,7 @@ step's host time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -138,6 +139,35 @@ class PackedLoRALinear(nn.Module):
             return packed_lora_linear(x, self.base.weight, self.base.bias, a_cat, bt_cat, layout, g.ranks,
                                       impl=self.state.impl)
         return packed_lora(x, self.base(x), a_cat, bt_cat, layout, g.ranks, impl=self.state.impl)
+
+    def kernel_probe(self, layout: PackLayout, rows: int, seq_len: int) -> tuple[tuple, Callable[[], None]] | None:
+        """What decides the kernel variants this layer launches for ``layout``, and a forward and backward
+        of it on placeholder tensors of a (``rows``, ``seq_len``) batch that launches exactly those (for
+        ``kernels.precompile``); None when no slot of ``layout`` adapts this layer. The placeholders are
+        fresh tensors: the slots' weights and gradient buffers are neither read nor written."""
+        g = self._gathered(layout.slots)
+        if not g.a:
+            return None
+        linear = type(self.base) is nn.Linear
+        weight, bias = (self.base.weight, self.base.bias) if linear else (None, None)
+        act = next(self.base.parameters()).dtype
+        key = (linear, self.in_features, self.out_features, bias is not None, act, g.a[0].dtype, g.ranks.rank)
+
+        def run() -> None:
+            dev, total = g.a[0].device, sum(g.rows)
+            x = torch.empty(rows, seq_len, self.in_features, dtype=act, device=dev, requires_grad=True)
+            a_cat = torch.empty(total, self.in_features, dtype=g.a[0].dtype, device=dev, requires_grad=True)
+            bt_cat = torch.empty(total, self.out_features, dtype=g.bt[0].dtype, device=dev, requires_grad=True)
+            with torch.enable_grad():
+                if linear:
+                    y = packed_lora_linear(x, weight, bias, a_cat, bt_cat, layout, g.ranks, impl="triton")
+                else:
+                    base_out = torch.empty(rows, seq_len, self.out_features, dtype=act, device=dev,
+                                           requires_grad=True)
+                    y = packed_lora(x, base_out, a_cat, bt_cat, layout, g.ranks, impl="triton")
+                y.backward(torch.empty_like(y))
+
+        return key, run
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, slots={sorted(self._slots)}"

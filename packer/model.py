@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from kernels import IMPLS, Impl, PackLayout
+from kernels import IMPLS, Impl, PackLayout, precompile, resolve_impl
 from packer.errors import ConfigError, UserError
 from packer.inject import inject, resolve_targets
 from packer.layer import PackedLoRALinear, PackState
@@ -164,6 +164,22 @@ class PackedModel:
 
     def slot_parameters(self, slot: int) -> list[nn.Parameter]:
         return [t for pair in self.slot_weights(slot).values() for t in pair]
+
+    def precompile(self, layout: PackLayout, rows: int, seq_len: int) -> None:
+        """Compile, in parallel, the Triton kernel variants a step over ``layout`` (a batch of ``rows`` x
+        ``seq_len``) launches, before the step, which would otherwise compile them one after another as it
+        reaches them: one placeholder forward and backward per distinct kind of packed layer, whose launches
+        ``kernels.precompile`` turns into compile-only warm-ups. Nothing to do off the Triton path; on a warm
+        cache the warm-ups find every variant compiled."""
+        if resolve_impl(self.state.impl, self.device) != "triton":
+            return
+        probes: dict[tuple, Callable[[], None]] = {}
+        for layer in self.layers.values():
+            probe = layer.kernel_probe(layout, rows, seq_len)
+            if probe is not None:
+                probes.setdefault(*probe)
+        if probes:
+            precompile(lambda: [run() for run in probes.values()])
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, layout: PackLayout | None) -> torch.Tensor:
         """Logits of a packed batch.

@@ -249,6 +249,9 @@ def train(
                         seeds=[dropout_seed(sp.seed, active[s].steps) for s, sp in zip(slots, specs, strict=True)],
                         device=pm.device)
 
+        if result.steps == 0:  # the first step's kernel variants, compiled in parallel rather than in turn
+            pm.precompile(batch.layout, *batch.input_ids.shape)
+
         # 3. One forward/backward for the whole pack; sum of per-slot means keeps slots independent.
         losses, counts = _pack_losses(pm, batch, chunk_tokens)
         losses.sum().backward()

@@ -1,0 +1,71 @@
+"""``precompile``: a call run inside it launches nothing and warms exactly the kernel variants the same call
+launches for real; on a GPU the real call then compiles nothing more."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("CI"):  # CI installs triton: a missing triton must fail there, not skip
+    import triton  # noqa: F401
+else:
+    pytest.importorskip("triton", reason="pip install 'lora-sweep[triton]'")
+
+import kernels.triton_lora as K  # noqa: E402
+from kernels import LayerRanks, PackLayout, packed_lora_linear  # noqa: E402
+from kernels._launch import build_meta  # noqa: E402
+from tests.conftest import record_launches  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRET else "cpu")
+DTYPE = torch.float32 if DEVICE.type == "cpu" else torch.bfloat16  # the interpreter's tl.dot needs fp32
+
+
+def _layer_call(seed: int, fill: float | None = None):  # type: ignore[no-untyped-def]
+    """A packed linear layer's forward and backward: 3 slots (one rank-0), dropout, a bias."""
+    layout = PackLayout((0, 1, 2), (0, 2, 3), (2, 1, 2), (5, 6, 7), (0.0, 0.25, 0.0), (0, 0, 0))
+    ranks = LayerRanks((4, 0, 8), (2.0, 0.0, 1.0), layer_id=1)
+    g = torch.Generator().manual_seed(seed)
+    x, w, b = (torch.randn(shape, generator=g).to(DEVICE, DTYPE) for shape in ((5, 6, 24), (40, 24), (40,)))
+    a_cat = torch.randn(12, 24, generator=g).to(DEVICE).requires_grad_()
+    bt_cat = torch.randn(12, 40, generator=g).to(DEVICE).requires_grad_()
+    x.requires_grad_()
+
+    def run() -> torch.Tensor:
+        y = packed_lora_linear(x, w, b, a_cat, bt_cat, layout, ranks, impl="triton")
+        y.backward(torch.ones_like(y))
+        return y
+
+    return run, (a_cat, bt_cat)
+
+
+def test_precompile_warms_what_the_call_launches_and_launches_nothing(monkeypatch) -> None:
+    calls = record_launches(monkeypatch)
+    warm_run, leaves = _layer_call(0)
+    K.precompile(warm_run)
+    real_run, _ = _layer_call(0)
+    real_run()
+    warm = {v for inside, v in calls if inside}
+    real = {v for inside, v in calls if not inside}
+    assert real and warm == real, (warm ^ real)
+    # nothing ran inside: the weight-gradient kernel's result is the zeros it was allocated as
+    assert all(torch.count_nonzero(t.grad) == 0 for t in leaves)
+    layout = PackLayout((0,), (0,), (2,), (5,), (0.0,), (0,))
+    meta = build_meta(layout, LayerRanks((4,), (1.0,), 0), 10, 5, DEVICE)
+    dst = torch.full((10, 40), 7.0, device=DEVICE, dtype=DTYPE)
+    K.precompile(lambda: K.seg_expand_add(torch.ones(10, meta.r_pad, device=DEVICE), torch.ones(4, 40, device=DEVICE),
+                                          meta, dst, src=None, dropout=False))
+    assert bool((dst == 7.0).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="needs CUDA (compiled Triton)")
+def test_after_precompile_the_call_compiles_nothing() -> None:
+    kernels = (K._seg_shrink_kernel, K._seg_expand_kernel, K._seg_wgrad_kernel)
+    device = torch.cuda.current_device()
+    K.precompile(_layer_call(1)[0])
+    sizes = [len(k.device_caches[device][0]) for k in kernels]
+    _layer_call(1)[0]()
+    assert [len(k.device_caches[device][0]) for k in kernels] == sizes

@@ -1,0 +1,50 @@
+"""``PackedModel.precompile`` before a pack's first step: it asks for every kernel variant the step launches,
+launches none, and leaves the slots' weights and gradient buffers as they were."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # set at collection, before anything imports kernels.triton_lora
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("CI"):  # CI installs triton: a missing triton must fail there, not skip
+    import triton  # noqa: F401
+else:
+    pytest.importorskip("triton", reason="pip install 'lora-sweep[triton]'")
+
+from packer.model import PackedModel, load_base  # noqa: E402
+from packer.plan import AdapterSpec  # noqa: E402
+from packer.train import FixedBatch, SlotJob, train  # noqa: E402
+from tests.conftest import random_examples, record_launches  # noqa: E402
+
+
+def test_precompile_covers_the_first_step_and_touches_no_slot(tiny_dirs, monkeypatch) -> None:
+    """Qwen2 (biased q/k/v projections beside unbiased ones), three slots of different ranks and targets,
+    one with dropout: one training step."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, _ = load_base(str(tiny_dirs("qwen2")), device=device)
+    pm = PackedModel(model, impl="triton")
+    specs = [AdapterSpec(rank=4, targets=("all-linear",), max_steps=1, seed=1),
+             AdapterSpec(rank=8, targets=("q_proj", "v_proj"), dropout=0.1, max_steps=1, seed=2),
+             AdapterSpec(rank=2, targets=("down_proj",), max_steps=1, seed=3)]
+    jobs = [SlotJob(s, FixedBatch(random_examples(2, i)), key=i) for i, s in enumerate(specs)]
+    calls = record_launches(monkeypatch)
+    snapshots = []
+    precompile = pm.precompile
+
+    def checked(*args: object) -> None:  # the slots' buffers around the call
+        before = [t.clone() for slot in range(3) for t in pm.flat_buffers(slot)]
+        precompile(*args)  # type: ignore[arg-type]
+        snapshots.append((before, [t.clone() for slot in range(3) for t in pm.flat_buffers(slot)]))
+
+    monkeypatch.setattr(pm, "precompile", checked)
+    train(pm, 3, lambda s: jobs.pop(0) if jobs else None, pad_id=0)
+    warm = {v for inside, v in calls if inside}
+    real = {v for inside, v in calls if not inside}
+    assert len(snapshots) == 1, "once, before the first step"
+    assert real and real <= warm, real - warm
+    before, after = snapshots[0]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
