@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from kernels import IMPLS, Impl, PackLayout, precompile, resolve_impl
+import kernels
+from kernels import IMPLS, Impl, PackLayout, resolve_impl
 from packer.errors import ConfigError, UserError
 from packer.inject import inject, resolve_targets
 from packer.layer import PackedLoRALinear, PackState
@@ -178,8 +180,13 @@ class PackedModel:
             probe = layer.kernel_probe(layout, rows, seq_len)
             if probe is not None:
                 probes.setdefault(*probe)
-        if probes:
-            precompile(lambda: [run() for run in probes.values()])
+        if not probes:
+            return
+        try:
+            kernels.precompile(lambda: [run() for run in probes.values()])
+        except Exception as err:  # an optimisation only: the step compiles what it lacks as it launches it
+            warnings.warn(f"kernel precompile failed, kernels compile as the step meets them: "
+                          f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}", stacklevel=2)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, layout: PackLayout | None) -> torch.Tensor:
         """Logits of a packed batch.

@@ -48,3 +48,21 @@ def test_precompile_covers_the_first_step_and_touches_no_slot(tiny_dirs, monkeyp
     assert real and real <= warm, real - warm
     before, after = snapshots[0]
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_a_failed_precompile_warns_and_training_goes_on(tiny_dirs, monkeypatch) -> None:
+    """Precompiling is an optimisation: if it fails (say, a Triton whose warm-up API differs), the step
+    compiles its kernels as it launches them, as without it."""
+    import kernels
+
+    def broken(run: object) -> None:
+        raise AttributeError("no warmup here")
+
+    monkeypatch.setattr(kernels, "precompile", broken)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, _ = load_base(str(tiny_dirs("qwen2")), device=device)
+    pm = PackedModel(model, impl="triton")
+    jobs = [SlotJob(AdapterSpec(rank=4, targets=("all-linear",), max_steps=2), FixedBatch(random_examples(2, 0)))]
+    with pytest.warns(UserWarning, match="precompile failed.*AttributeError: no warmup here"):
+        result = train(pm, 1, lambda s: jobs.pop(0) if jobs else None, pad_id=0)
+    assert result.steps == 2
