@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 import warnings
 from collections.abc import Callable, Collection, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -71,9 +73,7 @@ class Session:
 
     def adapter_dir(self, number: int) -> Path:
         """Where trial ``number``'s adapter goes: ``artifacts/trial-<n>``, or the study directory's."""
-        if self.spec.artifacts is not None:
-            return (self.spec.artifacts / f"trial-{number}").absolute()
-        return self.sdir.adapter_dir(number)
+        return trial_adapter_dir(self.spec, self.sdir, number)
 
     def rung_history(self, metric: str) -> dict[int, dict[int, float]]:
         """{rung: {trial: value}} of ``metric`` from earlier runs, so pruning continues where it was."""
@@ -277,11 +277,26 @@ def _create(spec: StudySpec, storage: Any, url: str, worker: int) -> optuna.Stud
     return study
 
 
+def trial_adapter_dir(spec: StudySpec, sdir: StudyDir, number: int) -> Path:
+    """Where trial ``number``'s adapter goes: ``artifacts/trial-<n>``, or the study directory's."""
+    if spec.artifacts is not None:
+        return (spec.artifacts / f"trial-{number}").absolute()
+    return sdir.adapter_dir(number)
+
+
+def _discard_adapter(path: Path) -> None:
+    """Remove what a trial that never completed left of its adapter: the directory (saved, then killed
+    before the tell) and the temporary ones of an interrupted write (``packer.checkpoint``'s ``.<name>.*``)."""
+    for leftover in [path, *path.parent.glob(f".{path.name}.*")]:
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
 def _requeue(study: optuna.Study, store: ResultsStore, orphans: list[optuna.trial.FrozenTrial],
-             log: Callable[[str], None]) -> None:
+             log: Callable[[str], None], adapters: Callable[[int], Path]) -> None:
     for t in orphans:
         study.tell(t.number, state=TrialState.FAIL)
         store.upsert_trial(t.number, state="FAIL", reason=ORPHAN_REASON)
+        _discard_adapter(adapters(t.number))  # its retry saves under its own number
         attrs = {"retry_of": t.number, **({"default": True} if t.user_attrs.get("default") else {})}
         # Killed between ask and suggest, a trial has no parameters yet: its retry draws fresh ones,
         # and still takes its place in the budget.
@@ -289,20 +304,23 @@ def _requeue(study: optuna.Study, store: ResultsStore, orphans: list[optuna.tria
         log(f"trial {t.number} was left RUNNING by a stopped run: failed and enqueued again")
 
 
-def reap_stale(study: optuna.Study, store: ResultsStore, grace: float, log: Callable[[str], None]) -> list[int]:
-    """Fail and re-enqueue the RUNNING trials of dead workers (no heartbeat for ``grace`` seconds).
+def reap_stale(study: optuna.Study, store: ResultsStore, grace: float, log: Callable[[str], None],
+               adapters: Callable[[int], Path]) -> list[int]:
+    """Fail and re-enqueue the RUNNING trials of dead workers (no heartbeat for ``grace`` seconds), and
+    remove what they left of their adapters (``adapters``: trial number -> its adapter directory).
 
     The caller holds the storage lock, so two survivors never retry the same orphan.
     """
     now = time.time()
     stale = [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) if now - last_beat(t) > grace]
-    _requeue(study, store, stale, log)
+    _requeue(study, store, stale, log, adapters)
     return [t.number for t in stale]
 
 
-def _recover(study: optuna.Study, store: ResultsStore, log: Callable[[str], None]) -> None:
+def _recover(study: optuna.Study, store: ResultsStore, log: Callable[[str], None],
+             adapters: Callable[[int], Path]) -> None:
     """Fail and re-enqueue orphaned RUNNING trials; bring the results store in line with Optuna."""
-    _requeue(study, store, study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)), log)
+    _requeue(study, store, study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)), log, adapters)
     _sync(study, store)
 
 
@@ -338,8 +356,9 @@ def open_session(spec: StudySpec, *, log: Callable[[str], None] = print, sharing
         sdir.write_study_yaml(spec.source.read_text())
     store = ResultsStore(sdir.results_db)
     study = _optuna_study(spec, sdir, sharing)
+    adapters = partial(trial_adapter_dir, spec, sdir)
     if sharing is None:
-        _recover(study, store, log)
+        _recover(study, store, log, adapters)
     url = sharing.url if sharing is not None else spec.storage or sdir.optuna_url
     store.set_meta(name=spec.name, storage=url, model=spec.model.path,
                    data=str(spec.data.train), objectives=[o.metric for o in spec.objectives],
@@ -354,7 +373,7 @@ def open_session(spec: StudySpec, *, log: Callable[[str], None] = print, sharing
     if sharing is not None:
         with storage_lock(sharing.url, spec.name):  # the clock first: reaping makes dead trials' ends recent
             resume_clock(study, sharing.grace, earlier=float(store.meta().get("elapsed", 0.0)))
-            reap_stale(study, store, sharing.grace, log)
+            reap_stale(study, store, sharing.grace, log, adapters)
         _sync(study, store)
     trials = study.get_trials(deepcopy=False)
     orphans = _orphans(trials)

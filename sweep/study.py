@@ -176,7 +176,7 @@ class _Sweep:
         assert self.s.sharing is not None
         self.last_reap = time.time()
         with self._lock():
-            return reap_stale(self.s.study, self.s.store, self.s.sharing.grace, self.log)
+            return reap_stale(self.s.study, self.s.store, self.s.sharing.grace, self.log, self.s.adapter_dir)
 
     def _flush_curves(self) -> None:
         with self.s.store.transaction():

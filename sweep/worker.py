@@ -17,13 +17,14 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import optuna
 from optuna.trial import TrialState
 
 from sweep.affinity import allowed_cpus, cpu_list, cpu_shares
-from sweep.resume import reap_stale, shared_budget
+from sweep.resume import reap_stale, shared_budget, trial_adapter_dir
 from sweep.spec import StudySpec
 from sweep.storage import Sharing, open_storage, storage_lock
 from sweep.store import ResultsStore, StudyDir
@@ -57,11 +58,12 @@ def _wait_for_others(spec: StudySpec, sharing: Sharing, log: Callable[[str], Non
     reap the trials of workers that die, so none stays RUNNING.
     """
     study = optuna.load_study(study_name=spec.name, storage=open_storage(sharing.url))
-    store = ResultsStore(StudyDir(spec.out_dir).results_db)
+    sdir = StudyDir(spec.out_dir)
+    store = ResultsStore(sdir.results_db)
     try:
         while True:
             with storage_lock(sharing.url, spec.name):
-                reap_stale(study, store, sharing.grace, log)
+                reap_stale(study, store, sharing.grace, log, partial(trial_adapter_dir, spec, sdir))
                 budget = shared_budget(spec, study)
                 running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
             if not budget.exhausted:

@@ -100,6 +100,11 @@ def test_resume_after_sigkill_loses_and_duplicates_nothing(tiny_dirs, tmp_path) 
     running = [t for t in before if t.state == TrialState.RUNNING]
     assert running, "the kill must land mid-pack, with trials still training"
     completed_before = {t.number: t.params for t in before if t.state == TrialState.COMPLETE}
+    # what a kill between saving an adapter and telling its trial leaves, or one in the middle of the write
+    left = [out / "adapters" / f"trial-{running[0].number}", out / "adapters" / f".trial-{running[0].number}.x1"]
+    for d in left:
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "adapter_config.json").write_text("{}")
 
     result = _run_cli("run", str(path), "--quiet")
     assert result.returncode == 0, result.stderr
@@ -116,6 +121,7 @@ def test_resume_after_sigkill_loses_and_duplicates_nothing(tiny_dirs, tmp_path) 
     for number, params in completed_before.items():  # completed work was kept, not redone
         assert next(t for t in after if t.number == number).params == params
     assert all((out / "adapters" / f"trial-{t.number}" / "adapter_config.json").is_file() for t in complete)
+    assert not any(d.exists() for d in left), "a failed trial's leftover adapter is removed"
     with sqlite3.connect(out / "results.db") as db:
         states = dict(db.execute("select number, state from trials").fetchall())
     assert states == {t.number: t.state.name for t in after}
