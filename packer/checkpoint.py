@@ -24,8 +24,8 @@ from transformers.pytorch_utils import Conv1D
 from packer.errors import UserError
 from packer.model import PackedModel
 
-__all__ = ["save_adapter", "save_adapters", "load_adapter", "read_adapter", "adapter_config", "CONFIG_NAME",
-           "WEIGHTS_NAME"]
+__all__ = ["save_adapter", "save_adapters", "discard_adapter", "load_adapter", "read_adapter", "adapter_config",
+           "CONFIG_NAME", "WEIGHTS_NAME"]
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -111,10 +111,15 @@ def _host_tensors(pm: PackedModel, slot: int, dtype: torch.dtype | None) -> dict
             for name, p, chunk in zip(names, parts, flat.split([p.numel() for p in parts]), strict=True)}
 
 
+def _scratch_prefix(out_dir: Path) -> str:
+    """Name prefix of the temporary directories a write of ``out_dir`` makes beside it."""
+    return f".{out_dir.name}."
+
+
 def _write(tensors: dict[str, torch.Tensor], config: dict, out_dir: Path, metadata: dict[str, str] | None) -> Path:
     """Write one adapter directory: files in a temporary directory beside it, fsynced, renamed into place."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=_scratch_prefix(out_dir), dir=out_dir.parent))
     try:
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", **(metadata or {})})
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -132,10 +137,18 @@ def _replace_dir(src: Path, dst: Path) -> None:
     if not dst.exists():
         os.replace(src, dst)
         return
-    old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+    old = dst.with_name(f"{_scratch_prefix(dst)}old-{os.getpid()}")
     os.replace(dst, old)
     os.replace(src, dst)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def discard_adapter(out_dir: str | Path) -> None:
+    """Remove an adapter directory and what interrupted writes of it left beside it (their temporary
+    directories): for a trial that will never be told complete."""
+    out_dir = Path(out_dir)
+    for leftover in [out_dir, *out_dir.parent.glob(f"{_scratch_prefix(out_dir)}*")]:
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
 def read_adapter(adapter_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import time
 import warnings
 from collections.abc import Callable, Collection, Sequence
@@ -30,6 +29,7 @@ import optuna
 from optuna.trial import TrialState
 
 from packer.batch import IGNORE_INDEX
+from packer.checkpoint import discard_adapter
 from packer.data import Example, SlotStream
 from packer.errors import UserError
 from packer.model import PackedModel, load_base
@@ -72,7 +72,7 @@ class Session:
     """Set when other workers share the study: the budget is then counted in the storage."""
 
     def adapter_dir(self, number: int) -> Path:
-        """Where trial ``number``'s adapter goes: ``artifacts/trial-<n>``, or the study directory's."""
+        """``trial_adapter_dir`` of this session's study."""
         return trial_adapter_dir(self.spec, self.sdir, number)
 
     def rung_history(self, metric: str) -> dict[int, dict[int, float]]:
@@ -284,19 +284,12 @@ def trial_adapter_dir(spec: StudySpec, sdir: StudyDir, number: int) -> Path:
     return sdir.adapter_dir(number)
 
 
-def _discard_adapter(path: Path) -> None:
-    """Remove what a trial that never completed left of its adapter: the directory (saved, then killed
-    before the tell) and the temporary ones of an interrupted write (``packer.checkpoint``'s ``.<name>.*``)."""
-    for leftover in [path, *path.parent.glob(f".{path.name}.*")]:
-        shutil.rmtree(leftover, ignore_errors=True)
-
-
 def _requeue(study: optuna.Study, store: ResultsStore, orphans: list[optuna.trial.FrozenTrial],
              log: Callable[[str], None], adapters: Callable[[int], Path]) -> None:
     for t in orphans:
         study.tell(t.number, state=TrialState.FAIL)
         store.upsert_trial(t.number, state="FAIL", reason=ORPHAN_REASON)
-        _discard_adapter(adapters(t.number))  # its retry saves under its own number
+        discard_adapter(adapters(t.number))  # saved but never told, or half written; its retry has its own number
         attrs = {"retry_of": t.number, **({"default": True} if t.user_attrs.get("default") else {})}
         # Killed between ask and suggest, a trial has no parameters yet: its retry draws fresh ones,
         # and still takes its place in the budget.
