@@ -22,9 +22,7 @@ __all__ = ["linear_shape", "projection_names", "resolve_targets", "inject", "all
 def linear_shape(module: nn.Module) -> tuple[int, int] | None:
     """(D_in, D_out) of a supported projection (wrapped in ``PackedLoRALinear`` or not), None for anything
     else. The planner counts adapter parameters after its probes have wrapped the model."""
-    if isinstance(module, PackedLoRALinear):
-        return module.in_features, module.out_features
-    if isinstance(module, nn.Linear):
+    if isinstance(module, (PackedLoRALinear, nn.Linear)):
         return module.in_features, module.out_features
     if isinstance(module, Conv1D):  # GPT-2 stores weight as (D_in, D_out)
         return module.weight.shape[0], module.weight.shape[1]

@@ -135,10 +135,14 @@ class PackedLoRALinear(nn.Module):
         if torch.is_grad_enabled():
             a_cat = _leaf(a_cat, g.grad_a, g.rows)
             bt_cat = _leaf(bt_cat, g.grad_bt, g.rows)
+        return self._with_lora(x, a_cat, bt_cat, layout, g.ranks, self.state.impl)
+
+    def _with_lora(self, x: torch.Tensor, a_cat: torch.Tensor, bt_cat: torch.Tensor, layout: PackLayout,
+                   ranks: LayerRanks, impl: Impl) -> torch.Tensor:
+        """The base projection of x (B, L, D_in) plus the packed LoRA term: (B, L, D_out)."""
         if type(self.base) is nn.Linear:  # exactly nn.Linear (not a quantised subclass): its GEMM fuses with LoRA
-            return packed_lora_linear(x, self.base.weight, self.base.bias, a_cat, bt_cat, layout, g.ranks,
-                                      impl=self.state.impl)
-        return packed_lora(x, self.base(x), a_cat, bt_cat, layout, g.ranks, impl=self.state.impl)
+            return packed_lora_linear(x, self.base.weight, self.base.bias, a_cat, bt_cat, layout, ranks, impl=impl)
+        return packed_lora(x, self.base(x), a_cat, bt_cat, layout, ranks, impl=impl)
 
     def kernel_probe(self, layout: PackLayout, rows: int, seq_len: int) -> tuple[tuple, Callable[[], None]] | None:
         """What decides the kernel variants this layer launches for ``layout``, and a forward and backward
@@ -148,23 +152,17 @@ class PackedLoRALinear(nn.Module):
         g = self._gathered(layout.slots)
         if not g.a:
             return None
-        linear = type(self.base) is nn.Linear
-        weight, bias = (self.base.weight, self.base.bias) if linear else (None, None)
         act = next(self.base.parameters()).dtype
-        key = (linear, self.in_features, self.out_features, bias is not None, act, g.a[0].dtype, g.ranks.rank)
+        key = (type(self.base), self.in_features, self.out_features, getattr(self.base, "bias", None) is not None, act,
+               g.a[0].dtype, g.ranks.rank)
 
-        def run() -> None:
+        def run() -> None:  # the forward's own dispatch, on placeholders
             dev, total = g.a[0].device, sum(g.rows)
             x = torch.empty(rows, seq_len, self.in_features, dtype=act, device=dev, requires_grad=True)
             a_cat = torch.empty(total, self.in_features, dtype=g.a[0].dtype, device=dev, requires_grad=True)
             bt_cat = torch.empty(total, self.out_features, dtype=g.bt[0].dtype, device=dev, requires_grad=True)
             with torch.enable_grad():
-                if linear:
-                    y = packed_lora_linear(x, weight, bias, a_cat, bt_cat, layout, g.ranks, impl="triton")
-                else:
-                    base_out = torch.empty(rows, seq_len, self.out_features, dtype=act, device=dev,
-                                           requires_grad=True)
-                    y = packed_lora(x, base_out, a_cat, bt_cat, layout, g.ranks, impl="triton")
+                y = self._with_lora(x, a_cat, bt_cat, layout, g.ranks, "triton")
                 y.backward(torch.empty_like(y))
 
         return key, run
