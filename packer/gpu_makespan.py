@@ -371,8 +371,8 @@ def _warm_model(setup: Setup, config: SweepConfig) -> None:
 
 
 def _warm(device: str) -> None:
-    """Create the CUDA context and cuBLAS handle before any clock runs: a one-time cost of this process,
-    which the first mode would otherwise pay alone (each ``run_procs`` child still pays its own)."""
+    """Create a ``run_procs`` child's CUDA context and cuBLAS handle before its first trial (the main
+    process warms up with ``_warm_model``, which does this and more)."""
     if device.startswith("cuda"):
         a = torch.ones(64, 64, device=device, dtype=torch.bfloat16)
         (a @ a).sum().item()
@@ -410,7 +410,6 @@ def makespan(shape: str = "qwen2.5-0.5b", *, n_configs: int = 24, steps: int = 2
         work = Path(workdir) if workdir is not None else Path(tmp)
         model_dir, vocab = save_base(shape, work / "base", device=device, dtype=dtype, tiny=tiny)
         setup = Setup(str(model_dir), vocab, steps, seq, device, dtype)
-        _warm(device)
         _warm_model(setup, configs[0])
         runs: dict[str, Callable[[Path], dict]] = {
             "packed": lambda out: run_packed(setup, configs, out, slots),
