@@ -119,10 +119,10 @@ def worker(study: str, overrides: tuple[str, ...], storage: str | None, out: str
     import os
 
     from sweep.affinity import pin
-    from sweep.live import LiveProgress
 
     if cpus is not None:
-        pin(cpus)  # before torch starts its CPU threads: they inherit the pinning
+        pin(cpus)  # before the imports below bring torch in, and before it starts its CPU threads
+    from sweep.live import LiveProgress
     from sweep.storage import Sharing
     from sweep.worker import run_worker, with_storage
 
