@@ -38,7 +38,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextvars import ContextVar
+from contextvars import ContextVar, copy_context
 
 import torch
 
@@ -62,7 +62,9 @@ PRECOMPILE_THREADS = 8
 MLIR passes, LLVM and ptxas)."""
 
 _WARMING: ContextVar[bool] = ContextVar("lora_kernels_warming", default=False)
-"""Set inside ``precompile``: launches become compile-only warm-ups."""
+"""Set inside ``precompile``: launches become compile-only warm-ups. A context variable does not reach other
+threads, and on CUDA autograd runs every backward on its own device thread: ``PackedLoRAFunction`` carries the
+forward's context over to its backward (and Triton's ``AsyncCompileMode``, a context variable too, with it)."""
 
 _SI: tl.constexpr = tl.constexpr(SEG_INT_FIELDS)
 _SF: tl.constexpr = tl.constexpr(SEG_FLT_FIELDS)
@@ -450,10 +452,17 @@ class PackedLoRAFunction(torch.autograd.Function):
             seg_expand_add(h, bt_cat, meta, y, src=y, dropout=False)
         ctx.save_for_backward(x, weight, a_cat, bt_cat, h)
         ctx.meta = meta
+        ctx.warming = copy_context() if _WARMING.get() else None  # a copy per call: one thread enters each
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if ctx.warming is not None:  # inside precompile, maybe on autograd's device thread: warm up, launch nothing
+            return ctx.warming.run(PackedLoRAFunction._backward, ctx, dy)
+        return PackedLoRAFunction._backward(ctx, dy)
+
+    @staticmethod
+    def _backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight, a_cat, bt_cat, h = ctx.saved_tensors
         meta: SegmentMeta = ctx.meta
         need_x, need_base, need_w, need_bias, need_a, need_bt = ctx.needs_input_grad[:6]

@@ -4,6 +4,7 @@ launches for real; on a GPU the real call then compiles nothing more."""
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -58,6 +59,28 @@ def test_precompile_warms_what_the_call_launches_and_launches_nothing(monkeypatc
     K.precompile(lambda: K.seg_expand_add(torch.ones(10, meta.r_pad, device=DEVICE), torch.ones(4, 40, device=DEVICE),
                                           meta, dst, src=None, dropout=False))
     assert bool((dst == 7.0).all())
+
+
+def test_a_backward_on_another_thread_is_warmed_too(monkeypatch) -> None:
+    """On CUDA autograd runs every backward on its own device thread, which a context variable set around the
+    forward does not reach: here a plain thread runs the backward, as that one does (found on the H200, where
+    the backward's kernels were launched for real inside ``precompile`` and compiled one by one)."""
+    calls = record_launches(monkeypatch)
+    layout = PackLayout((0, 1), (0, 2), (2, 1), (5, 6), (0.0, 0.25), (0, 0))
+    x = torch.randn(3, 6, 24, device=DEVICE, dtype=DTYPE, requires_grad=True)
+    w = torch.randn(40, 24, device=DEVICE, dtype=DTYPE)
+    a_cat = torch.randn(12, 24, device=DEVICE).requires_grad_()
+    bt_cat = torch.randn(12, 40, device=DEVICE).requires_grad_()
+
+    def run() -> None:
+        y = packed_lora_linear(x, w, None, a_cat, bt_cat, layout, LayerRanks((4, 8), (2.0, 1.0), 0), impl="triton")
+        worker = threading.Thread(target=y.backward, args=(torch.ones_like(y),))
+        worker.start()
+        worker.join()
+
+    K.precompile(run)
+    assert len(calls) >= 6 and all(inside for inside, _ in calls), calls  # 2 forward + 4 backward launches
+    assert torch.count_nonzero(a_cat.grad) == 0 and torch.count_nonzero(bt_cat.grad) == 0
 
 
 @pytest.mark.gpu
