@@ -126,10 +126,27 @@ def _write(tensors: dict[str, torch.Tensor], config: dict, out_dir: Path, metada
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
+        _fsync_dir(tmp)  # the files' names in it
         _replace_dir(tmp, out_dir)
+        _fsync_dir(out_dir.parent)  # the rename: the store may record the trial COMPLETE right after
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a folder's entries durable (a power loss may otherwise undo a rename); not possible on Windows.
+    ``sweep.store`` has its own copy: it imports nothing of the packer's."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _replace_dir(src: Path, dst: Path) -> None:

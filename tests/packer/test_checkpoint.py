@@ -90,6 +90,28 @@ def test_save_replaces_existing_dir_atomically(tiny_dirs, tmp_path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]
 
 
+def test_save_fsyncs_the_files_and_the_rename(tiny_dirs, tmp_path, monkeypatch) -> None:
+    """Durable before the store records the trial: the files, the folder that holds them, and the parent the
+    folder was renamed into (else a power loss may undo the rename of a trial recorded COMPLETE)."""
+    model, _ = load_base(str(tiny_dirs("llama")))
+    pm = PackedModel(model)
+    pm.add_slot(0, AdapterSpec(rank=2, targets=("q_proj",)))
+    synced: list[tuple[str, bool]] = []
+    fsync = os.fsync
+
+    def recording(fd: int) -> None:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        synced.append((os.path.basename(path), os.path.isdir(path)))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording)
+    save_adapter(pm, 0, tmp_path / "adapter", base_model_name_or_path="x")
+    files = {name for name, is_dir in synced if not is_dir}
+    assert files == {"adapter_model.safetensors", "adapter_config.json"}
+    assert synced[-1] == (tmp_path.name, True), synced  # the parent, after the rename
+    assert sum(is_dir for _, is_dir in synced) == 2  # and the temporary folder, before it
+
+
 def test_load_adapter_rejects_mismatch(tiny_dirs, tmp_path) -> None:
     model, _ = load_base(str(tiny_dirs("llama")))
     pm = PackedModel(model)
