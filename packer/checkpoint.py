@@ -9,6 +9,7 @@ Files are written to a temporary directory beside the target and renamed into pl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -137,16 +138,12 @@ def _write(tensors: dict[str, torch.Tensor], config: dict, out_dir: Path, metada
 def _fsync_dir(folder: Path) -> None:
     """Make a folder's entries durable (a power loss may otherwise undo a rename); not possible on Windows.
     ``sweep.store`` has its own copy: it imports nothing of the packer's."""
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _replace_dir(src: Path, dst: Path) -> None:
