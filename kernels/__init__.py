@@ -43,11 +43,11 @@ def resolve_impl(impl: Impl, device: torch.device) -> Impl:
     return impl
 
 
-def _triton_module():  # type: ignore[no-untyped-def]
-    """``kernels.triton_lora``, imported on first use (after a test's ``TRITON_INTERPRET=1``)."""
+def _triton_module(name: str = "triton_lora"):  # type: ignore[no-untyped-def]
+    """``kernels.<name>`` (a Triton kernel module), imported on first use (after a test's ``TRITON_INTERPRET=1``)."""
     if not triton_available():
         raise ImportError("impl='triton' needs triton: pip install 'lora-sweep[triton]' (or use impl='auto')")
-    return importlib.import_module("kernels.triton_lora")
+    return importlib.import_module(f"kernels.{name}")
 
 
 def packed_lora(x: torch.Tensor, base_out: torch.Tensor, a_cat: torch.Tensor, bt_cat: torch.Tensor,
@@ -106,6 +106,6 @@ def packed_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 
 def precompile(run: Callable[[], object]) -> None:
-    """Compile, in parallel, the Triton kernel variants that ``run`` launches (``kernels.triton_lora.precompile``:
+    """Compile, in parallel, the Triton kernel variants that ``run`` launches (``kernels._jit.precompile``:
     launches become compile-only warm-ups while ``run`` executes)."""
-    _triton_module().precompile(run)
+    _triton_module("_jit").precompile(run)

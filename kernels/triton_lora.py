@@ -35,11 +35,6 @@ before ``TRITON_INTERPRET=1`` was set, as happens in a test session that imports
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from contextvars import ContextVar, copy_context
-
 import torch
 
 try:
@@ -48,23 +43,13 @@ try:
 except ImportError as err:  # the one guarded import of triton in the project (style guide habit 11)
     raise ImportError("kernels.packed_lora needs triton: pip install 'lora-sweep[triton]'") from err
 
+from kernels import _jit
+from kernels._jit import INTERPRET, precompile
 from kernels._launch import POS_BITS, SEG_FLT_FIELDS, SEG_INT_FIELDS, SegmentMeta, build_meta, check_2d
 from kernels.meta import LayerRanks, PackLayout
 
 __all__ = ["PackedLoRAFunction", "dropout_mask", "packed_lora_triton", "precompile", "seg_expand_add", "seg_shrink",
            "seg_wgrad"]
-
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-"""Read once, as ``@triton.jit`` does when it decorates the kernels below."""
-
-PRECOMPILE_THREADS = 8
-"""Threads compiling kernel variants at once in ``precompile`` (Triton's compiler releases the GIL in its
-MLIR passes, LLVM and ptxas)."""
-
-_WARMING: ContextVar[bool] = ContextVar("lora_kernels_warming", default=False)
-"""Set inside ``precompile``: launches become compile-only warm-ups. A context variable does not reach other
-threads, and on CUDA autograd runs every backward on its own device thread: ``PackedLoRAFunction`` carries the
-forward's context over to its backward (and Triton's ``AsyncCompileMode``, a context variable too, with it)."""
 
 _SI: tl.constexpr = tl.constexpr(SEG_INT_FIELDS)
 _SF: tl.constexpr = tl.constexpr(SEG_FLT_FIELDS)
@@ -284,38 +269,6 @@ def _dot_config(act: torch.dtype, *, cast_to_act: bool) -> tuple[tl.dtype, str]:
     return (_TL_DTYPE[act], "tf32") if cast_to_act else (tl.float32, "tf32")
 
 
-def _launch(kernel: triton.runtime.JITFunction, grid: tuple[int, ...], *args: object, **kwargs: object) -> None:
-    """``kernel[grid](*args, **kwargs)``; inside ``precompile`` a compile-only warm-up of that call instead (the
-    outputs are left unwritten)."""
-    if not _WARMING.get():
-        kernel[grid](*args, **kwargs)
-    elif not INTERPRET:  # the interpreter compiles nothing
-        kernel.warmup(*args, grid=grid, **kwargs)
-
-
-def precompile(run: Callable[[], object], threads: int = PRECOMPILE_THREADS) -> None:
-    """Compile the kernel variants that ``run`` launches, ``threads`` at a time, and return when all are ready.
-
-    ``run`` executes with every launch of this module replaced by a warm-up (the kernel's own ``warmup``:
-    same arguments, so the same specialization, compiled and cached but not launched), so it should work on
-    placeholder tensors whose values nobody reads. Without this, a step compiles its variants one after
-    another as it reaches them: four or more on a cold cache, ~1-2 s each on an H200 host.
-    """
-    try:  # Triton's own parallel compile: warm-ups inside the mode go to the executor
-        from triton.runtime._async_compile import AsyncCompileMode
-    except ImportError:  # an older Triton: the warm-ups still compile before the step, one after another
-        AsyncCompileMode = None  # noqa: N806
-    token = _WARMING.set(True)
-    try:
-        if AsyncCompileMode is None or INTERPRET:
-            run()
-            return
-        with ThreadPoolExecutor(threads, thread_name_prefix="triton-compile") as pool, AsyncCompileMode(pool):
-            run()
-    finally:
-        _WARMING.reset(token)
-
-
 def seg_shrink(inp: torch.Tensor, w: torch.Tensor, meta: SegmentMeta, *, dropout: bool,
                block_k: int = 128) -> torch.Tensor:
     """``out[t, :r_g] = s_g * drop?(inp[t]) @ w[rank_off_g : rank_off_g + r_g]^T`` for active tokens t.
@@ -337,7 +290,7 @@ def seg_shrink(inp: torch.Tensor, w: torch.Tensor, meta: SegmentMeta, *, dropout
     br = min(meta.r_pad, 64)
     if meta.n_tiles:
         dot_dtype, precision = _dot_config(inp.dtype, cast_to_act=True)
-        _launch(_seg_shrink_kernel, (meta.n_tiles, meta.r_pad // br),
+        _jit.launch(_seg_shrink_kernel, (meta.n_tiles, meta.r_pad // br),
             inp, w, out, meta.tiles, meta.seg_int, meta.seg_flt, k, meta.seq_len, meta.layer_id,
             DROPOUT=dropout and meta.has_dropout, DOT_DTYPE=dot_dtype, PRECISION=precision,
             BM=meta.block_m, BK=block_k, BR=br, R_PAD=meta.r_pad)
@@ -374,7 +327,7 @@ def seg_expand_add(h: torch.Tensor, w: torch.Tensor, meta: SegmentMeta, dst: tor
         dropout = dropout and meta.has_dropout
         block_n = block_n or (64 if dropout else 128)
         dot_dtype, precision = _dot_config(dst.dtype, cast_to_act=True)
-        _launch(_seg_expand_kernel, (meta.n_tiles, triton.cdiv(n, block_n)),
+        _jit.launch(_seg_expand_kernel, (meta.n_tiles, triton.cdiv(n, block_n)),
             h, w, dst if src is None else src, dst if bias is None else bias, dst, meta.tiles, meta.seg_int,
             meta.seg_flt, n, meta.seq_len, meta.layer_id, HAS_SRC=src is not None, HAS_BIAS=bias is not None,
             DROPOUT=dropout, DOT_DTYPE=dot_dtype,
@@ -404,7 +357,7 @@ def seg_wgrad(p: torch.Tensor, q: torch.Tensor, meta: SegmentMeta, *, dropout: b
     br = min(meta.r_pad, 64)
     if meta.n_chunks:
         dot_dtype, precision = _dot_config(q.dtype, cast_to_act=False)
-        _launch(_seg_wgrad_kernel, (meta.n_chunks, triton.cdiv(n, block_n), meta.r_pad // br),
+        _jit.launch(_seg_wgrad_kernel, (meta.n_chunks, triton.cdiv(n, block_n), meta.r_pad // br),
             p, q, out, meta.chunks, meta.seg_int, meta.seg_flt, n, meta.total_rank, meta.seq_len, meta.layer_id,
             DROPOUT=dropout and meta.has_dropout, DOT_DTYPE=dot_dtype, PRECISION=precision,
             BT=block_t, BN=block_n, BR=br, R_PAD=meta.r_pad)
@@ -452,14 +405,13 @@ class PackedLoRAFunction(torch.autograd.Function):
             seg_expand_add(h, bt_cat, meta, y, src=y, dropout=False)
         ctx.save_for_backward(x, weight, a_cat, bt_cat, h)
         ctx.meta = meta
-        ctx.warming = copy_context() if _WARMING.get() else None  # a copy per call: one thread enters each
+        ctx.warming = _jit.warm_context()
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        if ctx.warming is not None:  # inside precompile, maybe on autograd's device thread: warm up, launch nothing
-            return ctx.warming.run(PackedLoRAFunction._backward, ctx, dy)
-        return PackedLoRAFunction._backward(ctx, dy)
+        # inside precompile, maybe on autograd's device thread: warm up, launch nothing
+        return _jit.run_in(ctx.warming, PackedLoRAFunction._backward, ctx, dy)  # type: ignore[return-value]
 
     @staticmethod
     def _backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:

@@ -94,17 +94,17 @@ def write_study(tmp_path: Path, model_dir: Path, name: str = "small", **changes)
 def record_launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, tuple]]:
     """(inside ``kernels.precompile``, variant) of every Triton kernel launch from now on; a variant is what
     decides a compiled kernel short of integer specialization: kernel, tensor dtypes, constexprs. Imports
-    ``kernels.triton_lora``: call it after ``TRITON_INTERPRET`` is settled."""
-    import kernels.triton_lora as K
+    ``kernels._jit``: call it after ``TRITON_INTERPRET`` is settled."""
+    import kernels._jit as J
 
     calls: list[tuple[bool, tuple]] = []
-    launch = K._launch
+    launch = J.launch
 
     def recording(kernel, grid, *args, **kwargs):  # type: ignore[no-untyped-def]
         variant = (kernel.fn.__name__, tuple(str(a.dtype) for a in args if torch.is_tensor(a)),
                    tuple(sorted((k, str(v)) for k, v in kwargs.items())))
-        calls.append((K._WARMING.get(), variant))
+        calls.append((J.warming(), variant))
         launch(kernel, grid, *args, **kwargs)
 
-    monkeypatch.setattr(K, "_launch", recording)
+    monkeypatch.setattr(J, "launch", recording)
     return calls

@@ -83,12 +83,37 @@ def test_a_backward_on_another_thread_is_warmed_too(monkeypatch) -> None:
     assert torch.count_nonzero(a_cat.grad) == 0 and torch.count_nonzero(bt_cat.grad) == 0
 
 
+def test_precompile_loads_what_the_warm_ups_compiled_on_other_threads(monkeypatch) -> None:
+    """A warm-up compiles a kernel without loading it; its first launch would load it, which on Triton 3.6
+    builds a C launcher with the system compiler (the H200's cold first step spent ~5 s so). ``precompile``
+    loads each compiled kernel once, in its own threads. Stand-ins here: the interpreter compiles nothing."""
+    import kernels._jit as J
+
+    monkeypatch.setattr(J, "INTERPRET", False)
+    loads: list[str] = []
+
+    class Compiled:
+        def _init_handles(self) -> None:
+            loads.append(threading.current_thread().name)
+
+    one = Compiled()
+
+    class Kernel:
+        def warmup(self, *args: object, grid: tuple, **kwargs: object) -> Compiled:
+            return one if args[0] == 0 else Compiled()
+
+    J.precompile(lambda: [J.launch(Kernel(), (1,), i % 2) for i in range(4)])
+    assert len(loads) == 3  # two warm-ups of one variant load it once
+    assert all(name.startswith("triton-load") for name in loads)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="needs CUDA (compiled Triton)")
-def test_after_precompile_the_call_compiles_nothing() -> None:
+def test_after_precompile_the_call_compiles_and_loads_nothing() -> None:
     kernels = (K._seg_shrink_kernel, K._seg_expand_kernel, K._seg_wgrad_kernel)
     device = torch.cuda.current_device()
     K.precompile(_layer_call(1)[0])
     sizes = [len(k.device_caches[device][0]) for k in kernels]
+    assert all(c.module is not None for k in kernels for c in k.device_caches[device][0].values())
     _layer_call(1)[0]()
     assert [len(k.device_caches[device][0]) for k in kernels] == sizes

@@ -1,0 +1,114 @@
+"""What every Triton kernel module of ``kernels`` shares: the interpreter flag, launches that turn into
+compile-only warm-ups inside ``precompile``, and the context an autograd backward needs to see them.
+
+Imported only by the kernel modules (``triton_lora``), which ``kernels`` loads on first use, after a test's
+``TRITON_INTERPRET=1`` has been set.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextvars import Context, ContextVar, copy_context
+
+import torch
+import triton
+
+__all__ = ["INTERPRET", "PRECOMPILE_THREADS", "launch", "precompile", "warming", "warm_context", "run_in"]
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+"""Read once, as ``@triton.jit`` does when it decorates a kernel."""
+
+PRECOMPILE_THREADS = 8
+"""Threads compiling kernel variants at once in ``precompile`` (Triton's compiler releases the GIL in its
+MLIR passes, LLVM and ptxas)."""
+
+_WARMING: ContextVar[list | None] = ContextVar("lora_kernels_warming", default=None)
+"""Inside ``precompile``, the list of what the warm-ups compiled (None outside): launches become compile-only
+warm-ups. A context variable does not reach other threads, and on CUDA autograd runs every backward on its own
+device thread: each autograd Function of the kernel modules carries its forward's context over to its backward
+(``warm_context``, ``run_in``), and Triton's ``AsyncCompileMode``, a context variable too, with it."""
+
+
+def warming() -> bool:
+    """Whether launches are warm-ups now (inside ``precompile``)."""
+    return _WARMING.get() is not None
+
+
+def launch(kernel: triton.runtime.JITFunction, grid: tuple[int, ...], *args: object, **kwargs: object) -> None:
+    """``kernel[grid](*args, **kwargs)``; inside ``precompile`` a compile-only warm-up of that call instead (the
+    outputs are left unwritten)."""
+    warmed = _WARMING.get()
+    if warmed is None:
+        kernel[grid](*args, **kwargs)
+    elif not INTERPRET:  # the interpreter compiles nothing
+        warmed.append(kernel.warmup(*args, grid=grid, **kwargs))
+
+
+def warm_context() -> Context | None:
+    """For an autograd Function's forward to keep on its ``ctx``: a copy of the current context inside
+    ``precompile`` (one per call: one thread enters each), else None."""
+    return copy_context() if warming() else None
+
+
+def run_in(context: Context | None, fn: Callable[..., object], *args: object) -> object:
+    """``fn(*args)``, inside ``context`` when there is one (a backward of a forward run inside ``precompile``,
+    perhaps on autograd's device thread: its launches are warm-ups too)."""
+    return fn(*args) if context is None else context.run(fn, *args)
+
+
+def precompile(run: Callable[[], object], threads: int = PRECOMPILE_THREADS) -> None:
+    """Compile the kernel variants that ``run`` launches, ``threads`` at a time, and return when all are ready.
+
+    ``run`` executes with every launch of the kernel modules replaced by a warm-up (the kernel's own ``warmup``:
+    same arguments, so the same specialization, compiled and cached but not launched), so it should work on
+    placeholder tensors whose values nobody reads. Without this, a step compiles its variants one after
+    another as it reaches them: four or more on a cold cache, ~1-2 s each on an H200 host. Then the compiled
+    kernels are loaded (``_load``), in parallel too.
+    """
+    try:  # Triton's own parallel compile: warm-ups inside the mode go to the executor
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:  # an older Triton: the warm-ups still compile before the step, one after another
+        AsyncCompileMode = None  # noqa: N806
+    warmed: list = []
+    token = _WARMING.set(warmed)
+    try:
+        if AsyncCompileMode is None or INTERPRET:
+            run()
+        else:
+            with ThreadPoolExecutor(threads, thread_name_prefix="triton-compile") as pool, AsyncCompileMode(pool):
+                run()
+    finally:
+        _WARMING.reset(token)
+    _load(warmed, threads)
+
+
+def _load(warmed: list, threads: int) -> None:
+    """Load what the warm-ups compiled, ``threads`` kernels at a time: each kernel's launcher and module.
+
+    A warm-up compiles a kernel but does not load it; its first launch does (``CompiledKernel._init_handles``).
+    Triton 3.6 builds that launcher, a C extension per kernel signature, with the system C compiler: on an
+    empty cache about 0.3 s each, one after another in the first step (the H200's cold W3 step spent ~5 s so
+    with nothing left to compile). The compiler runs in a subprocess, so threads overlap. A kernel that fails
+    to load is left to its launch, which raises the same error where it belongs.
+    """
+    try:
+        from triton.runtime._async_compile import FutureKernel
+    except ImportError:
+        FutureKernel = ()  # noqa: N806
+    compiled = [w.result() if isinstance(w, FutureKernel) else w for w in warmed]
+    unique = list({id(k): k for k in compiled if hasattr(k, "_init_handles")}.values())
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+
+    def load(kernel: object) -> None:
+        if device is not None:
+            torch.cuda.set_device(device)  # a new thread's current device is 0
+        try:
+            kernel._init_handles()  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001, S110  (the launch raises it again; see the docstring)
+            pass
+
+    if unique:
+        with ThreadPoolExecutor(threads, thread_name_prefix="triton-load") as pool:
+            list(pool.map(load, unique))
