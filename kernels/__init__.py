@@ -1,9 +1,10 @@
-"""Packed multi-adapter LoRA ops.
+"""Packed multi-adapter LoRA ops, and the frozen base's fused RMSNorm and SiLU-gated product.
 
-``packed_lora`` is the one entry point; the implementation is an explicit argument so the Triton
-kernels drop in without touching the packer. Imports without triton: the Triton module
-(``kernels.triton_lora``) is loaded on the first ``impl="triton"`` call, after a test's
-``TRITON_INTERPRET=1`` has been set.
+``packed_lora`` is the one entry point of the LoRA term (``packed_lora_linear`` with the base GEMM);
+``rms_norm`` and ``silu_mul`` are those of the base's elementwise ops. The implementation is an
+explicit argument so the Triton kernels drop in without touching the packer. Imports without triton:
+the Triton modules (``kernels.triton_lora``, ``kernels.triton_norm``, ``kernels.triton_swiglu``) are loaded on
+the first ``impl="triton"`` call, after a test's ``TRITON_INTERPRET=1`` has been set.
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from kernels import reference
 from kernels._launch import to_device_async
 from kernels.meta import LayerRanks, PackLayout, dropout_seed
 from kernels.reference import lora_loop, lora_masked_dense
 
-__all__ = ["packed_lora", "packed_lora_linear", "precompile", "PackLayout", "LayerRanks", "dropout_seed", "IMPLS",
-           "Impl", "resolve_impl", "triton_available", "to_device_async"]
+__all__ = ["packed_lora", "packed_lora_linear", "precompile", "rms_norm", "silu_mul", "PackLayout", "LayerRanks",
+           "dropout_seed", "IMPLS", "Impl", "resolve_impl", "triton_available", "to_device_async"]
 
 Impl = Literal["torch", "loop", "triton", "auto"]
 IMPLS: tuple[str, ...] = ("torch", "loop", "triton", "auto")
@@ -103,6 +105,43 @@ def packed_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if impl != "triton":
         return packed_lora(x, F.linear(x, weight, bias), a_cat, bt_cat, layout, ranks, impl=impl)
     return _triton_module().packed_lora_triton(x, None, a_cat, bt_cat, layout, ranks, weight=weight, bias=bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, impl: Impl = "torch") -> torch.Tensor:
+    """transformers' Llama-style RMSNorm: ``weight * (x / sqrt(mean(x^2) + eps)).to(x.dtype)``, mean square in fp32.
+
+    Args:
+        x: (..., D) input.
+        weight: (D,) weight.
+        eps: added to the mean square.
+        impl: ``triton`` (``kernels.triton_norm``: one kernel each way), ``torch`` / ``loop`` (``reference.rms_norm``,
+            eager PyTorch) or ``auto``.
+
+    Returns:
+        (..., D) in ``promote(weight, x)`` dtype; differentiable in x (and weight).
+    """
+    if resolve_impl(impl, x.device) == "triton":
+        return _triton_module("triton_norm").rms_norm_triton(x, weight, eps)
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    return reference.rms_norm(x, weight, eps)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, impl: Impl = "torch") -> torch.Tensor:
+    """``silu(gate) * up`` (a gated MLP's middle); ``impl`` as in ``rms_norm`` (``triton``: ``kernels.triton_swiglu``).
+
+    Args:
+        gate: (..., I) gate projection output.
+        up: (..., I) up projection output, same shape and dtype.
+
+    Returns:
+        (..., I); differentiable in both.
+    """
+    if resolve_impl(impl, gate.device) == "triton":
+        return _triton_module("triton_swiglu").silu_mul_triton(gate, up)
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    return reference.silu_mul(gate, up)
 
 
 def precompile(run: Callable[[], object]) -> None:

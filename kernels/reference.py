@@ -20,7 +20,7 @@ import torch
 
 from kernels.meta import LayerRanks, PackLayout, dropout_seed
 
-__all__ = ["lora_loop", "lora_masked_dense", "dropout_keep_mask"]
+__all__ = ["lora_loop", "lora_masked_dense", "dropout_keep_mask", "rms_norm", "silu_mul"]
 
 
 def dropout_keep_mask(layout: PackLayout, g: int, layer_id: int, d_in: int, seq_len: int,
@@ -91,6 +91,20 @@ def lora_masked_dense(x: torch.Tensor, base_out: torch.Tensor, a_cat: torch.Tens
                                   a_cat.dtype)  # (B, 1, R)
     h = (xin @ a_cat.T) * col_scale  # (B, L, R)
     return base_out + (h @ bt_cat).to(base_out.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' ``LlamaRMSNorm.forward``, the oracle of ``kernels.rms_norm``: x (..., D), weight (D,)
+    -> (..., D) in ``promote(weight, x)`` dtype. The mean square in fp32, the normalised value rounded to x's
+    dtype before the weight multiplies it."""
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``, the gated MLP's middle as transformers' Llama / Qwen2 MLP computes it."""
+    return torch.nn.functional.silu(gate) * up
 
 
 @functools.lru_cache(maxsize=64)
