@@ -2,7 +2,9 @@
 
 The base model is loaded once (``from_pretrained``: a local checkpoint directory or a hub id),
 frozen, and kept in eval mode so its own dropout never draws random numbers; slots add their LoRA
-weights to the projections they target. Nothing of the base is copied or modified.
+weights to the projections they target. No weight of the base is copied or modified: its target
+projections are wrapped (``packer.inject``) and, on the Triton path, its RMSNorms and SiLU-gated MLPs are
+swapped for fused modules over the same parameters (``packer.fuse``).
 
 Activation checkpointing uses transformers' own per-decoder-layer mechanism, which only checkpoints a
 layer whose ``training`` flag is set. Rather than ``model.train()`` (which would turn on every dropout
@@ -27,6 +29,7 @@ from torch import nn
 import kernels
 from kernels import IMPLS, Impl, PackLayout, resolve_impl
 from packer.errors import ConfigError, UserError
+from packer.fuse import FusedGatedMLP, FusedRMSNorm, fuse_base_ops
 from packer.inject import inject, resolve_targets
 from packer.layer import PackedLoRALinear, PackState
 from packer.loss import check_plain_head
@@ -80,14 +83,19 @@ class PackedModel:
             ``forward(input_ids, attention_mask) -> .logits`` contract.
         impl: packed-LoRA implementation passed to ``kernels.packed_lora`` (``auto``: the Triton
             kernels on CUDA, masked-dense PyTorch on CPU).
+        fused_base_ops: where ``impl`` means the Triton kernels, run the base's RMSNorms and SiLU-gated
+            MLP middles as fused Triton kernels too (``packer.fuse``); otherwise they run eagerly.
     """
 
-    def __init__(self, model: nn.Module, *, impl: Impl = "auto") -> None:
+    def __init__(self, model: nn.Module, *, impl: Impl = "auto", fused_base_ops: bool = True) -> None:
         if impl not in IMPLS:
             raise ConfigError(f"impl: must be one of {', '.join(IMPLS)} (got {impl!r})")
         self.model = model
         model.requires_grad_(False)
         model.eval()  # the base's own dropout stays off: packed == alone needs no shared RNG
+        fuse = fused_base_ops and resolve_impl(impl, self.device) == "triton"
+        self.fused: list[str] = fuse_base_ops(model, "triton" if fuse else "torch")
+        """Paths of the base's modules that run on ``kernels.rms_norm`` / ``kernels.silu_mul``."""
         self.state = PackState(impl=impl)
         self.layers: dict[str, PackedLoRALinear] = {}
         self.specs: dict[int, AdapterSpec] = {}
@@ -180,6 +188,9 @@ class PackedModel:
             probe = layer.kernel_probe(layout, rows, seq_len)
             if probe is not None:
                 probes.setdefault(*probe)
+        for module in self.model.modules():
+            if isinstance(module, (FusedRMSNorm, FusedGatedMLP)) and module.impl == "triton":
+                probes.setdefault(*module.kernel_probe(rows, seq_len))
         if not probes:
             return
         try:

@@ -168,8 +168,8 @@ def plan(study: str, overrides: tuple[str, ...]) -> None:
     examples = load_examples(data.train, tokenizer, fmt=data.format, max_length=data.max_length,
                              train_on_prompt=data.train_on_prompt)
     micro = spec.train.micro_batch
-    report = plan_pack(spec, PackedModel(model, impl=spec.packing.kernels),
-                       mean_len=padded_mean_length([len(e.input_ids) for e in examples], micro))
+    pm = PackedModel(model, impl=spec.packing.kernels, fused_base_ops=spec.packing.fused_base_ops)
+    report = plan_pack(spec, pm, mean_len=padded_mean_length([len(e.input_ids) for e in examples], micro))
     click.echo(report.table())
 
 

@@ -362,7 +362,7 @@ def open_session(spec: StudySpec, *, log: Callable[[str], None] = print, sharing
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tokenizer = load_base(spec.model.path, dtype=spec.model.dtype, device=device)
-    pm = PackedModel(model, impl=spec.packing.kernels)
+    pm = PackedModel(model, impl=spec.packing.kernels, fused_base_ops=spec.packing.fused_base_ops)
     if sharing is not None:
         with storage_lock(sharing.url, spec.name):  # the clock first: reaping makes dead trials' ends recent
             resume_clock(study, sharing.grace, earlier=float(store.meta().get("elapsed", 0.0)))

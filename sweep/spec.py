@@ -239,6 +239,9 @@ class PackingSpec:
     kernels: Literal["auto", "triton", "torch"] = "auto"
     """Packed-LoRA implementation: ``auto`` (Triton on a CUDA device, PyTorch on CPU), ``triton`` or
     ``torch`` (masked-dense PyTorch, any device)."""
+    fused_base_ops: bool = True
+    """With the Triton kernels, also run the base's RMSNorms and SiLU-gated MLPs (Llama, Qwen2/3, Mistral) as
+    fused Triton kernels (``packer.fuse``); ``false`` keeps transformers' eager modules."""
 
     def __post_init__(self) -> None:
         ok = self.max_slots == "auto" or (isinstance(self.max_slots, int) and 1 <= self.max_slots <= 256)
@@ -249,6 +252,7 @@ class PackingSpec:
         _check(isinstance(self.activation_checkpointing, bool), "activation_checkpointing", "must be true or false",
                self.activation_checkpointing)
         _check(self.kernels in ("auto", "triton", "torch"), "kernels", "must be auto, triton or torch", self.kernels)
+        _check(isinstance(self.fused_base_ops, bool), "fused_base_ops", "must be true or false", self.fused_base_ops)
 
 
 @dataclass(frozen=True)

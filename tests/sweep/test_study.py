@@ -190,22 +190,23 @@ def test_memory_options_reach_the_training_loop(tiny_dirs, tmp_path) -> None:
         assert (t1, s1) == (t2, s2) and abs(l1 - l2) <= 1e-5 * abs(l2)
 
 
-def test_kernels_option_reaches_the_packed_model(tiny_dirs, tmp_path, monkeypatch) -> None:
+def test_kernels_options_reach_the_packed_model(tiny_dirs, tmp_path, monkeypatch) -> None:
     import sweep.resume
     from packer.model import PackedModel
 
-    made: list[str] = []
+    made: list[tuple[str, bool]] = []
 
-    def recording(model, *, impl="auto"):  # type: ignore[no-untyped-def]
-        made.append(impl)
-        return PackedModel(model, impl=impl)
+    def recording(model, *, impl="auto", fused_base_ops=True):  # type: ignore[no-untyped-def]
+        made.append((impl, fused_base_ops))
+        return PackedModel(model, impl=impl, fused_base_ops=fused_base_ops)
 
     monkeypatch.setattr(sweep.resume, "PackedModel", recording)
     common = dict(budget={"trials": 1}, train={"max_steps": 8, "micro_batch": 2})
     default = load_study(write_study(tmp_path, tiny_dirs("llama"), name="default-kernels", **common))
     chosen = load_study(write_study(tmp_path, tiny_dirs("llama"), name="torch-kernels",
-                                    packing={"max_slots": 1, "kernels": "torch"}, **common))
+                                    packing={"max_slots": 1, "kernels": "torch", "fused_base_ops": False}, **common))
     assert default.packing.kernels == "auto"  # Triton on a GPU: the sweep must not default to the slow path
+    assert default.packing.fused_base_ops is True
     for s in (default, chosen):
         run_study(s, log=lambda m: None)
-    assert made == ["auto", "torch"]
+    assert made == [("auto", True), ("torch", False)]
