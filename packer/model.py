@@ -111,8 +111,8 @@ class PackedModel:
     def add_slot(self, slot: int, spec: AdapterSpec) -> list[nn.Parameter]:
         """Start a fresh adapter in ``slot``; returns its parameters (A then B per layer, module order).
 
-        The initialisation depends only on ``spec.seed`` (a generator of its own), so a slot started
-        mid-run gets exactly the weights it would get in a fresh run.
+        The initialisation depends only on ``spec.seed`` (a generator of its own, on the pack's device),
+        so a slot started mid-run gets exactly the weights it would get in a fresh run on that device.
 
         Raises:
             ConfigError: unknown target, or a rank larger than a targeted layer.
@@ -135,8 +135,10 @@ class PackedModel:
     def _create_weights(self, slot: int, spec: AdapterSpec, paths: list[str]) -> list[nn.Parameter]:
         """PEFT's init (A Kaiming-uniform(a=sqrt(5)) from the slot's own generator, B zero), all of the
         slot's weights laid out in one flat fp32 buffer (per layer A, then B^T) with a flat gradient
-        buffer beside it."""
-        generator = torch.Generator().manual_seed(spec.seed)
+        buffer beside it. The generator lives on the pack's device: the same seed gives the same weights
+        on the same kind of device. Drawn on the host, a rank-32 slot of a 24-layer 0.5B model cost
+        ~60 ms (7M uniform numbers from one CPU generator), more than a training step of 24 slots."""
+        generator = torch.Generator(device=self.device).manual_seed(spec.seed)
         r = spec.rank
         dims = [(self.layers[p].in_features, self.layers[p].out_features) for p in paths]
         flat = torch.zeros(sum(r * (d_in + d_out) for d_in, d_out in dims), device=self.device)
@@ -144,12 +146,11 @@ class PackedModel:
         params: list[nn.Parameter] = []
         off = 0
         for path, (d_in, d_out) in zip(paths, dims, strict=True):
-            a = torch.empty(r, d_in)
-            nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
             na, nb = r * d_in, r * d_out
-            flat[off:off + na].copy_(a.flatten())
+            a = flat[off:off + na].view(r, d_in)
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
             params += self.layers[path].add_slot(
-                slot, flat[off:off + na].view(r, d_in), flat[off + na:off + na + nb].view(r, d_out),
+                slot, a, flat[off + na:off + na + nb].view(r, d_out),
                 grad[off:off + na].view(r, d_in), grad[off + na:off + na + nb].view(r, d_out))
             off += na + nb
         self.flat[slot] = (flat, grad)
