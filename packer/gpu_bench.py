@@ -106,15 +106,17 @@ def _timed_train(pm: PackedModel, jobs: list[SlotJob], slots: int, warmup: int, 
 
 def packed_run(model: torch.nn.Module, slots: int, micro: int, seq: int, *, impl: str = "triton", warmup: int = 3,
                steps: int = 6, peak_tflops: float = 790.0, rank: int | tuple[int, ...] = 16,
-               chunked_ce: bool = True, workload: str = "W1") -> dict:
-    """Aggregate tokens/s of ``slots`` adapters trained packed (median step of ``steps`` timed)."""
-    pm = PackedModel(model, impl=impl)  # type: ignore[arg-type]
+               chunked_ce: bool = True, workload: str = "W1", fused: bool = True) -> dict:
+    """Aggregate tokens/s of ``slots`` adapters trained packed (median step of ``steps`` timed); ``fused``: the
+    base's norms and MLP middles on the fused kernels (``packer.fuse``; Triton path only), else eager."""
+    pm = PackedModel(model, impl=impl, fused_base_ops=fused)  # type: ignore[arg-type]
     jobs = _jobs(slots, micro, seq, model.config.vocab_size, warmup + steps, rank)
     torch.cuda.reset_peak_memory_stats()
     step_s = _timed_train(pm, jobs, slots, warmup, chunked_ce=chunked_ce)
     tokens = slots * micro * seq
     mfu = _flops(model, slots * micro, seq) / step_s / 1e12 / peak_tflops
-    return dict(workload=workload, mode=f"packed-{impl}", slots=slots, micro=micro, seq=seq,
+    return dict(workload=workload, mode=f"packed-{impl}" + ("" if pm.fused else "-eager"), slots=slots, micro=micro,
+                seq=seq,
                 rank=rank if isinstance(rank, int) else "/".join(map(str, rank)), step_ms=round(step_s * 1e3, 1),
                 tok_s=round(tokens / step_s), mfu=round(mfu, 3),
                 peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1))
@@ -123,7 +125,12 @@ def packed_run(model: torch.nn.Module, slots: int, micro: int, seq: int, *, impl
 def base_run(model: torch.nn.Module, rows: int, seq: int, *, warmup: int = 3, steps: int = 6,
              peak_tflops: float = 790.0) -> dict:
     """U: the frozen base alone (forward, full-vocabulary loss, backward to the activations), same tokens:
-    the ceiling a pack approaches."""
+    the ceiling a pack approaches. Mode ``base-only-fused`` once a pack has swapped in the fused norms and MLPs."""
+    from packer.fuse import FusedRMSNorm
+
+    mode = "base-only-fused" if any(isinstance(m, FusedRMSNorm) and m.impl == "triton" for m in model.modules()) \
+        else "base-only"
+    model.requires_grad_(False)  # frozen, as a pack holds it: no weight gradients (before any pack has run too)
     ids = torch.randint(0, model.config.vocab_size, (rows, seq), device="cuda")
 
     def step() -> None:
@@ -131,7 +138,7 @@ def base_run(model: torch.nn.Module, rows: int, seq: int, *, warmup: int = 3, st
         model(inputs_embeds=emb, labels=ids, use_cache=False).loss.backward()
 
     step_s = _time(step, warmup, steps)
-    return dict(workload="U", mode="base-only", slots=rows, micro=1, seq=seq, step_ms=round(step_s * 1e3, 1),
+    return dict(workload="U", mode=mode, slots=rows, micro=1, seq=seq, step_ms=round(step_s * 1e3, 1),
                 tok_s=round(rows * seq / step_s), mfu=round(_flops(model, rows, seq) / step_s / 1e12 / peak_tflops, 3),
                 peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1))
 
@@ -333,14 +340,30 @@ def _small(peak: float, emit: Callable[[dict], None], out_dir: str | None) -> No
     emit(dict(shape="qwen2.5-0.5b", **packed_run(model, 32, 1, 512, impl="torch", peak_tflops=peak)))
 
 
-def _large(peak: float, emit: Callable[[dict], None]) -> None:
-    """Qwen2.5-7B (16 slots x 1 x 512) and Llama-3-8B (seq 1024) packs, their base-only ceilings, PEFT."""
-    for name, seq, packs in (("qwen2.5-7b", 512, (16,)), ("llama3-8b", 1024, (4, 8, 12))):
+LARGE = (("qwen2.5-7b", 512, (16,)), ("llama3-8b", 1024, (8, 12, 16)))
+"""Shape, sequence length, pack sizes of ``--part large``."""
+
+
+def _large(peak: float, emit: Callable[[dict], None], shapes: tuple[str, ...] = ()) -> None:
+    """Qwen2.5-7B (16 slots x 1 x 512) and Llama-3-8B (seq 1024) packs, their base-only ceilings, PEFT.
+
+    Per shape: the eager base alone, the largest pack on the eager base, the packs on the fused base (a pack that
+    runs out of memory is a row saying so), the fused base alone, then PEFT in a fresh model."""
+    for name, seq, packs in LARGE:
+        if shapes and name not in shapes:
+            continue
         model = build_shape(name)
-        for slots in packs:
-            emit(dict(shape=name, **packed_run(model, slots, 1, seq, peak_tflops=peak, warmup=3, steps=5)))
+        base_rows = min(packs[-1], 8)
+        emit(dict(shape=name, **base_run(model, base_rows, seq, peak_tflops=peak)))
+        _free()
+        for slots, fused in [(packs[-2] if len(packs) > 1 else packs[-1], False)] + [(n, True) for n in packs]:
+            try:
+                emit(dict(shape=name, **packed_run(model, slots, 1, seq, peak_tflops=peak, warmup=3, steps=5,
+                                                   fused=fused)))
+            except torch.cuda.OutOfMemoryError:
+                emit(dict(shape=name, workload="W1", mode="packed-triton", slots=slots, seq=seq, error="out of memory"))
             _free()
-        emit(dict(shape=name, **base_run(model, min(packs[-1], 8), seq, peak_tflops=peak)))
+        emit(dict(shape=name, **base_run(model, base_rows, seq, peak_tflops=peak)))
         del model
         _free()
         emit(dict(shape=name, **peft_run(name, 1, seq, peak_tflops=peak)))
@@ -350,7 +373,7 @@ def _large(peak: float, emit: Callable[[dict], None]) -> None:
 def table(rows: list[dict]) -> str:
     """The results as a short fixed-width table (one line per measurement; the JSON lines hold everything)."""
     peft = {r["shape"]: r["tok_s"] for r in rows if r.get("mode") == "peft"}  # one adapter, batch 1, same run
-    lines = [f"{'workload':<12}{'shape':<14}{'mode':<16}{'slots':>6}{'step ms':>9}{'tok/s':>9}{'MFU':>7}"
+    lines = [f"{'workload':<12}{'shape':<14}{'mode':<20}{'slots':>6}{'step ms':>9}{'tok/s':>9}{'MFU':>7}"
              f"{'GiB':>7}{'x PEFT':>8}  other"]
     for r in rows:
         if "workload" not in r:
@@ -362,7 +385,7 @@ def table(rows: list[dict]) -> str:
                                                      "predicted_gib", "measured_gib",
                                                      "load_s", "first_step_s", "later_steps_s", "save_s")}
         mfu = f"{r['mfu']:.1%}" if "mfu" in r else ""
-        lines.append(f"{r['workload']:<12}{r.get('shape', ''):<14}{r.get('mode', ''):<16}{r.get('slots', ''):>6}"
+        lines.append(f"{r['workload']:<12}{r.get('shape', ''):<14}{r.get('mode', ''):<20}{r.get('slots', ''):>6}"
                      f"{r.get('step_ms', ''):>9}{r.get('tok_s', ''):>9}{mfu:>7}"
                      f"{r.get('peak_gib', ''):>7}{vs:>8}  {json.dumps(other) if other else ''}")
     return "\n".join(lines)
@@ -375,7 +398,12 @@ def main(argv: list[str] | None = None, emit: Callable[[dict], None] | None = No
                              "shapes; makespan: W3 (packer.gpu_makespan, sequential PEFT sampled 8 of 24 by cell); "
                              "memory: the memory model's fit beside measured 0.5B pack peaks (not in all)")
     parser.add_argument("--out", default=None, help="folder for the profile tables")
+    parser.add_argument("--shapes", default="", help="--part large: only these shapes (comma-separated names of "
+                        f"{', '.join(n for n, _, _ in LARGE)})")
     args = parser.parse_args(argv)
+    unknown = set(filter(None, args.shapes.split(","))) - {n for n, _, _ in LARGE}
+    if unknown:
+        parser.error(f"--shapes: unknown {', '.join(sorted(unknown))}")
     results: list[dict] = []
     printer = emit or (lambda r: print(json.dumps(r), flush=True))
 
@@ -394,7 +422,7 @@ def main(argv: list[str] | None = None, emit: Callable[[dict], None] | None = No
     if args.part in ("small", "all"):
         _small(peak, keep, args.out)
     if args.part in ("large", "all"):
-        _large(peak, keep)
+        _large(peak, keep, tuple(filter(None, args.shapes.split(","))))
     if args.part == "memory":
         for row in memory_curve(build_shape("qwen2.5-0.5b"), 512):
             keep(row)

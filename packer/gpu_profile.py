@@ -1,0 +1,97 @@
+"""Where a packed step's GPU time goes, by kind of kernel, beside the frozen base alone at the same rows.
+
+    python -m packer.gpu_profile --shape llama3-8b --slots 8 --seq 1024 [--eager]
+
+Prints, for a packed step (``--eager``: the base's norms and MLPs left to transformers' eager modules) and
+then for the base alone (forward, full loss, backward to the activations), the kernel time per step summed
+by ``CATEGORIES`` and the heaviest kernels. It found the eager base's elementwise kernels at 30% of a
+Llama-3-8B step's kernel time, which ``packer.fuse`` then took on (BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import time
+
+import torch
+
+__all__ = ["CATEGORIES", "category", "breakdown"]
+
+CATEGORIES = (("attention", r"flash|fmha|sdpa|attention"), ("gemm", r"gemm|nvjet|cutlass|xmma|cublas"),
+              ("lora", r"_seg_|_dropout_mask"), ("fused base", r"_rms_norm_|_silu_mul_"),
+              ("multi-tensor", r"adam|multi_tensor"), ("reduce", r"reduce"),
+              ("elementwise", r"elementwise|vectorized|unrolled"), ("copy", r"copy|memcpy|memset|Cat"))
+"""(name, pattern) pairs; a kernel takes the first whose pattern its name matches, ``other`` when none does."""
+
+
+def category(kernel_name: str) -> str:
+    """The first of ``CATEGORIES`` whose pattern ``kernel_name`` matches (case-insensitive), else ``other``."""
+    return next((name for name, pattern in CATEGORIES if re.search(pattern, kernel_name, re.I)), "other")
+
+
+def breakdown(prof: torch.profiler.profile, steps: int, wall_ms: float, title: str, top: int = 12) -> str:
+    """A profile's kernels as ms per step by category, then the ``top`` heaviest kernels."""
+    from torch.autograd import DeviceType
+
+    kernels = [e for e in prof.key_averages()
+               if e.device_type == DeviceType.CUDA and not e.key.startswith("ProfilerStep")]
+    by = collections.Counter()
+    for e in kernels:
+        by[category(e.key)] += e.self_device_time_total / steps / 1e3
+    total = sum(by.values())
+    lines = [f"== {title}: {wall_ms:.1f} ms per step, kernels {total:.1f} ms"]
+    lines += [f"   {name:<12}{ms:8.1f} ms {ms / total:6.1%}" for name, ms in by.most_common()]
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
+        lines.append(f"   {e.self_device_time_total / steps / 1e3:8.2f} ms x{e.count // steps:<5} "
+                     f"[{category(e.key)}] {e.key[:100]}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    from packer.gpu_bench import SHAPES, _jobs, build_shape
+    from packer.model import PackedModel
+    from packer.train import train
+
+    parser = argparse.ArgumentParser(prog="python -m packer.gpu_profile", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    parser.add_argument("--slots", type=int, default=8, help="slots x 1 row each; also the base's rows")
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--eager", action="store_true", help="leave the base's norms and MLPs eager")
+    args = parser.parse_args(argv)
+    model = build_shape(args.shape)
+    pm = PackedModel(model, impl="triton", fused_base_ops=not args.eager)
+    jobs = _jobs(args.slots, 1, args.seq, model.config.vocab_size, 7)
+    stamps: list[float] = []
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], acc_events=True,
+                 schedule=schedule(wait=0, warmup=3, active=3)) as prof:
+        train(pm, args.slots, lambda s: jobs.pop(0) if jobs else None, pad_id=0, chunked_ce=True,
+              on_step=lambda r: (stamps.append(time.perf_counter()), prof.step()))  # type: ignore[func-returns-value]
+    wall = (stamps[-1] - stamps[-4]) / 3 * 1e3
+    print(breakdown(prof, 3, wall, f"packed {args.slots} x {args.seq}" + (" (eager base)" if args.eager else "")))
+    del pm
+    torch.cuda.empty_cache()
+    ids = torch.randint(0, model.config.vocab_size, (args.slots, args.seq), device="cuda")
+
+    def step() -> None:
+        emb = model.get_input_embeddings()(ids).detach().requires_grad_()  # the base is frozen (PackedModel)
+        model(inputs_embeds=emb, labels=ids, use_cache=False).loss.backward()
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    print(breakdown(prof, 3, (time.perf_counter() - t0) / 3 * 1e3, f"base alone {args.slots} x {args.seq}"
+                    + ("" if args.eager else " (fused norms and MLPs)")))
+
+
+if __name__ == "__main__":
+    main()
