@@ -115,9 +115,9 @@ def test_resume_after_sigkill_loses_and_duplicates_nothing(tiny_dirs, tmp_path) 
     assert {t.number for t in failed} == {t.number for t in running}, "only the orphans failed"
     retried = [t for t in after if "retry_of" in t.user_attrs]
     assert sorted(t.user_attrs["retry_of"] for t in retried) == sorted(t.number for t in running)
-    for t in retried:  # same parameters; a trial killed before its parameters were drawn gets fresh ones
-        orphan = next(o for o in running if o.number == t.user_attrs["retry_of"])
-        assert t.params == orphan.params or not orphan.params
+    for t in retried:  # the parameters the orphan had drawn, the same; any it had not yet drawn, fresh ones
+        orphan = next(o for o in running if o.number == t.user_attrs["retry_of"])  # (a kill can land between two)
+        assert orphan.params.items() <= t.params.items() and set(t.params) == {"rank", "lr", "targets"}
     for number, params in completed_before.items():  # completed work was kept, not redone
         assert next(t for t in after if t.number == number).params == params
     assert all((out / "adapters" / f"trial-{t.number}" / "adapter_config.json").is_file() for t in complete)
