@@ -30,7 +30,7 @@ from packer.plan import AdapterSpec, MemoryModel
 from packer.train import FixedBatch, SlotJob, train
 
 __all__ = ["SHAPES", "build_shape", "gemm_tflops", "packed_run", "base_run", "peft_run", "layer_bench",
-           "correctness_gate", "profile_step", "calibration_check", "table"]
+           "correctness_gate", "calibration_check", "table"]
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SHAPES: dict[str, dict] = {
@@ -226,46 +226,6 @@ def layer_bench(d_in: int = 4096, d_out: int = 4096, tokens: int = 16384, slots:
                 base_ms=round(t_base, 3), packed_ms=round(t_packed, 3), ratio=round(t_packed / t_base, 3))
 
 
-def profile_step(model: torch.nn.Module, slots: int, seq: int, out_dir: str | None) -> dict:
-    """Where a packed step's time goes: wall time vs GPU-busy time, the top host and device ops.
-
-    Writes the full operator table to ``out_dir/profile_<slots>.txt`` when ``out_dir`` is given.
-    """
-    from torch.profiler import ProfilerActivity, profile
-
-    pm = PackedModel(model, impl="triton")
-    jobs = _jobs(slots, 1, seq, model.config.vocab_size, 6)
-    stamps: list[float] = []
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], schedule=torch.profiler.schedule(
-            wait=0, warmup=3, active=3), acc_events=True) as prof:
-        train(pm, slots, lambda s: jobs.pop(0) if jobs else None, pad_id=0, chunked_ce=True,
-              on_step=lambda r: (stamps.append(time.perf_counter()), prof.step()))  # type: ignore[func-returns-value]
-    events = prof.key_averages()
-    kernels = _kernel_events(events)
-    device_us = sum(e.self_device_time_total for e in kernels) / 3
-    table = events.table(sort_by="self_cpu_time_total", row_limit=40)
-    if out_dir:
-        from pathlib import Path
-
-        Path(out_dir, f"profile_{slots}.txt").write_text(
-            table + "\n\n" + events.table(sort_by="self_device_time_total", row_limit=40))
-    top_cpu = sorted(events, key=lambda e: -e.self_cpu_time_total)[:6]
-    top_dev = sorted(kernels, key=lambda e: -e.self_device_time_total)[:6]
-    return dict(workload="profile", slots=slots, seq=seq,
-                step_ms=round(statistics.median(b - a for a, b in zip(stamps[3:], stamps[4:], strict=False)) * 1e3, 1),
-                gpu_busy_ms=round(device_us / 1e3, 1),
-                top_cpu_ms={e.key[:40]: round(e.self_cpu_time_total / 3e3, 1) for e in top_cpu},
-                top_gpu_ms={e.key[:40]: round(e.self_device_time_total / 3e3, 1) for e in top_dev})
-
-
-def _kernel_events(events: list) -> list:
-    """The GPU kernels of a profile's ``key_averages()``. CPU ops carry their kernels' time too, and the
-    profiler's step ranges the step's span on the GPU timeline: neither is kernel time."""
-    from torch.autograd import DeviceType
-
-    return [e for e in events if e.device_type == DeviceType.CUDA and not e.key.startswith("ProfilerStep")]
-
-
 def _planner_model(model: torch.nn.Module, seq: int) -> tuple[MemoryModel, int]:
     """The planner's memory model, calibrated on this GPU by small probes with the options the measured
     packs run with, and the parameters of one r=16 adapter on every projection."""
@@ -326,6 +286,8 @@ def _small(peak: float, emit: Callable[[dict], None], out_dir: str | None) -> No
     for d_in, d_out in ((4096, 4096), (4096, 14336), (14336, 4096)):
         emit(layer_bench(d_in, d_out))
     _free()
+    from packer.gpu_profile import profile_step  # it imports this module
+
     emit(profile_step(model, 32, 512, out_dir))
     _free()
     mixed = (8, 16, 32, 64, 128)

@@ -19,7 +19,7 @@ import statistics
 
 import torch
 
-from packer import gpu_bench
+from packer import gpu_bench, gpu_profile
 from packer.data import Example, SlotStream, load_examples
 from packer.model import PackedModel, load_base
 from packer.train import SlotJob, train
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
         train(PackedModel(model, impl="triton"), args.slots, lambda s: jobs.pop(0) if jobs else None, pad_id=0,
               on_step=lambda _reports: prof.step())
     events = prof.key_averages()
-    kernel_ms = sum(e.self_device_time_total for e in gpu_bench._kernel_events(events)) / 5e3
+    kernel_ms = sum(e.self_device_time_total for e in gpu_profile.kernel_events(events)) / 5e3
     host_ms = sum(e.self_cpu_time_total for e in events if e.key == "ProfilerStep*") / 5e3
     print(f"profiled data/triton steps: {kernel_ms:.1f} ms of kernels per step; {host_ms:.1f} ms of host time "
           "per step outside any operator (Python between ops)")

@@ -5,7 +5,8 @@
 Prints, for a packed step (``--eager``: the base's norms and MLPs left to transformers' eager modules) and
 then for the base alone (forward, full loss, backward to the activations), the kernel time per step summed
 by ``CATEGORIES`` and the heaviest kernels. It found the eager base's elementwise kernels at 30% of a
-Llama-3-8B step's kernel time, which ``packer.fuse`` then took on (BENCHMARKS.md).
+Llama-3-8B step's kernel time, which ``packer.fuse`` then took on (BENCHMARKS.md). ``profile_step`` is
+``python -m packer.gpu_bench --part small``'s profile of the 0.5B pack (host and device top operators).
 """
 
 from __future__ import annotations
@@ -13,11 +14,14 @@ from __future__ import annotations
 import argparse
 import collections
 import re
+import statistics
 import time
 
 import torch
 
-__all__ = ["CATEGORIES", "category", "breakdown"]
+from packer.gpu_bench import SHAPES, _jobs, build_shape
+
+__all__ = ["CATEGORIES", "category", "breakdown", "kernel_events", "profile_step"]
 
 CATEGORIES = (("attention", r"flash|fmha|sdpa|attention"), ("gemm", r"gemm|nvjet|cutlass|xmma|cublas"),
               ("lora", r"_seg_|_dropout_mask"), ("fused base", r"_rms_norm_|_silu_mul_"),
@@ -33,10 +37,7 @@ def category(kernel_name: str) -> str:
 
 def breakdown(prof: torch.profiler.profile, steps: int, wall_ms: float, title: str, top: int = 12) -> str:
     """A profile's kernels as ms per step by category, then the ``top`` heaviest kernels."""
-    from torch.autograd import DeviceType
-
-    kernels = [e for e in prof.key_averages()
-               if e.device_type == DeviceType.CUDA and not e.key.startswith("ProfilerStep")]
+    kernels = kernel_events(prof.key_averages())
     by = collections.Counter()
     for e in kernels:
         by[category(e.key)] += e.self_device_time_total / steps / 1e3
@@ -49,12 +50,60 @@ def breakdown(prof: torch.profiler.profile, steps: int, wall_ms: float, title: s
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
+def _profile_pack(pm: object, slots: int, seq: int) -> tuple[torch.profiler.profile, list[float]]:
+    """Six steps of ``slots`` x 1 x ``seq`` random rows on ``pm`` (a ``PackedModel``), the last three profiled;
+    returns the profile and the wall-clock stamp after each step."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    from packer.gpu_bench import SHAPES, _jobs, build_shape
-    from packer.model import PackedModel
     from packer.train import train
+
+    jobs = _jobs(slots, 1, seq, pm.model.config.vocab_size, 6)  # type: ignore[attr-defined]
+    stamps: list[float] = []
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], acc_events=True,
+                 schedule=schedule(wait=0, warmup=3, active=3)) as prof:
+        train(pm, slots, lambda s: jobs.pop(0) if jobs else None, pad_id=0, chunked_ce=True,  # type: ignore[arg-type]
+              on_step=lambda r: (stamps.append(time.perf_counter()), prof.step()))  # type: ignore[func-returns-value]
+    return prof, stamps
+
+
+def profile_step(model: torch.nn.Module, slots: int, seq: int, out_dir: str | None) -> dict:
+    """Where a packed step's time goes: wall time vs GPU-busy time, the top host and device ops.
+
+    Writes the full operator table to ``out_dir/profile_<slots>.txt`` when ``out_dir`` is given.
+    """
+    from packer.model import PackedModel
+
+    prof, stamps = _profile_pack(PackedModel(model, impl="triton"), slots, seq)
+    events = prof.key_averages()
+    kernels = kernel_events(events)
+    device_us = sum(e.self_device_time_total for e in kernels) / 3
+    table = events.table(sort_by="self_cpu_time_total", row_limit=40)
+    if out_dir:
+        from pathlib import Path
+
+        Path(out_dir, f"profile_{slots}.txt").write_text(
+            table + "\n\n" + events.table(sort_by="self_device_time_total", row_limit=40))
+    top_cpu = sorted(events, key=lambda e: -e.self_cpu_time_total)[:6]
+    top_dev = sorted(kernels, key=lambda e: -e.self_device_time_total)[:6]
+    return dict(workload="profile", slots=slots, seq=seq,
+                step_ms=round(statistics.median(b - a for a, b in zip(stamps[3:], stamps[4:], strict=False)) * 1e3, 1),
+                gpu_busy_ms=round(device_us / 1e3, 1),
+                top_cpu_ms={e.key[:40]: round(e.self_cpu_time_total / 3e3, 1) for e in top_cpu},
+                top_gpu_ms={e.key[:40]: round(e.self_device_time_total / 3e3, 1) for e in top_dev})
+
+
+def kernel_events(events: list) -> list:
+    """The GPU kernels of a profile's ``key_averages()``. CPU ops carry their kernels' time too, and the
+    profiler's step ranges the step's span on the GPU timeline: neither is kernel time."""
+    from torch.autograd import DeviceType
+
+    return [e for e in events if e.device_type == DeviceType.CUDA and not e.key.startswith("ProfilerStep")]
+
+
+def main(argv: list[str] | None = None) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    from packer.model import PackedModel
 
     parser = argparse.ArgumentParser(prog="python -m packer.gpu_profile", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -65,12 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     model = build_shape(args.shape)
     pm = PackedModel(model, impl="triton", fused_base_ops=not args.eager)
-    jobs = _jobs(args.slots, 1, args.seq, model.config.vocab_size, 7)
-    stamps: list[float] = []
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], acc_events=True,
-                 schedule=schedule(wait=0, warmup=3, active=3)) as prof:
-        train(pm, args.slots, lambda s: jobs.pop(0) if jobs else None, pad_id=0, chunked_ce=True,
-              on_step=lambda r: (stamps.append(time.perf_counter()), prof.step()))  # type: ignore[func-returns-value]
+    prof, stamps = _profile_pack(pm, args.slots, args.seq)
     wall = (stamps[-1] - stamps[-4]) / 3 * 1e3
     print(breakdown(prof, 3, wall, f"packed {args.slots} x {args.seq}" + (" (eager base)" if args.eager else "")))
     del pm
