@@ -15,7 +15,8 @@ from contextvars import Context, ContextVar, copy_context
 import torch
 import triton
 
-__all__ = ["INTERPRET", "PRECOMPILE_THREADS", "launch", "precompile", "warming", "warm_context", "run_in"]
+__all__ = ["INTERPRET", "PRECOMPILE_THREADS", "check_device", "launch", "precompile", "warming", "warm_context",
+           "run_in"]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 """Read once, as ``@triton.jit`` does when it decorates a kernel."""
@@ -29,6 +30,17 @@ _WARMING: ContextVar[list | None] = ContextVar("lora_kernels_warming", default=N
 warm-ups. A context variable does not reach other threads, and on CUDA autograd runs every backward on its own
 device thread: each autograd Function of the kernel modules carries its forward's context over to its backward
 (``warm_context``, ``run_in``), and Triton's ``AsyncCompileMode``, a context variable too, with it."""
+
+
+def check_device(t: torch.Tensor, module: str) -> None:
+    """Refuse ``t`` unless it is on CUDA or the interpreter is on (a kernel module's ``impl="triton"`` entry).
+
+    Raises:
+        RuntimeError: ``t`` is on the CPU and ``TRITON_INTERPRET=1`` was not set before ``module`` was imported.
+    """
+    if not t.is_cuda and not INTERPRET:
+        raise RuntimeError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before {module} is "
+                           "imported); use impl='auto' or 'torch' on the CPU")
 
 
 def warming() -> bool:
@@ -88,10 +100,10 @@ def _load(warmed: list, threads: int) -> None:
     """Load what the warm-ups compiled, ``threads`` kernels at a time: each kernel's launcher and module.
 
     A warm-up compiles a kernel but does not load it; its first launch does (``CompiledKernel._init_handles``).
-    Triton 3.6 builds that launcher, a C extension per kernel signature, with the system C compiler: on an
-    empty cache about 0.3 s each, one after another in the first step (the H200's cold W3 step spent ~5 s so
-    with nothing left to compile). The compiler runs in a subprocess, so threads overlap. A kernel that fails
-    to load is left to its launch, which raises the same error where it belongs.
+    Triton 3.6 builds that launcher, a C extension per kernel signature, with the system C compiler, one
+    after another in the first step on an empty cache (loading them here took the H200's cold W3 first step
+    from 7.4 to 5.6 s). The compiler runs in a subprocess, so threads overlap. A kernel that fails to load
+    is left to its launch, which raises the same error where it belongs.
     """
     try:
         from triton.runtime._async_compile import FutureKernel

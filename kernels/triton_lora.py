@@ -471,9 +471,7 @@ def packed_lora_triton(x: torch.Tensor, base_out: torch.Tensor | None, a_cat: to
         RuntimeError: x is on the CPU and the Triton interpreter is off.
         ValueError: neither or both of ``base_out`` and ``weight`` given.
     """
-    if not x.is_cuda and not INTERPRET:
-        raise RuntimeError("impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before kernels.packed_lora "
-                           "is imported); use impl='auto' or 'torch' on the CPU")
+    _jit.check_device(x, "kernels.packed_lora")
     if (base_out is None) == (weight is None):
         raise ValueError("give exactly one of base_out and weight")
     b, seq, d_in = x.shape

@@ -167,9 +167,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
         RuntimeError: x is on the CPU and the Triton interpreter is off.
         ValueError: D is wider than the kernel handles (65,536).
     """
-    if not x.is_cuda and not _jit.INTERPRET:
-        raise RuntimeError("impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before kernels.triton_norm "
-                           "is imported); use impl='auto' or 'torch' on the CPU")
+    _jit.check_device(x, "kernels.triton_norm")
     d = x.shape[-1]
     y = RMSNormFunction.apply(x.reshape(-1, d).contiguous(), weight.contiguous(), float(eps))
     return y.view(*x.shape[:-1], d)

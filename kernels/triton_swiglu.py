@@ -108,9 +108,7 @@ def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         RuntimeError: on the CPU with the Triton interpreter off.
         ValueError: gate and up differ in shape or dtype.
     """
-    if not gate.is_cuda and not _jit.INTERPRET:
-        raise RuntimeError("impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before kernels.triton_swiglu "
-                           "is imported); use impl='auto' or 'torch' on the CPU")
+    _jit.check_device(gate, "kernels.triton_swiglu")
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"silu_mul: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} "
                          "must match")

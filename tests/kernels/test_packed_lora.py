@@ -208,8 +208,7 @@ def test_public_entry_points() -> None:
 
 
 def test_triton_on_cpu_without_interpreter_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
-    module = sys.modules["kernels.triton_lora"]
-    monkeypatch.setattr(module, "INTERPRET", False)
+    monkeypatch.setattr(sys.modules["kernels._jit"], "INTERPRET", False)
     x, base, a_cat, bt_cat = (t.cpu() for t in _tensors((1,), (2,), 3, 4, 5))
     layout, lr = _layout((1,), (2,), 3, dropout=False)
     with pytest.raises(RuntimeError, match="CUDA"):

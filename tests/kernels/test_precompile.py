@@ -85,7 +85,8 @@ def test_a_backward_on_another_thread_is_warmed_too(monkeypatch) -> None:
 
 def test_precompile_loads_what_the_warm_ups_compiled_on_other_threads(monkeypatch) -> None:
     """A warm-up compiles a kernel without loading it; its first launch would load it, which on Triton 3.6
-    builds a C launcher with the system compiler (the H200's cold first step spent ~5 s so). ``precompile``
+    builds a C launcher with the system compiler, one after another (on the H200 that cost the cold W3 first
+    step 1.8 s). ``precompile``
     loads each compiled kernel once, in its own threads. Stand-ins here: the interpreter compiles nothing."""
     import kernels._jit as J
 
