@@ -309,8 +309,9 @@ LARGE = (("qwen2.5-7b", 512, (16,)), ("llama3-8b", 1024, (8, 12, 16)))
 def _large(peak: float, emit: Callable[[dict], None], shapes: tuple[str, ...] = ()) -> None:
     """Qwen2.5-7B (16 slots x 1 x 512) and Llama-3-8B (seq 1024) packs, their base-only ceilings, PEFT.
 
-    Per shape: the eager base alone, the largest pack on the eager base, the packs on the fused base (a pack that
-    runs out of memory is a row saying so), the fused base alone, then PEFT in a fresh model."""
+    Per shape: the eager base alone, the next-to-largest pack (the only one, for one size) on the eager base, the
+    packs on the fused base (a pack that runs out of memory is a row saying so), the fused base alone, then PEFT
+    in a fresh model."""
     for name, seq, packs in LARGE:
         if shapes and name not in shapes:
             continue
@@ -323,7 +324,8 @@ def _large(peak: float, emit: Callable[[dict], None], shapes: tuple[str, ...] = 
                 emit(dict(shape=name, **packed_run(model, slots, 1, seq, peak_tflops=peak, warmup=3, steps=5,
                                                    fused=fused)))
             except torch.cuda.OutOfMemoryError:
-                emit(dict(shape=name, workload="W1", mode="packed-triton", slots=slots, seq=seq, error="out of memory"))
+                emit(dict(shape=name, workload="W1", mode="packed-triton" + ("" if fused else "-eager"), slots=slots,
+                          seq=seq, error="out of memory"))
             _free()
         emit(dict(shape=name, **base_run(model, base_rows, seq, peak_tflops=peak)))
         del model
@@ -363,7 +365,8 @@ def main(argv: list[str] | None = None, emit: Callable[[dict], None] | None = No
     parser.add_argument("--shapes", default="", help="--part large: only these shapes (comma-separated names of "
                         f"{', '.join(n for n, _, _ in LARGE)})")
     args = parser.parse_args(argv)
-    unknown = set(filter(None, args.shapes.split(","))) - {n for n, _, _ in LARGE}
+    shapes = tuple(filter(None, args.shapes.split(",")))
+    unknown = set(shapes) - {n for n, _, _ in LARGE}
     if unknown:
         parser.error(f"--shapes: unknown {', '.join(sorted(unknown))}")
     results: list[dict] = []
@@ -384,7 +387,7 @@ def main(argv: list[str] | None = None, emit: Callable[[dict], None] | None = No
     if args.part in ("small", "all"):
         _small(peak, keep, args.out)
     if args.part in ("large", "all"):
-        _large(peak, keep, tuple(filter(None, args.shapes.split(","))))
+        _large(peak, keep, shapes)
     if args.part == "memory":
         for row in memory_curve(build_shape("qwen2.5-0.5b"), 512):
             keep(row)

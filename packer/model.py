@@ -94,8 +94,9 @@ class PackedModel:
         model.requires_grad_(False)
         model.eval()  # the base's own dropout stays off: packed == alone needs no shared RNG
         fuse = fused_base_ops and resolve_impl(impl, self.device) == "triton"
-        self.fused: list[str] = fuse_base_ops(model, "triton" if fuse else "torch")
-        """Paths of the base's modules that run on ``kernels.rms_norm`` / ``kernels.silu_mul``."""
+        swapped = fuse_base_ops(model, "triton" if fuse else "torch")  # "torch": an earlier pack's go eager again
+        self.fused: list[str] = swapped if fuse else []
+        """Paths of the base's modules on the fused Triton kernels (empty when they run eagerly)."""
         self.state = PackState(impl=impl)
         self.layers: dict[str, PackedLoRALinear] = {}
         self.specs: dict[int, AdapterSpec] = {}
@@ -136,8 +137,8 @@ class PackedModel:
         """PEFT's init (A Kaiming-uniform(a=sqrt(5)) from the slot's own generator, B zero), all of the
         slot's weights laid out in one flat fp32 buffer (per layer A, then B^T) with a flat gradient
         buffer beside it. The generator lives on the pack's device: the same seed gives the same weights
-        on the same kind of device. Drawn on the host, a rank-32 slot of a 24-layer 0.5B model cost
-        ~60 ms (7M uniform numbers from one CPU generator), more than a training step of 24 slots."""
+        on the same kind of device. Drawn by one CPU generator, W3's 24 slots on the 0.5B shape (about 7M
+        A weights each) took 1.2-2.6 s on the H200 host, more than a training step of them."""
         generator = torch.Generator(device=self.device).manual_seed(spec.seed)
         r = spec.rank
         dims = [(self.layers[p].in_features, self.layers[p].out_features) for p in paths]

@@ -291,8 +291,8 @@ def _requeue(study: optuna.Study, store: ResultsStore, orphans: list[optuna.tria
         store.upsert_trial(t.number, state="FAIL", reason=ORPHAN_REASON)
         discard_adapter(adapters(t.number))  # saved but never told, or half written; its retry has its own number
         attrs = {"retry_of": t.number, **({"default": True} if t.user_attrs.get("default") else {})}
-        # Killed between ask and suggest, a trial has no parameters yet: its retry draws fresh ones,
-        # and still takes its place in the budget.
+        # Killed before or between its suggests, a trial has drawn some parameters or none: its retry
+        # keeps those, draws the rest, and still takes its place in the budget.
         study.enqueue_trial(t.params, user_attrs=attrs)
         log(f"trial {t.number} was left RUNNING by a stopped run: failed and enqueued again")
 

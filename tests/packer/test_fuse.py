@@ -132,5 +132,8 @@ def test_a_pack_on_the_triton_path_fuses_and_trains_the_same(tiny_dirs) -> None:
         for (a, b), (a0, b0) in zip(fused.final[key].values(), plain.final[key].values(), strict=True):
             torch.testing.assert_close(a, a0, rtol=0, atol=1e-4)
             torch.testing.assert_close(b, b0, rtol=0, atol=1e-4)
+    again = PackedModel(fused_pm.model, impl="triton", fused_base_ops=False)  # a later eager pack over that model
+    assert again.fused == []
+    assert {m.impl for m in again.model.modules() if isinstance(m, (FusedRMSNorm, FusedGatedMLP))} == {"torch"}
     eager = PackedModel(load_base(str(tiny_dirs("qwen2")), device=DEVICE)[0], impl="torch")
     assert eager.fused == [] and not any(isinstance(m, FusedRMSNorm) for m in eager.model.modules())
