@@ -269,8 +269,20 @@ def _dot_config(act: torch.dtype, *, cast_to_act: bool) -> tuple[tl.dtype, str]:
     return (_TL_DTYPE[act], "tf32") if cast_to_act else (tl.float32, "tf32")
 
 
+def _launch_config(dropout: bool) -> tuple[int, int]:
+    """(tile, pipeline stages) of the two kernels that stream a (T, D) input: the shrink's K tile is twice the
+    tile, the weight gradient's token step is the tile.
+
+    Measured on an H200 by ``python -m packer.gpu_kernels`` (T=16384, 8 slots, r=16, bf16; BENCHMARKS.md):
+    without dropout (64, 3) is within 1 us of the best tried; with dropout the Philox draws dominate and
+    shorter tiles in a deeper pipeline win: shrink 153 vs 162 us (K=4096) and 501 vs 541 us (K=14336), weight
+    gradient of A 162 vs 193 us and 481 vs 617 us (old: 1024-token chunks, (64, 3)).
+    """
+    return (32, 4) if dropout else (64, 3)
+
+
 def seg_shrink(inp: torch.Tensor, w: torch.Tensor, meta: SegmentMeta, *, dropout: bool,
-               block_k: int = 128) -> torch.Tensor:
+               block_k: int | None = None, stages: int | None = None) -> torch.Tensor:
     """``out[t, :r_g] = s_g * drop?(inp[t]) @ w[rank_off_g : rank_off_g + r_g]^T`` for active tokens t.
 
     Args:
@@ -278,7 +290,8 @@ def seg_shrink(inp: torch.Tensor, w: torch.Tensor, meta: SegmentMeta, *, dropout
         w: (R, K) packed weights.
         meta: segment tables of this layer call.
         dropout: re-draw each slot's dropout mask on ``inp`` (forward: x; never for dy).
-        block_k: reduction tile.
+        block_k: reduction tile; default ``_launch_config``'s.
+        stages: software-pipeline depth; default ``_launch_config``'s.
 
     Returns:
         (T, R_PAD) fp32. Columns >= r_g and tokens outside active segments are unspecified.
@@ -289,11 +302,13 @@ def seg_shrink(inp: torch.Tensor, w: torch.Tensor, meta: SegmentMeta, *, dropout
     out = torch.empty((n_tok, meta.r_pad), dtype=torch.float32, device=inp.device)
     br = min(meta.r_pad, 64)
     if meta.n_tiles:
+        dropout = dropout and meta.has_dropout
+        tile, default_stages = _launch_config(dropout)
         dot_dtype, precision = _dot_config(inp.dtype, cast_to_act=True)
         _jit.launch(_seg_shrink_kernel, (meta.n_tiles, meta.r_pad // br),
             inp, w, out, meta.tiles, meta.seg_int, meta.seg_flt, k, meta.seq_len, meta.layer_id,
-            DROPOUT=dropout and meta.has_dropout, DOT_DTYPE=dot_dtype, PRECISION=precision,
-            BM=meta.block_m, BK=block_k, BR=br, R_PAD=meta.r_pad)
+            DROPOUT=dropout, DOT_DTYPE=dot_dtype, PRECISION=precision,
+            BM=meta.block_m, BK=block_k or 2 * tile, BR=br, R_PAD=meta.r_pad, num_stages=stages or default_stages)
     return out
 
 
@@ -335,8 +350,8 @@ def seg_expand_add(h: torch.Tensor, w: torch.Tensor, meta: SegmentMeta, dst: tor
     return dst
 
 
-def seg_wgrad(p: torch.Tensor, q: torch.Tensor, meta: SegmentMeta, *, dropout: bool, block_t: int = 64,
-              block_n: int = 128) -> torch.Tensor:
+def seg_wgrad(p: torch.Tensor, q: torch.Tensor, meta: SegmentMeta, *, dropout: bool, block_t: int | None = None,
+              block_n: int = 128, stages: int | None = None) -> torch.Tensor:
     """``out[rank_off_g : rank_off_g + r_g] = p_g[:, :r_g]^T @ drop?(q_g)`` over each segment's tokens.
 
     Args:
@@ -344,7 +359,8 @@ def seg_wgrad(p: torch.Tensor, q: torch.Tensor, meta: SegmentMeta, *, dropout: b
         q: (T, N) activations.
         meta: segment tables of this layer call.
         dropout: re-draw each slot's dropout mask on ``q`` (x for d a_cat).
-        block_t: token step of the reduction.
+        block_t: token step of the reduction; default ``_launch_config``'s.
+        stages: software-pipeline depth; default ``_launch_config``'s.
         block_n: feature tile.
 
     Returns:
@@ -356,11 +372,13 @@ def seg_wgrad(p: torch.Tensor, q: torch.Tensor, meta: SegmentMeta, *, dropout: b
     out = torch.zeros((max(meta.n_partials, 1), meta.total_rank, n), dtype=torch.float32, device=q.device)
     br = min(meta.r_pad, 64)
     if meta.n_chunks:
+        dropout = dropout and meta.has_dropout
+        tile, default_stages = _launch_config(dropout)
         dot_dtype, precision = _dot_config(q.dtype, cast_to_act=False)
         _jit.launch(_seg_wgrad_kernel, (meta.n_chunks, triton.cdiv(n, block_n), meta.r_pad // br),
             p, q, out, meta.chunks, meta.seg_int, meta.seg_flt, n, meta.total_rank, meta.seq_len, meta.layer_id,
-            DROPOUT=dropout and meta.has_dropout, DOT_DTYPE=dot_dtype, PRECISION=precision,
-            BT=block_t, BN=block_n, BR=br, R_PAD=meta.r_pad)
+            DROPOUT=dropout, DOT_DTYPE=dot_dtype, PRECISION=precision,
+            BT=block_t or tile, BN=block_n, BR=br, R_PAD=meta.r_pad, num_stages=stages or default_stages)
     return out[0] if out.shape[0] == 1 else out.sum(dim=0)  # fixed-order reduction: deterministic
 
 
@@ -395,14 +413,15 @@ class PackedLoRAFunction(torch.autograd.Function):
         """x: (T, D_in); base_out: (T, D_out) or None; weight: (D_out, D_in) or None; bias: (D_out,) or None;
         a_cat: (R, D_in); bt_cat: (R, D_out) -> (T, D_out)."""
         h = seg_shrink(x, a_cat, meta, dropout=True)  # (T, R_PAD) fp32, scaled by s_g
+        bt_op = _expand_operand(bt_cat, x.dtype)
         if weight is not None:
-            y = _lora_term(h, bt_cat, meta, (x.shape[0], weight.shape[0]), x, bias)
+            y = _lora_term(h, bt_op, meta, (x.shape[0], weight.shape[0]), x, bias)
             y.addmm_(x, weight.t())
         elif meta.covers_all:  # one pass: read base_out, write y
-            y = seg_expand_add(h, bt_cat, meta, torch.empty_like(base_out), src=base_out, dropout=False)
+            y = seg_expand_add(h, bt_op, meta, torch.empty_like(base_out), src=base_out, dropout=False)
         else:  # tokens of rank-0 / uncovered rows keep base_out: copy, then add in place
             y = base_out.clone()
-            seg_expand_add(h, bt_cat, meta, y, src=y, dropout=False)
+            seg_expand_add(h, bt_op, meta, y, src=y, dropout=False)
         ctx.save_for_backward(x, weight, a_cat, bt_cat, h)
         ctx.meta = meta
         ctx.warming = _jit.warm_context()
@@ -423,7 +442,7 @@ class PackedLoRAFunction(torch.autograd.Function):
         if need_x or need_a:
             dh = seg_shrink(dy, bt_cat, meta, dropout=False)  # (T, R_PAD) = s_g * dy B_g
             if need_x:
-                dx = _lora_term(dh, a_cat, meta, x.shape, x, None, dropout=True)
+                dx = _lora_term(dh, _expand_operand(a_cat, x.dtype), meta, x.shape, x, None, dropout=True)
                 if weight is not None:
                     dx.addmm_(dy, weight)
             if need_a:
@@ -435,6 +454,16 @@ class PackedLoRAFunction(torch.autograd.Function):
         if need_bias:
             dbias = dy.sum(0)
         return dx, dy if need_base else None, dw, dbias, da, dbt, None
+
+
+def _expand_operand(w: torch.Tensor, act: torch.dtype) -> torch.Tensor:
+    """``w`` in the dtype the expand kernel's ``tl.dot`` reads it in: cast once here (a (R, D) tensor) rather
+    than in each of its (T / BM) x (D / BN) programs. The same rounding, so the same bits; on an H200 the
+    expand takes 56 instead of 66 us at T=16384, D=4096 and 178 instead of 216 us at D=14336
+    (``python -m packer.gpu_kernels``). The Function saves the fp32 masters, not the copy: no memory is kept
+    for the backward, which casts again."""
+    dot_dtype, _ = _dot_config(act, cast_to_act=True)
+    return w if dot_dtype == tl.float32 or w.dtype == act else w.to(act)
 
 
 def _lora_term(h: torch.Tensor, w: torch.Tensor, meta: SegmentMeta, shape: tuple[int, int] | torch.Size,

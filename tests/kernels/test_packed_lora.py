@@ -276,6 +276,20 @@ def test_slot_gradients_pack_equal_alone() -> None:
     assert torch.equal(g_pack[3][32:40], g_alone[3])
 
 
+def test_expand_operand_follows_the_dot_dtype() -> None:
+    """The expand's weights are cast once only where its ``tl.dot`` reads 16-bit operands: compiled and with
+    16-bit activations; fp32 activations and the interpreter (fp32 dots) get the fp32 masters untouched."""
+    from kernels.triton_lora import _expand_operand
+
+    w = torch.randn(8, 16, device=DEVICE)
+    assert _expand_operand(w, torch.float32) is w
+    cast = _expand_operand(w, torch.bfloat16)
+    if INTERPRET:
+        assert cast is w
+    else:
+        assert cast.dtype == torch.bfloat16 and torch.equal(cast, w.to(torch.bfloat16))
+
+
 def test_meta_tables_shared_by_layers() -> None:
     """Every layer of a step reuses one set of device tables (no host work or copy per layer); only the layer id,
     a kernel argument, differs."""
@@ -334,6 +348,23 @@ class TestGPU:
         for got, want in zip([y] + [t.grad for t in ours], [y_ref] + [t.grad for t in ref], strict=True):
             err = ((got.float() - want.float()).norm() / want.float().norm()).item()
             assert err < 2e-2, err  # bf16 inputs and outputs: ~3 significant digits; tf32 dots on the fp32 H
+
+    @pytest.mark.parametrize("dropout", [False, True])
+    def test_expand_operand_cast_keeps_bits(self, dropout: bool) -> None:
+        """The Function casts the fp32 expand weights to bf16 once; the kernel casting them per tile gives the
+        same bits, with and without the dropout epilogue."""
+        from kernels.triton_lora import _expand_operand
+
+        (x, base, a_cat, bt_cat), layout, lr = self._problem(4, 2, 96, 256, 320, (16, 8, 1, 40), torch.bfloat16,
+                                                             dropout)
+        meta = build_meta(layout, lr, 8 * 96, 96, x.device)
+        h = seg_shrink(x.view(-1, 256), a_cat, meta, dropout=True)
+        cast = _expand_operand(bt_cat, x.dtype)
+        assert cast.dtype == torch.bfloat16
+        for drop in (False, True):
+            want = seg_expand_add(h, bt_cat, meta, torch.empty_like(base.view(-1, 320)), src=None, dropout=drop)
+            got = seg_expand_add(h, cast, meta, torch.empty_like(want), src=None, dropout=drop)
+            assert torch.equal(got, want)
 
     def test_speed_smoke(self) -> None:
         """LoRA op alone, fwd+bwd, T=16384, 4096->4096, 8 slots r=16 bf16: Triton vs the masked-dense torch path."""
