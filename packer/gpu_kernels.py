@@ -4,7 +4,8 @@
     python -m packer.gpu_kernels [--tokens 16384] [--slots 8] [--rank 16]
 
 Prints one JSON line per (kernel, shape, dropout, config) with the median microseconds of
-``triton.testing.do_bench`` through the public launchers (allocations included), then a table of the
+``triton.testing.do_bench`` through the public launchers (allocations included), and per shape the
+ceilings the kernels work against (one read of x, one write of y, the base GEMM), then a table of the
 default against the best config per row.
 """
 
@@ -45,7 +46,7 @@ def sweep(d_in: int, d_out: int, tokens: int, slots: int, rank: int, dropout: fl
     y = torch.empty(tokens, d_out, device=dev, dtype=torch.bfloat16)
     tile, stages = _launch_config(dropout > 0)
     row = dict(shape=f"{d_in}->{d_out}", tokens=tokens, slots=slots, rank=rank, dropout=dropout)
-    rows = []
+    rows = [] if dropout else _ceilings(row, x, y)
     meta = build_meta(layout, ranks, tokens, tokens // slots, dev, chunk_tokens=CHUNKS[0])
     for bk, st in SHRINK:
         rows.append(dict(row, kernel="shrink x", config=f"block_k={bk} stages={st}",
@@ -62,6 +63,15 @@ def sweep(d_in: int, d_out: int, tokens: int, slots: int, rank: int, dropout: fl
                              default=(chunk, bt_, st) == (CHUNKS[1], tile, stages),
                              us=_us(partial(seg_wgrad, h, x, meta, dropout=True, block_t=bt_, stages=st))))
     return rows
+
+
+def _ceilings(row: dict, x: torch.Tensor, y: torch.Tensor) -> list[dict]:
+    """What the kernels are up against at this shape: one pass of reading x or writing y through torch, and
+    the base projection's cuBLAS GEMM plain and accumulating onto y (beta = 1, the Function's forward)."""
+    w = torch.randn(y.shape[1], x.shape[1], device=x.device, dtype=x.dtype)
+    runs = {"read x (torch x.sum(1))": partial(torch.sum, x, 1), "write y (torch y.fill_)": partial(y.fill_, 1.0),
+            "cuBLAS x W^T": partial(torch.mm, x, w.t(), out=y), "cuBLAS y.addmm_(x, W^T)": partial(y.addmm_, x, w.t())}
+    return [dict(row, kernel="ceiling", config=k, default=False, us=_us(fn)) for k, fn in runs.items()]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -83,6 +93,10 @@ def main(argv: list[str] | None = None) -> None:
     for r in rows:
         groups.setdefault((r["kernel"], r["shape"], r["dropout"]), []).append(r)
     for (kernel, shape, p), rs in groups.items():
+        if kernel == "ceiling":
+            for r in rs:
+                print(f"| {r['config']} | {shape} | - | {r['us']} | | |")
+            continue
         best = min(rs, key=lambda r: r["us"])
         default = next(r for r in rs if r["default"])
         print(f"| {kernel} | {shape} | {p} | {default['us']} | {best['us']} | {best['config']} |")

@@ -239,9 +239,9 @@ def export(study_dir: str, trial: int | None, best: bool, objective: str | None,
 @click.option("--cpu-eval", "cpu_eval", is_flag=True, help="Evaluation: N adapters scored packed vs one at a time.")
 @click.option("--gpu", "gpu", is_flag=True, help="The GPU workloads (W1-W5, base ceiling, profile, memory model) "
               "on random-init models of real architecture shapes.")
-@click.option("--gpu-part", type=click.Choice(["small", "large", "makespan", "memory", "all"]), default="all",
+@click.option("--gpu-part", type=click.Choice(["small", "large", "makespan", "memory", "layer", "all"]), default="all",
               show_default=True, help="--gpu: the 0.5B shape, the 7B/8B shapes, the W3 makespan, the memory model's "
-              "fit against measured peaks, or all (all but memory).")
+              "fit against measured peaks, W4 alone (layer; also part of small), or all (all but memory).")
 @click.option("--adapters", default=8, show_default=True, help="Adapters (CPU benchmarks).")
 @click.option("--steps", default=30, show_default=True, help="Optimizer steps per adapter (--cpu).")
 @click.option("--micro-batch", default=1, show_default=True, help="Sequences per adapter per step (--cpu).")
