@@ -199,8 +199,8 @@ def correctness_gate(model: torch.nn.Module, slots: int = 4, seq: int = 256, ste
                 ok=rel < 2e-2 and w_rel < 2e-2)
 
 
-LAYER_SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096))
-"""W4's projections: Llama-3-8B's attention (q, o) and MLP (gate/up, down) shapes."""
+LAYER_SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096), (4096, 1024))
+"""W4's projections: Llama-3-8B's attention (q, o), MLP (gate/up, down) and key/value (8 KV heads) shapes."""
 
 
 def layer_bench(d_in: int = 4096, d_out: int = 4096, tokens: int = 16384, slots: int = 8, rank: int = 16,
@@ -209,7 +209,8 @@ def layer_bench(d_in: int = 4096, d_out: int = 4096, tokens: int = 16384, slots:
 
     The two are timed alternately ``repeats`` times and the ratio is the median of the per-repeat ratios: the
     same base timing drifted by 10% between two back-to-back runs on the H200 (1.59 and 1.77 ms), which a
-    single base-then-packed pair folds into the ratio.
+    single base-then-packed pair folds into the ratio. ``*_host_ms`` is the time the host takes to queue one
+    call (50 calls without a sync): where it is above the GPU time the call is host-bound.
     """
     import triton.testing
 
@@ -236,7 +237,19 @@ def layer_bench(d_in: int = 4096, d_out: int = 4096, tokens: int = 16384, slots:
     return dict(workload="W4", shape=f"{d_in}->{d_out}", tokens=tokens, slots=slots, rank=rank,
                 base_ms=round(statistics.median(b for b, _ in times), 3),
                 packed_ms=round(statistics.median(p for _, p in times), 3),
-                ratio=round(statistics.median(ratios), 3), ratio_range=[round(min(ratios), 3), round(max(ratios), 3)])
+                ratio=round(statistics.median(ratios), 3), ratio_range=[round(min(ratios), 3), round(max(ratios), 3)],
+                base_host_ms=_host_ms(base), packed_host_ms=_host_ms(packed))
+
+
+def _host_ms(fn: Callable[[], None], calls: int = 50) -> float:
+    """Milliseconds the host takes to queue one ``fn()``, over ``calls`` calls without a sync."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    queued = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return round(queued / calls * 1000, 3)
 
 
 def _planner_model(model: torch.nn.Module, seq: int) -> tuple[MemoryModel, int]:
