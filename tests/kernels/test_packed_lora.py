@@ -23,9 +23,9 @@ else:
 from kernels import LayerRanks, PackLayout, packed_lora, packed_lora_linear  # noqa: E402
 from kernels._launch import build_meta  # noqa: E402
 from kernels.reference import lora_loop, lora_masked_dense  # noqa: E402
+from kernels.triton_dropout import dropout_mask  # noqa: E402
 from kernels.triton_lora import (  # noqa: E402
     PackedLoRAFunction,
-    dropout_mask,
     seg_expand_add,
     seg_shrink,
     seg_wgrad,
@@ -399,7 +399,7 @@ import os
 if not {DEVICE.type == "cuda"}:
     os.environ["TRITON_INTERPRET"] = "1"
 import torch, triton, triton.language as tl
-from kernels.triton_lora import _philox
+from kernels.triton_dropout import philox
 
 @triton.jit
 def both(out_ptr, offs_ptr, seed, stream):
@@ -408,7 +408,7 @@ def both(out_ptr, offs_ptr, seed, stream):
     a0, a1, a2, a3 = tl.philox(seed, offs.to(tl.uint32), (offs >> 32).to(tl.uint32), stream + 0 * i, 0 * i)
     if stream == 0:
         a0, a1, a2, a3 = tl.randint4x(seed, offs)
-    b0, b1, b2, b3 = _philox(seed, offs, stream)
+    b0, b1, b2, b3 = philox(seed, offs, stream)
     bad = (a0 != b0).to(tl.int32) + (a1 != b1).to(tl.int32) + (a2 != b2).to(tl.int32) + (a3 != b3).to(tl.int32)
     tl.store(out_ptr + i, bad + (a0 == a1).to(tl.int32))
 

@@ -1,0 +1,117 @@
+"""Slot dropout regenerated inside the packed-LoRA kernels: Philox4x32-10 spelled out, the keep/scale
+multiplier every kernel of ``kernels.triton_lora`` applies, and a kernel that materialises it (tests and
+debugging only).
+
+keep = u >= p_g, u = word (col % 4) of Philox4x32-10 with key ``PackLayout.seed[g]`` (the slot's own seed for
+this step) and counter (((local_row << 20) + pos) * ceil(D_in / 4) + col // 4 as two words, layer_id, 0):
+one Philox call per 4 columns. Key and counter depend on the slot, its own rows/positions, the column and the
+layer only, so a slot's mask is the same whichever slots share the pack, and every layer draws an
+independent one. No mask is stored.
+
+Builtins only (``tl.full``, not ``tl.zeros``): the ``tl`` helpers are themselves ``@triton.jit`` and cannot run
+in the interpreter when triton was imported before ``TRITON_INTERPRET=1`` was set (``kernels.triton_lora``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as err:
+    raise ImportError("kernels.triton_dropout needs triton: pip install 'lora-sweep[triton]'") from err
+
+from kernels._launch import POS_BITS, SEG_FLT_FIELDS, SEG_INT_FIELDS, SegmentMeta
+
+__all__ = ["dropout_mask", "keep_scale", "philox"]
+
+_SI: tl.constexpr = tl.constexpr(SEG_INT_FIELDS)
+_SF: tl.constexpr = tl.constexpr(SEG_FLT_FIELDS)
+_POS_BITS: tl.constexpr = tl.constexpr(POS_BITS)
+_KEY_A: tl.constexpr = tl.constexpr(0x9E3779B9)  # Philox4x32 constants, as triton.language.random
+_KEY_B: tl.constexpr = tl.constexpr(0xBB67AE85)
+_ROUND_A: tl.constexpr = tl.constexpr(0xD2511F53)
+_ROUND_B: tl.constexpr = tl.constexpr(0xCD9E8D57)
+
+
+@triton.jit
+def philox(seed, offs, stream):
+    """Philox4x32-10 on the counter (offs_lo, offs_hi, stream, 0) with key (seed_lo, seed_hi), as
+    ``tl.philox(seed, offs_lo, offs_hi, stream, 0)``; with stream 0 it is ``tl.randint4x(seed, offs)``.
+
+    Spelled out so the interpreter can run it (module docstring); ``test_philox_is_tl_philox`` checks the bits.
+    """
+    seed = seed.to(tl.uint64)
+    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    c0 = offs.to(tl.uint32)
+    c1 = (offs >> 32).to(tl.uint32)
+    c2 = c0 * 0 + stream  # uint32 (an int argument equal to 1 arrives as a constexpr: no .to() on it)
+    c3 = c0 * 0
+    for _ in tl.static_range(10):
+        _c0, _c2 = c0, c2
+        c0 = tl.math.umulhi(_ROUND_B, _c2) ^ c1 ^ k0
+        c2 = tl.math.umulhi(_ROUND_A, _c0) ^ c3 ^ k1
+        c1 = _ROUND_B * _c2
+        c3 = _ROUND_A * _c0
+        k0 = k0 + _KEY_A
+        k1 = k1 + _KEY_B
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def keep_scale(seg_int_ptr, seg_flt_ptr, seg, tok, col0, seq_len, d_in, layer_id, BC: tl.constexpr):
+    """(len(tok), BC) fp32 dropout multiplier M / (1 - p) of segment ``seg`` for tokens ``tok`` (int64) and
+    columns ``col0 + arange(BC)`` (col0 a multiple of 4). Column c uses word c % 4 of counter c // 4: one Philox
+    call per 4 columns, the layer id as the third counter word; u = the word mapped to [0, 1) as ``tl.rand``."""
+    seed = tl.load(seg_int_ptr + seg * _SI + 5)
+    row_start = tl.load(seg_int_ptr + seg * _SI + 2)
+    p = tl.load(seg_flt_ptr + seg * _SF + 1)
+    inv_keep = tl.load(seg_flt_ptr + seg * _SF + 2)
+    row = tok // seq_len
+    pos = tok - row * seq_len
+    counter = ((row - row_start) << _POS_BITS) + pos  # slot-local: independent of the other slots and of L
+    quad = col0 // 4 + tl.arange(0, BC // 4)
+    offs = counter[:, None] * ((d_in + 3) // 4) + quad[None, :]  # int64, unique per (local row, pos, quad)
+    c0, c1, c2, c3 = philox(seed, offs, layer_id)
+    # interleave to columns c0, c1, c2, c3 of quad 0, then quad 1, ... (builtins: tl.interleave is jit'd)
+    n: tl.constexpr = tok.shape[0]
+    even = tl.reshape(tl.join(c0, c2), (n, BC // 2))
+    odd = tl.reshape(tl.join(c1, c3), (n, BC // 2))
+    x = tl.reshape(tl.join(even, odd), (n, BC)).to(tl.int32, bitcast=True)
+    u = tl.where(x < 0, ~x, x) * 4.6566127342e-10  # triton.language.random.uint_to_uniform_float
+    return tl.where(u >= p, inv_keep, 0.0)
+
+
+@triton.jit(do_not_specialize=["seq_len", "layer_id"])
+def _dropout_mask_kernel(
+    out_ptr,  # (T, D) fp32 multiplier M / (1 - p); left untouched outside active segments
+    tiles_ptr,  # (n_tiles, 2) int64 tile map: segment, first token
+    seg_int_ptr,  # (S, 6) int64 segment table
+    seg_flt_ptr,  # (S, 3) fp32 segment table
+    D, seq_len, layer_id,
+    BM: tl.constexpr, BN: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    seg = tl.load(tiles_ptr + 2 * pid_m)
+    t0 = tl.load(tiles_ptr + 2 * pid_m + 1)
+    t_end = tl.load(seg_int_ptr + seg * _SI + 1)
+    tok = (t0 + tl.arange(0, BM)).to(tl.int64)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    mult = keep_scale(seg_int_ptr, seg_flt_ptr, seg, tok, tl.program_id(1) * BN, seq_len, D, layer_id, BN)
+    tl.store(out_ptr + tok[:, None] * D + cols[None, :], mult, mask=(tok < t_end)[:, None] & (cols < D)[None, :])
+
+
+def dropout_mask(meta: SegmentMeta, n_tokens: int, d_in: int, device: torch.device) -> torch.Tensor:
+    """The multiplier M / (1 - p) the kernels apply to x, materialised (tests and debugging only).
+
+    Returns:
+        (T, D_in) fp32; ones on tokens outside active segments.
+    """
+    out = torch.ones((n_tokens, d_in), dtype=torch.float32, device=device)
+    if meta.n_tiles:
+        _dropout_mask_kernel[(meta.n_tiles, triton.cdiv(d_in, 64))](
+            out, meta.tiles, meta.seg_int, meta.seg_flt, d_in, meta.seq_len, meta.layer_id, BM=meta.block_m,
+            BN=64)
+    return out
