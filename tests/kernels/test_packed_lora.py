@@ -290,6 +290,28 @@ def test_expand_operand_follows_the_dot_dtype() -> None:
         assert cast.dtype == torch.bfloat16 and torch.equal(cast, w.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("dropout", [False, True])
+def test_launch_configs_reach_the_kernels(dropout: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiles and pipeline depth ``packer.gpu_kernels`` measured best reach the shrink and weight-gradient
+    launches (dropout on: BK=64 / BT=32 with 4 stages; off: 128 / 64 with 3), and explicit ones override them."""
+    from tests.conftest import record_launches
+
+    n_rows, ranks, seq, d_in = (2, 1), (3, 8), 9, 37
+    x, _, a_cat, _ = _tensors(n_rows, ranks, seq, d_in, 5)
+    layout, lr = _layout(n_rows, ranks, seq, dropout=True)
+    meta = build_meta(layout, lr, 3 * seq, seq, DEVICE)
+    x = x.view(-1, d_in)
+    calls = record_launches(monkeypatch)
+    h = seg_shrink(x, a_cat, meta, dropout=dropout)
+    seg_wgrad(h, x, meta, dropout=dropout)
+    seg_shrink(x, a_cat, meta, dropout=dropout, block_k=32, stages=2)
+    seg_wgrad(h, x, meta, dropout=dropout, block_t=16, stages=2)
+    got = [{k: v for k, v in variant[2] if k in ("BK", "BT", "num_stages")} for _, variant in calls]
+    tile, stages = ("32", "4") if dropout else ("64", "3")
+    assert got == [{"BK": str(2 * int(tile)), "num_stages": stages}, {"BT": tile, "num_stages": stages},
+                   {"BK": "32", "num_stages": "2"}, {"BT": "16", "num_stages": "2"}]
+
+
 def test_meta_tables_shared_by_layers() -> None:
     """Every layer of a step reuses one set of device tables (no host work or copy per layer); only the layer id,
     a kernel argument, differs."""
