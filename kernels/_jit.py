@@ -13,10 +13,15 @@ from concurrent.futures import ThreadPoolExecutor
 from contextvars import Context, ContextVar, copy_context
 
 import torch
-import triton
+
+try:  # the one guarded import of triton in the project (style guide habit 11): the kernel modules take it from here
+    import triton
+    import triton.language as tl
+except ImportError as err:
+    raise ImportError("kernels' Triton path needs triton: pip install 'lora-sweep[triton]'") from err
 
 __all__ = ["INTERPRET", "PRECOMPILE_THREADS", "check_device", "launch", "precompile", "warming", "warm_context",
-           "run_in"]
+           "run_in", "tl", "triton"]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 """Read once, as ``@triton.jit`` does when it decorates a kernel."""

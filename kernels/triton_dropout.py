@@ -16,12 +16,7 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError as err:
-    raise ImportError("kernels.triton_dropout needs triton: pip install 'lora-sweep[triton]'") from err
-
+from kernels._jit import tl, triton
 from kernels._launch import POS_BITS, SEG_FLT_FIELDS, SEG_INT_FIELDS, SegmentMeta
 
 __all__ = ["dropout_mask", "keep_scale", "philox"]

@@ -34,20 +34,13 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError as err:  # the one guarded import of triton in the project (style guide habit 11)
-    raise ImportError("kernels.packed_lora needs triton: pip install 'lora-sweep[triton]'") from err
-
 from kernels import _jit
-from kernels._jit import INTERPRET, precompile
+from kernels._jit import INTERPRET, tl, triton
 from kernels._launch import SEG_FLT_FIELDS, SEG_INT_FIELDS, SegmentMeta, build_meta, check_2d
 from kernels.meta import LayerRanks, PackLayout
 from kernels.triton_dropout import keep_scale
 
-__all__ = ["PackedLoRAFunction", "packed_lora_triton", "precompile", "seg_expand_add", "seg_shrink",
-           "seg_wgrad"]
+__all__ = ["PackedLoRAFunction", "packed_lora_triton", "seg_expand_add", "seg_shrink", "seg_wgrad"]
 
 _SI: tl.constexpr = tl.constexpr(SEG_INT_FIELDS)
 _SF: tl.constexpr = tl.constexpr(SEG_FLT_FIELDS)

@@ -21,13 +21,8 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError as err:
-    raise ImportError("kernels.triton_norm needs triton: pip install 'lora-sweep[triton]'") from err
-
 from kernels import _jit
+from kernels._jit import tl, triton
 
 __all__ = ["RMSNormFunction", "rms_norm_triton", "rms_norm_fwd", "rms_norm_bwd"]
 

@@ -17,13 +17,8 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError as err:
-    raise ImportError("kernels.triton_swiglu needs triton: pip install 'lora-sweep[triton]'") from err
-
 from kernels import _jit
+from kernels._jit import tl, triton
 
 __all__ = ["SiluMulFunction", "silu_mul_triton", "silu_mul_fwd", "silu_mul_bwd"]
 

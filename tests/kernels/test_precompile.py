@@ -14,6 +14,7 @@ if os.environ.get("CI"):  # CI installs triton: a missing triton must fail there
 else:
     pytest.importorskip("triton", reason="pip install 'lora-sweep[triton]'")
 
+import kernels._jit as J  # noqa: E402
 import kernels.triton_lora as K  # noqa: E402
 from kernels import LayerRanks, PackLayout, packed_lora_linear  # noqa: E402
 from kernels._launch import build_meta  # noqa: E402
@@ -45,7 +46,7 @@ def _layer_call(seed: int, fill: float | None = None):  # type: ignore[no-untype
 def test_precompile_warms_what_the_call_launches_and_launches_nothing(monkeypatch) -> None:
     calls = record_launches(monkeypatch)
     warm_run, leaves = _layer_call(0)
-    K.precompile(warm_run)
+    J.precompile(warm_run)
     real_run, _ = _layer_call(0)
     real_run()
     warm = {v for inside, v in calls if inside}
@@ -56,7 +57,7 @@ def test_precompile_warms_what_the_call_launches_and_launches_nothing(monkeypatc
     layout = PackLayout((0,), (0,), (2,), (5,), (0.0,), (0,))
     meta = build_meta(layout, LayerRanks((4,), (1.0,), 0), 10, 5, DEVICE)
     dst = torch.full((10, 40), 7.0, device=DEVICE, dtype=DTYPE)
-    K.precompile(lambda: K.seg_expand_add(torch.ones(10, meta.r_pad, device=DEVICE), torch.ones(4, 40, device=DEVICE),
+    J.precompile(lambda: K.seg_expand_add(torch.ones(10, meta.r_pad, device=DEVICE), torch.ones(4, 40, device=DEVICE),
                                           meta, dst, src=None, dropout=False))
     assert bool((dst == 7.0).all())
 
@@ -78,7 +79,7 @@ def test_a_backward_on_another_thread_is_warmed_too(monkeypatch) -> None:
         worker.start()
         worker.join()
 
-    K.precompile(run)
+    J.precompile(run)
     assert len(calls) >= 6 and all(inside for inside, _ in calls), calls  # 2 forward + 4 backward launches
     assert torch.count_nonzero(a_cat.grad) == 0 and torch.count_nonzero(bt_cat.grad) == 0
 
@@ -88,8 +89,6 @@ def test_precompile_loads_what_the_warm_ups_compiled_on_other_threads(monkeypatc
     builds a C launcher with the system compiler, one after another (on the H200 that cost the cold W3 first
     step 1.8 s). ``precompile``
     loads each compiled kernel once, in its own threads. Stand-ins here: the interpreter compiles nothing."""
-    import kernels._jit as J
-
     monkeypatch.setattr(J, "INTERPRET", False)
     loads: list[str] = []
 
@@ -113,7 +112,7 @@ def test_precompile_loads_what_the_warm_ups_compiled_on_other_threads(monkeypatc
 def test_after_precompile_the_call_compiles_and_loads_nothing() -> None:
     kernels = (K._seg_shrink_kernel, K._seg_expand_kernel, K._seg_wgrad_kernel)
     device = torch.cuda.current_device()
-    K.precompile(_layer_call(1)[0])
+    J.precompile(_layer_call(1)[0])
     sizes = [len(k.device_caches[device][0]) for k in kernels]
     assert all(c.module is not None for k in kernels for c in k.device_caches[device][0].values())
     _layer_call(1)[0]()
