@@ -17,11 +17,14 @@ import torch
 
 from kernels.meta import LayerRanks, PackLayout
 
-__all__ = ["SegmentMeta", "build_meta", "check_2d", "to_device_async", "SEG_INT_FIELDS", "SEG_FLT_FIELDS", "POS_BITS"]
+__all__ = ["SegmentMeta", "build_meta", "build_slice_metas", "check_2d", "to_device_async", "SEG_INT_FIELDS",
+           "SEG_FLT_FIELDS", "POS_BITS"]
 
-SEG_INT_FIELDS = 6
+SEG_INT_FIELDS = 7
 """Columns of ``SegmentMeta.seg_int``: tok_start, tok_end, row_start, rank, rank_off, dropout seed (the
-slot's ``PackLayout.seed``; the layer enters the kernels' Philox counter, so one table serves every layer)."""
+slot's ``PackLayout.seed``; the layer enters the kernels' Philox counter, so one table serves every layer),
+h_col (the segment's first column in the per-token rank buffer h: 0, except for one slice of a shared-input
+group, whose slices share one h)."""
 SEG_FLT_FIELDS = 3
 """Columns of ``SegmentMeta.seg_flt``: scale, dropout p, 1 / (1 - p)."""
 POS_BITS = 20
@@ -41,7 +44,7 @@ class SegmentMeta(NamedTuple):
     """Device tables for one layer call, shared by its forward and backward.
 
     Attributes:
-        seg_int: (S, 6) int64, columns as ``SEG_INT_FIELDS`` says; S = active segments.
+        seg_int: (S, 7) int64, columns as ``SEG_INT_FIELDS`` says; S = active segments.
         seg_flt: (S, 3) float32, columns as ``SEG_FLT_FIELDS`` says.
         tiles: (n_tiles, 2) int64: segment index, first token; tiles never straddle two segments.
         chunks: (n_chunks, 4) int64: segment index, first token, end token, partial-sum slot.
@@ -49,7 +52,9 @@ class SegmentMeta(NamedTuple):
         n_chunks: rows of ``chunks``.
         n_partials: partial-sum slots of the weight gradient (the most chunks any segment has).
         seq_len: L, positions per row.
-        r_pad: columns of the per-token rank buffer h, a power of 2 >= 16 and >= every rank.
+        r_pad: columns of the per-token rank buffer h (its row stride), a power of 2 >= 16 and >= r_cols.
+        r_cols: columns the ranks of this call need, a power of 2 >= 16 and >= every rank (below r_pad only
+            for one slice of a shared-input group).
         total_rank: R, rows of ``a_cat`` / ``bt_cat``.
         covers_all: the active segments cover every token (then outputs need no pre-fill).
         has_dropout: some active segment has p > 0.
@@ -66,6 +71,7 @@ class SegmentMeta(NamedTuple):
     n_partials: int
     seq_len: int
     r_pad: int
+    r_cols: int
     total_rank: int
     covers_all: bool
     has_dropout: bool
@@ -102,9 +108,57 @@ def build_meta(layout: PackLayout, ranks: LayerRanks, n_tokens: int, seq_len: in
     return meta._replace(layer_id=ranks.layer_id)
 
 
+def build_slice_metas(layout: PackLayout, slices: tuple[LayerRanks, ...], n_tokens: int, seq_len: int,
+                      device: torch.device) -> tuple[SegmentMeta, tuple[SegmentMeta, ...]]:
+    """Tables of a shared-input group: projections (slices) that read the same input, run as one call.
+
+    The group's A rows are stacked per slot, then per slice (slot g: A_g of slice 0, of slice 1, ...), so
+    the group is one LoRA of rank ``sum_s r_gs`` on the input side: one shrink fills h (T, r_pad), one
+    weight gradient reads the input once. Slice s's columns of slot g in h start at ``sum_{s' < s} r_gs'``
+    (its ``h_col``); slice s's own tables index its B^T rows and read or write those columns.
+
+    Args:
+        layout: row segments of the packed batch.
+        slices: each slice's ranks, scales and layer id, in stacking order. A slot's scale must be the same
+            in every slice that adapts it: the group's shrink applies it once (h holds s_g * X A_g^T, as
+            ``build_meta``'s shrink does) for all slices.
+        n_tokens, seq_len, device: as ``build_meta``.
+
+    Returns:
+        (group tables, one table per slice); every table has the group's ``r_pad``.
+
+    Raises:
+        ValueError: as ``build_meta``; the slices disagree on the number of slots or on a slot's scale.
+    """
+    n = len(layout.slots)
+    if any(len(s.rank) != n or len(s.scale) != n for s in slices):
+        raise ValueError(f"slices describe {[len(s.rank) for s in slices]} slots, layout {n}")
+    total = tuple(sum(s.rank[g] for s in slices) for g in range(n))
+    scale = []
+    for g in range(n):
+        used = {s.scale[g] for s in slices if s.rank[g] > 0}
+        if len(used) > 1:
+            raise ValueError(f"segment {g}: scales {sorted(used)} differ between the slices of one group")
+        scale.append(used.pop() if used else 0.0)
+    r_pad = _pow2_cols(max(total, default=0))
+    group = _tables(layout, total, tuple(scale), n_tokens, seq_len, device, BLOCK_M, CHUNK_TOKENS, r_pad=r_pad)
+    metas, h_col = [], [0] * n
+    for s in slices:
+        metas.append(_tables(layout, s.rank, s.scale, n_tokens, seq_len, device, BLOCK_M, CHUNK_TOKENS,
+                             h_col=tuple(h_col), r_pad=r_pad)._replace(layer_id=s.layer_id))
+        h_col = [c + r for c, r in zip(h_col, s.rank, strict=True)]
+    return group, tuple(metas)
+
+
+def _pow2_cols(r_max: int) -> int:
+    """The per-token columns ranks up to ``r_max`` take in h: a power of 2, at least 16 (``tl.dot``'s K)."""
+    return max(16, 1 << max(r_max - 1, 0).bit_length())
+
+
 @lru_cache(maxsize=64)
 def _tables(layout: PackLayout, rank: tuple[int, ...], scale: tuple[float, ...], n_tokens: int, seq_len: int,
-            device: torch.device, block_m: int, chunk_tokens: int) -> SegmentMeta:
+            device: torch.device, block_m: int, chunk_tokens: int, *, h_col: tuple[int, ...] = (),
+            r_pad: int = 0) -> SegmentMeta:
     n = len(layout.slots)
     seg_int, seg_flt, tiles, chunks = [], [], [], []  # flat int lists, one float list
     n_seg, n_partials, covered, rank_off = 0, 0, 0, 0
@@ -116,7 +170,7 @@ def _tables(layout: PackLayout, rank: tuple[int, ...], scale: tuple[float, ...],
             raise ValueError(f"segment {g}: dropout {p} not in [0, 1)")
         if r > 0 and rows > 0:
             t0, t1 = r0 * seq_len, (r0 + rows) * seq_len
-            seg_int += (t0, t1, r0, r, rank_off, layout.seed[g])
+            seg_int += (t0, t1, r0, r, rank_off, layout.seed[g], h_col[g] if h_col else 0)
             seg_flt += (scale[g], p, 1.0 / (1.0 - p))
             for t in range(t0, t1, block_m):
                 tiles += (n_seg, t)
@@ -128,14 +182,14 @@ def _tables(layout: PackLayout, rank: tuple[int, ...], scale: tuple[float, ...],
         rank_off += r
     blob = to_device_async(torch.tensor(seg_int + tiles + chunks, dtype=torch.int64), device)  # one copy for all ints
     a, b = len(seg_int), len(seg_int) + len(tiles)
-    r_max = max(rank, default=0)
+    r_cols = _pow2_cols(max(rank, default=0))
     return SegmentMeta(
         seg_int=blob[:a].view(-1, SEG_INT_FIELDS),
         seg_flt=to_device_async(torch.tensor(seg_flt, dtype=torch.float32), device).view(-1, SEG_FLT_FIELDS),
         tiles=blob[a:b].view(-1, 2),
         chunks=blob[b:].view(-1, 4),
         n_tiles=len(tiles) // 2, n_chunks=len(chunks) // 4, n_partials=n_partials, seq_len=seq_len,
-        r_pad=max(16, 1 << max(r_max - 1, 0).bit_length()), total_rank=rank_off,
+        r_pad=max(r_pad, r_cols), r_cols=r_cols, total_rank=rank_off,
         covers_all=covered == n_tokens,
         has_dropout=any(p > 0 for p in seg_flt[1::3]), block_m=block_m,
     )

@@ -11,7 +11,9 @@ Math, for the tokens t of slot g (rank r_g, scale s_g, dropout p_g with keep mas
 
 Shape legend: T = B * L tokens (flattened), N slots (S of them active: rank > 0 and rows > 0), R = sum of
 ranks (rows of ``a_cat`` / ``bt_cat``, slot g at ``rank_off[g] : rank_off[g] + r_g``), R_PAD = per-token
-column count of H (power of 2 >= 16, >= max rank), D_in / D_out features, K = reduced feature dim.
+column count of H (power of 2 >= 16, >= max rank; a runtime ``h_stride`` in the kernels, not a constexpr, so
+one compiled variant serves every pack width and every shared-input group), D_in / D_out features, K =
+reduced feature dim.
 
 Kernels (kernels.md §4), all driven by host-built tables (``kernels._launch.SegmentMeta``):
 
@@ -55,13 +57,13 @@ _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float
 def _seg_shrink_kernel(
     inp_ptr,  # (T, K) activations: x (forward) or dy (backward), row-major
     w_ptr,  # (R, K) packed weights: a_cat (forward) or bt_cat (backward), row-major
-    out_ptr,  # (T, R_PAD) fp32 result; column j of token t <-> weight row rank_off[g] + j
+    out_ptr,  # (T, R_PAD) fp32 result; column h_col[g] + j of token t <-> weight row rank_off[g] + j
     tiles_ptr,  # (n_tiles, 2) int64 tile map: segment, first token
     seg_int_ptr,  # (S, 6) int64 segment table (kernels._launch.SEG_INT_FIELDS)
     seg_flt_ptr,  # (S, 3) fp32 segment table: scale, p, 1 / (1 - p)
-    K, seq_len, layer_id,
+    K, h_stride, seq_len, layer_id,
     DROPOUT: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-    BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, R_PAD: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     seg = tl.load(tiles_ptr + 2 * pid_m)
@@ -87,12 +89,13 @@ def _seg_shrink_kernel(
         w = tl.load(w_ptr + w_rows[:, None] * K + cols[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
         acc = tl.dot(a.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc, input_precision=PRECISION)
     acc = acc * tl.load(seg_flt_ptr + seg * _SF)
-    tl.store(out_ptr + tok[:, None] * R_PAD + offs_r[None, :], acc, mask=m_mask[:, None])
+    h_col = tl.load(seg_int_ptr + seg * _SI + 6)  # other slices of a shared-input group own the other columns
+    tl.store(out_ptr + tok[:, None] * h_stride + (h_col + offs_r)[None, :], acc, mask=m_mask[:, None] & r_mask[None, :])
 
 
 @triton.jit(do_not_specialize=["seq_len", "layer_id"])
 def _seg_expand_kernel(
-    h_ptr,  # (T, R_PAD) fp32 per-token rank coefficients from the shrink (h' or dh)
+    h_ptr,  # (T, R_PAD) fp32 per-token rank coefficients from the shrink (h' or dh), slot g's from column h_col[g]
     w_ptr,  # (R, N) packed weights: bt_cat (forward) or a_cat (backward dx), row-major
     src_ptr,  # (T, N) addend (the base output); ignored unless HAS_SRC; may alias dst_ptr
     bias_ptr,  # (N,) added to every row; ignored unless HAS_BIAS
@@ -100,10 +103,10 @@ def _seg_expand_kernel(
     tiles_ptr,  # (n_tiles, 2) int64 tile map: segment, first token
     seg_int_ptr,  # (S, 6) int64 segment table
     seg_flt_ptr,  # (S, 3) fp32 segment table
-    N, seq_len, layer_id,
+    N, h_stride, seq_len, layer_id,
     HAS_SRC: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr, DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, R_PAD: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     seg = tl.load(tiles_ptr + 2 * pid_m)
@@ -111,6 +114,7 @@ def _seg_expand_kernel(
     t_end = tl.load(seg_int_ptr + seg * _SI + 1)
     rank = tl.load(seg_int_ptr + seg * _SI + 3)
     rank_off = tl.load(seg_int_ptr + seg * _SI + 4)
+    h_col = tl.load(seg_int_ptr + seg * _SI + 6)
     tok = (t0 + tl.arange(0, BM)).to(tl.int64)
     m_mask = tok < t_end
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -119,7 +123,8 @@ def _seg_expand_kernel(
     for k0 in range(0, rank, BR):  # this slot's own rank only: no padding to the pack's largest rank
         kk = k0 + tl.arange(0, BR)
         k_mask = kk < rank
-        h = tl.load(h_ptr + tok[:, None] * R_PAD + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        h = tl.load(h_ptr + tok[:, None] * h_stride + (h_col + kk)[None, :], mask=m_mask[:, None] & k_mask[None, :],
+                    other=0.0)
         w_rows = (rank_off + kk).to(tl.int64)
         w = tl.load(w_ptr + w_rows[:, None] * N + cols[None, :], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(h.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=PRECISION)
@@ -136,15 +141,15 @@ def _seg_expand_kernel(
 
 @triton.jit(do_not_specialize=["R", "seq_len", "layer_id"])
 def _seg_wgrad_kernel(
-    p_ptr,  # (T, R_PAD) fp32 per-token rank coefficients: h' (for d bt_cat) or dh (for d a_cat)
+    p_ptr,  # (T, R_PAD) fp32 per-token rank coefficients: h' (for d bt_cat) or dh (for d a_cat), from h_col[g]
     q_ptr,  # (T, N) activations: dy (for d bt_cat) or x (for d a_cat, dropout re-applied)
     out_ptr,  # (n_partials, R, N) fp32 partial sums, zero-initialised
     chunks_ptr,  # (n_chunks, 4) int64: segment, first token, end token, partial slot
     seg_int_ptr,  # (S, 6) int64 segment table
     seg_flt_ptr,  # (S, 3) fp32 segment table
-    N, R, seq_len, layer_id,
+    N, R, h_stride, seq_len, layer_id,
     DROPOUT: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-    BT: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, R_PAD: tl.constexpr,
+    BT: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
 ):
     pid_c = tl.program_id(0)
     seg = tl.load(chunks_ptr + 4 * pid_c)
@@ -156,6 +161,7 @@ def _seg_wgrad_kernel(
     t1 = tl.load(chunks_ptr + 4 * pid_c + 2)
     part = tl.load(chunks_ptr + 4 * pid_c + 3).to(tl.int64)
     rank_off = tl.load(seg_int_ptr + seg * _SI + 4)
+    h_col = tl.load(seg_int_ptr + seg * _SI + 6)
     offs_r = r_lo + tl.arange(0, BR)
     r_mask = offs_r < rank
     col0 = tl.program_id(1) * BN
@@ -165,7 +171,8 @@ def _seg_wgrad_kernel(
     for t in range(t0, t1, BT):  # fixed order within the chunk: deterministic
         tok = (t + tl.arange(0, BT)).to(tl.int64)
         t_mask = tok < t1
-        p = tl.load(p_ptr + tok[:, None] * R_PAD + offs_r[None, :], mask=t_mask[:, None] & r_mask[None, :], other=0.0)
+        p = tl.load(p_ptr + tok[:, None] * h_stride + (h_col + offs_r)[None, :], mask=t_mask[:, None] & r_mask[None, :],
+                    other=0.0)
         q = tl.load(q_ptr + tok[:, None] * N + cols[None, :], mask=t_mask[:, None] & n_mask[None, :], other=0.0)
         if DROPOUT:
             q = q.to(tl.float32) * keep_scale(seg_int_ptr, seg_flt_ptr, seg, tok, col0, seq_len, N, layer_id, BN)
@@ -200,7 +207,7 @@ def _launch_config(dropout: bool) -> tuple[int, int]:
 
 
 def seg_shrink(inp: torch.Tensor, w: torch.Tensor, meta: SegmentMeta, *, dropout: bool,
-               block_k: int | None = None, stages: int | None = None) -> torch.Tensor:
+               block_k: int | None = None, stages: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``out[t, :r_g] = s_g * drop?(inp[t]) @ w[rank_off_g : rank_off_g + r_g]^T`` for active tokens t.
 
     Args:
@@ -210,23 +217,30 @@ def seg_shrink(inp: torch.Tensor, w: torch.Tensor, meta: SegmentMeta, *, dropout
         dropout: re-draw each slot's dropout mask on ``inp`` (forward: x; never for dy).
         block_k: reduction tile; default ``_launch_config``'s.
         stages: software-pipeline depth; default ``_launch_config``'s.
+        out: (T, R_PAD) fp32 to write into (one slice of a shared-input group writes its own columns), or None
+            for a new tensor.
 
     Returns:
-        (T, R_PAD) fp32. Columns >= r_g and tokens outside active segments are unspecified.
+        (T, R_PAD) fp32: slot g's tokens get columns ``h_col_g : h_col_g + r_g``; the rest is left as it was
+        (unspecified in a new tensor).
     """
     n_tok, k = inp.shape
     check_2d("inp", inp, n_tok, k)
     check_2d("w", w, meta.total_rank, k)
-    out = torch.empty((n_tok, meta.r_pad), dtype=torch.float32, device=inp.device)
-    br = min(meta.r_pad, 64)
+    if out is None:
+        out = torch.empty((n_tok, meta.r_pad), dtype=torch.float32, device=inp.device)
+    elif out.dtype != torch.float32:
+        raise ValueError(f"out: expected fp32, got {out.dtype}")
+    check_2d("out", out, n_tok, meta.r_pad)
+    br = min(meta.r_cols, 64)
     if meta.n_tiles:
         dropout = dropout and meta.has_dropout
         tile, default_stages = _launch_config(dropout)
         dot_dtype, precision = _dot_config(inp.dtype, cast_to_act=True)
-        _jit.launch(_seg_shrink_kernel, (meta.n_tiles, meta.r_pad // br),
-            inp, w, out, meta.tiles, meta.seg_int, meta.seg_flt, k, meta.seq_len, meta.layer_id,
+        _jit.launch(_seg_shrink_kernel, (meta.n_tiles, meta.r_cols // br),
+            inp, w, out, meta.tiles, meta.seg_int, meta.seg_flt, k, meta.r_pad, meta.seq_len, meta.layer_id,
             DROPOUT=dropout, DOT_DTYPE=dot_dtype, PRECISION=precision,
-            BM=meta.block_m, BK=block_k or 2 * tile, BR=br, R_PAD=meta.r_pad, num_stages=stages or default_stages)
+            BM=meta.block_m, BK=block_k or 2 * tile, BR=br, num_stages=stages or default_stages)
     return out
 
 
@@ -262,9 +276,9 @@ def seg_expand_add(h: torch.Tensor, w: torch.Tensor, meta: SegmentMeta, dst: tor
         dot_dtype, precision = _dot_config(dst.dtype, cast_to_act=True)
         _jit.launch(_seg_expand_kernel, (meta.n_tiles, triton.cdiv(n, block_n)),
             h, w, dst if src is None else src, dst if bias is None else bias, dst, meta.tiles, meta.seg_int,
-            meta.seg_flt, n, meta.seq_len, meta.layer_id, HAS_SRC=src is not None, HAS_BIAS=bias is not None,
-            DROPOUT=dropout, DOT_DTYPE=dot_dtype,
-            PRECISION=precision, BM=meta.block_m, BN=block_n, BR=_EXPAND_BR, R_PAD=meta.r_pad)
+            meta.seg_flt, n, meta.r_pad, meta.seq_len, meta.layer_id, HAS_SRC=src is not None,
+            HAS_BIAS=bias is not None, DROPOUT=dropout, DOT_DTYPE=dot_dtype, PRECISION=precision, BM=meta.block_m,
+            BN=block_n, BR=_EXPAND_BR)
     return dst
 
 
@@ -288,15 +302,16 @@ def seg_wgrad(p: torch.Tensor, q: torch.Tensor, meta: SegmentMeta, *, dropout: b
     check_2d("p", p, n_tok, meta.r_pad)
     check_2d("q", q, n_tok, n)
     out = torch.zeros((max(meta.n_partials, 1), meta.total_rank, n), dtype=torch.float32, device=q.device)
-    br = min(meta.r_pad, 64)
+    br = min(meta.r_cols, 64)
     if meta.n_chunks:
         dropout = dropout and meta.has_dropout
         tile, default_stages = _launch_config(dropout)
         dot_dtype, precision = _dot_config(q.dtype, cast_to_act=False)
-        _jit.launch(_seg_wgrad_kernel, (meta.n_chunks, triton.cdiv(n, block_n), meta.r_pad // br),
-            p, q, out, meta.chunks, meta.seg_int, meta.seg_flt, n, meta.total_rank, meta.seq_len, meta.layer_id,
+        _jit.launch(_seg_wgrad_kernel, (meta.n_chunks, triton.cdiv(n, block_n), meta.r_cols // br),
+            p, q, out, meta.chunks, meta.seg_int, meta.seg_flt, n, meta.total_rank, meta.r_pad, meta.seq_len,
+            meta.layer_id,
             DROPOUT=dropout, DOT_DTYPE=dot_dtype, PRECISION=precision,
-            BT=block_t or tile, BN=block_n, BR=br, R_PAD=meta.r_pad, num_stages=stages or default_stages)
+            BT=block_t or tile, BN=block_n, BR=br, num_stages=stages or default_stages)
     return out[0] if out.shape[0] == 1 else out.sum(dim=0)  # fixed-order reduction: deterministic
 
 
