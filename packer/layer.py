@@ -18,14 +18,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import nn
 
 from kernels import Impl, LayerRanks, PackLayout, packed_lora, packed_lora_linear
 
-__all__ = ["PackState", "PackedLoRALinear"]
+if TYPE_CHECKING:
+    from packer.slices import SliceGroup
+
+__all__ = ["PackState", "PackedLoRALinear", "stacked_leaf"]
 
 
 @dataclass
@@ -81,6 +84,8 @@ class PackedLoRALinear(nn.Module):
         self._state = [state]  # a list keeps the shared object out of nn.Module's attribute machinery
         self._slots: dict[int, _SlotWeights] = {}
         self._cache: tuple[tuple[int, ...], _Gathered] | None = None
+        self.group: SliceGroup | None = None
+        """The shared-input group (``packer.slices``) this projection belongs to, if any."""
 
     @property
     def state(self) -> PackState:
@@ -112,7 +117,12 @@ class PackedLoRALinear(nn.Module):
     def has_slot(self, slot: int) -> bool:
         return slot in self._slots
 
-    def _gathered(self, slots: tuple[int, ...]) -> _Gathered:
+    def slot_weights(self, slot: int) -> _SlotWeights:
+        """The slot's A, B^T and their gradient buffers (views into the slot's flat buffers)."""
+        return self._slots[slot]
+
+    def gathered(self, slots: tuple[int, ...]) -> _Gathered:
+        """This layer's ranks for the slots of a layout, and the weights of those it adapts, in layout order."""
         if self._cache is not None and self._cache[0] == slots:
             return self._cache[1]
         here = [self._slots[s] for s in slots if s in self._slots]
@@ -125,16 +135,16 @@ class PackedLoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, L, D_in) -> (B, L, D_out)."""
+        if self.group is not None:
+            out = self.group.output(self, x)
+            if out is not None:
+                return out
         layout = self.state.layout
-        g = None if layout is None else self._gathered(layout.slots)
+        g = None if layout is None else self.gathered(layout.slots)
         if g is None or not g.a:
             return self.base(x)
-        with torch.no_grad():  # weights enter the graph as two leaves; see the module docstring
-            a_cat = torch.cat(g.a) if len(g.a) > 1 else g.a[0].detach()  # (R, D_in)
-            bt_cat = torch.cat(g.bt) if len(g.bt) > 1 else g.bt[0].detach()  # (R, D_out)
-        if torch.is_grad_enabled():
-            a_cat = _leaf(a_cat, g.grad_a, g.rows)
-            bt_cat = _leaf(bt_cat, g.grad_bt, g.rows)
+        a_cat = stacked_leaf(g.a, g.grad_a, g.rows)  # (R, D_in)
+        bt_cat = stacked_leaf(g.bt, g.grad_bt, g.rows)  # (R, D_out)
         return self._with_lora(x, a_cat, bt_cat, layout, g.ranks, self.state.impl)
 
     def _with_lora(self, x: torch.Tensor, a_cat: torch.Tensor, bt_cat: torch.Tensor, layout: PackLayout,
@@ -149,7 +159,7 @@ class PackedLoRALinear(nn.Module):
         of it on placeholder tensors of a (``rows``, ``seq_len``) batch that launches exactly those (for
         ``kernels.precompile``); None when no slot of ``layout`` adapts this layer. The placeholders are
         fresh tensors: the slots' weights and gradient buffers are neither read nor written."""
-        g = self._gathered(layout.slots)
+        g = self.gathered(layout.slots)
         if not g.a:
             return None
         act = next(self.base.parameters()).dtype
@@ -169,6 +179,15 @@ class PackedLoRALinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, slots={sorted(self._slots)}"
+
+
+def stacked_leaf(parts: list[torch.Tensor], grads: list[torch.Tensor], rows: list[int]) -> torch.Tensor:
+    """The slots' weights ``parts`` stacked by rows (no autograd: a copy of a few MB) into one tensor that,
+    under grad mode, is a leaf of the step's graph scattering its gradient into ``grads``; see the module
+    docstring."""
+    with torch.no_grad():
+        cat = torch.cat(parts) if len(parts) > 1 else parts[0].detach()
+    return _leaf(cat, grads, rows) if torch.is_grad_enabled() else cat
 
 
 def _leaf(cat: torch.Tensor, grads: list[torch.Tensor], rows: list[int]) -> torch.Tensor:

@@ -34,6 +34,7 @@ from packer.inject import inject, resolve_targets
 from packer.layer import PackedLoRALinear, PackState
 from packer.loss import check_plain_head
 from packer.plan import AdapterSpec
+from packer.slices import SliceGroup, link_groups
 
 __all__ = ["PackedModel", "load_base", "DTYPES"]
 
@@ -99,6 +100,8 @@ class PackedModel:
         """Paths of the base's modules on the fused Triton kernels (empty when they run eagerly)."""
         self.state = PackState(impl=impl)
         self.layers: dict[str, PackedLoRALinear] = {}
+        self.groups: list[SliceGroup] = []
+        """Shared-input groups of the wrapped projections (``packer.slices``)."""
         self.specs: dict[int, AdapterSpec] = {}
         self.slot_paths: dict[int, list[str]] = {}
         self.flat: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -122,6 +125,7 @@ class PackedModel:
             raise ValueError(f"slot {slot} is occupied")
         paths = resolve_targets(self.model, spec.targets)
         inject(self.model, paths, self.state, self.layers)
+        self.groups = link_groups(self.layers)
         for path in paths:
             layer = self.layers[path]
             if spec.rank > min(layer.in_features, layer.out_features):
@@ -186,7 +190,15 @@ class PackedModel:
         if resolve_impl(self.state.impl, self.device) != "triton":
             return
         probes: dict[tuple, Callable[[], None]] = {}
+        grouped = set()
+        for group in self.groups:
+            probe = group.kernel_probe(layout, rows, seq_len)
+            if probe is not None:
+                probes.setdefault(*probe)
+                grouped.update(map(id, group.members))
         for layer in self.layers.values():
+            if id(layer) in grouped:
+                continue
             probe = layer.kernel_probe(layout, rows, seq_len)
             if probe is not None:
                 probes.setdefault(*probe)
