@@ -6,7 +6,8 @@ attention, LoRA r=16 on the seven projections. Workloads (the issue's names):
 - W5 correctness gate, before any timing: packed Triton vs the masked-dense reference, same
   batches, bf16: per-slot losses after a few steps must agree.
 - W1 aggregate training tokens/s over all slots, N slots x micro-batch 1, against PEFT at batch 1.
-- W4 one packed-LoRA projection forward+backward against the base projection alone.
+- W4 the packed LoRA's cost over the frozen base at the same tokens: a decoder layer, a shared-input group,
+  one projection (``packer.gpu_layer``).
 
 MFU counts 4 * N * tokens for the frozen base (forward + backward to activations) plus the
 attention term ``3 * 4 * layers * seq^2 * hidden * batch``, against the measured bf16 GEMM rate,
@@ -25,11 +26,12 @@ from collections.abc import Callable
 import torch
 
 from packer.data import Example
+from packer.gpu_layer import run_all
 from packer.model import PackedModel
 from packer.plan import AdapterSpec, MemoryModel
 from packer.train import FixedBatch, SlotJob, train
 
-__all__ = ["SHAPES", "build_shape", "gemm_tflops", "packed_run", "base_run", "peft_run", "layer_bench",
+__all__ = ["SHAPES", "build_shape", "gemm_tflops", "packed_run", "base_run", "peft_run",
            "correctness_gate", "calibration_check", "table"]
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -43,12 +45,13 @@ SHAPES: dict[str, dict] = {
 }
 
 
-def build_shape(name: str, *, device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
-    """A random-init (seed 0) causal LM of shape ``SHAPES[name]``, SDPA attention, built on ``device``
-    (where it runs: a 7B init on the CPU alone takes minutes)."""
+def build_shape(name: str, *, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
+                layers: int | None = None) -> torch.nn.Module:
+    """A random-init (seed 0) causal LM of shape ``SHAPES[name]`` (``layers`` decoder layers if given), SDPA
+    attention, built on ``device`` (where it runs: a 7B init on the CPU alone takes minutes)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    kw = dict(SHAPES[name])
+    kw = dict(SHAPES[name], **({"num_hidden_layers": layers} if layers else {}))
     cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
@@ -199,59 +202,6 @@ def correctness_gate(model: torch.nn.Module, slots: int = 4, seq: int = 256, ste
                 ok=rel < 2e-2 and w_rel < 2e-2)
 
 
-LAYER_SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096), (4096, 1024))
-"""W4's projections: Llama-3-8B's attention (q, o), MLP (gate/up, down) and key/value (8 KV heads) shapes."""
-
-
-def layer_bench(d_in: int = 4096, d_out: int = 4096, tokens: int = 16384, slots: int = 8, rank: int = 16,
-                repeats: int = 5) -> dict:
-    """W4: one projection forward+backward, base GEMM + packed LoRA (fused Triton) vs the base GEMM alone.
-
-    The two are timed alternately ``repeats`` times and the ratio is the median of the per-repeat ratios: the
-    same base timing drifted by 10% between two back-to-back runs on the H200 (1.59 and 1.77 ms), which a
-    single base-then-packed pair folds into the ratio. ``*_host_ms`` is the time the host takes to queue one
-    call (50 calls without a sync): where it is above the GPU time the call is host-bound.
-    """
-    import triton.testing
-
-    from kernels import LayerRanks, PackLayout, packed_lora_linear
-
-    w = torch.randn(d_out, d_in, device="cuda", dtype=torch.bfloat16) / d_in**0.5
-    x = torch.randn(slots, tokens // slots, d_in, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    a = (torch.randn(slots * rank, d_in, device="cuda") / d_in**0.5).requires_grad_()
-    bt = (torch.randn(slots * rank, d_out, device="cuda") * 0.01).requires_grad_()
-    layout = PackLayout(tuple(range(slots)), tuple(range(slots)), (1,) * slots, (tokens // slots,) * slots,
-                        (0.0,) * slots, (0,) * slots)
-    ranks = LayerRanks((rank,) * slots, (2.0,) * slots, 0)
-    dy = torch.randn(slots, tokens // slots, d_out, device="cuda", dtype=torch.bfloat16)
-
-    def base() -> None:
-        torch.autograd.backward(x @ w.T, dy)
-
-    def packed() -> None:
-        torch.autograd.backward(packed_lora_linear(x, w, None, a, bt, layout, ranks, impl="triton"), dy)
-
-    times = [(triton.testing.do_bench(base, warmup=50, rep=200, return_mode="median"),
-              triton.testing.do_bench(packed, warmup=50, rep=200, return_mode="median")) for _ in range(repeats)]
-    ratios = [p / b for b, p in times]
-    return dict(workload="W4", shape=f"{d_in}->{d_out}", tokens=tokens, slots=slots, rank=rank,
-                base_ms=round(statistics.median(b for b, _ in times), 3),
-                packed_ms=round(statistics.median(p for _, p in times), 3),
-                ratio=round(statistics.median(ratios), 3), ratio_range=[round(min(ratios), 3), round(max(ratios), 3)],
-                base_host_ms=_host_ms(base), packed_host_ms=_host_ms(packed))
-
-
-def _host_ms(fn: Callable[[], None], calls: int = 50) -> float:
-    """Milliseconds the host takes to queue one ``fn()``, over ``calls`` calls without a sync."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    queued = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return round(queued / calls * 1000, 3)
-
-
 def _planner_model(model: torch.nn.Module, seq: int) -> tuple[MemoryModel, int]:
     """The planner's memory model, calibrated on this GPU by small probes with the options the measured
     packs run with, and the parameters of one r=16 adapter on every projection."""
@@ -309,8 +259,7 @@ def _small(peak: float, emit: Callable[[dict], None], out_dir: str | None) -> No
     _free()
     emit(dict(shape="qwen2.5-0.5b", **base_run(model, 32, 512, peak_tflops=peak)))
     _free()
-    for d_in, d_out in LAYER_SHAPES:
-        emit(layer_bench(d_in, d_out))
+    run_all(emit)
     _free()
     from packer.gpu_profile import profile_step  # it imports this module
 
@@ -370,7 +319,8 @@ def table(rows: list[dict]) -> str:
             continue
         vs = f"{r['tok_s'] / peft[r['shape']]:.1f}" if r.get("workload") in ("W1", "W2") and r.get("shape") in peft \
             else ""
-        other = {k: v for k, v in r.items() if k in ("ratio", "max_rel_loss_diff", "error", "makespan_s",
+        other = {k: v for k, v in r.items() if k in ("scope", "ratio", "one_by_one_ratio", "max_rel_loss_diff",
+                                                     "error", "makespan_s",
                                                      "ratio_vs_packed", "ratio_vs_packed_warm", "rank",
                                                      "predicted_gib", "measured_gib",
                                                      "load_s", "first_step_s", "later_steps_s", "save_s")}
@@ -416,8 +366,7 @@ def main(argv: list[str] | None = None, emit: Callable[[dict], None] | None = No
     if args.part in ("large", "all"):
         _large(peak, keep, shapes)
     if args.part == "layer":
-        for d_in, d_out in LAYER_SHAPES:
-            keep(layer_bench(d_in, d_out))
+        run_all(keep)
     if args.part == "memory":
         for row in memory_curve(build_shape("qwen2.5-0.5b"), 512):
             keep(row)
