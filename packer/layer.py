@@ -103,7 +103,7 @@ class PackedLoRALinear(nn.Module):
         self.lora_A[str(slot)] = pa
         self.lora_B[str(slot)] = pb
         self._slots[slot] = _SlotWeights(a, bt, grad_a, grad_bt)
-        self._cache = None
+        self._forget()
         return pa, pb
 
     def remove_slot(self, slot: int) -> None:
@@ -112,7 +112,13 @@ class PackedLoRALinear(nn.Module):
             del self.lora_A[key]
             del self.lora_B[key]
             del self._slots[slot]
-            self._cache = None
+            self._forget()
+
+    def _forget(self) -> None:
+        """The slots changed: drop the cached gathers (and the group's), which hold views of slot weights."""
+        self._cache = None
+        if self.group is not None:
+            self.group.forget()
 
     def has_slot(self, slot: int) -> bool:
         return slot in self._slots

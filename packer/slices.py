@@ -54,6 +54,11 @@ class SliceGroup:
         self._pending: dict[int, torch.Tensor] = {}
         self._cache: tuple[list, _Stacked] | None = None
 
+    def forget(self) -> None:
+        """Drop what the group holds (the stacked views of slot weights, outputs kept for a member): a
+        member's slots changed. A removed slot's buffers must not outlive it here."""
+        self._cache, self._x, self._pending = None, None, {}
+
     def output(self, member: PackedLoRALinear, x: torch.Tensor) -> torch.Tensor | None:
         """``member(x)`` from a group call, or None where the group does not apply (the member runs alone)."""
         i = next(j for j, m in enumerate(self.members) if m is member)

@@ -3,7 +3,9 @@ projections run one by one train to, and fall back to one call per projection wh
 
 from __future__ import annotations
 
+import gc
 import os
+import weakref
 
 import pytest
 import torch
@@ -124,3 +126,22 @@ def _own(layer, x: torch.Tensor) -> torch.Tensor:
         return layer(x)
     finally:
         layer.group = group
+
+
+def test_a_removed_slot_leaves_nothing_behind_in_the_groups(tiny_dirs) -> None:
+    """A slot's buffers are freed when it leaves the pack: the groups' stacked views of its weights go with it
+    (they kept a finished pack's adapters alive until the next pack, and a planner's probe counted them)."""
+    model = load_base(str(tiny_dirs("llama")), device=DEVICE)[0]
+    pm = PackedModel(model, impl="triton")
+    pm.add_slot(0, SPECS[0])
+    pm.add_slot(1, SPECS[1])
+    layout = PackLayout((0, 1), (0, 1), (1, 1), (6, 6), (0.0, 0.0), (7, 8))
+    ids = torch.randint(3, 100, (2, 6), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    cached_before = sum(1 for g in pm.groups if g._cache is not None)
+    pm.forward(ids, torch.ones_like(ids), layout).sum().backward()
+    assert cached_before == 0 and all(g._cache is not None for g in pm.groups)
+    buffers = [weakref.ref(t) for slot in (0, 1) for t in pm.flat_buffers(slot)]
+    pm.remove_slot(0)
+    pm.remove_slot(1)
+    gc.collect()
+    assert [r() for r in buffers] == [None] * 4
