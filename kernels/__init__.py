@@ -1,9 +1,10 @@
 """Packed multi-adapter LoRA ops, and the frozen base's fused RMSNorm and SiLU-gated product.
 
-``packed_lora`` is the one entry point of the LoRA term (``packed_lora_linear`` with the base GEMM);
+``packed_lora`` is the entry point of the LoRA term (``packed_lora_linear`` with the base GEMM,
+``packed_lora_linear_slices`` for projections that share an input);
 ``rms_norm`` and ``silu_mul`` are those of the base's elementwise ops. The implementation is an
 explicit argument so the Triton kernels drop in without touching the packer. Imports without triton:
-the Triton modules (``kernels.triton_lora``, ``kernels.triton_norm``, ``kernels.triton_swiglu``) are loaded on
+the Triton modules (``kernels.triton_lora``, ``triton_slices``, ``triton_norm``, ``triton_swiglu``) are loaded on
 the first ``impl="triton"`` call, after a test's ``TRITON_INTERPRET=1`` has been set.
 """
 
