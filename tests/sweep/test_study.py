@@ -89,10 +89,11 @@ def test_resume_after_sigkill_loses_and_duplicates_nothing(tiny_dirs, tmp_path) 
     while time.time() < deadline:  # kill mid-pack: some trial complete, others still training
         time.sleep(0.2)
         try:
-            done = [t for t in _trials(out, "killed") if t.state == TrialState.COMPLETE]
+            states = [t.state for t in _trials(out, "killed")]
         except Exception:
             continue
-        if len(done) >= 3:
+        # between one pack's trials completing and the next ones being asked, none is running: wait that out
+        if states.count(TrialState.COMPLETE) >= 3 and TrialState.RUNNING in states:
             break
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
