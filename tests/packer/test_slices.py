@@ -41,11 +41,24 @@ def _counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-def _train(pm: PackedModel, specs: list[AdapterSpec]) -> Recorder:
+def _train(pm: PackedModel, specs: list[AdapterSpec], **options: object) -> Recorder:
     jobs = [SlotJob(s, FixedBatch(random_examples(2, i)), key=i) for i, s in enumerate(specs)]
     rec = Recorder(pm)
-    train(pm, len(specs), lambda s: jobs.pop(0) if jobs else None, pad_id=0, on_step=rec.on_step, on_end=rec.on_end)
+    train(pm, len(specs), lambda s: jobs.pop(0) if jobs else None, pad_id=0, on_step=rec.on_step, on_end=rec.on_end,
+          **options)  # type: ignore[arg-type]
     return rec
+
+
+def _same(got: Recorder, want: Recorder, n: int) -> None:
+    """Equal losses, and final weights within the bound of packer's other reduction-order tests (AdamW
+    rescales near-zero gradients' noise)."""
+    for key in range(n):
+        assert len(got.losses[key]) == 3
+        torch.testing.assert_close(torch.tensor(got.losses[key]), torch.tensor(want.losses[key]), rtol=1e-5,
+                                   atol=1e-5)
+        for (a, b), (a0, b0) in zip(got.final[key].values(), want.final[key].values(), strict=True):
+            torch.testing.assert_close(a, a0, rtol=0, atol=1e-4)
+            torch.testing.assert_close(b, b0, rtol=0, atol=1e-4)
 
 
 SPECS = [AdapterSpec(rank=4, targets=("all-linear",), max_steps=3, seed=1, lr=1e-2),
@@ -67,14 +80,19 @@ def test_groups_train_as_the_projections_one_by_one(tiny_dirs, monkeypatch, fami
     alone_pm = PackedModel(load_base(str(tiny_dirs(family)), device=DEVICE)[0], impl="triton")
     alone = _train(alone_pm, SPECS)
     assert all(layer.group is None for layer in alone_pm.layers.values())
-    for key in range(len(SPECS)):
-        assert len(grouped.losses[key]) == 3
-        torch.testing.assert_close(torch.tensor(grouped.losses[key]), torch.tensor(alone.losses[key]),
-                                   rtol=1e-5, atol=1e-5)
-        # the bound of packer's other reduction-order tests: AdamW rescales near-zero gradients' noise
-        for (a, b), (a0, b0) in zip(grouped.final[key].values(), alone.final[key].values(), strict=True):
-            torch.testing.assert_close(a, a0, rtol=0, atol=1e-4)
-            torch.testing.assert_close(b, b0, rtol=0, atol=1e-4)
+    _same(grouped, alone, len(SPECS))
+
+
+def test_groups_under_activation_checkpointing(tiny_dirs, monkeypatch) -> None:
+    """Recomputing each decoder layer in the backward re-runs its group calls (more calls, same groups):
+    the same losses and weights as without checkpointing."""
+    calls = _counting(monkeypatch)
+    plain = _train(PackedModel(load_base(str(tiny_dirs("llama")), device=DEVICE)[0], impl="triton"), SPECS)
+    n_plain = len(calls)
+    pm = PackedModel(load_base(str(tiny_dirs("llama")), device=DEVICE)[0], impl="triton")
+    checkpointed = _train(pm, SPECS, activation_checkpointing=True)
+    assert pm._checkpointed and len(calls) - n_plain > n_plain  # the recompute called the groups again
+    _same(checkpointed, plain, len(SPECS))
 
 
 def test_dropout_or_the_torch_path_run_one_call_per_projection(tiny_dirs, monkeypatch) -> None:
