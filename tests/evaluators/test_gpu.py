@@ -26,7 +26,8 @@ def _pack(model_dir, device: str, impl: str) -> tuple[PackedModel, object]:
     for slot, rank in enumerate((4, 16, 8)):
         pm.add_slot(slot, AdapterSpec(rank=rank, alpha=2.0 * rank, seed=slot))
         with torch.no_grad():
-            for _, b in pm.slot_weights(slot).values():
+            for a, b in pm.slot_weights(slot).values():  # drawn on the CPU: add_slot draws A on the pack's
+                a.copy_(torch.randn(a.shape, generator=gen) / a.shape[1] ** 0.5)  # device, so CUDA's A differed
                 b.copy_(torch.randn(b.shape, generator=gen) * 0.2)
     return pm, tok
 
