@@ -14,10 +14,9 @@ import threading
 import pytest
 import torch
 
-if os.environ.get("CI"):  # CI installs triton: a missing triton must fail there, not skip
-    import triton  # noqa: F401
-else:
-    pytest.importorskip("triton", reason="pip install 'lora-sweep[triton]'")
+from tests.conftest import need_triton
+
+need_triton()  # before anything imports the Triton kernel modules
 
 import kernels  # noqa: E402
 from kernels import reference  # noqa: E402

@@ -15,10 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-if os.environ.get("CI"):  # CI installs triton: a missing triton must fail there, not skip
-    import triton  # noqa: F401
-else:
-    pytest.importorskip("triton", reason="pip install 'lora-sweep[triton]'")
+from tests.conftest import need_triton
+
+need_triton()  # before anything imports the Triton kernel modules
 
 from kernels import LayerRanks, PackLayout, packed_lora, packed_lora_linear  # noqa: E402
 from kernels._launch import build_meta  # noqa: E402

@@ -11,10 +11,9 @@ import os
 import pytest
 import torch
 
-if os.environ.get("CI"):  # CI installs triton: a missing triton must fail there, not skip
-    import triton  # noqa: F401
-else:
-    pytest.importorskip("triton", reason="pip install 'lora-sweep[triton]'")
+from tests.conftest import need_triton
+
+need_triton()  # before anything imports the Triton kernel modules
 
 from kernels import LayerRanks, PackLayout, group_rows, packed_lora_linear, packed_lora_linear_slices  # noqa: E402
 from kernels._launch import build_slice_metas  # noqa: E402

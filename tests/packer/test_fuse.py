@@ -4,17 +4,13 @@ gradient and no parameter path, and a pack on the Triton path trains to the same
 from __future__ import annotations
 
 import importlib
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # set at collection, before anything imports the Triton kernel modules
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-if os.environ.get("CI"):  # CI installs triton: a missing triton must fail there, not skip
-    import triton  # noqa: F401
-else:
-    pytest.importorskip("triton", reason="pip install 'lora-sweep[triton]'")
+from tests.conftest import need_triton
+
+need_triton()  # before anything imports the Triton kernel modules
 
 from transformers import AutoConfig  # noqa: E402
 

@@ -3,17 +3,12 @@ launches none, and leaves the slots' weights and gradient buffers as they were."
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # set at collection, before anything imports kernels.triton_lora
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-if os.environ.get("CI"):  # CI installs triton: a missing triton must fail there, not skip
-    import triton  # noqa: F401
-else:
-    pytest.importorskip("triton", reason="pip install 'lora-sweep[triton]'")
+from tests.conftest import need_triton
+
+need_triton()  # before anything imports the Triton kernel modules
 
 from packer.model import PackedModel, load_base  # noqa: E402
 from packer.plan import AdapterSpec  # noqa: E402

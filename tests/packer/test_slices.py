@@ -4,18 +4,14 @@ projections run one by one train to, and fall back to one call per projection wh
 from __future__ import annotations
 
 import gc
-import os
 import weakref
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # set at collection, before anything imports the Triton kernel modules
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-if os.environ.get("CI"):  # CI installs triton: a missing triton must fail there, not skip
-    import triton  # noqa: F401
-else:
-    pytest.importorskip("triton", reason="pip install 'lora-sweep[triton]'")
+from tests.conftest import need_triton
+
+need_triton()  # before anything imports the Triton kernel modules
 
 import packer.model  # noqa: E402
 import packer.slices  # noqa: E402
