@@ -80,7 +80,7 @@ class SegmentMeta(NamedTuple):
 
 
 def build_meta(layout: PackLayout, ranks: LayerRanks, n_tokens: int, seq_len: int, device: torch.device, *,
-               block_m: int = BLOCK_M, chunk_tokens: int = CHUNK_TOKENS) -> SegmentMeta:
+               block_m: int = BLOCK_M, chunk_tokens: int = CHUNK_TOKENS, h_col: tuple[int, ...] = ()) -> SegmentMeta:
     """Segment tables and tile maps of one layer call.
 
     Args:
@@ -91,6 +91,7 @@ def build_meta(layout: PackLayout, ranks: LayerRanks, n_tokens: int, seq_len: in
         device: where the kernels run.
         block_m: tokens per shrink/expand tile.
         chunk_tokens: tokens per weight-gradient partial sum.
+        h_col: per slot, its first column in h (one slice of a shared-input group); empty: all 0.
 
     Returns:
         The metadata, with its tensors on ``device``.
@@ -104,7 +105,7 @@ def build_meta(layout: PackLayout, ranks: LayerRanks, n_tokens: int, seq_len: in
     if seq_len >= 1 << POS_BITS:
         raise ValueError(f"sequence length {seq_len} >= 2**{POS_BITS} (dropout counter width)")
     # cached without the layer id: every layer of a step shares the tables (no host work, no copy per layer)
-    meta = _tables(layout, ranks.rank, ranks.scale, n_tokens, seq_len, device, block_m, chunk_tokens)
+    meta = _tables(layout, ranks.rank, ranks.scale, n_tokens, seq_len, device, block_m, chunk_tokens, h_col=h_col)
     return meta._replace(layer_id=ranks.layer_id)
 
 
@@ -128,11 +129,13 @@ def build_slice_metas(layout: PackLayout, slices: tuple[LayerRanks, ...], n_toke
         (group tables, one table per slice); every table has the group's ``r_pad``.
 
     Raises:
-        ValueError: as ``build_meta``; the slices disagree on the number of slots or on a slot's scale.
+        ValueError: as ``build_meta`` (for any slice), or the slices disagree on a slot's scale.
     """
+    metas, h_col = [], [0] * len(layout.slots)
+    for s in slices:
+        metas.append(build_meta(layout, s, n_tokens, seq_len, device, h_col=tuple(h_col)))
+        h_col = [c + r for c, r in zip(h_col, s.rank, strict=True)]
     n = len(layout.slots)
-    if any(len(s.rank) != n or len(s.scale) != n for s in slices):
-        raise ValueError(f"slices describe {[len(s.rank) for s in slices]} slots, layout {n}")
     total = tuple(sum(s.rank[g] for s in slices) for g in range(n))
     scale = []
     for g in range(n):
@@ -140,14 +143,8 @@ def build_slice_metas(layout: PackLayout, slices: tuple[LayerRanks, ...], n_toke
         if len(used) > 1:
             raise ValueError(f"segment {g}: scales {sorted(used)} differ between the slices of one group")
         scale.append(used.pop() if used else 0.0)
-    r_pad = _pow2_cols(max(total, default=0))
-    group = _tables(layout, total, tuple(scale), n_tokens, seq_len, device, BLOCK_M, CHUNK_TOKENS, r_pad=r_pad)
-    metas, h_col = [], [0] * n
-    for s in slices:
-        metas.append(_tables(layout, s.rank, s.scale, n_tokens, seq_len, device, BLOCK_M, CHUNK_TOKENS,
-                             h_col=tuple(h_col), r_pad=r_pad)._replace(layer_id=s.layer_id))
-        h_col = [c + r for c, r in zip(h_col, s.rank, strict=True)]
-    return group, tuple(metas)
+    group = build_meta(layout, LayerRanks(total, tuple(scale), 0), n_tokens, seq_len, device)
+    return group, tuple(m._replace(r_pad=group.r_pad) for m in metas)
 
 
 def _pow2_cols(r_max: int) -> int:
@@ -157,8 +154,7 @@ def _pow2_cols(r_max: int) -> int:
 
 @lru_cache(maxsize=64)
 def _tables(layout: PackLayout, rank: tuple[int, ...], scale: tuple[float, ...], n_tokens: int, seq_len: int,
-            device: torch.device, block_m: int, chunk_tokens: int, *, h_col: tuple[int, ...] = (),
-            r_pad: int = 0) -> SegmentMeta:
+            device: torch.device, block_m: int, chunk_tokens: int, *, h_col: tuple[int, ...] = ()) -> SegmentMeta:
     n = len(layout.slots)
     seg_int, seg_flt, tiles, chunks = [], [], [], []  # flat int lists, one float list
     n_seg, n_partials, covered, rank_off = 0, 0, 0, 0
@@ -189,7 +185,7 @@ def _tables(layout: PackLayout, rank: tuple[int, ...], scale: tuple[float, ...],
         tiles=blob[a:b].view(-1, 2),
         chunks=blob[b:].view(-1, 4),
         n_tiles=len(tiles) // 2, n_chunks=len(chunks) // 4, n_partials=n_partials, seq_len=seq_len,
-        r_pad=max(r_pad, r_cols), r_cols=r_cols, total_rank=rank_off,
+        r_pad=r_cols, r_cols=r_cols, total_rank=rank_off,
         covers_all=covered == n_tokens,
         has_dropout=any(p > 0 for p in seg_flt[1::3]), block_m=block_m,
     )

@@ -83,7 +83,7 @@ def keep_scale(seg_int_ptr, seg_flt_ptr, seg, tok, col0, seq_len, d_in, layer_id
 def _dropout_mask_kernel(
     out_ptr,  # (T, D) fp32 multiplier M / (1 - p); left untouched outside active segments
     tiles_ptr,  # (n_tiles, 2) int64 tile map: segment, first token
-    seg_int_ptr,  # (S, 6) int64 segment table
+    seg_int_ptr,  # (S, 7) int64 segment table
     seg_flt_ptr,  # (S, 3) fp32 segment table
     D, seq_len, layer_id,
     BM: tl.constexpr, BN: tl.constexpr,

@@ -59,7 +59,7 @@ def _seg_shrink_kernel(
     w_ptr,  # (R, K) packed weights: a_cat (forward) or bt_cat (backward), row-major
     out_ptr,  # (T, R_PAD) fp32 result; column h_col[g] + j of token t <-> weight row rank_off[g] + j
     tiles_ptr,  # (n_tiles, 2) int64 tile map: segment, first token
-    seg_int_ptr,  # (S, 6) int64 segment table (kernels._launch.SEG_INT_FIELDS)
+    seg_int_ptr,  # (S, 7) int64 segment table (kernels._launch.SEG_INT_FIELDS)
     seg_flt_ptr,  # (S, 3) fp32 segment table: scale, p, 1 / (1 - p)
     K, h_stride, seq_len, layer_id,
     DROPOUT: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
@@ -101,7 +101,7 @@ def _seg_expand_kernel(
     bias_ptr,  # (N,) added to every row; ignored unless HAS_BIAS
     dst_ptr,  # (T, N) result, written for the active segments' tokens only
     tiles_ptr,  # (n_tiles, 2) int64 tile map: segment, first token
-    seg_int_ptr,  # (S, 6) int64 segment table
+    seg_int_ptr,  # (S, 7) int64 segment table
     seg_flt_ptr,  # (S, 3) fp32 segment table
     N, h_stride, seq_len, layer_id,
     HAS_SRC: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr, DOT_DTYPE: tl.constexpr,
@@ -145,7 +145,7 @@ def _seg_wgrad_kernel(
     q_ptr,  # (T, N) activations: dy (for d bt_cat) or x (for d a_cat, dropout re-applied)
     out_ptr,  # (n_partials, R, N) fp32 partial sums, zero-initialised
     chunks_ptr,  # (n_chunks, 4) int64: segment, first token, end token, partial slot
-    seg_int_ptr,  # (S, 6) int64 segment table
+    seg_int_ptr,  # (S, 7) int64 segment table
     seg_flt_ptr,  # (S, 3) fp32 segment table
     N, R, h_stride, seq_len, layer_id,
     DROPOUT: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
