@@ -31,8 +31,10 @@ Mistral, Gemma attention and gated MLPs, and Mixtral's experts (w1, w3)."""
 
 
 class _Stacked(NamedTuple):
-    """A group's input-side weights for one layout, cached until the slots change."""
+    """A group's weights for one layout, cached until the slots change."""
 
+    gathered: tuple
+    """Each member's ``PackedLoRALinear.gathered`` for the layout (its B^T parts; the cache key)."""
     slices: tuple[LayerRanks, ...]
     a: list[torch.Tensor]
     """Every slot's A, slot by slot, slice by slice (``kernels.group_rows``)."""
@@ -52,7 +54,7 @@ class SliceGroup:
         self._x: torch.Tensor | None = None
         self._version = -1
         self._pending: dict[int, torch.Tensor] = {}
-        self._cache: tuple[list, _Stacked] | None = None
+        self._cache: _Stacked | None = None
 
     def forget(self) -> None:
         """Drop what the group holds (the stacked views of slot weights, outputs kept for a member): a
@@ -79,20 +81,19 @@ class SliceGroup:
         state = self.members[0].state
         if layout is None or resolve_impl(state.impl, device) != "triton":
             return False
-        ranks = [m.gathered(layout.slots).ranks.rank for m in self.members]
+        ranks = [s.rank for s in self._stacked(layout.slots).slices]
         if any(not any(r) for r in ranks):  # a member no slot adapts: it is the plain base projection
             return False
         return not any(p > 0 and any(r[g] for r in ranks) for g, p in enumerate(layout.dropout))
 
     def _stacked(self, slots: tuple[int, ...]) -> _Stacked:
-        gathered = [m.gathered(slots) for m in self.members]  # cached per member; new after a slot change
-        if self._cache is not None and all(a is b for a, b in zip(self._cache[0], gathered, strict=True)):
-            return self._cache[1]
+        gathered = tuple(m.gathered(slots) for m in self.members)  # cached per member; new after a slot change
+        if self._cache is not None and all(a is b for a, b in zip(self._cache.gathered, gathered, strict=True)):
+            return self._cache
         parts = [m.slot_weights(s) for s in slots for m in self.members if m.has_slot(s)]
-        st = _Stacked(tuple(g.ranks for g in gathered), [p.a for p in parts], [p.grad_a for p in parts],
-                      [p.a.shape[0] for p in parts])
-        self._cache = (gathered, st)
-        return st
+        self._cache = _Stacked(gathered, tuple(g.ranks for g in gathered), [p.a for p in parts],
+                               [p.grad_a for p in parts], [p.a.shape[0] for p in parts])
+        return self._cache
 
     def _call(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         layout = self.members[0].state.layout
@@ -100,10 +101,7 @@ class SliceGroup:
             return None
         st = self._stacked(layout.slots)  # type: ignore[union-attr]
         a_group = stacked_leaf(st.a, st.grad_a, st.rows)
-        bt_cats = []
-        for m in self.members:
-            g = m.gathered(layout.slots)  # type: ignore[union-attr]
-            bt_cats.append(stacked_leaf(g.bt, g.grad_bt, g.rows))
+        bt_cats = [stacked_leaf(g.bt, g.grad_bt, g.rows) for g in st.gathered]
         bases = [m.base for m in self.members]
         return packed_lora_linear_slices(x, tuple(b.weight for b in bases), tuple(b.bias for b in bases), a_group,
                                          tuple(bt_cats), layout, st.slices, impl="triton")  # type: ignore[arg-type]
