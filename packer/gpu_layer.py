@@ -74,10 +74,14 @@ def _pack(tokens: int, slots: int, rank: int, layer_id: int = 0):  # type: ignor
     return layout, LayerRanks((rank,) * slots, (2.0,) * slots, layer_id)
 
 
-def _lora(rows: int, d_in: int, d_out: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 masters A (rows, d_in) and B^T (rows, d_out), a small normal B (performance.md's protocol)."""
-    a = (torch.randn(rows, d_in, device="cuda") / d_in**0.5).requires_grad_()
-    return a, (torch.randn(rows, d_out, device="cuda") * 0.01).requires_grad_()
+def _lora_a(rows: int, d_in: int) -> torch.Tensor:
+    """fp32 master A (rows, d_in)."""
+    return (torch.randn(rows, d_in, device="cuda") / d_in**0.5).requires_grad_()
+
+
+def _lora_bt(rows: int, d_out: int) -> torch.Tensor:
+    """fp32 master B^T (rows, d_out): a small normal B, not PEFT's zeros (performance.md's protocol)."""
+    return (torch.randn(rows, d_out, device="cuda") * 0.01).requires_grad_()
 
 
 def projection_bench(d_in: int = 4096, d_out: int = 4096, tokens: int = 16384, slots: int = 8, rank: int = 16,
@@ -87,7 +91,7 @@ def projection_bench(d_in: int = 4096, d_out: int = 4096, tokens: int = 16384, s
 
     w = torch.randn(d_out, d_in, device="cuda", dtype=torch.bfloat16) / d_in**0.5
     x = torch.randn(slots, tokens // slots, d_in, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    a, bt = _lora(slots * rank, d_in, d_out)
+    a, bt = _lora_a(slots * rank, d_in), _lora_bt(slots * rank, d_out)
     layout, ranks = _pack(tokens, slots, rank)
     dy = torch.randn(slots, tokens // slots, d_out, device="cuda", dtype=torch.bfloat16)
 
@@ -112,8 +116,8 @@ def group_bench(d_in: int = 4096, d_outs: tuple[int, ...] = (4096, 1024, 1024), 
     x = torch.randn(slots, tokens // slots, d_in, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     layout, _ = _pack(tokens, slots, rank)
     slices = tuple(_pack(tokens, slots, rank, layer_id=i)[1] for i in range(len(d_outs)))
-    a_group = _lora(slots * rank * len(d_outs), d_in, 1)[0]
-    bts = [_lora(slots * rank, 1, d)[1] for d in d_outs]
+    a_group = _lora_a(slots * rank * len(d_outs), d_in)
+    bts = [_lora_bt(slots * rank, d) for d in d_outs]
     a_parts = [a_group.detach()[torch.tensor(r, device="cuda")].requires_grad_() for r in group_rows(slices)]
     dys = [torch.randn(slots, tokens // slots, d, device="cuda", dtype=torch.bfloat16) for d in d_outs]
 
@@ -144,7 +148,6 @@ def decoder_layer_bench(shape: str = "llama3-8b", slots: int = 16, seq: int = 10
     from packer.gpu_bench import PROJ, SHAPES, build_shape
     from packer.model import PackedModel
     from packer.plan import AdapterSpec
-    from packer.slices import link_groups
 
     model = build_shape(shape, layers=1)
     pm = PackedModel(model, impl="triton")
@@ -165,13 +168,16 @@ def decoder_layer_bench(shape: str = "llama3-8b", slots: int = 16, seq: int = 10
                 torch.autograd.backward(out[0] if isinstance(out, tuple) else out, dy)
         return run
 
+    groups = {m: m.group for m in pm.layers.values()}
+
     def one_by_one() -> None:
-        for m in pm.layers.values():
+        for m in groups:
             m.group = None
         try:
             step(True)()
         finally:
-            pm.groups = link_groups(pm.layers)
+            for m, g in groups.items():
+                m.group = g
 
     row = _ratio_row(step(False), {"packed": step(True), "one_by_one": one_by_one}, repeats)
     return dict(workload="W4", scope="decoder layer", shape=shape, tokens=slots * seq, slots=slots, rank=rank,
