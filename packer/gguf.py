@@ -110,13 +110,17 @@ def checkpoint_dir(gguf: str | Path, *, log: Callable[[str], None] | None = None
             shutil.rmtree(stale, ignore_errors=True)
         if entry.exists():  # a directory without its manifest was never completed
             shutil.rmtree(entry)
-        if log is not None:
-            log(f"converting {gguf} once into {entry} (dequantizing; later loads reuse it)")
-        convert(gguf, entry)
+
+        def tell(message: str) -> None:
+            if log is not None:
+                log(f"{message}, once: later loads reuse {entry}")
+
+        convert(gguf, entry, log=tell)
     return entry
 
 
-def convert(gguf: str | Path, out: str | Path, *, dtype: str = "float32") -> Path:
+def convert(gguf: str | Path, out: str | Path, *, dtype: str = "float32",
+            log: Callable[[str], None] | None = None) -> Path:
     """Dequantize ``gguf`` into ``out``: a plain checkpoint (safetensors, tokenizer, generation config).
 
     ``out`` appears complete or not at all: everything is written into a temporary directory beside it, which
@@ -127,6 +131,7 @@ def convert(gguf: str | Path, out: str | Path, *, dtype: str = "float32") -> Pat
         out: the directory to create (must not exist, or be empty).
         dtype: ``float32`` (exact: dequantization computes in float32), ``bfloat16`` or ``float16`` (half the
             size on disk).
+        log: told when the checks have passed and the (slow) dequantization starts.
 
     Returns:
         ``out``, absolute.
@@ -142,6 +147,8 @@ def convert(gguf: str | Path, out: str | Path, *, dtype: str = "float32") -> Pat
         raise UserError(f"{out}: exists and is not empty; choose a new directory")
     if not gguf.is_file():
         raise UserError(f"{gguf}: GGUF file not found")
+    if log is not None:
+        log(f"converting {gguf} (dequantizing to {dtype})")
     model, tokenizer = _dequantize(gguf, dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))

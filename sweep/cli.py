@@ -217,8 +217,7 @@ def model_command(name: str, out: str, dtype: str) -> None:
     from packer.gguf import convert, gguf_source, packaged_gguf
 
     source = gguf_source(name) or packaged_gguf(name)
-    click.echo(f"converting {source} (dequantizing to {dtype})", err=True)
-    click.echo(f"{convert(source, out, dtype=dtype)}")
+    click.echo(f"{convert(source, out, dtype=dtype, log=lambda m: click.echo(m, err=True))}")
 
 
 @cli.command()

@@ -45,7 +45,7 @@ class ModelSpec:
     """Hub id (``openai-community/gpt2``), local directory, or local ``.gguf`` file (stored absolute); a GGUF
     checkpoint is dequantized once into a cached plain checkpoint (``packer.gguf``)."""
     gguf_file: str | None = None
-    """Name of a GGUF file inside the directory ``path`` (transformers' ``gguf_file``); None: ``path`` itself."""
+    """A GGUF file inside the directory ``path`` (transformers' ``gguf_file``); None: ``path`` is the model."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Dtype of the frozen base weights; ``auto``: bfloat16 on CUDA, float32 on CPU."""
     device: str = "auto"
@@ -59,10 +59,9 @@ class ModelSpec:
             self.path,
         )
         _check(
-            self.gguf_file is None or (isinstance(self.gguf_file, str) and self.gguf_file != ""
-                                       and Path(self.gguf_file).name == self.gguf_file),
+            self.gguf_file is None or (isinstance(self.gguf_file, str) and self.gguf_file.strip() != ""),
             "gguf_file",
-            "must be a file name inside model.path",
+            "must be the name of a .gguf file inside model.path",
             self.gguf_file,
         )
         _check(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}", self.dtype)
