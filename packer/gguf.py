@@ -94,15 +94,21 @@ def checkpoint_dir(gguf: str | Path, *, log: Callable[[str], None] | None = None
         A directory ``from_pretrained`` loads (model, tokenizer, generation config).
 
     Raises:
-        UserError: see ``convert``.
+        UserError: the file is missing, the cache folder cannot be created, or see ``convert``.
     """
     from filelock import FileLock
 
     gguf = Path(gguf)
+    if not gguf.is_file():
+        raise UserError(f"{gguf}: GGUF file not found")
     entry = _entry(gguf)
     if (entry / MANIFEST).is_file():
         return entry
-    entry.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"{entry.parent}: cannot create the GGUF cache ({err.strerror}); "
+                        f"set LORA_SWEEP_CACHE to a writable folder") from err
     with FileLock(str(entry.parent / f"{entry.name}.lock")):
         if (entry / MANIFEST).is_file():  # another process converted it while this one waited
             return entry

@@ -171,6 +171,15 @@ def test_missing_file(tmp_path: Path) -> None:
         load_base(str(tmp_path), gguf_file="other.gguf")
 
 
+def test_cache_not_writable(tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("LORA_SWEEP_CACHE", str(tmp_path / "file"))  # a file where the cache folder would go
+    with pytest.raises(UserError) as err:
+        load_base(str(tiny))
+    assert _one_line(err).startswith(f"{tmp_path / 'file' / 'gguf'}: cannot create the GGUF cache (")
+    assert _one_line(err).endswith("); set LORA_SWEEP_CACHE to a writable folder")
+
+
 def test_gguf_package_missing(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "gguf", None)  # what an environment without the package gives import
     with pytest.raises(UserError) as err:
