@@ -180,11 +180,12 @@ def test_cache_not_writable(tiny: Path, tmp_path: Path, monkeypatch: pytest.Monk
     assert _one_line(err).endswith("); set LORA_SWEEP_CACHE to a writable folder")
 
 
-def test_gguf_package_missing(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "gguf", None)  # what an environment without the package gives import
+@pytest.mark.parametrize("package", ["gguf", "accelerate"])
+def test_package_missing(tiny: Path, monkeypatch: pytest.MonkeyPatch, package: str) -> None:
+    monkeypatch.setitem(sys.modules, package, None)  # what an environment without the package gives import
     with pytest.raises(UserError) as err:
         load_base(str(tiny))
-    assert _one_line(err) == f"{tiny.resolve()}: reading a GGUF checkpoint needs gguf: pip install gguf"
+    assert _one_line(err) == f"{tiny.resolve()}: reading a GGUF checkpoint needs {package}: pip install {package}"
 
 
 def test_unsupported_architecture(tmp_path: Path) -> None:
