@@ -151,6 +151,10 @@ def _model(doc: Doc, top: dict[str, Item], extra: dict[str, Item]) -> ModelSpec:
         if is_gguf and gguf_file is not None:
             raise doc.error(canon + ("gguf_file",), f"is for a directory model.path; {p!r} is a .gguf file already")
         file = full / gguf_file if gguf_file is not None else full
+        hub_like = gguf_file is not None and not p.startswith((".", "/", "~")) and re.fullmatch(r"[\w.-]+/[\w.-]+", p)
+        if doc.check_paths and hub_like and not full.exists():
+            raise doc.error(canon + ("path",), f"a GGUF checkpoint is read from a local file, not a hub repo; "
+                                               f"download it first (not found: {file})")
         if doc.check_paths and not file.is_file():
             key, got = ("gguf_file", gguf_file) if gguf_file is not None and full.is_dir() else ("path", p)
             raise doc.error(canon + (key,), f"GGUF file not found: {file} (got {got!r})")

@@ -43,14 +43,16 @@ def _study(tmp_path: Path, model: object, **changes: object) -> Path:
     return path
 
 
-def _fails(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    """The one stderr line of a CLI call that must exit 2."""
+def _fails(args: list[str], capsys: pytest.CaptureFixture[str], *, progress: bool = False) -> str:
+    """The one error line of a CLI call that must exit 2 (after progress lines where ``progress``)."""
     with pytest.raises(SystemExit) as exit_:
         main(args)
     assert exit_.value.code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1, lines
-    return lines[0]
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err and (progress or len(lines) == 1), lines
+    assert [line for line in lines if line.startswith("error:")] == lines[-1:], lines
+    return lines[-1]
 
 
 # ---------------------------------------------------------------------------------- the study file
@@ -66,7 +68,8 @@ def test_model_path_may_be_a_gguf_file(tmp_path: Path, tiny: Path) -> None:
 @pytest.mark.parametrize(("model", "message"), [
     ("models/nothing.gguf", "model: GGUF file not found"),  # the shorthand: the key the file has
     ({"path": "models", "gguf_file": "nothing.gguf"}, "model.gguf_file: GGUF file not found"),
-    ({"path": "nowhere", "gguf_file": "tiny.gguf"}, "model.path: GGUF file not found"),
+    ({"path": "./nowhere", "gguf_file": "tiny.gguf"}, "model.path: GGUF file not found"),
+    ({"path": "org/repo-GGUF", "gguf_file": "tiny.gguf"}, "model.path: a GGUF checkpoint is read from a local file"),
     ({"path": "models/tiny.gguf", "gguf_file": "tiny.gguf"}, "model.gguf_file: is for a directory model.path"),
     ({"path": "models", "gguf_file": " "}, "model.gguf_file: must be the name of a .gguf file inside model.path"),
 ])
@@ -124,6 +127,13 @@ def test_merge_converts_again_when_the_cache_was_cleared(tmp_path: Path, tiny: P
                                       "--out", str(tmp_path / "mx")])
     assert merged.exit_code == 0, merged.output
     assert (tmp_path / "mx" / "model.safetensors").is_file() and any(cache.iterdir())
+
+
+def test_run_on_an_unsupported_architecture_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "models").mkdir()
+    file = write_tiny_gguf(tmp_path / "models" / "rwkv.gguf", arch="rwkv6")
+    line = _fails(["run", str(_study(tmp_path, "models/rwkv.gguf")), "--quiet"], capsys, progress=True)
+    assert line.startswith(f"error: {file.resolve()}: transformers ") and "architecture 'rwkv6'" in line
 
 
 # ---------------------------------------------------------------------------------- sweep model
