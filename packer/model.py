@@ -1,10 +1,10 @@
 """``PackedModel``: one frozen base causal LM with adapter slots that come and go.
 
-The base model is loaded once (``from_pretrained``: a local checkpoint directory or a hub id),
-frozen, and kept in eval mode so its own dropout never draws random numbers; slots add their LoRA
-weights to the projections they target. No weight of the base is copied or modified: its target
-projections are wrapped (``packer.inject``) and, on the Triton path, its RMSNorms and SiLU-gated MLPs are
-swapped for fused modules over the same parameters (``packer.fuse``).
+The base model is loaded once (``from_pretrained``: a local checkpoint directory, a hub id, or a GGUF
+file's cached plain checkpoint, ``packer.gguf``), frozen, and kept in eval mode so its own dropout never
+draws random numbers; slots add their LoRA weights to the projections they target. No weight of the base is
+copied or modified: its target projections are wrapped (``packer.inject``) and, on the Triton path, its
+RMSNorms and SiLU-gated MLPs are swapped for fused modules over the same parameters (``packer.fuse``).
 
 Activation checkpointing uses transformers' own per-decoder-layer mechanism, which only checkpoints a
 layer whose ``training`` flag is set. Rather than ``model.train()`` (which would turn on every dropout
@@ -36,20 +36,49 @@ from packer.loss import check_plain_head
 from packer.plan import AdapterSpec
 from packer.slices import SliceGroup, link_groups
 
-__all__ = ["PackedModel", "load_base", "DTYPES"]
+__all__ = ["PackedModel", "load_base", "resolve_base", "DTYPES"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_base(name_or_path: str, *, dtype: str = "float32", device: str = "cpu",
-              attn_implementation: str | None = None) -> tuple[nn.Module, object]:
+def resolve_base(name_or_path: str, gguf_file: str | None = None, *,
+                 log: Callable[[str], None] | None = None) -> str:
+    """What ``from_pretrained`` loads for a study's ``model.path`` (and ``model.gguf_file``).
+
+    Args:
+        name_or_path: a hub id, a local checkpoint directory, a ``.gguf`` file, or the directory of ``gguf_file``.
+        gguf_file: a GGUF file's name inside the directory ``name_or_path``.
+        log: told when a GGUF file is converted (the first time only; ``packer.gguf``).
+
+    Returns:
+        The hub id, the local directory (``~`` expanded), or a GGUF source's cached checkpoint directory
+        (converted on first use): the name adapters record as ``base_model_name_or_path``.
+
+    Raises:
+        UserError: a missing GGUF file or one transformers cannot read (``packer.gguf.convert``).
+    """
+    from packer import gguf
+
+    file = gguf.gguf_source(name_or_path, gguf_file)
+    if file is not None:
+        return str(gguf.checkpoint_dir(file, log=log))
+    looks_local = name_or_path.startswith((".", "/", "~")) or Path(name_or_path).exists()
+    return str(Path(name_or_path).expanduser()) if looks_local else name_or_path
+
+
+def load_base(name_or_path: str, *, gguf_file: str | None = None, dtype: str = "float32", device: str = "cpu",
+              attn_implementation: str | None = None,
+              log: Callable[[str], None] | None = None) -> tuple[nn.Module, object]:
     """Load a causal LM and its tokenizer the way a user's checkpoint is loaded.
 
     Args:
-        name_or_path: a local directory saved with ``save_pretrained`` or a hub id.
+        name_or_path: a local directory saved with ``save_pretrained``, a hub id, a ``.gguf`` file, or the
+            directory of ``gguf_file``; a GGUF source loads from its cached plain checkpoint (``resolve_base``).
+        gguf_file: a GGUF file's name inside the directory ``name_or_path``.
         dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto`` (the checkpoint's dtype).
         device: where the model goes (``cpu``, ``cuda``, ``cuda:1``).
         attn_implementation: passed to transformers (``sdpa``, ``eager``); None keeps its default.
+        log: told when a GGUF file is converted (the first time only).
 
     Raises:
         UserError: the path does not exist or transformers cannot load it (one line).
@@ -60,13 +89,13 @@ def load_base(name_or_path: str, *, dtype: str = "float32", device: str = "cpu",
     hf_logging.disable_progress_bar()  # the sweep shows its own progress; keep stderr for what matters
     if dtype != "auto" and dtype not in DTYPES:
         raise ConfigError(f"model.dtype: must be one of auto, {', '.join(DTYPES)} (got {dtype!r})")
-    looks_local = name_or_path.startswith((".", "/", "~")) or Path(name_or_path).exists()
-    if looks_local and not Path(name_or_path).expanduser().is_dir():
+    source = resolve_base(name_or_path, gguf_file, log=log)
+    looks_local = source.startswith((".", "/", "~")) or Path(source).exists()
+    if looks_local and not Path(source).is_dir():
         raise UserError(f"{name_or_path}: model directory not found")
     kwargs = {"dtype": "auto" if dtype == "auto" else DTYPES[dtype]}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
-    source = str(Path(name_or_path).expanduser()) if looks_local else name_or_path
     try:
         model: nn.Module = AutoModelForCausalLM.from_pretrained(source, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(source)

@@ -142,9 +142,24 @@ def _model(doc: Doc, top: dict[str, Item], extra: dict[str, Item]) -> ModelSpec:
     canon = ("model",)
     kw = typed(doc, ModelSpec, _part(doc, top, "model", ModelSpec, extra, short="path"), canon)
     if "path" not in kw:
-        raise doc.error(canon + ("path",), "is required (a hub id or a local directory)")
-    p = kw["path"]
-    if p.startswith((".", "/", "~")) or (doc.file.parent / p).is_dir():  # a local path; anything else is a hub id
+        raise doc.error(canon + ("path",), "is required (a hub id, a local directory or a .gguf file)")
+    make(doc, ModelSpec, canon, **kw)  # the values first, then the files they name
+    p, gguf_file = kw["path"], kw.get("gguf_file")
+    is_gguf = Path(p).suffix.lower() == ".gguf"
+    if is_gguf or gguf_file is not None:  # a GGUF checkpoint is always a local file
+        full = (doc.file.parent / Path(p).expanduser()).resolve()
+        if is_gguf and gguf_file is not None:
+            raise doc.error(canon + ("gguf_file",), f"is for a directory model.path; {p!r} is a .gguf file already")
+        file = full / gguf_file if gguf_file is not None else full
+        hub_like = gguf_file is not None and not p.startswith((".", "/", "~")) and re.fullmatch(r"[\w.-]+/[\w.-]+", p)
+        if doc.check_paths and hub_like and not full.exists():
+            raise doc.error(canon + ("path",), f"a GGUF checkpoint is read from a local file, not a hub repo; "
+                                               f"download it first (not found: {file})")
+        if doc.check_paths and not file.is_file():
+            key, got = ("gguf_file", gguf_file) if gguf_file is not None and full.is_dir() else ("path", p)
+            raise doc.error(canon + (key,), f"GGUF file not found: {file} (got {got!r})")
+        kw["path"] = str(full)
+    elif p.startswith((".", "/", "~")) or (doc.file.parent / p).is_dir():  # a local path; else a hub id
         full = (doc.file.parent / Path(p).expanduser()).resolve()
         if doc.check_paths and not full.is_dir():
             raise doc.error(canon + ("path",), f"local model directory not found: {full} (got {p!r})")

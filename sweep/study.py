@@ -224,7 +224,7 @@ class _Sweep:
         # the adapters of trials that complete together are written together (parallel files)
         saved = save_adapters(self.pm, [(e.slot, self.s.adapter_dir(self.live[e.slot].trial.number),
                                          {"trial": str(self.live[e.slot].trial.number), "study": self.spec.name})
-                                        for e in kept], base_model_name_or_path=self.spec.model.path)
+                                        for e in kept], base_model_name_or_path=self.s.base)
         adapters = {e.slot: path for e, path in zip(kept, saved, strict=True)}
         for e in ends:
             lv = self.live.pop(e.slot)
