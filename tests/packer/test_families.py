@@ -26,7 +26,7 @@ from packer.layer import PackedLoRALinear, PackState  # noqa: E402
 from packer.loss import check_plain_head, chunked_slot_losses  # noqa: E402
 from packer.model import PackedModel, load_base  # noqa: E402
 from packer.plan import AdapterSpec  # noqa: E402
-from packer.tiny import FAMILIES  # noqa: E402
+from packer.tiny import FAMILIES, _init_model, tiny_config  # noqa: E402
 from packer.train import slot_losses  # noqa: E402
 
 ROWS, SEQ = 3, 10
@@ -168,3 +168,14 @@ def test_flattened_tokens_route_like_the_batch(impl: str) -> None:
     layer.state.layout = layout
     with pytest.raises(ValueError, match=r"shape \(14, 12\).*3 rows"):
         layer(torch.randn(14, D_IN))  # 14 tokens are not 3 rows of tokens: e.g. those an MoE routed to one expert
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tiny_sizes(family: str) -> None:
+    """Every family at the tiny size: 2 layers of width 64, 4 heads, the vocabulary asked for, ~0.1M parameters."""
+    config = tiny_config(family, 300)
+    model = _init_model(config, seed=0)
+    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads) == (2, 64, 4)
+    assert model.get_input_embeddings().weight.shape == (300, 64) and model.dtype == torch.float32
+    assert sum(p.numel() for p in model.parameters()) < 160_000
+    assert (config.pad_token_id, config.bos_token_id, config.eos_token_id) == (0, 1, 2)
