@@ -3,13 +3,14 @@
 Each family is a stock ``transformers`` architecture built from its config (nothing downloaded) at the size
 of the other tiny models: width ``hidden_size``, 4 attention heads (2 KV heads where the family has GQA),
 MLP width 2 x hidden (Bloom's is fixed at 4 x), ``num_layers`` layers. They cover what the packer has to get
-right: fused QKV (GPT-NeoX, Falcon, Bloom, Phi-3, CodeGen, MPT, GPT-BigCode) and fused gate/up (Phi-3), biases,
-heads with a bias (GPT-J, Phi, CodeGen), heads tied to the embeddings where the family ties by default (OPT,
-Gemma, Bloom, MPT, GPT-BigCode), projections fed flattened (B·L, D) hidden states (OPT's fc1/fc2), logits
-post-processed after the head (Gemma-2's soft-capping, Granite's scaling: refused by ``chunked_ce``), and
-GPT-2's ``Conv1D`` in ``packer.tiny``.
+right: fused QKV (GPT-NeoX, Falcon, Bloom, Persimmon, Phi-3, CodeGen, MPT, GPT-BigCode) and fused gate/up (Phi-3),
+biases, heads with a bias (GPT-J, Phi, CodeGen), heads tied to the embeddings where the family ties by default
+(OPT, Gemma, Bloom, MPT, GPT-BigCode), projections fed flattened (B·L, D) hidden states (OPT's fc1/fc2), local and
+sliding-window attention (GPT-Neo, Gemma-2/3, Starcoder2), non-gated MLPs, logits post-processed after the head
+(Gemma-2's soft-capping, Granite's and Cohere's scaling: refused by ``chunked_ce``), and GPT-2's ``Conv1D``
+in ``packer.tiny``.
 
-Every family here trains, exports and loads in PEFT (tests/packer/test_families.py, tests/sweep/test_families.py).
+Every family trains, exports and loads in PEFT: tests/packer/test_families.py, tests/sweep/test_family_studies.py.
 """
 
 from __future__ import annotations
@@ -19,22 +20,27 @@ from typing import Any
 from transformers import (
     BloomConfig,
     CodeGenConfig,
+    CohereConfig,
     FalconConfig,
     Gemma2Config,
     Gemma3TextConfig,
     GemmaConfig,
     GPTBigCodeConfig,
     GPTJConfig,
+    GPTNeoConfig,
     GPTNeoXConfig,
     GraniteConfig,
     MptConfig,
+    NemotronConfig,
     Olmo2Config,
     OPTConfig,
+    PersimmonConfig,
     Phi3Config,
     PhiConfig,
     PreTrainedConfig,
     Qwen3Config,
     StableLmConfig,
+    Starcoder2Config,
 )
 
 __all__ = ["EXTRA_FAMILIES", "extra_config"]
@@ -66,6 +72,13 @@ def _configs(h: int, n: int, p: int) -> dict[str, tuple[type[PreTrainedConfig], 
                                     "residual_multiplier": 0.5, "attention_multiplier": 0.25}),
         "mpt": (MptConfig, {"d_model": h, "n_layers": n, "n_heads": 4, "expansion_ratio": 2, "max_seq_len": p}),
         "gpt_bigcode": (GPTBigCodeConfig, {**gpt_style, "multi_query": True}),
+        "cohere": (CohereConfig, {**gqa, "logit_scale": 0.5}),
+        "gpt_neo": (GPTNeoConfig, {"hidden_size": h, "num_layers": n, "num_heads": 4, "intermediate_size": 2 * h,
+                                   "attention_types": [[["global", "local"], n // 2]], "window_size": 8,
+                                   "max_position_embeddings": p}),
+        "starcoder2": (Starcoder2Config, {**gqa, "sliding_window": 16}),
+        "nemotron": (NemotronConfig, {**gqa, "head_dim": h // 4}),
+        "persimmon": (PersimmonConfig, {**llama_like, "qk_layernorm": True}),
     }
 
 

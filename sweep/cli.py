@@ -191,7 +191,7 @@ def status(study_dir: str, as_json: bool) -> None:
 
 TINY_FAMILIES = ("llama", "qwen2", "mistral", "gpt2", "gpt_neox", "phi3", "opt", "gemma", "gemma2", "gemma3_text",
                  "qwen3", "falcon", "gptj", "phi", "stablelm", "bloom", "codegen", "olmo2", "granite", "mpt",
-                 "gpt_bigcode")
+                 "gpt_bigcode", "cohere", "gpt_neo", "starcoder2", "nemotron", "persimmon")
 """``packer.tiny.FAMILIES``, spelled out: importing packer.tiny (torch, transformers) would slow every command."""
 
 

@@ -29,6 +29,7 @@ from packer.plan import AdapterSpec  # noqa: E402
 from packer.tiny import FAMILIES, _init_model, tiny_config  # noqa: E402
 from packer.train import slot_losses  # noqa: E402
 
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on CPU the kernels run in the interpreter
 ROWS, SEQ = 3, 10
 IDS = torch.randint(3, 260, (ROWS, SEQ), generator=torch.Generator().manual_seed(0))
 MASK = torch.ones_like(IDS)
@@ -46,9 +47,9 @@ def _loss(logits: torch.Tensor, rows: slice) -> torch.Tensor:
     return (logits * w * torch.linspace(-1, 1, logits.shape[-1])).sum()
 
 
-def _packed(model_dir) -> PackedModel:  # noqa: ANN001
+def _packed(model_dir, impl: str = "auto", device: str = "cpu") -> PackedModel:  # noqa: ANN001
     """Both slots of ``SPECS`` with random B (PEFT's zero init would leave B's gradient alone to check)."""
-    pm = PackedModel(load_base(str(model_dir), attn_implementation="eager")[0])
+    pm = PackedModel(load_base(str(model_dir), attn_implementation="eager", device=device)[0], impl=impl)
     gen = torch.Generator().manual_seed(2)
     for slot, spec in SPECS.items():
         pm.add_slot(slot, spec)
@@ -133,15 +134,17 @@ def test_chunked_loss_runs_only_where_the_head_makes_the_logits(tiny_dirs, famil
 D_IN, D_OUT = 12, 10
 
 
-def _layer(impl: str) -> PackedLoRALinear:
+def _layer(impl: str, device: str) -> PackedLoRALinear:
     gen = torch.Generator().manual_seed(0)
     base = nn.Linear(D_IN, D_OUT).requires_grad_(False)
     base.weight.copy_(torch.randn(D_OUT, D_IN, generator=gen))
     base.bias.copy_(torch.randn(D_OUT, generator=gen))
-    layer = PackedLoRALinear(base, D_IN, D_OUT, layer_id=3, state=PackState(impl=impl, scales={0: 2.0, 1: 0.5}))
+    layer = PackedLoRALinear(base.to(device), D_IN, D_OUT, layer_id=3,
+                             state=PackState(impl=impl, scales={0: 2.0, 1: 0.5}))
     for slot, r in ((0, 3), (1, 2)):
-        layer.add_slot(slot, torch.randn(r, D_IN, generator=gen), torch.randn(r, D_OUT, generator=gen),
-                       torch.zeros(r, D_IN), torch.zeros(r, D_OUT))
+        a, bt = torch.randn(r, D_IN, generator=gen), torch.randn(r, D_OUT, generator=gen)
+        layer.add_slot(slot, a.to(device), bt.to(device), torch.zeros_like(a, device=device),
+                       torch.zeros_like(bt, device=device))
     return layer
 
 
@@ -150,24 +153,25 @@ def test_flattened_tokens_route_like_the_batch(impl: str) -> None:
     """A (B·L, D_in) input (OPT's fc1/fc2) gives the (B, L, D_in) input's output and gradients, LoRA dropout
     masks included: row i·L + t is token t of row i."""
     layout = PackLayout((0, 1), (0, 2), (2, 1), (5, 4), (0.25, 0.0), (11, 12))
-    x = torch.randn(3, 5, D_IN, generator=torch.Generator().manual_seed(1))
+    device = TRITON_DEVICE if impl == "triton" else "cpu"
+    x = torch.randn(3, 5, D_IN, generator=torch.Generator().manual_seed(1)).to(device)
     grads = []
     for shape in ((3, 5, D_IN), (15, D_IN), (3, 5, 1, D_IN)):
-        layer = _layer(impl)
+        layer = _layer(impl, device)
         layer.state.layout = layout
         xi = x.reshape(shape).clone().requires_grad_()
         y = layer(xi)
         assert y.shape == (*shape[:-1], D_OUT)
-        (y.reshape(3, 5, D_OUT) * torch.arange(D_OUT)).sum().backward()
+        (y.reshape(3, 5, D_OUT) * torch.arange(D_OUT, device=device)).sum().backward()
         w = [layer.slot_weights(s) for s in (0, 1)]
         grads.append([y.reshape(3, 5, D_OUT), xi.grad.reshape(x.shape)] + [g for s in w for g in (s.grad_a, s.grad_bt)])
     for other in grads[1:]:
         for got, want in zip(other, grads[0], strict=True):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    layer = _layer(impl)
+    layer = _layer(impl, device)
     layer.state.layout = layout
     with pytest.raises(ValueError, match=r"shape \(14, 12\).*3 rows"):
-        layer(torch.randn(14, D_IN))  # 14 tokens are not 3 rows of tokens: e.g. those an MoE routed to one expert
+        layer(torch.randn(14, D_IN, device=device))  # not 3 rows of tokens: e.g. those routed to one MoE expert
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -179,3 +183,20 @@ def test_tiny_sizes(family: str) -> None:
     assert model.get_input_embeddings().weight.shape == (300, 64) and model.dtype == torch.float32
     assert sum(p.numel() for p in model.parameters()) < 160_000
     assert (config.pad_token_id, config.bos_token_id, config.eos_token_id) == (0, 1, 2)
+
+
+@pytest.mark.parametrize("family", ["opt", "phi3", "qwen3", "gpt2", "falcon"])
+def test_triton_path_equals_torch_path(tiny_dirs, family: str) -> None:
+    """The Triton kernels give the masked-dense path's logits and slot gradients: OPT's flattened MLP input and its
+    q/k/v as one shared-input group, fused QKV and gate/up, Conv1D, Qwen3's fused norms and MLP."""
+    results = []
+    for impl in ("torch", "triton"):
+        pm = _packed(tiny_dirs(family), impl, TRITON_DEVICE)
+        ids, mask = IDS.to(TRITON_DEVICE), MASK.to(TRITON_DEVICE)
+        logits = pm.forward(ids, mask, LAYOUT)
+        sum(_loss(logits[rows].cpu(), rows) for rows in SLOT_ROWS.values()).backward()
+        results.append([logits.detach().cpu()] + [pm.flat_buffers(slot)[1].cpu() for slot in SPECS])
+    assert bool(pm.fused) == (family == "qwen3"), "Qwen3's RMSNorms and SiLU MLPs run on the fused kernels"
+    for got, want in zip(results[1], results[0], strict=True):
+        # fp32; the kernels sum in their own order (tiles, split-K): 1e-5 of the largest entry
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))

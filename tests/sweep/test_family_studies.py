@@ -5,7 +5,7 @@ loss and exact-match (greedy decoding with the KV cache), and the best exports (
 export onto the base with no missing or unexpected keys, adapt the modules PEFT's own ``all-linear`` picks, and
 give the engine's logits for the trial's saved slot (fp32).
 
-Run: python -m pytest tests/sweep/test_families.py -q
+Run: python -m pytest tests/sweep/test_family_studies.py -q
 """
 
 from __future__ import annotations
