@@ -21,6 +21,7 @@ from transformers.pytorch_utils import Conv1D
 
 from kernels import PackLayout
 from packer.checkpoint import load_adapter, read_adapter
+from packer.errors import ConfigError
 from packer.model import PackedModel, load_base
 from packer.plan import AdapterSpec
 from packer.tiny import FAMILIES, arithmetic_rows, write_jsonl
@@ -107,3 +108,13 @@ def test_cli_offers_every_family(tmp_path: Path) -> None:
     result = CliRunner().invoke(cli, ["tiny-model", "--family", "phi3", "--out", str(tmp_path / "phi3")])
     assert result.exit_code == 0, result.output
     assert AutoModelForCausalLM.from_pretrained(str(tmp_path / "phi3")).config.model_type == "phi3"
+
+
+@pytest.mark.parametrize("family", ["gemma2", "granite", "cohere"])
+def test_chunked_loss_refuses_post_processed_logits(tiny_dirs, tmp_path: Path, family: str) -> None:
+    """Their logits are not the head's output (soft-capping, scaling): the chunked loss would train them wrong."""
+    path = write_study(tmp_path, tiny_dirs(family), family, budget={"trials": 1}, pruning={"kind": "none"},
+                       packing={"max_slots": 1, "chunked_ce": True}, evaluators=[{"name": "heldout_loss"}])
+    with pytest.raises(ConfigError, match=r"^chunked_ce: the model post-processes its logits \(\w+=[\d.]+\); "
+                                          r"train it with chunked_ce off$"):
+        run_study(load_study(path), log=lambda m: None)
