@@ -3,7 +3,7 @@
 Per family (``packer.tiny.FAMILIES``): two all-linear trials packed together train a few steps, score held-out
 loss and exact-match (greedy decoding with the KV cache), and the best exports (vLLM-padded). PEFT must load the
 export onto the base with no missing or unexpected keys, adapt the modules PEFT's own ``all-linear`` picks, and
-give the engine's logits for the trial's saved slot (fp32).
+give the engine's logits for the trial's saved slot (fp32); the merged export gives them too.
 
 Run: python -m pytest tests/sweep/test_family_studies.py -q
 """
@@ -97,6 +97,11 @@ def test_all_linear_study_exports_an_adapter_peft_loads(tiny_dirs, tmp_path: Pat
         theirs = peft_model(input_ids=IDS, attention_mask=MASK).logits
     assert (ours - base).abs().max() > 1e-4, "the trained adapter must move the logits for the check to mean much"
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+
+    merged = export_trial(out_dir, tmp_path / "merged", trial=export.trial, merge=True)
+    with torch.no_grad():
+        folded = AutoModelForCausalLM.from_pretrained(str(merged.out))(input_ids=IDS, attention_mask=MASK).logits
+    torch.testing.assert_close(folded, ours, rtol=1e-4, atol=1e-4)  # W + s·B·A rounded once to fp32
 
 
 def test_cli_offers_every_family(tmp_path: Path) -> None:
