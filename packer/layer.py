@@ -144,7 +144,7 @@ class PackedLoRALinear(nn.Module):
         B·L tokens (OPT feeds its MLP (B·L, D_in)) keeps its leading shape: the packed term sees (B, L, D_in)."""
         layout = self.state.layout
         if layout is not None and x.dim() != 3:
-            return self(as_rows(x, layout)).reshape(*x.shape[:-1], self.out_features)
+            return self.forward(as_rows(x, layout)).reshape(*x.shape[:-1], self.out_features)  # hooks run once
         if self.group is not None:
             out = self.group.output(self, x)
             if out is not None:

@@ -57,8 +57,8 @@ __all__ = [
 ]
 
 FAMILIES = ("llama", "qwen2", "mistral", "gpt2", *EXTRA_FAMILIES)
-"""Architectures ``build_tiny_model`` can build (``transformers`` model types); those past the first four are
-``packer.tiny_families``'."""
+"""Architectures ``build_tiny_model`` can build (``transformers`` model types): the first four configured here, the
+others in ``packer.tiny_families``."""
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 # Trained first, so their ids are 0..3. Byte-level BPE never emits <unk>; it is declared so that Qwen2Tokenizer
