@@ -28,7 +28,7 @@ from kernels import Impl, LayerRanks, PackLayout, packed_lora, packed_lora_linea
 if TYPE_CHECKING:
     from packer.slices import SliceGroup
 
-__all__ = ["PackState", "PackedLoRALinear", "stacked_leaf"]
+__all__ = ["PackState", "PackedLoRALinear", "as_rows", "stacked_leaf"]
 
 
 @dataclass
@@ -140,12 +140,15 @@ class PackedLoRALinear(nn.Module):
         return g
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (B, L, D_in) -> (B, L, D_out)."""
+        """x: (B, L, D_in) -> (B, L, D_out); an input of other rank whose leading dims flatten row-major to the pack's
+        B·L tokens (OPT feeds its MLP (B·L, D_in)) keeps its leading shape: the packed term sees (B, L, D_in)."""
+        layout = self.state.layout
+        if layout is not None and x.dim() != 3:
+            return self.forward(as_rows(x, layout)).reshape(*x.shape[:-1], self.out_features)  # hooks run once
         if self.group is not None:
             out = self.group.output(self, x)
             if out is not None:
                 return out
-        layout = self.state.layout
         g = None if layout is None else self.gathered(layout.slots)
         if g is None or not g.a:
             return self.base(x)
@@ -185,6 +188,20 @@ class PackedLoRALinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, slots={sorted(self._slots)}"
+
+
+def as_rows(x: torch.Tensor, layout: PackLayout) -> torch.Tensor:
+    """x (..., D) viewed as (B, L, D), B the rows of ``layout``: the rows of a (B·L, D) input flattened row-major
+    from the batch (OPT's decoder does so before fc1/fc2) are back where the layout's row segments say.
+
+    Raises:
+        ValueError: x's tokens do not split into B rows (not the pack's tokens, e.g. a subset routed to an expert).
+    """
+    rows, tokens = sum(layout.n_rows), x.shape[:-1].numel()
+    if x.dim() < 2 or rows == 0 or tokens % rows:
+        raise ValueError(f"a packed projection got input of shape {tuple(x.shape)}, which is not the pack's "
+                         f"{rows} rows of tokens; LoRA slots cannot be routed through it")
+    return x.reshape(rows, tokens // rows, x.shape[-1])
 
 
 def stacked_leaf(parts: list[torch.Tensor], grads: list[torch.Tensor], rows: list[int]) -> torch.Tensor:

@@ -43,6 +43,7 @@ from transformers import (
 
 from packer.data import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT
 from packer.errors import ConfigError
+from packer.tiny_families import EXTRA_FAMILIES, extra_config
 
 __all__ = [
     "FAMILIES",
@@ -55,8 +56,9 @@ __all__ = [
     "write_jsonl",
 ]
 
-FAMILIES = ("llama", "qwen2", "mistral", "gpt2")
-"""Architectures ``build_tiny_model`` can build (``transformers`` model types)."""
+FAMILIES = ("llama", "qwen2", "mistral", "gpt2", *EXTRA_FAMILIES)
+"""Architectures ``build_tiny_model`` can build (``transformers`` model types): the first four configured here, the
+others in ``packer.tiny_families``."""
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 # Trained first, so their ids are 0..3. Byte-level BPE never emits <unk>; it is declared so that Qwen2Tokenizer
@@ -174,7 +176,7 @@ def tiny_config(
     """Config of a tiny decoder: 4 heads (2 KV heads where the family has GQA), MLP width 2 x hidden.
 
     Args:
-        family: One of ``FAMILIES``.
+        family: One of ``FAMILIES`` (for those of ``packer.tiny_families``, its sizes).
         vocab_size: Embedding rows; use ``len(tokenizer)``.
         hidden_size: Model width; a multiple of 4 (the head count).
         num_layers: Decoder layers.
@@ -183,7 +185,7 @@ def tiny_config(
         eos_token_id: See ``pad_token_id``.
 
     Returns:
-        A ``LlamaConfig``, ``Qwen2Config``, ``MistralConfig`` or ``GPT2Config`` in fp32.
+        The family's config (``LlamaConfig``, ``GPT2Config``, ...) in fp32.
 
     Raises:
         ConfigError: Unknown ``family``.
@@ -199,6 +201,10 @@ def tiny_config(
             bos_token_id=bos_token_id,
             eos_token_id=eos_token_id,
         )
+    if family in EXTRA_FAMILIES:
+        return extra_config(family, vocab_size, hidden_size=hidden_size, num_layers=num_layers,
+                            max_length=MAX_LENGTH, pad_token_id=pad_token_id, bos_token_id=bos_token_id,
+                            eos_token_id=eos_token_id)
     config_classes: dict[str, Callable[..., PreTrainedConfig]] = {
         "llama": LlamaConfig,
         "qwen2": Qwen2Config,

@@ -190,9 +190,15 @@ def status(study_dir: str, as_json: bool) -> None:
         render(info)
 
 
+TINY_FAMILIES = ("llama", "qwen2", "mistral", "gpt2", "gpt_neox", "phi3", "opt", "gemma", "gemma2", "gemma3_text",
+                 "qwen3", "falcon", "gptj", "phi", "stablelm", "bloom", "codegen", "olmo2", "granite", "mpt",
+                 "gpt_bigcode", "cohere", "gpt_neo", "starcoder2", "nemotron", "persimmon")
+"""``packer.tiny.FAMILIES``, spelled out: importing packer.tiny (torch, transformers) would slow every command."""
+
+
 @cli.command("tiny-model")
-@click.option("--family", type=click.Choice(["llama", "qwen2", "mistral", "gpt2"]), default="llama",
-              show_default=True)
+@click.option("--family", type=click.Choice(TINY_FAMILIES), default="llama", show_default=True,
+              help="transformers model type of the architecture.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Directory to save model + tokenizer.")
 @click.option("--seed", default=0, show_default=True, help="Initialisation seed.")
 def tiny_model(family: str, out: str, seed: int) -> None:

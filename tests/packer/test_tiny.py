@@ -80,7 +80,7 @@ def test_model_round_trips_through_from_pretrained(family: str, tokenizer: PreTr
     assert torch.equal(logits, expected)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES[:4])  # every family: tests/packer/test_families.py::test_tiny_sizes
 def test_tiny_config_shapes(family: str):
     config = tiny_config(family, 300)
     if family == "gpt2":
