@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
@@ -40,6 +40,9 @@ class PackState:
     """Set by ``PackedModel`` around each forward; None means the base model alone."""
     scales: dict[int, float] = field(default_factory=dict)
     """Slot id -> LoRA scale s."""
+    static: Any = None
+    """While a static-shape step runs (``packer.static.StaticStore.stepping``), the store whose tables every
+    wrapped layer reads instead of ``layout``; None otherwise."""
 
 
 class _SlotWeights(NamedTuple):
@@ -141,6 +144,8 @@ class PackedLoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, L, D_in) -> (B, L, D_out)."""
+        if self.state.static is not None:
+            return self.state.static.forward(self, x)
         if self.group is not None:
             out = self.group.output(self, x)
             if out is not None:
