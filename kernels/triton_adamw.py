@@ -32,6 +32,11 @@ _SPLIT = 8
 
 
 @triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
 def _sumsq_kernel(g_ptr, segs_ptr, rank_ptr, out_ptr, RB, n_seg, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
     k = tl.program_id(0)
     s = tl.program_id(1)
@@ -45,7 +50,8 @@ def _sumsq_kernel(g_ptr, segs_ptr, rank_ptr, out_ptr, RB, n_seg, SPLIT: tl.const
         idx = start + tl.arange(0, BLOCK)
         x = tl.load(g_ptr + base + idx, mask=idx < n, other=0.0)
         acc += x * x
-    tl.store(out_ptr + (s * n_seg + k) * SPLIT + part, tl.sum(acc, axis=0))
+    # the builtin reduce: tl.sum is itself jit'd, which the interpreter cannot always run
+    tl.store(out_ptr + (s * n_seg + k) * SPLIT + part, tl.reduce(acc, 0, _add))
 
 
 @triton.jit
