@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+import kernels
 from kernels import PackLayout, dropout_seed, resolve_impl
 from packer.batch import IGNORE_INDEX
 from packer.model import PackedModel
@@ -218,6 +219,20 @@ def _step_fn(pm: PackedModel, store: StaticStore, shape: ShapeBuffers, ring: tor
     return step
 
 
+def _precompile(step: Callable[[], None]) -> None:
+    """Compile, in parallel, the Triton kernel variants of a step before it first runs (``kernels.precompile``:
+    its launches become compile-only warm-ups). The torch ops of that pass run on unwritten kernel outputs: the
+    only state they reach is the ring row (which the real step then overwrites) and the gradients, which get
+    the zero weight gradients of skipped kernels; the optimizer kernels are skipped, so weights and moments
+    stay as they were."""
+    try:
+        kernels.precompile(step)
+    except Exception as err:  # an optimisation only: the step compiles what it lacks as it launches it
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        warnings.warn(f"kernel precompile failed, kernels compile as the step meets them: {type(err).__name__}: "
+                      f"{first}", stacklevel=3)
+
+
 def train_static(pm: PackedModel, capacity: int, next_job: Callable[[int], SlotJob | None], *, pad_id: int,
                  on_step: Callable[[list[StepReport]], None] | None = None,
                  should_stop: Callable[[StepReport], bool] | None = None,
@@ -244,7 +259,7 @@ def train_static(pm: PackedModel, capacity: int, next_job: Callable[[int], SlotJ
     store: StaticStore | None = None
     shapes: dict[tuple[int, int], ShapeBuffers] = {}
     staging: dict[tuple[int, int], _Staging] = {}
-    rows_per_slot = 1
+    rows_per_slot, prepared = 1, set()
     t0 = time.perf_counter()
     try:
         while True:
@@ -284,6 +299,9 @@ def train_static(pm: PackedModel, capacity: int, next_job: Callable[[int], SlotJ
             dropout = any(a.job.spec.dropout > 0 for a in active.values())
             key = (*dims, store.active, dropout)
             step = _step_fn(pm, store, shape, ring, triton, dropout)
+            if triton and device.type == "cuda" and key not in prepared:
+                prepared.add(key)
+                _precompile(step)
             if not triton and dropout:  # masks drawn by torch generators from Python seeds: eager only
                 step()
             else:
