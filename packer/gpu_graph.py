@@ -115,11 +115,10 @@ def packed(model: torch.nn.Module, slots: int, micro: int, seq: int, ranks: tupl
                        cuda_graphs=cuda_graphs)
     finally:
         static_loop._Graphs = original  # type: ignore[misc]
-    last = {}  # step -> stamp of the last on_step call of each read-back: the moment that read-back returned
-    for i, (step, t) in enumerate(stamps):
-        if i + 1 == len(stamps) or stamps[i + 1][1] - t > 1e-4:
-            last[step] = t
-    marks = sorted(last.items())[1:]  # from the second read-back: compile and capture are behind
+    # the loop reads back after every 8th step and after the last (all jobs end together): the on_step call of
+    # such a step is the last of its read-back, made as that read-back returned
+    marks = [(s, t) for s, t in stamps if (s + 1) % static_loop.DEFAULT_READBACK == 0 or s == steps - 1]
+    marks = marks[1:]  # from the second read-back: compile, capture and the timed replays are behind
     step_ms = (marks[-1][1] - marks[0][1]) / (marks[-1][0] - marks[0][0]) * 1e3
     runner = runners[0]
     return dict(slots=slots, micro=micro, seq=seq, step_ms=step_ms, graph_ms=runner.replay_ms,
@@ -209,12 +208,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m packer.gpu_graph", description=__doc__)
-    parser.add_argument("--skip-qwen", action="store_true", help="only the SmolLM2-135M shape")
-    args = parser.parse_args(argv)
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
-    rows, notes = [], []
+def _smollm2(rows: list[dict], notes: list[str]) -> None:
     smol = build(SMOLLM2)
     p = packed(smol, 16, 8, 48, (8, 16, 32), 2)
     print("smollm2 packed", {k: v for k, v in p.items() if k != "breakdown"}, flush=True)
@@ -229,38 +223,40 @@ def main(argv: list[str] | None = None) -> None:
     rows.append(_row("smollm2 16x8x48", p, kernel_ms, ref, target=10.0))
     if p["step_ms"] > 3 * kernel_ms or rows[-1]["vs_peft_graph"] < 10:
         notes.append(f"smollm2: step {p['step_ms']:.1f} ms = {p['step_ms'] / kernel_ms:.2f}x kernels (target 3x), "
-                     f"{rows[-1]['vs_peft_graph']:.2f}x graphed PEFT per trial-step (target 10x); breakdown below")
-    if not args.skip_qwen:
-        qwen_shape = dict(gpu_bench.SHAPES["qwen2.5-0.5b"])
-        qwen = build(qwen_shape)
-        p32 = packed(qwen, 32, 1, 512, (16,), 0, steps=32)
-        print("qwen packed 32", {k: v for k, v in p32.items() if k != "breakdown"}, flush=True)
-        p1 = packed(qwen, 1, 1, 512, (16,), 0, steps=40)
-        print("qwen packed 1", {k: v for k, v in p1.items() if k != "breakdown"}, flush=True)
-        k1, breakdown1 = p1["graph_kernel_ms"], p1["breakdown"]
-        if k1 is None:
-            k1, breakdown1 = kernel_profile(qwen, 1, 1, 512, (16,), 0)
-        del qwen
-        _free()
-        ref = peft(qwen_shape, 1, 512)
-        _free()
-        print("qwen peft b1", ref, flush=True)
-        rows.append(_row("qwen0.5b 32x1x512", p32, p32["graph_kernel_ms"], ref, target=20.0))
-        rows.append(_row("qwen0.5b 1x1x512", p1, k1, ref, target=0.9))
-        for r, bd in zip(rows[1:], (p32["breakdown"], breakdown1), strict=True):
-            if r["vs_peft_eager"] < r["target"]:
-                notes.append(f"{r['name']}: {r['vs_peft_eager']:.2f}x PEFT b1 (target {r['target']}x)\n{bd}")
-    import packer.static as static
+                     f"{rows[-1]['vs_peft_graph']:.2f}x graphed PEFT per trial-step (target 10x)")
+    notes.append(f"where the smollm2 step's GPU time goes:\n{breakdown}")
 
-    static.SMALL_PACK_TOKENS, small = 0, static.SMALL_PACK_TOKENS  # the same pack on the large-pack tiles
-    smol = build(SMOLLM2)
-    big = packed(smol, 16, 8, 48, (8, 16, 32), 2)
-    static.SMALL_PACK_TOKENS = small
-    del smol
+
+def _qwen(rows: list[dict], notes: list[str]) -> None:
+    shape = dict(gpu_bench.SHAPES["qwen2.5-0.5b"])
+    qwen = build(shape)
+    p32 = packed(qwen, 32, 1, 512, (16,), 0, steps=32)
+    print("qwen packed 32", {k: v for k, v in p32.items() if k != "breakdown"}, flush=True)
+    p1 = packed(qwen, 1, 1, 512, (16,), 0, steps=40)
+    print("qwen packed 1", {k: v for k, v in p1.items() if k != "breakdown"}, flush=True)
+    del qwen
     _free()
-    print(f"smollm2 on large-pack tiles (64-token tiles, 2048-token chunks): step {big['step_ms']:.2f} ms, graph "
-          f"{big['graph_ms']:.2f} ms, kernels {big['graph_kernel_ms']:.2f} ms")
-    print(f"where the smollm2 step's GPU time goes:\n{breakdown}")
+    ref = peft(shape, 1, 512)
+    _free()
+    print("qwen peft b1", ref, flush=True)
+    for name, p, target in (("qwen0.5b 32x1x512", p32, 20.0), ("qwen0.5b 1x1x512", p1, 0.9)):
+        rows.append(_row(name, p, p["graph_kernel_ms"], ref, target=target))
+        if rows[-1]["vs_peft_eager"] < target:
+            notes.append(f"{name}: {rows[-1]['vs_peft_eager']:.2f}x PEFT b1 (target {target}x)\n{p['breakdown']}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m packer.gpu_graph", description=__doc__)
+    parser.add_argument("--skip-qwen", action="store_true", help="only the SmolLM2-135M shape")
+    parser.add_argument("--only-qwen", action="store_true", help="only the Qwen2.5-0.5B shape")
+    args = parser.parse_args(argv)
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
+    rows: list[dict] = []
+    notes: list[str] = []
+    if not args.only_qwen:
+        _smollm2(rows, notes)
+    if not args.skip_qwen:
+        _qwen(rows, notes)
     for n in notes:
         print(n)
     print("x eager / x graph: per trial-step, PEFT ms / (pack step ms / slots); smollm2 vs PEFT b8, qwen vs PEFT b1")

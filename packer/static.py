@@ -53,11 +53,6 @@ OPT_FIELDS = 8
 """Columns of the optimizer table, as ``kernels.triton_adamw.OPT_FIELDS``."""
 SEG_INT, SEG_FLT = 7, 3
 """Columns of the segment tables (``kernels._launch.SEG_INT_FIELDS`` / ``SEG_FLT_FIELDS``)."""
-SMALL_PACK_TOKENS = 16384
-"""Below this many tokens per step, the kernels' token tiles are 32 (not 64) and the weight gradient sums over
-chunks of 256 tokens (not 2048): a small pack has too few tiles and chunks to fill an H200's 132 SMs (SmolLM2
-shape, 16 x 8 x 48: 96 tiles, 16 chunks per feature tile), and those kernels are latency-bound there. A fixed
-rule of the shape, so a slot's reduction order, and its bits, still do not depend on the other slots."""
 
 
 @dataclass
@@ -180,9 +175,7 @@ class StaticStore:
         n_int = 3 * b * seq_len + c * SEG_INT + c + 1
         ints = torch.zeros(n_int, dtype=torch.int64, device=self.device)
         floats = torch.zeros(c * SEG_FLT + c * OPT_FIELDS, dtype=torch.float32, device=self.device)
-        small = b * seq_len < SMALL_PACK_TOKENS
-        base = static_meta(c, rows, seq_len, self.rank_bucket, self.device, dropout=True,
-                           **({"block_m": 32, "chunk_tokens": 256} if small else {}))
+        base = static_meta(c, rows, seq_len, self.rank_bucket, self.device, dropout=True)
         bl = b * seq_len
         seg_int = ints[3 * bl:3 * bl + c * SEG_INT].view(c, SEG_INT)
         seg_flt = floats[:c * SEG_FLT].view(c, SEG_FLT)
