@@ -271,7 +271,7 @@ def train_static(pm: PackedModel, capacity: int, next_job: Callable[[int], SlotJ
                 if store is None or job.spec.rank > store.rank_bucket:
                     store = _new_store(pm, store, capacity, rank_bucket or rank_bucket_for(job.spec.rank),
                                        job.spec.rank, active)
-                    shapes, staging, graphs.graphs = {}, {}, {}
+                    shapes, staging, graphs.graphs, prepared = {}, {}, {}, set()
                 pm.add_slot(slot, job.spec)
                 active[slot] = _Live(job, lr_schedule(job.spec))
                 result.jobs_started += 1
