@@ -19,11 +19,12 @@ import torch
 import torch.nn.functional as F
 
 from kernels import reference
-from kernels._launch import to_device_async
+from kernels._launch import SegmentMeta, static_meta, to_device_async
 from kernels.meta import LayerRanks, PackLayout, dropout_seed, group_rows
 from kernels.reference import lora_loop, lora_masked_dense
 
-__all__ = ["packed_lora", "packed_lora_linear", "packed_lora_linear_slices", "precompile", "rms_norm", "silu_mul",
+__all__ = ["packed_lora", "packed_lora_linear", "packed_lora_linear_slices", "packed_lora_static", "precompile",
+           "rms_norm", "silu_mul", "segmented_sumsq", "segmented_adamw_", "static_meta", "SegmentMeta",
            "PackLayout", "LayerRanks",
            "dropout_seed", "group_rows", "IMPLS", "Impl", "resolve_impl", "triton_available", "to_device_async"]
 
@@ -143,6 +144,41 @@ def packed_lora_linear_slices(x: torch.Tensor, weights: tuple[torch.Tensor, ...]
     return tuple(packed_lora_linear(x, w, b, a_group[torch.tensor(rows, dtype=torch.long, device=a_group.device)],
                                     bt, layout, ranks, impl=impl)
                  for w, b, bt, ranks, rows in zip(weights, biases, bt_cats, slices, group_rows(slices), strict=True))
+
+
+def packed_lora_static(x: torch.Tensor, base_out: torch.Tensor | None, weight: torch.Tensor | None,
+                       bias: torch.Tensor | None, a_cat: torch.Tensor, bt_cat: torch.Tensor,
+                       meta: SegmentMeta) -> torch.Tensor:
+    """The Triton packed LoRA over prebuilt tables (``static_meta``): no host work, no copy, so it can be
+    captured in a CUDA graph. Same math as ``packed_lora_linear`` (``weight`` given) or ``packed_lora``
+    (``base_out`` given).
+
+    Args:
+        x: (T, D_in) flattened layer input.
+        base_out: (T, D_out) frozen base output, or None with ``weight``.
+        weight: (D_out, D_in) frozen base weight, or None with ``base_out``.
+        bias: (D_out,) or None.
+        a_cat: (C * RB, D_in) every slot's A, slot g at rows ``g * RB``; rank padding zero.
+        bt_cat: (C * RB, D_out) B^T laid out the same way.
+        meta: the tables, with this layer's ``layer_id``.
+
+    Returns:
+        (T, D_out); differentiable in x, a_cat and bt_cat.
+    """
+    return _triton_module().PackedLoRAFunction.apply(x, base_out, weight, bias, a_cat, bt_cat, meta)
+
+
+def segmented_sumsq(grad: torch.Tensor, segs: torch.Tensor, rank: torch.Tensor, rank_bucket: int) -> torch.Tensor:
+    """Per-slot sum of squares of a static pack's flat gradients (``kernels.triton_adamw``): (C,) fp32."""
+    return _triton_module("triton_adamw").segmented_sumsq(grad, segs, rank, rank_bucket)
+
+
+def segmented_adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                     segs: torch.Tensor, rank: torch.Tensor, coef: torch.Tensor, opt: torch.Tensor,
+                     rank_bucket: int) -> None:
+    """Clip, AdamW-update and zero a static pack's flat buffers in one kernel (``kernels.triton_adamw``)."""
+    _triton_module("triton_adamw").segmented_adamw_(param, grad, exp_avg, exp_avg_sq, segs, rank, coef, opt,
+                                                    rank_bucket)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, impl: Impl = "torch") -> torch.Tensor:

@@ -17,8 +17,8 @@ import torch
 
 from kernels.meta import LayerRanks, PackLayout
 
-__all__ = ["SegmentMeta", "build_meta", "build_slice_metas", "check_2d", "to_device_async", "SEG_INT_FIELDS",
-           "SEG_FLT_FIELDS", "POS_BITS"]
+__all__ = ["SegmentMeta", "build_meta", "build_slice_metas", "static_meta", "check_2d", "to_device_async",
+           "SEG_INT_FIELDS", "SEG_FLT_FIELDS", "POS_BITS"]
 
 SEG_INT_FIELDS = 7
 """Columns of ``SegmentMeta.seg_int``: tok_start, tok_end, row_start, rank, rank_off, dropout seed (the
@@ -210,3 +210,46 @@ def check_2d(name: str, t: torch.Tensor, rows: int, cols: int) -> None:
                                                                            torch.float16):
         raise ValueError(f"{name}: expected a contiguous fp32/bf16/fp16 ({rows}, {cols}) tensor, "
                          f"got {t.dtype} {tuple(t.shape)} contiguous={t.is_contiguous()}")
+
+
+def static_meta(capacity: int, rows: int, seq_len: int, rank_cols: int, device: torch.device, *,
+                dropout: bool, block_m: int = BLOCK_M, chunk_tokens: int = CHUNK_TOKENS) -> SegmentMeta:
+    """Tables of a static-shape pack (``packer.static``): ``capacity`` segments of ``rows`` rows each, every one
+    present whatever its slot holds, so the tile and chunk maps (and hence every grid) depend on the shape only.
+
+    The per-slot columns are data the caller writes in place before each step (a captured CUDA graph reads
+    them at replay): ``seg_int[g]`` = (t0, t1, row_start, rank, rank_off, seed, 0), ``seg_flt[g]`` = (scale, p,
+    1 / (1 - p)). Here they are filled with the fixed part (token range, rows, ``rank_off = g * rank_cols``) and
+    rank 0 (a free slot: the kernels skip its LoRA term and write its base output unchanged).
+
+    Args:
+        capacity: C, segments (slots).
+        rows: M, rows per slot.
+        seq_len: L, the padded length of every row.
+        rank_cols: the rank bucket: rows of A / B^T per slot, and the largest rank a slot may have.
+        device: where the kernels run.
+        dropout: compile the kernels' dropout branch (a slot with p = 0 then gets a multiplier of exactly 1).
+
+    Returns:
+        The metadata; ``covers_all`` is true (every token belongs to a segment).
+    """
+    if seq_len >= 1 << POS_BITS:
+        raise ValueError(f"sequence length {seq_len} >= 2**{POS_BITS} (dropout counter width)")
+    per = rows * seq_len
+    seg_int = torch.zeros((capacity, SEG_INT_FIELDS), dtype=torch.int64)
+    for g in range(capacity):
+        seg_int[g, :5] = torch.tensor((g * per, (g + 1) * per, g * rows, 0, g * rank_cols))
+    seg_flt = torch.zeros((capacity, SEG_FLT_FIELDS), dtype=torch.float32)
+    seg_flt[:, 2] = 1.0
+    tiles = [(g, t) for g in range(capacity) for t in range(g * per, (g + 1) * per, block_m)]
+    chunks = [(g, t, min(t + chunk_tokens, (g + 1) * per), c) for g in range(capacity)
+              for c, t in enumerate(range(g * per, (g + 1) * per, chunk_tokens))]
+    r_cols = _pow2_cols(rank_cols)
+    return SegmentMeta(
+        seg_int=seg_int.to(device), seg_flt=seg_flt.to(device),
+        tiles=torch.tensor(tiles, dtype=torch.int64).view(-1, 2).to(device),
+        chunks=torch.tensor(chunks, dtype=torch.int64).view(-1, 4).to(device),
+        n_tiles=len(tiles), n_chunks=len(chunks), n_partials=-(-per // chunk_tokens), seq_len=seq_len,
+        r_pad=r_cols, r_cols=r_cols, total_rank=capacity * rank_cols, covers_all=True, has_dropout=dropout,
+        block_m=block_m,
+    )

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
@@ -40,6 +40,9 @@ class PackState:
     """Set by ``PackedModel`` around each forward; None means the base model alone."""
     scales: dict[int, float] = field(default_factory=dict)
     """Slot id -> LoRA scale s."""
+    static: Any = None
+    """While a static-shape step runs (``packer.static.StaticStore.stepping``), the store whose tables every
+    wrapped layer reads instead of ``layout``; None otherwise."""
 
 
 class _SlotWeights(NamedTuple):
@@ -142,9 +145,13 @@ class PackedLoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, L, D_in) -> (B, L, D_out); an input of other rank whose leading dims flatten row-major to the pack's
         B·L tokens (OPT feeds its MLP (B·L, D_in)) keeps its leading shape: the packed term sees (B, L, D_in)."""
+        if x.dim() != 3:
+            rows = self._pack_rows()
+            if rows is not None:
+                return self.forward(as_rows(x, rows)).reshape(*x.shape[:-1], self.out_features)  # hooks run once
+        if self.state.static is not None:
+            return self.state.static.forward(self, x)
         layout = self.state.layout
-        if layout is not None and x.dim() != 3:
-            return self.forward(as_rows(x, layout)).reshape(*x.shape[:-1], self.out_features)  # hooks run once
         if self.group is not None:
             out = self.group.output(self, x)
             if out is not None:
@@ -155,6 +162,13 @@ class PackedLoRALinear(nn.Module):
         a_cat = stacked_leaf(g.a, g.grad_a, g.rows)  # (R, D_in)
         bt_cat = stacked_leaf(g.bt, g.grad_bt, g.rows)  # (R, D_out)
         return self._with_lora(x, a_cat, bt_cat, layout, g.ranks, self.state.impl)
+
+    def _pack_rows(self) -> int | None:
+        """The rows B of the batch running now: the static step's C x rows, else the layout's; None outside a pack."""
+        static, layout = self.state.static, self.state.layout
+        if static is not None and static.shape is not None:
+            return static.capacity * static.shape.rows
+        return None if layout is None else sum(layout.n_rows)
 
     def _with_lora(self, x: torch.Tensor, a_cat: torch.Tensor, bt_cat: torch.Tensor, layout: PackLayout,
                    ranks: LayerRanks, impl: Impl) -> torch.Tensor:
@@ -190,14 +204,14 @@ class PackedLoRALinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, slots={sorted(self._slots)}"
 
 
-def as_rows(x: torch.Tensor, layout: PackLayout) -> torch.Tensor:
-    """x (..., D) viewed as (B, L, D), B the rows of ``layout``: the rows of a (B·L, D) input flattened row-major
+def as_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x (..., D) viewed as (B, L, D), B = ``rows``, the pack's rows: the rows of a (B·L, D) input flattened row-major
     from the batch (OPT's decoder does so before fc1/fc2) are back where the layout's row segments say.
 
     Raises:
         ValueError: x's tokens do not split into B rows (not the pack's tokens, e.g. a subset routed to an expert).
     """
-    rows, tokens = sum(layout.n_rows), x.shape[:-1].numel()
+    tokens = x.shape[:-1].numel()
     if x.dim() < 2 or rows == 0 or tokens % rows:
         raise ValueError(f"a packed projection got input of shape {tuple(x.shape)}, which is not the pack's "
                          f"{rows} rows of tokens; LoRA slots cannot be routed through it")

@@ -22,6 +22,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -35,6 +36,9 @@ from packer.layer import PackedLoRALinear, PackState
 from packer.loss import check_plain_head
 from packer.plan import AdapterSpec
 from packer.slices import SliceGroup, link_groups
+
+if TYPE_CHECKING:
+    from packer.static import StaticStore
 
 __all__ = ["PackedModel", "load_base", "resolve_base", "DTYPES"]
 
@@ -136,6 +140,9 @@ class PackedModel:
         self.flat: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._checkpointed: list[nn.Module] = []
         """Decoder layers whose forward is checkpointed (empty: activation checkpointing off)."""
+        self.static: StaticStore | None = None
+        """Set by the static-shape loop (``packer.static_loop``): slots then take their rows of its preallocated
+        buffers instead of buffers of their own."""
 
     @property
     def device(self) -> torch.device:
@@ -174,6 +181,8 @@ class PackedModel:
         A weights each) took 1.2-2.6 s on the H200 host, more than a training step of them."""
         generator = torch.Generator(device=self.device).manual_seed(spec.seed)
         r = spec.rank
+        if self.static is not None:
+            return self._static_weights(slot, spec, paths, generator)
         dims = [(self.layers[p].in_features, self.layers[p].out_features) for p in paths]
         flat = torch.zeros(sum(r * (d_in + d_out) for d_in, d_out in dims), device=self.device)
         grad = torch.zeros_like(flat)
@@ -190,13 +199,30 @@ class PackedModel:
         self.flat[slot] = (flat, grad)
         return params
 
+    def _static_weights(self, slot: int, spec: AdapterSpec, paths: list[str],
+                        generator: torch.Generator) -> list[nn.Parameter]:
+        """``_create_weights`` into the slot's rows of the static store: the same draws in the same order, so
+        the same initial adapter; every other row of the slot is zeroed first (``packer.static``)."""
+        store = self.static
+        assert store is not None
+        if spec.rank > store.rank_bucket:
+            raise ValueError(f"rank {spec.rank} exceeds the static pack's rank bucket {store.rank_bucket}")
+        store.reset_slot(slot)
+        params: list[nn.Parameter] = []
+        for path in paths:
+            a, bt, grad_a, grad_bt = store.slot_rows(slot, path, spec.rank)
+            with torch.no_grad():
+                nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+            params += self.layers[path].add_slot(slot, a, bt, grad_a, grad_bt)
+        return params
+
     def flat_buffers(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, gradients) of the slot as two flat fp32 tensors that its parameters alias."""
         return self.flat[slot]
 
     def remove_slot(self, slot: int) -> None:
         """Drop the slot's adapter; its parameters are freed once the caller lets go of them."""
-        del self.flat[slot]
+        self.flat.pop(slot, None)  # a slot of a static store has no buffers of its own
         for path in self.slot_paths.pop(slot):
             self.layers[path].remove_slot(slot)
         del self.specs[slot]

@@ -19,7 +19,7 @@ logits of the whole batch; ``activation_checkpointing`` recomputes each decoder 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -109,6 +109,12 @@ class TrainResult:
     jobs_started: int = 0
     ended: list[tuple[Any, int, str]] = field(default_factory=list)
     """(key, steps done, reason) of every job that ended, in order."""
+    warmup_s: float = 0.0
+    """Static-shape path: seconds of the eager warm-up steps before each CUDA-graph capture."""
+    capture_s: float = 0.0
+    """Static-shape path: seconds spent capturing CUDA graphs."""
+    graphs: int = 0
+    """Static-shape path: CUDA graphs captured (0: eager)."""
 
 
 @dataclass
@@ -196,6 +202,11 @@ def train(
     max_global_steps: int | None = None,
     chunked_ce: bool | int = False,
     activation_checkpointing: bool = False,
+    static_shapes: bool | None = None,
+    cuda_graphs: str = "auto",
+    readback_every: int = 8,
+    sync_steps: Collection[int] = (),
+    rank_bucket: int | None = None,
 ) -> TrainResult:
     """Train adapters in ``capacity`` slots until no job is left.
 
@@ -215,6 +226,13 @@ def train(
             (True: ``packer.loss.DEFAULT_CHUNK_TOKENS`` per chunk; an int: that many).
         activation_checkpointing: recompute decoder layers in the backward; set on ``pm`` for this
             run and left as set.
+        static_shapes: run the static-shape step (``packer.static_loop``: fixed shapes, per-step values in
+            device buffers, losses read back every ``readback_every`` steps, so ``on_step`` and
+            ``should_stop`` see each step up to that many steps late); None: on CUDA, unless ``chunked_ce``
+            or ``activation_checkpointing`` is asked for (the static step supports neither).
+        cuda_graphs: static path only: ``auto`` / ``on`` capture the step as a CUDA graph on CUDA (falling
+            back to eager with a warning if capture fails); ``off`` runs it eagerly.
+        readback_every, sync_steps, rank_bucket: static path only, see ``packer.static_loop.train_static``.
 
     Returns:
         Totals of the run.
@@ -223,7 +241,20 @@ def train(
         ConfigError: ``chunked_ce`` for a model that post-processes its logits, or
             ``activation_checkpointing`` for a model without support for it.
     """
+    if cuda_graphs not in ("auto", "on", "off"):
+        raise ValueError(f"cuda_graphs must be auto, on or off (got {cuda_graphs!r})")
     chunk_tokens = chunk_tokens_of(chunked_ce)
+    if static_shapes is None:
+        static_shapes = pm.device.type == "cuda" and chunk_tokens is None and not activation_checkpointing
+    if static_shapes:
+        if chunk_tokens is not None or activation_checkpointing:
+            raise ValueError("static_shapes supports neither chunked_ce nor activation_checkpointing")
+        from packer.static_loop import train_static
+
+        pm.set_activation_checkpointing(False)
+        return train_static(pm, capacity, next_job, pad_id=pad_id, on_step=on_step, should_stop=should_stop,
+                            on_end=on_end, max_global_steps=max_global_steps, cuda_graphs=cuda_graphs,
+                            readback_every=readback_every, sync_steps=sync_steps, rank_bucket=rank_bucket)
     if chunk_tokens is not None:
         pm.output_head()  # refuses models whose logits are not head(hidden), before any slot starts
     pm.set_activation_checkpointing(activation_checkpointing)

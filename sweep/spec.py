@@ -251,6 +251,9 @@ class PackingSpec:
     fused_base_ops: bool = True
     """With the Triton kernels, also run the base's RMSNorms and SiLU-gated MLPs (Llama, Qwen2/3, Mistral) as
     fused Triton kernels (``packer.fuse``); ``false`` keeps transformers' eager modules."""
+    cuda_graphs: Literal["auto", "on", "off"] = "auto"
+    """On CUDA, train with the static-shape step replayed as a CUDA graph (``packer.static_loop``; ``auto`` and
+    ``on``: falling back to eager with a warning if capture fails) or ``off``: the same static step, eagerly."""
 
     def __post_init__(self) -> None:
         ok = self.max_slots == "auto" or (isinstance(self.max_slots, int) and 1 <= self.max_slots <= 256)
@@ -262,6 +265,7 @@ class PackingSpec:
                self.activation_checkpointing)
         _check(self.kernels in ("auto", "triton", "torch"), "kernels", "must be auto, triton or torch", self.kernels)
         _check(isinstance(self.fused_base_ops, bool), "fused_base_ops", "must be true or false", self.fused_base_ops)
+        _check(self.cuda_graphs in ("auto", "on", "off"), "cuda_graphs", "must be auto, on or off", self.cuda_graphs)
 
 
 @dataclass(frozen=True)

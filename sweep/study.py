@@ -309,7 +309,8 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
         with sweep.heartbeat or nullcontext():
             result = train(pm, session.capacity, sweep.next_job, pad_id=session.pad_id, on_step=sweep.on_step,
                            should_stop=sweep.should_stop, on_end=sweep.on_end, chunked_ce=spec.packing.chunked_ce,
-                           activation_checkpointing=spec.packing.activation_checkpointing)
+                           activation_checkpointing=spec.packing.activation_checkpointing,
+                           cuda_graphs=spec.packing.cuda_graphs, sync_steps=sweep.sha.rungs if sweep.sha else ())
         status = "finished"
     finally:
         peak = torch.cuda.max_memory_allocated(pm.device) if pm.device.type == "cuda" else None

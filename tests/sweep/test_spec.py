@@ -200,6 +200,8 @@ BAD = {
     "wrong type": (BASE.replace("max_steps: 40", "max_steps: many #<"), "train.max_steps: must be an integer"),
     "fused ops not a bool": (
         BASE + "packing: {fused_base_ops: maybe} #<\n", "packing.fused_base_ops: must be true or false"),
+    "cuda graphs mode unknown": (
+        BASE + "packing: {cuda_graphs: always} #<\n", "packing.cuda_graphs: must be auto, on or off"),
     "empty search space": (
         BASE.replace("  rank: [4, 8]\n  lr: {low: 1e-4, high: 1e-2, log: true}\n", "  rank: 8\n").replace(
             "search:", "search: #<"

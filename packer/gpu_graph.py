@@ -1,0 +1,267 @@
+"""Benchmark: the static-shape packed step replayed as a CUDA graph, against PEFT eager and graph-captured.
+
+``python -m packer.gpu_graph`` (H200; a command, not a test). Random-init models of real shapes, bf16, SDPA:
+
+- SmolLM2-135M shape (30 layers, hidden 576, intermediate 1536, 9 / 3 heads, vocab 49,152, tied), 16 slots x 8
+  rows x 48 tokens, ranks 8/16/32 cycled on the seven projections, dropout 0.05 on every other slot (as
+  ``packer.gpu_host`` draws a sweep's slots): the loop's step time against its GPU kernel time (target <= 3x),
+  tokens/s, and the per-trial-step ratio against PEFT at batch 8 (r=16, fused AdamW, clipping), eager and
+  replayed as a CUDA graph (target >= 10x the graph).
+- Qwen2.5-0.5B shape, 32 slots x 1 x 512 and 1 slot x 1 x 512, r=16, against PEFT at batch 1 (targets >= 20x
+  and >= 0.9x).
+
+Step time is the training loop's own: wall clock between two loss read-backs (every 8 steps) over the steady
+state, host staging and read-backs included, capture excluded (counted apart, with the warm-up). "graph ms" is
+the captured step replayed back to back (CUDA events): the GPU's own time per step. "kernels ms" sums the
+kernels of the same step run eagerly (torch.profiler). A missed target prints the eager step's kernel
+breakdown. The table comes last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import time
+from collections.abc import Callable
+
+import torch
+
+import packer.static_loop as static_loop
+from packer import gpu_bench, gpu_profile
+from packer.model import PackedModel
+from packer.train import SlotJob, train
+
+__all__ = ["SMOLLM2", "main"]
+
+SMOLLM2 = dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+               num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)
+PROJ = gpu_bench.PROJ
+
+
+def build(shape: dict, device: str = "cuda") -> torch.nn.Module:
+    """A random-init (seed 0) bf16 causal LM of ``shape`` (a config dict with ``model_type``), SDPA attention."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kw = dict(shape)
+    cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+
+
+def _jobs(model: torch.nn.Module, slots: int, micro: int, seq: int, steps: int, ranks: tuple[int, ...],
+          dropout_every: int) -> list[SlotJob]:
+    jobs = gpu_bench._jobs(slots, micro, seq, model.config.vocab_size, steps, ranks)
+    for i, job in enumerate(jobs):
+        if dropout_every and i % dropout_every:
+            job.spec = dataclasses.replace(job.spec, dropout=0.05)
+    return jobs
+
+
+@dataclasses.dataclass
+class _Timing(static_loop._Graphs):
+    """The loop's graph runner, which also times back-to-back replays of its graph once, mid-run."""
+
+    at_call: int = 10  # before the read-back the step timing starts from
+    replays: int = 20
+    calls: int = 0
+    replay_ms: float | None = None
+    kernel_ms: float | None = None
+    breakdown: str = ""
+
+    def run(self, key: tuple, step: Callable[[], None], shape: object, scratch_row: int) -> None:
+        super().run(key, step, shape, scratch_row)  # type: ignore[arg-type]
+        self.calls += 1
+        graph = self.graphs.get(key)
+        if graph is not None and self.calls == self.at_call:  # extra real steps on the same batch: a benchmark
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(self.replays):
+                graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            self.replay_ms = start.elapsed_time(end) / self.replays
+            self.kernel_ms, self.breakdown = _replay_profile(graph, self.replay_ms)
+
+
+def _replay_profile(graph: torch.cuda.CUDAGraph, replay_ms: float, n: int = 5) -> tuple[float | None, str]:
+    """Kernel ms per replay of ``graph`` (torch.profiler sees the kernels a graph launches) and the breakdown;
+    None where the profiler reports none."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:
+        for _ in range(n):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernel_us = sum(e.self_device_time_total for e in gpu_profile.kernel_events(prof.key_averages()))
+    if not kernel_us:
+        return None, ""
+    return kernel_us / n / 1e3, gpu_profile.breakdown(prof, n, replay_ms, "graph replay")
+
+
+def packed(model: torch.nn.Module, slots: int, micro: int, seq: int, ranks: tuple[int, ...], dropout_every: int,
+           *, steps: int = 48, cuda_graphs: str = "auto") -> dict:
+    """One static-shape pack of ``slots`` jobs of ``steps`` steps; steady-state loop step time and more."""
+    runners: list[_Timing] = []
+    original = static_loop._Graphs
+    static_loop._Graphs = lambda **kw: runners.append(_Timing(**kw)) or runners[-1]  # type: ignore[assignment,misc]
+    stamps: list[tuple[int, float]] = []
+    jobs = _jobs(model, slots, micro, seq, steps, ranks, dropout_every)
+    try:
+        result = train(PackedModel(model, impl="triton"), slots, lambda s: jobs.pop(0) if jobs else None, pad_id=0,
+                       on_step=lambda reps: stamps.append((reps[0].step, time.perf_counter())), static_shapes=True,
+                       cuda_graphs=cuda_graphs)
+    finally:
+        static_loop._Graphs = original  # type: ignore[misc]
+    # the loop reads back after every 8th step and after the last (all jobs end together): the on_step call of
+    # such a step is the last of its read-back, made as that read-back returned
+    marks = [(s, t) for s, t in stamps if (s + 1) % static_loop.DEFAULT_READBACK == 0 or s == steps - 1]
+    marks = marks[1:]  # from the second read-back: compile, capture and the timed replays are behind
+    step_ms = (marks[-1][1] - marks[0][1]) / (marks[-1][0] - marks[0][0]) * 1e3
+    runner = runners[0]
+    return dict(slots=slots, micro=micro, seq=seq, step_ms=step_ms, graph_ms=runner.replay_ms,
+                graph_kernel_ms=runner.kernel_ms, breakdown=runner.breakdown,
+                tok_s=slots * micro * seq / step_ms * 1e3, warmup_s=result.warmup_s, capture_s=result.capture_s,
+                graphs=result.graphs)
+
+
+def kernel_profile(model: torch.nn.Module, slots: int, micro: int, seq: int, ranks: tuple[int, ...],
+                   dropout_every: int, steps: int = 6) -> tuple[float, str]:
+    """Kernel ms per step of the same pack's step run eagerly (the kernels a graph replays), and the breakdown."""
+    from torch.profiler import ProfilerActivity, profile
+
+    pm = PackedModel(model, impl="triton")
+    warm = _jobs(model, slots, micro, seq, 2, ranks, dropout_every)
+    train(pm, slots, lambda s: warm.pop(0) if warm else None, pad_id=0, static_shapes=True, cuda_graphs="off")
+    jobs = _jobs(model, slots, micro, seq, steps, ranks, dropout_every)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], acc_events=True) as prof:
+        train(pm, slots, lambda s: jobs.pop(0) if jobs else None, pad_id=0, static_shapes=True, cuda_graphs="off")
+        torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) / steps * 1e3
+    kernels = gpu_profile.kernel_events(prof.key_averages())
+    kernel_ms = sum(e.self_device_time_total for e in kernels) / steps / 1e3
+    return kernel_ms, gpu_profile.breakdown(prof, steps, wall_ms, f"eager static step {slots}x{micro}x{seq}")
+
+
+def peft(shape: dict, batch: int, seq: int, *, steps: int = 10) -> dict:
+    """One PEFT adapter (r=16 on the seven projections, fused capturable AdamW, clipping to 1.0): mean step
+    eager, and the same step captured as a CUDA graph and replayed."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(build(shape), LoraConfig(r=16, lora_alpha=32, target_modules=list(PROJ),
+                                                    lora_dropout=0.0))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=True, capturable=True)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")
+
+    def step() -> None:
+        model(input_ids=ids, labels=ids).loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        opt.step()
+
+    def eager() -> None:
+        step()
+        opt.zero_grad(set_to_none=True)
+
+    eager_ms = gpu_bench._time(eager, 3, steps) * 1e3
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            eager()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()  # gradients allocated in the graph are rewritten, not accumulated, by each replay
+    graph_ms = gpu_bench._time(graph.replay, 3, steps) * 1e3
+    return dict(batch=batch, seq=seq, eager_ms=eager_ms, graph_ms=graph_ms)
+
+
+def _free() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _row(name: str, p: dict, kernel_ms: float | None, ref: dict, target: float) -> dict:
+    """Ratios per trial-step: PEFT ms / (pack ms / slots), which at one row per slot and PEFT batch 1 is also the
+    aggregate tokens/s ratio."""
+    vs_eager = ref["eager_ms"] / (p["step_ms"] / p["slots"])
+    vs_graph = ref["graph_ms"] / (p["step_ms"] / p["slots"])
+    return dict(name=name, **p, kernel_ms=kernel_ms, peft_eager_ms=ref["eager_ms"], peft_graph_ms=ref["graph_ms"],
+                vs_peft_eager=vs_eager, vs_peft_graph=vs_graph, target=target)
+
+
+def table(rows: list[dict]) -> str:
+    head = (f"{'workload':<22}{'step ms':>9}{'graph ms':>9}{'kern ms':>9}{'step/k':>7}{'tok/s':>10}{'warm s':>7}"
+            f"{'capt s':>7}{'PEFT e':>8}{'PEFT g':>8}{'x eager':>8}{'x graph':>8}")
+    lines = [head]
+    for r in rows:
+        k = r["kernel_ms"]
+        lines.append(f"{r['name']:<22}{r['step_ms']:9.2f}{r['graph_ms'] or float('nan'):9.2f}"
+                     f"{k if k else float('nan'):9.2f}{r['step_ms'] / k if k else float('nan'):7.2f}{r['tok_s']:10.0f}"
+                     f"{r['warmup_s']:7.1f}{r['capture_s']:7.2f}{r['peft_eager_ms']:8.1f}{r['peft_graph_ms']:8.1f}"
+                     f"{r['vs_peft_eager']:8.2f}{r['vs_peft_graph']:8.2f}")
+    return "\n".join(lines)
+
+
+def _smollm2(rows: list[dict], notes: list[str]) -> None:
+    smol = build(SMOLLM2)
+    p = packed(smol, 16, 8, 48, (8, 16, 32), 2)
+    print("smollm2 packed", {k: v for k, v in p.items() if k != "breakdown"}, flush=True)
+    kernel_ms, breakdown = p["graph_kernel_ms"], p["breakdown"]
+    if kernel_ms is None:  # the profiler saw no graph kernels: the same step run eagerly
+        kernel_ms, breakdown = kernel_profile(smol, 16, 8, 48, (8, 16, 32), 2)
+    del smol
+    _free()
+    ref = peft(SMOLLM2, 8, 48)
+    _free()
+    print("smollm2 peft b8", ref, flush=True)
+    rows.append(_row("smollm2 16x8x48", p, kernel_ms, ref, target=10.0))
+    if p["step_ms"] > 3 * kernel_ms or rows[-1]["vs_peft_graph"] < 10:
+        notes.append(f"smollm2: step {p['step_ms']:.1f} ms = {p['step_ms'] / kernel_ms:.2f}x kernels (target 3x), "
+                     f"{rows[-1]['vs_peft_graph']:.2f}x graphed PEFT per trial-step (target 10x)")
+    notes.append(f"where the smollm2 step's GPU time goes:\n{breakdown}")
+
+
+def _qwen(rows: list[dict], notes: list[str]) -> None:
+    shape = dict(gpu_bench.SHAPES["qwen2.5-0.5b"])
+    qwen = build(shape)
+    p32 = packed(qwen, 32, 1, 512, (16,), 0, steps=32)
+    print("qwen packed 32", {k: v for k, v in p32.items() if k != "breakdown"}, flush=True)
+    p1 = packed(qwen, 1, 1, 512, (16,), 0, steps=40)
+    print("qwen packed 1", {k: v for k, v in p1.items() if k != "breakdown"}, flush=True)
+    del qwen
+    _free()
+    ref = peft(shape, 1, 512)
+    _free()
+    print("qwen peft b1", ref, flush=True)
+    for name, p, target in (("qwen0.5b 32x1x512", p32, 20.0), ("qwen0.5b 1x1x512", p1, 0.9)):
+        rows.append(_row(name, p, p["graph_kernel_ms"], ref, target=target))
+        if rows[-1]["vs_peft_eager"] < target:
+            notes.append(f"{name}: {rows[-1]['vs_peft_eager']:.2f}x PEFT b1 (target {target}x)\n{p['breakdown']}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m packer.gpu_graph", description=__doc__)
+    parser.add_argument("--skip-qwen", action="store_true", help="only the SmolLM2-135M shape")
+    parser.add_argument("--only-qwen", action="store_true", help="only the Qwen2.5-0.5B shape")
+    args = parser.parse_args(argv)
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
+    rows: list[dict] = []
+    notes: list[str] = []
+    if not args.only_qwen:
+        _smollm2(rows, notes)
+    if not args.skip_qwen:
+        _qwen(rows, notes)
+    for n in notes:
+        print(n)
+    print("x eager / x graph: per trial-step, PEFT ms / (pack step ms / slots); smollm2 vs PEFT b8, qwen vs PEFT b1")
+    print(table(rows), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,249 @@
+"""Static-shape storage of a pack: every slot's adapter in preallocated buffers, per-step values in device tables.
+
+A captured CUDA graph replays fixed kernels on fixed addresses. So that one graph serves every step of a shape
+while slots finish, are pruned and are refilled, nothing a slot changes may be a shape, an address or a Python
+value read by the step: it must be data in a buffer the step reads.
+
+**Layout.** One fp32 buffer ``flat`` holds, layer by layer (every projection ``all-linear`` names, wrapped up
+front so layer ids and offsets never move), that layer's A for all C slots, ``(C * RB, D_in)``, then its B^T,
+``(C * RB, D_out)``; slot g owns rows ``g * RB : g * RB + r_g`` of each, RB the pack's rank bucket. ``grad``,
+``exp_avg`` and ``exp_avg_sq`` have the same layout. Why this one:
+
+- each layer's ``a_cat`` / ``bt_cat`` is a contiguous view of ``flat`` (the kernels' row-major operand, no
+  gather or copy per step), and a per-layer leaf whose ``.grad`` is a view of ``grad``: autograd accumulates
+  into the static gradient in place;
+- a slot's rows sit at fixed offsets, so a refill writes new weights into the same memory (no re-capture), and
+  the slot's parameters that the rest of the packer sees (``PackedModel.slot_weights``, evaluation, saving) are
+  views of those rows: ``(r_g, D)``, exactly the shapes of a slot trained alone;
+- padding to the bucket is exact: rank rows ``r_g .. RB`` of A and B^T, and every row of a layer the slot does
+  not target, start at zero and stay zero. Their outputs are ``x A_pad^T = 0``; their gradients are
+  ``dB^T_pad = H_pad^T dY = 0`` and ``dA_pad = (s dY B_pad)^T X = 0`` (each has a zero factor), so AdamW sees
+  g = 0 with m = v = 0 and moves nothing (weight decay of 0 is 0). A slot therefore trains as it would alone,
+  and one segment table serves every layer: per slot its rank (0 for a free slot), scale, dropout p and seed;
+- the optimizer walks only each slot's first ``r_g`` rows (``kernels.triton_adamw``), so its traffic follows the
+  real ranks: a large bucket costs memory, not time.
+
+**Per-step data** (``ShapeBuffers``): token ids, labels, attention mask, the segment tables (ranks, scales,
+dropout p and seeds), the optimizer table (``kernels.triton_adamw.OPT_FIELDS``: decay, betas, bias corrections,
+step size, clip norm) and the ring-buffer row. The host writes them into pinned staging memory and copies them
+with two non-blocking copies before each step (``packer.static_loop``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from kernels import SegmentMeta, resolve_impl, static_meta
+from kernels.reference import dropout_keep_mask
+from packer.batch import IGNORE_INDEX
+from packer.inject import inject, resolve_targets
+from packer.layer import PackedLoRALinear, PackState
+from packer.plan import ALL_LINEAR
+
+__all__ = ["StaticStore", "ShapeBuffers", "OPT_FIELDS", "SEG_INT", "SEG_FLT", "static_losses"]
+
+OPT_FIELDS = 8
+"""Columns of the optimizer table, as ``kernels.triton_adamw.OPT_FIELDS``."""
+SEG_INT, SEG_FLT = 7, 3
+"""Columns of the segment tables (``kernels._launch.SEG_INT_FIELDS`` / ``SEG_FLT_FIELDS``)."""
+
+
+@dataclass
+class ShapeBuffers:
+    """Device buffers of one step shape (C slots x ``rows`` rows x ``seq_len`` positions), all views of two
+    blocks (``ints``, ``floats``) that one copy each fills from the host.
+
+    Attributes:
+        ids, labels, mask: (B, L) int64, B = C * rows.
+        meta: the kernels' tables; ``meta.seg_int`` (C, 7) and ``meta.seg_flt`` (C, 3) are views of the blocks.
+        rank: (C,) int64 per-slot rank (0: free slot).
+        ring_row: (1,) int64, the ring-buffer row this step writes.
+        opt: (C, OPT_FIELDS) fp32 optimizer table.
+        col_mask: (B, C * RB) fp32, 1 where a column belongs to the row's slot (masked-dense path only).
+    """
+
+    rows: int
+    seq_len: int
+    ints: torch.Tensor
+    floats: torch.Tensor
+    ids: torch.Tensor
+    labels: torch.Tensor
+    mask: torch.Tensor
+    meta: SegmentMeta
+    rank: torch.Tensor
+    ring_row: torch.Tensor
+    opt: torch.Tensor
+    col_mask: torch.Tensor | None
+
+
+class StaticStore:
+    """Preallocated adapter storage and per-step tables of a static pack (module docstring).
+
+    Args:
+        model: the frozen base (its projections are all wrapped here, once).
+        state: the pack's shared ``PackState``.
+        layers: the pack's wrapped layers by path (filled here).
+        capacity: C, slots.
+        rank_bucket: RB, rows per slot and layer; every slot's rank must be <= RB.
+        device: where everything lives.
+    """
+
+    def __init__(self, model: nn.Module, state: PackState, layers: dict[str, PackedLoRALinear], capacity: int,
+                 rank_bucket: int, device: torch.device) -> None:
+        self.capacity, self.rank_bucket, self.device, self.state = capacity, rank_bucket, device, state
+        self.paths = resolve_targets(model, (ALL_LINEAR,))
+        inject(model, self.paths, state, layers)
+        self.layers = {p: layers[p] for p in self.paths}
+        self.path_of = {id(layer): p for p, layer in self.layers.items()}
+        rows = capacity * rank_bucket
+        offsets, off = {}, 0
+        for p, layer in self.layers.items():
+            offsets[p] = (off, off + rows * layer.in_features)
+            off += rows * (layer.in_features + layer.out_features)
+        self.flat, self.grad, self.exp_avg, self.exp_avg_sq = (torch.zeros(off, device=device) for _ in range(4))
+        self.a: dict[str, nn.Parameter] = {}
+        self.bt: dict[str, nn.Parameter] = {}
+        segs = []
+        for p, layer in self.layers.items():
+            (oa, ob), d_in, d_out = offsets[p], layer.in_features, layer.out_features
+            self.a[p] = self._leaf(oa, rows, d_in)
+            self.bt[p] = self._leaf(ob, rows, d_out)
+            segs += [(oa, d_in), (ob, d_out)]
+        self.segs = torch.tensor(segs, dtype=torch.int64, device=device)  # (S, 2): offset, width
+        self.active: frozenset[str] = frozenset()
+        """Paths some live slot targets; the others run their base projection alone."""
+        self.shape: ShapeBuffers | None = None
+        """The shape of the step being run (set by the loop)."""
+        self.dropout = False
+        """Whether the step's kernels include the dropout branch (some live slot has p > 0)."""
+        self.host_layout: kernels.PackLayout | None = None
+        """Per-slot dropout p and seeds of this step as Python values: only the eager masked-dense path, which
+        draws its masks with torch generators, reads them."""
+        self.col_scale: torch.Tensor | None = None
+
+    def _leaf(self, off: int, rows: int, d: int) -> nn.Parameter:
+        leaf = nn.Parameter(self.flat[off:off + rows * d].view(rows, d))
+        leaf.grad = self.grad[off:off + rows * d].view(rows, d)
+        return leaf
+
+    # -- slots --------------------------------------------------------------------------------
+    def slot_rows(self, slot: int, path: str, rank: int) -> tuple[torch.Tensor, ...]:
+        """(A (r, D_in), B^T (r, D_out), their gradient views) of ``slot`` in layer ``path``."""
+        r0 = slot * self.rank_bucket
+        a, bt = self.a[path], self.bt[path]
+        return (a.data[r0:r0 + rank], bt.data[r0:r0 + rank], a.grad[r0:r0 + rank],  # type: ignore[index]
+                bt.grad[r0:r0 + rank])  # type: ignore[index]
+
+    @torch.no_grad()
+    def reset_slot(self, slot: int) -> None:
+        """Zero the slot's rows (weights, gradients, moments) in every layer: a fresh slot starts from the zero
+        padding the layout relies on."""
+        r0, r1 = slot * self.rank_bucket, (slot + 1) * self.rank_bucket
+        for p in self.paths:
+            for leaf in (self.a[p], self.bt[p]):
+                for buf in self._views(leaf):
+                    buf[r0:r1].zero_()
+
+    def _views(self, leaf: nn.Parameter) -> list[torch.Tensor]:
+        """The leaf's rows in all four buffers (weights, gradients, exp_avg, exp_avg_sq)."""
+        off = leaf.data.data_ptr() - self.flat.data_ptr()
+        off //= self.flat.element_size()
+        n = leaf.numel()
+        return [buf[off:off + n].view(leaf.shape) for buf in (self.flat, self.grad, self.exp_avg, self.exp_avg_sq)]
+
+    def copy_slot_from(self, other: StaticStore, slot: int, rank: int, paths: list[str]) -> None:
+        """Move a live slot's weights and moments from ``other`` (a smaller bucket) into this store's rows."""
+        with torch.no_grad():
+            for p in paths:
+                for leaf, old_leaf in ((self.a[p], other.a[p]), (self.bt[p], other.bt[p])):
+                    new, old = self._views(leaf), other._views(old_leaf)
+                    for n, o in zip(new, old, strict=True):
+                        n[slot * self.rank_bucket:slot * self.rank_bucket + rank] = \
+                            o[slot * other.rank_bucket:slot * other.rank_bucket + rank]
+
+    # -- shapes -------------------------------------------------------------------------------
+    def shape_buffers(self, rows: int, seq_len: int, impl: str) -> ShapeBuffers:
+        """Fresh device buffers for a (C x rows, seq_len) step; the kernels' tile maps are built here, once."""
+        c, b = self.capacity, self.capacity * rows
+        n_int = 3 * b * seq_len + c * SEG_INT + c + 1
+        ints = torch.zeros(n_int, dtype=torch.int64, device=self.device)
+        floats = torch.zeros(c * SEG_FLT + c * OPT_FIELDS, dtype=torch.float32, device=self.device)
+        base = static_meta(c, rows, seq_len, self.rank_bucket, self.device, dropout=True)
+        bl = b * seq_len
+        seg_int = ints[3 * bl:3 * bl + c * SEG_INT].view(c, SEG_INT)
+        seg_flt = floats[:c * SEG_FLT].view(c, SEG_FLT)
+        seg_int.copy_(base.seg_int)
+        seg_flt.copy_(base.seg_flt)
+        col_mask = None
+        if impl != "triton":
+            slot_of_col = torch.arange(c * self.rank_bucket, device=self.device) // self.rank_bucket
+            slot_of_row = torch.arange(b, device=self.device) // rows
+            col_mask = (slot_of_row[:, None] == slot_of_col[None, :]).float()
+        return ShapeBuffers(rows, seq_len, ints, floats, ints[:bl].view(b, seq_len), ints[bl:2 * bl].view(b, seq_len),
+                            ints[2 * bl:3 * bl].view(b, seq_len), base._replace(seg_int=seg_int, seg_flt=seg_flt),
+                            ints[3 * bl + c * SEG_INT:3 * bl + c * SEG_INT + c], ints[-1:],
+                            floats[c * SEG_FLT:].view(c, OPT_FIELDS), col_mask)
+
+    @contextlib.contextmanager
+    def stepping(self, shape: ShapeBuffers, dropout: bool) -> Iterator[None]:
+        """Route the wrapped layers through the static tables while a step runs."""
+        self.shape, self.dropout = shape, dropout
+        self.state.static = self
+        try:
+            yield
+        finally:
+            self.state.static = None
+
+    # -- the layer call -----------------------------------------------------------------------
+    def forward(self, layer: PackedLoRALinear, x: torch.Tensor) -> torch.Tensor:
+        """``layer(x)`` for x (B, L, D_in): its base plus every slot's LoRA term, from the static tables."""
+        path = self.path_of[id(layer)]
+        if path not in self.active:
+            return layer.base(x)
+        shape = self.shape
+        assert shape is not None
+        a, bt = self.a[path], self.bt[path]
+        b, seq, d_in = x.shape
+        if resolve_impl(self.state.impl, x.device) == "triton":
+            meta = shape.meta._replace(layer_id=layer.layer_id, has_dropout=self.dropout)
+            x2 = x.reshape(b * seq, d_in)
+            if type(layer.base) is nn.Linear:
+                y = kernels.packed_lora_static(x2, None, layer.base.weight, layer.base.bias, a, bt, meta)
+            else:
+                y = kernels.packed_lora_static(x2, layer.base(x).reshape(b * seq, -1), None, None, a, bt, meta)
+            return y.view(b, seq, -1)
+        xin = x.to(a.dtype)
+        if self.dropout and self.host_layout is not None:
+            lay = self.host_layout
+            masks = [dropout_keep_mask(lay, g, layer.layer_id, d_in, seq, x.device) if lay.dropout[g] > 0
+                     else xin.new_ones((shape.rows, seq, d_in)) for g in range(self.capacity)]
+            xin = xin * torch.cat(masks, dim=0)
+        h = (xin @ a.T) * self.col_scale  # (B, L, C * RB)
+        return layer.base(x) + (h @ bt).to(x.dtype)
+
+
+def static_losses(logits: torch.Tensor, labels: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-slot mean next-token cross-entropy of a static batch (slot g owns a fixed block of rows).
+
+    Args:
+        logits: (B, L, V).
+        labels: (B, L) unshifted, ``IGNORE_INDEX`` where no loss is taken (all of a padding row).
+        capacity: C; B is a multiple of it.
+
+    Returns:
+        (C,) fp32 losses (0 for a slot without target tokens) and (C,) fp32 target counts.
+    """
+    b, seq, vocab = logits.shape
+    shift = labels[:, 1:]
+    ce = F.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), shift.reshape(-1), ignore_index=IGNORE_INDEX,
+                         reduction="none")
+    sums = ce.view(capacity, -1).sum(dim=1)
+    counts = (shift != IGNORE_INDEX).view(capacity, -1).sum(dim=1).float()
+    return sums / counts.clamp(min=1.0), counts

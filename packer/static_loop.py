@@ -1,0 +1,381 @@
+"""The static-shape packed training loop: ``packer.train.train`` with one fixed step a CUDA graph replays.
+
+Read ``train_static`` top to bottom; it keeps ``train``'s contract (jobs, slots, callbacks, totals). What
+differs is where a step's numbers live:
+
+- **Shapes are fixed.** C slots x ``rows`` rows (the largest micro-batch seen; a slot with fewer rows, or a
+  free slot, gets padding rows with no loss) x a length padded up to a multiple of ``seq_multiple``. One step
+  shape, with the set of adapted layers and whether dropout is compiled in, is one graph key: refills,
+  prunes and slot ends change no key (``packer.static`` says how the buffers make that exact).
+- **Per-step values are data.** The host writes tokens, segment tables and the optimizer table into pinned
+  staging memory (a ring of ``_STAGING`` blocks, each reused only once the GPU has copied it: the host runs
+  ahead of the GPU without racing it) and copies them with two non-blocking copies; then the graph replays.
+- **No host sync in the step.** Per-slot losses, target counts and gradient norms go to a device ring buffer
+  that the loop reads every ``readback_every`` steps, when a slot reaches its ``max_steps``, and when a slot
+  reaches one of ``sync_steps`` (the sweep's rungs). ``on_step`` therefore receives each step's reports in
+  order but up to ``readback_every - 1`` steps late, and ``should_stop`` is asked then: a slot it stops has
+  trained up to that many steps past the report that stopped it (zero at a sync step, which is where the
+  sweep prunes). Its ``SlotEnd.steps`` counts every step it took, and its reports up to its end are delivered.
+
+Capture (``cuda_graphs``: ``auto``/``on`` on CUDA): on a new key the step runs twice eagerly on a side stream
+with a no-op optimizer table (warm-up: kernels compile, the allocator settles; weights and moments stay as they
+were), then is captured; warm-up and capture seconds are counted in ``TrainResult``. If capture fails, a
+one-line warning says why and the pack runs the same step eagerly.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+import kernels
+from kernels import PackLayout, dropout_seed, resolve_impl
+from packer.batch import IGNORE_INDEX
+from packer.model import PackedModel
+from packer.optim import lr_schedule
+from packer.static import SEG_FLT, SEG_INT, ShapeBuffers, StaticStore, static_losses
+from packer.static_optim import NOOP, optimizer_row, static_adamw_step
+from packer.train import SlotEnd, SlotJob, StepReport, TrainResult
+
+__all__ = ["train_static", "DEFAULT_READBACK", "SEQ_MULTIPLE", "rank_bucket_for"]
+
+DEFAULT_READBACK = 8
+SEQ_MULTIPLE = 16
+"""Sequence lengths are padded up to a multiple of this: few graph keys, little padding on short rows."""
+_STAGING = 4
+
+
+def rank_bucket_for(rank: int) -> int:
+    """The smallest power of two >= ``rank`` and >= 16 (the kernels' narrowest rank tile)."""
+    return max(16, 1 << max(rank - 1, 0).bit_length())
+
+
+@dataclass
+class _Live:
+    job: SlotJob
+    schedule: Any
+    steps: int = 0
+    stopped: bool = False
+
+
+@dataclass
+class _Pending:
+    step: int
+    row: int
+    entries: list[tuple[int, Any, int, float, int]]
+    """(slot, key, slot step, lr, input tokens) of every live slot."""
+
+
+@dataclass
+class _Graphs:
+    """Captured graphs by key, or eager execution where capture is off or failed."""
+
+    enabled: bool
+    graphs: dict[tuple, torch.cuda.CUDAGraph] = field(default_factory=dict)
+    pool: Any = None
+    warmup_s: float = 0.0
+    capture_s: float = 0.0
+
+    def run(self, key: tuple, step: Callable[[], None], shape: ShapeBuffers, scratch_row: int) -> None:
+        if not self.enabled:
+            step()
+            return
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = self._capture(step, shape, scratch_row)
+            if graph is None:
+                step()
+                return
+            self.graphs[key] = graph
+        graph.replay()
+
+    def _capture(self, step: Callable[[], None], shape: ShapeBuffers, scratch_row: int) -> torch.cuda.CUDAGraph | None:
+        saved = shape.floats.clone(), shape.ints[-1:].clone()
+        shape.opt.copy_(torch.tensor(NOOP, device=shape.opt.device).expand_as(shape.opt))
+        shape.ring_row.fill_(scratch_row)
+        t0 = time.perf_counter()
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    step()
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            self.warmup_s += t1 - t0
+            graph = torch.cuda.CUDAGraph()
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(graph, pool=self.pool):
+                step()
+            torch.cuda.synchronize()
+            self.capture_s += time.perf_counter() - t1
+        except Exception as err:  # any failure: the same step runs eagerly from now on
+            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            warnings.warn(f"CUDA graph capture failed, training eagerly: {type(err).__name__}: {first}", stacklevel=3)
+            self.enabled, graph = False, None
+        shape.floats.copy_(saved[0])
+        shape.ints[-1:].copy_(saved[1])
+        return graph
+
+
+class _Staging:
+    """Pinned host blocks the step's values are written into, reused round-robin once their copy has run."""
+
+    def __init__(self, n_int: int, n_flt: int, cuda: bool) -> None:
+        self.cuda = cuda
+        self.blocks = [(torch.zeros(n_int, dtype=torch.int64, pin_memory=cuda),
+                        torch.zeros(n_flt, dtype=torch.float32, pin_memory=cuda)) for _ in range(_STAGING)]
+        self.events: list[torch.cuda.Event | None] = [None] * _STAGING
+        self.i = 0
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.i = (self.i + 1) % _STAGING
+        event = self.events[self.i]
+        if event is not None:
+            event.synchronize()  # waits only when the GPU is _STAGING steps behind the host
+        return self.blocks[self.i]
+
+    def send(self, shape: ShapeBuffers) -> None:
+        ints, floats = self.blocks[self.i]
+        shape.ints.copy_(ints, non_blocking=self.cuda)
+        shape.floats.copy_(floats, non_blocking=self.cuda)
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record()
+            self.events[self.i] = event
+
+
+def _fill(ints: np.ndarray, floats: np.ndarray, store: StaticStore, shape: ShapeBuffers, active: dict[int, _Live],
+          rows: dict[int, list], pad_id: int, ring_row: int) -> tuple[dict[int, float], dict[int, int], PackLayout]:
+    """Write one step's values into the staging arrays; returns per live slot its lr and input tokens, and the
+    step's layout as Python values (for the eager masked-dense dropout)."""
+    c, m, seq = store.capacity, shape.rows, shape.seq_len
+    b = c * m
+    ids, labels, mask = (ints[i * b * seq:(i + 1) * b * seq].reshape(b, seq) for i in range(3))
+    ids.fill(pad_id)
+    labels.fill(IGNORE_INDEX)
+    mask.fill(0)
+    mask[:, 0] = 1  # a padding row attends to one token: no fully masked row (whose attention would be NaN)
+    off = 3 * b * seq
+    seg_int = ints[off:off + c * SEG_INT].reshape(c, SEG_INT)
+    rank = ints[off + c * SEG_INT:off + c * SEG_INT + c]
+    ints[-1] = ring_row
+    seg_flt = floats[:c * SEG_FLT].reshape(c, SEG_FLT)
+    opt = floats[c * SEG_FLT:].reshape(c, -1)
+    lrs, input_tokens, p_list, seeds, own = {}, {}, [0.0] * c, [0] * c, [seq] * c
+    for g in range(c):
+        live = active.get(g)
+        seg_int[g] = (g * m * seq, (g + 1) * m * seq, g * m, 0, g * store.rank_bucket, 0, 0)
+        seg_flt[g] = (0.0, 0.0, 1.0)
+        rank[g] = 0
+        opt[g] = NOOP
+        if live is None:
+            continue
+        spec = live.job.spec
+        n_in = 0
+        for i, r in enumerate(rows[g]):
+            n = len(r.input_ids)
+            ids[g * m + i, :n] = r.input_ids
+            labels[g * m + i, :n] = r.labels
+            mask[g * m + i, :n] = 1
+            n_in += n
+        lr = spec.lr * live.schedule(live.steps)
+        seeds[g], p_list[g] = dropout_seed(spec.seed, live.steps), spec.dropout
+        own[g] = max((len(r.input_ids) for r in rows[g]), default=0)
+        seg_int[g, 3], seg_int[g, 5], rank[g] = spec.rank, seeds[g], spec.rank
+        seg_flt[g] = (spec.scale, spec.dropout, 1.0 / (1.0 - spec.dropout))
+        opt[g] = optimizer_row(spec, lr, live.steps + 1)
+        lrs[g], input_tokens[g] = lr, n_in
+    layout = PackLayout(tuple(range(c)), tuple(g * m for g in range(c)), (m,) * c, tuple(own), tuple(p_list),
+                        tuple(seeds))
+    return lrs, input_tokens, layout
+
+
+def _step_fn(pm: PackedModel, store: StaticStore, shape: ShapeBuffers, ring: torch.Tensor, triton: bool,
+             dropout: bool) -> Callable[[], None]:
+    """The whole step on the shape's buffers: forward, per-slot losses, backward, clip + AdamW, ring write."""
+    c = store.capacity
+
+    def step() -> None:
+        with store.stepping(shape, dropout), torch.enable_grad():
+            if not triton:  # masked-dense column scales: s_g on the slot's own rank columns of its rows
+                scale = shape.meta.seg_flt[:, 0].repeat_interleave(shape.rows)
+                store.col_scale = (shape.col_mask * scale[:, None])[:, None, :]  # type: ignore[operator]
+            logits = pm.model(input_ids=shape.ids, attention_mask=shape.mask, use_cache=False).logits
+            losses, counts = static_losses(logits, shape.labels, c)
+            del logits
+            losses.sum().backward()
+        norms = static_adamw_step(store, shape, triton)
+        ring.index_copy_(0, shape.ring_row, torch.stack([losses.detach(), counts, norms], dim=1)[None])
+
+    return step
+
+
+def _precompile(step: Callable[[], None]) -> None:
+    """Compile, in parallel, the Triton kernel variants of a step before it first runs (``kernels.precompile``:
+    its launches become compile-only warm-ups). The torch ops of that pass run on unwritten kernel outputs: the
+    only state they reach is the ring row (which the real step then overwrites) and the gradients, which get
+    the zero weight gradients of skipped kernels; the optimizer kernels are skipped, so weights and moments
+    stay as they were."""
+    try:
+        kernels.precompile(step)
+    except Exception as err:  # an optimisation only: the step compiles what it lacks as it launches it
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        warnings.warn(f"kernel precompile failed, kernels compile as the step meets them: {type(err).__name__}: "
+                      f"{first}", stacklevel=3)
+
+
+def train_static(pm: PackedModel, capacity: int, next_job: Callable[[int], SlotJob | None], *, pad_id: int,
+                 on_step: Callable[[list[StepReport]], None] | None = None,
+                 should_stop: Callable[[StepReport], bool] | None = None,
+                 on_end: Callable[[list[SlotEnd]], None] | None = None, max_global_steps: int | None = None,
+                 cuda_graphs: str = "auto", readback_every: int = DEFAULT_READBACK, sync_steps: Collection[int] = (),
+                 rank_bucket: int | None = None, seq_multiple: int = SEQ_MULTIPLE) -> TrainResult:
+    """``packer.train.train`` on a static-shape step (module docstring); same arguments and result, plus:
+
+    Args:
+        cuda_graphs: ``auto`` / ``on``: capture the step on CUDA; ``off``: run it eagerly.
+        readback_every: K, steps between reads of the loss ring buffer (>= 1).
+        sync_steps: slot steps at which the loop reads back at once (the sweep's rungs).
+        rank_bucket: rows per slot and layer (None: the smallest power of two >= 16 holding the first job's
+            rank; a larger rank later moves the live slots to a larger bucket, and re-captures).
+        seq_multiple: rows are padded to a multiple of this many positions.
+    """
+    if readback_every < 1:
+        raise ValueError(f"readback_every must be >= 1 (got {readback_every})")
+    device = pm.device
+    triton = resolve_impl(pm.state.impl, device) == "triton"
+    graphs = _Graphs(enabled=device.type == "cuda" and cuda_graphs != "off")
+    ring = torch.zeros((readback_every + 1, capacity, 3), device=device)  # last row: warm-up scratch
+    result, active, pending = TrainResult(), {}, []
+    store: StaticStore | None = None
+    shapes: dict[tuple[int, int], ShapeBuffers] = {}
+    staging: dict[tuple[int, int], _Staging] = {}
+    rows_per_slot, prepared = 1, set()
+    t0 = time.perf_counter()
+    try:
+        while True:
+            # 1. Refill free slots; a rank above the bucket moves the pack to a larger one first.
+            for slot in range(capacity):
+                job = next_job(slot) if slot not in active else None
+                if job is None:
+                    continue
+                if store is None or job.spec.rank > store.rank_bucket:
+                    store = _new_store(pm, store, capacity, rank_bucket or rank_bucket_for(job.spec.rank),
+                                       job.spec.rank, active)
+                    shapes, staging, graphs.graphs, prepared = {}, {}, {}, set()
+                pm.add_slot(slot, job.spec)
+                active[slot] = _Live(job, lr_schedule(job.spec))
+                result.jobs_started += 1
+            if not active or (max_global_steps is not None and result.steps >= max_global_steps):
+                break
+            assert store is not None
+            store.active = frozenset(p for s in active for p in pm.slot_paths[s])
+
+            # 2. Each live slot's micro-batch, staged into the step shape's buffers.
+            rows = {s: active[s].job.stream.next_batch() for s in sorted(active)}
+            rows_per_slot = max(rows_per_slot, *(len(r) for r in rows.values()))
+            longest = max(len(r.input_ids) for rs in rows.values() for r in rs)
+            dims = (rows_per_slot, -(-longest // seq_multiple) * seq_multiple)
+            if dims not in shapes:
+                shapes[dims] = store.shape_buffers(*dims, "triton" if triton else "torch")
+                staging[dims] = _Staging(shapes[dims].ints.numel(), shapes[dims].floats.numel(), device.type == "cuda")
+            shape, stage = shapes[dims], staging[dims]
+            row = result.steps % readback_every
+            host_ints, host_floats = stage.take()
+            lrs, input_tokens, store.host_layout = _fill(host_ints.numpy(), host_floats.numpy(), store, shape, active,
+                                                         rows, pad_id, row)
+            stage.send(shape)
+
+            # 3. The step: replayed, captured on first use of its key, or eager.
+            dropout = any(a.job.spec.dropout > 0 for a in active.values())
+            key = (*dims, store.active, dropout)
+            step = _step_fn(pm, store, shape, ring, triton, dropout)
+            if triton and device.type == "cuda" and key not in prepared:
+                prepared.add(key)
+                _precompile(step)
+            if not triton and dropout:  # masks drawn by torch generators from Python seeds: eager only
+                step()
+            else:
+                graphs.run(key, step, shape, readback_every)
+            entries = []
+            for s in sorted(active):
+                a = active[s]
+                a.steps += 1
+                entries.append((s, a.job.key, a.steps, lrs[s], input_tokens[s]))
+            pending.append(_Pending(result.steps, row, entries))
+            result.steps += 1
+
+            # 4. Read back when due; hand reports to the caller; end finished and stopped slots.
+            due = (len(pending) >= readback_every or any(a.steps >= a.job.spec.max_steps or a.steps in sync_steps
+                                                         for a in active.values()))
+            if due:
+                _flush(ring, pending, active, result, on_step, should_stop)
+                ends = [SlotEnd(s, a.job, a.steps, "finished" if a.steps >= a.job.spec.max_steps else "stopped")
+                        for s, a in sorted(active.items()) if a.steps >= a.job.spec.max_steps or a.stopped]
+                _end(pm, active, ends, on_end, result)
+        _flush(ring, pending, active, result, on_step, should_stop)
+        _end(pm, active, [SlotEnd(s, a.job, a.steps, "interrupted") for s, a in sorted(active.items())], on_end,
+             result)
+    finally:
+        pm.static = None
+    result.wall_s = time.perf_counter() - t0
+    result.warmup_s, result.capture_s, result.graphs = graphs.warmup_s, graphs.capture_s, len(graphs.graphs)
+    return result
+
+
+def _new_store(pm: PackedModel, old: StaticStore | None, capacity: int, bucket: int, rank: int,
+               active: dict[int, _Live]) -> StaticStore:
+    """A store whose bucket holds ``rank``; the live slots of ``old`` move into it (weights and moments)."""
+    store = StaticStore(pm.model, pm.state, pm.layers, capacity, max(bucket, rank_bucket_for(rank)), pm.device)
+    if old is not None:
+        for slot in active:
+            spec = pm.specs[slot]
+            store.copy_slot_from(old, slot, spec.rank, pm.slot_paths[slot])
+            for path in pm.slot_paths[slot]:
+                layer = pm.layers[path]
+                layer.remove_slot(slot)
+                layer.add_slot(slot, *store.slot_rows(slot, path, spec.rank))
+    pm.static = store
+    return store
+
+
+def _flush(ring: torch.Tensor, pending: list[_Pending], active: dict[int, _Live], result: TrainResult,
+           on_step: Callable[[list[StepReport]], None] | None,
+           should_stop: Callable[[StepReport], bool] | None) -> None:
+    """Read the ring buffer once (the loop's only sync) and report every pending step, in order."""
+    if not pending:
+        return
+    values = ring.cpu().tolist()
+    for p in pending:
+        reports = [StepReport(p.step, s, key, slot_step, values[p.row][s][0], int(values[p.row][s][1]), n_in, lr,
+                              values[p.row][s][2]) for s, key, slot_step, lr, n_in in p.entries]
+        result.tokens += sum(r.tokens for r in reports)
+        result.input_tokens += sum(r.input_tokens for r in reports)
+        if on_step is not None:
+            on_step(reports)
+        for r in reports:
+            live = active[r.slot]
+            if should_stop is not None and not live.stopped and r.slot_step < live.job.spec.max_steps:
+                live.stopped = should_stop(r)
+    pending.clear()
+
+
+def _end(pm: PackedModel, active: dict[int, _Live], ends: list[SlotEnd],
+         on_end: Callable[[list[SlotEnd]], None] | None, result: TrainResult) -> None:
+    if not ends:
+        return
+    if on_end is not None:
+        on_end(ends)
+    for e in ends:
+        del active[e.slot]
+        result.ended.append((e.job.key, e.steps, e.reason))
+        pm.remove_slot(e.slot)

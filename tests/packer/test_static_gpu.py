@@ -1,0 +1,95 @@
+"""The static-shape step captured as a CUDA graph: graph == eager, replay after refills, fallback (H200 only)."""
+
+from __future__ import annotations
+
+import random
+import warnings
+from dataclasses import replace
+
+import pytest
+import torch
+
+import packer.static_loop as static_loop
+from packer.data import Example, SlotStream
+from packer.model import PackedModel, load_base
+from packer.plan import AdapterSpec
+from packer.train import SlotJob, train
+from tests.conftest import Recorder, random_examples
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+PAD = 0
+
+
+def _specs() -> list[AdapterSpec]:
+    """Eight jobs over three slots: ranks 4-64, micro-batches 1-8, dropout on some, different lengths (slots
+    end and are refilled mid-run), different targets, lrs and schedules."""
+    ranks, micro = (4, 64, 8, 16, 32, 4, 64, 8), (1, 8, 3, 2, 5, 4, 1, 8)
+    wide = ("q_proj", "o_proj", "gate_proj", "down_proj")  # the tiny model's k/v are 32 wide: rank 64 skips them
+    return [AdapterSpec(rank=r, alpha=2 * r, lr=2e-3 * (1 + i % 3), micro_batch=m, max_steps=8 + 3 * i, seed=i,
+                        dropout=0.1 if i % 3 == 1 else 0.0,
+                        targets=wide if r == 64 else ("all-linear",) if i % 2 else ("q_proj", "v_proj"),
+                        schedule=("constant", "cosine", "linear")[i % 3], warmup_steps=i % 4, weight_decay=0.01 * i)
+            for i, (r, m) in enumerate(zip(ranks, micro, strict=True))]
+
+
+def _run(model_dir, specs, capacity, *, cuda_graphs, examples=None, **kw):  # noqa: ANN001, ANN003, ANN202
+    model, _ = load_base(str(model_dir), attn_implementation="sdpa", device="cuda")
+    pm = PackedModel(model, impl="triton")
+    jobs = [SlotJob(s, SlotStream(examples or random_examples(64, seed=10 + i), s.micro_batch, seed=s.seed), key=i)
+            for i, s in enumerate(specs)]
+    rec = Recorder(pm)
+    result = train(pm, capacity, lambda slot: jobs.pop(0) if jobs else None, pad_id=PAD, on_step=rec.on_step,
+                   on_end=rec.on_end, static_shapes=True, cuda_graphs=cuda_graphs, **kw)
+    return rec, result
+
+
+def _same(a: Recorder, b: Recorder, rtol: float = 1e-6) -> None:
+    assert a.losses.keys() == b.losses.keys()
+    for key in a.losses:
+        torch.testing.assert_close(torch.tensor(a.losses[key]), torch.tensor(b.losses[key]), rtol=rtol, atol=0)
+        for path, (wa, wb) in a.final[key].items():
+            torch.testing.assert_close(wa, b.final[key][path][0], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(wb, b.final[key][path][1], rtol=1e-5, atol=1e-6)
+
+
+def test_graph_equals_eager_fp32_with_refills_mixed_ranks_and_dropout(tiny_dirs) -> None:
+    specs = _specs()
+    eager, r_eager = _run(tiny_dirs("llama"), specs, 3, cuda_graphs="off")
+    graph, r_graph = _run(tiny_dirs("llama"), specs, 3, cuda_graphs="auto")
+    assert r_eager.graphs == 0 and r_graph.graphs >= 1
+    assert r_graph.steps >= 30 and r_graph.jobs_started == len(specs)
+    _same(eager, graph)
+
+
+def test_replay_after_refill_captures_once(tiny_dirs) -> None:
+    """Rows of one length, one micro-batch: every refill (new ranks, lrs, seeds) replays the first graph."""
+    rng = random.Random(0)
+    rows = [Example(tuple(rng.randrange(3, 300) for _ in range(20)), (-100,) * 5 + tuple(range(3, 18)))
+            for _ in range(32)]
+    wide = ("q_proj", "o_proj", "gate_proj", "down_proj")  # rank 64 fits these; one set: one graph key
+    specs = [replace(s, micro_batch=4, dropout=0.0, targets=wide) for s in _specs()[:6]]
+    eager, _ = _run(tiny_dirs("llama"), specs, 2, cuda_graphs="off", examples=rows, rank_bucket=64)
+    graph, result = _run(tiny_dirs("llama"), specs, 2, cuda_graphs="on", examples=rows, rank_bucket=64)
+    assert result.graphs == 1 and result.capture_s > 0 and result.warmup_s > 0
+    _same(eager, graph)
+
+
+def test_capture_failure_falls_back_to_eager(tiny_dirs, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step that cannot be captured (here: a host sync inside it) warns once and trains eagerly, unchanged."""
+    losses = static_loop.static_losses
+
+    def syncing(*args):  # noqa: ANN002, ANN202
+        out = losses(*args)
+        out[0].sum().item()  # a host sync: illegal while capturing
+        return out
+
+    specs = _specs()[:4]
+    eager, _ = _run(tiny_dirs("llama"), specs, 2, cuda_graphs="off")
+    monkeypatch.setattr(static_loop, "static_losses", syncing)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fallback, result = _run(tiny_dirs("llama"), specs, 2, cuda_graphs="auto")
+    messages = [str(w.message) for w in caught if "CUDA graph capture failed" in str(w.message)]
+    assert len(messages) == 1 and result.graphs == 0
+    _same(eager, fallback)
