@@ -42,6 +42,12 @@ GPT2_SPECS = [
                 weight_decay=0.05),
 ]
 
+OPT_SPECS = [  # OPT's decoder feeds fc1/fc2 flattened (B·L, D) tokens: both steps must route them by the pack's rows
+    AdapterSpec(rank=2, alpha=4, lr=3e-3, micro_batch=2, targets=("fc1", "fc2"), max_steps=STEPS, seed=1),
+    AdapterSpec(rank=4, alpha=16, lr=1e-2, micro_batch=3, targets=("all-linear",), max_steps=STEPS, seed=2,
+                schedule="cosine", warmup_steps=3),
+]
+
 
 def _jobs(specs: list[AdapterSpec]) -> list[SlotJob]:
     return [SlotJob(spec, SlotStream(random_examples(40, seed=100 + i), spec.micro_batch, seed=spec.seed), key=i)
@@ -102,7 +108,7 @@ def _run_peft(model_dir: Path, spec: AdapterSpec, stream: SlotStream, init_a: di
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
-@pytest.mark.parametrize(("family", "specs"), [("llama", LLAMA_SPECS), ("gpt2", GPT2_SPECS)])
+@pytest.mark.parametrize(("family", "specs"), [("llama", LLAMA_SPECS), ("gpt2", GPT2_SPECS), ("opt", OPT_SPECS)])
 def test_packed_equals_peft_separately(tiny_dirs, family: str, specs: list[AdapterSpec], static: bool) -> None:
     model_dir = tiny_dirs(family)
     losses, final = _run_packed(model_dir, _jobs(specs), capacity=len(specs), static=static)
