@@ -156,13 +156,10 @@ def plan(study: str, overrides: tuple[str, ...]) -> None:
     from packer.data import load_examples
     from packer.model import PackedModel, load_base
     from sweep.planning import padded_mean_length, plan_pack
+    from sweep.resume import resolve_device
 
     spec = _load(study, overrides, None)
-    device = spec.model.device
-    if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(spec.model.device)
     model, tokenizer = load_base(spec.model.path, dtype=spec.model.dtype, device=device)
     data = spec.data
     examples = load_examples(data.train, tokenizer, fmt=data.format, max_length=data.max_length,

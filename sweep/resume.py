@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 import warnings
 from collections.abc import Callable, Collection, Sequence
@@ -39,7 +40,7 @@ from sweep.storage import Sharing, last_beat, open_storage, resume_clock, storag
 from sweep.store import ResultsStore, StudyDir
 
 __all__ = ["Session", "open_session", "budget_state", "shared_budget", "BudgetState", "ORPHAN_REASON",
-           "reap_stale", "TokenPlan", "TOKENS_ATTR", "PLANNED_ATTR"]
+           "reap_stale", "resolve_device", "TokenPlan", "TOKENS_ATTR", "PLANNED_ATTR"]
 
 ORPHAN_REASON = "orphaned: the run stopped while this trial trained; its parameters were enqueued again"
 TOKENS_ATTR = "tokens"
@@ -337,6 +338,27 @@ def _capacity(spec: StudySpec, pm: PackedModel, log: Callable[[str], None]) -> i
     return n
 
 
+def resolve_device(device: str) -> str:
+    """``model.device`` as a torch device: ``auto`` picks CUDA when visible.
+
+    Raises:
+        UserError: ``cuda`` or ``cuda:N`` is asked for and no such CUDA device is visible.
+    """
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UserError(f"model.device: {device}, but no CUDA device is visible (torch {torch.__version__}, "
+                            f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+                            f"use device: auto or cpu")
+        index = int(device.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise UserError(f"model.device: {device}, but only {torch.cuda.device_count()} CUDA device(s) are visible")
+    return device
+
+
 def open_session(spec: StudySpec, *, log: Callable[[str], None] = print, sharing: Sharing | None = None) -> Session:
     """Create or resume the study in ``spec.out_dir`` and load the base model once.
 
@@ -344,6 +366,7 @@ def open_session(spec: StudySpec, *, log: Callable[[str], None] = print, sharing
     are orphans, and the budget is counted there.
     """
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # our progress and store say what happened
+    device = resolve_device(spec.model.device)  # before anything is created: a user error leaves no trace
     sdir = StudyDir(spec.out_dir).create()
     if spec.source is not None:
         sdir.write_study_yaml(spec.source.read_text())
@@ -356,11 +379,6 @@ def open_session(spec: StudySpec, *, log: Callable[[str], None] = print, sharing
     store.set_meta(name=spec.name, storage=url, model=spec.model.path,
                    data=str(spec.data.train), objectives=[o.metric for o in spec.objectives],
                    directions=spec.directions)
-    device = spec.model.device
-    if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tokenizer = load_base(spec.model.path, dtype=spec.model.dtype, device=device)
     pm = PackedModel(model, impl=spec.packing.kernels, fused_base_ops=spec.packing.fused_base_ops)
     if sharing is not None:

@@ -211,3 +211,21 @@ def test_kernels_options_reach_the_packed_model(tiny_dirs, tmp_path, monkeypatch
     for s in (default, chosen):
         run_study(s, log=lambda m: None)
     assert made == [("auto", True), ("torch", False)]
+
+
+@pytest.mark.parametrize("command", ["run", "plan"])
+def test_cuda_device_without_cuda_exits_2_with_one_line(tiny_dirs, tmp_path, command: str) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible")
+    path = write_study(tmp_path, tiny_dirs("llama"), name="nocuda")
+    doc = yaml.safe_load(path.read_text())
+    doc["model"]["device"] = "cuda"
+    path.write_text(yaml.safe_dump(doc))
+    result = _run_cli(command, str(path), *(["--quiet"] if command == "run" else []), timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "model.device" in lines[0] and "cuda" in lines[0], lines[0]
+    assert not (tmp_path / "runs-nocuda").exists(), "nothing is created before the device is known to exist"
