@@ -276,6 +276,21 @@ def _fresh_dir(out: Path) -> Path:
     return Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
 
 
+def _umask() -> int:
+    """The process's umask (read by setting it and putting it back: POSIX has no getter)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _plain_modes(root: Path) -> None:
+    """Give ``root`` and everything in it the modes ``mkdir`` and ``open`` would have (0755 / 0644 under
+    umask 022): ``mkdtemp`` made ``root`` 0700, and a serving process of another user must read the export."""
+    mask = _umask()
+    for path in [root, *root.rglob("*")]:
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
+
+
 def export_trial(study_dir: str | Path, out: str | Path, *, trial: int | None = None, best: bool = False,
                  objective: str | None = None, vllm: bool = True, merge: bool = False) -> Export:
     """Export one complete trial of the study in ``study_dir`` to ``out`` (see the module docstring).
@@ -318,6 +333,7 @@ def export_trial(study_dir: str | Path, out: str | Path, *, trial: int | None = 
             (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         (tmp / "README.md").write_text(model_card(meta, rec, config, out, source=source, changes=changes,
                                                   merged=merge))
+        _plain_modes(tmp)
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)
