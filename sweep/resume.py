@@ -34,7 +34,7 @@ from packer.checkpoint import discard_adapter
 from packer.data import Example, SlotStream
 from packer.errors import UserError
 from packer.model import PackedModel, load_base
-from sweep.space import default_params, make_sampler
+from sweep.space import GridSearch, default_params, make_sampler
 from sweep.spec import StudySpec
 from sweep.storage import Sharing, last_beat, open_storage, resume_clock, storage_lock, study_elapsed
 from sweep.store import ResultsStore, StudyDir
@@ -145,7 +145,15 @@ def budget_state(spec: StudySpec, s: Session, *, live: int, elapsed: float, live
     """
     if s.sharing is not None:
         return shared_budget(spec, s.study, mine=mine, live_tokens=live_tokens)
-    return _against(spec, s.finished + live, s.tokens + live_tokens, s.elapsed + elapsed)
+    return _grid_spent(spec, s.study) or _against(spec, s.finished + live, s.tokens + live_tokens, s.elapsed + elapsed)
+
+
+def _grid_spent(spec: StudySpec, study: optuna.Study) -> BudgetState | None:
+    """A grid study ends with its grid, whatever its budget says (``GridSearch.left``)."""
+    if spec.sampler.name != "grid":
+        return None
+    grid = GridSearch(spec.search.grid())
+    return BudgetState(True, f"the grid's {grid.size} points") if grid.left(study) == 0 else None
 
 
 def _against(spec: StudySpec, trials: int, tokens: int, elapsed: float) -> BudgetState:
@@ -174,7 +182,7 @@ def shared_budget(spec: StudySpec, study: optuna.Study, *, mine: Collection[int]
     trials = _counted(study)
     tokens = live_tokens + sum(_tokens_of(t) for t in trials if t.number not in mine)
     elapsed = study_elapsed(study) if spec.budget.wall_time is not None else 0.0
-    return _against(spec, len(trials), tokens, elapsed)
+    return _grid_spent(spec, study) or _against(spec, len(trials), tokens, elapsed)
 
 
 def _tokens_of(trial: optuna.trial.FrozenTrial) -> int:

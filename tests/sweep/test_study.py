@@ -229,3 +229,21 @@ def test_cuda_device_without_cuda_exits_2_with_one_line(tiny_dirs, tmp_path, com
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     assert "model.device" in lines[0] and "cuda" in lines[0], lines[0]
     assert not (tmp_path / "runs-nocuda").exists(), "nothing is created before the device is known to exist"
+
+
+@pytest.mark.parametrize("budget", [8, 11])
+def test_grid_with_the_default_runs_each_point_once_and_ends_when_exhausted(tiny_dirs, tmp_path, budget) -> None:
+    """8 grid points, the community default among them: budget 8 runs the grid, budget 11 stops at its end."""
+    search = {"rank": [4, 16], "lr": [1e-3, 2e-4], "targets": {"attn": ["q_proj", "v_proj"], "all": "all-linear"}}
+    spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name=f"grid{budget}", search=search,
+                                  sampler={"name": "grid"}, budget={"trials": budget},
+                                  train={"max_steps": 8, "micro_batch": 2}, pruning={"kind": "none"}))
+    summary = run_study(spec, log=lambda m: None)
+    trials = _trials(spec.out_dir, spec.name)
+    points = [(t.params["rank"], t.params["lr"], t.params["targets"]) for t in trials]
+    assert len(trials) == 8 and len(set(points)) == 8, points
+    assert all(t.state == TrialState.COMPLETE for t in trials) and summary.complete == 8
+    defaults = [t for t in trials if t.user_attrs.get("default")]
+    assert [(t.number, t.params["rank"], t.params["lr"]) for t in defaults] == [(0, 16, 2e-4)]
+    again = run_study(spec, log=lambda m: None)  # a finished grid stays finished
+    assert (again.complete, again.failed, len(_trials(spec.out_dir, spec.name))) == (0, 0, 8)
