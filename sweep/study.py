@@ -196,13 +196,16 @@ class _Sweep:
                 values[self.live[slot].trial.number] = value
                 self.s.store.add_eval(self.live[slot].trial.number, rung, {self.proxy: value}, kind="rung")
             for d in self.sha.decide(rung, values):
-                self.s.store.add_prune_decision(self.pack_id, rung, d.trial, "keep" if d.keep else "prune",
-                                                value=d.value, rank=d.rank + 1, cohort_size=d.cohort_size,
-                                                reason=d.reason)
                 slot = next(s for s, lv in self.live.items() if lv.trial.number == d.trial)
                 # The community default is ranked (it sets the bar) but never stopped: the report
-                # compares every trial with its final scores.
-                if not d.keep and not self.live[slot].trial.user_attrs.get("default"):
+                # compares every trial with its final scores. Its row says it is kept, and why.
+                spared = not d.keep and bool(self.live[slot].trial.user_attrs.get("default"))
+                reason = (f"kept as the community default, which is never pruned (below the cut: {d.reason})"
+                          if spared else d.reason)
+                self.s.store.add_prune_decision(self.pack_id, rung, d.trial, "keep" if d.keep or spared else "prune",
+                                                value=d.value, rank=d.rank + 1, cohort_size=d.cohort_size,
+                                                reason=reason)
+                if not d.keep and not spared:
                     self.to_prune.add(slot)
 
     def should_stop(self, report: StepReport) -> bool:

@@ -247,3 +247,20 @@ def test_grid_with_the_default_runs_each_point_once_and_ends_when_exhausted(tiny
     assert [(t.number, t.params["rank"], t.params["lr"]) for t in defaults] == [(0, 16, 2e-4)]
     again = run_study(spec, log=lambda m: None)  # a finished grid stays finished
     assert (again.complete, again.failed, len(_trials(spec.out_dir, spec.name))) == (0, 0, 8)
+
+
+def test_the_default_is_never_recorded_as_pruned(tiny_dirs, tmp_path) -> None:
+    """Cohort SHA ranks the community default but never stops it: its decision must say so, not 'prune'."""
+    spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name="spared", budget={"trials": 3},
+                                  train={"max_steps": 8, "micro_batch": 2}, pruning={"kind": "cohort_sha",
+                                  "rungs": [4], "reduction_factor": 3}))
+    run_study(spec, log=lambda m: None)
+    trials = {t.number: t for t in _trials(spec.out_dir, spec.name)}
+    with sqlite3.connect(spec.out_dir / "results.db") as db:
+        rows = db.execute("select trial, decision, rank, cohort_size, reason from prune_decisions").fetchall()
+    assert len(rows) == 3
+    for number, decision, _, _, _ in rows:  # every recorded prune is a trial that was stopped
+        assert (decision == "prune") == (trials[number].state == TrialState.PRUNED), rows
+    default = next(r for r in rows if trials[r[0]].user_attrs.get("default"))
+    assert default[2] > 1, f"the default must rank below the cut for this test to mean anything: {rows}"
+    assert default[1] == "keep" and "default" in default[4] and trials[default[0]].state == TrialState.COMPLETE
