@@ -69,11 +69,21 @@ def run(study: str, overrides: tuple[str, ...], out: str | None, quiet: bool, wo
 
 def _run_workers(study: str, overrides: tuple[str, ...], spec: StudySpec, workers: int, storage: str | None,
                  heartbeat: float, grace: float, quiet: bool) -> None:
-    from collections import Counter
-
-    from sweep.worker import launch, study_counts, with_storage
+    from sweep.resume import own_directory
+    from sweep.store import StudyDir
+    from sweep.worker import with_storage
 
     spec, url = with_storage(spec, storage)
+    with own_directory(StudyDir(spec.out_dir), lambda m: click.echo(m, err=True)):
+        _launch_workers(study, overrides, spec, url, workers, heartbeat, grace, quiet)
+
+
+def _launch_workers(study: str, overrides: tuple[str, ...], spec: StudySpec, url: str, workers: int,
+                    heartbeat: float, grace: float, quiet: bool) -> None:
+    from collections import Counter
+
+    from sweep.worker import launch, study_counts
+
     seen: list[Counter[str]] = [Counter()]
 
     def show(counts: Counter[str]) -> None:

@@ -37,10 +37,10 @@ from packer.model import PackedModel, load_base
 from sweep.space import GridSearch, default_params, make_sampler
 from sweep.spec import StudySpec
 from sweep.storage import Sharing, last_beat, open_storage, resume_clock, storage_lock, study_elapsed
-from sweep.store import ResultsStore, StudyDir
+from sweep.store import DirectoryInUse, DirectoryLock, ResultsStore, StudyDir
 
 __all__ = ["Session", "open_session", "budget_state", "shared_budget", "BudgetState", "ORPHAN_REASON",
-           "reap_stale", "resolve_device", "TokenPlan", "TOKENS_ATTR", "PLANNED_ATTR"]
+           "own_directory", "reap_stale", "resolve_device", "TokenPlan", "TOKENS_ATTR", "PLANNED_ATTR"]
 
 ORPHAN_REASON = "orphaned: the run stopped while this trial trained; its parameters were enqueued again"
 TOKENS_ATTR = "tokens"
@@ -71,6 +71,8 @@ class Session:
     completed: list[tuple[int, list[float]]] = field(default_factory=list)
     sharing: Sharing | None = None
     """Set when other workers share the study: the budget is then counted in the storage."""
+    lock: DirectoryLock | None = None
+    """The study directory's lock, held until ``close`` (None for a worker of a shared study)."""
 
     def adapter_dir(self, number: int) -> Path:
         """``trial_adapter_dir`` of this session's study."""
@@ -109,6 +111,8 @@ class Session:
 
     def close(self) -> None:
         self.store.close()
+        if self.lock is not None:
+            self.lock.release()
 
 
 def _pareto(points: list[tuple[int, list[float]]], directions: list[str]) -> list[int]:
@@ -375,7 +379,36 @@ def open_session(spec: StudySpec, *, log: Callable[[str], None] = print, sharing
     """
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # our progress and store say what happened
     device = resolve_device(spec.model.device)  # before anything is created: a user error leaves no trace
-    sdir = StudyDir(spec.out_dir).create()
+    sdir = StudyDir(spec.out_dir)
+    lock = None if sharing is not None else own_directory(sdir, log)
+    try:
+        return _open(spec, sdir, device, log, sharing, lock)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def own_directory(sdir: StudyDir, log: Callable[[str], None]) -> DirectoryLock:
+    """Take the study directory's lock for this run (workers of a shared study take none: their
+    launcher holds it, and the storage's own lock orders them).
+
+    Raises:
+        UserError: another live process holds it.
+    """
+    try:
+        lock = sdir.acquire()
+    except DirectoryInUse as err:
+        raise UserError(f"run: {err}; wait for it to end (a second run would fail its running trials)") from None
+    if lock.taken_over:
+        log(f"took over {sdir.lock} from pid {lock.taken_over.get('pid', '?')} on host "
+            f"{lock.taken_over.get('host', '?')}, which ended without releasing it")
+    return lock
+
+
+def _open(spec: StudySpec, sdir: StudyDir, device: str, log: Callable[[str], None], sharing: Sharing | None,
+          lock: DirectoryLock | None) -> Session:
+    sdir.create()
     if spec.source is not None:
         sdir.write_study_yaml(spec.source.read_text())
     store = ResultsStore(sdir.results_db)
@@ -402,5 +435,5 @@ def open_session(spec: StudySpec, *, log: Callable[[str], None] = print, sharing
                       tokens=sum(r.tokens or 0 for r in store.trials()),
                       elapsed=float(store.meta().get("elapsed", 0.0)),
                       completed=[(t.number, list(t.values)) for t in trials if t.state == TrialState.COMPLETE],
-                      sharing=sharing)
+                      sharing=sharing, lock=lock)
     return session

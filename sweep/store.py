@@ -8,7 +8,9 @@ A study directory (default ``runs/<name>/``, see :class:`StudyDir`) holds::
     study.yaml           a copy of the resolved study file the run used
     adapters/trial-<n>/  each completed trial's adapter in PEFT format (``PeftModel.from_pretrained``)
     report.html          the static HTML report
-    lock                 held by the process running the study
+    lock                 flock'ed by the one ``sweep run`` that owns the directory; holds its pid and host (JSON).
+                         A second run finds it held and stops; a dead holder's lock is released by the kernel
+                         and the next run takes it over (``StudyDir.acquire``)
 
 Tables of results.db (open with ``sqlite3 runs/<name>/results.db`` or ``sqlite-utils``):
 
@@ -81,10 +83,12 @@ or MySQL) as the truth and rebuild results from it.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import importlib.metadata
 import json
 import math
 import os
+import socket
 import sqlite3
 import tempfile
 import time
@@ -96,7 +100,8 @@ from typing import Any
 import sqlite_utils
 
 __all__ = [
-    "EvalRow", "ItemRow", "PackRecord", "PruneDecision", "ResultsStore", "SlotSpan", "StepRow", "StudyDir",
+    "DirectoryInUse", "DirectoryLock", "EvalRow", "ItemRow",
+    "PackRecord", "PruneDecision", "ResultsStore", "SlotSpan", "StepRow", "StudyDir",
     "TrialRecord", "atomic_write_bytes", "atomic_write_text",
 ]  # fmt: skip
 
@@ -223,6 +228,74 @@ class StudyDir:
     def write_study_yaml(self, text: str) -> None:
         """Atomically write the resolved study file."""
         atomic_write_text(self.study_yaml, text)
+
+    def acquire(self) -> DirectoryLock:
+        """Take the directory's exclusive lock (created with the folder); release it with ``release()``.
+
+        Raises:
+            DirectoryInUse: a live process holds it.
+        """
+        self.root.mkdir(parents=True, exist_ok=True)
+        return DirectoryLock(self.lock)
+
+
+class DirectoryInUse(RuntimeError):
+    """The study directory's lock is held by another live process."""
+
+    def __init__(self, path: Path, holder: dict[str, Any]) -> None:
+        self.path, self.holder = path, holder
+        super().__init__(f"{path.parent} is in use by pid {holder.get('pid', '?')} on host "
+                         f"{holder.get('host', '?')} (lock {path})")
+
+
+class DirectoryLock:
+    """An exclusive ``flock`` on a study directory's lock file, holding the owner's pid and host.
+
+    The kernel drops a flock when its process dies, however it dies, so a stale lock never blocks:
+    the file may still name the dead owner (a kill leaves it), and the next owner takes it over
+    (``taken_over`` is that owner's record). flock works on local file systems and on NFS (Linux
+    emulates it with POSIX locks there).
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise DirectoryInUse(path, holder) from None
+        self._fd: int | None = fd
+        self.taken_over = _holder(fd) or None
+        record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()})
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, record.encode() + b"\n", 0)
+        os.fsync(fd)
+
+    def release(self) -> None:
+        """Empty the file (a clean exit leaves no owner behind) and drop the lock; idempotent."""
+        if self._fd is None:
+            return
+        os.ftruncate(self._fd, 0)
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
+
+    def __enter__(self) -> DirectoryLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _holder(fd: int) -> dict[str, Any]:
+    """The owner record in a lock file ({} when empty or unreadable: written by nothing we know)."""
+    try:
+        data = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 # ---------------------------------------------------------------- rows; the tables are derived from these

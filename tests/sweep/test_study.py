@@ -264,3 +264,48 @@ def test_the_default_is_never_recorded_as_pruned(tiny_dirs, tmp_path) -> None:
     default = next(r for r in rows if trials[r[0]].user_attrs.get("default"))
     assert default[2] > 1, f"the default must rank below the cut for this test to mean anything: {rows}"
     assert default[1] == "keep" and "default" in default[4] and trials[default[0]].state == TrialState.COMPLETE
+
+
+def test_second_run_on_a_directory_in_use_exits_2_and_the_first_finishes(tiny_dirs, tmp_path) -> None:
+    """One owner per study directory: the second `sweep run` leaves the first's running trials alone."""
+    import socket
+
+    path = write_study(tmp_path, tiny_dirs("llama"), name="owned", budget={"trials": 6},
+                       train={"max_steps": 30, "micro_batch": 4}, pruning={"kind": "none"})
+    out = tmp_path / "runs-owned"
+    first = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path), "--quiet"], cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline:  # the second starts while the first has trials training
+        time.sleep(0.2)
+        try:
+            if TrialState.RUNNING in [t.state for t in _trials(out, "owned")]:
+                break
+        except Exception:
+            continue
+    second = _run_cli("run", str(path), "--quiet", timeout=120)
+    _, err = first.communicate(timeout=300)
+    assert second.returncode == 2, second.stderr
+    lines = second.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"pid {first.pid} on host {socket.gethostname()}" in lines[0], lines
+    assert first.returncode == 0, err
+    trials = _trials(out, "owned")
+    assert len(trials) == 6 and all(t.state == TrialState.COMPLETE for t in trials), [t.state for t in trials]
+
+
+def test_a_dead_runs_lock_is_taken_over(tmp_path) -> None:
+    from sweep.store import DirectoryInUse, StudyDir
+
+    sdir = StudyDir(tmp_path / "study")
+    dead = subprocess.run([sys.executable, "-c", "import sys; from sweep.store import StudyDir; "
+                           "StudyDir(sys.argv[1]).acquire(); import os; os._exit(9)", str(sdir.root)],
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert dead.returncode == 9 and json.loads(sdir.lock.read_text())["pid"] > 0  # killed holding it
+    lock = sdir.acquire()
+    assert lock.taken_over is not None and lock.taken_over["pid"] != os.getpid()
+    assert json.loads(sdir.lock.read_text())["pid"] == os.getpid()
+    with pytest.raises(DirectoryInUse, match=f"in use by pid {os.getpid()}"):
+        sdir.acquire()  # a second open file description: flock excludes it even within one process
+    lock.release()
+    sdir.acquire().release()
+    assert sdir.lock.read_text() == "", "a clean release names no owner"
