@@ -13,7 +13,17 @@ from typing import Any, NamedTuple
 
 import yaml
 
-from sweep.store import EvalRow, PackRecord, PruneDecision, ResultsStore, SlotSpan, StepRow, StudyDir, TrialRecord
+from sweep.store import (
+    EvalRow,
+    PackRecord,
+    PruneDecision,
+    ResultsStore,
+    SlotSpan,
+    StepRow,
+    StudyDir,
+    TrialRecord,
+    is_feasible,
+)
 
 __all__ = ["StudyData", "load_study_data", "load_optuna_study", "objective_values", "pareto_numbers", "best_trial"]
 
@@ -46,6 +56,21 @@ class StudyData(NamedTuple):
         done = [t for t in found if t.state == "COMPLETE"]
         pick = done or found
         return pick[-1] if pick else None
+
+    @property
+    def constraints(self) -> list[dict[str, Any]]:
+        """The study's constraints ({metric, op, value}), as the store keeps them."""
+        return list(self.meta.get("constraints") or [])
+
+    def feasible(self, t: TrialRecord) -> bool:
+        """Whether the trial's metrics meet every constraint (always, in a study without any)."""
+        return is_feasible(t.metrics, self.constraints)
+
+    @property
+    def candidates(self) -> list[TrialRecord]:
+        """The complete trials the best are chosen from: the feasible ones, or all when none is feasible
+        (Optuna's rule: a feasible trial beats any infeasible one)."""
+        return [t for t in self.complete if self.feasible(t)] or self.complete
 
     @property
     def running(self) -> bool:
@@ -96,7 +121,7 @@ def load_study_data(root: str | Path) -> StudyData:
         trials = store.trials()
         data = StudyData(sdir.root, meta, objectives, directions, trials, store.curves(), store.evals(kind="rung"),
                          {}, store.packs(), store.spans(), store.prune_decisions(), _budget(sdir))
-        wanted = {t.number for i in range(len(directions)) if (t := best_trial(trials, i, directions))}
+        wanted = {t.number for i in range(len(directions)) if (t := best_trial(data.candidates, i, directions))}
         if data.default is not None:
             wanted.add(data.default.number)
         for number in sorted(wanted):

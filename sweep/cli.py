@@ -230,12 +230,15 @@ def report(study_dir: str, out: str | None) -> None:
 @click.option("--out", required=True, type=click.Path(), help="Directory to create (must not exist or be empty).")
 @click.option("--merge", is_flag=True, help="Write the base model with the adapter merged in, plus its tokenizer.")
 @click.option("--no-vllm", is_flag=True, help="Keep the adapter as trained (no padding to a rank vLLM accepts).")
+@click.option("--allow-infeasible", is_flag=True, help="--best may pick a trial that violates the study's "
+              "constraints when none meets them.")
 def export(study_dir: str, trial: int | None, best: bool, objective: str | None, out: str, merge: bool,
-           no_vllm: bool) -> None:
+           no_vllm: bool, allow_infeasible: bool) -> None:
     """Export one trial of STUDY_DIR as a PEFT adapter directory (vLLM-ready by default) or a merged model."""
     from sweep.export import export_trial
 
-    done = export_trial(study_dir, out, trial=trial, best=best, objective=objective, vllm=not no_vllm, merge=merge)
+    done = export_trial(study_dir, out, trial=trial, best=best, objective=objective, vllm=not no_vllm, merge=merge,
+                        allow_infeasible=allow_infeasible)
     what = "merged model" if done.merged else f"adapter (rank {done.rank}" + (
         f" padded to {done.exported_rank})" if done.exported_rank != done.rank else ")")
     click.echo(f"trial {done.trial}: {what} written to {done.out}")

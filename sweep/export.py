@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from packer.errors import UserError
-from sweep.store import ResultsStore, StudyDir, TrialRecord
+from sweep.store import ResultsStore, StudyDir, TrialRecord, constraint_text, is_feasible
 
 if TYPE_CHECKING:  # torch, safetensors and transformers load in the functions that need them: errors stay fast
     import torch
@@ -73,13 +73,14 @@ def _pareto(done: _Done, directions: list[str]) -> _Done:
 
 
 def select_trial(store: ResultsStore, *, trial: int | None = None, best: bool = False,
-                 objective: str | None = None) -> TrialRecord:
+                 objective: str | None = None, allow_infeasible: bool = False) -> TrialRecord:
     """The complete trial to export: ``trial`` by number, or the best one.
 
     Raises:
         UserError: neither or both of ``trial`` / ``best``; an unknown or unfinished trial; an objective the
             study does not have; ``best`` without ``objective`` in a multi-objective study whose Pareto front
-            has several trials (the message lists them, on one line).
+            has several trials (the message lists them, on one line); ``best`` in a study with constraints
+            that no complete trial meets, unless ``allow_infeasible`` (then the best of all is taken).
     """
     if (trial is None) == (not best):
         raise UserError("export: give exactly one of --trial N and --best")
@@ -104,6 +105,13 @@ def select_trial(store: ResultsStore, *, trial: int | None = None, best: bool = 
     done = [(t, vals) for t in store.trials("COMPLETE") if (vals := _values(t, len(objectives))) is not None]
     if not done:
         raise UserError("export: no complete trial with finite objective values yet")
+    constraints = list(meta.get("constraints") or [])
+    feasible = [(t, vals) for t, vals in done if is_feasible(t.metrics, constraints)]
+    if not feasible and not allow_infeasible:
+        bounds = "; ".join(map(constraint_text, constraints))
+        raise UserError(f"export: no complete trial meets the constraints ({bounds}); pass --allow-infeasible to "
+                        f"export the best of the {len(done)} that do not")
+    done = feasible or done
     if objective is None and len(objectives) > 1:
         front = sorted(_pareto(done, directions), key=lambda x: x[0].number)
         if len(front) > 1:
@@ -292,7 +300,8 @@ def _plain_modes(root: Path) -> None:
 
 
 def export_trial(study_dir: str | Path, out: str | Path, *, trial: int | None = None, best: bool = False,
-                 objective: str | None = None, vllm: bool = True, merge: bool = False) -> Export:
+                 objective: str | None = None, vllm: bool = True, merge: bool = False,
+                 allow_infeasible: bool = False) -> Export:
     """Export one complete trial of the study in ``study_dir`` to ``out`` (see the module docstring).
 
     Raises:
@@ -303,7 +312,7 @@ def export_trial(study_dir: str | Path, out: str | Path, *, trial: int | None = 
     if not sdir.is_study():
         raise UserError(f"export: {study_dir}: not a study directory (no results.db and study.yaml)")
     with ResultsStore(sdir.results_db, create=False) as store:
-        rec = select_trial(store, trial=trial, best=best, objective=objective)
+        rec = select_trial(store, trial=trial, best=best, objective=objective, allow_infeasible=allow_infeasible)
         meta = store.meta()
     _check_out(out)
     source = (sdir.root / rec.adapter_path if rec.adapter_path else sdir.adapter_dir(rec.number)).absolute()

@@ -419,7 +419,7 @@ def _open(spec: StudySpec, sdir: StudyDir, device: str, log: Callable[[str], Non
     url = sharing.url if sharing is not None else spec.storage or sdir.optuna_url
     store.set_meta(name=spec.name, storage=url, model=spec.model.path,
                    data=str(spec.data.train), objectives=[o.metric for o in spec.objectives],
-                   directions=spec.directions)
+                   directions=spec.directions, constraints=[c.as_dict() for c in spec.constraints])
     model, tokenizer = load_base(spec.model.path, dtype=spec.model.dtype, device=device)
     pm = PackedModel(model, impl=spec.packing.kernels, fused_base_ops=spec.packing.fused_base_ops)
     if sharing is not None:

@@ -16,7 +16,8 @@ Tables of results.db (open with ``sqlite3 runs/<name>/results.db`` or ``sqlite-u
 
 ``study`` (PK key): key/value metadata; ``value`` is JSON. Keys: name (also the Optuna study name), storage (the
 Optuna storage URL), model, data, objectives (list of metric names), directions (list of "minimize"/"maximize"),
-created, updated (time of the last write), lora_sweep_version.
+constraints (list of {metric, op ("<=" or ">="), value}; a trial is feasible when its metrics meet them all, see
+``is_feasible``), created, updated (time of the last write), lora_sweep_version.
 
 ``trials`` (PK number): one row per Optuna trial.
     number            Optuna trial number.
@@ -100,7 +101,7 @@ from typing import Any
 import sqlite_utils
 
 __all__ = [
-    "DirectoryInUse", "DirectoryLock", "EvalRow", "ItemRow",
+    "DirectoryInUse", "DirectoryLock", "EvalRow", "ItemRow", "constraint_text", "constraint_violation", "is_feasible",
     "PackRecord", "PruneDecision", "ResultsStore", "SlotSpan", "StepRow", "StudyDir",
     "TrialRecord", "atomic_write_bytes", "atomic_write_text",
 ]  # fmt: skip
@@ -144,6 +145,31 @@ def _loads(text: str | None) -> Any:
 
 def _now(t: float | None) -> float:
     return time.time() if t is None else t
+
+
+# ---------------------------------------------------------------- constraints
+
+
+def constraint_violation(op: str, bound: float, x: Any) -> float:
+    """Optuna's constraint value of metric value ``x`` against ``op bound``: feasible iff <= 0.
+
+    A missing (None) or non-finite value violates by inf in both directions: a trial that did not
+    measure the metric, or measured NaN, has not shown that it meets the bound.
+    """
+    if x is None or isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x):
+        return math.inf
+    return float(x) - bound if op == "<=" else bound - float(x)
+
+
+def is_feasible(metrics: Mapping[str, Any] | None, constraints: Iterable[Mapping[str, Any]]) -> bool:
+    """Whether ``metrics`` meet every constraint (``{metric, op, value}`` as in the ``constraints`` meta key)."""
+    return all(constraint_violation(c["op"], float(c["value"]), (metrics or {}).get(c["metric"])) <= 0
+               for c in constraints)
+
+
+def constraint_text(c: Mapping[str, Any]) -> str:
+    """``metric <= value`` of one constraint."""
+    return f"{c['metric']} {c['op']} {c['value']:g}"
 
 
 # ---------------------------------------------------------------- atomic writes

@@ -258,7 +258,7 @@ class _Sweep:
             return
         assert adapter is not None, "on_end saves the adapter of every trial whose verdict passes"
         for c in self.spec.constraints:
-            lv.trial.set_constraint(c.metric, c.violation(metrics.get(c.metric, math.inf)))
+            lv.trial.set_constraint(c.metric, c.violation(metrics.get(c.metric)))
         lv.trial.set_user_attr("adapter_path", str(adapter.absolute()))  # report and export from any host
         for metric, items in result.per_item.get(e.slot, {}).items():
             self.s.store.add_items(number, metric, items)
