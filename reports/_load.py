@@ -120,7 +120,7 @@ def load_study_data(root: str | Path) -> StudyData:
         objectives, directions = list(meta.get("objectives") or []), list(meta.get("directions") or [])
         trials = store.trials()
         data = StudyData(sdir.root, meta, objectives, directions, trials, store.curves(), store.evals(kind="rung"),
-                         {}, store.packs(), store.spans(), store.prune_decisions(), _budget(sdir))
+                         {}, store.packs(), store.spans(), store.prune_decisions(), _budget(sdir, meta))
         wanted = {t.number for i in range(len(directions)) if (t := best_trial(data.candidates, i, directions))}
         if data.default is not None:
             wanted.add(data.default.number)
@@ -130,7 +130,12 @@ def load_study_data(root: str | Path) -> StudyData:
     return data
 
 
-def _budget(sdir: StudyDir) -> dict[str, Any]:
+def _budget(sdir: StudyDir, meta: dict[str, Any]) -> dict[str, Any]:
+    """The budget the last run used: the resolved spec in the store, or (a study from before it was
+    recorded there) the ``budget`` block of the study.yaml copy."""
+    spec = meta.get("spec")
+    if isinstance(spec, dict) and isinstance(spec.get("budget"), dict):
+        return spec["budget"]
     try:
         doc = yaml.safe_load(sdir.study_yaml.read_text())
     except (OSError, yaml.YAMLError):

@@ -48,8 +48,10 @@ def _load(study: str, overrides: tuple[str, ...], out: str | None) -> StudySpec:
 @click.option("--heartbeat", default=5.0, show_default=True, help="Seconds between worker heartbeats.")
 @click.option("--grace", default=60.0, show_default=True, help="Seconds without a heartbeat before a "
               "worker's trials are failed and retried.")
+@click.option("--allow-changes", is_flag=True, help="Resume even if a fixed setting (e.g. train.max_steps) "
+              "differs from the one the study started with.")
 def run(study: str, overrides: tuple[str, ...], out: str | None, quiet: bool, workers: int | None,
-        storage: str | None, heartbeat: float, grace: float) -> None:
+        storage: str | None, heartbeat: float, grace: float, allow_changes: bool) -> None:
     """Run STUDY.yaml (or resume it): OVERRIDES are dotted key=value pairs, e.g. train.max_steps=50."""
     from sweep.live import LiveProgress
     from sweep.study import run_study
@@ -61,7 +63,7 @@ def run(study: str, overrides: tuple[str, ...], out: str | None, quiet: bool, wo
     if storage is not None:
         raise UserError("run: --storage needs --workers (or set storage: in the study file)")
     with LiveProgress(enabled=not quiet) as live:
-        summary = run_study(spec, progress=live.update, log=live.log)
+        summary = run_study(spec, progress=live.update, log=live.log, allow_changes=allow_changes)
     click.echo(f"{spec.name}: {summary.complete} complete, {summary.pruned} pruned, {summary.failed} failed "
                f"in {summary.wall_s:.1f} s ({summary.steps} packed steps); study in {spec.out_dir}")
     _refresh_report(spec.out_dir)

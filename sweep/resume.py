@@ -14,6 +14,7 @@ the study's own clock (``sweep.storage.resume_clock``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+import yaml
 from optuna.trial import TrialState
 
 from packer.batch import IGNORE_INDEX
@@ -37,10 +39,11 @@ from packer.model import PackedModel, load_base
 from sweep.space import GridSearch, default_params, make_sampler
 from sweep.spec import StudySpec
 from sweep.storage import Sharing, last_beat, open_storage, resume_clock, storage_lock, study_elapsed
-from sweep.store import DirectoryInUse, DirectoryLock, ResultsStore, StudyDir
+from sweep.store import DirectoryInUse, DirectoryLock, ResultsStore, StudyDir, strip_password
 
 __all__ = ["Session", "open_session", "budget_state", "shared_budget", "BudgetState", "ORPHAN_REASON",
-           "own_directory", "reap_stale", "resolve_device", "TokenPlan", "TOKENS_ATTR", "PLANNED_ATTR"]
+           "own_directory", "reap_stale", "spec_changes", "spec_record", "resolve_device", "TokenPlan",
+           "TOKENS_ATTR", "PLANNED_ATTR"]
 
 ORPHAN_REASON = "orphaned: the run stopped while this trial trained; its parameters were enqueued again"
 TOKENS_ATTR = "tokens"
@@ -350,6 +353,40 @@ def _capacity(spec: StudySpec, pm: PackedModel, log: Callable[[str], None]) -> i
     return n
 
 
+RESUMABLE = ("budget", "output", "description", "packing", "model.device", "artifacts", "storage", "evaluators")
+"""Spec keys a resumed study may change: how long, where, and how it runs, not what a trial is.
+(Evaluators only add metrics to later trials; the objectives themselves are fixed.)"""
+
+
+def spec_record(spec: StudySpec) -> dict[str, Any]:
+    """The resolved spec as plain data (JSON and YAML): paths absolute, search dimensions by name,
+    the storage URL without its password (``redact_url``)."""
+    d = dataclasses.asdict(spec)
+    d.pop("source", None)
+    search = d.pop("search")
+    d["search"] = {p.pop("name"): p for p in search["params"]} | {"target_sets": search["target_sets"]}
+    if d.get("storage"):
+        d["storage"] = strip_password(d["storage"])
+    return json.loads(json.dumps(d, default=str))
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out |= _flat(v, f"{prefix}.{k}" if prefix else str(k))
+    return out
+
+
+def spec_changes(earlier: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """'key changed (old -> new)' for each fixed setting (not under ``RESUMABLE``) that differs."""
+    a, b = _flat(earlier), _flat(now)
+    keys = [k for k in dict.fromkeys([*a, *b]) if a.get(k) != b.get(k)
+            and not any(k == r or k.startswith(r + ".") for r in RESUMABLE)]
+    return [f"{k} changed ({json.dumps(a.get(k))} -> {json.dumps(b.get(k))})" for k in keys]
+
+
 def resolve_device(device: str) -> str:
     """``model.device`` as a torch device: ``auto`` picks CUDA when visible.
 
@@ -371,18 +408,21 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def open_session(spec: StudySpec, *, log: Callable[[str], None] = print, sharing: Sharing | None = None) -> Session:
+def open_session(spec: StudySpec, *, log: Callable[[str], None] = print, sharing: Sharing | None = None,
+                 allow_changes: bool = False) -> Session:
     """Create or resume the study in ``spec.out_dir`` and load the base model once.
 
     With ``sharing`` the study lives in a storage other workers use too: only stale RUNNING trials
-    are orphans, and the budget is counted there.
+    are orphans, and the budget is counted there. The resolved spec is recorded in the store (meta
+    ``spec``) and the directory (``study.yaml``); resumed, a changed fixed setting (``spec_changes``)
+    is an error unless ``allow_changes``.
     """
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # our progress and store say what happened
     device = resolve_device(spec.model.device)  # before anything is created: a user error leaves no trace
     sdir = StudyDir(spec.out_dir)
     lock = None if sharing is not None else own_directory(sdir, log)
     try:
-        return _open(spec, sdir, device, log, sharing, lock)
+        return _open(spec, sdir, device, log, sharing, lock, allow_changes)
     except BaseException:
         if lock is not None:
             lock.release()
@@ -407,11 +447,21 @@ def own_directory(sdir: StudyDir, log: Callable[[str], None]) -> DirectoryLock:
 
 
 def _open(spec: StudySpec, sdir: StudyDir, device: str, log: Callable[[str], None], sharing: Sharing | None,
-          lock: DirectoryLock | None) -> Session:
+          lock: DirectoryLock | None, allow_changes: bool) -> Session:
     sdir.create()
-    if spec.source is not None:
-        sdir.write_study_yaml(spec.source.read_text())
     store = ResultsStore(sdir.results_db)
+    record = spec_record(spec)
+    earlier = store.meta().get("spec")
+    changed = [] if earlier is None else spec_changes(earlier, record)
+    if changed and not allow_changes:
+        raise UserError(f"run: {changed[0]} since the study started"
+                        f"{f' (and {len(changed) - 1} more)' if len(changed) > 1 else ''}; a resumed study keeps its "
+                        f"fixed settings: give the same overrides again, or pass --allow-changes")
+    for change in changed:
+        log(f"resuming with {change} (--allow-changes)")
+    store.set_meta(spec=record)
+    sdir.write_study_yaml("# The resolved study this directory's last run used (overrides and aliases applied).\n"
+                          + yaml.safe_dump(record, sort_keys=False))
     study = _optuna_study(spec, sdir, sharing)
     adapters = partial(trial_adapter_dir, spec, sdir)
     if sharing is None:

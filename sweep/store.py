@@ -5,7 +5,7 @@ A study directory (default ``runs/<name>/``, see :class:`StudyDir`) holds::
     optuna.db            Optuna RDB storage, the source of truth for trials (``optuna-dashboard sqlite:///...``);
                          ``storage:`` in study.yaml may point to any other Optuna RDB URL instead
     results.db           the tables below, for SQL queries and the HTML report
-    study.yaml           a copy of the resolved study file the run used
+    study.yaml           the resolved study the last run used (overrides and aliases applied; also meta ``spec``)
     adapters/trial-<n>/  each completed trial's adapter in PEFT format (``PeftModel.from_pretrained``)
     report.html          the static HTML report
     lock                 flock'ed by the one ``sweep run`` that owns the directory; holds its pid and host (JSON).
@@ -16,8 +16,9 @@ Tables of results.db (open with ``sqlite3 runs/<name>/results.db`` or ``sqlite-u
 
 ``study`` (PK key): key/value metadata; ``value`` is JSON. Keys: name (also the Optuna study name), storage (the
 Optuna storage URL), model, data, objectives (list of metric names), directions (list of "minimize"/"maximize"),
-constraints (list of {metric, op ("<=" or ">="), value}; a trial is feasible when its metrics meet them all, see
-``is_feasible``), created, updated (time of the last write), lora_sweep_version.
+spec (the resolved study as plain data, compared on resume: ``sweep.resume.spec_changes``), constraints (list of
+{metric, op ("<=" or ">="), value}; a trial is feasible when its metrics meet them all, see ``is_feasible``),
+created, updated (time of the last write), lora_sweep_version.
 
 ``trials`` (PK number): one row per Optuna trial.
     number            Optuna trial number.
@@ -101,8 +102,9 @@ from typing import Any
 import sqlite_utils
 
 __all__ = [
-    "DirectoryInUse", "DirectoryLock", "EvalRow", "ItemRow", "constraint_text", "constraint_violation", "is_feasible",
-    "PackRecord", "PruneDecision", "ResultsStore", "SlotSpan", "StepRow", "StudyDir",
+    "DirectoryInUse", "DirectoryLock", "EvalRow", "ItemRow", "constraint_text", "constraint_violation",
+    "is_feasible", "redact_url", "strip_password", "PackRecord", "PruneDecision", "ResultsStore", "SlotSpan",
+    "StepRow", "StudyDir",
     "TrialRecord", "atomic_write_bytes", "atomic_write_text",
 ]  # fmt: skip
 
@@ -170,6 +172,37 @@ def is_feasible(metrics: Mapping[str, Any] | None, constraints: Iterable[Mapping
 def constraint_text(c: Mapping[str, Any]) -> str:
     """``metric <= value`` of one constraint."""
     return f"{c['metric']} {c['op']} {c['value']:g}"
+
+
+# ---------------------------------------------------------------- storage URLs
+
+
+def strip_password(url: str) -> str:
+    """``url`` without its password, to be kept or shown (a journal path or a URL without one unchanged).
+
+    The password of a PostgreSQL storage can come from ``PGPASSWORD`` or ``~/.pgpass`` instead (libpq
+    reads both when the URL has none), of a MySQL one from ``?read_default_file=~/.my.cnf``.
+    """
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return url
+    return url if parsed.password is None else parsed.set(password=None).render_as_string(hide_password=False)
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password shown as ``***`` (SQLAlchemy's ``hide_password``), for messages and logs."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return url
+    return url if parsed.password is None else parsed.render_as_string(hide_password=True)
 
 
 # ---------------------------------------------------------------- atomic writes

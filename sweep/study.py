@@ -288,12 +288,14 @@ class _Sweep:
 
 
 def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = None,
-              log: Callable[[str], None] = print, sharing: Sharing | None = None) -> RunSummary:
+              log: Callable[[str], None] = print, sharing: Sharing | None = None,
+              allow_changes: bool = False) -> RunSummary:
     """Run (or resume) the study until its budget ends; returns what this call did.
 
     With ``sharing`` this is one pack of a worker: other workers share the study's storage and budget.
+    ``allow_changes``: resume even if a fixed setting changed (``sweep.resume.spec_changes``).
     """
-    session = open_session(spec, log=log, sharing=sharing)
+    session = open_session(spec, log=log, sharing=sharing, allow_changes=allow_changes)
     pm, tokenizer = session.pm, session.tokenizer
     train_examples = load_examples(spec.data.train, tokenizer, fmt=spec.data.format,
                                    max_length=spec.data.max_length, train_on_prompt=spec.data.train_on_prompt)

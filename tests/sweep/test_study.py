@@ -309,3 +309,26 @@ def test_a_dead_runs_lock_is_taken_over(tmp_path) -> None:
     lock.release()
     sdir.acquire().release()
     assert sdir.lock.read_text() == "", "a clean release names no owner"
+
+
+def test_overrides_are_recorded_and_a_changed_fixed_key_is_refused_on_resume(tiny_dirs, tmp_path) -> None:
+    from packer.errors import UserError
+    from sweep.store import ResultsStore
+
+    path = write_study(tmp_path, tiny_dirs("llama"), name="recorded", budget={"trials": 1},
+                       train={"max_steps": 12, "micro_batch": 2}, pruning={"kind": "none"}, packing={"max_slots": 1})
+    run_study(load_study(path, ["train.max_steps=6"]), log=lambda m: None)
+    out = tmp_path / "runs-recorded"
+    recorded = yaml.safe_load((out / "study.yaml").read_text())
+    assert recorded["train"]["max_steps"] == 6, "the directory keeps the spec the run used, overrides applied"
+    with ResultsStore(out / "results.db", create=False) as store:
+        assert store.meta()["spec"]["train"]["max_steps"] == 6
+    with pytest.raises(UserError, match=r"train\.max_steps changed .*6 -> 12.*--allow-changes"):
+        run_study(load_study(path, ["budget.trials=2"]), log=lambda m: None)  # the override forgotten
+    assert len(_trials(out, "recorded")) == 1, "a refused resume changes nothing"
+    run_study(load_study(path, ["train.max_steps=6", "budget.trials=2"]), log=lambda m: None)  # budget may grow
+    run_study(load_study(path, ["budget.trials=3"]), log=lambda m: None, allow_changes=True)
+    steps = sorted(t.user_attrs.get("planned_tokens", 0) > 0 for t in _trials(out, "recorded"))
+    assert len(steps) == 3
+    with ResultsStore(out / "results.db", create=False) as store:
+        assert store.meta()["spec"]["train"]["max_steps"] == 12, "an allowed change is recorded"
