@@ -114,8 +114,10 @@ def _launch_workers(study: str, overrides: tuple[str, ...], spec: StudySpec, url
 @cli.command()
 @click.argument("study", type=click.Path(dir_okay=False))
 @click.argument("overrides", nargs=-1)
-@click.option("--storage", help="The shared Optuna storage: postgresql+psycopg2://..., mysql+pymysql://..., "
-              "sqlite:///x.db, or a journal file (journal:///abs/path.log or path.log) for one host.")
+@click.option("--storage", envvar="LORA_SWEEP_STORAGE", help="The shared Optuna storage: postgresql+psycopg2://..., "
+              "mysql+pymysql://..., sqlite:///x.db, or a journal file (journal:///abs/path.log or path.log) for one "
+              "host; default: $LORA_SWEEP_STORAGE, else the study's. A PostgreSQL password may come from PGPASSWORD "
+              "or ~/.pgpass instead of the URL.")
 @click.option("--out", type=click.Path(file_okay=False), help="Study directory (default: the study's output).")
 @click.option("--index", type=int, default=None, help="Worker index (default: SLURM_ARRAY_TASK_ID, "
               "SLURM_PROCID, else the process id); offsets the sampler seed.")

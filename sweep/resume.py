@@ -39,7 +39,7 @@ from packer.model import PackedModel, load_base
 from sweep.space import GridSearch, default_params, make_sampler
 from sweep.spec import StudySpec
 from sweep.storage import Sharing, last_beat, open_storage, resume_clock, storage_lock, study_elapsed
-from sweep.store import DirectoryInUse, DirectoryLock, ResultsStore, StudyDir, strip_password
+from sweep.store import DirectoryInUse, DirectoryLock, ResultsStore, StudyDir, redact_url, strip_password
 
 __all__ = ["Session", "open_session", "budget_state", "shared_budget", "BudgetState", "ORPHAN_REASON",
            "own_directory", "reap_stale", "spec_changes", "spec_record", "resolve_device", "TokenPlan",
@@ -260,7 +260,22 @@ def _unopenable(url: str, err: Exception) -> UserError:
     """The one-line error for a storage that cannot be opened: its URL and the first line of the cause
     (its type when it has no message)."""
     text = str(err).strip()
-    return UserError(f"storage: cannot open {url!r}: {text.splitlines()[0] if text else type(err).__name__}")
+    cause = text.splitlines()[0] if text else type(err).__name__
+    password = make_url_password(url)
+    if password:  # a driver may quote the DSN back
+        cause = cause.replace(password, "***")
+    return UserError(f"storage: cannot open {redact_url(url)!r}: {cause}")
+
+
+def make_url_password(url: str) -> str | None:
+    """The password in an RDB URL, if any (None for journal paths and URLs without one)."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        return make_url(url).password  # type: ignore[return-value]
+    except ArgumentError:
+        return None
 
 
 def _create(spec: StudySpec, storage: Any, url: str, worker: int) -> optuna.Study:
@@ -272,10 +287,10 @@ def _create(spec: StudySpec, storage: Any, url: str, worker: int) -> optuna.Stud
     if spec.name in existing:
         old = optuna.load_study(study_name=spec.name, storage=storage)
         if old.user_attrs.get("search_space") not in (None, _space_fingerprint(spec)):
-            raise UserError(f"study {spec.name!r} already exists in {url} with a different search space; "
+            raise UserError(f"study {spec.name!r} already exists in {redact_url(url)} with a different search space; "
                             f"give the study another name or output directory")
         if old.directions != [optuna.study.StudyDirection[d.upper()] for d in spec.directions]:
-            raise UserError(f"study {spec.name!r} already exists in {url} with other objective directions")
+            raise UserError(f"study {spec.name!r} already exists in {redact_url(url)} with other objective directions")
         n_trials = len(old.trials)
     # Seeding by the trial count keeps a resumed random or TPE sampler from replaying its first proposals;
     # by the worker index, workers started together from proposing the same ones.
@@ -467,7 +482,7 @@ def _open(spec: StudySpec, sdir: StudyDir, device: str, log: Callable[[str], Non
     if sharing is None:
         _recover(study, store, log, adapters)
     url = sharing.url if sharing is not None else spec.storage or sdir.optuna_url
-    store.set_meta(name=spec.name, storage=url, model=spec.model.path,
+    store.set_meta(name=spec.name, storage=strip_password(url), model=spec.model.path,
                    data=str(spec.data.train), objectives=[o.metric for o in spec.objectives],
                    directions=spec.directions, constraints=[c.as_dict() for c in spec.constraints])
     model, tokenizer = load_base(spec.model.path, dtype=spec.model.dtype, device=device)

@@ -190,7 +190,8 @@ def strip_password(url: str) -> str:
         parsed = make_url(url)
     except ArgumentError:
         return url
-    return url if parsed.password is None else parsed.set(password=None).render_as_string(hide_password=False)
+    # URL.set(password=None) leaves the password as it is: None means "unchanged" there
+    return url if parsed.password is None else parsed._replace(password=None).render_as_string(hide_password=False)
 
 
 def redact_url(url: str) -> str:

@@ -95,6 +95,10 @@ def _gpus() -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
+STORAGE_ENV = "LORA_SWEEP_STORAGE"
+"""Environment variable a worker reads its storage URL from when ``--storage`` is not given."""
+
+
 def launch(study_file: str, overrides: tuple[str, ...], spec: StudySpec, url: str, workers: int | None, *,
            heartbeat: float, grace: float, show: Callable[[Counter[str]], None] | None = None) -> list[int]:
     """Start the workers of one host and wait for them; returns their exit codes.
@@ -123,7 +127,8 @@ def launch(study_file: str, overrides: tuple[str, ...], spec: StudySpec, url: st
         # torch sizes its CPU thread pool to every core; N workers would each take all of them and fight
         # over the host's cores. Each gets its own share, pinned; a user's own thread count wins.
         env.setdefault("OMP_NUM_THREADS", str(len(shares[i]) or max(1, (os.cpu_count() or 1) // n)))
-        cmd = [sys.executable, "-m", "sweep.cli", "worker", study_file, *overrides, "--storage", url,
+        env[STORAGE_ENV] = url  # not on the command line, which every user of the host can read (ps)
+        cmd = [sys.executable, "-m", "sweep.cli", "worker", study_file, *overrides,
                "--out", str(sdir.root), "--index", str(i), "--heartbeat", str(heartbeat), "--grace", str(grace),
                "--quiet", *(["--cpus", cpu_list(shares[i])] if shares[i] else [])]
         with open(logs / f"worker-{i}.log", "wb") as out:
