@@ -169,18 +169,20 @@ def plan(study: str, overrides: tuple[str, ...]) -> None:
     """Print the pack layout, predicted memory and time of STUDY.yaml, without training."""
     from packer.data import load_examples
     from packer.model import PackedModel, load_base
-    from sweep.planning import padded_mean_length, plan_pack
+    from sweep.planning import PLAN_CALIBRATIONS, check_targets, padded_mean_length, plan_pack
     from sweep.resume import resolve_device
 
     spec = _load(study, overrides, None)
     device = resolve_device(spec.model.device)
     model, tokenizer = load_base(spec.model.path, dtype=spec.model.dtype, device=device)
+    check_targets(spec, model)
     data = spec.data
     examples = load_examples(data.train, tokenizer, fmt=data.format, max_length=data.max_length,
                              train_on_prompt=data.train_on_prompt)
     micro = spec.train.micro_batch
     pm = PackedModel(model, impl=spec.packing.kernels, fused_base_ops=spec.packing.fused_base_ops)
-    report = plan_pack(spec, pm, mean_len=padded_mean_length([len(e.input_ids) for e in examples], micro))
+    report = plan_pack(spec, pm, mean_len=padded_mean_length([len(e.input_ids) for e in examples], micro),
+                       calibrations=PLAN_CALIBRATIONS)
     click.echo(report.table())
 
 

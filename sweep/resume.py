@@ -463,6 +463,10 @@ def own_directory(sdir: StudyDir, log: Callable[[str], None]) -> DirectoryLock:
 
 def _open(spec: StudySpec, sdir: StudyDir, device: str, log: Callable[[str], None], sharing: Sharing | None,
           lock: DirectoryLock | None, allow_changes: bool) -> Session:
+    from sweep.planning import check_targets
+
+    model, tokenizer = load_base(spec.model.path, dtype=spec.model.dtype, device=device)
+    check_targets(spec, model)  # before the study is created: a target set the model lacks fails no trial
     sdir.create()
     store = ResultsStore(sdir.results_db)
     record = spec_record(spec)
@@ -485,7 +489,6 @@ def _open(spec: StudySpec, sdir: StudyDir, device: str, log: Callable[[str], Non
     store.set_meta(name=spec.name, storage=strip_password(url), model=spec.model.path,
                    data=str(spec.data.train), objectives=[o.metric for o in spec.objectives],
                    directions=spec.directions, constraints=[c.as_dict() for c in spec.constraints])
-    model, tokenizer = load_base(spec.model.path, dtype=spec.model.dtype, device=device)
     pm = PackedModel(model, impl=spec.packing.kernels, fused_base_ops=spec.packing.fused_base_ops)
     if sharing is not None:
         with storage_lock(sharing.url, spec.name):  # the clock first: reaping makes dead trials' ends recent

@@ -332,3 +332,26 @@ def test_overrides_are_recorded_and_a_changed_fixed_key_is_refused_on_resume(tin
     assert len(steps) == 3
     with ResultsStore(out / "results.db", create=False) as store:
         assert store.meta()["spec"]["train"]["max_steps"] == 12, "an allowed change is recorded"
+
+
+def test_plan_rejects_targets_the_model_lacks_as_run_does(tiny_dirs, tmp_path) -> None:
+    path = write_study(tmp_path, tiny_dirs("gpt2"), name="gpt2-qproj")  # targets attn: [q_proj, v_proj]
+    for command in (["plan", str(path)], ["run", str(path), "--quiet"]):
+        result = _run_cli(*command, timeout=120)
+        assert result.returncode == 2, result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and "search.targets.attn" in lines[0] and "'q_proj'" in lines[0], lines
+        assert "c_attn" in lines[0], "the message lists the projections the model has"
+    assert not (tmp_path / "runs-gpt2-qproj" / "results.db").exists(), "no study is created"
+
+
+def test_plan_reports_the_spread_of_its_time_measurements(tiny_dirs, tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from sweep.cli import cli
+
+    path = write_study(tmp_path, tiny_dirs("llama"), name="spread", budget={"trials": 3})
+    result = CliRunner().invoke(cli, ["plan", str(path)])
+    assert result.exit_code == 0, result.output
+    line = next(x for x in result.output.splitlines() if x.startswith("predicted step"))
+    assert "median of 3 calibrations" in line and "range" in line and "spread" in line, line
