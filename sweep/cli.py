@@ -64,8 +64,14 @@ def run(study: str, overrides: tuple[str, ...], out: str | None, quiet: bool, wo
         raise UserError("run: --storage needs --workers (or set storage: in the study file)")
     with LiveProgress(enabled=not quiet) as live:
         summary = run_study(spec, progress=live.update, log=live.log, allow_changes=allow_changes)
-    click.echo(f"{spec.name}: {summary.complete} complete, {summary.pruned} pruned, {summary.failed} failed "
-               f"in {summary.wall_s:.1f} s ({summary.steps} packed steps); study in {spec.out_dir}")
+    if summary.steps == 0 and summary.spent:
+        more = (f"; to continue, raise it: sweep run {study} {summary.spent_key}=<more>" if summary.spent_key
+                else "")
+        click.echo(f"{spec.name}: the budget is already spent ({summary.spent}), nothing to run{more}; "
+                   f"study in {spec.out_dir}")
+    else:
+        click.echo(f"{spec.name}: {summary.complete} complete, {summary.pruned} pruned, {summary.failed} failed "
+                   f"in {summary.wall_s:.1f} s ({summary.steps} packed steps); study in {spec.out_dir}")
     _refresh_report(spec.out_dir)
 
 
@@ -295,7 +301,8 @@ def main(argv: list[str] | None = None) -> None:
         click.echo(f"error: {err}", err=True)
         sys.exit(2)
     except click.exceptions.Abort:
-        click.echo("aborted", err=True)
+        click.echo("aborted: a study keeps what finished; run the same command again to resume (the trials that "
+                   "were training are retried)", err=True)
         sys.exit(130)
     except click.ClickException as err:
         err.show()

@@ -132,6 +132,8 @@ def _pareto(points: list[tuple[int, list[float]]], directions: list[str]) -> lis
 class BudgetState:
     exhausted: bool
     reason: str = ""
+    key: str = ""
+    """The spent budget's study key (``budget.trials``); '' for a spent grid, which no key extends."""
 
 
 def budget_state(spec: StudySpec, s: Session, *, live: int, elapsed: float, live_tokens: int,
@@ -166,11 +168,11 @@ def _grid_spent(spec: StudySpec, study: optuna.Study) -> BudgetState | None:
 def _against(spec: StudySpec, trials: int, tokens: int, elapsed: float) -> BudgetState:
     b = spec.budget
     if b.trials is not None and trials >= b.trials:
-        return BudgetState(True, f"{b.trials} trials")
+        return BudgetState(True, f"{b.trials} trials", "budget.trials")
     if b.tokens is not None and tokens >= b.tokens:
-        return BudgetState(True, f"{b.tokens} tokens")
+        return BudgetState(True, f"{b.tokens} tokens", "budget.tokens")
     if b.wall_time is not None and elapsed >= b.wall_time:
-        return BudgetState(True, f"{b.wall_time:.0f} s of wall time")
+        return BudgetState(True, f"{b.wall_time:.0f} s of wall time", "budget.wall_time")
     return BudgetState(False)
 
 

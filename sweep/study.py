@@ -50,9 +50,13 @@ class Progress:
     active: int
     capacity: int
     tokens_per_s: float
+    """Training tokens of the pack per wall second of it so far, evaluation included (the packs
+    table's ``tokens_per_s``: one definition)."""
     finished: int
     budget_trials: int | None
     best: str
+    eta_s: float | None = None
+    """Seconds until the budget is spent, at this run's pace so far; None before a trial has finished."""
 
 
 @dataclass
@@ -66,6 +70,10 @@ class RunSummary:
     complete: int = 0
     pruned: int = 0
     failed: int = 0
+    spent: str = ""
+    """The budget that ended the asking (``BudgetState.reason``), '' while it had room."""
+    spent_key: str = ""
+    """Its study key (``BudgetState.key``)."""
 
 
 @dataclass
@@ -86,14 +94,15 @@ class _Sweep:
     """The callbacks ``packer.train`` runs the pack with; all study state lives here."""
 
     def __init__(self, spec: StudySpec, session: Session, pm: PackedModel, train_examples: list, eval_data: Any,
-                 pack_id: int, progress: Callable[[Progress], None] | None) -> None:
+                 pack_id: int, progress: Callable[[Progress], None] | None, started: float) -> None:
         self.spec, self.s, self.pm = spec, session, pm
         self.train_examples, self.eval_data = train_examples, eval_data
         self.pack_id, self.progress = pack_id, progress
         self.live: dict[int, _Live] = {}
         self.to_prune: set[int] = set()
         self.global_step = 0
-        self.t_start = time.time()
+        self.t_start = started  # the pack row's start: tokens/s and elapsed mean what the packs table means
+        self.finished_before = session.finished_count()
         self.step_t = time.perf_counter()
         self.summary = RunSummary(pack_id)
         metric, direction = spec.prune_metric()
@@ -124,6 +133,7 @@ class _Sweep:
                                   live_tokens=sum(lv.tokens for lv in self.live.values()),
                                   mine={lv.trial.number for lv in self.live.values()})
             if budget.exhausted:
+                self.summary.spent, self.summary.spent_key = budget.reason, budget.key
                 if self.s.sharing is not None:
                     self.idle_until = time.time() + self.s.sharing.heartbeat
                 return None
@@ -167,9 +177,28 @@ class _Sweep:
             self.reap()
         if arrivals:
             self._rung(arrivals)
-        if self.progress is not None:
-            self.progress(Progress(self.global_step, len(reports), self.s.capacity, step_tokens / max(step_s, 1e-9),
-                                   self.s.finished_count(), self.spec.budget.trials, self.s.best_text()))
+        self.show(len(reports))
+
+    def show(self, active: int) -> None:
+        """Send the progress frame: after each step, and after trials end (the last frame is current)."""
+        if self.progress is None:
+            return
+        elapsed = max(time.time() - self.t_start, 1e-9)
+        self.progress(Progress(self.global_step, active, self.s.capacity, self.summary.tokens / elapsed,
+                               self.s.finished_count(), self.spec.budget.trials, self.s.best_text(),
+                               self._eta(elapsed)))
+
+    def _eta(self, elapsed: float) -> float | None:
+        """Seconds left: the trial budget at this run's trials per second, capped by the wall-time budget."""
+        b, done = self.spec.budget, self.s.finished_count()
+        etas = []
+        if b.trials is not None and done - self.finished_before > 0:
+            etas.append(max(0, b.trials - done) * elapsed / (done - self.finished_before))
+        if b.wall_time is not None:
+            etas.append(max(0.0, b.wall_time - self.s.elapsed - elapsed))
+        if b.trials is not None and done >= b.trials:
+            return 0.0
+        return min(etas) if etas else None
 
     def reap(self) -> list[int]:
         """Fail and retry the trials of dead workers (their retries are asked by the next free slot)."""
@@ -238,6 +267,7 @@ class _Sweep:
                 self._tell(lv, TrialState.PRUNED, e, reason=f"pruned by cohort SHA at step {e.steps}")
             else:
                 self._tell(lv, TrialState.FAIL, e, reason=f"{e.reason} at step {e.steps}")
+        self.show(len(self.live))
 
     def _verdict(self, e: SlotEnd, lv: _Live, result: EvalResult) -> tuple[dict[str, float], list[float], str | None]:
         """(metrics, objective values, why the trial fails or None) of a slot that finished training."""
@@ -302,8 +332,9 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
     eval_data = (load_eval_data(spec.data.eval, tokenizer, fmt=spec.data.format, max_length=spec.data.max_length,
                                 train_on_prompt=spec.data.train_on_prompt, work_dir=session.sdir.root)
                  if spec.data.eval is not None else None)
-    pack_id = session.store.start_pack(slots=session.capacity, device=str(pm.device))
-    sweep = _Sweep(spec, session, pm, train_examples, eval_data, pack_id, progress)
+    started = time.time()
+    pack_id = session.store.start_pack(slots=session.capacity, device=str(pm.device), started=started)
+    sweep = _Sweep(spec, session, pm, train_examples, eval_data, pack_id, progress, started)
     if pm.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(pm.device)
     status = "failed"

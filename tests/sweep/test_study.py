@@ -355,3 +355,49 @@ def test_plan_reports_the_spread_of_its_time_measurements(tiny_dirs, tmp_path) -
     assert result.exit_code == 0, result.output
     line = next(x for x in result.output.splitlines() if x.startswith("predicted step"))
     assert "median of 3 calibrations" in line and "range" in line and "spread" in line, line
+
+
+def test_progress_final_frame_tokens_per_s_and_eta(tiny_dirs, tmp_path) -> None:
+    from sweep.store import ResultsStore
+
+    frames = []
+    spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name="frames", budget={"trials": 4},
+                                  train={"max_steps": 8, "micro_batch": 2}, pruning={"kind": "none"},
+                                  packing={"max_slots": 2}))
+    run_study(spec, progress=frames.append, log=lambda m: None)
+    last = frames[-1]
+    assert last.finished == 4, "the last frame shows every trial done, not the count before the last ones ended"
+    assert last.eta_s == 0.0 and any(f.eta_s is not None and f.eta_s > 0 for f in frames)
+    with ResultsStore(spec.out_dir / "results.db", create=False) as store:
+        pack = store.packs()[0]
+    # one definition: training tokens per wall second of the pack (evaluation included), as in the packs table
+    assert abs(last.tokens_per_s - pack.tokens_per_s) <= 0.1 * pack.tokens_per_s, (last.tokens_per_s, pack)
+
+
+def test_rerunning_a_finished_study_says_its_budget_is_spent(tiny_dirs, tmp_path) -> None:
+    path = write_study(tmp_path, tiny_dirs("llama"), name="spent", budget={"trials": 1},
+                       train={"max_steps": 4, "micro_batch": 2}, pruning={"kind": "none"}, packing={"max_slots": 1})
+    assert _run_cli("run", str(path), "--quiet").returncode == 0
+    again = _run_cli("run", str(path), "--quiet")
+    assert again.returncode == 0, again.stderr
+    assert "budget is already spent (1 trials)" in again.stdout and "budget.trials=<more>" in again.stdout, again.stdout
+    assert "0 complete" not in again.stdout
+
+
+def test_ctrl_c_says_that_running_again_resumes(tiny_dirs, tmp_path) -> None:
+    path = write_study(tmp_path, tiny_dirs("llama"), name="interrupted", budget={"trials": 4},
+                       train={"max_steps": 200, "micro_batch": 2}, pruning={"kind": "none"}, packing={"max_slots": 2})
+    proc = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path), "--quiet"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        time.sleep(0.2)
+        try:
+            if TrialState.RUNNING in [t.state for t in _trials(tmp_path / "runs-interrupted", "interrupted")]:
+                break
+        except Exception:
+            continue
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "run the same command again to resume" in err.strip().splitlines()[-1], err
