@@ -15,6 +15,7 @@ import yaml
 
 from sweep.store import (
     EvalRow,
+    ItemRow,
     PackRecord,
     PruneDecision,
     ResultsStore,
@@ -26,6 +27,10 @@ from sweep.store import (
 )
 
 __all__ = ["StudyData", "load_study_data", "load_optuna_study", "objective_values", "pareto_numbers", "best_trial"]
+
+
+SAMPLE_ITEMS = 5
+"""Generated answers the report shows per trial and evaluator metric."""
 
 
 class StudyData(NamedTuple):
@@ -44,6 +49,8 @@ class StudyData(NamedTuple):
     spans: list[SlotSpan]
     prunes: list[PruneDecision]
     budget: dict[str, Any]
+    samples: dict[int, dict[str, list[ItemRow]]] = {}  # noqa: RUF012 (load_study_data passes its own)
+    """trial -> evaluator metric -> the first items that kept generated text; the default and the best trials."""
 
     @property
     def complete(self) -> list[TrialRecord]:
@@ -124,9 +131,13 @@ def load_study_data(root: str | Path) -> StudyData:
         wanted = {t.number for i in range(len(directions)) if (t := best_trial(data.candidates, i, directions))}
         if data.default is not None:
             wanted.add(data.default.number)
+        data = data._replace(samples={})
         for number in sorted(wanted):
             for row in store.items(trial=number):
                 data.items.setdefault(row.evaluator, {}).setdefault(number, {})[row.item] = row.score
+                shown = data.samples.setdefault(number, {}).setdefault(row.evaluator, [])
+                if isinstance(row.detail, dict) and "output" in row.detail and len(shown) < SAMPLE_ITEMS:
+                    shown.append(row)
     return data
 
 

@@ -10,7 +10,8 @@ from typing import Any, NamedTuple
 from reports._fmt import esc, fmt, table
 from reports._load import StudyData
 
-__all__ = ["TrialRow", "TrialTableInfo", "_trial_table_info", "render_trial_table", "render_prune_table"]
+__all__ = ["TrialRow", "TrialTableInfo", "_trial_table_info", "render_trial_table", "render_prune_table",
+           "render_samples"]
 
 
 class TrialRow(NamedTuple):
@@ -95,3 +96,18 @@ def render_prune_table(data: StudyData) -> str:
             for d in sorted(data.prunes, key=lambda d: (d.pack_id, d.rung_step, d.rank or 0, d.trial))]
     return table(["pack", "rung step", "trial", "decision", "value", "rank / cohort", "reason"], rows,
                  table_id="prunes")
+
+
+def render_samples(data: StudyData) -> str:
+    """The first generated answers of the default and the best trials, beside their references."""
+    rows = []
+    for number, by_metric in sorted(data.samples.items()):
+        for metric, items in sorted(by_metric.items()):
+            for it in items:
+                d = it.detail
+                rows.append([(f"#{number}", number), esc(metric), (esc(it.item), it.item), esc(d.get("prompt")),
+                             esc(d.get("output")), esc(d.get("reference")), (esc(it.score), it.score)])
+    if not rows:
+        return ('<p class="note">No generated answers stored (no generative evaluator, or no complete trial '
+                "yet).</p>")
+    return table(["trial", "metric", "item", "prompt", "output", "reference", "score"], rows, table_id="samples-table")

@@ -48,7 +48,8 @@ created, updated (time of the last write), lora_sweep_version.
 ``items`` (PK trial, evaluator, item): per-item results of the final evaluation, for paired statistics
 (the same item index means the same example for every trial).
     trial, evaluator  Trial number and evaluator name.  item: index of the example in the evaluation set.
-    score             Numeric per-item score (loss, 0/1 correctness, ...).  detail: JSON, anything else.
+    score             Numeric per-item score (loss, 0/1 correctness, ...).  detail: JSON, anything else; a
+                      generative evaluator's item keeps {prompt, output, reference} (the item is the prompt's id).
 
 ``packs`` (PK pack_id): one row per packed training run.
     pack_id           Number of the pack, assigned by the store (1, 2, ...).

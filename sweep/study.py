@@ -290,8 +290,9 @@ class _Sweep:
         for c in self.spec.constraints:
             lv.trial.set_constraint(c.metric, c.violation(metrics.get(c.metric)))
         lv.trial.set_user_attr("adapter_path", str(adapter.absolute()))  # report and export from any host
+        samples = result.samples.get(e.slot, [])
         for metric, items in result.per_item.get(e.slot, {}).items():
-            self.s.store.add_items(number, metric, items)
+            self.s.store.add_items(number, metric, items, _texts(samples, metric, len(items)))
         self.s.store.add_eval(number, e.steps, metrics, kind="final")
         self._tell(lv, TrialState.COMPLETE, e, metrics=metrics, values=values,
                    adapter=str(adapter.relative_to(self.s.sdir.root) if adapter.is_relative_to(self.s.sdir.root)
@@ -315,6 +316,19 @@ class _Sweep:
         self.s.record(number, state, values, lv.tokens)
         counter = {"COMPLETE": "complete", "PRUNED": "pruned"}.get(state.name, "failed")
         setattr(self.summary, counter, getattr(self.summary, counter) + 1)
+
+
+def _texts(samples: list[dict[str, Any]], metric: str, n: int) -> list[dict[str, Any]]:
+    """Per-item details of ``metric`` from an evaluation's samples: {prompt, output, reference}.
+
+    A generative evaluator's samples hold one record per item, in item order, with its scores by
+    metric name (``EvalResult.samples``); several evaluators' records are concatenated, so the
+    records scoring ``metric`` are its own. None found (a loss), or not one per item: no details.
+    """
+    own = [r for r in samples if metric in r]
+    if len(own) != n:
+        return []
+    return [{"prompt": r.get("prompt"), "output": r.get("generation"), "reference": r.get("reference")} for r in own]
 
 
 def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = None,

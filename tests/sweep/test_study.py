@@ -401,3 +401,33 @@ def test_ctrl_c_says_that_running_again_resumes(tiny_dirs, tmp_path) -> None:
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "run the same command again to resume" in err.strip().splitlines()[-1], err
+
+
+def test_generated_texts_are_stored_per_item_and_sampled_in_the_report(tiny_dirs, tmp_path) -> None:
+    from reports.html import build_report
+    from sweep.store import ResultsStore
+
+    spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name="texts", budget={"trials": 2},
+                                  train={"max_steps": 4, "micro_batch": 2}, pruning={"kind": "none"},
+                                  packing={"max_slots": 2}))
+    run_study(spec, log=lambda m: None)
+    eval_rows = [json.loads(line) for line in spec.data.eval.read_text().splitlines() if line.strip()]
+    with ResultsStore(spec.out_dir / "results.db", create=False) as store:
+        done = [t.number for t in store.trials("COMPLETE")]
+        rows = store.items(evaluator="exact_match", trial=done[0])
+        losses = store.items(evaluator="eval_loss", trial=done[0])
+    assert len(rows) == len(eval_rows) and done
+    for row in rows:
+        d = row.detail
+        assert {"prompt", "output", "reference"} <= d.keys() and d["reference"] == eval_rows[row.item]["completion"]
+        assert eval_rows[row.item]["prompt"].strip() in d["prompt"] and row.score in (0.0, 1.0)
+    assert all(r.detail is None for r in losses), "a loss has no text to keep"
+    page = build_report(spec.out_dir)
+    assert 'id="samples"' in page and _html_escape(rows[0].detail["reference"]) in page
+    assert f"#{done[0]}" in page.split('id="samples"')[1]
+
+
+def _html_escape(text: str) -> str:
+    import html
+
+    return html.escape(text)
