@@ -217,7 +217,7 @@ class _Sweep:
     def _rung(self, arrivals: dict[int, int]) -> None:
         """Score the slots reaching a rung on the proxy metric and let cohort SHA decide."""
         assert self.sha is not None
-        result = self._evaluate(sorted(arrivals), proxy_only=True)
+        result = self._evaluate(sorted(arrivals), proxy_only=True)  # charged to the slots it scores
         for rung in sorted(set(arrivals.values())):
             values = {}
             for slot in (s for s, r in arrivals.items() if r == rung):
@@ -242,10 +242,17 @@ class _Sweep:
 
     # -- leaving ------------------------------------------------------------------------------
     def _evaluate(self, slots: list[int], *, proxy_only: bool = False) -> EvalResult:
+        """Score ``slots``; each is charged an equal share of the evaluation's time (device_seconds),
+        and the next training step's clock starts after it, so no trial pays for another's evaluation."""
         entries = self.entries
         if proxy_only:
             entries = [e for e in entries if self.proxy in metrics_of(*e)] or entries
-        return evaluate(self.pm, slots, self.eval_data, entries)
+        t0 = time.perf_counter()
+        result = evaluate(self.pm, slots, self.eval_data, entries)
+        self.step_t = time.perf_counter()
+        for slot in slots:
+            self.live[slot].device_s += (self.step_t - t0) / len(slots)
+        return result
 
     def on_end(self, ends: list[SlotEnd]) -> None:
         self._flush_curves()
@@ -268,6 +275,7 @@ class _Sweep:
             else:
                 self._tell(lv, TrialState.FAIL, e, reason=f"{e.reason} at step {e.steps}")
         self.show(len(self.live))
+        self.step_t = time.perf_counter()  # saving adapters and telling Optuna are no trial's step
 
     def _verdict(self, e: SlotEnd, lv: _Live, result: EvalResult) -> tuple[dict[str, float], list[float], str | None]:
         """(metrics, objective values, why the trial fails or None) of a slot that finished training."""

@@ -431,3 +431,28 @@ def _html_escape(text: str) -> str:
     import html
 
     return html.escape(text)
+
+
+def test_device_seconds_are_a_trials_steps_and_its_own_evaluation(tiny_dirs, tmp_path, monkeypatch) -> None:
+    """Evaluation made slow (2 s a call): a trial is charged its share of its own evaluation, not its peers'."""
+    import sweep.study
+    from sweep.store import ResultsStore
+
+    real = sweep.study.evaluate
+
+    def slow(*args, **kwargs):  # type: ignore[no-untyped-def]
+        time.sleep(2.0)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sweep.study, "evaluate", slow)
+    spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name="charged", budget={"trials": 3},
+                                  train={"max_steps": 6, "micro_batch": 2}, pruning={"kind": "none"},
+                                  packing={"max_slots": 2}, evaluators=[{"name": "heldout_loss"}]))
+    run_study(spec, log=lambda m: None)
+    with ResultsStore(spec.out_dir / "results.db", create=False) as store:
+        charged = {t.number: t.device_seconds for t in store.trials()}
+        wall = store.packs()[0].wall_s
+    # trials 0 and 1 end together (one 2 s evaluation, shared); trial 2 then trains alone (its own 2 s)
+    assert 1.0 <= charged[0] < 2.0 and 1.0 <= charged[1] < 2.0, charged
+    assert 2.0 <= charged[2] < 3.0, charged
+    assert sum(charged.values()) <= wall
