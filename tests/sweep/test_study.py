@@ -456,3 +456,34 @@ def test_device_seconds_are_a_trials_steps_and_its_own_evaluation(tiny_dirs, tmp
     assert 1.0 <= charged[0] < 2.0 and 1.0 <= charged[1] < 2.0, charged
     assert 2.0 <= charged[2] < 3.0, charged
     assert sum(charged.values()) <= wall
+
+
+def test_a_retried_dropout_trial_reproduces_a_fresh_run_bit_for_bit(tiny_dirs, tmp_path) -> None:
+    """A run stopped mid-trial, resumed: the retry (dropout 0.05) ends where the same trial run once ends."""
+    from sweep.store import ResultsStore
+
+    common = dict(search={"rank": [4], "lr": [2e-4, 1e-2], "dropout": [0.05]}, budget={"trials": 2},
+                  train={"max_steps": 8, "micro_batch": 2}, pruning={"kind": "none"}, packing={"max_slots": 2},
+                  evaluators=[{"name": "heldout_loss"}], objectives=[{"metric": "eval_loss", "direction": "minimize"}])
+    once = load_study(write_study(tmp_path, tiny_dirs("llama"), name="once", **common))
+    run_study(once, log=lambda m: None)
+    stopped = load_study(write_study(tmp_path, tiny_dirs("llama"), name="stopped", **common))
+
+    def stop(p) -> None:  # type: ignore[no-untyped-def]
+        if p.step == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_study(stopped, progress=stop, log=lambda m: None)
+    run_study(stopped, log=lambda m: None)
+
+    def finals(spec) -> dict:  # type: ignore[no-untyped-def]
+        with ResultsStore(spec.out_dir / "results.db", create=False) as store:
+            return {(t.params["lr"], t.params["dropout"]): (t.metrics["eval_loss"], store.curves([t.number])[t.number])
+                    for t in store.trials("COMPLETE")}
+
+    a, b = finals(once), finals(stopped)
+    assert a.keys() == b.keys() and len(a) == 2
+    for key in a:
+        assert a[key][0] == b[key][0], (key, a[key][0], b[key][0])
+        assert [s.loss for s in a[key][1]] == [s.loss for s in b[key][1]]
