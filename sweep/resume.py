@@ -42,7 +42,7 @@ from sweep.storage import Sharing, last_beat, open_storage, resume_clock, storag
 from sweep.store import DirectoryInUse, DirectoryLock, ResultsStore, StudyDir, redact_url, strip_password
 
 __all__ = ["Session", "open_session", "budget_state", "shared_budget", "BudgetState", "ORPHAN_REASON",
-           "own_directory", "reap_stale", "spec_changes", "spec_record", "resolve_device", "TokenPlan",
+           "own_directory", "reap_stale", "requeue", "spec_changes", "spec_record", "resolve_device", "TokenPlan",
            "TOKENS_ATTR", "PLANNED_ATTR"]
 
 ORPHAN_REASON = "orphaned: the run stopped while this trial trained; its parameters were enqueued again"
@@ -317,11 +317,12 @@ def trial_adapter_dir(spec: StudySpec, sdir: StudyDir, number: int) -> Path:
     return sdir.adapter_dir(number)
 
 
-def _requeue(study: optuna.Study, store: ResultsStore, orphans: list[optuna.trial.FrozenTrial],
-             log: Callable[[str], None], adapters: Callable[[int], Path]) -> None:
+def requeue(study: optuna.Study, store: ResultsStore, orphans: Sequence[optuna.trial.FrozenTrial | optuna.Trial],
+            log: Callable[[str], None], adapters: Callable[[int], Path], reason: str = ORPHAN_REASON) -> None:
+    """Fail RUNNING trials and enqueue each again with its parameters (``retry_of``: not counted)."""
     for t in orphans:
         study.tell(t.number, state=TrialState.FAIL)
-        store.upsert_trial(t.number, state="FAIL", reason=ORPHAN_REASON)
+        store.upsert_trial(t.number, state="FAIL", reason=reason)
         discard_adapter(adapters(t.number))  # saved but never told, or half written; its retry has its own number
         attrs = {"retry_of": t.number, **({"default": True} if t.user_attrs.get("default") else {})}
         # Killed before or between its suggests, a trial has drawn some parameters or none: its retry
@@ -339,14 +340,14 @@ def reap_stale(study: optuna.Study, store: ResultsStore, grace: float, log: Call
     """
     now = time.time()
     stale = [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) if now - last_beat(t) > grace]
-    _requeue(study, store, stale, log, adapters)
+    requeue(study, store, stale, log, adapters)
     return [t.number for t in stale]
 
 
 def _recover(study: optuna.Study, store: ResultsStore, log: Callable[[str], None],
              adapters: Callable[[int], Path]) -> None:
     """Fail and re-enqueue orphaned RUNNING trials; bring the results store in line with Optuna."""
-    _requeue(study, store, study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)), log, adapters)
+    requeue(study, store, study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)), log, adapters)
     _sync(study, store)
 
 

@@ -30,11 +30,12 @@ from evaluators import EvalResult, evaluate, load_eval_data, metrics_of
 from evaluators.cost import cost_metrics, slot_adapter_params
 from packer.checkpoint import save_adapters
 from packer.data import SlotStream, load_examples
+from packer.errors import UserError
 from packer.model import PackedModel
 from packer.plan import AdapterSpec
 from packer.train import SlotEnd, SlotJob, StepReport, train
 from sweep.pruning import CohortSHA
-from sweep.resume import PLANNED_ATTR, TOKENS_ATTR, Session, TokenPlan, budget_state, open_session, reap_stale
+from sweep.resume import PLANNED_ATTR, TOKENS_ATTR, Session, TokenPlan, budget_state, open_session, reap_stale, requeue
 from sweep.space import adapter_spec, suggest
 from sweep.spec import StudySpec
 from sweep.storage import WORKER_ATTR, Heartbeat, Sharing, storage_lock
@@ -113,6 +114,7 @@ class _Sweep:
         self.plan = TokenPlan(train_examples, spec.seed)
         self.heartbeat: Heartbeat | None = None
         self.last_reap = time.time()
+        self.pack_step0 = self.pack_tokens0 = 0  # the run's steps and tokens when the current pack started
         self.idle_until = 0.0  # shared budget spent: look again after a heartbeat, not before every step
         self.log: Callable[[str], None] = print
 
@@ -170,7 +172,7 @@ class _Sweep:
             if self.sha is not None and r.slot_step in self.sha.rungs and r.slot_step < lv.spec.max_steps:
                 arrivals[r.slot] = r.slot_step
         self.global_step = reports[0].step + 1
-        self.summary.steps, self.summary.tokens = self.global_step, self.summary.tokens + step_tokens
+        self.summary.steps, self.summary.tokens = self.pack_step0 + self.global_step, self.summary.tokens + step_tokens
         if self.global_step % 10 == 0:
             self._flush_curves()
         if self.s.sharing is not None and time.time() - self.last_reap > 2 * self.s.sharing.heartbeat:
@@ -236,6 +238,24 @@ class _Sweep:
                                                 reason=reason)
                 if not d.keep and not spared:
                     self.to_prune.add(slot)
+
+    def retry_after_oom(self, why: str) -> None:
+        """The pack ran out of memory: fail its training trials (not counted: each is enqueued again
+        with its parameters, like a stopped run's orphans) and free their slots."""
+        self._flush_curves()
+        for slot, lv in sorted(self.live.items()):
+            reason = f"out of memory at pack step {self.global_step} ({why}); retried in a smaller pack"
+            self.s.store.close_span(self.pack_id, slot, lv.trial.number, end_step=self.global_step, end_reason="oom")
+            lv.trial.set_user_attr("reason", reason)
+            requeue(self.s.study, self.s.store, [lv.trial], lambda m: None, self.s.adapter_dir, reason=reason)
+            self.pm.remove_slot(slot)
+        self.live.clear()
+        self.to_prune.clear()
+
+    def new_pack(self, pack_id: int) -> None:
+        """Carry on in pack ``pack_id``: its steps count from 0 again, the run's totals go on."""
+        self.pack_id, self.global_step = pack_id, 0
+        self.pack_step0, self.pack_tokens0 = self.summary.steps, self.summary.tokens
 
     def should_stop(self, report: StepReport) -> bool:
         return report.slot in self.to_prune
@@ -357,24 +377,56 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
     started = time.time()
     pack_id = session.store.start_pack(slots=session.capacity, device=str(pm.device), started=started)
     sweep = _Sweep(spec, session, pm, train_examples, eval_data, pack_id, progress, started)
-    if pm.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(pm.device)
-    status = "failed"
     sweep.log = log
     if sharing is not None:
         sweep.heartbeat = Heartbeat(session.study._storage, sweep.live_trial_ids, sharing.heartbeat, log)
+    wall_s = 0.0
     try:
         with sweep.heartbeat or nullcontext():
-            result = train(pm, session.capacity, sweep.next_job, pad_id=session.pad_id, on_step=sweep.on_step,
-                           should_stop=sweep.should_stop, on_end=sweep.on_end, chunked_ce=spec.packing.chunked_ce,
-                           activation_checkpointing=spec.packing.activation_checkpointing)
+            while not _train_pack(sweep, session):  # False: out of memory, the pack shrank; train again
+                pass
+        wall_s = time.time() - started
+    finally:
+        session.add_elapsed(time.time() - started)
+        session.close()
+    sweep.summary.wall_s = wall_s
+    return sweep.summary
+
+
+def _train_pack(sweep: _Sweep, session: Session) -> bool:
+    """Train the current pack until the budget ends (True), or until a CUDA out-of-memory error (False):
+    the trials that were training are retried and the next pack gets one slot fewer than ran out.
+
+    Raises:
+        UserError: out of memory with a single slot (nothing smaller to try).
+    """
+    pm, spec = session.pm, sweep.spec
+    if pm.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(pm.device)
+    status = "failed"
+    try:
+        train(pm, session.capacity, sweep.next_job, pad_id=session.pad_id, on_step=sweep.on_step,
+              should_stop=sweep.should_stop, on_end=sweep.on_end, chunked_ce=spec.packing.chunked_ce,
+              activation_checkpointing=spec.packing.activation_checkpointing)
         status = "finished"
+        return True
+    except torch.OutOfMemoryError as err:
+        status = "oom"
+        training = len(sweep.live)
+        sweep.retry_after_oom(str(err).splitlines()[0] if str(err) else "CUDA out of memory")
+        if training <= 1:
+            raise UserError(f"out of memory with a single slot ({str(err).splitlines()[0]}); lower "
+                            "data.max_length or the search space's largest rank / micro_batch, or set "
+                            "packing.activation_checkpointing: true") from None
+        session.capacity = training - 1
+        sweep.log(f"pack {sweep.pack_id}: out of memory with {training} slots training; its trials are retried "
+                  f"in a pack of {session.capacity} slots")
+        return False
     finally:
         peak = torch.cuda.max_memory_allocated(pm.device) if pm.device.type == "cuda" else None
-        elapsed = time.time() - sweep.t_start
-        session.store.finish_pack(pack_id, status=status, steps=sweep.summary.steps, tokens=sweep.summary.tokens,
-                                  peak_mem_bytes=peak)
-        session.add_elapsed(elapsed)
-        session.close()
-    sweep.summary.wall_s = result.wall_s
-    return sweep.summary
+        session.store.finish_pack(sweep.pack_id, status=status, steps=sweep.summary.steps - sweep.pack_step0,
+                                  tokens=sweep.summary.tokens - sweep.pack_tokens0, peak_mem_bytes=peak)
+        if status == "oom":
+            if pm.device.type == "cuda":
+                torch.cuda.empty_cache()  # the failed step's activations, before the next pack plans on them
+            sweep.new_pack(session.store.start_pack(slots=session.capacity, device=str(pm.device)))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import optuna
 import pytest
+import torch
 import yaml
 from optuna.trial import TrialState
 
@@ -487,3 +488,41 @@ def test_a_retried_dropout_trial_reproduces_a_fresh_run_bit_for_bit(tiny_dirs, t
     for key in a:
         assert a[key][0] == b[key][0], (key, a[key][0], b[key][0])
         assert [s.loss for s in a[key][1]] == [s.loss for s in b[key][1]]
+
+
+def test_an_oom_mid_pack_shrinks_the_pack_and_keeps_the_budget_exact(tiny_dirs, tmp_path, monkeypatch) -> None:
+    """A CUDA out-of-memory error, injected on CPU at the first pack's fourth step with 3 slots training."""
+    import sweep.study
+    from sweep.store import ResultsStore
+
+    real, calls = sweep.study.train, []
+
+    def oom_once(pm, capacity, next_job, *, on_step, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(capacity)
+
+        def step(reports) -> None:  # type: ignore[no-untyped-def]
+            on_step(reports)
+            if len(calls) == 1 and reports[0].step == 3:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+        return real(pm, capacity, next_job, on_step=step, **kwargs)
+
+    monkeypatch.setattr(sweep.study, "train", oom_once)
+    spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name="oom", budget={"trials": 5},
+                                  train={"max_steps": 8, "micro_batch": 2}, pruning={"kind": "none"}))
+    logs: list[str] = []
+    summary = run_study(spec, log=logs.append)
+    assert calls == [3, 2], "the pack restarts with one slot fewer than the ones that ran out of memory"
+    trials = _trials(spec.out_dir, "oom")
+    failed = [t for t in trials if t.state == TrialState.FAIL]
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    assert len(failed) == 3 and len(complete) == 5 and summary.complete == 5, [t.state for t in trials]
+    retried = sorted(t.user_attrs["retry_of"] for t in trials if "retry_of" in t.user_attrs)
+    assert retried == sorted(t.number for t in failed), "each trial that was training is retried once"
+    for t in failed:
+        retry = next(r for r in trials if r.user_attrs.get("retry_of") == t.number)
+        assert retry.params == t.params and "out of memory" in t.user_attrs["reason"]
+    with ResultsStore(spec.out_dir / "results.db", create=False) as store:
+        packs = store.packs()
+    assert [(p.status, p.slots) for p in packs] == [("oom", 3), ("finished", 2)]
+    assert any("out of memory" in m and "2 slots" in m for m in logs), logs
