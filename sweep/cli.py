@@ -58,7 +58,7 @@ def run(study: str, overrides: tuple[str, ...], out: str | None, quiet: bool, wo
 
     spec = _load(study, overrides, out)
     if workers is not None:
-        _run_workers(study, overrides, spec, workers, storage, heartbeat, grace, quiet)
+        _run_workers(study, overrides, spec, workers, storage, heartbeat, grace, quiet, allow_changes)
         return
     if storage is not None:
         raise UserError("run: --storage needs --workers (or set storage: in the study file)")
@@ -76,18 +76,18 @@ def run(study: str, overrides: tuple[str, ...], out: str | None, quiet: bool, wo
 
 
 def _run_workers(study: str, overrides: tuple[str, ...], spec: StudySpec, workers: int, storage: str | None,
-                 heartbeat: float, grace: float, quiet: bool) -> None:
+                 heartbeat: float, grace: float, quiet: bool, allow_changes: bool) -> None:
     from sweep.resume import own_directory
     from sweep.store import StudyDir
     from sweep.worker import with_storage
 
     spec, url = with_storage(spec, storage)
     with own_directory(StudyDir(spec.out_dir), lambda m: click.echo(m, err=True)):
-        _launch_workers(study, overrides, spec, url, workers, heartbeat, grace, quiet)
+        _launch_workers(study, overrides, spec, url, workers, heartbeat, grace, quiet, allow_changes)
 
 
 def _launch_workers(study: str, overrides: tuple[str, ...], spec: StudySpec, url: str, workers: int,
-                    heartbeat: float, grace: float, quiet: bool) -> None:
+                    heartbeat: float, grace: float, quiet: bool, allow_changes: bool) -> None:
     from collections import Counter
 
     from sweep.worker import launch, study_counts
@@ -101,7 +101,7 @@ def _launch_workers(study: str, overrides: tuple[str, ...], spec: StudySpec, url
         seen.append(counts)
 
     codes = launch(study, overrides, spec, url, workers, heartbeat=heartbeat, grace=grace,
-                   show=None if quiet else show)
+                   show=None if quiet else show, allow_changes=allow_changes)
     try:
         counts = study_counts(url, spec.name)
     except Exception:  # no worker got as far as creating the study: the check below names their logs
@@ -133,8 +133,9 @@ def _launch_workers(study: str, overrides: tuple[str, ...], spec: StudySpec, url
 @click.option("--quiet", is_flag=True, help="No live progress.")
 @click.option("--cpus", help="Run on these CPUs only (Linux list: 0-15 or 0,2,4-7); sweep run --workers N gives "
               "each worker its share of the host's.")
+@click.option("--allow-changes", is_flag=True, help="Join even if a fixed setting differs from the study's.")
 def worker(study: str, overrides: tuple[str, ...], storage: str | None, out: str | None, index: int | None,
-           heartbeat: float, grace: float, quiet: bool, cpus: str | None) -> None:
+           heartbeat: float, grace: float, quiet: bool, cpus: str | None, allow_changes: bool) -> None:
     """Join the study of STUDY.yaml as one worker: ask, train, evaluate and tell through the shared storage."""
     import os
 
@@ -153,7 +154,7 @@ def worker(study: str, overrides: tuple[str, ...], storage: str | None, out: str
         index = int(os.environ.get("SLURM_ARRAY_TASK_ID") or os.environ.get("SLURM_PROCID") or os.getpid())
     sharing = Sharing(url, worker=index, heartbeat=heartbeat, grace=grace)
     with LiveProgress(enabled=not quiet) as live:
-        summary = run_worker(spec, sharing, progress=live.update, log=live.log)
+        summary = run_worker(spec, sharing, progress=live.update, log=live.log, allow_changes=allow_changes)
     click.echo(f"{spec.name} worker {index}: {summary.complete} complete, {summary.pruned} pruned, "
                f"{summary.failed} failed in {summary.wall_s:.1f} s; study in {spec.out_dir}")
 

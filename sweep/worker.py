@@ -37,11 +37,11 @@ WAIT_POLL_S = 0.5
 
 
 def run_worker(spec: StudySpec, sharing: Sharing, *, progress: Callable[[Progress], None] | None = None,
-               log: Callable[[str], None] = print) -> RunSummary:
+               log: Callable[[str], None] = print, allow_changes: bool = False) -> RunSummary:
     """Run packs of the shared study until its budget is spent and no worker trains; totals of all packs."""
     total = RunSummary(pack_id=-1)
     while True:
-        done = run_study(spec, progress=progress, log=log, sharing=sharing)
+        done = run_study(spec, progress=progress, log=log, sharing=sharing, allow_changes=allow_changes)
         for name in ("steps", "tokens", "wall_s", "complete", "pruned", "failed"):
             setattr(total, name, getattr(total, name) + getattr(done, name))
         total.pack_id = done.pack_id
@@ -100,7 +100,8 @@ STORAGE_ENV = "LORA_SWEEP_STORAGE"
 
 
 def launch(study_file: str, overrides: tuple[str, ...], spec: StudySpec, url: str, workers: int | None, *,
-           heartbeat: float, grace: float, show: Callable[[Counter[str]], None] | None = None) -> list[int]:
+           heartbeat: float, grace: float, show: Callable[[Counter[str]], None] | None = None,
+           allow_changes: bool = False) -> list[int]:
     """Start the workers of one host and wait for them; returns their exit codes.
 
     Args:
@@ -130,7 +131,8 @@ def launch(study_file: str, overrides: tuple[str, ...], spec: StudySpec, url: st
         env[STORAGE_ENV] = url  # not on the command line, which every user of the host can read (ps)
         cmd = [sys.executable, "-m", "sweep.cli", "worker", study_file, *overrides,
                "--out", str(sdir.root), "--index", str(i), "--heartbeat", str(heartbeat), "--grace", str(grace),
-               "--quiet", *(["--cpus", cpu_list(shares[i])] if shares[i] else [])]
+               "--quiet", *(["--cpus", cpu_list(shares[i])] if shares[i] else []),
+               *(["--allow-changes"] if allow_changes else [])]
         with open(logs / f"worker-{i}.log", "wb") as out:
             procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                           cwd=Path.cwd()))
