@@ -50,13 +50,17 @@ def _load(study: str, overrides: tuple[str, ...], out: str | None) -> StudySpec:
               "worker's trials are failed and retried.")
 @click.option("--allow-changes", is_flag=True, help="Resume even if a fixed setting (e.g. train.max_steps) "
               "differs from the one the study started with.")
+@click.option("--join", is_flag=True, help="If a `sweep run --workers` owns the study directory, join its study as "
+              "one more worker (through its storage) instead of stopping.")
 def run(study: str, overrides: tuple[str, ...], out: str | None, quiet: bool, workers: int | None,
-        storage: str | None, heartbeat: float, grace: float, allow_changes: bool) -> None:
+        storage: str | None, heartbeat: float, grace: float, allow_changes: bool, join: bool) -> None:
     """Run STUDY.yaml (or resume it): OVERRIDES are dotted key=value pairs, e.g. train.max_steps=50."""
     from sweep.live import LiveProgress
     from sweep.study import run_study
 
     spec = _load(study, overrides, out)
+    if join and _join(spec, storage, heartbeat, grace, quiet, allow_changes):
+        return
     if workers is not None:
         _run_workers(study, overrides, spec, workers, storage, heartbeat, grace, quiet, allow_changes)
         return
@@ -75,6 +79,39 @@ def run(study: str, overrides: tuple[str, ...], out: str | None, quiet: bool, wo
     _refresh_report(spec.out_dir)
 
 
+def _join(spec: StudySpec, storage: str | None, heartbeat: float, grace: float, quiet: bool,
+          allow_changes: bool) -> bool:
+    """``run --join``: become a worker of the study a ``run --workers`` owns; False when the directory is free.
+
+    Raises:
+        UserError: the owner runs the study alone (no shared storage to join).
+    """
+    import os
+
+    from sweep.live import LiveProgress
+    from sweep.storage import Sharing
+    from sweep.store import DirectoryInUse, StudyDir, strip_password
+    from sweep.worker import run_worker, with_storage
+
+    try:
+        StudyDir(spec.out_dir).acquire().release()
+        return False  # nobody to join: a plain run
+    except DirectoryInUse as err:
+        shared = err.holder.get("storage")
+        if not shared:
+            raise UserError(f"run --join: {err}, which runs the study alone: only a study run with --workers (a "
+                            f"shared storage) can be joined") from None
+    spec, url = with_storage(spec, storage or spec.storage or shared)
+    if strip_password(url) != shared:
+        raise UserError(f"run --join: the study's storage is {shared}, not {strip_password(url)}")
+    sharing = Sharing(url, worker=os.getpid(), heartbeat=heartbeat, grace=grace)
+    with LiveProgress(enabled=not quiet) as live:
+        summary = run_worker(spec, sharing, progress=live.update, log=live.log, allow_changes=allow_changes)
+    click.echo(f"{spec.name}: joined as a worker: {summary.complete} complete, {summary.pruned} pruned, "
+               f"{summary.failed} failed in {summary.wall_s:.1f} s; study in {spec.out_dir}")
+    return True
+
+
 def _run_workers(study: str, overrides: tuple[str, ...], spec: StudySpec, workers: int, storage: str | None,
                  heartbeat: float, grace: float, quiet: bool, allow_changes: bool) -> None:
     from sweep.resume import own_directory
@@ -82,7 +119,7 @@ def _run_workers(study: str, overrides: tuple[str, ...], spec: StudySpec, worker
     from sweep.worker import with_storage
 
     spec, url = with_storage(spec, storage)
-    with own_directory(StudyDir(spec.out_dir), lambda m: click.echo(m, err=True)):
+    with own_directory(StudyDir(spec.out_dir), lambda m: click.echo(m, err=True), storage=url):
         _launch_workers(study, overrides, spec, url, workers, heartbeat, grace, quiet, allow_changes)
 
 

@@ -447,17 +447,19 @@ def open_session(spec: StudySpec, *, log: Callable[[str], None] = print, sharing
         raise
 
 
-def own_directory(sdir: StudyDir, log: Callable[[str], None]) -> DirectoryLock:
+def own_directory(sdir: StudyDir, log: Callable[[str], None], storage: str | None = None) -> DirectoryLock:
     """Take the study directory's lock for this run (workers of a shared study take none: their
-    launcher holds it, and the storage's own lock orders them).
+    launcher holds it, and the storage's own lock orders them). ``storage``: the shared storage of a
+    ``sweep run --workers``, recorded (without its password) so ``sweep run --join`` can join it.
 
     Raises:
         UserError: another live process holds it.
     """
     try:
-        lock = sdir.acquire()
+        lock = sdir.acquire(**({"storage": strip_password(storage)} if storage else {}))
     except DirectoryInUse as err:
-        raise UserError(f"run: {err}; wait for it to end (a second run would fail its running trials)") from None
+        join = " or join it with --join" if err.holder.get("storage") else ""
+        raise UserError(f"run: {err}; wait for it to end{join} (a second run would fail its running trials)") from None
     if lock.taken_over:
         log(f"took over {sdir.lock} from pid {lock.taken_over.get('pid', '?')} on host "
             f"{lock.taken_over.get('host', '?')}, which ended without releasing it")

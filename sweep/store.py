@@ -290,14 +290,15 @@ class StudyDir:
         """Atomically write the resolved study file."""
         atomic_write_text(self.study_yaml, text)
 
-    def acquire(self) -> DirectoryLock:
+    def acquire(self, **info: Any) -> DirectoryLock:
         """Take the directory's exclusive lock (created with the folder); release it with ``release()``.
+        ``info`` is recorded beside the pid and host (a shared study's storage URL, without its password).
 
         Raises:
             DirectoryInUse: a live process holds it.
         """
         self.root.mkdir(parents=True, exist_ok=True)
-        return DirectoryLock(self.lock)
+        return DirectoryLock(self.lock, info)
 
 
 class DirectoryInUse(RuntimeError):
@@ -318,7 +319,7 @@ class DirectoryLock:
     emulates it with POSIX locks there).
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, info: Mapping[str, Any] | None = None) -> None:
         self.path = path
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -329,7 +330,7 @@ class DirectoryLock:
             raise DirectoryInUse(path, holder) from None
         self._fd: int | None = fd
         self.taken_over = _holder(fd) or None
-        record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()})
+        record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), **(info or {})})
         os.ftruncate(fd, 0)
         os.pwrite(fd, record.encode() + b"\n", 0)
         os.fsync(fd)

@@ -526,3 +526,47 @@ def test_an_oom_mid_pack_shrinks_the_pack_and_keeps_the_budget_exact(tiny_dirs, 
         packs = store.packs()
     assert [(p.status, p.slots) for p in packs] == [("oom", 3), ("finished", 2)]
     assert any("out of memory" in m and "2 slots" in m for m in logs), logs
+
+
+def test_join_becomes_a_worker_of_a_shared_run_and_refuses_a_single_one(tiny_dirs, tmp_path) -> None:
+    def wait_running(out: Path, name: str) -> None:
+        deadline = time.time() + 240
+        while time.time() < deadline:
+            time.sleep(0.2)
+            try:
+                if TrialState.RUNNING in [t.state for t in optuna.load_study(
+                        study_name=name, storage=storage_of(out)).get_trials()]:
+                    return
+            except Exception:
+                continue
+
+    shared = write_study(tmp_path, tiny_dirs("llama"), name="joined", budget={"trials": 6}, packing={"max_slots": 2},
+                         train={"max_steps": 30, "micro_batch": 2}, pruning={"kind": "none"},
+                         evaluators=[{"name": "heldout_loss"}], objectives=[{"metric": "eval_loss",
+                                                                              "direction": "minimize"}])
+    log = tmp_path / "joined.log"
+    from optuna.storages.journal import JournalFileBackend
+
+    def storage_of(out: Path):  # type: ignore[no-untyped-def]
+        return optuna.storages.JournalStorage(JournalFileBackend(str(log))) if out.name == "runs-joined" else \
+            f"sqlite:///{out / 'optuna.db'}"
+
+    owner = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(shared), "--workers", "1", "--storage",
+                              str(log), "--quiet"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_running(tmp_path / "runs-joined", "joined")
+    joiner = _run_cli("run", str(shared), "--join", "--quiet", "--storage", str(log), timeout=300)
+    _, err = owner.communicate(timeout=300)
+    assert owner.returncode == 0, err
+    assert joiner.returncode == 0 and "joined as a worker" in joiner.stdout, joiner.stderr
+    trials = optuna.load_study(study_name="joined", storage=storage_of(tmp_path / "runs-joined")).get_trials()
+    assert len(trials) == 6 and all(t.state == TrialState.COMPLETE for t in trials), [t.state for t in trials]
+
+    single = write_study(tmp_path, tiny_dirs("llama"), name="alone", budget={"trials": 3}, packing={"max_slots": 1},
+                         train={"max_steps": 60, "micro_batch": 2}, pruning={"kind": "none"})
+    proc = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(single), "--quiet"], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_running(tmp_path / "runs-alone", "alone")
+    refused = _run_cli("run", str(single), "--join", "--quiet", timeout=120)
+    proc.send_signal(signal.SIGINT)  # its own end is another test's
+    proc.wait(timeout=120)
+    assert refused.returncode == 2 and "runs the study alone" in refused.stderr, refused.stderr
