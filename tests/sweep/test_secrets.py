@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from sqlalchemy.engine import make_url
 
 from sweep.store import redact_url, strip_password
@@ -64,15 +63,3 @@ def test_a_password_in_the_storage_url_reaches_no_output(tiny_dirs, tmp_path) ->
         assert secret not in text
     assert (out / "report.html").is_file()
     _files_without(out, secret)
-
-
-@pytest.mark.parametrize("case", ["pgpassword"])
-def test_the_password_can_come_from_pgpassword(tiny_dirs, tmp_path, case: str) -> None:
-    url = make_url(_server_url("postgresql"))
-    bare = url._replace(password=None).render_as_string(hide_password=False)
-    path = write_study(tmp_path, tiny_dirs("llama"), name=f"pgpass{os.getpid()}", storage=bare, budget={"trials": 1},
-                       train={"max_steps": 4, "micro_batch": 2}, pruning={"kind": "none"}, packing={"max_slots": 1})
-    env = {**os.environ, "PGPASSWORD": url.password or ""}
-    run = subprocess.run([sys.executable, "-m", "sweep.cli", "run", str(path), "--workers", "1", "--quiet"],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
-    assert run.returncode == 0, run.stderr
