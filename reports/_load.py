@@ -13,9 +13,24 @@ from typing import Any, NamedTuple
 
 import yaml
 
-from sweep.store import EvalRow, PackRecord, PruneDecision, ResultsStore, SlotSpan, StepRow, StudyDir, TrialRecord
+from sweep.store import (
+    EvalRow,
+    ItemRow,
+    PackRecord,
+    PruneDecision,
+    ResultsStore,
+    SlotSpan,
+    StepRow,
+    StudyDir,
+    TrialRecord,
+    is_feasible,
+)
 
 __all__ = ["StudyData", "load_study_data", "load_optuna_study", "objective_values", "pareto_numbers", "best_trial"]
+
+
+SAMPLE_ITEMS = 5
+"""Generated answers the report shows per trial and evaluator metric."""
 
 
 class StudyData(NamedTuple):
@@ -34,6 +49,8 @@ class StudyData(NamedTuple):
     spans: list[SlotSpan]
     prunes: list[PruneDecision]
     budget: dict[str, Any]
+    samples: dict[int, dict[str, list[ItemRow]]] = {}  # noqa: RUF012 (load_study_data passes its own)
+    """trial -> evaluator metric -> the first items that kept generated text; the default and the best trials."""
 
     @property
     def complete(self) -> list[TrialRecord]:
@@ -46,6 +63,21 @@ class StudyData(NamedTuple):
         done = [t for t in found if t.state == "COMPLETE"]
         pick = done or found
         return pick[-1] if pick else None
+
+    @property
+    def constraints(self) -> list[dict[str, Any]]:
+        """The study's constraints ({metric, op, value}), as the store keeps them."""
+        return list(self.meta.get("constraints") or [])
+
+    def feasible(self, t: TrialRecord) -> bool:
+        """Whether the trial's metrics meet every constraint (always, in a study without any)."""
+        return is_feasible(t.metrics, self.constraints)
+
+    @property
+    def candidates(self) -> list[TrialRecord]:
+        """The complete trials the best are chosen from: the feasible ones, or all when none is feasible
+        (Optuna's rule: a feasible trial beats any infeasible one)."""
+        return [t for t in self.complete if self.feasible(t)] or self.complete
 
     @property
     def running(self) -> bool:
@@ -95,17 +127,26 @@ def load_study_data(root: str | Path) -> StudyData:
         objectives, directions = list(meta.get("objectives") or []), list(meta.get("directions") or [])
         trials = store.trials()
         data = StudyData(sdir.root, meta, objectives, directions, trials, store.curves(), store.evals(kind="rung"),
-                         {}, store.packs(), store.spans(), store.prune_decisions(), _budget(sdir))
-        wanted = {t.number for i in range(len(directions)) if (t := best_trial(trials, i, directions))}
+                         {}, store.packs(), store.spans(), store.prune_decisions(), _budget(sdir, meta))
+        wanted = {t.number for i in range(len(directions)) if (t := best_trial(data.candidates, i, directions))}
         if data.default is not None:
             wanted.add(data.default.number)
+        data = data._replace(samples={})
         for number in sorted(wanted):
             for row in store.items(trial=number):
                 data.items.setdefault(row.evaluator, {}).setdefault(number, {})[row.item] = row.score
+                shown = data.samples.setdefault(number, {}).setdefault(row.evaluator, [])
+                if isinstance(row.detail, dict) and "output" in row.detail and len(shown) < SAMPLE_ITEMS:
+                    shown.append(row)
     return data
 
 
-def _budget(sdir: StudyDir) -> dict[str, Any]:
+def _budget(sdir: StudyDir, meta: dict[str, Any]) -> dict[str, Any]:
+    """The budget the last run used: the resolved spec in the store, or (a study from before it was
+    recorded there) the ``budget`` block of the study.yaml copy."""
+    spec = meta.get("spec")
+    if isinstance(spec, dict) and isinstance(spec.get("budget"), dict):
+        return spec["budget"]
     try:
         doc = yaml.safe_load(sdir.study_yaml.read_text())
     except (OSError, yaml.YAMLError):

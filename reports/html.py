@@ -174,6 +174,8 @@ def build_report(study_dir: str | Path, report_dir: str | Path | None = None) ->
         ("trials", "Trials", _safe("the trial table", lambda: '<div class="tablewrap">' + tables.render_trial_table(
             tables._trial_table_info(data, report_dir)) + "</div>")),
         ("prunes", "Prune decisions", _safe("the prune decisions", lambda: _prunes_section(data))),
+        ("samples", "Generated answers", _safe("the generated answers", lambda: '<div class="tablewrap">'
+                                               + tables.render_samples(data) + "</div>")),
     ]
     name = html.escape(str(data.meta.get("name", data.root.name)))
     nav = "".join(f'<a href="#{sid}">{html.escape(title)}</a>' for sid, title, _ in sections)

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 from reports._fmt import esc, fmt, table
 from reports._load import StudyData, best_trial, objective_values, pareto_numbers
 from reports._stats import paired_bootstrap, paired_scores
+from sweep.store import constraint_text
 
 __all__ = ["SummaryInfo", "GainInfo", "GainRow", "BestRow", "_summary_info", "_gain_info", "render_summary",
            "render_gain"]
@@ -25,6 +26,7 @@ class BestRow(NamedTuple):
     params: dict[str, Any]
     default: bool
     adapter: str | None
+    feasible: bool = True
 
 
 class SummaryInfo(NamedTuple):
@@ -41,6 +43,10 @@ class SummaryInfo(NamedTuple):
     best: list[BestRow]
     running: bool
     updated: str
+    constraints: list[str] = []
+    """``metric <= value`` of each constraint."""
+    feasible: int = 0
+    """Complete trials that meet every constraint."""
 
 
 class GainRow(NamedTuple):
@@ -84,21 +90,23 @@ def _summary_info(data: StudyData, top: int = 5) -> SummaryInfo:
               ("device time (trials)", f"{device_s:.1f} s", "–"),
               ("packs", str(len(data.packs)), "–")]
     n = len(data.objectives)
-    done = [(vals, t) for t in data.complete if (vals := objective_values(t, n)) is not None]
+    # feasible trials first: the best are chosen among them when any exists
+    done = [(vals, t) for t in data.candidates if (vals := objective_values(t, n)) is not None]
     if n == 1:
         sign = 1.0 if data.directions[0] == "minimize" else -1.0
         chosen = sorted(done, key=lambda x: (sign * x[0][0], x[1].number))[:top]
         title = f"best {len(chosen)} by {data.objectives[0]} ({data.directions[0]})"
     else:
-        front = set(pareto_numbers(data.trials, data.directions))
+        front = set(pareto_numbers(data.candidates, data.directions))
         chosen = sorted((x for x in done if x[1].number in front), key=lambda x: (x[0][0], x[1].number))
         title = f"Pareto front ({len(chosen)} trials)"
-    best = [BestRow(t.number, vals, dict(t.params or {}), bool((t.user_attrs or {}).get("default")), t.adapter_path)
-            for vals, t in chosen]
+    best = [BestRow(t.number, vals, dict(t.params or {}), bool((t.user_attrs or {}).get("default")), t.adapter_path,
+                    data.feasible(t)) for vals, t in chosen]
     return SummaryInfo(str(data.meta.get("name", data.root.name)), str(data.meta.get("model", "–")),
                        str(data.meta.get("data", "–")), str(data.meta.get("storage", "–")),
                        list(zip(data.objectives, data.directions, strict=False)), counts, budget, title, best,
-                       data.running, _time(data.meta.get("updated")))
+                       data.running, _time(data.meta.get("updated")), [constraint_text(c) for c in data.constraints],
+                       sum(1 for t in data.complete if data.feasible(t)))
 
 
 def _verdict(direction: str, diff: float, low: float | None, high: float | None) -> str:
@@ -127,8 +135,8 @@ def _gain_info(data: StudyData, confidence: float = 0.95) -> GainInfo:
                         "no gain to report.", [])
     rows = []
     for i, (metric, direction) in enumerate(zip(data.objectives, data.directions, strict=True)):
-        best = best_trial(data.trials, i, data.directions)
-        assert best is not None  # the default itself is a candidate
+        best = best_trial(data.candidates, i, data.directions)
+        assert best is not None  # the default is complete: candidates are not empty
         bval = (objective_values(best, n) or [math.nan] * n)[i]
         per_item = data.items.get(metric, {})
         a, b = paired_scores(per_item.get(best.number, {}), per_item.get(default.number, {}))
@@ -149,7 +157,11 @@ def render_summary(info: SummaryInfo) -> str:
     objectives = ", ".join(f"{esc(m)} ({esc(d)})" for m, d in info.objectives) or "–"
     counts = ", ".join(f"{esc(k.lower())} {v}" for k, v in sorted(info.counts.items())) or "no trials yet"
     facts = [("study", esc(info.name)), ("model", esc(info.model)), ("data", esc(info.data)),
-             ("objectives", objectives), ("trials", counts), ("Optuna storage", f"<code>{esc(info.storage)}</code>"),
+             ("objectives", objectives), ("trials", counts),
+             *([("constraints", f"{esc('; '.join(info.constraints))}: {info.feasible} of "
+                                f"{info.counts.get('COMPLETE', 0)} complete trials feasible"
+                                + ("" if info.feasible else " (the best below are infeasible)"))]
+               if info.constraints else []), ("Optuna storage", f"<code>{esc(info.storage)}</code>"),
              ("last update", esc(info.updated))]
     out = ['<dl class="facts">' + "".join(f"<dt>{k}</dt><dd>{v}</dd>" for k, v in facts) + "</dl>"]
     if info.running:
@@ -162,7 +174,7 @@ def render_summary(info: SummaryInfo) -> str:
         out.append('<p class="note">No complete trial with finite objective values yet.</p>')
     else:
         names = [m for m, _ in info.objectives]
-        rows = [[(f"#{b.number}{' (default)' if b.default else ''}", b.number),
+        rows = [[(f"#{b.number}{' (default)' if b.default else ''}{'' if b.feasible else ' (infeasible)'}", b.number),
                  *[(esc(v), v) for v in b.values],
                  esc(", ".join(f"{k}={fmt(v)}" for k, v in b.params.items())),
                  f"<code>{esc(b.adapter)}</code>"] for b in info.best]

@@ -10,7 +10,8 @@ from typing import Any, NamedTuple
 from reports._fmt import esc, fmt, table
 from reports._load import StudyData
 
-__all__ = ["TrialRow", "TrialTableInfo", "_trial_table_info", "render_trial_table", "render_prune_table"]
+__all__ = ["TrialRow", "TrialTableInfo", "_trial_table_info", "render_trial_table", "render_prune_table",
+           "render_samples"]
 
 
 class TrialRow(NamedTuple):
@@ -29,6 +30,8 @@ class TrialRow(NamedTuple):
     adapter_href: str | None
     """The adapter directory relative to the report file, when it exists."""
     reason: str | None
+    feasible: bool | None = None
+    """Whether a complete trial meets the constraints; None without constraints or for unfinished trials."""
 
 
 class TrialTableInfo(NamedTuple):
@@ -51,13 +54,16 @@ def _trial_table_info(data: StudyData, report_dir: Path) -> TrialTableInfo:
             href = Path(os.path.relpath((data.root / t.adapter_path).resolve(), report_dir.resolve())).as_posix()
         rows.append(TrialRow(t.number, t.state or "?", bool((t.user_attrs or {}).get("default")), vals,
                              dict(t.metrics or {}), dict(t.params or {}), t.steps_done, t.tokens, t.device_seconds,
-                             f"{fmt(t.pack_id)}·{fmt(t.slot)}", t.adapter_path, href, t.reason))
+                             f"{fmt(t.pack_id)}·{fmt(t.slot)}", t.adapter_path, href, t.reason,
+                             data.feasible(t) if data.constraints and t.state == "COMPLETE" else None))
     return TrialTableInfo(list(data.objectives), metric_names, param_names, rows)
 
 
 def render_trial_table(info: TrialTableInfo) -> str:
     """A sortable, filterable HTML table of all trials."""
-    headers = ["trial", "state", *info.objectives, *info.metric_names, *info.param_names, "steps", "tokens",
+    constrained = any(r.feasible is not None for r in info.rows)
+    headers = ["trial", "state", *(["constraints"] if constrained else []), *info.objectives,
+               *info.metric_names, *info.param_names, "steps", "tokens",
                "device s", "pack·slot", "adapter", "reason"]
     body = []
     for r in info.rows:
@@ -66,6 +72,7 @@ def render_trial_table(info: TrialTableInfo) -> str:
             adapter = f'<a href="{html.escape(r.adapter_href, quote=True)}">{adapter}</a>'
         body.append([(f"#{r.number}{' ★' if r.default else ''}", r.number),
                      f'<span class="state {esc(r.state.lower())}">{esc(r.state.lower())}</span>',
+                     *([_feasibility(r.feasible)] if constrained else []),
                      *[(esc(v), v) for v in r.objectives],
                      *[(esc(r.metrics.get(m)), r.metrics.get(m)) for m in info.metric_names],
                      *[(esc(r.params.get(p)), r.params.get(p)) for p in info.param_names],
@@ -73,6 +80,10 @@ def render_trial_table(info: TrialTableInfo) -> str:
                      esc(r.pack_slot), (adapter, r.adapter or ""), esc(r.reason or "")])
     return ('<input class="filter" data-table="trials" placeholder="filter rows (e.g. complete, attn)…">'
             + table(headers, body, table_id="trials"))
+
+
+def _feasibility(feasible: bool | None) -> str:
+    return "–" if feasible is None else ("feasible" if feasible else '<span class="state fail">infeasible</span>')
 
 
 def render_prune_table(data: StudyData) -> str:
@@ -85,3 +96,18 @@ def render_prune_table(data: StudyData) -> str:
             for d in sorted(data.prunes, key=lambda d: (d.pack_id, d.rung_step, d.rank or 0, d.trial))]
     return table(["pack", "rung step", "trial", "decision", "value", "rank / cohort", "reason"], rows,
                  table_id="prunes")
+
+
+def render_samples(data: StudyData) -> str:
+    """The first generated answers of the default and the best trials, beside their references."""
+    rows = []
+    for number, by_metric in sorted(data.samples.items()):
+        for metric, items in sorted(by_metric.items()):
+            for it in items:
+                d = it.detail
+                rows.append([(f"#{number}", number), esc(metric), (esc(it.item), it.item), esc(d.get("prompt")),
+                             esc(d.get("output")), esc(d.get("reference")), (esc(it.score), it.score)])
+    if not rows:
+        return ('<p class="note">No generated answers stored (no generative evaluator, or no complete trial '
+                "yet).</p>")
+    return table(["trial", "metric", "item", "prompt", "output", "reference", "score"], rows, table_id="samples-table")

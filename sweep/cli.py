@@ -48,32 +48,87 @@ def _load(study: str, overrides: tuple[str, ...], out: str | None) -> StudySpec:
 @click.option("--heartbeat", default=5.0, show_default=True, help="Seconds between worker heartbeats.")
 @click.option("--grace", default=60.0, show_default=True, help="Seconds without a heartbeat before a "
               "worker's trials are failed and retried.")
+@click.option("--allow-changes", is_flag=True, help="Resume even if a fixed setting (e.g. train.max_steps) "
+              "differs from the one the study started with.")
+@click.option("--join", is_flag=True, help="If a `sweep run --workers` owns the study directory, join its study as "
+              "one more worker (through its storage) instead of stopping.")
 def run(study: str, overrides: tuple[str, ...], out: str | None, quiet: bool, workers: int | None,
-        storage: str | None, heartbeat: float, grace: float) -> None:
+        storage: str | None, heartbeat: float, grace: float, allow_changes: bool, join: bool) -> None:
     """Run STUDY.yaml (or resume it): OVERRIDES are dotted key=value pairs, e.g. train.max_steps=50."""
     from sweep.live import LiveProgress
     from sweep.study import run_study
 
     spec = _load(study, overrides, out)
+    if join and _join(spec, storage, heartbeat, grace, quiet, allow_changes):
+        return
     if workers is not None:
-        _run_workers(study, overrides, spec, workers, storage, heartbeat, grace, quiet)
+        _run_workers(study, overrides, spec, workers, storage, heartbeat, grace, quiet, allow_changes)
         return
     if storage is not None:
         raise UserError("run: --storage needs --workers (or set storage: in the study file)")
     with LiveProgress(enabled=not quiet) as live:
-        summary = run_study(spec, progress=live.update, log=live.log)
-    click.echo(f"{spec.name}: {summary.complete} complete, {summary.pruned} pruned, {summary.failed} failed "
-               f"in {summary.wall_s:.1f} s ({summary.steps} packed steps); study in {spec.out_dir}")
+        summary = run_study(spec, progress=live.update, log=live.log, allow_changes=allow_changes)
+    if summary.steps == 0 and summary.spent:
+        more = (f"; to continue, raise it: sweep run {study} {summary.spent_key}=<more>" if summary.spent_key
+                else "")
+        click.echo(f"{spec.name}: the budget is already spent ({summary.spent}), nothing to run{more}; "
+                   f"study in {spec.out_dir}")
+    else:
+        click.echo(f"{spec.name}: {summary.complete} complete, {summary.pruned} pruned, {summary.failed} failed "
+                   f"in {summary.wall_s:.1f} s ({summary.steps} packed steps); study in {spec.out_dir}")
     _refresh_report(spec.out_dir)
 
 
-def _run_workers(study: str, overrides: tuple[str, ...], spec: StudySpec, workers: int, storage: str | None,
-                 heartbeat: float, grace: float, quiet: bool) -> None:
-    from collections import Counter
+def _join(spec: StudySpec, storage: str | None, heartbeat: float, grace: float, quiet: bool,
+          allow_changes: bool) -> bool:
+    """``run --join``: become a worker of the study a ``run --workers`` owns; False when the directory is free.
 
-    from sweep.worker import launch, study_counts, with_storage
+    Raises:
+        UserError: the owner runs the study alone (no shared storage to join).
+    """
+    import os
+
+    from sweep.live import LiveProgress
+    from sweep.storage import Sharing
+    from sweep.store import DirectoryInUse, StudyDir, strip_password
+    from sweep.worker import run_worker, with_storage
+
+    try:
+        StudyDir(spec.out_dir).acquire().release()
+        return False  # nobody to join: a plain run
+    except DirectoryInUse as err:
+        shared = err.holder.get("storage")
+        if not shared:
+            raise UserError(f"run --join: {err}, which runs the study alone: only a study run with --workers (a "
+                            f"shared storage) can be joined") from None
+    spec, url = with_storage(spec, storage or spec.storage or shared)
+    if strip_password(url) != shared:
+        raise UserError(f"run --join: the study's storage is {shared}, not {strip_password(url)}")
+    sharing = Sharing(url, worker=os.getpid(), heartbeat=heartbeat, grace=grace)
+    with LiveProgress(enabled=not quiet) as live:
+        summary = run_worker(spec, sharing, progress=live.update, log=live.log, allow_changes=allow_changes)
+    click.echo(f"{spec.name}: joined as a worker: {summary.complete} complete, {summary.pruned} pruned, "
+               f"{summary.failed} failed in {summary.wall_s:.1f} s; study in {spec.out_dir}")
+    return True
+
+
+def _run_workers(study: str, overrides: tuple[str, ...], spec: StudySpec, workers: int, storage: str | None,
+                 heartbeat: float, grace: float, quiet: bool, allow_changes: bool) -> None:
+    from sweep.resume import own_directory
+    from sweep.store import StudyDir
+    from sweep.worker import with_storage
 
     spec, url = with_storage(spec, storage)
+    with own_directory(StudyDir(spec.out_dir), lambda m: click.echo(m, err=True), storage=url):
+        _launch_workers(study, overrides, spec, url, workers, heartbeat, grace, quiet, allow_changes)
+
+
+def _launch_workers(study: str, overrides: tuple[str, ...], spec: StudySpec, url: str, workers: int,
+                    heartbeat: float, grace: float, quiet: bool, allow_changes: bool) -> None:
+    from collections import Counter
+
+    from sweep.worker import launch, study_counts
+
     seen: list[Counter[str]] = [Counter()]
 
     def show(counts: Counter[str]) -> None:
@@ -83,7 +138,7 @@ def _run_workers(study: str, overrides: tuple[str, ...], spec: StudySpec, worker
         seen.append(counts)
 
     codes = launch(study, overrides, spec, url, workers, heartbeat=heartbeat, grace=grace,
-                   show=None if quiet else show)
+                   show=None if quiet else show, allow_changes=allow_changes)
     try:
         counts = study_counts(url, spec.name)
     except Exception:  # no worker got as far as creating the study: the check below names their logs
@@ -102,8 +157,10 @@ def _run_workers(study: str, overrides: tuple[str, ...], spec: StudySpec, worker
 @cli.command()
 @click.argument("study", type=click.Path(dir_okay=False))
 @click.argument("overrides", nargs=-1)
-@click.option("--storage", help="The shared Optuna storage: postgresql+psycopg2://..., mysql+pymysql://..., "
-              "sqlite:///x.db, or a journal file (journal:///abs/path.log or path.log) for one host.")
+@click.option("--storage", envvar="LORA_SWEEP_STORAGE", help="The shared Optuna storage: postgresql+psycopg2://..., "
+              "mysql+pymysql://..., sqlite:///x.db, or a journal file (journal:///abs/path.log or path.log) for one "
+              "host; default: $LORA_SWEEP_STORAGE, else the study's. A PostgreSQL password may come from PGPASSWORD "
+              "or ~/.pgpass instead of the URL.")
 @click.option("--out", type=click.Path(file_okay=False), help="Study directory (default: the study's output).")
 @click.option("--index", type=int, default=None, help="Worker index (default: SLURM_ARRAY_TASK_ID, "
               "SLURM_PROCID, else the process id); offsets the sampler seed.")
@@ -113,8 +170,9 @@ def _run_workers(study: str, overrides: tuple[str, ...], spec: StudySpec, worker
 @click.option("--quiet", is_flag=True, help="No live progress.")
 @click.option("--cpus", help="Run on these CPUs only (Linux list: 0-15 or 0,2,4-7); sweep run --workers N gives "
               "each worker its share of the host's.")
+@click.option("--allow-changes", is_flag=True, help="Join even if a fixed setting differs from the study's.")
 def worker(study: str, overrides: tuple[str, ...], storage: str | None, out: str | None, index: int | None,
-           heartbeat: float, grace: float, quiet: bool, cpus: str | None) -> None:
+           heartbeat: float, grace: float, quiet: bool, cpus: str | None, allow_changes: bool) -> None:
     """Join the study of STUDY.yaml as one worker: ask, train, evaluate and tell through the shared storage."""
     import os
 
@@ -133,7 +191,7 @@ def worker(study: str, overrides: tuple[str, ...], storage: str | None, out: str
         index = int(os.environ.get("SLURM_ARRAY_TASK_ID") or os.environ.get("SLURM_PROCID") or os.getpid())
     sharing = Sharing(url, worker=index, heartbeat=heartbeat, grace=grace)
     with LiveProgress(enabled=not quiet) as live:
-        summary = run_worker(spec, sharing, progress=live.update, log=live.log)
+        summary = run_worker(spec, sharing, progress=live.update, log=live.log, allow_changes=allow_changes)
     click.echo(f"{spec.name} worker {index}: {summary.complete} complete, {summary.pruned} pruned, "
                f"{summary.failed} failed in {summary.wall_s:.1f} s; study in {spec.out_dir}")
 
@@ -155,22 +213,21 @@ def plan(study: str, overrides: tuple[str, ...]) -> None:
     """Print the pack layout, predicted memory and time of STUDY.yaml, without training."""
     from packer.data import load_examples
     from packer.model import PackedModel, load_base
-    from sweep.planning import padded_mean_length, plan_pack
+    from sweep.planning import PLAN_CALIBRATIONS, check_targets, padded_mean_length, plan_pack
+    from sweep.resume import resolve_device
 
     spec = _load(study, overrides, None)
-    device = spec.model.device
-    if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(spec.model.device)
     model, tokenizer = load_base(spec.model.path, gguf_file=spec.model.gguf_file, dtype=spec.model.dtype,
                                  device=device, log=lambda m: click.echo(m, err=True))
+    check_targets(spec, model)
     data = spec.data
     examples = load_examples(data.train, tokenizer, fmt=data.format, max_length=data.max_length,
                              train_on_prompt=data.train_on_prompt)
     micro = spec.train.micro_batch
     pm = PackedModel(model, impl=spec.packing.kernels, fused_base_ops=spec.packing.fused_base_ops)
-    report = plan_pack(spec, pm, mean_len=padded_mean_length([len(e.input_ids) for e in examples], micro))
+    report = plan_pack(spec, pm, mean_len=padded_mean_length([len(e.input_ids) for e in examples], micro),
+                       calibrations=PLAN_CALIBRATIONS)
     click.echo(report.table())
 
 
@@ -248,12 +305,15 @@ def report(study_dir: str, out: str | None) -> None:
 @click.option("--out", required=True, type=click.Path(), help="Directory to create (must not exist or be empty).")
 @click.option("--merge", is_flag=True, help="Write the base model with the adapter merged in, plus its tokenizer.")
 @click.option("--no-vllm", is_flag=True, help="Keep the adapter as trained (no padding to a rank vLLM accepts).")
+@click.option("--allow-infeasible", is_flag=True, help="--best may pick a trial that violates the study's "
+              "constraints when none meets them.")
 def export(study_dir: str, trial: int | None, best: bool, objective: str | None, out: str, merge: bool,
-           no_vllm: bool) -> None:
+           no_vllm: bool, allow_infeasible: bool) -> None:
     """Export one trial of STUDY_DIR as a PEFT adapter directory (vLLM-ready by default) or a merged model."""
     from sweep.export import export_trial
 
-    done = export_trial(study_dir, out, trial=trial, best=best, objective=objective, vllm=not no_vllm, merge=merge)
+    done = export_trial(study_dir, out, trial=trial, best=best, objective=objective, vllm=not no_vllm, merge=merge,
+                        allow_infeasible=allow_infeasible)
     what = "merged model" if done.merged else f"adapter (rank {done.rank}" + (
         f" padded to {done.exported_rank})" if done.exported_rank != done.rank else ")")
     click.echo(f"trial {done.trial}: {what} written to {done.out}")
@@ -304,7 +364,8 @@ def main(argv: list[str] | None = None) -> None:
         click.echo(f"error: {err}", err=True)
         sys.exit(2)
     except click.exceptions.Abort:
-        click.echo("aborted", err=True)
+        click.echo("aborted: a study keeps what finished; run the same command again to resume (the trials that "
+                   "were training are retried)", err=True)
         sys.exit(130)
     except click.ClickException as err:
         err.show()

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from packer.errors import UserError
-from sweep.store import ResultsStore, StudyDir, TrialRecord
+from sweep.store import ResultsStore, StudyDir, TrialRecord, constraint_text, is_feasible
 
 if TYPE_CHECKING:  # torch, safetensors and transformers load in the functions that need them: errors stay fast
     import torch
@@ -73,13 +73,14 @@ def _pareto(done: _Done, directions: list[str]) -> _Done:
 
 
 def select_trial(store: ResultsStore, *, trial: int | None = None, best: bool = False,
-                 objective: str | None = None) -> TrialRecord:
+                 objective: str | None = None, allow_infeasible: bool = False) -> TrialRecord:
     """The complete trial to export: ``trial`` by number, or the best one.
 
     Raises:
         UserError: neither or both of ``trial`` / ``best``; an unknown or unfinished trial; an objective the
             study does not have; ``best`` without ``objective`` in a multi-objective study whose Pareto front
-            has several trials (the message lists them, on one line).
+            has several trials (the message lists them, on one line); ``best`` in a study with constraints
+            that no complete trial meets, unless ``allow_infeasible`` (then the best of all is taken).
     """
     if (trial is None) == (not best):
         raise UserError("export: give exactly one of --trial N and --best")
@@ -104,6 +105,13 @@ def select_trial(store: ResultsStore, *, trial: int | None = None, best: bool = 
     done = [(t, vals) for t in store.trials("COMPLETE") if (vals := _values(t, len(objectives))) is not None]
     if not done:
         raise UserError("export: no complete trial with finite objective values yet")
+    constraints = list(meta.get("constraints") or [])
+    feasible = [(t, vals) for t, vals in done if is_feasible(t.metrics, constraints)]
+    if not feasible and not allow_infeasible:
+        bounds = "; ".join(map(constraint_text, constraints))
+        raise UserError(f"export: no complete trial meets the constraints ({bounds}); pass --allow-infeasible to "
+                        f"export the best of the {len(done)} that do not")
+    done = feasible or done
     if objective is None and len(objectives) > 1:
         front = sorted(_pareto(done, directions), key=lambda x: x[0].number)
         if len(front) > 1:
@@ -287,8 +295,24 @@ def _fresh_dir(out: Path) -> Path:
     return Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
 
 
+def _umask() -> int:
+    """The process's umask (read by setting it and putting it back: POSIX has no getter)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _plain_modes(root: Path) -> None:
+    """Give ``root`` and everything in it the modes ``mkdir`` and ``open`` would have (0755 / 0644 under
+    umask 022): ``mkdtemp`` made ``root`` 0700, and a serving process of another user must read the export."""
+    mask = _umask()
+    for path in [root, *root.rglob("*")]:
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
+
+
 def export_trial(study_dir: str | Path, out: str | Path, *, trial: int | None = None, best: bool = False,
-                 objective: str | None = None, vllm: bool = True, merge: bool = False) -> Export:
+                 objective: str | None = None, vllm: bool = True, merge: bool = False,
+                 allow_infeasible: bool = False) -> Export:
     """Export one complete trial of the study in ``study_dir`` to ``out`` (see the module docstring).
 
     Raises:
@@ -299,7 +323,7 @@ def export_trial(study_dir: str | Path, out: str | Path, *, trial: int | None = 
     if not sdir.is_study():
         raise UserError(f"export: {study_dir}: not a study directory (no results.db and study.yaml)")
     with ResultsStore(sdir.results_db, create=False) as store:
-        rec = select_trial(store, trial=trial, best=best, objective=objective)
+        rec = select_trial(store, trial=trial, best=best, objective=objective, allow_infeasible=allow_infeasible)
         meta = store.meta()
     _check_out(out)
     source = (sdir.root / rec.adapter_path if rec.adapter_path else sdir.adapter_dir(rec.number)).absolute()
@@ -329,6 +353,7 @@ def export_trial(study_dir: str | Path, out: str | Path, *, trial: int | None = 
             (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         (tmp / "README.md").write_text(model_card(meta, rec, config, out, source=source, changes=changes,
                                                   merged=merge))
+        _plain_modes(tmp)
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)

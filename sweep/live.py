@@ -31,8 +31,15 @@ class LiveProgress:
         self.bar.__exit__(et, ev, tb)
 
     def update(self, p: PackProgress) -> None:
-        info = (f"step {p.step}  slots {p.active}/{p.capacity}  {p.tokens_per_s:,.0f} tok/s  best {p.best}")
+        eta = "" if p.eta_s is None else f"  ETA {_clock(p.eta_s)}"
+        info = f"step {p.step}  slots {p.active}/{p.capacity}  {p.tokens_per_s:,.0f} tok/s{eta}  best {p.best}"
         self.bar.update(self.task, completed=p.finished, total=p.budget_trials, info=info)
 
     def log(self, message: str) -> None:
         self.console.print(message)
+
+
+def _clock(seconds: float) -> str:
+    """h:mm:ss of ``seconds``."""
+    s = int(round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"

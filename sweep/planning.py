@@ -8,19 +8,27 @@ widest target set, full sequence length) decides how many fit.
 from __future__ import annotations
 
 import random
+import statistics
 from dataclasses import dataclass
 
-from packer.inject import all_linear_params
+from torch import nn
+
+from packer.errors import ConfigError
+from packer.inject import all_linear_params, resolve_targets
 from packer.model import PackedModel
 from packer.plan import MemoryModel
 from packer.probe import available_memory, calibrate
 from sweep.spec import StudySpec
 
-__all__ = ["auto_slots", "PlanReport", "plan_pack", "MEMORY_FRACTION", "MAX_AUTO_SLOTS"]
+__all__ = ["auto_slots", "check_targets", "PlanReport", "plan_pack", "MEMORY_FRACTION", "MAX_AUTO_SLOTS",
+           "PLAN_CALIBRATIONS"]
 
 MEMORY_FRACTION = 0.85
 """Share of the device's available memory a pack may plan for (the rest: fragmentation, evaluation)."""
 MAX_AUTO_SLOTS = 64
+PLAN_CALIBRATIONS = 3
+"""Calibrations ``sweep plan`` times: one probe step is noisy (two runs of one study differed 33x), so
+the plan gives their median and the range it measured."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +46,9 @@ class PlanReport:
     predicted_step_s: float
     predicted_total_s: float | None
     pack_steps: int | None
+    step_range_s: tuple[float, float] | None = None
+    """(fastest, slowest) predicted step over the calibrations; None after a single one."""
+    calibrations: int = 1
 
     def table(self) -> str:
         gib = 1024**3
@@ -52,11 +63,37 @@ class PlanReport:
             ("per token / per token x rank", f"{self.memory.bytes_per_token / 1024:.1f} KiB / "
                                              f"{self.memory.bytes_per_token_rank:.0f} B"),
             ("per adapter parameter", f"{self.memory.bytes_per_param:.1f} B"),
-            ("predicted step", f"{self.predicted_step_s * 1000:.0f} ms"),
+            ("predicted step", self._step_text()),
             ("predicted time for the trial budget (no pruning)", total),
         ]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+    def _step_text(self) -> str:
+        text = f"{self.predicted_step_s * 1000:.0f} ms"
+        if self.step_range_s is None:
+            return text
+        low, high = self.step_range_s
+        spread = f"{high / low:.1f}x" if low > 0 else "unbounded"
+        return (f"{text} (median of {self.calibrations} calibrations; range {low * 1000:.0f}-{high * 1000:.0f} ms, "
+                f"spread {spread})")
+
+
+def check_targets(spec: StudySpec, model: nn.Module) -> None:
+    """Every target set the study can train names projections ``model`` has (as ``sweep run`` requires).
+
+    Raises:
+        ConfigError: ``search.targets.<set>`` (or ``train.targets``) names a module the model lacks.
+    """
+    searched = any(p.name == "targets" for p in spec.search.params)
+    sets = spec.search.target_sets.items() if searched else [("", spec.train.targets)]
+    for name, modules in sets:
+        try:
+            resolve_targets(model, modules)
+        except ConfigError as err:
+            key = f"search.targets.{name}" if searched else "train.targets"
+            raise ConfigError(f"{key}: {str(err).removeprefix('targets: ')}") from None
 
 
 def _worst(spec: StudySpec) -> tuple[int, int]:
@@ -72,12 +109,18 @@ def _worst(spec: StudySpec) -> tuple[int, int]:
     return rank, micro
 
 
-def plan_pack(spec: StudySpec, pm: PackedModel, *, mean_len: float | None = None) -> PlanReport:
-    """Calibrate the memory model and size the pack; ``mean_len`` (tokens per row) sharpens the time."""
+def plan_pack(spec: StudySpec, pm: PackedModel, *, mean_len: float | None = None,
+              calibrations: int = 1) -> PlanReport:
+    """Calibrate the memory model and size the pack; ``mean_len`` (tokens per row) sharpens the time.
+
+    ``calibrations`` > 1 calibrates that many times and predicts with the median step (the report
+    gives the range); memory comes from that calibration too.
+    """
     rank, micro = _worst(spec)
     seq = spec.data.max_length
-    mm = calibrate(pm, seq, rows=(1, 3), pad_id=0, chunked_ce=spec.packing.chunked_ce,
-                   activation_checkpointing=spec.packing.activation_checkpointing)
+    models = [calibrate(pm, seq, rows=(1, 3), pad_id=0, chunked_ce=spec.packing.chunked_ce,
+                        activation_checkpointing=spec.packing.activation_checkpointing) for _ in range(calibrations)]
+    mm = models[0]
     available = int(available_memory(pm.device) * MEMORY_FRACTION)
     params = all_linear_params(pm.model, rank)
     fit = mm.max_slots(available, micro * seq, params, rank, limit=MAX_AUTO_SLOTS)
@@ -86,7 +129,9 @@ def plan_pack(spec: StudySpec, pm: PackedModel, *, mean_len: float | None = None
     else:
         slots = max(1, min(fit, spec.budget.trials or MAX_AUTO_SLOTS))
     step_tokens = int(slots * micro * (mean_len or seq))
-    step_s = mm.step_seconds(step_tokens)
+    times = [m.step_seconds(step_tokens) for m in models]
+    step_s = statistics.median_low(times)
+    mm = models[times.index(step_s)]
     steps = None
     if spec.budget.trials is not None:
         max_steps = max(int(v) for v in ([spec.train.max_steps] + [p.high for p in spec.search.params
@@ -94,7 +139,8 @@ def plan_pack(spec: StudySpec, pm: PackedModel, *, mean_len: float | None = None
         steps = -(-spec.budget.trials * max_steps // slots)
     return PlanReport(str(pm.device), slots, rank, micro, seq, available,
                       mm.predict(slots * micro * seq, slots * params, slots * rank, rank), mm, step_s,
-                      None if steps is None else steps * step_s, steps)
+                      None if steps is None else steps * step_s, steps,
+                      (min(times), max(times)) if calibrations > 1 else None, calibrations)
 
 
 def auto_slots(spec: StudySpec, pm: PackedModel) -> int:

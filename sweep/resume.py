@@ -14,8 +14,10 @@ the study's own clock (``sweep.storage.resume_clock``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import os
 import time
 import warnings
 from collections.abc import Callable, Collection, Sequence
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+import yaml
 from optuna.trial import TrialState
 
 from packer.batch import IGNORE_INDEX
@@ -34,13 +37,14 @@ from packer.data import Example, SlotStream
 from packer.errors import UserError
 from packer.gguf import gguf_source
 from packer.model import PackedModel, load_base, resolve_base
-from sweep.space import default_params, make_sampler
+from sweep.space import GridSearch, default_params, make_sampler
 from sweep.spec import StudySpec
 from sweep.storage import Sharing, last_beat, open_storage, resume_clock, storage_lock, study_elapsed
-from sweep.store import ResultsStore, StudyDir
+from sweep.store import DirectoryInUse, DirectoryLock, ResultsStore, StudyDir, redact_url, strip_password
 
 __all__ = ["Session", "open_session", "budget_state", "shared_budget", "BudgetState", "ORPHAN_REASON",
-           "reap_stale", "TokenPlan", "TOKENS_ATTR", "PLANNED_ATTR"]
+           "own_directory", "reap_stale", "requeue", "spec_changes", "spec_record", "resolve_device", "TokenPlan",
+           "TOKENS_ATTR", "PLANNED_ATTR"]
 
 ORPHAN_REASON = "orphaned: the run stopped while this trial trained; its parameters were enqueued again"
 TOKENS_ATTR = "tokens"
@@ -74,6 +78,8 @@ class Session:
     completed: list[tuple[int, list[float]]] = field(default_factory=list)
     sharing: Sharing | None = None
     """Set when other workers share the study: the budget is then counted in the storage."""
+    lock: DirectoryLock | None = None
+    """The study directory's lock, held until ``close`` (None for a worker of a shared study)."""
 
     def adapter_dir(self, number: int) -> Path:
         """``trial_adapter_dir`` of this session's study."""
@@ -112,6 +118,8 @@ class Session:
 
     def close(self) -> None:
         self.store.close()
+        if self.lock is not None:
+            self.lock.release()
 
 
 def _pareto(points: list[tuple[int, list[float]]], directions: list[str]) -> list[int]:
@@ -128,6 +136,8 @@ def _pareto(points: list[tuple[int, list[float]]], directions: list[str]) -> lis
 class BudgetState:
     exhausted: bool
     reason: str = ""
+    key: str = ""
+    """The spent budget's study key (``budget.trials``); '' for a spent grid, which no key extends."""
 
 
 def budget_state(spec: StudySpec, s: Session, *, live: int, elapsed: float, live_tokens: int,
@@ -148,17 +158,25 @@ def budget_state(spec: StudySpec, s: Session, *, live: int, elapsed: float, live
     """
     if s.sharing is not None:
         return shared_budget(spec, s.study, mine=mine, live_tokens=live_tokens)
-    return _against(spec, s.finished + live, s.tokens + live_tokens, s.elapsed + elapsed)
+    return _grid_spent(spec, s.study) or _against(spec, s.finished + live, s.tokens + live_tokens, s.elapsed + elapsed)
+
+
+def _grid_spent(spec: StudySpec, study: optuna.Study) -> BudgetState | None:
+    """A grid study ends with its grid, whatever its budget says (``GridSearch.left``)."""
+    if spec.sampler.name != "grid":
+        return None
+    grid = GridSearch(spec.search.grid())
+    return BudgetState(True, f"the grid's {grid.size} points") if grid.left(study) == 0 else None
 
 
 def _against(spec: StudySpec, trials: int, tokens: int, elapsed: float) -> BudgetState:
     b = spec.budget
     if b.trials is not None and trials >= b.trials:
-        return BudgetState(True, f"{b.trials} trials")
+        return BudgetState(True, f"{b.trials} trials", "budget.trials")
     if b.tokens is not None and tokens >= b.tokens:
-        return BudgetState(True, f"{b.tokens} tokens")
+        return BudgetState(True, f"{b.tokens} tokens", "budget.tokens")
     if b.wall_time is not None and elapsed >= b.wall_time:
-        return BudgetState(True, f"{b.wall_time:.0f} s of wall time")
+        return BudgetState(True, f"{b.wall_time:.0f} s of wall time", "budget.wall_time")
     return BudgetState(False)
 
 
@@ -177,7 +195,7 @@ def shared_budget(spec: StudySpec, study: optuna.Study, *, mine: Collection[int]
     trials = _counted(study)
     tokens = live_tokens + sum(_tokens_of(t) for t in trials if t.number not in mine)
     elapsed = study_elapsed(study) if spec.budget.wall_time is not None else 0.0
-    return _against(spec, len(trials), tokens, elapsed)
+    return _grid_spent(spec, study) or _against(spec, len(trials), tokens, elapsed)
 
 
 def _tokens_of(trial: optuna.trial.FrozenTrial) -> int:
@@ -248,7 +266,22 @@ def _unopenable(url: str, err: Exception) -> UserError:
     """The one-line error for a storage that cannot be opened: its URL and the first line of the cause
     (its type when it has no message)."""
     text = str(err).strip()
-    return UserError(f"storage: cannot open {url!r}: {text.splitlines()[0] if text else type(err).__name__}")
+    cause = text.splitlines()[0] if text else type(err).__name__
+    password = make_url_password(url)
+    if password:  # a driver may quote the DSN back
+        cause = cause.replace(password, "***")
+    return UserError(f"storage: cannot open {redact_url(url)!r}: {cause}")
+
+
+def make_url_password(url: str) -> str | None:
+    """The password in an RDB URL, if any (None for journal paths and URLs without one)."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        return make_url(url).password  # type: ignore[return-value]
+    except ArgumentError:
+        return None
 
 
 def _create(spec: StudySpec, storage: Any, url: str, worker: int) -> optuna.Study:
@@ -260,10 +293,10 @@ def _create(spec: StudySpec, storage: Any, url: str, worker: int) -> optuna.Stud
     if spec.name in existing:
         old = optuna.load_study(study_name=spec.name, storage=storage)
         if old.user_attrs.get("search_space") not in (None, _space_fingerprint(spec)):
-            raise UserError(f"study {spec.name!r} already exists in {url} with a different search space; "
+            raise UserError(f"study {spec.name!r} already exists in {redact_url(url)} with a different search space; "
                             f"give the study another name or output directory")
         if old.directions != [optuna.study.StudyDirection[d.upper()] for d in spec.directions]:
-            raise UserError(f"study {spec.name!r} already exists in {url} with other objective directions")
+            raise UserError(f"study {spec.name!r} already exists in {redact_url(url)} with other objective directions")
         n_trials = len(old.trials)
     # Seeding by the trial count keeps a resumed random or TPE sampler from replaying its first proposals;
     # by the worker index, workers started together from proposing the same ones.
@@ -288,11 +321,12 @@ def trial_adapter_dir(spec: StudySpec, sdir: StudyDir, number: int) -> Path:
     return sdir.adapter_dir(number)
 
 
-def _requeue(study: optuna.Study, store: ResultsStore, orphans: list[optuna.trial.FrozenTrial],
-             log: Callable[[str], None], adapters: Callable[[int], Path]) -> None:
+def requeue(study: optuna.Study, store: ResultsStore, orphans: Sequence[optuna.trial.FrozenTrial | optuna.Trial],
+            log: Callable[[str], None], adapters: Callable[[int], Path], reason: str = ORPHAN_REASON) -> None:
+    """Fail RUNNING trials and enqueue each again with its parameters (``retry_of``: not counted)."""
     for t in orphans:
         study.tell(t.number, state=TrialState.FAIL)
-        store.upsert_trial(t.number, state="FAIL", reason=ORPHAN_REASON)
+        store.upsert_trial(t.number, state="FAIL", reason=reason)
         discard_adapter(adapters(t.number))  # saved but never told, or half written; its retry has its own number
         attrs = {"retry_of": t.number, **({"default": True} if t.user_attrs.get("default") else {})}
         # Killed before or between its suggests, a trial has drawn some parameters or none: its retry
@@ -310,14 +344,14 @@ def reap_stale(study: optuna.Study, store: ResultsStore, grace: float, log: Call
     """
     now = time.time()
     stale = [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) if now - last_beat(t) > grace]
-    _requeue(study, store, stale, log, adapters)
+    requeue(study, store, stale, log, adapters)
     return [t.number for t in stale]
 
 
 def _recover(study: optuna.Study, store: ResultsStore, log: Callable[[str], None],
              adapters: Callable[[int], Path]) -> None:
     """Fail and re-enqueue orphaned RUNNING trials; bring the results store in line with Optuna."""
-    _requeue(study, store, study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)), log, adapters)
+    requeue(study, store, study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)), log, adapters)
     _sync(study, store)
 
 
@@ -341,34 +375,133 @@ def _capacity(spec: StudySpec, pm: PackedModel, log: Callable[[str], None]) -> i
     return n
 
 
-def open_session(spec: StudySpec, *, log: Callable[[str], None] = print, sharing: Sharing | None = None) -> Session:
+RESUMABLE = ("budget", "output", "description", "packing", "model.device", "artifacts", "storage", "evaluators")
+"""Spec keys a resumed study may change: how long, where, and how it runs, not what a trial is.
+(Evaluators only add metrics to later trials; the objectives themselves are fixed.)"""
+
+
+def spec_record(spec: StudySpec) -> dict[str, Any]:
+    """The resolved spec as plain data (JSON and YAML): paths absolute, search dimensions by name,
+    the storage URL without its password (``redact_url``)."""
+    d = dataclasses.asdict(spec)
+    d.pop("source", None)
+    search = d.pop("search")
+    d["search"] = {p.pop("name"): p for p in search["params"]} | {"target_sets": search["target_sets"]}
+    if d.get("storage"):
+        d["storage"] = strip_password(d["storage"])
+    return json.loads(json.dumps(d, default=str))
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out |= _flat(v, f"{prefix}.{k}" if prefix else str(k))
+    return out
+
+
+def spec_changes(earlier: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """'key changed (old -> new)' for each fixed setting (not under ``RESUMABLE``) that differs."""
+    a, b = _flat(earlier), _flat(now)
+    keys = [k for k in dict.fromkeys([*a, *b]) if a.get(k) != b.get(k)
+            and not any(k == r or k.startswith(r + ".") for r in RESUMABLE)]
+    return [f"{k} changed ({json.dumps(a.get(k))} -> {json.dumps(b.get(k))})" for k in keys]
+
+
+def resolve_device(device: str) -> str:
+    """``model.device`` as a torch device: ``auto`` picks CUDA when visible.
+
+    Raises:
+        UserError: ``cuda`` or ``cuda:N`` is asked for and no such CUDA device is visible.
+    """
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UserError(f"model.device: {device}, but no CUDA device is visible (torch {torch.__version__}, "
+                            f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+                            f"use device: auto or cpu")
+        index = int(device.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise UserError(f"model.device: {device}, but only {torch.cuda.device_count()} CUDA device(s) are visible")
+    return device
+
+
+def open_session(spec: StudySpec, *, log: Callable[[str], None] = print, sharing: Sharing | None = None,
+                 allow_changes: bool = False) -> Session:
     """Create or resume the study in ``spec.out_dir`` and load the base model once.
 
     With ``sharing`` the study lives in a storage other workers use too: only stale RUNNING trials
-    are orphans, and the budget is counted there.
+    are orphans, and the budget is counted there. The resolved spec is recorded in the store (meta
+    ``spec``) and the directory (``study.yaml``); resumed, a changed fixed setting (``spec_changes``)
+    is an error unless ``allow_changes``.
     """
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # our progress and store say what happened
-    sdir = StudyDir(spec.out_dir).create()
-    if spec.source is not None:
-        sdir.write_study_yaml(spec.source.read_text())
+    device = resolve_device(spec.model.device)  # before anything is created: a user error leaves no trace
+    sdir = StudyDir(spec.out_dir)
+    lock = None if sharing is not None else own_directory(sdir, log)
+    try:
+        return _open(spec, sdir, device, log, sharing, lock, allow_changes)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def own_directory(sdir: StudyDir, log: Callable[[str], None], storage: str | None = None) -> DirectoryLock:
+    """Take the study directory's lock for this run (workers of a shared study take none: their
+    launcher holds it, and the storage's own lock orders them). ``storage``: the shared storage of a
+    ``sweep run --workers``, recorded (without its password) so ``sweep run --join`` can join it.
+
+    Raises:
+        UserError: another live process holds it.
+    """
+    try:
+        lock = sdir.acquire(**({"storage": strip_password(storage)} if storage else {}))
+    except DirectoryInUse as err:
+        join = " or join it with --join" if err.holder.get("storage") else ""
+        raise UserError(f"run: {err}; wait for it to end{join} (a second run would fail its running trials)") from None
+    if lock.taken_over:
+        log(f"took over {sdir.lock} from pid {lock.taken_over.get('pid', '?')} on host "
+            f"{lock.taken_over.get('host', '?')}, which ended without releasing it")
+    return lock
+
+
+def _open(spec: StudySpec, sdir: StudyDir, device: str, log: Callable[[str], None], sharing: Sharing | None,
+          lock: DirectoryLock | None, allow_changes: bool) -> Session:
+    from sweep.planning import check_targets
+
+    # a GGUF source becomes its cached checkpoint directory: what every load, adapter and export names
+    base = resolve_base(spec.model.path, spec.model.gguf_file, log=log)
+    model, tokenizer = load_base(base, dtype=spec.model.dtype, device=device)
+    check_targets(spec, model)  # before the study is created: a target set the model lacks fails no trial
+    sdir.create()
     store = ResultsStore(sdir.results_db)
+    record = spec_record(spec)
+    earlier = store.meta().get("spec")
+    changed = [] if earlier is None else spec_changes(earlier, record)
+    if changed and not allow_changes:
+        raise UserError(f"run: {changed[0]} since the study started"
+                        f"{f' (and {len(changed) - 1} more)' if len(changed) > 1 else ''}; a resumed study keeps its "
+                        f"fixed settings: give the same overrides again, or pass --allow-changes")
+    for change in changed:
+        log(f"resuming with {change} (--allow-changes)")
+    store.set_meta(spec=record)
+    sdir.write_study_yaml("# The resolved study this directory's last run used (overrides and aliases applied).\n"
+                          + yaml.safe_dump(record, sort_keys=False))
     study = _optuna_study(spec, sdir, sharing)
     adapters = partial(trial_adapter_dir, spec, sdir)
     if sharing is None:
         _recover(study, store, log, adapters)
     url = sharing.url if sharing is not None else spec.storage or sdir.optuna_url
-    # a GGUF source becomes its cached checkpoint directory: what every load, adapter and export names
-    base = resolve_base(spec.model.path, spec.model.gguf_file, log=log)
     gguf = gguf_source(spec.model.path, spec.model.gguf_file)
-    store.set_meta(name=spec.name, storage=url, model=base, **({"model_source": str(gguf)} if gguf else {}),
-                   data=str(spec.data.train), objectives=[o.metric for o in spec.objectives],
-                   directions=spec.directions)
-    device = spec.model.device
-    if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tokenizer = load_base(base, dtype=spec.model.dtype, device=device)
+    store.set_meta(name=spec.name, storage=strip_password(url), model=base,
+                   **({"model_source": str(gguf)} if gguf else {}), data=str(spec.data.train),
+                   objectives=[o.metric for o in spec.objectives], directions=spec.directions,
+                   constraints=[c.as_dict() for c in spec.constraints])
     pm = PackedModel(model, impl=spec.packing.kernels, fused_base_ops=spec.packing.fused_base_ops)
     if sharing is not None:
         with storage_lock(sharing.url, spec.name):  # the clock first: reaping makes dead trials' ends recent
@@ -384,5 +517,5 @@ def open_session(spec: StudySpec, *, log: Callable[[str], None] = print, sharing
                       tokens=sum(r.tokens or 0 for r in store.trials()),
                       elapsed=float(store.meta().get("elapsed", 0.0)),
                       completed=[(t.number, list(t.values)) for t in trials if t.state == TrialState.COMPLETE],
-                      sharing=sharing)
+                      sharing=sharing, lock=lock)
     return session

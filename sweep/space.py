@@ -7,18 +7,22 @@ Optuna parameter names are the canonical names of ``sweep.spec.SEARCHABLE`` (``r
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Mapping
+import random
+from collections.abc import Mapping, Sequence
 from dataclasses import fields
 from typing import Any
 
 import optuna
+from optuna.distributions import BaseDistribution
+from optuna.trial import FrozenTrial, TrialState
 
 from packer.errors import ConfigError
 from packer.plan import AdapterSpec
 from sweep.spec import Param, SamplerSpec, SearchSpace, TrainSpec
 
-__all__ = ["adapter_spec", "default_params", "make_sampler", "suggest"]
+__all__ = ["GridSearch", "adapter_spec", "default_params", "make_sampler", "suggest"]
 
 _COMMUNITY = ("rank", "alpha", "alpha_ratio", "lr")
 """Dimensions whose default (rank 16, alpha 32, lr 2e-4) must lie in the space for a default trial."""
@@ -96,11 +100,67 @@ def make_sampler(spec: SamplerSpec, seed: int, space: SearchSpace) -> optuna.sam
     if spec.name == "gp":
         return optuna.samplers.GPSampler(seed=seed, **startup)
     if spec.name == "grid":
-        return optuna.samplers.GridSampler(space.grid(), seed=seed)  # type: ignore[arg-type]
+        return GridSearch(space.grid(), seed=seed)
     if spec.name == "nsga2":
         pop: dict[str, Any] = {} if spec.population_size is None else {"population_size": spec.population_size}
         return optuna.samplers.NSGAIISampler(seed=seed, **pop)
     return optuna.samplers.RandomSampler(seed=seed)
+
+
+class GridSearch(optuna.samplers.BaseSampler):
+    """Every point of a grid once, in a seeded random order, for ask-and-tell studies.
+
+    Optuna's ``GridSampler`` fits ``Study.optimize`` only: its ``after_trial`` calls ``study.stop()``,
+    which raises outside ``optimize``, once the grid is spent, and looks up a ``grid_id`` that an
+    enqueued trial (the community default, a retry) never gets, so it raises ``KeyError``. Here a
+    point is taken by any trial that drew it, enqueued ones included: the default's point is not run
+    again, and ``left`` tells the budget when the grid is spent (``sweep.resume.budget_state``).
+    A point is assigned when a trial starts and read back by each of its suggestions, so the whole
+    ask + suggest must happen before the next ask (shared studies do both under the storage lock).
+    """
+
+    def __init__(self, grid: Mapping[str, Sequence[Any]], seed: int = 0) -> None:
+        self._names = sorted(grid)
+        self._points = list(itertools.product(*(grid[n] for n in self._names)))
+        random.Random(seed).shuffle(self._points)  # a budget below the grid's size samples it without bias
+        self._assigned: dict[int, tuple[Any, ...]] = {}
+
+    @property
+    def size(self) -> int:
+        """Points in the grid."""
+        return len(self._points)
+
+    def _taken(self, study: optuna.Study) -> set[tuple[Any, ...]]:
+        states = (TrialState.RUNNING, TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+        return {tuple(t.params[n] for n in self._names) for t in study.get_trials(deepcopy=False, states=states)
+                if all(n in t.params for n in self._names)}
+
+    def left(self, study: optuna.Study) -> int:
+        """Points no trial has drawn yet, plus the trials enqueued and not yet started (retries)."""
+        taken = self._taken(study)
+        waiting = len(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
+        return sum(1 for p in self._points if p not in taken) + waiting
+
+    def before_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        taken = self._taken(study)
+        free = [p for p in self._points if p not in taken]
+        # Spent (a retry drawing its missing parameters, or a caller ignoring ``left``): any point will do.
+        self._assigned[trial.number] = free[0] if free else self._points[trial.number % len(self._points)]
+
+    def infer_relative_search_space(self, study: optuna.Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
+        return {}
+
+    def sample_relative(self, study: optuna.Study, trial: FrozenTrial,
+                        search_space: dict[str, BaseDistribution]) -> dict[str, Any]:
+        return {}
+
+    def sample_independent(self, study: optuna.Study, trial: FrozenTrial, param_name: str,
+                           param_distribution: BaseDistribution) -> Any:
+        return self._assigned[trial.number][self._names.index(param_name)]
+
+    def after_trial(self, study: optuna.Study, trial: FrozenTrial, state: TrialState,
+                    values: Sequence[float] | None) -> None:
+        self._assigned.pop(trial.number, None)
 
 
 def default_params(space: SearchSpace) -> dict[str, object] | None:

@@ -21,6 +21,7 @@ from packer.data import FORMATS as DATA_FORMATS
 from packer.errors import ConfigError
 from packer.plan import AdapterSpec
 from sweep._params import SEARCHABLE, Param, SearchSpace, _check, _check_adapter_value, _is_num
+from sweep.store import constraint_violation
 
 __all__ = [
     "Budget", "Constraint", "DataSpec", "EvalSpec", "ModelSpec", "Objective", "PackingSpec", "Param", "PruningSpec",
@@ -173,9 +174,14 @@ class Constraint:
         _check(self.op in ("<=", ">="), "op", "must be <= or >=", self.op)
         _check(_is_num(self.value), "value", "must be a number", self.value)
 
-    def violation(self, x: float) -> float:
-        """Optuna's constraint value for metric value ``x``: feasible iff <= 0."""
-        return x - self.value if self.op == "<=" else self.value - x
+    def violation(self, x: float | None) -> float:
+        """Optuna's constraint value for metric value ``x``: feasible iff <= 0; a missing or non-finite
+        ``x`` is infeasible in both directions (``sweep.store.constraint_violation``)."""
+        return constraint_violation(self.op, self.value, x)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The form the results store keeps (meta key ``constraints``)."""
+        return {"metric": self.metric, "op": self.op, "value": float(self.value)}
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from packer.errors import UserError
-from sweep.store import ResultsStore, StudyDir
+from sweep.store import ResultsStore, StudyDir, constraint_text, is_feasible
 
 __all__ = ["study_status", "render"]
 
@@ -31,20 +32,26 @@ def study_status(root: Path, top: int = 5) -> dict[str, Any]:
     for t in trials:
         counts[t.state] = counts.get(t.state, 0) + 1
     objectives, directions = meta.get("objectives", []), meta.get("directions", [])
+    constraints = list(meta.get("constraints") or [])
     done = [t for t in trials if t.state == "COMPLETE" and t.objective_values]
+    feasible = {t.number for t in done if is_feasible(t.metrics, constraints)}
     best: list[dict[str, Any]] = []
     if done and directions:
         sign = 1 if directions[0] == "minimize" else -1
-        for t in sorted(done, key=lambda t: sign * t.objective_values[0])[:top]:
+        # feasible trials first (Optuna's rule for constrained studies), each group by the first objective
+        for t in sorted(done, key=lambda t: (t.number not in feasible, _rank(sign, t.objective_values[0])))[:top]:
             best.append({"number": t.number, "values": dict(zip(objectives, t.objective_values, strict=False)),
                          "params": t.params, "adapter": t.adapter_path, "default": bool((t.user_attrs or {})
-                                                                                       .get("default"))})
+                                                                                       .get("default")),
+                         "feasible": t.number in feasible})
     return {
         "study": meta.get("name"),
         "directory": str(root),
         "storage": meta.get("storage"),
         "objectives": dict(zip(objectives, directions, strict=False)),
         "counts": counts,
+        "constraints": [constraint_text(c) for c in constraints],
+        "feasible": len(feasible),
         "best": best,
         "packs": [{"pack_id": p.pack_id, "status": p.status, "slots": p.slots, "steps": p.steps,
                    "tokens": p.tokens, "tokens_per_s": p.tokens_per_s, "wall_s": p.wall_s,
@@ -52,18 +59,27 @@ def study_status(root: Path, top: int = 5) -> dict[str, Any]:
     }
 
 
+def _rank(sign: int, value: float | None) -> float:
+    return math.inf if value is None or not math.isfinite(value) else sign * value
+
+
 def render(info: dict[str, Any]) -> None:
     """Rich tables of ``study_status``'s data."""
     console = Console()
     counts = ", ".join(f"{k.lower()} {v}" for k, v in sorted(info["counts"].items())) or "no trials"
     console.print(f"[bold]{info['study']}[/bold] ({info['directory']}): {counts}")
+    if info["constraints"]:
+        done = info["counts"].get("COMPLETE", 0)
+        console.print(f"constraints: {'; '.join(info['constraints'])}: {info['feasible']} of {done} complete "
+                      f"trials feasible")
     objectives = list(info["objectives"])
     table = Table(title=f"best by {objectives[0] if objectives else '-'}")
     for col in ["trial", *objectives, "params", "adapter"]:
         table.add_column(col)
     for b in info["best"]:
         params = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in b["params"].items())
-        table.add_row(f"{b['number']}{' (default)' if b['default'] else ''}",
+        mark = (" (default)" if b["default"] else "") + ("" if b["feasible"] else " (infeasible)")
+        table.add_row(f"{b['number']}{mark}",
                       *[f"{b['values'].get(o, float('nan')):.5g}" for o in objectives], params, b["adapter"] or "")
     console.print(table)
     packs = Table(title="packs")

@@ -5,15 +5,19 @@ A study directory (default ``runs/<name>/``, see :class:`StudyDir`) holds::
     optuna.db            Optuna RDB storage, the source of truth for trials (``optuna-dashboard sqlite:///...``);
                          ``storage:`` in study.yaml may point to any other Optuna RDB URL instead
     results.db           the tables below, for SQL queries and the HTML report
-    study.yaml           a copy of the resolved study file the run used
+    study.yaml           the resolved study the last run used (overrides and aliases applied; also meta ``spec``)
     adapters/trial-<n>/  each completed trial's adapter in PEFT format (``PeftModel.from_pretrained``)
     report.html          the static HTML report
-    lock                 held by the process running the study
+    lock                 flock'ed by the one ``sweep run`` that owns the directory; holds its pid and host (JSON).
+                         A second run finds it held and stops; a dead holder's lock is released by the kernel
+                         and the next run takes it over (``StudyDir.acquire``)
 
 Tables of results.db (open with ``sqlite3 runs/<name>/results.db`` or ``sqlite-utils``):
 
 ``study`` (PK key): key/value metadata; ``value`` is JSON. Keys: name (also the Optuna study name), storage (the
 Optuna storage URL), model, data, objectives (list of metric names), directions (list of "minimize"/"maximize"),
+spec (the resolved study as plain data, compared on resume: ``sweep.resume.spec_changes``), constraints (list of
+{metric, op ("<=" or ">="), value}; a trial is feasible when its metrics meet them all, see ``is_feasible``),
 created, updated (time of the last write), lora_sweep_version.
 
 ``trials`` (PK number): one row per Optuna trial.
@@ -44,7 +48,8 @@ created, updated (time of the last write), lora_sweep_version.
 ``items`` (PK trial, evaluator, item): per-item results of the final evaluation, for paired statistics
 (the same item index means the same example for every trial).
     trial, evaluator  Trial number and evaluator name.  item: index of the example in the evaluation set.
-    score             Numeric per-item score (loss, 0/1 correctness, ...).  detail: JSON, anything else.
+    score             Numeric per-item score (loss, 0/1 correctness, ...).  detail: JSON, anything else; a
+                      generative evaluator's item keeps {prompt, output, reference} (the item is the prompt's id).
 
 ``packs`` (PK pack_id): one row per packed training run.
     pack_id           Number of the pack, assigned by the store (1, 2, ...).
@@ -81,10 +86,12 @@ or MySQL) as the truth and rebuild results from it.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import importlib.metadata
 import json
 import math
 import os
+import socket
 import sqlite3
 import tempfile
 import time
@@ -96,7 +103,9 @@ from typing import Any
 import sqlite_utils
 
 __all__ = [
-    "EvalRow", "ItemRow", "PackRecord", "PruneDecision", "ResultsStore", "SlotSpan", "StepRow", "StudyDir",
+    "DirectoryInUse", "DirectoryLock", "EvalRow", "ItemRow", "constraint_text", "constraint_violation",
+    "is_feasible", "redact_url", "strip_password", "PackRecord", "PruneDecision", "ResultsStore", "SlotSpan",
+    "StepRow", "StudyDir",
     "TrialRecord", "atomic_write_bytes", "atomic_write_text",
 ]  # fmt: skip
 
@@ -139,6 +148,63 @@ def _loads(text: str | None) -> Any:
 
 def _now(t: float | None) -> float:
     return time.time() if t is None else t
+
+
+# ---------------------------------------------------------------- constraints
+
+
+def constraint_violation(op: str, bound: float, x: Any) -> float:
+    """Optuna's constraint value of metric value ``x`` against ``op bound``: feasible iff <= 0.
+
+    A missing (None) or non-finite value violates by inf in both directions: a trial that did not
+    measure the metric, or measured NaN, has not shown that it meets the bound.
+    """
+    if x is None or isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x):
+        return math.inf
+    return float(x) - bound if op == "<=" else bound - float(x)
+
+
+def is_feasible(metrics: Mapping[str, Any] | None, constraints: Iterable[Mapping[str, Any]]) -> bool:
+    """Whether ``metrics`` meet every constraint (``{metric, op, value}`` as in the ``constraints`` meta key)."""
+    return all(constraint_violation(c["op"], float(c["value"]), (metrics or {}).get(c["metric"])) <= 0
+               for c in constraints)
+
+
+def constraint_text(c: Mapping[str, Any]) -> str:
+    """``metric <= value`` of one constraint."""
+    return f"{c['metric']} {c['op']} {c['value']:g}"
+
+
+# ---------------------------------------------------------------- storage URLs
+
+
+def strip_password(url: str) -> str:
+    """``url`` without its password, to be kept or shown (a journal path or a URL without one unchanged).
+
+    The password of a PostgreSQL storage can come from ``PGPASSWORD`` or ``~/.pgpass`` instead (libpq
+    reads both when the URL has none), of a MySQL one from ``?read_default_file=~/.my.cnf``.
+    """
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return url
+    # URL.set(password=None) leaves the password as it is: None means "unchanged" there
+    return url if parsed.password is None else parsed._replace(password=None).render_as_string(hide_password=False)
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password shown as ``***`` (SQLAlchemy's ``hide_password``), for messages and logs."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return url
+    return url if parsed.password is None else parsed.render_as_string(hide_password=True)
 
 
 # ---------------------------------------------------------------- atomic writes
@@ -223,6 +289,75 @@ class StudyDir:
     def write_study_yaml(self, text: str) -> None:
         """Atomically write the resolved study file."""
         atomic_write_text(self.study_yaml, text)
+
+    def acquire(self, **info: Any) -> DirectoryLock:
+        """Take the directory's exclusive lock (created with the folder); release it with ``release()``.
+        ``info`` is recorded beside the pid and host (a shared study's storage URL, without its password).
+
+        Raises:
+            DirectoryInUse: a live process holds it.
+        """
+        self.root.mkdir(parents=True, exist_ok=True)
+        return DirectoryLock(self.lock, info)
+
+
+class DirectoryInUse(RuntimeError):
+    """The study directory's lock is held by another live process."""
+
+    def __init__(self, path: Path, holder: dict[str, Any]) -> None:
+        self.path, self.holder = path, holder
+        super().__init__(f"{path.parent} is in use by pid {holder.get('pid', '?')} on host "
+                         f"{holder.get('host', '?')} (lock {path})")
+
+
+class DirectoryLock:
+    """An exclusive ``flock`` on a study directory's lock file, holding the owner's pid and host.
+
+    The kernel drops a flock when its process dies, however it dies, so a stale lock never blocks:
+    the file may still name the dead owner (a kill leaves it), and the next owner takes it over
+    (``taken_over`` is that owner's record). flock works on local file systems and on NFS (Linux
+    emulates it with POSIX locks there).
+    """
+
+    def __init__(self, path: Path, info: Mapping[str, Any] | None = None) -> None:
+        self.path = path
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise DirectoryInUse(path, holder) from None
+        self._fd: int | None = fd
+        self.taken_over = _holder(fd) or None
+        record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), **(info or {})})
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, record.encode() + b"\n", 0)
+        os.fsync(fd)
+
+    def release(self) -> None:
+        """Empty the file (a clean exit leaves no owner behind) and drop the lock; idempotent."""
+        if self._fd is None:
+            return
+        os.ftruncate(self._fd, 0)
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
+
+    def __enter__(self) -> DirectoryLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _holder(fd: int) -> dict[str, Any]:
+    """The owner record in a lock file ({} when empty or unreadable: written by nothing we know)."""
+    try:
+        data = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 # ---------------------------------------------------------------- rows; the tables are derived from these

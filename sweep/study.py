@@ -30,11 +30,12 @@ from evaluators import EvalResult, evaluate, load_eval_data, metrics_of
 from evaluators.cost import cost_metrics, slot_adapter_params
 from packer.checkpoint import save_adapters
 from packer.data import SlotStream, load_examples
+from packer.errors import UserError
 from packer.model import PackedModel
 from packer.plan import AdapterSpec
 from packer.train import SlotEnd, SlotJob, StepReport, train
 from sweep.pruning import CohortSHA
-from sweep.resume import PLANNED_ATTR, TOKENS_ATTR, Session, TokenPlan, budget_state, open_session, reap_stale
+from sweep.resume import PLANNED_ATTR, TOKENS_ATTR, Session, TokenPlan, budget_state, open_session, reap_stale, requeue
 from sweep.space import adapter_spec, suggest
 from sweep.spec import StudySpec
 from sweep.storage import WORKER_ATTR, Heartbeat, Sharing, storage_lock
@@ -50,9 +51,13 @@ class Progress:
     active: int
     capacity: int
     tokens_per_s: float
+    """Training tokens of the pack per wall second of it so far, evaluation included (the packs
+    table's ``tokens_per_s``: one definition)."""
     finished: int
     budget_trials: int | None
     best: str
+    eta_s: float | None = None
+    """Seconds until the budget is spent, at this run's pace so far; None before a trial has finished."""
 
 
 @dataclass
@@ -66,6 +71,10 @@ class RunSummary:
     complete: int = 0
     pruned: int = 0
     failed: int = 0
+    spent: str = ""
+    """The budget that ended the asking (``BudgetState.reason``), '' while it had room."""
+    spent_key: str = ""
+    """Its study key (``BudgetState.key``)."""
 
 
 @dataclass
@@ -86,14 +95,15 @@ class _Sweep:
     """The callbacks ``packer.train`` runs the pack with; all study state lives here."""
 
     def __init__(self, spec: StudySpec, session: Session, pm: PackedModel, train_examples: list, eval_data: Any,
-                 pack_id: int, progress: Callable[[Progress], None] | None) -> None:
+                 pack_id: int, progress: Callable[[Progress], None] | None, started: float) -> None:
         self.spec, self.s, self.pm = spec, session, pm
         self.train_examples, self.eval_data = train_examples, eval_data
         self.pack_id, self.progress = pack_id, progress
         self.live: dict[int, _Live] = {}
         self.to_prune: set[int] = set()
         self.global_step = 0
-        self.t_start = time.time()
+        self.t_start = started  # the pack row's start: tokens/s and elapsed mean what the packs table means
+        self.finished_before = session.finished_count()
         self.step_t = time.perf_counter()
         self.summary = RunSummary(pack_id)
         metric, direction = spec.prune_metric()
@@ -104,6 +114,7 @@ class _Sweep:
         self.plan = TokenPlan(train_examples, spec.seed)
         self.heartbeat: Heartbeat | None = None
         self.last_reap = time.time()
+        self.pack_step0 = self.pack_tokens0 = 0  # the run's steps and tokens when the current pack started
         self.idle_until = 0.0  # shared budget spent: look again after a heartbeat, not before every step
         self.log: Callable[[str], None] = print
 
@@ -124,6 +135,7 @@ class _Sweep:
                                   live_tokens=sum(lv.tokens for lv in self.live.values()),
                                   mine={lv.trial.number for lv in self.live.values()})
             if budget.exhausted:
+                self.summary.spent, self.summary.spent_key = budget.reason, budget.key
                 if self.s.sharing is not None:
                     self.idle_until = time.time() + self.s.sharing.heartbeat
                 return None
@@ -160,16 +172,35 @@ class _Sweep:
             if self.sha is not None and r.slot_step in self.sha.rungs and r.slot_step < lv.spec.max_steps:
                 arrivals[r.slot] = r.slot_step
         self.global_step = reports[0].step + 1
-        self.summary.steps, self.summary.tokens = self.global_step, self.summary.tokens + step_tokens
+        self.summary.steps, self.summary.tokens = self.pack_step0 + self.global_step, self.summary.tokens + step_tokens
         if self.global_step % 10 == 0:
             self._flush_curves()
         if self.s.sharing is not None and time.time() - self.last_reap > 2 * self.s.sharing.heartbeat:
             self.reap()
         if arrivals:
             self._rung(arrivals)
-        if self.progress is not None:
-            self.progress(Progress(self.global_step, len(reports), self.s.capacity, step_tokens / max(step_s, 1e-9),
-                                   self.s.finished_count(), self.spec.budget.trials, self.s.best_text()))
+        self.show(len(reports))
+
+    def show(self, active: int) -> None:
+        """Send the progress frame: after each step, and after trials end (the last frame is current)."""
+        if self.progress is None:
+            return
+        elapsed = max(time.time() - self.t_start, 1e-9)
+        self.progress(Progress(self.global_step, active, self.s.capacity, self.summary.tokens / elapsed,
+                               self.s.finished_count(), self.spec.budget.trials, self.s.best_text(),
+                               self._eta(elapsed)))
+
+    def _eta(self, elapsed: float) -> float | None:
+        """Seconds left: the trial budget at this run's trials per second, capped by the wall-time budget."""
+        b, done = self.spec.budget, self.s.finished_count()
+        etas = []
+        if b.trials is not None and done - self.finished_before > 0:
+            etas.append(max(0, b.trials - done) * elapsed / (done - self.finished_before))
+        if b.wall_time is not None:
+            etas.append(max(0.0, b.wall_time - self.s.elapsed - elapsed))
+        if b.trials is not None and done >= b.trials:
+            return 0.0
+        return min(etas) if etas else None
 
     def reap(self) -> list[int]:
         """Fail and retry the trials of dead workers (their retries are asked by the next free slot)."""
@@ -188,7 +219,7 @@ class _Sweep:
     def _rung(self, arrivals: dict[int, int]) -> None:
         """Score the slots reaching a rung on the proxy metric and let cohort SHA decide."""
         assert self.sha is not None
-        result = self._evaluate(sorted(arrivals), proxy_only=True)
+        result = self._evaluate(sorted(arrivals), proxy_only=True)  # charged to the slots it scores
         for rung in sorted(set(arrivals.values())):
             values = {}
             for slot in (s for s, r in arrivals.items() if r == rung):
@@ -196,24 +227,52 @@ class _Sweep:
                 values[self.live[slot].trial.number] = value
                 self.s.store.add_eval(self.live[slot].trial.number, rung, {self.proxy: value}, kind="rung")
             for d in self.sha.decide(rung, values):
-                self.s.store.add_prune_decision(self.pack_id, rung, d.trial, "keep" if d.keep else "prune",
-                                                value=d.value, rank=d.rank + 1, cohort_size=d.cohort_size,
-                                                reason=d.reason)
                 slot = next(s for s, lv in self.live.items() if lv.trial.number == d.trial)
                 # The community default is ranked (it sets the bar) but never stopped: the report
-                # compares every trial with its final scores.
-                if not d.keep and not self.live[slot].trial.user_attrs.get("default"):
+                # compares every trial with its final scores. Its row says it is kept, and why.
+                spared = not d.keep and bool(self.live[slot].trial.user_attrs.get("default"))
+                reason = (f"kept as the community default, which is never pruned (below the cut: {d.reason})"
+                          if spared else d.reason)
+                self.s.store.add_prune_decision(self.pack_id, rung, d.trial, "keep" if d.keep or spared else "prune",
+                                                value=d.value, rank=d.rank + 1, cohort_size=d.cohort_size,
+                                                reason=reason)
+                if not d.keep and not spared:
                     self.to_prune.add(slot)
+
+    def retry_after_oom(self, why: str) -> None:
+        """The pack ran out of memory: fail its training trials (not counted: each is enqueued again
+        with its parameters, like a stopped run's orphans) and free their slots."""
+        self._flush_curves()
+        for slot, lv in sorted(self.live.items()):
+            reason = f"out of memory at pack step {self.global_step} ({why}); retried in a smaller pack"
+            self.s.store.close_span(self.pack_id, slot, lv.trial.number, end_step=self.global_step, end_reason="oom")
+            lv.trial.set_user_attr("reason", reason)
+            requeue(self.s.study, self.s.store, [lv.trial], lambda m: None, self.s.adapter_dir, reason=reason)
+            self.pm.remove_slot(slot)
+        self.live.clear()
+        self.to_prune.clear()
+
+    def new_pack(self, pack_id: int) -> None:
+        """Carry on in pack ``pack_id``: its steps count from 0 again, the run's totals go on."""
+        self.pack_id, self.global_step = pack_id, 0
+        self.pack_step0, self.pack_tokens0 = self.summary.steps, self.summary.tokens
 
     def should_stop(self, report: StepReport) -> bool:
         return report.slot in self.to_prune
 
     # -- leaving ------------------------------------------------------------------------------
     def _evaluate(self, slots: list[int], *, proxy_only: bool = False) -> EvalResult:
+        """Score ``slots``; each is charged an equal share of the evaluation's time (device_seconds),
+        and the next training step's clock starts after it, so no trial pays for another's evaluation."""
         entries = self.entries
         if proxy_only:
             entries = [e for e in entries if self.proxy in metrics_of(*e)] or entries
-        return evaluate(self.pm, slots, self.eval_data, entries)
+        t0 = time.perf_counter()
+        result = evaluate(self.pm, slots, self.eval_data, entries)
+        self.step_t = time.perf_counter()
+        for slot in slots:
+            self.live[slot].device_s += (self.step_t - t0) / len(slots)
+        return result
 
     def on_end(self, ends: list[SlotEnd]) -> None:
         self._flush_curves()
@@ -235,6 +294,8 @@ class _Sweep:
                 self._tell(lv, TrialState.PRUNED, e, reason=f"pruned by cohort SHA at step {e.steps}")
             else:
                 self._tell(lv, TrialState.FAIL, e, reason=f"{e.reason} at step {e.steps}")
+        self.show(len(self.live))
+        self.step_t = time.perf_counter()  # saving adapters and telling Optuna are no trial's step
 
     def _verdict(self, e: SlotEnd, lv: _Live, result: EvalResult) -> tuple[dict[str, float], list[float], str | None]:
         """(metrics, objective values, why the trial fails or None) of a slot that finished training."""
@@ -255,10 +316,11 @@ class _Sweep:
             return
         assert adapter is not None, "on_end saves the adapter of every trial whose verdict passes"
         for c in self.spec.constraints:
-            lv.trial.set_constraint(c.metric, c.violation(metrics.get(c.metric, math.inf)))
+            lv.trial.set_constraint(c.metric, c.violation(metrics.get(c.metric)))
         lv.trial.set_user_attr("adapter_path", str(adapter.absolute()))  # report and export from any host
+        samples = result.samples.get(e.slot, [])
         for metric, items in result.per_item.get(e.slot, {}).items():
-            self.s.store.add_items(number, metric, items)
+            self.s.store.add_items(number, metric, items, _texts(samples, metric, len(items)))
         self.s.store.add_eval(number, e.steps, metrics, kind="final")
         self._tell(lv, TrialState.COMPLETE, e, metrics=metrics, values=values,
                    adapter=str(adapter.relative_to(self.s.sdir.root) if adapter.is_relative_to(self.s.sdir.root)
@@ -284,40 +346,88 @@ class _Sweep:
         setattr(self.summary, counter, getattr(self.summary, counter) + 1)
 
 
+def _texts(samples: list[dict[str, Any]], metric: str, n: int) -> list[dict[str, Any]]:
+    """Per-item details of ``metric`` from an evaluation's samples: {prompt, output, reference}.
+
+    A generative evaluator's samples hold one record per item, in item order, with its scores by
+    metric name (``EvalResult.samples``); several evaluators' records are concatenated, so the
+    records scoring ``metric`` are its own. None found (a loss), or not one per item: no details.
+    """
+    own = [r for r in samples if metric in r]
+    if len(own) != n:
+        return []
+    return [{"prompt": r.get("prompt"), "output": r.get("generation"), "reference": r.get("reference")} for r in own]
+
+
 def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = None,
-              log: Callable[[str], None] = print, sharing: Sharing | None = None) -> RunSummary:
+              log: Callable[[str], None] = print, sharing: Sharing | None = None,
+              allow_changes: bool = False) -> RunSummary:
     """Run (or resume) the study until its budget ends; returns what this call did.
 
     With ``sharing`` this is one pack of a worker: other workers share the study's storage and budget.
+    ``allow_changes``: resume even if a fixed setting changed (``sweep.resume.spec_changes``).
     """
-    session = open_session(spec, log=log, sharing=sharing)
+    session = open_session(spec, log=log, sharing=sharing, allow_changes=allow_changes)
     pm, tokenizer = session.pm, session.tokenizer
     train_examples = load_examples(spec.data.train, tokenizer, fmt=spec.data.format,
                                    max_length=spec.data.max_length, train_on_prompt=spec.data.train_on_prompt)
     eval_data = (load_eval_data(spec.data.eval, tokenizer, fmt=spec.data.format, max_length=spec.data.max_length,
                                 train_on_prompt=spec.data.train_on_prompt, work_dir=session.sdir.root)
                  if spec.data.eval is not None else None)
-    pack_id = session.store.start_pack(slots=session.capacity, device=str(pm.device))
-    sweep = _Sweep(spec, session, pm, train_examples, eval_data, pack_id, progress)
-    if pm.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(pm.device)
-    status = "failed"
+    started = time.time()
+    pack_id = session.store.start_pack(slots=session.capacity, device=str(pm.device), started=started)
+    sweep = _Sweep(spec, session, pm, train_examples, eval_data, pack_id, progress, started)
     sweep.log = log
     if sharing is not None:
         sweep.heartbeat = Heartbeat(session.study._storage, sweep.live_trial_ids, sharing.heartbeat, log)
+    wall_s = 0.0
     try:
         with sweep.heartbeat or nullcontext():
-            result = train(pm, session.capacity, sweep.next_job, pad_id=session.pad_id, on_step=sweep.on_step,
-                           should_stop=sweep.should_stop, on_end=sweep.on_end, chunked_ce=spec.packing.chunked_ce,
-                           activation_checkpointing=spec.packing.activation_checkpointing,
-                           cuda_graphs=spec.packing.cuda_graphs, sync_steps=sweep.sha.rungs if sweep.sha else ())
+            while not _train_pack(sweep, session):  # False: out of memory, the pack shrank; train again
+                pass
+        wall_s = time.time() - started
+    finally:
+        session.add_elapsed(time.time() - started)
+        session.close()
+    sweep.summary.wall_s = wall_s
+    return sweep.summary
+
+
+def _train_pack(sweep: _Sweep, session: Session) -> bool:
+    """Train the current pack until the budget ends (True), or until a CUDA out-of-memory error (False):
+    the trials that were training are retried and the next pack gets one slot fewer than ran out.
+
+    Raises:
+        UserError: out of memory with a single slot (nothing smaller to try).
+    """
+    pm, spec = session.pm, sweep.spec
+    if pm.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(pm.device)
+    status = "failed"
+    try:
+        train(pm, session.capacity, sweep.next_job, pad_id=session.pad_id, on_step=sweep.on_step,
+              should_stop=sweep.should_stop, on_end=sweep.on_end, chunked_ce=spec.packing.chunked_ce,
+              activation_checkpointing=spec.packing.activation_checkpointing,
+              cuda_graphs=spec.packing.cuda_graphs, sync_steps=sweep.sha.rungs if sweep.sha else ())
         status = "finished"
+        return True
+    except torch.OutOfMemoryError as err:
+        status = "oom"
+        training = len(sweep.live)
+        sweep.retry_after_oom(str(err).splitlines()[0] if str(err) else "CUDA out of memory")
+        if training <= 1:
+            raise UserError(f"out of memory with a single slot ({str(err).splitlines()[0]}); lower "
+                            "data.max_length or the search space's largest rank / micro_batch, or set "
+                            "packing.activation_checkpointing: true") from None
+        session.capacity = training - 1
+        sweep.log(f"pack {sweep.pack_id}: out of memory with {training} slots training; its trials are retried "
+                  f"in a pack of {session.capacity} slots")
+        return False
     finally:
         peak = torch.cuda.max_memory_allocated(pm.device) if pm.device.type == "cuda" else None
-        elapsed = time.time() - sweep.t_start
-        session.store.finish_pack(pack_id, status=status, steps=sweep.summary.steps, tokens=sweep.summary.tokens,
-                                  peak_mem_bytes=peak)
-        session.add_elapsed(elapsed)
-        session.close()
-    sweep.summary.wall_s = result.wall_s
-    return sweep.summary
+        session.store.finish_pack(sweep.pack_id, status=status, steps=sweep.summary.steps - sweep.pack_step0,
+                                  tokens=sweep.summary.tokens - sweep.pack_tokens0, peak_mem_bytes=peak)
+        if status == "oom":
+            if pm.device.type == "cuda":
+                torch.cuda.empty_cache()  # the failed step's activations, before the next pack plans on them
+            sweep.new_pack(session.store.start_pack(slots=session.capacity, device=str(pm.device)))

@@ -37,11 +37,11 @@ WAIT_POLL_S = 0.5
 
 
 def run_worker(spec: StudySpec, sharing: Sharing, *, progress: Callable[[Progress], None] | None = None,
-               log: Callable[[str], None] = print) -> RunSummary:
+               log: Callable[[str], None] = print, allow_changes: bool = False) -> RunSummary:
     """Run packs of the shared study until its budget is spent and no worker trains; totals of all packs."""
     total = RunSummary(pack_id=-1)
     while True:
-        done = run_study(spec, progress=progress, log=log, sharing=sharing)
+        done = run_study(spec, progress=progress, log=log, sharing=sharing, allow_changes=allow_changes)
         for name in ("steps", "tokens", "wall_s", "complete", "pruned", "failed"):
             setattr(total, name, getattr(total, name) + getattr(done, name))
         total.pack_id = done.pack_id
@@ -95,8 +95,13 @@ def _gpus() -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
+STORAGE_ENV = "LORA_SWEEP_STORAGE"
+"""Environment variable a worker reads its storage URL from when ``--storage`` is not given."""
+
+
 def launch(study_file: str, overrides: tuple[str, ...], spec: StudySpec, url: str, workers: int | None, *,
-           heartbeat: float, grace: float, show: Callable[[Counter[str]], None] | None = None) -> list[int]:
+           heartbeat: float, grace: float, show: Callable[[Counter[str]], None] | None = None,
+           allow_changes: bool = False) -> list[int]:
     """Start the workers of one host and wait for them; returns their exit codes.
 
     Args:
@@ -123,9 +128,11 @@ def launch(study_file: str, overrides: tuple[str, ...], spec: StudySpec, url: st
         # torch sizes its CPU thread pool to every core; N workers would each take all of them and fight
         # over the host's cores. Each gets its own share, pinned; a user's own thread count wins.
         env.setdefault("OMP_NUM_THREADS", str(len(shares[i]) or max(1, (os.cpu_count() or 1) // n)))
-        cmd = [sys.executable, "-m", "sweep.cli", "worker", study_file, *overrides, "--storage", url,
+        env[STORAGE_ENV] = url  # not on the command line, which every user of the host can read (ps)
+        cmd = [sys.executable, "-m", "sweep.cli", "worker", study_file, *overrides,
                "--out", str(sdir.root), "--index", str(i), "--heartbeat", str(heartbeat), "--grace", str(grace),
-               "--quiet", *(["--cpus", cpu_list(shares[i])] if shares[i] else [])]
+               "--quiet", *(["--cpus", cpu_list(shares[i])] if shares[i] else []),
+               *(["--allow-changes"] if allow_changes else [])]
         with open(logs / f"worker-{i}.log", "wb") as out:
             procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                           cwd=Path.cwd()))

@@ -1,4 +1,4 @@
-"""Every study file under studies/ (recursively) loads and validates.
+"""Every study file under studies/ (recursively) loads, validates against its real data, and plans.
 
 Run: python -m pytest tests/studies -q
 """
@@ -9,22 +9,60 @@ from pathlib import Path
 
 import pytest
 
-from sweep.spec import load_study
+from packer.data import read_jsonl
+from sweep.spec import StudySpec, load_study
 
 STUDIES = Path(__file__).resolve().parents[2] / "studies"
 FILES = sorted(STUDIES.rglob("*.yaml"))
+IDS = [str(p.relative_to(STUDIES)) for p in FILES]
+
+
+def _spec(path: Path) -> StudySpec:
+    # check_paths=False: local models (models/tiny-llama) are built by `python -m packer.tiny`; data files are checked.
+    return load_study(path, check_paths=False)
 
 
 def test_there_are_example_studies() -> None:
     assert len(FILES) > 0
 
 
-@pytest.mark.parametrize("path", FILES, ids=[str(p.relative_to(STUDIES)) for p in FILES])
+@pytest.mark.parametrize("path", FILES, ids=IDS)
 def test_example_study_validates(path: Path) -> None:
-    # check_paths=False: local models (models/tiny-llama) are built by `python -m packer.tiny`; data files are checked.
-    spec = load_study(path, check_paths=False)
+    spec = _spec(path)
     assert spec.search.params and spec.data.train.is_file()
     assert spec.data.eval is None or spec.data.eval.is_file()
+
+
+@pytest.mark.parametrize("path", FILES, ids=IDS)
+def test_example_study_data_has_its_declared_format(path: Path) -> None:
+    """Every row of the train and eval files has the fields of ``data.format`` (no model needed)."""
+    spec = _spec(path)
+    for data in (spec.data.train, spec.data.eval):
+        if data is not None:
+            fmt, rows = read_jsonl(data, spec.data.format)  # raises DataError naming file:line
+            assert rows and (spec.data.format == "auto" or fmt == spec.data.format)
+
+
+@pytest.mark.parametrize("path", FILES, ids=IDS)
+def test_example_study_plans(path: Path) -> None:
+    """``sweep plan`` on the file as a user runs it: the model loads, the data tokenizes, the targets exist."""
+    from click.testing import CliRunner
+
+    from sweep.cli import cli
+
+    spec = _spec(path)
+    model = Path(spec.model.path)
+    if not model.exists():
+        pytest.skip(f"model {spec.model.path} is not present here (a hub id is never downloaded in tests; a local "
+                    f"model is built by the command in the study file's header)")
+    if spec.model.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.skip(f"model.device is {spec.model.device} and no CUDA device is visible")
+    result = CliRunner().invoke(cli, ["plan", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "slots per pack" in result.output
 
 
 def test_demo_is_the_readme_demo() -> None:

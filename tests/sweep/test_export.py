@@ -229,3 +229,22 @@ def test_cli_exports(study: Path, tmp_path: Path) -> None:
     proc = _cli(str(study), "--best", "--objective", "eval_loss", "--out", str(tmp_path / "best"))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("trial ") and (tmp_path / "best" / "adapter_config.json").is_file()
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+@pytest.mark.parametrize("merge", [False, True])
+def test_export_modes_follow_the_umask_like_plain_files(study: Path, tmp_path: Path, umask: int, merge: bool) -> None:
+    """A serving process of another user can read an export: 0755 / 0644 under umask 022, not mkdtemp's 0700."""
+    import os
+    import stat
+
+    done = next(t.number for t in _trials(study) if t.state == "COMPLETE")
+    old = os.umask(umask)
+    try:
+        export_trial(study, tmp_path / "out", trial=done, merge=merge)
+    finally:
+        os.umask(old)
+    out = tmp_path / "out"
+    for path in [out, *out.rglob("*")]:
+        want = (0o777 if path.is_dir() else 0o666) & ~umask
+        assert stat.S_IMODE(path.stat().st_mode) == want, f"{path}: {oct(path.stat().st_mode)}"

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import optuna
 import pytest
+import torch
 import yaml
 from optuna.trial import TrialState
 
@@ -211,3 +212,361 @@ def test_kernels_options_reach_the_packed_model(tiny_dirs, tmp_path, monkeypatch
     for s in (default, chosen):
         run_study(s, log=lambda m: None)
     assert made == [("auto", True), ("torch", False)]
+
+
+@pytest.mark.parametrize("command", ["run", "plan"])
+def test_cuda_device_without_cuda_exits_2_with_one_line(tiny_dirs, tmp_path, command: str) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible")
+    path = write_study(tmp_path, tiny_dirs("llama"), name="nocuda")
+    doc = yaml.safe_load(path.read_text())
+    doc["model"]["device"] = "cuda"
+    path.write_text(yaml.safe_dump(doc))
+    result = _run_cli(command, str(path), *(["--quiet"] if command == "run" else []), timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "model.device" in lines[0] and "cuda" in lines[0], lines[0]
+    assert not (tmp_path / "runs-nocuda").exists(), "nothing is created before the device is known to exist"
+
+
+@pytest.mark.parametrize("budget", [8, 11])
+def test_grid_with_the_default_runs_each_point_once_and_ends_when_exhausted(tiny_dirs, tmp_path, budget) -> None:
+    """8 grid points, the community default among them: budget 8 runs the grid, budget 11 stops at its end."""
+    search = {"rank": [4, 16], "lr": [1e-3, 2e-4], "targets": {"attn": ["q_proj", "v_proj"], "all": "all-linear"}}
+    spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name=f"grid{budget}", search=search,
+                                  sampler={"name": "grid"}, budget={"trials": budget},
+                                  train={"max_steps": 8, "micro_batch": 2}, pruning={"kind": "none"}))
+    summary = run_study(spec, log=lambda m: None)
+    trials = _trials(spec.out_dir, spec.name)
+    points = [(t.params["rank"], t.params["lr"], t.params["targets"]) for t in trials]
+    assert len(trials) == 8 and len(set(points)) == 8, points
+    assert all(t.state == TrialState.COMPLETE for t in trials) and summary.complete == 8
+    defaults = [t for t in trials if t.user_attrs.get("default")]
+    assert [(t.number, t.params["rank"], t.params["lr"]) for t in defaults] == [(0, 16, 2e-4)]
+    again = run_study(spec, log=lambda m: None)  # a finished grid stays finished
+    assert (again.complete, again.failed, len(_trials(spec.out_dir, spec.name))) == (0, 0, 8)
+
+
+def test_the_default_is_never_recorded_as_pruned(tiny_dirs, tmp_path) -> None:
+    """Cohort SHA ranks the community default but never stops it: its decision must say so, not 'prune'."""
+    spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name="spared", budget={"trials": 3},
+                                  train={"max_steps": 8, "micro_batch": 2}, pruning={"kind": "cohort_sha",
+                                  "rungs": [4], "reduction_factor": 3}))
+    run_study(spec, log=lambda m: None)
+    trials = {t.number: t for t in _trials(spec.out_dir, spec.name)}
+    with sqlite3.connect(spec.out_dir / "results.db") as db:
+        rows = db.execute("select trial, decision, rank, cohort_size, reason from prune_decisions").fetchall()
+    assert len(rows) == 3
+    for number, decision, _, _, _ in rows:  # every recorded prune is a trial that was stopped
+        assert (decision == "prune") == (trials[number].state == TrialState.PRUNED), rows
+    default = next(r for r in rows if trials[r[0]].user_attrs.get("default"))
+    assert default[2] > 1, f"the default must rank below the cut for this test to mean anything: {rows}"
+    assert default[1] == "keep" and "default" in default[4] and trials[default[0]].state == TrialState.COMPLETE
+
+
+def test_second_run_on_a_directory_in_use_exits_2_and_the_first_finishes(tiny_dirs, tmp_path) -> None:
+    """One owner per study directory: the second `sweep run` leaves the first's running trials alone."""
+    import socket
+
+    path = write_study(tmp_path, tiny_dirs("llama"), name="owned", budget={"trials": 6},
+                       train={"max_steps": 30, "micro_batch": 4}, pruning={"kind": "none"})
+    out = tmp_path / "runs-owned"
+    first = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path), "--quiet"], cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline:  # the second starts while the first has trials training
+        time.sleep(0.2)
+        try:
+            if TrialState.RUNNING in [t.state for t in _trials(out, "owned")]:
+                break
+        except Exception:
+            continue
+    second = _run_cli("run", str(path), "--quiet", timeout=120)
+    _, err = first.communicate(timeout=300)
+    assert second.returncode == 2, second.stderr
+    lines = second.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"pid {first.pid} on host {socket.gethostname()}" in lines[0], lines
+    assert first.returncode == 0, err
+    trials = _trials(out, "owned")
+    assert len(trials) == 6 and all(t.state == TrialState.COMPLETE for t in trials), [t.state for t in trials]
+
+
+def test_a_dead_runs_lock_is_taken_over(tmp_path) -> None:
+    from sweep.store import DirectoryInUse, StudyDir
+
+    sdir = StudyDir(tmp_path / "study")
+    dead = subprocess.run([sys.executable, "-c", "import sys; from sweep.store import StudyDir; "
+                           "StudyDir(sys.argv[1]).acquire(); import os; os._exit(9)", str(sdir.root)],
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert dead.returncode == 9 and json.loads(sdir.lock.read_text())["pid"] > 0  # killed holding it
+    lock = sdir.acquire()
+    assert lock.taken_over is not None and lock.taken_over["pid"] != os.getpid()
+    assert json.loads(sdir.lock.read_text())["pid"] == os.getpid()
+    with pytest.raises(DirectoryInUse, match=f"in use by pid {os.getpid()}"):
+        sdir.acquire()  # a second open file description: flock excludes it even within one process
+    lock.release()
+    sdir.acquire().release()
+    assert sdir.lock.read_text() == "", "a clean release names no owner"
+
+
+def test_overrides_are_recorded_and_a_changed_fixed_key_is_refused_on_resume(tiny_dirs, tmp_path) -> None:
+    from packer.errors import UserError
+    from sweep.store import ResultsStore
+
+    path = write_study(tmp_path, tiny_dirs("llama"), name="recorded", budget={"trials": 1},
+                       train={"max_steps": 12, "micro_batch": 2}, pruning={"kind": "none"}, packing={"max_slots": 1})
+    run_study(load_study(path, ["train.max_steps=6"]), log=lambda m: None)
+    out = tmp_path / "runs-recorded"
+    recorded = yaml.safe_load((out / "study.yaml").read_text())
+    assert recorded["train"]["max_steps"] == 6, "the directory keeps the spec the run used, overrides applied"
+    with ResultsStore(out / "results.db", create=False) as store:
+        assert store.meta()["spec"]["train"]["max_steps"] == 6
+    with pytest.raises(UserError, match=r"train\.max_steps changed .*6 -> 12.*--allow-changes"):
+        run_study(load_study(path, ["budget.trials=2"]), log=lambda m: None)  # the override forgotten
+    assert len(_trials(out, "recorded")) == 1, "a refused resume changes nothing"
+    run_study(load_study(path, ["train.max_steps=6", "budget.trials=2"]), log=lambda m: None)  # budget may grow
+    run_study(load_study(path, ["budget.trials=3"]), log=lambda m: None, allow_changes=True)
+    steps = sorted(t.user_attrs.get("planned_tokens", 0) > 0 for t in _trials(out, "recorded"))
+    assert len(steps) == 3
+    with ResultsStore(out / "results.db", create=False) as store:
+        assert store.meta()["spec"]["train"]["max_steps"] == 12, "an allowed change is recorded"
+
+
+def test_plan_rejects_targets_the_model_lacks_as_run_does(tiny_dirs, tmp_path) -> None:
+    path = write_study(tmp_path, tiny_dirs("gpt2"), name="gpt2-qproj")  # targets attn: [q_proj, v_proj]
+    for command in (["plan", str(path)], ["run", str(path), "--quiet"]):
+        result = _run_cli(*command, timeout=120)
+        assert result.returncode == 2, result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and "search.targets.attn" in lines[0] and "'q_proj'" in lines[0], lines
+        assert "c_attn" in lines[0], "the message lists the projections the model has"
+    assert not (tmp_path / "runs-gpt2-qproj" / "results.db").exists(), "no study is created"
+
+
+def test_plan_reports_the_spread_of_its_time_measurements(tiny_dirs, tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from sweep.cli import cli
+
+    path = write_study(tmp_path, tiny_dirs("llama"), name="spread", budget={"trials": 3})
+    result = CliRunner().invoke(cli, ["plan", str(path)])
+    assert result.exit_code == 0, result.output
+    line = next(x for x in result.output.splitlines() if x.startswith("predicted step"))
+    assert "median of 3 calibrations" in line and "range" in line and "spread" in line, line
+
+
+def test_progress_final_frame_tokens_per_s_and_eta(tiny_dirs, tmp_path) -> None:
+    from sweep.store import ResultsStore
+
+    frames = []
+    spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name="frames", budget={"trials": 4},
+                                  train={"max_steps": 8, "micro_batch": 2}, pruning={"kind": "none"},
+                                  packing={"max_slots": 2}))
+    run_study(spec, progress=frames.append, log=lambda m: None)
+    last = frames[-1]
+    assert last.finished == 4, "the last frame shows every trial done, not the count before the last ones ended"
+    assert last.eta_s == 0.0 and any(f.eta_s is not None and f.eta_s > 0 for f in frames)
+    with ResultsStore(spec.out_dir / "results.db", create=False) as store:
+        pack = store.packs()[0]
+    # one definition: training tokens per wall second of the pack (evaluation included), as in the packs table
+    assert abs(last.tokens_per_s - pack.tokens_per_s) <= 0.1 * pack.tokens_per_s, (last.tokens_per_s, pack)
+
+
+def test_rerunning_a_finished_study_says_its_budget_is_spent(tiny_dirs, tmp_path) -> None:
+    path = write_study(tmp_path, tiny_dirs("llama"), name="spent", budget={"trials": 1},
+                       train={"max_steps": 4, "micro_batch": 2}, pruning={"kind": "none"}, packing={"max_slots": 1})
+    assert _run_cli("run", str(path), "--quiet").returncode == 0
+    again = _run_cli("run", str(path), "--quiet")
+    assert again.returncode == 0, again.stderr
+    assert "budget is already spent (1 trials)" in again.stdout and "budget.trials=<more>" in again.stdout, again.stdout
+    assert "0 complete" not in again.stdout
+
+
+def test_ctrl_c_says_that_running_again_resumes(tiny_dirs, tmp_path) -> None:
+    path = write_study(tmp_path, tiny_dirs("llama"), name="interrupted", budget={"trials": 4},
+                       train={"max_steps": 200, "micro_batch": 2}, pruning={"kind": "none"}, packing={"max_slots": 2})
+    proc = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path), "--quiet"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        time.sleep(0.2)
+        try:
+            if TrialState.RUNNING in [t.state for t in _trials(tmp_path / "runs-interrupted", "interrupted")]:
+                break
+        except Exception:
+            continue
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "run the same command again to resume" in err.strip().splitlines()[-1], err
+
+
+def test_generated_texts_are_stored_per_item_and_sampled_in_the_report(tiny_dirs, tmp_path) -> None:
+    from reports.html import build_report
+    from sweep.store import ResultsStore
+
+    spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name="texts", budget={"trials": 2},
+                                  train={"max_steps": 4, "micro_batch": 2}, pruning={"kind": "none"},
+                                  packing={"max_slots": 2}))
+    run_study(spec, log=lambda m: None)
+    eval_rows = [json.loads(line) for line in spec.data.eval.read_text().splitlines() if line.strip()]
+    with ResultsStore(spec.out_dir / "results.db", create=False) as store:
+        done = [t.number for t in store.trials("COMPLETE")]
+        rows = store.items(evaluator="exact_match", trial=done[0])
+        losses = store.items(evaluator="eval_loss", trial=done[0])
+    assert len(rows) == len(eval_rows) and done
+    for row in rows:
+        d = row.detail
+        assert {"prompt", "output", "reference"} <= d.keys() and d["reference"] == eval_rows[row.item]["completion"]
+        assert eval_rows[row.item]["prompt"].strip() in d["prompt"] and row.score in (0.0, 1.0)
+    assert all(r.detail is None for r in losses), "a loss has no text to keep"
+    page = build_report(spec.out_dir)
+    assert 'id="samples"' in page and _html_escape(rows[0].detail["reference"]) in page
+    assert f"#{done[0]}" in page.split('id="samples"')[1]
+
+
+def _html_escape(text: str) -> str:
+    import html
+
+    return html.escape(text)
+
+
+def test_device_seconds_are_a_trials_steps_and_its_own_evaluation(tiny_dirs, tmp_path, monkeypatch) -> None:
+    """Evaluation made slow (2 s a call): a trial is charged its share of its own evaluation, not its peers'."""
+    import sweep.study
+    from sweep.store import ResultsStore
+
+    real = sweep.study.evaluate
+
+    def slow(*args, **kwargs):  # type: ignore[no-untyped-def]
+        time.sleep(2.0)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sweep.study, "evaluate", slow)
+    spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name="charged", budget={"trials": 3},
+                                  train={"max_steps": 6, "micro_batch": 2}, pruning={"kind": "none"},
+                                  packing={"max_slots": 2}, evaluators=[{"name": "heldout_loss"}]))
+    run_study(spec, log=lambda m: None)
+    with ResultsStore(spec.out_dir / "results.db", create=False) as store:
+        charged = {t.number: t.device_seconds for t in store.trials()}
+        wall = store.packs()[0].wall_s
+    # trials 0 and 1 end together (one 2 s evaluation, shared); trial 2 then trains alone (its own 2 s)
+    assert 1.0 <= charged[0] < 2.0 and 1.0 <= charged[1] < 2.0, charged
+    assert 2.0 <= charged[2] < 3.0, charged
+    assert sum(charged.values()) <= wall
+
+
+def test_a_retried_dropout_trial_reproduces_a_fresh_run_bit_for_bit(tiny_dirs, tmp_path) -> None:
+    """A run stopped mid-trial, resumed: the retry (dropout 0.05) ends where the same trial run once ends."""
+    from sweep.store import ResultsStore
+
+    common = dict(search={"rank": [4], "lr": [2e-4, 1e-2], "dropout": [0.05]}, budget={"trials": 2},
+                  train={"max_steps": 8, "micro_batch": 2}, pruning={"kind": "none"}, packing={"max_slots": 2},
+                  evaluators=[{"name": "heldout_loss"}], objectives=[{"metric": "eval_loss", "direction": "minimize"}])
+    once = load_study(write_study(tmp_path, tiny_dirs("llama"), name="once", **common))
+    run_study(once, log=lambda m: None)
+    stopped = load_study(write_study(tmp_path, tiny_dirs("llama"), name="stopped", **common))
+
+    def stop(p) -> None:  # type: ignore[no-untyped-def]
+        if p.step == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_study(stopped, progress=stop, log=lambda m: None)
+    run_study(stopped, log=lambda m: None)
+
+    def finals(spec) -> dict:  # type: ignore[no-untyped-def]
+        with ResultsStore(spec.out_dir / "results.db", create=False) as store:
+            return {(t.params["lr"], t.params["dropout"]): (t.metrics["eval_loss"], store.curves([t.number])[t.number])
+                    for t in store.trials("COMPLETE")}
+
+    a, b = finals(once), finals(stopped)
+    assert a.keys() == b.keys() and len(a) == 2
+    for key in a:
+        assert a[key][0] == b[key][0], (key, a[key][0], b[key][0])
+        assert [s.loss for s in a[key][1]] == [s.loss for s in b[key][1]]
+
+
+def test_an_oom_mid_pack_shrinks_the_pack_and_keeps_the_budget_exact(tiny_dirs, tmp_path, monkeypatch) -> None:
+    """A CUDA out-of-memory error, injected on CPU at the first pack's fourth step with 3 slots training."""
+    import sweep.study
+    from sweep.store import ResultsStore
+
+    real, calls = sweep.study.train, []
+
+    def oom_once(pm, capacity, next_job, *, on_step, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(capacity)
+
+        def step(reports) -> None:  # type: ignore[no-untyped-def]
+            on_step(reports)
+            if len(calls) == 1 and reports[0].step == 3:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+        return real(pm, capacity, next_job, on_step=step, **kwargs)
+
+    monkeypatch.setattr(sweep.study, "train", oom_once)
+    spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name="oom", budget={"trials": 5},
+                                  train={"max_steps": 8, "micro_batch": 2}, pruning={"kind": "none"}))
+    logs: list[str] = []
+    summary = run_study(spec, log=logs.append)
+    assert calls == [3, 2], "the pack restarts with one slot fewer than the ones that ran out of memory"
+    trials = _trials(spec.out_dir, "oom")
+    failed = [t for t in trials if t.state == TrialState.FAIL]
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    assert len(failed) == 3 and len(complete) == 5 and summary.complete == 5, [t.state for t in trials]
+    retried = sorted(t.user_attrs["retry_of"] for t in trials if "retry_of" in t.user_attrs)
+    assert retried == sorted(t.number for t in failed), "each trial that was training is retried once"
+    for t in failed:
+        retry = next(r for r in trials if r.user_attrs.get("retry_of") == t.number)
+        assert retry.params == t.params and "out of memory" in t.user_attrs["reason"]
+    with ResultsStore(spec.out_dir / "results.db", create=False) as store:
+        packs = store.packs()
+    assert [(p.status, p.slots) for p in packs] == [("oom", 3), ("finished", 2)]
+    assert any("out of memory" in m and "2 slots" in m for m in logs), logs
+
+
+def test_join_becomes_a_worker_of_a_shared_run_and_refuses_a_single_one(tiny_dirs, tmp_path) -> None:
+    def wait_running(out: Path, name: str) -> None:
+        deadline = time.time() + 240
+        while time.time() < deadline:
+            time.sleep(0.2)
+            try:
+                if TrialState.RUNNING in [t.state for t in optuna.load_study(
+                        study_name=name, storage=storage_of(out)).get_trials()]:
+                    return
+            except Exception:
+                continue
+
+    shared = write_study(tmp_path, tiny_dirs("llama"), name="joined", budget={"trials": 6}, packing={"max_slots": 2},
+                         train={"max_steps": 30, "micro_batch": 2}, pruning={"kind": "none"},
+                         evaluators=[{"name": "heldout_loss"}], objectives=[{"metric": "eval_loss",
+                                                                              "direction": "minimize"}])
+    log = tmp_path / "joined.log"
+    from optuna.storages.journal import JournalFileBackend
+
+    def storage_of(out: Path):  # type: ignore[no-untyped-def]
+        return optuna.storages.JournalStorage(JournalFileBackend(str(log))) if out.name == "runs-joined" else \
+            f"sqlite:///{out / 'optuna.db'}"
+
+    owner = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(shared), "--workers", "1", "--storage",
+                              str(log), "--quiet"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_running(tmp_path / "runs-joined", "joined")
+    joiner = _run_cli("run", str(shared), "--join", "--quiet", "--storage", str(log), timeout=300)
+    _, err = owner.communicate(timeout=300)
+    assert owner.returncode == 0, err
+    assert joiner.returncode == 0 and "joined as a worker" in joiner.stdout, joiner.stderr
+    trials = optuna.load_study(study_name="joined", storage=storage_of(tmp_path / "runs-joined")).get_trials()
+    assert len(trials) == 6 and all(t.state == TrialState.COMPLETE for t in trials), [t.state for t in trials]
+
+    single = write_study(tmp_path, tiny_dirs("llama"), name="alone", budget={"trials": 3}, packing={"max_slots": 1},
+                         train={"max_steps": 60, "micro_batch": 2}, pruning={"kind": "none"})
+    proc = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(single), "--quiet"], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_running(tmp_path / "runs-alone", "alone")
+    refused = _run_cli("run", str(single), "--join", "--quiet", timeout=120)
+    proc.send_signal(signal.SIGINT)  # its own end is another test's
+    proc.wait(timeout=120)
+    assert refused.returncode == 2 and "runs the study alone" in refused.stderr, refused.stderr
