@@ -8,6 +8,7 @@ Axolotl-style flat keys at the top level (``base_model``, ``lora_r``, ``learning
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -35,13 +36,16 @@ from sweep.spec import (
 
 __all__ = ["load_study"]
 
+logger = logging.getLogger(__name__)
+
 _TRAIN = {
     "lora_r": "rank", "r": "rank", "lora_rank": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout",
     "learning_rate": "lr", "micro_batch_size": "micro_batch", "batch_size": "micro_batch",
     "per_device_train_batch_size": "micro_batch", "lora_target_modules": "targets", "target_modules": "targets",
     "lora_attn_modules": "targets", "use_rslora": "rslora", "peft_use_rslora": "rslora", "steps": "max_steps",
     "warmup": "warmup_steps", "lr_scheduler": "schedule", "lr_scheduler_type": "schedule", "scheduler": "schedule",
-    "alpha_rank_ratio": "alpha_ratio", "gradient_clipping": "max_grad_norm",
+    "alpha_rank_ratio": "alpha_ratio", "gradient_clipping": "max_grad_norm", "num_epochs": "epochs",
+    "num_train_epochs": "epochs", "grad_accum": "gradient_accumulation_steps",
 }  # fmt: skip
 _ALIASES: dict[str, dict[str, str]] = {
     "train": _TRAIN,
@@ -192,6 +196,10 @@ def _train(doc: Doc, top: dict[str, Item], extra: dict[str, Item], search: Searc
     for name in ("alpha", "alpha_ratio"):
         if name in items and {"alpha", "alpha_ratio"} <= set(items) | searched:
             raise doc.error(items[name].path, "set either alpha or alpha_ratio (alpha = alpha_ratio * rank)")
+    if "epochs" in items and "max_steps" in set(items) | searched:  # HF Trainer: max_steps overrides epochs
+        logger.warning("%s: train.max_steps is set, so train.epochs is ignored (max_steps overrides epochs)",
+                       doc.file)
+        del items["epochs"]
     return make(doc, TrainSpec, ("train",), **typed(doc, TrainSpec, items, ("train",)))
 
 

@@ -129,15 +129,25 @@ class TrainSpec:
     """Sequences per step per trial."""
     max_grad_norm: float | None = _D.max_grad_norm
     """Per-trial gradient clipping (null: none)."""
+    gradient_accumulation_steps: int = _D.gradient_accumulation_steps
+    """Micro-batches per optimizer step (the step's loss: the mean over all their target tokens)."""
+    sample_packing: bool = _D.sample_packing
+    """Pack several examples per row up to ``data.max_length`` tokens (``packer.packing``)."""
+    epochs: float | None = None
+    """Train each trial for this many passes over the training data: its optimizer steps are
+    ``ceil(epochs * ceil(micro-batches per epoch / gradient_accumulation_steps))``; a ``max_steps`` set in
+    the file (fixed or searched) overrides it, as in HF Trainer."""
 
     def __post_init__(self) -> None:
         if self.alpha_ratio is not None:
             _check_adapter_value("alpha_ratio", "alpha_ratio", self.alpha_ratio)
+        _check(self.epochs is None or (_is_num(self.epochs) and self.epochs > 0), "epochs", "must be > 0",
+               self.epochs)
         AdapterSpec(**self.adapter_values())
 
     def adapter_values(self) -> dict[str, Any]:
         """These values as AdapterSpec keyword arguments (alpha from ``alpha_ratio`` when set)."""
-        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "alpha_ratio"}
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("alpha_ratio", "epochs")}
         if self.alpha_ratio is not None:
             values["alpha"] = float(self.alpha_ratio * self.rank)
         return values
@@ -399,7 +409,8 @@ class StudySpec:
                 self.search.grid()
             except ConfigError as e:
                 raise ConfigError(f"search.{e}") from None
-        if self.pruning.kind == "cohort_sha" and "max_steps" not in [p.name for p in self.search.params]:
+        if (self.pruning.kind == "cohort_sha" and "max_steps" not in [p.name for p in self.search.params]
+                and self.train.epochs is None):
             last = self.pruning.rungs[-1]
             _check(
                 last < self.train.max_steps,

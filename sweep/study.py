@@ -29,10 +29,11 @@ from optuna.trial import TrialState
 from evaluators import EvalResult, evaluate, load_eval_data, metrics_of
 from evaluators.cost import cost_metrics, slot_adapter_params
 from packer.checkpoint import save_adapters
-from packer.data import SlotStream, load_examples
+from packer.data import load_examples
 from packer.model import PackedModel
 from packer.plan import AdapterSpec
 from packer.train import SlotEnd, SlotJob, StepReport, train
+from sweep._trial_data import check_packing, planned_tokens, trial_adapter, trial_stream
 from sweep.pruning import CohortSHA
 from sweep.resume import PLANNED_ATTR, TOKENS_ATTR, Session, TokenPlan, budget_state, open_session, reap_stale
 from sweep.space import adapter_spec, suggest
@@ -133,15 +134,15 @@ class _Sweep:
                 self.s.study._storage.set_trial_system_attr(trial._trial_id, WORKER_ATTR, self.s.sharing.worker)
             params = suggest(trial, self.spec.search)
             spec = adapter_spec(params, self.spec.train, self.spec.seed, space=self.spec.search)
+            spec = trial_adapter(self.spec, spec, list(params), self.train_examples)
             # Under the lock: the next worker to count sees this trial's tokens before it asks.
-            trial.set_user_attr(PLANNED_ATTR, self.plan(spec.micro_batch, spec.max_steps))
+            trial.set_user_attr(PLANNED_ATTR, planned_tokens(self.spec, spec, self.train_examples, self.plan))
         self.live[slot] = _Live(trial, params, spec, self.global_step, time.time())
         self.s.store.upsert_trial(trial.number, state="RUNNING", params=params, pack_id=self.pack_id, slot=slot,
                                   started=time.time(), user_attrs=dict(trial.user_attrs))
         self.s.store.open_span(self.pack_id, slot, trial.number, start_step=self.global_step)
         # Every trial sees the same data order (one data seed): pack peers are paired samples.
-        return SlotJob(spec, SlotStream(self.train_examples, spec.micro_batch, seed=self.spec.seed),
-                       key=trial.number)
+        return SlotJob(spec, trial_stream(self.spec, spec, self.train_examples), key=trial.number)
 
     # -- each step ----------------------------------------------------------------------------
     def on_step(self, reports: list[StepReport]) -> None:
@@ -292,6 +293,7 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
     """
     session = open_session(spec, log=log, sharing=sharing)
     pm, tokenizer = session.pm, session.tokenizer
+    check_packing(spec, getattr(pm.model, "config", None))
     train_examples = load_examples(spec.data.train, tokenizer, fmt=spec.data.format,
                                    max_length=spec.data.max_length, train_on_prompt=spec.data.train_on_prompt)
     eval_data = (load_eval_data(spec.data.eval, tokenizer, fmt=spec.data.format, max_length=spec.data.max_length,
