@@ -16,6 +16,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from sweep import _foreign
 from sweep._yaml import Doc, Item, Key, add, coerce, make, override, read, scalar, section, typed
 from sweep.spec import (
     SEARCHABLE,
@@ -87,6 +88,7 @@ _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "k": 10**3, "K": 10**3, "M": 1
 def load_study(path: Path, overrides: Sequence[str], *, check_paths: bool) -> StudySpec:
     """See ``sweep.spec.load_study``."""
     doc, data = read(path, check_paths)
+    data = _foreign.translate(doc, data, _TRAIN, _TOP)  # an Axolotl or torchtune config -> a study mapping
     for text in overrides:
         override(doc, data, text, _ALIASES)
     return _study(doc, data)

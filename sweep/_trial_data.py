@@ -20,22 +20,31 @@ from sweep.spec import StudySpec
 __all__ = ["epoch_steps", "trial_adapter", "trial_stream", "planned_tokens", "check_packing"]
 
 
-def epoch_steps(examples: Sequence[Example], adapter: AdapterSpec, epochs: float, row_len: int, seed: int) -> int:
+def epoch_steps(examples: Sequence[Example], adapter: AdapterSpec, epochs: float, row_len: int, seed: int,
+                max_per_epoch: int | None = None) -> int:
     """Optimizer steps of ``epochs`` passes: ``ceil(epochs * ceil(micro-batches per epoch / accumulation))``
-    (HF Trainer's count, the last partial accumulation counted as a step)."""
+    (HF Trainer's count, the last partial accumulation counted as a step), each epoch capped at
+    ``max_per_epoch`` steps (torchtune's ``max_steps_per_epoch``)."""
     batches = batches_per_epoch(examples, adapter.micro_batch, sample_packing=adapter.sample_packing,
                                 row_len=row_len, seed=seed)
     per_epoch = max(1, -(-batches // adapter.gradient_accumulation_steps))
+    if max_per_epoch is not None:
+        per_epoch = min(per_epoch, max_per_epoch)
     return max(1, math.ceil(epochs * per_epoch))
 
 
 def trial_adapter(spec: StudySpec, adapter: AdapterSpec, searched: Sequence[str], examples: Sequence[Example]
                   ) -> AdapterSpec:
-    """The adapter with ``max_steps`` from ``train.epochs`` when it is set and ``max_steps`` is not searched."""
-    if spec.train.epochs is None or "max_steps" in searched:
-        return adapter
-    steps = epoch_steps(examples, adapter, spec.train.epochs, spec.data.max_length, spec.seed)
-    return replace(adapter, max_steps=steps)
+    """The adapter with ``max_steps`` from ``train.epochs`` when it is set and ``max_steps`` is not searched,
+    then ``warmup_steps`` from ``train.warmup_ratio`` when no warm-up is given in steps."""
+    train = spec.train
+    if train.epochs is not None and "max_steps" not in searched:
+        steps = epoch_steps(examples, adapter, train.epochs, spec.data.max_length, spec.seed,
+                            train.max_steps_per_epoch)
+        adapter = replace(adapter, max_steps=steps)
+    if train.warmup_ratio is not None and "warmup_steps" not in searched and not train.warmup_steps:
+        adapter = replace(adapter, warmup_steps=math.ceil(train.warmup_ratio * adapter.max_steps))
+    return adapter
 
 
 def trial_stream(spec: StudySpec, adapter: AdapterSpec, examples: Sequence[Example]) -> BatchSource:

@@ -35,6 +35,8 @@ SAMPLERS = ("tpe", "random", "grid", "gp", "nsga2")
 EVALUATORS = tuple(evaluators.EVALUATORS)
 _D = AdapterSpec()
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_NOT_ADAPTER = ("alpha_ratio", "epochs", "max_steps_per_epoch", "warmup_ratio")
+"""TrainSpec fields that are not AdapterSpec fields (resolved into rank/alpha or steps per trial)."""
 
 
 @dataclass(frozen=True)
@@ -137,17 +139,26 @@ class TrainSpec:
     """Train each trial for this many passes over the training data: its optimizer steps are
     ``ceil(epochs * ceil(micro-batches per epoch / gradient_accumulation_steps))``; a ``max_steps`` set in
     the file (fixed or searched) overrides it, as in HF Trainer."""
+    max_steps_per_epoch: int | None = None
+    """With ``epochs``: at most this many optimizer steps per epoch (torchtune's ``max_steps_per_epoch``)."""
+    warmup_ratio: float | None = None
+    """Warm-up over ``ceil(warmup_ratio * max_steps)`` steps, once a trial's steps are known (HF Trainer's
+    rule; a non-zero ``warmup_steps`` wins)."""
 
     def __post_init__(self) -> None:
         if self.alpha_ratio is not None:
             _check_adapter_value("alpha_ratio", "alpha_ratio", self.alpha_ratio)
         _check(self.epochs is None or (_is_num(self.epochs) and self.epochs > 0), "epochs", "must be > 0",
                self.epochs)
+        m = self.max_steps_per_epoch
+        _check(m is None or (isinstance(m, int) and m >= 1), "max_steps_per_epoch", "must be an int >= 1", m)
+        r = self.warmup_ratio
+        _check(r is None or (_is_num(r) and 0 <= r < 1), "warmup_ratio", "must be in [0, 1)", r)
         AdapterSpec(**self.adapter_values())
 
     def adapter_values(self) -> dict[str, Any]:
         """These values as AdapterSpec keyword arguments (alpha from ``alpha_ratio`` when set)."""
-        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("alpha_ratio", "epochs")}
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_ADAPTER}
         if self.alpha_ratio is not None:
             values["alpha"] = float(self.alpha_ratio * self.rank)
         return values
