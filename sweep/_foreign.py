@@ -5,7 +5,7 @@ config (``model: {_component_: ...lora_...}``, ``dataset``, ``optimizer``, ...) 
 ``search:``, ``budget:`` and ``objectives:`` is rewritten into a study file's mapping; the keys the
 two formats share with ours (``lora_r``, ``learning_rate``, ``micro_batch_size``, ``sequence_len``,
 ``gradient_accumulation_steps``, ...) are left to ``_load``'s alias table. The rule for every other
-key (docs/foreign-configs.md has the table): a key that changes the math is translated, or refused
+key (README.md, "Axolotl and torchtune configs", has the table): a key that changes the math is translated, or refused
 in one error naming it when it asks for something not built (QLoRA, DoRA, 8-bit loading, a hub
 dataset, another optimizer); a key about logging, hardware or infrastructure is dropped, and all
 dropped keys are named in one warning.

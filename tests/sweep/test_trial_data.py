@@ -88,3 +88,18 @@ def test_sample_packing_on_an_unverified_family_is_one_error(tiny_dirs, tmp_path
     path.write_text(yaml.safe_dump(doc))
     with pytest.raises(ConfigError, match="sample_packing: not verified for model family 'gpt2'"):
         run_study(load_study(path), log=lambda m: None)
+
+
+def test_warmup_ratio_and_steps_per_epoch_resolve_per_trial(tiny_dirs, tmp_path) -> None:
+    from sweep._trial_data import trial_adapter
+
+    path = write_study(tmp_path, tiny_dirs("llama"), name="ratio",
+                       train={"micro_batch": 4, "epochs": 2, "warmup_ratio": 0.25, "max_steps_per_epoch": 5})
+    spec = load_study(path)
+    model, tok = load_base(str(tiny_dirs("llama")))
+    examples = load_examples(spec.data.train, tok, fmt="prompt_completion", max_length=48)
+    adapter = trial_adapter(spec, adapter_spec({}, spec.train, 0, space=spec.search), [], examples)
+    assert (adapter.max_steps, adapter.warmup_steps) == (10, 3)  # 2 epochs of min(500, 5) steps; ceil(0.25 * 10)
+    searched = trial_adapter(spec, adapter_spec({"max_steps": 7}, spec.train, 0, space=spec.search), ["max_steps"],
+                             examples)
+    assert (searched.max_steps, searched.warmup_steps) == (7, 2)
