@@ -37,7 +37,7 @@ _INFRA = {
     "strict", "dataset_prepared_path", "eval_sample_packing", "pad_to_sequence_len", "bf16", "fp16", "tf32",
     "resume_from_checkpoint", "local_rank", "logging_steps", "xformers_attention", "flash_attention",
     "sdp_attention", "attn_implementation", "loss_watchdog_threshold", "loss_watchdog_patience", "evals_per_epoch",
-    "eval_steps", "saves_per_epoch", "save_steps", "save_total_limit", "save_first_step", "debug", "deepspeed",
+    "saves_per_epoch", "save_steps", "save_total_limit", "save_first_step", "debug", "deepspeed",
     "fsdp", "fsdp_config", "hub_model_id", "hub_strategy", "dataloader_num_workers", "dataloader_pin_memory",
     "dataloader_prefetch_factor", "torch_compile", "gradient_checkpointing_kwargs", "eval_batch_size",
     "eval_max_new_tokens", "eval_table_size", "special_tokens", "dataset_processes", "shuffle_merged_datasets",

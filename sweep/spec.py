@@ -35,7 +35,7 @@ SAMPLERS = ("tpe", "random", "grid", "gp", "nsga2")
 EVALUATORS = tuple(evaluators.EVALUATORS)
 _D = AdapterSpec()
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-_NOT_ADAPTER = ("alpha_ratio", "epochs", "max_steps_per_epoch", "warmup_ratio")
+_NOT_ADAPTER = ("alpha_ratio", "epochs", "max_steps_per_epoch", "warmup_ratio", "eval_every")
 """TrainSpec fields that are not AdapterSpec fields (resolved into rank/alpha or steps per trial)."""
 
 
@@ -144,6 +144,9 @@ class TrainSpec:
     warmup_ratio: float | None = None
     """Warm-up over ``ceil(warmup_ratio * max_steps)`` steps, once a trial's steps are known (HF Trainer's
     rule; a non-zero ``warmup_steps`` wins)."""
+    eval_every: int | None = None
+    """Score each trial's held-out loss every this many optimizer steps (a curve in the store, kind
+    ``curve``; with one objective also Optuna's intermediate values, instead of the training loss)."""
 
     def __post_init__(self) -> None:
         if self.alpha_ratio is not None:
@@ -152,6 +155,8 @@ class TrainSpec:
                self.epochs)
         m = self.max_steps_per_epoch
         _check(m is None or (isinstance(m, int) and m >= 1), "max_steps_per_epoch", "must be an int >= 1", m)
+        e = self.eval_every
+        _check(e is None or (isinstance(e, int) and e >= 1), "eval_every", "must be an int >= 1", e)
         r = self.warmup_ratio
         _check(r is None or (_is_num(r) and 0 <= r < 1), "warmup_ratio", "must be in [0, 1)", r)
         AdapterSpec(**self.adapter_values())
@@ -413,6 +418,8 @@ class StudySpec:
             except ConfigError as e:
                 raise ConfigError(f"pruning.proxy: {str(e).removeprefix('metric: ')}") from None
         needs_eval = [n for n in names if n in ("heldout_loss", "generation", "multiple_choice", "custom")]
+        if self.data.eval is None and self.train.eval_every is not None:
+            raise ConfigError("data.eval: is needed by train.eval_every")
         if self.data.eval is None and needs_eval:
             raise ConfigError(f"data.eval: is needed by {', '.join(needs_eval)}")
         if self.sampler.name == "grid":

@@ -156,7 +156,8 @@ class _Sweep:
             lv.device_s += step_s * r.tokens / step_tokens  # the step's time, shared by trained tokens
             lv.steps.append({"step": r.slot_step, "loss": r.loss, "tokens": lv.tokens, "lr": r.lr,
                              "grad_norm": r.grad_norm, "time": time.time()})
-            if len(self.spec.objectives) == 1 and r.slot_step % max(1, lv.spec.max_steps // 50) == 0:
+            if (len(self.spec.objectives) == 1 and self.spec.train.eval_every is None
+                    and r.slot_step % max(1, lv.spec.max_steps // 50) == 0):
                 lv.trial.report(r.loss, r.slot_step)  # single objective only: Optuna forbids it otherwise
             if self.sha is not None and r.slot_step in self.sha.rungs and r.slot_step < lv.spec.max_steps:
                 arrivals[r.slot] = r.slot_step
@@ -166,6 +167,10 @@ class _Sweep:
             self._flush_curves()
         if self.s.sharing is not None and time.time() - self.last_reap > 2 * self.s.sharing.heartbeat:
             self.reap()
+        every = self.spec.train.eval_every
+        due = {r.slot: r.slot_step for r in reports if every is not None and r.slot_step % every == 0}
+        if due:
+            self._eval_curve(due)
         if arrivals:
             self._rung(arrivals)
         if self.progress is not None:
@@ -185,6 +190,18 @@ class _Sweep:
                 if lv.steps:
                     self.s.store.add_steps(lv.trial.number, lv.steps)
                     lv.steps = []
+
+    def _eval_curve(self, due: dict[int, int]) -> None:
+        """``train.eval_every``: the held-out loss of the slots at such a step, stored as a curve and, with one
+        objective, given to Optuna as the intermediate value at that step."""
+        entries = [e for e in self.entries if e[0] == "heldout_loss"] or [("heldout_loss", {})]
+        result = evaluate(self.pm, sorted(due), self.eval_data, entries)
+        for slot, step in due.items():
+            lv = self.live[slot]
+            value = result.metrics.get(slot, {}).get("eval_loss", math.nan)
+            self.s.store.add_eval(lv.trial.number, step, {"eval_loss": value}, kind="curve")
+            if len(self.spec.objectives) == 1:
+                lv.trial.report(value, step)
 
     def _rung(self, arrivals: dict[int, int]) -> None:
         """Score the slots reaching a rung on the proxy metric and let cohort SHA decide."""

@@ -103,3 +103,25 @@ def test_warmup_ratio_and_steps_per_epoch_resolve_per_trial(tiny_dirs, tmp_path)
     searched = trial_adapter(spec, adapter_spec({"max_steps": 7}, spec.train, 0, space=spec.search), ["max_steps"],
                              examples)
     assert (searched.max_steps, searched.warmup_steps) == (7, 2)
+
+
+def test_eval_every_records_a_heldout_curve_and_optuna_intermediates(tiny_dirs, tmp_path) -> None:
+    from sweep.store import ResultsStore
+
+    path = write_study(tmp_path, tiny_dirs("llama"), name="curve", train={"max_steps": 6, "micro_batch": 4,
+                                                                          "eval_steps": 2},
+                       search={"rank": [2, 4]}, budget={"trials": 2}, pruning={"kind": "none"},
+                       data={"train": str(_small_data(tmp_path)), "eval": str(_small_data(tmp_path, 16, "eval")),
+                             "format": "prompt_completion", "max_length": 48},
+                       evaluators=["heldout_loss"], objectives=[{"metric": "eval_loss", "direction": "minimize"}])
+    spec = load_study(path)
+    assert spec.train.eval_every == 2
+    run_study(spec, log=lambda m: None)
+    trials = optuna.load_study(study_name="curve", storage=f"sqlite:///{spec.out_dir / 'optuna.db'}").get_trials()
+    with ResultsStore(spec.out_dir / "results.db", create=False) as store:
+        for t in trials:
+            curve = {e.step: e.value for e in store.evals(trial=t.number, kind="curve")}
+            assert sorted(curve) == [2, 4, 6] and t.intermediate_values == curve
+            assert curve[6] == pytest.approx(t.values[0], rel=1e-5)  # the last point is the final eval_loss
+    with pytest.raises(ConfigError, match="data.eval: is needed by train.eval_every"):
+        load_study(path, ["data.eval=null", "evaluators=[]", "objectives=[minimize adapter_params]"])
