@@ -11,8 +11,9 @@ target (the causal shift drops it), and here it would be predicted from the prev
 So each example's loss and gradient are those it has in its own row, and the slot's per-step mean over
 target tokens is that of the same examples unpacked.
 
-Only families whose attention was checked against the unpacked examples take packed rows
-(``VERIFIED_FAMILIES``, tests/packer/test_packing.py); the others are refused.
+Only families whose logits were checked against the unpacked examples take packed rows
+(``VERIFIED_FAMILIES``, tests/packer/test_packing.py; the whole training run on Llama and Qwen2); the
+others are refused.
 """
 
 from __future__ import annotations
@@ -27,8 +28,12 @@ from packer.errors import ConfigError
 __all__ = ["PackedRow", "SamplePackedStream", "VERIFIED_FAMILIES", "batches_per_epoch", "check_family", "pack_rows",
            "slot_stream"]
 
-VERIFIED_FAMILIES = ("llama", "qwen2")
-"""``config.model_type`` values whose packed rows are tested to equal the examples in their own rows."""
+VERIFIED_FAMILIES = ("llama", "qwen2", "mistral", "gpt2", "gpt_neox", "phi3", "gemma", "gemma3_text", "qwen3",
+                     "falcon", "gptj", "phi", "stablelm", "codegen", "olmo2", "granite", "gpt_bigcode", "cohere",
+                     "starcoder2", "nemotron", "persimmon")
+"""``config.model_type`` values whose packed rows are tested to give each example the logits it has in its
+own row (eager and SDPA attention, tests/packer/test_packing.py). OPT is not among them: its learned
+positions come from the padding mask, not from ``position_ids``."""
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from packer.batch import collate
 from packer.data import Example, SlotStream
 from packer.errors import ConfigError
 from packer.model import PackedModel, load_base
-from packer.packing import PackedRow, SamplePackedStream, batches_per_epoch, pack_rows
+from packer.packing import VERIFIED_FAMILIES, PackedRow, SamplePackedStream, batches_per_epoch, pack_rows
 from packer.plan import AdapterSpec
 from packer.train import SlotJob, target_tokens, train
 from tests.conftest import Recorder, random_examples
@@ -57,14 +57,16 @@ def test_stream_state_round_trips() -> None:
     assert a.next_batch() == b.next_batch()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", VERIFIED_FAMILIES)  # the tiny families are named by their model_type
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_packed_row_logits_equal_each_example_in_its_own_row(tiny_dirs, family: str, attn: str) -> None:
     model, _ = load_base(str(tiny_dirs(family)), attn_implementation=attn)
+    assert model.config.model_type == family
     pm = PackedModel(model)
-    rows = pack_rows(random_examples(12, seed=2), ROW)[:3]
+    vocab = min(300, model.config.vocab_size)
+    rows = pack_rows(random_examples(12, seed=2, vocab=vocab), ROW)[:3]
     assert all(r.n_examples >= 2 for r in rows)
-    plain = [random_examples(1, seed=9)[0]]  # an unpacked row in the same batch stays as it was
+    plain = [random_examples(1, seed=9, vocab=vocab)[0]]  # an unpacked row in the same batch stays as it was
     b = collate([0, 1], [rows, plain], PAD, dropout=[0.0, 0.0], seeds=[0, 0])
     logits = pm.forward(b.input_ids, b.attention_mask, None, b.position_ids)
     for i, row in enumerate(rows):
@@ -124,5 +126,18 @@ def test_sample_packed_slot_trains_as_its_examples_unpacked(tiny_dirs, family: s
 
 def test_unverified_family_is_refused(tiny_dirs) -> None:
     stream = SamplePackedStream(random_examples(10, seed=4), 1, 0, ROW)
-    with pytest.raises(ConfigError, match="sample_packing: not verified for model family 'gpt2'"):
-        _train(tiny_dirs("gpt2"), [SlotJob(replace(SPEC, targets=("c_attn",)), stream)])
+    with pytest.raises(ConfigError, match="sample_packing: not verified for model family 'opt'"):
+        _train(tiny_dirs("opt"), [SlotJob(replace(SPEC, targets=("q_proj",)), stream)])
+
+
+def test_opt_would_be_wrong_packed(tiny_dirs) -> None:
+    """Why OPT is refused: its positions ignore position_ids, so a packed example sees other logits."""
+    model, _ = load_base(str(tiny_dirs("opt")), attn_implementation="eager")
+    pm = PackedModel(model)
+    row = pack_rows(random_examples(12, seed=2), ROW)[0]
+    second = _split(row)[1]
+    b = collate([0], [[row]], PAD, dropout=[0.0], seeds=[0])
+    alone = collate([0], [[second]], PAD, dropout=[0.0], seeds=[0])
+    at = len(_split(row)[0].input_ids)
+    packed = pm.forward(b.input_ids, b.attention_mask, None, b.position_ids)[0, at:at + len(second.input_ids)]
+    assert not torch.allclose(packed, pm.forward(alone.input_ids, alone.attention_mask, None)[0], atol=1e-3)
