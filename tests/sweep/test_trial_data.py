@@ -82,11 +82,11 @@ def test_accumulation_is_a_fixed_or_searched_setting(tiny_dirs, tmp_path) -> Non
 
 
 def test_sample_packing_on_an_unverified_family_is_one_error(tiny_dirs, tmp_path) -> None:
-    path = _study(tmp_path, tiny_dirs("gpt2"))
+    path = _study(tmp_path, tiny_dirs("opt"))
     doc = yaml.safe_load(path.read_text())
     doc["search"] = {"sample_packing": [True], "rank": [2, 4]}
     path.write_text(yaml.safe_dump(doc))
-    with pytest.raises(ConfigError, match="sample_packing: not verified for model family 'gpt2'"):
+    with pytest.raises(ConfigError, match="sample_packing: not verified for model family 'opt'"):
         run_study(load_study(path), log=lambda m: None)
 
 
