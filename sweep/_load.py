@@ -3,7 +3,8 @@
 The alias table follows notes/optuna-and-sweeps.md §4 (Axolotl, torchtune, PEFT, HF/TRL names).
 Axolotl-style flat keys at the top level (``base_model``, ``lora_r``, ``learning_rate``,
 ``sequence_len``, ...) are moved into their section; W&B's ``method``, ``metric``, ``run_cap`` and
-``parameters`` map onto ``sampler``, ``objectives``, ``budget.trials`` and ``search``.
+``parameters`` map onto ``sampler``, ``objectives``, ``budget.trials`` and ``search``. A whole Axolotl
+or torchtune config is first rewritten into this shape by ``sweep/_foreign.py``.
 """
 
 from __future__ import annotations
