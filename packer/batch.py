@@ -26,12 +26,15 @@ class PackBatch(NamedTuple):
         attention_mask: (B, L) 1 on real tokens.
         labels: (B, L) targets, ``IGNORE_INDEX`` on prompt and padding tokens (not yet shifted).
         layout: row segment of each slot.
+        position_ids: (B, L) positions restarting at every example of a sample-packed row (0..L-1 on the
+            other rows); None when no row is sample-packed.
     """
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     labels: torch.Tensor
     layout: PackLayout
+    position_ids: torch.Tensor | None = None
 
 
 def collate(slots: Sequence[int], rows: Sequence[Sequence[Row]], pad_id: int, *,
@@ -54,11 +57,17 @@ def collate(slots: Sequence[int], rows: Sequence[Sequence[Row]], pad_id: int, *,
     ids = torch.full((len(flat), seq), pad_id, dtype=torch.long)
     labels = torch.full((len(flat), seq), IGNORE_INDEX, dtype=torch.long)
     mask = torch.zeros((len(flat), seq), dtype=torch.long)
+    packed = any(getattr(r, "position_ids", None) is not None for r in flat)
+    pos = torch.arange(seq).repeat(len(flat), 1) if packed else None
     for i, r in enumerate(flat):
         n = len(r.input_ids)
         ids[i, :n] = torch.tensor(r.input_ids)
         labels[i, :n] = torch.tensor(r.labels)
         mask[i, :n] = 1
+        if pos is not None and getattr(r, "position_ids", None) is not None:
+            # the padding tail continues the last example's positions: it belongs to no new example
+            pos[i, :n] = torch.tensor(r.position_ids)
+            pos[i, n:] = torch.arange(seq - n) + (r.position_ids[-1] + 1)
     starts, start = [], 0
     for group in rows:
         starts.append(start)
@@ -71,7 +80,8 @@ def collate(slots: Sequence[int], rows: Sequence[Sequence[Row]], pad_id: int, *,
         dropout=tuple(float(p) for p in dropout),
         seed=tuple(seeds),
     )
-    return PackBatch(ids.to(device), mask.to(device), labels.to(device), layout)
+    return PackBatch(ids.to(device), mask.to(device), labels.to(device), layout,
+                     None if pos is None else pos.to(device))
 
 
 def row_slots(layout: PackLayout, device: torch.device) -> torch.Tensor:

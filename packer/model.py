@@ -268,22 +268,26 @@ class PackedModel:
             warnings.warn(f"kernel precompile failed, kernels compile as the step meets them: "
                           f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}", stacklevel=2)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, layout: PackLayout | None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, layout: PackLayout | None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of a packed batch.
 
         Args:
             input_ids: (B, L) token ids, rows grouped by slot as ``layout`` says.
             attention_mask: (B, L) 1 for real tokens, 0 for padding.
             layout: which rows belong to which slot; None runs the base model alone.
+            position_ids: (B, L) positions restarting at every example of a sample-packed row
+                (``packer.packing``); None: 0..L-1 per row.
 
         Returns:
             (B, L, V) logits.
         """
         with self._using(layout):
-            return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+            return self.model(input_ids=input_ids, **_mask_kwargs(attention_mask, position_ids),
+                              use_cache=False).logits
 
     def forward_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                       layout: PackLayout | None) -> torch.Tensor:
+                       layout: PackLayout | None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Final hidden states of a packed batch (the decoder body without the output head).
 
         Args:
@@ -301,7 +305,8 @@ class PackedModel:
         if body is self.model:
             raise ConfigError(f"{type(self.model).__name__} has no decoder body (base_model) to run without its head")
         with self._using(layout):
-            return body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+            return body(input_ids=input_ids, **_mask_kwargs(attention_mask, position_ids),
+                        use_cache=False).last_hidden_state
 
     def output_head(self) -> nn.Module:
         """The output projection (``get_output_embeddings()``), checked to produce the logits unchanged.
@@ -362,3 +367,12 @@ class PackedModel:
             yield
         finally:
             self.state.layout = previous
+
+
+def _mask_kwargs(attention_mask: torch.Tensor, position_ids: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The model's mask arguments. With ``position_ids`` the padding mask is left out: transformers then reads
+    example boundaries from positions that restart (``masking_utils.find_packed_sequence_indices``) and builds a
+    block-diagonal causal mask; right padding needs no mask in a causal model, no real token attends to it."""
+    if position_ids is None:
+        return {"attention_mask": attention_mask}
+    return {"position_ids": position_ids}

@@ -70,6 +70,12 @@ class AdapterSpec:
     """Seeds A's initialisation, the data order and the dropout masks of this slot."""
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
     """Free-form labels carried along (e.g. the trial number); never read by the packer."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step; the step's gradient is that of the mean over all target tokens of
+    the ``micro_batch * gradient_accumulation_steps`` examples (transformers' ``num_items_in_batch``)."""
+    sample_packing: bool = False
+    """Pack several examples into each row up to the row length (``packer.packing``); ``micro_batch`` then
+    counts rows, as in Axolotl."""
 
     def __post_init__(self) -> None:
         _check(isinstance(self.rank, int) and 1 <= self.rank <= MAX_RANK, "rank", f"must be 1..{MAX_RANK}", self.rank)
@@ -88,6 +94,11 @@ class AdapterSpec:
         _check(self.schedule in SCHEDULES, "schedule", f"must be one of {', '.join(SCHEDULES)}", self.schedule)
         _check(isinstance(self.micro_batch, int) and self.micro_batch >= 1, "micro_batch", "must be >= 1",
                self.micro_batch)
+        accum = self.gradient_accumulation_steps
+        _check(isinstance(accum, int) and not isinstance(accum, bool) and accum >= 1, "gradient_accumulation_steps",
+               "must be an int >= 1",
+               self.gradient_accumulation_steps)
+        _check(isinstance(self.sample_packing, bool), "sample_packing", "must be true or false", self.sample_packing)
         _check(self.max_grad_norm is None or self.max_grad_norm > 0, "max_grad_norm", "must be > 0 or null",
                self.max_grad_norm)
 

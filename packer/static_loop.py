@@ -268,6 +268,9 @@ def train_static(pm: PackedModel, capacity: int, next_job: Callable[[int], SlotJ
                 job = next_job(slot) if slot not in active else None
                 if job is None:
                     continue
+                if job.spec.gradient_accumulation_steps > 1 or job.spec.sample_packing:
+                    raise ValueError("the static-shape step trains one micro-batch per optimizer step, one example per "
+                                     "row: train(static_shapes=False) for accumulation or sample packing")
                 if store is None or job.spec.rank > store.rank_bucket:
                     store = _new_store(pm, store, capacity, rank_bucket or rank_bucket_for(job.spec.rank),
                                        job.spec.rank, active)

@@ -7,6 +7,14 @@ the gradient it would get training alone (a global token mean would rescale each
 its share of tokens: a hidden learning-rate change). Each slot then clips to its own norm and takes
 its own AdamW step, every slot in one pass (``packer.optim.PackedAdamW``).
 
+Gradient accumulation is per slot: a slot with ``gradient_accumulation_steps`` k draws the k
+micro-batches of its next optimizer step at once, counts their target tokens N, and each of its
+micro-batches adds (sum of its token losses) / N to the backward, so the accumulated gradient is that
+of the mean over all N tokens, as if the k micro-batches were one batch (transformers'
+``num_items_in_batch``): independent of the split. Only when its k-th micro-batch is in does a slot
+clip, step and advance its schedule; slots with other k in the same pack keep accumulating. A slot
+is reported (``StepReport``) once per optimizer step, with the loss and tokens of the whole step.
+
 Slots have a lifecycle: when one finishes (``max_steps``) or is stopped (``should_stop``), the
 caller is told (``on_end``: it may save or score the adapter, whose weights still exist) and the
 slot is refilled with ``next_job`` while the pack keeps running.
@@ -32,6 +40,7 @@ from packer.batch import IGNORE_INDEX, PackBatch, Row, collate, row_slots
 from packer.loss import DEFAULT_CHUNK_TOKENS, chunked_slot_losses
 from packer.model import PackedModel
 from packer.optim import PackedAdamW
+from packer.packing import check_family
 from packer.plan import AdapterSpec
 
 __all__ = ["BatchSource", "FixedBatch", "SlotJob", "SlotEnd", "StepReport", "TrainResult", "train", "slot_losses",
@@ -70,7 +79,7 @@ class StepReport:
     """What one slot did in one global step."""
 
     step: int
-    """Global step of the pack (0-based)."""
+    """Global step of the pack (0-based): one forward/backward over every slot's micro-batch."""
     slot: int
     key: Any
     slot_step: int
@@ -78,9 +87,9 @@ class StepReport:
     loss: float
     """Mean cross-entropy over this slot's target tokens in this step."""
     tokens: int
-    """Target (loss) tokens of this step."""
+    """Target (loss) tokens of this optimizer step (all its accumulated micro-batches)."""
     input_tokens: int
-    """Non-padding tokens of this step's rows."""
+    """Non-padding tokens of this optimizer step's rows."""
     lr: float
     grad_norm: float
     """Gradient norm before clipping."""
@@ -122,6 +131,29 @@ class _Active:
     job: SlotJob
     params: list[nn.Parameter]
     steps: int = 0
+    """Optimizer steps taken."""
+    micro: int = 0
+    """Micro-batches trained (seeds the dropout masks; equals ``steps`` without accumulation)."""
+    window: list[list[Any]] = field(default_factory=list)
+    """Micro-batches of the current optimizer step not yet trained."""
+    window_tokens: int = 0
+    """Target tokens of the current optimizer step's micro-batches, all of them."""
+    loss_sum: float = 0.0
+    input_tokens: int = 0
+
+    def next_micro_batch(self) -> list[Any]:
+        """The next micro-batch; at the start of an optimizer step, draws all of that step's micro-batches."""
+        if not self.window:
+            k = self.job.spec.gradient_accumulation_steps
+            self.window = [self.job.stream.next_batch() for _ in range(k)]
+            self.window_tokens = sum(target_tokens(r) for rows in self.window for r in rows)
+            self.loss_sum, self.input_tokens = 0.0, 0
+        return self.window.pop(0)
+
+
+def target_tokens(row: Any) -> int:
+    """Tokens of a row that take a loss (``labels[1:]`` after the causal shift)."""
+    return sum(1 for label in row.labels[1:] if label != IGNORE_INDEX)
 
 
 def make_optimizer(params: Sequence[nn.Parameter], spec: AdapterSpec) -> torch.optim.Optimizer:
@@ -167,9 +199,9 @@ def slot_losses(logits: torch.Tensor, labels: torch.Tensor, batch: PackBatch) ->
 def _pack_losses(pm: PackedModel, batch: PackBatch, chunk_tokens: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-slot losses and target counts of one forward: full logits, or chunked from the hidden states."""
     if chunk_tokens is None:
-        logits = pm.forward(batch.input_ids, batch.attention_mask, batch.layout)
+        logits = pm.forward(batch.input_ids, batch.attention_mask, batch.layout, batch.position_ids)
         return slot_losses(logits, batch.labels, batch)
-    hidden = pm.forward_hidden(batch.input_ids, batch.attention_mask, batch.layout)
+    hidden = pm.forward_hidden(batch.input_ids, batch.attention_mask, batch.layout, batch.position_ids)
     return chunked_slot_losses(hidden, pm.output_head(), batch.labels, batch.layout, chunk_tokens=chunk_tokens)
 
 
@@ -185,6 +217,8 @@ def chunk_tokens_of(chunked_ce: bool | int) -> int | None:
 
 
 def _start(pm: PackedModel, optimizer: PackedAdamW, slot: int, job: SlotJob) -> _Active:
+    if job.spec.sample_packing:
+        check_family(getattr(pm.model, "config", None))
     params = pm.add_slot(slot, job.spec)
     optimizer.add_slot(slot, *pm.flat_buffers(slot), job.spec)
     return _Active(job, params)
@@ -216,7 +250,8 @@ def train(
         next_job: called with each free slot id before every step; returns a job or None. The run
             ends when no slot is active and every call returns None.
         pad_id: padding token id.
-        on_step: receives every active slot's ``StepReport`` after each global step.
+        on_step: receives the ``StepReport`` of every slot that took an optimizer step in a global step
+            (every active slot, without accumulation); not called when none did.
         should_stop: asked per slot after each step (after ``on_step``); True ends the slot early.
         on_end: receives the slots that end at this step, together (so they can be saved and scored
             in one packed pass), before their weights are released.
@@ -229,7 +264,8 @@ def train(
         static_shapes: run the static-shape step (``packer.static_loop``: fixed shapes, per-step values in
             device buffers, losses read back every ``readback_every`` steps, so ``on_step`` and
             ``should_stop`` see each step up to that many steps late); None: on CUDA, unless ``chunked_ce``
-            or ``activation_checkpointing`` is asked for (the static step supports neither).
+            or ``activation_checkpointing`` is asked for (the static step supports neither; nor jobs that
+            accumulate gradients or pack samples: it raises on one, so pass False for them).
         cuda_graphs: static path only: ``auto`` / ``on`` capture the step as a CUDA graph on CUDA (falling
             back to eager with a warning if capture fails); ``off`` runs it eagerly.
         readback_every, sync_steps, rank_bucket: static path only, see ``packer.static_loop.train_static``.
@@ -274,34 +310,27 @@ def train(
 
         # 2. One micro-batch per slot, drawn from the slot's own stream, packed into one batch.
         slots = sorted(active)
-        rows: list[list[Row]] = [active[s].job.stream.next_batch() for s in slots]
+        rows: list[list[Row]] = [active[s].next_micro_batch() for s in slots]
         specs = [active[s].job.spec for s in slots]
         batch = collate(slots, rows, pad_id, dropout=[sp.dropout for sp in specs],
-                        seeds=[dropout_seed(sp.seed, active[s].steps) for s, sp in zip(slots, specs, strict=True)],
+                        seeds=[dropout_seed(sp.seed, active[s].micro) for s, sp in zip(slots, specs, strict=True)],
                         device=pm.device)
 
         if result.steps == 0:  # the first step's kernel variants, compiled in parallel rather than in turn
             pm.precompile(batch.layout, *batch.input_ids.shape)
 
-        # 3. One forward/backward for the whole pack; sum of per-slot means keeps slots independent.
+        # 3. One forward/backward for the whole pack; sum of per-slot means keeps slots independent
+        # (an accumulating slot's mean is over its whole optimizer step's target tokens).
         losses, counts = _pack_losses(pm, batch, chunk_tokens)
-        losses.sum().backward()
+        weights = _accumulation_weights([active[s] for s in slots], counts)
+        (losses.sum() if weights is None else (losses * weights).sum()).backward()
 
-        # 4. Each slot clips to its own norm and takes its own AdamW step, all slots in one pass.
-        lrs = [optimizer.lr(slot) for slot in slots]
-        norms = optimizer.step(slots).tolist()
-        input_tokens = batch.attention_mask.sum(dim=1).tolist()
-        reports = []
-        for i, (slot, loss, count) in enumerate(zip(slots, losses.tolist(), counts.tolist(), strict=True)):
-            a = active[slot]
-            a.steps += 1
-            r0, n = batch.layout.row_start[i], batch.layout.n_rows[i]
-            reports.append(StepReport(result.steps, slot, a.job.key, a.steps, loss, int(count),
-                                      int(sum(input_tokens[r0:r0 + n])), lrs[i], norms[i]))
+        # 4. Slots whose step is complete clip to their own norm and take their own AdamW step, in one pass.
+        reports = _step_slots(optimizer, active, slots, batch, losses, counts, result.steps)
         result.steps += 1
         result.tokens += sum(r.tokens for r in reports)
         result.input_tokens += sum(r.input_tokens for r in reports)
-        if on_step is not None:
+        if on_step is not None and reports:  # an accumulating pack may have a step in which no slot stepped
             on_step(reports)
 
         # 5. Lifecycle: finished or stopped slots hand their weights to the caller, then free up.
@@ -317,6 +346,44 @@ def train(
          on_end, result)
     result.wall_s = time.perf_counter() - t0
     return result
+
+
+def _accumulation_weights(order: list[_Active], counts: torch.Tensor) -> torch.Tensor | None:
+    """(N,) factors turning each slot's micro-batch mean into (micro-batch loss sum) / (step's target tokens);
+    None when no slot accumulates (every factor would be 1)."""
+    if all(a.job.spec.gradient_accumulation_steps == 1 for a in order):
+        return None
+    total = torch.tensor([float(max(a.window_tokens, 1)) for a in order], device=counts.device)
+    ones = torch.tensor([a.job.spec.gradient_accumulation_steps == 1 for a in order], device=counts.device)
+    return torch.where(ones, torch.ones_like(total), counts / total)
+
+
+def _step_slots(optimizer: PackedAdamW, active: dict[int, _Active], slots: list[int], batch: PackBatch,
+                losses: torch.Tensor, counts: torch.Tensor, global_step: int) -> list[StepReport]:
+    """Account one micro-batch per slot; step the slots whose accumulation is complete and report them."""
+    input_tokens = batch.attention_mask.sum(dim=1).tolist()
+    done = []
+    for i, (slot, loss, count) in enumerate(zip(slots, losses.tolist(), counts.tolist(), strict=True)):
+        a = active[slot]
+        a.micro += 1
+        r0, n = batch.layout.row_start[i], batch.layout.n_rows[i]
+        a.input_tokens += int(sum(input_tokens[r0:r0 + n]))
+        # without accumulation the step's loss is the micro-batch mean itself, not mean * count / count
+        a.loss_sum = loss if a.job.spec.gradient_accumulation_steps == 1 else a.loss_sum + loss * count
+        if not a.window:
+            done.append(slot)
+    if not done:
+        return []
+    lrs = [optimizer.lr(slot) for slot in done]
+    norms = optimizer.step(done).tolist()
+    reports = []
+    for slot, lr, norm in zip(done, lrs, norms, strict=True):
+        a = active[slot]
+        a.steps += 1
+        loss = a.loss_sum if a.job.spec.gradient_accumulation_steps == 1 else a.loss_sum / max(a.window_tokens, 1)
+        reports.append(StepReport(global_step, slot, a.job.key, a.steps, loss, a.window_tokens, a.input_tokens,
+                                  lr, norm))
+    return reports
 
 
 def _end(pm: PackedModel, optimizer: PackedAdamW, active: dict[int, _Active], ends: list[SlotEnd],

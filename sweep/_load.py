@@ -3,11 +3,13 @@
 The alias table follows notes/optuna-and-sweeps.md §4 (Axolotl, torchtune, PEFT, HF/TRL names).
 Axolotl-style flat keys at the top level (``base_model``, ``lora_r``, ``learning_rate``,
 ``sequence_len``, ...) are moved into their section; W&B's ``method``, ``metric``, ``run_cap`` and
-``parameters`` map onto ``sampler``, ``objectives``, ``budget.trials`` and ``search``.
+``parameters`` map onto ``sampler``, ``objectives``, ``budget.trials`` and ``search``. A whole Axolotl
+or torchtune config is first rewritten into this shape by ``sweep/_foreign.py``.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -15,6 +17,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from sweep import _foreign
 from sweep._yaml import Doc, Item, Key, add, coerce, make, override, read, scalar, section, typed
 from sweep.spec import (
     SEARCHABLE,
@@ -35,13 +38,17 @@ from sweep.spec import (
 
 __all__ = ["load_study"]
 
+logger = logging.getLogger(__name__)
+
 _TRAIN = {
     "lora_r": "rank", "r": "rank", "lora_rank": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout",
     "learning_rate": "lr", "micro_batch_size": "micro_batch", "batch_size": "micro_batch",
     "per_device_train_batch_size": "micro_batch", "lora_target_modules": "targets", "target_modules": "targets",
     "lora_attn_modules": "targets", "use_rslora": "rslora", "peft_use_rslora": "rslora", "steps": "max_steps",
     "warmup": "warmup_steps", "lr_scheduler": "schedule", "lr_scheduler_type": "schedule", "scheduler": "schedule",
-    "alpha_rank_ratio": "alpha_ratio", "gradient_clipping": "max_grad_norm",
+    "alpha_rank_ratio": "alpha_ratio", "gradient_clipping": "max_grad_norm", "num_epochs": "epochs",
+    "num_train_epochs": "epochs", "grad_accum": "gradient_accumulation_steps",
+    "eval_steps": "eval_every",
 }  # fmt: skip
 _ALIASES: dict[str, dict[str, str]] = {
     "train": _TRAIN,
@@ -83,6 +90,7 @@ _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "k": 10**3, "K": 10**3, "M": 1
 def load_study(path: Path, overrides: Sequence[str], *, check_paths: bool) -> StudySpec:
     """See ``sweep.spec.load_study``."""
     doc, data = read(path, check_paths)
+    data = _foreign.translate(doc, data, _TRAIN, _TOP)  # an Axolotl or torchtune config -> a study mapping
     for text in overrides:
         override(doc, data, text, _ALIASES)
     return _study(doc, data)
@@ -192,6 +200,10 @@ def _train(doc: Doc, top: dict[str, Item], extra: dict[str, Item], search: Searc
     for name in ("alpha", "alpha_ratio"):
         if name in items and {"alpha", "alpha_ratio"} <= set(items) | searched:
             raise doc.error(items[name].path, "set either alpha or alpha_ratio (alpha = alpha_ratio * rank)")
+    if "epochs" in items and "max_steps" in set(items) | searched:  # HF Trainer: max_steps overrides epochs
+        logger.warning("%s: train.max_steps is set, so train.epochs is ignored (max_steps overrides epochs)",
+                       doc.file)
+        del items["epochs"]
     return make(doc, TrainSpec, ("train",), **typed(doc, TrainSpec, items, ("train",)))
 
 

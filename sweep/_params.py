@@ -30,6 +30,8 @@ SEARCHABLE = (
     "max_steps",
     "micro_batch",
     "max_grad_norm",
+    "gradient_accumulation_steps",
+    "sample_packing",
 )
 """Names a study may search: AdapterSpec fields (less seed/betas/eps/extra) plus ``alpha_ratio``."""
 
@@ -83,7 +85,7 @@ class Param:
                 for v in self.choices:
                     _check_adapter_value(self.name, "choices", v)
             return
-        if self.name in ("rslora", "targets", "schedule"):
+        if self.name in ("rslora", "targets", "schedule", "sample_packing"):
             raise ConfigError("takes a list of values, not a range")
         for key in ("low", "high"):
             v = getattr(self, key)

@@ -36,6 +36,8 @@ SAMPLERS = ("tpe", "random", "grid", "gp", "nsga2")
 EVALUATORS = tuple(evaluators.EVALUATORS)
 _D = AdapterSpec()
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_NOT_ADAPTER = ("alpha_ratio", "epochs", "max_steps_per_epoch", "warmup_ratio", "eval_every")
+"""TrainSpec fields that are not AdapterSpec fields (resolved into rank/alpha or steps per trial)."""
 
 
 @dataclass(frozen=True)
@@ -130,15 +132,39 @@ class TrainSpec:
     """Sequences per step per trial."""
     max_grad_norm: float | None = _D.max_grad_norm
     """Per-trial gradient clipping (null: none)."""
+    gradient_accumulation_steps: int = _D.gradient_accumulation_steps
+    """Micro-batches per optimizer step (the step's loss: the mean over all their target tokens)."""
+    sample_packing: bool = _D.sample_packing
+    """Pack several examples per row up to ``data.max_length`` tokens (``packer.packing``)."""
+    epochs: float | None = None
+    """Train each trial for this many passes over the training data: its optimizer steps are
+    ``ceil(epochs * ceil(micro-batches per epoch / gradient_accumulation_steps))``; a ``max_steps`` set in
+    the file (fixed or searched) overrides it, as in HF Trainer."""
+    max_steps_per_epoch: int | None = None
+    """With ``epochs``: at most this many optimizer steps per epoch (torchtune's ``max_steps_per_epoch``)."""
+    warmup_ratio: float | None = None
+    """Warm-up over ``ceil(warmup_ratio * max_steps)`` steps, once a trial's steps are known (HF Trainer's
+    rule; a non-zero ``warmup_steps`` wins)."""
+    eval_every: int | None = None
+    """Score each trial's held-out loss every this many optimizer steps (a curve in the store, kind
+    ``curve``; with one objective also Optuna's intermediate values, instead of the training loss)."""
 
     def __post_init__(self) -> None:
         if self.alpha_ratio is not None:
             _check_adapter_value("alpha_ratio", "alpha_ratio", self.alpha_ratio)
+        _check(self.epochs is None or (_is_num(self.epochs) and self.epochs > 0), "epochs", "must be > 0",
+               self.epochs)
+        m = self.max_steps_per_epoch
+        _check(m is None or (isinstance(m, int) and m >= 1), "max_steps_per_epoch", "must be an int >= 1", m)
+        e = self.eval_every
+        _check(e is None or (isinstance(e, int) and e >= 1), "eval_every", "must be an int >= 1", e)
+        r = self.warmup_ratio
+        _check(r is None or (_is_num(r) and 0 <= r < 1), "warmup_ratio", "must be in [0, 1)", r)
         AdapterSpec(**self.adapter_values())
 
     def adapter_values(self) -> dict[str, Any]:
         """These values as AdapterSpec keyword arguments (alpha from ``alpha_ratio`` when set)."""
-        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "alpha_ratio"}
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_ADAPTER}
         if self.alpha_ratio is not None:
             values["alpha"] = float(self.alpha_ratio * self.rank)
         return values
@@ -402,6 +428,8 @@ class StudySpec:
             except ConfigError as e:
                 raise ConfigError(f"pruning.proxy: {str(e).removeprefix('metric: ')}") from None
         needs_eval = [n for n in names if n in ("heldout_loss", "generation", "multiple_choice", "custom")]
+        if self.data.eval is None and self.train.eval_every is not None:
+            raise ConfigError("data.eval: is needed by train.eval_every")
         if self.data.eval is None and needs_eval:
             raise ConfigError(f"data.eval: is needed by {', '.join(needs_eval)}")
         if self.sampler.name == "grid":
@@ -409,7 +437,8 @@ class StudySpec:
                 self.search.grid()
             except ConfigError as e:
                 raise ConfigError(f"search.{e}") from None
-        if self.pruning.kind == "cohort_sha" and "max_steps" not in [p.name for p in self.search.params]:
+        if (self.pruning.kind == "cohort_sha" and "max_steps" not in [p.name for p in self.search.params]
+                and self.train.epochs is None):
             last = self.pruning.rungs[-1]
             _check(
                 last < self.train.max_steps,

@@ -29,11 +29,12 @@ from optuna.trial import TrialState
 from evaluators import EvalResult, evaluate, load_eval_data, metrics_of
 from evaluators.cost import cost_metrics, slot_adapter_params
 from packer.checkpoint import save_adapters
-from packer.data import SlotStream, load_examples
+from packer.data import load_examples
 from packer.errors import UserError
 from packer.model import PackedModel
 from packer.plan import AdapterSpec
 from packer.train import SlotEnd, SlotJob, StepReport, train
+from sweep._trial_data import check_packing, planned_tokens, trial_adapter, trial_stream
 from sweep.pruning import CohortSHA
 from sweep.resume import PLANNED_ATTR, TOKENS_ATTR, Session, TokenPlan, budget_state, open_session, reap_stale, requeue
 from sweep.space import adapter_spec, suggest
@@ -145,15 +146,15 @@ class _Sweep:
                 self.s.study._storage.set_trial_system_attr(trial._trial_id, WORKER_ATTR, self.s.sharing.worker)
             params = suggest(trial, self.spec.search)
             spec = adapter_spec(params, self.spec.train, self.spec.seed, space=self.spec.search)
+            spec = trial_adapter(self.spec, spec, list(params), self.train_examples)
             # Under the lock: the next worker to count sees this trial's tokens before it asks.
-            trial.set_user_attr(PLANNED_ATTR, self.plan(spec.micro_batch, spec.max_steps))
+            trial.set_user_attr(PLANNED_ATTR, planned_tokens(self.spec, spec, self.train_examples, self.plan))
         self.live[slot] = _Live(trial, params, spec, self.global_step, time.time())
         self.s.store.upsert_trial(trial.number, state="RUNNING", params=params, pack_id=self.pack_id, slot=slot,
                                   started=time.time(), user_attrs=dict(trial.user_attrs))
         self.s.store.open_span(self.pack_id, slot, trial.number, start_step=self.global_step)
         # Every trial sees the same data order (one data seed): pack peers are paired samples.
-        return SlotJob(spec, SlotStream(self.train_examples, spec.micro_batch, seed=self.spec.seed),
-                       key=trial.number)
+        return SlotJob(spec, trial_stream(self.spec, spec, self.train_examples), key=trial.number)
 
     # -- each step ----------------------------------------------------------------------------
     def on_step(self, reports: list[StepReport]) -> None:
@@ -167,7 +168,8 @@ class _Sweep:
             lv.device_s += step_s * r.tokens / step_tokens  # the step's time, shared by trained tokens
             lv.steps.append({"step": r.slot_step, "loss": r.loss, "tokens": lv.tokens, "lr": r.lr,
                              "grad_norm": r.grad_norm, "time": time.time()})
-            if len(self.spec.objectives) == 1 and r.slot_step % max(1, lv.spec.max_steps // 50) == 0:
+            if (len(self.spec.objectives) == 1 and self.spec.train.eval_every is None
+                    and r.slot_step % max(1, lv.spec.max_steps // 50) == 0):
                 lv.trial.report(r.loss, r.slot_step)  # single objective only: Optuna forbids it otherwise
             if self.sha is not None and r.slot_step in self.sha.rungs and r.slot_step < lv.spec.max_steps:
                 arrivals[r.slot] = r.slot_step
@@ -177,6 +179,10 @@ class _Sweep:
             self._flush_curves()
         if self.s.sharing is not None and time.time() - self.last_reap > 2 * self.s.sharing.heartbeat:
             self.reap()
+        every = self.spec.train.eval_every
+        due = {r.slot: r.slot_step for r in reports if every is not None and r.slot_step % every == 0}
+        if due:
+            self._eval_curve(due)
         if arrivals:
             self._rung(arrivals)
         self.show(len(reports))
@@ -215,6 +221,18 @@ class _Sweep:
                 if lv.steps:
                     self.s.store.add_steps(lv.trial.number, lv.steps)
                     lv.steps = []
+
+    def _eval_curve(self, due: dict[int, int]) -> None:
+        """``train.eval_every``: the held-out loss of the slots at such a step, stored as a curve and, with one
+        objective, given to Optuna as the intermediate value at that step."""
+        entries = [e for e in self.entries if e[0] == "heldout_loss"] or [("heldout_loss", {})]
+        result = evaluate(self.pm, sorted(due), self.eval_data, entries)
+        for slot, step in due.items():
+            lv = self.live[slot]
+            value = result.metrics.get(slot, {}).get("eval_loss", math.nan)
+            self.s.store.add_eval(lv.trial.number, step, {"eval_loss": value}, kind="curve")
+            if len(self.spec.objectives) == 1:
+                lv.trial.report(value, step)
 
     def _rung(self, arrivals: dict[int, int]) -> None:
         """Score the slots reaching a rung on the proxy metric and let cohort SHA decide."""
@@ -369,6 +387,7 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
     """
     session = open_session(spec, log=log, sharing=sharing, allow_changes=allow_changes)
     pm, tokenizer = session.pm, session.tokenizer
+    check_packing(spec, getattr(pm.model, "config", None))
     train_examples = load_examples(spec.data.train, tokenizer, fmt=spec.data.format,
                                    max_length=spec.data.max_length, train_on_prompt=spec.data.train_on_prompt)
     eval_data = (load_eval_data(spec.data.eval, tokenizer, fmt=spec.data.format, max_length=spec.data.max_length,
@@ -393,6 +412,14 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
     return sweep.summary
 
 
+def _static_step_fits(spec: StudySpec) -> bool:
+    """Whether every trial of the study can train on the static-shape step, which has one micro-batch per
+    optimizer step and one example per row: no trial accumulates gradients or packs samples."""
+    searched = {p.name for p in spec.search.params}
+    return (spec.train.gradient_accumulation_steps == 1 and not spec.train.sample_packing
+            and not searched & {"gradient_accumulation_steps", "sample_packing"})
+
+
 def _train_pack(sweep: _Sweep, session: Session) -> bool:
     """Train the current pack until the budget ends (True), or until a CUDA out-of-memory error (False):
     the trials that were training are retried and the next pack gets one slot fewer than ran out.
@@ -408,7 +435,8 @@ def _train_pack(sweep: _Sweep, session: Session) -> bool:
         train(pm, session.capacity, sweep.next_job, pad_id=session.pad_id, on_step=sweep.on_step,
               should_stop=sweep.should_stop, on_end=sweep.on_end, chunked_ce=spec.packing.chunked_ce,
               activation_checkpointing=spec.packing.activation_checkpointing,
-              cuda_graphs=spec.packing.cuda_graphs, sync_steps=sweep.sha.rungs if sweep.sha else ())
+              cuda_graphs=spec.packing.cuda_graphs, sync_steps=sweep.sha.rungs if sweep.sha else (),
+              static_shapes=None if _static_step_fits(spec) else False)
         status = "finished"
         return True
     except torch.OutOfMemoryError as err:

@@ -1,0 +1,130 @@
+"""Sample packing on short instruction rows: padding fraction and tokens/s with and without it.
+
+A command, not a timed test: ``python -m packer.packing_bench`` (CPU: the tiny Llama;
+``--shape qwen2.5-0.5b`` on a GPU: a random-init model of that shape, ``packer.gpu_bench.SHAPES``).
+The rows are synthetic short instruction rows: random tokens, lengths drawn log-normally (median 25
+tokens, sigma 0.8, clipped to 8..``--row-len``; seed 0), the first half of each row a masked prompt.
+Both runs train ``--slots`` adapters for the same steps: unpacked, each slot's
+micro-batch is ``--micro`` examples padded to the pack's longest row; packed, each slot's micro-batch
+is as many rows of ``--row-len`` tokens as hold about as many examples. Reported per run: examples
+and real (non-padding) tokens per step, the padding fraction of the padded batch, the median step
+time, and real tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from packer.data import IGNORE_INDEX, Example, SlotStream
+from packer.model import PackedModel, load_base
+from packer.packing import SamplePackedStream
+from packer.plan import AdapterSpec
+from packer.tiny import build_tiny_model
+from packer.train import SlotJob, train
+
+__all__ = ["run", "main"]
+
+PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class _Recorded:
+    """A stream that keeps the rows it served, to measure the padded batches afterwards."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.served = inner, []  # type: ignore[var-annotated]
+
+    def next_batch(self) -> list[Any]:
+        rows = self.inner.next_batch()
+        self.served.append(rows)
+        return rows
+
+
+def _examples(n: int, row_len: int, vocab: int = 500) -> list[Example]:
+    rng = random.Random(0)
+    out = []
+    for _ in range(n):
+        length = min(row_len, max(8, round(rng.lognormvariate(math.log(25), 0.8))))
+        ids = tuple(rng.randrange(3, vocab) for _ in range(length))
+        out.append(Example(ids, (IGNORE_INDEX,) * (length // 2) + ids[length // 2:]))
+    return out
+
+
+def _run(model: torch.nn.Module, examples: list[Example], *, slots: int, micro: int, packed: bool, row_len: int,
+         steps: int, warmup: int) -> dict:
+    pm = PackedModel(model, impl="triton" if next(model.parameters()).is_cuda else "torch")
+    streams = []
+    jobs = []
+    for i in range(slots):
+        inner = SamplePackedStream(examples, micro, i, row_len) if packed else SlotStream(examples, micro, i)
+        streams.append(_Recorded(inner))
+        spec = AdapterSpec(rank=16, alpha=32, targets=PROJ, micro_batch=micro, max_steps=warmup + steps, seed=i,
+                           lr=1e-4, sample_packing=packed)
+        jobs.append(SlotJob(spec, streams[-1], key=i))
+    stamps: list[float] = []
+    real: list[int] = []
+
+    def on_step(reports: list) -> None:  # noqa: ANN001
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        stamps.append(time.perf_counter())
+        real.append(sum(r.input_tokens for r in reports))
+
+    train(pm, slots, lambda s: jobs.pop(0) if jobs else None, pad_id=0, on_step=on_step, chunked_ce=True)
+    step_s = statistics.median(b - a for a, b in zip(stamps[warmup - 1:], stamps[warmup:], strict=False))
+    padded, examples_per_step = [], []
+    for step in range(warmup, warmup + steps):
+        rows = [r for s in streams for r in s.served[step]]
+        padded.append(len(rows) * max(len(r.input_ids) for r in rows))
+        examples_per_step.append(sum(getattr(r, "n_examples", 1) for r in rows))
+    real_tokens = statistics.mean(real[warmup:])
+    return dict(mode="packed" if packed else "unpacked", slots=slots, micro=micro,
+                row_len=row_len if packed else None, examples_per_step=round(statistics.mean(examples_per_step), 1),
+                real_tokens_per_step=round(real_tokens), padding=round(1 - real_tokens / statistics.mean(padded), 3),
+                step_ms=round(step_s * 1e3, 1), tok_s=round(real_tokens / step_s))
+
+
+def run(shape: str | None, *, slots: int, micro: int, row_len: int, steps: int, warmup: int) -> list[dict]:
+    """Both runs; ``shape`` None: the tiny Llama on the CPU."""
+    if shape is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            model, _ = load_base(str(build_tiny_model("llama", tmp, seed=0)), attn_implementation="sdpa")
+    else:
+        from packer.gpu_bench import build_shape
+
+        model = build_shape(shape)
+    examples = _examples(4000, row_len, vocab=min(500, model.config.vocab_size))
+    mean_len = statistics.mean(len(e.input_ids) for e in examples)
+    rows = max(1, round(micro * mean_len / row_len))  # packed rows holding about ``micro`` examples
+    out = [_run(model, examples, slots=slots, micro=micro, packed=False, row_len=row_len, steps=steps,
+                warmup=warmup),
+           _run(model, examples, slots=slots, micro=rows, packed=True, row_len=row_len, steps=steps, warmup=warmup)]
+    for r in out:
+        r.update(shape=shape or "tiny-llama", mean_example_tokens=round(mean_len, 1))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m packer.packing_bench", description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default=None, help="a packer.gpu_bench shape (GPU); default: tiny Llama on CPU")
+    p.add_argument("--slots", type=int, default=8)
+    p.add_argument("--micro", type=int, default=16, help="examples per slot and step, unpacked")
+    p.add_argument("--row-len", type=int, default=512)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3)
+    a = p.parse_args(argv)
+    rows = run(a.shape, slots=a.slots, micro=a.micro, row_len=a.row_len, steps=a.steps, warmup=a.warmup)
+    for r in rows:
+        print(json.dumps(r))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,415 @@
+"""Axolotl and torchtune training configs as study files: their keys -> our sections, before ``_load``.
+
+An Axolotl LoRA config (``base_model``, ``datasets``, ``adapter``, ...) or a torchtune LoRA recipe
+config (``model: {_component_: ...lora_...}``, ``dataset``, ``optimizer``, ...) plus our own
+``search:``, ``budget:`` and ``objectives:`` is rewritten into a study file's mapping; the keys the
+two formats share with ours (``lora_r``, ``learning_rate``, ``micro_batch_size``, ``sequence_len``,
+``gradient_accumulation_steps``, ...) are left to ``_load``'s alias table. The rule for every other
+key (README.md, "Axolotl and torchtune configs", has the table): a key that changes the math is translated, or refused
+in one error naming it when it asks for something not built (QLoRA, DoRA, 8-bit loading, a hub
+dataset, another optimizer); a key about logging, hardware or infrastructure is dropped, and all
+dropped keys are named in one warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import random
+import re
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from packer.errors import ConfigError
+from sweep._yaml import Doc, Key
+
+__all__ = ["translate"]
+
+logger = logging.getLogger(__name__)
+
+_AXOLOTL_ONLY = ("datasets", "adapter", "load_in_4bit", "load_in_8bit", "val_set_size", "num_epochs",
+                 "micro_batch_size", "sequence_len", "sample_packing", "lora_target_modules")
+"""Top-level keys that mark a file as Axolotl's (none of them is a study file's own top-level key)."""
+
+_INFRA = {
+    "strict", "dataset_prepared_path", "eval_sample_packing", "pad_to_sequence_len", "bf16", "fp16", "tf32",
+    "resume_from_checkpoint", "local_rank", "logging_steps", "xformers_attention", "flash_attention",
+    "sdp_attention", "attn_implementation", "loss_watchdog_threshold", "loss_watchdog_patience", "evals_per_epoch",
+    "saves_per_epoch", "save_steps", "save_total_limit", "save_first_step", "debug", "deepspeed",
+    "fsdp", "fsdp_config", "hub_model_id", "hub_strategy", "dataloader_num_workers", "dataloader_pin_memory",
+    "dataloader_prefetch_factor", "torch_compile", "gradient_checkpointing_kwargs", "eval_batch_size",
+    "eval_max_new_tokens", "eval_table_size", "special_tokens", "dataset_processes", "shuffle_merged_datasets",
+    # torchtune
+    "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "profiler", "compile", "checkpointer",
+    "save_adapter_weights_only", "enable_activation_offloading", "custom_sharded_layers", "fsdp_cpu_offload",
+    "log_level",
+}
+"""Keys that do not change what is trained (logging, precision flags, attention kernels, saving, parallelism).
+``special_tokens`` is here because only ``pad_token`` is accepted and padding never reaches the loss."""
+_INFRA_PREFIXES = ("wandb_", "mlflow_", "comet_", "hub_", "fsdp_", "deepspeed_")
+
+_DEFAULT_ONLY = {
+    "load_in_4bit": "a 4-bit base (QLoRA) is not supported yet",
+    "load_in_8bit": "an 8-bit base is not supported yet",
+    "gptq": "a GPTQ base is not supported yet",
+    "lora_model_dir": "starting from a saved adapter is not supported yet",
+    "lora_fan_in_fan_out": "is read from the model's layers (GPT-2's Conv1D); set it to null",
+    "lora_modules_to_save": "training whole modules beside the adapter is not supported yet",
+    "peft_use_dora": "DoRA is not supported yet",
+    "group_by_length": "batches grouped by length are not supported (each slot draws a seeded shuffle)",
+    "early_stopping_patience": "early stopping is not supported (the sweep prunes trials itself)",
+    "neftune_noise_alpha": "NEFTune noise is not supported yet",
+    "relora_steps": "ReLoRA is not supported yet",
+    "test_datasets": "a separate test dataset is not supported; use val_set_size or data.eval",
+    "chat_template": "a chat template override is not supported yet (the tokenizer's own template is used)",
+    "rl": "preference training is not supported",
+    "optimizer_in_bwd": "the optimizer step in the backward is not supported yet",
+}
+"""Keys accepted only at their default (null / false / empty): anything else is refused with the reason."""
+
+_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw", "paged_adamw_32bit")
+_8BIT = ("adamw_8bit", "adamw_bnb_8bit", "paged_adamw_8bit")
+_FORMATS = {"alpaca": "alpaca", "alpaca_chat": "alpaca", "completion": "text", "chat_template": "chat",
+            "sharegpt": "chat", "prompt_completion": "prompt_completion", "text": "text", "chat": "chat"}
+_TT_DATASETS = {"alpaca_dataset": "alpaca", "alpaca_cleaned_dataset": "alpaca", "instruct_dataset": "alpaca",
+                "chat_dataset": "chat", "text_completion_dataset": "text"}
+_TT_SCHEDULES = {"get_cosine_schedule_with_warmup": "cosine", "get_linear_schedule_with_warmup": "linear",
+                 "get_constant_schedule_with_warmup": "constant"}
+_TT_TARGETS = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "output_proj": "o_proj"}
+
+
+class _Out:
+    """The translated mapping, with the line of every moved key, and the dropped keys."""
+
+    def __init__(self, doc: Doc, data: dict[str, Any]) -> None:
+        self.doc, self.data, self.dropped = doc, data, []  # type: ignore[var-annotated]
+
+    def put(self, dest: Key, value: Any, src: Key) -> None:
+        node = self.data
+        for part in dest[:-1]:
+            node = node.setdefault(part, {}) if isinstance(node.get(part), dict | None) else node[part]
+        node[dest[-1]] = value
+        line = self.doc.lines.get(src)
+        for i in range(1, len(dest) + 1):
+            if line is not None:
+                self.doc.lines.setdefault(dest[:i], line)
+
+    def error(self, src: Key, rule: str) -> ConfigError:
+        return ConfigError(f"{self.doc.where(src)}: {'.'.join(map(str, src))}: {rule}")
+
+
+def translate(doc: Doc, data: dict[str, Any], aliases: Mapping[str, str], top: Sequence[str]) -> dict[str, Any]:
+    """``data`` itself when it is a study file; else the study mapping of an Axolotl or torchtune config.
+
+    The config's value of a searched setting is dropped: the search decides it (``aliases`` maps the train
+    aliases, ``lora_r`` -> ``rank``; ``top`` names our top-level keys, which are never dropped).
+
+    Raises:
+        ConfigError: a key asks for something not supported (one line, the file, line and key).
+    """
+    model = data.get("model")
+    if isinstance(model, dict) and "_component_" in model:
+        out = _torchtune(doc, data)
+    elif any(k in data for k in _AXOLOTL_ONLY):
+        out = _axolotl(doc, data)
+    else:
+        return data
+    search = out.data.get("search")
+    searched = {aliases.get(str(k), str(k)) for k in search} if isinstance(search, dict) else set()
+    for k in [k for k in out.data if k not in top and aliases.get(k, k) in searched]:
+        del out.data[k]
+    if isinstance(out.data.get("train"), dict):
+        out.data["train"] = {k: v for k, v in out.data["train"].items() if aliases.get(k, k) not in searched}
+    if out.dropped:
+        logger.warning("%s: ignored (logging, hardware or infrastructure; the math is unchanged): %s",
+                       doc.file, ", ".join(out.dropped))
+    return out.data
+
+
+def _infra(key: str) -> bool:
+    return key in _INFRA or key.startswith(_INFRA_PREFIXES)
+
+
+def _common(out: _Out, key: str, value: Any) -> bool:
+    """Keys both formats treat alike; True when handled."""
+    if key == "seed" and value is None:  # both formats: null is "pick one"; the study's default seed is 0
+        return True
+    if key in _DEFAULT_ONLY:
+        if value not in (None, False, "", [], {}):
+            raise out.error((key,), f"{_DEFAULT_ONLY[key]} (got {value!r})")
+        return True
+    if key == "special_tokens" and isinstance(value, dict) and set(value) - {"pad_token"}:
+        other = sorted(set(value) - {"pad_token"})[0]
+        raise out.error((key, other), "only pad_token is supported (a new bos/eos token changes the targets)")
+    if _infra(key):
+        out.dropped.append(key)
+        return True
+    return False
+
+
+def _keep(out: _Out, key: str, value: Any) -> None:
+    """A key of ours or a shared alias, for ``_load`` to read (it refuses unknown keys); a section of ours
+    (``data:``, ``train:``) is merged with what the translation put there."""
+    if isinstance(value, dict) and isinstance(out.data.get(key), dict):
+        out.data[key] = {**value, **out.data[key]}
+    else:
+        out.data[key] = value
+
+
+def _axolotl(doc: Doc, data: dict[str, Any]) -> _Out:
+    out = _Out(doc, {})
+    handlers: dict[str, Callable[[_Out, Any], None]] = {
+        "datasets": _datasets, "adapter": _adapter, "optimizer": _optimizer, "output_dir": _output,
+        "gradient_checkpointing": lambda o, v: o.put(("packing", "activation_checkpointing"), bool(v),
+                                                     ("gradient_checkpointing",)),
+        "warmup_ratio": lambda o, v: o.put(("train", "warmup_ratio"), v, ("warmup_ratio",)),
+        "adam_beta1": lambda o, v: None, "adam_beta2": lambda o, v: None,  # with betas, below
+        "adam_epsilon": lambda o, v: o.put(("train", "eps"), v, ("adam_epsilon",)),
+        "val_set_size": lambda o, v: None,  # after the datasets
+    }
+    for key, value in data.items():
+        if _common(out, key, value):
+            continue
+        if key in handlers:
+            handlers[key](out, value)
+        else:
+            _keep(out, key, value)
+    if "adam_beta1" in data or "adam_beta2" in data:
+        betas = [data.get("adam_beta1", 0.9), data.get("adam_beta2", 0.999)]
+        out.put(("train", "betas"), betas, ("adam_beta1",) if "adam_beta1" in data else ("adam_beta2",))
+    if "warmup_ratio" in data and data.get("warmup_steps"):  # HF Trainer: warmup_steps wins
+        del out.data["train"]["warmup_ratio"]
+    _val_split(out, data)
+    return out
+
+
+def _datasets(out: _Out, value: Any) -> None:
+    if not isinstance(value, list) or not value:
+        raise out.error(("datasets",), f"must be a list of {{path, type}} (got {value!r})")
+    if len(value) > 1:
+        raise out.error(("datasets", 1), "only one dataset is supported; concatenate the files")
+    entry = value[0] if isinstance(value[0], dict) else {"path": value[0]}
+    for k in entry:
+        if k not in ("path", "type", "ds_type", "split", "data_files"):
+            raise out.error(("datasets", 0, k), "is not supported (a dataset is a local JSON-lines file and a type)")
+    if entry.get("split", "train") != "train":
+        raise out.error(("datasets", 0, "split"), f"only the train split of a local file (got {entry['split']!r})")
+    path = entry.get("data_files") or entry.get("path")
+    out.put(("data", "train"), _local_file(out, path, ("datasets", 0, "path")), ("datasets", 0, "path"))
+    fmt = entry.get("type", "auto")
+    if not isinstance(fmt, str) or fmt not in (*_FORMATS, "auto"):
+        raise out.error(("datasets", 0, "type"), f"must be one of {', '.join(_FORMATS)} (got {fmt!r})")
+    out.put(("data", "format"), _FORMATS.get(fmt, fmt), ("datasets", 0, "type"))
+
+
+def _local_file(out: _Out, path: Any, src: Key) -> str:
+    """The absolute path of a local data file; a hub dataset name is refused."""
+    if isinstance(path, list) and len(path) == 1:
+        path = path[0]
+    if not isinstance(path, str) or not path:
+        raise out.error(src, f"must be the path of a local JSON-lines file (got {path!r})")
+    full = (out.doc.file.parent / Path(path).expanduser()).resolve()
+    if full.is_file():
+        return str(full)
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", path) and not path.endswith((".json", ".jsonl")):
+        raise out.error(src, f"only local files work; {path!r} looks like a hub dataset: download it to a "
+                             "JSON-lines file and give its path")
+    raise out.error(src, f"file not found: {full} (only local JSON-lines files work)")
+
+
+def _adapter(out: _Out, value: Any) -> None:
+    if value == "qlora":
+        raise out.error(("adapter",), "qlora is not supported yet (a 4-bit base); use adapter: lora")
+    if value != "lora":
+        raise out.error(("adapter",), f"only lora is supported (got {value!r})")
+
+
+def _optimizer(out: _Out, value: Any, src: Key = ("optimizer",)) -> None:
+    if value in _8BIT:
+        # 8-bit AdamW approximates AdamW with quantised moments to save optimizer memory; for LoRA-sized
+        # adapters that memory is small, so the exact fp32 AdamW it approximates runs instead.
+        logger.warning("%s: optimizer %s runs as fp32 AdamW (the update 8-bit AdamW approximates)", out.doc.file,
+                       value)
+    elif value not in _OPTIMIZERS and value is not None:
+        raise out.error(src, f"only AdamW is supported ({', '.join(_OPTIMIZERS + _8BIT)}; got {value!r})")
+
+
+def _output(out: _Out, value: Any) -> None:
+    if value is not None:
+        out.put(("output",), value, ("output_dir",))
+
+
+def _val_split(out: _Out, data: dict[str, Any]) -> None:
+    """``val_set_size``: a seeded split of the training file into train and eval files (written once)."""
+    size = data.get("val_set_size")
+    if not size:
+        return
+    ok = isinstance(size, int | float) and not isinstance(size, bool) and size > 0
+    if not ok or (isinstance(size, float) and size >= 1 and not size.is_integer()):
+        raise out.error(("val_set_size",), f"must be a fraction in (0, 1) or a number of rows (got {size!r})")
+    if "train" not in out.data.get("data", {}):
+        raise out.error(("val_set_size",), "needs datasets (a local file) to split")
+    src = Path(out.data["data"]["train"])
+    lines = [line for line in src.read_text(encoding="utf-8-sig").splitlines() if line.strip()]
+    n_val = round(size * len(lines)) if size < 1 else int(size)
+    if not 1 <= n_val < len(lines):
+        raise out.error(("val_set_size",), f"leaves no train or no eval row of {len(lines)} (got {size!r})")
+    seed = data.get("seed", 0) or 0
+    order = list(range(len(lines)))
+    random.Random(f"{seed}:val_set_size").shuffle(order)
+    val = set(order[:n_val])
+    digest = hashlib.sha256(f"{seed}:{n_val}:".encode() + src.read_bytes()).hexdigest()[:12]
+    folder = Path(out.data.get("output") or Path("runs") / (data.get("name") or out.doc.file.stem)) / "val-split"
+    for name, keep in (("train", lambda i: i not in val), ("eval", lambda i: i in val)):
+        path = (folder / f"{name}-{digest}.jsonl").resolve()
+        if not path.is_file():
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text("".join(line + "\n" for i, line in enumerate(lines) if keep(i)), encoding="utf-8")
+            os.replace(tmp, path)
+        out.put(("data", name), str(path), ("val_set_size",))
+
+
+def _torchtune(doc: Doc, data: dict[str, Any]) -> _Out:
+    out = _Out(doc, {})
+    for key, value in data.items():
+        if key in ("checkpointer", "tokenizer") or _common(out, key, value):
+            continue
+        handler = _TT.get(key)
+        if handler is not None:
+            handler(out, value)
+        else:
+            _keep(out, key, value)
+    if "checkpointer" in data:
+        ckpt = data["checkpointer"] or {}
+        if "HFCheckpointer" not in str(ckpt.get("_component_", "")):
+            raise out.error(("checkpointer", "_component_"), "only Hugging Face checkpoints (FullModelHFCheckpointer)")
+        out.put(("model", "path"), ckpt.get("checkpoint_dir"), ("checkpointer", "checkpoint_dir"))
+    else:
+        raise out.error(("model",), "a torchtune config needs checkpointer.checkpoint_dir (the HF checkpoint)")
+    tok = data.get("tokenizer") or {}
+    if tok.get("max_seq_len") is not None:
+        out.put(("data", "max_length"), tok["max_seq_len"], ("tokenizer", "max_seq_len"))
+    out.dropped += [f"tokenizer.{k}" for k in tok if k != "max_seq_len"]  # the checkpoint's own tokenizer is used
+    out.dropped += [f"checkpointer.{k}" for k in data["checkpointer"] if k not in ("_component_", "checkpoint_dir")]
+    return out
+
+
+def _component(out: _Out, value: Any, key: str) -> tuple[dict[str, Any], str]:
+    if not isinstance(value, dict) or not isinstance(value.get("_component_"), str):
+        raise out.error((key,), "must be a mapping with a _component_")
+    return value, value["_component_"].rsplit(".", 1)[-1]
+
+
+def _tt_model(out: _Out, value: Any) -> None:
+    cfg, name = _component(out, value, "model")
+    if name.startswith("qlora_") or cfg.get("quantize_base"):
+        raise out.error(("model", "_component_"), f"{name}: QLoRA (a 4-bit base) is not supported yet")
+    if not name.startswith("lora_"):
+        raise out.error(("model", "_component_"), f"only LoRA model builders (lora_*) are supported (got {name})")
+    for k, v in cfg.items():
+        src = ("model", k)
+        if k in ("_component_",):
+            continue
+        if k == "lora_attn_modules":
+            bad = [m for m in v if m not in _TT_TARGETS]
+            if bad:
+                raise out.error(src, f"unknown attention module {bad[0]!r} (expected {', '.join(_TT_TARGETS)})")
+        elif k in ("lora_rank", "lora_alpha", "lora_dropout"):
+            out.put(("train", {"lora_rank": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout"}[k]), v, src)
+        elif k in ("use_dora", "apply_lora_to_output", "quantize_base") and v:
+            raise out.error(src, "is not supported yet")
+        elif k not in ("apply_lora_to_mlp", "use_dora", "apply_lora_to_output", "quantize_base"):
+            raise out.error(src, "is not a LoRA builder option this engine knows")
+    targets = [_TT_TARGETS[m] for m in cfg.get("lora_attn_modules", [])]
+    if cfg.get("apply_lora_to_mlp"):
+        targets += ["gate_proj", "up_proj", "down_proj"]
+    if not targets:
+        raise out.error(("model", "lora_attn_modules"), "no module to adapt")
+    out.put(("train", "targets"), targets, ("model", "lora_attn_modules"))
+
+
+def _tt_dataset(out: _Out, value: Any) -> None:
+    cfg, name = _component(out, value, "dataset")
+    if name not in _TT_DATASETS:
+        raise out.error(("dataset", "_component_"), f"{name} is not supported (expected {', '.join(_TT_DATASETS)})")
+    if cfg.get("source") not in ("json", None) or "data_files" not in cfg:
+        raise out.error(("dataset",), f"only local files work: give source: json and data_files ({name} would "
+                                      "download a hub dataset)")
+    for k, v in cfg.items():
+        src = ("dataset", k)
+        if k == "packed":
+            out.put(("train", "sample_packing"), bool(v), src)
+        elif k in ("train_on_input", "train_on_inputs"):
+            out.put(("data", "train_on_prompt"), bool(v), src)
+        elif k == "split" and v != "train":
+            raise out.error(src, f"only the train split of a local file (got {v!r})")
+        elif k not in ("_component_", "source", "data_files", "split"):
+            raise out.error(src, "is not supported (a dataset is a local JSON-lines file)")
+    src = ("dataset", "data_files")
+    out.put(("data", "train"), _local_file(out, cfg["data_files"], src), src)
+    out.put(("data", "format"), _TT_DATASETS[name], ("dataset", "_component_"))
+
+
+def _tt_optimizer(out: _Out, value: Any) -> None:
+    cfg, name = _component(out, value, "optimizer")
+    if name != "AdamW":
+        raise out.error(("optimizer", "_component_"), f"only torch.optim.AdamW is supported (got {name})")
+    for k, v in cfg.items():
+        if k in ("lr", "weight_decay", "betas", "eps"):
+            out.put(("train", k), v, ("optimizer", k))
+        elif k not in ("_component_", "fused", "foreach"):
+            raise out.error(("optimizer", k), "is not supported")
+
+
+def _tt_schedule(out: _Out, value: Any) -> None:
+    cfg, name = _component(out, value, "lr_scheduler")
+    if name not in _TT_SCHEDULES:
+        raise out.error(("lr_scheduler", "_component_"), f"{name} is not supported "
+                                                         f"(expected {', '.join(_TT_SCHEDULES)})")
+    out.put(("train", "schedule"), _TT_SCHEDULES[name], ("lr_scheduler", "_component_"))
+    for k, v in cfg.items():
+        if k == "num_warmup_steps":
+            out.put(("train", "warmup_steps"), v, ("lr_scheduler", k))
+        elif k != "_component_":
+            raise out.error(("lr_scheduler", k), "is not supported")
+
+
+def _tt_loss(out: _Out, value: Any) -> None:
+    _, name = _component(out, value, "loss")
+    if name in ("CEWithChunkedOutputLoss", "LinearCrossEntropyLoss"):
+        out.put(("packing", "chunked_ce"), True, ("loss", "_component_"))  # the same loss, in chunks
+    elif name != "CrossEntropyLoss":
+        raise out.error(("loss", "_component_"), f"only cross-entropy losses are supported (got {name})")
+
+
+def _tt_flag(dest: Key, key: str) -> Callable[[_Out, Any], None]:
+    return lambda out, v: out.put(dest, v, (key,))
+
+
+def _tt_shuffle(out: _Out, value: Any) -> None:
+    if value is False:
+        raise out.error(("shuffle",), "false is not supported (each slot draws a seeded shuffle)")
+
+
+def _tt_dtype(out: _Out, value: Any) -> None:
+    dtypes = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
+    if value not in dtypes:
+        raise out.error(("dtype",), f"must be one of {', '.join(dtypes)} (got {value!r})")
+    out.put(("model", "dtype"), dtypes[value], ("dtype",))
+
+
+_TT: dict[str, Callable[[_Out, Any], None]] = {
+    "model": _tt_model, "dataset": _tt_dataset, "optimizer": _tt_optimizer, "lr_scheduler": _tt_schedule,
+    "loss": _tt_loss, "shuffle": _tt_shuffle, "dtype": _tt_dtype, "output_dir": _output,
+    "epochs": _tt_flag(("train", "epochs"), "epochs"),
+    "max_steps_per_epoch": _tt_flag(("train", "max_steps_per_epoch"), "max_steps_per_epoch"),
+    "batch_size": _tt_flag(("train", "micro_batch"), "batch_size"),
+    "gradient_accumulation_steps": _tt_flag(("train", "gradient_accumulation_steps"), "gradient_accumulation_steps"),
+    "clip_grad_norm": _tt_flag(("train", "max_grad_norm"), "clip_grad_norm"),
+    "enable_activation_checkpointing": _tt_flag(("packing", "activation_checkpointing"),
+                                                "enable_activation_checkpointing"),
+    "device": _tt_flag(("model", "device"), "device"),
+}

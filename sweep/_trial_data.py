@@ -1,0 +1,71 @@
+"""A trial's data stream and step count: accumulation, sample packing and epochs, in one place.
+
+``sweep.study`` asks these when it starts a trial, so the stream it trains on, the optimizer steps it
+runs for (from ``train.epochs`` when no ``max_steps`` is given) and the tokens the budget plans for it
+(``sweep.resume.TokenPlan`` for plain streams) are computed from the same numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+from packer.data import Example
+from packer.packing import batches_per_epoch, check_family, slot_stream
+from packer.plan import AdapterSpec
+from packer.train import BatchSource, target_tokens
+from sweep.spec import StudySpec
+
+__all__ = ["epoch_steps", "trial_adapter", "trial_stream", "planned_tokens", "check_packing"]
+
+
+def epoch_steps(examples: Sequence[Example], adapter: AdapterSpec, epochs: float, row_len: int, seed: int,
+                max_per_epoch: int | None = None) -> int:
+    """Optimizer steps of ``epochs`` passes: ``ceil(epochs * ceil(micro-batches per epoch / accumulation))``
+    (HF Trainer's count, the last partial accumulation counted as a step), each epoch capped at
+    ``max_per_epoch`` steps (torchtune's ``max_steps_per_epoch``)."""
+    batches = batches_per_epoch(examples, adapter.micro_batch, sample_packing=adapter.sample_packing,
+                                row_len=row_len, seed=seed)
+    per_epoch = max(1, -(-batches // adapter.gradient_accumulation_steps))
+    if max_per_epoch is not None:
+        per_epoch = min(per_epoch, max_per_epoch)
+    return max(1, math.ceil(epochs * per_epoch))
+
+
+def trial_adapter(spec: StudySpec, adapter: AdapterSpec, searched: Sequence[str], examples: Sequence[Example]
+                  ) -> AdapterSpec:
+    """The adapter with ``max_steps`` from ``train.epochs`` when it is set and ``max_steps`` is not searched,
+    then ``warmup_steps`` from ``train.warmup_ratio`` when no warm-up is given in steps."""
+    train = spec.train
+    if train.epochs is not None and "max_steps" not in searched:
+        steps = epoch_steps(examples, adapter, train.epochs, spec.data.max_length, spec.seed,
+                            train.max_steps_per_epoch)
+        adapter = replace(adapter, max_steps=steps)
+    if train.warmup_ratio is not None and "warmup_steps" not in searched and not train.warmup_steps:
+        adapter = replace(adapter, warmup_steps=math.ceil(train.warmup_ratio * adapter.max_steps))
+    return adapter
+
+
+def trial_stream(spec: StudySpec, adapter: AdapterSpec, examples: Sequence[Example]) -> BatchSource:
+    """The trial's stream: every trial the same seeded order (pack peers are paired samples)."""
+    return slot_stream(examples, adapter.micro_batch, spec.seed, sample_packing=adapter.sample_packing,
+                       row_len=spec.data.max_length)
+
+
+def planned_tokens(spec: StudySpec, adapter: AdapterSpec, examples: Sequence[Example],
+                   plain: Callable[[int, int], int]) -> int:
+    """Target tokens of the trial's ``max_steps * accumulation`` micro-batches; ``plain(micro_batch, n)``
+    counts them for an unpacked stream (cached)."""
+    n = adapter.max_steps * adapter.gradient_accumulation_steps
+    if not adapter.sample_packing:
+        return plain(adapter.micro_batch, n)
+    stream = trial_stream(spec, adapter, examples)
+    return sum(target_tokens(r) for _ in range(n) for r in stream.next_batch())
+
+
+def check_packing(spec: StudySpec, config: object) -> None:
+    """Refuse a study that may sample-pack (fixed or searched) on a family packing is not verified for."""
+    searched = any(p.name == "sample_packing" and True in p.choices for p in spec.search.params)
+    if spec.train.sample_packing or searched:
+        check_family(config)

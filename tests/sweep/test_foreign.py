@@ -1,0 +1,146 @@
+"""Axolotl and torchtune configs as study files: every key of their published LoRA examples."""
+
+from __future__ import annotations
+
+import logging
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+from optuna.trial import TrialState
+
+from packer.errors import ConfigError
+from packer.tiny import arithmetic_rows, write_jsonl
+from sweep.spec import load_study
+from sweep.study import run_study
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = Path(__file__).parent / "data"
+
+
+def _config(tmp_path: Path, model_dir: Path, name: str, **changes) -> Path:  # noqa: ANN003
+    """A copy of ``data/<name>`` with BASE_MODEL, DATA, EVAL and OUTPUT filled in and ``changes`` applied."""
+    train, held_out = tmp_path / "alpaca-train.jsonl", tmp_path / "alpaca-eval.jsonl"
+    rows = arithmetic_rows(60, seed=3, fmt="alpaca")
+    write_jsonl(train, rows[:48])
+    write_jsonl(held_out, rows[48:])
+    text = (DATA / name).read_text()
+    for word, value in (("BASE_MODEL", model_dir), ("DATA", train), ("EVAL", held_out),
+                        ("OUTPUT", tmp_path / f"out-{name}")):
+        text = text.replace(word, str(value))
+    path = tmp_path / name
+    path.write_text(text)
+    if changes:
+        doc = yaml.safe_load(text)
+        for key, value in changes.items():
+            doc[key] = value
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def _trials(out: Path, name: str) -> list[optuna.trial.FrozenTrial]:
+    return optuna.load_study(study_name=name, storage=f"sqlite:///{out / 'optuna.db'}").get_trials()
+
+
+def test_axolotl_lora_1b_runs_a_small_study(tiny_dirs, tmp_path, caplog) -> None:
+    path = _config(tmp_path, tiny_dirs("llama"), "axolotl-lora-1b.yml")
+    with caplog.at_level(logging.WARNING):
+        spec = load_study(path)
+    warnings = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    assert len(warnings) == 1, warnings  # one summary warning for every dropped key
+    for key in ("wandb_project", "flash_attention", "deepspeed", "fsdp", "logging_steps", "saves_per_epoch", "bf16",
+                "tf32", "special_tokens", "eval_sample_packing"):
+        assert key in warnings[0]
+    assert "adamw_8bit runs as fp32 AdamW" in caplog.text
+    t = spec.train
+    assert (t.gradient_accumulation_steps, t.micro_batch, t.epochs, t.sample_packing) == (2, 2, 1, True)
+    assert (t.alpha, t.dropout, t.schedule, t.warmup_steps, t.weight_decay) == (32, 0.05, "cosine", 10, 0.0)
+    assert set(t.targets) == {"gate_proj", "down_proj", "up_proj", "q_proj", "v_proj", "k_proj", "o_proj"}
+    assert {p.name for p in spec.search.params} == {"rank", "lr"}  # searched: the file's lora_r, lr are dropped
+    assert spec.data.max_length == 96 and spec.data.format == "alpaca" and not spec.data.train_on_prompt
+    assert spec.packing.activation_checkpointing and spec.out_dir == tmp_path / "out-axolotl-lora-1b.yml"
+    train_rows = spec.data.train.read_text().splitlines()
+    eval_rows = spec.data.eval.read_text().splitlines()
+    assert (len(train_rows), len(eval_rows)) == (43, 5) and not set(train_rows) & set(eval_rows)  # seeded split
+    assert load_study(path).data.eval.read_text() == spec.data.eval.read_text()  # the same split again
+    run_study(spec, log=lambda m: None)
+    trials = _trials(spec.out_dir, spec.name)
+    assert len(trials) == 2 and all(tr.state == TrialState.COMPLETE for tr in trials)
+
+
+def test_torchtune_lora_recipe_runs_a_small_study(tiny_dirs, tmp_path) -> None:
+    spec = load_study(_config(tmp_path, tiny_dirs("llama"), "torchtune-1B-lora.yaml"))
+    t = spec.train
+    assert set(t.targets) == {"q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert (t.alpha, t.lr, t.weight_decay, t.schedule, t.warmup_steps) == (128, 3e-4, 0.01, "cosine", 2)
+    assert (t.micro_batch, t.gradient_accumulation_steps, t.epochs, t.max_steps_per_epoch) == (4, 2, 1, 3)
+    assert spec.packing.chunked_ce is True and spec.model.dtype == "float32" and spec.data.format == "alpaca"
+    run_study(spec, log=lambda m: None)
+    trials = _trials(spec.out_dir, spec.name)
+    assert len(trials) == 2 and all(tr.state == TrialState.COMPLETE for tr in trials)
+    import sqlite3
+
+    with sqlite3.connect(spec.out_dir / "results.db") as db:
+        assert {s for (s,) in db.execute("select steps_done from trials")} == {3}  # 1 epoch capped at 3 steps
+
+
+def _cli(path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sweep.cli", "run", str(path), "--quiet"], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+
+
+def test_axolotl_qlora_1b_is_refused_in_one_line(tiny_dirs, tmp_path) -> None:
+    result = _cli(_config(tmp_path, tiny_dirs("llama"), "axolotl-qlora-1b.yml"))
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert ":7: load_in_4bit: a 4-bit base (QLoRA) is not supported yet" in lines[0]
+
+
+REFUSED = {
+    "adapter": ("qlora", "adapter: qlora is not supported yet"),
+    "load_in_4bit": (True, "load_in_4bit: a 4-bit base (QLoRA) is not supported yet"),
+    "load_in_8bit": (True, "load_in_8bit: an 8-bit base is not supported yet"),
+    "datasets": ([{"path": "teknium/GPT4-LLM-Cleaned", "type": "alpaca"}], "datasets.0.path: only local files work"),
+    "optimizer": ("lion_8bit", "optimizer: only AdamW is supported"),
+    "group_by_length": (True, "group_by_length: batches grouped by length are not supported"),
+    "lora_model_dir": ("./old-adapter", "lora_model_dir: starting from a saved adapter is not supported yet"),
+}
+
+
+@pytest.mark.parametrize("key", list(REFUSED))
+def test_each_refused_axolotl_key_is_one_error_naming_it(tiny_dirs, tmp_path, key: str) -> None:
+    value, message = REFUSED[key]
+    path = _config(tmp_path, tiny_dirs("llama"), "axolotl-lora-1b.yml", **{key: value})
+    with pytest.raises(ConfigError, match=re.escape(message)) as err:
+        load_study(path)
+    assert "\n" not in str(err.value) and str(path) in str(err.value)
+
+
+def test_refused_key_exits_2_through_the_cli(tiny_dirs, tmp_path) -> None:
+    path = _config(tmp_path, tiny_dirs("llama"), "axolotl-lora-1b.yml",
+                   datasets=[{"path": "teknium/GPT4-LLM-Cleaned", "type": "alpaca"}])
+    result = _cli(path)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "datasets.0.path: only local files work" in result.stderr
+
+
+TT_REFUSED = {
+    "model": ({"_component_": "torchtune.models.llama3_2.qlora_llama3_2_1b", "lora_attn_modules": ["q_proj"]},
+              "QLoRA .* is not supported yet"),
+    "dataset": ({"_component_": "torchtune.datasets.alpaca_cleaned_dataset"}, "only local files work"),
+    "optimizer": ({"_component_": "torch.optim.SGD", "lr": 0.1}, "only torch.optim.AdamW"),
+    "optimizer_in_bwd": (True, "optimizer_in_bwd: the optimizer step in the backward is not supported yet"),
+}
+
+
+@pytest.mark.parametrize("key", list(TT_REFUSED))
+def test_each_refused_torchtune_key_is_one_error_naming_it(tiny_dirs, tmp_path, key: str) -> None:
+    value, message = TT_REFUSED[key]
+    with pytest.raises(ConfigError, match=message) as err:
+        load_study(_config(tmp_path, tiny_dirs("llama"), "torchtune-1B-lora.yaml", **{key: value}))
+    assert "\n" not in str(err.value) and key in str(err.value)
