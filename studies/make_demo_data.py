@@ -13,6 +13,7 @@ rate and a hundred or more steps; the default does not get there.
 Deterministic: the same seed writes the same files, byte for byte. Held-out rows never occur in training.
 
     python studies/make_demo_data.py    # writes studies/data/{cards,codes}-{train,eval}.jsonl
+    python studies/make_demo_data.py --zero-shot models/smollm2-135m   # the base model's exact match (no adapter)
 """
 
 from __future__ import annotations
@@ -76,11 +77,34 @@ def write(out_dir: Path, seed: int = 0) -> list[Path]:
     return paths
 
 
+def zero_shot(model_dir: Path, eval_file: Path, max_new_tokens: int = 16) -> tuple[int, int]:
+    """Greedy answers of the base model (no adapter) to ``eval_file``'s prompts: (exact matches, rows)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    rows = [json.loads(line) for line in eval_file.read_text().splitlines()]
+    hits = 0
+    for row in rows:
+        ids = tok(row["prompt"], return_tensors="pt").input_ids  # (1, prompt_len)
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.eos_token_id)
+        hits += tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip() == row["completion"]
+    return hits, len(rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description="Write the real-model demos' data (cards and codes).")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "data")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--zero-shot", type=Path, metavar="MODEL_DIR",
+                    help="instead: print MODEL_DIR's zero-shot exact match on the files in --out")
     args = ap.parse_args()
+    if args.zero_shot is not None:
+        for task in ("cards", "codes"):
+            hits, n = zero_shot(args.zero_shot, args.out / f"{task}-eval.jsonl")
+            print(f"{task}: zero-shot exact match {hits}/{n}")
+        return
     for path in write(args.out, args.seed):
         print(path)
 
