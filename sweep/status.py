@@ -1,4 +1,9 @@
-"""``sweep status DIR``: counts by state, best trials with params and values, packs."""
+"""``sweep status DIR``: counts by state, best trials with params and values, the best against the default, packs.
+
+The comparison with the community-default trial (user attribute ``default``) is the one the report's gain
+section makes: per-item scores of the final evaluation (the ``items`` table; item i is the same held-out
+example for every trial), the mean of best − default with a 95% paired bootstrap interval.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +14,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from evaluators.stats import paired_bootstrap
 from packer.errors import UserError
-from sweep.store import ResultsStore, StudyDir, constraint_text, is_feasible
+from sweep.store import ResultsStore, StudyDir, TrialRecord, constraint_text, is_feasible
 
 __all__ = ["study_status", "render"]
 
@@ -28,11 +34,12 @@ def study_status(root: Path, top: int = 5) -> dict[str, Any]:
         meta = store.meta()
         trials = store.trials()
         packs = store.packs()
+        objectives, directions = meta.get("objectives", []), meta.get("directions", [])
+        constraints = list(meta.get("constraints") or [])
+        vs_default = _vs_default(store, trials, directions, constraints)
     counts: dict[str, int] = {}
     for t in trials:
         counts[t.state] = counts.get(t.state, 0) + 1
-    objectives, directions = meta.get("objectives", []), meta.get("directions", [])
-    constraints = list(meta.get("constraints") or [])
     done = [t for t in trials if t.state == "COMPLETE" and t.objective_values]
     feasible = {t.number for t in done if is_feasible(t.metrics, constraints)}
     best: list[dict[str, Any]] = []
@@ -53,6 +60,7 @@ def study_status(root: Path, top: int = 5) -> dict[str, Any]:
         "constraints": [constraint_text(c) for c in constraints],
         "feasible": len(feasible),
         "best": best,
+        "vs_default": vs_default,
         "packs": [{"pack_id": p.pack_id, "status": p.status, "slots": p.slots, "steps": p.steps,
                    "tokens": p.tokens, "tokens_per_s": p.tokens_per_s, "wall_s": p.wall_s,
                    "peak_mem_bytes": p.peak_mem_bytes} for p in packs],
@@ -61,6 +69,40 @@ def study_status(root: Path, top: int = 5) -> dict[str, Any]:
 
 def _rank(sign: int, value: float | None) -> float:
     return math.inf if value is None or not math.isfinite(value) else sign * value
+
+
+def _vs_default(store: ResultsStore, trials: list[TrialRecord], directions: list[str],
+                constraints: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The best trial (feasible first, then by the first objective) against the default trial, per metric with
+    per-item scores.
+
+    None without a complete default trial or a complete best trial other than it. Each row: the metric, both
+    trials' means over the items both scored, best − default and its 95% paired bootstrap interval.
+    """
+    found = [t for t in trials if (t.user_attrs or {}).get("default") and t.state == "COMPLETE" and t.objective_values]
+    done = [t for t in trials if t.state == "COMPLETE" and t.objective_values]
+    if not found or not done or not directions:
+        return None
+    sign = 1 if directions[0] == "minimize" else -1
+    default = found[-1]
+    best = min(done, key=lambda t: (not is_feasible(t.metrics, constraints), _rank(sign, t.objective_values[0]),
+                                    t.number))
+    if best.number == default.number:
+        return {"best": best.number, "default": default.number, "rows": []}
+    scores: dict[int, dict[str, dict[int, float]]] = {}
+    for t in (best, default):
+        for row in store.items(trial=t.number):
+            if row.score is not None and row.score == row.score:  # finite per-item scores only
+                scores.setdefault(t.number, {}).setdefault(row.evaluator, {})[row.item] = float(row.score)
+    rows = []
+    for metric in sorted(scores.get(best.number, {}).keys() & scores.get(default.number, {}).keys()):
+        b, d = scores[best.number][metric], scores[default.number][metric]
+        keys = sorted(b.keys() & d.keys())
+        diff, low, high = paired_bootstrap([b[k] for k in keys], [d[k] for k in keys])
+        rows.append({"metric": metric, "best": sum(b[k] for k in keys) / len(keys),
+                     "default": sum(d[k] for k in keys) / len(keys), "diff": diff, "low": low, "high": high,
+                     "items": len(keys), "excludes_zero": low > 0 or high < 0})
+    return {"best": best.number, "default": default.number, "rows": rows}
 
 
 def render(info: dict[str, Any]) -> None:
@@ -82,6 +124,7 @@ def render(info: dict[str, Any]) -> None:
         table.add_row(f"{b['number']}{mark}",
                       *[f"{b['values'].get(o, float('nan')):.5g}" for o in objectives], params, b["adapter"] or "")
     console.print(table)
+    _render_vs_default(console, info.get("vs_default"))
     packs = Table(title="packs")
     for col in ("pack", "status", "slots", "steps", "tokens", "tokens/s", "wall s"):
         packs.add_column(col)
@@ -89,3 +132,20 @@ def render(info: dict[str, Any]) -> None:
         packs.add_row(str(p["pack_id"]), p["status"], str(p["slots"]), str(p["steps"]), str(p["tokens"]),
                       f"{p['tokens_per_s'] or 0:,.0f}", f"{p['wall_s'] or 0:.1f}")
     console.print(packs)
+
+
+def _render_vs_default(console: Console, vs: dict[str, Any] | None) -> None:
+    if vs is None:
+        console.print("no comparison with the default trial (no complete default trial, or no other complete trial)")
+        return
+    if not vs["rows"]:
+        console.print(f"the default trial #{vs['default']} is the best" if vs["best"] == vs["default"] else
+                      f"best #{vs['best']} vs default #{vs['default']}: no per-item scores to compare")
+        return
+    table = Table(title=f"best #{vs['best']} vs default #{vs['default']} (per-item means, 95% paired bootstrap CI)")
+    for col in ("metric", "best", "default", "best - default", "95% CI", "items", "CI excludes 0"):
+        table.add_column(col)
+    for r in vs["rows"]:
+        table.add_row(r["metric"], f"{r['best']:.4g}", f"{r['default']:.4g}", f"{r['diff']:+.4g}",
+                      f"[{r['low']:+.4g}, {r['high']:+.4g}]", str(r["items"]), "yes" if r["excludes_zero"] else "no")
+    console.print(table)

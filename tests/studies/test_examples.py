@@ -65,8 +65,8 @@ def test_example_study_plans(path: Path) -> None:
     assert "slots per pack" in result.output
 
 
-def test_demo_is_the_readme_demo() -> None:
-    spec = load_study(STUDIES / "demo.yaml", check_paths=False)
+def test_tiny_demo_is_the_fast_random_model_demo() -> None:
+    spec = load_study(STUDIES / "tiny-demo.yaml", check_paths=False)
     assert [(o.metric, o.direction) for o in spec.objectives] == [
         ("eval_loss", "minimize"),
         ("adapter_params", "minimize"),
@@ -77,3 +77,34 @@ def test_demo_is_the_readme_demo() -> None:
     assert spec.packing.max_slots == 8 and spec.pruning.kind == "cohort_sha"
     assert [e.name for e in spec.evaluators] == ["heldout_loss", "generation"]
     assert spec.model.path == str((STUDIES.parent / "models" / "tiny-llama").resolve())
+
+
+def test_demo_is_the_readme_real_model_demo() -> None:
+    spec = load_study(STUDIES / "demo.yaml", check_paths=False)
+    assert spec.model.path == str((STUDIES.parent / "models" / "smollm2-135m").resolve())
+    assert [(o.metric, o.direction) for o in spec.objectives] == [("eval_loss", "minimize"),
+                                                                   ("adapter_params", "minimize")]
+    assert spec.data.train.name == "cards-train.jsonl" and spec.pruning.kind == "cohort_sha" and spec.pruning.rungs
+    assert [e.name for e in spec.evaluators] == ["heldout_loss", "generation"]
+    # the community default (r=16, alpha=32, lr=2e-4) lies in the space, so it is enqueued first
+    assert 16 in spec.search.param("rank").choices and spec.search.param("lr").low <= 2e-4
+
+
+def test_gpu_demo_is_the_cuda_variant() -> None:
+    spec = load_study(STUDIES / "demo-gpu.yaml", check_paths=False)
+    assert spec.model.path == str((STUDIES.parent / "models" / "smollm2-135m").resolve())
+    assert spec.model.device == "cuda" and spec.data.train.name == "codes-train.jsonl"
+    cpu = load_study(STUDIES / "demo.yaml", check_paths=False)
+    assert spec.budget.trials is not None and cpu.budget.trials is not None and spec.budget.trials > cpu.budget.trials
+    assert spec.train.max_steps > cpu.train.max_steps
+
+
+def test_demo_data_is_what_the_generator_writes(tmp_path: Path) -> None:
+    import importlib.util
+
+    gen = importlib.util.spec_from_file_location("make_demo_data", STUDIES / "make_demo_data.py")
+    assert gen is not None and gen.loader is not None
+    module = importlib.util.module_from_spec(gen)
+    gen.loader.exec_module(module)
+    for path in module.write(tmp_path, seed=0):
+        assert path.read_bytes() == (STUDIES / "data" / path.name).read_bytes(), path.name

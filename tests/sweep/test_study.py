@@ -172,6 +172,15 @@ def test_plan_and_status_commands(tiny_dirs, tmp_path) -> None:
     assert info["study"] == "planned" and sum(info["counts"].values()) == 3
     assert info["best"] and set(info["best"][0]["params"]) == {"rank", "lr", "targets"}
     assert info["packs"][0]["status"] == "finished" and info["packs"][0]["slots"] == 3
+    vs = info["vs_default"]  # trial 0 is the enqueued community default; the best by eval_loss against it
+    assert vs["default"] == 0 and vs["best"] == info["best"][0]["number"] != 0, vs
+    assert {r["metric"] for r in vs["rows"]} == {"eval_loss", "exact_match"}, vs
+    for r in vs["rows"]:
+        assert r["items"] == 200 and r["low"] <= r["diff"] <= r["high"]
+        assert r["diff"] == pytest.approx(r["best"] - r["default"])
+        assert r["excludes_zero"] == (r["low"] > 0 or r["high"] < 0)
+    shown = runner.invoke(cli, ["status", str(tmp_path / "runs-planned")])
+    assert shown.exit_code == 0 and "vs default #0" in shown.output, shown.output
 
 
 def test_memory_options_reach_the_training_loop(tiny_dirs, tmp_path) -> None:
