@@ -24,6 +24,7 @@ from sweep.store import (
     StudyDir,
     TrialRecord,
     is_feasible,
+    pareto_front,
 )
 
 __all__ = ["StudyData", "load_study_data", "load_optuna_study", "objective_values", "pareto_numbers", "best_trial"]
@@ -95,14 +96,9 @@ def objective_values(t: TrialRecord, n: int) -> list[float] | None:
 
 def pareto_numbers(trials: list[TrialRecord], directions: list[str]) -> list[int]:
     """Numbers of the complete trials with finite values that no other such trial dominates."""
-    signs = [1.0 if d == "minimize" else -1.0 for d in directions]
-    pts = [(t.number, [s * v for s, v in zip(signs, vals, strict=True)]) for t in trials
-           if t.state == "COMPLETE" and (vals := objective_values(t, len(directions))) is not None]
-
-    def dominates(a: list[float], b: list[float]) -> bool:
-        return all(x <= y for x, y in zip(a, b, strict=True)) and a != b
-
-    return [n for n, v in pts if not any(dominates(w, v) for _, w in pts)]
+    return pareto_front([(t.number, vals) for t in trials
+                         if t.state == "COMPLETE" and (vals := objective_values(t, len(directions))) is not None],
+                        directions)
 
 
 def best_trial(trials: list[TrialRecord], index: int, directions: list[str]) -> TrialRecord | None:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from packer.errors import UserError
-from sweep.store import ResultsStore, StudyDir, TrialRecord, constraint_text, is_feasible
+from sweep.store import ResultsStore, StudyDir, TrialRecord, constraint_text, is_feasible, pareto_front
 
 if TYPE_CHECKING:  # torch, safetensors and transformers load in the functions that need them: errors stay fast
     import torch
@@ -62,13 +62,7 @@ _Done = list[tuple[TrialRecord, list[float]]]
 
 
 def _pareto(done: _Done, directions: list[str]) -> _Done:
-    signs = [1.0 if d == "minimize" else -1.0 for d in directions]
-    key = [(t, [s * v for s, v in zip(signs, vals, strict=True)]) for t, vals in done]
-
-    def dominates(a: list[float], b: list[float]) -> bool:
-        return all(x <= y for x, y in zip(a, b, strict=True)) and a != b
-
-    keep = {t.number for t, v in key if not any(dominates(w, v) for _, w in key)}
+    keep = set(pareto_front([(t.number, vals) for t, vals in done], directions))
     return [(t, vals) for t, vals in done if t.number in keep]
 
 

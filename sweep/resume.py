@@ -40,7 +40,15 @@ from packer.model import PackedModel, load_base, resolve_base
 from sweep.space import GridSearch, default_params, make_sampler
 from sweep.spec import StudySpec
 from sweep.storage import Sharing, last_beat, open_storage, resume_clock, storage_lock, study_elapsed
-from sweep.store import DirectoryInUse, DirectoryLock, ResultsStore, StudyDir, redact_url, strip_password
+from sweep.store import (
+    DirectoryInUse,
+    DirectoryLock,
+    ResultsStore,
+    StudyDir,
+    pareto_front,
+    redact_url,
+    strip_password,
+)
 
 __all__ = ["Session", "open_session", "budget_state", "shared_budget", "BudgetState", "ORPHAN_REASON",
            "own_directory", "reap_stale", "requeue", "spec_changes", "spec_record", "resolve_device", "TokenPlan",
@@ -104,7 +112,7 @@ class Session:
             sign = 1 if objectives[0].direction == "minimize" else -1
             number, values = min(self.completed, key=lambda c: sign * c[1][0])
             return f"#{number} {objectives[0].metric}={values[0]:.4g}"
-        return f"{len(_pareto(self.completed, [o.direction for o in objectives]))} on the Pareto front"
+        return f"{len(pareto_front(self.completed, [o.direction for o in objectives]))} on the Pareto front"
 
     def record(self, number: int, state: TrialState, values: list[float] | None, tokens: int = 0) -> None:
         """Count a trial this run told: against the trial budget, and its trained tokens against the token budget."""
@@ -120,16 +128,6 @@ class Session:
         self.store.close()
         if self.lock is not None:
             self.lock.release()
-
-
-def _pareto(points: list[tuple[int, list[float]]], directions: list[str]) -> list[int]:
-    signs = [1 if d == "minimize" else -1 for d in directions]
-
-    def dominates(a: list[float], b: list[float]) -> bool:
-        pa, pb = [s * x for s, x in zip(signs, a, strict=True)], [s * x for s, x in zip(signs, b, strict=True)]
-        return all(x <= y for x, y in zip(pa, pb, strict=True)) and pa != pb
-
-    return [n for n, v in points if not any(dominates(w, v) for _, w in points)]
 
 
 @dataclass(frozen=True)

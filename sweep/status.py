@@ -16,7 +16,7 @@ from rich.table import Table
 
 from evaluators.stats import paired_bootstrap
 from packer.errors import UserError
-from sweep.store import ResultsStore, StudyDir, TrialRecord, constraint_text, is_feasible
+from sweep.store import ResultsStore, StudyDir, TrialRecord, constraint_text, is_feasible, pareto_front
 
 __all__ = ["study_status", "render"]
 
@@ -60,6 +60,7 @@ def study_status(root: Path, top: int = 5) -> dict[str, Any]:
         "constraints": [constraint_text(c) for c in constraints],
         "feasible": len(feasible),
         "best": best,
+        "pareto": _front(done, objectives, directions) if len(directions) > 1 else [],
         "vs_default": vs_default,
         "packs": [{"pack_id": p.pack_id, "status": p.status, "slots": p.slots, "steps": p.steps,
                    "tokens": p.tokens, "tokens_per_s": p.tokens_per_s, "wall_s": p.wall_s,
@@ -105,6 +106,15 @@ def _vs_default(store: ResultsStore, trials: list[TrialRecord], directions: list
     return {"best": best.number, "default": default.number, "rows": rows}
 
 
+def _front(done: list[TrialRecord], objectives: list[str], directions: list[str]) -> list[dict[str, Any]]:
+    """The complete trials on the Pareto front (finite values only), by trial number, with their values."""
+    points = [(t.number, [float(v) for v in t.objective_values]) for t in done
+              if len(t.objective_values) == len(directions) and all(math.isfinite(v) for v in t.objective_values)]
+    values = dict(points)
+    return [{"number": n, "values": dict(zip(objectives, values[n], strict=False))}
+            for n in sorted(pareto_front(points, directions))]
+
+
 def render(info: dict[str, Any]) -> None:
     """Rich tables of ``study_status``'s data."""
     console = Console()
@@ -124,6 +134,11 @@ def render(info: dict[str, Any]) -> None:
         table.add_row(f"{b['number']}{mark}",
                       *[f"{b['values'].get(o, float('nan')):.5g}" for o in objectives], params, b["adapter"] or "")
     console.print(table)
+    if info.get("pareto"):
+        axes = ", ".join(f"{o} ({'min' if d == 'minimize' else 'max'})" for o, d in info["objectives"].items())
+        points = "; ".join(f"#{p['number']} (" + ", ".join(f"{v:.4g}" for v in p["values"].values()) + ")"
+                           for p in info["pareto"])
+        console.print(f"Pareto front over {axes}: {len(info['pareto'])} trials: {points}")
     _render_vs_default(console, info.get("vs_default"))
     packs = Table(title="packs")
     for col in ("pack", "status", "slots", "steps", "tokens", "tokens/s", "wall s"):

@@ -95,7 +95,7 @@ import socket
 import sqlite3
 import tempfile
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -104,8 +104,8 @@ import sqlite_utils
 
 __all__ = [
     "DirectoryInUse", "DirectoryLock", "EvalRow", "ItemRow", "constraint_text", "constraint_violation",
-    "is_feasible", "redact_url", "strip_password", "PackRecord", "PruneDecision", "ResultsStore", "SlotSpan",
-    "StepRow", "StudyDir",
+    "is_feasible", "pareto_front", "redact_url", "strip_password", "PackRecord", "PruneDecision", "ResultsStore",
+    "SlotSpan", "StepRow", "StudyDir",
     "TrialRecord", "atomic_write_bytes", "atomic_write_text",
 ]  # fmt: skip
 
@@ -168,6 +168,23 @@ def is_feasible(metrics: Mapping[str, Any] | None, constraints: Iterable[Mapping
     """Whether ``metrics`` meet every constraint (``{metric, op, value}`` as in the ``constraints`` meta key)."""
     return all(constraint_violation(c["op"], float(c["value"]), (metrics or {}).get(c["metric"])) <= 0
                for c in constraints)
+
+
+def pareto_front(points: Iterable[tuple[int, Sequence[float]]], directions: Sequence[str]) -> list[int]:
+    """The keys of the points that no other point dominates, in input order: the one Pareto front that the
+    status, the export, the run's summary and the report all show.
+
+    Args:
+        points: (trial number, its objective values), finite values only, one per direction.
+        directions: ``minimize`` or ``maximize`` per objective.
+    """
+    signs = [1.0 if d == "minimize" else -1.0 for d in directions]
+    pts = [(n, [s * v for s, v in zip(signs, vals, strict=True)]) for n, vals in points]
+
+    def dominates(a: list[float], b: list[float]) -> bool:
+        return all(x <= y for x, y in zip(a, b, strict=True)) and a != b
+
+    return [n for n, v in pts if not any(dominates(w, v) for _, w in pts)]
 
 
 def constraint_text(c: Mapping[str, Any]) -> str:

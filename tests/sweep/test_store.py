@@ -377,3 +377,13 @@ def test_numpy_scalars_become_numbers(store: ResultsStore) -> None:
     assert t is not None and t.tokens == 5 and t.device_seconds == 0.5 and math.isnan(t.metrics["a"])
     assert store.curves()[0][0].loss == math.inf
     assert store.db.execute("SELECT typeof(tokens) FROM trials").fetchone()[0] == "integer"
+
+
+def test_pareto_front_reads_each_objective_in_its_direction() -> None:
+    from sweep.store import pareto_front
+
+    points = [(0, [1.0, 5.0]), (1, [2.0, 9.0]), (2, [1.0, 5.0]), (3, [3.0, 2.0]), (4, [0.5, 1.0])]
+    assert pareto_front(points, ["minimize", "maximize"]) == [0, 1, 2, 4]  # 3 loses to 1 on both
+    assert pareto_front(points, ["minimize", "minimize"]) == [4]
+    assert pareto_front(points[:3], ["minimize", "minimize"]) == [0, 2]  # equal points dominate neither
+    assert pareto_front([], ["minimize"]) == []

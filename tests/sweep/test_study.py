@@ -179,8 +179,13 @@ def test_plan_and_status_commands(tiny_dirs, tmp_path) -> None:
         assert r["items"] == 200 and r["low"] <= r["diff"] <= r["high"]
         assert r["diff"] == pytest.approx(r["best"] - r["default"])
         assert r["excludes_zero"] == (r["low"] > 0 or r["high"] < 0)
+    front = info["pareto"]  # eval_loss and adapter_params, both minimized: no listed trial beats another on both
+    assert front and {p["number"] for p in front} <= {n for n in range(3)}
+    vals = [tuple(p["values"].values()) for p in front]
+    assert not any(a != b and all(x <= y for x, y in zip(a, b, strict=True)) for a in vals for b in vals), front
     shown = runner.invoke(cli, ["status", str(tmp_path / "runs-planned")])
     assert shown.exit_code == 0 and "vs default #0" in shown.output, shown.output
+    assert f"Pareto front over eval_loss (min), adapter_params (min): {len(front)} trials" in shown.output
 
 
 def test_memory_options_reach_the_training_loop(tiny_dirs, tmp_path) -> None:
