@@ -31,12 +31,12 @@ import optuna
 import yaml
 from optuna.trial import TrialState
 
-from packer.batch import IGNORE_INDEX
 from packer.checkpoint import discard_adapter
 from packer.data import Example, SlotStream
 from packer.errors import UserError
 from packer.gguf import gguf_source
 from packer.model import PackedModel, load_base, resolve_base
+from packer.train import target_tokens
 from sweep.space import GridSearch, default_params, make_sampler
 from sweep.spec import StudySpec
 from sweep.storage import Sharing, last_beat, open_storage, resume_clock, storage_lock, study_elapsed
@@ -239,7 +239,7 @@ class TokenPlan:
         # hands out the very objects of ``examples``, which stay alive as long as it does.
         n = self._per_example.get(id(example))
         if n is None:
-            n = self._per_example[id(example)] = sum(1 for x in example.labels[1:] if x != IGNORE_INDEX)
+            n = self._per_example[id(example)] = target_tokens(example)
         return n
 
 
