@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from packer.gpu_makespan import (
+from benchmarks.gpu_makespan import (
     LR_RANGE,
     MICRO_BATCHES,
     RANKS,
@@ -117,7 +117,7 @@ def test_packed_adapters_load_with_peft_and_were_trained(w3: tuple[Path, dict[st
 
 def test_module_imports_without_the_sweep_dependencies() -> None:
     """The GPU image has no optuna, sqlite-utils or plotly: the benchmark must not need them."""
-    code = "import json, sys; import packer.gpu_makespan; print(json.dumps(sorted(sys.modules)))"
+    code = "import json, sys; import benchmarks.gpu_makespan; print(json.dumps(sorted(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     loaded = {m.split(".")[0] for m in json.loads(out.stdout)}
     assert not loaded & {"optuna", "sqlite_utils", "plotly", "sweep", "peft"}

@@ -15,7 +15,7 @@ dropout 0) trains for ``S`` steps each on fixed random token ids, three ways, ea
 - ``peft-4proc``: ``--procs`` such processes sharing the GPU, each running its share of the
   configurations one after another; timed from launching the first process to the last exiting.
 
-The base is a random init of a real architecture's shape (``packer.gpu_bench.SHAPES``; throughput
+The base is a random init of a real architecture's shape (``benchmarks.shapes.SHAPES``; throughput
 does not depend on weight values) saved with ``save_pretrained`` first, so every path pays
 ``from_pretrained`` from disk. Before the clocks, the process runs the base once (forward, backward,
 an AdamW step): kernels every mode uses load then, not in the first mode's time.
@@ -24,7 +24,7 @@ configurations, evenly spaced, and estimate the others from the measured one of 
 micro-batch) cell, else of the same micro-batch; the line's ``makespan_basis`` says so. One JSON line
 per mode, the packed one first, so a later timeout still leaves it.
 
-Run: ``python -m packer.gpu_makespan`` (H200), ``python -m packer.gpu_makespan --tiny --device cpu``.
+Run: ``python -m benchmarks.gpu_makespan`` (H200), ``python -m benchmarks.gpu_makespan --tiny --device cpu``.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from packer import gpu_bench  # the module, not its names: gpu_bench may import this module in turn
+from benchmarks.shapes import PROJ, SHAPES, build_shape
 from packer.checkpoint import save_adapters
 from packer.data import Example
 from packer.model import DTYPES, PackedModel
@@ -78,7 +78,7 @@ class SweepConfig:
     lr: float
 
     def spec(self, steps: int) -> AdapterSpec:
-        return AdapterSpec(rank=self.rank, alpha=2.0 * self.rank, dropout=0.0, targets=gpu_bench.PROJ, lr=self.lr,
+        return AdapterSpec(rank=self.rank, alpha=2.0 * self.rank, dropout=0.0, targets=PROJ, lr=self.lr,
                            micro_batch=self.micro_batch, max_steps=steps, seed=self.index)
 
     def token_ids(self, seq: int, vocab: int) -> torch.Tensor:
@@ -156,7 +156,7 @@ def save_base(shape: str, out_dir: Path, *, device: str, dtype: str, tiny: bool 
 
         build_tiny_model("qwen2", out_dir, seed=0, hidden_size=TINY_HIDDEN)
         return out_dir, AutoConfig.from_pretrained(out_dir).vocab_size
-    model = gpu_bench.build_shape(shape, device=device, dtype=DTYPES[dtype])
+    model = build_shape(shape, device=device, dtype=DTYPES[dtype])
     model.save_pretrained(out_dir)
     vocab = model.config.vocab_size
     del model
@@ -249,7 +249,7 @@ def train_peft(setup: Setup, config: SweepConfig, out: Path) -> float:
 
     t0 = time.perf_counter()
     torch.manual_seed(config.index)  # PEFT draws A's init from the global generator
-    lora = LoraConfig(r=config.rank, lora_alpha=2 * config.rank, target_modules=list(gpu_bench.PROJ), lora_dropout=0.0)
+    lora = LoraConfig(r=config.rank, lora_alpha=2 * config.rank, target_modules=list(PROJ), lora_dropout=0.0)
     model = get_peft_model(_load(setup), lora)
     opt = make_optimizer([p for p in model.parameters() if p.requires_grad], config.spec(setup.steps))
     ids = config.token_ids(setup.seq, setup.vocab).to(setup.device)
@@ -305,7 +305,7 @@ def run_procs(setup: Setup, configs: Sequence[SweepConfig], out: Path, work: Pat
         job = work / f"proc-{p}.json"
         job.write_text(json.dumps(dict(setup=asdict(setup), configs=[asdict(c) for c in run], out=str(out),
                                        threads=max(1, (os.cpu_count() or 1) // procs))))
-        children.append(subprocess.Popen([sys.executable, "-m", "packer.gpu_makespan", "--child", str(job)],
+        children.append(subprocess.Popen([sys.executable, "-m", "benchmarks.gpu_makespan", "--child", str(job)],
                                          stdout=subprocess.DEVNULL, env=env))
     codes = [child.wait() for child in children]
     wall = time.perf_counter() - t0
@@ -385,7 +385,7 @@ def makespan(shape: str = "qwen2.5-0.5b", *, n_configs: int = 24, steps: int = 2
     """Run W3: the sweep's makespan in each of ``modes``, packed first; returns the lines it emitted.
 
     Args:
-        shape: a key of ``packer.gpu_bench.SHAPES`` (ignored with ``tiny``).
+        shape: a key of ``benchmarks.shapes.SHAPES`` (ignored with ``tiny``).
         n_configs: configurations in the sweep (W3 proper: >= 24).
         steps: optimizer steps per configuration.
         seq: tokens per row.
@@ -435,9 +435,9 @@ def makespan(shape: str = "qwen2.5-0.5b", *, n_configs: int = 24, steps: int = 2
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m packer.gpu_makespan", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_makespan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(gpu_bench.SHAPES))
+    p.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
     p.add_argument("--tiny", action="store_true", help="a tiny random Qwen2 instead of --shape (CPU tests)")
     p.add_argument("--configs", type=int, default=24, help="configurations in the sweep (W3: >= 24)")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps per configuration")
