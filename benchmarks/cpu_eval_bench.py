@@ -21,7 +21,8 @@ from evaluators._core import EvalData
 from evaluators.generation import generation
 from evaluators.heldout_loss import heldout_loss
 from packer.model import PackedModel, load_base
-from packer.tiny import arithmetic_rows, build_tiny_model
+from packer.tiny import build_tiny_model
+from packer.tiny_data import arithmetic_rows
 
 __all__ = ["EvalBenchResult", "cpu_eval_bench"]
 
