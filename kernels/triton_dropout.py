@@ -64,7 +64,7 @@ def keep_scale(seg_int_ptr, seg_flt_ptr, seg, tok, col0, seq_len, d_in, layer_id
     A segment with p = 0 (a slot without dropout in a call where some slot has it, as every call of a static
     pack with dropout is) gets exactly 1 without drawing: u >= 0 always holds and 1 / (1 - 0) is 1, so the
     branch changes no value, only skips those programs' Philox rounds. Measured on the H200 SmolLM2-shaped
-    16-slot pack with dropout on every other slot (``python -m packer.gpu_graph``): the LoRA kernels took 20.4
+    16-slot pack with dropout on every other slot (``python -m benchmarks.gpu_graph``): the LoRA kernels took 20.4
     ms per step with it, 19.9 without (noise): a launch lasts as long as its slowest tiles, which draw."""
     p = tl.load(seg_flt_ptr + seg * _SF + 1)
     n: tl.constexpr = tok.shape[0]

@@ -198,7 +198,7 @@ def _launch_config(dropout: bool) -> tuple[int, int]:
     """(tile, pipeline stages) of the two kernels that stream a (T, D) input: the shrink's K tile is twice the
     tile, the weight gradient's token step is the tile.
 
-    Measured on an H200 by ``python -m packer.gpu_kernels`` (T=16384, 8 slots, r=16, bf16; BENCHMARKS.md):
+    Measured on an H200 by ``python -m benchmarks.gpu_kernels`` (T=16384, 8 slots, r=16, bf16; BENCHMARKS.md):
     without dropout (64, 3) is within 1 us of the best tried; with dropout the Philox draws dominate and
     shorter tiles in a deeper pipeline win: shrink 153 vs 162 us (K=4096) and 501 vs 541 us (K=14336), weight
     gradient of A 162 vs 193 us and 481 vs 617 us (old: 1024-token chunks, (64, 3)).
@@ -379,7 +379,7 @@ def _expand_operand(w: torch.Tensor, act: torch.dtype) -> torch.Tensor:
     """``w`` in the dtype the expand kernel's ``tl.dot`` reads it in: cast once here (a (R, D) tensor) rather
     than in each of its (T / BM) x (D / BN) programs. The same rounding, so the same bits; on an H200 the
     expand takes 56 instead of 66 us at T=16384, D=4096 and 178 instead of 216 us at D=14336
-    (``python -m packer.gpu_kernels``). The Function saves the fp32 masters, not the copy: no memory is kept
+    (``python -m benchmarks.gpu_kernels``). The Function saves the fp32 masters, not the copy: no memory is kept
     for the backward, which casts again."""
     dot_dtype, _ = _dot_config(act, cast_to_act=True)
     return w if dot_dtype == tl.float32 or w.dtype == act else w.to(act)

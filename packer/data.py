@@ -6,7 +6,7 @@ Row formats (one JSON object per line; blank lines are skipped):
   template (https://github.com/tatsu-lab/stanford_alpaca, ``PROMPT_DICT``).
 - ``prompt_completion``: ``{"prompt", "completion"}`` (TRL's standard prompt-completion rows).
 - ``chat``: ``{"messages": [{"role": "system" | "user" | "assistant", "content": str}, ...]}``, rendered with the
-  tokenizer's chat template, or with ``PLAIN_CHAT_TEMPLATE`` when the tokenizer has none.
+  tokenizer's chat template, or with ``packer.chat.PLAIN_CHAT_TEMPLATE`` when the tokenizer has none.
 - ``text``: ``{"text"}``, plain language modelling: every token is trained.
 
 Labels are aligned with ``input_ids`` (``labels[t]`` is ``input_ids[t]`` or -100), the Hugging Face causal-LM
@@ -20,21 +20,19 @@ from __future__ import annotations
 import json
 import logging
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jinja2 import TemplateError
-
-from packer.errors import DataError, UserError
+from packer.chat import Piece, chat_pieces, encode, eos_id
+from packer.errors import DataError
 
 __all__ = [
     "FORMATS",
     "IGNORE_INDEX",
     "ALPACA_PROMPT",
     "ALPACA_PROMPT_NO_INPUT",
-    "PLAIN_CHAT_TEMPLATE",
     "Example",
     "read_jsonl",
     "tokenize_rows",
@@ -66,18 +64,6 @@ ALPACA_PROMPT_NO_INPUT = (
 )
 """Alpaca prompt for rows without ``input`` (missing, null or empty)."""
 
-PLAIN_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if not loop.first %}{{ '\\n\\n' }}{% endif %}"
-    "{{ message['role'] | capitalize }}: {{ message['content'] }}"
-    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{% if messages %}{{ '\\n\\n' }}{% endif %}Assistant: {% endif %}"
-)
-"""Chat rendering for tokenizers without a ``chat_template``: ``Role: content`` blocks separated by a blank line,
-each assistant turn closed by EOS. The tokenizer adds its own special tokens (e.g. BOS) in front, as for alpaca
-rows; a generation prompt ends with ``Assistant: ``."""
-
 # Required string fields of each format; "auto" picks the first format whose first field the row has.
 _FIELDS = {
     "chat": ("messages",),
@@ -85,10 +71,6 @@ _FIELDS = {
     "prompt_completion": ("prompt", "completion"),
     "text": ("text",),
 }
-
-# A piece of a tokenized row: token ids, and whether they are response tokens (trained by default).
-_Piece = tuple[list[int], bool]
-
 
 @dataclass(frozen=True)
 class Example:
@@ -320,13 +302,13 @@ def _tokenize(
     return examples
 
 
-def _pieces(row: dict[str, Any], fmt: str, tokenizer: Any, train_on_prompt: bool, where: str) -> list[_Piece]:
+def _pieces(row: dict[str, Any], fmt: str, tokenizer: Any, train_on_prompt: bool, where: str) -> list[Piece]:
     """Tokenize one valid row as (ids, is_response) pieces whose concatenation is the example."""
     if fmt == "chat":
-        return _chat_pieces(row["messages"], tokenizer, train_on_prompt, where)
-    eos = [_eos_id(tokenizer)]
+        return chat_pieces(row["messages"], tokenizer, train_on_prompt, where)
+    eos = [eos_id(tokenizer)]
     if fmt == "text":
-        return [(_encode(tokenizer, row["text"], special=True) + eos, True)]
+        return [(encode(tokenizer, row["text"], special=True) + eos, True)]
     if fmt == "alpaca":
         if row.get("input"):
             prompt = ALPACA_PROMPT.format(instruction=row["instruction"], input=row["input"])
@@ -335,75 +317,7 @@ def _pieces(row: dict[str, Any], fmt: str, tokenizer: Any, train_on_prompt: bool
         response = row["output"]
     else:
         prompt, response = row["prompt"], row["completion"]
-    return [(_encode(tokenizer, prompt, special=True), False), (_encode(tokenizer, response) + eos, True)]
-
-
-def _chat_pieces(messages: list[dict[str, Any]], tokenizer: Any, train_on_prompt: bool, where: str) -> list[_Piece]:
-    """Render a conversation, split it into prompt text and assistant turns, and tokenize each piece."""
-    template = getattr(tokenizer, "chat_template", None)
-    if not template:
-        _eos_id(tokenizer)  # PLAIN_CHAT_TEMPLATE closes assistant turns with EOS
-
-    def render(upto: int, generation_prompt: bool) -> str:
-        if upto == 0:
-            return ""  # apply_chat_template refuses an empty conversation: an opening assistant turn is all trained
-        try:
-            rendered: str = tokenizer.apply_chat_template(
-                messages[:upto],
-                chat_template=None if template else PLAIN_CHAT_TEMPLATE,
-                add_generation_prompt=generation_prompt,
-                tokenize=False,
-            )
-        except (TemplateError, ValueError, TypeError) as err:
-            raise DataError(f"{where}: chat template failed: {err}") from None
-        return rendered
-
-    texts = _split_turns(messages, render)
-    if texts is None:
-        if not train_on_prompt:
-            raise DataError(
-                f"{where}: the chat template does not render conversation prefixes as prefixes of the whole, "
-                "so assistant turns cannot be located; set train_on_prompt to train on every token"
-            )
-        texts = [(render(len(messages), False), True)]  # spans only matter for masking
-    # A chat template writes its own special tokens (HF tokenizes its output without adding any); the plain
-    # fallback has none, so its first piece gets the tokenizer's (e.g. BOS), like an alpaca prompt.
-    pieces = [
-        (_encode(tokenizer, text, special=not template and k == 0), trained) for k, (text, trained) in enumerate(texts)
-    ]
-    return [piece for piece in pieces if piece[0]]
-
-
-def _split_turns(messages: list[dict[str, Any]], render: Callable[[int, bool], str]) -> list[tuple[str, bool]] | None:
-    """Split the rendered conversation into (text, is_assistant_turn) pieces; None if the template can't be split.
-
-    Assistant turn ``i`` spans from the end of ``render(i, generation_prompt=True)`` to the end of
-    ``render(i + 1, generation_prompt=False)``: its content plus whatever the template closes the turn with (e.g.
-    EOS). This needs a template that renders each prefix of a conversation as a prefix of the whole rendering.
-    """
-    full = render(len(messages), False)
-    texts: list[tuple[str, bool]] = []
-    cursor = 0
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        prompt, turn = render(i, True), render(i + 1, False)
-        if len(prompt) < cursor or not turn.startswith(prompt) or not full.startswith(turn):
-            return None
-        texts += [(full[cursor : len(prompt)], False), (full[len(prompt) : len(turn)], True)]
-        cursor = len(turn)
-    return [*texts, (full[cursor:], False)]
-
-
-def _encode(tokenizer: Any, text: str, special: bool = False) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
-
-
-def _eos_id(tokenizer: Any) -> int:
-    eos: int | None = tokenizer.eos_token_id
-    if eos is None:
-        raise UserError("the tokenizer has no eos_token; set one so the model learns where a response ends")
-    return eos
+    return [(encode(tokenizer, prompt, special=True), False), (encode(tokenizer, response) + eos, True)]
 
 
 def _check_format_name(fmt: str, source: str) -> None:

@@ -18,17 +18,26 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
 
 from kernels import Impl, LayerRanks, PackLayout, packed_lora, packed_lora_linear
 
-if TYPE_CHECKING:
-    from packer.slices import SliceGroup
+__all__ = ["PackState", "PackedLoRALinear", "SharedInputGroup", "as_rows", "stacked_leaf"]
 
-__all__ = ["PackState", "PackedLoRALinear", "as_rows", "stacked_leaf"]
+
+class SharedInputGroup(Protocol):
+    """What a projection asks of the shared-input group it belongs to (``packer.slices.SliceGroup`` is the one):
+    declared here so this module need not import ``packer.slices``, which builds on it."""
+
+    def forget(self) -> None:
+        """A member's slots changed: drop what the group holds of their weights."""
+
+    def output(self, member: PackedLoRALinear, x: torch.Tensor) -> torch.Tensor | None:
+        """``member(x)`` (x: (B, L, D_in) -> (B, L, D_out)) from one call for the whole group, or None where the
+        group does not apply and the member runs alone."""
 
 
 @dataclass
@@ -87,7 +96,7 @@ class PackedLoRALinear(nn.Module):
         self._state = [state]  # a list keeps the shared object out of nn.Module's attribute machinery
         self._slots: dict[int, _SlotWeights] = {}
         self._cache: tuple[tuple[int, ...], _Gathered] | None = None
-        self.group: SliceGroup | None = None
+        self.group: SharedInputGroup | None = None
         """The shared-input group (``packer.slices``) this projection belongs to, if any."""
 
     @property

@@ -37,11 +37,11 @@ import torch
 import kernels
 from kernels import PackLayout, dropout_seed, resolve_impl
 from packer.batch import IGNORE_INDEX
+from packer.jobs import SlotEnd, SlotJob, StepReport, TrainResult
 from packer.model import PackedModel
 from packer.optim import lr_schedule
 from packer.static import SEG_FLT, SEG_INT, ShapeBuffers, StaticStore, static_losses
 from packer.static_optim import NOOP, optimizer_row, static_adamw_step
-from packer.train import SlotEnd, SlotJob, StepReport, TrainResult
 
 __all__ = ["train_static", "DEFAULT_READBACK", "SEQ_MULTIPLE", "rank_bucket_for"]
 

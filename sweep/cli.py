@@ -338,12 +338,12 @@ def bench(cpu: bool, cpu_eval: bool, gpu: bool, gpu_part: str, adapters: int, st
         raise UserError("bench: choose --cpu, --cpu-eval or --gpu")
     progress = lambda m: click.echo(m, err=True)  # noqa: E731
     if cpu:
-        from packer.bench import cpu_bench
+        from benchmarks.cpu_bench import cpu_bench
 
         result = cpu_bench(adapters, steps, micro_batch=micro_batch, with_peft=not no_peft, progress=progress)
         click.echo(result.table())
     if cpu_eval:
-        from evaluators.bench import cpu_eval_bench
+        from benchmarks.cpu_eval_bench import cpu_eval_bench
 
         click.echo(cpu_eval_bench(adapters, progress=progress).table())
     if gpu:
@@ -351,7 +351,7 @@ def bench(cpu: bool, cpu_eval: bool, gpu: bool, gpu_part: str, adapters: int, st
 
         if not torch.cuda.is_available():
             raise UserError("bench --gpu: no CUDA device visible")
-        from packer.gpu_bench import main as gpu_main
+        from benchmarks.gpu_bench import main as gpu_main
 
         gpu_main(["--part", gpu_part])
 

@@ -11,7 +11,7 @@ from packer.checkpoint import save_adapter
 from packer.data import SlotStream, read_jsonl, tokenize_rows
 from packer.model import PackedModel, load_base
 from packer.plan import AdapterSpec
-from packer.tiny import arithmetic_rows
+from packer.tiny_data import arithmetic_rows
 from packer.train import SlotEnd, SlotJob, train
 
 DATA = Path(__file__).parent / "data"

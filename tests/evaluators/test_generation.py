@@ -11,7 +11,7 @@ from evaluators import EvalData, load_eval_data
 from evaluators.generation import build_prompts, generate_ids, generation, references
 from packer.data import IGNORE_INDEX, tokenize_rows
 from packer.errors import ConfigError, DataError
-from packer.tiny import arithmetic_rows
+from packer.tiny_data import arithmetic_rows
 from tests.evaluators.conftest import YESNO, load_pack
 
 MAX_NEW = 6

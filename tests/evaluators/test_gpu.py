@@ -14,7 +14,7 @@ from evaluators.generation import build_prompts, generate_ids
 from evaluators.heldout_loss import heldout_loss
 from packer.model import PackedModel, load_base
 from packer.plan import AdapterSpec
-from packer.tiny import arithmetic_rows
+from packer.tiny_data import arithmetic_rows
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

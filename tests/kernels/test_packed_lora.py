@@ -291,7 +291,7 @@ def test_expand_operand_follows_the_dot_dtype() -> None:
 
 @pytest.mark.parametrize("dropout", [False, True])
 def test_launch_configs_reach_the_kernels(dropout: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The tiles and pipeline depth ``packer.gpu_kernels`` measured best reach the shrink and weight-gradient
+    """The tiles and pipeline depth ``benchmarks.gpu_kernels`` measured best reach the shrink and weight-gradient
     launches (dropout on: BK=64 / BT=32 with 4 stages; off: 128 / 64 with 3), and explicit ones override them."""
     from tests.conftest import record_launches
 

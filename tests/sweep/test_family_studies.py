@@ -24,7 +24,8 @@ from packer.checkpoint import load_adapter, read_adapter
 from packer.errors import ConfigError
 from packer.model import PackedModel, load_base
 from packer.plan import AdapterSpec
-from packer.tiny import FAMILIES, arithmetic_rows, write_jsonl
+from packer.tiny import FAMILIES
+from packer.tiny_data import arithmetic_rows, write_jsonl
 from sweep.export import export_trial
 from sweep.spec import load_study
 from sweep.store import ResultsStore

@@ -14,7 +14,7 @@ import yaml
 from optuna.trial import TrialState
 
 from packer.errors import ConfigError
-from packer.tiny import arithmetic_rows, write_jsonl
+from packer.tiny_data import arithmetic_rows, write_jsonl
 from sweep.spec import load_study
 from sweep.study import run_study
 

@@ -22,7 +22,8 @@ from packer.batch import collate
 from packer.data import Example, SlotStream, tokenize_rows
 from packer.model import PackedModel, load_base
 from packer.plan import AdapterSpec
-from packer.tiny import arithmetic_rows, build_tiny_model
+from packer.tiny import build_tiny_model
+from packer.tiny_data import arithmetic_rows
 from packer.train import SlotJob, make_optimizer, make_scheduler, train
 
 __all__ = ["CpuBenchResult", "cpu_bench", "bench_specs", "environment"]

@@ -1,7 +1,7 @@
 """Sample packing on short instruction rows: padding fraction and tokens/s with and without it.
 
-A command, not a timed test: ``python -m packer.packing_bench`` (CPU: the tiny Llama;
-``--shape qwen2.5-0.5b`` on a GPU: a random-init model of that shape, ``packer.gpu_bench.SHAPES``).
+A command, not a timed test: ``python -m benchmarks.packing_bench`` (CPU: the tiny Llama;
+``--shape qwen2.5-0.5b`` on a GPU: a random-init model of that shape, ``benchmarks.shapes.SHAPES``).
 The rows are synthetic short instruction rows: random tokens, lengths drawn log-normally (median 25
 tokens, sigma 0.8, clipped to 8..``--row-len``; seed 0), the first half of each row a masked prompt.
 Both runs train ``--slots`` adapters for the same steps: unpacked, each slot's
@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.shapes import PROJ, build_shape
 from packer.data import IGNORE_INDEX, Example, SlotStream
 from packer.model import PackedModel, load_base
 from packer.packing import SamplePackedStream
@@ -32,9 +33,6 @@ from packer.tiny import build_tiny_model
 from packer.train import SlotJob, train
 
 __all__ = ["run", "main"]
-
-PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
 
 class _Recorded:
     """A stream that keeps the rows it served, to measure the padded batches afterwards."""
@@ -98,8 +96,6 @@ def run(shape: str | None, *, slots: int, micro: int, row_len: int, steps: int, 
         with tempfile.TemporaryDirectory() as tmp:
             model, _ = load_base(str(build_tiny_model("llama", tmp, seed=0)), attn_implementation="sdpa")
     else:
-        from packer.gpu_bench import build_shape
-
         model = build_shape(shape)
     examples = _examples(4000, row_len, vocab=min(500, model.config.vocab_size))
     mean_len = statistics.mean(len(e.input_ids) for e in examples)
@@ -113,8 +109,8 @@ def run(shape: str | None, *, slots: int, micro: int, row_len: int, steps: int, 
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m packer.packing_bench", description=__doc__.splitlines()[0])
-    p.add_argument("--shape", default=None, help="a packer.gpu_bench shape (GPU); default: tiny Llama on CPU")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.packing_bench", description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default=None, help="a benchmarks.shapes shape (GPU); default: tiny Llama on CPU")
     p.add_argument("--slots", type=int, default=8)
     p.add_argument("--micro", type=int, default=16, help="examples per slot and step, unpacked")
     p.add_argument("--row-len", type=int, default=512)

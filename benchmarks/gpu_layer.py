@@ -11,7 +11,7 @@ the per-repeat ratios (the same base timing drifted by 10% between two back-to-b
   (LoRA on all seven projections, shared-input groups, fused norms and MLP middles), against the same layer
   with no slot active. This is the layer a pack runs 28 or 32 times per step.
 
-Run: ``python -m packer.gpu_layer`` (also ``python -m packer.gpu_bench --part layer``).
+Run: ``python -m benchmarks.gpu_layer`` (also ``python -m benchmarks.gpu_bench --part layer``).
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def decoder_layer_bench(shape: str = "llama3-8b", slots: int = 16, seq: int = 10
     adapters of rank ``rank`` on all seven projections, one row of ``seq`` tokens each, through ``PackedModel``
     as training runs it (``ratio``) and with its shared-input groups off (``one_by_one_ratio``), against the same
     layer with no slot active."""
-    from packer.gpu_bench import PROJ, SHAPES, build_shape
+    from benchmarks.shapes import PROJ, SHAPES, build_shape
     from packer.model import PackedModel
     from packer.plan import AdapterSpec
 
@@ -196,7 +196,7 @@ def run_all(emit: Callable[[dict], None]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argparse.ArgumentParser(prog="python -m packer.gpu_layer", description=__doc__).parse_args(argv)
+    argparse.ArgumentParser(prog="python -m benchmarks.gpu_layer", description=__doc__).parse_args(argv)
     run_all(lambda r: print(json.dumps(r), flush=True))
 
 

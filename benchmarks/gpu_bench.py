@@ -7,11 +7,11 @@ attention, LoRA r=16 on the seven projections. Workloads (the issue's names):
   batches, bf16: per-slot losses after a few steps must agree.
 - W1 aggregate training tokens/s over all slots, N slots x micro-batch 1, against PEFT at batch 1.
 - W4 the packed LoRA's cost over the frozen base at the same tokens: a decoder layer, a shared-input group,
-  one projection (``packer.gpu_layer``).
+  one projection (``benchmarks.gpu_layer``).
 
 MFU counts 4 * N * tokens for the frozen base (forward + backward to activations) plus the
 attention term ``3 * 4 * layers * seq^2 * hidden * batch``, against the measured bf16 GEMM rate,
-as ../shared/notes/performance.md does. Run: ``python -m packer.gpu_bench``.
+as ../shared/notes/performance.md does. Run: ``python -m benchmarks.gpu_bench``.
 """
 
 from __future__ import annotations
@@ -19,44 +19,19 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
-from packer.data import Example
-from packer.gpu_layer import run_all
+from benchmarks.gpu_layer import run_all
+from benchmarks.shapes import PROJ, build_shape
+from benchmarks.timing import random_jobs, time_calls, timed_train
 from packer.model import PackedModel
-from packer.plan import AdapterSpec, MemoryModel
-from packer.train import FixedBatch, SlotJob, train
+from packer.plan import MemoryModel
+from packer.train import train
 
-__all__ = ["SHAPES", "build_shape", "gemm_tflops", "packed_run", "base_run", "peft_run",
+__all__ = ["gemm_tflops", "packed_run", "base_run", "peft_run",
            "correctness_gate", "calibration_check", "table"]
-
-PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-SHAPES: dict[str, dict] = {
-    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                         num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
-    "llama3-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
-}
-
-
-def build_shape(name: str, *, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
-                layers: int | None = None) -> torch.nn.Module:
-    """A random-init (seed 0) causal LM of shape ``SHAPES[name]`` (``layers`` decoder layers if given), SDPA
-    attention, built on ``device`` (where it runs: a 7B init on the CPU alone takes minutes)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    kw = dict(SHAPES[name], **({"num_hidden_layers": layers} if layers else {}))
-    cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    with torch.device(device):
-        return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
 
 
 def _counted_params(model: torch.nn.Module) -> int:
@@ -86,36 +61,15 @@ def gemm_tflops() -> float:
     return 2 * 8192**3 * 20 / (start.elapsed_time(end) / 1e3) / 1e12
 
 
-def _jobs(slots: int, micro: int, seq: int, vocab: int, steps: int, rank: int | tuple[int, ...] = 16) -> list[SlotJob]:
-    """``slots`` adapters (rank ``rank``, or ``rank[i % len(rank)]``) on fixed random token rows."""
-    gen = torch.Generator().manual_seed(0)
-    ranks = (rank,) if isinstance(rank, int) else rank
-    jobs = []
-    for i in range(slots):
-        ids = torch.randint(0, vocab, (micro, seq), generator=gen).tolist()
-        r = ranks[i % len(ranks)]
-        spec = AdapterSpec(rank=r, alpha=2 * r, targets=PROJ, micro_batch=micro, max_steps=steps, seed=i, lr=1e-4)
-        jobs.append(SlotJob(spec, FixedBatch([Example(tuple(row), tuple(row)) for row in ids]), key=i))
-    return jobs
-
-
-def _timed_train(pm: PackedModel, jobs: list[SlotJob], slots: int, warmup: int, **options: object) -> float:
-    """Median seconds of the steps after ``warmup`` (each report follows a host sync on the losses)."""
-    stamps: list[float] = []
-    train(pm, slots, lambda s: jobs.pop(0) if jobs else None, pad_id=0,
-          on_step=lambda reports: stamps.append(time.perf_counter()), **options)  # type: ignore[arg-type]
-    return statistics.median(b - a for a, b in zip(stamps[warmup - 1:], stamps[warmup:], strict=False))
-
-
 def packed_run(model: torch.nn.Module, slots: int, micro: int, seq: int, *, impl: str = "triton", warmup: int = 3,
                steps: int = 6, peak_tflops: float = 790.0, rank: int | tuple[int, ...] = 16,
                chunked_ce: bool = True, workload: str = "W1", fused: bool = True) -> dict:
     """Aggregate tokens/s of ``slots`` adapters trained packed (median step of ``steps`` timed); ``fused``: the
     base's norms and MLP middles on the fused kernels (``packer.fuse``; Triton path only), else eager."""
     pm = PackedModel(model, impl=impl, fused_base_ops=fused)  # type: ignore[arg-type]
-    jobs = _jobs(slots, micro, seq, model.config.vocab_size, warmup + steps, rank)
+    jobs = random_jobs(slots, micro, seq, model.config.vocab_size, warmup + steps, rank)
     torch.cuda.reset_peak_memory_stats()
-    step_s = _timed_train(pm, jobs, slots, warmup, chunked_ce=chunked_ce)
+    step_s = timed_train(pm, jobs, slots, warmup, chunked_ce=chunked_ce)
     tokens = slots * micro * seq
     mfu = _flops(model, slots * micro, seq) / step_s / 1e12 / peak_tflops
     return dict(workload=workload, mode=f"packed-{impl}" + ("" if pm.fused else "-eager"), slots=slots, micro=micro,
@@ -140,23 +94,10 @@ def base_run(model: torch.nn.Module, rows: int, seq: int, *, warmup: int = 3, st
         emb = model.get_input_embeddings()(ids).detach().requires_grad_()  # frozen weights: grads stop here
         model(inputs_embeds=emb, labels=ids, use_cache=False).loss.backward()
 
-    step_s = _time(step, warmup, steps)
+    step_s = time_calls(step, warmup, steps)
     return dict(workload="U", mode=mode, slots=rows, micro=1, seq=seq, step_ms=round(step_s * 1e3, 1),
                 tok_s=round(rows * seq / step_s), mfu=round(_flops(model, rows, seq) / step_s / 1e12 / peak_tflops, 3),
                 peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1))
-
-
-def _time(step: Callable[[], None], warmup: int, steps: int) -> float:
-    """Mean seconds per call of ``step`` after ``warmup`` calls (synchronised wall clock)."""
-    torch.cuda.reset_peak_memory_stats()
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / steps
 
 
 def peft_run(name: str, batch: int, seq: int, *, warmup: int = 3, steps: int = 6, peak_tflops: float = 790.0) -> dict:
@@ -174,7 +115,7 @@ def peft_run(name: str, batch: int, seq: int, *, warmup: int = 3, steps: int = 6
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    step_s = _time(step, warmup, steps)
+    step_s = time_calls(step, warmup, steps)
     return dict(workload="W1", mode="peft", slots=1, micro=batch, seq=seq, step_ms=round(step_s * 1e3, 1),
                 tok_s=round(batch * seq / step_s), mfu=round(flops / step_s / 1e12 / peak_tflops, 3),
                 peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1))
@@ -186,7 +127,7 @@ def correctness_gate(model: torch.nn.Module, slots: int = 4, seq: int = 256, ste
     weights: dict[str, torch.Tensor] = {}
     for impl in ("torch", "triton"):
         pm = PackedModel(model, impl=impl)  # type: ignore[arg-type]
-        jobs = _jobs(slots, 2, seq, model.config.vocab_size, steps, rank=(8, 16, 32, 1))
+        jobs = random_jobs(slots, 2, seq, model.config.vocab_size, steps, rank=(8, 16, 32, 1))
         got: list[float] = []
 
         def keep(ends: list, impl: str = impl) -> None:  # the slots' weights after their last step
@@ -261,7 +202,7 @@ def _small(peak: float, emit: Callable[[dict], None], out_dir: str | None) -> No
     _free()
     run_all(emit)
     _free()
-    from packer.gpu_profile import profile_step  # it imports this module
+    from benchmarks.gpu_profile import profile_step
 
     emit(profile_step(model, 32, 512, out_dir))
     _free()
@@ -332,10 +273,10 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None, emit: Callable[[dict], None] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(prog="python -m packer.gpu_bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_bench", description=__doc__)
     parser.add_argument("--part", choices=("small", "large", "makespan", "memory", "layer", "all"), default="all",
                         help="small: the 0.5B shape (W1, W2, W4, W5, U, profile, memory model); large: the 7B and 8B "
-                             "shapes; makespan: W3 (packer.gpu_makespan, sequential PEFT sampled 8 of 24 by cell); "
+                             "shapes; makespan: W3 (benchmarks.gpu_makespan, sequential PEFT sampled 8 of 24 by cell); "
                              "memory: the memory model's fit beside measured 0.5B pack peaks (not in all); "
                              "layer: W4 alone (in small)")
     parser.add_argument("--out", default=None, help="folder for the profile tables")
@@ -371,7 +312,7 @@ def main(argv: list[str] | None = None, emit: Callable[[dict], None] | None = No
         for row in memory_curve(build_shape("qwen2.5-0.5b"), 512):
             keep(row)
     if args.part in ("makespan", "all"):
-        from packer.gpu_makespan import makespan
+        from benchmarks.gpu_makespan import makespan
 
         makespan("qwen2.5-0.5b", sequential_sample=8, emit=keep)
     print(table(results), flush=True)

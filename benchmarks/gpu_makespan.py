@@ -1,8 +1,8 @@
 """W3 of the GPU benchmark: the makespan of a fixed sweep, packed vs one-at-a-time PEFT vs PEFT processes.
 
-A fixed, seeded sweep of ``N`` LoRA configurations (default 24: ranks {8, 16, 32, 64} x micro-batch
-{1, 2} x 3 learning rates drawn log-uniform in [2e-5, 4e-4]; alpha = 2 r, all seven projections,
-dropout 0) trains for ``S`` steps each on fixed random token ids, three ways, each timed end to end
+A fixed, seeded sweep of ``N`` LoRA configurations (``benchmarks.makespan_sweep``; default 24: ranks
+{8, 16, 32, 64} x micro-batch {1, 2} x 3 learning rates drawn log-uniform in [2e-5, 4e-4]; alpha = 2 r, all seven
+projections, dropout 0) trains for ``S`` steps each on fixed random token ids, three ways, each timed end to end
 (wall clock from the first load of the base to the last adapter saved; that is what a user pays):
 
 - ``packed``: the base loaded once, every configuration a slot of one ``packer.train.train`` run
@@ -15,7 +15,7 @@ dropout 0) trains for ``S`` steps each on fixed random token ids, three ways, ea
 - ``peft-4proc``: ``--procs`` such processes sharing the GPU, each running its share of the
   configurations one after another; timed from launching the first process to the last exiting.
 
-The base is a random init of a real architecture's shape (``packer.gpu_bench.SHAPES``; throughput
+The base is a random init of a real architecture's shape (``benchmarks.shapes.SHAPES``; throughput
 does not depend on weight values) saved with ``save_pretrained`` first, so every path pays
 ``from_pretrained`` from disk. Before the clocks, the process runs the base once (forward, backward,
 an AdamW step): kernels every mode uses load then, not in the first mode's time.
@@ -24,7 +24,7 @@ configurations, evenly spaced, and estimate the others from the measured one of 
 micro-batch) cell, else of the same micro-batch; the line's ``makespan_basis`` says so. One JSON line
 per mode, the packed one first, so a later timeout still leaves it.
 
-Run: ``python -m packer.gpu_makespan`` (H200), ``python -m packer.gpu_makespan --tiny --device cpu``.
+Run: ``python -m benchmarks.gpu_makespan`` (H200), ``python -m benchmarks.gpu_makespan --tiny --device cpu``.
 """
 
 from __future__ import annotations
@@ -32,59 +32,32 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
-import random
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from packer import gpu_bench  # the module, not its names: gpu_bench may import this module in turn
+from benchmarks.makespan_sweep import SweepConfig, extrapolate, sample_indices, sweep_configs
+from benchmarks.shapes import PROJ, SHAPES, build_shape
 from packer.checkpoint import save_adapters
 from packer.data import Example
 from packer.model import DTYPES, PackedModel
-from packer.plan import AdapterSpec
 from packer.train import FixedBatch, SlotJob, make_optimizer, train
 
-__all__ = ["SweepConfig", "Setup", "MODES", "sweep_configs", "sample_indices", "extrapolate", "save_base",
-           "run_packed", "run_sequential", "run_procs", "makespan", "main"]
+__all__ = ["Setup", "MODES", "save_base", "run_packed", "run_sequential", "run_procs", "makespan", "main"]
 
 MODES = ("packed", "packed-warm", "peft-sequential", "peft-4proc")
 """``packed`` runs first in the process: its first step compiles the Triton kernels unless the machine's
 cache already holds them. ``packed-warm`` repeats it at once, with the kernels compiled (as every sweep
 after the first on a machine runs)."""
-RANKS = (8, 16, 32, 64)
-MICRO_BATCHES = (1, 2)
-LR_RANGE = (2e-5, 4e-4)
 TINY_HIDDEN = 128
 """Tiny-mode width: its k/v projections (2 KV heads x 32) are 64 wide, so rank 64 still fits."""
-
-
-@dataclass(frozen=True)
-class SweepConfig:
-    """One configuration of the sweep; ``index`` seeds its adapter init and its data."""
-
-    index: int
-    rank: int
-    micro_batch: int
-    lr: float
-
-    def spec(self, steps: int) -> AdapterSpec:
-        return AdapterSpec(rank=self.rank, alpha=2.0 * self.rank, dropout=0.0, targets=gpu_bench.PROJ, lr=self.lr,
-                           micro_batch=self.micro_batch, max_steps=steps, seed=self.index)
-
-    def token_ids(self, seq: int, vocab: int) -> torch.Tensor:
-        """(micro_batch, seq) random token ids, the same in every process (a generator of its own)."""
-        gen = torch.Generator().manual_seed(10_000 + self.index)
-        return torch.randint(0, vocab, (self.micro_batch, seq), generator=gen)
 
 
 @dataclass(frozen=True)
@@ -100,53 +73,6 @@ class Setup:
     """A key of ``packer.model.DTYPES``."""
 
 
-def sweep_configs(n: int = 24, seed: int = 0) -> list[SweepConfig]:
-    """The fixed sweep: ``n`` configurations evenly spaced over ranks x micro-batches x learning rates.
-
-    The grid has ``max(3, ceil(n / 8))`` learning rates per (rank, micro-batch) cell, drawn log-uniform
-    from a ``random.Random(seed)``, so ``n = 24`` is the whole 4 x 2 x 3 grid and a smaller ``n``
-    still spans every rank and both micro-batches.
-    """
-    rng = random.Random(seed)
-    per_cell = max(3, math.ceil(n / (len(RANKS) * len(MICRO_BATCHES))))
-    lo, hi = (math.log(x) for x in LR_RANGE)
-    grid = [(r, mb, math.exp(rng.uniform(lo, hi))) for r in RANKS for mb in MICRO_BATCHES for _ in range(per_cell)]
-    return [SweepConfig(i, *grid[j]) for i, j in enumerate(sample_indices(len(grid), n))]
-
-
-def sample_indices(n: int, k: int) -> list[int]:
-    """``k`` evenly spaced indices of ``range(n)`` starting at 0 (all of them when ``k`` is 0 or >= n)."""
-    if k <= 0 or k >= n:
-        return list(range(n))
-    return [i * n // k for i in range(k)]
-
-
-def extrapolate(configs: Sequence[SweepConfig], measured: dict[int, float]) -> tuple[dict[int, float], dict[str, int]]:
-    """Seconds of every configuration: measured, else the mean of the measured ones most like it.
-
-    Args:
-        configs: the whole sweep.
-        measured: config index -> measured seconds (at least one).
-
-    Returns:
-        Config index -> seconds, and how many were ``measured`` or estimated from the same ``cell``
-        (rank, micro-batch), the same ``micro_batch``, or ``all`` measured configurations.
-    """
-    def keys(c: SweepConfig) -> tuple[tuple, ...]:  # most alike first
-        return ("cell", c.rank, c.micro_batch), ("micro_batch", c.micro_batch), ("all",)
-
-    groups: dict[tuple, list[float]] = defaultdict(list)
-    for c in configs:
-        for key in keys(c) if c.index in measured else ():
-            groups[key].append(measured[c.index])
-    seconds, how = {}, {"measured": 0, "cell": 0, "micro_batch": 0, "all": 0}
-    for c in configs:
-        key = ("measured",) if c.index in measured else next(k for k in keys(c) if k in groups)
-        seconds[c.index] = measured[c.index] if c.index in measured else statistics.mean(groups[key])
-        how[key[0]] += 1
-    return seconds, how
-
-
 def save_base(shape: str, out_dir: Path, *, device: str, dtype: str, tiny: bool = False) -> tuple[Path, int]:
     """Random-init a model of ``shape`` (or a tiny Qwen2) and save it; returns (its directory, vocab size)."""
     from transformers import AutoConfig
@@ -156,7 +82,7 @@ def save_base(shape: str, out_dir: Path, *, device: str, dtype: str, tiny: bool 
 
         build_tiny_model("qwen2", out_dir, seed=0, hidden_size=TINY_HIDDEN)
         return out_dir, AutoConfig.from_pretrained(out_dir).vocab_size
-    model = gpu_bench.build_shape(shape, device=device, dtype=DTYPES[dtype])
+    model = build_shape(shape, device=device, dtype=DTYPES[dtype])
     model.save_pretrained(out_dir)
     vocab = model.config.vocab_size
     del model
@@ -249,7 +175,7 @@ def train_peft(setup: Setup, config: SweepConfig, out: Path) -> float:
 
     t0 = time.perf_counter()
     torch.manual_seed(config.index)  # PEFT draws A's init from the global generator
-    lora = LoraConfig(r=config.rank, lora_alpha=2 * config.rank, target_modules=list(gpu_bench.PROJ), lora_dropout=0.0)
+    lora = LoraConfig(r=config.rank, lora_alpha=2 * config.rank, target_modules=list(PROJ), lora_dropout=0.0)
     model = get_peft_model(_load(setup), lora)
     opt = make_optimizer([p for p in model.parameters() if p.requires_grad], config.spec(setup.steps))
     ids = config.token_ids(setup.seq, setup.vocab).to(setup.device)
@@ -305,7 +231,7 @@ def run_procs(setup: Setup, configs: Sequence[SweepConfig], out: Path, work: Pat
         job = work / f"proc-{p}.json"
         job.write_text(json.dumps(dict(setup=asdict(setup), configs=[asdict(c) for c in run], out=str(out),
                                        threads=max(1, (os.cpu_count() or 1) // procs))))
-        children.append(subprocess.Popen([sys.executable, "-m", "packer.gpu_makespan", "--child", str(job)],
+        children.append(subprocess.Popen([sys.executable, "-m", "benchmarks.gpu_makespan", "--child", str(job)],
                                          stdout=subprocess.DEVNULL, env=env))
     codes = [child.wait() for child in children]
     wall = time.perf_counter() - t0
@@ -385,7 +311,7 @@ def makespan(shape: str = "qwen2.5-0.5b", *, n_configs: int = 24, steps: int = 2
     """Run W3: the sweep's makespan in each of ``modes``, packed first; returns the lines it emitted.
 
     Args:
-        shape: a key of ``packer.gpu_bench.SHAPES`` (ignored with ``tiny``).
+        shape: a key of ``benchmarks.shapes.SHAPES`` (ignored with ``tiny``).
         n_configs: configurations in the sweep (W3 proper: >= 24).
         steps: optimizer steps per configuration.
         seq: tokens per row.
@@ -435,9 +361,9 @@ def makespan(shape: str = "qwen2.5-0.5b", *, n_configs: int = 24, steps: int = 2
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m packer.gpu_makespan", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_makespan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(gpu_bench.SHAPES))
+    p.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
     p.add_argument("--tiny", action="store_true", help="a tiny random Qwen2 instead of --shape (CPU tests)")
     p.add_argument("--configs", type=int, default=24, help="configurations in the sweep (W3: >= 24)")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps per configuration")

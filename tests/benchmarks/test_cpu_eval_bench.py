@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from evaluators.bench import cpu_eval_bench
+from benchmarks.cpu_eval_bench import cpu_eval_bench
 
 
 def test_cpu_eval_bench_reports_timings() -> None:

@@ -1,6 +1,6 @@
 """Where a small model's packed step goes: host time against GPU kernel time (a command, not a test).
 
-``python -m packer.gpu_host --model models/scale-qwen2 --data studies/data/arith-train.jsonl`` trains
+``python -m benchmarks.gpu_host --model models/scale-qwen2 --data studies/data/arith-train.jsonl`` trains
 ``--slots`` adapters (ranks 8/16/32 cycled, micro-batch ``--micro``) on random full rows and on the
 data file's rows (half the slots with dropout 0.05, as a sweep draws them), on the Triton kernels and on
 masked-dense PyTorch, and prints each median step; then profiles five steps of the data run and prints
@@ -19,7 +19,8 @@ import statistics
 
 import torch
 
-from packer import gpu_bench, gpu_profile
+from benchmarks import gpu_profile
+from benchmarks.timing import random_jobs, timed_train
 from packer.data import Example, SlotStream, load_examples
 from packer.model import PackedModel, load_base
 from packer.train import SlotJob, train
@@ -28,9 +29,9 @@ __all__ = ["main"]
 
 
 def _jobs(kind: str, examples: list[Example], slots: int, micro: int, steps: int, vocab: int) -> list[SlotJob]:
-    """``gpu_bench``'s jobs on random full rows of 64 tokens (ranks 8/16/32 cycled); for ``data`` each slot
+    """``timing.random_jobs`` on random full rows of 64 tokens (ranks 8/16/32 cycled); for ``data`` each slot
     reads the data file instead, and every other slot has dropout 0.05."""
-    jobs = gpu_bench._jobs(slots, micro, 64, vocab, steps, rank=(8, 16, 32))
+    jobs = random_jobs(slots, micro, 64, vocab, steps, rank=(8, 16, 32))
     if kind == "data":
         for i, job in enumerate(jobs):
             job.spec = dataclasses.replace(job.spec, dropout=0.05 if i % 2 else 0.0)
@@ -41,7 +42,7 @@ def _jobs(kind: str, examples: list[Example], slots: int, micro: int, steps: int
 def main(argv: list[str] | None = None) -> None:
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    parser = argparse.ArgumentParser(prog="python -m packer.gpu_host", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_host", description=__doc__)
     parser.add_argument("--model", required=True, help="model folder (from_pretrained)")
     parser.add_argument("--data", required=True, help="prompt/completion JSONL")
     parser.add_argument("--slots", type=int, default=8)
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     for kind, impl in (("random", "triton"), ("data", "triton"), ("data", "torch")):
         jobs = _jobs(kind, examples, args.slots, args.micro, 25, vocab)
-        step = gpu_bench._timed_train(PackedModel(model, impl=impl), jobs, args.slots, warmup=5)  # type: ignore[arg-type]
+        step = timed_train(PackedModel(model, impl=impl), jobs, args.slots, warmup=5)  # type: ignore[arg-type]
         print(f"{kind:>6} rows, {impl:>6}: median step {step * 1e3:.1f} ms", flush=True)
     jobs = _jobs("data", examples, args.slots, args.micro, 25, vocab)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], acc_events=True,
@@ -78,7 +79,7 @@ def _cprofile(model: torch.nn.Module, examples: list[Example], slots: int, micro
     """20 steps of the data pack on the Triton kernels under cProfile, after 15 unprofiled ones (compiles,
     allocator); prints the functions by own time and by cumulative time."""
     pm = PackedModel(model, impl="triton")
-    gpu_bench._timed_train(pm, _jobs("data", examples, slots, micro, 15, vocab), slots, warmup=5)
+    timed_train(pm, _jobs("data", examples, slots, micro, 15, vocab), slots, warmup=5)
     jobs = _jobs("data", examples, slots, micro, 20, vocab)
     prof = cProfile.Profile()
     prof.enable()

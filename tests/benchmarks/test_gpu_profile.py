@@ -1,6 +1,6 @@
-"""``packer.gpu_profile``'s kernel categories, on kernel names an H200 profile of a Llama-3-8B step showed."""
+"""``benchmarks.gpu_profile``'s kernel categories, on kernel names an H200 profile of a Llama-3-8B step showed."""
 
-from packer.gpu_profile import category
+from benchmarks.gpu_profile import category
 
 
 def test_kernels_fall_in_their_categories() -> None:

@@ -1,10 +1,10 @@
 """Benchmark: the static-shape packed step replayed as a CUDA graph, against PEFT eager and graph-captured.
 
-``python -m packer.gpu_graph`` (H200; a command, not a test). Random-init models of real shapes, bf16, SDPA:
+``python -m benchmarks.gpu_graph`` (H200; a command, not a test). Random-init models of real shapes, bf16, SDPA:
 
 - SmolLM2-135M shape (30 layers, hidden 576, intermediate 1536, 9 / 3 heads, vocab 49,152, tied), 16 slots x 8
   rows x 48 tokens, ranks 8/16/32 cycled on the seven projections, dropout 0.05 on every other slot (as
-  ``packer.gpu_host`` draws a sweep's slots): the loop's step time against its GPU kernel time (target <= 3x),
+  ``benchmarks.gpu_host`` draws a sweep's slots): the loop's step time against its GPU kernel time (target <= 3x),
   tokens/s, and the per-trial-step ratio against PEFT at batch 8 (r=16, fused AdamW, clipping), eager and
   replayed as a CUDA graph (target >= 10x the graph).
 - Qwen2.5-0.5B shape, 32 slots x 1 x 512 and 1 slot x 1 x 512, r=16, against PEFT at batch 1 (targets >= 20x
@@ -28,15 +28,14 @@ from collections.abc import Callable
 import torch
 
 import packer.static_loop as static_loop
-from packer import gpu_bench, gpu_profile
+from benchmarks import gpu_profile
+from benchmarks.shapes import PROJ, SHAPES, SMOLLM2
+from benchmarks.timing import random_jobs, time_calls
 from packer.model import PackedModel
 from packer.train import SlotJob, train
 
 __all__ = ["SMOLLM2", "main"]
 
-SMOLLM2 = dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-               num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)
-PROJ = gpu_bench.PROJ
 
 
 def build(shape: dict, device: str = "cuda") -> torch.nn.Module:
@@ -53,7 +52,7 @@ def build(shape: dict, device: str = "cuda") -> torch.nn.Module:
 
 def _jobs(model: torch.nn.Module, slots: int, micro: int, seq: int, steps: int, ranks: tuple[int, ...],
           dropout_every: int) -> list[SlotJob]:
-    jobs = gpu_bench._jobs(slots, micro, seq, model.config.vocab_size, steps, ranks)
+    jobs = random_jobs(slots, micro, seq, model.config.vocab_size, steps, ranks)
     for i, job in enumerate(jobs):
         if dropout_every and i % dropout_every:
             job.spec = dataclasses.replace(job.spec, dropout=0.05)
@@ -167,7 +166,7 @@ def peft(shape: dict, batch: int, seq: int, *, steps: int = 10) -> dict:
         step()
         opt.zero_grad(set_to_none=True)
 
-    eager_ms = gpu_bench._time(eager, 3, steps) * 1e3
+    eager_ms = time_calls(eager, 3, steps) * 1e3
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -177,7 +176,7 @@ def peft(shape: dict, batch: int, seq: int, *, steps: int = 10) -> dict:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()  # gradients allocated in the graph are rewritten, not accumulated, by each replay
-    graph_ms = gpu_bench._time(graph.replay, 3, steps) * 1e3
+    graph_ms = time_calls(graph.replay, 3, steps) * 1e3
     return dict(batch=batch, seq=seq, eager_ms=eager_ms, graph_ms=graph_ms)
 
 
@@ -228,7 +227,7 @@ def _smollm2(rows: list[dict], notes: list[str]) -> None:
 
 
 def _qwen(rows: list[dict], notes: list[str]) -> None:
-    shape = dict(gpu_bench.SHAPES["qwen2.5-0.5b"])
+    shape = dict(SHAPES["qwen2.5-0.5b"])
     qwen = build(shape)
     p32 = packed(qwen, 32, 1, 512, (16,), 0, steps=32)
     print("qwen packed 32", {k: v for k, v in p32.items() if k != "breakdown"}, flush=True)
@@ -246,7 +245,7 @@ def _qwen(rows: list[dict], notes: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m packer.gpu_graph", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_graph", description=__doc__)
     parser.add_argument("--skip-qwen", action="store_true", help="only the SmolLM2-135M shape")
     parser.add_argument("--only-qwen", action="store_true", help="only the Qwen2.5-0.5B shape")
     args = parser.parse_args(argv)

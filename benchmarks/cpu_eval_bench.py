@@ -1,7 +1,7 @@
 """CPU benchmark: N adapters evaluated packed (all slots per forward) vs one slot at a time.
 
 A command, not a timed test (``sweep bench --cpu-eval``). It builds a tiny random-init model in a temporary
-directory, adds N adapters with random non-zero weights (``packer.bench.bench_specs``: ranks 4..32, several
+directory, adds N adapters with random non-zero weights (``benchmarks.cpu_bench.bench_specs``: ranks 4..32, several
 target sets), and times held-out loss and greedy generation on the same arithmetic items both ways, after
 one warm-up call of each path. Both ways do the same work per adapter and give the same numbers.
 """
@@ -16,12 +16,13 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.cpu_bench import bench_specs, environment
 from evaluators._core import EvalData
 from evaluators.generation import generation
 from evaluators.heldout_loss import heldout_loss
-from packer.bench import bench_specs, environment
 from packer.model import PackedModel, load_base
-from packer.tiny import arithmetic_rows, build_tiny_model
+from packer.tiny import build_tiny_model
+from packer.tiny_data import arithmetic_rows
 
 __all__ = ["EvalBenchResult", "cpu_eval_bench"]
 

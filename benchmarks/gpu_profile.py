@@ -1,12 +1,12 @@
 """Where a packed step's GPU time goes, by kind of kernel, beside the frozen base alone at the same rows.
 
-    python -m packer.gpu_profile --shape llama3-8b --slots 8 --seq 1024 [--eager]
+    python -m benchmarks.gpu_profile --shape llama3-8b --slots 8 --seq 1024 [--eager]
 
 Prints, for a packed step (``--eager``: the base's norms and MLPs left to transformers' eager modules) and
 then for the base alone (forward, full loss, backward to the activations), the kernel time per step summed
 by ``CATEGORIES`` and the heaviest kernels. It found the eager base's elementwise kernels at 30% of a
 Llama-3-8B step's kernel time, which ``packer.fuse`` then took on (BENCHMARKS.md). ``profile_step`` is
-``python -m packer.gpu_bench --part small``'s profile of the 0.5B pack (host and device top operators).
+``python -m benchmarks.gpu_bench --part small``'s profile of the 0.5B pack (host and device top operators).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import time
 
 import torch
 
-from packer.gpu_bench import SHAPES, _jobs, build_shape
+from benchmarks.shapes import SHAPES, build_shape
+from benchmarks.timing import random_jobs
 
 __all__ = ["CATEGORIES", "category", "breakdown", "kernel_events", "profile_step"]
 
@@ -57,7 +58,7 @@ def _profile_pack(pm: object, slots: int, seq: int) -> tuple[torch.profiler.prof
 
     from packer.train import train
 
-    jobs = _jobs(slots, 1, seq, pm.model.config.vocab_size, 6)  # type: ignore[attr-defined]
+    jobs = random_jobs(slots, 1, seq, pm.model.config.vocab_size, 6)  # type: ignore[attr-defined]
     stamps: list[float] = []
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], acc_events=True,
                  schedule=schedule(wait=0, warmup=3, active=3)) as prof:
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from packer.model import PackedModel
 
-    parser = argparse.ArgumentParser(prog="python -m packer.gpu_profile", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_profile", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
     parser.add_argument("--slots", type=int, default=8, help="slots x 1 row each; also the base's rows")

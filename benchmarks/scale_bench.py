@@ -1,6 +1,6 @@
 """Scale-out benchmark: trials per hour of the same study run by 1, 2, ... workers on one host.
 
-A command, not a test: ``python -m sweep.scale_bench STUDY --workers 1 2``. For each worker count it
+A command, not a test: ``python -m benchmarks.scale_bench STUDY --workers 1 2``. For each worker count it
 runs ``sweep run STUDY --workers N`` (one worker process per GPU, pinned with ``CUDA_VISIBLE_DEVICES``)
 in a fresh output folder with its own journal-file storage, and counts the finished trials in that
 storage. Wall time is the whole command: process start, model load, every pack, every evaluation.
@@ -60,7 +60,7 @@ def run_once(study: str, workers: int, root: Path, *overrides: str, name: str | 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m sweep.scale_bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.scale_bench", description=__doc__)
     parser.add_argument("study", help="study YAML (studies/scale-out.yaml)")
     parser.add_argument("overrides", nargs="*", help="KEY=VALUE overrides, as sweep run takes them")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts to compare")

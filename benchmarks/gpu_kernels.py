@@ -1,7 +1,7 @@
 """Launch-config sweep of the packed-LoRA kernels on a GPU: where the defaults of ``kernels.triton_lora``
 (``_launch_config``, ``CHUNK_TOKENS``, the expand's weight cast) come from, rerunnable on another GPU.
 
-    python -m packer.gpu_kernels [--tokens 16384] [--slots 8] [--rank 16]
+    python -m benchmarks.gpu_kernels [--tokens 16384] [--slots 8] [--rank 16]
 
 Prints one JSON line per (kernel, shape, dropout, config) with the median microseconds of
 ``triton.testing.do_bench`` through the public launchers (allocations included), and per shape the

@@ -1,8 +1,8 @@
-"""``packer.gpu_bench.table``: the printed summary of a GPU run (the run itself needs a GPU)."""
+"""``benchmarks.gpu_bench.table``: the printed summary of a GPU run (the run itself needs a GPU)."""
 
 from __future__ import annotations
 
-from packer.gpu_bench import table
+from benchmarks.gpu_bench import table
 
 
 def test_table_ratio_against_peft_of_the_same_shape() -> None:

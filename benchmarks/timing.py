@@ -1,0 +1,55 @@
+"""Slot jobs on random token rows and the step timers the GPU benchmarks share. A leaf beside ``shapes``: it
+imports no benchmark but ``shapes``, so ``gpu_bench`` and the benchmarks it runs (``gpu_profile``) can both use it
+without importing each other."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from benchmarks.shapes import PROJ
+from packer.data import Example
+from packer.model import PackedModel
+from packer.plan import AdapterSpec
+from packer.train import FixedBatch, SlotJob, train
+
+__all__ = ["random_jobs", "timed_train", "time_calls"]
+
+
+def random_jobs(slots: int, micro: int, seq: int, vocab: int, steps: int,
+                rank: int | tuple[int, ...] = 16) -> list[SlotJob]:
+    """``slots`` adapters (rank ``rank``, or ``rank[i % len(rank)]``, on ``PROJ``) each on ``micro`` fixed random
+    token rows of ``seq`` tokens (a ``FixedBatch``: the same [micro, seq] batch every step) for ``steps`` steps."""
+    gen = torch.Generator().manual_seed(0)
+    ranks = (rank,) if isinstance(rank, int) else rank
+    jobs = []
+    for i in range(slots):
+        ids = torch.randint(0, vocab, (micro, seq), generator=gen).tolist()
+        r = ranks[i % len(ranks)]
+        spec = AdapterSpec(rank=r, alpha=2 * r, targets=PROJ, micro_batch=micro, max_steps=steps, seed=i, lr=1e-4)
+        jobs.append(SlotJob(spec, FixedBatch([Example(tuple(row), tuple(row)) for row in ids]), key=i))
+    return jobs
+
+
+def timed_train(pm: PackedModel, jobs: list[SlotJob], slots: int, warmup: int, **options: object) -> float:
+    """Median seconds of the steps after ``warmup`` (each report follows a host sync on the losses)."""
+    stamps: list[float] = []
+    train(pm, slots, lambda s: jobs.pop(0) if jobs else None, pad_id=0,
+          on_step=lambda reports: stamps.append(time.perf_counter()), **options)  # type: ignore[arg-type]
+    return statistics.median(b - a for a, b in zip(stamps[warmup - 1:], stamps[warmup:], strict=False))
+
+
+def time_calls(step: Callable[[], None], warmup: int, steps: int) -> float:
+    """Mean seconds per call of ``step`` after ``warmup`` calls (synchronised wall clock; resets the CUDA peak)."""
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps

@@ -1,0 +1,74 @@
+"""No import circle among our modules: import-linter's ``acyclic`` contract (pyproject.toml, run by
+``lint-imports`` in CI) within each package, and the whole module graph across packages.
+
+The contract is shown to fail on a circle by running it on a copy of the packages with one added."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import grimp
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+ACYCLIC = next(c for c in CONFIG["contracts"] if c.get("id") == "acyclic")
+
+
+def _lint_imports() -> str:
+    exe = shutil.which("lint-imports")
+    if exe is None:
+        pytest.fail("lint-imports not installed: pip install -e '.[dev]'")
+    return exe
+
+
+def test_acyclic_contract_covers_every_package() -> None:
+    assert ACYCLIC["type"] == "acyclic_siblings"
+    assert sorted(ACYCLIC["ancestors"]) == sorted(CONFIG["root_packages"])
+
+
+def _copy_tree(dest: Path) -> None:
+    """The root packages' sources and pyproject.toml, nothing else (no caches, no tests)."""
+    for package in CONFIG["root_packages"]:
+        shutil.copytree(ROOT / package, dest / package, ignore=shutil.ignore_patterns("__pycache__", "*.sh"))
+    shutil.copy(ROOT / "pyproject.toml", dest / "pyproject.toml")
+
+
+def _check(tree: Path) -> subprocess.CompletedProcess[str]:
+    # cwd first on sys.path (lint-imports puts it there): the copy, not the installed checkout, is analysed
+    return subprocess.run([_lint_imports(), "--contract", "acyclic", "--no-cache"], cwd=tree,
+                          capture_output=True, text=True, env={"PATH": str(Path(sys.executable).parent),
+                                                               "PYTHONPATH": str(tree)})
+
+
+@pytest.mark.parametrize("module, line, package", [
+    # a function-level import closing a circle, as gpu_bench -> gpu_profile -> gpu_bench did
+    ("packer/plan.py", "\n\ndef _circle():\n    from packer import train  # noqa: F401\n", "packer"),
+    # a circle between two sibling modules of the benchmarks package
+    ("benchmarks/shapes.py", "\nimport benchmarks.gpu_bench  # noqa: E402,F401\n", "benchmarks"),
+])
+def test_a_circle_breaks_the_contract(tmp_path: Path, module: str, line: str, package: str) -> None:
+    _copy_tree(tmp_path)
+    kept = _check(tmp_path)
+    assert kept.returncode == 0, kept.stdout + kept.stderr
+    with open(tmp_path / module, "a") as f:
+        f.write(line)
+    broken = _check(tmp_path)
+    assert broken.returncode == 1, broken.stdout + broken.stderr
+    assert f"No cycles are allowed in {package}." in broken.stdout
+
+
+def test_no_circle_across_packages() -> None:
+    """Every module of every package, one graph: no direct import ``a -> b`` with a chain ``b -> ... -> a``.
+    The contract's ignored imports (each a documented circle left to remove) are taken out first."""
+    graph = grimp.build_graph(*CONFIG["root_packages"])
+    for expression in ACYCLIC.get("ignore_imports", []):
+        importer, imported = (s.strip() for s in expression.split("->"))
+        graph.remove_import(importer=importer, imported=imported)
+    circles = sorted((a, b) for a in graph.modules for b in graph.find_modules_directly_imported_by(a)
+                     if graph.chain_exists(importer=b, imported=a))
+    assert not circles, circles
