@@ -456,7 +456,9 @@ def _train_pack(sweep: _Sweep, session: Session) -> bool:
                            activation_checkpointing=spec.packing.activation_checkpointing,
                            cuda_graphs=spec.packing.cuda_graphs, sync_steps=sweep.sha.rungs if sweep.sha else (),
                            static_shapes=None if _static_step_fits(spec) else False)
-        sweep.split.move(result.compile_s + result.warmup_s + result.capture_s, "train", "compile")
+        for part, seconds in (("precompile", result.compile_s), ("warm-up", result.warmup_s),
+                              ("capture", result.capture_s)):
+            sweep.split.move(seconds, "train", "compile", detail=f"compile:{part}")
         status = "finished"
         return True
     except torch.OutOfMemoryError as err:

@@ -74,11 +74,14 @@ class WallSplit:
         """Charge ``seconds`` measured elsewhere to ``name`` (e.g. per-evaluator times, which overlap ``evaluate``)."""
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
 
-    def move(self, seconds: float, src: str, dst: str) -> None:
-        """Re-charge ``seconds`` of ``src`` to ``dst`` (the training loop's capture, counted by the loop itself)."""
+    def move(self, seconds: float, src: str, dst: str, detail: str | None = None) -> None:
+        """Re-charge ``seconds`` of ``src`` to ``dst`` (the training loop's capture, counted by the loop itself),
+        and to the sub-phase ``detail`` if given."""
         seconds = min(seconds, self.seconds.get(src, 0.0))
         self.seconds[src] = self.seconds.get(src, 0.0) - seconds
         self.add(dst, seconds)
+        if detail is not None:
+            self.add(detail, seconds)
 
     def wall_s(self) -> float:
         return time.perf_counter() - self.started

@@ -38,8 +38,8 @@ def test_move_recharges_and_never_goes_negative() -> None:
     split = WallSplit()
     split.add("train", 1.0)
     split.move(0.25, "train", "compile")
-    split.move(5.0, "train", "compile")
-    assert split.seconds == {"train": 0.0, "compile": 1.0}
+    split.move(5.0, "train", "compile", detail="compile:capture")
+    assert split.seconds == {"train": 0.0, "compile": 1.0, "compile:capture": 0.75}
 
 
 def test_timed_wraps_a_callback_and_the_table_lists_every_phase() -> None:
