@@ -37,7 +37,8 @@ class HeldoutOptions:
     """Held-out rows per slot in one forward (a forward holds ``batch_size * len(slots)`` rows)."""
     static_shapes: bool = True
     """While the pack trains on the static-shape step, run the forwards on its fixed shapes (``packer.eval_graph``:
-    rows padded to a multiple of 16, one CUDA graph on CUDA); False: always the dynamic per-batch path."""
+    rows padded to a multiple of 16, one CUDA graph on CUDA) when their logits fit
+    ``packer.eval_graph.STATIC_LOGITS_BYTES``; False: always the dynamic per-batch path."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.batch_size, int) and self.batch_size >= 1):
@@ -70,8 +71,8 @@ def heldout_loss(model: PackedModel, slots: Sequence[int], data: EvalData, **opt
     loss_sum = [0.0] * n
     tokens = [0.0] * n
     per_item: list[list[float]] = [[] for _ in slots]
-    static = opts.static_shapes and eval_graph.available(model) and bool(examples)
     seq = eval_graph.bucket(max((len(e.input_ids) for e in examples), default=1))
+    static = opts.static_shapes and bool(examples) and eval_graph.heldout_fits(model, opts.batch_size, seq)
     with torch.no_grad():
         for idx in chunks(len(examples), opts.batch_size):
             rows: list[Any] = [examples[i] for i in idx]  # Example satisfies packer.batch.Row

@@ -39,10 +39,15 @@ from packer.batch import IGNORE_INDEX
 from packer.model import PackedModel
 from packer.static import ShapeBuffers, StaticStore
 
-__all__ = ["available", "row_losses", "greedy_decode", "static_generation_fits", "bucket", "EVAL_MULTIPLE"]
+__all__ = ["available", "heldout_fits", "row_losses", "greedy_decode", "static_generation_fits", "bucket",
+           "EVAL_MULTIPLE", "STATIC_LOGITS_BYTES"]
 
 EVAL_MULTIPLE = 16
 """Padded lengths (held-out rows, prompt widths, cache lengths) are multiples of this: few shapes."""
+STATIC_LOGITS_BYTES = 2 << 30
+"""Largest fp32 logits of one static held-out forward (C x rows x L x vocab x 4 bytes): a captured graph keeps its
+activations for the pack's life, and the static shape always holds every slot's rows, scored or not. Larger shapes
+(many slots, long rows, a large vocabulary) take the dynamic path, which holds the scored slots' rows only."""
 
 _CACHES: weakref.WeakKeyDictionary[StaticStore, dict[tuple, Any]] = weakref.WeakKeyDictionary()
 """Per store: its evaluation shapes, caches and captured graphs (they die with the store)."""
@@ -55,6 +60,16 @@ def bucket(n: int, multiple: int = EVAL_MULTIPLE) -> int:
 def available(pm: PackedModel) -> bool:
     """Whether the pack holds its slots in a static store (a static-shape training run is under way)."""
     return pm.static is not None
+
+
+def heldout_fits(pm: PackedModel, rows: int, seq_len: int) -> bool:
+    """Whether a (C x ``rows``, ``seq_len``) held-out forward stays within ``STATIC_LOGITS_BYTES`` of logits."""
+    store = pm.static
+    if store is None:
+        return False
+    head = pm.model.get_output_embeddings() if hasattr(pm.model, "get_output_embeddings") else None
+    vocab = getattr(getattr(head, "weight", None), "shape", (getattr(pm.model.config, "vocab_size", 0),))[0]
+    return store.capacity * rows * seq_len * vocab * 4 <= STATIC_LOGITS_BYTES
 
 
 def _cache(store: StaticStore) -> dict[tuple, Any]:

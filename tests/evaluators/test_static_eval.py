@@ -96,3 +96,17 @@ def test_static_greedy_decoding_equals_the_dynamic_one(tiny_dirs, attn: str, mon
 
     static_pack_evaluations(tiny_dirs("llama"), check, attn)
     assert len(calls) == 2 * 2 * 3 * 3  # slot ends x slot sets x static calls x 3 chunks
+
+
+def test_a_static_heldout_shape_over_the_logits_budget_takes_the_dynamic_path(tiny_dirs, monkeypatch) -> None:
+    calls = _spy(monkeypatch, "row_losses")
+    monkeypatch.setattr(eval_graph, "STATIC_LOGITS_BYTES", 1024)
+
+    def check(pm, slots, tok) -> None:  # noqa: ANN001
+        assert not eval_graph.heldout_fits(pm, 3, 48)
+        data = load_eval_data(YESNO, tok, fmt="prompt_completion", max_length=48)
+        result = heldout_loss(pm, slots, data, batch_size=3)
+        assert all(result.metrics[s]["eval_loss"] > 0 for s in slots)
+
+    static_pack_evaluations(tiny_dirs("llama"), check)
+    assert calls == []
