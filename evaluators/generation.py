@@ -7,6 +7,10 @@ Prompts are left-padded; position ids count real tokens only (``cumsum(mask) - 1
 never leave the batch (a finished row keeps decoding into the void), so one layout is valid for the
 prefill and every ``(B, 1)`` step.
 
+While the pack trains on the static-shape step (``PackedModel.static``), greedy decoding runs on its fixed shapes
+instead (``packer.eval_graph``: prompts left-padded to a multiple of 16, a static KV cache, each decoding step one
+CUDA-graph replay, the tokens read once per chunk and cut where this loop would stop each row): the same tokens.
+
 Prompts are the training prompts: the rows go through ``packer.data.tokenize_rows`` and the prompt is every
 token before the last response span (alpaca template, ``prompt``, or the chat template up to the last
 assistant turn with ``add_generation_prompt``), so the model sees at evaluation what it saw in training.

@@ -424,7 +424,8 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
             session.close()
     sweep.summary.wall_s = wall_s
     sweep.summary.split = split.record()
-    append_run(session.sdir.root, sweep.summary.split)
+    with sweep._lock():  # workers sharing the study directory append one after another
+        append_run(session.sdir.root, sweep.summary.split)
     return sweep.summary
 
 
