@@ -15,7 +15,8 @@ objective's metric name against what the configured evaluators report. Metric na
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from evaluators._core import MC_FORMAT, EvalData, EvalResult, SlotEvalError, load_eval_data, make_options
@@ -117,10 +118,17 @@ def metric_direction(metric: str, entries: Iterable[tuple[str, Mapping[str, Any]
 
 
 def evaluate(model: PackedModel, slots: Sequence[int], data: EvalData,
-             entries: Iterable[tuple[str, Mapping[str, Any] | None]]) -> EvalResult:
-    """Run several evaluator entries ``(name, options)`` on the same slots and merge their results."""
+             entries: Iterable[tuple[str, Mapping[str, Any] | None]],
+             timings: Callable[[str, float], None] | None = None) -> EvalResult:
+    """Run several evaluator entries ``(name, options)`` on the same slots and merge their results.
+
+    ``timings``: called with each evaluator's name and its wall seconds (the sweep's wall-time split).
+    """
     result = EvalResult()
     for name, options in entries:
         validate(name, options)
+        t0 = time.perf_counter()
         result.merge(EVALUATORS[name](model, slots, data, **dict(options or {})))
+        if timings is not None:
+            timings(name, time.perf_counter() - t0)
     return result

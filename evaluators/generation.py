@@ -7,6 +7,10 @@ Prompts are left-padded; position ids count real tokens only (``cumsum(mask) - 1
 never leave the batch (a finished row keeps decoding into the void), so one layout is valid for the
 prefill and every ``(B, 1)`` step.
 
+While the pack trains on the static-shape step (``PackedModel.static``), greedy decoding runs on its fixed shapes
+instead (``packer.eval_graph``: prompts left-padded to a multiple of 16, a static KV cache, each decoding step one
+CUDA-graph replay, the tokens read once per chunk and cut where this loop would stop each row): the same tokens.
+
 Prompts are the training prompts: the rows go through ``packer.data.tokenize_rows`` and the prompt is every
 token before the last response span (alpaca template, ``prompt``, or the chat template up to the last
 assistant turn with ``add_generation_prompt``), so the model sees at evaluation what it saw in training.
@@ -33,6 +37,7 @@ from evaluators._core import (
     slot_layout,
 )
 from evaluators.scorers import SCORERS
+from packer import eval_graph
 from packer.data import IGNORE_INDEX, tokenize_rows
 from packer.errors import ConfigError, DataError
 from packer.model import PackedModel
@@ -59,6 +64,9 @@ class GenerationOptions:
     """0: greedy. Above 0: sampling, each item with its own generator seeded by ``seed`` and its index."""
     seed: int = 0
     """Seed of sampling."""
+    static_shapes: bool = True
+    """Greedy decoding while the pack trains on the static-shape step: fixed shapes, a static KV cache and each
+    decoding step replayed as one CUDA graph (``packer.eval_graph``); False: always the dynamic path."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _strings(self.stop, "stop"))
@@ -73,6 +81,8 @@ class GenerationOptions:
                               f"(expected some of: {', '.join(SCORERS)})")
         if not (isinstance(self.temperature, int | float) and self.temperature >= 0):
             raise ConfigError(f"temperature: must be >= 0 (got {self.temperature!r})")
+        if not isinstance(self.static_shapes, bool):
+            raise ConfigError(f"static_shapes: must be true or false (got {self.static_shapes!r})")
 
 
 def _strings(value: object, key: str) -> tuple[str, ...]:
@@ -97,7 +107,8 @@ def generation(model: PackedModel, slots: Sequence[int], data: EvalData, **optio
     opts: GenerationOptions = make_options(GenerationOptions, options, "generation")
     prompts, refs = build_prompts(data), references(data)
     texts = generate_texts(model, slots, prompts, data.tokenizer, max_new_tokens=opts.max_new_tokens,
-                           stop=opts.stop, batch_size=opts.batch_size, temperature=opts.temperature, seed=opts.seed)
+                           stop=opts.stop, batch_size=opts.batch_size, temperature=opts.temperature, seed=opts.seed,
+                           static_shapes=opts.static_shapes)
     result = EvalResult()
     for slot in slots:
         scores = {name: [SCORERS[name](text, ref) for text, ref in zip(texts[slot], refs, strict=True)]
@@ -141,7 +152,7 @@ def references(data: EvalData) -> list[str]:
 
 def generate_texts(model: PackedModel, slots: Sequence[int], prompts: Sequence[Sequence[int]], tokenizer: Any, *,
                    max_new_tokens: int = 32, stop: Sequence[str] = (), batch_size: int = 8,
-                   temperature: float = 0.0, seed: int = 0) -> dict[int, list[str]]:
+                   temperature: float = 0.0, seed: int = 0, static_shapes: bool = True) -> dict[int, list[str]]:
     """``generate_ids`` decoded (special tokens skipped) and cut before the first stop string.
 
     Returns:
@@ -153,7 +164,7 @@ def generate_texts(model: PackedModel, slots: Sequence[int], prompts: Sequence[S
 
     ids = generate_ids(model, slots, prompts, eos_id=tokenizer.eos_token_id, pad_id=pad_id(tokenizer),
                        max_new_tokens=max_new_tokens, batch_size=batch_size, should_stop=stopped if stop else None,
-                       temperature=temperature, seed=seed)
+                       temperature=temperature, seed=seed, static_shapes=static_shapes)
     return {slot: [_cut(tokenizer.decode(row, skip_special_tokens=True), stop) for row in rows]
             for slot, rows in ids.items()}
 
@@ -167,7 +178,7 @@ def _cut(text: str, stop: Sequence[str]) -> str:
 def generate_ids(model: PackedModel, slots: Sequence[int], prompts: Sequence[Sequence[int]], *, eos_id: int | None,
                  pad_id: int, max_new_tokens: int = 32, batch_size: int = 8,
                  should_stop: Callable[[list[int]], bool] | None = None, temperature: float = 0.0,
-                 seed: int = 0) -> dict[int, list[list[int]]]:
+                 seed: int = 0, static_shapes: bool = True) -> dict[int, list[list[int]]]:
     """Every slot continues every prompt; one packed forward per decoding step.
 
     Args:
@@ -182,6 +193,8 @@ def generate_ids(model: PackedModel, slots: Sequence[int], prompts: Sequence[Seq
         temperature: 0 greedy; else sampling from ``softmax(logits / temperature)``.
         seed: sampling seed; item i draws from its own generator, so a slot samples the same
             answers packed or alone.
+        static_shapes: greedy decoding on the static pack's fixed shapes when it trains on them
+            (``packer.eval_graph``); the answers are the same tokens.
 
     Returns:
         slot -> generated ids of each prompt, in prompt order.
@@ -191,8 +204,17 @@ def generate_ids(model: PackedModel, slots: Sequence[int], prompts: Sequence[Seq
         return out
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token (e.g. BOS)")
+    width = eval_graph.bucket(max(len(p) for p in prompts)) if prompts else 0
+    static = (static_shapes and temperature <= 0 and bool(prompts) and eval_graph.available(model)
+              and eval_graph.static_generation_fits(model, width, max_new_tokens))
     for idx in chunks(len(prompts), batch_size):
         rows = [list(prompts[i]) for i in idx]
+        if static:
+            tokens = eval_graph.greedy_decode(model, slots, rows, batch_size, width, max_new_tokens, pad_id,
+                                              _cache_kwarg(model.model))
+            for g, slot in enumerate(slots):
+                out[slot].extend(_answer(t, eos_id, should_stop) for t in tokens[g * len(rows):(g + 1) * len(rows)])
+            continue
         gens = ([torch.Generator().manual_seed(seed * 1_000_003 + i) for _ in slots for i in idx]
                 if temperature > 0 else None)
         answers = _decode(model, slots, rows, eos_id=eos_id, pad_id=pad_id, max_new_tokens=max_new_tokens,
@@ -238,6 +260,19 @@ def _decode(model: PackedModel, slots: Sequence[int], rows: list[list[int]], *, 
             mask = torch.cat([mask, mask.new_ones((len(batch), 1))], dim=1)  # (B, P + t)
             positions = positions[:, -1:] + 1  # (B, 1)
     return answers
+
+
+def _answer(tokens: list[int], eos_id: int | None, should_stop: Callable[[list[int]], bool] | None) -> list[int]:
+    """A row's answer from all its decoded tokens, cut where ``_decode`` stops that row: before EOS, or after the
+    token at which ``should_stop`` first says so."""
+    answer: list[int] = []
+    for tok in tokens:
+        if tok == eos_id:
+            break
+        answer.append(tok)
+        if should_stop is not None and should_stop(answer):
+            break
+    return answer
 
 
 def _cache_kwarg(module: torch.nn.Module) -> str:

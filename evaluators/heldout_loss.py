@@ -17,6 +17,7 @@ import torch
 
 from evaluators._core import EvalData, EvalResult, check_format, chunks, make_options, pad_id
 from kernels import PackLayout
+from packer import eval_graph
 from packer.batch import PackBatch, collate
 from packer.data import FORMATS, tokenize_rows
 from packer.errors import ConfigError
@@ -34,10 +35,16 @@ class HeldoutOptions:
 
     batch_size: int = 8
     """Held-out rows per slot in one forward (a forward holds ``batch_size * len(slots)`` rows)."""
+    static_shapes: bool = True
+    """While the pack trains on the static-shape step, run the forwards on its fixed shapes (``packer.eval_graph``:
+    rows padded to a multiple of 16, one CUDA graph on CUDA) when their logits fit
+    ``packer.eval_graph.STATIC_LOGITS_BYTES``; False: always the dynamic per-batch path."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.batch_size, int) and self.batch_size >= 1):
             raise ConfigError(f"batch_size: must be an integer >= 1 (got {self.batch_size!r})")
+        if not isinstance(self.static_shapes, bool):
+            raise ConfigError(f"static_shapes: must be true or false (got {self.static_shapes!r})")
 
 
 def heldout_loss(model: PackedModel, slots: Sequence[int], data: EvalData, **options: Any) -> EvalResult:
@@ -64,18 +71,24 @@ def heldout_loss(model: PackedModel, slots: Sequence[int], data: EvalData, **opt
     loss_sum = [0.0] * n
     tokens = [0.0] * n
     per_item: list[list[float]] = [[] for _ in slots]
+    seq = eval_graph.bucket(max((len(e.input_ids) for e in examples), default=1))
+    static = opts.static_shapes and bool(examples) and eval_graph.heldout_fits(model, opts.batch_size, seq)
     with torch.no_grad():
         for idx in chunks(len(examples), opts.batch_size):
             rows: list[Any] = [examples[i] for i in idx]  # Example satisfies packer.batch.Row
-            batch = collate(slots, [rows] * n, pad_id(data.tokenizer), dropout=[0.0] * n, seeds=[0] * n,
-                            device=model.device)
-            logits = model.forward(batch.input_ids, batch.attention_mask, batch.layout)  # (B, L, V)
-            means, counts = slot_losses(logits, batch.labels, _one_segment_per_row(batch))  # (B,), (B,)
-            row_loss: list[float] = means.tolist()
-            row_tokens: list[float] = counts.tolist()
+            if static:  # slot-major: slot g's item i at g * len(rows) + i
+                row_loss, row_tokens = eval_graph.row_losses(model, slots, rows, opts.batch_size, seq,
+                                                             pad_id(data.tokenizer))
+                starts = [g * len(rows) for g in range(n)]
+            else:
+                batch = collate(slots, [rows] * n, pad_id(data.tokenizer), dropout=[0.0] * n, seeds=[0] * n,
+                                device=model.device)
+                logits = model.forward(batch.input_ids, batch.attention_mask, batch.layout)  # (B, L, V)
+                means, counts = slot_losses(logits, batch.labels, _one_segment_per_row(batch))  # (B,), (B,)
+                row_loss, row_tokens = means.tolist(), counts.tolist()
+                starts = list(batch.layout.row_start)
             for g in range(n):
-                r0 = batch.layout.row_start[g]
-                for r in range(r0, r0 + len(rows)):
+                for r in range(starts[g], starts[g] + len(rows)):
                     loss_sum[g] += row_loss[r] * row_tokens[r]
                     tokens[g] += row_tokens[r]
                     per_item[g].append(row_loss[r])

@@ -87,6 +87,8 @@ class TrainResult:
     jobs_started: int = 0
     ended: list[tuple[Any, int, str]] = field(default_factory=list)
     """(key, steps done, reason) of every job that ended, in order."""
+    compile_s: float = 0.0
+    """Static-shape path: seconds of the parallel kernel precompile before a graph key's first step."""
     warmup_s: float = 0.0
     """Static-shape path: seconds of the eager warm-up steps before each CUDA-graph capture."""
     capture_s: float = 0.0

@@ -304,7 +304,9 @@ def train_static(pm: PackedModel, capacity: int, next_job: Callable[[int], SlotJ
             step = _step_fn(pm, store, shape, ring, triton, dropout)
             if triton and device.type == "cuda" and key not in prepared:
                 prepared.add(key)
+                t_compile = time.perf_counter()
                 _precompile(step)
+                result.compile_s += time.perf_counter() - t_compile
             if not triton and dropout:  # masks drawn by torch generators from Python seeds: eager only
                 step()
             else:

@@ -76,6 +76,10 @@ def run(study: str, overrides: tuple[str, ...], out: str | None, quiet: bool, wo
     else:
         click.echo(f"{spec.name}: {summary.complete} complete, {summary.pruned} pruned, {summary.failed} failed "
                    f"in {summary.wall_s:.1f} s ({summary.steps} packed steps); study in {spec.out_dir}")
+        if summary.split:
+            from sweep.timing import WallSplit
+
+            click.echo(WallSplit().table(summary.split))
     _refresh_report(spec.out_dir)
 
 

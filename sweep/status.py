@@ -17,6 +17,7 @@ from rich.table import Table
 from evaluators.stats import paired_bootstrap
 from packer.errors import UserError
 from sweep.store import ResultsStore, StudyDir, TrialRecord, constraint_text, is_feasible, pareto_front
+from sweep.timing import WallSplit, last_run
 
 __all__ = ["study_status", "render"]
 
@@ -62,6 +63,7 @@ def study_status(root: Path, top: int = 5) -> dict[str, Any]:
         "best": best,
         "pareto": _front(done, objectives, directions) if len(directions) > 1 else [],
         "vs_default": vs_default,
+        "split": last_run(root),
         "packs": [{"pack_id": p.pack_id, "status": p.status, "slots": p.slots, "steps": p.steps,
                    "tokens": p.tokens, "tokens_per_s": p.tokens_per_s, "wall_s": p.wall_s,
                    "peak_mem_bytes": p.peak_mem_bytes} for p in packs],
@@ -147,6 +149,8 @@ def render(info: dict[str, Any]) -> None:
         packs.add_row(str(p["pack_id"]), p["status"], str(p["slots"]), str(p["steps"]), str(p["tokens"]),
                       f"{p['tokens_per_s'] or 0:,.0f}", f"{p['wall_s'] or 0:.1f}")
     console.print(packs)
+    if info.get("split"):
+        console.print(WallSplit().table(info["split"]).replace("this run", "the last run"), highlight=False)
 
 
 def _render_vs_default(console: Console, vs: dict[str, Any] | None) -> None:

@@ -40,6 +40,7 @@ from sweep.resume import PLANNED_ATTR, TOKENS_ATTR, Session, TokenPlan, budget_s
 from sweep.space import adapter_spec, suggest
 from sweep.spec import StudySpec
 from sweep.storage import WORKER_ATTR, Heartbeat, Sharing, storage_lock
+from sweep.timing import WallSplit, append_run
 
 __all__ = ["run_study", "RunSummary", "Progress"]
 
@@ -76,6 +77,8 @@ class RunSummary:
     """The budget that ended the asking (``BudgetState.reason``), '' while it had room."""
     spent_key: str = ""
     """Its study key (``BudgetState.key``)."""
+    split: dict[str, Any] = field(default_factory=dict)
+    """Where the run's wall time went (``sweep.timing.WallSplit.record``)."""
 
 
 @dataclass
@@ -118,6 +121,7 @@ class _Sweep:
         self.pack_step0 = self.pack_tokens0 = 0  # the run's steps and tokens when the current pack started
         self.idle_until = 0.0  # shared budget spent: look again after a heartbeat, not before every step
         self.log: Callable[[str], None] = print
+        self.split = WallSplit()
 
     def _lock(self) -> Any:
         sharing = self.s.sharing
@@ -226,7 +230,8 @@ class _Sweep:
         """``train.eval_every``: the held-out loss of the slots at such a step, stored as a curve and, with one
         objective, given to Optuna as the intermediate value at that step."""
         entries = [e for e in self.entries if e[0] == "heldout_loss"] or [("heldout_loss", {})]
-        result = evaluate(self.pm, sorted(due), self.eval_data, entries)
+        with self.split.phase("evaluate"):
+            result = evaluate(self.pm, sorted(due), self.eval_data, entries, timings=self._eval_timings)
         for slot, step in due.items():
             lv = self.live[slot]
             value = result.metrics.get(slot, {}).get("eval_loss", math.nan)
@@ -286,11 +291,15 @@ class _Sweep:
         if proxy_only:
             entries = [e for e in entries if self.proxy in metrics_of(*e)] or entries
         t0 = time.perf_counter()
-        result = evaluate(self.pm, slots, self.eval_data, entries)
+        with self.split.phase("evaluate"):
+            result = evaluate(self.pm, slots, self.eval_data, entries, timings=self._eval_timings)
         self.step_t = time.perf_counter()
         for slot in slots:
             self.live[slot].device_s += (self.step_t - t0) / len(slots)
         return result
+
+    def _eval_timings(self, name: str, seconds: float) -> None:
+        self.split.add(f"evaluate:{name}", seconds)
 
     def on_end(self, ends: list[SlotEnd]) -> None:
         self._flush_curves()
@@ -299,9 +308,10 @@ class _Sweep:
         verdicts = {e.slot: self._verdict(e, self.live[e.slot], result) for e in done}
         kept = [e for e in done if verdicts[e.slot][2] is None]
         # the adapters of trials that complete together are written together (parallel files)
-        saved = save_adapters(self.pm, [(e.slot, self.s.adapter_dir(self.live[e.slot].trial.number),
-                                         {"trial": str(self.live[e.slot].trial.number), "study": self.spec.name})
-                                        for e in kept], base_model_name_or_path=self.s.base)
+        with self.split.phase("save"):
+            saved = save_adapters(self.pm, [(e.slot, self.s.adapter_dir(self.live[e.slot].trial.number),
+                                             {"trial": str(self.live[e.slot].trial.number), "study": self.spec.name})
+                                            for e in kept], base_model_name_or_path=self.s.base)
         adapters = {e.slot: path for e, path in zip(kept, saved, strict=True)}
         for e in ends:
             lv = self.live.pop(e.slot)
@@ -385,18 +395,21 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
     With ``sharing`` this is one pack of a worker: other workers share the study's storage and budget.
     ``allow_changes``: resume even if a fixed setting changed (``sweep.resume.spec_changes``).
     """
-    session = open_session(spec, log=log, sharing=sharing, allow_changes=allow_changes)
+    split = WallSplit()
+    with split.phase("load"):
+        session = open_session(spec, log=log, sharing=sharing, allow_changes=allow_changes)
     pm, tokenizer = session.pm, session.tokenizer
-    check_packing(spec, getattr(pm.model, "config", None))
-    train_examples = load_examples(spec.data.train, tokenizer, fmt=spec.data.format,
-                                   max_length=spec.data.max_length, train_on_prompt=spec.data.train_on_prompt)
-    eval_data = (load_eval_data(spec.data.eval, tokenizer, fmt=spec.data.format, max_length=spec.data.max_length,
-                                train_on_prompt=spec.data.train_on_prompt, work_dir=session.sdir.root)
-                 if spec.data.eval is not None else None)
+    with split.phase("load"):
+        check_packing(spec, getattr(pm.model, "config", None))
+        train_examples = load_examples(spec.data.train, tokenizer, fmt=spec.data.format,
+                                       max_length=spec.data.max_length, train_on_prompt=spec.data.train_on_prompt)
+        eval_data = (load_eval_data(spec.data.eval, tokenizer, fmt=spec.data.format, max_length=spec.data.max_length,
+                                    train_on_prompt=spec.data.train_on_prompt, work_dir=session.sdir.root)
+                     if spec.data.eval is not None else None)
     started = time.time()
     pack_id = session.store.start_pack(slots=session.capacity, device=str(pm.device), started=started)
     sweep = _Sweep(spec, session, pm, train_examples, eval_data, pack_id, progress, started)
-    sweep.log = log
+    sweep.log, sweep.split = log, split
     if sharing is not None:
         sweep.heartbeat = Heartbeat(session.study._storage, sweep.live_trial_ids, sharing.heartbeat, log)
     wall_s = 0.0
@@ -406,9 +419,13 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
                 pass
         wall_s = time.time() - started
     finally:
-        session.add_elapsed(time.time() - started)
-        session.close()
+        with split.phase("storage"):
+            session.add_elapsed(time.time() - started)
+            session.close()
     sweep.summary.wall_s = wall_s
+    sweep.summary.split = split.record()
+    with sweep._lock():  # workers sharing the study directory append one after another
+        append_run(session.sdir.root, sweep.summary.split)
     return sweep.summary
 
 
@@ -431,12 +448,18 @@ def _train_pack(sweep: _Sweep, session: Session) -> bool:
     if pm.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(pm.device)
     status = "failed"
+    phased = sweep.split.timed  # the callbacks' own work is storage; evaluations and saves inside are their own
     try:
-        train(pm, session.capacity, sweep.next_job, pad_id=session.pad_id, on_step=sweep.on_step,
-              should_stop=sweep.should_stop, on_end=sweep.on_end, chunked_ce=spec.packing.chunked_ce,
-              activation_checkpointing=spec.packing.activation_checkpointing,
-              cuda_graphs=spec.packing.cuda_graphs, sync_steps=sweep.sha.rungs if sweep.sha else (),
-              static_shapes=None if _static_step_fits(spec) else False)
+        with sweep.split.phase("train"):
+            result = train(pm, session.capacity, phased("storage", sweep.next_job), pad_id=session.pad_id,
+                           on_step=phased("storage", sweep.on_step), should_stop=sweep.should_stop,
+                           on_end=phased("storage", sweep.on_end), chunked_ce=spec.packing.chunked_ce,
+                           activation_checkpointing=spec.packing.activation_checkpointing,
+                           cuda_graphs=spec.packing.cuda_graphs, sync_steps=sweep.sha.rungs if sweep.sha else (),
+                           static_shapes=None if _static_step_fits(spec) else False)
+        for part, seconds in (("precompile", result.compile_s), ("warm-up", result.warmup_s),
+                              ("capture", result.capture_s)):
+            sweep.split.move(seconds, "train", "compile", detail=f"compile:{part}")
         status = "finished"
         return True
     except torch.OutOfMemoryError as err:
@@ -453,8 +476,9 @@ def _train_pack(sweep: _Sweep, session: Session) -> bool:
         return False
     finally:
         peak = torch.cuda.max_memory_allocated(pm.device) if pm.device.type == "cuda" else None
-        session.store.finish_pack(sweep.pack_id, status=status, steps=sweep.summary.steps - sweep.pack_step0,
-                                  tokens=sweep.summary.tokens - sweep.pack_tokens0, peak_mem_bytes=peak)
+        with sweep.split.phase("storage"):
+            session.store.finish_pack(sweep.pack_id, status=status, steps=sweep.summary.steps - sweep.pack_step0,
+                                      tokens=sweep.summary.tokens - sweep.pack_tokens0, peak_mem_bytes=peak)
         if status == "oom":
             if pm.device.type == "cuda":
                 torch.cuda.empty_cache()  # the failed step's activations, before the next pack plans on them

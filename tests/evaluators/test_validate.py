@@ -30,7 +30,8 @@ def test_every_evaluator_has_options_and_defaults_validate() -> None:
 
 @pytest.mark.parametrize(("name", "options", "pattern"), [
     ("bleu_score", {}, r"^evaluators: unknown evaluator 'bleu_score' \(expected one of: heldout_loss, "),
-    ("heldout_loss", {"batchsize": 4}, r"^heldout_loss\.options: unknown option 'batchsize' \(expected: batch_size\)"),
+    ("heldout_loss", {"batchsize": 4},
+     r"^heldout_loss\.options: unknown option 'batchsize' \(expected: batch_size, static_shapes\)"),
     ("generation", {"scorers": ["exact_match", "rouge"]}, r"^generation\.options\.scorers: unknown metric 'rouge'"),
     ("generation", {"max_new_tokens": 0}, r"^generation\.options\.max_new_tokens: must be an integer >= 1"),
     ("lm_eval", {}, r"^lm_eval\.options\.tasks: is required$"),

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# A whole `sweep run` on one GPU with its wall-time split (issue 18): studies/demo-gpu.yaml on SmolLM2-135M's shape.
+# With models/smollm2-135m (the real model: `sweep model smollm2 --out models/smollm2-135m`) it runs on that;
+# otherwise pass a directory holding SmolLM2's config.json and tokenizer files (e.g. what `sweep model` wrote,
+# minus the weights) and a random-init model of that config (bf16, seed 0) is built into models/smollm2-135m-random.
+# nvidia-smi samples the GPU's utilisation every 0.5 s while the run goes; the run prints its split (load,
+# compile/capture, train, evaluate, save, storage) and this script prints the wall time and the GPU busy share.
+# Usage: benchmarks/sweep_split.sh [CONFIG_DIR] [OVERRIDES...]   e.g. ... cfg train.max_steps=150 'pruning.rungs=[40]'
+# Writes into ${BENCH_OUT:-runs/bench-split}: run.log, gpu_util.txt, timing.json, status.txt.
+set -o pipefail
+cd "$(dirname "$0")/.."
+out=${BENCH_OUT:-runs/bench-split}
+mkdir -p "$out"
+model=$PWD/models/smollm2-135m
+if [ ! -f "$model/config.json" ]; then
+  model=$PWD/models/smollm2-135m-random
+  python3 - "$1" "$model" <<'PY' || exit 1
+import pathlib, shutil, sys
+import torch, transformers
+src, dst = (pathlib.Path(p) for p in sys.argv[1:])
+if not (dst / "model.safetensors").is_file():
+    torch.manual_seed(0)
+    cfg = transformers.AutoConfig.from_pretrained(src)
+    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(dst)
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "chat_template", "generation_config", "special_tokens")):
+            shutil.copy(f, dst / f.name)
+print("random-init model of", src / "config.json", "in", dst)
+PY
+fi
+[ $# -gt 0 ] && [ -d "$1" ] && shift
+python3 -c "import torch, transformers, triton, peft; print(torch.__version__, transformers.__version__, triton.__version__, peft.__version__, torch.cuda.get_device_name())"
+nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits -lms 500 > "$out/gpu_util.txt" &
+smi=$!
+SECONDS=0
+python3 -m sweep.cli run studies/demo-gpu.yaml "model.path=$model" "$@" --out "$out/run" --quiet > "$out/run.log" 2>&1
+rc=$?
+wall=$SECONDS
+kill $smi
+cp "$out/run/timing.json" "$out/" 2>/dev/null
+python3 -m sweep.cli status "$out/run" > "$out/status.txt" 2>&1
+tail -12 "$out/run.log"
+echo "sweep run rc $rc, command wall s: $wall"
+awk '{s+=$1; n++; if ($1>0) b++} END {printf "gpu util mean %.1f%% (nvidia-smi, %d of %d samples > 0)\n", s/n, b, n}' "$out/gpu_util.txt"

@@ -1,0 +1,132 @@
+"""Where a ``sweep run``'s wall time goes: load, compile/capture, train, evaluate, save, storage.
+
+``WallSplit.phase(name)`` is a context manager that charges the wall time inside it to ``name``, *exclusively*:
+a phase opened inside another (an evaluation inside the training loop's ``on_end`` callback, itself inside
+``train``) stops the outer clock while it runs, so the phases add up to the run's wall time and nothing is
+counted twice. The sweep wraps: the model and data load (``load``), the ``packer.train`` call (``train``),
+its callbacks' Optuna asks/tells and results-store writes (``storage``), evaluator calls (``evaluate``, with
+``evaluate:<evaluator>`` beside it for each), adapter saving (``save``); the training loop's own kernel
+precompile, warm-up and CUDA-graph capture seconds (``packer.train.TrainResult``) move from ``train`` to
+``compile`` when the loop returns. ``train`` is then the step loop itself: host staging and the replayed or
+eager steps, including the loss read-backs that wait for the GPU.
+
+The clock is the host's: GPU work launched asynchronously is charged to the phase that waits for it (the
+training step's read-back is in ``train``; evaluations and saves read their results, so they wait for their
+own work). ``timing.json`` in the study directory keeps the split of every run of the study; ``sweep status``
+shows the last one.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+__all__ = ["PHASES", "WallSplit", "append_run", "last_run", "TIMING_FILE"]
+
+PHASES = ("load", "compile", "train", "evaluate", "save", "storage")
+"""The split's top-level phases, in the order the table prints them."""
+TIMING_FILE = "timing.json"
+T = TypeVar("T")
+
+
+class WallSplit:
+    """Exclusive wall seconds per phase (module docstring)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        self._stack: list[str] = []
+        self._mark = 0.0
+        self.started = time.perf_counter()
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Charge the wall time of the block, less that of the phases nested in it, to ``name``."""
+        self._switch()
+        self._stack.append(name)
+        self.counts[name] = self.counts.get(name, 0) + 1
+        try:
+            yield
+        finally:
+            self._switch()
+            self._stack.pop()
+
+    def _switch(self) -> None:
+        now = time.perf_counter()
+        if self._stack:
+            top = self._stack[-1]
+            self.seconds[top] = self.seconds.get(top, 0.0) + now - self._mark
+        self._mark = now
+
+    def timed(self, name: str, fn: Callable[..., T]) -> Callable[..., T]:
+        """``fn`` with every call charged to phase ``name``."""
+        def call(*args: Any, **kwargs: Any) -> T:
+            with self.phase(name):
+                return fn(*args, **kwargs)
+
+        return call
+
+    def add(self, name: str, seconds: float) -> None:
+        """Charge ``seconds`` measured elsewhere to ``name`` (e.g. per-evaluator times, which overlap ``evaluate``)."""
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
+    def move(self, seconds: float, src: str, dst: str, detail: str | None = None) -> None:
+        """Re-charge ``seconds`` of ``src`` to ``dst`` (the training loop's capture, counted by the loop itself),
+        and to the sub-phase ``detail`` if given."""
+        seconds = min(seconds, self.seconds.get(src, 0.0))
+        self.seconds[src] = self.seconds.get(src, 0.0) - seconds
+        self.add(dst, seconds)
+        if detail is not None:
+            self.add(detail, seconds)
+
+    def wall_s(self) -> float:
+        return time.perf_counter() - self.started
+
+    def record(self) -> dict[str, Any]:
+        """Plain data: wall seconds, the top-level phases (``other``: time outside any of them), the sub-phases."""
+        wall = self.wall_s()
+        top = {p: round(self.seconds.get(p, 0.0), 3) for p in PHASES}
+        top["other"] = round(max(0.0, wall - sum(top.values())), 3)
+        sub = {k: round(v, 3) for k, v in sorted(self.seconds.items()) if ":" in k}
+        return {"wall_s": round(wall, 3), "phases": top, "detail": sub,
+                "calls": {k: v for k, v in sorted(self.counts.items())}}
+
+    def table(self, record: dict[str, Any] | None = None) -> str:
+        """The split as aligned text lines: phase, seconds, share of the wall time."""
+        rec = record or self.record()
+        wall = max(rec["wall_s"], 1e-9)
+        lines = [f"wall-time split of this run ({rec['wall_s']:.1f} s):"]
+        for name, sec in rec["phases"].items():
+            lines.append(f"  {name:<10} {sec:8.1f} s {100 * sec / wall:5.1f}%")
+            for sub, s in rec["detail"].items():
+                if sub.split(":", 1)[0] == name:
+                    lines.append(f"    {sub.split(':', 1)[1]:<12} {s:6.1f} s")
+        return "\n".join(lines)
+
+
+def append_run(root: str | Path, record: dict[str, Any]) -> None:
+    """Add one run's record to ``root/timing.json`` (written atomically; a resumed study keeps every run's)."""
+    from sweep.store import atomic_write_text
+
+    path = Path(root) / TIMING_FILE
+    runs = _runs(path)
+    runs.append(record)
+    atomic_write_text(path, json.dumps({"runs": runs}, indent=1))
+
+
+def last_run(root: str | Path) -> dict[str, Any] | None:
+    """The last run's record in ``root/timing.json``, or None (no file, or one this version cannot read)."""
+    runs = _runs(Path(root) / TIMING_FILE)
+    return runs[-1] if runs else None
+
+
+def _runs(path: Path) -> list[dict[str, Any]]:
+    try:
+        runs = json.loads(path.read_text()).get("runs", [])
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [r for r in runs if isinstance(r, dict) and isinstance(r.get("phases"), dict)]

@@ -1,0 +1,112 @@
+"""Held-out loss and greedy generation on a static pack's fixed shapes (``packer.eval_graph``) equal the dynamic path.
+
+On the CPU the static path runs eagerly (no CUDA graphs); the shapes, tables, static KV cache and 4D masks are the
+ones a CUDA graph replays on the GPU (``test_gpu.py`` checks the captured decode there)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from evaluators import load_eval_data
+from evaluators.generation import build_prompts, generate_ids, generate_texts
+from evaluators.heldout_loss import heldout_loss
+from packer import eval_graph
+from packer.data import SlotStream, read_jsonl, tokenize_rows
+from packer.model import PackedModel, load_base
+from packer.plan import AdapterSpec
+from packer.train import SlotEnd, SlotJob, train
+from tests.evaluators.conftest import YESNO
+
+
+def _spy(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """Count the calls of ``packer.eval_graph.<name>`` (the static path was taken, not only the fallback)."""
+    calls: list[int] = []
+    real = getattr(eval_graph, name)
+
+    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(eval_graph, name, counted)
+    return calls
+
+
+def static_pack_evaluations(model_dir, check, attn: str = "sdpa", device: str = "cpu", impl: str = "torch",
+                            **train_kw):  # noqa: ANN001, ANN003, ANN201
+    """Train 3 jobs (mixed ranks, targets, lengths) in 4 static slots; ``check(pm, slots, tok)`` runs in every
+    ``on_end`` (the ending slots and every other live slot are still in the pack)."""
+    model, tok = load_base(str(model_dir), attn_implementation=attn, device=device)
+    pm = PackedModel(model, impl=impl)
+    _, rows = read_jsonl(YESNO)
+    examples = tokenize_rows(rows, "prompt_completion", tok)
+    base = AdapterSpec(rank=8, alpha=16, lr=3e-2, targets=("all-linear",), micro_batch=4, max_steps=6)
+    specs = [replace(base, max_steps=4, seed=1), replace(base, rank=4, targets=("q_proj", "v_proj"), seed=2),
+             replace(base, rank=16, alpha=8, targets=("gate_proj", "up_proj", "down_proj"), seed=3)]
+    queue = [SlotJob(s, SlotStream(examples, s.micro_batch, seed=i), key=i) for i, s in enumerate(specs)]
+    calls = []
+
+    def on_end(ends: list[SlotEnd]) -> None:
+        assert eval_graph.available(pm)
+        calls.append(sorted(pm.specs))
+        check(pm, sorted(e.slot for e in ends), tok)
+        check(pm, sorted(pm.specs), tok)
+
+    train(pm, 4, lambda slot: queue.pop(0) if queue else None, pad_id=tok.pad_token_id, on_end=on_end,
+          static_shapes=True, readback_every=2, **train_kw)
+    assert len(calls) == 2 and pm.static is None
+
+
+def test_static_heldout_loss_equals_the_dynamic_one(tiny_dirs, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen, calls = [], _spy(monkeypatch, "row_losses")
+
+    def check(pm, slots, tok) -> None:  # noqa: ANN001
+        data = load_eval_data(YESNO, tok, fmt="prompt_completion", max_length=48)
+        static = heldout_loss(pm, slots, data, batch_size=3)
+        dynamic = heldout_loss(pm, slots, data, batch_size=3, static_shapes=False)
+        for slot in slots:
+            assert static.metrics[slot]["eval_loss"] == pytest.approx(dynamic.metrics[slot]["eval_loss"], rel=1e-5)
+            assert static.per_item[slot]["eval_loss"] == pytest.approx(dynamic.per_item[slot]["eval_loss"], rel=1e-5)
+        seen.append({s: static.metrics[s]["eval_loss"] for s in slots})
+
+    static_pack_evaluations(tiny_dirs("llama"), check)
+    assert len(calls) == 2 * 2 * 8  # slot ends x slot sets x 8 chunks of the 24 rows: the static path only
+    assert len({round(v, 4) for d in seen for v in d.values()}) > 1  # the slots are different adapters
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_static_greedy_decoding_equals_the_dynamic_one(tiny_dirs, attn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _spy(monkeypatch, "greedy_decode")
+    def check(pm, slots, tok) -> None:  # noqa: ANN001
+        data = load_eval_data(YESNO, tok, fmt="prompt_completion", max_length=48)
+        prompts = build_prompts(data)[:7]  # 3 chunks of 3: the last one has free rows
+        kw = {"pad_id": tok.pad_token_id, "max_new_tokens": 5, "batch_size": 3}
+        dynamic = generate_ids(pm, slots, prompts, eos_id=None, static_shapes=False, **kw)
+        assert generate_ids(pm, slots, prompts, eos_id=None, **kw) == dynamic
+        assert all(len(a) == 5 for answers in dynamic.values() for a in answers)
+        eos = dynamic[slots[0]][0][2]  # a token some answer reaches: answers are cut before it
+        cut = generate_ids(pm, slots, prompts, eos_id=eos, static_shapes=False, **kw)
+        assert generate_ids(pm, slots, prompts, eos_id=eos, **kw) == cut
+        assert any(len(a) < 5 for answers in cut.values() for a in answers)
+        stop = tok.decode(dynamic[slots[-1]][1][1:3])  # a stop string: cut after the token that completes it
+        texts = {s: generate_texts(pm, slots, prompts, tok, stop=[stop], static_shapes=s, max_new_tokens=5,
+                                   batch_size=3) for s in (True, False)}
+        assert texts[True] == texts[False]
+
+    static_pack_evaluations(tiny_dirs("llama"), check, attn)
+    assert len(calls) == 2 * 2 * 3 * 3  # slot ends x slot sets x static calls x 3 chunks
+
+
+def test_a_static_heldout_shape_over_the_logits_budget_takes_the_dynamic_path(tiny_dirs, monkeypatch) -> None:
+    calls = _spy(monkeypatch, "row_losses")
+    monkeypatch.setattr(eval_graph, "STATIC_LOGITS_BYTES", 1024)
+
+    def check(pm, slots, tok) -> None:  # noqa: ANN001
+        assert not eval_graph.heldout_fits(pm, 3, 48)
+        data = load_eval_data(YESNO, tok, fmt="prompt_completion", max_length=48)
+        result = heldout_loss(pm, slots, data, batch_size=3)
+        assert all(result.metrics[s]["eval_loss"] > 0 for s in slots)
+
+    static_pack_evaluations(tiny_dirs("llama"), check)
+    assert calls == []
