@@ -13,8 +13,7 @@ from typing import Any, NamedTuple
 
 from reports._fmt import esc, fmt, table
 from reports._load import StudyData, best_trial, objective_values, pareto_numbers
-from reports._stats import paired_bootstrap, paired_scores
-from sweep.store import constraint_text
+from sweep.store import constraint_text, paired_bootstrap, paired_scores
 
 __all__ = ["SummaryInfo", "GainInfo", "GainRow", "BestRow", "_summary_info", "_gain_info", "render_summary",
            "render_gain"]

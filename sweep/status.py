@@ -14,9 +14,16 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from evaluators.stats import paired_bootstrap
 from packer.errors import UserError
-from sweep.store import ResultsStore, StudyDir, TrialRecord, constraint_text, is_feasible, pareto_front
+from sweep.store import (
+    ResultsStore,
+    StudyDir,
+    TrialRecord,
+    constraint_text,
+    is_feasible,
+    paired_bootstrap,
+    pareto_front,
+)
 
 __all__ = ["study_status", "render"]
 

@@ -9,11 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from evaluators.stats import _numpy_interval
 from reports import figures, summary, timeline
 from reports._fmt import table
 from reports._load import load_study_data, pareto_numbers
-from reports._stats import paired_bootstrap
 from reports.html import build_report, write_report
 from sweep.store import ResultsStore, StudyDir
 
@@ -86,15 +84,6 @@ def test_gain_without_or_with_unfinished_default(tmp_path) -> None:
     trials = [_t(0, "PRUNED", user_attrs={"default": True}, reason="pruned at step 6"), _t(1, values=[1.0, 1.0])]
     info = summary._gain_info(load_study_data(_study(tmp_path / "b", trials)))
     assert info.default == 0 and not info.rows and "PRUNED" in info.note
-
-
-def test_local_bootstrap_matches_evaluators_numpy_path() -> None:
-    rng = np.random.default_rng(1)
-    a, b = rng.normal(size=30), rng.normal(size=30)
-    mean, low, high = paired_bootstrap(a, b, seed=3)
-    assert mean == pytest.approx(float((a - b).mean()))
-    assert (low, high) == pytest.approx(_numpy_interval(a - b, 0.95, 2000, 3))
-    assert paired_bootstrap([1.0], [0.5]) == (0.5, 0.5, 0.5)
 
 
 def test_curves_and_prune_markers(tmp_path) -> None:
