@@ -55,8 +55,7 @@ def study_status(root: Path, top: int = 5) -> dict[str, Any]:
         # feasible trials first (Optuna's rule for constrained studies), each group by the first objective
         for t in sorted(done, key=lambda t: (t.number not in feasible, _rank(sign, t.objective_values[0])))[:top]:
             best.append({"number": t.number, "values": dict(zip(objectives, t.objective_values, strict=False)),
-                         "params": t.params, "adapter": t.adapter_path, "default": bool((t.user_attrs or {})
-                                                                                       .get("default")),
+                         "params": t.params, "adapter": t.adapter_path, "default": t.is_default,
                          "feasible": t.number in feasible})
     return {
         "study": meta.get("name"),
@@ -87,7 +86,7 @@ def _vs_default(store: ResultsStore, trials: list[TrialRecord], directions: list
     None without a complete default trial or a complete best trial other than it. Each row: the metric, both
     trials' means over the items both scored, best − default and its 95% paired bootstrap interval.
     """
-    found = [t for t in trials if (t.user_attrs or {}).get("default") and t.state == "COMPLETE" and t.objective_values]
+    found = [t for t in trials if t.is_default and t.state == "COMPLETE" and t.objective_values]
     done = [t for t in trials if t.state == "COMPLETE" and t.objective_values]
     if not found or not done or not directions:
         return None

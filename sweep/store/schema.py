@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from sweep.store import attrs
+
 __all__ = ["SCHEMA_VERSION", "TrialRecord", "StepRow", "EvalRow", "ItemRow", "PackRecord", "SlotSpan",
            "PruneDecision", "TABLES", "columns", "to_json", "from_json", "plain", "now_or"]
 
@@ -82,6 +84,11 @@ class TrialRecord:
     started: float | None = None
     finished: float | None = None
     reason: str | None = None
+
+    @property
+    def is_default(self) -> bool:
+        """Whether this is the community-default trial or a retry of it (user attr ``attrs.DEFAULT``)."""
+        return bool((self.user_attrs or {}).get(attrs.DEFAULT))
 
 
 @dataclass(frozen=True)
