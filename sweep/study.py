@@ -11,6 +11,9 @@ source of truth, and ``sweep.ledger`` alone asks and tells it; a rerun on the sa
 Shared with other workers (``sharing``), the budget check and the ask run under the storage's lock,
 a heartbeat thread stamps this worker's RUNNING trials, and stale trials of dead workers are failed
 and retried every few heartbeats (``sweep.worker`` runs the loop around it).
+
+Over ~400 lines on purpose: the sweep's one loop (``_Sweep``'s callbacks, asking to telling) reads top to
+bottom in one file; what is not the loop lives in ``sweep.ledger``, ``sweep.budget`` and ``sweep.session``.
 """
 
 from __future__ import annotations
