@@ -38,7 +38,9 @@ class BudgetState:
 class Counts(Protocol):
     """What a run has counted so far (``sweep.session.Session``)."""
 
-    study: optuna.Study
+    @property
+    def study(self) -> optuna.Study: ...
+
     sharing: Sharing | None
     finished: int
     """Trials that count against the budget (finished, orphans excluded)."""
