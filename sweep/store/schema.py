@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from sweep.store import attrs
+from sweep.store.attrs import DEFAULT
 
 __all__ = ["SCHEMA_VERSION", "TrialRecord", "StepRow", "EvalRow", "ItemRow", "PackRecord", "SlotSpan",
            "PruneDecision", "TABLES", "columns", "to_json", "from_json", "plain", "now_or"]
@@ -88,7 +88,7 @@ class TrialRecord:
     @property
     def is_default(self) -> bool:
         """Whether this is the community-default trial or a retry of it (user attr ``attrs.DEFAULT``)."""
-        return bool((self.user_attrs or {}).get(attrs.DEFAULT))
+        return bool((self.user_attrs or {}).get(DEFAULT))
 
 
 @dataclass(frozen=True)
