@@ -30,12 +30,11 @@ from evaluators.heldout_loss import METRICS as _HELDOUT_METRICS
 from evaluators.heldout_loss import HeldoutOptions, heldout_loss
 from evaluators.lm_eval import LmEvalOptions, run_lm_eval, task_names
 from evaluators.lm_eval import metric_direction as _lm_eval_direction
-from evaluators.stats import paired_bootstrap
 from packer.errors import ConfigError
 from packer.model import PackedModel
 
 __all__ = ["Evaluator", "EVALUATORS", "OPTIONS", "METRICS", "MC_FORMAT", "EvalData", "EvalResult", "SlotEvalError",
-           "load_eval_data", "validate", "metrics_of", "metric_direction", "evaluate", "paired_bootstrap"]
+           "load_eval_data", "validate", "metrics_of", "metric_direction", "evaluate"]
 
 
 class Evaluator(Protocol):

@@ -1,7 +1,8 @@
 """Everything the report shows, read once from a study directory's results store.
 
-Reports read only ``sweep.store`` (the results tables and the Optuna storage URL recorded in the
-``study`` table) and the ``budget`` block of the study's ``study.yaml`` copy.
+Reports read only ``sweep.store``: the results tables, and in its ``study`` table the resolved spec
+the last run used (its budget included: overrides and aliases applied) and the Optuna storage URL.
+The directory's ``study.yaml`` is a copy for people; nothing here reads it.
 """
 
 from __future__ import annotations
@@ -10,8 +11,6 @@ import math
 import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
-
-import yaml
 
 from sweep.store import (
     EvalRow,
@@ -50,6 +49,7 @@ class StudyData(NamedTuple):
     spans: list[SlotSpan]
     prunes: list[PruneDecision]
     budget: dict[str, Any]
+    """The resolved spec's ``budget`` ({} when the store records no spec)."""
     samples: dict[int, dict[str, list[ItemRow]]] = {}  # noqa: RUF012 (load_study_data passes its own)
     """trial -> evaluator metric -> the first items that kept generated text; the default and the best trials."""
 
@@ -60,7 +60,7 @@ class StudyData(NamedTuple):
     @property
     def default(self) -> TrialRecord | None:
         """The community-default trial (user attribute ``default``), its latest retry if it was retried."""
-        found = [t for t in self.trials if (t.user_attrs or {}).get("default")]
+        found = [t for t in self.trials if t.is_default]
         done = [t for t in found if t.state == "COMPLETE"]
         pick = done or found
         return pick[-1] if pick else None
@@ -113,17 +113,17 @@ def load_study_data(root: str | Path) -> StudyData:
     """Read a study directory.
 
     Raises:
-        FileNotFoundError: ``root`` holds no study (no results.db and study.yaml).
+        FileNotFoundError: ``root`` holds no study (no results.db).
     """
     sdir = StudyDir(root)
-    if not sdir.is_study():
-        raise FileNotFoundError(f"{root}: not a study directory (no results.db and study.yaml)")
+    if not sdir.results_db.is_file():
+        raise FileNotFoundError(f"{root}: not a study directory (no results.db)")
     with ResultsStore(sdir.results_db, create=False) as store:
         meta = store.meta()
         objectives, directions = list(meta.get("objectives") or []), list(meta.get("directions") or [])
         trials = store.trials()
         data = StudyData(sdir.root, meta, objectives, directions, trials, store.curves(), store.evals(kind="rung"),
-                         {}, store.packs(), store.spans(), store.prune_decisions(), _budget(sdir, meta))
+                         {}, store.packs(), store.spans(), store.prune_decisions(), _budget(meta))
         wanted = {t.number for i in range(len(directions)) if (t := best_trial(data.candidates, i, directions))}
         if data.default is not None:
             wanted.add(data.default.number)
@@ -137,18 +137,11 @@ def load_study_data(root: str | Path) -> StudyData:
     return data
 
 
-def _budget(sdir: StudyDir, meta: dict[str, Any]) -> dict[str, Any]:
-    """The budget the last run used: the resolved spec in the store, or (a study from before it was
-    recorded there) the ``budget`` block of the study.yaml copy."""
+def _budget(meta: dict[str, Any]) -> dict[str, Any]:
+    """The budget the last run used, from the resolved spec in the store (meta ``spec``)."""
     spec = meta.get("spec")
-    if isinstance(spec, dict) and isinstance(spec.get("budget"), dict):
-        return spec["budget"]
-    try:
-        doc = yaml.safe_load(sdir.study_yaml.read_text())
-    except (OSError, yaml.YAMLError):
-        return {}
-    budget = doc.get("budget") if isinstance(doc, dict) else None
-    return budget if isinstance(budget, dict) else {}
+    budget = spec.get("budget") if isinstance(spec, dict) else None
+    return dict(budget) if isinstance(budget, dict) else {}
 
 
 def _storage(url: str) -> Any:

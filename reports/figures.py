@@ -63,7 +63,7 @@ def _pareto_info(data: StudyData) -> ParetoInfo:
         if vals is None:
             skipped += 1
             continue
-        default = bool((t.user_attrs or {}).get("default"))
+        default = t.is_default
         title = f"trial {t.number}{' (default)' if default else ''}{' · Pareto' if t.number in front else ''}"
         metrics = {k: v for k, v in (t.metrics or {}).items() if k not in data.objectives}
         hover = _hover(title, dict(zip(data.objectives, vals, strict=True)), t.params or {}, metrics)

@@ -13,8 +13,7 @@ from typing import Any, NamedTuple
 
 from reports._fmt import esc, fmt, table
 from reports._load import StudyData, best_trial, objective_values, pareto_numbers
-from reports._stats import paired_bootstrap, paired_scores
-from sweep.store import constraint_text
+from sweep.store import constraint_text, paired_bootstrap, paired_scores
 
 __all__ = ["SummaryInfo", "GainInfo", "GainRow", "BestRow", "_summary_info", "_gain_info", "render_summary",
            "render_gain"]
@@ -100,7 +99,7 @@ def _summary_info(data: StudyData, top: int = 5) -> SummaryInfo:
         front = set(pareto_numbers(data.candidates, data.directions))
         chosen = sorted((x for x in done if x[1].number in front), key=lambda x: (x[0][0], x[1].number))
         title = f"Pareto front ({len(chosen)} trials)"
-    best = [BestRow(t.number, vals, dict(t.params or {}), bool((t.user_attrs or {}).get("default")), t.adapter_path,
+    best = [BestRow(t.number, vals, dict(t.params or {}), t.is_default, t.adapter_path,
                     data.feasible(t)) for vals, t in chosen]
     return SummaryInfo(str(data.meta.get("name", data.root.name)), str(data.meta.get("model", "–")),
                        str(data.meta.get("data", "–")), str(data.meta.get("storage", "–")),

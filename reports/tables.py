@@ -52,7 +52,7 @@ def _trial_table_info(data: StudyData, report_dir: Path) -> TrialTableInfo:
         href = None
         if t.adapter_path and (data.root / t.adapter_path).is_dir():
             href = Path(os.path.relpath((data.root / t.adapter_path).resolve(), report_dir.resolve())).as_posix()
-        rows.append(TrialRow(t.number, t.state or "?", bool((t.user_attrs or {}).get("default")), vals,
+        rows.append(TrialRow(t.number, t.state or "?", t.is_default, vals,
                              dict(t.metrics or {}), dict(t.params or {}), t.steps_done, t.tokens, t.device_seconds,
                              f"{fmt(t.pack_id)}·{fmt(t.slot)}", t.adapter_path, href, t.reason,
                              data.feasible(t) if data.constraints and t.state == "COMPLETE" else None))

@@ -9,6 +9,9 @@ key (README.md, "Axolotl and torchtune configs", has the table): a key that chan
 in one error naming it when it asks for something not built (QLoRA, DoRA, 8-bit loading, a hub
 dataset, another optimizer); a key about logging, hardware or infrastructure is dropped, and all
 dropped keys are named in one warning.
+
+Over ~400 lines on purpose: both formats' translation and refusal tables, and the rules they share
+(dropped keys, the one warning), read as one page against the README's table.
 """
 
 from __future__ import annotations

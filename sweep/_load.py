@@ -5,6 +5,9 @@ Axolotl-style flat keys at the top level (``base_model``, ``lora_r``, ``learning
 ``sequence_len``, ...) are moved into their section; W&B's ``method``, ``metric``, ``run_cap`` and
 ``parameters`` map onto ``sampler``, ``objectives``, ``budget.trials`` and ``search``. A whole Axolotl
 or torchtune config is first rewritten into this shape by ``sweep/_foreign.py``.
+
+Over ~400 lines on purpose: the alias table and the code applying it (sections, flat keys, W&B, the
+error positions) are one boundary, validated once; split, each half would need the other to be read.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 ``sweep.study`` asks these when it starts a trial, so the stream it trains on, the optimizer steps it
 runs for (from ``train.epochs`` when no ``max_steps`` is given) and the tokens the budget plans for it
-(``sweep.resume.TokenPlan`` for plain streams) are computed from the same numbers.
+(``sweep.budget.TokenPlan`` for plain streams) are computed from the same numbers.
 """
 
 from __future__ import annotations

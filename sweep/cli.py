@@ -118,7 +118,7 @@ def _join(spec: StudySpec, storage: str | None, heartbeat: float, grace: float, 
 
 def _run_workers(study: str, overrides: tuple[str, ...], spec: StudySpec, workers: int, storage: str | None,
                  heartbeat: float, grace: float, quiet: bool, allow_changes: bool) -> None:
-    from sweep.resume import own_directory
+    from sweep.session import own_directory
     from sweep.store import StudyDir
     from sweep.worker import with_storage
 

@@ -232,7 +232,7 @@ def model_card(meta: dict[str, Any], rec: TrialRecord, config: dict[str, Any], o
     """README.md of an export: what the trial is, how it scored, where it came from, how to load it."""
     model, name = str(meta.get("model", "")), str(meta.get("name", ""))
     objectives = dict(zip(meta.get("objectives") or [], meta.get("directions") or [], strict=False))
-    default = " (the community-default trial)" if (rec.user_attrs or {}).get("default") else ""
+    default = " (the community-default trial)" if rec.is_default else ""
     lines = ["---", f"library_name: {'transformers' if merged else 'peft'}", f"base_model: {json.dumps(model)}",
              "tags: [lora, lora-sweep]", "---", "",
              f"# {name} · trial {rec.number}{' (merged into the base model)' if merged else ''}", "",

@@ -114,7 +114,7 @@ class GridSearch(optuna.samplers.BaseSampler):
     which raises outside ``optimize``, once the grid is spent, and looks up a ``grid_id`` that an
     enqueued trial (the community default, a retry) never gets, so it raises ``KeyError``. Here a
     point is taken by any trial that drew it, enqueued ones included: the default's point is not run
-    again, and ``left`` tells the budget when the grid is spent (``sweep.resume.budget_state``).
+    again, and ``left`` tells the budget when the grid is spent (``sweep.budget.budget_state``).
     A point is assigned when a trial starts and read back by each of its suggestions, so the whole
     ask + suggest must happen before the next ask (shared studies do both under the storage lock).
     """

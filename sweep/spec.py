@@ -5,7 +5,8 @@ Axolotl / torchtune / PEFT key aliases and a W&B-style ``parameters:`` block ont
 dataclasses, applies dotted command-line overrides and validates everything once. Each dataclass
 validates itself in ``__post_init__`` and raises ``ConfigError("key: rule (got value)")``; the
 loader (``sweep/_load.py``) adds the file, the line and the full dotted key. Defaults live only
-here, and the per-adapter ones only in ``packer.plan.AdapterSpec``.
+here (the study's strategy — objectives, constraints, budget, pruning, sampler — in ``sweep/strategy.py``,
+re-exported here), and the per-adapter ones only in ``packer.plan.AdapterSpec``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from packer.data import FORMATS as DATA_FORMATS
 from packer.errors import ConfigError
 from packer.plan import AdapterSpec
 from sweep._params import SEARCHABLE, Param, SearchSpace, _check, _check_adapter_value, _is_num
-from sweep.store import constraint_violation
+from sweep.strategy import _NAME, SAMPLERS, Budget, Constraint, Objective, PruningSpec, SamplerSpec
 
 __all__ = [
     "Budget", "Constraint", "DataSpec", "EvalSpec", "ModelSpec", "Objective", "PackingSpec", "Param", "PruningSpec",
@@ -32,10 +33,8 @@ __all__ = [
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 FORMATS = ("auto", *DATA_FORMATS)
 _FORMAT_ALIASES = {"messages": "chat", "sharegpt": "chat", "completion": "prompt_completion"}
-SAMPLERS = ("tpe", "random", "grid", "gp", "nsga2")
 EVALUATORS = tuple(evaluators.EVALUATORS)
 _D = AdapterSpec()
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _NOT_ADAPTER = ("alpha_ratio", "epochs", "max_steps_per_epoch", "warmup_ratio", "eval_every")
 """TrainSpec fields that are not AdapterSpec fields (resolved into rank/alpha or steps per trial)."""
 
@@ -171,103 +170,6 @@ class TrainSpec:
 
 
 @dataclass(frozen=True)
-class Objective:
-    """One optimisation target."""
-
-    metric: str
-    """Metric name an evaluator or the trainer reports (``eval_loss``, ``exact_match``, ``adapter_params``)."""
-    direction: Literal["minimize", "maximize"]
-    """Optuna's spelling."""
-
-    def __post_init__(self) -> None:
-        _check(bool(_NAME.fullmatch(self.metric)), "metric", "must be a metric name", self.metric)
-        _check(self.direction in ("minimize", "maximize"), "direction", "must be minimize or maximize", self.direction)
-
-
-@dataclass(frozen=True)
-class Constraint:
-    """A soft constraint ``metric <= value`` or ``metric >= value`` (Optuna ``set_constraint``)."""
-
-    metric: str
-    """Metric name."""
-    op: Literal["<=", ">="]
-    """Comparison."""
-    value: float
-    """Bound."""
-
-    def __post_init__(self) -> None:
-        _check(bool(_NAME.fullmatch(self.metric)), "metric", "must be a metric name", self.metric)
-        _check(self.op in ("<=", ">="), "op", "must be <= or >=", self.op)
-        _check(_is_num(self.value), "value", "must be a number", self.value)
-
-    def violation(self, x: float | None) -> float:
-        """Optuna's constraint value for metric value ``x``: feasible iff <= 0; a missing or non-finite
-        ``x`` is infeasible in both directions (``sweep.store.constraint_violation``)."""
-        return constraint_violation(self.op, self.value, x)
-
-    def as_dict(self) -> dict[str, Any]:
-        """The form the results store keeps (meta key ``constraints``)."""
-        return {"metric": self.metric, "op": self.op, "value": float(self.value)}
-
-
-@dataclass(frozen=True)
-class Budget:
-    """When the study stops: whichever limit is reached first (at least one)."""
-
-    trials: int | None = None
-    """Number of finished trials (complete, pruned or failed)."""
-    wall_time: float | None = None
-    """Seconds of wall time; the study file also takes ``90m``, ``2h``, ``1h30m``."""
-    tokens: int | None = None
-    """Training tokens over all trials; the study file also takes ``200k``, ``50M``, ``1.5B``."""
-
-    def __post_init__(self) -> None:
-        if all(v is None for v in (self.trials, self.wall_time, self.tokens)):
-            raise ConfigError("set at least one of trials, wall_time, tokens")
-        for key in ("trials", "wall_time", "tokens"):
-            v = getattr(self, key)
-            _check(v is None or (_is_num(v) and v > 0), key, "must be > 0", v)
-
-
-@dataclass(frozen=True)
-class PruningSpec:
-    """Cohort successive halving among the trials of one pack, at fixed rung steps."""
-
-    kind: Literal["none", "cohort_sha"] = "none"
-    """``none`` or ``cohort_sha``."""
-    rungs: tuple[int, ...] = ()
-    """Optimizer steps at which each pack keeps its best 1/reduction_factor trials (increasing)."""
-    reduction_factor: int = 3
-    """Keep ceil(n / reduction_factor) of n live trials at each rung."""
-    proxy: str | None = None
-    """Metric ranked at rungs; None: the objective if there is one, else ``eval_loss``."""
-    proxy_direction: Literal["minimize", "maximize"] = "minimize"
-    """Direction of ``proxy`` when it is not an objective."""
-
-    def __post_init__(self) -> None:
-        _check(self.kind in ("none", "cohort_sha"), "kind", "must be none or cohort_sha", self.kind)
-        if self.kind == "none":
-            _check(not self.rungs, "rungs", "only used with kind cohort_sha", self.rungs)
-            return
-        _check(len(self.rungs) > 0, "rungs", "cohort_sha needs at least one rung step", self.rungs)
-        _check(all(isinstance(r, int) and r >= 1 for r in self.rungs), "rungs", "must be steps >= 1", self.rungs)
-        _check(list(self.rungs) == sorted(set(self.rungs)), "rungs", "must be increasing", self.rungs)
-        _check(
-            isinstance(self.reduction_factor, int) and self.reduction_factor >= 2,
-            "reduction_factor",
-            "must be an int >= 2",
-            self.reduction_factor,
-        )
-        _check(self.proxy is None or bool(_NAME.fullmatch(self.proxy)), "proxy", "must be a metric name", self.proxy)
-        _check(
-            self.proxy_direction in ("minimize", "maximize"),
-            "proxy_direction",
-            "must be minimize or maximize",
-            self.proxy_direction,
-        )
-
-
-@dataclass(frozen=True)
 class PackingSpec:
     """How many trials share one training run."""
 
@@ -298,26 +200,6 @@ class PackingSpec:
         _check(self.kernels in ("auto", "triton", "torch"), "kernels", "must be auto, triton or torch", self.kernels)
         _check(isinstance(self.fused_base_ops, bool), "fused_base_ops", "must be true or false", self.fused_base_ops)
         _check(self.cuda_graphs in ("auto", "on", "off"), "cuda_graphs", "must be auto, on or off", self.cuda_graphs)
-
-
-@dataclass(frozen=True)
-class SamplerSpec:
-    """Optuna sampler; TPE always runs with ``constant_liar=True, multivariate=True``."""
-
-    name: Literal["tpe", "random", "grid", "gp", "nsga2"] = "tpe"
-    """One of ``SAMPLERS``."""
-    n_startup_trials: int | None = None
-    """Random trials before TPE / GP model (None: Optuna's default)."""
-    population_size: int | None = None
-    """NSGA-II generation size (None: Optuna's default)."""
-
-    def __post_init__(self) -> None:
-        _check(self.name in SAMPLERS, "name", f"must be one of {', '.join(SAMPLERS)}", self.name)
-        n, pop = self.n_startup_trials, self.population_size
-        _check(n is None or self.name in ("tpe", "gp"), "n_startup_trials", "only used by tpe and gp", n)
-        _check(n is None or (isinstance(n, int) and n >= 0), "n_startup_trials", "must be >= 0", n)
-        _check(pop is None or self.name == "nsga2", "population_size", "only used by nsga2", pop)
-        _check(pop is None or (isinstance(pop, int) and pop >= 2), "population_size", "must be >= 2", pop)
 
 
 def _jsonlike(x: object) -> bool:

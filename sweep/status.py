@@ -14,9 +14,16 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from evaluators.stats import paired_bootstrap
 from packer.errors import UserError
-from sweep.store import ResultsStore, StudyDir, TrialRecord, constraint_text, is_feasible, pareto_front
+from sweep.store import (
+    ResultsStore,
+    StudyDir,
+    TrialRecord,
+    constraint_text,
+    is_feasible,
+    paired_bootstrap,
+    pareto_front,
+)
 from sweep.timing import WallSplit, last_run
 
 __all__ = ["study_status", "render"]
@@ -49,8 +56,7 @@ def study_status(root: Path, top: int = 5) -> dict[str, Any]:
         # feasible trials first (Optuna's rule for constrained studies), each group by the first objective
         for t in sorted(done, key=lambda t: (t.number not in feasible, _rank(sign, t.objective_values[0])))[:top]:
             best.append({"number": t.number, "values": dict(zip(objectives, t.objective_values, strict=False)),
-                         "params": t.params, "adapter": t.adapter_path, "default": bool((t.user_attrs or {})
-                                                                                       .get("default")),
+                         "params": t.params, "adapter": t.adapter_path, "default": t.is_default,
                          "feasible": t.number in feasible})
     return {
         "study": meta.get("name"),
@@ -82,7 +88,7 @@ def _vs_default(store: ResultsStore, trials: list[TrialRecord], directions: list
     None without a complete default trial or a complete best trial other than it. Each row: the metric, both
     trials' means over the items both scored, best − default and its 95% paired bootstrap interval.
     """
-    found = [t for t in trials if (t.user_attrs or {}).get("default") and t.state == "COMPLETE" and t.objective_values]
+    found = [t for t in trials if t.is_default and t.state == "COMPLETE" and t.objective_values]
     done = [t for t in trials if t.state == "COMPLETE" and t.objective_values]
     if not found or not done or not directions:
         return None

@@ -6,10 +6,11 @@ a journal file (``journal:///abs/path.log``, or a plain ``*.log`` path) for proc
 
 ``storage_lock`` makes "count the trials that count + ask one" atomic across workers with a lock the
 storage owns: PostgreSQL ``pg_advisory_lock``, MySQL ``GET_LOCK``, and an ``fcntl.flock`` on a file
-beside a SQLite database or journal file. Heartbeats are a trial system attr (``sweep:heartbeat``,
-wall-clock seconds) that works on every storage; Optuna's own heartbeats run only inside
-``Study.optimize`` (notes §1.5). The study's wall-time clock is a study user attr (``sweep:clock``), so
-every worker measures the wall-time budget from the same start (``resume_clock``, ``study_elapsed``).
+beside a SQLite database or journal file. Heartbeats are a trial system attr (``attrs.HEARTBEAT``,
+wall-clock seconds, written by ``sweep.ledger``) that works on every storage; Optuna's own heartbeats run
+only inside ``Study.optimize`` (notes §1.5). The study's wall-time clock is a study user attr
+(``attrs.CLOCK``), so every worker measures the wall-time budget from the same start (``resume_clock``,
+``study_elapsed``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import fcntl
 import hashlib
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,12 +28,10 @@ from typing import Any
 import optuna
 from optuna.storages import BaseStorage
 
-__all__ = ["Sharing", "normalize_url", "open_storage", "storage_lock", "Heartbeat", "HEARTBEAT_ATTR",
-           "WORKER_ATTR", "CLOCK_ATTR", "last_beat", "resume_clock", "study_elapsed"]
+from sweep.store import attrs
 
-HEARTBEAT_ATTR = "sweep:heartbeat"
-WORKER_ATTR = "sweep:worker"
-CLOCK_ATTR = "sweep:clock"
+__all__ = ["Sharing", "normalize_url", "open_storage", "storage_lock", "last_beat", "resume_clock", "study_elapsed"]
+
 _JOURNAL = "journal://"
 
 
@@ -140,7 +139,7 @@ def _take_server_lock(conn: Any, url: str, study_name: str) -> tuple[Any, dict[s
 
 def last_beat(trial: optuna.trial.FrozenTrial) -> float:
     """Wall time of the trial's last heartbeat (its start when it never beat)."""
-    beat = trial.system_attrs.get(HEARTBEAT_ATTR)
+    beat = trial.system_attrs.get(attrs.HEARTBEAT)
     if beat is not None:
         return float(beat)
     return trial.datetime_start.timestamp() if trial.datetime_start is not None else 0.0
@@ -165,13 +164,13 @@ def resume_clock(study: optuna.Study, grace: float, *, earlier: float = 0.0, now
         now: Wall-clock time (tests).
     """
     now = time.time() if now is None else now
-    clock = study.user_attrs.get(CLOCK_ATTR)
+    clock = study.user_attrs.get(attrs.CLOCK)
     if clock is None:
-        study.set_user_attr(CLOCK_ATTR, {"start": now, "banked": earlier})
+        study.set_user_attr(attrs.CLOCK, {"start": now, "banked": earlier})
         return
     last = max([clock["start"], *(_last_activity(t) for t in study.get_trials(deepcopy=False))])
     if now - last > grace:  # the study stood still
-        study.set_user_attr(CLOCK_ATTR, {"start": now, "banked": clock["banked"] + last - clock["start"]})
+        study.set_user_attr(attrs.CLOCK, {"start": now, "banked": clock["banked"] + last - clock["start"]})
 
 
 def _last_activity(trial: optuna.trial.FrozenTrial) -> float:
@@ -182,37 +181,7 @@ def _last_activity(trial: optuna.trial.FrozenTrial) -> float:
 
 def study_elapsed(study: optuna.Study, now: float | None = None) -> float:
     """Wall seconds the shared study has run (``resume_clock``); 0 before its clock starts."""
-    clock = study.user_attrs.get(CLOCK_ATTR)
+    clock = study.user_attrs.get(attrs.CLOCK)
     if clock is None:
         return 0.0
     return float(clock["banked"]) + (time.time() if now is None else now) - float(clock["start"])
-
-
-class Heartbeat:
-    """A daemon thread that stamps the heartbeat of every trial ``trial_ids()`` returns."""
-
-    def __init__(self, storage: BaseStorage, trial_ids: Callable[[], Iterable[int]], interval: float,
-                 log: Callable[[str], None]) -> None:
-        self.storage, self.trial_ids, self.interval, self.log = storage, trial_ids, interval, log
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="sweep-heartbeat", daemon=True)
-
-    def beat(self, trial_id: int) -> None:
-        self.storage.set_trial_system_attr(trial_id, HEARTBEAT_ATTR, time.time())
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            for trial_id in list(self.trial_ids()):
-                try:
-                    self.beat(trial_id)
-                except Exception as err:  # a trial finished meanwhile, or the storage blinked: retry next beat
-                    if "finished" not in str(err):
-                        self.log(f"heartbeat of trial id {trial_id} failed: {str(err).splitlines()[0]}")
-
-    def __enter__(self) -> Heartbeat:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()

@@ -5,11 +5,15 @@ newly asked trials (backfill) until the budget ends. At rung steps the trials re
 scored on the pruning proxy and cohort successive halving (``sweep.pruning``) stops the weak ones;
 finished trials are scored by every configured evaluator in one packed pass, their adapters saved,
 and Optuna told COMPLETE / PRUNED / FAIL (with the reason in the store). The Optuna storage is the
-source of truth; a rerun on the same study resumes it (``sweep.resume``).
+source of truth, and ``sweep.ledger`` alone asks and tells it; a rerun on the same study resumes it
+(``sweep.resume``).
 
 Shared with other workers (``sharing``), the budget check and the ask run under the storage's lock,
 a heartbeat thread stamps this worker's RUNNING trials, and stale trials of dead workers are failed
 and retried every few heartbeats (``sweep.worker`` runs the loop around it).
+
+Over ~400 lines on purpose: the sweep's one loop (``_Sweep``'s callbacks, asking to telling) reads top to
+bottom in one file; what is not the loop lives in ``sweep.ledger``, ``sweep.budget`` and ``sweep.session``.
 """
 
 from __future__ import annotations
@@ -35,11 +39,14 @@ from packer.model import PackedModel
 from packer.plan import AdapterSpec
 from packer.train import SlotEnd, SlotJob, StepReport, train
 from sweep._trial_data import check_packing, planned_tokens, trial_adapter, trial_stream
+from sweep.budget import TokenPlan, budget_state
+from sweep.ledger import Heartbeat, Ledger, is_default
 from sweep.pruning import CohortSHA
-from sweep.resume import PLANNED_ATTR, TOKENS_ATTR, Session, TokenPlan, budget_state, open_session, reap_stale, requeue
+from sweep.resume import open_session
+from sweep.session import Session
 from sweep.space import adapter_spec, suggest
 from sweep.spec import StudySpec
-from sweep.storage import WORKER_ATTR, Heartbeat, Sharing, storage_lock
+from sweep.storage import Sharing, storage_lock
 from sweep.timing import WallSplit, append_run
 
 __all__ = ["run_study", "RunSummary", "Progress"]
@@ -127,8 +134,8 @@ class _Sweep:
         sharing = self.s.sharing
         return storage_lock(sharing.url, self.spec.name) if sharing is not None else nullcontext()
 
-    def live_trial_ids(self) -> list[int]:
-        return [lv.trial._trial_id for lv in list(self.live.values())]
+    def live_numbers(self) -> list[int]:
+        return [lv.trial.number for lv in list(self.live.values())]
 
     # -- asking -------------------------------------------------------------------------------
     def next_job(self, slot: int) -> SlotJob | None:
@@ -144,15 +151,12 @@ class _Sweep:
                 if self.s.sharing is not None:
                     self.idle_until = time.time() + self.s.sharing.heartbeat
                 return None
-            trial = self.s.study.ask()
-            if self.heartbeat is not None:
-                self.heartbeat.beat(trial._trial_id)
-                self.s.study._storage.set_trial_system_attr(trial._trial_id, WORKER_ATTR, self.s.sharing.worker)
+            trial = self.s.ledger.ask(worker=self.s.sharing.worker if self.s.sharing is not None else None)
             params = suggest(trial, self.spec.search)
             spec = adapter_spec(params, self.spec.train, self.spec.seed, space=self.spec.search)
             spec = trial_adapter(self.spec, spec, list(params), self.train_examples)
             # Under the lock: the next worker to count sees this trial's tokens before it asks.
-            trial.set_user_attr(PLANNED_ATTR, planned_tokens(self.spec, spec, self.train_examples, self.plan))
+            Ledger.plan(trial, planned_tokens(self.spec, spec, self.train_examples, self.plan))
         self.live[slot] = _Live(trial, params, spec, self.global_step, time.time())
         self.s.store.upsert_trial(trial.number, state="RUNNING", params=params, pack_id=self.pack_id, slot=slot,
                                   started=time.time(), user_attrs=dict(trial.user_attrs))
@@ -217,7 +221,7 @@ class _Sweep:
         assert self.s.sharing is not None
         self.last_reap = time.time()
         with self._lock():
-            return reap_stale(self.s.study, self.s.store, self.s.sharing.grace, self.log, self.s.adapter_dir)
+            return self.s.ledger.reap(self.s.sharing.grace)
 
     def _flush_curves(self) -> None:
         with self.s.store.transaction():
@@ -253,7 +257,7 @@ class _Sweep:
                 slot = next(s for s, lv in self.live.items() if lv.trial.number == d.trial)
                 # The community default is ranked (it sets the bar) but never stopped: the report
                 # compares every trial with its final scores. Its row says it is kept, and why.
-                spared = not d.keep and bool(self.live[slot].trial.user_attrs.get("default"))
+                spared = not d.keep and is_default(self.live[slot].trial)
                 reason = (f"kept as the community default, which is never pruned (below the cut: {d.reason})"
                           if spared else d.reason)
                 self.s.store.add_prune_decision(self.pack_id, rung, d.trial, "keep" if d.keep or spared else "prune",
@@ -269,8 +273,7 @@ class _Sweep:
         for slot, lv in sorted(self.live.items()):
             reason = f"out of memory at pack step {self.global_step} ({why}); retried in a smaller pack"
             self.s.store.close_span(self.pack_id, slot, lv.trial.number, end_step=self.global_step, end_reason="oom")
-            lv.trial.set_user_attr("reason", reason)
-            requeue(self.s.study, self.s.store, [lv.trial], lambda m: None, self.s.adapter_dir, reason=reason)
+            self.s.ledger.requeue([lv.trial], reason, log=lambda m: None)
             self.pm.remove_slot(slot)
         self.live.clear()
         self.to_prune.clear()
@@ -345,7 +348,7 @@ class _Sweep:
         assert adapter is not None, "on_end saves the adapter of every trial whose verdict passes"
         for c in self.spec.constraints:
             lv.trial.set_constraint(c.metric, c.violation(metrics.get(c.metric)))
-        lv.trial.set_user_attr("adapter_path", str(adapter.absolute()))  # report and export from any host
+        Ledger.set_adapter(lv.trial, adapter)
         samples = result.samples.get(e.slot, [])
         for metric, items in result.per_item.get(e.slot, {}).items():
             self.s.store.add_items(number, metric, items, _texts(samples, metric, len(items)))
@@ -365,10 +368,7 @@ class _Sweep:
                                       adapter_path=adapter, steps_done=e.steps, tokens=lv.tokens,
                                       device_seconds=lv.device_s, finished=time.time(), reason=reason)
             self.s.store.close_span(self.pack_id, e.slot, number, end_step=self.global_step, end_reason=e.reason)
-        if reason is not None:
-            lv.trial.set_user_attr("reason", reason)
-        lv.trial.set_user_attr(TOKENS_ATTR, lv.tokens)  # other workers count the token budget from it
-        self.s.study.tell(lv.trial, values=values if state == TrialState.COMPLETE else None, state=state)
+        self.s.ledger.tell(lv.trial, state, values, reason=reason, tokens=lv.tokens)
         self.s.record(number, state, values, lv.tokens)
         counter = {"COMPLETE": "complete", "PRUNED": "pruned"}.get(state.name, "failed")
         setattr(self.summary, counter, getattr(self.summary, counter) + 1)
@@ -393,7 +393,7 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
     """Run (or resume) the study until its budget ends; returns what this call did.
 
     With ``sharing`` this is one pack of a worker: other workers share the study's storage and budget.
-    ``allow_changes``: resume even if a fixed setting changed (``sweep.resume.spec_changes``).
+    ``allow_changes``: resume even if a fixed setting changed (``sweep.session.spec_changes``).
     """
     split = WallSplit()
     with split.phase("load"):
@@ -411,7 +411,7 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
     sweep = _Sweep(spec, session, pm, train_examples, eval_data, pack_id, progress, started)
     sweep.log, sweep.split = log, split
     if sharing is not None:
-        sweep.heartbeat = Heartbeat(session.study._storage, sweep.live_trial_ids, sharing.heartbeat, log)
+        sweep.heartbeat = session.ledger.heartbeat(sweep.live_numbers, sharing.heartbeat)
     wall_s = 0.0
     try:
         with sweep.heartbeat or nullcontext():

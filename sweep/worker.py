@@ -21,10 +21,11 @@ from functools import partial
 from pathlib import Path
 
 import optuna
-from optuna.trial import TrialState
 
 from sweep.affinity import allowed_cpus, cpu_list, cpu_shares
-from sweep.resume import reap_stale, shared_budget, trial_adapter_dir
+from sweep.budget import shared_budget
+from sweep.ledger import Ledger
+from sweep.session import trial_adapter_dir
 from sweep.spec import StudySpec
 from sweep.storage import Sharing, open_storage, storage_lock
 from sweep.store import ResultsStore, StudyDir
@@ -57,15 +58,17 @@ def _wait_for_others(spec: StudySpec, sharing: Sharing, log: Callable[[str], Non
     pack. Spent with no trial RUNNING anywhere, the study is done. Waiting meanwhile lets this worker
     reap the trials of workers that die, so none stays RUNNING.
     """
-    study = optuna.load_study(study_name=spec.name, storage=open_storage(sharing.url))
+    storage = open_storage(sharing.url)
+    study = optuna.load_study(study_name=spec.name, storage=storage)
     sdir = StudyDir(spec.out_dir)
     store = ResultsStore(sdir.results_db)
+    ledger = Ledger(study, storage, store, partial(trial_adapter_dir, spec, sdir), log)
     try:
         while True:
             with storage_lock(sharing.url, spec.name):
-                reap_stale(study, store, sharing.grace, log, partial(trial_adapter_dir, spec, sdir))
+                ledger.reap(sharing.grace)
                 budget = shared_budget(spec, study)
-                running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+                running = ledger.running()
             if not budget.exhausted:
                 return True
             if not running:

@@ -1,12 +1,10 @@
-"""Cost metrics from the trainer's numbers, and the paired bootstrap."""
+"""Cost metrics from the trainer's numbers."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from evaluators.cost import adapter_params, cost_metrics, device_seconds, memory_share, slot_adapter_params
-from evaluators.stats import paired_bootstrap
 from packer.model import PackedModel, load_base
 from packer.plan import AdapterSpec
 
@@ -31,27 +29,3 @@ def test_time_and_memory_are_shared_by_tokens() -> None:
     assert m == {"adapter_params": 1024.0, "train_tokens": 300.0, "device_seconds": 2.0, "peak_memory_mb": 256.0}
     assert "peak_memory_mb" not in cost_metrics(adapter_params=1, trial_tokens=1, pack_tokens=1, pack_seconds=1.0)
 
-
-def test_paired_bootstrap() -> None:
-    rng = np.random.default_rng(0)
-    b = rng.integers(0, 2, 200).astype(float)
-    a = np.where(rng.random(200) < 0.2, 1.0, b)  # a = b, plus ~20% extra items right
-    mean, low, high = paired_bootstrap(a, b, seed=1)
-    assert mean == pytest.approx((a - b).mean())
-    assert 0 < low < mean < high
-    assert paired_bootstrap(a, b, seed=1) == (mean, low, high)  # fixed seed: reproducible
-    assert paired_bootstrap(b, b) == (0.0, 0.0, 0.0)
-    assert paired_bootstrap([1.0], [0.0]) == (1.0, 1.0, 1.0)
-    with pytest.raises(ValueError, match="equally long"):
-        paired_bootstrap([1.0, 0.0], [1.0])
-
-
-def test_paired_bootstrap_without_scipy(monkeypatch) -> None:
-    import sys
-
-    a, b = [1.0, 0.0, 1.0, 1.0, 0.0, 1.0], [0.0, 0.0, 1.0, 0.0, 0.0, 1.0]
-    with_scipy = paired_bootstrap(a, b, n_resamples=4000)
-    monkeypatch.setitem(sys.modules, "scipy.stats", None)
-    mean, low, high = paired_bootstrap(a, b, n_resamples=4000)
-    assert mean == with_scipy[0] and low <= mean <= high
-    assert low == pytest.approx(with_scipy[1], abs=0.1) and high == pytest.approx(with_scipy[2], abs=0.1)

@@ -9,11 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from evaluators.stats import _numpy_interval
 from reports import figures, summary, timeline
 from reports._fmt import table
 from reports._load import load_study_data, pareto_numbers
-from reports._stats import paired_bootstrap
 from reports.html import build_report, write_report
 from sweep.store import ResultsStore, StudyDir
 
@@ -24,9 +22,10 @@ def _study(tmp_path: Path, trials: list[dict], *, objectives=("loss", "size"), d
            storage: str | None = None) -> Path:
     """A study directory written through the store's own API, as ``sweep run`` writes it."""
     sdir = StudyDir(tmp_path / "study").create()
-    sdir.write_study_yaml("name: hand\nbudget: {trials: 10, wall_time: 1h}\n")
+    sdir.write_study_yaml("name: hand\nbudget: {trials: 99}\n")  # a copy for people: the report reads the store
     with ResultsStore(sdir.results_db) as store:
         store.set_meta(name="hand", model="/m", data="/d.jsonl", objectives=list(objectives),
+                       spec={"name": "hand", "budget": {"trials": 10, "tokens": None, "wall_time": 3600.0}},
                        directions=list(directions), storage=storage or f"sqlite:///{tmp_path / 'missing.db'}")
         for t in trials:
             t = dict(t)
@@ -88,13 +87,17 @@ def test_gain_without_or_with_unfinished_default(tmp_path) -> None:
     assert info.default == 0 and not info.rows and "PRUNED" in info.note
 
 
-def test_local_bootstrap_matches_evaluators_numpy_path() -> None:
-    rng = np.random.default_rng(1)
-    a, b = rng.normal(size=30), rng.normal(size=30)
-    mean, low, high = paired_bootstrap(a, b, seed=3)
-    assert mean == pytest.approx(float((a - b).mean()))
-    assert (low, high) == pytest.approx(_numpy_interval(a - b, 0.95, 2000, 3))
-    assert paired_bootstrap([1.0], [0.5]) == (0.5, 0.5, 0.5)
+def test_budget_comes_from_the_stored_spec_not_the_yaml_copy(tmp_path) -> None:
+    root = _study(tmp_path, [_t(0, values=[1.0, 2.0])])
+    data = load_study_data(root)
+    assert data.budget == {"trials": 10, "tokens": None, "wall_time": 3600.0}  # study.yaml says trials: 99
+    budget = {name: limit for name, _, limit in summary._summary_info(data).budget}
+    assert budget["trials finished"] == "10"
+    (root / "study.yaml").unlink()  # the report needs only results.db
+    assert load_study_data(root).budget["trials"] == 10
+    with ResultsStore(StudyDir(root).results_db) as store:  # a store without a recorded spec: no budget, no guess
+        store.db.execute("DELETE FROM study WHERE key = 'spec'")
+    assert load_study_data(root).budget == {}
 
 
 def test_curves_and_prune_markers(tmp_path) -> None:

@@ -1,5 +1,5 @@
 """Token and wall-time budgets: one run stops asking once a budget is reached, and workers sharing a
-study stop at the same rule over the study's totals (``sweep.resume.shared_budget``), not each their own.
+study stop at the same rule over the study's totals (``sweep.budget.shared_budget``), not each their own.
 
 The token rule, for one run and for workers alike: no trial starts once the tokens trained reach the
 budget, and the trials training then finish, so ``budget <= total < budget + slots * T`` where T is a
@@ -23,9 +23,10 @@ from optuna.trial import TrialState
 from transformers import AutoTokenizer
 
 from packer.data import load_examples
-from sweep.resume import PLANNED_ATTR, TOKENS_ATTR, TokenPlan, shared_budget
+from sweep.budget import TokenPlan, shared_budget
 from sweep.spec import Budget, StudySpec, load_study
-from sweep.storage import CLOCK_ATTR, HEARTBEAT_ATTR, open_storage, resume_clock, study_elapsed
+from sweep.storage import open_storage, resume_clock, study_elapsed
+from sweep.store.attrs import CLOCK, HEARTBEAT, PLANNED_TOKENS, TOKENS
 from sweep.study import run_study
 from tests.conftest import DEMO_DATA, write_study
 from tests.sweep.test_worker import ENV, ROOT, _cli, _server_url, _study_file, _trials
@@ -47,8 +48,8 @@ def _check_tokens(trials: list[optuna.trial.FrozenTrial], store_db: Path, budget
         stored = dict(db.execute("select number, tokens from trials"))
     assert trials and all(t.state == TrialState.COMPLETE for t in trials), [t.state.name for t in trials]
     for t in trials:
-        assert t.user_attrs[TOKENS_ATTR] == t.user_attrs[PLANNED_ATTR] == stored[t.number] == full, t.number
-    total = sum(t.user_attrs[TOKENS_ATTR] for t in trials)
+        assert t.user_attrs[TOKENS] == t.user_attrs[PLANNED_TOKENS] == stored[t.number] == full, t.number
+    total = sum(t.user_attrs[TOKENS] for t in trials)
     assert budget <= total < budget + slots * full, (total, budget, full)
 
 
@@ -103,7 +104,7 @@ def test_workers_start_no_trial_after_the_shared_deadline(tiny_dirs, tmp_path) -
     while time.time() < deadline:  # the second worker starts once the first has started the clock
         time.sleep(0.2)
         try:
-            if CLOCK_ATTR in optuna.load_study(study_name="wall", storage=storage).user_attrs:
+            if CLOCK in optuna.load_study(study_name="wall", storage=storage).user_attrs:
                 break
         except KeyError:  # the study does not exist yet
             continue
@@ -112,7 +113,7 @@ def test_workers_start_no_trial_after_the_shared_deadline(tiny_dirs, tmp_path) -
         _, err = p.communicate(timeout=90)
         assert p.returncode == 0, err.decode()[-3000:]
     study = optuna.load_study(study_name="wall", storage=storage)
-    clock = study.user_attrs[CLOCK_ATTR]
+    clock = study.user_attrs[CLOCK]
     starts = sorted(t.datetime_start.timestamp() for t in study.trials)
     assert clock["banked"] == 0 and launched <= clock["start"] <= starts[0], (clock, launched, starts[:1])
     assert all(t.state == TrialState.COMPLETE for t in study.trials), [t.state.name for t in study.trials]
@@ -129,14 +130,14 @@ def _shared_spec(tiny_dirs: Callable[[str], Path], tmp_path: Path, **budget: int
 def test_shared_budget_counts_told_planned_and_own_tokens(tiny_dirs, tmp_path) -> None:
     study = optuna.create_study()
     done = study.ask()
-    done.set_user_attr(PLANNED_ATTR, 100)
-    done.set_user_attr(TOKENS_ATTR, 60)  # pruned: trained less than planned
+    done.set_user_attr(PLANNED_TOKENS, 100)
+    done.set_user_attr(TOKENS, 60)  # pruned: trained less than planned
     study.tell(done, 1.0)
     for _ in range(2):  # one trains in another worker, one here (30 tokens so far)
-        study.ask().set_user_attr(PLANNED_ATTR, 100)
+        study.ask().set_user_attr(PLANNED_TOKENS, 100)
     orphan = study.ask()  # killed after recording its tokens, before its tell: failed and retried
-    orphan.set_user_attr(PLANNED_ATTR, 100)
-    orphan.set_user_attr(TOKENS_ATTR, 100)
+    orphan.set_user_attr(PLANNED_TOKENS, 100)
+    orphan.set_user_attr(TOKENS, 100)
     study.tell(orphan, state=TrialState.FAIL)
     study.enqueue_trial({}, user_attrs={"retry_of": orphan.number})  # WAITING: counts once asked
     mine = {2}
@@ -149,17 +150,20 @@ def test_shared_budget_counts_told_planned_and_own_tokens(tiny_dirs, tmp_path) -
 
 
 def test_study_clock_counts_only_while_workers_run(tmp_path) -> None:
-    study = optuna.create_study()
+    storage = optuna.storages.InMemoryStorage()
+    study = optuna.create_study(storage=storage)
     t0 = time.time()
     resume_clock(study, grace=10, earlier=7.0, now=t0)  # 7 s of earlier single runs
     assert study_elapsed(study, now=t0 + 5) == pytest.approx(12.0)
     trial = study.ask()  # activity now, within the grace: a worker joining later changes nothing
     resume_clock(study, grace=10, now=t0 + 8)
-    assert study.user_attrs[CLOCK_ATTR] == {"start": t0, "banked": 7.0}
-    study._storage.set_trial_system_attr(trial._trial_id, HEARTBEAT_ATTR, t0 + 100)  # a live worker beats
+    assert study.user_attrs[CLOCK] == {"start": t0, "banked": 7.0}
+    trial_id = storage.get_trial_id_from_study_id_trial_number(storage.get_study_id_from_name(study.study_name),
+                                                                 trial.number)
+    storage.set_trial_system_attr(trial_id, HEARTBEAT, t0 + 100)  # a live worker beats
     resume_clock(study, grace=10, now=t0 + 105)
-    assert study.user_attrs[CLOCK_ATTR]["start"] == t0
+    assert study.user_attrs[CLOCK]["start"] == t0
     # Its worker died at t0 + 100; the study stood still until a worker came back at t0 + 1000.
     resume_clock(study, grace=10, now=t0 + 1000)
-    assert study.user_attrs[CLOCK_ATTR] == {"start": t0 + 1000, "banked": pytest.approx(107.0)}
+    assert study.user_attrs[CLOCK] == {"start": t0 + 1000, "banked": pytest.approx(107.0)}
     assert study_elapsed(study, now=t0 + 1010) == pytest.approx(117.0)

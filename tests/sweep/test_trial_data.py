@@ -14,9 +14,9 @@ from packer.data import load_examples
 from packer.errors import ConfigError
 from packer.model import load_base
 from sweep._trial_data import epoch_steps
-from sweep.resume import PLANNED_ATTR, TOKENS_ATTR
 from sweep.space import adapter_spec
 from sweep.spec import load_study
+from sweep.store.attrs import PLANNED_TOKENS, TOKENS
 from sweep.study import run_study
 from tests.conftest import DEMO_DATA, write_study
 
@@ -58,7 +58,7 @@ def test_epochs_give_each_trial_its_steps_and_tokens_match_the_plan(tiny_dirs, t
         counts.add(steps)
         if t.state == TrialState.COMPLETE:
             assert done[t.number] == steps
-            assert t.user_attrs[TOKENS_ATTR] == t.user_attrs[PLANNED_ATTR]  # the budget's count is exact
+            assert t.user_attrs[TOKENS] == t.user_attrs[PLANNED_TOKENS]  # the budget's count is exact
     assert len(counts) > 1, "micro-batch, accumulation and packing must give trials different step counts"
     # 48 examples of ~20 tokens: micro 4 x accumulation 2 is 6 steps; packed rows of 48 tokens hold more
     assert epoch_steps(examples, adapter_spec({"gradient_accumulation_steps": 2}, spec.train, 0, space=spec.search),

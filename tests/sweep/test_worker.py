@@ -22,10 +22,11 @@ from optuna.trial import TrialState
 
 from sweep import worker
 from sweep.affinity import allowed_cpus
-from sweep.resume import _optuna_study
+from sweep.ledger import open_study
 from sweep.spec import load_study
-from sweep.storage import WORKER_ATTR, Sharing, normalize_url, open_storage, storage_lock
+from sweep.storage import Sharing, normalize_url, open_storage, storage_lock
 from sweep.store import StudyDir
+from sweep.store.attrs import WORKER
 from tests.conftest import write_study
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -100,7 +101,7 @@ def test_journal_workers_on_one_host_share_the_budget(tiny_dirs, tmp_path) -> No
     trials = _trials(f"journal://{log}", name)
     _check_study(trials, 4, tmp_path / "shared-adapters" / name)
     assert not [t for t in trials if t.state == TrialState.FAIL]
-    workers = Counter(t.system_attrs[WORKER_ATTR] for t in trials)
+    workers = Counter(t.system_attrs[WORKER] for t in trials)
     assert set(workers) <= {0, 1}, workers  # which worker trains what depends on timing
     assert "4 complete" in result.stdout and time.time() - started < 180
     # The study directory's store knows every trial and its adapter: export works from it.
@@ -132,18 +133,18 @@ def test_pg_three_workers_one_killed_mid_pack(tiny_dirs, tmp_path) -> None:
             trials = _trials(url, name)
         except Exception:
             continue
-        running = sorted((t for t in trials if t.state == TrialState.RUNNING and WORKER_ATTR in t.system_attrs),
+        running = sorted((t for t in trials if t.state == TrialState.RUNNING and WORKER in t.system_attrs),
                          key=lambda t: t.datetime_start)
         if running and any(t.state == TrialState.COMPLETE for t in trials):
             # Which worker trains what depends on timing: take the one whose trial started last, the
             # furthest from its end (a trial of 20 steps lasts well under a second on one thread).
-            index = running[-1].system_attrs[WORKER_ATTR]
+            index = running[-1].system_attrs[WORKER]
             victim = procs[index]
             # Frozen first, so that its trials cannot end between looking at them and the kill.
             os.killpg(victim.pid, signal.SIGSTOP)
             time.sleep(0.5)  # a live worker names its new trial a few ms after asking; a frozen one may never
             killed = [t for t in _trials(url, name)
-                      if t.state == TrialState.RUNNING and t.system_attrs.get(WORKER_ATTR, index) == index]
+                      if t.state == TrialState.RUNNING and t.system_attrs.get(WORKER, index) == index]
             if not killed:  # it was between packs: let it go on, and look again
                 os.killpg(victim.pid, signal.SIGCONT)
                 victim = None
@@ -206,7 +207,7 @@ def test_other_search_space_under_the_same_name_is_one_line_exit_2(tiny_dirs, tm
     url = _backend_url(backend, tmp_path)
     name = f"space-{uuid.uuid4().hex[:8]}"
     first = load_study(_study_file(tmp_path, tiny_dirs("llama"), name))
-    _optuna_study(first, StudyDir(first.out_dir), Sharing(normalize_url(url)))  # the study exists, no training
+    open_study(first, StudyDir(first.out_dir), Sharing(normalize_url(url)))  # the study exists, no training
     other = _study_file(tmp_path, tiny_dirs("llama"), name, search={"rank": [2, 4]})
     result = subprocess.run(_cli("worker", str(other), "--storage", url, "--quiet"), capture_output=True,
                             text=True, timeout=120, cwd=ROOT)

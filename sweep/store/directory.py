@@ -1,0 +1,168 @@
+"""A study directory: its layout (``StudyDir``), its owner's lock, and atomic file writes.
+
+The layout is documented in ``sweep.store``'s docstring.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = ["StudyDir", "DirectoryInUse", "DirectoryLock", "atomic_write_bytes", "atomic_write_text"]
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the new one, never a half-written file.
+
+    Writes a temporary file in the same folder, fsyncs it, then ``os.replace``s it onto ``path``.
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+def atomic_write_text(path: str | Path, text: str, encoding: str = "utf-8") -> None:
+    """Text version of :func:`atomic_write_bytes`."""
+    atomic_write_bytes(path, text.encode(encoding))
+
+
+def _fsync_dir(folder: Path) -> None:
+    # Makes the rename itself durable; not possible on Windows.
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+
+class StudyDir:
+    """Paths of one study directory; the only place that knows the layout (see the module docstring)."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self.optuna_db = self.root / "optuna.db"
+        self.optuna_url = f"sqlite:///{self.optuna_db.resolve()}"  # the default Optuna storage
+        self.results_db = self.root / "results.db"
+        self.adapters = self.root / "adapters"
+        self.report_html = self.root / "report.html"
+        self.study_yaml = self.root / "study.yaml"
+        self.lock = self.root / "lock"
+
+    @classmethod
+    def for_name(cls, name: str, runs: str | Path = "runs") -> StudyDir:
+        """The default study directory ``runs/<name>/``."""
+        return cls(Path(runs) / name)
+
+    def __repr__(self) -> str:
+        return f"StudyDir({str(self.root)!r})"
+
+    def adapter_dir(self, number: int) -> Path:
+        """Adapter directory of trial ``number``: ``adapters/trial-<number>``."""
+        return self.adapters / f"trial-{number}"
+
+    def exists(self) -> bool:
+        return self.root.is_dir()
+
+    def is_study(self) -> bool:
+        """True when the folder holds a study: results.db and study.yaml."""
+        return self.results_db.is_file() and self.study_yaml.is_file()
+
+    def create(self) -> StudyDir:
+        """Create the folder and ``adapters/`` (existing ones are kept)."""
+        self.adapters.mkdir(parents=True, exist_ok=True)
+        return self
+
+    def write_study_yaml(self, text: str) -> None:
+        """Atomically write the resolved study file."""
+        atomic_write_text(self.study_yaml, text)
+
+    def acquire(self, **info: Any) -> DirectoryLock:
+        """Take the directory's exclusive lock (created with the folder); release it with ``release()``.
+        ``info`` is recorded beside the pid and host (a shared study's storage URL, without its password).
+
+        Raises:
+            DirectoryInUse: a live process holds it.
+        """
+        self.root.mkdir(parents=True, exist_ok=True)
+        return DirectoryLock(self.lock, info)
+
+
+class DirectoryInUse(RuntimeError):
+    """The study directory's lock is held by another live process."""
+
+    def __init__(self, path: Path, holder: dict[str, Any]) -> None:
+        self.path, self.holder = path, holder
+        super().__init__(f"{path.parent} is in use by pid {holder.get('pid', '?')} on host "
+                         f"{holder.get('host', '?')} (lock {path})")
+
+
+class DirectoryLock:
+    """An exclusive ``flock`` on a study directory's lock file, holding the owner's pid and host.
+
+    The kernel drops a flock when its process dies, however it dies, so a stale lock never blocks:
+    the file may still name the dead owner (a kill leaves it), and the next owner takes it over
+    (``taken_over`` is that owner's record). flock works on local file systems and on NFS (Linux
+    emulates it with POSIX locks there).
+    """
+
+    def __init__(self, path: Path, info: Mapping[str, Any] | None = None) -> None:
+        self.path = path
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise DirectoryInUse(path, holder) from None
+        self._fd: int | None = fd
+        self.taken_over = _holder(fd) or None
+        record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), **(info or {})})
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, record.encode() + b"\n", 0)
+        os.fsync(fd)
+
+    def release(self) -> None:
+        """Empty the file (a clean exit leaves no owner behind) and drop the lock; idempotent."""
+        if self._fd is None:
+            return
+        os.ftruncate(self._fd, 0)
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
+
+    def __enter__(self) -> DirectoryLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _holder(fd: int) -> dict[str, Any]:
+    """The owner record in a lock file ({} when empty or unreadable: written by nothing we know)."""
+    try:
+        data = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
+

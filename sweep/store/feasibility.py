@@ -1,0 +1,49 @@
+"""Which trials count as the best: constraint feasibility and the one Pareto front every view shows."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+__all__ = ["constraint_violation", "is_feasible", "pareto_front", "constraint_text"]
+
+
+def constraint_violation(op: str, bound: float, x: Any) -> float:
+    """Optuna's constraint value of metric value ``x`` against ``op bound``: feasible iff <= 0.
+
+    A missing (None) or non-finite value violates by inf in both directions: a trial that did not
+    measure the metric, or measured NaN, has not shown that it meets the bound.
+    """
+    if x is None or isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x):
+        return math.inf
+    return float(x) - bound if op == "<=" else bound - float(x)
+
+
+def is_feasible(metrics: Mapping[str, Any] | None, constraints: Iterable[Mapping[str, Any]]) -> bool:
+    """Whether ``metrics`` meet every constraint (``{metric, op, value}`` as in the ``constraints`` meta key)."""
+    return all(constraint_violation(c["op"], float(c["value"]), (metrics or {}).get(c["metric"])) <= 0
+               for c in constraints)
+
+
+def pareto_front(points: Iterable[tuple[int, Sequence[float]]], directions: Sequence[str]) -> list[int]:
+    """The keys of the points that no other point dominates, in input order: the one Pareto front that the
+    status, the export, the run's summary and the report all show.
+
+    Args:
+        points: (trial number, its objective values), finite values only, one per direction.
+        directions: ``minimize`` or ``maximize`` per objective.
+    """
+    signs = [1.0 if d == "minimize" else -1.0 for d in directions]
+    pts = [(n, [s * v for s, v in zip(signs, vals, strict=True)]) for n, vals in points]
+
+    def dominates(a: list[float], b: list[float]) -> bool:
+        return all(x <= y for x, y in zip(a, b, strict=True)) and a != b
+
+    return [n for n, v in pts if not any(dominates(w, v) for _, w in pts)]
+
+
+def constraint_text(c: Mapping[str, Any]) -> str:
+    """``metric <= value`` of one constraint."""
+    return f"{c['metric']} {c['op']} {c['value']:g}"
+

@@ -1,0 +1,139 @@
+"""The study's strategy, as validated config objects: what it optimises (objectives, constraints), how
+trials are proposed and stopped (sampler, cohort pruning), and when the study ends (budget).
+
+Part of the study file's dataclasses (``sweep.spec`` re-exports them: ``from sweep.spec import Budget``);
+they validate themselves in ``__post_init__`` and raise ``ConfigError("key: rule (got value)")``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from packer.errors import ConfigError
+from sweep._params import _check, _is_num
+from sweep.store import constraint_violation
+
+__all__ = ["Objective", "Constraint", "Budget", "PruningSpec", "SamplerSpec", "SAMPLERS"]
+
+SAMPLERS = ("tpe", "random", "grid", "gp", "nsga2")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+"""A metric or study name."""
+
+
+@dataclass(frozen=True)
+class Objective:
+    """One optimisation target."""
+
+    metric: str
+    """Metric name an evaluator or the trainer reports (``eval_loss``, ``exact_match``, ``adapter_params``)."""
+    direction: Literal["minimize", "maximize"]
+    """Optuna's spelling."""
+
+    def __post_init__(self) -> None:
+        _check(bool(_NAME.fullmatch(self.metric)), "metric", "must be a metric name", self.metric)
+        _check(self.direction in ("minimize", "maximize"), "direction", "must be minimize or maximize", self.direction)
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A soft constraint ``metric <= value`` or ``metric >= value`` (Optuna ``set_constraint``)."""
+
+    metric: str
+    """Metric name."""
+    op: Literal["<=", ">="]
+    """Comparison."""
+    value: float
+    """Bound."""
+
+    def __post_init__(self) -> None:
+        _check(bool(_NAME.fullmatch(self.metric)), "metric", "must be a metric name", self.metric)
+        _check(self.op in ("<=", ">="), "op", "must be <= or >=", self.op)
+        _check(_is_num(self.value), "value", "must be a number", self.value)
+
+    def violation(self, x: float | None) -> float:
+        """Optuna's constraint value for metric value ``x``: feasible iff <= 0; a missing or non-finite
+        ``x`` is infeasible in both directions (``sweep.store.constraint_violation``)."""
+        return constraint_violation(self.op, self.value, x)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The form the results store keeps (meta key ``constraints``)."""
+        return {"metric": self.metric, "op": self.op, "value": float(self.value)}
+
+
+@dataclass(frozen=True)
+class Budget:
+    """When the study stops: whichever limit is reached first (at least one)."""
+
+    trials: int | None = None
+    """Number of finished trials (complete, pruned or failed)."""
+    wall_time: float | None = None
+    """Seconds of wall time; the study file also takes ``90m``, ``2h``, ``1h30m``."""
+    tokens: int | None = None
+    """Training tokens over all trials; the study file also takes ``200k``, ``50M``, ``1.5B``."""
+
+    def __post_init__(self) -> None:
+        if all(v is None for v in (self.trials, self.wall_time, self.tokens)):
+            raise ConfigError("set at least one of trials, wall_time, tokens")
+        for key in ("trials", "wall_time", "tokens"):
+            v = getattr(self, key)
+            _check(v is None or (_is_num(v) and v > 0), key, "must be > 0", v)
+
+
+@dataclass(frozen=True)
+class PruningSpec:
+    """Cohort successive halving among the trials of one pack, at fixed rung steps."""
+
+    kind: Literal["none", "cohort_sha"] = "none"
+    """``none`` or ``cohort_sha``."""
+    rungs: tuple[int, ...] = ()
+    """Optimizer steps at which each pack keeps its best 1/reduction_factor trials (increasing)."""
+    reduction_factor: int = 3
+    """Keep ceil(n / reduction_factor) of n live trials at each rung."""
+    proxy: str | None = None
+    """Metric ranked at rungs; None: the objective if there is one, else ``eval_loss``."""
+    proxy_direction: Literal["minimize", "maximize"] = "minimize"
+    """Direction of ``proxy`` when it is not an objective."""
+
+    def __post_init__(self) -> None:
+        _check(self.kind in ("none", "cohort_sha"), "kind", "must be none or cohort_sha", self.kind)
+        if self.kind == "none":
+            _check(not self.rungs, "rungs", "only used with kind cohort_sha", self.rungs)
+            return
+        _check(len(self.rungs) > 0, "rungs", "cohort_sha needs at least one rung step", self.rungs)
+        _check(all(isinstance(r, int) and r >= 1 for r in self.rungs), "rungs", "must be steps >= 1", self.rungs)
+        _check(list(self.rungs) == sorted(set(self.rungs)), "rungs", "must be increasing", self.rungs)
+        _check(
+            isinstance(self.reduction_factor, int) and self.reduction_factor >= 2,
+            "reduction_factor",
+            "must be an int >= 2",
+            self.reduction_factor,
+        )
+        _check(self.proxy is None or bool(_NAME.fullmatch(self.proxy)), "proxy", "must be a metric name", self.proxy)
+        _check(
+            self.proxy_direction in ("minimize", "maximize"),
+            "proxy_direction",
+            "must be minimize or maximize",
+            self.proxy_direction,
+        )
+
+
+@dataclass(frozen=True)
+class SamplerSpec:
+    """Optuna sampler; TPE always runs with ``constant_liar=True, multivariate=True``."""
+
+    name: Literal["tpe", "random", "grid", "gp", "nsga2"] = "tpe"
+    """One of ``SAMPLERS``."""
+    n_startup_trials: int | None = None
+    """Random trials before TPE / GP model (None: Optuna's default)."""
+    population_size: int | None = None
+    """NSGA-II generation size (None: Optuna's default)."""
+
+    def __post_init__(self) -> None:
+        _check(self.name in SAMPLERS, "name", f"must be one of {', '.join(SAMPLERS)}", self.name)
+        n, pop = self.n_startup_trials, self.population_size
+        _check(n is None or self.name in ("tpe", "gp"), "n_startup_trials", "only used by tpe and gp", n)
+        _check(n is None or (isinstance(n, int) and n >= 0), "n_startup_trials", "must be >= 0", n)
+        _check(pop is None or self.name == "nsga2", "population_size", "only used by nsga2", pop)
+        _check(pop is None or (isinstance(pop, int) and pop >= 2), "population_size", "must be >= 2", pop)
