@@ -19,12 +19,30 @@ import torch
 import torch.nn.functional as F
 
 from kernels import reference
-from kernels._launch import SegmentMeta, static_meta, to_device_async
+from kernels._launch import (
+    CHUNK_COL,
+    FREE_FLT,
+    SEG_FLT_COL,
+    SEG_FLT_FIELDS,
+    SEG_INT_COL,
+    SEG_INT_FIELDS,
+    TILE_COL,
+    Chunk,
+    SegFlt,
+    SegInt,
+    SegmentMeta,
+    Tile,
+    free_segment,
+    static_meta,
+    to_device_async,
+)
 from kernels.meta import LayerRanks, PackLayout, dropout_seed, group_rows
 from kernels.reference import lora_loop, lora_masked_dense
 
 __all__ = ["packed_lora", "packed_lora_linear", "packed_lora_linear_slices", "packed_lora_static", "precompile",
            "rms_norm", "silu_mul", "segmented_sumsq", "segmented_adamw_", "static_meta", "SegmentMeta",
+           "SegInt", "SegFlt", "Tile", "Chunk", "SEG_INT_COL", "SEG_FLT_COL", "TILE_COL", "CHUNK_COL",
+           "SEG_INT_FIELDS", "SEG_FLT_FIELDS", "FREE_FLT", "free_segment",
            "PackLayout", "LayerRanks",
            "dropout_seed", "group_rows", "IMPLS", "Impl", "resolve_impl", "triton_available", "to_device_async"]
 

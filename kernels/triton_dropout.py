@@ -17,13 +17,11 @@ from __future__ import annotations
 import torch
 
 from kernels._jit import tl, triton
-from kernels._launch import POS_BITS, SEG_FLT_FIELDS, SEG_INT_FIELDS, SegmentMeta
+from kernels._launch import SegmentMeta
+from kernels._tables import POS_SHIFT, SF, SF_INV_KEEP, SF_P, SI, SI_ROW_START, SI_SEED, SI_TOK_END, TI, TI_SEG, TI_TOK0
 
 __all__ = ["dropout_mask", "keep_scale", "philox"]
 
-_SI: tl.constexpr = tl.constexpr(SEG_INT_FIELDS)
-_SF: tl.constexpr = tl.constexpr(SEG_FLT_FIELDS)
-_POS_BITS: tl.constexpr = tl.constexpr(POS_BITS)
 _KEY_A: tl.constexpr = tl.constexpr(0x9E3779B9)  # Philox4x32 constants, as triton.language.random
 _KEY_B: tl.constexpr = tl.constexpr(0xBB67AE85)
 _ROUND_A: tl.constexpr = tl.constexpr(0xD2511F53)
@@ -66,7 +64,7 @@ def keep_scale(seg_int_ptr, seg_flt_ptr, seg, tok, col0, seq_len, d_in, layer_id
     branch changes no value, only skips those programs' Philox rounds. Measured on the H200 SmolLM2-shaped
     16-slot pack with dropout on every other slot (``python -m packer.gpu_graph``): the LoRA kernels took 20.4
     ms per step with it, 19.9 without (noise): a launch lasts as long as its slowest tiles, which draw."""
-    p = tl.load(seg_flt_ptr + seg * _SF + 1)
+    p = tl.load(seg_flt_ptr + seg * SF + SF_P)
     n: tl.constexpr = tok.shape[0]
     mult = tl.full((n, BC), 1.0, tl.float32)
     if p > 0.0:
@@ -77,12 +75,12 @@ def keep_scale(seg_int_ptr, seg_flt_ptr, seg, tok, col0, seq_len, d_in, layer_id
 @triton.jit
 def _draw(seg_int_ptr, seg_flt_ptr, seg, tok, col0, seq_len, d_in, layer_id, p, BC: tl.constexpr):
     """``keep_scale``'s multiplier for a segment with p > 0."""
-    seed = tl.load(seg_int_ptr + seg * _SI + 5)
-    row_start = tl.load(seg_int_ptr + seg * _SI + 2)
-    inv_keep = tl.load(seg_flt_ptr + seg * _SF + 2)
+    seed = tl.load(seg_int_ptr + seg * SI + SI_SEED)
+    row_start = tl.load(seg_int_ptr + seg * SI + SI_ROW_START)
+    inv_keep = tl.load(seg_flt_ptr + seg * SF + SF_INV_KEEP)
     row = tok // seq_len
     pos = tok - row * seq_len
-    counter = ((row - row_start) << _POS_BITS) + pos  # slot-local: independent of the other slots and of L
+    counter = ((row - row_start) << POS_SHIFT) + pos  # slot-local: independent of the other slots and of L
     quad = col0 // 4 + tl.arange(0, BC // 4)
     offs = counter[:, None] * ((d_in + 3) // 4) + quad[None, :]  # int64, unique per (local row, pos, quad)
     c0, c1, c2, c3 = philox(seed, offs, layer_id)
@@ -98,16 +96,16 @@ def _draw(seg_int_ptr, seg_flt_ptr, seg, tok, col0, seq_len, d_in, layer_id, p, 
 @triton.jit(do_not_specialize=["seq_len", "layer_id"])
 def _dropout_mask_kernel(
     out_ptr,  # (T, D) fp32 multiplier M / (1 - p); left untouched outside active segments
-    tiles_ptr,  # (n_tiles, 2) int64 tile map: segment, first token
-    seg_int_ptr,  # (S, 7) int64 segment table
-    seg_flt_ptr,  # (S, 3) fp32 segment table
+    tiles_ptr,  # (n_tiles, TI) int64 tile map (kernels._launch.Tile)
+    seg_int_ptr,  # (S, SI) int64 segment table (kernels._launch.SegInt)
+    seg_flt_ptr,  # (S, SF) fp32 segment table (kernels._launch.SegFlt)
     D, seq_len, layer_id,
     BM: tl.constexpr, BN: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    seg = tl.load(tiles_ptr + 2 * pid_m)
-    t0 = tl.load(tiles_ptr + 2 * pid_m + 1)
-    t_end = tl.load(seg_int_ptr + seg * _SI + 1)
+    seg = tl.load(tiles_ptr + TI * pid_m + TI_SEG)
+    t0 = tl.load(tiles_ptr + TI * pid_m + TI_TOK0)
+    t_end = tl.load(seg_int_ptr + seg * SI + SI_TOK_END)
     tok = (t0 + tl.arange(0, BM)).to(tl.int64)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     mult = keep_scale(seg_int_ptr, seg_flt_ptr, seg, tok, tl.program_id(1) * BN, seq_len, D, layer_id, BN)

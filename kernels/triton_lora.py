@@ -38,14 +38,29 @@ import torch
 
 from kernels import _jit
 from kernels._jit import INTERPRET, tl, triton
-from kernels._launch import SEG_FLT_FIELDS, SEG_INT_FIELDS, SegmentMeta, build_meta, check_2d
+from kernels._launch import SegmentMeta, build_meta, check_2d
+from kernels._tables import (
+    CH,
+    CH_PART,
+    CH_SEG,
+    CH_TOK0,
+    CH_TOK1,
+    SF,
+    SF_SCALE,
+    SI,
+    SI_H_COL,
+    SI_RANK,
+    SI_RANK_OFF,
+    SI_TOK_END,
+    TI,
+    TI_SEG,
+    TI_TOK0,
+)
 from kernels.meta import LayerRanks, PackLayout
 from kernels.triton_dropout import keep_scale
 
 __all__ = ["PackedLoRAFunction", "packed_lora_triton", "seg_expand_add", "seg_shrink", "seg_wgrad"]
 
-_SI: tl.constexpr = tl.constexpr(SEG_INT_FIELDS)
-_SF: tl.constexpr = tl.constexpr(SEG_FLT_FIELDS)
 _EXPAND_BR = 16  # rank chunk of the expand loop: the smallest tl.dot K, so a slot pays for ceil(r_g / 16) chunks
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -58,22 +73,22 @@ def _seg_shrink_kernel(
     inp_ptr,  # (T, K) activations: x (forward) or dy (backward), row-major
     w_ptr,  # (R, K) packed weights: a_cat (forward) or bt_cat (backward), row-major
     out_ptr,  # (T, R_PAD) fp32 result; column h_col[g] + j of token t <-> weight row rank_off[g] + j
-    tiles_ptr,  # (n_tiles, 2) int64 tile map: segment, first token
-    seg_int_ptr,  # (S, 7) int64 segment table (kernels._launch.SEG_INT_FIELDS)
-    seg_flt_ptr,  # (S, 3) fp32 segment table: scale, p, 1 / (1 - p)
+    tiles_ptr,  # (n_tiles, TI) int64 tile map (kernels._launch.Tile)
+    seg_int_ptr,  # (S, SI) int64 segment table (kernels._launch.SegInt)
+    seg_flt_ptr,  # (S, SF) fp32 segment table (kernels._launch.SegFlt)
     K, h_stride, seq_len, layer_id,
     DROPOUT: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
     BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    seg = tl.load(tiles_ptr + 2 * pid_m)
-    rank = tl.load(seg_int_ptr + seg * _SI + 3)
+    seg = tl.load(tiles_ptr + TI * pid_m + TI_SEG)
+    rank = tl.load(seg_int_ptr + seg * SI + SI_RANK)
     r_lo = tl.program_id(1) * BR
     if r_lo >= rank:  # rank tile past this slot's rank: nothing to compute, nobody reads these columns
         return
-    t0 = tl.load(tiles_ptr + 2 * pid_m + 1)
-    t_end = tl.load(seg_int_ptr + seg * _SI + 1)
-    rank_off = tl.load(seg_int_ptr + seg * _SI + 4)
+    t0 = tl.load(tiles_ptr + TI * pid_m + TI_TOK0)
+    t_end = tl.load(seg_int_ptr + seg * SI + SI_TOK_END)
+    rank_off = tl.load(seg_int_ptr + seg * SI + SI_RANK_OFF)
     tok = (t0 + tl.arange(0, BM)).to(tl.int64)
     m_mask = tok < t_end
     offs_r = r_lo + tl.arange(0, BR)
@@ -88,8 +103,8 @@ def _seg_shrink_kernel(
             a = a.to(tl.float32) * keep_scale(seg_int_ptr, seg_flt_ptr, seg, tok, k0, seq_len, K, layer_id, BK)
         w = tl.load(w_ptr + w_rows[:, None] * K + cols[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
         acc = tl.dot(a.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc, input_precision=PRECISION)
-    acc = acc * tl.load(seg_flt_ptr + seg * _SF)
-    h_col = tl.load(seg_int_ptr + seg * _SI + 6)  # other slices of a shared-input group own the other columns
+    acc = acc * tl.load(seg_flt_ptr + seg * SF + SF_SCALE)
+    h_col = tl.load(seg_int_ptr + seg * SI + SI_H_COL)  # other slices of a shared-input group own the other columns
     tl.store(out_ptr + tok[:, None] * h_stride + (h_col + offs_r)[None, :], acc, mask=m_mask[:, None] & r_mask[None, :])
 
 
@@ -100,21 +115,21 @@ def _seg_expand_kernel(
     src_ptr,  # (T, N) addend (the base output); ignored unless HAS_SRC; may alias dst_ptr
     bias_ptr,  # (N,) added to every row; ignored unless HAS_BIAS
     dst_ptr,  # (T, N) result, written for the active segments' tokens only
-    tiles_ptr,  # (n_tiles, 2) int64 tile map: segment, first token
-    seg_int_ptr,  # (S, 7) int64 segment table
-    seg_flt_ptr,  # (S, 3) fp32 segment table
+    tiles_ptr,  # (n_tiles, TI) int64 tile map (kernels._launch.Tile)
+    seg_int_ptr,  # (S, SI) int64 segment table (SegInt)
+    seg_flt_ptr,  # (S, SF) fp32 segment table (SegFlt)
     N, h_stride, seq_len, layer_id,
     HAS_SRC: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr, DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    seg = tl.load(tiles_ptr + 2 * pid_m)
-    t0 = tl.load(tiles_ptr + 2 * pid_m + 1)
-    t_end = tl.load(seg_int_ptr + seg * _SI + 1)
-    rank = tl.load(seg_int_ptr + seg * _SI + 3)
-    rank_off = tl.load(seg_int_ptr + seg * _SI + 4)
-    h_col = tl.load(seg_int_ptr + seg * _SI + 6)
+    seg = tl.load(tiles_ptr + TI * pid_m + TI_SEG)
+    t0 = tl.load(tiles_ptr + TI * pid_m + TI_TOK0)
+    t_end = tl.load(seg_int_ptr + seg * SI + SI_TOK_END)
+    rank = tl.load(seg_int_ptr + seg * SI + SI_RANK)
+    rank_off = tl.load(seg_int_ptr + seg * SI + SI_RANK_OFF)
+    h_col = tl.load(seg_int_ptr + seg * SI + SI_H_COL)
     tok = (t0 + tl.arange(0, BM)).to(tl.int64)
     m_mask = tok < t_end
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -144,24 +159,24 @@ def _seg_wgrad_kernel(
     p_ptr,  # (T, R_PAD) fp32 per-token rank coefficients: h' (for d bt_cat) or dh (for d a_cat), from h_col[g]
     q_ptr,  # (T, N) activations: dy (for d bt_cat) or x (for d a_cat, dropout re-applied)
     out_ptr,  # (n_partials, R, N) fp32 partial sums, zero-initialised
-    chunks_ptr,  # (n_chunks, 4) int64: segment, first token, end token, partial slot
-    seg_int_ptr,  # (S, 7) int64 segment table
-    seg_flt_ptr,  # (S, 3) fp32 segment table
+    chunks_ptr,  # (n_chunks, CH) int64 (kernels._launch.Chunk)
+    seg_int_ptr,  # (S, SI) int64 segment table (SegInt)
+    seg_flt_ptr,  # (S, SF) fp32 segment table (SegFlt)
     N, R, h_stride, seq_len, layer_id,
     DROPOUT: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
     BT: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
 ):
     pid_c = tl.program_id(0)
-    seg = tl.load(chunks_ptr + 4 * pid_c)
-    rank = tl.load(seg_int_ptr + seg * _SI + 3)
+    seg = tl.load(chunks_ptr + CH * pid_c + CH_SEG)
+    rank = tl.load(seg_int_ptr + seg * SI + SI_RANK)
     r_lo = tl.program_id(2) * BR
     if r_lo >= rank:  # rank tile past this slot's rank: its rows do not exist
         return
-    t0 = tl.load(chunks_ptr + 4 * pid_c + 1)
-    t1 = tl.load(chunks_ptr + 4 * pid_c + 2)
-    part = tl.load(chunks_ptr + 4 * pid_c + 3).to(tl.int64)
-    rank_off = tl.load(seg_int_ptr + seg * _SI + 4)
-    h_col = tl.load(seg_int_ptr + seg * _SI + 6)
+    t0 = tl.load(chunks_ptr + CH * pid_c + CH_TOK0)
+    t1 = tl.load(chunks_ptr + CH * pid_c + CH_TOK1)
+    part = tl.load(chunks_ptr + CH * pid_c + CH_PART).to(tl.int64)
+    rank_off = tl.load(seg_int_ptr + seg * SI + SI_RANK_OFF)
+    h_col = tl.load(seg_int_ptr + seg * SI + SI_H_COL)
     offs_r = r_lo + tl.arange(0, BR)
     r_mask = offs_r < rank
     col0 = tl.program_id(1) * BN

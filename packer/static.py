@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from kernels import SegmentMeta, resolve_impl, static_meta
+from kernels import SEG_FLT_FIELDS, SEG_INT_FIELDS, SegmentMeta, resolve_impl, static_meta
 from kernels.reference import dropout_keep_mask
 from packer.batch import IGNORE_INDEX
 from packer.inject import inject, resolve_targets
@@ -51,8 +51,8 @@ __all__ = ["StaticStore", "ShapeBuffers", "OPT_FIELDS", "SEG_INT", "SEG_FLT", "s
 
 OPT_FIELDS = 8
 """Columns of the optimizer table, as ``kernels.triton_adamw.OPT_FIELDS``."""
-SEG_INT, SEG_FLT = 7, 3
-"""Columns of the segment tables (``kernels._launch.SEG_INT_FIELDS`` / ``SEG_FLT_FIELDS``)."""
+SEG_INT, SEG_FLT = SEG_INT_FIELDS, SEG_FLT_FIELDS
+"""Columns of the segment tables (``kernels.SegInt`` / ``kernels.SegFlt``: the one list of their names)."""
 
 
 @dataclass
@@ -62,7 +62,8 @@ class ShapeBuffers:
 
     Attributes:
         ids, labels, mask: (B, L) int64, B = C * rows.
-        meta: the kernels' tables; ``meta.seg_int`` (C, 7) and ``meta.seg_flt`` (C, 3) are views of the blocks.
+        meta: the kernels' tables; ``meta.seg_int`` (C, SEG_INT) and ``meta.seg_flt`` (C, SEG_FLT) are views of the
+            blocks, one ``kernels.SegInt`` / ``SegFlt`` per slot.
         rank: (C,) int64 per-slot rank (0: free slot).
         ring_row: (1,) int64, the ring-buffer row this step writes.
         opt: (C, OPT_FIELDS) fp32 optimizer table.

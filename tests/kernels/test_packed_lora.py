@@ -20,7 +20,7 @@ from tests.conftest import need_triton
 need_triton()  # before anything imports the Triton kernel modules
 
 from kernels import LayerRanks, PackLayout, packed_lora, packed_lora_linear  # noqa: E402
-from kernels._launch import build_meta  # noqa: E402
+from kernels._launch import CHUNK_COL, SegFlt, SegInt, Tile, build_meta, static_meta  # noqa: E402
 from kernels.reference import lora_loop, lora_masked_dense  # noqa: E402
 from kernels.triton_dropout import dropout_mask  # noqa: E402
 from kernels.triton_lora import (  # noqa: E402
@@ -309,6 +309,25 @@ def test_launch_configs_reach_the_kernels(dropout: bool, monkeypatch: pytest.Mon
     tile, stages = ("32", "4") if dropout else ("64", "3")
     assert got == [{"BK": str(2 * int(tile)), "num_stages": stages}, {"BT": tile, "num_stages": stages},
                    {"BK": "32", "num_stages": "2"}, {"BT": "16", "num_stages": "2"}]
+
+
+def test_segment_tables_read_by_column_name() -> None:
+    """The tables hold one ``SegInt`` / ``SegFlt`` / ``Tile`` per row, in the field order the kernels' constants
+    come from (``kernels._tables``): read back by name, each column says what the layout says."""
+    layout, lr = _layout((2, 0, 3), (4, 2, 8), 5, dropout=True)
+    meta = build_meta(layout, lr, 25, 5, DEVICE, block_m=8, chunk_tokens=8)
+    rows = [SegInt(*r) for r in meta.seg_int.tolist()]  # slot 1 has no rows: no segment
+    assert rows == [SegInt(tok_start=0, tok_end=10, row_start=0, rank=4, rank_off=0, seed=100, h_col=0),
+                    SegInt(tok_start=10, tok_end=25, row_start=2, rank=8, rank_off=6, seed=114, h_col=0)]
+    flt = [SegFlt(*r) for r in meta.seg_flt.tolist()]
+    assert [f.scale for f in flt] == [0.5, 2.5] and [f.p for f in flt] == pytest.approx([0.3, 0.3])
+    assert [f.inv_keep for f in flt] == pytest.approx([1 / 0.7, 1 / 0.7])
+    assert [Tile(*t) for t in meta.tiles.tolist()] == [(0, 0), (0, 8), (1, 10), (1, 18)]
+    assert meta.chunks[:, CHUNK_COL.part].tolist() == [0, 1, 0, 1]
+    free = static_meta(3, 2, 5, 16, DEVICE, dropout=False)
+    assert [SegInt(*r).rank_off for r in free.seg_int.tolist()] == [0, 16, 32]
+    assert all(SegInt(*r).rank == 0 and SegFlt(*f).inv_keep == 1.0
+               for r, f in zip(free.seg_int.tolist(), free.seg_flt.tolist(), strict=True))
 
 
 def test_meta_tables_shared_by_layers() -> None:
