@@ -10,8 +10,9 @@ front so layer ids and offsets never move), that layer's A for all C slots, ``(C
 ``exp_avg`` and ``exp_avg_sq`` have the same layout. Why this one:
 
 - each layer's ``a_cat`` / ``bt_cat`` is a contiguous view of ``flat`` (the kernels' row-major operand, no
-  gather or copy per step), and a per-layer leaf whose ``.grad`` is a view of ``grad``: autograd accumulates
-  into the static gradient in place;
+  gather or copy per step), and a per-layer leaf whose ``.grad`` is a view of ``grad``: the Triton kernels add
+  the weight gradients into it in place (the masked-dense path: autograd's AccumulateGrad does). A bf16 model's
+  kernels read a bf16 copy of ``flat`` (``flat_op``), cast once at the start of each step;
 - a slot's rows sit at fixed offsets, so a refill writes new weights into the same memory (no re-capture), and
   the slot's parameters that the rest of the packer sees (``PackedModel.slot_weights``, evaluation, saving) are
   views of those rows: ``(r_g, D)``, exactly the shapes of a slot trained alone;
@@ -128,6 +129,31 @@ class StaticStore:
         """Per-slot dropout p and seeds of this step as Python values: only the eager masked-dense path, which
         draws its masks with torch generators, reads them."""
         self.col_scale: torch.Tensor | None = None
+        self.flat_op: torch.Tensor | None = None
+        """``flat`` in the Triton kernels' operand dtype (``use_operands``), cast once per step, or None: the kernels
+        then read (and cast) the fp32 masters, per layer call."""
+        self.a_op: dict[str, torch.Tensor] = {}
+        self.bt_op: dict[str, torch.Tensor] = {}
+
+    def use_operands(self, act: torch.dtype) -> None:
+        """Keep a copy of every layer's A and B^T in the dtype the Triton kernels' dots read them in for
+        activations of ``act`` (bf16 for a bf16 model; nothing for fp32), refreshed by ``cast_operands`` at the
+        start of each step. One cast of the whole buffer instead of one per layer call and direction (420 small
+        casts a step in the SmolLM2-shaped pack of BENCHMARKS.md, 1.25 ms); the cast is the one the kernels made,
+        so the same bits."""
+        dtype = kernels.lora_operand_dtype(act)
+        if dtype == torch.float32:
+            return
+        self.flat_op = torch.zeros_like(self.flat, dtype=dtype)
+        for p in self.paths:
+            for leaf, views in ((self.a[p], self.a_op), (self.bt[p], self.bt_op)):
+                off = (leaf.data.data_ptr() - self.flat.data_ptr()) // self.flat.element_size()
+                views[p] = self.flat_op[off:off + leaf.numel()].view(leaf.shape)
+
+    def cast_operands(self) -> None:
+        """Refresh the operand copy from the fp32 weights (first op of a step: the optimizer changed them)."""
+        if self.flat_op is not None:
+            self.flat_op.copy_(self.flat)
 
     def _leaf(self, off: int, rows: int, d: int) -> nn.Parameter:
         leaf = nn.Parameter(self.flat[off:off + rows * d].view(rows, d))
@@ -215,10 +241,15 @@ class StaticStore:
         if resolve_impl(self.state.impl, x.device) == "triton":
             meta = shape.meta._replace(layer_id=layer.layer_id, has_dropout=self.dropout)
             x2 = x.reshape(b * seq, d_in)
+            grads = (a.grad, bt.grad)  # the static gradient views: the kernels add into them, no AccumulateGrad
+            ops = None
+            if self.flat_op is not None and x.dtype == self.flat_op.dtype:
+                ops = (self.a_op[path], self.bt_op[path])
             if type(layer.base) is nn.Linear:
-                y = kernels.packed_lora_static(x2, None, layer.base.weight, layer.base.bias, a, bt, meta)
+                y = kernels.packed_lora_static(x2, None, layer.base.weight, layer.base.bias, a, bt, meta, grads, ops)
             else:
-                y = kernels.packed_lora_static(x2, layer.base(x).reshape(b * seq, -1), None, None, a, bt, meta)
+                y = kernels.packed_lora_static(x2, layer.base(x).reshape(b * seq, -1), None, None, a, bt, meta,
+                                               grads, ops)
             return y.view(b, seq, -1)
         xin = x.to(a.dtype)
         if self.dropout and self.host_layout is not None:

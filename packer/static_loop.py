@@ -206,6 +206,8 @@ def _step_fn(pm: PackedModel, store: StaticStore, shape: ShapeBuffers, ring: tor
     c = store.capacity
 
     def step() -> None:
+        if triton:
+            store.cast_operands()
         with store.stepping(shape, dropout), torch.enable_grad():
             if not triton:  # masked-dense column scales: s_g on the slot's own rank columns of its rows
                 scale = shape.meta.seg_flt[:, SEG_FLT_COL.scale].repeat_interleave(shape.rows)
@@ -340,6 +342,8 @@ def _new_store(pm: PackedModel, old: StaticStore | None, capacity: int, bucket: 
                active: dict[int, _Live]) -> StaticStore:
     """A store whose bucket holds ``rank``; the live slots of ``old`` move into it (weights and moments)."""
     store = StaticStore(pm.model, pm.state, pm.layers, capacity, max(bucket, rank_bucket_for(rank)), pm.device)
+    if resolve_impl(pm.state.impl, pm.device) == "triton":
+        store.use_operands(getattr(pm.model, "dtype", torch.float32))
     if old is not None:
         for slot in active:
             spec = pm.specs[slot]
