@@ -98,7 +98,7 @@ def _replay_profile(graph: torch.cuda.CUDAGraph, replay_ms: float, n: int = 5) -
     kernel_us = sum(e.self_device_time_total for e in gpu_profile.kernel_events(prof.key_averages()))
     if not kernel_us:
         return None, ""
-    return kernel_us / n / 1e3, gpu_profile.breakdown(prof, n, replay_ms, "graph replay")
+    return kernel_us / n / 1e3, gpu_profile.breakdown(prof, n, replay_ms, "graph replay", top=20)
 
 
 def packed(model: torch.nn.Module, slots: int, micro: int, seq: int, ranks: tuple[int, ...], dropout_every: int,
