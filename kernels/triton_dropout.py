@@ -178,8 +178,10 @@ def dropout_mask(meta: SegmentMeta, n_tokens: int, d_in: int, device: torch.devi
     return out
 
 
-KEEP_WORDS_PER_PROGRAM = 8
-"""Words (of 32 columns) per program of ``_keep_bits_kernel``: 256 columns of a 64-token tile, 4,096 Philox calls."""
+KEEP_WORDS_PER_PROGRAM = 2
+"""Words (of 32 columns) per program of ``_keep_bits_kernel``: 64 columns of a 64-token tile, 1,024 Philox calls.
+Few columns per program: the kernel is Philox-bound, and a small pack's grid is narrow (96 tiles), so the draws
+need many programs to hide their latency (``python -m packer.gpu_graph --tile-variants``)."""
 
 
 def keep_bits(meta: SegmentMeta, x: torch.Tensor) -> torch.Tensor:

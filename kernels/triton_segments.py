@@ -65,6 +65,10 @@ from kernels.triton_dropout import bits_scale, keep_bits
 __all__ = ["seg_expand_add", "seg_shrink", "seg_wgrad"]
 
 _EXPAND_BR = 16  # rank chunk of the expand loop: the smallest tl.dot K, so a slot pays for ceil(r_g / 16) chunks
+WGRAD_BLOCK_N = 64
+"""Feature tile of the weight gradient. Its grid is (chunks, D / BN, rank tiles): a small pack (16 segments of 384
+tokens, one chunk each, D = 192..1536) gets only 32-200 programs, so a narrower tile fills more SMs
+(``python -m packer.gpu_graph --tile-variants`` measures both)."""
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -315,7 +319,7 @@ def seg_expand_add(h: torch.Tensor, w: torch.Tensor, meta: SegmentMeta, dst: tor
 
 
 def seg_wgrad(p: torch.Tensor, q: torch.Tensor, meta: SegmentMeta, *, dropout: bool, keep: torch.Tensor | None = None,
-              into: torch.Tensor | None = None, block_t: int | None = None, block_n: int = 128,
+              into: torch.Tensor | None = None, block_t: int | None = None, block_n: int | None = None,
               stages: int | None = None) -> torch.Tensor:
     """``out[rank_off_g : rank_off_g + r_g] = p_g[:, :r_g]^T @ drop?(q_g)`` over each segment's tokens.
 
@@ -329,7 +333,7 @@ def seg_wgrad(p: torch.Tensor, q: torch.Tensor, meta: SegmentMeta, *, dropout: b
             no separate add), or None for a new tensor. With one partial sum the kernel adds it as it stores.
         block_t: token step of the reduction; default ``_launch_config``'s.
         stages: software-pipeline depth; default ``_launch_config``'s.
-        block_n: feature tile.
+        block_n: feature tile; default ``WGRAD_BLOCK_N``.
 
     Returns:
         (R, N) fp32 (``into`` when given); rows of slots without tokens are zero (left as they were in ``into``).
@@ -351,6 +355,7 @@ def seg_wgrad(p: torch.Tensor, q: torch.Tensor, meta: SegmentMeta, *, dropout: b
             keep = keep_bits(meta, q)
         tile, default_stages = _launch_config(dropout)
         dot_dtype, precision = _dot_config(q.dtype, cast_to_act=False)
+        block_n = block_n or WGRAD_BLOCK_N
         _jit.launch(_seg_wgrad_kernel, (meta.n_chunks, triton.cdiv(n, block_n), meta.r_cols // br),
             p, q, out, keep if dropout else out, meta.chunks, meta.seg_int, meta.seg_flt, n, meta.total_rank,
             meta.r_pad, DROPOUT=dropout, ACCUMULATE=direct, DOT_DTYPE=dot_dtype, PRECISION=precision,
