@@ -178,7 +178,7 @@ def dropout_mask(meta: SegmentMeta, n_tokens: int, d_in: int, device: torch.devi
     return out
 
 
-KEEP_WORDS_PER_PROGRAM = 2
+KEEP_WORDS_PER_PROGRAM = 1
 """Words (of 32 columns) per program of ``_keep_bits_kernel``: 64 columns of a 64-token tile, 1,024 Philox calls.
 Few columns per program: the kernel is Philox-bound, and a small pack's grid is narrow (96 tiles), so the draws
 need many programs to hide their latency (``python -m packer.gpu_graph --tile-variants``)."""

@@ -65,7 +65,7 @@ from kernels.triton_dropout import bits_scale, keep_bits
 __all__ = ["seg_expand_add", "seg_shrink", "seg_wgrad"]
 
 _EXPAND_BR = 16  # rank chunk of the expand loop: the smallest tl.dot K, so a slot pays for ceil(r_g / 16) chunks
-WGRAD_BLOCK_N = 64
+WGRAD_BLOCK_N = 128
 """Feature tile of the weight gradient. Its grid is (chunks, D / BN, rank tiles): a small pack (16 segments of 384
 tokens, one chunk each, D = 192..1536) gets only 32-200 programs, so a narrower tile fills more SMs
 (``python -m packer.gpu_graph --tile-variants`` measures both)."""
