@@ -181,7 +181,7 @@ def peft(shape: dict, batch: int, seq: int, *, steps: int = 10) -> dict:
     return dict(batch=batch, seq=seq, eager_ms=eager_ms, graph_ms=graph_ms)
 
 
-TILE_VARIANTS = ((8, 128), (2, 128), (2, 64), (1, 64))
+TILE_VARIANTS = ((8, 128), (2, 128), (2, 64), (1, 64), (1, 128))
 """(words of 32 columns per keep-bits program, weight-gradient feature tile) pairs ``--tile-variants`` times."""
 
 
