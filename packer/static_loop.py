@@ -225,9 +225,9 @@ def _step_fn(pm: PackedModel, store: StaticStore, shape: ShapeBuffers, ring: tor
 def _precompile(step: Callable[[], None]) -> None:
     """Compile, in parallel, the Triton kernel variants of a step before it first runs (``kernels.precompile``:
     its launches become compile-only warm-ups). The torch ops of that pass run on unwritten kernel outputs: the
-    only state they reach is the ring row (which the real step then overwrites) and the gradients, which get
-    the zero weight gradients of skipped kernels; the optimizer kernels are skipped, so weights and moments
-    stay as they were."""
+    only state they reach is the ring row (which the real step then overwrites) and the bf16 weight copy (which
+    the real step casts again); the weight-gradient kernels, which add into the gradients, and the optimizer
+    kernels are skipped, so gradients, weights and moments stay as they were."""
     try:
         kernels.precompile(step)
     except Exception as err:  # an optimisation only: the step compiles what it lacks as it launches it
