@@ -12,7 +12,7 @@ front so layer ids and offsets never move), that layer's A for all C slots, ``(C
 - each layer's ``a_cat`` / ``bt_cat`` is a contiguous view of ``flat`` (the kernels' row-major operand, no
   gather or copy per step), and a per-layer leaf whose ``.grad`` is a view of ``grad``: the Triton kernels add
   the weight gradients into it in place (the masked-dense path: autograd's AccumulateGrad does). A bf16 model's
-  kernels read a bf16 copy of ``flat`` (``flat_op``), cast once at the start of each step;
+  kernels read a bf16 copy of ``flat`` (``flat_op``), cast once as each step (or evaluation forward) starts;
 - a slot's rows sit at fixed offsets, so a refill writes new weights into the same memory (no re-capture), and
   the slot's parameters that the rest of the packer sees (``PackedModel.slot_weights``, evaluation, saving) are
   views of those rows: ``(r_g, D)``, exactly the shapes of a slot trained alone;
@@ -137,10 +137,10 @@ class StaticStore:
 
     def use_operands(self, act: torch.dtype) -> None:
         """Keep a copy of every layer's A and B^T in the dtype the Triton kernels' dots read them in for
-        activations of ``act`` (bf16 for a bf16 model; nothing for fp32), refreshed by ``cast_operands`` at the
-        start of each step. One cast of the whole buffer instead of one per layer call and direction (420 small
-        casts a step in the SmolLM2-shaped pack of BENCHMARKS.md, 1.25 ms); the cast is the one the kernels made,
-        so the same bits."""
+        activations of ``act`` (bf16 for a bf16 model; nothing for fp32), refreshed by ``cast_operands`` as each
+        step or evaluation forward enters ``stepping``. One cast of the whole buffer instead of one per layer call
+        and direction (420 small casts a step in the SmolLM2-shaped pack of BENCHMARKS.md, 1.25 ms); the cast is
+        the one the kernels made, so the same bits."""
         dtype = kernels.lora_operand_dtype(act)
         if dtype == torch.float32:
             return
@@ -151,7 +151,7 @@ class StaticStore:
                 views[p] = self.flat_op[off:off + leaf.numel()].view(leaf.shape)
 
     def cast_operands(self) -> None:
-        """Refresh the operand copy from the fp32 weights (first op of a step: the optimizer changed them)."""
+        """Refresh the operand copy from the fp32 weights (the optimizer or a refill changed them)."""
         if self.flat_op is not None:
             self.flat_op.copy_(self.flat)
 
@@ -220,7 +220,9 @@ class StaticStore:
 
     @contextlib.contextmanager
     def stepping(self, shape: ShapeBuffers, dropout: bool) -> Iterator[None]:
-        """Route the wrapped layers through the static tables while a step runs."""
+        """Route the wrapped layers through the static tables while a step (or an evaluation forward on the same
+        buffers) runs; first refresh the kernels' bf16 weight copy, so every forward reads the current weights."""
+        self.cast_operands()
         self.shape, self.dropout = shape, dropout
         self.state.static = self
         try:

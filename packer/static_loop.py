@@ -206,8 +206,6 @@ def _step_fn(pm: PackedModel, store: StaticStore, shape: ShapeBuffers, ring: tor
     c = store.capacity
 
     def step() -> None:
-        if triton:
-            store.cast_operands()
         with store.stepping(shape, dropout), torch.enable_grad():
             if not triton:  # masked-dense column scales: s_g on the slot's own rank columns of its rows
                 scale = shape.meta.seg_flt[:, SEG_FLT_COL.scale].repeat_interleave(shape.rows)
