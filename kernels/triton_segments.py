@@ -25,7 +25,8 @@ Kernels (kernels.md §4), all driven by host-built tables (``kernels._launch.Seg
 - ``_seg_expand_kernel``: grid (token tiles, D tiles); loops over r_g in chunks of 16 (a runtime bound), so
   each slot pays for its own rank only. Reads the addend and writes the result in one pass (in place allowed).
 - ``_seg_wgrad_kernel``: grid (token chunks of a segment, D tiles, rank tiles); each program writes its own
-  fp32 partial sum, a deterministic torch sum over partial slots follows: no atomics, bit-identical reruns.
+  fp32 partial sum, a deterministic torch sum over partial slots follows: no atomics, bit-identical reruns. Given
+  a gradient buffer (a static pack's) and one partial per segment, it adds into the buffer as it stores.
 
 Dropout: each layer call draws its keep mask once, as bits (``kernels.triton_dropout.keep_bits``: Philox from
 the slot's seed, its own rows and positions, the column and the layer), which the shrink, the dx epilogue and
