@@ -97,7 +97,7 @@ def _replay_profile(graph: torch.cuda.CUDAGraph, replay_ms: float, n: int = 5) -
     kernel_us = sum(e.self_device_time_total for e in gpu_profile.kernel_events(prof.key_averages()))
     if not kernel_us:
         return None, ""
-    return kernel_us / n / 1e3, gpu_profile.breakdown(prof, n, replay_ms, "graph replay")
+    return kernel_us / n / 1e3, gpu_profile.breakdown(prof, n, replay_ms, "graph replay", top=20)
 
 
 def packed(model: torch.nn.Module, slots: int, micro: int, seq: int, ranks: tuple[int, ...], dropout_every: int,
@@ -180,6 +180,34 @@ def peft(shape: dict, batch: int, seq: int, *, steps: int = 10) -> dict:
     return dict(batch=batch, seq=seq, eager_ms=eager_ms, graph_ms=graph_ms)
 
 
+TILE_VARIANTS = ((8, 128), (2, 128), (2, 64), (1, 64), (1, 128))
+"""(words of 32 columns per keep-bits program, weight-gradient feature tile) pairs ``--tile-variants`` times."""
+
+
+def tile_variants(variants: tuple[tuple[int, int], ...] = TILE_VARIANTS) -> list[str]:
+    """The SmolLM2 pack's step under each (keep-bits words per program, weight-gradient tile) pair: how wide the
+    grids of the two kernels whose grids the small pack leaves narrowest should be. Lines of a small table."""
+    import kernels.triton_dropout as drop
+    import kernels.triton_segments as seg
+
+    smol = build(SMOLLM2)
+    lines = [f"{'keep words':>10}{'wgrad BN':>9}{'step ms':>9}{'graph ms':>9}{'kern ms':>9}  heaviest LoRA kernels"]
+    defaults = drop.KEEP_WORDS_PER_PROGRAM, seg.WGRAD_BLOCK_N
+    try:
+        for words, bn in variants:
+            drop.KEEP_WORDS_PER_PROGRAM, seg.WGRAD_BLOCK_N = words, bn
+            p = packed(smol, 16, 8, 48, (8, 16, 32), 2, steps=32)
+            lora = [ln.strip() for ln in p["breakdown"].splitlines() if "[lora]" in ln]
+            lines.append(f"{words:>10}{bn:>9}{p['step_ms']:9.2f}{p['graph_ms'] or float('nan'):9.2f}"
+                         f"{p['graph_kernel_ms'] or float('nan'):9.2f}  {'; '.join(lora)}")
+            print(lines[-1], flush=True)
+    finally:
+        drop.KEEP_WORDS_PER_PROGRAM, seg.WGRAD_BLOCK_N = defaults
+    del smol
+    _free()
+    return lines
+
+
 def _free() -> None:
     gc.collect()
     torch.cuda.empty_cache()
@@ -248,6 +276,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_graph", description=__doc__)
     parser.add_argument("--skip-qwen", action="store_true", help="only the SmolLM2-135M shape")
     parser.add_argument("--only-qwen", action="store_true", help="only the Qwen2.5-0.5B shape")
+    parser.add_argument("--tile-variants", action="store_true",
+                        help="then time the SmolLM2 pack under each of TILE_VARIANTS (keep-bits and wgrad tiles)")
     args = parser.parse_args(argv)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
     rows: list[dict] = []
@@ -260,6 +290,8 @@ def main(argv: list[str] | None = None) -> None:
         print(n)
     print("x eager / x graph: per trial-step, PEFT ms / (pack step ms / slots); smollm2 vs PEFT b8, qwen vs PEFT b1")
     print(table(rows), flush=True)
+    if args.tile_variants:
+        print("\n".join(tile_variants()), flush=True)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ def _us(fn) -> float:
 
 def sweep(d_in: int, d_out: int, tokens: int, slots: int, rank: int, dropout: float) -> list[dict]:
     """Every config of the three kernels at one shape; dropout p for every slot (0 = the no-dropout path)."""
-    from kernels.triton_lora import _launch_config, seg_expand_add, seg_shrink, seg_wgrad
+    from kernels.triton_segments import _launch_config, seg_expand_add, seg_shrink, seg_wgrad
 
     dev = torch.device("cuda")
     layout = PackLayout(tuple(range(slots)), tuple(range(slots)), (1,) * slots, (tokens // slots,) * slots,

@@ -25,7 +25,7 @@ from benchmarks.timing import random_jobs
 __all__ = ["CATEGORIES", "category", "breakdown", "kernel_events", "profile_step"]
 
 CATEGORIES = (("attention", r"flash|fmha|sdpa|attention"), ("gemm", r"gemm|nvjet|cutlass|xmma|cublas"),
-              ("lora", r"_seg_|_dropout_mask"), ("fused base", r"_rms_norm_|_silu_mul_"),
+              ("lora", r"_seg_|_dropout_mask|_keep_bits"), ("fused base", r"_rms_norm_|_silu_mul_"),
               ("multi-tensor", r"adam|multi_tensor"), ("reduce", r"reduce"),
               ("elementwise", r"elementwise|vectorized|unrolled"), ("copy", r"copy|memcpy|memset|Cat"))
 """(name, pattern) pairs; a kernel takes the first whose pattern its name matches, ``other`` when none does."""

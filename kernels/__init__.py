@@ -19,12 +19,31 @@ import torch
 import torch.nn.functional as F
 
 from kernels import reference
-from kernels._launch import SegmentMeta, static_meta, to_device_async
+from kernels._launch import (
+    CHUNK_COL,
+    FREE_FLT,
+    SEG_FLT_COL,
+    SEG_FLT_FIELDS,
+    SEG_INT_COL,
+    SEG_INT_FIELDS,
+    TILE_COL,
+    Chunk,
+    SegFlt,
+    SegInt,
+    SegmentMeta,
+    Tile,
+    free_segment,
+    static_meta,
+    to_device_async,
+)
 from kernels.meta import LayerRanks, PackLayout, dropout_seed, group_rows
 from kernels.reference import lora_loop, lora_masked_dense
 
 __all__ = ["packed_lora", "packed_lora_linear", "packed_lora_linear_slices", "packed_lora_static", "precompile",
+           "lora_operand_dtype",
            "rms_norm", "silu_mul", "segmented_sumsq", "segmented_adamw_", "static_meta", "SegmentMeta",
+           "SegInt", "SegFlt", "Tile", "Chunk", "SEG_INT_COL", "SEG_FLT_COL", "TILE_COL", "CHUNK_COL",
+           "SEG_INT_FIELDS", "SEG_FLT_FIELDS", "FREE_FLT", "free_segment",
            "PackLayout", "LayerRanks",
            "dropout_seed", "group_rows", "IMPLS", "Impl", "resolve_impl", "triton_available", "to_device_async"]
 
@@ -148,7 +167,8 @@ def packed_lora_linear_slices(x: torch.Tensor, weights: tuple[torch.Tensor, ...]
 
 def packed_lora_static(x: torch.Tensor, base_out: torch.Tensor | None, weight: torch.Tensor | None,
                        bias: torch.Tensor | None, a_cat: torch.Tensor, bt_cat: torch.Tensor,
-                       meta: SegmentMeta) -> torch.Tensor:
+                       meta: SegmentMeta, grads: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       ops: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The Triton packed LoRA over prebuilt tables (``static_meta``): no host work, no copy, so it can be
     captured in a CUDA graph. Same math as ``packed_lora_linear`` (``weight`` given) or ``packed_lora``
     (``base_out`` given).
@@ -161,11 +181,19 @@ def packed_lora_static(x: torch.Tensor, base_out: torch.Tensor | None, weight: t
         a_cat: (C * RB, D_in) every slot's A, slot g at rows ``g * RB``; rank padding zero.
         bt_cat: (C * RB, D_out) B^T laid out the same way.
         meta: the tables, with this layer's ``layer_id``.
+        grads: (C * RB, D_in) and (C * RB, D_out) fp32 buffers the weight gradients are added to in place (the
+            static pack's gradient views), or None to hand them to autograd.
+        ops: a_cat and bt_cat already in ``lora_operand_dtype(x.dtype)`` (cast once per step), or None.
 
     Returns:
-        (T, D_out); differentiable in x, a_cat and bt_cat.
+        (T, D_out); differentiable in x (and in a_cat and bt_cat unless ``grads`` takes their gradients).
     """
-    return _triton_module().PackedLoRAFunction.apply(x, base_out, weight, bias, a_cat, bt_cat, meta)
+    return _triton_module().PackedLoRAFunction.apply(x, base_out, weight, bias, a_cat, bt_cat, meta, grads, ops)
+
+
+def lora_operand_dtype(act: torch.dtype) -> torch.dtype:
+    """The dtype the Triton LoRA kernels read packed weights in for activations of ``act`` (fp32 or ``act``)."""
+    return _triton_module().operand_dtype(act)
 
 
 def segmented_sumsq(grad: torch.Tensor, segs: torch.Tensor, rank: torch.Tensor, rank_bucket: int) -> torch.Tensor:

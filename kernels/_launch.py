@@ -18,15 +18,68 @@ import torch
 from kernels.meta import LayerRanks, PackLayout
 
 __all__ = ["SegmentMeta", "build_meta", "build_slice_metas", "static_meta", "check_2d", "to_device_async",
-           "SEG_INT_FIELDS", "SEG_FLT_FIELDS", "POS_BITS"]
+           "SegInt", "SegFlt", "Tile", "Chunk", "SEG_INT_COL", "SEG_FLT_COL", "TILE_COL", "CHUNK_COL",
+           "SEG_INT_FIELDS", "SEG_FLT_FIELDS", "TILE_FIELDS", "CHUNK_FIELDS", "POS_BITS", "free_segment", "FREE_FLT"]
 
-SEG_INT_FIELDS = 7
-"""Columns of ``SegmentMeta.seg_int``: tok_start, tok_end, row_start, rank, rank_off, dropout seed (the
-slot's ``PackLayout.seed``; the layer enters the kernels' Philox counter, so one table serves every layer),
-h_col (the segment's first column in the per-token rank buffer h: 0, except for one slice of a shared-input
-group, whose slices share one h)."""
-SEG_FLT_FIELDS = 3
-"""Columns of ``SegmentMeta.seg_flt``: scale, dropout p, 1 / (1 - p)."""
+class SegInt(NamedTuple):
+    """One row of ``SegmentMeta.seg_int`` (int64): the column names every user of the table indexes by
+    (``SEG_INT_COL``), the kernels through ``kernels._tables``' constants."""
+
+    tok_start: int
+    """First token of the segment in the flattened (T, D) activations."""
+    tok_end: int
+    """One past its last token."""
+    row_start: int
+    """Its first row of the (B, L) batch (dropout counters are slot-local rows)."""
+    rank: int
+    """r_g in this call (0: a free slot of a static pack)."""
+    rank_off: int
+    """Its first row of ``a_cat`` / ``bt_cat``."""
+    seed: int
+    """The slot's dropout seed (``PackLayout.seed``; the layer enters the kernels' Philox counter, so one table
+    serves every layer)."""
+    h_col: int
+    """Its first column in the per-token rank buffer h: 0, except for one slice of a shared-input group, whose
+    slices share one h."""
+
+
+class SegFlt(NamedTuple):
+    """One row of ``SegmentMeta.seg_flt`` (fp32)."""
+
+    scale: float
+    """s_g."""
+    p: float
+    """Dropout probability."""
+    inv_keep: float
+    """1 / (1 - p)."""
+
+
+class Tile(NamedTuple):
+    """One row of ``SegmentMeta.tiles`` (int64): a token tile of the shrink and expand kernels."""
+
+    seg: int
+    tok0: int
+
+
+class Chunk(NamedTuple):
+    """One row of ``SegmentMeta.chunks`` (int64): a token chunk of the weight gradient's partial sums."""
+
+    seg: int
+    tok0: int
+    tok1: int
+    part: int
+
+
+SEG_INT_COL = SegInt(*range(len(SegInt._fields)))
+"""Column index of each ``seg_int`` field (``seg_int[:, SEG_INT_COL.rank]``)."""
+SEG_FLT_COL = SegFlt(*range(len(SegFlt._fields)))
+"""Column index of each ``seg_flt`` field."""
+TILE_COL = Tile(*range(len(Tile._fields)))
+CHUNK_COL = Chunk(*range(len(Chunk._fields)))
+SEG_INT_FIELDS = len(SegInt._fields)
+SEG_FLT_FIELDS = len(SegFlt._fields)
+TILE_FIELDS = len(Tile._fields)
+CHUNK_FIELDS = len(Chunk._fields)
 POS_BITS = 20
 """Dropout counters use ``(local_row << POS_BITS) + position``: independent of the packed ``L``."""
 
@@ -44,10 +97,10 @@ class SegmentMeta(NamedTuple):
     """Device tables for one layer call, shared by its forward and backward.
 
     Attributes:
-        seg_int: (S, 7) int64, columns as ``SEG_INT_FIELDS`` says; S = active segments.
-        seg_flt: (S, 3) float32, columns as ``SEG_FLT_FIELDS`` says.
-        tiles: (n_tiles, 2) int64: segment index, first token; tiles never straddle two segments.
-        chunks: (n_chunks, 4) int64: segment index, first token, end token, partial-sum slot.
+        seg_int: (S, SEG_INT_FIELDS) int64, one ``SegInt`` per active segment; S = active segments.
+        seg_flt: (S, SEG_FLT_FIELDS) float32, one ``SegFlt`` per active segment.
+        tiles: (n_tiles, TILE_FIELDS) int64, one ``Tile`` each; tiles never straddle two segments.
+        chunks: (n_chunks, CHUNK_FIELDS) int64, one ``Chunk`` each (segment, first token, end token, partial slot).
         n_tiles: rows of ``tiles``.
         n_chunks: rows of ``chunks``.
         n_partials: partial-sum slots of the weight gradient (the most chunks any segment has).
@@ -166,12 +219,13 @@ def _tables(layout: PackLayout, rank: tuple[int, ...], scale: tuple[float, ...],
             raise ValueError(f"segment {g}: dropout {p} not in [0, 1)")
         if r > 0 and rows > 0:
             t0, t1 = r0 * seq_len, (r0 + rows) * seq_len
-            seg_int += (t0, t1, r0, r, rank_off, layout.seed[g], h_col[g] if h_col else 0)
-            seg_flt += (scale[g], p, 1.0 / (1.0 - p))
+            seg_int += SegInt(tok_start=t0, tok_end=t1, row_start=r0, rank=r, rank_off=rank_off, seed=layout.seed[g],
+                              h_col=h_col[g] if h_col else 0)
+            seg_flt += SegFlt(scale=scale[g], p=p, inv_keep=1.0 / (1.0 - p))
             for t in range(t0, t1, block_m):
-                tiles += (n_seg, t)
+                tiles += Tile(seg=n_seg, tok0=t)
             for c, t in enumerate(range(t0, t1, chunk_tokens)):
-                chunks += (n_seg, t, min(t + chunk_tokens, t1), c)
+                chunks += Chunk(seg=n_seg, tok0=t, tok1=min(t + chunk_tokens, t1), part=c)
             n_partials = max(n_partials, -(-(t1 - t0) // chunk_tokens))
             covered += t1 - t0
             n_seg += 1
@@ -182,12 +236,12 @@ def _tables(layout: PackLayout, rank: tuple[int, ...], scale: tuple[float, ...],
     return SegmentMeta(
         seg_int=blob[:a].view(-1, SEG_INT_FIELDS),
         seg_flt=to_device_async(torch.tensor(seg_flt, dtype=torch.float32), device).view(-1, SEG_FLT_FIELDS),
-        tiles=blob[a:b].view(-1, 2),
-        chunks=blob[b:].view(-1, 4),
-        n_tiles=len(tiles) // 2, n_chunks=len(chunks) // 4, n_partials=n_partials, seq_len=seq_len,
+        tiles=blob[a:b].view(-1, TILE_FIELDS),
+        chunks=blob[b:].view(-1, CHUNK_FIELDS),
+        n_tiles=len(tiles) // TILE_FIELDS, n_chunks=len(chunks) // CHUNK_FIELDS, n_partials=n_partials, seq_len=seq_len,
         r_pad=r_cols, r_cols=r_cols, total_rank=rank_off,
         covers_all=covered == n_tokens,
-        has_dropout=any(p > 0 for p in seg_flt[1::3]), block_m=block_m,
+        has_dropout=any(p > 0 for p in seg_flt[SEG_FLT_COL.p::SEG_FLT_FIELDS]), block_m=block_m,
     )
 
 
@@ -218,9 +272,9 @@ def static_meta(capacity: int, rows: int, seq_len: int, rank_cols: int, device: 
     present whatever its slot holds, so the tile and chunk maps (and hence every grid) depend on the shape only.
 
     The per-slot columns are data the caller writes in place before each step (a captured CUDA graph reads
-    them at replay): ``seg_int[g]`` = (t0, t1, row_start, rank, rank_off, seed, 0), ``seg_flt[g]`` = (scale, p,
-    1 / (1 - p)). Here they are filled with the fixed part (token range, rows, ``rank_off = g * rank_cols``) and
-    rank 0 (a free slot: the kernels skip its LoRA term and write its base output unchanged).
+    them at replay): ``seg_int[g]`` a ``SegInt``, ``seg_flt[g]`` a ``SegFlt``. Here they are filled with
+    ``free_segment`` (the fixed token range, rows and ``rank_off = g * rank_cols``; rank 0: a free slot, whose
+    LoRA term the kernels skip, writing its base output unchanged) and ``FREE_FLT``.
 
     Args:
         capacity: C, segments (slots).
@@ -236,20 +290,29 @@ def static_meta(capacity: int, rows: int, seq_len: int, rank_cols: int, device: 
     if seq_len >= 1 << POS_BITS:
         raise ValueError(f"sequence length {seq_len} >= 2**{POS_BITS} (dropout counter width)")
     per = rows * seq_len
-    seg_int = torch.zeros((capacity, SEG_INT_FIELDS), dtype=torch.int64)
-    for g in range(capacity):
-        seg_int[g, :5] = torch.tensor((g * per, (g + 1) * per, g * rows, 0, g * rank_cols))
-    seg_flt = torch.zeros((capacity, SEG_FLT_FIELDS), dtype=torch.float32)
-    seg_flt[:, 2] = 1.0
-    tiles = [(g, t) for g in range(capacity) for t in range(g * per, (g + 1) * per, block_m)]
-    chunks = [(g, t, min(t + chunk_tokens, (g + 1) * per), c) for g in range(capacity)
+    seg_int = torch.tensor([free_segment(g, rows, seq_len, rank_cols) for g in range(capacity)], dtype=torch.int64)
+    seg_flt = torch.tensor([FREE_FLT] * capacity, dtype=torch.float32)
+    tiles = [Tile(g, t) for g in range(capacity) for t in range(g * per, (g + 1) * per, block_m)]
+    chunks = [Chunk(g, t, min(t + chunk_tokens, (g + 1) * per), c) for g in range(capacity)
               for c, t in enumerate(range(g * per, (g + 1) * per, chunk_tokens))]
     r_cols = _pow2_cols(rank_cols)
     return SegmentMeta(
         seg_int=seg_int.to(device), seg_flt=seg_flt.to(device),
-        tiles=torch.tensor(tiles, dtype=torch.int64).view(-1, 2).to(device),
-        chunks=torch.tensor(chunks, dtype=torch.int64).view(-1, 4).to(device),
+        tiles=torch.tensor(tiles, dtype=torch.int64).view(-1, TILE_FIELDS).to(device),
+        chunks=torch.tensor(chunks, dtype=torch.int64).view(-1, CHUNK_FIELDS).to(device),
         n_tiles=len(tiles), n_chunks=len(chunks), n_partials=-(-per // chunk_tokens), seq_len=seq_len,
         r_pad=r_cols, r_cols=r_cols, total_rank=capacity * rank_cols, covers_all=True, has_dropout=dropout,
         block_m=block_m,
     )
+
+
+def free_segment(g: int, rows: int, seq_len: int, rank_cols: int) -> SegInt:
+    """Segment g of a static pack (``static_meta``) holding no slot: its fixed token range, rows and rank rows,
+    rank 0 (the kernels skip its LoRA term), seed 0."""
+    per = rows * seq_len
+    return SegInt(tok_start=g * per, tok_end=(g + 1) * per, row_start=g * rows, rank=0, rank_off=g * rank_cols,
+                  seed=0, h_col=0)
+
+
+FREE_FLT = SegFlt(scale=0.0, p=0.0, inv_keep=1.0)
+"""``seg_flt`` row of a free slot (and of a slot without dropout, with its scale)."""

@@ -1,12 +1,12 @@
-"""Slot dropout regenerated inside the packed-LoRA kernels: Philox4x32-10 spelled out, the keep/scale
-multiplier every kernel of ``kernels.triton_lora`` applies, and a kernel that materialises it (tests and
-debugging only).
+"""Slot dropout of the packed-LoRA kernels: Philox4x32-10 spelled out, the keep mask of one layer call drawn once
+as bits (``keep_bits``), the keep/scale multiplier every kernel of ``kernels.triton_lora`` reads from them
+(``bits_scale``), and a kernel that materialises the multiplier straight from Philox (tests and debugging).
 
 keep = u >= p_g, u = word (col % 4) of Philox4x32-10 with key ``PackLayout.seed[g]`` (the slot's own seed for
 this step) and counter (((local_row << 20) + pos) * ceil(D_in / 4) + col // 4 as two words, layer_id, 0):
 one Philox call per 4 columns. Key and counter depend on the slot, its own rows/positions, the column and the
 layer only, so a slot's mask is the same whichever slots share the pack, and every layer draws an
-independent one. No mask is stored.
+independent one. The mask lives as bits from a layer's forward to its backward (1 bit per input element).
 
 Builtins only (``tl.full``, not ``tl.zeros``): the ``tl`` helpers are themselves ``@triton.jit`` and cannot run
 in the interpreter when triton was imported before ``TRITON_INTERPRET=1`` was set (``kernels.triton_lora``).
@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import torch
 
+from kernels import _jit
 from kernels._jit import tl, triton
-from kernels._launch import POS_BITS, SEG_FLT_FIELDS, SEG_INT_FIELDS, SegmentMeta
+from kernels._launch import SegmentMeta
+from kernels._tables import POS_SHIFT, SF, SF_INV_KEEP, SF_P, SI, SI_ROW_START, SI_SEED, SI_TOK_END, TI, TI_SEG, TI_TOK0
 
-__all__ = ["dropout_mask", "keep_scale", "philox"]
+__all__ = ["bits_scale", "dropout_mask", "keep_bits", "keep_scale", "philox"]
 
-_SI: tl.constexpr = tl.constexpr(SEG_INT_FIELDS)
-_SF: tl.constexpr = tl.constexpr(SEG_FLT_FIELDS)
-_POS_BITS: tl.constexpr = tl.constexpr(POS_BITS)
 _KEY_A: tl.constexpr = tl.constexpr(0x9E3779B9)  # Philox4x32 constants, as triton.language.random
 _KEY_B: tl.constexpr = tl.constexpr(0xBB67AE85)
 _ROUND_A: tl.constexpr = tl.constexpr(0xD2511F53)
@@ -66,7 +65,7 @@ def keep_scale(seg_int_ptr, seg_flt_ptr, seg, tok, col0, seq_len, d_in, layer_id
     branch changes no value, only skips those programs' Philox rounds. Measured on the H200 SmolLM2-shaped
     16-slot pack with dropout on every other slot (``python -m benchmarks.gpu_graph``): the LoRA kernels took 20.4
     ms per step with it, 19.9 without (noise): a launch lasts as long as its slowest tiles, which draw."""
-    p = tl.load(seg_flt_ptr + seg * _SF + 1)
+    p = tl.load(seg_flt_ptr + seg * SF + SF_P)
     n: tl.constexpr = tok.shape[0]
     mult = tl.full((n, BC), 1.0, tl.float32)
     if p > 0.0:
@@ -77,12 +76,18 @@ def keep_scale(seg_int_ptr, seg_flt_ptr, seg, tok, col0, seq_len, d_in, layer_id
 @triton.jit
 def _draw(seg_int_ptr, seg_flt_ptr, seg, tok, col0, seq_len, d_in, layer_id, p, BC: tl.constexpr):
     """``keep_scale``'s multiplier for a segment with p > 0."""
-    seed = tl.load(seg_int_ptr + seg * _SI + 5)
-    row_start = tl.load(seg_int_ptr + seg * _SI + 2)
-    inv_keep = tl.load(seg_flt_ptr + seg * _SF + 2)
+    inv_keep = tl.load(seg_flt_ptr + seg * SF + SF_INV_KEEP)
+    return tl.where(_keep(seg_int_ptr, seg, tok, col0, seq_len, d_in, layer_id, p, BC), inv_keep, 0.0)
+
+
+@triton.jit
+def _keep(seg_int_ptr, seg, tok, col0, seq_len, d_in, layer_id, p, BC: tl.constexpr):
+    """(len(tok), BC) int1: which of the columns ``col0 + arange(BC)`` segment ``seg`` keeps (u >= p)."""
+    seed = tl.load(seg_int_ptr + seg * SI + SI_SEED)
+    row_start = tl.load(seg_int_ptr + seg * SI + SI_ROW_START)
     row = tok // seq_len
     pos = tok - row * seq_len
-    counter = ((row - row_start) << _POS_BITS) + pos  # slot-local: independent of the other slots and of L
+    counter = ((row - row_start) << POS_SHIFT) + pos  # slot-local: independent of the other slots and of L
     quad = col0 // 4 + tl.arange(0, BC // 4)
     offs = counter[:, None] * ((d_in + 3) // 4) + quad[None, :]  # int64, unique per (local row, pos, quad)
     c0, c1, c2, c3 = philox(seed, offs, layer_id)
@@ -92,22 +97,67 @@ def _draw(seg_int_ptr, seg_flt_ptr, seg, tok, col0, seq_len, d_in, layer_id, p, 
     odd = tl.reshape(tl.join(c1, c3), (n, BC // 2))
     x = tl.reshape(tl.join(even, odd), (n, BC)).to(tl.int32, bitcast=True)
     u = tl.where(x < 0, ~x, x) * 4.6566127342e-10  # triton.language.random.uint_to_uniform_float
-    return tl.where(u >= p, inv_keep, 0.0)
+    return u >= p
+
+
+@triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def bits_scale(bits_ptr, seg_flt_ptr, seg, tok, tok_mask, col0, n_words, BC: tl.constexpr):
+    """(len(tok), BC) fp32 dropout multiplier M / (1 - p) of segment ``seg`` read from its keep bits (``keep_bits``)
+    for tokens ``tok`` and columns ``col0 + arange(BC)`` (col0 and BC multiples of 32): the multiplier
+    ``keep_scale`` draws, bit for bit, for a fraction of a draw's cost (one int32 load per 32 columns)."""
+    inv_keep = tl.load(seg_flt_ptr + seg * SF + SF_INV_KEEP)
+    words_i = col0 // 32 + tl.arange(0, BC // 32)
+    words = tl.load(bits_ptr + tok[:, None] * n_words + words_i[None, :],
+                    mask=tok_mask[:, None] & (words_i < n_words)[None, :], other=0)
+    n: tl.constexpr = tok.shape[0]
+    bit = tl.reshape((words[:, :, None] >> tl.arange(0, 32)[None, None, :]) & 1, (n, BC))
+    return tl.where(bit != 0, inv_keep, 0.0)
+
+
+@triton.jit(do_not_specialize=["seq_len", "layer_id"])
+def _keep_bits_kernel(
+    bits_ptr,  # (T, W) int32 keep bits: bit j of word w of token t = column 32 w + j kept
+    tiles_ptr,  # (n_tiles, TI) int64 tile map (kernels._launch.Tile)
+    seg_int_ptr,  # (S, SI) int64 segment table (kernels._launch.SegInt)
+    seg_flt_ptr,  # (S, SF) fp32 segment table (kernels._launch.SegFlt)
+    D, W, seq_len, layer_id,
+    BM: tl.constexpr, BW: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    seg = tl.load(tiles_ptr + TI * pid_m + TI_SEG)
+    t0 = tl.load(tiles_ptr + TI * pid_m + TI_TOK0)
+    t_end = tl.load(seg_int_ptr + seg * SI + SI_TOK_END)
+    p = tl.load(seg_flt_ptr + seg * SF + SF_P)
+    tok = (t0 + tl.arange(0, BM)).to(tl.int64)
+    w0 = tl.program_id(1) * BW
+    words_i = w0 + tl.arange(0, BW)
+    words = tl.full((BM, BW), -1, tl.int32)  # p = 0: every column kept, no draw
+    if p > 0.0:
+        keep = _keep(seg_int_ptr, seg, tok, w0 * 32, seq_len, D, layer_id, p, BW * 32).to(tl.int32)
+        shifted = tl.reshape(keep, (BM, BW, 32)) << tl.arange(0, 32)[None, None, :]
+        words = tl.reduce(shifted, 2, _or)  # the builtin reduce: tl.sum and friends are jit'd (module docstring)
+    tl.store(bits_ptr + tok[:, None] * W + words_i[None, :], words,
+             mask=(tok < t_end)[:, None] & (words_i < W)[None, :])
 
 
 @triton.jit(do_not_specialize=["seq_len", "layer_id"])
 def _dropout_mask_kernel(
     out_ptr,  # (T, D) fp32 multiplier M / (1 - p); left untouched outside active segments
-    tiles_ptr,  # (n_tiles, 2) int64 tile map: segment, first token
-    seg_int_ptr,  # (S, 7) int64 segment table
-    seg_flt_ptr,  # (S, 3) fp32 segment table
+    tiles_ptr,  # (n_tiles, TI) int64 tile map (kernels._launch.Tile)
+    seg_int_ptr,  # (S, SI) int64 segment table (kernels._launch.SegInt)
+    seg_flt_ptr,  # (S, SF) fp32 segment table (kernels._launch.SegFlt)
     D, seq_len, layer_id,
     BM: tl.constexpr, BN: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    seg = tl.load(tiles_ptr + 2 * pid_m)
-    t0 = tl.load(tiles_ptr + 2 * pid_m + 1)
-    t_end = tl.load(seg_int_ptr + seg * _SI + 1)
+    seg = tl.load(tiles_ptr + TI * pid_m + TI_SEG)
+    t0 = tl.load(tiles_ptr + TI * pid_m + TI_TOK0)
+    t_end = tl.load(seg_int_ptr + seg * SI + SI_TOK_END)
     tok = (t0 + tl.arange(0, BM)).to(tl.int64)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     mult = keep_scale(seg_int_ptr, seg_flt_ptr, seg, tok, tl.program_id(1) * BN, seq_len, D, layer_id, BN)
@@ -126,3 +176,36 @@ def dropout_mask(meta: SegmentMeta, n_tokens: int, d_in: int, device: torch.devi
             out, meta.tiles, meta.seg_int, meta.seg_flt, d_in, meta.seq_len, meta.layer_id, BM=meta.block_m,
             BN=64)
     return out
+
+
+KEEP_WORDS_PER_PROGRAM = 1
+"""Words (of 32 columns) per program of ``_keep_bits_kernel``: 32 columns of a 64-token tile, 512 Philox calls.
+Few columns per program: the kernel is Philox-bound, and a small pack's grid is narrow (96 tiles), so the draws
+need many programs to hide their latency. H200, SmolLM2-shaped 16 x 8 x 48 pack (``python -m benchmarks.gpu_graph
+--tile-variants``): 3.71 / 2.69 / 1.98 ms of keep bits per step at 8 / 2 / 1 words per program."""
+
+
+def keep_bits(meta: SegmentMeta, x: torch.Tensor) -> torch.Tensor:
+    """Every active segment's dropout keep mask of one layer call on x, drawn once, as bits.
+
+    Drawn in a kernel of its own, over a grid as wide as the mask, instead of inside the shrink, the weight
+    gradient and the dx epilogue (three draws of the same mask, each in a grid of few programs, which the Philox
+    rounds kept latency-bound: BENCHMARKS.md, issue 18). Those kernels read the bits (``bits_scale``); the
+    multiplier is ``keep_scale``'s, bit for bit. Kept for the backward: T * D_in / 8 bytes, 1/16 of the bf16 x
+    the backward keeps anyway.
+
+    Args:
+        meta: the layer call's tables (its ``layer_id``).
+        x: (T, D_in) the layer input (only its shape and device are read).
+
+    Returns:
+        (T, ceil(D_in / 32)) int32; rows of tokens outside active segments are unspecified (no kernel reads them).
+    """
+    n_tok, d_in = x.shape
+    n_words = triton.cdiv(d_in, 32)
+    bits = torch.empty((n_tok, n_words), dtype=torch.int32, device=x.device)
+    if meta.n_tiles:
+        _jit.launch(_keep_bits_kernel, (meta.n_tiles, triton.cdiv(n_words, KEEP_WORDS_PER_PROGRAM)),
+                    bits, meta.tiles, meta.seg_int, meta.seg_flt, d_in, n_words, meta.seq_len, meta.layer_id,
+                    BM=meta.block_m, BW=KEEP_WORDS_PER_PROGRAM)
+    return bits

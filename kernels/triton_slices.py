@@ -27,7 +27,8 @@ import torch
 from kernels import _jit
 from kernels._launch import SegmentMeta, build_slice_metas
 from kernels.meta import LayerRanks, PackLayout
-from kernels.triton_lora import _expand_operand, _lora_term, seg_shrink, seg_wgrad
+from kernels.triton_lora import _expand_operand, _lora_term
+from kernels.triton_segments import seg_shrink, seg_wgrad
 
 __all__ = ["PackedLoRASlicesFunction", "packed_lora_slices_triton"]
 

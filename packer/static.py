@@ -10,8 +10,9 @@ front so layer ids and offsets never move), that layer's A for all C slots, ``(C
 ``exp_avg`` and ``exp_avg_sq`` have the same layout. Why this one:
 
 - each layer's ``a_cat`` / ``bt_cat`` is a contiguous view of ``flat`` (the kernels' row-major operand, no
-  gather or copy per step), and a per-layer leaf whose ``.grad`` is a view of ``grad``: autograd accumulates
-  into the static gradient in place;
+  gather or copy per step), and a per-layer leaf whose ``.grad`` is a view of ``grad``: the Triton kernels add
+  the weight gradients into it in place (the masked-dense path: autograd's AccumulateGrad does). A bf16 model's
+  kernels read a bf16 copy of ``flat`` (``flat_op``), cast once as each step (or evaluation forward) starts;
 - a slot's rows sit at fixed offsets, so a refill writes new weights into the same memory (no re-capture), and
   the slot's parameters that the rest of the packer sees (``PackedModel.slot_weights``, evaluation, saving) are
   views of those rows: ``(r_g, D)``, exactly the shapes of a slot trained alone;
@@ -40,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from kernels import SegmentMeta, resolve_impl, static_meta
+from kernels import SEG_FLT_FIELDS, SEG_INT_FIELDS, SegmentMeta, resolve_impl, static_meta
 from kernels.reference import dropout_keep_mask
 from packer.batch import IGNORE_INDEX
 from packer.inject import inject, resolve_targets
@@ -51,8 +52,8 @@ __all__ = ["StaticStore", "ShapeBuffers", "OPT_FIELDS", "SEG_INT", "SEG_FLT", "s
 
 OPT_FIELDS = 8
 """Columns of the optimizer table, as ``kernels.triton_adamw.OPT_FIELDS``."""
-SEG_INT, SEG_FLT = 7, 3
-"""Columns of the segment tables (``kernels._launch.SEG_INT_FIELDS`` / ``SEG_FLT_FIELDS``)."""
+SEG_INT, SEG_FLT = SEG_INT_FIELDS, SEG_FLT_FIELDS
+"""Columns of the segment tables (``kernels.SegInt`` / ``kernels.SegFlt``: the one list of their names)."""
 
 
 @dataclass
@@ -62,7 +63,8 @@ class ShapeBuffers:
 
     Attributes:
         ids, labels, mask: (B, L) int64, B = C * rows.
-        meta: the kernels' tables; ``meta.seg_int`` (C, 7) and ``meta.seg_flt`` (C, 3) are views of the blocks.
+        meta: the kernels' tables; ``meta.seg_int`` (C, SEG_INT) and ``meta.seg_flt`` (C, SEG_FLT) are views of the
+            blocks, one ``kernels.SegInt`` / ``SegFlt`` per slot.
         rank: (C,) int64 per-slot rank (0: free slot).
         ring_row: (1,) int64, the ring-buffer row this step writes.
         opt: (C, OPT_FIELDS) fp32 optimizer table.
@@ -127,6 +129,31 @@ class StaticStore:
         """Per-slot dropout p and seeds of this step as Python values: only the eager masked-dense path, which
         draws its masks with torch generators, reads them."""
         self.col_scale: torch.Tensor | None = None
+        self.flat_op: torch.Tensor | None = None
+        """``flat`` in the Triton kernels' operand dtype (``use_operands``), cast once per step, or None: the kernels
+        then read (and cast) the fp32 masters, per layer call."""
+        self.a_op: dict[str, torch.Tensor] = {}
+        self.bt_op: dict[str, torch.Tensor] = {}
+
+    def use_operands(self, act: torch.dtype) -> None:
+        """Keep a copy of every layer's A and B^T in the dtype the Triton kernels' dots read them in for
+        activations of ``act`` (bf16 for a bf16 model; nothing for fp32), refreshed by ``cast_operands`` as each
+        step or evaluation forward enters ``stepping``. One cast of the whole buffer instead of one per layer call
+        and direction (420 small casts a step in the SmolLM2-shaped pack of BENCHMARKS.md, 1.25 ms); the cast is
+        the one the kernels made, so the same bits."""
+        dtype = kernels.lora_operand_dtype(act)
+        if dtype == torch.float32:
+            return
+        self.flat_op = torch.zeros_like(self.flat, dtype=dtype)
+        for p in self.paths:
+            for leaf, views in ((self.a[p], self.a_op), (self.bt[p], self.bt_op)):
+                off = (leaf.data.data_ptr() - self.flat.data_ptr()) // self.flat.element_size()
+                views[p] = self.flat_op[off:off + leaf.numel()].view(leaf.shape)
+
+    def cast_operands(self) -> None:
+        """Refresh the operand copy from the fp32 weights (the optimizer or a refill changed them)."""
+        if self.flat_op is not None:
+            self.flat_op.copy_(self.flat)
 
     def _leaf(self, off: int, rows: int, d: int) -> nn.Parameter:
         leaf = nn.Parameter(self.flat[off:off + rows * d].view(rows, d))
@@ -193,7 +220,9 @@ class StaticStore:
 
     @contextlib.contextmanager
     def stepping(self, shape: ShapeBuffers, dropout: bool) -> Iterator[None]:
-        """Route the wrapped layers through the static tables while a step runs."""
+        """Route the wrapped layers through the static tables while a step (or an evaluation forward on the same
+        buffers) runs; first refresh the kernels' bf16 weight copy, so every forward reads the current weights."""
+        self.cast_operands()
         self.shape, self.dropout = shape, dropout
         self.state.static = self
         try:
@@ -214,10 +243,15 @@ class StaticStore:
         if resolve_impl(self.state.impl, x.device) == "triton":
             meta = shape.meta._replace(layer_id=layer.layer_id, has_dropout=self.dropout)
             x2 = x.reshape(b * seq, d_in)
+            grads = (a.grad, bt.grad)  # the static gradient views: the kernels add into them, no AccumulateGrad
+            ops = None
+            if self.flat_op is not None and x.dtype == self.flat_op.dtype:
+                ops = (self.a_op[path], self.bt_op[path])
             if type(layer.base) is nn.Linear:
-                y = kernels.packed_lora_static(x2, None, layer.base.weight, layer.base.bias, a, bt, meta)
+                y = kernels.packed_lora_static(x2, None, layer.base.weight, layer.base.bias, a, bt, meta, grads, ops)
             else:
-                y = kernels.packed_lora_static(x2, layer.base(x).reshape(b * seq, -1), None, None, a, bt, meta)
+                y = kernels.packed_lora_static(x2, layer.base(x).reshape(b * seq, -1), None, None, a, bt, meta,
+                                               grads, ops)
             return y.view(b, seq, -1)
         xin = x.to(a.dtype)
         if self.dropout and self.host_layout is not None:

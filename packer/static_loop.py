@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 import kernels
-from kernels import PackLayout, dropout_seed, resolve_impl
+from kernels import FREE_FLT, SEG_FLT_COL, PackLayout, SegFlt, dropout_seed, free_segment, resolve_impl
 from packer.batch import IGNORE_INDEX
 from packer.jobs import SlotEnd, SlotJob, StepReport, TrainResult
 from packer.model import PackedModel
@@ -173,8 +173,8 @@ def _fill(ints: np.ndarray, floats: np.ndarray, store: StaticStore, shape: Shape
     lrs, input_tokens, p_list, seeds, own = {}, {}, [0.0] * c, [0] * c, [seq] * c
     for g in range(c):
         live = active.get(g)
-        seg_int[g] = (g * m * seq, (g + 1) * m * seq, g * m, 0, g * store.rank_bucket, 0, 0)
-        seg_flt[g] = (0.0, 0.0, 1.0)
+        seg_int[g] = free_segment(g, m, seq, store.rank_bucket)
+        seg_flt[g] = FREE_FLT
         rank[g] = 0
         opt[g] = NOOP
         if live is None:
@@ -190,8 +190,9 @@ def _fill(ints: np.ndarray, floats: np.ndarray, store: StaticStore, shape: Shape
         lr = spec.lr * live.schedule(live.steps)
         seeds[g], p_list[g] = dropout_seed(spec.seed, live.steps), spec.dropout
         own[g] = max((len(r.input_ids) for r in rows[g]), default=0)
-        seg_int[g, 3], seg_int[g, 5], rank[g] = spec.rank, seeds[g], spec.rank
-        seg_flt[g] = (spec.scale, spec.dropout, 1.0 / (1.0 - spec.dropout))
+        seg_int[g] = free_segment(g, m, seq, store.rank_bucket)._replace(rank=spec.rank, seed=seeds[g])
+        rank[g] = spec.rank
+        seg_flt[g] = SegFlt(scale=spec.scale, p=spec.dropout, inv_keep=1.0 / (1.0 - spec.dropout))
         opt[g] = optimizer_row(spec, lr, live.steps + 1)
         lrs[g], input_tokens[g] = lr, n_in
     layout = PackLayout(tuple(range(c)), tuple(g * m for g in range(c)), (m,) * c, tuple(own), tuple(p_list),
@@ -207,7 +208,7 @@ def _step_fn(pm: PackedModel, store: StaticStore, shape: ShapeBuffers, ring: tor
     def step() -> None:
         with store.stepping(shape, dropout), torch.enable_grad():
             if not triton:  # masked-dense column scales: s_g on the slot's own rank columns of its rows
-                scale = shape.meta.seg_flt[:, 0].repeat_interleave(shape.rows)
+                scale = shape.meta.seg_flt[:, SEG_FLT_COL.scale].repeat_interleave(shape.rows)
                 store.col_scale = (shape.col_mask * scale[:, None])[:, None, :]  # type: ignore[operator]
             logits = pm.model(input_ids=shape.ids, attention_mask=shape.mask, use_cache=False).logits
             losses, counts = static_losses(logits, shape.labels, c)
@@ -222,9 +223,9 @@ def _step_fn(pm: PackedModel, store: StaticStore, shape: ShapeBuffers, ring: tor
 def _precompile(step: Callable[[], None]) -> None:
     """Compile, in parallel, the Triton kernel variants of a step before it first runs (``kernels.precompile``:
     its launches become compile-only warm-ups). The torch ops of that pass run on unwritten kernel outputs: the
-    only state they reach is the ring row (which the real step then overwrites) and the gradients, which get
-    the zero weight gradients of skipped kernels; the optimizer kernels are skipped, so weights and moments
-    stay as they were."""
+    only state they reach is the ring row (which the real step then overwrites) and the bf16 weight copy (which
+    the real step casts again); the weight-gradient kernels, which add into the gradients, and the optimizer
+    kernels are skipped, so gradients, weights and moments stay as they were."""
     try:
         kernels.precompile(step)
     except Exception as err:  # an optimisation only: the step compiles what it lacks as it launches it
@@ -341,6 +342,8 @@ def _new_store(pm: PackedModel, old: StaticStore | None, capacity: int, bucket: 
                active: dict[int, _Live]) -> StaticStore:
     """A store whose bucket holds ``rank``; the live slots of ``old`` move into it (weights and moments)."""
     store = StaticStore(pm.model, pm.state, pm.layers, capacity, max(bucket, rank_bucket_for(rank)), pm.device)
+    if resolve_impl(pm.state.impl, pm.device) == "triton":
+        store.use_operands(getattr(pm.model, "dtype", torch.float32))
     if old is not None:
         for slot in active:
             spec = pm.specs[slot]

@@ -20,15 +20,11 @@ from tests.conftest import need_triton
 need_triton()  # before anything imports the Triton kernel modules
 
 from kernels import LayerRanks, PackLayout, packed_lora, packed_lora_linear  # noqa: E402
-from kernels._launch import build_meta  # noqa: E402
+from kernels._launch import CHUNK_COL, SegFlt, SegInt, Tile, build_meta, static_meta  # noqa: E402
 from kernels.reference import lora_loop, lora_masked_dense  # noqa: E402
-from kernels.triton_dropout import dropout_mask  # noqa: E402
-from kernels.triton_lora import (  # noqa: E402
-    PackedLoRAFunction,
-    seg_expand_add,
-    seg_shrink,
-    seg_wgrad,
-)
+from kernels.triton_dropout import dropout_mask, keep_bits  # noqa: E402
+from kernels.triton_lora import PackedLoRAFunction  # noqa: E402
+from kernels.triton_segments import seg_expand_add, seg_shrink, seg_wgrad  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRET else "cpu")
@@ -292,7 +288,8 @@ def test_expand_operand_follows_the_dot_dtype() -> None:
 @pytest.mark.parametrize("dropout", [False, True])
 def test_launch_configs_reach_the_kernels(dropout: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The tiles and pipeline depth ``benchmarks.gpu_kernels`` measured best reach the shrink and weight-gradient
-    launches (dropout on: BK=64 / BT=32 with 4 stages; off: 128 / 64 with 3), and explicit ones override them."""
+    launches (BK=128 / BT=64 with 3 stages, dropout or not: the kernels read the mask's bits, no Philox), and
+    explicit ones override them."""
     from tests.conftest import record_launches
 
     n_rows, ranks, seq, d_in = (2, 1), (3, 8), 9, 37
@@ -300,15 +297,79 @@ def test_launch_configs_reach_the_kernels(dropout: bool, monkeypatch: pytest.Mon
     layout, lr = _layout(n_rows, ranks, seq, dropout=True)
     meta = build_meta(layout, lr, 3 * seq, seq, DEVICE)
     x = x.view(-1, d_in)
+    keep = keep_bits(meta, x)  # drawn before the recording: only the two kernels' launches are looked at
     calls = record_launches(monkeypatch)
-    h = seg_shrink(x, a_cat, meta, dropout=dropout)
-    seg_wgrad(h, x, meta, dropout=dropout)
-    seg_shrink(x, a_cat, meta, dropout=dropout, block_k=32, stages=2)
-    seg_wgrad(h, x, meta, dropout=dropout, block_t=16, stages=2)
+    h = seg_shrink(x, a_cat, meta, dropout=dropout, keep=keep)
+    seg_wgrad(h, x, meta, dropout=dropout, keep=keep)
+    seg_shrink(x, a_cat, meta, dropout=dropout, keep=keep, block_k=32, stages=2)
+    seg_wgrad(h, x, meta, dropout=dropout, keep=keep, block_t=16, stages=2)
     got = [{k: v for k, v in variant[2] if k in ("BK", "BT", "num_stages")} for _, variant in calls]
-    tile, stages = ("32", "4") if dropout else ("64", "3")
+    tile, stages = "64", "3"
     assert got == [{"BK": str(2 * int(tile)), "num_stages": stages}, {"BT": tile, "num_stages": stages},
                    {"BK": "32", "num_stages": "2"}, {"BT": "16", "num_stages": "2"}]
+
+
+def test_segment_tables_read_by_column_name() -> None:
+    """The tables hold one ``SegInt`` / ``SegFlt`` / ``Tile`` per row, in the field order the kernels' constants
+    come from (``kernels._tables``): read back by name, each column says what the layout says."""
+    layout, lr = _layout((2, 0, 3), (4, 2, 8), 5, dropout=True)
+    meta = build_meta(layout, lr, 25, 5, DEVICE, block_m=8, chunk_tokens=8)
+    rows = [SegInt(*r) for r in meta.seg_int.tolist()]  # slot 1 has no rows: no segment
+    assert rows == [SegInt(tok_start=0, tok_end=10, row_start=0, rank=4, rank_off=0, seed=100, h_col=0),
+                    SegInt(tok_start=10, tok_end=25, row_start=2, rank=8, rank_off=6, seed=114, h_col=0)]
+    flt = [SegFlt(*r) for r in meta.seg_flt.tolist()]
+    assert [f.scale for f in flt] == [0.5, 2.5] and [f.p for f in flt] == pytest.approx([0.3, 0.3])
+    assert [f.inv_keep for f in flt] == pytest.approx([1 / 0.7, 1 / 0.7])
+    assert [Tile(*t) for t in meta.tiles.tolist()] == [(0, 0), (0, 8), (1, 10), (1, 18)]
+    assert meta.chunks[:, CHUNK_COL.part].tolist() == [0, 1, 0, 1]
+    free = static_meta(3, 2, 5, 16, DEVICE, dropout=False)
+    assert [SegInt(*r).rank_off for r in free.seg_int.tolist()] == [0, 16, 32]
+    assert all(SegInt(*r).rank == 0 and SegFlt(*f).inv_keep == 1.0
+               for r, f in zip(free.seg_int.tolist(), free.seg_flt.tolist(), strict=True))
+
+
+def test_keep_bits_are_the_drawn_mask() -> None:
+    """The mask drawn once as bits (what the kernels read) is the multiplier Philox gives, column by column,
+    including a ragged last word (D_in = 37) and a slot with p = 0 (all kept)."""
+    from kernels._jit import triton
+
+    layout, lr = _layout((2, 1, 3), (1, 3, 8), 9, dropout=True)
+    meta = build_meta(layout, lr, 6 * 9, 9, DEVICE, block_m=16)
+    x = torch.zeros((6 * 9, 37), device=DEVICE)
+    bits = keep_bits(meta, x)
+    assert bits.shape == (54, triton.cdiv(37, 32)) and bits.dtype == torch.int32
+    col = torch.arange(37, device=DEVICE)
+    kept = (bits[:, col // 32] >> (col % 32)) & 1  # (T, D_in)
+    inv = torch.tensor([1 / 0.7 if p else 1.0 for p in layout.dropout], device=DEVICE).repeat_interleave(
+        torch.tensor(layout.n_rows, device=DEVICE) * 9)
+    torch.testing.assert_close(kept * inv[:, None], dropout_mask(meta, 54, 37, DEVICE), rtol=0, atol=0)
+    assert bool((bits[18:27] == -1).all())  # slot 1 (p = 0, rows 2-2, tokens 18-26): every bit set
+
+
+@pytest.mark.parametrize("dropout", [False, True])
+def test_weight_gradients_added_into_given_buffers(dropout: bool) -> None:
+    """``grads``: the kernels add d a_cat and d bt_cat into the given buffers (as AccumulateGrad would add them
+    to existing gradients) and autograd gets none for them; the rest of the backward is unchanged."""
+    n_rows, ranks, seq, d_in, d_out = (2, 0, 3, 1), (16, 4, 1, 3), 13, 67, 45
+    tensors = _tensors(n_rows, ranks, seq, d_in, d_out)
+    layout, lr = _layout(n_rows, ranks, seq, dropout)
+    b = tensors[0].shape[0]
+    meta = build_meta(layout, lr, b * seq, seq, DEVICE)
+    dy = torch.randn((b * seq, d_out), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    before = (torch.randn_like(tensors[2]), torch.randn_like(tensors[3]))  # gradients already there
+    runs = []
+    for direct in (False, True):
+        x, base, a, bt = (t.clone().view(b * seq, -1).requires_grad_() if i < 2 else t.clone().requires_grad_()
+                          for i, t in enumerate(tensors))
+        grads = tuple(g.clone() for g in before) if direct else None
+        PackedLoRAFunction.apply(x, base, None, None, a, bt, meta, grads).backward(dy)
+        if direct:
+            assert a.grad is None and bt.grad is None
+            runs.append((x.grad, base.grad, *grads))
+        else:
+            runs.append((x.grad, base.grad, before[0] + a.grad, before[1] + bt.grad))
+    for got, want in zip(runs[1], runs[0], strict=True):
+        assert torch.equal(got, want)
 
 
 def test_meta_tables_shared_by_layers() -> None:

@@ -14,7 +14,7 @@ from tests.conftest import need_triton
 need_triton()  # before anything imports the Triton kernel modules
 
 import kernels._jit as J  # noqa: E402
-import kernels.triton_lora as K  # noqa: E402
+import kernels.triton_segments as K  # noqa: E402
 from kernels import LayerRanks, PackLayout, packed_lora_linear  # noqa: E402
 from kernels._launch import build_meta  # noqa: E402
 from tests.conftest import record_launches  # noqa: E402

@@ -16,7 +16,7 @@ from tests.conftest import need_triton
 need_triton()  # before anything imports the Triton kernel modules
 
 from kernels import LayerRanks, PackLayout, group_rows, packed_lora_linear, packed_lora_linear_slices  # noqa: E402
-from kernels._launch import build_slice_metas  # noqa: E402
+from kernels._launch import SEG_INT_COL, build_slice_metas  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRET else "cpu")
@@ -82,8 +82,9 @@ def test_group_rows_and_tables() -> None:
     assert v == (*range(16, 24), 27, 28, 29, 38, 39, 40, 41, 44)
     group, metas = build_slice_metas(layout, slices, 6 * 9, 9, DEVICE)
     assert group.r_pad == 32 and group.r_cols == 32 and all(m.r_pad == 32 and m.r_cols == 16 for m in metas)
-    assert group.seg_int[:, 3].tolist() == [24, 6, 3]  # the empty segment (slot 2) gets no row
-    assert [m.seg_int[:, 6].tolist() for m in metas] == [[0, 0, 0], [8, 1], [16, 3, 2]]  # k: slot 1 inactive
+    assert group.seg_int[:, SEG_INT_COL.rank].tolist() == [24, 6, 3]  # the empty segment (slot 2) gets no row
+    # k: slot 1 inactive
+    assert [m.seg_int[:, SEG_INT_COL.h_col].tolist() for m in metas] == [[0, 0, 0], [8, 1], [16, 3, 2]]
 
 
 def test_slices_refuse_dropout_and_mixed_scales() -> None:

@@ -143,3 +143,25 @@ def test_should_stop_latency(tiny_dirs) -> None:
 
     assert run({4}).ended[0] == (0, 4, "stopped")
     assert run(()).ended[0] == (0, 8, "stopped")  # asked at step 4, read back after step 8
+
+
+def test_operand_copy_follows_the_weights_into_every_forward(tiny_dirs, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bf16 weight copy the Triton kernels read (``use_operands``; a bf16 model on CUDA) is refreshed as each
+    step or evaluation forward enters ``stepping``: after the weights change (an optimizer step, a refill), no
+    forward reads the old ones. (On the CPU the kernels read fp32 masters, so the dtype is forced here.)"""
+    import kernels
+
+    model, _ = load_base(str(tiny_dirs("llama")), attn_implementation="eager")
+    pm = PackedModel(model, impl="torch")
+    store = StaticStore(pm.model, pm.state, pm.layers, 2, 16, pm.device)
+    monkeypatch.setattr(kernels, "lora_operand_dtype", lambda act: torch.bfloat16)
+    store.use_operands(torch.bfloat16)
+    path = store.paths[0]
+    assert store.a_op[path].dtype == torch.bfloat16 and store.a_op[path].shape == store.a[path].shape
+    shape = store.shape_buffers(1, 8, "torch")
+    for value in (0.5, -2.0):  # weights written between two forwards
+        with torch.no_grad():
+            store.flat.fill_(value)
+        with store.stepping(shape, False):
+            assert torch.equal(store.a_op[path], store.a[path].detach().to(torch.bfloat16))
+            assert torch.equal(store.bt_op[path], store.bt[path].detach().to(torch.bfloat16))
