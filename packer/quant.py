@@ -139,6 +139,11 @@ def quantize_base(model: nn.Module, kind: str | None) -> list[str]:
         return []
     if kind not in QUANTIZE:
         raise ConfigError(f"model.quantize: must be one of {', '.join(QUANTIZE)} (got {kind!r})")
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    for path, m in model.named_modules():  # checked before any is replaced: a refusal leaves the model as it was
+        if type(m) is nn.Linear and m is not head and m.weight.numel() % BLOCK:
+            raise ConfigError(f"model.quantize: nf4 needs every linear weight's size to be a multiple of {BLOCK}; "
+                              f"{path} is {tuple(m.weight.shape)}")
     paths = _replace(model, nn.Linear, NF4Linear.from_linear)
     if not paths:
         raise ConfigError(f"model.quantize: {type(model).__name__} has no nn.Linear projection to quantise")
