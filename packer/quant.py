@@ -19,7 +19,6 @@ size is not a multiple of 64 is refused.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -37,19 +36,10 @@ BLOCK, SCALE_BLOCK = 64, 256
 
 def _torchao() -> Any:
     """torchao's NF4 module; a one-line error naming the extra when it is not installed."""
-    # torchao logs a warning for each optional C++ extension the installed torch cannot load (none is used here)
-    # and torch one for an enum it registers: the NF4 path is pure PyTorch, so the import is kept quiet
-    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [q.level for q in quiet]
-    for q in quiet:
-        q.setLevel(logging.ERROR)
-    try:
+    try:  # quiet: packer/__init__.py keeps torchao's import-time warnings off stderr
         from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
     except ImportError as err:
         raise ConfigError("model.quantize: nf4 needs torchao (pip install 'lora-sweep[qlora]')") from err
-    finally:
-        for q, level in zip(quiet, levels, strict=True):
-            q.setLevel(level)
     return nf4_tensor
 
 
