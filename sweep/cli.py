@@ -227,7 +227,7 @@ def plan(study: str, overrides: tuple[str, ...]) -> None:
     micro = spec.train.micro_batch
     pm = PackedModel(model, impl=spec.packing.kernels, fused_base_ops=spec.packing.fused_base_ops)
     report = plan_pack(spec, pm, mean_len=padded_mean_length([len(e.input_ids) for e in examples], micro),
-                       calibrations=PLAN_CALIBRATIONS)
+                       calibrations=PLAN_CALIBRATIONS, examples=examples)
     click.echo(report.table())
 
 
