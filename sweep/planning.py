@@ -53,6 +53,8 @@ class PlanReport:
     step_range_s: tuple[float, float] | None = None
     """(fastest, slowest) predicted step over the calibrations; None after a single one."""
     calibrations: int = 1
+    quantize: str | None = None
+    """``model.quantize`` (``nf4``: the static part is the NF4 base, measured as such)."""
 
     def table(self) -> str:
         gib = 1024**3
@@ -64,7 +66,8 @@ class PlanReport:
             ("worst-case slot", f"rank {self.worst_rank}, micro-batch {self.worst_micro_batch}, seq {self.seq_len}"),
             ("memory available (planned share)", f"{self.available_bytes / gib:.2f} GiB ({MEMORY_FRACTION:.0%})"),
             ("predicted peak of a full pack", f"{self.predicted_peak_bytes / gib:.3f} GiB"),
-            ("static (base model)", f"{self.memory.static_bytes / gib:.3f} GiB"),
+            ("static (base model" + (f", {self.quantize} projections" if self.quantize else "") + ")",
+             f"{self.memory.static_bytes / gib:.3f} GiB"),
             ("per token / per token x rank", f"{self.memory.bytes_per_token / 1024:.1f} KiB / "
                                              f"{self.memory.bytes_per_token_rank:.0f} B"),
             ("per adapter parameter", f"{self.memory.bytes_per_param:.1f} B"),
@@ -164,7 +167,7 @@ def plan_pack(spec: StudySpec, pm: PackedModel, *, mean_len: float | None = None
     return PlanReport(str(pm.device), slots, rank, micro, seq, available,
                       mm.predict(slots * micro * seq, slots * params, slots * rank, rank), mm, step_s,
                       None if steps is None else steps * step_s, steps,
-                      (min(times), max(times)) if calibrations > 1 else None, calibrations)
+                      (min(times), max(times)) if calibrations > 1 else None, calibrations, spec.model.quantize)
 
 
 def auto_slots(spec: StudySpec, pm: PackedModel) -> int:

@@ -69,3 +69,23 @@ def test_a_qlora_study_runs_and_its_merge_is_the_nf4_model(tiny_dirs, tmp_path) 
     torch.testing.assert_close(got, engine("nf4"), rtol=1e-4, atol=1e-4)
     assert (got - engine(None)).abs().max() > 1e-3  # merged into the dequantized weights, not the plain ones
     assert json.loads((out / "config.json").read_text()).get("quantization_config") is None
+
+
+def test_plan_of_a_qlora_study_measures_the_nf4_base(tiny_dirs, tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from sweep.cli import cli
+    from sweep.planning import plan_pack
+
+    model_dir = tiny_dirs("llama")
+    static = {}
+    for quantize in (None, "nf4"):
+        path = write_study(tmp_path, model_dir, f"plan-{quantize}", budget={"trials": 3},
+                           model={"path": str(model_dir), "device": "cpu", "quantize": quantize})
+        result = CliRunner().invoke(cli, ["plan", str(path)])
+        assert result.exit_code == 0, result.output
+        line = next(x for x in result.output.splitlines() if x.startswith("static (base model"))
+        assert ("nf4 projections" in line) == (quantize == "nf4"), line
+        model, _ = load_base(str(model_dir), quantize=quantize)
+        static[quantize] = plan_pack(load_study(path), PackedModel(model)).memory.static_bytes
+    assert static["nf4"] < static[None]
