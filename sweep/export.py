@@ -252,6 +252,9 @@ def model_card(meta: dict[str, Any], rec: TrialRecord, config: dict[str, Any], o
               "## Provenance", "", f"- study: `{name}` (lora-sweep {meta.get('lora_sweep_version', '?')})",
               *([f"- base model: dequantized from the GGUF file `{meta['model_source']}`"]
                 if meta.get("model_source") else []),
+              *([f"- trained over the base quantised to {q.upper()} (QLoRA, `model.quantize: {q}`)"
+                 + ("; merged into its dequantized weights" if merged else "; the adapter applies to the plain base")]
+                if (q := ((meta.get("spec") or {}).get("model") or {}).get("quantize")) else []),
               f"- study directory: `{source.parent.parent}`", f"- Optuna storage: `{meta.get('storage', '')}`",
               f"- trial number: {rec.number}", f"- source adapter: `{source}`",
               f"- exported: {dt.datetime.now(dt.UTC).strftime('%Y-%m-%d %H:%M:%S UTC')}"]

@@ -69,6 +69,7 @@ def test_a_qlora_study_runs_and_its_merge_is_the_nf4_model(tiny_dirs, tmp_path) 
     torch.testing.assert_close(got, engine("nf4"), rtol=1e-4, atol=1e-4)
     assert (got - engine(None)).abs().max() > 1e-3  # merged into the dequantized weights, not the plain ones
     assert json.loads((out / "config.json").read_text()).get("quantization_config") is None
+    assert "trained over the base quantised to NF4 (QLoRA" in (out / "README.md").read_text()
 
 
 def test_plan_of_a_qlora_study_measures_the_nf4_base(tiny_dirs, tmp_path) -> None:
