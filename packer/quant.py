@@ -136,7 +136,8 @@ def quantize_base(model: nn.Module, kind: str | None) -> list[str]:
                               f"{path} is {tuple(m.weight.shape)}")
     paths = _replace(model, nn.Linear, NF4Linear.from_linear)
     if not paths:
-        raise ConfigError(f"model.quantize: {type(model).__name__} has no nn.Linear projection to quantise")
+        raise ConfigError(f"model.quantize: {type(model).__name__} has no nn.Linear projection to quantise "
+                          "(NF4 replaces nn.Linear layers; GPT-2's Conv1D is not supported)")
     model.requires_grad_(False)
     return paths
 

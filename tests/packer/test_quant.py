@@ -85,6 +85,11 @@ def test_a_weight_nf4_cannot_hold_is_refused_naming_it() -> None:
         quantize_base(nn.Linear(64, 64), "int4")
 
 
+def test_gpt2s_conv1d_base_is_refused_in_one_line(tiny_dirs) -> None:
+    with pytest.raises(ConfigError, match=r"^model.quantize: GPT2LMHeadModel has no nn.Linear projection .*Conv1D"):
+        load_base(str(tiny_dirs("gpt2")), quantize="nf4")
+
+
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 def test_qlora_slot_in_a_pack_equals_the_slot_alone_over_the_same_nf4_base(tiny_dirs, static: bool) -> None:
     model = _nf4_base(tiny_dirs("llama"))
