@@ -28,7 +28,9 @@ part qlora-70b-nf4 125 python $q --shape llama3-70b --quantize nf4 --slots 8 --s
   --warmup 2 --steps 2
 part qlora-8b-nf4 35 python $q --shape llama3-8b --quantize nf4 --slots 8 --seq 512
 part qlora-8b-bf16 35 python $q --shape llama3-8b --quantize none --slots 8 --seq 512
-part packing-0.5b 55 python -m packer.packing_bench --shape qwen2.5-0.5b --slots 8 --micro 16 --row-len 512 \
+pb=packer.packing_bench  # benchmarks.packing_bench once the benchmarks leave packer/
+[ -f benchmarks/packing_bench.py ] && pb=benchmarks.packing_bench
+part packing-0.5b 55 python -m $pb --shape qwen2.5-0.5b --slots 8 --micro 16 --row-len 512 \
   --steps 6 --warmup 2
 part qlora-8b-nf4-static 40 python $q --shape llama3-8b --quantize nf4 --slots 8 --seq 512 --static
 
