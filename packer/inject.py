@@ -15,6 +15,7 @@ from transformers.pytorch_utils import Conv1D
 from packer.errors import ConfigError
 from packer.layer import PackedLoRALinear, PackState
 from packer.plan import ALL_LINEAR, adapter_param_count
+from packer.quant import NF4Linear
 
 __all__ = ["linear_shape", "projection_names", "resolve_targets", "inject", "all_linear_params"]
 
@@ -22,7 +23,7 @@ __all__ = ["linear_shape", "projection_names", "resolve_targets", "inject", "all
 def linear_shape(module: nn.Module) -> tuple[int, int] | None:
     """(D_in, D_out) of a supported projection (wrapped in ``PackedLoRALinear`` or not), None for anything
     else. The planner counts adapter parameters after its probes have wrapped the model."""
-    if isinstance(module, (PackedLoRALinear, nn.Linear)):
+    if isinstance(module, (PackedLoRALinear, nn.Linear, NF4Linear)):  # NF4Linear: a QLoRA base's (packer.quant)
         return module.in_features, module.out_features
     if isinstance(module, Conv1D):  # GPT-2 stores weight as (D_in, D_out)
         return module.weight.shape[0], module.weight.shape[1]

@@ -35,6 +35,7 @@ from packer.inject import inject, resolve_targets
 from packer.layer import PackedLoRALinear, PackState
 from packer.loss import check_plain_head
 from packer.plan import AdapterSpec
+from packer.quant import quantize_base
 from packer.slices import SliceGroup, link_groups
 
 if TYPE_CHECKING:
@@ -71,7 +72,7 @@ def resolve_base(name_or_path: str, gguf_file: str | None = None, *,
 
 
 def load_base(name_or_path: str, *, gguf_file: str | None = None, dtype: str = "float32", device: str = "cpu",
-              attn_implementation: str | None = None,
+              attn_implementation: str | None = None, quantize: str | None = None,
               log: Callable[[str], None] | None = None) -> tuple[nn.Module, object]:
     """Load a causal LM and its tokenizer the way a user's checkpoint is loaded.
 
@@ -82,10 +83,13 @@ def load_base(name_or_path: str, *, gguf_file: str | None = None, dtype: str = "
         dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto`` (the checkpoint's dtype).
         device: where the model goes (``cpu``, ``cuda``, ``cuda:1``).
         attn_implementation: passed to transformers (``sdpa``, ``eager``); None keeps its default.
+        quantize: ``nf4``: the linear projections (not the output head) become NF4 weights on ``device``
+            (``packer.quant``); None: as loaded.
         log: told when a GGUF file is converted (the first time only).
 
     Raises:
         UserError: the path does not exist or transformers cannot load it (one line).
+        ConfigError: ``quantize`` is unknown or cannot hold a weight (``packer.quant.quantize_base``).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -106,7 +110,9 @@ def load_base(name_or_path: str, *, gguf_file: str | None = None, dtype: str = "
     except (OSError, ValueError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UserError(f"{name_or_path}: cannot load model: {first}") from err
-    return model.to(device), tokenizer
+    model = model.to(device)
+    quantize_base(model, quantize)  # on the device: quantising on a GPU takes a fraction of the CPU's time
+    return model, tokenizer
 
 
 class PackedModel:

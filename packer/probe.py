@@ -66,7 +66,17 @@ class _TensorBytes(TorchDispatchMode):
 
 def _model_storages(model: torch.nn.Module) -> dict[int, int]:
     return {id(t.untyped_storage()): t.untyped_storage().nbytes()
-            for t in list(model.parameters()) + list(model.buffers())}
+            for p in list(model.parameters()) + list(model.buffers()) for t in _plain_tensors(p)}
+
+
+def _plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors holding ``t``'s memory: a tensor subclass (an NF4 weight, ``packer.quant``) is a wrapper whose own
+    storage is a placeholder of the dequantised size; its data are the inner tensors ``__tensor_flatten__`` names."""
+    flatten = getattr(type(t), "__tensor_flatten__", None)
+    if flatten is None:
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [inner for name in names for inner in _plain_tensors(getattr(t, name))]
 
 
 def model_bytes(pm: PackedModel) -> int:

@@ -52,6 +52,8 @@ class StudyData(NamedTuple):
     """The resolved spec's ``budget`` ({} when the store records no spec)."""
     samples: dict[int, dict[str, list[ItemRow]]] = {}  # noqa: RUF012 (load_study_data passes its own)
     """trial -> evaluator metric -> the first items that kept generated text; the default and the best trials."""
+    eval_curves: list[EvalRow] = []  # noqa: RUF012 (load_study_data passes its own)
+    """Held-out evaluations during training (``train.eval_every``; kind 'curve'), in trial and step order."""
 
     @property
     def complete(self) -> list[TrialRecord]:
@@ -123,7 +125,8 @@ def load_study_data(root: str | Path) -> StudyData:
         objectives, directions = list(meta.get("objectives") or []), list(meta.get("directions") or [])
         trials = store.trials()
         data = StudyData(sdir.root, meta, objectives, directions, trials, store.curves(), store.evals(kind="rung"),
-                         {}, store.packs(), store.spans(), store.prune_decisions(), _budget(meta))
+                         {}, store.packs(), store.spans(), store.prune_decisions(), _budget(meta),
+                         eval_curves=sorted(store.evals(kind="curve"), key=lambda e: (e.trial, e.step)))
         wanted = {t.number for i in range(len(directions)) if (t := best_trial(data.candidates, i, directions))}
         if data.default is not None:
             wanted.add(data.default.number)

@@ -16,8 +16,8 @@ import plotly.graph_objects as go
 from reports._fmt import fmt
 from reports._load import StudyData, objective_values, pareto_numbers
 
-__all__ = ["ParetoInfo", "CurvesInfo", "PruneInfo", "_pareto_info", "_curves_info", "_prune_info", "plot_pareto",
-           "plot_curves", "plot_prunes", "STATE_COLORS"]
+__all__ = ["ParetoInfo", "CurvesInfo", "PruneInfo", "_pareto_info", "_curves_info", "_eval_curves_info", "_prune_info",
+           "plot_pareto", "plot_curves", "plot_prunes", "STATE_COLORS"]
 
 STATE_COLORS = {"COMPLETE": "#1f77b4", "PRUNED": "#ff7f0e", "FAIL": "#d62728", "RUNNING": "#2ca02c",
                 "WAITING": "#7f7f7f"}
@@ -138,8 +138,20 @@ def _curves_info(data: StudyData, max_points: int = 400) -> CurvesInfo:
     return CurvesInfo(curves, max_points)
 
 
-def plot_curves(info: CurvesInfo) -> go.Figure:
-    """Training loss per trial step; one trace per state (lines separated by gaps), ✕ where a trial was pruned."""
+def _eval_curves_info(data: StudyData, metric: str = "eval_loss") -> CurvesInfo:
+    """Held-out loss per trial at its ``train.eval_every`` steps (the store's 'curve' evaluations)."""
+    points: dict[int, list[tuple[int, float | None]]] = {}
+    for e in data.eval_curves:
+        if e.metric == metric:
+            points.setdefault(e.trial, []).append((e.step, _num(e.value)))
+    curves = [Curve(t.number, t.state or "?", [s for s, _ in points[t.number]], [v for _, v in points[t.number]],
+                    None, None, t.reason) for t in data.trials if t.number in points]
+    return CurvesInfo(curves, max(map(len, points.values()), default=0))
+
+
+def plot_curves(info: CurvesInfo, *, title: str = "Training loss per trial", y: str = "training loss",
+                mode: str = "lines") -> go.Figure:
+    """Loss per trial step; one trace per state (lines separated by gaps), ✕ where a trial was pruned."""
     fig = go.Figure()
     for state in sorted({c.state for c in info.curves}):
         xs: list[int | None] = []
@@ -150,7 +162,7 @@ def plot_curves(info: CurvesInfo) -> go.Figure:
             ys += [*c.losses, None]
             texts += [f"trial {c.number} ({state.lower()})"] * len(c.steps) + [""]
         if xs:
-            fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", name=state.lower(), text=texts,
+            fig.add_trace(go.Scatter(x=xs, y=ys, mode=mode, name=state.lower(), text=texts,
                                      line={"width": 1, "color": STATE_COLORS.get(state, "#444")},
                                      hovertemplate="%{text}<br>step %{x}<br>loss %{y:.4g}<extra></extra>"))
     pruned = [c for c in info.curves if c.prune_step is not None]
@@ -159,7 +171,7 @@ def plot_curves(info: CurvesInfo) -> go.Figure:
                                  name="pruned here", marker={"symbol": "x", "size": 9, "color": "#000"},
                                  text=[f"trial {c.number}: {c.reason or 'pruned'}" for c in pruned],
                                  hovertemplate="%{text}<extra></extra>"))
-    fig.update_layout(title="Training loss per trial", xaxis_title="trial step", yaxis_title="training loss",
+    fig.update_layout(title=title, xaxis_title="trial step", yaxis_title=y,
                       template="plotly_white", hovermode="closest")
     return fig
 

@@ -130,7 +130,12 @@ def _curves_section(data: StudyData) -> str:
     info = figures._curves_info(data)
     if not any(c.steps for c in info.curves):
         return _note("No training steps recorded yet.")
-    return _figure(figures.plot_curves(info), "fig-curves")
+    out = _figure(figures.plot_curves(info), "fig-curves")
+    held_out = figures._eval_curves_info(data)
+    if held_out.curves:  # train.eval_every: the held-out loss during training
+        out += "\n" + _figure(figures.plot_curves(held_out, title="Held-out loss per trial (train.eval_every)",
+                                                   y="held-out loss", mode="lines+markers"), "fig-eval-curves")
+    return out
 
 
 def _packs_section(data: StudyData) -> str:

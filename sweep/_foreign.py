@@ -54,7 +54,6 @@ _INFRA = {
 _INFRA_PREFIXES = ("wandb_", "mlflow_", "comet_", "hub_", "fsdp_", "deepspeed_")
 
 _DEFAULT_ONLY = {
-    "load_in_4bit": "a 4-bit base (QLoRA) is not supported yet",
     "load_in_8bit": "an 8-bit base is not supported yet",
     "gptq": "a GPTQ base is not supported yet",
     "lora_model_dir": "starting from a saved adapter is not supported yet",
@@ -164,7 +163,8 @@ def _keep(out: _Out, key: str, value: Any) -> None:
 def _axolotl(doc: Doc, data: dict[str, Any]) -> _Out:
     out = _Out(doc, {})
     handlers: dict[str, Callable[[_Out, Any], None]] = {
-        "datasets": _datasets, "adapter": _adapter, "optimizer": _optimizer, "output_dir": _output,
+        "datasets": _datasets, "adapter": _adapter, "load_in_4bit": _load_in_4bit, "optimizer": _optimizer,
+        "output_dir": _output,
         "gradient_checkpointing": lambda o, v: o.put(("packing", "activation_checkpointing"), bool(v),
                                                      ("gradient_checkpointing",)),
         "warmup_ratio": lambda o, v: o.put(("train", "warmup_ratio"), v, ("warmup_ratio",)),
@@ -223,10 +223,15 @@ def _local_file(out: _Out, path: Any, src: Key) -> str:
 
 
 def _adapter(out: _Out, value: Any) -> None:
-    if value == "qlora":
-        raise out.error(("adapter",), "qlora is not supported yet (a 4-bit base); use adapter: lora")
-    if value != "lora":
-        raise out.error(("adapter",), f"only lora is supported (got {value!r})")
+    if value == "qlora":  # Axolotl's QLoRA: bitsandbytes NF4 with double-quantised scales, here torchao's NF4
+        out.put(("model", "quantize"), "nf4", ("adapter",))
+    elif value != "lora":
+        raise out.error(("adapter",), f"only lora or qlora is supported (got {value!r})")
+
+
+def _load_in_4bit(out: _Out, value: Any) -> None:
+    if value not in (None, False):
+        out.put(("model", "quantize"), "nf4", ("load_in_4bit",))
 
 
 def _optimizer(out: _Out, value: Any, src: Key = ("optimizer",)) -> None:
@@ -308,10 +313,11 @@ def _component(out: _Out, value: Any, key: str) -> tuple[dict[str, Any], str]:
 
 def _tt_model(out: _Out, value: Any) -> None:
     cfg, name = _component(out, value, "model")
-    if name.startswith("qlora_") or cfg.get("quantize_base"):
-        raise out.error(("model", "_component_"), f"{name}: QLoRA (a 4-bit base) is not supported yet")
-    if not name.startswith("lora_"):
-        raise out.error(("model", "_component_"), f"only LoRA model builders (lora_*) are supported (got {name})")
+    if name.startswith("qlora_") or cfg.get("quantize_base"):  # torchtune's QLoRA: torchao's NF4, as here
+        out.put(("model", "quantize"), "nf4", ("model", "_component_"))
+    if not name.startswith(("lora_", "qlora_")):
+        raise out.error(("model", "_component_"),
+                        f"only LoRA model builders (lora_*, qlora_*) are supported (got {name})")
     for k, v in cfg.items():
         src = ("model", k)
         if k in ("_component_",):
@@ -322,7 +328,7 @@ def _tt_model(out: _Out, value: Any) -> None:
                 raise out.error(src, f"unknown attention module {bad[0]!r} (expected {', '.join(_TT_TARGETS)})")
         elif k in ("lora_rank", "lora_alpha", "lora_dropout"):
             out.put(("train", {"lora_rank": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout"}[k]), v, src)
-        elif k in ("use_dora", "apply_lora_to_output", "quantize_base") and v:
+        elif k in ("use_dora", "apply_lora_to_output") and v:
             raise out.error(src, "is not supported yet")
         elif k not in ("apply_lora_to_mlp", "use_dora", "apply_lora_to_output", "quantize_base"):
             raise out.error(src, "is not a LoRA builder option this engine knows")

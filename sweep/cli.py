@@ -223,7 +223,7 @@ def plan(study: str, overrides: tuple[str, ...]) -> None:
     spec = _load(study, overrides, None)
     device = resolve_device(spec.model.device)
     model, tokenizer = load_base(spec.model.path, gguf_file=spec.model.gguf_file, dtype=spec.model.dtype,
-                                 device=device, log=lambda m: click.echo(m, err=True))
+                                 device=device, quantize=spec.model.quantize, log=lambda m: click.echo(m, err=True))
     check_targets(spec, model)
     data = spec.data
     examples = load_examples(data.train, tokenizer, fmt=data.format, max_length=data.max_length,
@@ -231,7 +231,7 @@ def plan(study: str, overrides: tuple[str, ...]) -> None:
     micro = spec.train.micro_batch
     pm = PackedModel(model, impl=spec.packing.kernels, fused_base_ops=spec.packing.fused_base_ops)
     report = plan_pack(spec, pm, mean_len=padded_mean_length([len(e.input_ids) for e in examples], micro),
-                       calibrations=PLAN_CALIBRATIONS)
+                       calibrations=PLAN_CALIBRATIONS, examples=examples)
     click.echo(report.table())
 
 
@@ -320,6 +320,8 @@ def export(study_dir: str, trial: int | None, best: bool, objective: str | None,
                         allow_infeasible=allow_infeasible)
     what = "merged model" if done.merged else f"adapter (rank {done.rank}" + (
         f" padded to {done.exported_rank})" if done.exported_rank != done.rank else ")")
+    if done.note:
+        click.echo(done.note)
     click.echo(f"trial {done.trial}: {what} written to {done.out}")
 
 

@@ -47,6 +47,8 @@ class Export:
     merged: bool
     changes: list[str] = field(default_factory=list)
     """Conversions made for vLLM (empty when the adapter already met its rules)."""
+    note: str | None = None
+    """One line about the merge the user should know (a QLoRA base dequantized from NF4 first); None otherwise."""
 
 
 # ---------------------------------------------------------------- choosing the trial
@@ -250,6 +252,9 @@ def model_card(meta: dict[str, Any], rec: TrialRecord, config: dict[str, Any], o
               "## Provenance", "", f"- study: `{name}` (lora-sweep {meta.get('lora_sweep_version', '?')})",
               *([f"- base model: dequantized from the GGUF file `{meta['model_source']}`"]
                 if meta.get("model_source") else []),
+              *([f"- trained over the base quantised to {q.upper()} (QLoRA, `model.quantize: {q}`)"
+                 + ("; merged into its dequantized weights" if merged else "; the adapter applies to the plain base")]
+                if (q := ((meta.get("spec") or {}).get("model") or {}).get("quantize")) else []),
               f"- study directory: `{source.parent.parent}`", f"- Optuna storage: `{meta.get('storage', '')}`",
               f"- trial number: {rec.number}", f"- source adapter: `{source}`",
               f"- exported: {dt.datetime.now(dt.UTC).strftime('%Y-%m-%d %H:%M:%S UTC')}"]
@@ -333,11 +338,13 @@ def export_trial(study_dir: str | Path, out: str | Path, *, trial: int | None = 
     if vllm and not merge:
         config, tensors, changes = vllm_adapter(config, tensors)
     tmp = _fresh_dir(out)
+    note = None
     try:
         if merge:
             from packer.model import load_base
 
             model, tokenizer = load_base(_base_source(meta, config), dtype="auto")
+            note = _dequantized_base(model, meta)
             merge_adapter(model, config, tensors)
             model.save_pretrained(tmp)  # type: ignore[operator]
             tokenizer.save_pretrained(tmp)  # type: ignore[attr-defined]
@@ -353,4 +360,18 @@ def export_trial(study_dir: str | Path, out: str | Path, *, trial: int | None = 
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return Export(rec.number, out, rank, int(config["r"]), merge, changes)
+    return Export(rec.number, out, rank, int(config["r"]), merge, changes, note)
+
+
+def _dequantized_base(model: torch.nn.Module, meta: dict[str, Any]) -> str | None:
+    """For a QLoRA study (``model.quantize: nf4``), ``model``'s projections replaced in place by what the adapter
+    trained against: quantised to NF4 and dequantized again (``packer.quant``); the line saying so, else None."""
+    kind = ((meta.get("spec") or {}).get("model") or {}).get("quantize")
+    if not kind:
+        return None
+    from packer.quant import dequantize_base, quantize_base
+
+    quantize_base(model, kind)
+    dequantize_base(model)
+    return (f"merge: the study trained over a {kind.upper()} base (model.quantize: {kind}): the base weights were "
+            f"dequantized from {kind.upper()} before merging, the weights the adapter was trained over")

@@ -7,21 +7,25 @@ widest target set, full sequence length) decides how many fit.
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import nn
 
+from packer.data import Example
 from packer.errors import ConfigError
 from packer.inject import all_linear_params, resolve_targets
 from packer.model import PackedModel
+from packer.packing import batches_per_epoch
 from packer.plan import MemoryModel
 from packer.probe import available_memory, calibrate
 from sweep.spec import StudySpec
 
-__all__ = ["auto_slots", "check_targets", "PlanReport", "plan_pack", "MEMORY_FRACTION", "MAX_AUTO_SLOTS",
-           "PLAN_CALIBRATIONS"]
+__all__ = ["auto_slots", "check_targets", "PlanReport", "plan_pack", "trial_micro_steps", "MEMORY_FRACTION",
+           "MAX_AUTO_SLOTS", "PLAN_CALIBRATIONS"]
 
 MEMORY_FRACTION = 0.85
 """Share of the device's available memory a pack may plan for (the rest: fragmentation, evaluation)."""
@@ -49,17 +53,21 @@ class PlanReport:
     step_range_s: tuple[float, float] | None = None
     """(fastest, slowest) predicted step over the calibrations; None after a single one."""
     calibrations: int = 1
+    quantize: str | None = None
+    """``model.quantize`` (``nf4``: the static part is the NF4 base, measured as such)."""
 
     def table(self) -> str:
         gib = 1024**3
-        total = "-" if self.predicted_total_s is None else f"{self.predicted_total_s:.0f} s ({self.pack_steps} steps)"
+        total = "-" if self.predicted_total_s is None else \
+            f"{self.predicted_total_s:.0f} s ({self.pack_steps} pack steps)"
         rows = [
             ("device", self.device),
             ("slots per pack", str(self.slots)),
             ("worst-case slot", f"rank {self.worst_rank}, micro-batch {self.worst_micro_batch}, seq {self.seq_len}"),
             ("memory available (planned share)", f"{self.available_bytes / gib:.2f} GiB ({MEMORY_FRACTION:.0%})"),
             ("predicted peak of a full pack", f"{self.predicted_peak_bytes / gib:.3f} GiB"),
-            ("static (base model)", f"{self.memory.static_bytes / gib:.3f} GiB"),
+            ("static (base model" + (f", {self.quantize} projections" if self.quantize else "") + ")",
+             f"{self.memory.static_bytes / gib:.3f} GiB"),
             ("per token / per token x rank", f"{self.memory.bytes_per_token / 1024:.1f} KiB / "
                                              f"{self.memory.bytes_per_token_rank:.0f} B"),
             ("per adapter parameter", f"{self.memory.bytes_per_param:.1f} B"),
@@ -96,25 +104,46 @@ def check_targets(spec: StudySpec, model: nn.Module) -> None:
             raise ConfigError(f"{key}: {str(err).removeprefix('targets: ')}") from None
 
 
+def _largest(spec: StudySpec, name: str, fixed: object) -> int:
+    """The largest value of setting ``name`` over the space (``fixed`` when it is not searched)."""
+    p = next((p for p in spec.search.params if p.name == name), None)
+    return int(fixed) if p is None else max(int(v) for v in (p.choices if p.kind == "categorical" else [p.high]))
+
+
 def _worst(spec: StudySpec) -> tuple[int, int]:
     """(largest rank, largest micro-batch) over the space; the worst slot targets every projection."""
-    def values(name: str, fixed: object) -> list:
-        p = next((p for p in spec.search.params if p.name == name), None)
-        if p is None:
-            return [fixed]
-        return list(p.choices) if p.kind == "categorical" else [p.high]
+    return _largest(spec, "rank", spec.train.rank), _largest(spec, "micro_batch", spec.train.micro_batch)
 
-    rank = max(int(v) for v in values("rank", spec.train.rank))
-    micro = max(int(v) for v in values("micro_batch", spec.train.micro_batch))
-    return rank, micro
+
+def trial_micro_steps(spec: StudySpec, micro: int, examples: Sequence[Example] | None = None) -> int:
+    """Pack steps (micro-batches) the longest trial takes: its optimizer steps times its accumulation.
+
+    Optimizer steps: the largest ``max_steps`` of the space, or with ``train.epochs`` (``max_steps`` not searched)
+    and the ``examples``, the epochs' steps at micro-batch ``micro`` as a trial counts them
+    (``sweep._trial_data.epoch_steps``: ``ceil(epochs * ceil(micro-batches per epoch / accumulation))``, each
+    epoch capped at ``max_steps_per_epoch``)."""
+    train = spec.train
+    accum = _largest(spec, "gradient_accumulation_steps", train.gradient_accumulation_steps)
+    searched = {p.name for p in spec.search.params}
+    if train.epochs is not None and "max_steps" not in searched and examples:
+        batches = batches_per_epoch(examples, micro, sample_packing=train.sample_packing,
+                                    row_len=spec.data.max_length, seed=spec.seed)
+        per_epoch = max(1, -(-batches // accum))
+        if train.max_steps_per_epoch is not None:
+            per_epoch = min(per_epoch, train.max_steps_per_epoch)
+        steps = max(1, math.ceil(train.epochs * per_epoch))
+    else:
+        steps = _largest(spec, "max_steps", train.max_steps)
+    return steps * accum
 
 
 def plan_pack(spec: StudySpec, pm: PackedModel, *, mean_len: float | None = None,
-              calibrations: int = 1) -> PlanReport:
+              calibrations: int = 1, examples: Sequence[Example] | None = None) -> PlanReport:
     """Calibrate the memory model and size the pack; ``mean_len`` (tokens per row) sharpens the time.
 
     ``calibrations`` > 1 calibrates that many times and predicts with the median step (the report
-    gives the range); memory comes from that calibration too.
+    gives the range); memory comes from that calibration too. The time counts every trial's micro-batches
+    (``trial_micro_steps``: optimizer steps x accumulation; with ``train.epochs``, from ``examples``).
     """
     rank, micro = _worst(spec)
     seq = spec.data.max_length
@@ -134,13 +163,11 @@ def plan_pack(spec: StudySpec, pm: PackedModel, *, mean_len: float | None = None
     mm = models[times.index(step_s)]
     steps = None
     if spec.budget.trials is not None:
-        max_steps = max(int(v) for v in ([spec.train.max_steps] + [p.high for p in spec.search.params
-                                                                  if p.name == "max_steps"]))
-        steps = -(-spec.budget.trials * max_steps // slots)
+        steps = -(-spec.budget.trials * trial_micro_steps(spec, micro, examples) // slots)
     return PlanReport(str(pm.device), slots, rank, micro, seq, available,
                       mm.predict(slots * micro * seq, slots * params, slots * rank, rank), mm, step_s,
                       None if steps is None else steps * step_s, steps,
-                      (min(times), max(times)) if calibrations > 1 else None, calibrations)
+                      (min(times), max(times)) if calibrations > 1 else None, calibrations, spec.model.quantize)
 
 
 def auto_slots(spec: StudySpec, pm: PackedModel) -> int:

@@ -93,7 +93,7 @@ def _open(spec: StudySpec, sdir: StudyDir, device: str, log: Callable[[str], Non
 
     # a GGUF source becomes its cached checkpoint directory: what every load, adapter and export names
     base = resolve_base(spec.model.path, spec.model.gguf_file, log=log)
-    model, tokenizer = load_base(base, dtype=spec.model.dtype, device=device)
+    model, tokenizer = load_base(base, dtype=spec.model.dtype, device=device, quantize=spec.model.quantize)
     check_targets(spec, model)  # before the study is created: a target set the model lacks fails no trial
     sdir.create()
     store = ResultsStore(sdir.results_db)

@@ -21,6 +21,7 @@ import evaluators
 from packer.data import FORMATS as DATA_FORMATS
 from packer.errors import ConfigError
 from packer.plan import AdapterSpec
+from packer.quant import QUANTIZE
 from sweep._params import SEARCHABLE, Param, SearchSpace, _check, _check_adapter_value, _is_num
 from sweep.strategy import _NAME, SAMPLERS, Budget, Constraint, Objective, PruningSpec, SamplerSpec
 
@@ -52,6 +53,9 @@ class ModelSpec:
     """Dtype of the frozen base weights; ``auto``: bfloat16 on CUDA, float32 on CPU."""
     device: str = "auto"
     """``auto`` (CUDA if available), ``cpu``, ``cuda`` or ``cuda:N``."""
+    quantize: str | None = None
+    """``nf4``: QLoRA, the base's linear projections held as 4-bit NF4 weights shared by every slot
+    (``packer.quant``; needs the ``qlora`` extra); None: the base in ``dtype``."""
 
     def __post_init__(self) -> None:
         _check(
@@ -73,6 +77,8 @@ class ModelSpec:
             "must be auto, cpu, cuda or cuda:N",
             self.device,
         )
+        _check(self.quantize is None or self.quantize in QUANTIZE, "quantize",
+               f"must be {' or '.join(QUANTIZE)} or null", self.quantize)
 
 
 @dataclass(frozen=True)

@@ -116,6 +116,24 @@ def test_curves_and_prune_markers(tmp_path) -> None:
     assert prunes.decisions == ["keep", "prune"] and "pruned at step 2" in prunes.texts[1]
 
 
+def test_held_out_curves_from_the_store(tmp_path) -> None:
+    root = _study(tmp_path, [_t(0, values=[1.0, 1.0], steps=[3.0, 2.0, 1.0, 0.5]), _t(1, "PRUNED", steps=[3.0]),
+                             _t(2, steps=[2.0])])
+    with ResultsStore(root / "results.db") as store:
+        for step, value in ((4, 1.5), (2, 2.5)):  # out of order: the curve is sorted by step
+            store.add_eval(0, step, {"eval_loss": value}, kind="curve")
+        store.add_eval(1, 2, {"eval_loss": NAN, "other": 1.0}, kind="curve")
+        store.add_eval(0, 4, {"eval_loss": 9.0}, kind="rung")  # a rung evaluation is not part of the curve
+    data = load_study_data(root)
+    info = figures._eval_curves_info(data)
+    assert [(c.number, c.steps, c.losses) for c in info.curves] == [(0, [2, 4], [2.5, 1.5]), (1, [2], [None])]
+    fig = figures.plot_curves(info, title="Held-out loss per trial", y="held-out loss", mode="lines+markers")
+    assert fig.layout.yaxis.title.text == "held-out loss" and [t.name for t in fig.data] == ["complete", "pruned"]
+    html = build_report(root)
+    assert "fig-eval-curves" in html and "Held-out loss per trial" in html
+    assert "fig-eval-curves" not in build_report(_study(tmp_path / "plain", [_t(0, values=[1.0, 1.0], steps=[1.0])]))
+
+
 def test_timeline_marks_backfills_and_open_spans(tmp_path) -> None:
     root = _study(tmp_path, [_t(0, values=[1.0, 1.0]), _t(1, "PRUNED"), _t(2, "RUNNING")])
     with ResultsStore(root / "results.db") as store:

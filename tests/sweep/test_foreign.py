@@ -93,17 +93,36 @@ def _cli(path: Path) -> subprocess.CompletedProcess:
                           text=True, timeout=120, cwd=ROOT)
 
 
-def test_axolotl_qlora_1b_is_refused_in_one_line(tiny_dirs, tmp_path) -> None:
-    result = _cli(_config(tmp_path, tiny_dirs("llama"), "axolotl-qlora-1b.yml"))
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
-    assert ":7: load_in_4bit: a 4-bit base (QLoRA) is not supported yet" in lines[0]
+def test_axolotl_qlora_1b_runs_a_small_study_over_an_nf4_base(tiny_dirs, tmp_path) -> None:
+    pytest.importorskip("torchao")
+    spec = load_study(_config(tmp_path, tiny_dirs("llama"), "axolotl-qlora-1b.yml"))
+    assert spec.model.quantize == "nf4"  # adapter: qlora and load_in_4bit: true
+    t = spec.train
+    assert (t.gradient_accumulation_steps, t.micro_batch, t.sample_packing, t.warmup_ratio) == (4, 2, True, 0.1)
+    run_study(spec, log=lambda m: None)
+    trials = _trials(spec.out_dir, spec.name)
+    assert len(trials) == 2 and all(tr.state == TrialState.COMPLETE for tr in trials)
+
+
+@pytest.mark.parametrize("changes", [{"adapter": "lora"}, {"load_in_4bit": False}])
+def test_either_qlora_key_alone_asks_for_the_nf4_base(tiny_dirs, tmp_path, changes: dict) -> None:
+    assert load_study(_config(tmp_path, tiny_dirs("llama"), "axolotl-qlora-1b.yml", **changes)).model.quantize == "nf4"
+
+
+def test_the_lora_config_keeps_the_base_unquantised(tiny_dirs, tmp_path) -> None:
+    assert load_study(_config(tmp_path, tiny_dirs("llama"), "axolotl-lora-1b.yml")).model.quantize is None
+
+
+def test_torchtune_qlora_builder_asks_for_the_nf4_base(tiny_dirs, tmp_path) -> None:
+    path = _config(tmp_path, tiny_dirs("llama"), "torchtune-1B-lora.yaml")
+    doc = yaml.safe_load(path.read_text())
+    doc["model"]["_component_"] = "torchtune.models.llama3_2.qlora_llama3_2_1b"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    assert load_study(path).model.quantize == "nf4"
 
 
 REFUSED = {
-    "adapter": ("qlora", "adapter: qlora is not supported yet"),
-    "load_in_4bit": (True, "load_in_4bit: a 4-bit base (QLoRA) is not supported yet"),
+    "adapter": ("dora", "adapter: only lora or qlora is supported (got 'dora')"),
     "load_in_8bit": (True, "load_in_8bit: an 8-bit base is not supported yet"),
     "datasets": ([{"path": "teknium/GPT4-LLM-Cleaned", "type": "alpaca"}], "datasets.0.path: only local files work"),
     "optimizer": ("lion_8bit", "optimizer: only AdamW is supported"),
@@ -130,8 +149,8 @@ def test_refused_key_exits_2_through_the_cli(tiny_dirs, tmp_path) -> None:
 
 
 TT_REFUSED = {
-    "model": ({"_component_": "torchtune.models.llama3_2.qlora_llama3_2_1b", "lora_attn_modules": ["q_proj"]},
-              "QLoRA .* is not supported yet"),
+    "model": ({"_component_": "torchtune.models.llama3_2.dora_llama3_2_1b", "lora_attn_modules": ["q_proj"]},
+              r"only LoRA model builders \(lora_\*, qlora_\*\) are supported \(got dora_llama3_2_1b\)"),
     "dataset": ({"_component_": "torchtune.datasets.alpaca_cleaned_dataset"}, "only local files work"),
     "optimizer": ({"_component_": "torch.optim.SGD", "lr": 0.1}, "only torch.optim.AdamW"),
     "optimizer_in_bwd": (True, "optimizer_in_bwd: the optimizer step in the backward is not supported yet"),
