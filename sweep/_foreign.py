@@ -1,10 +1,10 @@
-"""Axolotl and torchtune training configs as study files: their keys -> our sections, before ``_load``.
+"""Axolotl and torchtune training configs as study files: their keys -> our sections, before ``loader``.
 
 An Axolotl LoRA config (``base_model``, ``datasets``, ``adapter``, ...) or a torchtune LoRA recipe
 config (``model: {_component_: ...lora_...}``, ``dataset``, ``optimizer``, ...) plus our own
 ``search:``, ``budget:`` and ``objectives:`` is rewritten into a study file's mapping; the keys the
 two formats share with ours (``lora_r``, ``learning_rate``, ``micro_batch_size``, ``sequence_len``,
-``gradient_accumulation_steps``, ...) are left to ``_load``'s alias table. The rule for every other
+``gradient_accumulation_steps``, ...) are left to ``loader``'s alias table. The rule for every other
 key (README.md, "Axolotl and torchtune configs", has the table): a key that changes the math is translated, or refused
 in one error naming it when it asks for something not built (QLoRA, DoRA, 8-bit loading, a hub
 dataset, another optimizer); a key about logging, hardware or infrastructure is dropped, and all
@@ -152,7 +152,7 @@ def _common(out: _Out, key: str, value: Any) -> bool:
 
 
 def _keep(out: _Out, key: str, value: Any) -> None:
-    """A key of ours or a shared alias, for ``_load`` to read (it refuses unknown keys); a section of ours
+    """A key of ours or a shared alias, for ``loader`` to read (it refuses unknown keys); a section of ours
     (``data:``, ``train:``) is merged with what the translation put there."""
     if isinstance(value, dict) and isinstance(out.data.get(key), dict):
         out.data[key] = {**value, **out.data[key]}

@@ -1,6 +1,6 @@
 """YAML with the line of every key, dotted overrides, type coercion and located one-line errors.
 
-Generic helpers for ``sweep/_load.py``; nothing here knows the study schema. Keys are tracked
+Generic helpers for ``sweep/loader.py``; nothing here knows the study schema. Keys are tracked
 twice: *canonical* paths (``("train", "lr")``) name dataclass fields; *raw* paths
 (``("learning_rate",)``) are what the user wrote, so an error points at the user's own key and
 line: ``studies/x.yaml:12: search.rank.low: must be 1..256 (got -4)``.

@@ -27,7 +27,7 @@ def cli() -> None:
 
 
 def _load(study: str, overrides: tuple[str, ...], out: str | None) -> StudySpec:
-    from sweep.spec import load_study
+    from sweep.loader import load_study
 
     spec = load_study(study, list(overrides))
     if out is not None:

@@ -1,18 +1,18 @@
 """The study file as frozen, validated config objects.
 
-``load_study("studies/demo.yaml", ["train.max_steps=50"])`` reads a study file (YAML), maps the
-Axolotl / torchtune / PEFT key aliases and a W&B-style ``parameters:`` block onto these
+``sweep.loader.load_study("studies/demo.yaml", ["train.max_steps=50"])`` reads a study file (YAML),
+maps the Axolotl / torchtune / PEFT key aliases and a W&B-style ``parameters:`` block onto these
 dataclasses, applies dotted command-line overrides and validates everything once. Each dataclass
 validates itself in ``__post_init__`` and raises ``ConfigError("key: rule (got value)")``; the
-loader (``sweep/_load.py``) adds the file, the line and the full dotted key. Defaults live only
-here (the study's strategy — objectives, constraints, budget, pruning, sampler — in ``sweep/strategy.py``,
-re-exported here), and the per-adapter ones only in ``packer.plan.AdapterSpec``.
+loader adds the file, the line and the full dotted key. Defaults live only here (the study's
+strategy — objectives, constraints, budget, pruning, sampler — in ``sweep/strategy.py``, re-exported
+here), and the per-adapter ones only in ``packer.plan.AdapterSpec``.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
@@ -27,7 +27,7 @@ from sweep.strategy import _NAME, SAMPLERS, Budget, Constraint, Objective, Pruni
 
 __all__ = [
     "Budget", "Constraint", "DataSpec", "EvalSpec", "ModelSpec", "Objective", "PackingSpec", "Param", "PruningSpec",
-    "SamplerSpec", "SearchSpace", "StudySpec", "TrainSpec", "load_study",
+    "SamplerSpec", "SearchSpace", "StudySpec", "TrainSpec",
     "DTYPES", "EVALUATORS", "FORMATS", "SAMPLERS", "SEARCHABLE",
 ]  # fmt: skip
 
@@ -354,22 +354,3 @@ class StudySpec:
             return self.objectives[0].metric, self.objectives[0].direction
         return "eval_loss", "minimize"
 
-
-def load_study(path: str | Path, overrides: Sequence[str] = (), *, check_paths: bool = True) -> StudySpec:
-    """Read, override and validate a study file.
-
-    Args:
-        path: The study YAML file.
-        overrides: ``dotted.key=value`` strings applied on top of the file; values are YAML.
-        check_paths: Require a local model directory to exist (False: for files whose model is built later).
-            Data files are always checked.
-
-    Returns:
-        The validated study.
-
-    Raises:
-        ConfigError: One line, ``file:line: dotted.key: rule (got value)``.
-    """
-    from sweep import _load  # deferred: _load builds the dataclasses of this module
-
-    return _load.load_study(Path(path), tuple(overrides), check_paths=check_paths)

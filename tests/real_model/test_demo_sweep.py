@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from sweep.spec import load_study
+from sweep.loader import load_study
 from sweep.status import study_status
 from sweep.study import run_study
 

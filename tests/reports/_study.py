@@ -21,7 +21,7 @@ def fixture_study(tmp_path_factory: pytest.TempPathFactory, tiny_dirs) -> Path:
     """The study directory (run once per session; later calls return the same directory)."""
     key = tmp_path_factory.getbasetemp()
     if key not in _BUILT:
-        from sweep.spec import load_study
+        from sweep.loader import load_study
         from sweep.study import run_study
 
         root = tmp_path_factory.mktemp("fixture-study")

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from packer.data import read_jsonl
-from sweep.spec import StudySpec, load_study
+from sweep.loader import load_study
+from sweep.spec import StudySpec
 
 STUDIES = Path(__file__).resolve().parents[2] / "studies"
 FILES = sorted(STUDIES.rglob("*.yaml"))

@@ -9,7 +9,8 @@ import optuna
 from optuna.trial import TrialState
 
 from sweep.budget import budget_state, counted
-from sweep.spec import Budget, load_study
+from sweep.loader import load_study
+from sweep.spec import Budget
 from sweep.store import attrs
 from tests.conftest import write_study
 

@@ -24,7 +24,8 @@ from transformers import AutoTokenizer
 
 from packer.data import load_examples
 from sweep.budget import TokenPlan, shared_budget
-from sweep.spec import Budget, StudySpec, load_study
+from sweep.loader import load_study
+from sweep.spec import Budget, StudySpec
 from sweep.storage import open_storage, resume_clock, study_elapsed
 from sweep.store.attrs import CLOCK, HEARTBEAT, PLANNED_TOKENS, TOKENS
 from sweep.study import run_study

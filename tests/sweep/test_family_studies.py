@@ -27,7 +27,7 @@ from packer.plan import AdapterSpec
 from packer.tiny import FAMILIES
 from packer.tiny_data import arithmetic_rows, write_jsonl
 from sweep.export import export_trial
-from sweep.spec import load_study
+from sweep.loader import load_study
 from sweep.store import ResultsStore
 from sweep.study import run_study
 from tests.conftest import write_study

@@ -15,7 +15,7 @@ from optuna.trial import TrialState
 
 from packer.errors import ConfigError
 from packer.tiny_data import arithmetic_rows, write_jsonl
-from sweep.spec import load_study
+from sweep.loader import load_study
 from sweep.study import run_study
 
 ROOT = Path(__file__).resolve().parents[2]

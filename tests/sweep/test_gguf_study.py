@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from packer.errors import ConfigError
 from packer.gguf import MANIFEST
 from sweep.cli import cli, main
-from sweep.spec import load_study
+from sweep.loader import load_study
 from tests.conftest import write_study
 from tests.packer._gguf import write_tiny_gguf
 

@@ -7,8 +7,8 @@ import math
 from packer.data import load_examples
 from packer.model import load_base
 from packer.packing import batches_per_epoch
+from sweep.loader import load_study
 from sweep.planning import trial_micro_steps
-from sweep.spec import load_study
 from tests.conftest import write_study
 
 

@@ -16,7 +16,7 @@ from kernels import PackLayout
 from packer.checkpoint import load_adapter, read_adapter
 from packer.model import PackedModel, load_base
 from packer.plan import AdapterSpec
-from sweep.spec import load_study
+from sweep.loader import load_study
 from sweep.store import ResultsStore
 from sweep.study import run_study
 from tests.conftest import write_study

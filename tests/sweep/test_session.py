@@ -10,8 +10,9 @@ import pytest
 import yaml
 
 from packer.errors import UserError
+from sweep.loader import load_study
 from sweep.session import own_directory, record_spec, spec_changes, spec_record
-from sweep.spec import Budget, load_study
+from sweep.spec import Budget
 from sweep.store import ResultsStore, StudyDir
 from tests.conftest import write_study
 

@@ -14,7 +14,8 @@ import pytest
 
 from packer.errors import ConfigError
 from packer.plan import AdapterSpec
-from sweep.spec import Param, SearchSpace, TrainSpec, load_study
+from sweep.loader import load_study
+from sweep.spec import Param, SearchSpace, TrainSpec
 
 BASE = """\
 name: t

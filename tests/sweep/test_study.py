@@ -17,7 +17,7 @@ import torch
 import yaml
 from optuna.trial import TrialState
 
-from sweep.spec import load_study
+from sweep.loader import load_study
 from sweep.study import run_study
 from tests.conftest import write_study
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 
-from sweep.spec import load_study
+from sweep.loader import load_study
 from sweep.status import study_status
 from sweep.study import run_study
 from sweep.timing import PHASES, TIMING_FILE, WallSplit, append_run, last_run

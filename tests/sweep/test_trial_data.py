@@ -14,8 +14,8 @@ from packer.data import load_examples
 from packer.errors import ConfigError
 from packer.model import load_base
 from sweep._trial_data import epoch_steps
+from sweep.loader import load_study
 from sweep.space import adapter_spec
-from sweep.spec import load_study
 from sweep.store.attrs import PLANNED_TOKENS, TOKENS
 from sweep.study import run_study
 from tests.conftest import DEMO_DATA, write_study

@@ -23,7 +23,7 @@ from optuna.trial import TrialState
 from sweep import worker
 from sweep.affinity import allowed_cpus
 from sweep.ledger import open_study
-from sweep.spec import load_study
+from sweep.loader import load_study
 from sweep.storage import Sharing, normalize_url, open_storage, storage_lock
 from sweep.store import StudyDir
 from sweep.store.attrs import WORKER

@@ -1,4 +1,5 @@
-"""Study file -> ``StudySpec``: sections, key aliases, the W&B ``parameters:`` block, relocated flat keys.
+"""Study file -> ``StudySpec`` (``load_study``, the one way in): sections, key aliases, the W&B
+``parameters:`` block, relocated flat keys.
 
 The alias table follows notes/optuna-and-sweeps.md §4 (Axolotl, torchtune, PEFT, HF/TRL names).
 Axolotl-style flat keys at the top level (``base_model``, ``lora_r``, ``learning_rate``,
@@ -90,8 +91,22 @@ _DIRECTION = {"maximize": "maximize", "maximise": "maximize", "max": "maximize",
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "B": 10**9}
 
 
-def load_study(path: Path, overrides: Sequence[str], *, check_paths: bool) -> StudySpec:
-    """See ``sweep.spec.load_study``."""
+def load_study(path: str | Path, overrides: Sequence[str] = (), *, check_paths: bool = True) -> StudySpec:
+    """Read, override and validate a study file.
+
+    Args:
+        path: The study YAML file.
+        overrides: ``dotted.key=value`` strings applied on top of the file; values are YAML.
+        check_paths: Require a local model directory to exist (False: for files whose model is built later).
+            Data files are always checked.
+
+    Returns:
+        The validated study.
+
+    Raises:
+        ConfigError: One line, ``file:line: dotted.key: rule (got value)``.
+    """
+    path = Path(path)
     doc, data = read(path, check_paths)
     data = _foreign.translate(doc, data, _TRAIN, _TOP)  # an Axolotl or torchtune config -> a study mapping
     for text in overrides:
