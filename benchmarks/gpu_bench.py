@@ -25,7 +25,7 @@ import torch
 
 from benchmarks.gpu_layer import run_all
 from benchmarks.shapes import PROJ, build_shape
-from benchmarks.timing import random_jobs, time_calls, timed_train
+from benchmarks.timing import gemm_tflops, random_jobs, time_calls, timed_train
 from packer.model import PackedModel
 from packer.plan import MemoryModel
 from packer.train import train
@@ -46,19 +46,6 @@ def _flops(model: torch.nn.Module, rows: int, seq: int) -> float:
     return 4 * _counted_params(model) * rows * seq + 3 * 4 * cfg.num_hidden_layers * seq * seq * cfg.hidden_size * rows
 
 
-def gemm_tflops() -> float:
-    """Measured bf16 8192^3 GEMM rate: the MFU denominator."""
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn_like(a)
-    for _ in range(3):
-        a @ b
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        a @ b
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * 8192**3 * 20 / (start.elapsed_time(end) / 1e3) / 1e12
 
 
 def packed_run(model: torch.nn.Module, slots: int, micro: int, seq: int, *, impl: str = "triton", warmup: int = 3,

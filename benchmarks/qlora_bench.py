@@ -26,19 +26,13 @@ import warnings
 import torch
 from torch import nn
 
+from benchmarks.shapes import PROJ, SHAPES
+from benchmarks.timing import gemm_tflops
 from packer.data import Example
 from packer.model import PackedModel
 from packer.plan import AdapterSpec
 from packer.quant import quantize_base
 from packer.train import FixedBatch, SlotJob, train
-
-PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-SHAPES: dict[str, dict] = {
-    "llama3-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
-    "llama3-70b": dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                       num_attention_heads=64, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
-}
 
 
 def _init(module: nn.Module) -> None:
@@ -77,19 +71,6 @@ def build(shape: str, quantize: str | None, layers: int | None = None) -> nn.Mod
     return model.requires_grad_(False).eval()
 
 
-def gemm_tflops() -> float:
-    """Measured bf16 8192^3 GEMM rate: the MFU denominator."""
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn_like(a)
-    for _ in range(3):
-        a @ b
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        a @ b
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * 8192**3 * 20 / (start.elapsed_time(end) / 1e3) / 1e12
 
 
 def _flops(model: nn.Module, rows: int, seq: int) -> float:

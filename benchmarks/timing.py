@@ -16,7 +16,7 @@ from packer.model import PackedModel
 from packer.plan import AdapterSpec
 from packer.train import FixedBatch, SlotJob, train
 
-__all__ = ["random_jobs", "timed_train", "time_calls"]
+__all__ = ["gemm_tflops", "random_jobs", "timed_train", "time_calls"]
 
 
 def random_jobs(slots: int, micro: int, seq: int, vocab: int, steps: int,
@@ -53,3 +53,17 @@ def time_calls(step: Callable[[], None], warmup: int, steps: int) -> float:
         step()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / steps
+
+def gemm_tflops() -> float:
+    """Measured bf16 8192^3 GEMM rate: the MFU denominator."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn_like(a)
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * 8192**3 * 20 / (start.elapsed_time(end) / 1e3) / 1e12
