@@ -20,8 +20,8 @@ SHAPES: dict[str, dict] = {
     "llama3-70b": dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                        num_attention_heads=64, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
 }
-"""Config keyword arguments (``model_type`` first) of the shapes ``gpu_bench``, ``gpu_makespan``, ``qlora_bench`` (the 70B
-only in NF4, built layer by layer) and the rest name."""
+"""Config keyword arguments (``model_type`` first) of the shapes ``gpu_bench``, ``gpu_makespan``, ``qlora_bench``
+(the 70B only in NF4, built layer by layer) and the rest name."""
 
 SMOLLM2 = dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)
