@@ -134,3 +134,40 @@ def test_planner_calibrates_without_gradient_buffers(tiny_dirs) -> None:
     on = calibrate(pm, 32, rows=(1, 3), optimizer_in_backward=True)
     assert on.optimizer_in_backward and not off.optimizer_in_backward
     assert IN_BACKWARD_BYTES_PER_PARAM <= on.bytes_per_param <= off.bytes_per_param - 3, (on, off)
+
+
+def test_pieces_stepped_in_the_backward_equal_the_whole_step() -> None:
+    """``PackedAdamW`` directly: pieces given in any order, one piece no gradient reaches (a zero gradient, as the
+    whole step sees it), over several steps, equal ``step`` on the flat buffers; a piece twice is an error."""
+    from packer.optim import PackedAdamW
+
+    specs = [AdapterSpec(lr=1e-2, weight_decay=0.1, schedule="cosine", warmup_steps=1, max_steps=5, max_grad_norm=None),
+             AdapterSpec(lr=3e-3, betas=(0.8, 0.95), eps=1e-6, max_steps=5, max_grad_norm=None)]
+    sizes = (6, 10, 4)
+    g = torch.Generator().manual_seed(0)
+    init = {s: torch.randn(sum(sizes), generator=g) for s in (0, 1)}
+    whole, pieces = PackedAdamW(), PackedAdamW()
+    flat_w = {s: (init[s].clone(), torch.zeros(sum(sizes))) for s in (0, 1)}
+    flat_p = {s: init[s].clone() for s in (0, 1)}
+    for s, spec in enumerate(specs):
+        whole.add_slot(s, *flat_w[s], spec)
+        pieces.add_slot(s, flat_p[s], None, spec)
+    views = {s: list(flat_p[s].split(sizes)) for s in (0, 1)}
+    for _ in range(4):
+        grads = {s: torch.randn(sum(sizes), generator=g) for s in (0, 1)}
+        grads[1][sizes[0] + sizes[1]:] = 0  # slot 1's last piece gets no gradient below
+        for s in (0, 1):
+            flat_w[s][1].copy_(grads[s])
+        ref_lrs = [whole.lr(0), whole.lr(1)]
+        ref_norms = whole.step([0, 1])
+        assert pieces.begin_step([0, 1]) == ref_lrs  # the schedule at the step taken, advanced once
+        split = {s: list(grads[s].split(sizes)) for s in (0, 1)}
+        pieces.backward_step([views[1][1], views[0][2]], [split[1][1], split[0][2]])
+        pieces.backward_step([views[0][0], views[1][0], views[0][1]], [split[0][0], split[1][0], split[0][1]])
+        with pytest.raises(RuntimeError, match="two gradients"):
+            pieces.backward_step([views[0][0]], [split[0][0]])
+        norms = pieces.end_step({s: views[s] for s in (0, 1)})
+        torch.testing.assert_close(norms, ref_norms, rtol=1e-6, atol=0)
+        for s in (0, 1):
+            torch.testing.assert_close(flat_p[s], flat_w[s][0], rtol=0, atol=1e-7)
+    assert not torch.equal(flat_p[1], init[1])
