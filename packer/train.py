@@ -289,10 +289,9 @@ def _train(pm: PackedModel, optimizer: PackedAdamW, capacity: int, next_job: Cal
         # With the step in the backward every slot steps now (no accumulation): its scalars are fixed first.
         losses, counts = _pack_losses(pm, batch, chunk_tokens)
         weights = _accumulation_weights([active[s] for s in slots], counts)
-        stepped = (optimizer.begin_step(slots), None) if in_backward else None
+        lrs = optimizer.begin_step(slots) if in_backward else None
         (losses.sum() if weights is None else (losses * weights).sum()).backward()
-        if stepped is not None:
-            stepped = (stepped[0], optimizer.end_step({s: _weight_views(pm, s) for s in slots}))
+        stepped = None if lrs is None else (lrs, optimizer.end_step({s: _weight_views(pm, s) for s in slots}))
 
         # 4. Slots whose step is complete clip to their own norm and take their own AdamW step, in one pass
         # (stepping in the backward, they already have).
