@@ -143,7 +143,7 @@ class PackedModel:
         """Shared-input groups of the wrapped projections (``packer.slices``)."""
         self.specs: dict[int, AdapterSpec] = {}
         self.slot_paths: dict[int, list[str]] = {}
-        self.flat: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.flat: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._checkpointed: list[nn.Module] = []
         """Decoder layers whose forward is checkpointed (empty: activation checkpointing off)."""
         self.static: StaticStore | None = None
@@ -191,16 +191,18 @@ class PackedModel:
             return self._static_weights(slot, spec, paths, generator)
         dims = [(self.layers[p].in_features, self.layers[p].out_features) for p in paths]
         flat = torch.zeros(sum(r * (d_in + d_out) for d_in, d_out in dims), device=self.device)
-        grad = torch.zeros_like(flat)
+        # stepping in the backward (state.grad_sink), a slot keeps no gradient buffer: only the layer being
+        # differentiated holds gradients, the point of that mode
+        grad = None if self.state.grad_sink is not None else torch.zeros_like(flat)
         params: list[nn.Parameter] = []
         off = 0
         for path, (d_in, d_out) in zip(paths, dims, strict=True):
             na, nb = r * d_in, r * d_out
             a = flat[off:off + na].view(r, d_in)
             nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
-            params += self.layers[path].add_slot(
-                slot, a, flat[off + na:off + na + nb].view(r, d_out),
-                grad[off:off + na].view(r, d_in), grad[off + na:off + na + nb].view(r, d_out))
+            grad_a = None if grad is None else grad[off:off + na].view(r, d_in)
+            grad_bt = None if grad is None else grad[off + na:off + na + nb].view(r, d_out)
+            params += self.layers[path].add_slot(slot, a, flat[off + na:off + na + nb].view(r, d_out), grad_a, grad_bt)
             off += na + nb
         self.flat[slot] = (flat, grad)
         return params
@@ -222,8 +224,9 @@ class PackedModel:
             params += self.layers[path].add_slot(slot, a, bt, grad_a, grad_bt)
         return params
 
-    def flat_buffers(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights, gradients) of the slot as two flat fp32 tensors that its parameters alias."""
+    def flat_buffers(self, slot: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weights, gradients) of the slot as two flat fp32 tensors that its parameters alias (gradients None:
+        the slot steps in the backward, ``PackState.grad_sink``)."""
         return self.flat[slot]
 
     def remove_slot(self, slot: int) -> None:

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 from packer.errors import ConfigError
 
-__all__ = ["AdapterSpec", "ALL_LINEAR", "SCHEDULES", "MemoryModel", "adapter_param_count", "ADAPTER_BYTES_PER_PARAM"]
+__all__ = ["AdapterSpec", "ALL_LINEAR", "SCHEDULES", "MemoryModel", "adapter_param_count", "ADAPTER_BYTES_PER_PARAM",
+           "IN_BACKWARD_BYTES_PER_PARAM"]
 
 ALL_LINEAR = "all-linear"
 """Target value meaning every linear projection of the decoder (PEFT's ``"all-linear"``)."""
@@ -115,6 +116,9 @@ def _check(ok: bool, key: str, rule: str, value: object) -> None:
 
 ADAPTER_BYTES_PER_PARAM = 16
 """fp32 weight + fp32 gradient + AdamW's two fp32 moments: the least an adapter parameter costs."""
+IN_BACKWARD_BYTES_PER_PARAM = 12
+"""The same with the optimizer step in the backward (``packer.train``'s ``optimizer_in_backward``): no slot keeps
+a gradient buffer; only the layer being differentiated holds its adapters' gradients, transiently."""
 
 
 @dataclass(frozen=True)
@@ -130,8 +134,8 @@ class MemoryModel:
     keep one column per rank of the widest slot: the largest rank); ``ce`` the chunked cross-entropy's
     transient logits, which grow with the tokens only up to one chunk; the last term every slot's
     adapter weights, gradients and AdamW moments, and the per-layer gathered copies the packed layers
-    make of them and of their gradients. The measured numbers come from
-    ``packer.probe.calibrate``.
+    make of them and of their gradients (with ``optimizer_in_backward`` no gradient buffer: 12 B of the 16 B, plus
+    the one layer's gradient alive at a time). The measured numbers come from ``packer.probe.calibrate``.
     """
 
     static_bytes: int
@@ -151,7 +155,11 @@ class MemoryModel:
     ce_chunk_tokens: int = 0
     """Tokens per cross-entropy chunk."""
     bytes_per_param: float = ADAPTER_BYTES_PER_PARAM
-    """Peak memory per trainable adapter parameter (measured by the probe; at least the optimizer's 16 B)."""
+    """Peak memory per trainable adapter parameter (measured by the probe; at least the optimizer's 16 B, or 12 B
+    with ``optimizer_in_backward``)."""
+    optimizer_in_backward: bool = False
+    """Calibrated with the optimizer step in the backward: the gradients of one layer at a time instead of every
+    slot's gradient buffer (what remains of them, one layer's share, is in ``bytes_per_param``, measured)."""
 
     def ce_bytes(self, tokens: int) -> float:
         """Transient memory of the chunked cross-entropy over a step of ``tokens`` tokens."""

@@ -24,7 +24,13 @@ from kernels import PackLayout, resolve_impl
 from packer.data import Example
 from packer.loss import chunked_slot_losses
 from packer.model import PackedModel
-from packer.plan import ADAPTER_BYTES_PER_PARAM, AdapterSpec, MemoryModel, adapter_param_count
+from packer.plan import (
+    ADAPTER_BYTES_PER_PARAM,
+    IN_BACKWARD_BYTES_PER_PARAM,
+    AdapterSpec,
+    MemoryModel,
+    adapter_param_count,
+)
 from packer.train import FixedBatch, SlotJob, chunk_tokens_of, train
 
 __all__ = ["peak_memory", "calibrate", "available_memory", "model_bytes"]
@@ -129,17 +135,18 @@ def _step(pm: PackedModel, spec: AdapterSpec, rows: list[Example], pad_id: int, 
 
 def calibrate(pm: PackedModel, seq_len: int, *, rows: tuple[int, int] = (2, 8), vocab: int | None = None,
               pad_id: int = 0, steps: int = 2, chunked_ce: bool | int = False,
-              activation_checkpointing: bool = False) -> MemoryModel:
+              activation_checkpointing: bool = False, optimizer_in_backward: bool = False) -> MemoryModel:
     """Fit ``MemoryModel`` from four probe packs of ``PROBE_SLOTS`` slots (one of them without rows):
     ``rows[0]`` and ``rows[1]`` sequences of ``seq_len`` tokens, with rank-8 and with rank-40 adapters
     (both ranks shrink to fit the narrowest layer). The four corners separate the per-token slope, the
     per-token-and-rank slope and the bytes per adapter parameter (the optimizer's fp32 state, and the
     per-layer gathered weights and gradients the packed layers keep beside it: measured, as they depend
-    on the dtype and path). Each adapter covers every linear projection. ``chunked_ce`` and
-    ``activation_checkpointing`` are the pack's own training options (they change the per-token slope
-    several-fold).
+    on the dtype and path). Each adapter covers every linear projection. ``chunked_ce``,
+    ``activation_checkpointing`` and ``optimizer_in_backward`` are the pack's own training options (the first two
+    change the per-token slope several-fold, the last the bytes per parameter; its probes do not clip).
     """
-    options: dict[str, Any] = {"chunked_ce": chunked_ce, "activation_checkpointing": activation_checkpointing}
+    options: dict[str, Any] = {"chunked_ce": chunked_ce, "activation_checkpointing": activation_checkpointing,
+                               "optimizer_in_backward": optimizer_in_backward}
     vocab = vocab or pm.model.get_input_embeddings().num_embeddings
     gen = torch.Generator().manual_seed(0)
     static = torch.cuda.memory_allocated(pm.device) if pm.device.type == "cuda" else model_bytes(pm)
@@ -154,7 +161,8 @@ def calibrate(pm: PackedModel, seq_len: int, *, rows: tuple[int, int] = (2, 8), 
     for n, rank, timed in corners:
         ids = torch.randint(3, vocab, (n, seq_len), generator=gen).tolist()
         examples = [Example(tuple(r), tuple(r)) for r in ids]
-        spec = AdapterSpec(rank=rank, targets=("all-linear",), max_steps=steps, lr=1e-4)
+        spec = AdapterSpec(rank=rank, targets=("all-linear",), max_steps=steps, lr=1e-4,
+                           max_grad_norm=None if optimizer_in_backward else 1.0)
         _step(pm, spec, examples, pad_id, steps, options)  # warm-up: allocator pools, kernel selection
         seconds = _step(pm, spec, examples, pad_id, steps, options) if timed else 0.0  # outside the counting mode
         peak = peak_memory(lambda: _step(pm, spec, examples, pad_id, steps, options), pm)  # noqa: B023
@@ -169,30 +177,34 @@ def calibrate(pm: PackedModel, seq_len: int, *, rows: tuple[int, int] = (2, 8), 
     if chunk:  # the chunked loss saturates at one chunk: take it out before fitting the linear slopes
         probes = {(t, r): (m - ce * min(t, chunk) / chunk, *rest) for (t, r), (m, *rest) in probes.items()}
     t1, t2 = rows[0] * seq_len, rows[1] * seq_len
-    fit = _fit_memory(probes[(t1, r_lo)], probes[(t2, r_lo)], probes[(t2, r_hi)], probes[(t1, r_hi)], t1, t2)
+    floor = IN_BACKWARD_BYTES_PER_PARAM if optimizer_in_backward else ADAPTER_BYTES_PER_PARAM
+    fit = _fit_memory(probes[(t1, r_lo)], probes[(t2, r_lo)], probes[(t2, r_hi)], probes[(t1, r_hi)], t1, t2, floor)
     per_token, per_token_rank, per_param, intercept = fit
     s1, s2 = probes[(t1, r_lo)][3], probes[(t2, r_lo)][3]
     sec_per_token = max(0.0, (s2 - s1) / (t2 - t1))
     return MemoryModel(static_bytes=max(static, int(intercept)), bytes_per_token=per_token,
                        bytes_per_token_rank=per_token_rank, seconds_per_token=sec_per_token,
                        seconds_per_step=max(0.0, s1 - sec_per_token * t1), rank_width_is_max=triton,
-                       ce_chunk_bytes=int(ce), ce_chunk_tokens=chunk or 0, bytes_per_param=per_param)
+                       ce_chunk_bytes=int(ce), ce_chunk_tokens=chunk or 0, bytes_per_param=per_param,
+                       optimizer_in_backward=optimizer_in_backward)
 
 
 Probe = tuple[float, int, int, float]
 """(peak bytes, adapter parameters, rank width, seconds) of one probe."""
 
 
-def _fit_memory(p1: Probe, p2: Probe, p3: Probe, p4: Probe, t1: int, t2: int) -> tuple[float, float, float, float]:
+def _fit_memory(p1: Probe, p2: Probe, p3: Probe, p4: Probe, t1: int, t2: int,
+                floor: float = ADAPTER_BYTES_PER_PARAM) -> tuple[float, float, float, float]:
     """Solve ``peak = c + a t + b t w + q P`` from the probes at (t1, low rank), (t2, low), (t2, high),
-    (t1, high); returns (a, b, q, c). ``q`` is at least the optimizer state's 16 bytes."""
+    (t1, high); returns (a, b, q, c). ``q`` is at least ``floor``, the optimizer state's bytes (16, or 12 stepping in
+    the backward)."""
     (m1, par_lo, w_lo, _), (m2, _, _, _), (m3, par_hi, w_hi, _), (m4, _, _, _) = p1, p2, p3, p4
     low, high = (m2 - m1) / (t2 - t1), (m3 - m4) / (t2 - t1)  # per-token slopes at each rank width
     b = max(0.0, (high - low) / (w_hi - w_lo)) if w_hi != w_lo else 0.0
     a = max(0.0, low - b * w_lo)
-    q = ADAPTER_BYTES_PER_PARAM
+    q = float(floor)
     if par_hi != par_lo:
-        q = max(float(ADAPTER_BYTES_PER_PARAM), (m4 - m1 - b * t1 * (w_hi - w_lo)) / (par_hi - par_lo))
+        q = max(q, (m4 - m1 - b * t1 * (w_hi - w_lo)) / (par_hi - par_lo))
     return a, b, q, m1 - a * t1 - b * t1 * w_lo - q * par_lo
 
 

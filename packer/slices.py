@@ -38,7 +38,7 @@ class _Stacked(NamedTuple):
     slices: tuple[LayerRanks, ...]
     a: list[torch.Tensor]
     """Every slot's A, slot by slot, slice by slice (``kernels.group_rows``)."""
-    grad_a: list[torch.Tensor]
+    grad_a: list[torch.Tensor | None]
     rows: list[int]
 
 
@@ -100,8 +100,9 @@ class SliceGroup:
         if not self.applies(layout, x.device):
             return None
         st = self._stacked(layout.slots)  # type: ignore[union-attr]
-        a_group = stacked_leaf(st.a, st.grad_a, st.rows)
-        bt_cats = [stacked_leaf(g.bt, g.grad_bt, g.rows) for g in st.gathered]
+        sink = self.members[0].state.grad_sink
+        a_group = stacked_leaf(st.a, st.grad_a, st.rows, sink)
+        bt_cats = [stacked_leaf(g.bt, g.grad_bt, g.rows, sink) for g in st.gathered]
         bases = [m.base for m in self.members]
         return packed_lora_linear_slices(x, tuple(b.weight for b in bases), tuple(b.bias for b in bases), a_group,
                                          tuple(bt_cats), layout, st.slices, impl="triton")  # type: ignore[arg-type]

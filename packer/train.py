@@ -19,9 +19,14 @@ Slots have a lifecycle: when one finishes (``max_steps``) or is stopped (``shoul
 caller is told (``on_end``: it may save or score the adapter, whose weights still exist) and the
 slot is refilled with ``next_job`` while the pack keeps running.
 
-Two memory options leave the losses and gradients unchanged: ``chunked_ce`` computes the loss from
+Three memory options leave the losses and updates unchanged: ``chunked_ce`` computes the loss from
 the final hidden states a chunk of target tokens at a time (``packer.loss``), never holding the
-logits of the whole batch; ``activation_checkpointing`` recomputes each decoder layer in the backward.
+logits of the whole batch; ``activation_checkpointing`` recomputes each decoder layer in the backward;
+``optimizer_in_backward`` (torchtune's ``optimizer_in_bwd``) takes each slot's AdamW step layer by layer
+inside the backward, as soon as a layer's gradient is accumulated, and frees it, so no slot keeps a
+gradient buffer (``packer.optim``). It needs the whole step in one micro-batch and no clipping (a norm
+needs the whole gradient first): slots with ``max_grad_norm`` or ``gradient_accumulation_steps`` > 1 are
+refused.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from torch import nn
 
 from kernels import dropout_seed
 from packer.batch import IGNORE_INDEX, PackBatch, Row, collate, row_slots
+from packer.errors import ConfigError
 from packer.jobs import BatchSource, FixedBatch, SlotEnd, SlotJob, StepReport, TrainResult
 from packer.loss import DEFAULT_CHUNK_TOKENS, chunked_slot_losses
 from packer.model import PackedModel
@@ -45,7 +51,7 @@ from packer.packing import check_family
 from packer.plan import AdapterSpec
 
 __all__ = ["BatchSource", "FixedBatch", "SlotJob", "SlotEnd", "StepReport", "TrainResult", "train", "slot_losses",
-           "make_optimizer", "make_scheduler", "chunk_tokens_of"]
+           "make_optimizer", "make_scheduler", "chunk_tokens_of", "check_in_backward"]
 
 
 @dataclass
@@ -141,9 +147,26 @@ def chunk_tokens_of(chunked_ce: bool | int) -> int | None:
 def _start(pm: PackedModel, optimizer: PackedAdamW, slot: int, job: SlotJob) -> _Active:
     if job.spec.sample_packing:
         check_family(getattr(pm.model, "config", None))
+    if pm.state.grad_sink is not None:
+        check_in_backward(job.spec)
     params = pm.add_slot(slot, job.spec)
     optimizer.add_slot(slot, *pm.flat_buffers(slot), job.spec)
     return _Active(job, params)
+
+
+def check_in_backward(spec: AdapterSpec) -> None:
+    """Refuse an adapter the optimizer step in the backward cannot train exactly.
+
+    Raises:
+        ConfigError: ``max_grad_norm`` set (clipping needs the whole gradient before the step) or
+            ``gradient_accumulation_steps`` > 1 (the step needs every micro-batch's gradient first).
+    """
+    if spec.max_grad_norm is not None:
+        raise ConfigError(f"optimizer_in_backward: needs max_grad_norm: null (got {spec.max_grad_norm}): clipping "
+                          "needs the whole gradient before the step")
+    if spec.gradient_accumulation_steps != 1:
+        raise ConfigError(f"optimizer_in_backward: needs gradient_accumulation_steps: 1 (got "
+                          f"{spec.gradient_accumulation_steps}): the step needs every micro-batch's gradient first")
 
 
 def train(
@@ -163,6 +186,7 @@ def train(
     readback_every: int = 8,
     sync_steps: Collection[int] = (),
     rank_bucket: int | None = None,
+    optimizer_in_backward: bool = False,
 ) -> TrainResult:
     """Train adapters in ``capacity`` slots until no job is left.
 
@@ -191,22 +215,27 @@ def train(
         cuda_graphs: static path only: ``auto`` / ``on`` capture the step as a CUDA graph on CUDA (falling
             back to eager with a warning if capture fails); ``off`` runs it eagerly.
         readback_every, sync_steps, rank_bucket: static path only, see ``packer.static_loop.train_static``.
+        optimizer_in_backward: take every slot's AdamW step inside the backward, layer by layer, and keep no
+            gradient buffers (dynamic step only: static_shapes None means False with it).
 
     Returns:
         Totals of the run.
 
     Raises:
-        ConfigError: ``chunked_ce`` for a model that post-processes its logits, or
-            ``activation_checkpointing`` for a model without support for it.
+        ConfigError: ``chunked_ce`` for a model that post-processes its logits,
+            ``activation_checkpointing`` for a model without support for it, or with
+            ``optimizer_in_backward`` a job that clips or accumulates (``check_in_backward``).
     """
     if cuda_graphs not in ("auto", "on", "off"):
         raise ValueError(f"cuda_graphs must be auto, on or off (got {cuda_graphs!r})")
     chunk_tokens = chunk_tokens_of(chunked_ce)
     if static_shapes is None:
-        static_shapes = pm.device.type == "cuda" and chunk_tokens is None and not activation_checkpointing
+        static_shapes = (pm.device.type == "cuda" and chunk_tokens is None and not activation_checkpointing
+                         and not optimizer_in_backward)
     if static_shapes:
-        if chunk_tokens is not None or activation_checkpointing:
-            raise ValueError("static_shapes supports neither chunked_ce nor activation_checkpointing")
+        if chunk_tokens is not None or activation_checkpointing or optimizer_in_backward:
+            raise ValueError("static_shapes supports neither chunked_ce, activation_checkpointing nor "
+                             "optimizer_in_backward")
         from packer.static_loop import train_static
 
         pm.set_activation_checkpointing(False)
@@ -216,9 +245,23 @@ def train(
     if chunk_tokens is not None:
         pm.output_head()  # refuses models whose logits are not head(hidden), before any slot starts
     pm.set_activation_checkpointing(activation_checkpointing)
+    optimizer = PackedAdamW()
+    pm.state.grad_sink = optimizer.backward_step if optimizer_in_backward else None
+    try:
+        return _train(pm, optimizer, capacity, next_job, pad_id, on_step, should_stop, on_end, max_global_steps,
+                      chunk_tokens)
+    finally:
+        pm.state.grad_sink = None
+
+
+def _train(pm: PackedModel, optimizer: PackedAdamW, capacity: int, next_job: Callable[[int], SlotJob | None],
+           pad_id: int, on_step: Callable[[list[StepReport]], None] | None,
+           should_stop: Callable[[StepReport], bool] | None, on_end: Callable[[list[SlotEnd]], None] | None,
+           max_global_steps: int | None, chunk_tokens: int | None) -> TrainResult:
+    """``train``'s dynamic loop (its arguments, resolved)."""
     result = TrainResult()
     active: dict[int, _Active] = {}
-    optimizer = PackedAdamW()
+    in_backward = pm.state.grad_sink is not None
     t0 = time.perf_counter()
     while True:
         # 1. Refill free slots (the sweep's backfill). None means "nothing for this slot now".
@@ -243,12 +286,16 @@ def train(
 
         # 3. One forward/backward for the whole pack; sum of per-slot means keeps slots independent
         # (an accumulating slot's mean is over its whole optimizer step's target tokens).
+        # With the step in the backward every slot steps now (no accumulation): its scalars are fixed first.
         losses, counts = _pack_losses(pm, batch, chunk_tokens)
         weights = _accumulation_weights([active[s] for s in slots], counts)
+        lrs = optimizer.begin_step(slots) if in_backward else None
         (losses.sum() if weights is None else (losses * weights).sum()).backward()
+        stepped = None if lrs is None else (lrs, optimizer.end_step({s: _weight_views(pm, s) for s in slots}))
 
-        # 4. Slots whose step is complete clip to their own norm and take their own AdamW step, in one pass.
-        reports = _step_slots(optimizer, active, slots, batch, losses, counts, result.steps)
+        # 4. Slots whose step is complete clip to their own norm and take their own AdamW step, in one pass
+        # (stepping in the backward, they already have).
+        reports = _step_slots(optimizer, active, slots, batch, losses, counts, result.steps, stepped)
         result.steps += 1
         result.tokens += sum(r.tokens for r in reports)
         result.input_tokens += sum(r.input_tokens for r in reports)
@@ -280,9 +327,17 @@ def _accumulation_weights(order: list[_Active], counts: torch.Tensor) -> torch.T
     return torch.where(ones, torch.ones_like(total), counts / total)
 
 
+def _weight_views(pm: PackedModel, slot: int) -> list[torch.Tensor]:
+    """Every piece of the slot's weights a layer hands to the optimizer: each layer's A and B^T."""
+    views = [pm.layers[p].slot_weights(slot) for p in pm.slot_paths[slot]]
+    return [t for w in views for t in (w.a, w.bt)]
+
+
 def _step_slots(optimizer: PackedAdamW, active: dict[int, _Active], slots: list[int], batch: PackBatch,
-                losses: torch.Tensor, counts: torch.Tensor, global_step: int) -> list[StepReport]:
-    """Account one micro-batch per slot; step the slots whose accumulation is complete and report them."""
+                losses: torch.Tensor, counts: torch.Tensor, global_step: int,
+                stepped: tuple[list[float], torch.Tensor] | None = None) -> list[StepReport]:
+    """Account one micro-batch per slot; step the slots whose accumulation is complete and report them
+    (``stepped``: every slot has stepped in the backward, with these learning rates and gradient norms)."""
     input_tokens = batch.attention_mask.sum(dim=1).tolist()
     done = []
     for i, (slot, loss, count) in enumerate(zip(slots, losses.tolist(), counts.tolist(), strict=True)):
@@ -296,8 +351,11 @@ def _step_slots(optimizer: PackedAdamW, active: dict[int, _Active], slots: list[
             done.append(slot)
     if not done:
         return []
-    lrs = [optimizer.lr(slot) for slot in done]
-    norms = optimizer.step(done).tolist()
+    if stepped is not None:
+        lrs, norms = stepped[0], stepped[1].tolist()
+    else:
+        lrs = [optimizer.lr(slot) for slot in done]
+        norms = optimizer.step(done).tolist()
     reports = []
     for slot, lr, norm in zip(done, lrs, norms, strict=True):
         a = active[slot]

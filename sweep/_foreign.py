@@ -67,7 +67,6 @@ _DEFAULT_ONLY = {
     "test_datasets": "a separate test dataset is not supported; use val_set_size or data.eval",
     "chat_template": "a chat template override is not supported yet (the tokenizer's own template is used)",
     "rl": "preference training is not supported",
-    "optimizer_in_bwd": "the optimizer step in the backward is not supported yet",
 }
 """Keys accepted only at their default (null / false / empty): anything else is refused with the reason."""
 
@@ -297,6 +296,11 @@ def _torchtune(doc: Doc, data: dict[str, Any]) -> _Out:
         out.put(("model", "path"), ckpt.get("checkpoint_dir"), ("checkpointer", "checkpoint_dir"))
     else:
         raise out.error(("model",), "a torchtune config needs checkpointer.checkpoint_dir (the HF checkpoint)")
+    if data.get("optimizer_in_bwd"):  # torchtune refuses clipping with it; unset, it clips nothing
+        if data.get("clip_grad_norm") is not None:
+            raise out.error(("clip_grad_norm",), f"must be null with optimizer_in_bwd: true (clipping needs the whole "
+                                                 f"gradient before the step; got {data['clip_grad_norm']!r})")
+        out.put(("train", "max_grad_norm"), None, ("optimizer_in_bwd",))
     tok = data.get("tokenizer") or {}
     if tok.get("max_seq_len") is not None:
         out.put(("data", "max_length"), tok["max_seq_len"], ("tokenizer", "max_seq_len"))
@@ -418,6 +422,7 @@ _TT: dict[str, Callable[[_Out, Any], None]] = {
     "batch_size": _tt_flag(("train", "micro_batch"), "batch_size"),
     "gradient_accumulation_steps": _tt_flag(("train", "gradient_accumulation_steps"), "gradient_accumulation_steps"),
     "clip_grad_norm": _tt_flag(("train", "max_grad_norm"), "clip_grad_norm"),
+    "optimizer_in_bwd": lambda out, v: out.put(("train", "optimizer_in_backward"), bool(v), ("optimizer_in_bwd",)),
     "enable_activation_checkpointing": _tt_flag(("packing", "activation_checkpointing"),
                                                 "enable_activation_checkpointing"),
     "device": _tt_flag(("model", "device"), "device"),

@@ -215,6 +215,11 @@ def _train(doc: Doc, top: dict[str, Item], extra: dict[str, Item], search: Searc
     for name, it in items.items():
         if name in searched:
             raise doc.error(it.path, f"is fixed here but also searched (search.{name}); keep one")
+    in_backward = items.get("optimizer_in_backward")
+    clash = sorted(searched & {"max_grad_norm", "gradient_accumulation_steps"})
+    if in_backward is not None and in_backward.value is True and clash:  # before TrainSpec's own check of them
+        raise doc.error(in_backward.path, f"cannot be used with a searched {clash[0]} (it needs train.{clash[0]}: "
+                                          f"{'null' if clash[0] == 'max_grad_norm' else 1}, fixed)")
     for name in ("alpha", "alpha_ratio"):
         if name in items and {"alpha", "alpha_ratio"} <= set(items) | searched:
             raise doc.error(items[name].path, "set either alpha or alpha_ratio (alpha = alpha_ratio * rank)")

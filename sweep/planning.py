@@ -148,7 +148,8 @@ def plan_pack(spec: StudySpec, pm: PackedModel, *, mean_len: float | None = None
     rank, micro = _worst(spec)
     seq = spec.data.max_length
     models = [calibrate(pm, seq, rows=(1, 3), pad_id=0, chunked_ce=spec.packing.chunked_ce,
-                        activation_checkpointing=spec.packing.activation_checkpointing) for _ in range(calibrations)]
+                        activation_checkpointing=spec.packing.activation_checkpointing,
+                        optimizer_in_backward=spec.train.optimizer_in_backward) for _ in range(calibrations)]
     mm = models[0]
     available = int(available_memory(pm.device) * MEMORY_FRACTION)
     params = all_linear_params(pm.model, rank)

@@ -36,8 +36,14 @@ FORMATS = ("auto", *DATA_FORMATS)
 _FORMAT_ALIASES = {"messages": "chat", "sharegpt": "chat", "completion": "prompt_completion"}
 EVALUATORS = tuple(evaluators.EVALUATORS)
 _D = AdapterSpec()
-_NOT_ADAPTER = ("alpha_ratio", "epochs", "max_steps_per_epoch", "warmup_ratio", "eval_every")
-"""TrainSpec fields that are not AdapterSpec fields (resolved into rank/alpha or steps per trial)."""
+_NOT_ADAPTER = ("alpha_ratio", "epochs", "max_steps_per_epoch", "warmup_ratio", "eval_every", "optimizer_in_backward")
+"""TrainSpec fields that are not AdapterSpec fields (resolved into rank/alpha or steps per trial, or options of the
+packed training loop)."""
+_NOT_IN_BACKWARD = {"max_grad_norm": "null", "gradient_accumulation_steps": "1"}
+_WHY_NOT = {"max_grad_norm": "clipping needs the whole gradient before the step",
+            "gradient_accumulation_steps": "the step needs every micro-batch's gradient first"}
+"""What ``optimizer_in_backward`` needs: no clipping (a norm needs the whole gradient before the step) and one
+micro-batch per step (the step needs every micro-batch's gradient first)."""
 
 
 @dataclass(frozen=True)
@@ -153,6 +159,10 @@ class TrainSpec:
     eval_every: int | None = None
     """Score each trial's held-out loss every this many optimizer steps (a curve in the store, kind
     ``curve``; with one objective also Optuna's intermediate values, instead of the training loss)."""
+    optimizer_in_backward: bool = False
+    """Take each trial's AdamW step inside the backward, layer by layer, and keep no gradient buffers
+    (torchtune's ``optimizer_in_bwd``; ``packer.train``): needs ``max_grad_norm: null`` and
+    ``gradient_accumulation_steps: 1``, not searched; trains on the dynamic step."""
 
     def __post_init__(self) -> None:
         if self.alpha_ratio is not None:
@@ -165,6 +175,13 @@ class TrainSpec:
         _check(e is None or (isinstance(e, int) and e >= 1), "eval_every", "must be an int >= 1", e)
         r = self.warmup_ratio
         _check(r is None or (_is_num(r) and 0 <= r < 1), "warmup_ratio", "must be in [0, 1)", r)
+        _check(isinstance(self.optimizer_in_backward, bool), "optimizer_in_backward", "must be true or false",
+               self.optimizer_in_backward)
+        if self.optimizer_in_backward:
+            for key, needed in _NOT_IN_BACKWARD.items():
+                value = getattr(self, key)
+                _check(str(value if value is not None else "null") == needed, "optimizer_in_backward",
+                       f"needs train.{key}: {needed} ({_WHY_NOT[key]})", value)
         AdapterSpec(**self.adapter_values())
 
     def adapter_values(self) -> dict[str, Any]:
@@ -316,6 +333,10 @@ class StudySpec:
             except ConfigError as e:
                 raise ConfigError(f"pruning.proxy: {str(e).removeprefix('metric: ')}") from None
         needs_eval = [n for n in names if n in ("heldout_loss", "generation", "multiple_choice", "custom")]
+        clash = [p.name for p in self.search.params if p.name in _NOT_IN_BACKWARD]
+        if self.train.optimizer_in_backward and clash:
+            raise ConfigError(f"train.optimizer_in_backward: cannot be used with a searched {clash[0]} (it needs "
+                              f"train.{clash[0]}: {_NOT_IN_BACKWARD[clash[0]]}, fixed)")
         if self.data.eval is None and self.train.eval_every is not None:
             raise ConfigError("data.eval: is needed by train.eval_every")
         if self.data.eval is None and needs_eval:

@@ -431,9 +431,11 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
 
 def _static_step_fits(spec: StudySpec) -> bool:
     """Whether every trial of the study can train on the static-shape step, which has one micro-batch per
-    optimizer step and one example per row: no trial accumulates gradients or packs samples."""
+    optimizer step and one example per row and steps after the backward: no trial accumulates gradients or
+    packs samples, and the optimizer does not step in the backward."""
     searched = {p.name for p in spec.search.params}
     return (spec.train.gradient_accumulation_steps == 1 and not spec.train.sample_packing
+            and not spec.train.optimizer_in_backward
             and not searched & {"gradient_accumulation_steps", "sample_packing"})
 
 
@@ -456,7 +458,8 @@ def _train_pack(sweep: _Sweep, session: Session) -> bool:
                            on_end=phased("storage", sweep.on_end), chunked_ce=spec.packing.chunked_ce,
                            activation_checkpointing=spec.packing.activation_checkpointing,
                            cuda_graphs=spec.packing.cuda_graphs, sync_steps=sweep.sha.rungs if sweep.sha else (),
-                           static_shapes=None if _static_step_fits(spec) else False)
+                           static_shapes=None if _static_step_fits(spec) else False,
+                           optimizer_in_backward=spec.train.optimizer_in_backward)
         for part, seconds in (("precompile", result.compile_s), ("warm-up", result.warmup_s),
                               ("capture", result.capture_s)):
             sweep.split.move(seconds, "train", "compile", detail=f"compile:{part}")

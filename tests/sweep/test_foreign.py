@@ -153,7 +153,6 @@ TT_REFUSED = {
               r"only LoRA model builders \(lora_\*, qlora_\*\) are supported \(got dora_llama3_2_1b\)"),
     "dataset": ({"_component_": "torchtune.datasets.alpaca_cleaned_dataset"}, "only local files work"),
     "optimizer": ({"_component_": "torch.optim.SGD", "lr": 0.1}, "only torch.optim.AdamW"),
-    "optimizer_in_bwd": (True, "optimizer_in_bwd: the optimizer step in the backward is not supported yet"),
 }
 
 
