@@ -296,11 +296,11 @@ def _torchtune(doc: Doc, data: dict[str, Any]) -> _Out:
         out.put(("model", "path"), ckpt.get("checkpoint_dir"), ("checkpointer", "checkpoint_dir"))
     else:
         raise out.error(("model",), "a torchtune config needs checkpointer.checkpoint_dir (the HF checkpoint)")
-    if data.get("optimizer_in_bwd"):  # torchtune refuses clipping with it; unset, it clips nothing
-        if data.get("clip_grad_norm") is not None:
-            raise out.error(("clip_grad_norm",), f"must be null with optimizer_in_bwd: true (clipping needs the whole "
-                                                 f"gradient before the step; got {data['clip_grad_norm']!r})")
-        out.put(("train", "max_grad_norm"), None, ("optimizer_in_bwd",))
+    if data.get("optimizer_in_bwd") and data.get("clip_grad_norm") is not None:  # torchtune refuses it too
+        raise out.error(("clip_grad_norm",), f"must be null with optimizer_in_bwd: true (clipping needs the whole "
+                                             f"gradient before the step; got {data['clip_grad_norm']!r})")
+    if "clip_grad_norm" not in data:  # torchtune's recipes clip only when clip_grad_norm is set; our default is 1.0
+        out.put(("train", "max_grad_norm"), None, ("optimizer_in_bwd",) if data.get("optimizer_in_bwd") else ())
     tok = data.get("tokenizer") or {}
     if tok.get("max_seq_len") is not None:
         out.put(("data", "max_length"), tok["max_seq_len"], ("tokenizer", "max_seq_len"))

@@ -88,6 +88,14 @@ def test_torchtune_lora_recipe_runs_a_small_study(tiny_dirs, tmp_path) -> None:
         assert {s for (s,) in db.execute("select steps_done from trials")} == {3}  # 1 epoch capped at 3 steps
 
 
+@pytest.mark.parametrize(("changes", "expected"), [({}, None), ({"clip_grad_norm": None}, None),
+                                                    ({"clip_grad_norm": 0.5}, 0.5)])
+def test_a_torchtune_config_clips_only_when_clip_grad_norm_is_set(tiny_dirs, tmp_path, changes, expected) -> None:
+    """torchtune's LoRA recipes clip only with ``clip_grad_norm`` set; our own default (1.0) must not leak in."""
+    path = _config(tmp_path, tiny_dirs("llama"), "torchtune-1B-lora.yaml", **changes)
+    assert load_study(path).train.max_grad_norm == expected
+
+
 def _cli(path: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "sweep.cli", "run", str(path), "--quiet"], capture_output=True,
                           text=True, timeout=120, cwd=ROOT)
