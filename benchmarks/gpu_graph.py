@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import itertools
 import time
 from collections.abc import Callable
 
@@ -120,11 +121,12 @@ def packed(model: torch.nn.Module, slots: int, micro: int, seq: int, ranks: tupl
     marks = [(s, t) for s, t in stamps if (s + 1) % static_loop.DEFAULT_READBACK == 0 or s == steps - 1]
     marks = marks[1:]  # from the second read-back: compile, capture and the timed replays are behind
     step_ms = (marks[-1][1] - marks[0][1]) / (marks[-1][0] - marks[0][0]) * 1e3
+    windows = [round((t1 - t0) / (s1 - s0) * 1e3, 2) for (s0, t0), (s1, t1) in itertools.pairwise(marks)]
     runner = runners[0]
     return dict(slots=slots, micro=micro, seq=seq, step_ms=step_ms, graph_ms=runner.replay_ms,
                 graph_kernel_ms=runner.kernel_ms, breakdown=runner.breakdown,
                 tok_s=slots * micro * seq / step_ms * 1e3, warmup_s=result.warmup_s, capture_s=result.capture_s,
-                graphs=result.graphs)
+                graphs=result.graphs, windows_ms=windows)
 
 
 def kernel_profile(model: torch.nn.Module, slots: int, micro: int, seq: int, ranks: tuple[int, ...],

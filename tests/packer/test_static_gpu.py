@@ -33,8 +33,8 @@ def _specs() -> list[AdapterSpec]:
             for i, (r, m) in enumerate(zip(ranks, micro, strict=True))]
 
 
-def _run(model_dir, specs, capacity, *, cuda_graphs, examples=None, **kw):  # noqa: ANN001, ANN003, ANN202
-    model, _ = load_base(str(model_dir), attn_implementation="sdpa", device="cuda")
+def _run(model_dir, specs, capacity, *, cuda_graphs, examples=None, dtype="float32", **kw):  # noqa: ANN001, ANN003, ANN202
+    model, _ = load_base(str(model_dir), attn_implementation="sdpa", device="cuda", dtype=dtype)
     pm = PackedModel(model, impl="triton")
     jobs = [SlotJob(s, SlotStream(examples or random_examples(64, seed=10 + i), s.micro_batch, seed=s.seed), key=i)
             for i, s in enumerate(specs)]
@@ -60,6 +60,27 @@ def test_graph_equals_eager_fp32_with_refills_mixed_ranks_and_dropout(tiny_dirs)
     assert r_eager.graphs == 0 and r_graph.graphs >= 1
     assert r_graph.steps >= 30 and r_graph.jobs_started == len(specs)
     _same(eager, graph)
+
+
+W5_RTOL = 2e-2
+"""The W5 gate's tolerance (``benchmarks.gpu_bench.correctness_gate``): bf16 losses and weights, relative."""
+
+
+def test_graph_equals_eager_bf16_within_w5_tolerances(tiny_dirs) -> None:
+    """bf16: the same jobs as the fp32 test; every per-step loss and every final adapter within the W5 gate."""
+    specs = _specs()
+    eager, _ = _run(tiny_dirs("llama"), specs, 3, cuda_graphs="off", dtype="bfloat16")
+    graph, result = _run(tiny_dirs("llama"), specs, 3, cuda_graphs="auto", dtype="bfloat16")
+    assert result.graphs >= 1 and result.steps >= 30
+    assert eager.losses.keys() == graph.losses.keys() == set(range(len(specs)))
+    for key in eager.losses:
+        a, b = torch.tensor(eager.losses[key]), torch.tensor(graph.losses[key])
+        assert a.shape == b.shape and bool(torch.isfinite(a).all())
+        assert float(((a - b).abs() / a.abs()).max()) < W5_RTOL, key
+        for path, (wa, wb) in eager.final[key].items():
+            ga, gb = graph.final[key][path]
+            for x, y in ((wa, ga), (wb, gb)):
+                assert float((x.float() - y.float()).norm() / x.float().norm().clamp(min=1e-12)) < W5_RTOL, (key, path)
 
 
 def test_replay_after_refill_captures_once(tiny_dirs) -> None:
