@@ -6,16 +6,17 @@
   rows x 48 tokens, ranks 8/16/32 cycled on the seven projections, dropout 0.05 on every other slot (as
   ``benchmarks.gpu_host`` draws a sweep's slots): the loop's step time against its GPU kernel time (target <= 3x),
   tokens/s, and the per-trial-step ratio against PEFT at batch 8 (r=16, fused AdamW, clipping), eager and
-  replayed as a CUDA graph (target >= 10x the graph). A second row packs 16 copies of PEFT's own adapter (r=16,
-  no dropout): the like-for-like ratio.
+  replayed as a CUDA graph (target >= 10x the graph). The row "r16" packs 16 copies of PEFT's own adapter (r=16,
+  no dropout): the like-for-like ratio; "mixed vs mix" sets the mixed pack against the graphed PEFT steps of
+  its own sixteen adapters (ranks 8/16/32, dropout 0 / 0.05) run one by one, averaged.
 - Qwen2.5-0.5B shape, 32 slots x 1 x 512 and 1 slot x 1 x 512, r=16, against PEFT at batch 1 (targets >= 20x
   and >= 0.9x).
 
 Step time is the training loop's own: wall clock between two loss read-backs (every 8 steps) over the steady
 state, host staging and read-backs included, capture excluded (counted apart, with the warm-up). "graph ms" is
-the captured step replayed back to back (CUDA events): the GPU's own time per step. "kernels ms" sums the
-kernels of the same step run eagerly (torch.profiler). A missed target prints the eager step's kernel
-breakdown. The table comes last.
+the captured step replayed back to back (CUDA events), after those read-backs: the GPU's own time per step.
+"kernels ms" sums the kernels of those replays (torch.profiler), whose breakdown is printed. The table comes
+last.
 """
 
 from __future__ import annotations
@@ -152,13 +153,14 @@ def kernel_profile(model: torch.nn.Module, slots: int, micro: int, seq: int, ran
     return kernel_ms, gpu_profile.breakdown(prof, steps, wall_ms, f"eager static step {slots}x{micro}x{seq}")
 
 
-def peft(shape: dict, batch: int, seq: int, *, steps: int = 10) -> dict:
-    """One PEFT adapter (r=16 on the seven projections, fused capturable AdamW, clipping to 1.0): mean step
-    eager, and the same step captured as a CUDA graph and replayed."""
+def peft(shape: dict, batch: int, seq: int, *, steps: int = 10, rank: int = 16, dropout: float = 0.0,
+         eager: bool = True) -> dict:
+    """One PEFT adapter (r=``rank`` on the seven projections, fused capturable AdamW, clipping to 1.0): mean step
+    eager (NaN without ``eager``), and the same step captured as a CUDA graph and replayed."""
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(build(shape), LoraConfig(r=16, lora_alpha=32, target_modules=list(PROJ),
-                                                    lora_dropout=0.0))
+    model = get_peft_model(build(shape), LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(PROJ),
+                                                    lora_dropout=dropout))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, fused=True, capturable=True)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")
@@ -172,7 +174,7 @@ def peft(shape: dict, batch: int, seq: int, *, steps: int = 10) -> dict:
         step()
         opt.zero_grad(set_to_none=True)
 
-    eager_ms = time_calls(eager, 3, steps) * 1e3
+    eager_ms = time_calls(eager, 3, steps) * 1e3 if eager else float("nan")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -184,6 +186,16 @@ def peft(shape: dict, batch: int, seq: int, *, steps: int = 10) -> dict:
         step()  # gradients allocated in the graph are rewritten, not accumulated, by each replay
     graph_ms = time_calls(graph.replay, 3, steps) * 1e3
     return dict(batch=batch, seq=seq, eager_ms=eager_ms, graph_ms=graph_ms)
+
+
+def peft_mix(shape: dict, batch: int, seq: int, slots: int, ranks: tuple[int, ...], dropout_every: int) -> dict:
+    """The graphed PEFT step of each slot's own adapter in a ``packed(..., ranks, dropout_every)`` pack (ranks
+    cycled, dropout 0.05 where ``_jobs`` puts it), averaged over the slots: the same trials run one by one."""
+    configs = [(ranks[i % len(ranks)], 0.05 if dropout_every and i % dropout_every else 0.0) for i in range(slots)]
+    ms = {c: peft(shape, batch, seq, rank=c[0], dropout=c[1], eager=False)["graph_ms"] for c in sorted(set(configs))}
+    _free()
+    return dict(batch=batch, seq=seq, eager_ms=float("nan"), graph_ms=sum(ms[c] for c in configs) / slots,
+                per_config={f"r{r} p{p}": round(v, 2) for (r, p), v in ms.items()})
 
 
 TILE_VARIANTS = ((8, 128), (2, 128), (2, 64), (1, 64), (1, 128))
@@ -261,6 +273,9 @@ def _smollm2(rows: list[dict], notes: list[str]) -> None:
         notes.append(f"smollm2: step {p['step_ms']:.1f} ms = {p['step_ms'] / kernel_ms:.2f}x kernels (target 3x), "
                      f"{rows[-1]['vs_peft_graph']:.2f}x graphed PEFT per trial-step (target 10x)")
     notes.append(f"where the smollm2 step's GPU time goes:\n{breakdown}")
+    mix = peft_mix(SMOLLM2, 8, 48, 16, (8, 16, 32), 2)
+    print("smollm2 peft b8, the pack's own mix of adapters", mix, flush=True)
+    rows.append(_row("smollm2 mixed vs mix", p, kernel_ms, mix, target=10.0))
     rows.append(_row("smollm2 16x8x48 r16", same, same["graph_kernel_ms"], ref, target=10.0))
     notes.append(f"where the smollm2 r16 step's GPU time goes:\n{same['breakdown']}")
 
