@@ -1,11 +1,11 @@
-"""Packed multi-adapter LoRA ops, and the frozen base's fused RMSNorm and SiLU-gated product.
+"""Packed multi-adapter LoRA ops, and the frozen base's fused RMSNorm, SiLU-gated product and RoPE.
 
 ``packed_lora`` is the entry point of the LoRA term (``packed_lora_linear`` with the base GEMM,
 ``packed_lora_linear_slices`` for projections that share an input);
-``rms_norm`` and ``silu_mul`` are those of the base's elementwise ops. The implementation is an
+``rms_norm``, ``silu_mul`` and ``rope`` are those of the base's elementwise ops. The implementation is an
 explicit argument so the Triton kernels drop in without touching the packer. Imports without triton:
-the Triton modules (``kernels.triton_lora``, ``triton_slices``, ``triton_norm``, ``triton_swiglu``) are loaded on
-the first ``impl="triton"`` call, after a test's ``TRITON_INTERPRET=1`` has been set.
+the Triton modules (``kernels.triton_lora``, ``triton_slices``, ``triton_norm``, ``triton_swiglu``,
+``triton_rope``) are loaded on the first ``impl="triton"`` call, after a test's ``TRITON_INTERPRET=1`` has been set.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ from kernels.reference import lora_loop, lora_masked_dense
 
 __all__ = ["packed_lora", "packed_lora_linear", "packed_lora_linear_slices", "packed_lora_static", "precompile",
            "lora_operand_dtype",
-           "rms_norm", "silu_mul", "segmented_sumsq", "segmented_adamw_", "static_meta", "SegmentMeta",
+           "rms_norm", "silu_mul", "rope", "rope_problem", "segmented_sumsq", "segmented_adamw_", "static_meta",
+           "SegmentMeta",
            "SegInt", "SegFlt", "Tile", "Chunk", "SEG_INT_COL", "SEG_FLT_COL", "TILE_COL", "CHUNK_COL",
            "SEG_INT_FIELDS", "SEG_FLT_FIELDS", "FREE_FLT", "free_segment",
            "PackLayout", "LayerRanks",
@@ -244,6 +245,37 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, impl: Impl = "torch") -> t
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     return reference.silu_mul(gate, up)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+         impl: Impl = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary position embedding of q and k, transformers' ``apply_rotary_pos_emb(q, k, cos, sin)`` (``q * cos +
+    rotate_half(q) * sin``, the same for k); ``impl`` as in ``rms_norm`` (``triton``: ``kernels.triton_rope``, one
+    kernel each way for q and k together, the same bits as eager in any dtype).
+
+    Args:
+        q: (B, H, L, d) queries, any strides (in a model: a transposed view of (B, L, H * d)).
+        k: (B, Hk, L, d) keys, Hk <= H (GQA), any strides.
+        cos: (B or 1, L, d) the positions' cosines, in q's dtype (what transformers' rotary module returns).
+        sin: (B or 1, L, d) their sines.
+
+    Returns:
+        (B, H, L, d), (B, Hk, L, d); on the Triton path with the strides of q and k, their gradients too.
+        Differentiable in q and k (and, eagerly, in cos and sin).
+
+    Raises:
+        ValueError: on the Triton path, operands it does not take (``kernels.triton_rope.rope_problem``).
+    """
+    if resolve_impl(impl, q.device) == "triton":
+        return _triton_module("triton_rope").rope_triton(q, k, cos, sin)
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    return reference.rope(q, k, cos, sin)
+
+
+def rope_problem(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> str | None:
+    """Why ``rope(..., impl="triton")`` would refuse these operands (None: it takes them; needs triton)."""
+    return _triton_module("triton_rope").rope_problem(q, k, cos, sin)
 
 
 def precompile(run: Callable[[], object]) -> None:

@@ -20,7 +20,7 @@ import torch
 
 from kernels.meta import LayerRanks, PackLayout, dropout_seed
 
-__all__ = ["lora_loop", "lora_masked_dense", "dropout_keep_mask", "rms_norm", "silu_mul"]
+__all__ = ["lora_loop", "lora_masked_dense", "dropout_keep_mask", "rms_norm", "silu_mul", "rope"]
 
 
 def dropout_keep_mask(layout: PackLayout, g: int, layer_id: int, d_in: int, seq_len: int,
@@ -105,6 +105,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up``, the gated MLP's middle as transformers' Llama / Qwen2 MLP computes it."""
     return torch.nn.functional.silu(gate) * up
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(..., d) -> (..., d): ``cat(-x[..., d/2:], x[..., :d/2])``, transformers' ``rotate_half``."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' ``apply_rotary_pos_emb`` (Llama / Qwen2 / Mistral / Qwen3, ``unsqueeze_dim=1``), the oracle of
+    ``kernels.rope``: q (B, H, L, d), k (B, Hk, L, d), cos / sin (B or 1, L, d) -> rotated q and k."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 @functools.lru_cache(maxsize=64)

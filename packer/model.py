@@ -4,7 +4,8 @@ The base model is loaded once (``from_pretrained``: a local checkpoint directory
 file's cached plain checkpoint, ``packer.gguf``), frozen, and kept in eval mode so its own dropout never
 draws random numbers; slots add their LoRA weights to the projections they target. No weight of the base is
 copied or modified: its target projections are wrapped (``packer.inject``) and, on the Triton path, its
-RMSNorms and SiLU-gated MLPs are swapped for fused modules over the same parameters (``packer.fuse``).
+RMSNorms and SiLU-gated MLPs are swapped for fused modules over the same parameters and its attention modules
+run the fused RoPE (``packer.fuse``).
 
 Activation checkpointing uses transformers' own per-decoder-layer mechanism, which only checkpoints a
 layer whose ``training`` flag is set. Rather than ``model.train()`` (which would turn on every dropout
@@ -30,7 +31,7 @@ from torch import nn
 import kernels
 from kernels import IMPLS, Impl, PackLayout, resolve_impl
 from packer.errors import ConfigError, UserError
-from packer.fuse import FusedGatedMLP, FusedRMSNorm, fuse_base_ops
+from packer.fuse import FusedGatedMLP, FusedRMSNorm, fuse_base_ops, rope_kernel_probe
 from packer.inject import inject, resolve_targets
 from packer.layer import PackedLoRALinear, PackState
 from packer.loss import check_plain_head
@@ -123,8 +124,8 @@ class PackedModel:
             ``forward(input_ids, attention_mask) -> .logits`` contract.
         impl: packed-LoRA implementation passed to ``kernels.packed_lora`` (``auto``: the Triton
             kernels on CUDA, masked-dense PyTorch on CPU).
-        fused_base_ops: where ``impl`` means the Triton kernels, run the base's RMSNorms and SiLU-gated
-            MLP middles as fused Triton kernels too (``packer.fuse``); otherwise they run eagerly.
+        fused_base_ops: where ``impl`` means the Triton kernels, run the base's RMSNorms, SiLU-gated MLP middles
+            and rotary embeddings as fused Triton kernels too (``packer.fuse``); otherwise they run eagerly.
     """
 
     def __init__(self, model: nn.Module, *, impl: Impl = "auto", fused_base_ops: bool = True) -> None:
@@ -269,6 +270,9 @@ class PackedModel:
         for module in self.model.modules():
             if isinstance(module, (FusedRMSNorm, FusedGatedMLP)) and module.impl == "triton":
                 probes.setdefault(*module.kernel_probe(rows, seq_len))
+        rope = rope_kernel_probe(self.model, rows, seq_len)
+        if rope is not None:
+            probes.setdefault(*rope)
         if not probes:
             return
         try:

@@ -1,5 +1,6 @@
-"""``packer.fuse``: swapping a base's RMSNorms and SiLU-gated MLPs for fused modules changes no value, no
-gradient and no parameter path, and a pack on the Triton path trains to the same losses with them."""
+"""``packer.fuse``: swapping a base's RMSNorms and SiLU-gated MLPs for fused modules (and its RoPE, see
+``test_fuse_rope.py``) changes no value, no gradient and no parameter path, and a pack on the Triton path trains to
+the same losses with them."""
 
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ def test_fusing_a_model_keeps_its_logits_gradients_and_parameter_paths(tiny_dirs
     names = [n for n, _ in model.named_parameters()]
     fused = fuse_base_ops(model)
     layers = model.config.num_hidden_layers
-    assert len(fused) == 3 * layers + 1  # two norms and an MLP per layer, the final norm
+    assert len(fused) == 4 * layers + 1  # two norms, an MLP and the attention's RoPE per layer, the final norm
     assert sum(isinstance(m, FusedRMSNorm) for m in model.modules()) == 2 * layers + 1
     assert [n for n, _ in model.named_parameters()] == names
     ids = torch.randint(3, 300, (2, 11), generator=torch.Generator().manual_seed(0)).to(DEVICE)
@@ -94,8 +95,8 @@ def test_fusing_skips_what_it_does_not_know_and_is_idempotent(tiny_dirs) -> None
     from transformers import AutoModelForCausalLM
 
     gelu = AutoModelForCausalLM.from_config(config)
-    assert fuse_base_ops(gelu) == ["model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm",
-                                   "model.norm"]  # the norms only: the MLP's activation is not SiLU
+    assert fuse_base_ops(gelu) == ["model.layers.0.self_attn", "model.layers.0.input_layernorm",
+                                   "model.layers.0.post_attention_layernorm", "model.norm"]  # not the GELU MLP
     model, _ = load_base(str(tiny_dirs("llama")), device=DEVICE)
     first = fuse_base_ops(model)
     modules = dict(model.named_modules())
@@ -118,7 +119,7 @@ def _losses(pm: PackedModel) -> Recorder:
 def test_a_pack_on_the_triton_path_fuses_and_trains_the_same(tiny_dirs) -> None:
     fused_pm = PackedModel(load_base(str(tiny_dirs("qwen2")), device=DEVICE)[0], impl="triton")
     plain_pm = PackedModel(load_base(str(tiny_dirs("qwen2")), device=DEVICE)[0], impl="triton", fused_base_ops=False)
-    assert len(fused_pm.fused) == 7 and plain_pm.fused == []
+    assert len(fused_pm.fused) == 9 and plain_pm.fused == []  # 2 layers: 2 norms, a MLP, a RoPE each; the final norm
     fused, plain = _losses(fused_pm), _losses(plain_pm)
     for key in (0, 1):
         assert len(fused.losses[key]) == 3
@@ -131,5 +132,6 @@ def test_a_pack_on_the_triton_path_fuses_and_trains_the_same(tiny_dirs) -> None:
     again = PackedModel(fused_pm.model, impl="triton", fused_base_ops=False)  # a later eager pack over that model
     assert again.fused == []
     assert {m.impl for m in again.model.modules() if isinstance(m, (FusedRMSNorm, FusedGatedMLP))} == {"torch"}
+    assert not any(hasattr(m, "_fused_rope_hooks") for m in again.model.modules())  # the RoPE hooks removed
     eager = PackedModel(load_base(str(tiny_dirs("qwen2")), device=DEVICE)[0], impl="torch")
     assert eager.fused == [] and not any(isinstance(m, FusedRMSNorm) for m in eager.model.modules())
