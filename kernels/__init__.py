@@ -2,10 +2,11 @@
 
 ``packed_lora`` is the entry point of the LoRA term (``packed_lora_linear`` with the base GEMM,
 ``packed_lora_linear_slices`` for projections that share an input);
-``rms_norm``, ``silu_mul`` and ``rope`` are those of the base's elementwise ops. The implementation is an
-explicit argument so the Triton kernels drop in without touching the packer. Imports without triton:
-the Triton modules (``kernels.triton_lora``, ``triton_slices``, ``triton_norm``, ``triton_swiglu``,
-``triton_rope``) are loaded on the first ``impl="triton"`` call, after a test's ``TRITON_INTERPRET=1`` has been set.
+``rms_norm``, ``silu_mul`` and ``rope`` are those of the base's elementwise ops; ``static_linear_ce`` is a static
+batch's per-slot loss through the frozen output head. The implementation is an explicit argument so the Triton
+kernels drop in without touching the packer. Imports without triton: the Triton modules (``kernels.triton_lora``,
+``triton_slices``, ``triton_norm``, ``triton_swiglu``, ``triton_rope``, ``triton_ce``) are loaded on the first
+``impl="triton"`` call, after a test's ``TRITON_INTERPRET=1`` has been set.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ from kernels.reference import lora_loop, lora_masked_dense
 
 __all__ = ["packed_lora", "packed_lora_linear", "packed_lora_linear_slices", "packed_lora_static", "precompile",
            "lora_operand_dtype",
-           "rms_norm", "silu_mul", "rope", "rope_problem", "segmented_sumsq", "segmented_adamw_", "static_meta",
+           "rms_norm", "silu_mul", "rope", "rope_problem", "static_linear_ce", "segmented_sumsq", "segmented_adamw_",
+           "static_meta",
            "SegmentMeta",
            "SegInt", "SegFlt", "Tile", "Chunk", "SEG_INT_COL", "SEG_FLT_COL", "TILE_COL", "CHUNK_COL",
            "SEG_INT_FIELDS", "SEG_FLT_FIELDS", "FREE_FLT", "free_segment",
@@ -276,6 +278,32 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 def rope_problem(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> str | None:
     """Why ``rope(..., impl="triton")`` would refuse these operands (None: it takes them; needs triton)."""
     return _triton_module("triton_rope").rope_problem(q, k, cos, sin)
+
+
+def static_linear_ce(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                     capacity: int, *, impl: Impl = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-slot mean next-token cross-entropy of ``F.linear(hidden, weight, bias)`` for a frozen head, slot g owning
+    rows ``g * T / C ..`` of a static batch.
+
+    ``triton`` (``kernels.triton_ce``): no fp32 logits; the logits are overwritten by their gradient in the forward
+    and freed there, the gradient of ``hidden`` kept (T, H) for the backward; with no gradient to compute, the
+    forward alone. ``torch`` / ``loop``: ``reference.static_linear_ce`` (fp32 logits, torch's cross-entropy).
+
+    Args:
+        hidden: (T, H) hidden states (after the final norm).
+        weight: (V, H) the head's weight, frozen; bias: (V,) frozen, or None.
+        targets: (T,) int64 next-token targets, already shifted; -100 where a row has no loss.
+        capacity: C, slots; T is a multiple of it.
+        impl: which implementation computes it.
+
+    Returns:
+        (C,) fp32 mean losses (0 for a slot without targets), differentiable in ``hidden``, and (C,) fp32 counts.
+    """
+    if resolve_impl(impl, hidden.device) == "triton":
+        return _triton_module("triton_ce").static_linear_ce_triton(hidden, weight, bias, targets, capacity)
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    return reference.static_linear_ce(hidden, weight, bias, targets, capacity)
 
 
 def precompile(run: Callable[[], object]) -> None:

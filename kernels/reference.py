@@ -20,7 +20,7 @@ import torch
 
 from kernels.meta import LayerRanks, PackLayout, dropout_seed
 
-__all__ = ["lora_loop", "lora_masked_dense", "dropout_keep_mask", "rms_norm", "silu_mul", "rope"]
+__all__ = ["lora_loop", "lora_masked_dense", "dropout_keep_mask", "rms_norm", "silu_mul", "rope", "static_linear_ce"]
 
 
 def dropout_keep_mask(layout: PackLayout, g: int, layer_id: int, d_in: int, seq_len: int,
@@ -118,6 +118,26 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     ``kernels.rope``: q (B, H, L, d), k (B, Hk, L, d), cos / sin (B or 1, L, d) -> rotated q and k."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def static_linear_ce(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                     capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-slot mean cross-entropy of ``F.linear(hidden, weight, bias)``, the oracle of ``kernels.static_linear_ce``:
+    fp32 logits and torch's ``F.cross_entropy``, autograd for the gradients.
+
+    Args:
+        hidden: (T, H) hidden states; slot g owns rows ``g * T / C`` to ``(g + 1) * T / C``.
+        weight: (V, H) output head; bias: (V,) or None.
+        targets: (T,) int64 next tokens, -100 (torch's ``ignore_index``) where a row has no loss.
+        capacity: C, slots; T is a multiple of it.
+
+    Returns:
+        (C,) fp32 mean losses (0 for a slot without targets) and (C,) fp32 target counts.
+    """
+    logits = torch.nn.functional.linear(hidden, weight, bias).float()  # (T, V)
+    nll = torch.nn.functional.cross_entropy(logits, targets, reduction="none")  # (T,), 0 where ignored
+    counts = (targets != -100).view(capacity, -1).sum(dim=1).float()
+    return nll.view(capacity, -1).sum(dim=1) / counts.clamp(min=1.0), counts
 
 
 @functools.lru_cache(maxsize=64)

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from kernels import resolve_impl
 from packer.batch import IGNORE_INDEX
 from packer.model import PackedModel
-from packer.static import ShapeBuffers, StaticStore
+from packer.static import ShapeBuffers, StaticStore, fused_loss_head, static_head_losses
 
 __all__ = ["available", "heldout_fits", "row_losses", "greedy_decode", "static_generation_fits", "bucket",
            "EVAL_MULTIPLE", "STATIC_LOGITS_BYTES"]
@@ -98,9 +98,10 @@ def _triton(pm: PackedModel) -> bool:
     return resolve_impl(pm.state.impl, pm.device) == "triton"
 
 
-def _forward(pm: PackedModel, store: StaticStore, shape: ShapeBuffers, **kwargs: Any) -> Any:
-    """``pm.model(**kwargs)`` routed through the static tables of ``shape``, every wrapped projection adapted
-    (a slot's rows of a layer it does not target are zero, so this is exact for every slot)."""
+def _forward(pm: PackedModel, store: StaticStore, shape: ShapeBuffers, body: bool = False, **kwargs: Any) -> Any:
+    """``pm.model(**kwargs)`` (``body``: its decoder body, ``pm.model.base_model``, without the head) routed through
+    the static tables of ``shape``, every wrapped projection adapted (a slot's rows of a layer it does not target
+    are zero, so this is exact for every slot)."""
     active = store.active
     store.active = frozenset(store.paths)
     try:
@@ -108,7 +109,7 @@ def _forward(pm: PackedModel, store: StaticStore, shape: ShapeBuffers, **kwargs:
             if not _triton(pm):  # masked-dense column scales: s_g on slot g's rank columns of its rows
                 scale = shape.meta.seg_flt[:, 0].repeat_interleave(shape.rows)
                 store.col_scale = (shape.col_mask * scale[:, None])[:, None, :]  # type: ignore[operator]
-            return pm.model(**kwargs)
+            return (pm.model.base_model if body else pm.model)(**kwargs)
     finally:
         store.active = active
 
@@ -189,8 +190,14 @@ def row_losses(pm: PackedModel, slots: Sequence[int], chunk: Sequence[Any], rows
     key = ("loss", rows, seq_len)
     if key not in cache:
         out = torch.zeros((b, 2), device=pm.device)
+        head = fused_loss_head(pm.model) if _triton(pm) else None
 
         def fn() -> None:
+            if head is not None:  # no fp32 logits: the fused forward, each row its own group (``capacity`` = B)
+                hidden = _forward(pm, store, shape, body=True, input_ids=shape.ids, attention_mask=shape.mask,
+                                  use_cache=False).last_hidden_state
+                out.copy_(torch.stack(static_head_losses(hidden, head, shape.labels, b), dim=1))
+                return
             logits = _forward(pm, store, shape, input_ids=shape.ids, attention_mask=shape.mask, use_cache=False).logits
             shift = shape.labels[:, 1:]
             ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), shift.reshape(-1),

@@ -44,11 +44,14 @@ import kernels
 from kernels import SEG_FLT_FIELDS, SEG_INT_FIELDS, SegmentMeta, resolve_impl, static_meta
 from kernels.reference import dropout_keep_mask
 from packer.batch import IGNORE_INDEX
+from packer.errors import ConfigError
 from packer.inject import inject, resolve_targets
 from packer.layer import PackedLoRALinear, PackState
+from packer.loss import check_plain_head
 from packer.plan import ALL_LINEAR
 
-__all__ = ["StaticStore", "ShapeBuffers", "OPT_FIELDS", "SEG_INT", "SEG_FLT", "static_losses"]
+__all__ = ["StaticStore", "ShapeBuffers", "OPT_FIELDS", "SEG_INT", "SEG_FLT", "static_losses", "static_head_losses",
+           "fused_loss_head", "shift_targets"]
 
 OPT_FIELDS = 8
 """Columns of the optimizer table, as ``kernels.triton_adamw.OPT_FIELDS``."""
@@ -281,3 +284,45 @@ def static_losses(logits: torch.Tensor, labels: torch.Tensor, capacity: int) -> 
     sums = ce.view(capacity, -1).sum(dim=1)
     counts = (shift != IGNORE_INDEX).view(capacity, -1).sum(dim=1).float()
     return sums / counts.clamp(min=1.0), counts
+
+
+def shift_targets(labels: torch.Tensor) -> torch.Tensor:
+    """(B * L,) int64 next-token targets of (B, L) unshifted labels: row b, position l predicts ``labels[b, l + 1]``;
+    the last position of every row predicts nothing (``IGNORE_INDEX``)."""
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
+
+
+def fused_loss_head(model: nn.Module) -> nn.Linear | None:
+    """The frozen linear output head ``static_head_losses`` can take ``model``'s loss through, or None where the step
+    must compute full logits (``static_losses``): a model without a decoder body (``base_model``) or output head,
+    one whose logits are not the head's output (``packer.loss.check_plain_head``, as ``PackedModel.output_head``), a
+    head that is not a plain frozen ``nn.Linear``."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if getattr(model, "base_model", model) is model or not isinstance(head, nn.Linear):
+        return None
+    try:
+        check_plain_head(getattr(model, "config", None))
+    except ConfigError:
+        return None
+    return None if any(p.requires_grad for p in head.parameters()) else head
+
+
+def static_head_losses(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, capacity: int,
+                       impl: str = "triton") -> tuple[torch.Tensor, torch.Tensor]:
+    """``static_losses(head(hidden), labels, capacity)`` without materialising fp32 logits: ``kernels.static_linear_ce``
+    (on the Triton path the logits exist only inside its forward, in the model's dtype).
+
+    Args:
+        hidden: (B, L, H) final hidden states (after the last norm); slot g owns rows ``g * B / C ..``.
+        head: the frozen output projection (``fused_loss_head``).
+        labels: (B, L) unshifted, ``IGNORE_INDEX`` where no loss is taken.
+        capacity: C; B is a multiple of it.
+        impl: as ``kernels.static_linear_ce``.
+
+    Returns:
+        (C,) fp32 losses (0 for a slot without target tokens) and (C,) fp32 target counts.
+    """
+    b, seq, h = hidden.shape
+    return kernels.static_linear_ce(hidden.reshape(b * seq, h), head.weight, head.bias, shift_targets(labels),
+                                    capacity, impl=impl)  # type: ignore[arg-type]

@@ -40,7 +40,15 @@ from packer.batch import IGNORE_INDEX
 from packer.jobs import SlotEnd, SlotJob, StepReport, TrainResult
 from packer.model import PackedModel
 from packer.optim import lr_schedule
-from packer.static import SEG_FLT, SEG_INT, ShapeBuffers, StaticStore, static_losses
+from packer.static import (
+    SEG_FLT,
+    SEG_INT,
+    ShapeBuffers,
+    StaticStore,
+    fused_loss_head,
+    static_head_losses,
+    static_losses,
+)
 from packer.static_optim import NOOP, optimizer_row, static_adamw_step
 
 __all__ = ["train_static", "DEFAULT_READBACK", "SEQ_MULTIPLE", "rank_bucket_for"]
@@ -202,17 +210,27 @@ def _fill(ints: np.ndarray, floats: np.ndarray, store: StaticStore, shape: Shape
 
 def _step_fn(pm: PackedModel, store: StaticStore, shape: ShapeBuffers, ring: torch.Tensor, triton: bool,
              dropout: bool) -> Callable[[], None]:
-    """The whole step on the shape's buffers: forward, per-slot losses, backward, clip + AdamW, ring write."""
+    """The whole step on the shape's buffers: forward, per-slot losses, backward, clip + AdamW, ring write.
+
+    On the Triton path the loss goes through the frozen head in one fused function (``static_head_losses``: no fp32
+    logits, the head's input gradient computed in the forward); a model whose logits are not a plain head's output,
+    and the masked-dense path, compute full logits (``static_losses``)."""
     c = store.capacity
 
     def step() -> None:
+        head = fused_loss_head(pm.model) if triton else None  # here, not above: a replay never runs this function
         with store.stepping(shape, dropout), torch.enable_grad():
             if not triton:  # masked-dense column scales: s_g on the slot's own rank columns of its rows
                 scale = shape.meta.seg_flt[:, SEG_FLT_COL.scale].repeat_interleave(shape.rows)
                 store.col_scale = (shape.col_mask * scale[:, None])[:, None, :]  # type: ignore[operator]
-            logits = pm.model(input_ids=shape.ids, attention_mask=shape.mask, use_cache=False).logits
-            losses, counts = static_losses(logits, shape.labels, c)
-            del logits
+            if head is not None:
+                hidden = pm.forward_hidden(shape.ids, shape.mask, None)  # (B, L, H)
+                losses, counts = static_head_losses(hidden, head, shape.labels, c)
+                del hidden
+            else:
+                logits = pm.model(input_ids=shape.ids, attention_mask=shape.mask, use_cache=False).logits
+                losses, counts = static_losses(logits, shape.labels, c)
+                del logits
             losses.sum().backward()
         norms = static_adamw_step(store, shape, triton)
         ring.index_copy_(0, shape.ring_row, torch.stack([losses.detach(), counts, norms], dim=1)[None])

@@ -98,16 +98,18 @@ def test_replay_after_refill_captures_once(tiny_dirs) -> None:
 
 def test_capture_failure_falls_back_to_eager(tiny_dirs, monkeypatch: pytest.MonkeyPatch) -> None:
     """A step that cannot be captured (here: a host sync inside it) warns once and trains eagerly, unchanged."""
-    losses = static_loop.static_losses
+    def syncing(losses):  # noqa: ANN001, ANN202
+        def fn(*args):  # noqa: ANN002, ANN202
+            out = losses(*args)
+            out[0].sum().item()  # a host sync: illegal while capturing
+            return out
 
-    def syncing(*args):  # noqa: ANN002, ANN202
-        out = losses(*args)
-        out[0].sum().item()  # a host sync: illegal while capturing
-        return out
+        return fn
 
     specs = _specs()[:4]
     eager, _ = _run(tiny_dirs("llama"), specs, 2, cuda_graphs="off")
-    monkeypatch.setattr(static_loop, "static_losses", syncing)
+    for name in ("static_losses", "static_head_losses"):  # full logits, or the fused loss of the Triton path
+        monkeypatch.setattr(static_loop, name, syncing(getattr(static_loop, name)))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fallback, result = _run(tiny_dirs("llama"), specs, 2, cuda_graphs="auto")
