@@ -13,10 +13,11 @@ replays it (``torch.cuda.CUDAGraph``, the PyTorch CUDA-graph recipe: static inpu
 - ``greedy_decode``: every slot continues every prompt. The prompts are left-padded to a fixed width P, the
   KV cache is transformers' ``StaticCache`` of P + T positions, and the attention mask is a 4D additive mask
   the step computes on the device from a step counter (key k is visible to a query at cache index q when
-  k <= q and k is not padding; a padding position sees itself, so no row is fully masked). The prefill runs
-  eagerly; each decoding step (embed, 30 layers, the head, argmax, the next input written back) is one graph
-  replay with no host sync: the tokens are read once, after the last step, and cut at EOS / stop strings on
-  the host exactly where the eager loop (``evaluators.generation``) would have stopped each row.
+  k <= q and k is not padding; a padding position sees itself, so no row is fully masked). The prefill (from
+  prompt buffers the host fills per chunk) and each decoding step (embed, 30 layers, the head, argmax, the next
+  input written back) are one graph replay each, with no host sync: the tokens are read once, after the last
+  step, and cut at EOS / stop strings on the host exactly where the eager loop (``evaluators.generation``) would
+  have stopped each row.
 
 Free rows (a chunk with fewer items than ``rows``, slots not scored) hold padding or a copy of the first
 prompt and are dropped. Nothing here changes the adapters, the optimizer state or the training graphs.
@@ -236,6 +237,9 @@ class _Decoder:
         self.pos = torch.zeros((b, 1), dtype=torch.long, device=dev)
         self.tok = torch.zeros((b, 1), dtype=torch.long, device=dev)
         self.out = torch.zeros((b, new_tokens), dtype=torch.long, device=dev)
+        self.ids = torch.zeros((b, width), dtype=torch.long, device=dev)  # the prompts, left-padded
+        self.ids_mask = torch.zeros((b, width), dtype=torch.long, device=dev)
+        self.prefill_graph = _Graph(self._prefill, dev.type == "cuda")
         self.graph = _Graph(self._step, dev.type == "cuda")
 
     def _mask(self, q_idx: torch.Tensor) -> torch.Tensor:
@@ -259,24 +263,32 @@ class _Decoder:
         self.tok.copy_(nxt)
         self.out.index_copy_(1, self.limit - (self.width - 1), nxt)
 
-    def prefill(self, ids: np.ndarray, mask: np.ndarray) -> None:
-        """ids, mask: (B, P) left-padded prompts. Resets the cache, runs the prompt, sets the step's inputs."""
-        dev = self.pm.device
-        ids_t, mask_t = torch.from_numpy(ids).to(dev), torch.from_numpy(mask).to(dev)
+    def _prefill(self) -> None:
+        """The prompts in ``ids`` / ``ids_mask`` (B, P), on device buffers only: resets the cache, runs the prompt,
+        sets the step's inputs. The same inputs give the same state however often it runs (capture runs it three
+        times), so it is captured as a graph too: eagerly it is one host-bound forward per chunk of prompts."""
         self.cache.reset()
         self.key_ok.fill_(True)
-        self.key_ok[:, :self.width] = mask_t.bool()
-        positions = (mask_t.cumsum(-1) - 1).clamp(min=0)
-        first = self._logits(ids_t, positions, torch.arange(self.width, device=dev)).argmax(dim=-1, keepdim=True)
+        self.key_ok[:, :self.width] = self.ids_mask.bool()
+        positions = (self.ids_mask.cumsum(-1) - 1).clamp(min=0)
+        q_idx = torch.arange(self.width, device=self.ids.device)
+        first = self._logits(self.ids, positions, q_idx).argmax(dim=-1, keepdim=True)
         self.tok.copy_(first)
         self.out[:, :1].copy_(first)
         self.pos.copy_(positions[:, -1:])
         self.limit.fill_(self.width - 1)
 
+    def prefill(self, ids: np.ndarray, mask: np.ndarray) -> None:
+        """ids, mask: (B, P) left-padded prompts, copied into the prefill's buffers, then ``_prefill`` (replayed)."""
+        self.ids.copy_(torch.from_numpy(ids))
+        self.ids_mask.copy_(torch.from_numpy(mask))
+        self.prefill_graph.ready()  # a capture ran the prefill on these inputs: running it again is the same
+        self.prefill_graph()
+
     def run(self, ids: np.ndarray, mask: np.ndarray) -> list[list[int]]:
         self.prefill(ids, mask)
         if self.new_tokens > 1 and self.graph.ready():
-            self.prefill(ids, mask)  # the warm-up and capture decoded from this prefill: start it again
+            self.prefill_graph()  # the warm-up and capture decoded from this prefill: start it again
         for _ in range(self.new_tokens - 1):
             self.graph()
         return self.out.cpu().tolist()

@@ -77,8 +77,9 @@ def test_captured_static_evaluation_equals_the_dynamic_path(tiny_dirs, impl: str
         for slot in slots:
             assert static.metrics[slot]["eval_loss"] == pytest.approx(dynamic.metrics[slot]["eval_loss"], rel=1e-4)
         entries = eval_graph._CACHES[pm.static].values()
-        captured.append(sum(1 for e in entries if getattr(getattr(e, "graph", None), "graph", None) is not None)
+        graphs = [getattr(e, name, None) for e in entries for name in ("prefill_graph", "graph")]
+        captured.append(sum(1 for g in graphs if getattr(g, "graph", None) is not None)
                         + sum(1 for e in entries if isinstance(e, tuple) and e[0].graph is not None))
 
     static_pack_evaluations(tiny_dirs("llama"), check, device="cuda", impl=impl, cuda_graphs="on")
-    assert captured and all(n == 2 for n in captured)  # the decode step and the held-out forward
+    assert captured and all(n == 3 for n in captured)  # the prefill, the decode step and the held-out forward
