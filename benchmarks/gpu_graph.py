@@ -34,6 +34,7 @@ import packer.static_loop as static_loop
 from benchmarks import gpu_profile
 from benchmarks.shapes import PROJ, SHAPES, SMOLLM2
 from benchmarks.timing import random_jobs, time_calls
+from packer.capture import capture
 from packer.model import PackedModel
 from packer.train import SlotJob, train
 
@@ -175,15 +176,7 @@ def peft(shape: dict, batch: int, seq: int, *, steps: int = 10, rank: int = 16, 
         opt.zero_grad(set_to_none=True)
 
     eager_ms = time_calls(eager, 3, steps) * 1e3 if eager else float("nan")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            eager()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()  # gradients allocated in the graph are rewritten, not accumulated, by each replay
+    graph = capture(step, warmups=3, warmup=eager).graph  # gradients allocated in the graph: rewritten each replay
     graph_ms = time_calls(graph.replay, 3, steps) * 1e3
     return dict(batch=batch, seq=seq, eager_ms=eager_ms, graph_ms=graph_ms)
 

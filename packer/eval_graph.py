@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from kernels import resolve_impl
 from packer.batch import IGNORE_INDEX
+from packer.capture import capture
 from packer.model import PackedModel
 from packer.static import ShapeBuffers, StaticStore, fused_loss_head, static_head_losses
 
@@ -130,17 +131,7 @@ class _Graph:
             return False
         t0 = time.perf_counter()
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self.fn()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self.fn()
-            torch.cuda.synchronize()
-            self.graph = graph
+            self.graph = capture(self.fn).graph
         except Exception as err:  # any failure: eager from now on
             first = str(err).strip().splitlines()[0] if str(err).strip() else ""
             warnings.warn(f"evaluation CUDA graph capture failed, evaluating eagerly: {type(err).__name__}: {first}",

@@ -37,6 +37,7 @@ import torch
 import kernels
 from kernels import FREE_FLT, SEG_FLT_COL, PackLayout, SegFlt, dropout_seed, free_segment, resolve_impl
 from packer.batch import IGNORE_INDEX
+from packer.capture import capture
 from packer.jobs import SlotEnd, SlotJob, StepReport, TrainResult
 from packer.model import PackedModel
 from packer.optim import lr_schedule
@@ -107,24 +108,12 @@ class _Graphs:
         saved = shape.floats.clone(), shape.ints[-1:].clone()
         shape.opt.copy_(torch.tensor(NOOP, device=shape.opt.device).expand_as(shape.opt))
         shape.ring_row.fill_(scratch_row)
-        t0 = time.perf_counter()
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    step()
-            torch.cuda.current_stream().wait_stream(side)
-            torch.cuda.synchronize()
-            t1 = time.perf_counter()
-            self.warmup_s += t1 - t0
-            graph = torch.cuda.CUDAGraph()
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
-            with torch.cuda.graph(graph, pool=self.pool):
-                step()
-            torch.cuda.synchronize()
-            self.capture_s += time.perf_counter() - t1
+            graph, warmup_s, capture_s = capture(step, pool=self.pool)
+            self.warmup_s += warmup_s
+            self.capture_s += capture_s
         except Exception as err:  # any failure: the same step runs eagerly from now on
             first = str(err).strip().splitlines()[0] if str(err).strip() else ""
             warnings.warn(f"CUDA graph capture failed, training eagerly: {type(err).__name__}: {first}", stacklevel=3)

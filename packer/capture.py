@@ -1,0 +1,56 @@
+"""A function captured as a CUDA graph, the PyTorch recipe (``torch.cuda.graphs``): warm-up runs on a side stream
+(kernels compile, the caching allocator settles, lazily built buffers exist), then one run under capture.
+
+The training step (``packer.static_loop``), the static evaluation forwards (``packer.eval_graph``) and the PEFT
+baseline of ``benchmarks.gpu_graph`` capture through this one function.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+__all__ = ["Captured", "capture"]
+
+
+class Captured(NamedTuple):
+    graph: torch.cuda.CUDAGraph
+    warmup_s: float
+    capture_s: float
+
+
+def capture(fn: Callable[[], object], *, warmups: int = 2, warmup: Callable[[], object] | None = None,
+            pool: Any = None) -> Captured:
+    """``fn`` captured as a CUDA graph after ``warmups`` runs of ``warmup`` (default: ``fn``) on a side stream.
+
+    Args:
+        fn: what the graph replays; it must not sync with the host or allocate outside the graph's pool.
+        warmups: runs before capture (the recipe's side-stream warm-up; 2 settles autograd's buffers too).
+        warmup: what those runs call, when it differs from ``fn`` (e.g. ``fn`` plus a reset of its gradients).
+        pool: a ``torch.cuda.graph_pool_handle()`` shared with other graphs of the same owner, or None.
+
+    Returns:
+        The graph (not yet replayed: ``fn``'s effects are those of the warm-up runs and the captured run) and the
+        seconds warm-up and capture took, each ended by a device synchronisation.
+
+    Raises:
+        Whatever the warm-up or the capture raise (a host sync under capture, an unsupported op): the caller
+        decides how to fall back.
+    """
+    t0 = time.perf_counter()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            (warmup or fn)()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        fn()
+    torch.cuda.synchronize()
+    return Captured(graph, t1 - t0, time.perf_counter() - t1)
