@@ -4,7 +4,12 @@
 # otherwise pass a directory holding SmolLM2's config.json and tokenizer files (e.g. what `sweep model` wrote,
 # minus the weights) and a random-init model of that config (bf16, seed 0) is built into models/smollm2-135m-random.
 # nvidia-smi samples the GPU's utilisation every 0.5 s while the run goes; the run prints its split (load,
-# compile/capture, train, evaluate, save, storage) and this script prints the wall time and the GPU busy share.
+# compile/capture, train, evaluate, save, storage) and this script prints the wall time and the GPU busy share,
+# and the command's wall outside the split: before the run (process start, imports) and after it (the report, exit).
+# Bytecode: before the clock, the packages' .pyc files are compiled where missing (`compileall` of the site
+# directory holding torch, and of this repository), as a default `pip install` leaves them; an install with
+# --no-compile otherwise makes the timed run compile every module it imports first (~11 s before training starts
+# on a 2-core CPU VM, ~4 s more for the report). BENCH_COLD_BYTECODE=1 skips this and measures that cold case.
 # Usage: benchmarks/sweep_split.sh [CONFIG_DIR] [OVERRIDES...]   e.g. ... cfg train.max_steps=150 'pruning.rungs=[40]'
 # Writes into ${BENCH_OUT:-runs/bench-split}: run.log, gpu_util.txt, timing.json, status.txt.
 set -o pipefail
@@ -29,6 +34,11 @@ print("random-init model of", src / "config.json", "in", dst)
 PY
 fi
 [ $# -gt 0 ] && [ -d "$1" ] && shift
+if [ -z "$BENCH_COLD_BYTECODE" ]; then
+  site=$(python3 -c "import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))")
+  python3 -m compileall -q -j 0 "$site" kernels packer evaluators sweep reports > /dev/null 2>&1
+  echo "bytecode: compiled where missing in $site and the repository (BENCH_COLD_BYTECODE=1: left to the run)"
+fi
 python3 -c "import torch, transformers, triton, peft; print(torch.__version__, transformers.__version__, triton.__version__, peft.__version__, torch.cuda.get_device_name())"
 nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits -lms 500 > "$out/gpu_util.txt" &
 smi=$!
@@ -39,6 +49,14 @@ wall=$SECONDS
 kill $smi
 cp "$out/run/timing.json" "$out/" 2>/dev/null
 python3 -m sweep.cli status "$out/run" > "$out/status.txt" 2>&1
-tail -12 "$out/run.log"
+sed -n '/ complete, /,$p' "$out/run.log"
 echo "sweep run rc $rc, command wall s: $wall"
+python3 - "$out/timing.json" "$wall" <<'PY' 2>/dev/null
+import json, sys
+run = json.load(open(sys.argv[1]))["runs"][-1]
+before = run.get("process_before_s")
+if before is not None:
+    print(f"outside the split: {before:.1f} s before the run (start, imports), "
+          f"{float(sys.argv[2]) - before - run['wall_s']:.1f} s after it (report, exit; +-1 s: the wall is whole seconds)")
+PY
 awk '{s+=$1; n++; if ($1>0) b++} END {printf "gpu util mean %.1f%% (nvidia-smi, %d of %d samples > 0)\n", s/n, b, n}' "$out/gpu_util.txt"

@@ -31,6 +31,7 @@ from sweep.session import Session, own_directory, record_spec, trial_adapter_dir
 from sweep.spec import StudySpec
 from sweep.storage import Sharing, resume_clock, storage_lock
 from sweep.store import DirectoryLock, ResultsStore, StudyDir, strip_password
+from sweep.timing import WallSplit
 
 __all__ = ["open_session", "resolve_device"]
 
@@ -57,20 +58,22 @@ def resolve_device(device: str) -> str:
 
 
 def open_session(spec: StudySpec, *, log: Callable[[str], None] = print, sharing: Sharing | None = None,
-                 allow_changes: bool = False) -> Session:
+                 allow_changes: bool = False, split: WallSplit | None = None) -> Session:
     """Create or resume the study in ``spec.out_dir`` and load the base model once.
 
     With ``sharing`` the study lives in a storage other workers use too: only stale RUNNING trials
     are orphans, and the budget is counted there. The resolved spec is recorded in the store (meta
     ``spec``) and the directory (``study.yaml``); resumed, a changed fixed setting
-    (``sweep.session.spec_changes``) is an error unless ``allow_changes``.
+    (``sweep.session.spec_changes``) is an error unless ``allow_changes``. ``split``: the run's wall-time split,
+    given the sub-phases ``load:model`` (base model and tokenizer to the device) and ``load:study`` (the results
+    store, the Optuna storage and study).
     """
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # our progress and store say what happened
     device = resolve_device(spec.model.device)  # before anything is created: a user error leaves no trace
     sdir = StudyDir(spec.out_dir)
     lock = None if sharing is not None else own_directory(sdir, log)
     try:
-        return _open(spec, sdir, device, log, sharing, lock, allow_changes)
+        return _open(spec, sdir, device, log, sharing, lock, allow_changes, split or WallSplit())
     except BaseException:
         if lock is not None:
             lock.release()
@@ -88,20 +91,22 @@ def _capacity(spec: StudySpec, pm: PackedModel, log: Callable[[str], None]) -> i
 
 
 def _open(spec: StudySpec, sdir: StudyDir, device: str, log: Callable[[str], None], sharing: Sharing | None,
-          lock: DirectoryLock | None, allow_changes: bool) -> Session:
+          lock: DirectoryLock | None, allow_changes: bool, split: WallSplit) -> Session:
     from sweep.planning import check_targets
 
-    # a GGUF source becomes its cached checkpoint directory: what every load, adapter and export names
-    base = resolve_base(spec.model.path, spec.model.gguf_file, log=log)
-    model, tokenizer = load_base(base, dtype=spec.model.dtype, device=device, quantize=spec.model.quantize)
+    with split.part("load:model"):
+        # a GGUF source becomes its cached checkpoint directory: what every load, adapter and export names
+        base = resolve_base(spec.model.path, spec.model.gguf_file, log=log)
+        model, tokenizer = load_base(base, dtype=spec.model.dtype, device=device, quantize=spec.model.quantize)
     check_targets(spec, model)  # before the study is created: a target set the model lacks fails no trial
-    sdir.create()
-    store = ResultsStore(sdir.results_db)
-    record_spec(spec, sdir, store, log, allow_changes)
-    study, storage = open_study(spec, sdir, sharing)
-    ledger = Ledger(study, storage, store, partial(trial_adapter_dir, spec, sdir), log)
-    if sharing is None:
-        ledger.recover()
+    with split.part("load:study"):
+        sdir.create()
+        store = ResultsStore(sdir.results_db)
+        record_spec(spec, sdir, store, log, allow_changes)
+        study, storage = open_study(spec, sdir, sharing)
+        ledger = Ledger(study, storage, store, partial(trial_adapter_dir, spec, sdir), log)
+        if sharing is None:
+            ledger.recover()
     url = sharing.url if sharing is not None else spec.storage or sdir.optuna_url
     gguf = gguf_source(spec.model.path, spec.model.gguf_file)
     store.set_meta(name=spec.name, storage=strip_password(url), model=base,

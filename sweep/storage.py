@@ -70,7 +70,29 @@ def open_storage(url: str) -> BaseStorage:
         return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
     # SQLite serialises writers: wait for the lock instead of failing (Optuna FAQ).
     kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
+    db = Path(url.removeprefix("sqlite:///"))
+    if url.startswith("sqlite:///") and "?" not in url and url != "sqlite:///:memory:" and db.parent.is_dir():
+        _wal(db)  # (a missing folder is left to Optuna's own error)
     return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, skip_table_creation=False)
+
+
+def _wal(db: Path) -> None:
+    """Put a SQLite file in write-ahead-log mode (kept in the file; results.db is in it too), before Optuna opens it.
+
+    In its default rollback-journal mode every Optuna commit (each ``suggest_*``, user attr, ask and tell is one)
+    syncs the journal twice, the database and the directory: about 12 commits per trial, 4 syncs each. In WAL mode
+    a commit appends to the log and syncs it once; ``synchronous`` stays at its default (FULL), so a commit is as
+    durable as before, a kill or a power loss after it keeps it. Readers (``sweep status``, the report, Optuna's
+    dashboard) read a WAL file as before, on a local file system (a network one cannot hold a WAL database,
+    nor results.db). The file is created here when missing: Optuna then creates its tables in it.
+    """
+    import sqlite3
+
+    conn = sqlite3.connect(db, timeout=60)
+    try:
+        conn.execute("PRAGMA journal_mode=WAL")
+    finally:
+        conn.close()
 
 
 _THREAD_LOCK = threading.Lock()  # threads of one process; the storage lock orders processes

@@ -158,9 +158,10 @@ class _Sweep:
             # Under the lock: the next worker to count sees this trial's tokens before it asks.
             Ledger.plan(trial, planned_tokens(self.spec, spec, self.train_examples, self.plan))
         self.live[slot] = _Live(trial, params, spec, self.global_step, time.time())
-        self.s.store.upsert_trial(trial.number, state="RUNNING", params=params, pack_id=self.pack_id, slot=slot,
-                                  started=time.time(), user_attrs=dict(trial.user_attrs))
-        self.s.store.open_span(self.pack_id, slot, trial.number, start_step=self.global_step)
+        with self.s.store.transaction():  # one commit (one log sync) for the trial's row and its span
+            self.s.store.upsert_trial(trial.number, state="RUNNING", params=params, pack_id=self.pack_id, slot=slot,
+                                      started=time.time(), user_attrs=dict(trial.user_attrs))
+            self.s.store.open_span(self.pack_id, slot, trial.number, start_step=self.global_step)
         # Every trial sees the same data order (one data seed): pack peers are paired samples.
         return SlotJob(spec, trial_stream(self.spec, spec, self.train_examples), key=trial.number)
 
@@ -247,6 +248,12 @@ class _Sweep:
         """Score the slots reaching a rung on the proxy metric and let cohort SHA decide."""
         assert self.sha is not None
         result = self._evaluate(sorted(arrivals), proxy_only=True)  # charged to the slots it scores
+        with self.s.store.transaction():  # the rung's values and decisions in one commit: all of them or none
+            self._decide(arrivals, result)
+
+    def _decide(self, arrivals: dict[int, int], result: EvalResult) -> None:
+        """Record the rung values of the arriving slots and cohort SHA's decisions; mark the slots to stop."""
+        assert self.sha is not None
         for rung in sorted(set(arrivals.values())):
             values = {}
             for slot in (s for s, r in arrivals.items() if r == rung):
@@ -350,9 +357,10 @@ class _Sweep:
             lv.trial.set_constraint(c.metric, c.violation(metrics.get(c.metric)))
         Ledger.set_adapter(lv.trial, adapter)
         samples = result.samples.get(e.slot, [])
-        for metric, items in result.per_item.get(e.slot, {}).items():
-            self.s.store.add_items(number, metric, items, _texts(samples, metric, len(items)))
-        self.s.store.add_eval(number, e.steps, metrics, kind="final")
+        with self.s.store.transaction():  # one commit for the per-item scores and the final metrics
+            for metric, items in result.per_item.get(e.slot, {}).items():
+                self.s.store.add_items(number, metric, items, _texts(samples, metric, len(items)))
+            self.s.store.add_eval(number, e.steps, metrics, kind="final")
         self._tell(lv, TrialState.COMPLETE, e, metrics=metrics, values=values,
                    adapter=str(adapter.relative_to(self.s.sdir.root) if adapter.is_relative_to(self.s.sdir.root)
                                else adapter))
@@ -397,9 +405,9 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
     """
     split = WallSplit()
     with split.phase("load"):
-        session = open_session(spec, log=log, sharing=sharing, allow_changes=allow_changes)
+        session = open_session(spec, log=log, sharing=sharing, allow_changes=allow_changes, split=split)
     pm, tokenizer = session.pm, session.tokenizer
-    with split.phase("load"):
+    with split.phase("load"), split.part("load:data"):
         check_packing(spec, getattr(pm.model, "config", None))
         train_examples = load_examples(spec.data.train, tokenizer, fmt=spec.data.format,
                                        max_length=spec.data.max_length, train_on_prompt=spec.data.train_on_prompt)

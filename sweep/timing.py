@@ -8,7 +8,11 @@ its callbacks' Optuna asks/tells and results-store writes (``storage``), evaluat
 ``evaluate:<evaluator>`` beside it for each), adapter saving (``save``); the training loop's own kernel
 precompile, warm-up and CUDA-graph capture seconds (``packer.train.TrainResult``) move from ``train`` to
 ``compile`` when the loop returns. ``train`` is then the step loop itself: host staging and the replayed or
-eager steps, including the loss read-backs that wait for the GPU.
+eager steps, including the loss read-backs that wait for the GPU. ``load`` is parted (``WallSplit.part``) into
+``load:model`` (the base model and tokenizer, to the device), ``load:study`` (results store, Optuna storage and
+study) and ``load:data`` (the training and held-out examples, tokenized). What the process did before the run
+(interpreter start, imports: the part of a ``sweep run`` command's wall outside the split) is recorded beside it
+as ``process_before_s``.
 
 The clock is the host's: GPU work launched asynchronously is charged to the phase that waits for it (the
 training step's read-back is in ``train``; evaluations and saves read their results, so they wait for their
@@ -25,7 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-__all__ = ["PHASES", "WallSplit", "append_run", "last_run", "TIMING_FILE"]
+__all__ = ["PHASES", "WallSplit", "append_run", "last_run", "process_age", "TIMING_FILE"]
 
 PHASES = ("load", "compile", "train", "evaluate", "save", "storage")
 """The split's top-level phases, in the order the table prints them."""
@@ -42,6 +46,9 @@ class WallSplit:
         self._stack: list[str] = []
         self._mark = 0.0
         self.started = time.perf_counter()
+        self.process_before_s = process_age()
+        """Seconds the process had run when the split started (interpreter start, imports, the study file): for a
+        ``sweep run`` the time before its run; None where the system does not say (not Linux)."""
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -70,6 +77,16 @@ class WallSplit:
 
         return call
 
+    @contextmanager
+    def part(self, name: str) -> Iterator[None]:
+        """Add the wall time of the block to the sub-phase ``name`` (``load:model``), leaving the phases' clocks
+        alone: a part of the phase it runs in, shown beneath it."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - t0)
+
     def add(self, name: str, seconds: float) -> None:
         """Charge ``seconds`` measured elsewhere to ``name`` (e.g. per-evaluator times, which overlap ``evaluate``)."""
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
@@ -92,8 +109,9 @@ class WallSplit:
         top = {p: round(self.seconds.get(p, 0.0), 3) for p in PHASES}
         top["other"] = round(max(0.0, wall - sum(top.values())), 3)
         sub = {k: round(v, 3) for k, v in sorted(self.seconds.items()) if ":" in k}
+        before = None if self.process_before_s is None else round(self.process_before_s, 3)
         return {"wall_s": round(wall, 3), "phases": top, "detail": sub,
-                "calls": {k: v for k, v in sorted(self.counts.items())}}
+                "calls": {k: v for k, v in sorted(self.counts.items())}, "process_before_s": before}
 
     def table(self, record: dict[str, Any] | None = None) -> str:
         """The split as aligned text lines: phase, seconds, share of the wall time."""
@@ -105,7 +123,23 @@ class WallSplit:
             for sub, s in rec["detail"].items():
                 if sub.split(":", 1)[0] == name:
                     lines.append(f"    {sub.split(':', 1)[1]:<12} {s:6.1f} s")
+        if rec.get("process_before_s") is not None:
+            lines.append(f"  (before it in the process: {rec['process_before_s']:.1f} s: start, imports, study file)")
         return "\n".join(lines)
+
+
+def process_age() -> float | None:
+    """Wall seconds since this process started (Linux ``/proc``), or None where that cannot be read."""
+    import os
+
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, after "(comm)"
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def append_run(root: str | Path, record: dict[str, Any]) -> None:

@@ -50,6 +50,19 @@ def test_timed_wraps_a_callback_and_the_table_lists_every_phase() -> None:
     assert all(p in table for p in PHASES) and "generation" in table
 
 
+def test_a_part_adds_to_its_sub_phase_only_and_the_record_says_what_came_before() -> None:
+    split = WallSplit()
+    with split.phase("load"):
+        with split.part("load:model"):
+            _busy(0.03)
+        _busy(0.01)
+    assert 0.03 <= split.seconds["load:model"] < split.seconds["load"]
+    rec = split.record()
+    assert rec["detail"] == {"load:model": round(split.seconds["load:model"], 3)}
+    assert rec["process_before_s"] is None or rec["process_before_s"] > 0  # this process started before the split
+    assert "model" in split.table(rec)
+
+
 def test_timing_file_keeps_every_run_and_ignores_garbage(tmp_path) -> None:
     assert last_run(tmp_path) is None
     (tmp_path / TIMING_FILE).write_text("not json")
@@ -68,6 +81,9 @@ def test_a_run_records_its_split_and_status_shows_it(tiny_dirs, tmp_path) -> Non
     for phase in ("load", "train", "evaluate", "save", "storage"):
         assert rec["phases"][phase] > 0, phase
     assert rec["detail"]["evaluate:heldout_loss"] > 0 and rec["detail"]["evaluate:generation"] > 0
+    # the load's parts: model, study, data, together within the load phase
+    parts = [rec["detail"][f"load:{p}"] for p in ("model", "study", "data")]
+    assert all(v > 0 for v in parts) and sum(parts) <= rec["phases"]["load"] + 1e-2
     # the evaluators' own times are inside evaluate; the phases add up to the run's wall time
     assert sum(v for k, v in rec["detail"].items() if k.startswith("evaluate:")) <= rec["phases"]["evaluate"] + 1e-2
     assert abs(sum(rec["phases"].values()) - rec["wall_s"]) < 0.05
