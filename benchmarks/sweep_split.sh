@@ -35,8 +35,9 @@ PY
 fi
 [ $# -gt 0 ] && [ -d "$1" ] && shift
 if [ -z "$BENCH_COLD_BYTECODE" ]; then
-  site=$(python3 -c "import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))")
-  python3 -m compileall -q -j 0 "$site" kernels packer evaluators sweep reports > /dev/null 2>&1
+  # the folders holding the packages a sweep imports (the device's carried wheels sit apart from torch's)
+  site=$(python3 -c "import importlib.util as u, os; print(' '.join(sorted({os.path.dirname(os.path.dirname(s.origin)) for s in map(u.find_spec, ('torch', 'transformers', 'optuna', 'sqlalchemy', 'sqlite_utils', 'plotly', 'scipy')) if s and s.origin})))")
+  python3 -m compileall -q -j 0 $site kernels packer evaluators sweep reports > /dev/null 2>&1
   echo "bytecode: compiled where missing in $site and the repository (BENCH_COLD_BYTECODE=1: left to the run)"
 fi
 python3 -c "import torch, transformers, triton, peft; print(torch.__version__, transformers.__version__, triton.__version__, peft.__version__, torch.cuda.get_device_name())"
