@@ -52,12 +52,19 @@ cp "$out/run/timing.json" "$out/" 2>/dev/null
 python3 -m sweep.cli status "$out/run" > "$out/status.txt" 2>&1
 sed -n '/ complete, /,$p' "$out/run.log"
 echo "sweep run rc $rc, command wall s: $wall"
-python3 - "$out/timing.json" "$wall" <<'PY' 2>/dev/null
+python3 - "$out/timing.json" "$wall" "$out/gpu_util.txt" <<'PY' 2>/dev/null
 import json, sys
 run = json.load(open(sys.argv[1]))["runs"][-1]
 before = run.get("process_before_s")
 if before is not None:
     print(f"outside the split: {before:.1f} s before the run (start, imports), "
           f"{float(sys.argv[2]) - before - run['wall_s']:.1f} s after it (report, exit; +-1 s: the wall is whole seconds)")
+    # the samples (every 0.5 s from the command's start) from the end of the load to the end of the run
+    util = [float(x) for x in open(sys.argv[3]).read().split()]
+    t0, t1 = before + run["phases"]["load"], before + run["wall_s"]
+    window = [u for i, u in enumerate(util) if t0 <= i * 0.5 < t1]
+    if window:
+        print(f"gpu util after the load, {t0:.1f}-{t1:.1f} s of the command: {sum(window) / len(window):.1f}% "
+              f"({len(window)} samples)")
 PY
 awk '{s+=$1; n++; if ($1>0) b++} END {printf "gpu util mean %.1f%% (nvidia-smi, %d of %d samples > 0)\n", s/n, b, n}' "$out/gpu_util.txt"
