@@ -55,6 +55,18 @@ def random_examples(n: int, seed: int, vocab: int = 300, min_len: int = 6, max_l
     return rows
 
 
+def add_slots_random_b(pm, specs: dict, seed: int = 2):  # noqa: ANN001, ANN201
+    """Add every slot of ``specs`` ({slot: AdapterSpec}) to ``pm`` with its B drawn at random (PEFT's zero init
+    would leave B's gradient alone to check); returns ``pm``."""
+    gen = torch.Generator().manual_seed(seed)
+    for slot, spec in specs.items():
+        pm.add_slot(slot, spec)
+        with torch.no_grad():
+            for _, b in pm.slot_weights(slot).values():
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.2)
+    return pm
+
+
 class Recorder:
     """``train()`` callbacks that keep each job's per-step losses and its final weights."""
 

@@ -16,7 +16,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 from transformers.pytorch_utils import Conv1D
 
-from tests.conftest import need_triton
+from tests.conftest import add_slots_random_b, need_triton
 
 need_triton()  # before anything imports the Triton kernel modules
 
@@ -49,14 +49,8 @@ def _loss(logits: torch.Tensor, rows: slice) -> torch.Tensor:
 
 def _packed(model_dir, impl: str = "auto", device: str = "cpu") -> PackedModel:  # noqa: ANN001
     """Both slots of ``SPECS`` with random B (PEFT's zero init would leave B's gradient alone to check)."""
-    pm = PackedModel(load_base(str(model_dir), attn_implementation="eager", device=device)[0], impl=impl)
-    gen = torch.Generator().manual_seed(2)
-    for slot, spec in SPECS.items():
-        pm.add_slot(slot, spec)
-        with torch.no_grad():
-            for _, b in pm.slot_weights(slot).values():
-                b.copy_(torch.randn(b.shape, generator=gen) * 0.2)
-    return pm
+    return add_slots_random_b(PackedModel(load_base(str(model_dir), attn_implementation="eager", device=device)[0],
+                                          impl=impl), SPECS)
 
 
 def _peft(model_dir, pm: PackedModel, slot: int) -> tuple[nn.Module, dict[str, tuple[nn.Parameter, nn.Parameter]]]:  # noqa: ANN001

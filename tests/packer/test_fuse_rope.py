@@ -22,7 +22,7 @@ from kernels import PackLayout  # noqa: E402
 from packer.fuse import ROPE_ATTENTIONS, RopeSwap, _hook_rope, fuse_base_ops  # noqa: E402
 from packer.model import PackedModel, load_base  # noqa: E402
 from packer.plan import AdapterSpec  # noqa: E402
-from tests.conftest import record_launches  # noqa: E402
+from tests.conftest import add_slots_random_b, record_launches  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = dict(rtol=1e-5, atol=1e-5)  # fp32; the fused norms and MLPs sum in their own order
@@ -94,13 +94,8 @@ def test_every_listed_attention_runs_the_fused_rope_with_the_same_bits(name: str
 
 def _pack(model_dir, fused: bool, checkpointing: bool = False) -> PackedModel:  # noqa: ANN001
     """Both slots of ``SPECS`` on the Triton path, random B (PEFT's zero init would leave B's gradient alone)."""
-    pm = PackedModel(load_base(str(model_dir), device=DEVICE)[0], impl="triton", fused_base_ops=fused)
-    gen = torch.Generator().manual_seed(2)
-    for slot, spec in SPECS.items():
-        pm.add_slot(slot, spec)
-        with torch.no_grad():
-            for _, b in pm.slot_weights(slot).values():
-                b.copy_(torch.randn(b.shape, generator=gen) * 0.2)
+    pm = add_slots_random_b(PackedModel(load_base(str(model_dir), device=DEVICE)[0], impl="triton",
+                                        fused_base_ops=fused), SPECS)
     pm.set_activation_checkpointing(checkpointing)
     return pm
 
