@@ -11,8 +11,8 @@ precompile, warm-up and CUDA-graph capture seconds (``packer.train.TrainResult``
 eager steps, including the loss read-backs that wait for the GPU. ``load`` is parted (``WallSplit.part``) into
 ``load:model`` (the base model and tokenizer, to the device), ``load:study`` (results store, Optuna storage and
 study) and ``load:data`` (the training and held-out examples, tokenized). What the process did before the run
-(interpreter start, imports: the part of a ``sweep run`` command's wall outside the split) is recorded beside it
-as ``process_before_s``.
+(its imports and the study file, from the ``sweep`` package's import on: the part of a ``sweep run`` command's
+wall outside the split) is recorded beside it as ``process_before_s``.
 
 The clock is the host's: GPU work launched asynchronously is charged to the phase that waits for it (the
 training step's read-back is in ``train``; evaluations and saves read their results, so they wait for their
@@ -47,8 +47,8 @@ class WallSplit:
         self._mark = 0.0
         self.started = time.perf_counter()
         self.process_before_s = process_age()
-        """Seconds the process had run when the split started (interpreter start, imports, the study file): for a
-        ``sweep run`` the time before its run; None where the system does not say (not Linux)."""
+        """Seconds since the process imported ``sweep`` when the split started (imports, the study file): for a
+        ``sweep run`` the time before its run (``process_age``)."""
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -128,18 +128,13 @@ class WallSplit:
         return "\n".join(lines)
 
 
-def process_age() -> float | None:
-    """Wall seconds since this process started (Linux ``/proc``), or None where that cannot be read."""
-    import os
+def process_age() -> float:
+    """Wall seconds since this process imported the ``sweep`` package (``sweep.IMPORTED_AT``): its imports and
+    whatever it did before now. Not /proc's start time: that is the fork's, which a shell that execs its last
+    command in place (``(pip install ... && sweep run ...)``) puts at the start of the whole command line."""
+    import sweep
 
-    try:
-        with open("/proc/self/stat") as f:
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, after "(comm)"
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
-        return None
+    return max(0.0, time.time() - sweep.IMPORTED_AT)
 
 
 def append_run(root: str | Path, record: dict[str, Any]) -> None:
