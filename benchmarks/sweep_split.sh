@@ -5,11 +5,13 @@
 # minus the weights) and a random-init model of that config (bf16, seed 0) is built into models/smollm2-135m-random.
 # nvidia-smi samples the GPU's utilisation every 0.5 s while the run goes; the run prints its split (load,
 # compile/capture, train, evaluate, save, storage) and this script prints the wall time and the GPU busy share,
-# and the command's wall outside the split: before the run (process start, imports) and after it (the report, exit).
-# Bytecode: before the clock, the packages' .pyc files are compiled where missing (`compileall` of the site
-# directory holding torch, and of this repository), as a default `pip install` leaves them; an install with
-# --no-compile otherwise makes the timed run compile every module it imports first (~11 s before training starts
-# on a 2-core CPU VM, ~4 s more for the report). BENCH_COLD_BYTECODE=1 skips this and measures that cold case.
+# and the command's wall outside the split: before the run (imports, from the sweep package's) and after it (the
+# report, exit), and the GPU busy share after the model load.
+# Bytecode: before the clock, the packages' .pyc files are compiled where missing (`compileall` of the folders
+# holding the packages a sweep imports, and of this repository), as a default `pip install` leaves them; an
+# install with --no-compile otherwise makes the timed run compile every module it imports first (~11 s before
+# training starts on a 2-core CPU VM, ~4 s more for the report). BENCH_COLD_BYTECODE=1 skips this and measures
+# that cold case.
 # Usage: benchmarks/sweep_split.sh [CONFIG_DIR] [OVERRIDES...]   e.g. ... cfg train.max_steps=150 'pruning.rungs=[40]'
 # Writes into ${BENCH_OUT:-runs/bench-split}: run.log, gpu_util.txt, timing.json, status.txt.
 set -o pipefail
@@ -57,7 +59,7 @@ import json, sys
 run = json.load(open(sys.argv[1]))["runs"][-1]
 before = run.get("process_before_s")
 if before is not None:
-    print(f"outside the split: {before:.1f} s before the run (start, imports), "
+    print(f"outside the split: {before:.1f} s before the run (imports), "
           f"{float(sys.argv[2]) - before - run['wall_s']:.1f} s after it (report, exit; +-1 s: the wall is whole seconds)")
     # the samples (every 0.5 s from the command's start) from the end of the load to the end of the run
     util = [float(x) for x in open(sys.argv[3]).read().split()]

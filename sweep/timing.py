@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-__all__ = ["PHASES", "WallSplit", "append_run", "last_run", "process_age", "TIMING_FILE"]
+__all__ = ["PHASES", "WallSplit", "append_run", "last_run", "seconds_since_import", "TIMING_FILE"]
 
 PHASES = ("load", "compile", "train", "evaluate", "save", "storage")
 """The split's top-level phases, in the order the table prints them."""
@@ -46,9 +46,9 @@ class WallSplit:
         self._stack: list[str] = []
         self._mark = 0.0
         self.started = time.perf_counter()
-        self.process_before_s = process_age()
+        self.process_before_s = seconds_since_import()
         """Seconds since the process imported ``sweep`` when the split started (imports, the study file): for a
-        ``sweep run`` the time before its run (``process_age``)."""
+        ``sweep run`` the time before its run (``seconds_since_import``)."""
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -109,9 +109,9 @@ class WallSplit:
         top = {p: round(self.seconds.get(p, 0.0), 3) for p in PHASES}
         top["other"] = round(max(0.0, wall - sum(top.values())), 3)
         sub = {k: round(v, 3) for k, v in sorted(self.seconds.items()) if ":" in k}
-        before = None if self.process_before_s is None else round(self.process_before_s, 3)
         return {"wall_s": round(wall, 3), "phases": top, "detail": sub,
-                "calls": {k: v for k, v in sorted(self.counts.items())}, "process_before_s": before}
+                "calls": {k: v for k, v in sorted(self.counts.items())},
+                "process_before_s": round(self.process_before_s, 3)}
 
     def table(self, record: dict[str, Any] | None = None) -> str:
         """The split as aligned text lines: phase, seconds, share of the wall time."""
@@ -124,11 +124,11 @@ class WallSplit:
                 if sub.split(":", 1)[0] == name:
                     lines.append(f"    {sub.split(':', 1)[1]:<12} {s:6.1f} s")
         if rec.get("process_before_s") is not None:
-            lines.append(f"  (before it in the process: {rec['process_before_s']:.1f} s: start, imports, study file)")
+            lines.append(f"  (before it in the process: {rec['process_before_s']:.1f} s: imports, study file)")
         return "\n".join(lines)
 
 
-def process_age() -> float:
+def seconds_since_import() -> float:
     """Wall seconds since this process imported the ``sweep`` package (``sweep.IMPORTED_AT``): its imports and
     whatever it did before now. Not /proc's start time: that is the fork's, which a shell that execs its last
     command in place (``(pip install ... && sweep run ...)``) puts at the start of the whole command line."""
