@@ -82,3 +82,11 @@ def test_cli_report(study: Path, tmp_path: Path) -> None:
     assert 'href="../../' in out.read_text() or "adapters/trial-" in out.read_text()  # adapter links resolve
     bad = _cli("report", str(tmp_path))
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "not a study directory" in bad.stderr
+
+
+def test_the_report_preload_imports_what_write_report_loads_lazily() -> None:
+    code = ("import sys; from reports.html import preload; lazy = ('optuna.visualization', 'scipy.stats'); "
+            "assert not any(m in sys.modules for m in lazy); preload(); "
+            "assert all(m in sys.modules for m in lazy)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
