@@ -26,9 +26,9 @@ __all__ = ["INTERPRET", "PRECOMPILE_THREADS", "check_device", "launch", "precomp
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 """Read once, as ``@triton.jit`` does when it decorates a kernel."""
 
-PRECOMPILE_THREADS = 8
-"""Threads compiling kernel variants at once in ``precompile`` (Triton's compiler releases the GIL in its
-MLIR passes, LLVM and ptxas)."""
+PRECOMPILE_THREADS = max(1, min(16, len(os.sched_getaffinity(0))))
+"""Threads compiling kernel variants at once in ``precompile``: one per CPU this process may run on, up to 16
+(Triton's compiler releases the GIL in its MLIR passes, LLVM and ptxas, so they overlap)."""
 
 _WARMING: ContextVar[list | None] = ContextVar("lora_kernels_warming", default=None)
 """Inside ``precompile``, the list of what the warm-ups compiled (None outside): launches become compile-only

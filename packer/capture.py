@@ -2,18 +2,20 @@
 (kernels compile, the caching allocator settles, lazily built buffers exist), then one run under capture.
 
 The training step (``packer.static_loop``), the static evaluation forwards (``packer.eval_graph``) and the PEFT
-baseline of ``benchmarks.gpu_graph`` capture through this one function.
+baseline of ``benchmarks.gpu_graph`` capture through this one function. ``precompile`` compiles, in parallel,
+the Triton kernels such a function launches before its first run.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["Captured", "capture"]
+__all__ = ["Captured", "capture", "precompile"]
 
 
 class Captured(NamedTuple):
@@ -54,3 +56,18 @@ def capture(fn: Callable[[], object], *, warmups: int = 2, warmup: Callable[[], 
         fn()
     torch.cuda.synchronize()
     return Captured(graph, t1 - t0, time.perf_counter() - t1)
+
+
+def precompile(fn: Callable[[], object]) -> None:
+    """Compile, in parallel, the Triton kernel variants ``fn`` launches (``kernels.precompile``: one pass of ``fn``
+    whose launches are compile-only warm-ups; its torch ops run on unwritten kernel outputs, so ``fn`` must only
+    write state its next real run rewrites). A failure is one warning: the kernels then compile as ``fn`` meets
+    them, one after another (~1-2 s each on a cold cache on an H200 host)."""
+    import kernels
+
+    try:
+        kernels.precompile(fn)
+    except Exception as err:  # an optimisation only
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        warnings.warn(f"kernel precompile failed, kernels compile as the step meets them: {type(err).__name__}: "
+                      f"{first}", stacklevel=3)

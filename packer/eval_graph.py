@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from kernels import resolve_impl
 from packer.batch import IGNORE_INDEX
-from packer.capture import capture
+from packer.capture import capture, precompile
 from packer.model import PackedModel
 from packer.static import ShapeBuffers, StaticStore, fused_loss_head, static_head_losses
 
@@ -119,10 +119,12 @@ def _forward(pm: PackedModel, store: StaticStore, shape: ShapeBuffers, body: boo
 class _Graph:
     """``fn`` captured as a CUDA graph on first use (after two warm-up runs on a side stream), eager on CPU or
     when capture fails (one warning). ``reset`` runs before the real work after a capture (warm-up and capture
-    ran ``fn`` on the live buffers)."""
+    ran ``fn`` on the live buffers). ``triton``: ``fn`` launches the Triton kernels, compiled in parallel
+    (``packer.capture.precompile``) before the warm-ups, which otherwise compile them one after another; on a
+    cold cache that was ~2.5 s of a sweep's first evaluations on an H200 host."""
 
-    def __init__(self, fn: Callable[[], None], cuda: bool) -> None:
-        self.fn, self.graph, self.cuda = fn, None, cuda
+    def __init__(self, fn: Callable[[], None], cuda: bool, triton: bool) -> None:
+        self.fn, self.graph, self.cuda, self.triton = fn, None, cuda, triton
         self.capture_s = 0.0
 
     def ready(self) -> bool:
@@ -130,6 +132,8 @@ class _Graph:
         if not self.cuda or self.graph is not None:
             return False
         t0 = time.perf_counter()
+        if self.triton:
+            precompile(self.fn)  # its writes are those of a warm-up run: the capture's runs rewrite them
         try:
             self.graph = capture(self.fn).graph
         except Exception as err:  # any failure: eager from now on
@@ -197,7 +201,7 @@ def row_losses(pm: PackedModel, slots: Sequence[int], chunk: Sequence[Any], rows
             counts = (shift != IGNORE_INDEX).sum(dim=1).float()
             out.copy_(torch.stack([ce.sum(dim=1) / counts.clamp(min=1.0), counts], dim=1))
 
-        cache[key] = (_Graph(fn, pm.device.type == "cuda"), out)
+        cache[key] = (_Graph(fn, pm.device.type == "cuda", _triton(pm)), out)
     graph, out = cache[key]
     graph.ready()  # warm-up and capture ran on these same inputs: nothing to restore
     graph()
@@ -230,8 +234,8 @@ class _Decoder:
         self.out = torch.zeros((b, new_tokens), dtype=torch.long, device=dev)
         self.ids = torch.zeros((b, width), dtype=torch.long, device=dev)  # the prompts, left-padded
         self.ids_mask = torch.zeros((b, width), dtype=torch.long, device=dev)
-        self.prefill_graph = _Graph(self._prefill, dev.type == "cuda")
-        self.graph = _Graph(self._step, dev.type == "cuda")
+        self.prefill_graph = _Graph(self._prefill, dev.type == "cuda", _triton(pm))
+        self.graph = _Graph(self._step, dev.type == "cuda", _triton(pm))
 
     def _mask(self, q_idx: torch.Tensor) -> torch.Tensor:
         """(B, 1, Q, K) additive mask for queries at cache indices ``q_idx`` (Q,)."""

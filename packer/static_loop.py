@@ -34,10 +34,9 @@ from typing import Any
 import numpy as np
 import torch
 
-import kernels
 from kernels import FREE_FLT, SEG_FLT_COL, PackLayout, SegFlt, dropout_seed, free_segment, resolve_impl
 from packer.batch import IGNORE_INDEX
-from packer.capture import capture
+from packer.capture import capture, precompile
 from packer.jobs import SlotEnd, SlotJob, StepReport, TrainResult
 from packer.model import PackedModel
 from packer.optim import lr_schedule
@@ -227,20 +226,6 @@ def _step_fn(pm: PackedModel, store: StaticStore, shape: ShapeBuffers, ring: tor
     return step
 
 
-def _precompile(step: Callable[[], None]) -> None:
-    """Compile, in parallel, the Triton kernel variants of a step before it first runs (``kernels.precompile``:
-    its launches become compile-only warm-ups). The torch ops of that pass run on unwritten kernel outputs: the
-    only state they reach is the ring row (which the real step then overwrites) and the bf16 weight copy (which
-    the real step casts again); the weight-gradient kernels, which add into the gradients, and the optimizer
-    kernels are skipped, so gradients, weights and moments stay as they were."""
-    try:
-        kernels.precompile(step)
-    except Exception as err:  # an optimisation only: the step compiles what it lacks as it launches it
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        warnings.warn(f"kernel precompile failed, kernels compile as the step meets them: {type(err).__name__}: "
-                      f"{first}", stacklevel=3)
-
-
 def train_static(pm: PackedModel, capacity: int, next_job: Callable[[int], SlotJob | None], *, pad_id: int,
                  on_step: Callable[[list[StepReport]], None] | None = None,
                  should_stop: Callable[[StepReport], bool] | None = None,
@@ -313,7 +298,10 @@ def train_static(pm: PackedModel, capacity: int, next_job: Callable[[int], SlotJ
             if triton and device.type == "cuda" and key not in prepared:
                 prepared.add(key)
                 t_compile = time.perf_counter()
-                _precompile(step)
+                # its torch ops reach only the ring row (the real step overwrites it) and the bf16 weight copy
+                # (cast again); the weight-gradient and optimizer kernels are skipped: gradients, weights and
+                # moments stay as they were
+                precompile(step)
                 result.compile_s += time.perf_counter() - t_compile
             if not triton and dropout:  # masks drawn by torch generators from Python seeds: eager only
                 step()

@@ -110,3 +110,13 @@ def test_a_static_heldout_shape_over_the_logits_budget_takes_the_dynamic_path(ti
 
     static_pack_evaluations(tiny_dirs("llama"), check)
     assert calls == []
+
+
+@pytest.mark.parametrize("triton", [True, False])
+def test_an_evaluation_graph_compiles_its_triton_kernels_in_parallel_before_its_capture(monkeypatch, triton) -> None:
+    order: list[str] = []
+    monkeypatch.setattr(eval_graph, "precompile", lambda fn: order.append("precompile"))
+    monkeypatch.setattr(eval_graph, "capture", lambda fn: order.append("capture") or type("C", (), {"graph": 1})())
+    graph = eval_graph._Graph(lambda: None, cuda=True, triton=triton)
+    assert graph.ready() and not graph.ready()  # captured once
+    assert order == (["precompile", "capture"] if triton else ["capture"])
