@@ -12,6 +12,7 @@
 # install with --no-compile otherwise makes the timed run compile every module it imports first (~11 s before
 # training starts on a 2-core CPU VM, ~4 s more for the report). BENCH_COLD_BYTECODE=1 skips this and measures
 # that cold case.
+# BENCH_WRAP prefixes the timed command, e.g. BENCH_WRAP="py-spy record -f raw -o spy.txt --" to profile it.
 # Usage: benchmarks/sweep_split.sh [CONFIG_DIR] [OVERRIDES...]   e.g. ... cfg train.max_steps=150 'pruning.rungs=[40]'
 # Writes into ${BENCH_OUT:-runs/bench-split}: run.log, gpu_util.txt, timing.json, status.txt.
 set -o pipefail
@@ -46,7 +47,7 @@ python3 -c "import torch, transformers, triton, peft; print(torch.__version__, t
 nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits -lms 500 > "$out/gpu_util.txt" &
 smi=$!
 SECONDS=0
-python3 -m sweep.cli run studies/demo-gpu.yaml "model.path=$model" "$@" --out "$out/run" --quiet > "$out/run.log" 2>&1
+$BENCH_WRAP python3 -m sweep.cli run studies/demo-gpu.yaml "model.path=$model" "$@" --out "$out/run" --quiet > "$out/run.log" 2>&1
 rc=$?
 wall=$SECONDS
 kill $smi
