@@ -12,6 +12,8 @@
 # install with --no-compile otherwise makes the timed run compile every module it imports first (~11 s before
 # training starts on a 2-core CPU VM, ~4 s more for the report). BENCH_COLD_BYTECODE=1 skips this and measures
 # that cold case.
+# Triton's kernel cache (~/.triton/cache, or $TRITON_CACHE_DIR) is what it is: warm after a first run on this machine.
+# BENCH_COLD_TRITON=1 points TRITON_CACHE_DIR at a new empty folder, to time a machine's first run.
 # BENCH_WRAP prefixes the timed command, e.g. BENCH_WRAP="py-spy record -f raw -o spy.txt --" to profile it.
 # Usage: benchmarks/sweep_split.sh [CONFIG_DIR] [OVERRIDES...]   e.g. ... cfg train.max_steps=150 'pruning.rungs=[40]'
 # Writes into ${BENCH_OUT:-runs/bench-split}: run.log, gpu_util.txt, timing.json, status.txt.
@@ -43,13 +45,17 @@ if [ -z "$BENCH_COLD_BYTECODE" ]; then
   python3 -m compileall -q -j 0 $site kernels packer evaluators sweep reports > /dev/null 2>&1
   echo "bytecode: compiled where missing in $site and the repository (BENCH_COLD_BYTECODE=1: left to the run)"
 fi
+if [ -n "$BENCH_COLD_TRITON" ]; then
+  export TRITON_CACHE_DIR=$(mktemp -d)
+  echo "triton cache: empty ($TRITON_CACHE_DIR), as on a machine's first run"
+fi
 python3 -c "import torch, transformers, triton, peft; print(torch.__version__, transformers.__version__, triton.__version__, peft.__version__, torch.cuda.get_device_name())"
 nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits -lms 500 > "$out/gpu_util.txt" &
 smi=$!
-SECONDS=0
+start=$(date +%s.%N)
 $BENCH_WRAP python3 -m sweep.cli run studies/demo-gpu.yaml "model.path=$model" "$@" --out "$out/run" --quiet > "$out/run.log" 2>&1
 rc=$?
-wall=$SECONDS
+wall=$(python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.1f}')" "$start" "$(date +%s.%N)")
 kill $smi
 cp "$out/run/timing.json" "$out/" 2>/dev/null
 python3 -m sweep.cli status "$out/run" > "$out/status.txt" 2>&1
@@ -61,7 +67,7 @@ run = json.load(open(sys.argv[1]))["runs"][-1]
 before = run.get("process_before_s")
 if before is not None:
     print(f"outside the split: {before:.1f} s before the run (imports), "
-          f"{float(sys.argv[2]) - before - run['wall_s']:.1f} s after it (report, exit; +-1 s: the wall is whole seconds)")
+          f"{float(sys.argv[2]) - before - run['wall_s']:.1f} s after it (report, exit)")
     # the samples (every 0.5 s from the command's start) from the end of the load to the end of the run
     util = [float(x) for x in open(sys.argv[3]).read().split()]
     t0, t1 = before + run["phases"]["load"], before + run["wall_s"]
