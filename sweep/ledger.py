@@ -34,10 +34,10 @@ from packer.checkpoint import discard_adapter
 from packer.errors import UserError
 from sweep.space import default_params, make_sampler
 from sweep.spec import StudySpec
-from sweep.storage import Sharing, last_beat, open_storage, storage_lock
+from sweep.storage import Sharing, last_beat, normalize_url, open_storage, storage_lock
 from sweep.store import ResultsStore, StudyDir, attrs, redact_url
 
-__all__ = ["Ledger", "Heartbeat", "open_study", "ORPHAN_REASON", "FINISHED", "is_default", "orphans"]
+__all__ = ["Ledger", "Heartbeat", "open_study", "storage_url", "ORPHAN_REASON", "FINISHED", "is_default", "orphans"]
 
 ORPHAN_REASON = "orphaned: the run stopped while this trial trained; its parameters were enqueued again"
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
@@ -203,7 +203,7 @@ def open_study(spec: StudySpec, sdir: StudyDir, sharing: Sharing | None = None) 
         UserError: the storage cannot be opened, or holds a study of this name with another search space
             or other objective directions.
     """
-    url = sharing.url if sharing is not None else spec.storage or sdir.optuna_url
+    url = storage_url(spec, sdir, sharing)
     with ExitStack() as stack:  # sharing: one worker at a time creates the tables, the study and its default
         try:
             if sharing is not None:
@@ -212,6 +212,12 @@ def open_study(spec: StudySpec, sdir: StudyDir, sharing: Sharing | None = None) 
         except Exception as err:  # SQLAlchemy raises many types for an unreachable or malformed URL
             raise _unopenable(url, err) from err
         return _create(spec, storage, url, sharing.worker if sharing is not None else 0), storage
+
+
+def storage_url(spec: StudySpec, sdir: StudyDir, sharing: Sharing | None = None) -> str:
+    """The Optuna storage of a run: the workers' shared one, the study's ``storage:`` (a plain ``*.log`` path is a
+    journal file) or the study directory's own (``StudyDir.optuna_url``)."""
+    return sharing.url if sharing is not None else normalize_url(spec.storage or sdir.optuna_url)
 
 
 def space_fingerprint(spec: StudySpec) -> str:

@@ -26,7 +26,7 @@ from packer.errors import UserError
 from packer.gguf import gguf_source
 from packer.model import PackedModel, load_base, resolve_base
 from sweep.budget import counted
-from sweep.ledger import Ledger, open_study
+from sweep.ledger import Ledger, open_study, storage_url
 from sweep.session import Session, own_directory, record_spec, trial_adapter_dir
 from sweep.spec import StudySpec
 from sweep.storage import Sharing, resume_clock, storage_lock
@@ -107,7 +107,7 @@ def _open(spec: StudySpec, sdir: StudyDir, device: str, log: Callable[[str], Non
         ledger = Ledger(study, storage, store, partial(trial_adapter_dir, spec, sdir), log)
         if sharing is None:
             ledger.recover()
-    url = sharing.url if sharing is not None else spec.storage or sdir.optuna_url
+    url = storage_url(spec, sdir, sharing)
     gguf = gguf_source(spec.model.path, spec.model.gguf_file)
     store.set_meta(name=spec.name, storage=strip_password(url), model=base,
                    **({"model_source": str(gguf)} if gguf else {}), data=str(spec.data.train),

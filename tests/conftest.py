@@ -90,6 +90,16 @@ class Recorder:
 DEMO_DATA = Path(__file__).resolve().parents[1] / "studies" / "data"
 
 
+def optuna_study(out: Path, name: str):  # noqa: ANN201
+    """The Optuna study a run left in study directory ``out``, from its default storage (``StudyDir.optuna_url``)."""
+    import optuna
+
+    from sweep.storage import open_storage
+    from sweep.store import StudyDir
+
+    return optuna.load_study(study_name=name, storage=open_storage(StudyDir(out).optuna_url))
+
+
 def write_study(tmp_path: Path, model_dir: Path, name: str = "small", **changes) -> Path:
     """A small CPU study file (6 trials of 12 steps, 3 slots, cohort SHA at step 6) with top-level
     sections replaced by ``changes``; written to ``tmp_path/<name>.yaml``, output ``runs-<name>``."""

@@ -13,8 +13,9 @@ A leaf: it imports no other lora-sweep module and nothing heavy, so the report (
 
 A study directory (default ``runs/<name>/``, see :class:`StudyDir`) holds::
 
-    optuna.db            Optuna RDB storage, the source of truth for trials (``optuna-dashboard sqlite:///...``);
-                         ``storage:`` in study.yaml may point to any other Optuna RDB URL instead
+    optuna.log           Optuna journal storage, the source of truth for trials (``optuna-dashboard <dir>/optuna.log``);
+                         a directory an earlier version started holds optuna.db (SQLite) instead and keeps it;
+                         ``storage:`` in study.yaml may point to any other Optuna RDB URL or journal file instead
     results.db           the tables below, for SQL queries and the HTML report
     study.yaml           the resolved study the last run used (overrides and aliases applied; also meta ``spec``)
     adapters/trial-<n>/  each completed trial's adapter in PEFT format (``PeftModel.from_pretrained``)

@@ -29,7 +29,7 @@ from sweep.spec import Budget, StudySpec
 from sweep.storage import open_storage, resume_clock, study_elapsed
 from sweep.store.attrs import CLOCK, HEARTBEAT, PLANNED_TOKENS, TOKENS
 from sweep.study import run_study
-from tests.conftest import DEMO_DATA, write_study
+from tests.conftest import DEMO_DATA, optuna_study, write_study
 from tests.sweep.test_worker import ENV, ROOT, _cli, _server_url, _study_file, _trials
 
 SMALL = {"max_steps": 10, "micro_batch": 4}
@@ -63,7 +63,7 @@ def test_one_run_stops_asking_once_the_tokens_trained_reach_the_budget(tiny_dirs
                                   budget={"tokens": budget, "trials": 12}, pruning={"kind": "none"},
                                   packing={"max_slots": 2}, evaluators=[{"name": "heldout_loss"}]))
     run_study(spec, log=lambda m: None)
-    trials = optuna.load_study(study_name="tokens-one", storage=f"sqlite:///{spec.out_dir / 'optuna.db'}").trials
+    trials = optuna_study(spec.out_dir, "tokens-one").trials
     _check_tokens(trials, spec.out_dir / "results.db", budget, slots=2, full=full)
 
 

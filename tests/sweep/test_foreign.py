@@ -17,6 +17,7 @@ from packer.errors import ConfigError
 from packer.tiny_data import arithmetic_rows, write_jsonl
 from sweep.loader import load_study
 from sweep.study import run_study
+from tests.conftest import optuna_study
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).parent / "data"
@@ -43,7 +44,7 @@ def _config(tmp_path: Path, model_dir: Path, name: str, **changes) -> Path:  # n
 
 
 def _trials(out: Path, name: str) -> list[optuna.trial.FrozenTrial]:
-    return optuna.load_study(study_name=name, storage=f"sqlite:///{out / 'optuna.db'}").get_trials()
+    return optuna_study(out, name).get_trials()
 
 
 def test_axolotl_lora_1b_runs_a_small_study(tiny_dirs, tmp_path, caplog) -> None:

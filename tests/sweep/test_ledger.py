@@ -101,3 +101,18 @@ def test_heartbeat_thread_beats_the_live_trials(ledger: Ledger) -> None:
         while attrs.HEARTBEAT not in ledger.running()[0].system_attrs and time.time() < deadline:
             time.sleep(0.05)
     assert attrs.HEARTBEAT in ledger.running()[0].system_attrs
+
+
+def test_storage_url_is_the_shared_one_the_studys_or_the_directorys(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from sweep.ledger import storage_url
+    from sweep.storage import Sharing
+    from sweep.store import StudyDir
+
+    sdir = StudyDir(tmp_path / "run")
+    assert storage_url(SimpleNamespace(storage=None), sdir) == sdir.optuna_url  # type: ignore[arg-type]
+    plain = SimpleNamespace(storage="studies.log")  # a plain journal path in study.yaml, as workers take it
+    assert storage_url(plain, sdir) == f"journal://{Path('studies.log').absolute()}"  # type: ignore[arg-type]
+    shared = Sharing(url="sqlite:///shared.db")
+    assert storage_url(plain, sdir, shared) == "sqlite:///shared.db"  # type: ignore[arg-type]

@@ -18,14 +18,16 @@ import yaml
 from optuna.trial import TrialState
 
 from sweep.loader import load_study
+from sweep.storage import open_storage
+from sweep.store import StudyDir
 from sweep.study import run_study
-from tests.conftest import write_study
+from tests.conftest import optuna_study, write_study
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _trials(out: Path, name: str) -> list[optuna.trial.FrozenTrial]:
-    return optuna.load_study(study_name=name, storage=f"sqlite:///{out / 'optuna.db'}").get_trials()
+    return optuna_study(out, name).get_trials()
 
 
 def _spans(out: Path) -> list[tuple]:
@@ -309,7 +311,7 @@ def test_second_run_on_a_directory_in_use_exits_2_and_the_first_finishes(tiny_di
 
 
 def test_a_dead_runs_lock_is_taken_over(tmp_path) -> None:
-    from sweep.store import DirectoryInUse, StudyDir
+    from sweep.store import DirectoryInUse
 
     sdir = StudyDir(tmp_path / "study")
     dead = subprocess.run([sys.executable, "-c", "import sys; from sweep.store import StudyDir; "
@@ -563,7 +565,7 @@ def test_join_becomes_a_worker_of_a_shared_run_and_refuses_a_single_one(tiny_dir
 
     def storage_of(out: Path):  # type: ignore[no-untyped-def]
         return optuna.storages.JournalStorage(JournalFileBackend(str(log))) if out.name == "runs-joined" else \
-            f"sqlite:///{out / 'optuna.db'}"
+            open_storage(StudyDir(out).optuna_url)
 
     owner = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(shared), "--workers", "1", "--storage",
                               str(log), "--quiet"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import sqlite3
 
-import optuna
 import pytest
 import yaml
 from optuna.trial import TrialState
@@ -18,7 +17,7 @@ from sweep.loader import load_study
 from sweep.space import adapter_spec
 from sweep.store.attrs import PLANNED_TOKENS, TOKENS
 from sweep.study import run_study
-from tests.conftest import DEMO_DATA, write_study
+from tests.conftest import DEMO_DATA, optuna_study, write_study
 
 
 def _small_data(tmp_path, n: int = 48, split: str = "train"):  # noqa: ANN001, ANN202
@@ -46,7 +45,7 @@ def test_epochs_give_each_trial_its_steps_and_tokens_match_the_plan(tiny_dirs, t
     run_study(spec, log=lambda m: None)
     model, tok = load_base(str(tiny_dirs("llama")))
     examples = load_examples(spec.data.train, tok, fmt="prompt_completion", max_length=48)
-    trials = optuna.load_study(study_name="epochs", storage=f"sqlite:///{spec.out_dir / 'optuna.db'}").get_trials()
+    trials = optuna_study(spec.out_dir, "epochs").get_trials()
     assert len(trials) == 4 and all(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials)
     with sqlite3.connect(spec.out_dir / "results.db") as db:
         done = dict(db.execute("select number, steps_done from trials").fetchall())
@@ -117,7 +116,7 @@ def test_eval_every_records_a_heldout_curve_and_optuna_intermediates(tiny_dirs, 
     spec = load_study(path)
     assert spec.train.eval_every == 2
     run_study(spec, log=lambda m: None)
-    trials = optuna.load_study(study_name="curve", storage=f"sqlite:///{spec.out_dir / 'optuna.db'}").get_trials()
+    trials = optuna_study(spec.out_dir, "curve").get_trials()
     with ResultsStore(spec.out_dir / "results.db", create=False) as store:
         for t in trials:
             curve = {e.step: e.value for e in store.evals(trial=t.number, kind="curve")}

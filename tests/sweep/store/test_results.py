@@ -48,9 +48,10 @@ def test_study_dir_layout(tmp_path: Path) -> None:
     assert not sd.exists() and not sd.is_study()
     sd.create()
     assert sd.exists() and sd.adapters.is_dir() and not sd.is_study()
-    assert sd.optuna_db == sd.root / "optuna.db"
+    assert sd.optuna_url == f"journal://{(sd.root / 'optuna.log').resolve()}"  # a new study: a journal file
+    assert Path(sd.optuna_url.removeprefix("journal://")).is_absolute()
+    sd.optuna_db.touch()  # a directory an earlier version started keeps its SQLite storage
     assert sd.optuna_url == f"sqlite:///{(sd.root / 'optuna.db').resolve()}"
-    assert sd.optuna_url.startswith("sqlite:////")  # absolute path
     assert sd.adapter_dir(7) == sd.root / "adapters" / "trial-7"
     assert (sd.results_db.name, sd.report_html.name, sd.study_yaml.name, sd.lock.name) == (
         "results.db",
