@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from kernels import resolve_impl
 from packer.batch import IGNORE_INDEX
 from packer.capture import capture, precompile
+from packer.loss import output_head
 from packer.model import PackedModel
 from packer.static import ShapeBuffers, StaticStore, fused_loss_head, static_head_losses
 
@@ -69,7 +70,7 @@ def heldout_fits(pm: PackedModel, rows: int, seq_len: int) -> bool:
     store = pm.static
     if store is None:
         return False
-    head = pm.model.get_output_embeddings() if hasattr(pm.model, "get_output_embeddings") else None
+    head = output_head(pm.model)
     vocab = getattr(getattr(head, "weight", None), "shape", (getattr(pm.model.config, "vocab_size", 0),))[0]
     return store.capacity * rows * seq_len * vocab * 4 <= STATIC_LOGITS_BYTES
 

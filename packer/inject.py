@@ -14,6 +14,7 @@ from transformers.pytorch_utils import Conv1D
 
 from packer.errors import ConfigError
 from packer.layer import PackedLoRALinear, PackState
+from packer.loss import output_head
 from packer.plan import ALL_LINEAR, adapter_param_count
 from packer.quant import NF4Linear
 
@@ -30,14 +31,9 @@ def linear_shape(module: nn.Module) -> tuple[int, int] | None:
     return None
 
 
-def _output_head(model: nn.Module) -> nn.Module | None:
-    get = getattr(model, "get_output_embeddings", None)
-    return get() if callable(get) else None
-
-
 def projection_names(model: nn.Module) -> dict[str, str]:
     """Full path -> leaf name of every adaptable projection, in module order (output head excluded)."""
-    head = _output_head(model)
+    head = output_head(model)
     out: dict[str, str] = {}
     wrapped: set[str] = set()
     for path, module in model.named_modules():

@@ -28,7 +28,7 @@ from kernels import PackLayout
 from packer.batch import IGNORE_INDEX, row_slots
 from packer.errors import ConfigError
 
-__all__ = ["DEFAULT_CHUNK_TOKENS", "chunked_slot_losses", "check_plain_head"]
+__all__ = ["DEFAULT_CHUNK_TOKENS", "chunked_slot_losses", "check_plain_head", "output_head", "plain_output_head"]
 
 DEFAULT_CHUNK_TOKENS = 4096
 """Tokens per chunk: 4096 x 152k x 4 B = 2.5 GB of fp32 logits at a time for a Qwen2-sized vocabulary."""
@@ -53,6 +53,30 @@ def check_plain_head(config: object) -> None:
         if value is not None and value != neutral:
             raise ConfigError(f"chunked_ce: the model post-processes its logits ({name}={value}); "
                               "train it with chunked_ce off")
+
+
+def output_head(model: nn.Module) -> nn.Module | None:
+    """The model's output projection (transformers' ``get_output_embeddings()``), None where it has none.
+
+    The one lookup of the head: the passes that must leave it alone (LoRA targets, NF4) and the ones that only read
+    its size call this; the loss paths that compute logits from it call ``plain_output_head``.
+    """
+    get = getattr(model, "get_output_embeddings", None)
+    return get() if callable(get) else None
+
+
+def plain_output_head(model: nn.Module) -> nn.Module:
+    """``output_head(model)``, checked to produce the logits unchanged (``check_plain_head``): what
+    ``chunked_slot_losses`` may take the loss through.
+
+    Raises:
+        ConfigError: the model has no output head, or post-processes its logits (soft-capping, scaling).
+    """
+    head = output_head(model)
+    if head is None:
+        raise ConfigError(f"chunked_ce: {type(model).__name__} has no output head (get_output_embeddings)")
+    check_plain_head(getattr(model, "config", None))
+    return head
 
 
 def _chunk_nll(head: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ from packer.errors import ConfigError, UserError
 from packer.fuse import FusedGatedMLP, FusedRMSNorm, fuse_base_ops, rope_kernel_probe
 from packer.inject import inject, resolve_targets
 from packer.layer import PackedLoRALinear, PackState
-from packer.loss import check_plain_head
+from packer.loss import plain_output_head
 from packer.plan import AdapterSpec
 from packer.quant import quantize_base
 from packer.slices import SliceGroup, link_groups
@@ -327,12 +327,7 @@ class PackedModel:
         Raises:
             ConfigError: the model has no output head, or post-processes its logits (soft-capping, scaling).
         """
-        get = getattr(self.model, "get_output_embeddings", None)
-        head = get() if callable(get) else None
-        if head is None:
-            raise ConfigError(f"chunked_ce: {type(self.model).__name__} has no output head (get_output_embeddings)")
-        check_plain_head(getattr(self.model, "config", None))
-        return head
+        return plain_output_head(self.model)
 
     def set_activation_checkpointing(self, enabled: bool) -> None:
         """Recompute each decoder layer's activations in the backward instead of keeping them.

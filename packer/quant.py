@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from packer.errors import ConfigError
+from packer.loss import output_head
 
 __all__ = ["QUANTIZE", "NF4Linear", "quantize_base", "dequantize_base", "nf4_bytes", "BLOCK", "SCALE_BLOCK"]
 
@@ -99,8 +100,7 @@ class NF4Linear(nn.Module):
 
 def _replace(model: nn.Module, swap: type, make: Any) -> list[str]:
     """Replace every module of type ``swap`` but the output head with ``make(module, path)``; their paths."""
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
+    head = output_head(model)
     paths = [p for p, m in model.named_modules() if type(m) is swap and m is not head and p]
     for path in paths:
         parent_path, _, leaf = path.rpartition(".")
@@ -129,7 +129,7 @@ def quantize_base(model: nn.Module, kind: str | None) -> list[str]:
         return []
     if kind not in QUANTIZE:
         raise ConfigError(f"model.quantize: must be one of {', '.join(QUANTIZE)} (got {kind!r})")
-    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    head = output_head(model)
     for path, m in model.named_modules():  # checked before any is replaced: a refusal leaves the model as it was
         if type(m) is nn.Linear and m is not head and m.weight.numel() % BLOCK:
             raise ConfigError(f"model.quantize: nf4 needs every linear weight's size to be a multiple of {BLOCK}; "

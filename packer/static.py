@@ -47,7 +47,7 @@ from packer.batch import IGNORE_INDEX
 from packer.errors import ConfigError
 from packer.inject import inject, resolve_targets
 from packer.layer import PackedLoRALinear, PackState
-from packer.loss import check_plain_head
+from packer.loss import plain_output_head
 from packer.plan import ALL_LINEAR
 
 __all__ = ["StaticStore", "ShapeBuffers", "OPT_FIELDS", "SEG_INT", "SEG_FLT", "static_losses", "static_head_losses",
@@ -295,15 +295,13 @@ def shift_targets(labels: torch.Tensor) -> torch.Tensor:
 def fused_loss_head(model: nn.Module) -> nn.Linear | None:
     """The frozen linear output head ``static_head_losses`` can take ``model``'s loss through, or None where the step
     must compute full logits (``static_losses``): a model without a decoder body (``base_model``) or output head,
-    one whose logits are not the head's output (``packer.loss.check_plain_head``, as ``PackedModel.output_head``), a
+    one whose logits are not the head's output (``packer.loss.plain_output_head``, as ``PackedModel.output_head``), a
     head that is not a plain frozen ``nn.Linear``."""
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
-    if getattr(model, "base_model", model) is model or not isinstance(head, nn.Linear):
-        return None
     try:
-        check_plain_head(getattr(model, "config", None))
+        head = plain_output_head(model)
     except ConfigError:
+        return None
+    if getattr(model, "base_model", model) is model or not isinstance(head, nn.Linear):
         return None
     return None if any(p.requires_grad for p in head.parameters()) else head
 

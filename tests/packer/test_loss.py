@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from packer.batch import IGNORE_INDEX, collate
 from packer.data import Example, SlotStream
 from packer.errors import ConfigError
-from packer.loss import chunked_slot_losses
+from packer.loss import chunked_slot_losses, output_head, plain_output_head
 from packer.model import PackedModel, load_base
 from packer.plan import AdapterSpec
 from packer.probe import peak_memory
@@ -118,6 +118,28 @@ def test_chunked_ce_refuses_logit_postprocessing(tiny_dirs) -> None:
     with pytest.raises(ValueError, match="chunked_ce"):
         train(pm, 1, lambda slot: None, pad_id=PAD, chunked_ce=0)
 
+
+def test_output_head_lookup() -> None:
+    """``output_head``: the head or None; ``plain_output_head``: the head, or a ConfigError naming what is wrong."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config("llama", 64), dtype=torch.float32)
+    assert output_head(model) is model.lm_head
+    assert plain_output_head(model) is model.lm_head
+    model.config.final_logit_softcapping = 30.0  # Gemma-2's: the head's output is not the logits
+    assert output_head(model) is model.lm_head
+    with pytest.raises(ConfigError, match=r"^chunked_ce: the model post-processes its logits "
+                                          r"\(final_logit_softcapping=30.0\)"):
+        plain_output_head(model)
+
+    class Headless(torch.nn.Module):  # an encoder: transformers' get_output_embeddings() answers None
+        def get_output_embeddings(self) -> None:
+            return None
+
+    for bare in (torch.nn.Linear(4, 8), Headless()):
+        assert output_head(bare) is None
+        with pytest.raises(ConfigError, match=rf"^chunked_ce: {type(bare).__name__} has no output head"):
+            plain_output_head(bare)
 
 
 def test_chunked_ce_lowers_peak_memory_with_a_large_vocabulary() -> None:
