@@ -427,9 +427,9 @@ def _leave(code: int) -> NoReturn:
 
     After a CUDA run that teardown (collecting every module, then torch's and the driver's destructors of the
     captured graphs, memory pools and the context) took ~2 s on an H200 host, in every ``sweep run``, after the
-    last result was written. Nothing depends on it: SQLite commits are durable when made, files are written
-    atomically, the study directory's lock is an ``flock`` the kernel drops with the process, and the sweep's
-    threads are daemons or joined by then.
+    last result was written. Nothing depends on it: Optuna's journal appends and SQLite commits are synced when
+    made, files are written atomically, the study directory's lock is an ``flock`` the kernel drops with the
+    process, and the sweep's threads are daemons or joined by then.
     """
     atexit._run_exitfuncs()
     sys.stdout.flush()
