@@ -328,6 +328,20 @@ def test_a_dead_runs_lock_is_taken_over(tmp_path) -> None:
     assert sdir.lock.read_text() == "", "a clean release names no owner"
 
 
+def test_a_directory_an_earlier_version_started_on_sqlite_resumes_from_it(tiny_dirs, tmp_path) -> None:
+    path = write_study(tmp_path, tiny_dirs("llama"), name="older", budget={"trials": 2}, pruning={"kind": "none"},
+                       train={"max_steps": 4, "micro_batch": 2}, evaluators=[{"name": "heldout_loss"}])
+    out = tmp_path / "runs-older"
+    sqlite = f"sqlite:///{(out / 'optuna.db').resolve()}"  # the default storage of versions before the journal
+    run_study(load_study(str(path), [f"storage={sqlite}"]), log=lambda m: None)
+    first = {t.number: t.params for t in optuna.load_study(study_name="older", storage=sqlite).trials}
+    run_study(load_study(str(path), ["budget.trials=4"]), log=lambda m: None)  # no storage: the directory's own
+    assert not (out / "optuna.log").exists()
+    trials = optuna.load_study(study_name="older", storage=sqlite).trials
+    assert len(first) == 2 and len(trials) == 4 and all(t.state == TrialState.COMPLETE for t in trials)
+    assert {t.number: t.params for t in trials if t.number in first} == first
+
+
 def test_overrides_are_recorded_and_a_changed_fixed_key_is_refused_on_resume(tiny_dirs, tmp_path) -> None:
     from packer.errors import UserError
     from sweep.store import ResultsStore
