@@ -148,7 +148,8 @@ def _budget(meta: dict[str, Any]) -> dict[str, Any]:
 
 
 def _storage(url: str) -> Any:
-    """An RDB URL as is; ``journal:///path`` (the several-workers-on-one-host form) as a JournalStorage."""
+    """An RDB URL as is; ``journal:///path`` (a study directory's default, or workers' on one host) as a
+    JournalStorage."""
     if not url.startswith("journal:///"):
         return url
     import optuna

@@ -160,7 +160,8 @@ def launch(study_file: str, overrides: tuple[str, ...], spec: StudySpec, url: st
 
 
 def with_storage(spec: StudySpec, url: str | None) -> tuple[StudySpec, str]:
-    """The spec with its shared storage URL set (``url``, the study's, or the study directory's SQLite)."""
+    """The spec with its shared storage URL set (``url``, the study's, or the study directory's own:
+    ``StudyDir.optuna_url``)."""
     from sweep.storage import normalize_url
 
     chosen = normalize_url(url or spec.storage or StudyDir(spec.out_dir).optuna_url)
