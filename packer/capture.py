@@ -3,7 +3,8 @@
 
 The training step (``packer.static_loop``), the static evaluation forwards (``packer.eval_graph``) and the PEFT
 baseline of ``benchmarks.gpu_graph`` capture through this one function. ``precompile`` compiles, in parallel,
-the Triton kernels such a function launches before its first run.
+the Triton kernels such a function launches before its first run (those, and the dynamic step's
+``PackedModel.precompile``).
 """
 
 from __future__ import annotations

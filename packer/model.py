@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,8 +27,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-import kernels
 from kernels import IMPLS, Impl, PackLayout, resolve_impl
+from packer.capture import precompile
 from packer.errors import ConfigError, UserError
 from packer.fuse import FusedGatedMLP, FusedRMSNorm, fuse_base_ops, rope_kernel_probe
 from packer.inject import inject, resolve_targets
@@ -275,11 +274,7 @@ class PackedModel:
             probes.setdefault(*rope)
         if not probes:
             return
-        try:
-            kernels.precompile(lambda: [run() for run in probes.values()])
-        except Exception as err:  # an optimisation only: the step compiles what it lacks as it launches it
-            warnings.warn(f"kernel precompile failed, kernels compile as the step meets them: "
-                          f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}", stacklevel=2)
+        precompile(lambda: [run() for run in probes.values()])
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, layout: PackLayout | None,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
