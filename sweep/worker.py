@@ -24,7 +24,7 @@ import optuna
 
 from sweep.affinity import allowed_cpus, cpu_list, cpu_shares
 from sweep.budget import shared_budget
-from sweep.ledger import Ledger
+from sweep.ledger import Ledger, storage_url
 from sweep.session import trial_adapter_dir
 from sweep.spec import StudySpec
 from sweep.storage import Sharing, open_storage, storage_lock
@@ -164,5 +164,5 @@ def with_storage(spec: StudySpec, url: str | None) -> tuple[StudySpec, str]:
     ``StudyDir.optuna_url``)."""
     from sweep.storage import normalize_url
 
-    chosen = normalize_url(url or spec.storage or StudyDir(spec.out_dir).optuna_url)
+    chosen = normalize_url(url) if url else storage_url(spec, StudyDir(spec.out_dir))
     return dataclasses.replace(spec, storage=chosen), chosen
