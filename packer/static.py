@@ -137,6 +137,8 @@ class StaticStore:
         then read (and cast) the fp32 masters, per layer call."""
         self.a_op: dict[str, torch.Tensor] = {}
         self.bt_op: dict[str, torch.Tensor] = {}
+        self._slot_rows: dict[int, list[torch.Tensor]] = {}
+        """Slot -> its rows of every leaf in the four buffers (``reset_slot``)."""
 
     def use_operands(self, act: torch.dtype) -> None:
         """Keep a copy of every layer's A and B^T in the dtype the Triton kernels' dots read them in for
@@ -174,12 +176,15 @@ class StaticStore:
     @torch.no_grad()
     def reset_slot(self, slot: int) -> None:
         """Zero the slot's rows (weights, gradients, moments) in every layer: a fresh slot starts from the zero
-        padding the layout relies on."""
-        r0, r1 = slot * self.rank_bucket, (slot + 1) * self.rank_bucket
-        for p in self.paths:
-            for leaf in (self.a[p], self.bt[p]):
-                for buf in self._views(leaf):
-                    buf[r0:r1].zero_()
+        padding the layout relies on.
+
+        One multi-tensor zero over views kept per slot: a ``zero_`` per view (4 buffers x 2 leaves x 210 layers
+        of SmolLM2) took 3.9 s of host time over a 48-trial sweep on the H200, with the GPU idle at the refill."""
+        if slot not in self._slot_rows:
+            r0, r1 = slot * self.rank_bucket, (slot + 1) * self.rank_bucket
+            self._slot_rows[slot] = [buf[r0:r1] for p in self.paths for leaf in (self.a[p], self.bt[p])
+                                     for buf in self._views(leaf)]
+        torch._foreach_zero_(self._slot_rows[slot])
 
     def _views(self, leaf: nn.Parameter) -> list[torch.Tensor]:
         """The leaf's rows in all four buffers (weights, gradients, exp_avg, exp_avg_sq)."""
