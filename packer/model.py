@@ -141,6 +141,10 @@ class PackedModel:
         self.layers: dict[str, PackedLoRALinear] = {}
         self.groups: list[SliceGroup] = []
         """Shared-input groups of the wrapped projections (``packer.slices``)."""
+        self._linked = 0
+        """How many wrapped layers ``groups`` was linked over (more wrapped since: link again)."""
+        self._targets: dict[tuple[str, ...], list[str]] = {}
+        """A slot's targets -> the paths they resolve to."""
         self.specs: dict[int, AdapterSpec] = {}
         self.slot_paths: dict[int, list[str]] = {}
         self.flat: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
@@ -165,9 +169,13 @@ class PackedModel:
         """
         if slot in self.specs:
             raise ValueError(f"slot {slot} is occupied")
-        paths = resolve_targets(self.model, spec.targets)
-        inject(self.model, paths, self.state, self.layers)
-        self.groups = link_groups(self.layers)
+        key = tuple(spec.targets)
+        if key not in self._targets:  # a walk of the model's modules: once per target set, not per slot
+            self._targets[key] = resolve_targets(self.model, key)
+        paths = list(self._targets[key])
+        if any(p not in self.layers for p in paths) or len(self.layers) != self._linked:
+            inject(self.model, paths, self.state, self.layers)  # a static store wraps every projection up front
+            self.groups, self._linked = link_groups(self.layers), len(self.layers)
         for path in paths:
             layer = self.layers[path]
             if spec.rank > min(layer.in_features, layer.out_features):
