@@ -100,13 +100,18 @@ def save_adapters(pm: PackedModel, items: Sequence[tuple[int, str | Path, dict[s
 
 def _host_tensors(pm: PackedModel, slot: int, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     """The slot's PEFT tensors on the host. One device-to-host copy of all of them: a copy per tensor
-    waits for the device each time (two per projection: 336 for a 24-layer model)."""
+    waits for the device each time (two per projection: 336 for a 24-layer model). They are gathered on the
+    device by one multi-tensor copy (casting, and laying out each B^T view as B): a cast or copy per tensor
+    took ~50 ms of host time per slot on SmolLM2's 210 projections, with the GPU idle while trials end."""
     names, parts = [], []
     for path, (a, b) in pm.slot_weights(slot).items():
         names += [f"base_model.model.{path}.lora_A.weight", f"base_model.model.{path}.lora_B.weight"]
         parts += [a.detach(), b.detach()]
     dtype = dtype or parts[0].dtype
-    flat = torch.cat([p.reshape(-1).to(dtype) for p in parts]).cpu()
+    gathered = torch.empty(sum(p.numel() for p in parts), dtype=dtype, device=parts[0].device)
+    torch._foreach_copy_([c.view(p.shape) for p, c in zip(parts, gathered.split([p.numel() for p in parts]),
+                                                           strict=True)], parts)
+    flat = gathered.cpu()
     # safetensors refuses tensors that share memory: each gets its own copy of its slice
     return {name: chunk.view(p.shape).clone()
             for name, p, chunk in zip(names, parts, flat.split([p.numel() for p in parts]), strict=True)}

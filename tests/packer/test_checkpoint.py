@@ -122,3 +122,19 @@ def test_load_adapter_rejects_mismatch(tiny_dirs, tmp_path) -> None:
         load_adapter(pm, 1, tmp_path / "a")
     with pytest.raises(UserError, match="not found"):
         load_adapter(pm, 1, tmp_path / "missing")
+
+
+def test_a_save_in_another_dtype_holds_each_tensor_cast_and_laid_out_as_peft(tiny_dirs, tmp_path) -> None:
+    model, _ = load_base(str(tiny_dirs("llama")))
+    pm = PackedModel(model)
+    pm.add_slot(0, SPECS["llama"][0])
+    with torch.no_grad():  # B starts at zero: give it values that a wrong layout or cast would show
+        for _, b in pm.slot_weights(0).values():
+            b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(b.numel())))
+    saved = load_file(str(save_adapter(pm, 0, tmp_path / "a", base_model_name_or_path="x", dtype=torch.bfloat16)
+                          / "adapter_model.safetensors"))
+    for path, (a, b) in pm.slot_weights(0).items():
+        for kind, want in (("A", a), ("B", b)):
+            got = saved[f"base_model.model.{path}.lora_{kind}.weight"]
+            assert got.dtype == torch.bfloat16 and got.shape == want.shape
+            assert torch.equal(got, want.detach().to(torch.bfloat16))
