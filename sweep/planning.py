@@ -24,8 +24,8 @@ from packer.plan import MemoryModel
 from packer.probe import available_memory, calibrate
 from sweep.spec import StudySpec
 
-__all__ = ["auto_slots", "check_targets", "PlanReport", "plan_pack", "trial_micro_steps", "MEMORY_FRACTION",
-           "MAX_AUTO_SLOTS", "PLAN_CALIBRATIONS"]
+__all__ = ["auto_slots", "check_targets", "largest_rank", "PlanReport", "plan_pack", "trial_micro_steps",
+           "MEMORY_FRACTION", "MAX_AUTO_SLOTS", "PLAN_CALIBRATIONS"]
 
 MEMORY_FRACTION = 0.85
 """Share of the device's available memory a pack may plan for (the rest: fragmentation, evaluation)."""
@@ -110,9 +110,14 @@ def _largest(spec: StudySpec, name: str, fixed: object) -> int:
     return int(fixed) if p is None else max(int(v) for v in (p.choices if p.kind == "categorical" else [p.high]))
 
 
+def largest_rank(spec: StudySpec) -> int:
+    """The largest rank a trial of the space can have: what a pack is planned for and sized by."""
+    return _largest(spec, "rank", spec.train.rank)
+
+
 def _worst(spec: StudySpec) -> tuple[int, int]:
     """(largest rank, largest micro-batch) over the space; the worst slot targets every projection."""
-    return _largest(spec, "rank", spec.train.rank), _largest(spec, "micro_batch", spec.train.micro_batch)
+    return largest_rank(spec), _largest(spec, "micro_batch", spec.train.micro_batch)
 
 
 def trial_micro_steps(spec: StudySpec, micro: int, examples: Sequence[Example] | None = None) -> int:

@@ -37,10 +37,12 @@ from packer.data import load_examples
 from packer.errors import UserError
 from packer.model import PackedModel
 from packer.plan import AdapterSpec
+from packer.static_loop import rank_bucket_for
 from packer.train import SlotEnd, SlotJob, StepReport, train
 from sweep._trial_data import check_packing, planned_tokens, trial_adapter, trial_stream
 from sweep.budget import TokenPlan, budget_state
 from sweep.ledger import Heartbeat, Ledger, is_default
+from sweep.planning import largest_rank
 from sweep.pruning import CohortSHA
 from sweep.resume import open_session
 from sweep.session import Session
@@ -467,7 +469,10 @@ def _train_pack(sweep: _Sweep, session: Session) -> bool:
                            activation_checkpointing=spec.packing.activation_checkpointing,
                            cuda_graphs=spec.packing.cuda_graphs, sync_steps=sweep.sha.rungs if sweep.sha else (),
                            static_shapes=None if _static_step_fits(spec) else False,
-                           optimizer_in_backward=spec.train.optimizer_in_backward)
+                           optimizer_in_backward=spec.train.optimizer_in_backward,
+                           # the bucket of the space's largest rank from the first step, as the pack is planned:
+                           # a bucket grown when such a trial arrives re-captures every graph and precompiles again
+                           rank_bucket=rank_bucket_for(largest_rank(spec)))
         for part, seconds in (("precompile", result.compile_s), ("warm-up", result.warmup_s),
                               ("capture", result.capture_s)):
             sweep.split.move(seconds, "train", "compile", detail=f"compile:{part}")

@@ -600,3 +600,29 @@ def test_join_becomes_a_worker_of_a_shared_run_and_refuses_a_single_one(tiny_dir
     proc.send_signal(signal.SIGINT)  # its own end is another test's
     proc.wait(timeout=120)
     assert refused.returncode == 2 and "runs the study alone" in refused.stderr, refused.stderr
+
+
+def test_a_static_pack_is_sized_once_by_the_spaces_largest_rank(tiny_dirs, tmp_path, monkeypatch) -> None:
+    """The static step's store takes the rank bucket of the space's largest rank from its first slot: a bucket
+    grown when a larger-rank trial arrives would re-capture every graph and precompile again (on CPU the static
+    step runs eagerly; forced here)."""
+    import packer.static_loop
+    import packer.train
+    import sweep.study
+
+    buckets: list[int] = []
+    real = packer.static_loop._new_store
+
+    def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
+        store = real(*args, **kwargs)
+        buckets.append(store.rank_bucket)
+        return store
+
+    monkeypatch.setattr(packer.static_loop, "_new_store", recording)
+    monkeypatch.setattr(sweep.study, "train", lambda *a, **k: packer.train.train(*a, **{**k, "static_shapes": True}))
+    search = {"rank": [2, 4, 16, 24], "lr": {"low": 1e-4, "high": 3e-2, "log": True}, "targets": {"all": "all-linear"}}
+    spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name="bucket", search=search))
+    summary = run_study(spec, log=lambda m: None)
+    ranks = [t.params["rank"] for t in _trials(spec.out_dir, "bucket")]
+    assert summary.complete + summary.pruned == 6 and ranks[0] == 16 and 24 in ranks  # the default (r=16) first
+    assert buckets == [32], "one store, of the bucket holding rank 24, for the whole pack"
