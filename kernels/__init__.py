@@ -41,6 +41,7 @@ from kernels.meta import LayerRanks, PackLayout, dropout_seed, group_rows
 from kernels.reference import lora_loop, lora_masked_dense
 
 __all__ = ["packed_lora", "packed_lora_linear", "packed_lora_linear_slices", "packed_lora_static", "precompile",
+           "hash_compiler_early",
            "lora_operand_dtype",
            "rms_norm", "silu_mul", "rope", "rope_problem", "static_linear_ce", "segmented_sumsq", "segmented_adamw_",
            "static_meta",
@@ -310,3 +311,10 @@ def precompile(run: Callable[[], object]) -> None:
     """Compile, in parallel, the Triton kernel variants that ``run`` launches (``kernels._jit.precompile``:
     launches become compile-only warm-ups while ``run`` executes)."""
     _triton_module("_jit").precompile(run)
+
+
+def hash_compiler_early() -> None:
+    """Where the Triton kernels will run, start hashing Triton's compiler on a thread now, beside the Python work
+    that comes before the first kernel (``kernels._jit.hash_compiler_early``); nothing without triton."""
+    if triton_available():
+        _triton_module("_jit").hash_compiler_early()

@@ -7,7 +7,9 @@ Imported only by the kernel modules (``triton_lora``, ``triton_slices``, ``trito
 
 from __future__ import annotations
 
+import importlib
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import Context, ContextVar, copy_context
@@ -20,8 +22,8 @@ try:  # the one guarded import of triton in the project (style guide habit 11): 
 except ImportError as err:
     raise ImportError("kernels' Triton path needs triton: pip install 'lora-sweep[triton]'") from err
 
-__all__ = ["INTERPRET", "PRECOMPILE_THREADS", "check_device", "launch", "precompile", "warming", "warm_context",
-           "run_in", "tl", "triton"]
+__all__ = ["INTERPRET", "PRECOMPILE_THREADS", "check_device", "hash_compiler_early", "launch", "precompile", "warming",
+           "warm_context", "run_in", "tl", "triton"]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 """Read once, as ``@triton.jit`` does when it decorates a kernel."""
@@ -35,6 +37,28 @@ _WARMING: ContextVar[list | None] = ContextVar("lora_kernels_warming", default=N
 warm-ups. A context variable does not reach other threads, and on CUDA autograd runs every backward on its own
 device thread: each autograd Function of the kernel modules carries its forward's context over to its backward
 (``warm_context``, ``run_in``), and Triton's ``AsyncCompileMode``, a context variable too, with it."""
+
+
+_COMPILER_KEY: threading.Thread | None = None
+"""The thread ``hash_compiler_early`` started (None: not started)."""
+
+
+def hash_compiler_early() -> None:
+    """Start computing Triton's compiler hash on a daemon thread; the process's first compile then finds it done.
+
+    Every compile's cache key includes ``triton_key()``: a SHA-256 of Triton's own sources and of libtriton
+    (~500 MB), computed once per process at the first compile or cache lookup (0.4-0.5 s of the H200 host's first
+    precompile, py-spy). Reading and hashing in large blocks release the GIL, so on a thread it overlaps the
+    Python work that comes before the first kernel (imports, loading the model). Off under the interpreter."""
+    global _COMPILER_KEY
+    if _COMPILER_KEY is not None or INTERPRET:
+        return
+    for where in ("triton.runtime.cache", "triton.compiler.compiler"):  # Triton 3.6 / earlier
+        key = getattr(importlib.import_module(where), "triton_key", None)
+        if callable(key) and hasattr(key, "cache_info"):  # lru_cached: the one computation every compile reuses
+            _COMPILER_KEY = threading.Thread(target=key, name="triton-key", daemon=True)
+            _COMPILER_KEY.start()
+            return
 
 
 def check_device(t: torch.Tensor, module: str) -> None:
@@ -88,6 +112,8 @@ def precompile(run: Callable[[], object], threads: int = PRECOMPILE_THREADS) -> 
         from triton.runtime._async_compile import AsyncCompileMode
     except ImportError:  # an older Triton: the warm-ups still compile before the step, one after another
         AsyncCompileMode = None  # noqa: N806
+    if _COMPILER_KEY is not None:
+        _COMPILER_KEY.join()  # not a second computation of the same hash beside it
     warmed: list = []
     token = _WARMING.set(warmed)
     try:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from kernels import IMPLS, Impl, PackLayout, resolve_impl
+from kernels import IMPLS, Impl, PackLayout, hash_compiler_early, resolve_impl
 from packer.capture import precompile
 from packer.errors import ConfigError, UserError
 from packer.fuse import FusedGatedMLP, FusedRMSNorm, fuse_base_ops, rope_kernel_probe
@@ -41,7 +41,7 @@ from packer.slices import SliceGroup, link_groups
 if TYPE_CHECKING:
     from packer.static import StaticStore
 
-__all__ = ["PackedModel", "load_base", "resolve_base", "DTYPES"]
+__all__ = ["PackedModel", "load_base", "resolve_base", "prepare_kernels", "DTYPES"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -69,6 +69,13 @@ def resolve_base(name_or_path: str, gguf_file: str | None = None, *,
         return str(gguf.checkpoint_dir(file, log=log))
     looks_local = name_or_path.startswith((".", "/", "~")) or Path(name_or_path).exists()
     return str(Path(name_or_path).expanduser()) if looks_local else name_or_path
+
+
+def prepare_kernels(impl: Impl, device: str) -> None:
+    """Call before loading the base a pack on ``device`` will wrap with ``impl``: where that means the Triton
+    kernels, Triton's compiler hash starts on a thread beside the load (``kernels.hash_compiler_early``)."""
+    if resolve_impl(impl, torch.device(device)) == "triton":
+        hash_compiler_early()
 
 
 def load_base(name_or_path: str, *, gguf_file: str | None = None, dtype: str = "float32", device: str = "cpu",

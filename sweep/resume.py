@@ -24,7 +24,7 @@ from optuna.trial import TrialState
 
 from packer.errors import UserError
 from packer.gguf import gguf_source
-from packer.model import PackedModel, load_base, resolve_base
+from packer.model import PackedModel, load_base, prepare_kernels, resolve_base
 from sweep.budget import counted
 from sweep.ledger import Ledger, open_study, storage_url
 from sweep.session import Session, own_directory, record_spec, trial_adapter_dir
@@ -94,6 +94,7 @@ def _open(spec: StudySpec, sdir: StudyDir, device: str, log: Callable[[str], Non
           lock: DirectoryLock | None, allow_changes: bool, split: WallSplit) -> Session:
     from sweep.planning import check_targets
 
+    prepare_kernels(spec.packing.kernels, device)  # Triton's own hash, on a thread beside the model's load
     with split.part("load:model"):
         # a GGUF source becomes its cached checkpoint directory: what every load, adapter and export names
         base = resolve_base(spec.model.path, spec.model.gguf_file, log=log)

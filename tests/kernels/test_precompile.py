@@ -116,3 +116,30 @@ def test_after_precompile_the_call_compiles_and_loads_nothing() -> None:
     assert all(c.module is not None for k in kernels for c in k.device_caches[device][0].values())
     _layer_call(1)[0]()
     assert [len(k.device_caches[device][0]) for k in kernels] == sizes
+
+
+def test_the_compiler_hash_starts_on_a_thread_and_precompile_waits_for_it(monkeypatch) -> None:
+    """``hash_compiler_early`` computes Triton's lru-cached compiler key on a daemon thread (the interpreter
+    compiles nothing: off there); ``precompile`` joins that thread rather than hash beside it."""
+    import importlib
+
+    from packer.model import prepare_kernels
+
+    key = next(f for f in (getattr(importlib.import_module(m), "triton_key", None)
+                           for m in ("triton.runtime.cache", "triton.compiler.compiler")) if callable(f))
+    monkeypatch.setattr(J, "_COMPILER_KEY", None)
+    monkeypatch.setattr(J, "INTERPRET", True)
+    prepare_kernels("auto", "cpu")  # the CPU runs no Triton kernels by default: nothing starts
+    prepare_kernels("triton", "cpu")  # the interpreter: nothing to hash for
+    assert J._COMPILER_KEY is None
+    monkeypatch.setattr(J, "INTERPRET", False)
+    key.cache_clear()
+    prepare_kernels("triton", "cpu")
+    started = J._COMPILER_KEY
+    assert isinstance(started, threading.Thread) and started.daemon and started.name == "triton-key"
+    joined = []
+    monkeypatch.setattr(started, "join", lambda: (joined.append(True), threading.Thread.join(started)))
+    J.precompile(lambda: None)
+    assert joined and not started.is_alive() and key.cache_info().currsize == 1
+    prepare_kernels("triton", "cpu")
+    assert J._COMPILER_KEY is started, "once per process"
