@@ -227,11 +227,11 @@ class _Sweep:
             return self.s.ledger.reap(self.s.sharing.grace)
 
     def _flush_curves(self) -> None:
-        with self.s.store.transaction():
-            for lv in self.live.values():
-                if lv.steps:
-                    self.s.store.add_steps(lv.trial.number, lv.steps)
-                    lv.steps = []
+        curves = {lv.trial.number: lv.steps for lv in self.live.values() if lv.steps}
+        if curves:
+            self.s.store.add_curves(curves)
+        for lv in self.live.values():
+            lv.steps = []
 
     def _eval_curve(self, due: dict[int, int]) -> None:
         """``train.eval_every``: the held-out loss of the slots at such a step, stored as a curve and, with one

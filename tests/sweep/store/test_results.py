@@ -208,6 +208,20 @@ def test_steps_round_trip_and_resume_rewrite(store: ResultsStore) -> None:
     assert store.curves(trials=[]) == {}
 
 
+def test_curves_of_several_trials_in_one_insert_are_each_trials_steps(store: ResultsStore, tmp_path) -> None:
+    curves = {0: [{"step": 1, "loss": 2.0, "tokens": 128, "grad_norm": 0.5}, {"step": 2, "loss": 1.5}],
+              3: [{"step": 1, "loss": 9.0, "lr": 1e-3}]}
+    store.add_curves(curves)
+    one_by_one = ResultsStore(tmp_path / "other.db")
+    for trial, rows in curves.items():
+        one_by_one.add_steps(trial, rows)
+    assert store.curves() == one_by_one.curves()
+    assert store.curves()[0][1] == StepRow(trial=0, step=2, loss=1.5)  # a row's missing columns stay empty
+    with pytest.raises(ValueError, match="losss"):
+        store.add_curves({5: [{"step": 1, "loss": 1.0}], 6: [{"step": 1, "losss": 1.0}]})
+    assert sorted(store.curves()) == [0, 3], "nothing of a rejected insert is written"
+
+
 def test_unknown_column_is_rejected_and_nothing_written(store: ResultsStore) -> None:
     with pytest.raises(ValueError, match="losss"):
         store.add_steps(0, [{"step": 1, "loss": 1.0}, {"step": 2, "losss": 1.0}])
