@@ -43,14 +43,21 @@ from packer.model import PackedModel
 from packer.static import ShapeBuffers, StaticStore, fused_loss_head, static_head_losses
 
 __all__ = ["available", "heldout_fits", "row_losses", "greedy_decode", "static_generation_fits", "bucket",
-           "EVAL_MULTIPLE", "STATIC_LOGITS_BYTES"]
+           "EVAL_MULTIPLE", "STATIC_LOGITS_BYTES", "HELDOUT_BYTES_PER_LOGIT"]
 
 EVAL_MULTIPLE = 16
 """Padded lengths (held-out rows, prompt widths, cache lengths) are multiples of this: few shapes."""
 STATIC_LOGITS_BYTES = 2 << 30
-"""Largest fp32 logits of one static held-out forward (C x rows x L x vocab x 4 bytes): a captured graph keeps its
-activations for the pack's life, and the static shape always holds every slot's rows, scored or not. Larger shapes
-(many slots, long rows, a large vocabulary) take the dynamic path, which holds the scored slots' rows only."""
+"""Largest memory of one static held-out forward's logits (C x rows x L x vocab x ``HELDOUT_BYTES_PER_LOGIT``): a
+captured graph keeps its pool for the pack's life, and the static shape always holds every slot's rows, scored or
+not. Larger shapes (many slots, long rows, a large vocabulary) take the dynamic path, which holds the scored slots'
+rows only."""
+HELDOUT_BYTES_PER_LOGIT = {"triton": 2.5, "torch": 10.0}
+"""Peak GPU memory of a static held-out evaluation per logit, by how it takes the loss, measured on the H200
+(``python -m benchmarks.eval_memory``, 16 slots of SmolLM2's shape, 2-16 x 10^8 logits): the Triton path's fused
+loss head (``static.fused_loss_head``) keeps bf16 logits, 2.05-2.52 B (the most at the fewest logits); full logits
+(the torch path, or a head the fused loss cannot take) are the bf16 logits, an fp32 copy and cross-entropy's fp32
+intermediates, 9.96-10.04 B."""
 
 _CACHES: weakref.WeakKeyDictionary[StaticStore, dict[tuple, Any]] = weakref.WeakKeyDictionary()
 """Per store: its evaluation shapes, caches and captured graphs (they die with the store)."""
@@ -66,13 +73,16 @@ def available(pm: PackedModel) -> bool:
 
 
 def heldout_fits(pm: PackedModel, rows: int, seq_len: int) -> bool:
-    """Whether a (C x ``rows``, ``seq_len``) held-out forward stays within ``STATIC_LOGITS_BYTES`` of logits."""
+    """Whether a (C x ``rows``, ``seq_len``) held-out forward's logits stay within ``STATIC_LOGITS_BYTES`` on this
+    pack's path (``HELDOUT_BYTES_PER_LOGIT``)."""
     store = pm.static
     if store is None:
         return False
     head = output_head(pm.model)
     vocab = getattr(getattr(head, "weight", None), "shape", (getattr(pm.model.config, "vocab_size", 0),))[0]
-    return store.capacity * rows * seq_len * vocab * 4 <= STATIC_LOGITS_BYTES
+    fused = _triton(pm) and fused_loss_head(pm.model) is not None  # as row_losses chooses its loss
+    per_logit = HELDOUT_BYTES_PER_LOGIT["triton" if fused else "torch"]
+    return store.capacity * rows * seq_len * vocab * per_logit <= STATIC_LOGITS_BYTES
 
 
 def _cache(store: StaticStore) -> dict[tuple, Any]:

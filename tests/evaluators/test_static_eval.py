@@ -98,6 +98,28 @@ def test_static_greedy_decoding_equals_the_dynamic_one(tiny_dirs, attn: str, mon
     assert len(calls) == 2 * 2 * 3 * 3  # slot ends x slot sets x static calls x 3 chunks
 
 
+def test_the_heldout_budget_counts_the_measured_bytes_per_logit_of_the_packs_loss(tiny_dirs, monkeypatch) -> None:
+    """Full logits (the torch path here) count 10 B each, the Triton path's fused loss head 2.5 B
+    (``HELDOUT_BYTES_PER_LOGIT``, ``benchmarks.eval_memory``): the same shape fits a budget on one and not the other."""
+    seen = []
+
+    def check(pm, slots, tok) -> None:  # noqa: ANN001
+        logits = pm.static.capacity * 3 * 48 * pm.model.config.vocab_size
+        monkeypatch.setattr(eval_graph, "STATIC_LOGITS_BYTES", logits * 10)
+        assert eval_graph.heldout_fits(pm, 3, 48) and not eval_graph.heldout_fits(pm, 3, 49)
+        monkeypatch.setattr(eval_graph, "STATIC_LOGITS_BYTES", logits * 5)
+        assert not eval_graph.heldout_fits(pm, 3, 48)
+        monkeypatch.setattr(eval_graph, "_triton", lambda pm: True)  # the fused head's 2.5 B: it fits
+        assert eval_graph.heldout_fits(pm, 3, 48)
+        monkeypatch.setattr(eval_graph, "fused_loss_head", lambda model: None)  # a head it cannot take: 10 B
+        assert not eval_graph.heldout_fits(pm, 3, 48)
+        monkeypatch.undo()
+        seen.append(slots)
+
+    static_pack_evaluations(tiny_dirs("llama"), check)
+    assert seen
+
+
 def test_a_static_heldout_shape_over_the_logits_budget_takes_the_dynamic_path(tiny_dirs, monkeypatch) -> None:
     calls = _spy(monkeypatch, "row_losses")
     monkeypatch.setattr(eval_graph, "STATIC_LOGITS_BYTES", 1024)
