@@ -119,8 +119,9 @@ def slot_losses(logits: torch.Tensor, labels: torch.Tensor, batch: PackBatch) ->
     layout = batch.layout
     seg = row_slots(layout, logits.device)
     n = len(layout.slots)
-    sums = torch.zeros(n, device=logits.device).index_add(0, seg, ce.sum(dim=1))
-    counts = torch.zeros(n, device=logits.device).index_add(0, seg, (shift_labels != IGNORE_INDEX).sum(1).float())
+    sums = torch.zeros(n, dtype=torch.float32, device=logits.device).index_add(0, seg, ce.sum(dim=1))
+    counts = torch.zeros(n, dtype=torch.float32, device=logits.device).index_add(
+        0, seg, (shift_labels != IGNORE_INDEX).sum(1).float())
     return sums / counts.clamp(min=1.0), counts
 
 

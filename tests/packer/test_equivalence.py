@@ -6,6 +6,8 @@ scheduler formula and the same batches, with the loss computed by transformers i
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -49,16 +51,28 @@ OPT_SPECS = [  # OPT's decoder feeds fc1/fc2 flattened (B·L, D) tokens: both st
 ]
 
 
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Run the oracle and the engine in ``dtype``: torch's default dtype, in which the engine allocates its
+    slots' flat buffers and PEFT its LoRA weights, and to which the helpers below cast the base."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
 def _jobs(specs: list[AdapterSpec]) -> list[SlotJob]:
     return [SlotJob(spec, SlotStream(random_examples(40, seed=100 + i), spec.micro_batch, seed=spec.seed), key=i)
             for i, spec in enumerate(specs)]
 
 
 def _run_packed(model_dir: Path, jobs: list[SlotJob], capacity: int, impl: str = "torch", static: bool = False):
-    """Train jobs through our engine (the static-shape step if ``static``); returns per-key losses and per-key
-    final (A, B) by module path."""
+    """Train jobs through our engine (the static-shape step if ``static``), the base in torch's default dtype;
+    returns per-key losses and per-key final (A, B) by module path."""
     model, _ = load_base(str(model_dir), attn_implementation="eager")
-    pm = PackedModel(model, impl=impl)
+    pm = PackedModel(model.to(torch.get_default_dtype()), impl=impl)
     queue = list(jobs)
     rec = Recorder(pm)
     train(pm, capacity, lambda slot: queue.pop(0) if queue else None, pad_id=PAD, on_step=rec.on_step,
@@ -69,14 +83,15 @@ def _run_packed(model_dir: Path, jobs: list[SlotJob], capacity: int, impl: str =
 def _initial_a(model_dir: Path, spec: AdapterSpec) -> dict[str, torch.Tensor]:
     """The engine's initial A for ``spec`` (it depends on the seed only), to start PEFT from the same point."""
     model, _ = load_base(str(model_dir), attn_implementation="eager")
-    pm = PackedModel(model)
+    pm = PackedModel(model.to(torch.get_default_dtype()))
     pm.add_slot(7, spec)
     return {p: a.detach().clone() for p, (a, _) in pm.slot_weights(7).items()}
 
 
 def _run_peft(model_dir: Path, spec: AdapterSpec, stream: SlotStream, init_a: dict[str, torch.Tensor]):
     """One adapter alone with PEFT + torch AdamW on the same batches."""
-    base = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation="eager")
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation="eager",
+                                                dtype=torch.get_default_dtype())
     leaf_names = sorted({p.rsplit(".", 1)[-1] for p in init_a})
     cfg = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=0.0, target_modules=leaf_names,
                      use_rslora=spec.rslora, bias="none", fan_in_fan_out=base.config.model_type == "gpt2")
