@@ -108,13 +108,12 @@ def _host_tensors(pm: PackedModel, slot: int, dtype: torch.dtype | None) -> dict
         names += [f"base_model.model.{path}.lora_A.weight", f"base_model.model.{path}.lora_B.weight"]
         parts += [a.detach(), b.detach()]
     dtype = dtype or parts[0].dtype
-    gathered = torch.empty(sum(p.numel() for p in parts), dtype=dtype, device=parts[0].device)
-    torch._foreach_copy_([c.view(p.shape) for p, c in zip(parts, gathered.split([p.numel() for p in parts]),
-                                                           strict=True)], parts)
+    sizes = [p.numel() for p in parts]
+    gathered = torch.empty(sum(sizes), dtype=dtype, device=parts[0].device)
+    torch._foreach_copy_([c.view(p.shape) for p, c in zip(parts, gathered.split(sizes), strict=True)], parts)
     flat = gathered.cpu()
     # safetensors refuses tensors that share memory: each gets its own copy of its slice
-    return {name: chunk.view(p.shape).clone()
-            for name, p, chunk in zip(names, parts, flat.split([p.numel() for p in parts]), strict=True)}
+    return {name: chunk.view(p.shape).clone() for name, p, chunk in zip(names, parts, flat.split(sizes), strict=True)}
 
 
 def _scratch_prefix(out_dir: Path) -> str:
