@@ -13,7 +13,8 @@ target tokens is that of the same examples unpacked.
 
 Only families whose logits were checked against the unpacked examples take packed rows
 (``VERIFIED_FAMILIES``, tests/packer/test_packing.py; the whole training run on Llama and Qwen2); the
-others are refused.
+others are refused. Whether a family's mask reads the positions depends on the transformers release, so
+``packer.isolation`` also asks the loaded model, before a slot trains on packed rows.
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ from torch import nn
 from kernels import dropout_seed
 from packer.batch import IGNORE_INDEX, PackBatch, Row, collate, row_slots
 from packer.errors import ConfigError
+from packer.isolation import check_isolation
 from packer.jobs import BatchSource, FixedBatch, SlotEnd, SlotJob, StepReport, TrainResult
 from packer.loss import DEFAULT_CHUNK_TOKENS, chunked_slot_losses
 from packer.model import PackedModel
@@ -148,6 +149,7 @@ def chunk_tokens_of(chunked_ce: bool | int) -> int | None:
 def _start(pm: PackedModel, optimizer: PackedAdamW, slot: int, job: SlotJob) -> _Active:
     if job.spec.sample_packing:
         check_family(getattr(pm.model, "config", None))
+        check_isolation(pm)
     if pm.state.grad_sink is not None:
         check_in_backward(job.spec)
     params = pm.add_slot(slot, job.spec)

@@ -12,6 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from packer.data import Example
+from packer.isolation import check_isolation
+from packer.model import PackedModel
 from packer.packing import batches_per_epoch, check_family, slot_stream
 from packer.plan import AdapterSpec
 from packer.train import BatchSource, target_tokens
@@ -64,8 +66,10 @@ def planned_tokens(spec: StudySpec, adapter: AdapterSpec, examples: Sequence[Exa
     return sum(target_tokens(r) for _ in range(n) for r in stream.next_batch())
 
 
-def check_packing(spec: StudySpec, config: object) -> None:
-    """Refuse a study that may sample-pack (fixed or searched) on a family packing is not verified for."""
+def check_packing(spec: StudySpec, pm: PackedModel) -> None:
+    """Refuse a study that may sample-pack (fixed or searched) on a family packing is not verified for, or on a
+    model whose packed rows' examples attend to each other under the installed transformers (before any trial)."""
     searched = any(p.name == "sample_packing" and True in p.choices for p in spec.search.params)
     if spec.train.sample_packing or searched:
-        check_family(config)
+        check_family(getattr(pm.model, "config", None))
+        check_isolation(pm)

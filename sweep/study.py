@@ -410,7 +410,7 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
         session = open_session(spec, log=log, sharing=sharing, allow_changes=allow_changes, split=split)
     pm, tokenizer = session.pm, session.tokenizer
     with split.phase("load"), split.part("load:data"):
-        check_packing(spec, getattr(pm.model, "config", None))
+        check_packing(spec, pm)
         train_examples = load_examples(spec.data.train, tokenizer, fmt=spec.data.format,
                                        max_length=spec.data.max_length, train_on_prompt=spec.data.train_on_prompt)
         eval_data = (load_eval_data(spec.data.eval, tokenizer, fmt=spec.data.format, max_length=spec.data.max_length,

@@ -89,6 +89,21 @@ def test_sample_packing_on_an_unverified_family_is_one_error(tiny_dirs, tmp_path
         run_study(load_study(path), log=lambda m: None)
 
 
+def test_sample_packing_where_the_installed_transformers_mixes_examples_is_one_error(tiny_dirs, tmp_path,
+                                                                                      monkeypatch) -> None:
+    """A mask built without the packed positions (as Falcon's in transformers 5.23) lets a packed row's examples
+    attend to each other: the study is refused with one error, as for a family packing is not verified for."""
+    import transformers.masking_utils
+
+    monkeypatch.setattr(transformers.masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
+    path = _study(tmp_path, tiny_dirs("llama"))
+    doc = yaml.safe_load(path.read_text())
+    doc["search"] = {"sample_packing": [False, True], "rank": [2, 4]}
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ConfigError, match="sample_packing: with transformers .* lets a packed row's examples attend"):
+        run_study(load_study(path), log=lambda m: None)
+
+
 def test_warmup_ratio_and_steps_per_epoch_resolve_per_trial(tiny_dirs, tmp_path) -> None:
     from sweep._trial_data import trial_adapter
 

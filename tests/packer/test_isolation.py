@@ -1,0 +1,50 @@
+"""The load-time check that a packed row's examples do not attend to each other, on the installed transformers."""
+
+from __future__ import annotations
+
+import pytest
+import transformers.masking_utils
+
+from packer.errors import ConfigError
+from packer.isolation import TOLERANCE, check_isolation, cross_example_change
+from packer.model import PackedModel, load_base
+from packer.packing import SamplePackedStream
+from packer.plan import AdapterSpec
+from packer.train import SlotJob, train
+from tests.conftest import random_examples
+
+SPEC = AdapterSpec(rank=2, lr=1e-2, micro_batch=2, max_steps=2, seed=1, sample_packing=True)
+
+
+def _positions_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make transformers build a plain causal mask over packed rows, as a family whose modeling code does not
+    pass its positions to the mask does (Falcon in transformers 5.23): each example sees the ones before it."""
+    monkeypatch.setattr(transformers.masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "phi3"])
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_a_block_diagonal_mask_leaves_the_second_example_unchanged(tiny_dirs, family: str, attn: str) -> None:
+    pm = PackedModel(load_base(str(tiny_dirs(family)), attn_implementation=attn)[0])
+    assert cross_example_change(pm) == 0.0  # both rows run in one batch: the same values, not merely close ones
+    check_isolation(pm)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_attention_across_examples_is_measured_and_refused(tiny_dirs, monkeypatch, attn: str) -> None:
+    _positions_ignored(monkeypatch)
+    pm = PackedModel(load_base(str(tiny_dirs("llama")), attn_implementation=attn)[0])
+    assert cross_example_change(pm) > 100 * TOLERANCE
+    with pytest.raises(ConfigError, match=rf"^sample_packing: with transformers \S+, llama \({attn} attention\) "
+                                          r"lets a packed row's examples attend to each other .*sample_packing: false"):
+        check_isolation(pm)
+
+
+def test_training_refuses_a_packed_slot_before_its_first_step(tiny_dirs, monkeypatch) -> None:
+    _positions_ignored(monkeypatch)
+    pm = PackedModel(load_base(str(tiny_dirs("llama")))[0])
+    queue = [SlotJob(SPEC, SamplePackedStream(random_examples(10, seed=4), 2, 0, 48))]
+    steps = []
+    with pytest.raises(ConfigError, match="lets a packed row's examples attend to each other"):
+        train(pm, 1, lambda slot: queue.pop(0) if queue else None, pad_id=0, on_step=lambda *a: steps.append(a))
+    assert steps == []
