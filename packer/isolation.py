@@ -27,9 +27,9 @@ from packer.batch import collate
 from packer.data import Example
 from packer.errors import ConfigError
 from packer.model import PackedModel
-from packer.packing import pack_rows
+from packer.packing import check_family, pack_rows
 
-__all__ = ["check_isolation", "cross_example_change"]
+__all__ = ["check_sample_packing", "cross_example_change"]
 
 TOKENS = 8
 """Tokens of each example of the probe rows."""
@@ -58,14 +58,16 @@ def cross_example_change(pm: PackedModel) -> tuple[float, float]:
     return ((logits[0] - logits[1]).abs().max() / scale).item(), ((logits[0] - logits[2]).abs().max() / scale).item()
 
 
-def check_isolation(pm: PackedModel) -> None:
-    """Refuse sample packing where the installed transformers lets a packed row's examples attend to each other
-    (checked once per model): the second example's logits change with the first's tokens by more than
-    ``TOLERANCE`` and more than ``NOISE_FACTOR`` times the noise floor.
+def check_sample_packing(pm: PackedModel) -> None:
+    """Refuse sample packing on this model: its family is not verified (``packer.packing.check_family``), or the
+    installed transformers lets a packed row's examples attend to each other (checked once per model): the second
+    example's logits change with the first's tokens by more than ``TOLERANCE`` and more than ``NOISE_FACTOR``
+    times the noise floor.
 
     Raises:
-        ConfigError: they do.
+        ConfigError: either.
     """
+    check_family(getattr(pm.model, "config", None))
     if pm.model not in _checked:
         _checked[pm.model] = cross_example_change(pm)
     change, noise = _checked[pm.model]

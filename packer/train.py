@@ -43,12 +43,11 @@ from torch import nn
 from kernels import dropout_seed
 from packer.batch import IGNORE_INDEX, PackBatch, Row, collate, row_slots
 from packer.errors import ConfigError
-from packer.isolation import check_isolation
+from packer.isolation import check_sample_packing
 from packer.jobs import BatchSource, FixedBatch, SlotEnd, SlotJob, StepReport, TrainResult
 from packer.loss import DEFAULT_CHUNK_TOKENS, chunked_slot_losses
 from packer.model import PackedModel
 from packer.optim import PackedAdamW
-from packer.packing import check_family
 from packer.plan import AdapterSpec
 
 __all__ = ["BatchSource", "FixedBatch", "SlotJob", "SlotEnd", "StepReport", "TrainResult", "train", "slot_losses",
@@ -148,8 +147,7 @@ def chunk_tokens_of(chunked_ce: bool | int) -> int | None:
 
 def _start(pm: PackedModel, optimizer: PackedAdamW, slot: int, job: SlotJob) -> _Active:
     if job.spec.sample_packing:
-        check_family(getattr(pm.model, "config", None))
-        check_isolation(pm)
+        check_sample_packing(pm)
     if pm.state.grad_sink is not None:
         check_in_backward(job.spec)
     params = pm.add_slot(slot, job.spec)

@@ -12,9 +12,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from packer.data import Example
-from packer.isolation import check_isolation
+from packer.isolation import check_sample_packing
 from packer.model import PackedModel
-from packer.packing import batches_per_epoch, check_family, slot_stream
+from packer.packing import batches_per_epoch, slot_stream
 from packer.plan import AdapterSpec
 from packer.train import BatchSource, target_tokens
 from sweep.spec import StudySpec
@@ -71,5 +71,4 @@ def check_packing(spec: StudySpec, pm: PackedModel) -> None:
     model whose packed rows' examples attend to each other under the installed transformers (before any trial)."""
     searched = any(p.name == "sample_packing" and True in p.choices for p in spec.search.params)
     if spec.train.sample_packing or searched:
-        check_family(getattr(pm.model, "config", None))
-        check_isolation(pm)
+        check_sample_packing(pm)

@@ -6,7 +6,7 @@ import pytest
 import transformers.masking_utils
 
 from packer.errors import ConfigError
-from packer.isolation import TOLERANCE, check_isolation, cross_example_change
+from packer.isolation import TOLERANCE, check_sample_packing, cross_example_change
 from packer.model import PackedModel, load_base
 from packer.packing import SamplePackedStream
 from packer.plan import AdapterSpec
@@ -16,7 +16,7 @@ from tests.conftest import random_examples
 SPEC = AdapterSpec(rank=2, lr=1e-2, micro_batch=2, max_steps=2, seed=1, sample_packing=True)
 
 
-def _positions_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
+def positions_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make transformers build a plain causal mask over packed rows, as a family whose modeling code does not
     pass its positions to the mask does (Falcon in transformers 5.23): each example sees the ones before it."""
     monkeypatch.setattr(transformers.masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
@@ -27,22 +27,22 @@ def _positions_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_block_diagonal_mask_leaves_the_second_example_unchanged(tiny_dirs, family: str, attn: str) -> None:
     pm = PackedModel(load_base(str(tiny_dirs(family)), attn_implementation=attn)[0])
     assert cross_example_change(pm) == (0.0, 0.0)  # the CPU's kernels: the same values, not merely close ones
-    check_isolation(pm)
+    check_sample_packing(pm)
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_attention_across_examples_is_measured_and_refused(tiny_dirs, monkeypatch, attn: str) -> None:
-    _positions_ignored(monkeypatch)
+    positions_ignored(monkeypatch)
     pm = PackedModel(load_base(str(tiny_dirs("llama")), attn_implementation=attn)[0])
     change, noise = cross_example_change(pm)
     assert change > 100 * TOLERANCE and noise == 0.0
     with pytest.raises(ConfigError, match=rf"^sample_packing: with transformers \S+, llama \({attn} attention\) "
                                           r"lets a packed row's examples attend to each other .*sample_packing: false"):
-        check_isolation(pm)
+        check_sample_packing(pm)
 
 
 def test_training_refuses_a_packed_slot_before_its_first_step(tiny_dirs, monkeypatch) -> None:
-    _positions_ignored(monkeypatch)
+    positions_ignored(monkeypatch)
     pm = PackedModel(load_base(str(tiny_dirs("llama")))[0])
     queue = [SlotJob(SPEC, SamplePackedStream(random_examples(10, seed=4), 2, 0, 48))]
     steps = []
@@ -63,6 +63,6 @@ def test_a_change_is_judged_against_the_tolerance_and_the_noise_floor(tiny_dirs,
     pm = PackedModel(load_base(str(tiny_dirs("llama")))[0])
     if refused:
         with pytest.raises(ConfigError, match="attend to each other"):
-            check_isolation(pm)
+            check_sample_packing(pm)
     else:
-        check_isolation(pm)
+        check_sample_packing(pm)

@@ -93,9 +93,9 @@ def test_sample_packing_where_the_installed_transformers_mixes_examples_is_one_e
                                                                                       monkeypatch) -> None:
     """A mask built without the packed positions (as Falcon's in transformers 5.23) lets a packed row's examples
     attend to each other: the study is refused with one error, as for a family packing is not verified for."""
-    import transformers.masking_utils
+    from tests.packer.test_isolation import positions_ignored
 
-    monkeypatch.setattr(transformers.masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
+    positions_ignored(monkeypatch)
     path = _study(tmp_path, tiny_dirs("llama"))
     doc = yaml.safe_load(path.read_text())
     doc["search"] = {"sample_packing": [False, True], "rank": [2, 4]}
