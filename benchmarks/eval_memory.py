@@ -8,7 +8,7 @@ intermediates. This builds a static pack of ``--slots`` slots on SmolLM2's shape
 and, for each path and each (rows per slot, sequence length), runs the evaluation once (precompile, warm-up,
 capture, replay) and prints the peak allocated above the pack's own memory, per logit (C x rows x L x vocab).
 
-Run: ``python -m benchmarks.eval_memory`` (CUDA only).
+Run: ``python -m lora_sweep.benchmarks.eval_memory`` (CUDA only).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import json
 
 import torch
 
-from benchmarks.shapes import SMOLLM2
+from lora_sweep.benchmarks.shapes import SMOLLM2
 
 __all__ = ["measure"]
 
@@ -30,9 +30,9 @@ def _pack(impl: str, slots: int):  # type: ignore[no-untyped-def]
     """A PackedModel on SmolLM2's shape with a static store of ``slots`` slots (rank bucket 16) and one slot live."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from packer.model import PackedModel
-    from packer.plan import AdapterSpec
-    from packer.static import StaticStore
+    from lora_sweep.packer.model import PackedModel
+    from lora_sweep.packer.plan import AdapterSpec
+    from lora_sweep.packer.static import StaticStore
 
     kw = dict(SMOLLM2)
     cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
@@ -50,8 +50,8 @@ def _pack(impl: str, slots: int):  # type: ignore[no-untyped-def]
 
 def measure(impl: str, slots: int, shapes: tuple[tuple[int, int], ...] = SHAPES) -> list[dict]:
     """Peak bytes above the pack's memory, per logit, of one held-out evaluation per shape (a fresh pack each)."""
-    from packer.data import Example
-    from packer.eval_graph import row_losses
+    from lora_sweep.packer.data import Example
+    from lora_sweep.packer.eval_graph import row_losses
 
     rows_out = []
     for rows, seq in shapes:

@@ -11,7 +11,7 @@ attention, LoRA r=16 on the seven projections. Workloads (the issue's names):
 
 MFU counts 4 * N * tokens for the frozen base (forward + backward to activations) plus the
 attention term ``3 * 4 * layers * seq^2 * hidden * batch``, against the measured bf16 GEMM rate,
-as ../shared/notes/performance.md does. Run: ``python -m benchmarks.gpu_bench``.
+as ../shared/notes/performance.md does. Run: ``python -m lora_sweep.benchmarks.gpu_bench``.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from collections.abc import Callable
 
 import torch
 
-from benchmarks.gpu_layer import run_all
-from benchmarks.shapes import PROJ, build_shape
-from benchmarks.timing import gemm_tflops, random_jobs, time_calls, timed_train
-from packer.model import PackedModel
-from packer.plan import MemoryModel
-from packer.train import train
+from lora_sweep.benchmarks.gpu_layer import run_all
+from lora_sweep.benchmarks.shapes import PROJ, build_shape
+from lora_sweep.benchmarks.timing import gemm_tflops, random_jobs, time_calls, timed_train
+from lora_sweep.packer.model import PackedModel
+from lora_sweep.packer.plan import MemoryModel
+from lora_sweep.packer.train import train
 
 __all__ = ["gemm_tflops", "packed_run", "base_run", "peft_run",
            "correctness_gate", "calibration_check", "table"]
@@ -70,7 +70,7 @@ def base_run(model: torch.nn.Module, rows: int, seq: int, *, warmup: int = 3, st
              peak_tflops: float = 790.0) -> dict:
     """U: the frozen base alone (forward, full-vocabulary loss, backward to the activations), same tokens:
     the ceiling a pack approaches. Mode ``base-only-fused`` once a pack has swapped in the fused norms and MLPs."""
-    from packer.fuse import FusedRMSNorm
+    from lora_sweep.packer.fuse import FusedRMSNorm
 
     mode = "base-only-fused" if any(isinstance(m, FusedRMSNorm) and m.impl == "triton" for m in model.modules()) \
         else "base-only"
@@ -133,8 +133,8 @@ def correctness_gate(model: torch.nn.Module, slots: int = 4, seq: int = 256, ste
 def _planner_model(model: torch.nn.Module, seq: int) -> tuple[MemoryModel, int]:
     """The planner's memory model, calibrated on this GPU by small probes with the options the measured
     packs run with, and the parameters of one r=16 adapter on every projection."""
-    from packer.inject import all_linear_params
-    from packer.probe import calibrate
+    from lora_sweep.packer.inject import all_linear_params
+    from lora_sweep.packer.probe import calibrate
 
     pm = PackedModel(model, impl="triton")
     return calibrate(pm, seq, rows=(2, 8), chunked_ce=True), all_linear_params(pm.model, 16)
@@ -189,7 +189,7 @@ def _small(peak: float, emit: Callable[[dict], None], out_dir: str | None) -> No
     _free()
     run_all(emit)
     _free()
-    from benchmarks.gpu_profile import profile_step
+    from lora_sweep.benchmarks.gpu_profile import profile_step
 
     emit(profile_step(model, 32, 512, out_dir))
     _free()
@@ -260,7 +260,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None, emit: Callable[[dict], None] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m lora_sweep.benchmarks.gpu_bench", description=__doc__)
     parser.add_argument("--part", choices=("small", "large", "makespan", "memory", "layer", "all"), default="all",
                         help="small: the 0.5B shape (W1, W2, W4, W5, U, profile, memory model); large: the 7B and 8B "
                              "shapes; makespan: W3 (benchmarks.gpu_makespan, sequential PEFT sampled 8 of 24 by cell); "
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None, emit: Callable[[dict], None] | None = No
         for row in memory_curve(build_shape("qwen2.5-0.5b"), 512):
             keep(row)
     if args.part in ("makespan", "all"):
-        from benchmarks.gpu_makespan import makespan
+        from lora_sweep.benchmarks.gpu_makespan import makespan
 
         makespan("qwen2.5-0.5b", sequential_sample=8, emit=keep)
     print(table(results), flush=True)

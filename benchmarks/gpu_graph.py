@@ -1,6 +1,7 @@
 """Benchmark: the static-shape packed step replayed as a CUDA graph, against PEFT eager and graph-captured.
 
-``python -m benchmarks.gpu_graph`` (H200; a command, not a test). Random-init models of real shapes, bf16, SDPA:
+``python -m lora_sweep.benchmarks.gpu_graph`` (H200; a command, not a test). Random-init models of real shapes, bf16,
+SDPA:
 
 - SmolLM2-135M shape (30 layers, hidden 576, intermediate 1536, 9 / 3 heads, vocab 49,152, tied), 16 slots x 8
   rows x 48 tokens, ranks 8/16/32 cycled on the seven projections, dropout 0.05 on every other slot (as
@@ -30,13 +31,13 @@ from collections.abc import Callable
 
 import torch
 
-import packer.static_loop as static_loop
-from benchmarks import gpu_profile
-from benchmarks.shapes import PROJ, SHAPES, SMOLLM2
-from benchmarks.timing import random_jobs, time_calls
-from packer.capture import capture
-from packer.model import PackedModel
-from packer.train import SlotJob, train
+import lora_sweep.packer.static_loop as static_loop
+from lora_sweep.benchmarks import gpu_profile
+from lora_sweep.benchmarks.shapes import PROJ, SHAPES, SMOLLM2
+from lora_sweep.benchmarks.timing import random_jobs, time_calls
+from lora_sweep.packer.capture import capture
+from lora_sweep.packer.model import PackedModel
+from lora_sweep.packer.train import SlotJob, train
 
 __all__ = ["SMOLLM2", "main"]
 
@@ -198,8 +199,8 @@ TILE_VARIANTS = ((8, 128), (2, 128), (2, 64), (1, 64), (1, 128))
 def tile_variants(variants: tuple[tuple[int, int], ...] = TILE_VARIANTS) -> list[str]:
     """The SmolLM2 pack's step under each (keep-bits words per program, weight-gradient tile) pair: how wide the
     grids of the two kernels whose grids the small pack leaves narrowest should be. Lines of a small table."""
-    import kernels.triton_dropout as drop
-    import kernels.triton_segments as seg
+    import lora_sweep.kernels.triton_dropout as drop
+    import lora_sweep.kernels.triton_segments as seg
 
     smol = build(SMOLLM2)
     lines = [f"{'keep words':>10}{'wgrad BN':>9}{'step ms':>9}{'graph ms':>9}{'kern ms':>9}  heaviest LoRA kernels"]
@@ -292,7 +293,7 @@ def _qwen(rows: list[dict], notes: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_graph", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m lora_sweep.benchmarks.gpu_graph", description=__doc__)
     parser.add_argument("--skip-qwen", action="store_true", help="only the SmolLM2-135M shape")
     parser.add_argument("--only-qwen", action="store_true", help="only the Qwen2.5-0.5B shape")
     parser.add_argument("--tile-variants", action="store_true",

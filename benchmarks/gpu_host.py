@@ -1,6 +1,6 @@
 """Where a small model's packed step goes: host time against GPU kernel time (a command, not a test).
 
-``python -m benchmarks.gpu_host --model models/scale-qwen2 --data studies/data/arith-train.jsonl`` trains
+``python -m lora_sweep.benchmarks.gpu_host --model models/scale-qwen2 --data studies/data/arith-train.jsonl`` trains
 ``--slots`` adapters (ranks 8/16/32 cycled, micro-batch ``--micro``) on random full rows and on the
 data file's rows (half the slots with dropout 0.05, as a sweep draws them), on the Triton kernels and on
 masked-dense PyTorch, and prints each median step; then profiles five steps of the data run and prints
@@ -19,11 +19,11 @@ import statistics
 
 import torch
 
-from benchmarks import gpu_profile
-from benchmarks.timing import random_jobs, timed_train
-from packer.data import Example, SlotStream, load_examples
-from packer.model import PackedModel, load_base
-from packer.train import SlotJob, train
+from lora_sweep.benchmarks import gpu_profile
+from lora_sweep.benchmarks.timing import random_jobs, timed_train
+from lora_sweep.packer.data import Example, SlotStream, load_examples
+from lora_sweep.packer.model import PackedModel, load_base
+from lora_sweep.packer.train import SlotJob, train
 
 __all__ = ["main"]
 
@@ -42,7 +42,7 @@ def _jobs(kind: str, examples: list[Example], slots: int, micro: int, steps: int
 def main(argv: list[str] | None = None) -> None:
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_host", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m lora_sweep.benchmarks.gpu_host", description=__doc__)
     parser.add_argument("--model", required=True, help="model folder (from_pretrained)")
     parser.add_argument("--data", required=True, help="prompt/completion JSONL")
     parser.add_argument("--slots", type=int, default=8)

@@ -1,7 +1,7 @@
 """Launch-config sweep of the packed-LoRA kernels on a GPU: where the defaults of ``kernels.triton_lora``
 (``_launch_config``, ``CHUNK_TOKENS``, the expand's weight cast) come from, rerunnable on another GPU.
 
-    python -m benchmarks.gpu_kernels [--tokens 16384] [--slots 8] [--rank 16]
+    python -m lora_sweep.benchmarks.gpu_kernels [--tokens 16384] [--slots 8] [--rank 16]
 
 Prints one JSON line per (kernel, shape, dropout, config) with the median microseconds of
 ``triton.testing.do_bench`` through the public launchers (allocations included), and per shape the
@@ -17,8 +17,8 @@ from functools import partial
 
 import torch
 
-from kernels import LayerRanks, PackLayout
-from kernels._launch import build_meta
+from lora_sweep.kernels import LayerRanks, PackLayout
+from lora_sweep.kernels._launch import build_meta
 
 SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096))
 SHRINK = ((128, 3), (64, 4), (128, 4), (64, 3), (256, 3))  # (block_k, stages)
@@ -34,7 +34,7 @@ def _us(fn) -> float:
 
 def sweep(d_in: int, d_out: int, tokens: int, slots: int, rank: int, dropout: float) -> list[dict]:
     """Every config of the three kernels at one shape; dropout p for every slot (0 = the no-dropout path)."""
-    from kernels.triton_segments import _launch_config, seg_expand_add, seg_shrink, seg_wgrad
+    from lora_sweep.kernels.triton_segments import _launch_config, seg_expand_add, seg_shrink, seg_wgrad
 
     dev = torch.device("cuda")
     layout = PackLayout(tuple(range(slots)), tuple(range(slots)), (1,) * slots, (tokens // slots,) * slots,

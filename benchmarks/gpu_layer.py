@@ -11,7 +11,7 @@ the per-repeat ratios (the same base timing drifted by 10% between two back-to-b
   (LoRA on all seven projections, shared-input groups, fused norms and MLP middles), against the same layer
   with no slot active. This is the layer a pack runs 28 or 32 times per step.
 
-Run: ``python -m benchmarks.gpu_layer`` (also ``python -m benchmarks.gpu_bench --part layer``).
+Run: ``python -m lora_sweep.benchmarks.gpu_layer`` (also ``python -m lora_sweep.benchmarks.gpu_bench --part layer``).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def _host_ms(fn: Callable[[], None], calls: int = 50) -> float:
 
 
 def _pack(tokens: int, slots: int, rank: int, layer_id: int = 0):  # type: ignore[no-untyped-def]
-    from kernels import LayerRanks, PackLayout
+    from lora_sweep.kernels import LayerRanks, PackLayout
 
     layout = PackLayout(tuple(range(slots)), tuple(range(slots)), (1,) * slots, (tokens // slots,) * slots,
                         (0.0,) * slots, (0,) * slots)
@@ -87,7 +87,7 @@ def _lora_bt(rows: int, d_out: int) -> torch.Tensor:
 def projection_bench(d_in: int = 4096, d_out: int = 4096, tokens: int = 16384, slots: int = 8, rank: int = 16,
                      repeats: int = 5) -> dict:
     """One projection forward+backward: base GEMM + packed LoRA (fused Triton) vs the base GEMM alone."""
-    from kernels import packed_lora_linear
+    from lora_sweep.kernels import packed_lora_linear
 
     w = torch.randn(d_out, d_in, device="cuda", dtype=torch.bfloat16) / d_in**0.5
     x = torch.randn(slots, tokens // slots, d_in, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -110,7 +110,7 @@ def group_bench(d_in: int = 4096, d_outs: tuple[int, ...] = (4096, 1024, 1024), 
                 rank: int = 16, repeats: int = 5) -> dict:
     """Projections reading one input, forward+backward (autograd adds their dx, as in a model): one shared-input
     packed call (``ratio``) and one packed call per projection (``one_by_one_ratio``) vs their GEMMs alone."""
-    from kernels import group_rows, packed_lora_linear, packed_lora_linear_slices
+    from lora_sweep.kernels import group_rows, packed_lora_linear, packed_lora_linear_slices
 
     ws = [torch.randn(d, d_in, device="cuda", dtype=torch.bfloat16) / d_in**0.5 for d in d_outs]
     x = torch.randn(slots, tokens // slots, d_in, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -145,9 +145,9 @@ def decoder_layer_bench(shape: str = "llama3-8b", slots: int = 16, seq: int = 10
     adapters of rank ``rank`` on all seven projections, one row of ``seq`` tokens each, through ``PackedModel``
     as training runs it (``ratio``) and with its shared-input groups off (``one_by_one_ratio``), against the same
     layer with no slot active."""
-    from benchmarks.shapes import PROJ, SHAPES, build_shape
-    from packer.model import PackedModel
-    from packer.plan import AdapterSpec
+    from lora_sweep.benchmarks.shapes import PROJ, SHAPES, build_shape
+    from lora_sweep.packer.model import PackedModel
+    from lora_sweep.packer.plan import AdapterSpec
 
     model = build_shape(shape, layers=1)
     pm = PackedModel(model, impl="triton")
@@ -196,7 +196,7 @@ def run_all(emit: Callable[[dict], None]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argparse.ArgumentParser(prog="python -m benchmarks.gpu_layer", description=__doc__).parse_args(argv)
+    argparse.ArgumentParser(prog="python -m lora_sweep.benchmarks.gpu_layer", description=__doc__).parse_args(argv)
     run_all(lambda r: print(json.dumps(r), flush=True))
 
 

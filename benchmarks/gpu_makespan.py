@@ -24,7 +24,8 @@ configurations, evenly spaced, and estimate the others from the measured one of 
 micro-batch) cell, else of the same micro-batch; the line's ``makespan_basis`` says so. One JSON line
 per mode, the packed one first, so a later timeout still leaves it.
 
-Run: ``python -m benchmarks.gpu_makespan`` (H200), ``python -m benchmarks.gpu_makespan --tiny --device cpu``.
+Run: ``python -m lora_sweep.benchmarks.gpu_makespan`` (H200), ``python -m lora_sweep.benchmarks.gpu_makespan --tiny
+--device cpu``.
 """
 
 from __future__ import annotations
@@ -43,12 +44,12 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.makespan_sweep import SweepConfig, extrapolate, sample_indices, sweep_configs
-from benchmarks.shapes import PROJ, SHAPES, build_shape
-from packer.checkpoint import save_adapters
-from packer.data import Example
-from packer.model import DTYPES, PackedModel
-from packer.train import FixedBatch, SlotJob, make_optimizer, train
+from lora_sweep.benchmarks.makespan_sweep import SweepConfig, extrapolate, sample_indices, sweep_configs
+from lora_sweep.benchmarks.shapes import PROJ, SHAPES, build_shape
+from lora_sweep.packer.checkpoint import save_adapters
+from lora_sweep.packer.data import Example
+from lora_sweep.packer.model import DTYPES, PackedModel
+from lora_sweep.packer.train import FixedBatch, SlotJob, make_optimizer, train
 
 __all__ = ["Setup", "MODES", "save_base", "run_packed", "run_sequential", "run_procs", "makespan", "main"]
 
@@ -78,7 +79,7 @@ def save_base(shape: str, out_dir: Path, *, device: str, dtype: str, tiny: bool 
     from transformers import AutoConfig
 
     if tiny:
-        from packer.tiny import build_tiny_model
+        from lora_sweep.packer.tiny import build_tiny_model
 
         build_tiny_model("qwen2", out_dir, seed=0, hidden_size=TINY_HIDDEN)
         return out_dir, AutoConfig.from_pretrained(out_dir).vocab_size
@@ -223,16 +224,14 @@ def run_procs(setup: Setup, configs: Sequence[SweepConfig], out: Path, work: Pat
     """
     shares = [list(configs[p::procs]) for p in range(procs)]
     runs = _share_samples(shares, len(configs), sample)
-    path = [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]  # our packages, from any cwd
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p))
     children = []
     launched, t0 = time.time(), time.perf_counter()
     for p, run in enumerate(runs):
         job = work / f"proc-{p}.json"
         job.write_text(json.dumps(dict(setup=asdict(setup), configs=[asdict(c) for c in run], out=str(out),
                                        threads=max(1, (os.cpu_count() or 1) // procs))))
-        children.append(subprocess.Popen([sys.executable, "-m", "benchmarks.gpu_makespan", "--child", str(job)],
-                                         stdout=subprocess.DEVNULL, env=env))
+        children.append(subprocess.Popen([sys.executable, "-m", "lora_sweep.benchmarks.gpu_makespan", "--child",
+                                          str(job)], stdout=subprocess.DEVNULL))
     codes = [child.wait() for child in children]
     wall = time.perf_counter() - t0
     if any(codes):
@@ -361,7 +360,7 @@ def makespan(shape: str = "qwen2.5-0.5b", *, n_configs: int = 24, steps: int = 2
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_makespan", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m lora_sweep.benchmarks.gpu_makespan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
     p.add_argument("--tiny", action="store_true", help="a tiny random Qwen2 instead of --shape (CPU tests)")

@@ -1,12 +1,12 @@
 """Where a packed step's GPU time goes, by kind of kernel, beside the frozen base alone at the same rows.
 
-    python -m benchmarks.gpu_profile --shape llama3-8b --slots 8 --seq 1024 [--eager]
+    python -m lora_sweep.benchmarks.gpu_profile --shape llama3-8b --slots 8 --seq 1024 [--eager]
 
 Prints, for a packed step (``--eager``: the base's norms and MLPs left to transformers' eager modules) and
 then for the base alone (forward, full loss, backward to the activations), the kernel time per step summed
 by ``CATEGORIES`` and the heaviest kernels. It found the eager base's elementwise kernels at 30% of a
 Llama-3-8B step's kernel time, which ``packer.fuse`` then took on (BENCHMARKS.md). ``profile_step`` is
-``python -m benchmarks.gpu_bench --part small``'s profile of the 0.5B pack (host and device top operators).
+``python -m lora_sweep.benchmarks.gpu_bench --part small``'s profile of the 0.5B pack (host and device top operators).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from benchmarks.shapes import SHAPES, build_shape
-from benchmarks.timing import random_jobs
+from lora_sweep.benchmarks.shapes import SHAPES, build_shape
+from lora_sweep.benchmarks.timing import random_jobs
 
 __all__ = ["CATEGORIES", "category", "breakdown", "kernel_events", "profile_step"]
 
@@ -56,7 +56,7 @@ def _profile_pack(pm: object, slots: int, seq: int) -> tuple[torch.profiler.prof
     returns the profile and the wall-clock stamp after each step."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    from packer.train import train
+    from lora_sweep.packer.train import train
 
     jobs = random_jobs(slots, 1, seq, pm.model.config.vocab_size, 6)  # type: ignore[attr-defined]
     stamps: list[float] = []
@@ -72,7 +72,7 @@ def profile_step(model: torch.nn.Module, slots: int, seq: int, out_dir: str | No
 
     Writes the full operator table to ``out_dir/profile_<slots>.txt`` when ``out_dir`` is given.
     """
-    from packer.model import PackedModel
+    from lora_sweep.packer.model import PackedModel
 
     prof, stamps = _profile_pack(PackedModel(model, impl="triton"), slots, seq)
     events = prof.key_averages()
@@ -104,9 +104,9 @@ def kernel_events(events: list) -> list:
 def main(argv: list[str] | None = None) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    from packer.model import PackedModel
+    from lora_sweep.packer.model import PackedModel
 
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_profile", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m lora_sweep.benchmarks.gpu_profile", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
     parser.add_argument("--slots", type=int, default=8, help="slots x 1 row each; also the base's rows")

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks.shapes import PROJ
-from packer.plan import AdapterSpec
+from lora_sweep.benchmarks.shapes import PROJ
+from lora_sweep.packer.plan import AdapterSpec
 
 __all__ = ["RANKS", "MICRO_BATCHES", "LR_RANGE", "SweepConfig", "sweep_configs", "sample_indices", "extrapolate"]
 

@@ -1,4 +1,4 @@
-"""The memory the optimizer step in the backward saves, on the CPU: ``python -m benchmarks.optim_bwd_bench``.
+"""The memory the optimizer step in the backward saves, on the CPU: ``python -m lora_sweep.benchmarks.optim_bwd_bench``.
 
 A random-init model of SmolLM2-135M's shape (fp32, ``--layers`` decoder layers) trains a pack of ``--slots``
 rank-``--rank`` adapters on all seven projections for ``--steps`` steps, once with the whole-gradient step and
@@ -16,12 +16,12 @@ import platform
 
 import torch
 
-from benchmarks.shapes import PROJ, SMOLLM2
-from packer.data import Example
-from packer.model import PackedModel
-from packer.plan import AdapterSpec
-from packer.probe import calibrate, model_bytes, peak_memory
-from packer.train import FixedBatch, SlotJob, train
+from lora_sweep.benchmarks.shapes import PROJ, SMOLLM2
+from lora_sweep.packer.data import Example
+from lora_sweep.packer.model import PackedModel
+from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.packer.probe import calibrate, model_bytes, peak_memory
+from lora_sweep.packer.train import FixedBatch, SlotJob, train
 
 
 def _model(layers: int) -> torch.nn.Module:

@@ -1,6 +1,6 @@
 """Sample packing on short instruction rows: padding fraction and tokens/s with and without it.
 
-A command, not a timed test: ``python -m benchmarks.packing_bench`` (CPU: the tiny Llama;
+A command, not a timed test: ``python -m lora_sweep.benchmarks.packing_bench`` (CPU: the tiny Llama;
 ``--shape qwen2.5-0.5b`` on a GPU: a random-init model of that shape, ``benchmarks.shapes.SHAPES``).
 The rows are synthetic short instruction rows: random tokens, lengths drawn log-normally (median 25
 tokens, sigma 0.8, clipped to 8..``--row-len``; seed 0), the first half of each row a masked prompt.
@@ -24,13 +24,13 @@ from typing import Any
 
 import torch
 
-from benchmarks.shapes import PROJ, build_shape
-from packer.data import IGNORE_INDEX, Example, SlotStream
-from packer.model import PackedModel, load_base
-from packer.packing import SamplePackedStream
-from packer.plan import AdapterSpec
-from packer.tiny import build_tiny_model
-from packer.train import SlotJob, train
+from lora_sweep.benchmarks.shapes import PROJ, build_shape
+from lora_sweep.packer.data import IGNORE_INDEX, Example, SlotStream
+from lora_sweep.packer.model import PackedModel, load_base
+from lora_sweep.packer.packing import SamplePackedStream
+from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.packer.tiny import build_tiny_model
+from lora_sweep.packer.train import SlotJob, train
 
 __all__ = ["run", "main"]
 
@@ -109,7 +109,8 @@ def run(shape: str | None, *, slots: int, micro: int, row_len: int, steps: int, 
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.packing_bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m lora_sweep.benchmarks.packing_bench", description=__doc__.splitlines()[0])
     p.add_argument("--shape", default=None, help="a benchmarks.shapes shape (GPU); default: tiny Llama on CPU")
     p.add_argument("--slots", type=int, default=8)
     p.add_argument("--micro", type=int, default=16, help="examples per slot and step, unpacked")

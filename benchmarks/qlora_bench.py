@@ -26,13 +26,13 @@ import warnings
 import torch
 from torch import nn
 
-from benchmarks.shapes import PROJ, SHAPES
-from benchmarks.timing import gemm_tflops
-from packer.data import Example
-from packer.model import PackedModel
-from packer.plan import AdapterSpec
-from packer.quant import quantize_base
-from packer.train import FixedBatch, SlotJob, train
+from lora_sweep.benchmarks.shapes import PROJ, SHAPES
+from lora_sweep.benchmarks.timing import gemm_tflops
+from lora_sweep.packer.data import Example
+from lora_sweep.packer.model import PackedModel
+from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.packer.quant import quantize_base
+from lora_sweep.packer.train import FixedBatch, SlotJob, train
 
 
 def _init(module: nn.Module) -> None:

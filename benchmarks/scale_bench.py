@@ -1,6 +1,6 @@
 """Scale-out benchmark: trials per hour of the same study run by 1, 2, ... workers on one host.
 
-A command, not a test: ``python -m benchmarks.scale_bench STUDY --workers 1 2``. For each worker count it
+A command, not a test: ``python -m lora_sweep.benchmarks.scale_bench STUDY --workers 1 2``. For each worker count it
 runs ``sweep run STUDY --workers N`` (one worker process per GPU, pinned with ``CUDA_VISIBLE_DEVICES``)
 in a fresh output folder with its own journal-file storage, and counts the finished trials in that
 storage. Wall time is the whole command: process start, model load, every pack, every evaluation.
@@ -20,8 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-from sweep.store import ResultsStore, StudyDir
-from sweep.worker import study_counts
+from lora_sweep.sweep.store import ResultsStore, StudyDir
+from lora_sweep.sweep.worker import study_counts
 
 __all__ = ["run_once", "main"]
 
@@ -39,7 +39,7 @@ def run_once(study: str, workers: int, root: Path, *overrides: str, name: str | 
     storage = f"journal:///{(out / 'optuna.log').resolve().as_posix().lstrip('/')}"
     out.mkdir(parents=True, exist_ok=True)
     name = name or out.name.replace("w", "scale-w", 1)
-    cmd = [sys.executable, "-m", "sweep.cli", "run", study, f"name={name}", *overrides, "--out", str(out),
+    cmd = [sys.executable, "-m", "lora_sweep", "run", study, f"name={name}", *overrides, "--out", str(out),
            "--workers", str(workers), "--storage", storage, "--heartbeat", "2", "--quiet"]
     t0 = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True)
@@ -60,7 +60,7 @@ def run_once(study: str, workers: int, root: Path, *overrides: str, name: str | 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.scale_bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m lora_sweep.benchmarks.scale_bench", description=__doc__)
     parser.add_argument("study", help="study YAML (studies/scale-out.yaml)")
     parser.add_argument("overrides", nargs="*", help="KEY=VALUE overrides, as sweep run takes them")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts to compare")

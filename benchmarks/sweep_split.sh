@@ -19,6 +19,7 @@
 # Writes into ${BENCH_OUT:-runs/bench-split}: run.log, gpu_util.txt, timing.json, status.txt.
 set -o pipefail
 cd "$(dirname "$0")/.."
+. benchmarks/in_place.sh
 out=${BENCH_OUT:-runs/bench-split}
 mkdir -p "$out"
 model=$PWD/models/smollm2-135m
@@ -42,7 +43,7 @@ fi
 if [ -z "$BENCH_COLD_BYTECODE" ]; then
   # the folders holding the packages a sweep imports (the device's carried wheels sit apart from torch's)
   site=$(python3 -c "import importlib.util as u, os; print(' '.join(sorted({os.path.dirname(os.path.dirname(s.origin)) for s in map(u.find_spec, ('torch', 'transformers', 'optuna', 'sqlalchemy', 'sqlite_utils', 'plotly', 'scipy')) if s and s.origin})))")
-  python3 -m compileall -q -j 0 $site kernels packer evaluators sweep reports > /dev/null 2>&1
+  python3 -m compileall -q -j 0 $site __init__.py kernels packer evaluators sweep reports > /dev/null 2>&1
   echo "bytecode: compiled where missing in $site and the repository (BENCH_COLD_BYTECODE=1: left to the run)"
 fi
 if [ -n "$BENCH_COLD_TRITON" ]; then
@@ -53,12 +54,12 @@ python3 -c "import torch, transformers, triton, peft; print(torch.__version__, t
 nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits -lms 500 > "$out/gpu_util.txt" &
 smi=$!
 start=$(date +%s.%N)
-$BENCH_WRAP python3 -m sweep.cli run studies/demo-gpu.yaml "model.path=$model" "$@" --out "$out/run" --quiet > "$out/run.log" 2>&1
+$BENCH_WRAP python3 -m lora_sweep run studies/demo-gpu.yaml "model.path=$model" "$@" --out "$out/run" --quiet > "$out/run.log" 2>&1
 rc=$?
 wall=$(python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.1f}')" "$start" "$(date +%s.%N)")
 kill $smi
 cp "$out/run/timing.json" "$out/" 2>/dev/null
-python3 -m sweep.cli status "$out/run" > "$out/status.txt" 2>&1
+python3 -m lora_sweep status "$out/run" > "$out/status.txt" 2>&1
 sed -n '/ complete, /,$p' "$out/run.log"
 echo "sweep run rc $rc, command wall s: $wall"
 python3 - "$out/timing.json" "$wall" "$out/gpu_util.txt" <<'PY' 2>/dev/null

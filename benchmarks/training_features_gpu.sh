@@ -5,6 +5,8 @@
 # Needs torchao (the qlora extra); each part has its own time limit, so one that stalls leaves the others.
 # Each part prints one JSON line per run into OUT_DIR/<part>.jsonl; a table of all of them comes last.
 set -uo pipefail
+cd "$(dirname "$0")/.."
+. benchmarks/in_place.sh
 out=${1:-${OUT:-/tmp/training-features}}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -28,7 +30,7 @@ part qlora-70b-nf4 125 python $q --shape llama3-70b --quantize nf4 --slots 8 --s
   --warmup 2 --steps 2
 part qlora-8b-nf4 35 python $q --shape llama3-8b --quantize nf4 --slots 8 --seq 512
 part qlora-8b-bf16 35 python $q --shape llama3-8b --quantize none --slots 8 --seq 512
-part packing-0.5b 55 python -m benchmarks.packing_bench --shape qwen2.5-0.5b --slots 8 --micro 16 --row-len 512 \
+part packing-0.5b 55 python -m lora_sweep.benchmarks.packing_bench --shape qwen2.5-0.5b --slots 8 --micro 16 --row-len 512 \
   --steps 6 --warmup 2
 part qlora-8b-nf4-static 40 python $q --shape llama3-8b --quantize nf4 --slots 8 --seq 512 --static
 

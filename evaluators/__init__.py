@@ -19,19 +19,19 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
-from evaluators._core import MC_FORMAT, EvalData, EvalResult, SlotEvalError, load_eval_data, make_options
-from evaluators.choice import METRICS as _CHOICE_METRICS
-from evaluators.choice import ChoiceOptions, multiple_choice
-from evaluators.cost import COST_METRICS
-from evaluators.custom import CustomOptions, custom, load_option_function
-from evaluators.generation import METRICS as _GENERATION_METRICS
-from evaluators.generation import GenerationOptions, generation
-from evaluators.heldout_loss import METRICS as _HELDOUT_METRICS
-from evaluators.heldout_loss import HeldoutOptions, heldout_loss
-from evaluators.lm_eval import LmEvalOptions, run_lm_eval, task_names
-from evaluators.lm_eval import metric_direction as _lm_eval_direction
-from packer.errors import ConfigError
-from packer.model import PackedModel
+from lora_sweep.evaluators._core import MC_FORMAT, EvalData, EvalResult, SlotEvalError, load_eval_data, make_options
+from lora_sweep.evaluators.choice import METRICS as _CHOICE_METRICS
+from lora_sweep.evaluators.choice import ChoiceOptions, multiple_choice
+from lora_sweep.evaluators.cost import COST_METRICS
+from lora_sweep.evaluators.custom import CustomOptions, custom, load_option_function
+from lora_sweep.evaluators.generation import METRICS as _GENERATION_METRICS
+from lora_sweep.evaluators.generation import GenerationOptions, generation
+from lora_sweep.evaluators.heldout_loss import METRICS as _HELDOUT_METRICS
+from lora_sweep.evaluators.heldout_loss import HeldoutOptions, heldout_loss
+from lora_sweep.evaluators.lm_eval import LmEvalOptions, run_lm_eval, task_names
+from lora_sweep.evaluators.lm_eval import metric_direction as _lm_eval_direction
+from lora_sweep.packer.errors import ConfigError
+from lora_sweep.packer.model import PackedModel
 
 __all__ = ["Evaluator", "EVALUATORS", "OPTIONS", "METRICS", "MC_FORMAT", "EvalData", "EvalResult", "SlotEvalError",
            "load_eval_data", "validate", "metrics_of", "metric_direction", "evaluate"]

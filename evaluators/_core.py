@@ -20,10 +20,10 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from kernels import PackLayout
-from packer.data import FORMATS, read_jsonl
-from packer.errors import ConfigError, DataError, UserError
-from packer.model import PackedModel
+from lora_sweep.kernels import PackLayout
+from lora_sweep.packer.data import FORMATS, read_jsonl
+from lora_sweep.packer.errors import ConfigError, DataError, UserError
+from lora_sweep.packer.model import PackedModel
 
 __all__ = ["MC_FORMAT", "TEXT_FORMATS", "EvalData", "EvalResult", "SlotEvalError", "load_eval_data", "make_options",
            "check_format", "routed", "slot_layout", "chunks", "pad_id", "finite"]

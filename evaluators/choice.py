@@ -18,9 +18,18 @@ from typing import Any
 
 import torch
 
-from evaluators._core import MC_FORMAT, EvalData, EvalResult, check_format, chunks, make_options, pad_id, slot_layout
-from packer.errors import ConfigError
-from packer.model import PackedModel
+from lora_sweep.evaluators._core import (
+    MC_FORMAT,
+    EvalData,
+    EvalResult,
+    check_format,
+    chunks,
+    make_options,
+    pad_id,
+    slot_layout,
+)
+from lora_sweep.packer.errors import ConfigError
+from lora_sweep.packer.model import PackedModel
 
 __all__ = ["ChoiceOptions", "multiple_choice", "choice_logprobs", "encode_pair", "METRICS"]
 

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from evaluators._core import EvalData, EvalResult, SlotEvalError, finite, make_options
-from evaluators.generation import GenerationOptions, build_prompts, generate_texts
-from packer.errors import ConfigError
-from packer.model import PackedModel
+from lora_sweep.evaluators._core import EvalData, EvalResult, SlotEvalError, finite, make_options
+from lora_sweep.evaluators.generation import GenerationOptions, build_prompts, generate_texts
+from lora_sweep.packer.errors import ConfigError
+from lora_sweep.packer.model import PackedModel
 
 __all__ = ["CustomOptions", "custom", "load_function", "load_option_function"]
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from evaluators._core import (
+from lora_sweep.evaluators._core import (
     TEXT_FORMATS,
     EvalData,
     EvalResult,
@@ -36,11 +36,11 @@ from evaluators._core import (
     routed,
     slot_layout,
 )
-from evaluators.scorers import SCORERS
-from packer import eval_graph
-from packer.data import IGNORE_INDEX, tokenize_rows
-from packer.errors import ConfigError, DataError
-from packer.model import PackedModel
+from lora_sweep.evaluators.scorers import SCORERS
+from lora_sweep.packer import eval_graph
+from lora_sweep.packer.data import IGNORE_INDEX, tokenize_rows
+from lora_sweep.packer.errors import ConfigError, DataError
+from lora_sweep.packer.model import PackedModel
 
 __all__ = ["GenerationOptions", "generation", "generate_ids", "generate_texts", "build_prompts", "references",
            "METRICS"]

@@ -15,14 +15,14 @@ from typing import Any
 
 import torch
 
-from evaluators._core import EvalData, EvalResult, check_format, chunks, make_options, pad_id
-from kernels import PackLayout
-from packer import eval_graph
-from packer.batch import PackBatch, collate
-from packer.data import FORMATS, tokenize_rows
-from packer.errors import ConfigError
-from packer.model import PackedModel
-from packer.train import slot_losses
+from lora_sweep.evaluators._core import EvalData, EvalResult, check_format, chunks, make_options, pad_id
+from lora_sweep.kernels import PackLayout
+from lora_sweep.packer import eval_graph
+from lora_sweep.packer.batch import PackBatch, collate
+from lora_sweep.packer.data import FORMATS, tokenize_rows
+from lora_sweep.packer.errors import ConfigError
+from lora_sweep.packer.model import PackedModel
+from lora_sweep.packer.train import slot_losses
 
 __all__ = ["HeldoutOptions", "heldout_loss", "METRICS"]
 

@@ -19,8 +19,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from kernels import reference
-from kernels._launch import (
+from lora_sweep.kernels import reference
+from lora_sweep.kernels._launch import (
     CHUNK_COL,
     FREE_FLT,
     SEG_FLT_COL,
@@ -37,8 +37,8 @@ from kernels._launch import (
     static_meta,
     to_device_async,
 )
-from kernels.meta import LayerRanks, PackLayout, dropout_seed, group_rows
-from kernels.reference import lora_loop, lora_masked_dense
+from lora_sweep.kernels.meta import LayerRanks, PackLayout, dropout_seed, group_rows
+from lora_sweep.kernels.reference import lora_loop, lora_masked_dense
 
 __all__ = ["packed_lora", "packed_lora_linear", "packed_lora_linear_slices", "packed_lora_static", "precompile",
            "hash_compiler_early",
@@ -75,7 +75,7 @@ def _triton_module(name: str = "triton_lora"):  # type: ignore[no-untyped-def]
     """``kernels.<name>`` (a Triton kernel module), imported on first use (after a test's ``TRITON_INTERPRET=1``)."""
     if not triton_available():
         raise ImportError("impl='triton' needs triton: pip install 'lora-sweep[triton]' (or use impl='auto')")
-    return importlib.import_module(f"kernels.{name}")
+    return importlib.import_module(f"lora_sweep.kernels.{name}")
 
 
 def packed_lora(x: torch.Tensor, base_out: torch.Tensor, a_cat: torch.Tensor, bt_cat: torch.Tensor,

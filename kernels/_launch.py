@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.meta import LayerRanks, PackLayout
+from lora_sweep.kernels.meta import LayerRanks, PackLayout
 
 __all__ = ["SegmentMeta", "build_meta", "build_slice_metas", "static_meta", "check_2d", "to_device_async",
            "SegInt", "SegFlt", "Tile", "Chunk", "SEG_INT_COL", "SEG_FLT_COL", "TILE_COL", "CHUNK_COL",
@@ -89,7 +89,7 @@ CHUNK_TOKENS = 2048
 """Tokens per weight-gradient partial sum. A constant (not derived from the pack) so a slot's
 reduction order, and hence its gradient bits, do not depend on which slots share the pack. 2048 rather
 than 1024: a slot of up to 2048 tokens then needs no partial-sum buffer and no reduction after the kernel
-(``python -m benchmarks.gpu_kernels``, H200, T=16384, 8 slots of 2048 tokens, no dropout: 49 vs 56 us per
+(``python -m lora_sweep.benchmarks.gpu_kernels``, H200, T=16384, 8 slots of 2048 tokens, no dropout: 49 vs 56 us per
 weight gradient at D=4096, 131 vs 147 us at D=14336)."""
 
 

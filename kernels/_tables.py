@@ -8,8 +8,8 @@ kernel's offsets with it.
 
 from __future__ import annotations
 
-from kernels._jit import tl
-from kernels._launch import (
+from lora_sweep.kernels._jit import tl
+from lora_sweep.kernels._launch import (
     CHUNK_COL,
     CHUNK_FIELDS,
     POS_BITS,

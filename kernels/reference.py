@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from kernels.meta import LayerRanks, PackLayout, dropout_seed
+from lora_sweep.kernels.meta import LayerRanks, PackLayout, dropout_seed
 
 __all__ = ["lora_loop", "lora_masked_dense", "dropout_keep_mask", "rms_norm", "silu_mul", "rope", "static_linear_ce"]
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import _jit
-from kernels._jit import tl, triton
+from lora_sweep.kernels import _jit
+from lora_sweep.kernels._jit import tl, triton
 
 __all__ = ["OPT_FIELDS", "segmented_sumsq", "segmented_adamw_"]
 

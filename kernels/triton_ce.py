@@ -29,8 +29,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import _jit
-from kernels._jit import tl, triton
+from lora_sweep.kernels import _jit
+from lora_sweep.kernels._jit import tl, triton
 
 __all__ = ["IGNORE_INDEX", "StaticLinearCE", "cross_entropy_rows", "static_linear_ce_triton"]
 
@@ -170,7 +170,7 @@ def static_linear_ce_triton(hidden: torch.Tensor, weight: torch.Tensor, bias: to
         RuntimeError: on the CPU with the Triton interpreter off.
         ValueError: T is not a multiple of ``capacity``, shapes disagree, or the head requires a gradient.
     """
-    _jit.check_device(hidden, "kernels.triton_ce")
+    _jit.check_device(hidden, "lora_sweep.kernels.triton_ce")
     if weight.requires_grad or (bias is not None and bias.requires_grad):
         raise ValueError("static_linear_ce: the head must be frozen (its weight gradient is not computed)")
     n_rows = hidden.shape[0]

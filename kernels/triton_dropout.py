@@ -16,10 +16,22 @@ from __future__ import annotations
 
 import torch
 
-from kernels import _jit
-from kernels._jit import tl, triton
-from kernels._launch import SegmentMeta
-from kernels._tables import POS_SHIFT, SF, SF_INV_KEEP, SF_P, SI, SI_ROW_START, SI_SEED, SI_TOK_END, TI, TI_SEG, TI_TOK0
+from lora_sweep.kernels import _jit
+from lora_sweep.kernels._jit import tl, triton
+from lora_sweep.kernels._launch import SegmentMeta
+from lora_sweep.kernels._tables import (
+    POS_SHIFT,
+    SF,
+    SF_INV_KEEP,
+    SF_P,
+    SI,
+    SI_ROW_START,
+    SI_SEED,
+    SI_TOK_END,
+    TI,
+    TI_SEG,
+    TI_TOK0,
+)
 
 __all__ = ["bits_scale", "dropout_mask", "keep_bits", "keep_scale", "philox"]
 
@@ -63,7 +75,8 @@ def keep_scale(seg_int_ptr, seg_flt_ptr, seg, tok, col0, seq_len, d_in, layer_id
     A segment with p = 0 (a slot without dropout in a call where some slot has it, as every call of a static
     pack with dropout is) gets exactly 1 without drawing: u >= 0 always holds and 1 / (1 - 0) is 1, so the
     branch changes no value, only skips those programs' Philox rounds. Measured on the H200 SmolLM2-shaped
-    16-slot pack with dropout on every other slot (``python -m benchmarks.gpu_graph``): the LoRA kernels took 20.4
+    16-slot pack with dropout on every other slot (``python -m lora_sweep.benchmarks.gpu_graph``): the LoRA kernels
+    took 20.4
     ms per step with it, 19.9 without (noise): a launch lasts as long as its slowest tiles, which draw."""
     p = tl.load(seg_flt_ptr + seg * SF + SF_P)
     n: tl.constexpr = tok.shape[0]
@@ -181,7 +194,8 @@ def dropout_mask(meta: SegmentMeta, n_tokens: int, d_in: int, device: torch.devi
 KEEP_WORDS_PER_PROGRAM = 1
 """Words (of 32 columns) per program of ``_keep_bits_kernel``: 32 columns of a 64-token tile, 512 Philox calls.
 Few columns per program: the kernel is Philox-bound, and a small pack's grid is narrow (96 tiles), so the draws
-need many programs to hide their latency. H200, SmolLM2-shaped 16 x 8 x 48 pack (``python -m benchmarks.gpu_graph
+need many programs to hide their latency. H200, SmolLM2-shaped 16 x 8 x 48 pack (``python -m
+lora_sweep.benchmarks.gpu_graph
 --tile-variants``): 3.71 / 2.69 / 1.98 ms of keep bits per step at 8 / 2 / 1 words per program."""
 
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from kernels import _jit
-from kernels._jit import tl
-from kernels._launch import SegmentMeta, build_meta
-from kernels.meta import LayerRanks, PackLayout
-from kernels.triton_segments import _dot_config, keep_bits, seg_expand_add, seg_shrink, seg_wgrad
+from lora_sweep.kernels import _jit
+from lora_sweep.kernels._jit import tl
+from lora_sweep.kernels._launch import SegmentMeta, build_meta
+from lora_sweep.kernels.meta import LayerRanks, PackLayout
+from lora_sweep.kernels.triton_segments import _dot_config, keep_bits, seg_expand_add, seg_shrink, seg_wgrad
 
 __all__ = ["PackedLoRAFunction", "operand_dtype", "packed_lora_triton"]
 
@@ -103,7 +103,8 @@ def _expand_operand(w: torch.Tensor, act: torch.dtype) -> torch.Tensor:
     """``w`` in the dtype the expand kernel's ``tl.dot`` reads it in: cast once here (a (R, D) tensor) rather
     than in each of its (T / BM) x (D / BN) programs. The same rounding, so the same bits; on an H200 the
     expand takes 56 instead of 66 us at T=16384, D=4096 and 178 instead of 216 us at D=14336
-    (``python -m benchmarks.gpu_kernels``). The Function saves the fp32 masters, not the copy: no memory is kept
+    (``python -m lora_sweep.benchmarks.gpu_kernels``). The Function saves the fp32 masters, not the copy: no memory is
+    kept
     for the backward, which casts again."""
     dot_dtype, _ = _dot_config(act, cast_to_act=True)
     return w if dot_dtype == tl.float32 or w.dtype == act else w.to(act)
@@ -145,7 +146,7 @@ def packed_lora_triton(x: torch.Tensor, base_out: torch.Tensor | None, a_cat: to
         RuntimeError: x is on the CPU and the Triton interpreter is off.
         ValueError: neither or both of ``base_out`` and ``weight`` given.
     """
-    _jit.check_device(x, "kernels.packed_lora")
+    _jit.check_device(x, "lora_sweep.kernels.packed_lora")
     if (base_out is None) == (weight is None):
         raise ValueError("give exactly one of base_out and weight")
     b, seq, d_in = x.shape

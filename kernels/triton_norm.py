@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import _jit
-from kernels._jit import tl, triton
+from lora_sweep.kernels import _jit
+from lora_sweep.kernels._jit import tl, triton
 
 __all__ = ["RMSNormFunction", "rms_norm_triton", "rms_norm_fwd", "rms_norm_bwd"]
 
@@ -162,7 +162,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
         RuntimeError: x is on the CPU and the Triton interpreter is off.
         ValueError: D is wider than the kernel handles (65,536).
     """
-    _jit.check_device(x, "kernels.triton_norm")
+    _jit.check_device(x, "lora_sweep.kernels.triton_norm")
     d = x.shape[-1]
     y = RMSNormFunction.apply(x.reshape(-1, d).contiguous(), weight.contiguous(), float(eps))
     return y.view(*x.shape[:-1], d)

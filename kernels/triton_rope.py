@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import _jit
-from kernels._jit import tl, triton
+from lora_sweep.kernels import _jit
+from lora_sweep.kernels._jit import tl, triton
 
 __all__ = ["RopeFunction", "rope_triton", "rope_launch", "rope_problem"]
 
@@ -164,7 +164,7 @@ def rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
         ValueError: shapes, dtypes or devices that transformers' formula would not take as they are (it would
             broadcast or promote), or cos / sin that require a gradient (the kernel gives none).
     """
-    _jit.check_device(q, "kernels.triton_rope")
+    _jit.check_device(q, "lora_sweep.kernels.triton_rope")
     problem = rope_problem(q, k, cos, sin)
     if problem:
         raise ValueError(f"rope: {problem}")

@@ -41,10 +41,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels import _jit
-from kernels._jit import INTERPRET, tl, triton
-from kernels._launch import SegmentMeta, check_2d
-from kernels._tables import (
+from lora_sweep.kernels import _jit
+from lora_sweep.kernels._jit import INTERPRET, tl, triton
+from lora_sweep.kernels._launch import SegmentMeta, check_2d
+from lora_sweep.kernels._tables import (
     CH,
     CH_PART,
     CH_SEG,
@@ -61,7 +61,7 @@ from kernels._tables import (
     TI_SEG,
     TI_TOK0,
 )
-from kernels.triton_dropout import bits_scale, keep_bits
+from lora_sweep.kernels.triton_dropout import bits_scale, keep_bits
 
 __all__ = ["seg_expand_add", "seg_shrink", "seg_wgrad"]
 
@@ -70,7 +70,7 @@ WGRAD_BLOCK_N = 128
 """Feature tile of the weight gradient. Its grid is (chunks, D / BN, rank tiles), only 32-200 programs for a small
 pack (16 segments of 384 tokens, one chunk each, D = 192..1536), yet a narrower tile does not pay: H200,
 SmolLM2-shaped 16 x 8 x 48 pack, 5.39 ms of weight gradients per step at BN = 128, 5.98 at 64
-(``python -m benchmarks.gpu_graph --tile-variants``)."""
+(``python -m lora_sweep.benchmarks.gpu_graph --tile-variants``)."""
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -229,7 +229,8 @@ def _launch_config(dropout: bool) -> tuple[int, int]:
     """(tile, pipeline stages) of the two kernels that stream a (T, D) input: the shrink's K tile is twice the
     tile, the weight gradient's token step is the tile.
 
-    Measured on an H200 by ``python -m benchmarks.gpu_kernels`` (T=16384, 8 slots, r=16, bf16; BENCHMARKS.md):
+    Measured on an H200 by ``python -m lora_sweep.benchmarks.gpu_kernels`` (T=16384, 8 slots, r=16, bf16;
+    BENCHMARKS.md):
     without dropout (64, 3) is within 1 us of the best tried. With dropout the kernels drew their masks then, and
     the Philox rounds made (32, 4) win; they read the mask's bits now (one int32 per 32 columns), so dropout
     takes the same tiles (``dropout`` stays an argument for the benchmark that sweeps them).

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import torch
 
-from kernels import _jit
-from kernels._launch import SegmentMeta, build_slice_metas
-from kernels.meta import LayerRanks, PackLayout
-from kernels.triton_lora import _expand_operand, _lora_term
-from kernels.triton_segments import seg_shrink, seg_wgrad
+from lora_sweep.kernels import _jit
+from lora_sweep.kernels._launch import SegmentMeta, build_slice_metas
+from lora_sweep.kernels.meta import LayerRanks, PackLayout
+from lora_sweep.kernels.triton_lora import _expand_operand, _lora_term
+from lora_sweep.kernels.triton_segments import seg_shrink, seg_wgrad
 
 __all__ = ["PackedLoRASlicesFunction", "packed_lora_slices_triton"]
 
@@ -116,7 +116,7 @@ def packed_lora_slices_triton(x: torch.Tensor, weights: tuple[torch.Tensor, ...]
         ValueError: an adapted slot has dropout, or the slices disagree on a slot's scale.
         RuntimeError: x is on the CPU and the Triton interpreter is off.
     """
-    _jit.check_device(x, "kernels.packed_lora_linear_slices")
+    _jit.check_device(x, "lora_sweep.kernels.packed_lora_linear_slices")
     b, seq, d_in = x.shape
     group, metas = build_slice_metas(layout, slices, b * seq, seq, x.device)
     if group.has_dropout:

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import _jit
-from kernels._jit import tl, triton
+from lora_sweep.kernels import _jit
+from lora_sweep.kernels._jit import tl, triton
 
 __all__ = ["SiluMulFunction", "silu_mul_triton", "silu_mul_fwd", "silu_mul_bwd"]
 
@@ -103,7 +103,7 @@ def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         RuntimeError: on the CPU with the Triton interpreter off.
         ValueError: gate and up differ in shape or dtype.
     """
-    _jit.check_device(gate, "kernels.triton_swiglu")
+    _jit.check_device(gate, "lora_sweep.kernels.triton_swiglu")
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"silu_mul: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} "
                          "must match")

@@ -7,8 +7,8 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from kernels import PackLayout, to_device_async
-from packer.data import IGNORE_INDEX
+from lora_sweep.kernels import PackLayout, to_device_async
+from lora_sweep.packer.data import IGNORE_INDEX
 
 __all__ = ["PackBatch", "collate", "row_slots", "IGNORE_INDEX"]
 

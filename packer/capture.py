@@ -64,7 +64,7 @@ def precompile(fn: Callable[[], object]) -> None:
     whose launches are compile-only warm-ups; its torch ops run on unwritten kernel outputs, so ``fn`` must only
     write state its next real run rewrites). A failure is one warning: the kernels then compile as ``fn`` meets
     them, one after another (~1-2 s each on a cold cache on an H200 host)."""
-    import kernels
+    from lora_sweep import kernels
 
     try:
         kernels.precompile(fn)

@@ -22,8 +22,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers.pytorch_utils import Conv1D
 
-from packer.errors import UserError
-from packer.model import PackedModel
+from lora_sweep.packer.errors import UserError
+from lora_sweep.packer.model import PackedModel
 
 __all__ = ["save_adapter", "save_adapters", "discard_adapter", "load_adapter", "read_adapter", "adapter_config",
            "CONFIG_NAME", "WEIGHTS_NAME"]

@@ -35,12 +35,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels import resolve_impl
-from packer.batch import IGNORE_INDEX
-from packer.capture import capture, precompile
-from packer.loss import output_head
-from packer.model import PackedModel
-from packer.static import ShapeBuffers, StaticStore, fused_loss_head, static_head_losses
+from lora_sweep.kernels import resolve_impl
+from lora_sweep.packer.batch import IGNORE_INDEX
+from lora_sweep.packer.capture import capture, precompile
+from lora_sweep.packer.loss import output_head
+from lora_sweep.packer.model import PackedModel
+from lora_sweep.packer.static import ShapeBuffers, StaticStore, fused_loss_head, static_head_losses
 
 __all__ = ["available", "heldout_fits", "row_losses", "greedy_decode", "static_generation_fits", "bucket",
            "EVAL_MULTIPLE", "STATIC_LOGITS_BYTES", "HELDOUT_BYTES_PER_LOGIT"]
@@ -54,7 +54,8 @@ not. Larger shapes (many slots, long rows, a large vocabulary) take the dynamic 
 rows only."""
 HELDOUT_BYTES_PER_LOGIT = {"triton": 2.5, "torch": 10.0}
 """Peak GPU memory of a static held-out evaluation per logit, by how it takes the loss, measured on the H200
-(``python -m benchmarks.eval_memory``, 16 slots of SmolLM2's shape, 2-16 x 10^8 logits): the Triton path's fused
+(``python -m lora_sweep.benchmarks.eval_memory``, 16 slots of SmolLM2's shape, 2-16 x 10^8 logits): the Triton path's
+fused
 loss head (``static.fused_loss_head``) keeps bf16 logits, 2.05-2.52 B (the most at the fewest logits); full logits
 (the torch path, or a head the fused loss cannot take) are the bf16 logits, an fp32 copy and cross-entropy's fp32
 intermediates, 9.96-10.04 B."""

@@ -32,8 +32,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-import kernels
-from kernels import Impl
+from lora_sweep import kernels
+from lora_sweep.kernels import Impl
 
 __all__ = ["RMS_NORMS", "GATED_MLPS", "ROPE_ATTENTIONS", "FusedRMSNorm", "FusedGatedMLP", "RopeSwap", "fuse_base_ops",
            "fused_rope", "rope_kernel_probe"]

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from packer.errors import UserError
+from lora_sweep.packer.errors import UserError
 
 __all__ = ["MANIFEST", "cache_root", "checkpoint_dir", "convert", "gguf_source", "packaged_gguf"]
 

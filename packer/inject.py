@@ -12,11 +12,11 @@ from collections.abc import Iterable
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from packer.errors import ConfigError
-from packer.layer import PackedLoRALinear, PackState
-from packer.loss import output_head
-from packer.plan import ALL_LINEAR, adapter_param_count
-from packer.quant import NF4Linear
+from lora_sweep.packer.errors import ConfigError
+from lora_sweep.packer.layer import PackedLoRALinear, PackState
+from lora_sweep.packer.loss import output_head
+from lora_sweep.packer.plan import ALL_LINEAR, adapter_param_count
+from lora_sweep.packer.quant import NF4Linear
 
 __all__ = ["linear_shape", "projection_names", "resolve_targets", "inject", "all_linear_params"]
 

@@ -23,11 +23,11 @@ import weakref
 import torch
 from torch import nn
 
-from packer.batch import collate
-from packer.data import Example
-from packer.errors import ConfigError
-from packer.model import PackedModel
-from packer.packing import check_family, pack_rows
+from lora_sweep.packer.batch import collate
+from lora_sweep.packer.data import Example
+from lora_sweep.packer.errors import ConfigError
+from lora_sweep.packer.model import PackedModel
+from lora_sweep.packer.packing import check_family, pack_rows
 
 __all__ = ["check_sample_packing", "cross_example_change"]
 

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import nn
 
-from kernels import Impl, LayerRanks, PackLayout, packed_lora, packed_lora_linear
+from lora_sweep.kernels import Impl, LayerRanks, PackLayout, packed_lora, packed_lora_linear
 
 __all__ = ["PackState", "PackedLoRALinear", "SharedInputGroup", "as_rows", "stacked_leaf"]
 

@@ -27,19 +27,19 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from kernels import IMPLS, Impl, PackLayout, hash_compiler_early, resolve_impl
-from packer.capture import precompile
-from packer.errors import ConfigError, UserError
-from packer.fuse import FusedGatedMLP, FusedRMSNorm, fuse_base_ops, rope_kernel_probe
-from packer.inject import inject, resolve_targets
-from packer.layer import PackedLoRALinear, PackState
-from packer.loss import plain_output_head
-from packer.plan import AdapterSpec
-from packer.quant import quantize_base
-from packer.slices import SliceGroup, link_groups
+from lora_sweep.kernels import IMPLS, Impl, PackLayout, hash_compiler_early, resolve_impl
+from lora_sweep.packer.capture import precompile
+from lora_sweep.packer.errors import ConfigError, UserError
+from lora_sweep.packer.fuse import FusedGatedMLP, FusedRMSNorm, fuse_base_ops, rope_kernel_probe
+from lora_sweep.packer.inject import inject, resolve_targets
+from lora_sweep.packer.layer import PackedLoRALinear, PackState
+from lora_sweep.packer.loss import plain_output_head
+from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.packer.quant import quantize_base
+from lora_sweep.packer.slices import SliceGroup, link_groups
 
 if TYPE_CHECKING:
-    from packer.static import StaticStore
+    from lora_sweep.packer.static import StaticStore
 
 __all__ = ["PackedModel", "load_base", "resolve_base", "prepare_kernels", "DTYPES"]
 
@@ -62,7 +62,7 @@ def resolve_base(name_or_path: str, gguf_file: str | None = None, *,
     Raises:
         UserError: a missing GGUF file or one transformers cannot read (``packer.gguf.convert``).
     """
-    from packer import gguf
+    from lora_sweep.packer import gguf
 
     file = gguf.gguf_source(name_or_path, gguf_file)
     if file is not None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from packer.plan import AdapterSpec
+from lora_sweep.packer.plan import AdapterSpec
 
 __all__ = ["PackedAdamW", "lr_schedule"]
 

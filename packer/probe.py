@@ -20,18 +20,18 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from kernels import PackLayout, resolve_impl
-from packer.data import Example
-from packer.loss import chunked_slot_losses
-from packer.model import PackedModel
-from packer.plan import (
+from lora_sweep.kernels import PackLayout, resolve_impl
+from lora_sweep.packer.data import Example
+from lora_sweep.packer.loss import chunked_slot_losses
+from lora_sweep.packer.model import PackedModel
+from lora_sweep.packer.plan import (
     ADAPTER_BYTES_PER_PARAM,
     IN_BACKWARD_BYTES_PER_PARAM,
     AdapterSpec,
     MemoryModel,
     adapter_param_count,
 )
-from packer.train import FixedBatch, SlotJob, chunk_tokens_of, train
+from lora_sweep.packer.train import FixedBatch, SlotJob, chunk_tokens_of, train
 
 __all__ = ["peak_memory", "calibrate", "available_memory", "model_bytes"]
 
@@ -150,7 +150,7 @@ def calibrate(pm: PackedModel, seq_len: int, *, rows: tuple[int, int] = (2, 8), 
     vocab = vocab or pm.model.get_input_embeddings().num_embeddings
     gen = torch.Generator().manual_seed(0)
     static = torch.cuda.memory_allocated(pm.device) if pm.device.type == "cuda" else model_bytes(pm)
-    from packer.inject import linear_shape, projection_names
+    from lora_sweep.packer.inject import linear_shape, projection_names
 
     narrowest = min(min(linear_shape(pm.model.get_submodule(p)) or (1 << 30,)) for p in projection_names(pm.model))
     r_hi = min(40, narrowest)

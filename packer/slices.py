@@ -20,8 +20,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from kernels import LayerRanks, PackLayout, packed_lora_linear_slices, resolve_impl
-from packer.layer import PackedLoRALinear, stacked_leaf
+from lora_sweep.kernels import LayerRanks, PackLayout, packed_lora_linear_slices, resolve_impl
+from lora_sweep.packer.layer import PackedLoRALinear, stacked_leaf
 
 __all__ = ["SHARED_INPUT", "SliceGroup", "link_groups"]
 

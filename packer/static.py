@@ -40,15 +40,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
-from kernels import SEG_FLT_FIELDS, SEG_INT_FIELDS, SegmentMeta, resolve_impl, static_meta
-from kernels.reference import dropout_keep_mask
-from packer.batch import IGNORE_INDEX
-from packer.errors import ConfigError
-from packer.inject import inject, resolve_targets
-from packer.layer import PackedLoRALinear, PackState
-from packer.loss import plain_output_head
-from packer.plan import ALL_LINEAR
+from lora_sweep import kernels
+from lora_sweep.kernels import SEG_FLT_FIELDS, SEG_INT_FIELDS, SegmentMeta, resolve_impl, static_meta
+from lora_sweep.kernels.reference import dropout_keep_mask
+from lora_sweep.packer.batch import IGNORE_INDEX
+from lora_sweep.packer.errors import ConfigError
+from lora_sweep.packer.inject import inject, resolve_targets
+from lora_sweep.packer.layer import PackedLoRALinear, PackState
+from lora_sweep.packer.loss import plain_output_head
+from lora_sweep.packer.plan import ALL_LINEAR
 
 __all__ = ["StaticStore", "ShapeBuffers", "OPT_FIELDS", "SEG_INT", "SEG_FLT", "static_losses", "static_head_losses",
            "fused_loss_head", "shift_targets"]

@@ -34,13 +34,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from kernels import FREE_FLT, SEG_FLT_COL, PackLayout, SegFlt, dropout_seed, free_segment, resolve_impl
-from packer.batch import IGNORE_INDEX
-from packer.capture import capture, precompile
-from packer.jobs import SlotEnd, SlotJob, StepReport, TrainResult
-from packer.model import PackedModel
-from packer.optim import lr_schedule
-from packer.static import (
+from lora_sweep.kernels import FREE_FLT, SEG_FLT_COL, PackLayout, SegFlt, dropout_seed, free_segment, resolve_impl
+from lora_sweep.packer.batch import IGNORE_INDEX
+from lora_sweep.packer.capture import capture, precompile
+from lora_sweep.packer.jobs import SlotEnd, SlotJob, StepReport, TrainResult
+from lora_sweep.packer.model import PackedModel
+from lora_sweep.packer.optim import lr_schedule
+from lora_sweep.packer.static import (
     SEG_FLT,
     SEG_INT,
     ShapeBuffers,
@@ -49,7 +49,7 @@ from packer.static import (
     static_head_losses,
     static_losses,
 )
-from packer.static_optim import NOOP, optimizer_row, static_adamw_step
+from lora_sweep.packer.static_optim import NOOP, optimizer_row, static_adamw_step
 
 __all__ = ["train_static", "DEFAULT_READBACK", "SEQ_MULTIPLE", "rank_bucket_for"]
 

@@ -15,9 +15,9 @@ import math
 
 import torch
 
-import kernels
-from packer.plan import AdapterSpec
-from packer.static import ShapeBuffers, StaticStore
+from lora_sweep import kernels
+from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.packer.static import ShapeBuffers, StaticStore
 
 __all__ = ["static_adamw_step", "optimizer_row", "NOOP"]
 

@@ -6,16 +6,17 @@ loads them through the same ``from_pretrained`` path as a user's checkpoint.
 
 The documented way to build a tiny base model::
 
-    python -m packer.tiny --family llama --out models/tiny-llama --seed 0
+    python -m lora_sweep.packer.tiny --family llama --out models/tiny-llama --seed 0
 
 or, from Python::
 
-    from packer.tiny import build_tiny_model
+    from lora_sweep.packer.tiny import build_tiny_model
     path = build_tiny_model("llama", "models/tiny-llama", seed=0)
     model = AutoModelForCausalLM.from_pretrained(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
 
-The demo data under ``studies/data`` is regenerated with ``python -m packer.tiny --write-demo-data studies/data``.
+The demo data under ``studies/data`` is regenerated with ``python -m lora_sweep.packer.tiny --write-demo-data
+studies/data``.
 """
 
 from __future__ import annotations
@@ -37,10 +38,10 @@ from transformers import (
     Qwen2Config,
 )
 
-from packer.data import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT
-from packer.errors import ConfigError
-from packer.tiny_data import arithmetic_rows, write_demo_data
-from packer.tiny_families import EXTRA_FAMILIES, extra_config
+from lora_sweep.packer.data import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT
+from lora_sweep.packer.errors import ConfigError
+from lora_sweep.packer.tiny_data import arithmetic_rows, write_demo_data
+from lora_sweep.packer.tiny_families import EXTRA_FAMILIES, extra_config
 
 __all__ = [
     "FAMILIES",
@@ -270,8 +271,9 @@ def build_tiny_model(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of ``python -m packer.tiny``; prints the paths it wrote."""
-    parser = argparse.ArgumentParser(prog="python -m packer.tiny", description="Build a tiny model or the demo data.")
+    """Entry point of ``python -m lora_sweep.packer.tiny``; prints the paths it wrote."""
+    parser = argparse.ArgumentParser(
+        prog="python -m lora_sweep.packer.tiny", description="Build a tiny model or the demo data.")
     parser.add_argument("--family", choices=FAMILIES, help="architecture of the tiny model")
     parser.add_argument("--out", type=Path, help="directory to save the model and tokenizer in")
     parser.add_argument("--seed", type=int, default=0, help="init seed (default 0)")

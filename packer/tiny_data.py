@@ -1,7 +1,8 @@
 """The tiny models' task: generated arithmetic with checkable answers (add, subtract, reverse digits), in the
 alpaca, prompt/completion and chat row formats, and the demo data files written from it.
 
-``python -m packer.tiny --write-demo-data studies/data`` regenerates the tiny demo's data with ``write_demo_data``;
+``python -m lora_sweep.packer.tiny --write-demo-data studies/data`` regenerates the tiny demo's data with
+``write_demo_data``;
 ``packer.tiny`` also trains its tokenizer on this task's text.
 """
 
@@ -14,7 +15,7 @@ import secrets
 from collections.abc import Iterable
 from pathlib import Path
 
-from packer.errors import ConfigError
+from lora_sweep.packer.errors import ConfigError
 
 __all__ = ["arithmetic_rows", "write_demo_data", "write_jsonl", "DEMO_SEED", "DEMO_TRAIN", "DEMO_EVAL"]
 

@@ -40,15 +40,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import dropout_seed
-from packer.batch import IGNORE_INDEX, PackBatch, Row, collate, row_slots
-from packer.errors import ConfigError
-from packer.isolation import check_sample_packing
-from packer.jobs import BatchSource, FixedBatch, SlotEnd, SlotJob, StepReport, TrainResult
-from packer.loss import DEFAULT_CHUNK_TOKENS, chunked_slot_losses
-from packer.model import PackedModel
-from packer.optim import PackedAdamW
-from packer.plan import AdapterSpec
+from lora_sweep.kernels import dropout_seed
+from lora_sweep.packer.batch import IGNORE_INDEX, PackBatch, Row, collate, row_slots
+from lora_sweep.packer.errors import ConfigError
+from lora_sweep.packer.isolation import check_sample_packing
+from lora_sweep.packer.jobs import BatchSource, FixedBatch, SlotEnd, SlotJob, StepReport, TrainResult
+from lora_sweep.packer.loss import DEFAULT_CHUNK_TOKENS, chunked_slot_losses
+from lora_sweep.packer.model import PackedModel
+from lora_sweep.packer.optim import PackedAdamW
+from lora_sweep.packer.plan import AdapterSpec
 
 __all__ = ["BatchSource", "FixedBatch", "SlotJob", "SlotEnd", "StepReport", "TrainResult", "train", "slot_losses",
            "make_optimizer", "make_scheduler", "chunk_tokens_of", "check_in_backward"]
@@ -237,7 +237,7 @@ def train(
         if chunk_tokens is not None or activation_checkpointing or optimizer_in_backward:
             raise ValueError("static_shapes supports neither chunked_ce, activation_checkpointing nor "
                              "optimizer_in_backward")
-        from packer.static_loop import train_static
+        from lora_sweep.packer.static_loop import train_static
 
         pm.set_activation_checkpointing(False)
         return train_static(pm, capacity, next_job, pad_id=pad_id, on_step=on_step, should_stop=should_stop,

@@ -12,7 +12,7 @@ import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from sweep.store import (
+from lora_sweep.sweep.store import (
     EvalRow,
     ItemRow,
     PackRecord,

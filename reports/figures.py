@@ -13,8 +13,8 @@ from typing import Any, NamedTuple
 
 import plotly.graph_objects as go
 
-from reports._fmt import fmt
-from reports._load import StudyData, objective_values, pareto_numbers
+from lora_sweep.reports._fmt import fmt
+from lora_sweep.reports._load import StudyData, objective_values, pareto_numbers
 
 __all__ = ["ParetoInfo", "CurvesInfo", "PruneInfo", "_pareto_info", "_curves_info", "_eval_curves_info", "_prune_info",
            "plot_pareto", "plot_curves", "plot_prunes", "STATE_COLORS"]

@@ -16,9 +16,9 @@ from pathlib import Path
 import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 
-from reports import figures, optuna_figures, summary, tables, timeline
-from reports._load import StudyData, load_optuna_study, load_study_data
-from sweep.store import StudyDir, atomic_write_text
+from lora_sweep.reports import figures, optuna_figures, summary, tables, timeline
+from lora_sweep.reports._load import StudyData, load_optuna_study, load_study_data
+from lora_sweep.sweep.store import StudyDir, atomic_write_text
 
 __all__ = ["write_report", "build_report", "preload"]
 

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import plotly.graph_objects as go
 
-from reports._load import StudyData
+from lora_sweep.reports._load import StudyData
 
 __all__ = ["Target", "OptunaInfo", "_optuna_info", "plot_history", "plot_importances", "plot_parallel"]
 

@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from reports._fmt import esc, fmt, table
-from reports._load import StudyData
+from lora_sweep.reports._fmt import esc, fmt, table
+from lora_sweep.reports._load import StudyData
 
 __all__ = ["TrialRow", "TrialTableInfo", "_trial_table_info", "render_trial_table", "render_prune_table",
            "render_samples"]

@@ -12,8 +12,8 @@ from typing import NamedTuple
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from reports._fmt import fmt
-from reports._load import StudyData
+from lora_sweep.reports._fmt import fmt
+from lora_sweep.reports._load import StudyData
 
 __all__ = ["TimelineInfo", "Span", "PacksInfo", "_timeline_info", "_packs_info", "plot_timeline", "plot_packs"]
 

@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from packer.errors import ConfigError
-from packer.plan import AdapterSpec
+from lora_sweep.packer.errors import ConfigError
+from lora_sweep.packer.plan import AdapterSpec
 
 __all__ = ["Param", "SearchSpace", "SEARCHABLE"]
 

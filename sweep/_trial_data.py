@@ -11,13 +11,13 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from packer.data import Example
-from packer.isolation import check_sample_packing
-from packer.model import PackedModel
-from packer.packing import batches_per_epoch, slot_stream
-from packer.plan import AdapterSpec
-from packer.train import BatchSource, target_tokens
-from sweep.spec import StudySpec
+from lora_sweep.packer.data import Example
+from lora_sweep.packer.isolation import check_sample_packing
+from lora_sweep.packer.model import PackedModel
+from lora_sweep.packer.packing import batches_per_epoch, slot_stream
+from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.packer.train import BatchSource, target_tokens
+from lora_sweep.sweep.spec import StudySpec
 
 __all__ = ["epoch_steps", "trial_adapter", "trial_stream", "planned_tokens", "check_packing"]
 

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import yaml
 
-from packer.errors import ConfigError
+from lora_sweep.packer.errors import ConfigError
 
 __all__ = [
     "Doc",

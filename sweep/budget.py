@@ -16,13 +16,13 @@ from typing import Protocol
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from packer.data import Example, SlotStream
-from packer.train import target_tokens
-from sweep.ledger import FINISHED, orphans
-from sweep.space import GridSearch
-from sweep.spec import StudySpec
-from sweep.storage import Sharing, study_elapsed
-from sweep.store import attrs
+from lora_sweep.packer.data import Example, SlotStream
+from lora_sweep.packer.train import target_tokens
+from lora_sweep.sweep.ledger import FINISHED, orphans
+from lora_sweep.sweep.space import GridSearch
+from lora_sweep.sweep.spec import StudySpec
+from lora_sweep.sweep.storage import Sharing, study_elapsed
+from lora_sweep.sweep.store import attrs
 
 __all__ = ["BudgetState", "Counts", "budget_state", "shared_budget", "counted", "TokenPlan"]
 

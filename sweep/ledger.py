@@ -30,12 +30,12 @@ import optuna
 from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
 
-from packer.checkpoint import discard_adapter
-from packer.errors import UserError
-from sweep.space import default_params, make_sampler
-from sweep.spec import StudySpec
-from sweep.storage import Sharing, last_beat, normalize_url, open_storage, storage_lock
-from sweep.store import ResultsStore, StudyDir, attrs, redact_url
+from lora_sweep.packer.checkpoint import discard_adapter
+from lora_sweep.packer.errors import UserError
+from lora_sweep.sweep.space import default_params, make_sampler
+from lora_sweep.sweep.spec import StudySpec
+from lora_sweep.sweep.storage import Sharing, last_beat, normalize_url, open_storage, storage_lock
+from lora_sweep.sweep.store import ResultsStore, StudyDir, attrs, redact_url
 
 __all__ = ["Ledger", "Heartbeat", "open_study", "storage_url", "ORPHAN_REASON", "FINISHED", "is_default", "orphans"]
 

@@ -7,7 +7,7 @@ from types import TracebackType
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from sweep.study import Progress as PackProgress
+from lora_sweep.sweep.study import Progress as PackProgress
 
 __all__ = ["LiveProgress"]
 

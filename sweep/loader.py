@@ -21,9 +21,9 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from sweep import _foreign
-from sweep._yaml import Doc, Item, Key, add, coerce, make, override, read, scalar, section, typed
-from sweep.spec import (
+from lora_sweep.sweep import _foreign
+from lora_sweep.sweep._yaml import Doc, Item, Key, add, coerce, make, override, read, scalar, section, typed
+from lora_sweep.sweep.spec import (
     SEARCHABLE,
     Budget,
     Constraint,

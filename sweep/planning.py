@@ -15,14 +15,14 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from packer.data import Example
-from packer.errors import ConfigError
-from packer.inject import all_linear_params, resolve_targets
-from packer.model import PackedModel
-from packer.packing import batches_per_epoch
-from packer.plan import MemoryModel
-from packer.probe import available_memory, calibrate
-from sweep.spec import StudySpec
+from lora_sweep.packer.data import Example
+from lora_sweep.packer.errors import ConfigError
+from lora_sweep.packer.inject import all_linear_params, resolve_targets
+from lora_sweep.packer.model import PackedModel
+from lora_sweep.packer.packing import batches_per_epoch
+from lora_sweep.packer.plan import MemoryModel
+from lora_sweep.packer.probe import available_memory, calibrate
+from lora_sweep.sweep.spec import StudySpec
 
 __all__ = ["auto_slots", "check_targets", "largest_rank", "PlanReport", "plan_pack", "trial_micro_steps",
            "MEMORY_FRACTION", "MAX_AUTO_SLOTS", "PLAN_CALIBRATIONS"]

@@ -22,16 +22,16 @@ from functools import partial
 import optuna
 from optuna.trial import TrialState
 
-from packer.errors import UserError
-from packer.gguf import gguf_source
-from packer.model import PackedModel, load_base, prepare_kernels, resolve_base
-from sweep.budget import counted
-from sweep.ledger import Ledger, open_study, storage_url
-from sweep.session import Session, own_directory, record_spec, trial_adapter_dir
-from sweep.spec import StudySpec
-from sweep.storage import Sharing, resume_clock, storage_lock
-from sweep.store import DirectoryLock, ResultsStore, StudyDir, strip_password
-from sweep.timing import WallSplit
+from lora_sweep.packer.errors import UserError
+from lora_sweep.packer.gguf import gguf_source
+from lora_sweep.packer.model import PackedModel, load_base, prepare_kernels, resolve_base
+from lora_sweep.sweep.budget import counted
+from lora_sweep.sweep.ledger import Ledger, open_study, storage_url
+from lora_sweep.sweep.session import Session, own_directory, record_spec, trial_adapter_dir
+from lora_sweep.sweep.spec import StudySpec
+from lora_sweep.sweep.storage import Sharing, resume_clock, storage_lock
+from lora_sweep.sweep.store import DirectoryLock, ResultsStore, StudyDir, strip_password
+from lora_sweep.sweep.timing import WallSplit
 
 __all__ = ["open_session", "resolve_device"]
 
@@ -83,7 +83,7 @@ def open_session(spec: StudySpec, *, log: Callable[[str], None] = print, sharing
 def _capacity(spec: StudySpec, pm: PackedModel, log: Callable[[str], None]) -> int:
     if spec.packing.max_slots != "auto":
         return int(spec.packing.max_slots)
-    from sweep.planning import auto_slots
+    from lora_sweep.sweep.planning import auto_slots
 
     n = auto_slots(spec, pm)
     log(f"packing: auto -> {n} slots")
@@ -92,7 +92,7 @@ def _capacity(spec: StudySpec, pm: PackedModel, log: Callable[[str], None]) -> i
 
 def _open(spec: StudySpec, sdir: StudyDir, device: str, log: Callable[[str], None], sharing: Sharing | None,
           lock: DirectoryLock | None, allow_changes: bool, split: WallSplit) -> Session:
-    from sweep.planning import check_targets
+    from lora_sweep.sweep.planning import check_targets
 
     prepare_kernels(spec.packing.kernels, device)  # Triton's own hash, on a thread beside the model's load
     with split.part("load:model"):

@@ -21,12 +21,12 @@ import optuna
 import yaml
 from optuna.trial import TrialState
 
-from packer.errors import UserError
-from packer.model import PackedModel
-from sweep.ledger import Ledger
-from sweep.spec import StudySpec
-from sweep.storage import Sharing
-from sweep.store import DirectoryInUse, DirectoryLock, ResultsStore, StudyDir, pareto_front, strip_password
+from lora_sweep.packer.errors import UserError
+from lora_sweep.packer.model import PackedModel
+from lora_sweep.sweep.ledger import Ledger
+from lora_sweep.sweep.spec import StudySpec
+from lora_sweep.sweep.storage import Sharing
+from lora_sweep.sweep.store import DirectoryInUse, DirectoryLock, ResultsStore, StudyDir, pareto_front, strip_password
 
 __all__ = ["Session", "own_directory", "record_spec", "spec_record", "spec_changes", "RESUMABLE",
            "trial_adapter_dir"]

@@ -18,9 +18,9 @@ import optuna
 from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
 
-from packer.errors import ConfigError
-from packer.plan import AdapterSpec
-from sweep.spec import Param, SamplerSpec, SearchSpace, TrainSpec
+from lora_sweep.packer.errors import ConfigError
+from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.sweep.spec import Param, SamplerSpec, SearchSpace, TrainSpec
 
 __all__ = ["GridSearch", "adapter_spec", "default_params", "make_sampler", "suggest"]
 

@@ -17,13 +17,13 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-import evaluators
-from packer.data import FORMATS as DATA_FORMATS
-from packer.errors import ConfigError
-from packer.plan import AdapterSpec
-from packer.quant import QUANTIZE
-from sweep._params import SEARCHABLE, Param, SearchSpace, _check, _check_adapter_value, _is_num
-from sweep.strategy import _NAME, SAMPLERS, Budget, Constraint, Objective, PruningSpec, SamplerSpec
+from lora_sweep import evaluators
+from lora_sweep.packer.data import FORMATS as DATA_FORMATS
+from lora_sweep.packer.errors import ConfigError
+from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.packer.quant import QUANTIZE
+from lora_sweep.sweep._params import SEARCHABLE, Param, SearchSpace, _check, _check_adapter_value, _is_num
+from lora_sweep.sweep.strategy import _NAME, SAMPLERS, Budget, Constraint, Objective, PruningSpec, SamplerSpec
 
 __all__ = [
     "Budget", "Constraint", "DataSpec", "EvalSpec", "ModelSpec", "Objective", "PackingSpec", "Param", "PruningSpec",

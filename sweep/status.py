@@ -14,8 +14,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from packer.errors import UserError
-from sweep.store import (
+from lora_sweep.packer.errors import UserError
+from lora_sweep.sweep.store import (
     ResultsStore,
     StudyDir,
     TrialRecord,
@@ -24,7 +24,7 @@ from sweep.store import (
     paired_bootstrap,
     pareto_front,
 )
-from sweep.timing import WallSplit, last_run
+from lora_sweep.sweep.timing import WallSplit, last_run
 
 __all__ = ["study_status", "render"]
 

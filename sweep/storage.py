@@ -28,7 +28,7 @@ from typing import Any
 import optuna
 from optuna.storages import BaseStorage
 
-from sweep.store import attrs
+from lora_sweep.sweep.store import attrs
 
 __all__ = ["Sharing", "normalize_url", "open_storage", "storage_lock", "last_beat", "resume_clock", "study_elapsed"]
 

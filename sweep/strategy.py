@@ -11,9 +11,9 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from packer.errors import ConfigError
-from sweep._params import _check, _is_num
-from sweep.store import constraint_violation
+from lora_sweep.packer.errors import ConfigError
+from lora_sweep.sweep._params import _check, _is_num
+from lora_sweep.sweep.store import constraint_violation
 
 __all__ = ["Objective", "Constraint", "Budget", "PruningSpec", "SamplerSpec", "SAMPLERS"]
 

@@ -30,26 +30,26 @@ import optuna
 import torch
 from optuna.trial import TrialState
 
-from evaluators import EvalResult, evaluate, load_eval_data, metrics_of
-from evaluators.cost import cost_metrics, slot_adapter_params
-from packer.checkpoint import save_adapters
-from packer.data import load_examples
-from packer.errors import UserError
-from packer.model import PackedModel
-from packer.plan import AdapterSpec
-from packer.static_loop import rank_bucket_for
-from packer.train import SlotEnd, SlotJob, StepReport, train
-from sweep._trial_data import check_packing, planned_tokens, trial_adapter, trial_stream
-from sweep.budget import TokenPlan, budget_state
-from sweep.ledger import Heartbeat, Ledger, is_default
-from sweep.planning import largest_rank
-from sweep.pruning import CohortSHA
-from sweep.resume import open_session
-from sweep.session import Session
-from sweep.space import adapter_spec, suggest
-from sweep.spec import StudySpec
-from sweep.storage import Sharing, storage_lock
-from sweep.timing import WallSplit, append_run
+from lora_sweep.evaluators import EvalResult, evaluate, load_eval_data, metrics_of
+from lora_sweep.evaluators.cost import cost_metrics, slot_adapter_params
+from lora_sweep.packer.checkpoint import save_adapters
+from lora_sweep.packer.data import load_examples
+from lora_sweep.packer.errors import UserError
+from lora_sweep.packer.model import PackedModel
+from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.packer.static_loop import rank_bucket_for
+from lora_sweep.packer.train import SlotEnd, SlotJob, StepReport, train
+from lora_sweep.sweep._trial_data import check_packing, planned_tokens, trial_adapter, trial_stream
+from lora_sweep.sweep.budget import TokenPlan, budget_state
+from lora_sweep.sweep.ledger import Heartbeat, Ledger, is_default
+from lora_sweep.sweep.planning import largest_rank
+from lora_sweep.sweep.pruning import CohortSHA
+from lora_sweep.sweep.resume import open_session
+from lora_sweep.sweep.session import Session
+from lora_sweep.sweep.space import adapter_spec, suggest
+from lora_sweep.sweep.spec import StudySpec
+from lora_sweep.sweep.storage import Sharing, storage_lock
+from lora_sweep.sweep.timing import WallSplit, append_run
 
 __all__ = ["run_study", "RunSummary", "Progress"]
 

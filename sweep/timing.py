@@ -132,14 +132,14 @@ def seconds_since_import() -> float:
     """Wall seconds since this process imported the ``sweep`` package (``sweep.IMPORTED_AT``): its imports and
     whatever it did before now. Not /proc's start time: that is the fork's, which a shell that execs its last
     command in place (``(pip install ... && sweep run ...)``) puts at the start of the whole command line."""
-    import sweep
+    from lora_sweep import sweep
 
     return max(0.0, time.time() - sweep.IMPORTED_AT)
 
 
 def append_run(root: str | Path, record: dict[str, Any]) -> None:
     """Add one run's record to ``root/timing.json`` (written atomically; a resumed study keeps every run's)."""
-    from sweep.store import atomic_write_text
+    from lora_sweep.sweep.store import atomic_write_text
 
     path = Path(root) / TIMING_FILE
     runs = _runs(path)

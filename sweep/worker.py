@@ -22,14 +22,14 @@ from pathlib import Path
 
 import optuna
 
-from sweep.affinity import allowed_cpus, cpu_list, cpu_shares
-from sweep.budget import shared_budget
-from sweep.ledger import Ledger, storage_url
-from sweep.session import trial_adapter_dir
-from sweep.spec import StudySpec
-from sweep.storage import Sharing, open_storage, storage_lock
-from sweep.store import ResultsStore, StudyDir
-from sweep.study import Progress, RunSummary, run_study
+from lora_sweep.sweep.affinity import allowed_cpus, cpu_list, cpu_shares
+from lora_sweep.sweep.budget import shared_budget
+from lora_sweep.sweep.ledger import Ledger, storage_url
+from lora_sweep.sweep.session import trial_adapter_dir
+from lora_sweep.sweep.spec import StudySpec
+from lora_sweep.sweep.storage import Sharing, open_storage, storage_lock
+from lora_sweep.sweep.store import ResultsStore, StudyDir
+from lora_sweep.sweep.study import Progress, RunSummary, run_study
 
 __all__ = ["run_worker", "launch", "study_counts", "with_storage"]
 
@@ -132,7 +132,7 @@ def launch(study_file: str, overrides: tuple[str, ...], spec: StudySpec, url: st
         # over the host's cores. Each gets its own share, pinned; a user's own thread count wins.
         env.setdefault("OMP_NUM_THREADS", str(len(shares[i]) or max(1, (os.cpu_count() or 1) // n)))
         env[STORAGE_ENV] = url  # not on the command line, which every user of the host can read (ps)
-        cmd = [sys.executable, "-m", "sweep.cli", "worker", study_file, *overrides,
+        cmd = [sys.executable, "-m", "lora_sweep", "worker", study_file, *overrides,
                "--out", str(sdir.root), "--index", str(i), "--heartbeat", str(heartbeat), "--grace", str(grace),
                "--quiet", *(["--cpus", cpu_list(shares[i])] if shares[i] else []),
                *(["--allow-changes"] if allow_changes else [])]
@@ -162,7 +162,7 @@ def launch(study_file: str, overrides: tuple[str, ...], spec: StudySpec, url: st
 def with_storage(spec: StudySpec, url: str | None) -> tuple[StudySpec, str]:
     """The spec with its shared storage URL set (``url``, the study's, or the study directory's own:
     ``StudyDir.optuna_url``)."""
-    from sweep.storage import normalize_url
+    from lora_sweep.sweep.storage import normalize_url
 
     chosen = normalize_url(url) if url else storage_url(spec, StudyDir(spec.out_dir))
     return dataclasses.replace(spec, storage=chosen), chosen

@@ -11,9 +11,9 @@ import pytest
 import torch
 import yaml
 
-from packer.batch import IGNORE_INDEX
-from packer.data import Example
-from packer.tiny import build_tiny_model
+from lora_sweep.packer.batch import IGNORE_INDEX
+from lora_sweep.packer.data import Example
+from lora_sweep.packer.tiny import build_tiny_model
 
 torch.set_num_threads(1)  # tiny models gain nothing from threads; one keeps timings stable
 
@@ -94,8 +94,8 @@ def optuna_study(out: Path, name: str):  # noqa: ANN201
     """The Optuna study a run left in study directory ``out``, from its default storage (``StudyDir.optuna_url``)."""
     import optuna
 
-    from sweep.storage import open_storage
-    from sweep.store import StudyDir
+    from lora_sweep.sweep.storage import open_storage
+    from lora_sweep.sweep.store import StudyDir
 
     return optuna.load_study(study_name=name, storage=open_storage(StudyDir(out).optuna_url))
 
@@ -130,7 +130,7 @@ def record_launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, tuple]]
     """(inside ``kernels.precompile``, variant) of every Triton kernel launch from now on; a variant is what
     decides a compiled kernel short of integer specialization: kernel, tensor dtypes, constexprs. Imports
     ``kernels._jit``: call it after ``TRITON_INTERPRET`` is settled."""
-    import kernels._jit as J
+    import lora_sweep.kernels._jit as J
 
     calls: list[tuple[bool, tuple]] = []
     launch = J.launch

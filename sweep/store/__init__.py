@@ -97,11 +97,17 @@ or MySQL) as the truth and rebuild results from it.
 
 from __future__ import annotations
 
-from sweep.store import attrs
-from sweep.store.directory import DirectoryInUse, DirectoryLock, StudyDir, atomic_write_bytes, atomic_write_text
-from sweep.store.feasibility import constraint_text, constraint_violation, is_feasible, pareto_front
-from sweep.store.results import ResultsStore
-from sweep.store.schema import (
+from lora_sweep.sweep.store import attrs
+from lora_sweep.sweep.store.directory import (
+    DirectoryInUse,
+    DirectoryLock,
+    StudyDir,
+    atomic_write_bytes,
+    atomic_write_text,
+)
+from lora_sweep.sweep.store.feasibility import constraint_text, constraint_violation, is_feasible, pareto_front
+from lora_sweep.sweep.store.results import ResultsStore
+from lora_sweep.sweep.store.schema import (
     SCHEMA_VERSION,
     EvalRow,
     ItemRow,
@@ -111,8 +117,8 @@ from sweep.store.schema import (
     StepRow,
     TrialRecord,
 )
-from sweep.store.stats import paired_bootstrap, paired_scores
-from sweep.store.urls import redact_url, strip_password
+from lora_sweep.sweep.store.stats import paired_bootstrap, paired_scores
+from lora_sweep.sweep.store.urls import redact_url, strip_password
 
 __all__ = [
     "DirectoryInUse", "DirectoryLock", "EvalRow", "ItemRow", "constraint_text", "constraint_violation",

@@ -12,7 +12,7 @@ from typing import Any
 
 import sqlite_utils
 
-from sweep.store.schema import (
+from lora_sweep.sweep.store.schema import (
     SCHEMA_VERSION,
     TABLES,
     EvalRow,

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from sweep.store.attrs import DEFAULT
+from lora_sweep.sweep.store.attrs import DEFAULT
 
 __all__ = ["SCHEMA_VERSION", "TrialRecord", "StepRow", "EvalRow", "ItemRow", "PackRecord", "SlotSpan",
            "PruneDecision", "TABLES", "columns", "to_json", "from_json", "plain", "now_or"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.cpu_eval_bench import cpu_eval_bench
+from lora_sweep.benchmarks.cpu_eval_bench import cpu_eval_bench
 
 
 def test_cpu_eval_bench_reports_timings() -> None:

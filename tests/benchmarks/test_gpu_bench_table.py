@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.gpu_bench import table
+from lora_sweep.benchmarks.gpu_bench import table
 
 
 def test_table_ratio_against_peft_of_the_same_shape() -> None:

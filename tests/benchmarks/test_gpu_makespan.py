@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.gpu_makespan import makespan
-from benchmarks.makespan_sweep import sample_indices, sweep_configs
+from lora_sweep.benchmarks.gpu_makespan import makespan
+from lora_sweep.benchmarks.makespan_sweep import sample_indices, sweep_configs
 
 ROOT = Path(__file__).resolve().parents[2]
 N, STEPS, SEQ, PROCS = 6, 3, 32, 2
@@ -76,7 +76,7 @@ def test_packed_adapters_load_with_peft_and_were_trained(w3: tuple[Path, dict[st
 
 def test_module_imports_without_the_sweep_dependencies() -> None:
     """The GPU image has no optuna, sqlite-utils or plotly: the benchmark must not need them."""
-    code = "import json, sys; import benchmarks.gpu_makespan; print(json.dumps(sorted(sys.modules)))"
+    code = "import json, sys; import lora_sweep.benchmarks.gpu_makespan; print(json.dumps(sorted(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-    loaded = {m.split(".")[0] for m in json.loads(out.stdout)}
+    loaded = {m.split(".")[1] if m.startswith("lora_sweep.") else m.split(".")[0] for m in json.loads(out.stdout)}
     assert not loaded & {"optuna", "sqlite_utils", "plotly", "sweep", "peft"}

@@ -1,6 +1,6 @@
 """``benchmarks.gpu_profile``'s kernel categories, on kernel names an H200 profile of a Llama-3-8B step showed."""
 
-from benchmarks.gpu_profile import category
+from lora_sweep.benchmarks.gpu_profile import category
 
 
 def test_kernels_fall_in_their_categories() -> None:

@@ -3,7 +3,7 @@ unmeasured configuration comes from the measured ones most like it."""
 
 from __future__ import annotations
 
-from benchmarks.makespan_sweep import (
+from lora_sweep.benchmarks.makespan_sweep import (
     LR_RANGE,
     MICRO_BATCHES,
     RANKS,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from evaluators.cost import adapter_params, cost_metrics, device_seconds, memory_share, slot_adapter_params
-from packer.model import PackedModel, load_base
-from packer.plan import AdapterSpec
+from lora_sweep.evaluators.cost import adapter_params, cost_metrics, device_seconds, memory_share, slot_adapter_params
+from lora_sweep.packer.model import PackedModel, load_base
+from lora_sweep.packer.plan import AdapterSpec
 
 
 def test_adapter_params_from_shapes_equals_the_slot(tiny_dirs) -> None:

@@ -7,11 +7,11 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from evaluators import EvalData, load_eval_data
-from evaluators.generation import build_prompts, generate_ids, generation, references
-from packer.data import IGNORE_INDEX, tokenize_rows
-from packer.errors import ConfigError, DataError
-from packer.tiny_data import arithmetic_rows
+from lora_sweep.evaluators import EvalData, load_eval_data
+from lora_sweep.evaluators.generation import build_prompts, generate_ids, generation, references
+from lora_sweep.packer.data import IGNORE_INDEX, tokenize_rows
+from lora_sweep.packer.errors import ConfigError, DataError
+from lora_sweep.packer.tiny_data import arithmetic_rows
 from tests.evaluators.conftest import YESNO, load_pack
 
 MAX_NEW = 6
@@ -75,7 +75,7 @@ def test_sampling_is_the_same_packed_or_alone(trained) -> None:
 @pytest.mark.parametrize("fmt", ["alpaca", "prompt_completion", "chat"])
 @pytest.mark.parametrize("template", [True, False])
 def test_prompts_are_the_training_prompts(tiny_dirs, fmt: str, template: bool) -> None:
-    from packer.model import load_base
+    from lora_sweep.packer.model import load_base
 
     _, tok = load_base(str(tiny_dirs("llama")))
     if not template:

@@ -10,11 +10,11 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from evaluators import EvalData, load_eval_data
-from evaluators.heldout_loss import heldout_loss
-from packer.batch import collate
-from packer.data import tokenize_rows
-from packer.errors import ConfigError, DataError
+from lora_sweep.evaluators import EvalData, load_eval_data
+from lora_sweep.evaluators.heldout_loss import heldout_loss
+from lora_sweep.packer.batch import collate
+from lora_sweep.packer.data import tokenize_rows
+from lora_sweep.packer.errors import ConfigError, DataError
 from tests.evaluators.conftest import YESNO, load_pack
 
 ARITH_EVAL = Path(__file__).resolve().parents[2] / "studies" / "data" / "arith-eval.jsonl"

@@ -9,11 +9,11 @@ import pytest
 import torch
 import yaml
 
-from evaluators import EvalData, load_eval_data
-from evaluators.choice import multiple_choice
-from evaluators.generation import generation
-from evaluators.lm_eval import INSTALL_HINT, SlotView, run_lm_eval
-from packer.errors import ConfigError, UserError
+from lora_sweep.evaluators import EvalData, load_eval_data
+from lora_sweep.evaluators.choice import multiple_choice
+from lora_sweep.evaluators.generation import generation
+from lora_sweep.evaluators.lm_eval import INSTALL_HINT, SlotView, run_lm_eval
+from lora_sweep.packer.errors import ConfigError, UserError
 from tests.evaluators.conftest import YESNO, YESNO_MC, load_pack
 
 if os.environ.get("CI"):  # CI installs the eval extra: a missing lm-eval must fail there, not skip
@@ -72,7 +72,7 @@ def test_lm_eval_tasks_match_native_scorers(trained, tmp_path) -> None:
 def test_mc_loglikelihoods_equal_lm_eval(trained, tmp_path) -> None:
     from lm_eval.models.huggingface import HFLM
 
-    from evaluators.choice import choice_logprobs
+    from lora_sweep.evaluators.choice import choice_logprobs
 
     pm, tok = load_pack(trained("llama"), slots=(1,))
     rows = load_eval_data(YESNO_MC, tok).rows[:4]

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from evaluators import MC_FORMAT, load_eval_data
-from evaluators.scorers import contains, exact_match, extract_number, numeric_match
-from packer.errors import DataError
+from lora_sweep.evaluators import MC_FORMAT, load_eval_data
+from lora_sweep.evaluators.scorers import contains, exact_match, extract_number, numeric_match
+from lora_sweep.packer.errors import DataError
 
 
 @pytest.mark.parametrize(("text", "number"), [
@@ -34,7 +34,7 @@ def test_scorers() -> None:
 
 
 def test_multiple_choice_rows_are_checked(tmp_path, tiny_dirs) -> None:
-    from packer.model import load_base
+    from lora_sweep.packer.model import load_base
 
     _, tok = load_base(str(tiny_dirs("llama")))
     path = tmp_path / "mc.jsonl"

@@ -9,14 +9,14 @@ from dataclasses import replace
 
 import pytest
 
-from evaluators import load_eval_data
-from evaluators.generation import build_prompts, generate_ids, generate_texts
-from evaluators.heldout_loss import heldout_loss
-from packer import eval_graph
-from packer.data import SlotStream, read_jsonl, tokenize_rows
-from packer.model import PackedModel, load_base
-from packer.plan import AdapterSpec
-from packer.train import SlotEnd, SlotJob, train
+from lora_sweep.evaluators import load_eval_data
+from lora_sweep.evaluators.generation import build_prompts, generate_ids, generate_texts
+from lora_sweep.evaluators.heldout_loss import heldout_loss
+from lora_sweep.packer import eval_graph
+from lora_sweep.packer.data import SlotStream, read_jsonl, tokenize_rows
+from lora_sweep.packer.model import PackedModel, load_base
+from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.packer.train import SlotEnd, SlotJob, train
 from tests.evaluators.conftest import YESNO
 
 

@@ -18,8 +18,8 @@ from tests.conftest import need_triton
 
 need_triton()  # before anything imports the Triton kernel modules
 
-import kernels  # noqa: E402
-from kernels import reference  # noqa: E402
+from lora_sweep import kernels  # noqa: E402
+from lora_sweep.kernels import reference  # noqa: E402
 from tests.conftest import record_launches  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -106,7 +106,7 @@ def test_auto_and_torch_run_the_reference_on_the_cpu() -> None:
 
 
 def test_triton_on_cpu_without_interpreter_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kernels._jit as J
+    import lora_sweep.kernels._jit as J
 
     monkeypatch.setattr(J, "INTERPRET", False)
     with pytest.raises(RuntimeError, match="CUDA"):

@@ -19,12 +19,12 @@ from tests.conftest import need_triton
 
 need_triton()  # before anything imports the Triton kernel modules
 
-from kernels import LayerRanks, PackLayout, packed_lora, packed_lora_linear  # noqa: E402
-from kernels._launch import CHUNK_COL, SegFlt, SegInt, Tile, build_meta, static_meta  # noqa: E402
-from kernels.reference import lora_loop, lora_masked_dense  # noqa: E402
-from kernels.triton_dropout import dropout_mask, keep_bits  # noqa: E402
-from kernels.triton_lora import PackedLoRAFunction  # noqa: E402
-from kernels.triton_segments import seg_expand_add, seg_shrink, seg_wgrad  # noqa: E402
+from lora_sweep.kernels import LayerRanks, PackLayout, packed_lora, packed_lora_linear  # noqa: E402
+from lora_sweep.kernels._launch import CHUNK_COL, SegFlt, SegInt, Tile, build_meta, static_meta  # noqa: E402
+from lora_sweep.kernels.reference import lora_loop, lora_masked_dense  # noqa: E402
+from lora_sweep.kernels.triton_dropout import dropout_mask, keep_bits  # noqa: E402
+from lora_sweep.kernels.triton_lora import PackedLoRAFunction  # noqa: E402
+from lora_sweep.kernels.triton_segments import seg_expand_add, seg_shrink, seg_wgrad  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRET else "cpu")
@@ -203,7 +203,7 @@ def test_public_entry_points() -> None:
 
 
 def test_triton_on_cpu_without_interpreter_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sys.modules["kernels._jit"], "INTERPRET", False)
+    monkeypatch.setattr(sys.modules["lora_sweep.kernels._jit"], "INTERPRET", False)
     x, base, a_cat, bt_cat = (t.cpu() for t in _tensors((1,), (2,), 3, 4, 5))
     layout, lr = _layout((1,), (2,), 3, dropout=False)
     with pytest.raises(RuntimeError, match="CUDA"):
@@ -212,7 +212,7 @@ def test_triton_on_cpu_without_interpreter_is_rejected(monkeypatch: pytest.Monke
 
 def test_kernels_imports_without_triton() -> None:
     code = ("import sys; sys.modules['triton'] = None\n"
-            "import kernels\n"
+            "from lora_sweep import kernels\n"
             "try:\n    kernels.packed_lora(None, None, None, None, None, None, impl='triton')\n"
             "except ImportError as e:\n    print('hint' if 'pip install' in str(e) else e)\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
@@ -274,7 +274,7 @@ def test_slot_gradients_pack_equal_alone() -> None:
 def test_expand_operand_follows_the_dot_dtype() -> None:
     """The expand's weights are cast once only where its ``tl.dot`` reads 16-bit operands: compiled and with
     16-bit activations; fp32 activations and the interpreter (fp32 dots) get the fp32 masters untouched."""
-    from kernels.triton_lora import _expand_operand
+    from lora_sweep.kernels.triton_lora import _expand_operand
 
     w = torch.randn(8, 16, device=DEVICE)
     assert _expand_operand(w, torch.float32) is w
@@ -331,7 +331,7 @@ def test_segment_tables_read_by_column_name() -> None:
 def test_keep_bits_are_the_drawn_mask() -> None:
     """The mask drawn once as bits (what the kernels read) is the multiplier Philox gives, column by column,
     including a ragged last word (D_in = 37) and a slot with p = 0 (all kept)."""
-    from kernels._jit import triton
+    from lora_sweep.kernels._jit import triton
 
     layout, lr = _layout((2, 1, 3), (1, 3, 8), 9, dropout=True)
     meta = build_meta(layout, lr, 6 * 9, 9, DEVICE, block_m=16)
@@ -435,7 +435,7 @@ class TestGPU:
     def test_expand_operand_cast_keeps_bits(self, dropout: bool) -> None:
         """The Function casts the fp32 expand weights to bf16 once; the kernel casting them per tile gives the
         same bits, with and without the dropout epilogue."""
-        from kernels.triton_lora import _expand_operand
+        from lora_sweep.kernels.triton_lora import _expand_operand
 
         (x, base, a_cat, bt_cat), layout, lr = self._problem(4, 2, 96, 256, 320, (16, 8, 1, 40), torch.bfloat16,
                                                              dropout)
@@ -481,7 +481,7 @@ import os
 if not {DEVICE.type == "cuda"}:
     os.environ["TRITON_INTERPRET"] = "1"
 import torch, triton, triton.language as tl
-from kernels.triton_dropout import philox
+from lora_sweep.kernels.triton_dropout import philox
 
 @triton.jit
 def both(out_ptr, offs_ptr, seed, stream):

@@ -13,10 +13,10 @@ from tests.conftest import need_triton
 
 need_triton()  # before anything imports the Triton kernel modules
 
-import kernels._jit as J  # noqa: E402
-import kernels.triton_segments as K  # noqa: E402
-from kernels import LayerRanks, PackLayout, packed_lora_linear  # noqa: E402
-from kernels._launch import build_meta  # noqa: E402
+import lora_sweep.kernels._jit as J  # noqa: E402
+import lora_sweep.kernels.triton_segments as K  # noqa: E402
+from lora_sweep.kernels import LayerRanks, PackLayout, packed_lora_linear  # noqa: E402
+from lora_sweep.kernels._launch import build_meta  # noqa: E402
 from tests.conftest import record_launches  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -123,7 +123,7 @@ def test_the_compiler_hash_starts_on_a_thread_and_precompile_waits_for_it(monkey
     compiles nothing: off there); ``precompile`` joins that thread rather than hash beside it."""
     import importlib
 
-    from packer.model import prepare_kernels
+    from lora_sweep.packer.model import prepare_kernels
 
     key = next(f for f in (getattr(importlib.import_module(m), "triton_key", None)
                            for m in ("triton.runtime.cache", "triton.compiler.compiler")) if callable(f))

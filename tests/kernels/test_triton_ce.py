@@ -17,7 +17,7 @@ from tests.conftest import need_triton
 
 need_triton()  # before anything imports the Triton kernel modules
 
-from kernels import reference, static_linear_ce  # noqa: E402
+from lora_sweep.kernels import reference, static_linear_ce  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRET else "cpu")
@@ -25,7 +25,7 @@ IGNORE = -100
 
 
 def _ce_module():  # noqa: ANN202
-    import kernels.triton_ce as ce
+    import lora_sweep.kernels.triton_ce as ce
 
     return ce
 

@@ -17,8 +17,8 @@ from tests.conftest import need_triton
 
 need_triton()  # before anything imports the Triton kernel modules
 
-import kernels  # noqa: E402
-from kernels import reference  # noqa: E402
+from lora_sweep import kernels  # noqa: E402
+from lora_sweep.kernels import reference  # noqa: E402
 from tests.conftest import record_launches  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

@@ -15,8 +15,8 @@ from tests.conftest import need_triton
 
 need_triton()  # before anything imports the Triton kernel modules
 
-from kernels import LayerRanks, PackLayout, group_rows, packed_lora_linear, packed_lora_linear_slices  # noqa: E402
-from kernels._launch import SEG_INT_COL, build_slice_metas  # noqa: E402
+from lora_sweep.kernels import LayerRanks, PackLayout, group_rows, packed_lora_linear, packed_lora_linear_slices  # noqa: E402
+from lora_sweep.kernels._launch import SEG_INT_COL, build_slice_metas  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRET else "cpu")

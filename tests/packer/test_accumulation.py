@@ -11,10 +11,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from packer.data import SlotStream
-from packer.model import PackedModel, load_base
-from packer.plan import AdapterSpec
-from packer.train import SlotJob, train
+from lora_sweep.packer.data import SlotStream
+from lora_sweep.packer.model import PackedModel, load_base
+from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.packer.train import SlotJob, train
 from tests.conftest import Recorder, random_examples
 from tests.packer.test_equivalence import _initial_a, _run_peft
 

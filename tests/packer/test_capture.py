@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from packer.capture import capture
+from lora_sweep.packer.capture import capture
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

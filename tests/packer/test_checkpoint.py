@@ -12,13 +12,13 @@ from peft.utils import set_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from kernels import PackLayout
-from packer.checkpoint import load_adapter, save_adapter, save_adapters
-from packer.data import SlotStream
-from packer.errors import UserError
-from packer.model import PackedModel, load_base
-from packer.plan import AdapterSpec
-from packer.train import SlotJob, train
+from lora_sweep.kernels import PackLayout
+from lora_sweep.packer.checkpoint import load_adapter, save_adapter, save_adapters
+from lora_sweep.packer.data import SlotStream
+from lora_sweep.packer.errors import UserError
+from lora_sweep.packer.model import PackedModel, load_base
+from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.packer.train import SlotJob, train
 from tests.conftest import random_examples
 
 SPECS = {

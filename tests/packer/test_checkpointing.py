@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from packer.data import SlotStream
-from packer.layer import PackedLoRALinear
-from packer.model import PackedModel, load_base
-from packer.plan import AdapterSpec
-from packer.train import SlotJob, train
+from lora_sweep.packer.data import SlotStream
+from lora_sweep.packer.layer import PackedLoRALinear
+from lora_sweep.packer.model import PackedModel, load_base
+from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.packer.train import SlotJob, train
 from tests.conftest import Recorder, random_examples
 
 PAD = 0

@@ -14,7 +14,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from packer.data import (
+from lora_sweep.packer.data import (
     ALPACA_PROMPT,
     ALPACA_PROMPT_NO_INPUT,
     FORMATS,
@@ -25,7 +25,7 @@ from packer.data import (
     read_jsonl,
     tokenize_rows,
 )
-from packer.errors import DataError, UserError
+from lora_sweep.packer.errors import DataError, UserError
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ '\\n' }}{{ m['content'] }}"
@@ -228,7 +228,7 @@ def test_rows_without_trained_tokens_are_dropped(
         {"prompt": "Capital of France? " * 3, "completion": "Paris."},  # the prompt fills max_length
         {"prompt": "Q", "completion": "Paris."},
     ]
-    with caplog.at_level(logging.WARNING, logger="packer.data"):
+    with caplog.at_level(logging.WARNING, logger="lora_sweep.packer.data"):
         examples = tokenize_rows(rows, "prompt_completion", tokenizer, max_length=8, source="d.jsonl")
     assert examples == tokenize_rows(rows[1:], "prompt_completion", tokenizer)
     assert "d.jsonl: rows dropped (no trained token within max_length=8): 1" in caplog.text

@@ -15,11 +15,11 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from packer.batch import collate
-from packer.data import SlotStream
-from packer.model import PackedModel, load_base
-from packer.plan import AdapterSpec
-from packer.train import SlotJob, make_scheduler, train
+from lora_sweep.packer.batch import collate
+from lora_sweep.packer.data import SlotStream
+from lora_sweep.packer.model import PackedModel, load_base
+from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.packer.train import SlotJob, make_scheduler, train
 from tests.conftest import Recorder, random_examples
 
 PAD = 0

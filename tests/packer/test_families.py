@@ -20,14 +20,14 @@ from tests.conftest import add_slots_random_b, need_triton
 
 need_triton()  # before anything imports the Triton kernel modules
 
-from kernels import PackLayout  # noqa: E402
-from packer.errors import ConfigError  # noqa: E402
-from packer.layer import PackedLoRALinear, PackState  # noqa: E402
-from packer.loss import check_plain_head, chunked_slot_losses  # noqa: E402
-from packer.model import PackedModel, load_base  # noqa: E402
-from packer.plan import AdapterSpec  # noqa: E402
-from packer.tiny import FAMILIES, _init_model, tiny_config  # noqa: E402
-from packer.train import slot_losses  # noqa: E402
+from lora_sweep.kernels import PackLayout  # noqa: E402
+from lora_sweep.packer.errors import ConfigError  # noqa: E402
+from lora_sweep.packer.layer import PackedLoRALinear, PackState  # noqa: E402
+from lora_sweep.packer.loss import check_plain_head, chunked_slot_losses  # noqa: E402
+from lora_sweep.packer.model import PackedModel, load_base  # noqa: E402
+from lora_sweep.packer.plan import AdapterSpec  # noqa: E402
+from lora_sweep.packer.tiny import FAMILIES, _init_model, tiny_config  # noqa: E402
+from lora_sweep.packer.train import slot_losses  # noqa: E402
 
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on CPU the kernels run in the interpreter
 ROWS, SEQ = 3, 10

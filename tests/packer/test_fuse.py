@@ -15,10 +15,10 @@ need_triton()  # before anything imports the Triton kernel modules
 
 from transformers import AutoConfig  # noqa: E402
 
-from packer.fuse import GATED_MLPS, RMS_NORMS, FusedGatedMLP, FusedRMSNorm, fuse_base_ops  # noqa: E402
-from packer.model import PackedModel, load_base  # noqa: E402
-from packer.plan import AdapterSpec  # noqa: E402
-from packer.train import FixedBatch, SlotJob, train  # noqa: E402
+from lora_sweep.packer.fuse import GATED_MLPS, RMS_NORMS, FusedGatedMLP, FusedRMSNorm, fuse_base_ops  # noqa: E402
+from lora_sweep.packer.model import PackedModel, load_base  # noqa: E402
+from lora_sweep.packer.plan import AdapterSpec  # noqa: E402
+from lora_sweep.packer.train import FixedBatch, SlotJob, train  # noqa: E402
 from tests.conftest import Recorder, random_examples  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

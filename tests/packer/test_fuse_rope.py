@@ -17,11 +17,11 @@ need_triton()  # before anything imports the Triton kernel modules
 from peft import LoraConfig, get_peft_model  # noqa: E402
 from transformers import AutoConfig, StaticCache  # noqa: E402
 
-import kernels  # noqa: E402
-from kernels import PackLayout  # noqa: E402
-from packer.fuse import ROPE_ATTENTIONS, RopeSwap, _hook_rope, fuse_base_ops  # noqa: E402
-from packer.model import PackedModel, load_base  # noqa: E402
-from packer.plan import AdapterSpec  # noqa: E402
+from lora_sweep import kernels  # noqa: E402
+from lora_sweep.kernels import PackLayout  # noqa: E402
+from lora_sweep.packer.fuse import ROPE_ATTENTIONS, RopeSwap, _hook_rope, fuse_base_ops  # noqa: E402
+from lora_sweep.packer.model import PackedModel, load_base  # noqa: E402
+from lora_sweep.packer.plan import AdapterSpec  # noqa: E402
 from tests.conftest import add_slots_random_b, record_launches  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

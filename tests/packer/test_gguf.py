@@ -16,9 +16,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import packer.gguf as G
-from packer.errors import UserError
-from packer.model import load_base, resolve_base
+import lora_sweep.packer.gguf as G
+from lora_sweep.packer.errors import UserError
+from lora_sweep.packer.model import load_base, resolve_base
 from tests.packer._gguf import write_tiny_gguf
 
 IDS = torch.randint(0, 287, (2, 11), generator=torch.Generator().manual_seed(0))

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import transformers.masking_utils
 
-from packer.errors import ConfigError
-from packer.isolation import TOLERANCE, check_sample_packing, cross_example_change
-from packer.model import PackedModel, load_base
-from packer.packing import SamplePackedStream
-from packer.plan import AdapterSpec
-from packer.train import SlotJob, train
+from lora_sweep.packer.errors import ConfigError
+from lora_sweep.packer.isolation import TOLERANCE, check_sample_packing, cross_example_change
+from lora_sweep.packer.model import PackedModel, load_base
+from lora_sweep.packer.packing import SamplePackedStream
+from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.packer.train import SlotJob, train
 from tests.conftest import random_examples
 
 SPEC = AdapterSpec(rank=2, lr=1e-2, micro_batch=2, max_steps=2, seed=1, sample_packing=True)
@@ -57,9 +57,9 @@ def test_a_change_is_judged_against_the_tolerance_and_the_noise_floor(tiny_dirs,
                                                                       noise: float, refused: bool) -> None:
     """Where the kernels tile rows differently (a GPU's, in bf16), the same row at another place in the batch
     changes too: a change within 4x that noise floor is no evidence of attention across examples."""
-    import packer.isolation
+    import lora_sweep.packer.isolation
 
-    monkeypatch.setattr(packer.isolation, "cross_example_change", lambda pm: (change, noise))
+    monkeypatch.setattr(lora_sweep.packer.isolation, "cross_example_change", lambda pm: (change, noise))
     pm = PackedModel(load_base(str(tiny_dirs("llama")))[0])
     if refused:
         with pytest.raises(ConfigError, match="attend to each other"):

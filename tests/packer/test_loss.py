@@ -6,15 +6,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from packer.batch import IGNORE_INDEX, collate
-from packer.data import Example, SlotStream
-from packer.errors import ConfigError
-from packer.loss import chunked_slot_losses, output_head, plain_output_head
-from packer.model import PackedModel, load_base
-from packer.plan import AdapterSpec
-from packer.probe import peak_memory
-from packer.tiny import tiny_config
-from packer.train import FixedBatch, SlotJob, slot_losses, train
+from lora_sweep.packer.batch import IGNORE_INDEX, collate
+from lora_sweep.packer.data import Example, SlotStream
+from lora_sweep.packer.errors import ConfigError
+from lora_sweep.packer.loss import chunked_slot_losses, output_head, plain_output_head
+from lora_sweep.packer.model import PackedModel, load_base
+from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.packer.probe import peak_memory
+from lora_sweep.packer.tiny import tiny_config
+from lora_sweep.packer.train import FixedBatch, SlotJob, slot_losses, train
 from tests.conftest import Recorder, random_examples
 
 PAD = 0
@@ -165,7 +165,7 @@ def test_chunked_ce_lowers_peak_memory_with_a_large_vocabulary() -> None:
 def test_fused_head_gradient_equals_recomputed_one(dtype) -> None:
     """The frozen head's fused path (input gradient made in the forward) against the checkpointed chunks,
     under a non-uniform upstream gradient; a head that trains takes the checkpointed path and gets its grads."""
-    from packer.loss import _token_nll
+    from lora_sweep.packer.loss import _token_nll
 
     gen = torch.Generator().manual_seed(0)
     head = torch.nn.Linear(48, 300, bias=True).to(dtype).requires_grad_(False)

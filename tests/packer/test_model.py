@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from kernels import PackLayout
-from packer.errors import ConfigError, UserError
-from packer.model import PackedModel, load_base
-from packer.plan import AdapterSpec
+from lora_sweep.kernels import PackLayout
+from lora_sweep.packer.errors import ConfigError, UserError
+from lora_sweep.packer.model import PackedModel, load_base
+from lora_sweep.packer.plan import AdapterSpec
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt2"])

@@ -10,9 +10,9 @@ from tests.conftest import need_triton
 
 need_triton()  # before anything imports the Triton kernel modules
 
-from packer.model import PackedModel, load_base  # noqa: E402
-from packer.plan import AdapterSpec  # noqa: E402
-from packer.train import FixedBatch, SlotJob, train  # noqa: E402
+from lora_sweep.packer.model import PackedModel, load_base  # noqa: E402
+from lora_sweep.packer.plan import AdapterSpec  # noqa: E402
+from lora_sweep.packer.train import FixedBatch, SlotJob, train  # noqa: E402
 from tests.conftest import random_examples, record_launches  # noqa: E402
 
 
@@ -48,7 +48,7 @@ def test_precompile_covers_the_first_step_and_touches_no_slot(tiny_dirs, monkeyp
 def test_a_failed_precompile_warns_and_training_goes_on(tiny_dirs, monkeypatch) -> None:
     """Precompiling is an optimisation: if it fails (say, a Triton whose warm-up API differs), the step
     compiles its kernels as it launches them, as without it."""
-    import kernels
+    from lora_sweep import kernels
 
     def broken(run: object) -> None:
         raise AttributeError("no warmup here")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from packer.optim import PackedAdamW
-from packer.plan import AdapterSpec
-from packer.train import make_optimizer, make_scheduler
+from lora_sweep.packer.optim import PackedAdamW
+from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.packer.train import make_optimizer, make_scheduler
 
 SPECS = [
     AdapterSpec(lr=1e-2, max_grad_norm=0.1, weight_decay=0.1, schedule="cosine", warmup_steps=2, max_steps=9),

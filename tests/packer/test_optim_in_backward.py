@@ -12,11 +12,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from packer.data import SlotStream
-from packer.errors import ConfigError
-from packer.model import PackedModel, load_base
-from packer.plan import AdapterSpec
-from packer.train import SlotJob, train
+from lora_sweep.packer.data import SlotStream
+from lora_sweep.packer.errors import ConfigError
+from lora_sweep.packer.model import PackedModel, load_base
+from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.packer.train import SlotJob, train
 from tests.conftest import Recorder, random_examples
 from tests.packer.test_equivalence import assert_trained_as_peft
 
@@ -125,8 +125,8 @@ def test_static_step_is_refused() -> None:
 def test_planner_calibrates_without_gradient_buffers(tiny_dirs) -> None:
     """The memory model measured with the option keeps no gradient buffer: about 4 B less per adapter parameter
     (the fp32 gradient), and never under the 12 B of weights and moments."""
-    from packer.plan import IN_BACKWARD_BYTES_PER_PARAM
-    from packer.probe import calibrate
+    from lora_sweep.packer.plan import IN_BACKWARD_BYTES_PER_PARAM
+    from lora_sweep.packer.probe import calibrate
 
     model, _ = load_base(str(tiny_dirs("llama")), attn_implementation="eager")
     pm = PackedModel(model, impl="torch")
@@ -139,7 +139,7 @@ def test_planner_calibrates_without_gradient_buffers(tiny_dirs) -> None:
 def test_pieces_stepped_in_the_backward_equal_the_whole_step() -> None:
     """``PackedAdamW`` directly: pieces given in any order, one piece no gradient reaches (a zero gradient, as the
     whole step sees it), over several steps, equal ``step`` on the flat buffers; a piece twice is an error."""
-    from packer.optim import PackedAdamW
+    from lora_sweep.packer.optim import PackedAdamW
 
     specs = [AdapterSpec(lr=1e-2, weight_decay=0.1, schedule="cosine", warmup_steps=1, max_steps=5, max_grad_norm=None),
              AdapterSpec(lr=3e-3, betas=(0.8, 0.95), eps=1e-6, max_steps=5, max_grad_norm=None)]

@@ -7,13 +7,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from packer.batch import collate
-from packer.data import Example, SlotStream
-from packer.errors import ConfigError
-from packer.model import PackedModel, load_base
-from packer.packing import VERIFIED_FAMILIES, PackedRow, SamplePackedStream, batches_per_epoch, pack_rows
-from packer.plan import AdapterSpec
-from packer.train import SlotJob, target_tokens, train
+from lora_sweep.packer.batch import collate
+from lora_sweep.packer.data import Example, SlotStream
+from lora_sweep.packer.errors import ConfigError
+from lora_sweep.packer.model import PackedModel, load_base
+from lora_sweep.packer.packing import VERIFIED_FAMILIES, PackedRow, SamplePackedStream, batches_per_epoch, pack_rows
+from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.packer.train import SlotJob, target_tokens, train
 from tests.conftest import Recorder, random_examples
 
 PAD = 0

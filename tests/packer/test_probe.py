@@ -6,13 +6,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from packer.data import Example
-from packer.inject import all_linear_params
-from packer.model import PackedModel, load_base
-from packer.plan import AdapterSpec, adapter_param_count
-from packer.probe import calibrate, peak_memory
-from packer.tiny import build_tokenizer, tiny_config
-from packer.train import FixedBatch, SlotJob, train
+from lora_sweep.packer.data import Example
+from lora_sweep.packer.inject import all_linear_params
+from lora_sweep.packer.model import PackedModel, load_base
+from lora_sweep.packer.plan import AdapterSpec, adapter_param_count
+from lora_sweep.packer.probe import calibrate, peak_memory
+from lora_sweep.packer.tiny import build_tokenizer, tiny_config
+from lora_sweep.packer.train import FixedBatch, SlotJob, train
 
 
 def _packed(tmp_path, vocab: int) -> PackedModel:

@@ -10,14 +10,14 @@ import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
-from packer.batch import collate
-from packer.data import SlotStream
-from packer.errors import ConfigError
-from packer.model import PackedModel, load_base
-from packer.plan import AdapterSpec
-from packer.probe import model_bytes
-from packer.quant import NF4Linear, dequantize_base, nf4_bytes, quantize_base
-from packer.train import SlotJob, make_scheduler, train
+from lora_sweep.packer.batch import collate
+from lora_sweep.packer.data import SlotStream
+from lora_sweep.packer.errors import ConfigError
+from lora_sweep.packer.model import PackedModel, load_base
+from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.packer.probe import model_bytes
+from lora_sweep.packer.quant import NF4Linear, dequantize_base, nf4_bytes, quantize_base
+from lora_sweep.packer.train import SlotJob, make_scheduler, train
 from tests.conftest import Recorder, random_examples
 
 pytest.importorskip("torchao")
@@ -167,8 +167,8 @@ def test_the_memory_model_knows_the_nf4_base(tmp_path) -> None:
     10% (the dequantised weight each projection makes for its GEMM included)."""
     from transformers import AutoModelForCausalLM
 
-    from packer.probe import calibrate
-    from packer.tiny import build_tokenizer, tiny_config
+    from lora_sweep.packer.probe import calibrate
+    from lora_sweep.packer.tiny import build_tokenizer, tiny_config
     from tests.packer.test_probe import _growth
 
     config = tiny_config("llama", 20_000, hidden_size=256, num_layers=4)

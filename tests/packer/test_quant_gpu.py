@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from packer.data import SlotStream
-from packer.model import PackedModel, load_base
-from packer.plan import AdapterSpec
-from packer.quant import NF4Linear
-from packer.train import SlotJob, train
+from lora_sweep.packer.data import SlotStream
+from lora_sweep.packer.model import PackedModel, load_base
+from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.packer.quant import NF4Linear
+from lora_sweep.packer.train import SlotJob, train
 from tests.conftest import Recorder, random_examples
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

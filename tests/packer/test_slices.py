@@ -13,12 +13,12 @@ from tests.conftest import need_triton
 
 need_triton()  # before anything imports the Triton kernel modules
 
-import packer.model  # noqa: E402
-import packer.slices  # noqa: E402
-from kernels import PackLayout  # noqa: E402
-from packer.model import PackedModel, load_base  # noqa: E402
-from packer.plan import AdapterSpec  # noqa: E402
-from packer.train import FixedBatch, SlotJob, train  # noqa: E402
+import lora_sweep.packer.model  # noqa: E402
+import lora_sweep.packer.slices  # noqa: E402
+from lora_sweep.kernels import PackLayout  # noqa: E402
+from lora_sweep.packer.model import PackedModel, load_base  # noqa: E402
+from lora_sweep.packer.plan import AdapterSpec  # noqa: E402
+from lora_sweep.packer.train import FixedBatch, SlotJob, train  # noqa: E402
 from tests.conftest import Recorder, random_examples  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -27,13 +27,13 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def _counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Count the group calls (each records its number of slices)."""
     calls: list[int] = []
-    real = packer.slices.packed_lora_linear_slices
+    real = lora_sweep.packer.slices.packed_lora_linear_slices
 
     def counted(x, weights, *args, **kwargs):  # type: ignore[no-untyped-def]
         calls.append(len(weights))
         return real(x, weights, *args, **kwargs)
 
-    monkeypatch.setattr(packer.slices, "packed_lora_linear_slices", counted)
+    monkeypatch.setattr(lora_sweep.packer.slices, "packed_lora_linear_slices", counted)
     return calls
 
 
@@ -73,7 +73,7 @@ def test_groups_train_as_the_projections_one_by_one(tiny_dirs, monkeypatch, fami
     layers = grouped_pm.model.config.num_hidden_layers
     assert len(grouped_pm.groups) == 2 * layers
     assert set(calls) == {2, 3} and len(calls) >= 2 * layers * 3  # each layer's two groups, every step
-    monkeypatch.setattr(packer.model, "link_groups", lambda layers: [])
+    monkeypatch.setattr(lora_sweep.packer.model, "link_groups", lambda layers: [])
     alone_pm = PackedModel(load_base(str(tiny_dirs(family)), device=DEVICE)[0], impl="triton")
     alone = _train(alone_pm, SPECS)
     assert all(layer.group is None for layer in alone_pm.layers.values())

@@ -7,10 +7,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-import packer.static_loop as static_loop
-from packer.model import PackedModel, load_base
-from packer.static import StaticStore
-from packer.train import train
+import lora_sweep.packer.static_loop as static_loop
+from lora_sweep.packer.model import PackedModel, load_base
+from lora_sweep.packer.static import StaticStore
+from lora_sweep.packer.train import train
 from tests.conftest import Recorder
 from tests.packer.test_equivalence import LLAMA_SPECS, PAD, _jobs, _run_packed
 
@@ -149,7 +149,7 @@ def test_operand_copy_follows_the_weights_into_every_forward(tiny_dirs, monkeypa
     """The bf16 weight copy the Triton kernels read (``use_operands``; a bf16 model on CUDA) is refreshed as each
     step or evaluation forward enters ``stepping``: after the weights change (an optimizer step, a refill), no
     forward reads the old ones. (On the CPU the kernels read fp32 masters, so the dtype is forced here.)"""
-    import kernels
+    from lora_sweep import kernels
 
     model, _ = load_base(str(tiny_dirs("llama")), attn_implementation="eager")
     pm = PackedModel(model, impl="torch")

@@ -9,11 +9,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-import packer.static_loop as static_loop
-from packer.data import Example, SlotStream
-from packer.model import PackedModel, load_base
-from packer.plan import AdapterSpec
-from packer.train import SlotJob, train
+import lora_sweep.packer.static_loop as static_loop
+from lora_sweep.packer.data import Example, SlotStream
+from lora_sweep.packer.model import PackedModel, load_base
+from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.packer.train import SlotJob, train
 from tests.conftest import Recorder, random_examples
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-import packer.static_loop as static_loop
-from packer.batch import IGNORE_INDEX
-from packer.model import load_base
-from packer.static import fused_loss_head, shift_targets, static_head_losses, static_losses
+import lora_sweep.packer.static_loop as static_loop
+from lora_sweep.packer.batch import IGNORE_INDEX
+from lora_sweep.packer.model import load_base
+from lora_sweep.packer.static import fused_loss_head, shift_targets, static_head_losses, static_losses
 from tests.conftest import need_triton
 
 need_triton()  # before anything imports the Triton kernel modules

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from packer.errors import ConfigError
-from packer.tiny import (
+from lora_sweep.packer.errors import ConfigError
+from lora_sweep.packer.tiny import (
     FAMILIES,
     _init_model,
     build_tiny_model,

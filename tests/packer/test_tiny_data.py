@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from packer.errors import ConfigError
-from packer.tiny import main
-from packer.tiny_data import arithmetic_rows, write_jsonl
+from lora_sweep.packer.errors import ConfigError
+from lora_sweep.packer.tiny import main
+from lora_sweep.packer.tiny_data import arithmetic_rows, write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO_FILES = ("arith-train.jsonl", "arith-eval.jsonl")

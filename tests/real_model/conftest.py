@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from packer.errors import UserError
-from packer.gguf import convert, packaged_gguf
+from lora_sweep.packer.errors import UserError
+from lora_sweep.packer.gguf import convert, packaged_gguf
 
 
 @pytest.fixture(scope="session")

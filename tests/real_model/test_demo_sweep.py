@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from sweep.loader import load_study
-from sweep.status import study_status
-from sweep.study import run_study
+from lora_sweep.sweep.loader import load_study
+from lora_sweep.sweep.status import study_status
+from lora_sweep.sweep.study import run_study
 
 pytestmark = pytest.mark.real_model
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from packer.data import SlotStream, load_examples
-from packer.model import PackedModel
-from packer.plan import AdapterSpec
-from packer.train import SlotJob
+from lora_sweep.packer.data import SlotStream, load_examples
+from lora_sweep.packer.model import PackedModel
+from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.packer.train import SlotJob
 from tests.packer.test_quant import _nf4_base, _peft_over_dequantized, _train
 
 pytestmark = pytest.mark.real_model

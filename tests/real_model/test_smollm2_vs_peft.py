@@ -23,9 +23,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from packer.data import SlotStream, load_examples
-from packer.plan import AdapterSpec
-from packer.train import SlotJob
+from lora_sweep.packer.data import SlotStream, load_examples
+from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.packer.train import SlotJob
 from tests.packer.test_equivalence import _run_packed, assert_trained_as_peft, default_dtype
 
 pytestmark = pytest.mark.real_model

@@ -21,8 +21,8 @@ def fixture_study(tmp_path_factory: pytest.TempPathFactory, tiny_dirs) -> Path:
     """The study directory (run once per session; later calls return the same directory)."""
     key = tmp_path_factory.getbasetemp()
     if key not in _BUILT:
-        from sweep.loader import load_study
-        from sweep.study import run_study
+        from lora_sweep.sweep.loader import load_study
+        from lora_sweep.sweep.study import run_study
 
         root = tmp_path_factory.mktemp("fixture-study")
         path = write_study(root, tiny_dirs("llama"), "fixture", output=str(root / "runs"), budget={"trials": 8},

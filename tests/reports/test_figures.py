@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from reports import figures, summary, timeline
-from reports._fmt import table
-from reports._load import load_study_data, pareto_numbers
-from reports.html import build_report, write_report
-from sweep.store import ResultsStore, StudyDir
+from lora_sweep.reports import figures, summary, timeline
+from lora_sweep.reports._fmt import table
+from lora_sweep.reports._load import load_study_data, pareto_numbers
+from lora_sweep.reports.html import build_report, write_report
+from lora_sweep.sweep.store import ResultsStore, StudyDir
 
 NAN = math.nan
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from reports.html import write_report
+from lora_sweep.reports.html import write_report
 from tests.reports._browser import CHROMIUM, KEPT, load_page
 from tests.reports._study import ROOT
 
@@ -70,7 +70,7 @@ def test_report_renders_in_headless_chromium(study: Path, tmp_path: Path, tmp_pa
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sweep.cli", *args], capture_output=True, text=True, cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "lora_sweep", *args], capture_output=True, text=True, cwd=ROOT,
                           timeout=120)
 
 
@@ -85,7 +85,7 @@ def test_cli_report(study: Path, tmp_path: Path) -> None:
 
 
 def test_the_report_preload_imports_what_write_report_loads_lazily() -> None:
-    code = ("import sys; from reports.html import preload; lazy = ('optuna.visualization', 'scipy.stats'); "
+    code = ("import sys; from lora_sweep.reports.html import preload; lazy = ('optuna.visualization', 'scipy.stats'); "
             "assert not any(m in sys.modules for m in lazy); preload(); "
             "assert all(m in sys.modules for m in lazy)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

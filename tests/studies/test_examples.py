@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from packer.data import read_jsonl
-from sweep.loader import load_study
-from sweep.spec import StudySpec
+from lora_sweep.packer.data import read_jsonl
+from lora_sweep.sweep.loader import load_study
+from lora_sweep.sweep.spec import StudySpec
 
 STUDIES = Path(__file__).resolve().parents[2] / "studies"
 FILES = sorted(STUDIES.rglob("*.yaml"))
@@ -19,7 +19,8 @@ IDS = [str(p.relative_to(STUDIES)) for p in FILES]
 
 
 def _spec(path: Path) -> StudySpec:
-    # check_paths=False: local models (models/tiny-llama) are built by `python -m packer.tiny`; data files are checked.
+    # check_paths=False: local models (models/tiny-llama) are built by `python -m lora_sweep.packer.tiny`; data files
+    # are checked.
     return load_study(path, check_paths=False)
 
 
@@ -49,7 +50,7 @@ def test_example_study_plans(path: Path) -> None:
     """``sweep plan`` on the file as a user runs it: the model loads, the data tokenizes, the targets exist."""
     from click.testing import CliRunner
 
-    from sweep.cli import cli
+    from lora_sweep.sweep.cli import cli
 
     spec = _spec(path)
     model = Path(spec.model.path)

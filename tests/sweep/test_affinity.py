@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from packer.errors import UserError
-from sweep.affinity import cpu_list, cpu_shares, parse_cpu_list
+from lora_sweep.packer.errors import UserError
+from lora_sweep.sweep.affinity import cpu_list, cpu_shares, parse_cpu_list
 
 
 def test_cpu_shares_and_lists() -> None:

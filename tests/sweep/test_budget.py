@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import optuna
 from optuna.trial import TrialState
 
-from sweep.budget import budget_state, counted
-from sweep.loader import load_study
-from sweep.spec import Budget
-from sweep.store import attrs
+from lora_sweep.sweep.budget import budget_state, counted
+from lora_sweep.sweep.loader import load_study
+from lora_sweep.sweep.spec import Budget
+from lora_sweep.sweep.store import attrs
 from tests.conftest import write_study
 
 

@@ -22,13 +22,13 @@ import pytest
 from optuna.trial import TrialState
 from transformers import AutoTokenizer
 
-from packer.data import load_examples
-from sweep.budget import TokenPlan, shared_budget
-from sweep.loader import load_study
-from sweep.spec import Budget, StudySpec
-from sweep.storage import open_storage, resume_clock, study_elapsed
-from sweep.store.attrs import CLOCK, HEARTBEAT, PLANNED_TOKENS, TOKENS
-from sweep.study import run_study
+from lora_sweep.packer.data import load_examples
+from lora_sweep.sweep.budget import TokenPlan, shared_budget
+from lora_sweep.sweep.loader import load_study
+from lora_sweep.sweep.spec import Budget, StudySpec
+from lora_sweep.sweep.storage import open_storage, resume_clock, study_elapsed
+from lora_sweep.sweep.store.attrs import CLOCK, HEARTBEAT, PLANNED_TOKENS, TOKENS
+from lora_sweep.sweep.study import run_study
 from tests.conftest import DEMO_DATA, optuna_study, write_study
 from tests.sweep.test_worker import ENV, ROOT, _cli, _server_url, _study_file, _trials
 

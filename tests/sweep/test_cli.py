@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-import sweep.cli as cli
+import lora_sweep.sweep.cli as cli
 
 
 def test_main_returns_on_success_and_exits_2_on_a_user_error(tmp_path, capsys) -> None:
@@ -34,7 +34,7 @@ def test_only_the_entry_point_of_a_cuda_command_leaves_without_teardown(monkeypa
 
 def test_leave_runs_the_atexit_handlers_flushes_and_exits_with_the_code() -> None:
     code = ("import atexit, sys; atexit.register(lambda: print('handler ran')); "
-            "from sweep.cli import _leave; sys.stdout.write('buffered, no newline'); _leave(3)")
+            "from lora_sweep.sweep.cli import _leave; sys.stdout.write('buffered, no newline'); _leave(3)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 3
     assert done.stdout == "buffered, no newlinehandler ran\n"

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from packer.errors import UserError
-from sweep.export import select_trial
-from sweep.spec import Constraint
-from sweep.status import study_status
-from sweep.store import ResultsStore, StudyDir, is_feasible
+from lora_sweep.packer.errors import UserError
+from lora_sweep.sweep.export import select_trial
+from lora_sweep.sweep.spec import Constraint
+from lora_sweep.sweep.status import study_status
+from lora_sweep.sweep.store import ResultsStore, StudyDir, is_feasible
 
 CONSTRAINTS = [{"metric": "adapter_params", "op": "<=", "value": 5000.0}]
 
@@ -54,9 +54,9 @@ def test_export_best_takes_the_best_feasible_trial_and_infeasible_needs_allow(tm
 
 
 def test_report_shows_feasibility_and_ranks_feasible_first(tmp_path: Path) -> None:
-    from reports._load import load_study_data
-    from reports.summary import _summary_info, render_summary
-    from reports.tables import _trial_table_info, render_trial_table
+    from lora_sweep.reports._load import load_study_data
+    from lora_sweep.reports.summary import _summary_info, render_summary
+    from lora_sweep.reports.tables import _trial_table_info, render_trial_table
 
     root = _study(tmp_path)
     data = load_study_data(root)

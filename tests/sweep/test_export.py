@@ -18,13 +18,13 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kernels import PackLayout
-from packer.checkpoint import load_adapter, read_adapter, save_adapter
-from packer.errors import UserError
-from packer.model import PackedModel, load_base
-from packer.plan import AdapterSpec
-from sweep.export import VLLM_RANKS, export_trial, merge_adapter, select_trial, vllm_adapter
-from sweep.store import ResultsStore, StudyDir
+from lora_sweep.kernels import PackLayout
+from lora_sweep.packer.checkpoint import load_adapter, read_adapter, save_adapter
+from lora_sweep.packer.errors import UserError
+from lora_sweep.packer.model import PackedModel, load_base
+from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.sweep.export import VLLM_RANKS, export_trial, merge_adapter, select_trial, vllm_adapter
+from lora_sweep.sweep.store import ResultsStore, StudyDir
 from tests.reports._study import ROOT, fixture_study
 
 IDS = torch.randint(3, 300, (2, 14), generator=torch.Generator().manual_seed(0))
@@ -198,7 +198,7 @@ def test_select_best(tmp_path: Path) -> None:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sweep.cli", "export", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "lora_sweep", "export", *args], capture_output=True, text=True,
                           cwd=ROOT, timeout=120)
 
 

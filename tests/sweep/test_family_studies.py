@@ -19,17 +19,17 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 from transformers.pytorch_utils import Conv1D
 
-from kernels import PackLayout
-from packer.checkpoint import load_adapter, read_adapter
-from packer.errors import ConfigError
-from packer.model import PackedModel, load_base
-from packer.plan import AdapterSpec
-from packer.tiny import FAMILIES
-from packer.tiny_data import arithmetic_rows, write_jsonl
-from sweep.export import export_trial
-from sweep.loader import load_study
-from sweep.store import ResultsStore
-from sweep.study import run_study
+from lora_sweep.kernels import PackLayout
+from lora_sweep.packer.checkpoint import load_adapter, read_adapter
+from lora_sweep.packer.errors import ConfigError
+from lora_sweep.packer.model import PackedModel, load_base
+from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.packer.tiny import FAMILIES
+from lora_sweep.packer.tiny_data import arithmetic_rows, write_jsonl
+from lora_sweep.sweep.export import export_trial
+from lora_sweep.sweep.loader import load_study
+from lora_sweep.sweep.store import ResultsStore
+from lora_sweep.sweep.study import run_study
 from tests.conftest import write_study
 
 IDS = torch.randint(3, 260, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -108,7 +108,7 @@ def test_all_linear_study_exports_an_adapter_peft_loads(tiny_dirs, tmp_path: Pat
 def test_cli_offers_every_family(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    from sweep.cli import TINY_FAMILIES, cli
+    from lora_sweep.sweep.cli import TINY_FAMILIES, cli
 
     assert TINY_FAMILIES == FAMILIES
     result = CliRunner().invoke(cli, ["tiny-model", "--family", "phi3", "--out", str(tmp_path / "phi3")])

@@ -13,10 +13,10 @@ import pytest
 import yaml
 from optuna.trial import TrialState
 
-from packer.errors import ConfigError
-from packer.tiny_data import arithmetic_rows, write_jsonl
-from sweep.loader import load_study
-from sweep.study import run_study
+from lora_sweep.packer.errors import ConfigError
+from lora_sweep.packer.tiny_data import arithmetic_rows, write_jsonl
+from lora_sweep.sweep.loader import load_study
+from lora_sweep.sweep.study import run_study
 from tests.conftest import optuna_study
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -98,7 +98,7 @@ def test_a_torchtune_config_clips_only_when_clip_grad_norm_is_set(tiny_dirs, tmp
 
 
 def _cli(path: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sweep.cli", "run", str(path), "--quiet"], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "lora_sweep", "run", str(path), "--quiet"], capture_output=True,
                           text=True, timeout=120, cwd=ROOT)
 
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from optuna.trial import TrialState
 
-from packer.errors import ConfigError
-from sweep.loader import load_study
-from sweep.study import _static_step_fits, run_study
+from lora_sweep.packer.errors import ConfigError
+from lora_sweep.sweep.loader import load_study
+from lora_sweep.sweep.study import _static_step_fits, run_study
 from tests.conftest import write_study
 from tests.sweep.test_foreign import _config, _trials
 
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sweep.cli", *args], capture_output=True, text=True, timeout=120,
+    return subprocess.run([sys.executable, "-m", "lora_sweep", *args], capture_output=True, text=True, timeout=120,
                           cwd=ROOT)
 
 

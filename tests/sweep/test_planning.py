@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import math
 
-from packer.data import load_examples
-from packer.model import load_base
-from packer.packing import batches_per_epoch
-from sweep.loader import load_study
-from sweep.planning import trial_micro_steps
+from lora_sweep.packer.data import load_examples
+from lora_sweep.packer.model import load_base
+from lora_sweep.packer.packing import batches_per_epoch
+from lora_sweep.sweep.loader import load_study
+from lora_sweep.sweep.planning import trial_micro_steps
 from tests.conftest import write_study
 
 

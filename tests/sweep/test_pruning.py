@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 
-from sweep.pruning import CohortSHA
+from lora_sweep.sweep.pruning import CohortSHA
 
 
 def test_first_pack_keeps_best_third() -> None:

@@ -12,13 +12,13 @@ import torch
 from optuna.trial import TrialState
 from transformers import AutoModelForCausalLM
 
-from kernels import PackLayout
-from packer.checkpoint import load_adapter, read_adapter
-from packer.model import PackedModel, load_base
-from packer.plan import AdapterSpec
-from sweep.loader import load_study
-from sweep.store import ResultsStore
-from sweep.study import run_study
+from lora_sweep.kernels import PackLayout
+from lora_sweep.packer.checkpoint import load_adapter, read_adapter
+from lora_sweep.packer.model import PackedModel, load_base
+from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.sweep.loader import load_study
+from lora_sweep.sweep.store import ResultsStore
+from lora_sweep.sweep.study import run_study
 from tests.conftest import write_study
 
 pytest.importorskip("torchao")
@@ -44,7 +44,7 @@ def test_a_qlora_study_runs_and_its_merge_is_the_nf4_model(tiny_dirs, tmp_path) 
     assert cfg["base_model_name_or_path"] == str(model_dir)  # a PEFT adapter for the plain base
 
     out = tmp_path / "merged"
-    result = subprocess.run([sys.executable, "-m", "sweep.cli", "export", str(spec.out_dir), "--trial",
+    result = subprocess.run([sys.executable, "-m", "lora_sweep", "export", str(spec.out_dir), "--trial",
                              str(rec.number), "--merge", "--out", str(out)], capture_output=True, text=True,
                             timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr
@@ -75,8 +75,8 @@ def test_a_qlora_study_runs_and_its_merge_is_the_nf4_model(tiny_dirs, tmp_path) 
 def test_plan_of_a_qlora_study_measures_the_nf4_base(tiny_dirs, tmp_path) -> None:
     from click.testing import CliRunner
 
-    from sweep.cli import cli
-    from sweep.planning import plan_pack
+    from lora_sweep.sweep.cli import cli
+    from lora_sweep.sweep.planning import plan_pack
 
     model_dir = tiny_dirs("llama")
     static = {}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from sqlalchemy.engine import make_url
 
-from sweep.store import redact_url, strip_password
+from lora_sweep.sweep.store import redact_url, strip_password
 from tests.conftest import write_study
 from tests.sweep.test_worker import _server_url
 
@@ -35,7 +35,7 @@ def _files_without(root: Path, secret: str) -> None:
 def test_an_unreachable_storage_error_names_the_url_without_its_password(tiny_dirs, tmp_path) -> None:
     url = f"postgresql+psycopg2://sweep:{SECRET}@127.0.0.1:9/db"  # port 9: nothing listens
     path = write_study(tmp_path, tiny_dirs("llama"), name="unreachable", storage=url, budget={"trials": 1})
-    result = subprocess.run([sys.executable, "-m", "sweep.cli", "worker", str(path), "--quiet", "--index", "0"],
+    result = subprocess.run([sys.executable, "-m", "lora_sweep", "worker", str(path), "--quiet", "--index", "0"],
                             capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 2, result.stderr
     assert SECRET not in result.stderr + result.stdout and "sweep:***@127.0.0.1:9/db" in result.stderr
@@ -52,10 +52,10 @@ def test_a_password_in_the_storage_url_reaches_no_output(tiny_dirs, tmp_path) ->
                        train={"max_steps": 6, "micro_batch": 2}, pruning={"kind": "none"}, packing={"max_slots": 2})
     out = tmp_path / f"runs-secret{os.getpid()}"
     env = {k: v for k, v in os.environ.items() if k != "PGPASSWORD"} | {"PGPASSWORD": url.password}
-    run = subprocess.run([sys.executable, "-m", "sweep.cli", "run", str(path), "--workers", "1", "--grace", "20"],
+    run = subprocess.run([sys.executable, "-m", "lora_sweep", "run", str(path), "--workers", "1", "--grace", "20"],
                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert run.returncode == 0, run.stderr
-    status = subprocess.run([sys.executable, "-m", "sweep.cli", "status", str(out), "--json"], capture_output=True,
+    status = subprocess.run([sys.executable, "-m", "lora_sweep", "status", str(out), "--json"], capture_output=True,
                             text=True, timeout=120, cwd=ROOT, env=env)
     assert status.returncode == 0, status.stderr
     assert json.loads(status.stdout)["storage"] == strip_password(url.render_as_string(hide_password=False))

@@ -9,11 +9,11 @@ import socket
 import pytest
 import yaml
 
-from packer.errors import UserError
-from sweep.loader import load_study
-from sweep.session import own_directory, record_spec, spec_changes, spec_record
-from sweep.spec import Budget
-from sweep.store import ResultsStore, StudyDir
+from lora_sweep.packer.errors import UserError
+from lora_sweep.sweep.loader import load_study
+from lora_sweep.sweep.session import own_directory, record_spec, spec_changes, spec_record
+from lora_sweep.sweep.spec import Budget
+from lora_sweep.sweep.store import ResultsStore, StudyDir
 from tests.conftest import write_study
 
 

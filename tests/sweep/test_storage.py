@@ -7,7 +7,7 @@ import sqlite3
 import optuna
 import pytest
 
-from sweep.storage import open_storage
+from lora_sweep.sweep.storage import open_storage
 
 
 def _journal_mode(db) -> str:

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from packer.errors import ConfigError
-from sweep.strategy import Budget, Constraint, Objective, PruningSpec, SamplerSpec
+from lora_sweep.packer.errors import ConfigError
+from lora_sweep.sweep.strategy import Budget, Constraint, Objective, PruningSpec, SamplerSpec
 
 
 def test_budget_needs_one_positive_limit() -> None:

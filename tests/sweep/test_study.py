@@ -17,10 +17,10 @@ import torch
 import yaml
 from optuna.trial import TrialState
 
-from sweep.loader import load_study
-from sweep.storage import open_storage
-from sweep.store import StudyDir
-from sweep.study import run_study
+from lora_sweep.sweep.loader import load_study
+from lora_sweep.sweep.storage import open_storage
+from lora_sweep.sweep.store import StudyDir
+from lora_sweep.sweep.study import run_study
 from tests.conftest import optuna_study, write_study
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,7 +78,7 @@ def test_same_study_twice_decides_the_same(tiny_dirs, tmp_path) -> None:
 
 
 def _run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sweep.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "lora_sweep", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT)
 
 
@@ -86,7 +86,7 @@ def test_resume_after_sigkill_loses_and_duplicates_nothing(tiny_dirs, tmp_path) 
     path = write_study(tmp_path, tiny_dirs("llama"), name="killed", budget={"trials": 8},
                        train={"max_steps": 30, "micro_batch": 4}, pruning={"kind": "none"})
     out = tmp_path / "runs-killed"
-    proc = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path), "--quiet"], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "lora_sweep", "run", str(path), "--quiet"], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 240
     while time.time() < deadline:  # kill mid-pack: some trial complete, others still training
@@ -159,7 +159,7 @@ def test_bad_study_file_exits_2_with_one_line(tiny_dirs, tmp_path, case: str) ->
 def test_plan_and_status_commands(tiny_dirs, tmp_path) -> None:
     from click.testing import CliRunner
 
-    from sweep.cli import cli
+    from lora_sweep.sweep.cli import cli
 
     path = write_study(tmp_path, tiny_dirs("llama"), name="planned", budget={"trials": 3})
     runner = CliRunner()
@@ -209,8 +209,8 @@ def test_memory_options_reach_the_training_loop(tiny_dirs, tmp_path) -> None:
 
 
 def test_kernels_options_reach_the_packed_model(tiny_dirs, tmp_path, monkeypatch) -> None:
-    import sweep.resume
-    from packer.model import PackedModel
+    import lora_sweep.sweep.resume
+    from lora_sweep.packer.model import PackedModel
 
     made: list[tuple[str, bool]] = []
 
@@ -218,7 +218,7 @@ def test_kernels_options_reach_the_packed_model(tiny_dirs, tmp_path, monkeypatch
         made.append((impl, fused_base_ops))
         return PackedModel(model, impl=impl, fused_base_ops=fused_base_ops)
 
-    monkeypatch.setattr(sweep.resume, "PackedModel", recording)
+    monkeypatch.setattr(lora_sweep.sweep.resume, "PackedModel", recording)
     common = dict(budget={"trials": 1}, train={"max_steps": 8, "micro_batch": 2})
     default = load_study(write_study(tmp_path, tiny_dirs("llama"), name="default-kernels", **common))
     chosen = load_study(write_study(tmp_path, tiny_dirs("llama"), name="torch-kernels",
@@ -290,7 +290,7 @@ def test_second_run_on_a_directory_in_use_exits_2_and_the_first_finishes(tiny_di
     path = write_study(tmp_path, tiny_dirs("llama"), name="owned", budget={"trials": 6},
                        train={"max_steps": 30, "micro_batch": 4}, pruning={"kind": "none"})
     out = tmp_path / "runs-owned"
-    first = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path), "--quiet"], cwd=ROOT,
+    first = subprocess.Popen([sys.executable, "-m", "lora_sweep", "run", str(path), "--quiet"], cwd=ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
     while time.time() < deadline:  # the second starts while the first has trials training
@@ -311,10 +311,10 @@ def test_second_run_on_a_directory_in_use_exits_2_and_the_first_finishes(tiny_di
 
 
 def test_a_dead_runs_lock_is_taken_over(tmp_path) -> None:
-    from sweep.store import DirectoryInUse
+    from lora_sweep.sweep.store import DirectoryInUse
 
     sdir = StudyDir(tmp_path / "study")
-    dead = subprocess.run([sys.executable, "-c", "import sys; from sweep.store import StudyDir; "
+    dead = subprocess.run([sys.executable, "-c", "import sys; from lora_sweep.sweep.store import StudyDir; "
                            "StudyDir(sys.argv[1]).acquire(); import os; os._exit(9)", str(sdir.root)],
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert dead.returncode == 9 and json.loads(sdir.lock.read_text())["pid"] > 0  # killed holding it
@@ -343,8 +343,8 @@ def test_a_directory_an_earlier_version_started_on_sqlite_resumes_from_it(tiny_d
 
 
 def test_overrides_are_recorded_and_a_changed_fixed_key_is_refused_on_resume(tiny_dirs, tmp_path) -> None:
-    from packer.errors import UserError
-    from sweep.store import ResultsStore
+    from lora_sweep.packer.errors import UserError
+    from lora_sweep.sweep.store import ResultsStore
 
     path = write_study(tmp_path, tiny_dirs("llama"), name="recorded", budget={"trials": 1},
                        train={"max_steps": 12, "micro_batch": 2}, pruning={"kind": "none"}, packing={"max_slots": 1})
@@ -379,7 +379,7 @@ def test_plan_rejects_targets_the_model_lacks_as_run_does(tiny_dirs, tmp_path) -
 def test_plan_reports_the_spread_of_its_time_measurements(tiny_dirs, tmp_path) -> None:
     from click.testing import CliRunner
 
-    from sweep.cli import cli
+    from lora_sweep.sweep.cli import cli
 
     path = write_study(tmp_path, tiny_dirs("llama"), name="spread", budget={"trials": 3})
     result = CliRunner().invoke(cli, ["plan", str(path)])
@@ -389,7 +389,7 @@ def test_plan_reports_the_spread_of_its_time_measurements(tiny_dirs, tmp_path) -
 
 
 def test_progress_final_frame_tokens_per_s_and_eta(tiny_dirs, tmp_path) -> None:
-    from sweep.store import ResultsStore
+    from lora_sweep.sweep.store import ResultsStore
 
     frames = []
     spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name="frames", budget={"trials": 4},
@@ -418,7 +418,7 @@ def test_rerunning_a_finished_study_says_its_budget_is_spent(tiny_dirs, tmp_path
 def test_ctrl_c_says_that_running_again_resumes(tiny_dirs, tmp_path) -> None:
     path = write_study(tmp_path, tiny_dirs("llama"), name="interrupted", budget={"trials": 4},
                        train={"max_steps": 200, "micro_batch": 2}, pruning={"kind": "none"}, packing={"max_slots": 2})
-    proc = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path), "--quiet"], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "lora_sweep", "run", str(path), "--quiet"], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
     while time.time() < deadline:
@@ -435,8 +435,8 @@ def test_ctrl_c_says_that_running_again_resumes(tiny_dirs, tmp_path) -> None:
 
 
 def test_generated_texts_are_stored_per_item_and_sampled_in_the_report(tiny_dirs, tmp_path) -> None:
-    from reports.html import build_report
-    from sweep.store import ResultsStore
+    from lora_sweep.reports.html import build_report
+    from lora_sweep.sweep.store import ResultsStore
 
     spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name="texts", budget={"trials": 2},
                                   train={"max_steps": 4, "micro_batch": 2}, pruning={"kind": "none"},
@@ -466,16 +466,16 @@ def _html_escape(text: str) -> str:
 
 def test_device_seconds_are_a_trials_steps_and_its_own_evaluation(tiny_dirs, tmp_path, monkeypatch) -> None:
     """Evaluation made slow (2 s a call): a trial is charged its share of its own evaluation, not its peers'."""
-    import sweep.study
-    from sweep.store import ResultsStore
+    import lora_sweep.sweep.study
+    from lora_sweep.sweep.store import ResultsStore
 
-    real = sweep.study.evaluate
+    real = lora_sweep.sweep.study.evaluate
 
     def slow(*args, **kwargs):  # type: ignore[no-untyped-def]
         time.sleep(2.0)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(sweep.study, "evaluate", slow)
+    monkeypatch.setattr(lora_sweep.sweep.study, "evaluate", slow)
     spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name="charged", budget={"trials": 3},
                                   train={"max_steps": 6, "micro_batch": 2}, pruning={"kind": "none"},
                                   packing={"max_slots": 2}, evaluators=[{"name": "heldout_loss"}]))
@@ -491,7 +491,7 @@ def test_device_seconds_are_a_trials_steps_and_its_own_evaluation(tiny_dirs, tmp
 
 def test_a_retried_dropout_trial_reproduces_a_fresh_run_bit_for_bit(tiny_dirs, tmp_path) -> None:
     """A run stopped mid-trial, resumed: the retry (dropout 0.05) ends where the same trial run once ends."""
-    from sweep.store import ResultsStore
+    from lora_sweep.sweep.store import ResultsStore
 
     common = dict(search={"rank": [4], "lr": [2e-4, 1e-2], "dropout": [0.05]}, budget={"trials": 2},
                   train={"max_steps": 8, "micro_batch": 2}, pruning={"kind": "none"}, packing={"max_slots": 2},
@@ -522,10 +522,10 @@ def test_a_retried_dropout_trial_reproduces_a_fresh_run_bit_for_bit(tiny_dirs, t
 
 def test_an_oom_mid_pack_shrinks_the_pack_and_keeps_the_budget_exact(tiny_dirs, tmp_path, monkeypatch) -> None:
     """A CUDA out-of-memory error, injected on CPU at the first pack's fourth step with 3 slots training."""
-    import sweep.study
-    from sweep.store import ResultsStore
+    import lora_sweep.sweep.study
+    from lora_sweep.sweep.store import ResultsStore
 
-    real, calls = sweep.study.train, []
+    real, calls = lora_sweep.sweep.study.train, []
 
     def oom_once(pm, capacity, next_job, *, on_step, **kwargs):  # type: ignore[no-untyped-def]
         calls.append(capacity)
@@ -537,7 +537,7 @@ def test_an_oom_mid_pack_shrinks_the_pack_and_keeps_the_budget_exact(tiny_dirs, 
 
         return real(pm, capacity, next_job, on_step=step, **kwargs)
 
-    monkeypatch.setattr(sweep.study, "train", oom_once)
+    monkeypatch.setattr(lora_sweep.sweep.study, "train", oom_once)
     spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name="oom", budget={"trials": 5},
                                   train={"max_steps": 8, "micro_batch": 2}, pruning={"kind": "none"}))
     logs: list[str] = []
@@ -581,7 +581,7 @@ def test_join_becomes_a_worker_of_a_shared_run_and_refuses_a_single_one(tiny_dir
         return optuna.storages.JournalStorage(JournalFileBackend(str(log))) if out.name == "runs-joined" else \
             open_storage(StudyDir(out).optuna_url)
 
-    owner = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(shared), "--workers", "1", "--storage",
+    owner = subprocess.Popen([sys.executable, "-m", "lora_sweep", "run", str(shared), "--workers", "1", "--storage",
                               str(log), "--quiet"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_running(tmp_path / "runs-joined", "joined")
     joiner = _run_cli("run", str(shared), "--join", "--quiet", "--storage", str(log), timeout=300)
@@ -593,7 +593,7 @@ def test_join_becomes_a_worker_of_a_shared_run_and_refuses_a_single_one(tiny_dir
 
     single = write_study(tmp_path, tiny_dirs("llama"), name="alone", budget={"trials": 3}, packing={"max_slots": 1},
                          train={"max_steps": 60, "micro_batch": 2}, pruning={"kind": "none"})
-    proc = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(single), "--quiet"], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "lora_sweep", "run", str(single), "--quiet"], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_running(tmp_path / "runs-alone", "alone")
     refused = _run_cli("run", str(single), "--join", "--quiet", timeout=120)
@@ -606,20 +606,21 @@ def test_a_static_pack_is_sized_once_by_the_spaces_largest_rank(tiny_dirs, tmp_p
     """The static step's store takes the rank bucket of the space's largest rank from its first slot: a bucket
     grown when a larger-rank trial arrives would re-capture every graph and precompile again (on CPU the static
     step runs eagerly; forced here)."""
-    import packer.static_loop
-    import packer.train
-    import sweep.study
+    import lora_sweep.packer.static_loop
+    import lora_sweep.packer.train
+    import lora_sweep.sweep.study
 
     buckets: list[int] = []
-    real = packer.static_loop._new_store
+    real = lora_sweep.packer.static_loop._new_store
 
     def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
         store = real(*args, **kwargs)
         buckets.append(store.rank_bucket)
         return store
 
-    monkeypatch.setattr(packer.static_loop, "_new_store", recording)
-    monkeypatch.setattr(sweep.study, "train", lambda *a, **k: packer.train.train(*a, **{**k, "static_shapes": True}))
+    monkeypatch.setattr(lora_sweep.packer.static_loop, "_new_store", recording)
+    monkeypatch.setattr(lora_sweep.sweep.study, "train",
+                        lambda *a, **k: lora_sweep.packer.train.train(*a, **{**k, "static_shapes": True}))
     search = {"rank": [2, 4, 16, 24], "lr": {"low": 1e-4, "high": 3e-2, "log": True}, "targets": {"all": "all-linear"}}
     spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name="bucket", search=search))
     summary = run_study(spec, log=lambda m: None)

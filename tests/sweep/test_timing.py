@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import time
 
-from sweep.loader import load_study
-from sweep.status import study_status
-from sweep.study import run_study
-from sweep.timing import PHASES, TIMING_FILE, WallSplit, append_run, last_run
+from lora_sweep.sweep.loader import load_study
+from lora_sweep.sweep.status import study_status
+from lora_sweep.sweep.study import run_study
+from lora_sweep.sweep.timing import PHASES, TIMING_FILE, WallSplit, append_run, last_run
 from tests.conftest import write_study
 
 

@@ -9,14 +9,14 @@ import pytest
 import yaml
 from optuna.trial import TrialState
 
-from packer.data import load_examples
-from packer.errors import ConfigError
-from packer.model import load_base
-from sweep._trial_data import epoch_steps
-from sweep.loader import load_study
-from sweep.space import adapter_spec
-from sweep.store.attrs import PLANNED_TOKENS, TOKENS
-from sweep.study import run_study
+from lora_sweep.packer.data import load_examples
+from lora_sweep.packer.errors import ConfigError
+from lora_sweep.packer.model import load_base
+from lora_sweep.sweep._trial_data import epoch_steps
+from lora_sweep.sweep.loader import load_study
+from lora_sweep.sweep.space import adapter_spec
+from lora_sweep.sweep.store.attrs import PLANNED_TOKENS, TOKENS
+from lora_sweep.sweep.study import run_study
 from tests.conftest import DEMO_DATA, optuna_study, write_study
 
 
@@ -105,7 +105,7 @@ def test_sample_packing_where_the_installed_transformers_mixes_examples_is_one_e
 
 
 def test_warmup_ratio_and_steps_per_epoch_resolve_per_trial(tiny_dirs, tmp_path) -> None:
-    from sweep._trial_data import trial_adapter
+    from lora_sweep.sweep._trial_data import trial_adapter
 
     path = write_study(tmp_path, tiny_dirs("llama"), name="ratio",
                        train={"micro_batch": 4, "epochs": 2, "warmup_ratio": 0.25, "max_steps_per_epoch": 5})
@@ -120,7 +120,7 @@ def test_warmup_ratio_and_steps_per_epoch_resolve_per_trial(tiny_dirs, tmp_path)
 
 
 def test_eval_every_records_a_heldout_curve_and_optuna_intermediates(tiny_dirs, tmp_path) -> None:
-    from sweep.store import ResultsStore
+    from lora_sweep.sweep.store import ResultsStore
 
     path = write_study(tmp_path, tiny_dirs("llama"), name="curve", train={"max_steps": 6, "micro_batch": 4,
                                                                           "eval_steps": 2},

@@ -20,13 +20,13 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from sweep import worker
-from sweep.affinity import allowed_cpus
-from sweep.ledger import open_study
-from sweep.loader import load_study
-from sweep.storage import Sharing, normalize_url, open_storage, storage_lock
-from sweep.store import StudyDir
-from sweep.store.attrs import WORKER
+from lora_sweep.sweep import worker
+from lora_sweep.sweep.affinity import allowed_cpus
+from lora_sweep.sweep.ledger import open_study
+from lora_sweep.sweep.loader import load_study
+from lora_sweep.sweep.storage import Sharing, normalize_url, open_storage, storage_lock
+from lora_sweep.sweep.store import StudyDir
+from lora_sweep.sweep.store.attrs import WORKER
 from tests.conftest import write_study
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,7 +59,7 @@ def _study_file(tmp_path: Path, model_dir: Path, name: str, **changes) -> Path:
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "sweep.cli", *args]
+    return [sys.executable, "-m", "lora_sweep", *args]
 
 
 # One thread per worker, as conftest gives the test process: workers sharing 2 cores with a pool of
@@ -111,7 +111,7 @@ def test_journal_workers_on_one_host_share_the_budget(tiny_dirs, tmp_path) -> No
     assert exported.returncode == 0, exported.stderr
     assert (out / "adapter_model.safetensors").is_file()
     # ... and the report opens the journal storage for its Optuna figures.
-    from reports._load import load_optuna_study, load_study_data
+    from lora_sweep.reports._load import load_optuna_study, load_study_data
 
     study = load_optuna_study(load_study_data(tmp_path / f"runs-{name}"))
     assert not isinstance(study, str), study
@@ -188,7 +188,8 @@ def test_storage_lock_excludes_other_processes(tmp_path, backend: str) -> None:
     """Another process holds the study's lock for 2 s: this one waits for it (a lock that is not taken,
     as MariaDB's GET_LOCK with a negative timeout, lets it through at once)."""
     url, name = _backend_url(backend, tmp_path), f"lock-{uuid.uuid4().hex[:8]}"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom sweep.storage import storage_lock\n"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
+                               "from lora_sweep.sweep.storage import storage_lock\n"
                                "with storage_lock(sys.argv[1], sys.argv[2]):\n    print('held', flush=True)\n"
                                "    time.sleep(2)\n", url, name], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
@@ -241,7 +242,7 @@ def test_launch_gives_each_worker_its_share_of_the_cpus(tiny_dirs, tmp_path, mon
 
 def test_worker_cpus_pins_the_process_and_bad_lists_are_one_line_exit_2(tmp_path) -> None:
     cpu = min(allowed_cpus())
-    code = f"from sweep.affinity import pin; import os; pin('{cpu}'); print(sorted(os.sched_getaffinity(0)))"
+    code = f"from lora_sweep.sweep.affinity import pin; import os; pin('{cpu}'); print(sorted(os.sched_getaffinity(0)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.stdout.strip() == f"[{cpu}]", out.stderr
     for bad, why in (("x", "not a CPU list"), ("100000", "this process may use")):

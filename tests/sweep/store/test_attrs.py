@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from sweep.store import attrs
+from lora_sweep.sweep.store import attrs
 
 REPO = Path(__file__).resolve().parents[3]
 _SETTERS = {"set_user_attr", "set_system_attr", "set_trial_user_attr", "set_trial_system_attr"}

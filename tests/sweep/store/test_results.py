@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-import sweep.store as store_module
-from sweep.store import (
+import lora_sweep.sweep.store as store_module
+from lora_sweep.sweep.store import (
     EvalRow,
     ItemRow,
     PruneDecision,
@@ -24,7 +24,7 @@ from sweep.store import (
     atomic_write_bytes,
     atomic_write_text,
 )
-from sweep.store.schema import TABLES, columns
+from lora_sweep.sweep.store.schema import TABLES, columns
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -376,10 +376,10 @@ def test_atomic_write_failure_keeps_old_content(tmp_path: Path, monkeypatch: pyt
 
 def test_import_is_a_leaf() -> None:
     code = (
-        "import sys, sweep.store\n"
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
-        "{'torch', 'optuna', 'yaml', 'triton', 'packer', 'kernels', 'evaluators', 'reports', 'plotly'} "
-        "or (m.startswith('sweep.') and not m.startswith('sweep.store')))\n"
+        "import sys, lora_sweep.sweep.store\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in {'torch', 'optuna', 'yaml', 'triton', 'plotly'} "
+        "or m.split('.')[:2] in (['lora_sweep', n] for n in ('packer', 'kernels', 'evaluators', 'reports')) "
+        "or (m.startswith('lora_sweep.sweep.') and not m.startswith('lora_sweep.sweep.store')))\n"
         "print(','.join(bad))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
@@ -397,7 +397,7 @@ def test_numpy_scalars_become_numbers(store: ResultsStore) -> None:
 
 
 def test_pareto_front_reads_each_objective_in_its_direction() -> None:
-    from sweep.store import pareto_front
+    from lora_sweep.sweep.store import pareto_front
 
     points = [(0, [1.0, 5.0]), (1, [2.0, 9.0]), (2, [1.0, 5.0]), (3, [3.0, 2.0]), (4, [0.5, 1.0])]
     assert pareto_front(points, ["minimize", "maximize"]) == [0, 1, 2, 4]  # 3 loses to 1 on both

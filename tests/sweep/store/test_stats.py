@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sweep.store.stats import paired_bootstrap, paired_scores
+from lora_sweep.sweep.store.stats import paired_bootstrap, paired_scores
 
 
 def test_interval_of_a_hand_computed_resampling_distribution() -> None:
