@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import os
+import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,9 +30,10 @@ from typing import Any
 import optuna
 from optuna.storages import BaseStorage
 
-from lora_sweep.sweep.store import attrs
+from lora_sweep.sweep.store import atomic_write_bytes, attrs
 
-__all__ = ["Sharing", "normalize_url", "open_storage", "storage_lock", "last_beat", "resume_clock", "study_elapsed"]
+__all__ = ["Sharing", "JournalFlock", "cut_torn_tail", "normalize_url", "open_storage", "storage_lock", "last_beat",
+           "resume_clock", "study_elapsed"]
 
 _JOURNAL = "journal://"
 
@@ -60,20 +63,110 @@ def _journal_path(url: str) -> Path:
     return Path(url.removeprefix(_JOURNAL))
 
 
-def open_storage(url: str) -> BaseStorage:
-    """The Optuna storage behind ``url`` (journal file or RDB, with a patient SQLite)."""
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def open_storage(url: str, log: Callable[[str], None] = _stderr) -> BaseStorage:
+    """The Optuna storage behind ``url`` (journal file or RDB, with a patient SQLite).
+
+    A journal file is appended to under ``JournalFlock`` (not Optuna's symlink lock, which a killed
+    process leaves behind), and a torn last record is set aside first (``cut_torn_tail``, said on ``log``).
+    """
     if url.startswith(_JOURNAL):
         from optuna.storages.journal import JournalFileBackend
 
         path = _journal_path(url)
         path.parent.mkdir(parents=True, exist_ok=True)
-        return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
+        lock = JournalFlock(path)
+        if path.is_file() and os.access(path, os.W_OK) and os.access(path.parent, os.W_OK):
+            with lock.held():  # no other writer is mid-append: an unterminated tail is torn, not in progress
+                cut_torn_tail(path, log)
+        return optuna.storages.JournalStorage(JournalFileBackend(str(path), lock_obj=lock))
     # SQLite serialises writers: wait for the lock instead of failing (Optuna FAQ).
     kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
     db = Path(url.removeprefix("sqlite:///"))
     if url.startswith("sqlite:///") and "?" not in url and url != "sqlite:///:memory:" and db.parent.is_dir():
         _wal(db)  # (a missing folder is left to Optuna's own error)
     return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, skip_table_creation=False)
+
+
+class JournalFlock:
+    """The lock a journal file is appended under: an ``flock`` on ``<journal>.writer-lock`` (Optuna's
+    ``lock_obj`` interface of ``JournalFileBackend``: ``acquire``, ``release``).
+
+    Optuna's default (``JournalFileSymlinkLock``) is a symlink that a process killed mid-append leaves
+    behind; the next writer then waits out its 30 s grace period. The kernel drops an flock when its
+    process dies, however it dies, so a dead owner's lock is taken over at once. One process's threads
+    (the heartbeat beside the step loop) are ordered by a thread lock first: an flock is held per open file.
+    """
+
+    def __init__(self, journal: Path) -> None:
+        self.path = journal.with_name(journal.name + ".writer-lock")
+        self._threads = threading.Lock()
+        self._fd: int | None = None
+
+    def acquire(self) -> bool:
+        self._threads.acquire()
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except BaseException:
+            self._threads.release()
+            raise
+        self._fd = fd
+        return True
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+            self._threads.release()
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        self.acquire()
+        try:
+            yield
+        finally:
+            self.release()
+
+
+def cut_torn_tail(path: Path, log: Callable[[str], None] = _stderr) -> Path | None:
+    """Set aside a journal's torn last record; returns the file holding it (None when the journal is whole).
+
+    Optuna writes each append as whole lines, then syncs; a process killed (or a disk filled) mid-append
+    leaves the last line without its newline. Optuna's reader skips such a line as "still being
+    written", but the next append would continue it into one undecodable line and make the whole
+    journal unreadable. The bytes after the last newline are copied to ``<journal>.torn-<time>`` and cut,
+    so every complete record stays and the next append starts a line of its own. The caller holds the
+    journal's writer lock (``JournalFlock``): no live writer is mid-append.
+    """
+    with open(path, "rb+") as f:
+        size = f.seek(0, os.SEEK_END)
+        keep = size
+        while keep > 0:  # back to the last newline, a block at a time
+            start = max(0, keep - 65536)
+            f.seek(start)
+            block = f.read(keep - start)
+            newline = block.rfind(b"\n")
+            if newline >= 0:
+                keep = start + newline + 1
+                break
+            keep = start
+        if keep == size:
+            return None
+        f.seek(keep)
+        torn = f.read()
+        aside = path.with_name(f"{path.name}.torn-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
+        atomic_write_bytes(aside, torn)
+        f.truncate(keep)
+        f.flush()
+        os.fsync(f.fileno())
+    log(f"storage: {path} ended in a partial record ({len(torn)} bytes, left by a process stopped while it wrote); "
+        f"kept every complete record and set the partial one aside in {aside}")
+    return aside
 
 
 def _wal(db: Path) -> None:
