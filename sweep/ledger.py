@@ -21,7 +21,7 @@ import json
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,8 @@ from lora_sweep.sweep.spec import StudySpec
 from lora_sweep.sweep.storage import Sharing, last_beat, normalize_url, open_storage, storage_lock
 from lora_sweep.sweep.store import ResultsStore, StudyDir, attrs, redact_url
 
-__all__ = ["Ledger", "Heartbeat", "open_study", "storage_url", "ORPHAN_REASON", "FINISHED", "is_default", "orphans"]
+__all__ = ["Ledger", "Heartbeat", "open_study", "recorded_trials", "storage_url", "ORPHAN_REASON", "FINISHED",
+           "is_default", "orphans"]
 
 ORPHAN_REASON = "orphaned: the run stopped while this trial trained; its parameters were enqueued again"
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
@@ -76,6 +77,13 @@ class Ledger:
         """A new trial (an enqueued one first); ``worker``: a shared study's worker index, recorded on the
         trial with its first heartbeat, so another worker knows it is alive from the start."""
         trial = self.study.ask()
+        folder = self.adapters(trial.number)
+        if folder.exists():  # a trial number is new when asked: what is there belongs to another study's trial
+            reason = f"{folder} already holds an adapter this study never recorded; it is left as it is"
+            trial.set_user_attr(attrs.REASON, reason)
+            self.study.tell(trial, state=TrialState.FAIL)
+            raise UserError(f"run: trial {trial.number}: {reason} (does another study write to the same "
+                            f"adapters or artifacts folder?)")
         if worker is not None:
             self.beat(trial.number)
             self.storage.set_trial_system_attr(self.trial_id(trial.number), attrs.WORKER, worker)
@@ -193,25 +201,33 @@ class Heartbeat:
 # ---------------------------------------------------------------- creating or loading the study
 
 
-def open_study(spec: StudySpec, sdir: StudyDir, sharing: Sharing | None = None) -> tuple[optuna.Study, BaseStorage]:
+def open_study(spec: StudySpec, sdir: StudyDir, sharing: Sharing | None = None,
+               recorded: Mapping[int, Mapping[str, Any] | None] | None = None,
+               log: Callable[[str], None] | None = None) -> tuple[optuna.Study, BaseStorage]:
     """Create the Optuna study of ``spec`` (with its community-default trial enqueued), or load it.
+
+    Args:
+        recorded: The trials the study directory records (``recorded_trials``): the storage must know each,
+            with the same parameters, or nothing is created.
+        log: Where opening the storage says what it repaired (a torn journal; default stderr).
 
     Returns:
         (the study, the storage object it was opened with).
 
     Raises:
-        UserError: the storage cannot be opened, or holds a study of this name with another search space
-            or other objective directions.
+        UserError: the storage cannot be opened, holds a study of this name with another search space
+            or other objective directions, or does not know a trial the directory records.
     """
     url = storage_url(spec, sdir, sharing)
     with ExitStack() as stack:  # sharing: one worker at a time creates the tables, the study and its default
         try:
             if sharing is not None:
                 stack.enter_context(storage_lock(sharing.url, spec.name))
-            storage = open_storage(url)
+            storage = open_storage(url, log)
         except Exception as err:  # SQLAlchemy raises many types for an unreachable or malformed URL
             raise _unopenable(url, err) from err
-        return _create(spec, storage, url, sharing.worker if sharing is not None else 0), storage
+        worker = sharing.worker if sharing is not None else None
+        return _create(spec, storage, url, worker, sdir, recorded or {}), storage
 
 
 def storage_url(spec: StudySpec, sdir: StudyDir, sharing: Sharing | None = None) -> str:
@@ -226,14 +242,64 @@ def space_fingerprint(spec: StudySpec) -> str:
                        for p in spec.search.params], sort_keys=True)
 
 
-def _create(spec: StudySpec, storage: BaseStorage, url: str, worker: int) -> optuna.Study:
+def recorded_trials(store: ResultsStore, adapters: Path) -> dict[int, dict[str, Any] | None]:
+    """Trial number -> parameters (None when only its adapter directory shows it) of every trial the
+    study directory records: results.db's rows and the ``trial-<n>`` folders under ``adapters``."""
+    out: dict[int, dict[str, Any] | None] = {r.number: r.params for r in store.trials()}
+    for folder in adapters.glob("trial-*") if adapters.is_dir() else ():
+        number = folder.name.removeprefix("trial-")
+        if number.isdigit() and folder.is_dir():
+            out.setdefault(int(number), None)
+    return out
+
+
+def _check_agreement(recorded: Mapping[int, Mapping[str, Any] | None], known: Mapping[int, FrozenTrial],
+                     url: str, name: str, sdir: StudyDir) -> None:
+    """Refuse a storage that does not know the trials the study directory records: a new study there would
+    number its trials from 0 again and write their adapters over the recorded ones."""
+    if not recorded:
+        return
+    unknown = sorted(set(recorded) - set(known))
+    where = f"{sdir.root}: results.db and adapters/ record"
+    fix = ("restore that storage, or start the study in another --out (its trials would overwrite the recorded "
+           "adapters)")
+    if len(unknown) == len(recorded):
+        raise UserError(f"run: {where} {len(recorded)} trial(s) (#{min(recorded)}..#{max(recorded)}) but "
+                        f"{redact_url(url)} holds {'them in no study' if not known else 'none of them'} named "
+                        f"{name!r} (deleted, or storage:/name point elsewhere); {fix}")
+    if unknown:
+        raise UserError(f"run: {where} trial(s) #{', #'.join(map(str, unknown[:5]))} that study {name!r} in "
+                        f"{redact_url(url)} does not know; {fix}")
+    for number, params in recorded.items():
+        theirs = known[number].params
+        if params and theirs and any(k in theirs and theirs[k] != v for k, v in params.items()):
+            raise UserError(f"run: {where} trial #{number} with other parameters than study {name!r} in "
+                            f"{redact_url(url)} (another study of that name?); {fix}")
+
+
+def _never_asked(storage: BaseStorage, name: str) -> bool:
+    """Whether study ``name`` holds no trial beyond the WAITING ones it was created with."""
+    study = optuna.load_study(study_name=name, storage=storage)
+    return all(t.state == TrialState.WAITING for t in study.get_trials(deepcopy=False))
+
+
+def _create(spec: StudySpec, storage: BaseStorage, url: str, worker: int | None, sdir: StudyDir,
+            recorded: Mapping[int, Mapping[str, Any] | None]) -> optuna.Study:
     try:
         existing = [s.study_name for s in optuna.get_all_study_summaries(storage)]
     except Exception as err:  # SQLAlchemy raises many types for an unreachable or malformed URL
         raise _unopenable(url, err) from err
     n_trials = 0
+    if spec.name not in existing:
+        _check_agreement(recorded, {}, url, spec.name, sdir)
+    if spec.name in existing and worker is None and not recorded and _never_asked(storage, spec.name):
+        # a run that failed before its first trial (a data error) leaves the study and its enqueued default:
+        # the corrected rerun starts it anew, with its own search space (a shared study is left to its workers)
+        optuna.delete_study(study_name=spec.name, storage=storage)
+        existing.remove(spec.name)
     if spec.name in existing:
         old = optuna.load_study(study_name=spec.name, storage=storage)
+        _check_agreement(recorded, {t.number: t for t in old.get_trials(deepcopy=False)}, url, spec.name, sdir)
         if old.user_attrs.get(attrs.SEARCH_SPACE) not in (None, space_fingerprint(spec)):
             raise UserError(f"study {spec.name!r} already exists in {redact_url(url)} with a different search space; "
                             f"give the study another name or output directory")
@@ -242,7 +308,7 @@ def _create(spec: StudySpec, storage: BaseStorage, url: str, worker: int) -> opt
         n_trials = len(old.trials)
     # Seeding by the trial count keeps a resumed random or TPE sampler from replaying its first proposals;
     # by the worker index, workers started together from proposing the same ones.
-    sampler = make_sampler(spec.sampler, spec.seed + n_trials + 100_003 * worker, spec.search)
+    sampler = make_sampler(spec.sampler, spec.seed + n_trials + 100_003 * (worker or 0), spec.search)
     study = optuna.create_study(study_name=spec.name, storage=storage, sampler=sampler,
                                 directions=spec.directions, load_if_exists=True)
     if n_trials == 0:

@@ -26,7 +26,7 @@ from lora_sweep.packer.errors import UserError
 from lora_sweep.packer.gguf import gguf_source
 from lora_sweep.packer.model import PackedModel, load_base, prepare_kernels, resolve_base
 from lora_sweep.sweep.budget import counted
-from lora_sweep.sweep.ledger import Ledger, open_study, storage_url
+from lora_sweep.sweep.ledger import Ledger, open_study, recorded_trials, storage_url
 from lora_sweep.sweep.session import Session, own_directory, record_spec, trial_adapter_dir
 from lora_sweep.sweep.spec import StudySpec
 from lora_sweep.sweep.storage import Sharing, resume_clock, storage_lock
@@ -103,8 +103,11 @@ def _open(spec: StudySpec, sdir: StudyDir, device: str, log: Callable[[str], Non
     with split.part("load:study"):
         sdir.create()
         store = ResultsStore(sdir.results_db)
-        record_spec(spec, sdir, store, log, allow_changes)
-        study, storage = open_study(spec, sdir, sharing)
+        recorded = recorded_trials(store, trial_adapter_dir(spec, sdir, 0).parent)
+        study, storage = open_study(spec, sdir, sharing, recorded, log)
+        # until a trial is asked, a run pins nothing: a rerun after a failed start (a data error) is a new start
+        started = bool(recorded) or any(t.state != TrialState.WAITING for t in study.get_trials(deepcopy=False))
+        record_spec(spec, sdir, store, log, allow_changes, started=started)
         ledger = Ledger(study, storage, store, partial(trial_adapter_dir, spec, sdir), log)
         if sharing is None:
             ledger.recover()

@@ -165,15 +165,16 @@ def spec_changes(earlier: dict[str, Any], now: dict[str, Any]) -> list[str]:
 
 
 def record_spec(spec: StudySpec, sdir: StudyDir, store: ResultsStore, log: Callable[[str], None],
-                allow_changes: bool = False) -> None:
+                allow_changes: bool = False, started: bool = True) -> None:
     """Compare the resolved spec with the one the study started with, then record it in the store (meta
-    ``spec``, what the report reads) and the directory (``study.yaml``).
+    ``spec``, what the report reads) and the directory (``study.yaml``). ``started``: a trial was asked; until
+    then the spec an earlier (failed) run recorded pins nothing.
 
     Raises:
         UserError: a fixed setting changed (the first one named, and how many more) and not ``allow_changes``.
     """
     record = spec_record(spec)
-    earlier = store.meta().get("spec")
+    earlier = store.meta().get("spec") if started else None
     changed = [] if earlier is None else spec_changes(earlier, record)
     if changed and not allow_changes:
         raise UserError(f"run: {changed[0]} since the study started"

@@ -67,11 +67,12 @@ def _stderr(message: str) -> None:
     print(message, file=sys.stderr)
 
 
-def open_storage(url: str, log: Callable[[str], None] = _stderr) -> BaseStorage:
+def open_storage(url: str, log: Callable[[str], None] | None = None) -> BaseStorage:
     """The Optuna storage behind ``url`` (journal file or RDB, with a patient SQLite).
 
     A journal file is appended to under ``JournalFlock`` (not Optuna's symlink lock, which a killed
-    process leaves behind), and a torn last record is set aside first (``cut_torn_tail``, said on ``log``).
+    process leaves behind), and a torn last record is set aside first (``cut_torn_tail``, said on ``log``;
+    default stderr).
     """
     if url.startswith(_JOURNAL):
         from optuna.storages.journal import JournalFileBackend
@@ -81,7 +82,7 @@ def open_storage(url: str, log: Callable[[str], None] = _stderr) -> BaseStorage:
         lock = JournalFlock(path)
         if path.is_file() and os.access(path, os.W_OK) and os.access(path.parent, os.W_OK):
             with lock.held():  # no other writer is mid-append: an unterminated tail is torn, not in progress
-                cut_torn_tail(path, log)
+                cut_torn_tail(path, log or _stderr)
         return optuna.storages.JournalStorage(JournalFileBackend(str(path), lock_obj=lock))
     # SQLite serialises writers: wait for the lock instead of failing (Optuna FAQ).
     kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}

@@ -409,13 +409,17 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
     with split.phase("load"):
         session = open_session(spec, log=log, sharing=sharing, allow_changes=allow_changes, split=split)
     pm, tokenizer = session.pm, session.tokenizer
-    with split.phase("load"), split.part("load:data"):
-        check_packing(spec, pm)
-        train_examples = load_examples(spec.data.train, tokenizer, fmt=spec.data.format,
-                                       max_length=spec.data.max_length, train_on_prompt=spec.data.train_on_prompt)
-        eval_data = (load_eval_data(spec.data.eval, tokenizer, fmt=spec.data.format, max_length=spec.data.max_length,
-                                    train_on_prompt=spec.data.train_on_prompt, work_dir=session.sdir.root)
-                     if spec.data.eval is not None else None)
+    try:  # a data error gives the study directory back (its lock, results.db) before it is reported
+        with split.phase("load"), split.part("load:data"):
+            check_packing(spec, pm)
+            train_examples = load_examples(spec.data.train, tokenizer, fmt=spec.data.format,
+                                           max_length=spec.data.max_length, train_on_prompt=spec.data.train_on_prompt)
+            eval_data = (load_eval_data(spec.data.eval, tokenizer, fmt=spec.data.format,
+                                        max_length=spec.data.max_length, train_on_prompt=spec.data.train_on_prompt,
+                                        work_dir=session.sdir.root) if spec.data.eval is not None else None)
+    except BaseException:
+        session.close()
+        raise
     started = time.time()
     pack_id = session.store.start_pack(slots=session.capacity, device=str(pm.device), started=started)
     sweep = _Sweep(spec, session, pm, train_examples, eval_data, pack_id, progress, started)

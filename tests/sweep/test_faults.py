@@ -1,19 +1,30 @@
-"""Faults a study directory meets: a journal torn mid-append, its lock left by a killed writer."""
+"""Faults a study directory meets: a journal torn mid-append, its lock left by a killed writer, a storage that
+does not know the recorded trials, a run that failed before its first trial."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
 
 import optuna
+import pytest
 from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
+from lora_sweep.packer.checkpoint import read_adapter
+from lora_sweep.packer.errors import UserError
+from lora_sweep.sweep.budget import counted
+from lora_sweep.sweep.loader import load_study
+from lora_sweep.sweep.spec import StudySpec
 from lora_sweep.sweep.storage import JournalFlock, open_storage
+from lora_sweep.sweep.store import ResultsStore, StudyDir
+from lora_sweep.sweep.study import run_study
+from tests.conftest import write_study
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -89,7 +100,6 @@ def test_a_writer_killed_holding_the_journal_lock_does_not_delay_the_next(tmp_pa
 def test_the_journal_lock_orders_threads_of_one_process(tmp_path) -> None:
     lock = JournalFlock(tmp_path / "optuna.log")
     order: list[str] = []
-    import threading
 
     def other() -> None:
         with lock.held():
@@ -104,3 +114,74 @@ def test_the_journal_lock_orders_threads_of_one_process(tmp_path) -> None:
     assert order == ["first", "other"]
 
 
+
+
+# ---------------------------------------------------------------- whole runs on a tiny model
+
+
+def _spec(tmp_path: Path, tiny_dirs, name: str, *overrides: str, **changes) -> StudySpec:  # noqa: ANN001
+    """A 3-trial study of 6 steps without pruning (``tests.conftest.write_study``), loaded with ``overrides``."""
+    changes = {"budget": {"trials": 3}, "train": {"max_steps": 6, "micro_batch": 4}, "pruning": {"kind": "none"},
+               "evaluators": [{"name": "heldout_loss"}], **changes}
+    return load_study(write_study(tmp_path, tiny_dirs("llama"), name=name, **changes), list(overrides))
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _refusal(spec: StudySpec) -> str:
+    with pytest.raises(UserError) as err:
+        run_study(spec, log=lambda m: None)
+    assert "\n" not in str(err.value)
+    return str(err.value)
+
+
+def test_a_storage_that_does_not_know_the_recorded_trials_is_refused_and_no_adapter_is_touched(
+        tiny_dirs, tmp_path) -> None:
+    spec = _spec(tmp_path, tiny_dirs, "agree")
+    run_study(spec, log=lambda m: None)
+    sdir = StudyDir(spec.out_dir)
+    adapters = _files(sdir.adapters)
+    assert len({name.split("/")[0] for name in adapters}) == 3
+    path = spec.source
+    # another study name in the same directory, and a storage pointed elsewhere
+    assert "'other'" in _refusal(load_study(path, ["name=other"]))
+    assert "elsewhere.log" in _refusal(load_study(path, [f"storage={tmp_path / 'elsewhere.log'}"]))
+    sdir.optuna_log.unlink()  # the storage deleted
+    line = _refusal(spec)
+    assert "optuna.log" in line and "3 trial(s) (#0..#2)" in line
+    assert _files(sdir.adapters) == adapters
+    assert not sdir.optuna_log.is_file() or b"create_study" not in sdir.optuna_log.read_bytes()
+
+
+def test_a_study_whose_journal_is_torn_resumes_to_its_budget_exactly(tiny_dirs, tmp_path) -> None:
+    spec = _spec(tmp_path, tiny_dirs, "torn")
+    run_study(spec, log=lambda m: None)
+    journal = StudyDir(spec.out_dir).optuna_log
+    whole = journal.read_bytes()
+    last = whole.rstrip(b"\n").rfind(b"\n") + 1
+    journal.write_bytes(whole[: last + (len(whole) - last) // 2])  # half the last record: a kill mid-append
+    said: list[str] = []
+    run_study(load_study(spec.source, ["budget.trials=4"]), log=said.append)
+    assert any("partial record" in m for m in said)
+    assert len(list(journal.parent.glob("optuna.log.torn-*"))) == 1
+    trials = optuna.load_study(study_name="torn", storage=open_storage(f"journal://{journal}")).get_trials()
+    assert len(counted(trials)) == 4 and not [t for t in trials if t.state == TrialState.RUNNING]
+    for t in trials:
+        if t.state == TrialState.COMPLETE:
+            config, tensors = read_adapter(StudyDir(spec.out_dir).adapter_dir(t.number))
+            assert tensors and config["r"] == t.params["rank"]
+
+
+def test_a_run_that_failed_before_its_first_trial_pins_nothing(tiny_dirs, tmp_path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1=", "completion": "2"}\n{"prompt": \n')
+    spec = _spec(tmp_path, tiny_dirs, "restart", f"data.train={bad}", "data.max_length=8")
+    with pytest.raises(UserError, match="bad.jsonl:2"):
+        run_study(spec, log=lambda m: None)
+    fixed = _spec(tmp_path, tiny_dirs, "restart", "search.rank=[2, 4]")  # other data, length and search space
+    summary = run_study(fixed, log=lambda m: None)
+    assert summary.complete == 3
+    with ResultsStore(StudyDir(fixed.out_dir).results_db) as store:
+        assert store.meta()["spec"]["data"]["max_length"] == 48
