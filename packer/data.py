@@ -248,6 +248,9 @@ def _read(path: str | Path, fmt: str) -> tuple[str, list[dict[str, Any]], list[i
                     row = json.loads(line)
                 except json.JSONDecodeError as err:
                     raise DataError(f"{where}: invalid JSON: {err.msg} (column {err.colno})") from None
+                except RecursionError:
+                    raise DataError(f"{where}: nested deeper than {MAX_DEPTH} levels") from None
+                _check_plain(row, where)
                 if fmt == "auto":
                     fmt = _detect(row, where)
                 _check_row(row, fmt, where)
@@ -262,6 +265,29 @@ def _read(path: str | Path, fmt: str) -> tuple[str, list[dict[str, Any]], list[i
     if not rows:
         raise DataError(f"{path}: no rows")
     return fmt, rows, lines
+
+
+MAX_DEPTH = 64
+"""How deep a data row may nest lists and objects (a chat row needs 4): deeper is refused by file:line."""
+
+
+def _check_plain(row: Any, where: str) -> None:
+    """Refuse a row nested deeper than ``MAX_DEPTH`` or holding a string that is not text (a lone UTF-16
+    surrogate such as ``\\ud800``, which JSON escapes allow and no tokenizer encodes); iterative, so a
+    hostile row meets the bound, not Python's recursion limit."""
+    stack = [(row, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise DataError(f"{where}: a string holds a lone surrogate ({value[err.start]!r}): not text") from None
+        elif isinstance(value, dict | list):
+            if depth > MAX_DEPTH:
+                raise DataError(f"{where}: nested deeper than {MAX_DEPTH} levels")
+            items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+            stack.extend((v, depth + 1) for v in items)
 
 
 def _tokenize(

@@ -102,22 +102,69 @@ class Doc:
 def read(path: Path, check_paths: bool) -> tuple[Doc, dict[str, Any]]:
     """Parse a YAML mapping and the line of each of its keys (``yaml.compose``)."""
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such study file") from None
     except OSError as e:
         raise ConfigError(f"{path}: cannot read the study file ({e.strerror})") from None
     try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    try:
         root = yaml.compose(text, Loader=Loader)
+        _check_size(root, path)  # before anything walks the aliases out
         data = yaml.load(text, Loader=Loader)
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         raise ConfigError(f"{path}:{mark.line + 1 if mark else 1}: invalid YAML: {e.problem or e.context}") from None
+    except yaml.YAMLError as e:  # the reader's own errors (a control character) carry no mark
+        raise ConfigError(f"{path}: invalid YAML: {str(e).splitlines()[0]}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deep to read") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}:1: a study file is a mapping of keys (got {type(data).__name__})")
     lines: dict[Key, int] = {(): 1}
     _walk(root, (), lines, path)
     return Doc(path, lines, check_paths), data
+
+
+MAX_VALUES = 100_000
+"""How many values a study file may hold with its aliases written out (a study file holds a few hundred): a file
+of nested aliases (the "billion laughs") would otherwise expand without bound in memory and time."""
+
+
+def _check_size(root: yaml.Node | None, file: Path) -> None:
+    """Refuse a document whose aliases expand to more than ``MAX_VALUES`` values, or refer to themselves.
+
+    Each node's expanded size is counted once (an alias is the same node object as its anchor), so the count
+    itself takes time linear in the file, however far the aliases would expand.
+    """
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+
+    def size(node: yaml.Node) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in open_nodes:
+            raise ConfigError(f"{file}:{node.start_mark.line + 1}: an alias refers to the value that holds it")
+        children = ([n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode)
+                    else node.value if isinstance(node, yaml.SequenceNode) else [])
+        open_nodes.add(key)
+        total = 1
+        for child in children:
+            total += size(child)
+            if total > MAX_VALUES:
+                raise ConfigError(f"{file}: its aliases expand to more than {MAX_VALUES:,} values (a study file "
+                                  f"holds a few hundred); write the values out or use fewer aliases")
+        open_nodes.discard(key)
+        sizes[key] = total
+        return total
+
+    if root is not None:
+        size(root)
 
 
 def _walk(node: yaml.Node, path: Key, lines: dict[Key, int], file: Path) -> None:

@@ -32,6 +32,11 @@ def cli() -> None:
 
 
 def _load(study: str, overrides: tuple[str, ...], out: str | None) -> StudySpec:
+    from lora_sweep.sweep._yaml import read
+
+    # The file's YAML first (UTF-8, the alias budget, syntax), before the loader brings in the engine (torch,
+    # seconds and ~300 MB): a hostile or mistyped file is refused at once.
+    read(Path(study), check_paths=False)
     from lora_sweep.sweep.loader import load_study
 
     spec = load_study(study, list(overrides))
@@ -60,10 +65,10 @@ def _load(study: str, overrides: tuple[str, ...], out: str | None) -> StudySpec:
 def run(study: str, overrides: tuple[str, ...], out: str | None, quiet: bool, workers: int | None,
         storage: str | None, heartbeat: float, grace: float, allow_changes: bool, join: bool) -> None:
     """Run STUDY.yaml (or resume it): OVERRIDES are dotted key=value pairs, e.g. train.max_steps=50."""
+    spec = _load(study, overrides, out)
     from lora_sweep.sweep.live import LiveProgress
     from lora_sweep.sweep.study import run_study
 
-    spec = _load(study, overrides, out)
     if join and _join(spec, storage, heartbeat, grace, quiet, allow_changes):
         return
     if workers is not None:
