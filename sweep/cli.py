@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -66,6 +67,7 @@ def run(study: str, overrides: tuple[str, ...], out: str | None, quiet: bool, wo
         storage: str | None, heartbeat: float, grace: float, allow_changes: bool, join: bool) -> None:
     """Run STUDY.yaml (or resume it): OVERRIDES are dotted key=value pairs, e.g. train.max_steps=50."""
     spec = _load(study, overrides, out)
+    from lora_sweep.sweep._faults import about
     from lora_sweep.sweep.live import LiveProgress
     from lora_sweep.sweep.study import run_study
 
@@ -76,7 +78,7 @@ def run(study: str, overrides: tuple[str, ...], out: str | None, quiet: bool, wo
         return
     if storage is not None:
         raise UserError("run: --storage needs --workers (or set storage: in the study file)")
-    with LiveProgress(enabled=not quiet) as live:
+    with about(spec.out_dir), LiveProgress(enabled=not quiet) as live:
         summary = run_study(spec, progress=_preloading_report(live.update), log=live.log,
                             allow_changes=allow_changes)
     if summary.steps == 0 and summary.spent:
@@ -195,6 +197,7 @@ def worker(study: str, overrides: tuple[str, ...], storage: str | None, out: str
 
     if cpus is not None:
         pin(cpus)  # before the imports below bring torch in, and before it starts its CPU threads
+    from lora_sweep.sweep._faults import about
     from lora_sweep.sweep.live import LiveProgress
     from lora_sweep.sweep.storage import Sharing
     from lora_sweep.sweep.worker import run_worker, with_storage
@@ -205,7 +208,7 @@ def worker(study: str, overrides: tuple[str, ...], storage: str | None, out: str
     if index is None:
         index = int(os.environ.get("SLURM_ARRAY_TASK_ID") or os.environ.get("SLURM_PROCID") or os.getpid())
     sharing = Sharing(url, worker=index, heartbeat=heartbeat, grace=grace)
-    with LiveProgress(enabled=not quiet) as live:
+    with about(spec.out_dir), LiveProgress(enabled=not quiet) as live:
         summary = run_worker(spec, sharing, progress=live.update, log=live.log, allow_changes=allow_changes)
     click.echo(f"{spec.name} worker {index}: {summary.complete} complete, {summary.pruned} pruned, "
                f"{summary.failed} failed in {summary.wall_s:.1f} s; study in {spec.out_dir}")
@@ -403,11 +406,22 @@ def main(argv: list[str] | None = None) -> None:
 
     As the entry point (``argv`` None) of a command that used CUDA, the process leaves without the interpreter's
     teardown (``_leave``)."""
+    if argv is None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
     code = _main(argv)
     if argv is None and "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():
         _leave(code)
     if code:
         sys.exit(code)
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, a job scheduler's stop), raised in the main thread as Ctrl-C is, so a run ends the same
+    way: what finished is kept, the trials in training are retried on resume, and one line says so."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise _Terminated
 
 
 def _main(argv: list[str] | None) -> int:
@@ -416,12 +430,21 @@ def _main(argv: list[str] | None) -> int:
     except UserError as err:
         click.echo(f"error: {err}", err=True)
         return 2
-    except click.exceptions.Abort:
-        click.echo("aborted: a study keeps what finished; run the same command again to resume (the trials that "
-                   "were training are retried)", err=True)
-        return 130
+    except click.exceptions.Abort as err:
+        terminated = isinstance(err.__cause__, _Terminated)
+        click.echo(f"{'terminated (SIGTERM)' if terminated else 'aborted'}: a study keeps what finished; run the "
+                   f"same command again to resume (the trials that were training are retried)", err=True)
+        return 143 if terminated else 130
     except click.ClickException as err:
         err.show()
+        return 2
+    except Exception as err:
+        from lora_sweep.sweep._faults import fault_line
+
+        line = fault_line(err)  # a full disk, a read-only folder, a path below a file: one line, not a bug
+        if line is None:
+            raise
+        click.echo(f"error: {line}", err=True)
         return 2
     return 0
 

@@ -10,6 +10,7 @@ started with: a changed fixed setting is an error naming the key unless ``--allo
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
 from collections.abc import Callable
@@ -124,6 +125,12 @@ def own_directory(sdir: StudyDir, log: Callable[[str], None], storage: str | Non
     except DirectoryInUse as err:
         join = " or join it with --join" if err.holder.get("storage") else ""
         raise UserError(f"run: {err}; wait for it to end{join} (a second run would fail its running trials)") from None
+    except OSError as err:  # a read-only mount, a folder without write permission, a path below a file
+        if err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise UserError(f"run: {sdir.root}: {err.strerror}: a run writes its results there; a read-only study "
+                            f"is read with sweep status, report --out and export, or copied to a writable place to "
+                            f"continue it") from None
+        raise UserError(f"run: {sdir.root}: cannot be a study directory ({err.strerror}: {err.filename})") from None
     if lock.taken_over:
         log(f"took over {sdir.lock} from pid {lock.taken_over.get('pid', '?')} on host "
             f"{lock.taken_over.get('host', '?')}, which ended without releasing it")

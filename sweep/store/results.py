@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib.metadata
 import sqlite3
 import time
@@ -40,13 +41,45 @@ def _version() -> str:
 
 
 
+SQLITE_ERRNO = {"database or disk is full": errno.ENOSPC, "attempt to write a readonly database": errno.EROFS,
+                "unable to open database file": errno.EACCES}
+"""SQLite's messages (sqlite3 and SQLAlchemy errors carry no errno, nor the file) for a full disk, a read-only
+file and a folder it cannot create its file in."""
+
+
+def _os_error(err: sqlite3.Error, path: Path) -> Exception:
+    """A SQLite error of ``SQLITE_ERRNO`` as the ``OSError`` it is, naming ``path``; any other as it is."""
+    code = next((c for text, c in SQLITE_ERRNO.items() if text in str(err)), None)
+    return OSError(code, str(err), str(path)) if code is not None else err
+
+
+def _open_readonly(path: Path, timeout: float) -> sqlite3.Connection:
+    """A read-only connection that writes nothing beside the file when it cannot.
+
+    ``mode=ro`` reads a WAL database (the last writer's -wal included) and creates its -shm index when the
+    folder lets it; in a read-only folder without one that fails, and ``immutable=1`` then reads the file as
+    it is, taking no lock (a study there is finished: a closed writer checkpoints its -wal into the file).
+    """
+    uri = path.absolute().as_uri()
+    try:
+        conn = sqlite3.connect(f"{uri}?mode=ro", uri=True, timeout=timeout, isolation_level=None)
+        conn.execute("PRAGMA user_version").fetchone()
+        return conn
+    except sqlite3.OperationalError:
+        return sqlite3.connect(f"{uri}?immutable=1", uri=True, timeout=timeout, isolation_level=None)
+
+
 class ResultsStore:
     """Typed reads and writes of results.db (schema in the module docstring).
 
     Args:
         path: the results.db file.
-        create: create the file and tables if missing; with False a missing file raises ``FileNotFoundError``.
+        create: create the file and tables if missing; with False a missing file raises ``FileNotFoundError``,
+            and an existing one is opened read-only (``_open_readonly``: a study on a read-only mount reads).
         timeout: seconds to wait for another process's lock before ``sqlite3.OperationalError``.
+
+    Raises:
+        sqlite3.DatabaseError: the file is not a SQLite database (the message names it).
     """
 
     def __init__(self, path: str | Path, *, create: bool = True, timeout: float = 30.0) -> None:
@@ -54,9 +87,19 @@ class ResultsStore:
         if not create and not self.path.is_file():
             raise FileNotFoundError(f"no results store at {self.path}")
         # isolation_level=None: no implicit transactions, every write runs in transaction() below.
-        conn = sqlite3.connect(self.path, timeout=timeout, isolation_level=None)
+        try:
+            conn = (sqlite3.connect(self.path, timeout=timeout, isolation_level=None) if create
+                    else _open_readonly(self.path, timeout))
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+        except sqlite3.DatabaseError as err:
+            if type(err) is not sqlite3.DatabaseError:  # locked, unopenable: not about the file's content
+                raise _os_error(err, self.path) from err
+            raise sqlite3.DatabaseError(f"{self.path}: {err} (not a results store)") from None
         self.db = sqlite_utils.Database(conn, execute_plugins=False)
-        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        if version < SCHEMA_VERSION and not create:  # an earlier version's file: its schema is upgraded in place
+            conn.close()
+            conn = sqlite3.connect(self.path, timeout=timeout, isolation_level=None)
+            self.db = sqlite_utils.Database(conn, execute_plugins=False)
         if version > SCHEMA_VERSION:
             conn.close()
             raise RuntimeError(f"{self.path} has schema {version}; this lora-sweep reads up to {SCHEMA_VERSION}")
@@ -91,15 +134,19 @@ class ResultsStore:
             yield
             return
         # IMMEDIATE takes the write lock up front, so a busy database waits (timeout) instead of failing on upgrade.
-        conn.execute("BEGIN IMMEDIATE")
         try:
-            yield
-            conn.execute("INSERT OR REPLACE INTO study (key, value) VALUES ('updated', ?)", [to_json(time.time())])
-            conn.execute("COMMIT")
-        except BaseException:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            raise
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield
+                conn.execute("INSERT OR REPLACE INTO study (key, value) VALUES ('updated', ?)",
+                             [to_json(time.time())])
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+        except sqlite3.OperationalError as err:  # a full disk or a read-only file, named (the transaction is undone)
+            raise _os_error(err, self.path) from err
 
     def _put(self, table: str, rows: Iterable[Mapping[str, Any]], *, upsert: bool = False) -> None:
         cols, pk = columns(table), TABLES[table][1]

@@ -1,0 +1,180 @@
+"""The machine's faults under `sweep`: a full disk, a read-only study directory, paths below a file, SIGTERM.
+Each ends in one line and exit 2 (143 for SIGTERM), with everything written before kept and resumable.
+
+The full and read-only disks are tmpfs mounts (``mount -t tmpfs -o size=...``, ``remount,ro``): root with
+CAP_SYS_ADMIN, as in CI. Root ignores file modes, so a mount is the one way to refuse it a write; where
+``mount`` is refused the tests skip, saying so."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from lora_sweep.packer.checkpoint import read_adapter
+from lora_sweep.sweep.budget import counted
+from lora_sweep.sweep.cli import main
+from lora_sweep.sweep.loader import load_study
+from lora_sweep.sweep.storage import open_storage
+from lora_sweep.sweep.store import StudyDir
+from lora_sweep.sweep.study import run_study
+from tests.conftest import write_study
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = {"budget": {"trials": 3}, "train": {"max_steps": 6, "micro_batch": 4}, "pruning": {"kind": "none"},
+         "evaluators": [{"name": "heldout_loss"}]}
+
+
+@pytest.fixture
+def mounted(tmp_path):  # noqa: ANN001, ANN201
+    """``mount(size)`` -> a fresh tmpfs of that size; each is unmounted at the end."""
+    mounts: list[Path] = []
+
+    def mount(size: str) -> Path:
+        path = tmp_path / f"tmpfs-{len(mounts)}"
+        path.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"mount -t tmpfs is refused here ({done.stderr.strip() or done.returncode}): it needs root "
+                        f"with CAP_SYS_ADMIN, which CI has")
+        mounts.append(path)
+        return path
+
+    yield mount
+    for path in reversed(mounts):
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def _remount_ro(path: Path) -> None:
+    subprocess.run(["mount", "-o", "remount,ro", str(path)], check=True)
+
+
+def _sweep(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lora_sweep", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=timeout)
+
+
+def _one_line(done: subprocess.CompletedProcess, code: int = 2) -> str:
+    assert done.returncode == code and "Traceback" not in done.stderr, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    return lines[0]
+
+
+def _trials(out: Path, name: str) -> list[optuna.trial.FrozenTrial]:
+    return optuna.load_study(study_name=name, storage=open_storage(StudyDir(out).optuna_url)).get_trials()
+
+
+def _ballast(folder: Path, free_kb: int) -> None:
+    """Fill the file system of ``folder`` but ``free_kb`` KiB."""
+    free = shutil.disk_usage(folder).free
+    (folder / "ballast").write_bytes(b"\0" * max(0, free - free_kb * 1024))
+
+
+def test_a_sweep_that_fills_the_disk_exits_2_and_its_copy_resumes_to_the_budget(tiny_dirs, tmp_path, mounted) -> None:
+    study = write_study(tmp_path, tiny_dirs("llama"), name="full", **SMALL)
+    disk = mounted("4m")
+    _ballast(disk, 300)  # room for the store and an adapter or two, not for the whole study
+    out = disk / "study"
+    line = _one_line(_sweep("run", str(study), "--quiet", "--out", str(out)))
+    assert line.startswith(f"error: no space left on the device of {out}") and "resume" in line
+    bigger = tmp_path / "bigger"
+    shutil.copytree(out, bigger, symlinks=True)
+    done = _sweep("run", str(study), "--quiet", "--out", str(bigger))
+    assert done.returncode == 0, done.stderr
+    trials = _trials(bigger, "full")
+    assert len(counted(trials)) == 3 and not [t for t in trials if t.state == TrialState.RUNNING]
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    assert len(complete) == 3
+    for t in complete:
+        config, tensors = read_adapter(StudyDir(bigger).adapter_dir(t.number))
+        assert tensors and config["r"] == t.params["rank"]
+
+
+def test_a_full_disk_at_the_report_is_one_line_after_every_trial_is_kept(tiny_dirs, tmp_path, mounted) -> None:
+    study = write_study(tmp_path, tiny_dirs("llama"), name="report", **SMALL)
+    disk = mounted("4m")
+    _ballast(disk, 1200)  # the study fits, its ~5 MB report.html does not
+    out = disk / "study"
+    line = _one_line(_sweep("run", str(study), "--quiet", "--out", str(out)))
+    assert "no space left" in line and str(out / "report.html") in line
+    assert [t.state for t in _trials(out, "report")] == [TrialState.COMPLETE] * 3
+    assert not list(out.glob(".report.html.*"))  # the half-written report is removed
+
+
+def test_a_read_only_study_is_read_by_status_report_and_export_and_refused_by_run(tiny_dirs, tmp_path,
+                                                                                    mounted) -> None:
+    spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name="ro", **SMALL))
+    run_study(spec, log=lambda m: None)
+    disk = mounted("16m")
+    out = disk / "study"
+    shutil.copytree(spec.out_dir, out, symlinks=True, ignore=shutil.ignore_patterns("results.db-*"))
+    _remount_ro(disk)
+    status = _sweep("status", str(out), "--json")
+    assert status.returncode == 0 and '"COMPLETE": 3' in status.stdout, status.stderr
+    assert _sweep("report", str(out), "--out", str(tmp_path / "r.html")).returncode == 0
+    assert (tmp_path / "r.html").stat().st_size > 0
+    exported = _sweep("export", str(out), "--trial", "0", "--out", str(tmp_path / "exported"))
+    assert exported.returncode == 0 and (tmp_path / "exported" / "adapter_config.json").is_file(), exported.stderr
+    line = _one_line(_sweep("run", str(spec.source), "--quiet", "--out", str(out)))
+    assert f"run: {out}: Read-only file system" in line
+    assert "read-only" in _one_line(_sweep("report", str(out)))  # its default --out is inside
+
+
+@pytest.mark.parametrize("args", [
+    ("run", "{study}", "--quiet", "--out", "{file}/study"),
+    ("export", "{dir}", "--trial", "0", "--out", "{file}/x"),
+    ("report", "{dir}", "--out", "{file}/x/report.html"),
+    ("tiny-model", "--out", "{file}/model"),
+    ("status", "{junk}"),
+], ids=["run", "export", "report", "tiny-model", "status-not-a-database"])
+def test_a_path_below_a_file_or_a_file_that_is_no_database_is_one_line(tiny_dirs, tmp_path, capsys, args) -> None:
+    spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name="paths", **{**SMALL, "budget": {"trials": 1}}))
+    if args[0] in ("export", "report"):
+        run_study(spec, log=lambda m: None)
+    file = tmp_path / "a-file"
+    file.write_text("not a folder")
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    (junk / "results.db").write_text("not a database either")
+    (junk / "study.yaml").write_text("name: junk\n")
+    names = {"study": spec.source, "file": file, "dir": spec.out_dir, "junk": junk}
+    capsys.readouterr()  # what building the model and the study printed
+    with pytest.raises(SystemExit) as exit_:
+        main([a.format(**names) for a in args])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1, err
+    assert str(junk / "results.db") in err if args[0] == "status" else str(file) in err
+
+
+def test_sigterm_ends_a_run_with_one_line_and_the_run_resumes_to_its_budget(tiny_dirs, tmp_path) -> None:
+    path = write_study(tmp_path, tiny_dirs("llama"), name="term", budget={"trials": 4},
+                       train={"max_steps": 120, "micro_batch": 2}, pruning={"kind": "none"}, packing={"max_slots": 2},
+                       evaluators=[{"name": "heldout_loss"}])
+    out = tmp_path / "runs-term"
+    proc = subprocess.Popen([sys.executable, "-m", "lora_sweep", "run", str(path), "--quiet"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        time.sleep(0.2)
+        try:
+            if TrialState.RUNNING in [t.state for t in _trials(out, "term")]:
+                break
+        except Exception:  # noqa: BLE001  (the study is not created yet)
+            continue
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    line = _one_line(subprocess.CompletedProcess(proc.args, proc.returncode, "", err), code=143)
+    assert line.startswith("terminated (SIGTERM): a study keeps what finished; run the same command again")
+    done = _sweep("run", str(path), "--quiet", "train.max_steps=120")
+    assert done.returncode == 0, done.stderr
+    trials = _trials(out, "term")
+    assert len(counted(trials)) == 4 and [t.state for t in counted(trials)].count(TrialState.COMPLETE) == 4
