@@ -34,7 +34,7 @@ from lora_sweep.packer.checkpoint import discard_adapter
 from lora_sweep.packer.errors import UserError
 from lora_sweep.sweep.space import default_params, make_sampler
 from lora_sweep.sweep.spec import StudySpec
-from lora_sweep.sweep.storage import Sharing, last_beat, normalize_url, open_storage, storage_lock
+from lora_sweep.sweep.storage import Sharing, damaged_record, last_beat, normalize_url, open_storage, storage_lock
 from lora_sweep.sweep.store import ResultsStore, StudyDir, attrs, redact_url
 
 __all__ = ["Ledger", "Heartbeat", "open_study", "recorded_trials", "storage_url", "ORPHAN_REASON", "FINISHED",
@@ -327,6 +327,11 @@ def _unopenable(url: str, err: Exception) -> UserError:
     (its type when it has no message)."""
     text = str(err).strip()
     cause = text.splitlines()[0] if text else type(err).__name__
+    line = damaged_record(url) if isinstance(err, ValueError) else None
+    if line is not None:
+        path = url.removeprefix("journal://")
+        return UserError(f"storage: {path}:{line}: not a journal record ({cause}); the {line - 1} records before it "
+                         f"are intact: keep a copy of the file, then cut it to them (head -n {line - 1}) to resume")
     password = _url_password(url)
     if password:  # a driver may quote the DSN back
         cause = cause.replace(password, "***")

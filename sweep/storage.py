@@ -32,8 +32,8 @@ from optuna.storages import BaseStorage
 
 from lora_sweep.sweep.store import atomic_write_bytes, attrs
 
-__all__ = ["Sharing", "JournalFlock", "cut_torn_tail", "normalize_url", "open_storage", "storage_lock", "last_beat",
-           "resume_clock", "study_elapsed"]
+__all__ = ["Sharing", "JournalFlock", "cut_torn_tail", "damaged_record", "normalize_url", "open_storage",
+           "storage_lock", "last_beat", "resume_clock", "study_elapsed"]
 
 _JOURNAL = "journal://"
 
@@ -168,6 +168,22 @@ def cut_torn_tail(path: Path, log: Callable[[str], None] = _stderr) -> Path | No
     log(f"storage: {path} ended in a partial record ({len(torn)} bytes, left by a process stopped while it wrote); "
         f"kept every complete record and set the partial one aside in {aside}")
     return aside
+
+
+def damaged_record(url: str) -> int | None:
+    """The line number of the first record of journal ``url`` that does not decode (None: all do, or not a
+    journal): what a torn record continued by a later append (an earlier version's resume) leaves."""
+    if not url.startswith(_JOURNAL):
+        return None
+    import json
+
+    with open(_journal_path(url), "rb") as f:
+        for number, line in enumerate(f, start=1):
+            try:
+                json.loads(line)
+            except ValueError:
+                return number
+    return None
 
 
 def _wal(db: Path) -> None:

@@ -16,6 +16,9 @@ A study directory (default ``runs/<name>/``, see :class:`StudyDir`) holds::
     optuna.log           Optuna journal storage, the source of truth for trials (``optuna-dashboard <dir>/optuna.log``);
                          a directory an earlier version started holds optuna.db (SQLite) instead and keeps it;
                          ``storage:`` in study.yaml may point to any other Optuna RDB URL or journal file instead
+    optuna.log.writer-lock  flock'ed while a process appends to optuna.log (the kernel drops it with a killed writer)
+    optuna.log.torn-<time>  the partial last record a writer killed mid-append (or a full disk) left, set aside when
+                         the journal was next opened; every complete record stays in optuna.log
     results.db           the tables below, for SQL queries and the HTML report
     study.yaml           the resolved study the last run used (overrides and aliases applied; also meta ``spec``)
     adapters/trial-<n>/  each completed trial's adapter in PEFT format (``PeftModel.from_pretrained``)

@@ -36,7 +36,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     except BaseException as err:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        if isinstance(err, OSError) and err.filename is None:  # a write through the file names none: name it
+        if isinstance(err, OSError) and err.errno is not None and err.filename is None:  # a write names no file
             raise OSError(err.errno, err.strerror, str(path)) from err
         raise
     _fsync_dir(path.parent)

@@ -19,11 +19,13 @@ from optuna.trial import TrialState
 from lora_sweep.packer.checkpoint import read_adapter
 from lora_sweep.packer.errors import UserError
 from lora_sweep.sweep.budget import counted
+from lora_sweep.sweep.ledger import open_study
 from lora_sweep.sweep.loader import load_study
 from lora_sweep.sweep.spec import StudySpec
 from lora_sweep.sweep.storage import JournalFlock, open_storage
 from lora_sweep.sweep.store import ResultsStore, StudyDir
 from lora_sweep.sweep.study import run_study
+from lora_sweep.sweep.worker import study_counts
 from tests.conftest import write_study
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -185,3 +187,24 @@ def test_a_run_that_failed_before_its_first_trial_pins_nothing(tiny_dirs, tmp_pa
     assert summary.complete == 3
     with ResultsStore(StudyDir(fixed.out_dir).results_db) as store:
         assert store.meta()["spec"]["data"]["max_length"] == 48
+
+
+def test_a_worker_opening_a_torn_shared_journal_repairs_it_too(tmp_path) -> None:
+    path = tmp_path / "optuna.log"
+    whole = _journal(path)
+    url = f"journal://{path}"
+    path.write_bytes(whole[:-7])  # the last record (the RUNNING trial's suggested rank), torn
+    assert study_counts(url, "s") == Counter({"COMPLETE": 3, "PRUNED": 1, "FAIL": 1, "RUNNING": 1})
+    assert path.read_bytes() == whole[: whole.rstrip(b"\n").rfind(b"\n") + 1]
+    assert [p.read_bytes() for p in tmp_path.glob("optuna.log.torn-*")] == [whole[len(path.read_bytes()):-7]]
+    running = optuna.load_study(study_name="s", storage=open_storage(url)).get_trials(states=(TrialState.RUNNING,))
+    assert running[0].params == {}  # the torn record was its parameter; the records before it all kept
+
+
+def test_a_journal_damaged_before_its_end_is_refused_naming_its_line(tmp_path) -> None:
+    path = tmp_path / "optuna.log"
+    lines = _journal(path).splitlines(keepends=True)
+    path.write_bytes(b"".join([*lines[:4], lines[4][:20] + lines[5], *lines[6:]]))  # a torn record, appended onto
+    spec = load_study(write_study(tmp_path, tmp_path, name="s", storage=str(path)), check_paths=False)
+    with pytest.raises(UserError, match=rf"storage: {path}:5: not a journal record .*the 4 records before it"):
+        open_study(spec, StudyDir(tmp_path / "out"))
