@@ -415,7 +415,9 @@ def test_rerunning_a_finished_study_says_its_budget_is_spent(tiny_dirs, tmp_path
     assert "0 complete" not in again.stdout
 
 
-def test_ctrl_c_says_that_running_again_resumes(tiny_dirs, tmp_path) -> None:
+@pytest.mark.parametrize(("sig", "code", "said"), [(signal.SIGINT, 130, "aborted"),
+                                                 (signal.SIGTERM, 143, "terminated (SIGTERM)")], ids=["INT", "TERM"])
+def test_ctrl_c_and_sigterm_say_that_running_again_resumes(tiny_dirs, tmp_path, sig, code, said) -> None:
     path = write_study(tmp_path, tiny_dirs("llama"), name="interrupted", budget={"trials": 4},
                        train={"max_steps": 200, "micro_batch": 2}, pruning={"kind": "none"}, packing={"max_slots": 2})
     proc = subprocess.Popen([sys.executable, "-m", "lora_sweep", "run", str(path), "--quiet"], cwd=ROOT,
@@ -428,10 +430,11 @@ def test_ctrl_c_says_that_running_again_resumes(tiny_dirs, tmp_path) -> None:
                 break
         except Exception:
             continue
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err
-    assert "Traceback" not in err and "run the same command again to resume" in err.strip().splitlines()[-1], err
+    assert proc.returncode == code, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert err.strip().startswith(f"{said}: a study keeps what finished; run the same command again to resume"), err
 
 
 def test_generated_texts_are_stored_per_item_and_sampled_in_the_report(tiny_dirs, tmp_path) -> None:
