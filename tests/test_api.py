@@ -39,8 +39,8 @@ def test_a_study_from_python(tmp_path: Path, tiny_dirs) -> None:  # noqa: ANN001
     front = results.best_trials()
     values = {t.number: t.objective_values for t in trials}
     # the front: no complete trial dominates a member; every non-member is dominated by one
-    dominated = {b for b in values for a in values if a != b and all(x <= y for x, y in zip(values[a], values[b]))
-                 and values[a] != values[b]}
+    dominated = {b for b in values for a in values if values[a] != values[b]
+                 and all(x <= y for x, y in zip(values[a], values[b], strict=True))}
     assert {t.number for t in front} == set(values) - dominated and front
     assert results.status()["counts"] == {"COMPLETE": 3}
 
