@@ -35,17 +35,12 @@ def cli() -> None:
 def _load(study: str, overrides: tuple[str, ...], out: str | None) -> StudySpec:
     from lora_sweep.sweep._yaml import read
 
-    # The file's YAML first (UTF-8, the alias budget, syntax), before the loader brings in the engine (torch,
-    # seconds and ~300 MB): a hostile or mistyped file is refused at once.
+    # The file's YAML first (UTF-8, the alias budget, syntax), before the API brings in the engine (torch,
+    # sqlite_utils: seconds and ~300 MB): a hostile or mistyped file is refused at once.
     read(Path(study), check_paths=False)
-    from lora_sweep.sweep.loader import load_study
+    from lora_sweep.sweep.api import load_study
 
-    spec = load_study(study, list(overrides))
-    if out is not None:
-        import dataclasses
-
-        spec = dataclasses.replace(spec, output=Path(out))
-    return spec
+    return load_study(study, overrides, out=out)
 
 
 @cli.command()
@@ -66,10 +61,10 @@ def _load(study: str, overrides: tuple[str, ...], out: str | None) -> StudySpec:
 def run(study: str, overrides: tuple[str, ...], out: str | None, quiet: bool, workers: int | None,
         storage: str | None, heartbeat: float, grace: float, allow_changes: bool, join: bool) -> None:
     """Run STUDY.yaml (or resume it): OVERRIDES are dotted key=value pairs, e.g. train.max_steps=50."""
-    spec = _load(study, overrides, out)
+    spec = _load(study, overrides, out)  # before the imports below: a hostile study file is refused at once
+    from lora_sweep.sweep import api
     from lora_sweep.sweep._faults import about
     from lora_sweep.sweep.live import LiveProgress
-    from lora_sweep.sweep.study import run_study
 
     if join and _join(spec, storage, heartbeat, grace, quiet, allow_changes):
         return
@@ -79,8 +74,7 @@ def run(study: str, overrides: tuple[str, ...], out: str | None, quiet: bool, wo
     if storage is not None:
         raise UserError("run: --storage needs --workers (or set storage: in the study file)")
     with about(spec.out_dir), LiveProgress(enabled=not quiet) as live:
-        summary = run_study(spec, progress=_preloading_report(live.update), log=live.log,
-                            allow_changes=allow_changes)
+        summary = api.run(spec, progress=_preloading_report(live.update), log=live.log, allow_changes=allow_changes)
     if summary.steps == 0 and summary.spent:
         more = (f"; to continue, raise it: sweep run {study} {summary.spent_key}=<more>" if summary.spent_key
                 else "")
@@ -279,9 +273,9 @@ def plan(study: str, overrides: tuple[str, ...]) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def status(study_dir: str, as_json: bool) -> None:
     """Counts by state, best trials and packs of the study in STUDY_DIR."""
-    from lora_sweep.sweep.status import study_status
+    from lora_sweep.sweep.api import open_results
 
-    info = study_status(Path(study_dir))
+    info = open_results(study_dir).status()
     if as_json:
         click.echo(json.dumps(info, indent=2, default=str))
     else:
@@ -331,13 +325,9 @@ def model_command(name: str, out: str, dtype: str) -> None:
 @click.option("--out", type=click.Path(dir_okay=False), help="HTML file to write (default: STUDY_DIR/report.html).")
 def report(study_dir: str, out: str | None) -> None:
     """Write the self-contained HTML report of the study in STUDY_DIR (opens offline)."""
-    from lora_sweep.sweep.store import StudyDir
+    from lora_sweep.sweep.api import write_report
 
-    if not StudyDir(study_dir).is_study():
-        raise UserError(f"report: {study_dir}: not a study directory (no results.db and study.yaml)")
-    from lora_sweep.reports.html import write_report
-
-    click.echo(f"report: {write_report(Path(study_dir), Path(out) if out else None)}")
+    click.echo(f"report: {write_report(study_dir, out)}")
 
 
 @cli.command()
@@ -353,7 +343,7 @@ def report(study_dir: str, out: str | None) -> None:
 def export(study_dir: str, trial: int | None, best: bool, objective: str | None, out: str, merge: bool,
            no_vllm: bool, allow_infeasible: bool) -> None:
     """Export one trial of STUDY_DIR as a PEFT adapter directory (vLLM-ready by default) or a merged model."""
-    from lora_sweep.sweep.export import export_trial
+    from lora_sweep.sweep.api import export as export_trial
 
     done = export_trial(study_dir, out, trial=trial, best=best, objective=objective, vllm=not no_vllm, merge=merge,
                         allow_infeasible=allow_infeasible)
@@ -362,6 +352,22 @@ def export(study_dir: str, trial: int | None, best: bool, objective: str | None,
     if done.note:
         click.echo(done.note)
     click.echo(f"trial {done.trial}: {what} written to {done.out}")
+
+
+@cli.command()
+@click.argument("name", required=False)
+@click.option("--out", type=click.Path(file_okay=False), help="Directory to create (must not exist or be empty).")
+def example(name: str | None, out: str | None) -> None:
+    """Copy the shipped example study NAME with its data into --out (without NAME: list the examples)."""
+    from lora_sweep.sweep.api import copy_example, examples
+
+    if name is None:
+        click.echo("\n".join(examples()))
+        return
+    if out is None:
+        raise UserError("example: --out DIR is required (the directory to copy the study into)")
+    path = copy_example(name, out)
+    click.echo(f"{path} (data in {path.parent / 'data'}; its model path is {path.parent / 'models'}/...)")
 
 
 @cli.command()

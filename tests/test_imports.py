@@ -45,3 +45,20 @@ def test_kernels_and_packer_import_without_sweep_deps() -> None:
     """The GPU image has no optuna, sqlite-utils, plotly or lm-eval: packer must not need them."""
     mods = _loaded("lora_sweep.packer.train")
     assert not mods & {"optuna", "sqlite_utils", "plotly", "lm_eval", "sweep"}
+
+
+def test_the_checkout_root_is_no_import_root_for_its_folders(tmp_path: Path) -> None:
+    """``python -m pytest`` and ``python -m lora_sweep`` run from the root put it on sys.path: once lora_sweep is
+    imported none of its six folders is found there as a top-level name (an installed distribution of that name
+    is, e.g. Hugging Face's kernels), while other modules there (tests) still are."""
+    code = ("import json, importlib.util as u, lora_sweep\n"
+            "specs = {n: u.find_spec(n) for n in lora_sweep.FOLDERS}\n"
+            "print(json.dumps({n: s.origin if s else None for n, s in specs.items()}))\n"
+            "import tests.conftest\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    origins = json.loads(out.stdout)
+    assert set(origins) == {"sweep", "packer", "kernels", "evaluators", "reports", "benchmarks"}
+    assert not [o for o in origins.values() if o and Path(o).resolve().is_relative_to(ROOT)], origins
+    plain = subprocess.run([sys.executable, "-c", "import importlib.util as u; print(u.find_spec('packer').origin)"],
+                           cwd=ROOT, capture_output=True, text=True, check=True)
+    assert Path(plain.stdout.strip()).resolve() == ROOT / "packer" / "__init__.py"  # without the guard: shadowed

@@ -1,5 +1,6 @@
-"""The test tree itself: pytest imports test modules by basename (no ``__init__.py`` files, rootdir-relative), so
-two test files with one name anywhere under tests/ break the collection of the whole suite."""
+"""The test tree itself: each test file is named after the module it tests (tests mirror the source tree), so one
+basename twice under tests/ is two files testing one module, or a name that says the wrong one. (pytest's importlib
+mode, set in pyproject.toml, would import both; the rule is for the reader.)"""
 
 from __future__ import annotations
 

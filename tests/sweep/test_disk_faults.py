@@ -17,6 +17,7 @@ import pytest
 from optuna.trial import TrialState
 
 from lora_sweep.packer.checkpoint import read_adapter
+from lora_sweep.sweep.api import examples
 from lora_sweep.sweep.budget import counted
 from lora_sweep.sweep.cli import main
 from lora_sweep.sweep.loader import load_study
@@ -133,7 +134,8 @@ def test_a_read_only_study_is_read_by_status_report_and_export_and_refused_by_ru
     ("report", "{dir}", "--out", "{file}/x/report.html"),
     ("tiny-model", "--out", "{file}/model"),
     ("status", "{junk}"),
-], ids=["run", "export", "report", "tiny-model", "status-not-a-database"])
+    ("example", "{example}", "--out", "{file}/x"),
+], ids=["run", "export", "report", "tiny-model", "status-not-a-database", "example"])
 def test_a_path_below_a_file_or_a_file_that_is_no_database_is_one_line(tiny_dirs, tmp_path, capsys, args) -> None:
     spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name="paths", **{**SMALL, "budget": {"trials": 1}}))
     if args[0] in ("export", "report"):
@@ -144,7 +146,7 @@ def test_a_path_below_a_file_or_a_file_that_is_no_database_is_one_line(tiny_dirs
     junk.mkdir()
     (junk / "results.db").write_text("not a database either")
     (junk / "study.yaml").write_text("name: junk\n")
-    names = {"study": spec.source, "file": file, "dir": spec.out_dir, "junk": junk}
+    names = {"study": spec.source, "file": file, "dir": spec.out_dir, "junk": junk, "example": examples()[0]}
     capsys.readouterr()  # what building the model and the study printed
     with pytest.raises(SystemExit) as exit_:
         main([a.format(**names) for a in args])

@@ -1,0 +1,166 @@
+"""The Python API: what the ``sweep`` commands do, callable from a notebook or a script.
+
+``lora_sweep`` re-exports these names (``import lora_sweep; lora_sweep.run(...)``)::
+
+    spec = load_study("study.yaml", ["budget.trials=8"], out="runs/demo")   # validated once, as the CLI does
+    summary = run(spec)                                                     # or run("study.yaml", [...])
+    results = open_results("runs/demo")
+    results.trials("COMPLETE")          # TrialRecord rows of results.db, by trial number
+    results.best_trials()               # the feasible Pareto front (the best trial for one objective)
+    export("runs/demo", "adapter/", best=True)                              # a PEFT adapter directory
+    write_report("runs/demo")                                               # the self-contained HTML report
+
+Every function raises ``UserError`` (``ConfigError`` for a study file) with the same one-line message the CLI
+prints; the CLI is this module plus argument parsing and printing. Heavy imports (torch, optuna, plotly) wait
+until a function needs them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lora_sweep.sweep.store import ResultsStore, StudyDir, TrialRecord, is_feasible, pareto_front
+
+if TYPE_CHECKING:
+    from lora_sweep.sweep.export import Export
+    from lora_sweep.sweep.spec import StudySpec
+    from lora_sweep.sweep.study import Progress, RunSummary
+
+__all__ = ["load_study", "run", "open_results", "Results", "export", "write_report", "examples", "copy_example"]
+
+STUDIES = Path(__file__).resolve().parents[1] / "studies"
+"""The example studies and their data: the checkout's studies/, or the installed package's lora_sweep/studies/."""
+
+
+def load_study(path: str | Path, overrides: Sequence[str] = (), *, out: str | Path | None = None) -> StudySpec:
+    """Read and validate a study file (lora-sweep, Axolotl or torchtune YAML) with dotted ``key=value`` overrides.
+
+    ``out`` replaces the study directory (the file's ``output``). Raises ``ConfigError`` naming file:line and key.
+    """
+    from lora_sweep.sweep.loader import load_study as _load
+
+    spec = _load(path, list(overrides))
+    return dataclasses.replace(spec, output=Path(out)) if out is not None else spec
+
+
+def run(study: StudySpec | str | Path, overrides: Sequence[str] = (), *, out: str | Path | None = None,
+        progress: Callable[[Progress], None] | None = None, log: Callable[[str], None] | None = None,
+        allow_changes: bool = False) -> RunSummary:
+    """Run the study (a spec from ``load_study``, or a study file with ``overrides``) until its budget ends.
+
+    A study directory that already holds the study resumes it. ``progress`` is called after each packed step,
+    ``log`` with each one-line message (default: none printed). ``allow_changes``: resume even if a fixed setting
+    (e.g. ``train.max_steps``) differs from the one the study started with.
+    """
+    from lora_sweep.sweep.study import run_study
+
+    if isinstance(study, str | Path):
+        spec = load_study(study, overrides, out=out)
+    else:
+        spec = study if out is None else dataclasses.replace(study, output=Path(out))
+    return run_study(spec, progress=progress, log=log or (lambda _message: None), allow_changes=allow_changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Results:
+    """A study directory's results, read from its ``results.db`` (the CLI's ``sweep status`` reads the same)."""
+
+    root: Path
+
+    def _store(self) -> ResultsStore:
+        return ResultsStore(StudyDir(self.root).results_db, create=False)
+
+    def meta(self) -> dict[str, Any]:
+        """The study's name, objectives (``objectives``, ``directions``), constraints, storage and spec."""
+        with self._store() as store:
+            return store.meta()
+
+    def trials(self, state: str | None = None) -> list[TrialRecord]:
+        """Every trial (or those in ``state``: COMPLETE, PRUNED, FAIL, RUNNING), by trial number."""
+        with self._store() as store:
+            return store.trials(state)
+
+    def best_trials(self, *, feasible: bool = True) -> list[TrialRecord]:
+        """The complete trials on the Pareto front of the study's objectives (one trial, or ties, for one
+        objective), as Optuna's ``study.best_trials``; with ``feasible``, among those meeting the study's
+        constraints when any does (Optuna's rule for constrained studies)."""
+        meta = self.meta()
+        directions, constraints = meta.get("directions", []), list(meta.get("constraints") or [])
+        done = [t for t in self.trials("COMPLETE") if t.objective_values and len(t.objective_values) == len(directions)
+                and all(v is not None and math.isfinite(v) for v in t.objective_values)]
+        if feasible and constraints and any(is_feasible(t.metrics, constraints) for t in done):
+            done = [t for t in done if is_feasible(t.metrics, constraints)]
+        front = set(pareto_front([(t.number, [float(v) for v in t.objective_values]) for t in done], directions))
+        return [t for t in done if t.number in front]
+
+    def status(self) -> dict[str, Any]:
+        """What ``sweep status --json`` prints: counts by state, best trials, the Pareto front, packs."""
+        from lora_sweep.sweep.status import study_status
+
+        return study_status(self.root)
+
+
+def open_results(study_dir: str | Path) -> Results:
+    """The results of the study in ``study_dir``; raises ``UserError`` if it holds no study."""
+    from lora_sweep.packer.errors import UserError
+
+    if not StudyDir(study_dir).is_study():
+        raise UserError(f"{study_dir}: not a study directory (no results.db and study.yaml)")
+    return Results(Path(study_dir))
+
+
+def export(study_dir: str | Path, out: str | Path, *, trial: int | None = None, best: bool = False,
+           objective: str | None = None, vllm: bool = True, merge: bool = False,
+           allow_infeasible: bool = False) -> Export:
+    """Write one complete trial as a PEFT adapter directory (vLLM-ready unless ``vllm=False``), or with ``merge``
+    the base model with the adapter merged in; ``best`` picks the best trial (by ``objective`` when several)."""
+    from lora_sweep.sweep.export import export_trial
+
+    return export_trial(study_dir, out, trial=trial, best=best, objective=objective, vllm=vllm, merge=merge,
+                        allow_infeasible=allow_infeasible)
+
+
+def write_report(study_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Write the study's self-contained HTML report (default ``<study_dir>/report.html``); returns its path."""
+    from lora_sweep.packer.errors import UserError
+    from lora_sweep.reports.html import write_report as _write
+
+    if not StudyDir(study_dir).is_study():
+        raise UserError(f"report: {study_dir}: not a study directory (no results.db and study.yaml)")
+    return _write(Path(study_dir), Path(out) if out is not None else None)
+
+
+def examples() -> list[str]:
+    """The names of the shipped example studies (``studies/NAME.yaml``)."""
+    return sorted(p.stem for p in STUDIES.glob("*.yaml"))
+
+
+def copy_example(name: str, out: str | Path) -> Path:
+    """Copy the shipped example study ``name`` with its data into the directory ``out`` (created; it must not
+    exist or be empty); returns the copied study file.
+
+    The copy is self-contained: ``data/`` sits beside it, and its model path (``../models/X`` in the checkout,
+    the checkout's models/ folder) becomes ``./models/X`` inside ``out``, where ``sweep model``/``sweep tiny-model``
+    put the model.
+    """
+    import shutil
+
+    from lora_sweep.packer.errors import UserError
+
+    if name not in examples():
+        raise UserError(f"example: no example study {name!r} (one of: {', '.join(examples())})")
+    dest = Path(out)
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise UserError(f"example: {dest} exists and is not an empty directory")
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(STUDIES / "data", dest / "data", dirs_exist_ok=True)
+        text = (STUDIES / f"{name}.yaml").read_text(encoding="utf-8").replace("../models/", "./models/")
+        (dest / f"{name}.yaml").write_text(text, encoding="utf-8")
+    except OSError as err:
+        raise UserError(f"example: cannot write {dest}: {err.strerror or err}") from None
+    return dest / f"{name}.yaml"

@@ -1,0 +1,56 @@
+"""One import name: the wheel installs ``lora_sweep`` alone (its folders below it), with the example studies, their
+data and both console scripts; pyproject.toml lists every package folder."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from lora_sweep import FOLDERS
+
+ROOT = Path(__file__).resolve().parents[1]
+SETUPTOOLS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+
+
+def test_every_package_folder_is_listed() -> None:
+    folders = {"lora_sweep." + ".".join(p.parent.relative_to(ROOT).parts)
+               for f in FOLDERS for p in (ROOT / f).rglob("__init__.py")}
+    assert SETUPTOOLS["package-dir"] == {"lora_sweep": "."}
+    assert set(SETUPTOOLS["packages"]) == folders | {"lora_sweep"}
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(ROOT)],
+                   check=True, capture_output=True, text=True, timeout=300)
+    (path,) = out.glob("lora_sweep-*.whl")
+    return zipfile.ZipFile(path)
+
+
+def test_the_wheel_holds_lora_sweep_alone(wheel: zipfile.ZipFile) -> None:
+    names = wheel.namelist()
+    assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {"lora_sweep"}
+    top_level = next(n for n in names if n.endswith(".dist-info/top_level.txt"))
+    assert wheel.read(top_level).decode().split() == ["lora_sweep"]
+    for folder in FOLDERS:
+        assert f"lora_sweep/{folder}/__init__.py" in names
+    assert "lora_sweep/__main__.py" in names and "lora_sweep/sweep/store/results.py" in names
+    assert not [n for n in names if n.startswith(("lora_sweep/tests/", "lora_sweep/.ci/"))]
+
+
+def test_the_wheel_ships_the_examples_and_both_commands(wheel: zipfile.ZipFile) -> None:
+    names = set(wheel.namelist())
+    for study in (ROOT / "studies").glob("*.yaml"):
+        assert f"lora_sweep/studies/{study.name}" in names
+    for data in (ROOT / "studies" / "data").glob("*.jsonl"):
+        assert f"lora_sweep/studies/data/{data.name}" in names
+    assert "lora_sweep/benchmarks/sweep_split.sh" in names
+    entry_points = wheel.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
+    assert "sweep = lora_sweep.sweep.cli:main" in entry_points
+    assert "lora-sweep = lora_sweep.sweep.cli:main" in entry_points
