@@ -89,3 +89,27 @@ def test_a_field_without_a_docstring_stops_the_generator() -> None:
     assert list(GEN.rows("x.", Section, {"undocumented"})) == ["| `x.documented` | int | `1` | Has its meaning. |"]
     with pytest.raises(GEN.MissingDoc, match="x.undocumented"):
         list(GEN.rows("x.", Section))
+
+
+def test_committed_results_db_page_is_what_the_store_documents() -> None:
+    page = (ROOT / "docs" / "reference" / "results-db.md").read_text()
+    assert page == GEN.generate_schema(), "docs/reference/results-db.md is stale: run python3 docs/study_reference.py"
+
+
+def test_every_results_db_table_and_column_has_an_entry(tmp_path: Path) -> None:
+    import sqlite3
+
+    from lora_sweep.sweep.store import ResultsStore
+
+    ResultsStore(tmp_path / "results.db").close()
+    page = GEN.generate_schema()
+    documented = {c.strip() for row in re.findall(r"^\| `([^`]+)` \|", page, flags=re.M) for c in row.split(",")}
+    with sqlite3.connect(tmp_path / "results.db") as db:
+        tables = [r[0] for r in db.execute("select name from sqlite_master where type = 'table'")]
+        assert len(tables) >= 8, tables
+        for table in tables:
+            assert f"\n## {table}\n" in page, f"results.db table {table} has no section"
+            columns = [r[1] for r in db.execute(f"pragma table_info({table})")]
+            # the study table's columns are its key/value pair, documented in its paragraph
+            missing = [c for c in columns if c not in documented and table != "study"]
+            assert not missing, f"{table}: columns without an entry: {missing}"
