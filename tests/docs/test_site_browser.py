@@ -41,7 +41,12 @@ def _shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    pytest.importorskip("mkdocs", reason="the docs extra: pip install -e '.[docs]'")
+    try:
+        import mkdocs  # noqa: F401
+    except ImportError:
+        if os.environ.get("CI"):
+            pytest.fail("mkdocs is missing in CI: install the docs extra (pip install -e '.[docs]')")
+        pytest.skip("the docs extra is not installed (pip install -e '.[docs]'); CI runs this test")
     out = tmp_path_factory.mktemp("site")
     run = subprocess.run(["bash", str(ROOT / "docs" / "build.sh")], cwd=ROOT, env={**os.environ, "SITE_DIR": str(out)},
                          capture_output=True, text=True, timeout=600)
