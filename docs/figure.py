@@ -4,7 +4,8 @@
     python3 docs/figure.py STUDY_DIR --out FILE.png
 
 The figure is the one the HTML report shows (``reports.figures.plot_pareto`` over the study directory's
-results.db), with a log axis for the first objective so that trials a hundred times apart stay readable.
+results.db), with a log axis for the first objective so that trials a hundred times apart stay readable, and the
+trial numbers of the front and the default written beside them.
 plotly renders it through kaleido, which drives a headless Chromium (Debian's ``chromium``; the docs extra).
 """
 
@@ -15,6 +16,8 @@ import os
 import shutil
 import sys
 from pathlib import Path
+
+import plotly.graph_objects as go
 
 from lora_sweep.reports._load import load_study_data
 from lora_sweep.reports.figures import _pareto_info, plot_pareto
@@ -29,6 +32,10 @@ def draw(study_dir: Path, out: Path, *, width: int = 900, height: int = 480) -> 
         raise SystemExit(f"error: {study_dir}: the picture needs a study with two objectives "
                          f"(it has {', '.join(info.objectives) or 'none'})")
     fig = plot_pareto(info)
+    named = [p for p in info.points if p.front or p.default]  # the front and the default, labelled by trial number
+    fig.add_trace(go.Scatter(x=[p.values[0] for p in named], y=[p.values[1] for p in named], mode="text",
+                             text=[f"   #{p.number}" for p in named], textposition="middle right", showlegend=False,
+                             hoverinfo="skip"))
     fig.update_xaxes(type="log")
     fig.update_layout(title=f"{study_dir.resolve().name}: Pareto front (★ = the default trial)",
                       margin={"l": 70, "r": 20, "t": 60, "b": 60})
