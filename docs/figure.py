@@ -27,7 +27,8 @@ OUT = Path(__file__).resolve().parent / "assets" / "demo-pareto.png"
 
 def draw(study_dir: Path, out: Path, *, width: int = 900, height: int = 480) -> Path:
     """Write the study's Pareto front to ``out`` (PNG); the study needs two objectives."""
-    info = _pareto_info(load_study_data(study_dir))
+    data = load_study_data(study_dir)
+    info = _pareto_info(data)
     if len(info.objectives) != 2:
         raise SystemExit(f"error: {study_dir}: the picture needs a study with two objectives "
                          f"(it has {', '.join(info.objectives) or 'none'})")
@@ -37,7 +38,8 @@ def draw(study_dir: Path, out: Path, *, width: int = 900, height: int = 480) -> 
                              text=[f"   #{p.number}" for p in named], textposition="middle right", showlegend=False,
                              hoverinfo="skip"))
     fig.update_xaxes(type="log")
-    fig.update_layout(title=f"{study_dir.resolve().name}: Pareto front (★ = the default trial)",
+    name = data.meta.get("name") or study_dir.resolve().name
+    fig.update_layout(title=f"{name}: Pareto front (★ = the default trial)",
                       margin={"l": 70, "r": 20, "t": 60, "b": 60})
     if "BROWSER_PATH" not in os.environ and (chromium := shutil.which("chromium")):
         os.environ["BROWSER_PATH"] = chromium  # kaleido's browser: the system's, nothing downloaded
