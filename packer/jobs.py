@@ -15,7 +15,11 @@ from lora_sweep.packer.data import IGNORE_INDEX
 from lora_sweep.packer.plan import AdapterSpec
 
 __all__ = ["BatchSource", "FixedBatch", "SlotJob", "SlotEnd", "StepReport", "TrainResult", "Window", "Tally",
-           "target_tokens"]
+           "target_tokens", "STEP_NAMES"]
+
+STEP_NAMES = {"cuda-graph": "static shapes, replayed as CUDA graphs", "static-eager": "static shapes, eagerly",
+              "dynamic": "dynamic shapes, eagerly"}
+"""``TrainResult.step`` values, and what each means in words."""
 
 
 class BatchSource(Protocol):

@@ -45,6 +45,7 @@ from lora_sweep.packer.batch import IGNORE_INDEX, PackBatch, Row, collate, row_s
 from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.isolation import check_sample_packing
 from lora_sweep.packer.jobs import (
+    STEP_NAMES,
     BatchSource,
     FixedBatch,
     SlotEnd,
@@ -61,7 +62,8 @@ from lora_sweep.packer.optim import PackedAdamW
 from lora_sweep.packer.plan import AdapterSpec
 
 __all__ = ["BatchSource", "FixedBatch", "SlotJob", "SlotEnd", "StepReport", "TrainResult", "train", "slot_losses",
-           "make_optimizer", "make_scheduler", "chunk_tokens_of", "check_in_backward", "target_tokens"]
+           "make_optimizer", "make_scheduler", "chunk_tokens_of", "check_in_backward", "target_tokens",
+           "STEP_NAMES"]
 
 
 @dataclass

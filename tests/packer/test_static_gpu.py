@@ -1,4 +1,5 @@
-"""The static-shape step captured as a CUDA graph: graph == eager, replay after refills, fallback (H200 only)."""
+"""The static-shape step captured as a CUDA graph: graph == eager (with accumulation, sample packing and activation
+checkpointing too), replay after refills, fallback, the warning of a study the step cannot train (H200 only)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 import lora_sweep.packer.static_loop as static_loop
 from lora_sweep.packer.data import Example, SlotStream
 from lora_sweep.packer.model import PackedModel, load_base
+from lora_sweep.packer.packing import slot_stream
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.train import SlotJob, train
 from tests.conftest import Recorder, random_examples
@@ -36,7 +38,8 @@ def _specs() -> list[AdapterSpec]:
 def _run(model_dir, specs, capacity, *, cuda_graphs, examples=None, dtype="float32", **kw):  # noqa: ANN001, ANN003, ANN202
     model, _ = load_base(str(model_dir), attn_implementation="sdpa", device="cuda", dtype=dtype)
     pm = PackedModel(model, impl="triton")
-    jobs = [SlotJob(s, SlotStream(examples or random_examples(64, seed=10 + i), s.micro_batch, seed=s.seed), key=i)
+    jobs = [SlotJob(s, slot_stream(examples or random_examples(64, seed=10 + i), s.micro_batch, s.seed,
+                                   sample_packing=s.sample_packing, row_len=48), key=i)
             for i, s in enumerate(specs)]
     rec = Recorder(pm)
     result = train(pm, capacity, lambda slot: jobs.pop(0) if jobs else None, pad_id=PAD, on_step=rec.on_step,
@@ -60,6 +63,31 @@ def test_graph_equals_eager_fp32_with_refills_mixed_ranks_and_dropout(tiny_dirs)
     assert r_eager.graphs == 0 and r_graph.graphs >= 1
     assert r_graph.steps >= 30 and r_graph.jobs_started == len(specs)
     _same(eager, graph)
+
+
+def test_graph_equals_eager_fp32_with_accumulation_sample_packing_and_checkpointing(tiny_dirs) -> None:
+    """The same eight jobs with accumulation k 1-4 mixed in one pack, half of them sample-packed, every decoder
+    layer recomputed in the backward: one captured step per key, the eager step's losses within 1e-6."""
+    specs = [replace(s, gradient_accumulation_steps=1 + i % 4, sample_packing=i % 2 == 0)
+             for i, s in enumerate(_specs())]
+    eager, r_eager = _run(tiny_dirs("llama"), specs, 3, cuda_graphs="off", activation_checkpointing=True)
+    graph, r_graph = _run(tiny_dirs("llama"), specs, 3, cuda_graphs="auto", activation_checkpointing=True)
+    assert r_eager.step == "static-eager" and r_graph.step == "cuda-graph" and r_graph.graphs >= 1
+    assert r_graph.steps >= 30 and r_graph.jobs_started == len(specs)
+    assert [len(graph.losses[i]) for i in range(len(specs))] == [s.max_steps for s in specs]
+    _same(eager, graph)
+
+
+def test_a_study_the_static_step_cannot_train_says_so(tiny_dirs) -> None:
+    """chunked_ce is not on the static step yet: one warning naming it, and the result says the dynamic step ran."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, _ = load_base(str(tiny_dirs("llama")), attn_implementation="sdpa", device="cuda")
+        jobs = [SlotJob(s, SlotStream(random_examples(16, seed=1), s.micro_batch, seed=s.seed)) for s in _specs()[:2]]
+        result = train(PackedModel(model, impl="triton"), 2, lambda slot: jobs.pop(0) if jobs else None, pad_id=PAD,
+                       chunked_ce=True)
+    messages = [str(w.message) for w in caught if "static-shape" in str(w.message)]
+    assert len(messages) == 1 and "chunked_ce" in messages[0] and result.step == "dynamic"
 
 
 W5_RTOL = 2e-2
