@@ -319,7 +319,7 @@ def fused_loss_head(model: nn.Module) -> nn.Linear | None:
 
 
 def static_head_losses(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, capacity: int,
-                       impl: str = "triton") -> tuple[torch.Tensor, torch.Tensor]:
+                       impl: str = "triton", chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``static_losses(head(hidden), labels, capacity)`` without materialising fp32 logits: ``kernels.static_linear_ce``
     (on the Triton path the logits exist only inside its forward, in the model's dtype).
 
@@ -329,10 +329,11 @@ def static_head_losses(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tens
         labels: (B, L) unshifted, ``IGNORE_INDEX`` where no loss is taken.
         capacity: C; B is a multiple of it.
         impl: as ``kernels.static_linear_ce``.
+        chunk: as ``kernels.static_linear_ce``: logits of at most this many token rows at a time.
 
     Returns:
         (C,) fp32 losses (0 for a slot without target tokens) and (C,) fp32 target counts.
     """
     b, seq, h = hidden.shape
     return kernels.static_linear_ce(hidden.reshape(b * seq, h), head.weight, head.bias, shift_targets(labels),
-                                    capacity, impl=impl)  # type: ignore[arg-type]
+                                    capacity, impl=impl, chunk=chunk)  # type: ignore[arg-type]

@@ -45,6 +45,7 @@ from lora_sweep.packer.batch import IGNORE_INDEX
 from lora_sweep.packer.capture import capture, precompile
 from lora_sweep.packer.isolation import check_sample_packing
 from lora_sweep.packer.jobs import SlotEnd, SlotJob, StepReport, Tally, TrainResult, Window, target_tokens
+from lora_sweep.packer.loss import chunked_slot_losses
 from lora_sweep.packer.model import PackedModel
 from lora_sweep.packer.optim import lr_schedule
 from lora_sweep.packer.static import (
@@ -249,7 +250,7 @@ def _put_row(r: Any, i: int, ids: np.ndarray, labels: np.ndarray, mask: np.ndarr
 
 
 def _step_fn(pm: PackedModel, store: StaticStore, shape: ShapeBuffers, ring: torch.Tensor, triton: bool,
-             dropout: bool, packed: bool) -> Callable[[], None]:
+             dropout: bool, packed: bool, chunk: int | None) -> Callable[[], None]:
     """The whole step on the shape's buffers: forward, per-slot losses, backward, clip + AdamW, ring write.
 
     On the Triton path the loss goes through the frozen head in one fused function (``static_head_losses``: no fp32
@@ -257,7 +258,9 @@ def _step_fn(pm: PackedModel, store: StaticStore, shape: ShapeBuffers, ring: tor
     and the masked-dense path, compute full logits (``static_losses``). The backward takes each slot's mean loss
     times its loss weight (gradient accumulation). ``packed``: some row is sample-packed; the model gets the
     positions and no padding mask, and builds the block-diagonal causal mask from the positions on the device
-    (``PackedModel.forward``)."""
+    (``PackedModel.forward``). ``chunk`` (``chunked_ce``): the fused loss holds the logits of that many token rows
+    at a time (fixed ranges: capturable); off the Triton path the loss is ``packer.loss.chunked_slot_losses`` over
+    the target tokens (a data-dependent gather: eager only, a capture of it fails over to the eager step)."""
     c = store.capacity
     pos = shape.pos if packed else None
 
@@ -269,7 +272,12 @@ def _step_fn(pm: PackedModel, store: StaticStore, shape: ShapeBuffers, ring: tor
                 store.col_scale = (shape.col_mask * scale[:, None])[:, None, :]  # type: ignore[operator]
             if head is not None:
                 hidden = pm.forward_hidden(shape.ids, shape.mask, None, pos)  # (B, L, H)
-                losses, counts = static_head_losses(hidden, head, shape.labels, c)
+                losses, counts = static_head_losses(hidden, head, shape.labels, c, chunk=chunk)
+                del hidden
+            elif chunk is not None:
+                hidden = pm.forward_hidden(shape.ids, shape.mask, None, pos)
+                losses, counts = chunked_slot_losses(hidden, pm.output_head(), shape.labels, store.host_layout,
+                                                     chunk_tokens=chunk)  # type: ignore[arg-type]
                 del hidden
             else:
                 logits = pm.forward(shape.ids, shape.mask, None, pos)
@@ -287,7 +295,8 @@ def train_static(pm: PackedModel, capacity: int, next_job: Callable[[int], SlotJ
                  should_stop: Callable[[StepReport], bool] | None = None,
                  on_end: Callable[[list[SlotEnd]], None] | None = None, max_global_steps: int | None = None,
                  cuda_graphs: str = "auto", readback_every: int = DEFAULT_READBACK, sync_steps: Collection[int] = (),
-                 rank_bucket: int | None = None, seq_multiple: int = SEQ_MULTIPLE) -> TrainResult:
+                 rank_bucket: int | None = None, seq_multiple: int = SEQ_MULTIPLE,
+                 chunk_tokens: int | None = None) -> TrainResult:
     """``packer.train.train`` on a static-shape step (module docstring); same arguments and result, plus:
 
     Args:
@@ -297,6 +306,7 @@ def train_static(pm: PackedModel, capacity: int, next_job: Callable[[int], SlotJ
         rank_bucket: rows per slot and layer (None: the smallest power of two >= 16 holding the first job's
             rank; a larger rank later moves the live slots to a larger bucket, and re-captures).
         seq_multiple: rows are padded to a multiple of this many positions.
+        chunk_tokens: ``chunked_ce``: the loss's logits exist for this many tokens at a time (None: all at once).
     """
     if readback_every < 1:
         raise ValueError(f"readback_every must be >= 1 (got {readback_every})")
@@ -350,7 +360,7 @@ def train_static(pm: PackedModel, capacity: int, next_job: Callable[[int], SlotJ
             dropout = any(a.job.spec.dropout > 0 for a in active.values())
             packed = any(a.job.spec.sample_packing for a in active.values())
             key = (*dims, store.active, dropout, packed)
-            step = _step_fn(pm, store, shape, ring, triton, dropout, packed)
+            step = _step_fn(pm, store, shape, ring, triton, dropout, packed, chunk_tokens)
             graphs.grads = store.grad if any(a.k > 1 for a in active.values()) else None
             if triton and device.type == "cuda" and key not in prepared:
                 prepared.add(key)

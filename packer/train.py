@@ -204,10 +204,10 @@ def train(
             run and left as set.
         static_shapes: run the static-shape step (``packer.static_loop``: fixed shapes, per-step values in
             device buffers, losses read back every ``readback_every`` steps, so ``on_step`` and
-            ``should_stop`` see each step up to that many steps late; gradient accumulation, sample packing
-            and activation checkpointing are data or switches of it); None: on CUDA, unless ``chunked_ce`` or
+            ``should_stop`` see each step up to that many steps late; gradient accumulation, sample packing,
+            activation checkpointing and ``chunked_ce`` are data or switches of it); None: on CUDA, unless
             ``optimizer_in_backward`` is asked for, which the static step does not support yet: then one
-            warning names them and the dynamic step trains.
+            warning names it and the dynamic step trains.
         cuda_graphs: static path only: ``auto`` / ``on`` capture the step as a CUDA graph on CUDA (falling
             back to eager with a warning if capture fails); ``off`` runs it eagerly.
         readback_every, sync_steps, rank_bucket: static path only, see ``packer.static_loop.train_static``.
@@ -225,8 +225,7 @@ def train(
     if cuda_graphs not in ("auto", "on", "off"):
         raise ValueError(f"cuda_graphs must be auto, on or off (got {cuda_graphs!r})")
     chunk_tokens = chunk_tokens_of(chunked_ce)
-    unsupported = [name for name, on in (("chunked_ce", chunk_tokens is not None),
-                                         ("optimizer_in_backward", optimizer_in_backward)) if on]
+    unsupported = ["optimizer_in_backward"] if optimizer_in_backward else []
     if static_shapes is None:
         static_shapes = pm.device.type == "cuda" and not unsupported
         if pm.device.type == "cuda" and unsupported and cuda_graphs != "off":
@@ -237,10 +236,13 @@ def train(
             raise ValueError(f"static_shapes does not support {' or '.join(unsupported)}")
         from lora_sweep.packer.static_loop import train_static
 
+        if chunk_tokens is not None:
+            pm.output_head()  # refuses models whose logits are not head(hidden), before any slot starts
         pm.set_activation_checkpointing(activation_checkpointing)
         return train_static(pm, capacity, next_job, pad_id=pad_id, on_step=on_step, should_stop=should_stop,
                             on_end=on_end, max_global_steps=max_global_steps, cuda_graphs=cuda_graphs,
-                            readback_every=readback_every, sync_steps=sync_steps, rank_bucket=rank_bucket)
+                            readback_every=readback_every, sync_steps=sync_steps, rank_bucket=rank_bucket,
+                            chunk_tokens=chunk_tokens)
     if chunk_tokens is not None:
         pm.output_head()  # refuses models whose logits are not head(hidden), before any slot starts
     pm.set_activation_checkpointing(activation_checkpointing)

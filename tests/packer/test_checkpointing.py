@@ -61,9 +61,11 @@ def test_checkpointing_equals_plain(tiny_dirs, family: str, static: bool) -> Non
         torch.testing.assert_close(final[key], ref_final[key], rtol=0, atol=1e-5)
 
 
-def test_checkpointing_with_chunked_ce(tiny_dirs) -> None:
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_checkpointing_with_chunked_ce(tiny_dirs, static: bool) -> None:
     ref_losses, ref_final, _ = _train(tiny_dirs("llama"), "llama")
-    losses, final, _ = _train(tiny_dirs("llama"), "llama", activation_checkpointing=True, chunked_ce=5)
+    losses, final, _ = _train(tiny_dirs("llama"), "llama", activation_checkpointing=True, chunked_ce=5,
+                              static_shapes=static)
     for key, curve in ref_losses.items():
         torch.testing.assert_close(torch.tensor(losses[key]), torch.tensor(curve), rtol=1e-5, atol=0)
         torch.testing.assert_close(final[key], ref_final[key], rtol=0, atol=1e-5)
