@@ -142,8 +142,8 @@ def test_replay_after_refill_captures_once(tiny_dirs) -> None:
 def test_capture_failure_falls_back_to_eager(tiny_dirs, monkeypatch: pytest.MonkeyPatch) -> None:
     """A step that cannot be captured (here: a host sync inside it) warns once and trains eagerly, unchanged."""
     def syncing(losses):  # noqa: ANN001, ANN202
-        def fn(*args):  # noqa: ANN002, ANN202
-            out = losses(*args)
+        def fn(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            out = losses(*args, **kwargs)
             out[0].sum().item()  # a host sync: illegal while capturing
             return out
 
