@@ -205,14 +205,14 @@ def train(
         static_shapes: run the static-shape step (``packer.static_loop``: fixed shapes, per-step values in
             device buffers, losses read back every ``readback_every`` steps, so ``on_step`` and
             ``should_stop`` see each step up to that many steps late; gradient accumulation, sample packing,
-            activation checkpointing and ``chunked_ce`` are data or switches of it); None: on CUDA, unless
-            ``optimizer_in_backward`` is asked for, which the static step does not support yet: then one
-            warning names it and the dynamic step trains.
+            activation checkpointing and ``chunked_ce`` are data or switches of it); None: on CUDA.
         cuda_graphs: static path only: ``auto`` / ``on`` capture the step as a CUDA graph on CUDA (falling
             back to eager with a warning if capture fails); ``off`` runs it eagerly.
         readback_every, sync_steps, rank_bucket: static path only, see ``packer.static_loop.train_static``.
         optimizer_in_backward: take every slot's AdamW step inside the backward, layer by layer, and keep no
-            gradient buffers (dynamic step only: static_shapes None means False with it).
+            gradient buffers (the dynamic step). The static step keeps its one preallocated gradient buffer (the
+            size of the pack's adapter weights, fp32) and steps after the backward, the same updates: there it
+            checks the jobs the same way and warns once that the memory saving is not taken.
 
     Returns:
         Totals of the run.
@@ -225,17 +225,16 @@ def train(
     if cuda_graphs not in ("auto", "on", "off"):
         raise ValueError(f"cuda_graphs must be auto, on or off (got {cuda_graphs!r})")
     chunk_tokens = chunk_tokens_of(chunked_ce)
-    unsupported = ["optimizer_in_backward"] if optimizer_in_backward else []
     if static_shapes is None:
-        static_shapes = pm.device.type == "cuda" and not unsupported
-        if pm.device.type == "cuda" and unsupported and cuda_graphs != "off":
-            warnings.warn(f"{' and '.join(unsupported)}: not supported by the static-shape (CUDA-graph) step; "
-                          "training on the dynamic step, without CUDA graphs", stacklevel=2)
+        static_shapes = pm.device.type == "cuda"
     if static_shapes:
-        if unsupported:
-            raise ValueError(f"static_shapes does not support {' or '.join(unsupported)}")
         from lora_sweep.packer.static_loop import train_static
 
+        if optimizer_in_backward:
+            next_job = _in_backward_jobs(next_job)
+            warnings.warn("optimizer_in_backward: the static-shape step keeps its preallocated gradient buffer and "
+                          "takes each slot's AdamW step after the backward (the same updates, not the memory saving)",
+                          stacklevel=2)
         if chunk_tokens is not None:
             pm.output_head()  # refuses models whose logits are not head(hidden), before any slot starts
         pm.set_activation_checkpointing(activation_checkpointing)
@@ -255,6 +254,18 @@ def train(
         return result
     finally:
         pm.state.grad_sink = None
+
+
+def _in_backward_jobs(next_job: Callable[[int], SlotJob | None]) -> Callable[[int], SlotJob | None]:
+    """``next_job`` whose jobs are checked as the step in the backward would check them (``check_in_backward``):
+    a study keeps one meaning of ``optimizer_in_backward`` on either step."""
+    def checked(slot: int) -> SlotJob | None:
+        job = next_job(slot)
+        if job is not None:
+            check_in_backward(job.spec)
+        return job
+
+    return checked
 
 
 def _train(pm: PackedModel, optimizer: PackedAdamW, capacity: int, next_job: Callable[[int], SlotJob | None],

@@ -1,6 +1,6 @@
 """``train.optimizer_in_backward`` at the study boundary: refused in one line with clipping or accumulation
-(exit 2 through ``sweep run`` and ``sweep plan``), routed to the dynamic step; torchtune's ``optimizer_in_bwd``
-maps to it."""
+(exit 2 through ``sweep run`` and ``sweep plan``), on the CPU trained on the dynamic step (which steps in the
+backward); torchtune's ``optimizer_in_bwd`` maps to it."""
 
 from __future__ import annotations
 
