@@ -229,7 +229,8 @@ def _fill(ints: np.ndarray, floats: np.ndarray, store: StaticStore, shape: Shape
         rank[g] = spec.rank
         seg_flt[g] = SegFlt(scale=spec.scale, p=spec.dropout, inv_keep=1.0 / (1.0 - spec.dropout))
         opt[g] = optimizer_row(spec, lr, live.steps + 1) if live.window.complete else ACCUMULATE
-        loss_w[g] = live.window.weight(sum(target_tokens(r) for r in rows[g]))
+        if live.k > 1:  # (1 otherwise: no count to take on the host)
+            loss_w[g] = live.window.weight(sum(target_tokens(r) for r in rows[g]))
         lrs[g], input_tokens[g] = lr, sum(len(r.input_ids) for r in rows[g])
     layout = PackLayout(tuple(range(c)), tuple(g * m for g in range(c)), (m,) * c, tuple(own), tuple(p_list),
                         tuple(seeds))
