@@ -50,16 +50,21 @@ def _flops(model: torch.nn.Module, rows: int, seq: int) -> float:
 
 def packed_run(model: torch.nn.Module, slots: int, micro: int, seq: int, *, impl: str = "triton", warmup: int = 3,
                steps: int = 6, peak_tflops: float = 790.0, rank: int | tuple[int, ...] = 16,
-               chunked_ce: bool = True, workload: str = "W1", fused: bool = True) -> dict:
-    """Aggregate tokens/s of ``slots`` adapters trained packed (median step of ``steps`` timed); ``fused``: the
-    base's norms and MLP middles on the fused kernels (``packer.fuse``; Triton path only), else eager."""
+               chunked_ce: bool = True, workload: str = "W1", fused: bool = True,
+               activation_checkpointing: bool = False) -> dict:
+    """Aggregate tokens/s of ``slots`` adapters trained packed (median step of ``steps`` timed) on the step a default
+    sweep runs (on CUDA the static-shape step replayed as CUDA graphs); ``fused``: the base's norms and MLP middles on
+    the fused kernels (``packer.fuse``; Triton path only), else eager. Mode ``+ckpt``: activation checkpointing."""
     pm = PackedModel(model, impl=impl, fused_base_ops=fused)  # type: ignore[arg-type]
     jobs = random_jobs(slots, micro, seq, model.config.vocab_size, warmup + steps, rank)
     torch.cuda.reset_peak_memory_stats()
-    step_s = timed_train(pm, jobs, slots, warmup, chunked_ce=chunked_ce)
+    step_s = timed_train(pm, jobs, slots, warmup, chunked_ce=chunked_ce,
+                         activation_checkpointing=activation_checkpointing)
+    pm.set_activation_checkpointing(False)  # the next run on this model starts without it
     tokens = slots * micro * seq
     mfu = _flops(model, slots * micro, seq) / step_s / 1e12 / peak_tflops
-    return dict(workload=workload, mode=f"packed-{impl}" + ("" if pm.fused else "-eager"), slots=slots, micro=micro,
+    mode = f"packed-{impl}" + ("" if pm.fused else "-eager") + ("+ckpt" if activation_checkpointing else "")
+    return dict(workload=workload, mode=mode, slots=slots, micro=micro,
                 seq=seq,
                 rank=rank if isinstance(rank, int) else "/".join(map(str, rank)), step_ms=round(step_s * 1e3, 1),
                 tok_s=round(tokens / step_s), mfu=round(mfu, 3),
@@ -213,8 +218,8 @@ def _large(peak: float, emit: Callable[[dict], None], shapes: tuple[str, ...] = 
     """Qwen2.5-7B (16 slots x 1 x 512) and Llama-3-8B (seq 1024) packs, their base-only ceilings, PEFT.
 
     Per shape: the eager base alone, the next-to-largest pack (the only one, for one size) on the eager base, the
-    packs on the fused base (a pack that runs out of memory is a row saying so), the fused base alone, then PEFT
-    in a fresh model."""
+    packs on the fused base (a pack that runs out of memory is a row saying so), the next-to-largest again with
+    activation checkpointing, the fused base alone, then PEFT in a fresh model."""
     for name, seq, packs in LARGE:
         if shapes and name not in shapes:
             continue
@@ -222,13 +227,15 @@ def _large(peak: float, emit: Callable[[dict], None], shapes: tuple[str, ...] = 
         base_rows = min(packs[-1], 8)
         emit(dict(shape=name, **base_run(model, base_rows, seq, peak_tflops=peak)))
         _free()
-        for slots, fused in [(packs[-2] if len(packs) > 1 else packs[-1], False)] + [(n, True) for n in packs]:
+        headline = packs[-2] if len(packs) > 1 else packs[-1]
+        runs = [(headline, False, False)] + [(n, True, False) for n in packs] + [(headline, True, True)]
+        for slots, fused, ckpt in runs:
             try:
                 emit(dict(shape=name, **packed_run(model, slots, 1, seq, peak_tflops=peak, warmup=3, steps=5,
-                                                   fused=fused)))
+                                                   fused=fused, activation_checkpointing=ckpt)))
             except torch.cuda.OutOfMemoryError:
-                emit(dict(shape=name, workload="W1", mode="packed-triton" + ("" if fused else "-eager"), slots=slots,
-                          seq=seq, error="out of memory"))
+                emit(dict(shape=name, workload="W1", mode="packed-triton" + ("" if fused else "-eager")
+                          + ("+ckpt" if ckpt else ""), slots=slots, seq=seq, error="out of memory"))
             _free()
         emit(dict(shape=name, **base_run(model, base_rows, seq, peak_tflops=peak)))
         del model

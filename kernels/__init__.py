@@ -282,7 +282,8 @@ def rope_problem(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
 
 
 def static_linear_ce(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-                     capacity: int, *, impl: Impl = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+                     capacity: int, *, impl: Impl = "torch",
+                     chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-slot mean next-token cross-entropy of ``F.linear(hidden, weight, bias)`` for a frozen head, slot g owning
     rows ``g * T / C ..`` of a static batch.
 
@@ -296,12 +297,14 @@ def static_linear_ce(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         targets: (T,) int64 next-token targets, already shifted; -100 where a row has no loss.
         capacity: C, slots; T is a multiple of it.
         impl: which implementation computes it.
+        chunk: ``triton``: the logits of at most this many rows exist at a time (fixed row ranges, so a captured
+            graph holds one chunk's logits, not T's); None: all at once. The other implementations ignore it.
 
     Returns:
         (C,) fp32 mean losses (0 for a slot without targets), differentiable in ``hidden``, and (C,) fp32 counts.
     """
     if resolve_impl(impl, hidden.device) == "triton":
-        return _triton_module("triton_ce").static_linear_ce_triton(hidden, weight, bias, targets, capacity)
+        return _triton_module("triton_ce").static_linear_ce_triton(hidden, weight, bias, targets, capacity, chunk)
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     return reference.static_linear_ce(hidden, weight, bias, targets, capacity)

@@ -1,4 +1,5 @@
-"""Triton kernels for the static pack's optimizer: per-slot sum of squares and a fused clip + AdamW + zero-grad.
+"""Triton kernels for the static pack's optimizer: per-slot sum of squares and a fused clip + AdamW + zero-grad
+(or keep-grad: a slot accumulating gradients over micro-batches takes a no-op step and keeps its gradient).
 
 The static pack (``packer.static``) keeps every adapted layer's weights for all C slots in one fp32 buffer,
 layer-major: segment k (one layer's A or B^T) holds C blocks of ``RB * d_k`` values (RB rows of the rank
@@ -23,9 +24,10 @@ from lora_sweep.kernels._jit import tl, triton
 
 __all__ = ["OPT_FIELDS", "segmented_sumsq", "segmented_adamw_"]
 
-OPT_FIELDS = 8
+OPT_FIELDS = 9
 """Columns of the per-slot optimizer table: decay (1 - lr * wd), 1 - beta1, beta2, 1 - beta2, sqrt of beta2's
-bias correction, eps, -lr / beta1's bias correction, max grad norm (inf: no clipping)."""
+bias correction, eps, -lr / beta1's bias correction, max grad norm (inf: no clipping), keep (1: the gradient
+stays for the next micro-batch, 0: it is zeroed)."""
 _NO: tl.constexpr = tl.constexpr(OPT_FIELDS)
 _BLOCK = 1024
 _SPLIT = 8
@@ -72,11 +74,13 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, segs_ptr, rank_ptr, coef_ptr, opt_
     bc2 = tl.load(opt_ptr + s * _NO + 4)
     eps = tl.load(opt_ptr + s * _NO + 5)
     step = tl.load(opt_ptr + s * _NO + 6)
+    keep = tl.load(opt_ptr + s * _NO + 8)
     for start in range(part * BLOCK, n, SPLIT * BLOCK):
         idx = start + tl.arange(0, BLOCK)
         mask = idx < n
         ptr = base + idx
-        g = tl.load(g_ptr + ptr, mask=mask, other=0.0) * coef
+        g_in = tl.load(g_ptr + ptr, mask=mask, other=0.0)
+        g = g_in * coef
         p = tl.load(p_ptr + ptr, mask=mask, other=0.0) * decay
         m = tl.load(m_ptr + ptr, mask=mask, other=0.0)
         m = tl.where(w1 < 0.5, m + w1 * (g - m), g - (g - m) * (1.0 - w1))  # torch.lerp's two branches
@@ -86,7 +90,7 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, segs_ptr, rank_ptr, coef_ptr, opt_
         tl.store(p_ptr + ptr, p, mask=mask)
         tl.store(m_ptr + ptr, m, mask=mask)
         tl.store(v_ptr + ptr, v, mask=mask)
-        tl.store(g_ptr + ptr, tl.full((BLOCK,), 0.0, tl.float32), mask=mask)
+        tl.store(g_ptr + ptr, tl.where(keep != 0.0, g_in, 0.0), mask=mask)
 
 
 def segmented_sumsq(grad: torch.Tensor, segs: torch.Tensor, rank: torch.Tensor, rank_bucket: int) -> torch.Tensor:
@@ -111,7 +115,8 @@ def segmented_sumsq(grad: torch.Tensor, segs: torch.Tensor, rank: torch.Tensor, 
 def segmented_adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                      segs: torch.Tensor, rank: torch.Tensor, coef: torch.Tensor, opt: torch.Tensor,
                      rank_bucket: int) -> None:
-    """In place, on each slot's live values: ``grad *= coef``, one AdamW step of ``param``, ``grad = 0``.
+    """In place, on each slot's live values: one AdamW step of ``param`` on ``grad * coef``, then ``grad = 0``
+    (``grad`` unchanged where the slot's ``keep`` column is set: it is accumulating, its row a no-op step).
 
     Args:
         param, grad, exp_avg, exp_avg_sq: (total,) fp32 flat buffers of one layout (module docstring).

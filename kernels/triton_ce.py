@@ -122,29 +122,45 @@ def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, scale: torch
 
 
 def _losses(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-            capacity: int, write_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(C,) losses, (C,) counts and, with ``write_grad``, dh (T, H) in the logits' dtype (module docstring)."""
+            capacity: int, write_grad: bool, chunk: int | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(C,) losses, (C,) counts and, with ``write_grad``, dh (T, H) in the logits' dtype (module docstring).
+
+    ``chunk``: the logits of at most this many rows exist at a time (fixed row ranges: a static shape, capturable);
+    None: all T rows' at once."""
     n_rows = hidden.shape[0]
-    logits = F.linear(hidden, weight, bias)  # (T, V), the model's dtype
     counts = (targets != IGNORE_INDEX).view(capacity, -1).sum(dim=1).float()  # (C,)
     denom = counts.clamp(min=1.0)
-    scale = 1.0 / denom if write_grad else None
-    nll = cross_entropy_rows(logits, targets, scale, n_rows // capacity)  # (T,)
-    dh = torch.mm(logits, weight) if write_grad else None  # (T, H): logits now hold their gradient
+    if chunk is None or chunk >= n_rows:
+        logits = F.linear(hidden, weight, bias)  # (T, V), the model's dtype
+        nll = cross_entropy_rows(logits, targets, 1.0 / denom if write_grad else None, n_rows // capacity)  # (T,)
+        dh = torch.mm(logits, weight) if write_grad else None  # (T, H): logits now hold their gradient
+        return nll.view(capacity, -1).sum(dim=1) / denom, counts, dh
+    # per row: its slot's 1 / n_g, so that a chunk may start and end inside a slot's rows
+    scale = (1.0 / denom).repeat_interleave(n_rows // capacity) if write_grad else None  # (T,)
+    nll = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
+    dh = torch.empty_like(hidden, dtype=hidden.dtype) if write_grad else None
+    for i in range(0, n_rows, chunk):
+        logits = F.linear(hidden[i:i + chunk], weight, bias)  # (chunk, V)
+        nll[i:i + chunk] = cross_entropy_rows(logits, targets[i:i + chunk],
+                                              None if scale is None else scale[i:i + chunk], 1)
+        if dh is not None:
+            torch.mm(logits, weight, out=dh[i:i + chunk])
+        del logits  # freed before the next chunk's: one chunk of logits at a time
     return nll.view(capacity, -1).sum(dim=1) / denom, counts, dh
 
 
 class StaticLinearCE(torch.autograd.Function):
     """Per-slot mean cross-entropy of ``F.linear(hidden, weight, bias)``, the head frozen (module docstring).
 
-    forward(hidden (T, H), weight (V, H), bias (V,) | None, targets (T,) shifted, capacity C) -> losses (C,) fp32,
-    counts (C,) fp32 (not differentiable). Differentiable in ``hidden`` only.
+    forward(hidden (T, H), weight (V, H), bias (V,) | None, targets (T,) shifted, capacity C, chunk rows | None) ->
+    losses (C,) fp32, counts (C,) fp32 (not differentiable). Differentiable in ``hidden`` only.
     """
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-                capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-        losses, counts, dh = _losses(hidden, weight, bias, targets, capacity, ctx.needs_input_grad[0])
+                capacity: int, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        losses, counts, dh = _losses(hidden, weight, bias, targets, capacity, ctx.needs_input_grad[0], chunk)
         ctx.mark_non_differentiable(counts)
         ctx.save_for_backward(dh)
         ctx.capacity, ctx.dtype = capacity, hidden.dtype
@@ -154,17 +170,19 @@ class StaticLinearCE(torch.autograd.Function):
     def backward(ctx, grad_losses: torch.Tensor, _grad_counts: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         (dh,) = ctx.saved_tensors
         if dh is None:
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         n_rows, h = dh.shape
         g = grad_losses.float()[:, None, None]  # (C, 1, 1): every row of slot g gets dloss_g's factor
         dx = (dh.view(ctx.capacity, -1, h).float() * g).to(ctx.dtype).view(n_rows, h)
-        return dx, None, None, None, None
+        return dx, None, None, None, None, None
 
 
 def static_linear_ce_triton(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                            targets: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+                            targets: torch.Tensor, capacity: int, chunk: int | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """``kernels.static_linear_ce(..., impl="triton")``: the autograd Function when ``hidden`` needs a gradient,
-    else the forward alone (no gradient write, no second GEMM).
+    else the forward alone (no gradient write, no second GEMM). ``chunk``: logits of at most that many rows at a
+    time (the same losses and gradients; the bf16 logits' memory bounded by ``chunk`` x V).
 
     Raises:
         RuntimeError: on the CPU with the Triton interpreter off.
@@ -180,6 +198,6 @@ def static_linear_ce_triton(hidden: torch.Tensor, weight: torch.Tensor, bias: to
                          f"got {tuple(hidden.shape)}, {tuple(weight.shape)}, {tuple(targets.shape)}, {capacity}")
     hidden = hidden.contiguous()
     if torch.is_grad_enabled() and hidden.requires_grad:
-        return StaticLinearCE.apply(hidden, weight, bias, targets, capacity)
-    losses, counts, _ = _losses(hidden, weight, bias, targets, capacity, write_grad=False)
+        return StaticLinearCE.apply(hidden, weight, bias, targets, capacity, chunk)
+    losses, counts, _ = _losses(hidden, weight, bias, targets, capacity, write_grad=False, chunk=chunk)
     return losses, counts

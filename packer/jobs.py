@@ -11,9 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from lora_sweep.packer.data import IGNORE_INDEX
 from lora_sweep.packer.plan import AdapterSpec
 
-__all__ = ["BatchSource", "FixedBatch", "SlotJob", "SlotEnd", "StepReport", "TrainResult"]
+__all__ = ["BatchSource", "FixedBatch", "SlotJob", "SlotEnd", "StepReport", "TrainResult", "Window", "Tally",
+           "target_tokens", "STEP_NAMES"]
+
+STEP_NAMES = {"cuda-graph": "static shapes, replayed as CUDA graphs", "static-eager": "static shapes, eagerly",
+              "dynamic": "dynamic shapes, eagerly"}
+"""``TrainResult.step`` values, and what each means in words."""
 
 
 class BatchSource(Protocol):
@@ -76,6 +82,65 @@ class SlotEnd:
     """``finished`` (max_steps), ``stopped`` (should_stop) or ``interrupted`` (max_global_steps)."""
 
 
+def target_tokens(row: Any) -> int:
+    """Tokens of a row that take a loss (``labels[1:]`` after the causal shift)."""
+    return sum(1 for label in row.labels[1:] if label != IGNORE_INDEX)
+
+
+@dataclass
+class Window:
+    """The micro-batches of a slot's current optimizer step (gradient accumulation, ``k`` of them).
+
+    At the start of an optimizer step all ``k`` micro-batches are drawn at once, so that their target tokens N
+    are known before the first is trained: each micro-batch then adds (sum of its token losses) / N to the
+    backward (``weight``), and the accumulated gradient is that of the mean over all N tokens, as if the k
+    micro-batches were one batch (transformers' ``num_items_in_batch``): independent of the split."""
+
+    k: int
+    queue: list[list[Any]] = field(default_factory=list)
+    tokens: int = 0
+    """Target tokens of the current optimizer step, all its micro-batches."""
+
+    def draw(self, stream: BatchSource) -> list[Any]:
+        """The next micro-batch; at the start of an optimizer step, draws all of that step's micro-batches."""
+        if not self.queue:
+            self.queue = [stream.next_batch() for _ in range(self.k)]
+            self.tokens = sum(target_tokens(r) for rows in self.queue for r in rows)
+        return self.queue.pop(0)
+
+    @property
+    def complete(self) -> bool:
+        """Whether the micro-batch drawn last is its optimizer step's last: the slot steps after it."""
+        return not self.queue
+
+    def weight(self, count: int) -> float:
+        """The factor turning a micro-batch's mean loss over its ``count`` target tokens into its share of the
+        step's mean (1 without accumulation: the micro-batch mean is the step's mean)."""
+        return 1.0 if self.k == 1 else count / max(self.tokens, 1)
+
+
+@dataclass
+class Tally:
+    """The reported loss and input tokens of a slot's optimizer step, summed over its micro-batches as their
+    losses arrive (which the static step reads back later than it draws them)."""
+
+    loss_sum: float = 0.0
+    input_tokens: int = 0
+
+    def add(self, loss: float, count: int, input_tokens: int, k: int) -> None:
+        """One micro-batch: its mean loss over ``count`` target tokens and its non-padding tokens."""
+        # without accumulation the step's loss is the micro-batch mean itself, not mean * count / count
+        self.loss_sum = loss if k == 1 else self.loss_sum + loss * count
+        self.input_tokens += input_tokens
+
+    def take(self, tokens: int, k: int) -> tuple[float, int]:
+        """(mean loss over the step's ``tokens`` target tokens, its input tokens); starts the next step's tally."""
+        loss = self.loss_sum if k == 1 else self.loss_sum / max(tokens, 1)
+        out = loss, self.input_tokens
+        self.loss_sum, self.input_tokens = 0.0, 0
+        return out
+
+
 @dataclass
 class TrainResult:
     """Totals of one call of ``train``."""
@@ -95,3 +160,6 @@ class TrainResult:
     """Static-shape path: seconds spent capturing CUDA graphs."""
     graphs: int = 0
     """Static-shape path: CUDA graphs captured (0: eager)."""
+    step: str = ""
+    """Which step trained: ``cuda-graph`` (the static step replayed as CUDA graphs), ``static-eager`` (the static
+    step run eagerly: on the CPU, with ``cuda_graphs: off``, or after a capture failed) or ``dynamic``."""

@@ -362,7 +362,10 @@ class PackedModel:
             return
         if not (isinstance(model, PreTrainedModel) and model.supports_gradient_checkpointing):
             raise ConfigError(f"activation_checkpointing: {type(model).__name__} does not support it")
-        kwargs = {"use_reentrant": False, "context_fn": self._checkpoint_contexts}
+        # no RNG state to save and restore: the base runs in eval mode and LoRA dropout masks are counter-based,
+        # so nothing in a layer draws from the global generators; and reading a CUDA generator's state is what a
+        # CUDA graph capture cannot do (the static step captures the recompute with the rest of the backward)
+        kwargs = {"use_reentrant": False, "context_fn": self._checkpoint_contexts, "preserve_rng_state": False}
         if new_api:
             model.activation_checkpointing_enable(kwargs)
         else:

@@ -24,10 +24,12 @@ front so layer ids and offsets never move), that layer's A for all C slots, ``(C
 - the optimizer walks only each slot's first ``r_g`` rows (``kernels.triton_adamw``), so its traffic follows the
   real ranks: a large bucket costs memory, not time.
 
-**Per-step data** (``ShapeBuffers``): token ids, labels, attention mask, the segment tables (ranks, scales,
-dropout p and seeds), the optimizer table (``kernels.triton_adamw.OPT_FIELDS``: decay, betas, bias corrections,
-step size, clip norm) and the ring-buffer row. The host writes them into pinned staging memory and copies them
-with two non-blocking copies before each step (``packer.static_loop``).
+**Per-step data** (``ShapeBuffers``): token ids, labels, attention mask, positions (restarting at every example
+of a sample-packed row), the segment tables (ranks, scales, dropout p and seeds), each slot's loss weight
+(gradient accumulation: its micro-batch's share of its optimizer step's target tokens), the optimizer table
+(``kernels.triton_adamw.OPT_FIELDS``: decay, betas, bias corrections, step size, clip norm, whether the
+gradient is kept for the next micro-batch) and the ring-buffer row. The host writes them into pinned staging
+memory and copies them with two non-blocking copies before each step (``packer.static_loop``).
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from lora_sweep.packer.plan import ALL_LINEAR
 __all__ = ["StaticStore", "ShapeBuffers", "OPT_FIELDS", "SEG_INT", "SEG_FLT", "static_losses", "static_head_losses",
            "fused_loss_head", "shift_targets"]
 
-OPT_FIELDS = 8
+OPT_FIELDS = 9
 """Columns of the optimizer table, as ``kernels.triton_adamw.OPT_FIELDS``."""
 SEG_INT, SEG_FLT = SEG_INT_FIELDS, SEG_FLT_FIELDS
 """Columns of the segment tables (``kernels.SegInt`` / ``kernels.SegFlt``: the one list of their names)."""
@@ -66,11 +68,13 @@ class ShapeBuffers:
 
     Attributes:
         ids, labels, mask: (B, L) int64, B = C * rows.
+        pos: (B, L) int64 positions: 0.. per example of a sample-packed row, 0..L-1 on every other row.
         meta: the kernels' tables; ``meta.seg_int`` (C, SEG_INT) and ``meta.seg_flt`` (C, SEG_FLT) are views of the
             blocks, one ``kernels.SegInt`` / ``SegFlt`` per slot.
         rank: (C,) int64 per-slot rank (0: free slot).
         ring_row: (1,) int64, the ring-buffer row this step writes.
         opt: (C, OPT_FIELDS) fp32 optimizer table.
+        loss_w: (C,) fp32 factor of each slot's mean loss in the backward (1 without accumulation).
         col_mask: (B, C * RB) fp32, 1 where a column belongs to the row's slot (masked-dense path only).
     """
 
@@ -81,10 +85,12 @@ class ShapeBuffers:
     ids: torch.Tensor
     labels: torch.Tensor
     mask: torch.Tensor
+    pos: torch.Tensor
     meta: SegmentMeta
     rank: torch.Tensor
     ring_row: torch.Tensor
     opt: torch.Tensor
+    loss_w: torch.Tensor
     col_mask: torch.Tensor | None
 
 
@@ -207,12 +213,12 @@ class StaticStore:
     def shape_buffers(self, rows: int, seq_len: int, impl: str) -> ShapeBuffers:
         """Fresh device buffers for a (C x rows, seq_len) step; the kernels' tile maps are built here, once."""
         c, b = self.capacity, self.capacity * rows
-        n_int = 3 * b * seq_len + c * SEG_INT + c + 1
-        ints = torch.zeros(n_int, dtype=torch.int64, device=self.device)
-        floats = torch.zeros(c * SEG_FLT + c * OPT_FIELDS, dtype=torch.float32, device=self.device)
-        base = static_meta(c, rows, seq_len, self.rank_bucket, self.device, dropout=True)
         bl = b * seq_len
-        seg_int = ints[3 * bl:3 * bl + c * SEG_INT].view(c, SEG_INT)
+        n_int = 4 * bl + c * SEG_INT + c + 1
+        ints = torch.zeros(n_int, dtype=torch.int64, device=self.device)
+        floats = torch.zeros(c * (SEG_FLT + OPT_FIELDS + 1), dtype=torch.float32, device=self.device)
+        base = static_meta(c, rows, seq_len, self.rank_bucket, self.device, dropout=True)
+        seg_int = ints[4 * bl:4 * bl + c * SEG_INT].view(c, SEG_INT)
         seg_flt = floats[:c * SEG_FLT].view(c, SEG_FLT)
         seg_int.copy_(base.seg_int)
         seg_flt.copy_(base.seg_flt)
@@ -221,10 +227,11 @@ class StaticStore:
             slot_of_col = torch.arange(c * self.rank_bucket, device=self.device) // self.rank_bucket
             slot_of_row = torch.arange(b, device=self.device) // rows
             col_mask = (slot_of_row[:, None] == slot_of_col[None, :]).float()
-        return ShapeBuffers(rows, seq_len, ints, floats, ints[:bl].view(b, seq_len), ints[bl:2 * bl].view(b, seq_len),
-                            ints[2 * bl:3 * bl].view(b, seq_len), base._replace(seg_int=seg_int, seg_flt=seg_flt),
-                            ints[3 * bl + c * SEG_INT:3 * bl + c * SEG_INT + c], ints[-1:],
-                            floats[c * SEG_FLT:].view(c, OPT_FIELDS), col_mask)
+        block = [ints[i * bl:(i + 1) * bl].view(b, seq_len) for i in range(4)]  # ids, labels, mask, pos
+        opt_end = c * (SEG_FLT + OPT_FIELDS)
+        return ShapeBuffers(rows, seq_len, ints, floats, *block, base._replace(seg_int=seg_int, seg_flt=seg_flt),
+                            ints[4 * bl + c * SEG_INT:4 * bl + c * SEG_INT + c], ints[-1:],
+                            floats[c * SEG_FLT:opt_end].view(c, OPT_FIELDS), floats[opt_end:], col_mask)
 
     @contextlib.contextmanager
     def stepping(self, shape: ShapeBuffers, dropout: bool) -> Iterator[None]:
@@ -312,7 +319,7 @@ def fused_loss_head(model: nn.Module) -> nn.Linear | None:
 
 
 def static_head_losses(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, capacity: int,
-                       impl: str = "triton") -> tuple[torch.Tensor, torch.Tensor]:
+                       impl: str = "triton", chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``static_losses(head(hidden), labels, capacity)`` without materialising fp32 logits: ``kernels.static_linear_ce``
     (on the Triton path the logits exist only inside its forward, in the model's dtype).
 
@@ -322,10 +329,11 @@ def static_head_losses(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tens
         labels: (B, L) unshifted, ``IGNORE_INDEX`` where no loss is taken.
         capacity: C; B is a multiple of it.
         impl: as ``kernels.static_linear_ce``.
+        chunk: as ``kernels.static_linear_ce``: logits of at most this many token rows at a time.
 
     Returns:
         (C,) fp32 losses (0 for a slot without target tokens) and (C,) fp32 target counts.
     """
     b, seq, h = hidden.shape
     return kernels.static_linear_ce(hidden.reshape(b * seq, h), head.weight, head.bias, shift_targets(labels),
-                                    capacity, impl=impl)  # type: ignore[arg-type]
+                                    capacity, impl=impl, chunk=chunk)  # type: ignore[arg-type]

@@ -7,6 +7,12 @@ differs is where a step's numbers live:
   free slot, gets padding rows with no loss) x a length padded up to a multiple of ``seq_multiple``. One step
   shape, with the set of adapted layers and whether dropout is compiled in, is one graph key: refills,
   prunes and slot ends change no key (``packer.static`` says how the buffers make that exact).
+- **Features are data too.** Gradient accumulation (per slot, any mix of k in one pack; ``packer.jobs.Window``):
+  each slot's mean loss enters the backward times its loss weight (its micro-batch's share of its optimizer
+  step's target tokens), and a slot whose step awaits more micro-batches gets the ``ACCUMULATE`` optimizer row
+  (no-op step, gradient kept); it clips, steps and advances its schedule after its k-th. Sample packing: the
+  positions restart at each example of a row, and the model builds the block-diagonal causal mask from them on
+  the device (one more graph key: positions instead of a padding mask).
 - **Per-step values are data.** The host writes tokens, segment tables and the optimizer table into pinned
   staging memory (a ring of ``_STAGING`` blocks, each reused only once the GPU has copied it: the host runs
   ahead of the GPU without racing it) and copies them with two non-blocking copies; then the graph replays.
@@ -37,7 +43,9 @@ import torch
 from lora_sweep.kernels import FREE_FLT, SEG_FLT_COL, PackLayout, SegFlt, dropout_seed, free_segment, resolve_impl
 from lora_sweep.packer.batch import IGNORE_INDEX
 from lora_sweep.packer.capture import capture, precompile
-from lora_sweep.packer.jobs import SlotEnd, SlotJob, StepReport, TrainResult
+from lora_sweep.packer.isolation import check_sample_packing
+from lora_sweep.packer.jobs import SlotEnd, SlotJob, StepReport, Tally, TrainResult, Window, target_tokens
+from lora_sweep.packer.loss import chunked_slot_losses
 from lora_sweep.packer.model import PackedModel
 from lora_sweep.packer.optim import lr_schedule
 from lora_sweep.packer.static import (
@@ -49,7 +57,7 @@ from lora_sweep.packer.static import (
     static_head_losses,
     static_losses,
 )
-from lora_sweep.packer.static_optim import NOOP, optimizer_row, static_adamw_step
+from lora_sweep.packer.static_optim import ACCUMULATE, NOOP, optimizer_row, static_adamw_step
 
 __all__ = ["train_static", "DEFAULT_READBACK", "SEQ_MULTIPLE", "rank_bucket_for"]
 
@@ -68,16 +76,41 @@ def rank_bucket_for(rank: int) -> int:
 class _Live:
     job: SlotJob
     schedule: Any
+    window: Window
     steps: int = 0
+    """Optimizer steps taken."""
+    micro: int = 0
+    """Micro-batches trained (seeds the dropout masks; equals ``steps`` without accumulation)."""
     stopped: bool = False
+    tally: Tally = field(default_factory=Tally)
+    """The reported loss of the optimizer step whose micro-batches are being read back."""
+
+    @property
+    def k(self) -> int:
+        return self.job.spec.gradient_accumulation_steps
+
+
+@dataclass
+class _Entry:
+    """What the host knows of one live slot's micro-batch in one step; the ring holds the rest."""
+
+    slot: int
+    key: Any
+    slot_step: int
+    """Optimizer steps after this micro-batch."""
+    lr: float
+    input_tokens: int
+    steps: bool
+    """Whether the slot took its optimizer step after this micro-batch (its last)."""
+    tokens: int
+    """Target tokens of the slot's whole optimizer step."""
 
 
 @dataclass
 class _Pending:
     step: int
     row: int
-    entries: list[tuple[int, Any, int, float, int]]
-    """(slot, key, slot step, lr, input tokens) of every live slot."""
+    entries: list[_Entry]
 
 
 @dataclass
@@ -89,6 +122,9 @@ class _Graphs:
     pool: Any = None
     warmup_s: float = 0.0
     capture_s: float = 0.0
+    grads: torch.Tensor | None = None
+    """The store's gradient buffer while a slot accumulates: the warm-up steps before a capture add their
+    gradients and zero them, so an accumulating slot's gradient so far is saved and put back around them."""
 
     def run(self, key: tuple, step: Callable[[], None], shape: ShapeBuffers, scratch_row: int) -> None:
         if not self.enabled:
@@ -105,6 +141,7 @@ class _Graphs:
 
     def _capture(self, step: Callable[[], None], shape: ShapeBuffers, scratch_row: int) -> torch.cuda.CUDAGraph | None:
         saved = shape.floats.clone(), shape.ints[-1:].clone()
+        grads = None if self.grads is None else self.grads.clone()
         shape.opt.copy_(torch.tensor(NOOP, device=shape.opt.device).expand_as(shape.opt))
         shape.ring_row.fill_(scratch_row)
         try:
@@ -119,6 +156,8 @@ class _Graphs:
             self.enabled, graph = False, None
         shape.floats.copy_(saved[0])
         shape.ints[-1:].copy_(saved[1])
+        if grads is not None:
+            self.grads.copy_(grads)  # type: ignore[union-attr]
         return graph
 
 
@@ -152,20 +191,24 @@ class _Staging:
 def _fill(ints: np.ndarray, floats: np.ndarray, store: StaticStore, shape: ShapeBuffers, active: dict[int, _Live],
           rows: dict[int, list], pad_id: int, ring_row: int) -> tuple[dict[int, float], dict[int, int], PackLayout]:
     """Write one step's values into the staging arrays; returns per live slot its lr and input tokens, and the
-    step's layout as Python values (for the eager masked-dense dropout)."""
+    step's layout as Python values (for the eager masked-dense dropout). A slot whose micro-batch is not its
+    optimizer step's last (``Window.complete``) gets the ``ACCUMULATE`` row: its gradient stays."""
     c, m, seq = store.capacity, shape.rows, shape.seq_len
     b = c * m
-    ids, labels, mask = (ints[i * b * seq:(i + 1) * b * seq].reshape(b, seq) for i in range(3))
+    ids, labels, mask, pos = (ints[i * b * seq:(i + 1) * b * seq].reshape(b, seq) for i in range(4))
     ids.fill(pad_id)
     labels.fill(IGNORE_INDEX)
     mask.fill(0)
     mask[:, 0] = 1  # a padding row attends to one token: no fully masked row (whose attention would be NaN)
-    off = 3 * b * seq
+    pos[:] = np.arange(seq)
+    off = 4 * b * seq
     seg_int = ints[off:off + c * SEG_INT].reshape(c, SEG_INT)
     rank = ints[off + c * SEG_INT:off + c * SEG_INT + c]
     ints[-1] = ring_row
     seg_flt = floats[:c * SEG_FLT].reshape(c, SEG_FLT)
-    opt = floats[c * SEG_FLT:].reshape(c, -1)
+    n_opt = c * len(NOOP)
+    opt = floats[c * SEG_FLT:c * SEG_FLT + n_opt].reshape(c, -1)
+    loss_w = floats[c * SEG_FLT + n_opt:]
     lrs, input_tokens, p_list, seeds, own = {}, {}, [0.0] * c, [0] * c, [seq] * c
     for g in range(c):
         live = active.get(g)
@@ -173,37 +216,54 @@ def _fill(ints: np.ndarray, floats: np.ndarray, store: StaticStore, shape: Shape
         seg_flt[g] = FREE_FLT
         rank[g] = 0
         opt[g] = NOOP
+        loss_w[g] = 1.0
         if live is None:
             continue
         spec = live.job.spec
-        n_in = 0
         for i, r in enumerate(rows[g]):
-            n = len(r.input_ids)
-            ids[g * m + i, :n] = r.input_ids
-            labels[g * m + i, :n] = r.labels
-            mask[g * m + i, :n] = 1
-            n_in += n
+            _put_row(r, g * m + i, ids, labels, mask, pos)
         lr = spec.lr * live.schedule(live.steps)
-        seeds[g], p_list[g] = dropout_seed(spec.seed, live.steps), spec.dropout
+        seeds[g], p_list[g] = dropout_seed(spec.seed, live.micro), spec.dropout
         own[g] = max((len(r.input_ids) for r in rows[g]), default=0)
         seg_int[g] = free_segment(g, m, seq, store.rank_bucket)._replace(rank=spec.rank, seed=seeds[g])
         rank[g] = spec.rank
         seg_flt[g] = SegFlt(scale=spec.scale, p=spec.dropout, inv_keep=1.0 / (1.0 - spec.dropout))
-        opt[g] = optimizer_row(spec, lr, live.steps + 1)
-        lrs[g], input_tokens[g] = lr, n_in
+        opt[g] = optimizer_row(spec, lr, live.steps + 1) if live.window.complete else ACCUMULATE
+        if live.k > 1:  # (1 otherwise: no count to take on the host)
+            loss_w[g] = live.window.weight(sum(target_tokens(r) for r in rows[g]))
+        lrs[g], input_tokens[g] = lr, sum(len(r.input_ids) for r in rows[g])
     layout = PackLayout(tuple(range(c)), tuple(g * m for g in range(c)), (m,) * c, tuple(own), tuple(p_list),
                         tuple(seeds))
     return lrs, input_tokens, layout
 
 
+def _put_row(r: Any, i: int, ids: np.ndarray, labels: np.ndarray, mask: np.ndarray, pos: np.ndarray) -> None:
+    """One example row (or sample-packed row: positions restarting per example) into row ``i`` of the arrays."""
+    n = len(r.input_ids)
+    ids[i, :n] = r.input_ids
+    labels[i, :n] = r.labels
+    mask[i, :n] = 1
+    packed_pos = getattr(r, "position_ids", None)
+    if packed_pos is not None:
+        # the padding tail continues the last example's positions: it belongs to no new example
+        pos[i, :n] = packed_pos
+        pos[i, n:] = np.arange(pos.shape[1] - n) + (packed_pos[-1] + 1)
+
+
 def _step_fn(pm: PackedModel, store: StaticStore, shape: ShapeBuffers, ring: torch.Tensor, triton: bool,
-             dropout: bool) -> Callable[[], None]:
+             dropout: bool, packed: bool, chunk: int | None) -> Callable[[], None]:
     """The whole step on the shape's buffers: forward, per-slot losses, backward, clip + AdamW, ring write.
 
     On the Triton path the loss goes through the frozen head in one fused function (``static_head_losses``: no fp32
     logits, the head's input gradient computed in the forward); a model whose logits are not a plain head's output,
-    and the masked-dense path, compute full logits (``static_losses``)."""
+    and the masked-dense path, compute full logits (``static_losses``). The backward takes each slot's mean loss
+    times its loss weight (gradient accumulation). ``packed``: some row is sample-packed; the model gets the
+    positions and no padding mask, and builds the block-diagonal causal mask from the positions on the device
+    (``PackedModel.forward``). ``chunk`` (``chunked_ce``): the fused loss holds the logits of that many token rows
+    at a time (fixed ranges: capturable); off the Triton path the loss is ``packer.loss.chunked_slot_losses`` over
+    the target tokens (a data-dependent gather: eager only, a capture of it fails over to the eager step)."""
     c = store.capacity
+    pos = shape.pos if packed else None
 
     def step() -> None:
         head = fused_loss_head(pm.model) if triton else None  # here, not above: a replay never runs this function
@@ -212,14 +272,19 @@ def _step_fn(pm: PackedModel, store: StaticStore, shape: ShapeBuffers, ring: tor
                 scale = shape.meta.seg_flt[:, SEG_FLT_COL.scale].repeat_interleave(shape.rows)
                 store.col_scale = (shape.col_mask * scale[:, None])[:, None, :]  # type: ignore[operator]
             if head is not None:
-                hidden = pm.forward_hidden(shape.ids, shape.mask, None)  # (B, L, H)
-                losses, counts = static_head_losses(hidden, head, shape.labels, c)
+                hidden = pm.forward_hidden(shape.ids, shape.mask, None, pos)  # (B, L, H)
+                losses, counts = static_head_losses(hidden, head, shape.labels, c, chunk=chunk)
+                del hidden
+            elif chunk is not None:
+                hidden = pm.forward_hidden(shape.ids, shape.mask, None, pos)
+                losses, counts = chunked_slot_losses(hidden, pm.output_head(), shape.labels, store.host_layout,
+                                                     chunk_tokens=chunk)  # type: ignore[arg-type]
                 del hidden
             else:
-                logits = pm.model(input_ids=shape.ids, attention_mask=shape.mask, use_cache=False).logits
+                logits = pm.forward(shape.ids, shape.mask, None, pos)
                 losses, counts = static_losses(logits, shape.labels, c)
                 del logits
-            losses.sum().backward()
+            (losses * shape.loss_w).sum().backward()
         norms = static_adamw_step(store, shape, triton)
         ring.index_copy_(0, shape.ring_row, torch.stack([losses.detach(), counts, norms], dim=1)[None])
 
@@ -231,7 +296,8 @@ def train_static(pm: PackedModel, capacity: int, next_job: Callable[[int], SlotJ
                  should_stop: Callable[[StepReport], bool] | None = None,
                  on_end: Callable[[list[SlotEnd]], None] | None = None, max_global_steps: int | None = None,
                  cuda_graphs: str = "auto", readback_every: int = DEFAULT_READBACK, sync_steps: Collection[int] = (),
-                 rank_bucket: int | None = None, seq_multiple: int = SEQ_MULTIPLE) -> TrainResult:
+                 rank_bucket: int | None = None, seq_multiple: int = SEQ_MULTIPLE,
+                 chunk_tokens: int | None = None) -> TrainResult:
     """``packer.train.train`` on a static-shape step (module docstring); same arguments and result, plus:
 
     Args:
@@ -241,6 +307,7 @@ def train_static(pm: PackedModel, capacity: int, next_job: Callable[[int], SlotJ
         rank_bucket: rows per slot and layer (None: the smallest power of two >= 16 holding the first job's
             rank; a larger rank later moves the live slots to a larger bucket, and re-captures).
         seq_multiple: rows are padded to a multiple of this many positions.
+        chunk_tokens: ``chunked_ce``: the loss's logits exist for this many tokens at a time (None: all at once).
     """
     if readback_every < 1:
         raise ValueError(f"readback_every must be >= 1 (got {readback_every})")
@@ -261,15 +328,14 @@ def train_static(pm: PackedModel, capacity: int, next_job: Callable[[int], SlotJ
                 job = next_job(slot) if slot not in active else None
                 if job is None:
                     continue
-                if job.spec.gradient_accumulation_steps > 1 or job.spec.sample_packing:
-                    raise ValueError("the static-shape step trains one micro-batch per optimizer step, one example per "
-                                     "row: train(static_shapes=False) for accumulation or sample packing")
+                if job.spec.sample_packing:
+                    check_sample_packing(pm)
                 if store is None or job.spec.rank > store.rank_bucket:
                     store = _new_store(pm, store, capacity, rank_bucket or rank_bucket_for(job.spec.rank),
                                        job.spec.rank, active)
                     shapes, staging, graphs.graphs, prepared = {}, {}, {}, set()
                 pm.add_slot(slot, job.spec)
-                active[slot] = _Live(job, lr_schedule(job.spec))
+                active[slot] = _Live(job, lr_schedule(job.spec), Window(job.spec.gradient_accumulation_steps))
                 result.jobs_started += 1
             if not active or (max_global_steps is not None and result.steps >= max_global_steps):
                 break
@@ -277,7 +343,7 @@ def train_static(pm: PackedModel, capacity: int, next_job: Callable[[int], SlotJ
             store.active = frozenset(p for s in active for p in pm.slot_paths[s])
 
             # 2. Each live slot's micro-batch, staged into the step shape's buffers.
-            rows = {s: active[s].job.stream.next_batch() for s in sorted(active)}
+            rows = {s: active[s].window.draw(active[s].job.stream) for s in sorted(active)}
             rows_per_slot = max(rows_per_slot, *(len(r) for r in rows.values()))
             longest = max(len(r.input_ids) for rs in rows.values() for r in rs)
             dims = (rows_per_slot, -(-longest // seq_multiple) * seq_multiple)
@@ -293,8 +359,10 @@ def train_static(pm: PackedModel, capacity: int, next_job: Callable[[int], SlotJ
 
             # 3. The step: replayed, captured on first use of its key, or eager.
             dropout = any(a.job.spec.dropout > 0 for a in active.values())
-            key = (*dims, store.active, dropout)
-            step = _step_fn(pm, store, shape, ring, triton, dropout)
+            packed = any(a.job.spec.sample_packing for a in active.values())
+            key = (*dims, store.active, dropout, packed)
+            step = _step_fn(pm, store, shape, ring, triton, dropout, packed, chunk_tokens)
+            graphs.grads = store.grad if any(a.k > 1 for a in active.values()) else None
             if triton and device.type == "cuda" and key not in prepared:
                 prepared.add(key)
                 t_compile = time.perf_counter()
@@ -307,17 +375,18 @@ def train_static(pm: PackedModel, capacity: int, next_job: Callable[[int], SlotJ
                 step()
             else:
                 graphs.run(key, step, shape, readback_every)
-            entries = []
+            entries, due = [], len(pending) + 1 >= readback_every
             for s in sorted(active):
                 a = active[s]
-                a.steps += 1
-                entries.append((s, a.job.key, a.steps, lrs[s], input_tokens[s]))
+                a.micro += 1
+                stepped = a.window.complete
+                a.steps += stepped
+                due = due or (stepped and (a.steps >= a.job.spec.max_steps or a.steps in sync_steps))
+                entries.append(_Entry(s, a.job.key, a.steps, lrs[s], input_tokens[s], stepped, a.window.tokens))
             pending.append(_Pending(result.steps, row, entries))
             result.steps += 1
 
             # 4. Read back when due; hand reports to the caller; end finished and stopped slots.
-            due = (len(pending) >= readback_every or any(a.steps >= a.job.spec.max_steps or a.steps in sync_steps
-                                                         for a in active.values()))
             if due:
                 _flush(ring, pending, active, result, on_step, should_stop)
                 ends = [SlotEnd(s, a.job, a.steps, "finished" if a.steps >= a.job.spec.max_steps else "stopped")
@@ -330,6 +399,7 @@ def train_static(pm: PackedModel, capacity: int, next_job: Callable[[int], SlotJ
         pm.static = None
     result.wall_s = time.perf_counter() - t0
     result.warmup_s, result.capture_s, result.graphs = graphs.warmup_s, graphs.capture_s, len(graphs.graphs)
+    result.step = "cuda-graph" if graphs.enabled and graphs.graphs else "static-eager"
     return result
 
 
@@ -354,16 +424,23 @@ def _new_store(pm: PackedModel, old: StaticStore | None, capacity: int, bucket: 
 def _flush(ring: torch.Tensor, pending: list[_Pending], active: dict[int, _Live], result: TrainResult,
            on_step: Callable[[list[StepReport]], None] | None,
            should_stop: Callable[[StepReport], bool] | None) -> None:
-    """Read the ring buffer once (the loop's only sync) and report every pending step, in order."""
+    """Read the ring buffer once (the loop's only sync) and report, in order, every optimizer step the pending
+    steps completed (an accumulating slot's micro-batches are tallied until its last)."""
     if not pending:
         return
     values = ring.cpu().tolist()
     for p in pending:
-        reports = [StepReport(p.step, s, key, slot_step, values[p.row][s][0], int(values[p.row][s][1]), n_in, lr,
-                              values[p.row][s][2]) for s, key, slot_step, lr, n_in in p.entries]
+        reports = []
+        for e in p.entries:
+            live = active[e.slot]
+            loss, count, norm = values[p.row][e.slot]
+            live.tally.add(loss, int(count), e.input_tokens, live.k)
+            if e.steps:
+                loss, n_in = live.tally.take(e.tokens, live.k)
+                reports.append(StepReport(p.step, e.slot, e.key, e.slot_step, loss, e.tokens, n_in, e.lr, norm))
         result.tokens += sum(r.tokens for r in reports)
         result.input_tokens += sum(r.input_tokens for r in reports)
-        if on_step is not None:
+        if on_step is not None and reports:  # an accumulating pack may have a step in which no slot stepped
             on_step(reports)
         for r in reports:
             live = active[r.slot]

@@ -19,11 +19,13 @@ from lora_sweep import kernels
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.static import ShapeBuffers, StaticStore
 
-__all__ = ["static_adamw_step", "optimizer_row", "NOOP"]
+__all__ = ["static_adamw_step", "optimizer_row", "NOOP", "ACCUMULATE"]
 
-NOOP = (1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0, math.inf)
-"""Optimizer row that changes nothing: decay 1, 1 - beta1 = 0, beta2 = 1, 1 - beta2 = 0, bias correction 1,
-eps 1, step 0, no clipping."""
+NOOP = (1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0, math.inf, 0.0)
+"""Optimizer row that changes no weight or moment: decay 1, 1 - beta1 = 0, beta2 = 1, 1 - beta2 = 0, bias
+correction 1, eps 1, step 0, no clipping; the gradient is zeroed."""
+ACCUMULATE = (*NOOP[:-1], 1.0)
+"""``NOOP`` keeping the gradient: the row of a slot whose optimizer step awaits more micro-batches."""
 
 
 def optimizer_row(spec: AdapterSpec, lr: float, step: int) -> tuple[float, ...]:
@@ -31,12 +33,13 @@ def optimizer_row(spec: AdapterSpec, lr: float, step: int) -> tuple[float, ...]:
     scalars ``PackedAdamW`` passes to its foreach ops, computed in double as there."""
     b1, b2 = spec.betas
     return (1 - lr * spec.weight_decay, 1 - b1, b2, 1 - b2, (1 - b2 ** step) ** 0.5, spec.eps,
-            -(lr / (1 - b1 ** step)), spec.max_grad_norm if spec.max_grad_norm is not None else math.inf)
+            -(lr / (1 - b1 ** step)), spec.max_grad_norm if spec.max_grad_norm is not None else math.inf, 0.0)
 
 
 @torch.no_grad()
 def static_adamw_step(store: StaticStore, shape: ShapeBuffers, triton: bool) -> torch.Tensor:
-    """Clip each slot's gradient to its norm, take its AdamW step, zero the gradients.
+    """Clip each slot's gradient to its norm, take its AdamW step, zero the gradients (keep them where the slot's
+    row is ``ACCUMULATE``: a no-op step whose clip coefficient is 1, so the gradient stays exactly as it was).
 
     Returns:
         (C,) fp32 gradient norms before clipping, on the device (no host sync).
@@ -53,8 +56,8 @@ def static_adamw_step(store: StaticStore, shape: ShapeBuffers, triton: bool) -> 
         kernels.segmented_adamw_(store.flat, store.grad, store.exp_avg, store.exp_avg_sq, store.segs, shape.rank,
                                  coef, opt, store.rank_bucket)
         return norms
-    cols = [opt[:, i:i + 1] for i in range(7)]
-    decay, w1, b2, w2, bc2, eps, step = cols
+    cols = [opt[:, i:i + 1] for i in range(9)]
+    decay, w1, b2, w2, bc2, eps, step, _, keep = cols
     for p in store.paths:
         for leaf in (store.a[p], store.bt[p]):
             param, grad, m, v = (t.view(c, -1) for t in store._views(leaf))
@@ -64,5 +67,5 @@ def static_adamw_step(store: StaticStore, shape: ShapeBuffers, triton: bool) -> 
             v.mul_(b2).addcmul_(grad * w2, grad)
             denom = v.sqrt().div_(bc2).add_(eps)
             param.add_((m / denom) * step)
-            grad.zero_()
+            grad.mul_(keep)
     return norms

@@ -32,9 +32,9 @@ refused.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -44,44 +44,38 @@ from lora_sweep.kernels import dropout_seed
 from lora_sweep.packer.batch import IGNORE_INDEX, PackBatch, Row, collate, row_slots
 from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.isolation import check_sample_packing
-from lora_sweep.packer.jobs import BatchSource, FixedBatch, SlotEnd, SlotJob, StepReport, TrainResult
+from lora_sweep.packer.jobs import (
+    STEP_NAMES,
+    BatchSource,
+    FixedBatch,
+    SlotEnd,
+    SlotJob,
+    StepReport,
+    Tally,
+    TrainResult,
+    Window,
+    target_tokens,
+)
 from lora_sweep.packer.loss import DEFAULT_CHUNK_TOKENS, chunked_slot_losses
 from lora_sweep.packer.model import PackedModel
 from lora_sweep.packer.optim import PackedAdamW
 from lora_sweep.packer.plan import AdapterSpec
 
 __all__ = ["BatchSource", "FixedBatch", "SlotJob", "SlotEnd", "StepReport", "TrainResult", "train", "slot_losses",
-           "make_optimizer", "make_scheduler", "chunk_tokens_of", "check_in_backward"]
+           "make_optimizer", "make_scheduler", "chunk_tokens_of", "check_in_backward", "target_tokens",
+           "STEP_NAMES"]
 
 
 @dataclass
 class _Active:
     job: SlotJob
     params: list[nn.Parameter]
+    window: Window
     steps: int = 0
     """Optimizer steps taken."""
     micro: int = 0
     """Micro-batches trained (seeds the dropout masks; equals ``steps`` without accumulation)."""
-    window: list[list[Any]] = field(default_factory=list)
-    """Micro-batches of the current optimizer step not yet trained."""
-    window_tokens: int = 0
-    """Target tokens of the current optimizer step's micro-batches, all of them."""
-    loss_sum: float = 0.0
-    input_tokens: int = 0
-
-    def next_micro_batch(self) -> list[Any]:
-        """The next micro-batch; at the start of an optimizer step, draws all of that step's micro-batches."""
-        if not self.window:
-            k = self.job.spec.gradient_accumulation_steps
-            self.window = [self.job.stream.next_batch() for _ in range(k)]
-            self.window_tokens = sum(target_tokens(r) for rows in self.window for r in rows)
-            self.loss_sum, self.input_tokens = 0.0, 0
-        return self.window.pop(0)
-
-
-def target_tokens(row: Any) -> int:
-    """Tokens of a row that take a loss (``labels[1:]`` after the causal shift)."""
-    return sum(1 for label in row.labels[1:] if label != IGNORE_INDEX)
+    tally: Tally = field(default_factory=Tally)
 
 
 def make_optimizer(params: Sequence[nn.Parameter], spec: AdapterSpec) -> torch.optim.Optimizer:
@@ -152,7 +146,7 @@ def _start(pm: PackedModel, optimizer: PackedAdamW, slot: int, job: SlotJob) -> 
         check_in_backward(job.spec)
     params = pm.add_slot(slot, job.spec)
     optimizer.add_slot(slot, *pm.flat_buffers(slot), job.spec)
-    return _Active(job, params)
+    return _Active(job, params, Window(job.spec.gradient_accumulation_steps))
 
 
 def check_in_backward(spec: AdapterSpec) -> None:
@@ -210,14 +204,15 @@ def train(
             run and left as set.
         static_shapes: run the static-shape step (``packer.static_loop``: fixed shapes, per-step values in
             device buffers, losses read back every ``readback_every`` steps, so ``on_step`` and
-            ``should_stop`` see each step up to that many steps late); None: on CUDA, unless ``chunked_ce``
-            or ``activation_checkpointing`` is asked for (the static step supports neither; nor jobs that
-            accumulate gradients or pack samples: it raises on one, so pass False for them).
+            ``should_stop`` see each step up to that many steps late; gradient accumulation, sample packing,
+            activation checkpointing and ``chunked_ce`` are data or switches of it); None: on CUDA.
         cuda_graphs: static path only: ``auto`` / ``on`` capture the step as a CUDA graph on CUDA (falling
             back to eager with a warning if capture fails); ``off`` runs it eagerly.
         readback_every, sync_steps, rank_bucket: static path only, see ``packer.static_loop.train_static``.
         optimizer_in_backward: take every slot's AdamW step inside the backward, layer by layer, and keep no
-            gradient buffers (dynamic step only: static_shapes None means False with it).
+            gradient buffers (the dynamic step). The static step keeps its one preallocated gradient buffer (the
+            size of the pack's adapter weights, fp32) and steps after the backward, the same updates: there it
+            checks the jobs the same way and warns once that the memory saving is not taken.
 
     Returns:
         Totals of the run.
@@ -231,28 +226,46 @@ def train(
         raise ValueError(f"cuda_graphs must be auto, on or off (got {cuda_graphs!r})")
     chunk_tokens = chunk_tokens_of(chunked_ce)
     if static_shapes is None:
-        static_shapes = (pm.device.type == "cuda" and chunk_tokens is None and not activation_checkpointing
-                         and not optimizer_in_backward)
+        static_shapes = pm.device.type == "cuda"
     if static_shapes:
-        if chunk_tokens is not None or activation_checkpointing or optimizer_in_backward:
-            raise ValueError("static_shapes supports neither chunked_ce, activation_checkpointing nor "
-                             "optimizer_in_backward")
         from lora_sweep.packer.static_loop import train_static
 
-        pm.set_activation_checkpointing(False)
+        if optimizer_in_backward:
+            next_job = _in_backward_jobs(next_job)
+            warnings.warn("optimizer_in_backward: the static-shape step keeps its preallocated gradient buffer and "
+                          "takes each slot's AdamW step after the backward (the same updates, not the memory saving)",
+                          stacklevel=2)
+        if chunk_tokens is not None:
+            pm.output_head()  # refuses models whose logits are not head(hidden), before any slot starts
+        pm.set_activation_checkpointing(activation_checkpointing)
         return train_static(pm, capacity, next_job, pad_id=pad_id, on_step=on_step, should_stop=should_stop,
                             on_end=on_end, max_global_steps=max_global_steps, cuda_graphs=cuda_graphs,
-                            readback_every=readback_every, sync_steps=sync_steps, rank_bucket=rank_bucket)
+                            readback_every=readback_every, sync_steps=sync_steps, rank_bucket=rank_bucket,
+                            chunk_tokens=chunk_tokens)
     if chunk_tokens is not None:
         pm.output_head()  # refuses models whose logits are not head(hidden), before any slot starts
     pm.set_activation_checkpointing(activation_checkpointing)
     optimizer = PackedAdamW()
     pm.state.grad_sink = optimizer.backward_step if optimizer_in_backward else None
     try:
-        return _train(pm, optimizer, capacity, next_job, pad_id, on_step, should_stop, on_end, max_global_steps,
-                      chunk_tokens)
+        result = _train(pm, optimizer, capacity, next_job, pad_id, on_step, should_stop, on_end, max_global_steps,
+                        chunk_tokens)
+        result.step = "dynamic"
+        return result
     finally:
         pm.state.grad_sink = None
+
+
+def _in_backward_jobs(next_job: Callable[[int], SlotJob | None]) -> Callable[[int], SlotJob | None]:
+    """``next_job`` whose jobs are checked as the step in the backward would check them (``check_in_backward``):
+    a study keeps one meaning of ``optimizer_in_backward`` on either step."""
+    def checked(slot: int) -> SlotJob | None:
+        job = next_job(slot)
+        if job is not None:
+            check_in_backward(job.spec)
+        return job
+
+    return checked
 
 
 def _train(pm: PackedModel, optimizer: PackedAdamW, capacity: int, next_job: Callable[[int], SlotJob | None],
@@ -276,7 +289,7 @@ def _train(pm: PackedModel, optimizer: PackedAdamW, capacity: int, next_job: Cal
 
         # 2. One micro-batch per slot, drawn from the slot's own stream, packed into one batch.
         slots = sorted(active)
-        rows: list[list[Row]] = [active[s].next_micro_batch() for s in slots]
+        rows: list[list[Row]] = [active[s].window.draw(active[s].job.stream) for s in slots]
         specs = [active[s].job.spec for s in slots]
         batch = collate(slots, rows, pad_id, dropout=[sp.dropout for sp in specs],
                         seeds=[dropout_seed(sp.seed, active[s].micro) for s, sp in zip(slots, specs, strict=True)],
@@ -323,7 +336,7 @@ def _accumulation_weights(order: list[_Active], counts: torch.Tensor) -> torch.T
     None when no slot accumulates (every factor would be 1)."""
     if all(a.job.spec.gradient_accumulation_steps == 1 for a in order):
         return None
-    total = torch.tensor([float(max(a.window_tokens, 1)) for a in order], device=counts.device)
+    total = torch.tensor([float(max(a.window.tokens, 1)) for a in order], device=counts.device)
     ones = torch.tensor([a.job.spec.gradient_accumulation_steps == 1 for a in order], device=counts.device)
     return torch.where(ones, torch.ones_like(total), counts / total)
 
@@ -345,10 +358,8 @@ def _step_slots(optimizer: PackedAdamW, active: dict[int, _Active], slots: list[
         a = active[slot]
         a.micro += 1
         r0, n = batch.layout.row_start[i], batch.layout.n_rows[i]
-        a.input_tokens += int(sum(input_tokens[r0:r0 + n]))
-        # without accumulation the step's loss is the micro-batch mean itself, not mean * count / count
-        a.loss_sum = loss if a.job.spec.gradient_accumulation_steps == 1 else a.loss_sum + loss * count
-        if not a.window:
+        a.tally.add(loss, int(count), int(sum(input_tokens[r0:r0 + n])), a.job.spec.gradient_accumulation_steps)
+        if a.window.complete:
             done.append(slot)
     if not done:
         return []
@@ -361,9 +372,8 @@ def _step_slots(optimizer: PackedAdamW, active: dict[int, _Active], slots: list[
     for slot, lr, norm in zip(done, lrs, norms, strict=True):
         a = active[slot]
         a.steps += 1
-        loss = a.loss_sum if a.job.spec.gradient_accumulation_steps == 1 else a.loss_sum / max(a.window_tokens, 1)
-        reports.append(StepReport(global_step, slot, a.job.key, a.steps, loss, a.window_tokens, a.input_tokens,
-                                  lr, norm))
+        loss, n_in = a.tally.take(a.window.tokens, a.job.spec.gradient_accumulation_steps)
+        reports.append(StepReport(global_step, slot, a.job.key, a.steps, loss, a.window.tokens, n_in, lr, norm))
     return reports
 
 

@@ -162,7 +162,9 @@ class TrainSpec:
     optimizer_in_backward: bool = False
     """Take each trial's AdamW step inside the backward, layer by layer, and keep no gradient buffers
     (torchtune's ``optimizer_in_bwd``; ``packer.train``): needs ``max_grad_norm: null`` and
-    ``gradient_accumulation_steps: 1``, not searched; trains on the dynamic step."""
+    ``gradient_accumulation_steps: 1``, not searched. On CUDA the static-shape step takes the same updates after
+    the backward from its one preallocated gradient buffer (a warning says so): the memory saving is the CPU's
+    dynamic step's."""
 
     def __post_init__(self) -> None:
         if self.alpha_ratio is not None:

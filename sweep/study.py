@@ -38,7 +38,7 @@ from lora_sweep.packer.errors import UserError
 from lora_sweep.packer.model import PackedModel
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.static_loop import rank_bucket_for
-from lora_sweep.packer.train import SlotEnd, SlotJob, StepReport, train
+from lora_sweep.packer.train import STEP_NAMES, SlotEnd, SlotJob, StepReport, train
 from lora_sweep.sweep._trial_data import check_packing, planned_tokens, trial_adapter, trial_stream
 from lora_sweep.sweep.budget import TokenPlan, budget_state
 from lora_sweep.sweep.ledger import Heartbeat, Ledger, is_default
@@ -443,16 +443,6 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
     return sweep.summary
 
 
-def _static_step_fits(spec: StudySpec) -> bool:
-    """Whether every trial of the study can train on the static-shape step, which has one micro-batch per
-    optimizer step and one example per row and steps after the backward: no trial accumulates gradients or
-    packs samples, and the optimizer does not step in the backward."""
-    searched = {p.name for p in spec.search.params}
-    return (spec.train.gradient_accumulation_steps == 1 and not spec.train.sample_packing
-            and not spec.train.optimizer_in_backward
-            and not searched & {"gradient_accumulation_steps", "sample_packing"})
-
-
 def _train_pack(sweep: _Sweep, session: Session) -> bool:
     """Train the current pack until the budget ends (True), or until a CUDA out-of-memory error (False):
     the trials that were training are retried and the next pack gets one slot fewer than ran out.
@@ -472,7 +462,6 @@ def _train_pack(sweep: _Sweep, session: Session) -> bool:
                            on_end=phased("storage", sweep.on_end), chunked_ce=spec.packing.chunked_ce,
                            activation_checkpointing=spec.packing.activation_checkpointing,
                            cuda_graphs=spec.packing.cuda_graphs, sync_steps=sweep.sha.rungs if sweep.sha else (),
-                           static_shapes=None if _static_step_fits(spec) else False,
                            optimizer_in_backward=spec.train.optimizer_in_backward,
                            # the bucket of the space's largest rank from the first step, as the pack is planned:
                            # a bucket grown when such a trial arrives re-captures every graph and precompiles again
@@ -480,6 +469,7 @@ def _train_pack(sweep: _Sweep, session: Session) -> bool:
         for part, seconds in (("precompile", result.compile_s), ("warm-up", result.warmup_s),
                               ("capture", result.capture_s)):
             sweep.split.move(seconds, "train", "compile", detail=f"compile:{part}")
+        sweep.log(f"pack {sweep.pack_id}: trained on the {result.step} step ({STEP_NAMES[result.step]})")
         status = "finished"
         return True
     except torch.OutOfMemoryError as err:

@@ -31,8 +31,8 @@ def _layout(widths: list[int], capacity: int, bucket: int) -> tuple[torch.Tensor
 
 def test_sumsq_and_adamw_match_torch_per_slot() -> None:
     gen = torch.Generator().manual_seed(0)
-    capacity, bucket, widths = 4, 16, [40, 13, 1100, 7]  # 1100: a slot's block spans several programs' strides
-    ranks = torch.tensor([3, 0, 16, 9])  # slot 1 free
+    capacity, bucket, widths = 5, 16, [40, 13, 1100, 7]  # 1100: a slot's block spans several programs' strides
+    ranks = torch.tensor([3, 0, 16, 9, 5])  # slot 1 free; slot 4 accumulates (a no-op step keeping its gradient)
     segs, total = _layout(widths, capacity, bucket)
     live = torch.zeros(total, dtype=torch.bool)  # the values a slot of that rank owns
     for (off, d) in segs.tolist():
@@ -41,11 +41,12 @@ def test_sumsq_and_adamw_match_torch_per_slot() -> None:
     p, m = (torch.randn(total, generator=gen) for _ in range(2))
     v = torch.rand(total, generator=gen)
     grad = torch.randn(total, generator=gen) * live
-    opt = torch.tensor([[1 - 1e-3 * 0.1, 0.1, 0.999, 1e-3, math.sqrt(1 - 0.999 ** 3), 1e-8, -2e-3, 1.0],
-                        [1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0, math.inf],
-                        [1.0, 0.2, 0.95, 0.05, math.sqrt(1 - 0.95 ** 7), 1e-6, -5e-3, 0.5],
-                        [1 - 1e-2, 0.6, 0.9, 0.1, 0.3, 1e-8, -1e-2, math.inf]])
-    coef = torch.tensor([0.5, 1.0, 0.25, 1.0])
+    opt = torch.tensor([[1 - 1e-3 * 0.1, 0.1, 0.999, 1e-3, math.sqrt(1 - 0.999 ** 3), 1e-8, -2e-3, 1.0, 0.0],
+                        [1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0, math.inf, 0.0],
+                        [1.0, 0.2, 0.95, 0.05, math.sqrt(1 - 0.95 ** 7), 1e-6, -5e-3, 0.5, 0.0],
+                        [1 - 1e-2, 0.6, 0.9, 0.1, 0.3, 1e-8, -1e-2, math.inf, 0.0],
+                        [1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0, math.inf, 1.0]])
+    coef = torch.tensor([0.5, 1.0, 0.25, 1.0, 1.0])
     slot = torch.zeros(total, dtype=torch.long)
     for (off, d) in segs.tolist():
         for g in range(capacity):
@@ -66,6 +67,11 @@ def test_sumsq_and_adamw_match_torch_per_slot() -> None:
     torch.testing.assert_close(out_p[live].double(), p_ref[live], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out_m[live].double(), m_ref[live], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out_v[live].double(), v_ref[live], rtol=1e-5, atol=1e-6)
-    assert out_g[live].count_nonzero() == 0, "gradients are zeroed"
+    stepped = live & (slot != 4)
+    assert out_g[stepped].count_nonzero() == 0, "gradients are zeroed"
+    kept = live & (slot == 4)
+    assert kept.any() and torch.equal(out_g[kept], grad[kept]), "an accumulating slot keeps its gradient"
+    for before, after in ((p, out_p), (m, out_m), (v, out_v)):  # and its no-op step moves nothing
+        assert torch.equal(before[kept], after[kept])
     for before, after in ((p, out_p), (m, out_m), (v, out_v)):  # past a slot's rank, and the free slot: untouched
         assert torch.equal(before[~live], after[~live])

@@ -63,24 +63,27 @@ def _oracle(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def _fused(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-           capacity: int, grad_losses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           capacity: int, grad_losses: torch.Tensor, chunk: int | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     x = hidden.detach().clone().requires_grad_()
-    losses, counts = static_linear_ce(x, weight, bias, targets, capacity, impl="triton")
+    losses, counts = static_linear_ce(x, weight, bias, targets, capacity, impl="triton", chunk=chunk)
     (losses * grad_losses).sum().backward()
     return losses.detach(), counts, x.grad
 
 
+@pytest.mark.parametrize("chunk", [None, 5], ids=["all-rows", "chunks-of-5"])
 @pytest.mark.parametrize("block", [64, None], ids=["5-blocks", "one-block"])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
-def test_fp32_losses_and_hidden_gradient_equal_torch_per_slot(block: int | None, with_bias: bool,
+def test_fp32_losses_and_hidden_gradient_equal_torch_per_slot(block: int | None, with_bias: bool, chunk: int | None,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """V = 300: with 64-column blocks the online logsumexp crosses five blocks, the last one partial."""
+    """V = 300: with 64-column blocks the online logsumexp crosses five blocks, the last one partial. In chunks of
+    5 rows (bounded logits memory) a chunk starts and ends inside a slot's 7 rows: the same losses and gradient."""
     if block is not None:
         monkeypatch.setattr(_ce_module(), "_MAX_BLOCK", block)
     hidden, weight, bias, targets = _case(torch.float32)
     bias = bias if with_bias else None
     grad_losses = torch.tensor([0.5, -2.0, 3.0, 1.25], device=DEVICE)  # slot 2 (no targets) gets a factor too
-    losses, counts, dx = _fused(hidden, weight, bias, targets, 4, grad_losses)
+    losses, counts, dx = _fused(hidden, weight, bias, targets, 4, grad_losses, chunk)
     want_losses, want_counts, want_dx = _oracle(hidden, weight, bias, targets, 4, grad_losses)
     assert counts.tolist() == want_counts.tolist() and counts[2] == 0 and counts.min() == 0 < counts.max()
     # fp32: the same sums in another order (blocks of the vocabulary; a per-slot sum of rows)

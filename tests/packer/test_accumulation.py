@@ -1,7 +1,8 @@
 """Gradient accumulation per slot: micro-batch m x accumulation k is one batch of m*k examples.
 
 The oracle is PEFT + torch AdamW stepping once per batch of m*k examples, its loss the mean over
-all their target tokens (what transformers computes with ``num_items_in_batch``).
+all their target tokens (what transformers computes with ``num_items_in_batch``). Both steps are held to it:
+the dynamic one and the static-shape one (eager here on the CPU; its k is data in the step's tables).
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ PAD = 0
 STEPS = 6
 
 
-def _packed(model_dir, jobs, capacity):  # noqa: ANN001, ANN202
+STEPS_KINDS = pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+
+
+def _packed(model_dir, jobs, capacity, static=False):  # noqa: ANN001, ANN202
     model, _ = load_base(str(model_dir), attn_implementation="eager")
     pm = PackedModel(model)
     queue = list(jobs)
@@ -34,8 +38,9 @@ def _packed(model_dir, jobs, capacity):  # noqa: ANN001, ANN202
         for r in reports:
             steps.setdefault(r.key, []).append((r.step, r.slot_step, r.tokens))
 
-    train(pm, capacity, lambda slot: queue.pop(0) if queue else None, pad_id=PAD, on_step=on_step,
-          on_end=rec.on_end)
+    result = train(pm, capacity, lambda slot: queue.pop(0) if queue else None, pad_id=PAD, on_step=on_step,
+                   on_end=rec.on_end, static_shapes=static, readback_every=5)
+    assert result.step == ("static-eager" if static else "dynamic")
     return rec.losses, rec.final, steps
 
 
@@ -57,9 +62,10 @@ ACC = AdapterSpec(rank=4, alpha=8, lr=5e-3, micro_batch=2, gradient_accumulation
                   weight_decay=0.01)
 
 
-def test_micro_2_by_accumulation_4_equals_one_batch_of_8(tiny_dirs) -> None:
+@STEPS_KINDS
+def test_micro_2_by_accumulation_4_equals_one_batch_of_8(tiny_dirs, static: bool) -> None:
     model_dir = tiny_dirs("llama")
-    losses, final, steps = _packed(model_dir, [SlotJob(ACC, _stream(ACC, 100), key=0)], capacity=1)
+    losses, final, steps = _packed(model_dir, [SlotJob(ACC, _stream(ACC, 100), key=0)], capacity=1, static=static)
     # one report per optimizer step, after every 4th micro-batch
     assert [(s, k) for s, k, _ in steps[0]] == [(4 * i + 3, i + 1) for i in range(STEPS)]
     one_batch = replace(ACC, micro_batch=8, gradient_accumulation_steps=1)
@@ -76,14 +82,15 @@ def test_accumulated_gradient_is_independent_of_the_split(tiny_dirs) -> None:
         _assert_same(losses, final, 0, runs[0][0][0], runs[0][1][0])
 
 
-def test_heterogeneous_accumulation_in_one_pack(tiny_dirs) -> None:
+@STEPS_KINDS
+def test_heterogeneous_accumulation_in_one_pack(tiny_dirs, static: bool) -> None:
     """Slots with accumulation 1, 3 and 4 share a pack; each equals PEFT on its own effective batches."""
     model_dir = tiny_dirs("llama")
     specs = [replace(ACC, micro_batch=2, gradient_accumulation_steps=1, seed=1, max_steps=10),
              replace(ACC, micro_batch=1, gradient_accumulation_steps=3, seed=2, dropout=0.0, lr=1e-2),
              ACC]
     jobs = [SlotJob(sp, _stream(sp, 200 + i), key=i) for i, sp in enumerate(specs)]
-    losses, final, steps = _packed(model_dir, jobs, capacity=3)
+    losses, final, steps = _packed(model_dir, jobs, capacity=3, static=static)
     assert [s for s, _, _ in steps[1]] == [3 * i + 2 for i in range(STEPS)]
     assert [s for s, _, _ in steps[0]] == list(range(10))
     for i, sp in enumerate(specs):
@@ -92,23 +99,12 @@ def test_heterogeneous_accumulation_in_one_pack(tiny_dirs) -> None:
         _assert_same(losses, final, i, *ref)
 
 
-def test_reported_tokens_are_the_whole_steps_target_tokens(tiny_dirs) -> None:
-    _, _, steps = _packed(tiny_dirs("llama"), [SlotJob(ACC, _stream(ACC, 100), key=0)], capacity=1)
+@STEPS_KINDS
+def test_reported_tokens_are_the_whole_steps_target_tokens(tiny_dirs, static: bool) -> None:
+    _, _, steps = _packed(tiny_dirs("llama"), [SlotJob(ACC, _stream(ACC, 100), key=0)], capacity=1, static=static)
     stream = _stream(ACC, 100)
     expected = []
     for _ in range(STEPS):
         rows = [r for _ in range(4) for r in stream.next_batch()]
         expected.append(sum(sum(1 for x in r.labels[1:] if x != -100) for r in rows))
     assert [t for _, _, t in steps[0]] == expected
-
-
-def test_the_static_step_refuses_accumulation_and_sample_packing(tiny_dirs) -> None:
-    """The static-shape step has one micro-batch per optimizer step and one example per row: a job that needs
-    more is refused, not trained wrong (the sweep trains such studies on the dynamic step)."""
-    model, _ = load_base(str(tiny_dirs("llama")), attn_implementation="eager")
-    pm = PackedModel(model)
-    base = AdapterSpec(rank=2, alpha=4, lr=1e-3, micro_batch=2, targets=("q_proj",), max_steps=2, seed=1)
-    for spec in (replace(base, gradient_accumulation_steps=2), replace(base, sample_packing=True)):
-        queue = [SlotJob(spec, _stream(spec, data_seed=3), key=0)]
-        with pytest.raises(ValueError, match="static-shape step"):
-            train(pm, 1, lambda slot, q=queue: q.pop(0) if q else None, pad_id=0, static_shapes=True)

@@ -54,7 +54,8 @@ def _run(model_dir, jobs: list[SlotJob], capacity: int, in_backward: bool, **kw)
 
     def on_step(reports) -> None:  # noqa: ANN001
         rec.on_step(reports)
-        grads_kept.extend(pm.flat_buffers(r.slot)[1] is not None for r in reports)
+        if not kw.get("static_shapes"):  # a static slot's gradient is rows of the store's one buffer
+            grads_kept.extend(pm.flat_buffers(r.slot)[1] is not None for r in reports)
         norms.extend(r.grad_norm for r in reports)
 
     norms: list[float] = []
@@ -116,10 +117,22 @@ def test_clipping_and_accumulation_are_refused(tiny_dirs, change: dict, key: str
         _run(tiny_dirs("llama"), [job], 1, True)
 
 
-def test_static_step_is_refused() -> None:
-    model = torch.nn.Linear(2, 2)
-    with pytest.raises(ValueError, match="optimizer_in_backward"):
-        train(PackedModel(model), 1, lambda slot: None, pad_id=0, static_shapes=True, optimizer_in_backward=True)
+def test_static_step_takes_the_same_updates_after_the_backward_and_says_so(tiny_dirs) -> None:
+    """The static step keeps its one gradient buffer: with ``optimizer_in_backward`` it trains as the step in the
+    backward does (the same math, another summation order: padded rows), warns once that it keeps the buffer,
+    and refuses a job that clips as the step in the backward does."""
+    ref = _run(tiny_dirs("llama"), _jobs(SPECS), 3, True)
+    with pytest.warns(UserWarning, match="optimizer_in_backward: the static-shape step keeps") as caught:
+        ours = _run(tiny_dirs("llama"), _jobs(SPECS), 3, True, static_shapes=True)
+    assert len([w for w in caught if "optimizer_in_backward" in str(w.message)]) == 1
+    for key in range(len(SPECS)):
+        torch.testing.assert_close(torch.tensor(ours[0][key]), torch.tensor(ref[0][key]), rtol=1e-5, atol=0)
+        for path, (wa, wb) in ours[1][key].items():
+            assert wb.abs().max() > 0
+            torch.testing.assert_close(wa, ref[1][key][path][0], rtol=0, atol=1e-5)
+            torch.testing.assert_close(wb, ref[1][key][path][1], rtol=0, atol=1e-5)
+    with pytest.raises(ConfigError, match="^optimizer_in_backward: needs max_grad_norm: "), pytest.warns(UserWarning):
+        _run(tiny_dirs("llama"), _jobs([replace(SPECS[0], max_grad_norm=1.0)]), 1, True, static_shapes=True)
 
 
 def test_planner_calibrates_without_gradient_buffers(tiny_dirs) -> None:

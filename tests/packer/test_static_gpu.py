@@ -1,4 +1,5 @@
-"""The static-shape step captured as a CUDA graph: graph == eager, replay after refills, fallback (H200 only)."""
+"""The static-shape step captured as a CUDA graph: graph == eager (with accumulation, sample packing and activation
+checkpointing too), replay after refills, fallback, the warning of a study the step cannot train (H200 only)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 import lora_sweep.packer.static_loop as static_loop
 from lora_sweep.packer.data import Example, SlotStream
 from lora_sweep.packer.model import PackedModel, load_base
+from lora_sweep.packer.packing import slot_stream
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.train import SlotJob, train
 from tests.conftest import Recorder, random_examples
@@ -36,7 +38,8 @@ def _specs() -> list[AdapterSpec]:
 def _run(model_dir, specs, capacity, *, cuda_graphs, examples=None, dtype="float32", **kw):  # noqa: ANN001, ANN003, ANN202
     model, _ = load_base(str(model_dir), attn_implementation="sdpa", device="cuda", dtype=dtype)
     pm = PackedModel(model, impl="triton")
-    jobs = [SlotJob(s, SlotStream(examples or random_examples(64, seed=10 + i), s.micro_batch, seed=s.seed), key=i)
+    jobs = [SlotJob(s, slot_stream(examples or random_examples(64, seed=10 + i), s.micro_batch, s.seed,
+                                   sample_packing=s.sample_packing, row_len=48), key=i)
             for i, s in enumerate(specs)]
     rec = Recorder(pm)
     result = train(pm, capacity, lambda slot: jobs.pop(0) if jobs else None, pad_id=PAD, on_step=rec.on_step,
@@ -60,6 +63,53 @@ def test_graph_equals_eager_fp32_with_refills_mixed_ranks_and_dropout(tiny_dirs)
     assert r_eager.graphs == 0 and r_graph.graphs >= 1
     assert r_graph.steps >= 30 and r_graph.jobs_started == len(specs)
     _same(eager, graph)
+
+
+def test_graph_equals_eager_fp32_with_accumulation_sample_packing_and_checkpointing(tiny_dirs) -> None:
+    """The same eight jobs with accumulation k 1-4 mixed in one pack, half of them sample-packed, every decoder
+    layer recomputed in the backward: one captured step per key, the eager step's losses within 1e-6."""
+    specs = [replace(s, gradient_accumulation_steps=1 + i % 4, sample_packing=i % 2 == 0)
+             for i, s in enumerate(_specs())]
+    eager, r_eager = _run(tiny_dirs("llama"), specs, 3, cuda_graphs="off", activation_checkpointing=True)
+    graph, r_graph = _run(tiny_dirs("llama"), specs, 3, cuda_graphs="auto", activation_checkpointing=True)
+    assert r_eager.step == "static-eager" and r_graph.step == "cuda-graph" and r_graph.graphs >= 1
+    assert r_graph.steps >= 30 and r_graph.jobs_started == len(specs)
+    assert [len(graph.losses[i]) for i in range(len(specs))] == [s.max_steps for s in specs]
+    _same(eager, graph)
+
+
+def test_graph_equals_eager_fp32_with_chunked_ce(tiny_dirs) -> None:
+    """chunked_ce on the fused loss: the logits of 64 token rows at a time (the tiny model's steps hold up to
+    3 x 8 x 32), the same losses as all at once, captured or not."""
+    specs = _specs()
+    whole, _ = _run(tiny_dirs("llama"), specs, 3, cuda_graphs="auto")
+    eager, _ = _run(tiny_dirs("llama"), specs, 3, cuda_graphs="off", chunked_ce=64)
+    graph, result = _run(tiny_dirs("llama"), specs, 3, cuda_graphs="auto", chunked_ce=64)
+    assert result.step == "cuda-graph"
+    _same(eager, graph)
+    for key, curve in whole.losses.items():  # other GEMM shapes for the head: the same sums in another order
+        torch.testing.assert_close(torch.tensor(graph.losses[key]), torch.tensor(curve), rtol=1e-5, atol=0)
+
+
+def test_optimizer_in_backward_trains_on_the_captured_step_and_says_what_it_keeps(tiny_dirs) -> None:
+    """optimizer_in_backward on CUDA: the captured static step, one warning that its gradient buffer stays, and the
+    updates of the step in the backward (the dynamic step's, eager) within fp32 rounding of another kernel path."""
+    specs = [replace(s, max_grad_norm=None) for s in _specs()[:4]]
+    model, _ = load_base(str(tiny_dirs("llama")), attn_implementation="sdpa", device="cuda")
+    pm = PackedModel(model, impl="triton")
+    jobs = [SlotJob(s, SlotStream(random_examples(64, seed=10 + i), s.micro_batch, seed=s.seed), key=i)
+            for i, s in enumerate(specs)]
+    ref = Recorder(pm)
+    train(pm, 2, lambda slot: jobs.pop(0) if jobs else None, pad_id=PAD, on_step=ref.on_step, on_end=ref.on_end,
+          optimizer_in_backward=True, static_shapes=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graph, result = _run(tiny_dirs("llama"), specs, 2, cuda_graphs="auto", optimizer_in_backward=True)
+    messages = [str(w.message) for w in caught if "optimizer_in_backward" in str(w.message)]
+    assert len(messages) == 1 and "gradient buffer" in messages[0] and result.step == "cuda-graph"
+    assert ref.losses.keys() == graph.losses.keys() == set(range(len(specs)))
+    for key, curve in ref.losses.items():  # other kernels (dynamic vs static tables), other summation orders
+        torch.testing.assert_close(torch.tensor(graph.losses[key]), torch.tensor(curve), rtol=1e-4, atol=0)
 
 
 W5_RTOL = 2e-2
@@ -99,8 +149,8 @@ def test_replay_after_refill_captures_once(tiny_dirs) -> None:
 def test_capture_failure_falls_back_to_eager(tiny_dirs, monkeypatch: pytest.MonkeyPatch) -> None:
     """A step that cannot be captured (here: a host sync inside it) warns once and trains eagerly, unchanged."""
     def syncing(losses):  # noqa: ANN001, ANN202
-        def fn(*args):  # noqa: ANN002, ANN202
-            out = losses(*args)
+        def fn(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            out = losses(*args, **kwargs)
             out[0].sum().item()  # a host sync: illegal while capturing
             return out
 

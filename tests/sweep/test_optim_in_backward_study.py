@@ -1,6 +1,6 @@
 """``train.optimizer_in_backward`` at the study boundary: refused in one line with clipping or accumulation
-(exit 2 through ``sweep run`` and ``sweep plan``), routed to the dynamic step; torchtune's ``optimizer_in_bwd``
-maps to it."""
+(exit 2 through ``sweep run`` and ``sweep plan``), on the CPU trained on the dynamic step (which steps in the
+backward); torchtune's ``optimizer_in_bwd`` maps to it."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from optuna.trial import TrialState
 
 from lora_sweep.packer.errors import ConfigError
 from lora_sweep.sweep.loader import load_study
-from lora_sweep.sweep.study import _static_step_fits, run_study
+from lora_sweep.sweep.study import run_study
 from tests.conftest import write_study
 from tests.sweep.test_foreign import _config, _trials
 
@@ -61,9 +61,12 @@ def test_a_study_with_it_trains_on_the_dynamic_step(tiny_dirs, tmp_path) -> None
                        train={"optimizer_in_backward": True, "max_grad_norm": None, "max_steps": 12,
                               "micro_batch": 4})
     spec = load_study(path)
-    assert spec.train.optimizer_in_backward and not _static_step_fits(spec)
+    assert spec.train.optimizer_in_backward
     assert "optimizer_in_backward" not in spec.train.adapter_values()  # a loop option, not an adapter field
-    run_study(spec, log=lambda m: None)
+    logged: list[str] = []
+    run_study(spec, log=logged.append)
+    assert [m for m in logged if "trained on the" in m] == ["pack 1: trained on the dynamic step (dynamic shapes, "
+                                                            "eagerly)"]
     trials = _trials(spec.out_dir, spec.name)
     assert len(trials) == 3 and all(tr.state in (TrialState.COMPLETE, TrialState.PRUNED) for tr in trials)
     assert any(tr.state == TrialState.COMPLETE for tr in trials)
