@@ -46,6 +46,8 @@ class SummaryInfo(NamedTuple):
     """``metric <= value`` of each constraint."""
     feasible: int = 0
     """Complete trials that meet every constraint."""
+    ended: str = ""
+    """How the last run ended (``stopped: budget.wall_time reached: ...``); '' when no run recorded it."""
 
 
 class GainRow(NamedTuple):
@@ -83,9 +85,10 @@ def _summary_info(data: StudyData, top: int = 5) -> SummaryInfo:
     tokens = sum(t.tokens or 0 for t in data.trials)
     device_s = sum(t.device_seconds or 0.0 for t in data.trials)
     b = data.budget
-    budget = [("trials finished", str(finished), fmt(b.get("trials"))),
-              ("training tokens", f"{tokens:,}", fmt(b.get("tokens"))),
-              ("wall time", f"{float(data.meta.get('elapsed') or 0.0):.1f} s", fmt(b.get("wall_time"))),
+    elapsed = float(data.meta.get("elapsed") or 0.0)
+    budget = [("trials finished", str(finished), _limit(finished, b.get("trials"), "{:,.0f}")),
+              ("training tokens", f"{tokens:,}", _limit(tokens, b.get("tokens"), "{:,.0f}")),
+              ("wall time", f"{elapsed:.1f} s", _limit(elapsed, b.get("wall_time"), "{:,.1f} s")),
               ("device time (trials)", f"{device_s:.1f} s", "–"),
               ("packs", str(len(data.packs)), "–")]
     n = len(data.objectives)
@@ -105,7 +108,23 @@ def _summary_info(data: StudyData, top: int = 5) -> SummaryInfo:
                        str(data.meta.get("data", "–")), str(data.meta.get("storage", "–")),
                        list(zip(data.objectives, data.directions, strict=False)), counts, budget, title, best,
                        data.running, _time(data.meta.get("updated")), [constraint_text(c) for c in data.constraints],
-                       sum(1 for t in data.complete if data.feasible(t)))
+                       sum(1 for t in data.complete if data.feasible(t)), _end_text(data.meta))
+
+
+def _limit(used: float, limit: Any, unit: str) -> str:
+    """The limit cell of a budget row: the limit, flagged with the overshoot when ``used`` went over it (the
+    trials training when a budget is reached run to their end)."""
+    if not isinstance(limit, int | float) or isinstance(limit, bool):
+        return fmt(limit)
+    if used > limit:
+        return f"{fmt(limit)} (OVER by {unit.format(used - limit)})"
+    return fmt(limit)
+
+
+def _end_text(meta: dict[str, Any]) -> str:
+    """How the last run ended, in the line the run printed (the store's meta ``last_end``); '' if unknown."""
+    end = meta.get("last_end")
+    return str(end.get("text") or "") if isinstance(end, dict) else ""
 
 
 def _verdict(direction: str, diff: float, low: float | None, high: float | None) -> str:
@@ -161,7 +180,7 @@ def render_summary(info: SummaryInfo) -> str:
                                 f"{info.counts.get('COMPLETE', 0)} complete trials feasible"
                                 + ("" if info.feasible else " (the best below are infeasible)"))]
                if info.constraints else []), ("Optuna storage", f"<code>{esc(info.storage)}</code>"),
-             ("last update", esc(info.updated))]
+             *([("last run", esc(info.ended))] if info.ended else []), ("last update", esc(info.updated))]
     out = ['<dl class="facts">' + "".join(f"<dt>{k}</dt><dd>{v}</dd>" for k, v in facts) + "</dl>"]
     if info.running:
         out.insert(0, '<p class="banner">This study is still running (or a run stopped without finishing): '

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import click
 
-from lora_sweep.packer.errors import UserError
+from lora_sweep.packer.errors import Terminated, UserError
 
 if TYPE_CHECKING:
     from lora_sweep.sweep.spec import StudySpec
@@ -71,6 +71,7 @@ def run(study: str, overrides: tuple[str, ...], out: str | None, quiet: bool, wo
         return
     if storage is not None:
         raise UserError("run: --storage needs --workers (or set storage: in the study file)")
+    _stop_on_sigterm()
     with LiveProgress(enabled=not quiet) as live:
         summary = run_study(spec, progress=_preloading_report(live.update), log=live.log,
                             allow_changes=allow_changes)
@@ -200,10 +201,22 @@ def worker(study: str, overrides: tuple[str, ...], storage: str | None, out: str
     if index is None:
         index = int(os.environ.get("SLURM_ARRAY_TASK_ID") or os.environ.get("SLURM_PROCID") or os.getpid())
     sharing = Sharing(url, worker=index, heartbeat=heartbeat, grace=grace)
+    _stop_on_sigterm()
     with LiveProgress(enabled=not quiet) as live:
         summary = run_worker(spec, sharing, progress=live.update, log=live.log, allow_changes=allow_changes)
     click.echo(f"{spec.name} worker {index}: {summary.complete} complete, {summary.pruned} pruned, "
                f"{summary.failed} failed in {summary.wall_s:.1f} s; study in {spec.out_dir}")
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM (a scheduler's stop, ``kill``) raises ``Terminated`` in the main thread: the run stops as on
+    Ctrl-C, records and says why, and the process exits 143, instead of dying without a word."""
+    import signal
+
+    def stop(signum: int, frame: object) -> NoReturn:
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 def _preloading_report(progress: Callable[[Progress], None]) -> Callable[[Progress], None]:
@@ -411,6 +424,10 @@ def _main(argv: list[str] | None) -> int:
     except UserError as err:
         click.echo(f"error: {err}", err=True)
         return 2
+    except Terminated:
+        click.echo("terminated (SIGTERM): a study keeps what finished; run the same command again to resume (the "
+                   "trials that were training are retried)", err=True)
+        return 143
     except click.exceptions.Abort:
         click.echo("aborted: a study keeps what finished; run the same command again to resume (the trials that "
                    "were training are retried)", err=True)

@@ -69,6 +69,7 @@ def study_status(root: Path, top: int = 5) -> dict[str, Any]:
         "best": best,
         "pareto": _front(done, objectives, directions) if len(directions) > 1 else [],
         "vs_default": vs_default,
+        "last_end": meta.get("last_end"),
         "split": last_run(root),
         "packs": [{"pack_id": p.pack_id, "status": p.status, "slots": p.slots, "steps": p.steps,
                    "tokens": p.tokens, "tokens_per_s": p.tokens_per_s, "wall_s": p.wall_s,
@@ -128,6 +129,9 @@ def render(info: dict[str, Any]) -> None:
     console = Console()
     counts = ", ".join(f"{k.lower()} {v}" for k, v in sorted(info["counts"].items())) or "no trials"
     console.print(f"[bold]{info['study']}[/bold] ({info['directory']}): {counts}")
+    end = info.get("last_end")
+    if isinstance(end, dict) and end.get("text"):
+        console.print(f"last run {end['text']}", highlight=False)
     if info["constraints"]:
         done = info["counts"].get("COMPLETE", 0)
         console.print(f"constraints: {'; '.join(info['constraints'])}: {info['feasible']} of {done} complete "

@@ -34,13 +34,13 @@ from lora_sweep.evaluators import EvalResult, evaluate, load_eval_data, metrics_
 from lora_sweep.evaluators.cost import cost_metrics, slot_adapter_params
 from lora_sweep.packer.checkpoint import save_adapters
 from lora_sweep.packer.data import load_examples
-from lora_sweep.packer.errors import UserError
+from lora_sweep.packer.errors import Terminated, UserError
 from lora_sweep.packer.model import PackedModel
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.static_loop import rank_bucket_for
 from lora_sweep.packer.train import SlotEnd, SlotJob, StepReport, train
 from lora_sweep.sweep._trial_data import check_packing, planned_tokens, trial_adapter, trial_stream
-from lora_sweep.sweep.budget import TokenPlan, budget_state
+from lora_sweep.sweep.budget import BudgetState, TokenPlan, budget_state, end_line
 from lora_sweep.sweep.ledger import Heartbeat, Ledger, is_default
 from lora_sweep.sweep.planning import largest_rank
 from lora_sweep.sweep.pruning import CohortSHA
@@ -69,6 +69,9 @@ class Progress:
     best: str
     eta_s: float | None = None
     """Seconds until the budget is spent, at this run's pace so far; None before a trial has finished."""
+    events: tuple[str, ...] = ()
+    """What happened to trials since the last frame, one line each: started (its parameters), pruned,
+    complete (its metrics), failed (why)."""
 
 
 @dataclass
@@ -87,7 +90,13 @@ class RunSummary:
     spent_key: str = ""
     """Its study key (``BudgetState.key``)."""
     split: dict[str, Any] = field(default_factory=dict)
-    """Where the run's wall time went (``sweep.timing.WallSplit.record``)."""
+    """Where the run's wall time went (``sweep.timing.WallSplit.record``), and how it ended (``end``)."""
+    end_reason: str = ""
+    """How the run ended: a budget key (``budget.trials``), ``grid``, ``interrupt``, ``sigterm`` or ``error``."""
+    ended: str = ""
+    """That, in one line for people (``budget.end_line``; also the store's meta ``last_end``)."""
+    over: bool = False
+    """The run went over the budget that ended it (the trials training when it was reached ran on)."""
 
 
 @dataclass
@@ -131,6 +140,7 @@ class _Sweep:
         self.idle_until = 0.0  # shared budget spent: look again after a heartbeat, not before every step
         self.log: Callable[[str], None] = print
         self.split = WallSplit()
+        self.events: list[str] = []  # trial events since the last progress frame (Progress.events)
 
     def _lock(self) -> Any:
         sharing = self.s.sharing
@@ -160,6 +170,7 @@ class _Sweep:
             # Under the lock: the next worker to count sees this trial's tokens before it asks.
             Ledger.plan(trial, planned_tokens(self.spec, spec, self.train_examples, self.plan))
         self.live[slot] = _Live(trial, params, spec, self.global_step, time.time())
+        self.events.append(f"trial {trial.number}{_role(trial)} started in slot {slot}: {_params_text(params)}")
         with self.s.store.transaction():  # one commit (one log sync) for the trial's row and its span
             self.s.store.upsert_trial(trial.number, state="RUNNING", params=params, pack_id=self.pack_id, slot=slot,
                                       started=time.time(), user_attrs=dict(trial.user_attrs))
@@ -203,9 +214,10 @@ class _Sweep:
         if self.progress is None:
             return
         elapsed = max(time.time() - self.t_start, 1e-9)
+        events, self.events = tuple(self.events), []
         self.progress(Progress(self.global_step, active, self.s.capacity, self.summary.tokens / elapsed,
                                self.s.finished_count(), self.spec.budget.trials, self.s.best_text(),
-                               self._eta(elapsed)))
+                               self._eta(elapsed), events))
 
     def _eta(self, elapsed: float) -> float | None:
         """Seconds left: the trial budget at this run's trials per second, capped by the wall-time budget."""
@@ -382,6 +394,20 @@ class _Sweep:
         self.s.record(number, state, values, lv.tokens)
         counter = {"COMPLETE": "complete", "PRUNED": "pruned"}.get(state.name, "failed")
         setattr(self.summary, counter, getattr(self.summary, counter) + 1)
+        scores = {o.metric: v for o, v in zip(self.spec.objectives, values or [], strict=False)}
+        what = (f"complete: {_params_text(scores)}" if state == TrialState.COMPLETE
+                else reason if state == TrialState.PRUNED else f"failed: {reason}")
+        self.events.append(f"trial {number}{_role(lv.trial)} {what} ({e.steps} steps, {lv.tokens:,} tokens)")
+
+
+def _role(trial: optuna.Trial) -> str:
+    """' (community default)' for the default trial, '' for a searched one."""
+    return " (community default)" if is_default(trial) else ""
+
+
+def _params_text(values: dict[str, Any]) -> str:
+    """``rank=8, lr=0.001`` (floats to 4 significant digits)."""
+    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
 
 
 def _texts(samples: list[dict[str, Any]], metric: str, n: int) -> list[dict[str, Any]]:
@@ -422,21 +448,44 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
     sweep.log, sweep.split = log, split
     if sharing is not None:
         sweep.heartbeat = session.ledger.heartbeat(sweep.live_numbers, sharing.heartbeat)
-    wall_s = 0.0
+    summary = sweep.summary
     try:
         with sweep.heartbeat or nullcontext():
             while not _train_pack(sweep, session):  # False: out of memory, the pack shrank; train again
                 pass
-        wall_s = time.time() - started
+        summary.wall_s = time.time() - started
+        state = BudgetState(True, summary.spent, summary.spent_key)
+        summary.ended, summary.over = end_line(spec, state, trials=session.finished, tokens=session.tokens,
+                                               elapsed=session.elapsed + summary.wall_s)
+        summary.end_reason = summary.spent_key or "grid"
+    except BaseException as err:
+        summary.end_reason, summary.ended = _stopped(err, sweep)
+        raise
     finally:
+        log(f"{spec.name}: {summary.ended}")
         with split.phase("storage"):
             session.add_elapsed(time.time() - started)
+            session.store.set_meta(last_end={"reason": summary.end_reason, "text": summary.ended,
+                                             "over": summary.over, "at": time.time()})
             session.close()
-    sweep.summary.wall_s = wall_s
-    sweep.summary.split = split.record()
-    with sweep._lock():  # workers sharing the study directory append one after another
-        append_run(session.sdir.root, sweep.summary.split)
-    return sweep.summary
+        summary.split = {**split.record(), "end": {"reason": summary.end_reason, "text": summary.ended,
+                                                   "over": summary.over}}
+        with sweep._lock():  # workers sharing the study directory append one after another
+            append_run(session.sdir.root, summary.split)
+    return summary
+
+
+def _stopped(err: BaseException, sweep: _Sweep) -> tuple[str, str]:
+    """(reason key, one line) of a run that an interrupt, a SIGTERM or an error stopped."""
+    done = sweep.summary.complete + sweep.summary.pruned + sweep.summary.failed
+    left = (f" at pack step {sweep.global_step} ({done} trials finished in this run; the "
+            f"{len(sweep.live)} training are retried when the run is resumed)")
+    if isinstance(err, KeyboardInterrupt):
+        return "interrupt", f"stopped: interrupted (Ctrl-C){left}"
+    if isinstance(err, Terminated):
+        return "sigterm", f"stopped: terminated (SIGTERM){left}"
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return "error", f"stopped by an error{left}: {first}"
 
 
 def _static_step_fits(spec: StudySpec) -> bool:
