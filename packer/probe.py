@@ -158,12 +158,16 @@ def calibrate(pm: PackedModel, seq_len: int, *, rows: tuple[int, int] = (2, 8), 
     triton = resolve_impl(pm.state.impl, pm.device) == "triton"
     probes = {}
     corners = ((rows[0], r_lo, True), (rows[1], r_lo, True), (rows[1], r_hi, False), (rows[0], r_hi, False))
-    for n, rank, timed in corners:
+    for i, (n, rank, timed) in enumerate(corners):
         ids = torch.randint(3, vocab, (n, seq_len), generator=gen).tolist()
         examples = [Example(tuple(r), tuple(r)) for r in ids]
         spec = AdapterSpec(rank=rank, targets=("all-linear",), max_steps=steps, lr=1e-4,
                            max_grad_norm=None if optimizer_in_backward else 1.0)
-        _step(pm, spec, examples, pad_id, steps, options)  # warm-up: allocator pools, kernel selection
+        # Warm-up (allocator pools, kernel selection, lazy initialisation): before each probe on CUDA, whose
+        # allocator and kernels depend on the shape; on the CPU before the first only, since the counting mode's
+        # bytes do not depend on it and the later timed probe runs on a warm process.
+        if pm.device.type == "cuda" or i == 0:
+            _step(pm, spec, examples, pad_id, steps, options)
         seconds = _step(pm, spec, examples, pad_id, steps, options) if timed else 0.0  # outside the counting mode
         peak = peak_memory(lambda: _step(pm, spec, examples, pad_id, steps, options), pm)  # noqa: B023
         params = PROBE_SLOTS * adapter_param_count([(layer.in_features, layer.out_features)

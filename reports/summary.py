@@ -26,6 +26,8 @@ class BestRow(NamedTuple):
     default: bool
     adapter: str | None
     feasible: bool = True
+    role: str = ""
+    """' (default)', ' (config baseline)', both, or '' (``TrialRecord.role``)."""
 
 
 class SummaryInfo(NamedTuple):
@@ -103,7 +105,7 @@ def _summary_info(data: StudyData, top: int = 5) -> SummaryInfo:
         chosen = sorted((x for x in done if x[1].number in front), key=lambda x: (x[0][0], x[1].number))
         title = f"Pareto front ({len(chosen)} trials)"
     best = [BestRow(t.number, vals, dict(t.params or {}), t.is_default, t.adapter_path,
-                    data.feasible(t)) for vals, t in chosen]
+                    data.feasible(t), t.role) for vals, t in chosen]
     return SummaryInfo(str(data.meta.get("name", data.root.name)), str(data.meta.get("model", "–")),
                        str(data.meta.get("data", "–")), str(data.meta.get("storage", "–")),
                        list(zip(data.objectives, data.directions, strict=False)), counts, budget, title, best,
@@ -192,7 +194,7 @@ def render_summary(info: SummaryInfo) -> str:
         out.append('<p class="note">No complete trial with finite objective values yet.</p>')
     else:
         names = [m for m, _ in info.objectives]
-        rows = [[(f"#{b.number}{' (default)' if b.default else ''}{'' if b.feasible else ' (infeasible)'}", b.number),
+        rows = [[(f"#{b.number}{b.role}{'' if b.feasible else ' (infeasible)'}", b.number),
                  *[(esc(v), v) for v in b.values],
                  esc(", ".join(f"{k}={fmt(v)}" for k, v in b.params.items())),
                  f"<code>{esc(b.adapter)}</code>"] for b in info.best]

@@ -57,7 +57,7 @@ def study_status(root: Path, top: int = 5) -> dict[str, Any]:
         for t in sorted(done, key=lambda t: (t.number not in feasible, _rank(sign, t.objective_values[0])))[:top]:
             best.append({"number": t.number, "values": dict(zip(objectives, t.objective_values, strict=False)),
                          "params": t.params, "adapter": t.adapter_path, "default": t.is_default,
-                         "feasible": t.number in feasible})
+                         "baseline": t.is_baseline, "role": t.role.strip(" ()"), "feasible": t.number in feasible})
     return {
         "study": meta.get("name"),
         "directory": str(root),
@@ -142,7 +142,7 @@ def render(info: dict[str, Any]) -> None:
         table.add_column(col)
     for b in info["best"]:
         params = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in b["params"].items())
-        mark = (" (default)" if b["default"] else "") + ("" if b["feasible"] else " (infeasible)")
+        mark = (f" ({b['role']})" if b.get("role") else "") + ("" if b["feasible"] else " (infeasible)")
         table.add_row(f"{b['number']}{mark}",
                       *[f"{b['values'].get(o, float('nan')):.5g}" for o in objectives], params, b["adapter"] or "")
     console.print(table)

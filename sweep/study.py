@@ -49,6 +49,7 @@ from lora_sweep.sweep.session import Session
 from lora_sweep.sweep.space import adapter_spec, suggest
 from lora_sweep.sweep.spec import StudySpec
 from lora_sweep.sweep.storage import Sharing, storage_lock
+from lora_sweep.sweep.store import attrs
 from lora_sweep.sweep.timing import WallSplit, append_run
 
 __all__ = ["run_study", "RunSummary", "Progress"]
@@ -111,6 +112,17 @@ class _Live:
     tokens: int = 0
     device_s: float = 0.0
     steps: list[dict[str, float]] = field(default_factory=list)
+    reported: set[int] = field(default_factory=set)
+    """Steps whose intermediate value Optuna has."""
+
+    def report(self, value: float, step: int, single_objective: bool) -> None:
+        """Give Optuna the pruner's metric at ``step`` as the trial's intermediate value: what optuna-dashboard
+        plots is what the pruning decided on (the training loss stays in results.db's steps and the report).
+        Once per step (a rung may also be an ``eval_every`` step); single objective only: Optuna forbids it
+        otherwise."""
+        if single_objective and step not in self.reported and math.isfinite(value):
+            self.reported.add(step)
+            self.trial.report(value, step)
 
 
 class _Sweep:
@@ -141,6 +153,7 @@ class _Sweep:
         self.log: Callable[[str], None] = print
         self.split = WallSplit()
         self.events: list[str] = []  # trial events since the last progress frame (Progress.events)
+        self.warned_warmup = False
 
     def _lock(self) -> Any:
         sharing = self.s.sharing
@@ -170,6 +183,11 @@ class _Sweep:
             # Under the lock: the next worker to count sees this trial's tokens before it asks.
             Ledger.plan(trial, planned_tokens(self.spec, spec, self.train_examples, self.plan))
         self.live[slot] = _Live(trial, params, spec, self.global_step, time.time())
+        if spec.warmup_steps >= spec.max_steps and not self.warned_warmup:
+            self.warned_warmup = True  # once a run: every such trial has the same cause
+            self.log(f"warning: trial {trial.number} warms up for {spec.warmup_steps} steps of its {spec.max_steps}: "
+                     f"it trains at a fraction of its learning rate throughout; set train.warmup_ratio (e.g. "
+                     f"warmup_ratio=0.1, and warmup_steps=0) to scale the warm-up with each trial's steps")
         self.events.append(f"trial {trial.number}{_role(trial)} started in slot {slot}: {_params_text(params)}")
         with self.s.store.transaction():  # one commit (one log sync) for the trial's row and its span
             self.s.store.upsert_trial(trial.number, state="RUNNING", params=params, pack_id=self.pack_id, slot=slot,
@@ -190,9 +208,6 @@ class _Sweep:
             lv.device_s += step_s * r.tokens / step_tokens  # the step's time, shared by trained tokens
             lv.steps.append({"step": r.slot_step, "loss": r.loss, "tokens": lv.tokens, "lr": r.lr,
                              "grad_norm": r.grad_norm, "time": time.time()})
-            if (len(self.spec.objectives) == 1 and self.spec.train.eval_every is None
-                    and r.slot_step % max(1, lv.spec.max_steps // 50) == 0):
-                lv.trial.report(r.loss, r.slot_step)  # single objective only: Optuna forbids it otherwise
             if self.sha is not None and r.slot_step in self.sha.rungs and r.slot_step < lv.spec.max_steps:
                 arrivals[r.slot] = r.slot_step
         self.global_step = reports[0].step + 1
@@ -255,8 +270,8 @@ class _Sweep:
             lv = self.live[slot]
             value = result.metrics.get(slot, {}).get("eval_loss", math.nan)
             self.s.store.add_eval(lv.trial.number, step, {"eval_loss": value}, kind="curve")
-            if len(self.spec.objectives) == 1:
-                lv.trial.report(value, step)
+            if self.proxy == "eval_loss":  # the pruner's metric: intermediate values never mix two metrics
+                lv.report(value, step, len(self.spec.objectives) == 1)
 
     def _rung(self, arrivals: dict[int, int]) -> None:
         """Score the slots reaching a rung on the proxy metric and let cohort SHA decide."""
@@ -274,6 +289,7 @@ class _Sweep:
                 value = result.metrics.get(slot, {}).get(self.proxy, math.nan)
                 values[self.live[slot].trial.number] = value
                 self.s.store.add_eval(self.live[slot].trial.number, rung, {self.proxy: value}, kind="rung")
+                self.live[slot].report(value, rung, len(self.spec.objectives) == 1)
             for d in self.sha.decide(rung, values):
                 slot = next(s for s, lv in self.live.items() if lv.trial.number == d.trial)
                 # The community default is ranked (it sets the bar) but never stopped: the report
@@ -401,8 +417,11 @@ class _Sweep:
 
 
 def _role(trial: optuna.Trial) -> str:
-    """' (community default)' for the default trial, '' for a searched one."""
-    return " (community default)" if is_default(trial) else ""
+    """' (community default)', ' (config baseline)' (the config's own hyperparameters), both, or '' for a trial
+    the sampler proposed."""
+    names = [n for n, key in (("community default", attrs.DEFAULT), ("config baseline", attrs.BASELINE))
+             if trial.user_attrs.get(key)]
+    return f" ({', '.join(names)})" if names else ""
 
 
 def _params_text(values: dict[str, Any]) -> str:
