@@ -167,9 +167,36 @@ def _gain_info(data: StudyData, confidence: float = 0.95) -> GainInfo:
         rows.append(GainRow(metric, direction, best.number, bval, dvals[i], diff, low, high, len(a),
                             "the default is the best" if best.number == default.number
                             else _verdict(direction, diff, low, high)))
+    rows += _other_metrics(data, default, confidence)
     note = (f"Best trial per objective against the default trial #{default.number}; "
-            f"{int(confidence * 100)}% paired bootstrap interval of the per-item mean difference (2000 resamples).")
+            f"{int(confidence * 100)}% paired bootstrap interval of the per-item mean difference (2000 resamples). "
+            f"A metric that is no objective compares the best trial by {data.objectives[0]} (its per-item mean).")
     return GainInfo(default.number, note, rows)
+
+
+def _other_metrics(data: StudyData, default: Any, confidence: float) -> list[GainRow]:
+    """Gain rows of the per-item metrics that are no objective (``exact_match`` beside an ``eval_loss``
+    objective): the best trial by the first objective against the default, on the items both scored."""
+    best = best_trial(data.candidates, 0, data.directions)
+    directions = data.meta.get("metric_directions") or {}
+    rows = []
+    for metric in sorted(set(data.items) - set(data.objectives)):
+        per_item = data.items[metric]
+        if best is None or default.number not in per_item or best.number not in per_item:
+            continue
+        a, b = paired_scores(per_item[best.number], per_item[default.number])
+        if not a:
+            continue
+        bval, dval = sum(a) / len(a), sum(b) / len(b)
+        low = high = None
+        if best.number != default.number:
+            _, low, high = paired_bootstrap(a, b, confidence=confidence)
+        direction = str(directions.get(metric, ""))
+        verdict = ("the default is the best" if best.number == default.number
+                   else _verdict(direction, bval - dval, low, high) if direction else "direction unknown")
+        rows.append(GainRow(metric, direction or "–", best.number, bval, dval, bval - dval, low, high, len(a),
+                            verdict))
+    return rows
 
 
 def render_summary(info: SummaryInfo) -> str:

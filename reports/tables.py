@@ -99,15 +99,19 @@ def render_prune_table(data: StudyData) -> str:
 
 
 def render_samples(data: StudyData) -> str:
-    """The first generated answers of the default and the best trials, beside their references."""
+    """The first generated answers of the default and the best trials, beside their references: one row per
+    trial and item, with the score of every metric that scored it (a generation scored by several scorers is
+    one answer)."""
     rows = []
     for number, by_metric in sorted(data.samples.items()):
-        for metric, items in sorted(by_metric.items()):
-            for it in items:
-                d = it.detail
-                rows.append([(f"#{number}", number), esc(metric), (esc(it.item), it.item), esc(d.get("prompt")),
-                             esc(d.get("output")), esc(d.get("reference")), (esc(it.score), it.score)])
+        items: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
+        for metric, scored in sorted(by_metric.items()):
+            for it in scored:
+                items.setdefault(it.item, (it.detail, {}))[1][metric] = it.score
+        for item, (d, scores) in sorted(items.items()):
+            rows.append([(f"#{number}", number), (esc(item), item), esc(d.get("prompt")), esc(d.get("output")),
+                         esc(d.get("reference")), esc(", ".join(f"{m}={fmt(v)}" for m, v in scores.items()))])
     if not rows:
         return ('<p class="note">No generated answers stored (no generative evaluator, or no complete trial '
                 "yet).</p>")
-    return table(["trial", "metric", "item", "prompt", "output", "reference", "score"], rows, table_id="samples-table")
+    return table(["trial", "item", "prompt", "output", "reference", "scores"], rows, table_id="samples-table")

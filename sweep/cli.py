@@ -261,11 +261,13 @@ def plan(study: str, overrides: tuple[str, ...]) -> None:
     """Print the pack layout, predicted memory and time of STUDY.yaml, without training."""
     from lora_sweep.packer.data import load_examples
     from lora_sweep.packer.model import PackedModel, load_base
+    from lora_sweep.sweep._trial_data import check_data
     from lora_sweep.sweep.planning import PLAN_CALIBRATIONS, check_targets, padded_mean_length, plan_pack
     from lora_sweep.sweep.resume import resolve_device
 
     spec = _load(study, overrides, None)
     device = resolve_device(spec.model.device)
+    check_data(spec)  # the rows before the model: a bad row costs no model load
     model, tokenizer = load_base(spec.model.path, gguf_file=spec.model.gguf_file, dtype=spec.model.dtype,
                                  device=device, quantize=spec.model.quantize, log=lambda m: click.echo(m, err=True))
     check_targets(spec, model)
@@ -275,7 +277,7 @@ def plan(study: str, overrides: tuple[str, ...]) -> None:
     micro = spec.train.micro_batch
     pm = PackedModel(model, impl=spec.packing.kernels, fused_base_ops=spec.packing.fused_base_ops)
     report = plan_pack(spec, pm, mean_len=padded_mean_length([len(e.input_ids) for e in examples], micro),
-                       calibrations=PLAN_CALIBRATIONS, examples=examples)
+                       calibrations=PLAN_CALIBRATIONS, examples=examples, log=lambda m: click.echo(m, err=True))
     click.echo(report.table())
 
 

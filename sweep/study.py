@@ -39,7 +39,7 @@ from lora_sweep.packer.model import PackedModel
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.static_loop import rank_bucket_for
 from lora_sweep.packer.train import SlotEnd, SlotJob, StepReport, train
-from lora_sweep.sweep._trial_data import check_packing, planned_tokens, trial_adapter, trial_stream
+from lora_sweep.sweep._trial_data import check_data, check_packing, planned_tokens, trial_adapter, trial_stream
 from lora_sweep.sweep.budget import BudgetState, TokenPlan, budget_state, end_line
 from lora_sweep.sweep.ledger import Heartbeat, Ledger, is_default
 from lora_sweep.sweep.planning import largest_rank
@@ -451,6 +451,8 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
     ``allow_changes``: resume even if a fixed setting changed (``sweep.session.spec_changes``).
     """
     split = WallSplit()
+    with split.phase("load"), split.part("load:data"):
+        check_data(spec)  # the rows before the model: a bad row costs no model load
     with split.phase("load"):
         session = open_session(spec, log=log, sharing=sharing, allow_changes=allow_changes, split=split)
     pm, tokenizer = session.pm, session.tokenizer
