@@ -98,6 +98,12 @@ class _Out:
         self.doc, self.data, self.dropped = doc, data, []  # type: ignore[var-annotated]
         self.errors: list[str] = []
         """Every refusal of the file, so one run names them all (``translate`` raises them together)."""
+        self.warnings: list[str] = []
+        """What runs otherwise than written (an 8-bit optimizer as fp32 AdamW, ...): said once the file is
+        accepted (a refused file gets its refusals only)."""
+
+    def warn(self, message: str) -> None:
+        self.warnings.append(message)
 
     def attempt(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)``, or True when it refused the key: its ``ConfigError`` is kept in ``errors`` instead of
@@ -149,6 +155,8 @@ def translate(doc: Doc, data: dict[str, Any], aliases: Mapping[str, str], top: S
         many = len(out.errors) > 1
         head = f"{doc.file}: {len(out.errors)} settings of this config cannot run here:\n" if many else ""
         raise ConfigError(head + "\n".join(out.errors))
+    for message in out.warnings:
+        logger.warning("%s: %s", doc.file, message)
     if "baseline" not in out.data:
         out.data["baseline"] = _own_values(out.data, aliases, top, train)
     search = out.data.get("search")
@@ -196,8 +204,8 @@ def _common(out: _Out, key: str, value: Any) -> bool:
         if value not in (None, False):
             # LLM.int8 quantizes the frozen base to save memory; the base then runs at its own dtype, the weights
             # int8 approximates (as an 8-bit optimizer runs as the fp32 AdamW it approximates).
-            logger.warning("%s: load_in_8bit: the base runs unquantized at its dtype (the weights LLM.int8 "
-                           "approximates; an 8-bit base is not built)", out.doc.file)
+            out.warn("load_in_8bit: the base runs unquantized at its dtype (the weights LLM.int8 approximates; "
+                     "an 8-bit base is not built)")
         return True
     return False
 
@@ -293,8 +301,7 @@ def _optimizer(out: _Out, value: Any, src: Key = ("optimizer",)) -> None:
     if value in _8BIT:
         # 8-bit AdamW approximates AdamW with quantised moments to save optimizer memory; for LoRA-sized
         # adapters that memory is small, so the exact fp32 AdamW it approximates runs instead.
-        logger.warning("%s: optimizer %s runs as fp32 AdamW (the update 8-bit AdamW approximates)", out.doc.file,
-                       value)
+        out.warn(f"optimizer {value} runs as fp32 AdamW (the update 8-bit AdamW approximates)")
     elif value not in _OPTIMIZERS and value is not None:
         raise out.error(src, f"only AdamW is supported ({', '.join(_OPTIMIZERS + _8BIT)}; got {value!r})")
 
@@ -362,8 +369,8 @@ def _torchtune(doc: Doc, data: dict[str, Any]) -> _Out:
         out.put(("train", "max_grad_norm"), None, ("optimizer_in_bwd",) if data.get("optimizer_in_bwd") else ())
     if not out.errors and "train" in out.data.get("data", {}) and "eval" not in out.data["data"]:
         # torchtune's LoRA recipes evaluate nothing; a study ranks its trials on held-out data
-        logger.warning("%s: no held-out data in the config: a seeded %d%% of dataset.data_files is held out as "
-                       "data.eval (give data.eval to choose it)", doc.file, round(100 * _TT_HELD_OUT))
+        out.warn(f"no held-out data in the config: a seeded {round(100 * _TT_HELD_OUT)}% of dataset.data_files is "
+                 "held out as data.eval (give data.eval to choose it)")
         out.attempt(_val_split, out, data, _TT_HELD_OUT)
     tok = data.get("tokenizer") or {}
     if tok.get("max_seq_len") is not None:

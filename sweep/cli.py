@@ -257,12 +257,15 @@ def _refresh_report(out_dir: Path) -> None:
 @cli.command()
 @click.argument("study", type=click.Path(dir_okay=False))
 @click.argument("overrides", nargs=-1)
-def plan(study: str, overrides: tuple[str, ...]) -> None:
-    """Print the pack layout, predicted memory and time of STUDY.yaml, without training."""
+@click.option("--calibrations", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Calibrations to measure when the cache holds fewer (more: the median step and its range).")
+def plan(study: str, overrides: tuple[str, ...], calibrations: int) -> None:
+    """Print the pack layout, predicted memory and time of STUDY.yaml, without training (the calibration is
+    cached per model, device and shape: a second plan is quick)."""
     from lora_sweep.packer.data import load_examples
     from lora_sweep.packer.model import PackedModel, load_base
     from lora_sweep.sweep._trial_data import check_data
-    from lora_sweep.sweep.planning import PLAN_CALIBRATIONS, check_targets, padded_mean_length, plan_pack
+    from lora_sweep.sweep.planning import check_targets, padded_mean_length, plan_pack
     from lora_sweep.sweep.resume import resolve_device
 
     spec = _load(study, overrides, None)
@@ -277,7 +280,7 @@ def plan(study: str, overrides: tuple[str, ...]) -> None:
     micro = spec.train.micro_batch
     pm = PackedModel(model, impl=spec.packing.kernels, fused_base_ops=spec.packing.fused_base_ops)
     report = plan_pack(spec, pm, mean_len=padded_mean_length([len(e.input_ids) for e in examples], micro),
-                       calibrations=PLAN_CALIBRATIONS, examples=examples, log=lambda m: click.echo(m, err=True))
+                       calibrations=calibrations, examples=examples, log=lambda m: click.echo(m, err=True))
     click.echo(report.table())
 
 

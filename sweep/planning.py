@@ -39,14 +39,11 @@ from lora_sweep.packer.probe import available_memory, calibrate
 from lora_sweep.sweep.spec import StudySpec
 
 __all__ = ["auto_slots", "check_targets", "largest_rank", "PlanReport", "plan_pack", "trial_micro_steps",
-           "MEMORY_FRACTION", "MAX_AUTO_SLOTS", "PLAN_CALIBRATIONS"]
+           "MEMORY_FRACTION", "MAX_AUTO_SLOTS", "calibrated", "cache_dir", "calibration_key"]
 
 MEMORY_FRACTION = 0.85
 """Share of the device's available memory a pack may plan for (the rest: fragmentation, evaluation)."""
 MAX_AUTO_SLOTS = 64
-PLAN_CALIBRATIONS = 1
-"""Calibrations ``sweep plan`` measures when none is cached (``--calibrations N`` for more: the plan then gives
-their median step and the range it measured, as one probe step on a busy host can be far off)."""
 CALIBRATION_VERSION = 1
 """Bump when ``packer.probe.calibrate`` measures differently: older cache entries are then not read."""
 

@@ -37,7 +37,8 @@ def test_packing_auto_calibrates_in_its_own_phase_once(tiny_dirs, tmp_path, monk
     splits, logs = [], []
     for name in ("auto-a", "auto-b"):  # two studies of one model and shape: the second reads the first's
         spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name, packing={"max_slots": "auto"},
-                                      budget={"trials": 1}, train={"max_steps": 2, "micro_batch": 4}))
+                                      budget={"trials": 1}, train={"max_steps": 2, "micro_batch": 4},
+                                      pruning={"kind": "none"}))
         out = io.StringIO()
         log = PlainLog(out)
         splits.append(run_study(spec, progress=log.update, log=log.line).split)
