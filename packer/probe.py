@@ -158,18 +158,18 @@ def calibrate(pm: PackedModel, seq_len: int, *, rows: tuple[int, int] = (2, 8), 
     triton = resolve_impl(pm.state.impl, pm.device) == "triton"
     probes = {}
     corners = ((rows[0], r_lo, True), (rows[1], r_lo, True), (rows[1], r_hi, False), (rows[0], r_hi, False))
-    for i, (n, rank, timed) in enumerate(corners):
+    for n, rank, timed in corners:
         ids = torch.randint(3, vocab, (n, seq_len), generator=gen).tolist()
         examples = [Example(tuple(r), tuple(r)) for r in ids]
         spec = AdapterSpec(rank=rank, targets=("all-linear",), max_steps=steps, lr=1e-4,
                            max_grad_norm=None if optimizer_in_backward else 1.0)
-        # Warm-up (allocator pools, kernel selection, lazy initialisation): before each probe on CUDA, whose
-        # allocator and kernels depend on the shape; on the CPU before the first only, since the counting mode's
-        # bytes do not depend on it and the later timed probe runs on a warm process.
-        if pm.device.type == "cuda" or i == 0:
+        # On CUDA a warm-up before each probe (allocator pools, kernel selection depend on the shape). On the CPU
+        # none: the counting mode's bytes do not depend on it, and its run warms the process for the timed one
+        # after it (6 probe runs of `steps` steps in all, not 10).
+        if pm.device.type == "cuda":
             _step(pm, spec, examples, pad_id, steps, options)
-        seconds = _step(pm, spec, examples, pad_id, steps, options) if timed else 0.0  # outside the counting mode
         peak = peak_memory(lambda: _step(pm, spec, examples, pad_id, steps, options), pm)  # noqa: B023
+        seconds = _step(pm, spec, examples, pad_id, steps, options) if timed else 0.0  # outside the counting mode
         params = PROBE_SLOTS * adapter_param_count([(layer.in_features, layer.out_features)
                                                     for layer in pm.layers.values()], rank)
         # Triton keeps one per-token column per rank of the widest slot, padded to a power of 2 (>= 16);

@@ -44,7 +44,7 @@ __all__ = ["auto_slots", "check_targets", "largest_rank", "PlanReport", "plan_pa
 MEMORY_FRACTION = 0.85
 """Share of the device's available memory a pack may plan for (the rest: fragmentation, evaluation)."""
 MAX_AUTO_SLOTS = 64
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2
 """Bump when ``packer.probe.calibrate`` measures differently: older cache entries are then not read."""
 
 

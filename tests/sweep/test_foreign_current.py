@@ -72,6 +72,10 @@ def test_current_example_runs_a_small_study_first_try(tiny_dirs, wide_llama, tmp
     assert summary.ended == "stopped: budget.trials reached: 2 trials used of 2 trials"
     roles = {b["number"]: b["role"] for b in study_status(spec.out_dir)["best"]}
     assert roles == {0: "default", 1: "config baseline"}
+    if name == "axolotl-llama-3-qlora-1b.yml":  # the report names it too
+        from lora_sweep.reports.html import write_report
+
+        assert "#1 (config baseline)" in write_report(spec.out_dir).read_text()
     if name.startswith("torchtune"):  # num_warmup_steps: 100 against trials of a few steps
         assert any(line.startswith("warning: trial 0 warms up for 100 steps of its") and "warmup_ratio" in line
                    for line in lines), lines
