@@ -88,6 +88,8 @@ class PlanReport:
             ("per adapter parameter", f"{self.memory.bytes_per_param:.1f} B"),
             ("predicted step", self._step_text()),
             ("calibration", self.calibration or "-"),
+            ("accuracy", "memory: measured at the probed sizes, linear between them (the slots); time: two "
+                         "timed probes, as noisy as the host is busy (a guide)"),
             ("predicted time for the trial budget (no pruning)", total),
         ]
         width = max(len(k) for k, _ in rows)
