@@ -5,7 +5,7 @@ subclass; the CLI prints its message on one line and exits with status 2. Every 
 a bug and keeps its traceback.
 """
 
-__all__ = ["UserError", "ConfigError", "DataError"]
+__all__ = ["UserError", "ConfigError", "DataError", "Terminated"]
 
 
 class UserError(Exception):
@@ -18,3 +18,8 @@ class ConfigError(UserError, ValueError):
 
 class DataError(UserError, ValueError):
     """A dataset file or row is invalid (names file:line and field)."""
+
+
+class Terminated(KeyboardInterrupt):  # noqa: N818 (a signal, like KeyboardInterrupt, not an error)
+    """SIGTERM arrived (``sweep run`` turns it into this): the run stops as on Ctrl-C, saying so, and exits 143.
+    A KeyboardInterrupt, so every path that cleans up after Ctrl-C (a worker's, the live display's) does so here."""

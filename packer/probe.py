@@ -163,9 +163,13 @@ def calibrate(pm: PackedModel, seq_len: int, *, rows: tuple[int, int] = (2, 8), 
         examples = [Example(tuple(r), tuple(r)) for r in ids]
         spec = AdapterSpec(rank=rank, targets=("all-linear",), max_steps=steps, lr=1e-4,
                            max_grad_norm=None if optimizer_in_backward else 1.0)
-        _step(pm, spec, examples, pad_id, steps, options)  # warm-up: allocator pools, kernel selection
-        seconds = _step(pm, spec, examples, pad_id, steps, options) if timed else 0.0  # outside the counting mode
+        # On CUDA a warm-up before each probe (allocator pools, kernel selection depend on the shape). On the CPU
+        # none: the counting mode's bytes do not depend on it, and its run warms the process for the timed one
+        # after it (6 probe runs of `steps` steps in all, not 10).
+        if pm.device.type == "cuda":
+            _step(pm, spec, examples, pad_id, steps, options)
         peak = peak_memory(lambda: _step(pm, spec, examples, pad_id, steps, options), pm)  # noqa: B023
+        seconds = _step(pm, spec, examples, pad_id, steps, options) if timed else 0.0  # outside the counting mode
         params = PROBE_SLOTS * adapter_param_count([(layer.in_features, layer.out_features)
                                                     for layer in pm.layers.values()], rank)
         # Triton keeps one per-token column per rank of the widest slot, padded to a power of 2 (>= 16);

@@ -95,6 +95,11 @@ def _safe(what: str, build: Callable[[], str]) -> str:
                 f"({html.escape(Path(last.filename).name)}:{last.lineno})</p>")
 
 
+IMPORTANCE_TRIALS = 20
+"""Complete trials under which the parameter importances carry a caveat: PED-ANOVA compares the best trials'
+parameter distribution with all trials', which a handful of trials cannot pin down."""
+
+
 def _note(text: str) -> str:
     return f'<p class="note">{html.escape(text)}</p>'
 
@@ -113,7 +118,11 @@ def _optuna_section(data: StudyData, study: object, kind: str) -> str:
     def one(t: optuna_figures.Target) -> str:
         return _safe(f"{kind} for {t.name}", lambda: _figure(plot(study, t), f"fig-{kind}-{t.idx}"))
 
-    return "\n".join(one(t) for t in info.targets)
+    caveat = ""
+    if kind == "importances" and info.n_complete < IMPORTANCE_TRIALS:
+        caveat = _note(f"A rough guide only: importances from {info.n_complete} complete trials (fewer than "
+                       f"{IMPORTANCE_TRIALS}) can rank the parameters by noise; read them again after more trials.")
+    return caveat + "\n".join(one(t) for t in info.targets)
 
 
 def _pareto_section(data: StudyData) -> str:

@@ -66,6 +66,10 @@ def plot_history(study: Any, t: Target) -> go.Figure:
             ys.append(v if not ys else best(ys[-1], v))
             xs.append(trial.number)
         fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", name="Best Value", line={"shape": "hv"}))
+    numbers = [tr.number for tr in study.trials]
+    # trials are whole numbers: ticks at integers only (plotly's automatic ticks put 0.5 between two trials)
+    fig.update_xaxes(tickmode="linear", tick0=0, dtick=max(1, -(-(max(numbers, default=0) + 1) // 10)),
+                     title="trial")
     return fig.update_layout(title=f"Optimisation history: {t.name} ({t.direction})", template="plotly_white")
 
 

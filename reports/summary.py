@@ -26,6 +26,8 @@ class BestRow(NamedTuple):
     default: bool
     adapter: str | None
     feasible: bool = True
+    role: str = ""
+    """' (default)', ' (config baseline)', both, or '' (``TrialRecord.role``)."""
 
 
 class SummaryInfo(NamedTuple):
@@ -46,6 +48,8 @@ class SummaryInfo(NamedTuple):
     """``metric <= value`` of each constraint."""
     feasible: int = 0
     """Complete trials that meet every constraint."""
+    ended: str = ""
+    """How the last run ended (``stopped: budget.wall_time reached: ...``); '' when no run recorded it."""
 
 
 class GainRow(NamedTuple):
@@ -83,9 +87,10 @@ def _summary_info(data: StudyData, top: int = 5) -> SummaryInfo:
     tokens = sum(t.tokens or 0 for t in data.trials)
     device_s = sum(t.device_seconds or 0.0 for t in data.trials)
     b = data.budget
-    budget = [("trials finished", str(finished), fmt(b.get("trials"))),
-              ("training tokens", f"{tokens:,}", fmt(b.get("tokens"))),
-              ("wall time", f"{float(data.meta.get('elapsed') or 0.0):.1f} s", fmt(b.get("wall_time"))),
+    elapsed = float(data.meta.get("elapsed") or 0.0)
+    budget = [("trials finished", str(finished), _limit(finished, b.get("trials"), "{:,.0f}")),
+              ("training tokens", f"{tokens:,}", _limit(tokens, b.get("tokens"), "{:,.0f}")),
+              ("wall time", f"{elapsed:.1f} s", _limit(elapsed, b.get("wall_time"), "{:,.1f} s")),
               ("device time (trials)", f"{device_s:.1f} s", "–"),
               ("packs", str(len(data.packs)), "–")]
     n = len(data.objectives)
@@ -100,12 +105,28 @@ def _summary_info(data: StudyData, top: int = 5) -> SummaryInfo:
         chosen = sorted((x for x in done if x[1].number in front), key=lambda x: (x[0][0], x[1].number))
         title = f"Pareto front ({len(chosen)} trials)"
     best = [BestRow(t.number, vals, dict(t.params or {}), t.is_default, t.adapter_path,
-                    data.feasible(t)) for vals, t in chosen]
+                    data.feasible(t), t.role) for vals, t in chosen]
     return SummaryInfo(str(data.meta.get("name", data.root.name)), str(data.meta.get("model", "–")),
                        str(data.meta.get("data", "–")), str(data.meta.get("storage", "–")),
                        list(zip(data.objectives, data.directions, strict=False)), counts, budget, title, best,
                        data.running, _time(data.meta.get("updated")), [constraint_text(c) for c in data.constraints],
-                       sum(1 for t in data.complete if data.feasible(t)))
+                       sum(1 for t in data.complete if data.feasible(t)), _end_text(data.meta))
+
+
+def _limit(used: float, limit: Any, unit: str) -> str:
+    """The limit cell of a budget row: the limit, flagged with the overshoot when ``used`` went over it (the
+    trials training when a budget is reached run to their end)."""
+    if not isinstance(limit, int | float) or isinstance(limit, bool):
+        return fmt(limit)
+    if used > limit:
+        return f"{fmt(limit)} (OVER by {unit.format(used - limit)})"
+    return fmt(limit)
+
+
+def _end_text(meta: dict[str, Any]) -> str:
+    """How the last run ended, in the line the run printed (the store's meta ``last_end``); '' if unknown."""
+    end = meta.get("last_end")
+    return str(end.get("text") or "") if isinstance(end, dict) else ""
 
 
 def _verdict(direction: str, diff: float, low: float | None, high: float | None) -> str:
@@ -146,9 +167,36 @@ def _gain_info(data: StudyData, confidence: float = 0.95) -> GainInfo:
         rows.append(GainRow(metric, direction, best.number, bval, dvals[i], diff, low, high, len(a),
                             "the default is the best" if best.number == default.number
                             else _verdict(direction, diff, low, high)))
+    rows += _other_metrics(data, default, confidence)
     note = (f"Best trial per objective against the default trial #{default.number}; "
-            f"{int(confidence * 100)}% paired bootstrap interval of the per-item mean difference (2000 resamples).")
+            f"{int(confidence * 100)}% paired bootstrap interval of the per-item mean difference (2000 resamples). "
+            f"A metric that is no objective compares the best trial by {data.objectives[0]} (its per-item mean).")
     return GainInfo(default.number, note, rows)
+
+
+def _other_metrics(data: StudyData, default: Any, confidence: float) -> list[GainRow]:
+    """Gain rows of the per-item metrics that are no objective (``exact_match`` beside an ``eval_loss``
+    objective): the best trial by the first objective against the default, on the items both scored."""
+    best = best_trial(data.candidates, 0, data.directions)
+    directions = data.meta.get("metric_directions") or {}
+    rows = []
+    for metric in sorted(set(data.items) - set(data.objectives)):
+        per_item = data.items[metric]
+        if best is None or default.number not in per_item or best.number not in per_item:
+            continue
+        a, b = paired_scores(per_item[best.number], per_item[default.number])
+        if not a:
+            continue
+        bval, dval = sum(a) / len(a), sum(b) / len(b)
+        low = high = None
+        if best.number != default.number:
+            _, low, high = paired_bootstrap(a, b, confidence=confidence)
+        direction = str(directions.get(metric, ""))
+        verdict = ("the default is the best" if best.number == default.number
+                   else _verdict(direction, bval - dval, low, high) if direction else "direction unknown")
+        rows.append(GainRow(metric, direction or "–", best.number, bval, dval, bval - dval, low, high, len(a),
+                            verdict))
+    return rows
 
 
 def render_summary(info: SummaryInfo) -> str:
@@ -161,7 +209,7 @@ def render_summary(info: SummaryInfo) -> str:
                                 f"{info.counts.get('COMPLETE', 0)} complete trials feasible"
                                 + ("" if info.feasible else " (the best below are infeasible)"))]
                if info.constraints else []), ("Optuna storage", f"<code>{esc(info.storage)}</code>"),
-             ("last update", esc(info.updated))]
+             *([("last run", esc(info.ended))] if info.ended else []), ("last update", esc(info.updated))]
     out = ['<dl class="facts">' + "".join(f"<dt>{k}</dt><dd>{v}</dd>" for k, v in facts) + "</dl>"]
     if info.running:
         out.insert(0, '<p class="banner">This study is still running (or a run stopped without finishing): '
@@ -173,7 +221,7 @@ def render_summary(info: SummaryInfo) -> str:
         out.append('<p class="note">No complete trial with finite objective values yet.</p>')
     else:
         names = [m for m, _ in info.objectives]
-        rows = [[(f"#{b.number}{' (default)' if b.default else ''}{'' if b.feasible else ' (infeasible)'}", b.number),
+        rows = [[(f"#{b.number}{b.role}{'' if b.feasible else ' (infeasible)'}", b.number),
                  *[(esc(v), v) for v in b.values],
                  esc(", ".join(f"{k}={fmt(v)}" for k, v in b.params.items())),
                  f"<code>{esc(b.adapter)}</code>"] for b in info.best]

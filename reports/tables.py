@@ -32,6 +32,8 @@ class TrialRow(NamedTuple):
     reason: str | None
     feasible: bool | None = None
     """Whether a complete trial meets the constraints; None without constraints or for unfinished trials."""
+    baseline: bool = False
+    """The trial of the config's own hyperparameters (``TrialRecord.is_baseline``)."""
 
 
 class TrialTableInfo(NamedTuple):
@@ -55,7 +57,8 @@ def _trial_table_info(data: StudyData, report_dir: Path) -> TrialTableInfo:
         rows.append(TrialRow(t.number, t.state or "?", t.is_default, vals,
                              dict(t.metrics or {}), dict(t.params or {}), t.steps_done, t.tokens, t.device_seconds,
                              f"{fmt(t.pack_id)}·{fmt(t.slot)}", t.adapter_path, href, t.reason,
-                             data.feasible(t) if data.constraints and t.state == "COMPLETE" else None))
+                             data.feasible(t) if data.constraints and t.state == "COMPLETE" else None,
+                             t.is_baseline))
     return TrialTableInfo(list(data.objectives), metric_names, param_names, rows)
 
 
@@ -70,7 +73,8 @@ def render_trial_table(info: TrialTableInfo) -> str:
         adapter = "–" if r.adapter is None else f"<code>{esc(r.adapter)}</code>"
         if r.adapter_href is not None:
             adapter = f'<a href="{html.escape(r.adapter_href, quote=True)}">{adapter}</a>'
-        body.append([(f"#{r.number}{' ★' if r.default else ''}", r.number),
+        mark = (" ★" if r.default else "") + (" (config baseline)" if r.baseline else "")
+        body.append([(f"#{r.number}{mark}", r.number),
                      f'<span class="state {esc(r.state.lower())}">{esc(r.state.lower())}</span>',
                      *([_feasibility(r.feasible)] if constrained else []),
                      *[(esc(v), v) for v in r.objectives],
@@ -99,15 +103,19 @@ def render_prune_table(data: StudyData) -> str:
 
 
 def render_samples(data: StudyData) -> str:
-    """The first generated answers of the default and the best trials, beside their references."""
+    """The first generated answers of the default and the best trials, beside their references: one row per
+    trial and item, with the score of every metric that scored it (a generation scored by several scorers is
+    one answer)."""
     rows = []
     for number, by_metric in sorted(data.samples.items()):
-        for metric, items in sorted(by_metric.items()):
-            for it in items:
-                d = it.detail
-                rows.append([(f"#{number}", number), esc(metric), (esc(it.item), it.item), esc(d.get("prompt")),
-                             esc(d.get("output")), esc(d.get("reference")), (esc(it.score), it.score)])
+        items: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
+        for metric, scored in sorted(by_metric.items()):
+            for it in scored:
+                items.setdefault(it.item, (it.detail, {}))[1][metric] = it.score
+        for item, (d, scores) in sorted(items.items()):
+            rows.append([(f"#{number}", number), (esc(item), item), esc(d.get("prompt")), esc(d.get("output")),
+                         esc(d.get("reference")), esc(", ".join(f"{m}={fmt(v)}" for m, v in scores.items()))])
     if not rows:
         return ('<p class="note">No generated answers stored (no generative evaluator, or no complete trial '
                 "yet).</p>")
-    return table(["trial", "metric", "item", "prompt", "output", "reference", "score"], rows, table_id="samples-table")
+    return table(["trial", "item", "prompt", "output", "reference", "scores"], rows, table_id="samples-table")

@@ -52,9 +52,17 @@ _INFRA = {
 """Keys that do not change what is trained (logging, precision flags, attention kernels, saving, parallelism).
 ``special_tokens`` is here because only ``pad_token`` is accepted and padding never reaches the loss."""
 _INFRA_PREFIXES = ("wandb_", "mlflow_", "comet_", "hub_", "fsdp_", "deepspeed_")
+_IDENTITY = {
+    "model_type", "tokenizer_type", "trust_remote_code", "base_model_config", "tokenizer_config",
+    "tokenizer_use_fast", "tokenizer_legacy", "is_llama_derived_model", "is_mistral_derived_model",
+    "is_falcon_derived_model", "is_qwen_derived_model", "attention",
+}
+"""Axolotl keys that name what the checkpoint already is (its architecture class, its tokenizer class, whether
+its code may be trusted, Axolotl's family hints) or pick an attention kernel (``attention: flash``): the model
+and tokenizer are read from the checkpoint itself, so these are ignored like the infrastructure keys. (A
+checkpoint that truly needs remote code fails to load, in one line, whatever ``trust_remote_code`` says.)"""
 
 _DEFAULT_ONLY = {
-    "load_in_8bit": "an 8-bit base is not supported yet",
     "gptq": "a GPTQ base is not supported yet",
     "lora_model_dir": "starting from a saved adapter is not supported yet",
     "lora_fan_in_fan_out": "is read from the model's layers (GPT-2's Conv1D); set it to null",
@@ -78,6 +86,8 @@ _TT_DATASETS = {"alpaca_dataset": "alpaca", "alpaca_cleaned_dataset": "alpaca", 
                 "chat_dataset": "chat", "text_completion_dataset": "text"}
 _TT_SCHEDULES = {"get_cosine_schedule_with_warmup": "cosine", "get_linear_schedule_with_warmup": "linear",
                  "get_constant_schedule_with_warmup": "constant"}
+_TT_HELD_OUT = 0.1
+"""The share of a torchtune config's data file held out as ``data.eval`` when the study gives none."""
 _TT_TARGETS = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "output_proj": "o_proj"}
 
 
@@ -86,6 +96,23 @@ class _Out:
 
     def __init__(self, doc: Doc, data: dict[str, Any]) -> None:
         self.doc, self.data, self.dropped = doc, data, []  # type: ignore[var-annotated]
+        self.errors: list[str] = []
+        """Every refusal of the file, so one run names them all (``translate`` raises them together)."""
+        self.warnings: list[str] = []
+        """What runs otherwise than written (an 8-bit optimizer as fp32 AdamW, ...): said once the file is
+        accepted (a refused file gets its refusals only)."""
+
+    def warn(self, message: str) -> None:
+        self.warnings.append(message)
+
+    def attempt(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, or True when it refused the key: its ``ConfigError`` is kept in ``errors`` instead of
+        raised (and the key counts as handled: nothing else reads it)."""
+        try:
+            return fn(*args)
+        except ConfigError as err:
+            self.errors.append(str(err))
+            return True
 
     def put(self, dest: Key, value: Any, src: Key) -> None:
         node = self.data
@@ -101,14 +128,19 @@ class _Out:
         return ConfigError(f"{self.doc.where(src)}: {'.'.join(map(str, src))}: {rule}")
 
 
-def translate(doc: Doc, data: dict[str, Any], aliases: Mapping[str, str], top: Sequence[str]) -> dict[str, Any]:
+def translate(doc: Doc, data: dict[str, Any], aliases: Mapping[str, str], top: Sequence[str],
+              known: Sequence[str] = (), train: Sequence[str] = ()) -> dict[str, Any]:
     """``data`` itself when it is a study file; else the study mapping of an Axolotl or torchtune config.
 
-    The config's value of a searched setting is dropped: the search decides it (``aliases`` maps the train
-    aliases, ``lora_r`` -> ``rank``; ``top`` names our top-level keys, which are never dropped).
+    The config's own value of a searched setting is dropped from the fixed ones (the search decides it) and
+    kept in ``baseline:``, the trial of the config's own hyperparameters (``aliases`` maps the train aliases,
+    ``lora_r`` -> ``rank``; ``top`` names our top-level keys, which are never dropped; ``known`` every
+    top-level key the loader reads, so an unknown one is named with the other refusals; ``train`` the train
+    fields, the baseline's keys).
 
     Raises:
-        ConfigError: a key asks for something not supported (one line, the file, line and key).
+        ConfigError: keys ask for something not supported: every such key of the file, one line each
+            (file:line: key: rule), under a first line that counts them.
     """
     model = data.get("model")
     if isinstance(model, dict) and "_component_" in model:
@@ -117,6 +149,16 @@ def translate(doc: Doc, data: dict[str, Any], aliases: Mapping[str, str], top: S
         out = _axolotl(doc, data)
     else:
         return data
+    for key in [k for k in out.data if known and k not in known]:
+        out.errors.append(str(doc.unknown((), key, list(top), [*known, *sorted(_INFRA | _IDENTITY)])))
+    if out.errors:
+        many = len(out.errors) > 1
+        head = f"{doc.file}: {len(out.errors)} settings of this config cannot run here:\n" if many else ""
+        raise ConfigError(head + "\n".join(out.errors))
+    for message in out.warnings:
+        logger.warning("%s: %s", doc.file, message)
+    if "baseline" not in out.data:
+        out.data["baseline"] = _own_values(out.data, aliases, top, train)
     search = out.data.get("search")
     searched = {aliases.get(str(k), str(k)) for k in search} if isinstance(search, dict) else set()
     for k in [k for k in out.data if k not in top and aliases.get(k, k) in searched]:
@@ -124,13 +166,24 @@ def translate(doc: Doc, data: dict[str, Any], aliases: Mapping[str, str], top: S
     if isinstance(out.data.get("train"), dict):
         out.data["train"] = {k: v for k, v in out.data["train"].items() if aliases.get(k, k) not in searched}
     if out.dropped:
-        logger.warning("%s: ignored (logging, hardware or infrastructure; the math is unchanged): %s",
+        logger.warning("%s: ignored (identity, logging, hardware or infrastructure keys; the math is unchanged): %s",
                        doc.file, ", ".join(out.dropped))
     return out.data
 
 
+def _own_values(data: dict[str, Any], aliases: Mapping[str, str], top: Sequence[str],
+                train: Sequence[str]) -> dict[str, Any]:
+    """The config's own hyperparameters by train field (``lr``, ``rank``, ``targets``, ...): the values its author
+    trained with, before the search replaces the searched ones."""
+    own = {aliases.get(k, k): v for k, v in data.items() if k not in top and v is not None}
+    if data.get("lora_target_linear"):  # Axolotl: every linear layer
+        own["targets"] = "all-linear"
+    own |= {aliases.get(k, k): v for k, v in (data.get("train") or {}).items() if v is not None}
+    return {k: v for k, v in own.items() if k in train}
+
+
 def _infra(key: str) -> bool:
-    return key in _INFRA or key.startswith(_INFRA_PREFIXES)
+    return key in _INFRA or key in _IDENTITY or key.startswith(_INFRA_PREFIXES)
 
 
 def _common(out: _Out, key: str, value: Any) -> bool:
@@ -146,6 +199,13 @@ def _common(out: _Out, key: str, value: Any) -> bool:
         raise out.error((key, other), "only pad_token is supported (a new bos/eos token changes the targets)")
     if _infra(key):
         out.dropped.append(key)
+        return True
+    if key == "load_in_8bit":
+        if value not in (None, False):
+            # LLM.int8 quantizes the frozen base to save memory; the base then runs at its own dtype, the weights
+            # int8 approximates (as an 8-bit optimizer runs as the fp32 AdamW it approximates).
+            out.warn("load_in_8bit: the base runs unquantized at its dtype (the weights LLM.int8 approximates; "
+                     "an 8-bit base is not built)")
         return True
     return False
 
@@ -172,18 +232,22 @@ def _axolotl(doc: Doc, data: dict[str, Any]) -> _Out:
         "val_set_size": lambda o, v: None,  # after the datasets
     }
     for key, value in data.items():
-        if _common(out, key, value):
+        if out.attempt(_common, out, key, value):
             continue
         if key in handlers:
-            handlers[key](out, value)
+            out.attempt(handlers[key], out, value)
         else:
             _keep(out, key, value)
+    if data.get("lora_target_linear") and data.get("lora_target_modules"):
+        # Axolotl adapts the listed modules and every linear layer: all of them, as lora_target_linear alone
+        del out.data["lora_target_modules"]
     if "adam_beta1" in data or "adam_beta2" in data:
         betas = [data.get("adam_beta1", 0.9), data.get("adam_beta2", 0.999)]
         out.put(("train", "betas"), betas, ("adam_beta1",) if "adam_beta1" in data else ("adam_beta2",))
     if "warmup_ratio" in data and data.get("warmup_steps"):  # HF Trainer: warmup_steps wins
         del out.data["train"]["warmup_ratio"]
-    _val_split(out, data)
+    if not out.errors:  # a refused dataset has nothing to split
+        out.attempt(_val_split, out, data)
     return out
 
 
@@ -237,8 +301,7 @@ def _optimizer(out: _Out, value: Any, src: Key = ("optimizer",)) -> None:
     if value in _8BIT:
         # 8-bit AdamW approximates AdamW with quantised moments to save optimizer memory; for LoRA-sized
         # adapters that memory is small, so the exact fp32 AdamW it approximates runs instead.
-        logger.warning("%s: optimizer %s runs as fp32 AdamW (the update 8-bit AdamW approximates)", out.doc.file,
-                       value)
+        out.warn(f"optimizer {value} runs as fp32 AdamW (the update 8-bit AdamW approximates)")
     elif value not in _OPTIMIZERS and value is not None:
         raise out.error(src, f"only AdamW is supported ({', '.join(_OPTIMIZERS + _8BIT)}; got {value!r})")
 
@@ -248,9 +311,10 @@ def _output(out: _Out, value: Any) -> None:
         out.put(("output",), value, ("output_dir",))
 
 
-def _val_split(out: _Out, data: dict[str, Any]) -> None:
-    """``val_set_size``: a seeded split of the training file into train and eval files (written once)."""
-    size = data.get("val_set_size")
+def _val_split(out: _Out, data: dict[str, Any], size: Any = None) -> None:
+    """``val_set_size`` (or ``size``): a seeded split of the training file into train and eval files (written
+    once)."""
+    size = data.get("val_set_size") if size is None else size
     if not size:
         return
     ok = isinstance(size, int | float) and not isinstance(size, bool) and size > 0
@@ -282,30 +346,37 @@ def _val_split(out: _Out, data: dict[str, Any]) -> None:
 def _torchtune(doc: Doc, data: dict[str, Any]) -> _Out:
     out = _Out(doc, {})
     for key, value in data.items():
-        if key in ("checkpointer", "tokenizer") or _common(out, key, value):
+        if key in ("checkpointer", "tokenizer") or out.attempt(_common, out, key, value):
             continue
         handler = _TT.get(key)
         if handler is not None:
-            handler(out, value)
+            out.attempt(handler, out, value)
         else:
             _keep(out, key, value)
-    if "checkpointer" in data:
-        ckpt = data["checkpointer"] or {}
-        if "HFCheckpointer" not in str(ckpt.get("_component_", "")):
-            raise out.error(("checkpointer", "_component_"), "only Hugging Face checkpoints (FullModelHFCheckpointer)")
-        out.put(("model", "path"), ckpt.get("checkpoint_dir"), ("checkpointer", "checkpoint_dir"))
+    ckpt = data.get("checkpointer") if isinstance(data.get("checkpointer"), dict) else {}
+    if "checkpointer" not in data:
+        out.errors.append(str(out.error(("model",), "a torchtune config needs checkpointer.checkpoint_dir (the HF "
+                                                    "checkpoint)")))
+    elif "HFCheckpointer" not in str(ckpt.get("_component_", "")):
+        out.errors.append(str(out.error(("checkpointer", "_component_"),
+                                        "only Hugging Face checkpoints (FullModelHFCheckpointer)")))
     else:
-        raise out.error(("model",), "a torchtune config needs checkpointer.checkpoint_dir (the HF checkpoint)")
+        out.put(("model", "path"), ckpt.get("checkpoint_dir"), ("checkpointer", "checkpoint_dir"))
     if data.get("optimizer_in_bwd") and data.get("clip_grad_norm") is not None:  # torchtune refuses it too
-        raise out.error(("clip_grad_norm",), f"must be null with optimizer_in_bwd: true (clipping needs the whole "
-                                             f"gradient before the step; got {data['clip_grad_norm']!r})")
+        out.errors.append(str(out.error(("clip_grad_norm",), f"must be null with optimizer_in_bwd: true (clipping "
+                                        f"needs the whole gradient before the step; got {data['clip_grad_norm']!r})")))
     if "clip_grad_norm" not in data:  # torchtune's recipes clip only when clip_grad_norm is set; our default is 1.0
         out.put(("train", "max_grad_norm"), None, ("optimizer_in_bwd",) if data.get("optimizer_in_bwd") else ())
+    if not out.errors and "train" in out.data.get("data", {}) and "eval" not in out.data["data"]:
+        # torchtune's LoRA recipes evaluate nothing; a study ranks its trials on held-out data
+        out.warn(f"no held-out data in the config: a seeded {round(100 * _TT_HELD_OUT)}% of dataset.data_files is "
+                 "held out as data.eval (give data.eval to choose it)")
+        out.attempt(_val_split, out, data, _TT_HELD_OUT)
     tok = data.get("tokenizer") or {}
     if tok.get("max_seq_len") is not None:
         out.put(("data", "max_length"), tok["max_seq_len"], ("tokenizer", "max_seq_len"))
     out.dropped += [f"tokenizer.{k}" for k in tok if k != "max_seq_len"]  # the checkpoint's own tokenizer is used
-    out.dropped += [f"checkpointer.{k}" for k in data["checkpointer"] if k not in ("_component_", "checkpoint_dir")]
+    out.dropped += [f"checkpointer.{k}" for k in ckpt if k not in ("_component_", "checkpoint_dir")]
     return out
 
 

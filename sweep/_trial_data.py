@@ -11,7 +11,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from lora_sweep.packer.data import Example
+from lora_sweep.evaluators import load_eval_data
+from lora_sweep.packer.data import Example, read_jsonl
 from lora_sweep.packer.isolation import check_sample_packing
 from lora_sweep.packer.model import PackedModel
 from lora_sweep.packer.packing import batches_per_epoch, slot_stream
@@ -19,7 +20,7 @@ from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.train import BatchSource, target_tokens
 from lora_sweep.sweep.spec import StudySpec
 
-__all__ = ["epoch_steps", "trial_adapter", "trial_stream", "planned_tokens", "check_packing"]
+__all__ = ["epoch_steps", "trial_adapter", "trial_stream", "planned_tokens", "check_packing", "check_data"]
 
 
 def epoch_steps(examples: Sequence[Example], adapter: AdapterSpec, epochs: float, row_len: int, seed: int,
@@ -72,3 +73,16 @@ def check_packing(spec: StudySpec, pm: PackedModel) -> None:
     searched = any(p.name == "sample_packing" and True in p.choices for p in spec.search.params)
     if spec.train.sample_packing or searched:
         check_sample_packing(pm)
+
+
+def check_data(spec: StudySpec) -> None:
+    """Read and check every row of the training and held-out files (JSON, the format's fields), before the model
+    loads: a bad row is one line in seconds, not after the base model's load. (Tokenizing needs the model's
+    tokenizer and comes after it.)
+
+    Raises:
+        DataError: the first bad row, as ``file:line``.
+    """
+    read_jsonl(spec.data.train, spec.data.format)
+    if spec.data.eval is not None:
+        load_eval_data(spec.data.eval, None, fmt=spec.data.format)

@@ -24,7 +24,7 @@ from lora_sweep.sweep.spec import StudySpec
 from lora_sweep.sweep.storage import Sharing, study_elapsed
 from lora_sweep.sweep.store import attrs
 
-__all__ = ["BudgetState", "Counts", "budget_state", "shared_budget", "counted", "TokenPlan"]
+__all__ = ["BudgetState", "Counts", "budget_state", "shared_budget", "counted", "TokenPlan", "end_line"]
 
 
 @dataclass(frozen=True)
@@ -119,6 +119,37 @@ def _against(spec: StudySpec, trials: int, tokens: int, elapsed: float) -> Budge
     if b.wall_time is not None and elapsed >= b.wall_time:
         return BudgetState(True, f"{b.wall_time:.0f} s of wall time", "budget.wall_time")
     return BudgetState(False)
+
+
+def end_line(spec: StudySpec, state: BudgetState, *, trials: int, tokens: int, elapsed: float) -> tuple[str, bool]:
+    """The one line that says which budget ended a run, what was used against its limit; and whether the run
+    went over it.
+
+    A budget stops the asking; the trials training when it is reached run to their end, so the wall time and
+    the tokens can end above their limits (and, with workers sharing a study, the trials too): the line says
+    by how much.
+
+    Args:
+        state: The exhausted budget (``budget_state``).
+        trials: Trials counted against the budget, earlier runs' included.
+        tokens: Tokens trained by them.
+        elapsed: Wall seconds of the study, earlier runs' included.
+    """
+    b = spec.budget
+    if not state.key:
+        return f"finished: {state.reason} were all tried", False
+    used: dict[str, tuple[float, float | None, str]] = {
+        "budget.trials": (trials, b.trials, "{:,.0f} trials"),
+        "budget.tokens": (tokens, b.tokens, "{:,.0f} tokens"),
+        "budget.wall_time": (elapsed, b.wall_time, "{:,.1f} s"),
+    }
+    value, limit, unit = used[state.key]
+    text = f"stopped: {state.key} reached: {unit.format(value)} used of {unit.format(limit)}"
+    over = limit is not None and value > limit
+    if over:
+        text += (f" (OVER by {unit.format(value - limit)}: the trials training when it was reached ran to their "
+                 f"end)")
+    return text, over
 
 
 class TokenPlan:

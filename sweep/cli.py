@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import click
 
-from lora_sweep.packer.errors import UserError
+from lora_sweep.packer.errors import Terminated, UserError
 
 if TYPE_CHECKING:
     from lora_sweep.sweep.spec import StudySpec
@@ -246,15 +246,20 @@ def _refresh_report(out_dir: Path) -> None:
 @cli.command()
 @click.argument("study", type=click.Path(dir_okay=False))
 @click.argument("overrides", nargs=-1)
-def plan(study: str, overrides: tuple[str, ...]) -> None:
-    """Print the pack layout, predicted memory and time of STUDY.yaml, without training."""
+@click.option("--calibrations", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Calibrations to measure when the cache holds fewer (more: the median step and its range).")
+def plan(study: str, overrides: tuple[str, ...], calibrations: int) -> None:
+    """Print the pack layout, predicted memory and time of STUDY.yaml, without training (the calibration is
+    cached per model, device and shape: a second plan is quick)."""
     from lora_sweep.packer.data import load_examples
     from lora_sweep.packer.model import PackedModel, load_base
-    from lora_sweep.sweep.planning import PLAN_CALIBRATIONS, check_targets, padded_mean_length, plan_pack
+    from lora_sweep.sweep._trial_data import check_data
+    from lora_sweep.sweep.planning import check_targets, padded_mean_length, plan_pack
     from lora_sweep.sweep.resume import resolve_device
 
     spec = _load(study, overrides, None)
     device = resolve_device(spec.model.device)
+    check_data(spec)  # the rows before the model: a bad row costs no model load
     model, tokenizer = load_base(spec.model.path, gguf_file=spec.model.gguf_file, dtype=spec.model.dtype,
                                  device=device, quantize=spec.model.quantize, log=lambda m: click.echo(m, err=True))
     check_targets(spec, model)
@@ -264,7 +269,7 @@ def plan(study: str, overrides: tuple[str, ...]) -> None:
     micro = spec.train.micro_batch
     pm = PackedModel(model, impl=spec.packing.kernels, fused_base_ops=spec.packing.fused_base_ops)
     report = plan_pack(spec, pm, mean_len=padded_mean_length([len(e.input_ids) for e in examples], micro),
-                       calibrations=PLAN_CALIBRATIONS, examples=examples)
+                       calibrations=calibrations, examples=examples, log=lambda m: click.echo(m, err=True))
     click.echo(report.table())
 
 
@@ -421,13 +426,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(code)
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM (``kill``, a job scheduler's stop), raised in the main thread as Ctrl-C is, so a run ends the same
-    way: what finished is kept, the trials in training are retried on resume, and one line says so."""
-
-
 def _on_sigterm(signum: int, frame: object) -> None:
-    raise _Terminated
+    raise Terminated  # in the main thread, as Ctrl-C is: the run records why it stopped, one line says so
 
 
 def _main(argv: list[str] | None) -> int:
@@ -436,8 +436,8 @@ def _main(argv: list[str] | None) -> int:
     except UserError as err:
         click.echo(f"error: {err}", err=True)
         return 2
-    except click.exceptions.Abort as err:
-        terminated = isinstance(err.__cause__, _Terminated)
+    except click.exceptions.Abort as err:  # click turns a KeyboardInterrupt (Ctrl-C, and Terminated) into Abort
+        terminated = isinstance(err.__cause__, Terminated)
         click.echo(f"{'terminated (SIGTERM)' if terminated else 'aborted'}: a study keeps what finished; run the "
                    f"same command again to resume (the trials that were training are retried)", err=True)
         return 143 if terminated else 130

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lora_sweep.packer.data import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, read_jsonl
 from lora_sweep.packer.errors import UserError
 from lora_sweep.sweep.store import ResultsStore, StudyDir, TrialRecord, constraint_text, is_feasible, pareto_front
 
@@ -259,7 +260,7 @@ def model_card(meta: dict[str, Any], rec: TrialRecord, config: dict[str, Any], o
               f"- trial number: {rec.number}", f"- source adapter: `{source}`",
               f"- exported: {dt.datetime.now(dt.UTC).strftime('%Y-%m-%d %H:%M:%S UTC')}"]
     lines += [f"- conversion for vLLM: {c}" for c in changes]
-    lines += ["", "## Use", ""]
+    lines += ["", "## Prompt format", "", *_prompt_format(meta), "", "## Use", ""]
     if merged:
         lines += ["```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
                   f"model = AutoModelForCausalLM.from_pretrained({str(out)!r})",
@@ -271,6 +272,34 @@ def model_card(meta: dict[str, Any], rec: TrialRecord, config: dict[str, Any], o
                   f"vllm serve {model} --enable-lora --max-lora-rank {max(16, int(config['r']))} "
                   f"--lora-modules trial-{rec.number}={out}", "```"]
     return "\n".join(lines) + "\n"
+
+
+def _prompt_format(meta: dict[str, Any]) -> list[str]:
+    """How the training rows became text (``packer.data``): prompt the adapter the same way. The study's
+    ``data.format``, or with ``auto`` the format its training file's rows are detected as."""
+    data = (meta.get("spec") or {}).get("data") or {}
+    fmt = data.get("format") or "auto"
+    if fmt == "auto":
+        try:
+            fmt = read_jsonl(str(data.get("train") or meta.get("data")), "auto")[0]
+        except (UserError, OSError):
+            return ["The study detected its data format from the rows (`data.format: auto`); its training file is "
+                    "gone, so this card cannot say which."]
+    bos = "the tokenizer's special tokens (its BOS, if it has one) are added when the prompt is encoded"
+    if fmt == "alpaca":
+        return ["Alpaca rows (`instruction`, `input`, `output`): the prompt is this template, with the empty "
+                f"`input` section left out when a row has none; {bos}; the answer follows the prompt and ends with "
+                "EOS.", "", "```text", ALPACA_PROMPT.rstrip("\n"), "```", "", "Without an input:", "", "```text",
+                ALPACA_PROMPT_NO_INPUT.rstrip("\n"), "```"]
+    if fmt == "chat":
+        return ["Chat rows (`messages`): the tokenizer's own chat template. Prompt with "
+                "`tokenizer.apply_chat_template(messages, add_generation_prompt=True)`; the answer is the "
+                "assistant turn the template closes."]
+    if fmt == "text":
+        return [f"Plain text rows (`text`): no prompt template; {bos}. Give the adapter text to continue."]
+    return [f"Prompt / completion rows: the prompt is the row's `prompt` text exactly as written, no template "
+            f"and no chat template; {bos}; the model continues it with the `completion`, then EOS. Prompt the "
+            "adapter with the same raw text."]
 
 
 def _base_source(meta: dict[str, Any], config: dict[str, Any]) -> str:

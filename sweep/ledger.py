@@ -18,6 +18,7 @@ its adapter removed, its store row marked).
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 import warnings
@@ -32,13 +33,15 @@ from optuna.trial import FrozenTrial, TrialState
 
 from lora_sweep.packer.checkpoint import discard_adapter
 from lora_sweep.packer.errors import UserError
-from lora_sweep.sweep.space import default_params, make_sampler
+from lora_sweep.sweep.space import baseline_params, default_params, make_sampler
 from lora_sweep.sweep.spec import StudySpec
 from lora_sweep.sweep.storage import Sharing, damaged_record, last_beat, normalize_url, open_storage, storage_lock
 from lora_sweep.sweep.store import ResultsStore, StudyDir, attrs, redact_url
 
 __all__ = ["Ledger", "Heartbeat", "open_study", "recorded_trials", "storage_url", "ORPHAN_REASON", "FINISHED",
            "is_default", "orphans"]
+
+logger = logging.getLogger(__name__)
 
 ORPHAN_REASON = "orphaned: the run stopped while this trial trained; its parameters were enqueued again"
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
@@ -119,7 +122,8 @@ class Ledger:
             self.study.tell(t.number, state=TrialState.FAIL)
             self.store.upsert_trial(t.number, state="FAIL", reason=reason)
             discard_adapter(self.adapters(t.number))  # saved but never told, or half written
-            retry = {attrs.RETRY_OF: t.number, **({attrs.DEFAULT: True} if is_default(t) else {})}
+            retry = {attrs.RETRY_OF: t.number, **{k: True for k in (attrs.DEFAULT, attrs.BASELINE)
+                                                  if t.user_attrs.get(k)}}
             # Killed before or between its suggests, a trial has drawn some parameters or none: its retry
             # keeps those, draws the rest, and still takes its place in the budget.
             self.study.enqueue_trial(t.params, user_attrs=retry)
@@ -317,8 +321,14 @@ def _create(spec: StudySpec, storage: BaseStorage, url: str, worker: int | None,
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             study.set_metric_names([o.metric for o in spec.objectives])
         default = default_params(spec.search)
+        baseline, why = baseline_params(spec.search, spec.baseline) if spec.baseline else (None, "")
         if default is not None:  # the community default, so the report can show the gain over it
-            study.enqueue_trial(default, user_attrs={attrs.DEFAULT: True})
+            same = {attrs.BASELINE: True} if baseline == default else {}
+            study.enqueue_trial(default, user_attrs={attrs.DEFAULT: True, **same})
+        if baseline is not None and baseline != default:  # the config's own hyperparameters, trained and compared
+            study.enqueue_trial(baseline, user_attrs={attrs.BASELINE: True})
+        elif spec.baseline and baseline is None:
+            logger.warning("%s: no baseline trial of the config's own hyperparameters: %s", spec.name, why)
     return study
 
 

@@ -1,42 +1,138 @@
-"""Live progress of a running pack (rich), and log lines printed above it."""
+"""Live progress of a running pack: a rich bar on a terminal, plain lines anywhere else.
+
+On a terminal the bar shows the finished trials, the pack's step, slots, tokens/s, ETA and the best so far,
+with log lines printed above it. Without one (``nohup``, CI, ``> run.log``) nothing redraws: every trial
+event (started with its parameters, pruned, complete with its metrics, failed) is one timestamped line, and
+a status line with the ETA comes at least once every ``every_s`` seconds, from a ticker thread, so a long
+compile or evaluation still shows the run is alive.
+"""
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
 from types import TracebackType
+from typing import TextIO
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from lora_sweep.sweep.study import Progress as PackProgress
 
-__all__ = ["LiveProgress"]
+__all__ = ["LiveProgress", "PlainLog"]
 
 
 class LiveProgress:
-    """A progress bar over finished trials with the pack's step, slots, tokens/s and best so far."""
+    """A progress bar over finished trials on a terminal; ``PlainLog`` lines otherwise (``plain``: force one).
 
-    def __init__(self, enabled: bool = True) -> None:
+    Args:
+        enabled: False: no progress at all (``--quiet``); log lines are still printed.
+        plain: Plain lines (True), the bar (False), or decide by whether stderr is a terminal (None).
+        every_s: Plain mode: the most seconds between two status lines.
+    """
+
+    def __init__(self, enabled: bool = True, plain: bool | None = None, every_s: float = 60.0) -> None:
         self.console = Console(stderr=True)
         self.enabled = enabled
+        plain = not self.console.is_terminal if plain is None else plain
+        self.plain: PlainLog | None = PlainLog(self.console.file, every_s) if enabled and plain else None
         self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                             TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=self.console,
-                            disable=not enabled)
+                            disable=not enabled or self.plain is not None)
         self.task = self.bar.add_task("trials", total=None, info="starting")
 
     def __enter__(self) -> LiveProgress:
         self.bar.__enter__()
+        if self.plain is not None:
+            self.plain.start()
         return self
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        if self.plain is not None:
+            self.plain.stop()
         self.bar.__exit__(et, ev, tb)
 
     def update(self, p: PackProgress) -> None:
-        eta = "" if p.eta_s is None else f"  ETA {_clock(p.eta_s)}"
-        info = f"step {p.step}  slots {p.active}/{p.capacity}  {p.tokens_per_s:,.0f} tok/s{eta}  best {p.best}"
-        self.bar.update(self.task, completed=p.finished, total=p.budget_trials, info=info)
+        if self.plain is not None:
+            self.plain.update(p)
+            return
+        self.bar.update(self.task, completed=p.finished, total=p.budget_trials, info=status_text(p))
 
     def log(self, message: str) -> None:
-        self.console.print(message)
+        if self.plain is not None:
+            self.plain.line(message)
+        else:
+            self.console.print(message, highlight=False)
+
+
+class PlainLog:
+    """Timestamped plain lines: each trial event, and a status line at least every ``every_s`` seconds.
+
+    Args:
+        out: Where the lines go (flushed after each).
+        every_s: The most seconds between two status lines while the run lives.
+        clock: Wall seconds (``time.time``; tests pass their own).
+    """
+
+    def __init__(self, out: TextIO, every_s: float = 60.0, clock: Callable[[], float] = time.time) -> None:
+        self.out, self.every_s, self.clock = out, every_s, clock
+        self.last: PackProgress | None = None
+        self.started = clock()
+        self.last_status = self.started
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start the ticker thread that prints a status line when none came for ``every_s`` seconds."""
+        self._thread = threading.Thread(target=self._tick, name="sweep-progress", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _tick(self) -> None:
+        while not self._stop.wait(min(5.0, self.every_s)):
+            self.tick()
+
+    def tick(self) -> None:
+        """A status line if the last one is ``every_s`` seconds old (the ticker calls this)."""
+        if self.clock() - self.last_status >= self.every_s:
+            self.status()
+
+    def update(self, p: PackProgress) -> None:
+        """One line per event of the frame; a status line as well when a trial finished or one is due."""
+        self.last = p
+        for event in p.events:
+            self.line(event)
+        if any(" started " not in e for e in p.events) or self.clock() - self.last_status >= self.every_s:
+            self.status()
+
+    def status(self) -> None:
+        """The status line: trials finished (of the budget), step, slots, tokens/s, ETA, best; or 'starting'."""
+        with self._lock:
+            self.last_status = self.clock()
+        if self.last is None:
+            self.line(f"starting ({_clock(self.clock() - self.started)} elapsed: loading, calibrating, compiling)")
+        else:
+            done = f"{self.last.finished}" + (f"/{self.last.budget_trials}" if self.last.budget_trials else "")
+            self.line(f"progress: {done} trials finished  {status_text(self.last)}  "
+                      f"elapsed {_clock(self.clock() - self.started)}")
+
+    def line(self, message: str) -> None:
+        stamp = time.strftime("%H:%M:%S", time.localtime(self.clock()))
+        with self._lock:
+            self.out.write(f"{stamp} {message}\n")
+            self.out.flush()
+
+
+def status_text(p: PackProgress) -> str:
+    """The pack's step, slots, tokens/s, ETA and best so far, as the bar and the plain status line show them."""
+    eta = "  ETA -" if p.eta_s is None else f"  ETA {_clock(p.eta_s)}"
+    return f"step {p.step}  slots {p.active}/{p.capacity}  {p.tokens_per_s:,.0f} tok/s{eta}  best {p.best}"
 
 
 def _clock(seconds: float) -> str:

@@ -82,7 +82,7 @@ _RELOCATE: dict[str, tuple[str, str]] = {
 _TOP = [
     "name", "description", "seed", "model", "data", "search", "parameters", "train", "objectives", "constraints",
     "sampler", "budget", "pruning", "packing", "evaluators", "output", "storage", "artifacts",
-    "method", "metric", "run_cap",
+    "method", "metric", "run_cap", "baseline",
 ]  # fmt: skip
 _WANDB = ["values", "value", "min", "max", "distribution", "q", "probabilities"]
 _DISTRIBUTIONS = ("constant", "categorical", "uniform", "int_uniform", "q_uniform", "log_uniform_values", "log_uniform")
@@ -108,10 +108,41 @@ def load_study(path: str | Path, overrides: Sequence[str] = (), *, check_paths: 
     """
     path = Path(path)
     doc, data = read(path, check_paths)
-    data = _foreign.translate(doc, data, _TRAIN, _TOP)  # an Axolotl or torchtune config -> a study mapping
+    data = _foreign.translate(doc, data, _TRAIN, _TOP, [*_TOP, *_RELOCATE], _TRAIN_FIELDS)  # Axolotl/torchtune
     for text in overrides:
+        _drop_spellings(data, text)
         override(doc, data, text, _ALIASES)
     return _study(doc, data)
+
+
+def _drop_spellings(data: dict[str, Any], text: str) -> None:
+    """Remove from ``data`` every other spelling of the setting the override ``text`` sets, so the override
+    replaces it: a top-level flat key (Axolotl's ``sequence_len``, torchtune's ``max_steps_per_epoch``) and its
+    section's key (``data.max_length``), under any alias, either way round. A fixed ``train`` value and a
+    searched one are one setting too: overriding either replaces the other. The mapping the override writes
+    into is left to ``override``, which replaces an alias there itself."""
+    key = text.partition("=")[0].strip()
+    parts = key.split(".")
+    if len(parts) == 1 and parts[0] in _RELOCATE:
+        target: tuple[str, str] | None = _RELOCATE[parts[0]]
+    elif len(parts) == 2 and parts[0] in ("train", "data", "model", "search", "parameters"):
+        target = (parts[0], _ALIASES[parts[0]].get(parts[1], parts[1]))
+    else:
+        target = None
+    if target is None:
+        return
+    section, name = target
+    same = {section} | ({"train", "search", "parameters"} if section in ("train", "search", "parameters") else set())
+    parent = tuple(parts[:-1])
+    for k in [k for k in data if k != key and _RELOCATE.get(str(k), ("", ""))[1] == name
+              and _RELOCATE[str(k)][0] in same]:
+        del data[k]
+    for sec in same:
+        node = data.get(sec)
+        if not isinstance(node, dict) or parent == (sec,):
+            continue
+        for k in [k for k in node if _ALIASES[sec].get(str(k), str(k)) == name]:
+            del node[k]
 
 
 def _part(
@@ -161,7 +192,17 @@ def _study(doc: Doc, data: dict[str, Any]) -> StudySpec:
                      ("artifacts", "Path | None")):
         if key in top:
             kw[key] = coerce(doc, top[key].value, typ, (key,))
+    if "baseline" in top:
+        kw["baseline"] = _baseline(doc, top["baseline"])
     return make(doc, StudySpec, (), source=doc.file, **kw)
+
+
+def _baseline(doc: Doc, it: Item) -> dict[str, Any]:
+    """``baseline:``: a mapping of train keys (any alias) to the values of the baseline trial."""
+    if it.value is None:
+        return {}
+    items = section(doc, it.value, it.path, ("baseline",), _TRAIN_FIELDS, _TRAIN)
+    return {k: i.value for k, i in items.items()}
 
 
 def _model(doc: Doc, top: dict[str, Item], extra: dict[str, Item]) -> ModelSpec:

@@ -22,6 +22,7 @@ from functools import partial
 import optuna
 from optuna.trial import TrialState
 
+from lora_sweep.evaluators import metrics_of
 from lora_sweep.packer.errors import UserError
 from lora_sweep.packer.gguf import gguf_source
 from lora_sweep.packer.model import PackedModel, load_base, prepare_kernels, resolve_base
@@ -80,14 +81,17 @@ def open_session(spec: StudySpec, *, log: Callable[[str], None] = print, sharing
         raise
 
 
-def _capacity(spec: StudySpec, pm: PackedModel, log: Callable[[str], None]) -> int:
+def _capacity(spec: StudySpec, pm: PackedModel, log: Callable[[str], None], split: WallSplit) -> int:
+    """The pack's slots: ``packing.max_slots``, or with ``auto`` the planner's, its calibration (announced, and
+    read from the cache when it can be) charged to the run's ``calibrate`` phase."""
     if spec.packing.max_slots != "auto":
         return int(spec.packing.max_slots)
-    from lora_sweep.sweep.planning import auto_slots
+    from lora_sweep.sweep.planning import plan_pack
 
-    n = auto_slots(spec, pm)
-    log(f"packing: auto -> {n} slots")
-    return n
+    with split.phase("calibrate"):
+        report = plan_pack(spec, pm, log=log)
+    log(f"packing: auto -> {report.slots} slots (calibration {report.calibration})")
+    return report.slots
 
 
 def _open(spec: StudySpec, sdir: StudyDir, device: str, log: Callable[[str], None], sharing: Sharing | None,
@@ -116,7 +120,8 @@ def _open(spec: StudySpec, sdir: StudyDir, device: str, log: Callable[[str], Non
     store.set_meta(name=spec.name, storage=strip_password(url), model=base,
                    **({"model_source": str(gguf)} if gguf else {}), data=str(spec.data.train),
                    objectives=[o.metric for o in spec.objectives], directions=spec.directions,
-                   constraints=[c.as_dict() for c in spec.constraints])
+                   constraints=[c.as_dict() for c in spec.constraints],
+                   metric_directions={m: d for e in spec.evaluators for m, d in metrics_of(e.name, e.options).items()})
     pm = PackedModel(model, impl=spec.packing.kernels, fused_base_ops=spec.packing.fused_base_ops)
     if sharing is not None:
         with storage_lock(sharing.url, spec.name):  # the clock first: reaping makes dead trials' ends recent
@@ -124,7 +129,7 @@ def _open(spec: StudySpec, sdir: StudyDir, device: str, log: Callable[[str], Non
             ledger.reap(sharing.grace)
         ledger.sync()
     trials = ledger.trials()
-    return Session(spec, sdir, store, ledger, pm, tokenizer, _capacity(spec, pm, log),
+    return Session(spec, sdir, store, ledger, pm, tokenizer, _capacity(spec, pm, log, split),
                    pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
                    base=base, finished=len(counted(trials)), tokens=sum(r.tokens or 0 for r in store.trials()),
                    elapsed=float(store.meta().get("elapsed", 0.0)),

@@ -22,7 +22,7 @@ from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.sweep.spec import Param, SamplerSpec, SearchSpace, TrainSpec
 
-__all__ = ["GridSearch", "adapter_spec", "default_params", "make_sampler", "suggest"]
+__all__ = ["GridSearch", "adapter_spec", "baseline_params", "default_params", "make_sampler", "suggest"]
 
 _COMMUNITY = ("rank", "alpha", "alpha_ratio", "lr")
 """Dimensions whose default (rank 16, alpha 32, lr 2e-4) must lie in the space for a default trial."""
@@ -190,6 +190,48 @@ def default_params(space: SearchSpace) -> dict[str, object] | None:
             return None
         out[p.name] = value
     return out
+
+
+def baseline_params(space: SearchSpace, own: Mapping[str, Any]) -> tuple[dict[str, object] | None, str]:
+    """The baseline trial: ``own`` values (a config's hyperparameters, by train field) on the searched dimensions,
+    the community default's (``default_params``, else AdapterSpec's snapped in) on the others.
+
+    Returns:
+        (parameter name -> value, '') or (None, why there is none: no searched value set, or one outside
+        the space; an enqueued value must be one the space can draw).
+    """
+    own = dict(own)
+    if "alpha_ratio" in {p.name for p in space.params} and "alpha_ratio" not in own and "alpha" in own:
+        own["alpha_ratio"] = own["alpha"] / own["rank"] if own.get("rank") else None  # alpha = alpha_ratio * rank
+    if not any(p.name in own for p in space.params):
+        return None, "it sets none of the searched dimensions"
+    base = AdapterSpec()
+    fill: Mapping[str, Any] = default_params(space) or {}
+    out: dict[str, object] = {}
+    for p in space.params:
+        if p.name not in own:
+            out[p.name] = fill.get(p.name, _snap(p, getattr(base, p.name, base.alpha / base.rank), clamp=True))
+            continue
+        value = _own_point(space, p, own[p.name])
+        if value is None:
+            return None, f"its {p.name}={own[p.name]!r} lies outside search.{p.name}"
+        out[p.name] = value
+    return out, ""
+
+
+def _own_point(space: SearchSpace, p: Param, x: Any) -> object | None:
+    """``x`` as a value of dimension ``p`` (a target set by its name), or None when the space cannot draw it."""
+    if p.name == "targets":
+        modules = (x,) if isinstance(x, str) else tuple(x)
+        return next((n for n in p.choices if set(space.target_sets[str(n)]) == set(modules)), None)
+    if p.kind == "categorical":
+        return next((c for c in p.choices if c == x), None)
+    if isinstance(x, bool) or not isinstance(x, int | float) or p.low is None or p.high is None:
+        return None
+    if not p.low <= x <= p.high or (p.step is not None and not math.isclose((x - p.low) / p.step,
+                                                                             round((x - p.low) / p.step))):
+        return None
+    return int(x) if p.kind == "int" else float(x)
 
 
 def _snap(p: Param, x: Any, clamp: bool) -> object | None:

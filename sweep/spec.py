@@ -296,6 +296,10 @@ class StudySpec:
     None: the output folder's ``adapters/``."""
     seed: int = 0
     """Seeds the sampler (and, through the study loop, the adapters)."""
+    baseline: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    """Train values of a trial enqueued beside the community default, named the baseline: an Axolotl or torchtune
+    config's own hyperparameters (``sweep._foreign``), or the study file's ``baseline:``. Only the searched
+    dimensions are used (``sweep.space.baseline_params``); {}: none."""
     description: str = ""
     """Free text."""
     source: Path | None = field(default=None, compare=False)

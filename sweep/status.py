@@ -57,7 +57,7 @@ def study_status(root: Path, top: int = 5) -> dict[str, Any]:
         for t in sorted(done, key=lambda t: (t.number not in feasible, _rank(sign, t.objective_values[0])))[:top]:
             best.append({"number": t.number, "values": dict(zip(objectives, t.objective_values, strict=False)),
                          "params": t.params, "adapter": t.adapter_path, "default": t.is_default,
-                         "feasible": t.number in feasible})
+                         "baseline": t.is_baseline, "role": t.role.strip(" ()"), "feasible": t.number in feasible})
     return {
         "study": meta.get("name"),
         "directory": str(root),
@@ -69,6 +69,7 @@ def study_status(root: Path, top: int = 5) -> dict[str, Any]:
         "best": best,
         "pareto": _front(done, objectives, directions) if len(directions) > 1 else [],
         "vs_default": vs_default,
+        "last_end": meta.get("last_end"),
         "split": last_run(root),
         "packs": [{"pack_id": p.pack_id, "status": p.status, "slots": p.slots, "steps": p.steps,
                    "tokens": p.tokens, "tokens_per_s": p.tokens_per_s, "wall_s": p.wall_s,
@@ -128,6 +129,9 @@ def render(info: dict[str, Any]) -> None:
     console = Console()
     counts = ", ".join(f"{k.lower()} {v}" for k, v in sorted(info["counts"].items())) or "no trials"
     console.print(f"[bold]{info['study']}[/bold] ({info['directory']}): {counts}")
+    end = info.get("last_end")
+    if isinstance(end, dict) and end.get("text"):
+        console.print(f"last run {end['text']}", highlight=False)
     if info["constraints"]:
         done = info["counts"].get("COMPLETE", 0)
         console.print(f"constraints: {'; '.join(info['constraints'])}: {info['feasible']} of {done} complete "
@@ -138,7 +142,7 @@ def render(info: dict[str, Any]) -> None:
         table.add_column(col)
     for b in info["best"]:
         params = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in b["params"].items())
-        mark = (" (default)" if b["default"] else "") + ("" if b["feasible"] else " (infeasible)")
+        mark = (f" ({b['role']})" if b.get("role") else "") + ("" if b["feasible"] else " (infeasible)")
         table.add_row(f"{b['number']}{mark}",
                       *[f"{b['values'].get(o, float('nan')):.5g}" for o in objectives], params, b["adapter"] or "")
     console.print(table)

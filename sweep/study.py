@@ -34,13 +34,13 @@ from lora_sweep.evaluators import EvalResult, evaluate, load_eval_data, metrics_
 from lora_sweep.evaluators.cost import cost_metrics, slot_adapter_params
 from lora_sweep.packer.checkpoint import save_adapters
 from lora_sweep.packer.data import load_examples
-from lora_sweep.packer.errors import UserError
+from lora_sweep.packer.errors import Terminated, UserError
 from lora_sweep.packer.model import PackedModel
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.static_loop import rank_bucket_for
 from lora_sweep.packer.train import STEP_NAMES, SlotEnd, SlotJob, StepReport, train
-from lora_sweep.sweep._trial_data import check_packing, planned_tokens, trial_adapter, trial_stream
-from lora_sweep.sweep.budget import TokenPlan, budget_state
+from lora_sweep.sweep._trial_data import check_data, check_packing, planned_tokens, trial_adapter, trial_stream
+from lora_sweep.sweep.budget import BudgetState, TokenPlan, budget_state, end_line
 from lora_sweep.sweep.ledger import Heartbeat, Ledger, is_default
 from lora_sweep.sweep.planning import largest_rank
 from lora_sweep.sweep.pruning import CohortSHA
@@ -49,6 +49,7 @@ from lora_sweep.sweep.session import Session
 from lora_sweep.sweep.space import adapter_spec, suggest
 from lora_sweep.sweep.spec import StudySpec
 from lora_sweep.sweep.storage import Sharing, storage_lock
+from lora_sweep.sweep.store import attrs
 from lora_sweep.sweep.timing import WallSplit, append_run
 
 __all__ = ["run_study", "RunSummary", "Progress"]
@@ -69,6 +70,9 @@ class Progress:
     best: str
     eta_s: float | None = None
     """Seconds until the budget is spent, at this run's pace so far; None before a trial has finished."""
+    events: tuple[str, ...] = ()
+    """What happened to trials since the last frame, one line each: started (its parameters), pruned,
+    complete (its metrics), failed (why)."""
 
 
 @dataclass
@@ -87,7 +91,13 @@ class RunSummary:
     spent_key: str = ""
     """Its study key (``BudgetState.key``)."""
     split: dict[str, Any] = field(default_factory=dict)
-    """Where the run's wall time went (``sweep.timing.WallSplit.record``)."""
+    """Where the run's wall time went (``sweep.timing.WallSplit.record``), and how it ended (``end``)."""
+    end_reason: str = ""
+    """How the run ended: a budget key (``budget.trials``), ``grid``, ``interrupt``, ``sigterm`` or ``error``."""
+    ended: str = ""
+    """That, in one line for people (``budget.end_line``; also the store's meta ``last_end``)."""
+    over: bool = False
+    """The run went over the budget that ended it (the trials training when it was reached ran on)."""
 
 
 @dataclass
@@ -102,6 +112,17 @@ class _Live:
     tokens: int = 0
     device_s: float = 0.0
     steps: list[dict[str, float]] = field(default_factory=list)
+    reported: set[int] = field(default_factory=set)
+    """Steps whose intermediate value Optuna has."""
+
+    def report(self, value: float, step: int, single_objective: bool) -> None:
+        """Give Optuna the pruner's metric at ``step`` as the trial's intermediate value: what optuna-dashboard
+        plots is what the pruning decided on (the training loss stays in results.db's steps and the report).
+        Once per step (a rung may also be an ``eval_every`` step); single objective only: Optuna forbids it
+        otherwise."""
+        if single_objective and step not in self.reported and math.isfinite(value):
+            self.reported.add(step)
+            self.trial.report(value, step)
 
 
 class _Sweep:
@@ -131,6 +152,8 @@ class _Sweep:
         self.idle_until = 0.0  # shared budget spent: look again after a heartbeat, not before every step
         self.log: Callable[[str], None] = print
         self.split = WallSplit()
+        self.events: list[str] = []  # trial events since the last progress frame (Progress.events)
+        self.warned_warmup = False
 
     def _lock(self) -> Any:
         sharing = self.s.sharing
@@ -160,6 +183,12 @@ class _Sweep:
             # Under the lock: the next worker to count sees this trial's tokens before it asks.
             Ledger.plan(trial, planned_tokens(self.spec, spec, self.train_examples, self.plan))
         self.live[slot] = _Live(trial, params, spec, self.global_step, time.time())
+        if spec.warmup_steps >= spec.max_steps and not self.warned_warmup:
+            self.warned_warmup = True  # once a run: every such trial has the same cause
+            self.log(f"warning: trial {trial.number} warms up for {spec.warmup_steps} steps of its {spec.max_steps}: "
+                     f"it trains at a fraction of its learning rate throughout; set train.warmup_ratio (e.g. "
+                     f"warmup_ratio=0.1, and warmup_steps=0) to scale the warm-up with each trial's steps")
+        self.events.append(f"trial {trial.number}{_role(trial)} started in slot {slot}: {_params_text(params)}")
         with self.s.store.transaction():  # one commit (one log sync) for the trial's row and its span
             self.s.store.upsert_trial(trial.number, state="RUNNING", params=params, pack_id=self.pack_id, slot=slot,
                                       started=time.time(), user_attrs=dict(trial.user_attrs))
@@ -179,9 +208,6 @@ class _Sweep:
             lv.device_s += step_s * r.tokens / step_tokens  # the step's time, shared by trained tokens
             lv.steps.append({"step": r.slot_step, "loss": r.loss, "tokens": lv.tokens, "lr": r.lr,
                              "grad_norm": r.grad_norm, "time": time.time()})
-            if (len(self.spec.objectives) == 1 and self.spec.train.eval_every is None
-                    and r.slot_step % max(1, lv.spec.max_steps // 50) == 0):
-                lv.trial.report(r.loss, r.slot_step)  # single objective only: Optuna forbids it otherwise
             if self.sha is not None and r.slot_step in self.sha.rungs and r.slot_step < lv.spec.max_steps:
                 arrivals[r.slot] = r.slot_step
         self.global_step = reports[0].step + 1
@@ -203,9 +229,10 @@ class _Sweep:
         if self.progress is None:
             return
         elapsed = max(time.time() - self.t_start, 1e-9)
+        events, self.events = tuple(self.events), []
         self.progress(Progress(self.global_step, active, self.s.capacity, self.summary.tokens / elapsed,
                                self.s.finished_count(), self.spec.budget.trials, self.s.best_text(),
-                               self._eta(elapsed)))
+                               self._eta(elapsed), events))
 
     def _eta(self, elapsed: float) -> float | None:
         """Seconds left: the trial budget at this run's trials per second, capped by the wall-time budget."""
@@ -243,8 +270,8 @@ class _Sweep:
             lv = self.live[slot]
             value = result.metrics.get(slot, {}).get("eval_loss", math.nan)
             self.s.store.add_eval(lv.trial.number, step, {"eval_loss": value}, kind="curve")
-            if len(self.spec.objectives) == 1:
-                lv.trial.report(value, step)
+            if self.proxy == "eval_loss":  # the pruner's metric: intermediate values never mix two metrics
+                lv.report(value, step, len(self.spec.objectives) == 1)
 
     def _rung(self, arrivals: dict[int, int]) -> None:
         """Score the slots reaching a rung on the proxy metric and let cohort SHA decide."""
@@ -262,6 +289,7 @@ class _Sweep:
                 value = result.metrics.get(slot, {}).get(self.proxy, math.nan)
                 values[self.live[slot].trial.number] = value
                 self.s.store.add_eval(self.live[slot].trial.number, rung, {self.proxy: value}, kind="rung")
+                self.live[slot].report(value, rung, len(self.spec.objectives) == 1)
             for d in self.sha.decide(rung, values):
                 slot = next(s for s, lv in self.live.items() if lv.trial.number == d.trial)
                 # The community default is ranked (it sets the bar) but never stopped: the report
@@ -382,6 +410,23 @@ class _Sweep:
         self.s.record(number, state, values, lv.tokens)
         counter = {"COMPLETE": "complete", "PRUNED": "pruned"}.get(state.name, "failed")
         setattr(self.summary, counter, getattr(self.summary, counter) + 1)
+        scores = {o.metric: v for o, v in zip(self.spec.objectives, values or [], strict=False)}
+        what = (f"complete: {_params_text(scores)}" if state == TrialState.COMPLETE
+                else reason if state == TrialState.PRUNED else f"failed: {reason}")
+        self.events.append(f"trial {number}{_role(lv.trial)} {what} ({e.steps} steps, {lv.tokens:,} tokens)")
+
+
+def _role(trial: optuna.Trial) -> str:
+    """' (community default)', ' (config baseline)' (the config's own hyperparameters), both, or '' for a trial
+    the sampler proposed."""
+    names = [n for n, key in (("community default", attrs.DEFAULT), ("config baseline", attrs.BASELINE))
+             if trial.user_attrs.get(key)]
+    return f" ({', '.join(names)})" if names else ""
+
+
+def _params_text(values: dict[str, Any]) -> str:
+    """``rank=8, lr=0.001`` (floats to 4 significant digits)."""
+    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
 
 
 def _texts(samples: list[dict[str, Any]], metric: str, n: int) -> list[dict[str, Any]]:
@@ -406,6 +451,8 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
     ``allow_changes``: resume even if a fixed setting changed (``sweep.session.spec_changes``).
     """
     split = WallSplit()
+    with split.phase("load"), split.part("load:data"):
+        check_data(spec)  # the rows before the model: a bad row costs no model load
     with split.phase("load"):
         session = open_session(spec, log=log, sharing=sharing, allow_changes=allow_changes, split=split)
     pm, tokenizer = session.pm, session.tokenizer
@@ -426,21 +473,44 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
     sweep.log, sweep.split = log, split
     if sharing is not None:
         sweep.heartbeat = session.ledger.heartbeat(sweep.live_numbers, sharing.heartbeat)
-    wall_s = 0.0
+    summary = sweep.summary
     try:
         with sweep.heartbeat or nullcontext():
             while not _train_pack(sweep, session):  # False: out of memory, the pack shrank; train again
                 pass
-        wall_s = time.time() - started
+        summary.wall_s = time.time() - started
+        state = BudgetState(True, summary.spent, summary.spent_key)
+        summary.ended, summary.over = end_line(spec, state, trials=session.finished, tokens=session.tokens,
+                                               elapsed=session.elapsed + summary.wall_s)
+        summary.end_reason = summary.spent_key or "grid"
+    except BaseException as err:
+        summary.end_reason, summary.ended = _stopped(err, sweep)
+        raise
     finally:
+        log(f"{spec.name}: {summary.ended}")
         with split.phase("storage"):
             session.add_elapsed(time.time() - started)
+            session.store.set_meta(last_end={"reason": summary.end_reason, "text": summary.ended,
+                                             "over": summary.over, "at": time.time()})
             session.close()
-    sweep.summary.wall_s = wall_s
-    sweep.summary.split = split.record()
-    with sweep._lock():  # workers sharing the study directory append one after another
-        append_run(session.sdir.root, sweep.summary.split)
-    return sweep.summary
+        summary.split = {**split.record(), "end": {"reason": summary.end_reason, "text": summary.ended,
+                                                   "over": summary.over}}
+        with sweep._lock():  # workers sharing the study directory append one after another
+            append_run(session.sdir.root, summary.split)
+    return summary
+
+
+def _stopped(err: BaseException, sweep: _Sweep) -> tuple[str, str]:
+    """(reason key, one line) of a run that an interrupt, a SIGTERM or an error stopped."""
+    done = sweep.summary.complete + sweep.summary.pruned + sweep.summary.failed
+    left = (f" at pack step {sweep.global_step} ({done} trials finished in this run; the "
+            f"{len(sweep.live)} training are retried when the run is resumed)")
+    if isinstance(err, Terminated):  # before KeyboardInterrupt: it is one
+        return "sigterm", f"stopped: terminated (SIGTERM){left}"
+    if isinstance(err, KeyboardInterrupt):
+        return "interrupt", f"stopped: interrupted (Ctrl-C){left}"
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return "error", f"stopped by an error{left}: {first}"
 
 
 def _train_pack(sweep: _Sweep, session: Session) -> bool:

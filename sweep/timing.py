@@ -3,7 +3,8 @@
 ``WallSplit.phase(name)`` is a context manager that charges the wall time inside it to ``name``, *exclusively*:
 a phase opened inside another (an evaluation inside the training loop's ``on_end`` callback, itself inside
 ``train``) stops the outer clock while it runs, so the phases add up to the run's wall time and nothing is
-counted twice. The sweep wraps: the model and data load (``load``), the ``packer.train`` call (``train``),
+counted twice. The sweep wraps: the model and data load (``load``), the planner's calibration of
+``packing: auto`` (``calibrate``; about nothing when the cache holds it), the ``packer.train`` call (``train``),
 its callbacks' Optuna asks/tells and results-store writes (``storage``), evaluator calls (``evaluate``, with
 ``evaluate:<evaluator>`` beside it for each), adapter saving (``save``); the training loop's own kernel
 precompile, warm-up and CUDA-graph capture seconds (``packer.train.TrainResult``) move from ``train`` to
@@ -31,7 +32,7 @@ from typing import Any, TypeVar
 
 __all__ = ["PHASES", "WallSplit", "append_run", "last_run", "seconds_since_import", "TIMING_FILE"]
 
-PHASES = ("load", "compile", "train", "evaluate", "save", "storage")
+PHASES = ("load", "calibrate", "compile", "train", "evaluate", "save", "storage")
 """The split's top-level phases, in the order the table prints them."""
 TIMING_FILE = "timing.json"
 T = TypeVar("T")

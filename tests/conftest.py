@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import tempfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -16,6 +17,8 @@ from lora_sweep.packer.data import Example
 from lora_sweep.packer.tiny import build_tiny_model
 
 torch.set_num_threads(1)  # tiny models gain nothing from threads; one keeps timings stable
+# calibrations are cached (sweep.planning.cache_dir): the tests' own, not the user's, shared by their subprocesses
+os.environ.setdefault("LORA_SWEEP_CACHE", tempfile.mkdtemp(prefix="lora-sweep-test-cache-"))
 
 
 def need_triton() -> None:

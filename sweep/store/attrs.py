@@ -8,6 +8,8 @@ Every module names them through these constants; only ``sweep.ledger`` writes th
 constant (key)                on        kind    meaning
 ============================  ========  ======  ==============================================================
 ``DEFAULT`` (default)         trial     user    True on the community-default trial and on its retries
+``BASELINE`` (baseline)       trial     user    True on the trial of the config's own hyperparameters (the
+                                                study's ``baseline``) and on its retries
 ``RETRY_OF`` (retry_of)       trial     user    number of the failed trial whose parameters this one retries;
                                                 the retried trial no longer counts against the budget
 ``ADAPTER_PATH``              trial     user    absolute path of a COMPLETE trial's adapter (report and export
@@ -27,10 +29,11 @@ constant (key)                on        kind    meaning
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT", "RETRY_OF", "ADAPTER_PATH", "REASON", "TOKENS", "PLANNED_TOKENS", "HEARTBEAT", "WORKER",
-           "SEARCH_SPACE", "CLOCK", "TRIAL_USER_ATTRS", "TRIAL_SYSTEM_ATTRS", "STUDY_USER_ATTRS"]
+__all__ = ["DEFAULT", "BASELINE", "RETRY_OF", "ADAPTER_PATH", "REASON", "TOKENS", "PLANNED_TOKENS", "HEARTBEAT",
+           "WORKER", "SEARCH_SPACE", "CLOCK", "TRIAL_USER_ATTRS", "TRIAL_SYSTEM_ATTRS", "STUDY_USER_ATTRS"]
 
 DEFAULT = "default"
+BASELINE = "baseline"
 RETRY_OF = "retry_of"
 ADAPTER_PATH = "adapter_path"
 REASON = "reason"
@@ -41,6 +44,6 @@ WORKER = "sweep:worker"
 SEARCH_SPACE = "search_space"
 CLOCK = "sweep:clock"
 
-TRIAL_USER_ATTRS = (DEFAULT, RETRY_OF, ADAPTER_PATH, REASON, TOKENS, PLANNED_TOKENS)
+TRIAL_USER_ATTRS = (DEFAULT, BASELINE, RETRY_OF, ADAPTER_PATH, REASON, TOKENS, PLANNED_TOKENS)
 TRIAL_SYSTEM_ATTRS = (HEARTBEAT, WORKER)
 STUDY_USER_ATTRS = (SEARCH_SPACE, CLOCK)

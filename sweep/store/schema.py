@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from lora_sweep.sweep.store.attrs import DEFAULT
+from lora_sweep.sweep.store.attrs import BASELINE, DEFAULT
 
 __all__ = ["SCHEMA_VERSION", "TrialRecord", "StepRow", "EvalRow", "ItemRow", "PackRecord", "SlotSpan",
            "PruneDecision", "TABLES", "columns", "to_json", "from_json", "plain", "now_or"]
@@ -89,6 +89,17 @@ class TrialRecord:
     def is_default(self) -> bool:
         """Whether this is the community-default trial or a retry of it (user attr ``attrs.DEFAULT``)."""
         return bool((self.user_attrs or {}).get(DEFAULT))
+
+    @property
+    def is_baseline(self) -> bool:
+        """Whether this is the trial of the config's own hyperparameters or a retry of it (``attrs.BASELINE``)."""
+        return bool((self.user_attrs or {}).get(BASELINE))
+
+    @property
+    def role(self) -> str:
+        """' (default)', ' (config baseline)', both, or '': how status and the report name the trial."""
+        names = [n for n, on in (("default", self.is_default), ("config baseline", self.is_baseline)) if on]
+        return f" ({', '.join(names)})" if names else ""
 
 
 @dataclass(frozen=True)

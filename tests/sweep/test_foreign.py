@@ -132,7 +132,7 @@ def test_torchtune_qlora_builder_asks_for_the_nf4_base(tiny_dirs, tmp_path) -> N
 
 REFUSED = {
     "adapter": ("dora", "adapter: only lora or qlora is supported (got 'dora')"),
-    "load_in_8bit": (True, "load_in_8bit: an 8-bit base is not supported yet"),
+    "gptq": (True, "gptq: a GPTQ base is not supported yet"),
     "datasets": ([{"path": "teknium/GPT4-LLM-Cleaned", "type": "alpaca"}], "datasets.0.path: only local files work"),
     "optimizer": ("lion_8bit", "optimizer: only AdamW is supported"),
     "group_by_length": (True, "group_by_length: batches grouped by length are not supported"),

@@ -382,10 +382,13 @@ def test_plan_reports_the_spread_of_its_time_measurements(tiny_dirs, tmp_path) -
     from lora_sweep.sweep.cli import cli
 
     path = write_study(tmp_path, tiny_dirs("llama"), name="spread", budget={"trials": 3})
-    result = CliRunner().invoke(cli, ["plan", str(path)])
+    result = CliRunner().invoke(cli, ["plan", str(path), "--calibrations", "3"])
     assert result.exit_code == 0, result.output
     line = next(x for x in result.output.splitlines() if x.startswith("predicted step"))
     assert "median of 3 calibrations" in line and "range" in line and "spread" in line, line
+    again = CliRunner().invoke(cli, ["plan", str(path), "--calibrations", "3"])  # the three, from the cache
+    assert next(x for x in again.output.splitlines() if x.startswith("predicted step")) == line
+    assert any(x.split()[:2] == ["calibration", "cached"] for x in again.output.splitlines()), again.output
 
 
 def test_progress_final_frame_tokens_per_s_and_eta(tiny_dirs, tmp_path) -> None:

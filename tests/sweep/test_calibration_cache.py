@@ -1,0 +1,51 @@
+"""A calibration is measured once per model, device and shape, announced, cached, and its own phase of a run."""
+
+from __future__ import annotations
+
+import io
+import json
+
+from lora_sweep.packer.model import PackedModel, load_base
+from lora_sweep.sweep.live import PlainLog
+from lora_sweep.sweep.loader import load_study
+from lora_sweep.sweep.planning import plan_pack
+from lora_sweep.sweep.study import run_study
+from tests.conftest import write_study
+
+
+def test_a_second_plan_reads_the_calibration_back(tiny_dirs, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("LORA_SWEEP_CACHE", str(tmp_path / "cache"))
+    spec = load_study(write_study(tmp_path, tiny_dirs("llama"), "cached"))
+    model, _ = load_base(str(tiny_dirs("llama")))
+    pm = PackedModel(model)
+    said: list[str] = []
+    first = plan_pack(spec, pm, log=said.append)
+    assert len(said) == 1 and said[0].startswith("calibrating the memory model on cpu: 1 x 4 probe packs")
+    assert first.calibration.startswith("measured in ")
+    (entry,) = (tmp_path / "cache" / "calibration").iterdir()
+    assert json.loads(entry.read_text())["key"]["seq_len"] == 48
+    second = plan_pack(spec, pm, log=said.append)
+    assert len(said) == 1 and second.calibration == f"cached ({entry})"  # nothing measured, nothing announced
+    assert second.memory == first.memory and second.slots == first.slots
+    longer = load_study(write_study(tmp_path, tiny_dirs("llama"), "cached"), ["data.max_length=64"])
+    assert plan_pack(longer, pm, log=said.append).calibration.startswith("measured in ")  # another shape
+    assert len(said) == 2 and len(list((tmp_path / "cache" / "calibration").iterdir())) == 2
+
+
+def test_packing_auto_calibrates_in_its_own_phase_once(tiny_dirs, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("LORA_SWEEP_CACHE", str(tmp_path / "cache"))
+    splits, logs = [], []
+    for name in ("auto-a", "auto-b"):  # two studies of one model and shape: the second reads the first's
+        spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name, packing={"max_slots": "auto"},
+                                      budget={"trials": 1}, train={"max_steps": 2, "micro_batch": 4},
+                                      pruning={"kind": "none"}))
+        out = io.StringIO()
+        log = PlainLog(out)
+        splits.append(run_study(spec, progress=log.update, log=log.line).split)
+        logs.append([line[9:] for line in out.getvalue().splitlines()])
+    assert any(line.startswith("calibrating the memory model on cpu") for line in logs[0])
+    assert any(line.startswith("packing: auto -> ") and "(calibration measured in " in line for line in logs[0])
+    assert not any(line.startswith("calibrating") for line in logs[1])
+    assert any(line.startswith("packing: auto -> ") and "(calibration cached (" in line for line in logs[1])
+    first, second = (s["phases"]["calibrate"] for s in splits)
+    assert first > 0 and second < first and splits[0]["calls"]["calibrate"] == 1

@@ -1,0 +1,149 @@
+"""Progress without a terminal, read line by line, and every way a run ends: in its output, status and report."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lora_sweep.sweep.live import LiveProgress, PlainLog
+from lora_sweep.sweep.loader import load_study
+from lora_sweep.sweep.status import study_status
+from lora_sweep.sweep.study import Progress, run_study
+from tests.conftest import write_study
+
+ROOT = Path(__file__).resolve().parents[2]
+STAMP = r"\d\d:\d\d:\d\d "
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _frame(step: int, finished: int, events: tuple[str, ...] = (), eta: float | None = None) -> Progress:
+    return Progress(step, 2, 3, 1234.5, finished, 6, "-", eta, events)
+
+
+def test_plain_log_prints_each_event_and_a_status_line_a_minute() -> None:
+    out, clock = io.StringIO(), _Clock()
+    log = PlainLog(out, every_s=60, clock=clock)
+    log.tick()  # nothing for less than a minute: quiet
+    clock.now += 61
+    log.tick()  # still loading, a minute on: says so
+    log.update(_frame(1, 0, ("trial 0 (community default) started in slot 0: rank=16",)))
+    clock.now += 10
+    log.update(_frame(2, 0))  # a plain step within the minute: no line
+    log.update(_frame(3, 1, ("trial 0 (community default) complete: eval_loss=1.5 (3 steps, 120 tokens)",),
+                      eta=90))
+    clock.now += 30
+    log.update(_frame(4, 1))
+    clock.now += 31
+    log.tick()  # the ticker, a minute after the last status line
+    lines = out.getvalue().splitlines()
+    assert all(re.match(STAMP, line) for line in lines), lines
+    bodies = [line[9:] for line in lines]
+    assert bodies[0].startswith("starting (0:01:01 elapsed")
+    assert bodies[1] == "trial 0 (community default) started in slot 0: rank=16"
+    assert bodies[2] == "trial 0 (community default) complete: eval_loss=1.5 (3 steps, 120 tokens)"
+    assert bodies[3].startswith("progress: 1/6 trials finished  step 3  slots 2/3  1,234 tok/s  ETA 0:01:30")
+    assert bodies[4].startswith("progress: 1/6 trials finished  step 4") and "ETA -" in bodies[4]
+    assert len(bodies) == 5, bodies
+
+
+def test_live_progress_off_a_terminal_is_plain(capsys) -> None:
+    live = LiveProgress()  # pytest's captured stderr is no terminal
+    assert live.plain is not None
+    with live:
+        live.update(_frame(1, 0, ("trial 3 started in slot 1: lr=0.001",)))
+        live.log("a log line")
+    err = capsys.readouterr().err
+    assert re.search(STAMP + r"trial 3 started in slot 1: lr=0.001\n", err)
+    assert re.search(STAMP + "a log line\n", err) and "\x1b[" not in err  # no terminal codes in a log file
+
+
+def _run(spec, out: io.StringIO):  # noqa: ANN001, ANN202
+    log = PlainLog(out, every_s=60)
+    return run_study(spec, progress=log.update, log=log.line)
+
+
+def test_a_run_logs_every_trial_and_how_it_ended(tiny_dirs, tmp_path) -> None:
+    spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name="logged", budget={"trials": 4}))
+    out = io.StringIO()
+    summary = _run(spec, out)
+    bodies = [line[9:] for line in out.getvalue().splitlines()]
+    started = [b for b in bodies if re.fullmatch(r"trial \d+( \(community default\))? started in slot \d: .*", b)]
+    ended = [b for b in bodies if re.fullmatch(r"trial \d+( \(community default\))? (complete: eval_loss=\S+, "
+                                               r"adapter_params=\S+|pruned by cohort SHA at step 6) .*", b)]
+    assert len(started) == 4 and len(ended) == 4, bodies
+    assert started[0].startswith("trial 0 (community default) started") and "rank=16" in started[0]
+    assert any(b.startswith("progress: ") and "ETA" in b for b in bodies)
+    line = "stopped: budget.trials reached: 4 trials used of 4 trials"
+    assert bodies[-1] == f"logged: {line}" and summary.ended == line and not summary.over
+    assert study_status(spec.out_dir)["last_end"]["text"] == line
+    from lora_sweep.reports.html import write_report
+
+    assert line in write_report(spec.out_dir).read_text()
+
+
+def test_a_wall_time_overshoot_is_flagged(tiny_dirs, tmp_path) -> None:
+    spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name="late", budget={"wall_time": 0.5},
+                                  pruning={"kind": "none"}))
+    summary = _run(spec, io.StringIO())
+    assert summary.end_reason == "budget.wall_time" and summary.over
+    assert re.fullmatch(r"stopped: budget.wall_time reached: [\d.,]+ s used of 0.5 s \(OVER by [\d.,]+ s: the "
+                        r"trials training when it was reached ran to their end\)", summary.ended), summary.ended
+    from lora_sweep.reports.html import write_report
+
+    html = write_report(spec.out_dir).read_text()
+    assert re.search(r"0\.5 \(OVER by [\d.,]+ s\)", html) and "budget.wall_time reached" in html
+
+
+def test_an_error_is_recorded_as_the_end(tiny_dirs, tmp_path, monkeypatch) -> None:
+    import lora_sweep.sweep.study as study
+
+    spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name="broken", budget={"trials": 2}))
+
+    def boom(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise RuntimeError("evaluator exploded\nsecond line")
+
+    monkeypatch.setattr(study, "evaluate", boom)
+    out = io.StringIO()
+    with pytest.raises(RuntimeError):
+        _run(spec, out)
+    end = study_status(spec.out_dir)["last_end"]
+    assert end["reason"] == "error"
+    assert re.fullmatch(r"stopped by an error at pack step \d+ \(0 trials finished in this run; the 2 training are "
+                        r"retried when the run is resumed\): evaluator exploded", end["text"]), end
+    assert out.getvalue().splitlines()[-1][9:] == f"broken: {end['text']}"
+
+
+@pytest.mark.parametrize(("sig", "code", "said"), [(signal.SIGTERM, 143, "terminated (SIGTERM)"),
+                                                   (signal.SIGINT, 130, "interrupted (Ctrl-C)")])
+def test_a_signal_stops_the_run_and_says_so(tiny_dirs, tmp_path, sig: int, code: int, said: str) -> None:
+    path = write_study(tmp_path, tiny_dirs("llama"), name="signalled", budget={"trials": 6},
+                       train={"max_steps": 400, "micro_batch": 4}, pruning={"kind": "none"})
+    log = tmp_path / "run.log"
+    with log.open("w") as f:  # a log file, as under nohup: no terminal
+        proc = subprocess.Popen([sys.executable, "-m", "lora_sweep", "run", str(path)], cwd=ROOT, stdout=f,
+                                stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.time() + 180
+    while " started in slot 2" not in log.read_text() and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(sig)
+    assert proc.wait(timeout=120) == code
+    text = log.read_text()
+    assert re.search(rf"signalled: stopped: {re.escape(said)} at pack step \d+ \(0 trials finished in this run; "
+                     r"the 3 training are retried when the run is resumed\)", text), text
+    assert "Traceback" not in text
+    assert said in study_status(tmp_path / "runs-signalled")["last_end"]["text"]
