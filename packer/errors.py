@@ -5,7 +5,7 @@ subclass; the CLI prints its message on one line and exits with status 2. Every 
 a bug and keeps its traceback.
 """
 
-__all__ = ["UserError", "ConfigError", "DataError", "Terminated"]
+__all__ = ["UserError", "ConfigError", "DataError", "Terminated", "STOP_SAID"]
 
 
 class UserError(Exception):
@@ -23,3 +23,8 @@ class DataError(UserError, ValueError):
 class Terminated(KeyboardInterrupt):  # noqa: N818 (a signal, like KeyboardInterrupt, not an error)
     """SIGTERM arrived (``sweep run`` turns it into this): the run stops as on Ctrl-C, saying so, and exits 143.
     A KeyboardInterrupt, so every path that cleans up after Ctrl-C (a worker's, the live display's) does so here."""
+
+
+STOP_SAID = "lora-sweep: the run has said how it stopped"
+"""The note (``BaseException.add_note``) a run adds to the Ctrl-C or SIGTERM that stopped it once it has logged its
+one end line; the CLI then adds no second line."""

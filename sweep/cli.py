@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import click
 
-from lora_sweep.packer.errors import Terminated, UserError
+from lora_sweep.packer.errors import STOP_SAID, Terminated, UserError
 
 if TYPE_CHECKING:
     from lora_sweep.sweep.spec import StudySpec
@@ -438,8 +438,10 @@ def _main(argv: list[str] | None) -> int:
         return 2
     except click.exceptions.Abort as err:  # click turns a KeyboardInterrupt (Ctrl-C, and Terminated) into Abort
         terminated = isinstance(err.__cause__, Terminated)
-        click.echo(f"{'terminated (SIGTERM)' if terminated else 'aborted'}: a study keeps what finished; run the "
-                   f"same command again to resume (the trials that were training are retried)", err=True)
+        if STOP_SAID not in getattr(err.__cause__, "__notes__", ()):  # stopped before a run could say so itself
+            click.echo(f"{'terminated (SIGTERM)' if terminated else 'interrupted (Ctrl-C)'}: a study keeps what "
+                       f"finished; run the same command again to resume (the trials that were training are retried)",
+                       err=True)
         return 143 if terminated else 130
     except click.ClickException as err:
         err.show()

@@ -63,7 +63,8 @@ class LiveProgress:
         if self.plain is not None:
             self.plain.line(message)
         else:
-            self.console.print(message, highlight=False)
+            self.console.print(message, highlight=False, soft_wrap=True)  # one message, one line: a log file's reader
+            # (and a test) splits on newlines, and a terminal wraps a long line itself
 
 
 class PlainLog:

@@ -34,7 +34,7 @@ from lora_sweep.evaluators import EvalResult, evaluate, load_eval_data, metrics_
 from lora_sweep.evaluators.cost import cost_metrics, slot_adapter_params
 from lora_sweep.packer.checkpoint import save_adapters
 from lora_sweep.packer.data import load_examples
-from lora_sweep.packer.errors import Terminated, UserError
+from lora_sweep.packer.errors import STOP_SAID, Terminated, UserError
 from lora_sweep.packer.model import PackedModel
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.static_loop import rank_bucket_for
@@ -485,9 +485,12 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
         summary.end_reason = summary.spent_key or "grid"
     except BaseException as err:
         summary.end_reason, summary.ended = _stopped(err, sweep)
+        if isinstance(err, KeyboardInterrupt):
+            err.add_note(STOP_SAID)
         raise
     finally:
-        log(f"{spec.name}: {summary.ended}")
+        if summary.end_reason != "error":  # an error's own message is its one line (the CLI's error:, a traceback)
+            log(f"{spec.name}: {summary.ended}")
         with split.phase("storage"):
             session.add_elapsed(time.time() - started)
             session.store.set_meta(last_end={"reason": summary.end_reason, "text": summary.ended,
@@ -505,10 +508,11 @@ def _stopped(err: BaseException, sweep: _Sweep) -> tuple[str, str]:
     done = sweep.summary.complete + sweep.summary.pruned + sweep.summary.failed
     left = (f" at pack step {sweep.global_step} ({done} trials finished in this run; the "
             f"{len(sweep.live)} training are retried when the run is resumed)")
+    resume = "; a study keeps what finished: run the same command again to resume"
     if isinstance(err, Terminated):  # before KeyboardInterrupt: it is one
-        return "sigterm", f"stopped: terminated (SIGTERM){left}"
+        return "sigterm", f"stopped: terminated (SIGTERM){left}{resume}"
     if isinstance(err, KeyboardInterrupt):
-        return "interrupt", f"stopped: interrupted (Ctrl-C){left}"
+        return "interrupt", f"stopped: interrupted (Ctrl-C){left}{resume}"
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     return "error", f"stopped by an error{left}: {first}"
 

@@ -62,10 +62,12 @@ def _sweep(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 def _one_line(done: subprocess.CompletedProcess, code: int = 2) -> str:
+    """The command's one error line: the last of its output, the only ``error:`` one (before it, a run's own log
+    lines: the step a pack trained on, how the run ended), and no traceback."""
     assert done.returncode == code and "Traceback" not in done.stderr, done.stderr
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1, done.stderr
-    return lines[0]
+    assert [line for line in lines if line.startswith("error:")] == lines[-1:], done.stderr
+    return lines[-1]
 
 
 def _trials(out: Path, name: str) -> list[optuna.trial.FrozenTrial]:

@@ -125,7 +125,9 @@ def test_an_error_is_recorded_as_the_end(tiny_dirs, tmp_path, monkeypatch) -> No
     assert end["reason"] == "error"
     assert re.fullmatch(r"stopped by an error at pack step \d+ \(0 trials finished in this run; the 2 training are "
                         r"retried when the run is resumed\): evaluator exploded", end["text"]), end
-    assert out.getvalue().splitlines()[-1][9:] == f"broken: {end['text']}"
+    # the run's output does not repeat it: the raised error is the one line its caller shows (the CLI's error:
+    # line, or a bug's traceback), so a disk-full or data error stays one line
+    assert "stopped by an error" not in out.getvalue()
 
 
 @pytest.mark.parametrize(("sig", "code", "said"), [(signal.SIGTERM, 143, "terminated (SIGTERM)"),

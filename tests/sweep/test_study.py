@@ -418,7 +418,7 @@ def test_rerunning_a_finished_study_says_its_budget_is_spent(tiny_dirs, tmp_path
     assert "0 complete" not in again.stdout
 
 
-@pytest.mark.parametrize(("sig", "code", "said"), [(signal.SIGINT, 130, "aborted"),
+@pytest.mark.parametrize(("sig", "code", "said"), [(signal.SIGINT, 130, "interrupted (Ctrl-C)"),
                                                  (signal.SIGTERM, 143, "terminated (SIGTERM)")], ids=["INT", "TERM"])
 def test_ctrl_c_and_sigterm_say_that_running_again_resumes(tiny_dirs, tmp_path, sig, code, said) -> None:
     path = write_study(tmp_path, tiny_dirs("llama"), name="interrupted", budget={"trials": 4},
@@ -437,7 +437,8 @@ def test_ctrl_c_and_sigterm_say_that_running_again_resumes(tiny_dirs, tmp_path, 
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == code, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
-    assert err.strip().startswith(f"{said}: a study keeps what finished; run the same command again to resume"), err
+    assert err.strip().startswith(f"interrupted: stopped: {said} at pack step "), err  # the run's own end line
+    assert err.strip().endswith("a study keeps what finished: run the same command again to resume"), err
 
 
 def test_generated_texts_are_stored_per_item_and_sampled_in_the_report(tiny_dirs, tmp_path) -> None:
