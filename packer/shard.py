@@ -23,7 +23,8 @@ own, so a sharded slot takes the very step an unsharded one takes. The sharding 
 than one GPU), not speed: splitting the pack's rows between ranks, which would make the slot gradients partial
 sums to all-reduce, is not done here.
 
-Only the eager step runs sharded (``train(..., static_shapes=False)``): FSDP2 all-gathers into buffers it
+Only eager steps run sharded: the dynamic step (``train(..., static_shapes=False)``) or the static-shape step
+without CUDA graphs (``static_shapes=True, cuda_graphs="off"``). FSDP2 all-gathers into buffers it
 allocates and frees per layer (``untyped_storage().resize_``), runs the collectives on its own streams and
 decides in Python hooks, per call, what to gather, prefetch and reshard; a CUDA graph would freeze one call's
 allocations and skip the hooks on replay, and the collectives of a process group are not captured with it.
@@ -110,7 +111,8 @@ def shard_base(pm: PackedModel, *, reshard_after_forward: bool = True) -> Shardi
 
 
 class _SlotGradSync:
-    """Broadcast the slots' gradient buffers from rank 0 once the backward of a forward through the body is done.
+    """Broadcast the slots' gradient buffers from rank 0 once the backward of a forward through the body is done:
+    each slot's flat gradient buffer on the dynamic step, the static store's one gradient buffer on the static step.
 
     A hook on the body's output (its first tensor, which needs a gradient whenever a slot is active) runs at the
     start of that output's backward and queues a callback on autograd's engine, which runs when the whole backward
@@ -133,10 +135,10 @@ class _SlotGradSync:
 
     def broadcast(self) -> None:
         """Rank 0's gradient of every slot, in one flat bucket (the slots in slot order: the same on all ranks)."""
-        grads = [g for _, (_, g) in sorted(self.pm.flat.items())]
-        if any(g is None for g in grads) or self.pm.static is not None:
-            raise ConfigError("packing.shard: the sharded pack runs the eager step with gradient buffers "
-                              "(static_shapes=False, optimizer_in_backward off)")
+        store = self.pm.static
+        grads = [store.grad] if store is not None else [g for _, (_, g) in sorted(self.pm.flat.items())]
+        if any(g is None for g in grads):
+            raise ConfigError("packing.shard: optimizer_in_backward keeps no gradient buffer to synchronise")
         if dist.get_world_size() == 1 or not grads:
             return
         bucket = torch.cat([g for g in grads if g is not None])  # (sum of slot sizes,)
