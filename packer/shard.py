@@ -10,10 +10,12 @@ embeddings is left out of the body's shard for the same reason, ``ignored_params
 
 The adapter slots are not FSDP's: their A/B live in each slot's flat fp32 buffer, outside every FSDP unit's
 parameter group (a slot is added after ``fully_shard``, so FSDP never sees it), replicated on every rank with
-their gradients and AdamW state. Why replicated rather than sharded with their layer: a slot is small (a rank-16
-adapter on every projection of Llama-3-70B is ~0.2 GB fp32 weights, ~0.8 GB with gradients and both moments,
-against 141 GB of bf16 base), and replicated the slot math, the flat buffers, ``PackedAdamW`` and the Triton
-kernels see exactly the tensors they see in a one-GPU pack: nothing of them changes.
+their gradients and AdamW state. Why replicated rather than sharded with their layer: replicated, the slot math,
+the flat buffers, the static store, ``PackedAdamW`` and the Triton kernels see exactly the tensors they see in a
+one-GPU pack (nothing of them changes, and a slot's update needs no collective but one gradient broadcast), and a
+slot is small beside the base: a rank-16 adapter on every projection of Llama-3-70B has 207M parameters (80
+layers x 16 x 161,792), 3.3 GB with its fp32 gradient and both AdamW moments (16 B each), against 141 GB of bf16
+base. Eight such slots (26.5 GB per rank) are where sharding the slots' optimizer state would start to pay.
 
 Every rank trains the same pack on the same rows (the job queue is deterministic, so each rank makes the same
 slot decisions), which makes every slot's gradient the same on every rank. After each backward the slots'
@@ -43,7 +45,7 @@ from torch.distributed.tensor import DTensor, init_device_mesh
 from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.model import PackedModel
 
-__all__ = ["Sharding", "shard_base", "local_param_bytes", "decoder_layers", "is_sharded"]
+__all__ = ["Sharding", "shard_base", "local_param_bytes", "decoder_layers", "is_sharded", "BaseShare", "base_share"]
 
 
 @dataclass
@@ -162,3 +164,55 @@ def local_param_bytes(module: nn.Module) -> int:
 def is_sharded(module: nn.Module) -> bool:
     """Whether FSDP2 manages ``module`` or one of its children."""
     return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+@dataclass(frozen=True)
+class BaseShare:
+    """What one rank holds of a base sharded by ``shard_base`` over ``world`` ranks (bytes; the planner's count)."""
+
+    whole: int
+    """Parameters every rank keeps whole: the output head (and whatever else is outside the body)."""
+    shard: int
+    """This rank's shard of the body's parameters: dim 0 of each cut in ``world`` chunks of ceil(rows / world)
+    (FSDP2's ``Shard(0)``; the last ranks' chunks may be shorter or empty)."""
+    gathered: int
+    """The two largest FSDP units' parameters in full (a decoder layer; the body's own: embeddings and final norm):
+    FSDP2 all-gathers the next unit while one runs (the CPU issues it ahead, and the backward prefetches one), so
+    at most two units are unsharded at once (``reshard_after_forward=True``, the body's unit included)."""
+
+    @property
+    def peak(self) -> int:
+        return self.whole + self.shard + self.gathered
+
+
+def base_share(model: nn.Module, world: int, rank: int = 0) -> BaseShare:
+    """Bytes of ``model``'s parameters rank ``rank`` of ``world`` holds once ``shard_base`` shards it, computed
+    from the unsharded model (rank 0 holds the most).
+
+    Raises:
+        ConfigError: as ``decoder_layers``, or a model without a separate body.
+    """
+    body = getattr(model, "base_model", model)
+    if body is model:
+        raise ConfigError(f"packing.shard: {type(model).__name__} has no decoder body (base_model) to shard")
+    head = model.get_output_embeddings()
+    kept = set(head.parameters()) if head is not None else set()
+    sharded = {id(p): p for p in body.parameters() if p not in kept}
+
+    def rows_here(p: torch.Tensor) -> int:
+        n = p.shape[0] if p.dim() else 1
+        chunk = -(-n // world)
+        return max(0, min(chunk, n - rank * chunk))
+
+    def size(p: torch.Tensor) -> int:
+        return p.numel() * p.element_size()
+
+    shard = sum(rows_here(p) * (p.numel() // max(p.shape[0] if p.dim() else 1, 1)) * p.element_size()
+                for p in sharded.values())
+    whole = sum(size(p) for p in {id(p): p for p in model.parameters()}.values() if id(p) not in sharded)
+    layers = decoder_layers(body)
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    units = [sum(size(p) for p in layer.parameters()) for layer in layers]
+    units.append(sum(size(p) for i, p in sharded.items() if i not in in_layers))  # the body's own: embeddings, norm
+    first, second = sorted(units)[-2:]
+    return BaseShare(whole, shard, first + second if world > 1 else 0)

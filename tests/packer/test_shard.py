@@ -18,7 +18,7 @@ from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.launch import spawn
 from lora_sweep.packer.model import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec
-from lora_sweep.packer.shard import decoder_layers, is_sharded, local_param_bytes, shard_base
+from lora_sweep.packer.shard import base_share, decoder_layers, is_sharded, local_param_bytes, shard_base
 from lora_sweep.packer.train import SlotJob, StepReport, train
 from tests.conftest import Recorder, random_examples
 
@@ -56,6 +56,7 @@ def train_pack(model_dir: Path, shard: bool, static: bool = False) -> dict:
     model, _ = load_base(str(model_dir), attn_implementation="eager")
     pm = PackedModel(model)
     before = local_param_bytes(pm.model)
+    share = base_share(pm.model, dist.get_world_size(), dist.get_rank()) if shard else None
     if shard:
         shard_base(pm)
     after = local_param_bytes(pm.model)
@@ -64,7 +65,8 @@ def train_pack(model_dir: Path, shard: bool, static: bool = False) -> dict:
                    should_stop=_prune, on_end=rec.on_end, static_shapes=static, cuda_graphs="off",
                    readback_every=1)
     assert result.step == ("static-eager" if static else "dynamic")
-    return {"losses": dict(rec.losses), "final": rec.final, "ended": sorted(result.ended), "bytes": (before, after)}
+    return {"losses": dict(rec.losses), "final": rec.final, "ended": sorted(result.ended), "bytes": (before, after),
+            "share": None if share is None else (share.whole, share.shard, share.peak)}
 
 
 def _rank(rank: int, world: int, model_dir: Path, out: Path) -> None:
@@ -104,8 +106,11 @@ def test_sharded_pack_trains_as_unsharded(tiny_dirs, two_ranks: Path, static: bo
     for key, weights in ranks[0]["final"].items():  # the replicas are bitwise the same (rank 0's gradients)
         for path, (a, b) in weights.items():
             assert torch.equal(a, ranks[1]["final"][key][path][0]) and torch.equal(b, ranks[1]["final"][key][path][1])
-    before, after = ranks[0]["bytes"]
-    assert before == ref["bytes"][0] and after < before
+    for got in ranks:  # what the planner counts of the base per rank is what each rank holds
+        before, after = got["bytes"]
+        assert before == ref["bytes"][0] and after < before
+        whole, shard, peak = got["share"]
+        assert whole + shard == after and peak > after
 
 
 def test_world_of_one_runs_the_sharded_path(tiny_dirs, tmp_path: Path) -> None:
@@ -116,6 +121,7 @@ def test_world_of_one_runs_the_sharded_path(tiny_dirs, tmp_path: Path) -> None:
     finally:
         dist.destroy_process_group()
     assert got["bytes"][1] == got["bytes"][0]  # one rank holds every shard
+    assert got["share"][2] == got["bytes"][0]
     _assert_same_training(got, train_pack(model_dir, shard=False))
 
 
