@@ -137,3 +137,20 @@ def test_shard_before_slots_and_layers_found(tiny_dirs, tmp_path: Path) -> None:
     finally:
         dist.destroy_process_group()
     assert not is_sharded(model)
+
+
+def test_sharded_pack_refuses_the_step_in_the_backward(tiny_dirs, tmp_path: Path) -> None:
+    """Stepping in the backward leaves no gradient buffer to synchronise: the first backward says so."""
+    model, _ = load_base(str(tiny_dirs("llama")), attn_implementation="eager")
+    pm = PackedModel(model)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        shard_base(pm)
+        spec = AdapterSpec(rank=2, alpha=4, lr=1e-3, micro_batch=1, targets=("q_proj",), max_steps=2,
+                           max_grad_norm=None)
+        jobs = [SlotJob(spec, SlotStream(random_examples(4, seed=0), 1, seed=0), key=0)]
+        with pytest.raises(ConfigError, match="optimizer_in_backward keeps no gradient buffer"):
+            train(pm, 1, lambda slot: jobs.pop(0) if jobs else None, pad_id=PAD, static_shapes=False,
+                  optimizer_in_backward=True)
+    finally:
+        dist.destroy_process_group()
