@@ -2,7 +2,8 @@
 
 Two CPU processes, tiny Llama, fp32: per-step losses within 1e-5 relative and final A/B within 1e-4 of the
 unsharded pack run in this process, through a slot that finishes early and is refilled with a new adapter and a
-slot pruned by ``should_stop``; the ranks' replicas are identical and each rank holds fewer parameter bytes.
+slot pruned by ``should_stop``; every slot scored from the sharded pack as it ends (held-out loss, generation) as
+from the unsharded one; the ranks' replicas are identical and each rank holds fewer parameter bytes.
 """
 
 from __future__ import annotations
@@ -13,14 +14,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lora_sweep.packer.data import SlotStream
+from lora_sweep.evaluators import EvalData, evaluate
+from lora_sweep.packer.data import SlotStream, read_jsonl
 from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.launch import spawn
 from lora_sweep.packer.model import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.shard import base_share, decoder_layers, is_sharded, local_param_bytes, shard_base
-from lora_sweep.packer.train import SlotJob, StepReport, train
-from tests.conftest import Recorder, random_examples
+from lora_sweep.packer.train import SlotEnd, SlotJob, StepReport, train
+from tests.conftest import DEMO_DATA, Recorder, random_examples
 
 PAD = 0
 STEPS = 6
@@ -38,6 +40,7 @@ SPECS = [
     AdapterSpec(rank=4, alpha=8, lr=8e-3, micro_batch=2, targets=("all-linear",), max_steps=4, seed=5),
 ]
 """Job 0 ends after 3 steps and job 4 refills its slot; job 2 is pruned."""
+EVALUATORS = [("heldout_loss", None), ("generation", {"max_new_tokens": 4, "batch_size": 2})]
 
 
 def _jobs() -> list[SlotJob]:
@@ -51,21 +54,32 @@ def _prune(report: StepReport) -> bool:
 
 def train_pack(model_dir: Path, shard: bool, static: bool = False) -> dict:
     """Train the jobs in a 4-slot pack (its base sharded over the default process group if ``shard``; on the
-    static-shape step, eager, if ``static``); returns
-    per-key losses, per-key final (A, B), how the jobs ended, and this rank's parameter bytes before and after."""
-    model, _ = load_base(str(model_dir), attn_implementation="eager")
+    static-shape step, eager, if ``static``), each job scored as it ends (held-out loss and generation, as the sweep
+    scores them); returns per-key losses, final (A, B) and metrics, how the jobs ended, this rank's parameter bytes
+    before and after sharding and what ``base_share`` counts of them."""
+    model, tokenizer = load_base(str(model_dir), attn_implementation="eager")
     pm = PackedModel(model)
     before = local_param_bytes(pm.model)
     share = base_share(pm.model, dist.get_world_size(), dist.get_rank()) if shard else None
     if shard:
         shard_base(pm)
     after = local_param_bytes(pm.model)
-    queue, rec = _jobs(), Recorder(pm)
+    queue, rec, metrics, texts = _jobs(), Recorder(pm), {}, {}
+    fmt, rows = read_jsonl(DEMO_DATA / "arith-eval.jsonl")
+    data = EvalData(rows[:4], fmt, tokenizer, max_length=48)
+
+    def on_end(ends: list[SlotEnd]) -> None:  # every rank scores together: the forwards gather the same layers
+        rec.on_end(ends)
+        scored = evaluate(pm, [e.slot for e in ends], data, EVALUATORS)
+        metrics.update({e.job.key: scored.metrics[e.slot] for e in ends})
+        texts.update({e.job.key: [r["generation"] for r in scored.samples[e.slot] if "generation" in r] for e in ends})
+
     result = train(pm, 4, lambda slot: queue.pop(0) if queue else None, pad_id=PAD, on_step=rec.on_step,
-                   should_stop=_prune, on_end=rec.on_end, static_shapes=static, cuda_graphs="off",
+                   should_stop=_prune, on_end=on_end, static_shapes=static, cuda_graphs="off",
                    readback_every=1)
     assert result.step == ("static-eager" if static else "dynamic")
-    return {"losses": dict(rec.losses), "final": rec.final, "ended": sorted(result.ended), "bytes": (before, after),
+    return {"losses": dict(rec.losses), "final": rec.final, "metrics": metrics, "texts": texts,
+            "ended": sorted(result.ended), "bytes": (before, after),
             "share": None if share is None else (share.whole, share.shard, share.peak)}
 
 
@@ -79,6 +93,10 @@ def _assert_same_training(got: dict, ref: dict) -> None:
     assert got["losses"].keys() == ref["losses"].keys() == set(range(len(SPECS)))
     for key, losses in ref["losses"].items():
         torch.testing.assert_close(torch.tensor(got["losses"][key]), torch.tensor(losses), rtol=1e-5, atol=0)
+    assert got["metrics"].keys() == ref["metrics"].keys() == set(range(len(SPECS)))
+    for key, values in ref["metrics"].items():
+        assert got["metrics"][key] == pytest.approx(values, rel=1e-5)
+        assert got["texts"][key] == ref["texts"][key] and len(ref["texts"][key]) == 4  # the same greedy answers
     for key, weights in ref["final"].items():
         assert got["final"][key].keys() == weights.keys()
         for path, (a, b) in weights.items():
