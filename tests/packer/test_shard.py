@@ -40,6 +40,8 @@ SPECS = [
     AdapterSpec(rank=4, alpha=8, lr=8e-3, micro_batch=2, targets=("all-linear",), max_steps=4, seed=5),
 ]
 """Job 0 ends after 3 steps and job 4 refills its slot; job 2 is pruned."""
+STEPS_RUN = {"dynamic": (False, False), "static": (True, False), "dynamic-ckpt": (False, True)}
+"""Step -> (static-shape step, activation checkpointing) of the sharded runs."""
 EVALUATORS = [("heldout_loss", None), ("generation", {"max_new_tokens": 4, "batch_size": 2})]
 
 
@@ -52,11 +54,12 @@ def _prune(report: StepReport) -> bool:
     return report.key == PRUNED and report.slot_step >= PRUNE_AT
 
 
-def train_pack(model_dir: Path, shard: bool, static: bool = False) -> dict:
+def train_pack(model_dir: Path, shard: bool, static: bool = False, ckpt: bool = False) -> dict:
     """Train the jobs in a 4-slot pack (its base sharded over the default process group if ``shard``; on the
-    static-shape step, eager, if ``static``), each job scored as it ends (held-out loss and generation, as the sweep
-    scores them); returns per-key losses, final (A, B) and metrics, how the jobs ended, this rank's parameter bytes
-    before and after sharding and what ``base_share`` counts of them."""
+    static-shape step, eager, if ``static``; each decoder layer recomputed in the backward if ``ckpt``), each job
+    scored as it ends (held-out loss and generation, as the sweep scores them); returns per-key losses, final (A, B)
+    and metrics, how the jobs ended, this rank's parameter bytes before and after sharding and what ``base_share``
+    counts of them."""
     model, tokenizer = load_base(str(model_dir), attn_implementation="eager")
     pm = PackedModel(model)
     before = local_param_bytes(pm.model)
@@ -76,7 +79,7 @@ def train_pack(model_dir: Path, shard: bool, static: bool = False) -> dict:
 
     result = train(pm, 4, lambda slot: queue.pop(0) if queue else None, pad_id=PAD, on_step=rec.on_step,
                    should_stop=_prune, on_end=on_end, static_shapes=static, cuda_graphs="off",
-                   readback_every=1)
+                   readback_every=1, activation_checkpointing=ckpt)
     assert result.step == ("static-eager" if static else "dynamic")
     return {"losses": dict(rec.losses), "final": rec.final, "metrics": metrics, "texts": texts,
             "ended": sorted(result.ended), "bytes": (before, after),
@@ -84,8 +87,8 @@ def train_pack(model_dir: Path, shard: bool, static: bool = False) -> dict:
 
 
 def _rank(rank: int, world: int, model_dir: Path, out: Path) -> None:
-    for static in (False, True):  # both steps in one pair of processes: starting them is most of the test's time
-        torch.save(train_pack(model_dir, shard=True, static=static), out / f"rank{rank}-{static}.pt")
+    for step, (static, ckpt) in STEPS_RUN.items():  # in one pair of processes: starting them is most of the time
+        torch.save(train_pack(model_dir, shard=True, static=static, ckpt=ckpt), out / f"rank{rank}-{step}.pt")
 
 
 def _assert_same_training(got: dict, ref: dict) -> None:
@@ -112,13 +115,15 @@ def two_ranks(tiny_dirs, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
-def test_sharded_pack_trains_as_unsharded(tiny_dirs, two_ranks: Path, static: bool) -> None:
-    ref = train_pack(tiny_dirs("llama"), shard=False, static=static)
+@pytest.mark.parametrize("step", list(STEPS_RUN))
+def test_sharded_pack_trains_as_unsharded(tiny_dirs, two_ranks: Path, step: str) -> None:
+    """The reference is never checkpointed: recomputing a layer inside its FSDP unit (gathered again for the
+    recompute) changes nothing either."""
+    ref = train_pack(tiny_dirs("llama"), shard=False, static=STEPS_RUN[step][0])
     # the lifecycle this test is about: job 0 finished early and was refilled by job 4, job 2 was pruned
     assert (0, 3, "finished") in ref["ended"] and (4, 4, "finished") in ref["ended"]
     assert (PRUNED, PRUNE_AT, "stopped") in ref["ended"]
-    ranks = [torch.load(two_ranks / f"rank{r}-{static}.pt") for r in range(2)]
+    ranks = [torch.load(two_ranks / f"rank{r}-{step}.pt") for r in range(2)]
     for got in ranks:
         _assert_same_training(got, ref)
     for key, weights in ranks[0]["final"].items():  # the replicas are bitwise the same (rank 0's gradients)
