@@ -23,7 +23,7 @@ import optuna
 from optuna.trial import TrialState
 
 from lora_sweep.evaluators import metrics_of
-from lora_sweep.packer.errors import UserError
+from lora_sweep.packer.errors import ConfigError, UserError
 from lora_sweep.packer.gguf import gguf_source
 from lora_sweep.packer.model import PackedModel, load_base, prepare_kernels, resolve_base
 from lora_sweep.sweep.budget import counted
@@ -71,6 +71,9 @@ def open_session(spec: StudySpec, *, log: Callable[[str], None] = print, sharing
     """
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # our progress and store say what happened
     device = resolve_device(spec.model.device)  # before anything is created: a user error leaves no trace
+    if spec.packing.shard != "none":  # refused, not run unsharded: the base would not be what the study asked for
+        raise ConfigError("packing.shard: fsdp: a study run does not start the ranks of a sharded pack yet "
+                          "(packer.shard.shard_base, under packer.launch.spawn or torchrun, trains one)")
     sdir = StudyDir(spec.out_dir)
     lock = None if sharing is not None else own_directory(sdir, log)
     try:

@@ -213,6 +213,10 @@ class PackingSpec:
     cuda_graphs: Literal["auto", "on", "off"] = "auto"
     """On CUDA, train with the static-shape step replayed as a CUDA graph (``packer.static_loop``; ``auto`` and
     ``on``: falling back to eager with a warning if capture fails) or ``off``: the same static step, eagerly."""
+    shard: Literal["none", "fsdp"] = "none"
+    """``fsdp``: the frozen base sharded over the processes of a pack with FSDP2, the slots replicated
+    (``packer.shard``); its step runs eagerly, so ``cuda_graphs: on`` is refused. ``none``: the whole base on one
+    device."""
 
     def __post_init__(self) -> None:
         ok = self.max_slots == "auto" or (isinstance(self.max_slots, int) and 1 <= self.max_slots <= 256)
@@ -225,6 +229,10 @@ class PackingSpec:
         _check(self.kernels in ("auto", "triton", "torch"), "kernels", "must be auto, triton or torch", self.kernels)
         _check(isinstance(self.fused_base_ops, bool), "fused_base_ops", "must be true or false", self.fused_base_ops)
         _check(self.cuda_graphs in ("auto", "on", "off"), "cuda_graphs", "must be auto, on or off", self.cuda_graphs)
+        _check(self.shard in ("none", "fsdp"), "shard", "must be none or fsdp", self.shard)
+        _check(not (self.shard == "fsdp" and self.cuda_graphs == "on"), "shard",
+               "fsdp runs the eager step (no CUDA graph under FSDP's collectives): needs cuda_graphs auto or off",
+               self.shard)
 
 
 def _jsonlike(x: object) -> bool:

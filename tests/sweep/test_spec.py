@@ -64,6 +64,7 @@ def test_minimal_file_and_defaults(folder: Path) -> None:
     assert s.train.max_steps == 40 and s.train.lr == AdapterSpec().lr
     assert s.objectives[0].metric == "eval_loss" and s.directions == ["minimize"]
     assert s.sampler.name == "tpe" and s.pruning.kind == "none" and s.packing.max_slots == "auto"
+    assert s.packing.shard == "none"
     assert [e.name for e in s.evaluators] == ["heldout_loss"]
     assert s.out_dir == Path("runs/t") and s.source == folder / "study.yaml"
 
@@ -205,6 +206,9 @@ BAD = {
         BASE + "packing: {fused_base_ops: maybe} #<\n", "packing.fused_base_ops: must be true or false"),
     "cuda graphs mode unknown": (
         BASE + "packing: {cuda_graphs: always} #<\n", "packing.cuda_graphs: must be auto, on or off"),
+    "shard mode unknown": (BASE + "packing: {shard: ddp} #<\n", "packing.shard: must be none or fsdp"),
+    "sharded pack on a CUDA graph": (
+        BASE + "packing: {shard: fsdp, cuda_graphs: 'on'} #<\n", "packing.shard: fsdp runs the eager step"),
     "empty search space": (
         BASE.replace("  rank: [4, 8]\n  lr: {low: 1e-4, high: 1e-2, log: true}\n", "  rank: 8\n").replace(
             "search:", "search: #<"
@@ -325,3 +329,8 @@ def test_metric_names_are_checked_against_the_evaluators(folder: Path) -> None:
         load_study(write(folder, BASE + "constraints: ['peak_mem_gb <= 20']\n"))
     with pytest.raises(ConfigError, match=r"study.yaml:\d+: evaluators.0.name: must be one of heldout_loss"):
         load_study(write(folder, BASE + "evaluators: [bleu]\n"))
+
+
+def test_sharded_packing_key(folder: Path) -> None:
+    s = load_study(write(folder, BASE + "packing: {shard: fsdp}\n"))
+    assert s.packing.shard == "fsdp" and s.packing.cuda_graphs == "auto"

@@ -1,0 +1,218 @@
+"""One pack over several processes: the frozen base sharded with PyTorch FSDP2, the adapter slots replicated.
+
+``shard_base(pm)`` applies ``torch.distributed.fsdp.fully_shard`` to every decoder layer of the pack's base
+(one FSDP unit per layer, ``reshard_after_forward=True``: a layer's full weights exist only while it runs,
+all-gathered in its forward and again in the backward) and then to the decoder body (``base_model``: the
+embeddings and the final norm), which is the root unit that ``PackedModel.forward`` and ``forward_hidden`` both
+call. Each rank then holds 1/world of the body's weights. The output head stays whole on every rank: the chunked
+loss calls it outside the body's forward, where an FSDP unit's weights are sharded (and a head tied to the input
+embeddings is left out of the body's shard for the same reason, ``ignored_params``).
+
+The adapter slots are not FSDP's: their A/B live in each slot's flat fp32 buffer, outside every FSDP unit's
+parameter group (a slot is added after ``fully_shard``, so FSDP never sees it), replicated on every rank with
+their gradients and AdamW state. Why replicated rather than sharded with their layer: replicated, the slot math,
+the flat buffers, the static store, ``PackedAdamW`` and the Triton kernels see exactly the tensors they see in a
+one-GPU pack (nothing of them changes, and a slot's update needs no collective but one gradient broadcast), and a
+slot is small beside the base: a rank-16 adapter on every projection of Llama-3-70B has 207M parameters (80
+layers x 16 x 161,792), 3.3 GB with its fp32 gradient and both AdamW moments (16 B each), against 141 GB of bf16
+base. Eight such slots (26.5 GB per rank) are where sharding the slots' optimizer state would start to pay.
+
+Every rank trains the same pack on the same rows (the job queue is deterministic, so each rank makes the same
+slot decisions), which makes every slot's gradient the same on every rank. After each backward the slots'
+gradient buffers are broadcast from rank 0 in one bucket (``_SlotGradSync``): bitwise the same replicas
+whatever the kernels' reduction order on each rank, and, unlike an averaging all-reduce, no rounding of its
+own, so a sharded slot takes the very step an unsharded one takes. The sharding buys memory (a base larger
+than one GPU), not speed: splitting the pack's rows between ranks, which would make the slot gradients partial
+sums to all-reduce, is not done here.
+
+Only eager steps run sharded: the dynamic step (``train(..., static_shapes=False)``) or the static-shape step
+without CUDA graphs (``static_shapes=True, cuda_graphs="off"``). FSDP2 all-gathers into buffers it
+allocates and frees per layer (``untyped_storage().resize_``), runs the collectives on its own streams and
+decides in Python hooks, per call, what to gather, prefetch and reshard; a CUDA graph would freeze one call's
+allocations and skip the hooks on replay, and the collectives of a process group are not captured with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, init_device_mesh
+
+from lora_sweep.packer.errors import ConfigError
+from lora_sweep.packer.model import PackedModel
+
+__all__ = ["Sharding", "shard_base", "local_param_bytes", "decoder_layers", "is_sharded", "BaseShare", "base_share"]
+
+
+@dataclass
+class Sharding:
+    """What ``shard_base`` did to a pack."""
+
+    world: int
+    rank: int
+    units: int
+    """FSDP units: the decoder layers and the body."""
+    sync: _SlotGradSync
+
+    def remove(self) -> None:
+        """Stop synchronising slot gradients (the base stays sharded)."""
+        self.sync.handle.remove()
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of a Hugging Face causal LM (its ``_no_split_modules`` classes, in module order).
+
+    Raises:
+        ConfigError: the model names no decoder-layer class or none is found.
+    """
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ConfigError(f"packing.shard: {type(model).__name__} has no decoder layers to shard (_no_split_modules)")
+    return layers
+
+
+def shard_base(pm: PackedModel, *, reshard_after_forward: bool = True) -> Sharding:
+    """Shard ``pm``'s frozen base over the default process group with FSDP2; call before any slot is added.
+
+    Args:
+        pm: the pack, no slot yet; ``torch.distributed`` initialised (any backend; world size 1 runs the same
+            path: every "shard" is the whole weight and the broadcast is a no-op).
+        reshard_after_forward: free each layer's gathered weights after its forward (gather again in the
+            backward); False keeps them until the backward, trading memory for one all-gather per layer.
+
+    Returns:
+        The ``Sharding``; the slots' gradients are synchronised after every backward from now on.
+
+    Raises:
+        ConfigError: slots already present, or a model without decoder layers or a separate body.
+    """
+    if pm.specs:
+        raise ConfigError("packing.shard: shard the base before adding slots")
+    if not dist.is_initialized():
+        raise RuntimeError("shard_base needs torch.distributed initialised (init_process_group)")
+    model = pm.model
+    body = getattr(model, "base_model", model)
+    if body is model:
+        raise ConfigError(f"packing.shard: {type(model).__name__} has no decoder body (base_model) to shard")
+    mesh = init_device_mesh(pm.device.type, (dist.get_world_size(),))
+    head = model.get_output_embeddings()
+    kept = set(head.parameters()) if head is not None else set()  # tied to the embeddings: keep whole (docstring)
+    layers = decoder_layers(body)
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(body, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=kept & set(
+        body.parameters()))
+    sync = _SlotGradSync(pm)
+    sync.handle = body.register_forward_hook(sync.on_forward)
+    return Sharding(dist.get_world_size(), dist.get_rank(), len(layers) + 1, sync)
+
+
+class _SlotGradSync:
+    """Broadcast the slots' gradient buffers from rank 0 once the backward of a forward through the body is done:
+    each slot's flat gradient buffer on the dynamic step, the static store's one gradient buffer on the static step.
+
+    A hook on the body's output (its first tensor, which needs a gradient whenever a slot is active) runs at the
+    start of that output's backward and queues a callback on autograd's engine, which runs when the whole backward
+    has finished (every layer's hook has scattered its gradient into the slots' flat buffers): FSDP's own trick
+    for its post-backward work.
+    """
+
+    def __init__(self, pm: PackedModel) -> None:
+        self.pm = pm
+        self.handle: torch.utils.hooks.RemovableHandle | None = None  # type: ignore[assignment]
+
+    def on_forward(self, module: nn.Module, args: object, output: object) -> None:
+        out = output[0] if isinstance(output, tuple) else getattr(output, "last_hidden_state", output)
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(self._queue)
+
+    def _queue(self, grad: torch.Tensor) -> torch.Tensor:
+        torch.autograd.Variable._execution_engine.queue_callback(self.broadcast)
+        return grad
+
+    def broadcast(self) -> None:
+        """Rank 0's gradient of every slot, in one flat bucket (the slots in slot order: the same on all ranks)."""
+        store = self.pm.static
+        grads = [store.grad] if store is not None else [g for _, (_, g) in sorted(self.pm.flat.items())]
+        if any(g is None for g in grads):
+            raise ConfigError("packing.shard: optimizer_in_backward keeps no gradient buffer to synchronise")
+        if dist.get_world_size() == 1 or not grads:
+            return
+        bucket = torch.cat([g for g in grads if g is not None])  # (sum of slot sizes,)
+        dist.broadcast(bucket, src=0)
+        off = 0
+        for g in grads:
+            assert g is not None
+            g.copy_(bucket[off:off + g.numel()])
+            off += g.numel()
+
+
+def local_param_bytes(module: nn.Module) -> int:
+    """Bytes of ``module``'s parameters held by this rank: a sharded parameter counts its local shard only."""
+    total = 0
+    for p in module.parameters():
+        t = p.to_local() if isinstance(p, DTensor) else p
+        total += t.numel() * t.element_size()
+    return total
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether FSDP2 manages ``module`` or one of its children."""
+    return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+@dataclass(frozen=True)
+class BaseShare:
+    """What one rank holds of a base sharded by ``shard_base`` over ``world`` ranks (bytes; the planner's count)."""
+
+    whole: int
+    """Parameters every rank keeps whole: the output head (and whatever else is outside the body)."""
+    shard: int
+    """This rank's shard of the body's parameters: dim 0 of each cut in ``world`` chunks of ceil(rows / world)
+    (FSDP2's ``Shard(0)``; the last ranks' chunks may be shorter or empty)."""
+    gathered: int
+    """The two largest FSDP units' parameters in full (a decoder layer; the body's own: embeddings and final norm):
+    FSDP2 all-gathers the next unit while one runs (the CPU issues it ahead, and the backward prefetches one), so
+    at most two units are unsharded at once (``reshard_after_forward=True``, the body's unit included)."""
+
+    @property
+    def peak(self) -> int:
+        return self.whole + self.shard + self.gathered
+
+
+def base_share(model: nn.Module, world: int, rank: int = 0) -> BaseShare:
+    """Bytes of ``model``'s parameters rank ``rank`` of ``world`` holds once ``shard_base`` shards it, computed
+    from the unsharded model (rank 0 holds the most).
+
+    Raises:
+        ConfigError: as ``decoder_layers``, or a model without a separate body.
+    """
+    body = getattr(model, "base_model", model)
+    if body is model:
+        raise ConfigError(f"packing.shard: {type(model).__name__} has no decoder body (base_model) to shard")
+    head = model.get_output_embeddings()
+    kept = set(head.parameters()) if head is not None else set()
+    sharded = {id(p): p for p in body.parameters() if p not in kept}
+
+    def rows_here(p: torch.Tensor) -> int:
+        n = p.shape[0] if p.dim() else 1
+        chunk = -(-n // world)
+        return max(0, min(chunk, n - rank * chunk))
+
+    def size(p: torch.Tensor) -> int:
+        return p.numel() * p.element_size()
+
+    shard = sum(rows_here(p) * (p.numel() // max(p.shape[0] if p.dim() else 1, 1)) * p.element_size()
+                for p in sharded.values())
+    whole = sum(size(p) for p in {id(p): p for p in model.parameters()}.values() if id(p) not in sharded)
+    layers = decoder_layers(body)
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    units = [sum(size(p) for p in layer.parameters()) for layer in layers]
+    units.append(sum(size(p) for i, p in sharded.items() if i not in in_layers))  # the body's own: embeddings, norm
+    first, second = sorted(units)[-2:]
+    return BaseShare(whole, shard, first + second if world > 1 else 0)
