@@ -47,6 +47,23 @@ def _free(folder: Path) -> str:
     return "free space unknown"
 
 
+def _needed(study: Path | None) -> str:
+    """What the study writes next, judged by what it wrote: its largest adapter and its report, e.g. '; each
+    trial's adapter needs about 1.8 MB here, the report 4.9 MB' ('' before the first adapter)."""
+    if study is None:
+        return ""
+    try:
+        adapters = [sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+                    for d in (study / "adapters").glob("trial-*") if d.is_dir()]
+        report = study / "report.html"
+        parts = [f"each trial's adapter needs about {max(adapters) / 1e6:.1f} MB here"] if adapters else []
+        if report.is_file():
+            parts.append(f"the report {report.stat().st_size / 1e6:.1f} MB")
+    except OSError:
+        return ""
+    return f"; {', '.join(parts)}" if parts else ""
+
+
 def _file_in_the_way(path: Path) -> Path | None:
     """The regular file that ``path`` (or one of its parents) is, when a folder was wanted there."""
     return next((p for p in (path, *path.parents) if p.is_file()), None)
@@ -64,7 +81,8 @@ def fault_line(err: BaseException, folder: Path | None = None) -> str | None:
             code = int(rust[1])
         if code in _SPACE:
             where = Path(name).parent if name else folder
-            what = f" of {where} ({_free(where)}{f'; writing {name}' if name else ''})" if where else ""
+            what = (f" of {where} ({_free(where)}{f'; writing {name}' if name else ''}{_needed(folder)})" if where
+                    else "")
             return (f"no space left on the device{what}: everything written before is kept; free space (or copy "
                     f"the study directory to a larger disk and give --out) and run the same command again to resume")
         if code in _DENIED:

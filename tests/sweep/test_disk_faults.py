@@ -155,3 +155,23 @@ def test_a_path_below_a_file_or_a_file_that_is_no_database_is_one_line(tiny_dirs
     err = capsys.readouterr().err.strip()
     assert exit_.value.code == 2 and len(err.splitlines()) == 1, err
     assert str(junk / "results.db") in err if args[0] == "status" else str(file) in err
+
+
+def test_a_full_disk_says_the_space_the_study_needs(tmp_path) -> None:
+    """The line names the free space and what the study writes next, judged by what it wrote: its largest
+    adapter and its report."""
+    import errno
+
+    from lora_sweep.sweep._faults import fault_line
+
+    study = tmp_path / "study"
+    (study / "adapters" / "trial-0").mkdir(parents=True)
+    (study / "adapters" / "trial-1").mkdir()
+    (study / "adapters" / "trial-0" / "adapter_model.safetensors").write_bytes(b"0" * 2_000_000)
+    (study / "adapters" / "trial-1" / "adapter_model.safetensors").write_bytes(b"0" * 1_000_000)
+    (study / "report.html").write_bytes(b"0" * 500_000)
+    target = study / "adapters" / "trial-2" / "adapter_model.safetensors"
+    line = fault_line(OSError(errno.ENOSPC, "No space left on device", str(target)), study)
+    assert line.startswith(f"no space left on the device of {target.parent} (") and " MB free; writing " in line
+    assert "each trial's adapter needs about 2.0 MB here, the report 0.5 MB)" in line
+    assert "before the first" not in (fault_line(OSError(errno.ENOSPC, "No space", None), tmp_path / "new") or "")
