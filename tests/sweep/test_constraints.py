@@ -45,7 +45,7 @@ def test_status_marks_and_prefers_feasible_trials(tmp_path: Path) -> None:
 
 def test_export_best_takes_the_best_feasible_trial_and_infeasible_needs_allow(tmp_path: Path) -> None:
     root = _study(tmp_path)
-    with ResultsStore(root / "results.db", create=False) as store:
+    with ResultsStore(root / "results.db") as store:  # writable: the test fails trial 1 below
         assert select_trial(store, best=True).number == 1
         store.upsert_trial(1, state="FAIL")
         with pytest.raises(UserError, match="no complete trial meets the constraints.*--allow-infeasible"):
