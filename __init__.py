@@ -20,7 +20,6 @@ on a machine without optuna or plotly works.
 from __future__ import annotations
 
 import importlib
-import importlib.abc
 import importlib.machinery
 import os
 import sys
