@@ -104,13 +104,19 @@ class Results:
         return study_status(self.root)
 
 
-def open_results(study_dir: str | Path) -> Results:
-    """The results of the study in ``study_dir``; raises ``UserError`` if it holds no study."""
+def _require_study(study_dir: str | Path, command: str = "") -> Path:
+    """``study_dir`` as a Path; ``UserError`` (prefixed with ``command: ``) if it holds no study."""
     from lora_sweep.packer.errors import UserError
 
     if not StudyDir(study_dir).is_study():
-        raise UserError(f"{study_dir}: not a study directory (no results.db and study.yaml)")
-    return Results(Path(study_dir))
+        raise UserError(f"{command + ': ' if command else ''}{study_dir}: not a study directory (no results.db and "
+                        f"study.yaml)")
+    return Path(study_dir)
+
+
+def open_results(study_dir: str | Path) -> Results:
+    """The results of the study in ``study_dir``; raises ``UserError`` if it holds no study."""
+    return Results(_require_study(study_dir))
 
 
 def export(study_dir: str | Path, out: str | Path, *, trial: int | None = None, best: bool = False,
@@ -126,12 +132,9 @@ def export(study_dir: str | Path, out: str | Path, *, trial: int | None = None, 
 
 def write_report(study_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write the study's self-contained HTML report (default ``<study_dir>/report.html``); returns its path."""
-    from lora_sweep.packer.errors import UserError
     from lora_sweep.reports.html import write_report as _write
 
-    if not StudyDir(study_dir).is_study():
-        raise UserError(f"report: {study_dir}: not a study directory (no results.db and study.yaml)")
-    return _write(Path(study_dir), Path(out) if out is not None else None)
+    return _write(_require_study(study_dir, "report"), Path(out) if out is not None else None)
 
 
 def examples() -> list[str]:
