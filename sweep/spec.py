@@ -233,6 +233,9 @@ class PackingSpec:
         _check(not (self.shard == "fsdp" and self.cuda_graphs == "on"), "shard",
                "fsdp runs the eager step (no CUDA graph under FSDP's collectives): needs cuda_graphs auto or off",
                self.shard)
+        _check(not (self.shard == "fsdp" and self.max_slots == "auto"), "shard",
+               "fsdp needs packing.max_slots set (the auto planner calibrates one process, not a sharded pack)",
+               self.shard)
 
 
 def _jsonlike(x: object) -> bool:

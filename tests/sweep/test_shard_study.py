@@ -1,19 +1,105 @@
-"""``packing.shard: fsdp`` validates, but a study run refuses it (rather than train the base unsharded) until the
-run starts the ranks of a sharded pack; nothing of the study is created."""
+"""``sweep run --gpus 2`` with ``packing.shard: fsdp``: two CPU ranks (gloo) train the study's packs with the base
+sharded, rank 0 owning the study, and reach the trials the unsharded study reaches (a refill and a prune among
+them); a run killed mid-pack resumes to its budget; without the devices, or without ``fsdp``, one line, exit 2."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
+import torch
+from optuna.trial import TrialState
+from safetensors.torch import load_file
 
 from lora_sweep.packer.errors import ConfigError
+from lora_sweep.sweep.api import run
+from lora_sweep.sweep.cli import _main
 from lora_sweep.sweep.loader import load_study
 from lora_sweep.sweep.study import run_study
-from tests.conftest import write_study
+from tests.conftest import optuna_study, write_study
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = {"train": {"max_steps": 6, "micro_batch": 2}, "budget": {"trials": 4},
+         "pruning": {"kind": "cohort_sha", "rungs": [3], "reduction_factor": 2},
+         "evaluators": [{"name": "heldout_loss"}]}
+"""4 trials of 6 steps in 2 slots, halved at step 3: the first pair's weaker half is pruned and both slots are
+refilled; the held-out loss only (generation is tested sharded in tests/packer/test_shard.py)."""
 
 
-def test_study_run_refuses_a_sharded_pack(tiny_dirs, tmp_path) -> None:
-    spec = load_study(write_study(tmp_path, tiny_dirs("llama"), packing={"max_slots": 2, "shard": "fsdp"}))
-    assert spec.packing.shard == "fsdp"
-    with pytest.raises(ConfigError, match="packing.shard: fsdp: a study run does not start"):
+def _study(tmp_path: Path, model_dir: Path, name: str, shard: str, **changes) -> Path:
+    return write_study(tmp_path, model_dir, name=name, packing={"max_slots": 2, "shard": shard},
+                       **(SMALL | changes))
+
+
+def _adapter(out: Path, number: int) -> dict[str, torch.Tensor]:
+    return load_file(out / "adapters" / f"trial-{number}" / "adapter_model.safetensors")
+
+
+def test_two_ranks_reach_the_unsharded_trials(tiny_dirs, tmp_path) -> None:
+    model = tiny_dirs("llama")
+    ref_spec = load_study(_study(tmp_path, model, "plain", "none"))
+    run(ref_spec)
+    path = _study(tmp_path, model, "sharded", "fsdp")
+    assert _main(["run", str(path), "--gpus", "2", "--quiet"]) == 0
+    ref = optuna_study(ref_spec.out_dir, "plain").get_trials()
+    got = optuna_study(tmp_path / "runs-sharded", "sharded").get_trials()
+    assert [t.state for t in got] == [t.state for t in ref]
+    assert [t.state for t in ref].count(TrialState.PRUNED) >= 1 and len(ref) == 4  # a prune, both slots refilled
+    for g, r in zip(got, ref, strict=True):
+        assert g.params == r.params
+        if r.state == TrialState.COMPLETE:
+            assert g.values == pytest.approx(r.values, rel=1e-5)
+            mine, theirs = _adapter(tmp_path / "runs-sharded", g.number), _adapter(ref_spec.out_dir, r.number)
+            assert mine.keys() == theirs.keys()
+            for key, weight in theirs.items():
+                torch.testing.assert_close(mine[key], weight, rtol=0, atol=1e-4)
+
+
+def test_killed_sharded_run_resumes_to_its_budget(tiny_dirs, tmp_path) -> None:
+    path = _study(tmp_path, tiny_dirs("llama"), "killed", "fsdp", train={"max_steps": 12, "micro_batch": 2},
+                  pruning={"kind": "none"})
+    out = tmp_path / "runs-killed"
+    proc = subprocess.Popen([sys.executable, "-m", "lora_sweep", "run", str(path), "--gpus", "2", "--quiet"],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                            env=os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)})
+    deadline, states = time.time() + 120, []
+    while time.time() < deadline and not (TrialState.COMPLETE in states and TrialState.RUNNING in states):
+        time.sleep(0.2)
+        try:
+            states = [t.state for t in optuna_study(out, "killed").get_trials()]
+        except Exception:  # not created yet
+            continue
+    os.killpg(proc.pid, signal.SIGKILL)  # rank 0 and its follower
+    proc.wait()
+    assert TrialState.RUNNING in states, "the kill must land mid-pack"
+    assert _main(["run", str(path), "--gpus", "2", "--quiet"]) == 0
+    after = optuna_study(out, "killed").get_trials()
+    assert [t.state for t in after].count(TrialState.COMPLETE) == 4
+    assert all("retry_of" in t.user_attrs for t in after if t.number >= 4)
+    assert all((out / "adapters" / f"trial-{t.number}").is_dir() for t in after if t.state == TrialState.COMPLETE)
+
+
+@pytest.mark.parametrize(("shard", "device", "said"), [
+    ("fsdp", "auto", "error: --gpus 2: 0 CUDA device(s) visible"),
+    ("none", "cpu", "error: --gpus 2: needs packing.shard: fsdp"),
+])
+def test_gpus_without_devices_or_fsdp_exits_2(tiny_dirs, tmp_path, capsys, shard, device, said) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA host has devices")
+    path = _study(tmp_path, tiny_dirs("llama"), "refused", shard)
+    assert _main(["run", str(path), "--gpus", "2", "--quiet", f"model.device={device}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(said) and "\n" not in err
+    assert not (tmp_path / "runs-refused").exists()
+
+
+def test_fsdp_without_started_ranks_is_refused(tiny_dirs, tmp_path) -> None:
+    spec = load_study(_study(tmp_path, tiny_dirs("llama"), "alone", "fsdp"))
+    with pytest.raises(ConfigError, match="the ranks of a sharded pack are not started"):
         run_study(spec, log=lambda m: None)
     assert not spec.out_dir.exists()
