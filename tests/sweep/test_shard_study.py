@@ -31,22 +31,29 @@ SMALL = {"train": {"max_steps": 6, "micro_batch": 2}, "budget": {"trials": 4},
 refilled; the held-out loss only (generation is tested sharded in tests/packer/test_shard.py)."""
 
 
-def _study(tmp_path: Path, model_dir: Path, name: str, shard: str, **changes) -> Path:
-    return write_study(tmp_path, model_dir, name=name, packing={"max_slots": 2, "shard": shard},
-                       **(SMALL | changes))
+def _study(tmp_path: Path, model_dir: Path, name: str, shard: str, device: str = "cpu", **changes) -> Path:
+    return write_study(tmp_path, model_dir, name=name, packing={"max_slots": 2, "shard": shard, "cuda_graphs": "off"},
+                       **(SMALL | changes | {"model": {"path": str(model_dir), "device": device}}))
 
 
 def _adapter(out: Path, number: int) -> dict[str, torch.Tensor]:
     return load_file(out / "adapters" / f"trial-{number}" / "adapter_model.safetensors")
 
 
-def test_two_ranks_reach_the_unsharded_trials(tiny_dirs, tmp_path) -> None:
-    model = tiny_dirs("llama")
-    ref_spec = load_study(_study(tmp_path, model, "plain", "none"))
-    run(ref_spec)
-    path = _study(tmp_path, model, "sharded", "fsdp")
-    assert _main(["run", str(path), "--gpus", "2", "--quiet"]) == 0
-    ref = optuna_study(ref_spec.out_dir, "plain").get_trials()
+def _plain(tmp_path: Path, model: Path, device: str) -> Path:
+    """The unsharded study's directory, run."""
+    spec = load_study(_study(tmp_path, model, "plain", "none", device))
+    run(spec)
+    return spec.out_dir
+
+
+def _assert_ranks_reach_the_unsharded_trials(tmp_path: Path, model: Path, plain: Path, gpus: int,
+                                             device: str) -> None:
+    """``sweep run --gpus`` on the sharded study ends every trial as the unsharded study did: the same states and
+    parameters, objective values within 1e-5 relative, saved adapters within 1e-4 (fp32)."""
+    path = _study(tmp_path, model, "sharded", "fsdp", device)
+    assert _main(["run", str(path), "--gpus", str(gpus), "--quiet"]) == 0
+    ref = optuna_study(plain, "plain").get_trials()
     got = optuna_study(tmp_path / "runs-sharded", "sharded").get_trials()
     assert [t.state for t in got] == [t.state for t in ref]
     assert [t.state for t in ref].count(TrialState.PRUNED) >= 1 and len(ref) == 4  # a prune, both slots refilled
@@ -54,14 +61,35 @@ def test_two_ranks_reach_the_unsharded_trials(tiny_dirs, tmp_path) -> None:
         assert g.params == r.params
         if r.state == TrialState.COMPLETE:
             assert g.values == pytest.approx(r.values, rel=1e-5)
-            mine, theirs = _adapter(tmp_path / "runs-sharded", g.number), _adapter(ref_spec.out_dir, r.number)
+            mine, theirs = _adapter(tmp_path / "runs-sharded", g.number), _adapter(plain, r.number)
             assert mine.keys() == theirs.keys()
             for key, weight in theirs.items():
                 torch.testing.assert_close(mine[key], weight, rtol=0, atol=1e-4)
 
 
+@pytest.fixture(scope="module")
+def plain_cpu(tiny_dirs, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _plain(tmp_path_factory.mktemp("plain"), tiny_dirs("llama"), "cpu")
+
+
+@pytest.mark.parametrize("gpus", [2, 1])
+def test_ranks_reach_the_unsharded_trials(tiny_dirs, tmp_path, plain_cpu: Path, gpus: int) -> None:
+    """2 gloo processes; 1: the sharded path in this process alone (a process group of one)."""
+    _assert_ranks_reach_the_unsharded_trials(tmp_path, tiny_dirs("llama"), plain_cpu, gpus, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_ranks_on_gpus_reach_the_unsharded_trials(tiny_dirs, tmp_path, gpus: int) -> None:
+    """NCCL, one GPU per rank (the Triton kernels, the static step eager on both sides)."""
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} CUDA devices")
+    model = tiny_dirs("llama")
+    _assert_ranks_reach_the_unsharded_trials(tmp_path, model, _plain(tmp_path, model, "cuda"), gpus, "cuda")
+
+
 def test_killed_sharded_run_resumes_to_its_budget(tiny_dirs, tmp_path) -> None:
-    path = _study(tmp_path, tiny_dirs("llama"), "killed", "fsdp", train={"max_steps": 12, "micro_batch": 2},
+    path = _study(tmp_path, tiny_dirs("llama"), "killed", "fsdp", train={"max_steps": 8, "micro_batch": 2},
                   pruning={"kind": "none"})
     out = tmp_path / "runs-killed"
     proc = subprocess.Popen([sys.executable, "-m", "lora_sweep", "run", str(path), "--gpus", "2", "--quiet"],
@@ -91,8 +119,8 @@ def test_killed_sharded_run_resumes_to_its_budget(tiny_dirs, tmp_path) -> None:
 def test_gpus_without_devices_or_fsdp_exits_2(tiny_dirs, tmp_path, capsys, shard, device, said) -> None:
     if torch.cuda.is_available():
         pytest.skip("a CUDA host has devices")
-    path = _study(tmp_path, tiny_dirs("llama"), "refused", shard)
-    assert _main(["run", str(path), "--gpus", "2", "--quiet", f"model.device={device}"]) == 2
+    path = _study(tmp_path, tiny_dirs("llama"), "refused", shard, device)
+    assert _main(["run", str(path), "--gpus", "2", "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(said) and "\n" not in err
     assert not (tmp_path / "runs-refused").exists()
