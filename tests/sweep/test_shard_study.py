@@ -1,6 +1,7 @@
 """``sweep run --gpus 2`` with ``packing.shard: fsdp``: two CPU ranks (gloo) train the study's packs with the base
 sharded, rank 0 owning the study, and reach the trials the unsharded study reaches (a refill and a prune among
-them); a run killed mid-pack resumes to its budget; without the devices, or without ``fsdp``, one line, exit 2."""
+them); a run killed mid-pack resumes to its budget in a process group of one; ``sweep worker`` under torchrun
+leads its ranks the same way; without the devices, or without ``fsdp``, one line, exit 2."""
 
 from __future__ import annotations
 
@@ -72,10 +73,8 @@ def plain_cpu(tiny_dirs, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _plain(tmp_path_factory.mktemp("plain"), tiny_dirs("llama"), "cpu")
 
 
-@pytest.mark.parametrize("gpus", [2, 1])
-def test_ranks_reach_the_unsharded_trials(tiny_dirs, tmp_path, plain_cpu: Path, gpus: int) -> None:
-    """2 gloo processes; 1: the sharded path in this process alone (a process group of one)."""
-    _assert_ranks_reach_the_unsharded_trials(tmp_path, tiny_dirs("llama"), plain_cpu, gpus, "cpu")
+def test_two_ranks_reach_the_unsharded_trials(tiny_dirs, tmp_path, plain_cpu: Path) -> None:
+    _assert_ranks_reach_the_unsharded_trials(tmp_path, tiny_dirs("llama"), plain_cpu, 2, "cpu")
 
 
 @pytest.mark.gpu
@@ -88,7 +87,7 @@ def test_ranks_on_gpus_reach_the_unsharded_trials(tiny_dirs, tmp_path, gpus: int
     _assert_ranks_reach_the_unsharded_trials(tmp_path, model, _plain(tmp_path, model, "cuda"), gpus, "cuda")
 
 
-def test_killed_sharded_run_resumes_to_its_budget(tiny_dirs, tmp_path) -> None:
+def test_killed_sharded_run_resumes_to_its_budget_on_one_rank(tiny_dirs, tmp_path) -> None:
     path = _study(tmp_path, tiny_dirs("llama"), "killed", "fsdp", train={"max_steps": 8, "micro_batch": 2},
                   pruning={"kind": "none"})
     out = tmp_path / "runs-killed"
@@ -105,11 +104,28 @@ def test_killed_sharded_run_resumes_to_its_budget(tiny_dirs, tmp_path) -> None:
     os.killpg(proc.pid, signal.SIGKILL)  # rank 0 and its follower
     proc.wait()
     assert TrialState.RUNNING in states, "the kill must land mid-pack"
-    assert _main(["run", str(path), "--gpus", "2", "--quiet"]) == 0
+    # resumed without --gpus: the sharded path in this process alone (a process group of one)
+    assert _main(["run", str(path), "--quiet"]) == 0
     after = optuna_study(out, "killed").get_trials()
     assert [t.state for t in after].count(TrialState.COMPLETE) == 4
-    assert all("retry_of" in t.user_attrs for t in after if t.number >= 4)
+    failed = {t.number for t in after if t.state == TrialState.FAIL}
+    assert failed and sorted(t.user_attrs["retry_of"] for t in after if "retry_of" in t.user_attrs) == sorted(failed)
     assert all((out / "adapters" / f"trial-{t.number}").is_dir() for t in after if t.state == TrialState.COMPLETE)
+
+
+def test_worker_under_torchrun_trains_a_sharded_pack(tiny_dirs, tmp_path) -> None:
+    """``sweep worker`` started by torchrun on 2 CPU ranks: rank 0 is the worker, rank 1 follows its pack."""
+    path = _study(tmp_path, tiny_dirs("llama"), "ranked", "fsdp", budget={"trials": 3}, pruning={"kind": "none"},
+                  train={"max_steps": 4, "micro_batch": 2})
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "lora_sweep", "worker", str(path), "--index", "0", "--quiet"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300,
+                          env=os.environ | {"PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    trials = optuna_study(tmp_path / "runs-ranked", "ranked").get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 3  # a refill: 3 trials through 2 slots
+    assert all((tmp_path / "runs-ranked" / "adapters" / f"trial-{t.number}").is_dir() for t in trials)
+    assert "worker 0: 3 complete" in done.stdout
 
 
 @pytest.mark.parametrize(("shard", "device", "said"), [
