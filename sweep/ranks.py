@@ -139,7 +139,7 @@ def follow(spec: StudySpec, channel: Channel) -> None:
     """A follower's whole run: load and shard the base as rank 0 does, then train each pack rank 0 starts
     (``pack``: its capacity, pad id and ``train`` options) until it sends ``end``."""
     base = resolve_base(spec.model.path, spec.model.gguf_file, log=lambda _m: None)
-    device = _rank_device(spec, channel.rank)
+    device = "cpu" if spec.model.device == "cpu" else "cuda"  # this rank's GPU, made current by whoever started it
     model, tokenizer = load_base(base, dtype=spec.model.dtype, device=device, quantize=spec.model.quantize)
     pm = PackedModel(model, impl=spec.packing.kernels, fused_base_ops=spec.packing.fused_base_ops)
     shard_base(pm)
@@ -180,14 +180,6 @@ def rank_backend(spec: StudySpec, gpus: int) -> str:
                         f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); model.device: cpu runs the ranks as "
                         f"CPU processes (gloo), for testing")
     return "nccl"
-
-
-def _rank_device(spec: StudySpec, local_rank: int) -> str:
-    """This rank's device: its own GPU (made current, so ``cuda`` means it), or the CPU."""
-    if spec.model.device == "cpu":
-        return "cpu"
-    torch.cuda.set_device(local_rank)
-    return "cuda"
 
 
 def _channel(rank: int, world: int) -> Channel:
@@ -235,9 +227,9 @@ def run_ranks(spec: StudySpec, gpus: int, lead: Callable[[Channel], T]) -> T:
                 channel.send("end")
             finally:
                 dist.destroy_process_group()
-        except BaseException:
+        except BaseException as err:
             if ctx is not None:
-                _stop_followers(ctx)
+                _stop_followers(ctx, surface=not isinstance(err, UserError | KeyboardInterrupt))
             raise
         finally:
             torch.set_num_threads(own_threads)
@@ -246,10 +238,13 @@ def run_ranks(spec: StudySpec, gpus: int, lead: Callable[[Channel], T]) -> T:
     return out
 
 
-def _stop_followers(ctx: mp.ProcessContext) -> None:
-    """After rank 0 failed: surface a follower's own failure (often the cause), else end the followers."""
+def _stop_followers(ctx: mp.ProcessContext, surface: bool) -> None:
+    """After rank 0 stopped: end the followers. ``surface``: rank 0 failed (not a user error, an interrupt or a
+    SIGTERM, which are its own): first wait a moment for a follower's own failure, often the cause (a rank 0 whose
+    peer died fails in the collective it waited in), and raise it (chained to rank 0's)."""
     try:
-        ctx.join(timeout=5)
+        if surface:
+            ctx.join(timeout=5)
     finally:
         for p in ctx.processes:
             if p.is_alive():
@@ -263,7 +258,7 @@ def torchrun_channel(spec: StudySpec) -> Channel | None:
     if spec.packing.shard != "fsdp" or "RANK" not in os.environ:
         return None
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    backend = rank_backend(spec, 1) if spec.model.device == "cpu" else "nccl"
+    backend = rank_backend(spec, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     if backend == "nccl":
         torch.cuda.set_device(local)
     dist.init_process_group(backend, init_method="env://", rank=int(os.environ["RANK"]), world_size=world)

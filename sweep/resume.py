@@ -73,9 +73,8 @@ def open_session(spec: StudySpec, *, log: Callable[[str], None] = print, sharing
     """
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # our progress and store say what happened
     device = resolve_device(spec.model.device)  # before anything is created: a user error leaves no trace
-    if spec.packing.shard == "fsdp" and not dist.is_initialized():  # not run unsharded: not what was asked for
-        raise ConfigError("packing.shard: fsdp: the ranks of a sharded pack are not started: run it with sweep run "
-                          "--gpus N (api.run(..., gpus=N)) or sweep worker under torchrun")
+    if spec.packing.shard == "fsdp":
+        _check_shard(spec)
     sdir = StudyDir(spec.out_dir)
     lock = None if sharing is not None else own_directory(sdir, log)
     try:
@@ -84,6 +83,22 @@ def open_session(spec: StudySpec, *, log: Callable[[str], None] = print, sharing
         if lock is not None:
             lock.release()
         raise
+
+
+def _check_shard(spec: StudySpec) -> None:
+    """Refuse a sharded study this process cannot run as asked (never run unsharded: not the base that was asked
+    for).
+
+    Raises:
+        ConfigError: no process group started, or sample packing (its isolation check forwards on rank 0 alone,
+            once per model: ``packer.isolation``).
+    """
+    if not dist.is_initialized():
+        raise ConfigError("packing.shard: fsdp: the ranks of a sharded pack are not started: run it with sweep run "
+                          "--gpus N (api.run(..., gpus=N)) or sweep worker under torchrun")
+    if spec.train.sample_packing or any(p.name == "sample_packing" for p in spec.search.params):
+        raise ConfigError("packing.shard: fsdp does not take sample packing (train.sample_packing or a searched "
+                          "sample_packing): its isolation check runs forwards on one rank")
 
 
 def _capacity(spec: StudySpec, pm: PackedModel, log: Callable[[str], None], split: WallSplit) -> int:

@@ -136,10 +136,19 @@ def test_gpus_without_devices_or_fsdp_exits_2(tiny_dirs, tmp_path, capsys, shard
     if torch.cuda.is_available():
         pytest.skip("a CUDA host has devices")
     path = _study(tmp_path, tiny_dirs("llama"), "refused", shard, device)
+    capsys.readouterr()  # (building the tiny model, when this test is the first to, writes a progress bar)
     assert _main(["run", str(path), "--gpus", "2", "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(said) and "\n" not in err
     assert not (tmp_path / "runs-refused").exists()
+
+
+def test_sample_packing_is_refused_on_a_sharded_pack(tiny_dirs, tmp_path, capsys) -> None:
+    path = _study(tmp_path, tiny_dirs("llama"), "packed", "fsdp")
+    capsys.readouterr()
+    assert _main(["run", str(path), "--quiet", "train.sample_packing=true"]) == 2
+    assert capsys.readouterr().err.startswith("error: packing.shard: fsdp does not take sample packing")
+    assert not (tmp_path / "runs-packed").exists()
 
 
 def test_fsdp_without_started_ranks_is_refused(tiny_dirs, tmp_path) -> None:
