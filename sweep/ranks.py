@@ -25,6 +25,7 @@ import os
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -182,8 +183,14 @@ def rank_backend(spec: StudySpec, gpus: int) -> str:
     return "nccl"
 
 
+CONTROL_TIMEOUT = timedelta(days=7)
+"""How long a follower waits for rank 0's next message: as long as rank 0 may be busy alone (loading the next
+pack's base, a worker waiting for the others' trials to end). A rank 0 that dies closes its sockets, which ends
+the wait at once."""
+
+
 def _channel(rank: int, world: int) -> Channel:
-    return Channel(rank, world, dist.new_group(backend="gloo") if world > 1 else None)
+    return Channel(rank, world, dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT) if world > 1 else None)
 
 
 def _follower_entry(index: int, spec: StudySpec, world: int, backend: str, init_file: str, threads: int | None) -> None:
