@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -41,6 +42,12 @@ def _adapter(out: Path, number: int) -> dict[str, torch.Tensor]:
     return load_file(out / "adapters" / f"trial-{number}" / "adapter_model.safetensors")
 
 
+def _curves(out: Path) -> dict[tuple[int, int], float]:
+    """(trial, step) -> training loss, as the study stored it."""
+    with sqlite3.connect(out / "results.db") as db:
+        return {(t, step): loss for t, step, loss in db.execute("select trial, step, loss from steps")}
+
+
 def _plain(tmp_path: Path, model: Path, device: str) -> Path:
     """The unsharded study's directory, run."""
     spec = load_study(_study(tmp_path, model, "plain", "none", device))
@@ -51,13 +58,18 @@ def _plain(tmp_path: Path, model: Path, device: str) -> Path:
 def _assert_ranks_reach_the_unsharded_trials(tmp_path: Path, model: Path, plain: Path, gpus: int,
                                              device: str) -> None:
     """``sweep run --gpus`` on the sharded study ends every trial as the unsharded study did: the same states and
-    parameters, objective values within 1e-5 relative, saved adapters within 1e-4 (fp32)."""
+    parameters, per-step training losses and objective values within 1e-5 relative, saved adapters within 1e-4
+    (fp32)."""
     path = _study(tmp_path, model, "sharded", "fsdp", device)
     assert _main(["run", str(path), "--gpus", str(gpus), "--quiet"]) == 0
     ref = optuna_study(plain, "plain").get_trials()
     got = optuna_study(tmp_path / "runs-sharded", "sharded").get_trials()
     assert [t.state for t in got] == [t.state for t in ref]
     assert [t.state for t in ref].count(TrialState.PRUNED) >= 1 and len(ref) == 4  # a prune, both slots refilled
+    curves = [_curves(d) for d in (tmp_path / "runs-sharded", plain)]
+    assert curves[0].keys() == curves[1].keys() and len(curves[1]) > 4 * 3  # every trial's every step
+    for key, loss in curves[1].items():
+        assert curves[0][key] == pytest.approx(loss, rel=1e-5)
     for g, r in zip(got, ref, strict=True):
         assert g.params == r.params
         if r.state == TrialState.COMPLETE:
