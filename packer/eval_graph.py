@@ -40,6 +40,7 @@ from lora_sweep.packer.batch import IGNORE_INDEX
 from lora_sweep.packer.capture import capture, precompile
 from lora_sweep.packer.loss import output_head
 from lora_sweep.packer.model import PackedModel
+from lora_sweep.packer.shard import is_sharded
 from lora_sweep.packer.static import ShapeBuffers, StaticStore, fused_loss_head, static_head_losses
 
 __all__ = ["available", "heldout_fits", "row_losses", "greedy_decode", "static_generation_fits", "bucket",
@@ -128,6 +129,13 @@ def _forward(pm: PackedModel, store: StaticStore, shape: ShapeBuffers, body: boo
         store.active = active
 
 
+def _capturable(pm: PackedModel) -> bool:
+    """On CUDA, unless FSDP shards the base (``packer.shard``): its per-layer all-gathers allocate and free their
+    buffers and run in Python hooks a replay would skip, and every rank must evaluate the same way (a capture
+    failing on one rank alone would leave the others in a collective), so a sharded pack evaluates eagerly."""
+    return pm.device.type == "cuda" and not is_sharded(pm.model)
+
+
 class _Graph:
     """``fn`` captured as a CUDA graph on first use (after two warm-up runs on a side stream), eager on CPU or
     when capture fails (one warning). ``reset`` runs before the real work after a capture (warm-up and capture
@@ -213,7 +221,7 @@ def row_losses(pm: PackedModel, slots: Sequence[int], chunk: Sequence[Any], rows
             counts = (shift != IGNORE_INDEX).sum(dim=1).float()
             out.copy_(torch.stack([ce.sum(dim=1) / counts.clamp(min=1.0), counts], dim=1))
 
-        cache[key] = (_Graph(fn, pm.device.type == "cuda", _triton(pm)), out)
+        cache[key] = (_Graph(fn, _capturable(pm), _triton(pm)), out)
     graph, out = cache[key]
     graph.ready()  # warm-up and capture ran on these same inputs: nothing to restore
     graph()
@@ -246,8 +254,8 @@ class _Decoder:
         self.out = torch.zeros((b, new_tokens), dtype=torch.long, device=dev)
         self.ids = torch.zeros((b, width), dtype=torch.long, device=dev)  # the prompts, left-padded
         self.ids_mask = torch.zeros((b, width), dtype=torch.long, device=dev)
-        self.prefill_graph = _Graph(self._prefill, dev.type == "cuda", _triton(pm))
-        self.graph = _Graph(self._step, dev.type == "cuda", _triton(pm))
+        self.prefill_graph = _Graph(self._prefill, _capturable(pm), _triton(pm))
+        self.graph = _Graph(self._step, _capturable(pm), _triton(pm))
 
     def _mask(self, q_idx: torch.Tensor) -> torch.Tensor:
         """(B, 1, Q, K) additive mask for queries at cache indices ``q_idx`` (Q,)."""

@@ -22,8 +22,13 @@ slot decisions), which makes every slot's gradient the same on every rank. After
 gradient buffers are broadcast from rank 0 in one bucket (``_SlotGradSync``): bitwise the same replicas
 whatever the kernels' reduction order on each rank, and, unlike an averaging all-reduce, no rounding of its
 own, so a sharded slot takes the very step an unsharded one takes. The sharding buys memory (a base larger
-than one GPU), not speed: splitting the pack's rows between ranks, which would make the slot gradients partial
-sums to all-reduce, is not done here.
+than one GPU), not speed: every rank computes the whole pack. Splitting the pack's rows between ranks (the slot
+gradients then partial sums to all-reduce) would not take the one-process step exactly as the step stands: a
+slot's dropout mask is keyed by each row's position within the slot's rows (``kernels.triton_dropout``: a row
+moved to another rank draws another mask), a slot's mean loss and its accumulation weights are normalised over
+the target tokens of the rows one rank sees, and an accumulating slot's gradient buffer would be reduced at each
+micro-batch, not once per optimizer step. Each needs the static step itself to count the slot's tokens over all
+ranks and offset its rows; ``sweep.ranks`` runs a study over the ranks as they are.
 
 Only eager steps run sharded: the dynamic step (``train(..., static_shapes=False)``) or the static-shape step
 without CUDA graphs (``static_shapes=True, cuda_graphs="off"``). FSDP2 all-gathers into buffers it

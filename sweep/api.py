@@ -49,20 +49,34 @@ def load_study(path: str | Path, overrides: Sequence[str] = (), *, out: str | Pa
 
 def run(study: StudySpec | str | Path, overrides: Sequence[str] = (), *, out: str | Path | None = None,
         progress: Callable[[Progress], None] | None = None, log: Callable[[str], None] | None = None,
-        allow_changes: bool = False) -> RunSummary:
+        allow_changes: bool = False, gpus: int | None = None) -> RunSummary:
     """Run the study (a spec from ``load_study``, or a study file with ``overrides``) until its budget ends.
 
     A study directory that already holds the study resumes it. ``progress`` is called after each packed step,
     ``log`` with each one-line message (default: none printed). ``allow_changes``: resume even if a fixed setting
-    (e.g. ``train.max_steps``) differs from the one the study started with.
+    (e.g. ``train.max_steps``) differs from the one the study started with. ``gpus``: the ranks of a sharded
+    pack (``packing.shard: fsdp``; default 1), this process rank 0 (``sweep.ranks.run_ranks``).
+
+    Raises:
+        UserError: ``gpus`` without ``packing.shard: fsdp``, or more than the visible devices.
     """
+    from lora_sweep.packer.errors import UserError
     from lora_sweep.sweep.study import run_study
 
     if isinstance(study, str | Path):
         spec = load_study(study, overrides, out=out)
     else:
         spec = study if out is None else dataclasses.replace(study, output=Path(out))
-    return run_study(spec, progress=progress, log=log or (lambda _message: None), allow_changes=allow_changes)
+    say = log or (lambda _message: None)
+    if spec.packing.shard != "fsdp":
+        if gpus is not None:
+            raise UserError(f"--gpus {gpus}: needs packing.shard: fsdp (one pack over N GPUs); --workers N runs a "
+                            f"pack per GPU")
+        return run_study(spec, progress=progress, log=say, allow_changes=allow_changes)
+    from lora_sweep.sweep.ranks import run_ranks
+
+    return run_ranks(spec, gpus or 1, lambda channel: run_study(spec, progress=progress, log=say,
+                                                                allow_changes=allow_changes, ranks=channel))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,6 +50,8 @@ def _load(study: str, overrides: tuple[str, ...], out: str | None) -> StudySpec:
 @click.option("--quiet", is_flag=True, help="No live progress.")
 @click.option("--workers", type=click.IntRange(min=1), help="Start N worker processes sharing the study "
               "(one per visible GPU, pinned with CUDA_VISIBLE_DEVICES; CPU workers on a host without one).")
+@click.option("--gpus", type=click.IntRange(min=1), help="Train one pack over N GPUs, its base sharded "
+              "(packing.shard: fsdp): one process per GPU, this one rank 0 (CPU processes with model.device: cpu).")
 @click.option("--storage", help="Shared Optuna storage of the workers: an RDB URL or a journal file (*.log).")
 @click.option("--heartbeat", default=5.0, show_default=True, help="Seconds between worker heartbeats.")
 @click.option("--grace", default=60.0, show_default=True, help="Seconds without a heartbeat before a "
@@ -59,13 +61,17 @@ def _load(study: str, overrides: tuple[str, ...], out: str | None) -> StudySpec:
 @click.option("--join", is_flag=True, help="If a `sweep run --workers` owns the study directory, join its study as "
               "one more worker (through its storage) instead of stopping.")
 def run(study: str, overrides: tuple[str, ...], out: str | None, quiet: bool, workers: int | None,
-        storage: str | None, heartbeat: float, grace: float, allow_changes: bool, join: bool) -> None:
+        gpus: int | None, storage: str | None, heartbeat: float, grace: float, allow_changes: bool,
+        join: bool) -> None:
     """Run STUDY.yaml (or resume it): OVERRIDES are dotted key=value pairs, e.g. train.max_steps=50."""
     spec = _load(study, overrides, out)  # before the imports below: a hostile study file is refused at once
     from lora_sweep.sweep import api
     from lora_sweep.sweep._faults import about
     from lora_sweep.sweep.live import LiveProgress
 
+    if gpus is not None and (workers is not None or join):
+        raise UserError("run: --gpus trains one pack over N GPUs; --workers and --join run a pack per worker "
+                        "(sweep worker under torchrun shards each worker's pack)")
     if join and _join(spec, storage, heartbeat, grace, quiet, allow_changes):
         return
     if workers is not None:
@@ -74,7 +80,8 @@ def run(study: str, overrides: tuple[str, ...], out: str | None, quiet: bool, wo
     if storage is not None:
         raise UserError("run: --storage needs --workers (or set storage: in the study file)")
     with about(spec.out_dir), LiveProgress(enabled=not quiet) as live:
-        summary = api.run(spec, progress=_preloading_report(live.update), log=live.log, allow_changes=allow_changes)
+        summary = api.run(spec, progress=_preloading_report(live.update), log=live.log, allow_changes=allow_changes,
+                          gpus=gpus)
     if summary.steps == 0 and summary.spent:
         more = (f"; to continue, raise it: sweep run {study} {summary.spent_key}=<more>" if summary.spent_key
                 else "")
@@ -193,6 +200,7 @@ def worker(study: str, overrides: tuple[str, ...], storage: str | None, out: str
         pin(cpus)  # before the imports below bring torch in, and before it starts its CPU threads
     from lora_sweep.sweep._faults import about
     from lora_sweep.sweep.live import LiveProgress
+    from lora_sweep.sweep.ranks import follow, torchrun_channel
     from lora_sweep.sweep.storage import Sharing
     from lora_sweep.sweep.worker import run_worker, with_storage
 
@@ -202,8 +210,13 @@ def worker(study: str, overrides: tuple[str, ...], storage: str | None, out: str
     if index is None:
         index = int(os.environ.get("SLURM_ARRAY_TASK_ID") or os.environ.get("SLURM_PROCID") or os.getpid())
     sharing = Sharing(url, worker=index, heartbeat=heartbeat, grace=grace)
+    ranks = torchrun_channel(spec)  # packing.shard: fsdp under torchrun: this task's GPUs train one pack
+    if ranks is not None and not ranks.leads:
+        follow(spec, ranks)
+        return
     with about(spec.out_dir), LiveProgress(enabled=not quiet) as live:
-        summary = run_worker(spec, sharing, progress=live.update, log=live.log, allow_changes=allow_changes)
+        summary = run_worker(spec, sharing, progress=live.update, log=live.log, allow_changes=allow_changes,
+                             ranks=ranks)
     click.echo(f"{spec.name} worker {index}: {summary.complete} complete, {summary.pruned} pruned, "
                f"{summary.failed} failed in {summary.wall_s:.1f} s; study in {spec.out_dir}")
 

@@ -20,12 +20,14 @@ from collections.abc import Callable
 from functools import partial
 
 import optuna
+import torch.distributed as dist
 from optuna.trial import TrialState
 
 from lora_sweep.evaluators import metrics_of
 from lora_sweep.packer.errors import ConfigError, UserError
 from lora_sweep.packer.gguf import gguf_source
 from lora_sweep.packer.model import PackedModel, load_base, prepare_kernels, resolve_base
+from lora_sweep.packer.shard import shard_base
 from lora_sweep.sweep.budget import counted
 from lora_sweep.sweep.ledger import Ledger, open_study, recorded_trials, storage_url
 from lora_sweep.sweep.session import Session, own_directory, record_spec, trial_adapter_dir
@@ -71,9 +73,8 @@ def open_session(spec: StudySpec, *, log: Callable[[str], None] = print, sharing
     """
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # our progress and store say what happened
     device = resolve_device(spec.model.device)  # before anything is created: a user error leaves no trace
-    if spec.packing.shard != "none":  # refused, not run unsharded: the base would not be what the study asked for
-        raise ConfigError("packing.shard: fsdp: a study run does not start the ranks of a sharded pack yet "
-                          "(packer.shard.shard_base, under packer.launch.spawn or torchrun, trains one)")
+    if spec.packing.shard == "fsdp":
+        _check_shard(spec)
     sdir = StudyDir(spec.out_dir)
     lock = None if sharing is not None else own_directory(sdir, log)
     try:
@@ -82,6 +83,22 @@ def open_session(spec: StudySpec, *, log: Callable[[str], None] = print, sharing
         if lock is not None:
             lock.release()
         raise
+
+
+def _check_shard(spec: StudySpec) -> None:
+    """Refuse a sharded study this process cannot run as asked (never run unsharded: not the base that was asked
+    for).
+
+    Raises:
+        ConfigError: no process group started, or sample packing (its isolation check forwards on rank 0 alone,
+            once per model: ``packer.isolation``).
+    """
+    if not dist.is_initialized():
+        raise ConfigError("packing.shard: fsdp: the ranks of a sharded pack are not started: run it with sweep run "
+                          "--gpus N (api.run(..., gpus=N)) or sweep worker under torchrun")
+    if spec.train.sample_packing or any(p.name == "sample_packing" for p in spec.search.params):
+        raise ConfigError("packing.shard: fsdp does not take sample packing (train.sample_packing or a searched "
+                          "sample_packing): its isolation check runs forwards on one rank")
 
 
 def _capacity(spec: StudySpec, pm: PackedModel, log: Callable[[str], None], split: WallSplit) -> int:
@@ -126,6 +143,8 @@ def _open(spec: StudySpec, sdir: StudyDir, device: str, log: Callable[[str], Non
                    constraints=[c.as_dict() for c in spec.constraints],
                    metric_directions={m: d for e in spec.evaluators for m, d in metrics_of(e.name, e.options).items()})
     pm = PackedModel(model, impl=spec.packing.kernels, fused_base_ops=spec.packing.fused_base_ops)
+    if spec.packing.shard == "fsdp":
+        shard_base(pm)  # as every other rank does (sweep.ranks.follow), before any slot
     if sharing is not None:
         with storage_lock(sharing.url, spec.name):  # the clock first: reaping makes dead trials' ends recent
             resume_clock(study, sharing.grace, earlier=float(store.meta().get("elapsed", 0.0)))

@@ -215,7 +215,8 @@ class PackingSpec:
     ``on``: falling back to eager with a warning if capture fails) or ``off``: the same static step, eagerly."""
     shard: Literal["none", "fsdp"] = "none"
     """``fsdp``: the frozen base sharded over the processes of a pack with FSDP2, the slots replicated
-    (``packer.shard``); its step runs eagerly, so ``cuda_graphs: on`` is refused. ``none``: the whole base on one
+    (``packer.shard``), one process per GPU (``sweep run --gpus N``, or ``sweep worker`` under torchrun); its step
+    runs eagerly, so ``cuda_graphs: on`` is refused, and ``max_slots`` must be set. ``none``: the whole base on one
     device."""
 
     def __post_init__(self) -> None:
@@ -232,6 +233,9 @@ class PackingSpec:
         _check(self.shard in ("none", "fsdp"), "shard", "must be none or fsdp", self.shard)
         _check(not (self.shard == "fsdp" and self.cuda_graphs == "on"), "shard",
                "fsdp runs the eager step (no CUDA graph under FSDP's collectives): needs cuda_graphs auto or off",
+               self.shard)
+        _check(not (self.shard == "fsdp" and self.max_slots == "auto"), "shard",
+               "fsdp needs packing.max_slots set (the auto planner calibrates one process, not a sharded pack)",
                self.shard)
 
 

@@ -44,6 +44,7 @@ from lora_sweep.sweep.budget import BudgetState, TokenPlan, budget_state, end_li
 from lora_sweep.sweep.ledger import Heartbeat, Ledger, is_default
 from lora_sweep.sweep.planning import largest_rank
 from lora_sweep.sweep.pruning import CohortSHA
+from lora_sweep.sweep.ranks import Channel
 from lora_sweep.sweep.resume import open_session
 from lora_sweep.sweep.session import Session
 from lora_sweep.sweep.space import adapter_spec, suggest
@@ -154,6 +155,7 @@ class _Sweep:
         self.split = WallSplit()
         self.events: list[str] = []  # trial events since the last progress frame (Progress.events)
         self.warned_warmup = False
+        self.ranks: Channel | None = None  # a sharded pack's other ranks, told every decision (sweep.ranks)
 
     def _lock(self) -> Any:
         sharing = self.s.sharing
@@ -265,7 +267,7 @@ class _Sweep:
         objective, given to Optuna as the intermediate value at that step."""
         entries = [e for e in self.entries if e[0] == "heldout_loss"] or [("heldout_loss", {})]
         with self.split.phase("evaluate"):
-            result = evaluate(self.pm, sorted(due), self.eval_data, entries, timings=self._eval_timings)
+            result = self._scored(sorted(due), entries)
         for slot, step in due.items():
             lv = self.live[slot]
             value = result.metrics.get(slot, {}).get("eval_loss", math.nan)
@@ -332,11 +334,17 @@ class _Sweep:
             entries = [e for e in entries if self.proxy in metrics_of(*e)] or entries
         t0 = time.perf_counter()
         with self.split.phase("evaluate"):
-            result = evaluate(self.pm, slots, self.eval_data, entries, timings=self._eval_timings)
+            result = self._scored(slots, entries)
         self.step_t = time.perf_counter()
         for slot in slots:
             self.live[slot].device_s += (self.step_t - t0) / len(slots)
         return result
+
+    def _scored(self, slots: list[int], entries: list[tuple[str, dict[str, Any]]]) -> EvalResult:
+        """``evaluate`` the slots; a sharded pack's other ranks run the same forwards meanwhile (``sweep.ranks``)."""
+        if self.ranks is not None:
+            self.ranks.send("evaluate", (slots, entries))
+        return evaluate(self.pm, slots, self.eval_data, entries, timings=self._eval_timings)
 
     def _eval_timings(self, name: str, seconds: float) -> None:
         self.split.add(f"evaluate:{name}", seconds)
@@ -444,11 +452,12 @@ def _texts(samples: list[dict[str, Any]], metric: str, n: int) -> list[dict[str,
 
 def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = None,
               log: Callable[[str], None] = print, sharing: Sharing | None = None,
-              allow_changes: bool = False) -> RunSummary:
+              allow_changes: bool = False, ranks: Channel | None = None) -> RunSummary:
     """Run (or resume) the study until its budget ends; returns what this call did.
 
     With ``sharing`` this is one pack of a worker: other workers share the study's storage and budget.
     ``allow_changes``: resume even if a fixed setting changed (``sweep.session.spec_changes``).
+    ``ranks``: rank 0's channel to the other ranks of a sharded pack (``packing.shard: fsdp``, ``sweep.ranks``).
     """
     split = WallSplit()
     with split.phase("load"), split.part("load:data"):
@@ -470,7 +479,7 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
     started = time.time()
     pack_id = session.store.start_pack(slots=session.capacity, device=str(pm.device), started=started)
     sweep = _Sweep(spec, session, pm, train_examples, eval_data, pack_id, progress, started)
-    sweep.log, sweep.split = log, split
+    sweep.log, sweep.split, sweep.ranks = log, split, ranks
     if sharing is not None:
         sweep.heartbeat = session.ledger.heartbeat(sweep.live_numbers, sharing.heartbeat)
     summary = sweep.summary
@@ -529,17 +538,24 @@ def _train_pack(sweep: _Sweep, session: Session) -> bool:
         torch.cuda.reset_peak_memory_stats(pm.device)
     status = "failed"
     phased = sweep.split.timed  # the callbacks' own work is storage; evaluations and saves inside are their own
+    sharded = spec.packing.shard == "fsdp"
+    options = dict(chunked_ce=spec.packing.chunked_ce, activation_checkpointing=spec.packing.activation_checkpointing,
+                   cuda_graphs="off" if sharded else spec.packing.cuda_graphs,  # no graph under FSDP (packer.shard)
+                   sync_steps=tuple(sweep.sha.rungs) if sweep.sha else (),
+                   optimizer_in_backward=spec.train.optimizer_in_backward,
+                   # the bucket of the space's largest rank from the first step, as the pack is planned:
+                   # a bucket grown when such a trial arrives re-captures every graph and precompiles again
+                   rank_bucket=rank_bucket_for(largest_rank(spec)))
+    callbacks = (phased("storage", sweep.next_job), phased("storage", sweep.on_step), sweep.should_stop,
+                 phased("storage", sweep.on_end))
+    if sweep.ranks is not None:  # every rank trains this pack with rank 0's decisions
+        sweep.ranks.send("pack", (session.capacity, session.pad_id, options))
+        callbacks = sweep.ranks.lead(*callbacks)
+    next_job, on_step, should_stop, on_end = callbacks
     try:
         with sweep.split.phase("train"):
-            result = train(pm, session.capacity, phased("storage", sweep.next_job), pad_id=session.pad_id,
-                           on_step=phased("storage", sweep.on_step), should_stop=sweep.should_stop,
-                           on_end=phased("storage", sweep.on_end), chunked_ce=spec.packing.chunked_ce,
-                           activation_checkpointing=spec.packing.activation_checkpointing,
-                           cuda_graphs=spec.packing.cuda_graphs, sync_steps=sweep.sha.rungs if sweep.sha else (),
-                           optimizer_in_backward=spec.train.optimizer_in_backward,
-                           # the bucket of the space's largest rank from the first step, as the pack is planned:
-                           # a bucket grown when such a trial arrives re-captures every graph and precompiles again
-                           rank_bucket=rank_bucket_for(largest_rank(spec)))
+            result = train(pm, session.capacity, next_job, pad_id=session.pad_id, on_step=on_step,
+                           should_stop=should_stop, on_end=on_end, **options)  # type: ignore[arg-type]
         for part, seconds in (("precompile", result.compile_s), ("warm-up", result.warmup_s),
                               ("capture", result.capture_s)):
             sweep.split.move(seconds, "train", "compile", detail=f"compile:{part}")
@@ -547,6 +563,10 @@ def _train_pack(sweep: _Sweep, session: Session) -> bool:
         status = "finished"
         return True
     except torch.OutOfMemoryError as err:
+        if sharded:  # the other ranks are inside the step's collectives: no smaller pack to agree on
+            raise UserError(f"packing.shard: out of memory on rank 0 with {len(sweep.live)} slots "
+                            f"({str(err).splitlines()[0] if str(err) else 'CUDA out of memory'}); lower "
+                            "packing.max_slots, or shard over more GPUs") from None
         status = "oom"
         training = len(sweep.live)
         sweep.retry_after_oom(str(err).splitlines()[0] if str(err) else "CUDA out of memory")

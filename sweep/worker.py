@@ -25,6 +25,7 @@ import optuna
 from lora_sweep.sweep.affinity import allowed_cpus, cpu_list, cpu_shares
 from lora_sweep.sweep.budget import shared_budget
 from lora_sweep.sweep.ledger import Ledger, storage_url
+from lora_sweep.sweep.ranks import Channel
 from lora_sweep.sweep.session import trial_adapter_dir
 from lora_sweep.sweep.spec import StudySpec
 from lora_sweep.sweep.storage import Sharing, open_storage, storage_lock
@@ -38,15 +39,22 @@ WAIT_POLL_S = 0.5
 
 
 def run_worker(spec: StudySpec, sharing: Sharing, *, progress: Callable[[Progress], None] | None = None,
-               log: Callable[[str], None] = print, allow_changes: bool = False) -> RunSummary:
-    """Run packs of the shared study until its budget is spent and no worker trains; totals of all packs."""
+               log: Callable[[str], None] = print, allow_changes: bool = False,
+               ranks: Channel | None = None) -> RunSummary:
+    """Run packs of the shared study until its budget is spent and no worker trains; totals of all packs.
+
+    ``ranks``: this worker is rank 0 of a sharded pack (``sweep.ranks``): the other ranks train each of its packs
+    and are told the end when it returns.
+    """
     total = RunSummary(pack_id=-1)
     while True:
-        done = run_study(spec, progress=progress, log=log, sharing=sharing, allow_changes=allow_changes)
+        done = run_study(spec, progress=progress, log=log, sharing=sharing, allow_changes=allow_changes, ranks=ranks)
         for name in ("steps", "tokens", "wall_s", "complete", "pruned", "failed"):
             setattr(total, name, getattr(total, name) + getattr(done, name))
         total.pack_id = done.pack_id
         if not _wait_for_others(spec, sharing, log):
+            if ranks is not None:  # not after an error: the others may be inside a collective (torchrun ends them)
+                ranks.send("end")
             return total
 
 

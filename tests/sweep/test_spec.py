@@ -209,6 +209,8 @@ BAD = {
     "shard mode unknown": (BASE + "packing: {shard: ddp} #<\n", "packing.shard: must be none or fsdp"),
     "sharded pack on a CUDA graph": (
         BASE + "packing: {shard: fsdp, cuda_graphs: 'on'} #<\n", "packing.shard: fsdp runs the eager step"),
+    "sharded pack planned by calibration": (
+        BASE + "packing: {shard: fsdp} #<\n", "packing.shard: fsdp needs packing.max_slots set"),
     "empty search space": (
         BASE.replace("  rank: [4, 8]\n  lr: {low: 1e-4, high: 1e-2, log: true}\n", "  rank: 8\n").replace(
             "search:", "search: #<"
@@ -332,5 +334,5 @@ def test_metric_names_are_checked_against_the_evaluators(folder: Path) -> None:
 
 
 def test_sharded_packing_key(folder: Path) -> None:
-    s = load_study(write(folder, BASE + "packing: {shard: fsdp}\n"))
+    s = load_study(write(folder, BASE + "packing: {shard: fsdp, max_slots: 4}\n"))
     assert s.packing.shard == "fsdp" and s.packing.cuda_graphs == "auto"
