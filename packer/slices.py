@@ -7,9 +7,16 @@ dx, which autograd then adds up; ``kernels.packed_lora_linear_slices`` does each
 No model code is patched. The first member called computes every member's output on its x and keeps the
 others'; a member called next with that same x (same object, not modified since) takes its output, and a
 member called with any other input computes its own, so a model that calls its projections differently stays
-correct and only pays for the outputs it did not use. The group runs where the pack is on the Triton kernels
-and no slot adapting the group has LoRA dropout (PEFT draws a mask per projection; one pass over x cannot);
-otherwise each member runs alone, as before.
+correct and only pays for the outputs it did not use.
+
+Two calls compute a group's outputs. On the static step (``packer.static.StaticStore.group_forward``, every device)
+the members' base GEMMs run as one over their weights, which ``link_groups`` lays out adjacently
+(``SliceGroup.base_cat``), each member's LoRA term as its own static call computes it (so with its own dropout mask,
+as PEFT draws one per projection) and the backward writes one dx (``kernels.packed_lora_static_group`` on the
+Triton path; one ``F.linear`` split by columns on the torch path). On the dynamic step (the CPU's, and evaluation
+forwards off the static shapes) the group also reads x once for every member's shrink, which needs the Triton
+kernels and no slot adapting the group with LoRA dropout (one pass over x applies one mask). Elsewhere each member
+runs alone, as before.
 """
 
 from __future__ import annotations
