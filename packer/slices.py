@@ -30,7 +30,7 @@ from torch import nn
 from lora_sweep.kernels import LayerRanks, PackLayout, packed_lora_linear_slices, resolve_impl
 from lora_sweep.packer.layer import PackedLoRALinear, stacked_leaf
 
-__all__ = ["SHARED_INPUT", "SliceGroup", "link_groups"]
+__all__ = ["SHARED_INPUT", "SliceGroup", "link_groups", "lay_out_groups"]
 
 SHARED_INPUT: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
 """Leaf names of sibling projections that read one input, in the order a group stacks them: Llama, Qwen2,
@@ -169,9 +169,7 @@ def link_groups(layers: dict[str, PackedLoRALinear]) -> list[SliceGroup]:
     under one parent, where at least two are wrapped, all are plain ``nn.Linear`` and share D_in; set each
     layer's ``group`` (None for the rest). Idempotent: call it again after wrapping more projections.
 
-    Lays each group's base weights (and biases) out as adjacent rows of one tensor, each member's parameter a view
-    of its rows (the values unchanged), so the static step runs the group's base GEMM as one (``base_cat``). A
-    quantised base (NF4's ``Linear4bit``) is not a plain ``nn.Linear``: its projections run alone."""
+    A quantised base (NF4's ``Linear4bit``) is not a plain ``nn.Linear``: its projections run alone."""
     found: dict[tuple[str, int], list[tuple[int, PackedLoRALinear]]] = {}
     for path, layer in layers.items():
         parent, _, leaf = path.rpartition(".")
@@ -184,14 +182,29 @@ def link_groups(layers: dict[str, PackedLoRALinear]) -> list[SliceGroup]:
     for members in found.values():
         ms = [m for _, m in sorted(members, key=lambda p: p[0])]
         if len(ms) > 1 and all(type(m.base) is nn.Linear for m in ms) and len({m.in_features for m in ms}) == 1:
-            _lay_out_adjacent([m.base.weight for m in ms])
-            if all(m.base.bias is not None for m in ms):
-                _lay_out_adjacent([m.base.bias for m in ms])
             group = SliceGroup(ms)
             for m in ms:
                 m.group = group
             groups.append(group)
     return groups
+
+
+def lay_out_groups(model: nn.Module) -> None:
+    """Lay the base weights (and biases) of each set of ``SHARED_INPUT`` siblings out as adjacent rows of one tensor,
+    each parameter a view of its rows, the values unchanged, so the static step runs a group's base GEMM as one
+    (``SliceGroup.base_cat``). Siblings are plain ``nn.Linear`` modules (or ones a ``PackedLoRALinear`` wraps) of one
+    input width under one parent. Done once as a pack is made (``PackedModel``), before anything measures memory: the
+    copy allocates the group's weights once more, the old storage is freed after."""
+    for module in model.modules():
+        for names in SHARED_INPUT:
+            found = [getattr(module, n, None) for n in names]
+            bases = [m.base if isinstance(m, PackedLoRALinear) else m for m in found if m is not None]
+            plain = all(type(b) is nn.Linear for b in bases)
+            if len(bases) < 2 or not plain or len({b.in_features for b in bases}) > 1:
+                continue
+            _lay_out_adjacent([b.weight for b in bases])
+            if all(b.bias is not None for b in bases):
+                _lay_out_adjacent([b.bias for b in bases])
 
 
 def _adjacent(parts: list[torch.Tensor]) -> torch.Tensor | None:
