@@ -1,4 +1,4 @@
-"""A static pack's shared-input group (q/k/v, gate/up, Mixtral w1/w3) as one autograd Function over the static tables.
+"""A static pack's shared-input group (q/k/v, gate/up) as one autograd Function over the static tables.
 
 On the static step (``packer.static``) every slot's A and B^T of a projection sit in fixed buffers read through one
 segment table, and the projections of a group read the same x. Run alone, each computes ``x W_s^T`` in a GEMM of

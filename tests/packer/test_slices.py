@@ -227,16 +227,6 @@ def test_static_groups_train_as_the_projections_alone(tiny_dirs, monkeypatch, fa
     _same_static(grouped, alone)
 
 
-@pytest.mark.slow  # ~2 x 60 s in the Triton interpreter on a 2-core CPU
-def test_static_groups_on_the_triton_kernels(tiny_dirs, monkeypatch) -> None:
-    """The same on the Triton kernels (CPU: the interpreter): ``kernels.packed_lora_static_group``, its dropout
-    masks drawn per member in-kernel, trains as the members' own static calls."""
-    grouped, n_calls, _ = _static_run(tiny_dirs("llama"), monkeypatch, "triton", grouped=True)
-    alone, _, _ = _static_run(tiny_dirs("llama"), monkeypatch, "triton", grouped=False)
-    assert n_calls > 0
-    _same_static(grouped, alone)
-
-
 def test_moved_weights_run_alone(tiny_dirs) -> None:
     """``link_groups`` lays a group's weights out adjacently (values unchanged); once they are no longer adjacent
     (replaced, moved) the group has no concatenated base and the static step runs its members alone."""
