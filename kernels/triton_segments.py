@@ -1,7 +1,7 @@
 """Triton kernels for packed multi-slot LoRA: segmented shrink, expand-add and weight gradient, and their launchers.
 
-The autograd Functions built on them: ``kernels.triton_lora`` (one projection) and ``kernels.triton_slices``
-(projections sharing an input).
+The autograd Functions built on them: ``kernels.triton_lora`` (one projection), ``kernels.triton_slices``
+(projections sharing an input) and ``kernels.triton_group`` (the same on a static pack's tables).
 
 Math, for the tokens t of slot g (rank r_g, scale s_g, dropout p_g with keep mask M, X~ = X * M / (1 - p_g)):
 
