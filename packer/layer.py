@@ -35,9 +35,11 @@ class SharedInputGroup(Protocol):
     def forget(self) -> None:
         """A member's slots changed: drop what the group holds of their weights."""
 
-    def output(self, member: PackedLoRALinear, x: torch.Tensor) -> torch.Tensor | None:
+    def output(self, member: PackedLoRALinear, x: torch.Tensor, call: Callable[..., Any] | None = None
+               ) -> torch.Tensor | None:
         """``member(x)`` (x: (B, L, D_in) -> (B, L, D_out)) from one call for the whole group, or None where the
-        group does not apply and the member runs alone."""
+        group does not apply and the member runs alone; ``call``: the static step's group call (None: the
+        dynamic step's)."""
 
 
 @dataclass

@@ -36,7 +36,7 @@ from lora_sweep.packer.layer import PackedLoRALinear, PackState
 from lora_sweep.packer.loss import plain_output_head
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.quant import quantize_base
-from lora_sweep.packer.slices import SliceGroup, link_groups
+from lora_sweep.packer.slices import SliceGroup, lay_out_groups, link_groups
 
 if TYPE_CHECKING:
     from lora_sweep.packer.static import StaticStore
@@ -143,6 +143,7 @@ class PackedModel:
         fuse = fused_base_ops and resolve_impl(impl, self.device) == "triton"
         swapped = fuse_base_ops(model, "triton" if fuse else "torch")  # "torch": an earlier pack's go eager again
         self.fused: list[str] = swapped if fuse else []
+        lay_out_groups(model)  # each shared-input group's base weights adjacent: one base GEMM on the static step
         """Paths of the base's modules on the fused Triton kernels (empty when they run eagerly)."""
         self.state = PackState(impl=impl)
         self.layers: dict[str, PackedLoRALinear] = {}

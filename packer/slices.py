@@ -7,9 +7,16 @@ dx, which autograd then adds up; ``kernels.packed_lora_linear_slices`` does each
 No model code is patched. The first member called computes every member's output on its x and keeps the
 others'; a member called next with that same x (same object, not modified since) takes its output, and a
 member called with any other input computes its own, so a model that calls its projections differently stays
-correct and only pays for the outputs it did not use. The group runs where the pack is on the Triton kernels
-and no slot adapting the group has LoRA dropout (PEFT draws a mask per projection; one pass over x cannot);
-otherwise each member runs alone, as before.
+correct and only pays for the outputs it did not use.
+
+Two calls compute a group's outputs. On the static step (``packer.static.StaticStore.group_forward``, every device)
+the members' base GEMMs run as one over their weights, which ``link_groups`` lays out adjacently
+(``SliceGroup.base_cat``), each member's LoRA term as its own static call computes it (so with its own dropout mask,
+as PEFT draws one per projection) and the backward writes one dx (``kernels.packed_lora_static_group`` on the
+Triton path; one ``F.linear`` split by columns on the torch path). On the dynamic step (the CPU's, and evaluation
+forwards off the static shapes) the group also reads x once for every member's shrink, which needs the Triton
+kernels and no slot adapting the group with LoRA dropout (one pass over x applies one mask). Elsewhere each member
+runs alone, as before.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from torch import nn
 from lora_sweep.kernels import LayerRanks, PackLayout, packed_lora_linear_slices, resolve_impl
 from lora_sweep.packer.layer import PackedLoRALinear, stacked_leaf
 
-__all__ = ["SHARED_INPUT", "SliceGroup", "link_groups"]
+__all__ = ["SHARED_INPUT", "SliceGroup", "link_groups", "lay_out_groups"]
 
 SHARED_INPUT: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
 """Leaf names of sibling projections that read one input, in the order a group stacks them: Llama, Qwen2,
@@ -55,26 +62,51 @@ class SliceGroup:
         self._version = -1
         self._pending: dict[int, torch.Tensor] = {}
         self._cache: _Stacked | None = None
+        self._base_cat: tuple[tuple, tuple[torch.Tensor, torch.Tensor | None] | None] | None = None
+        """(the members' weight and bias addresses, ``base_cat``'s answer for them)."""
 
     def forget(self) -> None:
         """Drop what the group holds (the stacked views of slot weights, outputs kept for a member): a
         member's slots changed. A removed slot's buffers must not outlive it here."""
         self._cache, self._x, self._pending = None, None, {}
 
-    def output(self, member: PackedLoRALinear, x: torch.Tensor) -> torch.Tensor | None:
-        """``member(x)`` from a group call, or None where the group does not apply (the member runs alone)."""
+    def output(self, member: PackedLoRALinear, x: torch.Tensor,
+               call: Callable[[SliceGroup, torch.Tensor], tuple[torch.Tensor, ...] | None] | None = None
+               ) -> torch.Tensor | None:
+        """``member(x)`` from a group call, or None where the group does not apply (the member runs alone).
+
+        Args:
+            member: the projection called.
+            x: (B, L, D_in) its input.
+            call: computes every member's output on x, or None where the group does not apply: the static step's
+                (``packer.static.StaticStore.group_forward``); None: the dynamic step's (``packed_lora_linear_slices``).
+        """
         i = next(j for j, m in enumerate(self.members) if m is member)
         if x is self._x and x._version == self._version and i in self._pending:
             out = self._pending.pop(i)
             if not self._pending:
                 self._x = None
             return out
-        outs = self._call(x)
+        outs = self._call(x) if call is None else call(self, x)
         if outs is None:
             return None
         self._pending = {j: y for j, y in enumerate(outs) if j != i}
         self._x, self._version = x, x._version
         return outs[i]
+
+    def base_cat(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The members' base weights as one (sum D_s, D_in) tensor and their biases as one (sum D_s,) (or None
+        without biases): views of the memory ``link_groups`` laid them out in, or None where they no longer are
+        adjacent (the model was moved or its weights replaced since; the members then run alone)."""
+        bases = [m.base for m in self.members]
+        key = tuple((b.weight.data_ptr(), None if b.bias is None else b.bias.data_ptr()) for b in bases)
+        if self._base_cat is None or self._base_cat[0] != key:
+            w = _adjacent([b.weight for b in bases])
+            biases = [b.bias for b in bases]
+            b = None if all(t is None for t in biases) else _adjacent(biases)  # type: ignore[arg-type]
+            ok = w is not None and (b is not None or all(t is None for t in biases))
+            self._base_cat = (key, (w, b) if ok else None)  # type: ignore[assignment]
+        return self._base_cat[1]
 
     def applies(self, layout: PackLayout | None, device: torch.device) -> bool:
         """Whether a forward over ``layout`` runs as one group call."""
@@ -135,7 +167,9 @@ class SliceGroup:
 def link_groups(layers: dict[str, PackedLoRALinear]) -> list[SliceGroup]:
     """Group the wrapped projections of ``layers`` (path -> layer) that ``SHARED_INPUT`` names as siblings
     under one parent, where at least two are wrapped, all are plain ``nn.Linear`` and share D_in; set each
-    layer's ``group`` (None for the rest). Idempotent: call it again after wrapping more projections."""
+    layer's ``group`` (None for the rest). Idempotent: call it again after wrapping more projections.
+
+    A quantised base (NF4's ``Linear4bit``) is not a plain ``nn.Linear``: its projections run alone."""
     found: dict[tuple[str, int], list[tuple[int, PackedLoRALinear]]] = {}
     for path, layer in layers.items():
         parent, _, leaf = path.rpartition(".")
@@ -153,3 +187,50 @@ def link_groups(layers: dict[str, PackedLoRALinear]) -> list[SliceGroup]:
                 m.group = group
             groups.append(group)
     return groups
+
+
+def lay_out_groups(model: nn.Module) -> None:
+    """Lay the base weights (and biases) of each set of ``SHARED_INPUT`` siblings out as adjacent rows of one tensor,
+    each parameter a view of its rows, the values unchanged, so the static step runs a group's base GEMM as one
+    (``SliceGroup.base_cat``). Siblings are plain ``nn.Linear`` modules (or ones a ``PackedLoRALinear`` wraps) of one
+    input width under one parent. Done once as a pack is made (``PackedModel``), before anything measures memory: the
+    copy allocates the group's weights once more, the old storage is freed after."""
+    for module in model.modules():
+        for names in SHARED_INPUT:
+            found = [getattr(module, n, None) for n in names]
+            bases = [m.base if isinstance(m, PackedLoRALinear) else m for m in found if m is not None]
+            plain = all(type(b) is nn.Linear for b in bases)
+            if len(bases) < 2 or not plain or len({b.in_features for b in bases}) > 1:
+                continue
+            _lay_out_adjacent([b.weight for b in bases])
+            if all(b.bias is not None for b in bases):
+                _lay_out_adjacent([b.bias for b in bases])
+
+
+def _adjacent(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """``torch.cat(parts)`` without a copy: a view of the memory they share when they are contiguous, of one dtype,
+    and follow one another in it; else None."""
+    first = parts[0]
+    storage, off = first.untyped_storage(), first.storage_offset()
+    for t in parts:
+        if (not t.is_contiguous() or t.dtype != first.dtype or t.shape[1:] != first.shape[1:]
+                or t.untyped_storage().data_ptr() != storage.data_ptr() or t.storage_offset() != off):
+            return None
+        off += t.numel()
+    rows = sum(t.shape[0] for t in parts)
+    return torch.empty(0, dtype=first.dtype, device=first.device).set_(storage, first.storage_offset(),
+                                                                       (rows, *first.shape[1:]), first.stride())
+
+
+@torch.no_grad()
+def _lay_out_adjacent(params: list[nn.Parameter]) -> None:
+    """Move the frozen ``params`` into one new buffer, one after another, each parameter a view of its part (no-op
+    where they are already adjacent, or differ in dtype, device or trailing shape). Memory: the old storage is freed
+    once nothing else holds it, so the group's weights are held once."""
+    first = params[0]
+    if _adjacent(list(params)) is not None or any(
+            p.dtype != first.dtype or p.device != first.device or p.shape[1:] != first.shape[1:] for p in params):
+        return
+    cat = torch.cat([p.data for p in params])
+    for p, part in zip(params, cat.split([p.shape[0] for p in params]), strict=True):
+        p.data = part

@@ -51,6 +51,7 @@ from lora_sweep.packer.inject import inject, resolve_targets
 from lora_sweep.packer.layer import PackedLoRALinear, PackState
 from lora_sweep.packer.loss import plain_output_head
 from lora_sweep.packer.plan import ALL_LINEAR
+from lora_sweep.packer.slices import SliceGroup
 
 __all__ = ["StaticStore", "ShapeBuffers", "OPT_FIELDS", "SEG_INT", "SEG_FLT", "static_losses", "static_head_losses",
            "fused_loss_head", "shift_targets"]
@@ -247,7 +248,13 @@ class StaticStore:
 
     # -- the layer call -----------------------------------------------------------------------
     def forward(self, layer: PackedLoRALinear, x: torch.Tensor) -> torch.Tensor:
-        """``layer(x)`` for x (B, L, D_in): its base plus every slot's LoRA term, from the static tables."""
+        """``layer(x)`` for x (B, L, D_in): its base plus every slot's LoRA term, from the static tables; a member of a
+        shared-input group (``packer.slices``) takes its output from the group's call (``group_forward``) when the
+        members are called on the same x."""
+        if layer.group is not None:
+            out = layer.group.output(layer, x, self.group_forward)
+            if out is not None:
+                return out
         path = self.path_of[id(layer)]
         if path not in self.active:
             return layer.base(x)
@@ -268,14 +275,56 @@ class StaticStore:
                 y = kernels.packed_lora_static(x2, layer.base(x).reshape(b * seq, -1), None, None, a, bt, meta,
                                                grads, ops)
             return y.view(b, seq, -1)
+        return layer.base(x) + self._lora_term(layer, path, x)
+
+    def _lora_term(self, layer: PackedLoRALinear, path: str, x: torch.Tensor) -> torch.Tensor:
+        """The masked-dense (torch) LoRA term of ``layer`` on x (B, L, D_in): (B, L, D_out), every slot's dropout
+        mask drawn as its kernels would (``dropout_keep_mask``: the same bits)."""
+        a, bt, shape = self.a[path], self.bt[path], self.shape
+        assert shape is not None
         xin = x.to(a.dtype)
         if self.dropout and self.host_layout is not None:
-            lay = self.host_layout
+            lay, (_, seq, d_in) = self.host_layout, x.shape
             masks = [dropout_keep_mask(lay, g, layer.layer_id, d_in, seq, x.device) if lay.dropout[g] > 0
                      else xin.new_ones((shape.rows, seq, d_in)) for g in range(self.capacity)]
             xin = xin * torch.cat(masks, dim=0)
         h = (xin @ a.T) * self.col_scale  # (B, L, C * RB)
-        return layer.base(x) + (h @ bt).to(x.dtype)
+        return (h @ bt).to(x.dtype)
+
+    def group_forward(self, group: SliceGroup, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """Every member's output of a shared-input group on x (B, L, D_in), in one call: one GEMM over the members'
+        concatenated base weights (``SliceGroup.base_cat``) plus each adapted member's LoRA term as its own call
+        computes it (its own dropout mask); one dx. None where it does not apply and the members run alone: no member
+        adapted this step, or the weights are no longer adjacent.
+
+        Returns:
+            Per member, (B, L, D_s): column views of one (B, L, sum D_s) output.
+        """
+        cat = group.base_cat()
+        paths = [self.path_of[id(m)] for m in group.members]
+        if cat is None or x.dim() != 3 or not any(p in self.active for p in paths):
+            return None
+        (w_cat, b_cat), shape = cat, self.shape
+        assert shape is not None
+        b, seq, d_in = x.shape
+        widths = [m.out_features for m in group.members]
+        if resolve_impl(self.state.impl, x.device) == "triton":
+            slices, weights, col = [], [], 0
+            for m, p, width in zip(group.members, paths, widths, strict=True):
+                meta = shape.meta._replace(layer_id=m.layer_id, has_dropout=self.dropout) if p in self.active else None
+                ops = None
+                if meta is not None:
+                    weights += [self.a[p], self.bt[p]]
+                    if self.flat_op is not None and x.dtype == self.flat_op.dtype:
+                        ops = (self.a_op[p], self.bt_op[p])
+                grads = None if meta is None else (self.a[p].grad, self.bt[p].grad)
+                slices.append(kernels.GroupSlice(col, width, meta, grads, ops))  # type: ignore[arg-type]
+                col += width
+            y = kernels.packed_lora_static_group(x.reshape(b * seq, d_in), w_cat, b_cat, tuple(slices), tuple(weights))
+            return tuple(y.view(b, seq, -1).split(widths, dim=-1))
+        ys = F.linear(x, w_cat, b_cat).split(widths, dim=-1)
+        return tuple(y + self._lora_term(m, p, x) if p in self.active else y
+                     for m, p, y in zip(group.members, paths, ys, strict=True))
 
 
 def static_losses(logits: torch.Tensor, labels: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:

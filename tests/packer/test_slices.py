@@ -160,3 +160,85 @@ def test_a_removed_slot_leaves_nothing_behind_in_the_groups(tiny_dirs) -> None:
     pm.remove_slot(1)
     gc.collect()
     assert [r() for r in buffers] == [None] * 4
+
+
+# -- the static step (packer.static.StaticStore.group_forward) -------------------------------------------------------
+
+STATIC_SPECS = [
+    AdapterSpec(rank=4, alpha=8, lr=1e-2, micro_batch=2, targets=("all-linear",), max_steps=5, seed=1, dropout=0.1),
+    AdapterSpec(rank=8, alpha=8, lr=1e-2, micro_batch=1, targets=("q_proj", "v_proj", "up_proj"), max_steps=3, seed=2),
+    AdapterSpec(rank=2, alpha=4, lr=1e-2, micro_batch=2, targets=("k_proj", "gate_proj", "up_proj"), max_steps=4,
+                seed=3, dropout=0.2),
+]
+"""Mixed ranks, dropout on two slots (one with all-linear, one on k and gate/up only), three jobs in two slots: the
+third starts in the slot the second frees (a refill), and the groups see every mix of adapted members."""
+
+
+def _static_run(model_dir, monkeypatch: pytest.MonkeyPatch, impl: str, grouped: bool):  # noqa: ANN001, ANN202
+    """Train ``STATIC_SPECS`` on the static step (two slots); returns the recorder and how many group calls ran."""
+    from lora_sweep.packer.static import StaticStore
+
+    calls: list[bool] = []
+    real = StaticStore.group_forward
+
+    def counted(self, group, x):  # noqa: ANN001, ANN202
+        out = real(self, group, x)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(StaticStore, "group_forward", counted)
+    if not grouped:
+        monkeypatch.setattr(lora_sweep.packer.model, "link_groups", lambda layers: [])
+    pm = PackedModel(load_base(str(model_dir), device=DEVICE, attn_implementation="eager")[0], impl=impl)
+    jobs = [SlotJob(s, FixedBatch(random_examples(s.micro_batch, i)), key=i) for i, s in enumerate(STATIC_SPECS)]
+    rec = Recorder(pm)
+    train(pm, 2, lambda s: jobs.pop(0) if jobs else None, pad_id=0, on_step=rec.on_step, on_end=rec.on_end,
+          static_shapes=True)
+    monkeypatch.undo()
+    return rec, sum(calls), pm
+
+
+def _same_static(got: Recorder, want: Recorder) -> None:
+    """Per-step losses within fp32 rounding, final A and B within the bound ``_same`` uses: the group's base GEMM
+    over the concatenated weights and its one dx sum in another order than the members' own GEMMs and autograd's
+    adds (the LoRA kernels and the dropout masks are the members' own), and AdamW rescales that rounding where a
+    gradient is near zero."""
+    for key, spec in enumerate(STATIC_SPECS):
+        assert len(got.losses[key]) == len(want.losses[key]) == spec.max_steps
+        torch.testing.assert_close(torch.tensor(got.losses[key]), torch.tensor(want.losses[key]), rtol=1e-5, atol=0)
+        assert got.final[key].keys() == want.final[key].keys()
+        for (a, b), (a0, b0) in zip(got.final[key].values(), want.final[key].values(), strict=True):
+            torch.testing.assert_close(a, a0, rtol=0, atol=1e-4)
+            torch.testing.assert_close(b, b0, rtol=0, atol=1e-4)
+            assert b.abs().max() > 0  # trained
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_static_groups_train_as_the_projections_alone(tiny_dirs, monkeypatch, family: str) -> None:
+    """The static step (eager, the masked-dense torch path) with groups: q/k/v and gate/up each run as one call
+    whenever a slot adapts a member (Qwen2's q/k/v biases included), and every slot trains as it does with each
+    projection alone, dropout masks and a refill included."""
+    grouped, n_calls, pm = _static_run(tiny_dirs(family), monkeypatch, "torch", grouped=True)
+    layers = pm.model.config.num_hidden_layers
+    assert len(pm.groups) == 2 * layers and all(g.base_cat() is not None for g in pm.groups)
+    assert n_calls >= 2 * layers * max(s.max_steps for s in STATIC_SPECS)  # both groups of every layer, every step
+    alone, n_alone, _ = _static_run(tiny_dirs(family), monkeypatch, "torch", grouped=False)
+    assert n_alone == 0
+    _same_static(grouped, alone)
+
+
+def test_moved_weights_run_alone(tiny_dirs) -> None:
+    """``link_groups`` lays a group's weights out adjacently (values unchanged); once they are no longer adjacent
+    (replaced, moved) the group has no concatenated base and the static step runs its members alone."""
+    model = load_base(str(tiny_dirs("llama")), device=DEVICE)[0]
+    attn = model.model.layers[0].self_attn
+    before = [attn.q_proj.weight.detach().clone(), attn.k_proj.weight.detach().clone()]
+    pm = PackedModel(model, impl="torch")
+    pm.add_slot(0, SPECS[0])
+    group = attn.q_proj.group
+    w, b = group.base_cat()
+    assert b is None and w.shape[0] == sum(m.out_features for m in group.members)
+    torch.testing.assert_close(w[:before[0].shape[0]], before[0], rtol=0, atol=0)
+    torch.testing.assert_close(w[before[0].shape[0]:][:before[1].shape[0]], before[1], rtol=0, atol=0)
+    attn.k_proj.base.weight.data = attn.k_proj.base.weight.data.clone()
+    assert group.base_cat() is None
