@@ -162,11 +162,13 @@ def cache_dir() -> Path:
 def calibration_key(spec: StudySpec, device: str) -> dict[str, Any]:
     """What a calibration depends on: the model's files (names, sizes, modification times), dtype and
     quantization, the device (and GPU), the kernels, the sequence length and the training options the probe
-    takes, torch's version and CPU threads. Computed from the spec, without the model."""
+    takes, torch's version and CPU threads. Computed from the spec, without the model; ``device`` as ``sweep plan``
+    resolves it (``cuda``) or as a pack's (``cuda:0``), the same key."""
     import torch
 
-    if device.startswith("cuda"):
-        device += f" {torch.cuda.get_device_name(torch.device(device))}"
+    where = torch.device(device)
+    if where.type == "cuda":  # the GPU's model, not its index: "cuda" (a plan) and "cuda:0" (a run's pack) are one
+        device = f"cuda {torch.cuda.get_device_name(where)}"
     return {"version": CALIBRATION_VERSION, "model": _files(spec.model.path, spec.model.gguf_file),
             "dtype": spec.model.dtype, "quantize": spec.model.quantize, "device": device,
             "kernels": spec.packing.kernels, "fused_base_ops": spec.packing.fused_base_ops,
