@@ -62,11 +62,12 @@ class BaseShape:
                 projections.append((leaf, int(shape[0]), int(shape[1])))
         shares: dict[int, int] = {}
         try:
-            from lora_sweep.packer.shard import base_share
+            if worlds := tuple(worlds):
+                from lora_sweep.packer.shard import base_share
 
-            shares = {w: base_share(model, w).peak for w in worlds}
+                shares = {w: base_share(model, w).peak for w in worlds}
         except ConfigError:
-            pass  # no decoder layers or body to shard: a sharded plan of this model loads it and says why
+            pass  # no decoder layers or body to shard: a sharded plan of this model says so (plan_report)
         return cls(tuple(projections), plain_param_bytes(model), shares)
 
     def adapter_params(self, rank: int) -> int:

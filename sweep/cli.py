@@ -270,12 +270,15 @@ def plan(study: str, overrides: tuple[str, ...], calibrations: int, gpus: int | 
 
         gpus = max(1, torch.cuda.device_count()) if spec.packing.shard == "fsdp" else 1
     cached = cached_calibration(spec, device, calibrations)
-    # a target the cached shape lacks: load the model, whose check names what it has
-    if cached is not None and cached[2].has_targets(target_sets(spec).values()):
+    # a target the cached shape lacks: load the model, whose check names what it has; likewise a world size the
+    # cache holds no FSDP share for
+    sharded = spec.packing.shard == "fsdp" and gpus > 1
+    if cached is not None and cached[2].has_targets(target_sets(spec).values()) and \
+            (not sharded or gpus in cached[2].shard_peak):
         models, where, base = cached
         tokenizer = None
     else:
-        models, where, base, tokenizer = _calibrate(spec, device, calibrations)
+        models, where, base, tokenizer = _calibrate(spec, device, calibrations, gpus)
     lengths, examples = _train_lengths(spec, tokenizer)
     mean_len = padded_mean_length(lengths, spec.train.micro_batch)
     click.echo(plan_report(spec, models, where, base, device, mean_len=mean_len, examples=examples,
@@ -303,15 +306,18 @@ def _train_lengths(spec: StudySpec, tokenizer: Any) -> tuple[list[int], list[Exa
     return lengths, examples
 
 
-def _calibrate(spec: StudySpec, device: str, calibrations: int) -> tuple[list[MemoryModel], str, BaseShape, Any]:
-    """Load the study's model and calibrate it (announced on stderr): memory models, their line, shape, tokenizer."""
+def _calibrate(spec: StudySpec, device: str, calibrations: int,
+               gpus: int) -> tuple[list[MemoryModel], str, BaseShape, Any]:
+    """Load the study's model and calibrate it (announced on stderr; or read the calibration from the cache): memory
+    models, their line, the base's shape (with its FSDP share over ``gpus`` too), tokenizer."""
     from lora_sweep.packer.model import PackedModel, load_base
+    from lora_sweep.sweep.calibration import SHARD_WORLDS
     from lora_sweep.sweep.planning import BaseShape, calibrated, check_targets
 
     model, tokenizer = load_base(spec.model.path, gguf_file=spec.model.gguf_file, dtype=spec.model.dtype,
                                  device=device, quantize=spec.model.quantize, log=lambda m: click.echo(m, err=True))
     check_targets(spec, model)
-    base = BaseShape.of(model)
+    base = BaseShape.of(model, {*SHARD_WORLDS, gpus} - {1})
     pm = PackedModel(model, impl=spec.packing.kernels, fused_base_ops=spec.packing.fused_base_ops)
     models, where = calibrated(spec, pm, calibrations, log=lambda m: click.echo(m, err=True))
     return models, where, base, tokenizer

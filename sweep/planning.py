@@ -175,8 +175,9 @@ def plan_pack(spec: StudySpec, pm: PackedModel, *, mean_len: float | None = None
     sharpens the time. ``calibrations`` > 1 calibrates that many times and predicts with the median step (the report
     gives the range); ``gpus`` and the rest as ``plan_report``."""
     models, where = calibrated(spec, pm, calibrations, log=log)
-    return plan_report(spec, models, where, BaseShape.of(pm.model), str(pm.device), mean_len=mean_len,
-                       examples=examples, gpus=gpus)
+    sharded = spec.packing.shard == "fsdp" and gpus > 1  # else no FSDP share to compute (nor torch.distributed)
+    return plan_report(spec, models, where, BaseShape.of(pm.model, (gpus,) if sharded else ()), str(pm.device),
+                       mean_len=mean_len, examples=examples, gpus=gpus)
 
 
 def plan_report(spec: StudySpec, models: list[MemoryModel], where: str, base: BaseShape, device: str, *,

@@ -71,3 +71,6 @@ def test_a_sharded_plan_counts_one_ranks_share_of_the_base_per_gpu(tiny_dirs, tm
     result = CliRunner().invoke(cli, ["plan", str(sharded), "--gpus", "2"])
     assert result.exit_code == 0, result.output
     assert "predicted peak of a full pack per GPU (2 GPUs, FSDP)" in result.stdout, result.stdout
+    # a world size the cache holds no share for (3): the plan loads the model and computes it (no refusal)
+    three = CliRunner().invoke(cli, ["plan", str(sharded), "--gpus", "3"])
+    assert three.exit_code == 0 and "per GPU (3 GPUs, FSDP)" in three.stdout, three.output
