@@ -15,16 +15,13 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import click
 
 from lora_sweep.packer.errors import STOP_SAID, Terminated, UserError
 
 if TYPE_CHECKING:
-    from lora_sweep.packer.data import Example
-    from lora_sweep.packer.plan import MemoryModel
-    from lora_sweep.sweep.calibration import BaseShape
     from lora_sweep.sweep.spec import StudySpec
     from lora_sweep.sweep.study import Progress
 
@@ -260,7 +257,14 @@ def plan(study: str, overrides: tuple[str, ...], calibrations: int, gpus: int | 
     cached per model, device and shape with the model's shape: a second plan loads no weights)."""
     from lora_sweep.sweep._trial_data import check_data
     from lora_sweep.sweep.device import resolve_device
-    from lora_sweep.sweep.planning import cached_calibration, padded_mean_length, plan_report, target_sets
+    from lora_sweep.sweep.planning import (
+        cached_calibration,
+        load_and_calibrate,
+        padded_mean_length,
+        plan_report,
+        target_sets,
+        train_lengths,
+    )
 
     spec = _load(study, overrides, None)
     device = resolve_device(spec.model.device)
@@ -278,49 +282,12 @@ def plan(study: str, overrides: tuple[str, ...], calibrations: int, gpus: int | 
         models, where, base = cached
         tokenizer = None
     else:
-        models, where, base, tokenizer = _calibrate(spec, device, calibrations, gpus)
-    lengths, examples = _train_lengths(spec, tokenizer)
+        models, where, base, tokenizer = load_and_calibrate(spec, device, calibrations, gpus,
+                                                            log=lambda m: click.echo(m, err=True))
+    lengths, examples = train_lengths(spec, tokenizer)
     mean_len = padded_mean_length(lengths, spec.train.micro_batch)
     click.echo(plan_report(spec, models, where, base, device, mean_len=mean_len, examples=examples,
                            gpus=gpus).table())
-
-
-def _train_lengths(spec: StudySpec, tokenizer: Any) -> tuple[list[int], list[Example] | None]:
-    """Token lengths of the training rows, and the rows themselves where the plan counts them (``train.epochs``):
-    from the cache when the tokenizer is not loaded and the lengths suffice, else tokenized (and cached)."""
-    from lora_sweep.packer.data import load_examples
-    from lora_sweep.sweep.calibration import cache_lengths, cached_lengths
-
-    lengths = cached_lengths(spec) if tokenizer is None and spec.train.epochs is None else None
-    if lengths is not None:
-        return lengths, None
-    if tokenizer is None:
-        from lora_sweep.packer.model import load_tokenizer
-
-        tokenizer = load_tokenizer(spec.model.path, gguf_file=spec.model.gguf_file)
-    data = spec.data
-    examples = load_examples(data.train, tokenizer, fmt=data.format, max_length=data.max_length,
-                             train_on_prompt=data.train_on_prompt)
-    lengths = [len(e.input_ids) for e in examples]
-    cache_lengths(spec, lengths)
-    return lengths, examples
-
-
-def _calibrate(spec: StudySpec, device: str, calibrations: int,
-               gpus: int) -> tuple[list[MemoryModel], str, BaseShape, Any]:
-    """Load the study's model and calibrate it (announced on stderr; or read the calibration from the cache): memory
-    models, their line, the base's shape (with its FSDP share over ``gpus`` too), tokenizer."""
-    from lora_sweep.packer.model import PackedModel, load_base
-    from lora_sweep.sweep.calibration import SHARD_WORLDS
-    from lora_sweep.sweep.planning import BaseShape, calibrated, check_targets
-
-    model, tokenizer = load_base(spec.model.path, gguf_file=spec.model.gguf_file, dtype=spec.model.dtype,
-                                 device=device, quantize=spec.model.quantize, log=lambda m: click.echo(m, err=True))
-    check_targets(spec, model)
-    base = BaseShape.of(model, {*SHARD_WORLDS, gpus} - {1})
-    pm = PackedModel(model, impl=spec.packing.kernels, fused_base_ops=spec.packing.fused_base_ops)
-    models, where = calibrated(spec, pm, calibrations, log=lambda m: click.echo(m, err=True))
-    return models, where, base, tokenizer
 
 
 @cli.command()

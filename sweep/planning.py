@@ -19,6 +19,7 @@ import random
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,7 +35,7 @@ from lora_sweep.sweep.spec import StudySpec
 
 __all__ = ["auto_slots", "check_targets", "largest_rank", "PlanReport", "plan_pack", "plan_report", "trial_micro_steps",
            "target_sets", "MEMORY_FRACTION", "MAX_AUTO_SLOTS", "calibrated", "cached_calibration", "cache_dir",
-           "calibration_key", "BaseShape"]
+           "calibration_key", "BaseShape", "train_lengths", "load_and_calibrate"]
 
 MEMORY_FRACTION = 0.85
 """Share of the device's available memory a pack may plan for (the rest: fragmentation, evaluation)."""
@@ -227,6 +228,47 @@ def plan_report(spec: StudySpec, models: list[MemoryModel], where: str, base: Ba
 def auto_slots(spec: StudySpec, pm: PackedModel, log: Callable[[str], None] | None = None) -> int:
     """Slots for ``packing: {max_slots: auto}`` (the calibration announced through ``log``)."""
     return plan_pack(spec, pm, log=log).slots
+
+
+def train_lengths(spec: StudySpec, tokenizer: Any) -> tuple[list[int], list[Example] | None]:
+    """Token lengths of the training rows, and the rows themselves where the plan counts them (``train.epochs``):
+    from the cache when the tokenizer is not loaded and the lengths suffice, else tokenized (and cached)."""
+    from lora_sweep.packer.data import load_examples
+    from lora_sweep.sweep.calibration import cache_lengths, cached_lengths
+
+    lengths = cached_lengths(spec) if tokenizer is None and spec.train.epochs is None else None
+    if lengths is not None:
+        return lengths, None
+    if tokenizer is None:
+        from lora_sweep.packer.model import load_tokenizer
+
+        tokenizer = load_tokenizer(spec.model.path, gguf_file=spec.model.gguf_file)
+    data = spec.data
+    examples = load_examples(data.train, tokenizer, fmt=data.format, max_length=data.max_length,
+                             train_on_prompt=data.train_on_prompt)
+    lengths = [len(e.input_ids) for e in examples]
+    cache_lengths(spec, lengths)
+    return lengths, examples
+
+
+def load_and_calibrate(spec: StudySpec, device: str, calibrations: int, gpus: int, *,
+                       log: Callable[[str], None] | None = None) -> tuple[list[MemoryModel], str, BaseShape, Any]:
+    """Load the study's model and calibrate it (announced through ``log``; or read the calibration from the cache):
+    memory models, their line, the base's shape (with its FSDP share over ``gpus`` too), tokenizer.
+
+    Raises:
+        UserError, ConfigError: as ``load_base`` and ``check_targets``.
+    """
+    from lora_sweep.packer.model import PackedModel, load_base
+    from lora_sweep.sweep.calibration import SHARD_WORLDS
+
+    model, tokenizer = load_base(spec.model.path, gguf_file=spec.model.gguf_file, dtype=spec.model.dtype,
+                                 device=device, quantize=spec.model.quantize, log=log)
+    check_targets(spec, model)
+    base = BaseShape.of(model, {*SHARD_WORLDS, gpus} - {1})
+    pm = PackedModel(model, impl=spec.packing.kernels, fused_base_ops=spec.packing.fused_base_ops)
+    models, where = calibrated(spec, pm, calibrations, log=log)
+    return models, where, base, tokenizer
 
 
 def padded_mean_length(lengths: list[int], rows: int, samples: int = 50, seed: int = 0) -> float:
