@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from lora_sweep.kernels import PackLayout
-from lora_sweep.packer.data import FORMATS, read_jsonl
+from lora_sweep.packer.data import FORMATS, json_error, read_jsonl
 from lora_sweep.packer.errors import ConfigError, DataError, UserError
 from lora_sweep.packer.model import PackedModel
 
@@ -152,9 +152,9 @@ def _read_choice_rows(path: str | Path) -> list[dict[str, Any]]:
 
 def _check_choice_row(line: str, where: str) -> dict[str, Any]:
     try:
-        row = json.loads(line)
+        row = json.loads(line.rstrip("\r\n"))
     except json.JSONDecodeError as err:
-        raise DataError(f"{where}: invalid JSON: {err.msg} (column {err.colno})") from None
+        raise json_error(err, where) from None
     ok = (isinstance(row, dict) and isinstance(row.get("prompt"), str) and isinstance(row.get("choices"), list)
           and len(row["choices"]) > 0 and all(isinstance(c, str) and c for c in row["choices"]))
     if not ok:

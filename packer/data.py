@@ -35,6 +35,7 @@ __all__ = [
     "ALPACA_PROMPT_NO_INPUT",
     "Example",
     "read_jsonl",
+    "json_error",
     "tokenize_rows",
     "load_examples",
     "SlotStream",
@@ -245,9 +246,9 @@ def _read(path: str | Path, fmt: str) -> tuple[str, list[dict[str, Any]], list[i
                     continue
                 where = f"{path}:{lineno}"
                 try:
-                    row = json.loads(line)
+                    row = json.loads(line.rstrip("\r\n"))
                 except json.JSONDecodeError as err:
-                    raise DataError(f"{where}: invalid JSON: {err.msg} (column {err.colno})") from None
+                    raise json_error(err, where) from None
                 except RecursionError:
                     raise DataError(f"{where}: nested deeper than {MAX_DEPTH} levels") from None
                 _check_plain(row, where)
@@ -265,6 +266,20 @@ def _read(path: str | Path, fmt: str) -> tuple[str, list[dict[str, Any]], list[i
     if not rows:
         raise DataError(f"{path}: no rows")
     return fmt, rows, lines
+
+
+def json_error(err: json.JSONDecodeError, where: str) -> DataError:
+    """``where: invalid JSON: <json's reason> (column N)``, N counted in the line from 1. Where json's reason names a
+    place (``Unterminated string starting at``, ``Invalid control character at``) it reads ``... at column N``; a
+    byte-order mark inside the file (files joined together) is named as such, not as json's advice to its caller.
+    Parse the line without its line break: a cut-off row then reads "Unterminated string starting at column N"
+    (where its last string starts), not "Invalid control character" at the break."""
+    if err.msg.startswith("Unexpected UTF-8 BOM"):
+        return DataError(f"{where}: invalid JSON: a byte-order mark (U+FEFF) starts the line (files joined "
+                         f"together?); remove it")
+    if err.msg.endswith(" at"):
+        return DataError(f"{where}: invalid JSON: {err.msg} column {err.colno}")
+    return DataError(f"{where}: invalid JSON: {err.msg} (column {err.colno})")
 
 
 MAX_DEPTH = 64

@@ -7,10 +7,10 @@ head. Works on any ``nn.Module`` made of ``nn.Linear`` or transformers' ``Conv1D
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 
 from torch import nn
-from transformers.pytorch_utils import Conv1D
 
 from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.layer import PackedLoRALinear, PackState
@@ -21,12 +21,20 @@ from lora_sweep.packer.quant import NF4Linear
 __all__ = ["linear_shape", "projection_names", "resolve_targets", "inject", "all_linear_params"]
 
 
+def _is_conv1d(module: nn.Module) -> bool:
+    """Whether ``module`` is transformers' ``Conv1D``. Only a model built by transformers holds one, and building it
+    imported the class: where transformers is not imported yet (a plan from the cache), nothing is one, and the
+    check costs no import of transformers (a second of a cached plan)."""
+    pytorch_utils = sys.modules.get("transformers.pytorch_utils")
+    return pytorch_utils is not None and isinstance(module, pytorch_utils.Conv1D)
+
+
 def linear_shape(module: nn.Module) -> tuple[int, int] | None:
     """(D_in, D_out) of a supported projection (wrapped in ``PackedLoRALinear`` or not), None for anything
     else. The planner counts adapter parameters after its probes have wrapped the model."""
     if isinstance(module, (PackedLoRALinear, nn.Linear, NF4Linear)):  # NF4Linear: a QLoRA base's (packer.quant)
         return module.in_features, module.out_features
-    if isinstance(module, Conv1D):  # GPT-2 stores weight as (D_in, D_out)
+    if _is_conv1d(module):  # GPT-2 stores weight as (D_in, D_out)
         return module.weight.shape[0], module.weight.shape[1]
     return None
 

@@ -122,6 +122,22 @@ def load_base(name_or_path: str, *, gguf_file: str | None = None, dtype: str = "
     return model, tokenizer
 
 
+def load_tokenizer(name_or_path: str, *, gguf_file: str | None = None) -> object:
+    """The tokenizer ``load_base`` would load, without the model (a plan from the calibration cache needs no weights).
+
+    Raises:
+        UserError: as ``load_base``.
+    """
+    from transformers import AutoTokenizer
+
+    source = resolve_base(name_or_path, gguf_file)
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(f"{name_or_path}: cannot load tokenizer: {first}") from err
+
+
 class PackedModel:
     """A frozen causal LM with LoRA adapter slots.
 

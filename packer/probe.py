@@ -33,7 +33,7 @@ from lora_sweep.packer.plan import (
 )
 from lora_sweep.packer.train import FixedBatch, SlotJob, chunk_tokens_of, train
 
-__all__ = ["peak_memory", "calibrate", "available_memory", "model_bytes"]
+__all__ = ["peak_memory", "calibrate", "available_memory", "model_bytes", "plain_param_bytes", "PROBE_STEPS"]
 
 
 def _proc_status(field: str) -> int:
@@ -85,6 +85,13 @@ def _plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     return [inner for name in names for inner in _plain_tensors(getattr(t, name))]
 
 
+def plain_param_bytes(model: torch.nn.Module) -> int:
+    """Bytes of ``model``'s parameters (distinct storages; an NF4 weight's inner tensors), without its buffers."""
+    storages = {id(t.untyped_storage()): t.untyped_storage().nbytes()
+                for p in model.parameters() for t in _plain_tensors(p)}
+    return sum(storages.values())
+
+
 def model_bytes(pm: PackedModel) -> int:
     """Bytes of the model's parameters and buffers (distinct storages)."""
     return sum(_model_storages(pm.model).values())
@@ -116,6 +123,8 @@ def available_memory(device: torch.device) -> int:
     raise RuntimeError("MemAvailable not in /proc/meminfo")
 
 
+PROBE_STEPS = 2
+"""Steps of each probe run: the second step's backward is where AdamW's state exists beside the activations."""
 PROBE_SLOTS = 2
 """Slots of each probe pack: the rows' slot and one without rows. With one slot the packed layers use its
 weights as they are; from two on they gather every slot's weights (and gradients) into per-layer copies,
@@ -133,8 +142,8 @@ def _step(pm: PackedModel, spec: AdapterSpec, rows: list[Example], pad_id: int, 
     return (time.perf_counter() - t0) / steps
 
 
-def calibrate(pm: PackedModel, seq_len: int, *, rows: tuple[int, int] = (2, 8), vocab: int | None = None,
-              pad_id: int = 0, steps: int = 2, chunked_ce: bool | int = False,
+def calibrate(pm: PackedModel, seq_len: int, *, rows: tuple[int, int] = (1, 2), vocab: int | None = None,
+              pad_id: int = 0, steps: int = PROBE_STEPS, chunked_ce: bool | int = False,
               activation_checkpointing: bool = False, optimizer_in_backward: bool = False) -> MemoryModel:
     """Fit ``MemoryModel`` from four probe packs of ``PROBE_SLOTS`` slots (one of them without rows):
     ``rows[0]`` and ``rows[1]`` sequences of ``seq_len`` tokens, with rank-8 and with rank-40 adapters
@@ -144,6 +153,10 @@ def calibrate(pm: PackedModel, seq_len: int, *, rows: tuple[int, int] = (2, 8), 
     on the dtype and path). Each adapter covers every linear projection. ``chunked_ce``,
     ``activation_checkpointing`` and ``optimizer_in_backward`` are the pack's own training options (the first two
     change the per-token slope several-fold, the last the bytes per parameter; its probes do not clip).
+
+    Each probe runs ``steps`` steps through ``packer.train.train`` once (on CUDA after a warm-up run): its peak
+    memory is counted and the same run is timed, so the time line comes from the two low-rank probes without a
+    run of its own. The first probe (one of the high-rank ones, which the time does not use) warms the process.
     """
     options: dict[str, Any] = {"chunked_ce": chunked_ce, "activation_checkpointing": activation_checkpointing,
                                "optimizer_in_backward": optimizer_in_backward}
@@ -157,25 +170,29 @@ def calibrate(pm: PackedModel, seq_len: int, *, rows: tuple[int, int] = (2, 8), 
     r_lo = min(8, max(1, r_hi // 4))
     triton = resolve_impl(pm.state.impl, pm.device) == "triton"
     probes = {}
-    corners = ((rows[0], r_lo, True), (rows[1], r_lo, True), (rows[1], r_hi, False), (rows[0], r_hi, False))
-    for n, rank, timed in corners:
+    for n, rank in ((rows[0], r_hi), (rows[0], r_lo), (rows[1], r_lo), (rows[1], r_hi)):
         ids = torch.randint(3, vocab, (n, seq_len), generator=gen).tolist()
         examples = [Example(tuple(r), tuple(r)) for r in ids]
         spec = AdapterSpec(rank=rank, targets=("all-linear",), max_steps=steps, lr=1e-4,
                            max_grad_norm=None if optimizer_in_backward else 1.0)
-        # On CUDA a warm-up before each probe (allocator pools, kernel selection depend on the shape). On the CPU
-        # none: the counting mode's bytes do not depend on it, and its run warms the process for the timed one
-        # after it (6 probe runs of `steps` steps in all, not 10).
-        if pm.device.type == "cuda":
+        if pm.device.type == "cuda":  # allocator pools and kernel selection depend on the shape
             _step(pm, spec, examples, pad_id, steps, options)
-        peak = peak_memory(lambda: _step(pm, spec, examples, pad_id, steps, options), pm)  # noqa: B023
-        seconds = _step(pm, spec, examples, pad_id, steps, options) if timed else 0.0  # outside the counting mode
+        timed: list[float] = []
+        peak = peak_memory(lambda: timed.append(_step(pm, spec, examples, pad_id, steps, options)), pm)  # noqa: B023
         params = PROBE_SLOTS * adapter_param_count([(layer.in_features, layer.out_features)
                                                     for layer in pm.layers.values()], rank)
         # Triton keeps one per-token column per rank of the widest slot, padded to a power of 2 (>= 16);
         # the masked-dense path one per rank of every slot.
         width = _pad(rank) if triton else PROBE_SLOTS * rank
-        probes[(n * seq_len, rank)] = (peak, params, width, seconds)
+        probes[(n * seq_len, rank)] = (peak, params, width, timed[0])
+    return _fit(pm, probes, rows, seq_len, (r_lo, r_hi), vocab, static, chunked_ce, triton, optimizer_in_backward)
+
+
+def _fit(pm: PackedModel, probes: dict[tuple[int, int], Probe], rows: tuple[int, int], seq_len: int,
+         ranks: tuple[int, int], vocab: int, static: int, chunked_ce: bool | int, triton: bool,
+         optimizer_in_backward: bool) -> MemoryModel:
+    """``MemoryModel`` from the four probes of ``calibrate``, keyed by (tokens, rank)."""
+    r_lo, r_hi = ranks
     chunk = chunk_tokens_of(chunked_ce)
     ce = _ce_chunk_bytes(pm, chunk, vocab) if chunk else 0
     if chunk:  # the chunked loss saturates at one chunk: take it out before fitting the linear slopes

@@ -7,6 +7,7 @@ Exit codes: 0 done, 2 user error (one line naming the key, file or file:line; no
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import os
 import signal
@@ -38,9 +39,10 @@ def _load(study: str, overrides: tuple[str, ...], out: str | None) -> StudySpec:
     # The file's YAML first (UTF-8, the alias budget, syntax), before the API brings in the engine (torch,
     # sqlite_utils: seconds and ~300 MB): a hostile or mistyped file is refused at once.
     read(Path(study), check_paths=False)
-    from lora_sweep.sweep.api import load_study
+    from lora_sweep.sweep.loader import load_study  # not the API's: it brings in the results store (sqlite_utils)
 
-    return load_study(study, overrides, out=out)
+    spec = load_study(study, list(overrides))
+    return spec if out is None else dataclasses.replace(spec, output=Path(out))
 
 
 @cli.command()
@@ -261,29 +263,44 @@ def _refresh_report(out_dir: Path) -> None:
 @click.argument("overrides", nargs=-1)
 @click.option("--calibrations", type=click.IntRange(min=1), default=1, show_default=True,
               help="Calibrations to measure when the cache holds fewer (more: the median step and its range).")
-def plan(study: str, overrides: tuple[str, ...], calibrations: int) -> None:
+@click.option("--gpus", type=click.IntRange(min=1), help="GPUs a `packing.shard: fsdp` pack is sharded over: memory "
+              "per GPU (default: the visible GPUs, 1 without).")
+def plan(study: str, overrides: tuple[str, ...], calibrations: int, gpus: int | None) -> None:
     """Print the pack layout, predicted memory and time of STUDY.yaml, without training (the calibration is
-    cached per model, device and shape: a second plan is quick)."""
-    from lora_sweep.packer.data import load_examples
-    from lora_sweep.packer.model import PackedModel, load_base
+    cached per model, device and shape with the model's shape: a second plan loads no weights)."""
     from lora_sweep.sweep._trial_data import check_data
-    from lora_sweep.sweep.planning import check_targets, padded_mean_length, plan_pack
-    from lora_sweep.sweep.resume import resolve_device
+    from lora_sweep.sweep.device import resolve_device
+    from lora_sweep.sweep.planning import (
+        cached_calibration,
+        load_and_calibrate,
+        padded_mean_length,
+        plan_report,
+        target_sets,
+        train_lengths,
+    )
 
     spec = _load(study, overrides, None)
     device = resolve_device(spec.model.device)
     check_data(spec)  # the rows before the model: a bad row costs no model load
-    model, tokenizer = load_base(spec.model.path, gguf_file=spec.model.gguf_file, dtype=spec.model.dtype,
-                                 device=device, quantize=spec.model.quantize, log=lambda m: click.echo(m, err=True))
-    check_targets(spec, model)
-    data = spec.data
-    examples = load_examples(data.train, tokenizer, fmt=data.format, max_length=data.max_length,
-                             train_on_prompt=data.train_on_prompt)
-    micro = spec.train.micro_batch
-    pm = PackedModel(model, impl=spec.packing.kernels, fused_base_ops=spec.packing.fused_base_ops)
-    report = plan_pack(spec, pm, mean_len=padded_mean_length([len(e.input_ids) for e in examples], micro),
-                       calibrations=calibrations, examples=examples, log=lambda m: click.echo(m, err=True))
-    click.echo(report.table())
+    if gpus is None:
+        import torch
+
+        gpus = max(1, torch.cuda.device_count()) if spec.packing.shard == "fsdp" else 1
+    cached = cached_calibration(spec, device, calibrations)
+    # a target the cached shape lacks: load the model, whose check names what it has; likewise a world size the
+    # cache holds no FSDP share for
+    sharded = spec.packing.shard == "fsdp" and gpus > 1
+    if cached is not None and cached[2].has_targets(target_sets(spec).values()) and \
+            (not sharded or gpus in cached[2].shard_peak):
+        models, where, base = cached
+        tokenizer = None
+    else:
+        models, where, base, tokenizer = load_and_calibrate(spec, device, calibrations, gpus,
+                                                            log=lambda m: click.echo(m, err=True))
+    lengths, examples = train_lengths(spec, tokenizer)
+    mean_len = padded_mean_length(lengths, spec.train.micro_batch)
+    click.echo(plan_report(spec, models, where, base, device, mean_len=mean_len, examples=examples,
+                           gpus=gpus).table())
 
 
 @cli.command()

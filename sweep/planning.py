@@ -4,48 +4,42 @@ The memory model (``packer.plan.MemoryModel``) is calibrated on the study's own 
 ``packer.probe.calibrate``; the worst-case slot of the search space (largest rank and micro-batch,
 widest target set, full sequence length) decides how many fit.
 
-A calibration is cached per (model files, device, shape and training options, torch and threads): in
-``$LORA_SWEEP_CACHE`` (default ``~/.cache/lora-sweep``), ``calibration/<key>.json``. A second ``sweep plan``,
-or a ``packing: auto`` run after it, reads the memory model back instead of probing again. What it is worth:
-the memory terms are exact for the probed shapes (on CUDA the allocator's peak, on the CPU counted tensor
-bytes) and linear between them; the time terms come from two timed probes of two steps each, as noisy as the
-host is busy (a loaded shared CPU can be off by a large factor: the plan's time is a guide, its slots are not).
+A calibration is cached (``sweep.calibration``) per (model files, device, shape and training options, torch and
+threads) with the base's shape beside it: a second ``sweep plan``, or a ``packing: auto`` run after it, reads them
+back instead of probing again, and ``plan_report`` plans from them without the model. What it is worth: the memory
+terms are exact for the probed shapes (on CUDA the allocator's peak, on the CPU counted tensor bytes) and linear
+between them; the time terms come from the two low-rank probes' own runs of two steps each, as noisy as the host is
+busy (a loaded shared CPU can be off by a large factor: the plan's time is a guide, its slots are not).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 import math
-import os
 import random
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from lora_sweep.packer.data import Example
 from lora_sweep.packer.errors import ConfigError
-from lora_sweep.packer.inject import all_linear_params, resolve_targets
+from lora_sweep.packer.inject import resolve_targets
 from lora_sweep.packer.model import PackedModel
 from lora_sweep.packer.packing import batches_per_epoch
 from lora_sweep.packer.plan import MemoryModel
-from lora_sweep.packer.probe import available_memory, calibrate
+from lora_sweep.sweep.calibration import BaseShape, cache_dir, cached_calibration, calibrated, calibration_key
 from lora_sweep.sweep.spec import StudySpec
 
-__all__ = ["auto_slots", "check_targets", "largest_rank", "PlanReport", "plan_pack", "trial_micro_steps",
-           "MEMORY_FRACTION", "MAX_AUTO_SLOTS", "calibrated", "cache_dir", "calibration_key"]
+__all__ = ["auto_slots", "check_targets", "largest_rank", "PlanReport", "plan_pack", "plan_report", "trial_micro_steps",
+           "target_sets", "MEMORY_FRACTION", "MAX_AUTO_SLOTS", "calibrated", "cached_calibration", "cache_dir",
+           "calibration_key", "BaseShape", "train_lengths", "load_and_calibrate"]
 
 MEMORY_FRACTION = 0.85
 """Share of the device's available memory a pack may plan for (the rest: fragmentation, evaluation)."""
 MAX_AUTO_SLOTS = 64
-CALIBRATION_VERSION = 2
-"""Bump when ``packer.probe.calibrate`` measures differently: older cache entries are then not read."""
 
 
 @dataclass(frozen=True)
@@ -70,19 +64,25 @@ class PlanReport:
     """``model.quantize`` (``nf4``: the static part is the NF4 base, measured as such)."""
     calibration: str = ""
     """Where the memory model came from: measured (how long it took) or the cache (its file)."""
+    gpus: int = 1
+    """GPUs the base is sharded over (``packing.shard: fsdp``); the memory rows are then per GPU."""
+    static_bytes: int = 0
+    """The base's part of the peak on one GPU: the whole base, or with a shard one rank's share of it."""
 
     def table(self) -> str:
         gib = 1024**3
         total = "-" if self.predicted_total_s is None else \
             f"{self.predicted_total_s:.0f} s ({self.pack_steps} pack steps)"
+        per_gpu = f" per GPU ({self.gpus} GPUs, FSDP)" if self.gpus > 1 else ""
+        base = "one rank's FSDP share of the base" if self.gpus > 1 else "base model"
         rows = [
             ("device", self.device),
             ("slots per pack", str(self.slots)),
             ("worst-case slot", f"rank {self.worst_rank}, micro-batch {self.worst_micro_batch}, seq {self.seq_len}"),
             ("memory available (planned share)", f"{self.available_bytes / gib:.2f} GiB ({MEMORY_FRACTION:.0%})"),
-            ("predicted peak of a full pack", f"{self.predicted_peak_bytes / gib:.3f} GiB"),
-            ("static (base model" + (f", {self.quantize} projections" if self.quantize else "") + ")",
-             f"{self.memory.static_bytes / gib:.3f} GiB"),
+            ("predicted peak of a full pack" + per_gpu, f"{self.predicted_peak_bytes / gib:.3f} GiB"),
+            (f"static ({base}" + (f", {self.quantize} projections" if self.quantize else "") + ")",
+             f"{(self.static_bytes or self.memory.static_bytes) / gib:.3f} GiB"),
             ("per token / per token x rank", f"{self.memory.bytes_per_token / 1024:.1f} KiB / "
                                              f"{self.memory.bytes_per_token_rank:.0f} B"),
             ("per adapter parameter", f"{self.memory.bytes_per_param:.1f} B"),
@@ -90,6 +90,10 @@ class PlanReport:
             ("calibration", self.calibration or "-"),
             ("accuracy", "memory: measured at the probed sizes, linear between them (the slots); time: two "
                          "timed probes, as noisy as the host is busy (a guide)"),
+        ]
+        if self.gpus > 1:
+            rows.append(("replicated on every GPU", "each slot's adapter, gradient and AdamW state; activations"))
+        rows += [
             ("predicted time for the trial budget (no pruning)", total),
         ]
         width = max(len(k) for k, _ in rows)
@@ -113,13 +117,18 @@ def check_targets(spec: StudySpec, model: nn.Module) -> None:
         ConfigError: ``search.targets.<set>`` (or ``train.targets``) names a module the model lacks.
     """
     searched = any(p.name == "targets" for p in spec.search.params)
-    sets = spec.search.target_sets.items() if searched else [("", spec.train.targets)]
-    for name, modules in sets:
+    for name, modules in target_sets(spec).items():
         try:
             resolve_targets(model, modules)
         except ConfigError as err:
             key = f"search.targets.{name}" if searched else "train.targets"
             raise ConfigError(f"{key}: {str(err).removeprefix('targets: ')}") from None
+
+
+def target_sets(spec: StudySpec) -> dict[str, tuple[str, ...]]:
+    """The target sets the study can train, by name (``search.targets``; ``""``: the fixed ``train.targets``)."""
+    searched = any(p.name == "targets" for p in spec.search.params)
+    return {k: tuple(v) for k, v in spec.search.target_sets.items()} if searched else {"": tuple(spec.train.targets)}
 
 
 def _largest(spec: StudySpec, name: str, fixed: object) -> int:
@@ -162,20 +171,42 @@ def trial_micro_steps(spec: StudySpec, micro: int, examples: Sequence[Example] |
 
 def plan_pack(spec: StudySpec, pm: PackedModel, *, mean_len: float | None = None,
               calibrations: int = 1, examples: Sequence[Example] | None = None,
-              log: Callable[[str], None] | None = None) -> PlanReport:
-    """Calibrate the memory model and size the pack; ``mean_len`` (tokens per row) sharpens the time.
+              log: Callable[[str], None] | None = None, gpus: int = 1) -> PlanReport:
+    """Calibrate the memory model (or read it from the cache) and size the pack; ``mean_len`` (tokens per row)
+    sharpens the time. ``calibrations`` > 1 calibrates that many times and predicts with the median step (the report
+    gives the range); ``gpus`` and the rest as ``plan_report``."""
+    models, where = calibrated(spec, pm, calibrations, log=log)
+    sharded = spec.packing.shard == "fsdp" and gpus > 1  # else no FSDP share to compute (nor torch.distributed)
+    return plan_report(spec, models, where, BaseShape.of(pm.model, (gpus,) if sharded else ()), str(pm.device),
+                       mean_len=mean_len, examples=examples, gpus=gpus)
 
-    ``calibrations`` > 1 calibrates that many times and predicts with the median step (the report
-    gives the range); memory comes from that calibration too. The time counts every trial's micro-batches
-    (``trial_micro_steps``: optimizer steps x accumulation; with ``train.epochs``, from ``examples``).
+
+def plan_report(spec: StudySpec, models: list[MemoryModel], where: str, base: BaseShape, device: str, *,
+                mean_len: float | None = None, examples: Sequence[Example] | None = None,
+                gpus: int = 1) -> PlanReport:
+    """Size the pack from calibrated ``models`` (the median step's one; ``where``: the calibration line) and the base's
+    ``base`` shape: no model needed, so a plan from the cache loads no weights. The time counts every trial's
+    micro-batches (``trial_micro_steps``: optimizer steps x accumulation; with ``train.epochs``, from ``examples``).
+    With ``packing.shard: fsdp`` over ``gpus`` > 1 the memory is per GPU: the base's share of one rank
+    (``packer.shard.base_share``) in place of the whole base, beside the replicated slots.
+
+    Raises:
+        ConfigError: a sharded plan of a model ``packer.shard`` cannot shard.
     """
+    from lora_sweep.packer.probe import available_memory
+
     rank, micro = _worst(spec)
     seq = spec.data.max_length
-    models, where = calibrated(spec, pm, calibrations, log=log)
     mm = models[0]
-    available = int(available_memory(pm.device) * MEMORY_FRACTION)
-    params = all_linear_params(pm.model, rank)
-    fit = mm.max_slots(available, micro * seq, params, rank, limit=MAX_AUTO_SLOTS)
+    shard = spec.packing.shard == "fsdp" and gpus > 1
+    if shard and gpus not in base.shard_peak:
+        raise ConfigError(f"packing.shard: fsdp over {gpus} GPUs: {spec.model.path} has no decoder layers and body "
+                          f"to shard")
+    # what one rank holds of the base beyond the whole base the calibration counted (negative: the saving)
+    base_delta = base.shard_peak[gpus] - base.param_bytes if shard else 0
+    available = int(available_memory(torch.device(device)) * MEMORY_FRACTION)
+    params = base.adapter_params(rank)
+    fit = mm.max_slots(available - base_delta, micro * seq, params, rank, limit=MAX_AUTO_SLOTS)
     if spec.packing.max_slots != "auto":
         slots = int(spec.packing.max_slots)
     else:
@@ -187,11 +218,11 @@ def plan_pack(spec: StudySpec, pm: PackedModel, *, mean_len: float | None = None
     steps = None
     if spec.budget.trials is not None:
         steps = -(-spec.budget.trials * trial_micro_steps(spec, micro, examples) // slots)
-    return PlanReport(str(pm.device), slots, rank, micro, seq, available,
-                      mm.predict(slots * micro * seq, slots * params, slots * rank, rank), mm, step_s,
+    return PlanReport(device, slots, rank, micro, seq, available,
+                      mm.predict(slots * micro * seq, slots * params, slots * rank, rank) + base_delta, mm, step_s,
                       None if steps is None else steps * step_s, steps,
                       (min(times), max(times)) if len(models) > 1 else None, len(models), spec.model.quantize,
-                      where)
+                      where, gpus if shard else 1, mm.static_bytes + base_delta)
 
 
 def auto_slots(spec: StudySpec, pm: PackedModel, log: Callable[[str], None] | None = None) -> int:
@@ -199,84 +230,45 @@ def auto_slots(spec: StudySpec, pm: PackedModel, log: Callable[[str], None] | No
     return plan_pack(spec, pm, log=log).slots
 
 
-def calibrated(spec: StudySpec, pm: PackedModel, calibrations: int = 1,
-               log: Callable[[str], None] | None = None) -> tuple[list[MemoryModel], str]:
-    """The study's calibrated memory models (``calibrations`` of them) and a line saying where they came from:
-    the cache when it holds as many for this model, device and shape, else measured now (one line through
-    ``log`` first, as it takes a while) and cached."""
-    key = calibration_key(spec, pm)
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-    path = cache_dir() / "calibration" / f"{digest}.json"
-    cached = _read_cache(path, key)
-    if cached is not None and len(cached) >= calibrations:
-        return cached[:calibrations], f"cached ({path})"
-    if log is not None:
-        log(f"calibrating the memory model on {pm.device}: {calibrations} x 4 probe packs of 2 steps at "
-            f"{spec.data.max_length} tokens (cached for the next plan or run)")
-    t0 = time.perf_counter()
-    models = [calibrate(pm, spec.data.max_length, rows=(1, 3), pad_id=0, chunked_ce=spec.packing.chunked_ce,
-                        activation_checkpointing=spec.packing.activation_checkpointing,
-                        optimizer_in_backward=spec.train.optimizer_in_backward) for _ in range(calibrations)]
-    seconds = time.perf_counter() - t0
-    _write_cache(path, key, models, seconds)
-    return models, f"measured in {seconds:.1f} s ({calibrations} x 4 probe packs; cached in {path})"
+def train_lengths(spec: StudySpec, tokenizer: Any) -> tuple[list[int], list[Example] | None]:
+    """Token lengths of the training rows, and the rows themselves where the plan counts them (``train.epochs``):
+    from the cache when the tokenizer is not loaded and the lengths suffice, else tokenized (and cached)."""
+    from lora_sweep.packer.data import load_examples
+    from lora_sweep.sweep.calibration import cache_lengths, cached_lengths
+
+    lengths = cached_lengths(spec) if tokenizer is None and spec.train.epochs is None else None
+    if lengths is not None:
+        return lengths, None
+    if tokenizer is None:
+        from lora_sweep.packer.model import load_tokenizer
+
+        tokenizer = load_tokenizer(spec.model.path, gguf_file=spec.model.gguf_file)
+    data = spec.data
+    examples = load_examples(data.train, tokenizer, fmt=data.format, max_length=data.max_length,
+                             train_on_prompt=data.train_on_prompt)
+    lengths = [len(e.input_ids) for e in examples]
+    cache_lengths(spec, lengths)
+    return lengths, examples
 
 
-def cache_dir() -> Path:
-    """``$LORA_SWEEP_CACHE``, else ``$XDG_CACHE_HOME/lora-sweep``, else ``~/.cache/lora-sweep``."""
-    if os.environ.get("LORA_SWEEP_CACHE"):
-        return Path(os.environ["LORA_SWEEP_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lora-sweep"
+def load_and_calibrate(spec: StudySpec, device: str, calibrations: int, gpus: int, *,
+                       log: Callable[[str], None] | None = None) -> tuple[list[MemoryModel], str, BaseShape, Any]:
+    """Load the study's model and calibrate it (announced through ``log``; or read the calibration from the cache):
+    memory models, their line, the base's shape (with its FSDP share over ``gpus`` too), tokenizer.
 
+    Raises:
+        UserError, ConfigError: as ``load_base`` and ``check_targets``.
+    """
+    from lora_sweep.packer.model import PackedModel, load_base
+    from lora_sweep.sweep.calibration import SHARD_WORLDS
 
-def calibration_key(spec: StudySpec, pm: PackedModel) -> dict[str, Any]:
-    """What a calibration depends on: the model's files (names, sizes, modification times), dtype and
-    quantization, the device (and GPU), the kernels, the sequence length and the training options the probe
-    takes, torch's version and CPU threads."""
-    import torch
-
-    device = str(pm.device)
-    if pm.device.type == "cuda":
-        device += f" {torch.cuda.get_device_name(pm.device)}"
-    return {"version": CALIBRATION_VERSION, "model": _files(spec.model.path, spec.model.gguf_file),
-            "dtype": str(next(pm.model.parameters()).dtype), "quantize": spec.model.quantize, "device": device,
-            "kernels": spec.packing.kernels, "fused_base_ops": spec.packing.fused_base_ops,
-            "seq_len": spec.data.max_length, "chunked_ce": spec.packing.chunked_ce,
-            "activation_checkpointing": spec.packing.activation_checkpointing,
-            "optimizer_in_backward": spec.train.optimizer_in_backward, "torch": torch.__version__,
-            "threads": torch.get_num_threads()}
-
-
-def _files(path: str, gguf_file: str | None) -> list[Any]:
-    """(name, size, mtime) of a local model's files; a hub id as itself."""
-    root = Path(path) / gguf_file if gguf_file else Path(path)
-    if root.is_file():
-        return [str(root), root.stat().st_size, root.stat().st_mtime_ns]
-    if not root.is_dir():
-        return [path]
-    return [str(root), *[[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(root.iterdir())
-                         if f.is_file()]]
-
-
-def _read_cache(path: Path, key: dict[str, Any]) -> list[MemoryModel] | None:
-    try:
-        record = json.loads(path.read_text())
-        if record.get("key") != json.loads(json.dumps(key)):
-            return None
-        return [MemoryModel(**m) for m in record["models"]]
-    except (OSError, ValueError, TypeError, KeyError):
-        return None  # none yet, or written by another version: measure again
-
-
-def _write_cache(path: Path, key: dict[str, Any], models: list[MemoryModel], seconds: float) -> None:
-    from lora_sweep.sweep.store import atomic_write_text
-
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, json.dumps({"key": key, "models": [dataclasses.asdict(m) for m in models],
-                                            "seconds": round(seconds, 3), "at": time.time()}, indent=1))
-    except OSError:
-        pass  # a read-only home: the plan stands, the next one measures again
+    model, tokenizer = load_base(spec.model.path, gguf_file=spec.model.gguf_file, dtype=spec.model.dtype,
+                                 device=device, quantize=spec.model.quantize, log=log)
+    check_targets(spec, model)
+    base = BaseShape.of(model, {*SHARD_WORLDS, gpus} - {1})
+    pm = PackedModel(model, impl=spec.packing.kernels, fused_base_ops=spec.packing.fused_base_ops)
+    models, where = calibrated(spec, pm, calibrations, log=log)
+    return models, where, base, tokenizer
 
 
 def padded_mean_length(lengths: list[int], rows: int, samples: int = 50, seed: int = 0) -> float:

@@ -15,7 +15,6 @@ study's wall-time clock resumes first (``sweep.storage.resume_clock``).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from functools import partial
 
@@ -24,11 +23,12 @@ import torch.distributed as dist
 from optuna.trial import TrialState
 
 from lora_sweep.evaluators import metrics_of
-from lora_sweep.packer.errors import ConfigError, UserError
+from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.gguf import gguf_source
 from lora_sweep.packer.model import PackedModel, load_base, prepare_kernels, resolve_base
 from lora_sweep.packer.shard import shard_base
 from lora_sweep.sweep.budget import counted
+from lora_sweep.sweep.device import resolve_device
 from lora_sweep.sweep.ledger import Ledger, open_study, recorded_trials, storage_url
 from lora_sweep.sweep.session import Session, own_directory, record_spec, trial_adapter_dir
 from lora_sweep.sweep.spec import StudySpec
@@ -37,27 +37,6 @@ from lora_sweep.sweep.store import DirectoryLock, ResultsStore, StudyDir, strip_
 from lora_sweep.sweep.timing import WallSplit
 
 __all__ = ["open_session", "resolve_device"]
-
-
-def resolve_device(device: str) -> str:
-    """``model.device`` as a torch device: ``auto`` picks CUDA when visible.
-
-    Raises:
-        UserError: ``cuda`` or ``cuda:N`` is asked for and no such CUDA device is visible.
-    """
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise UserError(f"model.device: {device}, but no CUDA device is visible (torch {torch.__version__}, "
-                            f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
-                            f"use device: auto or cpu")
-        index = int(device.partition(":")[2] or 0)
-        if index >= torch.cuda.device_count():
-            raise UserError(f"model.device: {device}, but only {torch.cuda.device_count()} CUDA device(s) are visible")
-    return device
 
 
 def open_session(spec: StudySpec, *, log: Callable[[str], None] = print, sharing: Sharing | None = None,

@@ -13,7 +13,6 @@ from typing import Any, Literal
 
 from lora_sweep.packer.errors import ConfigError
 from lora_sweep.sweep._params import _check, _is_num
-from lora_sweep.sweep.store import constraint_violation
 
 __all__ = ["Objective", "Constraint", "Budget", "PruningSpec", "SamplerSpec", "SAMPLERS"]
 
@@ -55,6 +54,8 @@ class Constraint:
     def violation(self, x: float | None) -> float:
         """Optuna's constraint value for metric value ``x``: feasible iff <= 0; a missing or non-finite
         ``x`` is infeasible in both directions (``sweep.store.constraint_violation``)."""
+        from lora_sweep.sweep.store import constraint_violation  # sqlite_utils: not on the path of a spec's load
+
         return constraint_violation(self.op, self.value, x)
 
     def as_dict(self) -> dict[str, Any]:

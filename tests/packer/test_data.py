@@ -445,3 +445,33 @@ def test_stream_rejects_bad_arguments() -> None:
         SlotStream([], 2, seed=0)
     with pytest.raises(ValueError, match="micro_batch must be >= 1"):
         SlotStream(_examples(3), 0, seed=0)
+
+
+@pytest.mark.parametrize(
+    ("tail", "message"),
+    [
+        ('abc\tdef"}', "Invalid control character at column 204"),  # a raw tab at column 204
+        ("abcdef", "Unterminated string starting at column 200"),  # a row cut off: where its last string starts
+        ('abc",}', "Expecting property name enclosed in double quotes (column 206)"),  # a trailing comma
+        ('ab\\qcd"}', "Invalid \\escape (column 203)"),
+    ],
+    ids=["tab", "cut-off", "trailing-comma", "bad-escape"],
+)
+def test_a_long_rows_json_error_names_its_column(tmp_path: Path, tail: str, message: str) -> None:
+    """Issue 32: an error far into a long row is named at its column in the row (not column 1), for the training
+    reader and the multiple-choice reader alike."""
+    head = '{"prompt": "' + "x" * 170 + '", "completion": "'  # the completion's text starts at column 201
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "a", "completion": "b"}\n' + head + tail + "\n", encoding="utf-8")
+    with pytest.raises(DataError) as err:
+        read_jsonl(path)
+    assert str(err.value) == f"{path}:2: invalid JSON: {message}"
+
+
+def test_a_byte_order_mark_inside_the_file_is_named(tmp_path: Path) -> None:
+    """One at the start is accepted; one starting a later line (files joined together) is named, at its line."""
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"text": "a"}\n\xef\xbb\xbf{"text": "b"}\n')
+    with pytest.raises(DataError) as err:
+        read_jsonl(path)
+    assert str(err.value).startswith(f"{path}:2: invalid JSON: a byte-order mark (U+FEFF) starts the line")

@@ -49,3 +49,31 @@ def test_packing_auto_calibrates_in_its_own_phase_once(tiny_dirs, tmp_path, monk
     assert any(line.startswith("packing: auto -> ") and "(calibration cached (" in line for line in logs[1])
     first, second = (s["phases"]["calibrate"] for s in splits)
     assert first > 0 and second < first and splits[0]["calls"]["calibrate"] == 1
+
+
+def test_a_cached_plan_loads_no_weights_nor_tokenizer_and_prints_the_same(tiny_dirs, tmp_path, monkeypatch) -> None:
+    """The cache keeps the base's shape and the rows' token lengths beside the calibration: a second ``sweep plan``
+    plans from them (the table as the first printed it) without the base's weights or its tokenizer."""
+    from click.testing import CliRunner
+
+    import lora_sweep.packer.model as model_module
+    from lora_sweep.sweep.cli import cli
+
+    monkeypatch.setenv("LORA_SWEEP_CACHE", str(tmp_path / "cache"))
+    path = write_study(tmp_path, tiny_dirs("llama"), "shaped", budget={"trials": 4})
+    first = CliRunner().invoke(cli, ["plan", str(path)])
+    assert first.exit_code == 0, first.output
+
+    def refused(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("a cached plan loads neither the model nor its tokenizer")
+
+    monkeypatch.setattr(model_module, "load_base", refused)
+    monkeypatch.setattr(model_module, "load_tokenizer", refused)
+    second = CliRunner().invoke(cli, ["plan", str(path)])
+    assert second.exit_code == 0, second.output
+    differ = [(a, b) for a, b in zip(first.stdout.splitlines(), second.stdout.splitlines(), strict=True) if a != b]
+    assert [a.split()[0] for a, _ in differ if not a.startswith("memory available")] == ["calibration"], differ
+    assert "cached (" in second.output
+    # a target set the cached shape lacks goes to the model, whose check names the projections it has
+    bad = CliRunner().invoke(cli, ["plan", str(path), "search.targets.attn=[q_proj, w_proj]"])
+    assert bad.exit_code != 0 and "a cached plan loads neither" in str(bad.exception), bad.output

@@ -36,3 +36,41 @@ def test_epochs_count_the_data_as_a_trial_does(tiny_dirs, tmp_path) -> None:
     assert trial_micro_steps(spec, 4, examples) == 2 * math.ceil(batches / 2) * 2  # 2 epochs, accumulation 2
     capped = _spec(tmp_path, tiny_dirs("llama"), epochs=2, max_steps_per_epoch=3, gradient_accumulation_steps=2)
     assert trial_micro_steps(capped, 4, examples) == 2 * 3 * 2
+
+
+def test_a_sharded_plan_counts_one_ranks_share_of_the_base_per_gpu(tiny_dirs, tmp_path) -> None:
+    """``packing.shard: fsdp`` over N GPUs: the plan's memory is per GPU, the whole base replaced by what one rank
+    holds of it (``packer.shard.base_share``: its shard, the head kept whole, two units gathered), the slots'
+    adapters, optimizer state and activations as in a one-GPU pack."""
+    from lora_sweep.packer.model import PackedModel
+    from lora_sweep.packer.probe import plain_param_bytes
+    from lora_sweep.packer.shard import base_share
+    from lora_sweep.sweep.planning import plan_pack
+
+    model, _ = load_base(str(tiny_dirs("llama")))
+    share = base_share(model, 2).peak
+    whole = plain_param_bytes(model)
+    # (two layers: the two units gathered beside the shard outweigh the saving; a deep model's share is far less)
+    assert share != whole, "the share must differ from the base for the check to mean something"
+    spec = load_study(write_study(tmp_path, tiny_dirs("llama"), "sharded", packing={"max_slots": 3, "shard": "fsdp"}))
+    pm = PackedModel(model)
+    one = plan_pack(spec, pm)
+    two = plan_pack(spec, pm, gpus=2)
+    assert (one.gpus, two.gpus) == (1, 2)
+    assert two.predicted_peak_bytes == one.predicted_peak_bytes - whole + share
+    assert two.static_bytes == one.memory.static_bytes - whole + share
+    table = two.table()
+    assert "predicted peak of a full pack per GPU (2 GPUs, FSDP)" in table and "replicated on every GPU" in table
+    unsharded = load_study(write_study(tmp_path, tiny_dirs("llama"), "whole", packing={"max_slots": 3}))
+    assert plan_pack(unsharded, pm, gpus=2).predicted_peak_bytes == one.predicted_peak_bytes  # shard: none
+    from click.testing import CliRunner
+
+    from lora_sweep.sweep.cli import cli
+
+    sharded = tmp_path / "sharded.yaml"
+    result = CliRunner().invoke(cli, ["plan", str(sharded), "--gpus", "2"])
+    assert result.exit_code == 0, result.output
+    assert "predicted peak of a full pack per GPU (2 GPUs, FSDP)" in result.stdout, result.stdout
+    # a world size the cache holds no share for (3): the plan loads the model and computes it (no refusal)
+    three = CliRunner().invoke(cli, ["plan", str(sharded), "--gpus", "3"])
+    assert three.exit_code == 0 and "per GPU (3 GPUs, FSDP)" in three.stdout, three.output

@@ -1,0 +1,215 @@
+"""The planner's calibration cache: measured memory models, and the base model's shape beside them.
+
+A calibration is cached per (model files, dtype, device, shape and training options, torch and threads) in
+``$LORA_SWEEP_CACHE`` (default ``~/.cache/lora-sweep``), ``calibration/<key>.json``. Beside the memory models the
+entry keeps what a plan needs of the base model (``BaseShape``: its adaptable projections, its parameter bytes
+and what one rank of an FSDP shard holds), so a second ``sweep plan`` reads both back and plans without loading
+the base's weights, or even transformers' modeling code: config-only, in the time of the imports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lora_sweep.packer.plan import ALL_LINEAR, MemoryModel, adapter_param_count
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from lora_sweep.packer.model import PackedModel
+    from lora_sweep.sweep.spec import StudySpec
+
+__all__ = ["BaseShape", "calibrated", "cached_calibration", "cache_dir", "calibration_key", "CALIBRATION_VERSION",
+           "SHARD_WORLDS", "cached_lengths", "cache_lengths"]
+
+CALIBRATION_VERSION = 3
+"""Bump when ``packer.probe.calibrate`` measures differently: older cache entries are then not read."""
+SHARD_WORLDS = (2, 4, 8)
+"""World sizes whose FSDP share the cache keeps (a host's GPUs); others are computed from the loaded model."""
+
+
+@dataclass(frozen=True)
+class BaseShape:
+    """What a plan needs of the base model, without its weights."""
+
+    projections: tuple[tuple[str, int, int], ...]
+    """(leaf name, D_in, D_out) of every adaptable projection, in module order (output head excluded)."""
+    param_bytes: int
+    """Bytes of the base's parameters (distinct tensors; the FSDP share replaces them per rank)."""
+    shard_peak: dict[int, int] = dataclasses.field(default_factory=dict)
+    """World size -> the most parameter bytes one rank holds at once under ``packer.shard`` (``BaseShare.peak`` of
+    rank 0); only for models ``shard_base`` can shard."""
+
+    @classmethod
+    def of(cls, model: nn.Module, worlds: Iterable[int] = SHARD_WORLDS) -> BaseShape:
+        """Read the shape of ``model`` (wrapped by a pack or not)."""
+        from lora_sweep.packer.errors import ConfigError
+        from lora_sweep.packer.inject import linear_shape, projection_names
+        from lora_sweep.packer.probe import plain_param_bytes
+
+        projections = []
+        for path, leaf in projection_names(model).items():
+            shape = linear_shape(model.get_submodule(path))
+            if shape is not None:
+                projections.append((leaf, int(shape[0]), int(shape[1])))
+        shares: dict[int, int] = {}
+        try:
+            if worlds := tuple(worlds):
+                from lora_sweep.packer.shard import base_share
+
+                shares = {w: base_share(model, w).peak for w in worlds}
+        except ConfigError:
+            pass  # no decoder layers or body to shard: a sharded plan of this model says so (plan_report)
+        return cls(tuple(projections), plain_param_bytes(model), shares)
+
+    def adapter_params(self, rank: int) -> int:
+        """Trainable parameters of a rank-``rank`` adapter on every projection."""
+        return adapter_param_count([(d_in, d_out) for _, d_in, d_out in self.projections], rank)
+
+    def has_targets(self, target_sets: Iterable[Iterable[str]]) -> bool:
+        """Whether every set names only projections this base has (``all-linear`` included)."""
+        leaves = {leaf for leaf, _, _ in self.projections}
+        return all(ALL_LINEAR in names or set(names) <= leaves for names in map(set, target_sets))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"projections": [list(p) for p in self.projections], "param_bytes": self.param_bytes,
+                "shard_peak": {str(w): b for w, b in self.shard_peak.items()}}
+
+    @classmethod
+    def from_json(cls, record: dict[str, Any]) -> BaseShape:
+        return cls(tuple((str(leaf), int(d_in), int(d_out)) for leaf, d_in, d_out in record["projections"]),
+                   int(record["param_bytes"]), {int(w): int(b) for w, b in record["shard_peak"].items()})
+
+
+def cached_calibration(spec: StudySpec, device: str,
+                       calibrations: int = 1) -> tuple[list[MemoryModel], str, BaseShape] | None:
+    """The cache's memory models (``calibrations`` of them), where they came from and the base's shape, for the
+    study on ``device`` (``cuda``, ``cpu``); None when the cache holds fewer. Loads no model."""
+    key = calibration_key(spec, device)
+    path = _entry(key)
+    record = _read(path, key)
+    if record is None or "base" not in record or len(record["models"]) < calibrations:
+        return None
+    try:
+        models = [MemoryModel(**m) for m in record["models"][:calibrations]]
+        return models, f"cached ({path})", BaseShape.from_json(record["base"])
+    except (ValueError, TypeError, KeyError):
+        return None  # written by another version: measure again
+
+
+def calibrated(spec: StudySpec, pm: PackedModel, calibrations: int = 1,
+               log: Callable[[str], None] | None = None) -> tuple[list[MemoryModel], str]:
+    """The study's calibrated memory models (``calibrations`` of them) and a line saying where they came from:
+    the cache when it holds as many for this model, device and shape, else measured now (one line through
+    ``log`` first, as it takes a while) and cached with the base's shape."""
+    from lora_sweep.packer.probe import PROBE_STEPS, calibrate
+
+    cached = cached_calibration(spec, str(pm.device), calibrations)
+    if cached is not None:
+        return cached[0], cached[1]
+    if log is not None:
+        log(f"calibrating the memory model on {pm.device}: {calibrations} x 4 probe packs of {PROBE_STEPS} steps at "
+            f"{spec.data.max_length} tokens (cached for the next plan or run)")
+    shape = BaseShape.of(pm.model)  # before the probes: they wrap the projections, the shape is the same
+    t0 = time.perf_counter()
+    models = [calibrate(pm, spec.data.max_length, pad_id=0, chunked_ce=spec.packing.chunked_ce,
+                        activation_checkpointing=spec.packing.activation_checkpointing,
+                        optimizer_in_backward=spec.train.optimizer_in_backward) for _ in range(calibrations)]
+    seconds = time.perf_counter() - t0
+    key = calibration_key(spec, str(pm.device))
+    path = _entry(key)
+    _write(path, {"key": key, "models": [dataclasses.asdict(m) for m in models], "base": shape.to_json(),
+                  "seconds": round(seconds, 3), "at": time.time()})
+    return models, f"measured in {seconds:.1f} s ({calibrations} x 4 probe packs; cached in {path})"
+
+
+def _lengths_key(spec: StudySpec) -> dict[str, Any]:
+    """What the training rows' token lengths depend on: the tokenizer (the model's files), the file, its reading."""
+    data = spec.data
+    return {"version": 1, "model": _files(spec.model.path, spec.model.gguf_file), "data": _files(str(data.train), None),
+            "format": data.format, "max_length": data.max_length, "train_on_prompt": data.train_on_prompt}
+
+
+def cached_lengths(spec: StudySpec) -> list[int] | None:
+    """Token lengths of the study's training rows as the last plan tokenized them, or None: the time of a plan from
+    the cache needs only these, not the tokenizer (whose load costs more than the rest of such a plan)."""
+    key = _lengths_key(spec)
+    record = _read(_entry(key, "lengths"), key)
+    lengths = None if record is None else record.get("lengths")
+    return lengths if isinstance(lengths, list) and all(isinstance(n, int) for n in lengths) else None
+
+
+def cache_lengths(spec: StudySpec, lengths: list[int]) -> None:
+    """Keep the token lengths of the study's training rows for ``cached_lengths``."""
+    key = _lengths_key(spec)
+    _write(_entry(key, "lengths"), {"key": key, "lengths": lengths})
+
+
+def cache_dir() -> Path:
+    """``$LORA_SWEEP_CACHE``, else ``$XDG_CACHE_HOME/lora-sweep``, else ``~/.cache/lora-sweep``."""
+    if os.environ.get("LORA_SWEEP_CACHE"):
+        return Path(os.environ["LORA_SWEEP_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lora-sweep"
+
+
+def calibration_key(spec: StudySpec, device: str) -> dict[str, Any]:
+    """What a calibration depends on: the model's files (names, sizes, modification times), dtype and
+    quantization, the device (and GPU), the kernels, the sequence length and the training options the probe
+    takes, torch's version and CPU threads. Computed from the spec, without the model; ``device`` as ``sweep plan``
+    resolves it (``cuda``) or as a pack's (``cuda:0``), the same key."""
+    import torch
+
+    where = torch.device(device)
+    if where.type == "cuda":  # the GPU's model, not its index: "cuda" (a plan) and "cuda:0" (a run's pack) are one
+        device = f"cuda {torch.cuda.get_device_name(where)}"
+    return {"version": CALIBRATION_VERSION, "model": _files(spec.model.path, spec.model.gguf_file),
+            "dtype": spec.model.dtype, "quantize": spec.model.quantize, "device": device,
+            "kernels": spec.packing.kernels, "fused_base_ops": spec.packing.fused_base_ops,
+            "seq_len": spec.data.max_length, "chunked_ce": spec.packing.chunked_ce,
+            "activation_checkpointing": spec.packing.activation_checkpointing,
+            "optimizer_in_backward": spec.train.optimizer_in_backward, "torch": torch.__version__,
+            "threads": torch.get_num_threads()}
+
+
+def _entry(key: dict[str, Any], kind: str = "calibration") -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return cache_dir() / kind / f"{digest}.json"
+
+
+def _files(path: str, gguf_file: str | None) -> list[Any]:
+    """(name, size, mtime) of a local model's files; a hub id as itself."""
+    root = Path(path) / gguf_file if gguf_file else Path(path)
+    if root.is_file():
+        return [str(root), root.stat().st_size, root.stat().st_mtime_ns]
+    if not root.is_dir():
+        return [path]
+    return [str(root), *[[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(root.iterdir())
+                         if f.is_file()]]
+
+
+def _read(path: Path, key: dict[str, Any]) -> dict[str, Any] | None:
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # none yet, or a torn file: measure again
+    if not isinstance(record, dict) or record.get("key") != json.loads(json.dumps(key)):
+        return None
+    return record
+
+
+def _write(path: Path, record: dict[str, Any]) -> None:
+    from lora_sweep.sweep.store import atomic_write_text
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(record, indent=1))
+    except OSError:
+        pass  # a read-only home: the plan stands, the next one measures again
