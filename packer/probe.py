@@ -26,7 +26,6 @@ from lora_sweep.packer.loss import chunked_slot_losses
 from lora_sweep.packer.model import PackedModel
 from lora_sweep.packer.plan import (
     ADAPTER_BYTES_PER_PARAM,
-    IN_BACKWARD_BYTES_PER_PARAM,
     AdapterSpec,
     MemoryModel,
     adapter_param_count,
@@ -181,8 +180,8 @@ def calibrate(pm: PackedModel, seq_len: int, *, rows: tuple[int, int] = (2, 8), 
     if chunk:  # the chunked loss saturates at one chunk: take it out before fitting the linear slopes
         probes = {(t, r): (m - ce * min(t, chunk) / chunk, *rest) for (t, r), (m, *rest) in probes.items()}
     t1, t2 = rows[0] * seq_len, rows[1] * seq_len
-    floor = IN_BACKWARD_BYTES_PER_PARAM if optimizer_in_backward else ADAPTER_BYTES_PER_PARAM
-    fit = _fit_memory(probes[(t1, r_lo)], probes[(t2, r_lo)], probes[(t2, r_hi)], probes[(t1, r_hi)], t1, t2, floor)
+    fit = _fit_memory(probes[(t1, r_lo)], probes[(t2, r_lo)], probes[(t2, r_hi)], probes[(t1, r_hi)], t1, t2,
+                      ADAPTER_BYTES_PER_PARAM)  # optimizer_in_backward keeps the gradient buffer too
     per_token, per_token_rank, per_param, intercept = fit
     s1, s2 = probes[(t1, r_lo)][3], probes[(t2, r_lo)][3]
     sec_per_token = max(0.0, (s2 - s1) / (t2 - t1))

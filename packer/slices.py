@@ -100,9 +100,8 @@ class SliceGroup:
         if not self.applies(layout, x.device):
             return None
         st = self._stacked(layout.slots)  # type: ignore[union-attr]
-        sink = self.members[0].state.grad_sink
-        a_group = stacked_leaf(st.a, st.grad_a, st.rows, sink)
-        bt_cats = [stacked_leaf(g.bt, g.grad_bt, g.rows, sink) for g in st.gathered]
+        a_group = stacked_leaf(st.a, st.grad_a, st.rows)
+        bt_cats = [stacked_leaf(g.bt, g.grad_bt, g.rows) for g in st.gathered]
         bases = [m.base for m in self.members]
         return packed_lora_linear_slices(x, tuple(b.weight for b in bases), tuple(b.bias for b in bases), a_group,
                                          tuple(bt_cats), layout, st.slices, impl="triton")  # type: ignore[arg-type]

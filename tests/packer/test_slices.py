@@ -38,11 +38,11 @@ def _counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def _train(pm: PackedModel, specs: list[AdapterSpec], **options: object) -> Recorder:
-    """Train on the dynamic step, the one that runs shared-input groups (the static step, CUDA's default, does not)."""
+    """Train on the one training step (which does not run the shared-input groups yet: packer.slices)."""
     jobs = [SlotJob(s, FixedBatch(random_examples(2, i)), key=i) for i, s in enumerate(specs)]
     rec = Recorder(pm)
     train(pm, len(specs), lambda s: jobs.pop(0) if jobs else None, pad_id=0, on_step=rec.on_step, on_end=rec.on_end,
-          static_shapes=False, **options)  # type: ignore[arg-type]
+          **options)  # type: ignore[arg-type]
     return rec
 
 
