@@ -30,6 +30,7 @@ from lora_sweep.packer.plan import (
     MemoryModel,
     adapter_param_count,
 )
+from lora_sweep.packer.static_loop import rank_bucket_for
 from lora_sweep.packer.train import FixedBatch, SlotJob, chunk_tokens_of, train
 
 __all__ = ["peak_memory", "calibrate", "available_memory", "model_bytes"]
@@ -169,17 +170,19 @@ def calibrate(pm: PackedModel, seq_len: int, *, rows: tuple[int, int] = (2, 8), 
             _step(pm, spec, examples, pad_id, steps, options)
         peak = peak_memory(lambda: _step(pm, spec, examples, pad_id, steps, options), pm)  # noqa: B023
         seconds = _step(pm, spec, examples, pad_id, steps, options) if timed else 0.0  # outside the counting mode
+        # the step's store holds every slot at the pack's rank bucket (``static_loop.rank_bucket_for``)
         params = PROBE_SLOTS * adapter_param_count([(layer.in_features, layer.out_features)
-                                                    for layer in pm.layers.values()], rank)
+                                                    for layer in pm.layers.values()], rank_bucket_for(rank))
         # Triton keeps one per-token column per rank of the widest slot, padded to a power of 2 (>= 16);
-        # the masked-dense path one per rank of every slot.
-        width = _pad(rank) if triton else PROBE_SLOTS * rank
-        probes[(n * seq_len, rank)] = (peak, params, width, seconds)
+        # the masked-dense path one per row of every slot's rank bucket (the step's store).
+        width = _pad(rank) if triton else PROBE_SLOTS * rank_bucket_for(rank)
+        probes[(PROBE_SLOTS * n * seq_len, rank)] = (peak, params, width, seconds)
     chunk = chunk_tokens_of(chunked_ce)
     ce = _ce_chunk_bytes(pm, chunk, vocab) if chunk else 0
     if chunk:  # the chunked loss saturates at one chunk: take it out before fitting the linear slopes
         probes = {(t, r): (m - ce * min(t, chunk) / chunk, *rest) for (t, r), (m, *rest) in probes.items()}
-    t1, t2 = rows[0] * seq_len, rows[1] * seq_len
+    # the training step gives every slot the same rows (the idle one padding): a probe computes PROBE_SLOTS x n rows
+    t1, t2 = PROBE_SLOTS * rows[0] * seq_len, PROBE_SLOTS * rows[1] * seq_len
     fit = _fit_memory(probes[(t1, r_lo)], probes[(t2, r_lo)], probes[(t2, r_hi)], probes[(t1, r_hi)], t1, t2,
                       ADAPTER_BYTES_PER_PARAM)  # optimizer_in_backward keeps the gradient buffer too
     per_token, per_token_rank, per_param, intercept = fit
