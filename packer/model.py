@@ -157,7 +157,7 @@ class PackedModel:
         self._checkpointed: list[nn.Module] = []
         """Decoder layers whose forward is checkpointed (empty: activation checkpointing off)."""
         self.static: StaticStore | None = None
-        """Set by the static-shape loop (``packer.static_loop``): slots then take their rows of its preallocated
+        """Set by the training loop (``packer.train``): slots then take their rows of its preallocated
         buffers instead of buffers of their own."""
 
     @property
