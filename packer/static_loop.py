@@ -22,10 +22,9 @@
   trained up to that many steps past the report that stopped it (zero at a sync step, which is where the
   sweep prunes). Its ``SlotEnd.steps`` counts every step it took, and its reports up to its end are delivered.
 
-Capture (``cuda_graphs``: ``auto``/``on`` on CUDA): on a new key the step runs twice eagerly on a side stream
-with a no-op optimizer table (warm-up: kernels compile, the allocator settles; weights and moments stay as they
-were), then is captured; warm-up and capture seconds are counted in ``TrainResult``. If capture fails, a
-one-line warning says why and the pack runs the same step eagerly.
+Capture (``cuda_graphs``: ``auto``/``on`` on CUDA): on a new key the step runs twice eagerly on a side stream with
+a no-op optimizer table (weights and moments stay as they were), then is captured (seconds in ``TrainResult``). If
+capture fails, a one-line warning says why and the pack runs the same step eagerly.
 """
 
 from __future__ import annotations

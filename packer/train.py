@@ -21,10 +21,8 @@ Slots have a lifecycle: when one finishes (``max_steps``) or is stopped (``shoul
 (``on_end``: it may save or score the adapter, whose weights still exist) and the slot is refilled with
 ``next_job`` while the pack keeps running.
 
-``optimizer_in_backward`` (torchtune's ``optimizer_in_bwd``) is mapped onto this step: each slot takes the same
-AdamW updates after the backward, from the step's one preallocated fp32 gradient buffer (4 B per adapter
-parameter of the pack's rank bucket: the memory the option would save; docs/guides/memory.md). Jobs are refused
-as the option refuses them: ``max_grad_norm`` set or ``gradient_accumulation_steps`` > 1.
+``optimizer_in_backward`` (torchtune's ``optimizer_in_bwd``) is mapped onto this step: the same updates, after the
+backward, from the step's fp32 gradient buffer (the memory the option would save; docs/guides/training.md).
 """
 
 from __future__ import annotations
@@ -107,17 +105,6 @@ def check_in_backward(spec: AdapterSpec) -> None:
                           f"{spec.gradient_accumulation_steps}): the step needs every micro-batch's gradient first")
 
 
-def _in_backward_jobs(next_job: Callable[[int], SlotJob | None]) -> Callable[[int], SlotJob | None]:
-    """``next_job`` whose jobs are checked as ``optimizer_in_backward`` checks them (``check_in_backward``)."""
-    def checked(slot: int) -> SlotJob | None:
-        job = next_job(slot)
-        if job is not None:
-            check_in_backward(job.spec)
-        return job
-
-    return checked
-
-
 def train(
     pm: PackedModel,
     capacity: int,
@@ -180,7 +167,6 @@ def train(
     if chunk is not None:
         pm.output_head()  # refuses models whose logits are not head(hidden), before any slot starts
     if optimizer_in_backward:
-        next_job = _in_backward_jobs(next_job)
         warnings.warn("optimizer_in_backward: the training step keeps its preallocated fp32 gradient buffer and takes "
                       "each slot's AdamW step after the backward (the same updates, not the memory saving)",
                       stacklevel=2)
@@ -203,6 +189,8 @@ def train(
                     continue
                 if job.spec.sample_packing:
                     check_sample_packing(pm)
+                if optimizer_in_backward:
+                    check_in_backward(job.spec)
                 if store is None or job.spec.rank > store.rank_bucket:
                     bucket = rank_bucket or rank_bucket_for(job.spec.rank)
                     store = static_loop.new_store(pm, store, capacity, bucket, job.spec.rank, active)
