@@ -66,7 +66,7 @@ def static_adamw_step(store: StaticStore, shape: ShapeBuffers, triton: bool) -> 
         kernels.segmented_adamw_(store.flat, store.grad, store.exp_avg, store.exp_avg_sq, store.segs, shape.rank,
                                  coef, opt, store.rank_bucket)
         return norms
-    cols = [opt[:, i:i + 1] for i in range(9)]
+    cols = [opt[:, i:i + 1].to(store.flat.dtype) for i in range(9)]  # (a float64 store: the test's fp64 runs)
     decay, w1, b2, w2, bc2, eps, step, _, keep = cols
     for p in store.paths:
         for leaf in (store.a[p], store.bt[p]):
