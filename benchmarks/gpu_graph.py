@@ -65,7 +65,7 @@ def _jobs(model: torch.nn.Module, slots: int, micro: int, seq: int, steps: int, 
 
 
 @dataclasses.dataclass
-class _Timing(static_loop._Graphs):
+class _Timing(static_loop.Graphs):
     """The loop's graph runner, which also times back-to-back replays of its graph once, mid-run."""
 
     at_call: int = 10
@@ -109,19 +109,19 @@ def packed(model: torch.nn.Module, slots: int, micro: int, seq: int, ranks: tupl
            *, steps: int = 48, cuda_graphs: str = "auto") -> dict:
     """One static-shape pack of ``slots`` jobs of ``steps`` steps; steady-state loop step time and more."""
     runners: list[_Timing] = []
-    original = static_loop._Graphs
+    original = static_loop.Graphs
     # the back-to-back replays and their profile run late (after the read-back of step steps - 9), outside the
     # timed read-back windows: a profiler session must not overlap the loop's own step times
     at_call = steps - 4
-    static_loop._Graphs = lambda **kw: runners.append(_Timing(**kw, at_call=at_call)) or runners[-1]  # type: ignore[assignment,misc]
+    static_loop.Graphs = lambda **kw: runners.append(_Timing(**kw, at_call=at_call)) or runners[-1]  # type: ignore[assignment,misc]
     stamps: list[tuple[int, float]] = []
     jobs = _jobs(model, slots, micro, seq, steps, ranks, dropout_every)
     try:
         result = train(PackedModel(model, impl="triton"), slots, lambda s: jobs.pop(0) if jobs else None, pad_id=0,
-                       on_step=lambda reps: stamps.append((reps[0].step, time.perf_counter())), static_shapes=True,
+                       on_step=lambda reps: stamps.append((reps[0].step, time.perf_counter())),
                        cuda_graphs=cuda_graphs)
     finally:
-        static_loop._Graphs = original  # type: ignore[misc]
+        static_loop.Graphs = original  # type: ignore[misc]
     # the loop reads back after every 8th step and after the last (all jobs end together): the on_step call of
     # such a step is the last of its read-back, made as that read-back returned
     marks = [(s, t) for s, t in stamps if (s + 1) % static_loop.DEFAULT_READBACK == 0 and s < at_call - 1]
@@ -142,12 +142,12 @@ def kernel_profile(model: torch.nn.Module, slots: int, micro: int, seq: int, ran
 
     pm = PackedModel(model, impl="triton")
     warm = _jobs(model, slots, micro, seq, 2, ranks, dropout_every)
-    train(pm, slots, lambda s: warm.pop(0) if warm else None, pad_id=0, static_shapes=True, cuda_graphs="off")
+    train(pm, slots, lambda s: warm.pop(0) if warm else None, pad_id=0, cuda_graphs="off")
     jobs = _jobs(model, slots, micro, seq, steps, ranks, dropout_every)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], acc_events=True) as prof:
-        train(pm, slots, lambda s: jobs.pop(0) if jobs else None, pad_id=0, static_shapes=True, cuda_graphs="off")
+        train(pm, slots, lambda s: jobs.pop(0) if jobs else None, pad_id=0, cuda_graphs="off")
         torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - t0) / steps * 1e3
     kernels = gpu_profile.kernel_events(prof.key_averages())

@@ -1,7 +1,7 @@
 """Held-out loss and perplexity of every slot, all slots in one packed forward per batch.
 
 The loss is training's: rows tokenized and prompt-masked by ``packer.data.tokenize_rows`` with the study's
-``max_length`` and ``train_on_prompt``, next-token cross-entropy from ``packer.train.slot_losses``. A slot's
+``max_length`` and ``train_on_prompt``, next-token cross-entropy from ``packer.loss.slot_losses``. A slot's
 ``eval_loss`` is the mean over all target tokens of the held-out set (sum of token losses / token count),
 so it does not depend on the batch size; ``perplexity`` is ``exp(eval_loss)``.
 """
@@ -21,8 +21,8 @@ from lora_sweep.packer import eval_graph
 from lora_sweep.packer.batch import PackBatch, collate
 from lora_sweep.packer.data import FORMATS, tokenize_rows
 from lora_sweep.packer.errors import ConfigError
+from lora_sweep.packer.loss import slot_losses
 from lora_sweep.packer.model import PackedModel
-from lora_sweep.packer.train import slot_losses
 
 __all__ = ["HeldoutOptions", "heldout_loss", "METRICS"]
 
@@ -100,8 +100,8 @@ def heldout_loss(model: PackedModel, slots: Sequence[int], data: EvalData, **opt
     return result
 
 
-def _one_segment_per_row(batch: PackBatch) -> PackBatch:
-    """The same batch seen by ``slot_losses`` as one segment per row, so it returns per-row means and counts.
+def _one_segment_per_row(batch: PackBatch) -> PackLayout:
+    """The layout that makes ``slot_losses`` see the batch as one segment per row: it returns per-row means and counts.
 
     A slot's mean over the whole set is then sum(row mean * row count) / sum(row count): exactly
     ``slot_losses`` over all its rows at once.
@@ -109,4 +109,4 @@ def _one_segment_per_row(batch: PackBatch) -> PackBatch:
     b = batch.input_ids.shape[0]
     layout = PackLayout(slots=tuple(range(b)), row_start=tuple(range(b)), n_rows=(1,) * b, own_len=(0,) * b,
                         dropout=(0.0,) * b, seed=(0,) * b)
-    return batch._replace(layout=layout)
+    return layout

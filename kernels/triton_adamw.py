@@ -11,7 +11,7 @@ from device tensors, so a captured CUDA graph serves any mix of slots.
 
 Grid (segment, slot, split): a program walks its block with stride ``split * BLOCK``. The sum of squares writes
 one partial per program (``out[g, k, split]``, every entry written), which torch sums in a fixed order:
-deterministic, no atomics. The update reproduces ``packer.optim.PackedAdamW``'s arithmetic (torch's
+deterministic, no atomics. The update reproduces ``torch.optim.AdamW``'s foreach arithmetic (torch's
 ``_multi_tensor_adam`` with decoupled weight decay), with IEEE division and square root.
 """
 

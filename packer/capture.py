@@ -1,10 +1,9 @@
 """A function captured as a CUDA graph, the PyTorch recipe (``torch.cuda.graphs``): warm-up runs on a side stream
 (kernels compile, the caching allocator settles, lazily built buffers exist), then one run under capture.
 
-The training step (``packer.static_loop``), the static evaluation forwards (``packer.eval_graph``) and the PEFT
+The training step (``packer.train``), the static evaluation forwards (``packer.eval_graph``) and the PEFT
 baseline of ``benchmarks.gpu_graph`` capture through this one function. ``precompile`` compiles, in parallel,
-the Triton kernels such a function launches before its first run (those, and the dynamic step's
-``PackedModel.precompile``).
+the Triton kernels such a function launches before its first run.
 """
 
 from __future__ import annotations

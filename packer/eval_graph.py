@@ -9,7 +9,7 @@ scale 0), so one shape serves every evaluation whichever slots it scores, and on
 replays it (``torch.cuda.CUDAGraph``, the PyTorch CUDA-graph recipe: static inputs, warm-up on a side stream).
 
 - ``row_losses``: per-row mean next-token cross-entropy and target counts of a held-out batch, right-padded
-  to a fixed length (what ``packer.train.slot_losses`` computes per row).
+  to a fixed length (what ``packer.loss.slot_losses`` computes per row).
 - ``greedy_decode``: every slot continues every prompt. The prompts are left-padded to a fixed width P, the
   KV cache is transformers' ``StaticCache`` of P + T positions, and the attention mask is a 4D additive mask
   the step computes on the device from a step counter (key k is visible to a query at cache index q when

@@ -36,7 +36,7 @@ from lora_sweep import kernels
 from lora_sweep.kernels import Impl
 
 __all__ = ["RMS_NORMS", "GATED_MLPS", "ROPE_ATTENTIONS", "FusedRMSNorm", "FusedGatedMLP", "RopeSwap", "fuse_base_ops",
-           "fused_rope", "rope_kernel_probe"]
+           "fused_rope"]
 
 RMS_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"})
 """Classes whose forward is ``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`` with the mean in fp32 (checked
@@ -66,19 +66,6 @@ class FusedRMSNorm(nn.Module):
         """x: (..., D) -> (..., D)."""
         return kernels.rms_norm(x, self.weight, self.variance_epsilon, impl=self.impl)
 
-    def kernel_probe(self, rows: int, seq_len: int) -> tuple[tuple, Callable[[], None]]:
-        """What decides this module's kernel variants, and a forward and backward on placeholders of a
-        (``rows``, ``seq_len``) batch (``PackedModel.precompile``)."""
-        d, dt = self.weight.shape[0], self.weight.dtype
-
-        def run() -> None:
-            x = torch.empty(rows, seq_len, d, dtype=dt, device=self.weight.device, requires_grad=True)
-            with torch.enable_grad():
-                y = self(x)
-                y.backward(torch.empty_like(y))
-
-        return (type(self), d, dt, self.weight.requires_grad), run
-
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, impl={self.impl}"
 
@@ -97,19 +84,6 @@ class FusedGatedMLP(nn.Module):
         """x: (..., D) -> (..., D); the intermediate (..., I) is ``silu(gate_proj(x)) * up_proj(x)``."""
         return self.down_proj(kernels.silu_mul(self.gate_proj(x), self.up_proj(x), impl=self.impl))
 
-    def kernel_probe(self, rows: int, seq_len: int) -> tuple[tuple, Callable[[], None]]:
-        """As ``FusedRMSNorm.kernel_probe``, for the middle alone (the projections have their own)."""
-        w = next(self.down_proj.parameters())  # the base weight, wrapped in PackedLoRALinear or not
-        width, dt = self.gate_proj.out_features, w.dtype
-
-        def run() -> None:
-            gate, up = (torch.empty(rows, seq_len, width, dtype=dt, device=w.device, requires_grad=True)
-                        for _ in range(2))
-            with torch.enable_grad():
-                y = kernels.silu_mul(gate, up, impl=self.impl)
-                y.backward(torch.empty_like(y))
-
-        return (type(self), dt), run  # no width: the kernel is compiled alike for any
 
 
 def fused_rope(eager: Callable, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -180,29 +154,6 @@ def _hook_rope(attention: nn.Module, impl: Impl) -> bool:
         setattr(attention, _HOOKS, (swap, attention.register_forward_pre_hook(swap.enter),
                                     attention.register_forward_hook(swap.leave, always_call=True)))
     return True
-
-
-def rope_kernel_probe(model: nn.Module, rows: int, seq_len: int) -> tuple[tuple, Callable[[], None]] | None:
-    """What decides the fused RoPE's kernel variants in ``model``, and a forward and backward of it on placeholders
-    laid out as in the attention (q, k transposed views of (rows, seq_len, heads * d)), or None when no attention
-    module is hooked (``PackedModel.precompile``)."""
-    attention = next((m for m in model.modules() if getattr(m, _HOOKS, None) is not None), None)
-    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if attention is None or embed is None:
-        return None
-    config, d = attention.config, attention.head_dim
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    dt, device = embed.weight.dtype, embed.weight.device  # cos and sin come in the hidden states' dtype
-
-    def run() -> None:
-        q, k = (torch.empty(rows, seq_len, n * d, dtype=dt, device=device).view(rows, seq_len, n, d)
-                .transpose(1, 2).requires_grad_() for n in (heads, kv_heads))
-        cos, sin = (torch.empty(1, seq_len, d, dtype=dt, device=device) for _ in range(2))
-        with torch.enable_grad():
-            q_out, k_out = kernels.rope(q, k, cos, sin, impl="triton")
-            torch.autograd.backward((q_out, k_out), (torch.empty_like(q_out), torch.empty_like(k_out)))
-
-    return ("rope", heads, kv_heads, d, dt), run
 
 
 def _is_silu(act: nn.Module) -> bool:

@@ -1,9 +1,7 @@
-"""What a training loop takes and gives back: slot jobs in; step reports, slot ends and run totals out.
+"""What the training loop takes and gives back: slot jobs in; step reports, slot ends and run totals out.
 
-Both loops, ``packer.train.train`` and the static-shape ``packer.static_loop.train_static`` it hands CUDA runs
-to, speak these types, so they live in this leaf rather than in either loop (the static loop importing them from
-``packer.train``, which imports it back, was an import circle). ``packer.train`` re-exports them: callers keep
-importing them from there.
+A leaf, so that ``packer.static_loop`` (the step's parts) and ``packer.train`` (the loop) both use them without an
+import circle; ``packer.train`` re-exports them.
 """
 
 from __future__ import annotations
@@ -17,8 +15,7 @@ from lora_sweep.packer.plan import AdapterSpec
 __all__ = ["BatchSource", "FixedBatch", "SlotJob", "SlotEnd", "StepReport", "TrainResult", "Window", "Tally",
            "target_tokens", "STEP_NAMES"]
 
-STEP_NAMES = {"cuda-graph": "static shapes, replayed as CUDA graphs", "static-eager": "static shapes, eagerly",
-              "dynamic": "dynamic shapes, eagerly"}
+STEP_NAMES = {"cuda-graph": "static shapes, replayed as CUDA graphs", "static-eager": "static shapes, eagerly"}
 """``TrainResult.step`` values, and what each means in words."""
 
 
@@ -161,5 +158,5 @@ class TrainResult:
     graphs: int = 0
     """Static-shape path: CUDA graphs captured (0: eager)."""
     step: str = ""
-    """Which step trained: ``cuda-graph`` (the static step replayed as CUDA graphs), ``static-eager`` (the static
-    step run eagerly: on the CPU, with ``cuda_graphs: off``, or after a capture failed) or ``dynamic``."""
+    """How the step ran (``STEP_NAMES``): ``cuda-graph`` (replayed as CUDA graphs) or ``static-eager`` (eagerly: on
+    the CPU, with ``cuda_graphs: off``, or after a capture failed)."""

@@ -51,10 +51,6 @@ class PackState:
     """Set by ``PackedModel`` around each forward; None means the base model alone."""
     scales: dict[int, float] = field(default_factory=dict)
     """Slot id -> LoRA scale s."""
-    grad_sink: Callable[[list[torch.Tensor], list[torch.Tensor]], None] | None = None
-    """The optimizer step in the backward (``packer.optim.PackedAdamW.backward_step``): while set, a layer's
-    gradient goes, as soon as autograd has accumulated it, to ``grad_sink(weights, gradient pieces)`` instead of
-    into the slots' gradient buffers, which slots added meanwhile do not get (``PackedModel``)."""
     static: Any = None
     """While a static-shape step runs (``packer.static.StaticStore.stepping``), the store whose tables every
     wrapped layer reads instead of ``layout``; None otherwise."""
@@ -65,9 +61,8 @@ class _SlotWeights(NamedTuple):
     """(r, D_in) view of the slot's flat weights."""
     bt: torch.Tensor
     """(r, D_out) B^T, contiguous in the flat weights (the kernels' row layout)."""
-    grad_a: torch.Tensor | None
-    grad_bt: torch.Tensor | None
-    """None: the slot steps in the backward (``PackState.grad_sink``) and has no gradient buffers."""
+    grad_a: torch.Tensor
+    grad_bt: torch.Tensor
 
 
 class _Gathered(NamedTuple):
@@ -76,8 +71,8 @@ class _Gathered(NamedTuple):
     ranks: LayerRanks
     a: list[torch.Tensor]
     bt: list[torch.Tensor]
-    grad_a: list[torch.Tensor | None]
-    grad_bt: list[torch.Tensor | None]
+    grad_a: list[torch.Tensor]
+    grad_bt: list[torch.Tensor]
     rows: list[int]
 
 
@@ -110,16 +105,15 @@ class PackedLoRALinear(nn.Module):
     def state(self) -> PackState:
         return self._state[0]
 
-    def add_slot(self, slot: int, a: torch.Tensor, bt: torch.Tensor, grad_a: torch.Tensor | None,
-                 grad_bt: torch.Tensor | None) -> tuple[nn.Parameter, nn.Parameter]:
-        """Register slot's adapter: A (r, D_in) and B^T (r, D_out), and their gradient buffers (None: the
-        slot steps in the backward, ``PackState.grad_sink``).
+    def add_slot(self, slot: int, a: torch.Tensor, bt: torch.Tensor, grad_a: torch.Tensor,
+                 grad_bt: torch.Tensor) -> tuple[nn.Parameter, nn.Parameter]:
+        """Register slot's adapter: A (r, D_in) and B^T (r, D_out), and their gradient buffers.
 
         All four are views into the slot's flat buffers (``PackedModel`` owns them). Returns the
         parameters A (r, D_in) and B (D_out, r), which alias the weights, their ``grad`` the gradients.
         """
         pa, pb = nn.Parameter(a), nn.Parameter(bt.T)
-        pa.grad, pb.grad = grad_a, None if grad_bt is None else grad_bt.T
+        pa.grad, pb.grad = grad_a, grad_bt.T
         self.lora_A[str(slot)] = pa
         self.lora_B[str(slot)] = pb
         self._slots[slot] = _SlotWeights(a, bt, grad_a, grad_bt)
@@ -176,8 +170,8 @@ class PackedLoRALinear(nn.Module):
         g = None if layout is None else self.gathered(layout.slots)
         if g is None or not g.a:
             return self.base(x)
-        a_cat = stacked_leaf(g.a, g.grad_a, g.rows, self.state.grad_sink)  # (R, D_in)
-        bt_cat = stacked_leaf(g.bt, g.grad_bt, g.rows, self.state.grad_sink)  # (R, D_out)
+        a_cat = stacked_leaf(g.a, g.grad_a, g.rows)  # (R, D_in)
+        bt_cat = stacked_leaf(g.bt, g.grad_bt, g.rows)  # (R, D_out)
         return self._with_lora(x, a_cat, bt_cat, layout, g.ranks, self.state.impl)
 
     def _pack_rows(self) -> int | None:
@@ -193,29 +187,6 @@ class PackedLoRALinear(nn.Module):
         if type(self.base) is nn.Linear:  # exactly nn.Linear (not a quantised subclass): its GEMM fuses with LoRA
             return packed_lora_linear(x, self.base.weight, self.base.bias, a_cat, bt_cat, layout, ranks, impl=impl)
         return packed_lora(x, self.base(x), a_cat, bt_cat, layout, ranks, impl=impl)
-
-    def kernel_probe(self, layout: PackLayout, rows: int, seq_len: int) -> tuple[tuple, Callable[[], None]] | None:
-        """What decides the kernel variants this layer launches for ``layout``, and a forward and backward
-        of it on placeholder tensors of a (``rows``, ``seq_len``) batch that launches exactly those (for
-        ``kernels.precompile``); None when no slot of ``layout`` adapts this layer. The placeholders are
-        fresh tensors: the slots' weights and gradient buffers are neither read nor written."""
-        g = self.gathered(layout.slots)
-        if not g.a:
-            return None
-        act = next(self.base.parameters()).dtype
-        key = (type(self.base), self.in_features, self.out_features, getattr(self.base, "bias", None) is not None, act,
-               g.a[0].dtype, g.ranks.rank)
-
-        def run() -> None:  # the forward's own dispatch, on placeholders
-            dev, total = g.a[0].device, sum(g.rows)
-            x = torch.empty(rows, seq_len, self.in_features, dtype=act, device=dev, requires_grad=True)
-            a_cat = torch.empty(total, self.in_features, dtype=g.a[0].dtype, device=dev, requires_grad=True)
-            bt_cat = torch.empty(total, self.out_features, dtype=g.bt[0].dtype, device=dev, requires_grad=True)
-            with torch.enable_grad():
-                y = self._with_lora(x, a_cat, bt_cat, layout, g.ranks, "triton")
-                y.backward(torch.empty_like(y))
-
-        return key, run
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, slots={sorted(self._slots)}"
@@ -235,38 +206,22 @@ def as_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return x.reshape(rows, tokens // rows, x.shape[-1])
 
 
-def stacked_leaf(parts: list[torch.Tensor], grads: list[torch.Tensor | None], rows: list[int],
-                 sink: Callable[[list[torch.Tensor], list[torch.Tensor]], None] | None = None) -> torch.Tensor:
+def stacked_leaf(parts: list[torch.Tensor], grads: list[torch.Tensor], rows: list[int]) -> torch.Tensor:
     """The slots' weights ``parts`` stacked by rows (no autograd: a copy of a few MB) into one tensor that,
-    under grad mode, is a leaf of the step's graph scattering its gradient into ``grads`` (with a ``sink``:
-    handing it to ``sink(parts, pieces)``, ``PackState.grad_sink``); see the module docstring."""
+    under grad mode, is a leaf of the step's graph scattering its gradient into ``grads``; see the module
+    docstring."""
     with torch.no_grad():
-        cat = torch.cat(parts) if len(parts) > 1 else parts[0].detach() if sink is None else _alias(parts[0])
-    return _leaf(cat, parts, grads, rows, sink) if torch.is_grad_enabled() else cat
+        cat = torch.cat(parts) if len(parts) > 1 else parts[0].detach()
+    return _leaf(cat, grads, rows) if torch.is_grad_enabled() else cat
 
 
-def _alias(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s memory as a tensor with a version counter of its own. Every weight view of a slot shares its flat
-    buffer's counter, so stepping one layer in the backward would mark every other layer's saved view as modified;
-    each layer's own weights are only stepped once its backward is done (``_leaf``), so nothing read is stale."""
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.shape,
-                                                               t.stride())
-
-
-def _leaf(cat: torch.Tensor, parts: list[torch.Tensor], grads: list[torch.Tensor | None], rows: list[int],
-          sink: Callable[[list[torch.Tensor], list[torch.Tensor]], None] | None) -> torch.Tensor:
+def _leaf(cat: torch.Tensor, grads: list[torch.Tensor], rows: list[int]) -> torch.Tensor:
     """``cat`` as a leaf requiring grad whose gradient, once accumulated, is added to the slots' gradient
-    buffers (``grads``, split by ``rows``), or given to ``sink`` with the weights it belongs to, and then
-    dropped. The sink may update ``parts`` in place: every use of this leaf in the graph has had its
-    backward by the time its gradient is accumulated (torchtune's ``optimizer_in_bwd`` relies on the same)."""
+    buffers (``grads``, split by ``rows``) and then dropped."""
     leaf = cat.detach().requires_grad_()  # a single slot's cat is its own weights' view: detach, never write
 
     def scatter(t: torch.Tensor) -> None:
-        pieces = list(t.grad.split(rows))  # type: ignore[union-attr]
-        if sink is not None:
-            sink(parts, pieces)
-        else:
-            torch._foreach_add_(grads, pieces)  # type: ignore[arg-type]
+        torch._foreach_add_(grads, list(t.grad.split(rows)))  # type: ignore[union-attr]
         t.grad = None
 
     leaf.register_post_accumulate_grad_hook(scatter)

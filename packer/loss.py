@@ -1,4 +1,4 @@
-"""Chunked per-slot cross-entropy: the loss of ``packer.train.slot_losses`` without the full logits.
+"""Per-slot cross-entropy: ``slot_losses`` from full logits (evaluation's dynamic batches), and chunked, without them.
 
 The plain path computes ``(B, L, V)`` logits, then an fp32 copy for the cross-entropy; with a large
 vocabulary (152k for Qwen2) that is the biggest activation of a step, and autograd keeps the fp32
@@ -28,10 +28,36 @@ from lora_sweep.kernels import PackLayout
 from lora_sweep.packer.batch import IGNORE_INDEX, row_slots
 from lora_sweep.packer.errors import ConfigError
 
-__all__ = ["DEFAULT_CHUNK_TOKENS", "chunked_slot_losses", "check_plain_head", "output_head", "plain_output_head"]
+__all__ = ["DEFAULT_CHUNK_TOKENS", "slot_losses", "chunked_slot_losses", "check_plain_head", "output_head",
+           "plain_output_head"]
 
 DEFAULT_CHUNK_TOKENS = 4096
 """Tokens per chunk: 4096 x 152k x 4 B = 2.5 GB of fp32 logits at a time for a Qwen2-sized vocabulary."""
+
+
+
+def slot_losses(logits: torch.Tensor, labels: torch.Tensor, layout: PackLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-slot mean next-token cross-entropy over target tokens.
+
+    Args:
+        logits: (B, L, V).
+        labels: (B, L) unshifted labels, ``IGNORE_INDEX`` where no loss is taken.
+        layout: row segments of the batch.
+
+    Returns:
+        (N,) float32 mean losses (0 for a slot without target tokens) and (N,) target-token counts.
+    """
+    b, seq, vocab = logits.shape
+    shift_labels = labels[:, 1:]  # (B, L-1)
+    ce = F.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), shift_labels.reshape(-1),
+                         ignore_index=IGNORE_INDEX, reduction="none").view(b, seq - 1)
+    seg = row_slots(layout, logits.device)
+    n = len(layout.slots)
+    sums = torch.zeros(n, dtype=torch.float32, device=logits.device).index_add(0, seg, ce.sum(dim=1))
+    counts = torch.zeros(n, dtype=torch.float32, device=logits.device).index_add(
+        0, seg, (shift_labels != IGNORE_INDEX).sum(1).float())
+    return sums / counts.clamp(min=1.0), counts
+
 
 # Config attributes that, when set, mean the logits are not the head's output (transformers' names).
 _LOGIT_POSTPROCESSING = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0}
@@ -140,7 +166,7 @@ def chunked_slot_losses(hidden: torch.Tensor, head: nn.Module, labels: torch.Ten
                         chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-slot mean next-token cross-entropy over target tokens, from the final hidden states.
 
-    Equal to ``packer.train.slot_losses(head(hidden), labels, batch)`` up to float summation order.
+    Equal to ``slot_losses(head(hidden), labels, layout)`` up to float summation order.
 
     Args:
         hidden: (B, L, H) final hidden states (after the last norm).

@@ -28,9 +28,8 @@ import torch
 from torch import nn
 
 from lora_sweep.kernels import IMPLS, Impl, PackLayout, hash_compiler_early, resolve_impl
-from lora_sweep.packer.capture import precompile
 from lora_sweep.packer.errors import ConfigError, UserError
-from lora_sweep.packer.fuse import FusedGatedMLP, FusedRMSNorm, fuse_base_ops, rope_kernel_probe
+from lora_sweep.packer.fuse import fuse_base_ops
 from lora_sweep.packer.inject import inject, resolve_targets
 from lora_sweep.packer.layer import PackedLoRALinear, PackState
 from lora_sweep.packer.loss import plain_output_head
@@ -171,11 +170,11 @@ class PackedModel:
         """A slot's targets -> the paths they resolve to."""
         self.specs: dict[int, AdapterSpec] = {}
         self.slot_paths: dict[int, list[str]] = {}
-        self.flat: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.flat: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._checkpointed: list[nn.Module] = []
         """Decoder layers whose forward is checkpointed (empty: activation checkpointing off)."""
         self.static: StaticStore | None = None
-        """Set by the static-shape loop (``packer.static_loop``): slots then take their rows of its preallocated
+        """Set by the training loop (``packer.train``): slots then take their rows of its preallocated
         buffers instead of buffers of their own."""
 
     @property
@@ -223,17 +222,15 @@ class PackedModel:
             return self._static_weights(slot, spec, paths, generator)
         dims = [(self.layers[p].in_features, self.layers[p].out_features) for p in paths]
         flat = torch.zeros(sum(r * (d_in + d_out) for d_in, d_out in dims), device=self.device)
-        # stepping in the backward (state.grad_sink), a slot keeps no gradient buffer: only the layer being
-        # differentiated holds gradients, the point of that mode
-        grad = None if self.state.grad_sink is not None else torch.zeros_like(flat)
+        grad = torch.zeros_like(flat)
         params: list[nn.Parameter] = []
         off = 0
         for path, (d_in, d_out) in zip(paths, dims, strict=True):
             na, nb = r * d_in, r * d_out
             a = flat[off:off + na].view(r, d_in)
             nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
-            grad_a = None if grad is None else grad[off:off + na].view(r, d_in)
-            grad_bt = None if grad is None else grad[off + na:off + na + nb].view(r, d_out)
+            grad_a = grad[off:off + na].view(r, d_in)
+            grad_bt = grad[off + na:off + na + nb].view(r, d_out)
             params += self.layers[path].add_slot(slot, a, flat[off + na:off + na + nb].view(r, d_out), grad_a, grad_bt)
             off += na + nb
         self.flat[slot] = (flat, grad)
@@ -256,9 +253,9 @@ class PackedModel:
             params += self.layers[path].add_slot(slot, a, bt, grad_a, grad_bt)
         return params
 
-    def flat_buffers(self, slot: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(weights, gradients) of the slot as two flat fp32 tensors that its parameters alias (gradients None:
-        the slot steps in the backward, ``PackState.grad_sink``)."""
+    def flat_buffers(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, gradients) of a slot added outside a static store, as two flat fp32 tensors that its
+        parameters alias."""
         return self.flat[slot]
 
     def remove_slot(self, slot: int) -> None:
@@ -276,37 +273,6 @@ class PackedModel:
 
     def slot_parameters(self, slot: int) -> list[nn.Parameter]:
         return [t for pair in self.slot_weights(slot).values() for t in pair]
-
-    def precompile(self, layout: PackLayout, rows: int, seq_len: int) -> None:
-        """Compile, in parallel, the Triton kernel variants a step over ``layout`` (a batch of ``rows`` x
-        ``seq_len``) launches, before the step, which would otherwise compile them one after another as it
-        reaches them: one placeholder forward and backward per distinct kind of packed layer, whose launches
-        ``kernels.precompile`` turns into compile-only warm-ups. Nothing to do off the Triton path; on a warm
-        cache the warm-ups find every variant compiled."""
-        if resolve_impl(self.state.impl, self.device) != "triton":
-            return
-        probes: dict[tuple, Callable[[], None]] = {}
-        grouped = set()
-        for group in self.groups:
-            probe = group.kernel_probe(layout, rows, seq_len)
-            if probe is not None:
-                probes.setdefault(*probe)
-                grouped.update(map(id, group.members))
-        for layer in self.layers.values():
-            if id(layer) in grouped:
-                continue
-            probe = layer.kernel_probe(layout, rows, seq_len)
-            if probe is not None:
-                probes.setdefault(*probe)
-        for module in self.model.modules():
-            if isinstance(module, (FusedRMSNorm, FusedGatedMLP)) and module.impl == "triton":
-                probes.setdefault(*module.kernel_probe(rows, seq_len))
-        rope = rope_kernel_probe(self.model, rows, seq_len)
-        if rope is not None:
-            probes.setdefault(*rope)
-        if not probes:
-            return
-        precompile(lambda: [run() for run in probes.values()])
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, layout: PackLayout | None,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:

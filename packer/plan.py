@@ -12,8 +12,7 @@ from dataclasses import dataclass, field
 
 from lora_sweep.packer.errors import ConfigError
 
-__all__ = ["AdapterSpec", "ALL_LINEAR", "SCHEDULES", "MemoryModel", "adapter_param_count", "ADAPTER_BYTES_PER_PARAM",
-           "IN_BACKWARD_BYTES_PER_PARAM"]
+__all__ = ["AdapterSpec", "ALL_LINEAR", "SCHEDULES", "MemoryModel", "adapter_param_count", "ADAPTER_BYTES_PER_PARAM"]
 
 ALL_LINEAR = "all-linear"
 """Target value meaning every linear projection of the decoder (PEFT's ``"all-linear"``)."""
@@ -116,9 +115,6 @@ def _check(ok: bool, key: str, rule: str, value: object) -> None:
 
 ADAPTER_BYTES_PER_PARAM = 16
 """fp32 weight + fp32 gradient + AdamW's two fp32 moments: the least an adapter parameter costs."""
-IN_BACKWARD_BYTES_PER_PARAM = 12
-"""The same with the optimizer step in the backward (``packer.train``'s ``optimizer_in_backward``): no slot keeps
-a gradient buffer; only the layer being differentiated holds its adapters' gradients, transiently."""
 
 
 @dataclass(frozen=True)

@@ -26,11 +26,11 @@ from lora_sweep.packer.loss import chunked_slot_losses
 from lora_sweep.packer.model import PackedModel
 from lora_sweep.packer.plan import (
     ADAPTER_BYTES_PER_PARAM,
-    IN_BACKWARD_BYTES_PER_PARAM,
     AdapterSpec,
     MemoryModel,
     adapter_param_count,
 )
+from lora_sweep.packer.static_loop import rank_bucket_for
 from lora_sweep.packer.train import FixedBatch, SlotJob, chunk_tokens_of, train
 
 __all__ = ["peak_memory", "calibrate", "available_memory", "model_bytes", "plain_param_bytes", "PROBE_STEPS"]
@@ -179,12 +179,14 @@ def calibrate(pm: PackedModel, seq_len: int, *, rows: tuple[int, int] = (1, 2), 
             _step(pm, spec, examples, pad_id, steps, options)
         timed: list[float] = []
         peak = peak_memory(lambda: timed.append(_step(pm, spec, examples, pad_id, steps, options)), pm)  # noqa: B023
+        # the step's store holds every slot at the pack's rank bucket (``static_loop.rank_bucket_for``)
         params = PROBE_SLOTS * adapter_param_count([(layer.in_features, layer.out_features)
-                                                    for layer in pm.layers.values()], rank)
+                                                    for layer in pm.layers.values()], rank_bucket_for(rank))
         # Triton keeps one per-token column per rank of the widest slot, padded to a power of 2 (>= 16);
-        # the masked-dense path one per rank of every slot.
-        width = _pad(rank) if triton else PROBE_SLOTS * rank
-        probes[(n * seq_len, rank)] = (peak, params, width, timed[0])
+        # the masked-dense path one per row of every slot's rank bucket (the step's store).
+        width = _pad(rank) if triton else PROBE_SLOTS * rank_bucket_for(rank)
+        # the training step gives every slot the same rows (the idle one padding): a probe computes PROBE_SLOTS x n
+        probes[(PROBE_SLOTS * n * seq_len, rank)] = (peak, params, width, timed[0])
     return _fit(pm, probes, rows, seq_len, (r_lo, r_hi), vocab, static, chunked_ce, triton, optimizer_in_backward)
 
 
@@ -197,9 +199,10 @@ def _fit(pm: PackedModel, probes: dict[tuple[int, int], Probe], rows: tuple[int,
     ce = _ce_chunk_bytes(pm, chunk, vocab) if chunk else 0
     if chunk:  # the chunked loss saturates at one chunk: take it out before fitting the linear slopes
         probes = {(t, r): (m - ce * min(t, chunk) / chunk, *rest) for (t, r), (m, *rest) in probes.items()}
-    t1, t2 = rows[0] * seq_len, rows[1] * seq_len
-    floor = IN_BACKWARD_BYTES_PER_PARAM if optimizer_in_backward else ADAPTER_BYTES_PER_PARAM
-    fit = _fit_memory(probes[(t1, r_lo)], probes[(t2, r_lo)], probes[(t2, r_hi)], probes[(t1, r_hi)], t1, t2, floor)
+    # the training step gives every slot the same rows (the idle one padding): a probe computes PROBE_SLOTS x n rows
+    t1, t2 = PROBE_SLOTS * rows[0] * seq_len, PROBE_SLOTS * rows[1] * seq_len
+    fit = _fit_memory(probes[(t1, r_lo)], probes[(t2, r_lo)], probes[(t2, r_hi)], probes[(t1, r_hi)], t1, t2,
+                      ADAPTER_BYTES_PER_PARAM)  # optimizer_in_backward keeps the gradient buffer too
     per_token, per_token_rank, per_param, intercept = fit
     s1, s2 = probes[(t1, r_lo)][3], probes[(t2, r_lo)][3]
     sec_per_token = max(0.0, (s2 - s1) / (t2 - t1))
@@ -217,8 +220,8 @@ Probe = tuple[float, int, int, float]
 def _fit_memory(p1: Probe, p2: Probe, p3: Probe, p4: Probe, t1: int, t2: int,
                 floor: float = ADAPTER_BYTES_PER_PARAM) -> tuple[float, float, float, float]:
     """Solve ``peak = c + a t + b t w + q P`` from the probes at (t1, low rank), (t2, low), (t2, high),
-    (t1, high); returns (a, b, q, c). ``q`` is at least ``floor``, the optimizer state's bytes (16, or 12 stepping in
-    the backward)."""
+    (t1, high); returns (a, b, q, c). ``q`` is at least ``floor``, the least bytes an adapter parameter costs (its fp32
+    weight, the step's fp32 gradient buffer, kept with ``optimizer_in_backward`` too, and AdamW's two moments)."""
     (m1, par_lo, w_lo, _), (m2, _, _, _), (m3, par_hi, w_hi, _), (m4, _, _, _) = p1, p2, p3, p4
     low, high = (m2 - m1) / (t2 - t1), (m3 - m4) / (t2 - t1)  # per-token slopes at each rank width
     b = max(0.0, (high - low) / (w_hi - w_lo)) if w_hi != w_lo else 0.0

@@ -11,7 +11,7 @@ embeddings is left out of the body's shard for the same reason, ``ignored_params
 The adapter slots are not FSDP's: their A/B live in each slot's flat fp32 buffer, outside every FSDP unit's
 parameter group (a slot is added after ``fully_shard``, so FSDP never sees it), replicated on every rank with
 their gradients and AdamW state. Why replicated rather than sharded with their layer: replicated, the slot math,
-the flat buffers, the static store, ``PackedAdamW`` and the Triton kernels see exactly the tensors they see in a
+the static store, its optimizer step and the Triton kernels see exactly the tensors they see in a
 one-GPU pack (nothing of them changes, and a slot's update needs no collective but one gradient broadcast), and a
 slot is small beside the base: a rank-16 adapter on every projection of Llama-3-70B has 207M parameters (80
 layers x 16 x 161,792), 3.3 GB with its fp32 gradient and both AdamW moments (16 B each), against 141 GB of bf16
@@ -30,8 +30,7 @@ the target tokens of the rows one rank sees, and an accumulating slot's gradient
 micro-batch, not once per optimizer step. Each needs the static step itself to count the slot's tokens over all
 ranks and offset its rows; ``sweep.ranks`` runs a study over the ranks as they are.
 
-Only eager steps run sharded: the dynamic step (``train(..., static_shapes=False)``) or the static-shape step
-without CUDA graphs (``static_shapes=True, cuda_graphs="off"``). FSDP2 all-gathers into buffers it
+Only the eager step runs sharded (``train(..., cuda_graphs="off")``). FSDP2 all-gathers into buffers it
 allocates and frees per layer (``untyped_storage().resize_``), runs the collectives on its own streams and
 decides in Python hooks, per call, what to gather, prefetch and reshard; a CUDA graph would freeze one call's
 allocations and skip the hooks on replay, and the collectives of a process group are not captured with it.
@@ -119,7 +118,7 @@ def shard_base(pm: PackedModel, *, reshard_after_forward: bool = True) -> Shardi
 
 class _SlotGradSync:
     """Broadcast the slots' gradient buffers from rank 0 once the backward of a forward through the body is done:
-    each slot's flat gradient buffer on the dynamic step, the static store's one gradient buffer on the static step.
+    the static store's one gradient buffer while a pack trains (else each slot's flat gradient buffer).
 
     A hook on the body's output (its first tensor, which needs a gradient whenever a slot is active) runs at the
     start of that output's backward and queues a callback on autograd's engine, which runs when the whole backward
@@ -144,15 +143,12 @@ class _SlotGradSync:
         """Rank 0's gradient of every slot, in one flat bucket (the slots in slot order: the same on all ranks)."""
         store = self.pm.static
         grads = [store.grad] if store is not None else [g for _, (_, g) in sorted(self.pm.flat.items())]
-        if any(g is None for g in grads):
-            raise ConfigError("packing.shard: optimizer_in_backward keeps no gradient buffer to synchronise")
         if dist.get_world_size() == 1 or not grads:
             return
-        bucket = torch.cat([g for g in grads if g is not None])  # (sum of slot sizes,)
+        bucket = torch.cat(grads)  # (sum of slot sizes,)
         dist.broadcast(bucket, src=0)
         off = 0
         for g in grads:
-            assert g is not None
             g.copy_(bucket[off:off + g.numel()])
             off += g.numel()
 

@@ -132,36 +132,11 @@ class SliceGroup:
         if not self.applies(layout, x.device):
             return None
         st = self._stacked(layout.slots)  # type: ignore[union-attr]
-        sink = self.members[0].state.grad_sink
-        a_group = stacked_leaf(st.a, st.grad_a, st.rows, sink)
-        bt_cats = [stacked_leaf(g.bt, g.grad_bt, g.rows, sink) for g in st.gathered]
+        a_group = stacked_leaf(st.a, st.grad_a, st.rows)
+        bt_cats = [stacked_leaf(g.bt, g.grad_bt, g.rows) for g in st.gathered]
         bases = [m.base for m in self.members]
         return packed_lora_linear_slices(x, tuple(b.weight for b in bases), tuple(b.bias for b in bases), a_group,
                                          tuple(bt_cats), layout, st.slices, impl="triton")  # type: ignore[arg-type]
-
-    def kernel_probe(self, layout: PackLayout, rows: int, seq_len: int) -> tuple[tuple, Callable[[], None]] | None:
-        """As ``PackedLoRALinear.kernel_probe``, for a group call; None where the group does not apply."""
-        first = self.members[0]
-        device = first.base.weight.device
-        if not self.applies(layout, device):
-            return None
-        st = self._stacked(layout.slots)
-        act, master = first.base.weight.dtype, st.a[0].dtype
-        key = ("slices", tuple((m.in_features, m.out_features, m.base.bias is not None) for m in self.members), act,
-               master, tuple(s.rank for s in st.slices))
-
-        def run() -> None:  # the group call on placeholders
-            x = torch.empty(rows, seq_len, first.in_features, dtype=act, device=device, requires_grad=True)
-            a = torch.empty(sum(st.rows), first.in_features, dtype=master, device=device, requires_grad=True)
-            bts = tuple(torch.empty(sum(s.rank), m.out_features, dtype=master, device=device, requires_grad=True)
-                        for s, m in zip(st.slices, self.members, strict=True))
-            with torch.enable_grad():
-                ys = packed_lora_linear_slices(x, tuple(m.base.weight for m in self.members),
-                                               tuple(m.base.bias for m in self.members), a, bts, layout, st.slices,
-                                               impl="triton")
-                torch.autograd.backward(ys, [torch.empty_like(y) for y in ys])
-
-        return key, run
 
 
 def link_groups(layers: dict[str, PackedLoRALinear]) -> list[SliceGroup]:

@@ -139,6 +139,9 @@ class StaticStore:
         """Per-slot dropout p and seeds of this step as Python values: only the eager masked-dense path, which
         draws its masks with torch generators, reads them."""
         self.col_scale: torch.Tensor | None = None
+        self.own_cols: tuple[tuple[int, float], ...] | None = None
+        """Per slot (rank, scale) as Python values while an eager CPU training step runs (else None): each slot's rows
+        then take only their own rank's columns instead of all C x RB (the same sums, the padding terms left out)."""
         self.flat_op: torch.Tensor | None = None
         """``flat`` in the Triton kernels' operand dtype (``use_operands``), cast once per step, or None: the kernels
         then read (and cast) the fp32 masters, per layer call."""
@@ -288,6 +291,11 @@ class StaticStore:
             masks = [dropout_keep_mask(lay, g, layer.layer_id, d_in, seq, x.device) if lay.dropout[g] > 0
                      else xin.new_ones((shape.rows, seq, d_in)) for g in range(self.capacity)]
             xin = xin * torch.cat(masks, dim=0)
+        if self.own_cols is not None:  # eager on the CPU: a slot's rows times its own r_g columns, nothing captured
+            m, rb = shape.rows, self.rank_bucket
+            delta = [(xin[g * m:(g + 1) * m] @ a[g * rb:g * rb + r].T * s) @ bt[g * rb:g * rb + r] if r else
+                     xin.new_zeros((m, seq, bt.shape[1])) for g, (r, s) in enumerate(self.own_cols)]
+            return layer.base(x) + torch.cat(delta).to(x.dtype)
         h = (xin @ a.T) * self.col_scale  # (B, L, C * RB)
         return (h @ bt).to(x.dtype)
 

@@ -1,7 +1,6 @@
-"""The static-shape packed training loop: ``packer.train.train`` with one fixed step a CUDA graph replays.
+"""The parts of ``packer.train.train``'s loop: one fixed-shape step, eager on the CPU, a CUDA graph replay on CUDA.
 
-Read ``train_static`` top to bottom; it keeps ``train``'s contract (jobs, slots, callbacks, totals). What
-differs is where a step's numbers live:
+``train`` reads top to bottom and calls these; what they make true is where a step's numbers live:
 
 - **Shapes are fixed.** C slots x ``rows`` rows (the largest micro-batch seen; a slot with fewer rows, or a
   free slot, gets padding rows with no loss) x a length padded up to a multiple of ``seq_multiple``. One step
@@ -23,15 +22,13 @@ differs is where a step's numbers live:
   trained up to that many steps past the report that stopped it (zero at a sync step, which is where the
   sweep prunes). Its ``SlotEnd.steps`` counts every step it took, and its reports up to its end are delivered.
 
-Capture (``cuda_graphs``: ``auto``/``on`` on CUDA): on a new key the step runs twice eagerly on a side stream
-with a no-op optimizer table (warm-up: kernels compile, the allocator settles; weights and moments stay as they
-were), then is captured; warm-up and capture seconds are counted in ``TrainResult``. If capture fails, a
-one-line warning says why and the pack runs the same step eagerly.
+Capture (``cuda_graphs``: ``auto``/``on`` on CUDA): on a new key the step runs twice eagerly on a side stream with
+a no-op optimizer table (weights and moments stay as they were), then is captured (seconds in ``TrainResult``). If
+capture fails, a one-line warning says why and the pack runs the same step eagerly.
 """
 
 from __future__ import annotations
 
-import time
 import warnings
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -42,12 +39,10 @@ import torch
 
 from lora_sweep.kernels import FREE_FLT, SEG_FLT_COL, PackLayout, SegFlt, dropout_seed, free_segment, resolve_impl
 from lora_sweep.packer.batch import IGNORE_INDEX
-from lora_sweep.packer.capture import capture, precompile
-from lora_sweep.packer.isolation import check_sample_packing
+from lora_sweep.packer.capture import capture
 from lora_sweep.packer.jobs import SlotEnd, SlotJob, StepReport, Tally, TrainResult, Window, target_tokens
 from lora_sweep.packer.loss import chunked_slot_losses
 from lora_sweep.packer.model import PackedModel
-from lora_sweep.packer.optim import lr_schedule
 from lora_sweep.packer.static import (
     SEG_FLT,
     SEG_INT,
@@ -59,7 +54,8 @@ from lora_sweep.packer.static import (
 )
 from lora_sweep.packer.static_optim import ACCUMULATE, NOOP, optimizer_row, static_adamw_step
 
-__all__ = ["train_static", "DEFAULT_READBACK", "SEQ_MULTIPLE", "rank_bucket_for"]
+__all__ = ["DEFAULT_READBACK", "SEQ_MULTIPLE", "rank_bucket_for", "Live", "Pending", "Graphs", "Staging", "fill",
+           "step_fn", "new_store", "record_step", "flush", "ends", "end_slots"]
 
 DEFAULT_READBACK = 8
 SEQ_MULTIPLE = 16
@@ -73,7 +69,7 @@ def rank_bucket_for(rank: int) -> int:
 
 
 @dataclass
-class _Live:
+class Live:
     job: SlotJob
     schedule: Any
     window: Window
@@ -91,7 +87,7 @@ class _Live:
 
 
 @dataclass
-class _Entry:
+class Entry:
     """What the host knows of one live slot's micro-batch in one step; the ring holds the rest."""
 
     slot: int
@@ -107,14 +103,14 @@ class _Entry:
 
 
 @dataclass
-class _Pending:
+class Pending:
     step: int
     row: int
-    entries: list[_Entry]
+    entries: list[Entry]
 
 
 @dataclass
-class _Graphs:
+class Graphs:
     """Captured graphs by key, or eager execution where capture is off or failed."""
 
     enabled: bool
@@ -161,7 +157,7 @@ class _Graphs:
         return graph
 
 
-class _Staging:
+class Staging:
     """Pinned host blocks the step's values are written into, reused round-robin once their copy has run."""
 
     def __init__(self, n_int: int, n_flt: int, cuda: bool) -> None:
@@ -188,7 +184,7 @@ class _Staging:
             self.events[self.i] = event
 
 
-def _fill(ints: np.ndarray, floats: np.ndarray, store: StaticStore, shape: ShapeBuffers, active: dict[int, _Live],
+def fill(ints: np.ndarray, floats: np.ndarray, store: StaticStore, shape: ShapeBuffers, active: dict[int, Live],
           rows: dict[int, list], pad_id: int, ring_row: int) -> tuple[dict[int, float], dict[int, int], PackLayout]:
     """Write one step's values into the staging arrays; returns per live slot its lr and input tokens, and the
     step's layout as Python values (for the eager masked-dense dropout). A slot whose micro-batch is not its
@@ -250,7 +246,7 @@ def _put_row(r: Any, i: int, ids: np.ndarray, labels: np.ndarray, mask: np.ndarr
         pos[i, n:] = np.arange(pos.shape[1] - n) + (packed_pos[-1] + 1)
 
 
-def _step_fn(pm: PackedModel, store: StaticStore, shape: ShapeBuffers, ring: torch.Tensor, triton: bool,
+def step_fn(pm: PackedModel, store: StaticStore, shape: ShapeBuffers, ring: torch.Tensor, triton: bool,
              dropout: bool, packed: bool, chunk: int | None) -> Callable[[], None]:
     """The whole step on the shape's buffers: forward, per-slot losses, backward, clip + AdamW, ring write.
 
@@ -264,6 +260,7 @@ def _step_fn(pm: PackedModel, store: StaticStore, shape: ShapeBuffers, ring: tor
     the target tokens (a data-dependent gather: eager only, a capture of it fails over to the eager step)."""
     c = store.capacity
     pos = shape.pos if packed else None
+    own_cols = tuple((pm.specs[g].rank, pm.specs[g].scale) if g in pm.specs else (0, 0.0) for g in range(c))
 
     def step() -> None:
         head = fused_loss_head(pm.model) if triton else None  # here, not above: a replay never runs this function
@@ -271,6 +268,7 @@ def _step_fn(pm: PackedModel, store: StaticStore, shape: ShapeBuffers, ring: tor
             if not triton:  # masked-dense column scales: s_g on the slot's own rank columns of its rows
                 scale = shape.meta.seg_flt[:, SEG_FLT_COL.scale].repeat_interleave(shape.rows)
                 store.col_scale = (shape.col_mask * scale[:, None])[:, None, :]  # type: ignore[operator]
+                store.own_cols = own_cols if shape.ids.device.type == "cpu" else None
             if head is not None:
                 hidden = pm.forward_hidden(shape.ids, shape.mask, None, pos)  # (B, L, H)
                 losses, counts = static_head_losses(hidden, head, shape.labels, c, chunk=chunk)
@@ -285,126 +283,15 @@ def _step_fn(pm: PackedModel, store: StaticStore, shape: ShapeBuffers, ring: tor
                 losses, counts = static_losses(logits, shape.labels, c)
                 del logits
             (losses * shape.loss_w).sum().backward()
+            store.own_cols = None
         norms = static_adamw_step(store, shape, triton)
         ring.index_copy_(0, shape.ring_row, torch.stack([losses.detach(), counts, norms], dim=1)[None])
 
     return step
 
 
-def train_static(pm: PackedModel, capacity: int, next_job: Callable[[int], SlotJob | None], *, pad_id: int,
-                 on_step: Callable[[list[StepReport]], None] | None = None,
-                 should_stop: Callable[[StepReport], bool] | None = None,
-                 on_end: Callable[[list[SlotEnd]], None] | None = None, max_global_steps: int | None = None,
-                 cuda_graphs: str = "auto", readback_every: int = DEFAULT_READBACK, sync_steps: Collection[int] = (),
-                 rank_bucket: int | None = None, seq_multiple: int = SEQ_MULTIPLE,
-                 chunk_tokens: int | None = None) -> TrainResult:
-    """``packer.train.train`` on a static-shape step (module docstring); same arguments and result, plus:
-
-    Args:
-        cuda_graphs: ``auto`` / ``on``: capture the step on CUDA; ``off``: run it eagerly.
-        readback_every: K, steps between reads of the loss ring buffer (>= 1).
-        sync_steps: slot steps at which the loop reads back at once (the sweep's rungs).
-        rank_bucket: rows per slot and layer (None: the smallest power of two >= 16 holding the first job's
-            rank; a larger rank later moves the live slots to a larger bucket, and re-captures).
-        seq_multiple: rows are padded to a multiple of this many positions.
-        chunk_tokens: ``chunked_ce``: the loss's logits exist for this many tokens at a time (None: all at once).
-    """
-    if readback_every < 1:
-        raise ValueError(f"readback_every must be >= 1 (got {readback_every})")
-    device = pm.device
-    triton = resolve_impl(pm.state.impl, device) == "triton"
-    graphs = _Graphs(enabled=device.type == "cuda" and cuda_graphs != "off")
-    ring = torch.zeros((readback_every + 1, capacity, 3), device=device)  # last row: warm-up scratch
-    result, active, pending = TrainResult(), {}, []
-    store: StaticStore | None = None
-    shapes: dict[tuple[int, int], ShapeBuffers] = {}
-    staging: dict[tuple[int, int], _Staging] = {}
-    rows_per_slot, prepared = 1, set()
-    t0 = time.perf_counter()
-    try:
-        while True:
-            # 1. Refill free slots; a rank above the bucket moves the pack to a larger one first.
-            for slot in range(capacity):
-                job = next_job(slot) if slot not in active else None
-                if job is None:
-                    continue
-                if job.spec.sample_packing:
-                    check_sample_packing(pm)
-                if store is None or job.spec.rank > store.rank_bucket:
-                    store = _new_store(pm, store, capacity, rank_bucket or rank_bucket_for(job.spec.rank),
-                                       job.spec.rank, active)
-                    shapes, staging, graphs.graphs, prepared = {}, {}, {}, set()
-                pm.add_slot(slot, job.spec)
-                active[slot] = _Live(job, lr_schedule(job.spec), Window(job.spec.gradient_accumulation_steps))
-                result.jobs_started += 1
-            if not active or (max_global_steps is not None and result.steps >= max_global_steps):
-                break
-            assert store is not None
-            store.active = frozenset(p for s in active for p in pm.slot_paths[s])
-
-            # 2. Each live slot's micro-batch, staged into the step shape's buffers.
-            rows = {s: active[s].window.draw(active[s].job.stream) for s in sorted(active)}
-            rows_per_slot = max(rows_per_slot, *(len(r) for r in rows.values()))
-            longest = max(len(r.input_ids) for rs in rows.values() for r in rs)
-            dims = (rows_per_slot, -(-longest // seq_multiple) * seq_multiple)
-            if dims not in shapes:
-                shapes[dims] = store.shape_buffers(*dims, "triton" if triton else "torch")
-                staging[dims] = _Staging(shapes[dims].ints.numel(), shapes[dims].floats.numel(), device.type == "cuda")
-            shape, stage = shapes[dims], staging[dims]
-            row = result.steps % readback_every
-            host_ints, host_floats = stage.take()
-            lrs, input_tokens, store.host_layout = _fill(host_ints.numpy(), host_floats.numpy(), store, shape, active,
-                                                         rows, pad_id, row)
-            stage.send(shape)
-
-            # 3. The step: replayed, captured on first use of its key, or eager.
-            dropout = any(a.job.spec.dropout > 0 for a in active.values())
-            packed = any(a.job.spec.sample_packing for a in active.values())
-            key = (*dims, store.active, dropout, packed)
-            step = _step_fn(pm, store, shape, ring, triton, dropout, packed, chunk_tokens)
-            graphs.grads = store.grad if any(a.k > 1 for a in active.values()) else None
-            if triton and device.type == "cuda" and key not in prepared:
-                prepared.add(key)
-                t_compile = time.perf_counter()
-                # its torch ops reach only the ring row (the real step overwrites it) and the bf16 weight copy
-                # (cast again); the weight-gradient and optimizer kernels are skipped: gradients, weights and
-                # moments stay as they were
-                precompile(step)
-                result.compile_s += time.perf_counter() - t_compile
-            if not triton and dropout:  # masks drawn by torch generators from Python seeds: eager only
-                step()
-            else:
-                graphs.run(key, step, shape, readback_every)
-            entries, due = [], len(pending) + 1 >= readback_every
-            for s in sorted(active):
-                a = active[s]
-                a.micro += 1
-                stepped = a.window.complete
-                a.steps += stepped
-                due = due or (stepped and (a.steps >= a.job.spec.max_steps or a.steps in sync_steps))
-                entries.append(_Entry(s, a.job.key, a.steps, lrs[s], input_tokens[s], stepped, a.window.tokens))
-            pending.append(_Pending(result.steps, row, entries))
-            result.steps += 1
-
-            # 4. Read back when due; hand reports to the caller; end finished and stopped slots.
-            if due:
-                _flush(ring, pending, active, result, on_step, should_stop)
-                ends = [SlotEnd(s, a.job, a.steps, "finished" if a.steps >= a.job.spec.max_steps else "stopped")
-                        for s, a in sorted(active.items()) if a.steps >= a.job.spec.max_steps or a.stopped]
-                _end(pm, active, ends, on_end, result)
-        _flush(ring, pending, active, result, on_step, should_stop)
-        _end(pm, active, [SlotEnd(s, a.job, a.steps, "interrupted") for s, a in sorted(active.items())], on_end,
-             result)
-    finally:
-        pm.static = None
-    result.wall_s = time.perf_counter() - t0
-    result.warmup_s, result.capture_s, result.graphs = graphs.warmup_s, graphs.capture_s, len(graphs.graphs)
-    result.step = "cuda-graph" if graphs.enabled and graphs.graphs else "static-eager"
-    return result
-
-
-def _new_store(pm: PackedModel, old: StaticStore | None, capacity: int, bucket: int, rank: int,
-               active: dict[int, _Live]) -> StaticStore:
+def new_store(pm: PackedModel, old: StaticStore | None, capacity: int, bucket: int, rank: int,
+               active: dict[int, Live]) -> StaticStore:
     """A store whose bucket holds ``rank``; the live slots of ``old`` move into it (weights and moments)."""
     store = StaticStore(pm.model, pm.state, pm.layers, capacity, max(bucket, rank_bucket_for(rank)), pm.device)
     if resolve_impl(pm.state.impl, pm.device) == "triton":
@@ -421,7 +308,7 @@ def _new_store(pm: PackedModel, old: StaticStore | None, capacity: int, bucket: 
     return store
 
 
-def _flush(ring: torch.Tensor, pending: list[_Pending], active: dict[int, _Live], result: TrainResult,
+def flush(ring: torch.Tensor, pending: list[Pending], active: dict[int, Live], result: TrainResult,
            on_step: Callable[[list[StepReport]], None] | None,
            should_stop: Callable[[StepReport], bool] | None) -> None:
     """Read the ring buffer once (the loop's only sync) and report, in order, every optimizer step the pending
@@ -449,8 +336,36 @@ def _flush(ring: torch.Tensor, pending: list[_Pending], active: dict[int, _Live]
     pending.clear()
 
 
-def _end(pm: PackedModel, active: dict[int, _Live], ends: list[SlotEnd],
-         on_end: Callable[[list[SlotEnd]], None] | None, result: TrainResult) -> None:
+def record_step(active: dict[int, Live], pending: list[Pending], step: int, ring_row: int, lrs: dict[int, float],
+                input_tokens: dict[int, int], sync_steps: Collection[int], readback_every: int) -> bool:
+    """Count one step's micro-batch for every live slot (a slot whose window is complete took its optimizer step)
+    and queue what the host knows of it for ``flush``; True when the ring is due to be read: it is full, or a slot
+    reached its last step or a ``sync_steps`` step."""
+    entries, due = [], len(pending) + 1 >= readback_every
+    for s in sorted(active):
+        a = active[s]
+        a.micro += 1
+        stepped = a.window.complete
+        a.steps += stepped
+        due = due or (stepped and (a.steps >= a.job.spec.max_steps or a.steps in sync_steps))
+        entries.append(Entry(s, a.job.key, a.steps, lrs[s], input_tokens[s], stepped, a.window.tokens))
+    pending.append(Pending(step, ring_row, entries))
+    return due
+
+
+def ends(active: dict[int, Live], reason: str | None = None) -> list[SlotEnd]:
+    """The live slots that end now: finished (``max_steps``) or stopped by the caller; with ``reason``, all of them."""
+    out = []
+    for s, a in sorted(active.items()):
+        why = reason or ("finished" if a.steps >= a.job.spec.max_steps else "stopped" if a.stopped else None)
+        if why is not None:
+            out.append(SlotEnd(s, a.job, a.steps, why))
+    return out
+
+
+def end_slots(pm: PackedModel, active: dict[int, Live], ends: list[SlotEnd],
+              on_end: Callable[[list[SlotEnd]], None] | None, result: TrainResult) -> None:
+    """Hand the ending slots to ``on_end`` (their weights still exist), then free them."""
     if not ends:
         return
     if on_end is not None:

@@ -1,6 +1,6 @@
-"""The static pack's optimizer step: per-slot gradient norm, clipping and AdamW, all from device tables.
+"""The pack's optimizer step: per-slot gradient norm, clipping and AdamW, all from device tables.
 
-``packer.optim.PackedAdamW``'s arithmetic (torch's ``_multi_tensor_adam`` with decoupled weight decay) on the
+torch's ``_multi_tensor_adam`` arithmetic with decoupled weight decay (``torch.optim.AdamW``) on the
 layer-major buffers of ``packer.static.StaticStore``, with every per-slot number read from the step's optimizer
 table (``ShapeBuffers.opt``) instead of Python scalars, so that a captured graph replays it for any mix of slots,
 learning rates and schedule positions. The host fills the table (``optimizer_row``); a free slot, or a warm-up
@@ -19,7 +19,17 @@ from lora_sweep import kernels
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.static import ShapeBuffers, StaticStore
 
-__all__ = ["static_adamw_step", "optimizer_row", "NOOP", "ACCUMULATE"]
+__all__ = ["static_adamw_step", "optimizer_row", "lr_schedule", "NOOP", "ACCUMULATE"]
+
+
+def lr_schedule(spec: AdapterSpec):  # type: ignore[no-untyped-def]
+    """step -> learning-rate multiplier, by the names and formulas of ``transformers.get_scheduler``."""
+    from transformers import get_scheduler
+
+    name = "constant_with_warmup" if spec.schedule == "constant" else spec.schedule
+    holder = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=spec.lr)  # LambdaLR needs an optimizer
+    return get_scheduler(name, holder, num_warmup_steps=spec.warmup_steps,
+                         num_training_steps=spec.max_steps).lr_lambdas[0]
 
 NOOP = (1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0, math.inf, 0.0)
 """Optimizer row that changes no weight or moment: decay 1, 1 - beta1 = 0, beta2 = 1, 1 - beta2 = 0, bias
@@ -30,7 +40,7 @@ ACCUMULATE = (*NOOP[:-1], 1.0)
 
 def optimizer_row(spec: AdapterSpec, lr: float, step: int) -> tuple[float, ...]:
     """The optimizer table row of a slot taking its ``step``-th update (1-based) at learning rate ``lr``: the
-    scalars ``PackedAdamW`` passes to its foreach ops, computed in double as there."""
+    scalars ``torch.optim.AdamW``'s foreach path computes, in double as there."""
     b1, b2 = spec.betas
     return (1 - lr * spec.weight_decay, 1 - b1, b2, 1 - b2, (1 - b2 ** step) ** 0.5, spec.eps,
             -(lr / (1 - b1 ** step)), spec.max_grad_norm if spec.max_grad_norm is not None else math.inf, 0.0)
@@ -56,7 +66,7 @@ def static_adamw_step(store: StaticStore, shape: ShapeBuffers, triton: bool) -> 
         kernels.segmented_adamw_(store.flat, store.grad, store.exp_avg, store.exp_avg_sq, store.segs, shape.rank,
                                  coef, opt, store.rank_bucket)
         return norms
-    cols = [opt[:, i:i + 1] for i in range(9)]
+    cols = [opt[:, i:i + 1].to(store.flat.dtype) for i in range(9)]  # (a float64 store: the test's fp64 runs)
     decay, w1, b2, w2, bc2, eps, step, _, keep = cols
     for p in store.paths:
         for leaf in (store.a[p], store.bt[p]):

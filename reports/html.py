@@ -154,6 +154,8 @@ def _packs_section(data: StudyData) -> str:
                                                          "fig-timeline"))]
     parts.append(_safe("pack throughput", lambda: _figure(timeline.plot_packs(timeline._packs_info(data)),
                                                           "fig-packs")))
+    parts.append(_note("Training step: " + "; ".join(f"pack {p.pack_id}: {p.step or 'not recorded'}"
+                                                     for p in data.packs)))
     return "\n".join(parts)
 
 

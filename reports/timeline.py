@@ -89,7 +89,8 @@ def _packs_info(data: StudyData) -> PacksInfo:
     return PacksInfo([f"pack {p.pack_id}" for p in packs], [p.tokens_per_s for p in packs],
                      [p.peak_mem_bytes / 2**20 if p.peak_mem_bytes is not None else None for p in packs],
                      [f"<b>pack {p.pack_id}</b> ({fmt(p.status)}, {fmt(p.device)})<br>{fmt(p.slots)} slots, "
-                      f"{fmt(p.steps)} steps, {fmt(p.tokens)} tokens in {fmt(p.wall_s)} s" for p in packs])
+                      f"{fmt(p.steps)} steps, {fmt(p.tokens)} tokens in {fmt(p.wall_s)} s, the {fmt(p.step)} step"
+                      for p in packs])
 
 
 def plot_packs(info: PacksInfo) -> go.Figure:

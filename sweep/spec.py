@@ -160,11 +160,10 @@ class TrainSpec:
     """Score each trial's held-out loss every this many optimizer steps (a curve in the store, kind
     ``curve``; with one objective also Optuna's intermediate values, instead of the training loss)."""
     optimizer_in_backward: bool = False
-    """Take each trial's AdamW step inside the backward, layer by layer, and keep no gradient buffers
-    (torchtune's ``optimizer_in_bwd``; ``packer.train``): needs ``max_grad_norm: null`` and
-    ``gradient_accumulation_steps: 1``, not searched. On CUDA the static-shape step takes the same updates after
-    the backward from its one preallocated gradient buffer (a warning says so): the memory saving is the CPU's
-    dynamic step's."""
+    """torchtune's ``optimizer_in_bwd``, mapped onto the one training step (``packer.train``): the same AdamW
+    updates, taken after the backward from the step's preallocated fp32 gradient buffer, so the memory saving
+    (4 B per adapter parameter) is not taken; a warning says so. Needs ``max_grad_norm: null`` and
+    ``gradient_accumulation_steps: 1``, not searched."""
 
     def __post_init__(self) -> None:
         if self.alpha_ratio is not None:

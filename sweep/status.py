@@ -73,7 +73,7 @@ def study_status(root: Path, top: int = 5) -> dict[str, Any]:
         "split": last_run(root),
         "packs": [{"pack_id": p.pack_id, "status": p.status, "slots": p.slots, "steps": p.steps,
                    "tokens": p.tokens, "tokens_per_s": p.tokens_per_s, "wall_s": p.wall_s,
-                   "peak_mem_bytes": p.peak_mem_bytes} for p in packs],
+                   "peak_mem_bytes": p.peak_mem_bytes, "step": p.step} for p in packs],
     }
 
 
@@ -153,11 +153,11 @@ def render(info: dict[str, Any]) -> None:
         console.print(f"Pareto front over {axes}: {len(info['pareto'])} trials: {points}")
     _render_vs_default(console, info.get("vs_default"))
     packs = Table(title="packs")
-    for col in ("pack", "status", "slots", "steps", "tokens", "tokens/s", "wall s"):
+    for col in ("pack", "status", "slots", "steps", "tokens", "tokens/s", "wall s", "step"):
         packs.add_column(col)
     for p in info["packs"]:
         packs.add_row(str(p["pack_id"]), p["status"], str(p["slots"]), str(p["steps"]), str(p["tokens"]),
-                      f"{p['tokens_per_s'] or 0:,.0f}", f"{p['wall_s'] or 0:.1f}")
+                      f"{p['tokens_per_s'] or 0:,.0f}", f"{p['wall_s'] or 0:.1f}", p["step"] or "-")
     console.print(packs)
     if info.get("split"):
         console.print(WallSplit().table(info["split"]).replace("this run", "the last run"), highlight=False)

@@ -536,7 +536,7 @@ def _train_pack(sweep: _Sweep, session: Session) -> bool:
     pm, spec = session.pm, sweep.spec
     if pm.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(pm.device)
-    status = "failed"
+    status, step = "failed", None
     phased = sweep.split.timed  # the callbacks' own work is storage; evaluations and saves inside are their own
     sharded = spec.packing.shard == "fsdp"
     options = dict(chunked_ce=spec.packing.chunked_ce, activation_checkpointing=spec.packing.activation_checkpointing,
@@ -559,7 +559,8 @@ def _train_pack(sweep: _Sweep, session: Session) -> bool:
         for part, seconds in (("precompile", result.compile_s), ("warm-up", result.warmup_s),
                               ("capture", result.capture_s)):
             sweep.split.move(seconds, "train", "compile", detail=f"compile:{part}")
-        sweep.log(f"pack {sweep.pack_id}: trained on the {result.step} step ({STEP_NAMES[result.step]})")
+        step = result.step
+        sweep.log(f"pack {sweep.pack_id}: trained on the {step} step ({STEP_NAMES[step]})")
         status = "finished"
         return True
     except torch.OutOfMemoryError as err:
@@ -582,7 +583,8 @@ def _train_pack(sweep: _Sweep, session: Session) -> bool:
         peak = torch.cuda.max_memory_allocated(pm.device) if pm.device.type == "cuda" else None
         with sweep.split.phase("storage"):
             session.store.finish_pack(sweep.pack_id, status=status, steps=sweep.summary.steps - sweep.pack_step0,
-                                      tokens=sweep.summary.tokens - sweep.pack_tokens0, peak_mem_bytes=peak)
+                                      tokens=sweep.summary.tokens - sweep.pack_tokens0, peak_mem_bytes=peak,
+                                      step=step)
         if status == "oom":
             if pm.device.type == "cuda":
                 torch.cuda.empty_cache()  # the failed step's activations, before the next pack plans on them

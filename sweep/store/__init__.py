@@ -73,6 +73,9 @@ created, updated (time of the last write), lora_sweep_version.
     steps, tokens     Pack steps run and training tokens over all slots.  tokens_per_s: throughput.
     peak_mem_bytes    Peak device memory allocated.
     status            'running', 'finished', 'failed' or 'oom'; a pack left 'running' was killed.
+    step              The training step it ran: 'cuda-graph' (static shapes replayed as CUDA graphs) or
+                      'static-eager' (the same step run eagerly: the CPU, cuda_graphs off, a failed capture);
+                      NULL for a pack that did not finish training (and in stores written before schema 2).
 
 ``slot_spans`` (PK pack_id, slot, trial): the pack timeline, which trial sat in which slot when.
     pack_id, slot, trial      Pack, slot index and the trial in it.

@@ -111,7 +111,10 @@ class ResultsStore:
         with self.transaction():
             for table, (_, pk) in TABLES.items():
                 types = {c: "TEXT" if ty == "JSON" else ty for c, ty in columns(table).items()}
-                self.db.table(table).create(types, pk=pk[0] if len(pk) == 1 else pk, not_null=pk, if_not_exists=True)
+                t = self.db.table(table)
+                t.create(types, pk=pk[0] if len(pk) == 1 else pk, not_null=pk, if_not_exists=True)
+                for col in types.keys() - t.columns_dict.keys():  # a column added since the file's schema version
+                    t.add_column(col, types[col])
             self.db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             now = to_json(time.time())
             for key, value in (("created", now), ("lora_sweep_version", to_json(_version()))):
@@ -255,8 +258,10 @@ class ResultsStore:
         peak_mem_bytes: int | None = None,
         tokens_per_s: float | None = None,
         finished: float | None = None,
+        step: str | None = None,
     ) -> None:
-        """Close a pack: wall_s is finished - started; tokens_per_s defaults to tokens / wall_s."""
+        """Close a pack: wall_s is finished - started; tokens_per_s defaults to tokens / wall_s; ``step`` is the
+        training step it ran (``packer.train``'s ``TrainResult.step``)."""
         with self.transaction():
             started = self.db.execute("SELECT started FROM packs WHERE pack_id = ?", [pack_id]).fetchone()
             if started is None:
@@ -266,7 +271,8 @@ class ResultsStore:
             if tokens_per_s is None and tokens is not None and wall > 0:
                 tokens_per_s = tokens / wall
             row = {"pack_id": pack_id, "finished": end, "wall_s": wall, "status": status, "steps": steps,
-                   "tokens": tokens, "peak_mem_bytes": peak_mem_bytes, "tokens_per_s": tokens_per_s}  # fmt: skip
+                   "tokens": tokens, "peak_mem_bytes": peak_mem_bytes, "tokens_per_s": tokens_per_s,
+                   "step": step}  # fmt: skip
             self._put("packs", [{k: v for k, v in row.items() if v is not None}], upsert=True)
 
     def open_span(

@@ -17,7 +17,8 @@ from lora_sweep.sweep.store.attrs import BASELINE, DEFAULT
 __all__ = ["SCHEMA_VERSION", "TrialRecord", "StepRow", "EvalRow", "ItemRow", "PackRecord", "SlotSpan",
            "PruneDecision", "TABLES", "columns", "to_json", "from_json", "plain", "now_or"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2: ``packs.step`` (the training step a pack ran). An older file gains the missing columns when opened."""
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 
@@ -145,6 +146,8 @@ class PackRecord:
     device: str | None = None
     wall_s: float | None = None
     status: str | None = None
+    step: str | None = None
+    """The training step the pack ran (``packer.train``'s ``TrainResult.step``: cuda-graph or static-eager)."""
 
 
 @dataclass(frozen=True)

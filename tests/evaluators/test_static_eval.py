@@ -54,7 +54,7 @@ def static_pack_evaluations(model_dir, check, attn: str = "sdpa", device: str = 
         check(pm, sorted(pm.specs), tok)
 
     train(pm, 4, lambda slot: queue.pop(0) if queue else None, pad_id=tok.pad_token_id, on_end=on_end,
-          static_shapes=True, readback_every=2, **train_kw)
+          readback_every=2, **train_kw)
     assert len(calls) == 2 and pm.static is None
 
 

@@ -1,15 +1,14 @@
 """Gradient accumulation per slot: micro-batch m x accumulation k is one batch of m*k examples.
 
 The oracle is PEFT + torch AdamW stepping once per batch of m*k examples, its loss the mean over
-all their target tokens (what transformers computes with ``num_items_in_batch``). Both steps are held to it:
-the dynamic one and the static-shape one (eager here on the CPU; its k is data in the step's tables).
+all their target tokens (what transformers computes with ``num_items_in_batch``). The step runs eagerly here on
+the CPU; its k is data in the step's tables.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-import pytest
 import torch
 
 from lora_sweep.packer.data import SlotStream
@@ -23,10 +22,7 @@ PAD = 0
 STEPS = 6
 
 
-STEPS_KINDS = pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
-
-
-def _packed(model_dir, jobs, capacity, static=False):  # noqa: ANN001, ANN202
+def _packed(model_dir, jobs, capacity):  # noqa: ANN001, ANN202
     model, _ = load_base(str(model_dir), attn_implementation="eager")
     pm = PackedModel(model)
     queue = list(jobs)
@@ -39,8 +35,8 @@ def _packed(model_dir, jobs, capacity, static=False):  # noqa: ANN001, ANN202
             steps.setdefault(r.key, []).append((r.step, r.slot_step, r.tokens))
 
     result = train(pm, capacity, lambda slot: queue.pop(0) if queue else None, pad_id=PAD, on_step=on_step,
-                   on_end=rec.on_end, static_shapes=static, readback_every=5)
-    assert result.step == ("static-eager" if static else "dynamic")
+                   on_end=rec.on_end, readback_every=5)
+    assert result.step == "static-eager"
     return rec.losses, rec.final, steps
 
 
@@ -62,10 +58,9 @@ ACC = AdapterSpec(rank=4, alpha=8, lr=5e-3, micro_batch=2, gradient_accumulation
                   weight_decay=0.01)
 
 
-@STEPS_KINDS
-def test_micro_2_by_accumulation_4_equals_one_batch_of_8(tiny_dirs, static: bool) -> None:
+def test_micro_2_by_accumulation_4_equals_one_batch_of_8(tiny_dirs) -> None:
     model_dir = tiny_dirs("llama")
-    losses, final, steps = _packed(model_dir, [SlotJob(ACC, _stream(ACC, 100), key=0)], capacity=1, static=static)
+    losses, final, steps = _packed(model_dir, [SlotJob(ACC, _stream(ACC, 100), key=0)], capacity=1)
     # one report per optimizer step, after every 4th micro-batch
     assert [(s, k) for s, k, _ in steps[0]] == [(4 * i + 3, i + 1) for i in range(STEPS)]
     one_batch = replace(ACC, micro_batch=8, gradient_accumulation_steps=1)
@@ -82,15 +77,14 @@ def test_accumulated_gradient_is_independent_of_the_split(tiny_dirs) -> None:
         _assert_same(losses, final, 0, runs[0][0][0], runs[0][1][0])
 
 
-@STEPS_KINDS
-def test_heterogeneous_accumulation_in_one_pack(tiny_dirs, static: bool) -> None:
+def test_heterogeneous_accumulation_in_one_pack(tiny_dirs) -> None:
     """Slots with accumulation 1, 3 and 4 share a pack; each equals PEFT on its own effective batches."""
     model_dir = tiny_dirs("llama")
     specs = [replace(ACC, micro_batch=2, gradient_accumulation_steps=1, seed=1, max_steps=10),
              replace(ACC, micro_batch=1, gradient_accumulation_steps=3, seed=2, dropout=0.0, lr=1e-2),
              ACC]
     jobs = [SlotJob(sp, _stream(sp, 200 + i), key=i) for i, sp in enumerate(specs)]
-    losses, final, steps = _packed(model_dir, jobs, capacity=3, static=static)
+    losses, final, steps = _packed(model_dir, jobs, capacity=3)
     assert [s for s, _, _ in steps[1]] == [3 * i + 2 for i in range(STEPS)]
     assert [s for s, _, _ in steps[0]] == list(range(10))
     for i, sp in enumerate(specs):
@@ -99,9 +93,8 @@ def test_heterogeneous_accumulation_in_one_pack(tiny_dirs, static: bool) -> None
         _assert_same(losses, final, i, *ref)
 
 
-@STEPS_KINDS
-def test_reported_tokens_are_the_whole_steps_target_tokens(tiny_dirs, static: bool) -> None:
-    _, _, steps = _packed(tiny_dirs("llama"), [SlotJob(ACC, _stream(ACC, 100), key=0)], capacity=1, static=static)
+def test_reported_tokens_are_the_whole_steps_target_tokens(tiny_dirs) -> None:
+    _, _, steps = _packed(tiny_dirs("llama"), [SlotJob(ACC, _stream(ACC, 100), key=0)], capacity=1)
     stream = _stream(ACC, 100)
     expected = []
     for _ in range(STEPS):

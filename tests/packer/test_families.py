@@ -23,11 +23,10 @@ need_triton()  # before anything imports the Triton kernel modules
 from lora_sweep.kernels import PackLayout  # noqa: E402
 from lora_sweep.packer.errors import ConfigError  # noqa: E402
 from lora_sweep.packer.layer import PackedLoRALinear, PackState  # noqa: E402
-from lora_sweep.packer.loss import check_plain_head, chunked_slot_losses  # noqa: E402
+from lora_sweep.packer.loss import check_plain_head, chunked_slot_losses, slot_losses  # noqa: E402
 from lora_sweep.packer.model import PackedModel, load_base  # noqa: E402
 from lora_sweep.packer.plan import AdapterSpec  # noqa: E402
 from lora_sweep.packer.tiny import FAMILIES, _init_model, tiny_config  # noqa: E402
-from lora_sweep.packer.train import slot_losses  # noqa: E402
 
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on CPU the kernels run in the interpreter
 ROWS, SEQ = 3, 10
@@ -117,8 +116,7 @@ def test_chunked_loss_runs_only_where_the_head_makes_the_logits(tiny_dirs, famil
             check_plain_head(pm.model.config)
         return
     check_plain_head(pm.model.config)
-    batch = type("Batch", (), {"layout": LAYOUT})()
-    losses, counts = slot_losses(logits, labels, batch)
+    losses, counts = slot_losses(logits, labels, LAYOUT)
     with torch.no_grad():
         chunked, chunked_counts = chunked_slot_losses(hidden, pm.output_head(), labels, LAYOUT, chunk_tokens=5)
     torch.testing.assert_close(chunked, losses, rtol=1e-5, atol=1e-6)

@@ -9,12 +9,12 @@ from transformers import AutoModelForCausalLM
 from lora_sweep.packer.batch import IGNORE_INDEX, collate
 from lora_sweep.packer.data import Example, SlotStream
 from lora_sweep.packer.errors import ConfigError
-from lora_sweep.packer.loss import chunked_slot_losses, output_head, plain_output_head
+from lora_sweep.packer.loss import chunked_slot_losses, output_head, plain_output_head, slot_losses
 from lora_sweep.packer.model import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.probe import peak_memory
 from lora_sweep.packer.tiny import tiny_config
-from lora_sweep.packer.train import FixedBatch, SlotJob, slot_losses, train
+from lora_sweep.packer.train import FixedBatch, SlotJob, train
 from tests.conftest import Recorder, random_examples
 
 PAD = 0
@@ -45,7 +45,7 @@ def _loss_and_grads(pm: PackedModel, batch, chunk_tokens: int | None):
         pm.flat_buffers(slot)[1].zero_()
     if chunk_tokens is None:
         losses, counts = slot_losses(pm.forward(batch.input_ids, batch.attention_mask, batch.layout), batch.labels,
-                                     batch)
+                                     batch.layout)
     else:
         hidden = pm.forward_hidden(batch.input_ids, batch.attention_mask, batch.layout)
         losses, counts = chunked_slot_losses(hidden, pm.output_head(), batch.labels, batch.layout,
@@ -92,7 +92,7 @@ def _train(model_dir, family: str, **options):
     pm = PackedModel(load_base(str(model_dir), attn_implementation="eager")[0])
     queue = [SlotJob(spec, SlotStream(random_examples(30, seed=100 + i), spec.micro_batch, seed=spec.seed), key=i)
              for i, spec in enumerate(_specs(family))]
-    rec = Recorder(pm, snapshot=lambda slot: pm.flat_buffers(slot)[0].clone())
+    rec = Recorder(pm, snapshot=lambda slot: torch.cat([t.detach().flatten() for t in pm.slot_parameters(slot)]))
 
     train(pm, 2, lambda slot: queue.pop(0) if queue else None, pad_id=PAD, on_step=rec.on_step, on_end=rec.on_end,
           **options)

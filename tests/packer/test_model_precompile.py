@@ -1,5 +1,6 @@
-"""``PackedModel.precompile`` before a pack's first step: it asks for every kernel variant the step launches,
-launches none, and leaves the slots' weights and gradient buffers as they were."""
+"""The training step's precompile (``capture.precompile`` of the whole step, before its first run): it asks for every
+kernel variant the step launches, launches none, and leaves the pack's weights, gradients and moments as they
+were."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from tests.conftest import need_triton
 
 need_triton()  # before anything imports the Triton kernel modules
 
+import lora_sweep.packer.train  # noqa: E402
 from lora_sweep.packer.model import PackedModel, load_base  # noqa: E402
 from lora_sweep.packer.plan import AdapterSpec  # noqa: E402
 from lora_sweep.packer.train import FixedBatch, SlotJob, train  # noqa: E402
@@ -28,15 +30,16 @@ def test_precompile_covers_the_first_step_and_touches_no_slot(tiny_dirs, monkeyp
     jobs = [SlotJob(s, FixedBatch(random_examples(2, i)), key=i) for i, s in enumerate(specs)]
     calls = record_launches(monkeypatch)
     snapshots = []
-    precompile = pm.precompile
+    real = lora_sweep.packer.train.precompile
 
-    def checked(*args: object) -> None:  # the slots' buffers around the call
-        before = [t.clone() for slot in range(3) for t in pm.flat_buffers(slot)]
-        precompile(*args)  # type: ignore[arg-type]
-        snapshots.append((before, [t.clone() for slot in range(3) for t in pm.flat_buffers(slot)]))
+    def checked(step) -> None:  # noqa: ANN001  (the store's buffers around the call)
+        store = pm.static
+        before = [t.clone() for t in (store.flat, store.grad, store.exp_avg, store.exp_avg_sq)]
+        real(step)
+        snapshots.append((before, [t.clone() for t in (store.flat, store.grad, store.exp_avg, store.exp_avg_sq)]))
 
-    monkeypatch.setattr(pm, "precompile", checked)
-    train(pm, 3, lambda s: jobs.pop(0) if jobs else None, pad_id=0, static_shapes=False)  # the dynamic step's
+    monkeypatch.setattr(lora_sweep.packer.train, "precompile", checked)
+    train(pm, 3, lambda s: jobs.pop(0) if jobs else None, pad_id=0)
     warm = {v for inside, v in calls if inside}
     real = {v for inside, v in calls if not inside}
     assert len(snapshots) == 1, "once, before the first step"
@@ -57,7 +60,7 @@ def test_a_failed_precompile_warns_and_training_goes_on(tiny_dirs, monkeypatch) 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, _ = load_base(str(tiny_dirs("qwen2")), device=device)
     pm = PackedModel(model, impl="triton")
-    jobs = [SlotJob(AdapterSpec(rank=4, targets=("all-linear",), max_steps=2), FixedBatch(random_examples(2, 0)))]
+    jobs = [SlotJob(AdapterSpec(rank=4, targets=("all-linear",), max_steps=1), FixedBatch(random_examples(2, 0)))]
     with pytest.warns(UserWarning, match="precompile failed.*AttributeError: no warmup here"):
         result = train(pm, 1, lambda s: jobs.pop(0) if jobs else None, pad_id=0)
-    assert result.steps == 2
+    assert result.steps == 1 and result.jobs_started == 1

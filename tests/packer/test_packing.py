@@ -86,19 +86,18 @@ SPEC = AdapterSpec(rank=4, alpha=8, lr=5e-3, micro_batch=2, max_steps=8, seed=3,
                    targets=("q_proj", "v_proj", "down_proj"), gradient_accumulation_steps=2)
 
 
-def _train(model_dir, jobs, static=False):  # noqa: ANN001, ANN202
+def _train(model_dir, jobs):  # noqa: ANN001, ANN202
     model, _ = load_base(str(model_dir), attn_implementation="sdpa")
     pm = PackedModel(model)
     queue, rec = list(jobs), Recorder(pm)
     result = train(pm, len(jobs), lambda slot: queue.pop(0) if queue else None, pad_id=PAD, on_step=rec.on_step,
-                   on_end=rec.on_end, static_shapes=static)
-    assert result.step == ("static-eager" if static else "dynamic")
+                   on_end=rec.on_end)
+    assert result.step == "static-eager"
     return rec.losses, rec.final
 
 
-@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_sample_packed_slot_trains_as_its_examples_unpacked(tiny_dirs, family: str, static: bool) -> None:
+def test_sample_packed_slot_trains_as_its_examples_unpacked(tiny_dirs, family: str) -> None:
     """Per-step losses within 1e-5 relative and the same final adapter, with accumulation (dropout off: its
     masks are drawn per row layout, so a packed row draws other masks than the rows it replaces); an
     unpacked slot beside it is unchanged. On the static step the packed rows' positions are a block of its
@@ -112,7 +111,7 @@ def test_sample_packed_slot_trains_as_its_examples_unpacked(tiny_dirs, family: s
                                                                   _Unpacked(stream), key=0)
         return [job, SlotJob(plain_spec, SlotStream(random_examples(20, seed=5), 2, seed=1), key=1)]
 
-    packed_losses, packed_final = _train(tiny_dirs(family), jobs(True), static)
+    packed_losses, packed_final = _train(tiny_dirs(family), jobs(True))
     ref_losses, ref_final = _train(tiny_dirs(family), jobs(False))
     alone_losses, _ = _train(tiny_dirs(family), jobs(False)[1:])
     for key in (0, 1):
@@ -127,11 +126,10 @@ def test_sample_packed_slot_trains_as_its_examples_unpacked(tiny_dirs, family: s
         torch.testing.assert_close(b, ref_final[0][path][1], rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
-def test_unverified_family_is_refused(tiny_dirs, static: bool) -> None:
+def test_unverified_family_is_refused(tiny_dirs) -> None:
     stream = SamplePackedStream(random_examples(10, seed=4), 1, 0, ROW)
     with pytest.raises(ConfigError, match="sample_packing: not verified for model family 'opt'"):
-        _train(tiny_dirs("opt"), [SlotJob(replace(SPEC, targets=("q_proj",)), stream)], static)
+        _train(tiny_dirs("opt"), [SlotJob(replace(SPEC, targets=("q_proj",)), stream)])
 
 
 def test_opt_would_be_wrong_packed(tiny_dirs) -> None:

@@ -38,9 +38,9 @@ def _run(model_dir, specs, capacity, first=0, **kw):  # noqa: ANN001, ANN003, AN
 
 
 def test_qlora_slot_in_a_triton_pack_equals_it_alone(tiny_dirs) -> None:
-    packed, _ = _run(tiny_dirs("llama"), SPECS, 3, static_shapes=False)
+    packed, _ = _run(tiny_dirs("llama"), SPECS, 3)
     for i, spec in enumerate(SPECS):
-        alone, _ = _run(tiny_dirs("llama"), [spec], 1, first=i, static_shapes=False)  # the same data as in the pack
+        alone, _ = _run(tiny_dirs("llama"), [spec], 1, first=i)  # the same data as in the pack
         torch.testing.assert_close(torch.tensor(packed.losses[i]), torch.tensor(alone.losses[0]), rtol=1e-4, atol=0)
         for path, (a, b) in packed.final[i].items():
             assert b.abs().max() > 0
@@ -49,8 +49,8 @@ def test_qlora_slot_in_a_triton_pack_equals_it_alone(tiny_dirs) -> None:
 
 
 def test_the_static_step_captures_over_nf4_and_equals_eager(tiny_dirs) -> None:
-    eager, r_eager = _run(tiny_dirs("llama"), SPECS, 3, static_shapes=True, cuda_graphs="off")
-    graph, r_graph = _run(tiny_dirs("llama"), SPECS, 3, static_shapes=True, cuda_graphs="on")
+    eager, r_eager = _run(tiny_dirs("llama"), SPECS, 3, cuda_graphs="off")
+    graph, r_graph = _run(tiny_dirs("llama"), SPECS, 3, cuda_graphs="on")
     assert r_eager.graphs == 0 and r_graph.graphs >= 1
     for key in eager.losses:
         torch.testing.assert_close(torch.tensor(graph.losses[key]), torch.tensor(eager.losses[key]), rtol=1e-6, atol=0)

@@ -40,8 +40,8 @@ SPECS = [
     AdapterSpec(rank=4, alpha=8, lr=8e-3, micro_batch=2, targets=("all-linear",), max_steps=4, seed=5),
 ]
 """Job 0 ends after 3 steps and job 4 refills its slot; job 2 is pruned."""
-STEPS_RUN = {"dynamic": (False, False), "static": (True, False), "dynamic-ckpt": (False, True)}
-"""Step -> (static-shape step, activation checkpointing) of the sharded runs."""
+STEPS_RUN = {"plain": False, "ckpt": True}
+"""Run name -> activation checkpointing, of the sharded runs."""
 EVALUATORS = [("heldout_loss", None), ("generation", {"max_new_tokens": 4, "batch_size": 2})]
 
 
@@ -54,9 +54,9 @@ def _prune(report: StepReport) -> bool:
     return report.key == PRUNED and report.slot_step >= PRUNE_AT
 
 
-def train_pack(model_dir: Path, shard: bool, static: bool = False, ckpt: bool = False) -> dict:
+def train_pack(model_dir: Path, shard: bool, ckpt: bool = False) -> dict:
     """Train the jobs in a 4-slot pack (its base sharded over the default process group if ``shard``; on the
-    static-shape step, eager, if ``static``; each decoder layer recomputed in the backward if ``ckpt``), each job
+    eager step; each decoder layer recomputed in the backward if ``ckpt``), each job
     scored as it ends (held-out loss and generation, as the sweep scores them); returns per-key losses, final (A, B)
     and metrics, how the jobs ended, this rank's parameter bytes before and after sharding and what ``base_share``
     counts of them."""
@@ -78,17 +78,17 @@ def train_pack(model_dir: Path, shard: bool, static: bool = False, ckpt: bool = 
         texts.update({e.job.key: [r["generation"] for r in scored.samples[e.slot] if "generation" in r] for e in ends})
 
     result = train(pm, 4, lambda slot: queue.pop(0) if queue else None, pad_id=PAD, on_step=rec.on_step,
-                   should_stop=_prune, on_end=on_end, static_shapes=static, cuda_graphs="off",
+                   should_stop=_prune, on_end=on_end, cuda_graphs="off",
                    readback_every=1, activation_checkpointing=ckpt)
-    assert result.step == ("static-eager" if static else "dynamic")
+    assert result.step == "static-eager"
     return {"losses": dict(rec.losses), "final": rec.final, "metrics": metrics, "texts": texts,
             "ended": sorted(result.ended), "bytes": (before, after),
             "share": None if share is None else (share.whole, share.shard, share.peak)}
 
 
 def _rank(rank: int, world: int, model_dir: Path, out: Path) -> None:
-    for step, (static, ckpt) in STEPS_RUN.items():  # in one pair of processes: starting them is most of the time
-        torch.save(train_pack(model_dir, shard=True, static=static, ckpt=ckpt), out / f"rank{rank}-{step}.pt")
+    for step, ckpt in STEPS_RUN.items():  # in one pair of processes: starting them is most of the time
+        torch.save(train_pack(model_dir, shard=True, ckpt=ckpt), out / f"rank{rank}-{step}.pt")
 
 
 def _assert_same_training(got: dict, ref: dict) -> None:
@@ -109,7 +109,7 @@ def _assert_same_training(got: dict, ref: dict) -> None:
 
 @pytest.fixture(scope="module")
 def two_ranks(tiny_dirs, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Directory of what each of 2 gloo ranks trained, sharded, on either step."""
+    """Directory of what each of 2 gloo ranks trained, sharded, with and without activation checkpointing."""
     out = tmp_path_factory.mktemp("ranks")
     spawn(_rank, 2, tiny_dirs("llama"), out)
     return out
@@ -119,7 +119,7 @@ def two_ranks(tiny_dirs, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_sharded_pack_trains_as_unsharded(tiny_dirs, two_ranks: Path, step: str) -> None:
     """The reference is never checkpointed: recomputing a layer inside its FSDP unit (gathered again for the
     recompute) changes nothing either."""
-    ref = train_pack(tiny_dirs("llama"), shard=False, static=STEPS_RUN[step][0])
+    ref = train_pack(tiny_dirs("llama"), shard=False)
     # the lifecycle this test is about: job 0 finished early and was refilled by job 4, job 2 was pruned
     assert (0, 3, "finished") in ref["ended"] and (4, 4, "finished") in ref["ended"]
     assert (PRUNED, PRUNE_AT, "stopped") in ref["ended"]
@@ -160,20 +160,3 @@ def test_shard_before_slots_and_layers_found(tiny_dirs, tmp_path: Path) -> None:
     finally:
         dist.destroy_process_group()
     assert not is_sharded(model)
-
-
-def test_sharded_pack_refuses_the_step_in_the_backward(tiny_dirs, tmp_path: Path) -> None:
-    """Stepping in the backward leaves no gradient buffer to synchronise: the first backward says so."""
-    model, _ = load_base(str(tiny_dirs("llama")), attn_implementation="eager")
-    pm = PackedModel(model)
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
-    try:
-        shard_base(pm)
-        spec = AdapterSpec(rank=2, alpha=4, lr=1e-3, micro_batch=1, targets=("q_proj",), max_steps=2,
-                           max_grad_norm=None)
-        jobs = [SlotJob(spec, SlotStream(random_examples(4, seed=0), 1, seed=0), key=0)]
-        with pytest.raises(ConfigError, match="optimizer_in_backward keeps no gradient buffer"):
-            train(pm, 1, lambda slot: jobs.pop(0) if jobs else None, pad_id=PAD, static_shapes=False,
-                  optimizer_in_backward=True)
-    finally:
-        dist.destroy_process_group()

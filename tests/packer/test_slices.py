@@ -1,5 +1,6 @@
-"""``packer.slices``: q/k/v and gate/up run as shared-input group calls on the Triton path, train to what the
-projections run one by one train to, and fall back to one call per projection where a group cannot apply."""
+"""``packer.slices``: q/k/v and gate/up run as shared-input group calls (on the static step, and in the per-batch
+forwards evaluation falls back to), train to what the projections run alone train to, and fall back to one call per
+projection where a group cannot apply."""
 
 from __future__ import annotations
 
@@ -37,72 +38,9 @@ def _counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-def _train(pm: PackedModel, specs: list[AdapterSpec], **options: object) -> Recorder:
-    """Train on the dynamic step, the one that runs shared-input groups (the static step, CUDA's default, does not)."""
-    jobs = [SlotJob(s, FixedBatch(random_examples(2, i)), key=i) for i, s in enumerate(specs)]
-    rec = Recorder(pm)
-    train(pm, len(specs), lambda s: jobs.pop(0) if jobs else None, pad_id=0, on_step=rec.on_step, on_end=rec.on_end,
-          static_shapes=False, **options)  # type: ignore[arg-type]
-    return rec
-
-
-def _same(got: Recorder, want: Recorder, n: int) -> None:
-    """Equal losses, and final weights within the bound of packer's other reduction-order tests (AdamW
-    rescales near-zero gradients' noise)."""
-    for key in range(n):
-        assert len(got.losses[key]) == 3
-        torch.testing.assert_close(torch.tensor(got.losses[key]), torch.tensor(want.losses[key]), rtol=1e-5,
-                                   atol=1e-5)
-        for (a, b), (a0, b0) in zip(got.final[key].values(), want.final[key].values(), strict=True):
-            torch.testing.assert_close(a, a0, rtol=0, atol=1e-4)
-            torch.testing.assert_close(b, b0, rtol=0, atol=1e-4)
-
-
 SPECS = [AdapterSpec(rank=4, targets=("all-linear",), max_steps=3, seed=1, lr=1e-2),
          AdapterSpec(rank=8, alpha=8.0, targets=("q_proj", "v_proj", "up_proj"), max_steps=3, seed=2, lr=1e-2),
          AdapterSpec(rank=2, targets=("k_proj", "gate_proj"), max_steps=3, seed=3, lr=1e-2)]
-
-
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_groups_train_as_the_projections_one_by_one(tiny_dirs, monkeypatch, family: str) -> None:
-    """Three slots adapting different subsets of q/k/v and gate/up (mixed ranks and scales; Qwen2's q/k/v
-    carry biases): the losses and final weights of grouped calls equal those of one call per projection."""
-    calls = _counting(monkeypatch)
-    grouped_pm = PackedModel(load_base(str(tiny_dirs(family)), device=DEVICE)[0], impl="triton")
-    grouped = _train(grouped_pm, SPECS)
-    layers = grouped_pm.model.config.num_hidden_layers
-    assert len(grouped_pm.groups) == 2 * layers
-    assert set(calls) == {2, 3} and len(calls) >= 2 * layers * 3  # each layer's two groups, every step
-    monkeypatch.setattr(lora_sweep.packer.model, "link_groups", lambda layers: [])
-    alone_pm = PackedModel(load_base(str(tiny_dirs(family)), device=DEVICE)[0], impl="triton")
-    alone = _train(alone_pm, SPECS)
-    assert all(layer.group is None for layer in alone_pm.layers.values())
-    _same(grouped, alone, len(SPECS))
-
-
-def test_groups_under_activation_checkpointing(tiny_dirs, monkeypatch) -> None:
-    """Recomputing each decoder layer in the backward re-runs its group calls (more calls, same groups):
-    the same losses and weights as without checkpointing."""
-    calls = _counting(monkeypatch)
-    plain = _train(PackedModel(load_base(str(tiny_dirs("llama")), device=DEVICE)[0], impl="triton"), SPECS)
-    n_plain = len(calls)
-    pm = PackedModel(load_base(str(tiny_dirs("llama")), device=DEVICE)[0], impl="triton")
-    checkpointed = _train(pm, SPECS, activation_checkpointing=True)
-    assert pm._checkpointed and len(calls) - n_plain > n_plain  # the recompute called the groups again
-    _same(checkpointed, plain, len(SPECS))
-
-
-def test_dropout_or_the_torch_path_run_one_call_per_projection(tiny_dirs, monkeypatch) -> None:
-    """A slot with LoRA dropout on q/k/v keeps that group apart (gate/up, which it does not adapt, still groups);
-    on the torch path nothing groups."""
-    calls = _counting(monkeypatch)
-    pm = PackedModel(load_base(str(tiny_dirs("llama")), device=DEVICE)[0], impl="triton")
-    _train(pm, [SPECS[0], AdapterSpec(rank=2, targets=("q_proj",), dropout=0.1, max_steps=3, seed=4)])
-    assert calls and set(calls) == {2}
-    calls.clear()
-    torch_pm = PackedModel(load_base(str(tiny_dirs("llama")), device=DEVICE)[0], impl="torch")
-    _train(torch_pm, SPECS)
-    assert calls == [] and torch_pm.groups
 
 
 def test_a_member_called_on_another_input_computes_its_own(tiny_dirs, monkeypatch) -> None:
@@ -174,8 +112,10 @@ STATIC_SPECS = [
 third starts in the slot the second frees (a refill), and the groups see every mix of adapted members."""
 
 
-def _static_run(model_dir, monkeypatch: pytest.MonkeyPatch, impl: str, grouped: bool):  # noqa: ANN001, ANN202
-    """Train ``STATIC_SPECS`` on the static step (two slots); returns the recorder and how many group calls ran."""
+def _static_run(model_dir, monkeypatch: pytest.MonkeyPatch, impl: str, grouped: bool,  # noqa: ANN001, ANN202
+                **options: object):
+    """Train ``STATIC_SPECS`` on the static step (two slots; ``options``: ``train``'s); returns the recorder, how many
+    group calls ran and the pack."""
     from lora_sweep.packer.static import StaticStore
 
     calls: list[bool] = []
@@ -193,7 +133,7 @@ def _static_run(model_dir, monkeypatch: pytest.MonkeyPatch, impl: str, grouped: 
     jobs = [SlotJob(s, FixedBatch(random_examples(s.micro_batch, i)), key=i) for i, s in enumerate(STATIC_SPECS)]
     rec = Recorder(pm)
     train(pm, 2, lambda s: jobs.pop(0) if jobs else None, pad_id=0, on_step=rec.on_step, on_end=rec.on_end,
-          static_shapes=True)
+          **options)  # type: ignore[arg-type]
     monkeypatch.undo()
     return rec, sum(calls), pm
 
@@ -225,6 +165,16 @@ def test_static_groups_train_as_the_projections_alone(tiny_dirs, monkeypatch, fa
     alone, n_alone, _ = _static_run(tiny_dirs(family), monkeypatch, "torch", grouped=False)
     assert n_alone == 0
     _same_static(grouped, alone)
+
+
+def test_static_groups_under_activation_checkpointing(tiny_dirs, monkeypatch) -> None:
+    """Recomputing each decoder layer in the backward re-runs its group calls (more calls, the same groups): every
+    slot trains as without checkpointing, dropout masks and a refill included."""
+    plain, n_plain, _ = _static_run(tiny_dirs("llama"), monkeypatch, "torch", grouped=True)
+    checkpointed, n_ckpt, pm = _static_run(tiny_dirs("llama"), monkeypatch, "torch", grouped=True,
+                                           activation_checkpointing=True)
+    assert pm._checkpointed and n_plain > 0 and n_ckpt > n_plain  # the recompute called the groups again
+    _same_static(checkpointed, plain)
 
 
 def test_moved_weights_run_alone(tiny_dirs) -> None:

@@ -1,6 +1,6 @@
 """``train.optimizer_in_backward`` at the study boundary: refused in one line with clipping or accumulation
-(exit 2 through ``sweep run`` and ``sweep plan``), on the CPU trained on the dynamic step (which steps in the
-backward); torchtune's ``optimizer_in_bwd`` maps to it."""
+(exit 2 through ``sweep run`` and ``sweep plan``), else trained on the one step (its gradient buffer kept, a
+warning says so); torchtune's ``optimizer_in_bwd`` maps to it."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def test_a_searched_clipping_is_refused(tiny_dirs, tmp_path) -> None:
     assert "\n" not in str(e.value) and str(path) in str(e.value)
 
 
-def test_a_study_with_it_trains_on_the_dynamic_step(tiny_dirs, tmp_path) -> None:
+def test_a_study_with_it_trains_on_the_one_step_and_says_so(tiny_dirs, tmp_path) -> None:
     path = write_study(tmp_path, tiny_dirs("llama"), "inbwd", budget={"trials": 3},
                        train={"optimizer_in_backward": True, "max_grad_norm": None, "max_steps": 12,
                               "micro_batch": 4})
@@ -64,9 +64,10 @@ def test_a_study_with_it_trains_on_the_dynamic_step(tiny_dirs, tmp_path) -> None
     assert spec.train.optimizer_in_backward
     assert "optimizer_in_backward" not in spec.train.adapter_values()  # a loop option, not an adapter field
     logged: list[str] = []
-    run_study(spec, log=logged.append)
-    assert [m for m in logged if "trained on the" in m] == ["pack 1: trained on the dynamic step (dynamic shapes, "
-                                                            "eagerly)"]
+    with pytest.warns(UserWarning, match="optimizer_in_backward: the training step keeps its preallocated fp32"):
+        run_study(spec, log=logged.append)
+    assert [m for m in logged if "trained on the" in m] == ["pack 1: trained on the static-eager step (static "
+                                                            "shapes, eagerly)"]
     trials = _trials(spec.out_dir, spec.name)
     assert len(trials) == 3 and all(tr.state in (TrialState.COMPLETE, TrialState.PRUNED) for tr in trials)
     assert any(tr.state == TrialState.COMPLETE for tr in trials)

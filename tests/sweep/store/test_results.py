@@ -404,3 +404,19 @@ def test_pareto_front_reads_each_objective_in_its_direction() -> None:
     assert pareto_front(points, ["minimize", "minimize"]) == [4]
     assert pareto_front(points[:3], ["minimize", "minimize"]) == [0, 2]  # equal points dominate neither
     assert pareto_front([], ["minimize"]) == []
+
+
+def test_a_schema_1_file_gains_the_pack_step_column(tmp_path: Path) -> None:
+    """A store written before ``packs.step`` existed opens, gains the column, and records a pack's step."""
+    path = tmp_path / "results.db"
+    with ResultsStore(path) as s:
+        pack = s.start_pack(slots=2, device="cpu")
+    conn = sqlite3.connect(path)
+    conn.execute("ALTER TABLE packs DROP COLUMN step")
+    conn.execute("PRAGMA user_version = 1")
+    conn.close()
+    with ResultsStore(path) as s:
+        assert s.packs()[0].step is None
+        s.finish_pack(pack, steps=3, step="static-eager")
+        assert s.packs()[0].step == "static-eager"
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == store_module.SCHEMA_VERSION
