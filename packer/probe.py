@@ -125,11 +125,10 @@ def available_memory(device: torch.device) -> int:
 
 PROBE_STEPS = 2
 """Steps of each probe run: the second step's backward is where AdamW's state exists beside the activations."""
-PROBE_SLOTS = 2
-"""Slots of each probe pack: the rows' slot and one without rows. With one slot the packed layers use its
-weights as they are; from two on they gather every slot's weights (and gradients) into per-layer copies,
-a cost per parameter to measure. The idle slot adds that cost without adding tokens, so a probe needs no
-more memory than its rows do."""
+PROBE_SLOTS = 1
+"""Slots of each probe pack. The training step's store holds every slot's weights, gradients and moments at the pack's
+rank bucket and gives every slot the same rows (a free slot's are padding), so one slot measures the per-token and
+per-parameter costs a pack of any size repeats; a second slot would double every probe's tokens for nothing."""
 
 
 def _step(pm: PackedModel, spec: AdapterSpec, rows: list[Example], pad_id: int, steps: int,
