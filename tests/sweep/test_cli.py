@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -49,3 +50,23 @@ def test_the_report_preload_starts_once_on_the_first_progress_and_passes_every_c
         progress(p)
     assert started.wait(10)
     assert sorted(calls) == [-1, 1, 2, 3] and [c for c in calls if c > 0] == [1, 2, 3]
+
+
+def _policy_in_a_command(env: dict[str, str]) -> str:
+    """OMP_WAIT_POLICY as `sweep --help`, run as the console entry point, leaves it for torch's OpenMP runtime."""
+    code = ("import os, sys; sys.argv = ['sweep', '--help']\n"
+            "from lora_sweep.sweep.cli import main\n"
+            "main()\n"
+            "import torch  # the runtime reads the policy here\n"
+            "print(os.environ.get('OMP_WAIT_POLICY'), file=sys.stderr)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stderr.strip().splitlines()[-1]
+
+
+def test_the_command_line_lets_openmp_threads_sleep_unless_the_user_chose() -> None:
+    """Spinning OpenMP threads on cores another job uses make small products several times slower: the command line
+    sets OMP_WAIT_POLICY=PASSIVE before torch loads, and a policy the user set wins."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    assert _policy_in_a_command(env) == "PASSIVE"
+    assert _policy_in_a_command({**env, "OMP_WAIT_POLICY": "ACTIVE"}) == "ACTIVE"
