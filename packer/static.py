@@ -285,9 +285,9 @@ class StaticStore:
         mask drawn as its kernels would (``dropout_keep_mask``: the same bits)."""
         a, bt, shape = self.a[path], self.bt[path], self.shape
         assert shape is not None
-        xin = x.to(a.dtype)
+        xin, (_, seq, d_in) = x.to(a.dtype), x.shape
         if self.dropout and self.host_layout is not None:
-            lay, (_, seq, d_in) = self.host_layout, x.shape
+            lay = self.host_layout
             masks = [dropout_keep_mask(lay, g, layer.layer_id, d_in, seq, x.device) if lay.dropout[g] > 0
                      else xin.new_ones((shape.rows, seq, d_in)) for g in range(self.capacity)]
             xin = xin * torch.cat(masks, dim=0)
@@ -295,7 +295,7 @@ class StaticStore:
             m, rb = shape.rows, self.rank_bucket
             delta = [(xin[g * m:(g + 1) * m] @ a[g * rb:g * rb + r].T * s) @ bt[g * rb:g * rb + r] if r else
                      xin.new_zeros((m, seq, bt.shape[1])) for g, (r, s) in enumerate(self.own_cols)]
-            return layer.base(x) + torch.cat(delta).to(x.dtype)
+            return torch.cat(delta).to(x.dtype)
         h = (xin @ a.T) * self.col_scale  # (B, L, C * RB)
         return (h @ bt).to(x.dtype)
 

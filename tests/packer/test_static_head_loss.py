@@ -86,9 +86,9 @@ def test_triton_static_step_with_the_fused_loss_equals_full_logits(tiny_dirs, mo
 
     monkeypatch.setattr(static_loop, "static_head_losses", spy)
     specs = [replace(LLAMA_SPECS[1], max_steps=2), replace(LLAMA_SPECS[2], max_steps=2)]
-    triton_losses, triton_final = _run_packed(tiny_dirs("llama"), _jobs(specs), 2, impl="triton", static=True)
+    triton_losses, triton_final = _run_packed(tiny_dirs("llama"), _jobs(specs), 2, impl="triton")
     assert calls and all(isinstance(h, nn.Linear) for h in calls)
-    torch_losses, torch_final = _run_packed(tiny_dirs("llama"), _jobs(specs), 2, impl="torch", static=True)
+    torch_losses, torch_final = _run_packed(tiny_dirs("llama"), _jobs(specs), 2, impl="torch")
     for key, losses in torch_losses.items():
         torch.testing.assert_close(torch.tensor(triton_losses[key]), torch.tensor(losses), rtol=1e-5, atol=0)
         for path, (a, b) in torch_final[key].items():
