@@ -282,7 +282,8 @@ class StaticStore:
 
     def _lora_term(self, layer: PackedLoRALinear, path: str, x: torch.Tensor) -> torch.Tensor:
         """The masked-dense (torch) LoRA term of ``layer`` on x (B, L, D_in): (B, L, D_out), every slot's dropout
-        mask drawn as its kernels would (``dropout_keep_mask``: the same bits)."""
+        mask drawn by ``dropout_keep_mask`` (torch's generator seeded by the slot's step and the layer, as the
+        kernels seed theirs: the same distribution, not the Triton kernels' bits)."""
         a, bt, shape = self.a[path], self.bt[path], self.shape
         assert shape is not None
         xin, (_, seq, d_in) = x.to(a.dtype), x.shape
@@ -291,11 +292,11 @@ class StaticStore:
             masks = [dropout_keep_mask(lay, g, layer.layer_id, d_in, seq, x.device) if lay.dropout[g] > 0
                      else xin.new_ones((shape.rows, seq, d_in)) for g in range(self.capacity)]
             xin = xin * torch.cat(masks, dim=0)
-        if self.own_cols is not None:  # eager on the CPU: a slot's rows times its own r_g columns, nothing captured
-            m, rb = shape.rows, self.rank_bucket
-            delta = [(xin[g * m:(g + 1) * m] @ a[g * rb:g * rb + r].T * s) @ bt[g * rb:g * rb + r] if r else
-                     xin.new_zeros((m, seq, bt.shape[1])) for g, (r, s) in enumerate(self.own_cols)]
-            return torch.cat(delta).to(x.dtype)
+        if self.own_cols is not None:  # eager on the CPU: a slot's rows times its own bucket's columns only
+            c, m, rb = self.capacity, shape.rows, self.rank_bucket
+            scale = xin.new_tensor([s for _, s in self.own_cols]).view(c, 1, 1)  # 0 for a free slot
+            h = torch.bmm(xin.reshape(c, m * seq, d_in), a.view(c, rb, d_in).transpose(1, 2)) * scale
+            return torch.bmm(h, bt.view(c, rb, -1)).view(c * m, seq, -1).to(x.dtype)  # (B, L, D_out)
         h = (xin @ a.T) * self.col_scale  # (B, L, C * RB)
         return (h @ bt).to(x.dtype)
 
