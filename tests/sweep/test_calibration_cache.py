@@ -13,6 +13,17 @@ from lora_sweep.sweep.study import run_study
 from tests.conftest import write_study
 
 
+def refuse_model_loads(monkeypatch) -> None:  # noqa: ANN001
+    """From here on, loading the model or its tokenizer fails the test: what a cached plan must not do."""
+    import lora_sweep.packer.model as model_module
+
+    def refused(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("a cached plan loads neither the model nor its tokenizer")
+
+    monkeypatch.setattr(model_module, "load_base", refused)
+    monkeypatch.setattr(model_module, "load_tokenizer", refused)
+
+
 def test_a_second_plan_reads_the_calibration_back(tiny_dirs, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("LORA_SWEEP_CACHE", str(tmp_path / "cache"))
     spec = load_study(write_study(tmp_path, tiny_dirs("llama"), "cached"))
@@ -56,7 +67,6 @@ def test_a_cached_plan_loads_no_weights_nor_tokenizer_and_prints_the_same(tiny_d
     plans from them (the table as the first printed it) without the base's weights or its tokenizer."""
     from click.testing import CliRunner
 
-    import lora_sweep.packer.model as model_module
     from lora_sweep.sweep.cli import cli
 
     monkeypatch.setenv("LORA_SWEEP_CACHE", str(tmp_path / "cache"))
@@ -64,11 +74,7 @@ def test_a_cached_plan_loads_no_weights_nor_tokenizer_and_prints_the_same(tiny_d
     first = CliRunner().invoke(cli, ["plan", str(path)])
     assert first.exit_code == 0, first.output
 
-    def refused(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        raise AssertionError("a cached plan loads neither the model nor its tokenizer")
-
-    monkeypatch.setattr(model_module, "load_base", refused)
-    monkeypatch.setattr(model_module, "load_tokenizer", refused)
+    refuse_model_loads(monkeypatch)
     second = CliRunner().invoke(cli, ["plan", str(path)])
     assert second.exit_code == 0, second.output
     differ = [(a, b) for a, b in zip(first.stdout.splitlines(), second.stdout.splitlines(), strict=True) if a != b]

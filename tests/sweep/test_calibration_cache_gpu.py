@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.conftest import write_study
+from tests.sweep.test_calibration_cache import refuse_model_loads
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -16,7 +17,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def test_a_cached_plan_on_cuda_loads_no_weights(tiny_dirs, tmp_path, monkeypatch) -> None:
     from click.testing import CliRunner
 
-    import lora_sweep.packer.model as model_module
     from lora_sweep.sweep.cli import cli
 
     monkeypatch.setenv("LORA_SWEEP_CACHE", str(tmp_path / "cache"))
@@ -26,11 +26,7 @@ def test_a_cached_plan_on_cuda_loads_no_weights(tiny_dirs, tmp_path, monkeypatch
     assert first.exit_code == 0, first.output
     assert "calibrating the memory model on cuda" in first.output
 
-    def refused(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        raise AssertionError("a cached plan loads neither the model nor its tokenizer")
-
-    monkeypatch.setattr(model_module, "load_base", refused)
-    monkeypatch.setattr(model_module, "load_tokenizer", refused)
+    refuse_model_loads(monkeypatch)
     second = CliRunner().invoke(cli, ["plan", str(path)])
     assert second.exit_code == 0, second.output
 
