@@ -347,7 +347,10 @@ def greedy_decode(pm: PackedModel, slots: Sequence[int], chunk: Sequence[Sequenc
 
 
 def static_generation_fits(pm: PackedModel, width: int, new_tokens: int) -> bool:
-    """Whether one 4D mask serves every layer: no sliding-window attention shorter than the cache."""
+    """Whether one 4D mask serves every layer: no sliding-window attention shorter than the cache, and no ALiBi
+    position bias (Bloom, and Falcon with ``alibi``), which the model builds from a 2D padding mask itself."""
     config = getattr(pm.model, "config", None)
-    window = getattr(config, "sliding_window", None) if config is not None else None
+    if config is None or config.model_type == "bloom" or getattr(config, "alibi", False):
+        return False
+    window = getattr(config, "sliding_window", None)
     return not window or width + new_tokens <= window
