@@ -300,7 +300,13 @@ def test_second_run_on_a_directory_in_use_exits_2_and_the_first_finishes(tiny_di
                 break
         except Exception:
             continue
-    second = _run_cli("run", str(path), "--quiet", timeout=120)
+    # held still while the second runs: on a fast CPU the first can finish its trials before a second process
+    # has imported; stopped, it still owns the directory (alive, its lock held) and has trials running
+    first.send_signal(signal.SIGSTOP)
+    try:
+        second = _run_cli("run", str(path), "--quiet", timeout=120)
+    finally:
+        first.send_signal(signal.SIGCONT)
     _, err = first.communicate(timeout=300)
     assert second.returncode == 2, second.stderr
     lines = second.stderr.strip().splitlines()
