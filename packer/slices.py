@@ -13,10 +13,10 @@ Two calls compute a group's outputs. On the static step (``packer.static.StaticS
 the members' base GEMMs run as one over their weights, which ``link_groups`` lays out adjacently
 (``SliceGroup.base_cat``), each member's LoRA term as its own static call computes it (so with its own dropout mask,
 as PEFT draws one per projection) and the backward writes one dx (``kernels.packed_lora_static_group`` on the
-Triton path; one ``F.linear`` split by columns on the torch path). On the dynamic step (the CPU's, and evaluation
-forwards off the static shapes) the group also reads x once for every member's shrink, which needs the Triton
-kernels and no slot adapting the group with LoRA dropout (one pass over x applies one mask). Elsewhere each member
-runs alone, as before.
+Triton path; one ``F.linear`` split by columns on the torch path). In the per-batch forwards evaluation falls back
+to (rows off the static shapes, sampled generation) the group also reads x once for every member's shrink, which
+needs the Triton kernels and no slot adapting the group with LoRA dropout (one pass over x applies one mask).
+Elsewhere each member runs alone, as before.
 """
 
 from __future__ import annotations

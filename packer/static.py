@@ -139,9 +139,9 @@ class StaticStore:
         """Per-slot dropout p and seeds of this step as Python values: only the eager masked-dense path, which
         draws its masks with torch generators, reads them."""
         self.col_scale: torch.Tensor | None = None
-        self.own_cols: tuple[tuple[int, float], ...] | None = None
-        """Per slot (rank, scale) as Python values while an eager CPU training step runs (else None): each slot's rows
-        then take only their own rank's columns instead of all C x RB (the same sums, the padding terms left out)."""
+        self.slot_scale: torch.Tensor | None = None
+        """(C, 1, 1) each slot's LoRA scale (0 for a free slot) while an eager CPU training step runs (else None): each
+        slot's rows then meet only their own bucket's columns, in two batched products, instead of all C x RB."""
         self.flat_op: torch.Tensor | None = None
         """``flat`` in the Triton kernels' operand dtype (``use_operands``), cast once per step, or None: the kernels
         then read (and cast) the fp32 masters, per layer call."""
@@ -292,10 +292,9 @@ class StaticStore:
             masks = [dropout_keep_mask(lay, g, layer.layer_id, d_in, seq, x.device) if lay.dropout[g] > 0
                      else xin.new_ones((shape.rows, seq, d_in)) for g in range(self.capacity)]
             xin = xin * torch.cat(masks, dim=0)
-        if self.own_cols is not None:  # eager on the CPU: a slot's rows times its own bucket's columns only
+        if self.slot_scale is not None:  # eager on the CPU: a slot's rows times its own bucket's columns only
             c, m, rb = self.capacity, shape.rows, self.rank_bucket
-            scale = xin.new_tensor([s for _, s in self.own_cols]).view(c, 1, 1)  # 0 for a free slot
-            h = torch.bmm(xin.reshape(c, m * seq, d_in), a.view(c, rb, d_in).transpose(1, 2)) * scale
+            h = torch.bmm(xin.reshape(c, m * seq, d_in), a.view(c, rb, d_in).transpose(1, 2)) * self.slot_scale
             return torch.bmm(h, bt.view(c, rb, -1)).view(c * m, seq, -1).to(x.dtype)  # (B, L, D_out)
         h = (xin @ a.T) * self.col_scale  # (B, L, C * RB)
         return (h @ bt).to(x.dtype)

@@ -260,15 +260,18 @@ def step_fn(pm: PackedModel, store: StaticStore, shape: ShapeBuffers, ring: torc
     the target tokens (a data-dependent gather: eager only, a capture of it fails over to the eager step)."""
     c = store.capacity
     pos = shape.pos if packed else None
-    own_cols = tuple((pm.specs[g].rank, pm.specs[g].scale) if g in pm.specs else (0, 0.0) for g in range(c))
+    slot_scale = None
+    if not triton and shape.ids.device.type == "cpu":  # per slot, once per step (a free slot's is 0)
+        slot_scale = torch.tensor([pm.specs[g].scale if g in pm.specs else 0.0 for g in range(c)],
+                                  dtype=store.flat.dtype).view(c, 1, 1)
 
     def step() -> None:
         head = fused_loss_head(pm.model) if triton else None  # here, not above: a replay never runs this function
         with store.stepping(shape, dropout), torch.enable_grad():
-            if not triton:  # masked-dense column scales: s_g on the slot's own rank columns of its rows
+            store.slot_scale = slot_scale
+            if not triton and slot_scale is None:  # masked-dense column scales: s_g on the slot's columns of its rows
                 scale = shape.meta.seg_flt[:, SEG_FLT_COL.scale].repeat_interleave(shape.rows)
                 store.col_scale = (shape.col_mask * scale[:, None])[:, None, :]  # type: ignore[operator]
-                store.own_cols = own_cols if shape.ids.device.type == "cpu" else None
             if head is not None:
                 hidden = pm.forward_hidden(shape.ids, shape.mask, None, pos)  # (B, L, H)
                 losses, counts = static_head_losses(hidden, head, shape.labels, c, chunk=chunk)
@@ -283,7 +286,7 @@ def step_fn(pm: PackedModel, store: StaticStore, shape: ShapeBuffers, ring: torc
                 losses, counts = static_losses(logits, shape.labels, c)
                 del logits
             (losses * shape.loss_w).sum().backward()
-            store.own_cols = None
+            store.slot_scale = None
         norms = static_adamw_step(store, shape, triton)
         ring.index_copy_(0, shape.ring_row, torch.stack([losses.detach(), counts, norms], dim=1)[None])
 
