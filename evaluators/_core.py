@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from lora_sweep.kernels import PackLayout
 from lora_sweep.packer.data import FORMATS, json_error, read_jsonl
@@ -26,7 +26,11 @@ from lora_sweep.packer.errors import ConfigError, DataError, UserError
 from lora_sweep.packer.model import PackedModel
 
 __all__ = ["MC_FORMAT", "TEXT_FORMATS", "EvalData", "EvalResult", "SlotEvalError", "load_eval_data", "make_options",
-           "check_format", "routed", "slot_layout", "chunks", "pad_id", "finite"]
+           "check_format", "routed", "slot_layout", "chunks", "pad_id", "finite", "StaticShapes", "check_static_shapes",
+           "uses_static_shapes"]
+
+StaticShapes = bool | Literal["auto"]
+"""An evaluator's ``static_shapes`` option: ``"auto"``, ``True`` or ``False`` (``uses_static_shapes``)."""
 
 MC_FORMAT = "multiple_choice"
 """Row format of multiple-choice data: ``{"prompt": str, "choices": [str, ...], "label": int}``."""
@@ -211,6 +215,23 @@ def routed(model: PackedModel, layout: PackLayout | None) -> Iterator[None]:
         yield
     finally:
         model.state.layout = None
+
+
+def check_static_shapes(value: object) -> None:
+    """Raise ``ConfigError`` unless ``value`` is a valid ``static_shapes`` option: true, false or "auto"."""
+    if not (isinstance(value, bool) or value == "auto"):
+        raise ConfigError(f"static_shapes: must be true, false or auto (got {value!r})")
+
+
+def uses_static_shapes(option: StaticShapes, model: PackedModel) -> bool:
+    """Whether an evaluator's forwards ask for the static pack's fixed shapes (``packer.eval_graph``; it still needs a
+    static store and a shape that fits). ``"auto"``: on CUDA, where one captured graph replays each forward; not on
+    the CPU, where nothing replays and the fixed shapes run every slot's rows through the base, scored or not, while
+    the per-batch path runs only the scored slots' rows (the demo study's evaluation on 2 cores: 161 s on the fixed
+    shapes, 48 s per batch; BENCHMARKS.md, "The real-model demo on a CPU")."""
+    if option == "auto":
+        return model.device.type == "cuda"
+    return bool(option)
 
 
 def chunks(n: int, size: int) -> Iterator[range]:

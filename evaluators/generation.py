@@ -21,7 +21,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -29,12 +29,15 @@ from lora_sweep.evaluators._core import (
     TEXT_FORMATS,
     EvalData,
     EvalResult,
+    StaticShapes,
     check_format,
+    check_static_shapes,
     chunks,
     make_options,
     pad_id,
     routed,
     slot_layout,
+    uses_static_shapes,
 )
 from lora_sweep.evaluators.scorers import SCORERS
 from lora_sweep.packer import eval_graph
@@ -64,9 +67,11 @@ class GenerationOptions:
     """0: greedy. Above 0: sampling, each item with its own generator seeded by ``seed`` and its index."""
     seed: int = 0
     """Seed of sampling."""
-    static_shapes: bool = True
-    """Greedy decoding while the pack trains on the static-shape step: fixed shapes, a static KV cache and each
-    decoding step replayed as one CUDA graph (``packer.eval_graph``); False: always the dynamic path."""
+    static_shapes: bool | Literal["auto"] = "auto"
+    """True: greedy decoding while the pack trains on the static-shape step runs on fixed shapes, a static KV cache
+    and each decoding step replayed as one CUDA graph (``packer.eval_graph``); False: always the per-batch path,
+    which holds only the scored slots' rows; auto: true on CUDA, false on the CPU
+    (``evaluators._core.uses_static_shapes``)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _strings(self.stop, "stop"))
@@ -81,8 +86,7 @@ class GenerationOptions:
                               f"(expected some of: {', '.join(SCORERS)})")
         if not (isinstance(self.temperature, int | float) and self.temperature >= 0):
             raise ConfigError(f"temperature: must be >= 0 (got {self.temperature!r})")
-        if not isinstance(self.static_shapes, bool):
-            raise ConfigError(f"static_shapes: must be true or false (got {self.static_shapes!r})")
+        check_static_shapes(self.static_shapes)
 
 
 def _strings(value: object, key: str) -> tuple[str, ...]:
@@ -152,7 +156,8 @@ def references(data: EvalData) -> list[str]:
 
 def generate_texts(model: PackedModel, slots: Sequence[int], prompts: Sequence[Sequence[int]], tokenizer: Any, *,
                    max_new_tokens: int = 32, stop: Sequence[str] = (), batch_size: int = 8,
-                   temperature: float = 0.0, seed: int = 0, static_shapes: bool = True) -> dict[int, list[str]]:
+                   temperature: float = 0.0, seed: int = 0,
+                   static_shapes: StaticShapes = "auto") -> dict[int, list[str]]:
     """``generate_ids`` decoded (special tokens skipped) and cut before the first stop string.
 
     Returns:
@@ -178,7 +183,7 @@ def _cut(text: str, stop: Sequence[str]) -> str:
 def generate_ids(model: PackedModel, slots: Sequence[int], prompts: Sequence[Sequence[int]], *, eos_id: int | None,
                  pad_id: int, max_new_tokens: int = 32, batch_size: int = 8,
                  should_stop: Callable[[list[int]], bool] | None = None, temperature: float = 0.0,
-                 seed: int = 0, static_shapes: bool = True) -> dict[int, list[list[int]]]:
+                 seed: int = 0, static_shapes: StaticShapes = "auto") -> dict[int, list[list[int]]]:
     """Every slot continues every prompt; one packed forward per decoding step.
 
     Args:
@@ -194,7 +199,8 @@ def generate_ids(model: PackedModel, slots: Sequence[int], prompts: Sequence[Seq
         seed: sampling seed; item i draws from its own generator, so a slot samples the same
             answers packed or alone.
         static_shapes: greedy decoding on the static pack's fixed shapes when it trains on them
-            (``packer.eval_graph``); the answers are the same tokens.
+            (``packer.eval_graph``; "auto": on CUDA only, ``evaluators._core.uses_static_shapes``); the answers are
+            the same tokens.
 
     Returns:
         slot -> generated ids of each prompt, in prompt order.
@@ -205,7 +211,8 @@ def generate_ids(model: PackedModel, slots: Sequence[int], prompts: Sequence[Seq
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token (e.g. BOS)")
     width = eval_graph.bucket(max(len(p) for p in prompts)) if prompts else 0
-    static = (static_shapes and temperature <= 0 and bool(prompts) and eval_graph.available(model)
+    static = (uses_static_shapes(static_shapes, model) and temperature <= 0 and bool(prompts)
+              and eval_graph.available(model)
               and eval_graph.static_generation_fits(model, width, max_new_tokens))
     for idx in chunks(len(prompts), batch_size):
         rows = [list(prompts[i]) for i in idx]

@@ -11,11 +11,20 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from lora_sweep.evaluators._core import EvalData, EvalResult, check_format, chunks, make_options, pad_id
+from lora_sweep.evaluators._core import (
+    EvalData,
+    EvalResult,
+    check_format,
+    check_static_shapes,
+    chunks,
+    make_options,
+    pad_id,
+    uses_static_shapes,
+)
 from lora_sweep.kernels import PackLayout
 from lora_sweep.packer import eval_graph
 from lora_sweep.packer.batch import PackBatch, collate
@@ -35,16 +44,16 @@ class HeldoutOptions:
 
     batch_size: int = 8
     """Held-out rows per slot in one forward (a forward holds ``batch_size * len(slots)`` rows)."""
-    static_shapes: bool = True
-    """While the pack trains on the static-shape step, run the forwards on its fixed shapes (``packer.eval_graph``:
-    rows padded to a multiple of 16, one CUDA graph on CUDA) when their logits fit
-    ``packer.eval_graph.STATIC_LOGITS_BYTES``; False: always the dynamic per-batch path."""
+    static_shapes: bool | Literal["auto"] = "auto"
+    """True: while the pack trains on the static-shape step, run the forwards on its fixed shapes
+    (``packer.eval_graph``: rows padded to a multiple of 16, one CUDA graph on CUDA) when their logits fit
+    ``packer.eval_graph.STATIC_LOGITS_BYTES``; False: always the per-batch path, which holds only the scored slots'
+    rows; auto: true on CUDA, false on the CPU (``evaluators._core.uses_static_shapes``)."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.batch_size, int) and self.batch_size >= 1):
             raise ConfigError(f"batch_size: must be an integer >= 1 (got {self.batch_size!r})")
-        if not isinstance(self.static_shapes, bool):
-            raise ConfigError(f"static_shapes: must be true or false (got {self.static_shapes!r})")
+        check_static_shapes(self.static_shapes)
 
 
 def heldout_loss(model: PackedModel, slots: Sequence[int], data: EvalData, **options: Any) -> EvalResult:
@@ -72,7 +81,8 @@ def heldout_loss(model: PackedModel, slots: Sequence[int], data: EvalData, **opt
     tokens = [0.0] * n
     per_item: list[list[float]] = [[] for _ in slots]
     seq = eval_graph.bucket(max((len(e.input_ids) for e in examples), default=1))
-    static = opts.static_shapes and bool(examples) and eval_graph.heldout_fits(model, opts.batch_size, seq)
+    static = (uses_static_shapes(opts.static_shapes, model) and bool(examples)
+              and eval_graph.heldout_fits(model, opts.batch_size, seq))
     with torch.no_grad():
         for idx in chunks(len(examples), opts.batch_size):
             rows: list[Any] = [examples[i] for i in idx]  # Example satisfies packer.batch.Row

@@ -1,19 +1,24 @@
 """Held-out loss and greedy generation on a static pack's fixed shapes (``packer.eval_graph``) equal the dynamic path.
 
-On the CPU the static path runs eagerly (no CUDA graphs); the shapes, tables, static KV cache and 4D masks are the
+On the CPU the static path runs eagerly (no CUDA graphs) where a test asks for it (``static_shapes=True``: its default,
+auto, evaluates per batch there); the shapes, tables, static KV cache and 4D masks are the
 ones a CUDA graph replays on the GPU (``test_gpu.py`` checks the captured decode there)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from lora_sweep.evaluators import load_eval_data
-from lora_sweep.evaluators.generation import build_prompts, generate_ids, generate_texts
-from lora_sweep.evaluators.heldout_loss import heldout_loss
+from lora_sweep.evaluators._core import uses_static_shapes
+from lora_sweep.evaluators.generation import GenerationOptions, build_prompts, generate_ids, generate_texts
+from lora_sweep.evaluators.heldout_loss import HeldoutOptions, heldout_loss
 from lora_sweep.packer import eval_graph
 from lora_sweep.packer.data import SlotStream, read_jsonl, tokenize_rows
+from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.model import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.train import SlotEnd, SlotJob, train
@@ -63,7 +68,7 @@ def test_static_heldout_loss_equals_the_dynamic_one(tiny_dirs, monkeypatch: pyte
 
     def check(pm, slots, tok) -> None:  # noqa: ANN001
         data = load_eval_data(YESNO, tok, fmt="prompt_completion", max_length=48)
-        static = heldout_loss(pm, slots, data, batch_size=3)
+        static = heldout_loss(pm, slots, data, batch_size=3, static_shapes=True)
         dynamic = heldout_loss(pm, slots, data, batch_size=3, static_shapes=False)
         for slot in slots:
             assert static.metrics[slot]["eval_loss"] == pytest.approx(dynamic.metrics[slot]["eval_loss"], rel=1e-5)
@@ -83,11 +88,11 @@ def test_static_greedy_decoding_equals_the_dynamic_one(tiny_dirs, attn: str, mon
         prompts = build_prompts(data)[:7]  # 3 chunks of 3: the last one has free rows
         kw = {"pad_id": tok.pad_token_id, "max_new_tokens": 5, "batch_size": 3}
         dynamic = generate_ids(pm, slots, prompts, eos_id=None, static_shapes=False, **kw)
-        assert generate_ids(pm, slots, prompts, eos_id=None, **kw) == dynamic
+        assert generate_ids(pm, slots, prompts, eos_id=None, static_shapes=True, **kw) == dynamic
         assert all(len(a) == 5 for answers in dynamic.values() for a in answers)
         eos = dynamic[slots[0]][0][2]  # a token some answer reaches: answers are cut before it
         cut = generate_ids(pm, slots, prompts, eos_id=eos, static_shapes=False, **kw)
-        assert generate_ids(pm, slots, prompts, eos_id=eos, **kw) == cut
+        assert generate_ids(pm, slots, prompts, eos_id=eos, static_shapes=True, **kw) == cut
         assert any(len(a) < 5 for answers in cut.values() for a in answers)
         stop = tok.decode(dynamic[slots[-1]][1][1:3])  # a stop string: cut after the token that completes it
         texts = {s: generate_texts(pm, slots, prompts, tok, stop=[stop], static_shapes=s, max_new_tokens=5,
@@ -127,11 +132,35 @@ def test_a_static_heldout_shape_over_the_logits_budget_takes_the_dynamic_path(ti
     def check(pm, slots, tok) -> None:  # noqa: ANN001
         assert not eval_graph.heldout_fits(pm, 3, 48)
         data = load_eval_data(YESNO, tok, fmt="prompt_completion", max_length=48)
-        result = heldout_loss(pm, slots, data, batch_size=3)
+        result = heldout_loss(pm, slots, data, batch_size=3, static_shapes=True)
         assert all(result.metrics[s]["eval_loss"] > 0 for s in slots)
 
     static_pack_evaluations(tiny_dirs("llama"), check)
     assert calls == []
+
+
+def test_auto_evaluates_per_batch_on_the_cpu_and_on_the_fixed_shapes_on_cuda(tiny_dirs, monkeypatch) -> None:
+    """``static_shapes: auto`` (the default): the CPU takes the per-batch path, which holds only the scored slots'
+    rows; CUDA, where a graph replays each forward, the fixed shapes."""
+    losses, decodes = _spy(monkeypatch, "row_losses"), _spy(monkeypatch, "greedy_decode")
+
+    def check(pm, slots, tok) -> None:  # noqa: ANN001
+        data = load_eval_data(YESNO, tok, fmt="prompt_completion", max_length=48)
+        heldout_loss(pm, slots, data, batch_size=3)
+        generate_ids(pm, slots, build_prompts(data)[:3], eos_id=None, pad_id=tok.pad_token_id, max_new_tokens=2)
+        assert uses_static_shapes("auto", SimpleNamespace(device=torch.device("cuda")))  # type: ignore[arg-type]
+        assert uses_static_shapes(True, pm) and not uses_static_shapes(False, pm) and not uses_static_shapes("auto", pm)
+
+    static_pack_evaluations(tiny_dirs("llama"), check)
+    assert losses == [] and decodes == []
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None, "Auto"])
+def test_static_shapes_is_true_false_or_auto(value) -> None:
+    with pytest.raises(ConfigError, match=r"static_shapes: must be true, false or auto"):
+        HeldoutOptions(static_shapes=value)
+    with pytest.raises(ConfigError, match=r"static_shapes: must be true, false or auto"):
+        GenerationOptions(static_shapes=value)
 
 
 @pytest.mark.parametrize("triton", [True, False])

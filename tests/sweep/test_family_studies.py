@@ -1,9 +1,10 @@
 """Every tiny family through the product: a small all-linear study, ``sweep export``, and the export in PEFT.
 
 Per family (``packer.tiny.FAMILIES``): two all-linear trials packed together train a few steps, score held-out
-loss and exact-match (greedy decoding with the KV cache), and the best exports (vLLM-padded). PEFT must load the
-export onto the base with no missing or unexpected keys, adapt the modules PEFT's own ``all-linear`` picks, and
-give the engine's logits for the trial's saved slot (fp32); the merged export gives them too.
+loss and exact-match (greedy decoding with the KV cache) on the fixed shapes a CUDA study evaluates on, and the
+best exports (vLLM-padded). PEFT must load the export onto the base with no missing or unexpected keys, adapt the
+modules PEFT's own ``all-linear`` picks, and give the engine's logits for the trial's saved slot (fp32); the merged
+export gives them too.
 
 Run: python -m pytest tests/sweep/test_family_studies.py -q
 """
@@ -48,7 +49,9 @@ def _study(tmp_path: Path, model_dir: Path, family: str) -> Path:
                                "targets": {"all": "all-linear"}},
                        objectives=[{"metric": "eval_loss", "direction": "minimize"}], pruning={"kind": "none"},
                        packing={"max_slots": 2},
-                       evaluators=[{"name": "heldout_loss"}, {"name": "generation", "options": {"max_new_tokens": 2}}])
+                       # the fixed shapes a CUDA study evaluates on (static_shapes' auto is per batch on the CPU)
+                       evaluators=[{"name": "heldout_loss", "options": {"static_shapes": True}},
+                                   {"name": "generation", "options": {"max_new_tokens": 2, "static_shapes": True}}])
     spec = load_study(path)
     summary = run_study(spec, log=lambda m: None)
     assert summary.complete == 2, f"{family}: {summary}"
