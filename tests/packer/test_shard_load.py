@@ -1,0 +1,60 @@
+"""``packer.shard_load``: which bases load by rows and which load whole first (and why, in one line), and the
+benchmarks' random init of a base built on meta. That a pack loaded by rows trains as one loaded whole, reading only
+its rows, is shown on 2 gloo ranks in tests/packer/test_shard.py (its ``meta`` run)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lora_sweep.packer.model import PackedModel
+from lora_sweep.packer.shard import shard_base
+from lora_sweep.packer.shard_load import load_sharded, materialise, meta_load_refusal, meta_model
+
+
+def test_what_loads_by_rows(tiny_dirs, tmp_path: Path) -> None:
+    model_dir = tiny_dirs("llama")
+    assert meta_load_refusal(str(model_dir), None) is None
+    assert meta_load_refusal(str(model_dir), "nf4") == "model.quantize: nf4 quantises the whole weights as they load"
+    assert "not a local checkpoint directory" in meta_load_refusal("org/some-model", None)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(model_dir / "config.json", bare)
+    assert "holds no safetensors files" in meta_load_refusal(str(bare), None)
+
+
+@pytest.fixture
+def group_of_one(tmp_path: Path):  # noqa: ANN201
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_nf4_loads_whole_and_says_why(tiny_dirs, group_of_one) -> None:
+    pytest.importorskip("torchao")
+    said: list[str] = []
+    loaded = load_sharded(str(tiny_dirs("llama")), dtype="float32", device="cpu", quantize="nf4", log=said.append)
+    assert loaded.stats is None and len(said) == 1
+    assert said[0] == ("packing.shard: each rank loads the whole base, then shards it: model.quantize: nf4 "
+                       "quantises the whole weights as they load")
+
+
+def test_random_init_materialises_every_parameter(tiny_dirs, group_of_one) -> None:
+    """The benchmarks' path (``materialise`` without a checkpoint): no parameter or buffer left on meta, norms one,
+    projections drawn with the config's ``initializer_range``, and the pack runs a finite forward."""
+    model = meta_model(tiny_dirs("llama"), "float32")
+    pm = PackedModel(model, device=torch.device("cpu"))
+    shard_base(pm)
+    stats = materialise(model, None, dtype=torch.float32, device=torch.device("cpu"))
+    assert stats.read_bytes == 0 and stats.tensors == len(list(model.parameters()))
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    full = {name: p.full_tensor() if hasattr(p, "full_tensor") else p for name, p in model.named_parameters()}
+    assert all(torch.equal(p, torch.ones_like(p)) for name, p in full.items() if name.endswith("norm.weight"))
+    q = full["model.layers.0.self_attn.q_proj.weight"]
+    assert q.std().item() == pytest.approx(model.config.initializer_range, rel=0.1)
+    ids = torch.randint(3, 200, (2, 8))
+    assert torch.isfinite(pm.forward(ids, torch.ones_like(ids), None)).all()
