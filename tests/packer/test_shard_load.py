@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lora_sweep.packer.model import PackedModel
+from lora_sweep.packer.model import PackedModel, load_base
 from lora_sweep.packer.shard import shard_base
 from lora_sweep.packer.shard_load import load_sharded, materialise, meta_load_refusal, meta_model
 
@@ -58,3 +58,23 @@ def test_random_init_materialises_every_parameter(tiny_dirs, group_of_one) -> No
     assert q.std().item() == pytest.approx(model.config.initializer_range, rel=0.1)
     ids = torch.randint(3, 200, (2, 8))
     assert torch.isfinite(pm.forward(ids, torch.ones_like(ids), None)).all()
+
+
+@pytest.mark.gpu
+def test_a_base_loaded_by_rows_on_a_gpu_runs_as_one_loaded_whole(tiny_dirs, tmp_path: Path) -> None:
+    """NCCL, a group of one, bf16: built on meta, the pack chooses the fused Triton ops for the GPU it will live on
+    (not for the meta device) as a whole-loaded pack does, and its logits are the whole-loaded pack's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        loaded = load_sharded(str(tiny_dirs("llama")), dtype="bfloat16", device="cuda")
+        model, _ = load_base(str(tiny_dirs("llama")), dtype="bfloat16", device="cuda")
+        whole = PackedModel(model)
+        assert loaded.stats is not None and whole.fused and loaded.pm.fused == whole.fused
+        ids = torch.randint(3, 200, (2, 16), device="cuda")
+        mask = torch.ones_like(ids)
+        torch.testing.assert_close(loaded.pm.forward(ids, mask, None), whole.forward(ids, mask, None), rtol=0, atol=0)
+    finally:
+        dist.destroy_process_group()
