@@ -119,7 +119,9 @@ def meta_model(source: str | Path | Any, dtype: str, attn_implementation: str | 
         config._attn_implementation = attn_implementation
     torch_dtype = (getattr(config, "dtype", None) or torch.float32) if dtype == "auto" else DTYPES[dtype]
     with init_empty_weights(include_buffers=False):  # parameters on meta; buffers (rotary inv_freq) as constructed
-        return AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    model.tie_weights()  # again outside: the context's register_parameter made the tied head a parameter of its own
+    return model
 
 
 def _parameters(model: nn.Module) -> list[tuple[str, list[tuple[nn.Module, str]], nn.Parameter]]:

@@ -60,6 +60,22 @@ def test_random_init_materialises_every_parameter(tiny_dirs, group_of_one) -> No
     assert torch.isfinite(pm.forward(ids, torch.ones_like(ids), None)).all()
 
 
+def test_a_tied_head_stays_tied_and_gives_a_whole_loads_logits(tiny_dirs, group_of_one) -> None:
+    """GPT-2 ties its head to the input embeddings (its checkpoint stores only ``transformer.wte.weight``): loaded by
+    rows the two stay one parameter, kept whole beside the shard (``packer.shard``), and the logits are the
+    whole-loaded model's."""
+    model_dir = tiny_dirs("gpt2")
+    loaded = load_sharded(str(model_dir), dtype="float32", device="cpu")
+    tied = loaded.pm.model
+    assert loaded.stats is not None
+    assert tied.get_output_embeddings().weight is tied.get_input_embeddings().weight
+    model, _ = load_base(str(model_dir))
+    ids = torch.randint(3, 200, (2, 8))
+    mask = torch.ones_like(ids)
+    torch.testing.assert_close(loaded.pm.forward(ids, mask, None), PackedModel(model).forward(ids, mask, None),
+                               rtol=0, atol=0)
+
+
 @pytest.mark.gpu
 def test_a_base_loaded_by_rows_on_a_gpu_runs_as_one_loaded_whole(tiny_dirs, tmp_path: Path) -> None:
     """NCCL, a group of one, bf16: built on meta, the pack chooses the fused Triton ops for the GPU it will live on
