@@ -147,12 +147,16 @@ class PackedModel:
             kernels on CUDA, masked-dense PyTorch on CPU).
         fused_base_ops: where ``impl`` means the Triton kernels, run the base's RMSNorms, SiLU-gated MLP middles
             and rotary embeddings as fused Triton kernels too (``packer.fuse``); otherwise they run eagerly.
+        device: where a base built on the meta device will live once materialised (``packer.shard_load``): the
+            pack's ``device`` until then; None: where its parameters are.
     """
 
-    def __init__(self, model: nn.Module, *, impl: Impl = "auto", fused_base_ops: bool = True) -> None:
+    def __init__(self, model: nn.Module, *, impl: Impl = "auto", fused_base_ops: bool = True,
+                 device: torch.device | None = None) -> None:
         if impl not in IMPLS:
             raise ConfigError(f"impl: must be one of {', '.join(IMPLS)} (got {impl!r})")
         self.model = model
+        self._home = device
         model.requires_grad_(False)
         model.eval()  # the base's own dropout stays off: packed == alone needs no shared RNG
         fuse = fused_base_ops and resolve_impl(impl, self.device) == "triton"
@@ -179,7 +183,8 @@ class PackedModel:
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        first = next(self.model.parameters())
+        return self._home if first.is_meta and self._home is not None else first.device
 
     def add_slot(self, slot: int, spec: AdapterSpec) -> list[nn.Parameter]:
         """Start a fresh adapter in ``slot``; returns its parameters (A then B per layer, module order).

@@ -4,7 +4,8 @@
 (one FSDP unit per layer, ``reshard_after_forward=True``: a layer's full weights exist only while it runs,
 all-gathered in its forward and again in the backward) and then to the decoder body (``base_model``: the
 embeddings and the final norm), which is the root unit that ``PackedModel.forward`` and ``forward_hidden`` both
-call. Each rank then holds 1/world of the body's weights. The output head stays whole on every rank: the chunked
+call. Each rank then holds 1/world of the body's weights (loaded so, by rows, without a whole copy in any process:
+``packer.shard_load``). The output head stays whole on every rank: the chunked
 loss calls it outside the body's forward, where an FSDP unit's weights are sharded (and a head tied to the input
 embeddings is left out of the body's shard for the same reason, ``ignored_params``).
 
@@ -49,7 +50,8 @@ from torch.distributed.tensor import DTensor, init_device_mesh
 from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.model import PackedModel
 
-__all__ = ["Sharding", "shard_base", "local_param_bytes", "decoder_layers", "is_sharded", "BaseShare", "base_share"]
+__all__ = ["Sharding", "shard_base", "local_param_bytes", "decoder_layers", "is_sharded", "BaseShare", "base_share",
+           "shard_rows"]
 
 
 @dataclass
@@ -181,9 +183,19 @@ class BaseShare:
     FSDP2 all-gathers the next unit while one runs (the CPU issues it ahead, and the backward prefetches one), so
     at most two units are unsharded at once (``reshard_after_forward=True``, the body's unit included)."""
 
+    staging: int = 0
+    """The largest parameter's padded chunk: loaded by rows (``packer.shard_load``), a rank holds its share and
+    one chunk more while FSDP pads the chunk it has just read."""
+
     @property
     def peak(self) -> int:
         return self.whole + self.shard + self.gathered
+
+    @property
+    def load_peak(self) -> int:
+        """The most parameter bytes one rank holds while ``packer.shard_load`` loads its share by rows (loaded
+        whole and sharded after, a rank holds the whole base first)."""
+        return self.whole + self.shard + self.staging
 
 
 def base_share(model: nn.Module, world: int, rank: int = 0) -> BaseShare:
@@ -201,19 +213,29 @@ def base_share(model: nn.Module, world: int, rank: int = 0) -> BaseShare:
     sharded = {id(p): p for p in body.parameters() if p not in kept}
 
     def rows_here(p: torch.Tensor) -> int:
-        n = p.shape[0] if p.dim() else 1
-        chunk = -(-n // world)
-        return max(0, min(chunk, n - rank * chunk))
+        start, stop = shard_rows(p.shape[0] if p.dim() else 1, world, rank)
+        return stop - start
 
     def size(p: torch.Tensor) -> int:
         return p.numel() * p.element_size()
 
-    shard = sum(rows_here(p) * (p.numel() // max(p.shape[0] if p.dim() else 1, 1)) * p.element_size()
-                for p in sharded.values())
+    def row_bytes(p: torch.Tensor) -> int:
+        return p.numel() // max(p.shape[0] if p.dim() else 1, 1) * p.element_size()
+
+    shard = sum(rows_here(p) * row_bytes(p) for p in sharded.values())
+    chunk = max((-(-(p.shape[0] if p.dim() else 1) // world) * row_bytes(p) for p in sharded.values()), default=0)
     whole = sum(size(p) for p in {id(p): p for p in model.parameters()}.values() if id(p) not in sharded)
     layers = decoder_layers(body)
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     units = [sum(size(p) for p in layer.parameters()) for layer in layers]
     units.append(sum(size(p) for i, p in sharded.items() if i not in in_layers))  # the body's own: embeddings, norm
     first, second = sorted(units)[-2:]
-    return BaseShare(whole, shard, first + second if world > 1 else 0)
+    return BaseShare(whole, shard, first + second if world > 1 else 0, chunk if world > 1 else 0)
+
+
+def shard_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
+    """The rows ``[start, stop)`` of a parameter's dim 0 that rank ``rank`` of ``world`` holds under FSDP2's
+    ``Shard(0)``: ``torch.chunk``'s chunks of ceil(rows / world) rows, the last ranks' shorter or empty."""
+    chunk = -(-rows // world)
+    start = min(rows, rank * chunk)
+    return start, min(rows, start + chunk)

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from lora_sweep.packer.model import PackedModel
+    from lora_sweep.packer.shard import BaseShare
     from lora_sweep.sweep.spec import StudySpec
 
 __all__ = ["BaseShape", "calibrated", "cached_calibration", "cache_dir", "calibration_key", "CALIBRATION_VERSION",
@@ -47,6 +48,9 @@ class BaseShape:
     shard_peak: dict[int, int] = dataclasses.field(default_factory=dict)
     """World size -> the most parameter bytes one rank holds at once under ``packer.shard`` (``BaseShare.peak`` of
     rank 0); only for models ``shard_base`` can shard."""
+    shard_load: dict[int, int] = dataclasses.field(default_factory=dict)
+    """World size -> the most parameter bytes one rank holds while it loads its share by rows (``BaseShare.load_peak``
+    of rank 0, ``packer.shard_load``)."""
 
     @classmethod
     def of(cls, model: nn.Module, worlds: Iterable[int] = SHARD_WORLDS) -> BaseShape:
@@ -60,15 +64,16 @@ class BaseShape:
             shape = linear_shape(model.get_submodule(path))
             if shape is not None:
                 projections.append((leaf, int(shape[0]), int(shape[1])))
-        shares: dict[int, int] = {}
+        shares: dict[int, BaseShare] = {}
         try:
             if worlds := tuple(worlds):
                 from lora_sweep.packer.shard import base_share
 
-                shares = {w: base_share(model, w).peak for w in worlds}
+                shares = {w: base_share(model, w) for w in worlds}
         except ConfigError:
             pass  # no decoder layers or body to shard: a sharded plan of this model says so (plan_report)
-        return cls(tuple(projections), plain_param_bytes(model), shares)
+        return cls(tuple(projections), plain_param_bytes(model), {w: s.peak for w, s in shares.items()},
+                   {w: s.load_peak for w, s in shares.items()})
 
     def adapter_params(self, rank: int) -> int:
         """Trainable parameters of a rank-``rank`` adapter on every projection."""
@@ -81,12 +86,14 @@ class BaseShape:
 
     def to_json(self) -> dict[str, Any]:
         return {"projections": [list(p) for p in self.projections], "param_bytes": self.param_bytes,
-                "shard_peak": {str(w): b for w, b in self.shard_peak.items()}}
+                "shard_peak": {str(w): b for w, b in self.shard_peak.items()},
+                "shard_load": {str(w): b for w, b in self.shard_load.items()}}
 
     @classmethod
     def from_json(cls, record: dict[str, Any]) -> BaseShape:
         return cls(tuple((str(leaf), int(d_in), int(d_out)) for leaf, d_in, d_out in record["projections"]),
-                   int(record["param_bytes"]), {int(w): int(b) for w, b in record["shard_peak"].items()})
+                   int(record["param_bytes"]), {int(w): int(b) for w, b in record["shard_peak"].items()},
+                   {int(w): int(b) for w, b in record["shard_load"].items()})
 
 
 def cached_calibration(spec: StudySpec, device: str,

@@ -68,6 +68,11 @@ class PlanReport:
     """GPUs the base is sharded over (``packing.shard: fsdp``); the memory rows are then per GPU."""
     static_bytes: int = 0
     """The base's part of the peak on one GPU: the whole base, or with a shard one rank's share of it."""
+    load_peak_bytes: int = 0
+    """With a shard: the most base bytes one GPU holds while the base loads (its share and one chunk read by rows,
+    ``packer.shard_load``; the whole base where it loads whole first)."""
+    load_note: str = ""
+    """How a sharded base loads: by rows, or whole on every rank and why."""
 
     def table(self) -> str:
         gib = 1024**3
@@ -92,6 +97,8 @@ class PlanReport:
                          "timed probes, as noisy as the host is busy (a guide)"),
         ]
         if self.gpus > 1:
+            rows.append(("peak while loading the base, per GPU",
+                         f"{self.load_peak_bytes / gib:.3f} GiB ({self.load_note})"))
             rows.append(("replicated on every GPU", "each slot's adapter, gradient and AdamW state; activations"))
         rows += [
             ("predicted time for the trial budget (no pruning)", total),
@@ -218,11 +225,24 @@ def plan_report(spec: StudySpec, models: list[MemoryModel], where: str, base: Ba
     steps = None
     if spec.budget.trials is not None:
         steps = -(-spec.budget.trials * trial_micro_steps(spec, micro, examples) // slots)
-    return PlanReport(device, slots, rank, micro, seq, available,
-                      mm.predict(slots * micro * seq, slots * params, slots * rank, rank) + base_delta, mm, step_s,
+    load_peak, note = _load_peak(spec, base, gpus) if shard else (0, "")
+    peak = mm.predict(slots * micro * seq, slots * params, slots * rank, rank) + base_delta
+    return PlanReport(device, slots, rank, micro, seq, available, max(peak, load_peak), mm, step_s,
                       None if steps is None else steps * step_s, steps,
                       (min(times), max(times)) if len(models) > 1 else None, len(models), spec.model.quantize,
-                      where, gpus if shard else 1, mm.static_bytes + base_delta)
+                      where, gpus if shard else 1, mm.static_bytes + base_delta, load_peak, note)
+
+
+def _load_peak(spec: StudySpec, base: BaseShape, gpus: int) -> tuple[int, str]:
+    """The base bytes one of ``gpus`` GPUs holds while a sharded base loads, and how it loads
+    (``packer.shard_load.load_sharded``: by rows where ``meta_load_refusal`` allows, else whole first)."""
+    from lora_sweep.packer.model import resolve_base
+    from lora_sweep.packer.shard_load import meta_load_refusal
+
+    why = meta_load_refusal(resolve_base(spec.model.path, spec.model.gguf_file), spec.model.quantize)
+    if why is None and gpus in base.shard_load:
+        return base.shard_load[gpus], "each rank reads its shard by rows"
+    return base.param_bytes, f"each rank loads the whole base first: {why or 'no shard computed'}"
 
 
 def auto_slots(spec: StudySpec, pm: PackedModel, log: Callable[[str], None] | None = None) -> int:

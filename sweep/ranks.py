@@ -37,8 +37,8 @@ from lora_sweep.evaluators import evaluate, load_eval_data
 from lora_sweep.packer.data import load_examples
 from lora_sweep.packer.errors import UserError
 from lora_sweep.packer.jobs import SlotEnd, SlotJob, StepReport
-from lora_sweep.packer.model import PackedModel, load_base, resolve_base
-from lora_sweep.packer.shard import shard_base
+from lora_sweep.packer.model import PackedModel
+from lora_sweep.packer.shard_load import load_sharded
 from lora_sweep.packer.train import train
 from lora_sweep.sweep._trial_data import trial_stream
 from lora_sweep.sweep.spec import StudySpec
@@ -137,13 +137,13 @@ class Follower:
 
 
 def follow(spec: StudySpec, channel: Channel) -> None:
-    """A follower's whole run: load and shard the base as rank 0 does, then train each pack rank 0 starts
-    (``pack``: its capacity, pad id and ``train`` options) until it sends ``end``."""
-    base = resolve_base(spec.model.path, spec.model.gguf_file, log=lambda _m: None)
+    """A follower's whole run: load its shard of the base as rank 0 does (``packer.shard_load``), then train each
+    pack rank 0 starts (``pack``: its capacity, pad id and ``train`` options) until it sends ``end``."""
     device = "cpu" if spec.model.device == "cpu" else "cuda"  # this rank's GPU, made current by whoever started it
-    model, tokenizer = load_base(base, dtype=spec.model.dtype, device=device, quantize=spec.model.quantize)
-    pm = PackedModel(model, impl=spec.packing.kernels, fused_base_ops=spec.packing.fused_base_ops)
-    shard_base(pm)
+    loaded = load_sharded(spec.model.path, gguf_file=spec.model.gguf_file, dtype=spec.model.dtype, device=device,
+                          quantize=spec.model.quantize, impl=spec.packing.kernels,
+                          fused_base_ops=spec.packing.fused_base_ops)
+    pm, tokenizer = loaded.pm, loaded.tokenizer
     d = spec.data
     examples = load_examples(d.train, tokenizer, fmt=d.format, max_length=d.max_length,
                              train_on_prompt=d.train_on_prompt)

@@ -26,7 +26,7 @@ from lora_sweep.evaluators import metrics_of
 from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.gguf import gguf_source
 from lora_sweep.packer.model import PackedModel, load_base, prepare_kernels, resolve_base
-from lora_sweep.packer.shard import shard_base
+from lora_sweep.packer.shard_load import load_sharded
 from lora_sweep.sweep.budget import counted
 from lora_sweep.sweep.device import resolve_device
 from lora_sweep.sweep.ledger import Ledger, open_study, recorded_trials, storage_url
@@ -101,7 +101,14 @@ def _open(spec: StudySpec, sdir: StudyDir, device: str, log: Callable[[str], Non
     with split.part("load:model"):
         # a GGUF source becomes its cached checkpoint directory: what every load, adapter and export names
         base = resolve_base(spec.model.path, spec.model.gguf_file, log=log)
-        model, tokenizer = load_base(base, dtype=spec.model.dtype, device=device, quantize=spec.model.quantize)
+        pm: PackedModel | None = None
+        if spec.packing.shard == "fsdp":  # each rank reads its shard of the base (packer.shard_load), as every
+            # other rank does (sweep.ranks.follow), before any slot
+            loaded = load_sharded(base, dtype=spec.model.dtype, device=device, quantize=spec.model.quantize,
+                                  impl=spec.packing.kernels, fused_base_ops=spec.packing.fused_base_ops, log=log)
+            pm, model, tokenizer = loaded.pm, loaded.pm.model, loaded.tokenizer
+        else:
+            model, tokenizer = load_base(base, dtype=spec.model.dtype, device=device, quantize=spec.model.quantize)
     check_targets(spec, model)  # before the study is created: a target set the model lacks fails no trial
     with split.part("load:study"):
         sdir.create()
@@ -121,9 +128,8 @@ def _open(spec: StudySpec, sdir: StudyDir, device: str, log: Callable[[str], Non
                    objectives=[o.metric for o in spec.objectives], directions=spec.directions,
                    constraints=[c.as_dict() for c in spec.constraints],
                    metric_directions={m: d for e in spec.evaluators for m, d in metrics_of(e.name, e.options).items()})
-    pm = PackedModel(model, impl=spec.packing.kernels, fused_base_ops=spec.packing.fused_base_ops)
-    if spec.packing.shard == "fsdp":
-        shard_base(pm)  # as every other rank does (sweep.ranks.follow), before any slot
+    if pm is None:
+        pm = PackedModel(model, impl=spec.packing.kernels, fused_base_ops=spec.packing.fused_base_ops)
     if sharing is not None:
         with storage_lock(sharing.url, spec.name):  # the clock first: reaping makes dead trials' ends recent
             resume_clock(study, sharing.grace, earlier=float(store.meta().get("elapsed", 0.0)))

@@ -214,7 +214,8 @@ class PackingSpec:
     ``on``: falling back to eager with a warning if capture fails) or ``off``: the same static step, eagerly."""
     shard: Literal["none", "fsdp"] = "none"
     """``fsdp``: the frozen base sharded over the processes of a pack with FSDP2, the slots replicated
-    (``packer.shard``), one process per GPU (``sweep run --gpus N``, or ``sweep worker`` under torchrun); its step
+    (``packer.shard``), each rank reading only its shard from the checkpoint's safetensors files
+    (``packer.shard_load``), one process per GPU (``sweep run --gpus N``, or ``sweep worker`` under torchrun); its step
     runs eagerly, so ``cuda_graphs: on`` is refused, and ``max_slots`` must be set. ``none``: the whole base on one
     device."""
 

@@ -13,14 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 
 from lora_sweep.evaluators import EvalData, evaluate
+from lora_sweep.packer import shard_load
 from lora_sweep.packer.data import SlotStream, read_jsonl
 from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.launch import spawn
 from lora_sweep.packer.model import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.shard import base_share, decoder_layers, is_sharded, local_param_bytes, shard_base
+from lora_sweep.packer.shard_load import load_sharded, meta_model
 from lora_sweep.packer.train import SlotEnd, SlotJob, StepReport, train
 from tests.conftest import DEMO_DATA, Recorder, random_examples
 
@@ -40,9 +43,51 @@ SPECS = [
     AdapterSpec(rank=4, alpha=8, lr=8e-3, micro_batch=2, targets=("all-linear",), max_steps=4, seed=5),
 ]
 """Job 0 ends after 3 steps and job 4 refills its slot; job 2 is pruned."""
-STEPS_RUN = {"plain": False, "ckpt": True}
-"""Run name -> activation checkpointing, of the sharded runs."""
+STEPS_RUN = {"plain": (False, False), "ckpt": (True, False), "meta": (False, True)}
+"""Run name -> (activation checkpointing, built on meta and loaded by rows), of the sharded runs."""
 EVALUATORS = [("heldout_loss", None), ("generation", {"max_new_tokens": 4, "batch_size": 2})]
+
+
+class _Counted:
+    """safetensors' ``safe_open`` counting the bytes of every tensor its handles give out (``get_tensor``,
+    ``get_slice(name)[rows]``), whichever the loader calls: what a rank read of the checkpoint, counted outside it."""
+
+    read = 0
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        self.f = safe_open(*args, **kwargs)
+
+    def __enter__(self) -> _Counted:
+        self.f.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.f.__exit__(*exc)
+
+    def keys(self) -> list[str]:
+        return self.f.keys()
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self._count(self.f.get_tensor(name))
+
+    def get_slice(self, name: str) -> _CountedSlice:
+        return _CountedSlice(self.f.get_slice(name))
+
+    @staticmethod
+    def _count(t: torch.Tensor) -> torch.Tensor:
+        _Counted.read += t.numel() * t.element_size()
+        return t
+
+
+class _CountedSlice:
+    def __init__(self, sliced: object) -> None:
+        self.sliced = sliced
+
+    def get_shape(self) -> list[int]:
+        return self.sliced.get_shape()
+
+    def __getitem__(self, index: object) -> torch.Tensor:
+        return _Counted._count(self.sliced[index])
 
 
 def _jobs() -> list[SlotJob]:
@@ -54,19 +99,33 @@ def _prune(report: StepReport) -> bool:
     return report.key == PRUNED and report.slot_step >= PRUNE_AT
 
 
-def train_pack(model_dir: Path, shard: bool, ckpt: bool = False) -> dict:
-    """Train the jobs in a 4-slot pack (its base sharded over the default process group if ``shard``; on the
+def train_pack(model_dir: Path, shard: bool, ckpt: bool = False, meta: bool = False) -> dict:
+    """Train the jobs in a 4-slot pack (its base sharded over the default process group if ``shard``, loaded whole
+    and then sharded, or with ``meta`` built on the meta device and each rank's shard read by rows; on the
     eager step; each decoder layer recomputed in the backward if ``ckpt``), each job
     scored as it ends (held-out loss and generation, as the sweep scores them); returns per-key losses, final (A, B)
-    and metrics, how the jobs ended, this rank's parameter bytes before and after sharding and what ``base_share``
-    counts of them."""
-    model, tokenizer = load_base(str(model_dir), attn_implementation="eager")
-    pm = PackedModel(model)
-    before = local_param_bytes(pm.model)
-    share = base_share(pm.model, dist.get_world_size(), dist.get_rank()) if shard else None
-    if shard:
-        shard_base(pm)
+    and metrics, how the jobs ended, this rank's parameter bytes before and after sharding, what ``base_share``
+    counts of them, the base's buffers and, with ``meta``, the bytes read from the checkpoint (as the loader
+    counts them, as safetensors gave them out)."""
+    world, rank = (dist.get_world_size(), dist.get_rank()) if shard else (1, 0)
+    read = None
+    if meta:
+        whole = meta_model(model_dir, "float32", "eager")  # nothing allocated: only the sizes are read
+        before, share = local_param_bytes(whole), base_share(whole, world, rank)
+        shard_load.safe_open = _Counted  # this process's loads count what the checkpoint gives out
+        _Counted.read = 0
+        loaded = load_sharded(str(model_dir), dtype="float32", device="cpu", attn_implementation="eager")
+        assert loaded.stats is not None, "the tiny safetensors checkpoint must load by rows"
+        pm, tokenizer, read = loaded.pm, loaded.tokenizer, (loaded.stats.read_bytes, _Counted.read)
+    else:
+        model, tokenizer = load_base(str(model_dir), attn_implementation="eager")
+        pm = PackedModel(model)
+        before = local_param_bytes(pm.model)
+        share = base_share(pm.model, world, rank) if shard else None
+        if shard:
+            shard_base(pm)
     after = local_param_bytes(pm.model)
+    buffers = {name: b.detach().clone() for name, b in pm.model.named_buffers()}
     queue, rec, metrics, texts = _jobs(), Recorder(pm), {}, {}
     fmt, rows = read_jsonl(DEMO_DATA / "arith-eval.jsonl")
     data = EvalData(rows[:4], fmt, tokenizer, max_length=48)
@@ -83,12 +142,13 @@ def train_pack(model_dir: Path, shard: bool, ckpt: bool = False) -> dict:
     assert result.step == "static-eager"
     return {"losses": dict(rec.losses), "final": rec.final, "metrics": metrics, "texts": texts,
             "ended": sorted(result.ended), "bytes": (before, after),
-            "share": None if share is None else (share.whole, share.shard, share.peak)}
+            "share": None if share is None else (share.whole, share.shard, share.peak, share.load_peak),
+            "read": read, "buffers": buffers}
 
 
 def _rank(rank: int, world: int, model_dir: Path, out: Path) -> None:
-    for step, ckpt in STEPS_RUN.items():  # in one pair of processes: starting them is most of the time
-        torch.save(train_pack(model_dir, shard=True, ckpt=ckpt), out / f"rank{rank}-{step}.pt")
+    for step, (ckpt, meta) in STEPS_RUN.items():  # in one pair of processes: starting them is most of the time
+        torch.save(train_pack(model_dir, shard=True, ckpt=ckpt, meta=meta), out / f"rank{rank}-{step}.pt")
 
 
 def _assert_same_training(got: dict, ref: dict) -> None:
@@ -132,8 +192,33 @@ def test_sharded_pack_trains_as_unsharded(tiny_dirs, two_ranks: Path, step: str)
     for got in ranks:  # what the planner counts of the base per rank is what each rank holds
         before, after = got["bytes"]
         assert before == ref["bytes"][0] and after < before
-        whole, shard, peak = got["share"]
-        assert whole + shard == after and peak > after
+        whole, shard, peak, load_peak = got["share"]
+        assert whole + shard == after and peak > after and after < load_peak < peak
+        assert got["buffers"].keys() == ref["buffers"].keys() and ref["buffers"]  # the rotary inv_freq recomputed
+        for name, b in ref["buffers"].items():
+            assert torch.equal(got["buffers"][name], b), name
+    if step == "meta":
+        _assert_read_by_rows(ranks, ref, [torch.load(two_ranks / f"rank{r}-plain.pt") for r in range(2)])
+
+
+def _assert_read_by_rows(ranks: list[dict], ref: dict, loaded_whole: list[dict]) -> None:
+    """Built on meta, each rank read from the checkpoint its shard's rows and the head (kept whole) and nothing
+    else: both ranks' reads add up to the base once plus the head twice (no rank read a sharded tensor whole), as
+    the loader counted and as safetensors gave them out; the pack trained bitwise as the one loaded whole and then
+    sharded (the same shards)."""
+    full = ref["bytes"][0]
+    reads = []
+    for got in ranks:
+        whole, shard, _, _ = got["share"]
+        counted, given = got["read"]
+        assert counted == given == whole + shard and shard < full - whole
+        reads.append(given)
+    assert sum(reads) == full + ranks[0]["share"][0]
+    for got, other in zip(ranks, loaded_whole, strict=True):
+        assert got["losses"] == other["losses"]
+        for key, weights in other["final"].items():
+            for path, (a, b) in weights.items():
+                assert torch.equal(got["final"][key][path][0], a) and torch.equal(got["final"][key][path][1], b)
 
 
 def test_world_of_one_runs_the_sharded_path(tiny_dirs, tmp_path: Path) -> None:

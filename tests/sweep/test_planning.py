@@ -61,6 +61,10 @@ def test_a_sharded_plan_counts_one_ranks_share_of_the_base_per_gpu(tiny_dirs, tm
     assert two.static_bytes == one.memory.static_bytes - whole + share
     table = two.table()
     assert "predicted peak of a full pack per GPU (2 GPUs, FSDP)" in table and "replicated on every GPU" in table
+    # loading: a safetensors checkpoint loads by rows (packer.shard_load), one rank's share and one padded chunk
+    load = base_share(model, 2).load_peak
+    assert two.load_peak_bytes == load < share and two.predicted_peak_bytes > load
+    assert "peak while loading the base, per GPU" in table and "GiB (each rank reads its shard by rows)" in table
     unsharded = load_study(write_study(tmp_path, tiny_dirs("llama"), "whole", packing={"max_slots": 3}))
     assert plan_pack(unsharded, pm, gpus=2).predicted_peak_bytes == one.predicted_peak_bytes  # shard: none
     from click.testing import CliRunner
@@ -71,6 +75,7 @@ def test_a_sharded_plan_counts_one_ranks_share_of_the_base_per_gpu(tiny_dirs, tm
     result = CliRunner().invoke(cli, ["plan", str(sharded), "--gpus", "2"])
     assert result.exit_code == 0, result.output
     assert "predicted peak of a full pack per GPU (2 GPUs, FSDP)" in result.stdout, result.stdout
+    assert "(each rank reads its shard by rows)" in result.stdout  # from the cache too
     # a world size the cache holds no share for (3): the plan loads the model and computes it (no refusal)
     three = CliRunner().invoke(cli, ["plan", str(sharded), "--gpus", "3"])
     assert three.exit_code == 0 and "per GPU (3 GPUs, FSDP)" in three.stdout, three.output
