@@ -1,7 +1,7 @@
 """One pack over several GPUs of one host, its bf16 base sharded with FSDP2 and built on the meta device
 (``packer.shard_load``): a base larger than one GPU.
 
-A command, not a timed test (GPUs): ``python benchmarks/shard_bench.py --shape llama3-70b --gpus 2 --slots 8
+A command, not a timed test (GPUs): ``python -m lora_sweep.benchmarks.shard_bench --shape llama3-70b --gpus 2 --slots 8
 --seq 1024 --activation-checkpointing``. Each of ``--gpus`` ranks (NCCL, one process per GPU) builds the shape's
 config on the meta device, shards it (``shard_base``) and draws a random init of its own shard only
 (``materialise`` without a checkpoint: throughput does not depend on weight values, and a 70B checkpoint would not
@@ -78,7 +78,7 @@ def _rank(rank: int, world: int, a: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python benchmarks/shard_bench.py", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m lora_sweep.benchmarks.shard_bench", description=__doc__.splitlines()[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama3-70b")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
     p.add_argument("--gpus", type=int, default=2)
