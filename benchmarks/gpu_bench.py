@@ -6,8 +6,8 @@ attention, LoRA r=16 on the seven projections. Workloads (the issue's names):
 - W5 correctness gate, before any timing: packed Triton vs the masked-dense reference, same
   batches, bf16: per-slot losses after a few steps must agree.
 - W1 aggregate training tokens/s over all slots, N slots x micro-batch 1, against PEFT at batch 1.
-- W4 the packed LoRA's cost over the frozen base at the same tokens: a decoder layer, a shared-input group,
-  one projection (``benchmarks.gpu_layer``).
+- W4 the packed LoRA's cost over the frozen base at the same tokens: a decoder layer, one projection
+  (``benchmarks.gpu_layer``).
 
 MFU counts 4 * N * tokens for the frozen base (forward + backward to activations) plus the
 attention term ``3 * 4 * layers * seq^2 * hidden * batch``, against the measured bf16 GEMM rate,
@@ -254,7 +254,7 @@ def table(rows: list[dict]) -> str:
             continue
         vs = f"{r['tok_s'] / peft[r['shape']]:.1f}" if r.get("workload") in ("W1", "W2") and r.get("shape") in peft \
             else ""
-        other = {k: v for k, v in r.items() if k in ("scope", "ratio", "one_by_one_ratio", "max_rel_loss_diff",
+        other = {k: v for k, v in r.items() if k in ("scope", "ratio", "max_rel_loss_diff",
                                                      "error", "makespan_s",
                                                      "ratio_vs_packed", "ratio_vs_packed_warm", "rank",
                                                      "predicted_gib", "measured_gib",
