@@ -181,9 +181,8 @@ def calibrate(pm: PackedModel, seq_len: int, *, rows: tuple[int, int] = (1, 2), 
         # the step's store holds every slot at the pack's rank bucket (``static_loop.rank_bucket_for``)
         params = PROBE_SLOTS * adapter_param_count([(layer.in_features, layer.out_features)
                                                     for layer in pm.layers.values()], rank_bucket_for(rank))
-        # Triton keeps one per-token column per rank of the widest slot, padded to a power of 2 (>= 16);
-        # the masked-dense path one per row of every slot's rank bucket (the step's store).
-        width = _pad(rank) if triton else PROBE_SLOTS * rank_bucket_for(rank)
+        # per token, one column per row of its slot's rank bucket (the Triton kernels' h, the torch path's batched h)
+        width = rank_bucket_for(rank)
         # the training step gives every slot the same rows (the idle one padding): a probe computes PROBE_SLOTS x n
         probes[(PROBE_SLOTS * n * seq_len, rank)] = (peak, params, width, timed[0])
     return _fit(pm, probes, rows, seq_len, (r_lo, r_hi), vocab, static, chunked_ce, triton, optimizer_in_backward)
@@ -229,11 +228,6 @@ def _fit_memory(p1: Probe, p2: Probe, p3: Probe, p4: Probe, t1: int, t2: int,
     if par_hi != par_lo:
         q = max(q, (m4 - m1 - b * t1 * (w_hi - w_lo)) / (par_hi - par_lo))
     return a, b, q, m1 - a * t1 - b * t1 * w_lo - q * par_lo
-
-
-def _pad(rank: int) -> int:
-    """Per-token rank columns the Triton kernels keep for a widest rank ``rank``."""
-    return max(16, 1 << max(rank - 1, 0).bit_length())
 
 
 def _ce_chunk_bytes(pm: PackedModel, chunk: int, vocab: int) -> int:
