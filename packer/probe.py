@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from lora_sweep.kernels import PackLayout, resolve_impl
+from lora_sweep.kernels import PackLayout
 from lora_sweep.packer.data import Example
 from lora_sweep.packer.loss import chunked_slot_losses
 from lora_sweep.packer.model import PackedModel
@@ -167,7 +167,6 @@ def calibrate(pm: PackedModel, seq_len: int, *, rows: tuple[int, int] = (1, 2), 
     narrowest = min(min(linear_shape(pm.model.get_submodule(p)) or (1 << 30,)) for p in projection_names(pm.model))
     r_hi = min(40, narrowest)
     r_lo = min(8, max(1, r_hi // 4))
-    triton = resolve_impl(pm.state.impl, pm.device) == "triton"
     probes = {}
     for n, rank in ((rows[0], r_hi), (rows[0], r_lo), (rows[1], r_lo), (rows[1], r_hi)):
         ids = torch.randint(3, vocab, (n, seq_len), generator=gen).tolist()
@@ -185,11 +184,11 @@ def calibrate(pm: PackedModel, seq_len: int, *, rows: tuple[int, int] = (1, 2), 
         width = rank_bucket_for(rank)
         # the training step gives every slot the same rows (the idle one padding): a probe computes PROBE_SLOTS x n
         probes[(PROBE_SLOTS * n * seq_len, rank)] = (peak, params, width, timed[0])
-    return _fit(pm, probes, rows, seq_len, (r_lo, r_hi), vocab, static, chunked_ce, triton, optimizer_in_backward)
+    return _fit(pm, probes, rows, seq_len, (r_lo, r_hi), vocab, static, chunked_ce, optimizer_in_backward)
 
 
 def _fit(pm: PackedModel, probes: dict[tuple[int, int], Probe], rows: tuple[int, int], seq_len: int,
-         ranks: tuple[int, int], vocab: int, static: int, chunked_ce: bool | int, triton: bool,
+         ranks: tuple[int, int], vocab: int, static: int, chunked_ce: bool | int,
          optimizer_in_backward: bool) -> MemoryModel:
     """``MemoryModel`` from the four probes of ``calibrate``, keyed by (tokens, rank)."""
     r_lo, r_hi = ranks
@@ -206,7 +205,7 @@ def _fit(pm: PackedModel, probes: dict[tuple[int, int], Probe], rows: tuple[int,
     sec_per_token = max(0.0, (s2 - s1) / (t2 - t1))
     return MemoryModel(static_bytes=max(static, int(intercept)), bytes_per_token=per_token,
                        bytes_per_token_rank=per_token_rank, seconds_per_token=sec_per_token,
-                       seconds_per_step=max(0.0, s1 - sec_per_token * t1), rank_width_is_max=triton,
+                       seconds_per_step=max(0.0, s1 - sec_per_token * t1),
                        ce_chunk_bytes=int(ce), ce_chunk_tokens=chunk or 0, bytes_per_param=per_param,
                        optimizer_in_backward=optimizer_in_backward)
 
