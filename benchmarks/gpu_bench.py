@@ -3,11 +3,11 @@
 Random-init models of real shapes (throughput does not depend on weight values), bf16, SDPA
 attention, LoRA r=16 on the seven projections. Workloads (the issue's names):
 
-- W5 correctness gate, before any timing: packed Triton vs the masked-dense reference, same
+- W5 correctness gate, before any timing: packed Triton vs the PyTorch path, same
   batches, bf16: per-slot losses after a few steps must agree.
 - W1 aggregate training tokens/s over all slots, N slots x micro-batch 1, against PEFT at batch 1.
-- W4 the packed LoRA's cost over the frozen base at the same tokens: a decoder layer, a shared-input group,
-  one projection (``benchmarks.gpu_layer``).
+- W4 the packed LoRA's cost over the frozen base at the same tokens: a decoder layer, one projection
+  (``benchmarks.gpu_layer``).
 
 MFU counts 4 * N * tokens for the frozen base (forward + backward to activations) plus the
 attention term ``3 * 4 * layers * seq^2 * hidden * batch``, against the measured bf16 GEMM rate,
@@ -114,7 +114,7 @@ def peft_run(name: str, batch: int, seq: int, *, warmup: int = 3, steps: int = 6
 
 
 def correctness_gate(model: torch.nn.Module, slots: int = 4, seq: int = 256, steps: int = 3) -> dict:
-    """W5: per-slot losses and final adapter weights of packed Triton vs the masked-dense reference, bf16."""
+    """W5: per-slot losses and final adapter weights of packed Triton vs the PyTorch path, bf16."""
     losses: dict[str, list[float]] = {}
     weights: dict[str, torch.Tensor] = {}
     for impl in ("torch", "triton"):
@@ -177,7 +177,7 @@ def _free() -> None:
 
 def _small(peak: float, emit: Callable[[dict], None], out_dir: str | None) -> None:
     """Qwen2.5-0.5B shape: W5, W1 (slots 1..32) and PEFT, U, W4, the profile, W2, the memory model, then the
-    masked-dense torch path (most important first: a run cut short still has the headline)."""
+    PyTorch path (most important first: a run cut short still has the headline)."""
     model = build_shape("qwen2.5-0.5b")
     gate = correctness_gate(model)
     emit(gate)
@@ -254,7 +254,7 @@ def table(rows: list[dict]) -> str:
             continue
         vs = f"{r['tok_s'] / peft[r['shape']]:.1f}" if r.get("workload") in ("W1", "W2") and r.get("shape") in peft \
             else ""
-        other = {k: v for k, v in r.items() if k in ("scope", "ratio", "one_by_one_ratio", "max_rel_loss_diff",
+        other = {k: v for k, v in r.items() if k in ("scope", "ratio", "max_rel_loss_diff",
                                                      "error", "makespan_s",
                                                      "ratio_vs_packed", "ratio_vs_packed_warm", "rank",
                                                      "predicted_gib", "measured_gib",

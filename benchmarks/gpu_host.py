@@ -3,7 +3,7 @@
 ``python -m lora_sweep.benchmarks.gpu_host --model models/scale-qwen2 --data studies/data/arith-train.jsonl`` trains
 ``--slots`` adapters (ranks 8/16/32 cycled, micro-batch ``--micro``) on random full rows and on the
 data file's rows (half the slots with dropout 0.05, as a sweep draws them), on the Triton kernels and on
-masked-dense PyTorch, and prints each median step; then profiles five steps of the data run and prints
+the PyTorch path, and prints each median step; then profiles five steps of the data run and prints
 the kernel time per step and the top host and device operators. ``--cprofile`` instead runs 20 data
 steps on the Triton kernels under cProfile (after 15 unprofiled ones) and prints the Python functions
 that take the host's time. A scale-out worker of ``studies/scale-out.yaml`` runs exactly such packs.

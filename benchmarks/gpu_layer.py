@@ -1,15 +1,14 @@
 """W4 on a GPU: what the packed LoRA costs on top of the frozen base, at the same tokens.
 
-Three granularities, each timed base-alone and packed alternately ``repeats`` times, the ratio the median of
+Two granularities, each timed base-alone and packed alternately ``repeats`` times, the ratio the median of
 the per-repeat ratios (the same base timing drifted by 10% between two back-to-back runs on the H200, 1.59 and
 1.77 ms, which a single base-then-packed pair folds into the ratio):
 
 - ``projection_bench``: one projection (``kernels.packed_lora_linear``) against its GEMMs alone;
-- ``group_bench``: projections that read one input (q/k/v) as one shared-input call
-  (``kernels.packed_lora_linear_slices``), and as one call per projection, against their GEMMs alone;
-- ``decoder_layer_bench``: one decoder layer of a real shape, wrapped by ``PackedModel`` exactly as in training
-  (LoRA on all seven projections, shared-input groups, fused norms and MLP middles), against the same layer
-  with no slot active. This is the layer a pack runs 28 or 32 times per step.
+- ``decoder_layer_bench``: one decoder layer of a real shape, wrapped by ``PackedModel`` (LoRA on all seven
+  projections, fused norms and MLP middles) on its per-batch path (each projection its own packed call: the
+  shared-input groups run on the static step, ``benchmarks.gpu_groups`` times them), against the same layer with
+  no slot active. This is the layer a pack runs 28 or 32 times per step.
 
 Run: ``python -m lora_sweep.benchmarks.gpu_layer`` (also ``python -m lora_sweep.benchmarks.gpu_bench --part layer``).
 """
@@ -24,12 +23,10 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["LAYER_SHAPES", "projection_bench", "group_bench", "decoder_layer_bench", "run_all"]
+__all__ = ["LAYER_SHAPES", "projection_bench", "decoder_layer_bench", "run_all"]
 
 LAYER_SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096), (4096, 1024))
 """Single projections: Llama-3-8B's attention (q, o), MLP (gate/up, down) and key/value (8 KV heads) shapes."""
-GROUP_SHAPES = ((4096, (4096, 1024, 1024)), (4096, (14336, 14336)))
-"""Shared-input groups: Llama-3-8B's q/k/v and gate/up."""
 
 
 def _ratio_row(base: Callable[[], None], packed: dict[str, Callable[[], None]], repeats: int) -> dict:
@@ -66,12 +63,12 @@ def _host_ms(fn: Callable[[], None], calls: int = 50) -> float:
     return round(queued / calls * 1000, 3)
 
 
-def _pack(tokens: int, slots: int, rank: int, layer_id: int = 0):  # type: ignore[no-untyped-def]
+def _pack(tokens: int, slots: int, rank: int):  # type: ignore[no-untyped-def]
     from lora_sweep.kernels import LayerRanks, PackLayout
 
     layout = PackLayout(tuple(range(slots)), tuple(range(slots)), (1,) * slots, (tokens // slots,) * slots,
                         (0.0,) * slots, (0,) * slots)
-    return layout, LayerRanks((rank,) * slots, (2.0,) * slots, layer_id)
+    return layout, LayerRanks((rank,) * slots, (2.0,) * slots, 0)
 
 
 def _lora_a(rows: int, d_in: int) -> torch.Tensor:
@@ -106,45 +103,11 @@ def projection_bench(d_in: int = 4096, d_out: int = 4096, tokens: int = 16384, s
                 ratio=row.pop("packed_ratio"), **row)
 
 
-def group_bench(d_in: int = 4096, d_outs: tuple[int, ...] = (4096, 1024, 1024), tokens: int = 16384, slots: int = 8,
-                rank: int = 16, repeats: int = 5) -> dict:
-    """Projections reading one input, forward+backward (autograd adds their dx, as in a model): one shared-input
-    packed call (``ratio``) and one packed call per projection (``one_by_one_ratio``) vs their GEMMs alone."""
-    from lora_sweep.kernels import group_rows, packed_lora_linear, packed_lora_linear_slices
-
-    ws = [torch.randn(d, d_in, device="cuda", dtype=torch.bfloat16) / d_in**0.5 for d in d_outs]
-    x = torch.randn(slots, tokens // slots, d_in, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    layout, _ = _pack(tokens, slots, rank)
-    slices = tuple(_pack(tokens, slots, rank, layer_id=i)[1] for i in range(len(d_outs)))
-    a_group = _lora_a(slots * rank * len(d_outs), d_in)
-    bts = [_lora_bt(slots * rank, d) for d in d_outs]
-    a_parts = [a_group.detach()[torch.tensor(r, device="cuda")].requires_grad_() for r in group_rows(slices)]
-    dys = [torch.randn(slots, tokens // slots, d, device="cuda", dtype=torch.bfloat16) for d in d_outs]
-
-    def base() -> None:
-        torch.autograd.backward([x @ w.T for w in ws], dys)
-
-    def grouped() -> None:
-        ys = packed_lora_linear_slices(x, tuple(ws), (None,) * len(ws), a_group, tuple(bts), layout, slices,
-                                       impl="triton")
-        torch.autograd.backward(ys, dys)
-
-    def one_by_one() -> None:
-        ys = [packed_lora_linear(x, w, None, a, bt, layout, r, impl="triton")
-              for w, a, bt, r in zip(ws, a_parts, bts, slices, strict=True)]
-        torch.autograd.backward(ys, dys)
-
-    row = _ratio_row(base, {"packed": grouped, "one_by_one": one_by_one}, repeats)
-    return dict(workload="W4", scope="group", shape=f"{d_in}->{'+'.join(map(str, d_outs))}", tokens=tokens,
-                slots=slots, rank=rank, ratio=row.pop("packed_ratio"), **row)
-
-
 def decoder_layer_bench(shape: str = "llama3-8b", slots: int = 16, seq: int = 1024, rank: int = 16,
                         repeats: int = 5) -> dict:
     """One decoder layer of ``shape`` forward+backward (to its input and the slots' LoRA weights): ``slots``
-    adapters of rank ``rank`` on all seven projections, one row of ``seq`` tokens each, through ``PackedModel``
-    as training runs it (``ratio``) and with its shared-input groups off (``one_by_one_ratio``), against the same
-    layer with no slot active."""
+    adapters of rank ``rank`` on all seven projections, one row of ``seq`` tokens each, through ``PackedModel``'s
+    per-batch path (``ratio``), against the same layer with no slot active."""
     from lora_sweep.benchmarks.shapes import PROJ, SHAPES, build_shape
     from lora_sweep.packer.model import PackedModel
     from lora_sweep.packer.plan import AdapterSpec
@@ -168,29 +131,16 @@ def decoder_layer_bench(shape: str = "llama3-8b", slots: int = 16, seq: int = 10
                 torch.autograd.backward(out[0] if isinstance(out, tuple) else out, dy)
         return run
 
-    groups = {m: m.group for m in pm.layers.values()}
-
-    def one_by_one() -> None:
-        for m in groups:
-            m.group = None
-        try:
-            step(True)()
-        finally:
-            for m, g in groups.items():
-                m.group = g
-
-    row = _ratio_row(step(False), {"packed": step(True), "one_by_one": one_by_one}, repeats)
+    row = _ratio_row(step(False), {"packed": step(True)}, repeats)
     return dict(workload="W4", scope="decoder layer", shape=shape, tokens=slots * seq, slots=slots, rank=rank,
-                groups=len(pm.groups), ratio=row.pop("packed_ratio"), **row)
+                ratio=row.pop("packed_ratio"), **row)
 
 
 def run_all(emit: Callable[[dict], None]) -> None:
-    """Every W4 row: the decoder layers first (the headline), then the groups, then single projections."""
+    """Every W4 row: the decoder layers first (the headline), then single projections."""
     for shape in ("llama3-8b", "qwen2.5-7b"):
         emit(decoder_layer_bench(shape, seq=1024 if shape == "llama3-8b" else 512))
         torch.cuda.empty_cache()
-    for d_in, d_outs in GROUP_SHAPES:
-        emit(group_bench(d_in, d_outs))
     for d_in, d_out in LAYER_SHAPES:
         emit(projection_bench(d_in, d_out))
 

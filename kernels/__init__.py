@@ -1,11 +1,11 @@
 """Packed multi-adapter LoRA ops, and the frozen base's fused RMSNorm, SiLU-gated product and RoPE.
 
-``packed_lora`` is the entry point of the LoRA term (``packed_lora_linear`` with the base GEMM,
-``packed_lora_linear_slices`` for projections that share an input);
+``packed_lora`` is the entry point of the LoRA term (``packed_lora_linear`` with the base GEMM; on a static pack's
+tables ``packed_lora_static``, and ``packed_lora_static_group`` for projections that share an input);
 ``rms_norm``, ``silu_mul`` and ``rope`` are those of the base's elementwise ops; ``static_linear_ce`` is a static
 batch's per-slot loss through the frozen output head. The implementation is an explicit argument so the Triton
 kernels drop in without touching the packer. Imports without triton: the Triton modules (``kernels.triton_lora``,
-``triton_slices``, ``triton_group``, ``triton_norm``, ``triton_swiglu``, ``triton_rope``, ``triton_ce``) are loaded
+``triton_group``, ``triton_norm``, ``triton_swiglu``, ``triton_rope``, ``triton_ce``) are loaded
 on the first ``impl="triton"`` call, after a test's ``TRITON_INTERPRET=1`` has been set.
 """
 
@@ -38,10 +38,10 @@ from lora_sweep.kernels._launch import (
     static_meta,
     to_device_async,
 )
-from lora_sweep.kernels.meta import LayerRanks, PackLayout, dropout_seed, group_rows
+from lora_sweep.kernels.meta import LayerRanks, PackLayout, dropout_seed
 from lora_sweep.kernels.reference import lora_loop, lora_masked_dense
 
-__all__ = ["packed_lora", "packed_lora_linear", "packed_lora_linear_slices", "packed_lora_static",
+__all__ = ["packed_lora", "packed_lora_linear", "packed_lora_static",
            "packed_lora_static_group", "GroupSlice", "precompile",
            "hash_compiler_early",
            "lora_operand_dtype",
@@ -51,7 +51,7 @@ __all__ = ["packed_lora", "packed_lora_linear", "packed_lora_linear_slices", "pa
            "SegInt", "SegFlt", "Tile", "Chunk", "SEG_INT_COL", "SEG_FLT_COL", "TILE_COL", "CHUNK_COL",
            "SEG_INT_FIELDS", "SEG_FLT_FIELDS", "FREE_FLT", "free_segment",
            "PackLayout", "LayerRanks",
-           "dropout_seed", "group_rows", "IMPLS", "Impl", "resolve_impl", "triton_available", "to_device_async"]
+           "dropout_seed", "IMPLS", "Impl", "resolve_impl", "triton_available", "to_device_async"]
 
 Impl = Literal["torch", "loop", "triton", "auto"]
 IMPLS: tuple[str, ...] = ("torch", "loop", "triton", "auto")
@@ -133,42 +133,6 @@ def packed_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if impl != "triton":
         return packed_lora(x, F.linear(x, weight, bias), a_cat, bt_cat, layout, ranks, impl=impl)
     return _triton_module().packed_lora_triton(x, None, a_cat, bt_cat, layout, ranks, weight=weight, bias=bias)
-
-
-def packed_lora_linear_slices(x: torch.Tensor, weights: tuple[torch.Tensor, ...],
-                              biases: tuple[torch.Tensor | None, ...], a_group: torch.Tensor,
-                              bt_cats: tuple[torch.Tensor, ...], layout: PackLayout, slices: tuple[LayerRanks, ...],
-                              *, impl: Impl = "torch") -> tuple[torch.Tensor, ...]:
-    """Frozen linears that read the same input (q/k/v, gate/up), each plus every slot's LoRA term, in one call.
-
-    ``packed_lora_linear`` per slice, with slice s's ``a_cat`` taken from ``a_group``'s rows
-    ``group_rows(slices)[s]``. The Triton path (``kernels.triton_slices``) reads x once for all slices'
-    shrinks and once for the weight gradient of ``a_group``, and writes one dx; it needs no LoRA dropout.
-
-    Args:
-        x: (B, L, D_in) the shared input, rows grouped by slot as ``layout`` says.
-        weights: per slice, (D_s, D_in) base weight.
-        biases: per slice, (D_s,) base bias or None.
-        a_group: (R_group, D_in) every slot's A, stacked slot by slot and, within a slot, slice by slice.
-        bt_cats: per slice, (R_s, D_s) packed B^T.
-        layout: row segments of the batch.
-        slices: per slice, its ranks, scales (a slot's scale equal in every slice) and layer id.
-        impl: which implementation computes it.
-
-    Returns:
-        Per slice, (B, L, D_s); differentiable in x, a_group and bt_cats.
-
-    Raises:
-        ValueError: on the Triton path, an adapted slot has dropout or the slices disagree on a slot's scale.
-    """
-    if impl == "auto":
-        impl = resolve_impl(impl, x.device)
-    if impl == "triton":
-        return _triton_module("triton_slices").packed_lora_slices_triton(x, weights, biases, a_group, bt_cats,
-                                                                         layout, slices)
-    return tuple(packed_lora_linear(x, w, b, a_group[torch.tensor(rows, dtype=torch.long, device=a_group.device)],
-                                    bt, layout, ranks, impl=impl)
-                 for w, b, bt, ranks, rows in zip(weights, biases, bt_cats, slices, group_rows(slices), strict=True))
 
 
 def packed_lora_static(x: torch.Tensor, base_out: torch.Tensor | None, weight: torch.Tensor | None,

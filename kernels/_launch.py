@@ -17,7 +17,7 @@ import torch
 
 from lora_sweep.kernels.meta import LayerRanks, PackLayout
 
-__all__ = ["SegmentMeta", "GroupSlice", "build_meta", "build_slice_metas", "static_meta", "check_2d", "check_rows",
+__all__ = ["SegmentMeta", "GroupSlice", "build_meta", "static_meta", "check_2d", "check_rows",
            "to_device_async",
            "SegInt", "SegFlt", "Tile", "Chunk", "SEG_INT_COL", "SEG_FLT_COL", "TILE_COL", "CHUNK_COL",
            "SEG_INT_FIELDS", "SEG_FLT_FIELDS", "TILE_FIELDS", "CHUNK_FIELDS", "POS_BITS", "free_segment", "FREE_FLT"]
@@ -39,9 +39,6 @@ class SegInt(NamedTuple):
     seed: int
     """The slot's dropout seed (``PackLayout.seed``; the layer enters the kernels' Philox counter, so one table
     serves every layer)."""
-    h_col: int
-    """Its first column in the per-token rank buffer h: 0, except for one slice of a shared-input group, whose
-    slices share one h."""
 
 
 class SegFlt(NamedTuple):
@@ -106,9 +103,7 @@ class SegmentMeta(NamedTuple):
         n_chunks: rows of ``chunks``.
         n_partials: partial-sum slots of the weight gradient (the most chunks any segment has).
         seq_len: L, positions per row.
-        r_pad: columns of the per-token rank buffer h (its row stride), a power of 2 >= 16 and >= r_cols.
-        r_cols: columns the ranks of this call need, a power of 2 >= 16 and >= every rank (below r_pad only
-            for one slice of a shared-input group).
+        r_cols: columns of the per-token rank buffer h (its row stride), a power of 2 >= 16 and >= every rank.
         total_rank: R, rows of ``a_cat`` / ``bt_cat``.
         covers_all: the active segments cover every token (then outputs need no pre-fill).
         has_dropout: some active segment has p > 0.
@@ -124,7 +119,6 @@ class SegmentMeta(NamedTuple):
     n_chunks: int
     n_partials: int
     seq_len: int
-    r_pad: int
     r_cols: int
     total_rank: int
     covers_all: bool
@@ -151,7 +145,7 @@ class GroupSlice(NamedTuple):
 
 
 def build_meta(layout: PackLayout, ranks: LayerRanks, n_tokens: int, seq_len: int, device: torch.device, *,
-               block_m: int = BLOCK_M, chunk_tokens: int = CHUNK_TOKENS, h_col: tuple[int, ...] = ()) -> SegmentMeta:
+               block_m: int = BLOCK_M, chunk_tokens: int = CHUNK_TOKENS) -> SegmentMeta:
     """Segment tables and tile maps of one layer call.
 
     Args:
@@ -162,7 +156,6 @@ def build_meta(layout: PackLayout, ranks: LayerRanks, n_tokens: int, seq_len: in
         device: where the kernels run.
         block_m: tokens per shrink/expand tile.
         chunk_tokens: tokens per weight-gradient partial sum.
-        h_col: per slot, its first column in h (one slice of a shared-input group); empty: all 0.
 
     Returns:
         The metadata, with its tensors on ``device``.
@@ -176,46 +169,8 @@ def build_meta(layout: PackLayout, ranks: LayerRanks, n_tokens: int, seq_len: in
     if seq_len >= 1 << POS_BITS:
         raise ValueError(f"sequence length {seq_len} >= 2**{POS_BITS} (dropout counter width)")
     # cached without the layer id: every layer of a step shares the tables (no host work, no copy per layer)
-    meta = _tables(layout, ranks.rank, ranks.scale, n_tokens, seq_len, device, block_m, chunk_tokens, h_col=h_col)
+    meta = _tables(layout, ranks.rank, ranks.scale, n_tokens, seq_len, device, block_m, chunk_tokens)
     return meta._replace(layer_id=ranks.layer_id)
-
-
-def build_slice_metas(layout: PackLayout, slices: tuple[LayerRanks, ...], n_tokens: int, seq_len: int,
-                      device: torch.device) -> tuple[SegmentMeta, tuple[SegmentMeta, ...]]:
-    """Tables of a shared-input group: projections (slices) that read the same input, run as one call.
-
-    The group's A rows are stacked per slot, then per slice (slot g: A_g of slice 0, of slice 1, ...), so
-    the group is one LoRA of rank ``sum_s r_gs`` on the input side: one shrink fills h (T, r_pad), one
-    weight gradient reads the input once. Slice s's columns of slot g in h start at ``sum_{s' < s} r_gs'``
-    (its ``h_col``); slice s's own tables index its B^T rows and read or write those columns.
-
-    Args:
-        layout: row segments of the packed batch.
-        slices: each slice's ranks, scales and layer id, in stacking order. A slot's scale must be the same
-            in every slice that adapts it: the group's shrink applies it once (h holds s_g * X A_g^T, as
-            ``build_meta``'s shrink does) for all slices.
-        n_tokens, seq_len, device: as ``build_meta``.
-
-    Returns:
-        (group tables, one table per slice); every table has the group's ``r_pad``.
-
-    Raises:
-        ValueError: as ``build_meta`` (for any slice), or the slices disagree on a slot's scale.
-    """
-    metas, h_col = [], [0] * len(layout.slots)
-    for s in slices:
-        metas.append(build_meta(layout, s, n_tokens, seq_len, device, h_col=tuple(h_col)))
-        h_col = [c + r for c, r in zip(h_col, s.rank, strict=True)]
-    n = len(layout.slots)
-    total = tuple(sum(s.rank[g] for s in slices) for g in range(n))
-    scale = []
-    for g in range(n):
-        used = {s.scale[g] for s in slices if s.rank[g] > 0}
-        if len(used) > 1:
-            raise ValueError(f"segment {g}: scales {sorted(used)} differ between the slices of one group")
-        scale.append(used.pop() if used else 0.0)
-    group = build_meta(layout, LayerRanks(total, tuple(scale), 0), n_tokens, seq_len, device)
-    return group, tuple(m._replace(r_pad=group.r_pad) for m in metas)
 
 
 def _pow2_cols(r_max: int) -> int:
@@ -225,7 +180,7 @@ def _pow2_cols(r_max: int) -> int:
 
 @lru_cache(maxsize=64)
 def _tables(layout: PackLayout, rank: tuple[int, ...], scale: tuple[float, ...], n_tokens: int, seq_len: int,
-            device: torch.device, block_m: int, chunk_tokens: int, *, h_col: tuple[int, ...] = ()) -> SegmentMeta:
+            device: torch.device, block_m: int, chunk_tokens: int) -> SegmentMeta:
     n = len(layout.slots)
     seg_int, seg_flt, tiles, chunks = [], [], [], []  # flat int lists, one float list
     n_seg, n_partials, covered, rank_off = 0, 0, 0, 0
@@ -237,8 +192,7 @@ def _tables(layout: PackLayout, rank: tuple[int, ...], scale: tuple[float, ...],
             raise ValueError(f"segment {g}: dropout {p} not in [0, 1)")
         if r > 0 and rows > 0:
             t0, t1 = r0 * seq_len, (r0 + rows) * seq_len
-            seg_int += SegInt(tok_start=t0, tok_end=t1, row_start=r0, rank=r, rank_off=rank_off, seed=layout.seed[g],
-                              h_col=h_col[g] if h_col else 0)
+            seg_int += SegInt(tok_start=t0, tok_end=t1, row_start=r0, rank=r, rank_off=rank_off, seed=layout.seed[g])
             seg_flt += SegFlt(scale=scale[g], p=p, inv_keep=1.0 / (1.0 - p))
             for t in range(t0, t1, block_m):
                 tiles += Tile(seg=n_seg, tok0=t)
@@ -257,7 +211,7 @@ def _tables(layout: PackLayout, rank: tuple[int, ...], scale: tuple[float, ...],
         tiles=blob[a:b].view(-1, TILE_FIELDS),
         chunks=blob[b:].view(-1, CHUNK_FIELDS),
         n_tiles=len(tiles) // TILE_FIELDS, n_chunks=len(chunks) // CHUNK_FIELDS, n_partials=n_partials, seq_len=seq_len,
-        r_pad=r_cols, r_cols=r_cols, total_rank=rank_off,
+        r_cols=r_cols, total_rank=rank_off,
         covers_all=covered == n_tokens,
         has_dropout=any(p > 0 for p in seg_flt[SEG_FLT_COL.p::SEG_FLT_FIELDS]), block_m=block_m,
     )
@@ -332,7 +286,7 @@ def static_meta(capacity: int, rows: int, seq_len: int, rank_cols: int, device: 
         tiles=torch.tensor(tiles, dtype=torch.int64).view(-1, TILE_FIELDS).to(device),
         chunks=torch.tensor(chunks, dtype=torch.int64).view(-1, CHUNK_FIELDS).to(device),
         n_tiles=len(tiles), n_chunks=len(chunks), n_partials=-(-per // chunk_tokens), seq_len=seq_len,
-        r_pad=r_cols, r_cols=r_cols, total_rank=capacity * rank_cols, covers_all=True, has_dropout=dropout,
+        r_cols=r_cols, total_rank=capacity * rank_cols, covers_all=True, has_dropout=dropout,
         block_m=block_m,
     )
 
@@ -342,7 +296,7 @@ def free_segment(g: int, rows: int, seq_len: int, rank_cols: int) -> SegInt:
     rank 0 (the kernels skip its LoRA term), seed 0."""
     per = rows * seq_len
     return SegInt(tok_start=g * per, tok_end=(g + 1) * per, row_start=g * rows, rank=0, rank_off=g * rank_cols,
-                  seed=0, h_col=0)
+                  seed=0)
 
 
 FREE_FLT = SegFlt(scale=0.0, p=0.0, inv_keep=1.0)

@@ -28,7 +28,6 @@ SI_ROW_START: tl.constexpr = tl.constexpr(SEG_INT_COL.row_start)
 SI_RANK: tl.constexpr = tl.constexpr(SEG_INT_COL.rank)
 SI_RANK_OFF: tl.constexpr = tl.constexpr(SEG_INT_COL.rank_off)
 SI_SEED: tl.constexpr = tl.constexpr(SEG_INT_COL.seed)
-SI_H_COL: tl.constexpr = tl.constexpr(SEG_INT_COL.h_col)
 
 SF: tl.constexpr = tl.constexpr(SEG_FLT_FIELDS)
 """Row stride of ``seg_flt``."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["PackLayout", "LayerRanks", "dropout_seed", "group_rows"]
+__all__ = ["PackLayout", "LayerRanks", "dropout_seed"]
 
 _MIX_A = 0x9E3779B97F4A7C15
 _MIX_B = 0xBF58476D1CE4E5B9
@@ -63,21 +63,3 @@ def dropout_seed(slot_seed: int, slot_step: int, layer_id: int = 0) -> int:
     h = (slot_seed * _MIX_A + (slot_step + 1) * _MIX_B + layer_id * 0x94D049BB133111EB) & _MASK63
     h ^= h >> 31
     return (h * _MIX_A) & _MASK63
-
-
-def group_rows(slices: tuple[LayerRanks, ...]) -> tuple[tuple[int, ...], ...]:
-    """Where each slice's A rows sit in a shared-input group's stacked A (slot by slot, then slice by slice).
-
-    Args:
-        slices: per slice, its ranks (aligned with the same ``PackLayout.slots``).
-
-    Returns:
-        Per slice, the rows of the group's A holding that slice's packed A (its ``a_cat``), in order.
-    """
-    rows: list[list[int]] = [[] for _ in slices]
-    off = 0
-    for g in range(len(slices[0].rank) if slices else 0):
-        for s, ranks in enumerate(slices):
-            rows[s] += range(off, off + ranks.rank[g])
-            off += ranks.rank[g]
-    return tuple(tuple(r) for r in rows)

@@ -1,7 +1,7 @@
 """Triton kernels for packed multi-slot LoRA: segmented shrink, expand-add and weight gradient, and their launchers.
 
-The autograd Functions built on them: ``kernels.triton_lora`` (one projection), ``kernels.triton_slices``
-(projections sharing an input) and ``kernels.triton_group`` (the same on a static pack's tables).
+The autograd Functions built on them: ``kernels.triton_lora`` (one projection) and ``kernels.triton_group``
+(projections sharing an input, on a static pack's tables).
 
 Math, for the tokens t of slot g (rank r_g, scale s_g, dropout p_g with keep mask M, X~ = X * M / (1 - p_g)):
 
@@ -53,7 +53,6 @@ from lora_sweep.kernels._tables import (
     SF,
     SF_SCALE,
     SI,
-    SI_H_COL,
     SI_RANK,
     SI_RANK_OFF,
     SI_TOK_END,
@@ -81,7 +80,7 @@ _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float
 def _seg_shrink_kernel(
     inp_ptr,  # (T, K) activations: x (forward) or dy (backward), rows ``ld_in`` apart (a column slice of a wider one)
     w_ptr,  # (R, K) packed weights: a_cat (forward) or bt_cat (backward), row-major
-    out_ptr,  # (T, R_PAD) fp32 result; column h_col[g] + j of token t <-> weight row rank_off[g] + j
+    out_ptr,  # (T, R_PAD) fp32 result; column j of token t <-> weight row rank_off[g] + j
     keep_ptr,  # (T, ceil(K / 32)) int32 dropout keep bits (kernels.triton_dropout.keep_bits); unread unless DROPOUT
     tiles_ptr,  # (n_tiles, TI) int64 tile map (kernels._launch.Tile)
     seg_int_ptr,  # (S, SI) int64 segment table (kernels._launch.SegInt)
@@ -114,13 +113,12 @@ def _seg_shrink_kernel(
         w = tl.load(w_ptr + w_rows[:, None] * K + cols[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
         acc = tl.dot(a.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc, input_precision=PRECISION)
     acc = acc * tl.load(seg_flt_ptr + seg * SF + SF_SCALE)
-    h_col = tl.load(seg_int_ptr + seg * SI + SI_H_COL)  # other slices of a shared-input group own the other columns
-    tl.store(out_ptr + tok[:, None] * h_stride + (h_col + offs_r)[None, :], acc, mask=m_mask[:, None] & r_mask[None, :])
+    tl.store(out_ptr + tok[:, None] * h_stride + offs_r[None, :], acc, mask=m_mask[:, None] & r_mask[None, :])
 
 
 @triton.jit
 def _seg_expand_kernel(
-    h_ptr,  # (T, R_PAD) fp32 per-token rank coefficients from the shrink (h' or dh), slot g's from column h_col[g]
+    h_ptr,  # (T, R_PAD) fp32 per-token rank coefficients from the shrink (h' or dh)
     w_ptr,  # (R, N) packed weights: bt_cat (forward) or a_cat (backward dx), row-major
     src_ptr,  # (T, N) addend (the base output), rows ``ld`` apart like dst's; ignored unless HAS_SRC; may alias dst_ptr
     bias_ptr,  # (N,) added to every row; ignored unless HAS_BIAS
@@ -140,7 +138,6 @@ def _seg_expand_kernel(
     t_end = tl.load(seg_int_ptr + seg * SI + SI_TOK_END)
     rank = tl.load(seg_int_ptr + seg * SI + SI_RANK)
     rank_off = tl.load(seg_int_ptr + seg * SI + SI_RANK_OFF)
-    h_col = tl.load(seg_int_ptr + seg * SI + SI_H_COL)
     tok = (t0 + tl.arange(0, BM)).to(tl.int64)
     m_mask = tok < t_end
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -149,7 +146,7 @@ def _seg_expand_kernel(
     for k0 in range(0, rank, BR):  # this slot's own rank only: no padding to the pack's largest rank
         kk = k0 + tl.arange(0, BR)
         k_mask = kk < rank
-        h = tl.load(h_ptr + tok[:, None] * h_stride + (h_col + kk)[None, :], mask=m_mask[:, None] & k_mask[None, :],
+        h = tl.load(h_ptr + tok[:, None] * h_stride + kk[None, :], mask=m_mask[:, None] & k_mask[None, :],
                     other=0.0)
         w_rows = (rank_off + kk).to(tl.int64)
         w = tl.load(w_ptr + w_rows[:, None] * N + cols[None, :], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
@@ -167,7 +164,7 @@ def _seg_expand_kernel(
 
 @triton.jit(do_not_specialize=["R"])
 def _seg_wgrad_kernel(
-    p_ptr,  # (T, R_PAD) fp32 per-token rank coefficients: h' (for d bt_cat) or dh (for d a_cat), from h_col[g]
+    p_ptr,  # (T, R_PAD) fp32 per-token rank coefficients: h' (for d bt_cat) or dh (for d a_cat)
     q_ptr,  # (T, N) activations, rows ``ld_q`` apart: dy (for d bt_cat) or x (for d a_cat, dropout re-applied)
     out_ptr,  # (n_partials, R, N) fp32 partial sums, zero-initialised; ACCUMULATE: (R, N) fp32, added to
     keep_ptr,  # (T, ceil(N / 32)) int32 dropout keep bits of x; unread unless DROPOUT
@@ -188,7 +185,6 @@ def _seg_wgrad_kernel(
     t1 = tl.load(chunks_ptr + CH * pid_c + CH_TOK1)
     part = tl.load(chunks_ptr + CH * pid_c + CH_PART).to(tl.int64)
     rank_off = tl.load(seg_int_ptr + seg * SI + SI_RANK_OFF)
-    h_col = tl.load(seg_int_ptr + seg * SI + SI_H_COL)
     offs_r = r_lo + tl.arange(0, BR)
     r_mask = offs_r < rank
     col0 = tl.program_id(1) * BN
@@ -198,7 +194,7 @@ def _seg_wgrad_kernel(
     for t in range(t0, t1, BT):  # fixed order within the chunk: deterministic
         tok = (t + tl.arange(0, BT)).to(tl.int64)
         t_mask = tok < t1
-        p = tl.load(p_ptr + tok[:, None] * h_stride + (h_col + offs_r)[None, :], mask=t_mask[:, None] & r_mask[None, :],
+        p = tl.load(p_ptr + tok[:, None] * h_stride + offs_r[None, :], mask=t_mask[:, None] & r_mask[None, :],
                     other=0.0)
         q = tl.load(q_ptr + tok[:, None] * ld_q + cols[None, :], mask=t_mask[:, None] & n_mask[None, :], other=0.0)
         if DROPOUT:
@@ -239,9 +235,8 @@ def _launch_config(dropout: bool) -> tuple[int, int]:
 
 
 def seg_shrink(inp: torch.Tensor, w: torch.Tensor, meta: SegmentMeta, *, dropout: bool,
-               keep: torch.Tensor | None = None, block_k: int | None = None, stages: int | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-    """``out[t, :r_g] = s_g * drop?(inp[t]) @ w[rank_off_g : rank_off_g + r_g]^T`` for active tokens t.
+               keep: torch.Tensor | None = None, block_k: int | None = None, stages: int | None = None) -> torch.Tensor:
+    """``h[t, :r_g] = s_g * drop?(inp[t]) @ w[rank_off_g : rank_off_g + r_g]^T`` for active tokens t.
 
     Args:
         inp: (T, K) activations; rows may be further apart than K (a column slice of a group's (T, sum D_s) dy).
@@ -251,21 +246,15 @@ def seg_shrink(inp: torch.Tensor, w: torch.Tensor, meta: SegmentMeta, *, dropout
         keep: the mask's bits (``keep_bits(meta, inp)``), or None to draw them here.
         block_k: reduction tile; default ``_launch_config``'s.
         stages: software-pipeline depth; default ``_launch_config``'s.
-        out: (T, R_PAD) fp32 to write into (one slice of a shared-input group writes its own columns), or None
-            for a new tensor.
 
     Returns:
-        (T, R_PAD) fp32: slot g's tokens get columns ``h_col_g : h_col_g + r_g``; the rest is left as it was
-        (unspecified in a new tensor).
+        (T, R_PAD) fp32 h, R_PAD = ``meta.r_cols``: slot g's tokens get columns ``0 : r_g``; the rest is
+        unspecified.
     """
     n_tok, k = inp.shape
     check_rows("inp", inp, n_tok, k)
     check_2d("w", w, meta.total_rank, k)
-    if out is None:
-        out = torch.empty((n_tok, meta.r_pad), dtype=torch.float32, device=inp.device)
-    elif out.dtype != torch.float32:
-        raise ValueError(f"out: expected fp32, got {out.dtype}")
-    check_2d("out", out, n_tok, meta.r_pad)
+    out = torch.empty((n_tok, meta.r_cols), dtype=torch.float32, device=inp.device)
     br = min(meta.r_cols, 64)
     if meta.n_tiles:
         dropout = dropout and meta.has_dropout
@@ -274,7 +263,8 @@ def seg_shrink(inp: torch.Tensor, w: torch.Tensor, meta: SegmentMeta, *, dropout
         tile, default_stages = _launch_config(dropout)
         dot_dtype, precision = _dot_config(inp.dtype, cast_to_act=True)
         _jit.launch(_seg_shrink_kernel, (meta.n_tiles, meta.r_cols // br),
-            inp, w, out, keep if dropout else out, meta.tiles, meta.seg_int, meta.seg_flt, k, inp.stride(0), meta.r_pad,
+            inp, w, out, keep if dropout else out, meta.tiles, meta.seg_int, meta.seg_flt, k, inp.stride(0),
+            meta.r_cols,
             DROPOUT=dropout, DOT_DTYPE=dot_dtype, PRECISION=precision,
             BM=meta.block_m, BK=block_k or 2 * tile, BR=br, num_stages=stages or default_stages)
     return out
@@ -301,7 +291,7 @@ def seg_expand_add(h: torch.Tensor, w: torch.Tensor, meta: SegmentMeta, dst: tor
         ``dst``.
     """
     n_tok, n = dst.shape
-    check_2d("h", h, n_tok, meta.r_pad)
+    check_2d("h", h, n_tok, meta.r_cols)
     check_2d("w", w, meta.total_rank, n)
     check_rows("dst", dst, n_tok, n)
     if src is not None and (src.shape != dst.shape or src.stride() != dst.stride()):
@@ -317,7 +307,7 @@ def seg_expand_add(h: torch.Tensor, w: torch.Tensor, meta: SegmentMeta, dst: tor
         dot_dtype, precision = _dot_config(dst.dtype, cast_to_act=True)
         _jit.launch(_seg_expand_kernel, (meta.n_tiles, triton.cdiv(n, block_n)),
             h, w, dst if src is None else src, dst if bias is None else bias, dst, keep if dropout else dst,
-            meta.tiles, meta.seg_int, meta.seg_flt, n, dst.stride(0), meta.r_pad, HAS_SRC=src is not None,
+            meta.tiles, meta.seg_int, meta.seg_flt, n, dst.stride(0), meta.r_cols, HAS_SRC=src is not None,
             HAS_BIAS=bias is not None, DROPOUT=dropout, DOT_DTYPE=dot_dtype, PRECISION=precision, BM=meta.block_m,
             BN=block_n, BR=_EXPAND_BR)
     return dst
@@ -344,7 +334,7 @@ def seg_wgrad(p: torch.Tensor, q: torch.Tensor, meta: SegmentMeta, *, dropout: b
         (R, N) fp32 (``into`` when given); rows of slots without tokens are zero (left as they were in ``into``).
     """
     n_tok, n = q.shape
-    check_2d("p", p, n_tok, meta.r_pad)
+    check_2d("p", p, n_tok, meta.r_cols)
     check_rows("q", q, n_tok, n)
     direct = into is not None and meta.n_partials <= 1
     if into is not None and (into.dtype != torch.float32 or into.shape != (meta.total_rank, n)
@@ -363,7 +353,7 @@ def seg_wgrad(p: torch.Tensor, q: torch.Tensor, meta: SegmentMeta, *, dropout: b
         block_n = block_n or WGRAD_BLOCK_N
         _jit.launch(_seg_wgrad_kernel, (meta.n_chunks, triton.cdiv(n, block_n), meta.r_cols // br),
             p, q, out, keep if dropout else out, meta.chunks, meta.seg_int, meta.seg_flt, n, meta.total_rank,
-            q.stride(0), meta.r_pad, DROPOUT=dropout, ACCUMULATE=direct, DOT_DTYPE=dot_dtype, PRECISION=precision,
+            q.stride(0), meta.r_cols, DROPOUT=dropout, ACCUMULATE=direct, DOT_DTYPE=dot_dtype, PRECISION=precision,
             BT=block_t or tile, BN=block_n, BR=br, num_stages=stages or default_stages)
     if direct:
         return into  # type: ignore[return-value]

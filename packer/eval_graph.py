@@ -2,11 +2,11 @@
 
 While a pack trains on the static-shape step (``packer.static_loop``), every slot's adapter lives in the
 pack's ``StaticStore`` (``PackedModel.static``). The evaluators the sweep runs at rungs and slot ends can then
-use the same machinery as the training step instead of the dynamic per-layout path: a batch of C slots x
+use the same machinery as the training step instead of the per-batch path: a batch of C slots x
 ``rows`` rows (slot g owns rows ``g * rows ..``) x a padded length, the slots to score given their rank and
-scale in the segment tables and every other slot rank 0 (the kernels skip it; the masked-dense path gets
-scale 0), so one shape serves every evaluation whichever slots it scores, and on CUDA one captured graph
-replays it (``torch.cuda.CUDAGraph``, the PyTorch CUDA-graph recipe: static inputs, warm-up on a side stream).
+scale in the segment tables and every other slot rank 0 and scale 0 (the kernels skip it; the torch path
+scales its term by 0), so one shape serves every evaluation whichever slots it scores, and on CUDA one captured
+graph replays it (``torch.cuda.CUDAGraph``, the PyTorch CUDA-graph recipe: static inputs, warm-up on a side stream).
 
 - ``row_losses``: per-row mean next-token cross-entropy and target counts of a held-out batch, right-padded
   to a fixed length (what ``packer.loss.slot_losses`` computes per row).
@@ -93,11 +93,10 @@ def _cache(store: StaticStore) -> dict[tuple, Any]:
 
 def _shape(pm: PackedModel, store: StaticStore, slots: Sequence[int], rows: int, seq_len: int) -> ShapeBuffers:
     """The (C x rows, seq_len) evaluation buffers, their tables set so that exactly ``slots`` apply their adapter."""
-    impl = "triton" if _triton(pm) else "torch"
     key = ("shape", rows, seq_len)
     cache = _cache(store)
     if key not in cache:
-        cache[key] = store.shape_buffers(rows, seq_len, impl)
+        cache[key] = store.shape_buffers(rows, seq_len)
     shape: ShapeBuffers = cache[key]
     ranks = [pm.specs[g].rank if g in slots else 0 for g in range(store.capacity)]
     scales = [pm.specs[g].scale if g in slots else 0.0 for g in range(store.capacity)]
@@ -121,9 +120,6 @@ def _forward(pm: PackedModel, store: StaticStore, shape: ShapeBuffers, body: boo
     store.active = frozenset(store.paths)
     try:
         with store.stepping(shape, False), torch.no_grad():
-            if not _triton(pm):  # masked-dense column scales: s_g on slot g's rank columns of its rows
-                scale = shape.meta.seg_flt[:, 0].repeat_interleave(shape.rows)
-                store.col_scale = (shape.col_mask * scale[:, None])[:, None, :]  # type: ignore[operator]
             return (pm.model.base_model if body else pm.model)(**kwargs)
     finally:
         store.active = active

@@ -25,7 +25,7 @@ from torch import nn
 
 from lora_sweep.kernels import Impl, LayerRanks, PackLayout, packed_lora, packed_lora_linear
 
-__all__ = ["PackState", "PackedLoRALinear", "SharedInputGroup", "as_rows", "stacked_leaf"]
+__all__ = ["PackState", "PackedLoRALinear", "SharedInputGroup", "as_rows"]
 
 
 class SharedInputGroup(Protocol):
@@ -35,11 +35,9 @@ class SharedInputGroup(Protocol):
     def forget(self) -> None:
         """A member's slots changed: drop what the group holds of their weights."""
 
-    def output(self, member: PackedLoRALinear, x: torch.Tensor, call: Callable[..., Any] | None = None
-               ) -> torch.Tensor | None:
-        """``member(x)`` (x: (B, L, D_in) -> (B, L, D_out)) from one call for the whole group, or None where the
-        group does not apply and the member runs alone; ``call``: the static step's group call (None: the
-        dynamic step's)."""
+    def output(self, member: PackedLoRALinear, x: torch.Tensor, call: Callable[..., Any]) -> torch.Tensor | None:
+        """``member(x)`` (x: (B, L, D_in) -> (B, L, D_out)) from ``call``, the static step's call for the whole group,
+        or None where the group does not apply and the member runs alone."""
 
 
 @dataclass
@@ -129,19 +127,16 @@ class PackedLoRALinear(nn.Module):
             self._forget()
 
     def _forget(self) -> None:
-        """The slots changed: drop the cached gathers (and the group's), which hold views of slot weights."""
+        """The slots changed: drop the cached gathers (views of slot weights) and the group's kept outputs."""
         self._cache = None
         if self.group is not None:
             self.group.forget()
-
-    def has_slot(self, slot: int) -> bool:
-        return slot in self._slots
 
     def slot_weights(self, slot: int) -> _SlotWeights:
         """The slot's A, B^T and their gradient buffers (views into the slot's flat buffers)."""
         return self._slots[slot]
 
-    def gathered(self, slots: tuple[int, ...]) -> _Gathered:
+    def _gathered(self, slots: tuple[int, ...]) -> _Gathered:
         """This layer's ranks for the slots of a layout, and the weights of those it adapts, in layout order."""
         if self._cache is not None and self._cache[0] == slots:
             return self._cache[1]
@@ -162,16 +157,12 @@ class PackedLoRALinear(nn.Module):
                 return self.forward(as_rows(x, rows)).reshape(*x.shape[:-1], self.out_features)  # hooks run once
         if self.state.static is not None:
             return self.state.static.forward(self, x)
-        layout = self.state.layout
-        if self.group is not None:
-            out = self.group.output(self, x)
-            if out is not None:
-                return out
-        g = None if layout is None else self.gathered(layout.slots)
+        layout = self.state.layout  # the per-batch path (evaluation off the static shapes): each member alone
+        g = None if layout is None else self._gathered(layout.slots)
         if g is None or not g.a:
             return self.base(x)
-        a_cat = stacked_leaf(g.a, g.grad_a, g.rows)  # (R, D_in)
-        bt_cat = stacked_leaf(g.bt, g.grad_bt, g.rows)  # (R, D_out)
+        a_cat = _stacked_leaf(g.a, g.grad_a, g.rows)  # (R, D_in)
+        bt_cat = _stacked_leaf(g.bt, g.grad_bt, g.rows)  # (R, D_out)
         return self._with_lora(x, a_cat, bt_cat, layout, g.ranks, self.state.impl)
 
     def _pack_rows(self) -> int | None:
@@ -206,18 +197,14 @@ def as_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return x.reshape(rows, tokens // rows, x.shape[-1])
 
 
-def stacked_leaf(parts: list[torch.Tensor], grads: list[torch.Tensor], rows: list[int]) -> torch.Tensor:
+def _stacked_leaf(parts: list[torch.Tensor], grads: list[torch.Tensor], rows: list[int]) -> torch.Tensor:
     """The slots' weights ``parts`` stacked by rows (no autograd: a copy of a few MB) into one tensor that,
-    under grad mode, is a leaf of the step's graph scattering its gradient into ``grads``; see the module
-    docstring."""
+    under grad mode, is a leaf of the step's graph whose gradient, once accumulated, is added to the slots'
+    gradient buffers (``grads``, split by ``rows``) and then dropped; see the module docstring."""
     with torch.no_grad():
         cat = torch.cat(parts) if len(parts) > 1 else parts[0].detach()
-    return _leaf(cat, grads, rows) if torch.is_grad_enabled() else cat
-
-
-def _leaf(cat: torch.Tensor, grads: list[torch.Tensor], rows: list[int]) -> torch.Tensor:
-    """``cat`` as a leaf requiring grad whose gradient, once accumulated, is added to the slots' gradient
-    buffers (``grads``, split by ``rows``) and then dropped."""
+    if not torch.is_grad_enabled():
+        return cat
     leaf = cat.detach().requires_grad_()  # a single slot's cat is its own weights' view: detach, never write
 
     def scatter(t: torch.Tensor) -> None:

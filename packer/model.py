@@ -144,7 +144,7 @@ class PackedModel:
         model: a Hugging Face causal LM (``AutoModelForCausalLM``) or any module with the same
             ``forward(input_ids, attention_mask) -> .logits`` contract.
         impl: packed-LoRA implementation passed to ``kernels.packed_lora`` (``auto``: the Triton
-            kernels on CUDA, masked-dense PyTorch on CPU).
+            kernels on CUDA, PyTorch on CPU).
         fused_base_ops: where ``impl`` means the Triton kernels, run the base's RMSNorms, SiLU-gated MLP middles
             and rotary embeddings as fused Triton kernels too (``packer.fuse``); otherwise they run eagerly.
         device: where a base built on the meta device will live once materialised (``packer.shard_load``): the

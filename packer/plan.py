@@ -125,10 +125,9 @@ class MemoryModel:
     + bytes_per_param * params``:
     ``static`` is the frozen base (weights, buffers); ``bytes_per_token`` the activations kept for
     backward plus, without chunked cross-entropy, the logits and loss buffers of one padded token;
-    ``bytes_per_token_rank`` the LoRA intermediates per unit of the pack's rank width (the masked-dense
-    path computes every token against every slot's rank columns: the summed rank; the Triton kernels
-    keep one column per rank of the widest slot: the largest rank); ``ce`` the chunked cross-entropy's
-    transient logits, which grow with the tokens only up to one chunk; the last term every slot's
+    ``bytes_per_token_rank`` the LoRA intermediates per unit of the pack's rank width (a token meets only its own
+    slot's rank bucket, on the Triton kernels and the torch path alike: the largest rank); ``ce`` the chunked
+    cross-entropy's transient logits, which grow with the tokens only up to one chunk; the last term every slot's
     adapter weights, gradients and AdamW moments, and the per-layer gathered copies the packed layers
     make of them and of their gradients (with ``optimizer_in_backward`` no gradient buffer: 12 B of the 16 B, plus
     the one layer's gradient alive at a time). The measured numbers come from ``packer.probe.calibrate``.
@@ -144,8 +143,6 @@ class MemoryModel:
     """Forward + backward time per padded token (for time predictions)."""
     seconds_per_step: float = 0.0
     """Fixed time per step (launches, optimizer, Python)."""
-    rank_width_is_max: bool = False
-    """The rank width is the largest rank of the pack (Triton kernels), not the summed rank."""
     ce_chunk_bytes: int = 0
     """Peak transient memory of the chunked cross-entropy over one full chunk (0: not chunked)."""
     ce_chunk_tokens: int = 0
@@ -165,7 +162,7 @@ class MemoryModel:
     def predict(self, tokens: int, adapter_params: int, total_rank: int = 0, max_rank: int | None = None) -> int:
         """Peak bytes of a step over ``tokens`` padded tokens, ``adapter_params`` trainable parameters and
         slots whose ranks add up to ``total_rank`` (the largest of them ``max_rank``, default the sum)."""
-        width = (total_rank if max_rank is None else max_rank) if self.rank_width_is_max else total_rank
+        width = total_rank if max_rank is None else max_rank
         per_token = self.bytes_per_token + self.bytes_per_token_rank * width
         return int(self.static_bytes + per_token * tokens + self.ce_bytes(tokens)
                    + self.bytes_per_param * adapter_params)

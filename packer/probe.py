@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from lora_sweep.kernels import PackLayout, resolve_impl
+from lora_sweep.kernels import PackLayout
 from lora_sweep.packer.data import Example
 from lora_sweep.packer.loss import chunked_slot_losses
 from lora_sweep.packer.model import PackedModel
@@ -167,7 +167,6 @@ def calibrate(pm: PackedModel, seq_len: int, *, rows: tuple[int, int] = (1, 2), 
     narrowest = min(min(linear_shape(pm.model.get_submodule(p)) or (1 << 30,)) for p in projection_names(pm.model))
     r_hi = min(40, narrowest)
     r_lo = min(8, max(1, r_hi // 4))
-    triton = resolve_impl(pm.state.impl, pm.device) == "triton"
     probes = {}
     for n, rank in ((rows[0], r_hi), (rows[0], r_lo), (rows[1], r_lo), (rows[1], r_hi)):
         ids = torch.randint(3, vocab, (n, seq_len), generator=gen).tolist()
@@ -181,16 +180,15 @@ def calibrate(pm: PackedModel, seq_len: int, *, rows: tuple[int, int] = (1, 2), 
         # the step's store holds every slot at the pack's rank bucket (``static_loop.rank_bucket_for``)
         params = PROBE_SLOTS * adapter_param_count([(layer.in_features, layer.out_features)
                                                     for layer in pm.layers.values()], rank_bucket_for(rank))
-        # Triton keeps one per-token column per rank of the widest slot, padded to a power of 2 (>= 16);
-        # the masked-dense path one per row of every slot's rank bucket (the step's store).
-        width = _pad(rank) if triton else PROBE_SLOTS * rank_bucket_for(rank)
+        # per token, one column per row of its slot's rank bucket (the Triton kernels' h, the torch path's batched h)
+        width = rank_bucket_for(rank)
         # the training step gives every slot the same rows (the idle one padding): a probe computes PROBE_SLOTS x n
         probes[(PROBE_SLOTS * n * seq_len, rank)] = (peak, params, width, timed[0])
-    return _fit(pm, probes, rows, seq_len, (r_lo, r_hi), vocab, static, chunked_ce, triton, optimizer_in_backward)
+    return _fit(pm, probes, rows, seq_len, (r_lo, r_hi), vocab, static, chunked_ce, optimizer_in_backward)
 
 
 def _fit(pm: PackedModel, probes: dict[tuple[int, int], Probe], rows: tuple[int, int], seq_len: int,
-         ranks: tuple[int, int], vocab: int, static: int, chunked_ce: bool | int, triton: bool,
+         ranks: tuple[int, int], vocab: int, static: int, chunked_ce: bool | int,
          optimizer_in_backward: bool) -> MemoryModel:
     """``MemoryModel`` from the four probes of ``calibrate``, keyed by (tokens, rank)."""
     r_lo, r_hi = ranks
@@ -207,7 +205,7 @@ def _fit(pm: PackedModel, probes: dict[tuple[int, int], Probe], rows: tuple[int,
     sec_per_token = max(0.0, (s2 - s1) / (t2 - t1))
     return MemoryModel(static_bytes=max(static, int(intercept)), bytes_per_token=per_token,
                        bytes_per_token_rank=per_token_rank, seconds_per_token=sec_per_token,
-                       seconds_per_step=max(0.0, s1 - sec_per_token * t1), rank_width_is_max=triton,
+                       seconds_per_step=max(0.0, s1 - sec_per_token * t1),
                        ce_chunk_bytes=int(ce), ce_chunk_tokens=chunk or 0, bytes_per_param=per_param,
                        optimizer_in_backward=optimizer_in_backward)
 
@@ -229,11 +227,6 @@ def _fit_memory(p1: Probe, p2: Probe, p3: Probe, p4: Probe, t1: int, t2: int,
     if par_hi != par_lo:
         q = max(q, (m4 - m1 - b * t1 * (w_hi - w_lo)) / (par_hi - par_lo))
     return a, b, q, m1 - a * t1 - b * t1 * w_lo - q * par_lo
-
-
-def _pad(rank: int) -> int:
-    """Per-token rank columns the Triton kernels keep for a widest rank ``rank``."""
-    return max(16, 1 << max(rank - 1, 0).bit_length())
 
 
 def _ce_chunk_bytes(pm: PackedModel, chunk: int, vocab: int) -> int:

@@ -1,52 +1,34 @@
-"""Shared-input groups: sibling projections that read the same input run as one packed call.
+"""Shared-input groups: sibling projections that read the same input run as one call on the static step.
 
 An attention block calls ``q_proj(x)``, ``k_proj(x)`` and ``v_proj(x)`` on one x, a gated MLP ``gate_proj(x)`` and
-``up_proj(x)``. Run one by one, each streams x through its own LoRA shrink and weight gradient and writes its own
-dx, which autograd then adds up; ``kernels.packed_lora_linear_slices`` does each once for the group.
+``up_proj(x)``. Run one by one, each runs its own base GEMM and writes its own dx, which autograd then adds up.
+On the static step (``packer.static.StaticStore.group_forward``, every device) the members' base GEMMs run as one
+over their weights, which ``lay_out_groups`` lays out adjacently (``SliceGroup.base_cat``), each member's LoRA term
+as its own static call computes it (so with its own dropout mask, as PEFT draws one per projection) and the
+backward writes one dx (``kernels.packed_lora_static_group`` on the Triton path; one ``F.linear`` split by columns
+on the torch path). The per-batch forwards evaluation falls back to (rows off the static shapes, sampled
+generation, a pack without a static store) run each member alone, which is exact.
 
 No model code is patched. The first member called computes every member's output on its x and keeps the
 others'; a member called next with that same x (same object, not modified since) takes its output, and a
 member called with any other input computes its own, so a model that calls its projections differently stays
 correct and only pays for the outputs it did not use.
-
-Two calls compute a group's outputs. On the static step (``packer.static.StaticStore.group_forward``, every device)
-the members' base GEMMs run as one over their weights, which ``link_groups`` lays out adjacently
-(``SliceGroup.base_cat``), each member's LoRA term as its own static call computes it (so with its own dropout mask,
-as PEFT draws one per projection) and the backward writes one dx (``kernels.packed_lora_static_group`` on the
-Triton path; one ``F.linear`` split by columns on the torch path). In the per-batch forwards evaluation falls back
-to (rows off the static shapes, sampled generation) the group also reads x once for every member's shrink, which
-needs the Triton kernels and no slot adapting the group with LoRA dropout (one pass over x applies one mask).
-Elsewhere each member runs alone, as before.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from lora_sweep.kernels import LayerRanks, PackLayout, packed_lora_linear_slices, resolve_impl
-from lora_sweep.packer.layer import PackedLoRALinear, stacked_leaf
+from lora_sweep.packer.layer import PackedLoRALinear
 
 __all__ = ["SHARED_INPUT", "SliceGroup", "link_groups", "lay_out_groups"]
 
 SHARED_INPUT: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
 """Leaf names of sibling projections that read one input, in the order a group stacks them: Llama, Qwen2,
 Mistral, Gemma attention and gated MLPs, and Mixtral's experts (w1, w3)."""
-
-
-class _Stacked(NamedTuple):
-    """A group's weights for one layout, cached until the slots change."""
-
-    gathered: tuple
-    """Each member's ``PackedLoRALinear.gathered`` for the layout (its B^T parts; the cache key)."""
-    slices: tuple[LayerRanks, ...]
-    a: list[torch.Tensor]
-    """Every slot's A, slot by slot, slice by slice (``kernels.group_rows``)."""
-    grad_a: list[torch.Tensor | None]
-    rows: list[int]
 
 
 class SliceGroup:
@@ -61,25 +43,23 @@ class SliceGroup:
         self._x: torch.Tensor | None = None
         self._version = -1
         self._pending: dict[int, torch.Tensor] = {}
-        self._cache: _Stacked | None = None
         self._base_cat: tuple[tuple, tuple[torch.Tensor, torch.Tensor | None] | None] | None = None
         """(the members' weight and bias addresses, ``base_cat``'s answer for them)."""
 
     def forget(self) -> None:
-        """Drop what the group holds (the stacked views of slot weights, outputs kept for a member): a
-        member's slots changed. A removed slot's buffers must not outlive it here."""
-        self._cache, self._x, self._pending = None, None, {}
+        """Drop the outputs kept for a member: a member's slots changed, so they may hold a removed slot's
+        weights' graph, which must not outlive it here."""
+        self._x, self._pending = None, {}
 
     def output(self, member: PackedLoRALinear, x: torch.Tensor,
-               call: Callable[[SliceGroup, torch.Tensor], tuple[torch.Tensor, ...] | None] | None = None
-               ) -> torch.Tensor | None:
+               call: Callable[[SliceGroup, torch.Tensor], tuple[torch.Tensor, ...] | None]) -> torch.Tensor | None:
         """``member(x)`` from a group call, or None where the group does not apply (the member runs alone).
 
         Args:
             member: the projection called.
             x: (B, L, D_in) its input.
-            call: computes every member's output on x, or None where the group does not apply: the static step's
-                (``packer.static.StaticStore.group_forward``); None: the dynamic step's (``packed_lora_linear_slices``).
+            call: computes every member's output on x, or None where the group does not apply (the static step's
+                ``packer.static.StaticStore.group_forward``).
         """
         i = next(j for j, m in enumerate(self.members) if m is member)
         if x is self._x and x._version == self._version and i in self._pending:
@@ -87,7 +67,7 @@ class SliceGroup:
             if not self._pending:
                 self._x = None
             return out
-        outs = self._call(x) if call is None else call(self, x)
+        outs = call(self, x)
         if outs is None:
             return None
         self._pending = {j: y for j, y in enumerate(outs) if j != i}
@@ -96,7 +76,7 @@ class SliceGroup:
 
     def base_cat(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The members' base weights as one (sum D_s, D_in) tensor and their biases as one (sum D_s,) (or None
-        without biases): views of the memory ``link_groups`` laid them out in, or None where they no longer are
+        without biases): views of the memory ``lay_out_groups`` laid them out in, or None where they no longer are
         adjacent (the model was moved or its weights replaced since; the members then run alone)."""
         bases = [m.base for m in self.members]
         key = tuple((b.weight.data_ptr(), None if b.bias is None else b.bias.data_ptr()) for b in bases)
@@ -107,36 +87,6 @@ class SliceGroup:
             ok = w is not None and (b is not None or all(t is None for t in biases))
             self._base_cat = (key, (w, b) if ok else None)  # type: ignore[assignment]
         return self._base_cat[1]
-
-    def applies(self, layout: PackLayout | None, device: torch.device) -> bool:
-        """Whether a forward over ``layout`` runs as one group call."""
-        state = self.members[0].state
-        if layout is None or resolve_impl(state.impl, device) != "triton":
-            return False
-        ranks = [s.rank for s in self._stacked(layout.slots).slices]
-        if any(not any(r) for r in ranks):  # a member no slot adapts: it is the plain base projection
-            return False
-        return not any(p > 0 and any(r[g] for r in ranks) for g, p in enumerate(layout.dropout))
-
-    def _stacked(self, slots: tuple[int, ...]) -> _Stacked:
-        gathered = tuple(m.gathered(slots) for m in self.members)  # cached per member; new after a slot change
-        if self._cache is not None and all(a is b for a, b in zip(self._cache.gathered, gathered, strict=True)):
-            return self._cache
-        parts = [m.slot_weights(s) for s in slots for m in self.members if m.has_slot(s)]
-        self._cache = _Stacked(gathered, tuple(g.ranks for g in gathered), [p.a for p in parts],
-                               [p.grad_a for p in parts], [p.a.shape[0] for p in parts])
-        return self._cache
-
-    def _call(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-        layout = self.members[0].state.layout
-        if not self.applies(layout, x.device):
-            return None
-        st = self._stacked(layout.slots)  # type: ignore[union-attr]
-        a_group = stacked_leaf(st.a, st.grad_a, st.rows)
-        bt_cats = [stacked_leaf(g.bt, g.grad_bt, g.rows) for g in st.gathered]
-        bases = [m.base for m in self.members]
-        return packed_lora_linear_slices(x, tuple(b.weight for b in bases), tuple(b.bias for b in bases), a_group,
-                                         tuple(bt_cats), layout, st.slices, impl="triton")  # type: ignore[arg-type]
 
 
 def link_groups(layers: dict[str, PackedLoRALinear]) -> list[SliceGroup]:

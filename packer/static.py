@@ -11,7 +11,7 @@ front so layer ids and offsets never move), that layer's A for all C slots, ``(C
 
 - each layer's ``a_cat`` / ``bt_cat`` is a contiguous view of ``flat`` (the kernels' row-major operand, no
   gather or copy per step), and a per-layer leaf whose ``.grad`` is a view of ``grad``: the Triton kernels add
-  the weight gradients into it in place (the masked-dense path: autograd's AccumulateGrad does). A bf16 model's
+  the weight gradients into it in place (the torch path: autograd's AccumulateGrad does). A bf16 model's
   kernels read a bf16 copy of ``flat`` (``flat_op``), cast once as each step (or evaluation forward) starts;
 - a slot's rows sit at fixed offsets, so a refill writes new weights into the same memory (no re-capture), and
   the slot's parameters that the rest of the packer sees (``PackedModel.slot_weights``, evaluation, saving) are
@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lora_sweep import kernels
-from lora_sweep.kernels import SEG_FLT_FIELDS, SEG_INT_FIELDS, SegmentMeta, resolve_impl, static_meta
+from lora_sweep.kernels import SEG_FLT_COL, SEG_FLT_FIELDS, SEG_INT_FIELDS, SegmentMeta, resolve_impl, static_meta
 from lora_sweep.kernels.reference import dropout_keep_mask
 from lora_sweep.packer.batch import IGNORE_INDEX
 from lora_sweep.packer.errors import ConfigError
@@ -76,7 +76,6 @@ class ShapeBuffers:
         ring_row: (1,) int64, the ring-buffer row this step writes.
         opt: (C, OPT_FIELDS) fp32 optimizer table.
         loss_w: (C,) fp32 factor of each slot's mean loss in the backward (1 without accumulation).
-        col_mask: (B, C * RB) fp32, 1 where a column belongs to the row's slot (masked-dense path only).
     """
 
     rows: int
@@ -92,7 +91,6 @@ class ShapeBuffers:
     ring_row: torch.Tensor
     opt: torch.Tensor
     loss_w: torch.Tensor
-    col_mask: torch.Tensor | None
 
 
 class StaticStore:
@@ -136,12 +134,8 @@ class StaticStore:
         self.dropout = False
         """Whether the step's kernels include the dropout branch (some live slot has p > 0)."""
         self.host_layout: kernels.PackLayout | None = None
-        """Per-slot dropout p and seeds of this step as Python values: only the eager masked-dense path, which
-        draws its masks with torch generators, reads them."""
-        self.col_scale: torch.Tensor | None = None
-        self.slot_scale: torch.Tensor | None = None
-        """(C, 1, 1) each slot's LoRA scale (0 for a free slot) while an eager CPU training step runs (else None): each
-        slot's rows then meet only their own bucket's columns, in two batched products, instead of all C x RB."""
+        """Per-slot dropout p and seeds of this step as Python values: only the eager torch path, which draws its
+        masks with torch generators, reads them."""
         self.flat_op: torch.Tensor | None = None
         """``flat`` in the Triton kernels' operand dtype (``use_operands``), cast once per step, or None: the kernels
         then read (and cast) the fp32 masters, per layer call."""
@@ -214,7 +208,7 @@ class StaticStore:
                             o[slot * other.rank_bucket:slot * other.rank_bucket + rank]
 
     # -- shapes -------------------------------------------------------------------------------
-    def shape_buffers(self, rows: int, seq_len: int, impl: str) -> ShapeBuffers:
+    def shape_buffers(self, rows: int, seq_len: int) -> ShapeBuffers:
         """Fresh device buffers for a (C x rows, seq_len) step; the kernels' tile maps are built here, once."""
         c, b = self.capacity, self.capacity * rows
         bl = b * seq_len
@@ -226,16 +220,11 @@ class StaticStore:
         seg_flt = floats[:c * SEG_FLT].view(c, SEG_FLT)
         seg_int.copy_(base.seg_int)
         seg_flt.copy_(base.seg_flt)
-        col_mask = None
-        if impl != "triton":
-            slot_of_col = torch.arange(c * self.rank_bucket, device=self.device) // self.rank_bucket
-            slot_of_row = torch.arange(b, device=self.device) // rows
-            col_mask = (slot_of_row[:, None] == slot_of_col[None, :]).float()
         block = [ints[i * bl:(i + 1) * bl].view(b, seq_len) for i in range(4)]  # ids, labels, mask, pos
         opt_end = c * (SEG_FLT + OPT_FIELDS)
         return ShapeBuffers(rows, seq_len, ints, floats, *block, base._replace(seg_int=seg_int, seg_flt=seg_flt),
                             ints[4 * bl + c * SEG_INT:4 * bl + c * SEG_INT + c], ints[-1:],
-                            floats[c * SEG_FLT:opt_end].view(c, OPT_FIELDS), floats[opt_end:], col_mask)
+                            floats[c * SEG_FLT:opt_end].view(c, OPT_FIELDS), floats[opt_end:])
 
     @contextlib.contextmanager
     def stepping(self, shape: ShapeBuffers, dropout: bool) -> Iterator[None]:
@@ -281,9 +270,11 @@ class StaticStore:
         return layer.base(x) + self._lora_term(layer, path, x)
 
     def _lora_term(self, layer: PackedLoRALinear, path: str, x: torch.Tensor) -> torch.Tensor:
-        """The masked-dense (torch) LoRA term of ``layer`` on x (B, L, D_in): (B, L, D_out), every slot's dropout
-        mask drawn by ``dropout_keep_mask`` (torch's generator seeded by the slot's step and the layer, as the
-        kernels seed theirs: the same distribution, not the Triton kernels' bits)."""
+        """The torch LoRA term of ``layer`` on x (B, L, D_in): (B, L, D_out). Slot g's rows meet only its own
+        bucket's RB columns, in two batched products, scaled by its scale in the shape's segment table (a view:
+        a captured graph reads the value each step writes; 0 for a free or unscored slot, which therefore adds
+        nothing). Every slot's dropout mask is drawn by ``dropout_keep_mask`` (torch's generator seeded by the slot's
+        step and the layer, as the kernels seed theirs: the same distribution, not the Triton kernels' bits)."""
         a, bt, shape = self.a[path], self.bt[path], self.shape
         assert shape is not None
         xin, (_, seq, d_in) = x.to(a.dtype), x.shape
@@ -292,12 +283,10 @@ class StaticStore:
             masks = [dropout_keep_mask(lay, g, layer.layer_id, d_in, seq, x.device) if lay.dropout[g] > 0
                      else xin.new_ones((shape.rows, seq, d_in)) for g in range(self.capacity)]
             xin = xin * torch.cat(masks, dim=0)
-        if self.slot_scale is not None:  # eager on the CPU: a slot's rows times its own bucket's columns only
-            c, m, rb = self.capacity, shape.rows, self.rank_bucket
-            h = torch.bmm(xin.reshape(c, m * seq, d_in), a.view(c, rb, d_in).transpose(1, 2)) * self.slot_scale
-            return torch.bmm(h, bt.view(c, rb, -1)).view(c * m, seq, -1).to(x.dtype)  # (B, L, D_out)
-        h = (xin @ a.T) * self.col_scale  # (B, L, C * RB)
-        return (h @ bt).to(x.dtype)
+        c, m, rb = self.capacity, shape.rows, self.rank_bucket
+        scale = shape.meta.seg_flt[:, SEG_FLT_COL.scale, None, None]  # (C, 1, 1)
+        h = torch.bmm(xin.reshape(c, m * seq, d_in), a.view(c, rb, d_in).transpose(1, 2)) * scale  # (C, M * L, RB)
+        return torch.bmm(h, bt.view(c, rb, -1)).view(c * m, seq, -1).to(x.dtype)  # (B, L, D_out)
 
     def group_forward(self, group: SliceGroup, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         """Every member's output of a shared-input group on x (B, L, D_in), in one call: one GEMM over the members'

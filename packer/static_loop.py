@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lora_sweep.kernels import FREE_FLT, SEG_FLT_COL, PackLayout, SegFlt, dropout_seed, free_segment, resolve_impl
+from lora_sweep.kernels import FREE_FLT, PackLayout, SegFlt, dropout_seed, free_segment, resolve_impl
 from lora_sweep.packer.batch import IGNORE_INDEX
 from lora_sweep.packer.capture import capture
 from lora_sweep.packer.jobs import SlotEnd, SlotJob, StepReport, Tally, TrainResult, Window, target_tokens
@@ -187,7 +187,7 @@ class Staging:
 def fill(ints: np.ndarray, floats: np.ndarray, store: StaticStore, shape: ShapeBuffers, active: dict[int, Live],
           rows: dict[int, list], pad_id: int, ring_row: int) -> tuple[dict[int, float], dict[int, int], PackLayout]:
     """Write one step's values into the staging arrays; returns per live slot its lr and input tokens, and the
-    step's layout as Python values (for the eager masked-dense dropout). A slot whose micro-batch is not its
+    step's layout as Python values (for the eager torch path's dropout). A slot whose micro-batch is not its
     optimizer step's last (``Window.complete``) gets the ``ACCUMULATE`` row: its gradient stays."""
     c, m, seq = store.capacity, shape.rows, shape.seq_len
     b = c * m
@@ -252,7 +252,7 @@ def step_fn(pm: PackedModel, store: StaticStore, shape: ShapeBuffers, ring: torc
 
     On the Triton path the loss goes through the frozen head in one fused function (``static_head_losses``: no fp32
     logits, the head's input gradient computed in the forward); a model whose logits are not a plain head's output,
-    and the masked-dense path, compute full logits (``static_losses``). The backward takes each slot's mean loss
+    and the torch path, compute full logits (``static_losses``). The backward takes each slot's mean loss
     times its loss weight (gradient accumulation). ``packed``: some row is sample-packed; the model gets the
     positions and no padding mask, and builds the block-diagonal causal mask from the positions on the device
     (``PackedModel.forward``). ``chunk`` (``chunked_ce``): the fused loss holds the logits of that many token rows
@@ -260,18 +260,10 @@ def step_fn(pm: PackedModel, store: StaticStore, shape: ShapeBuffers, ring: torc
     the target tokens (a data-dependent gather: eager only, a capture of it fails over to the eager step)."""
     c = store.capacity
     pos = shape.pos if packed else None
-    slot_scale = None
-    if not triton and shape.ids.device.type == "cpu":  # per slot, once per step (a free slot's is 0)
-        slot_scale = torch.tensor([pm.specs[g].scale if g in pm.specs else 0.0 for g in range(c)],
-                                  dtype=store.flat.dtype).view(c, 1, 1)
 
     def step() -> None:
         head = fused_loss_head(pm.model) if triton else None  # here, not above: a replay never runs this function
         with store.stepping(shape, dropout), torch.enable_grad():
-            store.slot_scale = slot_scale
-            if not triton and slot_scale is None:  # masked-dense column scales: s_g on the slot's columns of its rows
-                scale = shape.meta.seg_flt[:, SEG_FLT_COL.scale].repeat_interleave(shape.rows)
-                store.col_scale = (shape.col_mask * scale[:, None])[:, None, :]  # type: ignore[operator]
             if head is not None:
                 hidden = pm.forward_hidden(shape.ids, shape.mask, None, pos)  # (B, L, H)
                 losses, counts = static_head_losses(hidden, head, shape.labels, c, chunk=chunk)
@@ -286,7 +278,6 @@ def step_fn(pm: PackedModel, store: StaticStore, shape: ShapeBuffers, ring: torc
                 losses, counts = static_losses(logits, shape.labels, c)
                 del logits
             (losses * shape.loss_w).sum().backward()
-            store.slot_scale = None
         norms = static_adamw_step(store, shape, triton)
         ring.index_copy_(0, shape.ring_row, torch.stack([losses.detach(), counts, norms], dim=1)[None])
 

@@ -210,7 +210,7 @@ def train(
             longest = max(len(r.input_ids) for rs in rows.values() for r in rs)
             dims = (rows_per_slot, -(-longest // seq_multiple) * seq_multiple)
             if dims not in shapes:
-                buffers = store.shape_buffers(*dims, "triton" if triton else "torch")
+                buffers = store.shape_buffers(*dims)
                 shapes[dims] = buffers, Staging(buffers.ints.numel(), buffers.floats.numel(), device.type == "cuda")
             shape, stage = shapes[dims]
             ring_row = result.steps % readback_every

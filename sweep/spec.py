@@ -205,7 +205,7 @@ class PackingSpec:
     """Recompute each decoder layer in backward instead of keeping its activations."""
     kernels: Literal["auto", "triton", "torch"] = "auto"
     """Packed-LoRA implementation: ``auto`` (Triton on a CUDA device, PyTorch on CPU), ``triton`` or
-    ``torch`` (masked-dense PyTorch, any device)."""
+    ``torch`` (PyTorch, any device)."""
     fused_base_ops: bool = True
     """With the Triton kernels, also run the base's RMSNorms and SiLU-gated MLPs (Llama, Qwen2/3, Mistral) as
     fused Triton kernels (``packer.fuse``); ``false`` keeps transformers' eager modules."""

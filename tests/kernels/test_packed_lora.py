@@ -315,8 +315,8 @@ def test_segment_tables_read_by_column_name() -> None:
     layout, lr = _layout((2, 0, 3), (4, 2, 8), 5, dropout=True)
     meta = build_meta(layout, lr, 25, 5, DEVICE, block_m=8, chunk_tokens=8)
     rows = [SegInt(*r) for r in meta.seg_int.tolist()]  # slot 1 has no rows: no segment
-    assert rows == [SegInt(tok_start=0, tok_end=10, row_start=0, rank=4, rank_off=0, seed=100, h_col=0),
-                    SegInt(tok_start=10, tok_end=25, row_start=2, rank=8, rank_off=6, seed=114, h_col=0)]
+    assert rows == [SegInt(tok_start=0, tok_end=10, row_start=0, rank=4, rank_off=0, seed=100),
+                    SegInt(tok_start=10, tok_end=25, row_start=2, rank=8, rank_off=6, seed=114)]
     flt = [SegFlt(*r) for r in meta.seg_flt.tolist()]
     assert [f.scale for f in flt] == [0.5, 2.5] and [f.p for f in flt] == pytest.approx([0.3, 0.3])
     assert [f.inv_keep for f in flt] == pytest.approx([1 / 0.7, 1 / 0.7])

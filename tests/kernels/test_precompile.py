@@ -56,7 +56,7 @@ def test_precompile_warms_what_the_call_launches_and_launches_nothing(monkeypatc
     layout = PackLayout((0,), (0,), (2,), (5,), (0.0,), (0,))
     meta = build_meta(layout, LayerRanks((4,), (1.0,), 0), 10, 5, DEVICE)
     dst = torch.full((10, 40), 7.0, device=DEVICE, dtype=DTYPE)
-    J.precompile(lambda: K.seg_expand_add(torch.ones(10, meta.r_pad, device=DEVICE), torch.ones(4, 40, device=DEVICE),
+    J.precompile(lambda: K.seg_expand_add(torch.ones(10, meta.r_cols, device=DEVICE), torch.ones(4, 40, device=DEVICE),
                                           meta, dst, src=None, dropout=False))
     assert bool((dst == 7.0).all())
 

@@ -179,8 +179,8 @@ def test_tiny_sizes(family: str) -> None:
 
 @pytest.mark.parametrize("family", ["opt", "phi3", "qwen3", "gpt2", "falcon"])
 def test_triton_path_equals_torch_path(tiny_dirs, family: str) -> None:
-    """The Triton kernels give the masked-dense path's logits and slot gradients: OPT's flattened MLP input and its
-    q/k/v as one shared-input group, fused QKV and gate/up, Conv1D, Qwen3's fused norms and MLP."""
+    """The Triton kernels give the masked-dense path's logits and slot gradients: OPT's flattened MLP input, fused
+    QKV and gate/up, Conv1D, Qwen3's fused norms and MLP."""
     results = []
     for impl in ("torch", "triton"):
         pm = _packed(tiny_dirs(family), impl, TRITON_DEVICE)

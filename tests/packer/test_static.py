@@ -72,9 +72,9 @@ def test_refill_without_new_buffers_trains_as_a_fresh_run(tiny_dirs, monkeypatch
     built: list[tuple] = []
     shape_buffers = StaticStore.shape_buffers
 
-    def counting(self, rows, seq_len, impl):  # noqa: ANN001, ANN202
+    def counting(self, rows, seq_len):  # noqa: ANN001, ANN202
         built.append((rows, seq_len))
-        return shape_buffers(self, rows, seq_len, impl)
+        return shape_buffers(self, rows, seq_len)
 
     monkeypatch.setattr(StaticStore, "shape_buffers", counting)
     short = replace(LLAMA_SPECS[1], max_steps=5, micro_batch=3)
@@ -157,7 +157,7 @@ def test_operand_copy_follows_the_weights_into_every_forward(tiny_dirs, monkeypa
     store.use_operands(torch.bfloat16)
     path = store.paths[0]
     assert store.a_op[path].dtype == torch.bfloat16 and store.a_op[path].shape == store.a[path].shape
-    shape = store.shape_buffers(1, 8, "torch")
+    shape = store.shape_buffers(1, 8)
     for value in (0.5, -2.0):  # weights written between two forwards
         with torch.no_grad():
             store.flat.fill_(value)

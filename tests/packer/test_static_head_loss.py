@@ -1,6 +1,6 @@
 """The static step's loss through the frozen head (``packer.static.static_head_losses``) equals ``static_losses`` on
 full logits; which models take it (``fused_loss_head``); the Triton static step uses it and starts where the
-masked-dense static step (full logits) does."""
+torch static step (full logits) does."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def test_models_whose_logits_are_not_the_heads_output_keep_full_logits(tiny_dirs
 
 @pytest.mark.slow  # ~1 min: one static step in the Triton interpreter
 def test_triton_static_step_with_the_fused_loss_equals_full_logits(tiny_dirs, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The Triton static step, its loss through the fused head, equals the masked-dense static step, on full logits:
+    """The Triton static step, its loss through the fused head, equals the torch static step, on full logits:
     both steps' losses and the adapters after them (so the gradient the fused loss sends back is the same)."""
     calls = []
     fused = static_loop.static_head_losses
