@@ -11,7 +11,10 @@ attention, LoRA r=16 on the seven projections. Workloads (the issue's names):
 
 MFU counts 4 * N * tokens for the frozen base (forward + backward to activations) plus the
 attention term ``3 * 4 * layers * seq^2 * hidden * batch``, against the measured bf16 GEMM rate,
-as ../shared/notes/performance.md does. Run: ``python -m lora_sweep.benchmarks.gpu_bench``.
+as ../shared/notes/performance.md does (``model_flops``). HFU, beside it on every pack, counts the FLOPs the
+hardware ran: a checkpointed pack (``+ckpt``) runs every decoder layer's forward twice (``recompute_flops``),
+so its MFU cannot reach a plain pack's at the same speed of work; without checkpointing HFU = MFU.
+Run: ``python -m lora_sweep.benchmarks.gpu_bench``.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from lora_sweep.packer.model import PackedModel
 from lora_sweep.packer.plan import MemoryModel
 from lora_sweep.packer.train import train
 
-__all__ = ["gemm_tflops", "packed_run", "base_run", "peft_run",
+__all__ = ["gemm_tflops", "packed_run", "base_run", "peft_run", "model_flops", "recompute_flops",
            "correctness_gate", "calibration_check", "table"]
 
 
@@ -41,11 +44,36 @@ def _counted_params(model: torch.nn.Module) -> int:
     return n + (cfg.vocab_size * cfg.hidden_size if cfg.tie_word_embeddings else 0)
 
 
-def _flops(model: torch.nn.Module, rows: int, seq: int) -> float:
+def model_flops(model: torch.nn.Module, rows: int, seq: int) -> float:
+    """Model FLOPs of one step on ``rows`` rows of ``seq`` tokens: 4 per counted weight and token (the frozen base's
+    forward, 2, and its backward to the activations, 2: no weight gradient) plus attention's QK^T and PV, 4 * seq^2 *
+    hidden per layer and row forward, three times that with the backward. The adapters' own FLOPs (r / hidden of a
+    projection's) are not counted."""
     cfg = model.config
     return 4 * _counted_params(model) * rows * seq + 3 * 4 * cfg.num_hidden_layers * seq * seq * cfg.hidden_size * rows
 
 
+def recompute_flops(model: torch.nn.Module, seq: int, row_ranks: list[int]) -> float:
+    """FLOPs activation checkpointing adds to a step: one more forward of every decoder layer, base and LoRA (the
+    embedding, final norm, head and loss are not recomputed). Per row of ``seq`` tokens whose slot has rank r::
+
+        2 * P_layers * seq               the decoder layers' frozen weights, 2 FLOPs per weight and token
+      + 4 * layers * seq^2 * hidden      attention's forward (QK^T and PV): the forward third of model_flops' term
+      + 2 * P_adapter(r) * seq           the row's adapter, rank r on every projection: r * (D_in + D_out) each
+
+    Args:
+        model: the packed model's base (its projections wrapped or not).
+        seq: tokens per row.
+        row_ranks: the rank of each row's slot (a slot of micro-batch m has m rows).
+    """
+    from lora_sweep.packer.inject import all_linear_params
+
+    cfg = model.config
+    layer_params = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n and "lora_" not in n)
+    rows = len(row_ranks)
+    adapters = all_linear_params(model, 1) * sum(row_ranks)  # r * (D_in + D_out) per projection: linear in r
+    return 2 * layer_params * rows * seq + 4 * cfg.num_hidden_layers * seq * seq * cfg.hidden_size * rows \
+        + 2 * adapters * seq
 
 
 def packed_run(model: torch.nn.Module, slots: int, micro: int, seq: int, *, impl: str = "triton", warmup: int = 3,
@@ -62,12 +90,16 @@ def packed_run(model: torch.nn.Module, slots: int, micro: int, seq: int, *, impl
                          activation_checkpointing=activation_checkpointing)
     pm.set_activation_checkpointing(False)  # the next run on this model starts without it
     tokens = slots * micro * seq
-    mfu = _flops(model, slots * micro, seq) / step_s / 1e12 / peak_tflops
+    flops = model_flops(model, slots * micro, seq)
+    ranks = (rank,) if isinstance(rank, int) else rank
+    row_ranks = [ranks[i % len(ranks)] for i in range(slots) for _ in range(micro)]  # random_jobs' slot ranks
+    hardware = flops + (recompute_flops(model, seq, row_ranks) if activation_checkpointing else 0.0)
+    mfu, hfu = (f / step_s / 1e12 / peak_tflops for f in (flops, hardware))
     mode = f"packed-{impl}" + ("" if pm.fused else "-eager") + ("+ckpt" if activation_checkpointing else "")
     return dict(workload=workload, mode=mode, slots=slots, micro=micro,
                 seq=seq,
                 rank=rank if isinstance(rank, int) else "/".join(map(str, rank)), step_ms=round(step_s * 1e3, 1),
-                tok_s=round(tokens / step_s), mfu=round(mfu, 3),
+                tok_s=round(tokens / step_s), mfu=round(mfu, 3), hfu=round(hfu, 3),
                 peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1))
 
 
@@ -88,7 +120,8 @@ def base_run(model: torch.nn.Module, rows: int, seq: int, *, warmup: int = 3, st
 
     step_s = time_calls(step, warmup, steps)
     return dict(workload="U", mode=mode, slots=rows, micro=1, seq=seq, step_ms=round(step_s * 1e3, 1),
-                tok_s=round(rows * seq / step_s), mfu=round(_flops(model, rows, seq) / step_s / 1e12 / peak_tflops, 3),
+                tok_s=round(rows * seq / step_s),
+                mfu=round(model_flops(model, rows, seq) / step_s / 1e12 / peak_tflops, 3),
                 peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1))
 
 
@@ -97,7 +130,7 @@ def peft_run(name: str, batch: int, seq: int, *, warmup: int = 3, steps: int = 6
     from peft import LoraConfig, get_peft_model
 
     model = build_shape(name)
-    flops = _flops(model, batch, seq)
+    flops = model_flops(model, batch, seq)
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=list(PROJ), lora_dropout=0.0))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")
@@ -247,7 +280,7 @@ def _large(peak: float, emit: Callable[[dict], None], shapes: tuple[str, ...] = 
 def table(rows: list[dict]) -> str:
     """The results as a short fixed-width table (one line per measurement; the JSON lines hold everything)."""
     peft = {r["shape"]: r["tok_s"] for r in rows if r.get("mode") == "peft"}  # one adapter, batch 1, same run
-    lines = [f"{'workload':<12}{'shape':<14}{'mode':<20}{'slots':>6}{'step ms':>9}{'tok/s':>9}{'MFU':>7}"
+    lines = [f"{'workload':<12}{'shape':<14}{'mode':<20}{'slots':>6}{'step ms':>9}{'tok/s':>9}{'MFU':>7}{'HFU':>7}"
              f"{'GiB':>7}{'x PEFT':>8}  other"]
     for r in rows:
         if "workload" not in r:
@@ -259,9 +292,9 @@ def table(rows: list[dict]) -> str:
                                                      "ratio_vs_packed", "ratio_vs_packed_warm", "rank",
                                                      "predicted_gib", "measured_gib",
                                                      "load_s", "first_step_s", "later_steps_s", "save_s")}
-        mfu = f"{r['mfu']:.1%}" if "mfu" in r else ""
+        mfu, hfu = (f"{r[k]:.1%}" if k in r else "" for k in ("mfu", "hfu"))
         lines.append(f"{r['workload']:<12}{r.get('shape', ''):<14}{r.get('mode', ''):<20}{r.get('slots', ''):>6}"
-                     f"{r.get('step_ms', ''):>9}{r.get('tok_s', ''):>9}{mfu:>7}"
+                     f"{r.get('step_ms', ''):>9}{r.get('tok_s', ''):>9}{mfu:>7}{hfu:>7}"
                      f"{r.get('peak_gib', ''):>7}{vs:>8}  {json.dumps(other) if other else ''}")
     return "\n".join(lines)
 
