@@ -1,8 +1,9 @@
-"""LoRA dropout on the Triton static step, on the CPU: at every step, each slot and each layer call, the kernels apply
-the mask that step's own tables give (``kernels.triton_dropout.dropout_mask``: the slot's seed for this micro-batch,
-the layer's id), so the masks move with the step, differ between slots and layers, and follow a slot into a refill.
+"""LoRA dropout on the Triton static step, on the CPU (in the interpreter; marked gpu: compiled, replayed as a CUDA
+graph): at every step, each slot and each layer call, the kernels apply the mask that step's own tables give
+(``kernels.triton_dropout.dropout_mask``: the slot's seed for this micro-batch, the layer's id), so the masks move
+with the step, differ between slots and layers, and follow a slot into a refill.
 
-The reference is the masked-dense static step with its mask source (``packer.static``'s ``dropout_keep_mask``,
+The reference is the static step's torch path with its mask source (``packer.static``'s ``dropout_keep_mask``,
 torch's generator) replaced by the kernels' masks of the same step's tables: the Triton step must train the same
 losses and adapters. A Triton step that froze its masks, shared them between slots or layers, or read another step's
 seeds would train different adapters; the masks the reference used are checked to really differ.
@@ -73,8 +74,8 @@ class KernelMasks:
         return rows
 
 
-def _train(model_dir, impl: str, monkeypatch: pytest.MonkeyPatch):  # noqa: ANN001, ANN202
-    model, _ = load_base(str(model_dir), attn_implementation="eager")
+def _train(model_dir, impl: str, device: str, monkeypatch: pytest.MonkeyPatch):  # noqa: ANN001, ANN202
+    model, _ = load_base(str(model_dir), attn_implementation="eager", device=device)
     # the base's norms and MLP eager on both paths (the masks are under test; the interpreter runs the step faster)
     pm = PackedModel(model, impl=impl, fused_base_ops=False)  # type: ignore[arg-type]
     masks = KernelMasks(pm) if impl == "torch" else None
@@ -86,14 +87,18 @@ def _train(model_dir, impl: str, monkeypatch: pytest.MonkeyPatch):  # noqa: ANN0
     return rec, masks, result
 
 
-@pytest.mark.slow  # ~60 s on a 2-core CPU: three Triton static steps in the interpreter
-def test_triton_step_applies_each_steps_own_masks_per_slot_and_layer(one_layer: Path,
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=pytest.mark.slow),  # ~60 s on a 2-core CPU: three Triton static steps in the interpreter
+    pytest.param("cuda", marks=pytest.mark.gpu),  # compiled kernels, the step replayed as a CUDA graph
+])
+def test_triton_step_applies_each_steps_own_masks_per_slot_and_layer(one_layer: Path, device: str,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    reference, masks, result = _train(one_layer, "torch", monkeypatch)
+    reference, masks, result = _train(one_layer, "torch", device, monkeypatch)
     assert result.steps == 3 and result.jobs_started == 4  # the fourth job refilled slot 0
     assert masks is not None
-    _check_masks(masks.seen)
-    triton, _, _ = _train(one_layer, "triton", monkeypatch)
+    _check_masks({k: m.cpu() for k, m in masks.seen.items()})
+    triton, _, result = _train(one_layer, "triton", device, monkeypatch)
+    assert (result.graphs > 0) == (device == "cuda")  # replayed as a CUDA graph there, eager on the CPU
     for key, spec in enumerate(SPECS):
         assert len(triton.losses[key]) == spec.max_steps
         torch.testing.assert_close(torch.tensor(triton.losses[key]), torch.tensor(reference.losses[key]), rtol=1e-5,
