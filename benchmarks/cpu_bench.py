@@ -18,13 +18,13 @@ from pathlib import Path
 
 import torch
 
-from lora_sweep.packer.batch import collate
-from lora_sweep.packer.data import Example, SlotStream, tokenize_rows
-from lora_sweep.packer.model import PackedModel, load_base
+from lora_sweep.packer.data.batch import collate
+from lora_sweep.packer.data.rows import Example, SlotStream, tokenize_rows
+from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec
-from lora_sweep.packer.tiny import build_tiny_model
-from lora_sweep.packer.tiny_data import arithmetic_rows
-from lora_sweep.packer.train import SlotJob, make_optimizer, make_scheduler, train
+from lora_sweep.packer.step.train import SlotJob, make_optimizer, make_scheduler, train
+from lora_sweep.packer.tiny.data import arithmetic_rows
+from lora_sweep.packer.tiny.models import build_tiny_model
 
 __all__ = ["CpuBenchResult", "cpu_bench", "bench_specs", "environment"]
 

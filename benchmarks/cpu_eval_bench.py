@@ -20,9 +20,9 @@ from lora_sweep.benchmarks.cpu_bench import bench_specs, environment
 from lora_sweep.evaluators._core import EvalData
 from lora_sweep.evaluators.generation import generation
 from lora_sweep.evaluators.heldout_loss import heldout_loss
-from lora_sweep.packer.model import PackedModel, load_base
-from lora_sweep.packer.tiny import build_tiny_model
-from lora_sweep.packer.tiny_data import arithmetic_rows
+from lora_sweep.packer.model.packed import PackedModel, load_base
+from lora_sweep.packer.tiny.data import arithmetic_rows
+from lora_sweep.packer.tiny.models import build_tiny_model
 
 __all__ = ["EvalBenchResult", "cpu_eval_bench"]
 

@@ -1,7 +1,8 @@
-"""What a static held-out evaluation holds on the GPU per logit: the measurement ``packer.eval_graph.heldout_fits``
+"""What a static held-out evaluation holds on the GPU per logit: the measurement ``packer.step.eval_graph.heldout_fits``
 budgets by.
 
-A captured held-out forward (``packer.eval_graph.row_losses``) keeps its peak memory in its graph pool for the pack's
+A captured held-out forward (``packer.step.eval_graph.row_losses``) keeps its peak memory in its graph pool for the
+pack's
 life. Most of it is logits-sized: on the Triton path the fused loss head keeps the bf16 logits of each row group; the
 torch path (``kernels: torch``, or no Triton) keeps the model's bf16 logits, an fp32 copy and cross-entropy's fp32
 intermediates. This builds a static pack of ``--slots`` slots on SmolLM2's shape (random init, bf16; vocab 49,152)
@@ -30,9 +31,9 @@ def _pack(impl: str, slots: int):  # type: ignore[no-untyped-def]
     """A PackedModel on SmolLM2's shape with a static store of ``slots`` slots (rank bucket 16) and one slot live."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from lora_sweep.packer.model import PackedModel
+    from lora_sweep.packer.model.packed import PackedModel
+    from lora_sweep.packer.model.static import StaticStore
     from lora_sweep.packer.plan import AdapterSpec
-    from lora_sweep.packer.static import StaticStore
 
     kw = dict(SMOLLM2)
     cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
@@ -50,8 +51,8 @@ def _pack(impl: str, slots: int):  # type: ignore[no-untyped-def]
 
 def measure(impl: str, slots: int, shapes: tuple[tuple[int, int], ...] = SHAPES) -> list[dict]:
     """Peak bytes above the pack's memory, per logit, of one held-out evaluation per shape (a fresh pack each)."""
-    from lora_sweep.packer.data import Example
-    from lora_sweep.packer.eval_graph import row_losses
+    from lora_sweep.packer.data.rows import Example
+    from lora_sweep.packer.step.eval_graph import row_losses
 
     rows_out = []
     for rows, seq in shapes:

@@ -29,9 +29,9 @@ import torch
 from lora_sweep.benchmarks.gpu_layer import run_all
 from lora_sweep.benchmarks.shapes import PROJ, build_shape
 from lora_sweep.benchmarks.timing import gemm_tflops, random_jobs, time_calls, timed_train
-from lora_sweep.packer.model import PackedModel
+from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import MemoryModel
-from lora_sweep.packer.train import train
+from lora_sweep.packer.step.train import train
 
 __all__ = ["gemm_tflops", "packed_run", "base_run", "peft_run", "model_flops", "recompute_flops",
            "correctness_gate", "calibration_check", "table"]
@@ -66,7 +66,7 @@ def recompute_flops(model: torch.nn.Module, seq: int, row_ranks: list[int]) -> f
         seq: tokens per row.
         row_ranks: the rank of each row's slot (a slot of micro-batch m has m rows).
     """
-    from lora_sweep.packer.inject import all_linear_params
+    from lora_sweep.packer.model.inject import all_linear_params
 
     cfg = model.config
     layer_params = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n and "lora_" not in n)
@@ -82,7 +82,8 @@ def packed_run(model: torch.nn.Module, slots: int, micro: int, seq: int, *, impl
                activation_checkpointing: bool = False) -> dict:
     """Aggregate tokens/s of ``slots`` adapters trained packed (median step of ``steps`` timed) on the step a default
     sweep runs (on CUDA the static-shape step replayed as CUDA graphs); ``fused``: the base's norms and MLP middles on
-    the fused kernels (``packer.fuse``; Triton path only), else eager. Mode ``+ckpt``: activation checkpointing."""
+    the fused kernels (``packer.model.fuse``; Triton path only), else eager. Mode ``+ckpt``: activation
+    checkpointing."""
     pm = PackedModel(model, impl=impl, fused_base_ops=fused)  # type: ignore[arg-type]
     jobs = random_jobs(slots, micro, seq, model.config.vocab_size, warmup + steps, rank)
     torch.cuda.reset_peak_memory_stats()
@@ -107,7 +108,7 @@ def base_run(model: torch.nn.Module, rows: int, seq: int, *, warmup: int = 3, st
              peak_tflops: float = 790.0) -> dict:
     """U: the frozen base alone (forward, full-vocabulary loss, backward to the activations), same tokens:
     the ceiling a pack approaches. Mode ``base-only-fused`` once a pack has swapped in the fused norms and MLPs."""
-    from lora_sweep.packer.fuse import FusedRMSNorm
+    from lora_sweep.packer.model.fuse import FusedRMSNorm
 
     mode = "base-only-fused" if any(isinstance(m, FusedRMSNorm) and m.impl == "triton" for m in model.modules()) \
         else "base-only"
@@ -171,7 +172,7 @@ def correctness_gate(model: torch.nn.Module, slots: int = 4, seq: int = 256, ste
 def _planner_model(model: torch.nn.Module, seq: int) -> tuple[MemoryModel, int]:
     """The planner's memory model, calibrated on this GPU by small probes with the options the measured
     packs run with, and the parameters of one r=16 adapter on every projection."""
-    from lora_sweep.packer.inject import all_linear_params
+    from lora_sweep.packer.model.inject import all_linear_params
     from lora_sweep.packer.probe import calibrate
 
     pm = PackedModel(model, impl="triton")

@@ -31,13 +31,13 @@ from collections.abc import Callable
 
 import torch
 
-import lora_sweep.packer.static_loop as static_loop
+import lora_sweep.packer.step.static_loop as static_loop
 from lora_sweep.benchmarks import gpu_profile
 from lora_sweep.benchmarks.shapes import PROJ, SHAPES, SMOLLM2
 from lora_sweep.benchmarks.timing import random_jobs, time_calls
-from lora_sweep.packer.capture import capture
-from lora_sweep.packer.model import PackedModel
-from lora_sweep.packer.train import SlotJob, train
+from lora_sweep.packer.model.packed import PackedModel
+from lora_sweep.packer.step.capture import capture
+from lora_sweep.packer.step.train import SlotJob, train
 
 __all__ = ["SMOLLM2", "main"]
 

@@ -18,18 +18,18 @@ from dataclasses import replace
 
 import torch
 
-import lora_sweep.packer.model as packer_model
+import lora_sweep.packer.model.packed as packer_model
 from lora_sweep.benchmarks.shapes import build_shape
 from lora_sweep.benchmarks.timing import random_jobs, timed_train
-from lora_sweep.packer.model import PackedModel
+from lora_sweep.packer.model.packed import PackedModel
 
 __all__ = ["grouped_vs_alone"]
 
 
 @contextlib.contextmanager
 def _groups(on: bool) -> Iterator[None]:
-    """Packs made inside link their shared-input groups (``packer.slices.link_groups``), or none of them (each
-    projection then runs alone, as ``tests/packer/test_slices.py`` compares)."""
+    """Packs made inside link their shared-input groups (``packer.model.slices.link_groups``), or none of them (each
+    projection then runs alone, as ``tests/packer/model/test_slices.py`` compares)."""
     real = packer_model.link_groups
 
     def none(layers: dict) -> list:

@@ -21,9 +21,9 @@ import torch
 
 from lora_sweep.benchmarks import gpu_profile
 from lora_sweep.benchmarks.timing import random_jobs, timed_train
-from lora_sweep.packer.data import Example, SlotStream, load_examples
-from lora_sweep.packer.model import PackedModel, load_base
-from lora_sweep.packer.train import SlotJob, train
+from lora_sweep.packer.data.rows import Example, SlotStream, load_examples
+from lora_sweep.packer.model.packed import PackedModel, load_base
+from lora_sweep.packer.step.train import SlotJob, train
 
 __all__ = ["main"]
 

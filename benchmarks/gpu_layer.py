@@ -109,7 +109,7 @@ def decoder_layer_bench(shape: str = "llama3-8b", slots: int = 16, seq: int = 10
     adapters of rank ``rank`` on all seven projections, one row of ``seq`` tokens each, through ``PackedModel``'s
     per-batch path (``ratio``), against the same layer with no slot active."""
     from lora_sweep.benchmarks.shapes import PROJ, SHAPES, build_shape
-    from lora_sweep.packer.model import PackedModel
+    from lora_sweep.packer.model.packed import PackedModel
     from lora_sweep.packer.plan import AdapterSpec
 
     model = build_shape(shape, layers=1)

@@ -5,7 +5,7 @@ A fixed, seeded sweep of ``N`` LoRA configurations (``benchmarks.makespan_sweep`
 projections, dropout 0) trains for ``S`` steps each on fixed random token ids, three ways, each timed end to end
 (wall clock from the first load of the base to the last adapter saved; that is what a user pays):
 
-- ``packed``: the base loaded once, every configuration a slot of one ``packer.train.train`` run
+- ``packed``: the base loaded once, every configuration a slot of one ``packer.step.train.train`` run
   (``--slots`` caps the slots; freed slots are backfilled), each adapter saved as it ends. Its line
   splits the makespan into load, first step (which compiles the Triton kernels when the machine's
   cache lacks them), later steps and saves. ``packed-warm`` runs it again at once: kernels compiled,
@@ -46,10 +46,10 @@ import torch
 
 from lora_sweep.benchmarks.makespan_sweep import SweepConfig, extrapolate, sample_indices, sweep_configs
 from lora_sweep.benchmarks.shapes import PROJ, SHAPES, build_shape
-from lora_sweep.packer.checkpoint import save_adapters
-from lora_sweep.packer.data import Example
-from lora_sweep.packer.model import DTYPES, PackedModel
-from lora_sweep.packer.train import FixedBatch, SlotJob, make_optimizer, train
+from lora_sweep.packer.data.rows import Example
+from lora_sweep.packer.model.checkpoint import save_adapters
+from lora_sweep.packer.model.packed import DTYPES, PackedModel
+from lora_sweep.packer.step.train import FixedBatch, SlotJob, make_optimizer, train
 
 __all__ = ["Setup", "MODES", "save_base", "run_packed", "run_sequential", "run_procs", "makespan", "main"]
 
@@ -71,7 +71,7 @@ class Setup:
     seq: int
     device: str
     dtype: str
-    """A key of ``packer.model.DTYPES``."""
+    """A key of ``packer.model.packed.DTYPES``."""
 
 
 def save_base(shape: str, out_dir: Path, *, device: str, dtype: str, tiny: bool = False) -> tuple[Path, int]:
@@ -79,7 +79,7 @@ def save_base(shape: str, out_dir: Path, *, device: str, dtype: str, tiny: bool 
     from transformers import AutoConfig
 
     if tiny:
-        from lora_sweep.packer.tiny import build_tiny_model
+        from lora_sweep.packer.tiny.models import build_tiny_model
 
         build_tiny_model("qwen2", out_dir, seed=0, hidden_size=TINY_HIDDEN)
         return out_dir, AutoConfig.from_pretrained(out_dir).vocab_size
@@ -319,7 +319,7 @@ def makespan(shape: str = "qwen2.5-0.5b", *, n_configs: int = 24, steps: int = 2
         sequential_sample: configurations the sequential mode really trains (0: all).
         procs_sample: configurations the processes really train, over all of them (0: all).
         device: ``cuda`` or ``cpu`` (default: cuda when available); bf16 on CUDA, fp32 on the CPU.
-        tiny: a tiny Qwen2 (``packer.tiny``) instead of ``shape``, for CPU tests.
+        tiny: a tiny Qwen2 (``packer.tiny.models``) instead of ``shape``, for CPU tests.
         modes: which of ``MODES`` to run.
         workdir: where the base, the adapters (``adapters/<mode>/config-<i>``) and the process files go;
             default a temporary directory removed at the end.

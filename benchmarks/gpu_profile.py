@@ -5,7 +5,7 @@
 Prints, for a packed step (``--eager``: the base's norms and MLPs left to transformers' eager modules) and
 then for the base alone (forward, full loss, backward to the activations), the kernel time per step summed
 by ``CATEGORIES`` and the heaviest kernels. It found the eager base's elementwise kernels at 30% of a
-Llama-3-8B step's kernel time, which ``packer.fuse`` then took on (BENCHMARKS.md). ``profile_step`` is
+Llama-3-8B step's kernel time, which ``packer.model.fuse`` then took on (BENCHMARKS.md). ``profile_step`` is
 ``python -m lora_sweep.benchmarks.gpu_bench --part small``'s profile of the 0.5B pack (host and device top operators).
 """
 
@@ -56,7 +56,7 @@ def _profile_pack(pm: object, slots: int, seq: int) -> tuple[torch.profiler.prof
     returns the profile and the wall-clock stamp after each step."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    from lora_sweep.packer.train import train
+    from lora_sweep.packer.step.train import train
 
     jobs = random_jobs(slots, 1, seq, pm.model.config.vocab_size, 6)  # type: ignore[attr-defined]
     stamps: list[float] = []
@@ -72,7 +72,7 @@ def profile_step(model: torch.nn.Module, slots: int, seq: int, out_dir: str | No
 
     Writes the full operator table to ``out_dir/profile_<slots>.txt`` when ``out_dir`` is given.
     """
-    from lora_sweep.packer.model import PackedModel
+    from lora_sweep.packer.model.packed import PackedModel
 
     prof, stamps = _profile_pack(PackedModel(model, impl="triton"), slots, seq)
     events = prof.key_averages()
@@ -104,7 +104,7 @@ def kernel_events(events: list) -> list:
 def main(argv: list[str] | None = None) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    from lora_sweep.packer.model import PackedModel
+    from lora_sweep.packer.model.packed import PackedModel
 
     parser = argparse.ArgumentParser(prog="python -m lora_sweep.benchmarks.gpu_profile", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

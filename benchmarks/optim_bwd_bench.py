@@ -1,7 +1,8 @@
 """What ``optimizer_in_backward`` would save on the CPU: ``python -m lora_sweep.benchmarks.optim_bwd_bench``.
 
 The option is mapped onto the one training step, which keeps its preallocated fp32 gradient buffer
-(``packer.static.StaticStore.grad``: C slots x the rank bucket's rows of every adapted projection) and steps after the
+(``packer.model.static.StaticStore.grad``: C slots x the rank bucket's rows of every adapted projection) and steps after
+the
 backward. The memory a step in the backward would save is at most that buffer. A random-init model of
 SmolLM2-135M's shape (fp32, ``--layers`` decoder layers) trains a pack of ``--slots`` rank-``--rank`` adapters on all
 seven projections for ``--steps`` steps; the peak is what tensors hold, counted exactly by the planner's CPU probe
@@ -19,11 +20,11 @@ import platform
 import torch
 
 from lora_sweep.benchmarks.shapes import PROJ, SMOLLM2
-from lora_sweep.packer.data import Example
-from lora_sweep.packer.model import PackedModel
+from lora_sweep.packer.data.rows import Example
+from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.probe import model_bytes, peak_memory
-from lora_sweep.packer.train import FixedBatch, SlotJob, train
+from lora_sweep.packer.step.train import FixedBatch, SlotJob, train
 
 
 def _model(layers: int) -> torch.nn.Module:

@@ -25,12 +25,12 @@ from typing import Any
 import torch
 
 from lora_sweep.benchmarks.shapes import PROJ, build_shape
-from lora_sweep.packer.data import IGNORE_INDEX, Example, SlotStream
-from lora_sweep.packer.model import PackedModel, load_base
-from lora_sweep.packer.packing import SamplePackedStream
+from lora_sweep.packer.data.packing import SamplePackedStream
+from lora_sweep.packer.data.rows import IGNORE_INDEX, Example, SlotStream
+from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec
-from lora_sweep.packer.tiny import build_tiny_model
-from lora_sweep.packer.train import SlotJob, train
+from lora_sweep.packer.step.train import SlotJob, train
+from lora_sweep.packer.tiny.models import build_tiny_model
 
 __all__ = ["run", "main"]
 

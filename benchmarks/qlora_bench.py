@@ -1,4 +1,4 @@
-"""QLoRA on one GPU: N adapters packed over one frozen NF4 base (``model.quantize: nf4``, ``packer.quant``).
+"""QLoRA on one GPU: N adapters packed over one frozen NF4 base (``model.quantize: nf4``, ``packer.model.quant``).
 
 A command, not a timed test (GPU): ``python benchmarks/qlora_bench.py --shape llama3-70b --quantize nf4 --slots 8``.
 The base is a random-init model of a real shape (throughput does not depend on weight values), built layer by
@@ -28,11 +28,11 @@ from torch import nn
 
 from lora_sweep.benchmarks.shapes import PROJ, SHAPES
 from lora_sweep.benchmarks.timing import gemm_tflops
-from lora_sweep.packer.data import Example
-from lora_sweep.packer.model import PackedModel
+from lora_sweep.packer.data.rows import Example
+from lora_sweep.packer.model.packed import PackedModel
+from lora_sweep.packer.model.quant import quantize_base
 from lora_sweep.packer.plan import AdapterSpec
-from lora_sweep.packer.quant import quantize_base
-from lora_sweep.packer.train import FixedBatch, SlotJob, train
+from lora_sweep.packer.step.train import FixedBatch, SlotJob, train
 
 
 def _init(module: nn.Module) -> None:

@@ -1,5 +1,5 @@
 """One pack over several GPUs of one host, its bf16 base sharded with FSDP2 and built on the meta device
-(``packer.shard_load``): a base larger than one GPU.
+(``packer.model.shard_load``): a base larger than one GPU.
 
 A command, not a timed test (GPUs): ``python -m lora_sweep.benchmarks.shard_bench --shape llama3-70b --gpus 2 --slots 8
 --seq 1024 --activation-checkpointing``. Each of ``--gpus`` ranks (NCCL, one process per GPU) builds the shape's
@@ -25,10 +25,10 @@ import torch.distributed as dist
 
 from lora_sweep.benchmarks.shapes import SHAPES
 from lora_sweep.benchmarks.timing import gemm_tflops, random_jobs, timed_train
-from lora_sweep.packer.launch import spawn
-from lora_sweep.packer.model import PackedModel
-from lora_sweep.packer.shard import local_param_bytes, shard_base
-from lora_sweep.packer.shard_load import materialise, meta_model
+from lora_sweep.packer.model.packed import PackedModel
+from lora_sweep.packer.model.shard import local_param_bytes, shard_base
+from lora_sweep.packer.model.shard_load import materialise, meta_model
+from lora_sweep.packer.step.launch import spawn
 
 
 def _flops(config: object, params: int, rows: int, seq: int) -> float:

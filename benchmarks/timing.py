@@ -11,10 +11,10 @@ from collections.abc import Callable
 import torch
 
 from lora_sweep.benchmarks.shapes import PROJ
-from lora_sweep.packer.data import Example
-from lora_sweep.packer.model import PackedModel
+from lora_sweep.packer.data.rows import Example
+from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import AdapterSpec
-from lora_sweep.packer.train import FixedBatch, SlotJob, train
+from lora_sweep.packer.step.train import FixedBatch, SlotJob, train
 
 __all__ = ["gemm_tflops", "random_jobs", "timed_train", "time_calls"]
 

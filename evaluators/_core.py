@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lora_sweep.kernels import PackLayout
-from lora_sweep.packer.data import FORMATS, json_error, read_jsonl
+from lora_sweep.packer.data.rows import FORMATS, json_error, read_jsonl
 from lora_sweep.packer.errors import ConfigError, DataError, UserError
-from lora_sweep.packer.model import PackedModel
+from lora_sweep.packer.model.packed import PackedModel
 
 __all__ = ["MC_FORMAT", "TEXT_FORMATS", "EvalData", "EvalResult", "SlotEvalError", "load_eval_data", "make_options",
            "check_format", "routed", "slot_layout", "chunks", "pad_id", "finite", "StaticShapes", "check_static_shapes",
@@ -58,7 +58,7 @@ class EvalData:
 
     Attributes:
         rows: JSON rows, in file order.
-        fmt: ``packer.data`` format of the rows (``alpaca``, ``prompt_completion``, ``chat``, ``text``) or
+        fmt: ``packer.data.rows`` format of the rows (``alpaca``, ``prompt_completion``, ``chat``, ``text``) or
             ``multiple_choice``.
         tokenizer: the base model's Hugging Face tokenizer.
         source: file name used in error messages.
@@ -112,8 +112,8 @@ def load_eval_data(path: str | Path, tokenizer: Any, *, fmt: str = "auto", max_l
     Args:
         path: JSONL file.
         tokenizer: the base model's tokenizer.
-        fmt: one of ``packer.data.FORMATS``, ``multiple_choice``, or ``auto`` (rows with ``choices`` are
-            multiple choice; otherwise ``packer.data`` detects the format).
+        fmt: one of ``packer.data.rows.FORMATS``, ``multiple_choice``, or ``auto`` (rows with ``choices`` are
+            multiple choice; otherwise ``packer.data.rows`` detects the format).
         max_length: see ``EvalData``.
         train_on_prompt: see ``EvalData``.
         work_dir: see ``EvalData``.
@@ -224,7 +224,8 @@ def check_static_shapes(value: object) -> None:
 
 
 def uses_static_shapes(option: StaticShapes, model: PackedModel) -> bool:
-    """Whether an evaluator's forwards ask for the static pack's fixed shapes (``packer.eval_graph``; it still needs a
+    """Whether an evaluator's forwards ask for the static pack's fixed shapes (``packer.step.eval_graph``; it still
+    needs a
     static store and a shape that fits). ``"auto"``: on CUDA, where one captured graph replays each forward; not on
     the CPU, where nothing replays and the fixed shapes run every slot's rows through the base, scored or not, while
     the per-batch path runs only the scored slots' rows (the demo study's evaluation on 2 cores: 161 s on the fixed

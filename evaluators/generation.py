@@ -8,10 +8,10 @@ never leave the batch (a finished row keeps decoding into the void), so one layo
 prefill and every ``(B, 1)`` step.
 
 While the pack trains on the static-shape step (``PackedModel.static``), greedy decoding runs on its fixed shapes
-instead (``packer.eval_graph``: prompts left-padded to a multiple of 16, a static KV cache, each decoding step one
+instead (``packer.step.eval_graph``: prompts left-padded to a multiple of 16, a static KV cache, each decoding step one
 CUDA-graph replay, the tokens read once per chunk and cut where this loop would stop each row): the same tokens.
 
-Prompts are the training prompts: the rows go through ``packer.data.tokenize_rows`` and the prompt is every
+Prompts are the training prompts: the rows go through ``packer.data.rows.tokenize_rows`` and the prompt is every
 token before the last response span (alpaca template, ``prompt``, or the chat template up to the last
 assistant turn with ``add_generation_prompt``), so the model sees at evaluation what it saw in training.
 """
@@ -40,10 +40,10 @@ from lora_sweep.evaluators._core import (
     uses_static_shapes,
 )
 from lora_sweep.evaluators.scorers import SCORERS
-from lora_sweep.packer import eval_graph
-from lora_sweep.packer.data import IGNORE_INDEX, tokenize_rows
+from lora_sweep.packer.data.rows import IGNORE_INDEX, tokenize_rows
 from lora_sweep.packer.errors import ConfigError, DataError
-from lora_sweep.packer.model import PackedModel
+from lora_sweep.packer.model.packed import PackedModel
+from lora_sweep.packer.step import eval_graph
 
 __all__ = ["GenerationOptions", "generation", "generate_ids", "generate_texts", "build_prompts", "references",
            "METRICS"]
@@ -69,7 +69,7 @@ class GenerationOptions:
     """Seed of sampling."""
     static_shapes: bool | Literal["auto"] = "auto"
     """True: greedy decoding while the pack trains on the static-shape step runs on fixed shapes, a static KV cache
-    and each decoding step replayed as one CUDA graph (``packer.eval_graph``); False: always the per-batch path,
+    and each decoding step replayed as one CUDA graph (``packer.step.eval_graph``); False: always the per-batch path,
     which holds only the scored slots' rows; auto: true on CUDA, false on the CPU
     (``evaluators._core.uses_static_shapes``)."""
 
@@ -199,7 +199,7 @@ def generate_ids(model: PackedModel, slots: Sequence[int], prompts: Sequence[Seq
         seed: sampling seed; item i draws from its own generator, so a slot samples the same
             answers packed or alone.
         static_shapes: greedy decoding on the static pack's fixed shapes when it trains on them
-            (``packer.eval_graph``; "auto": on CUDA only, ``evaluators._core.uses_static_shapes``); the answers are
+            (``packer.step.eval_graph``; "auto": on CUDA only, ``evaluators._core.uses_static_shapes``); the answers are
             the same tokens.
 
     Returns:

@@ -1,6 +1,6 @@
 """Held-out loss and perplexity of every slot, all slots in one packed forward per batch.
 
-The loss is training's: rows tokenized and prompt-masked by ``packer.data.tokenize_rows`` with the study's
+The loss is training's: rows tokenized and prompt-masked by ``packer.data.rows.tokenize_rows`` with the study's
 ``max_length`` and ``train_on_prompt``, next-token cross-entropy from ``packer.loss.slot_losses``. A slot's
 ``eval_loss`` is the mean over all target tokens of the held-out set (sum of token losses / token count),
 so it does not depend on the batch size; ``perplexity`` is ``exp(eval_loss)``.
@@ -26,12 +26,12 @@ from lora_sweep.evaluators._core import (
     uses_static_shapes,
 )
 from lora_sweep.kernels import PackLayout
-from lora_sweep.packer import eval_graph
-from lora_sweep.packer.batch import PackBatch, collate
-from lora_sweep.packer.data import FORMATS, tokenize_rows
+from lora_sweep.packer.data.batch import PackBatch, collate
+from lora_sweep.packer.data.rows import FORMATS, tokenize_rows
 from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.loss import slot_losses
-from lora_sweep.packer.model import PackedModel
+from lora_sweep.packer.model.packed import PackedModel
+from lora_sweep.packer.step import eval_graph
 
 __all__ = ["HeldoutOptions", "heldout_loss", "METRICS"]
 
@@ -46,8 +46,8 @@ class HeldoutOptions:
     """Held-out rows per slot in one forward (a forward holds ``batch_size * len(slots)`` rows)."""
     static_shapes: bool | Literal["auto"] = "auto"
     """True: while the pack trains on the static-shape step, run the forwards on its fixed shapes
-    (``packer.eval_graph``: rows padded to a multiple of 16, one CUDA graph on CUDA) when their logits fit
-    ``packer.eval_graph.STATIC_LOGITS_BYTES``; False: always the per-batch path, which holds only the scored slots'
+    (``packer.step.eval_graph``: rows padded to a multiple of 16, one CUDA graph on CUDA) when their logits fit
+    ``packer.step.eval_graph.STATIC_LOGITS_BYTES``; False: always the per-batch path, which holds only the scored slots'
     rows; auto: true on CUDA, false on the CPU (``evaluators._core.uses_static_shapes``)."""
 
     def __post_init__(self) -> None:
@@ -62,7 +62,7 @@ def heldout_loss(model: PackedModel, slots: Sequence[int], data: EvalData, **opt
     Args:
         model: the packed model holding the slots.
         slots: slots to score.
-        data: held-out rows in a ``packer.data`` format.
+        data: held-out rows in a ``packer.data.rows`` format.
         **options: ``HeldoutOptions`` fields.
 
     Returns:
@@ -85,7 +85,7 @@ def heldout_loss(model: PackedModel, slots: Sequence[int], data: EvalData, **opt
               and eval_graph.heldout_fits(model, opts.batch_size, seq))
     with torch.no_grad():
         for idx in chunks(len(examples), opts.batch_size):
-            rows: list[Any] = [examples[i] for i in idx]  # Example satisfies packer.batch.Row
+            rows: list[Any] = [examples[i] for i in idx]  # Example satisfies packer.data.batch.Row
             if static:  # slot-major: slot g's item i at g * len(rows) + i
                 row_loss, row_tokens = eval_graph.row_losses(model, slots, rows, opts.batch_size, seq,
                                                              pad_id(data.tokenizer))

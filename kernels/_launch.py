@@ -253,7 +253,7 @@ def check_rows(name: str, t: torch.Tensor, rows: int, cols: int) -> None:
 
 def static_meta(capacity: int, rows: int, seq_len: int, rank_cols: int, device: torch.device, *,
                 dropout: bool, block_m: int = BLOCK_M, chunk_tokens: int = CHUNK_TOKENS) -> SegmentMeta:
-    """Tables of a static-shape pack (``packer.static``): ``capacity`` segments of ``rows`` rows each, every one
+    """Tables of a static-shape pack (``packer.model.static``): ``capacity`` segments of ``rows`` rows each, every one
     present whatever its slot holds, so the tile and chunk maps (and hence every grid) depend on the shape only.
 
     The per-slot columns are data the caller writes in place before each step (a captured CUDA graph reads

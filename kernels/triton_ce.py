@@ -17,7 +17,7 @@ logits are: the kernel turns the logits into their gradient in place, one GEMM m
 die in the forward. The plain path instead keeps bf16 logits, an fp32 copy, and fp32 log-softmax forward and
 backward tensors (1.2 GB each at 6,144 tokens x 49,152 vocabulary), over which torch runs several passes.
 
-Shapes are static (C slots of T / C rows each, the layout of ``packer.static``), and nothing reads a value on the
+Shapes are static (C slots of T / C rows each, the layout of ``packer.model.static``), and nothing reads a value on the
 host: the step that calls it can be captured as a CUDA graph. Shape legend: T token rows, H hidden features,
 V vocabulary, C slots (groups of T / C consecutive rows), BV vocabulary columns per block. The kernel calls
 Triton builtins only (``tl.reduce`` with jit'd combines, ``tl.exp``): see ``kernels.triton_segments``' docstring
@@ -35,7 +35,7 @@ from lora_sweep.kernels._jit import tl, triton
 __all__ = ["IGNORE_INDEX", "StaticLinearCE", "cross_entropy_rows", "static_linear_ce_triton"]
 
 IGNORE_INDEX = -100
-"""Target of a row without loss (torch's ``F.cross_entropy`` default, ``packer.batch.IGNORE_INDEX``)."""
+"""Target of a row without loss (torch's ``F.cross_entropy`` default, ``packer.data.batch.IGNORE_INDEX``)."""
 _MAX_BLOCK = 4096  # vocabulary columns per block: 8 KB of bf16 logits per program and pass
 
 

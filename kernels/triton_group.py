@@ -1,10 +1,11 @@
 """A static pack's shared-input group (q/k/v, gate/up) as one autograd Function over the static tables.
 
-On the static step (``packer.static``) every slot's A and B^T of a projection sit in fixed buffers read through one
+On the static step (``packer.model.static``) every slot's A and B^T of a projection sit in fixed buffers read through
+one
 segment table, and the projections of a group read the same x. Run alone, each computes ``x W_s^T`` in a GEMM of
 its own (k and v are narrow: 1024 of Llama-3-8B's 4096 columns), writes its own (T, D_in) dx and autograd adds the
 S of them. Here, with the members' base weights adjacent rows of one ``w_cat`` (sum D_s, D_in)
-(``packer.slices.lay_out_groups`` lays them out so):
+(``packer.model.slices.lay_out_groups`` lays them out so):
 
     forward   y[:, cols_s] = bias_s + LoRA_s(x)          per member s, expand into its columns of one (T, sum D_s) y
               y           += x w_cat^T                   one GEMM for the group (cuBLAS, beta = 1)

@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lora_sweep.kernels import PackLayout
-from lora_sweep.packer.batch import IGNORE_INDEX, row_slots
+from lora_sweep.packer.data.batch import IGNORE_INDEX, row_slots
 from lora_sweep.packer.errors import ConfigError
 
 __all__ = ["DEFAULT_CHUNK_TOKENS", "slot_losses", "chunked_slot_losses", "check_plain_head", "output_head",

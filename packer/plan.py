@@ -74,7 +74,7 @@ class AdapterSpec:
     """Micro-batches per optimizer step; the step's gradient is that of the mean over all target tokens of
     the ``micro_batch * gradient_accumulation_steps`` examples (transformers' ``num_items_in_batch``)."""
     sample_packing: bool = False
-    """Pack several examples into each row up to the row length (``packer.packing``); ``micro_batch`` then
+    """Pack several examples into each row up to the row length (``packer.data.packing``); ``micro_batch`` then
     counts rows, as in Axolotl."""
 
     def __post_init__(self) -> None:

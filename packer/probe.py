@@ -21,17 +21,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from lora_sweep.kernels import PackLayout
-from lora_sweep.packer.data import Example
+from lora_sweep.packer.data.rows import Example
 from lora_sweep.packer.loss import chunked_slot_losses
-from lora_sweep.packer.model import PackedModel
+from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import (
     ADAPTER_BYTES_PER_PARAM,
     AdapterSpec,
     MemoryModel,
     adapter_param_count,
 )
-from lora_sweep.packer.static_loop import rank_bucket_for
-from lora_sweep.packer.train import FixedBatch, SlotJob, chunk_tokens_of, train
+from lora_sweep.packer.step.static_loop import rank_bucket_for
+from lora_sweep.packer.step.train import FixedBatch, SlotJob, chunk_tokens_of, train
 
 __all__ = ["peak_memory", "calibrate", "available_memory", "model_bytes", "plain_param_bytes", "PROBE_STEPS"]
 
@@ -76,7 +76,8 @@ def _model_storages(model: torch.nn.Module) -> dict[int, int]:
 
 
 def _plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
-    """The tensors holding ``t``'s memory: a tensor subclass (an NF4 weight, ``packer.quant``) is a wrapper whose own
+    """The tensors holding ``t``'s memory: a tensor subclass (an NF4 weight, ``packer.model.quant``) is a wrapper whose
+    own
     storage is a placeholder of the dequantised size; its data are the inner tensors ``__tensor_flatten__`` names."""
     flatten = getattr(type(t), "__tensor_flatten__", None)
     if flatten is None:
@@ -153,7 +154,7 @@ def calibrate(pm: PackedModel, seq_len: int, *, rows: tuple[int, int] = (1, 2), 
     ``activation_checkpointing`` and ``optimizer_in_backward`` are the pack's own training options (the first two
     change the per-token slope several-fold, the last the bytes per parameter; its probes do not clip).
 
-    Each probe runs ``steps`` steps through ``packer.train.train`` once (on CUDA after a warm-up run): its peak
+    Each probe runs ``steps`` steps through ``packer.step.train.train`` once (on CUDA after a warm-up run): its peak
     memory is counted and the same run is timed, so the time line comes from the two low-rank probes without a
     run of its own. The first probe (one of the high-rank ones, which the time does not use) warms the process.
     """
@@ -162,7 +163,7 @@ def calibrate(pm: PackedModel, seq_len: int, *, rows: tuple[int, int] = (1, 2), 
     vocab = vocab or pm.model.get_input_embeddings().num_embeddings
     gen = torch.Generator().manual_seed(0)
     static = torch.cuda.memory_allocated(pm.device) if pm.device.type == "cuda" else model_bytes(pm)
-    from lora_sweep.packer.inject import linear_shape, projection_names
+    from lora_sweep.packer.model.inject import linear_shape, projection_names
 
     narrowest = min(min(linear_shape(pm.model.get_submodule(p)) or (1 << 30,)) for p in projection_names(pm.model))
     r_hi = min(40, narrowest)

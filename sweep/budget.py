@@ -16,8 +16,8 @@ from typing import Protocol
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from lora_sweep.packer.data import Example, SlotStream
-from lora_sweep.packer.train import target_tokens
+from lora_sweep.packer.data.rows import Example, SlotStream
+from lora_sweep.packer.step.train import target_tokens
 from lora_sweep.sweep.ledger import FINISHED, orphans
 from lora_sweep.sweep.space import GridSearch
 from lora_sweep.sweep.spec import StudySpec

@@ -24,8 +24,8 @@ from lora_sweep.packer.plan import ALL_LINEAR, MemoryModel, adapter_param_count
 if TYPE_CHECKING:
     from torch import nn
 
-    from lora_sweep.packer.model import PackedModel
-    from lora_sweep.packer.shard import BaseShare
+    from lora_sweep.packer.model.packed import PackedModel
+    from lora_sweep.packer.model.shard import BaseShare
     from lora_sweep.sweep.spec import StudySpec
 
 __all__ = ["BaseShape", "calibrated", "cached_calibration", "cache_dir", "calibration_key", "CALIBRATION_VERSION",
@@ -46,17 +46,17 @@ class BaseShape:
     param_bytes: int
     """Bytes of the base's parameters (distinct tensors; the FSDP share replaces them per rank)."""
     shard_peak: dict[int, int] = dataclasses.field(default_factory=dict)
-    """World size -> the most parameter bytes one rank holds at once under ``packer.shard`` (``BaseShare.peak`` of
+    """World size -> the most parameter bytes one rank holds at once under ``packer.model.shard`` (``BaseShare.peak`` of
     rank 0); only for models ``shard_base`` can shard."""
     shard_load: dict[int, int] = dataclasses.field(default_factory=dict)
     """World size -> the most parameter bytes one rank holds while it loads its share by rows (``BaseShare.load_peak``
-    of rank 0, ``packer.shard_load``)."""
+    of rank 0, ``packer.model.shard_load``)."""
 
     @classmethod
     def of(cls, model: nn.Module, worlds: Iterable[int] = SHARD_WORLDS) -> BaseShape:
         """Read the shape of ``model`` (wrapped by a pack or not)."""
         from lora_sweep.packer.errors import ConfigError
-        from lora_sweep.packer.inject import linear_shape, projection_names
+        from lora_sweep.packer.model.inject import linear_shape, projection_names
         from lora_sweep.packer.probe import plain_param_bytes
 
         projections = []
@@ -67,7 +67,7 @@ class BaseShape:
         shares: dict[int, BaseShare] = {}
         try:
             if worlds := tuple(worlds):
-                from lora_sweep.packer.shard import base_share
+                from lora_sweep.packer.model.shard import base_share
 
                 shares = {w: base_share(model, w) for w in worlds}
         except ConfigError:

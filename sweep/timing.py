@@ -4,10 +4,10 @@
 a phase opened inside another (an evaluation inside the training loop's ``on_end`` callback, itself inside
 ``train``) stops the outer clock while it runs, so the phases add up to the run's wall time and nothing is
 counted twice. The sweep wraps: the model and data load (``load``), the planner's calibration of
-``packing: auto`` (``calibrate``; about nothing when the cache holds it), the ``packer.train`` call (``train``),
+``packing: auto`` (``calibrate``; about nothing when the cache holds it), the ``packer.step.train`` call (``train``),
 its callbacks' Optuna asks/tells and results-store writes (``storage``), evaluator calls (``evaluate``, with
 ``evaluate:<evaluator>`` beside it for each), adapter saving (``save``); the training loop's own kernel
-precompile, warm-up and CUDA-graph capture seconds (``packer.train.TrainResult``) move from ``train`` to
+precompile, warm-up and CUDA-graph capture seconds (``packer.step.train.TrainResult``) move from ``train`` to
 ``compile`` when the loop returns. ``train`` is then the step loop itself: host staging and the replayed or
 eager steps, including the loss read-backs that wait for the GPU. ``load`` is parted (``WallSplit.part``) into
 ``load:model`` (the base model and tokenizer, to the device), ``load:study`` (results store, Optuna storage and

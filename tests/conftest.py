@@ -12,9 +12,9 @@ import pytest
 import torch
 import yaml
 
-from lora_sweep.packer.batch import IGNORE_INDEX
-from lora_sweep.packer.data import Example
-from lora_sweep.packer.tiny import build_tiny_model
+from lora_sweep.packer.data.batch import IGNORE_INDEX
+from lora_sweep.packer.data.rows import Example
+from lora_sweep.packer.tiny.models import build_tiny_model
 
 torch.set_num_threads(1)  # tiny models gain nothing from threads; one keeps timings stable
 # calibrations are cached (sweep.planning.cache_dir): the tests' own, not the user's, shared by their subprocesses

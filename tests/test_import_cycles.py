@@ -61,7 +61,7 @@ def _check(tree: Path) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.parametrize("module, line, package", [
     # a function-level import closing a circle, as gpu_bench -> gpu_profile -> gpu_bench did
-    ("packer/plan.py", "\n\ndef _circle():\n    from lora_sweep.packer import train  # noqa: F401\n",
+    ("packer/plan.py", "\n\ndef _circle():\n    from lora_sweep.packer.step import train  # noqa: F401\n",
      "lora_sweep.packer"),
     # a circle between two sibling modules of the benchmarks package
     ("benchmarks/shapes.py", "\nimport lora_sweep.benchmarks.gpu_bench  # noqa: E402,F401\n",

@@ -43,7 +43,7 @@ def test_store_loads_no_heavy_or_project_module() -> None:
 
 def test_kernels_and_packer_import_without_sweep_deps() -> None:
     """The GPU image has no optuna, sqlite-utils, plotly or lm-eval: packer must not need them."""
-    mods = _loaded("lora_sweep.packer.train")
+    mods = _loaded("lora_sweep.packer.step.train")
     assert not mods & {"optuna", "sqlite_utils", "plotly", "lm_eval", "sweep"}
 
 

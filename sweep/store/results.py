@@ -261,7 +261,7 @@ class ResultsStore:
         step: str | None = None,
     ) -> None:
         """Close a pack: wall_s is finished - started; tokens_per_s defaults to tokens / wall_s; ``step`` is the
-        training step it ran (``packer.train``'s ``TrainResult.step``)."""
+        training step it ran (``packer.step.train``'s ``TrainResult.step``)."""
         with self.transaction():
             started = self.db.execute("SELECT started FROM packs WHERE pack_id = ?", [pack_id]).fetchone()
             if started is None:

@@ -147,7 +147,7 @@ class PackRecord:
     wall_s: float | None = None
     status: str | None = None
     step: str | None = None
-    """The training step the pack ran (``packer.train``'s ``TrainResult.step``: cuda-graph or static-eager)."""
+    """The training step the pack ran (``packer.step.train``'s ``TrainResult.step``: cuda-graph or static-eager)."""
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,9 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from lora_sweep.benchmarks.gpu_bench import model_flops, recompute_flops, table
-from lora_sweep.packer.model import PackedModel
-from lora_sweep.packer.static import StaticStore
-from lora_sweep.packer.tiny import tiny_config
+from lora_sweep.packer.model.packed import PackedModel
+from lora_sweep.packer.model.static import StaticStore
+from lora_sweep.packer.tiny.models import tiny_config
 
 VOCAB, HIDDEN, LAYERS = 300, 64, 2
 

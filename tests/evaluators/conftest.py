@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from lora_sweep.packer.checkpoint import save_adapter
-from lora_sweep.packer.data import SlotStream, read_jsonl, tokenize_rows
-from lora_sweep.packer.model import PackedModel, load_base
+from lora_sweep.packer.data.rows import SlotStream, read_jsonl, tokenize_rows
+from lora_sweep.packer.model.checkpoint import save_adapter
+from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec
-from lora_sweep.packer.tiny_data import arithmetic_rows
-from lora_sweep.packer.train import SlotEnd, SlotJob, train
+from lora_sweep.packer.step.train import SlotEnd, SlotJob, train
+from lora_sweep.packer.tiny.data import arithmetic_rows
 
 DATA = Path(__file__).parent / "data"
 YESNO = DATA / "yesno.jsonl"
@@ -69,7 +69,7 @@ def trained(tiny_dirs, tmp_path_factory: pytest.TempPathFactory):
 
 def load_pack(t: Trained, slots: tuple[int, ...] = (0, 1, 2)):
     """(PackedModel with the trained adapters in ``slots``, tokenizer), freshly loaded."""
-    from lora_sweep.packer.checkpoint import load_adapter
+    from lora_sweep.packer.model.checkpoint import load_adapter
 
     model, tok = load_base(str(t.model_dir))
     pm = PackedModel(model)

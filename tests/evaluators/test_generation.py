@@ -9,9 +9,9 @@ from transformers import AutoModelForCausalLM
 
 from lora_sweep.evaluators import EvalData, load_eval_data
 from lora_sweep.evaluators.generation import build_prompts, generate_ids, generation, references
-from lora_sweep.packer.data import IGNORE_INDEX, tokenize_rows
+from lora_sweep.packer.data.rows import IGNORE_INDEX, tokenize_rows
 from lora_sweep.packer.errors import ConfigError, DataError
-from lora_sweep.packer.tiny_data import arithmetic_rows
+from lora_sweep.packer.tiny.data import arithmetic_rows
 from tests.evaluators.conftest import YESNO, load_pack
 
 MAX_NEW = 6
@@ -75,11 +75,11 @@ def test_sampling_is_the_same_packed_or_alone(trained) -> None:
 @pytest.mark.parametrize("fmt", ["alpaca", "prompt_completion", "chat"])
 @pytest.mark.parametrize("template", [True, False])
 def test_prompts_are_the_training_prompts(tiny_dirs, fmt: str, template: bool) -> None:
-    from lora_sweep.packer.model import load_base
+    from lora_sweep.packer.model.packed import load_base
 
     _, tok = load_base(str(tiny_dirs("llama")))
     if not template:
-        tok.chat_template = None  # packer.data falls back to PLAIN_CHAT_TEMPLATE
+        tok.chat_template = None  # packer.data.rows falls back to PLAIN_CHAT_TEMPLATE
     rows = arithmetic_rows(4, seed=5, fmt=fmt)
     if fmt == "chat":  # a multi-turn row: the prompt ends before the last assistant turn
         rows[0] = {"messages": rows[0]["messages"] + [{"role": "user", "content": "again"},

@@ -12,9 +12,9 @@ import torch
 from lora_sweep.evaluators import EvalData
 from lora_sweep.evaluators.generation import build_prompts, generate_ids
 from lora_sweep.evaluators.heldout_loss import heldout_loss
-from lora_sweep.packer.model import PackedModel, load_base
+from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec
-from lora_sweep.packer.tiny_data import arithmetic_rows
+from lora_sweep.packer.tiny.data import arithmetic_rows
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -59,7 +59,7 @@ def test_captured_static_evaluation_equals_the_dynamic_path(tiny_dirs, impl: str
     """Inside a static pack on CUDA (fp32): greedy tokens of the captured decode step over a static KV cache equal
     the dynamic eager loop's exactly, and the captured held-out loss matches it; both ran as CUDA graphs."""
     from lora_sweep.evaluators import load_eval_data
-    from lora_sweep.packer import eval_graph
+    from lora_sweep.packer.step import eval_graph
     from tests.evaluators.conftest import YESNO
     from tests.evaluators.test_static_eval import static_pack_evaluations
 

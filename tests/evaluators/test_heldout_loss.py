@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM
 
 from lora_sweep.evaluators import EvalData, load_eval_data
 from lora_sweep.evaluators.heldout_loss import heldout_loss
-from lora_sweep.packer.batch import collate
-from lora_sweep.packer.data import tokenize_rows
+from lora_sweep.packer.data.batch import collate
+from lora_sweep.packer.data.rows import tokenize_rows
 from lora_sweep.packer.errors import ConfigError, DataError
 from tests.evaluators.conftest import YESNO, load_pack
 

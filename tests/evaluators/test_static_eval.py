@@ -1,4 +1,5 @@
-"""Held-out loss and greedy generation on a static pack's fixed shapes (``packer.eval_graph``) equal the dynamic path.
+"""Held-out loss and greedy generation on a static pack's fixed shapes (``packer.step.eval_graph``) equal the dynamic
+path.
 
 On the CPU the static path runs eagerly (no CUDA graphs) where a test asks for it (``static_shapes=True``: its default,
 auto, evaluates per batch there); the shapes, tables, static KV cache and 4D masks are the
@@ -16,17 +17,17 @@ from lora_sweep.evaluators import load_eval_data
 from lora_sweep.evaluators._core import uses_static_shapes
 from lora_sweep.evaluators.generation import GenerationOptions, build_prompts, generate_ids, generate_texts
 from lora_sweep.evaluators.heldout_loss import HeldoutOptions, heldout_loss
-from lora_sweep.packer import eval_graph
-from lora_sweep.packer.data import SlotStream, read_jsonl, tokenize_rows
+from lora_sweep.packer.data.rows import SlotStream, read_jsonl, tokenize_rows
 from lora_sweep.packer.errors import ConfigError
-from lora_sweep.packer.model import PackedModel, load_base
+from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec
-from lora_sweep.packer.train import SlotEnd, SlotJob, train
+from lora_sweep.packer.step import eval_graph
+from lora_sweep.packer.step.train import SlotEnd, SlotJob, train
 from tests.evaluators.conftest import YESNO
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
-    """Count the calls of ``packer.eval_graph.<name>`` (the static path was taken, not only the fallback)."""
+    """Count the calls of ``packer.step.eval_graph.<name>`` (the static path was taken, not only the fallback)."""
     calls: list[int] = []
     real = getattr(eval_graph, name)
 

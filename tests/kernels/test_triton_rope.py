@@ -122,7 +122,7 @@ def test_one_launch_each_way_and_no_gradient_for_what_does_not_ask(monkeypatch: 
 
 def test_operands_the_kernel_does_not_take_are_refused() -> None:
     """Where eager would broadcast, promote or differentiate cos, the kernel says so instead of computing
-    something else (``packer.fuse`` falls back to eager on these)."""
+    something else (``packer.model.fuse`` falls back to eager on these)."""
     q, k, _, _ = _projections(2, 4, 2, 3, 8, torch.float32)
     cos, sin = _table(2, 3, 8, torch.float32)
     assert kernels.rope_problem(q, k, cos, sin) is None

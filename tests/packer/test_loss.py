@@ -6,15 +6,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from lora_sweep.packer.batch import IGNORE_INDEX, collate
-from lora_sweep.packer.data import Example, SlotStream
+from lora_sweep.packer.data.batch import IGNORE_INDEX, collate
+from lora_sweep.packer.data.rows import Example, SlotStream
 from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.loss import chunked_slot_losses, output_head, plain_output_head, slot_losses
-from lora_sweep.packer.model import PackedModel, load_base
+from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.probe import peak_memory
-from lora_sweep.packer.tiny import tiny_config
-from lora_sweep.packer.train import FixedBatch, SlotJob, train
+from lora_sweep.packer.step.train import FixedBatch, SlotJob, train
+from lora_sweep.packer.tiny.models import tiny_config
 from tests.conftest import Recorder, random_examples
 
 PAD = 0

@@ -6,13 +6,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from lora_sweep.packer.data import Example
-from lora_sweep.packer.inject import all_linear_params
-from lora_sweep.packer.model import PackedModel, load_base
+from lora_sweep.packer.data.rows import Example
+from lora_sweep.packer.model.inject import all_linear_params
+from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec, adapter_param_count
 from lora_sweep.packer.probe import calibrate, peak_memory
-from lora_sweep.packer.tiny import build_tokenizer, tiny_config
-from lora_sweep.packer.train import FixedBatch, SlotJob, train
+from lora_sweep.packer.step.train import FixedBatch, SlotJob, train
+from lora_sweep.packer.tiny.models import build_tokenizer, tiny_config
 
 
 def _packed(tmp_path, vocab: int) -> PackedModel:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from lora_sweep.packer.errors import UserError
-from lora_sweep.packer.gguf import convert, packaged_gguf
+from lora_sweep.packer.model.gguf import convert, packaged_gguf
 
 
 @pytest.fixture(scope="session")

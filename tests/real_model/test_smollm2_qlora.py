@@ -2,7 +2,7 @@
 
 Two slots train as one pack over the NF4 base; the all-linear one must end where PEFT + torch AdamW over the
 dequantized weights ends (per-step losses, the first one included, and A/B), as on the tiny model
-(``tests/packer/test_quant.py``); here the weights NF4 quantises have a real model's scales.
+(``tests/packer/model/test_quant.py``); here the weights NF4 quantises have a real model's scales.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from lora_sweep.packer.data import SlotStream, load_examples
-from lora_sweep.packer.model import PackedModel
+from lora_sweep.packer.data.rows import SlotStream, load_examples
+from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import AdapterSpec
-from lora_sweep.packer.train import SlotJob
-from tests.packer.test_quant import _nf4_base, _peft_over_dequantized, _train
+from lora_sweep.packer.step.train import SlotJob
+from tests.packer.model.test_quant import _nf4_base, _peft_over_dequantized, _train
 
 pytestmark = pytest.mark.real_model
 pytest.importorskip("torchao")

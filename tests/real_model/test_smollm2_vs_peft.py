@@ -3,7 +3,7 @@
 Four heterogeneous slots (ranks, alphas, learning rates, schedules and target sets all differ; dropout 0)
 train as one pack on the demo task's rows; each must end where the same adapter trained alone with PEFT and
 torch AdamW ends. The oracle and the packed run are the tiny-model equivalence test's
-(``tests/packer/test_equivalence.py``); here the base is a real checkpoint whose weights and activations
+(``tests/packer/step/test_equivalence.py``); here the base is a real checkpoint whose weights and activations
 have real scales.
 
 Both sides run in float64 (the loss in fp32, as transformers and the engine take it). In fp32 the comparison
@@ -23,10 +23,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from lora_sweep.packer.data import SlotStream, load_examples
+from lora_sweep.packer.data.rows import SlotStream, load_examples
 from lora_sweep.packer.plan import AdapterSpec
-from lora_sweep.packer.train import SlotJob
-from tests.packer.test_equivalence import _run_packed, assert_trained_as_peft, default_dtype
+from lora_sweep.packer.step.train import SlotJob
+from tests.packer.step.test_equivalence import _run_packed, assert_trained_as_peft, default_dtype
 
 pytestmark = pytest.mark.real_model
 

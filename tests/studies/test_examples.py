@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lora_sweep.packer.data import read_jsonl
+from lora_sweep.packer.data.rows import read_jsonl
 from lora_sweep.sweep.loader import load_study
 from lora_sweep.sweep.spec import StudySpec
 
@@ -19,7 +19,8 @@ IDS = [str(p.relative_to(STUDIES)) for p in FILES]
 
 
 def _spec(path: Path) -> StudySpec:
-    # check_paths=False: local models (models/tiny-llama) are built by `python -m lora_sweep.packer.tiny`; data files
+    # check_paths=False: local models (models/tiny-llama) are built by `python -m lora_sweep.packer.tiny.models`; data
+    # files
     # are checked.
     return load_study(path, check_paths=False)
 

@@ -22,7 +22,7 @@ import pytest
 from optuna.trial import TrialState
 from transformers import AutoTokenizer
 
-from lora_sweep.packer.data import load_examples
+from lora_sweep.packer.data.rows import load_examples
 from lora_sweep.sweep.budget import TokenPlan, shared_budget
 from lora_sweep.sweep.loader import load_study
 from lora_sweep.sweep.spec import Budget, StudySpec

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import json
 
-from lora_sweep.packer.model import PackedModel, load_base
+from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.sweep.live import PlainLog
 from lora_sweep.sweep.loader import load_study
 from lora_sweep.sweep.planning import plan_pack
@@ -15,7 +15,7 @@ from tests.conftest import write_study
 
 def refuse_model_loads(monkeypatch) -> None:  # noqa: ANN001
     """From here on, loading the model or its tokenizer fails the test: what a cached plan must not do."""
-    import lora_sweep.packer.model as model_module
+    import lora_sweep.packer.model.packed as model_module
 
     def refused(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise AssertionError("a cached plan loads neither the model nor its tokenizer")

@@ -12,7 +12,7 @@ from tests.conftest import write_study
 
 @pytest.mark.parametrize("which", ["train", "eval"])
 def test_a_bad_row_fails_before_the_model_loads(tiny_dirs, tmp_path, monkeypatch, which: str) -> None:
-    import lora_sweep.packer.model as model
+    import lora_sweep.packer.model.packed as model
     import lora_sweep.sweep.resume as resume
 
     def no_load(*a, **k):  # noqa: ANN002, ANN003, ANN202

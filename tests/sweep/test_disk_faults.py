@@ -16,7 +16,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from lora_sweep.packer.checkpoint import read_adapter
+from lora_sweep.packer.model.checkpoint import read_adapter
 from lora_sweep.sweep.api import examples
 from lora_sweep.sweep.budget import counted
 from lora_sweep.sweep.cli import main

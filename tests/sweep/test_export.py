@@ -19,9 +19,9 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lora_sweep.kernels import PackLayout
-from lora_sweep.packer.checkpoint import load_adapter, read_adapter, save_adapter
 from lora_sweep.packer.errors import UserError
-from lora_sweep.packer.model import PackedModel, load_base
+from lora_sweep.packer.model.checkpoint import load_adapter, read_adapter, save_adapter
+from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.sweep.export import VLLM_RANKS, export_trial, merge_adapter, select_trial, vllm_adapter
 from lora_sweep.sweep.store import ResultsStore, StudyDir

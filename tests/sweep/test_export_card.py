@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from lora_sweep.packer.data import ALPACA_PROMPT_NO_INPUT
+from lora_sweep.packer.data.rows import ALPACA_PROMPT_NO_INPUT
 from lora_sweep.sweep.export import model_card
 from lora_sweep.sweep.store import TrialRecord
 

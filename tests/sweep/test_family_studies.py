@@ -1,6 +1,6 @@
 """Every tiny family through the product: a small all-linear study, ``sweep export``, and the export in PEFT.
 
-Per family (``packer.tiny.FAMILIES``): two all-linear trials packed together train a few steps, score held-out
+Per family (``packer.tiny.models.FAMILIES``): two all-linear trials packed together train a few steps, score held-out
 loss and exact-match (greedy decoding with the KV cache) on the fixed shapes a CUDA study evaluates on, and the
 best exports (vLLM-padded). PEFT must load the export onto the base with no missing or unexpected keys, adapt the
 modules PEFT's own ``all-linear`` picks, and give the engine's logits for the trial's saved slot (fp32); the merged
@@ -21,12 +21,12 @@ from transformers import AutoModelForCausalLM
 from transformers.pytorch_utils import Conv1D
 
 from lora_sweep.kernels import PackLayout
-from lora_sweep.packer.checkpoint import load_adapter, read_adapter
 from lora_sweep.packer.errors import ConfigError
-from lora_sweep.packer.model import PackedModel, load_base
+from lora_sweep.packer.model.checkpoint import load_adapter, read_adapter
+from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec
-from lora_sweep.packer.tiny import FAMILIES
-from lora_sweep.packer.tiny_data import arithmetic_rows, write_jsonl
+from lora_sweep.packer.tiny.data import arithmetic_rows, write_jsonl
+from lora_sweep.packer.tiny.models import FAMILIES
 from lora_sweep.sweep.export import export_trial
 from lora_sweep.sweep.loader import load_study
 from lora_sweep.sweep.store import ResultsStore

@@ -16,8 +16,8 @@ from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
-from lora_sweep.packer.checkpoint import read_adapter
 from lora_sweep.packer.errors import UserError
+from lora_sweep.packer.model.checkpoint import read_adapter
 from lora_sweep.sweep.budget import counted
 from lora_sweep.sweep.ledger import open_study
 from lora_sweep.sweep.loader import load_study

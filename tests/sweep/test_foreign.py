@@ -14,7 +14,7 @@ import yaml
 from optuna.trial import TrialState
 
 from lora_sweep.packer.errors import ConfigError
-from lora_sweep.packer.tiny_data import arithmetic_rows, write_jsonl
+from lora_sweep.packer.tiny.data import arithmetic_rows, write_jsonl
 from lora_sweep.sweep.loader import load_study
 from lora_sweep.sweep.study import run_study
 from tests.conftest import optuna_study

@@ -10,7 +10,7 @@ import pytest
 from optuna.trial import TrialState
 
 from lora_sweep.packer.errors import ConfigError
-from lora_sweep.packer.tiny_data import arithmetic_rows, write_jsonl
+from lora_sweep.packer.tiny.data import arithmetic_rows, write_jsonl
 from lora_sweep.sweep.loader import load_study
 from lora_sweep.sweep.session import spec_record
 from lora_sweep.sweep.status import study_status
@@ -48,7 +48,7 @@ CONFIGS = {
 @pytest.fixture(scope="module")
 def wide_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny llama twice as wide (128): its narrowest projection (v_proj, 128 -> 64) takes torchtune's rank 64."""
-    from lora_sweep.packer.tiny import build_tiny_model
+    from lora_sweep.packer.tiny.models import build_tiny_model
 
     return build_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama-wide"), seed=0, hidden_size=128)
 

@@ -13,11 +13,11 @@ import yaml
 from click.testing import CliRunner
 
 from lora_sweep.packer.errors import ConfigError
-from lora_sweep.packer.gguf import MANIFEST
+from lora_sweep.packer.model.gguf import MANIFEST
 from lora_sweep.sweep.cli import cli, main
 from lora_sweep.sweep.loader import load_study
 from tests.conftest import write_study
-from tests.packer._gguf import write_tiny_gguf
+from tests.packer.model._gguf import write_tiny_gguf
 
 
 @pytest.fixture(autouse=True)
@@ -171,8 +171,8 @@ def test_sweep_model_smollm2(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    from lora_sweep.packer.gguf import packaged_gguf
-    from lora_sweep.packer.model import load_base
+    from lora_sweep.packer.model.gguf import packaged_gguf
+    from lora_sweep.packer.model.packed import load_base
 
     main(["model", "smollm2", "--out", str(tmp_path / "smollm2-135m")])
     model, tokenizer = load_base(capsys.readouterr().out.strip())

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lora_sweep.packer.data import MAX_DEPTH, read_jsonl
+from lora_sweep.packer.data.rows import MAX_DEPTH, read_jsonl
 from lora_sweep.packer.errors import ConfigError, DataError
 from lora_sweep.sweep._yaml import MAX_VALUES
 from lora_sweep.sweep.loader import load_study

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 
-from lora_sweep.packer.data import load_examples
-from lora_sweep.packer.model import load_base
-from lora_sweep.packer.packing import batches_per_epoch
+from lora_sweep.packer.data.packing import batches_per_epoch
+from lora_sweep.packer.data.rows import load_examples
+from lora_sweep.packer.model.packed import load_base
 from lora_sweep.sweep.loader import load_study
 from lora_sweep.sweep.planning import trial_micro_steps
 from tests.conftest import write_study
@@ -40,11 +40,11 @@ def test_epochs_count_the_data_as_a_trial_does(tiny_dirs, tmp_path) -> None:
 
 def test_a_sharded_plan_counts_one_ranks_share_of_the_base_per_gpu(tiny_dirs, tmp_path) -> None:
     """``packing.shard: fsdp`` over N GPUs: the plan's memory is per GPU, the whole base replaced by what one rank
-    holds of it (``packer.shard.base_share``: its shard, the head kept whole, two units gathered), the slots'
+    holds of it (``packer.model.shard.base_share``: its shard, the head kept whole, two units gathered), the slots'
     adapters, optimizer state and activations as in a one-GPU pack."""
-    from lora_sweep.packer.model import PackedModel
+    from lora_sweep.packer.model.packed import PackedModel
+    from lora_sweep.packer.model.shard import base_share
     from lora_sweep.packer.probe import plain_param_bytes
-    from lora_sweep.packer.shard import base_share
     from lora_sweep.sweep.planning import plan_pack
 
     model, _ = load_base(str(tiny_dirs("llama")))
@@ -61,7 +61,7 @@ def test_a_sharded_plan_counts_one_ranks_share_of_the_base_per_gpu(tiny_dirs, tm
     assert two.static_bytes == one.memory.static_bytes - whole + share
     table = two.table()
     assert "predicted peak of a full pack per GPU (2 GPUs, FSDP)" in table and "replicated on every GPU" in table
-    # loading: a safetensors checkpoint loads by rows (packer.shard_load), one rank's share and one padded chunk
+    # loading: a safetensors checkpoint loads by rows (packer.model.shard_load), one rank's share and one padded chunk
     load = base_share(model, 2).load_peak
     assert two.load_peak_bytes == load < share and two.predicted_peak_bytes > load
     assert "peak while loading the base, per GPU" in table and "GiB (each rank reads its shard by rows)" in table

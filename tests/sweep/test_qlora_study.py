@@ -13,8 +13,8 @@ from optuna.trial import TrialState
 from transformers import AutoModelForCausalLM
 
 from lora_sweep.kernels import PackLayout
-from lora_sweep.packer.checkpoint import load_adapter, read_adapter
-from lora_sweep.packer.model import PackedModel, load_base
+from lora_sweep.packer.model.checkpoint import load_adapter, read_adapter
+from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.sweep.loader import load_study
 from lora_sweep.sweep.store import ResultsStore

@@ -30,7 +30,7 @@ SMALL = {"train": {"max_steps": 6, "micro_batch": 2}, "budget": {"trials": 4},
          "pruning": {"kind": "cohort_sha", "rungs": [3], "reduction_factor": 2},
          "evaluators": [{"name": "heldout_loss"}]}
 """4 trials of 6 steps in 2 slots, halved at step 3: the first pair's weaker half is pruned and both slots are
-refilled; the held-out loss only (generation is tested sharded in tests/packer/test_shard.py)."""
+refilled; the held-out loss only (generation is tested sharded in tests/packer/model/test_shard.py)."""
 
 
 def _study(tmp_path: Path, model_dir: Path, name: str, shard: str, device: str = "cpu", **changes) -> Path:

@@ -210,7 +210,7 @@ def test_memory_options_reach_the_training_loop(tiny_dirs, tmp_path) -> None:
 
 def test_kernels_options_reach_the_packed_model(tiny_dirs, tmp_path, monkeypatch) -> None:
     import lora_sweep.sweep.resume
-    from lora_sweep.packer.model import PackedModel
+    from lora_sweep.packer.model.packed import PackedModel
 
     made: list[tuple[str, bool]] = []
 
@@ -619,17 +619,17 @@ def test_a_static_pack_is_sized_once_by_the_spaces_largest_rank(tiny_dirs, tmp_p
     """The static step's store takes the rank bucket of the space's largest rank from its first slot: a bucket
     grown when a larger-rank trial arrives would re-capture every graph and precompile again (on CPU the step runs
     eagerly)."""
-    import lora_sweep.packer.static_loop
+    import lora_sweep.packer.step.static_loop
 
     buckets: list[int] = []
-    real = lora_sweep.packer.static_loop.new_store
+    real = lora_sweep.packer.step.static_loop.new_store
 
     def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
         store = real(*args, **kwargs)
         buckets.append(store.rank_bucket)
         return store
 
-    monkeypatch.setattr(lora_sweep.packer.static_loop, "new_store", recording)
+    monkeypatch.setattr(lora_sweep.packer.step.static_loop, "new_store", recording)
     search = {"rank": [2, 4, 16, 24], "lr": {"low": 1e-4, "high": 3e-2, "log": True}, "targets": {"all": "all-linear"}}
     spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name="bucket", search=search))
     summary = run_study(spec, log=lambda m: None)

@@ -1,0 +1,215 @@
+"""``PackedLoRALinear``: a frozen base projection plus the LoRA weights of every slot that adapts it.
+
+Composition, not inheritance: the wrapper calls the base module unchanged (``nn.Linear``, GPT-2's
+``Conv1D``, anything mapping ``(..., D_in)`` to ``(..., D_out)``) and adds the packed LoRA term with
+``kernels.packed_lora`` (for an exact ``nn.Linear``, ``kernels.packed_lora_linear``, which fuses the
+base GEMM with it). Each slot's ``A`` (r, D_in) and ``B`` (D_out, r), the layout PEFT saves, are
+views into the slot's flat weight buffer (``PackedModel`` owns it, the optimizer updates it).
+
+Per forward the layer concatenates the active slots' weights into one ``a_cat`` / ``bt_cat`` (no
+autograd: a copy of a few MB) and makes each a leaf of the step's graph; a hook scatters its
+gradient into the slots' flat gradient buffers in one multi-tensor add. Autograd then tracks two
+tensors per layer instead of two per layer and slot: with 32 slots on a 24-layer model the per-slot
+leaves cost ~11k AccumulateGrad adds, ~11k transposes and ~11k slices per step, most of an H200
+step's host time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol
+
+import torch
+from torch import nn
+
+from lora_sweep.kernels import Impl, LayerRanks, PackLayout, packed_lora, packed_lora_linear
+
+__all__ = ["PackState", "PackedLoRALinear", "SharedInputGroup", "as_rows"]
+
+
+class SharedInputGroup(Protocol):
+    """What a projection asks of the shared-input group it belongs to (``packer.model.slices.SliceGroup`` is the one):
+    declared here so this module need not import ``packer.model.slices``, which builds on it."""
+
+    def forget(self) -> None:
+        """A member's slots changed: drop what the group holds of their weights."""
+
+    def output(self, member: PackedLoRALinear, x: torch.Tensor, call: Callable[..., Any]) -> torch.Tensor | None:
+        """``member(x)`` (x: (B, L, D_in) -> (B, L, D_out)) from ``call``, the static step's call for the whole group,
+        or None where the group does not apply and the member runs alone."""
+
+
+@dataclass
+class PackState:
+    """Shared by all layers of one packed model: what the current forward pass looks like."""
+
+    impl: Impl = "auto"
+    layout: PackLayout | None = None
+    """Set by ``PackedModel`` around each forward; None means the base model alone."""
+    scales: dict[int, float] = field(default_factory=dict)
+    """Slot id -> LoRA scale s."""
+    static: Any = None
+    """While a static-shape step runs (``packer.model.static.StaticStore.stepping``), the store whose tables every
+    wrapped layer reads instead of ``layout``; None otherwise."""
+
+
+class _SlotWeights(NamedTuple):
+    a: torch.Tensor
+    """(r, D_in) view of the slot's flat weights."""
+    bt: torch.Tensor
+    """(r, D_out) B^T, contiguous in the flat weights (the kernels' row layout)."""
+    grad_a: torch.Tensor
+    grad_bt: torch.Tensor
+
+
+class _Gathered(NamedTuple):
+    """What one layout needs from this layer, cached until the slots change."""
+
+    ranks: LayerRanks
+    a: list[torch.Tensor]
+    bt: list[torch.Tensor]
+    grad_a: list[torch.Tensor]
+    grad_bt: list[torch.Tensor]
+    rows: list[int]
+
+
+class PackedLoRALinear(nn.Module):
+    """A frozen projection with per-slot LoRA adapters.
+
+    Args:
+        base: the original module; its parameters are not copied or modified.
+        in_features: D_in.
+        out_features: D_out.
+        layer_id: stable integer id of this layer (seeds its dropout masks).
+        state: the pack's shared ``PackState``.
+    """
+
+    def __init__(self, base: nn.Module, in_features: int, out_features: int, layer_id: int, state: PackState) -> None:
+        super().__init__()
+        self.base = base
+        self.in_features = in_features
+        self.out_features = out_features
+        self.layer_id = layer_id
+        self.lora_A = nn.ParameterDict()  # str(slot) -> (r, D_in)
+        self.lora_B = nn.ParameterDict()  # str(slot) -> (D_out, r)
+        self._state = [state]  # a list keeps the shared object out of nn.Module's attribute machinery
+        self._slots: dict[int, _SlotWeights] = {}
+        self._cache: tuple[tuple[int, ...], _Gathered] | None = None
+        self.group: SharedInputGroup | None = None
+        """The shared-input group (``packer.model.slices``) this projection belongs to, if any."""
+
+    @property
+    def state(self) -> PackState:
+        return self._state[0]
+
+    def add_slot(self, slot: int, a: torch.Tensor, bt: torch.Tensor, grad_a: torch.Tensor,
+                 grad_bt: torch.Tensor) -> tuple[nn.Parameter, nn.Parameter]:
+        """Register slot's adapter: A (r, D_in) and B^T (r, D_out), and their gradient buffers.
+
+        All four are views into the slot's flat buffers (``PackedModel`` owns them). Returns the
+        parameters A (r, D_in) and B (D_out, r), which alias the weights, their ``grad`` the gradients.
+        """
+        pa, pb = nn.Parameter(a), nn.Parameter(bt.T)
+        pa.grad, pb.grad = grad_a, grad_bt.T
+        self.lora_A[str(slot)] = pa
+        self.lora_B[str(slot)] = pb
+        self._slots[slot] = _SlotWeights(a, bt, grad_a, grad_bt)
+        self._forget()
+        return pa, pb
+
+    def remove_slot(self, slot: int) -> None:
+        key = str(slot)
+        if key in self.lora_A:
+            del self.lora_A[key]
+            del self.lora_B[key]
+            del self._slots[slot]
+            self._forget()
+
+    def _forget(self) -> None:
+        """The slots changed: drop the cached gathers (views of slot weights) and the group's kept outputs."""
+        self._cache = None
+        if self.group is not None:
+            self.group.forget()
+
+    def slot_weights(self, slot: int) -> _SlotWeights:
+        """The slot's A, B^T and their gradient buffers (views into the slot's flat buffers)."""
+        return self._slots[slot]
+
+    def _gathered(self, slots: tuple[int, ...]) -> _Gathered:
+        """This layer's ranks for the slots of a layout, and the weights of those it adapts, in layout order."""
+        if self._cache is not None and self._cache[0] == slots:
+            return self._cache[1]
+        here = [self._slots[s] for s in slots if s in self._slots]
+        rank = tuple(self._slots[s].a.shape[0] if s in self._slots else 0 for s in slots)
+        scale = tuple(self.state.scales[s] if s in self._slots else 0.0 for s in slots)
+        g = _Gathered(LayerRanks(rank, scale, self.layer_id), [w.a for w in here], [w.bt for w in here],
+                      [w.grad_a for w in here], [w.grad_bt for w in here], [w.a.shape[0] for w in here])
+        self._cache = (slots, g)
+        return g
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (B, L, D_in) -> (B, L, D_out); an input of other rank whose leading dims flatten row-major to the pack's
+        B·L tokens (OPT feeds its MLP (B·L, D_in)) keeps its leading shape: the packed term sees (B, L, D_in)."""
+        if x.dim() != 3:
+            rows = self._pack_rows()
+            if rows is not None:
+                return self.forward(as_rows(x, rows)).reshape(*x.shape[:-1], self.out_features)  # hooks run once
+        if self.state.static is not None:
+            return self.state.static.forward(self, x)
+        layout = self.state.layout  # the per-batch path (evaluation off the static shapes): each member alone
+        g = None if layout is None else self._gathered(layout.slots)
+        if g is None or not g.a:
+            return self.base(x)
+        a_cat = _stacked_leaf(g.a, g.grad_a, g.rows)  # (R, D_in)
+        bt_cat = _stacked_leaf(g.bt, g.grad_bt, g.rows)  # (R, D_out)
+        return self._with_lora(x, a_cat, bt_cat, layout, g.ranks, self.state.impl)
+
+    def _pack_rows(self) -> int | None:
+        """The rows B of the batch running now: the static step's C x rows, else the layout's; None outside a pack."""
+        static, layout = self.state.static, self.state.layout
+        if static is not None and static.shape is not None:
+            return static.capacity * static.shape.rows
+        return None if layout is None else sum(layout.n_rows)
+
+    def _with_lora(self, x: torch.Tensor, a_cat: torch.Tensor, bt_cat: torch.Tensor, layout: PackLayout,
+                   ranks: LayerRanks, impl: Impl) -> torch.Tensor:
+        """The base projection of x (B, L, D_in) plus the packed LoRA term: (B, L, D_out)."""
+        if type(self.base) is nn.Linear:  # exactly nn.Linear (not a quantised subclass): its GEMM fuses with LoRA
+            return packed_lora_linear(x, self.base.weight, self.base.bias, a_cat, bt_cat, layout, ranks, impl=impl)
+        return packed_lora(x, self.base(x), a_cat, bt_cat, layout, ranks, impl=impl)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, slots={sorted(self._slots)}"
+
+
+def as_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x (..., D) viewed as (B, L, D), B = ``rows``, the pack's rows: the rows of a (B·L, D) input flattened row-major
+    from the batch (OPT's decoder does so before fc1/fc2) are back where the layout's row segments say.
+
+    Raises:
+        ValueError: x's tokens do not split into B rows (not the pack's tokens, e.g. a subset routed to an expert).
+    """
+    tokens = x.shape[:-1].numel()
+    if x.dim() < 2 or rows == 0 or tokens % rows:
+        raise ValueError(f"a packed projection got input of shape {tuple(x.shape)}, which is not the pack's "
+                         f"{rows} rows of tokens; LoRA slots cannot be routed through it")
+    return x.reshape(rows, tokens // rows, x.shape[-1])
+
+
+def _stacked_leaf(parts: list[torch.Tensor], grads: list[torch.Tensor], rows: list[int]) -> torch.Tensor:
+    """The slots' weights ``parts`` stacked by rows (no autograd: a copy of a few MB) into one tensor that,
+    under grad mode, is a leaf of the step's graph whose gradient, once accumulated, is added to the slots'
+    gradient buffers (``grads``, split by ``rows``) and then dropped; see the module docstring."""
+    with torch.no_grad():
+        cat = torch.cat(parts) if len(parts) > 1 else parts[0].detach()
+    if not torch.is_grad_enabled():
+        return cat
+    leaf = cat.detach().requires_grad_()  # a single slot's cat is its own weights' view: detach, never write
+
+    def scatter(t: torch.Tensor) -> None:
+        torch._foreach_add_(grads, list(t.grad.split(rows)))  # type: ignore[union-attr]
+        t.grad = None
+
+    leaf.register_post_accumulate_grad_hook(scatter)
+    return leaf

@@ -1,0 +1,387 @@
+"""``PackedModel``: one frozen base causal LM with adapter slots that come and go.
+
+The base model is loaded once (``from_pretrained``: a local checkpoint directory, a hub id, or a GGUF
+file's cached plain checkpoint, ``packer.model.gguf``), frozen, and kept in eval mode so its own dropout never
+draws random numbers; slots add their LoRA weights to the projections they target. No weight of the base is
+copied or modified: its target projections are wrapped (``packer.model.inject``) and, on the Triton path, its
+RMSNorms and SiLU-gated MLPs are swapped for fused modules over the same parameters and its attention modules
+run the fused RoPE (``packer.model.fuse``).
+
+Activation checkpointing uses transformers' own per-decoder-layer mechanism, which only checkpoints a
+layer whose ``training`` flag is set. Rather than ``model.train()`` (which would turn on every dropout
+of the base, GPT-2's included), only the decoder-layer modules get ``training = True``, non-recursively:
+their children (attention, MLP, dropout) stay in eval mode. The recompute in the backward runs after
+``forward`` has cleared the pack's layout, so each checkpoint captures the layout it ran with and
+restores it while recomputing; LoRA dropout masks are counter-based (slot seed, slot step, layer), so
+the recompute draws the same masks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from lora_sweep.kernels import IMPLS, Impl, PackLayout, hash_compiler_early, resolve_impl
+from lora_sweep.packer.errors import ConfigError, UserError
+from lora_sweep.packer.loss import plain_output_head
+from lora_sweep.packer.model.fuse import fuse_base_ops
+from lora_sweep.packer.model.inject import inject, resolve_targets
+from lora_sweep.packer.model.layer import PackedLoRALinear, PackState
+from lora_sweep.packer.model.quant import quantize_base
+from lora_sweep.packer.model.slices import SliceGroup, lay_out_groups, link_groups
+from lora_sweep.packer.plan import AdapterSpec
+
+if TYPE_CHECKING:
+    from lora_sweep.packer.model.static import StaticStore
+
+__all__ = ["PackedModel", "load_base", "resolve_base", "prepare_kernels", "DTYPES"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_base(name_or_path: str, gguf_file: str | None = None, *,
+                 log: Callable[[str], None] | None = None) -> str:
+    """What ``from_pretrained`` loads for a study's ``model.path`` (and ``model.gguf_file``).
+
+    Args:
+        name_or_path: a hub id, a local checkpoint directory, a ``.gguf`` file, or the directory of ``gguf_file``.
+        gguf_file: a GGUF file's name inside the directory ``name_or_path``.
+        log: told when a GGUF file is converted (the first time only; ``packer.model.gguf``).
+
+    Returns:
+        The hub id, the local directory (``~`` expanded), or a GGUF source's cached checkpoint directory
+        (converted on first use): the name adapters record as ``base_model_name_or_path``.
+
+    Raises:
+        UserError: a missing GGUF file or one transformers cannot read (``packer.model.gguf.convert``).
+    """
+    from lora_sweep.packer.model import gguf
+
+    file = gguf.gguf_source(name_or_path, gguf_file)
+    if file is not None:
+        return str(gguf.checkpoint_dir(file, log=log))
+    looks_local = name_or_path.startswith((".", "/", "~")) or Path(name_or_path).exists()
+    return str(Path(name_or_path).expanduser()) if looks_local else name_or_path
+
+
+def prepare_kernels(impl: Impl, device: str) -> None:
+    """Call before loading the base a pack on ``device`` will wrap with ``impl``: where that means the Triton
+    kernels, Triton's compiler hash starts on a thread beside the load (``kernels.hash_compiler_early``)."""
+    if resolve_impl(impl, torch.device(device)) == "triton":
+        hash_compiler_early()
+
+
+def load_base(name_or_path: str, *, gguf_file: str | None = None, dtype: str = "float32", device: str = "cpu",
+              attn_implementation: str | None = None, quantize: str | None = None,
+              log: Callable[[str], None] | None = None) -> tuple[nn.Module, object]:
+    """Load a causal LM and its tokenizer the way a user's checkpoint is loaded.
+
+    Args:
+        name_or_path: a local directory saved with ``save_pretrained``, a hub id, a ``.gguf`` file, or the
+            directory of ``gguf_file``; a GGUF source loads from its cached plain checkpoint (``resolve_base``).
+        gguf_file: a GGUF file's name inside the directory ``name_or_path``.
+        dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto`` (the checkpoint's dtype).
+        device: where the model goes (``cpu``, ``cuda``, ``cuda:1``).
+        attn_implementation: passed to transformers (``sdpa``, ``eager``); None keeps its default.
+        quantize: ``nf4``: the linear projections (not the output head) become NF4 weights on ``device``
+            (``packer.model.quant``); None: as loaded.
+        log: told when a GGUF file is converted (the first time only).
+
+    Raises:
+        UserError: the path does not exist or transformers cannot load it (one line).
+        ConfigError: ``quantize`` is unknown or cannot hold a weight (``packer.model.quant.quantize_base``).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the sweep shows its own progress; keep stderr for what matters
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ConfigError(f"model.dtype: must be one of auto, {', '.join(DTYPES)} (got {dtype!r})")
+    source = resolve_base(name_or_path, gguf_file, log=log)
+    looks_local = source.startswith((".", "/", "~")) or Path(source).exists()
+    if looks_local and not Path(source).is_dir():
+        raise UserError(f"{name_or_path}: model directory not found")
+    kwargs = {"dtype": "auto" if dtype == "auto" else DTYPES[dtype]}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    try:
+        model: nn.Module = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(f"{name_or_path}: cannot load model: {first}") from err
+    model = model.to(device)
+    quantize_base(model, quantize)  # on the device: quantising on a GPU takes a fraction of the CPU's time
+    return model, tokenizer
+
+
+def load_tokenizer(name_or_path: str, *, gguf_file: str | None = None) -> object:
+    """The tokenizer ``load_base`` would load, without the model (a plan from the calibration cache needs no weights).
+
+    Raises:
+        UserError: as ``load_base``.
+    """
+    from transformers import AutoTokenizer
+
+    source = resolve_base(name_or_path, gguf_file)
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(f"{name_or_path}: cannot load tokenizer: {first}") from err
+
+
+class PackedModel:
+    """A frozen causal LM with LoRA adapter slots.
+
+    Args:
+        model: a Hugging Face causal LM (``AutoModelForCausalLM``) or any module with the same
+            ``forward(input_ids, attention_mask) -> .logits`` contract.
+        impl: packed-LoRA implementation passed to ``kernels.packed_lora`` (``auto``: the Triton
+            kernels on CUDA, PyTorch on CPU).
+        fused_base_ops: where ``impl`` means the Triton kernels, run the base's RMSNorms, SiLU-gated MLP middles
+            and rotary embeddings as fused Triton kernels too (``packer.model.fuse``); otherwise they run eagerly.
+        device: where a base built on the meta device will live once materialised (``packer.model.shard_load``): the
+            pack's ``device`` until then; None: where its parameters are.
+    """
+
+    def __init__(self, model: nn.Module, *, impl: Impl = "auto", fused_base_ops: bool = True,
+                 device: torch.device | None = None) -> None:
+        if impl not in IMPLS:
+            raise ConfigError(f"impl: must be one of {', '.join(IMPLS)} (got {impl!r})")
+        self.model = model
+        self._home = device
+        model.requires_grad_(False)
+        model.eval()  # the base's own dropout stays off: packed == alone needs no shared RNG
+        fuse = fused_base_ops and resolve_impl(impl, self.device) == "triton"
+        swapped = fuse_base_ops(model, "triton" if fuse else "torch")  # "torch": an earlier pack's go eager again
+        self.fused: list[str] = swapped if fuse else []
+        lay_out_groups(model)  # each shared-input group's base weights adjacent: one base GEMM on the static step
+        """Paths of the base's modules on the fused Triton kernels (empty when they run eagerly)."""
+        self.state = PackState(impl=impl)
+        self.layers: dict[str, PackedLoRALinear] = {}
+        self.groups: list[SliceGroup] = []
+        """Shared-input groups of the wrapped projections (``packer.model.slices``)."""
+        self._linked = 0
+        """How many wrapped layers ``groups`` was linked over (more wrapped since: link again)."""
+        self._targets: dict[tuple[str, ...], list[str]] = {}
+        """A slot's targets -> the paths they resolve to."""
+        self.specs: dict[int, AdapterSpec] = {}
+        self.slot_paths: dict[int, list[str]] = {}
+        self.flat: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._checkpointed: list[nn.Module] = []
+        """Decoder layers whose forward is checkpointed (empty: activation checkpointing off)."""
+        self.static: StaticStore | None = None
+        """Set by the training loop (``packer.step.train``): slots then take their rows of its preallocated
+        buffers instead of buffers of their own."""
+
+    @property
+    def device(self) -> torch.device:
+        first = next(self.model.parameters())
+        return self._home if first.is_meta and self._home is not None else first.device
+
+    def add_slot(self, slot: int, spec: AdapterSpec) -> list[nn.Parameter]:
+        """Start a fresh adapter in ``slot``; returns its parameters (A then B per layer, module order).
+
+        The initialisation depends only on ``spec.seed`` (a generator of its own, on the pack's device),
+        so a slot started mid-run gets exactly the weights it would get in a fresh run on that device.
+
+        Raises:
+            ConfigError: unknown target, or a rank larger than a targeted layer.
+        """
+        if slot in self.specs:
+            raise ValueError(f"slot {slot} is occupied")
+        key = tuple(spec.targets)
+        if key not in self._targets:  # a walk of the model's modules: once per target set, not per slot
+            self._targets[key] = resolve_targets(self.model, key)
+        paths = list(self._targets[key])
+        if any(p not in self.layers for p in paths) or len(self.layers) != self._linked:
+            inject(self.model, paths, self.state, self.layers)  # a static store wraps every projection up front
+            self.groups, self._linked = link_groups(self.layers), len(self.layers)
+        for path in paths:
+            layer = self.layers[path]
+            if spec.rank > min(layer.in_features, layer.out_features):
+                raise ConfigError(f"rank: {spec.rank} is larger than layer {path} "
+                                  f"({layer.in_features} -> {layer.out_features})")
+        params = self._create_weights(slot, spec, paths)
+        self.specs[slot] = spec
+        self.slot_paths[slot] = paths
+        self.state.scales[slot] = spec.scale
+        return params
+
+    def _create_weights(self, slot: int, spec: AdapterSpec, paths: list[str]) -> list[nn.Parameter]:
+        """PEFT's init (A Kaiming-uniform(a=sqrt(5)) from the slot's own generator, B zero), all of the
+        slot's weights laid out in one flat fp32 buffer (per layer A, then B^T) with a flat gradient
+        buffer beside it. The generator lives on the pack's device: the same seed gives the same weights
+        on the same kind of device. Drawn by one CPU generator, W3's 24 slots on the 0.5B shape (about 7M
+        A weights each) took 1.2-2.6 s on the H200 host, more than a training step of them."""
+        generator = torch.Generator(device=self.device).manual_seed(spec.seed)
+        r = spec.rank
+        if self.static is not None:
+            return self._static_weights(slot, spec, paths, generator)
+        dims = [(self.layers[p].in_features, self.layers[p].out_features) for p in paths]
+        flat = torch.zeros(sum(r * (d_in + d_out) for d_in, d_out in dims), device=self.device)
+        grad = torch.zeros_like(flat)
+        params: list[nn.Parameter] = []
+        off = 0
+        for path, (d_in, d_out) in zip(paths, dims, strict=True):
+            na, nb = r * d_in, r * d_out
+            a = flat[off:off + na].view(r, d_in)
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+            grad_a = grad[off:off + na].view(r, d_in)
+            grad_bt = grad[off + na:off + na + nb].view(r, d_out)
+            params += self.layers[path].add_slot(slot, a, flat[off + na:off + na + nb].view(r, d_out), grad_a, grad_bt)
+            off += na + nb
+        self.flat[slot] = (flat, grad)
+        return params
+
+    def _static_weights(self, slot: int, spec: AdapterSpec, paths: list[str],
+                        generator: torch.Generator) -> list[nn.Parameter]:
+        """``_create_weights`` into the slot's rows of the static store: the same draws in the same order, so
+        the same initial adapter; every other row of the slot is zeroed first (``packer.model.static``)."""
+        store = self.static
+        assert store is not None
+        if spec.rank > store.rank_bucket:
+            raise ValueError(f"rank {spec.rank} exceeds the static pack's rank bucket {store.rank_bucket}")
+        store.reset_slot(slot)
+        params: list[nn.Parameter] = []
+        for path in paths:
+            a, bt, grad_a, grad_bt = store.slot_rows(slot, path, spec.rank)
+            with torch.no_grad():
+                nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+            params += self.layers[path].add_slot(slot, a, bt, grad_a, grad_bt)
+        return params
+
+    def flat_buffers(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, gradients) of a slot added outside a static store, as two flat fp32 tensors that its
+        parameters alias."""
+        return self.flat[slot]
+
+    def remove_slot(self, slot: int) -> None:
+        """Drop the slot's adapter; its parameters are freed once the caller lets go of them."""
+        self.flat.pop(slot, None)  # a slot of a static store has no buffers of its own
+        for path in self.slot_paths.pop(slot):
+            self.layers[path].remove_slot(slot)
+        del self.specs[slot]
+        del self.state.scales[slot]
+
+    def slot_weights(self, slot: int) -> dict[str, tuple[nn.Parameter, nn.Parameter]]:
+        """Module path -> (A (r, D_in), B (D_out, r)) of the slot's adapter, in module order."""
+        return {p: (self.layers[p].lora_A[str(slot)], self.layers[p].lora_B[str(slot)])
+                for p in self.slot_paths[slot]}
+
+    def slot_parameters(self, slot: int) -> list[nn.Parameter]:
+        return [t for pair in self.slot_weights(slot).values() for t in pair]
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, layout: PackLayout | None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of a packed batch.
+
+        Args:
+            input_ids: (B, L) token ids, rows grouped by slot as ``layout`` says.
+            attention_mask: (B, L) 1 for real tokens, 0 for padding.
+            layout: which rows belong to which slot; None runs the base model alone.
+            position_ids: (B, L) positions restarting at every example of a sample-packed row
+                (``packer.data.packing``); None: 0..L-1 per row.
+
+        Returns:
+            (B, L, V) logits.
+        """
+        with self._using(layout):
+            return self.model(input_ids=input_ids, **_mask_kwargs(attention_mask, position_ids),
+                              use_cache=False).logits
+
+    def forward_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                       layout: PackLayout | None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states of a packed batch (the decoder body without the output head).
+
+        Args:
+            input_ids: (B, L) token ids, rows grouped by slot as ``layout`` says.
+            attention_mask: (B, L) 1 for real tokens, 0 for padding.
+            layout: which rows belong to which slot; None runs the base model alone.
+
+        Returns:
+            (B, L, H) hidden states after the final norm; ``output_head()`` maps them to logits.
+
+        Raises:
+            ConfigError: the model has no separate decoder body (``base_model``).
+        """
+        body = getattr(self.model, "base_model", self.model)
+        if body is self.model:
+            raise ConfigError(f"{type(self.model).__name__} has no decoder body (base_model) to run without its head")
+        with self._using(layout):
+            return body(input_ids=input_ids, **_mask_kwargs(attention_mask, position_ids),
+                        use_cache=False).last_hidden_state
+
+    def output_head(self) -> nn.Module:
+        """The output projection (``get_output_embeddings()``), checked to produce the logits unchanged.
+
+        Raises:
+            ConfigError: the model has no output head, or post-processes its logits (soft-capping, scaling).
+        """
+        return plain_output_head(self.model)
+
+    def set_activation_checkpointing(self, enabled: bool) -> None:
+        """Recompute each decoder layer's activations in the backward instead of keeping them.
+
+        Uses transformers' non-reentrant checkpointing of every decoder layer. The base stays frozen
+        and in eval mode (see the module docstring for the per-layer ``training`` flag).
+
+        Raises:
+            ConfigError: the model does not support activation checkpointing.
+        """
+        from transformers import PreTrainedModel
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        model = self.model
+        new_api = hasattr(model, "activation_checkpointing_enable")  # where both names exist, the old one warns
+        if not enabled:
+            if self._checkpointed and isinstance(model, PreTrainedModel):
+                model.activation_checkpointing_disable() if new_api else model.gradient_checkpointing_disable()
+                for layer in self._checkpointed:
+                    layer.training = False
+                self._checkpointed = []
+            return
+        if not (isinstance(model, PreTrainedModel) and model.supports_gradient_checkpointing):
+            raise ConfigError(f"activation_checkpointing: {type(model).__name__} does not support it")
+        # no RNG state to save and restore: the base runs in eval mode and LoRA dropout masks are counter-based,
+        # so nothing in a layer draws from the global generators; and reading a CUDA generator's state is what a
+        # CUDA graph capture cannot do (the static step captures the recompute with the rest of the backward)
+        kwargs = {"use_reentrant": False, "context_fn": self._checkpoint_contexts, "preserve_rng_state": False}
+        if new_api:
+            model.activation_checkpointing_enable(kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        model.disable_input_require_grads()  # the LoRA weights already require grad; no need for input grads
+        self._checkpointed = [m for m in model.modules()
+                              if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+
+    def _checkpoint_contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        """``context_fn`` of ``torch.utils.checkpoint``: called in the forward; the recompute runs under the
+        layout that was current then."""
+        return contextlib.nullcontext(), self._using(self.state.layout)
+
+    @contextlib.contextmanager
+    def _using(self, layout: PackLayout | None) -> Iterator[None]:
+        for layer in self._checkpointed:
+            layer.training = True  # re-armed every pass: a model.eval() elsewhere would silently turn it off
+        previous, self.state.layout = self.state.layout, layout
+        try:
+            yield
+        finally:
+            self.state.layout = previous
+
+
+def _mask_kwargs(attention_mask: torch.Tensor, position_ids: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The model's mask arguments. With ``position_ids`` the padding mask is left out: transformers then reads
+    example boundaries from positions that restart (``masking_utils.find_packed_sequence_indices``) and builds a
+    block-diagonal causal mask; right padding needs no mask in a causal model, no real token attends to it."""
+    if position_ids is None:
+        return {"attention_mask": attention_mask}
+    return {"position_ids": position_ids}

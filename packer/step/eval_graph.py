@@ -1,0 +1,352 @@
+"""Evaluation forwards on a static pack's buffers: held-out losses and greedy decoding with fixed shapes.
+
+While a pack trains on the static-shape step (``packer.step.static_loop``), every slot's adapter lives in the
+pack's ``StaticStore`` (``PackedModel.static``). The evaluators the sweep runs at rungs and slot ends can then
+use the same machinery as the training step instead of the per-batch path: a batch of C slots x
+``rows`` rows (slot g owns rows ``g * rows ..``) x a padded length, the slots to score given their rank and
+scale in the segment tables and every other slot rank 0 and scale 0 (the kernels skip it; the torch path
+scales its term by 0), so one shape serves every evaluation whichever slots it scores, and on CUDA one captured
+graph replays it (``torch.cuda.CUDAGraph``, the PyTorch CUDA-graph recipe: static inputs, warm-up on a side stream).
+
+- ``row_losses``: per-row mean next-token cross-entropy and target counts of a held-out batch, right-padded
+  to a fixed length (what ``packer.loss.slot_losses`` computes per row).
+- ``greedy_decode``: every slot continues every prompt. The prompts are left-padded to a fixed width P, the
+  KV cache is transformers' ``StaticCache`` of P + T positions, and the attention mask is a 4D additive mask
+  the step computes on the device from a step counter (key k is visible to a query at cache index q when
+  k <= q and k is not padding; a padding position sees itself, so no row is fully masked). The prefill (from
+  prompt buffers the host fills per chunk) and each decoding step (embed, 30 layers, the head, argmax, the next
+  input written back) are one graph replay each, with no host sync: the tokens are read once, after the last
+  step, and cut at EOS / stop strings on the host exactly where the eager loop (``evaluators.generation``) would
+  have stopped each row.
+
+Free rows (a chunk with fewer items than ``rows``, slots not scored) hold padding or a copy of the first
+prompt and are dropped. Nothing here changes the adapters, the optimizer state or the training graphs.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from lora_sweep.kernels import resolve_impl
+from lora_sweep.packer.data.batch import IGNORE_INDEX
+from lora_sweep.packer.loss import output_head
+from lora_sweep.packer.model.packed import PackedModel
+from lora_sweep.packer.model.shard import is_sharded
+from lora_sweep.packer.model.static import ShapeBuffers, StaticStore, fused_loss_head, static_head_losses
+from lora_sweep.packer.step.capture import capture, precompile
+
+__all__ = ["available", "heldout_fits", "row_losses", "greedy_decode", "static_generation_fits", "bucket",
+           "EVAL_MULTIPLE", "STATIC_LOGITS_BYTES", "HELDOUT_BYTES_PER_LOGIT"]
+
+EVAL_MULTIPLE = 16
+"""Padded lengths (held-out rows, prompt widths, cache lengths) are multiples of this: few shapes."""
+STATIC_LOGITS_BYTES = 2 << 30
+"""Largest memory of one static held-out forward's logits (C x rows x L x vocab x ``HELDOUT_BYTES_PER_LOGIT``): a
+captured graph keeps its pool for the pack's life, and the static shape always holds every slot's rows, scored or
+not. Larger shapes (many slots, long rows, a large vocabulary) take the dynamic path, which holds the scored slots'
+rows only."""
+HELDOUT_BYTES_PER_LOGIT = {"triton": 2.5, "torch": 10.0}
+"""Peak GPU memory of a static held-out evaluation per logit, by how it takes the loss, measured on the H200
+(``python -m lora_sweep.benchmarks.eval_memory``, 16 slots of SmolLM2's shape, 2-16 x 10^8 logits): the Triton path's
+fused
+loss head (``static.fused_loss_head``) keeps bf16 logits, 2.05-2.52 B (the most at the fewest logits); full logits
+(the torch path, or a head the fused loss cannot take) are the bf16 logits, an fp32 copy and cross-entropy's fp32
+intermediates, 9.96-10.04 B."""
+
+_CACHES: weakref.WeakKeyDictionary[StaticStore, dict[tuple, Any]] = weakref.WeakKeyDictionary()
+"""Per store: its evaluation shapes, caches and captured graphs (they die with the store)."""
+
+
+def bucket(n: int, multiple: int = EVAL_MULTIPLE) -> int:
+    return -(-max(n, 1) // multiple) * multiple
+
+
+def available(pm: PackedModel) -> bool:
+    """Whether the pack holds its slots in a static store (a static-shape training run is under way)."""
+    return pm.static is not None
+
+
+def heldout_fits(pm: PackedModel, rows: int, seq_len: int) -> bool:
+    """Whether a (C x ``rows``, ``seq_len``) held-out forward's logits stay within ``STATIC_LOGITS_BYTES`` on this
+    pack's path (``HELDOUT_BYTES_PER_LOGIT``)."""
+    store = pm.static
+    if store is None:
+        return False
+    head = output_head(pm.model)
+    vocab = getattr(getattr(head, "weight", None), "shape", (getattr(pm.model.config, "vocab_size", 0),))[0]
+    fused = _triton(pm) and fused_loss_head(pm.model) is not None  # as row_losses chooses its loss
+    per_logit = HELDOUT_BYTES_PER_LOGIT["triton" if fused else "torch"]
+    return store.capacity * rows * seq_len * vocab * per_logit <= STATIC_LOGITS_BYTES
+
+
+def _cache(store: StaticStore) -> dict[tuple, Any]:
+    return _CACHES.setdefault(store, {})
+
+
+def _shape(pm: PackedModel, store: StaticStore, slots: Sequence[int], rows: int, seq_len: int) -> ShapeBuffers:
+    """The (C x rows, seq_len) evaluation buffers, their tables set so that exactly ``slots`` apply their adapter."""
+    key = ("shape", rows, seq_len)
+    cache = _cache(store)
+    if key not in cache:
+        cache[key] = store.shape_buffers(rows, seq_len)
+    shape: ShapeBuffers = cache[key]
+    ranks = [pm.specs[g].rank if g in slots else 0 for g in range(store.capacity)]
+    scales = [pm.specs[g].scale if g in slots else 0.0 for g in range(store.capacity)]
+    dev = shape.ints.device
+    shape.meta.seg_int[:, 3].copy_(torch.tensor(ranks, device=dev))
+    shape.meta.seg_int[:, 5].zero_()
+    shape.meta.seg_flt.copy_(torch.tensor([(s, 0.0, 1.0) for s in scales], device=dev))
+    shape.rank.copy_(torch.tensor(ranks, device=dev))
+    return shape
+
+
+def _triton(pm: PackedModel) -> bool:
+    return resolve_impl(pm.state.impl, pm.device) == "triton"
+
+
+def _forward(pm: PackedModel, store: StaticStore, shape: ShapeBuffers, body: bool = False, **kwargs: Any) -> Any:
+    """``pm.model(**kwargs)`` (``body``: its decoder body, ``pm.model.base_model``, without the head) routed through
+    the static tables of ``shape``, every wrapped projection adapted (a slot's rows of a layer it does not target
+    are zero, so this is exact for every slot)."""
+    active = store.active
+    store.active = frozenset(store.paths)
+    try:
+        with store.stepping(shape, False), torch.no_grad():
+            return (pm.model.base_model if body else pm.model)(**kwargs)
+    finally:
+        store.active = active
+
+
+def _capturable(pm: PackedModel) -> bool:
+    """On CUDA, unless FSDP shards the base (``packer.model.shard``): its per-layer all-gathers allocate and free their
+    buffers and run in Python hooks a replay would skip, and every rank must evaluate the same way (a capture
+    failing on one rank alone would leave the others in a collective), so a sharded pack evaluates eagerly."""
+    return pm.device.type == "cuda" and not is_sharded(pm.model)
+
+
+class _Graph:
+    """``fn`` captured as a CUDA graph on first use (after two warm-up runs on a side stream), eager on CPU or
+    when capture fails (one warning). ``reset`` runs before the real work after a capture (warm-up and capture
+    ran ``fn`` on the live buffers). ``triton``: ``fn`` launches the Triton kernels, compiled in parallel
+    (``packer.step.capture.precompile``) before the warm-ups, which otherwise compile them one after another. On an
+    H200 host a cold cache made a sweep's evaluations ~2.3 s slower than a warm one before, ~1.8 s after."""
+
+    def __init__(self, fn: Callable[[], None], cuda: bool, triton: bool) -> None:
+        self.fn, self.graph, self.cuda, self.triton = fn, None, cuda, triton
+        self.capture_s = 0.0
+
+    def ready(self) -> bool:
+        """Capture if needed; True when a capture just ran (the caller restores its inputs)."""
+        if not self.cuda or self.graph is not None:
+            return False
+        t0 = time.perf_counter()
+        if self.triton:
+            precompile(self.fn)  # its writes are those of a warm-up run: the capture's runs rewrite them
+        try:
+            self.graph = capture(self.fn).graph
+        except Exception as err:  # any failure: eager from now on
+            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            warnings.warn(f"evaluation CUDA graph capture failed, evaluating eagerly: {type(err).__name__}: {first}",
+                          stacklevel=3)
+            self.cuda = False
+        self.capture_s += time.perf_counter() - t0
+        return True
+
+    def __call__(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.fn()
+
+
+# -- held-out loss ----------------------------------------------------------------------------
+def row_losses(pm: PackedModel, slots: Sequence[int], chunk: Sequence[Any], rows: int, seq_len: int,
+               pad_id: int) -> tuple[list[float], list[float]]:
+    """Mean next-token loss and target count of each (slot, item) row of one held-out chunk.
+
+    Args:
+        pm: a pack training on the static step (``available``).
+        slots: slots to score; each gets the ``chunk``'s rows in its own block.
+        chunk: up to ``rows`` examples (``input_ids``, ``labels``), each no longer than ``seq_len``.
+        rows: rows per slot of the shape (the evaluator's batch size: one shape for every chunk).
+        seq_len: padded length (a multiple of ``EVAL_MULTIPLE`` covering the longest example).
+
+    Returns:
+        (means, counts), slot-major: entry ``g * len(chunk) + i`` is slot ``slots[g]``'s item i.
+    """
+    store = pm.static
+    assert store is not None and len(chunk) <= rows
+    shape = _shape(pm, store, slots, rows, seq_len)
+    c = store.capacity
+    b = c * rows
+    host = np.empty((3, b, seq_len), dtype=np.int64)
+    ids, labels, mask = host
+    ids.fill(pad_id)
+    labels.fill(IGNORE_INDEX)
+    mask.fill(0)
+    mask[:, 0] = 1  # a padding row attends to one token (no fully masked row)
+    for g in slots:
+        for i, ex in enumerate(chunk):
+            n = len(ex.input_ids)
+            ids[g * rows + i, :n], labels[g * rows + i, :n], mask[g * rows + i, :n] = ex.input_ids, ex.labels, 1
+    shape.ints[:3 * b * seq_len].copy_(torch.from_numpy(host.reshape(-1)))
+    cache = _cache(store)
+    key = ("loss", rows, seq_len)
+    if key not in cache:
+        out = torch.zeros((b, 2), device=pm.device)
+        head = fused_loss_head(pm.model) if _triton(pm) else None
+
+        def fn() -> None:
+            if head is not None:  # no fp32 logits: the fused forward, each row its own group (``capacity`` = B)
+                hidden = _forward(pm, store, shape, body=True, input_ids=shape.ids, attention_mask=shape.mask,
+                                  use_cache=False).last_hidden_state
+                out.copy_(torch.stack(static_head_losses(hidden, head, shape.labels, b), dim=1))
+                return
+            logits = _forward(pm, store, shape, input_ids=shape.ids, attention_mask=shape.mask, use_cache=False).logits
+            shift = shape.labels[:, 1:]
+            ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), shift.reshape(-1),
+                                 ignore_index=IGNORE_INDEX, reduction="none").view(b, seq_len - 1)
+            counts = (shift != IGNORE_INDEX).sum(dim=1).float()
+            out.copy_(torch.stack([ce.sum(dim=1) / counts.clamp(min=1.0), counts], dim=1))
+
+        cache[key] = (_Graph(fn, _capturable(pm), _triton(pm)), out)
+    graph, out = cache[key]
+    graph.ready()  # warm-up and capture ran on these same inputs: nothing to restore
+    graph()
+    values = out.cpu().tolist()
+    picked = [values[g * rows + i] for g in slots for i in range(len(chunk))]
+    return [v[0] for v in picked], [v[1] for v in picked]
+
+
+# -- greedy decoding --------------------------------------------------------------------------
+class _Decoder:
+    """Buffers, cache and captured step of greedy decoding for one (rows, P, T) shape."""
+
+    def __init__(self, pm: PackedModel, store: StaticStore, shapes: tuple[ShapeBuffers, ShapeBuffers], width: int,
+                 new_tokens: int, cache_kwarg: str) -> None:
+        from transformers import StaticCache
+
+        self.pm, self.store, self.width, self.new_tokens = pm, store, width, new_tokens
+        self.prefill_shape, self.step_shape = shapes  # (C x rows, P) and (C x rows, 1)
+        self.cache_kwarg = cache_kwarg
+        b, dev = store.capacity * self.step_shape.rows, pm.device
+        k = width + new_tokens
+        self.k = k
+        self.cache = StaticCache(config=pm.model.config, max_cache_len=k)
+        self.dtype = next(pm.model.parameters()).dtype
+        self.key_ok = torch.zeros((b, k), dtype=torch.bool, device=dev)  # not padding
+        self.key_idx = torch.arange(k, device=dev)
+        self.limit = torch.zeros((1,), dtype=torch.long, device=dev)  # cache index of the token being fed
+        self.pos = torch.zeros((b, 1), dtype=torch.long, device=dev)
+        self.tok = torch.zeros((b, 1), dtype=torch.long, device=dev)
+        self.out = torch.zeros((b, new_tokens), dtype=torch.long, device=dev)
+        self.ids = torch.zeros((b, width), dtype=torch.long, device=dev)  # the prompts, left-padded
+        self.ids_mask = torch.zeros((b, width), dtype=torch.long, device=dev)
+        self.prefill_graph = _Graph(self._prefill, _capturable(pm), _triton(pm))
+        self.graph = _Graph(self._step, _capturable(pm), _triton(pm))
+
+    def _mask(self, q_idx: torch.Tensor) -> torch.Tensor:
+        """(B, 1, Q, K) additive mask for queries at cache indices ``q_idx`` (Q,)."""
+        seen = (self.key_idx[None, :] <= q_idx[:, None])[None] & self.key_ok[:, None, :]  # (B, Q, K)
+        seen = seen | (self.key_idx[None, :] == q_idx[:, None])[None]
+        neg = torch.finfo(self.dtype).min
+        return torch.zeros(seen.shape, dtype=self.dtype, device=seen.device).masked_fill(~seen, neg)[:, None]
+
+    def _logits(self, ids: torch.Tensor, positions: torch.Tensor, q_idx: torch.Tensor) -> torch.Tensor:
+        shape = self.step_shape if ids.shape[1] == 1 else self.prefill_shape
+        out = _forward(self.pm, self.store, shape, input_ids=ids, attention_mask=self._mask(q_idx),
+                       position_ids=positions, use_cache=True, logits_to_keep=1, **{self.cache_kwarg: self.cache})
+        return out.logits[:, -1].float()  # (B, V)
+
+    def _step(self) -> None:
+        """One decoding step on device buffers only: feed ``tok`` at cache index ``limit + 1``."""
+        self.limit.add_(1)
+        self.pos.add_(1)
+        nxt = self._logits(self.tok, self.pos, self.limit).argmax(dim=-1, keepdim=True)  # (B, 1)
+        self.tok.copy_(nxt)
+        self.out.index_copy_(1, self.limit - (self.width - 1), nxt)
+
+    def _prefill(self) -> None:
+        """The prompts in ``ids`` / ``ids_mask`` (B, P), on device buffers only: resets the cache, runs the prompt,
+        sets the step's inputs. The same inputs give the same state however often it runs (capture runs it three
+        times), so it is captured as a graph too: eagerly it is one host-bound forward per chunk of prompts."""
+        self.cache.reset()
+        self.key_ok.fill_(True)
+        self.key_ok[:, :self.width] = self.ids_mask.bool()
+        positions = (self.ids_mask.cumsum(-1) - 1).clamp(min=0)
+        q_idx = torch.arange(self.width, device=self.ids.device)
+        first = self._logits(self.ids, positions, q_idx).argmax(dim=-1, keepdim=True)
+        self.tok.copy_(first)
+        self.out[:, :1].copy_(first)
+        self.pos.copy_(positions[:, -1:])
+        self.limit.fill_(self.width - 1)
+
+    def prefill(self, ids: np.ndarray, mask: np.ndarray) -> None:
+        """ids, mask: (B, P) left-padded prompts, copied into the prefill's buffers, then ``_prefill`` (replayed)."""
+        self.ids.copy_(torch.from_numpy(ids))
+        self.ids_mask.copy_(torch.from_numpy(mask))
+        self.prefill_graph.ready()  # a capture ran the prefill on these inputs: running it again is the same
+        self.prefill_graph()
+
+    def run(self, ids: np.ndarray, mask: np.ndarray) -> list[list[int]]:
+        self.prefill(ids, mask)
+        if self.new_tokens > 1 and self.graph.ready():
+            self.prefill_graph()  # the warm-up and capture decoded from this prefill: start it again
+        for _ in range(self.new_tokens - 1):
+            self.graph()
+        return self.out.cpu().tolist()
+
+
+def greedy_decode(pm: PackedModel, slots: Sequence[int], chunk: Sequence[Sequence[int]], rows: int, width: int,
+                  new_tokens: int, pad_id: int, cache_kwarg: str) -> list[list[int]]:
+    """``new_tokens`` greedy tokens after each prompt of ``chunk`` for each of ``slots``, slot-major.
+
+    Args:
+        pm: a pack training on the static step (``available``).
+        slots: slots that answer every prompt.
+        chunk: up to ``rows`` prompts (token ids), none longer than ``width``.
+        rows: prompts per slot of the shape (one shape for every chunk).
+        width: P, the prompts' padded width (a multiple of ``EVAL_MULTIPLE``).
+        new_tokens: T, tokens decoded (the caller cuts each answer at EOS or a stop string).
+        pad_id: left-padding id.
+        cache_kwarg: the model's KV-cache argument name (``cache`` or ``past_key_values``).
+
+    Returns:
+        ``len(slots) * len(chunk)`` token lists of length T; entry ``g * len(chunk) + i`` is slot ``slots[g]``'s
+        continuation of prompt i.
+    """
+    store = pm.static
+    assert store is not None and 0 < len(chunk) <= rows and new_tokens >= 1
+    shapes = _shape(pm, store, slots, rows, width), _shape(pm, store, slots, rows, 1)
+    cache = _cache(store)
+    key = ("decode", rows, width, new_tokens)
+    if key not in cache:
+        cache[key] = _Decoder(pm, store, shapes, width, new_tokens, cache_kwarg)
+    dec: _Decoder = cache[key]
+    b = store.capacity * rows
+    ids = np.full((b, width), pad_id, dtype=np.int64)
+    mask = np.zeros((b, width), dtype=np.int64)
+    for g in range(store.capacity):
+        for i in range(rows):
+            p = chunk[i] if i < len(chunk) else chunk[0]  # free rows decode a copy of the first prompt
+            ids[g * rows + i, width - len(p):], mask[g * rows + i, width - len(p):] = p, 1
+    out = dec.run(ids, mask)
+    return [out[g * rows + i] for g in slots for i in range(len(chunk))]
+
+
+def static_generation_fits(pm: PackedModel, width: int, new_tokens: int) -> bool:
+    """Whether one 4D mask serves every layer: no sliding-window attention shorter than the cache, and no ALiBi
+    position bias (Bloom, and Falcon with ``alibi``), which the model builds from a 2D padding mask itself."""
+    config = getattr(pm.model, "config", None)
+    if config is None or config.model_type == "bloom" or getattr(config, "alibi", False):
+        return False
+    window = getattr(config, "sliding_window", None)
+    return not window or width + new_tokens <= window

@@ -1,0 +1,81 @@
+"""The pack's optimizer step: per-slot gradient norm, clipping and AdamW, all from device tables.
+
+torch's ``_multi_tensor_adam`` arithmetic with decoupled weight decay (``torch.optim.AdamW``) on the
+layer-major buffers of ``packer.model.static.StaticStore``, with every per-slot number read from the step's optimizer
+table (``ShapeBuffers.opt``) instead of Python scalars, so that a captured graph replays it for any mix of slots,
+learning rates and schedule positions. The host fills the table (``optimizer_row``); a free slot, or a warm-up
+step, gets the no-op row (``NOOP``): zero step size, decay 1, betas 1, which leaves weights and moments exactly
+as they were. On the Triton path two kernels do it (``kernels.triton_adamw``); elsewhere a few torch ops per
+layer on ``(C, rows * D)`` views with ``(C, 1)`` columns.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lora_sweep import kernels
+from lora_sweep.packer.model.static import ShapeBuffers, StaticStore
+from lora_sweep.packer.plan import AdapterSpec
+
+__all__ = ["static_adamw_step", "optimizer_row", "lr_schedule", "NOOP", "ACCUMULATE"]
+
+
+def lr_schedule(spec: AdapterSpec):  # type: ignore[no-untyped-def]
+    """step -> learning-rate multiplier, by the names and formulas of ``transformers.get_scheduler``."""
+    from transformers import get_scheduler
+
+    name = "constant_with_warmup" if spec.schedule == "constant" else spec.schedule
+    holder = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=spec.lr)  # LambdaLR needs an optimizer
+    return get_scheduler(name, holder, num_warmup_steps=spec.warmup_steps,
+                         num_training_steps=spec.max_steps).lr_lambdas[0]
+
+NOOP = (1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0, math.inf, 0.0)
+"""Optimizer row that changes no weight or moment: decay 1, 1 - beta1 = 0, beta2 = 1, 1 - beta2 = 0, bias
+correction 1, eps 1, step 0, no clipping; the gradient is zeroed."""
+ACCUMULATE = (*NOOP[:-1], 1.0)
+"""``NOOP`` keeping the gradient: the row of a slot whose optimizer step awaits more micro-batches."""
+
+
+def optimizer_row(spec: AdapterSpec, lr: float, step: int) -> tuple[float, ...]:
+    """The optimizer table row of a slot taking its ``step``-th update (1-based) at learning rate ``lr``: the
+    scalars ``torch.optim.AdamW``'s foreach path computes, in double as there."""
+    b1, b2 = spec.betas
+    return (1 - lr * spec.weight_decay, 1 - b1, b2, 1 - b2, (1 - b2 ** step) ** 0.5, spec.eps,
+            -(lr / (1 - b1 ** step)), spec.max_grad_norm if spec.max_grad_norm is not None else math.inf, 0.0)
+
+
+@torch.no_grad()
+def static_adamw_step(store: StaticStore, shape: ShapeBuffers, triton: bool) -> torch.Tensor:
+    """Clip each slot's gradient to its norm, take its AdamW step, zero the gradients (keep them where the slot's
+    row is ``ACCUMULATE``: a no-op step whose clip coefficient is 1, so the gradient stays exactly as it was).
+
+    Returns:
+        (C,) fp32 gradient norms before clipping, on the device (no host sync).
+    """
+    opt, c = shape.opt, store.capacity
+    if triton:
+        sumsq = kernels.segmented_sumsq(store.grad, store.segs, shape.rank, store.rank_bucket)
+    else:
+        sumsq = sum(leaf.grad.view(c, -1).square().sum(dim=1)  # type: ignore[union-attr]
+                    for p in store.paths for leaf in (store.a[p], store.bt[p]))
+    norms = sumsq.sqrt()  # type: ignore[union-attr]
+    coef = torch.clamp(opt[:, 7] / (norms + 1e-6), max=1.0)  # clip_grad_norm_'s formula, per slot
+    if triton:
+        kernels.segmented_adamw_(store.flat, store.grad, store.exp_avg, store.exp_avg_sq, store.segs, shape.rank,
+                                 coef, opt, store.rank_bucket)
+        return norms
+    cols = [opt[:, i:i + 1].to(store.flat.dtype) for i in range(9)]  # (a float64 store: the test's fp64 runs)
+    decay, w1, b2, w2, bc2, eps, step, _, keep = cols
+    for p in store.paths:
+        for leaf in (store.a[p], store.bt[p]):
+            param, grad, m, v = (t.view(c, -1) for t in store._views(leaf))
+            grad.mul_(coef[:, None])
+            param.mul_(decay)
+            m.lerp_(grad, w1)
+            v.mul_(b2).addcmul_(grad * w2, grad)
+            denom = v.sqrt().div_(bc2).add_(eps)
+            param.add_((m / denom) * step)
+            grad.mul_(keep)
+    return norms

@@ -1,0 +1,253 @@
+"""The packed training loop: many adapters, one frozen base model, one fixed-shape step for all of them.
+
+Read ``train()`` top to bottom. Each step every active slot draws its own micro-batch from its own stream; the
+rows of all slots go through the model together in one step of fixed shape (``packer.step.static_loop`` builds it:
+C slots x ``rows`` rows x a length padded to a multiple of ``SEQ_MULTIPLE``); each slot's loss is the mean over
+its own target tokens and the pack's loss is the sum of those means, so each slot's gradient is exactly the
+gradient it would get training alone (a global token mean would rescale each slot's gradient by its share of
+tokens: a hidden learning-rate change). Each slot then clips to its own norm and takes its own AdamW step, every
+slot in one pass (``packer.step.static_optim``). The same step runs eagerly on the CPU and is replayed as a CUDA graph
+on CUDA: every per-step value (tokens, slot tables, learning rates, loss weights) is data in the step's buffers.
+
+Gradient accumulation is per slot: a slot with ``gradient_accumulation_steps`` k draws the k micro-batches of its
+next optimizer step at once and counts their target tokens N; each micro-batch's mean enters the backward times
+its share of N, so the accumulated gradient is that of the mean over all N tokens, as if the k micro-batches were
+one batch (transformers' ``num_items_in_batch``). Only when its k-th micro-batch is in does a slot clip, step and
+advance its schedule; slots with other k in the same pack keep accumulating. A slot is reported (``StepReport``)
+once per optimizer step, with the loss and tokens of the whole step. Sample packing, activation checkpointing and
+``chunked_ce`` are switches of the same step.
+
+Slots have a lifecycle: when one finishes (``max_steps``) or is stopped (``should_stop``), the caller is told
+(``on_end``: it may save or score the adapter, whose weights still exist) and the slot is refilled with
+``next_job`` while the pack keeps running.
+
+``optimizer_in_backward`` (torchtune's ``optimizer_in_bwd``) is mapped onto this step: the same updates, after the
+backward, from the step's fp32 gradient buffer (the memory the option would save; docs/guides/training.md).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Collection, Sequence
+
+import torch
+from torch import nn
+
+from lora_sweep.kernels import resolve_impl
+from lora_sweep.packer.errors import ConfigError
+from lora_sweep.packer.loss import DEFAULT_CHUNK_TOKENS
+from lora_sweep.packer.model.packed import PackedModel
+from lora_sweep.packer.model.static import ShapeBuffers, StaticStore
+from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.packer.step import static_loop
+from lora_sweep.packer.step.capture import precompile
+from lora_sweep.packer.step.isolation import check_sample_packing
+from lora_sweep.packer.step.jobs import (
+    STEP_NAMES,
+    BatchSource,
+    FixedBatch,
+    SlotEnd,
+    SlotJob,
+    StepReport,
+    TrainResult,
+    Window,
+    target_tokens,
+)
+from lora_sweep.packer.step.static_loop import DEFAULT_READBACK, SEQ_MULTIPLE, Live, Pending, Staging, rank_bucket_for
+from lora_sweep.packer.step.static_optim import lr_schedule
+
+__all__ = ["BatchSource", "FixedBatch", "SlotJob", "SlotEnd", "StepReport", "TrainResult", "train",
+           "make_optimizer", "make_scheduler", "chunk_tokens_of", "check_in_backward", "target_tokens",
+           "STEP_NAMES"]
+
+
+def make_optimizer(params: Sequence[nn.Parameter], spec: AdapterSpec) -> torch.optim.Optimizer:
+    """One adapter's own torch AdamW: what one-trial-at-a-time baselines use (the pack steps in ``static_optim``)."""
+    # One fused multi-tensor kernel per slot on CUDA; on CPU foreach (a handful of multi-tensor ops
+    # instead of ~10 small ops per tensor, the CPU default). Same update rule either way.
+    fast = {"fused": True} if params and params[0].is_cuda else {"foreach": True}
+    return torch.optim.AdamW(params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay,
+                             **fast)
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, spec: AdapterSpec) -> torch.optim.lr_scheduler.LRScheduler:
+    """Warm-up then ``spec.schedule``, by the names and formulas of ``transformers.get_scheduler``."""
+    from transformers import get_scheduler
+
+    name = "constant_with_warmup" if spec.schedule == "constant" else spec.schedule
+    return get_scheduler(name, optimizer, num_warmup_steps=spec.warmup_steps, num_training_steps=spec.max_steps)
+
+
+def chunk_tokens_of(chunked_ce: bool | int) -> int | None:
+    """Tokens per loss chunk for a ``chunked_ce`` option (None: not chunked)."""
+    if chunked_ce is True:
+        return DEFAULT_CHUNK_TOKENS
+    if chunked_ce is False:
+        return None
+    if chunked_ce < 1:
+        raise ValueError(f"chunked_ce: tokens per chunk must be >= 1 (got {chunked_ce})")
+    return int(chunked_ce)
+
+
+def check_in_backward(spec: AdapterSpec) -> None:
+    """Refuse an adapter that ``optimizer_in_backward`` cannot train (torchtune refuses the same).
+
+    Raises:
+        ConfigError: ``max_grad_norm`` set (clipping needs the whole gradient before the step) or
+            ``gradient_accumulation_steps`` > 1 (the step needs every micro-batch's gradient first).
+    """
+    if spec.max_grad_norm is not None:
+        raise ConfigError(f"optimizer_in_backward: needs max_grad_norm: null (got {spec.max_grad_norm}): clipping "
+                          "needs the whole gradient before the step")
+    if spec.gradient_accumulation_steps != 1:
+        raise ConfigError(f"optimizer_in_backward: needs gradient_accumulation_steps: 1 (got "
+                          f"{spec.gradient_accumulation_steps}): the step needs every micro-batch's gradient first")
+
+
+def train(
+    pm: PackedModel,
+    capacity: int,
+    next_job: Callable[[int], SlotJob | None],
+    *,
+    pad_id: int,
+    on_step: Callable[[list[StepReport]], None] | None = None,
+    should_stop: Callable[[StepReport], bool] | None = None,
+    on_end: Callable[[list[SlotEnd]], None] | None = None,
+    max_global_steps: int | None = None,
+    chunked_ce: bool | int = False,
+    activation_checkpointing: bool = False,
+    cuda_graphs: str = "auto",
+    readback_every: int = DEFAULT_READBACK,
+    sync_steps: Collection[int] = (),
+    rank_bucket: int | None = None,
+    optimizer_in_backward: bool = False,
+    seq_multiple: int = SEQ_MULTIPLE,
+) -> TrainResult:
+    """Train adapters in ``capacity`` slots until no job is left.
+
+    Args:
+        pm: the packed model (base frozen; slots are added and removed here).
+        capacity: number of slots, C.
+        next_job: called with each free slot id before every step; returns a job or None. The run ends when no
+            slot is active and every call returns None.
+        pad_id: padding token id.
+        on_step: receives the ``StepReport`` of every slot that took an optimizer step in a global step; the
+            losses are read back from the device every ``readback_every`` steps, so reports arrive in order but
+            up to ``readback_every - 1`` steps late (never late at a ``sync_steps`` step or a slot's last step).
+        should_stop: asked per slot when its report arrives; True ends the slot early (having trained up to
+            ``readback_every - 1`` steps past that report; none past it at a ``sync_steps`` step).
+        on_end: receives the slots that end at this step, together (so they can be saved and scored in one
+            packed pass), before their weights are released.
+        max_global_steps: stop after this many global steps (the slots still running end ``interrupted``).
+        chunked_ce: the loss's logits exist for a chunk of tokens at a time (True: ``DEFAULT_CHUNK_TOKENS``).
+        activation_checkpointing: recompute decoder layers in the backward; set on ``pm`` and left as set.
+        cuda_graphs: ``auto`` / ``on``: replay the step as a CUDA graph on CUDA (falling back to eager with a
+            warning if capture fails); ``off``: run it eagerly. The CPU always runs it eagerly.
+        readback_every: steps between reads of the loss ring buffer (>= 1).
+        sync_steps: slot steps at which the loop reads back at once (the sweep's rungs).
+        rank_bucket: rows per slot and layer (None: the smallest power of two >= 16 holding the first job's rank;
+            a larger rank later moves the live slots to a larger bucket).
+        optimizer_in_backward: torchtune's option, mapped onto this step: the same updates, the gradient buffer
+            kept (one warning says so); jobs that clip or accumulate are refused (``check_in_backward``).
+        seq_multiple: rows are padded to a multiple of this many positions.
+
+    Returns:
+        Totals of the run; ``step`` says how it ran (``STEP_NAMES``).
+
+    Raises:
+        ConfigError: ``chunked_ce`` for a model that post-processes its logits, ``activation_checkpointing`` for a
+            model without support for it, or with ``optimizer_in_backward`` a job that clips or accumulates.
+    """
+    if cuda_graphs not in ("auto", "on", "off"):
+        raise ValueError(f"cuda_graphs must be auto, on or off (got {cuda_graphs!r})")
+    if readback_every < 1:
+        raise ValueError(f"readback_every must be >= 1 (got {readback_every})")
+    chunk = chunk_tokens_of(chunked_ce)
+    if chunk is not None:
+        pm.output_head()  # refuses models whose logits are not head(hidden), before any slot starts
+    if optimizer_in_backward:
+        warnings.warn("optimizer_in_backward: the training step keeps its preallocated fp32 gradient buffer and takes "
+                      "each slot's AdamW step after the backward (the same updates, not the memory saving)",
+                      stacklevel=2)
+    pm.set_activation_checkpointing(activation_checkpointing)
+    device = pm.device
+    triton = resolve_impl(pm.state.impl, device) == "triton"
+    graphs = static_loop.Graphs(enabled=device.type == "cuda" and cuda_graphs != "off")
+    ring = torch.zeros((readback_every + 1, capacity, 3), device=device)  # per step and slot: loss, count, norm
+    result, active, pending = TrainResult(), dict[int, Live](), list[Pending]()
+    store: StaticStore | None = None
+    shapes: dict[tuple[int, int], tuple[ShapeBuffers, Staging]] = {}
+    rows_per_slot, prepared = 1, set()
+    t0 = time.perf_counter()
+    try:
+        while True:
+            # 1. Refill free slots (the sweep's backfill); a rank above the bucket moves the pack to a larger one.
+            for slot in range(capacity):
+                job = next_job(slot) if slot not in active else None
+                if job is None:
+                    continue
+                if job.spec.sample_packing:
+                    check_sample_packing(pm)
+                if optimizer_in_backward:
+                    check_in_backward(job.spec)
+                if store is None or job.spec.rank > store.rank_bucket:
+                    bucket = rank_bucket or rank_bucket_for(job.spec.rank)
+                    store = static_loop.new_store(pm, store, capacity, bucket, job.spec.rank, active)
+                    shapes, graphs.graphs, prepared = {}, {}, set()
+                pm.add_slot(slot, job.spec)
+                active[slot] = Live(job, lr_schedule(job.spec), Window(job.spec.gradient_accumulation_steps))
+                result.jobs_started += 1
+            if not active or (max_global_steps is not None and result.steps >= max_global_steps):
+                break
+            assert store is not None
+            store.active = frozenset(p for s in active for p in pm.slot_paths[s])
+
+            # 2. Each live slot's micro-batch (k of them for an accumulating slot's step, one at a time), staged
+            # into the buffers of the step's shape: rows per slot x a length rounded up to ``seq_multiple``.
+            rows = {s: active[s].window.draw(active[s].job.stream) for s in sorted(active)}
+            rows_per_slot = max(rows_per_slot, *(len(r) for r in rows.values()))
+            longest = max(len(r.input_ids) for rs in rows.values() for r in rs)
+            dims = (rows_per_slot, -(-longest // seq_multiple) * seq_multiple)
+            if dims not in shapes:
+                buffers = store.shape_buffers(*dims)
+                shapes[dims] = buffers, Staging(buffers.ints.numel(), buffers.floats.numel(), device.type == "cuda")
+            shape, stage = shapes[dims]
+            ring_row = result.steps % readback_every
+            host_ints, host_floats = stage.take()
+            lrs, input_tokens, store.host_layout = static_loop.fill(host_ints.numpy(), host_floats.numpy(), store,
+                                                                    shape, active, rows, pad_id, ring_row)
+            stage.send(shape)
+
+            # 3. The step (forward, per-slot losses, backward, clip + AdamW): replayed, captured on first use of
+            # its key, or eager.
+            dropout = any(a.job.spec.dropout > 0 for a in active.values())
+            packed = any(a.job.spec.sample_packing for a in active.values())
+            key = (*dims, store.active, dropout, packed)
+            step = static_loop.step_fn(pm, store, shape, ring, triton, dropout, packed, chunk)
+            graphs.grads = store.grad if any(a.k > 1 for a in active.values()) else None
+            if triton and key not in prepared:  # the step's Triton kernel variants, compiled in parallel
+                prepared.add(key)
+                t_compile = time.perf_counter()
+                precompile(step)  # gradients, weights and moments stay as they were (``capture.precompile``)
+                result.compile_s += time.perf_counter() - t_compile
+            if not triton and dropout:  # masks drawn by torch generators from Python seeds: eager only
+                step()
+            else:
+                graphs.run(key, step, shape, readback_every)
+            due = static_loop.record_step(active, pending, result.steps, ring_row, lrs, input_tokens, sync_steps,
+                                          readback_every)
+            result.steps += 1
+
+            # 4. Read the losses back when due; report; end the finished and stopped slots (they free up for 1.).
+            if due:
+                static_loop.flush(ring, pending, active, result, on_step, should_stop)
+                static_loop.end_slots(pm, active, static_loop.ends(active), on_end, result)
+        static_loop.flush(ring, pending, active, result, on_step, should_stop)
+        static_loop.end_slots(pm, active, static_loop.ends(active, "interrupted"), on_end, result)
+    finally:
+        pm.static = None
+    result.wall_s = time.perf_counter() - t0
+    result.warmup_s, result.capture_s, result.graphs = graphs.warmup_s, graphs.capture_s, len(graphs.graphs)
+    result.step = "cuda-graph" if graphs.enabled and graphs.graphs else "static-eager"
+    return result
