@@ -1,11 +1,11 @@
 """``benchmarks.shard_bench`` and its PEFT + FSDP2 baseline (``benchmarks.shard_peft``) on the CPU.
 
-Two gloo ranks (``--device cpu``), a tiny Llama in bf16: the sharded pack and the baseline both train and print
-their JSON line with finite numbers, on the same counted base and the same adapter size (the baseline's trainable
-parameters are one slot's: like for like), and the table ends the output with the pack's tokens/s over the
-baseline's. On a group of one: the baseline is sharded as torchtune shards it (every decoder layer, in its
-checkpoint wrapper, then the root; the adapter inside its layer's unit), the base frozen in bf16, the adapter fp32
-with PEFT's init, and a step trains it.
+Two gloo ranks (``--device cpu``; marked gpu: NCCL on 1 and 2 GPUs), a tiny Llama in bf16: the sharded pack and
+the baseline both train and print their JSON line with finite numbers, on the same counted base and the same
+adapter size (the baseline's trainable parameters are one slot's: like for like), and the table ends the output
+with the pack's tokens/s over the baseline's. On a group of one: the baseline is sharded as torchtune shards it
+(every decoder layer, in its checkpoint wrapper, then the root; the adapter inside its layer's unit), the base
+frozen in bf16, the adapter fp32 with PEFT's init, and a step trains it.
 """
 
 from __future__ import annotations
@@ -32,31 +32,46 @@ ADAPTER = RANK * LAYERS * ((64 + 64) * 2 + (64 + 32) * 2 + (64 + 128) * 3)  # r 
 BASE = LAYERS * LAYER + HIDDEN + VOCAB * HIDDEN  # the layers, the final norm, the head (not the embedding)
 
 
-def test_pack_and_peft_baseline_on_two_gloo_ranks(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
-    tiny_config("llama", VOCAB, hidden_size=HIDDEN, num_layers=LAYERS).save_pretrained(tmp_path)
+def _run_both(config_dir: Path, device: str, world: int, capfd: pytest.CaptureFixture[str]) -> None:
+    """``shard_bench`` with its baseline on ``world`` ranks of ``device``: both rows checked (module docstring)."""
+    tiny_config("llama", VOCAB, hidden_size=HIDDEN, num_layers=LAYERS).save_pretrained(config_dir)
     slots, micro, seq = 3, 2, 32
-    main(["--config", str(tmp_path), "--device", "cpu", "--gpus", "2", "--slots", str(slots), "--micro", str(micro),
-          "--seq", str(seq), "--rank", str(RANK), "--warmup", "1", "--steps", "2", "--activation-checkpointing",
-          "--baseline", "peft"])
+    main(["--config", str(config_dir), "--device", device, "--gpus", str(world), "--slots", str(slots), "--micro",
+          str(micro), "--seq", str(seq), "--rank", str(RANK), "--warmup", "1", "--steps", "2",
+          "--activation-checkpointing", "--baseline", "peft"])
     out = capfd.readouterr().out.strip().splitlines()  # the ranks' processes write to this process's stdout
     rows = [json.loads(line) for line in out if line.startswith("{")]
     assert [row["run"] for row in rows] == ["pack", "peft"]
     pack, peft = rows
     for row in rows:
-        assert "error" not in row and row["gpus"] == 2 and row["activation_checkpointing"] is True
+        assert "error" not in row and row["gpus"] == world and row["activation_checkpointing"] is True
         assert all(math.isfinite(row[k]) and row[k] > 0 for k in ("step_s", "tokens_per_s", "mfu"))
         assert row["tokens_per_s"] == pytest.approx(row["rows_per_step"] * seq / row["step_s"], rel=0.01)
-        assert len(row["ranks"]) == 2
+        assert len(row["ranks"]) == world
         for mine in row["ranks"]:
             assert all(math.isfinite(v) and v >= 0 for v in mine.values())
             assert mine["peak_gib"] > 0  # (a tiny base shard rounds to 0.0 GiB)
     assert pack["adapter_params"] == peft["adapter_params"] == ADAPTER  # PEFT trains one slot's worth
     assert pack["base_params"] == peft["base_params"] == BASE  # MFU counts the same N
     assert (pack["adapters"], pack["rows_per_step"]) == (slots, slots * micro)
-    assert (peft["adapters"], peft["rows_per_step"]) == (1, micro * 2)  # data parallel: each rank its own rows
+    assert (peft["adapters"], peft["rows_per_step"]) == (1, micro * world)  # data parallel: each rank its own rows
     assert peft["pack_over_peft"] == pytest.approx(pack["tokens_per_s"] / peft["tokens_per_s"], abs=1e-3)
     assert out[-1] == f"pack / peft tokens/s: {pack['tokens_per_s'] / peft['tokens_per_s']:.2f}x"
     assert out[-3].startswith("pack x3") and out[-2].startswith("peft x1")
+
+
+def test_pack_and_peft_baseline_on_two_gloo_ranks(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    _run_both(tmp_path, "cpu", 2, capfd)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [1, 2])
+def test_pack_and_peft_baseline_on_gpus(tmp_path: Path, capfd: pytest.CaptureFixture[str], world: int) -> None:
+    """NCCL, bf16 base and fp32 adapter on the GPUs (the pack on its Triton kernels): the H200 path before a 70B
+    run, on 1 GPU and, where there are 2, on 2."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA device(s)")
+    _run_both(tmp_path, "cuda", world, capfd)
 
 
 @pytest.fixture
