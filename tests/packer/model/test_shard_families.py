@@ -148,3 +148,26 @@ def test_a_body_module_run_past_the_body_is_refused_in_one_line(tiny_dirs, tmp_p
         torch.testing.assert_close(pm.forward(IDS, MASK, None), run_pack(tiny_dirs("opt"), shard=False)["logits"])
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_every_family_loaded_by_rows_on_a_gpu_gives_the_whole_loads_logits(tiny_dirs, tmp_path: Path) -> None:
+    """NCCL, a group of one, bf16, the fused Triton base ops: every family's pack built on meta and loaded by rows
+    gives the logits of the same pack loaded whole (the same kernels on the same weights)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        ids, mask = IDS.cuda(), MASK.cuda()
+        for family in FAMILIES:
+            loaded = load_sharded(str(tiny_dirs(family)), dtype="bfloat16", device="cuda",
+                                  attn_implementation="eager")
+            assert loaded.stats is not None, f"{family} fell back to the whole load"
+            whole = PackedModel(load_base(str(tiny_dirs(family)), dtype="bfloat16", device="cuda",
+                                          attn_implementation="eager")[0])
+            with torch.no_grad():
+                got, want = loaded.pm.forward(ids, mask, None), whole.forward(ids, mask, None)
+            torch.testing.assert_close(got, want, msg=lambda m, family=family: f"{family}: {m}")  # bf16 defaults
+    finally:
+        dist.destroy_process_group()
