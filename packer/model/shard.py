@@ -2,12 +2,18 @@
 
 ``shard_base(pm)`` applies ``torch.distributed.fsdp.fully_shard`` to every decoder layer of the pack's base
 (one FSDP unit per layer, ``reshard_after_forward=True``: a layer's full weights exist only while it runs,
-all-gathered in its forward and again in the backward) and then to the decoder body (``base_model``: the
-embeddings and the final norm), which is the root unit that ``PackedModel.forward`` and ``forward_hidden`` both
-call. Each rank then holds 1/world of the body's weights (loaded so, by rows, without a whole copy in any process:
-``packer.model.shard_load``). The output head stays whole on every rank: the chunked
-loss calls it outside the body's forward, where an FSDP unit's weights are sharded (and a head tied to the input
-embeddings is left out of the body's shard for the same reason, ``ignored_params``).
+all-gathered in its forward and again in the backward) and then to the decoder body (``decoder_body``: the
+embeddings and the final norm), the root unit. FSDP gathers a unit's own weights in that unit's forward only, so
+the body must be the module whose forward the causal LM calls, in ``PackedModel.forward`` and ``forward_hidden``
+alike: the innermost module holding the input embeddings and every decoder layer. That is ``base_model`` for most
+families, but OPT's causal LM calls ``model.decoder`` itself, past ``OPTModel``'s forward, which would leave a
+root unit on ``base_model`` ungathered (and ``forward_hidden``, through ``OPTModel``, reaches the decoder too).
+Every tiny family of ``packer.tiny`` shards so. A family whose forward still ran a module of the body's own unit
+past the body's forward is refused in one line when it does (``_refuse_ungathered``), rather than failing inside
+the module or computing with one rank's rows. Each rank then holds 1/world of the body's weights (loaded so, by
+rows, without a whole copy in any process: ``packer.model.shard_load``). The output head stays whole on every
+rank: the chunked loss calls it outside the body's forward, where an FSDP unit's weights are sharded (and a head
+tied to the input embeddings is left out of the body's shard for the same reason, ``ignored_params``).
 
 The adapter slots are not FSDP's: their A/B live in each slot's flat fp32 buffer, outside every FSDP unit's
 parameter group (a slot is added after ``fully_shard``, so FSDP never sees it), replicated on every rank with
@@ -39,6 +45,7 @@ allocations and skip the hooks on replay, and the collectives of a process group
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -50,8 +57,8 @@ from torch.distributed.tensor import DTensor, init_device_mesh
 from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.model.packed import PackedModel
 
-__all__ = ["Sharding", "shard_base", "local_param_bytes", "decoder_layers", "is_sharded", "BaseShare", "base_share",
-           "shard_rows"]
+__all__ = ["Sharding", "shard_base", "local_param_bytes", "decoder_layers", "decoder_body", "is_sharded", "BaseShare",
+           "base_share", "shard_rows"]
 
 
 @dataclass
@@ -78,8 +85,35 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     names = set(getattr(model, "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:
-        raise ConfigError(f"packing.shard: {type(model).__name__} has no decoder layers to shard (_no_split_modules)")
+        raise ConfigError(f"packing.shard: {_family(model)} has no decoder layers to shard (_no_split_modules)")
     return layers
+
+
+def _family(model: nn.Module) -> str:
+    """``model_type (ClassName)``, the family errors name."""
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    return f"{kind} ({type(model).__name__})" if kind else type(model).__name__
+
+
+def decoder_body(model: nn.Module) -> nn.Module:
+    """The module of a causal LM that runs its decoder without the head, which ``shard_base`` makes FSDP's root
+    unit: the innermost module holding the input embeddings and every decoder layer (module docstring).
+
+    Raises:
+        ConfigError: as ``decoder_layers``; no input embeddings; or only the causal LM itself holds them and the
+            layers (no body apart from the head), naming the family.
+    """
+    get = getattr(model, "get_input_embeddings", None)
+    embeddings = get() if get is not None else None
+    paths = {id(m): name for name, m in model.named_modules()}
+    if embeddings is None or id(embeddings) not in paths:
+        raise ConfigError(f"packing.shard: {_family(model)} has no input embeddings to find its decoder body by")
+    parts = [paths[id(m)].split(".") for m in (embeddings, *decoder_layers(model))]
+    body = model.get_submodule(".".join(os.path.commonprefix(parts)))  # the paths' longest common list of names
+    if body is model:
+        raise ConfigError(f"packing.shard: {_family(model)} keeps its embeddings and decoder layers beside the head, "
+                          "with no decoder body to shard apart from it")
+    return body
 
 
 def shard_base(pm: PackedModel, *, reshard_after_forward: bool = True) -> Sharding:
@@ -95,16 +129,15 @@ def shard_base(pm: PackedModel, *, reshard_after_forward: bool = True) -> Shardi
         The ``Sharding``; the slots' gradients are synchronised after every backward from now on.
 
     Raises:
-        ConfigError: slots already present, or a model without decoder layers or a separate body.
+        ConfigError: slots already present, or a model without decoder layers or a separate body
+            (``decoder_body``).
     """
     if pm.specs:
         raise ConfigError("packing.shard: shard the base before adding slots")
     if not dist.is_initialized():
         raise RuntimeError("shard_base needs torch.distributed initialised (init_process_group)")
     model = pm.model
-    body = getattr(model, "base_model", model)
-    if body is model:
-        raise ConfigError(f"packing.shard: {type(model).__name__} has no decoder body (base_model) to shard")
+    body = decoder_body(model)
     mesh = init_device_mesh(pm.device.type, (dist.get_world_size(),))
     head = model.get_output_embeddings()
     kept = set(head.parameters()) if head is not None else set()  # tied to the embeddings: keep whole (docstring)
@@ -113,9 +146,27 @@ def shard_base(pm: PackedModel, *, reshard_after_forward: bool = True) -> Shardi
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(body, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=kept & set(
         body.parameters()))
+    _refuse_ungathered(model, body, layers, kept)
     sync = _SlotGradSync(pm)
     sync.handle = body.register_forward_hook(sync.on_forward)
     return Sharding(dist.get_world_size(), dist.get_rank(), len(layers) + 1, sync)
+
+
+def _refuse_ungathered(model: nn.Module, body: nn.Module, layers: list[nn.Module], kept: set[nn.Parameter]) -> None:
+    """Refuse to run a module of the body's own unit (the embeddings, the final norm) while its weights are
+    sharded: a causal LM whose forward reached it past the body's forward, which gathers them, would fail inside it
+    or, on some backend, compute with the rank's shard. Every rank runs the same forward, so all of them raise."""
+    names = {id(m): name for name, m in model.named_modules()}
+    in_layers = {id(m) for layer in layers for m in layer.modules()}
+
+    def check(module: nn.Module, args: object) -> None:
+        if any(isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+            raise ConfigError(f"packing.shard: {_family(model)} runs {names[id(module)]} outside the forward of its "
+                              f"decoder body ({names[id(body)]}), so FSDP never gathers its weights")
+
+    for module in body.modules():
+        if id(module) not in in_layers and any(p not in kept for p in module.parameters(recurse=False)):
+            module.register_forward_pre_hook(check)
 
 
 class _SlotGradSync:
@@ -203,11 +254,9 @@ def base_share(model: nn.Module, world: int, rank: int = 0) -> BaseShare:
     from the unsharded model (rank 0 holds the most).
 
     Raises:
-        ConfigError: as ``decoder_layers``, or a model without a separate body.
+        ConfigError: as ``decoder_body``.
     """
-    body = getattr(model, "base_model", model)
-    if body is model:
-        raise ConfigError(f"packing.shard: {type(model).__name__} has no decoder body (base_model) to shard")
+    body = decoder_body(model)
     head = model.get_output_embeddings()
     kept = set(head.parameters()) if head is not None else set()
     sharded = {id(p): p for p in body.parameters() if p not in kept}

@@ -16,7 +16,9 @@ holds a whole sharded tensor:
 3. ``shard_base``: ``fully_shard`` on the meta parameters (FSDP2 keeps them on meta for deferred init and moves
    the buffers to the device).
 4. ``materialise``: every sharded parameter's rows ``shard_rows(rows, world, rank)`` (FSDP2's ``Shard(0)``
-   chunks) read from the checkpoint's safetensors files with ``safe_open(...).get_slice(name)[start:stop]``, cast
+   chunks) read from the checkpoint's safetensors files with ``safe_open(...).get_slice(name)[start:stop]`` (the
+   checkpoint's name of the parameter, as ``from_pretrained`` renames it: GPT-NeoX stores its ``lm_head`` as
+   ``embed_out``), cast
    to the study's dtype, moved to the device and set as the parameter's local shard (``DTensor.from_local``,
    ``load_state_dict(assign=True)``, whose FSDP post-load hook pads the shard as ``fully_shard`` would have); every
    parameter FSDP leaves whole (the output head, ``packer.model.shard``) read whole. One tensor at a time: besides the
@@ -26,8 +28,9 @@ holds a whole sharded tensor:
 (``load_base`` then ``shard_base``), saying why (``meta_load_refusal``): a hub id (no local files to read rows
 from), a checkpoint without safetensors files (``pytorch_model.bin`` cannot be read by rows), ``model.quantize``
 (NF4's blocks of 64 would have to align with the shard's rows, and an NF4 base is a quarter of the bf16 one: one
-GPU holds it whole), or a checkpoint whose tensor names or shapes do not match the model's parameters (transformers
-converts some, e.g. merged MoE experts). A GGUF source loads from its converted safetensors directory, by rows.
+GPU holds it whole), or a checkpoint whose tensor names (once renamed) or shapes do not match the model's
+parameters (transformers converts some, e.g. merged MoE experts). A GGUF source loads from its converted
+safetensors directory, by rows.
 """
 
 from __future__ import annotations
@@ -87,6 +90,27 @@ def _safetensors_index(directory: Path) -> dict[str, Path]:
         return dict.fromkeys(f.keys(), single)
 
 
+def _by_model_name(model: nn.Module, index: dict[str, Path]) -> dict[str, tuple[Path, str]]:
+    """Model name -> (file, checkpoint name) of each tensor of the checkpoint ``index`` that transformers' loader
+    renames only, as ``from_pretrained`` renames it (the model's checkpoint conversion mapping, e.g. GPT-NeoX's
+    ``embed_out`` -> ``lm_head``, reverted by ``save_pretrained``; the base model's prefix added or dropped). A
+    tensor the mapping converts (merges, splits, permutes) maps nowhere: its rows are not the parameter's."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    transforms = get_model_conversion_mapping(model) if hasattr(model, "config") else []
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    names = dict.fromkeys([name for name, _, _ in _parameters(model)] + [n for n, _ in model.named_buffers()], True)
+    prefix = getattr(model, "base_model_prefix", None) or None
+    found: dict[str, tuple[Path, str]] = {}
+    for key, file in index.items():
+        name, converted = rename_source_key(key, renamings, converters, prefix, names)
+        if converted is None:
+            found[name] = (file, key)
+    return found
+
+
 def meta_load_refusal(source: str, quantize: str | None) -> str | None:
     """Why the base at ``source`` (``resolve_base``'s answer) cannot be loaded by rows (module docstring), or None
     when it can (reads only file names and, for an unsharded file, its header)."""
@@ -135,12 +159,14 @@ def _parameters(model: nn.Module) -> list[tuple[str, list[tuple[nn.Module, str]]
     return list(found.values())
 
 
-def _check_names(model: nn.Module, index: dict[str, Path], files: dict[Path, Any]) -> str | None:
-    """Why the checkpoint cannot fill ``model``: a parameter it lacks or holds in another shape (None: it can)."""
+def _check_names(model: nn.Module, index: dict[str, tuple[Path, str]], files: dict[Path, Any]) -> str | None:
+    """Why the checkpoint (``_by_model_name``'s ``index``) cannot fill ``model``: a parameter it lacks or holds in
+    another shape (None: it can)."""
     for name, _, p in _parameters(model):
         if name not in index:
             return f"the checkpoint has no tensor {name}"
-        shape = tuple(files[index[name]].get_slice(name).get_shape())
+        file, key = index[name]
+        shape = tuple(files[file].get_slice(key).get_shape())
         if shape != tuple(p.shape):
             return f"the checkpoint's {name} is {shape}, the model's {tuple(p.shape)}"
     return None
@@ -159,8 +185,8 @@ def materialise(model: nn.Module, checkpoint: str | Path | None, *, dtype: torch
     """
     stats = LoadStats()
     with ExitStack() as stack:
-        index = {} if checkpoint is None else _safetensors_index(Path(checkpoint))
-        files = {f: stack.enter_context(safe_open(f, framework="pt")) for f in set(index.values())}
+        index = {} if checkpoint is None else _by_model_name(model, _safetensors_index(Path(checkpoint)))
+        files = {f: stack.enter_context(safe_open(f, framework="pt")) for f, _ in set(index.values())}
         if checkpoint is not None and (why := _check_names(model, index, files)) is not None:
             raise ValueError(why)
         std = float(getattr(getattr(model, "config", None), "initializer_range", 0.02))
@@ -174,7 +200,8 @@ def materialise(model: nn.Module, checkpoint: str | Path | None, *, dtype: torch
             if checkpoint is None:
                 rows = _random_rows(name, tuple(local.shape), dtype, device, std, seed)
             else:
-                read = files[index[name]].get_slice(name)[start:stop]  # (stop - start, ...) only: this rank's rows
+                file, key = index[name]
+                read = files[file].get_slice(key)[start:stop]  # (stop - start, ...) only: this rank's rows
                 stats.read_bytes += read.numel() * read.element_size()
                 stats.largest_read = max(stats.largest_read, read.numel() * read.element_size())
                 rows = read.to(device=device, dtype=dtype)
@@ -185,7 +212,7 @@ def materialise(model: nn.Module, checkpoint: str | Path | None, *, dtype: torch
             for leaf, b in module.named_buffers(recurse=False):
                 name = f"{path}.{leaf}" if path else leaf
                 if name in index and leaf not in module._non_persistent_buffers_set:
-                    b.copy_(files[index[name]].get_tensor(name))
+                    b.copy_(files[index[name][0]].get_tensor(index[name][1]))
     return stats
 
 
@@ -242,8 +269,8 @@ def load_sharded(name_or_path: str, *, dtype: str, device: str, quantize: str | 
     if why is None:
         model = meta_model(source, dtype, attn_implementation)
         with ExitStack() as stack:
-            index = _safetensors_index(Path(source))
-            files = {f: stack.enter_context(safe_open(f, framework="pt")) for f in set(index.values())}
+            index = _by_model_name(model, _safetensors_index(Path(source)))
+            files = {f: stack.enter_context(safe_open(f, framework="pt")) for f, _ in set(index.values())}
             why = _check_names(model, index, files)
     if why is not None:
         if log is not None:
