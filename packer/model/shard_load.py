@@ -95,20 +95,24 @@ def _by_model_name(model: nn.Module, index: dict[str, Path]) -> dict[str, tuple[
     renames only, as ``from_pretrained`` renames it (the model's checkpoint conversion mapping, e.g. GPT-NeoX's
     ``embed_out`` -> ``lm_head``, reverted by ``save_pretrained``; the base model's prefix added or dropped). A
     tensor the mapping converts (merges, splits, permutes) maps nowhere: its rows are not the parameter's."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    try:  # transformers' loader internals (5.x): where they differ, names are taken as they are (no renames)
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
-    transforms = get_model_conversion_mapping(model) if hasattr(model, "config") else []
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    names = dict.fromkeys([name for name, _, _ in _parameters(model)] + [n for n, _ in model.named_buffers()], True)
-    prefix = getattr(model, "base_model_prefix", None) or None
-    found: dict[str, tuple[Path, str]] = {}
-    for key, file in index.items():
-        name, converted = rename_source_key(key, renamings, converters, prefix, names)
-        if converted is None:
-            found[name] = (file, key)
-    return found
+        transforms = get_model_conversion_mapping(model) if hasattr(model, "config") else []
+        renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+        converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        names = dict.fromkeys([name for name, _, _ in _parameters(model)] + [n for n, _ in model.named_buffers()],
+                              True)
+        prefix = getattr(model, "base_model_prefix", None) or None
+        found: dict[str, tuple[Path, str]] = {}
+        for key, file in index.items():
+            name, converted = rename_source_key(key, renamings, converters, prefix, names)
+            if converted is None:
+                found[name] = (file, key)
+        return found
+    except (ImportError, TypeError, AttributeError, ValueError):  # a checkpoint that needs a rename loads whole
+        return {key: (file, key) for key, file in index.items()}
 
 
 def meta_load_refusal(source: str, quantize: str | None) -> str | None:

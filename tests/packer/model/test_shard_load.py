@@ -94,3 +94,26 @@ def test_a_base_loaded_by_rows_on_a_gpu_runs_as_one_loaded_whole(tiny_dirs, tmp_
         torch.testing.assert_close(loaded.pm.forward(ids, mask, None), whole.forward(ids, mask, None), rtol=0, atol=0)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox"])
+def test_checkpoint_names_without_transformers_loader_internals_are_taken_as_they_are(tiny_dirs, monkeypatch,
+                                                                                      family: str) -> None:
+    """The name mapping uses transformers' loader internals (5.x); where a version lacks them or calls them
+    differently, a checkpoint's names are taken as they are: Llama's still match the model's (it loads by rows),
+    GPT-NeoX's renamed head (``embed_out``) then no longer does (it loads whole first, as ``load_sharded`` says)."""
+    import transformers.core_model_loading as loading
+
+    from lora_sweep.packer.model import shard_load
+
+    model = meta_model(tiny_dirs(family), "float32")
+    index = shard_load._safetensors_index(Path(tiny_dirs(family)))
+    mapped = shard_load._by_model_name(model, index)
+
+    def changed(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise TypeError("rename_source_key() takes 4 positional arguments")
+
+    monkeypatch.setattr(loading, "rename_source_key", changed)
+    plain = shard_load._by_model_name(model, index)
+    assert plain == {key: (file, key) for key, file in index.items()}
+    assert (plain == mapped) == (family == "llama")
