@@ -15,11 +15,6 @@ import math
 
 import torch
 
-# at import, not at a slot's first step: a Ctrl-C landing inside transformers' lazy import of it there became
-# "Could not import module 'get_scheduler'" (Python wraps an exception raised in a class body's __set_name__, and
-# transformers' lazy module then reports a missing module) and the run ended as an error instead of resumable
-from transformers.optimization import get_scheduler
-
 from lora_sweep import kernels
 from lora_sweep.packer.model.static import ShapeBuffers, StaticStore
 from lora_sweep.packer.plan import AdapterSpec
@@ -29,6 +24,8 @@ __all__ = ["static_adamw_step", "optimizer_row", "lr_schedule", "NOOP", "ACCUMUL
 
 def lr_schedule(spec: AdapterSpec):  # type: ignore[no-untyped-def]
     """step -> learning-rate multiplier, by the names and formulas of ``transformers.get_scheduler``."""
+    from transformers import get_scheduler
+
     name = "constant_with_warmup" if spec.schedule == "constant" else spec.schedule
     holder = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=spec.lr)  # LambdaLR needs an optimizer
     return get_scheduler(name, holder, num_warmup_steps=spec.warmup_steps,
