@@ -493,9 +493,12 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
                                                elapsed=session.elapsed + summary.wall_s)
         summary.end_reason = summary.spent_key or "grid"
     except BaseException as err:
-        summary.end_reason, summary.ended = _stopped(err, sweep)
-        if isinstance(err, KeyboardInterrupt):
-            err.add_note(STOP_SAID)
+        interrupt = _interrupt_in(err)
+        summary.end_reason, summary.ended = _stopped(interrupt or err, sweep)
+        if interrupt is not None:
+            interrupt.add_note(STOP_SAID)
+            if interrupt is not err:  # a library's error around it: the caller sees the Ctrl-C or SIGTERM itself
+                raise interrupt from None
         raise
     finally:
         if summary.end_reason != "error":  # an error's own message is its one line (the CLI's error:, a traceback)
@@ -510,6 +513,22 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
         with sweep._lock():  # workers sharing the study directory append one after another
             append_run(session.sdir.root, summary.split)
     return summary
+
+
+def _interrupt_in(err: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C or SIGTERM (``Terminated``) behind ``err``: ``err`` itself, or one a library wrapped in an error of
+    its own on the way, found down the cause and context chain. A Ctrl-C landing inside transformers' lazy import of
+    a name (``get_scheduler`` at a slot's first step) surfaced as "Could not import module 'get_scheduler'" (Python
+    wraps it in a RuntimeError around a class body's ``__set_name__``, transformers that in ModuleNotFoundError), and
+    the run ended as an error instead of a resumable stop."""
+    seen: set[int] = set()
+    link: BaseException | None = err
+    while link is not None and id(link) not in seen:
+        if isinstance(link, KeyboardInterrupt):
+            return link
+        seen.add(id(link))
+        link = link.__cause__ or link.__context__
+    return None
 
 
 def _stopped(err: BaseException, sweep: _Sweep) -> tuple[str, str]:

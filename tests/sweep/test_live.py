@@ -149,3 +149,30 @@ def test_a_signal_stops_the_run_and_says_so(tiny_dirs, tmp_path, sig: int, code:
                      r"the 3 training are retried when the run is resumed\)", text), text
     assert "Traceback" not in text
     assert said in study_status(tmp_path / "runs-signalled")["last_end"]["text"]
+
+
+def test_a_ctrl_c_a_library_wrapped_in_its_own_error_still_stops_the_run_as_an_interrupt(tiny_dirs, tmp_path,
+                                                                                          monkeypatch) -> None:
+    """A Ctrl-C that lands inside transformers' lazy import of a name surfaces as ModuleNotFoundError (by way of
+    Python's RuntimeError around ``__set_name__``): the run still ends as interrupted, resumable, and raises the
+    KeyboardInterrupt itself, which the command line turns into exit 130."""
+    import lora_sweep.sweep.study as study
+
+    spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name="wrapped", budget={"trials": 2}))
+
+    def interrupted_import(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        try:
+            try:
+                raise KeyboardInterrupt
+            except KeyboardInterrupt as err:
+                raise RuntimeError("Error calling __set_name__ on 'Field' instance 'target_modules'") from err
+        except RuntimeError as err:
+            raise ModuleNotFoundError("Could not import module 'get_scheduler'.") from err
+
+    monkeypatch.setattr(study, "evaluate", interrupted_import)
+    with pytest.raises(KeyboardInterrupt) as caught:
+        _run(spec, io.StringIO())
+    assert caught.value.__suppress_context__
+    end = study_status(spec.out_dir)["last_end"]
+    assert end["reason"] == "interrupt"
+    assert end["text"].startswith("stopped: interrupted (Ctrl-C) at pack step "), end
