@@ -37,8 +37,8 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -176,7 +176,15 @@ def _check_names(model: nn.Module, index: dict[str, tuple[Path, str]], files: di
     return None
 
 
-@torch.no_grad()
+@contextmanager
+def _opened(model: nn.Module, checkpoint: str | Path | None) -> Iterator[tuple[dict[str, tuple[Path, str]], dict]]:
+    """``model``'s names -> (file, checkpoint name) of ``checkpoint`` (``_by_model_name``) and its safetensors files
+    open for reading, kept open for the block ({} and {} without a checkpoint)."""
+    with ExitStack() as stack:
+        index = {} if checkpoint is None else _by_model_name(model, _safetensors_index(Path(checkpoint)))
+        yield index, {f: stack.enter_context(safe_open(f, framework="pt")) for f, _ in set(index.values())}
+
+
 def materialise(model: nn.Module, checkpoint: str | Path | None, *, dtype: torch.dtype, device: torch.device,
                 seed: int = 0) -> LoadStats:
     """Give every meta parameter of ``model`` (sharded by ``shard_base`` or not) this rank's part, read from
@@ -187,36 +195,41 @@ def materialise(model: nn.Module, checkpoint: str | Path | None, *, dtype: torch
     Raises:
         ValueError: the checkpoint lacks a parameter or holds it in another shape (``load_sharded`` checks first).
     """
-    stats = LoadStats()
-    with ExitStack() as stack:
-        index = {} if checkpoint is None else _by_model_name(model, _safetensors_index(Path(checkpoint)))
-        files = {f: stack.enter_context(safe_open(f, framework="pt")) for f, _ in set(index.values())}
+    with _opened(model, checkpoint) as (index, files):
         if checkpoint is not None and (why := _check_names(model, index, files)) is not None:
             raise ValueError(why)
-        std = float(getattr(getattr(model, "config", None), "initializer_range", 0.02))
-        for name, holders, p in _parameters(model):
-            if not p.is_meta:
-                continue
-            local = p.to_local() if isinstance(p, DTensor) else p  # (rows here, ...) of a shard; else the whole
-            start, stop = shard_rows(p.shape[0], p.device_mesh.size(), p.device_mesh.get_local_rank()) \
-                if isinstance(p, DTensor) else (0, p.shape[0])
-            assert stop - start == local.shape[0], f"{name}: FSDP's chunk is not Shard(0)'s rows"
-            if checkpoint is None:
-                rows = _random_rows(name, tuple(local.shape), dtype, device, std, seed)
-            else:
-                file, key = index[name]
-                read = files[file].get_slice(key)[start:stop]  # (stop - start, ...) only: this rank's rows
-                stats.read_bytes += read.numel() * read.element_size()
-                stats.largest_read = max(stats.largest_read, read.numel() * read.element_size())
-                rows = read.to(device=device, dtype=dtype)
-            stats.tensors += 1
-            _assign(holders, p, rows)
-        _buffers_to(model, device)
-        for path, module in model.named_modules():  # a persistent buffer the checkpoint stores: its values
-            for leaf, b in module.named_buffers(recurse=False):
-                name = f"{path}.{leaf}" if path else leaf
-                if name in index and leaf not in module._non_persistent_buffers_set:
-                    b.copy_(files[index[name][0]].get_tensor(index[name][1]))
+        return _fill(model, index, files, dtype=dtype, device=device, seed=seed, random=checkpoint is None)
+
+
+@torch.no_grad()
+def _fill(model: nn.Module, index: dict[str, tuple[Path, str]], files: dict, *, dtype: torch.dtype,
+          device: torch.device, seed: int, random: bool) -> LoadStats:
+    """``materialise``'s work on a checked, opened checkpoint (``_opened``; ``random``: no checkpoint)."""
+    stats = LoadStats()
+    std = float(getattr(getattr(model, "config", None), "initializer_range", 0.02))
+    for name, holders, p in _parameters(model):
+        if not p.is_meta:
+            continue
+        local = p.to_local() if isinstance(p, DTensor) else p  # (rows here, ...) of a shard; else the whole
+        start, stop = shard_rows(p.shape[0], p.device_mesh.size(), p.device_mesh.get_local_rank()) \
+            if isinstance(p, DTensor) else (0, p.shape[0])
+        assert stop - start == local.shape[0], f"{name}: FSDP's chunk is not Shard(0)'s rows"
+        if random:
+            rows = _random_rows(name, tuple(local.shape), dtype, device, std, seed)
+        else:
+            file, key = index[name]
+            read = files[file].get_slice(key)[start:stop]  # (stop - start, ...) only: this rank's rows
+            stats.read_bytes += read.numel() * read.element_size()
+            stats.largest_read = max(stats.largest_read, read.numel() * read.element_size())
+            rows = read.to(device=device, dtype=dtype)
+        stats.tensors += 1
+        _assign(holders, p, rows)
+    _buffers_to(model, device)
+    for path, module in model.named_modules():  # a persistent buffer the checkpoint stores: its values
+        for leaf, b in module.named_buffers(recurse=False):
+            name = f"{path}.{leaf}" if path else leaf
+            if name in index and leaf not in module._non_persistent_buffers_set:
+                b.copy_(files[index[name][0]].get_tensor(index[name][1]))
     return stats
 
 
@@ -272,22 +285,20 @@ def load_sharded(name_or_path: str, *, dtype: str, device: str, quantize: str | 
     why = meta_load_refusal(source, quantize)
     if why is None:
         model = meta_model(source, dtype, attn_implementation)
-        with ExitStack() as stack:
-            index = _by_model_name(model, _safetensors_index(Path(source)))
-            files = {f: stack.enter_context(safe_open(f, framework="pt")) for f, _ in set(index.values())}
+        with _opened(model, source) as (index, files):  # names and shapes checked once, the files opened once
             why = _check_names(model, index, files)
-    if why is not None:
-        if log is not None:
-            log(f"packing.shard: each rank loads the whole base, then shards it: {why}")
-        model, tokenizer = load_base(source, dtype=dtype, device=device, quantize=quantize,
-                                     attn_implementation=attn_implementation)
-        pm = PackedModel(model, impl=impl, fused_base_ops=fused_base_ops)
-        return ShardedLoad(pm, tokenizer, shard_base(pm), None)
-    target = torch.device(device)
-    if target.type == "cuda" and target.index is None:
-        target = torch.device("cuda", torch.cuda.current_device())
-    tokenizer = load_tokenizer(source)
-    pm = PackedModel(model, impl=impl, fused_base_ops=fused_base_ops, device=target)
-    sharding = shard_base(pm)
-    stats = materialise(pm.model, source, dtype=next(pm.model.parameters()).dtype, device=target)
-    return ShardedLoad(pm, tokenizer, sharding, stats)
+            if why is None:
+                target = torch.device(device)
+                if target.type == "cuda" and target.index is None:
+                    target = torch.device("cuda", torch.cuda.current_device())
+                pm = PackedModel(model, impl=impl, fused_base_ops=fused_base_ops, device=target)
+                sharding = shard_base(pm)  # names and shapes stay: FSDP2 swaps parameters, not modules
+                stats = _fill(pm.model, index, files, dtype=next(pm.model.parameters()).dtype, device=target,
+                              seed=0, random=False)
+                return ShardedLoad(pm, load_tokenizer(source), sharding, stats)
+    if log is not None:
+        log(f"packing.shard: each rank loads the whole base, then shards it: {why}")
+    model, tokenizer = load_base(source, dtype=dtype, device=device, quantize=quantize,
+                                 attn_implementation=attn_implementation)
+    pm = PackedModel(model, impl=impl, fused_base_ops=fused_base_ops)
+    return ShardedLoad(pm, tokenizer, shard_base(pm), None)
