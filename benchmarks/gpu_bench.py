@@ -28,7 +28,7 @@ import torch
 
 from lora_sweep.benchmarks.gpu_layer import run_all
 from lora_sweep.benchmarks.shapes import PROJ, build_shape
-from lora_sweep.benchmarks.timing import gemm_tflops, random_jobs, time_calls, timed_train
+from lora_sweep.benchmarks.timing import gemm_tflops, random_jobs, step_flops, time_calls, timed_train
 from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import MemoryModel
 from lora_sweep.packer.step.train import train
@@ -47,10 +47,9 @@ def _counted_params(model: torch.nn.Module) -> int:
 def model_flops(model: torch.nn.Module, rows: int, seq: int) -> float:
     """Model FLOPs of one step on ``rows`` rows of ``seq`` tokens: 4 per counted weight and token (the frozen base's
     forward, 2, and its backward to the activations, 2: no weight gradient) plus attention's QK^T and PV, 4 * seq^2 *
-    hidden per layer and row forward, three times that with the backward. The adapters' own FLOPs (r / hidden of a
-    projection's) are not counted."""
-    cfg = model.config
-    return 4 * _counted_params(model) * rows * seq + 3 * 4 * cfg.num_hidden_layers * seq * seq * cfg.hidden_size * rows
+    hidden per layer and row forward, three times that with the backward (``timing.step_flops``). The adapters' own
+    FLOPs (r / hidden of a projection's) are not counted."""
+    return step_flops(model.config, _counted_params(model), rows, seq)
 
 
 def recompute_flops(model: torch.nn.Module, seq: int, row_ranks: list[int]) -> float:

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from lora_sweep.benchmarks.shapes import PROJ, SHAPES
-from lora_sweep.benchmarks.timing import gemm_tflops
+from lora_sweep.benchmarks.timing import gemm_tflops, step_flops
 from lora_sweep.packer.data.rows import Example
 from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.model.quant import quantize_base
@@ -74,9 +74,8 @@ def build(shape: str, quantize: str | None, layers: int | None = None) -> nn.Mod
 
 
 def _flops(model: nn.Module, rows: int, seq: int) -> float:
-    cfg = model.config
     n = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name and "lora_" not in name)
-    return 4 * n * rows * seq + 12 * cfg.num_hidden_layers * seq * seq * cfg.hidden_size * rows
+    return step_flops(model.config, n, rows, seq)
 
 
 def run(model: nn.Module, *, slots: int, micro: int, seq: int, rank: int, steps: int, warmup: int,

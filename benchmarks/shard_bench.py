@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from lora_sweep.benchmarks.shapes import PROJ, SHAPES
 from lora_sweep.benchmarks.shard_peft import peft_model, timed_peft_steps, trainable_params
-from lora_sweep.benchmarks.timing import gemm_tflops, random_jobs, timed_train
+from lora_sweep.benchmarks.timing import gemm_tflops, random_jobs, step_flops, timed_train
 from lora_sweep.evaluators.cost import adapter_params
 from lora_sweep.packer.model.inject import linear_shape, resolve_targets
 from lora_sweep.packer.model.packed import DTYPES, PackedModel
@@ -54,14 +54,8 @@ GIB = 2**30
 T = TypeVar("T")
 
 
-def _flops(config: object, params: int, rows: int, seq: int) -> float:
-    """Model FLOPs of one step over ``rows`` rows: the frozen base's ``params`` (embeddings excluded)."""
-    layers, hidden = config.num_hidden_layers, config.hidden_size  # type: ignore[attr-defined]
-    return 4 * params * rows * seq + 12 * layers * seq * seq * hidden * rows
-
-
 def _base_params(model: torch.nn.Module) -> int:
-    """The frozen base's parameters, whole, without the embeddings and any adapter (``_flops``' N)."""
+    """The frozen base's parameters, whole, without the embeddings and any adapter (``step_flops``' N)."""
     return sum(p.numel() for name, p in model.named_parameters()
                if "embed_tokens" not in name and not p.requires_grad and "lora_" not in name)
 
@@ -105,7 +99,7 @@ def _gemm_rate(device: torch.device, dtype: torch.dtype) -> float:
 def _speed(config: object, params: int, rows: int, seq: int, step_s: float, tflops: float, world: int) -> dict:
     """A row's timing fields: ``rows`` rows of ``seq`` tokens trained per step of ``step_s`` over ``world`` ranks."""
     return {"step_s": round(step_s, 4), "tokens_per_s": round(rows * seq / step_s),
-            "mfu": round(_flops(config, params, rows, seq) / step_s / 1e12 / (tflops * world), 4)}
+            "mfu": round(step_flops(config, params, rows, seq) / step_s / 1e12 / (tflops * world), 4)}
 
 
 def _oom(err: torch.OutOfMemoryError) -> dict:

@@ -16,7 +16,7 @@ from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.step.train import FixedBatch, SlotJob, train
 
-__all__ = ["gemm_tflops", "random_jobs", "timed_train", "time_calls"]
+__all__ = ["gemm_tflops", "step_flops", "random_jobs", "timed_train", "time_calls"]
 
 
 def random_jobs(slots: int, micro: int, seq: int, vocab: int, steps: int,
@@ -56,6 +56,16 @@ def time_calls(step: Callable[[], None], warmup: int, steps: int) -> float:
         step()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / steps
+
+
+def step_flops(config: object, params: int, rows: int, seq: int) -> float:
+    """Model FLOPs of one training step on ``rows`` rows of ``seq`` tokens, the MFU numerator of every benchmark: 4
+    per counted base weight (``params``) and token (the frozen base's forward, 2, and its backward to the
+    activations, 2: no weight gradient) plus attention's QK^T and PV, 4 * seq^2 * hidden per layer and row forward,
+    three times that with the backward. The adapters' own FLOPs are not counted."""
+    layers, hidden = config.num_hidden_layers, config.hidden_size  # type: ignore[attr-defined]
+    return 4 * params * rows * seq + 3 * 4 * layers * seq * seq * hidden * rows
+
 
 def gemm_tflops() -> float:
     """Measured bf16 8192^3 GEMM rate: the MFU denominator."""
