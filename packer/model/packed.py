@@ -182,6 +182,11 @@ class PackedModel:
         buffers instead of buffers of their own."""
 
     @property
+    def checkpointing(self) -> bool:
+        """Whether the decoder layers are recomputed in the backward (``set_activation_checkpointing``)."""
+        return bool(self._checkpointed)
+
+    @property
     def device(self) -> torch.device:
         first = next(self.model.parameters())
         return self._home if first.is_meta and self._home is not None else first.device

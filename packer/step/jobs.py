@@ -161,3 +161,6 @@ class TrainResult:
     step: str = ""
     """How the step ran (``STEP_NAMES``): ``cuda-graph`` (replayed as CUDA graphs) or ``static-eager`` (eagerly: on
     the CPU, with ``cuda_graphs: off``, or after a capture failed)."""
+    fallback: str | None = None
+    """Why a CUDA run's step ran eagerly although graphs were asked for: its configuration and the capture's error
+    with the line that raised it (None: captured, on the CPU, or ``cuda_graphs: off``)."""

@@ -29,9 +29,11 @@ capture fails, a one-line warning says why and the pack runs the same step eager
 
 from __future__ import annotations
 
-import warnings
+import os
+import traceback
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -121,6 +123,8 @@ class Graphs:
     grads: torch.Tensor | None = None
     """The store's gradient buffer while a slot accumulates: the warm-up steps before a capture add their
     gradients and zero them, so an accumulating slot's gradient so far is saved and put back around them."""
+    fallback: str | None = None
+    """Why the step runs eagerly on CUDA: the failed capture's error and where it was raised (None: no failure)."""
 
     def run(self, key: tuple, step: Callable[[], None], shape: ShapeBuffers, scratch_row: int) -> None:
         if not self.enabled:
@@ -146,15 +150,28 @@ class Graphs:
             graph, warmup_s, capture_s = capture(step, pool=self.pool)
             self.warmup_s += warmup_s
             self.capture_s += capture_s
-        except Exception as err:  # any failure: the same step runs eagerly from now on
-            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-            warnings.warn(f"CUDA graph capture failed, training eagerly: {type(err).__name__}: {first}", stacklevel=3)
-            self.enabled, graph = False, None
+        except Exception as err:  # any failure: the same step runs eagerly from now on (the caller says so)
+            self.enabled, graph, self.fallback = False, None, capture_failure(err)
         shape.floats.copy_(saved[0])
         shape.ints[-1:].copy_(saved[1])
         if grads is not None:
             self.grads.copy_(grads)  # type: ignore[union-attr]
         return graph
+
+
+def capture_failure(err: BaseException) -> str:
+    """``err``'s type, first line and the innermost frame outside torch that raised it: the line to change (e.g.
+    ``transformers/masking_utils.py:604 in eager_mask``)."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    torch_dir = str(Path(torch.__file__).parent) + os.sep
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith(torch_dir)]
+    where = ""
+    if frames:
+        f = frames[-1]
+        parts = Path(f.filename).parts
+        short = "/".join(parts[-2:]) if len(parts) >= 2 else f.filename
+        where = f" (at {short}:{f.lineno} in {f.name})"
+    return f"{type(err).__name__}: {first}{where}"
 
 
 class Staging:

@@ -105,6 +105,34 @@ def check_in_backward(spec: AdapterSpec) -> None:
                           f"{spec.gradient_accumulation_steps}): the step needs every micro-batch's gradient first")
 
 
+def configuration(pm: PackedModel, active: dict[int, Live], chunk: int | None) -> str:
+    """The step's configuration in words, for a capture failure's one line: the model class and attention, the
+    fused base ops, and the switches the live slots and the pack turn on."""
+    config = getattr(pm.model, "config", None)
+    attn = getattr(config, "_attn_implementation", None) or "default"
+    specs = [a.job.spec for a in active.values()]
+    switches = [name for name, on in (
+        ("dropout", any(s.dropout > 0 for s in specs)),
+        ("sample packing", any(s.sample_packing for s in specs)),
+        ("gradient accumulation", any(s.gradient_accumulation_steps > 1 for s in specs)),
+        ("activation checkpointing", pm.checkpointing),
+        ("chunked loss", chunk is not None),
+        ("shared-input groups", bool(pm.groups)),
+    ) if on]
+    base = f"fused base ops on {len(pm.fused)} modules" if pm.fused else "base ops eager"
+    return f"{type(pm.model).__name__} ({attn} attention, {base}{''.join(', ' + w for w in switches)})"
+
+
+_TORCH_DROPOUT = "LoRA dropout on the torch path draws its masks from Python seeds (the Triton kernels' on the device)"
+
+
+def _fell_back(result: TrainResult, pm: PackedModel, active: dict[int, Live], chunk: int | None, why: str) -> None:
+    """Record the first reason a CUDA run's step runs eagerly, with its configuration, and warn once."""
+    if result.fallback is None:
+        result.fallback = f"{configuration(pm, active, chunk)}: {why}"
+        warnings.warn(f"CUDA graph capture failed, training eagerly: {result.fallback}", stacklevel=3)
+
+
 def train(
     pm: PackedModel,
     capacity: int,
@@ -142,8 +170,9 @@ def train(
         max_global_steps: stop after this many global steps (the slots still running end ``interrupted``).
         chunked_ce: the loss's logits exist for a chunk of tokens at a time (True: ``DEFAULT_CHUNK_TOKENS``).
         activation_checkpointing: recompute decoder layers in the backward; set on ``pm`` and left as set.
-        cuda_graphs: ``auto`` / ``on``: replay the step as a CUDA graph on CUDA (falling back to eager with a
-            warning if capture fails); ``off``: run it eagerly. The CPU always runs it eagerly.
+        cuda_graphs: ``auto`` / ``on``: replay the step as a CUDA graph on CUDA (where capture fails: one
+            warning naming the configuration and the cause, ``TrainResult.fallback``, and the same step eagerly);
+            ``off``: run it eagerly. The CPU always runs it eagerly.
         readback_every: steps between reads of the loss ring buffer (>= 1).
         sync_steps: slot steps at which the loop reads back at once (the sweep's rungs).
         rank_bucket: rows per slot and layer (None: the smallest power of two >= 16 holding the first job's rank;
@@ -231,10 +260,12 @@ def train(
                 t_compile = time.perf_counter()
                 precompile(step)  # gradients, weights and moments stay as they were (``capture.precompile``)
                 result.compile_s += time.perf_counter() - t_compile
-            if not triton and dropout:  # masks drawn by torch generators from Python seeds: eager only
-                step()
-            else:
-                graphs.run(key, step, shape, readback_every)
+            eager_only = not triton and dropout  # the torch path's masks come from Python seeds: eager only
+            if eager_only and graphs.enabled:
+                _fell_back(result, pm, active, chunk, _TORCH_DROPOUT)
+            step() if eager_only else graphs.run(key, step, shape, readback_every)
+            if graphs.fallback is not None:
+                _fell_back(result, pm, active, chunk, graphs.fallback)
             due = static_loop.record_step(active, pending, result.steps, ring_row, lrs, input_tokens, sync_steps,
                                           readback_every)
             result.steps += 1

@@ -76,7 +76,10 @@ class KernelMasks:
 
 
 def _train(model_dir, impl: str, device: str, monkeypatch: pytest.MonkeyPatch):  # noqa: ANN001, ANN202
-    model, _ = load_base(str(model_dir), attn_implementation="eager", device=device)
+    # eager attention on the CPU; SDPA on CUDA, where transformers < 5.21's eager mask cannot be captured
+    # (tests/packer/step/test_capture_matrix.py): the masks are under test, both paths share the attention
+    attn = "sdpa" if device == "cuda" else "eager"
+    model, _ = load_base(str(model_dir), attn_implementation=attn, device=device)
     # the base's norms and MLP eager on both paths (the masks are under test; the interpreter runs the step faster)
     pm = PackedModel(model, impl=impl, fused_base_ops=False)  # type: ignore[arg-type]
     masks = KernelMasks(pm) if impl == "torch" else None
