@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from lora_sweep.benchmarks.timing import check_row, counted_params, gemm_tflops, step_flops
 from lora_sweep.packer.data.batch import collate
 from lora_sweep.packer.data.rows import Example, SlotStream, tokenize_rows
 from lora_sweep.packer.model.packed import PackedModel, load_base
@@ -43,15 +44,20 @@ class CpuBenchResult:
     tokens: int
     environment: str
 
-    def table(self) -> str:
-        rows = [("packed (1 run, N slots)", self.packed_s), ("sequential, engine 1 slot", self.sequential_engine_s)]
+    def rows(self) -> list[dict]:
+        """One row a way of training: its wall seconds and trained tokens/s."""
+        ways = [("packed (1 run, N slots)", self.packed_s), ("sequential, engine 1 slot", self.sequential_engine_s)]
         if self.sequential_peft_s is not None:
-            rows.append(("sequential, PEFT", self.sequential_peft_s))
+            ways.append(("sequential, PEFT", self.sequential_peft_s))
+        return [{"mode": name, "wall_s": secs, "tok_s": self.tokens / secs} for name, secs in ways]
+
+    def table(self) -> str:
         lines = [f"{self.adapters} adapters x {self.steps} steps, micro-batch {self.micro_batch}, "
                  f"{self.tokens} trained tokens, median of {self.repeats} runs; {self.environment}",
                  f"{'mode':<28}{'wall s':>9}{'tokens/s':>11}{'packed speed-up':>17}"]
-        for name, secs in rows:
-            lines.append(f"{name:<28}{secs:>9.2f}{self.tokens / secs:>11.0f}{secs / self.packed_s:>16.2f}x")
+        for row in self.rows():
+            lines.append(f"{row['mode']:<28}{row['wall_s']:>9.2f}{row['tok_s']:>11.0f}"
+                         f"{row['wall_s'] / self.packed_s:>16.2f}x")
         return "\n".join(lines)
 
 
@@ -107,10 +113,12 @@ def _median(run: Callable[[], float], repeats: int) -> float:
 def cpu_bench(adapters: int = 8, steps: int = 30, *, micro_batch: int = 1, with_peft: bool = True,
               repeats: int = 3, progress: Callable[[str], None] = print) -> CpuBenchResult:
     """Train ``adapters`` adapters for ``steps`` steps packed and sequentially (median of ``repeats`` runs
-    of each way, fresh adapters every run); returns the timings."""
+    of each way, fresh adapters every run); returns the timings, each way's row checked (``timing.check_row``,
+    against the CPU's fp32 GEMM rate)."""
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model("llama", Path(tmp) / "tiny-llama", seed=0)
-        _, tokenizer = load_base(str(model_dir))
+        model, tokenizer = load_base(str(model_dir))
+        per_token = step_flops(model.config, counted_params(model), 1, 1)
         examples = tokenize_rows(arithmetic_rows(512, seed=0, fmt="prompt_completion"), "prompt_completion",
                                  tokenizer, max_length=64)
         pad = tokenizer.pad_token_id
@@ -127,7 +135,10 @@ def cpu_bench(adapters: int = 8, steps: int = 30, *, micro_batch: int = 1, with_
             _peft(model_dir, warm[:1], examples, pad)
             seq_peft = _median(lambda: _peft(model_dir, specs, examples, pad), repeats)
         tokens = _trained_tokens(examples, specs)
-    return CpuBenchResult(adapters, steps, micro_batch, repeats, packed, seq_engine, seq_peft, tokens, environment())
+    result = CpuBenchResult(adapters, steps, micro_batch, repeats, packed, seq_engine, seq_peft, tokens, environment())
+    for row in result.rows():
+        check_row(row, f"cpu_bench {row['mode']}", flops_per_token=per_token, tflops=gemm_tflops("cpu"))
+    return result
 
 
 def environment() -> str:

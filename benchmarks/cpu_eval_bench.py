@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from lora_sweep.benchmarks.cpu_bench import bench_specs, environment
+from lora_sweep.benchmarks.timing import check_row
 from lora_sweep.evaluators._core import EvalData
 from lora_sweep.evaluators.generation import generation
 from lora_sweep.evaluators.heldout_loss import heldout_loss
@@ -39,6 +40,13 @@ class EvalBenchResult:
     packed_generation_s: float
     sequential_generation_s: float
     environment: str
+
+    def rows(self) -> list[dict]:
+        """One row an evaluation and way: its wall seconds."""
+        return [{"evaluation": name, "way": way, "wall_s": secs}
+                for name, packed, seq in (("held-out loss", self.packed_loss_s, self.sequential_loss_s),
+                                          ("generation", self.packed_generation_s, self.sequential_generation_s))
+                for way, secs in (("packed", packed), ("one at a time", seq))]
 
     def table(self) -> str:
         """A plain-text table for the terminal and BENCHMARKS.md."""
@@ -97,5 +105,8 @@ def cpu_eval_bench(adapters: int = 8, items: int = 64, max_new_tokens: int = 8, 
         packed_gen = _timed(lambda: generation(pm, slots, data, **gen_opts))
         progress("generation, one adapter at a time ...")
         seq_gen = _timed(lambda: [generation(pm, [s], data, **gen_opts) for s in slots])
-    return EvalBenchResult(adapters, items, max_new_tokens, packed_loss, seq_loss, packed_gen, seq_gen,
-                           environment())
+    result = EvalBenchResult(adapters, items, max_new_tokens, packed_loss, seq_loss, packed_gen, seq_gen,
+                             environment())
+    for row in result.rows():
+        check_row(row, f"cpu_eval_bench {row['evaluation']}, {row['way']}")
+    return result

@@ -28,7 +28,16 @@ import torch
 
 from lora_sweep.benchmarks.gpu_layer import run_all
 from lora_sweep.benchmarks.shapes import PROJ, build_shape
-from lora_sweep.benchmarks.timing import gemm_tflops, random_jobs, step_flops, time_calls, timed_train
+from lora_sweep.benchmarks.timing import (
+    check_row,
+    counted_params,
+    gemm_tflops,
+    random_jobs,
+    sig,
+    step_flops,
+    time_calls,
+    timed_train,
+)
 from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import MemoryModel
 from lora_sweep.packer.step.train import train
@@ -37,19 +46,12 @@ __all__ = ["gemm_tflops", "packed_run", "base_run", "peft_run", "model_flops", "
            "correctness_gate", "calibration_check", "table"]
 
 
-def _counted_params(model: torch.nn.Module) -> int:
-    """Parameters the 4N rule counts: all but the input embedding, the output head included."""
-    cfg = model.config
-    n = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n and "lora_" not in n)
-    return n + (cfg.vocab_size * cfg.hidden_size if cfg.tie_word_embeddings else 0)
-
-
 def model_flops(model: torch.nn.Module, rows: int, seq: int) -> float:
     """Model FLOPs of one step on ``rows`` rows of ``seq`` tokens: 4 per counted weight and token (the frozen base's
     forward, 2, and its backward to the activations, 2: no weight gradient) plus attention's QK^T and PV, 4 * seq^2 *
     hidden per layer and row forward, three times that with the backward (``timing.step_flops``). The adapters' own
     FLOPs (r / hidden of a projection's) are not counted."""
-    return step_flops(model.config, _counted_params(model), rows, seq)
+    return step_flops(model.config, counted_params(model), rows, seq)
 
 
 def recompute_flops(model: torch.nn.Module, seq: int, row_ranks: list[int]) -> float:
@@ -99,7 +101,7 @@ def packed_run(model: torch.nn.Module, slots: int, micro: int, seq: int, *, impl
     return dict(workload=workload, mode=mode, slots=slots, micro=micro,
                 seq=seq,
                 rank=rank if isinstance(rank, int) else "/".join(map(str, rank)), step_ms=round(step_s * 1e3, 1),
-                tok_s=round(tokens / step_s), mfu=round(mfu, 3), hfu=round(hfu, 3),
+                tok_s=round(tokens / step_s), mfu=sig(mfu, 3), hfu=sig(hfu, 3),
                 peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1))
 
 
@@ -121,7 +123,7 @@ def base_run(model: torch.nn.Module, rows: int, seq: int, *, warmup: int = 3, st
     step_s = time_calls(step, warmup, steps)
     return dict(workload="U", mode=mode, slots=rows, micro=1, seq=seq, step_ms=round(step_s * 1e3, 1),
                 tok_s=round(rows * seq / step_s),
-                mfu=round(model_flops(model, rows, seq) / step_s / 1e12 / peak_tflops, 3),
+                mfu=sig(model_flops(model, rows, seq) / step_s / 1e12 / peak_tflops, 3),
                 peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1))
 
 
@@ -142,7 +144,7 @@ def peft_run(name: str, batch: int, seq: int, *, warmup: int = 3, steps: int = 6
 
     step_s = time_calls(step, warmup, steps)
     return dict(workload="W1", mode="peft", slots=1, micro=batch, seq=seq, step_ms=round(step_s * 1e3, 1),
-                tok_s=round(batch * seq / step_s), mfu=round(flops / step_s / 1e12 / peak_tflops, 3),
+                tok_s=round(batch * seq / step_s), mfu=sig(flops / step_s / 1e12 / peak_tflops, 3),
                 peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1))
 
 
@@ -318,6 +320,7 @@ def main(argv: list[str] | None = None, emit: Callable[[dict], None] | None = No
     printer = emit or (lambda r: print(json.dumps(r), flush=True))
 
     def keep(r: dict) -> None:
+        check_row(r, f"{r.get('workload')} {r.get('shape', '')} {r.get('mode', '')} {r.get('slots', '')}")
         results.append(r)
         printer(r)
 

@@ -13,9 +13,11 @@ SDPA:
 - Qwen2.5-0.5B shape, 32 slots x 1 x 512 and 1 slot x 1 x 512, r=16, against PEFT at batch 1 (targets >= 20x
   and >= 0.9x).
 
-Step time is the training loop's own: wall clock between two loss read-backs (every 8 steps) over the steady
-state, host staging and read-backs included, capture excluded (counted apart, with the warm-up). "graph ms" is
-the captured step replayed back to back (CUDA events), after those read-backs: the GPU's own time per step.
+Step time is the training loop's own, timed by ``timing.timed_steps``: wall clock per step with the loss ring read
+back and the device synchronised after every step (the loop's default reads back every 8 steps), host staging
+included, averaged over the steady state from step 16 (compile, warm-up and capture, counted apart, are behind).
+"graph ms" is the captured step replayed back to back (CUDA events), late in the run and outside the timed steps:
+the GPU's own time per step.
 "kernels ms" sums the kernels of those replays (torch.profiler), whose breakdown is printed. The table comes
 last.
 """
@@ -25,7 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import itertools
+import statistics
 import time
 from collections.abc import Callable
 
@@ -34,7 +36,15 @@ import torch
 import lora_sweep.packer.step.static_loop as static_loop
 from lora_sweep.benchmarks import gpu_profile
 from lora_sweep.benchmarks.shapes import PROJ, SHAPES, SMOLLM2
-from lora_sweep.benchmarks.timing import random_jobs, time_calls
+from lora_sweep.benchmarks.timing import (
+    check_row,
+    counted_params,
+    gemm_tflops,
+    random_jobs,
+    step_flops,
+    time_calls,
+    timed_steps,
+)
 from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.step.capture import capture
 from lora_sweep.packer.step.train import SlotJob, train
@@ -105,34 +115,42 @@ def _replay_profile(graph: torch.cuda.CUDAGraph, replay_ms: float, n: int = 5) -
     return kernel_us / n / 1e3, gpu_profile.breakdown(prof, n, replay_ms, "graph replay", top=20)
 
 
+STEADY = 16
+"""Steps ``packed`` leaves out of its step time: compile, warm-up and capture are behind by then."""
+
+
 def packed(model: torch.nn.Module, slots: int, micro: int, seq: int, ranks: tuple[int, ...], dropout_every: int,
-           *, steps: int = 48, cuda_graphs: str = "auto") -> dict:
-    """One static-shape pack of ``slots`` jobs of ``steps`` steps; steady-state loop step time and more."""
+           *, steps: int = 48, cuda_graphs: str = "auto", tflops: float | None = None) -> dict:
+    """One static-shape pack of ``slots`` jobs of ``steps`` steps; steady-state loop step time and more, checked
+    (``check_row``; against the GEMM rate ``tflops`` where given)."""
     runners: list[_Timing] = []
     original = static_loop.Graphs
-    # the back-to-back replays and their profile run late (after the read-back of step steps - 9), outside the
-    # timed read-back windows: a profiler session must not overlap the loop's own step times
+    # the back-to-back replays and their profile run late, in the step of the graph's call at_call: that step and
+    # the ones after it are left out of the step time (a profiler session must not overlap the loop's own steps)
     at_call = steps - 4
     static_loop.Graphs = lambda **kw: runners.append(_Timing(**kw, at_call=at_call)) or runners[-1]  # type: ignore[assignment,misc]
-    stamps: list[tuple[int, float]] = []
+    replayed_in: list[int] = []  # the step whose graph call ran the extra replays
+
+    def note(reports: list) -> None:  # noqa: ANN001
+        if runners and runners[0].replay_ms is not None and not replayed_in:
+            replayed_in.append(reports[0].step)
+
+    per_token = step_flops(model.config, counted_params(model), 1, 1)  # before the pack wraps the projections
     jobs = _jobs(model, slots, micro, seq, steps, ranks, dropout_every)
     try:
-        result = train(PackedModel(model, impl="triton"), slots, lambda s: jobs.pop(0) if jobs else None, pad_id=0,
-                       on_step=lambda reps: stamps.append((reps[0].step, time.perf_counter())),
-                       cuda_graphs=cuda_graphs)
+        timed = timed_steps(PackedModel(model, impl="triton"), jobs, slots, on_step=note, cuda_graphs=cuda_graphs)
     finally:
         static_loop.Graphs = original  # type: ignore[misc]
-    # the loop reads back after every 8th step and after the last (all jobs end together): the on_step call of
-    # such a step is the last of its read-back, made as that read-back returned
-    marks = [(s, t) for s, t in stamps if (s + 1) % static_loop.DEFAULT_READBACK == 0 and s < at_call - 1]
-    marks = marks[1:]  # from the second read-back: compile and capture are behind
-    step_ms = (marks[-1][1] - marks[0][1]) / (marks[-1][0] - marks[0][0]) * 1e3
-    windows = [round((t1 - t0) / (s1 - s0) * 1e3, 2) for (s0, t0), (s1, t1) in itertools.pairwise(marks)]
-    runner = runners[0]
-    return dict(slots=slots, micro=micro, seq=seq, step_ms=step_ms, graph_ms=runner.replay_ms,
-                graph_kernel_ms=runner.kernel_ms, breakdown=runner.breakdown,
-                tok_s=slots * micro * seq / step_ms * 1e3, warmup_s=result.warmup_s, capture_s=result.capture_s,
-                graphs=result.graphs, windows_ms=windows)
+    steady = timed.seconds[STEADY:replayed_in[0] if replayed_in else None]
+    step_ms = statistics.mean(steady) * 1e3
+    n = static_loop.DEFAULT_READBACK
+    windows = [round(statistics.mean(steady[i:i + n]) * 1e3, 2) for i in range(0, len(steady), n)]
+    runner, result = runners[0], timed.result
+    row = dict(slots=slots, micro=micro, seq=seq, step_ms=step_ms, graph_ms=runner.replay_ms,
+               graph_kernel_ms=runner.kernel_ms, breakdown=runner.breakdown,
+               tok_s=slots * micro * seq / step_ms * 1e3, warmup_s=result.warmup_s, capture_s=result.capture_s,
+               graphs=result.graphs, windows_ms=windows)
+    return check_row(row, f"packed {slots}x{micro}x{seq}", flops_per_token=per_token, tflops=tflops)
 
 
 def kernel_profile(model: torch.nn.Module, slots: int, micro: int, seq: int, ranks: tuple[int, ...],
@@ -247,12 +265,12 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _smollm2(rows: list[dict], notes: list[str]) -> None:
+def _smollm2(rows: list[dict], notes: list[str], tflops: float) -> None:
     smol = build(SMOLLM2)
     # like for like: every slot PEFT's own adapter (r=16 on the seven projections, no dropout)
-    same = packed(smol, 16, 8, 48, (16,), 0)
+    same = packed(smol, 16, 8, 48, (16,), 0, tflops=tflops)
     print("smollm2 packed r16", {k: v for k, v in same.items() if k != "breakdown"}, flush=True)
-    p = packed(smol, 16, 8, 48, (8, 16, 32), 2)
+    p = packed(smol, 16, 8, 48, (8, 16, 32), 2, tflops=tflops)
     print("smollm2 packed", {k: v for k, v in p.items() if k != "breakdown"}, flush=True)
     kernel_ms, breakdown = p["graph_kernel_ms"], p["breakdown"]
     if kernel_ms is None:  # the profiler saw no graph kernels: the same step run eagerly
@@ -274,12 +292,12 @@ def _smollm2(rows: list[dict], notes: list[str]) -> None:
     notes.append(f"where the smollm2 r16 step's GPU time goes:\n{same['breakdown']}")
 
 
-def _qwen(rows: list[dict], notes: list[str]) -> None:
+def _qwen(rows: list[dict], notes: list[str], tflops: float) -> None:
     shape = dict(SHAPES["qwen2.5-0.5b"])
     qwen = build(shape)
-    p32 = packed(qwen, 32, 1, 512, (16,), 0, steps=32)
+    p32 = packed(qwen, 32, 1, 512, (16,), 0, steps=32, tflops=tflops)
     print("qwen packed 32", {k: v for k, v in p32.items() if k != "breakdown"}, flush=True)
-    p1 = packed(qwen, 1, 1, 512, (16,), 0, steps=40)
+    p1 = packed(qwen, 1, 1, 512, (16,), 0, steps=40, tflops=tflops)
     print("qwen packed 1", {k: v for k, v in p1.items() if k != "breakdown"}, flush=True)
     del qwen
     _free()
@@ -302,10 +320,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
     rows: list[dict] = []
     notes: list[str] = []
+    tflops = gemm_tflops()
     if not args.only_qwen:
-        _smollm2(rows, notes)
+        _smollm2(rows, notes, tflops)
     if not args.skip_qwen:
-        _qwen(rows, notes)
+        _qwen(rows, notes, tflops)
     for n in notes:
         print(n)
     print("x eager / x graph: per trial-step, PEFT ms / (pack step ms / slots); smollm2 vs PEFT b8, qwen vs PEFT b1")

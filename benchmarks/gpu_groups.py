@@ -4,7 +4,8 @@
 builds for Llama-3-8B (random-init bf16 model of its shape, SDPA, fused base, r=16 on the seven projections, 12 slots
 x 1 row x 1024 tokens, chunked loss), trained on the step a default sweep runs (the static step, replayed as a CUDA
 graph), four ways: groups on and off, without LoRA dropout and with dropout 0.1 on every slot. One JSON line each
-(median ms per step of the steps after the warm-up, tokens/s), then a line of the ratios off / on.
+(median ms per step of the steps after the warm-up, ``timing.timed_steps``: each step's losses read back and the
+device synchronised; tokens/s), then a line of the ratios off / on.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 import lora_sweep.packer.model.packed as packer_model
 from lora_sweep.benchmarks.shapes import build_shape
-from lora_sweep.benchmarks.timing import random_jobs, timed_train
+from lora_sweep.benchmarks.timing import check_row, counted_params, gemm_tflops, random_jobs, step_flops, timed_train
 from lora_sweep.packer.model.packed import PackedModel
 
 __all__ = ["grouped_vs_alone"]
@@ -45,9 +46,11 @@ def _groups(on: bool) -> Iterator[None]:
 
 
 def grouped_vs_alone(shape: str = "llama3-8b", slots: int = 12, seq: int = 1024, *, dropout: float = 0.0,
-                     warmup: int = 3, steps: int = 8) -> list[dict]:
-    """Median step time of the same pack with groups on, then off (one model, packs one after another)."""
+                     warmup: int = 3, steps: int = 8, tflops: float | None = None) -> list[dict]:
+    """Median step time of the same pack with groups on, then off (one model, packs one after another), each row
+    checked (``check_row``; against the GEMM rate ``tflops`` where given)."""
     model = build_shape(shape)
+    per_token = step_flops(model.config, counted_params(model), 1, 1)  # before a pack wraps the projections
     rows = []
     for on in (True, False):
         with _groups(on):
@@ -56,8 +59,10 @@ def grouped_vs_alone(shape: str = "llama3-8b", slots: int = 12, seq: int = 1024,
                     for j in random_jobs(slots, 1, seq, model.config.vocab_size, warmup + steps)]
             step_s = timed_train(pm, jobs, slots, warmup, chunked_ce=True)
             grouped = sum(len(g.members) for g in pm.groups)
-        rows.append(dict(shape=shape, slots=slots, seq=seq, dropout=dropout, groups=on, grouped_projections=grouped,
-                         step_ms=round(step_s * 1e3, 2), tok_s=round(slots * seq / step_s)))
+        row = dict(shape=shape, slots=slots, seq=seq, dropout=dropout, groups=on, grouped_projections=grouped,
+                   step_ms=round(step_s * 1e3, 2), tok_s=round(slots * seq / step_s))
+        rows.append(check_row(row, f"groups {'on' if on else 'off'}, dropout {dropout}", flops_per_token=per_token,
+                              tflops=tflops))
         del pm
         gc.collect()
         torch.cuda.empty_cache()
@@ -70,8 +75,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--slots", type=int, default=12)
     parser.add_argument("--seq", type=int, default=1024)
     args = parser.parse_args(argv)
+    tflops = gemm_tflops()
     for dropout in (0.0, 0.1):
-        on, off = grouped_vs_alone(args.shape, args.slots, args.seq, dropout=dropout)
+        on, off = grouped_vs_alone(args.shape, args.slots, args.seq, dropout=dropout, tflops=tflops)
         for row in (on, off):
             print(json.dumps(row), flush=True)
         print(json.dumps(dict(dropout=dropout, off_over_on=round(off["step_ms"] / on["step_ms"], 3))), flush=True)

@@ -20,7 +20,7 @@ import statistics
 import torch
 
 from lora_sweep.benchmarks import gpu_profile
-from lora_sweep.benchmarks.timing import random_jobs, timed_train
+from lora_sweep.benchmarks.timing import check_row, random_jobs, timed_steps, timed_train
 from lora_sweep.packer.data.rows import Example, SlotStream, load_examples
 from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.step.train import SlotJob, train
@@ -60,12 +60,13 @@ def main(argv: list[str] | None = None) -> None:
     for kind, impl in (("random", "triton"), ("data", "triton"), ("data", "torch")):
         jobs = _jobs(kind, examples, args.slots, args.micro, 25, vocab)
         step = timed_train(PackedModel(model, impl=impl), jobs, args.slots, warmup=5)  # type: ignore[arg-type]
+        check_row({"step_ms": step * 1e3}, f"{kind} rows, {impl}")
         print(f"{kind:>6} rows, {impl:>6}: median step {step * 1e3:.1f} ms", flush=True)
     jobs = _jobs("data", examples, args.slots, args.micro, 25, vocab)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], acc_events=True,
                  schedule=schedule(wait=10, warmup=3, active=5)) as prof:
-        train(PackedModel(model, impl="triton"), args.slots, lambda s: jobs.pop(0) if jobs else None, pad_id=0,
-              on_step=lambda _reports: prof.step())
+        timed_steps(PackedModel(model, impl="triton"), jobs, args.slots,  # type: ignore[arg-type]
+                    on_step=lambda _reports: prof.step())
     events = prof.key_averages()
     kernel_ms = sum(e.self_device_time_total for e in gpu_profile.kernel_events(events)) / 5e3
     host_ms = sum(e.self_cpu_time_total for e in events if e.key == "ProfilerStep*") / 5e3

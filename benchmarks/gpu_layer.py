@@ -23,6 +23,8 @@ from collections.abc import Callable
 
 import torch
 
+from lora_sweep.benchmarks.timing import check_row
+
 __all__ = ["LAYER_SHAPES", "projection_bench", "decoder_layer_bench", "run_all"]
 
 LAYER_SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096), (4096, 1024))
@@ -147,7 +149,7 @@ def run_all(emit: Callable[[dict], None]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argparse.ArgumentParser(prog="python -m lora_sweep.benchmarks.gpu_layer", description=__doc__).parse_args(argv)
-    run_all(lambda r: print(json.dumps(r), flush=True))
+    run_all(lambda r: print(json.dumps(check_row(r, f"W4 {r['scope']} {r['shape']}")), flush=True))
 
 
 if __name__ == "__main__":

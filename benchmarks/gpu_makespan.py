@@ -46,10 +46,11 @@ import torch
 
 from lora_sweep.benchmarks.makespan_sweep import SweepConfig, extrapolate, sample_indices, sweep_configs
 from lora_sweep.benchmarks.shapes import PROJ, SHAPES, build_shape
+from lora_sweep.benchmarks.timing import check_row, timed_steps
 from lora_sweep.packer.data.rows import Example
 from lora_sweep.packer.model.checkpoint import save_adapters
 from lora_sweep.packer.model.packed import DTYPES, PackedModel
-from lora_sweep.packer.step.train import FixedBatch, SlotJob, make_optimizer, train
+from lora_sweep.packer.step.train import FixedBatch, SlotJob, make_optimizer
 
 __all__ = ["Setup", "MODES", "save_base", "run_packed", "run_sequential", "run_procs", "makespan", "main"]
 
@@ -147,7 +148,6 @@ def run_packed(setup: Setup, configs: Sequence[SweepConfig], out: Path, slots: i
     for c in configs:
         rows = [Example(tuple(r), tuple(r)) for r in c.token_ids(setup.seq, setup.vocab).tolist()]
         queue.append(SlotJob(c.spec(setup.steps), FixedBatch(rows), key=c.index))
-    stamps: list[float] = []  # after each step's host sync on its losses
     saves: list[tuple[float, float]] = []  # (start, seconds) of each batch of saves
 
     def save(ends: list) -> None:
@@ -157,15 +157,14 @@ def run_packed(setup: Setup, configs: Sequence[SweepConfig], out: Path, slots: i
         saves.append((t, time.perf_counter() - t))
 
     capacity = min(slots or len(configs), len(configs))
-    result = train(pm, capacity, lambda _slot: queue.pop(0) if queue else None, pad_id=0, on_end=save,
-                   on_step=lambda _reports: stamps.append(time.perf_counter()), chunked_ce=True)
+    timed = timed_steps(pm, lambda _slot: queue.pop(0) if queue else None, capacity, on_end=save, chunked_ce=True)
     span = time.perf_counter() - t0  # the last save copied its weights to the host: the device is done
-    # Where the makespan went: the first step carries the kernels' compile (cold cache) and allocations.
+    result = timed.result
+    # Where the makespan went: the first step carries the kernels' compile (cold cache) and allocations
     phases: dict[str, float | None] = dict(load_s=round(loaded - t0, 2), save_s=round(sum(d for _, d in saves), 2))
-    if stamps:
-        between = sum(d for t, d in saves if t < stamps[-1])  # saves of slots that ended before the last step
-        phases.update(first_step_s=round(stamps[0] - loaded, 2),
-                      later_steps_s=round(stamps[-1] - stamps[0] - between, 2))
+    if timed.seconds:
+        between = sum(d for t, d in saves if t < timed.at[-1])  # saves of slots that ended before the last step
+        phases.update(first_step_s=round(timed.seconds[0], 2), later_steps_s=round(sum(timed.seconds[1:]) - between, 2))
     return _line(mode, setup, configs, span, result.tokens, slots=capacity, global_steps=result.steps,
                  **phases, **_peak_gib(setup.device))
 
@@ -353,7 +352,7 @@ def makespan(shape: str = "qwen2.5-0.5b", *, n_configs: int = 24, steps: int = 2
                 for ref in (r for r in lines if r["mode"].startswith("packed")):
                     key = "ratio_vs_" + ref["mode"].replace("-", "_")
                     line[key] = round(line["makespan_s"] / ref["makespan_s"], 2)
-            lines.append(line)
+            lines.append(check_row(line, f"W3 {mode}"))
             emit(line)
             _free(device)  # this mode's model and cached blocks must not crowd the next one
     return lines

@@ -15,12 +15,11 @@ import argparse
 import collections
 import re
 import statistics
-import time
 
 import torch
 
 from lora_sweep.benchmarks.shapes import SHAPES, build_shape
-from lora_sweep.benchmarks.timing import random_jobs
+from lora_sweep.benchmarks.timing import check_row, random_jobs, sig, time_calls, timed_steps
 
 __all__ = ["CATEGORIES", "category", "breakdown", "kernel_events", "profile_step"]
 
@@ -53,18 +52,15 @@ def breakdown(prof: torch.profiler.profile, steps: int, wall_ms: float, title: s
 
 def _profile_pack(pm: object, slots: int, seq: int) -> tuple[torch.profiler.profile, list[float]]:
     """Six steps of ``slots`` x 1 x ``seq`` random rows on ``pm`` (a ``PackedModel``), the last three profiled;
-    returns the profile and the wall-clock stamp after each step."""
+    returns the profile and each step's seconds (``timing.timed_steps``: the profiler's step marks outside them)."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    from lora_sweep.packer.step.train import train
-
     jobs = random_jobs(slots, 1, seq, pm.model.config.vocab_size, 6)  # type: ignore[attr-defined]
-    stamps: list[float] = []
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], acc_events=True,
                  schedule=schedule(wait=0, warmup=3, active=3)) as prof:
-        train(pm, slots, lambda s: jobs.pop(0) if jobs else None, pad_id=0, chunked_ce=True,  # type: ignore[arg-type]
-              on_step=lambda r: (stamps.append(time.perf_counter()), prof.step()))  # type: ignore[func-returns-value]
-    return prof, stamps
+        timed = timed_steps(pm, jobs, slots, on_step=lambda _reports: prof.step(),  # type: ignore[arg-type]
+                            chunked_ce=True)
+    return prof, timed.seconds
 
 
 def profile_step(model: torch.nn.Module, slots: int, seq: int, out_dir: str | None) -> dict:
@@ -74,7 +70,7 @@ def profile_step(model: torch.nn.Module, slots: int, seq: int, out_dir: str | No
     """
     from lora_sweep.packer.model.packed import PackedModel
 
-    prof, stamps = _profile_pack(PackedModel(model, impl="triton"), slots, seq)
+    prof, seconds = _profile_pack(PackedModel(model, impl="triton"), slots, seq)
     events = prof.key_averages()
     kernels = kernel_events(events)
     device_us = sum(e.self_device_time_total for e in kernels) / 3
@@ -86,11 +82,11 @@ def profile_step(model: torch.nn.Module, slots: int, seq: int, out_dir: str | No
             table + "\n\n" + events.table(sort_by="self_device_time_total", row_limit=40))
     top_cpu = sorted(events, key=lambda e: -e.self_cpu_time_total)[:6]
     top_dev = sorted(kernels, key=lambda e: -e.self_device_time_total)[:6]
-    return dict(workload="profile", slots=slots, seq=seq,
-                step_ms=round(statistics.median(b - a for a, b in zip(stamps[3:], stamps[4:], strict=False)) * 1e3, 1),
-                gpu_busy_ms=round(device_us / 1e3, 1),
-                top_cpu_ms={e.key[:40]: round(e.self_cpu_time_total / 3e3, 1) for e in top_cpu},
-                top_gpu_ms={e.key[:40]: round(e.self_device_time_total / 3e3, 1) for e in top_dev})
+    row = dict(workload="profile", slots=slots, seq=seq, step_ms=sig(statistics.median(seconds[3:]) * 1e3),
+               gpu_busy_ms=round(device_us / 1e3, 1),
+               top_cpu_ms={e.key[:40]: round(e.self_cpu_time_total / 3e3, 1) for e in top_cpu},
+               top_gpu_ms={e.key[:40]: round(e.self_device_time_total / 3e3, 1) for e in top_dev})
+    return check_row(row, f"profile {slots} x {seq}")
 
 
 def kernel_events(events: list) -> list:
@@ -115,8 +111,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     model = build_shape(args.shape)
     pm = PackedModel(model, impl="triton", fused_base_ops=not args.eager)
-    prof, stamps = _profile_pack(pm, args.slots, args.seq)
-    wall = (stamps[-1] - stamps[-4]) / 3 * 1e3
+    prof, seconds = _profile_pack(pm, args.slots, args.seq)
+    wall = statistics.mean(seconds[-3:]) * 1e3
     print(breakdown(prof, 3, wall, f"packed {args.slots} x {args.seq}" + (" (eager base)" if args.eager else "")))
     del pm
     torch.cuda.empty_cache()
@@ -128,13 +124,9 @@ def main(argv: list[str] | None = None) -> None:
 
     for _ in range(2):
         step()
-    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-    print(breakdown(prof, 3, (time.perf_counter() - t0) / 3 * 1e3, f"base alone {args.slots} x {args.seq}"
+        base_s = time_calls(step, 0, 3)
+    print(breakdown(prof, 3, base_s * 1e3, f"base alone {args.slots} x {args.seq}"
                     + ("" if args.eager else " (fused norms and MLPs)")))
 
 

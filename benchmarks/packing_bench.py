@@ -8,7 +8,7 @@ Both runs train ``--slots`` adapters for the same steps: unpacked, each slot's
 micro-batch is ``--micro`` examples padded to the pack's longest row; packed, each slot's micro-batch
 is as many rows of ``--row-len`` tokens as hold about as many examples. Reported per run: examples
 and real (non-padding) tokens per step, the padding fraction of the padded batch, the median step
-time, and real tokens/s.
+time (``timing.timed_steps``: the loss read back and the device synchronised after every step), and real tokens/s.
 """
 
 from __future__ import annotations
@@ -19,17 +19,17 @@ import math
 import random
 import statistics
 import tempfile
-import time
 from typing import Any
 
 import torch
 
 from lora_sweep.benchmarks.shapes import PROJ, build_shape
+from lora_sweep.benchmarks.timing import check_row, counted_params, gemm_tflops, sig, step_flops, timed_steps
 from lora_sweep.packer.data.packing import SamplePackedStream
 from lora_sweep.packer.data.rows import IGNORE_INDEX, Example, SlotStream
 from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec
-from lora_sweep.packer.step.train import SlotJob, train
+from lora_sweep.packer.step.train import SlotJob
 from lora_sweep.packer.tiny.models import build_tiny_model
 
 __all__ = ["run", "main"]
@@ -57,7 +57,8 @@ def _examples(n: int, row_len: int, vocab: int = 500) -> list[Example]:
 
 
 def _run(model: torch.nn.Module, examples: list[Example], *, slots: int, micro: int, packed: bool, row_len: int,
-         steps: int, warmup: int) -> dict:
+         steps: int, warmup: int, flops_per_token: float, tflops: float) -> dict:
+    """One run's row (module docstring), checked (``check_row``) against the device's GEMM rate ``tflops``."""
     pm = PackedModel(model, impl="triton" if next(model.parameters()).is_cuda else "torch")
     streams = []
     jobs = []
@@ -67,27 +68,19 @@ def _run(model: torch.nn.Module, examples: list[Example], *, slots: int, micro: 
         spec = AdapterSpec(rank=16, alpha=32, targets=PROJ, micro_batch=micro, max_steps=warmup + steps, seed=i,
                            lr=1e-4, sample_packing=packed)
         jobs.append(SlotJob(spec, streams[-1], key=i))
-    stamps: list[float] = []
-    real: list[int] = []
-
-    def on_step(reports: list) -> None:  # noqa: ANN001
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        stamps.append(time.perf_counter())
-        real.append(sum(r.input_tokens for r in reports))
-
-    train(pm, slots, lambda s: jobs.pop(0) if jobs else None, pad_id=0, on_step=on_step, chunked_ce=True)
-    step_s = statistics.median(b - a for a, b in zip(stamps[warmup - 1:], stamps[warmup:], strict=False))
+    timed = timed_steps(pm, jobs, slots, chunked_ce=True)
+    step_s = timed.median(warmup)
     padded, examples_per_step = [], []
     for step in range(warmup, warmup + steps):
         rows = [r for s in streams for r in s.served[step]]
         padded.append(len(rows) * max(len(r.input_ids) for r in rows))
         examples_per_step.append(sum(getattr(r, "n_examples", 1) for r in rows))
-    real_tokens = statistics.mean(real[warmup:])
-    return dict(mode="packed" if packed else "unpacked", slots=slots, micro=micro,
-                row_len=row_len if packed else None, examples_per_step=round(statistics.mean(examples_per_step), 1),
-                real_tokens_per_step=round(real_tokens), padding=round(1 - real_tokens / statistics.mean(padded), 3),
-                step_ms=round(step_s * 1e3, 1), tok_s=round(real_tokens / step_s))
+    real_tokens = timed.input_tokens(warmup)
+    row = dict(mode="packed" if packed else "unpacked", slots=slots, micro=micro,
+               row_len=row_len if packed else None, examples_per_step=round(statistics.mean(examples_per_step), 1),
+               real_tokens_per_step=round(real_tokens), padding=round(1 - real_tokens / statistics.mean(padded), 3),
+               step_ms=sig(step_s * 1e3), tok_s=round(real_tokens / step_s))
+    return check_row(row, f"{row['mode']} {slots} slots", flops_per_token=flops_per_token, tflops=tflops)
 
 
 def run(shape: str | None, *, slots: int, micro: int, row_len: int, steps: int, warmup: int) -> list[dict]:
@@ -100,9 +93,13 @@ def run(shape: str | None, *, slots: int, micro: int, row_len: int, steps: int, 
     examples = _examples(4000, row_len, vocab=min(500, model.config.vocab_size))
     mean_len = statistics.mean(len(e.input_ids) for e in examples)
     rows = max(1, round(micro * mean_len / row_len))  # packed rows holding about ``micro`` examples
+    # at least 4 FLOPs per counted weight and real token (step_flops of one token): a lower bound of the work
+    ceiling = dict(flops_per_token=step_flops(model.config, counted_params(model), 1, 1),
+                   tflops=gemm_tflops(next(model.parameters()).device))
     out = [_run(model, examples, slots=slots, micro=micro, packed=False, row_len=row_len, steps=steps,
-                warmup=warmup),
-           _run(model, examples, slots=slots, micro=rows, packed=True, row_len=row_len, steps=steps, warmup=warmup)]
+                warmup=warmup, **ceiling),
+           _run(model, examples, slots=slots, micro=rows, packed=True, row_len=row_len, steps=steps, warmup=warmup,
+                **ceiling)]
     for r in out:
         r.update(shape=shape or "tiny-llama", mean_example_tokens=round(mean_len, 1))
     return out

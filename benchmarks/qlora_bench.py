@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 import warnings
 
@@ -27,12 +26,12 @@ import torch
 from torch import nn
 
 from lora_sweep.benchmarks.shapes import PROJ, SHAPES
-from lora_sweep.benchmarks.timing import gemm_tflops, step_flops
+from lora_sweep.benchmarks.timing import ImplausibleRow, check_row, gemm_tflops, sig, step_flops, timed_steps
 from lora_sweep.packer.data.rows import Example
 from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.model.quant import quantize_base
 from lora_sweep.packer.plan import AdapterSpec
-from lora_sweep.packer.step.train import FixedBatch, SlotJob, train
+from lora_sweep.packer.step.train import FixedBatch, SlotJob
 
 
 def _init(module: nn.Module) -> None:
@@ -90,32 +89,30 @@ def run(model: nn.Module, *, slots: int, micro: int, seq: int, rank: int, steps:
         spec = AdapterSpec(rank=rank, alpha=2 * rank, targets=PROJ, micro_batch=micro, max_steps=warmup + steps,
                            seed=i, lr=1e-4)
         jobs.append(SlotJob(spec, FixedBatch([Example(tuple(r), tuple(r)) for r in ids]), key=i))
-    stamps: list[float] = []
     grad_bytes = [0]
-    losses: list[float] = []
 
     def on_step(reports: list) -> None:  # noqa: ANN001
-        stamps.append(time.perf_counter())
-        losses.append(reports[0].loss)
         grad_bytes[0] = pm.static.grad.numel() * pm.static.grad.element_size()
 
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    options: dict = {"cuda_graphs": "on" if static else "off", "readback_every": 1, "chunked_ce": True,
-                     "activation_checkpointing": activation_checkpointing}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        train(pm, slots, lambda s: jobs.pop(0) if jobs else None, pad_id=0, on_step=on_step, **options)
-    step_s = statistics.median(b - a for a, b in zip(stamps[warmup - 1:], stamps[warmup:], strict=False))
+        timed = timed_steps(pm, jobs, slots, on_step=on_step, cuda_graphs="on" if static else "off", chunked_ce=True,
+                            activation_checkpointing=activation_checkpointing)
+    step_s = timed.median(warmup)
+    losses = [reports[0].loss for reports in timed.reports]
     tokens = slots * micro * seq
-    return {
+    row = {
         "base_gib": round(base_gib, 2), "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-        "step_s": round(step_s, 3), "tokens_per_s": round(tokens / step_s),
-        "mfu": round(_flops(model, slots * micro, seq) / step_s / 1e12 / peak_tflops, 3),
+        "step_s": sig(step_s), "tokens_per_s": round(tokens / step_s),
+        "mfu": sig(_flops(model, slots * micro, seq) / step_s / 1e12 / peak_tflops, 3),
         "adapter_grad_gib": round(grad_bytes[0] / 2**30, 3), "first_loss": round(losses[0], 4),
         "finite_loss": all(x == x for x in losses),
         "warnings": sorted({str(w.message).splitlines()[0][:160] for w in caught})[:4],
     }
+    return check_row(row, f"qlora {slots} slots x {micro} x {seq}", flops_per_token=_flops(model, 1, 1),
+                     tflops=peak_tflops)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -143,6 +140,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         row |= run(model, slots=a.slots, micro=a.micro, seq=a.seq, rank=a.rank, steps=a.steps, warmup=a.warmup,
                    activation_checkpointing=a.activation_checkpointing, static=a.static, peak_tflops=peak)
+    except ImplausibleRow:
+        raise  # an impossible figure is not a result: no row
     except Exception as err:  # a measurement that fails is a result too (e.g. a capture the NF4 path breaks)
         row |= {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}",
                 "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}

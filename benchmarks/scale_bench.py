@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from lora_sweep.benchmarks.timing import check_row
 from lora_sweep.sweep.store import ResultsStore, StudyDir
 from lora_sweep.sweep.worker import study_counts
 
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for rep in range(args.repeat):  # interleaved, so a drift of the machine's speed hits every count alike
         for n in args.workers:
-            rows.append(run_once(args.study, n, args.root, *args.overrides, rep=rep))
+            rows.append(check_row(run_once(args.study, n, args.root, *args.overrides, rep=rep), f"{n} workers"))
             print(json.dumps(rows[-1]), flush=True)
     rate = {n: statistics.median(r["trials_per_hour"] for r in rows if r["workers"] == n) for n in args.workers}
     base = rate[min(args.workers)]

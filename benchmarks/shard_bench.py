@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from lora_sweep.benchmarks.shapes import PROJ, SHAPES
 from lora_sweep.benchmarks.shard_peft import peft_model, timed_peft_steps, trainable_params
-from lora_sweep.benchmarks.timing import gemm_tflops, random_jobs, step_flops, timed_train
+from lora_sweep.benchmarks.timing import check_row, gemm_tflops, random_jobs, sig, step_flops, timed_train
 from lora_sweep.evaluators.cost import adapter_params
 from lora_sweep.packer.model.inject import linear_shape, resolve_targets
 from lora_sweep.packer.model.packed import DTYPES, PackedModel
@@ -82,24 +82,15 @@ def _allocated_bytes(device: torch.device) -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def _gemm_rate(device: torch.device, dtype: torch.dtype) -> float:
-    """TFLOP/s of a square GEMM in ``dtype`` on ``device``: the MFU denominator (CUDA: ``gemm_tflops``' bf16 8192^3;
-    CPU: 512^3, the smoke path's)."""
-    if device.type == "cuda":
-        return gemm_tflops()
-    a = torch.randn(512, 512, dtype=dtype)
-    b = torch.randn_like(a)
-    a @ b
-    start = time.perf_counter()
-    for _ in range(10):
-        a @ b
-    return 2 * 512**3 * 10 / (time.perf_counter() - start) / 1e12
-
-
-def _speed(config: object, params: int, rows: int, seq: int, step_s: float, tflops: float, world: int) -> dict:
-    """A row's timing fields: ``rows`` rows of ``seq`` tokens trained per step of ``step_s`` over ``world`` ranks."""
-    return {"step_s": round(step_s, 4), "tokens_per_s": round(rows * seq / step_s),
-            "mfu": round(step_flops(config, params, rows, seq) / step_s / 1e12 / (tflops * world), 4)}
+def _speed(run: str, config: object, params: int, rows: int, seq: int, step_s: float, tflops: float,
+           world: int) -> dict:
+    """A row's timing fields: ``rows`` rows of ``seq`` tokens trained per step of ``step_s`` over ``world`` ranks of
+    ``tflops`` each, checked (``check_row``). Significant digits, not decimal places: a tiny model's MFU on a GPU
+    (1e-5 of its GEMM rate) would round to 0."""
+    fields = {"step_s": sig(step_s), "tokens_per_s": round(rows * seq / step_s),
+              "mfu": sig(step_flops(config, params, rows, seq) / step_s / 1e12 / (tflops * world))}
+    return check_row(fields, f"{run} x{rows} x {seq}", flops_per_token=step_flops(config, params, 1, 1),
+                     tflops=tflops * world)
 
 
 def _oom(err: torch.OutOfMemoryError) -> dict:
@@ -153,7 +144,7 @@ def _pack_row(config: object, a: argparse.Namespace, device: torch.device, world
     try:
         step_s = timed_train(pm, jobs, a.slots, a.warmup, cuda_graphs="off", chunked_ce=True,
                              activation_checkpointing=a.activation_checkpointing)
-        row |= _speed(config, params, a.slots * a.micro, a.seq, step_s, tflops, world)
+        row |= _speed("pack", config, params, a.slots * a.micro, a.seq, step_s, tflops, world)
     except torch.OutOfMemoryError as err:
         row |= _oom(err)
     return _finish(row, load, pm.model, device, world)
@@ -170,7 +161,7 @@ def _peft_row(config: object, a: argparse.Namespace, device: torch.device, world
     ids = torch.randint(0, config.vocab_size, (a.micro, a.seq), generator=gen).to(device)  # type: ignore
     try:
         step_s = timed_peft_steps(model, ids, a.warmup, a.steps)
-        row |= _speed(config, params, a.micro * world, a.seq, step_s, tflops, world)
+        row |= _speed("peft", config, params, a.micro * world, a.seq, step_s, tflops, world)
     except torch.OutOfMemoryError as err:
         row |= _oom(err)
     return _finish(row, load, model, device, world)
@@ -185,7 +176,7 @@ def table(rows: list[dict]) -> str:
         if "error" in row:
             lines.append(f"{who:<16}{peaks:>22}  {row['error'][:60]}")
         else:
-            lines.append(f"{who:<16}{peaks:>22}{row['tokens_per_s']:>10}{row['mfu']:>8.3f}")
+            lines.append(f"{who:<16}{peaks:>22}{row['tokens_per_s']:>10}{row['mfu']:>8.3g}")
     first, last = rows[0], rows[-1]
     if len(rows) > 1 and "error" not in first and "error" not in last:
         lines.append(f"{first['run']} / {last['run']} tokens/s: {first['tokens_per_s'] / last['tokens_per_s']:.2f}x")
@@ -207,7 +198,7 @@ def _rank(rank: int, world: int, a: argparse.Namespace) -> None:
     if a.device == "cuda":
         torch.cuda.set_device(rank)
     device = torch.device(a.device, rank) if a.device == "cuda" else torch.device("cpu")
-    tflops = _gemm_rate(device, DTYPES[a.dtype])  # before the base: its buffers freed again
+    tflops = gemm_tflops(device, DTYPES[a.dtype])  # before the base: its buffers freed again
     config = _config(a)
     rows = [_pack_row(config, a, device, world, tflops)]
     if a.baseline == "peft":
@@ -218,7 +209,7 @@ def _rank(rank: int, world: int, a: argparse.Namespace) -> None:
     if rank == 0:
         head = {"shape": a.config or a.shape, "layers": config.num_hidden_layers, "gpus": world,  # type: ignore
                 "device": a.device, "dtype": a.dtype, "micro": a.micro, "seq": a.seq, "rank": a.rank,
-                "activation_checkpointing": a.activation_checkpointing, "gemm_tflops": round(tflops, 3)}
+                "activation_checkpointing": a.activation_checkpointing, "gemm_tflops": sig(tflops)}
         for row in rows:
             print(json.dumps({**head, **row}), flush=True)
         if len(rows) > 1:

@@ -24,8 +24,6 @@ logits, cross-entropy in fp32), as PEFT with transformers' ``Trainer`` computes 
 from __future__ import annotations
 
 import math
-import statistics
-import time
 
 import torch
 from torch import nn
@@ -33,6 +31,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, init_device_mesh
 
 from lora_sweep.benchmarks.shapes import PROJ
+from lora_sweep.benchmarks.timing import time_calls
 from lora_sweep.packer.model.packed import DTYPES
 from lora_sweep.packer.model.shard import decoder_layers
 from lora_sweep.packer.model.shard_load import materialise, meta_model
@@ -101,24 +100,24 @@ def trainable_params(model: nn.Module) -> int:
 
 
 def timed_peft_steps(model: nn.Module, ids: torch.Tensor, warmup: int, steps: int) -> float:
-    """Median seconds of the steps after ``warmup`` of AdamW (lr 1e-4, as the pack's slots) on this rank's fixed
-    rows ``ids`` (micro, seq), next-token loss on every token; each step ends with the loss read on the host (a
-    sync), as the pack's ``timed_train`` reads back after every step.
+    """Mean seconds of the ``steps`` steps after ``warmup`` of AdamW (lr 1e-4, as the pack's slots) on this rank's
+    fixed rows ``ids`` (micro, seq), next-token loss on every token, timed by ``timing.time_calls`` (the device
+    synchronised before and after); each step reads its loss on the host, as the pack's steps read back theirs.
 
     Raises:
-        ValueError: ``warmup`` < 1 (the first timed step needs a stamp before it).
+        ValueError: ``warmup`` < 1 (the timed steps start after the compile and allocations of the first).
         FloatingPointError: a step's loss is not finite (its time would measure nothing).
     """
     if warmup < 1:
         raise ValueError(f"warmup must be >= 1 (got {warmup})")
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    stamps: list[float] = []
-    for _ in range(warmup + steps):
+
+    def step() -> None:
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         if not math.isfinite(loss.item()):
             raise FloatingPointError(f"PEFT baseline: loss {loss.item()}")
-        stamps.append(time.perf_counter())
-    return statistics.median(b - a for a, b in zip(stamps[warmup - 1:], stamps[warmup:], strict=False))
+
+    return time_calls(step, warmup, steps, ids.device)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from lora_sweep.benchmarks.cpu_eval_bench import cpu_eval_bench
+from lora_sweep.benchmarks.timing import check_row
 
 
 def test_cpu_eval_bench_reports_timings() -> None:
@@ -12,3 +13,6 @@ def test_cpu_eval_bench_reports_timings() -> None:
     assert min(result.packed_loss_s, result.sequential_loss_s, result.packed_generation_s,
                result.sequential_generation_s) > 0
     assert "held-out loss" in result.table() and "generation" in result.table()
+    assert len(result.rows()) == 4
+    for row in result.rows():
+        check_row(row, f"{row['evaluation']}, {row['way']}")

@@ -13,6 +13,7 @@ import torch
 
 from lora_sweep.benchmarks.gpu_makespan import makespan
 from lora_sweep.benchmarks.makespan_sweep import sample_indices, sweep_configs
+from lora_sweep.benchmarks.timing import check_row
 
 ROOT = Path(__file__).resolve().parents[2]
 N, STEPS, SEQ, PROCS = 6, 3, 32, 2
@@ -37,6 +38,7 @@ def test_every_mode_emits_its_line_with_the_tokens_it_trains(w3: tuple[Path, dic
         assert line["workload"] == "W3" and line["configs"] == N and line["steps"] == STEPS and line["seq"] == SEQ
         assert line["makespan_s"] > 0 and line["tokens"] == expected, mode
         assert line["tok_s"] == pytest.approx(expected / line["makespan_s"], rel=1e-2)  # both rounded
+        check_row(line, mode)
     assert "ratio_vs_packed" not in lines["packed"] and "ratio_vs_packed" not in lines["packed-warm"]
     packed = lines["packed"]  # its phases add up to no more than its makespan
     phases = [packed[k] for k in ("load_s", "first_step_s", "later_steps_s", "save_s")]

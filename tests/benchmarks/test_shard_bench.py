@@ -21,8 +21,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from lora_sweep.benchmarks.shard_bench import main
+from lora_sweep.benchmarks.shard_bench import _speed, main
 from lora_sweep.benchmarks.shard_peft import peft_model, timed_peft_steps, trainable_params
+from lora_sweep.benchmarks.timing import ImplausibleRow, check_row, step_flops
 from lora_sweep.packer.tiny.models import tiny_config
 
 VOCAB, HIDDEN, LAYERS, RANK = 300, 64, 2, 4
@@ -43,9 +44,11 @@ def _run_both(config_dir: Path, device: str, world: int, capfd: pytest.CaptureFi
     rows = [json.loads(line) for line in out if line.startswith("{")]
     assert [row["run"] for row in rows] == ["pack", "peft"]
     pack, peft = rows
+    per_token = step_flops(tiny_config("llama", VOCAB, hidden_size=HIDDEN, num_layers=LAYERS), BASE, 1, 1)
     for row in rows:
         assert "error" not in row and row["gpus"] == world and row["activation_checkpointing"] is True
         assert all(math.isfinite(row[k]) and row[k] > 0 for k in ("step_s", "tokens_per_s", "mfu"))
+        check_row(row, row["run"], flops_per_token=per_token, tflops=row["gemm_tflops"] * world)
         assert row["tokens_per_s"] == pytest.approx(row["rows_per_step"] * seq / row["step_s"], rel=0.01)
         assert len(row["ranks"]) == world
         for mine in row["ranks"]:
@@ -72,6 +75,18 @@ def test_pack_and_peft_baseline_on_gpus(tmp_path: Path, capfd: pytest.CaptureFix
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} CUDA device(s)")
     _run_both(tmp_path, "cuda", world, capfd)
+
+
+def test_a_tiny_fast_step_keeps_its_mfu() -> None:
+    """The GPU test's rows at a GPU's speed: the tiny Llama's 6 x 32 tokens in 21.3 ms on one rank of 795 TFLOP/s
+    is an MFU of ~5e-6, a figure (rounded to 4 decimal places it printed 0.0: the H200 run's failure); a step no
+    device could run is no row."""
+    config = tiny_config("llama", VOCAB, hidden_size=HIDDEN, num_layers=LAYERS)
+    row = _speed("pack", config, BASE, 6, 32, 0.0213, 795.0, 1)
+    assert row["mfu"] == pytest.approx(step_flops(config, BASE, 6, 32) / 0.0213 / 1e12 / 795.0, rel=1e-3)
+    assert 0 < row["mfu"] < 1e-4 and row["step_s"] == 0.0213 and row["tokens_per_s"] == round(6 * 32 / 0.0213)
+    with pytest.raises(ImplausibleRow, match="pack x6 x 32: mfu = .* above the measured GEMM rate"):
+        _speed("pack", config, BASE, 6, 32, 1e-13, 795.0, 1)
 
 
 @pytest.fixture
