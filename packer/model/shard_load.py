@@ -148,6 +148,13 @@ def meta_model(source: str | Path | Any, dtype: str, attn_implementation: str | 
     torch_dtype = (getattr(config, "dtype", None) or torch.float32) if dtype == "auto" else DTYPES[dtype]
     with init_empty_weights(include_buffers=False):  # parameters on meta; buffers (rotary inv_freq) as constructed
         model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    # from_pretrained builds under the load dtype too, then runs the model's own initialisation once more outside it
+    # (its _initialize_missing_keys), which recomputes the non-persistent buffers in float32: without that, a
+    # sinusoidal position table (GPT-J's, CodeGen's) keeps the load dtype's rounding, and a rows-loaded bf16
+    # CodeGen's logits differed from the whole load's. The parameters are on meta: their init does nothing.
+    for module in model.modules():
+        module.__dict__.pop("_is_hf_initialized", None)
+    model.initialize_weights()
     model.tie_weights()  # again outside: the context's register_parameter made the tied head a parameter of its own
     return model
 
