@@ -73,7 +73,7 @@ def study_status(root: Path, top: int = 5) -> dict[str, Any]:
         "split": last_run(root),
         "packs": [{"pack_id": p.pack_id, "status": p.status, "slots": p.slots, "steps": p.steps,
                    "tokens": p.tokens, "tokens_per_s": p.tokens_per_s, "wall_s": p.wall_s,
-                   "peak_mem_bytes": p.peak_mem_bytes, "step": p.step} for p in packs],
+                   "peak_mem_bytes": p.peak_mem_bytes, "step": p.step, "fallback": p.fallback} for p in packs],
     }
 
 
@@ -159,6 +159,10 @@ def render(info: dict[str, Any]) -> None:
         packs.add_row(str(p["pack_id"]), p["status"], str(p["slots"]), str(p["steps"]), str(p["tokens"]),
                       f"{p['tokens_per_s'] or 0:,.0f}", f"{p['wall_s'] or 0:.1f}", p["step"] or "-")
     console.print(packs)
+    for p in info["packs"]:
+        if p.get("fallback"):
+            console.print(f"pack {p['pack_id']}: CUDA graph capture failed, trained eagerly: {p['fallback']}",
+                          highlight=False, markup=False, soft_wrap=True)  # one line, however long
     if info.get("split"):
         console.print(WallSplit().table(info["split"]).replace("this run", "the last run"), highlight=False)
 

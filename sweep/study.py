@@ -555,7 +555,7 @@ def _train_pack(sweep: _Sweep, session: Session) -> bool:
     pm, spec = session.pm, sweep.spec
     if pm.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(pm.device)
-    status, step = "failed", None
+    status, step, fallback = "failed", None, None
     phased = sweep.split.timed  # the callbacks' own work is storage; evaluations and saves inside are their own
     sharded = spec.packing.shard == "fsdp"
     options = dict(chunked_ce=spec.packing.chunked_ce, activation_checkpointing=spec.packing.activation_checkpointing,
@@ -579,8 +579,10 @@ def _train_pack(sweep: _Sweep, session: Session) -> bool:
         for part, seconds in (("precompile", result.compile_s), ("warm-up", result.warmup_s),
                               ("capture", result.capture_s)):
             sweep.split.move(seconds, "train", "compile", detail=f"compile:{part}")
-        step = result.step
+        step, fallback = result.step, result.fallback
         sweep.log(f"pack {sweep.pack_id}: trained on the {step} step ({STEP_NAMES[step]})")
+        if fallback is not None:  # slower than asked: the log, sweep status and packs.fallback say why
+            sweep.log(f"pack {sweep.pack_id}: CUDA graph capture failed, trained eagerly: {fallback}")
         status = "finished"
         return True
     except torch.OutOfMemoryError as err:
@@ -604,7 +606,7 @@ def _train_pack(sweep: _Sweep, session: Session) -> bool:
         with sweep.split.phase("storage"):
             session.store.finish_pack(sweep.pack_id, status=status, steps=sweep.summary.steps - sweep.pack_step0,
                                       tokens=sweep.summary.tokens - sweep.pack_tokens0, peak_mem_bytes=peak,
-                                      step=step)
+                                      step=step, fallback=fallback)
         if status == "oom":
             if pm.device.type == "cuda":
                 torch.cuda.empty_cache()  # the failed step's activations, before the next pack plans on them

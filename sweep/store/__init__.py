@@ -76,6 +76,8 @@ created, updated (time of the last write), lora_sweep_version.
     step              The training step it ran: 'cuda-graph' (static shapes replayed as CUDA graphs) or
                       'static-eager' (the same step run eagerly: the CPU, cuda_graphs off, a failed capture);
                       NULL for a pack that did not finish training (and in stores written before schema 2).
+    fallback          Why a CUDA pack ran 'static-eager' though CUDA graphs were on: its configuration and the failed
+                      capture's error with the line that raised it (docs/guides/training.md); NULL otherwise.
 
 ``slot_spans`` (PK pack_id, slot, trial): the pack timeline, which trial sat in which slot when.
     pack_id, slot, trial      Pack, slot index and the trial in it.

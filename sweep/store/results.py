@@ -259,9 +259,11 @@ class ResultsStore:
         tokens_per_s: float | None = None,
         finished: float | None = None,
         step: str | None = None,
+        fallback: str | None = None,
     ) -> None:
         """Close a pack: wall_s is finished - started; tokens_per_s defaults to tokens / wall_s; ``step`` is the
-        training step it ran (``packer.step.train``'s ``TrainResult.step``)."""
+        training step it ran (``packer.step.train``'s ``TrainResult.step``), ``fallback`` why it ran eagerly on
+        CUDA (``TrainResult.fallback``)."""
         with self.transaction():
             started = self.db.execute("SELECT started FROM packs WHERE pack_id = ?", [pack_id]).fetchone()
             if started is None:
@@ -272,7 +274,7 @@ class ResultsStore:
                 tokens_per_s = tokens / wall
             row = {"pack_id": pack_id, "finished": end, "wall_s": wall, "status": status, "steps": steps,
                    "tokens": tokens, "peak_mem_bytes": peak_mem_bytes, "tokens_per_s": tokens_per_s,
-                   "step": step}  # fmt: skip
+                   "step": step, "fallback": fallback}  # fmt: skip
             self._put("packs", [{k: v for k, v in row.items() if v is not None}], upsert=True)
 
     def open_span(

@@ -17,8 +17,9 @@ from lora_sweep.sweep.store.attrs import BASELINE, DEFAULT
 __all__ = ["SCHEMA_VERSION", "TrialRecord", "StepRow", "EvalRow", "ItemRow", "PackRecord", "SlotSpan",
            "PruneDecision", "TABLES", "columns", "to_json", "from_json", "plain", "now_or"]
 
-SCHEMA_VERSION = 2
-"""2: ``packs.step`` (the training step a pack ran). An older file gains the missing columns when opened."""
+SCHEMA_VERSION = 3
+"""2: ``packs.step`` (the training step a pack ran); 3: ``packs.fallback`` (why a CUDA pack's step ran eagerly). An
+older file gains the missing columns when opened."""
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 
@@ -148,6 +149,8 @@ class PackRecord:
     status: str | None = None
     step: str | None = None
     """The training step the pack ran (``packer.step.train``'s ``TrainResult.step``: cuda-graph or static-eager)."""
+    fallback: str | None = None
+    """Why a CUDA pack's step ran eagerly although graphs were asked for (``TrainResult.fallback``), else None."""
 
 
 @dataclass(frozen=True)
