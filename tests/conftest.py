@@ -130,7 +130,7 @@ def write_study(tmp_path: Path, model_dir: Path, name: str = "small", **changes)
 
 
 def record_launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, tuple]]:
-    """(inside ``kernels.precompile``, variant) of every Triton kernel launch from now on; a variant is what
+    """(inside ``kernels.ops.precompile``, variant) of every Triton kernel launch from now on; a variant is what
     decides a compiled kernel short of integer specialization: kernel, tensor dtypes, constexprs. Imports
     ``kernels._jit``: call it after ``TRITON_INTERPRET`` is settled."""
     import lora_sweep.kernels._jit as J

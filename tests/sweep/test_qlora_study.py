@@ -12,7 +12,7 @@ import torch
 from optuna.trial import TrialState
 from transformers import AutoModelForCausalLM
 
-from lora_sweep.kernels import PackLayout
+from lora_sweep.kernels.ops import PackLayout
 from lora_sweep.packer.model.checkpoint import load_adapter, read_adapter
 from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec
