@@ -25,6 +25,9 @@ torch.set_num_threads(1)  # tiny models gain nothing from threads; one keeps tim
 os.environ.setdefault("LORA_SWEEP_CACHE", tempfile.mkdtemp(prefix="lora-sweep-test-cache-"))
 
 
+PACKAGE_FOLDERS = ("sweep", "packer", "kernels", "evaluators", "reports", "benchmarks")
+"""The design card's top-level folders, each the namespace package ``lora_sweep.<folder>`` (no ``__init__.py``)."""
+
 REQUIRE_ALL = bool(os.environ.get("LORA_SWEEP_REQUIRE_EXTRAS"))
 """Set by CI's second environment (.ci/run: every extra, Chromium, the database servers): there a test that would
 skip for want of one of them fails instead."""

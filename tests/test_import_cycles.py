@@ -15,11 +15,13 @@ from pathlib import Path
 import grimp
 import pytest
 
+from tests.conftest import PACKAGE_FOLDERS
+
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 CONFIG = PYPROJECT["tool"]["importlinter"]
 ACYCLIC = next(c for c in CONFIG["contracts"] if c.get("id") == "acyclic")
-FOLDERS = [p.removeprefix("lora_sweep.") for p in PYPROJECT["tool"]["setuptools"]["packages"] if p.count(".") == 1]
+FOLDERS = PACKAGE_FOLDERS
 LINT_IMPORTS = ROOT / ".ci" / "lint_imports.py"
 runpy.run_path(str(LINT_IMPORTS))  # grimp names the namespace roots as lint-imports does in CI
 

@@ -17,8 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import PACKAGE_FOLDERS
+
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = ("sweep", "packer", "kernels", "evaluators", "reports", "benchmarks")
+FOLDERS = PACKAGE_FOLDERS
 
 try:
     HUB = importlib.metadata.distribution("kernels")

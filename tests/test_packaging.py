@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import PACKAGE_FOLDERS
+
 ROOT = Path(__file__).resolve().parents[1]
 SETUPTOOLS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-FOLDERS = ("sweep", "packer", "kernels", "evaluators", "reports", "benchmarks")
-"""The design card's top-level folders, each ``lora_sweep.<folder>``."""
+FOLDERS = PACKAGE_FOLDERS
 MODULES = sorted(p.relative_to(ROOT).as_posix() for f in FOLDERS for p in (ROOT / f).rglob("*.py"))
 
 
