@@ -2,7 +2,10 @@
 
 The import package is ``lora_sweep``; its directory is the checkout's root, whose folders install as
 ``lora_sweep.sweep``, ``lora_sweep.packer``, ``lora_sweep.kernels``, ``lora_sweep.evaluators``,
-``lora_sweep.reports`` and ``lora_sweep.benchmarks`` (pyproject.toml's ``package-dir``). The public API::
+``lora_sweep.reports`` and ``lora_sweep.benchmarks`` (pyproject.toml's ``package-dir``). Those six folders have no
+``__init__.py``: they are namespace portions (PEP 420), which the import system takes only after every ``sys.path``
+entry has been searched for a regular package of that name, so from the checkout's root an installed ``kernels``
+(Hugging Face's) or ``sweep`` is the one imported. The public API::
 
     import lora_sweep
 
@@ -20,64 +23,21 @@ on a machine without optuna or plotly works.
 from __future__ import annotations
 
 import importlib
-import importlib.machinery
-import os
-import sys
-from pathlib import Path
+import logging
+import time
 from typing import Any
 
 __version__ = "0.1.0"
 
-FOLDERS = ("sweep", "packer", "kernels", "evaluators", "reports", "benchmarks")
-"""The checkout's package folders: each installs below ``lora_sweep``, never as a top-level name."""
+IMPORTED_AT = time.time()
+"""Wall clock when ``lora_sweep`` was first imported, the start ``sweep.timing`` counts a process's seconds before a
+run from (a ``sweep`` command imports it first, after the interpreter's own start of a few tens of ms)."""
 
-
-class _CheckoutRoot:
-    """The path-entry finder of a checkout's root: every module there but the six package folders.
-
-    From the checkout's root, ``python -m ...`` and ``python -m pytest`` put the root on ``sys.path``, where
-    ``kernels/`` would shadow Hugging Face's installed ``kernels`` (and ``sweep/`` a ``sweep`` distribution)
-    for transformers and everyone else. For those six names this finder finds nothing, so the import
-    system goes on down ``sys.path``: an installed distribution of that name is found, a missing one is
-    missing (``importlib.util.find_spec`` answers None), and neither is ours.
-    """
-
-    _LOADERS = ((importlib.machinery.ExtensionFileLoader, importlib.machinery.EXTENSION_SUFFIXES),
-                (importlib.machinery.SourceFileLoader, importlib.machinery.SOURCE_SUFFIXES),
-                (importlib.machinery.SourcelessFileLoader, importlib.machinery.BYTECODE_SUFFIXES))
-
-    def __init__(self, path: str) -> None:
-        self._files = importlib.machinery.FileFinder(path, *self._LOADERS)
-
-    def find_spec(self, name: str, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        return None if name in FOLDERS else self._files.find_spec(name, target)
-
-    def invalidate_caches(self) -> None:
-        self._files.invalidate_caches()
-
-
-def _guard_checkout() -> None:
-    """In a checkout (not an installed wheel), route ``sys.path`` entries that are its root through
-    ``_CheckoutRoot``, before any other path hook, whenever they are first searched."""
-    root = Path(__file__).resolve().parent
-    if not (root / "pyproject.toml").is_file():
-        return
-
-    def hook(entry: str) -> _CheckoutRoot:
-        try:
-            if Path(entry).resolve() == root:
-                return _CheckoutRoot(entry)
-        except OSError:
-            pass
-        raise ImportError  # not the root: the next hook's
-
-    sys.path_hooks.insert(0, hook)
-    for entry in [e for e in sys.path_importer_cache if e and os.path.isdir(e)]:
-        if Path(entry).resolve() == root:
-            del sys.path_importer_cache[entry]  # found before this import: searched afresh, through the hook
-
-
-_guard_checkout()
+# torchao (the qlora extra, packer.model.quant) is imported by transformers whenever it is installed; at import it logs
+# a warning for each optional C++ extension the installed torch cannot load, and torch one for each enum it
+# registers. None of those extensions is used here (NF4 is plain PyTorch): keep them off every command's stderr.
+for _name in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
 
 _API = {
     "load_study": "lora_sweep.sweep.api",
@@ -94,7 +54,6 @@ _API = {
 }
 
 __all__ = [*_API, "__version__"]
-
 
 
 def __getattr__(name: str) -> Any:

@@ -6,7 +6,7 @@
 # Writes into ${BENCH_OUT:-runs/bench-demo-gpu}: model.log, run.log, gpu_util.txt, status.txt, report.html.
 set -o pipefail
 cd "$(dirname "$0")/.."
-. benchmarks/in_place.sh
+# lora_sweep is imported as installed: in a checkout, pip install -e . first (the root is the package directory).
 out=${BENCH_OUT:-runs/bench-demo-gpu}
 mkdir -p "$out" models
 python3 -c "import torch, transformers, triton, peft; print(torch.__version__, transformers.__version__, triton.__version__, peft.__version__, torch.cuda.get_device_name())"

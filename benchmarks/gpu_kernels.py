@@ -17,8 +17,8 @@ from functools import partial
 
 import torch
 
-from lora_sweep.kernels import LayerRanks, PackLayout
 from lora_sweep.kernels._launch import build_meta
+from lora_sweep.kernels.ops import LayerRanks, PackLayout
 
 SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096))
 SHRINK = ((128, 3), (64, 4), (128, 4), (64, 3), (256, 3))  # (block_k, stages)

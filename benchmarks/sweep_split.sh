@@ -5,7 +5,7 @@
 # minus the weights) and a random-init model of that config (bf16, seed 0) is built into models/smollm2-135m-random.
 # nvidia-smi samples the GPU's utilisation every 0.5 s while the run goes; the run prints its split (load,
 # compile/capture, train, evaluate, save, storage) and this script prints the wall time and the GPU busy share,
-# and the command's wall outside the split: before the run (imports, from the sweep package's) and after it (the
+# and the command's wall outside the split: before the run (imports, from lora_sweep's) and after it (the
 # report, exit), and the GPU busy share after the model load.
 # Bytecode: before the clock, the packages' .pyc files are compiled where missing (`compileall` of the folders
 # holding the packages a sweep imports, and of this repository), as a default `pip install` leaves them; an
@@ -19,7 +19,7 @@
 # Writes into ${BENCH_OUT:-runs/bench-split}: run.log, gpu_util.txt, timing.json, status.txt.
 set -o pipefail
 cd "$(dirname "$0")/.."
-. benchmarks/in_place.sh
+# lora_sweep is imported as installed: in a checkout, pip install -e . first (the root is the package directory).
 out=${BENCH_OUT:-runs/bench-split}
 mkdir -p "$out"
 model=$PWD/models/smollm2-135m

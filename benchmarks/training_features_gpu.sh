@@ -6,7 +6,7 @@
 # Each part prints one JSON line per run into OUT_DIR/<part>.jsonl; a table of all of them comes last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-. benchmarks/in_place.sh
+# lora_sweep is imported as installed: in a checkout, pip install -e . first (the root is the package directory).
 out=${1:-${OUT:-/tmp/training-features}}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false

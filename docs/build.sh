@@ -9,11 +9,22 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 
-# mkdocstrings reads lora_sweep from source: the checkout's root is the package's directory, whatever the clone
-# is called, so a folder holding one link named lora_sweep is its search path (mkdocs.yml: LORA_SWEEP_DOCS_PATH).
+# mkdocstrings reads lora_sweep from source with griffe, which looks for a folder named lora_sweep (the checkout's
+# root is the package's directory, whatever the clone is called) and skips a folder without __init__.py inside a
+# regular package (griffe's loader: a namespace package there is "a user error"), as the six package folders are
+# (PEP 420: so they shadow no installed package). Its search path (mkdocs.yml: LORA_SWEEP_DOCS_PATH) holds
+# lora_sweep/: links to the root's modules, and for each folder of pyproject.toml's packages a folder of links to
+# its files with an empty __init__.py.
 export LORA_SWEEP_DOCS_PATH="$ROOT/build/docs-path"
-mkdir -p "$LORA_SWEEP_DOCS_PATH"
-ln -sfn "$ROOT" "$LORA_SWEEP_DOCS_PATH/lora_sweep"
+rm -rf "$LORA_SWEEP_DOCS_PATH"
+mkdir -p "$LORA_SWEEP_DOCS_PATH/lora_sweep"
+ln -s "$ROOT/__init__.py" "$ROOT/__main__.py" "$LORA_SWEEP_DOCS_PATH/lora_sweep/"
+for folder in $(python3 -c 'import tomllib; print(*(p.split(".")[1] for p in tomllib.load(open("pyproject.toml", "rb"))
+                                                  ["tool"]["setuptools"]["packages"] if p.count(".") == 1))'); do
+  mkdir "$LORA_SWEEP_DOCS_PATH/lora_sweep/$folder"
+  ln -s "$ROOT/$folder"/* "$LORA_SWEEP_DOCS_PATH/lora_sweep/$folder/"
+  touch "$LORA_SWEEP_DOCS_PATH/lora_sweep/$folder/__init__.py"
+done
 
 # The reference page is generated from the spec; a stale one is an error here as in tests/docs.
 python3 docs/study_reference.py --check

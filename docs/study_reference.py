@@ -29,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from lora_sweep import evaluators
+from lora_sweep.evaluators import registry
 from lora_sweep.sweep import loader, store
 from lora_sweep.sweep import spec as S
 
@@ -191,7 +191,7 @@ def _evaluator_options() -> list[str]:
     out = ["### Evaluator options", "",
            "`options` of each evaluator (`evaluators: [{name: generation, options: {max_new_tokens: 8}}]`); "
            "an unknown option is an error.", ""]
-    for name, cls in evaluators.OPTIONS.items():
+    for name, cls in registry.OPTIONS.items():
         out += [f"#### {name}", "", *_table(f"evaluators[{name}].options.", cls)]
     return out
 
@@ -215,8 +215,8 @@ def generate() -> str:
             out += _search()
     for key, cls, what in LISTS:
         out += [f"## {key}", "", what, "", *_table(f"{key}[].", cls), *_aliases(key)]
-    names = ", ".join(f"`{n}`" for n in evaluators.EVALUATORS)
-    metrics = _bullets(evaluators.__doc__ or "")
+    names = ", ".join(f"`{n}`" for n in registry.EVALUATORS)
+    metrics = _bullets(registry.__doc__ or "")
     out += [f"Evaluator names: {names}. The metric names objectives, constraints and `pruning.proxy` may use "
             "(from `lora_sweep.evaluators`):", "", *metrics, "", *_evaluator_options()]
     return "\n".join(out).rstrip() + "\n"

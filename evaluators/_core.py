@@ -5,7 +5,7 @@ the adapters, ``slots`` the slot ids to score, ``data`` the held-out rows (``Eva
 scored on the same items in the same order, so ``EvalResult.per_item`` lists line up across slots and a
 paired test (``sweep.store.stats.paired_bootstrap``) can compare two adapters item by item.
 
-Routing: a batch holds the rows of several slots, grouped by slot as ``kernels.PackLayout`` says; the
+Routing: a batch holds the rows of several slots, grouped by slot as ``kernels.ops.PackLayout`` says; the
 packed LoRA layers read the layout from the pack's shared state on every forward, so one forward (or
 one decoding step) applies each row's own adapter.
 """
@@ -20,7 +20,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from lora_sweep.kernels import PackLayout
+from lora_sweep.kernels.ops import PackLayout
 from lora_sweep.packer.data.rows import FORMATS, json_error, read_jsonl
 from lora_sweep.packer.errors import ConfigError, DataError, UserError
 from lora_sweep.packer.model.packed import PackedModel

@@ -1,7 +1,7 @@
 """Generation with a KV cache for many adapters at once, and the generation evaluator.
 
 Every slot answers every prompt: a batch holds ``batch_size`` prompts repeated once per slot, rows grouped
-by slot (``kernels.PackLayout``), so one forward per decoding step runs every adapter on its own rows.
+by slot (``kernels.ops.PackLayout``), so one forward per decoding step runs every adapter on its own rows.
 Prompts are left-padded; position ids count real tokens only (``cumsum(mask) - 1``, what transformers'
 ``generate`` derives from the attention mask), so a padded row decodes exactly as it would alone. Rows
 never leave the batch (a finished row keeps decoding into the void), so one layout is valid for the

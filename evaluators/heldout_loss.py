@@ -25,7 +25,7 @@ from lora_sweep.evaluators._core import (
     pad_id,
     uses_static_shapes,
 )
-from lora_sweep.kernels import PackLayout
+from lora_sweep.kernels.ops import PackLayout
 from lora_sweep.packer.data.batch import PackBatch, collate
 from lora_sweep.packer.data.rows import FORMATS, tokenize_rows
 from lora_sweep.packer.errors import ConfigError

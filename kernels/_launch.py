@@ -128,7 +128,7 @@ class SegmentMeta(NamedTuple):
 
 
 class GroupSlice(NamedTuple):
-    """One member of a static shared-input group call (``kernels.packed_lora_static_group``): where its output
+    """One member of a static shared-input group call (``kernels.ops.packed_lora_static_group``): where its output
     sits among the group's columns and what its LoRA term reads."""
 
     col: int

@@ -94,7 +94,7 @@ def lora_masked_dense(x: torch.Tensor, base_out: torch.Tensor, a_cat: torch.Tens
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' ``LlamaRMSNorm.forward``, the oracle of ``kernels.rms_norm``: x (..., D), weight (D,)
+    """transformers' ``LlamaRMSNorm.forward``, the oracle of ``kernels.ops.rms_norm``: x (..., D), weight (D,)
     -> (..., D) in ``promote(weight, x)`` dtype. The mean square in fp32, the normalised value rounded to x's
     dtype before the weight multiplies it."""
     xf = x.to(torch.float32)
@@ -115,15 +115,15 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' ``apply_rotary_pos_emb`` (Llama / Qwen2 / Mistral / Qwen3, ``unsqueeze_dim=1``), the oracle of
-    ``kernels.rope``: q (B, H, L, d), k (B, Hk, L, d), cos / sin (B or 1, L, d) -> rotated q and k."""
+    ``kernels.ops.rope``: q (B, H, L, d), k (B, Hk, L, d), cos / sin (B or 1, L, d) -> rotated q and k."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def static_linear_ce(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
                      capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-slot mean cross-entropy of ``F.linear(hidden, weight, bias)``, the oracle of ``kernels.static_linear_ce``:
-    fp32 logits and torch's ``F.cross_entropy``, autograd for the gradients.
+    """Per-slot mean cross-entropy of ``F.linear(hidden, weight, bias)``, the oracle of
+    ``kernels.ops.static_linear_ce``: fp32 logits and torch's ``F.cross_entropy``, autograd for the gradients.
 
     Args:
         hidden: (T, H) hidden states; slot g owns rows ``g * T / C`` to ``(g + 1) * T / C``.

@@ -180,7 +180,7 @@ class StaticLinearCE(torch.autograd.Function):
 def static_linear_ce_triton(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                             targets: torch.Tensor, capacity: int, chunk: int | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kernels.static_linear_ce(..., impl="triton")``: the autograd Function when ``hidden`` needs a gradient,
+    """``kernels.ops.static_linear_ce(..., impl="triton")``: the autograd Function when ``hidden`` needs a gradient,
     else the forward alone (no gradient write, no second GEMM). ``chunk``: logits of at most that many rows at a
     time (the same losses and gradients; the bf16 logits' memory bounded by ``chunk`` x V).
 

@@ -101,7 +101,7 @@ class PackedLoRAGroupFunction(torch.autograd.Function):
 
 def packed_lora_static_group_triton(x: torch.Tensor, w_cat: torch.Tensor, b_cat: torch.Tensor | None,
                                     members: tuple[GroupSlice, ...], weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """``kernels.packed_lora_static_group(..., impl="triton")``: the arguments as there, x flattened to (T, D_in).
+    """``kernels.ops.packed_lora_static_group(..., impl="triton")``: the arguments as there, x flattened to (T, D_in).
 
     Raises:
         ValueError: a member's tables do not cover every token (not a static pack's), or it has no gradient buffers.

@@ -3,7 +3,7 @@
 
 Split from those kernels at their one seam: the kernels and launchers serve two Functions (this one and the
 shared-input groups of ``kernels.triton_group``); this module holds the projection's
-forward and backward and the ``kernels.packed_lora(..., impl="triton")`` entry.
+forward and backward and the ``kernels.ops.packed_lora(..., impl="triton")`` entry.
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def _lora_term(h: torch.Tensor, w: torch.Tensor, meta: SegmentMeta, shape: tuple
 def packed_lora_triton(x: torch.Tensor, base_out: torch.Tensor | None, a_cat: torch.Tensor, bt_cat: torch.Tensor,
                        layout: PackLayout, ranks: LayerRanks, *, weight: torch.Tensor | None = None,
                        bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``kernels.packed_lora(..., impl="triton")``: same arguments and result as ``kernels.reference.lora_loop``.
+    """``kernels.ops.packed_lora(..., impl="triton")``: same arguments and result as ``kernels.reference.lora_loop``.
 
     Args:
         x: (B, L, D_in) layer input, on CUDA (or CPU under ``TRITON_INTERPRET=1``).
@@ -146,7 +146,7 @@ def packed_lora_triton(x: torch.Tensor, base_out: torch.Tensor | None, a_cat: to
         RuntimeError: x is on the CPU and the Triton interpreter is off.
         ValueError: neither or both of ``base_out`` and ``weight`` given.
     """
-    _jit.check_device(x, "lora_sweep.kernels.packed_lora")
+    _jit.check_device(x, "lora_sweep.kernels.ops.packed_lora")
     if (base_out is None) == (weight is None):
         raise ValueError("give exactly one of base_out and weight")
     b, seq, d_in = x.shape

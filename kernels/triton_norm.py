@@ -156,7 +156,7 @@ class RMSNormFunction(torch.autograd.Function):
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``kernels.rms_norm(..., impl="triton")``: x (..., D), weight (D,) -> (..., D).
+    """``kernels.ops.rms_norm(..., impl="triton")``: x (..., D), weight (D,) -> (..., D).
 
     Raises:
         RuntimeError: x is on the CPU and the Triton interpreter is off.

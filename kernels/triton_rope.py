@@ -156,7 +156,7 @@ class RopeFunction(torch.autograd.Function):
 
 def rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kernels.rope(..., impl="triton")``: q (B, H, L, d), k (B, Hk, L, d), cos / sin (Bc, L, d) with Bc in
+    """``kernels.ops.rope(..., impl="triton")``: q (B, H, L, d), k (B, Hk, L, d), cos / sin (Bc, L, d) with Bc in
     {1, B} -> rotated q and k, with the strides of q and k.
 
     Raises:

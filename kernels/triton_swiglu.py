@@ -97,7 +97,7 @@ class SiluMulFunction(torch.autograd.Function):
 
 
 def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``kernels.silu_mul(..., impl="triton")``.
+    """``kernels.ops.silu_mul(..., impl="triton")``.
 
     Raises:
         RuntimeError: on the CPU with the Triton interpreter off.

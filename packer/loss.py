@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lora_sweep.kernels import PackLayout
+from lora_sweep.kernels.ops import PackLayout
 from lora_sweep.packer.data.batch import IGNORE_INDEX, row_slots
 from lora_sweep.packer.errors import ConfigError
 

@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from lora_sweep.kernels import PackLayout
+from lora_sweep.kernels.ops import PackLayout
 from lora_sweep.packer.data.rows import Example
 from lora_sweep.packer.loss import chunked_slot_losses
 from lora_sweep.packer.model.packed import PackedModel

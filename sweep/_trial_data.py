@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from lora_sweep.evaluators import load_eval_data
+from lora_sweep.evaluators.registry import load_eval_data
 from lora_sweep.packer.data.packing import batches_per_epoch, slot_stream
 from lora_sweep.packer.data.rows import Example, read_jsonl
 from lora_sweep.packer.model.packed import PackedModel

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lora_sweep.evaluators import evaluate, load_eval_data
+from lora_sweep.evaluators.registry import evaluate, load_eval_data
 from lora_sweep.packer.data.rows import load_examples
 from lora_sweep.packer.errors import UserError
 from lora_sweep.packer.model.packed import PackedModel

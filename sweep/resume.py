@@ -22,7 +22,7 @@ import optuna
 import torch.distributed as dist
 from optuna.trial import TrialState
 
-from lora_sweep.evaluators import metrics_of
+from lora_sweep.evaluators.registry import metrics_of
 from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.model.gguf import gguf_source
 from lora_sweep.packer.model.packed import PackedModel, load_base, prepare_kernels, resolve_base

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from lora_sweep import evaluators
+from lora_sweep.evaluators import registry
 from lora_sweep.packer.data.rows import FORMATS as DATA_FORMATS
 from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.model.quant import QUANTIZE
@@ -34,7 +34,7 @@ __all__ = [
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 FORMATS = ("auto", *DATA_FORMATS)
 _FORMAT_ALIASES = {"messages": "chat", "sharegpt": "chat", "completion": "prompt_completion"}
-EVALUATORS = tuple(evaluators.EVALUATORS)
+EVALUATORS = tuple(registry.EVALUATORS)
 _D = AdapterSpec()
 _NOT_ADAPTER = ("alpha_ratio", "epochs", "max_steps_per_epoch", "warmup_ratio", "eval_every", "optimizer_in_backward")
 """TrainSpec fields that are not AdapterSpec fields (resolved into rank/alpha or steps per trial, or options of the
@@ -253,7 +253,7 @@ class EvalSpec:
     """One evaluator run on every trial; its options are checked by the evaluator itself."""
 
     name: str
-    """One of ``EVALUATORS`` (``evaluators.EVALUATORS``)."""
+    """One of ``EVALUATORS`` (``evaluators.registry.EVALUATORS``)."""
     options: Mapping[str, object] = field(default_factory=dict, hash=False)
     """Evaluator options: string keys, JSON-like values."""
 
@@ -266,7 +266,7 @@ class EvalSpec:
             self.options,
         )
         try:
-            evaluators.validate(self.name, self.options)
+            registry.validate(self.name, self.options)
         except ConfigError as e:  # the evaluator owns its options; strip its "evaluators: " prefix
             raise ConfigError(str(e).removeprefix("evaluators: ")) from None
 
@@ -338,17 +338,17 @@ class StudySpec:
         entries = [(e.name, e.options) for e in self.evaluators]
         for i, o in enumerate(self.objectives):
             try:
-                evaluators.metric_direction(o.metric, entries)
+                registry.metric_direction(o.metric, entries)
             except ConfigError as e:
                 raise ConfigError(f"objectives.{i}.{e}") from None
         for i, c in enumerate(self.constraints):
             try:
-                evaluators.metric_direction(c.metric, entries)
+                registry.metric_direction(c.metric, entries)
             except ConfigError as e:
                 raise ConfigError(f"constraints.{i}.{e}") from None
         if self.pruning.kind == "cohort_sha" and self.pruning.proxy is not None:
             try:
-                evaluators.metric_direction(self.pruning.proxy, entries)
+                registry.metric_direction(self.pruning.proxy, entries)
             except ConfigError as e:
                 raise ConfigError(f"pruning.proxy: {str(e).removeprefix('metric: ')}") from None
         needs_eval = [n for n in names if n in ("heldout_loss", "generation", "multiple_choice", "custom")]

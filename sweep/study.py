@@ -30,8 +30,8 @@ import optuna
 import torch
 from optuna.trial import TrialState
 
-from lora_sweep.evaluators import EvalResult, evaluate, load_eval_data, metrics_of
 from lora_sweep.evaluators.cost import cost_metrics, slot_adapter_params
+from lora_sweep.evaluators.registry import EvalResult, evaluate, load_eval_data, metrics_of
 from lora_sweep.packer.data.rows import load_examples
 from lora_sweep.packer.errors import STOP_SAID, Terminated, UserError
 from lora_sweep.packer.model.checkpoint import save_adapters

@@ -130,12 +130,12 @@ class WallSplit:
 
 
 def seconds_since_import() -> float:
-    """Wall seconds since this process imported the ``sweep`` package (``sweep.IMPORTED_AT``): its imports and
+    """Wall seconds since this process imported ``lora_sweep`` (``lora_sweep.IMPORTED_AT``): its imports and
     whatever it did before now. Not /proc's start time: that is the fork's, which a shell that execs its last
     command in place (``(pip install ... && sweep run ...)``) puts at the start of the whole command line."""
-    from lora_sweep import sweep
+    import lora_sweep
 
-    return max(0.0, time.time() - sweep.IMPORTED_AT)
+    return max(0.0, time.time() - lora_sweep.IMPORTED_AT)
 
 
 def append_run(root: str | Path, record: dict[str, Any]) -> None:

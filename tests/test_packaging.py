@@ -1,5 +1,5 @@
-"""One import name: the wheel installs ``lora_sweep`` alone (its folders below it), with the example studies, their
-data and both console scripts; pyproject.toml lists every package folder."""
+"""One import name: the wheel installs ``lora_sweep`` alone (its folders below it, every module of them), with the
+example studies, their data and both console scripts; pyproject.toml lists every folder that holds modules."""
 
 from __future__ import annotations
 
@@ -11,17 +11,24 @@ from pathlib import Path
 
 import pytest
 
-from lora_sweep import FOLDERS
+from tests.conftest import PACKAGE_FOLDERS
 
 ROOT = Path(__file__).resolve().parents[1]
 SETUPTOOLS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+FOLDERS = PACKAGE_FOLDERS
+MODULES = sorted(p.relative_to(ROOT).as_posix() for f in FOLDERS for p in (ROOT / f).rglob("*.py"))
 
 
-def test_every_package_folder_is_listed() -> None:
-    folders = {"lora_sweep." + ".".join(p.parent.relative_to(ROOT).parts)
-               for f in FOLDERS for p in (ROOT / f).rglob("__init__.py")}
+def test_every_folder_holding_modules_is_listed() -> None:
+    folders = {"lora_sweep." + ".".join(Path(m).parent.parts) for m in MODULES}
     assert SETUPTOOLS["package-dir"] == {"lora_sweep": "."}
     assert set(SETUPTOOLS["packages"]) == folders | {"lora_sweep"}
+
+
+def test_the_top_level_folders_are_namespace_packages() -> None:
+    """A folder without __init__.py is imported as a top-level name only when no sys.path entry holds a regular
+    package or module of that name (PEP 420), so the checkout's root on sys.path shadows nothing installed."""
+    assert not [f for f in FOLDERS if (ROOT / f / "__init__.py").exists()]
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +45,9 @@ def test_the_wheel_holds_lora_sweep_alone(wheel: zipfile.ZipFile) -> None:
     assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {"lora_sweep"}
     top_level = next(n for n in names if n.endswith(".dist-info/top_level.txt"))
     assert wheel.read(top_level).decode().split() == ["lora_sweep"]
-    for folder in FOLDERS:
-        assert f"lora_sweep/{folder}/__init__.py" in names
-    assert "lora_sweep/__main__.py" in names and "lora_sweep/sweep/store/results.py" in names
+    assert {f"lora_sweep/{m}" for m in MODULES} <= set(names) and len(MODULES) > 100
+    assert not [f for f in FOLDERS if f"lora_sweep/{f}/__init__.py" in names]
+    assert "lora_sweep/__init__.py" in names and "lora_sweep/__main__.py" in names
     assert not [n for n in names if n.startswith(("lora_sweep/tests/", "lora_sweep/.ci/"))]
 
 

@@ -7,7 +7,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from lora_sweep.kernels import PackLayout, to_device_async
+from lora_sweep.kernels.ops import PackLayout, to_device_async
 from lora_sweep.packer.data.rows import IGNORE_INDEX
 
 __all__ = ["PackBatch", "collate", "row_slots", "IGNORE_INDEX"]

@@ -4,14 +4,14 @@ Once the LoRA side of a pack is cheap, a large base's step is its GEMMs plus eag
 on a Llama-3-8B step of 8 x 1024 tokens on an H200 the base's elementwise kernels took 30% of the
 kernel time (167 of 557 ms; BENCHMARKS.md), most of it RMSNorm's fp32 passes. ``fuse_base_ops``
 swaps, in place, each module of a class known to compute exactly transformers' Llama RMSNorm or
-SiLU-gated MLP for a module that calls ``kernels.rms_norm`` / ``kernels.silu_mul`` (Liger-Kernel's
+SiLU-gated MLP for a module that calls ``kernels.ops.rms_norm`` / ``kernels.ops.silu_mul`` (Liger-Kernel's
 idea; torchtune reaches the same with ``torch.compile``). The swapped modules hold the original
 parameters and children under the same names, so parameter paths and the projections the packer
 wraps do not change. Modules of other classes (GPT-2's LayerNorm, Gemma's ``1 + w`` norm, a GELU
 MLP) are left alone.
 
 Attention modules of a class known to call its module's ``apply_rotary_pos_emb(q, k, cos, sin)`` with
-transformers' Llama formula get the fused RoPE (``kernels.rope``, the same bits as eager): that function is a
+transformers' Llama formula get the fused RoPE (``kernels.ops.rope``, the same bits as eager): that function is a
 module global, looked up when the forward runs, so it is swapped for the length of each such module's forward
 call (``RopeSwap``) and put back after, an exception included. Hooks on the attention module, not on the
 top-level model, because every path runs through its call and not all through the model's: the static step,
@@ -32,8 +32,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from lora_sweep import kernels
-from lora_sweep.kernels import Impl
+from lora_sweep.kernels import ops
+from lora_sweep.kernels.ops import Impl
 
 __all__ = ["RMS_NORMS", "GATED_MLPS", "ROPE_ATTENTIONS", "FusedRMSNorm", "FusedGatedMLP", "RopeSwap", "fuse_base_ops",
            "fused_rope"]
@@ -54,7 +54,7 @@ _HOOKS = "_fused_rope_hooks"
 
 
 class FusedRMSNorm(nn.Module):
-    """An RMSNorm of one of ``RMS_NORMS`` on ``kernels.rms_norm``; same ``weight`` and ``variance_epsilon``."""
+    """An RMSNorm of one of ``RMS_NORMS`` on ``kernels.ops.rms_norm``; same ``weight`` and ``variance_epsilon``."""
 
     def __init__(self, norm: nn.Module, impl: Impl) -> None:
         super().__init__()
@@ -64,14 +64,14 @@ class FusedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (..., D) -> (..., D)."""
-        return kernels.rms_norm(x, self.weight, self.variance_epsilon, impl=self.impl)
+        return ops.rms_norm(x, self.weight, self.variance_epsilon, impl=self.impl)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, impl={self.impl}"
 
 
 class FusedGatedMLP(nn.Module):
-    """A SiLU-gated MLP of one of ``GATED_MLPS`` whose middle is ``kernels.silu_mul``; same three projections."""
+    """A SiLU-gated MLP of one of ``GATED_MLPS`` whose middle is ``kernels.ops.silu_mul``; same three projections."""
 
     def __init__(self, mlp: nn.Module, impl: Impl) -> None:
         super().__init__()
@@ -82,13 +82,13 @@ class FusedGatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (..., D) -> (..., D); the intermediate (..., I) is ``silu(gate_proj(x)) * up_proj(x)``."""
-        return self.down_proj(kernels.silu_mul(self.gate_proj(x), self.up_proj(x), impl=self.impl))
+        return self.down_proj(ops.silu_mul(self.gate_proj(x), self.up_proj(x), impl=self.impl))
 
 
 
 def fused_rope(eager: Callable, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' ``apply_rotary_pos_emb`` on ``kernels.rope`` (Triton) where it takes the operands as they are;
+    """transformers' ``apply_rotary_pos_emb`` on ``kernels.ops.rope`` (Triton) where it takes the operands as they are;
     else ``eager``, the function it stands in for (another ``unsqueeze_dim``, cos in another dtype, cos that
     trains: eager broadcasts, promotes, differentiates).
 
@@ -96,8 +96,8 @@ def fused_rope(eager: Callable, q: torch.Tensor, k: torch.Tensor, cos: torch.Ten
         eager: the module's own ``apply_rotary_pos_emb``.
         q: (B, H, L, d); k: (B, Hk, L, d); cos, sin: (B or 1, L, d).
     """
-    if unsqueeze_dim == 1 and kernels.rope_problem(q, k, cos, sin) is None:
-        return kernels.rope(q, k, cos, sin, impl="triton")
+    if unsqueeze_dim == 1 and ops.rope_problem(q, k, cos, sin) is None:
+        return ops.rope(q, k, cos, sin, impl="triton")
     return eager(q, k, cos, sin, unsqueeze_dim)
 
 

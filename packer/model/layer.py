@@ -2,7 +2,7 @@
 
 Composition, not inheritance: the wrapper calls the base module unchanged (``nn.Linear``, GPT-2's
 ``Conv1D``, anything mapping ``(..., D_in)`` to ``(..., D_out)``) and adds the packed LoRA term with
-``kernels.packed_lora`` (for an exact ``nn.Linear``, ``kernels.packed_lora_linear``, which fuses the
+``kernels.ops.packed_lora`` (for an exact ``nn.Linear``, ``kernels.ops.packed_lora_linear``, which fuses the
 base GEMM with it). Each slot's ``A`` (r, D_in) and ``B`` (D_out, r), the layout PEFT saves, are
 views into the slot's flat weight buffer (``PackedModel`` owns it, the optimizer updates it).
 
@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import nn
 
-from lora_sweep.kernels import Impl, LayerRanks, PackLayout, packed_lora, packed_lora_linear
+from lora_sweep.kernels.ops import Impl, LayerRanks, PackLayout, packed_lora, packed_lora_linear
 
 __all__ = ["PackState", "PackedLoRALinear", "SharedInputGroup", "as_rows"]
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from lora_sweep.kernels import IMPLS, Impl, PackLayout, hash_compiler_early, resolve_impl
+from lora_sweep.kernels.ops import IMPLS, Impl, PackLayout, hash_compiler_early, resolve_impl
 from lora_sweep.packer.errors import ConfigError, UserError
 from lora_sweep.packer.loss import plain_output_head
 from lora_sweep.packer.model.fuse import fuse_base_ops
@@ -72,7 +72,7 @@ def resolve_base(name_or_path: str, gguf_file: str | None = None, *,
 
 def prepare_kernels(impl: Impl, device: str) -> None:
     """Call before loading the base a pack on ``device`` will wrap with ``impl``: where that means the Triton
-    kernels, Triton's compiler hash starts on a thread beside the load (``kernels.hash_compiler_early``)."""
+    kernels, Triton's compiler hash starts on a thread beside the load (``kernels.ops.hash_compiler_early``)."""
     if resolve_impl(impl, torch.device(device)) == "triton":
         hash_compiler_early()
 
@@ -143,7 +143,7 @@ class PackedModel:
     Args:
         model: a Hugging Face causal LM (``AutoModelForCausalLM``) or any module with the same
             ``forward(input_ids, attention_mask) -> .logits`` contract.
-        impl: packed-LoRA implementation passed to ``kernels.packed_lora`` (``auto``: the Triton
+        impl: packed-LoRA implementation passed to ``kernels.ops.packed_lora`` (``auto``: the Triton
             kernels on CUDA, PyTorch on CPU).
         fused_base_ops: where ``impl`` means the Triton kernels, run the base's RMSNorms, SiLU-gated MLP middles
             and rotary embeddings as fused Triton kernels too (``packer.model.fuse``); otherwise they run eagerly.

@@ -37,7 +37,7 @@ BLOCK, SCALE_BLOCK = 64, 256
 
 def _torchao() -> Any:
     """torchao's NF4 module; a one-line error naming the extra when it is not installed."""
-    try:  # quiet: packer/__init__.py keeps torchao's import-time warnings off stderr
+    try:  # quiet: the root __init__.py keeps torchao's import-time warnings off stderr
         from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
     except ImportError as err:
         raise ConfigError("model.quantize: nf4 needs torchao (pip install 'lora-sweep[qlora]')") from err

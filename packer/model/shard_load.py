@@ -49,7 +49,7 @@ from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from lora_sweep.kernels import Impl
+from lora_sweep.kernels.ops import Impl
 from lora_sweep.packer.errors import UserError
 from lora_sweep.packer.model.packed import DTYPES, PackedModel, load_base, load_tokenizer, resolve_base
 from lora_sweep.packer.model.shard import Sharding, shard_base, shard_rows

@@ -5,7 +5,7 @@ An attention block calls ``q_proj(x)``, ``k_proj(x)`` and ``v_proj(x)`` on one x
 On the static step (``packer.model.static.StaticStore.group_forward``, every device) the members' base GEMMs run as one
 over their weights, which ``lay_out_groups`` lays out adjacently (``SliceGroup.base_cat``), each member's LoRA term
 as its own static call computes it (so with its own dropout mask, as PEFT draws one per projection) and the
-backward writes one dx (``kernels.packed_lora_static_group`` on the Triton path; one ``F.linear`` split by columns
+backward writes one dx (``kernels.ops.packed_lora_static_group`` on the Triton path; one ``F.linear`` split by columns
 on the torch path). The per-batch forwards evaluation falls back to (rows off the static shapes, sampled
 generation, a pack without a static store) run each member alone, which is exact.
 

@@ -42,8 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lora_sweep import kernels
-from lora_sweep.kernels import SEG_FLT_COL, SEG_FLT_FIELDS, SEG_INT_FIELDS, SegmentMeta, resolve_impl, static_meta
+from lora_sweep.kernels import ops
+from lora_sweep.kernels.ops import SEG_FLT_COL, SEG_FLT_FIELDS, SEG_INT_FIELDS, SegmentMeta, resolve_impl, static_meta
 from lora_sweep.kernels.reference import dropout_keep_mask
 from lora_sweep.packer.data.batch import IGNORE_INDEX
 from lora_sweep.packer.errors import ConfigError
@@ -59,7 +59,7 @@ __all__ = ["StaticStore", "ShapeBuffers", "OPT_FIELDS", "SEG_INT", "SEG_FLT", "s
 OPT_FIELDS = 9
 """Columns of the optimizer table, as ``kernels.triton_adamw.OPT_FIELDS``."""
 SEG_INT, SEG_FLT = SEG_INT_FIELDS, SEG_FLT_FIELDS
-"""Columns of the segment tables (``kernels.SegInt`` / ``kernels.SegFlt``: the one list of their names)."""
+"""Columns of the segment tables (``kernels.ops.SegInt`` / ``kernels.ops.SegFlt``: the one list of their names)."""
 
 
 @dataclass
@@ -71,7 +71,7 @@ class ShapeBuffers:
         ids, labels, mask: (B, L) int64, B = C * rows.
         pos: (B, L) int64 positions: 0.. per example of a sample-packed row, 0..L-1 on every other row.
         meta: the kernels' tables; ``meta.seg_int`` (C, SEG_INT) and ``meta.seg_flt`` (C, SEG_FLT) are views of the
-            blocks, one ``kernels.SegInt`` / ``SegFlt`` per slot.
+            blocks, one ``kernels.ops.SegInt`` / ``SegFlt`` per slot.
         rank: (C,) int64 per-slot rank (0: free slot).
         ring_row: (1,) int64, the ring-buffer row this step writes.
         opt: (C, OPT_FIELDS) fp32 optimizer table.
@@ -133,7 +133,7 @@ class StaticStore:
         """The shape of the step being run (set by the loop)."""
         self.dropout = False
         """Whether the step's kernels include the dropout branch (some live slot has p > 0)."""
-        self.host_layout: kernels.PackLayout | None = None
+        self.host_layout: ops.PackLayout | None = None
         """Per-slot dropout p and seeds of this step as Python values: only the eager torch path, which draws its
         masks with torch generators, reads them."""
         self.flat_op: torch.Tensor | None = None
@@ -150,7 +150,7 @@ class StaticStore:
         step or evaluation forward enters ``stepping``. One cast of the whole buffer instead of one per layer call
         and direction (420 small casts a step in the SmolLM2-shaped pack of BENCHMARKS.md, 1.25 ms); the cast is
         the one the kernels made, so the same bits."""
-        dtype = kernels.lora_operand_dtype(act)
+        dtype = ops.lora_operand_dtype(act)
         if dtype == torch.float32:
             return
         self.flat_op = torch.zeros_like(self.flat, dtype=dtype)
@@ -258,14 +258,14 @@ class StaticStore:
             meta = shape.meta._replace(layer_id=layer.layer_id, has_dropout=self.dropout)
             x2 = x.reshape(b * seq, d_in)
             grads = (a.grad, bt.grad)  # the static gradient views: the kernels add into them, no AccumulateGrad
-            ops = None
+            operands = None
             if self.flat_op is not None and x.dtype == self.flat_op.dtype:
-                ops = (self.a_op[path], self.bt_op[path])
+                operands = (self.a_op[path], self.bt_op[path])
             if type(layer.base) is nn.Linear:
-                y = kernels.packed_lora_static(x2, None, layer.base.weight, layer.base.bias, a, bt, meta, grads, ops)
+                y = ops.packed_lora_static(x2, None, layer.base.weight, layer.base.bias, a, bt, meta, grads, operands)
             else:
-                y = kernels.packed_lora_static(x2, layer.base(x).reshape(b * seq, -1), None, None, a, bt, meta,
-                                               grads, ops)
+                y = ops.packed_lora_static(x2, layer.base(x).reshape(b * seq, -1), None, None, a, bt, meta,
+                                               grads, operands)
             return y.view(b, seq, -1)
         return layer.base(x) + self._lora_term(layer, path, x)
 
@@ -309,15 +309,15 @@ class StaticStore:
             slices, weights, col = [], [], 0
             for m, p, width in zip(group.members, paths, widths, strict=True):
                 meta = shape.meta._replace(layer_id=m.layer_id, has_dropout=self.dropout) if p in self.active else None
-                ops = None
+                operands = None
                 if meta is not None:
                     weights += [self.a[p], self.bt[p]]
                     if self.flat_op is not None and x.dtype == self.flat_op.dtype:
-                        ops = (self.a_op[p], self.bt_op[p])
+                        operands = (self.a_op[p], self.bt_op[p])
                 grads = None if meta is None else (self.a[p].grad, self.bt[p].grad)
-                slices.append(kernels.GroupSlice(col, width, meta, grads, ops))  # type: ignore[arg-type]
+                slices.append(ops.GroupSlice(col, width, meta, grads, operands))  # type: ignore[arg-type]
                 col += width
-            y = kernels.packed_lora_static_group(x.reshape(b * seq, d_in), w_cat, b_cat, tuple(slices), tuple(weights))
+            y = ops.packed_lora_static_group(x.reshape(b * seq, d_in), w_cat, b_cat, tuple(slices), tuple(weights))
             return tuple(y.view(b, seq, -1).split(widths, dim=-1))
         ys = F.linear(x, w_cat, b_cat).split(widths, dim=-1)
         return tuple(y + self._lora_term(m, p, x) if p in self.active else y
@@ -366,20 +366,21 @@ def fused_loss_head(model: nn.Module) -> nn.Linear | None:
 
 def static_head_losses(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, capacity: int,
                        impl: str = "triton", chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``static_losses(head(hidden), labels, capacity)`` without materialising fp32 logits: ``kernels.static_linear_ce``
-    (on the Triton path the logits exist only inside its forward, in the model's dtype).
+    """``static_losses(head(hidden), labels, capacity)`` without materialising fp32 logits:
+    ``kernels.ops.static_linear_ce`` (on the Triton path the logits exist only inside its forward, in the model's
+    dtype).
 
     Args:
         hidden: (B, L, H) final hidden states (after the last norm); slot g owns rows ``g * B / C ..``.
         head: the frozen output projection (``fused_loss_head``).
         labels: (B, L) unshifted, ``IGNORE_INDEX`` where no loss is taken.
         capacity: C; B is a multiple of it.
-        impl: as ``kernels.static_linear_ce``.
-        chunk: as ``kernels.static_linear_ce``: logits of at most this many token rows at a time.
+        impl: as ``kernels.ops.static_linear_ce``.
+        chunk: as ``kernels.ops.static_linear_ce``: logits of at most this many token rows at a time.
 
     Returns:
         (C,) fp32 losses (0 for a slot without target tokens) and (C,) fp32 target counts.
     """
     b, seq, h = hidden.shape
-    return kernels.static_linear_ce(hidden.reshape(b * seq, h), head.weight, head.bias, shift_targets(labels),
+    return ops.static_linear_ce(hidden.reshape(b * seq, h), head.weight, head.bias, shift_targets(labels),
                                     capacity, impl=impl, chunk=chunk)  # type: ignore[arg-type]

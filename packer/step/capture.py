@@ -59,14 +59,14 @@ def capture(fn: Callable[[], object], *, warmups: int = 2, warmup: Callable[[], 
 
 
 def precompile(fn: Callable[[], object]) -> None:
-    """Compile, in parallel, the Triton kernel variants ``fn`` launches (``kernels.precompile``: one pass of ``fn``
+    """Compile, in parallel, the Triton kernel variants ``fn`` launches (``kernels.ops.precompile``: one pass of ``fn``
     whose launches are compile-only warm-ups; its torch ops run on unwritten kernel outputs, so ``fn`` must only
     write state its next real run rewrites). A failure is one warning: the kernels then compile as ``fn`` meets
     them, one after another (~1-2 s each on a cold cache on an H200 host)."""
-    from lora_sweep import kernels
+    from lora_sweep.kernels import ops
 
     try:
-        kernels.precompile(fn)
+        ops.precompile(fn)
     except Exception as err:  # an optimisation only
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         warnings.warn(f"kernel precompile failed, kernels compile as the step meets them: {type(err).__name__}: "

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from lora_sweep.kernels import resolve_impl
+from lora_sweep.kernels.ops import resolve_impl
 from lora_sweep.packer.data.batch import IGNORE_INDEX
 from lora_sweep.packer.loss import output_head
 from lora_sweep.packer.model.packed import PackedModel

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lora_sweep.kernels import FREE_FLT, PackLayout, SegFlt, dropout_seed, free_segment, resolve_impl
+from lora_sweep.kernels.ops import FREE_FLT, PackLayout, SegFlt, dropout_seed, free_segment, resolve_impl
 from lora_sweep.packer.data.batch import IGNORE_INDEX
 from lora_sweep.packer.loss import chunked_slot_losses
 from lora_sweep.packer.model.packed import PackedModel

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from lora_sweep import kernels
+from lora_sweep.kernels import ops
 from lora_sweep.packer.model.static import ShapeBuffers, StaticStore
 from lora_sweep.packer.plan import AdapterSpec
 
@@ -56,14 +56,14 @@ def static_adamw_step(store: StaticStore, shape: ShapeBuffers, triton: bool) -> 
     """
     opt, c = shape.opt, store.capacity
     if triton:
-        sumsq = kernels.segmented_sumsq(store.grad, store.segs, shape.rank, store.rank_bucket)
+        sumsq = ops.segmented_sumsq(store.grad, store.segs, shape.rank, store.rank_bucket)
     else:
         sumsq = sum(leaf.grad.view(c, -1).square().sum(dim=1)  # type: ignore[union-attr]
                     for p in store.paths for leaf in (store.a[p], store.bt[p]))
     norms = sumsq.sqrt()  # type: ignore[union-attr]
     coef = torch.clamp(opt[:, 7] / (norms + 1e-6), max=1.0)  # clip_grad_norm_'s formula, per slot
     if triton:
-        kernels.segmented_adamw_(store.flat, store.grad, store.exp_avg, store.exp_avg_sq, store.segs, shape.rank,
+        ops.segmented_adamw_(store.flat, store.grad, store.exp_avg, store.exp_avg_sq, store.segs, shape.rank,
                                  coef, opt, store.rank_bucket)
         return norms
     cols = [opt[:, i:i + 1].to(store.flat.dtype) for i in range(9)]  # (a float64 store: the test's fp64 runs)

@@ -34,7 +34,7 @@ from collections.abc import Callable, Collection, Sequence
 import torch
 from torch import nn
 
-from lora_sweep.kernels import resolve_impl
+from lora_sweep.kernels.ops import resolve_impl
 from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.loss import DEFAULT_CHUNK_TOKENS
 from lora_sweep.packer.model.packed import PackedModel

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.reports._browser import CHROMIUM, KEPT, load_page
+from tests.conftest import need_module
+from tests.reports._browser import KEPT, load_page, need_chromium
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = {
@@ -41,12 +42,7 @@ def _shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    try:
-        import mkdocs  # noqa: F401
-    except ImportError:
-        if os.environ.get("CI"):
-            pytest.fail("mkdocs is missing in CI: install the docs extra (pip install -e '.[docs]')")
-        pytest.skip("the docs extra is not installed (pip install -e '.[docs]'); CI runs this test")
+    need_module("mkdocs", "docs")
     out = tmp_path_factory.mktemp("site")
     run = subprocess.run(["bash", str(ROOT / "docs" / "build.sh")], cwd=ROOT, env={**os.environ, "SITE_DIR": str(out)},
                          capture_output=True, text=True, timeout=600)
@@ -74,10 +70,7 @@ def served(site: Path) -> Iterator[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(PAGES))
 def test_page_renders_in_headless_chromium(name: str, served: str, tmp_path: Path, tmp_path_factory) -> None:
-    if not CHROMIUM.exists():
-        if os.environ.get("CI"):
-            pytest.fail(f"{CHROMIUM} is missing in CI: install Debian's chromium (apt-get install -y chromium)")
-        pytest.skip(f"{CHROMIUM} not installed (apt-get install -y chromium); CI runs this test")
+    need_chromium()
     page, title, tables = PAGES[name]
     shot = _shots(tmp_path_factory) / f"{name}.png"
     result = load_page(served + page, user_data_dir=tmp_path / "chromium-profile", screenshot=shot,

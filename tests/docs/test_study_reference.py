@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from lora_sweep import evaluators
+from lora_sweep.evaluators import registry
 from lora_sweep.sweep import loader
 from lora_sweep.sweep import spec as S
 
@@ -48,7 +48,7 @@ def _section_keys() -> set[str]:
     for name, cls in [("objectives", S.Objective), ("constraints", S.Constraint), ("evaluators", S.EvalSpec)]:
         keys |= {f"{name}[].{f.name}" for f in dataclasses.fields(cls)}
     keys |= {f"search.<name>.{k}" for k in ("low", "high", "log", "step", "choices")}
-    for name, cls in evaluators.OPTIONS.items():
+    for name, cls in registry.OPTIONS.items():
         keys |= {f"evaluators[{name}].options.{f.name}" for f in dataclasses.fields(cls)}
     return keys
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lora_sweep.evaluators import EvalData
 from lora_sweep.evaluators.generation import build_prompts, generate_ids
 from lora_sweep.evaluators.heldout_loss import heldout_loss
+from lora_sweep.evaluators.registry import EvalData
 from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.tiny.data import arithmetic_rows
@@ -58,7 +58,7 @@ def test_packed_equals_alone_on_cuda(tiny_dirs, impl: str) -> None:
 def test_captured_static_evaluation_equals_the_dynamic_path(tiny_dirs, impl: str) -> None:
     """Inside a static pack on CUDA (fp32): greedy tokens of the captured decode step over a static KV cache equal
     the dynamic eager loop's exactly, and the captured held-out loss matches it; both ran as CUDA graphs."""
-    from lora_sweep.evaluators import load_eval_data
+    from lora_sweep.evaluators.registry import load_eval_data
     from lora_sweep.packer.step import eval_graph
     from tests.evaluators.conftest import YESNO
     from tests.evaluators.test_static_eval import static_pack_evaluations

@@ -2,24 +2,21 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
 import torch
 import yaml
 
-from lora_sweep.evaluators import EvalData, load_eval_data
 from lora_sweep.evaluators.choice import multiple_choice
 from lora_sweep.evaluators.generation import generation
 from lora_sweep.evaluators.lm_eval import INSTALL_HINT, SlotView, run_lm_eval
+from lora_sweep.evaluators.registry import EvalData, load_eval_data
 from lora_sweep.packer.errors import ConfigError, UserError
+from tests.conftest import need_module
 from tests.evaluators.conftest import YESNO, YESNO_MC, load_pack
 
-if os.environ.get("CI"):  # CI installs the eval extra: a missing lm-eval must fail there, not skip
-    import lm_eval  # noqa: F401
-else:
-    pytest.importorskip("lm_eval", reason="pip install 'lora-sweep[eval]'")
+need_module("lm_eval", "eval")
 
 
 def _write_tasks(folder) -> tuple[str, str]:

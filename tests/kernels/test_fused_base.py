@@ -18,8 +18,7 @@ from tests.conftest import need_triton
 
 need_triton()  # before anything imports the Triton kernel modules
 
-from lora_sweep import kernels  # noqa: E402
-from lora_sweep.kernels import reference  # noqa: E402
+from lora_sweep.kernels import ops, reference  # noqa: E402
 from tests.conftest import record_launches  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -44,7 +43,7 @@ def _grads(out: torch.Tensor, inputs: tuple[torch.Tensor, ...], dy: torch.Tensor
 def test_rms_norm_matches_the_reference(lead: tuple[int, int], d: int, dtype: torch.dtype) -> None:
     x = _randn(*lead, d, dtype=dtype) * 3 + 1  # a mean away from 0: the normalisation has work to do
     w = _randn(d, dtype=dtype, seed=1, grad=False)
-    y = kernels.rms_norm(x, w, 1e-5, impl="triton")
+    y = ops.rms_norm(x, w, 1e-5, impl="triton")
     want = reference.rms_norm(x, w, 1e-5)
     assert y.shape == want.shape and y.dtype == want.dtype
     torch.testing.assert_close(y, want, **TOL[dtype])
@@ -58,13 +57,13 @@ def test_rms_norm_weight_gradient_and_promoted_dtype() -> None:
     input gives a fp32 output, as the module's ``weight * x.to(input_dtype)`` does."""
     x = _randn(5, 7, 48) * 2
     w = _randn(48, seed=1) + 1
-    y = kernels.rms_norm(x, w, 1e-6, impl="triton")
+    y = ops.rms_norm(x, w, 1e-6, impl="triton")
     want = reference.rms_norm(x, w, 1e-6)
     dy = _randn(5, 7, 48, seed=2, grad=False)
     for got, ref in zip(_grads(y, (x, w), dy), _grads(want, (x, w), dy), strict=True):
         torch.testing.assert_close(got, ref, **TOL[torch.float32])
     xb = x.detach().to(torch.bfloat16)
-    mixed = kernels.rms_norm(xb, w.detach(), 1e-6, impl="triton")
+    mixed = ops.rms_norm(xb, w.detach(), 1e-6, impl="triton")
     assert mixed.dtype == torch.float32
     # x * rstd is rounded to bf16 before the weight: an rstd one fp32 ulp apart can flip that rounding
     torch.testing.assert_close(mixed, reference.rms_norm(xb, w.detach(), 1e-6), **TOL[torch.bfloat16])
@@ -75,7 +74,7 @@ def test_rms_norm_weight_gradient_and_promoted_dtype() -> None:
 def test_silu_mul_matches_the_reference(lead: tuple[int, int], d: int, dtype: torch.dtype) -> None:
     gate = _randn(*lead, d, dtype=dtype) * 4  # past both knees of the sigmoid
     up = _randn(*lead, d, dtype=dtype, seed=1)
-    y = kernels.silu_mul(gate, up, impl="triton")
+    y = ops.silu_mul(gate, up, impl="triton")
     want = reference.silu_mul(gate, up)
     assert y.shape == want.shape and y.dtype == want.dtype
     torch.testing.assert_close(y, want, **TOL[dtype])
@@ -87,22 +86,22 @@ def test_silu_mul_matches_the_reference(lead: tuple[int, int], d: int, dtype: to
 
 def test_silu_mul_spans_several_programs_and_rejects_mismatched_inputs() -> None:
     gate, up = _randn(3, 1500) * 4, _randn(3, 1500, seed=1)  # 4500 elements: three programs, a ragged last one
-    y = kernels.silu_mul(gate, up, impl="triton")
+    y = ops.silu_mul(gate, up, impl="triton")
     torch.testing.assert_close(y, reference.silu_mul(gate, up), **TOL[torch.float32])
     with pytest.raises(ValueError, match="must match"):
-        kernels.silu_mul(gate, up[:, :10], impl="triton")
+        ops.silu_mul(gate, up[:, :10], impl="triton")
 
 
 def test_rms_norm_rejects_rows_wider_than_the_kernel() -> None:
     with pytest.raises(ValueError, match="wider than"):
-        kernels.rms_norm(torch.ones(1, 70000, device=DEVICE), torch.ones(70000, device=DEVICE), 1e-6, impl="triton")
+        ops.rms_norm(torch.ones(1, 70000, device=DEVICE), torch.ones(70000, device=DEVICE), 1e-6, impl="triton")
 
 
 def test_auto_and_torch_run_the_reference_on_the_cpu() -> None:
     x, w = torch.randn(2, 3, 8), torch.randn(8)
     for impl in ("torch", "auto"):
-        assert torch.equal(kernels.rms_norm(x, w, 1e-6, impl=impl), reference.rms_norm(x, w, 1e-6))
-        assert torch.equal(kernels.silu_mul(x, x, impl=impl), reference.silu_mul(x, x))
+        assert torch.equal(ops.rms_norm(x, w, 1e-6, impl=impl), reference.rms_norm(x, w, 1e-6))
+        assert torch.equal(ops.silu_mul(x, x, impl=impl), reference.silu_mul(x, x))
 
 
 def test_triton_on_cpu_without_interpreter_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -110,19 +109,19 @@ def test_triton_on_cpu_without_interpreter_is_rejected(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(J, "INTERPRET", False)
     with pytest.raises(RuntimeError, match="CUDA"):
-        kernels.rms_norm(torch.ones(1, 4), torch.ones(4), 1e-6, impl="triton")
+        ops.rms_norm(torch.ones(1, 4), torch.ones(4), 1e-6, impl="triton")
     with pytest.raises(RuntimeError, match="CUDA"):
-        kernels.silu_mul(torch.ones(4), torch.ones(4), impl="triton")
+        ops.silu_mul(torch.ones(4), torch.ones(4), impl="triton")
 
 
 def test_precompile_warms_both_ways_even_on_another_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Inside ``kernels.precompile`` both ops launch nothing, forward or backward (the backward on a plain
+    """Inside ``kernels.ops.precompile`` both ops launch nothing, forward or backward (the backward on a plain
     thread, as CUDA autograd's device thread runs it), and warm exactly the variants a real call launches."""
     calls = record_launches(monkeypatch)
 
     def call() -> tuple[torch.Tensor, torch.Tensor]:
         x, gate = _randn(3, 5, 40), _randn(3, 5, 40, seed=1)
-        y = kernels.silu_mul(kernels.rms_norm(x, torch.ones(40, device=DEVICE), 1e-6, impl="triton"), gate,
+        y = ops.silu_mul(ops.rms_norm(x, torch.ones(40, device=DEVICE), 1e-6, impl="triton"), gate,
                              impl="triton")
         worker = threading.Thread(target=y.backward, args=(torch.ones_like(y),))
         worker.start()
@@ -135,7 +134,7 @@ def test_precompile_warms_both_ways_even_on_another_thread(monkeypatch: pytest.M
         nonlocal x, gate
         x, gate = call()
 
-    kernels.precompile(warm)
+    ops.precompile(warm)
     warmed = {v for inside, v in calls if inside}
     assert len(calls) == 4 and len(warmed) == 4 and all(inside for inside, _ in calls), calls
     assert x.grad is not None and gate.grad is not None  # the Functions ran; their outputs are left unwritten
@@ -151,14 +150,14 @@ class TestGPU:
     def test_rms_norm_bf16(self) -> None:
         x = _randn(1000, 4096, dtype=torch.bfloat16) * 2
         w = _randn(4096, dtype=torch.bfloat16, seed=1, grad=False)
-        y, want = kernels.rms_norm(x, w, 1e-5, impl="triton"), reference.rms_norm(x, w, 1e-5)
+        y, want = ops.rms_norm(x, w, 1e-5, impl="triton"), reference.rms_norm(x, w, 1e-5)
         torch.testing.assert_close(y, want, **TOL[torch.bfloat16])
         dy = _randn(1000, 4096, dtype=torch.bfloat16, seed=2, grad=False)
         torch.testing.assert_close(_grads(y, (x,), dy)[0], _grads(want, (x,), dy)[0], **TOL[torch.bfloat16])
 
     def test_silu_mul_bf16(self) -> None:
         gate, up = _randn(1000, 14336, dtype=torch.bfloat16) * 4, _randn(1000, 14336, dtype=torch.bfloat16, seed=1)
-        y, want = kernels.silu_mul(gate, up, impl="triton"), reference.silu_mul(gate, up)
+        y, want = ops.silu_mul(gate, up, impl="triton"), reference.silu_mul(gate, up)
         torch.testing.assert_close(y, want, **TOL[torch.bfloat16])
         dy = _randn(1000, 14336, dtype=torch.bfloat16, seed=2, grad=False)
         for got, ref in zip(_grads(y, (gate, up), dy), _grads(want, (gate, up), dy), strict=True):

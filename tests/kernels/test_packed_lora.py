@@ -19,8 +19,8 @@ from tests.conftest import need_triton
 
 need_triton()  # before anything imports the Triton kernel modules
 
-from lora_sweep.kernels import LayerRanks, PackLayout, packed_lora, packed_lora_linear  # noqa: E402
 from lora_sweep.kernels._launch import CHUNK_COL, SegFlt, SegInt, Tile, build_meta, static_meta  # noqa: E402
+from lora_sweep.kernels.ops import LayerRanks, PackLayout, packed_lora, packed_lora_linear  # noqa: E402
 from lora_sweep.kernels.reference import lora_loop, lora_masked_dense  # noqa: E402
 from lora_sweep.kernels.triton_dropout import dropout_mask, keep_bits  # noqa: E402
 from lora_sweep.kernels.triton_lora import PackedLoRAFunction  # noqa: E402
@@ -212,8 +212,8 @@ def test_triton_on_cpu_without_interpreter_is_rejected(monkeypatch: pytest.Monke
 
 def test_kernels_imports_without_triton() -> None:
     code = ("import sys; sys.modules['triton'] = None\n"
-            "from lora_sweep import kernels\n"
-            "try:\n    kernels.packed_lora(None, None, None, None, None, None, impl='triton')\n"
+            "from lora_sweep.kernels import ops\n"
+            "try:\n    ops.packed_lora(None, None, None, None, None, None, impl='triton')\n"
             "except ImportError as e:\n    print('hint' if 'pip install' in str(e) else e)\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "hint"

@@ -15,8 +15,8 @@ need_triton()  # before anything imports the Triton kernel modules
 
 import lora_sweep.kernels._jit as J  # noqa: E402
 import lora_sweep.kernels.triton_segments as K  # noqa: E402
-from lora_sweep.kernels import LayerRanks, PackLayout, packed_lora_linear  # noqa: E402
 from lora_sweep.kernels._launch import build_meta  # noqa: E402
+from lora_sweep.kernels.ops import LayerRanks, PackLayout, packed_lora_linear  # noqa: E402
 from tests.conftest import record_launches  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lora_sweep.kernels import IMPLS, LayerRanks, PackLayout, packed_lora
+from lora_sweep.kernels.ops import IMPLS, LayerRanks, PackLayout, packed_lora
 from lora_sweep.kernels.reference import lora_loop, lora_masked_dense
 
 # (rows per slot, ranks): one slot, odd sizes, rank 1, an empty segment, a slot skipping the layer

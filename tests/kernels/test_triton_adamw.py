@@ -14,7 +14,7 @@ from tests.conftest import need_triton
 
 need_triton()  # before anything imports the Triton kernel modules
 
-from lora_sweep.kernels import segmented_adamw_, segmented_sumsq  # noqa: E402
+from lora_sweep.kernels.ops import segmented_adamw_, segmented_sumsq  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRET else "cpu")

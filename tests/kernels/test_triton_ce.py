@@ -17,7 +17,8 @@ from tests.conftest import need_triton
 
 need_triton()  # before anything imports the Triton kernel modules
 
-from lora_sweep.kernels import reference, static_linear_ce  # noqa: E402
+from lora_sweep.kernels import reference  # noqa: E402
+from lora_sweep.kernels.ops import static_linear_ce  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRET else "cpu")

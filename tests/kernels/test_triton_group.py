@@ -1,4 +1,4 @@
-"""The static step's shared-input group (``kernels.packed_lora_static_group``): against float64 math with each
+"""The static step's shared-input group (``kernels.ops.packed_lora_static_group``): against float64 math with each
 member's own dropout multiplier, and against its members run alone.
 
 CPU: the Triton interpreter (conftest.py), fp32. GPU: the same tests compiled.
@@ -32,8 +32,8 @@ RB = 8  # rank bucket: rows per slot in A / B^T
 def _static_setup(ranks, rows, seq, d_in, d_outs, unadapted, dropout):
     """Static tables (one per member: its own layer id), per member A / B^T in the static layout (slot g at rows
     g * RB, rank padding zero), weights, biases, x and an upstream gradient; fp32 on DEVICE."""
-    from lora_sweep.kernels import GroupSlice, static_meta
     from lora_sweep.kernels._launch import SEG_FLT_COL
+    from lora_sweep.kernels.ops import GroupSlice, static_meta
 
     c = len(ranks)
     g = torch.Generator().manual_seed(1)
@@ -68,7 +68,7 @@ def _static_setup(ranks, rows, seq, d_in, d_outs, unadapted, dropout):
 
 def _static_group(members, x, weights, biases, a, bt, dy):
     """The group call: output, dx and each member's gradient buffers (zero before)."""
-    from lora_sweep.kernels import packed_lora_static_group
+    from lora_sweep.kernels.ops import packed_lora_static_group
 
     grads = [(torch.zeros_like(u), torch.zeros_like(v)) for u, v in zip(a, bt, strict=True)]
     members = tuple(m._replace(grads=grads[s]) if m.meta is not None else m for s, m in enumerate(members))
@@ -120,7 +120,7 @@ def test_static_group_equals_members_alone(dropout: bool) -> None:
     """Each member run alone (``packed_lora_static``, the static step's solo call): the same weight-gradient bits
     (the same kernels on the same operands and masks), the same outputs and a dx within fp32 rounding (the base GEMM
     and the sum over members in another order)."""
-    from lora_sweep.kernels import packed_lora_static
+    from lora_sweep.kernels.ops import packed_lora_static
 
     members, x, weights, biases, a, bt, dy = _static_setup(*STATIC_CASES[0][:5], (), dropout)
     y, dx, grads = _static_group(members, x, weights, biases, a, bt, dy)

@@ -17,8 +17,7 @@ from tests.conftest import need_triton
 
 need_triton()  # before anything imports the Triton kernel modules
 
-from lora_sweep import kernels  # noqa: E402
-from lora_sweep.kernels import reference  # noqa: E402
+from lora_sweep.kernels import ops, reference  # noqa: E402
 from tests.conftest import record_launches  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -56,7 +55,7 @@ def test_rope_is_bit_exact_with_eager(b: int, h: int, hk: int, seq: int, d: int,
                                       dtype: torch.dtype) -> None:
     q, k, qp, kp = _projections(b, h, hk, seq, d, dtype)
     cos, sin = _table(bc, seq, d, dtype)
-    got = kernels.rope(q, k, cos, sin, impl="triton")
+    got = ops.rope(q, k, cos, sin, impl="triton")
     want = reference.rope(q, k, cos, sin)
     for g, w, x in zip(got, want, (q, k), strict=True):
         assert g.dtype == w.dtype and g.shape == w.shape and g.stride() == x.stride()
@@ -83,7 +82,7 @@ def test_the_backward_is_autograds_of_the_eager_formula(dtype: torch.dtype) -> N
     closed = torch.cat((g1 * c1 + g2 * s2, g2 * c2 - g1 * s1), dim=-1)  # each op rounds once, in the io dtype
     assert torch.equal(want, closed)
     k = q.detach()[:, :1].requires_grad_()
-    (got,) = torch.autograd.grad(kernels.rope(q, k, cos, sin, impl="triton")[0], q, g)
+    (got,) = torch.autograd.grad(ops.rope(q, k, cos, sin, impl="triton")[0], q, g)
     assert torch.equal(got, closed)
 
 
@@ -97,7 +96,7 @@ def test_results_and_gradients_keep_the_operands_layouts() -> None:
     q = _randn(b, seq, h, d, dtype=torch.float32, seed=0).transpose(1, 2).requires_grad_()  # a strided leaf
     qkv = _randn(b, seq, (h + 2 * hk) * d, dtype=torch.float32, seed=1)
     k = qkv[..., h * d:(h + hk) * d].view(b, seq, hk, d).transpose(1, 2).requires_grad_()  # not dense
-    got = kernels.rope(q, k, cos, sin, impl="triton")
+    got = ops.rope(q, k, cos, sin, impl="triton")
     want = reference.rope(q, k, cos, sin)
     dense_k = torch.empty_like(k).stride()
     assert dense_k != k.stride() and got[0].stride() == q.stride() and got[1].stride() == dense_k
@@ -113,7 +112,7 @@ def test_one_launch_each_way_and_no_gradient_for_what_does_not_ask(monkeypatch: 
     q, k, qp, _ = _projections(2, 4, 2, 3, 8, torch.float32)
     k = k.detach()  # a key side that needs no gradient
     cos, sin = _table(1, 3, 8, torch.float32)
-    q_out, k_out = kernels.rope(q, k, cos, sin, impl="triton")
+    q_out, k_out = ops.rope(q, k, cos, sin, impl="triton")
     assert len(calls) == 1
     (q_out.sum() + k_out.sum()).backward()
     assert len(calls) == 2 and {v[0] for _, v in calls} == {"_rope_kernel"}
@@ -125,15 +124,15 @@ def test_operands_the_kernel_does_not_take_are_refused() -> None:
     something else (``packer.model.fuse`` falls back to eager on these)."""
     q, k, _, _ = _projections(2, 4, 2, 3, 8, torch.float32)
     cos, sin = _table(2, 3, 8, torch.float32)
-    assert kernels.rope_problem(q, k, cos, sin) is None
+    assert ops.rope_problem(q, k, cos, sin) is None
     bad = {"promotes": (q, k, cos.double(), sin.double()), "dtype": (q, k, cos.to(torch.bfloat16), sin),
            "odd d": (q[..., :7], k[..., :7], cos[..., :7], sin[..., :7]), "length": (q, k, cos[:, :2], sin[:, :2]),
            "batch": (q, k, torch.cat([cos] * 2), torch.cat([sin] * 2)), "rank": (q, k, cos[:, None], sin[:, None]),
            "grad": (q, k, cos.clone().requires_grad_(), sin)}
     for name, args in bad.items():
-        assert kernels.rope_problem(*args), name
+        assert ops.rope_problem(*args), name
         with pytest.raises(ValueError, match="rope"):
-            kernels.rope(*args, impl="triton")
+            ops.rope(*args, impl="triton")
 
 
 @pytest.mark.gpu
@@ -154,7 +153,7 @@ class TestGPU:
         q, k, qp, kp = _projections(b, h, hk, seq, d, dtype)
         positions = torch.randint(0, 2048, (bc, seq), generator=torch.Generator().manual_seed(4)).to(DEVICE)
         cos, sin = rotary(qp, positions)
-        got = kernels.rope(q, k, cos, sin, impl="triton")
+        got = ops.rope(q, k, cos, sin, impl="triton")
         want = apply_rotary_pos_emb(q, k, cos, sin)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
         dq_out, dk_out = _randn(b, h, seq, d, dtype=dtype, seed=2), _randn(b, hk, seq, d, dtype=dtype, seed=3)

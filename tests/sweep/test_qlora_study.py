@@ -7,21 +7,20 @@ import json
 import subprocess
 import sys
 
-import pytest
 import torch
 from optuna.trial import TrialState
 from transformers import AutoModelForCausalLM
 
-from lora_sweep.kernels import PackLayout
+from lora_sweep.kernels.ops import PackLayout
 from lora_sweep.packer.model.checkpoint import load_adapter, read_adapter
 from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.sweep.loader import load_study
 from lora_sweep.sweep.store import ResultsStore
 from lora_sweep.sweep.study import run_study
-from tests.conftest import write_study
+from tests.conftest import need_module, write_study
 
-pytest.importorskip("torchao")
+need_module("torchao", "qlora")
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 IDS = torch.randint(3, 300, (2, 14), generator=torch.Generator().manual_seed(0))

@@ -27,21 +27,21 @@ from lora_sweep.sweep.loader import load_study
 from lora_sweep.sweep.storage import Sharing, normalize_url, open_storage, storage_lock
 from lora_sweep.sweep.store import StudyDir
 from lora_sweep.sweep.store.attrs import WORKER
-from tests.conftest import write_study
+from tests.conftest import missing, need_module, write_study
 
 ROOT = Path(__file__).resolve().parents[2]
-_SERVERS = {"postgresql": ("LORA_SWEEP_TEST_PG", "PostgreSQL on 127.0.0.1:55432"),
-            "mysql": ("LORA_SWEEP_TEST_MYSQL", "MariaDB on 127.0.0.1:53306")}
+_SERVERS = {"postgresql": ("LORA_SWEEP_TEST_PG", "PostgreSQL on 127.0.0.1:55432", "psycopg2", "postgres"),
+            "mysql": ("LORA_SWEEP_TEST_MYSQL", "MariaDB on 127.0.0.1:53306", "pymysql", "mysql")}
 
 
 def _server_url(kind: str) -> str:
-    """The test server's URL (``postgresql`` or ``mysql``); CI fails without it, elsewhere the test is skipped."""
-    env, server = _SERVERS[kind]
-    if os.environ.get(env):
-        return os.environ[env]
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"CI must export {env} (.ci/run starts {server})")
-    pytest.skip(f"{env} is unset: no {kind} server for this test")
+    """The test server's URL (``postgresql`` or ``mysql``), its driver's extra installed; else the test is skipped
+    (``tests.conftest.missing``)."""
+    env, server, module, extra = _SERVERS[kind]
+    need_module(module, extra)
+    if not os.environ.get(env):
+        missing(f"a {kind} server ({env} is unset)", f"export {env} (.ci/run starts {server})")
+    return os.environ[env]
 
 
 def _study_file(tmp_path: Path, model_dir: Path, name: str, **changes) -> Path:

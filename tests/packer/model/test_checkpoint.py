@@ -12,7 +12,7 @@ from peft.utils import set_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from lora_sweep.kernels import PackLayout
+from lora_sweep.kernels.ops import PackLayout
 from lora_sweep.packer.data.rows import SlotStream
 from lora_sweep.packer.errors import UserError
 from lora_sweep.packer.model.checkpoint import load_adapter, save_adapter, save_adapters

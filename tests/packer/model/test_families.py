@@ -20,7 +20,7 @@ from tests.conftest import add_slots_random_b, need_triton
 
 need_triton()  # before anything imports the Triton kernel modules
 
-from lora_sweep.kernels import PackLayout  # noqa: E402
+from lora_sweep.kernels.ops import PackLayout  # noqa: E402
 from lora_sweep.packer.errors import ConfigError  # noqa: E402
 from lora_sweep.packer.loss import check_plain_head, chunked_slot_losses, slot_losses  # noqa: E402
 from lora_sweep.packer.model.layer import PackedLoRALinear, PackState  # noqa: E402

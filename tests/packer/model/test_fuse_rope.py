@@ -17,8 +17,8 @@ need_triton()  # before anything imports the Triton kernel modules
 from peft import LoraConfig, get_peft_model  # noqa: E402
 from transformers import AutoConfig, StaticCache  # noqa: E402
 
-from lora_sweep import kernels  # noqa: E402
-from lora_sweep.kernels import PackLayout  # noqa: E402
+from lora_sweep.kernels import ops  # noqa: E402
+from lora_sweep.kernels.ops import PackLayout  # noqa: E402
 from lora_sweep.packer.model.fuse import ROPE_ATTENTIONS, RopeSwap, _hook_rope, fuse_base_ops  # noqa: E402
 from lora_sweep.packer.model.packed import PackedModel, load_base  # noqa: E402
 from lora_sweep.packer.plan import AdapterSpec  # noqa: E402
@@ -41,15 +41,15 @@ def _modeling(class_name: str):  # type: ignore[no-untyped-def]
 
 
 def _rope_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """One entry per call of ``kernels.rope`` (as ``packer.model.fuse`` calls it) from now on."""
+    """One entry per call of ``kernels.ops.rope`` (as ``packer.model.fuse`` calls it) from now on."""
     calls: list[int] = []
-    real = kernels.rope
+    real = ops.rope
 
     def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(kernels, "rope", spy)
+    monkeypatch.setattr(ops, "rope", spy)
     return calls
 
 
@@ -74,7 +74,7 @@ def test_every_listed_attention_runs_the_fused_rope_with_the_same_bits(name: str
     assert cos.shape == (3, 7, 8) and cos.dtype == dtype  # what the kernel takes: (B, L, d) in the io dtype
     q = torch.randn(3, 7, 4, 8, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype).transpose(1, 2)
     k = torch.randn(3, 7, 2, 8, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype).transpose(1, 2)
-    for got, want in zip(kernels.rope(q, k, cos, sin, impl="triton"), modeling.apply_rotary_pos_emb(q, k, cos, sin),
+    for got, want in zip(ops.rope(q, k, cos, sin, impl="triton"), modeling.apply_rotary_pos_emb(q, k, cos, sin),
                          strict=True):
         assert torch.equal(got, want)
 

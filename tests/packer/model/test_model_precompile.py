@@ -51,12 +51,12 @@ def test_precompile_covers_the_first_step_and_touches_no_slot(tiny_dirs, monkeyp
 def test_a_failed_precompile_warns_and_training_goes_on(tiny_dirs, monkeypatch) -> None:
     """Precompiling is an optimisation: if it fails (say, a Triton whose warm-up API differs), the step
     compiles its kernels as it launches them, as without it."""
-    from lora_sweep import kernels
+    from lora_sweep.kernels import ops
 
     def broken(run: object) -> None:
         raise AttributeError("no warmup here")
 
-    monkeypatch.setattr(kernels, "precompile", broken)
+    monkeypatch.setattr(ops, "precompile", broken)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, _ = load_base(str(tiny_dirs("qwen2")), device=device)
     pm = PackedModel(model, impl="triton")

@@ -3,26 +3,22 @@ PEFT does over the dequantized weights (fp32, CPU, the tiny Llama)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
 from torch import nn
 
-from lora_sweep.packer.data.batch import collate
 from lora_sweep.packer.data.rows import SlotStream
 from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.model.packed import PackedModel, load_base
-from lora_sweep.packer.model.quant import NF4Linear, dequantize_base, nf4_bytes, quantize_base
+from lora_sweep.packer.model.quant import NF4Linear, nf4_bytes, quantize_base
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.probe import model_bytes
-from lora_sweep.packer.step.train import SlotJob, make_scheduler, train
-from tests.conftest import Recorder, random_examples
+from lora_sweep.packer.step.train import SlotJob
+from tests.conftest import need_module, random_examples
+from tests.packer.model._quant import nf4_base, peft_over_dequantized, train_pack
 
-pytest.importorskip("torchao")
+need_module("torchao", "qlora")
 
-PAD = 0
 STEPS = 6
 SPECS = [
     AdapterSpec(rank=2, alpha=4, lr=3e-3, micro_batch=1, targets=("q_proj", "v_proj"), max_steps=STEPS, seed=1),
@@ -33,29 +29,15 @@ SPECS = [
 ]
 
 
-def _nf4_base(model_dir: Path) -> nn.Module:
-    model, _ = load_base(str(model_dir), attn_implementation="eager", quantize="nf4")
-    return model
-
-
 def _jobs(specs: list[AdapterSpec]) -> list[SlotJob]:
     return [SlotJob(spec, SlotStream(random_examples(40, seed=100 + i), spec.micro_batch, seed=spec.seed), key=i)
             for i, spec in enumerate(specs)]
 
 
-def _train(model: nn.Module, jobs: list[SlotJob], capacity: int) -> Recorder:
-    pm = PackedModel(model, impl="torch")
-    queue = list(jobs)
-    rec = Recorder(pm)
-    train(pm, capacity, lambda slot: queue.pop(0) if queue else None, pad_id=PAD, on_step=rec.on_step,
-          on_end=rec.on_end)
-    return rec
-
-
 def test_the_projections_become_torchao_nf4_with_double_quantised_scales(tiny_dirs) -> None:
     from torchao.quantization import NF4Tensor
 
-    model = _nf4_base(tiny_dirs("llama"))
+    model = nf4_base(tiny_dirs("llama"))
     quantized = {p: m for p, m in model.named_modules() if isinstance(m, NF4Linear)}
     assert len(quantized) == 2 * 7 and type(model.lm_head) is nn.Linear  # every projection, not the output head
     for m in quantized.values():
@@ -68,7 +50,7 @@ def test_the_projections_become_torchao_nf4_with_double_quantised_scales(tiny_di
 
 def test_the_base_costs_about_half_a_byte_per_quantised_weight(tiny_dirs) -> None:
     plain, _ = load_base(str(tiny_dirs("llama")))
-    model = _nf4_base(tiny_dirs("llama"))
+    model = nf4_base(tiny_dirs("llama"))
     n = sum(m.weight.numel() for m in model.modules() if isinstance(m, NF4Linear))
     saved = model_bytes(PackedModel(plain)) - model_bytes(PackedModel(model))
     extra = sum(m.weight.scaler_mean.numel() * 4 + 16 * 4 for m in model.modules() if isinstance(m, NF4Linear))
@@ -91,10 +73,10 @@ def test_gpt2s_conv1d_base_is_refused_in_one_line(tiny_dirs) -> None:
 
 
 def test_qlora_slot_in_a_pack_equals_the_slot_alone_over_the_same_nf4_base(tiny_dirs) -> None:
-    model = _nf4_base(tiny_dirs("llama"))
-    packed = _train(model, _jobs(SPECS), capacity=len(SPECS))
+    model = nf4_base(tiny_dirs("llama"))
+    packed = train_pack(model, _jobs(SPECS), capacity=len(SPECS))
     for job in _jobs(SPECS):
-        alone = _train(model, [job], capacity=1)
+        alone = train_pack(model, [job], capacity=1)
         assert len(packed.losses[job.key]) == job.spec.max_steps
         torch.testing.assert_close(torch.tensor(packed.losses[job.key]), torch.tensor(alone.losses[job.key]),
                                    rtol=1e-5, atol=0)
@@ -105,45 +87,15 @@ def test_qlora_slot_in_a_pack_equals_the_slot_alone_over_the_same_nf4_base(tiny_
             torch.testing.assert_close(b, rb, rtol=0, atol=1e-5)
 
 
-def _peft_over_dequantized(model_dir: Path, spec: AdapterSpec, stream: SlotStream,
-                           init_a: dict[str, torch.Tensor]) -> tuple[list[float], dict]:
-    """PEFT + torch AdamW on a plain copy of the base whose projections hold the dequantized NF4 weights."""
-    base = _nf4_base(model_dir)
-    dequantize_base(base)
-    assert not any(isinstance(m, NF4Linear) for m in base.modules())
-    model = get_peft_model(base, LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=0.0, bias="none",
-                                            target_modules=sorted({p.rsplit(".", 1)[-1] for p in init_a})))
-    model.eval()
-    lora = dict(model.named_parameters())
-    with torch.no_grad():
-        for path, a in init_a.items():
-            lora[f"base_model.model.{path}.lora_A.default.weight"].copy_(a)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
-    sched = make_scheduler(opt, spec)
-    losses = []
-    for _ in range(spec.max_steps):
-        b = collate([0], [stream.next_batch()], PAD, dropout=[0.0], seeds=[0])
-        out = model(input_ids=b.input_ids, attention_mask=b.attention_mask, labels=b.labels)
-        out.loss.backward()
-        losses.append(out.loss.item())
-        torch.nn.utils.clip_grad_norm_(params, spec.max_grad_norm)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-    return losses, {p: (lora[f"base_model.model.{p}.lora_A.default.weight"].detach(),
-                        lora[f"base_model.model.{p}.lora_B.default.weight"].detach()) for p in init_a}
-
-
 def test_qlora_matches_peft_over_the_dequantized_weights(tiny_dirs) -> None:
     model_dir = tiny_dirs("llama")
     spec = SPECS[1]
-    pm = PackedModel(_nf4_base(model_dir))
+    pm = PackedModel(nf4_base(model_dir))
     pm.add_slot(7, spec)
     init_a = {p: a.detach().clone() for p, (a, _) in pm.slot_weights(7).items()}
     job = _jobs(SPECS)[1]
-    packed = _train(_nf4_base(model_dir), [job], capacity=1)
-    ref_losses, ref_weights = _peft_over_dequantized(model_dir, spec, _jobs(SPECS)[1].stream, init_a)
+    packed = train_pack(nf4_base(model_dir), [job], capacity=1)
+    ref_losses, ref_weights = peft_over_dequantized(model_dir, spec, _jobs(SPECS)[1].stream, init_a)
     assert abs(packed.losses[1][0] - ref_losses[0]) <= 1e-5 * abs(ref_losses[0])  # the first step's loss
     torch.testing.assert_close(torch.tensor(packed.losses[1]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     for path, (a, b) in packed.final[1].items():
@@ -157,7 +109,7 @@ def test_nf4_changes_the_base_and_plain_lora_does_not_see_it(tiny_dirs) -> None:
     model_dir = tiny_dirs("llama")
     job = _jobs(SPECS[:1])[0]
     plain, _ = load_base(str(model_dir), attn_implementation="eager")
-    assert _train(plain, [job], 1).losses[0][0] != _train(_nf4_base(model_dir), _jobs(SPECS[:1]), 1).losses[0][0]
+    assert train_pack(plain, [job], 1).losses[0][0] != train_pack(nf4_base(model_dir), _jobs(SPECS[:1]), 1).losses[0][0]
 
 
 def test_the_memory_model_knows_the_nf4_base(tmp_path) -> None:

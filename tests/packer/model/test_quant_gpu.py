@@ -11,10 +11,10 @@ from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.model.quant import NF4Linear
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.step.train import SlotJob, train
-from tests.conftest import Recorder, random_examples
+from tests.conftest import Recorder, need_module, random_examples
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-pytest.importorskip("torchao")
+need_module("torchao", "qlora")
 
 SPECS = [
     AdapterSpec(rank=4, alpha=8, lr=3e-3, micro_batch=2, targets=("q_proj", "v_proj"), max_steps=6, seed=1),

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from lora_sweep.evaluators import EvalData, evaluate
+from lora_sweep.evaluators.registry import EvalData, evaluate
 from lora_sweep.packer.data.rows import SlotStream, read_jsonl
 from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.model import shard_load

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.model.shard import shard_base
 from lora_sweep.packer.model.shard_load import load_sharded, materialise, meta_load_refusal, meta_model
+from tests.conftest import need_module
 
 
 def test_what_loads_by_rows(tiny_dirs, tmp_path: Path) -> None:
@@ -35,7 +36,7 @@ def group_of_one(tmp_path: Path):  # noqa: ANN201
 
 
 def test_nf4_loads_whole_and_says_why(tiny_dirs, group_of_one) -> None:
-    pytest.importorskip("torchao")
+    need_module("torchao", "qlora")
     said: list[str] = []
     loaded = load_sharded(str(tiny_dirs("llama")), dtype="float32", device="cpu", quantize="nf4", log=said.append)
     assert loaded.stats is None and len(said) == 1

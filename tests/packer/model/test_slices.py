@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import lora_sweep.packer.model.packed
-from lora_sweep.kernels import PackLayout
+from lora_sweep.kernels.ops import PackLayout
 from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.step.train import FixedBatch, SlotJob, train

@@ -148,12 +148,12 @@ def test_operand_copy_follows_the_weights_into_every_forward(tiny_dirs, monkeypa
     """The bf16 weight copy the Triton kernels read (``use_operands``; a bf16 model on CUDA) is refreshed as each
     step or evaluation forward enters ``stepping``: after the weights change (an optimizer step, a refill), no
     forward reads the old ones. (On the CPU the kernels read fp32 masters, so the dtype is forced here.)"""
-    from lora_sweep import kernels
+    from lora_sweep.kernels import ops
 
     model, _ = load_base(str(tiny_dirs("llama")), attn_implementation="eager")
     pm = PackedModel(model, impl="torch")
     store = StaticStore(pm.model, pm.state, pm.layers, 2, 16, pm.device)
-    monkeypatch.setattr(kernels, "lora_operand_dtype", lambda act: torch.bfloat16)
+    monkeypatch.setattr(ops, "lora_operand_dtype", lambda act: torch.bfloat16)
     store.use_operands(torch.bfloat16)
     path = store.paths[0]
     assert store.a_op[path].dtype == torch.bfloat16 and store.a_op[path].shape == store.a[path].shape

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import lora_sweep.packer.model.static as static
-from lora_sweep.kernels import SEG_INT_COL, PackLayout, dropout_seed
+from lora_sweep.kernels.ops import SEG_INT_COL, PackLayout, dropout_seed
 from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.step.train import train

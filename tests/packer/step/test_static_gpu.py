@@ -82,22 +82,22 @@ def test_graph_equals_eager_fp32_with_accumulation_sample_packing_and_checkpoint
 
 def test_graph_equals_eager_fp32_with_the_shared_input_groups_and_dropout(tiny_dirs,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """q/k/v and gate/up as one call each on the static step (``kernels.packed_lora_static_group``), dropout on half
+    """q/k/v and gate/up as one call each on the static step (``kernels.ops.packed_lora_static_group``), dropout on half
     the jobs (a mask per member), accumulation k 1-4 mixed, ranks 4-64, slots ending and refilled: the captured step
     equals the eager one within 1e-6 per step, and both train as the members run alone within fp32 rounding (1e-4
     relative per loss over the run: the group's one base GEMM and one dx sum round otherwise, and AdamW carries
     that rounding on where a gradient is near zero; the LoRA kernels and the masks are the members' own)."""
-    import lora_sweep.kernels as kernels
     import lora_sweep.packer.model.packed as packer_model
+    from lora_sweep.kernels import ops
 
     calls: list[int] = []
-    real = kernels.packed_lora_static_group
+    real = ops.packed_lora_static_group
 
     def counted(x, w_cat, b_cat, members, weights):  # noqa: ANN001, ANN202
         calls.append(sum(m.meta is not None and m.meta.has_dropout for m in members))
         return real(x, w_cat, b_cat, members, weights)
 
-    monkeypatch.setattr(kernels, "packed_lora_static_group", counted)
+    monkeypatch.setattr(ops, "packed_lora_static_group", counted)
     specs = [replace(s, gradient_accumulation_steps=1 + i % 4, dropout=0.1 if i % 2 else 0.0)
              for i, s in enumerate(_specs())]
     eager, r_eager = _run(tiny_dirs("llama"), specs, 3, cuda_graphs="off")
