@@ -17,7 +17,7 @@ import torch
 
 from lora_sweep.kernels.meta import LayerRanks, PackLayout
 
-__all__ = ["SegmentMeta", "GroupSlice", "build_meta", "static_meta", "check_2d", "check_rows",
+__all__ = ["SegmentMeta", "build_meta", "static_meta", "check_2d", "check_rows",
            "to_device_async",
            "SegInt", "SegFlt", "Tile", "Chunk", "SEG_INT_COL", "SEG_FLT_COL", "TILE_COL", "CHUNK_COL",
            "SEG_INT_FIELDS", "SEG_FLT_FIELDS", "TILE_FIELDS", "CHUNK_FIELDS", "POS_BITS", "free_segment", "FREE_FLT"]
@@ -125,23 +125,6 @@ class SegmentMeta(NamedTuple):
     has_dropout: bool
     block_m: int
     layer_id: int = 0
-
-
-class GroupSlice(NamedTuple):
-    """One member of a static shared-input group call (``kernels.packed_lora_static_group``): where its output
-    sits among the group's columns and what its LoRA term reads."""
-
-    col: int
-    """Its first column of the group's (T, sum D_s) output (= its first row of the concatenated base weight)."""
-    width: int
-    """D_s, its output features."""
-    meta: SegmentMeta | None
-    """Its tables (its own ``layer_id``, so its own dropout masks), or None: no slot adapts it this step and its
-    columns are its base projection alone."""
-    grads: tuple[torch.Tensor, torch.Tensor] | None = None
-    """Its (C * RB, D_in) and (C * RB, D_s) fp32 gradient buffers, the weight gradients added in place."""
-    ops: tuple[torch.Tensor, torch.Tensor] | None = None
-    """Its A and B^T already in the kernels' operand dtype (``StaticStore.use_operands``), or None."""
 
 
 def build_meta(layout: PackLayout, ranks: LayerRanks, n_tokens: int, seq_len: int, device: torch.device, *,

@@ -1,7 +1,6 @@
 """Triton kernels for packed multi-slot LoRA: segmented shrink, expand-add and weight gradient, and their launchers.
 
-The autograd Functions built on them: ``kernels.triton_lora`` (one projection) and ``kernels.triton_group``
-(projections sharing an input, on a static pack's tables).
+The autograd Function built on them: ``kernels.triton_lora`` (one projection).
 
 Math, for the tokens t of slot g (rank r_g, scale s_g, dropout p_g with keep mask M, X~ = X * M / (1 - p_g)):
 
@@ -15,7 +14,7 @@ Math, for the tokens t of slot g (rank r_g, scale s_g, dropout p_g with keep mas
 Shape legend: T = B * L tokens (flattened), N slots (S of them active: rank > 0 and rows > 0), R = sum of
 ranks (rows of ``a_cat`` / ``bt_cat``, slot g at ``rank_off[g] : rank_off[g] + r_g``), R_PAD = per-token
 column count of H (power of 2 >= 16, >= max rank; a runtime ``h_stride`` in the kernels, not a constexpr, so
-one compiled variant serves every pack width and every shared-input group), D_in / D_out features, K =
+one compiled variant serves every pack width), D_in / D_out features, K =
 reduced feature dim.
 
 Kernels (kernels.md §4), all driven by host-built tables (``kernels._launch.SegmentMeta``):
