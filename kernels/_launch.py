@@ -17,8 +17,7 @@ import torch
 
 from lora_sweep.kernels.meta import LayerRanks, PackLayout
 
-__all__ = ["SegmentMeta", "build_meta", "static_meta", "check_2d", "check_rows",
-           "to_device_async",
+__all__ = ["SegmentMeta", "build_meta", "static_meta", "check_2d", "to_device_async",
            "SegInt", "SegFlt", "Tile", "Chunk", "SEG_INT_COL", "SEG_FLT_COL", "TILE_COL", "CHUNK_COL",
            "SEG_INT_FIELDS", "SEG_FLT_FIELDS", "TILE_FIELDS", "CHUNK_FIELDS", "POS_BITS", "free_segment", "FREE_FLT"]
 
@@ -219,19 +218,6 @@ def check_2d(name: str, t: torch.Tensor, rows: int, cols: int) -> None:
                                                                            torch.float16):
         raise ValueError(f"{name}: expected a contiguous fp32/bf16/fp16 ({rows}, {cols}) tensor, "
                          f"got {t.dtype} {tuple(t.shape)} contiguous={t.is_contiguous()}")
-
-
-def check_rows(name: str, t: torch.Tensor, rows: int, cols: int) -> None:
-    """``check_2d`` for an operand the kernels address as rows ``t.stride(0)`` apart: a column slice of a wider
-    row-major tensor (one member's columns of a shared-input group's output or its gradient) passes too.
-
-    Raises:
-        ValueError: not a fp32/bf16/fp16 ``(rows, cols)`` tensor with unit column stride and rows that do not overlap.
-    """
-    if t.shape != (rows, cols) or t.stride(1) != 1 or (rows > 1 and t.stride(0) < cols) or t.dtype not in (
-            torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"{name}: expected a fp32/bf16/fp16 ({rows}, {cols}) tensor with unit column stride, "
-                         f"got {t.dtype} {tuple(t.shape)} strides {t.stride()}")
 
 
 def static_meta(capacity: int, rows: int, seq_len: int, rank_cols: int, device: torch.device, *,

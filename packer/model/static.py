@@ -249,7 +249,7 @@ class StaticStore:
         b, seq, d_in = x.shape
         if resolve_impl(self.state.impl, x.device) == "triton":
             meta = shape.meta._replace(layer_id=layer.layer_id, has_dropout=self.dropout)
-            x2 = x.reshape(b * seq, d_in)
+            x2 = x.reshape(b * seq, d_in).contiguous()  # the kernels read row-major operands (no copy if dense)
             grads = (a.grad, bt.grad)  # the static gradient views: the kernels add into them, no AccumulateGrad
             ops = None
             if self.flat_op is not None and x.dtype == self.flat_op.dtype:
