@@ -6,9 +6,8 @@ the per-repeat ratios (the same base timing drifted by 10% between two back-to-b
 
 - ``projection_bench``: one projection (``kernels.ops.packed_lora_linear``) against its GEMMs alone;
 - ``decoder_layer_bench``: one decoder layer of a real shape, wrapped by ``PackedModel`` (LoRA on all seven
-  projections, fused norms and MLP middles) on its per-batch path (each projection its own packed call: the
-  shared-input groups run on the static step, ``benchmarks.gpu_groups`` times them), against the same layer with
-  no slot active. This is the layer a pack runs 28 or 32 times per step.
+  projections, fused norms and MLP middles) on its per-batch path (each projection its own packed call), against
+  the same layer with no slot active. This is the layer a pack runs 28 or 32 times per step.
 
 Run: ``python -m lora_sweep.benchmarks.gpu_layer`` (also ``python -m lora_sweep.benchmarks.gpu_bench --part layer``).
 """

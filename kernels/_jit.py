@@ -1,7 +1,7 @@
 """What every Triton kernel module of ``kernels`` shares: the interpreter flag, launches that turn into
 compile-only warm-ups inside ``precompile``, and the context an autograd backward needs to see them.
 
-Imported only by the kernel modules (``triton_lora``, ``triton_group``, ``triton_dropout``, ``triton_norm``,
+Imported only by the kernel modules (``triton_lora``, ``triton_dropout``, ``triton_norm``,
 ``triton_swiglu``), which ``kernels`` loads on first use, after a test's ``TRITON_INTERPRET=1`` has been set.
 """
 

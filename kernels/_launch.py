@@ -17,8 +17,7 @@ import torch
 
 from lora_sweep.kernels.meta import LayerRanks, PackLayout
 
-__all__ = ["SegmentMeta", "GroupSlice", "build_meta", "static_meta", "check_2d", "check_rows",
-           "to_device_async",
+__all__ = ["SegmentMeta", "build_meta", "static_meta", "check_2d", "to_device_async",
            "SegInt", "SegFlt", "Tile", "Chunk", "SEG_INT_COL", "SEG_FLT_COL", "TILE_COL", "CHUNK_COL",
            "SEG_INT_FIELDS", "SEG_FLT_FIELDS", "TILE_FIELDS", "CHUNK_FIELDS", "POS_BITS", "free_segment", "FREE_FLT"]
 
@@ -127,23 +126,6 @@ class SegmentMeta(NamedTuple):
     layer_id: int = 0
 
 
-class GroupSlice(NamedTuple):
-    """One member of a static shared-input group call (``kernels.ops.packed_lora_static_group``): where its output
-    sits among the group's columns and what its LoRA term reads."""
-
-    col: int
-    """Its first column of the group's (T, sum D_s) output (= its first row of the concatenated base weight)."""
-    width: int
-    """D_s, its output features."""
-    meta: SegmentMeta | None
-    """Its tables (its own ``layer_id``, so its own dropout masks), or None: no slot adapts it this step and its
-    columns are its base projection alone."""
-    grads: tuple[torch.Tensor, torch.Tensor] | None = None
-    """Its (C * RB, D_in) and (C * RB, D_s) fp32 gradient buffers, the weight gradients added in place."""
-    ops: tuple[torch.Tensor, torch.Tensor] | None = None
-    """Its A and B^T already in the kernels' operand dtype (``StaticStore.use_operands``), or None."""
-
-
 def build_meta(layout: PackLayout, ranks: LayerRanks, n_tokens: int, seq_len: int, device: torch.device, *,
                block_m: int = BLOCK_M, chunk_tokens: int = CHUNK_TOKENS) -> SegmentMeta:
     """Segment tables and tile maps of one layer call.
@@ -236,19 +218,6 @@ def check_2d(name: str, t: torch.Tensor, rows: int, cols: int) -> None:
                                                                            torch.float16):
         raise ValueError(f"{name}: expected a contiguous fp32/bf16/fp16 ({rows}, {cols}) tensor, "
                          f"got {t.dtype} {tuple(t.shape)} contiguous={t.is_contiguous()}")
-
-
-def check_rows(name: str, t: torch.Tensor, rows: int, cols: int) -> None:
-    """``check_2d`` for an operand the kernels address as rows ``t.stride(0)`` apart: a column slice of a wider
-    row-major tensor (one member's columns of a shared-input group's output or its gradient) passes too.
-
-    Raises:
-        ValueError: not a fp32/bf16/fp16 ``(rows, cols)`` tensor with unit column stride and rows that do not overlap.
-    """
-    if t.shape != (rows, cols) or t.stride(1) != 1 or (rows > 1 and t.stride(0) < cols) or t.dtype not in (
-            torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"{name}: expected a fp32/bf16/fp16 ({rows}, {cols}) tensor with unit column stride, "
-                         f"got {t.dtype} {tuple(t.shape)} strides {t.stride()}")
 
 
 def static_meta(capacity: int, rows: int, seq_len: int, rank_cols: int, device: torch.device, *,

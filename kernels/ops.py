@@ -1,12 +1,12 @@
 """Packed multi-adapter LoRA ops, and the frozen base's fused RMSNorm, SiLU-gated product and RoPE.
 
 ``packed_lora`` is the entry point of the LoRA term (``packed_lora_linear`` with the base GEMM; on a static pack's
-tables ``packed_lora_static``, and ``packed_lora_static_group`` for projections that share an input);
+tables ``packed_lora_static``);
 ``rms_norm``, ``silu_mul`` and ``rope`` are those of the base's elementwise ops; ``static_linear_ce`` is a static
 batch's per-slot loss through the frozen output head. The implementation is an explicit argument so the Triton
 kernels drop in without touching the packer. Imports without triton: the Triton modules (``kernels.triton_lora``,
-``triton_group``, ``triton_norm``, ``triton_swiglu``, ``triton_rope``, ``triton_ce``) are loaded
-on the first ``impl="triton"`` call, after a test's ``TRITON_INTERPRET=1`` has been set.
+``triton_norm``, ``triton_swiglu``, ``triton_rope``, ``triton_ce``) are loaded on the first ``impl="triton"`` call,
+after a test's ``TRITON_INTERPRET=1`` has been set.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from lora_sweep.kernels._launch import (
     SEG_INT_FIELDS,
     TILE_COL,
     Chunk,
-    GroupSlice,
     SegFlt,
     SegInt,
     SegmentMeta,
@@ -41,8 +40,7 @@ from lora_sweep.kernels._launch import (
 from lora_sweep.kernels.meta import LayerRanks, PackLayout, dropout_seed
 from lora_sweep.kernels.reference import lora_loop, lora_masked_dense
 
-__all__ = ["packed_lora", "packed_lora_linear", "packed_lora_static",
-           "packed_lora_static_group", "GroupSlice", "precompile",
+__all__ = ["packed_lora", "packed_lora_linear", "packed_lora_static", "precompile",
            "hash_compiler_early",
            "lora_operand_dtype",
            "rms_norm", "silu_mul", "rope", "rope_problem", "static_linear_ce", "segmented_sumsq", "segmented_adamw_",
@@ -159,26 +157,6 @@ def packed_lora_static(x: torch.Tensor, base_out: torch.Tensor | None, weight: t
         (T, D_out); differentiable in x (and in a_cat and bt_cat unless ``grads`` takes their gradients).
     """
     return _triton_module().PackedLoRAFunction.apply(x, base_out, weight, bias, a_cat, bt_cat, meta, grads, ops)
-
-
-def packed_lora_static_group(x: torch.Tensor, w_cat: torch.Tensor, b_cat: torch.Tensor | None,
-                             members: tuple[GroupSlice, ...], weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """A static pack's shared-input group (q/k/v, gate/up) in one Triton call (``kernels.triton_group``): one GEMM over
-    the members' concatenated base weights, each member's LoRA term as ``packed_lora_static`` computes it (its own
-    dropout mask), one dx. Graph-safe as ``packed_lora_static``.
-
-    Args:
-        x: (T, D_in) flattened shared input.
-        w_cat: (sum D_s, D_in) the members' frozen base weights, member s at rows ``members[s].col``.
-        b_cat: (sum D_s,) their biases the same way, or None.
-        members: each member's columns, tables (None: no slot adapts it), gradient buffers and operand copies.
-        weights: A (C * RB, D_in) and B^T (C * RB, D_s) of each member with tables, in order.
-
-    Returns:
-        (T, sum D_s), member s in columns ``col : col + width``; differentiable in x (the weight gradients are added
-        into the members' ``grads``).
-    """
-    return _triton_module("triton_group").packed_lora_static_group_triton(x, w_cat, b_cat, members, weights)
 
 
 def lora_operand_dtype(act: torch.dtype) -> torch.dtype:

@@ -1,9 +1,7 @@
 """The packed multi-slot LoRA of one projection as an autograd Function, on the segmented kernels of
 ``kernels.triton_segments`` (math, shapes and kernels described there).
 
-Split from those kernels at their one seam: the kernels and launchers serve two Functions (this one and the
-shared-input groups of ``kernels.triton_group``); this module holds the projection's
-forward and backward and the ``kernels.ops.packed_lora(..., impl="triton")`` entry.
+This module holds the projection's forward and backward and the ``kernels.ops.packed_lora(..., impl="triton")`` entry.
 """
 
 from __future__ import annotations

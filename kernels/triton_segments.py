@@ -1,7 +1,6 @@
 """Triton kernels for packed multi-slot LoRA: segmented shrink, expand-add and weight gradient, and their launchers.
 
-The autograd Functions built on them: ``kernels.triton_lora`` (one projection) and ``kernels.triton_group``
-(projections sharing an input, on a static pack's tables).
+The autograd Function built on them: ``kernels.triton_lora`` (one projection).
 
 Math, for the tokens t of slot g (rank r_g, scale s_g, dropout p_g with keep mask M, X~ = X * M / (1 - p_g)):
 
@@ -15,7 +14,7 @@ Math, for the tokens t of slot g (rank r_g, scale s_g, dropout p_g with keep mas
 Shape legend: T = B * L tokens (flattened), N slots (S of them active: rank > 0 and rows > 0), R = sum of
 ranks (rows of ``a_cat`` / ``bt_cat``, slot g at ``rank_off[g] : rank_off[g] + r_g``), R_PAD = per-token
 column count of H (power of 2 >= 16, >= max rank; a runtime ``h_stride`` in the kernels, not a constexpr, so
-one compiled variant serves every pack width and every shared-input group), D_in / D_out features, K =
+one compiled variant serves every pack width), D_in / D_out features, K =
 reduced feature dim.
 
 Kernels (kernels.md §4), all driven by host-built tables (``kernels._launch.SegmentMeta``):
@@ -43,7 +42,7 @@ import torch
 
 from lora_sweep.kernels import _jit
 from lora_sweep.kernels._jit import INTERPRET, tl, triton
-from lora_sweep.kernels._launch import SegmentMeta, check_2d, check_rows
+from lora_sweep.kernels._launch import SegmentMeta, check_2d
 from lora_sweep.kernels._tables import (
     CH,
     CH_PART,
@@ -78,14 +77,14 @@ _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float
 # 16), and a sweep would pay those compiles in its first packs. The tensor sizes K and N stay specialized.
 @triton.jit
 def _seg_shrink_kernel(
-    inp_ptr,  # (T, K) activations: x (forward) or dy (backward), rows ``ld_in`` apart (a column slice of a wider one)
+    inp_ptr,  # (T, K) activations: x (forward) or dy (backward), row-major
     w_ptr,  # (R, K) packed weights: a_cat (forward) or bt_cat (backward), row-major
     out_ptr,  # (T, R_PAD) fp32 result; column j of token t <-> weight row rank_off[g] + j
     keep_ptr,  # (T, ceil(K / 32)) int32 dropout keep bits (kernels.triton_dropout.keep_bits); unread unless DROPOUT
     tiles_ptr,  # (n_tiles, TI) int64 tile map (kernels._launch.Tile)
     seg_int_ptr,  # (S, SI) int64 segment table (kernels._launch.SegInt)
     seg_flt_ptr,  # (S, SF) fp32 segment table (kernels._launch.SegFlt)
-    K, ld_in, h_stride,
+    K, h_stride,
     DROPOUT: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
     BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
 ):
@@ -107,7 +106,7 @@ def _seg_shrink_kernel(
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
         k_mask = cols < K
-        a = tl.load(inp_ptr + tok[:, None] * ld_in + cols[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        a = tl.load(inp_ptr + tok[:, None] * K + cols[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         if DROPOUT:
             a = a.to(tl.float32) * bits_scale(keep_ptr, seg_flt_ptr, seg, tok, m_mask, k0, (K + 31) // 32, BK)
         w = tl.load(w_ptr + w_rows[:, None] * K + cols[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
@@ -120,14 +119,14 @@ def _seg_shrink_kernel(
 def _seg_expand_kernel(
     h_ptr,  # (T, R_PAD) fp32 per-token rank coefficients from the shrink (h' or dh)
     w_ptr,  # (R, N) packed weights: bt_cat (forward) or a_cat (backward dx), row-major
-    src_ptr,  # (T, N) addend (the base output), rows ``ld`` apart like dst's; ignored unless HAS_SRC; may alias dst_ptr
+    src_ptr,  # (T, N) addend (the base output); ignored unless HAS_SRC; may alias dst_ptr
     bias_ptr,  # (N,) added to every row; ignored unless HAS_BIAS
-    dst_ptr,  # (T, N) result, rows ``ld`` apart (a column slice of a group's output), active segments' tokens only
+    dst_ptr,  # (T, N) result, written for the active segments' tokens only
     keep_ptr,  # (T, ceil(N / 32)) int32 dropout keep bits of the layer input; unread unless DROPOUT
     tiles_ptr,  # (n_tiles, TI) int64 tile map (kernels._launch.Tile)
     seg_int_ptr,  # (S, SI) int64 segment table (SegInt)
     seg_flt_ptr,  # (S, SF) fp32 segment table (SegFlt)
-    N, ld, h_stride,
+    N, h_stride,
     HAS_SRC: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr, DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
@@ -153,7 +152,7 @@ def _seg_expand_kernel(
         acc = tl.dot(h.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=PRECISION)
     if DROPOUT:  # dx epilogue: the same mask the forward shrink drew
         acc = acc * bits_scale(keep_ptr, seg_flt_ptr, seg, tok, m_mask, tl.program_id(1) * BN, (N + 31) // 32, BN)
-    offs = tok[:, None] * ld + cols[None, :]
+    offs = tok[:, None] * N + cols[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
     if HAS_SRC:
         acc += tl.load(src_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -165,13 +164,13 @@ def _seg_expand_kernel(
 @triton.jit(do_not_specialize=["R"])
 def _seg_wgrad_kernel(
     p_ptr,  # (T, R_PAD) fp32 per-token rank coefficients: h' (for d bt_cat) or dh (for d a_cat)
-    q_ptr,  # (T, N) activations, rows ``ld_q`` apart: dy (for d bt_cat) or x (for d a_cat, dropout re-applied)
+    q_ptr,  # (T, N) activations: dy (for d bt_cat) or x (for d a_cat, dropout re-applied)
     out_ptr,  # (n_partials, R, N) fp32 partial sums, zero-initialised; ACCUMULATE: (R, N) fp32, added to
     keep_ptr,  # (T, ceil(N / 32)) int32 dropout keep bits of x; unread unless DROPOUT
     chunks_ptr,  # (n_chunks, CH) int64 (kernels._launch.Chunk)
     seg_int_ptr,  # (S, SI) int64 segment table (SegInt)
     seg_flt_ptr,  # (S, SF) fp32 segment table (SegFlt)
-    N, R, ld_q, h_stride,
+    N, R, h_stride,
     DROPOUT: tl.constexpr, ACCUMULATE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
     BT: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
 ):
@@ -196,7 +195,7 @@ def _seg_wgrad_kernel(
         t_mask = tok < t1
         p = tl.load(p_ptr + tok[:, None] * h_stride + offs_r[None, :], mask=t_mask[:, None] & r_mask[None, :],
                     other=0.0)
-        q = tl.load(q_ptr + tok[:, None] * ld_q + cols[None, :], mask=t_mask[:, None] & n_mask[None, :], other=0.0)
+        q = tl.load(q_ptr + tok[:, None] * N + cols[None, :], mask=t_mask[:, None] & n_mask[None, :], other=0.0)
         if DROPOUT:
             q = q.to(tl.float32) * bits_scale(keep_ptr, seg_flt_ptr, seg, tok, t_mask, col0, (N + 31) // 32, BN)
         acc = tl.dot(tl.trans(p.to(DOT_DTYPE)), q.to(DOT_DTYPE), acc, input_precision=PRECISION)
@@ -239,7 +238,7 @@ def seg_shrink(inp: torch.Tensor, w: torch.Tensor, meta: SegmentMeta, *, dropout
     """``h[t, :r_g] = s_g * drop?(inp[t]) @ w[rank_off_g : rank_off_g + r_g]^T`` for active tokens t.
 
     Args:
-        inp: (T, K) activations; rows may be further apart than K (a column slice of a group's (T, sum D_s) dy).
+        inp: (T, K) activations.
         w: (R, K) packed weights.
         meta: segment tables of this layer call.
         dropout: apply each slot's dropout mask to ``inp`` (forward: x; never for dy).
@@ -252,7 +251,7 @@ def seg_shrink(inp: torch.Tensor, w: torch.Tensor, meta: SegmentMeta, *, dropout
         unspecified.
     """
     n_tok, k = inp.shape
-    check_rows("inp", inp, n_tok, k)
+    check_2d("inp", inp, n_tok, k)
     check_2d("w", w, meta.total_rank, k)
     out = torch.empty((n_tok, meta.r_cols), dtype=torch.float32, device=inp.device)
     br = min(meta.r_cols, 64)
@@ -263,8 +262,7 @@ def seg_shrink(inp: torch.Tensor, w: torch.Tensor, meta: SegmentMeta, *, dropout
         tile, default_stages = _launch_config(dropout)
         dot_dtype, precision = _dot_config(inp.dtype, cast_to_act=True)
         _jit.launch(_seg_shrink_kernel, (meta.n_tiles, meta.r_cols // br),
-            inp, w, out, keep if dropout else out, meta.tiles, meta.seg_int, meta.seg_flt, k, inp.stride(0),
-            meta.r_cols,
+            inp, w, out, keep if dropout else out, meta.tiles, meta.seg_int, meta.seg_flt, k, meta.r_cols,
             DROPOUT=dropout, DOT_DTYPE=dot_dtype, PRECISION=precision,
             BM=meta.block_m, BK=block_k or 2 * tile, BR=br, num_stages=stages or default_stages)
     return out
@@ -279,8 +277,7 @@ def seg_expand_add(h: torch.Tensor, w: torch.Tensor, meta: SegmentMeta, dst: tor
         h: (T, R_PAD) fp32 from ``seg_shrink``.
         w: (R, N) packed weights.
         meta: segment tables of this layer call.
-        dst: (T, N) output, written on active tokens only; may be ``src`` (in place); rows may be further apart
-            than N (one member's columns of a shared-input group's output).
+        dst: (T, N) output, written on active tokens only; may be ``src`` (in place).
         src: (T, N) addend, or None to store the LoRA term alone.
         bias: (N,) added to every active row, or None.
         dropout: multiply by each slot's dropout mask (the backward dx epilogue).
@@ -293,10 +290,9 @@ def seg_expand_add(h: torch.Tensor, w: torch.Tensor, meta: SegmentMeta, dst: tor
     n_tok, n = dst.shape
     check_2d("h", h, n_tok, meta.r_cols)
     check_2d("w", w, meta.total_rank, n)
-    check_rows("dst", dst, n_tok, n)
-    if src is not None and (src.shape != dst.shape or src.stride() != dst.stride()):
-        raise ValueError(f"src: expected dst's shape and strides {tuple(dst.shape)} {dst.stride()}, got "
-                         f"{tuple(src.shape)} {src.stride()}")
+    check_2d("dst", dst, n_tok, n)
+    if src is not None:
+        check_2d("src", src, n_tok, n)
     if bias is not None:
         check_2d("bias", bias.view(1, -1), 1, n)
     if meta.n_tiles:
@@ -307,7 +303,7 @@ def seg_expand_add(h: torch.Tensor, w: torch.Tensor, meta: SegmentMeta, dst: tor
         dot_dtype, precision = _dot_config(dst.dtype, cast_to_act=True)
         _jit.launch(_seg_expand_kernel, (meta.n_tiles, triton.cdiv(n, block_n)),
             h, w, dst if src is None else src, dst if bias is None else bias, dst, keep if dropout else dst,
-            meta.tiles, meta.seg_int, meta.seg_flt, n, dst.stride(0), meta.r_cols, HAS_SRC=src is not None,
+            meta.tiles, meta.seg_int, meta.seg_flt, n, meta.r_cols, HAS_SRC=src is not None,
             HAS_BIAS=bias is not None, DROPOUT=dropout, DOT_DTYPE=dot_dtype, PRECISION=precision, BM=meta.block_m,
             BN=block_n, BR=_EXPAND_BR)
     return dst
@@ -320,7 +316,7 @@ def seg_wgrad(p: torch.Tensor, q: torch.Tensor, meta: SegmentMeta, *, dropout: b
 
     Args:
         p: (T, R_PAD) fp32 per-token rank coefficients.
-        q: (T, N) activations; rows may be further apart than N (a column slice).
+        q: (T, N) activations.
         meta: segment tables of this layer call.
         dropout: apply each slot's dropout mask to ``q`` (x for d a_cat).
         keep: the mask's bits (``keep_bits(meta, q)``), or None to draw them here.
@@ -335,7 +331,7 @@ def seg_wgrad(p: torch.Tensor, q: torch.Tensor, meta: SegmentMeta, *, dropout: b
     """
     n_tok, n = q.shape
     check_2d("p", p, n_tok, meta.r_cols)
-    check_rows("q", q, n_tok, n)
+    check_2d("q", q, n_tok, n)
     direct = into is not None and meta.n_partials <= 1
     if into is not None and (into.dtype != torch.float32 or into.shape != (meta.total_rank, n)
                              or not into.is_contiguous()):
@@ -353,7 +349,7 @@ def seg_wgrad(p: torch.Tensor, q: torch.Tensor, meta: SegmentMeta, *, dropout: b
         block_n = block_n or WGRAD_BLOCK_N
         _jit.launch(_seg_wgrad_kernel, (meta.n_chunks, triton.cdiv(n, block_n), meta.r_cols // br),
             p, q, out, keep if dropout else out, meta.chunks, meta.seg_int, meta.seg_flt, n, meta.total_rank,
-            q.stride(0), meta.r_cols, DROPOUT=dropout, ACCUMULATE=direct, DOT_DTYPE=dot_dtype, PRECISION=precision,
+            meta.r_cols, DROPOUT=dropout, ACCUMULATE=direct, DOT_DTYPE=dot_dtype, PRECISION=precision,
             BT=block_t or tile, BN=block_n, BR=br, num_stages=stages or default_stages)
     if direct:
         return into  # type: ignore[return-value]

@@ -16,28 +16,15 @@ step's host time.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from lora_sweep.kernels.ops import Impl, LayerRanks, PackLayout, packed_lora, packed_lora_linear
 
-__all__ = ["PackState", "PackedLoRALinear", "SharedInputGroup", "as_rows"]
-
-
-class SharedInputGroup(Protocol):
-    """What a projection asks of the shared-input group it belongs to (``packer.model.slices.SliceGroup`` is the one):
-    declared here so this module need not import ``packer.model.slices``, which builds on it."""
-
-    def forget(self) -> None:
-        """A member's slots changed: drop what the group holds of their weights."""
-
-    def output(self, member: PackedLoRALinear, x: torch.Tensor, call: Callable[..., Any]) -> torch.Tensor | None:
-        """``member(x)`` (x: (B, L, D_in) -> (B, L, D_out)) from ``call``, the static step's call for the whole group,
-        or None where the group does not apply and the member runs alone."""
+__all__ = ["PackState", "PackedLoRALinear", "as_rows"]
 
 
 @dataclass
@@ -96,8 +83,6 @@ class PackedLoRALinear(nn.Module):
         self._state = [state]  # a list keeps the shared object out of nn.Module's attribute machinery
         self._slots: dict[int, _SlotWeights] = {}
         self._cache: tuple[tuple[int, ...], _Gathered] | None = None
-        self.group: SharedInputGroup | None = None
-        """The shared-input group (``packer.model.slices``) this projection belongs to, if any."""
 
     @property
     def state(self) -> PackState:
@@ -127,10 +112,8 @@ class PackedLoRALinear(nn.Module):
             self._forget()
 
     def _forget(self) -> None:
-        """The slots changed: drop the cached gathers (views of slot weights) and the group's kept outputs."""
+        """The slots changed: drop the cached gathers (views of slot weights)."""
         self._cache = None
-        if self.group is not None:
-            self.group.forget()
 
     def slot_weights(self, slot: int) -> _SlotWeights:
         """The slot's A, B^T and their gradient buffers (views into the slot's flat buffers)."""

@@ -34,7 +34,6 @@ from lora_sweep.packer.model.fuse import fuse_base_ops
 from lora_sweep.packer.model.inject import inject, resolve_targets
 from lora_sweep.packer.model.layer import PackedLoRALinear, PackState
 from lora_sweep.packer.model.quant import quantize_base
-from lora_sweep.packer.model.slices import SliceGroup, lay_out_groups, link_groups
 from lora_sweep.packer.plan import AdapterSpec
 
 if TYPE_CHECKING:
@@ -162,14 +161,9 @@ class PackedModel:
         fuse = fused_base_ops and resolve_impl(impl, self.device) == "triton"
         swapped = fuse_base_ops(model, "triton" if fuse else "torch")  # "torch": an earlier pack's go eager again
         self.fused: list[str] = swapped if fuse else []
-        lay_out_groups(model)  # each shared-input group's base weights adjacent: one base GEMM on the static step
         """Paths of the base's modules on the fused Triton kernels (empty when they run eagerly)."""
         self.state = PackState(impl=impl)
         self.layers: dict[str, PackedLoRALinear] = {}
-        self.groups: list[SliceGroup] = []
-        """Shared-input groups of the wrapped projections (``packer.model.slices``)."""
-        self._linked = 0
-        """How many wrapped layers ``groups`` was linked over (more wrapped since: link again)."""
         self._targets: dict[tuple[str, ...], list[str]] = {}
         """A slot's targets -> the paths they resolve to."""
         self.specs: dict[int, AdapterSpec] = {}
@@ -206,9 +200,8 @@ class PackedModel:
         if key not in self._targets:  # a walk of the model's modules: once per target set, not per slot
             self._targets[key] = resolve_targets(self.model, key)
         paths = list(self._targets[key])
-        if any(p not in self.layers for p in paths) or len(self.layers) != self._linked:
+        if any(p not in self.layers for p in paths):
             inject(self.model, paths, self.state, self.layers)  # a static store wraps every projection up front
-            self.groups, self._linked = link_groups(self.layers), len(self.layers)
         for path in paths:
             layer = self.layers[path]
             if spec.rank > min(layer.in_features, layer.out_features):

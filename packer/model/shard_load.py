@@ -10,9 +10,7 @@ holds a whole sharded tensor:
 1. ``meta_model``: the model built from its ``config.json`` with its parameters on the meta device (no memory) and
    its buffers on the CPU, computed by the modules' own constructors (the rotary ``inv_freq``: recomputed, never
    left on meta; accelerate's ``init_empty_weights(include_buffers=False)``); a tied head stays tied.
-2. ``PackedModel(model, device=...)``: the fused base ops chosen for the device the base will live on; the
-   shared-input groups' adjacent layout (``packer.model.slices.lay_out_groups``) is a view of meta tensors, which
-   ``fully_shard`` copies into per-parameter shards anyway (a sharded pack's groups run member by member).
+2. ``PackedModel(model, device=...)``: the fused base ops chosen for the device the base will live on.
 3. ``shard_base``: ``fully_shard`` on the meta parameters (FSDP2 keeps them on meta for deferred init and moves
    the buffers to the device).
 4. ``materialise``: every sharded parameter's rows ``shard_rows(rows, world, rank)`` (FSDP2's ``Shard(0)``

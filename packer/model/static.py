@@ -50,7 +50,6 @@ from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.loss import plain_output_head
 from lora_sweep.packer.model.inject import inject, resolve_targets
 from lora_sweep.packer.model.layer import PackedLoRALinear, PackState
-from lora_sweep.packer.model.slices import SliceGroup
 from lora_sweep.packer.plan import ALL_LINEAR
 
 __all__ = ["StaticStore", "ShapeBuffers", "OPT_FIELDS", "SEG_INT", "SEG_FLT", "static_losses", "static_head_losses",
@@ -240,13 +239,7 @@ class StaticStore:
 
     # -- the layer call -----------------------------------------------------------------------
     def forward(self, layer: PackedLoRALinear, x: torch.Tensor) -> torch.Tensor:
-        """``layer(x)`` for x (B, L, D_in): its base plus every slot's LoRA term, from the static tables; a member of a
-        shared-input group (``packer.model.slices``) takes its output from the group's call (``group_forward``) when the
-        members are called on the same x."""
-        if layer.group is not None:
-            out = layer.group.output(layer, x, self.group_forward)
-            if out is not None:
-                return out
+        """``layer(x)`` for x (B, L, D_in): its base plus every slot's LoRA term, from the static tables."""
         path = self.path_of[id(layer)]
         if path not in self.active:
             return layer.base(x)
@@ -256,7 +249,7 @@ class StaticStore:
         b, seq, d_in = x.shape
         if resolve_impl(self.state.impl, x.device) == "triton":
             meta = shape.meta._replace(layer_id=layer.layer_id, has_dropout=self.dropout)
-            x2 = x.reshape(b * seq, d_in)
+            x2 = x.reshape(b * seq, d_in).contiguous()  # the kernels read row-major operands (no copy if dense)
             grads = (a.grad, bt.grad)  # the static gradient views: the kernels add into them, no AccumulateGrad
             operands = None
             if self.flat_op is not None and x.dtype == self.flat_op.dtype:
@@ -287,41 +280,6 @@ class StaticStore:
         scale = shape.meta.seg_flt[:, SEG_FLT_COL.scale, None, None]  # (C, 1, 1)
         h = torch.bmm(xin.reshape(c, m * seq, d_in), a.view(c, rb, d_in).transpose(1, 2)) * scale  # (C, M * L, RB)
         return torch.bmm(h, bt.view(c, rb, -1)).view(c * m, seq, -1).to(x.dtype)  # (B, L, D_out)
-
-    def group_forward(self, group: SliceGroup, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-        """Every member's output of a shared-input group on x (B, L, D_in), in one call: one GEMM over the members'
-        concatenated base weights (``SliceGroup.base_cat``) plus each adapted member's LoRA term as its own call
-        computes it (its own dropout mask); one dx. None where it does not apply and the members run alone: no member
-        adapted this step, or the weights are no longer adjacent.
-
-        Returns:
-            Per member, (B, L, D_s): column views of one (B, L, sum D_s) output.
-        """
-        cat = group.base_cat()
-        paths = [self.path_of[id(m)] for m in group.members]
-        if cat is None or x.dim() != 3 or not any(p in self.active for p in paths):
-            return None
-        (w_cat, b_cat), shape = cat, self.shape
-        assert shape is not None
-        b, seq, d_in = x.shape
-        widths = [m.out_features for m in group.members]
-        if resolve_impl(self.state.impl, x.device) == "triton":
-            slices, weights, col = [], [], 0
-            for m, p, width in zip(group.members, paths, widths, strict=True):
-                meta = shape.meta._replace(layer_id=m.layer_id, has_dropout=self.dropout) if p in self.active else None
-                operands = None
-                if meta is not None:
-                    weights += [self.a[p], self.bt[p]]
-                    if self.flat_op is not None and x.dtype == self.flat_op.dtype:
-                        operands = (self.a_op[p], self.bt_op[p])
-                grads = None if meta is None else (self.a[p].grad, self.bt[p].grad)
-                slices.append(ops.GroupSlice(col, width, meta, grads, operands))  # type: ignore[arg-type]
-                col += width
-            y = ops.packed_lora_static_group(x.reshape(b * seq, d_in), w_cat, b_cat, tuple(slices), tuple(weights))
-            return tuple(y.view(b, seq, -1).split(widths, dim=-1))
-        ys = F.linear(x, w_cat, b_cat).split(widths, dim=-1)
-        return tuple(y + self._lora_term(m, p, x) if p in self.active else y
-                     for m, p, y in zip(group.members, paths, ys, strict=True))
 
 
 def static_losses(logits: torch.Tensor, labels: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:

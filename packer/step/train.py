@@ -117,7 +117,6 @@ def configuration(pm: PackedModel, active: dict[int, Live], chunk: int | None) -
         ("gradient accumulation", any(s.gradient_accumulation_steps > 1 for s in specs)),
         ("activation checkpointing", pm.checkpointing),
         ("chunked loss", chunk is not None),
-        ("shared-input groups", bool(pm.groups)),
     ) if on]
     base = f"fused base ops on {len(pm.fused)} modules" if pm.fused else "base ops eager"
     return f"{type(pm.model).__name__} ({attn} attention, {base}{''.join(', ' + w for w in switches)})"

@@ -38,7 +38,7 @@ SPECS = [  # three slots; the first ends after 2 steps and the fourth job refill
     AdapterSpec(rank=4, alpha=16, lr=1e-2, micro_batch=2, targets=("q_proj", "down_proj"), max_steps=1, seed=14,
                 dropout=0.2),
 ]
-"""q_proj and v_proj run as members of the shared-input q/k/v group (k_proj unadapted), down_proj alone."""
+"""Adapted projections q_proj, v_proj and down_proj, each run alone with its own layer id (so its own masks)."""
 
 
 @pytest.fixture(scope="module")

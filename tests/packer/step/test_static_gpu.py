@@ -1,6 +1,5 @@
-"""The static-shape step captured as a CUDA graph: graph == eager (with accumulation, sample packing, activation
-checkpointing and the shared-input groups with dropout too), replay after refills, fallback, the warning of a study
-the step cannot train (H200 only)."""
+"""The static-shape step captured as a CUDA graph: graph == eager (with accumulation, sample packing and activation
+checkpointing too), replay after refills, fallback, the warning of a study the step cannot train (H200 only)."""
 
 from __future__ import annotations
 
@@ -78,41 +77,6 @@ def test_graph_equals_eager_fp32_with_accumulation_sample_packing_and_checkpoint
     assert r_graph.steps >= 30 and r_graph.jobs_started == len(specs)
     assert [len(graph.losses[i]) for i in range(len(specs))] == [s.max_steps for s in specs]
     _same(eager, graph)
-
-
-def test_graph_equals_eager_fp32_with_the_shared_input_groups_and_dropout(tiny_dirs,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """q/k/v and gate/up as one call each on the static step (``kernels.ops.packed_lora_static_group``), dropout on half
-    the jobs (a mask per member), accumulation k 1-4 mixed, ranks 4-64, slots ending and refilled: the captured step
-    equals the eager one within 1e-6 per step, and both train as the members run alone within fp32 rounding (1e-4
-    relative per loss over the run: the group's one base GEMM and one dx sum round otherwise, and AdamW carries
-    that rounding on where a gradient is near zero; the LoRA kernels and the masks are the members' own)."""
-    import lora_sweep.packer.model.packed as packer_model
-    from lora_sweep.kernels import ops
-
-    calls: list[int] = []
-    real = ops.packed_lora_static_group
-
-    def counted(x, w_cat, b_cat, members, weights):  # noqa: ANN001, ANN202
-        calls.append(sum(m.meta is not None and m.meta.has_dropout for m in members))
-        return real(x, w_cat, b_cat, members, weights)
-
-    monkeypatch.setattr(ops, "packed_lora_static_group", counted)
-    specs = [replace(s, gradient_accumulation_steps=1 + i % 4, dropout=0.1 if i % 2 else 0.0)
-             for i, s in enumerate(_specs())]
-    eager, r_eager = _run(tiny_dirs("llama"), specs, 3, cuda_graphs="off")
-    assert calls and max(calls) > 0  # the groups ran, with dropout
-    graph, r_graph = _run(tiny_dirs("llama"), specs, 3, cuda_graphs="auto")
-    assert r_eager.step == "static-eager" and r_graph.step == "cuda-graph" and r_graph.graphs >= 1
-    assert r_graph.steps >= 30 and r_graph.jobs_started == len(specs)
-    _same(eager, graph)
-    n_grouped = len(calls)
-    monkeypatch.setattr(packer_model, "link_groups", lambda layers: [])
-    alone, _ = _run(tiny_dirs("llama"), specs, 3, cuda_graphs="off")
-    assert len(calls) == n_grouped  # no group call without groups
-    assert alone.losses.keys() == eager.losses.keys()
-    for key, curve in alone.losses.items():
-        torch.testing.assert_close(torch.tensor(eager.losses[key]), torch.tensor(curve), rtol=1e-4, atol=0)
 
 
 def test_graph_equals_eager_fp32_with_chunked_ce(tiny_dirs) -> None:
