@@ -115,8 +115,9 @@ def _open(spec: StudySpec, sdir: StudyDir, device: str, log: Callable[[str], Non
         store = ResultsStore(sdir.results_db)
         recorded = recorded_trials(store, trial_adapter_dir(spec, sdir, 0).parent)
         study, storage = open_study(spec, sdir, sharing, recorded, log)
-        # until a trial is asked, a run pins nothing: a rerun after a failed start (a data error) is a new start
-        started = bool(recorded) or any(t.state != TrialState.WAITING for t in study.get_trials(deepcopy=False))
+        # until a trial finishes, a run pins nothing: a rerun after a failed start (a data error before or at the
+        # first evaluation) is a new start, and the trials the failed run had asked are retried as orphans
+        started = bool(counted(study.get_trials(deepcopy=False)))
         record_spec(spec, sdir, store, log, allow_changes, started=started)
         ledger = Ledger(study, storage, store, partial(trial_adapter_dir, spec, sdir), log)
         if sharing is None:

@@ -174,15 +174,19 @@ def spec_changes(earlier: dict[str, Any], now: dict[str, Any]) -> list[str]:
 def record_spec(spec: StudySpec, sdir: StudyDir, store: ResultsStore, log: Callable[[str], None],
                 allow_changes: bool = False, started: bool = True) -> None:
     """Compare the resolved spec with the one the study started with, then record it in the store (meta
-    ``spec``, what the report reads) and the directory (``study.yaml``). ``started``: a trial was asked; until
-    then the spec an earlier (failed) run recorded pins nothing.
+    ``spec``, what the report reads) and the directory (``study.yaml``). ``started``: a trial finished; until
+    then the spec an earlier (failed) run recorded pins nothing, and what changed is only logged.
 
     Raises:
         UserError: a fixed setting changed (the first one named, and how many more) and not ``allow_changes``.
     """
     record = spec_record(spec)
-    earlier = store.meta().get("spec") if started else None
+    earlier = store.meta().get("spec")
     changed = [] if earlier is None else spec_changes(earlier, record)
+    if not started:
+        for change in changed:
+            log(f"starting afresh with {change}: the earlier run finished no trial")
+        changed = []
     if changed and not allow_changes:
         raise UserError(f"run: {changed[0]} since the study started"
                         f"{f' (and {len(changed) - 1} more)' if len(changed) > 1 else ''}; a resumed study keeps its "
