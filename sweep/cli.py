@@ -84,18 +84,16 @@ def run(study: str, overrides: tuple[str, ...], out: str | None, quiet: bool, wo
     with about(spec.out_dir), LiveProgress(enabled=not quiet) as live:
         summary = api.run(spec, progress=_preloading_report(live.update), log=live.log, allow_changes=allow_changes,
                           gpus=gpus)
-    if summary.steps == 0 and summary.spent:
-        more = (f"; to continue, raise it: sweep run {study} {summary.spent_key}=<more>" if summary.spent_key
-                else "")
-        click.echo(f"{spec.name}: the budget is already spent ({summary.spent}), nothing to run{more}; "
-                   f"study in {spec.out_dir}")
-    else:
-        click.echo(f"{spec.name}: {summary.complete} complete, {summary.pruned} pruned, {summary.failed} failed "
-                   f"in {summary.wall_s:.1f} s ({summary.steps} packed steps); study in {spec.out_dir}")
-        if summary.split:
-            from lora_sweep.sweep.timing import WallSplit
+    if summary.already_spent:  # the run's log said so; nothing was written, the report included
+        more = f"to continue: sweep run {study} {summary.spent_key}=<more>; " if summary.spent_key else ""
+        click.echo(f"{spec.name}: {more}study in {spec.out_dir}")
+        return
+    click.echo(f"{spec.name}: {summary.complete} complete, {summary.pruned} pruned, {summary.failed} failed "
+               f"in {summary.wall_s:.1f} s ({summary.steps} packed steps); study in {spec.out_dir}")
+    if summary.split:
+        from lora_sweep.sweep.timing import WallSplit
 
-            click.echo(WallSplit().table(summary.split))
+        click.echo(WallSplit().table(summary.split))
     _refresh_report(spec.out_dir)
 
 

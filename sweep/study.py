@@ -81,6 +81,7 @@ class RunSummary:
     """Totals of one ``run_study`` call."""
 
     pack_id: int
+    """The run's (last) pack in results.db; 0 when it trained none (``already_spent``)."""
     steps: int = 0
     tokens: int = 0
     wall_s: float = 0.0
@@ -99,6 +100,8 @@ class RunSummary:
     """That, in one line for people (``budget.end_line``; also the store's meta ``last_end``)."""
     over: bool = False
     """The run went over the budget that ended it (the trials training when it was reached ran on)."""
+    already_spent: bool = False
+    """The budget was spent before this run started: it trained nothing and wrote no pack or timing row."""
 
 
 @dataclass
@@ -476,6 +479,10 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
     except BaseException:
         session.close()
         raise
+    spent = _spent_before(spec, session)
+    if spent is not None:
+        log(f"{spec.name}: {spent.ended}")
+        return spent
     started = time.time()
     pack_id = session.store.start_pack(slots=session.capacity, device=str(pm.device), started=started)
     sweep = _Sweep(spec, session, pm, train_examples, eval_data, pack_id, progress, started)
@@ -513,6 +520,20 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
         with sweep._lock():  # workers sharing the study directory append one after another
             append_run(session.sdir.root, summary.split)
     return summary
+
+
+def _spent_before(spec: StudySpec, session: Session) -> RunSummary | None:
+    """A study whose budget is already spent: the session closed and a summary saying so, with nothing written
+    (no pack, no timing row, no run end in the store's meta); None when the budget has room."""
+    with storage_lock(session.sharing.url, spec.name) if session.sharing is not None else nullcontext():
+        state = budget_state(spec, session, live=0, elapsed=0.0, live_tokens=0)
+    if not state.exhausted:
+        return None
+    session.close()
+    more = f": raise {state.key} to continue" if state.key else ""
+    return RunSummary(0, spent=state.reason, spent_key=state.key, end_reason=state.key or "grid",
+                      ended=f"nothing to run: the budget was already spent ({state.reason}) before this run{more}",
+                      already_spent=True)
 
 
 def _interrupt_in(err: BaseException) -> KeyboardInterrupt | None:
