@@ -377,10 +377,10 @@ def report(study_dir: str, out: str | None) -> None:
 def export(study_dir: str, trial: int | None, best: bool, objective: str | None, out: str, merge: bool,
            no_vllm: bool, allow_infeasible: bool) -> None:
     """Export one trial of STUDY_DIR as a PEFT adapter directory (vLLM-ready by default) or a merged model."""
-    from lora_sweep.sweep.api import export as export_trial
+    from lora_sweep.sweep.export import export_trial
 
     done = export_trial(study_dir, out, trial=trial, best=best, objective=objective, vllm=not no_vllm, merge=merge,
-                        allow_infeasible=allow_infeasible)
+                        allow_infeasible=allow_infeasible, cli=True)
     what = "merged model" if done.merged else f"adapter (rank {done.rank}" + (
         f" padded to {done.exported_rank})" if done.exported_rank != done.rank else ")")
     if done.note:

@@ -190,7 +190,8 @@ def record_spec(spec: StudySpec, sdir: StudyDir, store: ResultsStore, log: Calla
     if changed and not allow_changes:
         raise UserError(f"run: {changed[0]} since the study started"
                         f"{f' (and {len(changed) - 1} more)' if len(changed) > 1 else ''}; a resumed study keeps its "
-                        f"fixed settings: give the same overrides again, or pass --allow-changes")
+                        f"fixed settings: give the same overrides again, or pass --allow-changes (allow_changes=True "
+                        f"in the API)")
     for change in changed:
         log(f"resuming with {change} (--allow-changes)")
     store.set_meta(spec=record)
