@@ -105,11 +105,11 @@ class PlainLog:
             self.status()
 
     def update(self, p: PackProgress) -> None:
-        """One line per event of the frame; a status line as well when a trial finished or one is due."""
+        """A status line when a trial finished since the last frame, or when one is due (the trial events
+        themselves are the run's log lines, printed as they happen)."""
+        finished = self.last is not None and p.finished != self.last.finished
         self.last = p
-        for event in p.events:
-            self.line(event)
-        if any(" started " not in e for e in p.events) or self.clock() - self.last_status >= self.every_s:
+        if finished or self.clock() - self.last_status >= self.every_s:
             self.status()
 
     def status(self) -> None:

@@ -98,6 +98,7 @@ def _open(spec: StudySpec, sdir: StudyDir, device: str, log: Callable[[str], Non
     from lora_sweep.sweep.planning import check_targets
 
     prepare_kernels(spec.packing.kernels, device)  # Triton's own hash, on a thread beside the model's load
+    log(f"loading the base model {spec.model.path} on {device} (model.dtype: {spec.model.dtype})")
     with split.part("load:model"):
         # a GGUF source becomes its cached checkpoint directory: what every load, adapter and export names
         base = resolve_base(spec.model.path, spec.model.gguf_file, log=log)

@@ -71,9 +71,6 @@ class Progress:
     best: str
     eta_s: float | None = None
     """Seconds until the budget is spent, at this run's pace so far; None before a trial has finished."""
-    events: tuple[str, ...] = ()
-    """What happened to trials since the last frame, one line each: started (its parameters), pruned,
-    complete (its metrics), failed (why)."""
 
 
 @dataclass
@@ -156,7 +153,6 @@ class _Sweep:
         self.idle_until = 0.0  # shared budget spent: look again after a heartbeat, not before every step
         self.log: Callable[[str], None] = print
         self.split = WallSplit()
-        self.events: list[str] = []  # trial events since the last progress frame (Progress.events)
         self.warned_warmup = False
         self.ranks: Channel | None = None  # a sharded pack's other ranks, told every decision (sweep.ranks)
 
@@ -193,7 +189,8 @@ class _Sweep:
             self.log(f"warning: trial {trial.number} warms up for {spec.warmup_steps} steps of its {spec.max_steps}: "
                      f"it trains at a fraction of its learning rate throughout; set train.warmup_ratio (e.g. "
                      f"warmup_ratio=0.1, and warmup_steps=0) to scale the warm-up with each trial's steps")
-        self.events.append(f"trial {trial.number}{_role(trial)} started in slot {slot}: {_params_text(params)}")
+        # said when it happens, not with the next progress frame (after the step, which compiles at first)
+        self.log(f"trial {trial.number}{_role(trial)} started in slot {slot}: {_params_text(params)}")
         with self.s.store.transaction():  # one commit (one log sync) for the trial's row and its span
             self.s.store.upsert_trial(trial.number, state="RUNNING", params=params, pack_id=self.pack_id, slot=slot,
                                       started=time.time(), user_attrs=dict(trial.user_attrs))
@@ -234,10 +231,9 @@ class _Sweep:
         if self.progress is None:
             return
         elapsed = max(time.time() - self.t_start, 1e-9)
-        events, self.events = tuple(self.events), []
         self.progress(Progress(self.global_step, active, self.s.capacity, self.summary.tokens / elapsed,
                                self.s.finished_count(), self.spec.budget.trials, self.s.best_text(),
-                               self._eta(elapsed), events))
+                               self._eta(elapsed)))
 
     def _eta(self, elapsed: float) -> float | None:
         """Seconds left: the trial budget at this run's trials per second, capped by the wall-time budget."""
@@ -424,7 +420,7 @@ class _Sweep:
         scores = {o.metric: v for o, v in zip(self.spec.objectives, values or [], strict=False)}
         what = (f"complete: {_params_text(scores)}" if state == TrialState.COMPLETE
                 else reason if state == TrialState.PRUNED else f"failed: {reason}")
-        self.events.append(f"trial {number}{_role(lv.trial)} {what} ({e.steps} steps, {lv.tokens:,} tokens)")
+        self.log(f"trial {number}{_role(lv.trial)} {what} ({e.steps} steps, {lv.tokens:,} tokens)")
 
 
 def _role(trial: optuna.Trial) -> str:
@@ -468,6 +464,7 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
     with split.phase("load"):
         session = open_session(spec, log=log, sharing=sharing, allow_changes=allow_changes, split=split)
     pm, tokenizer = session.pm, session.tokenizer
+    log(f"tokenizing the data (data.max_length: {spec.data.max_length})")
     try:  # a data error gives the study directory back (its lock, results.db) before it is reported
         with split.phase("load"), split.part("load:data"):
             check_packing(spec, pm)
@@ -485,6 +482,8 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
         return spent
     started = time.time()
     pack_id = session.store.start_pack(slots=session.capacity, device=str(pm.device), started=started)
+    log(f"pack {pack_id}: training {session.capacity} slots on {len(train_examples)} examples (its first step also "
+        f"warms up{', compiles and captures' if pm.device.type == 'cuda' else ''})")
     sweep = _Sweep(spec, session, pm, train_examples, eval_data, pack_id, progress, started)
     sweep.log, sweep.split, sweep.ranks = log, split, ranks
     if sharing is not None:
