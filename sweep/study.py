@@ -41,7 +41,7 @@ from lora_sweep.packer.step.static_loop import rank_bucket_for
 from lora_sweep.packer.step.train import STEP_NAMES, SlotEnd, SlotJob, StepReport, train
 from lora_sweep.sweep._trial_data import check_data, check_packing, planned_tokens, trial_adapter, trial_stream
 from lora_sweep.sweep.budget import BudgetState, TokenPlan, budget_state, end_line
-from lora_sweep.sweep.ledger import Heartbeat, Ledger, is_default
+from lora_sweep.sweep.ledger import Heartbeat, Ledger
 from lora_sweep.sweep.planning import largest_rank
 from lora_sweep.sweep.pruning import CohortSHA
 from lora_sweep.sweep.ranks import Channel
@@ -293,10 +293,11 @@ class _Sweep:
                 self.live[slot].report(value, rung, len(self.spec.objectives) == 1)
             for d in self.sha.decide(rung, values):
                 slot = next(s for s, lv in self.live.items() if lv.trial.number == d.trial)
-                # The community default is ranked (it sets the bar) but never stopped: the report
-                # compares every trial with its final scores. Its row says it is kept, and why.
-                spared = not d.keep and is_default(self.live[slot].trial)
-                reason = (f"kept as the community default, which is never pruned (below the cut: {d.reason})"
+                # The community default and the config baseline are ranked (they set the bar) but never
+                # stopped: the report compares the best with their final scores. Its row says it is kept, and why.
+                role = _role(self.live[slot].trial)
+                spared = not d.keep and bool(role)
+                reason = (f"kept as the {role.strip(' ()')}, which is never pruned (below the cut: {d.reason})"
                           if spared else d.reason)
                 self.s.store.add_prune_decision(self.pack_id, rung, d.trial, "keep" if d.keep or spared else "prune",
                                                 value=d.value, rank=d.rank + 1, cohort_size=d.cohort_size,

@@ -89,6 +89,35 @@ def test_torchtune_lora_recipe_runs_a_small_study(tiny_dirs, tmp_path) -> None:
         assert {s for (s,) in db.execute("select steps_done from trials")} == {3}  # 1 epoch capped at 3 steps
 
 
+def test_a_torchtune_configs_own_alpha_makes_its_baseline_the_reference_not_a_community_default(
+        tiny_dirs, tmp_path, caplog) -> None:
+    """lora_alpha: 128 is fixed and the rank searched over [8, 16]: the rank-16 trial would train alpha 128, so
+    no trial is labelled the community default (r16, alpha 32); the config's own (rank 8, alpha 128) is the
+    baseline trial, named so in the run's lines, status and the report, and the best is measured against it."""
+    from lora_sweep.reports.html import write_report
+    from lora_sweep.sweep.status import study_status
+
+    model = {"_component_": "torchtune.models.llama3_2.lora_llama3_2_1b", "lora_attn_modules": ["q_proj", "v_proj"],
+             "lora_rank": 8, "lora_alpha": 128, "lora_dropout": 0.0}
+    path = _config(tmp_path, tiny_dirs("llama"), "torchtune-1B-lora.yaml", model=model,
+                   search={"lora_rank": [8, 16]}, budget={"trials": 3})
+    spec = load_study(path)
+    lines: list[str] = []
+    with caplog.at_level(logging.WARNING):
+        run_study(spec, log=lines.append)
+    assert "no community-default trial: the study fixes alpha 128, lr 0.0003 (the community default trains rank 16, " \
+           "alpha 32, lr 0.0002)" in caplog.text
+    trials = _trials(spec.out_dir, spec.name)
+    assert not any(t.user_attrs.get("default") for t in trials)
+    assert trials[0].user_attrs.get("baseline") and trials[0].params == {"rank": 8}
+    assert any(line.startswith("trial 0 (config baseline) started") for line in lines), lines
+    info = study_status(spec.out_dir)
+    assert info["vs_default"]["against"] == "config baseline" and info["vs_default"]["default"] == 0
+    html = write_report(spec.out_dir).read_text()
+    assert "against the config baseline trial #0 (the config&#x27;s own hyperparameters)" in html or \
+        "the config baseline is the best" in html
+
+
 @pytest.mark.parametrize(("changes", "expected"), [({}, None), ({"clip_grad_norm": None}, None),
                                                     ({"clip_grad_norm": 0.5}, 0.5)])
 def test_a_torchtune_config_clips_only_when_clip_grad_norm_is_set(tiny_dirs, tmp_path, changes, expected) -> None:
