@@ -99,6 +99,10 @@ def _open(spec: StudySpec, sdir: StudyDir, device: str, log: Callable[[str], Non
 
     prepare_kernels(spec.packing.kernels, device)  # Triton's own hash, on a thread beside the model's load
     log(f"loading the base model {spec.model.path} on {device} (model.dtype: {spec.model.dtype})")
+    if device == "cpu" and spec.model.dtype in ("bfloat16", "float16"):  # a torchtune config's dtype: bf16, say
+        log(f"warning: model.dtype: {spec.model.dtype} on a CPU: the base and adapters run in {spec.model.dtype} as "
+            f"asked, less exact than float32 and often slower (most CPUs lack {spec.model.dtype} matrix units); "
+            f"model.dtype=float32 for CPU runs")
     with split.part("load:model"):
         # a GGUF source becomes its cached checkpoint directory: what every load, adapter and export names
         base = resolve_base(spec.model.path, spec.model.gguf_file, log=log)
