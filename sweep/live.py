@@ -18,6 +18,7 @@ from typing import TextIO
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from lora_sweep.sweep.session import Note
 from lora_sweep.sweep.study import Progress as PackProgress
 
 __all__ = ["LiveProgress", "PlainLog"]
@@ -60,6 +61,9 @@ class LiveProgress:
         self.bar.update(self.task, completed=p.finished, total=p.budget_trials, info=status_text(p))
 
     def log(self, message: str) -> None:
+        """A line of the run's log; with progress off (``--quiet``), not its progress notes (``Note``)."""
+        if not self.enabled and isinstance(message, Note):
+            return
         if self.plain is not None:
             self.plain.line(message)
         else:

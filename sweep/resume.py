@@ -30,7 +30,7 @@ from lora_sweep.packer.model.shard_load import load_sharded
 from lora_sweep.sweep.budget import counted
 from lora_sweep.sweep.device import resolve_device
 from lora_sweep.sweep.ledger import Ledger, open_study, recorded_trials, storage_url
-from lora_sweep.sweep.session import Session, own_directory, record_spec, trial_adapter_dir
+from lora_sweep.sweep.session import Note, Session, own_directory, record_spec, trial_adapter_dir
 from lora_sweep.sweep.spec import StudySpec
 from lora_sweep.sweep.storage import Sharing, resume_clock, storage_lock
 from lora_sweep.sweep.store import DirectoryLock, ResultsStore, StudyDir, strip_password
@@ -98,7 +98,7 @@ def _open(spec: StudySpec, sdir: StudyDir, device: str, log: Callable[[str], Non
     from lora_sweep.sweep.planning import check_targets
 
     prepare_kernels(spec.packing.kernels, device)  # Triton's own hash, on a thread beside the model's load
-    log(f"loading the base model {spec.model.path} on {device} (model.dtype: {spec.model.dtype})")
+    log(Note(f"loading the base model {spec.model.path} on {device} (model.dtype: {spec.model.dtype})"))
     if device == "cpu" and spec.model.dtype in ("bfloat16", "float16"):  # a torchtune config's dtype: bf16, say
         log(f"warning: model.dtype: {spec.model.dtype} on a CPU: the base and adapters run in {spec.model.dtype} as "
             f"asked, less exact than float32 and often slower (most CPUs lack {spec.model.dtype} matrix units); "

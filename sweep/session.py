@@ -30,7 +30,14 @@ from lora_sweep.sweep.storage import Sharing
 from lora_sweep.sweep.store import DirectoryInUse, DirectoryLock, ResultsStore, StudyDir, pareto_front, strip_password
 
 __all__ = ["Session", "own_directory", "record_spec", "spec_record", "spec_changes", "RESUMABLE",
-           "trial_adapter_dir"]
+           "trial_adapter_dir", "Note"]
+
+
+class Note(str):
+    """A run's log line that tells its progress (the start's phases, a trial started or ended), as opposed to a
+    warning or how the run ended: ``sweep run --quiet`` leaves notes out; every other ``log`` takes them as lines."""
+
+    __slots__ = ()
 
 
 @dataclass

@@ -46,7 +46,7 @@ from lora_sweep.sweep.planning import largest_rank
 from lora_sweep.sweep.pruning import CohortSHA
 from lora_sweep.sweep.ranks import Channel
 from lora_sweep.sweep.resume import open_session
-from lora_sweep.sweep.session import Session
+from lora_sweep.sweep.session import Note, Session
 from lora_sweep.sweep.space import adapter_spec, suggest
 from lora_sweep.sweep.spec import StudySpec
 from lora_sweep.sweep.storage import Sharing, storage_lock
@@ -190,7 +190,7 @@ class _Sweep:
                      f"it trains at a fraction of its learning rate throughout; set train.warmup_ratio (e.g. "
                      f"warmup_ratio=0.1, and warmup_steps=0) to scale the warm-up with each trial's steps")
         # said when it happens, not with the next progress frame (after the step, which compiles at first)
-        self.log(f"trial {trial.number}{_role(trial)} started in slot {slot}: {_params_text(params)}")
+        self.log(Note(f"trial {trial.number}{_role(trial)} started in slot {slot}: {_params_text(params)}"))
         with self.s.store.transaction():  # one commit (one log sync) for the trial's row and its span
             self.s.store.upsert_trial(trial.number, state="RUNNING", params=params, pack_id=self.pack_id, slot=slot,
                                       started=time.time(), user_attrs=dict(trial.user_attrs))
@@ -421,7 +421,7 @@ class _Sweep:
         scores = {o.metric: v for o, v in zip(self.spec.objectives, values or [], strict=False)}
         what = (f"complete: {_params_text(scores)}" if state == TrialState.COMPLETE
                 else reason if state == TrialState.PRUNED else f"failed: {reason}")
-        self.log(f"trial {number}{_role(lv.trial)} {what} ({e.steps} steps, {lv.tokens:,} tokens)")
+        self.log(Note(f"trial {number}{_role(lv.trial)} {what} ({e.steps} steps, {lv.tokens:,} tokens)"))
 
 
 def _role(trial: optuna.Trial) -> str:
@@ -465,7 +465,7 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
     with split.phase("load"):
         session = open_session(spec, log=log, sharing=sharing, allow_changes=allow_changes, split=split)
     pm, tokenizer = session.pm, session.tokenizer
-    log(f"tokenizing the data (data.max_length: {spec.data.max_length})")
+    log(Note(f"tokenizing the data (data.max_length: {spec.data.max_length})"))
     try:  # a data error gives the study directory back (its lock, results.db) before it is reported
         with split.phase("load"), split.part("load:data"):
             check_packing(spec, pm)
@@ -483,8 +483,8 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
         return spent
     started = time.time()
     pack_id = session.store.start_pack(slots=session.capacity, device=str(pm.device), started=started)
-    log(f"pack {pack_id}: training {session.capacity} slots on {len(train_examples)} examples (its first step also "
-        f"warms up{', compiles and captures' if pm.device.type == 'cuda' else ''})")
+    log(Note(f"pack {pack_id}: training {session.capacity} slots on {len(train_examples)} examples (its first step "
+             f"also warms up{', compiles and captures' if pm.device.type == 'cuda' else ''})"))
     sweep = _Sweep(spec, session, pm, train_examples, eval_data, pack_id, progress, started)
     sweep.log, sweep.split, sweep.ranks = log, split, ranks
     if sharing is not None:

@@ -74,6 +74,16 @@ def test_live_progress_off_a_terminal_is_plain(capsys) -> None:
     assert re.search(STAMP + "a log line\n", err) and "\x1b[" not in err  # no terminal codes in a log file
 
 
+def test_quiet_keeps_warnings_and_the_end_but_not_the_progress_notes(capsys) -> None:
+    from lora_sweep.sweep.session import Note
+
+    with LiveProgress(enabled=False) as live:  # sweep run --quiet
+        live.log(Note("trial 3 started in slot 1: lr=0.001"))
+        live.log("warning: trial 3 warms up for 10 steps of its 4")
+    err = capsys.readouterr().err
+    assert err == "warning: trial 3 warms up for 10 steps of its 4\n", err
+
+
 def _run(spec, out: io.StringIO):  # noqa: ANN001, ANN202
     log = PlainLog(out, every_s=60)
     return run_study(spec, progress=log.update, log=log.line)
