@@ -281,7 +281,8 @@ def model_card(meta: dict[str, Any], rec: TrialRecord, config: dict[str, Any], o
                   f"model = AutoModelForCausalLM.from_pretrained({str(out)!r})",
                   f"tokenizer = AutoTokenizer.from_pretrained({str(out)!r})", "```"]
     else:
-        lines += ["```python", "from peft import PeftModel", "from transformers import AutoModelForCausalLM",
+        lines += ["With PEFT (`pip install peft`: lora-sweep trains without it, so its install does not bring it):",
+                  "", "```python", "from peft import PeftModel", "from transformers import AutoModelForCausalLM",
                   f"model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({model!r}), {str(out)!r})",
                   "```", "", "vLLM (pass absolute paths; a relative one is taken for a hub id):", "", "```bash",
                   f"vllm serve {model} --enable-lora --max-lora-rank {max(16, int(config['r']))} "

@@ -181,6 +181,6 @@ def _render_vs_default(console: Console, vs: dict[str, Any] | None) -> None:
     for col in ("metric", "best", ref, f"best - {ref}", "95% CI", "items", "CI excludes 0"):
         table.add_column(col)
     for r in vs["rows"]:
-        table.add_row(r["metric"], f"{r['best']:.4g}", f"{r['default']:.4g}", f"{r['diff']:+.4g}",
+        table.add_row(f"{r['metric']} (per-item mean)", f"{r['best']:.4g}", f"{r['default']:.4g}", f"{r['diff']:+.4g}",
                       f"[{r['low']:+.4g}, {r['high']:+.4g}]", str(r["items"]), "yes" if r["excludes_zero"] else "no")
     console.print(table)
