@@ -465,6 +465,10 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
     with split.phase("load"):
         session = open_session(spec, log=log, sharing=sharing, allow_changes=allow_changes, split=split)
     pm, tokenizer = session.pm, session.tokenizer
+    spent = _spent_before(spec, session)
+    if spent is not None:
+        log(f"{spec.name}: {spent.ended}")
+        return spent
     log(Note(f"tokenizing the data (data.max_length: {spec.data.max_length})"))
     try:  # a data error gives the study directory back (its lock, results.db) before it is reported
         with split.phase("load"), split.part("load:data"):
@@ -477,10 +481,6 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
     except BaseException:
         session.close()
         raise
-    spent = _spent_before(spec, session)
-    if spent is not None:
-        log(f"{spec.name}: {spent.ended}")
-        return spent
     started = time.time()
     pack_id = session.store.start_pack(slots=session.capacity, device=str(pm.device), started=started)
     log(Note(f"pack {pack_id}: training {session.capacity} slots on {len(train_examples)} examples (its first step "
