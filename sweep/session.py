@@ -138,9 +138,8 @@ def own_directory(sdir: StudyDir, log: Callable[[str], None], storage: str | Non
                             f"is read with sweep status, report --out and export, or copied to a writable place to "
                             f"continue it") from None
         raise UserError(f"run: {sdir.root}: cannot be a study directory ({err.strerror}: {err.filename})") from None
-    if lock.taken_over:
-        log(f"took over {sdir.lock} from pid {lock.taken_over.get('pid', '?')} on host "
-            f"{lock.taken_over.get('host', '?')}, which ended without releasing it")
+    if (line := lock.took_over()) is not None:
+        log(line)
     return lock
 
 

@@ -40,7 +40,7 @@ from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.step.static_loop import rank_bucket_for
 from lora_sweep.packer.step.train import STEP_NAMES, SlotEnd, SlotJob, StepReport, train
 from lora_sweep.sweep._trial_data import check_data, check_packing, planned_tokens, trial_adapter, trial_stream
-from lora_sweep.sweep.budget import BudgetState, TokenPlan, budget_state, end_line
+from lora_sweep.sweep.budget import BudgetState, TokenPlan, budget_state, end_line, recorded_budget
 from lora_sweep.sweep.ledger import Heartbeat, Ledger
 from lora_sweep.sweep.planning import largest_rank
 from lora_sweep.sweep.pruning import CohortSHA
@@ -459,16 +459,21 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
     ``allow_changes``: resume even if a fixed setting changed (``sweep.session.spec_changes``).
     ``ranks``: rank 0's channel to the other ranks of a sharded pack (``packing.shard: fsdp``, ``sweep.ranks``).
     """
+    spent = recorded_budget(spec, log) if sharing is None and ranks is None else None
+    if spent is not None and spent.exhausted:  # a finished study's rerun: said before the model loads
+        nothing = _nothing_to_run(spent)
+        log(f"{spec.name}: {nothing.ended}")
+        return nothing
     split = WallSplit()
     with split.phase("load"), split.part("load:data"):
         check_data(spec)  # the rows before the model: a bad row costs no model load
     with split.phase("load"):
         session = open_session(spec, log=log, sharing=sharing, allow_changes=allow_changes, split=split)
     pm, tokenizer = session.pm, session.tokenizer
-    spent = _spent_before(spec, session)
-    if spent is not None:
-        log(f"{spec.name}: {spent.ended}")
-        return spent
+    already = _spent_before(spec, session)
+    if already is not None:
+        log(f"{spec.name}: {already.ended}")
+        return already
     log(Note(f"tokenizing the data (data.max_length: {spec.data.max_length})"))
     try:  # a data error gives the study directory back (its lock, results.db) before it is reported
         with split.phase("load"), split.part("load:data"):
@@ -523,13 +528,19 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
 
 
 def _spent_before(spec: StudySpec, session: Session) -> RunSummary | None:
-    """A study whose budget is already spent: the session closed and a summary saying so, with nothing written
-    (no pack, no timing row, no run end in the store's meta); None when the budget has room."""
+    """A study whose budget is already spent (a shared one, or one ``recorded_budget`` could not read): the session
+    closed and ``_nothing_to_run``; None when the budget has room."""
     with storage_lock(session.sharing.url, spec.name) if session.sharing is not None else nullcontext():
         state = budget_state(spec, session, live=0, elapsed=0.0, live_tokens=0)
     if not state.exhausted:
         return None
     session.close()
+    return _nothing_to_run(state)
+
+
+def _nothing_to_run(state: BudgetState) -> RunSummary:
+    """The summary of a run that found the budget spent: it trained and wrote nothing (no pack, no timing row, no
+    run end in the store's meta)."""
     more = f": raise {state.key} to continue" if state.key else ""
     return RunSummary(0, spent=state.reason, spent_key=state.key, end_reason=state.key or "grid",
                       ended=f"nothing to run: the budget was already spent ({state.reason}) before this run{more}",

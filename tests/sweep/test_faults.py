@@ -231,3 +231,20 @@ def test_a_journal_damaged_before_its_end_is_refused_naming_its_line(tmp_path) -
     spec = load_study(write_study(tmp_path, tmp_path, name="s", storage=str(path)), check_paths=False)
     with pytest.raises(UserError, match=rf"storage: {path}:5: not a journal record .*the 4 records before it"):
         open_study(spec, StudyDir(tmp_path / "out"))
+
+
+def test_a_finished_studys_rerun_over_a_dead_runs_lock_says_both_and_writes_nothing(tiny_dirs, tmp_path) -> None:
+    spec = _spec(tmp_path, tiny_dirs, "dead")
+    run_study(spec, log=lambda m: None)
+    sdir = StudyDir(spec.out_dir)
+    dead = subprocess.run([sys.executable, "-c", "import os, sys; from lora_sweep.sweep.store import StudyDir; "
+                           "StudyDir(sys.argv[1]).acquire(); os._exit(9)", str(sdir.root)])
+    assert dead.returncode == 9
+    before = sdir.results_db.read_bytes(), (sdir.root / "timing.json").read_bytes()
+    lines: list[str] = []
+    summary = run_study(spec, log=lines.append)
+    assert summary.already_spent and lines[0].startswith(f"took over {sdir.lock} from pid ")
+    assert lines[1:] == ["dead: nothing to run: the budget was already spent (3 trials) before this run: raise "
+                         "budget.trials to continue"], lines
+    assert (sdir.results_db.read_bytes(), (sdir.root / "timing.json").read_bytes()) == before
+    assert sdir.lock.read_text() == "", "released: the next run finds no owner"
