@@ -46,6 +46,8 @@ _API = {
     "Results": "lora_sweep.sweep.api",
     "export": "lora_sweep.sweep.api",
     "write_report": "lora_sweep.sweep.api",
+    "examples": "lora_sweep.sweep.api",
+    "copy_example": "lora_sweep.sweep.api",
     "StudySpec": "lora_sweep.sweep.spec",
     "RunSummary": "lora_sweep.sweep.study",
     "TrialRecord": "lora_sweep.sweep.store",

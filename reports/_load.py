@@ -24,6 +24,7 @@ from lora_sweep.sweep.store import (
     TrialRecord,
     is_feasible,
     pareto_front,
+    reference_trial,
 )
 
 __all__ = ["StudyData", "load_study_data", "load_optuna_study", "objective_values", "pareto_numbers", "best_trial"]
@@ -61,11 +62,16 @@ class StudyData(NamedTuple):
 
     @property
     def default(self) -> TrialRecord | None:
-        """The community-default trial (user attribute ``default``), its latest retry if it was retried."""
-        found = [t for t in self.trials if t.is_default]
-        done = [t for t in found if t.state == "COMPLETE"]
-        pick = done or found
-        return pick[-1] if pick else None
+        """The trial the gain is measured against: the config's own hyperparameters when the study has that trial,
+        else the community default (``reference_trial``, which also names it: ``default_name``)."""
+        found = reference_trial(self.trials)
+        return found[0] if found else None
+
+    @property
+    def default_name(self) -> str:
+        """``config baseline`` or ``default``: how the report names the ``default`` trial."""
+        found = reference_trial(self.trials)
+        return found[1] if found else "default"
 
     @property
     def constraints(self) -> list[dict[str, Any]]:

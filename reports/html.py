@@ -179,7 +179,7 @@ def build_report(study_dir: str | Path, report_dir: str | Path | None = None) ->
     study = load_optuna_study(data) if data.complete else "no complete trial yet"
     sections: list[tuple[str, str, str]] = [
         ("summary", "Summary", _safe("the summary", lambda: summary.render_summary(summary._summary_info(data)))),
-        ("gain", "Gain over the default trial",
+        ("gain", "Gain over the default trial (the config's own hyperparameters, when the study has them)",
          _safe("the gain over the default", lambda: summary.render_gain(summary._gain_info(data)))),
         ("pareto", "Pareto front", _safe("the Pareto front", lambda: _pareto_section(data))),
         ("history", "Optimisation history", _optuna_section(data, study, "history")),

@@ -71,6 +71,8 @@ class GainInfo(NamedTuple):
     default: int | None
     note: str
     rows: list[GainRow]
+    against: str = "default"
+    """How the compared trial is named: ``config baseline`` (the config's own hyperparameters) or ``default``."""
 
 
 def _time(t: Any) -> str:
@@ -143,15 +145,15 @@ def _verdict(direction: str, diff: float, low: float | None, high: float | None)
 
 
 def _gain_info(data: StudyData, confidence: float = 0.95) -> GainInfo:
-    default = data.default
+    default, name = data.default, data.default_name
     if default is None:
         return GainInfo(None, "This study has no default trial (the community default lies outside the search "
-                        "space, or the study predates it).", [])
+                        "space or the config fixes its values otherwise, and no config baseline was trained).", [])
     n = len(data.objectives)
     dvals = objective_values(default, n) if default.state == "COMPLETE" else None
     if dvals is None:
         why = default.reason or "no finite objective values"
-        return GainInfo(default.number, f"The default trial #{default.number} is {default.state} ({why}): "
+        return GainInfo(default.number, f"The {name} trial #{default.number} is {default.state} ({why}): "
                         "no gain to report.", [])
     rows = []
     for i, (metric, direction) in enumerate(zip(data.objectives, data.directions, strict=True)):
@@ -165,13 +167,14 @@ def _gain_info(data: StudyData, confidence: float = 0.95) -> GainInfo:
             _, low, high = paired_bootstrap(a, b, confidence=confidence)
         diff = bval - dvals[i]
         rows.append(GainRow(metric, direction, best.number, bval, dvals[i], diff, low, high, len(a),
-                            "the default is the best" if best.number == default.number
+                            f"the {name} is the best" if best.number == default.number
                             else _verdict(direction, diff, low, high)))
     rows += _other_metrics(data, default, confidence)
-    note = (f"Best trial per objective against the default trial #{default.number}; "
+    own = " (the config's own hyperparameters)" if name == "config baseline" else ""
+    note = (f"Best trial per objective against the {name} trial #{default.number}{own}; "
             f"{int(confidence * 100)}% paired bootstrap interval of the per-item mean difference (2000 resamples). "
             f"A metric that is no objective compares the best trial by {data.objectives[0]} (its per-item mean).")
-    return GainInfo(default.number, note, rows)
+    return GainInfo(default.number, note, rows, name)
 
 
 def _other_metrics(data: StudyData, default: Any, confidence: float) -> list[GainRow]:
@@ -192,7 +195,7 @@ def _other_metrics(data: StudyData, default: Any, confidence: float) -> list[Gai
         if best.number != default.number:
             _, low, high = paired_bootstrap(a, b, confidence=confidence)
         direction = str(directions.get(metric, ""))
-        verdict = ("the default is the best" if best.number == default.number
+        verdict = (f"the {data.default_name} is the best" if best.number == default.number
                    else _verdict(direction, bval - dval, low, high) if direction else "direction unknown")
         rows.append(GainRow(metric, direction or "–", best.number, bval, dval, bval - dval, low, high, len(a),
                             verdict))
@@ -237,6 +240,6 @@ def render_gain(info: GainInfo) -> str:
                  (esc(r.default_value), r.default_value), (esc(r.diff), r.diff),
                  "–" if r.low is None else f"[{fmt(r.low)}, {fmt(r.high)}]", (str(r.n_items), r.n_items),
                  esc(r.verdict)] for r in info.rows]
-        out.append(table(["objective", "direction", "best trial", "best", "default", "best − default",
+        out.append(table(["objective", "direction", "best trial", "best", info.against, f"best − {info.against}",
                           "95% CI (paired)", "items", "verdict"], rows, table_id="gain", sortable=False))
     return "\n".join(out)

@@ -28,7 +28,7 @@ from typing import Any
 from lora_sweep.packer.errors import ConfigError
 from lora_sweep.sweep._yaml import Doc, Key
 
-__all__ = ["translate"]
+__all__ = ["translate", "split_overrides"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +89,7 @@ _TT_SCHEDULES = {"get_cosine_schedule_with_warmup": "cosine", "get_linear_schedu
 _TT_HELD_OUT = 0.1
 """The share of a torchtune config's data file held out as ``data.eval`` when the study gives none."""
 _TT_TARGETS = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "output_proj": "o_proj"}
+_MISSING = object()
 
 
 class _Out:
@@ -128,6 +129,39 @@ class _Out:
         return ConfigError(f"{self.doc.where(src)}: {'.'.join(map(str, src))}: {rule}")
 
 
+def _kind(data: dict[str, Any]) -> str | None:
+    """``torchtune``, ``axolotl`` or None (a study file)."""
+    model = data.get("model")
+    if isinstance(model, dict) and "_component_" in model:
+        return "torchtune"
+    return "axolotl" if any(k in data for k in _AXOLOTL_ONLY) else None
+
+
+def split_overrides(data: dict[str, Any], overrides: Sequence[str], top: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(the config's own, the study file's) ``dotted.key=value`` overrides of an Axolotl or torchtune config.
+
+    An override naming a key the config holds (``model.lora_rank``, ``device``, ``sequence_len``) or one its format
+    reads that is none of our sections (``dtype``, ``batch_size``) is the config's own: applied before the
+    translation, as the format's own command line would (``tune run ... device=cpu``). The others are applied
+    to the study mapping after it. A study file's overrides are all its own (the second list).
+    """
+    kind = _kind(data)
+    if kind is None:
+        return [], list(overrides)
+    reads = set(_TT) if kind == "torchtune" else {*_AXOLOTL_ONLY, "optimizer", "output_dir", "warmup_ratio"}
+    own, ours = [], []
+    for text in overrides:
+        parts = text.partition("=")[0].strip().split(".")
+        node: Any = data
+        for part in parts:
+            node = node.get(part, _MISSING) if isinstance(node, dict) else _MISSING
+        held = node is not _MISSING
+        first = parts[0]
+        named = first not in top and (first in reads or first in _DEFAULT_ONLY or _infra(first))
+        (own if held or named else ours).append(text)
+    return own, ours
+
+
 def translate(doc: Doc, data: dict[str, Any], aliases: Mapping[str, str], top: Sequence[str],
               known: Sequence[str] = (), train: Sequence[str] = ()) -> dict[str, Any]:
     """``data`` itself when it is a study file; else the study mapping of an Axolotl or torchtune config.
@@ -142,13 +176,10 @@ def translate(doc: Doc, data: dict[str, Any], aliases: Mapping[str, str], top: S
         ConfigError: keys ask for something not supported: every such key of the file, one line each
             (file:line: key: rule), under a first line that counts them.
     """
-    model = data.get("model")
-    if isinstance(model, dict) and "_component_" in model:
-        out = _torchtune(doc, data)
-    elif any(k in data for k in _AXOLOTL_ONLY):
-        out = _axolotl(doc, data)
-    else:
+    kind = _kind(data)
+    if kind is None:
         return data
+    out = _torchtune(doc, data) if kind == "torchtune" else _axolotl(doc, data)
     for key in [k for k in out.data if known and k not in known]:
         out.errors.append(str(doc.unknown((), key, list(top), [*known, *sorted(_INFRA | _IDENTITY)])))
     if out.errors:
@@ -189,6 +220,7 @@ def _infra(key: str) -> bool:
 def _common(out: _Out, key: str, value: Any) -> bool:
     """Keys both formats treat alike; True when handled."""
     if key == "seed" and value is None:  # both formats: null is "pick one"; the study's default seed is 0
+        out.dropped.append("seed")
         return True
     if key in _DEFAULT_ONLY:
         if value not in (None, False, "", [], {}):
@@ -262,6 +294,7 @@ def _datasets(out: _Out, value: Any) -> None:
             raise out.error(("datasets", 0, k), "is not supported (a dataset is a local JSON-lines file and a type)")
     if entry.get("split", "train") != "train":
         raise out.error(("datasets", 0, "split"), f"only the train split of a local file (got {entry['split']!r})")
+    out.dropped += [f"datasets.0.{k}" for k in ("ds_type", "split") if k in entry]  # a local file, its one split
     path = entry.get("data_files") or entry.get("path")
     out.put(("data", "train"), _local_file(out, path, ("datasets", 0, "path")), ("datasets", 0, "path"))
     fmt = entry.get("type", "auto")
@@ -375,7 +408,8 @@ def _torchtune(doc: Doc, data: dict[str, Any]) -> _Out:
     tok = data.get("tokenizer") or {}
     if tok.get("max_seq_len") is not None:
         out.put(("data", "max_length"), tok["max_seq_len"], ("tokenizer", "max_seq_len"))
-    out.dropped += [f"tokenizer.{k}" for k in tok if k != "max_seq_len"]  # the checkpoint's own tokenizer is used
+    # the checkpoint's own tokenizer is used; max_seq_len null: data.max_length's default applies
+    out.dropped += [f"tokenizer.{k}" for k in tok if k != "max_seq_len" or tok[k] is None]
     out.dropped += [f"checkpointer.{k}" for k in ckpt if k not in ("_component_", "checkpoint_dir")]
     return out
 
@@ -428,9 +462,13 @@ def _tt_dataset(out: _Out, value: Any) -> None:
             out.put(("train", "sample_packing"), bool(v), src)
         elif k in ("train_on_input", "train_on_inputs"):
             out.put(("data", "train_on_prompt"), bool(v), src)
-        elif k == "split" and v != "train":
-            raise out.error(src, f"only the train split of a local file (got {v!r})")
-        elif k not in ("_component_", "source", "data_files", "split"):
+        elif k == "split":
+            if v != "train":
+                raise out.error(src, f"only the train split of a local file (got {v!r})")
+            out.dropped.append("dataset.split")  # a local file is its train split
+        elif k == "source":
+            out.dropped.append("dataset.source")  # json (checked above): a local file
+        elif k not in ("_component_", "data_files"):
             raise out.error(src, "is not supported (a dataset is a local JSON-lines file)")
     src = ("dataset", "data_files")
     out.put(("data", "train"), _local_file(out, cfg["data_files"], src), src)
@@ -444,7 +482,9 @@ def _tt_optimizer(out: _Out, value: Any) -> None:
     for k, v in cfg.items():
         if k in ("lr", "weight_decay", "betas", "eps"):
             out.put(("train", k), v, ("optimizer", k))
-        elif k not in ("_component_", "fused", "foreach"):
+        elif k in ("fused", "foreach"):  # how torch runs AdamW's update, not what it computes
+            out.dropped.append(f"optimizer.{k}")
+        elif k != "_component_":
             raise out.error(("optimizer", k), "is not supported")
 
 
@@ -462,7 +502,8 @@ def _tt_schedule(out: _Out, value: Any) -> None:
 
 
 def _tt_loss(out: _Out, value: Any) -> None:
-    _, name = _component(out, value, "loss")
+    cfg, name = _component(out, value, "loss")
+    out.dropped += [f"loss.{k}" for k in cfg if k != "_component_"]  # num_output_chunks: packing.chunked_ce's own
     if name in ("CEWithChunkedOutputLoss", "LinearCrossEntropyLoss"):
         out.put(("packing", "chunked_ce"), True, ("loss", "_component_"))  # the same loss, in chunks
     elif name != "CrossEntropyLoss":
@@ -476,6 +517,7 @@ def _tt_flag(dest: Key, key: str) -> Callable[[_Out, Any], None]:
 def _tt_shuffle(out: _Out, value: Any) -> None:
     if value is False:
         raise out.error(("shuffle",), "false is not supported (each slot draws a seeded shuffle)")
+    out.dropped.append("shuffle")  # true: what every slot does
 
 
 def _tt_dtype(out: _Out, value: Any) -> None:

@@ -1,24 +1,12 @@
-"""The Python API: what the ``sweep`` commands do, callable from a notebook or a script.
-
-``lora_sweep`` re-exports these names (``import lora_sweep; lora_sweep.run(...)``)::
-
-    spec = load_study("study.yaml", ["budget.trials=8"], out="runs/demo")   # validated once, as the CLI does
-    summary = run(spec)                                                     # or run("study.yaml", [...])
-    results = open_results("runs/demo")
-    results.trials("COMPLETE")          # TrialRecord rows of results.db, by trial number
-    results.best_trials()               # the feasible Pareto front (the best trial for one objective)
-    export("runs/demo", "adapter/", best=True)                              # a PEFT adapter directory
-    write_report("runs/demo")                                               # the self-contained HTML report
-
-Every function raises ``UserError`` (``ConfigError`` for a study file) with the same one-line message the CLI
-prints; the CLI is this module plus argument parsing and printing. Heavy imports (torch, optuna, plotly) wait
-until a function needs them.
-"""
+"""The Python API: what the ``sweep`` commands do, callable from a notebook or a script (the CLI is this module
+plus argument parsing and printing); docs/reference/api.md shows it in use."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,7 +18,11 @@ if TYPE_CHECKING:
     from lora_sweep.sweep.spec import StudySpec
     from lora_sweep.sweep.study import Progress, RunSummary
 
-__all__ = ["load_study", "run", "open_results", "Results", "export", "write_report", "examples", "copy_example"]
+__all__ = ["load_study", "run", "open_results", "Results", "export", "write_report", "examples", "copy_example",
+           "LOGGER"]
+
+LOGGER = "lora_sweep"
+"""The name of the logger ``run`` writes its lines to (at INFO) when no ``log`` is given."""
 
 STUDIES = Path(__file__).resolve().parents[1] / "studies"
 """The example studies and their data: the checkout's studies/, or the installed package's lora_sweep/studies/."""
@@ -52,8 +44,12 @@ def run(study: StudySpec | str | Path, overrides: Sequence[str] = (), *, out: st
         allow_changes: bool = False, gpus: int | None = None) -> RunSummary:
     """Run the study (a spec from ``load_study``, or a study file with ``overrides``) until its budget ends.
 
-    A study directory that already holds the study resumes it. ``progress`` is called after each packed step,
-    ``log`` with each one-line message (default: none printed). ``allow_changes``: resume even if a fixed setting
+    A study directory that already holds the study resumes it; one whose budget is already spent trains and writes
+    nothing, and the summary says so (``already_spent``, ``ended``). ``progress`` is called after each packed step,
+    ``log`` with each one-line message the CLI prints (trials started and finished, progress of the start, how the
+    run ended); without it they go to the ``lora_sweep`` logger at INFO, printed to stderr unless the application
+    configured logging itself (``logging.getLogger("lora_sweep").setLevel(logging.WARNING)`` silences them, as
+    ``optuna.logging.set_verbosity`` does Optuna's). ``allow_changes``: resume even if a fixed setting
     (e.g. ``train.max_steps``) differs from the one the study started with. ``gpus``: the ranks of a sharded
     pack (``packing.shard: fsdp``; default 1), this process rank 0 (``sweep.ranks.run_ranks``).
 
@@ -67,16 +63,31 @@ def run(study: StudySpec | str | Path, overrides: Sequence[str] = (), *, out: st
         spec = load_study(study, overrides, out=out)
     else:
         spec = study if out is None else dataclasses.replace(study, output=Path(out))
-    say = log or (lambda _message: None)
+    say = log or _logger().info
     if spec.packing.shard != "fsdp":
         if gpus is not None:
-            raise UserError(f"--gpus {gpus}: needs packing.shard: fsdp (one pack over N GPUs); --workers N runs a "
-                            f"pack per GPU")
+            raise UserError(f"--gpus {gpus} (gpus={gpus} in the API): needs packing.shard: fsdp (one pack over N "
+                            f"GPUs); sweep run --workers N runs a pack per GPU")
         return run_study(spec, progress=progress, log=say, allow_changes=allow_changes)
     from lora_sweep.sweep.ranks import run_ranks
 
     return run_ranks(spec, gpus or 1, lambda channel: run_study(spec, progress=progress, log=say,
                                                                 allow_changes=allow_changes, ranks=channel))
+
+
+def _logger() -> logging.Logger:
+    """The ``lora_sweep`` logger, given a stderr handler of its own (``HH:MM:SS message``, the CLI's lines) and level
+    INFO when neither it nor the root logger has a handler: an application that configured logging gets the
+    records through its own handlers instead."""
+    logger = logging.getLogger(LOGGER)
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+    return logger
 
 
 @dataclasses.dataclass(frozen=True)

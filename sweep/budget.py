@@ -9,8 +9,9 @@ trained tokens when told (``sweep.store.attrs``), and the wall time runs on the 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Protocol
 
 import optuna
@@ -18,13 +19,14 @@ from optuna.trial import FrozenTrial, TrialState
 
 from lora_sweep.packer.data.rows import Example, SlotStream
 from lora_sweep.packer.step.train import target_tokens
-from lora_sweep.sweep.ledger import FINISHED, orphans
+from lora_sweep.sweep.ledger import FINISHED, orphans, storage_url
 from lora_sweep.sweep.space import GridSearch
 from lora_sweep.sweep.spec import StudySpec
-from lora_sweep.sweep.storage import Sharing, study_elapsed
-from lora_sweep.sweep.store import attrs
+from lora_sweep.sweep.storage import Sharing, open_storage, study_elapsed
+from lora_sweep.sweep.store import DirectoryInUse, ResultsStore, StudyDir, attrs
 
-__all__ = ["BudgetState", "Counts", "budget_state", "shared_budget", "counted", "TokenPlan", "end_line"]
+__all__ = ["BudgetState", "Counts", "budget_state", "shared_budget", "counted", "TokenPlan", "end_line",
+           "recorded_budget"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,33 @@ def budget_state(spec: StudySpec, s: Counts, *, live: int, elapsed: float, live_
     if s.sharing is not None:
         return shared_budget(spec, s.study, mine=mine, live_tokens=live_tokens)
     return _grid_spent(spec, s.study) or _against(spec, s.finished + live, s.tokens + live_tokens, s.elapsed + elapsed)
+
+
+def recorded_budget(spec: StudySpec, log: Callable[[str], None]) -> BudgetState | None:
+    """The budget of the study ``spec.out_dir`` holds, read from its storage and results.db before any model loads
+    (under the directory's lock), so a finished study's rerun says so at once; None when the directory holds no
+    study (or one this cannot read, or another run owns it: the run itself then says what is wrong). Opening the
+    storage sets a torn journal record aside, said on ``log`` (``sweep.storage.open_storage``)."""
+    sdir = StudyDir(spec.out_dir)
+    if not sdir.is_study():
+        return None
+    try:
+        lock = sdir.acquire()
+    except (DirectoryInUse, OSError):
+        return None
+    if (line := lock.took_over()) is not None:  # said here: the run's own take finds the lock released
+        log(line)
+    try:
+        study = optuna.load_study(study_name=spec.name, storage=open_storage(storage_url(spec, sdir), log))
+        with ResultsStore(sdir.results_db, create=False) as store:
+            tokens, elapsed = sum(r.tokens or 0 for r in store.trials()), float(store.meta().get("elapsed", 0.0))
+        counts = SimpleNamespace(study=study, sharing=None, finished=len(counted(study.get_trials(deepcopy=False))),
+                                 tokens=tokens, elapsed=elapsed)
+        return budget_state(spec, counts, live=0, elapsed=0.0, live_tokens=0)
+    except Exception:  # noqa: BLE001 (a damaged or missing storage: the run's own checks name it)
+        return None
+    finally:
+        lock.release()
 
 
 def shared_budget(spec: StudySpec, study: optuna.Study, *, mine: Collection[int] = (),

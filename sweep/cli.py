@@ -84,18 +84,16 @@ def run(study: str, overrides: tuple[str, ...], out: str | None, quiet: bool, wo
     with about(spec.out_dir), LiveProgress(enabled=not quiet) as live:
         summary = api.run(spec, progress=_preloading_report(live.update), log=live.log, allow_changes=allow_changes,
                           gpus=gpus)
-    if summary.steps == 0 and summary.spent:
-        more = (f"; to continue, raise it: sweep run {study} {summary.spent_key}=<more>" if summary.spent_key
-                else "")
-        click.echo(f"{spec.name}: the budget is already spent ({summary.spent}), nothing to run{more}; "
-                   f"study in {spec.out_dir}")
-    else:
-        click.echo(f"{spec.name}: {summary.complete} complete, {summary.pruned} pruned, {summary.failed} failed "
-                   f"in {summary.wall_s:.1f} s ({summary.steps} packed steps); study in {spec.out_dir}")
-        if summary.split:
-            from lora_sweep.sweep.timing import WallSplit
+    if summary.already_spent:  # the run's log said so; nothing was written, the report included
+        more = f"to continue: sweep run {study} {summary.spent_key}=<more>; " if summary.spent_key else ""
+        click.echo(f"{spec.name}: {more}study in {spec.out_dir}")
+        return
+    click.echo(f"{spec.name}: {summary.complete} complete, {summary.pruned} pruned, {summary.failed} failed "
+               f"in {summary.wall_s:.1f} s ({summary.steps} packed steps); study in {spec.out_dir}")
+    if summary.split:
+        from lora_sweep.sweep.timing import WallSplit
 
-            click.echo(WallSplit().table(summary.split))
+        click.echo(WallSplit().table(summary.split))
     _refresh_report(spec.out_dir)
 
 
@@ -379,10 +377,10 @@ def report(study_dir: str, out: str | None) -> None:
 def export(study_dir: str, trial: int | None, best: bool, objective: str | None, out: str, merge: bool,
            no_vllm: bool, allow_infeasible: bool) -> None:
     """Export one trial of STUDY_DIR as a PEFT adapter directory (vLLM-ready by default) or a merged model."""
-    from lora_sweep.sweep.api import export as export_trial
+    from lora_sweep.sweep.export import export_trial
 
     done = export_trial(study_dir, out, trial=trial, best=best, objective=objective, vllm=not no_vllm, merge=merge,
-                        allow_infeasible=allow_infeasible)
+                        allow_infeasible=allow_infeasible, cli=True)
     what = "merged model" if done.merged else f"adapter (rank {done.rank}" + (
         f" padded to {done.exported_rank})" if done.exported_rank != done.rank else ")")
     if done.note:

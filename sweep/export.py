@@ -69,9 +69,21 @@ def _pareto(done: _Done, directions: list[str]) -> _Done:
     return [(t, vals) for t, vals in done if t.number in keep]
 
 
+_OPTIONS = {"trial": ("--trial N", "trial=N"), "best": ("--best", "best=True"),
+            "objective": ("--objective {!r}", "objective={!r}"),
+            "allow_infeasible": ("--allow-infeasible", "allow_infeasible=True"), "vllm": ("--no-vllm", "vllm=False"),
+            "out": ("a new --out", "a new out")}
+
+
+def _opt(option: str, cli: bool, value: object = None) -> str:
+    """How a message names an export option: the ``sweep export`` flag (``cli``) or the Python API's argument."""
+    return _OPTIONS[option][0 if cli else 1].format(value)
+
+
 def select_trial(store: ResultsStore, *, trial: int | None = None, best: bool = False,
-                 objective: str | None = None, allow_infeasible: bool = False) -> TrialRecord:
-    """The complete trial to export: ``trial`` by number, or the best one.
+                 objective: str | None = None, allow_infeasible: bool = False, cli: bool = False) -> TrialRecord:
+    """The complete trial to export: ``trial`` by number, or the best one. ``cli``: messages name the
+    ``sweep export`` flags (``--trial N``), not the Python API's arguments (``trial=N``).
 
     Raises:
         UserError: neither or both of ``trial`` / ``best``; an unknown or unfinished trial; an objective the
@@ -80,9 +92,9 @@ def select_trial(store: ResultsStore, *, trial: int | None = None, best: bool = 
             that no complete trial meets, unless ``allow_infeasible`` (then the best of all is taken).
     """
     if (trial is None) == (not best):
-        raise UserError("export: give exactly one of --trial N and --best")
+        raise UserError(f"export: give exactly one of {_opt('trial', cli)} and {_opt('best', cli)}")
     if objective is not None and not best:
-        raise UserError("export: --objective goes with --best")
+        raise UserError(f"export: {_opt('objective', cli, objective)} goes with {_opt('best', cli)}")
     if trial is not None:
         rec = store.trial(trial)
         if rec is None:
@@ -97,7 +109,7 @@ def select_trial(store: ResultsStore, *, trial: int | None = None, best: bool = 
     meta = store.meta()
     objectives, directions = list(meta.get("objectives") or []), list(meta.get("directions") or [])
     if objective is not None and objective not in objectives:
-        raise UserError(f"export: --objective {objective!r} is not an objective of this study "
+        raise UserError(f"export: {_opt('objective', cli, objective)} is not an objective of this study "
                         f"(objectives: {', '.join(objectives) or 'none'})")
     done = [(t, vals) for t in store.trials("COMPLETE") if (vals := _values(t, len(objectives))) is not None]
     if not done:
@@ -106,8 +118,8 @@ def select_trial(store: ResultsStore, *, trial: int | None = None, best: bool = 
     feasible = [(t, vals) for t, vals in done if is_feasible(t.metrics, constraints)]
     if not feasible and not allow_infeasible:
         bounds = "; ".join(map(constraint_text, constraints))
-        raise UserError(f"export: no complete trial meets the constraints ({bounds}); pass --allow-infeasible to "
-                        f"export the best of the {len(done)} that do not")
+        raise UserError(f"export: no complete trial meets the constraints ({bounds}); pass "
+                        f"{_opt('allow_infeasible', cli)} to export the best of the {len(done)} that do not")
     done = feasible or done
     if objective is None and len(objectives) > 1:
         front = sorted(_pareto(done, directions), key=lambda x: x[0].number)
@@ -115,8 +127,9 @@ def select_trial(store: ResultsStore, *, trial: int | None = None, best: bool = 
             listing = "; ".join(f"#{t.number} (" + ", ".join(f"{o}={v:.4g}" for o, v in zip(objectives, vals,
                                                                                            strict=True)) + ")"
                                 for t, vals in front)
-            raise UserError(f"export: --best is ambiguous in a multi-objective study; Pareto trials: {listing}; "
-                            f"choose one with --trial N, or pass --objective {' | '.join(objectives)}")
+            raise UserError(f"export: {_opt('best', cli)} is ambiguous in a multi-objective study; Pareto trials: "
+                            f"{listing}; choose one with {_opt('trial', cli)}, or pass "
+                            f"{' or '.join(_opt('objective', cli, o) for o in objectives)}")
         return front[0][0]
     i = objectives.index(objective) if objective is not None else 0
     sign = 1.0 if directions[i] == "minimize" else -1.0
@@ -126,7 +139,7 @@ def select_trial(store: ResultsStore, *, trial: int | None = None, best: bool = 
 # ---------------------------------------------------------------- converting and merging
 
 
-def _modules(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, list[torch.Tensor]], bool]:
+def _modules(tensors: dict[str, torch.Tensor], cli: bool = False) -> tuple[dict[str, list[torch.Tensor]], bool]:
     """Module path -> [A (r, D_in), B (D_out, r)], and whether any key carried an adapter name."""
     import torch
 
@@ -135,7 +148,8 @@ def _modules(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, list[torch.Ten
     for key, t in tensors.items():
         m = _KEY.fullmatch(key)
         if m is None:
-            raise UserError(f"export: tensor {key!r} is not a LoRA A/B weight (vLLM rejects it; use --no-vllm)")
+            raise UserError(f"export: tensor {key!r} is not a LoRA A/B weight (vLLM rejects it; use "
+                            f"{_opt('vllm', cli)})")
         named |= not key.endswith(f".lora_{m.group(2)}.weight")
         out.setdefault(m.group(1), [torch.empty(0), torch.empty(0)])["AB".index(m.group(2))] = t
     return out, named
@@ -154,7 +168,7 @@ def _scale(config: dict[str, Any], path: str, rank: int) -> float:
     return alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
 
 
-def vllm_adapter(config: dict[str, Any], tensors: dict[str, torch.Tensor]
+def vllm_adapter(config: dict[str, Any], tensors: dict[str, torch.Tensor], cli: bool = False
                  ) -> tuple[dict[str, Any], dict[str, torch.Tensor], list[str]]:
     """The same adapter function under vLLM's rules: (config, tensors, list of the changes made).
 
@@ -166,12 +180,13 @@ def vllm_adapter(config: dict[str, Any], tensors: dict[str, torch.Tensor]
     for bad, why in ((config.get("use_dora"), "DoRA"), (config.get("modules_to_save"), "modules_to_save"),
                      (config.get("bias", "none") != "none", f"bias={config.get('bias')!r}")):
         if bad:
-            raise UserError(f"export: the adapter uses {why}, which vLLM does not support; use --no-vllm")
-    modules, named = _modules(tensors)
+            raise UserError(f"export: the adapter uses {why}, which vLLM does not support; use {_opt('vllm', cli)}")
+    modules, named = _modules(tensors, cli)
     rank = max(a.shape[0] for a, _ in modules.values())
     target = next((r for r in VLLM_RANKS if r >= rank), None)
     if target is None:
-        raise UserError(f"export: rank {rank} exceeds vLLM's largest max_lora_rank {VLLM_RANKS[-1]}; use --no-vllm")
+        raise UserError(f"export: rank {rank} exceeds vLLM's largest max_lora_rank {VLLM_RANKS[-1]}; use "
+                        f"{_opt('vllm', cli)}")
     s = float(config["lora_alpha"]) / (math.sqrt(config["r"]) if config.get("use_rslora") else config["r"])
     changes = []
     if target != config["r"]:
@@ -266,7 +281,8 @@ def model_card(meta: dict[str, Any], rec: TrialRecord, config: dict[str, Any], o
                   f"model = AutoModelForCausalLM.from_pretrained({str(out)!r})",
                   f"tokenizer = AutoTokenizer.from_pretrained({str(out)!r})", "```"]
     else:
-        lines += ["```python", "from peft import PeftModel", "from transformers import AutoModelForCausalLM",
+        lines += ["With PEFT (`pip install peft`: lora-sweep trains without it, so its install does not bring it):",
+                  "", "```python", "from peft import PeftModel", "from transformers import AutoModelForCausalLM",
                   f"model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({model!r}), {str(out)!r})",
                   "```", "", "vLLM (pass absolute paths; a relative one is taken for a hub id):", "", "```bash",
                   f"vllm serve {model} --enable-lora --max-lora-rank {max(16, int(config['r']))} "
@@ -311,14 +327,14 @@ def _base_source(meta: dict[str, Any], config: dict[str, Any]) -> str:
     return base
 
 
-def _check_out(out: Path) -> None:
+def _check_out(out: Path, cli: bool) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UserError(f"export: {out} exists and is not empty; choose a new --out")
+        raise UserError(f"export: {out} exists and is not empty; choose {_opt('out', cli)}")
 
 
-def _fresh_dir(out: Path) -> Path:
+def _fresh_dir(out: Path, cli: bool) -> Path:
     """A temporary directory beside ``out`` (renamed onto it once complete)."""
-    _check_out(out)
+    _check_out(out, cli)
     out.parent.mkdir(parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
 
@@ -340,8 +356,9 @@ def _plain_modes(root: Path) -> None:
 
 def export_trial(study_dir: str | Path, out: str | Path, *, trial: int | None = None, best: bool = False,
                  objective: str | None = None, vllm: bool = True, merge: bool = False,
-                 allow_infeasible: bool = False) -> Export:
-    """Export one complete trial of the study in ``study_dir`` to ``out`` (see the module docstring).
+                 allow_infeasible: bool = False, cli: bool = False) -> Export:
+    """Export one complete trial of the study in ``study_dir`` to ``out`` (see the module docstring). ``cli``:
+    messages name the ``sweep export`` flags, not the Python API's arguments.
 
     Raises:
         UserError: not a study directory, a bad trial choice (``select_trial``), a missing adapter, an
@@ -351,9 +368,10 @@ def export_trial(study_dir: str | Path, out: str | Path, *, trial: int | None = 
     if not sdir.is_study():
         raise UserError(f"export: {study_dir}: not a study directory (no results.db and study.yaml)")
     with ResultsStore(sdir.results_db, create=False) as store:
-        rec = select_trial(store, trial=trial, best=best, objective=objective, allow_infeasible=allow_infeasible)
+        rec = select_trial(store, trial=trial, best=best, objective=objective, allow_infeasible=allow_infeasible,
+                           cli=cli)
         meta = store.meta()
-    _check_out(out)
+    _check_out(out, cli)
     source = (sdir.root / rec.adapter_path if rec.adapter_path else sdir.adapter_dir(rec.number)).absolute()
     if not source.is_dir():
         raise UserError(f"export: trial {rec.number}'s adapter {source} is missing")
@@ -365,8 +383,8 @@ def export_trial(study_dir: str | Path, out: str | Path, *, trial: int | None = 
     rank = int(config["r"])
     changes: list[str] = []
     if vllm and not merge:
-        config, tensors, changes = vllm_adapter(config, tensors)
-    tmp = _fresh_dir(out)
+        config, tensors, changes = vllm_adapter(config, tensors, cli)
+    tmp = _fresh_dir(out, cli)
     note = None
     try:
         if merge:

@@ -33,7 +33,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from lora_sweep.packer.errors import UserError
 from lora_sweep.packer.model.checkpoint import discard_adapter
-from lora_sweep.sweep.space import baseline_params, default_params, make_sampler
+from lora_sweep.sweep.space import baseline_params, community_default, make_sampler
 from lora_sweep.sweep.spec import StudySpec
 from lora_sweep.sweep.storage import Sharing, damaged_record, last_beat, normalize_url, open_storage, storage_lock
 from lora_sweep.sweep.store import ResultsStore, StudyDir, attrs, redact_url
@@ -320,7 +320,9 @@ def _create(spec: StudySpec, storage: BaseStorage, url: str, worker: int | None,
         with warnings.catch_warnings():  # "experimental since 3.2": it names the axes in optuna-dashboard
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             study.set_metric_names([o.metric for o in spec.objectives])
-        default = default_params(spec.search)
+        default, no_default = community_default(spec.search, spec.train)
+        if default is None:  # the report then measures the best against the config baseline, if there is one
+            logger.warning("%s: no community-default trial: %s", spec.name, no_default)
         baseline, why = baseline_params(spec.search, spec.baseline) if spec.baseline else (None, "")
         if default is not None:  # the community default, so the report can show the gain over it
             same = {attrs.BASELINE: True} if baseline == default else {}

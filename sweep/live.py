@@ -18,6 +18,7 @@ from typing import TextIO
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from lora_sweep.sweep.session import Note
 from lora_sweep.sweep.study import Progress as PackProgress
 
 __all__ = ["LiveProgress", "PlainLog"]
@@ -60,6 +61,9 @@ class LiveProgress:
         self.bar.update(self.task, completed=p.finished, total=p.budget_trials, info=status_text(p))
 
     def log(self, message: str) -> None:
+        """A line of the run's log; with progress off (``--quiet``), not its progress notes (``Note``)."""
+        if not self.enabled and isinstance(message, Note):
+            return
         if self.plain is not None:
             self.plain.line(message)
         else:
@@ -105,11 +109,11 @@ class PlainLog:
             self.status()
 
     def update(self, p: PackProgress) -> None:
-        """One line per event of the frame; a status line as well when a trial finished or one is due."""
+        """A status line when a trial finished since the last frame, or when one is due (the trial events
+        themselves are the run's log lines, printed as they happen)."""
+        finished = self.last is not None and p.finished != self.last.finished
         self.last = p
-        for event in p.events:
-            self.line(event)
-        if any(" started " not in e for e in p.events) or self.clock() - self.last_status >= self.every_s:
+        if finished or self.clock() - self.last_status >= self.every_s:
             self.status()
 
     def status(self) -> None:

@@ -108,6 +108,9 @@ def load_study(path: str | Path, overrides: Sequence[str] = (), *, check_paths: 
     """
     path = Path(path)
     doc, data = read(path, check_paths)
+    own, overrides = _foreign.split_overrides(data, overrides, _TOP)  # an Axolotl/torchtune config's own keys
+    for text in own:
+        override(doc, data, text, {})
     data = _foreign.translate(doc, data, _TRAIN, _TOP, [*_TOP, *_RELOCATE], _TRAIN_FIELDS)  # Axolotl/torchtune
     for text in overrides:
         _drop_spellings(data, text)

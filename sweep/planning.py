@@ -9,7 +9,9 @@ threads) with the base's shape beside it: a second ``sweep plan``, or a ``packin
 back instead of probing again, and ``plan_report`` plans from them without the model. What it is worth: the memory
 terms are exact for the probed shapes (on CUDA the allocator's peak, on the CPU counted tensor bytes) and linear
 between them; the time terms come from the two low-rank probes' own runs of two steps each, as noisy as the host is
-busy (a loaded shared CPU can be off by a large factor: the plan's time is a guide, its slots are not).
+busy (a loaded shared CPU can be off by a large factor: the plan's time is a guide, its slots are not). The
+evaluation's time is modelled from the same step model (``eval_seconds``): a forward costs the step's fixed time and a
+third of its per-token time (no backward), for the held-out loss, each greedy decoding step and every rung.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from lora_sweep.sweep.spec import StudySpec
 
 __all__ = ["auto_slots", "check_targets", "largest_rank", "PlanReport", "plan_pack", "plan_report", "trial_micro_steps",
            "target_sets", "MEMORY_FRACTION", "MAX_AUTO_SLOTS", "calibrated", "cached_calibration", "cache_dir",
-           "calibration_key", "BaseShape", "train_lengths", "load_and_calibrate"]
+           "calibration_key", "BaseShape", "train_lengths", "load_and_calibrate", "eval_seconds", "eval_rows"]
 
 MEMORY_FRACTION = 0.85
 """Share of the device's available memory a pack may plan for (the rest: fragmentation, evaluation)."""
@@ -73,11 +75,16 @@ class PlanReport:
     ``packer.model.shard_load``; the whole base where it loads whole first)."""
     load_note: str = ""
     """How a sharded base loads: by rows, or whole on every rank and why."""
+    predicted_eval_s: float | None = None
+    """Seconds of evaluation for the trial budget (``eval_seconds``): final scores, rungs, ``eval_every``."""
+    eval_note: str = ""
+    """What the evaluation estimate counts, and the evaluators it cannot model."""
 
     def table(self) -> str:
         gib = 1024**3
         total = "-" if self.predicted_total_s is None else \
-            f"{self.predicted_total_s:.0f} s ({self.pack_steps} pack steps)"
+            f"{self.predicted_total_s + (self.predicted_eval_s or 0):.0f} s ({self.pack_steps} pack steps: training " \
+            f"{self.predicted_total_s:.0f} s, evaluation {self.predicted_eval_s or 0:.0f} s)"
         per_gpu = f" per GPU ({self.gpus} GPUs, FSDP)" if self.gpus > 1 else ""
         base = "one rank's FSDP share of the base" if self.gpus > 1 else "base model"
         rows = [
@@ -101,6 +108,7 @@ class PlanReport:
                          f"{self.load_peak_bytes / gib:.3f} GiB ({self.load_note})"))
             rows.append(("replicated on every GPU", "each slot's adapter, gradient and AdamW state; activations"))
         rows += [
+            ("predicted evaluation", self.eval_note or "-"),
             ("predicted time for the trial budget (no pruning)", total),
         ]
         width = max(len(k) for k, _ in rows)
@@ -223,14 +231,65 @@ def plan_report(spec: StudySpec, models: list[MemoryModel], where: str, base: Ba
     step_s = statistics.median_low(times)
     mm = models[times.index(step_s)]
     steps = None
+    micro_steps = trial_micro_steps(spec, micro, examples)
     if spec.budget.trials is not None:
-        steps = -(-spec.budget.trials * trial_micro_steps(spec, micro, examples) // slots)
+        steps = -(-spec.budget.trials * micro_steps // slots)
     load_peak, note = _load_peak(spec, base, gpus) if shard else (0, "")
     peak = mm.predict(slots * micro * seq, slots * params, slots * rank, rank) + base_delta
+    evals, eval_note = (None, "") if steps is None else eval_seconds(
+        spec, mm, slots, eval_rows(spec), mean_len or seq, micro_steps // spec.train.gradient_accumulation_steps)
     return PlanReport(device, slots, rank, micro, seq, available, max(peak, load_peak), mm, step_s,
                       None if steps is None else steps * step_s, steps,
                       (min(times), max(times)) if len(models) > 1 else None, len(models), spec.model.quantize,
-                      where, gpus if shard else 1, mm.static_bytes + base_delta, load_peak, note)
+                      where, gpus if shard else 1, mm.static_bytes + base_delta, load_peak, note, evals, eval_note)
+
+
+def eval_rows(spec: StudySpec) -> int:
+    """Rows of the held-out file (0 without one)."""
+    if spec.data.eval is None:
+        return 0
+    with open(spec.data.eval, encoding="utf-8-sig") as f:
+        return sum(1 for line in f if line.strip())
+
+
+def eval_seconds(spec: StudySpec, mm: MemoryModel, slots: int, rows: int, row_len: float,
+                 trial_steps: int) -> tuple[float, str]:
+    """Seconds the evaluators take over the trial budget, and what they count (a line for the plan).
+
+    The pack's trials are scored ``slots`` at a time in packed forwards (``batch_size`` rows per slot each); a
+    forward of n tokens costs ``mm``'s fixed step time plus a third of its per-token time for n (forward only).
+    Counted per trial: the held-out loss over ``rows`` rows of ``row_len`` tokens; the generation evaluator's
+    prompt forward and ``max_new_tokens`` one-token decoding forwards per batch; the proxy's held-out loss at each
+    rung and every ``train.eval_every`` of a trial's ``trial_steps`` steps. Other evaluators are named, not timed.
+    """
+    if not rows or spec.budget.trials is None:
+        return 0.0, "no held-out data" if not rows else ""
+
+    def forward(tokens: float) -> float:
+        return mm.seconds_per_step + mm.seconds_per_token * tokens / 3
+
+    def heldout(batch: int) -> float:
+        return math.ceil(rows / batch) * forward(batch * slots * row_len)
+
+    per_pack, parts, untimed = 0.0, [], []
+    for e in spec.evaluators:
+        batch = int(e.options.get("batch_size", 8))  # type: ignore[call-overload]
+        if e.name == "heldout_loss":
+            per_pack += heldout(batch)
+            parts.append(f"heldout_loss over {rows} rows")
+        elif e.name == "generation":
+            new = int(e.options.get("max_new_tokens", 32))  # type: ignore[call-overload]
+            per_pack += math.ceil(rows / batch) * (forward(batch * slots * row_len) + new * forward(batch * slots))
+            parts.append(f"generation of {new} tokens for {rows} prompts")
+        else:
+            untimed.append(e.name)
+    checks = (len(spec.pruning.rungs) if spec.pruning.kind == "cohort_sha" else 0) + \
+        (trial_steps // spec.train.eval_every if spec.train.eval_every else 0)
+    per_pack += checks * heldout(8)
+    total = per_pack * math.ceil(spec.budget.trials / slots)
+    text = f"{total:.0f} s: {', '.join(parts) or 'nothing timed'} per trial, {slots} slots at a time"
+    text += f", {checks} proxy evaluation{'s' if checks > 1 else ''} per trial" if checks else ""
+    return total, text + (f"; not timed: {', '.join(untimed)}" if untimed else "")
 
 
 def _load_peak(spec: StudySpec, base: BaseShape, gpus: int) -> tuple[int, str]:

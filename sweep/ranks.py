@@ -174,11 +174,11 @@ def rank_backend(spec: StudySpec, gpus: int) -> str:
     if device == "cpu":
         return "gloo"
     if device.startswith("cuda:"):
-        raise UserError(f"--gpus {gpus}: model.device: {device} names one GPU; a sharded pack takes one GPU per "
-                        f"rank (model.device: auto or cuda)")
+        raise UserError(f"--gpus {gpus} (gpus={gpus} in the API): model.device: {device} names one GPU; a sharded "
+                        f"pack takes one GPU per rank (model.device: auto or cuda)")
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count < gpus:
-        raise UserError(f"--gpus {gpus}: {count} CUDA device(s) visible (CUDA_VISIBLE_DEVICES="
+        raise UserError(f"--gpus {gpus} (gpus={gpus} in the API): {count} CUDA device(s) visible (CUDA_VISIBLE_DEVICES="
                         f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); model.device: cpu runs the ranks as "
                         f"CPU processes (gloo), for testing")
     return "nccl"

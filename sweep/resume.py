@@ -30,7 +30,7 @@ from lora_sweep.packer.model.shard_load import load_sharded
 from lora_sweep.sweep.budget import counted
 from lora_sweep.sweep.device import resolve_device
 from lora_sweep.sweep.ledger import Ledger, open_study, recorded_trials, storage_url
-from lora_sweep.sweep.session import Session, own_directory, record_spec, trial_adapter_dir
+from lora_sweep.sweep.session import Note, Session, own_directory, record_spec, trial_adapter_dir
 from lora_sweep.sweep.spec import StudySpec
 from lora_sweep.sweep.storage import Sharing, resume_clock, storage_lock
 from lora_sweep.sweep.store import DirectoryLock, ResultsStore, StudyDir, strip_password
@@ -98,6 +98,11 @@ def _open(spec: StudySpec, sdir: StudyDir, device: str, log: Callable[[str], Non
     from lora_sweep.sweep.planning import check_targets
 
     prepare_kernels(spec.packing.kernels, device)  # Triton's own hash, on a thread beside the model's load
+    log(Note(f"loading the base model {spec.model.path} on {device} (model.dtype: {spec.model.dtype})"))
+    if device == "cpu" and spec.model.dtype in ("bfloat16", "float16"):  # a torchtune config's dtype: bf16, say
+        log(f"warning: model.dtype: {spec.model.dtype} on a CPU: the base and adapters run in {spec.model.dtype} as "
+            f"asked, less exact than float32 and often slower (most CPUs lack {spec.model.dtype} matrix units); "
+            f"model.dtype=float32 for CPU runs")
     with split.part("load:model"):
         # a GGUF source becomes its cached checkpoint directory: what every load, adapter and export names
         base = resolve_base(spec.model.path, spec.model.gguf_file, log=log)
@@ -115,8 +120,9 @@ def _open(spec: StudySpec, sdir: StudyDir, device: str, log: Callable[[str], Non
         store = ResultsStore(sdir.results_db)
         recorded = recorded_trials(store, trial_adapter_dir(spec, sdir, 0).parent)
         study, storage = open_study(spec, sdir, sharing, recorded, log)
-        # until a trial is asked, a run pins nothing: a rerun after a failed start (a data error) is a new start
-        started = bool(recorded) or any(t.state != TrialState.WAITING for t in study.get_trials(deepcopy=False))
+        # until a trial finishes, a run pins nothing: a rerun after a failed start (a data error before or at the
+        # first evaluation) is a new start, and the trials the failed run had asked are retried as orphans
+        started = bool(counted(study.get_trials(deepcopy=False)))
         record_spec(spec, sdir, store, log, allow_changes, started=started)
         ledger = Ledger(study, storage, store, partial(trial_adapter_dir, spec, sdir), log)
         if sharing is None:

@@ -30,7 +30,14 @@ from lora_sweep.sweep.storage import Sharing
 from lora_sweep.sweep.store import DirectoryInUse, DirectoryLock, ResultsStore, StudyDir, pareto_front, strip_password
 
 __all__ = ["Session", "own_directory", "record_spec", "spec_record", "spec_changes", "RESUMABLE",
-           "trial_adapter_dir"]
+           "trial_adapter_dir", "Note"]
+
+
+class Note(str):
+    """A run's log line that tells its progress (the start's phases, a trial started or ended), as opposed to a
+    warning or how the run ended: ``sweep run --quiet`` leaves notes out; every other ``log`` takes them as lines."""
+
+    __slots__ = ()
 
 
 @dataclass
@@ -131,9 +138,8 @@ def own_directory(sdir: StudyDir, log: Callable[[str], None], storage: str | Non
                             f"is read with sweep status, report --out and export, or copied to a writable place to "
                             f"continue it") from None
         raise UserError(f"run: {sdir.root}: cannot be a study directory ({err.strerror}: {err.filename})") from None
-    if lock.taken_over:
-        log(f"took over {sdir.lock} from pid {lock.taken_over.get('pid', '?')} on host "
-            f"{lock.taken_over.get('host', '?')}, which ended without releasing it")
+    if (line := lock.took_over()) is not None:
+        log(line)
     return lock
 
 
@@ -174,19 +180,24 @@ def spec_changes(earlier: dict[str, Any], now: dict[str, Any]) -> list[str]:
 def record_spec(spec: StudySpec, sdir: StudyDir, store: ResultsStore, log: Callable[[str], None],
                 allow_changes: bool = False, started: bool = True) -> None:
     """Compare the resolved spec with the one the study started with, then record it in the store (meta
-    ``spec``, what the report reads) and the directory (``study.yaml``). ``started``: a trial was asked; until
-    then the spec an earlier (failed) run recorded pins nothing.
+    ``spec``, what the report reads) and the directory (``study.yaml``). ``started``: a trial finished; until
+    then the spec an earlier (failed) run recorded pins nothing, and what changed is only logged.
 
     Raises:
         UserError: a fixed setting changed (the first one named, and how many more) and not ``allow_changes``.
     """
     record = spec_record(spec)
-    earlier = store.meta().get("spec") if started else None
+    earlier = store.meta().get("spec")
     changed = [] if earlier is None else spec_changes(earlier, record)
+    if not started:
+        for change in changed:
+            log(f"starting afresh with {change}: the earlier run finished no trial")
+        changed = []
     if changed and not allow_changes:
         raise UserError(f"run: {changed[0]} since the study started"
                         f"{f' (and {len(changed) - 1} more)' if len(changed) > 1 else ''}; a resumed study keeps its "
-                        f"fixed settings: give the same overrides again, or pass --allow-changes")
+                        f"fixed settings: give the same overrides again, or pass --allow-changes (allow_changes=True "
+                        f"in the API)")
     for change in changed:
         log(f"resuming with {change} (--allow-changes)")
     store.set_meta(spec=record)

@@ -22,7 +22,8 @@ from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.sweep.spec import Param, SamplerSpec, SearchSpace, TrainSpec
 
-__all__ = ["GridSearch", "adapter_spec", "baseline_params", "default_params", "make_sampler", "suggest"]
+__all__ = ["GridSearch", "adapter_spec", "baseline_params", "community_default", "default_params", "make_sampler",
+           "suggest"]
 
 _COMMUNITY = ("rank", "alpha", "alpha_ratio", "lr")
 """Dimensions whose default (rank 16, alpha 32, lr 2e-4) must lie in the space for a default trial."""
@@ -190,6 +191,24 @@ def default_params(space: SearchSpace) -> dict[str, object] | None:
             return None
         out[p.name] = value
     return out
+
+
+def community_default(space: SearchSpace, train: TrainSpec) -> tuple[dict[str, object] | None, str]:
+    """``default_params``, or (None, why) when that trial would not train the community default: the study fixes
+    one of its rank, alpha or lr otherwise (a torchtune config's ``lora_alpha: 128`` beside a searched rank), and a
+    trial labelled the community default would train the config's value."""
+    params = default_params(space)
+    if params is None:
+        return None, "the community default (rank 16, alpha 32, lr 2e-4) lies outside the search space"
+    searched = {p.name for p in space.params} | ({"alpha"} if any(p.name == "alpha_ratio" for p in space.params)
+                                                 else set())
+    trained, base = adapter_spec(params, train, 0, space=space), AdapterSpec()
+    off = [f"{k} {getattr(trained, k):g}" for k in ("rank", "alpha", "lr")
+           if k not in searched and not math.isclose(getattr(trained, k), getattr(base, k))]
+    if off:
+        return None, (f"the study fixes {', '.join(off)} (the community default trains rank {base.rank}, alpha "
+                      f"{base.alpha:g}, lr {base.lr:g})")
+    return params, ""
 
 
 def baseline_params(space: SearchSpace, own: Mapping[str, Any]) -> tuple[dict[str, object] | None, str]:

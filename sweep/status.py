@@ -1,6 +1,7 @@
 """``sweep status DIR``: counts by state, best trials with params and values, the best against the default, packs.
 
-The comparison with the community-default trial (user attribute ``default``) is the one the report's gain
+The comparison with the config's own hyperparameters (the baseline trial of an Axolotl or torchtune config), else
+with the community-default trial (user attribute ``default``), is the one the report's gain
 section makes: per-item scores of the final evaluation (the ``items`` table; item i is the same held-out
 example for every trial), the mean of best − default with a 95% paired bootstrap interval.
 """
@@ -23,6 +24,7 @@ from lora_sweep.sweep.store import (
     is_feasible,
     paired_bootstrap,
     pareto_front,
+    reference_trial,
 )
 from lora_sweep.sweep.timing import WallSplit, last_run
 
@@ -83,22 +85,24 @@ def _rank(sign: int, value: float | None) -> float:
 
 def _vs_default(store: ResultsStore, trials: list[TrialRecord], directions: list[str],
                 constraints: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The best trial (feasible first, then by the first objective) against the default trial, per metric with
-    per-item scores.
+    """The best trial (feasible first, then by the first objective) against the reference trial (the config's
+    own hyperparameters when the study has that trial, else the community default: ``reference_trial``), per
+    metric with per-item scores; ``default`` is its number, ``against`` its name.
 
-    None without a complete default trial or a complete best trial other than it. Each row: the metric, both
-    trials' means over the items both scored, best − default and its 95% paired bootstrap interval.
+    None without a complete reference trial or a complete best trial other than it. Each row: the metric, both
+    trials' means over the items both scored, best − reference and its 95% paired bootstrap interval.
     """
-    found = [t for t in trials if t.is_default and t.state == "COMPLETE" and t.objective_values]
+    reference = reference_trial(trials)
     done = [t for t in trials if t.state == "COMPLETE" and t.objective_values]
-    if not found or not done or not directions:
+    if reference is None or reference[0].state != "COMPLETE" or not reference[0].objective_values or not done \
+            or not directions:
         return None
     sign = 1 if directions[0] == "minimize" else -1
-    default = found[-1]
+    default, against = reference
     best = min(done, key=lambda t: (not is_feasible(t.metrics, constraints), _rank(sign, t.objective_values[0]),
                                     t.number))
     if best.number == default.number:
-        return {"best": best.number, "default": default.number, "rows": []}
+        return {"best": best.number, "default": default.number, "against": against, "rows": []}
     scores: dict[int, dict[str, dict[int, float]]] = {}
     for t in (best, default):
         for row in store.items(trial=t.number):
@@ -112,7 +116,7 @@ def _vs_default(store: ResultsStore, trials: list[TrialRecord], directions: list
         rows.append({"metric": metric, "best": sum(b[k] for k in keys) / len(keys),
                      "default": sum(d[k] for k in keys) / len(keys), "diff": diff, "low": low, "high": high,
                      "items": len(keys), "excludes_zero": low > 0 or high < 0})
-    return {"best": best.number, "default": default.number, "rows": rows}
+    return {"best": best.number, "default": default.number, "against": against, "rows": rows}
 
 
 def _front(done: list[TrialRecord], objectives: list[str], directions: list[str]) -> list[dict[str, Any]]:
@@ -169,16 +173,18 @@ def render(info: dict[str, Any]) -> None:
 
 def _render_vs_default(console: Console, vs: dict[str, Any] | None) -> None:
     if vs is None:
-        console.print("no comparison with the default trial (no complete default trial, or no other complete trial)")
+        console.print("no comparison with a default trial (no complete config-baseline or community-default trial, "
+                      "or no other complete trial)")
         return
+    ref = vs["against"]
     if not vs["rows"]:
-        console.print(f"the default trial #{vs['default']} is the best" if vs["best"] == vs["default"] else
-                      f"best #{vs['best']} vs default #{vs['default']}: no per-item scores to compare")
+        console.print(f"the {ref} trial #{vs['default']} is the best" if vs["best"] == vs["default"] else
+                      f"best #{vs['best']} vs {ref} #{vs['default']}: no per-item scores to compare")
         return
-    table = Table(title=f"best #{vs['best']} vs default #{vs['default']} (per-item means, 95% paired bootstrap CI)")
-    for col in ("metric", "best", "default", "best - default", "95% CI", "items", "CI excludes 0"):
+    table = Table(title=f"best #{vs['best']} vs {ref} #{vs['default']} (per-item means, 95% paired bootstrap CI)")
+    for col in ("metric", "best", ref, f"best - {ref}", "95% CI", "items", "CI excludes 0"):
         table.add_column(col)
     for r in vs["rows"]:
-        table.add_row(r["metric"], f"{r['best']:.4g}", f"{r['default']:.4g}", f"{r['diff']:+.4g}",
+        table.add_row(f"{r['metric']} (per-item mean)", f"{r['best']:.4g}", f"{r['default']:.4g}", f"{r['diff']:+.4g}",
                       f"[{r['low']:+.4g}, {r['high']:+.4g}]", str(r["items"]), "yes" if r["excludes_zero"] else "no")
     console.print(table)

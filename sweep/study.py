@@ -40,13 +40,13 @@ from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.step.static_loop import rank_bucket_for
 from lora_sweep.packer.step.train import STEP_NAMES, SlotEnd, SlotJob, StepReport, train
 from lora_sweep.sweep._trial_data import check_data, check_packing, planned_tokens, trial_adapter, trial_stream
-from lora_sweep.sweep.budget import BudgetState, TokenPlan, budget_state, end_line
-from lora_sweep.sweep.ledger import Heartbeat, Ledger, is_default
+from lora_sweep.sweep.budget import BudgetState, TokenPlan, budget_state, end_line, recorded_budget
+from lora_sweep.sweep.ledger import Heartbeat, Ledger
 from lora_sweep.sweep.planning import largest_rank
 from lora_sweep.sweep.pruning import CohortSHA
 from lora_sweep.sweep.ranks import Channel
 from lora_sweep.sweep.resume import open_session
-from lora_sweep.sweep.session import Session
+from lora_sweep.sweep.session import Note, Session
 from lora_sweep.sweep.space import adapter_spec, suggest
 from lora_sweep.sweep.spec import StudySpec
 from lora_sweep.sweep.storage import Sharing, storage_lock
@@ -71,9 +71,6 @@ class Progress:
     best: str
     eta_s: float | None = None
     """Seconds until the budget is spent, at this run's pace so far; None before a trial has finished."""
-    events: tuple[str, ...] = ()
-    """What happened to trials since the last frame, one line each: started (its parameters), pruned,
-    complete (its metrics), failed (why)."""
 
 
 @dataclass
@@ -81,6 +78,7 @@ class RunSummary:
     """Totals of one ``run_study`` call."""
 
     pack_id: int
+    """The run's (last) pack in results.db; 0 when it trained none (``already_spent``)."""
     steps: int = 0
     tokens: int = 0
     wall_s: float = 0.0
@@ -99,6 +97,8 @@ class RunSummary:
     """That, in one line for people (``budget.end_line``; also the store's meta ``last_end``)."""
     over: bool = False
     """The run went over the budget that ended it (the trials training when it was reached ran on)."""
+    already_spent: bool = False
+    """The budget was spent before this run started: it trained nothing and wrote no pack or timing row."""
 
 
 @dataclass
@@ -153,7 +153,6 @@ class _Sweep:
         self.idle_until = 0.0  # shared budget spent: look again after a heartbeat, not before every step
         self.log: Callable[[str], None] = print
         self.split = WallSplit()
-        self.events: list[str] = []  # trial events since the last progress frame (Progress.events)
         self.warned_warmup = False
         self.ranks: Channel | None = None  # a sharded pack's other ranks, told every decision (sweep.ranks)
 
@@ -190,7 +189,8 @@ class _Sweep:
             self.log(f"warning: trial {trial.number} warms up for {spec.warmup_steps} steps of its {spec.max_steps}: "
                      f"it trains at a fraction of its learning rate throughout; set train.warmup_ratio (e.g. "
                      f"warmup_ratio=0.1, and warmup_steps=0) to scale the warm-up with each trial's steps")
-        self.events.append(f"trial {trial.number}{_role(trial)} started in slot {slot}: {_params_text(params)}")
+        # said when it happens, not with the next progress frame (after the step, which compiles at first)
+        self.log(Note(f"trial {trial.number}{_role(trial)} started in slot {slot}: {_params_text(params)}"))
         with self.s.store.transaction():  # one commit (one log sync) for the trial's row and its span
             self.s.store.upsert_trial(trial.number, state="RUNNING", params=params, pack_id=self.pack_id, slot=slot,
                                       started=time.time(), user_attrs=dict(trial.user_attrs))
@@ -231,10 +231,9 @@ class _Sweep:
         if self.progress is None:
             return
         elapsed = max(time.time() - self.t_start, 1e-9)
-        events, self.events = tuple(self.events), []
         self.progress(Progress(self.global_step, active, self.s.capacity, self.summary.tokens / elapsed,
                                self.s.finished_count(), self.spec.budget.trials, self.s.best_text(),
-                               self._eta(elapsed), events))
+                               self._eta(elapsed)))
 
     def _eta(self, elapsed: float) -> float | None:
         """Seconds left: the trial budget at this run's trials per second, capped by the wall-time budget."""
@@ -294,10 +293,11 @@ class _Sweep:
                 self.live[slot].report(value, rung, len(self.spec.objectives) == 1)
             for d in self.sha.decide(rung, values):
                 slot = next(s for s, lv in self.live.items() if lv.trial.number == d.trial)
-                # The community default is ranked (it sets the bar) but never stopped: the report
-                # compares every trial with its final scores. Its row says it is kept, and why.
-                spared = not d.keep and is_default(self.live[slot].trial)
-                reason = (f"kept as the community default, which is never pruned (below the cut: {d.reason})"
+                # The community default and the config baseline are ranked (they set the bar) but never
+                # stopped: the report compares the best with their final scores. Its row says it is kept, and why.
+                role = _role(self.live[slot].trial)
+                spared = not d.keep and bool(role)
+                reason = (f"kept as the {role.strip(' ()')}, which is never pruned (below the cut: {d.reason})"
                           if spared else d.reason)
                 self.s.store.add_prune_decision(self.pack_id, rung, d.trial, "keep" if d.keep or spared else "prune",
                                                 value=d.value, rank=d.rank + 1, cohort_size=d.cohort_size,
@@ -421,7 +421,7 @@ class _Sweep:
         scores = {o.metric: v for o, v in zip(self.spec.objectives, values or [], strict=False)}
         what = (f"complete: {_params_text(scores)}" if state == TrialState.COMPLETE
                 else reason if state == TrialState.PRUNED else f"failed: {reason}")
-        self.events.append(f"trial {number}{_role(lv.trial)} {what} ({e.steps} steps, {lv.tokens:,} tokens)")
+        self.log(Note(f"trial {number}{_role(lv.trial)} {what} ({e.steps} steps, {lv.tokens:,} tokens)"))
 
 
 def _role(trial: optuna.Trial) -> str:
@@ -459,12 +459,22 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
     ``allow_changes``: resume even if a fixed setting changed (``sweep.session.spec_changes``).
     ``ranks``: rank 0's channel to the other ranks of a sharded pack (``packing.shard: fsdp``, ``sweep.ranks``).
     """
+    spent = recorded_budget(spec, log) if sharing is None and ranks is None else None
+    if spent is not None and spent.exhausted:  # a finished study's rerun: said before the model loads
+        nothing = _nothing_to_run(spent)
+        log(f"{spec.name}: {nothing.ended}")
+        return nothing
     split = WallSplit()
     with split.phase("load"), split.part("load:data"):
         check_data(spec)  # the rows before the model: a bad row costs no model load
     with split.phase("load"):
         session = open_session(spec, log=log, sharing=sharing, allow_changes=allow_changes, split=split)
     pm, tokenizer = session.pm, session.tokenizer
+    already = _spent_before(spec, session)
+    if already is not None:
+        log(f"{spec.name}: {already.ended}")
+        return already
+    log(Note(f"tokenizing the data (data.max_length: {spec.data.max_length})"))
     try:  # a data error gives the study directory back (its lock, results.db) before it is reported
         with split.phase("load"), split.part("load:data"):
             check_packing(spec, pm)
@@ -478,6 +488,8 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
         raise
     started = time.time()
     pack_id = session.store.start_pack(slots=session.capacity, device=str(pm.device), started=started)
+    log(Note(f"pack {pack_id}: training {session.capacity} slots on {len(train_examples)} examples (its first step "
+             f"also warms up{', compiles and captures' if pm.device.type == 'cuda' else ''})"))
     sweep = _Sweep(spec, session, pm, train_examples, eval_data, pack_id, progress, started)
     sweep.log, sweep.split, sweep.ranks = log, split, ranks
     if sharing is not None:
@@ -513,6 +525,26 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
         with sweep._lock():  # workers sharing the study directory append one after another
             append_run(session.sdir.root, summary.split)
     return summary
+
+
+def _spent_before(spec: StudySpec, session: Session) -> RunSummary | None:
+    """A study whose budget is already spent (a shared one, or one ``recorded_budget`` could not read): the session
+    closed and ``_nothing_to_run``; None when the budget has room."""
+    with storage_lock(session.sharing.url, spec.name) if session.sharing is not None else nullcontext():
+        state = budget_state(spec, session, live=0, elapsed=0.0, live_tokens=0)
+    if not state.exhausted:
+        return None
+    session.close()
+    return _nothing_to_run(state)
+
+
+def _nothing_to_run(state: BudgetState) -> RunSummary:
+    """The summary of a run that found the budget spent: it trained and wrote nothing (no pack, no timing row, no
+    run end in the store's meta)."""
+    more = f": raise {state.key} to continue" if state.key else ""
+    return RunSummary(0, spent=state.reason, spent_key=state.key, end_reason=state.key or "grid",
+                      ended=f"nothing to run: the budget was already spent ({state.reason}) before this run{more}",
+                      already_spent=True)
 
 
 def _interrupt_in(err: BaseException) -> KeyboardInterrupt | None:

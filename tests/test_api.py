@@ -4,6 +4,7 @@ study run, read, exported and reported from Python alone, as a notebook would.""
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -25,13 +26,18 @@ def test_import_is_light_and_names_load_on_use() -> None:
     assert {"load_study", "run", "open_results", "export", "write_report", "Results"} <= set(names)
 
 
-def test_a_study_from_python(tmp_path: Path, tiny_dirs) -> None:  # noqa: ANN001
+def test_a_study_from_python(tmp_path: Path, tiny_dirs, caplog) -> None:  # noqa: ANN001
     path = write_study(tmp_path, tiny_dirs("llama"), budget={"trials": 3}, pruning={"kind": "none"},
                        train={"max_steps": 4, "micro_batch": 2})
     spec = lora_sweep.load_study(path, ["train.max_steps=3"], out=tmp_path / "study")
     assert spec.train.max_steps == 3 and spec.out_dir == tmp_path / "study"
-    summary = lora_sweep.run(spec)
+    with caplog.at_level(logging.INFO, logger="lora_sweep"):
+        summary = lora_sweep.run(spec)  # no log=: the lines go to the lora_sweep logger
     assert summary.complete == 3 and summary.failed == 0
+    said = [r.getMessage() for r in caplog.records if r.name == "lora_sweep" and r.levelno == logging.INFO]
+    assert any(line.startswith("loading the base model") for line in said), said
+    assert sum(" started in slot " in line for line in said) == 3, said
+    assert said[-1] == f"small: {summary.ended}", said
 
     results = lora_sweep.open_results(tmp_path / "study")
     trials = results.trials()
@@ -50,7 +56,28 @@ def test_a_study_from_python(tmp_path: Path, tiny_dirs) -> None:  # noqa: ANN001
     assert report.is_file() and "<html" in report.read_text()[:2000].lower()
 
     again = lora_sweep.run(path, ["train.max_steps=3"], out=tmp_path / "study")  # a file and overrides: resumes
-    assert again.steps == 0 and again.spent
+    assert again.steps == 0 and again.spent and again.already_spent and not again.over
+    assert again.ended.startswith("nothing to run: the budget was already spent (3 trials)"), again.ended
+
+
+@pytest.mark.parametrize(("kwargs", "said"), [
+    ({}, "export: give exactly one of trial=N and best=True"),
+    ({"trial": 0, "objective": "eval_loss"}, "export: objective='eval_loss' goes with best=True"),
+    ({"best": True, "objective": "accuracy"}, "export: objective='accuracy' is not an objective of this study"),
+    ({"best": True}, "or pass objective='eval_loss' or objective='adapter_params'"),
+])
+def test_export_errors_name_the_functions_arguments_not_the_cli_flags(tmp_path: Path, kwargs, said) -> None:
+    from lora_sweep.sweep.store import ResultsStore, StudyDir
+
+    sdir = StudyDir(tmp_path / "study").create()  # two objectives, two trials on the Pareto front, no training
+    sdir.write_study_yaml("name: study\n")
+    with ResultsStore(sdir.results_db) as store:
+        store.set_meta(name="study", objectives=["eval_loss", "adapter_params"], directions=["minimize", "minimize"])
+        for number, values in enumerate([[1.0, 9.0], [2.0, 1.0]]):
+            store.upsert_trial(number, state="COMPLETE", objective_values=values)
+    with pytest.raises(lora_sweep.UserError) as err:
+        lora_sweep.export(sdir.root, tmp_path / "out", **kwargs)
+    assert said in str(err.value) and "--" not in str(err.value), str(err.value)
 
 
 def test_errors_are_user_errors(tmp_path: Path) -> None:
@@ -63,8 +90,8 @@ def test_errors_are_user_errors(tmp_path: Path) -> None:
 def test_example_copies_a_study_with_its_data(tmp_path: Path) -> None:
     from lora_sweep.sweep.cli import main
 
-    assert "demo" in lora_sweep.sweep.api.examples()
-    path = lora_sweep.sweep.api.copy_example("demo", tmp_path / "work")
+    assert "demo" in lora_sweep.examples()  # api.md lists both at the package's top
+    path = lora_sweep.copy_example("demo", tmp_path / "work")
     text = path.read_text()
     assert "./models/smollm2-135m" in text and "../models" not in text
     from lora_sweep.sweep.loader import load_study

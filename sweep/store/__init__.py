@@ -124,6 +124,7 @@ from lora_sweep.sweep.store.schema import (
     SlotSpan,
     StepRow,
     TrialRecord,
+    reference_trial,
 )
 from lora_sweep.sweep.store.stats import paired_bootstrap, paired_scores
 from lora_sweep.sweep.store.urls import redact_url, strip_password
@@ -132,5 +133,5 @@ __all__ = [
     "DirectoryInUse", "DirectoryLock", "EvalRow", "ItemRow", "constraint_text", "constraint_violation",
     "is_feasible", "pareto_front", "redact_url", "strip_password", "PackRecord", "PruneDecision", "ResultsStore",
     "SCHEMA_VERSION", "SlotSpan", "StepRow", "StudyDir", "TrialRecord", "atomic_write_bytes", "atomic_write_text",
-    "attrs", "paired_bootstrap", "paired_scores",
+    "attrs", "paired_bootstrap", "paired_scores", "reference_trial",
 ]  # fmt: skip

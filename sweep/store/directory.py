@@ -156,6 +156,13 @@ class DirectoryLock:
         os.pwrite(fd, record.encode() + b"\n", 0)
         os.fsync(fd)
 
+    def took_over(self) -> str | None:
+        """The line saying whose lock this took over (an owner that ended without releasing it), or None."""
+        if not self.taken_over:
+            return None
+        return (f"took over {self.path} from pid {self.taken_over.get('pid', '?')} on host "
+                f"{self.taken_over.get('host', '?')}, which ended without releasing it")
+
     def release(self) -> None:
         """Empty the file (a clean exit leaves no owner behind) and drop the lock; idempotent."""
         if self._fd is None:

@@ -175,8 +175,12 @@ class ResultsStore:
     # ------------------------------------------------------------ writes
 
     def set_meta(self, **values: Any) -> None:
-        """Set study metadata (name, model, data, objectives, directions, ...); values are stored as JSON."""
-        self._put("study", [{"key": k, "value": v} for k, v in values.items()])
+        """Set study metadata (name, model, data, objectives, directions, ...); values are stored as JSON. Only
+        values that change are written: a run that changes nothing (a finished study's rerun) leaves ``updated``."""
+        held = self.meta()
+        changed = [{"key": k, "value": v} for k, v in values.items() if k not in held or to_json(held[k]) != to_json(v)]
+        if changed:
+            self._put("study", changed)
 
     def upsert_trial(
         self,

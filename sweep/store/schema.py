@@ -8,14 +8,14 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
 from lora_sweep.sweep.store.attrs import BASELINE, DEFAULT
 
 __all__ = ["SCHEMA_VERSION", "TrialRecord", "StepRow", "EvalRow", "ItemRow", "PackRecord", "SlotSpan",
-           "PruneDecision", "TABLES", "columns", "to_json", "from_json", "plain", "now_or"]
+           "PruneDecision", "TABLES", "columns", "to_json", "from_json", "plain", "now_or", "reference_trial"]
 
 SCHEMA_VERSION = 3
 """2: ``packs.step`` (the training step a pack ran); 3: ``packs.fallback`` (why a CUDA pack's step ran eagerly). An
@@ -102,6 +102,18 @@ class TrialRecord:
         """' (default)', ' (config baseline)', both, or '': how status and the report name the trial."""
         names = [n for n, on in (("default", self.is_default), ("config baseline", self.is_baseline)) if on]
         return f" ({', '.join(names)})" if names else ""
+
+
+def reference_trial(trials: Sequence[TrialRecord]) -> tuple[TrialRecord, str] | None:
+    """The trial the best is measured against, and its name: the config's own hyperparameters (``config
+    baseline``) when the study has that trial (an Axolotl or torchtune config, a ``baseline:``), else the
+    community ``default``; its latest complete retry, else its latest. None when the study has neither."""
+    for name, pick in (("config baseline", lambda t: t.is_baseline), ("default", lambda t: t.is_default)):
+        found = [t for t in trials if pick(t)]
+        done = [t for t in found if t.state == "COMPLETE"]
+        if found:
+            return (done or found)[-1], name
+    return None
 
 
 @dataclass(frozen=True)

@@ -48,8 +48,10 @@ def test_export_best_takes_the_best_feasible_trial_and_infeasible_needs_allow(tm
     with ResultsStore(root / "results.db") as store:  # writable: the test fails trial 1 below
         assert select_trial(store, best=True).number == 1
         store.upsert_trial(1, state="FAIL")
+        with pytest.raises(UserError, match="no complete trial meets the constraints.*allow_infeasible=True"):
+            select_trial(store, best=True)  # the API's spelling; sweep export's with cli=True
         with pytest.raises(UserError, match="no complete trial meets the constraints.*--allow-infeasible"):
-            select_trial(store, best=True)
+            select_trial(store, best=True, cli=True)
         assert select_trial(store, best=True, allow_infeasible=True).number == 2
 
 

@@ -215,7 +215,7 @@ def test_cli_bad_input_one_line_exit_2(study: Path, tmp_path: Path, case: str) -
         "not_complete": ([str(study), "--trial", str(pruned)], f"trial {pruned} is pruned"),
         "no_such_trial": ([str(study), "--trial", "999"], "trial 999 does not exist"),
         "bad_objective": ([str(study), "--best", "--objective", "accuracy"], "'accuracy' is not an objective"),
-        "ambiguous": ([str(study), "--best"], "Pareto trials: #"),
+        "ambiguous": ([str(study), "--best"], "; choose one with --trial N, or pass --objective 'eval_loss' or "),
         "out_not_empty": ([str(study), "--trial", str(done)], "exists and is not empty"),
     }[case]
     out = tmp_path / ("full" if case == "out_not_empty" else "new")

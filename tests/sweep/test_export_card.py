@@ -32,3 +32,9 @@ def test_the_card_gives_the_prompt_format(tmp_path, fmt: str, rows: str, said: s
     card = _card(tmp_path, fmt, rows)
     section = card[card.index("## Prompt format"):card.index("## Use")]
     assert said in section, section
+
+
+def test_the_card_says_peft_is_installed_apart(tmp_path) -> None:
+    """A wheel install of lora-sweep has no PEFT (it trains without it): the card's PEFT example says to install it."""
+    use = _card(tmp_path, "text").split("## Use", 1)[1]
+    assert use.index("`pip install peft`") < use.index("from peft import PeftModel"), use

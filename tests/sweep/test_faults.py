@@ -189,6 +189,29 @@ def test_a_run_that_failed_before_its_first_trial_pins_nothing(tiny_dirs, tmp_pa
         assert store.meta()["spec"]["data"]["max_length"] == 48
 
 
+def test_a_run_whose_first_evaluation_failed_on_its_data_pins_nothing(tiny_dirs, tmp_path) -> None:
+    # held-out rows the generation evaluator cannot score fail the first evaluation, after the pack's trials
+    # were asked and trained: no trial finished, so the fixed data and a longer data.max_length are a new start
+    text = tmp_path / "text.jsonl"
+    text.write_text("".join(f'{{"text": "{i}+{i}={2 * i}"}}\n' for i in range(6)))
+    evaluators = [{"name": "heldout_loss"}, {"name": "generation", "options": {"max_new_tokens": 2}}]
+    spec = _spec(tmp_path, tiny_dirs, "eval", f"data.eval={text}", "data.format=auto", "data.max_length=32",
+                 evaluators=evaluators)
+    with pytest.raises(UserError, match="the generation evaluator needs rows of format"):
+        run_study(spec, log=lambda m: None)
+    lines: list[str] = []
+    summary = run_study(_spec(tmp_path, tiny_dirs, "eval", "data.max_length=512", evaluators=evaluators),
+                        log=lines.append)
+    assert summary.complete == 3
+    assert any(line.startswith("starting afresh with data.max_length changed (32 -> 512)") for line in lines)
+    with ResultsStore(StudyDir(spec.out_dir).results_db) as store:
+        assert store.meta()["spec"]["data"]["max_length"] == 512
+        assert sum(r.state == "COMPLETE" for r in store.trials()) == 3
+    # once a trial finished, the spec is pinned
+    assert _refusal(_spec(tmp_path, tiny_dirs, "eval", "data.max_length=64", "budget.trials=4",
+                          evaluators=evaluators)).startswith("run: data.max_length changed (512 -> 64)")
+
+
 def test_a_worker_opening_a_torn_shared_journal_repairs_it_too(tmp_path) -> None:
     path = tmp_path / "optuna.log"
     whole = _journal(path)
@@ -208,3 +231,20 @@ def test_a_journal_damaged_before_its_end_is_refused_naming_its_line(tmp_path) -
     spec = load_study(write_study(tmp_path, tmp_path, name="s", storage=str(path)), check_paths=False)
     with pytest.raises(UserError, match=rf"storage: {path}:5: not a journal record .*the 4 records before it"):
         open_study(spec, StudyDir(tmp_path / "out"))
+
+
+def test_a_finished_studys_rerun_over_a_dead_runs_lock_says_both_and_writes_nothing(tiny_dirs, tmp_path) -> None:
+    spec = _spec(tmp_path, tiny_dirs, "dead")
+    run_study(spec, log=lambda m: None)
+    sdir = StudyDir(spec.out_dir)
+    dead = subprocess.run([sys.executable, "-c", "import os, sys; from lora_sweep.sweep.store import StudyDir; "
+                           "StudyDir(sys.argv[1]).acquire(); os._exit(9)", str(sdir.root)])
+    assert dead.returncode == 9
+    before = sdir.results_db.read_bytes(), (sdir.root / "timing.json").read_bytes()
+    lines: list[str] = []
+    summary = run_study(spec, log=lines.append)
+    assert summary.already_spent and lines[0].startswith(f"took over {sdir.lock} from pid ")
+    assert lines[1:] == ["dead: nothing to run: the budget was already spent (3 trials) before this run: raise "
+                         "budget.trials to continue"], lines
+    assert (sdir.results_db.read_bytes(), (sdir.root / "timing.json").read_bytes()) == before
+    assert sdir.lock.read_text() == "", "released: the next run finds no owner"

@@ -89,6 +89,35 @@ def test_torchtune_lora_recipe_runs_a_small_study(tiny_dirs, tmp_path) -> None:
         assert {s for (s,) in db.execute("select steps_done from trials")} == {3}  # 1 epoch capped at 3 steps
 
 
+def test_a_torchtune_configs_own_alpha_makes_its_baseline_the_reference_not_a_community_default(
+        tiny_dirs, tmp_path, caplog) -> None:
+    """lora_alpha: 128 is fixed and the rank searched over [8, 16]: the rank-16 trial would train alpha 128, so
+    no trial is labelled the community default (r16, alpha 32); the config's own (rank 8, alpha 128) is the
+    baseline trial, named so in the run's lines, status and the report, and the best is measured against it."""
+    from lora_sweep.reports.html import write_report
+    from lora_sweep.sweep.status import study_status
+
+    model = {"_component_": "torchtune.models.llama3_2.lora_llama3_2_1b", "lora_attn_modules": ["q_proj", "v_proj"],
+             "lora_rank": 8, "lora_alpha": 128, "lora_dropout": 0.0}
+    path = _config(tmp_path, tiny_dirs("llama"), "torchtune-1B-lora.yaml", model=model,
+                   search={"lora_rank": [8, 16]}, budget={"trials": 3})
+    spec = load_study(path)
+    lines: list[str] = []
+    with caplog.at_level(logging.WARNING):
+        run_study(spec, log=lines.append)
+    assert "no community-default trial: the study fixes alpha 128, lr 0.0003 (the community default trains rank 16, " \
+           "alpha 32, lr 0.0002)" in caplog.text
+    trials = _trials(spec.out_dir, spec.name)
+    assert not any(t.user_attrs.get("default") for t in trials)
+    assert trials[0].user_attrs.get("baseline") and trials[0].params == {"rank": 8}
+    assert any(line.startswith("trial 0 (config baseline) started") for line in lines), lines
+    info = study_status(spec.out_dir)
+    assert info["vs_default"]["against"] == "config baseline" and info["vs_default"]["default"] == 0
+    html = write_report(spec.out_dir).read_text()
+    assert "against the config baseline trial #0 (the config&#x27;s own hyperparameters)" in html or \
+        "the config baseline is the best" in html
+
+
 @pytest.mark.parametrize(("changes", "expected"), [({}, None), ({"clip_grad_norm": None}, None),
                                                     ({"clip_grad_norm": 0.5}, 0.5)])
 def test_a_torchtune_config_clips_only_when_clip_grad_norm_is_set(tiny_dirs, tmp_path, changes, expected) -> None:
@@ -171,3 +200,122 @@ def test_each_refused_torchtune_key_is_one_error_naming_it(tiny_dirs, tmp_path, 
     with pytest.raises(ConfigError, match=message) as err:
         load_study(_config(tmp_path, tiny_dirs("llama"), "torchtune-1B-lora.yaml", **{key: value}))
     assert "\n" not in str(err.value) and key in str(err.value)
+
+
+# Keys of the formats that the example files above lack, with a value a user would write.
+EXTRA_KEYS = {
+    "torchtune": {"dataset.split": "train", "optimizer.foreach": True, "loss.num_output_chunks": 8, "seed": 42,
+                  "log_level": "INFO", "clip_grad_norm": 1.0, "optimizer_in_bwd": False, "dataset.train_on_input": True,
+                  "model.use_dora": False, "model.quantize_base": False, "model.apply_lora_to_output": False},
+    "axolotl": {"datasets.0.ds_type": "json", "datasets.0.split": "train", "seed": None, "val_set_size": 0.1,
+                "lora_fan_in_fan_out": None, "bf16": "auto", "trust_remote_code": False, "load_in_8bit": False,
+                "warmup_ratio": 0.1, "peft_use_rslora": True, "train_on_inputs": False},
+}
+
+
+def _paths(data: dict, prefix: tuple = ()) -> list[tuple]:
+    """Every key path of a config: top-level keys, the keys of a ``_component_`` mapping, a dataset entry's."""
+    out = []
+    for key, value in data.items():
+        path = (*prefix, key)
+        if key == "_component_":
+            continue
+        out.append(path)
+        if not prefix and isinstance(value, dict) and "_component_" in value:
+            out += _paths(value, path)
+        if key == "datasets" and isinstance(value, list) and value and isinstance(value[0], dict):
+            out += _paths(value[0], (key, 0))
+    return out
+
+
+def _set(data: dict, path: tuple, value, remove: bool = False):  # noqa: ANN001, ANN202
+    import copy
+
+    data = copy.deepcopy(data)
+    node = data
+    for part in path[:-1]:
+        node = node[part]
+    if remove:
+        node.pop(path[-1], None)
+    else:
+        node[path[-1]] = value
+    return data
+
+
+OTHER_VALUES = {"adapter": "qlora", "optimizer": "adamw_8bit", "dataset.source": "hf", "tokenizer.max_seq_len": 64}
+"""A value other than the file's for keys that hold what the engine does anyway (not flags, not null)."""
+PARTNERS = {"adapter": "load_in_4bit", "load_in_4bit": "adapter"}
+"""Keys that each ask for the same setting (``adapter: qlora`` and ``load_in_4bit: true``: the NF4 base): one is
+judged with its partner removed."""
+
+
+def _fate(tmp_path: Path, data: dict, path: tuple, caplog) -> str:  # noqa: ANN001
+    """How the translation treats the key at ``path``: ``mapped`` (the study mapping changes without it, or with
+    another value), ``ignored`` (named in a warning: the ignored keys' one, or what runs otherwise than written),
+    ``refused`` (another value is an error naming it), or ``silent``."""
+    from lora_sweep.sweep import _foreign, loader
+    from lora_sweep.sweep._yaml import read
+
+    def translate(d: dict) -> tuple[dict | str, list[str]]:
+        file = tmp_path / "c.yaml"
+        file.write_text(yaml.safe_dump(d, sort_keys=False))
+        caplog.clear()
+        try:
+            out: dict | str = _foreign.translate(*read(file, False), loader._TRAIN, loader._TOP,
+                                                 [*loader._TOP, *loader._RELOCATE], loader._TRAIN_FIELDS)
+        except ConfigError as err:
+            out = str(err)
+        return out, [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+    dotted = ".".join(map(str, path))
+    word = re.compile(rf"(?<![\w.]){re.escape(dotted)}(?![\w])|(?<![\w.]){re.escape(str(path[0]))}(?=, |$)")
+    names = lambda text: bool(word.search(text)) or (path[0] in text and str(path[-1]) in text)  # noqa: E731
+    if path[0] in PARTNERS:
+        data = _set(data, (PARTNERS[path[0]],), None, remove=True)
+    with caplog.at_level(logging.WARNING):
+        full, said = translate(data)
+        assert isinstance(full, dict), full
+        if any(word.search(m) for m in said):  # the ignored keys' warning, or one saying it runs otherwise
+            return "ignored"
+        if translate(_set(data, path, None, remove=True))[0] != full:
+            return "mapped"
+        node = data
+        for part in path:
+            node = node[part]
+        other = not node if isinstance(node, bool) else True if node is None else OTHER_VALUES.get(dotted, node)
+        if other == node:
+            return "silent"
+        changed, said = translate(_set(data, path, other))
+        if isinstance(changed, str):
+            return "refused" if names(changed) else f"refused without naming it: {changed}"
+        if any(names(m) for m in said):
+            return "ignored"  # runs otherwise than written, and says so
+        return "mapped" if changed != full else "silent"
+
+
+@pytest.mark.parametrize("name", ["torchtune-1B-lora.yaml", "axolotl-lora-1b.yml", "axolotl-qlora-1b.yml"])
+def test_every_key_of_a_foreign_config_is_mapped_ignored_or_refused(tiny_dirs, tmp_path, caplog, name) -> None:
+    data = yaml.safe_load(_config(tmp_path, tiny_dirs("llama"), name).read_text())
+    kind = "torchtune" if name.startswith("torchtune") else "axolotl"
+    for dotted, value in EXTRA_KEYS[kind].items():
+        parts = tuple(int(p) if p.isdigit() else p for p in dotted.split("."))
+        data = _set(data, parts, value)
+    ours = {"search", "budget", "data", "objectives", "output", "name", "evaluators", "pruning", "packing"}
+    paths = [p for p in _paths(data) if p[0] not in ours]
+    parents = {p[:-1] for p in paths}  # a mapping walked key by key is judged by its keys
+    fates = {".".join(map(str, p)): _fate(tmp_path, data, p, caplog) for p in paths if p not in parents}
+    assert not [k for k, f in fates.items() if f not in ("mapped", "ignored", "refused")], fates
+
+
+def test_a_configs_own_keys_work_as_overrides_and_bf16_on_a_cpu_is_said(tiny_dirs, tmp_path) -> None:
+    """``device=cpu`` and ``dtype=bf16`` are torchtune's own spellings: overrides of them are applied to the config
+    before it is translated, as ``tune run`` would; an unknown key is still refused."""
+    path = _config(tmp_path, tiny_dirs("llama"), "torchtune-1B-lora.yaml", device="cuda")
+    spec = load_study(path, ["device=cpu", "dtype=bf16", "model.lora_dropout=0.1", "budget.trials=1"])
+    assert (spec.model.device, spec.model.dtype, spec.train.dropout) == ("cpu", "bfloat16", 0.1)
+    with pytest.raises(ConfigError, match="devcie"):
+        load_study(path, ["devcie=cpu"])
+    lines: list[str] = []
+    run_study(spec, log=lines.append)
+    assert any(line.startswith("warning: model.dtype: bfloat16 on a CPU: the base and adapters run in bfloat16")
+               for line in lines), lines

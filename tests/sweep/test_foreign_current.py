@@ -68,16 +68,22 @@ def test_current_example_runs_a_small_study_first_try(tiny_dirs, wide_llama, tmp
     summary = run_study(spec, log=lines.append)
     trials = optuna_study(spec.out_dir, spec.name).get_trials()
     assert [t.state for t in trials] == [TrialState.COMPLETE] * 2, [t.user_attrs.get("reason") for t in trials]
-    default, baseline = trials
-    assert default.user_attrs.get("default") and default.params["rank"] == 16
+    # the rank is searched; the config fixes its own alpha and lr, so the rank-16 trial would not train the
+    # community default (r16, alpha 32, lr 2e-4): no trial is labelled so, the config's own is the baseline
+    community = spec.train.alpha == 32 and spec.train.lr == pytest.approx(2e-4)
+    assert not community
+    baseline = trials[0]
+    assert not any(t.user_attrs.get("default") for t in trials)
     assert baseline.user_attrs.get("baseline") and baseline.params["rank"] == rank  # the config's own setting
     assert summary.ended == "stopped: budget.trials reached: 2 trials used of 2 trials"
-    roles = {b["number"]: b["role"] for b in study_status(spec.out_dir)["best"]}
-    assert roles == {0: "default", 1: "config baseline"}
+    info = study_status(spec.out_dir)
+    roles = {b["number"]: b["role"] for b in info["best"]}
+    assert roles == {0: "config baseline", 1: ""}
+    assert info["vs_default"] is None or info["vs_default"]["against"] == "config baseline"
     if name == "axolotl-llama-3-qlora-1b.yml":  # the report names it too
         from lora_sweep.reports.html import write_report
 
-        assert "#1 (config baseline)" in write_report(spec.out_dir).read_text()
+        assert "#0 (config baseline)" in write_report(spec.out_dir).read_text()
     if name.startswith("torchtune"):  # num_warmup_steps: 100 against trials of a few steps
         assert any(line.startswith("warning: trial 0 warms up for 100 steps of its") and "warmup_ratio" in line
                    for line in lines), lines
@@ -144,5 +150,7 @@ def test_a_baseline_outside_the_space_is_skipped_with_a_warning(tiny_dirs, tmp_p
     with caplog.at_level(logging.WARNING):
         run_study(spec, log=lambda m: None)
     assert "no baseline trial of the config's own hyperparameters: its rank=32 lies outside search.rank" in caplog.text
+    # nor a community default: the rank-16 trial would train the config's alpha 16, not the default's 32
+    assert "no community-default trial: the study fixes alpha 16" in caplog.text
     (only,) = optuna_study(spec.out_dir, spec.name).get_trials()
-    assert only.user_attrs.get("default") and not only.user_attrs.get("baseline")
+    assert not only.user_attrs.get("default") and not only.user_attrs.get("baseline")

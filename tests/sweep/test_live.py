@@ -31,8 +31,8 @@ class _Clock:
         return self.now
 
 
-def _frame(step: int, finished: int, events: tuple[str, ...] = (), eta: float | None = None) -> Progress:
-    return Progress(step, 2, 3, 1234.5, finished, 6, "-", eta, events)
+def _frame(step: int, finished: int, eta: float | None = None) -> Progress:
+    return Progress(step, 2, 3, 1234.5, finished, 6, "-", eta)
 
 
 def test_plain_log_prints_each_event_and_a_status_line_a_minute() -> None:
@@ -41,11 +41,12 @@ def test_plain_log_prints_each_event_and_a_status_line_a_minute() -> None:
     log.tick()  # nothing for less than a minute: quiet
     clock.now += 61
     log.tick()  # still loading, a minute on: says so
-    log.update(_frame(1, 0, ("trial 0 (community default) started in slot 0: rank=16",)))
+    log.line("trial 0 (community default) started in slot 0: rank=16")  # the run's log, as it happens
+    log.update(_frame(1, 0))
     clock.now += 10
     log.update(_frame(2, 0))  # a plain step within the minute: no line
-    log.update(_frame(3, 1, ("trial 0 (community default) complete: eval_loss=1.5 (3 steps, 120 tokens)",),
-                      eta=90))
+    log.line("trial 0 (community default) complete: eval_loss=1.5 (3 steps, 120 tokens)")
+    log.update(_frame(3, 1, eta=90))  # a trial finished: a status line
     clock.now += 30
     log.update(_frame(4, 1))
     clock.now += 31
@@ -65,11 +66,22 @@ def test_live_progress_off_a_terminal_is_plain(capsys) -> None:
     live = LiveProgress()  # pytest's captured stderr is no terminal
     assert live.plain is not None
     with live:
-        live.update(_frame(1, 0, ("trial 3 started in slot 1: lr=0.001",)))
+        live.log("trial 3 started in slot 1: lr=0.001")
+        live.update(_frame(1, 0))
         live.log("a log line")
     err = capsys.readouterr().err
     assert re.search(STAMP + r"trial 3 started in slot 1: lr=0.001\n", err)
     assert re.search(STAMP + "a log line\n", err) and "\x1b[" not in err  # no terminal codes in a log file
+
+
+def test_quiet_keeps_warnings_and_the_end_but_not_the_progress_notes(capsys) -> None:
+    from lora_sweep.sweep.session import Note
+
+    with LiveProgress(enabled=False) as live:  # sweep run --quiet
+        live.log(Note("trial 3 started in slot 1: lr=0.001"))
+        live.log("warning: trial 3 warms up for 10 steps of its 4")
+    err = capsys.readouterr().err
+    assert err == "warning: trial 3 warms up for 10 steps of its 4\n", err
 
 
 def _run(spec, out: io.StringIO):  # noqa: ANN001, ANN202
@@ -94,6 +106,21 @@ def test_a_run_logs_every_trial_and_how_it_ended(tiny_dirs, tmp_path) -> None:
     from lora_sweep.reports.html import write_report
 
     assert line in write_report(spec.out_dir).read_text()
+
+
+def test_start_lines_come_before_training_and_a_trials_start_is_stamped_when_it_starts(tiny_dirs, tmp_path) -> None:
+    spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name="start", budget={"trials": 2},
+                                  train={"max_steps": 3, "micro_batch": 2}, pruning={"kind": "none"}))
+    said: list[tuple[float, str]] = []
+    frames: list[float] = []
+    run_study(spec, progress=lambda p: frames.append(time.time()), log=lambda m: said.append((time.time(), m)))
+    lines = [m for _, m in said]
+    assert lines[0].startswith(f"loading the base model {spec.model.path} on cpu")
+    assert lines[1] == "tokenizing the data (data.max_length: 48)"
+    assert lines[2] == "pack 1: training 3 slots on 2000 examples (its first step also warms up)"
+    assert lines[3].startswith("trial 0 (community default) started in slot 0")
+    # said when the trial is asked, before the pack's first step (and its progress frame) ends
+    assert said[3][0] < frames[0] and said[4][0] < frames[0], (said, frames)
 
 
 def test_a_wall_time_overshoot_is_flagged(tiny_dirs, tmp_path) -> None:

@@ -79,3 +79,33 @@ def test_a_sharded_plan_counts_one_ranks_share_of_the_base_per_gpu(tiny_dirs, tm
     # a world size the cache holds no share for (3): the plan loads the model and computes it (no refusal)
     three = CliRunner().invoke(cli, ["plan", str(sharded), "--gpus", "3"])
     assert three.exit_code == 0 and "per GPU (3 GPUs, FSDP)" in three.stdout, three.output
+
+
+def test_the_plan_models_the_evaluations_time_from_its_step_model(tiny_dirs, tmp_path) -> None:
+    """``sweep plan`` predicted 48 s for a run of 74 s, 31% of which was evaluation: the evaluators' forwards are
+    now counted, a forward costing the step's fixed time and a third of its per-token time."""
+    import pytest
+
+    from lora_sweep.packer.plan import MemoryModel
+    from lora_sweep.sweep.planning import eval_rows, eval_seconds
+
+    mm = MemoryModel(static_bytes=0, bytes_per_token=0, bytes_per_token_rank=0, bytes_per_param=0,
+                     seconds_per_token=3e-4, seconds_per_step=0.01)
+    evaluators = [{"name": "heldout_loss"}, {"name": "generation", "options": {"max_new_tokens": 4, "batch_size": 4}}]
+    spec = load_study(write_study(tmp_path, tiny_dirs("llama"), "evals", budget={"trials": 6}, evaluators=evaluators))
+    rows = eval_rows(spec)
+    assert rows == sum(1 for line in spec.data.eval.read_text().splitlines() if line.strip()) > 0
+
+    def forward(tokens: float) -> float:
+        return 0.01 + 3e-4 * tokens / 3
+
+    heldout = math.ceil(rows / 8) * forward(8 * 3 * 20.0)  # 3 slots, rows of 20 tokens
+    generation = math.ceil(rows / 4) * (forward(4 * 3 * 20.0) + 4 * forward(4 * 3))
+    per_pack = heldout + generation + heldout  # the cohort SHA rung at step 6 scores the proxy once more
+    seconds, line = eval_seconds(spec, mm, 3, rows, 20.0, 12)
+    assert seconds == pytest.approx(per_pack * 2)  # 6 trials, 3 at a time
+    assert line.startswith(f"{seconds:.0f} s: heldout_loss over {rows} rows, generation of 4 tokens for {rows} "
+                           f"prompts per trial, 3 slots at a time, 1 proxy evaluation per trial")
+    longer = load_study(write_study(tmp_path, tiny_dirs("llama"), "evals", budget={"trials": 6},
+                                    evaluators=evaluators, pruning={"kind": "none"}, train={"eval_every": 4}))
+    assert eval_seconds(longer, mm, 3, rows, 20.0, 12)[0] == pytest.approx((heldout * 4 + generation) * 2)

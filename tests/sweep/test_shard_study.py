@@ -141,8 +141,8 @@ def test_worker_under_torchrun_trains_a_sharded_pack(tiny_dirs, tmp_path) -> Non
 
 
 @pytest.mark.parametrize(("shard", "device", "said"), [
-    ("fsdp", "auto", "error: --gpus 2: 0 CUDA device(s) visible"),
-    ("none", "cpu", "error: --gpus 2: needs packing.shard: fsdp"),
+    ("fsdp", "auto", "error: --gpus 2 (gpus=2 in the API): 0 CUDA device(s) visible"),
+    ("none", "cpu", "error: --gpus 2 (gpus=2 in the API): needs packing.shard: fsdp"),
 ])
 def test_gpus_without_devices_or_fsdp_exits_2(tiny_dirs, tmp_path, capsys, shard, device, said) -> None:
     if torch.cuda.is_available():

@@ -414,14 +414,38 @@ def test_progress_final_frame_tokens_per_s_and_eta(tiny_dirs, tmp_path) -> None:
     assert abs(last.tokens_per_s - pack.tokens_per_s) <= 0.1 * pack.tokens_per_s, (last.tokens_per_s, pack)
 
 
-def test_rerunning_a_finished_study_says_its_budget_is_spent(tiny_dirs, tmp_path) -> None:
-    path = write_study(tmp_path, tiny_dirs("llama"), name="spent", budget={"trials": 1},
-                       train={"max_steps": 4, "micro_batch": 2}, pruning={"kind": "none"}, packing={"max_slots": 1})
+def _rows(db: Path) -> dict[str, list[tuple]]:
+    """Every row of every table of a results.db (sorted: a meta key written again with its value moves)."""
+    with sqlite3.connect(db) as con:
+        tables = [t for (t,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")]
+        return {t: sorted(con.execute(f"SELECT * FROM {t}").fetchall(), key=repr) for t in tables}
+
+
+def test_rerunning_a_finished_study_writes_nothing_and_says_its_budget_is_spent(tiny_dirs, tmp_path) -> None:
+    import lora_sweep
+
+    path = write_study(tmp_path, tiny_dirs("llama"), name="spent", budget={"trials": 2},
+                       train={"max_steps": 4, "micro_batch": 2}, pruning={"kind": "none"}, packing={"max_slots": 2})
     assert _run_cli("run", str(path), "--quiet").returncode == 0
+    sdir = StudyDir(tmp_path / "runs-spent")
+    before = _rows(sdir.results_db)
+    assert len(before["packs"]) == 1 and len(before["trials"]) == 2
+    timing, report = (sdir.root / "timing.json").read_bytes(), (sdir.root / "report.html").stat().st_mtime_ns
     again = _run_cli("run", str(path), "--quiet")
     assert again.returncode == 0, again.stderr
-    assert "budget is already spent (1 trials)" in again.stdout and "budget.trials=<more>" in again.stdout, again.stdout
-    assert "0 complete" not in again.stdout
+    said = again.stderr + again.stdout  # the run's log, then the command's own line
+    assert "nothing to run: the budget was already spent (2 trials)" in said, said
+    assert f"sweep run {path} budget.trials=<more>" in again.stdout, said
+    assert "pack 2" not in said and "0 complete" not in said, said
+    lines: list[str] = []
+    summary = lora_sweep.run(path, log=lines.append)
+    assert summary.already_spent and not summary.over and summary.steps == 0 and summary.complete == 0
+    assert summary.ended == ("nothing to run: the budget was already spent (2 trials) before this run: raise "
+                             "budget.trials to continue"), summary.ended
+    assert lines == [f"spent: {summary.ended}"], lines  # said before the model loads: nothing else ran
+    assert _rows(sdir.results_db) == before, "a rerun of a finished study writes no trial, pack or timing row"
+    assert (sdir.root / "timing.json").read_bytes() == timing
+    assert (sdir.root / "report.html").stat().st_mtime_ns == report
 
 
 @pytest.mark.parametrize(("sig", "code", "said"), [(signal.SIGINT, 130, "interrupted (Ctrl-C)"),
