@@ -287,8 +287,8 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         if "workload" not in r:
             continue
-        vs = f"{r['tok_s'] / peft[r['shape']]:.1f}" if r.get("workload") in ("W1", "W2") and r.get("shape") in peft \
-            else ""
+        vs = f"{r['tok_s'] / peft[r['shape']]:.1f}" if r.get("workload") in ("W1", "W2") and "tok_s" in r \
+            and r.get("shape") in peft else ""  # (a row that ran out of memory has no tok_s)
         other = {k: v for k, v in r.items() if k in ("scope", "ratio", "max_rel_loss_diff",
                                                      "error", "makespan_s",
                                                      "ratio_vs_packed", "ratio_vs_packed_warm", "rank",
