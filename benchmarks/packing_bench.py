@@ -25,10 +25,11 @@ import torch
 
 from lora_sweep.benchmarks.shapes import PROJ, build_shape
 from lora_sweep.benchmarks.timing import check_row, counted_params, gemm_tflops, sig, step_flops, timed_steps
-from lora_sweep.packer.data.packing import SamplePackedStream
-from lora_sweep.packer.data.rows import IGNORE_INDEX, Example, SlotStream
+from lora_sweep.packer.data.packing import SamplePackedStream, slot_stream
+from lora_sweep.packer.data.rows import IGNORE_INDEX, Example, SlotStream, load_examples
 from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.packer.step.static_loop import SEQ_MULTIPLE
 from lora_sweep.packer.step.train import SlotJob
 from lora_sweep.packer.tiny.models import build_tiny_model
 
@@ -105,6 +106,26 @@ def run(shape: str | None, *, slots: int, micro: int, row_len: int, steps: int, 
     return out
 
 
+def layout(examples: list[Example], *, micro: int, row_len: int, steps: int = 150, seed: int = 0) -> list[dict]:
+    """What one slot's steps hold, without training: per mode (one example per row, padded to the step's longest
+    rounded up to ``SEQ_MULTIPLE`` as the step pads it; or sample-packed rows of ``row_len``, ``micro`` per step),
+    the mean positions the step computes, real tokens and examples per step over ``steps`` steps."""
+    out = []
+    for packed in (False, True):
+        stream = slot_stream(examples, micro, seed, sample_packing=packed, row_len=row_len)
+        positions, real, n = [], [], []
+        for _ in range(steps):
+            rows = stream.next_batch()
+            positions.append(len(rows) * -(-max(len(r.input_ids) for r in rows) // SEQ_MULTIPLE) * SEQ_MULTIPLE)
+            real.append(sum(len(r.input_ids) for r in rows))
+            n.append(sum(getattr(r, "n_examples", 1) for r in rows))
+        out.append(dict(mode="packed" if packed else "unpacked", micro=micro, row_len=row_len if packed else None,
+                        positions_per_step=round(statistics.mean(positions), 1),
+                        real_tokens_per_step=round(statistics.mean(real), 1),
+                        examples_per_step=round(statistics.mean(n), 1)))
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
         prog="python -m lora_sweep.benchmarks.packing_bench", description=__doc__.splitlines()[0])
@@ -114,7 +135,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--row-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--layout", metavar="JSONL", help="no training: what a slot's steps hold on this dataset, "
+                   "tokenized by --tokenizer (a model directory), unpacked (--micro examples) and packed (--micro "
+                   "rows of --row-len), over 150 steps")
+    p.add_argument("--tokenizer", help="with --layout: the model directory whose tokenizer to use")
+    p.add_argument("--format", default="auto", help="with --layout: the dataset's format (as data.format)")
     a = p.parse_args(argv)
+    if a.layout:
+        from transformers import AutoTokenizer
+
+        examples = load_examples(a.layout, AutoTokenizer.from_pretrained(a.tokenizer), fmt=a.format,
+                                 max_length=a.row_len)
+        for r in layout(examples, micro=a.micro, row_len=a.row_len):
+            print(json.dumps(r))
+        return
     rows = run(a.shape, slots=a.slots, micro=a.micro, row_len=a.row_len, steps=a.steps, warmup=a.warmup)
     for r in rows:
         print(json.dumps(r))
