@@ -21,8 +21,8 @@ def test_layout_counts_positions_tokens_and_examples_per_step(tmp_path: Path,
                         "--micro", "8", "--row-len", "128"])
     unpacked, packed = (json.loads(line) for line in capsys.readouterr().out.splitlines())
     assert (unpacked["mode"], packed["mode"]) == ("unpacked", "packed")
-    assert unpacked["examples_per_step"] == 8 and unpacked["positions_per_step"] % (8 * 16) == 0
-    assert packed["positions_per_step"] == 8 * 128  # eight packed rows of the row length, every step
+    assert unpacked["examples_per_step"] == 8  # one example a row, padded to the step's longest
+    assert 0.95 * 8 * 128 <= packed["positions_per_step"] <= 8 * 128  # 8 rows filled (an epoch's last: shorter)
     assert unpacked["real_tokens_per_step"] <= unpacked["positions_per_step"]
     assert packed["real_tokens_per_step"] <= packed["positions_per_step"]
     assert packed["examples_per_step"] > 2 * unpacked["examples_per_step"]  # short rows: several to a packed row
