@@ -38,7 +38,7 @@ def missing(what: str, hint: str) -> NoReturn:
     does not give, with ``hint`` saying how to get it; fail where ``REQUIRE_ALL`` says it must be there."""
     if REQUIRE_ALL:
         pytest.fail(f"{what} is missing in CI's full environment: {hint}")
-    pytest.skip(f"{what} is not installed: {hint}", allow_module_level=True)
+    pytest.skip(f"{what} is missing: {hint}", allow_module_level=True)
 
 
 def need_module(module: str, extra: str) -> None:
