@@ -8,14 +8,17 @@ the Triton kernels such a function launches before its first run.
 
 from __future__ import annotations
 
+import os
 import time
+import traceback
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["Captured", "capture", "precompile"]
+__all__ = ["Captured", "capture", "capture_failure", "precompile"]
 
 
 class Captured(NamedTuple):
@@ -56,6 +59,21 @@ def capture(fn: Callable[[], object], *, warmups: int = 2, warmup: Callable[[], 
         fn()
     torch.cuda.synchronize()
     return Captured(graph, t1 - t0, time.perf_counter() - t1)
+
+
+def capture_failure(err: BaseException) -> str:
+    """``err``'s type, first line and the innermost frame outside torch that raised it: the line to change (e.g.
+    ``transformers/masking_utils.py:604 in eager_mask``)."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    torch_dir = str(Path(torch.__file__).parent) + os.sep
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith(torch_dir)]
+    where = ""
+    if frames:
+        f = frames[-1]
+        parts = Path(f.filename).parts
+        short = "/".join(parts[-2:]) if len(parts) >= 2 else f.filename
+        where = f" (at {short}:{f.lineno} in {f.name})"
+    return f"{type(err).__name__}: {first}{where}"
 
 
 def precompile(fn: Callable[[], object]) -> None:

@@ -41,7 +41,7 @@ from lora_sweep.packer.loss import output_head
 from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.model.shard import is_sharded
 from lora_sweep.packer.model.static import ShapeBuffers, StaticStore, fused_loss_head, static_head_losses
-from lora_sweep.packer.step.capture import capture, precompile
+from lora_sweep.packer.step.capture import capture, capture_failure, precompile
 
 __all__ = ["available", "heldout_fits", "row_losses", "greedy_decode", "static_generation_fits", "bucket",
            "EVAL_MULTIPLE", "STATIC_LOGITS_BYTES", "HELDOUT_BYTES_PER_LOGIT"]
@@ -153,8 +153,7 @@ class _Graph:
         try:
             self.graph = capture(self.fn).graph
         except Exception as err:  # any failure: eager from now on
-            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-            warnings.warn(f"evaluation CUDA graph capture failed, evaluating eagerly: {type(err).__name__}: {first}",
+            warnings.warn(f"evaluation CUDA graph capture failed, evaluating eagerly: {capture_failure(err)}",
                           stacklevel=3)
             self.cuda = False
         self.capture_s += time.perf_counter() - t0

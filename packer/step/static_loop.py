@@ -29,11 +29,8 @@ capture fails, a one-line warning says why and the pack runs the same step eager
 
 from __future__ import annotations
 
-import os
-import traceback
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -52,7 +49,7 @@ from lora_sweep.packer.model.static import (
     static_head_losses,
     static_losses,
 )
-from lora_sweep.packer.step.capture import capture
+from lora_sweep.packer.step.capture import capture, capture_failure
 from lora_sweep.packer.step.jobs import SlotEnd, SlotJob, StepReport, Tally, TrainResult, Window, target_tokens
 from lora_sweep.packer.step.static_optim import ACCUMULATE, NOOP, optimizer_row, static_adamw_step
 
@@ -157,21 +154,6 @@ class Graphs:
         if grads is not None:
             self.grads.copy_(grads)  # type: ignore[union-attr]
         return graph
-
-
-def capture_failure(err: BaseException) -> str:
-    """``err``'s type, first line and the innermost frame outside torch that raised it: the line to change (e.g.
-    ``transformers/masking_utils.py:604 in eager_mask``)."""
-    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    torch_dir = str(Path(torch.__file__).parent) + os.sep
-    frames = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith(torch_dir)]
-    where = ""
-    if frames:
-        f = frames[-1]
-        parts = Path(f.filename).parts
-        short = "/".join(parts[-2:]) if len(parts) >= 2 else f.filename
-        where = f" (at {short}:{f.lineno} in {f.name})"
-    return f"{type(err).__name__}: {first}{where}"
 
 
 class Staging:
