@@ -12,7 +12,6 @@ fallback's reporting is checked instead: a forced failure names the configuratio
 from __future__ import annotations
 
 import importlib.util
-import random
 import warnings
 from pathlib import Path
 
@@ -22,28 +21,17 @@ import transformers
 from packaging.version import Version
 
 from lora_sweep.packer.data.packing import SamplePackedStream
-from lora_sweep.packer.data.rows import IGNORE_INDEX, Example, SlotStream
+from lora_sweep.packer.data.rows import SlotStream
 from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.step import static_loop
 from lora_sweep.packer.step.train import SlotJob, TrainResult, train
 from lora_sweep.packer.tiny.models import FAMILIES, build_tiny_model
-from tests.conftest import need_triton
+from tests.conftest import need_triton, random_examples
 
 need_triton()
 
 TARGETS = ("all-linear",)
-
-
-def _examples(vocab: int, n: int = 64) -> list[Example]:
-    """Short rows of random tokens (12-40), the first third a masked prompt: several fit one packed row."""
-    rng = random.Random(0)
-    out = []
-    for _ in range(n):
-        ids = tuple(rng.randrange(3, vocab) for _ in range(rng.randrange(12, 41)))
-        cut = len(ids) // 3
-        out.append(Example(ids, (IGNORE_INDEX,) * cut + ids[cut:]))
-    return out
 
 
 def _train(model_dir: Path, *, attn: str | None = None, fused: bool = True, accumulate: int = 1,
@@ -55,7 +43,7 @@ def _train(model_dir: Path, *, attn: str | None = None, fused: bool = True, accu
     model, _ = load_base(str(model_dir), attn_implementation=attn, dtype="bfloat16", device="cuda",
                          quantize=quantize)
     pm = PackedModel(model, fused_base_ops=fused)
-    examples = _examples(model.config.vocab_size)
+    examples = random_examples(64, seed=0, vocab=model.config.vocab_size, min_len=12, max_len=40)
     jobs = []
     for i, (dropout, k) in enumerate(((0.1, 1), (0.0, accumulate))):
         spec = AdapterSpec(rank=4 + 4 * i, alpha=8, lr=1e-3, micro_batch=2, targets=TARGETS, max_steps=3, seed=i,
@@ -166,7 +154,7 @@ def _train_cpu(model_dir: Path) -> TrainResult:
     """``_train`` on the CPU in fp32 with the torch ops (no interpreter: only the fallback is under test)."""
     model, _ = load_base(str(model_dir), attn_implementation="sdpa", device="cpu")
     pm = PackedModel(model, impl="torch")
-    examples = _examples(model.config.vocab_size)
+    examples = random_examples(64, seed=0, vocab=model.config.vocab_size, min_len=12, max_len=40)
     spec = AdapterSpec(rank=4, alpha=8, lr=1e-3, micro_batch=2, targets=TARGETS, max_steps=2, seed=0,
                        gradient_accumulation_steps=2)
     jobs = [SlotJob(spec, SlotStream(examples, 2, 0), key=0)]
