@@ -48,11 +48,11 @@ _API = {
     "write_report": "lora_sweep.sweep.api",
     "examples": "lora_sweep.sweep.api",
     "copy_example": "lora_sweep.sweep.api",
-    "StudySpec": "lora_sweep.sweep.spec",
+    "StudySpec": "lora_sweep.sweep.config.spec",
     "RunSummary": "lora_sweep.sweep.study",
     "TrialRecord": "lora_sweep.sweep.store",
-    "UserError": "lora_sweep.packer.errors",
-    "ConfigError": "lora_sweep.packer.errors",
+    "UserError": "lora_sweep.errors",
+    "ConfigError": "lora_sweep.errors",
 }
 
 __all__ = [*_API, "__version__"]

@@ -1,9 +1,9 @@
 """Write the generated reference pages: the study file (docs/reference/study-file.md) from the spec's own
 definitions, and the results.db tables (docs/reference/results-db.md) from the store's own docstring.
 
-Every key's type and default come from the dataclasses the loader validates into (``sweep.spec``,
-``sweep.strategy``, ``sweep._params``, each evaluator's options class), its meaning from the field's
-docstring, and the aliases from the loader's key tables (``sweep.loader``). A field without a docstring
+Every key's type and default come from the dataclasses the loader validates into (``sweep.config.spec``,
+``sweep.config.strategy``, ``sweep.config._params``, each evaluator's options class), its meaning from the field's
+docstring, and the aliases from the loader's key tables (``sweep.config.loader``). A field without a docstring
 stops the generator (``MissingDoc``), so a key added to the spec without its meaning cannot reach the page;
 ``tests/docs/test_study_reference.py`` checks the committed page against this output and against every key
 the loader accepts.
@@ -30,8 +30,9 @@ from typing import Any
 import yaml
 
 from lora_sweep.evaluators import registry
-from lora_sweep.sweep import loader, store
-from lora_sweep.sweep import spec as S
+from lora_sweep.sweep import store
+from lora_sweep.sweep.config import loader
+from lora_sweep.sweep.config import spec as S
 
 PAGE = Path(__file__).resolve().parent / "reference" / "study-file.md"
 SCHEMA_PAGE = PAGE.with_name("results-db.md")

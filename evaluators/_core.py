@@ -20,9 +20,9 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from lora_sweep.errors import ConfigError, DataError, UserError
 from lora_sweep.kernels.ops import PackLayout
 from lora_sweep.packer.data.rows import FORMATS, json_error, read_jsonl
-from lora_sweep.packer.errors import ConfigError, DataError, UserError
 from lora_sweep.packer.model.packed import PackedModel
 
 __all__ = ["MC_FORMAT", "TEXT_FORMATS", "EvalData", "EvalResult", "SlotEvalError", "load_eval_data", "make_options",

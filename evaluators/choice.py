@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from lora_sweep.errors import ConfigError
 from lora_sweep.evaluators._core import (
     MC_FORMAT,
     EvalData,
@@ -28,7 +29,6 @@ from lora_sweep.evaluators._core import (
     pad_id,
     slot_layout,
 )
-from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.model.packed import PackedModel
 
 __all__ = ["ChoiceOptions", "multiple_choice", "choice_logprobs", "encode_pair", "METRICS"]

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lora_sweep.errors import ConfigError
 from lora_sweep.evaluators._core import EvalData, EvalResult, SlotEvalError, finite, make_options
 from lora_sweep.evaluators.generation import GenerationOptions, build_prompts, generate_texts
-from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.model.packed import PackedModel
 
 __all__ = ["CustomOptions", "custom", "load_function", "load_option_function"]

@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 import torch
 
+from lora_sweep.errors import ConfigError, DataError
 from lora_sweep.evaluators._core import (
     TEXT_FORMATS,
     EvalData,
@@ -41,7 +42,6 @@ from lora_sweep.evaluators._core import (
 )
 from lora_sweep.evaluators.scorers import SCORERS
 from lora_sweep.packer.data.rows import IGNORE_INDEX, tokenize_rows
-from lora_sweep.packer.errors import ConfigError, DataError
 from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.step import eval_graph
 

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import torch
 
+from lora_sweep.errors import ConfigError
 from lora_sweep.evaluators._core import (
     EvalData,
     EvalResult,
@@ -28,7 +29,6 @@ from lora_sweep.evaluators._core import (
 from lora_sweep.kernels.ops import PackLayout
 from lora_sweep.packer.data.batch import PackBatch, collate
 from lora_sweep.packer.data.rows import FORMATS, tokenize_rows
-from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.loss import slot_losses
 from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.step import eval_graph

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
+from lora_sweep.errors import ConfigError
 from lora_sweep.evaluators._core import MC_FORMAT, EvalData, EvalResult, SlotEvalError, load_eval_data, make_options
 from lora_sweep.evaluators.choice import METRICS as _CHOICE_METRICS
 from lora_sweep.evaluators.choice import ChoiceOptions, multiple_choice
@@ -30,7 +31,6 @@ from lora_sweep.evaluators.heldout_loss import METRICS as _HELDOUT_METRICS
 from lora_sweep.evaluators.heldout_loss import HeldoutOptions, heldout_loss
 from lora_sweep.evaluators.lm_eval import LmEvalOptions, run_lm_eval, task_names
 from lora_sweep.evaluators.lm_eval import metric_direction as _lm_eval_direction
-from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.model.packed import PackedModel
 
 __all__ = ["Evaluator", "EVALUATORS", "OPTIONS", "METRICS", "MC_FORMAT", "EvalData", "EvalResult", "SlotEvalError",

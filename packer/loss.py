@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lora_sweep.errors import ConfigError
 from lora_sweep.kernels.ops import PackLayout
 from lora_sweep.packer.data.batch import IGNORE_INDEX, row_slots
-from lora_sweep.packer.errors import ConfigError
 
 __all__ = ["DEFAULT_CHUNK_TOKENS", "slot_losses", "chunked_slot_losses", "check_plain_head", "output_head",
            "plain_output_head"]

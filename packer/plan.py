@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from lora_sweep.packer.errors import ConfigError
+from lora_sweep.errors import ConfigError
 
 __all__ = ["AdapterSpec", "ALL_LINEAR", "SCHEDULES", "MemoryModel", "adapter_param_count", "ADAPTER_BYTES_PER_PARAM"]
 

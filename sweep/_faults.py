@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from lora_sweep.packer.errors import UserError
+from lora_sweep.errors import UserError
 from lora_sweep.sweep.store.results import SQLITE_ERRNO
 
 __all__ = ["fault_line", "about"]

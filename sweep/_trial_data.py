@@ -18,7 +18,7 @@ from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.step.isolation import check_sample_packing
 from lora_sweep.packer.step.train import BatchSource, target_tokens
-from lora_sweep.sweep.spec import StudySpec
+from lora_sweep.sweep.config.spec import StudySpec
 
 __all__ = ["epoch_steps", "trial_adapter", "trial_stream", "planned_tokens", "check_packing", "check_data"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from lora_sweep.packer.errors import UserError
+from lora_sweep.errors import UserError
 
 __all__ = ["allowed_cpus", "cpu_shares", "cpu_list", "parse_cpu_list", "pin"]
 

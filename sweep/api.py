@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 from lora_sweep.sweep.store import ResultsStore, StudyDir, TrialRecord, is_feasible, pareto_front
 
 if TYPE_CHECKING:
+    from lora_sweep.sweep.config.spec import StudySpec
     from lora_sweep.sweep.export import Export
-    from lora_sweep.sweep.spec import StudySpec
     from lora_sweep.sweep.study import Progress, RunSummary
 
 __all__ = ["load_study", "run", "open_results", "Results", "export", "write_report", "examples", "copy_example",
@@ -33,7 +33,7 @@ def load_study(path: str | Path, overrides: Sequence[str] = (), *, out: str | Pa
 
     ``out`` replaces the study directory (the file's ``output``). Raises ``ConfigError`` naming file:line and key.
     """
-    from lora_sweep.sweep.loader import load_study as _load
+    from lora_sweep.sweep.config.loader import load_study as _load
 
     spec = _load(path, list(overrides))
     return dataclasses.replace(spec, output=Path(out)) if out is not None else spec
@@ -56,7 +56,7 @@ def run(study: StudySpec | str | Path, overrides: Sequence[str] = (), *, out: st
     Raises:
         UserError: ``gpus`` without ``packing.shard: fsdp``, or more than the visible devices.
     """
-    from lora_sweep.packer.errors import UserError
+    from lora_sweep.errors import UserError
     from lora_sweep.sweep.study import run_study
 
     if isinstance(study, str | Path):
@@ -131,7 +131,7 @@ class Results:
 
 def _require_study(study_dir: str | Path, command: str = "") -> Path:
     """``study_dir`` as a Path; ``UserError`` (prefixed with ``command: ``) if it holds no study."""
-    from lora_sweep.packer.errors import UserError
+    from lora_sweep.errors import UserError
 
     if not StudyDir(study_dir).is_study():
         raise UserError(f"{command + ': ' if command else ''}{study_dir}: not a study directory (no results.db and "
@@ -177,7 +177,7 @@ def copy_example(name: str, out: str | Path) -> Path:
     """
     import shutil
 
-    from lora_sweep.packer.errors import UserError
+    from lora_sweep.errors import UserError
 
     if name not in examples():
         raise UserError(f"example: no example study {name!r} (one of: {', '.join(examples())})")

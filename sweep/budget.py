@@ -19,9 +19,9 @@ from optuna.trial import FrozenTrial, TrialState
 
 from lora_sweep.packer.data.rows import Example, SlotStream
 from lora_sweep.packer.step.train import target_tokens
+from lora_sweep.sweep.config.space import GridSearch
+from lora_sweep.sweep.config.spec import StudySpec
 from lora_sweep.sweep.ledger import FINISHED, orphans, storage_url
-from lora_sweep.sweep.space import GridSearch
-from lora_sweep.sweep.spec import StudySpec
 from lora_sweep.sweep.storage import Sharing, open_storage, study_elapsed
 from lora_sweep.sweep.store import DirectoryInUse, ResultsStore, StudyDir, attrs
 

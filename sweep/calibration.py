@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from lora_sweep.packer.model.packed import PackedModel
     from lora_sweep.packer.model.shard import BaseShare
-    from lora_sweep.sweep.spec import StudySpec
+    from lora_sweep.sweep.config.spec import StudySpec
 
 __all__ = ["BaseShape", "calibrated", "cached_calibration", "cache_dir", "calibration_key", "CALIBRATION_VERSION",
            "SHARD_WORLDS", "cached_lengths", "cache_lengths"]
@@ -55,7 +55,7 @@ class BaseShape:
     @classmethod
     def of(cls, model: nn.Module, worlds: Iterable[int] = SHARD_WORLDS) -> BaseShape:
         """Read the shape of ``model`` (wrapped by a pack or not)."""
-        from lora_sweep.packer.errors import ConfigError
+        from lora_sweep.errors import ConfigError
         from lora_sweep.packer.model.inject import linear_shape, projection_names
         from lora_sweep.packer.probe import plain_param_bytes
 

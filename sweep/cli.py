@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, NoReturn
 
 import click
 
-from lora_sweep.packer.errors import STOP_SAID, Terminated, UserError
+from lora_sweep.errors import STOP_SAID, Terminated, UserError
 
 if TYPE_CHECKING:
-    from lora_sweep.sweep.spec import StudySpec
+    from lora_sweep.sweep.config.spec import StudySpec
     from lora_sweep.sweep.study import Progress
 
 __all__ = ["main", "cli"]
@@ -34,12 +34,14 @@ def cli() -> None:
 
 
 def _load(study: str, overrides: tuple[str, ...], out: str | None) -> StudySpec:
-    from lora_sweep.sweep._yaml import read
+    from lora_sweep.sweep.config._yaml import read
 
     # The file's YAML first (UTF-8, the alias budget, syntax), before the API brings in the engine (torch,
     # sqlite_utils: seconds and ~300 MB): a hostile or mistyped file is refused at once.
     read(Path(study), check_paths=False)
-    from lora_sweep.sweep.loader import load_study  # not the API's: it brings in the results store (sqlite_utils)
+    from lora_sweep.sweep.config.loader import (
+        load_study,  # not the API's: it brings in the results store (sqlite_utils)
+    )
 
     spec = load_study(study, list(overrides))
     return spec if out is None else dataclasses.replace(spec, output=Path(out))

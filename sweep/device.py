@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from lora_sweep.packer.errors import UserError
+from lora_sweep.errors import UserError
 
 __all__ = ["resolve_device"]
 

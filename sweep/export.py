@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lora_sweep.errors import UserError
 from lora_sweep.packer.data.rows import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, read_jsonl
-from lora_sweep.packer.errors import UserError
 from lora_sweep.sweep.store import ResultsStore, StudyDir, TrialRecord, constraint_text, is_feasible, pareto_front
 
 if TYPE_CHECKING:  # torch, safetensors and transformers load in the functions that need them: errors stay fast

@@ -31,10 +31,10 @@ import optuna
 from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
 
-from lora_sweep.packer.errors import UserError
+from lora_sweep.errors import UserError, first_line
 from lora_sweep.packer.model.checkpoint import discard_adapter
-from lora_sweep.sweep.space import baseline_params, community_default, make_sampler
-from lora_sweep.sweep.spec import StudySpec
+from lora_sweep.sweep.config.space import baseline_params, community_default, make_sampler
+from lora_sweep.sweep.config.spec import StudySpec
 from lora_sweep.sweep.storage import Sharing, damaged_record, last_beat, normalize_url, open_storage, storage_lock
 from lora_sweep.sweep.store import ResultsStore, StudyDir, attrs, redact_url
 
@@ -191,7 +191,7 @@ class Heartbeat:
                     self.beat(number)
                 except Exception as err:  # a trial finished meanwhile, or the storage blinked: retry next beat
                     if "finished" not in str(err):
-                        self.log(f"heartbeat of trial {number} failed: {str(err).splitlines()[0]}")
+                        self.log(f"heartbeat of trial {number} failed: {first_line(err)}")
 
     def __enter__(self) -> Heartbeat:
         self._thread.start()
@@ -337,8 +337,7 @@ def _create(spec: StudySpec, storage: BaseStorage, url: str, worker: int | None,
 def _unopenable(url: str, err: Exception) -> UserError:
     """The one-line error for a storage that cannot be opened: its URL and the first line of the cause
     (its type when it has no message)."""
-    text = str(err).strip()
-    cause = text.splitlines()[0] if text else type(err).__name__
+    cause = first_line(err)
     line = damaged_record(url) if isinstance(err, ValueError) else None
     if line is not None:
         path = url.removeprefix("journal://")

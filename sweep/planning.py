@@ -26,14 +26,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from lora_sweep.errors import ConfigError
 from lora_sweep.packer.data.packing import batches_per_epoch
 from lora_sweep.packer.data.rows import Example
-from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.model.inject import resolve_targets
 from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import MemoryModel
 from lora_sweep.sweep.calibration import BaseShape, cache_dir, cached_calibration, calibrated, calibration_key
-from lora_sweep.sweep.spec import StudySpec
+from lora_sweep.sweep.config.spec import StudySpec
 
 __all__ = ["auto_slots", "check_targets", "largest_rank", "PlanReport", "plan_pack", "plan_report", "trial_micro_steps",
            "target_sets", "MEMORY_FRACTION", "MAX_AUTO_SLOTS", "calibrated", "cached_calibration", "cache_dir",

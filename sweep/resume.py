@@ -22,16 +22,16 @@ import optuna
 import torch.distributed as dist
 from optuna.trial import TrialState
 
+from lora_sweep.errors import ConfigError
 from lora_sweep.evaluators.registry import metrics_of
-from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.model.gguf import gguf_source
 from lora_sweep.packer.model.packed import PackedModel, load_base, prepare_kernels, resolve_base
 from lora_sweep.packer.model.shard_load import load_sharded
 from lora_sweep.sweep.budget import counted
+from lora_sweep.sweep.config.spec import StudySpec
 from lora_sweep.sweep.device import resolve_device
 from lora_sweep.sweep.ledger import Ledger, open_study, recorded_trials, storage_url
 from lora_sweep.sweep.session import Note, Session, own_directory, record_spec, trial_adapter_dir
-from lora_sweep.sweep.spec import StudySpec
 from lora_sweep.sweep.storage import Sharing, resume_clock, storage_lock
 from lora_sweep.sweep.store import DirectoryLock, ResultsStore, StudyDir, strip_password
 from lora_sweep.sweep.timing import WallSplit

@@ -22,10 +22,10 @@ import optuna
 import yaml
 from optuna.trial import TrialState
 
-from lora_sweep.packer.errors import UserError
+from lora_sweep.errors import UserError
 from lora_sweep.packer.model.packed import PackedModel
+from lora_sweep.sweep.config.spec import StudySpec
 from lora_sweep.sweep.ledger import Ledger
-from lora_sweep.sweep.spec import StudySpec
 from lora_sweep.sweep.storage import Sharing
 from lora_sweep.sweep.store import DirectoryInUse, DirectoryLock, ResultsStore, StudyDir, pareto_front, strip_password
 

@@ -30,10 +30,10 @@ import optuna
 import torch
 from optuna.trial import TrialState
 
+from lora_sweep.errors import STOP_SAID, Terminated, UserError, first_line
 from lora_sweep.evaluators.cost import cost_metrics, slot_adapter_params
 from lora_sweep.evaluators.registry import EvalResult, evaluate, load_eval_data, metrics_of
 from lora_sweep.packer.data.rows import load_examples
-from lora_sweep.packer.errors import STOP_SAID, Terminated, UserError
 from lora_sweep.packer.model.checkpoint import save_adapters
 from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import AdapterSpec
@@ -41,14 +41,14 @@ from lora_sweep.packer.step.static_loop import rank_bucket_for
 from lora_sweep.packer.step.train import STEP_NAMES, SlotEnd, SlotJob, StepReport, train
 from lora_sweep.sweep._trial_data import check_data, check_packing, planned_tokens, trial_adapter, trial_stream
 from lora_sweep.sweep.budget import BudgetState, TokenPlan, budget_state, end_line, recorded_budget
+from lora_sweep.sweep.config.space import adapter_spec, suggest
+from lora_sweep.sweep.config.spec import StudySpec
 from lora_sweep.sweep.ledger import Heartbeat, Ledger
 from lora_sweep.sweep.planning import largest_rank
 from lora_sweep.sweep.pruning import CohortSHA
 from lora_sweep.sweep.ranks import Channel
 from lora_sweep.sweep.resume import open_session
 from lora_sweep.sweep.session import Note, Session
-from lora_sweep.sweep.space import adapter_spec, suggest
-from lora_sweep.sweep.spec import StudySpec
 from lora_sweep.sweep.storage import Sharing, storage_lock
 from lora_sweep.sweep.store import attrs
 from lora_sweep.sweep.timing import WallSplit, append_run
@@ -573,7 +573,7 @@ def _stopped(err: BaseException, sweep: _Sweep) -> tuple[str, str]:
         return "sigterm", f"stopped: terminated (SIGTERM){left}{resume}"
     if isinstance(err, KeyboardInterrupt):
         return "interrupt", f"stopped: interrupted (Ctrl-C){left}{resume}"
-    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    first = first_line(err)
     return "error", f"stopped by an error{left}: {first}"
 
 
@@ -620,13 +620,13 @@ def _train_pack(sweep: _Sweep, session: Session) -> bool:
     except torch.OutOfMemoryError as err:
         if sharded:  # the other ranks are inside the step's collectives: no smaller pack to agree on
             raise UserError(f"packing.shard: out of memory on rank 0 with {len(sweep.live)} slots "
-                            f"({str(err).splitlines()[0] if str(err) else 'CUDA out of memory'}); lower "
+                            f"({first_line(err, 'CUDA out of memory')}); lower "
                             "packing.max_slots, or shard over more GPUs") from None
         status = "oom"
         training = len(sweep.live)
-        sweep.retry_after_oom(str(err).splitlines()[0] if str(err) else "CUDA out of memory")
+        sweep.retry_after_oom(first_line(err, "CUDA out of memory"))
         if training <= 1:
-            raise UserError(f"out of memory with a single slot ({str(err).splitlines()[0]}); lower "
+            raise UserError(f"out of memory with a single slot ({first_line(err)}); lower "
                             "data.max_length or the search space's largest rank / micro_batch, or set "
                             "packing.activation_checkpointing: true") from None
         session.capacity = training - 1

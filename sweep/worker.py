@@ -24,10 +24,10 @@ import optuna
 
 from lora_sweep.sweep.affinity import allowed_cpus, cpu_list, cpu_shares
 from lora_sweep.sweep.budget import shared_budget
+from lora_sweep.sweep.config.spec import StudySpec
 from lora_sweep.sweep.ledger import Ledger, storage_url
 from lora_sweep.sweep.ranks import Channel
 from lora_sweep.sweep.session import trial_adapter_dir
-from lora_sweep.sweep.spec import StudySpec
 from lora_sweep.sweep.storage import Sharing, open_storage, storage_lock
 from lora_sweep.sweep.store import ResultsStore, StudyDir
 from lora_sweep.sweep.study import Progress, RunSummary, run_study

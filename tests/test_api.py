@@ -94,7 +94,7 @@ def test_example_copies_a_study_with_its_data(tmp_path: Path) -> None:
     path = lora_sweep.copy_example("demo", tmp_path / "work")
     text = path.read_text()
     assert "./models/smollm2-135m" in text and "../models" not in text
-    from lora_sweep.sweep.loader import load_study
+    from lora_sweep.sweep.config.loader import load_study
 
     spec = load_study(path, check_paths=False)  # the model is built later, by `sweep model smollm2`
     assert spec.data.train == tmp_path / "work" / "data" / "cards-train.jsonl" and spec.data.train.is_file()

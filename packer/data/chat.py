@@ -13,7 +13,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from lora_sweep.packer.errors import DataError, UserError
+from lora_sweep.errors import DataError, UserError
 
 __all__ = ["PLAIN_CHAT_TEMPLATE", "Piece", "chat_pieces", "encode", "eos_id"]
 

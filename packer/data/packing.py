@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lora_sweep.errors import ConfigError
 from lora_sweep.packer.data.rows import IGNORE_INDEX, Example, SlotStream
-from lora_sweep.packer.errors import ConfigError
 
 __all__ = ["PackedRow", "SamplePackedStream", "VERIFIED_FAMILIES", "batches_per_epoch", "check_family", "pack_rows",
            "slot_stream"]

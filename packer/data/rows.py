@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lora_sweep.errors import DataError
 from lora_sweep.packer.data.chat import Piece, chat_pieces, encode, eos_id
-from lora_sweep.packer.errors import DataError
 
 __all__ = [
     "FORMATS",

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers.pytorch_utils import Conv1D
 
-from lora_sweep.packer.errors import UserError
+from lora_sweep.errors import UserError
 from lora_sweep.packer.model.packed import PackedModel
 
 __all__ = ["save_adapter", "save_adapters", "discard_adapter", "load_adapter", "read_adapter", "adapter_config",

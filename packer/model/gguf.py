@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lora_sweep.packer.errors import UserError
+from lora_sweep.errors import UserError, first_line
 
 __all__ = ["MANIFEST", "cache_root", "checkpoint_dir", "convert", "gguf_source", "packaged_gguf"]
 
@@ -202,7 +202,7 @@ def _dequantize(gguf: Path, dtype: str) -> tuple[Any, Any]:
     except ValueError as err:
         raise _not_readable(gguf, err) from err
     except (OSError, KeyError, IndexError) as err:  # a truncated or corrupt file
-        raise UserError(f"{gguf}: cannot read GGUF file: {_first_line(err)}") from err
+        raise UserError(f"{gguf}: cannot read GGUF file: {first_line(err)}") from err
     config = copy.deepcopy(loaded.config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the rebuilt model is a plain one; save_pretrained would refuse otherwise
@@ -233,17 +233,12 @@ def _not_readable(gguf: Path, err: ValueError) -> UserError:
     """One line for a ValueError of transformers' GGUF loader: an unsupported architecture or tokenizer."""
     import transformers
 
-    text = _first_line(err)
+    text = first_line(err)
     arch = re.search(r"GGUF model with architecture (\S+) is not supported", text)
     if arch:
         return UserError(f"{gguf}: transformers {transformers.__version__} cannot dequantize GGUF architecture "
                          f"{arch.group(1)!r}")
     return UserError(f"{gguf}: transformers cannot load this GGUF file: {text}")
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 def packaged_gguf(name: str) -> Path:

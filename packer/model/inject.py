@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from lora_sweep.packer.errors import ConfigError
+from lora_sweep.errors import ConfigError
 from lora_sweep.packer.loss import output_head
 from lora_sweep.packer.model.layer import PackedLoRALinear, PackState
 from lora_sweep.packer.model.quant import NF4Linear

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from lora_sweep.errors import ConfigError, UserError, first_line
 from lora_sweep.kernels.ops import IMPLS, Impl, PackLayout, hash_compiler_early, resolve_impl
-from lora_sweep.packer.errors import ConfigError, UserError
 from lora_sweep.packer.loss import plain_output_head
 from lora_sweep.packer.model.fuse import fuse_base_ops
 from lora_sweep.packer.model.inject import inject, resolve_targets
@@ -113,7 +113,7 @@ def load_base(name_or_path: str, *, gguf_file: str | None = None, dtype: str = "
         model: nn.Module = AutoModelForCausalLM.from_pretrained(source, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        first = first_line(err)
         raise UserError(f"{name_or_path}: cannot load model: {first}") from err
     model = model.to(device)
     quantize_base(model, quantize)  # on the device: quantising on a GPU takes a fraction of the CPU's time
@@ -132,7 +132,7 @@ def load_tokenizer(name_or_path: str, *, gguf_file: str | None = None) -> object
     try:
         return AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        first = first_line(err)
         raise UserError(f"{name_or_path}: cannot load tokenizer: {first}") from err
 
 

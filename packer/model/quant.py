@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lora_sweep.packer.errors import ConfigError
+from lora_sweep.errors import ConfigError
 from lora_sweep.packer.loss import output_head
 
 __all__ = ["QUANTIZE", "NF4Linear", "quantize_base", "dequantize_base", "nf4_bytes", "BLOCK", "SCALE_BLOCK"]

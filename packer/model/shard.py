@@ -54,7 +54,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, init_device_mesh
 
-from lora_sweep.packer.errors import ConfigError
+from lora_sweep.errors import ConfigError
 from lora_sweep.packer.model.packed import PackedModel
 
 __all__ = ["Sharding", "shard_base", "local_param_bytes", "decoder_layers", "decoder_body", "is_sharded", "BaseShare",

@@ -47,8 +47,8 @@ from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from lora_sweep.errors import UserError, first_line
 from lora_sweep.kernels.ops import Impl
-from lora_sweep.packer.errors import UserError
 from lora_sweep.packer.model.packed import DTYPES, PackedModel, load_base, load_tokenizer, resolve_base
 from lora_sweep.packer.model.shard import Sharding, shard_base, shard_rows
 
@@ -140,7 +140,7 @@ def meta_model(source: str | Path | Any, dtype: str, attn_implementation: str | 
     try:
         config = AutoConfig.from_pretrained(source) if isinstance(source, str | Path) else source
     except (OSError, ValueError) as err:
-        raise UserError(f"{source}: cannot load model config: {str(err).strip().splitlines()[0]}") from err
+        raise UserError(f"{source}: cannot load model config: {first_line(err)}") from err
     if attn_implementation:
         config._attn_implementation = attn_implementation
     torch_dtype = (getattr(config, "dtype", None) or torch.float32) if dtype == "auto" else DTYPES[dtype]

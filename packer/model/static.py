@@ -42,11 +42,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lora_sweep.errors import ConfigError
 from lora_sweep.kernels import ops
 from lora_sweep.kernels.ops import SEG_FLT_COL, SEG_FLT_FIELDS, SEG_INT_FIELDS, SegmentMeta, resolve_impl, static_meta
 from lora_sweep.kernels.reference import dropout_keep_mask
 from lora_sweep.packer.data.batch import IGNORE_INDEX
-from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.loss import plain_output_head
 from lora_sweep.packer.model.inject import inject, resolve_targets
 from lora_sweep.packer.model.layer import PackedLoRALinear, PackState

@@ -18,6 +18,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from lora_sweep.errors import first_line
+
 __all__ = ["Captured", "capture", "capture_failure", "precompile"]
 
 
@@ -64,7 +66,7 @@ def capture(fn: Callable[[], object], *, warmups: int = 2, warmup: Callable[[], 
 def capture_failure(err: BaseException) -> str:
     """``err``'s type, first line and the innermost frame outside torch that raised it: the line to change (e.g.
     ``transformers/masking_utils.py:604 in eager_mask``)."""
-    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    first = first_line(err, "")
     torch_dir = str(Path(torch.__file__).parent) + os.sep
     frames = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith(torch_dir)]
     where = ""
@@ -86,6 +88,6 @@ def precompile(fn: Callable[[], object]) -> None:
     try:
         ops.precompile(fn)
     except Exception as err:  # an optimisation only
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        first = first_line(err, "")
         warnings.warn(f"kernel precompile failed, kernels compile as the step meets them: {type(err).__name__}: "
                       f"{first}", stacklevel=3)

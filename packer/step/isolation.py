@@ -23,10 +23,10 @@ import weakref
 import torch
 from torch import nn
 
+from lora_sweep.errors import ConfigError
 from lora_sweep.packer.data.batch import collate
 from lora_sweep.packer.data.packing import check_family, pack_rows
 from lora_sweep.packer.data.rows import Example
-from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.model.packed import PackedModel
 
 __all__ = ["check_sample_packing", "cross_example_change"]

@@ -34,8 +34,8 @@ from collections.abc import Callable, Collection, Sequence
 import torch
 from torch import nn
 
+from lora_sweep.errors import ConfigError
 from lora_sweep.kernels.ops import resolve_impl
-from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.loss import DEFAULT_CHUNK_TOKENS
 from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.model.static import ShapeBuffers, StaticStore

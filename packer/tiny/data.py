@@ -15,7 +15,7 @@ import secrets
 from collections.abc import Iterable
 from pathlib import Path
 
-from lora_sweep.packer.errors import ConfigError
+from lora_sweep.errors import ConfigError
 
 __all__ = ["arithmetic_rows", "write_demo_data", "write_jsonl", "DEMO_SEED", "DEMO_TRAIN", "DEMO_EVAL"]
 

@@ -38,8 +38,8 @@ from transformers import (
     Qwen2Config,
 )
 
+from lora_sweep.errors import ConfigError
 from lora_sweep.packer.data.rows import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT
-from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.tiny.data import arithmetic_rows, write_demo_data
 from lora_sweep.packer.tiny.families import EXTRA_FAMILIES, extra_config
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lora_sweep.sweep.loader import load_study
+from lora_sweep.sweep.config.loader import load_study
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from lora_sweep.evaluators import registry
-from lora_sweep.sweep import loader
-from lora_sweep.sweep import spec as S
+from lora_sweep.sweep.config import loader
+from lora_sweep.sweep.config import spec as S
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from lora_sweep.errors import ConfigError, UserError
 from lora_sweep.evaluators.custom import custom, load_function
 from lora_sweep.evaluators.generation import generation
 from lora_sweep.evaluators.registry import SlotEvalError, load_eval_data
-from lora_sweep.packer.errors import ConfigError, UserError
 from tests.evaluators.conftest import YESNO, load_pack
 
 METRICS_FILE = Path(__file__).parent / "data" / "metrics.py"

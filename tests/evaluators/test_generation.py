@@ -7,10 +7,10 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
+from lora_sweep.errors import ConfigError, DataError
 from lora_sweep.evaluators.generation import build_prompts, generate_ids, generation, references
 from lora_sweep.evaluators.registry import EvalData, load_eval_data
 from lora_sweep.packer.data.rows import IGNORE_INDEX, tokenize_rows
-from lora_sweep.packer.errors import ConfigError, DataError
 from lora_sweep.packer.tiny.data import arithmetic_rows
 from tests.evaluators.conftest import YESNO, load_pack
 

@@ -10,11 +10,11 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
+from lora_sweep.errors import ConfigError, DataError
 from lora_sweep.evaluators.heldout_loss import heldout_loss
 from lora_sweep.evaluators.registry import EvalData, load_eval_data
 from lora_sweep.packer.data.batch import collate
 from lora_sweep.packer.data.rows import tokenize_rows
-from lora_sweep.packer.errors import ConfigError, DataError
 from tests.evaluators.conftest import YESNO, load_pack
 
 ARITH_EVAL = Path(__file__).resolve().parents[2] / "studies" / "data" / "arith-eval.jsonl"

@@ -8,11 +8,11 @@ import pytest
 import torch
 import yaml
 
+from lora_sweep.errors import ConfigError, UserError
 from lora_sweep.evaluators.choice import multiple_choice
 from lora_sweep.evaluators.generation import generation
 from lora_sweep.evaluators.lm_eval import INSTALL_HINT, SlotView, run_lm_eval
 from lora_sweep.evaluators.registry import EvalData, load_eval_data
-from lora_sweep.packer.errors import ConfigError, UserError
 from tests.conftest import need_module
 from tests.evaluators.conftest import YESNO, YESNO_MC, load_pack
 

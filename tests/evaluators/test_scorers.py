@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from lora_sweep.errors import DataError
 from lora_sweep.evaluators.registry import MC_FORMAT, load_eval_data
 from lora_sweep.evaluators.scorers import contains, exact_match, extract_number, numeric_match
-from lora_sweep.packer.errors import DataError
 
 
 @pytest.mark.parametrize(("text", "number"), [

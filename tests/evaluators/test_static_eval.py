@@ -13,12 +13,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from lora_sweep.errors import ConfigError
 from lora_sweep.evaluators._core import uses_static_shapes
 from lora_sweep.evaluators.generation import GenerationOptions, build_prompts, generate_ids, generate_texts
 from lora_sweep.evaluators.heldout_loss import HeldoutOptions, heldout_loss
 from lora_sweep.evaluators.registry import load_eval_data
 from lora_sweep.packer.data.rows import SlotStream, read_jsonl, tokenize_rows
-from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.step import eval_graph

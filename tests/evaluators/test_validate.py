@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from lora_sweep.errors import ConfigError
 from lora_sweep.evaluators.generation import GenerationOptions
 from lora_sweep.evaluators.registry import EVALUATORS, METRICS, OPTIONS, metric_direction, metrics_of, validate
-from lora_sweep.packer.errors import ConfigError
 
 METRICS_FILE = Path(__file__).parent / "data" / "metrics.py"
 

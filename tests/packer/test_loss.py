@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from lora_sweep.errors import ConfigError
 from lora_sweep.packer.data.batch import IGNORE_INDEX, collate
 from lora_sweep.packer.data.rows import Example, SlotStream
-from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.loss import chunked_slot_losses, output_head, plain_output_head, slot_losses
 from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec

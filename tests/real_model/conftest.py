@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from lora_sweep.packer.errors import UserError
+from lora_sweep.errors import UserError
 from lora_sweep.packer.model.gguf import convert, packaged_gguf
 from tests.conftest import missing
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lora_sweep.sweep.loader import load_study
+from lora_sweep.sweep.config.loader import load_study
 from lora_sweep.sweep.status import study_status
 from lora_sweep.sweep.study import run_study
 

@@ -21,7 +21,7 @@ def fixture_study(tmp_path_factory: pytest.TempPathFactory, tiny_dirs) -> Path:
     """The study directory (run once per session; later calls return the same directory)."""
     key = tmp_path_factory.getbasetemp()
     if key not in _BUILT:
-        from lora_sweep.sweep.loader import load_study
+        from lora_sweep.sweep.config.loader import load_study
         from lora_sweep.sweep.study import run_study
 
         root = tmp_path_factory.mktemp("fixture-study")

@@ -8,7 +8,7 @@ import re
 from lora_sweep.reports._load import load_study_data
 from lora_sweep.reports.html import IMPORTANCE_TRIALS, write_report
 from lora_sweep.reports.summary import _gain_info
-from lora_sweep.sweep.loader import load_study
+from lora_sweep.sweep.config.loader import load_study
 from lora_sweep.sweep.study import run_study
 from tests.conftest import write_study
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from lora_sweep.packer.data.rows import read_jsonl
-from lora_sweep.sweep.loader import load_study
-from lora_sweep.sweep.spec import StudySpec
+from lora_sweep.sweep.config.loader import load_study
+from lora_sweep.sweep.config.spec import StudySpec
 
 STUDIES = Path(__file__).resolve().parents[2] / "studies"
 FILES = sorted(STUDIES.rglob("*.yaml"))

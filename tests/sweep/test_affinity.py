@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lora_sweep.packer.errors import UserError
+from lora_sweep.errors import UserError
 from lora_sweep.sweep.affinity import cpu_list, cpu_shares, parse_cpu_list
 
 

@@ -9,8 +9,8 @@ import optuna
 from optuna.trial import TrialState
 
 from lora_sweep.sweep.budget import budget_state, counted
-from lora_sweep.sweep.loader import load_study
-from lora_sweep.sweep.spec import Budget
+from lora_sweep.sweep.config.loader import load_study
+from lora_sweep.sweep.config.spec import Budget
 from lora_sweep.sweep.store import attrs
 from tests.conftest import write_study
 

@@ -24,8 +24,8 @@ from transformers import AutoTokenizer
 
 from lora_sweep.packer.data.rows import load_examples
 from lora_sweep.sweep.budget import TokenPlan, shared_budget
-from lora_sweep.sweep.loader import load_study
-from lora_sweep.sweep.spec import Budget, StudySpec
+from lora_sweep.sweep.config.loader import load_study
+from lora_sweep.sweep.config.spec import Budget, StudySpec
 from lora_sweep.sweep.storage import open_storage, resume_clock, study_elapsed
 from lora_sweep.sweep.store.attrs import CLOCK, HEARTBEAT, PLANNED_TOKENS, TOKENS
 from lora_sweep.sweep.study import run_study

@@ -6,8 +6,8 @@ import io
 import json
 
 from lora_sweep.packer.model.packed import PackedModel, load_base
+from lora_sweep.sweep.config.loader import load_study
 from lora_sweep.sweep.live import PlainLog
-from lora_sweep.sweep.loader import load_study
 from lora_sweep.sweep.planning import plan_pack
 from lora_sweep.sweep.study import run_study
 from tests.conftest import write_study

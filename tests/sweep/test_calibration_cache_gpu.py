@@ -42,7 +42,7 @@ def test_a_cached_plan_on_cuda_loads_no_weights(tiny_dirs, tmp_path, monkeypatch
 def test_a_plan_and_a_runs_pack_share_one_cuda_key(tiny_dirs, tmp_path) -> None:
     """``sweep plan`` resolves ``model.device: auto`` to ``cuda``, a run's pack sits on ``cuda:0``: one calibration."""
     from lora_sweep.sweep.calibration import calibration_key
-    from lora_sweep.sweep.loader import load_study
+    from lora_sweep.sweep.config.loader import load_study
 
     spec = load_study(write_study(tmp_path, tiny_dirs("llama"), "cuda-key"))
     assert calibration_key(spec, "cuda") == calibration_key(spec, "cuda:0")

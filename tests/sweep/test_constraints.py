@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from lora_sweep.packer.errors import UserError
+from lora_sweep.errors import UserError
+from lora_sweep.sweep.config.spec import Constraint
 from lora_sweep.sweep.export import select_trial
-from lora_sweep.sweep.spec import Constraint
 from lora_sweep.sweep.status import study_status
 from lora_sweep.sweep.store import ResultsStore, StudyDir, is_feasible
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lora_sweep.packer.errors import DataError
-from lora_sweep.sweep.loader import load_study
+from lora_sweep.errors import DataError
+from lora_sweep.sweep.config.loader import load_study
 from lora_sweep.sweep.study import run_study
 from tests.conftest import write_study
 

@@ -20,7 +20,7 @@ from lora_sweep.packer.model.checkpoint import read_adapter
 from lora_sweep.sweep.api import examples
 from lora_sweep.sweep.budget import counted
 from lora_sweep.sweep.cli import main
-from lora_sweep.sweep.loader import load_study
+from lora_sweep.sweep.config.loader import load_study
 from lora_sweep.sweep.storage import open_storage
 from lora_sweep.sweep.store import StudyDir
 from lora_sweep.sweep.study import run_study

@@ -18,8 +18,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from lora_sweep.errors import UserError
 from lora_sweep.kernels.ops import PackLayout
-from lora_sweep.packer.errors import UserError
 from lora_sweep.packer.model.checkpoint import load_adapter, read_adapter, save_adapter
 from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec

@@ -16,12 +16,12 @@ from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
-from lora_sweep.packer.errors import UserError
+from lora_sweep.errors import UserError
 from lora_sweep.packer.model.checkpoint import read_adapter
 from lora_sweep.sweep.budget import counted
+from lora_sweep.sweep.config.loader import load_study
+from lora_sweep.sweep.config.spec import StudySpec
 from lora_sweep.sweep.ledger import open_study
-from lora_sweep.sweep.loader import load_study
-from lora_sweep.sweep.spec import StudySpec
 from lora_sweep.sweep.storage import JournalFlock, open_storage
 from lora_sweep.sweep.store import ResultsStore, StudyDir
 from lora_sweep.sweep.study import run_study

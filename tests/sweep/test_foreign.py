@@ -13,9 +13,9 @@ import pytest
 import yaml
 from optuna.trial import TrialState
 
-from lora_sweep.packer.errors import ConfigError
+from lora_sweep.errors import ConfigError
 from lora_sweep.packer.tiny.data import arithmetic_rows, write_jsonl
-from lora_sweep.sweep.loader import load_study
+from lora_sweep.sweep.config.loader import load_study
 from lora_sweep.sweep.study import run_study
 from tests.conftest import need_module, optuna_study
 
@@ -253,8 +253,8 @@ def _fate(tmp_path: Path, data: dict, path: tuple, caplog) -> str:  # noqa: ANN0
     """How the translation treats the key at ``path``: ``mapped`` (the study mapping changes without it, or with
     another value), ``ignored`` (named in a warning: the ignored keys' one, or what runs otherwise than written),
     ``refused`` (another value is an error naming it), or ``silent``."""
-    from lora_sweep.sweep import _foreign, loader
-    from lora_sweep.sweep._yaml import read
+    from lora_sweep.sweep.config import _foreign, loader
+    from lora_sweep.sweep.config._yaml import read
 
     def translate(d: dict) -> tuple[dict | str, list[str]]:
         file = tmp_path / "c.yaml"

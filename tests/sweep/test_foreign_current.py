@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from optuna.trial import TrialState
 
-from lora_sweep.packer.errors import ConfigError
+from lora_sweep.errors import ConfigError
 from lora_sweep.packer.tiny.data import arithmetic_rows, write_jsonl
-from lora_sweep.sweep.loader import load_study
+from lora_sweep.sweep.config.loader import load_study
 from lora_sweep.sweep.session import spec_record
 from lora_sweep.sweep.status import study_status
 from lora_sweep.sweep.study import run_study

@@ -12,10 +12,10 @@ import torch
 import yaml
 from click.testing import CliRunner
 
-from lora_sweep.packer.errors import ConfigError
+from lora_sweep.errors import ConfigError
 from lora_sweep.packer.model.gguf import MANIFEST
 from lora_sweep.sweep.cli import cli, main
-from lora_sweep.sweep.loader import load_study
+from lora_sweep.sweep.config.loader import load_study
 from tests.conftest import write_study
 from tests.packer.model._gguf import write_tiny_gguf
 

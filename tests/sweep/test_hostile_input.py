@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from lora_sweep.errors import ConfigError, DataError
 from lora_sweep.packer.data.rows import MAX_DEPTH, read_jsonl
-from lora_sweep.packer.errors import ConfigError, DataError
-from lora_sweep.sweep._yaml import MAX_VALUES
-from lora_sweep.sweep.loader import load_study
+from lora_sweep.sweep.config._yaml import MAX_VALUES
+from lora_sweep.sweep.config.loader import load_study
 from tests.conftest import write_study
 
 ROOT = Path(__file__).resolve().parents[2]

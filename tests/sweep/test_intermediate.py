@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lora_sweep.sweep.loader import load_study
+from lora_sweep.sweep.config.loader import load_study
 from lora_sweep.sweep.store import ResultsStore
 from lora_sweep.sweep.study import run_study
 from tests.conftest import optuna_study, write_study

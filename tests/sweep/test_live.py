@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from lora_sweep.sweep.config.loader import load_study
 from lora_sweep.sweep.live import LiveProgress, PlainLog
-from lora_sweep.sweep.loader import load_study
 from lora_sweep.sweep.status import study_status
 from lora_sweep.sweep.study import Progress, run_study
 from tests.conftest import write_study

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from optuna.trial import TrialState
 
-from lora_sweep.packer.errors import ConfigError
-from lora_sweep.sweep.loader import load_study
+from lora_sweep.errors import ConfigError
+from lora_sweep.sweep.config.loader import load_study
 from lora_sweep.sweep.study import run_study
 from tests.conftest import write_study
 from tests.sweep.test_foreign import _config, _trials

@@ -15,7 +15,7 @@ from lora_sweep.kernels.ops import PackLayout
 from lora_sweep.packer.model.checkpoint import load_adapter, read_adapter
 from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec
-from lora_sweep.sweep.loader import load_study
+from lora_sweep.sweep.config.loader import load_study
 from lora_sweep.sweep.store import ResultsStore
 from lora_sweep.sweep.study import run_study
 from tests.conftest import need_module, write_study

@@ -9,10 +9,10 @@ import socket
 import pytest
 import yaml
 
-from lora_sweep.packer.errors import UserError
-from lora_sweep.sweep.loader import load_study
+from lora_sweep.errors import UserError
+from lora_sweep.sweep.config.loader import load_study
+from lora_sweep.sweep.config.spec import Budget
 from lora_sweep.sweep.session import own_directory, record_spec, spec_changes, spec_record
-from lora_sweep.sweep.spec import Budget
 from lora_sweep.sweep.store import ResultsStore, StudyDir
 from tests.conftest import write_study
 

@@ -10,10 +10,10 @@ import itertools
 import optuna
 import pytest
 
-from lora_sweep.packer.errors import ConfigError
+from lora_sweep.errors import ConfigError
 from lora_sweep.packer.plan import AdapterSpec
-from lora_sweep.sweep.space import adapter_spec, default_params, make_sampler, suggest
-from lora_sweep.sweep.spec import Param, SamplerSpec, SearchSpace, TrainSpec
+from lora_sweep.sweep.config.space import adapter_spec, default_params, make_sampler, suggest
+from lora_sweep.sweep.config.spec import Param, SamplerSpec, SearchSpace, TrainSpec
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from lora_sweep.packer.errors import ConfigError
+from lora_sweep.errors import ConfigError
 from lora_sweep.packer.plan import AdapterSpec
-from lora_sweep.sweep.loader import load_study
-from lora_sweep.sweep.spec import Param, SearchSpace, TrainSpec
+from lora_sweep.sweep.config.loader import load_study
+from lora_sweep.sweep.config.spec import Param, SearchSpace, TrainSpec
 
 BASE = """\
 name: t

@@ -1,4 +1,4 @@
-"""sweep/strategy.py: the study's objectives, constraints, budget, pruning and sampler validate themselves."""
+"""sweep/config/strategy.py: the study's objectives, constraints, budget, pruning and sampler validate themselves."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from lora_sweep.packer.errors import ConfigError
-from lora_sweep.sweep.strategy import Budget, Constraint, Objective, PruningSpec, SamplerSpec
+from lora_sweep.errors import ConfigError
+from lora_sweep.sweep.config.strategy import Budget, Constraint, Objective, PruningSpec, SamplerSpec
 
 
 def test_budget_needs_one_positive_limit() -> None:

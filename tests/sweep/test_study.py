@@ -17,7 +17,7 @@ import torch
 import yaml
 from optuna.trial import TrialState
 
-from lora_sweep.sweep.loader import load_study
+from lora_sweep.sweep.config.loader import load_study
 from lora_sweep.sweep.storage import open_storage
 from lora_sweep.sweep.store import StudyDir
 from lora_sweep.sweep.study import run_study
@@ -349,7 +349,7 @@ def test_a_directory_an_earlier_version_started_on_sqlite_resumes_from_it(tiny_d
 
 
 def test_overrides_are_recorded_and_a_changed_fixed_key_is_refused_on_resume(tiny_dirs, tmp_path) -> None:
-    from lora_sweep.packer.errors import UserError
+    from lora_sweep.errors import UserError
     from lora_sweep.sweep.store import ResultsStore
 
     path = write_study(tmp_path, tiny_dirs("llama"), name="recorded", budget={"trials": 1},

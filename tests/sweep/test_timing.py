@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 
-from lora_sweep.sweep.loader import load_study
+from lora_sweep.sweep.config.loader import load_study
 from lora_sweep.sweep.status import study_status
 from lora_sweep.sweep.study import run_study
 from lora_sweep.sweep.timing import PHASES, TIMING_FILE, WallSplit, append_run, last_run

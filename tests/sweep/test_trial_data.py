@@ -9,12 +9,12 @@ import pytest
 import yaml
 from optuna.trial import TrialState
 
+from lora_sweep.errors import ConfigError
 from lora_sweep.packer.data.rows import load_examples
-from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.model.packed import load_base
 from lora_sweep.sweep._trial_data import epoch_steps
-from lora_sweep.sweep.loader import load_study
-from lora_sweep.sweep.space import adapter_spec
+from lora_sweep.sweep.config.loader import load_study
+from lora_sweep.sweep.config.space import adapter_spec
 from lora_sweep.sweep.store.attrs import PLANNED_TOKENS, TOKENS
 from lora_sweep.sweep.study import run_study
 from tests.conftest import DEMO_DATA, optuna_study, write_study

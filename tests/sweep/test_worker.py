@@ -22,8 +22,8 @@ from optuna.trial import TrialState
 
 from lora_sweep.sweep import worker
 from lora_sweep.sweep.affinity import allowed_cpus
+from lora_sweep.sweep.config.loader import load_study
 from lora_sweep.sweep.ledger import open_study
-from lora_sweep.sweep.loader import load_study
 from lora_sweep.sweep.storage import Sharing, normalize_url, open_storage, storage_lock
 from lora_sweep.sweep.store import StudyDir
 from lora_sweep.sweep.store.attrs import WORKER

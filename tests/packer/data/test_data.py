@@ -14,6 +14,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
+from lora_sweep.errors import DataError, UserError
 from lora_sweep.packer.data.rows import (
     ALPACA_PROMPT,
     ALPACA_PROMPT_NO_INPUT,
@@ -25,7 +26,6 @@ from lora_sweep.packer.data.rows import (
     read_jsonl,
     tokenize_rows,
 )
-from lora_sweep.packer.errors import DataError, UserError
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ '\\n' }}{{ m['content'] }}"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import transformers.masking_utils
 
+from lora_sweep.errors import ConfigError
 from lora_sweep.packer.data.packing import SamplePackedStream
-from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.step.isolation import TOLERANCE, check_sample_packing, cross_example_change

@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from lora_sweep.errors import ConfigError
 from lora_sweep.packer.data.batch import collate
 from lora_sweep.packer.data.packing import (
     VERIFIED_FAMILIES,
@@ -16,7 +17,6 @@ from lora_sweep.packer.data.packing import (
     pack_rows,
 )
 from lora_sweep.packer.data.rows import Example, SlotStream
-from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.step.train import SlotJob, target_tokens, train

@@ -12,9 +12,9 @@ from peft.utils import set_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from lora_sweep.errors import UserError
 from lora_sweep.kernels.ops import PackLayout
 from lora_sweep.packer.data.rows import SlotStream
-from lora_sweep.packer.errors import UserError
 from lora_sweep.packer.model.checkpoint import load_adapter, save_adapter, save_adapters
 from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec

@@ -20,8 +20,8 @@ from tests.conftest import add_slots_random_b, need_triton
 
 need_triton()  # before anything imports the Triton kernel modules
 
+from lora_sweep.errors import ConfigError  # noqa: E402
 from lora_sweep.kernels.ops import PackLayout  # noqa: E402
-from lora_sweep.packer.errors import ConfigError  # noqa: E402
 from lora_sweep.packer.loss import check_plain_head, chunked_slot_losses, slot_losses  # noqa: E402
 from lora_sweep.packer.model.layer import PackedLoRALinear, PackState  # noqa: E402
 from lora_sweep.packer.model.packed import PackedModel, load_base  # noqa: E402

@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import lora_sweep.packer.model.gguf as G
-from lora_sweep.packer.errors import UserError
+from lora_sweep.errors import UserError
 from lora_sweep.packer.model.packed import load_base, resolve_base
 from tests.packer.model._gguf import write_tiny_gguf
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
+from lora_sweep.errors import ConfigError
 from lora_sweep.packer.data.rows import SlotStream
-from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.model.quant import NF4Linear, nf4_bytes, quantize_base
 from lora_sweep.packer.plan import AdapterSpec

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
+from lora_sweep.errors import ConfigError
 from lora_sweep.evaluators.registry import EvalData, evaluate
 from lora_sweep.packer.data.rows import SlotStream, read_jsonl
-from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.model import shard_load
 from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.model.shard import base_share, decoder_layers, is_sharded, local_param_bytes, shard_base

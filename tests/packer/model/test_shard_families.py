@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lora_sweep.errors import ConfigError
 from lora_sweep.packer.data.rows import SlotStream
-from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.model.shard import base_share, decoder_body, decoder_layers, local_param_bytes, shard_base
 from lora_sweep.packer.model.shard_load import load_sharded, meta_model

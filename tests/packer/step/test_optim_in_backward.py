@@ -10,8 +10,8 @@ from dataclasses import replace
 import pytest
 import torch
 
+from lora_sweep.errors import ConfigError
 from lora_sweep.packer.data.rows import SlotStream
-from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.step.train import SlotJob, train

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lora_sweep.packer.errors import ConfigError
+from lora_sweep.errors import ConfigError
 from lora_sweep.packer.tiny.data import arithmetic_rows, write_jsonl
 from lora_sweep.packer.tiny.models import main
 

@@ -5,7 +5,7 @@ The alias table follows notes/optuna-and-sweeps.md §4 (Axolotl, torchtune, PEFT
 Axolotl-style flat keys at the top level (``base_model``, ``lora_r``, ``learning_rate``,
 ``sequence_len``, ...) are moved into their section; W&B's ``method``, ``metric``, ``run_cap`` and
 ``parameters`` map onto ``sampler``, ``objectives``, ``budget.trials`` and ``search``. A whole Axolotl
-or torchtune config is first rewritten into this shape by ``sweep/_foreign.py``.
+or torchtune config is first rewritten into this shape by ``sweep/config/_foreign.py``.
 
 Over ~400 lines on purpose: the alias table and the code applying it (sections, flat keys, W&B, the
 error positions) are one boundary, validated once; split, each half would need the other to be read.
@@ -21,9 +21,9 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from lora_sweep.sweep import _foreign
-from lora_sweep.sweep._yaml import Doc, Item, Key, add, coerce, make, override, read, scalar, section, typed
-from lora_sweep.sweep.spec import (
+from lora_sweep.sweep.config import _foreign
+from lora_sweep.sweep.config._yaml import Doc, Item, Key, add, coerce, make, override, read, scalar, section, typed
+from lora_sweep.sweep.config.spec import (
     SEARCHABLE,
     Budget,
     Constraint,

@@ -5,7 +5,7 @@ subclass; the CLI prints its message on one line and exits with status 2. Every 
 a bug and keeps its traceback.
 """
 
-__all__ = ["UserError", "ConfigError", "DataError", "Terminated", "STOP_SAID"]
+__all__ = ["UserError", "ConfigError", "DataError", "Terminated", "STOP_SAID", "first_line"]
 
 
 class UserError(Exception):
@@ -28,3 +28,10 @@ class Terminated(KeyboardInterrupt):  # noqa: N818 (a signal, like KeyboardInter
 STOP_SAID = "lora-sweep: the run has said how it stopped"
 """The note (``BaseException.add_note``) a run adds to the Ctrl-C or SIGTERM that stopped it once it has logged its
 one end line; the CLI then adds no second line."""
+
+
+def first_line(err: BaseException, default: str | None = None) -> str:
+    """The first non-empty line of ``err``'s message, for a one-line report of it; ``default`` (else the exception's
+    type name) when the message is empty. Tracebacks of library errors run to pages: a user sees this line."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else (type(err).__name__ if default is None else default)

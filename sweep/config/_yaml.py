@@ -1,6 +1,6 @@
 """YAML with the line of every key, dotted overrides, type coercion and located one-line errors.
 
-Generic helpers for ``sweep/loader.py``; nothing here knows the study schema. Keys are tracked
+Generic helpers for ``sweep/config/loader.py``; nothing here knows the study schema. Keys are tracked
 twice: *canonical* paths (``("train", "lr")``) name dataclass fields; *raw* paths
 (``("learning_rate",)``) are what the user wrote, so an error points at the user's own key and
 line: ``studies/x.yaml:12: search.rank.low: must be 1..256 (got -4)``.
@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import yaml
 
-from lora_sweep.packer.errors import ConfigError
+from lora_sweep.errors import ConfigError, first_line
 
 __all__ = [
     "Doc",
@@ -120,7 +120,7 @@ def read(path: Path, check_paths: bool) -> tuple[Doc, dict[str, Any]]:
         mark = e.problem_mark or e.context_mark
         raise ConfigError(f"{path}:{mark.line + 1 if mark else 1}: invalid YAML: {e.problem or e.context}") from None
     except yaml.YAMLError as e:  # the reader's own errors (a control character) carry no mark
-        raise ConfigError(f"{path}: invalid YAML: {str(e).splitlines()[0]}") from None
+        raise ConfigError(f"{path}: invalid YAML: {first_line(e)}") from None
     except RecursionError:
         raise ConfigError(f"{path}: nested too deep to read") from None
     if not isinstance(data, dict):

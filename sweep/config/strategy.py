@@ -1,7 +1,7 @@
 """The study's strategy, as validated config objects: what it optimises (objectives, constraints), how
 trials are proposed and stopped (sampler, cohort pruning), and when the study ends (budget).
 
-Part of the study file's dataclasses (``sweep.spec`` re-exports them: ``from sweep.spec import Budget``);
+Part of the study file's dataclasses (``sweep.config.spec`` re-exports them: ``from sweep.config.spec import Budget``);
 they validate themselves in ``__post_init__`` and raise ``ConfigError("key: rule (got value)")``.
 """
 
@@ -11,8 +11,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from lora_sweep.packer.errors import ConfigError
-from lora_sweep.sweep._params import _check, _is_num
+from lora_sweep.errors import ConfigError
+from lora_sweep.sweep.config._params import _check, _is_num
 
 __all__ = ["Objective", "Constraint", "Budget", "PruningSpec", "SamplerSpec", "SAMPLERS"]
 

@@ -1,4 +1,4 @@
-"""The searched dimensions of a study: ``Param`` and ``SearchSpace`` (re-exported by ``sweep.spec``).
+"""The searched dimensions of a study: ``Param`` and ``SearchSpace`` (re-exported by ``sweep.config.spec``).
 
 Values are checked with ``packer.plan.AdapterSpec``'s own rules, so a range or a list of choices
 accepts exactly what an adapter accepts (rank 1..256, dropout in [0, 1), ...).
@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from lora_sweep.packer.errors import ConfigError
+from lora_sweep.errors import ConfigError
 from lora_sweep.packer.plan import AdapterSpec
 
 __all__ = ["Param", "SearchSpace", "SEARCHABLE"]

@@ -1,6 +1,6 @@
 """A study's ``SearchSpace`` in Optuna terms: suggestions, samplers, the default trial, AdapterSpecs.
 
-Optuna parameter names are the canonical names of ``sweep.spec.SEARCHABLE`` (``rank``, ``lr``,
+Optuna parameter names are the canonical names of ``sweep.config.spec.SEARCHABLE`` (``rank``, ``lr``,
 ``alpha_ratio``, ``targets``, ...); a searched ``targets`` takes target-set *names*, so
 ``trial.params`` stays a flat dict of scalars that ``adapter_spec`` turns back into module tuples.
 """
@@ -18,9 +18,9 @@ import optuna
 from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
 
-from lora_sweep.packer.errors import ConfigError
+from lora_sweep.errors import ConfigError
 from lora_sweep.packer.plan import AdapterSpec
-from lora_sweep.sweep.spec import Param, SamplerSpec, SearchSpace, TrainSpec
+from lora_sweep.sweep.config.spec import Param, SamplerSpec, SearchSpace, TrainSpec
 
 __all__ = ["GridSearch", "adapter_spec", "baseline_params", "community_default", "default_params", "make_sampler",
            "suggest"]

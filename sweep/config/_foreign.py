@@ -25,8 +25,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lora_sweep.packer.errors import ConfigError
-from lora_sweep.sweep._yaml import Doc, Key
+from lora_sweep.errors import ConfigError
+from lora_sweep.sweep.config._yaml import Doc, Key
 
 __all__ = ["translate", "split_overrides"]
 

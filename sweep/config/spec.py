@@ -1,11 +1,11 @@
 """The study file as frozen, validated config objects.
 
-``sweep.loader.load_study("studies/demo.yaml", ["train.max_steps=50"])`` reads a study file (YAML),
+``sweep.config.loader.load_study("studies/demo.yaml", ["train.max_steps=50"])`` reads a study file (YAML),
 maps the Axolotl / torchtune / PEFT key aliases and a W&B-style ``parameters:`` block onto these
 dataclasses, applies dotted command-line overrides and validates everything once. Each dataclass
 validates itself in ``__post_init__`` and raises ``ConfigError("key: rule (got value)")``; the
 loader adds the file, the line and the full dotted key. Defaults live only here (the study's
-strategy — objectives, constraints, budget, pruning, sampler — in ``sweep/strategy.py``, re-exported
+strategy — objectives, constraints, budget, pruning, sampler — in ``sweep/config/strategy.py``, re-exported
 here), and the per-adapter ones only in ``packer.plan.AdapterSpec``.
 """
 
@@ -17,13 +17,13 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from lora_sweep.errors import ConfigError
 from lora_sweep.evaluators import registry
 from lora_sweep.packer.data.rows import FORMATS as DATA_FORMATS
-from lora_sweep.packer.errors import ConfigError
 from lora_sweep.packer.model.quant import QUANTIZE
 from lora_sweep.packer.plan import AdapterSpec
-from lora_sweep.sweep._params import SEARCHABLE, Param, SearchSpace, _check, _check_adapter_value, _is_num
-from lora_sweep.sweep.strategy import _NAME, SAMPLERS, Budget, Constraint, Objective, PruningSpec, SamplerSpec
+from lora_sweep.sweep.config._params import SEARCHABLE, Param, SearchSpace, _check, _check_adapter_value, _is_num
+from lora_sweep.sweep.config.strategy import _NAME, SAMPLERS, Budget, Constraint, Objective, PruningSpec, SamplerSpec
 
 __all__ = [
     "Budget", "Constraint", "DataSpec", "EvalSpec", "ModelSpec", "Objective", "PackingSpec", "Param", "PruningSpec",
@@ -311,8 +311,8 @@ class StudySpec:
     """Seeds the sampler (and, through the study loop, the adapters)."""
     baseline: Mapping[str, Any] = field(default_factory=dict, hash=False)
     """Train values of a trial enqueued beside the community default, named the baseline: an Axolotl or torchtune
-    config's own hyperparameters (``sweep._foreign``), or the study file's ``baseline:``. Only the searched
-    dimensions are used (``sweep.space.baseline_params``); {}: none."""
+    config's own hyperparameters (``sweep.config._foreign``), or the study file's ``baseline:``. Only the searched
+    dimensions are used (``sweep.config.space.baseline_params``); {}: none."""
     description: str = ""
     """Free text."""
     source: Path | None = field(default=None, compare=False)
