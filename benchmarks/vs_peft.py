@@ -20,6 +20,10 @@ held-out loss any way found. Each way's finished trials are logged with their se
 (``trials.csv``: way, t_s, trial, state, eval_loss), so the curve of best-so-far against time can be drawn.
 ``vs_peft.json`` holds the rows, every ``peft-procs`` N, the trial logs and the settings; the table comes last.
 
+Each way (each N of ``peft-procs``) is recorded in ``--out`` as it ends and is not run again by a later command
+with the same settings (study file, overrides, shape, trials), which adds the ways it runs to the same table: on a
+machine whose commands have a time limit, one way per command. A way cut short is run again from its start.
+
 ``--shape`` swaps the study's model for a random-init model of that architecture shape
 (``benchmarks.shapes.SHAPES``, e.g. ``qwen2.5-0.5b``; throughput does not depend on weight values), saved once
 under ``--out`` with the study model's tokenizer (whose ids its larger vocabulary covers).
@@ -36,10 +40,11 @@ import dataclasses
 import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -232,16 +237,19 @@ def _ratio(x: float | None) -> str:
 def vs_peft(study_file: str, overrides: Sequence[str] = (), *, shape: str | None = None, ways: Sequence[str] = WAYS,
             procs: Sequence[int] = (1, 2, 4, 8), trials: int | None = None, out: str | Path = "runs/vs-peft"
             ) -> list[dict[str, Any]]:
-    """Run the study every way of ``ways``; write ``vs_peft.json`` and ``trials.csv`` under ``out`` and return
-    the rows (``rows``).
+    """Run the study every way of ``ways`` not yet recorded in ``out``; write ``vs_peft.json`` and ``trials.csv``
+    of every way recorded there and return their rows (``rows``).
+
+    Each way is recorded in ``out/ways/<way>.json`` as it ends (``peft-procs-<N>`` for each process count), so a
+    command cut short by a time limit keeps the ways it finished, and ways run by separate commands with the same
+    settings share one table; a way's unfinished work is discarded and run again.
 
     Raises:
-        UserError: ``out`` is not empty, or ``prepare`` refuses the study.
+        UserError: ``out`` holds other files or a comparison of other settings, or ``prepare`` refuses the study.
     """
     out = Path(out).absolute()
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"vs_peft: --out {out} is not empty: every way needs a fresh study")
-    out.mkdir(parents=True, exist_ok=True)
+    settings = dict(study=str(Path(study_file).resolve()), overrides=list(overrides), shape=shape, trials=trials)
+    _claim(out, settings)
     overrides = list(overrides)
     spec = api.load_study(study_file, overrides)
     if shape is not None:
@@ -251,33 +259,58 @@ def vs_peft(study_file: str, overrides: Sequence[str] = (), *, shape: str | None
     n = spec.budget.trials
     assert n is not None
     _warm(spec)
-    done: list[Way] = []
-    by_n: list[Way] = []
-    for way in (w for w in WAYS if w in ways):
-        if way == "sweep":
-            done.append(run_sweep(spec))
-        elif way == "peft-procs":
-            by_n = [run_procs(study_file, overrides, spec, n, p, out) for p in procs]
-            done.append(min(by_n, key=lambda w: w.makespan_s))
-        else:
-            done.append(run_peft(spec, n, out, graph=way == "peft-graph"))
-        for w in (by_n if way == "peft-procs" else done[-1:]):  # as each way ends: a later failure leaves them
-            print(f"vs_peft: {w.name}{'-' + str(w.extra['procs']) if w.extra else ''}: {w.makespan_s:.1f} s, "
-                  f"best held-out loss {w.best}", file=sys.stderr, flush=True)
+    runs: list[tuple[str, str, Callable[[], Way]]] = [
+        ("sweep", "sweep", lambda: run_sweep(spec)), ("peft", "peft", lambda: run_peft(spec, n, out, graph=False)),
+        ("peft-graph", "peft-graph", lambda: run_peft(spec, n, out, graph=True))]
+    runs += [(f"peft-procs-{p}", "peft-procs", lambda p=p: run_procs(study_file, overrides, spec, n, p, out))
+             for p in procs]
+    for key, name, go in runs:
+        if name not in ways:
+            continue
+        if (out / "ways" / f"{key}.json").exists():
+            print(f"vs_peft: {key}: recorded in {out / 'ways'}, not run again", file=sys.stderr, flush=True)
+            continue
+        shutil.rmtree(out / key, ignore_errors=True)  # an unfinished run's study and adapters
+        way = go()
+        (out / "ways" / f"{key}.json").write_text(json.dumps(dataclasses.asdict(way), default=str))
+        print(f"vs_peft: {key}: {way.makespan_s:.1f} s, best held-out loss {way.best}", file=sys.stderr, flush=True)
+    return _write(out, spec, settings, n)
+
+
+def _claim(out: Path, settings: dict[str, Any]) -> None:
+    """Make ``out`` this comparison's folder: new, empty, or one holding a comparison of the same ``settings``."""
+    marker = out / "settings.json"
+    if marker.exists():
+        theirs = json.loads(marker.read_text())
+        if theirs != settings:
+            raise UserError(f"vs_peft: --out {out} holds a comparison of other settings ({theirs}); give another "
+                            f"--out")
+        return
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"vs_peft: --out {out} is not empty and holds no comparison: every way needs a fresh study")
+    (out / "ways").mkdir(parents=True, exist_ok=True)
+    marker.write_text(json.dumps(settings))
+
+
+def _write(out: Path, spec: StudySpec, settings: dict[str, Any], n: int) -> list[dict[str, Any]]:
+    """The rows of every way recorded in ``out`` (``peft-procs``: its fastest N), written with their trial logs."""
+    recorded = {p.stem: Way(**json.loads(p.read_text())) for p in sorted((out / "ways").glob("*.json"))}
+    by_n = sorted((w for w in recorded.values() if w.name == "peft-procs"), key=lambda w: w.extra["procs"])
+    done = [recorded[w] for w in WAYS if w in recorded]
+    if by_n:
+        done.append(min(by_n, key=lambda w: w.makespan_s))
     result = rows(done, n)
     device = resolve_device(spec.model.device)
-    record = dict(study=study_file, overrides=overrides, shape=shape, trials=n, device=device,
+    record = dict(settings, trials=n, device=device, torch=torch.__version__,
                   device_name=torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
-                  torch=torch.__version__, rows=result, procs=[dict(procs=w.extra["procs"], makespan_s=w.makespan_s)
-                                                                for w in by_n],
-                  trial_logs={w.name + (f"-{w.extra['procs']}" if "procs" in w.extra else ""): w.trials
-                              for w in [*done, *by_n]})
+                  rows=result, procs=[dict(procs=w.extra["procs"], makespan_s=w.makespan_s) for w in by_n],
+                  trial_logs={key: w.trials for key, w in recorded.items()})
     (out / "vs_peft.json").write_text(json.dumps(record, indent=1, default=str))
     with open(out / "trials.csv", "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
         writer.writerow(["way", "t_s", "trial", "state", "eval_loss"])
-        for name, log in record["trial_logs"].items():  # type: ignore[union-attr]
-            writer.writerows([name, round(t["t"], 3), t["trial"], t["state"], t["eval_loss"]] for t in log)
+        for key, w in recorded.items():
+            writer.writerows([key, round(t["t"], 3), t["trial"], t["state"], t["eval_loss"]] for t in w.trials)
     return result
 
 

@@ -106,6 +106,16 @@ def test_the_same_trial_trains_to_the_same_loss_every_way(run: tuple[Path, dict[
     assert compared >= 2  # at least the community default, which no way prunes, in each
 
 
+def test_a_rerun_keeps_the_recorded_ways(run: tuple[Path, dict[str, dict]]) -> None:
+    """Ways run by separate commands share one table: a way recorded in --out is not run again (the GPU's commands
+    have a time limit); other settings in the same --out are refused."""
+    out, by_way = run
+    again = vs_peft(str(out.parent / "vs.yaml"), ways=WAYS, procs=(2,), out=out)
+    assert again == list(by_way.values())
+    with pytest.raises(UserError, match="other settings"):
+        vs_peft(str(out.parent / "vs.yaml"), ways=("peft",), trials=3, out=out)
+
+
 def test_the_compiled_way_trains_the_default_to_the_sweeps_loss(run: tuple[Path, dict[str, dict]],
                                                                tmp_path: Path) -> None:
     """``peft-graph`` on the CPU: rows padded to fixed shapes, the step under ``torch.compile``; one trial (a
