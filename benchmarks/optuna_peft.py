@@ -216,8 +216,8 @@ class _EagerMicro:
 
     def __call__(self, rows: Sequence[Any], n_items: int) -> None:
         batch = collate([0], [rows], self.base.pad_id, dropout=[0.0], seeds=[0], device=self.base.device)
-        n = torch.tensor(float(n_items), device=self.base.device)
-        self.model(input_ids=batch.input_ids, labels=batch.labels, num_items_in_batch=n).loss.backward()
+        self.model(input_ids=batch.input_ids, labels=batch.labels, num_items_in_batch=n_items,
+                   use_cache=False).loss.backward()
 
 
 class _GraphedMicro:
@@ -237,7 +237,8 @@ class _GraphedMicro:
                                          else torch.compile(self._step, dynamic=False))  # type: ignore[assignment]
 
     def _step(self) -> None:
-        self.model(input_ids=self.ids, labels=self.labels, num_items_in_batch=self.n_items).loss.backward()
+        self.model(input_ids=self.ids, labels=self.labels, num_items_in_batch=self.n_items,
+                   use_cache=False).loss.backward()
 
     def _load(self, rows: Sequence[Any], n_items: int) -> None:
         batch = collate([0], [rows], self.base.pad_id, dropout=[0.0], seeds=[0], device=self.base.device)
@@ -279,7 +280,8 @@ def heldout_loss(base: Base, model: Any, batch_size: int = 8) -> float:
         for i in range(0, len(base.heldout), batch_size):
             rows = base.heldout[i:i + batch_size]
             batch = collate([0], [rows], base.pad_id, dropout=[0.0], seeds=[0], device=base.device)
-            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # (B, L, V)
+            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                           use_cache=False).logits  # (B, L, V)
             labels = batch.labels[:, 1:]  # (B, L-1)
             total += torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten(),
                                                        ignore_index=IGNORE_INDEX, reduction="sum")

@@ -10,6 +10,7 @@ The ways (``--ways``, in this order):
   ``torch.compile``): the strongest single-trial loop.
 - ``peft-procs``: N ``peft`` processes sharing the device and one Optuna study (a journal file), the trials dealt
   between them, for each N of ``--procs``; its row is the N with the shortest makespan, every N in the JSON.
+- ``peft-graph-procs``: the same with ``peft-graph``'s step in every process.
 
 Every way trains the same ``--trials`` trials (the study's ``budget.trials`` by default; no wall-time budget) and
 scores them by held-out loss only (a study's other evaluators are dropped from every way). Per way: the makespan
@@ -18,9 +19,9 @@ finished trial (makespan x 1 device / trials: every way holds the whole device),
 best held-out loss, and the time to target: the first moment a complete trial of the way is within 1% of the best
 held-out loss any way found. Each way's finished trials are logged with their seconds since its start
 (``trials.csv``: way, t_s, trial, state, eval_loss), so the curve of best-so-far against time can be drawn.
-``vs_peft.json`` holds the rows, every ``peft-procs`` N, the trial logs and the settings; the table comes last.
+``vs_peft.json`` holds the rows, every N of the processes ways, the trial logs and the settings; the table comes last.
 
-Each way (each N of ``peft-procs``) is recorded in ``--out`` as it ends and is not run again by a later command
+Each way (each N of a processes way) is recorded in ``--out`` as it ends and is not run again by a later command
 with the same settings (study file, overrides, shape, trials), which adds the ways it runs to the same table: on a
 machine whose commands have a time limit, one way per command. A way cut short is run again from its start.
 
@@ -29,7 +30,7 @@ machine whose commands have a time limit, one way per command. A way cut short i
 under ``--out`` with the study model's tokenizer (whose ids its larger vocabulary covers).
 
 Run: ``python -m lora_sweep.benchmarks.vs_peft --study studies/demo-gpu.yaml [--shape qwen2.5-0.5b]
-[--ways sweep,peft,peft-graph,peft-procs] [--procs 1,2,4,8] [--trials N] [--out DIR] [key=value ...]``.
+[--ways sweep,peft,peft-graph,peft-procs,peft-graph-procs] [--procs 1,2,4,8] [--trials N] [--out DIR] [key=value ...]``.
 """
 
 from __future__ import annotations
@@ -61,7 +62,9 @@ from lora_sweep.sweep.device import resolve_device
 
 __all__ = ["WAYS", "Way", "prepare", "time_to_target", "vs_peft", "table", "main"]
 
-WAYS = ("sweep", "peft", "peft-graph", "peft-procs")
+WAYS = ("sweep", "peft", "peft-graph", "peft-procs", "peft-graph-procs")
+PROCS_WAYS = ("peft-procs", "peft-graph-procs")
+"""Ways of N processes: each N is recorded apart (``<way>-<N>``), the way's row is its fastest N."""
 TARGET = 0.01
 """Time to target: the first complete trial within this fraction of the best held-out loss any way found."""
 
@@ -156,9 +159,12 @@ def run_peft(spec: StudySpec, n: int, out: Path, *, graph: bool) -> Way:
     return Way(name, span, trials)
 
 
-def run_procs(study_file: str, overrides: Sequence[str], spec: StudySpec, n: int, procs: int, out: Path) -> Way:
-    """``procs`` processes of ``optuna_peft`` sharing one journal-file study, the ``n`` trials dealt between them."""
-    work = out / f"peft-procs-{procs}"
+def run_procs(study_file: str, overrides: Sequence[str], spec: StudySpec, n: int, procs: int, out: Path, *,
+              graph: bool = False) -> Way:
+    """``procs`` processes of ``optuna_peft`` sharing one journal-file study, the ``n`` trials dealt between them;
+    ``graph``: each trial's step graphed (``peft-graph-procs``)."""
+    name = "peft-graph-procs" if graph else "peft-procs"
+    work = out / f"{name}-{procs}"
     work.mkdir(parents=True)
     storage = str(work / "optuna.log")
     optuna_peft.create_study(spec, optuna_peft.journal(storage))
@@ -168,17 +174,17 @@ def run_procs(study_file: str, overrides: Sequence[str], spec: StudySpec, n: int
     for p in range(procs):
         job = work / f"worker-{p}.json"
         job.write_text(json.dumps(dict(study=study_file, overrides=list(overrides), storage=storage, worker=p,
-                                       trials=n // procs + (p < n % procs), graph=False, t0=t0, threads=threads,
+                                       trials=n // procs + (p < n % procs), graph=graph, t0=t0, threads=threads,
                                        adapters=str(work / "adapters"), log=str(work / f"worker-{p}.jsonl"))))
         children.append(subprocess.Popen([sys.executable, "-m", "lora_sweep.benchmarks.optuna_peft", "--child",
                                           str(job)]))
     codes = [child.wait() for child in children]
     span = time.time() - t0
     if any(codes):
-        raise RuntimeError(f"peft-procs: {procs} processes exited with {codes} (their errors are above)")
+        raise RuntimeError(f"{name}: {procs} processes exited with {codes} (their errors are above)")
     logs = [work / f"worker-{p}.jsonl" for p in range(procs)]
     trials = [json.loads(line) for path in logs if path.exists() for line in path.read_text().splitlines()]
-    return Way("peft-procs", span, sorted(trials, key=lambda t: t["t"]), dict(procs=procs))
+    return Way(name, span, sorted(trials, key=lambda t: t["t"]), dict(procs=procs))
 
 
 def time_to_target(way: Way, target: float) -> float | None:
@@ -240,7 +246,7 @@ def vs_peft(study_file: str, overrides: Sequence[str] = (), *, shape: str | None
     """Run the study every way of ``ways`` not yet recorded in ``out``; write ``vs_peft.json`` and ``trials.csv``
     of every way recorded there and return their rows (``rows``).
 
-    Each way is recorded in ``out/ways/<way>.json`` as it ends (``peft-procs-<N>`` for each process count), so a
+    Each way is recorded in ``out/ways/<way>.json`` as it ends (``<way>-<N>`` for each process count), so a
     command cut short by a time limit keeps the ways it finished, and ways run by separate commands with the same
     settings share one table; a way's unfinished work is discarded and run again.
 
@@ -262,8 +268,9 @@ def vs_peft(study_file: str, overrides: Sequence[str] = (), *, shape: str | None
     runs: list[tuple[str, str, Callable[[], Way]]] = [
         ("sweep", "sweep", lambda: run_sweep(spec)), ("peft", "peft", lambda: run_peft(spec, n, out, graph=False)),
         ("peft-graph", "peft-graph", lambda: run_peft(spec, n, out, graph=True))]
-    runs += [(f"peft-procs-{p}", "peft-procs", lambda p=p: run_procs(study_file, overrides, spec, n, p, out))
-             for p in procs]
+    runs += [(f"{way}-{p}", way, lambda p=p, g=way != "peft-procs": run_procs(study_file, overrides, spec, n, p, out,
+                                                                               graph=g))
+             for way in PROCS_WAYS for p in procs]
     for key, name, go in runs:
         if name not in ways:
             continue
@@ -293,17 +300,17 @@ def _claim(out: Path, settings: dict[str, Any]) -> None:
 
 
 def _write(out: Path, spec: StudySpec, settings: dict[str, Any], n: int) -> list[dict[str, Any]]:
-    """The rows of every way recorded in ``out`` (``peft-procs``: its fastest N), written with their trial logs."""
+    """The rows of every way recorded in ``out`` (a processes way: its fastest N), written with their trial logs."""
     recorded = {p.stem: Way(**json.loads(p.read_text())) for p in sorted((out / "ways").glob("*.json"))}
-    by_n = sorted((w for w in recorded.values() if w.name == "peft-procs"), key=lambda w: w.extra["procs"])
-    done = [recorded[w] for w in WAYS if w in recorded]
-    if by_n:
-        done.append(min(by_n, key=lambda w: w.makespan_s))
+    by_n = {way: sorted((w for w in recorded.values() if w.name == way), key=lambda w: w.extra["procs"])
+            for way in PROCS_WAYS}
+    done = [min(by_n[w], key=lambda w: w.makespan_s) if w in PROCS_WAYS else recorded[w] for w in WAYS
+            if (by_n[w] if w in PROCS_WAYS else w in recorded)]
     result = rows(done, n)
     device = resolve_device(spec.model.device)
     record = dict(settings, trials=n, device=device, torch=torch.__version__,
                   device_name=torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
-                  rows=result, procs=[dict(procs=w.extra["procs"], makespan_s=w.makespan_s) for w in by_n],
+                  rows=result, procs={way: {w.extra["procs"]: w.makespan_s for w in ws} for way, ws in by_n.items()},
                   trial_logs={key: w.trials for key, w in recorded.items()})
     (out / "vs_peft.json").write_text(json.dumps(record, indent=1, default=str))
     with open(out / "trials.csv", "w", newline="", encoding="utf-8") as f:
@@ -339,7 +346,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shape", default=None, choices=sorted(SHAPES), help="a random-init model of this shape "
                    "instead of the study's model")
     p.add_argument("--ways", default=",".join(WAYS), help=f"comma-separated subset of {','.join(WAYS)}")
-    p.add_argument("--procs", default="1,2,4,8", help="process counts of the peft-procs way")
+    p.add_argument("--procs", default="1,2,4,8", help="process counts of the processes ways")
     p.add_argument("--trials", type=int, default=None, help="trials per way (default: the study's budget.trials)")
     p.add_argument("--out", default="runs/vs-peft", help="an empty or new directory for every way's files")
     args = p.parse_args(argv)
