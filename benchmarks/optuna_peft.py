@@ -30,8 +30,8 @@ graph and replayed (``packer.step.capture``; the fused AdamW step and clipping r
 CPU the same fixed-shape step under ``torch.compile``. Neither passes an attention mask: with right padding and a
 causal model no real token attends to padding, so the logits of the real tokens are those of a masked batch.
 
-Run by ``benchmarks.vs_peft``; ``python -m lora_sweep.benchmarks.optuna_peft --child JOB`` is one process of the
-``peft-procs`` way.
+Run by ``benchmarks.vs_peft``; ``python -m lora_sweep.benchmarks.optuna_peft --child JOB`` is one process of its
+``peft-procs`` and ``peft-graph-procs`` ways.
 """
 
 from __future__ import annotations
@@ -304,7 +304,7 @@ def _kept(spec: StudySpec, trial: optuna.Trial, rung: int, value: float) -> bool
 
 
 def _child(job_file: str) -> None:
-    """One process of the ``peft-procs`` way: its share of the trials on the shared storage, each finished trial a
+    """One process of a processes way: its share of the trials on the shared storage, each finished trial a
     JSON line (seconds since the way's start) in its log file."""
     from lora_sweep.sweep.config.loader import load_study
 

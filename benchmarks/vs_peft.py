@@ -93,7 +93,8 @@ def prepare(spec: StudySpec, trials: int | None, out: Path) -> StudySpec:
     sweep's study directory ``out/sweep``.
 
     Raises:
-        UserError: no trial count, an objective or pruning proxy the PEFT ways cannot measure, or sample packing.
+        UserError: no trial count, an objective or pruning proxy the PEFT ways cannot measure, sample packing, a
+            quantized base or a sharded pack.
     """
     n = trials or spec.budget.trials
     if not n:
@@ -106,6 +107,9 @@ def prepare(spec: StudySpec, trials: int | None, out: Path) -> StudySpec:
                         f"only {', '.join(optuna_peft.METRICS)}")
     if spec.train.sample_packing or any(p.name == "sample_packing" for p in spec.search.params):
         raise UserError(f"vs_peft: {spec.name}: sample_packing is not benchmarked (the PEFT ways pad rows)")
+    if spec.model.quantize is not None or spec.packing.shard != "none":
+        raise UserError(f"vs_peft: {spec.name}: model.quantize / packing.shard are not benchmarked (the PEFT ways "
+                        f"train a plain base on one device)")
     heldout = [e for e in spec.evaluators if e.name == "heldout_loss"] or [EvalSpec("heldout_loss")]
     return dataclasses.replace(spec, budget=Budget(trials=n), evaluators=tuple(heldout), output=out / "sweep")
 
@@ -221,8 +225,8 @@ def rows(ways: Sequence[Way], trials: int) -> list[dict[str, Any]]:
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
     """The rows as a text table; speed-up columns read "makespan x / time-to-target x" of the row's way over each."""
-    head = (f"{'way':<20}{'makespan s':>12}{'device-s/trial':>16}{'complete/pruned':>17}{'best loss':>11}"
-            f"{'to target s':>13}" + "".join(f"  {'over ' + r['way']:>18}" for r in rows))
+    head = (f"{'way':<24}{'makespan s':>12}{'device-s/trial':>16}{'complete/pruned':>17}{'best loss':>11}"
+            f"{'to target s':>13}" + "".join(f"  {'over ' + r['way']:>21}" for r in rows))
     lines = [head]
     for r in rows:
         name = r["way"] + (f" (N={r['procs']})" if "procs" in r else "")
@@ -230,9 +234,12 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
         ttt = "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.1f}"
         over = [f"{_ratio(r['makespan_speedup'][o['way']])} / {_ratio(r['time_to_target_speedup'][o['way']])}"
                 for o in rows]
-        lines.append(f"{name:<20}{r['makespan_s']:>12.1f}{r['device_s_per_trial']:>16.2f}"
+        lines.append(f"{name:<24}{r['makespan_s']:>12.1f}{r['device_s_per_trial']:>16.2f}"
                      f"{str(r['complete']) + '/' + str(r['pruned']):>17}{best:>11}{ttt:>13}"
-                     + "".join(f"  {cell:>18}" for cell in over))
+                     + "".join(f"  {cell:>21}" for cell in over))
+    target = next((r["target_eval_loss"] for r in rows if r["target_eval_loss"] is not None), None)
+    lines.append(f"over W: the row's speed-up over way W, makespan / time to target (W's seconds over the row's); "
+                 f"target: held-out loss <= {target:.6g}" if target is not None else "no way completed a trial")
     return "\n".join(lines)
 
 
