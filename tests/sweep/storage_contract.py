@@ -26,7 +26,8 @@ import pytest
 from optuna.trial import TrialState
 
 from lora_sweep.errors import UserError
-from lora_sweep.sweep.storage import BACKENDS, backend_of, normalize_url, open_storage, storage_lock
+from lora_sweep.sweep import storage
+from lora_sweep.sweep.storage import backend_of, normalize_url, open_storage, storage_lock
 from tests.conftest import missing, need_module
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,12 +59,18 @@ class StorageContract:
         raise NotImplementedError("a subclass provides a URL of its backend that cannot be opened")
 
     @pytest.fixture
+    def holder_setup(self) -> str:
+        """Python statements a second process runs before it takes the lock (a backend of one's own appends itself
+        to ``sweep.storage.BACKENDS`` there, as in the process under test)."""
+        return ""
+
+    @pytest.fixture
     def name(self) -> str:
         """A study name of its own: a server's database outlives the test."""
         return f"contract-{uuid.uuid4().hex[:8]}"
 
     def test_one_backend_takes_the_url_and_keeps_it_as_normalised(self, url: str) -> None:
-        assert [b for b in BACKENDS if b.takes(url)] == [backend_of(url)]
+        assert [b for b in storage.BACKENDS if b.takes(url)] == [backend_of(url)]
         assert normalize_url(normalize_url(url)) == normalize_url(url)
 
     def test_a_new_storage_opens_again_with_its_trials(self, url: str, name: str) -> None:
@@ -84,9 +91,9 @@ class StorageContract:
         assert seen(again) == seen(study) and len(again.trials) == 3
         assert again.directions == study.directions and again.user_attrs == {"clock": {"start": 1.5, "banked": 0.0}}
 
-    def test_the_one_owner_lock_makes_a_second_owner_wait(self, url: str, name: str) -> None:
+    def test_the_one_owner_lock_makes_a_second_owner_wait(self, url: str, name: str, holder_setup: str) -> None:
         """Another process holds the study's lock for 2 s: this one gets it only after."""
-        holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
+        holder = subprocess.Popen([sys.executable, "-c", holder_setup + "\nimport sys, time\n"
                                    "from lora_sweep.sweep.storage import storage_lock\n"
                                    "with storage_lock(sys.argv[1], sys.argv[2]):\n    print('held', flush=True)\n"
                                    "    time.sleep(2)\n", normalize_url(url), name], cwd=ROOT,
