@@ -30,6 +30,7 @@ from typing import Any
 import yaml
 
 from lora_sweep.evaluators import registry
+from lora_sweep.evaluators.cost import COST_METRICS
 from lora_sweep.sweep import store
 from lora_sweep.sweep.config import loader
 from lora_sweep.sweep.config import spec as S
@@ -175,25 +176,22 @@ def _search() -> list[str]:
             "The aliases of `train` apply here too (`learning_rate: {low: 1e-5, high: 1e-3, log: true}`).", ""]
 
 
-def _bullets(doc: str) -> list[str]:
-    """The ``- item`` lines of a docstring, each with its indented continuation lines joined on."""
-    items: list[str] = []
-    for line in doc.splitlines():
-        if line.startswith("- "):
-            items.append(line)
-        elif items and line.startswith("  ") and line.strip():
-            items[-1] += " " + line.strip()
-        elif items and not line.strip():
-            break
-    return [_cell(i) for i in items]
+def _metric_bullets() -> list[str]:
+    """One line per evaluator: the metric names it reports (``Evaluator.reports``), then the cost metrics."""
+    cost = ", ".join(f"`{m}`" for m in COST_METRICS)
+    return [*(_cell(f"- `{e.name}`: {e.reports};") for e in registry.EVALUATORS),
+            f"- always (from the trainer's numbers, `evaluators.cost`): {cost}."]
 
 
 def _evaluator_options() -> list[str]:
     out = ["### Evaluator options", "",
            "`options` of each evaluator (`evaluators: [{name: generation, options: {max_new_tokens: 8}}]`); "
            "an unknown option is an error.", ""]
-    for name, cls in registry.OPTIONS.items():
-        out += [f"#### {name}", "", *_table(f"evaluators[{name}].options.", cls)]
+    for e in registry.EVALUATORS:
+        out += [f"#### {e.name}", "", *_table(f"evaluators[{e.name}].options.", e.options)]
+        aliases = getattr(e.options, "ALIASES", {})
+        if aliases:
+            out += ["Aliases: " + ", ".join(f"`{a}` → `{k}`" for a, k in aliases.items()) + ".", ""]
     return out
 
 
@@ -216,10 +214,10 @@ def generate() -> str:
             out += _search()
     for key, cls, what in LISTS:
         out += [f"## {key}", "", what, "", *_table(f"{key}[].", cls), *_aliases(key)]
-    names = ", ".join(f"`{n}`" for n in registry.EVALUATORS)
-    metrics = _bullets(registry.__doc__ or "")
-    out += [f"Evaluator names: {names}. The metric names objectives, constraints and `pruning.proxy` may use "
-            "(from `lora_sweep.evaluators`):", "", *metrics, "", *_evaluator_options()]
+    names = ", ".join(f"`{e.name}`" for e in registry.EVALUATORS)
+    out += [f"Evaluator names: {names}, or `file.py:OBJECT` naming an evaluator of your own "
+            "([Extending](../guides/extending.md)). The metric names objectives, constraints and `pruning.proxy` may "
+            "use (from `lora_sweep.evaluators`):", "", *_metric_bullets(), "", *_evaluator_options()]
     return "\n".join(out).rstrip() + "\n"
 
 

@@ -34,7 +34,7 @@ __all__ = [
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 FORMATS = ("auto", *DATA_FORMATS)
 _FORMAT_ALIASES = {"messages": "chat", "sharegpt": "chat", "completion": "prompt_completion"}
-EVALUATORS = tuple(registry.EVALUATORS)
+EVALUATORS = tuple(e.name for e in registry.EVALUATORS)
 _D = AdapterSpec()
 _NOT_ADAPTER = ("alpha_ratio", "epochs", "max_steps_per_epoch", "warmup_ratio", "eval_every", "optimizer_in_backward")
 """TrainSpec fields that are not AdapterSpec fields (resolved into rank/alpha or steps per trial, or options of the
@@ -253,12 +253,14 @@ class EvalSpec:
     """One evaluator run on every trial; its options are checked by the evaluator itself."""
 
     name: str
-    """One of ``EVALUATORS`` (``evaluators.registry.EVALUATORS``)."""
+    """One of ``EVALUATORS`` (``evaluators.registry.EVALUATORS``), or ``file.py:OBJECT`` / ``module:OBJECT`` naming
+    an ``Evaluator`` object (docs/guides/extending.md)."""
     options: Mapping[str, object] = field(default_factory=dict, hash=False)
     """Evaluator options: string keys, JSON-like values."""
 
     def __post_init__(self) -> None:
-        _check(self.name in EVALUATORS, "name", f"must be one of {', '.join(EVALUATORS)}", self.name)
+        _check(isinstance(self.name, str) and (self.name in EVALUATORS or ":" in self.name), "name",
+               f"must be one of {', '.join(EVALUATORS)}, or file.py:OBJECT naming an Evaluator", self.name)
         _check(
             isinstance(self.options, Mapping) and _jsonlike(self.options),
             "options",

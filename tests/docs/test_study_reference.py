@@ -48,8 +48,8 @@ def _section_keys() -> set[str]:
     for name, cls in [("objectives", S.Objective), ("constraints", S.Constraint), ("evaluators", S.EvalSpec)]:
         keys |= {f"{name}[].{f.name}" for f in dataclasses.fields(cls)}
     keys |= {f"search.<name>.{k}" for k in ("low", "high", "log", "step", "choices")}
-    for name, cls in registry.OPTIONS.items():
-        keys |= {f"evaluators[{name}].options.{f.name}" for f in dataclasses.fields(cls)}
+    for e in registry.EVALUATORS:
+        keys |= {f"evaluators[{e.name}].options.{f.name}" for f in dataclasses.fields(e.options)}
     return keys
 
 

@@ -30,7 +30,8 @@ from lora_sweep.sweep.storage import open_storage, resume_clock, study_elapsed
 from lora_sweep.sweep.store.attrs import CLOCK, HEARTBEAT, PLANNED_TOKENS, TOKENS
 from lora_sweep.sweep.study import run_study
 from tests.conftest import DEMO_DATA, optuna_study, write_study
-from tests.sweep.test_worker import ENV, ROOT, _cli, _server_url, _study_file, _trials
+from tests.sweep.storage_contract import server_url
+from tests.sweep.test_worker import ENV, ROOT, _cli, _study_file, _trials
 
 SMALL = {"max_steps": 10, "micro_batch": 4}
 NO_DEFAULT = {"rank": [2, 4, 8], "lr": {"low": 1e-4, "high": 3e-2, "log": True}}  # no community-default trial
@@ -72,7 +73,7 @@ def test_workers_stop_at_the_shared_token_budget(tiny_dirs, tmp_path, backend: s
     """Two one-slot workers together train what one one-slot run would: each trial T, so exactly 4 trials
     for a budget of 3.5 T (workers counting only their own tokens train 4 each; counting another worker's
     training trial as nothing, they start a fifth)."""
-    url = str(tmp_path / "tokens.log") if backend == "journal" else _server_url("mysql")
+    url = str(tmp_path / "tokens.log") if backend == "journal" else server_url("mysql")
     name = f"tokens-{uuid.uuid4().hex[:8]}"
     full = _full_trial_tokens(tiny_dirs("llama"))
     budget = int(3.5 * full)

@@ -49,9 +49,9 @@ def _study(tmp_path: Path, model_dir: Path, family: str) -> Path:
                                "targets": {"all": "all-linear"}},
                        objectives=[{"metric": "eval_loss", "direction": "minimize"}], pruning={"kind": "none"},
                        packing={"max_slots": 2},
-                       # the fixed shapes a CUDA study evaluates on (static_shapes' auto is per batch on the CPU)
-                       evaluators=[{"name": "heldout_loss", "options": {"static_shapes": True}},
-                                   {"name": "generation", "options": {"max_new_tokens": 2, "static_shapes": True}}])
+                       # the fixed shapes a CUDA study evaluates on (batched's auto is per adapter on the CPU)
+                       evaluators=[{"name": "heldout_loss", "options": {"batched": True}},
+                                   {"name": "generation", "options": {"max_new_tokens": 2, "batched": True}}])
     spec = load_study(path)
     summary = run_study(spec, log=lambda m: None)
     assert summary.complete == 2, f"{family}: {summary}"

@@ -1,4 +1,5 @@
-"""Many workers sharing one study: a journal file, PostgreSQL with a worker killed mid-pack, the storage lock.
+"""Many workers sharing one study: a journal file, PostgreSQL with a worker killed mid-pack, CPU shares (the storage
+lock of every backend: test_storage.py's contract).
 
 The server tests need one: ``.ci/run`` starts PostgreSQL and MariaDB and exports ``LORA_SWEEP_TEST_PG``
 (e.g. ``postgresql+psycopg2://sweep:sweep@127.0.0.1:55432/sweep``) and ``LORA_SWEEP_TEST_MYSQL``
@@ -24,26 +25,13 @@ from lora_sweep.sweep import worker
 from lora_sweep.sweep.affinity import allowed_cpus
 from lora_sweep.sweep.config.loader import load_study
 from lora_sweep.sweep.ledger import open_study
-from lora_sweep.sweep.storage import Sharing, normalize_url, open_storage, storage_lock
+from lora_sweep.sweep.storage import Sharing, normalize_url, open_storage
 from lora_sweep.sweep.store import StudyDir
 from lora_sweep.sweep.store.attrs import WORKER
-from tests.conftest import missing, need_module, write_study
+from tests.conftest import write_study
+from tests.sweep.storage_contract import server_url
 
 ROOT = Path(__file__).resolve().parents[2]
-_SERVERS = {"postgresql": ("LORA_SWEEP_TEST_PG", "PostgreSQL on 127.0.0.1:55432", "psycopg2", "postgres"),
-            "mysql": ("LORA_SWEEP_TEST_MYSQL", "MariaDB on 127.0.0.1:53306", "pymysql", "mysql")}
-
-
-def _server_url(kind: str) -> str:
-    """The test server's URL (``postgresql`` or ``mysql``), its driver's extra installed; else the test is skipped
-    (``tests.conftest.missing``)."""
-    env, server, module, extra = _SERVERS[kind]
-    need_module(module, extra)
-    if not os.environ.get(env):
-        missing(f"a {kind} server ({env} is unset)", f"export {env} (.ci/run starts {server})")
-    return os.environ[env]
-
-
 def _study_file(tmp_path: Path, model_dir: Path, name: str, **changes) -> Path:
     """The shared small study, as a multi-worker job: 9 trials of 20 steps, 2 slots, no pruning."""
     return write_study(tmp_path, model_dir, name, **{
@@ -119,7 +107,7 @@ def test_journal_workers_on_one_host_share_the_budget(tiny_dirs, tmp_path) -> No
 
 
 def test_pg_three_workers_one_killed_mid_pack(tiny_dirs, tmp_path) -> None:
-    url = _server_url("postgresql")
+    url = server_url("postgresql")
     name = f"pg-{uuid.uuid4().hex[:8]}"
     path = _study_file(tmp_path, tiny_dirs("llama"), name)
     procs = [subprocess.Popen(_cli("worker", str(path), "--storage", url, "--index", str(i), "--heartbeat", "0.5",
@@ -180,27 +168,7 @@ def test_unreachable_postgres_url_is_one_line_exit_2(tiny_dirs, tmp_path) -> Non
 
 
 def _backend_url(backend: str, tmp_path: Path) -> str:
-    return normalize_url(str(tmp_path / f"{backend}.log")) if backend == "journal" else _server_url(backend)
-
-
-@pytest.mark.parametrize("backend", ["journal", "postgresql", "mysql"])
-def test_storage_lock_excludes_other_processes(tmp_path, backend: str) -> None:
-    """Another process holds the study's lock for 2 s: this one waits for it (a lock that is not taken,
-    as MariaDB's GET_LOCK with a negative timeout, lets it through at once)."""
-    url, name = _backend_url(backend, tmp_path), f"lock-{uuid.uuid4().hex[:8]}"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
-                               "from lora_sweep.sweep.storage import storage_lock\n"
-                               "with storage_lock(sys.argv[1], sys.argv[2]):\n    print('held', flush=True)\n"
-                               "    time.sleep(2)\n", url, name], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
-        started = time.time()
-        with storage_lock(url, name):
-            waited = time.time() - started
-        assert waited > 1.0, f"took a lock another process holds after {waited:.2f} s"
-    finally:
-        holder.wait(timeout=30)
-    assert holder.returncode == 0
+    return normalize_url(str(tmp_path / f"{backend}.log")) if backend == "journal" else server_url(backend)
 
 
 @pytest.mark.parametrize("backend", ["journal", "postgresql", "mysql"])
