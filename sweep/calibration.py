@@ -127,8 +127,8 @@ def calibrated(spec: StudySpec, pm: PackedModel, calibrations: int = 1,
             f"{spec.data.max_length} tokens (cached for the next plan or run)")
     shape = BaseShape.of(pm.model)  # before the probes: they wrap the projections, the shape is the same
     t0 = time.perf_counter()
-    models = [calibrate(pm, spec.data.max_length, pad_id=0, chunked_ce=spec.packing.chunked_ce,
-                        activation_checkpointing=spec.packing.activation_checkpointing,
+    models = [calibrate(pm, spec.data.max_length, pad_id=0, chunked_ce=spec.pack.chunked_ce,
+                        activation_checkpointing=spec.pack.activation_checkpointing,
                         optimizer_in_backward=spec.train.optimizer_in_backward) for _ in range(calibrations)]
     seconds = time.perf_counter() - t0
     key = calibration_key(spec, str(pm.device))
@@ -179,9 +179,9 @@ def calibration_key(spec: StudySpec, device: str) -> dict[str, Any]:
         device = f"cuda {torch.cuda.get_device_name(where)}"
     return {"version": CALIBRATION_VERSION, "model": _files(spec.model.path, spec.model.gguf_file),
             "dtype": spec.model.dtype, "quantize": spec.model.quantize, "device": device,
-            "kernels": spec.packing.kernels, "fused_base_ops": spec.packing.fused_base_ops,
-            "seq_len": spec.data.max_length, "chunked_ce": spec.packing.chunked_ce,
-            "activation_checkpointing": spec.packing.activation_checkpointing,
+            "kernels": spec.pack.kernels, "fused_base_ops": spec.pack.fused_base_ops,
+            "seq_len": spec.data.max_length, "chunked_ce": spec.pack.chunked_ce,
+            "activation_checkpointing": spec.pack.activation_checkpointing,
             "optimizer_in_backward": spec.train.optimizer_in_backward, "torch": torch.__version__,
             "threads": torch.get_num_threads()}
 

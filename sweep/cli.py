@@ -55,7 +55,7 @@ def _load(study: str, overrides: tuple[str, ...], out: str | None) -> StudySpec:
 @click.option("--workers", type=click.IntRange(min=1), help="Start N worker processes sharing the study "
               "(one per visible GPU, pinned with CUDA_VISIBLE_DEVICES; CPU workers on a host without one).")
 @click.option("--gpus", type=click.IntRange(min=1), help="Train one pack over N GPUs, its base sharded "
-              "(packing.shard: fsdp): one process per GPU, this one rank 0 (CPU processes with model.device: cpu).")
+              "(pack.shard: fsdp): one process per GPU, this one rank 0 (CPU processes with model.device: cpu).")
 @click.option("--storage", help="Shared Optuna storage of the workers: an RDB URL or a journal file (*.log).")
 @click.option("--heartbeat", default=5.0, show_default=True, help="Seconds between worker heartbeats.")
 @click.option("--grace", default=60.0, show_default=True, help="Seconds without a heartbeat before a "
@@ -212,7 +212,7 @@ def worker(study: str, overrides: tuple[str, ...], storage: str | None, out: str
     if index is None:
         index = int(os.environ.get("SLURM_ARRAY_TASK_ID") or os.environ.get("SLURM_PROCID") or os.getpid())
     sharing = Sharing(url, worker=index, heartbeat=heartbeat, grace=grace)
-    ranks = torchrun_channel(spec)  # packing.shard: fsdp under torchrun: this task's GPUs train one pack
+    ranks = torchrun_channel(spec)  # pack.shard: fsdp under torchrun: this task's GPUs train one pack
     if ranks is not None and not ranks.leads:
         follow(spec, ranks)
         return
@@ -263,7 +263,7 @@ def _refresh_report(out_dir: Path) -> None:
 @click.argument("overrides", nargs=-1)
 @click.option("--calibrations", type=click.IntRange(min=1), default=1, show_default=True,
               help="Calibrations to measure when the cache holds fewer (more: the median step and its range).")
-@click.option("--gpus", type=click.IntRange(min=1), help="GPUs a `packing.shard: fsdp` pack is sharded over: memory "
+@click.option("--gpus", type=click.IntRange(min=1), help="GPUs a `pack.shard: fsdp` pack is sharded over: memory "
               "per GPU (default: the visible GPUs, 1 without).")
 def plan(study: str, overrides: tuple[str, ...], calibrations: int, gpus: int | None) -> None:
     """Print the pack layout, predicted memory and time of STUDY.yaml, without training (the calibration is
@@ -285,11 +285,11 @@ def plan(study: str, overrides: tuple[str, ...], calibrations: int, gpus: int | 
     if gpus is None:
         import torch
 
-        gpus = max(1, torch.cuda.device_count()) if spec.packing.shard == "fsdp" else 1
+        gpus = max(1, torch.cuda.device_count()) if spec.pack.shard == "fsdp" else 1
     cached = cached_calibration(spec, device, calibrations)
     # a target the cached shape lacks: load the model, whose check names what it has; likewise a world size the
     # cache holds no FSDP share for
-    sharded = spec.packing.shard == "fsdp" and gpus > 1
+    sharded = spec.pack.shard == "fsdp" and gpus > 1
     if cached is not None and cached[2].has_targets(target_sets(spec).values()) and \
             (not sharded or gpus in cached[2].shard_peak):
         models, where, base = cached

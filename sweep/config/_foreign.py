@@ -256,7 +256,7 @@ def _axolotl(doc: Doc, data: dict[str, Any]) -> _Out:
     handlers: dict[str, Callable[[_Out, Any], None]] = {
         "datasets": _datasets, "adapter": _adapter, "load_in_4bit": _load_in_4bit, "optimizer": _optimizer,
         "output_dir": _output,
-        "gradient_checkpointing": lambda o, v: o.put(("packing", "activation_checkpointing"), bool(v),
+        "gradient_checkpointing": lambda o, v: o.put(("pack", "activation_checkpointing"), bool(v),
                                                      ("gradient_checkpointing",)),
         "warmup_ratio": lambda o, v: o.put(("train", "warmup_ratio"), v, ("warmup_ratio",)),
         "adam_beta1": lambda o, v: None, "adam_beta2": lambda o, v: None,  # with betas, below
@@ -503,9 +503,9 @@ def _tt_schedule(out: _Out, value: Any) -> None:
 
 def _tt_loss(out: _Out, value: Any) -> None:
     cfg, name = _component(out, value, "loss")
-    out.dropped += [f"loss.{k}" for k in cfg if k != "_component_"]  # num_output_chunks: packing.chunked_ce's own
+    out.dropped += [f"loss.{k}" for k in cfg if k != "_component_"]  # num_output_chunks: pack.chunked_ce's own
     if name in ("CEWithChunkedOutputLoss", "LinearCrossEntropyLoss"):
-        out.put(("packing", "chunked_ce"), True, ("loss", "_component_"))  # the same loss, in chunks
+        out.put(("pack", "chunked_ce"), True, ("loss", "_component_"))  # the same loss, in chunks
     elif name != "CrossEntropyLoss":
         raise out.error(("loss", "_component_"), f"only cross-entropy losses are supported (got {name})")
 
@@ -536,7 +536,7 @@ _TT: dict[str, Callable[[_Out, Any], None]] = {
     "gradient_accumulation_steps": _tt_flag(("train", "gradient_accumulation_steps"), "gradient_accumulation_steps"),
     "clip_grad_norm": _tt_flag(("train", "max_grad_norm"), "clip_grad_norm"),
     "optimizer_in_bwd": lambda out, v: out.put(("train", "optimizer_in_backward"), bool(v), ("optimizer_in_bwd",)),
-    "enable_activation_checkpointing": _tt_flag(("packing", "activation_checkpointing"),
+    "enable_activation_checkpointing": _tt_flag(("pack", "activation_checkpointing"),
                                                 "enable_activation_checkpointing"),
     "device": _tt_flag(("model", "device"), "device"),
 }

@@ -61,7 +61,7 @@ def test_one_run_stops_asking_once_the_tokens_trained_reach_the_budget(tiny_dirs
     spec = load_study(write_study(tmp_path, tiny_dirs("llama"), "tokens-one", search=NO_DEFAULT, train=SMALL,
                                   objectives=[{"metric": "eval_loss", "direction": "minimize"}],
                                   budget={"tokens": budget, "trials": 12}, pruning={"kind": "none"},
-                                  packing={"max_slots": 2}, evaluators=[{"name": "heldout_loss"}]))
+                                  pack={"max_slots": 2}, evaluators=[{"name": "heldout_loss"}]))
     run_study(spec, log=lambda m: None)
     trials = optuna_study(spec.out_dir, "tokens-one").trials
     _check_tokens(trials, spec.out_dir / "results.db", budget, slots=2, full=full)
@@ -77,7 +77,7 @@ def test_workers_stop_at_the_shared_token_budget(tiny_dirs, tmp_path, backend: s
     full = _full_trial_tokens(tiny_dirs("llama"))
     budget = int(3.5 * full)
     path = _study_file(tmp_path, tiny_dirs("llama"), name, search=NO_DEFAULT, train=SMALL,
-                       budget={"tokens": budget, "trials": 12}, packing={"max_slots": 1})
+                       budget={"tokens": budget, "trials": 12}, pack={"max_slots": 1})
     result = subprocess.run(_cli("run", str(path), "--workers", "2", "--storage", url, "--heartbeat", "1",
                                  "--grace", "20"), capture_output=True, text=True, timeout=150, cwd=ROOT, env=ENV)
     out = tmp_path / f"runs-{name}"
@@ -91,7 +91,7 @@ def test_workers_start_no_trial_after_the_shared_deadline(tiny_dirs, tmp_path) -
     wall = 12.0
     log = tmp_path / "wall.log"
     path = _study_file(tmp_path, tiny_dirs("llama"), "wall", search=NO_DEFAULT, train=SMALL,
-                       budget={"wall_time": wall}, packing={"max_slots": 1})
+                       budget={"wall_time": wall}, pack={"max_slots": 1})
     launched = time.time()
 
     def worker(index: int) -> subprocess.Popen:

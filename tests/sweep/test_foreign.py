@@ -63,7 +63,7 @@ def test_axolotl_lora_1b_runs_a_small_study(tiny_dirs, tmp_path, caplog) -> None
     assert set(t.targets) == {"gate_proj", "down_proj", "up_proj", "q_proj", "v_proj", "k_proj", "o_proj"}
     assert {p.name for p in spec.search.params} == {"rank", "lr"}  # searched: the file's lora_r, lr are dropped
     assert spec.data.max_length == 96 and spec.data.format == "alpaca" and not spec.data.train_on_prompt
-    assert spec.packing.activation_checkpointing and spec.out_dir == tmp_path / "out-axolotl-lora-1b.yml"
+    assert spec.pack.activation_checkpointing and spec.out_dir == tmp_path / "out-axolotl-lora-1b.yml"
     train_rows = spec.data.train.read_text().splitlines()
     eval_rows = spec.data.eval.read_text().splitlines()
     assert (len(train_rows), len(eval_rows)) == (43, 5) and not set(train_rows) & set(eval_rows)  # seeded split
@@ -79,7 +79,7 @@ def test_torchtune_lora_recipe_runs_a_small_study(tiny_dirs, tmp_path) -> None:
     assert set(t.targets) == {"q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     assert (t.alpha, t.lr, t.weight_decay, t.schedule, t.warmup_steps) == (128, 3e-4, 0.01, "cosine", 2)
     assert (t.micro_batch, t.gradient_accumulation_steps, t.epochs, t.max_steps_per_epoch) == (4, 2, 1, 3)
-    assert spec.packing.chunked_ce is True and spec.model.dtype == "float32" and spec.data.format == "alpaca"
+    assert spec.pack.chunked_ce is True and spec.model.dtype == "float32" and spec.data.format == "alpaca"
     run_study(spec, log=lambda m: None)
     trials = _trials(spec.out_dir, spec.name)
     assert len(trials) == 2 and all(tr.state == TrialState.COMPLETE for tr in trials)
@@ -300,7 +300,7 @@ def test_every_key_of_a_foreign_config_is_mapped_ignored_or_refused(tiny_dirs, t
     for dotted, value in EXTRA_KEYS[kind].items():
         parts = tuple(int(p) if p.isdigit() else p for p in dotted.split("."))
         data = _set(data, parts, value)
-    ours = {"search", "budget", "data", "objectives", "output", "name", "evaluators", "pruning", "packing"}
+    ours = {"search", "budget", "data", "objectives", "output", "name", "evaluators", "pruning", "pack"}
     paths = [p for p in _paths(data) if p[0] not in ours]
     parents = {p[:-1] for p in paths}  # a mapping walked key by key is judged by its keys
     fates = {".".join(map(str, p)): _fate(tmp_path, data, p, caplog) for p in paths if p not in parents}

@@ -49,7 +49,7 @@ def test_a_password_in_the_storage_url_reaches_no_output(tiny_dirs, tmp_path) ->
     secret = f":{url.password}@"
     path = write_study(tmp_path, tiny_dirs("llama"), name=f"secret{os.getpid()}",
                        storage=url.render_as_string(hide_password=False), budget={"trials": 2},
-                       train={"max_steps": 6, "micro_batch": 2}, pruning={"kind": "none"}, packing={"max_slots": 2})
+                       train={"max_steps": 6, "micro_batch": 2}, pruning={"kind": "none"}, pack={"max_slots": 2})
     out = tmp_path / f"runs-secret{os.getpid()}"
     env = {k: v for k, v in os.environ.items() if k != "PGPASSWORD"} | {"PGPASSWORD": url.password}
     run = subprocess.run([sys.executable, "-m", "lora_sweep", "run", str(path), "--workers", "1", "--grace", "20"],

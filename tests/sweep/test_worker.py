@@ -51,7 +51,7 @@ def _study_file(tmp_path: Path, model_dir: Path, name: str, **changes) -> Path:
         "objectives": [{"metric": "eval_loss", "direction": "minimize"}],
         "budget": {"trials": 9},
         "pruning": {"kind": "none"},
-        "packing": {"max_slots": 2},
+        "pack": {"max_slots": 2},
         "evaluators": [{"name": "heldout_loss"}],
         "artifacts": str(tmp_path / "shared-adapters" / name),
         **changes,
