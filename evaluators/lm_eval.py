@@ -32,7 +32,7 @@ from torch import nn
 
 from lora_sweep.errors import ConfigError, UserError
 from lora_sweep.evaluators._core import EvalData, EvalResult, make_options, slot_layout
-from lora_sweep.packer.model.packed import PackedModel
+from lora_sweep.packer.api import PackedModel
 
 __all__ = ["LmEvalOptions", "SlotView", "run_lm_eval", "task_names", "metric_direction", "INSTALL_HINT"]
 

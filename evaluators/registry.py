@@ -31,7 +31,7 @@ from lora_sweep.evaluators.heldout_loss import METRICS as _HELDOUT_METRICS
 from lora_sweep.evaluators.heldout_loss import HeldoutOptions, heldout_loss
 from lora_sweep.evaluators.lm_eval import LmEvalOptions, run_lm_eval, task_names
 from lora_sweep.evaluators.lm_eval import metric_direction as _lm_eval_direction
-from lora_sweep.packer.model.packed import PackedModel
+from lora_sweep.packer.api import PackedModel
 
 __all__ = ["Evaluator", "EVALUATORS", "OPTIONS", "METRICS", "MC_FORMAT", "EvalData", "EvalResult", "SlotEvalError",
            "load_eval_data", "validate", "metrics_of", "metric_direction", "evaluate"]

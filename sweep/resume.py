@@ -24,9 +24,7 @@ from optuna.trial import TrialState
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.evaluators.registry import metrics_of
-from lora_sweep.packer.model.gguf import gguf_source
-from lora_sweep.packer.model.packed import PackedModel, load_base, prepare_kernels, resolve_base
-from lora_sweep.packer.model.shard_load import load_sharded
+from lora_sweep.packer.api import PackedModel, gguf_source, load_base, load_sharded, prepare_kernels, resolve_base
 from lora_sweep.sweep.budget import counted
 from lora_sweep.sweep.config.spec import StudySpec
 from lora_sweep.sweep.device import resolve_device

@@ -23,7 +23,7 @@ import yaml
 from optuna.trial import TrialState
 
 from lora_sweep.errors import UserError
-from lora_sweep.packer.model.packed import PackedModel
+from lora_sweep.packer.api import PackedModel
 from lora_sweep.sweep.config.spec import StudySpec
 from lora_sweep.sweep.ledger import Ledger
 from lora_sweep.sweep.storage import Sharing

@@ -33,12 +33,18 @@ from optuna.trial import TrialState
 from lora_sweep.errors import STOP_SAID, Terminated, UserError, first_line
 from lora_sweep.evaluators.cost import cost_metrics, slot_adapter_params
 from lora_sweep.evaluators.registry import EvalResult, evaluate, load_eval_data, metrics_of
-from lora_sweep.packer.data.rows import load_examples
-from lora_sweep.packer.model.checkpoint import save_adapters
-from lora_sweep.packer.model.packed import PackedModel
-from lora_sweep.packer.plan import AdapterSpec
-from lora_sweep.packer.step.static_loop import rank_bucket_for
-from lora_sweep.packer.step.train import STEP_NAMES, SlotEnd, SlotJob, StepReport, train
+from lora_sweep.packer.api import (
+    STEP_NAMES,
+    AdapterSpec,
+    PackedModel,
+    SlotEnd,
+    SlotJob,
+    StepReport,
+    load_examples,
+    rank_bucket_for,
+    save_adapters,
+    train,
+)
 from lora_sweep.sweep._trial_data import check_data, check_packing, planned_tokens, trial_adapter, trial_stream
 from lora_sweep.sweep.budget import BudgetState, TokenPlan, budget_state, end_line, recorded_budget
 from lora_sweep.sweep.config.space import adapter_spec, suggest

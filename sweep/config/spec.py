@@ -19,9 +19,8 @@ from typing import Any, Literal
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.evaluators import registry
-from lora_sweep.packer.data.rows import FORMATS as DATA_FORMATS
-from lora_sweep.packer.model.quant import QUANTIZE
-from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.packer.api import FORMATS as DATA_FORMATS
+from lora_sweep.packer.api import QUANTIZE, AdapterSpec
 from lora_sweep.sweep.config._params import SEARCHABLE, Param, SearchSpace, _check, _check_adapter_value, _is_num
 from lora_sweep.sweep.config.strategy import _NAME, SAMPLERS, Budget, Constraint, Objective, PruningSpec, SamplerSpec
 
