@@ -15,13 +15,13 @@ from tests.conftest import write_study
 
 def refuse_model_loads(monkeypatch) -> None:  # noqa: ANN001
     """From here on, loading the model or its tokenizer fails the test: what a cached plan must not do."""
-    import lora_sweep.packer.model.packed as model_module
+    import lora_sweep.packer.api as packer  # the face the plan imports them from, inside its functions
 
     def refused(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise AssertionError("a cached plan loads neither the model nor its tokenizer")
 
-    monkeypatch.setattr(model_module, "load_base", refused)
-    monkeypatch.setattr(model_module, "load_tokenizer", refused)
+    monkeypatch.setattr(packer, "load_base", refused)
+    monkeypatch.setattr(packer, "load_tokenizer", refused)
 
 
 def test_a_second_plan_reads_the_calibration_back(tiny_dirs, tmp_path, monkeypatch) -> None:

@@ -159,7 +159,7 @@ def test_sample_packing_is_refused_on_a_sharded_pack(tiny_dirs, tmp_path, capsys
     path = _study(tmp_path, tiny_dirs("llama"), "packed", "fsdp")
     capsys.readouterr()
     assert _main(["run", str(path), "--quiet", "train.sample_packing=true"]) == 2
-    assert capsys.readouterr().err.startswith("error: packing.shard: fsdp does not take sample packing")
+    assert capsys.readouterr().err.startswith("error: pack.shard: fsdp does not take sample packing")
     assert not (tmp_path / "runs-packed").exists()
 
 
