@@ -61,7 +61,7 @@ def test_captured_static_evaluation_equals_the_dynamic_path(tiny_dirs, impl: str
     from lora_sweep.evaluators.registry import load_eval_data
     from lora_sweep.packer.step import eval_graph
     from tests.evaluators.conftest import YESNO
-    from tests.evaluators.test_static_eval import static_pack_evaluations
+    from tests.helpers import static_pack_evaluations
 
     if impl == "triton":
         pytest.importorskip("triton")

@@ -11,17 +11,7 @@ from lora_sweep.sweep.live import PlainLog
 from lora_sweep.sweep.planning import plan_pack
 from lora_sweep.sweep.study import run_study
 from tests.conftest import write_study
-
-
-def refuse_model_loads(monkeypatch) -> None:  # noqa: ANN001
-    """From here on, loading the model or its tokenizer fails the test: what a cached plan must not do."""
-    import lora_sweep.packer.api as packer  # the face the plan imports them from, inside its functions
-
-    def refused(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        raise AssertionError("a cached plan loads neither the model nor its tokenizer")
-
-    monkeypatch.setattr(packer, "load_base", refused)
-    monkeypatch.setattr(packer, "load_tokenizer", refused)
+from tests.helpers import refuse_model_loads
 
 
 def test_a_second_plan_reads_the_calibration_back(tiny_dirs, tmp_path, monkeypatch) -> None:
