@@ -225,8 +225,8 @@ def worker(study: str, overrides: tuple[str, ...], storage: str | None, out: str
 
 def _preloading_report(progress: Callable[[Progress], None]) -> Callable[[Progress], None]:
     """``progress``, which on its first call (the pack's first steps have run) starts ``reports.html.preload``
-    on a daemon thread: the report's lazy imports (~1 s on an H200 host) then load while the step loop waits on
-    the GPU, not after the run, when the report is written."""
+    on a daemon thread: the report's lazy imports (a second on a GPU host: BENCHMARKS.md, "A GPU run's start-up and
+    exit") then load while the step loop waits on the GPU, not after the run, when the report is written."""
     started = False
 
     def call(p: Progress) -> None:
@@ -409,11 +409,14 @@ def example(name: str | None, out: str | None) -> None:
 @cli.command()
 @click.option("--cpu", "cpu", is_flag=True, help="Training: N adapters packed vs one after another, on the CPU.")
 @click.option("--cpu-eval", "cpu_eval", is_flag=True, help="Evaluation: N adapters scored packed vs one at a time.")
-@click.option("--gpu", "gpu", is_flag=True, help="The GPU workloads (W1-W5, base ceiling, profile, memory model) "
-              "on random-init models of real architecture shapes.")
+@click.option("--gpu", "gpu", is_flag=True, help="Training on the GPU, on random-init models of real architecture "
+              "shapes: a packed-vs-PyTorch correctness check first, then tokens/s and MFU of packs against PEFT one "
+              "adapter at a time, the LoRA's cost over the base, the base alone, and the memory model's predictions.")
 @click.option("--gpu-part", type=click.Choice(["small", "large", "makespan", "memory", "layer", "all"]), default="all",
-              show_default=True, help="--gpu: the 0.5B shape, the 7B/8B shapes, the W3 makespan, the memory model's "
-              "fit against measured peaks, W4 alone (layer; also part of small), or all (all but memory).")
+              show_default=True, help="--gpu: small (the 0.5B shape: every measure above), large (the 7B and 8B "
+              "shapes), makespan (a 24-config sweep end to end against PEFT one config after another), memory (the "
+              "memory model against measured peaks), layer (the LoRA's cost over one decoder layer; also in small), "
+              "or all (all but memory).")
 @click.option("--adapters", default=8, show_default=True, help="Adapters (CPU benchmarks).")
 @click.option("--steps", default=30, show_default=True, help="Optimizer steps per adapter (--cpu).")
 @click.option("--micro-batch", default=1, show_default=True, help="Sequences per adapter per step (--cpu).")
@@ -513,11 +516,11 @@ def _leave(code: int) -> NoReturn:
     """Exit with ``code`` now: the atexit handlers run (logging's flush among them), the interpreter's teardown
     does not.
 
-    After a CUDA run that teardown (collecting every module, then torch's and the driver's destructors of the
-    captured graphs, memory pools and the context) took ~2 s on an H200 host, in every ``sweep run``, after the
-    last result was written. Nothing depends on it: Optuna's journal appends and SQLite commits are synced when
-    made, files are written atomically, the study directory's lock is an ``flock`` the kernel drops with the
-    process, and the sweep's threads are daemons or joined by then.
+    After a CUDA run that teardown (collecting every module, then torch's and the driver's destructors of the captured
+    graphs, memory pools and the context) takes seconds in every ``sweep run``, after the last result was written
+    (BENCHMARKS.md, "A GPU run's start-up and exit"). Nothing depends on it: Optuna's journal appends and SQLite commits
+    are synced when made, files are written atomically, the study directory's lock is an ``flock`` the kernel drops with
+    the process, and the sweep's threads are daemons or joined by then.
     """
     atexit._run_exitfuncs()
     sys.stdout.flush()

@@ -1,11 +1,12 @@
 """``sweep export``: one trial's adapter as a PEFT directory (vLLM-ready by default), or merged into the base.
 
 The trial's saved adapter (``adapters/trial-<n>``, written by ``packer.model.checkpoint``) is rewritten into a new
-directory with a model card (``README.md``: params, metrics, data, study provenance). vLLM's rules
-(../shared/notes/formats-and-eval.md §2) are met without changing the adapter's function: a rank outside
-``VLLM_RANKS`` is zero-padded to the next allowed one (extra rows of A, columns of B) with alpha rescaled so
-the scale s stays (alpha' = s·r', or s·sqrt(r') with rsLoRA); rank/alpha patterns are folded into B; adapter
-names are dropped from keys. ``merge=True`` writes the base model with W + s·B·A folded in, plus its tokenizer.
+directory with a model card (``README.md``: params, metrics, data, study provenance). vLLM's rules (a rank
+from its ``max_lora_rank`` choices, one rank and alpha per adapter, keys without adapter names) are met without
+changing the adapter's function: a rank outside ``VLLM_RANKS`` is zero-padded to the next allowed one (extra rows
+of A, columns of B) with alpha rescaled so the scale s stays (alpha' = s·r', or s·sqrt(r') with rsLoRA);
+rank/alpha patterns are folded into B; adapter names are dropped from keys. ``merge=True`` writes the base model
+with W + s·B·A folded in, plus its tokenizer.
 """
 
 from __future__ import annotations

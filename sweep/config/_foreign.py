@@ -5,13 +5,14 @@ config (``model: {_component_: ...lora_...}``, ``dataset``, ``optimizer``, ...) 
 ``search:``, ``budget:`` and ``objectives:`` is rewritten into a study file's mapping; the keys the
 two formats share with ours (``lora_r``, ``learning_rate``, ``micro_batch_size``, ``sequence_len``,
 ``gradient_accumulation_steps``, ...) are left to ``loader``'s alias table. The rule for every other
-key (README.md, "Axolotl and torchtune configs", has the table): a key that changes the math is translated, or refused
-in one error naming it when it asks for something not built (QLoRA, DoRA, 8-bit loading, a hub
-dataset, another optimizer); a key about logging, hardware or infrastructure is dropped, and all
-dropped keys are named in one warning.
+key (docs/guides/foreign-configs.md has the table): a key that changes the math is translated (QLoRA's
+``adapter: qlora`` and ``load_in_4bit`` to ``model.quantize: nf4``; 8-bit loading and 8-bit AdamW to the
+unquantized base and fp32 AdamW they approximate, with a warning), or refused in one error naming it when it asks
+for something not built (DoRA, GPTQ, a hub dataset, another optimizer); a key about logging, hardware or
+infrastructure is dropped, and all dropped keys are named in one warning.
 
 Over ~400 lines on purpose: both formats' translation and refusal tables, and the rules they share
-(dropped keys, the one warning), read as one page against the README's table.
+(dropped keys, the one warning), read as one page against that table.
 """
 
 from __future__ import annotations

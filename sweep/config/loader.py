@@ -1,7 +1,7 @@
 """Study file -> ``StudySpec`` (``load_study``, the one way in): sections, key aliases, the W&B
 ``parameters:`` block, relocated flat keys.
 
-The alias table follows notes/optuna-and-sweeps.md §4 (Axolotl, torchtune, PEFT, HF/TRL names).
+The alias table holds the names Axolotl, torchtune, PEFT and HF/TRL give the same settings.
 Axolotl-style flat keys at the top level (``base_model``, ``lora_r``, ``learning_rate``,
 ``sequence_len``, ...) are moved into their section; W&B's ``method``, ``metric``, ``run_cap`` and
 ``parameters`` map onto ``sampler``, ``objectives``, ``budget.trials`` and ``search``. A whole Axolotl
