@@ -45,7 +45,8 @@ SECTIONS: tuple[tuple[str, type, str], ...] = (
     ("budget", S.Budget, "When the study stops: whichever limit is reached first (at least one)."),
     ("sampler", S.SamplerSpec, "The Optuna sampler. A string is short for `sampler.name`."),
     ("pruning", S.PruningSpec, "Cohort successive halving at rung steps. `pruning: none` (or absent) turns it off."),
-    ("packing", S.PackingSpec, "How trials share one training run. A number is short for `packing.max_slots`."),
+    ("pack", S.PackSpec, "How trials share one training run (a pack: the trials as slots of one run over one "
+                         "frozen base). A number is short for `pack.max_slots`."),
 )
 """Mapping sections: (key, dataclass, what the section is)."""
 LISTS: tuple[tuple[str, type, str], ...] = (
@@ -56,7 +57,7 @@ LISTS: tuple[tuple[str, type, str], ...] = (
     ("evaluators", S.EvalSpec, "Run on every finished trial and at rungs. An entry may also be a bare name."),
 )
 """List sections: (key, dataclass of one entry, what the list is)."""
-NESTED = {"model", "data", "search", "train", "budget", "sampler", "pruning", "packing", "objectives", "constraints",
+NESTED = {"model", "data", "search", "train", "budget", "sampler", "pruning", "pack", "objectives", "constraints",
           "evaluators"}
 """StudySpec fields that are sections of their own below."""
 WANDB_TOP = {"method": "`sampler.name` (`bayes` is `tpe`, `random`, `grid`)", "metric": "one entry of `objectives`",
@@ -141,10 +142,13 @@ def _table(prefix: str, cls: type, skip: set[str] = frozenset()) -> list[str]:  
 
 def _aliases(section: str) -> list[str]:
     table = loader._ALIASES.get(section, {})
+    names = sorted(a for a, c in loader._ALIASES[""].items() if c == section)
+    out = [f"The section under another name: {', '.join(f'`{a}` → `{section}`' for a in names)} (its overrides "
+           f"too: `{names[0]}.max_slots=4`).", ""] if names else []
     if not table:
-        return []
+        return out
     pairs = ", ".join(f"`{a}` → `{c}`" for a, c in sorted(table.items()))
-    return [f"Aliases (Axolotl, torchtune, PEFT, HF and Optuna names): {pairs}.", ""]
+    return [*out, f"Aliases (Axolotl, torchtune, PEFT, HF and Optuna names): {pairs}.", ""]
 
 
 def _top() -> list[str]:

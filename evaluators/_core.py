@@ -22,8 +22,7 @@ from typing import Any, Literal, Protocol
 
 from lora_sweep.errors import ConfigError, DataError, UserError
 from lora_sweep.kernels.ops import PackLayout
-from lora_sweep.packer.data.rows import FORMATS, json_error, read_jsonl
-from lora_sweep.packer.model.packed import PackedModel
+from lora_sweep.packer.api import FORMATS, PackedModel, json_error, read_jsonl
 
 __all__ = ["MC_FORMAT", "TEXT_FORMATS", "Evaluator", "Score", "EvalData", "EvalResult", "SlotEvalError",
            "load_eval_data", "make_options", "check_format", "routed", "slot_layout", "chunks", "pad_id", "finite",

@@ -30,7 +30,7 @@ from lora_sweep.evaluators._core import (
     pad_id,
     slot_layout,
 )
-from lora_sweep.packer.model.packed import PackedModel
+from lora_sweep.packer.api import PackedModel
 
 __all__ = ["ChoiceOptions", "multiple_choice", "MULTIPLE_CHOICE", "choice_logprobs", "encode_pair", "METRICS"]
 

@@ -25,7 +25,7 @@ from typing import Any
 from lora_sweep.errors import ConfigError
 from lora_sweep.evaluators._core import EvalData, EvalResult, Evaluator, SlotEvalError, finite, make_options
 from lora_sweep.evaluators.generation import GenerationOptions, build_prompts, generate_texts
-from lora_sweep.packer.model.packed import PackedModel
+from lora_sweep.packer.api import PackedModel
 
 __all__ = ["CustomOptions", "custom", "CUSTOM", "load_object", "load_function", "load_option_function"]
 

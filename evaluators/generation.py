@@ -44,9 +44,7 @@ from lora_sweep.evaluators._core import (
     uses_batched,
 )
 from lora_sweep.evaluators.scorers import SCORERS
-from lora_sweep.packer.data.rows import IGNORE_INDEX, tokenize_rows
-from lora_sweep.packer.model.packed import PackedModel
-from lora_sweep.packer.step import eval_graph
+from lora_sweep.packer.api import IGNORE_INDEX, PackedModel, eval_graph, tokenize_rows
 
 __all__ = ["GenerationOptions", "generation", "GENERATION", "generate_ids", "generate_texts", "build_prompts",
            "references", "METRICS"]

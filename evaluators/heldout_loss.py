@@ -28,11 +28,7 @@ from lora_sweep.evaluators._core import (
     uses_batched,
 )
 from lora_sweep.kernels.ops import PackLayout
-from lora_sweep.packer.data.batch import PackBatch, collate
-from lora_sweep.packer.data.rows import FORMATS, tokenize_rows
-from lora_sweep.packer.loss import slot_losses
-from lora_sweep.packer.model.packed import PackedModel
-from lora_sweep.packer.step import eval_graph
+from lora_sweep.packer.api import FORMATS, PackBatch, PackedModel, collate, eval_graph, slot_losses, tokenize_rows
 
 __all__ = ["HeldoutOptions", "heldout_loss", "HELDOUT_LOSS", "METRICS"]
 

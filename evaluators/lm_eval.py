@@ -5,7 +5,7 @@ The only module that imports ``lm_eval`` (the optional extra ``lora-sweep[eval]`
 slot's adapter; it is handed to lm-eval's ``HFLM`` as an already-built model (the pattern of torchtune's
 ``recipes/eleuther_eval.py``), one ``simple_evaluate`` per slot with one ``TaskManager``.
 
-Offline (../shared/notes/formats-and-eval.md §3): ``HF_HUB_OFFLINE``, ``HF_DATASETS_OFFLINE`` and ``HF_HOME``
+Offline, as lm-eval runs without a hub: ``HF_HUB_OFFLINE``, ``HF_DATASETS_OFFLINE`` and ``HF_HOME``
 (``<work_dir>/hf_home``) are set before ``datasets`` / ``lm_eval`` are imported (and ``datasets.config`` is
 updated if ``datasets`` was imported earlier); ``TaskManager(include_defaults=False)`` unless asked;
 ``bootstrap_iters=0``; ``log_samples=True`` for per-item results. Task data files must be absolute paths:
@@ -32,7 +32,7 @@ from torch import nn
 
 from lora_sweep.errors import ConfigError, UserError
 from lora_sweep.evaluators._core import EvalData, EvalResult, Evaluator, make_options, slot_layout
-from lora_sweep.packer.model.packed import PackedModel
+from lora_sweep.packer.api import PackedModel
 
 __all__ = ["LmEvalOptions", "SlotView", "run_lm_eval", "LM_EVAL", "task_names", "metric_direction", "INSTALL_HINT"]
 

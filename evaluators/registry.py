@@ -30,7 +30,7 @@ from lora_sweep.evaluators.custom import CUSTOM, load_object
 from lora_sweep.evaluators.generation import GENERATION
 from lora_sweep.evaluators.heldout_loss import HELDOUT_LOSS
 from lora_sweep.evaluators.lm_eval import LM_EVAL
-from lora_sweep.packer.model.packed import PackedModel
+from lora_sweep.packer.api import PackedModel
 
 __all__ = ["Evaluator", "Score", "EVALUATORS", "MC_FORMAT", "EvalData", "EvalResult", "SlotEvalError",
            "load_eval_data", "find", "validate", "metrics_of", "metric_direction", "evaluate"]

@@ -51,10 +51,10 @@ def run(study: StudySpec | str | Path, overrides: Sequence[str] = (), *, out: st
     configured logging itself (``logging.getLogger("lora_sweep").setLevel(logging.WARNING)`` silences them, as
     ``optuna.logging.set_verbosity`` does Optuna's). ``allow_changes``: resume even if a fixed setting
     (e.g. ``train.max_steps``) differs from the one the study started with. ``gpus``: the ranks of a sharded
-    pack (``packing.shard: fsdp``; default 1), this process rank 0 (``sweep.ranks.run_ranks``).
+    pack (``pack.shard: fsdp``; default 1), this process rank 0 (``sweep.ranks.run_ranks``).
 
     Raises:
-        UserError: ``gpus`` without ``packing.shard: fsdp``, or more than the visible devices.
+        UserError: ``gpus`` without ``pack.shard: fsdp``, or more than the visible devices.
     """
     from lora_sweep.errors import UserError
     from lora_sweep.sweep.study import run_study
@@ -64,9 +64,9 @@ def run(study: StudySpec | str | Path, overrides: Sequence[str] = (), *, out: st
     else:
         spec = study if out is None else dataclasses.replace(study, output=Path(out))
     say = log or _logger().info
-    if spec.packing.shard != "fsdp":
+    if spec.pack.shard != "fsdp":
         if gpus is not None:
-            raise UserError(f"--gpus {gpus} (gpus={gpus} in the API): needs packing.shard: fsdp (one pack over N "
+            raise UserError(f"--gpus {gpus} (gpus={gpus} in the API): needs pack.shard: fsdp (one pack over N "
                             f"GPUs); sweep run --workers N runs a pack per GPU")
         return run_study(spec, progress=progress, log=say, allow_changes=allow_changes)
     from lora_sweep.sweep.ranks import run_ranks

@@ -32,7 +32,7 @@ from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
 
 from lora_sweep.errors import UserError, first_line
-from lora_sweep.packer.model.checkpoint import discard_adapter
+from lora_sweep.packer.api import discard_adapter
 from lora_sweep.sweep.config.space import baseline_params, community_default, make_sampler
 from lora_sweep.sweep.config.spec import StudySpec
 from lora_sweep.sweep.storage import Sharing, last_beat, normalize_url, open_storage, storage_lock, unopenable

@@ -1,8 +1,8 @@
 """Shared Optuna storages: one backend object per URL scheme, to open a storage, lock it across workers, and keep
 heartbeats in it.
 
-Several ``sweep worker`` processes (on one host or many) share one study through its Optuna storage
-(notes §1.6): an RDB URL (``postgresql+psycopg2://...``, ``mysql+pymysql://...``, ``sqlite:///x.db``) or
+Several ``sweep worker`` processes (on one host or many) share one study through its Optuna storage:
+an RDB URL (``postgresql+psycopg2://...``, ``mysql+pymysql://...``, ``sqlite:///x.db``) or
 a journal file (``journal:///abs/path.log``, or a plain ``*.log`` path) for processes on one host.
 
 ``BACKENDS`` lists a ``StorageBackend`` per scheme: the URL prefixes it takes, how it normalises a URL, how it opens
@@ -11,7 +11,7 @@ the Optuna storage, the one-owner lock that makes "count the trials that count +
 journal file), and the local file that holds it (a file storage is shared by the processes of one host; a server's
 by any host that reaches it). Heartbeats are a trial system attr (``attrs.HEARTBEAT``,
 wall-clock seconds, written by ``sweep.ledger``) that works on every storage; Optuna's own heartbeats run
-only inside ``Study.optimize`` (notes §1.5). The study's wall-time clock is a study user attr
+only inside ``Study.optimize``. The study's wall-time clock is a study user attr
 (``attrs.CLOCK``), so every worker measures the wall-time budget from the same start (``resume_clock``,
 ``study_elapsed``).
 """

@@ -160,7 +160,7 @@ def write_study(tmp_path: Path, model_dir: Path, name: str = "small", **changes)
                        {"metric": "adapter_params", "direction": "minimize"}],
         "budget": {"trials": 6},
         "pruning": {"kind": "cohort_sha", "rungs": [6], "reduction_factor": 2},
-        "packing": {"max_slots": 3},
+        "pack": {"max_slots": 3},
         "evaluators": [{"name": "heldout_loss"}, {"name": "generation", "options": {"max_new_tokens": 4}}],
         "output": str(tmp_path / f"runs-{name}"),
         **changes,

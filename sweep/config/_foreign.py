@@ -5,13 +5,14 @@ config (``model: {_component_: ...lora_...}``, ``dataset``, ``optimizer``, ...) 
 ``search:``, ``budget:`` and ``objectives:`` is rewritten into a study file's mapping; the keys the
 two formats share with ours (``lora_r``, ``learning_rate``, ``micro_batch_size``, ``sequence_len``,
 ``gradient_accumulation_steps``, ...) are left to ``loader``'s alias table. The rule for every other
-key (README.md, "Axolotl and torchtune configs", has the table): a key that changes the math is translated, or refused
-in one error naming it when it asks for something not built (QLoRA, DoRA, 8-bit loading, a hub
-dataset, another optimizer); a key about logging, hardware or infrastructure is dropped, and all
-dropped keys are named in one warning.
+key (docs/guides/foreign-configs.md has the table): a key that changes the math is translated (QLoRA's
+``adapter: qlora`` and ``load_in_4bit`` to ``model.quantize: nf4``; 8-bit loading and 8-bit AdamW to the
+unquantized base and fp32 AdamW they approximate, with a warning), or refused in one error naming it when it asks
+for something not built (DoRA, GPTQ, a hub dataset, another optimizer); a key about logging, hardware or
+infrastructure is dropped, and all dropped keys are named in one warning.
 
 Over ~400 lines on purpose: both formats' translation and refusal tables, and the rules they share
-(dropped keys, the one warning), read as one page against the README's table.
+(dropped keys, the one warning), read as one page against that table.
 """
 
 from __future__ import annotations
@@ -256,7 +257,7 @@ def _axolotl(doc: Doc, data: dict[str, Any]) -> _Out:
     handlers: dict[str, Callable[[_Out, Any], None]] = {
         "datasets": _datasets, "adapter": _adapter, "load_in_4bit": _load_in_4bit, "optimizer": _optimizer,
         "output_dir": _output,
-        "gradient_checkpointing": lambda o, v: o.put(("packing", "activation_checkpointing"), bool(v),
+        "gradient_checkpointing": lambda o, v: o.put(("pack", "activation_checkpointing"), bool(v),
                                                      ("gradient_checkpointing",)),
         "warmup_ratio": lambda o, v: o.put(("train", "warmup_ratio"), v, ("warmup_ratio",)),
         "adam_beta1": lambda o, v: None, "adam_beta2": lambda o, v: None,  # with betas, below
@@ -503,9 +504,9 @@ def _tt_schedule(out: _Out, value: Any) -> None:
 
 def _tt_loss(out: _Out, value: Any) -> None:
     cfg, name = _component(out, value, "loss")
-    out.dropped += [f"loss.{k}" for k in cfg if k != "_component_"]  # num_output_chunks: packing.chunked_ce's own
+    out.dropped += [f"loss.{k}" for k in cfg if k != "_component_"]  # num_output_chunks: pack.chunked_ce's own
     if name in ("CEWithChunkedOutputLoss", "LinearCrossEntropyLoss"):
-        out.put(("packing", "chunked_ce"), True, ("loss", "_component_"))  # the same loss, in chunks
+        out.put(("pack", "chunked_ce"), True, ("loss", "_component_"))  # the same loss, in chunks
     elif name != "CrossEntropyLoss":
         raise out.error(("loss", "_component_"), f"only cross-entropy losses are supported (got {name})")
 
@@ -536,7 +537,7 @@ _TT: dict[str, Callable[[_Out, Any], None]] = {
     "gradient_accumulation_steps": _tt_flag(("train", "gradient_accumulation_steps"), "gradient_accumulation_steps"),
     "clip_grad_norm": _tt_flag(("train", "max_grad_norm"), "clip_grad_norm"),
     "optimizer_in_bwd": lambda out, v: out.put(("train", "optimizer_in_backward"), bool(v), ("optimizer_in_bwd",)),
-    "enable_activation_checkpointing": _tt_flag(("packing", "activation_checkpointing"),
+    "enable_activation_checkpointing": _tt_flag(("pack", "activation_checkpointing"),
                                                 "enable_activation_checkpointing"),
     "device": _tt_flag(("model", "device"), "device"),
 }

@@ -1,7 +1,7 @@
 """Study file -> ``StudySpec`` (``load_study``, the one way in): sections, key aliases, the W&B
 ``parameters:`` block, relocated flat keys.
 
-The alias table follows notes/optuna-and-sweeps.md §4 (Axolotl, torchtune, PEFT, HF/TRL names).
+The alias table holds the names Axolotl, torchtune, PEFT and HF/TRL give the same settings.
 Axolotl-style flat keys at the top level (``base_model``, ``lora_r``, ``learning_rate``,
 ``sequence_len``, ...) are moved into their section; W&B's ``method``, ``metric``, ``run_cap`` and
 ``parameters`` map onto ``sampler``, ``objectives``, ``budget.trials`` and ``search``. A whole Axolotl
@@ -31,7 +31,7 @@ from lora_sweep.sweep.config.spec import (
     EvalSpec,
     ModelSpec,
     Objective,
-    PackingSpec,
+    PackSpec,
     Param,
     PruningSpec,
     SamplerSpec,
@@ -55,6 +55,7 @@ _TRAIN = {
     "eval_steps": "eval_every",
 }  # fmt: skip
 _ALIASES: dict[str, dict[str, str]] = {
+    "": {"packing": "pack"},
     "train": _TRAIN,
     "search": _TRAIN,
     "parameters": _TRAIN,
@@ -65,12 +66,12 @@ _ALIASES: dict[str, dict[str, str]] = {
     "budget": {"n_trials": "trials", "run_cap": "trials", "timeout": "wall_time", "max_tokens": "tokens"},
     "sampler": {"type": "name"},
     "pruning": {"type": "kind", "eta": "reduction_factor"},
-    "packing": {"slots": "max_slots"},
+    "pack": {"slots": "max_slots"},
     "objectives": {"name": "metric", "goal": "direction"},
     "constraints": {"name": "metric"},
     "evaluators": {"type": "name", "args": "options"},
 }  # fmt: skip
-"""Section -> {alias: field}."""
+"""Section -> {alias: field}; ``""``, the top level: {alias: section}."""
 _TRAIN_FIELDS = [f.name for f in fields(TrainSpec)]
 _RELOCATE: dict[str, tuple[str, str]] = {
     **{k: ("train", _TRAIN.get(k, k)) for k in [*_TRAIN_FIELDS, *_TRAIN]},
@@ -81,7 +82,7 @@ _RELOCATE: dict[str, tuple[str, str]] = {
 """Top-level Axolotl-style key -> (section, field)."""
 _TOP = [
     "name", "description", "seed", "model", "data", "search", "parameters", "train", "objectives", "constraints",
-    "sampler", "budget", "pruning", "packing", "evaluators", "output", "storage", "artifacts",
+    "sampler", "budget", "pruning", "pack", "evaluators", "output", "storage", "artifacts",
     "method", "metric", "run_cap", "baseline",
 ]  # fmt: skip
 _WANDB = ["values", "value", "min", "max", "distribution", "q", "probabilities"]
@@ -108,10 +109,11 @@ def load_study(path: str | Path, overrides: Sequence[str] = (), *, check_paths: 
     """
     path = Path(path)
     doc, data = read(path, check_paths)
-    own, overrides = _foreign.split_overrides(data, overrides, _TOP)  # an Axolotl/torchtune config's own keys
+    ours = [*_TOP, *_ALIASES[""]]
+    own, overrides = _foreign.split_overrides(data, overrides, ours)  # an Axolotl/torchtune config's own keys
     for text in own:
         override(doc, data, text, {})
-    data = _foreign.translate(doc, data, _TRAIN, _TOP, [*_TOP, *_RELOCATE], _TRAIN_FIELDS)  # Axolotl/torchtune
+    data = _foreign.translate(doc, data, _TRAIN, ours, [*ours, *_RELOCATE], _TRAIN_FIELDS)  # Axolotl/torchtune
     for text in overrides:
         _drop_spellings(data, text)
         override(doc, data, text, _ALIASES)
@@ -163,7 +165,7 @@ def _part(
 
 
 def _study(doc: Doc, data: dict[str, Any]) -> StudySpec:
-    top = section(doc, data, (), (), [*_TOP, *_RELOCATE])
+    top = section(doc, data, (), (), [*_TOP, *_RELOCATE], _ALIASES[""])
     moved: dict[str, dict[str, Item]] = {"train": {}, "data": {}, "model": {}}
     for k in [k for k in top if k in _RELOCATE]:
         it = top.pop(k)
@@ -175,7 +177,7 @@ def _study(doc: Doc, data: dict[str, Any]) -> StudySpec:
         add(doc, moved[part], (part,), {name: it})
     search, fixed = _search(doc, top)
     add(doc, moved["train"], ("train",), fixed)
-    packing = typed(doc, PackingSpec, _part(doc, top, "packing", PackingSpec, short="max_slots"), ("packing",))
+    pack = typed(doc, PackSpec, _part(doc, top, "pack", PackSpec, short="max_slots"), ("pack",))
     kw: dict[str, Any] = {
         "name": coerce(doc, top.pop("name", Item(doc.file.stem, ())).value, "str", ("name",)),
         "model": _model(doc, top, moved["model"]),
@@ -185,7 +187,7 @@ def _study(doc: Doc, data: dict[str, Any]) -> StudySpec:
         "budget": _budget(doc, top),
         "sampler": _sampler(doc, top),
         "pruning": _pruning(doc, top),
-        "packing": make(doc, PackingSpec, ("packing",), **packing),
+        "pack": make(doc, PackSpec, ("pack",), **pack),
     }
     for key, build in (("objectives", _objective), ("constraints", _constraint), ("evaluators", _evaluator)):
         entries = _entries(doc, top, key)

@@ -19,14 +19,13 @@ from typing import Any, Literal
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.evaluators import registry
-from lora_sweep.packer.data.rows import FORMATS as DATA_FORMATS
-from lora_sweep.packer.model.quant import QUANTIZE
-from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.packer.api import FORMATS as DATA_FORMATS
+from lora_sweep.packer.api import QUANTIZE, AdapterSpec
 from lora_sweep.sweep.config._params import SEARCHABLE, Param, SearchSpace, _check, _check_adapter_value, _is_num
 from lora_sweep.sweep.config.strategy import _NAME, SAMPLERS, Budget, Constraint, Objective, PruningSpec, SamplerSpec
 
 __all__ = [
-    "Budget", "Constraint", "DataSpec", "EvalSpec", "ModelSpec", "Objective", "PackingSpec", "Param", "PruningSpec",
+    "Budget", "Constraint", "DataSpec", "EvalSpec", "ModelSpec", "Objective", "PackSpec", "Param", "PruningSpec",
     "SamplerSpec", "SearchSpace", "StudySpec", "TrainSpec",
     "DTYPES", "EVALUATORS", "FORMATS", "SAMPLERS", "SEARCHABLE",
 ]  # fmt: skip
@@ -194,7 +193,7 @@ class TrainSpec:
 
 
 @dataclass(frozen=True)
-class PackingSpec:
+class PackSpec:
     """How many trials share one training run."""
 
     max_slots: int | Literal["auto"] = "auto"
@@ -236,7 +235,7 @@ class PackingSpec:
                "fsdp runs the eager step (no CUDA graph under FSDP's collectives): needs cuda_graphs auto or off",
                self.shard)
         _check(not (self.shard == "fsdp" and self.max_slots == "auto"), "shard",
-               "fsdp needs packing.max_slots set (the auto planner calibrates one process, not a sharded pack)",
+               "fsdp needs pack.max_slots set (the auto planner calibrates one process, not a sharded pack)",
                self.shard)
 
 
@@ -297,8 +296,8 @@ class StudySpec:
     """Optuna sampler."""
     pruning: PruningSpec = field(default_factory=PruningSpec)
     """Within-pack pruning."""
-    packing: PackingSpec = field(default_factory=PackingSpec)
-    """Pack size."""
+    pack: PackSpec = field(default_factory=PackSpec)
+    """How trials share one training run (``pack:``; ``packing:`` is read as the same section)."""
     evaluators: tuple[EvalSpec, ...] = (EvalSpec("heldout_loss"),)
     """Evaluators run after training (and at pruning rungs)."""
     output: Path | None = None

@@ -74,9 +74,10 @@ created, updated (time of the last write), lora_sweep_version.
     peak_mem_bytes    Peak device memory allocated.
     status            'running', 'finished', 'failed' or 'oom'; a pack left 'running' was killed.
     step              The training step it ran: 'cuda-graph' (static shapes replayed as CUDA graphs) or
-                      'static-eager' (the same step run eagerly: the CPU, cuda_graphs off, a failed capture);
-                      NULL for a pack that did not finish training (and in stores written before schema 2).
-    fallback          Why a CUDA pack ran 'static-eager' though CUDA graphs were on: its configuration and the failed
+                      'eager' (the same step run eagerly: the CPU, cuda_graphs off, a failed capture; an older
+                      file may hold 'static-eager', read back as 'eager'); NULL for a pack that did not finish
+                      training (and in stores written before schema 2).
+    fallback          Why a CUDA pack ran 'eager' though CUDA graphs were on: its configuration and the failed
                       capture's error with the line that raised it (docs/guides/training.md); NULL otherwise.
 
 ``slot_spans`` (PK pack_id, slot, trial): the pack timeline, which trial sat in which slot when.

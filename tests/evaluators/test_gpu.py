@@ -61,7 +61,7 @@ def test_captured_batched_evaluation_equals_the_per_adapter_path(tiny_dirs, impl
     from lora_sweep.evaluators.registry import load_eval_data
     from lora_sweep.packer.step import eval_graph
     from tests.evaluators.conftest import YESNO
-    from tests.evaluators.test_static_eval import static_pack_evaluations
+    from tests.helpers import pack_evaluations
 
     if impl == "triton":
         pytest.importorskip("triton")
@@ -81,5 +81,5 @@ def test_captured_batched_evaluation_equals_the_per_adapter_path(tiny_dirs, impl
         captured.append(sum(1 for g in graphs if getattr(g, "graph", None) is not None)
                         + sum(1 for e in entries if isinstance(e, tuple) and e[0].graph is not None))
 
-    static_pack_evaluations(tiny_dirs("llama"), check, device="cuda", impl=impl, cuda_graphs="on")
+    pack_evaluations(tiny_dirs("llama"), check, device="cuda", impl=impl, cuda_graphs="on")
     assert captured and all(n == 3 for n in captured)  # the prefill, the decode step and the held-out forward

@@ -7,7 +7,6 @@ ones a CUDA graph replays on the GPU (``test_gpu.py`` checks the captured decode
 
 from __future__ import annotations
 
-from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -18,12 +17,9 @@ from lora_sweep.evaluators._core import uses_batched
 from lora_sweep.evaluators.generation import GenerationOptions, build_prompts, generate_ids, generate_texts
 from lora_sweep.evaluators.heldout_loss import HeldoutOptions, heldout_loss
 from lora_sweep.evaluators.registry import load_eval_data, validate
-from lora_sweep.packer.data.rows import SlotStream, read_jsonl, tokenize_rows
-from lora_sweep.packer.model.packed import PackedModel, load_base
-from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.step import eval_graph
-from lora_sweep.packer.step.train import SlotEnd, SlotJob, train
 from tests.evaluators.conftest import YESNO
+from tests.helpers import pack_evaluations
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
@@ -39,31 +35,6 @@ def _spy(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
     return calls
 
 
-def static_pack_evaluations(model_dir, check, attn: str = "sdpa", device: str = "cpu", impl: str = "torch",
-                            **train_kw):  # noqa: ANN001, ANN003, ANN201
-    """Train 3 jobs (mixed ranks, targets, lengths) in 4 static slots; ``check(pm, slots, tok)`` runs in every
-    ``on_end`` (the ending slots and every other live slot are still in the pack)."""
-    model, tok = load_base(str(model_dir), attn_implementation=attn, device=device)
-    pm = PackedModel(model, impl=impl)
-    _, rows = read_jsonl(YESNO)
-    examples = tokenize_rows(rows, "prompt_completion", tok)
-    base = AdapterSpec(rank=8, alpha=16, lr=3e-2, targets=("all-linear",), micro_batch=4, max_steps=6)
-    specs = [replace(base, max_steps=4, seed=1), replace(base, rank=4, targets=("q_proj", "v_proj"), seed=2),
-             replace(base, rank=16, alpha=8, targets=("gate_proj", "up_proj", "down_proj"), seed=3)]
-    queue = [SlotJob(s, SlotStream(examples, s.micro_batch, seed=i), key=i) for i, s in enumerate(specs)]
-    calls = []
-
-    def on_end(ends: list[SlotEnd]) -> None:
-        assert eval_graph.available(pm)
-        calls.append(sorted(pm.specs))
-        check(pm, sorted(e.slot for e in ends), tok)
-        check(pm, sorted(pm.specs), tok)
-
-    train(pm, 4, lambda slot: queue.pop(0) if queue else None, pad_id=tok.pad_token_id, on_end=on_end,
-          readback_every=2, **train_kw)
-    assert len(calls) == 2 and pm.static is None
-
-
 def test_batched_heldout_loss_equals_the_per_adapter_one(tiny_dirs, monkeypatch: pytest.MonkeyPatch) -> None:
     seen, calls = [], _spy(monkeypatch, "row_losses")
 
@@ -77,7 +48,7 @@ def test_batched_heldout_loss_equals_the_per_adapter_one(tiny_dirs, monkeypatch:
                                                                         rel=1e-5)
         seen.append({s: batched.metrics[s]["eval_loss"] for s in slots})
 
-    static_pack_evaluations(tiny_dirs("llama"), check)
+    pack_evaluations(tiny_dirs("llama"), check)
     assert len(calls) == 2 * 2 * 8  # slot ends x slot sets x 8 chunks of the 24 rows: the static path only
     assert len({round(v, 4) for d in seen for v in d.values()}) > 1  # the slots are different adapters
 
@@ -101,7 +72,7 @@ def test_batched_greedy_decoding_equals_the_per_adapter_one(tiny_dirs, attn: str
                                    batch_size=3) for s in (True, False)}
         assert texts[True] == texts[False]
 
-    static_pack_evaluations(tiny_dirs("llama"), check, attn)
+    pack_evaluations(tiny_dirs("llama"), check, attn)
     assert len(calls) == 2 * 2 * 3 * 3  # slot ends x slot sets x static calls x 3 chunks
 
 
@@ -123,7 +94,7 @@ def test_the_heldout_budget_counts_the_measured_bytes_per_logit_of_the_packs_los
         monkeypatch.undo()
         seen.append(slots)
 
-    static_pack_evaluations(tiny_dirs("llama"), check)
+    pack_evaluations(tiny_dirs("llama"), check)
     assert seen
 
 
@@ -137,7 +108,7 @@ def test_a_static_heldout_shape_over_the_logits_budget_takes_the_per_adapter_pat
         result = heldout_loss(pm, slots, data, batch_size=3, batched=True)
         assert all(result.metrics[s]["eval_loss"] > 0 for s in slots)
 
-    static_pack_evaluations(tiny_dirs("llama"), check)
+    pack_evaluations(tiny_dirs("llama"), check)
     assert calls == []
 
 
@@ -153,7 +124,7 @@ def test_auto_evaluates_per_adapter_on_the_cpu_and_on_the_fixed_shapes_on_cuda(t
         assert uses_batched("auto", SimpleNamespace(device=torch.device("cuda")))  # type: ignore[arg-type]
         assert uses_batched(True, pm) and not uses_batched(False, pm) and not uses_batched("auto", pm)
 
-    static_pack_evaluations(tiny_dirs("llama"), check)
+    pack_evaluations(tiny_dirs("llama"), check)
     assert losses == [] and decodes == []
 
 

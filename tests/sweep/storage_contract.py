@@ -8,13 +8,12 @@ A subclass provides two fixtures and inherits every test::
         @pytest.fixture
         def unopenable_url(self, tmp_path) -> str: return ...               # one that cannot be opened
 
-Servers (PostgreSQL, MariaDB) come from CI (``server_url``): without one, or without its driver, the test is
-skipped naming what is missing (``tests.conftest.missing``; ``LORA_SWEEP_REQUIRE_EXTRAS=1`` makes it fail).
+Servers (PostgreSQL, MariaDB) come from CI (``tests.helpers.server_url``): without one, or without its driver, the
+test is skipped naming what is missing (``tests.conftest.missing``; ``LORA_SWEEP_REQUIRE_EXTRAS=1`` makes it fail).
 """
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -28,24 +27,8 @@ from optuna.trial import TrialState
 from lora_sweep.errors import UserError
 from lora_sweep.sweep import storage
 from lora_sweep.sweep.storage import backend_of, normalize_url, open_storage, storage_lock
-from tests.conftest import missing, need_module
 
 ROOT = Path(__file__).resolve().parents[2]
-SERVERS = {"postgresql": ("LORA_SWEEP_TEST_PG", "PostgreSQL on 127.0.0.1:55432", "psycopg2", "postgres"),
-           "mysql": ("LORA_SWEEP_TEST_MYSQL", "MariaDB on 127.0.0.1:53306", "pymysql", "mysql")}
-"""Test servers by URL scheme: (environment variable with the URL, what .ci/run starts, driver module, extra)."""
-
-
-def server_url(kind: str) -> str:
-    """The test server's URL (``postgresql`` or ``mysql``), its driver's extra installed; else the test is skipped
-    (``tests.conftest.missing``)."""
-    env, server, module, extra = SERVERS[kind]
-    need_module(module, extra)
-    if not os.environ.get(env):
-        missing(f"a {kind} server ({env} is unset)", f"export {env} (.ci/run starts {server})")
-    return os.environ[env]
-
-
 class StorageContract:
     """The contract: the URL's backend opens a new storage and opens it again with the study and its trials as
     they were, its one-owner lock makes a second owner wait, and a storage that cannot be opened is one line."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.conftest import write_study
-from tests.sweep.test_calibration_cache import refuse_model_loads
+from tests.helpers import refuse_model_loads
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -48,7 +48,7 @@ def _study(tmp_path: Path, model_dir: Path, family: str) -> Path:
                        search={"rank": [4, 8], "lr": {"low": 1e-2, "high": 3e-2, "log": True},
                                "targets": {"all": "all-linear"}},
                        objectives=[{"metric": "eval_loss", "direction": "minimize"}], pruning={"kind": "none"},
-                       packing={"max_slots": 2},
+                       pack={"max_slots": 2},
                        # the fixed shapes a CUDA study evaluates on (batched's auto is per adapter on the CPU)
                        evaluators=[{"name": "heldout_loss", "options": {"batched": True}},
                                    {"name": "generation", "options": {"max_new_tokens": 2, "batched": True}}])
@@ -123,7 +123,7 @@ def test_cli_offers_every_family(tmp_path: Path) -> None:
 def test_chunked_loss_refuses_post_processed_logits(tiny_dirs, tmp_path: Path, family: str) -> None:
     """Their logits are not the head's output (soft-capping, scaling): the chunked loss would train them wrong."""
     path = write_study(tmp_path, tiny_dirs(family), family, budget={"trials": 1}, pruning={"kind": "none"},
-                       packing={"max_slots": 1, "chunked_ce": True}, evaluators=[{"name": "heldout_loss"}])
+                       pack={"max_slots": 1, "chunked_ce": True}, evaluators=[{"name": "heldout_loss"}])
     with pytest.raises(ConfigError, match=r"^chunked_ce: the model post-processes its logits \(\w+=[\d.]+\); "
                                           r"train it with chunked_ce off$"):
         run_study(load_study(path), log=lambda m: None)

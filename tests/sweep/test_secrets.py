@@ -12,7 +12,7 @@ from sqlalchemy.engine import make_url
 
 from lora_sweep.sweep.store import redact_url, strip_password
 from tests.conftest import write_study
-from tests.sweep.storage_contract import server_url
+from tests.helpers import server_url
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = "hunter2-secret"
@@ -49,7 +49,7 @@ def test_a_password_in_the_storage_url_reaches_no_output(tiny_dirs, tmp_path) ->
     secret = f":{url.password}@"
     path = write_study(tmp_path, tiny_dirs("llama"), name=f"secret{os.getpid()}",
                        storage=url.render_as_string(hide_password=False), budget={"trials": 2},
-                       train={"max_steps": 6, "micro_batch": 2}, pruning={"kind": "none"}, packing={"max_slots": 2})
+                       train={"max_steps": 6, "micro_batch": 2}, pruning={"kind": "none"}, pack={"max_slots": 2})
     out = tmp_path / f"runs-secret{os.getpid()}"
     env = {k: v for k, v in os.environ.items() if k != "PGPASSWORD"} | {"PGPASSWORD": url.password}
     run = subprocess.run([sys.executable, "-m", "lora_sweep", "run", str(path), "--workers", "1", "--grace", "20"],

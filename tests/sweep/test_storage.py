@@ -11,7 +11,8 @@ import pytest
 from lora_sweep.errors import UserError
 from lora_sweep.sweep.storage import BACKENDS, backend_of, normalize_url, open_storage
 from tests.conftest import need_module
-from tests.sweep.storage_contract import StorageContract, server_url
+from tests.helpers import server_url
+from tests.sweep.storage_contract import StorageContract
 
 
 def _journal_mode(db) -> str:
