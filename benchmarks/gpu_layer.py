@@ -4,7 +4,7 @@ Two granularities, each timed base-alone and packed alternately ``repeats`` time
 the per-repeat ratios (the same base timing drifted by 10% between two back-to-back runs on the H200, 1.59 and
 1.77 ms, which a single base-then-packed pair folds into the ratio):
 
-- ``projection_bench``: one projection (``kernels.ops.packed_lora_linear``) against its GEMMs alone;
+- ``projection_bench``: one projection (``kernels.ops.packed_lora_eval_linear``) against its GEMMs alone;
 - ``decoder_layer_bench``: one decoder layer of a real shape, wrapped by ``PackedModel`` (LoRA on all seven
   projections, fused norms and MLP middles) on its per-batch path (each projection its own packed call), against
   the same layer with no slot active. This is the layer a pack runs 28 or 32 times per step.
@@ -85,7 +85,7 @@ def _lora_bt(rows: int, d_out: int) -> torch.Tensor:
 def projection_bench(d_in: int = 4096, d_out: int = 4096, tokens: int = 16384, slots: int = 8, rank: int = 16,
                      repeats: int = 5) -> dict:
     """One projection forward+backward: base GEMM + packed LoRA (fused Triton) vs the base GEMM alone."""
-    from lora_sweep.kernels.ops import packed_lora_linear
+    from lora_sweep.kernels.ops import packed_lora_eval_linear
 
     w = torch.randn(d_out, d_in, device="cuda", dtype=torch.bfloat16) / d_in**0.5
     x = torch.randn(slots, tokens // slots, d_in, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -97,7 +97,7 @@ def projection_bench(d_in: int = 4096, d_out: int = 4096, tokens: int = 16384, s
         torch.autograd.backward(x @ w.T, dy)
 
     def packed() -> None:
-        torch.autograd.backward(packed_lora_linear(x, w, None, a, bt, layout, ranks, impl="triton"), dy)
+        torch.autograd.backward(packed_lora_eval_linear(x, w, None, a, bt, layout, ranks, impl="triton"), dy)
 
     row = _ratio_row(base, {"packed": packed}, repeats)
     return dict(workload="W4", scope="projection", shape=f"{d_in}->{d_out}", tokens=tokens, slots=slots, rank=rank,

@@ -7,7 +7,7 @@ Prompts are left-padded; position ids count real tokens only (``cumsum(mask) - 1
 never leave the batch (a finished row keeps decoding into the void), so one layout is valid for the
 prefill and every ``(B, 1)`` step.
 
-While the pack trains on the static-shape step (``PackedModel.static``), greedy decoding runs on its fixed shapes
+While the pack trains on the static-shape step (``PackedModel.store``), greedy decoding runs on its fixed shapes
 instead (``packer.step.eval_graph``: prompts left-padded to a multiple of 16, a static KV cache, each decoding step one
 CUDA-graph replay, the tokens read once per chunk and cut where this loop would stop each row): the same tokens.
 
@@ -213,7 +213,7 @@ def generate_ids(model: PackedModel, slots: Sequence[int], prompts: Sequence[Seq
     width = eval_graph.bucket(max(len(p) for p in prompts)) if prompts else 0
     static = (uses_static_shapes(static_shapes, model) and temperature <= 0 and bool(prompts)
               and eval_graph.available(model)
-              and eval_graph.static_generation_fits(model, width, max_new_tokens))
+              and eval_graph.generation_fits(model, width, max_new_tokens))
     for idx in chunks(len(prompts), batch_size):
         rows = [list(prompts[i]) for i in idx]
         if static:

@@ -47,7 +47,7 @@ class HeldoutOptions:
     static_shapes: bool | Literal["auto"] = "auto"
     """True: while the pack trains on the static-shape step, run the forwards on its fixed shapes
     (``packer.step.eval_graph``: rows padded to a multiple of 16, one CUDA graph on CUDA) when their logits fit
-    ``packer.step.eval_graph.STATIC_LOGITS_BYTES``; False: always the per-batch path, which holds only the scored slots'
+    ``packer.step.eval_graph.LOGITS_BYTES``; False: always the per-batch path, which holds only the scored slots'
     rows; auto: true on CUDA, false on the CPU (``evaluators._core.uses_static_shapes``)."""
 
     def __post_init__(self) -> None:

@@ -37,7 +37,7 @@ from lora_sweep.packer.data.rows import load_examples
 from lora_sweep.packer.model.checkpoint import save_adapters
 from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import AdapterSpec
-from lora_sweep.packer.step.static_loop import rank_bucket_for
+from lora_sweep.packer.step.loop import rank_bucket_for
 from lora_sweep.packer.step.train import STEP_NAMES, SlotEnd, SlotJob, StepReport, train
 from lora_sweep.sweep._trial_data import check_data, check_packing, planned_tokens, trial_adapter, trial_stream
 from lora_sweep.sweep.budget import BudgetState, TokenPlan, budget_state, end_line, recorded_budget

@@ -14,7 +14,7 @@ Attention modules of a class known to call its module's ``apply_rotary_pos_emb(q
 transformers' Llama formula get the fused RoPE (``kernels.ops.rope``, the same bits as eager): that function is a
 module global, looked up when the forward runs, so it is swapped for the length of each such module's forward
 call (``RopeSwap``) and put back after, an exception included. Hooks on the attention module, not on the
-top-level model, because every path runs through its call and not all through the model's: the static step,
+top-level model, because every path runs through its call and not all through the model's: the step,
 the captured decode, generation and lm-eval call ``pm.model`` directly, ``forward_hidden`` its body, and
 activation checkpointing recomputes decoder layers in the backward, outside any model call. The global is then
 swapped only while this model's attention runs: a PEFT model, or a plain model of the same class elsewhere in the

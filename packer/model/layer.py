@@ -2,7 +2,7 @@
 
 Composition, not inheritance: the wrapper calls the base module unchanged (``nn.Linear``, GPT-2's
 ``Conv1D``, anything mapping ``(..., D_in)`` to ``(..., D_out)``) and adds the packed LoRA term with
-``kernels.ops.packed_lora`` (for an exact ``nn.Linear``, ``kernels.ops.packed_lora_linear``, which fuses the
+``kernels.ops.packed_lora_eval`` (for an exact ``nn.Linear``, ``kernels.ops.packed_lora_eval_linear``, which fuses the
 base GEMM with it). Each slot's ``A`` (r, D_in) and ``B`` (D_out, r), the layout PEFT saves, are
 views into the slot's flat weight buffer (``PackedModel`` owns it, the optimizer updates it).
 
@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from lora_sweep.kernels.ops import Impl, LayerRanks, PackLayout, packed_lora, packed_lora_linear
+from lora_sweep.kernels.ops import Impl, LayerRanks, PackLayout, packed_lora_eval, packed_lora_eval_linear
 
 __all__ = ["PackState", "PackedLoRALinear", "as_rows"]
 
@@ -36,8 +36,8 @@ class PackState:
     """Set by ``PackedModel`` around each forward; None means the base model alone."""
     scales: dict[int, float] = field(default_factory=dict)
     """Slot id -> LoRA scale s."""
-    static: Any = None
-    """While a static-shape step runs (``packer.model.static.StaticStore.stepping``), the store whose tables every
+    store: Any = None
+    """While a fixed-shape step runs (``packer.model.store.SlotStore.stepping``), the store whose tables every
     wrapped layer reads instead of ``layout``; None otherwise."""
 
 
@@ -138,9 +138,9 @@ class PackedLoRALinear(nn.Module):
             rows = self._pack_rows()
             if rows is not None:
                 return self.forward(as_rows(x, rows)).reshape(*x.shape[:-1], self.out_features)  # hooks run once
-        if self.state.static is not None:
-            return self.state.static.forward(self, x)
-        layout = self.state.layout  # the per-batch path (evaluation off the static shapes): each member alone
+        if self.state.store is not None:
+            return self.state.store.forward(self, x)
+        layout = self.state.layout  # the per-batch path (evaluation off the fixed shapes): each member alone
         g = None if layout is None else self._gathered(layout.slots)
         if g is None or not g.a:
             return self.base(x)
@@ -149,18 +149,18 @@ class PackedLoRALinear(nn.Module):
         return self._with_lora(x, a_cat, bt_cat, layout, g.ranks, self.state.impl)
 
     def _pack_rows(self) -> int | None:
-        """The rows B of the batch running now: the static step's C x rows, else the layout's; None outside a pack."""
-        static, layout = self.state.static, self.state.layout
-        if static is not None and static.shape is not None:
-            return static.capacity * static.shape.rows
+        """The rows B of the batch running now: the step's C x rows, else the layout's; None outside a pack."""
+        store, layout = self.state.store, self.state.layout
+        if store is not None and store.shape is not None:
+            return store.capacity * store.shape.rows
         return None if layout is None else sum(layout.n_rows)
 
     def _with_lora(self, x: torch.Tensor, a_cat: torch.Tensor, bt_cat: torch.Tensor, layout: PackLayout,
                    ranks: LayerRanks, impl: Impl) -> torch.Tensor:
         """The base projection of x (B, L, D_in) plus the packed LoRA term: (B, L, D_out)."""
         if type(self.base) is nn.Linear:  # exactly nn.Linear (not a quantised subclass): its GEMM fuses with LoRA
-            return packed_lora_linear(x, self.base.weight, self.base.bias, a_cat, bt_cat, layout, ranks, impl=impl)
-        return packed_lora(x, self.base(x), a_cat, bt_cat, layout, ranks, impl=impl)
+            return packed_lora_eval_linear(x, self.base.weight, self.base.bias, a_cat, bt_cat, layout, ranks, impl=impl)
+        return packed_lora_eval(x, self.base(x), a_cat, bt_cat, layout, ranks, impl=impl)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, slots={sorted(self._slots)}"

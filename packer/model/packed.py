@@ -37,7 +37,7 @@ from lora_sweep.packer.model.quant import quantize_base
 from lora_sweep.packer.plan import AdapterSpec
 
 if TYPE_CHECKING:
-    from lora_sweep.packer.model.static import StaticStore
+    from lora_sweep.packer.model.store import SlotStore
 
 __all__ = ["PackedModel", "load_base", "resolve_base", "prepare_kernels", "DTYPES"]
 
@@ -142,7 +142,7 @@ class PackedModel:
     Args:
         model: a Hugging Face causal LM (``AutoModelForCausalLM``) or any module with the same
             ``forward(input_ids, attention_mask) -> .logits`` contract.
-        impl: packed-LoRA implementation passed to ``kernels.ops.packed_lora`` (``auto``: the Triton
+        impl: packed-LoRA implementation passed to ``kernels.ops.packed_lora_eval`` (``auto``: the Triton
             kernels on CUDA, PyTorch on CPU).
         fused_base_ops: where ``impl`` means the Triton kernels, run the base's RMSNorms, SiLU-gated MLP middles
             and rotary embeddings as fused Triton kernels too (``packer.model.fuse``); otherwise they run eagerly.
@@ -171,7 +171,7 @@ class PackedModel:
         self.flat: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._checkpointed: list[nn.Module] = []
         """Decoder layers whose forward is checkpointed (empty: activation checkpointing off)."""
-        self.static: StaticStore | None = None
+        self.store: SlotStore | None = None
         """Set by the training loop (``packer.step.train``): slots then take their rows of its preallocated
         buffers instead of buffers of their own."""
 
@@ -201,7 +201,7 @@ class PackedModel:
             self._targets[key] = resolve_targets(self.model, key)
         paths = list(self._targets[key])
         if any(p not in self.layers for p in paths):
-            inject(self.model, paths, self.state, self.layers)  # a static store wraps every projection up front
+            inject(self.model, paths, self.state, self.layers)  # a slot store wraps every projection up front
         for path in paths:
             layer = self.layers[path]
             if spec.rank > min(layer.in_features, layer.out_features):
@@ -221,8 +221,8 @@ class PackedModel:
         A weights each) took 1.2-2.6 s on the H200 host, more than a training step of them."""
         generator = torch.Generator(device=self.device).manual_seed(spec.seed)
         r = spec.rank
-        if self.static is not None:
-            return self._static_weights(slot, spec, paths, generator)
+        if self.store is not None:
+            return self._store_weights(slot, spec, paths, generator)
         dims = [(self.layers[p].in_features, self.layers[p].out_features) for p in paths]
         flat = torch.zeros(sum(r * (d_in + d_out) for d_in, d_out in dims), device=self.device)
         grad = torch.zeros_like(flat)
@@ -239,14 +239,14 @@ class PackedModel:
         self.flat[slot] = (flat, grad)
         return params
 
-    def _static_weights(self, slot: int, spec: AdapterSpec, paths: list[str],
+    def _store_weights(self, slot: int, spec: AdapterSpec, paths: list[str],
                         generator: torch.Generator) -> list[nn.Parameter]:
-        """``_create_weights`` into the slot's rows of the static store: the same draws in the same order, so
-        the same initial adapter; every other row of the slot is zeroed first (``packer.model.static``)."""
-        store = self.static
+        """``_create_weights`` into the slot's rows of the slot store: the same draws in the same order, so
+        the same initial adapter; every other row of the slot is zeroed first (``packer.model.store``)."""
+        store = self.store
         assert store is not None
         if spec.rank > store.rank_bucket:
-            raise ValueError(f"rank {spec.rank} exceeds the static pack's rank bucket {store.rank_bucket}")
+            raise ValueError(f"rank {spec.rank} exceeds the pack's rank bucket {store.rank_bucket}")
         store.reset_slot(slot)
         params: list[nn.Parameter] = []
         for path in paths:
@@ -257,13 +257,13 @@ class PackedModel:
         return params
 
     def flat_buffers(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights, gradients) of a slot added outside a static store, as two flat fp32 tensors that its
+        """(weights, gradients) of a slot added outside a slot store, as two flat fp32 tensors that its
         parameters alias."""
         return self.flat[slot]
 
     def remove_slot(self, slot: int) -> None:
         """Drop the slot's adapter; its parameters are freed once the caller lets go of them."""
-        self.flat.pop(slot, None)  # a slot of a static store has no buffers of its own
+        self.flat.pop(slot, None)  # a slot of a slot store has no buffers of its own
         for path in self.slot_paths.pop(slot):
             self.layers[path].remove_slot(slot)
         del self.specs[slot]
@@ -350,7 +350,7 @@ class PackedModel:
             raise ConfigError(f"activation_checkpointing: {type(model).__name__} does not support it")
         # no RNG state to save and restore: the base runs in eval mode and LoRA dropout masks are counter-based,
         # so nothing in a layer draws from the global generators; and reading a CUDA generator's state is what a
-        # CUDA graph capture cannot do (the static step captures the recompute with the rest of the backward)
+        # CUDA graph capture cannot do (the step captures the recompute with the rest of the backward)
         kwargs = {"use_reentrant": False, "context_fn": self._checkpoint_contexts, "preserve_rng_state": False}
         if new_api:
             model.activation_checkpointing_enable(kwargs)

@@ -1,7 +1,7 @@
 """A function captured as a CUDA graph, the PyTorch recipe (``torch.cuda.graphs``): warm-up runs on a side stream
 (kernels compile, the caching allocator settles, lazily built buffers exist), then one run under capture.
 
-The training step (``packer.step.train``), the static evaluation forwards (``packer.step.eval_graph``) and the PEFT
+The training step (``packer.step.train``), the fixed-shape evaluation forwards (``packer.step.eval_graph``) and the PEFT
 baseline of ``benchmarks.gpu_graph`` capture through this one function. ``precompile`` compiles, in parallel,
 the Triton kernels such a function launches before its first run.
 """

@@ -61,7 +61,7 @@ def static_pack_evaluations(model_dir, check, attn: str = "sdpa", device: str = 
 
     train(pm, 4, lambda slot: queue.pop(0) if queue else None, pad_id=tok.pad_token_id, on_end=on_end,
           readback_every=2, **train_kw)
-    assert len(calls) == 2 and pm.static is None
+    assert len(calls) == 2 and pm.store is None
 
 
 def test_static_heldout_loss_equals_the_dynamic_one(tiny_dirs, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -110,10 +110,10 @@ def test_the_heldout_budget_counts_the_measured_bytes_per_logit_of_the_packs_los
     seen = []
 
     def check(pm, slots, tok) -> None:  # noqa: ANN001
-        logits = pm.static.capacity * 3 * 48 * pm.model.config.vocab_size
-        monkeypatch.setattr(eval_graph, "STATIC_LOGITS_BYTES", logits * 10)
+        logits = pm.store.capacity * 3 * 48 * pm.model.config.vocab_size
+        monkeypatch.setattr(eval_graph, "LOGITS_BYTES", logits * 10)
         assert eval_graph.heldout_fits(pm, 3, 48) and not eval_graph.heldout_fits(pm, 3, 49)
-        monkeypatch.setattr(eval_graph, "STATIC_LOGITS_BYTES", logits * 5)
+        monkeypatch.setattr(eval_graph, "LOGITS_BYTES", logits * 5)
         assert not eval_graph.heldout_fits(pm, 3, 48)
         monkeypatch.setattr(eval_graph, "_triton", lambda pm: True)  # the fused head's 2.5 B: it fits
         assert eval_graph.heldout_fits(pm, 3, 48)
@@ -128,7 +128,7 @@ def test_the_heldout_budget_counts_the_measured_bytes_per_logit_of_the_packs_los
 
 def test_a_static_heldout_shape_over_the_logits_budget_takes_the_dynamic_path(tiny_dirs, monkeypatch) -> None:
     calls = _spy(monkeypatch, "row_losses")
-    monkeypatch.setattr(eval_graph, "STATIC_LOGITS_BYTES", 1024)
+    monkeypatch.setattr(eval_graph, "LOGITS_BYTES", 1024)
 
     def check(pm, slots, tok) -> None:  # noqa: ANN001
         assert not eval_graph.heldout_fits(pm, 3, 48)

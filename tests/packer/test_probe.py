@@ -27,7 +27,7 @@ def _packed(tmp_path, vocab: int) -> PackedModel:
 
 def _growth(pm: PackedModel, mm, ranks: tuple[int, ...], micro: int, seq: int, vocab: int,
             **options) -> tuple[float, float]:
-    """(predicted, measured) bytes a pack's step adds on top of the static part, for slots of ``ranks``."""
+    """(predicted, measured) bytes a pack's step adds on top of the base part, for slots of ``ranks``."""
     gen = torch.Generator().manual_seed(1)
     jobs = []
     for i, r in enumerate(ranks):
@@ -39,9 +39,9 @@ def _growth(pm: PackedModel, mm, ranks: tuple[int, ...], micro: int, seq: int, v
     predicted = mm.predict(len(ranks) * micro * seq, params, sum(ranks))
     measured = peak_memory(lambda: train(pm, len(ranks), lambda s: jobs.pop(0) if jobs else None, pad_id=0,
                                          **options), pm)
-    print(f"growth predicted {(predicted - mm.static_bytes) / 1e6:.1f} MB, measured "
-          f"{(measured - mm.static_bytes) / 1e6:.1f} MB; adapters {params / 1e6:.2f} M parameters")
-    return predicted - mm.static_bytes, measured - mm.static_bytes
+    print(f"growth predicted {(predicted - mm.base_bytes) / 1e6:.1f} MB, measured "
+          f"{(measured - mm.base_bytes) / 1e6:.1f} MB; adapters {params / 1e6:.2f} M parameters")
+    return predicted - mm.base_bytes, measured - mm.base_bytes
 
 
 @pytest.mark.parametrize("chunked_ce", [False, 1024], ids=["full-logits", "chunked-ce"])
@@ -55,7 +55,7 @@ def test_memory_model_predicts_measured_peak(tmp_path, chunked_ce) -> None:
     mm = calibrate(pm, 96, rows=(4, 12), chunked_ce=chunked_ce)
     assert mm.bytes_per_token > 0 and mm.bytes_per_token_rank > 0
     assert (mm.ce_chunk_tokens, mm.ce_chunk_bytes > 0) == ((1024, True) if chunked_ce else (0, False))
-    # Compare what the step adds on top of the static part: that is what the model has to get right.
+    # Compare what the step adds on top of the base part: that is what the model has to get right.
     growth_pred, growth_meas = _growth(pm, mm, (4, 8, 16, 32), 6, 96, 20_000, chunked_ce=chunked_ce)
     assert growth_meas > 50e6, "the step must be large enough for the check to mean something"
     assert abs(growth_pred - growth_meas) <= 0.10 * growth_meas, (growth_pred / 1e6, growth_meas / 1e6)

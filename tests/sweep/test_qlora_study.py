@@ -87,5 +87,5 @@ def test_plan_of_a_qlora_study_measures_the_nf4_base(tiny_dirs, tmp_path) -> Non
         line = next(x for x in result.output.splitlines() if x.startswith("static (base model"))
         assert ("nf4 projections" in line) == (quantize == "nf4"), line
         model, _ = load_base(str(model_dir), quantize=quantize)
-        static[quantize] = plan_pack(load_study(path), PackedModel(model)).memory.static_bytes
+        static[quantize] = plan_pack(load_study(path), PackedModel(model)).memory.base_bytes
     assert static["nf4"] < static[None]

@@ -21,11 +21,11 @@ def test_accumulating_sample_packed_study_says_which_step_it_ran(tiny_dirs, tmp_
     logged: list[str] = []
     summary = run_study(spec, log=logged.append)
     assert [m for m in logged if "trained on the" in m] == [
-        "pack 1: trained on the static-eager step (static shapes, eagerly)"]
+        "pack 1: trained on the eager step (fixed shapes, eagerly)"]
     assert summary.complete == 4 and summary.steps > 0 and summary.tokens > 0
     root = StudyDir(spec.out_dir).root
     with ResultsStore(StudyDir(root).results_db, create=False) as store:
-        assert [(p.status, p.step) for p in store.packs()] == [("finished", "static-eager")]
+        assert [(p.status, p.step) for p in store.packs()] == [("finished", "eager")]
         assert [len(c) for c in store.curves().values()] == [8] * 4  # every trial's 8 optimizer steps
-    assert [p["step"] for p in study_status(root)["packs"]] == ["static-eager"]
-    assert "Training step: pack 1: static-eager" in build_report(root)
+    assert [p["step"] for p in study_status(root)["packs"]] == ["eager"]
+    assert "Training step: pack 1: eager" in build_report(root)

@@ -10,12 +10,13 @@ import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
+from lora_sweep.benchmarks.baseline import make_scheduler
 from lora_sweep.packer.data.batch import collate
 from lora_sweep.packer.data.rows import SlotStream
 from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.model.quant import NF4Linear, dequantize_base
 from lora_sweep.packer.plan import AdapterSpec
-from lora_sweep.packer.step.train import SlotJob, make_scheduler, train
+from lora_sweep.packer.step.train import SlotJob, train
 from tests.conftest import Recorder
 
 PAD = 0

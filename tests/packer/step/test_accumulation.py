@@ -36,7 +36,7 @@ def _packed(model_dir, jobs, capacity):  # noqa: ANN001, ANN202
 
     result = train(pm, capacity, lambda slot: queue.pop(0) if queue else None, pad_id=PAD, on_step=on_step,
                    on_end=rec.on_end, readback_every=5)
-    assert result.step == "static-eager"
+    assert result.step == "eager"
     return rec.losses, rec.final, steps
 
 

@@ -24,7 +24,7 @@ from lora_sweep.packer.data.packing import SamplePackedStream
 from lora_sweep.packer.data.rows import SlotStream
 from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec
-from lora_sweep.packer.step import static_loop
+from lora_sweep.packer.step import loop
 from lora_sweep.packer.step.train import SlotJob, TrainResult, train
 from lora_sweep.packer.tiny.models import FAMILIES, build_tiny_model
 from tests.conftest import need_triton, random_examples
@@ -78,7 +78,7 @@ def _assert_captured(run: tuple[TrainResult, str, list[str]], family: str = "lla
     if attn == "eager" and not EAGER_MASK_CAPTURES:  # the mask is built first: its copy fails the capture first
         cause = "masking_utils.py:"
     if cause is not None:
-        assert result.step == "static-eager" and result.fallback is not None, result
+        assert result.step == "eager" and result.fallback is not None, result
         assert cause in result.fallback, result.fallback
         return
     assert result.fallback is None, result.fallback
@@ -134,13 +134,13 @@ def test_a_failed_capture_is_one_warning_naming_the_configuration_and_the_cause(
                                "tensor is pinned")
         copy_under_capture()
 
-    monkeypatch.setattr(static_loop, "capture", failing_capture)
+    monkeypatch.setattr(loop, "capture", failing_capture)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
-    real_graphs = static_loop.Graphs
-    monkeypatch.setattr(static_loop, "Graphs", lambda enabled: real_graphs(enabled=True))
+    real_graphs = loop.Graphs
+    monkeypatch.setattr(loop, "Graphs", lambda enabled: real_graphs(enabled=True))
     with pytest.warns(UserWarning, match="CUDA graph capture failed") as caught:
         result = _train_cpu(llama)
-    assert result.step == "static-eager" and result.graphs == 0
+    assert result.step == "eager" and result.graphs == 0
     assert result.fallback is not None
     assert result.fallback.startswith("LlamaForCausalLM (sdpa attention, base ops eager, ")
     assert "gradient accumulation" in result.fallback and "chunked loss" in result.fallback

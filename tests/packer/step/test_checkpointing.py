@@ -32,7 +32,7 @@ def _train(model_dir, family: str, **options):
     """Losses per key, final flat weights per key, and how many times the adapted layers ran forward."""
     pm = PackedModel(load_base(str(model_dir), attn_implementation="eager")[0])
     queue = _jobs(family)
-    # a slot's weights as one flat vector (on the static step they are rows of the store, not a buffer of its own)
+    # a slot's weights as one flat vector (on the step they are rows of the store, not a buffer of its own)
     rec = Recorder(pm, snapshot=lambda slot: torch.cat([t.detach().flatten() for t in pm.slot_parameters(slot)]))
     calls = [0]
 

@@ -15,11 +15,12 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
+from lora_sweep.benchmarks.baseline import make_scheduler
 from lora_sweep.packer.data.batch import collate
 from lora_sweep.packer.data.rows import SlotStream
 from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec
-from lora_sweep.packer.step.train import SlotJob, make_scheduler, train
+from lora_sweep.packer.step.train import SlotJob, train
 from tests.conftest import Recorder, random_examples
 
 PAD = 0

@@ -1,4 +1,4 @@
-"""The static-shape step on the CPU (eager): refills without new buffers, the ring buffer, padding, callbacks."""
+"""The fixed-shape step on the CPU (eager): refills without new buffers, the ring buffer, padding, callbacks."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-import lora_sweep.packer.step.static_loop as static_loop
 from lora_sweep.packer.model.packed import PackedModel, load_base
-from lora_sweep.packer.model.static import StaticStore
+from lora_sweep.packer.model.store import SlotStore
+from lora_sweep.packer.step import loop
 from lora_sweep.packer.step.train import train
 from tests.conftest import Recorder
 from tests.packer.step.test_equivalence import LLAMA_SPECS, PAD, _jobs, _run_packed
@@ -52,14 +52,14 @@ def test_ring_buffer_reports_equal_reading_every_step(tiny_dirs) -> None:
 def test_reports_arrive_in_batches_at_readback_points(tiny_dirs, monkeypatch: pytest.MonkeyPatch) -> None:
     """The ring is read every K steps and when a slot ends (the only syncs); on_step still sees every step."""
     reads: list[int] = []
-    flush = static_loop.flush
+    flush = loop.flush
 
     def counting(ring, pending, *args):  # noqa: ANN001, ANN002, ANN202
         if pending:
             reads.append(pending[-1].step)
         return flush(ring, pending, *args)
 
-    monkeypatch.setattr(static_loop, "flush", counting)
+    monkeypatch.setattr(loop, "flush", counting)
     specs = [replace(LLAMA_SPECS[0], max_steps=13), replace(LLAMA_SPECS[2], max_steps=20)]
     _, reports, _, _ = _train(tiny_dirs("llama"), _jobs(specs), 2, readback_every=8)
     assert reads == [7, 12, 19]  # steps 0-7, then 8-12 (slot 0 ends at 13 steps), then 13-19
@@ -70,13 +70,13 @@ def test_refill_without_new_buffers_trains_as_a_fresh_run(tiny_dirs, monkeypatch
     """A job started mid-run in a freed slot (same store, same step buffers: nothing to re-capture) trains
     exactly as the same job in a fresh run."""
     built: list[tuple] = []
-    shape_buffers = StaticStore.shape_buffers
+    shape_buffers = SlotStore.shape_buffers
 
     def counting(self, rows, seq_len):  # noqa: ANN001, ANN202
         built.append((rows, seq_len))
         return shape_buffers(self, rows, seq_len)
 
-    monkeypatch.setattr(StaticStore, "shape_buffers", counting)
+    monkeypatch.setattr(SlotStore, "shape_buffers", counting)
     short = replace(LLAMA_SPECS[1], max_steps=5, micro_batch=3)
     late = replace(LLAMA_SPECS[2], dropout=0.2, max_steps=12)
     jobs = _jobs([short, LLAMA_SPECS[3], late])
@@ -99,7 +99,7 @@ def test_padding_rows_stay_zero_and_larger_ranks_move_the_pack(tiny_dirs) -> Non
 
     def snapshot(pm):  # noqa: ANN001, ANN202
         def take(slot: int) -> dict:
-            store = pm.static
+            store = pm.store
             r0, r1 = slot * store.rank_bucket, (slot + 1) * store.rank_bucket
             rank = pm.specs[slot].rank
             for p in store.paths:
@@ -152,7 +152,7 @@ def test_operand_copy_follows_the_weights_into_every_forward(tiny_dirs, monkeypa
 
     model, _ = load_base(str(tiny_dirs("llama")), attn_implementation="eager")
     pm = PackedModel(model, impl="torch")
-    store = StaticStore(pm.model, pm.state, pm.layers, 2, 16, pm.device)
+    store = SlotStore(pm.model, pm.state, pm.layers, 2, 16, pm.device)
     monkeypatch.setattr(ops, "lora_operand_dtype", lambda act: torch.bfloat16)
     store.use_operands(torch.bfloat16)
     path = store.paths[0]
