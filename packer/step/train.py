@@ -53,7 +53,7 @@ from lora_sweep.packer.step.jobs import (
     Window,
     target_tokens,
 )
-from lora_sweep.packer.step.loop import DEFAULT_READBACK, SEQ_MULTIPLE, Live, Pending, Staging, rank_bucket_for
+from lora_sweep.packer.step.loop import DEFAULT_READBACK, SEQ_MULTIPLE, Live, Pending, Staging
 from lora_sweep.packer.step.optim import lr_schedule
 
 __all__ = ["BatchSource", "FixedBatch", "SlotJob", "SlotEnd", "StepReport", "TrainResult", "train",
@@ -202,8 +202,7 @@ def train(
                 if optimizer_in_backward:
                     check_in_backward(job.spec)
                 if store is None or job.spec.rank > store.rank_bucket:
-                    bucket = rank_bucket or rank_bucket_for(job.spec.rank)
-                    store = loop.new_store(pm, store, capacity, bucket, job.spec.rank, active)
+                    store = pm.ensure_store(capacity, job.spec.rank, rank_bucket)
                     shapes, graphs.graphs, prepared = {}, {}, set()
                 pm.add_slot(slot, job.spec)
                 active[slot] = Live(job, lr_schedule(job.spec), Window(job.spec.gradient_accumulation_steps))
@@ -258,7 +257,7 @@ def train(
         loop.flush(ring, pending, active, result, on_step, should_stop)
         loop.end_slots(pm, active, loop.ends(active, "interrupted"), on_end, result)
     finally:
-        pm.store = None
+        pm.drop_store()
     result.wall_s = time.perf_counter() - t0
     result.warmup_s, result.capture_s, result.graphs = graphs.warmup_s, graphs.capture_s, len(graphs.graphs)
     result.step = "cuda-graph" if graphs.enabled and graphs.graphs else "eager"

@@ -26,7 +26,8 @@ from transformers import AutoTokenizer
 from lora_sweep.packer.data.rows import SlotStream, load_examples
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.step.train import SlotJob
-from tests.packer.step.test_equivalence import _run_packed, assert_trained_as_peft, default_dtype
+from tests.packer._peft import default_dtype
+from tests.packer.step.test_equivalence import _run_packed, assert_trained_as_peft
 
 pytestmark = pytest.mark.real_model
 

@@ -12,13 +12,13 @@ from optuna.trial import TrialState
 from transformers import AutoModelForCausalLM
 
 from lora_sweep.kernels.ops import PackLayout
-from lora_sweep.packer.model.checkpoint import load_adapter, read_adapter
+from lora_sweep.packer.model.checkpoint import read_adapter
 from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.sweep.config.loader import load_study
 from lora_sweep.sweep.store import ResultsStore
 from lora_sweep.sweep.study import run_study
-from tests.conftest import need_module, write_study
+from tests.conftest import load_adapter, need_module, write_study
 
 need_module("torchao", "qlora")
 

@@ -1,29 +1,23 @@
 """The core invariant: a slot trained in a pack ends where the same adapter trained alone ends.
 
-The oracle is independent code: PEFT on a fresh copy of the base model, torch AdamW, the same
-scheduler formula and the same batches, with the loss computed by transformers itself.
+The oracle is independent code (``tests.packer._peft``): PEFT on a fresh copy of the base model, torch AdamW, the
+same scheduler formula and the same batches, with the loss computed by transformers itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM
 
-from lora_sweep.benchmarks.baseline import make_scheduler
-from lora_sweep.packer.data.batch import collate
 from lora_sweep.packer.data.rows import SlotStream
 from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.step.train import SlotJob, train
 from tests.conftest import Recorder, random_examples
+from tests.packer._peft import PAD, initial_a, run_peft
 
-PAD = 0
 STEPS = 20
 
 LLAMA_SPECS = [
@@ -52,18 +46,6 @@ OPT_SPECS = [  # OPT's decoder feeds fc1/fc2 flattened (B·L, D) tokens: both st
 ]
 
 
-@contextmanager
-def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """Run the oracle and the engine in ``dtype``: torch's default dtype, in which the engine allocates its
-    slots' flat buffers and PEFT its LoRA weights, and to which the helpers below cast the base."""
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
-
-
 def _jobs(specs: list[AdapterSpec]) -> list[SlotJob]:
     return [SlotJob(spec, SlotStream(random_examples(40, seed=100 + i), spec.micro_batch, seed=spec.seed), key=i)
             for i, spec in enumerate(specs)]
@@ -81,52 +63,10 @@ def _run_packed(model_dir: Path, jobs: list[SlotJob], capacity: int, impl: str =
     return rec.losses, rec.final
 
 
-def _initial_a(model_dir: Path, spec: AdapterSpec) -> dict[str, torch.Tensor]:
-    """The engine's initial A for ``spec`` (it depends on the seed only), to start PEFT from the same point."""
-    model, _ = load_base(str(model_dir), attn_implementation="eager")
-    pm = PackedModel(model.to(torch.get_default_dtype()))
-    pm.add_slot(7, spec)
-    return {p: a.detach().clone() for p, (a, _) in pm.slot_weights(7).items()}
-
-
-def _run_peft(model_dir: Path, spec: AdapterSpec, stream: SlotStream, init_a: dict[str, torch.Tensor]):
-    """One adapter alone with PEFT + torch AdamW on the same batches."""
-    base = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation="eager",
-                                                dtype=torch.get_default_dtype())
-    leaf_names = sorted({p.rsplit(".", 1)[-1] for p in init_a})
-    cfg = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=0.0, target_modules=leaf_names,
-                     use_rslora=spec.rslora, bias="none", fan_in_fan_out=base.config.model_type == "gpt2")
-    model = get_peft_model(base, cfg)
-    model.eval()  # base dropout off, as in the engine; gradients still flow
-    lora = dict(model.named_parameters())
-    with torch.no_grad():
-        for path, a in init_a.items():
-            lora[f"base_model.model.{path}.lora_A.default.weight"].copy_(a)
-    params = [p for p in model.parameters() if p.requires_grad]
-    assert len(params) == 2 * len(init_a)
-    opt = torch.optim.AdamW(params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
-    sched = make_scheduler(opt, spec)
-    losses = []
-    for _ in range(spec.max_steps):
-        rows = stream.next_batch()
-        b = collate([0], [rows], PAD, dropout=[0.0], seeds=[0])
-        out = model(input_ids=b.input_ids, attention_mask=b.attention_mask, labels=b.labels)
-        out.loss.backward()
-        losses.append(out.loss.item())
-        if spec.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(params, spec.max_grad_norm)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-    weights = {path: (lora[f"base_model.model.{path}.lora_A.default.weight"].detach(),
-                      lora[f"base_model.model.{path}.lora_B.default.weight"].detach()) for path in init_a}
-    return losses, weights
-
-
 def assert_trained_as_peft(model_dir: Path, job: SlotJob, losses: dict, final: dict, min_steps: int = STEPS) -> None:
     """The packed job's per-step losses (1e-5 relative) and final A/B (1e-4) equal PEFT + torch AdamW's
     on the same batches, from the same initial A, over at least ``min_steps`` steps."""
-    ref_losses, ref_weights = _run_peft(model_dir, job.spec, job.stream, _initial_a(model_dir, job.spec))
+    ref_losses, ref_weights, _ = run_peft(model_dir, job.spec, job.stream, initial_a(model_dir, job.spec))
     assert len(losses[job.key]) == job.spec.max_steps >= min_steps
     torch.testing.assert_close(torch.tensor(losses[job.key]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     assert final[job.key].keys() == ref_weights.keys()
