@@ -17,12 +17,12 @@ from tests.packer.step.test_equivalence import LLAMA_SPECS, PAD, _jobs, _run_pac
 FIELDS = ("step", "slot", "key", "slot_step", "tokens", "input_tokens")
 
 
-def _train(model_dir, jobs, capacity, **kw):  # noqa: ANN001, ANN003, ANN202
+def _train(model_dir, jobs, capacity, on_step_extra: list | None = None, **kw):  # noqa: ANN001, ANN003, ANN202
     model, _ = load_base(str(model_dir), attn_implementation="eager")
     pm = PackedModel(model, impl="torch")
     queue = list(jobs)
     rec = Recorder(pm)
-    reports, calls = [], []
+    reports, calls = on_step_extra if on_step_extra is not None else [], []
 
     def on_step(reps) -> None:  # noqa: ANN001
         calls.append(reps[0].step)
@@ -164,3 +164,27 @@ def test_operand_copy_follows_the_weights_into_every_forward(tiny_dirs, monkeypa
         with store.stepping(shape, False):
             assert torch.equal(store.a_op[path], store.a[path].detach().to(torch.bfloat16))
             assert torch.equal(store.bt_op[path], store.bt[path].detach().to(torch.bfloat16))
+
+
+def test_a_profiler_marks_every_step_after_its_reports(tiny_dirs) -> None:
+    """``profiler``: ``step()`` once per global step, after that step's reports (torch's profiler, scheduled over
+    the pack's steps: its step ranges are the loop's)."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    marks: list[int] = []
+    reported: list[int] = []
+
+    class Counting:
+        def step(self) -> None:
+            marks.append(len(reported))
+
+    specs = [replace(LLAMA_SPECS[0], max_steps=5), replace(LLAMA_SPECS[2], max_steps=3)]
+    jobs = _jobs(specs)
+    *_, result, _ = _train(tiny_dirs("llama"), jobs, 2, readback_every=1, profiler=Counting(),
+                           on_step_extra=reported)
+    assert marks == [2, 4, 6, 7, 8] and result.steps == 5  # each step's reports (2 slots, then 1) before its mark
+    with profile(activities=[ProfilerActivity.CPU],
+                 schedule=schedule(wait=1, warmup=1, active=2, repeat=1)) as prof:
+        _train(tiny_dirs("llama"), _jobs(specs), 2, profiler=prof)
+    # wait and warm-up take the loop's steps 0 and 1: the profiler records steps 2 and 3
+    assert sum(e.name.startswith("ProfilerStep") for e in prof.events()) == 2
