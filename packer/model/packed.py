@@ -233,8 +233,9 @@ class PackedModel:
 
     def ensure_store(self, capacity: int, rank: int, bucket: int | None = None) -> SlotStore:
         """The pack's slot store for ``capacity`` slots of rank up to ``rank``: the present one where it has exactly
-        ``capacity`` slots and a rank bucket that holds ``rank`` (and ``bucket``), else a new one whose bucket is
-        ``rank_bucket_for(rank)`` or ``bucket``, the larger; the live slots move into it, weights and AdamW moments.
+        ``capacity`` slots and a rank bucket that holds ``rank``, ``bucket`` and the live slots' ranks, else a new one
+        whose bucket is the smallest that does (``rank_bucket_for``); the live slots move into it, weights and AdamW
+        moments.
 
         Args:
             capacity: C, slots (slot ids 0 .. C - 1).
@@ -245,14 +246,13 @@ class PackedModel:
             ValueError: a live slot's id is not below ``capacity``.
         """
         old = self.store
-        need = max(bucket or 0, rank_bucket_for(rank))
+        need = max(bucket or 0, rank_bucket_for(max([rank, *(s.rank for s in self.specs.values())])))
         if old is not None and old.capacity == capacity and old.rank_bucket >= need:
             return old
         if any(slot >= capacity for slot in self.specs):
             raise ValueError(f"live slots {sorted(self.specs)} do not fit a store of {capacity} slots")
         assert old is not None or not self.specs, "live slots without a store to move them from"
-        store = SlotStore(self.model, self.state, self.layers, capacity, max(need, old.rank_bucket if old else 0),
-                          self.device)
+        store = SlotStore(self.model, self.state, self.layers, capacity, need, self.device)
         if resolve_impl(self.state.impl, self.device) == "triton":
             store.use_operands(getattr(self.model, "dtype", torch.float32))
         for slot, spec in self.specs.items():
