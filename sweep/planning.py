@@ -63,7 +63,7 @@ class PlanReport:
     """(fastest, slowest) predicted step over the calibrations; None after a single one."""
     calibrations: int = 1
     quantize: str | None = None
-    """``model.quantize`` (``nf4``: the static part is the NF4 base, measured as such)."""
+    """``model.quantize`` (``nf4``: the base part is the NF4 base, measured as such)."""
     calibration: str = ""
     """Where the memory model came from: measured (how long it took) or the cache (its file)."""
     gpus: int = 1
