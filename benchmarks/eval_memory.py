@@ -1,11 +1,11 @@
-"""What a static held-out evaluation holds on the GPU per logit: the measurement ``packer.step.eval_graph.heldout_fits``
-budgets by.
+"""What a fixed-shape held-out evaluation holds on the GPU per logit: the measurement
+``packer.step.eval_graph.heldout_fits`` budgets by.
 
 A captured held-out forward (``packer.step.eval_graph.row_losses``) keeps its peak memory in its graph pool for the
 pack's
 life. Most of it is logits-sized: on the Triton path the fused loss head keeps the bf16 logits of each row group; the
 torch path (``kernels: torch``, or no Triton) keeps the model's bf16 logits, an fp32 copy and cross-entropy's fp32
-intermediates. This builds a static pack of ``--slots`` slots on SmolLM2's shape (random init, bf16; vocab 49,152)
+intermediates. This builds a pack of ``--slots`` slots on SmolLM2's shape (random init, bf16; vocab 49,152)
 and, for each path and each (rows per slot, sequence length), runs the evaluation once (precompile, warm-up,
 capture, replay) and prints the peak allocated above the pack's own memory, per logit (C x rows x L x vocab).
 
@@ -28,11 +28,10 @@ SHAPES = ((4, 64), (8, 64), (8, 128), (16, 128))
 
 
 def _pack(impl: str, slots: int):  # type: ignore[no-untyped-def]
-    """A PackedModel on SmolLM2's shape with a static store of ``slots`` slots (rank bucket 16) and one slot live."""
+    """A PackedModel on SmolLM2's shape with a slot store of ``slots`` slots (rank bucket 16) and one slot live."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from lora_sweep.packer.model.packed import PackedModel
-    from lora_sweep.packer.model.static import StaticStore
     from lora_sweep.packer.plan import AdapterSpec
 
     kw = dict(SMOLLM2)
@@ -41,10 +40,7 @@ def _pack(impl: str, slots: int):  # type: ignore[no-untyped-def]
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     pm = PackedModel(model, impl=impl)  # type: ignore[arg-type]
-    store = StaticStore(pm.model, pm.state, pm.layers, slots, 16, pm.device)
-    if impl == "triton":
-        store.use_operands(torch.bfloat16)
-    pm.static = store
+    pm.ensure_store(slots, rank=8, bucket=16)  # the bf16 operand copy too, on the Triton path
     pm.add_slot(0, AdapterSpec(rank=8, alpha=16, targets=("all-linear",), seed=0))
     return pm
 

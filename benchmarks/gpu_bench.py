@@ -82,7 +82,7 @@ def packed_run(model: torch.nn.Module, slots: int, micro: int, seq: int, *, impl
                chunked_ce: bool = True, workload: str = "W1", fused: bool = True,
                activation_checkpointing: bool = False) -> dict:
     """Aggregate tokens/s of ``slots`` adapters trained packed (median step of ``steps`` timed) on the step a default
-    sweep runs (on CUDA the static-shape step replayed as CUDA graphs); ``fused``: the base's norms and MLP middles on
+    sweep runs (on CUDA the fixed-shape step replayed as CUDA graphs); ``fused``: the base's norms and MLP middles on
     the fused kernels (``packer.model.fuse``; Triton path only), else eager. Mode ``+ckpt``: activation
     checkpointing."""
     pm = PackedModel(model, impl=impl, fused_base_ops=fused)  # type: ignore[arg-type]
@@ -197,7 +197,7 @@ def memory_curve(model: torch.nn.Module, seq: int, slots: tuple[int, ...] = (2, 
     mm, params = _planner_model(model, seq)
     rows = [dict(workload="memory-fit", per_token_mb=round(mm.bytes_per_token / 1e6, 3),
                  per_token_rank_b=round(mm.bytes_per_token_rank), per_param_b=round(mm.bytes_per_param, 1),
-                 ce_chunk_gb=round(mm.ce_chunk_bytes / 1e9, 2), static_gb=round(mm.static_bytes / 1e9, 2))]
+                 ce_chunk_gb=round(mm.ce_chunk_bytes / 1e9, 2), base_gb=round(mm.base_bytes / 1e9, 2))]
     for n in slots:
         peak = packed_run(model, n, 1, seq, warmup=2, steps=2)["peak_gib"]
         rows.append(dict(workload="memory", tokens=n * seq, **_versus(mm, params, n, seq, peak)))

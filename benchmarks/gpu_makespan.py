@@ -44,13 +44,14 @@ from pathlib import Path
 
 import torch
 
+from lora_sweep.benchmarks.baseline import make_optimizer
 from lora_sweep.benchmarks.makespan_sweep import SweepConfig, extrapolate, sample_indices, sweep_configs
 from lora_sweep.benchmarks.shapes import PROJ, SHAPES, build_shape
 from lora_sweep.benchmarks.timing import check_row, timed_steps
 from lora_sweep.packer.data.rows import Example
 from lora_sweep.packer.model.checkpoint import save_adapters
 from lora_sweep.packer.model.packed import DTYPES, PackedModel
-from lora_sweep.packer.step.train import FixedBatch, SlotJob, make_optimizer
+from lora_sweep.packer.step.train import FixedBatch, SlotJob
 
 __all__ = ["Setup", "MODES", "save_base", "run_packed", "run_sequential", "run_procs", "makespan", "main"]
 

@@ -1,7 +1,7 @@
 """What ``optimizer_in_backward`` would save on the CPU: ``python -m lora_sweep.benchmarks.optim_bwd_bench``.
 
 The option is mapped onto the one training step, which keeps its preallocated fp32 gradient buffer
-(``packer.model.static.StaticStore.grad``: C slots x the rank bucket's rows of every adapted projection) and steps after
+(``packer.model.store.SlotStore.grad``: C slots x the rank bucket's rows of every adapted projection) and steps after
 the
 backward. The memory a step in the backward would save is at most that buffer. A random-init model of
 SmolLM2-135M's shape (fp32, ``--layers`` decoder layers) trains a pack of ``--slots`` rank-``--rank`` adapters on all
@@ -50,7 +50,7 @@ def measure(pm: PackedModel, *, slots: int, rank: int, micro: int, seq: int, ste
     seen = {"grad_bytes": 0, "params": 0}
 
     def on_step(reports: list) -> None:  # noqa: ANN001
-        store = pm.static
+        store = pm.store
         seen["grad_bytes"] = store.grad.numel() * store.grad.element_size()
         seen["params"] = sum(p.numel() for r in reports for p in pm.slot_parameters(r.slot))
 

@@ -29,7 +29,7 @@ from lora_sweep.packer.data.packing import SamplePackedStream, slot_stream
 from lora_sweep.packer.data.rows import IGNORE_INDEX, Example, SlotStream, load_examples
 from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec
-from lora_sweep.packer.step.static_loop import SEQ_MULTIPLE
+from lora_sweep.packer.step.loop import SEQ_MULTIPLE
 from lora_sweep.packer.step.train import SlotJob
 from lora_sweep.packer.tiny.models import build_tiny_model
 

@@ -78,7 +78,7 @@ def _flops(model: nn.Module, rows: int, seq: int) -> float:
 
 
 def run(model: nn.Module, *, slots: int, micro: int, seq: int, rank: int, steps: int, warmup: int,
-        activation_checkpointing: bool, static: bool, peak_tflops: float) -> dict:
+        activation_checkpointing: bool, graph: bool, peak_tflops: float) -> dict:
     """Train ``slots`` adapters for ``warmup + steps`` steps; the measured figures."""
     base_gib = torch.cuda.memory_allocated() / 2**30
     pm = PackedModel(model, impl="auto")
@@ -92,13 +92,13 @@ def run(model: nn.Module, *, slots: int, micro: int, seq: int, rank: int, steps:
     grad_bytes = [0]
 
     def on_step(reports: list) -> None:  # noqa: ANN001
-        grad_bytes[0] = pm.static.grad.numel() * pm.static.grad.element_size()
+        grad_bytes[0] = pm.store.grad.numel() * pm.store.grad.element_size()
 
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        timed = timed_steps(pm, jobs, slots, on_step=on_step, cuda_graphs="on" if static else "off", chunked_ce=True,
+        timed = timed_steps(pm, jobs, slots, on_step=on_step, cuda_graphs="on" if graph else "off", chunked_ce=True,
                             activation_checkpointing=activation_checkpointing)
     step_s = timed.median(warmup)
     losses = [reports[0].loss for reports in timed.reports]
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--activation-checkpointing", action="store_true")
-    p.add_argument("--static", action="store_true", help="replay the training step as a CUDA graph (else eager)")
+    p.add_argument("--graph", action="store_true", help="replay the training step as a CUDA graph (else eager)")
     a = p.parse_args(argv)
     peak = gemm_tflops()
     start = time.perf_counter()
@@ -136,10 +136,10 @@ def main(argv: list[str] | None = None) -> None:
     build_s = time.perf_counter() - start
     row = {"shape": a.shape, "quantize": a.quantize, "layers": model.config.num_hidden_layers, "slots": a.slots,
            "micro": a.micro, "seq": a.seq, "rank": a.rank, "activation_checkpointing": a.activation_checkpointing,
-           "static": a.static, "build_s": round(build_s, 1), "gemm_tflops": round(peak)}
+           "graph": a.graph, "build_s": round(build_s, 1), "gemm_tflops": round(peak)}
     try:
         row |= run(model, slots=a.slots, micro=a.micro, seq=a.seq, rank=a.rank, steps=a.steps, warmup=a.warmup,
-                   activation_checkpointing=a.activation_checkpointing, static=a.static, peak_tflops=peak)
+                   activation_checkpointing=a.activation_checkpointing, graph=a.graph, peak_tflops=peak)
     except ImplausibleRow:
         raise  # an impossible figure is not a result: no row
     except Exception as err:  # a measurement that fails is a result too (e.g. a capture the NF4 path breaks)

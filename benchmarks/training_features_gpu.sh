@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 20's H200 measurements, one command: QLoRA (a Llama-3-70B-shaped NF4 base with 8 slots; Llama-3-8B NF4
-# against bf16; the static step captured over NF4) and sample packing on short instruction rows (0.5B shape).
+# against bf16; the step captured over NF4) and sample packing on short instruction rows (0.5B shape).
 # Run from the repository root on the GPU machine: benchmarks/training_features_gpu.sh [OUT_DIR]
 # Needs torchao (the qlora extra); each part has its own time limit, so one that stalls leaves the others.
 # Each part prints one JSON line per run into OUT_DIR/<part>.jsonl; a table of all of them comes last.
@@ -32,7 +32,7 @@ part qlora-8b-nf4 35 python $q --shape llama3-8b --quantize nf4 --slots 8 --seq 
 part qlora-8b-bf16 35 python $q --shape llama3-8b --quantize none --slots 8 --seq 512
 part packing-0.5b 55 python -m lora_sweep.benchmarks.packing_bench --shape qwen2.5-0.5b --slots 8 --micro 16 --row-len 512 \
   --steps 6 --warmup 2
-part qlora-8b-nf4-static 40 python $q --shape llama3-8b --quantize nf4 --slots 8 --seq 512 --static
+part qlora-8b-nf4-graph 40 python $q --shape llama3-8b --quantize nf4 --slots 8 --seq 512 --graph
 
 python - "$out" <<'EOF'
 import json, pathlib, sys
@@ -42,7 +42,7 @@ print(f"{'run':44} {'base GiB':>8} {'peak GiB':>8} {'step s':>7} {'tok/s':>8} {'
 for r in rows:
     if "shape" in r and "quantize" in r:
         name = f"{r['shape']} {r['quantize']} x{r['slots']}{' AC' if r['activation_checkpointing'] else ''}" \
-               f"{' static' if r['static'] else ''}"
+               f"{' graph' if r['graph'] else ''}"
         if "error" in r:
             print(f"{name:44} error: {r['error']}")
             continue

@@ -8,7 +8,7 @@ never leave the batch (a finished row keeps decoding into the void), so one layo
 prefill and every ``(B, 1)`` step.
 
 That is the per-adapter path: each batch is sized to the scored adapters' rows. With ``batched`` on, while the
-pack trains on the static-shape step (``PackedModel.static``), greedy decoding of all slots' adapters runs on its fixed
+pack trains on the fixed-shape step (``PackedModel.store``), greedy decoding of all slots' adapters runs on its fixed
 shapes instead (``packer.step.eval_graph``: prompts left-padded to a multiple of 16, a static KV cache, each decoding
 step one CUDA-graph replay, the tokens read once per chunk and cut where this loop would stop each row): the same
 tokens.
@@ -69,7 +69,7 @@ class GenerationOptions:
     seed: int = 0
     """Seed of sampling."""
     batched: bool | Literal["auto"] = "auto"
-    """True: greedy decoding while the pack trains on the static-shape step scores all slots' adapters together on
+    """True: greedy decoding while the pack trains on the fixed-shape step scores all slots' adapters together on
     its fixed shapes, a static KV cache and each decoding step replayed as one CUDA graph (``packer.step.eval_graph``);
     False: always the per-adapter path, whose forwards hold only the scored adapters' rows; auto: true on CUDA, false
     on the CPU (``evaluators._core.uses_batched``)."""
@@ -206,7 +206,7 @@ def generate_ids(model: PackedModel, slots: Sequence[int], prompts: Sequence[Seq
         temperature: 0 greedy; else sampling from ``softmax(logits / temperature)``.
         seed: sampling seed; item i draws from its own generator, so a slot samples the same
             answers packed or alone.
-        batched: greedy decoding of all slots' adapters together on the static pack's fixed shapes when it trains
+        batched: greedy decoding of all slots' adapters together on the training pack's fixed shapes when it trains
             on them (``packer.step.eval_graph``; "auto": on CUDA only, ``evaluators._core.uses_batched``), else the
             per-adapter path; the answers are the same tokens.
 
@@ -221,7 +221,7 @@ def generate_ids(model: PackedModel, slots: Sequence[int], prompts: Sequence[Seq
     width = eval_graph.bucket(max(len(p) for p in prompts)) if prompts else 0
     on_fixed_shapes = (uses_batched(batched, model) and temperature <= 0 and bool(prompts)
                        and eval_graph.available(model)
-                       and eval_graph.static_generation_fits(model, width, max_new_tokens))
+                       and eval_graph.generation_fits(model, width, max_new_tokens))
     for idx in chunks(len(prompts), batch_size):
         rows = [list(prompts[i]) for i in idx]
         if on_fixed_shapes:

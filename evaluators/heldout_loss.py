@@ -42,9 +42,9 @@ class HeldoutOptions:
     batch_size: int = 8
     """Held-out rows per slot in one forward (a forward holds ``batch_size * len(slots)`` rows)."""
     batched: bool | Literal["auto"] = "auto"
-    """True: while the pack trains on the static-shape step, score all slots' adapters together on its fixed shapes
+    """True: while the pack trains on the fixed-shape step, score all slots' adapters together on its fixed shapes
     (``packer.step.eval_graph``: rows padded to a multiple of 16, one CUDA graph on CUDA) when their logits fit
-    ``packer.step.eval_graph.STATIC_LOGITS_BYTES``; False: always the per-adapter path, whose forwards hold only the
+    ``packer.step.eval_graph.LOGITS_BYTES``; False: always the per-adapter path, whose forwards hold only the
     scored adapters' rows; auto: true on CUDA, false on the CPU (``evaluators._core.uses_batched``)."""
     ALIASES: ClassVar[dict[str, str]] = {"static_shapes": "batched"}
 

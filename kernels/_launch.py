@@ -17,7 +17,7 @@ import torch
 
 from lora_sweep.kernels.meta import LayerRanks, PackLayout
 
-__all__ = ["SegmentMeta", "build_meta", "static_meta", "check_2d", "to_device_async",
+__all__ = ["SegmentMeta", "build_meta", "segment_meta", "check_2d", "to_device_async",
            "SegInt", "SegFlt", "Tile", "Chunk", "SEG_INT_COL", "SEG_FLT_COL", "TILE_COL", "CHUNK_COL",
            "SEG_INT_FIELDS", "SEG_FLT_FIELDS", "TILE_FIELDS", "CHUNK_FIELDS", "POS_BITS", "free_segment", "FREE_FLT"]
 
@@ -32,7 +32,7 @@ class SegInt(NamedTuple):
     row_start: int
     """Its first row of the (B, L) batch (dropout counters are slot-local rows)."""
     rank: int
-    """r_g in this call (0: a free slot of a static pack)."""
+    """r_g in this call (0: a free slot of a pack)."""
     rank_off: int
     """Its first row of ``a_cat`` / ``bt_cat``."""
     seed: int
@@ -220,9 +220,9 @@ def check_2d(name: str, t: torch.Tensor, rows: int, cols: int) -> None:
                          f"got {t.dtype} {tuple(t.shape)} contiguous={t.is_contiguous()}")
 
 
-def static_meta(capacity: int, rows: int, seq_len: int, rank_cols: int, device: torch.device, *,
+def segment_meta(capacity: int, rows: int, seq_len: int, rank_cols: int, device: torch.device, *,
                 dropout: bool, block_m: int = BLOCK_M, chunk_tokens: int = CHUNK_TOKENS) -> SegmentMeta:
-    """Tables of a static-shape pack (``packer.model.static``): ``capacity`` segments of ``rows`` rows each, every one
+    """Tables of a fixed-shape pack (``packer.model.store``): ``capacity`` segments of ``rows`` rows each, every one
     present whatever its slot holds, so the tile and chunk maps (and hence every grid) depend on the shape only.
 
     The per-slot columns are data the caller writes in place before each step (a captured CUDA graph reads
@@ -261,7 +261,7 @@ def static_meta(capacity: int, rows: int, seq_len: int, rank_cols: int, device: 
 
 
 def free_segment(g: int, rows: int, seq_len: int, rank_cols: int) -> SegInt:
-    """Segment g of a static pack (``static_meta``) holding no slot: its fixed token range, rows and rank rows,
+    """Segment g of a pack (``segment_meta``) holding no slot: its fixed token range, rows and rank rows,
     rank 0 (the kernels skip its LoRA term), seed 0."""
     per = rows * seq_len
     return SegInt(tok_start=g * per, tok_end=(g + 1) * per, row_start=g * rows, rank=0, rank_off=g * rank_cols,

@@ -1,8 +1,8 @@
 """Packed multi-adapter LoRA ops, and the frozen base's fused RMSNorm, SiLU-gated product and RoPE.
 
-``packed_lora`` is the entry point of the LoRA term (``packed_lora_linear`` with the base GEMM; on a static pack's
-tables ``packed_lora_static``);
-``rms_norm``, ``silu_mul`` and ``rope`` are those of the base's elementwise ops; ``static_linear_ce`` is a static
+``packed_lora_eval`` is the entry point of the LoRA term (``packed_lora_eval_linear`` with the base GEMM; on a pack's
+tables ``packed_lora``);
+``rms_norm``, ``silu_mul`` and ``rope`` are those of the base's elementwise ops; ``linear_ce`` is a fixed-shape
 batch's per-slot loss through the frozen output head. The implementation is an explicit argument so the Triton
 kernels drop in without touching the packer. Imports without triton: the Triton modules (``kernels.triton_lora``,
 ``triton_norm``, ``triton_swiglu``, ``triton_rope``, ``triton_ce``) are loaded on the first ``impl="triton"`` call,
@@ -34,17 +34,17 @@ from lora_sweep.kernels._launch import (
     SegmentMeta,
     Tile,
     free_segment,
-    static_meta,
+    segment_meta,
     to_device_async,
 )
 from lora_sweep.kernels.meta import LayerRanks, PackLayout, dropout_seed
 from lora_sweep.kernels.reference import lora_loop, lora_masked_dense
 
-__all__ = ["packed_lora", "packed_lora_linear", "packed_lora_static", "precompile",
+__all__ = ["packed_lora_eval", "packed_lora_eval_linear", "packed_lora", "precompile",
            "hash_compiler_early",
            "lora_operand_dtype",
-           "rms_norm", "silu_mul", "rope", "rope_problem", "static_linear_ce", "segmented_sumsq", "segmented_adamw_",
-           "static_meta",
+           "rms_norm", "silu_mul", "rope", "rope_problem", "linear_ce", "segmented_sumsq", "segmented_adamw_",
+           "segment_meta",
            "SegmentMeta",
            "SegInt", "SegFlt", "Tile", "Chunk", "SEG_INT_COL", "SEG_FLT_COL", "TILE_COL", "CHUNK_COL",
            "SEG_INT_FIELDS", "SEG_FLT_FIELDS", "FREE_FLT", "free_segment",
@@ -78,7 +78,7 @@ def _triton_module(name: str = "triton_lora"):  # type: ignore[no-untyped-def]
     return importlib.import_module(f"lora_sweep.kernels.{name}")
 
 
-def packed_lora(x: torch.Tensor, base_out: torch.Tensor, a_cat: torch.Tensor, bt_cat: torch.Tensor,
+def packed_lora_eval(x: torch.Tensor, base_out: torch.Tensor, a_cat: torch.Tensor, bt_cat: torch.Tensor,
                 layout: PackLayout, ranks: LayerRanks, *, impl: Impl = "torch") -> torch.Tensor:
     """Add every slot's LoRA term to the base output of one layer.
 
@@ -109,10 +109,10 @@ def packed_lora(x: torch.Tensor, base_out: torch.Tensor, a_cat: torch.Tensor, bt
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
-def packed_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a_cat: torch.Tensor,
+def packed_lora_eval_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a_cat: torch.Tensor,
                        bt_cat: torch.Tensor, layout: PackLayout, ranks: LayerRanks, *,
                        impl: Impl = "torch") -> torch.Tensor:
-    """A frozen linear layer plus every slot's LoRA term: ``packed_lora(x, F.linear(x, weight, bias), ...)``.
+    """A frozen linear layer plus every slot's LoRA term: ``packed_lora_eval(x, F.linear(x, weight, bias), ...)``.
 
     The Triton path fuses the two (the LoRA term is written first and the cuBLAS GEMM accumulates onto
     it, forward and backward), saving the passes over the output that a separate add costs.
@@ -121,7 +121,7 @@ def packed_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         x: (B, L, D_in) layer input, rows grouped by slot as ``layout`` says.
         weight: (D_out, D_in) base weight.
         bias: (D_out,) base bias, or None.
-        a_cat, bt_cat, layout, ranks, impl: as ``packed_lora``.
+        a_cat, bt_cat, layout, ranks, impl: as ``packed_lora_eval``.
 
     Returns:
         (B, L, D_out) tensor; differentiable in x, a_cat and bt_cat (and weight, bias if they require grad).
@@ -129,16 +129,16 @@ def packed_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if impl == "auto":
         impl = resolve_impl(impl, x.device)
     if impl != "triton":
-        return packed_lora(x, F.linear(x, weight, bias), a_cat, bt_cat, layout, ranks, impl=impl)
+        return packed_lora_eval(x, F.linear(x, weight, bias), a_cat, bt_cat, layout, ranks, impl=impl)
     return _triton_module().packed_lora_triton(x, None, a_cat, bt_cat, layout, ranks, weight=weight, bias=bias)
 
 
-def packed_lora_static(x: torch.Tensor, base_out: torch.Tensor | None, weight: torch.Tensor | None,
+def packed_lora(x: torch.Tensor, base_out: torch.Tensor | None, weight: torch.Tensor | None,
                        bias: torch.Tensor | None, a_cat: torch.Tensor, bt_cat: torch.Tensor,
                        meta: SegmentMeta, grads: tuple[torch.Tensor, torch.Tensor] | None = None,
                        ops: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """The Triton packed LoRA over prebuilt tables (``static_meta``): no host work, no copy, so it can be
-    captured in a CUDA graph. Same math as ``packed_lora_linear`` (``weight`` given) or ``packed_lora``
+    """The Triton packed LoRA over prebuilt tables (``segment_meta``): no host work, no copy, so it can be
+    captured in a CUDA graph. Same math as ``packed_lora_eval_linear`` (``weight`` given) or ``packed_lora_eval``
     (``base_out`` given).
 
     Args:
@@ -150,7 +150,7 @@ def packed_lora_static(x: torch.Tensor, base_out: torch.Tensor | None, weight: t
         bt_cat: (C * RB, D_out) B^T laid out the same way.
         meta: the tables, with this layer's ``layer_id``.
         grads: (C * RB, D_in) and (C * RB, D_out) fp32 buffers the weight gradients are added to in place (the
-            static pack's gradient views), or None to hand them to autograd.
+            pack's gradient views), or None to hand them to autograd.
         ops: a_cat and bt_cat already in ``lora_operand_dtype(x.dtype)`` (cast once per step), or None.
 
     Returns:
@@ -165,14 +165,14 @@ def lora_operand_dtype(act: torch.dtype) -> torch.dtype:
 
 
 def segmented_sumsq(grad: torch.Tensor, segs: torch.Tensor, rank: torch.Tensor, rank_bucket: int) -> torch.Tensor:
-    """Per-slot sum of squares of a static pack's flat gradients (``kernels.triton_adamw``): (C,) fp32."""
+    """Per-slot sum of squares of a pack's flat gradients (``kernels.triton_adamw``): (C,) fp32."""
     return _triton_module("triton_adamw").segmented_sumsq(grad, segs, rank, rank_bucket)
 
 
 def segmented_adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                      segs: torch.Tensor, rank: torch.Tensor, coef: torch.Tensor, opt: torch.Tensor,
                      rank_bucket: int) -> None:
-    """Clip, AdamW-update and zero a static pack's flat buffers in one kernel (``kernels.triton_adamw``)."""
+    """Clip, AdamW-update and zero a pack's flat buffers in one kernel (``kernels.triton_adamw``)."""
     _triton_module("triton_adamw").segmented_adamw_(param, grad, exp_avg, exp_avg_sq, segs, rank, coef, opt,
                                                     rank_bucket)
 
@@ -245,15 +245,15 @@ def rope_problem(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     return _triton_module("triton_rope").rope_problem(q, k, cos, sin)
 
 
-def static_linear_ce(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+def linear_ce(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
                      capacity: int, *, impl: Impl = "torch",
                      chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-slot mean next-token cross-entropy of ``F.linear(hidden, weight, bias)`` for a frozen head, slot g owning
-    rows ``g * T / C ..`` of a static batch.
+    rows ``g * T / C ..`` of a fixed-shape batch.
 
     ``triton`` (``kernels.triton_ce``): no fp32 logits; the logits are overwritten by their gradient in the forward
     and freed there, the gradient of ``hidden`` kept (T, H) for the backward; with no gradient to compute, the
-    forward alone. ``torch`` / ``loop``: ``reference.static_linear_ce`` (fp32 logits, torch's cross-entropy).
+    forward alone. ``torch`` / ``loop``: ``reference.linear_ce`` (fp32 logits, torch's cross-entropy).
 
     Args:
         hidden: (T, H) hidden states (after the final norm).
@@ -268,10 +268,10 @@ def static_linear_ce(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         (C,) fp32 mean losses (0 for a slot without targets), differentiable in ``hidden``, and (C,) fp32 counts.
     """
     if resolve_impl(impl, hidden.device) == "triton":
-        return _triton_module("triton_ce").static_linear_ce_triton(hidden, weight, bias, targets, capacity, chunk)
+        return _triton_module("triton_ce").linear_ce_triton(hidden, weight, bias, targets, capacity, chunk)
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    return reference.static_linear_ce(hidden, weight, bias, targets, capacity)
+    return reference.linear_ce(hidden, weight, bias, targets, capacity)
 
 
 def precompile(run: Callable[[], object]) -> None:

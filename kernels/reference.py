@@ -20,7 +20,7 @@ import torch
 
 from lora_sweep.kernels.meta import LayerRanks, PackLayout, dropout_seed
 
-__all__ = ["lora_loop", "lora_masked_dense", "dropout_keep_mask", "rms_norm", "silu_mul", "rope", "static_linear_ce"]
+__all__ = ["lora_loop", "lora_masked_dense", "dropout_keep_mask", "rms_norm", "silu_mul", "rope", "linear_ce"]
 
 
 def dropout_keep_mask(layout: PackLayout, g: int, layer_id: int, d_in: int, seq_len: int,
@@ -120,10 +120,10 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
-def static_linear_ce(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+def linear_ce(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
                      capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-slot mean cross-entropy of ``F.linear(hidden, weight, bias)``, the oracle of
-    ``kernels.ops.static_linear_ce``: fp32 logits and torch's ``F.cross_entropy``, autograd for the gradients.
+    ``kernels.ops.linear_ce``: fp32 logits and torch's ``F.cross_entropy``, autograd for the gradients.
 
     Args:
         hidden: (T, H) hidden states; slot g owns rows ``g * T / C`` to ``(g + 1) * T / C``.

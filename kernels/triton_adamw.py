@@ -1,10 +1,10 @@
-"""Triton kernels for the static pack's optimizer: per-slot sum of squares and a fused clip + AdamW + zero-grad
+"""Triton kernels for the pack's optimizer: per-slot sum of squares and a fused clip + AdamW + zero-grad
 (or keep-grad: a slot accumulating gradients over micro-batches takes a no-op step and keeps its gradient).
 
-The static pack (``packer.model.static``) keeps every adapted layer's weights for all C slots in one fp32 buffer,
+The pack (``packer.model.store``) keeps every adapted layer's weights for all C slots in one fp32 buffer,
 layer-major: segment k (one layer's A or B^T) holds C blocks of ``RB * d_k`` values (RB rows of the rank
 bucket, d_k features), slot g's block at ``off_k + g * RB * d_k``. Only the first ``rank[g] * d_k`` values of a
-block can be non-zero (the rest is rank padding, zero forever: ``packer.model.static``'s docstring), so both kernels
+block can be non-zero (the rest is rank padding, zero forever: ``packer.model.store``'s docstring), so both kernels
 touch only those: their traffic follows the slots' real ranks, not the bucket, and a free slot (rank 0) costs
 nothing. Every per-slot number (rank, clip coefficient, decay, betas, bias corrections, step size) is read
 from device tensors, so a captured CUDA graph serves any mix of slots.

@@ -1,6 +1,6 @@
-"""Fused linear cross-entropy of a static batch for a frozen output head: no fp32 logits, the input gradient in the
+"""Fused linear cross-entropy of a fixed-shape batch for a frozen output head: no fp32 logits, the input gradient in the
 forward (Liger's fused linear cross-entropy, ``src/liger_kernel/ops/fused_linear_cross_entropy.py``, with per-slot
-means and static shapes).
+means and fixed shapes).
 
 Math, for token row t of slot g = t // (T / C) with hidden state h_t, head W (V, H), bias b, target y_t:
 
@@ -17,7 +17,7 @@ logits are: the kernel turns the logits into their gradient in place, one GEMM m
 die in the forward. The plain path instead keeps bf16 logits, an fp32 copy, and fp32 log-softmax forward and
 backward tensors (1.2 GB each at 6,144 tokens x 49,152 vocabulary), over which torch runs several passes.
 
-Shapes are static (C slots of T / C rows each, the layout of ``packer.model.static``), and nothing reads a value on the
+Shapes are fixed (C slots of T / C rows each, the layout of ``packer.model.store``), and nothing reads a value on the
 host: the step that calls it can be captured as a CUDA graph. Shape legend: T token rows, H hidden features,
 V vocabulary, C slots (groups of T / C consecutive rows), BV vocabulary columns per block. The kernel calls
 Triton builtins only (``tl.reduce`` with jit'd combines, ``tl.exp``): see ``kernels.triton_segments``' docstring
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from lora_sweep.kernels import _jit
 from lora_sweep.kernels._jit import tl, triton
 
-__all__ = ["IGNORE_INDEX", "StaticLinearCE", "cross_entropy_rows", "static_linear_ce_triton"]
+__all__ = ["IGNORE_INDEX", "LinearCE", "cross_entropy_rows", "linear_ce_triton"]
 
 IGNORE_INDEX = -100
 """Target of a row without loss (torch's ``F.cross_entropy`` default, ``packer.data.batch.IGNORE_INDEX``)."""
@@ -126,7 +126,7 @@ def _losses(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(C,) losses, (C,) counts and, with ``write_grad``, dh (T, H) in the logits' dtype (module docstring).
 
-    ``chunk``: the logits of at most this many rows exist at a time (fixed row ranges: a static shape, capturable);
+    ``chunk``: the logits of at most this many rows exist at a time (fixed row ranges: a fixed shape, capturable);
     None: all T rows' at once."""
     n_rows = hidden.shape[0]
     counts = (targets != IGNORE_INDEX).view(capacity, -1).sum(dim=1).float()  # (C,)
@@ -150,7 +150,7 @@ def _losses(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return nll.view(capacity, -1).sum(dim=1) / denom, counts, dh
 
 
-class StaticLinearCE(torch.autograd.Function):
+class LinearCE(torch.autograd.Function):
     """Per-slot mean cross-entropy of ``F.linear(hidden, weight, bias)``, the head frozen (module docstring).
 
     forward(hidden (T, H), weight (V, H), bias (V,) | None, targets (T,) shifted, capacity C, chunk rows | None) ->
@@ -177,10 +177,10 @@ class StaticLinearCE(torch.autograd.Function):
         return dx, None, None, None, None, None
 
 
-def static_linear_ce_triton(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def linear_ce_triton(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                             targets: torch.Tensor, capacity: int, chunk: int | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kernels.ops.static_linear_ce(..., impl="triton")``: the autograd Function when ``hidden`` needs a gradient,
+    """``kernels.ops.linear_ce(..., impl="triton")``: the autograd Function when ``hidden`` needs a gradient,
     else the forward alone (no gradient write, no second GEMM). ``chunk``: logits of at most that many rows at a
     time (the same losses and gradients; the bf16 logits' memory bounded by ``chunk`` x V).
 
@@ -190,14 +190,14 @@ def static_linear_ce_triton(hidden: torch.Tensor, weight: torch.Tensor, bias: to
     """
     _jit.check_device(hidden, "lora_sweep.kernels.triton_ce")
     if weight.requires_grad or (bias is not None and bias.requires_grad):
-        raise ValueError("static_linear_ce: the head must be frozen (its weight gradient is not computed)")
+        raise ValueError("linear_ce: the head must be frozen (its weight gradient is not computed)")
     n_rows = hidden.shape[0]
     if hidden.dim() != 2 or weight.dim() != 2 or weight.shape[1] != hidden.shape[1] or capacity < 1 \
             or n_rows % capacity or targets.shape != (n_rows,):
-        raise ValueError(f"static_linear_ce: hidden (T, H), weight (V, H), targets (T,), T a multiple of capacity; "
+        raise ValueError(f"linear_ce: hidden (T, H), weight (V, H), targets (T,), T a multiple of capacity; "
                          f"got {tuple(hidden.shape)}, {tuple(weight.shape)}, {tuple(targets.shape)}, {capacity}")
     hidden = hidden.contiguous()
     if torch.is_grad_enabled() and hidden.requires_grad:
-        return StaticLinearCE.apply(hidden, weight, bias, targets, capacity, chunk)
+        return LinearCE.apply(hidden, weight, bias, targets, capacity, chunk)
     losses, counts, _ = _losses(hidden, weight, bias, targets, capacity, write_grad=False, chunk=chunk)
     return losses, counts

@@ -72,7 +72,7 @@ def keep_scale(seg_int_ptr, seg_flt_ptr, seg, tok, col0, seq_len, d_in, layer_id
     columns ``col0 + arange(BC)`` (col0 a multiple of 4). Column c uses word c % 4 of counter c // 4: one Philox
     call per 4 columns, the layer id as the third counter word; u = the word mapped to [0, 1) as ``tl.rand``.
 
-    A segment with p = 0 (a slot without dropout in a call where some slot has it, as every call of a static pack with
+    A segment with p = 0 (a slot without dropout in a call where some slot has it, as every call of a pack with
     dropout is) gets exactly 1 without drawing: u >= 0 always holds and 1 / (1 - 0) is 1, so the branch changes no
     value, only skips those programs' Philox rounds. In the SmolLM2-shaped 16-slot pack with dropout on every other slot
     it gains nothing measurable (BENCHMARKS.md, "Kernel tiles, operand dtypes and the fused norms"): a launch lasts as

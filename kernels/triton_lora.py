@@ -1,7 +1,8 @@
 """The packed multi-slot LoRA of one projection as an autograd Function, on the segmented kernels of
 ``kernels.triton_segments`` (math, shapes and kernels described there).
 
-This module holds the projection's forward and backward and the ``kernels.ops.packed_lora(..., impl="triton")`` entry.
+This module holds the projection's forward and backward and the ``kernels.ops.packed_lora_eval(..., impl="triton")``
+entry.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class PackedLoRAFunction(torch.autograd.Function):
     with no separate add of two dx tensors: per projection that saves about four passes over a (T, D) tensor.
 
     The dropout mask is drawn once, as bits, in the forward (``keep_bits``) and kept for the backward. With
-    ``grads`` (a static pack's gradient buffers, ``a_cat.grad`` and ``bt_cat.grad``) the weight gradients are
+    ``grads`` (a pack's gradient buffers, ``a_cat.grad`` and ``bt_cat.grad``) the weight gradients are
     added into them by the kernel and autograd gets None for a_cat and bt_cat: no zero-filled result per call and
     no AccumulateGrad add of it (the same fp32 sum, so the same bits).
     """
@@ -39,7 +40,7 @@ class PackedLoRAFunction(torch.autograd.Function):
                 ops: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x: (T, D_in); base_out: (T, D_out) or None; weight: (D_out, D_in) or None; bias: (D_out,) or None;
         a_cat: (R, D_in); bt_cat: (R, D_out); grads: ((R, D_in), (R, D_out)) fp32 or None; ops: a_cat and bt_cat
-        already in ``operand_dtype(x.dtype)`` (a static pack casts all its weights once per step), or None
+        already in ``operand_dtype(x.dtype)`` (a pack casts all its weights once per step), or None
         -> (T, D_out)."""
         a_w, bt_w = ops or (a_cat, bt_cat)
         keep = keep_bits(meta, x) if meta.has_dropout else None  # (T, ceil(D_in / 32)) int32
@@ -123,7 +124,8 @@ def _lora_term(h: torch.Tensor, w: torch.Tensor, meta: SegmentMeta, shape: tuple
 def packed_lora_triton(x: torch.Tensor, base_out: torch.Tensor | None, a_cat: torch.Tensor, bt_cat: torch.Tensor,
                        layout: PackLayout, ranks: LayerRanks, *, weight: torch.Tensor | None = None,
                        bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``kernels.ops.packed_lora(..., impl="triton")``: same arguments and result as ``kernels.reference.lora_loop``.
+    """``kernels.ops.packed_lora_eval(..., impl="triton")``: same arguments and result as
+    ``kernels.reference.lora_loop``.
 
     Args:
         x: (B, L, D_in) layer input, on CUDA (or CPU under ``TRITON_INTERPRET=1``).
@@ -142,7 +144,7 @@ def packed_lora_triton(x: torch.Tensor, base_out: torch.Tensor | None, a_cat: to
         RuntimeError: x is on the CPU and the Triton interpreter is off.
         ValueError: neither or both of ``base_out`` and ``weight`` given.
     """
-    _jit.check_device(x, "lora_sweep.kernels.ops.packed_lora")
+    _jit.check_device(x, "lora_sweep.kernels.ops.packed_lora_eval")
     if (base_out is None) == (weight is None):
         raise ValueError("give exactly one of base_out and weight")
     b, seq, d_in = x.shape

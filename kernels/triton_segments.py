@@ -25,7 +25,7 @@ Kernels, all driven by host-built tables (``kernels._launch.SegmentMeta``):
   each slot pays for its own rank only. Reads the addend and writes the result in one pass (in place allowed).
 - ``_seg_wgrad_kernel``: grid (token chunks of a segment, D tiles, rank tiles); each program writes its own
   fp32 partial sum, a deterministic torch sum over partial slots follows: no atomics, bit-identical reruns. Given
-  a gradient buffer (a static pack's) and one partial per segment, it adds into the buffer as it stores.
+  a gradient buffer (a pack's) and one partial per segment, it adds into the buffer as it stores.
 
 Dropout: each layer call draws its keep mask once, as bits (``kernels.triton_dropout.keep_bits``: Philox from
 the slot's seed, its own rows and positions, the column and the layer), which the shrink, the dx epilogue and
@@ -318,7 +318,7 @@ def seg_wgrad(p: torch.Tensor, q: torch.Tensor, meta: SegmentMeta, *, dropout: b
         meta: segment tables of this layer call.
         dropout: apply each slot's dropout mask to ``q`` (x for d a_cat).
         keep: the mask's bits (``keep_bits(meta, q)``), or None to draw them here.
-        into: (R, N) fp32 gradient to add the result to in place (a static pack's gradient buffer: no zero fill,
+        into: (R, N) fp32 gradient to add the result to in place (a pack's gradient buffer: no zero fill,
             no separate add), or None for a new tensor. With one partial sum the kernel adds it as it stores.
         block_t: token step of the reduction; default ``_launch_config``'s.
         stages: software-pipeline depth; default ``_launch_config``'s.

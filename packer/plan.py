@@ -121,9 +121,9 @@ ADAPTER_BYTES_PER_PARAM = 16
 class MemoryModel:
     """Peak memory and time of one packed training step, linear in its parts.
 
-    ``peak = static + tokens * (bytes_per_token + bytes_per_token_rank * rank_width) + ce
+    ``peak = base + tokens * (bytes_per_token + bytes_per_token_rank * rank_width) + ce
     + bytes_per_param * params``:
-    ``static`` is the frozen base (weights, buffers); ``bytes_per_token`` the activations kept for
+    ``base`` is the frozen base (weights, buffers); ``bytes_per_token`` the activations kept for
     backward plus, without chunked cross-entropy, the logits and loss buffers of one padded token;
     ``bytes_per_token_rank`` the LoRA intermediates per unit of the pack's rank width (a token meets only its own
     slot's rank bucket, on the Triton kernels and the torch path alike: the largest rank); ``ce`` the chunked
@@ -133,8 +133,9 @@ class MemoryModel:
     the one layer's gradient alive at a time). The measured numbers come from ``packer.probe.calibrate``.
     """
 
-    static_bytes: int
-    """Memory with the base model loaded and no step running."""
+    base_bytes: int
+    """The frozen base's memory (weights, buffers) with no step running: what the device holds once the model is
+    loaded, or the calibration fit's intercept where that is larger."""
     bytes_per_token: float
     """Extra peak memory per padded token of a step."""
     bytes_per_token_rank: float = 0.0
@@ -164,7 +165,7 @@ class MemoryModel:
         slots whose ranks add up to ``total_rank`` (the largest of them ``max_rank``, default the sum)."""
         width = total_rank if max_rank is None else max_rank
         per_token = self.bytes_per_token + self.bytes_per_token_rank * width
-        return int(self.static_bytes + per_token * tokens + self.ce_bytes(tokens)
+        return int(self.base_bytes + per_token * tokens + self.ce_bytes(tokens)
                    + self.bytes_per_param * adapter_params)
 
     def step_seconds(self, tokens: int) -> float:

@@ -24,13 +24,13 @@ from lora_sweep.kernels.ops import PackLayout
 from lora_sweep.packer.data.rows import Example
 from lora_sweep.packer.loss import chunked_slot_losses
 from lora_sweep.packer.model.packed import PackedModel
+from lora_sweep.packer.model.store import rank_bucket_for
 from lora_sweep.packer.plan import (
     ADAPTER_BYTES_PER_PARAM,
     AdapterSpec,
     MemoryModel,
     adapter_param_count,
 )
-from lora_sweep.packer.step.static_loop import rank_bucket_for
 from lora_sweep.packer.step.train import FixedBatch, SlotJob, chunk_tokens_of, train
 
 __all__ = ["peak_memory", "calibrate", "available_memory", "model_bytes", "plain_param_bytes", "PROBE_STEPS"]
@@ -162,7 +162,7 @@ def calibrate(pm: PackedModel, seq_len: int, *, rows: tuple[int, int] = (1, 2), 
                                "optimizer_in_backward": optimizer_in_backward}
     vocab = vocab or pm.model.get_input_embeddings().num_embeddings
     gen = torch.Generator().manual_seed(0)
-    static = torch.cuda.memory_allocated(pm.device) if pm.device.type == "cuda" else model_bytes(pm)
+    base = torch.cuda.memory_allocated(pm.device) if pm.device.type == "cuda" else model_bytes(pm)
     from lora_sweep.packer.model.inject import linear_shape, projection_names
 
     narrowest = min(min(linear_shape(pm.model.get_submodule(p)) or (1 << 30,)) for p in projection_names(pm.model))
@@ -178,18 +178,18 @@ def calibrate(pm: PackedModel, seq_len: int, *, rows: tuple[int, int] = (1, 2), 
             _step(pm, spec, examples, pad_id, steps, options)
         timed: list[float] = []
         peak = peak_memory(lambda: timed.append(_step(pm, spec, examples, pad_id, steps, options)), pm)  # noqa: B023
-        # the step's store holds every slot at the pack's rank bucket (``static_loop.rank_bucket_for``)
+        # the step's store holds every slot at the pack's rank bucket (``store.rank_bucket_for``)
         params = PROBE_SLOTS * adapter_param_count([(layer.in_features, layer.out_features)
                                                     for layer in pm.layers.values()], rank_bucket_for(rank))
         # per token, one column per row of its slot's rank bucket (the Triton kernels' h, the torch path's batched h)
         width = rank_bucket_for(rank)
         # the training step gives every slot the same rows (the idle one padding): a probe computes PROBE_SLOTS x n
         probes[(PROBE_SLOTS * n * seq_len, rank)] = (peak, params, width, timed[0])
-    return _fit(pm, probes, rows, seq_len, (r_lo, r_hi), vocab, static, chunked_ce, optimizer_in_backward)
+    return _fit(pm, probes, rows, seq_len, (r_lo, r_hi), vocab, base, chunked_ce, optimizer_in_backward)
 
 
 def _fit(pm: PackedModel, probes: dict[tuple[int, int], Probe], rows: tuple[int, int], seq_len: int,
-         ranks: tuple[int, int], vocab: int, static: int, chunked_ce: bool | int,
+         ranks: tuple[int, int], vocab: int, base: int, chunked_ce: bool | int,
          optimizer_in_backward: bool) -> MemoryModel:
     """``MemoryModel`` from the four probes of ``calibrate``, keyed by (tokens, rank)."""
     r_lo, r_hi = ranks
@@ -204,7 +204,7 @@ def _fit(pm: PackedModel, probes: dict[tuple[int, int], Probe], rows: tuple[int,
     per_token, per_token_rank, per_param, intercept = fit
     s1, s2 = probes[(t1, r_lo)][3], probes[(t2, r_lo)][3]
     sec_per_token = max(0.0, (s2 - s1) / (t2 - t1))
-    return MemoryModel(static_bytes=max(static, int(intercept)), bytes_per_token=per_token,
+    return MemoryModel(base_bytes=max(base, int(intercept)), bytes_per_token=per_token,
                        bytes_per_token_rank=per_token_rank, seconds_per_token=sec_per_token,
                        seconds_per_step=max(0.0, s1 - sec_per_token * t1),
                        ce_chunk_bytes=int(ce), ce_chunk_tokens=chunk or 0, bytes_per_param=per_param,

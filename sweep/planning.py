@@ -59,12 +59,12 @@ class PlanReport:
     """(fastest, slowest) predicted step over the calibrations; None after a single one."""
     calibrations: int = 1
     quantize: str | None = None
-    """``model.quantize`` (``nf4``: the static part is the NF4 base, measured as such)."""
+    """``model.quantize`` (``nf4``: the base part is the NF4 base, measured as such)."""
     calibration: str = ""
     """Where the memory model came from: measured (how long it took) or the cache (its file)."""
     gpus: int = 1
     """GPUs the base is sharded over (``pack.shard: fsdp``); the memory rows are then per GPU."""
-    static_bytes: int = 0
+    base_bytes: int = 0
     """The base's part of the peak on one GPU: the whole base, or with a shard one rank's share of it."""
     load_peak_bytes: int = 0
     """With a shard: the most base bytes one GPU holds while the base loads (its share and one chunk read by rows,
@@ -89,8 +89,8 @@ class PlanReport:
             ("worst-case slot", f"rank {self.worst_rank}, micro-batch {self.worst_micro_batch}, seq {self.seq_len}"),
             ("memory available (planned share)", f"{self.available_bytes / gib:.2f} GiB ({MEMORY_FRACTION:.0%})"),
             ("predicted peak of a full pack" + per_gpu, f"{self.predicted_peak_bytes / gib:.3f} GiB"),
-            (f"static ({base}" + (f", {self.quantize} projections" if self.quantize else "") + ")",
-             f"{(self.static_bytes or self.memory.static_bytes) / gib:.3f} GiB"),
+            (f"frozen ({base}" + (f", {self.quantize} projections" if self.quantize else "") + ")",
+             f"{(self.base_bytes or self.memory.base_bytes) / gib:.3f} GiB"),
             ("per token / per token x rank", f"{self.memory.bytes_per_token / 1024:.1f} KiB / "
                                              f"{self.memory.bytes_per_token_rank:.0f} B"),
             ("per adapter parameter", f"{self.memory.bytes_per_param:.1f} B"),
@@ -237,7 +237,7 @@ def plan_report(spec: StudySpec, models: list[MemoryModel], where: str, base: Ba
     return PlanReport(device, slots, rank, micro, seq, available, max(peak, load_peak), mm, step_s,
                       None if steps is None else steps * step_s, steps,
                       (min(times), max(times)) if len(models) > 1 else None, len(models), spec.model.quantize,
-                      where, gpus if shard else 1, mm.static_bytes + base_delta, load_peak, note, evals, eval_note)
+                      where, gpus if shard else 1, mm.base_bytes + base_delta, load_peak, note, evals, eval_note)
 
 
 def eval_rows(spec: StudySpec) -> int:

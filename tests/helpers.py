@@ -1,5 +1,5 @@
 """Helpers several test modules share (a test module imports none from another): the packed-vs-PEFT oracle of the
-packer's invariant, the probe's growth measure, the static-pack evaluation run, the workers' and the foreign
+packer's invariant, the probe's growth measure, the evaluations on a training pack, the workers' and the foreign
 configs' study files, and the patches that make a test see one cause.
 
 tests/conftest.py keeps the fixtures and pytest hooks, the skips for want of an extra (``missing``, ``need_module``)
@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 import optuna
 import pytest
@@ -21,15 +22,18 @@ import torch
 import transformers.masking_utils
 import yaml
 from peft import LoraConfig, get_peft_model
+from torch import nn
 from transformers import AutoModelForCausalLM
+from transformers.pytorch_utils import Conv1D
 
+from lora_sweep.benchmarks.baseline import make_scheduler
 from lora_sweep.packer.data.batch import collate
 from lora_sweep.packer.data.rows import Example, SlotStream, read_jsonl, tokenize_rows
 from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec, adapter_param_count
 from lora_sweep.packer.probe import peak_memory
 from lora_sweep.packer.step import eval_graph
-from lora_sweep.packer.step.train import FixedBatch, SlotEnd, SlotJob, make_scheduler, train
+from lora_sweep.packer.step.train import FixedBatch, SlotEnd, SlotJob, train
 from lora_sweep.packer.tiny.data import arithmetic_rows, write_jsonl
 from lora_sweep.sweep.storage import open_storage
 from tests.conftest import Recorder, missing, need_module, random_examples, write_study
@@ -59,14 +63,81 @@ LLAMA_SPECS = [
 
 @contextmanager
 def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """Run the oracle and the engine in ``dtype``: torch's default dtype, in which the engine allocates its
-    slots' flat buffers and PEFT its LoRA weights, and to which the helpers below cast the base."""
+    """Run the oracle and the engine in ``dtype``: torch's default dtype, in which the engine allocates its slot
+    store and PEFT its LoRA weights, and to which ``initial_a`` and ``run_peft`` cast the base."""
     before = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         yield
     finally:
         torch.set_default_dtype(before)
+
+
+def initial_a(model_dir: Path, spec: AdapterSpec) -> dict[str, torch.Tensor]:
+    """The engine's initial A for ``spec`` (it depends on the seed only), to start PEFT from the same point."""
+    model, _ = load_base(str(model_dir), attn_implementation="eager")
+    pm = PackedModel(model.to(torch.get_default_dtype()))
+    pm.add_slot(0, spec)
+    return {p: a.detach().clone() for p, (a, _) in pm.slot_weights(0).items()}
+
+
+class PeftRun(NamedTuple):
+    losses: list[float]
+    """The loss of every optimizer step."""
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    """Module path -> final (A (r, D_in), B (D_out, r))."""
+    moments: dict[str, tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]]
+    """Module path -> AdamW's final (exp_avg, exp_avg_sq) of A and of B (``PackedModel.slot_moments``' layout)."""
+
+
+def adamw_steps(model: nn.Module, params: list[nn.Parameter], spec: AdapterSpec,
+                stream: SlotStream) -> tuple[list[float], torch.optim.Optimizer]:
+    """``spec.max_steps`` steps of ``model`` (a PEFT model: its loss from ``labels``) on ``stream``'s batches, torch
+    AdamW on ``params`` with ``spec``'s clipping and schedule; returns the losses and the optimizer (its state)."""
+    opt = torch.optim.AdamW(params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
+    sched = make_scheduler(opt, spec)
+    losses = []
+    for _ in range(spec.max_steps):
+        b = collate([0], [stream.next_batch()], PAD, dropout=[0.0], seeds=[0])
+        out = model(input_ids=b.input_ids, attention_mask=b.attention_mask, labels=b.labels)
+        out.loss.backward()
+        losses.append(out.loss.item())
+        if spec.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, spec.max_grad_norm)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+    return losses, opt
+
+
+def run_peft(model_dir: Path, spec: AdapterSpec, stream: SlotStream, init_a: dict[str, torch.Tensor],
+             targets: str | None = None) -> PeftRun:
+    """``spec``'s adapter alone for ``spec.max_steps`` steps of ``stream``'s batches, from ``init_a``.
+
+    Args:
+        targets: PEFT's ``target_modules`` (``all-linear``: PEFT's own resolution, which must adapt exactly the
+            modules of ``init_a``); None: the leaf names of ``init_a``'s paths.
+    """
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation="eager",
+                                                dtype=torch.get_default_dtype())
+    conv1d = any(isinstance(m, Conv1D) for m in base.modules())
+    cfg = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=0.0, use_rslora=spec.rslora, bias="none",
+                     target_modules=targets or sorted({p.rsplit(".", 1)[-1] for p in init_a}), fan_in_fan_out=conv1d)
+    model = get_peft_model(base, cfg)
+    model.eval()  # base dropout off, as in the engine; gradients still flow
+    named = dict(model.named_parameters())
+    lora = {path: (named[f"base_model.model.{path}.lora_A.default.weight"],
+                   named[f"base_model.model.{path}.lora_B.default.weight"]) for path in init_a}
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert len(params) == 2 * len(init_a), "PEFT adapts other modules than the engine's slot"
+    with torch.no_grad():
+        for path, a in init_a.items():
+            lora[path][0].copy_(a)
+    losses, opt = adamw_steps(model, params, spec, stream)
+    weights = {path: (a.detach(), b.detach()) for path, (a, b) in lora.items()}
+    moments = {path: tuple((opt.state[w]["exp_avg"], opt.state[w]["exp_avg_sq"]) for w in pair)
+               for path, pair in lora.items()}
+    return PeftRun(losses, weights, moments)  # type: ignore[arg-type]
 
 
 def slot_jobs(specs: list[AdapterSpec]) -> list[SlotJob]:
@@ -86,52 +157,10 @@ def run_packed(model_dir: Path, jobs: list[SlotJob], capacity: int, impl: str = 
     return rec.losses, rec.final
 
 
-def initial_a(model_dir: Path, spec: AdapterSpec) -> dict[str, torch.Tensor]:
-    """The engine's initial A for ``spec`` (it depends on the seed only), to start PEFT from the same point."""
-    model, _ = load_base(str(model_dir), attn_implementation="eager")
-    pm = PackedModel(model.to(torch.get_default_dtype()))
-    pm.add_slot(7, spec)
-    return {p: a.detach().clone() for p, (a, _) in pm.slot_weights(7).items()}
-
-
-def run_peft(model_dir: Path, spec: AdapterSpec, stream: SlotStream, init_a: dict[str, torch.Tensor]):
-    """One adapter alone with PEFT + torch AdamW on the same batches."""
-    base = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation="eager",
-                                                dtype=torch.get_default_dtype())
-    leaf_names = sorted({p.rsplit(".", 1)[-1] for p in init_a})
-    cfg = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=0.0, target_modules=leaf_names,
-                     use_rslora=spec.rslora, bias="none", fan_in_fan_out=base.config.model_type == "gpt2")
-    model = get_peft_model(base, cfg)
-    model.eval()  # base dropout off, as in the engine; gradients still flow
-    lora = dict(model.named_parameters())
-    with torch.no_grad():
-        for path, a in init_a.items():
-            lora[f"base_model.model.{path}.lora_A.default.weight"].copy_(a)
-    params = [p for p in model.parameters() if p.requires_grad]
-    assert len(params) == 2 * len(init_a)
-    opt = torch.optim.AdamW(params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
-    sched = make_scheduler(opt, spec)
-    losses = []
-    for _ in range(spec.max_steps):
-        rows = stream.next_batch()
-        b = collate([0], [rows], PAD, dropout=[0.0], seeds=[0])
-        out = model(input_ids=b.input_ids, attention_mask=b.attention_mask, labels=b.labels)
-        out.loss.backward()
-        losses.append(out.loss.item())
-        if spec.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(params, spec.max_grad_norm)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-    weights = {path: (lora[f"base_model.model.{path}.lora_A.default.weight"].detach(),
-                      lora[f"base_model.model.{path}.lora_B.default.weight"].detach()) for path in init_a}
-    return losses, weights
-
-
 def assert_trained_as_peft(model_dir: Path, job: SlotJob, losses: dict, final: dict, min_steps: int = STEPS) -> None:
     """The packed job's per-step losses (1e-5 relative) and final A/B (1e-4) equal PEFT + torch AdamW's
     on the same batches, from the same initial A, over at least ``min_steps`` steps."""
-    ref_losses, ref_weights = run_peft(model_dir, job.spec, job.stream, initial_a(model_dir, job.spec))
+    ref_losses, ref_weights, _ = run_peft(model_dir, job.spec, job.stream, initial_a(model_dir, job.spec))
     assert len(losses[job.key]) == job.spec.max_steps >= min_steps
     torch.testing.assert_close(torch.tensor(losses[job.key]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     assert final[job.key].keys() == ref_weights.keys()
@@ -145,8 +174,8 @@ def assert_trained_as_peft(model_dir: Path, job: SlotJob, losses: dict, final: d
 # --------------------------------------------------------------- planning and evaluation on a pack
 
 def step_growth(pm: PackedModel, mm, ranks: tuple[int, ...], micro: int, seq: int, vocab: int,
-            **options) -> tuple[float, float]:
-    """(predicted, measured) bytes a pack's step adds on top of the static part, for slots of ``ranks``."""
+                **options) -> tuple[float, float]:
+    """(predicted, measured) bytes a pack's step adds on top of the base part, for slots of ``ranks``."""
     gen = torch.Generator().manual_seed(1)
     jobs = []
     for i, r in enumerate(ranks):
@@ -158,9 +187,9 @@ def step_growth(pm: PackedModel, mm, ranks: tuple[int, ...], micro: int, seq: in
     predicted = mm.predict(len(ranks) * micro * seq, params, sum(ranks))
     measured = peak_memory(lambda: train(pm, len(ranks), lambda s: jobs.pop(0) if jobs else None, pad_id=0,
                                          **options), pm)
-    print(f"growth predicted {(predicted - mm.static_bytes) / 1e6:.1f} MB, measured "
-          f"{(measured - mm.static_bytes) / 1e6:.1f} MB; adapters {params / 1e6:.2f} M parameters")
-    return predicted - mm.static_bytes, measured - mm.static_bytes
+    print(f"growth predicted {(predicted - mm.base_bytes) / 1e6:.1f} MB, measured "
+          f"{(measured - mm.base_bytes) / 1e6:.1f} MB; adapters {params / 1e6:.2f} M parameters")
+    return predicted - mm.base_bytes, measured - mm.base_bytes
 
 
 def pack_evaluations(model_dir, check, attn: str = "sdpa", device: str = "cpu", impl: str = "torch",
@@ -185,7 +214,7 @@ def pack_evaluations(model_dir, check, attn: str = "sdpa", device: str = "cpu", 
 
     train(pm, 4, lambda slot: queue.pop(0) if queue else None, pad_id=tok.pad_token_id, on_end=on_end,
           readback_every=2, **train_kw)
-    assert len(calls) == 2 and pm.static is None
+    assert len(calls) == 2 and pm.store is None
 
 
 # --------------------------------------------------------------- study files: workers, Axolotl and torchtune

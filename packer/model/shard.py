@@ -15,10 +15,10 @@ rows, without a whole copy in any process: ``packer.model.shard_load``). The out
 rank: the chunked loss calls it outside the body's forward, where an FSDP unit's weights are sharded (and a head
 tied to the input embeddings is left out of the body's shard for the same reason, ``ignored_params``).
 
-The adapter slots are not FSDP's: their A/B live in each slot's flat fp32 buffer, outside every FSDP unit's
+The adapter slots are not FSDP's: their A/B live in the slot store's fp32 buffers, outside every FSDP unit's
 parameter group (a slot is added after ``fully_shard``, so FSDP never sees it), replicated on every rank with
 their gradients and AdamW state. Why replicated rather than sharded with their layer: replicated, the slot math,
-the static store, its optimizer step and the Triton kernels see exactly the tensors they see in a
+the slot store, its optimizer step and the Triton kernels see exactly the tensors they see in a
 one-GPU pack (nothing of them changes, and a slot's update needs no collective but one gradient broadcast), and a
 slot is small beside the base: a rank-16 adapter on every projection of Llama-3-70B has 207M parameters (80
 layers x 16 x 161,792), 3.3 GB with its fp32 gradient and both AdamW moments (16 B each), against 141 GB of bf16
@@ -34,7 +34,7 @@ gradients then partial sums to all-reduce) would not take the one-process step e
 slot's dropout mask is keyed by each row's position within the slot's rows (``kernels.triton_dropout``: a row
 moved to another rank draws another mask), a slot's mean loss and its accumulation weights are normalised over
 the target tokens of the rows one rank sees, and an accumulating slot's gradient buffer would be reduced at each
-micro-batch, not once per optimizer step. Each needs the static step itself to count the slot's tokens over all
+micro-batch, not once per optimizer step. Each needs the step itself to count the slot's tokens over all
 ranks and offset its rows; ``sweep.ranks`` runs a study over the ranks as they are.
 
 Only the eager step runs sharded (``train(..., cuda_graphs="off")``). FSDP2 all-gathers into buffers it
@@ -171,12 +171,12 @@ def _refuse_ungathered(model: nn.Module, body: nn.Module, layers: list[nn.Module
 
 class _SlotGradSync:
     """Broadcast the slots' gradient buffers from rank 0 once the backward of a forward through the body is done:
-    the static store's one gradient buffer while a pack trains (else each slot's flat gradient buffer).
+    the slot store's one gradient buffer.
 
     A hook on the body's output (its first tensor, which needs a gradient whenever a slot is active) runs at the
     start of that output's backward and queues a callback on autograd's engine, which runs when the whole backward
-    has finished (every layer's hook has scattered its gradient into the slots' flat buffers): FSDP's own trick
-    for its post-backward work.
+    has finished (every layer has added its gradient into the store's buffer): FSDP's own trick for its
+    post-backward work.
     """
 
     def __init__(self, pm: PackedModel) -> None:
@@ -194,8 +194,8 @@ class _SlotGradSync:
 
     def broadcast(self) -> None:
         """Rank 0's gradient of every slot, in one flat bucket (the slots in slot order: the same on all ranks)."""
-        store = self.pm.static
-        grads = [store.grad] if store is not None else [g for _, (_, g) in sorted(self.pm.flat.items())]
+        store = self.pm.store
+        grads = [store.grad] if store is not None else []
         if dist.get_world_size() == 1 or not grads:
             return
         bucket = torch.cat(grads)  # (sum of slot sizes,)

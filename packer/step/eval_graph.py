@@ -1,8 +1,8 @@
-"""Evaluation forwards on a static pack's buffers: held-out losses and greedy decoding with fixed shapes.
+"""Evaluation forwards on a pack's buffers: held-out losses and greedy decoding with fixed shapes.
 
-While a pack trains on the static-shape step (``packer.step.static_loop``), every slot's adapter lives in the
-pack's ``StaticStore`` (``PackedModel.static``). The evaluators the sweep runs at rungs and slot ends can then
-use the same machinery as the training step instead of the per-batch path: a batch of C slots x
+While a pack trains on the fixed-shape step (``packer.step.loop``), every slot's adapter lives in the
+pack's ``SlotStore`` (``PackedModel.store``). The evaluators the sweep runs at rungs and slot ends can then
+use the same machinery as the training step instead of the per-adapter path: a batch of C slots x
 ``rows`` rows (slot g owns rows ``g * rows ..``) x a padded length, the slots to score given their rank and
 scale in the segment tables and every other slot rank 0 and scale 0 (the kernels skip it; the torch path
 scales its term by 0), so one shape serves every evaluation whichever slots it scores, and on CUDA one captured
@@ -40,28 +40,28 @@ from lora_sweep.packer.data.batch import IGNORE_INDEX
 from lora_sweep.packer.loss import output_head
 from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.model.shard import is_sharded
-from lora_sweep.packer.model.static import ShapeBuffers, StaticStore, fused_loss_head, static_head_losses
+from lora_sweep.packer.model.store import ShapeBuffers, SlotStore, fused_loss_head, head_losses
 from lora_sweep.packer.step.capture import capture, capture_failure, precompile
 
-__all__ = ["available", "heldout_fits", "row_losses", "greedy_decode", "static_generation_fits", "bucket",
-           "EVAL_MULTIPLE", "STATIC_LOGITS_BYTES", "HELDOUT_BYTES_PER_LOGIT"]
+__all__ = ["available", "heldout_fits", "row_losses", "greedy_decode", "generation_fits", "bucket",
+           "EVAL_MULTIPLE", "LOGITS_BYTES", "HELDOUT_BYTES_PER_LOGIT"]
 
 EVAL_MULTIPLE = 16
 """Padded lengths (held-out rows, prompt widths, cache lengths) are multiples of this: few shapes."""
-STATIC_LOGITS_BYTES = 2 << 30
-"""Largest memory of one static held-out forward's logits (C x rows x L x vocab x ``HELDOUT_BYTES_PER_LOGIT``): a
-captured graph keeps its pool for the pack's life, and the static shape always holds every slot's rows, scored or
-not. Larger shapes (many slots, long rows, a large vocabulary) take the dynamic path, which holds the scored slots'
+LOGITS_BYTES = 2 << 30
+"""Largest memory of one fixed-shape held-out forward's logits (C x rows x L x vocab x ``HELDOUT_BYTES_PER_LOGIT``): a
+captured graph keeps its pool for the pack's life, and the fixed shape always holds every slot's rows, scored or
+not. Larger shapes (many slots, long rows, a large vocabulary) take the per-adapter path, which holds the scored slots'
 rows only."""
 HELDOUT_BYTES_PER_LOGIT = {"triton": 2.5, "torch": 10.0}
-"""Peak GPU memory of a static held-out evaluation per logit, by how it takes the loss, measured on the H200
+"""Peak GPU memory of a fixed-shape held-out evaluation per logit, by how it takes the loss, measured on the H200
 (``python -m lora_sweep.benchmarks.eval_memory``, 16 slots of SmolLM2's shape, 2-16 x 10^8 logits): the Triton path's
 fused
-loss head (``static.fused_loss_head``) keeps bf16 logits, 2.05-2.52 B (the most at the fewest logits); full logits
+loss head (``store.fused_loss_head``) keeps bf16 logits, 2.05-2.52 B (the most at the fewest logits); full logits
 (the torch path, or a head the fused loss cannot take) are the bf16 logits, an fp32 copy and cross-entropy's fp32
 intermediates, 9.96-10.04 B."""
 
-_CACHES: weakref.WeakKeyDictionary[StaticStore, dict[tuple, Any]] = weakref.WeakKeyDictionary()
+_CACHES: weakref.WeakKeyDictionary[SlotStore, dict[tuple, Any]] = weakref.WeakKeyDictionary()
 """Per store: its evaluation shapes, caches and captured graphs (they die with the store)."""
 
 
@@ -70,28 +70,28 @@ def bucket(n: int, multiple: int = EVAL_MULTIPLE) -> int:
 
 
 def available(pm: PackedModel) -> bool:
-    """Whether the pack holds its slots in a static store (a static-shape training run is under way)."""
-    return pm.static is not None
+    """Whether the pack has a slot store whose fixed shapes evaluation can run on (``PackedModel.ensure_store``)."""
+    return pm.store is not None
 
 
 def heldout_fits(pm: PackedModel, rows: int, seq_len: int) -> bool:
-    """Whether a (C x ``rows``, ``seq_len``) held-out forward's logits stay within ``STATIC_LOGITS_BYTES`` on this
+    """Whether a (C x ``rows``, ``seq_len``) held-out forward's logits stay within ``LOGITS_BYTES`` on this
     pack's path (``HELDOUT_BYTES_PER_LOGIT``)."""
-    store = pm.static
+    store = pm.store
     if store is None:
         return False
     head = output_head(pm.model)
     vocab = getattr(getattr(head, "weight", None), "shape", (getattr(pm.model.config, "vocab_size", 0),))[0]
     fused = _triton(pm) and fused_loss_head(pm.model) is not None  # as row_losses chooses its loss
     per_logit = HELDOUT_BYTES_PER_LOGIT["triton" if fused else "torch"]
-    return store.capacity * rows * seq_len * vocab * per_logit <= STATIC_LOGITS_BYTES
+    return store.capacity * rows * seq_len * vocab * per_logit <= LOGITS_BYTES
 
 
-def _cache(store: StaticStore) -> dict[tuple, Any]:
+def _cache(store: SlotStore) -> dict[tuple, Any]:
     return _CACHES.setdefault(store, {})
 
 
-def _shape(pm: PackedModel, store: StaticStore, slots: Sequence[int], rows: int, seq_len: int) -> ShapeBuffers:
+def _shape(pm: PackedModel, store: SlotStore, slots: Sequence[int], rows: int, seq_len: int) -> ShapeBuffers:
     """The (C x rows, seq_len) evaluation buffers, their tables set so that exactly ``slots`` apply their adapter."""
     key = ("shape", rows, seq_len)
     cache = _cache(store)
@@ -112,9 +112,9 @@ def _triton(pm: PackedModel) -> bool:
     return resolve_impl(pm.state.impl, pm.device) == "triton"
 
 
-def _forward(pm: PackedModel, store: StaticStore, shape: ShapeBuffers, body: bool = False, **kwargs: Any) -> Any:
+def _forward(pm: PackedModel, store: SlotStore, shape: ShapeBuffers, body: bool = False, **kwargs: Any) -> Any:
     """``pm.model(**kwargs)`` (``body``: its decoder body, ``pm.model.base_model``, without the head) routed through
-    the static tables of ``shape``, every wrapped projection adapted (a slot's rows of a layer it does not target
+    the step's tables of ``shape``, every wrapped projection adapted (a slot's rows of a layer it does not target
     are zero, so this is exact for every slot)."""
     active = store.active
     store.active = frozenset(store.paths)
@@ -136,8 +136,8 @@ class _Graph:
     """``fn`` captured as a CUDA graph on first use (after two warm-up runs on a side stream), eager on CPU or
     when capture fails (one warning). ``reset`` runs before the real work after a capture (warm-up and capture
     ran ``fn`` on the live buffers). ``triton``: ``fn`` launches the Triton kernels, compiled in parallel
-    (``packer.step.capture.precompile``) before the warm-ups, which otherwise compile them one after another. On an
-    H200 host a cold cache made a sweep's evaluations ~2.3 s slower than a warm one before, ~1.8 s after."""
+    (``packer.step.capture.precompile``) before the warm-ups, which otherwise compile them one after another (a
+    cold cache's cost to a sweep's evaluations)."""
 
     def __init__(self, fn: Callable[[], None], cuda: bool, triton: bool) -> None:
         self.fn, self.graph, self.cuda, self.triton = fn, None, cuda, triton
@@ -172,7 +172,7 @@ def row_losses(pm: PackedModel, slots: Sequence[int], chunk: Sequence[Any], rows
     """Mean next-token loss and target count of each (slot, item) row of one held-out chunk.
 
     Args:
-        pm: a pack training on the static step (``available``).
+        pm: a pack training on the step (``available``).
         slots: slots to score; each gets the ``chunk``'s rows in its own block.
         chunk: up to ``rows`` examples (``input_ids``, ``labels``), each no longer than ``seq_len``.
         rows: rows per slot of the shape (the evaluator's batch size: one shape for every chunk).
@@ -181,7 +181,7 @@ def row_losses(pm: PackedModel, slots: Sequence[int], chunk: Sequence[Any], rows
     Returns:
         (means, counts), slot-major: entry ``g * len(chunk) + i`` is slot ``slots[g]``'s item i.
     """
-    store = pm.static
+    store = pm.store
     assert store is not None and len(chunk) <= rows
     shape = _shape(pm, store, slots, rows, seq_len)
     c = store.capacity
@@ -207,7 +207,7 @@ def row_losses(pm: PackedModel, slots: Sequence[int], chunk: Sequence[Any], rows
             if head is not None:  # no fp32 logits: the fused forward, each row its own group (``capacity`` = B)
                 hidden = _forward(pm, store, shape, body=True, input_ids=shape.ids, attention_mask=shape.mask,
                                   use_cache=False).last_hidden_state
-                out.copy_(torch.stack(static_head_losses(hidden, head, shape.labels, b), dim=1))
+                out.copy_(torch.stack(head_losses(hidden, head, shape.labels, b), dim=1))
                 return
             logits = _forward(pm, store, shape, input_ids=shape.ids, attention_mask=shape.mask, use_cache=False).logits
             shift = shape.labels[:, 1:]
@@ -229,7 +229,7 @@ def row_losses(pm: PackedModel, slots: Sequence[int], chunk: Sequence[Any], rows
 class _Decoder:
     """Buffers, cache and captured step of greedy decoding for one (rows, P, T) shape."""
 
-    def __init__(self, pm: PackedModel, store: StaticStore, shapes: tuple[ShapeBuffers, ShapeBuffers], width: int,
+    def __init__(self, pm: PackedModel, store: SlotStore, shapes: tuple[ShapeBuffers, ShapeBuffers], width: int,
                  new_tokens: int, cache_kwarg: str) -> None:
         from transformers import StaticCache
 
@@ -309,7 +309,7 @@ def greedy_decode(pm: PackedModel, slots: Sequence[int], chunk: Sequence[Sequenc
     """``new_tokens`` greedy tokens after each prompt of ``chunk`` for each of ``slots``, slot-major.
 
     Args:
-        pm: a pack training on the static step (``available``).
+        pm: a pack training on the step (``available``).
         slots: slots that answer every prompt.
         chunk: up to ``rows`` prompts (token ids), none longer than ``width``.
         rows: prompts per slot of the shape (one shape for every chunk).
@@ -322,7 +322,7 @@ def greedy_decode(pm: PackedModel, slots: Sequence[int], chunk: Sequence[Sequenc
         ``len(slots) * len(chunk)`` token lists of length T; entry ``g * len(chunk) + i`` is slot ``slots[g]``'s
         continuation of prompt i.
     """
-    store = pm.static
+    store = pm.store
     assert store is not None and 0 < len(chunk) <= rows and new_tokens >= 1
     shapes = _shape(pm, store, slots, rows, width), _shape(pm, store, slots, rows, 1)
     cache = _cache(store)
@@ -341,7 +341,7 @@ def greedy_decode(pm: PackedModel, slots: Sequence[int], chunk: Sequence[Sequenc
     return [out[g * rows + i] for g in slots for i in range(len(chunk))]
 
 
-def static_generation_fits(pm: PackedModel, width: int, new_tokens: int) -> bool:
+def generation_fits(pm: PackedModel, width: int, new_tokens: int) -> bool:
     """Whether one 4D mask serves every layer: no sliding-window attention shorter than the cache, and no ALiBi
     position bias (Bloom, and Falcon with ``alibi``), which the model builds from a 2D padding mask itself."""
     config = getattr(pm.model, "config", None)

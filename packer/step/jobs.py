@@ -1,6 +1,6 @@
 """What the training loop takes and gives back: slot jobs in; step reports, slot ends and run totals out.
 
-A leaf, so that ``packer.step.static_loop`` (the step's parts) and ``packer.step.train`` (the loop) both use them
+A leaf, so that ``packer.step.loop`` (the step's parts) and ``packer.step.train`` (the loop) both use them
 without an
 import circle; ``packer.step.train`` re-exports them.
 """
@@ -16,7 +16,7 @@ from lora_sweep.packer.plan import AdapterSpec
 __all__ = ["BatchSource", "FixedBatch", "SlotJob", "SlotEnd", "StepReport", "TrainResult", "Window", "Tally",
            "target_tokens", "STEP_NAMES"]
 
-STEP_NAMES = {"cuda-graph": "static shapes, replayed as CUDA graphs", "static-eager": "static shapes, eagerly"}
+STEP_NAMES = {"cuda-graph": "fixed shapes, replayed as CUDA graphs", "eager": "fixed shapes, eagerly"}
 """``TrainResult.step`` values, and what each means in words."""
 
 
@@ -120,7 +120,7 @@ class Window:
 @dataclass
 class Tally:
     """The reported loss and input tokens of a slot's optimizer step, summed over its micro-batches as their
-    losses arrive (which the static step reads back later than it draws them)."""
+    losses arrive (which the step reads back later than it draws them)."""
 
     loss_sum: float = 0.0
     input_tokens: int = 0
@@ -151,15 +151,15 @@ class TrainResult:
     ended: list[tuple[Any, int, str]] = field(default_factory=list)
     """(key, steps done, reason) of every job that ended, in order."""
     compile_s: float = 0.0
-    """Static-shape path: seconds of the parallel kernel precompile before a graph key's first step."""
+    """Seconds of the parallel kernel precompile before a graph key's first step."""
     warmup_s: float = 0.0
-    """Static-shape path: seconds of the eager warm-up steps before each CUDA-graph capture."""
+    """Seconds of the eager warm-up steps before each CUDA-graph capture."""
     capture_s: float = 0.0
-    """Static-shape path: seconds spent capturing CUDA graphs."""
+    """Seconds spent capturing CUDA graphs."""
     graphs: int = 0
-    """Static-shape path: CUDA graphs captured (0: eager)."""
+    """CUDA graphs captured (0: eager)."""
     step: str = ""
-    """How the step ran (``STEP_NAMES``): ``cuda-graph`` (replayed as CUDA graphs) or ``static-eager`` (eagerly: on
+    """How the step ran (``STEP_NAMES``): ``cuda-graph`` (replayed as CUDA graphs) or ``eager`` (eagerly: on
     the CPU, with ``cuda_graphs: off``, or after a capture failed)."""
     fallback: str | None = None
     """Why a CUDA run's step ran eagerly although graphs were asked for: its configuration and the capture's error

@@ -1,12 +1,12 @@
 """The packed training loop: many adapters, one frozen base model, one fixed-shape step for all of them.
 
 Read ``train()`` top to bottom. Each step every active slot draws its own micro-batch from its own stream; the
-rows of all slots go through the model together in one step of fixed shape (``packer.step.static_loop`` builds it:
+rows of all slots go through the model together in one step of fixed shape (``packer.step.loop`` builds it:
 C slots x ``rows`` rows x a length padded to a multiple of ``SEQ_MULTIPLE``); each slot's loss is the mean over
 its own target tokens and the pack's loss is the sum of those means, so each slot's gradient is exactly the
 gradient it would get training alone (a global token mean would rescale each slot's gradient by its share of
 tokens: a hidden learning-rate change). Each slot then clips to its own norm and takes its own AdamW step, every
-slot in one pass (``packer.step.static_optim``). The same step runs eagerly on the CPU and is replayed as a CUDA graph
+slot in one pass (``packer.step.optim``). The same step runs eagerly on the CPU and is replayed as a CUDA graph
 on CUDA: every per-step value (tokens, slot tables, learning rates, loss weights) is data in the step's buffers.
 
 Gradient accumulation is per slot: a slot with ``gradient_accumulation_steps`` k draws the k micro-batches of its
@@ -29,18 +29,18 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection
+from typing import Protocol
 
 import torch
-from torch import nn
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.kernels.ops import resolve_impl
 from lora_sweep.packer.loss import DEFAULT_CHUNK_TOKENS
 from lora_sweep.packer.model.packed import PackedModel
-from lora_sweep.packer.model.static import ShapeBuffers, StaticStore
+from lora_sweep.packer.model.store import ShapeBuffers, SlotStore
 from lora_sweep.packer.plan import AdapterSpec
-from lora_sweep.packer.step import static_loop
+from lora_sweep.packer.step import loop
 from lora_sweep.packer.step.capture import precompile
 from lora_sweep.packer.step.isolation import check_sample_packing
 from lora_sweep.packer.step.jobs import (
@@ -54,29 +54,18 @@ from lora_sweep.packer.step.jobs import (
     Window,
     target_tokens,
 )
-from lora_sweep.packer.step.static_loop import DEFAULT_READBACK, SEQ_MULTIPLE, Live, Pending, Staging, rank_bucket_for
-from lora_sweep.packer.step.static_optim import lr_schedule
+from lora_sweep.packer.step.loop import DEFAULT_READBACK, SEQ_MULTIPLE, Live, Pending, Staging
+from lora_sweep.packer.step.optim import lr_schedule
 
-__all__ = ["BatchSource", "FixedBatch", "SlotJob", "SlotEnd", "StepReport", "TrainResult", "train",
-           "make_optimizer", "make_scheduler", "chunk_tokens_of", "check_in_backward", "target_tokens",
+__all__ = ["BatchSource", "FixedBatch", "SlotJob", "SlotEnd", "StepReport", "TrainResult", "StepProfiler", "train",
+           "chunk_tokens_of", "check_in_backward", "target_tokens",
            "STEP_NAMES"]
 
 
-def make_optimizer(params: Sequence[nn.Parameter], spec: AdapterSpec) -> torch.optim.Optimizer:
-    """One adapter's own torch AdamW: what one-trial-at-a-time baselines use (the pack steps in ``static_optim``)."""
-    # One fused multi-tensor kernel per slot on CUDA; on CPU foreach (a handful of multi-tensor ops
-    # instead of ~10 small ops per tensor, the CPU default). Same update rule either way.
-    fast = {"fused": True} if params and params[0].is_cuda else {"foreach": True}
-    return torch.optim.AdamW(params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay,
-                             **fast)
+class StepProfiler(Protocol):
+    """What ``train`` needs of a profiler (``torch.profiler.profile`` is one): a mark at the end of every step."""
 
-
-def make_scheduler(optimizer: torch.optim.Optimizer, spec: AdapterSpec) -> torch.optim.lr_scheduler.LRScheduler:
-    """Warm-up then ``spec.schedule``, by the names and formulas of ``transformers.get_scheduler``."""
-    from transformers import get_scheduler
-
-    name = "constant_with_warmup" if spec.schedule == "constant" else spec.schedule
-    return get_scheduler(name, optimizer, num_warmup_steps=spec.warmup_steps, num_training_steps=spec.max_steps)
+    def step(self) -> None: ...
 
 
 def chunk_tokens_of(chunked_ce: bool | int) -> int | None:
@@ -150,6 +139,8 @@ def train(
     rank_bucket: int | None = None,
     optimizer_in_backward: bool = False,
     seq_multiple: int = SEQ_MULTIPLE,
+    profiler: StepProfiler | None = None,
+    graphs: loop.Graphs | None = None,
 ) -> TrainResult:
     """Train adapters in ``capacity`` slots until no job is left.
 
@@ -179,6 +170,13 @@ def train(
         optimizer_in_backward: torchtune's option, mapped onto this step: the same updates, the gradient buffer
             kept (one warning says so); jobs that clip or accumulate are refused (``check_in_backward``).
         seq_multiple: rows are padded to a multiple of this many positions.
+        profiler: told ``step()`` once per global step, at the end of it (after any read-back and slot ends): a
+            ``torch.profiler.profile`` the caller has entered, whose ``schedule`` then counts the pack's steps
+            (torchtune's recipes call theirs the same way); None: nothing.
+        graphs: the runner that captures and replays the step's CUDA graphs, used as given (its ``enabled``
+            included; a failed capture turns it off); None: a new ``loop.Graphs``, on where the device is CUDA and
+            ``cuda_graphs`` is not ``off``. A benchmark passes a subclass that also times replays of a captured graph
+            (``benchmarks.gpu_graph``).
 
     Returns:
         Totals of the run; ``step`` says how it ran (``STEP_NAMES``).
@@ -201,10 +199,11 @@ def train(
     pm.set_activation_checkpointing(activation_checkpointing)
     device = pm.device
     triton = resolve_impl(pm.state.impl, device) == "triton"
-    graphs = static_loop.Graphs(enabled=device.type == "cuda" and cuda_graphs != "off")
+    if graphs is None:
+        graphs = loop.Graphs(enabled=device.type == "cuda" and cuda_graphs != "off")
     ring = torch.zeros((readback_every + 1, capacity, 3), device=device)  # per step and slot: loss, count, norm
     result, active, pending = TrainResult(), dict[int, Live](), list[Pending]()
-    store: StaticStore | None = None
+    store: SlotStore | None = None
     shapes: dict[tuple[int, int], tuple[ShapeBuffers, Staging]] = {}
     rows_per_slot, prepared = 1, set()
     t0 = time.perf_counter()
@@ -220,8 +219,7 @@ def train(
                 if optimizer_in_backward:
                     check_in_backward(job.spec)
                 if store is None or job.spec.rank > store.rank_bucket:
-                    bucket = rank_bucket or rank_bucket_for(job.spec.rank)
-                    store = static_loop.new_store(pm, store, capacity, bucket, job.spec.rank, active)
+                    store = pm.ensure_store(capacity, job.spec.rank, rank_bucket)
                     shapes, graphs.graphs, prepared = {}, {}, set()
                 pm.add_slot(slot, job.spec)
                 active[slot] = Live(job, lr_schedule(job.spec), Window(job.spec.gradient_accumulation_steps))
@@ -243,7 +241,7 @@ def train(
             shape, stage = shapes[dims]
             ring_row = result.steps % readback_every
             host_ints, host_floats = stage.take()
-            lrs, input_tokens, store.host_layout = static_loop.fill(host_ints.numpy(), host_floats.numpy(), store,
+            lrs, input_tokens, store.host_layout = loop.fill(host_ints.numpy(), host_floats.numpy(), store,
                                                                     shape, active, rows, pad_id, ring_row)
             stage.send(shape)
 
@@ -252,7 +250,7 @@ def train(
             dropout = any(a.job.spec.dropout > 0 for a in active.values())
             packed = any(a.job.spec.sample_packing for a in active.values())
             key = (*dims, store.active, dropout, packed)
-            step = static_loop.step_fn(pm, store, shape, ring, triton, dropout, packed, chunk)
+            step = loop.step_fn(pm, store, shape, ring, triton, dropout, packed, chunk)
             graphs.grads = store.grad if any(a.k > 1 for a in active.values()) else None
             if triton and key not in prepared:  # the step's Triton kernel variants, compiled in parallel
                 prepared.add(key)
@@ -265,19 +263,21 @@ def train(
             step() if eager_only else graphs.run(key, step, shape, readback_every)
             if graphs.fallback is not None:
                 _fell_back(result, pm, active, chunk, graphs.fallback)
-            due = static_loop.record_step(active, pending, result.steps, ring_row, lrs, input_tokens, sync_steps,
+            due = loop.record_step(active, pending, result.steps, ring_row, lrs, input_tokens, sync_steps,
                                           readback_every)
             result.steps += 1
 
             # 4. Read the losses back when due; report; end the finished and stopped slots (they free up for 1.).
             if due:
-                static_loop.flush(ring, pending, active, result, on_step, should_stop)
-                static_loop.end_slots(pm, active, static_loop.ends(active), on_end, result)
-        static_loop.flush(ring, pending, active, result, on_step, should_stop)
-        static_loop.end_slots(pm, active, static_loop.ends(active, "interrupted"), on_end, result)
+                loop.flush(ring, pending, active, result, on_step, should_stop)
+                loop.end_slots(pm, active, loop.ends(active), on_end, result)
+            if profiler is not None:
+                profiler.step()
+        loop.flush(ring, pending, active, result, on_step, should_stop)
+        loop.end_slots(pm, active, loop.ends(active, "interrupted"), on_end, result)
     finally:
-        pm.static = None
+        pm.drop_store()
     result.wall_s = time.perf_counter() - t0
     result.warmup_s, result.capture_s, result.graphs = graphs.warmup_s, graphs.capture_s, len(graphs.graphs)
-    result.step = "cuda-graph" if graphs.enabled and graphs.graphs else "static-eager"
+    result.step = "cuda-graph" if graphs.enabled and graphs.graphs else "eager"
     return result

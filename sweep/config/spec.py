@@ -209,8 +209,8 @@ class PackSpec:
     """With the Triton kernels, also run the base's RMSNorms and SiLU-gated MLPs (Llama, Qwen2/3, Mistral) as
     fused Triton kernels (``packer.model.fuse``); ``false`` keeps transformers' eager modules."""
     cuda_graphs: Literal["auto", "on", "off"] = "auto"
-    """On CUDA, train with the static-shape step replayed as a CUDA graph (``packer.step.static_loop``; ``auto`` and
-    ``on``: falling back to eager with a warning if capture fails) or ``off``: the same static step, eagerly."""
+    """On CUDA, train with the fixed-shape step replayed as a CUDA graph (``packer.step.loop``; ``auto`` and
+    ``on``: falling back to eager with a warning if capture fails) or ``off``: the same step, eagerly."""
     shard: Literal["none", "fsdp"] = "none"
     """``fsdp``: the frozen base sharded over the processes of a pack with FSDP2, the slots replicated
     (``packer.model.shard``), each rank reading only its shard from the checkpoint's safetensors files

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from lora_sweep.benchmarks.gpu_bench import model_flops, recompute_flops, table
 from lora_sweep.packer.model.packed import PackedModel
-from lora_sweep.packer.model.static import StaticStore
+from lora_sweep.packer.model.store import SlotStore
 from lora_sweep.packer.tiny.models import tiny_config
 
 VOCAB, HIDDEN, LAYERS = 300, 64, 2
@@ -17,11 +17,11 @@ VOCAB, HIDDEN, LAYERS = 300, 64, 2
 @pytest.fixture(scope="module", params=["plain", "packed"])
 def model(request: pytest.FixtureRequest):  # noqa: ANN201
     """A tiny Llama (4 heads of 16, 2 KV heads, MLP width 128, untied head); ``packed``: its projections wrapped as
-    a pack's static step wraps them (``packed_run`` counts after training)."""
+    a pack's step wraps them (``packed_run`` counts after training)."""
     base = AutoModelForCausalLM.from_config(tiny_config("llama", VOCAB, hidden_size=HIDDEN, num_layers=LAYERS))
     if request.param == "packed":
         pm = PackedModel(base, impl="torch")
-        StaticStore(pm.model, pm.state, pm.layers, 2, 16, pm.device)
+        SlotStore(pm.model, pm.state, pm.layers, 2, 16, pm.device)
         assert pm.layers
     return base
 

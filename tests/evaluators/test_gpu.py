@@ -76,7 +76,7 @@ def test_captured_batched_evaluation_equals_the_per_adapter_path(tiny_dirs, impl
         per_adapter = heldout_loss(pm, slots, data, batch_size=4, batched=False)
         for slot in slots:
             assert static.metrics[slot]["eval_loss"] == pytest.approx(per_adapter.metrics[slot]["eval_loss"], rel=1e-4)
-        entries = eval_graph._CACHES[pm.static].values()
+        entries = eval_graph._CACHES[pm.store].values()
         graphs = [getattr(e, name, None) for e in entries for name in ("prefill_graph", "graph")]
         captured.append(sum(1 for g in graphs if getattr(g, "graph", None) is not None)
                         + sum(1 for e in entries if isinstance(e, tuple) and e[0].graph is not None))

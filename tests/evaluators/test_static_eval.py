@@ -82,10 +82,10 @@ def test_the_heldout_budget_counts_the_measured_bytes_per_logit_of_the_packs_los
     seen = []
 
     def check(pm, slots, tok) -> None:  # noqa: ANN001
-        logits = pm.static.capacity * 3 * 48 * pm.model.config.vocab_size
-        monkeypatch.setattr(eval_graph, "STATIC_LOGITS_BYTES", logits * 10)
+        logits = pm.store.capacity * 3 * 48 * pm.model.config.vocab_size
+        monkeypatch.setattr(eval_graph, "LOGITS_BYTES", logits * 10)
         assert eval_graph.heldout_fits(pm, 3, 48) and not eval_graph.heldout_fits(pm, 3, 49)
-        monkeypatch.setattr(eval_graph, "STATIC_LOGITS_BYTES", logits * 5)
+        monkeypatch.setattr(eval_graph, "LOGITS_BYTES", logits * 5)
         assert not eval_graph.heldout_fits(pm, 3, 48)
         monkeypatch.setattr(eval_graph, "_triton", lambda pm: True)  # the fused head's 2.5 B: it fits
         assert eval_graph.heldout_fits(pm, 3, 48)
@@ -100,7 +100,7 @@ def test_the_heldout_budget_counts_the_measured_bytes_per_logit_of_the_packs_los
 
 def test_a_static_heldout_shape_over_the_logits_budget_takes_the_per_adapter_path(tiny_dirs, monkeypatch) -> None:
     calls = _spy(monkeypatch, "row_losses")
-    monkeypatch.setattr(eval_graph, "STATIC_LOGITS_BYTES", 1024)
+    monkeypatch.setattr(eval_graph, "LOGITS_BYTES", 1024)
 
     def check(pm, slots, tok) -> None:  # noqa: ANN001
         assert not eval_graph.heldout_fits(pm, 3, 48)

@@ -19,8 +19,8 @@ from tests.conftest import need_triton
 
 need_triton()  # before anything imports the Triton kernel modules
 
-from lora_sweep.kernels._launch import CHUNK_COL, SegFlt, SegInt, Tile, build_meta, static_meta  # noqa: E402
-from lora_sweep.kernels.ops import LayerRanks, PackLayout, packed_lora, packed_lora_linear  # noqa: E402
+from lora_sweep.kernels._launch import CHUNK_COL, SegFlt, SegInt, Tile, build_meta, segment_meta  # noqa: E402
+from lora_sweep.kernels.ops import LayerRanks, PackLayout, packed_lora_eval, packed_lora_eval_linear  # noqa: E402
 from lora_sweep.kernels.reference import lora_loop, lora_masked_dense  # noqa: E402
 from lora_sweep.kernels.triton_dropout import dropout_mask, keep_bits  # noqa: E402
 from lora_sweep.kernels.triton_lora import PackedLoRAFunction  # noqa: E402
@@ -167,7 +167,7 @@ def test_function_matches_loop(n_rows, ranks, seq, d_in, d_out, dropout, blocks)
 @pytest.mark.parametrize("dropout", [False, True])
 @pytest.mark.parametrize(("n_rows", "ranks", "seq", "d_in", "d_out"), [CASES[1], CASES[3]], ids=["mixed", "rank0-slot"])
 def test_linear_function_matches_loop(n_rows, ranks, seq, d_in, d_out, dropout, bias) -> None:
-    """The fused base GEMM + LoRA path (``packed_lora_linear``): output and gradients of x, a_cat, bt_cat and,
+    """The fused base GEMM + LoRA path (``packed_lora_eval_linear``): output and gradients of x, a_cat, bt_cat and,
     when they require grad, of the base weight and bias; uncovered tokens (rank-0 slot) get the base alone."""
     x, _, a_cat, bt_cat = _tensors(n_rows, ranks, seq, d_in, d_out)
     g = torch.Generator().manual_seed(2)
@@ -178,7 +178,8 @@ def test_linear_function_matches_loop(n_rows, ranks, seq, d_in, d_out, dropout, 
     dy = torch.randn((x.shape[0], seq, d_out), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     trained = [t for t in (w, bvec) if t is not None]
     ours = [t.clone().requires_grad_() for t in [x, a_cat, bt_cat, *trained]]
-    y = packed_lora_linear(ours[0], ours[3], ours[4] if bias else None, ours[1], ours[2], layout, lr, impl="triton")
+    y = packed_lora_eval_linear(ours[0], ours[3], ours[4] if bias else None, ours[1], ours[2], layout, lr,
+                                impl="triton")
     y.backward(dy)
     ref = [t.double().requires_grad_() for t in [x, a_cat, bt_cat, *trained]]
     base = torch.nn.functional.linear(ref[0], ref[3], ref[4] if bias else None)
@@ -193,11 +194,11 @@ def test_public_entry_points() -> None:
     n_rows, ranks, seq, d_in, d_out = CASES[3]
     x, base, a_cat, bt_cat = _tensors(n_rows, ranks, seq, d_in, d_out)
     layout, lr = _layout(n_rows, ranks, seq, dropout=True)
-    y = packed_lora(x, base, a_cat, bt_cat, layout, lr, impl="triton")
+    y = packed_lora_eval(x, base, a_cat, bt_cat, layout, lr, impl="triton")
     want = loop_with_mask(x.double(), base.double(), a_cat.double(), bt_cat.double(), layout, lr,
                           _mask(layout, lr, x).double())
     torch.testing.assert_close(y.double(), want, **TOL)
-    auto = packed_lora(x, base, a_cat, bt_cat, layout, lr, impl="auto")
+    auto = packed_lora_eval(x, base, a_cat, bt_cat, layout, lr, impl="auto")
     expected = y if DEVICE.type == "cuda" else lora_masked_dense(x, base, a_cat, bt_cat, layout, lr)
     assert torch.equal(auto, expected)
 
@@ -207,13 +208,13 @@ def test_triton_on_cpu_without_interpreter_is_rejected(monkeypatch: pytest.Monke
     x, base, a_cat, bt_cat = (t.cpu() for t in _tensors((1,), (2,), 3, 4, 5))
     layout, lr = _layout((1,), (2,), 3, dropout=False)
     with pytest.raises(RuntimeError, match="CUDA"):
-        packed_lora(x, base, a_cat, bt_cat, layout, lr, impl="triton")
+        packed_lora_eval(x, base, a_cat, bt_cat, layout, lr, impl="triton")
 
 
 def test_kernels_imports_without_triton() -> None:
     code = ("import sys; sys.modules['triton'] = None\n"
             "from lora_sweep.kernels import ops\n"
-            "try:\n    ops.packed_lora(None, None, None, None, None, None, impl='triton')\n"
+            "try:\n    ops.packed_lora_eval(None, None, None, None, None, None, impl='triton')\n"
             "except ImportError as e:\n    print('hint' if 'pip install' in str(e) else e)\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "hint"
@@ -322,7 +323,7 @@ def test_segment_tables_read_by_column_name() -> None:
     assert [f.inv_keep for f in flt] == pytest.approx([1 / 0.7, 1 / 0.7])
     assert [Tile(*t) for t in meta.tiles.tolist()] == [(0, 0), (0, 8), (1, 10), (1, 18)]
     assert meta.chunks[:, CHUNK_COL.part].tolist() == [0, 1, 0, 1]
-    free = static_meta(3, 2, 5, 16, DEVICE, dropout=False)
+    free = segment_meta(3, 2, 5, 16, DEVICE, dropout=False)
     assert [SegInt(*r).rank_off for r in free.seg_int.tolist()] == [0, 16, 32]
     assert all(SegInt(*r).rank == 0 and SegFlt(*f).inv_keep == 1.0
                for r, f in zip(free.seg_int.tolist(), free.seg_flt.tolist(), strict=True))
@@ -391,7 +392,7 @@ def test_deterministic() -> None:
     runs = []
     for _ in range(2):
         leaves = [t.clone().requires_grad_() for t in tensors]
-        y = packed_lora(*leaves, layout, lr, impl="triton")
+        y = packed_lora_eval(*leaves, layout, lr, impl="triton")
         y.backward(torch.ones_like(y))
         runs.append([y.detach()] + [t.grad for t in leaves])
     for first, second in zip(*runs, strict=True):
@@ -421,7 +422,7 @@ class TestGPU:
         ranks = (8, 16, 32, 64, 16, 8, 1, 3)
         tensors, layout, lr = self._problem(8, 2, 257, 1024, 1536, ranks, torch.bfloat16, dropout)
         ours = [t.clone().requires_grad_() for t in tensors]
-        y = packed_lora(*ours, layout, lr, impl="triton")
+        y = packed_lora_eval(*ours, layout, lr, impl="triton")
         dy = torch.randn_like(y)
         y.backward(dy)
         ref = [t.float().requires_grad_() for t in tensors]
@@ -455,7 +456,7 @@ class TestGPU:
         dy = torch.randn_like(tensors[1])
 
         def step(impl: str) -> None:
-            packed_lora(*leaves, layout, lr, impl=impl).backward(dy)
+            packed_lora_eval(*leaves, layout, lr, impl=impl).backward(dy)
 
         times = {}
         for impl in ("triton", "torch"):

@@ -16,7 +16,7 @@ need_triton()  # before anything imports the Triton kernel modules
 import lora_sweep.kernels._jit as J  # noqa: E402
 import lora_sweep.kernels.triton_segments as K  # noqa: E402
 from lora_sweep.kernels._launch import build_meta  # noqa: E402
-from lora_sweep.kernels.ops import LayerRanks, PackLayout, packed_lora_linear  # noqa: E402
+from lora_sweep.kernels.ops import LayerRanks, PackLayout, packed_lora_eval_linear  # noqa: E402
 from tests.conftest import record_launches  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -35,7 +35,7 @@ def _layer_call(seed: int, fill: float | None = None):  # type: ignore[no-untype
     x.requires_grad_()
 
     def run() -> torch.Tensor:
-        y = packed_lora_linear(x, w, b, a_cat, bt_cat, layout, ranks, impl="triton")
+        y = packed_lora_eval_linear(x, w, b, a_cat, bt_cat, layout, ranks, impl="triton")
         y.backward(torch.ones_like(y))
         return y
 
@@ -73,7 +73,7 @@ def test_a_backward_on_another_thread_is_warmed_too(monkeypatch) -> None:
     bt_cat = torch.randn(12, 40, device=DEVICE).requires_grad_()
 
     def run() -> None:
-        y = packed_lora_linear(x, w, None, a_cat, bt_cat, layout, LayerRanks((4, 8), (2.0, 1.0), 0), impl="triton")
+        y = packed_lora_eval_linear(x, w, None, a_cat, bt_cat, layout, LayerRanks((4, 8), (2.0, 1.0), 0), impl="triton")
         worker = threading.Thread(target=y.backward, args=(torch.ones_like(y),))
         worker.start()
         worker.join()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lora_sweep.kernels.ops import IMPLS, LayerRanks, PackLayout, packed_lora
+from lora_sweep.kernels.ops import IMPLS, LayerRanks, PackLayout, packed_lora_eval
 from lora_sweep.kernels.reference import lora_loop, lora_masked_dense
 
 # (rows per slot, ranks): one slot, odd sizes, rank 1, an empty segment, a slot skipping the layer
@@ -86,4 +86,4 @@ def test_unknown_impl_rejected() -> None:
     x, base, a_cat, bt_cat, layout, lr = _inputs((1,), (2,))
     assert set(IMPLS) == {"torch", "loop", "triton", "auto"}
     with pytest.raises(ValueError, match="impl"):
-        packed_lora(x, base, a_cat, bt_cat, layout, lr, impl="cuda-magic")  # type: ignore[arg-type]
+        packed_lora_eval(x, base, a_cat, bt_cat, layout, lr, impl="cuda-magic")  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""The static pack's optimizer kernels (``kernels.triton_adamw``) against torch, slot by slot, in float64.
+"""The pack's optimizer kernels (``kernels.triton_adamw``) against torch, slot by slot, in float64.
 
 CPU: the Triton interpreter (conftest.py). GPU: the same test compiled.
 """

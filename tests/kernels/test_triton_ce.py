@@ -1,4 +1,4 @@
-"""The fused linear cross-entropy of a static batch (``kernels.triton_ce``) against torch's ``F.cross_entropy`` on
+"""The fused linear cross-entropy of a fixed-shape batch (``kernels.triton_ce``) against torch's ``F.cross_entropy`` on
 ``(hidden @ W.T).float()``, slot by slot: losses, counts and the gradient of the hidden states.
 
 CPU: the Triton interpreter (conftest.py), fp32 and bf16 logits. GPU (``gpu``): bf16 at the SmolLM2-135M step's
@@ -18,7 +18,7 @@ from tests.conftest import need_triton
 need_triton()  # before anything imports the Triton kernel modules
 
 from lora_sweep.kernels import reference  # noqa: E402
-from lora_sweep.kernels.ops import static_linear_ce  # noqa: E402
+from lora_sweep.kernels.ops import linear_ce  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRET else "cpu")
@@ -34,7 +34,7 @@ def _ce_module():  # noqa: ANN202
 def _case(dtype: torch.dtype, *, t_per_slot: int = 7, capacity: int = 4, h: int = 24, vocab: int = 300,
           seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """hidden (T, H), weight (V, H), bias (V,), targets (T,): slot 2 has no target at all, the others some ignored
-    rows (as a static batch's prompts, padding and last positions are)."""
+    rows (as a fixed-shape batch's prompts, padding and last positions are)."""
     gen = torch.Generator().manual_seed(seed)
     n = t_per_slot * capacity
     hidden = torch.randn(n, h, generator=gen).to(dtype)
@@ -67,7 +67,7 @@ def _fused(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
            capacity: int, grad_losses: torch.Tensor, chunk: int | None = None
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     x = hidden.detach().clone().requires_grad_()
-    losses, counts = static_linear_ce(x, weight, bias, targets, capacity, impl="triton", chunk=chunk)
+    losses, counts = linear_ce(x, weight, bias, targets, capacity, impl="triton", chunk=chunk)
     (losses * grad_losses).sum().backward()
     return losses.detach(), counts, x.grad
 
@@ -110,11 +110,11 @@ def test_no_grad_forward_equals_the_training_forward_and_the_reference() -> None
     """Under no_grad (evaluation) no gradient is written and no second GEMM runs: the same losses."""
     hidden, weight, bias, targets = _case(torch.float32, seed=2)
     x = hidden.clone().requires_grad_()
-    train_losses, _ = static_linear_ce(x, weight, bias, targets, 4, impl="triton")
+    train_losses, _ = linear_ce(x, weight, bias, targets, 4, impl="triton")
     with torch.no_grad():
-        losses, counts = static_linear_ce(x, weight, bias, targets, 4, impl="triton")
+        losses, counts = linear_ce(x, weight, bias, targets, 4, impl="triton")
     assert losses.grad_fn is None and train_losses.grad_fn is not None
-    want, want_counts = reference.static_linear_ce(hidden, weight, bias, targets, 4)
+    want, want_counts = reference.linear_ce(hidden, weight, bias, targets, 4)
     torch.testing.assert_close(losses, train_losses.detach(), rtol=0, atol=0)
     torch.testing.assert_close(losses, want, rtol=1e-6, atol=1e-6)
     assert counts.tolist() == want_counts.tolist()
@@ -144,15 +144,15 @@ def test_rows_kernel_writes_the_scaled_softmax_gradient_in_place(monkeypatch: py
 def test_launcher_refuses_what_it_cannot_compute() -> None:
     hidden, weight, _, targets = _case(torch.float32)
     with pytest.raises(ValueError, match="multiple of capacity"):
-        static_linear_ce(hidden, weight, None, targets, 3, impl="triton")  # T = 28
+        linear_ce(hidden, weight, None, targets, 3, impl="triton")  # T = 28
     with pytest.raises(ValueError, match="frozen"):
-        static_linear_ce(hidden, weight.clone().requires_grad_(), None, targets, 4, impl="triton")
+        linear_ce(hidden, weight.clone().requires_grad_(), None, targets, 4, impl="triton")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_smollm2_shape_bf16_in_a_cuda_graph_is_exact_and_faster_than_the_plain_loss() -> None:
-    """The static step's loss at its H200 shape (16 slots x 8 rows x 48 positions, hidden 576, vocabulary 49,152,
+    """The step's loss at its H200 shape (16 slots x 8 rows x 48 positions, hidden 576, vocabulary 49,152,
     bf16): within bf16 tolerance of the fp32 reference, a graph replay equal to the eager call, and forward + backward
     faster than the plain path (bf16 logits, their fp32 copy, torch's cross-entropy), both replayed from a graph."""
     torch.manual_seed(0)
@@ -166,7 +166,7 @@ def test_smollm2_shape_bf16_in_a_cuda_graph_is_exact_and_faster_than_the_plain_l
 
     def fused() -> torch.Tensor:
         hidden.grad = None
-        losses, _ = static_linear_ce(hidden, weight, None, targets, c, impl="triton")
+        losses, _ = linear_ce(hidden, weight, None, targets, c, impl="triton")
         (losses * grad_losses).sum().backward()
         return losses.detach()
 

@@ -138,7 +138,7 @@ def test_operands_the_kernel_does_not_take_are_refused() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="needs CUDA (compiled Triton)")
 class TestGPU:
-    """Compiled on the H200 at the static step's SmolLM2 shape: 128 rows x 48 tokens, 9 query heads over 3 key
+    """Compiled on the H200 at the step's SmolLM2 shape: 128 rows x 48 tokens, 9 query heads over 3 key
     heads of 64; cos / sin from transformers' rotary module, per row (packed positions) and broadcast."""
 
     @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])

@@ -35,7 +35,7 @@ def test_memory_model_predicts_measured_peak(tmp_path, chunked_ce) -> None:
     mm = calibrate(pm, 96, rows=(4, 12), chunked_ce=chunked_ce)
     assert mm.bytes_per_token > 0 and mm.bytes_per_token_rank > 0
     assert (mm.ce_chunk_tokens, mm.ce_chunk_bytes > 0) == ((1024, True) if chunked_ce else (0, False))
-    # Compare what the step adds on top of the static part: that is what the model has to get right.
+    # Compare what the step adds on top of the base part: that is what the model has to get right.
     growth_pred, growth_meas = step_growth(pm, mm, (4, 8, 16, 32), 6, 96, 20_000, chunked_ce=chunked_ce)
     assert growth_meas > 50e6, "the step must be large enough for the check to mean something"
     assert abs(growth_pred - growth_meas) <= 0.10 * growth_meas, (growth_pred / 1e6, growth_meas / 1e6)

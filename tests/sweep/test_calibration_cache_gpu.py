@@ -35,7 +35,7 @@ def test_a_cached_plan_on_cuda_loads_no_weights(tiny_dirs, tmp_path, monkeypatch
 
     a, b = rows(first.stdout), rows(second.stdout)
     assert b["calibration"].startswith("cached (") and a["device"] == b["device"] == "cuda"
-    for key in ("slots per pack", "predicted peak of a full pack", "static (base model)", "predicted step"):
+    for key in ("slots per pack", "predicted peak of a full pack", "frozen (base model)", "predicted step"):
         assert a[key] == b[key], key
 
 

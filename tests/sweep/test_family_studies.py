@@ -22,7 +22,7 @@ from transformers.pytorch_utils import Conv1D
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.kernels.ops import PackLayout
-from lora_sweep.packer.model.checkpoint import load_adapter, read_adapter
+from lora_sweep.packer.model.checkpoint import read_adapter
 from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.tiny.data import arithmetic_rows, write_jsonl
@@ -31,7 +31,7 @@ from lora_sweep.sweep.config.loader import load_study
 from lora_sweep.sweep.export import export_trial
 from lora_sweep.sweep.store import ResultsStore
 from lora_sweep.sweep.study import run_study
-from tests.conftest import write_study
+from tests.conftest import load_adapter, write_study
 
 IDS = torch.randint(3, 260, (2, 12), generator=torch.Generator().manual_seed(0))
 MASK = torch.ones_like(IDS)

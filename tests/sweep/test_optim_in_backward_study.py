@@ -66,7 +66,7 @@ def test_a_study_with_it_trains_on_the_one_step_and_says_so(tiny_dirs, tmp_path)
     logged: list[str] = []
     with pytest.warns(UserWarning, match="optimizer_in_backward: the training step keeps its preallocated fp32"):
         run_study(spec, log=logged.append)
-    assert [m for m in logged if "trained on the" in m] == ["pack 1: trained on the static-eager step (static "
+    assert [m for m in logged if "trained on the" in m] == ["pack 1: trained on the eager step (fixed "
                                                             "shapes, eagerly)"]
     trials = optuna_study(spec.out_dir, spec.name).get_trials()
     assert len(trials) == 3 and all(tr.state in (TrialState.COMPLETE, TrialState.PRUNED) for tr in trials)

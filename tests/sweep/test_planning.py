@@ -58,7 +58,7 @@ def test_a_sharded_plan_counts_one_ranks_share_of_the_base_per_gpu(tiny_dirs, tm
     two = plan_pack(spec, pm, gpus=2)
     assert (one.gpus, two.gpus) == (1, 2)
     assert two.predicted_peak_bytes == one.predicted_peak_bytes - whole + share
-    assert two.static_bytes == one.memory.static_bytes - whole + share
+    assert two.base_bytes == one.memory.base_bytes - whole + share
     table = two.table()
     assert "predicted peak of a full pack per GPU (2 GPUs, FSDP)" in table and "replicated on every GPU" in table
     # loading: a safetensors checkpoint loads by rows (packer.model.shard_load), one rank's share and one padded chunk
@@ -89,7 +89,7 @@ def test_the_plan_models_the_evaluations_time_from_its_step_model(tiny_dirs, tmp
     from lora_sweep.packer.plan import MemoryModel
     from lora_sweep.sweep.planning import eval_rows, eval_seconds
 
-    mm = MemoryModel(static_bytes=0, bytes_per_token=0, bytes_per_token_rank=0, bytes_per_param=0,
+    mm = MemoryModel(base_bytes=0, bytes_per_token=0, bytes_per_token_rank=0, bytes_per_param=0,
                      seconds_per_token=3e-4, seconds_per_step=0.01)
     evaluators = [{"name": "heldout_loss"}, {"name": "generation", "options": {"max_new_tokens": 4, "batch_size": 4}}]
     spec = load_study(write_study(tmp_path, tiny_dirs("llama"), "evals", budget={"trials": 6}, evaluators=evaluators))

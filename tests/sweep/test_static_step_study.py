@@ -21,7 +21,7 @@ def test_accumulating_sample_packed_study_says_which_step_it_ran(tiny_dirs, tmp_
     logged: list[str] = []
     summary = run_study(spec, log=logged.append)
     assert [m for m in logged if "trained on the" in m] == [
-        "pack 1: trained on the static-eager step (static shapes, eagerly)"]
+        "pack 1: trained on the eager step (fixed shapes, eagerly)"]
     assert summary.complete == 4 and summary.steps > 0 and summary.tokens > 0
     root = StudyDir(spec.out_dir).root
     with ResultsStore(StudyDir(root).results_db, create=False) as store:

@@ -639,21 +639,23 @@ def test_join_becomes_a_worker_of_a_shared_run_and_refuses_a_single_one(tiny_dir
     assert refused.returncode == 2 and "runs the study alone" in refused.stderr, refused.stderr
 
 
-def test_a_static_pack_is_sized_once_by_the_spaces_largest_rank(tiny_dirs, tmp_path, monkeypatch) -> None:
-    """The static step's store takes the rank bucket of the space's largest rank from its first slot: a bucket
+def test_a_pack_store_is_sized_once_by_the_spaces_largest_rank(tiny_dirs, tmp_path, monkeypatch) -> None:
+    """The step's store takes the rank bucket of the space's largest rank from its first slot: a bucket
     grown when a larger-rank trial arrives would re-capture every graph and precompile again (on CPU the step runs
     eagerly)."""
-    import lora_sweep.packer.step.static_loop
+    from lora_sweep.packer.model.packed import PackedModel
 
     buckets: list[int] = []
-    real = lora_sweep.packer.step.static_loop.new_store
+    real = PackedModel.ensure_store
 
-    def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
-        store = real(*args, **kwargs)
-        buckets.append(store.rank_bucket)
+    def recording(pm, *args, **kwargs):  # type: ignore[no-untyped-def]
+        before = pm.store
+        store = real(pm, *args, **kwargs)
+        if store is not before:
+            buckets.append(store.rank_bucket)
         return store
 
-    monkeypatch.setattr(lora_sweep.packer.step.static_loop, "new_store", recording)
+    monkeypatch.setattr(PackedModel, "ensure_store", recording)
     search = {"rank": [2, 4, 16, 24], "lr": {"low": 1e-4, "high": 3e-2, "log": True}, "targets": {"all": "all-linear"}}
     spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name="bucket", search=search))
     summary = run_study(spec, log=lambda m: None)

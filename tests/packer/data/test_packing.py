@@ -98,7 +98,7 @@ def _train(model_dir, jobs):  # noqa: ANN001, ANN202
     queue, rec = list(jobs), Recorder(pm)
     result = train(pm, len(jobs), lambda slot: queue.pop(0) if queue else None, pad_id=PAD, on_step=rec.on_step,
                    on_end=rec.on_end)
-    assert result.step == "static-eager"
+    assert result.step == "eager"
     return rec.losses, rec.final
 
 
@@ -106,7 +106,7 @@ def _train(model_dir, jobs):  # noqa: ANN001, ANN202
 def test_sample_packed_slot_trains_as_its_examples_unpacked(tiny_dirs, family: str) -> None:
     """Per-step losses within 1e-5 relative and the same final adapter, with accumulation (dropout off: its
     masks are drawn per row layout, so a packed row draws other masks than the rows it replaces); an
-    unpacked slot beside it is unchanged. On the static step the packed rows' positions are a block of its
+    unpacked slot beside it is unchanged. On the step the packed rows' positions are a block of its
     tables and the whole batch (padding rows and the unpacked slot's rows too) goes without a padding mask."""
     examples = random_examples(40, seed=4)
     plain_spec = AdapterSpec(rank=2, lr=1e-2, micro_batch=2, max_steps=8, seed=1)

@@ -33,7 +33,7 @@ def test_precompile_covers_the_first_step_and_touches_no_slot(tiny_dirs, monkeyp
     real = lora_sweep.packer.step.train.precompile
 
     def checked(step) -> None:  # noqa: ANN001  (the store's buffers around the call)
-        store = pm.static
+        store = pm.store
         before = [t.clone() for t in (store.flat, store.grad, store.exp_avg, store.exp_avg_sq)]
         real(step)
         snapshots.append((before, [t.clone() for t in (store.flat, store.grad, store.exp_avg, store.exp_avg_sq)]))

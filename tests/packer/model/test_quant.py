@@ -113,7 +113,7 @@ def test_nf4_changes_the_base_and_plain_lora_does_not_see_it(tiny_dirs) -> None:
 
 
 def test_the_memory_model_knows_the_nf4_base(tmp_path) -> None:
-    """Calibrated over the NF4 base, the planner's static part is the quantised model's real bytes (about half a
+    """Calibrated over the NF4 base, the planner's base part is the quantised model's real bytes (about half a
     byte per projection weight, not the wrapper's placeholder size) and a larger pack's step is predicted within
     10% (the dequantised weight each projection makes for its GEMM included)."""
     from transformers import AutoModelForCausalLM
@@ -132,7 +132,7 @@ def test_the_memory_model_knows_the_nf4_base(tmp_path) -> None:
     rest = sum(p.numel() * 4 for name, p in model.named_parameters() if "proj" not in name)
     mm = calibrate(pm, 96, rows=(4, 12))
     assert model_bytes(pm) == pytest.approx(nf4_bytes(n) + rest, rel=0.01)
-    assert mm.static_bytes < rest + n  # well under 4 B (fp32) or even 1 B per projection weight
+    assert mm.base_bytes < rest + n  # well under 4 B (fp32) or even 1 B per projection weight
     growth_pred, growth_meas = step_growth(pm, mm, (4, 8, 16, 32), 6, 96, 20_000)
     assert growth_meas > 50e6
     assert abs(growth_pred - growth_meas) <= 0.10 * growth_meas, (growth_pred / 1e6, growth_meas / 1e6)

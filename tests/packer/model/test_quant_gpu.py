@@ -1,5 +1,5 @@
 """QLoRA on the GPU: the Triton path over an NF4 base (H200 only): a slot in a pack equals it alone; the captured
-static step equals the eager one."""
+step equals the eager one."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def test_qlora_slot_in_a_triton_pack_equals_it_alone(tiny_dirs) -> None:
             torch.testing.assert_close(b, alone.final[0][path][1], rtol=0, atol=1e-4)
 
 
-def test_the_static_step_captures_over_nf4_and_equals_eager(tiny_dirs) -> None:
+def test_the_step_captures_over_nf4_and_equals_eager(tiny_dirs) -> None:
     eager, r_eager = _run(tiny_dirs("llama"), SPECS, 3, cuda_graphs="off")
     graph, r_graph = _run(tiny_dirs("llama"), SPECS, 3, cuda_graphs="on")
     assert r_eager.graphs == 0 and r_graph.graphs >= 1

@@ -139,7 +139,7 @@ def train_pack(model_dir: Path, shard: bool, ckpt: bool = False, meta: bool = Fa
     result = train(pm, 4, lambda slot: queue.pop(0) if queue else None, pad_id=PAD, on_step=rec.on_step,
                    should_stop=_prune, on_end=on_end, cuda_graphs="off",
                    readback_every=1, activation_checkpointing=ckpt)
-    assert result.step == "static-eager"
+    assert result.step == "eager"
     return {"losses": dict(rec.losses), "final": rec.final, "metrics": metrics, "texts": texts,
             "ended": sorted(result.ended), "bytes": (before, after),
             "share": None if share is None else (share.whole, share.shard, share.peak, share.load_peak),

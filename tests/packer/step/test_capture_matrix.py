@@ -24,7 +24,7 @@ from lora_sweep.packer.data.packing import SamplePackedStream
 from lora_sweep.packer.data.rows import SlotStream
 from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec
-from lora_sweep.packer.step import static_loop
+from lora_sweep.packer.step import loop
 from lora_sweep.packer.step.train import SlotJob, TrainResult, train
 from lora_sweep.packer.tiny.models import FAMILIES, build_tiny_model
 from tests.conftest import need_triton, random_examples
@@ -78,7 +78,7 @@ def _assert_captured(run: tuple[TrainResult, str, list[str]], family: str = "lla
     if attn == "eager" and not EAGER_MASK_CAPTURES:  # the mask is built first: its copy fails the capture first
         cause = "masking_utils.py:"
     if cause is not None:
-        assert result.step == "static-eager" and result.fallback is not None, result
+        assert result.step == "eager" and result.fallback is not None, result
         assert cause in result.fallback, result.fallback
         return
     assert result.fallback is None, result.fallback
@@ -134,13 +134,11 @@ def test_a_failed_capture_is_one_warning_naming_the_configuration_and_the_cause(
                                "tensor is pinned")
         copy_under_capture()
 
-    monkeypatch.setattr(static_loop, "capture", failing_capture)
+    monkeypatch.setattr(loop, "capture", failing_capture)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
-    real_graphs = static_loop.Graphs
-    monkeypatch.setattr(static_loop, "Graphs", lambda enabled: real_graphs(enabled=True))
     with pytest.warns(UserWarning, match="CUDA graph capture failed") as caught:
-        result = _train_cpu(llama)
-    assert result.step == "static-eager" and result.graphs == 0
+        result = _train_cpu(llama, graphs=loop.Graphs(enabled=True))  # graphs on, on the CPU
+    assert result.step == "eager" and result.graphs == 0
     assert result.fallback is not None
     assert result.fallback.startswith("LlamaForCausalLM (sdpa attention, base ops eager, ")
     assert "gradient accumulation" in result.fallback and "chunked loss" in result.fallback
@@ -150,7 +148,7 @@ def test_a_failed_capture_is_one_warning_naming_the_configuration_and_the_cause(
         f"CUDA graph capture failed, training eagerly: {result.fallback}"]
 
 
-def _train_cpu(model_dir: Path) -> TrainResult:
+def _train_cpu(model_dir: Path, **options: object) -> TrainResult:
     """``_train`` on the CPU in fp32 with the torch ops (no interpreter: only the fallback is under test)."""
     model, _ = load_base(str(model_dir), attn_implementation="sdpa", device="cpu")
     pm = PackedModel(model, impl="torch")
@@ -158,4 +156,5 @@ def _train_cpu(model_dir: Path) -> TrainResult:
     spec = AdapterSpec(rank=4, alpha=8, lr=1e-3, micro_batch=2, targets=TARGETS, max_steps=2, seed=0,
                        gradient_accumulation_steps=2)
     jobs = [SlotJob(spec, SlotStream(examples, 2, 0), key=0)]
-    return train(pm, 1, lambda slot: jobs.pop(0) if jobs else None, pad_id=0, chunked_ce=True)
+    return train(pm, 1, lambda slot: jobs.pop(0) if jobs else None, pad_id=0, chunked_ce=True,
+                 **options)  # type: ignore[arg-type]

@@ -32,17 +32,17 @@ def _train(model_dir, family: str, **options):
     """Losses per key, final flat weights per key, and how many times the adapted layers ran forward."""
     pm = PackedModel(load_base(str(model_dir), attn_implementation="eager")[0])
     queue = _jobs(family)
-    # a slot's weights as one flat vector (on the static step they are rows of the store, not a buffer of its own)
+    # a slot's weights as one flat vector (on the step they are rows of the store, not a buffer of its own)
     rec = Recorder(pm, snapshot=lambda slot: torch.cat([t.detach().flatten() for t in pm.slot_parameters(slot)]))
     calls = [0]
 
     def count(module, args, out) -> None:
         calls[0] += 1
 
-    pm.add_slot(99, AdapterSpec(rank=1, targets=TARGETS[family]))  # wrap the projections, to hook them
-    pm.remove_slot(99)
-    for layer in pm.layers.values():
-        layer.register_forward_hook(count)
+    pm.add_slot(0, AdapterSpec(rank=1, targets=TARGETS[family]))  # wrap the projections, to hook the targeted ones
+    for path in pm.slot_paths[0]:
+        pm.layers[path].register_forward_hook(count)
+    pm.remove_slot(0)
     train(pm, 2, lambda slot: queue.pop(0) if queue else None, pad_id=PAD, on_step=rec.on_step, on_end=rec.on_end,
           **options)
     return rec.losses, rec.final, calls[0]

@@ -1,7 +1,7 @@
 """The core invariant: a slot trained in a pack ends where the same adapter trained alone ends.
 
-The oracle is independent code: PEFT on a fresh copy of the base model, torch AdamW, the same
-scheduler formula and the same batches, with the loss computed by transformers itself.
+The oracle is independent code (``tests.helpers``): PEFT on a fresh copy of the base model, torch AdamW, the
+same scheduler formula and the same batches, with the loss computed by transformers itself.
 """
 
 from __future__ import annotations

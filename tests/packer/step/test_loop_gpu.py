@@ -1,4 +1,4 @@
-"""The static-shape step captured as a CUDA graph: graph == eager (with accumulation, sample packing and activation
+"""The fixed-shape step captured as a CUDA graph: graph == eager (with accumulation, sample packing and activation
 checkpointing too), replay after refills, fallback, the warning of a study the step cannot train (H200 only)."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-import lora_sweep.packer.step.static_loop as static_loop
 from lora_sweep.packer.data.packing import slot_stream
 from lora_sweep.packer.data.rows import Example, SlotStream
 from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.packer.step import loop
 from lora_sweep.packer.step.train import SlotJob, train
 from tests.conftest import Recorder, random_examples
 
@@ -73,7 +73,7 @@ def test_graph_equals_eager_fp32_with_accumulation_sample_packing_and_checkpoint
              for i, s in enumerate(_specs())]
     eager, r_eager = _run(tiny_dirs("llama"), specs, 3, cuda_graphs="off", activation_checkpointing=True)
     graph, r_graph = _run(tiny_dirs("llama"), specs, 3, cuda_graphs="auto", activation_checkpointing=True)
-    assert r_eager.step == "static-eager" and r_graph.step == "cuda-graph" and r_graph.graphs >= 1
+    assert r_eager.step == "eager" and r_graph.step == "cuda-graph" and r_graph.graphs >= 1
     assert r_graph.steps >= 30 and r_graph.jobs_started == len(specs)
     assert [len(graph.losses[i]) for i in range(len(specs))] == [s.max_steps for s in specs]
     _same(eager, graph)
@@ -93,16 +93,16 @@ def test_graph_equals_eager_fp32_with_chunked_ce(tiny_dirs) -> None:
 
 
 def test_graph_equals_eager_fp32_on_the_torch_path(tiny_dirs) -> None:
-    """The torch (non-Triton) static path on CUDA, captured: each slot's LoRA scale is a (C, 1, 1) view of the step's
-    segment table, so a replay reads the scales the host wrote for that step. Scales 2-6 (alpha / r), refills putting
-    another scale into the same slot, mixed ranks 4-64 and accumulation k 1-4 mixed: the captured step equals the
-    eager one within 1e-6 per step. (Dropout on this path draws its masks with torch generators from Python seeds:
+    """The torch (non-Triton) path of the step on CUDA, captured: each slot's LoRA scale is a (C, 1, 1) view of the
+    step's segment table, so a replay reads the scales the host wrote for that step. Scales 2-6 (alpha / r), refills
+    putting another scale into the same slot, mixed ranks 4-64 and accumulation k 1-4 mixed: the captured step equals
+    the eager one within 1e-6 per step. (Dropout on this path draws its masks with torch generators from Python seeds:
     eager only, so none here.)"""
     specs = [replace(s, dropout=0.0, alpha=float((1 + i % 3) * 2 * s.rank), gradient_accumulation_steps=1 + i % 4)
              for i, s in enumerate(_specs())]
     eager, r_eager = _run(tiny_dirs("llama"), specs, 3, cuda_graphs="off", impl="torch")
     graph, r_graph = _run(tiny_dirs("llama"), specs, 3, cuda_graphs="auto", impl="torch")
-    assert r_eager.step == "static-eager" and r_graph.step == "cuda-graph" and r_graph.graphs >= 1
+    assert r_eager.step == "eager" and r_graph.step == "cuda-graph" and r_graph.graphs >= 1
     assert r_graph.steps >= 30 and r_graph.jobs_started == len(specs)
     _same(eager, graph)
 
@@ -173,8 +173,8 @@ def test_capture_failure_falls_back_to_eager(tiny_dirs, monkeypatch: pytest.Monk
 
     specs = _specs()[:4]
     eager, _ = _run(tiny_dirs("llama"), specs, 2, cuda_graphs="off")
-    for name in ("static_losses", "static_head_losses"):  # full logits, or the fused loss of the Triton path
-        monkeypatch.setattr(static_loop, name, syncing(getattr(static_loop, name)))
+    for name in ("slot_losses", "head_losses"):  # full logits, or the fused loss of the Triton path
+        monkeypatch.setattr(loop, name, syncing(getattr(loop, name)))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fallback, result = _run(tiny_dirs("llama"), specs, 2, cuda_graphs="auto")

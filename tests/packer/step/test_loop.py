@@ -1,4 +1,4 @@
-"""The static-shape step on the CPU (eager): refills without new buffers, the ring buffer, padding, callbacks."""
+"""The fixed-shape step on the CPU (eager): refills without new buffers, the ring buffer, padding, callbacks."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-import lora_sweep.packer.step.static_loop as static_loop
 from lora_sweep.packer.model.packed import PackedModel, load_base
-from lora_sweep.packer.model.static import StaticStore
+from lora_sweep.packer.model.store import SlotStore
+from lora_sweep.packer.step import loop
 from lora_sweep.packer.step.train import train
 from tests.conftest import Recorder
 from tests.helpers import LLAMA_SPECS, PAD, run_packed, slot_jobs
@@ -17,12 +17,12 @@ from tests.helpers import LLAMA_SPECS, PAD, run_packed, slot_jobs
 FIELDS = ("step", "slot", "key", "slot_step", "tokens", "input_tokens")
 
 
-def _train(model_dir, jobs, capacity, **kw):  # noqa: ANN001, ANN003, ANN202
+def _train(model_dir, jobs, capacity, on_step_extra: list | None = None, **kw):  # noqa: ANN001, ANN003, ANN202
     model, _ = load_base(str(model_dir), attn_implementation="eager")
     pm = PackedModel(model, impl="torch")
     queue = list(jobs)
     rec = Recorder(pm)
-    reports, calls = [], []
+    reports, calls = on_step_extra if on_step_extra is not None else [], []
 
     def on_step(reps) -> None:  # noqa: ANN001
         calls.append(reps[0].step)
@@ -52,14 +52,14 @@ def test_ring_buffer_reports_equal_reading_every_step(tiny_dirs) -> None:
 def test_reports_arrive_in_batches_at_readback_points(tiny_dirs, monkeypatch: pytest.MonkeyPatch) -> None:
     """The ring is read every K steps and when a slot ends (the only syncs); on_step still sees every step."""
     reads: list[int] = []
-    flush = static_loop.flush
+    flush = loop.flush
 
     def counting(ring, pending, *args):  # noqa: ANN001, ANN002, ANN202
         if pending:
             reads.append(pending[-1].step)
         return flush(ring, pending, *args)
 
-    monkeypatch.setattr(static_loop, "flush", counting)
+    monkeypatch.setattr(loop, "flush", counting)
     specs = [replace(LLAMA_SPECS[0], max_steps=13), replace(LLAMA_SPECS[2], max_steps=20)]
     _, reports, _, _ = _train(tiny_dirs("llama"), slot_jobs(specs), 2, readback_every=8)
     assert reads == [7, 12, 19]  # steps 0-7, then 8-12 (slot 0 ends at 13 steps), then 13-19
@@ -70,13 +70,13 @@ def test_refill_without_new_buffers_trains_as_a_fresh_run(tiny_dirs, monkeypatch
     """A job started mid-run in a freed slot (same store, same step buffers: nothing to re-capture) trains
     exactly as the same job in a fresh run."""
     built: list[tuple] = []
-    shape_buffers = StaticStore.shape_buffers
+    shape_buffers = SlotStore.shape_buffers
 
     def counting(self, rows, seq_len):  # noqa: ANN001, ANN202
         built.append((rows, seq_len))
         return shape_buffers(self, rows, seq_len)
 
-    monkeypatch.setattr(StaticStore, "shape_buffers", counting)
+    monkeypatch.setattr(SlotStore, "shape_buffers", counting)
     short = replace(LLAMA_SPECS[1], max_steps=5, micro_batch=3)
     late = replace(LLAMA_SPECS[2], dropout=0.2, max_steps=12)
     jobs = slot_jobs([short, LLAMA_SPECS[3], late])
@@ -99,7 +99,7 @@ def test_padding_rows_stay_zero_and_larger_ranks_move_the_pack(tiny_dirs) -> Non
 
     def snapshot(pm):  # noqa: ANN001, ANN202
         def take(slot: int) -> dict:
-            store = pm.static
+            store = pm.store
             r0, r1 = slot * store.rank_bucket, (slot + 1) * store.rank_bucket
             rank = pm.specs[slot].rank
             for p in store.paths:
@@ -152,7 +152,7 @@ def test_operand_copy_follows_the_weights_into_every_forward(tiny_dirs, monkeypa
 
     model, _ = load_base(str(tiny_dirs("llama")), attn_implementation="eager")
     pm = PackedModel(model, impl="torch")
-    store = StaticStore(pm.model, pm.state, pm.layers, 2, 16, pm.device)
+    store = SlotStore(pm.model, pm.state, pm.layers, 2, 16, pm.device)
     monkeypatch.setattr(ops, "lora_operand_dtype", lambda act: torch.bfloat16)
     store.use_operands(torch.bfloat16)
     path = store.paths[0]
@@ -164,3 +164,27 @@ def test_operand_copy_follows_the_weights_into_every_forward(tiny_dirs, monkeypa
         with store.stepping(shape, False):
             assert torch.equal(store.a_op[path], store.a[path].detach().to(torch.bfloat16))
             assert torch.equal(store.bt_op[path], store.bt[path].detach().to(torch.bfloat16))
+
+
+def test_a_profiler_marks_every_step_after_its_reports(tiny_dirs) -> None:
+    """``profiler``: ``step()`` once per global step, after that step's reports (torch's profiler, scheduled over
+    the pack's steps: its step ranges are the loop's)."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    marks: list[int] = []
+    reported: list[int] = []
+
+    class Counting:
+        def step(self) -> None:
+            marks.append(len(reported))
+
+    specs = [replace(LLAMA_SPECS[0], max_steps=5), replace(LLAMA_SPECS[2], max_steps=3)]
+    jobs = slot_jobs(specs)
+    *_, result, _ = _train(tiny_dirs("llama"), jobs, 2, readback_every=1, profiler=Counting(),
+                           on_step_extra=reported)
+    assert marks == [2, 4, 6, 7, 8] and result.steps == 5  # each step's reports (2 slots, then 1) before its mark
+    with profile(activities=[ProfilerActivity.CPU],
+                 schedule=schedule(wait=1, warmup=1, active=2, repeat=1)) as prof:
+        _train(tiny_dirs("llama"), slot_jobs(specs), 2, profiler=prof)
+    # wait and warm-up take the loop's steps 0 and 1: the profiler records steps 2 and 3
+    assert sum(e.name.startswith("ProfilerStep") for e in prof.events()) == 2

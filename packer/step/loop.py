@@ -5,7 +5,7 @@
 - **Shapes are fixed.** C slots x ``rows`` rows (the largest micro-batch seen; a slot with fewer rows, or a
   free slot, gets padding rows with no loss) x a length padded up to a multiple of ``seq_multiple``. One step
   shape, with the set of adapted layers and whether dropout is compiled in, is one graph key: refills,
-  prunes and slot ends change no key (``packer.model.static`` says how the buffers make that exact).
+  prunes and slot ends change no key (``packer.model.store`` says how the buffers make that exact).
 - **Features are data too.** Gradient accumulation (per slot, any mix of k in one pack; ``packer.step.jobs.Window``):
   each slot's mean loss enters the backward times its loss weight (its micro-batch's share of its optimizer
   step's target tokens), and a slot whose step awaits more micro-batches gets the ``ACCUMULATE`` optimizer row
@@ -36,35 +36,31 @@ from typing import Any
 import numpy as np
 import torch
 
-from lora_sweep.kernels.ops import FREE_FLT, PackLayout, SegFlt, dropout_seed, free_segment, resolve_impl
+from lora_sweep.kernels.ops import FREE_FLT, PackLayout, SegFlt, dropout_seed, free_segment
 from lora_sweep.packer.data.batch import IGNORE_INDEX
 from lora_sweep.packer.loss import chunked_slot_losses
 from lora_sweep.packer.model.packed import PackedModel
-from lora_sweep.packer.model.static import (
+from lora_sweep.packer.model.store import (
     SEG_FLT,
     SEG_INT,
     ShapeBuffers,
-    StaticStore,
+    SlotStore,
     fused_loss_head,
-    static_head_losses,
-    static_losses,
+    head_losses,
+    rank_bucket_for,
+    slot_losses,
 )
 from lora_sweep.packer.step.capture import capture, capture_failure
 from lora_sweep.packer.step.jobs import SlotEnd, SlotJob, StepReport, Tally, TrainResult, Window, target_tokens
-from lora_sweep.packer.step.static_optim import ACCUMULATE, NOOP, optimizer_row, static_adamw_step
+from lora_sweep.packer.step.optim import ACCUMULATE, NOOP, adamw_step, optimizer_row
 
 __all__ = ["DEFAULT_READBACK", "SEQ_MULTIPLE", "rank_bucket_for", "Live", "Pending", "Graphs", "Staging", "fill",
-           "step_fn", "new_store", "record_step", "flush", "ends", "end_slots"]
+           "step_fn", "record_step", "flush", "ends", "end_slots"]
 
 DEFAULT_READBACK = 8
 SEQ_MULTIPLE = 16
 """Sequence lengths are padded up to a multiple of this: few graph keys, little padding on short rows."""
 _STAGING = 4
-
-
-def rank_bucket_for(rank: int) -> int:
-    """The smallest power of two >= ``rank`` and >= 16 (the kernels' narrowest rank tile)."""
-    return max(16, 1 << max(rank - 1, 0).bit_length())
 
 
 @dataclass
@@ -183,7 +179,7 @@ class Staging:
             self.events[self.i] = event
 
 
-def fill(ints: np.ndarray, floats: np.ndarray, store: StaticStore, shape: ShapeBuffers, active: dict[int, Live],
+def fill(ints: np.ndarray, floats: np.ndarray, store: SlotStore, shape: ShapeBuffers, active: dict[int, Live],
           rows: dict[int, list], pad_id: int, ring_row: int) -> tuple[dict[int, float], dict[int, int], PackLayout]:
     """Write one step's values into the staging arrays; returns per live slot its lr and input tokens, and the
     step's layout as Python values (for the eager torch path's dropout). A slot whose micro-batch is not its
@@ -245,13 +241,13 @@ def _put_row(r: Any, i: int, ids: np.ndarray, labels: np.ndarray, mask: np.ndarr
         pos[i, n:] = np.arange(pos.shape[1] - n) + (packed_pos[-1] + 1)
 
 
-def step_fn(pm: PackedModel, store: StaticStore, shape: ShapeBuffers, ring: torch.Tensor, triton: bool,
+def step_fn(pm: PackedModel, store: SlotStore, shape: ShapeBuffers, ring: torch.Tensor, triton: bool,
              dropout: bool, packed: bool, chunk: int | None) -> Callable[[], None]:
     """The whole step on the shape's buffers: forward, per-slot losses, backward, clip + AdamW, ring write.
 
-    On the Triton path the loss goes through the frozen head in one fused function (``static_head_losses``: no fp32
+    On the Triton path the loss goes through the frozen head in one fused function (``head_losses``: no fp32
     logits, the head's input gradient computed in the forward); a model whose logits are not a plain head's output,
-    and the torch path, compute full logits (``static_losses``). The backward takes each slot's mean loss
+    and the torch path, compute full logits (``slot_losses``). The backward takes each slot's mean loss
     times its loss weight (gradient accumulation). ``packed``: some row is sample-packed; the model gets the
     positions and no padding mask, and builds the block-diagonal causal mask from the positions on the device
     (``PackedModel.forward``). ``chunk`` (``chunked_ce``): the fused loss holds the logits of that many token rows
@@ -265,7 +261,7 @@ def step_fn(pm: PackedModel, store: StaticStore, shape: ShapeBuffers, ring: torc
         with store.stepping(shape, dropout), torch.enable_grad():
             if head is not None:
                 hidden = pm.forward_hidden(shape.ids, shape.mask, None, pos)  # (B, L, H)
-                losses, counts = static_head_losses(hidden, head, shape.labels, c, chunk=chunk)
+                losses, counts = head_losses(hidden, head, shape.labels, c, chunk=chunk)
                 del hidden
             elif chunk is not None:
                 hidden = pm.forward_hidden(shape.ids, shape.mask, None, pos)
@@ -274,31 +270,13 @@ def step_fn(pm: PackedModel, store: StaticStore, shape: ShapeBuffers, ring: torc
                 del hidden
             else:
                 logits = pm.forward(shape.ids, shape.mask, None, pos)
-                losses, counts = static_losses(logits, shape.labels, c)
+                losses, counts = slot_losses(logits, shape.labels, c)
                 del logits
             (losses * shape.loss_w).sum().backward()
-        norms = static_adamw_step(store, shape, triton)
+        norms = adamw_step(store, shape, triton)
         ring.index_copy_(0, shape.ring_row, torch.stack([losses.detach(), counts, norms], dim=1)[None])
 
     return step
-
-
-def new_store(pm: PackedModel, old: StaticStore | None, capacity: int, bucket: int, rank: int,
-               active: dict[int, Live]) -> StaticStore:
-    """A store whose bucket holds ``rank``; the live slots of ``old`` move into it (weights and moments)."""
-    store = StaticStore(pm.model, pm.state, pm.layers, capacity, max(bucket, rank_bucket_for(rank)), pm.device)
-    if resolve_impl(pm.state.impl, pm.device) == "triton":
-        store.use_operands(getattr(pm.model, "dtype", torch.float32))
-    if old is not None:
-        for slot in active:
-            spec = pm.specs[slot]
-            store.copy_slot_from(old, slot, spec.rank, pm.slot_paths[slot])
-            for path in pm.slot_paths[slot]:
-                layer = pm.layers[path]
-                layer.remove_slot(slot)
-                layer.add_slot(slot, *store.slot_rows(slot, path, spec.rank))
-    pm.static = store
-    return store
 
 
 def flush(ring: torch.Tensor, pending: list[Pending], active: dict[int, Live], result: TrainResult,

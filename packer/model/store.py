@@ -1,4 +1,4 @@
-"""Static-shape storage of a pack: every slot's adapter in preallocated buffers, per-step values in device tables.
+"""Fixed-shape storage of a pack: every slot's adapter in preallocated buffers, per-step values in device tables.
 
 A captured CUDA graph replays fixed kernels on fixed addresses. So that one graph serves every step of a shape
 while slots finish, are pruned and are refilled, nothing a slot changes may be a shape, an address or a Python
@@ -29,7 +29,7 @@ of a sample-packed row), the segment tables (ranks, scales, dropout p and seeds)
 (gradient accumulation: its micro-batch's share of its optimizer step's target tokens), the optimizer table
 (``kernels.triton_adamw.OPT_FIELDS``: decay, betas, bias corrections, step size, clip norm, whether the
 gradient is kept for the next micro-batch) and the ring-buffer row. The host writes them into pinned staging
-memory and copies them with two non-blocking copies before each step (``packer.step.static_loop``).
+memory and copies them with two non-blocking copies before each step (``packer.step.loop``).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from torch import nn
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.kernels import ops
-from lora_sweep.kernels.ops import SEG_FLT_COL, SEG_FLT_FIELDS, SEG_INT_FIELDS, SegmentMeta, resolve_impl, static_meta
+from lora_sweep.kernels.ops import SEG_FLT_COL, SEG_FLT_FIELDS, SEG_INT_FIELDS, SegmentMeta, resolve_impl, segment_meta
 from lora_sweep.kernels.reference import dropout_keep_mask
 from lora_sweep.packer.data.batch import IGNORE_INDEX
 from lora_sweep.packer.loss import plain_output_head
@@ -52,13 +52,18 @@ from lora_sweep.packer.model.inject import inject, resolve_targets
 from lora_sweep.packer.model.layer import PackedLoRALinear, PackState
 from lora_sweep.packer.plan import ALL_LINEAR
 
-__all__ = ["StaticStore", "ShapeBuffers", "OPT_FIELDS", "SEG_INT", "SEG_FLT", "static_losses", "static_head_losses",
-           "fused_loss_head", "shift_targets"]
+__all__ = ["SlotStore", "rank_bucket_for", "ShapeBuffers", "OPT_FIELDS", "SEG_INT", "SEG_FLT", "slot_losses",
+           "head_losses", "fused_loss_head", "shift_targets"]
 
 OPT_FIELDS = 9
 """Columns of the optimizer table, as ``kernels.triton_adamw.OPT_FIELDS``."""
 SEG_INT, SEG_FLT = SEG_INT_FIELDS, SEG_FLT_FIELDS
 """Columns of the segment tables (``kernels.ops.SegInt`` / ``kernels.ops.SegFlt``: the one list of their names)."""
+
+
+def rank_bucket_for(rank: int) -> int:
+    """The smallest power of two >= ``rank`` and >= 16 (the kernels' narrowest rank tile)."""
+    return max(16, 1 << max(rank - 1, 0).bit_length())
 
 
 @dataclass
@@ -92,8 +97,8 @@ class ShapeBuffers:
     loss_w: torch.Tensor
 
 
-class StaticStore:
-    """Preallocated adapter storage and per-step tables of a static pack (module docstring).
+class SlotStore:
+    """Preallocated adapter storage and per-step tables of a pack (module docstring).
 
     Args:
         model: the frozen base (its projections are all wrapped here, once).
@@ -176,13 +181,20 @@ class StaticStore:
         return (a.data[r0:r0 + rank], bt.data[r0:r0 + rank], a.grad[r0:r0 + rank],  # type: ignore[index]
                 bt.grad[r0:r0 + rank])  # type: ignore[index]
 
+    def slot_moments(self, slot: int, path: str, rank: int) -> tuple[torch.Tensor, ...]:
+        """AdamW's (exp_avg, exp_avg_sq) of ``slot``'s A (r, D_in), then of its B^T (r, D_out), in layer ``path``:
+        views of the store's moment buffers."""
+        r0 = slot * self.rank_bucket
+        (_, _, m_a, v_a), (_, _, m_bt, v_bt) = self._views(self.a[path]), self._views(self.bt[path])
+        return m_a[r0:r0 + rank], v_a[r0:r0 + rank], m_bt[r0:r0 + rank], v_bt[r0:r0 + rank]
+
     @torch.no_grad()
     def reset_slot(self, slot: int) -> None:
         """Zero the slot's rows (weights, gradients, moments) in every layer: a fresh slot starts from the zero
         padding the layout relies on.
 
         One multi-tensor zero over views kept per slot: a ``zero_`` per view (4 buffers x 2 leaves x 210 layers
-        of SmolLM2) took 3.9 s of host time over a 48-trial sweep on the H200, with the GPU idle at the refill."""
+        of SmolLM2) took seconds of host time over a sweep, with the GPU idle at each refill."""
         if slot not in self._slot_rows:
             r0, r1 = slot * self.rank_bucket, (slot + 1) * self.rank_bucket
             self._slot_rows[slot] = [buf[r0:r1] for p in self.paths for leaf in (self.a[p], self.bt[p])
@@ -196,7 +208,7 @@ class StaticStore:
         n = leaf.numel()
         return [buf[off:off + n].view(leaf.shape) for buf in (self.flat, self.grad, self.exp_avg, self.exp_avg_sq)]
 
-    def copy_slot_from(self, other: StaticStore, slot: int, rank: int, paths: list[str]) -> None:
+    def copy_slot_from(self, other: SlotStore, slot: int, rank: int, paths: list[str]) -> None:
         """Move a live slot's weights and moments from ``other`` (a smaller bucket) into this store's rows."""
         with torch.no_grad():
             for p in paths:
@@ -214,7 +226,7 @@ class StaticStore:
         n_int = 4 * bl + c * SEG_INT + c + 1
         ints = torch.zeros(n_int, dtype=torch.int64, device=self.device)
         floats = torch.zeros(c * (SEG_FLT + OPT_FIELDS + 1), dtype=torch.float32, device=self.device)
-        base = static_meta(c, rows, seq_len, self.rank_bucket, self.device, dropout=True)
+        base = segment_meta(c, rows, seq_len, self.rank_bucket, self.device, dropout=True)
         seg_int = ints[4 * bl:4 * bl + c * SEG_INT].view(c, SEG_INT)
         seg_flt = floats[:c * SEG_FLT].view(c, SEG_FLT)
         seg_int.copy_(base.seg_int)
@@ -227,19 +239,19 @@ class StaticStore:
 
     @contextlib.contextmanager
     def stepping(self, shape: ShapeBuffers, dropout: bool) -> Iterator[None]:
-        """Route the wrapped layers through the static tables while a step (or an evaluation forward on the same
+        """Route the wrapped layers through the step's tables while a step (or an evaluation forward on the same
         buffers) runs; first refresh the kernels' bf16 weight copy, so every forward reads the current weights."""
         self.cast_operands()
         self.shape, self.dropout = shape, dropout
-        self.state.static = self
+        self.state.store = self
         try:
             yield
         finally:
-            self.state.static = None
+            self.state.store = None
 
     # -- the layer call -----------------------------------------------------------------------
     def forward(self, layer: PackedLoRALinear, x: torch.Tensor) -> torch.Tensor:
-        """``layer(x)`` for x (B, L, D_in): its base plus every slot's LoRA term, from the static tables."""
+        """``layer(x)`` for x (B, L, D_in): its base plus every slot's LoRA term, from the step's tables."""
         path = self.path_of[id(layer)]
         if path not in self.active:
             return layer.base(x)
@@ -250,14 +262,14 @@ class StaticStore:
         if resolve_impl(self.state.impl, x.device) == "triton":
             meta = shape.meta._replace(layer_id=layer.layer_id, has_dropout=self.dropout)
             x2 = x.reshape(b * seq, d_in).contiguous()  # the kernels read row-major operands (no copy if dense)
-            grads = (a.grad, bt.grad)  # the static gradient views: the kernels add into them, no AccumulateGrad
+            grads = (a.grad, bt.grad)  # the store's gradient views: the kernels add into them, no AccumulateGrad
             operands = None
             if self.flat_op is not None and x.dtype == self.flat_op.dtype:
                 operands = (self.a_op[path], self.bt_op[path])
             if type(layer.base) is nn.Linear:
-                y = ops.packed_lora_static(x2, None, layer.base.weight, layer.base.bias, a, bt, meta, grads, operands)
+                y = ops.packed_lora(x2, None, layer.base.weight, layer.base.bias, a, bt, meta, grads, operands)
             else:
-                y = ops.packed_lora_static(x2, layer.base(x).reshape(b * seq, -1), None, None, a, bt, meta,
+                y = ops.packed_lora(x2, layer.base(x).reshape(b * seq, -1), None, None, a, bt, meta,
                                                grads, operands)
             return y.view(b, seq, -1)
         return layer.base(x) + self._lora_term(layer, path, x)
@@ -282,8 +294,8 @@ class StaticStore:
         return torch.bmm(h, bt.view(c, rb, -1)).view(c * m, seq, -1).to(x.dtype)  # (B, L, D_out)
 
 
-def static_losses(logits: torch.Tensor, labels: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-slot mean next-token cross-entropy of a static batch (slot g owns a fixed block of rows).
+def slot_losses(logits: torch.Tensor, labels: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-slot mean next-token cross-entropy of a fixed-shape batch (slot g owns a fixed block of rows).
 
     Args:
         logits: (B, L, V).
@@ -309,8 +321,8 @@ def shift_targets(labels: torch.Tensor) -> torch.Tensor:
 
 
 def fused_loss_head(model: nn.Module) -> nn.Linear | None:
-    """The frozen linear output head ``static_head_losses`` can take ``model``'s loss through, or None where the step
-    must compute full logits (``static_losses``): a model without a decoder body (``base_model``) or output head,
+    """The frozen linear output head ``head_losses`` can take ``model``'s loss through, or None where the step
+    must compute full logits (``slot_losses``): a model without a decoder body (``base_model``) or output head,
     one whose logits are not the head's output (``packer.loss.plain_output_head``, as ``PackedModel.output_head``), a
     head that is not a plain frozen ``nn.Linear``."""
     try:
@@ -322,10 +334,10 @@ def fused_loss_head(model: nn.Module) -> nn.Linear | None:
     return None if any(p.requires_grad for p in head.parameters()) else head
 
 
-def static_head_losses(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, capacity: int,
+def head_losses(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, capacity: int,
                        impl: str = "triton", chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``static_losses(head(hidden), labels, capacity)`` without materialising fp32 logits:
-    ``kernels.ops.static_linear_ce`` (on the Triton path the logits exist only inside its forward, in the model's
+    """``slot_losses(head(hidden), labels, capacity)`` without materialising fp32 logits:
+    ``kernels.ops.linear_ce`` (on the Triton path the logits exist only inside its forward, in the model's
     dtype).
 
     Args:
@@ -333,12 +345,12 @@ def static_head_losses(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tens
         head: the frozen output projection (``fused_loss_head``).
         labels: (B, L) unshifted, ``IGNORE_INDEX`` where no loss is taken.
         capacity: C; B is a multiple of it.
-        impl: as ``kernels.ops.static_linear_ce``.
-        chunk: as ``kernels.ops.static_linear_ce``: logits of at most this many token rows at a time.
+        impl: as ``kernels.ops.linear_ce``.
+        chunk: as ``kernels.ops.linear_ce``: logits of at most this many token rows at a time.
 
     Returns:
         (C,) fp32 losses (0 for a slot without target tokens) and (C,) fp32 target counts.
     """
     b, seq, h = hidden.shape
-    return ops.static_linear_ce(hidden.reshape(b * seq, h), head.weight, head.bias, shift_targets(labels),
+    return ops.linear_ce(hidden.reshape(b * seq, h), head.weight, head.bias, shift_targets(labels),
                                     capacity, impl=impl, chunk=chunk)  # type: ignore[arg-type]

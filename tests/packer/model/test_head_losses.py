@@ -1,7 +1,7 @@
-"""The static step's loss through the frozen head (``packer.model.static.static_head_losses``) equals ``static_losses``
+"""The step's loss through the frozen head (``packer.model.store.head_losses``) equals ``slot_losses``
 on
-full logits; which models take it (``fused_loss_head``); the Triton static step uses it and starts where the
-torch static step (full logits) does."""
+full logits; which models take it (``fused_loss_head``); the Triton step uses it and starts where the
+torch step (full logits) does."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-import lora_sweep.packer.step.static_loop as static_loop
 from lora_sweep.packer.data.batch import IGNORE_INDEX
 from lora_sweep.packer.model.packed import load_base
-from lora_sweep.packer.model.static import fused_loss_head, shift_targets, static_head_losses, static_losses
+from lora_sweep.packer.model.store import fused_loss_head, head_losses, shift_targets, slot_losses
+from lora_sweep.packer.step import loop
 from tests.conftest import need_triton
 
 need_triton()  # before anything imports the Triton kernel modules
@@ -37,16 +37,16 @@ def _batch(vocab: int, hidden_size: int, capacity: int = 3, rows: int = 2, seq: 
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
-def test_head_losses_equal_static_losses_on_full_logits(tiny_dirs, impl: str) -> None:
+def test_head_losses_equal_slot_losses_on_full_logits(tiny_dirs, impl: str) -> None:
     model, _ = load_base(str(tiny_dirs("llama")))
     head = fused_loss_head(model.requires_grad_(False))  # frozen, as PackedModel freezes its base
     assert head is model.get_output_embeddings()
     hidden, labels = _batch(head.out_features, head.in_features)
     x = hidden.clone().requires_grad_()
-    losses, counts = static_head_losses(x, head, labels, 3, impl=impl)
+    losses, counts = head_losses(x, head, labels, 3, impl=impl)
     (losses * torch.tensor([1.0, 2.0, -0.5])).sum().backward()
     y = hidden.clone().requires_grad_()
-    want, want_counts = static_losses(head(y), labels, 3)
+    want, want_counts = slot_losses(head(y), labels, 3)
     (want * torch.tensor([1.0, 2.0, -0.5])).sum().backward()
     assert counts.tolist() == want_counts.tolist() and counts[1] == 0
     torch.testing.assert_close(losses, want, rtol=1e-6, atol=1e-6)  # fp32: the same sums in another order
@@ -74,18 +74,18 @@ def test_models_whose_logits_are_not_the_heads_output_keep_full_logits(tiny_dirs
     assert fused_loss_head(Bare().requires_grad_(False)) is None
 
 
-@pytest.mark.slow  # ~1 min: one static step in the Triton interpreter
-def test_triton_static_step_with_the_fused_loss_equals_full_logits(tiny_dirs, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The Triton static step, its loss through the fused head, equals the torch static step, on full logits:
+@pytest.mark.slow  # ~1 min: one step in the Triton interpreter
+def test_triton_step_with_the_fused_loss_equals_full_logits(tiny_dirs, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Triton step, its loss through the fused head, equals the torch step, on full logits:
     both steps' losses and the adapters after them (so the gradient the fused loss sends back is the same)."""
     calls = []
-    fused = static_loop.static_head_losses
+    fused = loop.head_losses
 
     def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         calls.append(args[1])
         return fused(*args, **kwargs)
 
-    monkeypatch.setattr(static_loop, "static_head_losses", spy)
+    monkeypatch.setattr(loop, "head_losses", spy)
     specs = [replace(LLAMA_SPECS[1], max_steps=2), replace(LLAMA_SPECS[2], max_steps=2)]
     triton_losses, triton_final = run_packed(tiny_dirs("llama"), slot_jobs(specs), 2, impl="triton")
     assert calls and all(isinstance(h, nn.Linear) for h in calls)

@@ -1,7 +1,7 @@
 """The pack's optimizer step: per-slot gradient norm, clipping and AdamW, all from device tables.
 
 torch's ``_multi_tensor_adam`` arithmetic with decoupled weight decay (``torch.optim.AdamW``) on the
-layer-major buffers of ``packer.model.static.StaticStore``, with every per-slot number read from the step's optimizer
+layer-major buffers of ``packer.model.store.SlotStore``, with every per-slot number read from the step's optimizer
 table (``ShapeBuffers.opt``) instead of Python scalars, so that a captured graph replays it for any mix of slots,
 learning rates and schedule positions. The host fills the table (``optimizer_row``); a free slot, or a warm-up
 step, gets the no-op row (``NOOP``): zero step size, decay 1, betas 1, which leaves weights and moments exactly
@@ -16,10 +16,10 @@ import math
 import torch
 
 from lora_sweep.kernels import ops
-from lora_sweep.packer.model.static import ShapeBuffers, StaticStore
+from lora_sweep.packer.model.store import ShapeBuffers, SlotStore
 from lora_sweep.packer.plan import AdapterSpec
 
-__all__ = ["static_adamw_step", "optimizer_row", "lr_schedule", "NOOP", "ACCUMULATE"]
+__all__ = ["adamw_step", "optimizer_row", "lr_schedule", "NOOP", "ACCUMULATE"]
 
 
 def lr_schedule(spec: AdapterSpec):  # type: ignore[no-untyped-def]
@@ -47,7 +47,7 @@ def optimizer_row(spec: AdapterSpec, lr: float, step: int) -> tuple[float, ...]:
 
 
 @torch.no_grad()
-def static_adamw_step(store: StaticStore, shape: ShapeBuffers, triton: bool) -> torch.Tensor:
+def adamw_step(store: SlotStore, shape: ShapeBuffers, triton: bool) -> torch.Tensor:
     """Clip each slot's gradient to its norm, take its AdamW step, zero the gradients (keep them where the slot's
     row is ``ACCUMULATE``: a no-op step whose clip coefficient is 1, so the gradient stays exactly as it was).
 

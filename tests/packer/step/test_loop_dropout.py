@@ -1,9 +1,9 @@
-"""LoRA dropout on the Triton static step, on the CPU (in the interpreter; marked gpu: compiled, replayed as a CUDA
+"""LoRA dropout on the Triton step, on the CPU (in the interpreter; marked gpu: compiled, replayed as a CUDA
 graph): at every step, each slot and each layer call, the kernels apply the mask that step's own tables give
 (``kernels.triton_dropout.dropout_mask``: the slot's seed for this micro-batch, the layer's id), so the masks move
 with the step, differ between slots and layers, and follow a slot into a refill.
 
-The reference is the static step's torch path with its mask source (``packer.model.static``'s ``dropout_keep_mask``,
+The reference is the step's torch path with its mask source (``packer.model.store``'s ``dropout_keep_mask``,
 torch's generator) replaced by the kernels' masks of the same step's tables: the Triton step must train the same
 losses and adapters. A Triton step that froze its masks, shared them between slots or layers, or read another step's
 seeds would train different adapters; the masks the reference used are checked to really differ.
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import lora_sweep.packer.model.static as static
+import lora_sweep.packer.model.store as slot_store
 from lora_sweep.kernels.ops import SEG_INT_COL, PackLayout, dropout_seed
 from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec
@@ -50,9 +50,9 @@ def one_layer(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class KernelMasks:
-    """Stands in for ``packer.model.static.dropout_keep_mask``: slot g's rows of the multiplier the Triton kernels draw
+    """Stands in for ``packer.model.store.dropout_keep_mask``: slot g's rows of the multiplier the Triton kernels draw
     from
-    the tables of the step being run (``dropout_mask`` on ``StaticStore.shape.meta`` with the layer's id), recorded
+    the tables of the step being run (``dropout_mask`` on ``SlotStore.shape.meta`` with the layer's id), recorded
     by (the slot's spec seed, its step seed, layer id)."""
 
     def __init__(self, pm: PackedModel) -> None:
@@ -62,7 +62,7 @@ class KernelMasks:
 
     def __call__(self, layout: PackLayout, g: int, layer_id: int, d_in: int, seq_len: int,
                  device: torch.device) -> torch.Tensor:
-        shape = self.pm.static.shape
+        shape = self.pm.store.shape
         seeds = tuple(shape.meta.seg_int[:, SEG_INT_COL.seed].tolist())
         assert seq_len == shape.seq_len and seeds[g] == layout.seed[g]  # the host layout is the tables' copy
         key = (layer_id, seeds, seq_len, d_in)  # the slots draw from one call's tables: one launch per layer call
@@ -84,7 +84,7 @@ def _train(model_dir, impl: str, device: str, monkeypatch: pytest.MonkeyPatch): 
     pm = PackedModel(model, impl=impl, fused_base_ops=False)  # type: ignore[arg-type]
     masks = KernelMasks(pm) if impl == "torch" else None
     if masks is not None:
-        monkeypatch.setattr(static, "dropout_keep_mask", masks)
+        monkeypatch.setattr(slot_store, "dropout_keep_mask", masks)
     jobs, rec = slot_jobs(SPECS), Recorder(pm)
     result = train(pm, 3, lambda slot: jobs.pop(0) if jobs else None, pad_id=PAD, on_step=rec.on_step,
                    on_end=rec.on_end)
@@ -92,7 +92,7 @@ def _train(model_dir, impl: str, device: str, monkeypatch: pytest.MonkeyPatch): 
 
 
 @pytest.mark.parametrize("device", [
-    pytest.param("cpu", marks=pytest.mark.slow),  # ~60 s on a 2-core CPU: three Triton static steps in the interpreter
+    pytest.param("cpu", marks=pytest.mark.slow),  # ~60 s on a 2-core CPU: three Triton steps in the interpreter
     pytest.param("cuda", marks=pytest.mark.gpu),  # compiled kernels, the step replayed as a CUDA graph
 ])
 def test_triton_step_applies_each_steps_own_masks_per_slot_and_layer(one_layer: Path, device: str,
