@@ -37,7 +37,8 @@ class TrackerSpec:
     name: str
     """``mlflow``, ``wandb`` or ``tensorboard``."""
     options: Mapping[str, Any] = field(default_factory=dict, hash=False)
-    """``mlflow``: ``tracking_uri`` (default: ``sqlite:///<study dir>/mlflow.db``, artifacts in
+    """The tracker's options, written beside ``name`` in its entry (not under an ``options:`` key). ``mlflow``:
+    ``tracking_uri`` (default: ``sqlite:///<study dir>/mlflow.db``, artifacts in
     ``<study dir>/mlruns``; any URI MLflow takes, a server's included), ``experiment`` (default: the study's
     name). ``wandb``: ``mode`` (``offline``, the default, writing under ``<study dir>/wandb``; ``online`` needs a
     ``project``), ``project`` (default: ``lora-sweep``), ``entity``, ``name`` (the study run's name; default: the
