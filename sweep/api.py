@@ -51,7 +51,9 @@ def run(study: StudySpec | str | Path, overrides: Sequence[str] = (), *, out: st
     configured logging itself (``logging.getLogger("lora_sweep").setLevel(logging.WARNING)`` silences them, as
     ``optuna.logging.set_verbosity`` does Optuna's). ``allow_changes``: resume even if a fixed setting
     (e.g. ``train.max_steps``) differs from the one the study started with. ``gpus``: the ranks of a sharded
-    pack (``packing.shard: fsdp``; default 1), this process rank 0 (``sweep.ranks.run_ranks``).
+    pack (``packing.shard: fsdp``; default 1), this process rank 0 (``sweep.ranks.run_ranks``). The study's
+    ``trackers:`` log it from a thread of their own (``sweep.trackers``); with them, the HTML report is written at
+    the end for their parent runs (``summary.report``).
 
     Raises:
         UserError: ``gpus`` without ``packing.shard: fsdp``, or more than the visible devices.
@@ -79,10 +81,12 @@ def run(study: StudySpec | str | Path, overrides: Sequence[str] = (), *, out: st
             summary = run_ranks(spec, gpus or 1, lambda channel: run_study(
                 spec, progress=progress, log=say, allow_changes=allow_changes, ranks=channel))
         finished = not summary.already_spent and summary.end_reason not in ("interrupt", "sigterm", "error")
-        return summary
     finally:
         if tracking is not None:
-            tracking.finish(finished, report=lambda: write_report(spec.out_dir))
+            report = tracking.finish(finished, report=lambda: write_report(spec.out_dir))
+    if tracking is not None:
+        summary.report = report
+    return summary
 
 
 def _logger() -> logging.Logger:

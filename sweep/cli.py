@@ -99,7 +99,10 @@ def run(study: str, overrides: tuple[str, ...], out: str | None, quiet: bool, wo
         from lora_sweep.sweep.timing import WallSplit
 
         click.echo(WallSplit().table(summary.split))
-    _refresh_report(spec.out_dir)
+    if summary.report is not None:  # written at the end of the run for the trackers
+        click.echo(f"report: {summary.report}")
+    else:
+        _refresh_report(spec.out_dir)
 
 
 def _join(spec: StudySpec, storage: str | None, heartbeat: float, grace: float, quiet: bool,

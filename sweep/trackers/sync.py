@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -34,6 +35,8 @@ __all__ = ["Tracking", "start", "STATE_FILE"]
 STATE_FILE = "trackers.json"
 """In the study directory: each tracker's run ids and how far it has logged."""
 _ENDED = ("COMPLETE", "PRUNED", "FAIL")
+NICE = 10
+"""The trackers' thread's niceness: below training, which shares the cores."""
 FINISH_S = 60.0
 """How long the end of a run waits for the trackers' last pass and closing."""
 _STEP_KEYS = (("loss", "train/loss"), ("lr", "train/lr"), ("grad_norm", "train/grad_norm"), ("tokens", "train/tokens"))
@@ -69,10 +72,14 @@ class Tracking:
         self.stop = threading.Event()
         self.finished = False
         self.report: Callable[[], Path | None] | None = None
+        self.report_path: Path | None = None
         self.thread = threading.Thread(target=self._loop, name="sweep-trackers", daemon=True)
 
     # -- the thread ---------------------------------------------------------------------------
     def _loop(self) -> None:
+        # niced, this thread and what it spawns (W&B's core process) yield the cores to training (Linux: per thread)
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
         while not self.stop.wait(self.interval):
             self.sync()
         self.sync()
@@ -136,22 +143,23 @@ class Tracking:
                 cursor["ended"], cursor["open"] = True, False
 
     # -- the caller's side --------------------------------------------------------------------
-    def finish(self, finished: bool, report: Callable[[], Path | None] | None = None) -> None:
+    def finish(self, finished: bool, report: Callable[[], Path | None] | None = None) -> Path | None:
         """End the thread after a last pass; with ``finished`` (the budget ended the run) ``report()`` and the
         Pareto table are attached to the parent runs; every run is closed. Waits at most ``FINISH_S`` for a slow
-        tracker."""
+        tracker. Returns the report's path when ``report()`` wrote it."""
         self.finished, self.report = finished, report
         self.stop.set()
         self.thread.join(timeout=FINISH_S)
         if self.thread.is_alive():
             self.log(f"warning: trackers still busy after {FINISH_S:.0f} s; the run ends without waiting for them")
+        return self.report_path
 
     def _end(self) -> None:
         """On the thread, after its last pass: the study's end, every run closed, the state written."""
         path = None
         if self.finished and self.report is not None and self.trackers:
             try:
-                path = self.report()
+                path = self.report_path = self.report()
             except Exception as err:  # noqa: BLE001  (the report's own failure is the CLI's to say)
                 self.log(f"warning: the report for the trackers could not be written ({first_line(err)})")
         pareto = self._pareto() if self.finished and self.trackers else []
