@@ -164,7 +164,7 @@ def wrap(base: Base, adapter: AdapterSpec) -> Any:
         for path in paths:
             a = model.base_model.model.get_submodule(path).lora_A["default"].weight  # (r, D_in)
             torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
-    if base.spec.packing.activation_checkpointing:
+    if base.spec.pack.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 

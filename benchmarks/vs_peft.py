@@ -107,8 +107,8 @@ def prepare(spec: StudySpec, trials: int | None, out: Path) -> StudySpec:
                         f"only {', '.join(optuna_peft.METRICS)}")
     if spec.train.sample_packing or any(p.name == "sample_packing" for p in spec.search.params):
         raise UserError(f"vs_peft: {spec.name}: sample_packing is not benchmarked (the PEFT ways pad rows)")
-    if spec.model.quantize is not None or spec.packing.shard != "none":
-        raise UserError(f"vs_peft: {spec.name}: model.quantize / packing.shard are not benchmarked (the PEFT ways "
+    if spec.model.quantize is not None or spec.pack.shard != "none":
+        raise UserError(f"vs_peft: {spec.name}: model.quantize / pack.shard are not benchmarked (the PEFT ways "
                         f"train a plain base on one device)")
     heldout = [e for e in spec.evaluators if e.name == "heldout_loss"] or [EvalSpec("heldout_loss")]
     return dataclasses.replace(spec, budget=Budget(trials=n), evaluators=tuple(heldout), output=out / "sweep")

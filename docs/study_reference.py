@@ -55,10 +55,13 @@ LISTS: tuple[tuple[str, type, str], ...] = (
     ("constraints", S.Constraint, "Soft constraints (Optuna's `constraints_func`): a trial that breaks one is "
                                   "infeasible. An entry may also be a string, `peak_memory_mb <= 20000`."),
     ("evaluators", S.EvalSpec, "Run on every finished trial and at rungs. An entry may also be a bare name."),
+    ("trackers", S.TrackerSpec, "Experiment trackers every trial is logged to (guides/trackers.md). An entry is a bare "
+                                "name, or the name with its options beside it: `{name: wandb, mode: online, "
+                                "project: p}`."),
 )
 """List sections: (key, dataclass of one entry, what the list is)."""
 NESTED = {"model", "data", "search", "train", "budget", "sampler", "pruning", "pack", "objectives", "constraints",
-          "evaluators"}
+          "evaluators", "trackers"}
 """StudySpec fields that are sections of their own below."""
 WANDB_TOP = {"method": "`sampler.name` (`bayes` is `tpe`, `random`, `grid`)", "metric": "one entry of `objectives`",
              "run_cap": "`budget.trials`", "parameters": "`search`"}

@@ -76,6 +76,9 @@ def run(study: str, overrides: tuple[str, ...], out: str | None, quiet: bool, wo
     if gpus is not None and (workers is not None or join):
         raise UserError("run: --gpus trains one pack over N GPUs; --workers and --join run a pack per worker "
                         "(sweep worker under torchrun shards each worker's pack)")
+    if spec.trackers and (workers is not None or join):  # the trackers' thread lives in `sweep run`'s own process
+        click.echo("warning: trackers: not logged by --workers or --join runs (run the study with `sweep run` alone "
+                   "to log it; a later such run logs every trial the workers finished)", err=True)
     if join and _join(spec, storage, heartbeat, grace, quiet, allow_changes):
         return
     if workers is not None:
@@ -96,7 +99,10 @@ def run(study: str, overrides: tuple[str, ...], out: str | None, quiet: bool, wo
         from lora_sweep.sweep.timing import WallSplit
 
         click.echo(WallSplit().table(summary.split))
-    _refresh_report(spec.out_dir)
+    if summary.report is not None:  # written at the end of the run for the trackers
+        click.echo(f"report: {summary.report}")
+    else:
+        _refresh_report(spec.out_dir)
 
 
 def _join(spec: StudySpec, storage: str | None, heartbeat: float, grace: float, quiet: bool,

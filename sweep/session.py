@@ -143,7 +143,8 @@ def own_directory(sdir: StudyDir, log: Callable[[str], None], storage: str | Non
     return lock
 
 
-RESUMABLE = ("budget", "output", "description", "pack", "packing", "model.device", "artifacts", "storage", "evaluators")
+RESUMABLE = ("budget", "output", "description", "pack", "packing", "model.device", "artifacts", "storage", "evaluators",
+             "trackers")
 """Spec keys a resumed study may change: how long, where, and how it runs, not what a trial is.
 (Evaluators only add metrics to later trials; the objectives themselves are fixed.) ``packing`` is the ``pack``
 section in a spec recorded under the section's other name."""

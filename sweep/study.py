@@ -105,6 +105,8 @@ class RunSummary:
     """The run went over the budget that ended it (the trials training when it was reached ran on)."""
     already_spent: bool = False
     """The budget was spent before this run started: it trained nothing and wrote no pack or timing row."""
+    report: Path | None = None
+    """The HTML report, when the run wrote it itself (``api.run``, for the trackers' parent runs); None: not written."""
 
 
 @dataclass

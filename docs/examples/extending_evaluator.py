@@ -76,7 +76,7 @@ def study_file(work: Path) -> Path:
         "objectives": [{"metric": "number_rate", "direction": "maximize"},
                        {"metric": "adapter_params", "direction": "minimize"}],
         # --8<-- [end:study]
-        "budget": {"trials": 4}, "pruning": {"kind": "none"}, "packing": {"max_slots": 4},
+        "budget": {"trials": 4}, "pruning": {"kind": "none"}, "pack": {"max_slots": 4},
         "output": str(work / "runs"),
     }
     path = work / "study.yaml"

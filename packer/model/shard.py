@@ -85,7 +85,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     names = set(getattr(model, "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:
-        raise ConfigError(f"packing.shard: {_family(model)} has no decoder layers to shard (_no_split_modules)")
+        raise ConfigError(f"pack.shard: {_family(model)} has no decoder layers to shard (_no_split_modules)")
     return layers
 
 
@@ -107,11 +107,11 @@ def decoder_body(model: nn.Module) -> nn.Module:
     embeddings = get() if get is not None else None
     paths = {id(m): name for name, m in model.named_modules()}
     if embeddings is None or id(embeddings) not in paths:
-        raise ConfigError(f"packing.shard: {_family(model)} has no input embeddings to find its decoder body by")
+        raise ConfigError(f"pack.shard: {_family(model)} has no input embeddings to find its decoder body by")
     parts = [paths[id(m)].split(".") for m in (embeddings, *decoder_layers(model))]
     body = model.get_submodule(".".join(os.path.commonprefix(parts)))  # the paths' longest common list of names
     if body is model:
-        raise ConfigError(f"packing.shard: {_family(model)} keeps its embeddings and decoder layers beside the head, "
+        raise ConfigError(f"pack.shard: {_family(model)} keeps its embeddings and decoder layers beside the head, "
                           "with no decoder body to shard apart from it")
     return body
 
@@ -133,7 +133,7 @@ def shard_base(pm: PackedModel, *, reshard_after_forward: bool = True) -> Shardi
             (``decoder_body``).
     """
     if pm.specs:
-        raise ConfigError("packing.shard: shard the base before adding slots")
+        raise ConfigError("pack.shard: shard the base before adding slots")
     if not dist.is_initialized():
         raise RuntimeError("shard_base needs torch.distributed initialised (init_process_group)")
     model = pm.model
@@ -161,7 +161,7 @@ def _refuse_ungathered(model: nn.Module, body: nn.Module, layers: list[nn.Module
 
     def check(module: nn.Module, args: object) -> None:
         if any(isinstance(p, DTensor) for p in module.parameters(recurse=False)):
-            raise ConfigError(f"packing.shard: {_family(model)} runs {names[id(module)]} outside the forward of its "
+            raise ConfigError(f"pack.shard: {_family(model)} runs {names[id(module)]} outside the forward of its "
                               f"decoder body ({names[id(body)]}), so FSDP never gathers its weights")
 
     for module in body.modules():

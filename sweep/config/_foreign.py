@@ -28,6 +28,7 @@ from typing import Any
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.sweep.config._yaml import Doc, Key
+from lora_sweep.sweep.config.tracking import axolotl_trackers, torchtune_trackers
 
 __all__ = ["translate", "split_overrides"]
 
@@ -189,6 +190,7 @@ def translate(doc: Doc, data: dict[str, Any], aliases: Mapping[str, str], top: S
         raise ConfigError(head + "\n".join(out.errors))
     for message in out.warnings:
         logger.warning("%s: %s", doc.file, message)
+    _trackers(out, data, kind)
     if "baseline" not in out.data:
         out.data["baseline"] = _own_values(out.data, aliases, top, train)
     search = out.data.get("search")
@@ -201,6 +203,20 @@ def translate(doc: Doc, data: dict[str, Any], aliases: Mapping[str, str], top: S
         logger.warning("%s: ignored (identity, logging, hardware or infrastructure keys; the math is unchanged): %s",
                        doc.file, ", ".join(out.dropped))
     return out.data
+
+
+def _trackers(out: _Out, data: dict[str, Any], kind: str) -> None:
+    """The config's W&B / MLflow keys (Axolotl) or ``metric_logger`` (torchtune) as ``trackers:`` (unless the
+    file gives ``trackers:`` itself); the tracker keys that map are no longer named as ignored."""
+    if kind == "torchtune":
+        entries, ignored = torchtune_trackers(data.get("metric_logger")) if "metric_logger" in data else ([], [])
+        used = ["metric_logger"] if entries else []
+        out.dropped += ignored if entries else []
+    else:
+        entries, used = axolotl_trackers(data)
+    out.dropped = [k for k in out.dropped if k not in used]
+    if entries and "trackers" not in out.data:
+        out.put(("trackers",), entries, (used[0],))
 
 
 def _own_values(data: dict[str, Any], aliases: Mapping[str, str], top: Sequence[str],
@@ -263,6 +279,7 @@ def _axolotl(doc: Doc, data: dict[str, Any]) -> _Out:
         "adam_beta1": lambda o, v: None, "adam_beta2": lambda o, v: None,  # with betas, below
         "adam_epsilon": lambda o, v: o.put(("train", "eps"), v, ("adam_epsilon",)),
         "val_set_size": lambda o, v: None,  # after the datasets
+        "use_wandb": lambda o, v: None, "use_mlflow": lambda o, v: None,  # trackers, after the loop
     }
     for key, value in data.items():
         if out.attempt(_common, out, key, value):

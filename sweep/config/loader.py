@@ -37,6 +37,7 @@ from lora_sweep.sweep.config.spec import (
     SamplerSpec,
     SearchSpace,
     StudySpec,
+    TrackerSpec,
     TrainSpec,
 )
 
@@ -83,7 +84,7 @@ _RELOCATE: dict[str, tuple[str, str]] = {
 _TOP = [
     "name", "description", "seed", "model", "data", "search", "parameters", "train", "objectives", "constraints",
     "sampler", "budget", "pruning", "pack", "evaluators", "output", "storage", "artifacts",
-    "method", "metric", "run_cap", "baseline",
+    "method", "metric", "run_cap", "baseline", "trackers",
 ]  # fmt: skip
 _WANDB = ["values", "value", "min", "max", "distribution", "q", "probabilities"]
 _DISTRIBUTIONS = ("constant", "categorical", "uniform", "int_uniform", "q_uniform", "log_uniform_values", "log_uniform")
@@ -189,7 +190,8 @@ def _study(doc: Doc, data: dict[str, Any]) -> StudySpec:
         "pruning": _pruning(doc, top),
         "pack": make(doc, PackSpec, ("pack",), **pack),
     }
-    for key, build in (("objectives", _objective), ("constraints", _constraint), ("evaluators", _evaluator)):
+    for key, build in (("objectives", _objective), ("constraints", _constraint), ("evaluators", _evaluator),
+                       ("trackers", _tracker)):
         entries = _entries(doc, top, key)
         if entries is not None:
             kw[key] = tuple(build(doc, it, (key, i)) for i, it in enumerate(entries))
@@ -468,6 +470,19 @@ def _constraint(doc: Doc, it: Item, canon: Key) -> Constraint:
         return make(doc, Constraint, canon, metric=m[1], op=m[2], value=value)
     items = section(doc, it.value, it.path, canon, ["metric", "op", "value"], _ALIASES["constraints"])
     return make(doc, Constraint, canon, **typed(doc, Constraint, items, canon))
+
+
+def _tracker(doc: Doc, it: Item, canon: Key) -> TrackerSpec:
+    """A bare tracker name, or ``{name: ..., option: value, ...}`` (its options beside its name)."""
+    if not isinstance(it.value, dict):
+        doc.note(canon + ("name",), it.path)
+        return make(doc, TrackerSpec, canon, name=it.value)
+    if "name" not in it.value:
+        raise doc.error(canon + ("name",), "is required (mlflow, wandb or tensorboard)")
+    options = {k: v for k, v in it.value.items() if k != "name"}
+    for k in options:
+        doc.note(canon + (k,), it.path + (k,))
+    return make(doc, TrackerSpec, canon, name=it.value["name"], options=options)
 
 
 def _evaluator(doc: Doc, it: Item, canon: Key) -> EvalSpec:

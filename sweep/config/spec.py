@@ -23,10 +23,11 @@ from lora_sweep.packer.api import FORMATS as DATA_FORMATS
 from lora_sweep.packer.api import QUANTIZE, AdapterSpec
 from lora_sweep.sweep.config._params import SEARCHABLE, Param, SearchSpace, _check, _check_adapter_value, _is_num
 from lora_sweep.sweep.config.strategy import _NAME, SAMPLERS, Budget, Constraint, Objective, PruningSpec, SamplerSpec
+from lora_sweep.sweep.config.tracking import TrackerSpec
 
 __all__ = [
     "Budget", "Constraint", "DataSpec", "EvalSpec", "ModelSpec", "Objective", "PackSpec", "Param", "PruningSpec",
-    "SamplerSpec", "SearchSpace", "StudySpec", "TrainSpec",
+    "SamplerSpec", "SearchSpace", "StudySpec", "TrackerSpec", "TrainSpec",
     "DTYPES", "EVALUATORS", "FORMATS", "SAMPLERS", "SEARCHABLE",
 ]  # fmt: skip
 
@@ -314,6 +315,10 @@ class StudySpec:
     """Train values of a trial enqueued beside the community default, named the baseline: an Axolotl or torchtune
     config's own hyperparameters (``sweep.config._foreign``), or the study file's ``baseline:``. Only the searched
     dimensions are used (``sweep.config.space.baseline_params``); {}: none."""
+    trackers: tuple[TrackerSpec, ...] = ()
+    """Experiment trackers every trial is logged to (``mlflow``, ``wandb``, ``tensorboard``; ``sweep.trackers``):
+    the study a parent run, each trial a child run. A bare name takes the defaults, all local and offline in the
+    study directory; ``[]``: none."""
     description: str = ""
     """Free text."""
     source: Path | None = field(default=None, compare=False)
@@ -337,6 +342,9 @@ class StudySpec:
         for i, n in enumerate(names):
             _check(names.index(n) == i, f"evaluators.{i}.name", "is listed twice", n)
         entries = [(e.name, e.options) for e in self.evaluators]
+        trackers = [t.name for t in self.trackers]
+        for i, n in enumerate(trackers):
+            _check(trackers.index(n) == i, f"trackers.{i}.name", "is listed twice", n)
         for i, o in enumerate(self.objectives):
             try:
                 registry.metric_direction(o.metric, entries)

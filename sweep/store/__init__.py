@@ -23,6 +23,8 @@ A study directory (default ``runs/<name>/``, see :class:`StudyDir`) holds::
     study.yaml           the resolved study the last run used (overrides and aliases applied; also meta ``spec``)
     adapters/trial-<n>/  each completed trial's adapter in PEFT format (``PeftModel.from_pretrained``)
     report.html          the self-contained HTML report
+    trackers.json        with ``trackers:``, each tracker's run ids and how far it logged (``sweep.trackers.sync``);
+                         beside it their default stores: mlflow.db and mlruns/, wandb/, tensorboard/
     lock                 flock'ed by the one ``sweep run`` that owns the directory; holds its pid and host (JSON).
                          A second run finds it held and stops; a dead holder's lock is released by the kernel
                          and the next run takes it over (``StudyDir.acquire``)

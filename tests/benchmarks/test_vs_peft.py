@@ -37,7 +37,7 @@ def _study(tmp: Path, **changes: object) -> Path:
                        "targets": {"attn": ["q_proj", "v_proj"], "all": "all-linear"}},
                train={"max_steps": STEPS, "micro_batch": 4, "warmup_steps": 1, "schedule": "cosine"},
                budget={"trials": N}, pruning={"kind": "cohort_sha", "rungs": [3], "reduction_factor": 2},
-               packing={"max_slots": N}, evaluators=[{"name": "heldout_loss"}])
+               pack={"max_slots": N}, evaluators=[{"name": "heldout_loss"}])
     return write_study(tmp, model, name="vs", **{**doc, **changes})
 
 

@@ -53,6 +53,26 @@ def test_axolotl_lora_1b_runs_a_small_study(tiny_dirs, tmp_path, caplog) -> None
     assert len(trials) == 2 and all(tr.state == TrialState.COMPLETE for tr in trials)
 
 
+def test_an_axolotl_configs_wandb_keys_log_to_wandb_offline_with_no_key_of_ours(tiny_dirs, tmp_path, caplog,
+                                                                                monkeypatch) -> None:
+    need_module("wandb", "wandb")
+    from lora_sweep.sweep import api
+    from tests.sweep.trackers.readers import wandb_logged
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    path = foreign_config(tmp_path, tiny_dirs("llama"), "axolotl-lora-1b.yml", wandb_project="sweeps", wandb_mode="offline",
+                   wandb_watch="gradients")
+    with caplog.at_level(logging.WARNING):
+        spec = load_study(path)
+    assert [(t.name, dict(t.options)) for t in spec.trackers] == [("wandb", {"project": "sweeps", "mode": "offline"})]
+    ignored = next(r.getMessage() for r in caplog.records if "ignored" in r.getMessage())
+    assert "wandb_watch" in ignored and "wandb_project" not in ignored and "wandb_mode" not in ignored
+    api.run(spec, log=lambda m: None)
+    logged = wandb_logged(spec.out_dir)
+    assert len(logged.parents) == 1 and sorted(logged.children) == [0, 1]
+    assert all(c.state == "COMPLETE" and c.loss_steps for (c,) in logged.children.values())
+
+
 def test_torchtune_lora_recipe_runs_a_small_study(tiny_dirs, tmp_path) -> None:
     spec = load_study(foreign_config(tmp_path, tiny_dirs("llama"), "torchtune-1B-lora.yaml"))
     t = spec.train
