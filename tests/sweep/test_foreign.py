@@ -60,8 +60,8 @@ def test_an_axolotl_configs_wandb_keys_log_to_wandb_offline_with_no_key_of_ours(
     from tests.sweep.trackers.readers import wandb_logged
 
     monkeypatch.setenv("WANDB_SILENT", "true")
-    path = foreign_config(tmp_path, tiny_dirs("llama"), "axolotl-lora-1b.yml", wandb_project="sweeps", wandb_mode="offline",
-                   wandb_watch="gradients")
+    path = foreign_config(tmp_path, tiny_dirs("llama"), "axolotl-lora-1b.yml", wandb_project="sweeps",
+                          wandb_mode="offline", wandb_watch="gradients")
     with caplog.at_level(logging.WARNING):
         spec = load_study(path)
     assert [(t.name, dict(t.options)) for t in spec.trackers] == [("wandb", {"project": "sweeps", "mode": "offline"})]
