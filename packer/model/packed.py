@@ -19,7 +19,6 @@ the recompute draws the same masks.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,6 +30,7 @@ from lora_sweep.errors import ConfigError, UserError, first_line
 from lora_sweep.kernels.ops import IMPLS, Impl, PackLayout, hash_compiler_early, resolve_impl
 from lora_sweep.packer.loss import plain_output_head
 from lora_sweep.packer.model.fuse import fuse_base_ops
+from lora_sweep.packer.model.initial import init_a
 from lora_sweep.packer.model.inject import inject, resolve_targets
 from lora_sweep.packer.model.layer import PackedLoRALinear, PackState
 from lora_sweep.packer.model.quant import quantize_base
@@ -214,7 +214,7 @@ class PackedModel:
         return params
 
     def _create_weights(self, slot: int, spec: AdapterSpec, paths: list[str]) -> list[nn.Parameter]:
-        """PEFT's init (A Kaiming-uniform(a=sqrt(5)) from the slot's own generator, B zero), all of the
+        """PEFT's init (A by ``spec.init``, ``packer.model.initial``, from the slot's own generator; B zero), all of the
         slot's weights laid out in one flat fp32 buffer (per layer A, then B^T) with a flat gradient
         buffer beside it. The generator lives on the pack's device: the same seed gives the same weights
         on the same kind of device. Drawn by one CPU generator, W3's 24 slots on the 0.5B shape (about 7M
@@ -231,7 +231,7 @@ class PackedModel:
         for path, (d_in, d_out) in zip(paths, dims, strict=True):
             na, nb = r * d_in, r * d_out
             a = flat[off:off + na].view(r, d_in)
-            nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+            init_a(a, spec, generator)
             grad_a = grad[off:off + na].view(r, d_in)
             grad_bt = grad[off + na:off + na + nb].view(r, d_out)
             params += self.layers[path].add_slot(slot, a, flat[off + na:off + na + nb].view(r, d_out), grad_a, grad_bt)
@@ -251,8 +251,7 @@ class PackedModel:
         params: list[nn.Parameter] = []
         for path in paths:
             a, bt, grad_a, grad_bt = store.slot_rows(slot, path, spec.rank)
-            with torch.no_grad():
-                nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+            init_a(a, spec, generator)
             params += self.layers[path].add_slot(slot, a, bt, grad_a, grad_bt)
         return params
 

@@ -147,6 +147,13 @@ class TrainSpec:
     """Micro-batches per optimizer step (the step's loss: the mean over all their target tokens)."""
     sample_packing: bool = _D.sample_packing
     """Pack several examples per row up to ``data.max_length`` tokens (``packer.data.packing``)."""
+    lr_ratio: float = _D.lr_ratio
+    """LoRA+: B's learning rate over A's (PEFT's ``loraplus_lr_ratio``; 1: plain LoRA)."""
+    dora: bool = _D.dora
+    """DoRA: a trained per-column magnitude over the direction of W + s B A (PEFT's ``use_dora``)."""
+    init: str | bool = _D.init
+    """A's and B's initialisation (``packer.plan.INITS``; PEFT's ``init_lora_weights``, whose ``true`` is
+    ``kaiming``)."""
     epochs: float | None = None
     """Train each trial for this many passes over the training data: its optimizer steps are
     ``ceil(epochs * ceil(micro-batches per epoch / gradient_accumulation_steps))``; a ``max_steps`` set in
@@ -183,7 +190,7 @@ class TrainSpec:
                 value = getattr(self, key)
                 _check(str(value if value is not None else "null") == needed, "optimizer_in_backward",
                        f"needs train.{key}: {needed} ({_WHY_NOT[key]})", value)
-        AdapterSpec(**self.adapter_values())
+        object.__setattr__(self, "init", AdapterSpec(**self.adapter_values()).init)  # PEFT's true: kaiming
 
     def adapter_values(self) -> dict[str, Any]:
         """These values as AdapterSpec keyword arguments (alpha from ``alpha_ratio`` when set)."""

@@ -1,0 +1,100 @@
+"""The adapter-variant keys of a study file (``lr_ratio``, ``dora``, ``init``): fixed, searched, under their Axolotl /
+PEFT / torchtune spellings, carried into every trial's ``AdapterSpec``; a variant the packer does not train yet is
+refused at load in one line naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+
+from lora_sweep.errors import ConfigError
+from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.sweep.config.loader import load_study
+from lora_sweep.sweep.config.space import adapter_spec, suggest
+
+STUDY = {
+    "name": "variants",
+    "model": "org/tiny-model",
+    "data": {"train": "train.jsonl", "eval": "eval.jsonl"},
+    "search": {"rank": [4, 8]},
+    "budget": {"trials": 4},
+}
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    for name in ("train.jsonl", "eval.jsonl"):
+        (tmp_path / name).write_text('{"instruction": "a", "output": "b"}\n')
+    return tmp_path
+
+
+def _load(folder: Path, **changes: object):  # noqa: ANN202
+    path = folder / "study.yaml"
+    path.write_text(yaml.safe_dump({**STUDY, **changes}, sort_keys=False))
+    return load_study(path, check_paths=False)
+
+
+def _error(folder: Path, **changes: object) -> str:
+    with pytest.raises(ConfigError) as err:
+        _load(folder, **changes)
+    assert "\n" not in str(err.value)
+    return str(err.value)
+
+
+def test_defaults_are_plain_lora() -> None:
+    spec = AdapterSpec()
+    assert (spec.lr_ratio, spec.dora, spec.init) == (1.0, False, "kaiming")
+
+
+@pytest.mark.parametrize(("train", "expected"), [
+    ({"lr_ratio": 16}, {"lr_ratio": 16}),
+    ({"loraplus_lr_ratio": 8.0}, {"lr_ratio": 8.0}),
+    ({"init": "gaussian"}, {"init": "gaussian"}),
+    ({"init_lora_weights": "gaussian"}, {"init": "gaussian"}),
+    ({"peft_init_lora_weights": True}, {"init": "kaiming"}),
+    ({"init_lora_weights": "default"}, {"init": "kaiming"}),
+    ({"use_dora": False}, {"dora": False}),
+    ({"peft_use_dora": False}, {"dora": False}),
+])
+def test_fixed_values_and_their_aliases_reach_the_adapter(folder: Path, train: dict, expected: dict) -> None:
+    study = _load(folder, train=train)
+    spec = adapter_spec({"rank": 4}, study.train, seed=0, space=study.search)
+    assert {k: getattr(spec, k) for k in expected} == expected
+
+
+def test_a_top_level_axolotl_key_is_a_train_value(folder: Path) -> None:
+    study = _load(folder, loraplus_lr_ratio=4)
+    assert study.train.lr_ratio == 4
+
+
+def test_searched_variants_are_trial_parameters(folder: Path) -> None:
+    study = _load(folder, search={"lr_ratio": {"low": 1, "high": 32, "log": True}, "init": ["kaiming", "gaussian"],
+                                  "dora": [False]})
+    trial = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=3)).ask()
+    params = suggest(trial, study.search)
+    spec = adapter_spec(params, study.train, seed=0, space=study.search)
+    assert 1 <= spec.lr_ratio <= 32 and spec.init in ("kaiming", "gaussian") and spec.dora is False
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"train": {"lr_ratio": 0}}, "train.lr_ratio: must be > 0 (got 0.0)"),
+    ({"train": {"init": "loftq"}}, "train.init: must be one of kaiming, gaussian, pissa, olora"),
+    ({"search": {"dora": {"low": 0, "high": 1}}}, "search.dora: takes a list of values, not a range"),
+])
+def test_bad_values_are_one_line_naming_the_key(folder: Path, changes: dict, message: str) -> None:
+    assert message in _error(folder, **changes)
+
+
+@pytest.mark.parametrize(("changes", "key"), [
+    ({"train": {"dora": True}}, "train.dora: DoRA"),
+    ({"peft_use_dora": True}, ":12: peft_use_dora: DoRA"),
+    ({"search": {"dora": [False, True]}}, "search.dora: DoRA"),
+    ({"train": {"init_lora_weights": "pissa"}}, "train.init_lora_weights: PiSSA / OLoRA"),
+    ({"search": {"init": ["kaiming", "olora"]}}, "search.init: PiSSA / OLoRA"),
+])
+def test_a_variant_not_built_is_refused_at_load(folder: Path, changes: dict, key: str) -> None:
+    message = _error(folder, **changes)
+    assert key in message and "not built yet" in message
