@@ -28,8 +28,9 @@ front so layer ids and offsets never move), that layer's A for all C slots, ``(C
 of a sample-packed row), the segment tables (ranks, scales, dropout p and seeds), each slot's loss weight
 (gradient accumulation: its micro-batch's share of its optimizer step's target tokens), the optimizer table
 (``kernels.triton_adamw.OPT_FIELDS``: decay, betas, bias corrections, step size, clip norm, whether the
-gradient is kept for the next micro-batch) and the ring-buffer row. The host writes them into pinned staging
-memory and copies them with two non-blocking copies before each step (``packer.step.loop``).
+gradient is kept for the next micro-batch, B's decay and step size at its LoRA+ learning rate) and the
+ring-buffer row. The host writes them into pinned staging memory and copies them with two non-blocking copies
+before each step (``packer.step.loop``).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from lora_sweep.packer.plan import ALL_LINEAR
 __all__ = ["SlotStore", "ShapeBuffers", "OPT_FIELDS", "SEG_INT", "SEG_FLT", "slot_losses", "head_losses",
            "fused_loss_head", "shift_targets"]
 
-OPT_FIELDS = 9
+OPT_FIELDS = 11
 """Columns of the optimizer table, as ``kernels.triton_adamw.OPT_FIELDS``."""
 SEG_INT, SEG_FLT = SEG_INT_FIELDS, SEG_FLT_FIELDS
 """Columns of the segment tables (``kernels.ops.SegInt`` / ``kernels.ops.SegFlt``: the one list of their names)."""
@@ -124,8 +125,8 @@ class SlotStore:
             (oa, ob), d_in, d_out = offsets[p], layer.in_features, layer.out_features
             self.a[p] = self._leaf(oa, rows, d_in)
             self.bt[p] = self._leaf(ob, rows, d_out)
-            segs += [(oa, d_in), (ob, d_out)]
-        self.segs = torch.tensor(segs, dtype=torch.int64, device=device)  # (S, 2): offset, width
+            segs += [(oa, d_in, 0), (ob, d_out, 1)]
+        self.segs = torch.tensor(segs, dtype=torch.int64, device=device)  # (S, 3): offset, width, B^T (LoRA+'s lr)
         self.active: frozenset[str] = frozenset()
         """Paths some live slot targets; the others run their base projection alone."""
         self.shape: ShapeBuffers | None = None

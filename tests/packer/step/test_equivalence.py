@@ -104,7 +104,7 @@ def _run_peft(model_dir: Path, spec: AdapterSpec, stream: SlotStream, init_a: di
             lora[f"base_model.model.{path}.lora_A.default.weight"].copy_(a)
     params = [p for p in model.parameters() if p.requires_grad]
     assert len(params) == 2 * len(init_a)
-    opt = torch.optim.AdamW(params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
+    opt = _peft_optimizer(model, spec)
     sched = make_scheduler(opt, spec)
     losses = []
     for _ in range(spec.max_steps):
@@ -121,6 +121,18 @@ def _run_peft(model_dir: Path, spec: AdapterSpec, stream: SlotStream, init_a: di
     weights = {path: (lora[f"base_model.model.{path}.lora_A.default.weight"].detach(),
                       lora[f"base_model.model.{path}.lora_B.default.weight"].detach()) for path in init_a}
     return losses, weights
+
+
+def _peft_optimizer(model: torch.nn.Module, spec: AdapterSpec) -> torch.optim.Optimizer:
+    """torch AdamW over the PEFT model's LoRA weights; with a LoRA+ ratio, PEFT's own ``create_loraplus_optimizer``
+    (B in a group of ``lr * lr_ratio``)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if spec.lr_ratio == 1.0:
+        return torch.optim.AdamW(params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
+    from peft.optimizers import create_loraplus_optimizer
+
+    return create_loraplus_optimizer(model, torch.optim.AdamW, lr=spec.lr, loraplus_lr_ratio=spec.lr_ratio,
+                                     loraplus_weight_decay=spec.weight_decay, betas=spec.betas, eps=spec.eps)
 
 
 def assert_trained_as_peft(model_dir: Path, job: SlotJob, losses: dict, final: dict, min_steps: int = STEPS) -> None:
