@@ -39,8 +39,6 @@ _INIT_ALIASES = {"true": "kaiming", "default": "kaiming"}
 """Spellings of PEFT's default initialisation (``init_lora_weights: true``)."""
 _NOT_BUILT = {
     "dora": "DoRA (a magnitude vector per slot in the packed kernels) is not built yet; set it to false",
-    "init": "PiSSA / OLoRA (a frozen per-slot principal part beside the shared base) is not built yet; "
-            "use kaiming or gaussian",
 }
 """Variants the study file may name but the packer cannot yet train: refused here, at load, so no study trains
 them wrongly."""
@@ -132,7 +130,20 @@ class AdapterSpec:
         _check(isinstance(self.dora, bool), "dora", "must be true or false", self.dora)
         _check(self.init in INITS, "init", f"must be one of {', '.join(INITS)} (or true: kaiming)", self.init)
         _check(not self.dora, "dora", _NOT_BUILT["dora"], self.dora)
-        _check(self.init not in ("pissa", "olora"), "init", _NOT_BUILT["init"], self.init)
+        _check(not (self.principal and self.dropout > 0), "init", f"{self.init} needs dropout 0 (the frozen "
+               "principal part is a term of the LoRA branch here, and would see the dropped input)", self.init)
+
+    @property
+    def principal(self) -> bool:
+        """Whether A and B start from the base weight's principal part (``pissa``, ``olora``), which the pack keeps
+        as a frozen correction ``-s B0 A0`` beside the shared base (``packer.model.principal``)."""
+        return self.init in ("pissa", "olora")
+
+    @property
+    def rows(self) -> int:
+        """Rows of A and B^T the slot's forward reads per layer: its rank, and as many again for the frozen
+        principal correction of ``pissa`` / ``olora``."""
+        return 2 * self.rank if self.principal else self.rank
 
     @property
     def scale(self) -> float:

@@ -89,14 +89,16 @@ class PackedLoRALinear(nn.Module):
         return self._state[0]
 
     def add_slot(self, slot: int, a: torch.Tensor, bt: torch.Tensor, grad_a: torch.Tensor,
-                 grad_bt: torch.Tensor) -> tuple[nn.Parameter, nn.Parameter]:
-        """Register slot's adapter: A (r, D_in) and B^T (r, D_out), and their gradient buffers.
+                 grad_bt: torch.Tensor, trained: int | None = None) -> tuple[nn.Parameter, nn.Parameter]:
+        """Register slot's adapter: A (rows, D_in) and B^T (rows, D_out), and their gradient buffers.
 
-        All four are views into the slot's flat buffers (``PackedModel`` owns them). Returns the
-        parameters A (r, D_in) and B (D_out, r), which alias the weights, their ``grad`` the gradients.
+        All four are views into the slot's flat buffers (``PackedModel`` owns them); the forward reads every row.
+        Returns the parameters A (r, D_in) and B (D_out, r) of the first ``trained`` rows (None: all), which alias
+        the weights, their ``grad`` the gradients; rows past them are a frozen term (``packer.model.principal``).
         """
-        pa, pb = nn.Parameter(a), nn.Parameter(bt.T)
-        pa.grad, pb.grad = grad_a, grad_bt.T
+        r = a.shape[0] if trained is None else trained
+        pa, pb = nn.Parameter(a[:r]), nn.Parameter(bt[:r].T)
+        pa.grad, pb.grad = grad_a[:r], grad_bt[:r].T
         self.lora_A[str(slot)] = pa
         self.lora_B[str(slot)] = pb
         self._slots[slot] = _SlotWeights(a, bt, grad_a, grad_bt)
@@ -116,7 +118,8 @@ class PackedLoRALinear(nn.Module):
         self._cache = None
 
     def slot_weights(self, slot: int) -> _SlotWeights:
-        """The slot's A, B^T and their gradient buffers (views into the slot's flat buffers)."""
+        """The slot's A, B^T and their gradient buffers (views into the slot's flat buffers): every row the forward
+        reads, a frozen principal correction's included."""
         return self._slots[slot]
 
     def _gathered(self, slots: tuple[int, ...]) -> _Gathered:

@@ -33,6 +33,7 @@ from lora_sweep.packer.model.fuse import fuse_base_ops
 from lora_sweep.packer.model.initial import init_a
 from lora_sweep.packer.model.inject import inject, resolve_targets
 from lora_sweep.packer.model.layer import PackedLoRALinear, PackState
+from lora_sweep.packer.model.principal import write_principal
 from lora_sweep.packer.model.quant import quantize_base
 from lora_sweep.packer.plan import AdapterSpec
 
@@ -223,6 +224,8 @@ class PackedModel:
         r = spec.rank
         if self.store is not None:
             return self._store_weights(slot, spec, paths, generator)
+        if spec.principal:
+            raise ValueError(f"init {spec.init!r} needs the slot store (its frozen rows live there)")
         dims = [(self.layers[p].in_features, self.layers[p].out_features) for p in paths]
         flat = torch.zeros(sum(r * (d_in + d_out) for d_in, d_out in dims), device=self.device)
         grad = torch.zeros_like(flat)
@@ -245,14 +248,17 @@ class PackedModel:
         the same initial adapter; every other row of the slot is zeroed first (``packer.model.store``)."""
         store = self.store
         assert store is not None
-        if spec.rank > store.rank_bucket:
-            raise ValueError(f"rank {spec.rank} exceeds the pack's rank bucket {store.rank_bucket}")
+        if spec.rows > store.rank_bucket:
+            raise ValueError(f"rank {spec.rank} ({spec.rows} rows) exceeds the pack's rank bucket {store.rank_bucket}")
         store.reset_slot(slot)
         params: list[nn.Parameter] = []
         for path in paths:
-            a, bt, grad_a, grad_bt = store.slot_rows(slot, path, spec.rank)
-            init_a(a, spec, generator)
-            params += self.layers[path].add_slot(slot, a, bt, grad_a, grad_bt)
+            a, bt, grad_a, grad_bt = store.slot_rows(slot, path, spec.rows)
+            if spec.principal:
+                write_principal(a, bt, self.layers[path].base, spec, path)
+            else:
+                init_a(a, spec, generator)
+            params += self.layers[path].add_slot(slot, a, bt, grad_a, grad_bt, trained=spec.rank)
         return params
 
     def flat_buffers(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:

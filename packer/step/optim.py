@@ -63,6 +63,11 @@ def adamw_step(store: SlotStore, shape: ShapeBuffers, triton: bool) -> torch.Ten
     if triton:
         sumsq = ops.segmented_sumsq(store.grad, store.segs, shape.rank, store.rank_bucket)
     else:
+        rb = store.rank_bucket
+        trained = (torch.arange(rb, device=opt.device) < shape.rank[:, None]).to(store.flat.dtype)  # (C, RB)
+        for p in store.paths:  # rows past the rank: zero padding, or a frozen principal correction's gradient
+            for leaf in (store.a[p], store.bt[p]):
+                leaf.grad.view(c, rb, -1).mul_(trained[..., None])  # type: ignore[union-attr]
         sumsq = sum(leaf.grad.view(c, -1).square().sum(dim=1)  # type: ignore[union-attr]
                     for p in store.paths for leaf in (store.a[p], store.bt[p]))
     norms = sumsq.sqrt()  # type: ignore[union-attr]
@@ -77,7 +82,8 @@ def adamw_step(store: SlotStore, shape: ShapeBuffers, triton: bool) -> torch.Ten
         for leaf, decay, step in ((store.a[p], decay_a, step_a), (store.bt[p], decay_b, step_b)):
             param, grad, m, v = (t.view(c, -1) for t in store._views(leaf))
             grad.mul_(coef[:, None])
-            param.mul_(decay)
+            # decay the trained rows only: a frozen row (gradient 0, moments 0) then stays exactly as it is
+            param.view(c, rb, -1).mul_(torch.where(trained > 0, decay, 1.0)[..., None])
             m.lerp_(grad, w1)
             v.mul_(b2).addcmul_(grad * w2, grad)
             denom = v.sqrt().div_(bc2).add_(eps)

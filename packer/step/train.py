@@ -201,9 +201,9 @@ def train(
                     check_sample_packing(pm)
                 if optimizer_in_backward:
                     check_in_backward(job.spec)
-                if store is None or job.spec.rank > store.rank_bucket:
-                    bucket = rank_bucket or rank_bucket_for(job.spec.rank)
-                    store = loop.new_store(pm, store, capacity, bucket, job.spec.rank, active)
+                if store is None or job.spec.rows > store.rank_bucket:
+                    bucket = rank_bucket or rank_bucket_for(job.spec.rows)
+                    store = loop.new_store(pm, store, capacity, bucket, job.spec.rows, active)
                     shapes, graphs.graphs, prepared = {}, {}, set()
                 pm.add_slot(slot, job.spec)
                 active[slot] = Live(job, lr_schedule(job.spec), Window(job.spec.gradient_accumulation_steps))

@@ -81,27 +81,30 @@ def _run_packed(model_dir: Path, jobs: list[SlotJob], capacity: int, impl: str =
     return rec.losses, rec.final
 
 
-def _initial_a(model_dir: Path, spec: AdapterSpec) -> dict[str, torch.Tensor]:
-    """The engine's initial A for ``spec`` (it depends on the seed only), to start PEFT from the same point."""
+def _initial_a(model_dir: Path, spec: AdapterSpec) -> dict[str, torch.Tensor | None]:
+    """The engine's initial A for ``spec`` (it depends on the seed only), to start PEFT from the same point; None
+    for each path where PEFT computes its own from the base weight (``pissa``, ``olora``: the engine must agree)."""
     model, _ = load_base(str(model_dir), attn_implementation="eager")
     pm = PackedModel(model.to(torch.get_default_dtype()))
-    pm.add_slot(7, spec)
-    return {p: a.detach().clone() for p, (a, _) in pm.slot_weights(7).items()}
+    pm.add_slot(7, _with(spec, init="kaiming") if spec.principal else spec)
+    return {p: None if spec.principal else a.detach().clone() for p, (a, _) in pm.slot_weights(7).items()}
 
 
-def _run_peft(model_dir: Path, spec: AdapterSpec, stream: SlotStream, init_a: dict[str, torch.Tensor]):
+def _run_peft(model_dir: Path, spec: AdapterSpec, stream: SlotStream, init_a: dict[str, torch.Tensor | None]):
     """One adapter alone with PEFT + torch AdamW on the same batches."""
     base = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation="eager",
                                                 dtype=torch.get_default_dtype())
     leaf_names = sorted({p.rsplit(".", 1)[-1] for p in init_a})
     cfg = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=0.0, target_modules=leaf_names,
-                     use_rslora=spec.rslora, bias="none", fan_in_fan_out=base.config.model_type == "gpt2")
+                     use_rslora=spec.rslora, bias="none", fan_in_fan_out=base.config.model_type == "gpt2",
+                     init_lora_weights=True if spec.init == "kaiming" else spec.init)
     model = get_peft_model(base, cfg)
     model.eval()  # base dropout off, as in the engine; gradients still flow
     lora = dict(model.named_parameters())
     with torch.no_grad():
         for path, a in init_a.items():
-            lora[f"base_model.model.{path}.lora_A.default.weight"].copy_(a)
+            if a is not None:
+                lora[f"base_model.model.{path}.lora_A.default.weight"].copy_(a)
     params = [p for p in model.parameters() if p.requires_grad]
     assert len(params) == 2 * len(init_a)
     opt = _peft_optimizer(model, spec)
