@@ -247,6 +247,15 @@ class PackingSpec:
                self.shard)
 
 
+def _values(spec: StudySpec, name: str, ranged: bool = False) -> set[Any]:
+    """The values train setting ``name`` takes over the study: its choices or range ends (``ranged``) if searched,
+    else the fixed value."""
+    p = next((p for p in spec.search.params if p.name == name), None)
+    if p is None:
+        return {getattr(spec.train, name)}
+    return set(p.choices) if p.kind == "categorical" else {p.low, p.high} if ranged else set()
+
+
 def _jsonlike(x: object) -> bool:
     if isinstance(x, Mapping):
         return all(isinstance(k, str) and _jsonlike(v) for k, v in x.items())
@@ -363,6 +372,11 @@ class StudySpec:
         if self.train.optimizer_in_backward and clash:
             raise ConfigError(f"train.optimizer_in_backward: cannot be used with a searched {clash[0]} (it needs "
                               f"train.{clash[0]}: {_NOT_IN_BACKWARD[clash[0]]}, fixed)")
+        principal = _values(self, "init") & {"pissa", "olora"}
+        if principal and any(p > 0 for p in _values(self, "dropout", ranged=True)):
+            raise ConfigError(f"train.init: {sorted(principal)[0]} needs dropout 0, and the study can train dropout "
+                              f"{max(_values(self, 'dropout', ranged=True))} (the frozen principal part would see the "
+                              "dropped input)")
         if self.data.eval is None and self.train.eval_every is not None:
             raise ConfigError("data.eval: is needed by train.eval_every")
         if self.data.eval is None and needs_eval:

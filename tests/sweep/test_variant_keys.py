@@ -101,3 +101,17 @@ def test_bad_values_are_one_line_naming_the_key(folder: Path, changes: dict, mes
 def test_a_variant_not_built_is_refused_at_load(folder: Path, changes: dict, key: str) -> None:
     message = _error(folder, **changes)
     assert key in message and "not built yet" in message
+
+
+def test_a_searched_dropout_with_a_principal_init_is_refused_at_load(folder: Path) -> None:
+    message = _error(folder, search={"init": ["kaiming", "pissa"], "dropout": [0.0, 0.05]})
+    assert "train.init: pissa needs dropout 0" in message and "0.05" in message
+    assert _load(folder, search={"init": ["kaiming", "pissa"]}, train={"dropout": 0.0}).train.dropout == 0.0
+
+
+def test_the_planner_sizes_a_principal_trial_by_its_rows(folder: Path) -> None:
+    from lora_sweep.sweep.planning import largest_rank
+
+    assert largest_rank(_load(folder, search={"rank": [4, 8]})) == 8
+    assert largest_rank(_load(folder, search={"rank": [4, 8], "init": ["gaussian", "olora"]})) == 16
+    assert largest_rank(_load(folder, train={"init": "pissa"})) == 2 * 8
