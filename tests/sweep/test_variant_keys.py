@@ -115,3 +115,14 @@ def test_the_planner_sizes_a_principal_trial_by_its_rows(folder: Path) -> None:
     assert largest_rank(_load(folder, search={"rank": [4, 8]})) == 8
     assert largest_rank(_load(folder, search={"rank": [4, 8], "init": ["gaussian", "olora"]})) == 16
     assert largest_rank(_load(folder, train={"init": "pissa"})) == 2 * 8
+
+
+def test_a_study_recorded_without_the_variant_keys_resumes_at_their_defaults(folder: Path) -> None:
+    from lora_sweep.sweep.session import spec_changes, spec_record
+
+    earlier = spec_record(_load(folder))
+    for key in ("lr_ratio", "dora", "init"):
+        del earlier["train"][key]  # a record written before these keys existed
+    assert spec_changes(earlier, spec_record(_load(folder))) == []
+    changed = spec_changes(earlier, spec_record(_load(folder, train={"lr_ratio": 4})))
+    assert changed == ["train.lr_ratio changed (null -> 4.0)"]
