@@ -41,8 +41,9 @@ def _weight(base: nn.Module, init: str, path: str) -> torch.Tensor:
     """The base projection's weight as (D_out, D_in) fp32, as PEFT reads it."""
     w = getattr(base, "weight", None)
     if not isinstance(w, torch.Tensor) or type(w.data) is not torch.Tensor or not w.dtype.is_floating_point:
-        raise ConfigError(f"init: {init} needs a plain floating-point base weight (layer {path} has "
-                          f"{type(w).__name__}; a quantized base is not decomposed)")
+        raise ConfigError(f"init: {init} needs the whole floating-point base weight (layer {path} holds a "
+                          f"{type(w.data if isinstance(w, torch.Tensor) else w).__name__}: a quantized or sharded "
+                          "base is not decomposed)")
     w = w.detach().to(torch.float32)
     if isinstance(base, Conv1D):
         if init == "olora":  # PEFT's olora_init does not transpose a fan_in_fan_out weight: its factors don't fit

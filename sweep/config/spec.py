@@ -373,6 +373,11 @@ class StudySpec:
             raise ConfigError(f"train.optimizer_in_backward: cannot be used with a searched {clash[0]} (it needs "
                               f"train.{clash[0]}: {_NOT_IN_BACKWARD[clash[0]]}, fixed)")
         principal = _values(self, "init") & {"pissa", "olora"}
+        base = "model.quantize: nf4" if self.model.quantize else "packing.shard: fsdp" if self.packing.shard != "none" \
+            else None
+        if principal and base:  # the factors come from the whole float weight, which no process holds then
+            raise ConfigError(f"train.init: {sorted(principal)[0]} decomposes the whole float base weight, which "
+                              f"{base} does not keep on one process")
         if principal and any(p > 0 for p in _values(self, "dropout", ranged=True)):
             raise ConfigError(f"train.init: {sorted(principal)[0]} needs dropout 0, and the study can train dropout "
                               f"{max(_values(self, 'dropout', ranged=True))} (the frozen principal part would see the "

@@ -126,3 +126,10 @@ def test_a_study_recorded_without_the_variant_keys_resumes_at_their_defaults(fol
     assert spec_changes(earlier, spec_record(_load(folder))) == []
     changed = spec_changes(earlier, spec_record(_load(folder, train={"lr_ratio": 4})))
     assert changed == ["train.lr_ratio changed (null -> 4.0)"]
+
+
+@pytest.mark.parametrize("changes", [{"model": {"path": "org/tiny-model", "quantize": "nf4"}},
+                                     {"packing": {"shard": "fsdp", "max_slots": 4}}])
+def test_a_principal_init_over_a_quantized_or_sharded_base_is_refused_at_load(folder: Path, changes: dict) -> None:
+    assert "train.init: pissa decomposes the whole float base weight" in _error(folder, train={"init": "pissa"},
+                                                                                  **changes)
