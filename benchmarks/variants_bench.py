@@ -29,7 +29,8 @@ __all__ = ["VARIANTS", "main"]
 
 VARIANTS = {"lora_plus": {"lr_ratio": 16.0}, "pissa": {"init": "pissa"}, "olora": {"init": "olora"},
             "dora": {"dora": True}}
-"""Variant name -> the AdapterSpec fields it sets (``dora``: refused by ``AdapterSpec`` until the kernels train it)."""
+"""Variant name -> the AdapterSpec fields it sets (``dora``: on the torch kernels only, ``--kernels torch``; the
+Triton path refuses it)."""
 _PEFT = {"lora_plus": {}, "pissa": {"init_lora_weights": "pissa"}, "olora": {"init_lora_weights": "olora"},
          "dora": {"use_dora": True}}
 """The LoraConfig arguments of the same variant (LoRA+ changes PEFT's optimizer only: its step is plain LoRA's)."""
@@ -47,12 +48,12 @@ def _build(shape: str, layers: int | None, device: str) -> torch.nn.Module:
 
 
 def pack_ms(model: torch.nn.Module, variant: dict, *, slots: int, micro: int, seq: int, steps: int,
-            warmup: int) -> float:
-    """Median step (ms) of ``slots`` slots of rank 16, each with the AdapterSpec fields ``variant``."""
+            warmup: int, kernels: str = "auto") -> float:
+    """Median step (ms) of ``slots`` slots of rank 16, each with the AdapterSpec fields ``variant``, on ``kernels``."""
     jobs = random_jobs(slots, micro, seq, model.config.vocab_size, steps)
     for job in jobs:
         job.spec = dataclasses.replace(job.spec, **variant)
-    return timed_train(PackedModel(model), jobs, slots, warmup) * 1e3
+    return timed_train(PackedModel(model, impl=kernels), jobs, slots, warmup) * 1e3  # type: ignore[arg-type]
 
 
 def peft_ms(model: torch.nn.Module, config: dict, *, micro: int, seq: int, steps: int, warmup: int) -> float:
@@ -76,11 +77,12 @@ def peft_ms(model: torch.nn.Module, config: dict, *, micro: int, seq: int, steps
 
 def row(args: argparse.Namespace, shape: str) -> dict:
     """One shape's line: the pack with plain and with variant slots, PEFT with and without the variant."""
-    out: dict = dict(shape=shape, variant=args.variant, slots=args.slots, micro=args.micro, seq=args.seq)
+    out: dict = dict(shape=shape, variant=args.variant, kernels=args.kernels, slots=args.slots, micro=args.micro,
+                     seq=args.seq)
     run = dict(micro=args.micro, seq=args.seq, steps=args.steps, warmup=args.warmup)
     for name, variant in (("plain", {}), ("variant", VARIANTS[args.variant])):
         model = _build(shape, args.layers, args.device)
-        out[f"pack_{name}_ms"] = round(pack_ms(model, variant, slots=args.slots, **run), 2)
+        out[f"pack_{name}_ms"] = round(pack_ms(model, variant, slots=args.slots, kernels=args.kernels, **run), 2)
         del model
         gc.collect()
     for name, config in (("plain", {}), ("variant", _PEFT[args.variant])):
@@ -104,6 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--kernels", choices=["auto", "torch", "triton"], default="auto",
+                   help="the pack's LoRA kernels (auto: Triton on CUDA; DoRA needs torch)")
     args = p.parse_args(argv)
     for shape in args.shape or ["smollm2", "llama3-8b"]:
         print(json.dumps(row(args, shape)), flush=True)

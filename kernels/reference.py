@@ -15,6 +15,7 @@ with the same row order (slots in ``PackLayout.slots`` order, rank-0 slots contr
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 
@@ -114,7 +115,8 @@ def dora_norm(weight: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, scale: fl
 
 
 def dora_loop(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a_cat: torch.Tensor,
-              bt_cat: torch.Tensor, magnitude: torch.Tensor, layout: PackLayout, ranks: LayerRanks) -> torch.Tensor:
+              bt_cat: torch.Tensor, magnitude: Sequence[torch.Tensor | None], layout: PackLayout,
+              ranks: LayerRanks) -> torch.Tensor:
     """A frozen linear layer plus every slot's DoRA term, slot by slot (PEFT's ``DoraLinearLayer.forward``).
 
     For token t of slot g, with d = the slot's dropout (identity at p = 0), m_g its magnitude and
@@ -122,13 +124,14 @@ def dora_loop(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
 
         y_t = W x_t + b + (m_g / n_g - 1) * W d(x_t) + (m_g / n_g) * s_g B_g A_g d(x_t)
 
-    (at p = 0: ``b + (m_g / n_g) (W + s_g B_g A_g) x_t``). A slot of rank 0 adds nothing.
+    (at p = 0: ``b + (m_g / n_g) (W + s_g B_g A_g) x_t``). A slot of rank 0 adds nothing; a slot without a
+    magnitude is a plain LoRA slot (``lora_loop``'s term).
 
     Args:
         x: (B, L, D_in) layer input.
         weight: (D_out, D_in) base weight; bias: (D_out,) or None.
         a_cat, bt_cat, layout, ranks: as ``lora_loop``.
-        magnitude: (N, D_out) each slot's magnitude, in ``layout.slots`` order.
+        magnitude: per slot in ``layout.slots`` order, its (D_out,) magnitude, or None for a plain LoRA slot.
 
     Returns:
         (B, L, D_out); differentiable in x, a_cat, bt_cat and magnitude.
@@ -146,10 +149,14 @@ def dora_loop(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
         rows = x[r0:r0 + n].to(a.dtype)  # (n, L, D_in)
         if layout.dropout[g] > 0:
             rows = rows * dropout_keep_mask(layout, g, ranks.layer_id, x.shape[-1], x.shape[1], x.device)
-        norm = torch.linalg.norm(w + s * (bt.T @ a).detach(), dim=1).detach()  # (D_out,)
-        ratio = magnitude[g] / norm  # (D_out,)
         lora = (rows @ a.T) @ bt * s  # (n, L, D_out)
-        pieces.append(((ratio - 1) * torch.nn.functional.linear(rows, w) + ratio * lora).to(base_out.dtype))
+        m = magnitude[g]
+        if m is None:
+            pieces.append(lora.to(base_out.dtype))
+        else:
+            norm = torch.linalg.norm(w + s * (bt.T @ a).detach(), dim=1).detach()  # (D_out,)
+            ratio = m / norm  # (D_out,)
+            pieces.append(((ratio - 1) * torch.nn.functional.linear(rows, w) + ratio * lora).to(base_out.dtype))
         off += r
     return base_out + torch.cat(pieces, dim=0)
 

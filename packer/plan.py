@@ -37,11 +37,6 @@ a = sqrt(5), B zero), ``gaussian`` (A normal with std 1/r, B zero), ``pissa`` (A
 principal singular vectors) or ``olora`` (from its QR decomposition)."""
 _INIT_ALIASES = {"true": "kaiming", "default": "kaiming"}
 """Spellings of PEFT's default initialisation (``init_lora_weights: true``)."""
-_NOT_BUILT = {
-    "dora": "DoRA (a magnitude vector per slot in the packed kernels) is not built yet; set it to false",
-}
-"""Variants the study file may name but the packer cannot yet train: refused here, at load, so no study trains
-them wrongly."""
 
 
 @dataclass(frozen=True)
@@ -129,7 +124,8 @@ class AdapterSpec:
                "lr_ratio", "must be > 0", ratio)
         _check(isinstance(self.dora, bool), "dora", "must be true or false", self.dora)
         _check(self.init in INITS, "init", f"must be one of {', '.join(INITS)} (or true: kaiming)", self.init)
-        _check(not self.dora, "dora", _NOT_BUILT["dora"], self.dora)
+        _check(not (self.dora and self.dropout > 0), "dora", "needs dropout 0 (the packed DoRA term takes the "
+               "undropped input)", self.dora)
         _check(not (self.principal and self.dropout > 0), "init", f"{self.init} needs dropout 0 (the frozen "
                "principal part is a term of the LoRA branch here, and would see the dropped input)", self.init)
 

@@ -49,7 +49,7 @@ def adapter_config(pm: PackedModel, slot: int, base_model_name_or_path: str) -> 
         "lora_dropout": spec.dropout,
         "target_modules": sorted({p.rsplit(".", 1)[-1] for p in paths}),
         "bias": "none",
-        "use_dora": False,
+        "use_dora": spec.dora,
         "fan_in_fan_out": conv1d,
         "modules_to_save": None,
         "rank_pattern": {},
@@ -110,6 +110,9 @@ def _host_tensors(pm: PackedModel, slot: int, dtype: torch.dtype | None) -> dict
         rows = pm.layers[path].slot_weights(slot)
         names += [f"base_model.model.{path}.lora_A.weight", f"base_model.model.{path}.lora_B.weight"]
         parts += [rows.a.detach(), rows.bt.detach().T]
+    for path, m in pm.slot_magnitudes(slot).items():  # DoRA: PEFT's key of the (D_out,) magnitude
+        names.append(f"base_model.model.{path}.lora_magnitude_vector")
+        parts.append(m.detach())
     dtype = dtype or parts[0].dtype
     sizes = [p.numel() for p in parts]
     gathered = torch.empty(sum(sizes), dtype=dtype, device=parts[0].device)

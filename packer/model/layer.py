@@ -23,6 +23,8 @@ import torch
 from torch import nn
 
 from lora_sweep.kernels.ops import Impl, LayerRanks, PackLayout, packed_lora_eval, packed_lora_eval_linear
+from lora_sweep.kernels.reference import dora_loop
+from lora_sweep.packer.model.magnitude import base_weight
 
 __all__ = ["PackState", "PackedLoRALinear", "as_rows"]
 
@@ -39,6 +41,9 @@ class PackState:
     store: Any = None
     """While a fixed-shape step runs (``packer.model.store.SlotStore.stepping``), the store whose tables every
     wrapped layer reads instead of ``layout``; None otherwise."""
+    mag: Any = None
+    """While the pack has a slot store, its DoRA magnitudes (``packer.model.magnitude.Magnitudes``), which the
+    per-batch path applies to DoRA slots; None otherwise."""
 
 
 class _SlotWeights(NamedTuple):
@@ -149,6 +154,9 @@ class PackedLoRALinear(nn.Module):
             return self.base(x)
         a_cat = _stacked_leaf(g.a, g.grad_a, g.rows)  # (R, D_in)
         bt_cat = _stacked_leaf(g.bt, g.grad_bt, g.rows)  # (R, D_out)
+        mags = None if self.state.mag is None else self.state.mag.of_layer(self, layout.slots)
+        if mags is not None:  # a DoRA slot: the reference's loop (the per-batch path is evaluation's)
+            return dora_loop(x, base_weight(self.base), self.base.bias, a_cat, bt_cat, mags, layout, g.ranks)
         return self._with_lora(x, a_cat, bt_cat, layout, g.ranks, self.state.impl)
 
     def _pack_rows(self) -> int | None:

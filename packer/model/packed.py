@@ -33,6 +33,7 @@ from lora_sweep.packer.model.fuse import fuse_base_ops
 from lora_sweep.packer.model.initial import init_a
 from lora_sweep.packer.model.inject import inject, resolve_targets
 from lora_sweep.packer.model.layer import PackedLoRALinear, PackState
+from lora_sweep.packer.model.magnitude import base_weight
 from lora_sweep.packer.model.principal import write_principal
 from lora_sweep.packer.model.quant import quantize_base
 from lora_sweep.packer.plan import AdapterSpec
@@ -203,6 +204,9 @@ class PackedModel:
         paths = list(self._targets[key])
         if any(p not in self.layers for p in paths):
             inject(self.model, paths, self.state, self.layers)  # a slot store wraps every projection up front
+        if spec.dora and resolve_impl(self.state.impl, self.device) == "triton":
+            raise ConfigError("dora: the Triton kernels do not train DoRA's magnitudes; use the torch kernels "
+                              "(packing.kernels: torch)")
         for path in paths:
             layer = self.layers[path]
             if spec.rank > min(layer.in_features, layer.out_features):
@@ -224,8 +228,8 @@ class PackedModel:
         r = spec.rank
         if self.store is not None:
             return self._store_weights(slot, spec, paths, generator)
-        if spec.principal:
-            raise ValueError(f"init {spec.init!r} needs the slot store (its frozen rows live there)")
+        if spec.principal or spec.dora:
+            raise ValueError("pissa, olora and dora need the slot store (their frozen rows and magnitudes live there)")
         dims = [(self.layers[p].in_features, self.layers[p].out_features) for p in paths]
         flat = torch.zeros(sum(r * (d_in + d_out) for d_in, d_out in dims), device=self.device)
         grad = torch.zeros_like(flat)
@@ -250,7 +254,8 @@ class PackedModel:
         assert store is not None
         if spec.rows > store.rank_bucket:
             raise ValueError(f"rank {spec.rank} ({spec.rows} rows) exceeds the pack's rank bucket {store.rank_bucket}")
-        store.reset_slot(slot)
+        store.reset_slot(slot, spec.dora)
+        self.state.mag = store.mag  # made by the first DoRA slot
         params: list[nn.Parameter] = []
         for path in paths:
             a, bt, grad_a, grad_bt = store.slot_rows(slot, path, spec.rows)
@@ -258,6 +263,8 @@ class PackedModel:
                 write_principal(a, bt, self.layers[path].base, spec, path)
             else:
                 init_a(a, spec, generator)
+            if spec.dora:
+                store.mag.start(slot, path, base_weight(self.layers[path].base))
             params += self.layers[path].add_slot(slot, a, bt, grad_a, grad_bt, trained=spec.rank)
         return params
 
@@ -278,6 +285,12 @@ class PackedModel:
         """Module path -> (A (r, D_in), B (D_out, r)) of the slot's adapter, in module order."""
         return {p: (self.layers[p].lora_A[str(slot)], self.layers[p].lora_B[str(slot)])
                 for p in self.slot_paths[slot]}
+
+    def slot_magnitudes(self, slot: int) -> dict[str, torch.Tensor]:
+        """Module path -> the (D_out,) DoRA magnitude of a DoRA slot (views of the store's buffer); {} otherwise."""
+        if self.store is None or self.store.mag is None or slot not in self.store.mag.slots:
+            return {}
+        return {p: self.store.mag.slot(slot, p) for p in self.slot_paths[slot]}
 
     def slot_parameters(self, slot: int) -> list[nn.Parameter]:
         return [t for pair in self.slot_weights(slot).values() for t in pair]

@@ -298,7 +298,7 @@ def new_store(pm: PackedModel, old: SlotStore | None, capacity: int, bucket: int
                 layer = pm.layers[path]
                 layer.remove_slot(slot)
                 layer.add_slot(slot, *store.slot_rows(slot, path, spec.rows), trained=spec.rank)
-    pm.store = store
+    pm.store, pm.state.mag = store, store.mag
     return store
 
 

@@ -70,6 +70,8 @@ def adamw_step(store: SlotStore, shape: ShapeBuffers, triton: bool) -> torch.Ten
                 leaf.grad.view(c, rb, -1).mul_(trained[..., None])  # type: ignore[union-attr]
         sumsq = sum(leaf.grad.view(c, -1).square().sum(dim=1)  # type: ignore[union-attr]
                     for p in store.paths for leaf in (store.a[p], store.bt[p]))
+        if store.mag is not None and store.mag.slots:  # DoRA's magnitudes: in the slot's norm and its step
+            sumsq = sumsq + sum(store.mag.views(p)[1].square().sum(dim=1) for p in store.paths)
     norms = sumsq.sqrt()  # type: ignore[union-attr]
     coef = torch.clamp(opt[:, 7] / (norms + 1e-6), max=1.0)  # clip_grad_norm_'s formula, per slot
     if triton:
@@ -89,4 +91,18 @@ def adamw_step(store: SlotStore, shape: ShapeBuffers, triton: bool) -> torch.Ten
             denom = v.sqrt().div_(bc2).add_(eps)
             param.add_((m / denom) * step)
             grad.mul_(keep)
+        if store.mag is not None and store.mag.slots:  # with B's decay and step: PEFT's LoRA+ groups 1-d ones with B
+            _adamw_rows(store.mag.views(p), coef, (decay_b, w1, b2, w2, bc2, eps, step_b, keep))
     return norms
+
+
+def _adamw_rows(views: list[torch.Tensor], coef: torch.Tensor, cols: tuple[torch.Tensor, ...]) -> None:
+    """The torch path's update of (C, n) rows (weights, gradients, moments) with (C, 1) optimizer columns."""
+    param, grad, m, v = views
+    decay, w1, b2, w2, bc2, eps, step, keep = cols
+    grad.mul_(coef[:, None])
+    param.mul_(decay)
+    m.lerp_(grad, w1)
+    v.mul_(b2).addcmul_(grad * w2, grad)
+    param.add_((m / v.sqrt().div_(bc2).add_(eps)) * step)
+    grad.mul_(keep)

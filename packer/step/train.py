@@ -241,7 +241,8 @@ def train(
                 t_compile = time.perf_counter()
                 precompile(step)  # gradients, weights and moments stay as they were (``capture.precompile``)
                 result.compile_s += time.perf_counter() - t_compile
-            eager_only = not triton and dropout  # the torch path's masks come from Python seeds: eager only
+            # the torch path's masks come from Python seeds, and its DoRA branch is chosen on the host: eager only
+            eager_only = not triton and (dropout or (store.mag is not None and bool(store.mag.slots)))
             if eager_only and graphs.enabled:
                 _fell_back(result, pm, active, chunk, _TORCH_DROPOUT)
             step() if eager_only else graphs.run(key, step, shape, readback_every)
@@ -258,7 +259,7 @@ def train(
         loop.flush(ring, pending, active, result, on_step, should_stop)
         loop.end_slots(pm, active, loop.ends(active, "interrupted"), on_end, result)
     finally:
-        pm.store = None
+        pm.store, pm.state.mag = None, None
     result.wall_s = time.perf_counter() - t0
     result.warmup_s, result.capture_s, result.graphs = graphs.warmup_s, graphs.capture_s, len(graphs.graphs)
     result.step = "cuda-graph" if graphs.enabled and graphs.graphs else "eager"

@@ -382,6 +382,8 @@ class StudySpec:
             raise ConfigError(f"train.init: {sorted(principal)[0]} needs dropout 0, and the study can train dropout "
                               f"{max(_values(self, 'dropout', ranged=True))} (the frozen principal part would see the "
                               "dropped input)")
+        if True in _values(self, "dora"):
+            self._check_dora()
         if self.data.eval is None and self.train.eval_every is not None:
             raise ConfigError("data.eval: is needed by train.eval_every")
         if self.data.eval is None and needs_eval:
@@ -400,6 +402,21 @@ class StudySpec:
                 f"must be < train.max_steps ({self.train.max_steps})",
                 last,
             )
+
+    def _check_dora(self) -> None:
+        """DoRA trains on the torch kernels over the whole float base, with dropout 0 (``packer.model.magnitude``)."""
+        kernels = self.packing.kernels
+        off = ("model.quantize: nf4" if self.model.quantize else "packing.shard: fsdp" if self.packing.shard != "none"
+               else "packing.kernels: triton" if kernels == "triton"
+               else f"packing.kernels: auto on model.device: {self.model.device}"
+               if kernels == "auto" and self.model.device != "cpu" else None)
+        if off is not None:
+            raise ConfigError(f"train.dora: DoRA trains on the torch kernels over a whole float base, not with {off} "
+                              "(set packing.kernels: torch)")
+        if any(p > 0 for p in _values(self, "dropout", ranged=True)):
+            raise ConfigError(f"train.dora: needs dropout 0, and the study can train dropout "
+                              f"{max(_values(self, 'dropout', ranged=True))} (the packed DoRA term takes the "
+                              "undropped input)")
 
     @property
     def directions(self) -> list[str]:

@@ -60,7 +60,7 @@ def test_dora_loop_equals_peft_per_slot_with_gradients(dropout: bool) -> None:
     bt_cat = torch.randn(sum(ranks), D_OUT, generator=gen, dtype=torch.float64, requires_grad=True)
     mag = (torch.rand(4, D_OUT, generator=gen, dtype=torch.float64) + 0.5).requires_grad_()
     x = torch.randn(sum(rows), SEQ, D_IN, generator=gen, dtype=torch.float64, requires_grad=True)
-    ours = dora_loop(x, base.proj.weight, base.proj.bias, a_cat, bt_cat, mag, layout, lr)
+    ours = dora_loop(x, base.proj.weight, base.proj.bias, a_cat, bt_cat, list(mag), layout, lr)
     up = torch.randn(ours.shape, generator=gen, dtype=torch.float64)
     (ours * up).sum().backward()
 
@@ -83,6 +83,19 @@ def test_dora_loop_equals_peft_per_slot_with_gradients(dropout: bool) -> None:
                                    atol=1e-12)
         off += r
     assert mag.grad[1].count_nonzero() == 0, "a rank-0 slot's magnitude takes no gradient"
+
+
+def test_a_slot_without_a_magnitude_is_plain_lora() -> None:
+    from lora_sweep.kernels.reference import lora_loop
+
+    gen = torch.Generator().manual_seed(3)
+    w, bias = torch.randn(D_OUT, D_IN, generator=gen), torch.randn(D_OUT, generator=gen)
+    layout = PackLayout((0, 1), (0, 2), (2, 1), (SEQ, SEQ), (0.0, 0.0), (1, 2))
+    lr = LayerRanks((3, 2), (0.5, 2.0), 0)
+    a_cat, bt_cat = torch.randn(5, D_IN, generator=gen), torch.randn(5, D_OUT, generator=gen)
+    x = torch.randn(3, SEQ, D_IN, generator=gen)
+    plain = lora_loop(x, torch.nn.functional.linear(x, w, bias), a_cat, bt_cat, layout, lr)
+    torch.testing.assert_close(dora_loop(x, w, bias, a_cat, bt_cat, [None, None], layout, lr), plain)
 
 
 @pytest.mark.parametrize("rank", [1, 4, 16])

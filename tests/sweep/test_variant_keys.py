@@ -93,14 +93,28 @@ def test_bad_values_are_one_line_naming_the_key(folder: Path, changes: dict, mes
     assert message in _error(folder, **changes)
 
 
-@pytest.mark.parametrize(("changes", "key"), [
-    ({"train": {"dora": True}}, "train.dora: DoRA"),
-    ({"peft_use_dora": True}, ":12: peft_use_dora: DoRA"),
-    ({"search": {"dora": [False, True]}}, "search.dora: DoRA"),
+TORCH = {"packing": {"kernels": "torch"}}
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"train": {"dora": True}}, "train.dora: DoRA trains on the torch kernels over a whole float base, not with "
+                                "packing.kernels: auto on model.device: auto (set packing.kernels: torch)"),
+    ({"peft_use_dora": True, "packing": {"kernels": "triton"}}, "not with packing.kernels: triton"),
+    ({"search": {"dora": [False, True]}, "model": {"path": "org/tiny-model", "quantize": "nf4"}, **TORCH},
+     "not with model.quantize: nf4"),
+    ({"train": {"dora": True}, "search": {"dropout": [0.0, 0.1]}, **TORCH}, "train.dora: needs dropout 0"),
+    ({"train": {"dora": True, "dropout": 0.1}, **TORCH}, "train.dora: needs dropout 0"),
 ])
-def test_a_variant_not_built_is_refused_at_load(folder: Path, changes: dict, key: str) -> None:
-    message = _error(folder, **changes)
-    assert key in message and "not built yet" in message
+def test_dora_off_the_torch_kernels_or_with_dropout_is_refused_at_load(folder: Path, changes: dict,
+                                                                        message: str) -> None:
+    assert message in _error(folder, **changes)
+
+
+@pytest.mark.parametrize("changes", [{"train": {"use_dora": True}, **TORCH},
+                                     {"search": {"dora": [False, True]}, "model": {"path": "m", "device": "cpu"}}])
+def test_dora_on_the_torch_kernels_loads(folder: Path, changes: dict) -> None:
+    study = _load(folder, **changes)
+    assert True in ({study.train.dora} | set(next((p.choices for p in study.search.params if p.name == "dora"), ())))
 
 
 def test_a_searched_dropout_with_a_principal_init_is_refused_at_load(folder: Path) -> None:

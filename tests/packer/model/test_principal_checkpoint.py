@@ -26,7 +26,9 @@ SPECS = {
               AdapterSpec(rank=2, alpha=16, rslora=True, targets=("all-linear",), lr=1e-2, max_steps=6, seed=2,
                           init="olora")],
     "gpt2": [AdapterSpec(rank=4, alpha=8, targets=("c_attn", "c_fc"), lr=1e-2, max_steps=6, seed=1, init="pissa"),
-             AdapterSpec(rank=4, alpha=8, targets=("c_proj",), lr=1e-2, max_steps=6, seed=2)],
+             AdapterSpec(rank=4, alpha=8, targets=("c_proj",), lr=1e-2, max_steps=6, seed=2),
+             AdapterSpec(rank=2, alpha=4, targets=("c_attn",), lr=1e-2, max_steps=6, seed=3, init="pissa",
+                         dora=True)],  # DoRA over PiSSA: the converted rank-2r adapter with its magnitudes
 }
 IDS = torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(0))
 
@@ -58,20 +60,27 @@ def test_a_principal_slot_exports_as_a_plain_lora_peft_loads_and_merge_reproduce
     saved, logits = _train_and_save(model_dir, SPECS[family], tmp_path)
     for key, adapter_dir in saved.items():
         spec = SPECS[family][key]
-        config, tensors = read_adapter(adapter_dir)
+        config, _ = assert_peft_and_merge_reproduce(model_dir, adapter_dir, logits[key])
         assert config["r"] == spec.rows == (2 if spec.principal else 1) * spec.rank
         assert config["init_lora_weights"] is True  # a plain LoRA: PEFT must not decompose the base again
-        peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(model_dir)), str(adapter_dir))
-        peft_model.eval()
-        with torch.no_grad():
-            theirs = peft_model(input_ids=IDS, attention_mask=torch.ones_like(IDS)).logits
-            base = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
-            plain = base(input_ids=IDS).logits
-            merge_adapter(base, config, tensors)
-            merged = base(input_ids=IDS).logits
-        assert (logits[key] - plain).abs().max() > 1e-4, "the adapter must change the logits for the check to mean it"
-        torch.testing.assert_close(logits[key], theirs, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(merged, theirs, rtol=1e-4, atol=1e-4)  # W + s B'A' in fp32, then the forward
+
+
+def assert_peft_and_merge_reproduce(model_dir, adapter_dir, packed: torch.Tensor):  # noqa: ANN001, ANN201
+    """PEFT's model of the saved adapter on the original base, and the base with it merged (``merge_adapter``), give
+    the packed adapter's logits on IDS; returns the adapter's (config, tensors)."""
+    config, tensors = read_adapter(adapter_dir)
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(model_dir)), str(adapter_dir))
+    peft_model.eval()
+    with torch.no_grad():
+        theirs = peft_model(input_ids=IDS, attention_mask=torch.ones_like(IDS)).logits
+        base = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+        plain = base(input_ids=IDS).logits
+        merge_adapter(base, config, tensors)
+        merged = base(input_ids=IDS).logits
+    assert (packed - plain).abs().max() > 1e-4, "the adapter must change the logits for the check to mean it"
+    torch.testing.assert_close(packed, theirs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(merged, theirs, rtol=1e-4, atol=1e-4)  # the merge in fp32, then the forward
+    return config, tensors
 
 
 def test_the_saved_scale_is_the_trained_one(tiny_dirs, tmp_path) -> None:

@@ -86,7 +86,7 @@ def _initial_a(model_dir: Path, spec: AdapterSpec) -> dict[str, torch.Tensor | N
     for each path where PEFT computes its own from the base weight (``pissa``, ``olora``: the engine must agree)."""
     model, _ = load_base(str(model_dir), attn_implementation="eager")
     pm = PackedModel(model.to(torch.get_default_dtype()))
-    pm.add_slot(7, _with(spec, init="kaiming") if spec.principal else spec)
+    pm.add_slot(7, _with(spec, init="kaiming" if spec.principal else spec.init, dora=False))  # A by seed and init
     return {p: None if spec.principal else a.detach().clone() for p, (a, _) in pm.slot_weights(7).items()}
 
 
@@ -97,7 +97,7 @@ def _run_peft(model_dir: Path, spec: AdapterSpec, stream: SlotStream, init_a: di
     leaf_names = sorted({p.rsplit(".", 1)[-1] for p in init_a})
     cfg = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=0.0, target_modules=leaf_names,
                      use_rslora=spec.rslora, bias="none", fan_in_fan_out=base.config.model_type == "gpt2",
-                     init_lora_weights=True if spec.init == "kaiming" else spec.init)
+                     init_lora_weights=True if spec.init == "kaiming" else spec.init, use_dora=spec.dora)
     model = get_peft_model(base, cfg)
     model.eval()  # base dropout off, as in the engine; gradients still flow
     lora = dict(model.named_parameters())
@@ -106,7 +106,7 @@ def _run_peft(model_dir: Path, spec: AdapterSpec, stream: SlotStream, init_a: di
             if a is not None:
                 lora[f"base_model.model.{path}.lora_A.default.weight"].copy_(a)
     params = [p for p in model.parameters() if p.requires_grad]
-    assert len(params) == 2 * len(init_a)
+    assert len(params) == (3 if spec.dora else 2) * len(init_a)  # DoRA: a magnitude per layer too
     opt = _peft_optimizer(model, spec)
     sched = make_scheduler(opt, spec)
     losses = []

@@ -20,8 +20,8 @@ from tests.packer.step.test_equivalence import (
 MIXED = {
     "llama": [replace(LLAMA_SPECS[0], init="pissa"), LLAMA_SPECS[2],
               replace(LLAMA_SPECS[1], init="olora", lr=2e-3, lr_ratio=4.0)],
-    "gpt2": [replace(GPT2_SPECS[0], init="pissa"), replace(GPT2_SPECS[3], init="pissa", rslora=True),
-             GPT2_SPECS[1]],
+    "gpt2": [replace(GPT2_SPECS[0], init="pissa"), replace(GPT2_SPECS[3], init="pissa", rslora=True, dora=True),
+             GPT2_SPECS[1]],  # PiSSA under DoRA: the norm of W_res + s B A, the frozen rows' part of the sum
 }
 
 
