@@ -35,3 +35,17 @@ def test_dora_on_the_triton_kernels_is_refused_in_one_line(tiny_dirs) -> None:
     model, _ = load_base(str(tiny_dirs("llama")), attn_implementation="eager")
     with pytest.raises(ConfigError, match="dora: the Triton kernels do not train DoRA's magnitudes"):
         PackedModel(model, impl="triton", fused_base_ops=False).add_slot(0, AdapterSpec(dora=True))
+
+
+def test_a_dora_slot_moved_to_a_larger_bucket_trains_on_as_alone(tiny_dirs) -> None:
+    """A later job's rank 32 outgrows the pack's bucket of 16: the live DoRA slot moves to the new store with its
+    magnitudes, moments and flags (``SlotStore.copy_slot_from``) and ends where it ends alone."""
+    dora = replace(eq.LLAMA_SPECS[0], dora=True, max_steps=8)
+    short = replace(eq.LLAMA_SPECS[2], max_steps=3)  # ends at step 3; the wide job takes its slot then
+    wide = replace(eq.LLAMA_SPECS[2], rank=32, alpha=32, targets=("q_proj", "o_proj"), max_steps=4)
+    model_dir = tiny_dirs("llama")
+    with eq.default_dtype(torch.float64):
+        moved, _ = eq._run_packed(model_dir, eq._jobs([dora, short, wide]), capacity=2)
+        assert len(moved[2]) == 4
+        alone, _ = eq._run_packed(model_dir, eq._jobs([dora]), capacity=1)
+    torch.testing.assert_close(torch.tensor(moved[0]), torch.tensor(alone[0]), rtol=1e-6, atol=0)
