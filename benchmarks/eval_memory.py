@@ -32,7 +32,6 @@ def _pack(impl: str, slots: int):  # type: ignore[no-untyped-def]
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from lora_sweep.packer.model.packed import PackedModel
-    from lora_sweep.packer.model.store import SlotStore
     from lora_sweep.packer.plan import AdapterSpec
 
     kw = dict(SMOLLM2)
@@ -41,10 +40,7 @@ def _pack(impl: str, slots: int):  # type: ignore[no-untyped-def]
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     pm = PackedModel(model, impl=impl)  # type: ignore[arg-type]
-    store = SlotStore(pm.model, pm.state, pm.layers, slots, 16, pm.device)
-    if impl == "triton":
-        store.use_operands(torch.bfloat16)
-    pm.store = store
+    pm.ensure_store(slots, rank=8, bucket=16)  # the bf16 operand copy too, on the Triton path
     pm.add_slot(0, AdapterSpec(rank=8, alpha=16, targets=("all-linear",), seed=0))
     return pm
 

@@ -9,11 +9,11 @@ attention, LoRA r=16 on the seven projections. Workloads (the issue's names):
 - W4 the packed LoRA's cost over the frozen base at the same tokens: a decoder layer, one projection
   (``benchmarks.gpu_layer``).
 
-MFU counts 4 * N * tokens for the frozen base (forward + backward to activations) plus the
-attention term ``3 * 4 * layers * seq^2 * hidden * batch``, against the measured bf16 GEMM rate,
-as ../shared/notes/performance.md does (``model_flops``). HFU, beside it on every pack, counts the FLOPs the
-hardware ran: a checkpointed pack (``+ckpt``) runs every decoder layer's forward twice (``recompute_flops``),
-so its MFU cannot reach a plain pack's at the same speed of work; without checkpointing HFU = MFU.
+MFU counts 4 * N * tokens for the frozen base (forward + backward to activations) plus the attention term ``3 * 4 *
+layers * seq^2 * hidden * batch``, against the measured bf16 GEMM rate, as PaLM's MFU counts them (Chowdhery et al.
+2022, app. B) less the frozen weights' gradients (``model_flops``). HFU, beside it on every pack, counts the FLOPs
+the hardware ran: a checkpointed pack (``+ckpt``) runs every decoder layer's forward twice (``recompute_flops``), so
+its MFU cannot reach a plain pack's at the same speed of work; without checkpointing HFU = MFU.
 Run: ``python -m lora_sweep.benchmarks.gpu_bench``.
 """
 

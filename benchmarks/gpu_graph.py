@@ -76,7 +76,8 @@ def _jobs(model: torch.nn.Module, slots: int, micro: int, seq: int, steps: int, 
 
 @dataclasses.dataclass
 class _Timing(loop.Graphs):
-    """The loop's graph runner, which also times back-to-back replays of its graph once, mid-run."""
+    """The loop's graph runner (``train``'s ``graphs``), which also times back-to-back replays of its graph once,
+    mid-run."""
 
     at_call: int = 10
     replays: int = 20
@@ -123,29 +124,23 @@ def packed(model: torch.nn.Module, slots: int, micro: int, seq: int, ranks: tupl
            *, steps: int = 48, cuda_graphs: str = "auto", tflops: float | None = None) -> dict:
     """One fixed-shape pack of ``slots`` jobs of ``steps`` steps; steady-state loop step time and more, checked
     (``check_row``; against the GEMM rate ``tflops`` where given)."""
-    runners: list[_Timing] = []
-    original = loop.Graphs
     # the back-to-back replays and their profile run late, in the step of the graph's call at_call: that step and
     # the ones after it are left out of the step time (a profiler session must not overlap the loop's own steps)
-    at_call = steps - 4
-    loop.Graphs = lambda **kw: runners.append(_Timing(**kw, at_call=at_call)) or runners[-1]  # type: ignore[assignment,misc]
+    runner = _Timing(enabled=cuda_graphs != "off", at_call=steps - 4)
     replayed_in: list[int] = []  # the step whose graph call ran the extra replays
 
     def note(reports: list) -> None:  # noqa: ANN001
-        if runners and runners[0].replay_ms is not None and not replayed_in:
+        if runner.replay_ms is not None and not replayed_in:
             replayed_in.append(reports[0].step)
 
     per_token = step_flops(model.config, counted_params(model), 1, 1)  # before the pack wraps the projections
     jobs = _jobs(model, slots, micro, seq, steps, ranks, dropout_every)
-    try:
-        timed = timed_steps(PackedModel(model, impl="triton"), jobs, slots, on_step=note, cuda_graphs=cuda_graphs)
-    finally:
-        loop.Graphs = original  # type: ignore[misc]
+    timed = timed_steps(PackedModel(model, impl="triton"), jobs, slots, on_step=note, graphs=runner)
     steady = timed.seconds[STEADY:replayed_in[0] if replayed_in else None]
     step_ms = statistics.mean(steady) * 1e3
     n = loop.DEFAULT_READBACK
     windows = [round(statistics.mean(steady[i:i + n]) * 1e3, 2) for i in range(0, len(steady), n)]
-    runner, result = runners[0], timed.result
+    result = timed.result
     row = dict(slots=slots, micro=micro, seq=seq, step_ms=step_ms, graph_ms=runner.replay_ms,
                graph_kernel_ms=runner.kernel_ms, breakdown=runner.breakdown,
                tok_s=slots * micro * seq / step_ms * 1e3, warmup_s=result.warmup_s, capture_s=result.capture_s,
@@ -165,7 +160,7 @@ def kernel_profile(model: torch.nn.Module, slots: int, micro: int, seq: int, ran
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], acc_events=True) as prof:
-        train(pm, slots, lambda s: jobs.pop(0) if jobs else None, pad_id=0, cuda_graphs="off")
+        train(pm, slots, lambda s: jobs.pop(0) if jobs else None, pad_id=0, cuda_graphs="off", profiler=prof)
         torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - t0) / steps * 1e3
     kernels = gpu_profile.kernel_events(prof.key_averages())

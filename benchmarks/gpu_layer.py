@@ -6,8 +6,9 @@ the per-repeat ratios (the same base timing drifted by 10% between two back-to-b
 
 - ``projection_bench``: one projection (``kernels.ops.packed_lora_eval_linear``) against its GEMMs alone;
 - ``decoder_layer_bench``: one decoder layer of a real shape, wrapped by ``PackedModel`` (LoRA on all seven
-  projections, fused norms and MLP middles) on its per-batch path (each projection its own packed call), against
-  the same layer with no slot active. This is the layer a pack runs 28 or 32 times per step.
+  projections, fused norms and MLP middles) on the training step's tables (``SlotStore.stepping``: each projection
+  one ``kernels.ops.packed_lora`` call, the slots' gradients added into the store), against the same layer with no
+  slot active. This is the layer a pack runs 28 or 32 times per step.
 
 Run: ``python -m lora_sweep.benchmarks.gpu_layer`` (also ``python -m lora_sweep.benchmarks.gpu_bench --part layer``).
 """
@@ -107,27 +108,35 @@ def projection_bench(d_in: int = 4096, d_out: int = 4096, tokens: int = 16384, s
 def decoder_layer_bench(shape: str = "llama3-8b", slots: int = 16, seq: int = 1024, rank: int = 16,
                         repeats: int = 5) -> dict:
     """One decoder layer of ``shape`` forward+backward (to its input and the slots' LoRA weights): ``slots``
-    adapters of rank ``rank`` on all seven projections, one row of ``seq`` tokens each, through ``PackedModel``'s
-    per-batch path (``ratio``), against the same layer with no slot active."""
+    adapters of rank ``rank`` on all seven projections, one row of ``seq`` tokens each, on the training step's
+    tables (``ratio``), against the same layer with no slot active."""
+    import contextlib
+
     from lora_sweep.benchmarks.shapes import PROJ, SHAPES, build_shape
+    from lora_sweep.kernels.ops import SEG_FLT_COL, SEG_INT_COL
     from lora_sweep.packer.model.packed import PackedModel
     from lora_sweep.packer.plan import AdapterSpec
 
     model = build_shape(shape, layers=1)
     pm = PackedModel(model, impl="triton")
+    store = pm.ensure_store(slots, rank)
     for i in range(slots):
         pm.add_slot(i, AdapterSpec(rank=rank, alpha=2 * rank, targets=PROJ, seed=i))
+    buffers = store.shape_buffers(1, seq)  # slot g owns row g, as ``train`` lays a step out
+    buffers.meta.seg_int[:, SEG_INT_COL.rank] = rank
+    buffers.meta.seg_flt[:, SEG_FLT_COL.scale] = pm.specs[0].scale
+    buffers.rank.fill_(rank)
+    store.active = frozenset(pm.slot_paths[0])
     layer = model.model.layers[0]
     hidden = SHAPES[shape]["hidden_size"]
     x = torch.randn(slots, seq, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     positions = torch.arange(seq, device="cuda").expand(slots, seq)
     rope = model.model.rotary_emb(x, position_ids=positions)
     dy = torch.randn_like(x)
-    layout, _ = _pack(slots * seq, slots, rank)
 
     def step(active: bool) -> Callable[[], None]:
         def run() -> None:
-            with pm._using(layout if active else None):
+            with store.stepping(buffers, dropout=False) if active else contextlib.nullcontext():
                 out = layer(x, position_ids=positions, position_embeddings=rope)
                 torch.autograd.backward(out[0] if isinstance(out, tuple) else out, dy)
         return run

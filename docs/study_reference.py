@@ -30,6 +30,7 @@ from typing import Any
 import yaml
 
 from lora_sweep.evaluators import registry
+from lora_sweep.evaluators.cost import COST_METRICS
 from lora_sweep.sweep import store
 from lora_sweep.sweep.config import loader
 from lora_sweep.sweep.config import spec as S
@@ -44,7 +45,8 @@ SECTIONS: tuple[tuple[str, type, str], ...] = (
     ("budget", S.Budget, "When the study stops: whichever limit is reached first (at least one)."),
     ("sampler", S.SamplerSpec, "The Optuna sampler. A string is short for `sampler.name`."),
     ("pruning", S.PruningSpec, "Cohort successive halving at rung steps. `pruning: none` (or absent) turns it off."),
-    ("packing", S.PackingSpec, "How trials share one training run. A number is short for `packing.max_slots`."),
+    ("pack", S.PackSpec, "How trials share one training run (a pack: the trials as slots of one run over one "
+                         "frozen base). A number is short for `pack.max_slots`."),
 )
 """Mapping sections: (key, dataclass, what the section is)."""
 LISTS: tuple[tuple[str, type, str], ...] = (
@@ -53,10 +55,13 @@ LISTS: tuple[tuple[str, type, str], ...] = (
     ("constraints", S.Constraint, "Soft constraints (Optuna's `constraints_func`): a trial that breaks one is "
                                   "infeasible. An entry may also be a string, `peak_memory_mb <= 20000`."),
     ("evaluators", S.EvalSpec, "Run on every finished trial and at rungs. An entry may also be a bare name."),
+    ("trackers", S.TrackerSpec, "Experiment trackers every trial is logged to (guides/trackers.md). An entry is a bare "
+                                "name, or the name with its options beside it: `{name: wandb, mode: online, "
+                                "project: p}`."),
 )
 """List sections: (key, dataclass of one entry, what the list is)."""
-NESTED = {"model", "data", "search", "train", "budget", "sampler", "pruning", "packing", "objectives", "constraints",
-          "evaluators"}
+NESTED = {"model", "data", "search", "train", "budget", "sampler", "pruning", "pack", "objectives", "constraints",
+          "evaluators", "trackers"}
 """StudySpec fields that are sections of their own below."""
 WANDB_TOP = {"method": "`sampler.name` (`bayes` is `tpe`, `random`, `grid`)", "metric": "one entry of `objectives`",
              "run_cap": "`budget.trials`", "parameters": "`search`"}
@@ -140,10 +145,13 @@ def _table(prefix: str, cls: type, skip: set[str] = frozenset()) -> list[str]:  
 
 def _aliases(section: str) -> list[str]:
     table = loader._ALIASES.get(section, {})
+    names = sorted(a for a, c in loader._ALIASES[""].items() if c == section)
+    out = [f"The section under another name: {', '.join(f'`{a}` → `{section}`' for a in names)} (its overrides "
+           f"too: `{names[0]}.max_slots=4`).", ""] if names else []
     if not table:
-        return []
+        return out
     pairs = ", ".join(f"`{a}` → `{c}`" for a, c in sorted(table.items()))
-    return [f"Aliases (Axolotl, torchtune, PEFT, HF and Optuna names): {pairs}.", ""]
+    return [*out, f"Aliases (Axolotl, torchtune, PEFT, HF and Optuna names): {pairs}.", ""]
 
 
 def _top() -> list[str]:
@@ -175,25 +183,22 @@ def _search() -> list[str]:
             "The aliases of `train` apply here too (`learning_rate: {low: 1e-5, high: 1e-3, log: true}`).", ""]
 
 
-def _bullets(doc: str) -> list[str]:
-    """The ``- item`` lines of a docstring, each with its indented continuation lines joined on."""
-    items: list[str] = []
-    for line in doc.splitlines():
-        if line.startswith("- "):
-            items.append(line)
-        elif items and line.startswith("  ") and line.strip():
-            items[-1] += " " + line.strip()
-        elif items and not line.strip():
-            break
-    return [_cell(i) for i in items]
+def _metric_bullets() -> list[str]:
+    """One line per evaluator: the metric names it reports (``Evaluator.reports``), then the cost metrics."""
+    cost = ", ".join(f"`{m}`" for m in COST_METRICS)
+    return [*(_cell(f"- `{e.name}`: {e.reports};") for e in registry.EVALUATORS),
+            f"- always (from the trainer's numbers, `evaluators.cost`): {cost}."]
 
 
 def _evaluator_options() -> list[str]:
     out = ["### Evaluator options", "",
            "`options` of each evaluator (`evaluators: [{name: generation, options: {max_new_tokens: 8}}]`); "
            "an unknown option is an error.", ""]
-    for name, cls in registry.OPTIONS.items():
-        out += [f"#### {name}", "", *_table(f"evaluators[{name}].options.", cls)]
+    for e in registry.EVALUATORS:
+        out += [f"#### {e.name}", "", *_table(f"evaluators[{e.name}].options.", e.options)]
+        aliases = getattr(e.options, "ALIASES", {})
+        if aliases:
+            out += ["Aliases: " + ", ".join(f"`{a}` → `{k}`" for a, k in aliases.items()) + ".", ""]
     return out
 
 
@@ -216,10 +221,10 @@ def generate() -> str:
             out += _search()
     for key, cls, what in LISTS:
         out += [f"## {key}", "", what, "", *_table(f"{key}[].", cls), *_aliases(key)]
-    names = ", ".join(f"`{n}`" for n in registry.EVALUATORS)
-    metrics = _bullets(registry.__doc__ or "")
-    out += [f"Evaluator names: {names}. The metric names objectives, constraints and `pruning.proxy` may use "
-            "(from `lora_sweep.evaluators`):", "", *metrics, "", *_evaluator_options()]
+    names = ", ".join(f"`{e.name}`" for e in registry.EVALUATORS)
+    out += [f"Evaluator names: {names}, or `file.py:OBJECT` naming an evaluator of your own "
+            "([Extending](../guides/extending.md)). The metric names objectives, constraints and `pruning.proxy` may "
+            "use (from `lora_sweep.evaluators`):", "", *_metric_bullets(), "", *_evaluator_options()]
     return "\n".join(out).rstrip() + "\n"
 
 

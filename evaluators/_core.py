@@ -14,23 +14,22 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from lora_sweep.errors import ConfigError, DataError, UserError
 from lora_sweep.kernels.ops import PackLayout
-from lora_sweep.packer.data.rows import FORMATS, json_error, read_jsonl
-from lora_sweep.packer.model.packed import PackedModel
+from lora_sweep.packer.api import FORMATS, PackedModel, json_error, read_jsonl
 
-__all__ = ["MC_FORMAT", "TEXT_FORMATS", "EvalData", "EvalResult", "SlotEvalError", "load_eval_data", "make_options",
-           "check_format", "routed", "slot_layout", "chunks", "pad_id", "finite", "StaticShapes", "check_static_shapes",
-           "uses_static_shapes"]
+__all__ = ["MC_FORMAT", "TEXT_FORMATS", "Evaluator", "Score", "EvalData", "EvalResult", "SlotEvalError",
+           "load_eval_data", "make_options", "check_format", "routed", "slot_layout", "chunks", "pad_id", "finite",
+           "Batched", "check_batched", "uses_batched"]
 
-StaticShapes = bool | Literal["auto"]
-"""An evaluator's ``static_shapes`` option: ``"auto"``, ``True`` or ``False`` (``uses_static_shapes``)."""
+Batched = bool | Literal["auto"]
+"""An evaluator's ``batched`` option (alias ``static_shapes``): ``"auto"``, ``True`` or ``False`` (``uses_batched``)."""
 
 MC_FORMAT = "multiple_choice"
 """Row format of multiple-choice data: ``{"prompt": str, "choices": [str, ...], "label": int}``."""
@@ -103,6 +102,67 @@ class EvalResult:
         for slot, err in other.errors.items():
             self.errors.setdefault(slot, err)
         return self
+
+
+class Score(Protocol):
+    """Scores slots of a packed model on the same items; returns ``EvalResult`` (``metrics[slot][name]``)."""
+
+    def __call__(self, model: PackedModel, slots: Sequence[int], data: EvalData, **options: Any) -> EvalResult: ...
+
+
+def _no_families(opts: Any) -> dict[str, Callable[[str], str]]:
+    return {}
+
+
+def _no_check(opts: Any) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Evaluator:
+    """One evaluator: what an ``evaluators: [{name, options}]`` entry of a study file names.
+
+    ``evaluators.registry.EVALUATORS`` lists the built-in ones; a study may name a user's own as
+    ``path/to/file.py:OBJECT`` or ``package.module:OBJECT`` (``evaluators.registry.find``).
+    """
+
+    name: str
+    """The name a study file uses."""
+    options: type
+    """Its options dataclass: each field an option (its docstring is the reference's text); ``__post_init__``
+    raises ``ConfigError`` naming the key; a ``ClassVar`` ``ALIASES`` maps old option names to fields."""
+    score: Score
+    """``(model, slots, data, **options) -> EvalResult``: scores every slot on the same items."""
+    metrics: Callable[[Any], Mapping[str, str]]
+    """Options object -> metric name -> ``minimize`` / ``maximize``: the metrics an entry reports whose names its
+    options fix (what objectives, constraints and ``pruning.proxy`` may name)."""
+    reports: str
+    """The metric names in words, one line of the study-file reference (``docs/study_reference.py``)."""
+    families: Callable[[Any], Mapping[str, Callable[[str], str]]] = _no_families
+    """Options object -> name prefix -> direction of a metric under it, for names known only when it runs
+    (lm-eval's ``<task>.<metric>``)."""
+    check: Callable[[Any], None] = _no_check
+    """A load-time check beyond the options dataclass (``custom``: its function imports); raises ``ConfigError``."""
+
+    def load(self, options: Mapping[str, Any] | None = None) -> Any:
+        """The options object of an entry, checked; errors name ``<name>.options.<key>`` (one line).
+
+        Raises:
+            ConfigError: unknown option, a value the options reject, or a failed ``check``.
+        """
+        opts = make_options(self.options, dict(options or {}), self.name)
+        self.check(opts)
+        return opts
+
+    def direction(self, metric: str, opts: Any) -> str | None:
+        """``minimize`` / ``maximize`` of ``metric`` when an entry with options ``opts`` reports it, else None."""
+        fixed = self.metrics(opts)
+        if metric in fixed:
+            return fixed[metric]
+        for prefix, direction in self.families(opts).items():
+            if metric.startswith(prefix):
+                return direction(metric)
+        return None
 
 
 def load_eval_data(path: str | Path, tokenizer: Any, *, fmt: str = "auto", max_length: int = 512,
@@ -186,6 +246,12 @@ def make_options(cls: type[Any], options: Mapping[str, Any], evaluator: str) -> 
     Raises:
         ConfigError: unknown option, or a value the dataclass rejects.
     """
+    options = dict(options)
+    for alias, key in getattr(cls, "ALIASES", {}).items():  # an option's former name still reads
+        if alias in options:
+            if key in options:
+                raise ConfigError(f"{evaluator}.options.{alias}: is an alias of {key}; give one of them")
+            options[key] = options.pop(alias)
     known = sorted(f.name for f in fields(cls))
     unknown = sorted(set(options) - set(known))
     if unknown:
@@ -217,19 +283,19 @@ def routed(model: PackedModel, layout: PackLayout | None) -> Iterator[None]:
         model.state.layout = None
 
 
-def check_static_shapes(value: object) -> None:
-    """Raise ``ConfigError`` unless ``value`` is a valid ``static_shapes`` option: true, false or "auto"."""
+def check_batched(value: object) -> None:
+    """Raise ``ConfigError`` unless ``value`` is a valid ``batched`` option: true, false or "auto"."""
     if not (isinstance(value, bool) or value == "auto"):
-        raise ConfigError(f"static_shapes: must be true, false or auto (got {value!r})")
+        raise ConfigError(f"batched: must be true, false or auto (got {value!r})")
 
 
-def uses_static_shapes(option: StaticShapes, model: PackedModel) -> bool:
-    """Whether an evaluator's forwards ask for the static pack's fixed shapes (``packer.step.eval_graph``; it still
-    needs a
-    static store and a shape that fits). ``"auto"``: on CUDA, where one captured graph replays each forward; not on
-    the CPU, where nothing replays and the fixed shapes run every slot's rows through the base, scored or not, while
-    the per-batch path runs only the scored slots' rows (the demo study's evaluation on 2 cores: 161 s on the fixed
-    shapes, 48 s per batch; BENCHMARKS.md, "The real-model demo on a CPU")."""
+def uses_batched(option: Batched, model: PackedModel) -> bool:
+    """Whether an evaluator scores all slots' adapters together on the training pack's fixed shapes
+    (``packer.step.eval_graph``; it still needs the slot store and a shape that fits) rather than on the
+    per-adapter path. ``"auto"``: on CUDA, where one captured graph replays each forward; not on the CPU, where
+    nothing replays and the fixed shapes run every slot's rows through the base, scored or not, while the
+    per-adapter path runs only the scored adapters' rows (the demo study's evaluation on 2 cores: 161 s batched,
+    48 s per adapter; BENCHMARKS.md, "The real-model demo on a CPU")."""
     if option == "auto":
         return model.device.type == "cuda"
     return bool(option)

@@ -23,15 +23,16 @@ from lora_sweep.evaluators._core import (
     MC_FORMAT,
     EvalData,
     EvalResult,
+    Evaluator,
     check_format,
     chunks,
     make_options,
     pad_id,
     slot_layout,
 )
-from lora_sweep.packer.model.packed import PackedModel
+from lora_sweep.packer.api import PackedModel
 
-__all__ = ["ChoiceOptions", "multiple_choice", "choice_logprobs", "encode_pair", "METRICS"]
+__all__ = ["ChoiceOptions", "multiple_choice", "MULTIPLE_CHOICE", "choice_logprobs", "encode_pair", "METRICS"]
 
 METRICS = {"mc_acc": "maximize", "mc_acc_norm": "maximize"}
 
@@ -78,6 +79,11 @@ def multiple_choice(model: PackedModel, slots: Sequence[int], data: EvalData, **
         result.per_item[slot] = {"mc_acc": acc, "mc_acc_norm": acc_norm}
         result.samples[slot] = samples
     return result
+
+
+MULTIPLE_CHOICE = Evaluator("multiple_choice", ChoiceOptions, multiple_choice, metrics=lambda opts: dict(METRICS),
+                            reports="`mc_acc`, `mc_acc_norm`")
+"""The ``multiple_choice`` evaluator."""
 
 
 def _argmax(values: Sequence[float]) -> int:

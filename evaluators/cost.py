@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from lora_sweep.packer.model.packed import PackedModel
+from lora_sweep.packer.api import PackedModel
 
 __all__ = ["COST_METRICS", "adapter_params", "slot_adapter_params", "device_seconds", "memory_share",
            "cost_metrics"]

@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from lora_sweep.errors import ConfigError
-from lora_sweep.evaluators._core import EvalData, EvalResult, SlotEvalError, finite, make_options
+from lora_sweep.evaluators._core import EvalData, EvalResult, Evaluator, SlotEvalError, finite, make_options
 from lora_sweep.evaluators.generation import GenerationOptions, build_prompts, generate_texts
-from lora_sweep.packer.model.packed import PackedModel
+from lora_sweep.packer.api import PackedModel
 
-__all__ = ["CustomOptions", "custom", "load_function", "load_option_function"]
+__all__ = ["CustomOptions", "custom", "CUSTOM", "load_object", "load_function", "load_option_function"]
 
 _METRIC_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
@@ -69,11 +69,11 @@ class CustomOptions:
         return self.metric or self.function.rpartition(":")[2]
 
 
-def load_function(spec: str) -> Callable[..., Any]:
-    """Import ``module:function`` or ``file.py:function``.
+def load_object(spec: str, kind: str = "") -> Any:
+    """Import ``module:name`` or ``file.py:name`` and return that attribute (``kind`` names it in errors).
 
     Raises:
-        ConfigError: the module or file cannot be imported, or has no such callable (one line).
+        ConfigError: the module or file cannot be imported, or has no such attribute (one line).
     """
     target, _, name = spec.rpartition(":")
     try:
@@ -85,8 +85,21 @@ def load_function(spec: str) -> Callable[..., Any]:
         raise
     except Exception as err:  # a user module can fail to import in any way; report it in one line
         raise ConfigError(f"function: cannot import {target!r}: {type(err).__name__}: {err}") from None
-    fn = getattr(module, name, None)
+    obj = getattr(module, name, None)
+    if obj is None:
+        raise ConfigError(f"function: {target!r} has no {kind}{name!r}")
+    return obj
+
+
+def load_function(spec: str) -> Callable[..., Any]:
+    """Import ``module:function`` or ``file.py:function`` (``load_object``, which must give a callable).
+
+    Raises:
+        ConfigError: the module or file cannot be imported, or has no such callable (one line).
+    """
+    fn = load_object(spec, "callable ")
     if not callable(fn):
+        target, _, name = spec.rpartition(":")
         raise ConfigError(f"function: {target!r} has no callable {name!r}")
     return fn
 
@@ -149,6 +162,12 @@ def custom(model: PackedModel, slots: Sequence[int], data: EvalData, **options: 
             result.per_item[slot] = {opts.metric_name: items}
         result.samples[slot] = [{"generation": t} for t in texts[slot]]
     return result
+
+
+CUSTOM = Evaluator("custom", CustomOptions, custom, metrics=lambda opts: {opts.metric_name: opts.direction},
+                   reports="its `metric` option (default: the function's name)",
+                   check=load_option_function)
+"""The ``custom`` evaluator: a user's metric function over each slot's generations."""
 
 
 def _score(fn: Callable[..., Any], texts: list[str], rows: list[dict[str, Any]],

@@ -7,9 +7,11 @@ Prompts are left-padded; position ids count real tokens only (``cumsum(mask) - 1
 never leave the batch (a finished row keeps decoding into the void), so one layout is valid for the
 prefill and every ``(B, 1)`` step.
 
-While the pack trains on the static-shape step (``PackedModel.store``), greedy decoding runs on its fixed shapes
-instead (``packer.step.eval_graph``: prompts left-padded to a multiple of 16, a static KV cache, each decoding step one
-CUDA-graph replay, the tokens read once per chunk and cut where this loop would stop each row): the same tokens.
+That is the per-adapter path: each batch is sized to the scored adapters' rows. With ``batched`` on, while the
+pack trains on the fixed-shape step (``PackedModel.store``), greedy decoding of all slots' adapters runs on its fixed
+shapes instead (``packer.step.eval_graph``: prompts left-padded to a multiple of 16, a static KV cache, each decoding
+step one CUDA-graph replay, the tokens read once per chunk and cut where this loop would stop each row): the same
+tokens.
 
 Prompts are the training prompts: the rows go through ``packer.data.rows.tokenize_rows`` and the prompt is every
 token before the last response span (alpaca template, ``prompt``, or the chat template up to the last
@@ -21,32 +23,31 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
 from lora_sweep.errors import ConfigError, DataError
 from lora_sweep.evaluators._core import (
     TEXT_FORMATS,
+    Batched,
     EvalData,
     EvalResult,
-    StaticShapes,
+    Evaluator,
+    check_batched,
     check_format,
-    check_static_shapes,
     chunks,
     make_options,
     pad_id,
     routed,
     slot_layout,
-    uses_static_shapes,
+    uses_batched,
 )
 from lora_sweep.evaluators.scorers import SCORERS
-from lora_sweep.packer.data.rows import IGNORE_INDEX, tokenize_rows
-from lora_sweep.packer.model.packed import PackedModel
-from lora_sweep.packer.step import eval_graph
+from lora_sweep.packer.api import IGNORE_INDEX, PackedModel, eval_graph, tokenize_rows
 
-__all__ = ["GenerationOptions", "generation", "generate_ids", "generate_texts", "build_prompts", "references",
-           "METRICS"]
+__all__ = ["GenerationOptions", "generation", "GENERATION", "generate_ids", "generate_texts", "build_prompts",
+           "references", "METRICS"]
 
 METRICS = {name: "maximize" for name in SCORERS}
 
@@ -67,11 +68,12 @@ class GenerationOptions:
     """0: greedy. Above 0: sampling, each item with its own generator seeded by ``seed`` and its index."""
     seed: int = 0
     """Seed of sampling."""
-    static_shapes: bool | Literal["auto"] = "auto"
-    """True: greedy decoding while the pack trains on the static-shape step runs on fixed shapes, a static KV cache
-    and each decoding step replayed as one CUDA graph (``packer.step.eval_graph``); False: always the per-batch path,
-    which holds only the scored slots' rows; auto: true on CUDA, false on the CPU
-    (``evaluators._core.uses_static_shapes``)."""
+    batched: bool | Literal["auto"] = "auto"
+    """True: greedy decoding while the pack trains on the fixed-shape step scores all slots' adapters together on
+    its fixed shapes, a static KV cache and each decoding step replayed as one CUDA graph (``packer.step.eval_graph``);
+    False: always the per-adapter path, whose forwards hold only the scored adapters' rows; auto: true on CUDA, false
+    on the CPU (``evaluators._core.uses_batched``)."""
+    ALIASES: ClassVar[dict[str, str]] = {"static_shapes": "batched"}
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _strings(self.stop, "stop"))
@@ -86,7 +88,7 @@ class GenerationOptions:
                               f"(expected some of: {', '.join(SCORERS)})")
         if not (isinstance(self.temperature, int | float) and self.temperature >= 0):
             raise ConfigError(f"temperature: must be >= 0 (got {self.temperature!r})")
-        check_static_shapes(self.static_shapes)
+        check_batched(self.batched)
 
 
 def _strings(value: object, key: str) -> tuple[str, ...]:
@@ -112,7 +114,7 @@ def generation(model: PackedModel, slots: Sequence[int], data: EvalData, **optio
     prompts, refs = build_prompts(data), references(data)
     texts = generate_texts(model, slots, prompts, data.tokenizer, max_new_tokens=opts.max_new_tokens,
                            stop=opts.stop, batch_size=opts.batch_size, temperature=opts.temperature, seed=opts.seed,
-                           static_shapes=opts.static_shapes)
+                           batched=opts.batched)
     result = EvalResult()
     for slot in slots:
         scores = {name: [SCORERS[name](text, ref) for text, ref in zip(texts[slot], refs, strict=True)]
@@ -123,6 +125,12 @@ def generation(model: PackedModel, slots: Sequence[int], data: EvalData, **optio
                                  **{name: vals[i] for name, vals in scores.items()}}
                                 for i, (p, t, r) in enumerate(zip(prompts, texts[slot], refs, strict=True))]
     return result
+
+
+GENERATION = Evaluator("generation", GenerationOptions, generation,
+                       metrics=lambda opts: {s: METRICS[s] for s in opts.scorers},
+                       reports="the chosen `scorers` (" + ", ".join(f"`{s}`" for s in SCORERS) + ")")
+"""The ``generation`` evaluator."""
 
 
 def build_prompts(data: EvalData) -> list[list[int]]:
@@ -157,7 +165,7 @@ def references(data: EvalData) -> list[str]:
 def generate_texts(model: PackedModel, slots: Sequence[int], prompts: Sequence[Sequence[int]], tokenizer: Any, *,
                    max_new_tokens: int = 32, stop: Sequence[str] = (), batch_size: int = 8,
                    temperature: float = 0.0, seed: int = 0,
-                   static_shapes: StaticShapes = "auto") -> dict[int, list[str]]:
+                   batched: Batched = "auto") -> dict[int, list[str]]:
     """``generate_ids`` decoded (special tokens skipped) and cut before the first stop string.
 
     Returns:
@@ -169,7 +177,7 @@ def generate_texts(model: PackedModel, slots: Sequence[int], prompts: Sequence[S
 
     ids = generate_ids(model, slots, prompts, eos_id=tokenizer.eos_token_id, pad_id=pad_id(tokenizer),
                        max_new_tokens=max_new_tokens, batch_size=batch_size, should_stop=stopped if stop else None,
-                       temperature=temperature, seed=seed, static_shapes=static_shapes)
+                       temperature=temperature, seed=seed, batched=batched)
     return {slot: [_cut(tokenizer.decode(row, skip_special_tokens=True), stop) for row in rows]
             for slot, rows in ids.items()}
 
@@ -183,7 +191,7 @@ def _cut(text: str, stop: Sequence[str]) -> str:
 def generate_ids(model: PackedModel, slots: Sequence[int], prompts: Sequence[Sequence[int]], *, eos_id: int | None,
                  pad_id: int, max_new_tokens: int = 32, batch_size: int = 8,
                  should_stop: Callable[[list[int]], bool] | None = None, temperature: float = 0.0,
-                 seed: int = 0, static_shapes: StaticShapes = "auto") -> dict[int, list[list[int]]]:
+                 seed: int = 0, batched: Batched = "auto") -> dict[int, list[list[int]]]:
     """Every slot continues every prompt; one packed forward per decoding step.
 
     Args:
@@ -198,9 +206,9 @@ def generate_ids(model: PackedModel, slots: Sequence[int], prompts: Sequence[Seq
         temperature: 0 greedy; else sampling from ``softmax(logits / temperature)``.
         seed: sampling seed; item i draws from its own generator, so a slot samples the same
             answers packed or alone.
-        static_shapes: greedy decoding on the static pack's fixed shapes when it trains on them
-            (``packer.step.eval_graph``; "auto": on CUDA only, ``evaluators._core.uses_static_shapes``); the answers are
-            the same tokens.
+        batched: greedy decoding of all slots' adapters together on the training pack's fixed shapes when it trains
+            on them (``packer.step.eval_graph``; "auto": on CUDA only, ``evaluators._core.uses_batched``), else the
+            per-adapter path; the answers are the same tokens.
 
     Returns:
         slot -> generated ids of each prompt, in prompt order.
@@ -211,12 +219,12 @@ def generate_ids(model: PackedModel, slots: Sequence[int], prompts: Sequence[Seq
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token (e.g. BOS)")
     width = eval_graph.bucket(max(len(p) for p in prompts)) if prompts else 0
-    static = (uses_static_shapes(static_shapes, model) and temperature <= 0 and bool(prompts)
-              and eval_graph.available(model)
-              and eval_graph.generation_fits(model, width, max_new_tokens))
+    on_fixed_shapes = (uses_batched(batched, model) and temperature <= 0 and bool(prompts)
+                       and eval_graph.available(model)
+                       and eval_graph.generation_fits(model, width, max_new_tokens))
     for idx in chunks(len(prompts), batch_size):
         rows = [list(prompts[i]) for i in idx]
-        if static:
+        if on_fixed_shapes:
             tokens = eval_graph.greedy_decode(model, slots, rows, batch_size, width, max_new_tokens, pad_id,
                                               _cache_kwarg(model.model))
             for g, slot in enumerate(slots):

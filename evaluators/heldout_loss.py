@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -19,21 +19,18 @@ from lora_sweep.errors import ConfigError
 from lora_sweep.evaluators._core import (
     EvalData,
     EvalResult,
+    Evaluator,
+    check_batched,
     check_format,
-    check_static_shapes,
     chunks,
     make_options,
     pad_id,
-    uses_static_shapes,
+    uses_batched,
 )
 from lora_sweep.kernels.ops import PackLayout
-from lora_sweep.packer.data.batch import PackBatch, collate
-from lora_sweep.packer.data.rows import FORMATS, tokenize_rows
-from lora_sweep.packer.loss import slot_losses
-from lora_sweep.packer.model.packed import PackedModel
-from lora_sweep.packer.step import eval_graph
+from lora_sweep.packer.api import FORMATS, PackBatch, PackedModel, collate, eval_graph, slot_losses, tokenize_rows
 
-__all__ = ["HeldoutOptions", "heldout_loss", "METRICS"]
+__all__ = ["HeldoutOptions", "heldout_loss", "HELDOUT_LOSS", "METRICS"]
 
 METRICS = {"eval_loss": "minimize", "perplexity": "minimize"}
 
@@ -44,16 +41,17 @@ class HeldoutOptions:
 
     batch_size: int = 8
     """Held-out rows per slot in one forward (a forward holds ``batch_size * len(slots)`` rows)."""
-    static_shapes: bool | Literal["auto"] = "auto"
-    """True: while the pack trains on the static-shape step, run the forwards on its fixed shapes
+    batched: bool | Literal["auto"] = "auto"
+    """True: while the pack trains on the fixed-shape step, score all slots' adapters together on its fixed shapes
     (``packer.step.eval_graph``: rows padded to a multiple of 16, one CUDA graph on CUDA) when their logits fit
-    ``packer.step.eval_graph.LOGITS_BYTES``; False: always the per-batch path, which holds only the scored slots'
-    rows; auto: true on CUDA, false on the CPU (``evaluators._core.uses_static_shapes``)."""
+    ``packer.step.eval_graph.LOGITS_BYTES``; False: always the per-adapter path, whose forwards hold only the
+    scored adapters' rows; auto: true on CUDA, false on the CPU (``evaluators._core.uses_batched``)."""
+    ALIASES: ClassVar[dict[str, str]] = {"static_shapes": "batched"}
 
     def __post_init__(self) -> None:
         if not (isinstance(self.batch_size, int) and self.batch_size >= 1):
             raise ConfigError(f"batch_size: must be an integer >= 1 (got {self.batch_size!r})")
-        check_static_shapes(self.static_shapes)
+        check_batched(self.batched)
 
 
 def heldout_loss(model: PackedModel, slots: Sequence[int], data: EvalData, **options: Any) -> EvalResult:
@@ -81,12 +79,12 @@ def heldout_loss(model: PackedModel, slots: Sequence[int], data: EvalData, **opt
     tokens = [0.0] * n
     per_item: list[list[float]] = [[] for _ in slots]
     seq = eval_graph.bucket(max((len(e.input_ids) for e in examples), default=1))
-    static = (uses_static_shapes(opts.static_shapes, model) and bool(examples)
-              and eval_graph.heldout_fits(model, opts.batch_size, seq))
+    batched = (uses_batched(opts.batched, model) and bool(examples)
+               and eval_graph.heldout_fits(model, opts.batch_size, seq))
     with torch.no_grad():
         for idx in chunks(len(examples), opts.batch_size):
             rows: list[Any] = [examples[i] for i in idx]  # Example satisfies packer.data.batch.Row
-            if static:  # slot-major: slot g's item i at g * len(rows) + i
+            if batched:  # slot-major: slot g's item i at g * len(rows) + i
                 row_loss, row_tokens = eval_graph.row_losses(model, slots, rows, opts.batch_size, seq,
                                                              pad_id(data.tokenizer))
                 starts = [g * len(rows) for g in range(n)]
@@ -108,6 +106,11 @@ def heldout_loss(model: PackedModel, slots: Sequence[int], data: EvalData, **opt
         result.metrics[slot] = {"eval_loss": mean, "perplexity": math.exp(min(mean, 700.0))}
         result.per_item[slot] = {"eval_loss": per_item[g]}
     return result
+
+
+HELDOUT_LOSS = Evaluator("heldout_loss", HeldoutOptions, heldout_loss, metrics=lambda opts: dict(METRICS),
+                         reports="`eval_loss`, `perplexity`")
+"""The ``heldout_loss`` evaluator."""
 
 
 def _one_segment_per_row(batch: PackBatch) -> PackLayout:

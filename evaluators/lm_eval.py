@@ -5,7 +5,7 @@ The only module that imports ``lm_eval`` (the optional extra ``lora-sweep[eval]`
 slot's adapter; it is handed to lm-eval's ``HFLM`` as an already-built model (the pattern of torchtune's
 ``recipes/eleuther_eval.py``), one ``simple_evaluate`` per slot with one ``TaskManager``.
 
-Offline (../shared/notes/formats-and-eval.md §3): ``HF_HUB_OFFLINE``, ``HF_DATASETS_OFFLINE`` and ``HF_HOME``
+Offline, as lm-eval runs without a hub: ``HF_HUB_OFFLINE``, ``HF_DATASETS_OFFLINE`` and ``HF_HOME``
 (``<work_dir>/hf_home``) are set before ``datasets`` / ``lm_eval`` are imported (and ``datasets.config`` is
 updated if ``datasets`` was imported earlier); ``TaskManager(include_defaults=False)`` unless asked;
 ``bootstrap_iters=0``; ``log_samples=True`` for per-item results. Task data files must be absolute paths:
@@ -31,10 +31,10 @@ import torch
 from torch import nn
 
 from lora_sweep.errors import ConfigError, UserError
-from lora_sweep.evaluators._core import EvalData, EvalResult, make_options, slot_layout
-from lora_sweep.packer.model.packed import PackedModel
+from lora_sweep.evaluators._core import EvalData, EvalResult, Evaluator, make_options, slot_layout
+from lora_sweep.packer.api import PackedModel
 
-__all__ = ["LmEvalOptions", "SlotView", "run_lm_eval", "task_names", "metric_direction", "INSTALL_HINT"]
+__all__ = ["LmEvalOptions", "SlotView", "run_lm_eval", "LM_EVAL", "task_names", "metric_direction", "INSTALL_HINT"]
 
 INSTALL_HINT = "the lm_eval evaluator needs lm-eval: pip install 'lora-sweep[eval]'"
 _LOWER_IS_BETTER = {"perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte"}
@@ -277,6 +277,15 @@ def run_lm_eval(model: PackedModel, slots: Sequence[int], data: EvalData, **opti
                 raise ConfigError(f"lm_eval.options.tasks: {err.args[0] if err.args else err}") from None
         _collect(out, slot, result)
     return result
+
+
+def _task_families(opts: LmEvalOptions) -> dict[str, Any]:
+    return {f"{task}.": metric_direction for task in task_names(opts)}
+
+
+LM_EVAL = Evaluator("lm_eval", LmEvalOptions, run_lm_eval, metrics=lambda opts: {}, families=_task_families,
+                    reports="`<task>.<metric>` (`.<filter>` appended unless the filter is `none`)")
+"""The ``lm_eval`` evaluator: its metric names are known from its tasks when it runs."""
 
 
 @contextmanager

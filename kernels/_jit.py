@@ -46,10 +46,11 @@ _COMPILER_KEY: threading.Thread | None = None
 def hash_compiler_early() -> None:
     """Start computing Triton's compiler hash on a daemon thread; the process's first compile then finds it done.
 
-    Every compile's cache key includes ``triton_key()``: a SHA-256 of Triton's own sources and of libtriton
-    (~500 MB), computed once per process at the first compile or cache lookup (0.4-0.5 s of the H200 host's first
-    precompile, py-spy). Reading and hashing in large blocks release the GIL, so on a thread it overlaps the
-    Python work that comes before the first kernel (imports, loading the model). Off under the interpreter."""
+    Every compile's cache key includes ``triton_key()``: a SHA-256 of Triton's own sources and of libtriton (~500 MB),
+    computed once per process at the first compile or cache lookup (a measurable part of the first precompile:
+    BENCHMARKS.md, "A GPU run's start-up and exit"). Reading and hashing in large blocks release the GIL, so on a thread
+    it overlaps the Python work that comes before the first kernel (imports, loading the model). Off under the
+    interpreter."""
     global _COMPILER_KEY
     if _COMPILER_KEY is not None or INTERPRET:
         return
@@ -102,11 +103,11 @@ def run_in(context: Context | None, fn: Callable[..., object], *args: object) ->
 def precompile(run: Callable[[], object], threads: int = PRECOMPILE_THREADS) -> None:
     """Compile the kernel variants that ``run`` launches, ``threads`` at a time, and return when all are ready.
 
-    ``run`` executes with every launch of the kernel modules replaced by a warm-up (the kernel's own ``warmup``:
-    same arguments, so the same specialization, compiled and cached but not launched), so it should work on
-    placeholder tensors whose values nobody reads. Without this, a step compiles its variants one after
-    another as it reaches them: four or more on a cold cache, ~1-2 s each on an H200 host. Then the compiled
-    kernels are loaded (``_load``), in parallel too.
+    ``run`` executes with every launch of the kernel modules replaced by a warm-up (the kernel's own ``warmup``: same
+    arguments, so the same specialization, compiled and cached but not launched), so it should work on placeholder
+    tensors whose values nobody reads. Without this, a step compiles its variants one after another as it reaches them:
+    four or more on a cold cache, each taking seconds (BENCHMARKS.md, "A GPU run's start-up and exit"). Then the
+    compiled kernels are loaded (``_load``), in parallel too.
     """
     try:  # Triton's own parallel compile: warm-ups inside the mode go to the executor
         from triton.runtime._async_compile import AsyncCompileMode
@@ -130,11 +131,11 @@ def precompile(run: Callable[[], object], threads: int = PRECOMPILE_THREADS) -> 
 def _load(warmed: list, threads: int) -> None:
     """Load what the warm-ups compiled, ``threads`` kernels at a time: each kernel's launcher and module.
 
-    A warm-up compiles a kernel but does not load it; its first launch does (``CompiledKernel._init_handles``).
-    Triton 3.6 builds that launcher, a C extension per kernel signature, with the system C compiler, one
-    after another in the first step on an empty cache (loading them here took the H200's cold W3 first step
-    from 7.4 to 5.6 s). The compiler runs in a subprocess, so threads overlap. A kernel that fails to load
-    is left to its launch, which raises the same error where it belongs.
+    A warm-up compiles a kernel but does not load it; its first launch does (``CompiledKernel._init_handles``). Triton
+    3.6 builds that launcher, a C extension per kernel signature, with the system C compiler, one after another in the
+    first step on an empty cache (loading them here shortens a cold first step: BENCHMARKS.md, "A GPU run's start-up and
+    exit"). The compiler runs in a subprocess, so threads overlap. A kernel that fails to load is left to its launch,
+    which raises the same error where it belongs.
     """
     try:
         from triton.runtime._async_compile import FutureKernel

@@ -81,13 +81,13 @@ POS_BITS = 20
 """Dropout counters use ``(local_row << POS_BITS) + position``: independent of the packed ``L``."""
 
 BLOCK_M = 64
-"""Tokens per tile of the shrink and expand kernels (kernels.md §3: BM=64 measured best on H200)."""
+"""Tokens per tile of the shrink and expand kernels: the fastest tried (BENCHMARKS.md, "Kernel tiles, operand dtypes
+and the fused norms")."""
 CHUNK_TOKENS = 2048
 """Tokens per weight-gradient partial sum. A constant (not derived from the pack) so a slot's
 reduction order, and hence its gradient bits, do not depend on which slots share the pack. 2048 rather
-than 1024: a slot of up to 2048 tokens then needs no partial-sum buffer and no reduction after the kernel
-(``python -m lora_sweep.benchmarks.gpu_kernels``, H200, T=16384, 8 slots of 2048 tokens, no dropout: 49 vs 56 us per
-weight gradient at D=4096, 131 vs 147 us at D=14336)."""
+than 1024: a slot of up to 2048 tokens then needs no partial-sum buffer and no reduction after the kernel, which
+makes the weight gradient faster (BENCHMARKS.md, "Kernel tiles, operand dtypes and the fused norms")."""
 
 
 class SegmentMeta(NamedTuple):

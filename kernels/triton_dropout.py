@@ -72,12 +72,11 @@ def keep_scale(seg_int_ptr, seg_flt_ptr, seg, tok, col0, seq_len, d_in, layer_id
     columns ``col0 + arange(BC)`` (col0 a multiple of 4). Column c uses word c % 4 of counter c // 4: one Philox
     call per 4 columns, the layer id as the third counter word; u = the word mapped to [0, 1) as ``tl.rand``.
 
-    A segment with p = 0 (a slot without dropout in a call where some slot has it, as every call of a
-    pack with dropout is) gets exactly 1 without drawing: u >= 0 always holds and 1 / (1 - 0) is 1, so the
-    branch changes no value, only skips those programs' Philox rounds. Measured on the H200 SmolLM2-shaped
-    16-slot pack with dropout on every other slot (``python -m lora_sweep.benchmarks.gpu_graph``): the LoRA kernels
-    took 20.4
-    ms per step with it, 19.9 without (noise): a launch lasts as long as its slowest tiles, which draw."""
+    A segment with p = 0 (a slot without dropout in a call where some slot has it, as every call of a pack with
+    dropout is) gets exactly 1 without drawing: u >= 0 always holds and 1 / (1 - 0) is 1, so the branch changes no
+    value, only skips those programs' Philox rounds. In the SmolLM2-shaped 16-slot pack with dropout on every other slot
+    it gains nothing measurable (BENCHMARKS.md, "Kernel tiles, operand dtypes and the fused norms"): a launch lasts as
+    long as its slowest tiles, which draw."""
     p = tl.load(seg_flt_ptr + seg * SF + SF_P)
     n: tl.constexpr = tok.shape[0]
     mult = tl.full((n, BC), 1.0, tl.float32)
@@ -194,9 +193,8 @@ def dropout_mask(meta: SegmentMeta, n_tokens: int, d_in: int, device: torch.devi
 KEEP_WORDS_PER_PROGRAM = 1
 """Words (of 32 columns) per program of ``_keep_bits_kernel``: 32 columns of a 64-token tile, 512 Philox calls.
 Few columns per program: the kernel is Philox-bound, and a small pack's grid is narrow (96 tiles), so the draws
-need many programs to hide their latency. H200, SmolLM2-shaped 16 x 8 x 48 pack (``python -m
-lora_sweep.benchmarks.gpu_graph
---tile-variants``): 3.71 / 2.69 / 1.98 ms of keep bits per step at 8 / 2 / 1 words per program."""
+need many programs to hide their latency: in the SmolLM2-shaped 16 x 8 x 48 pack one word per program is the
+fastest of 8, 2 and 1 (BENCHMARKS.md, "Kernel tiles, operand dtypes and the fused norms")."""
 
 
 def keep_bits(meta: SegmentMeta, x: torch.Tensor) -> torch.Tensor:

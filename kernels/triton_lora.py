@@ -100,11 +100,9 @@ def operand_dtype(act: torch.dtype) -> torch.dtype:
 
 def _expand_operand(w: torch.Tensor, act: torch.dtype) -> torch.Tensor:
     """``w`` in the dtype the expand kernel's ``tl.dot`` reads it in: cast once here (a (R, D) tensor) rather
-    than in each of its (T / BM) x (D / BN) programs. The same rounding, so the same bits; on an H200 the
-    expand takes 56 instead of 66 us at T=16384, D=4096 and 178 instead of 216 us at D=14336
-    (``python -m lora_sweep.benchmarks.gpu_kernels``). The Function saves the fp32 masters, not the copy: no memory is
-    kept
-    for the backward, which casts again."""
+    than in each of its (T / BM) x (D / BN) programs. The same rounding, so the same bits, and a faster expand
+    (BENCHMARKS.md, "Kernel tiles, operand dtypes and the fused norms"). The Function saves the fp32 masters, not the
+    copy: no memory is kept for the backward, which casts again."""
     dot_dtype, _ = _dot_config(act, cast_to_act=True)
     return w if dot_dtype == tl.float32 or w.dtype == act else w.to(act)
 

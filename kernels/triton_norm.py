@@ -6,11 +6,11 @@ Math, per token row x (D features), as transformers' ``LlamaRMSNorm`` computes i
     y    = w * round_in(x * rstd)                    round_in: to x's dtype, as the module's ``.to(input_dtype)``
     dx   = rstd * (g - xhat * mean(g * xhat)),  g = dy * w, xhat = x * rstd       (rounding passed straight through)
 
-Eager PyTorch spends ~6 kernels and ~14 passes over fp32 copies of x on it forward and backward, and keeps a
-fp32 copy of x for the backward; these read x once forward (write y once) and x, dy once backward (write dx
-once), and keep only x and rstd. On a Llama-3-8B step of 8 x 1024 tokens the eager norms were ~15% of the
-base's kernel time on an H200 (BENCHMARKS.md). The weight is the frozen base's: its gradient, when asked
-for, comes from a PyTorch expression, not a kernel.
+Eager PyTorch spends ~6 kernels and ~14 passes over fp32 copies of x on it forward and backward, and keeps a fp32 copy
+of x for the backward; these read x once forward (write y once) and x, dy once backward (write dx once), and keep only x
+and rstd. On a Llama-3-8B step the eager norms are a large share of the base's kernel time (BENCHMARKS.md, "Kernel
+tiles, operand dtypes and the fused norms"). The weight is the frozen base's: its gradient, when asked for, comes from a
+PyTorch expression, not a kernel.
 
 Shape legend: T rows (tokens, all leading dims flattened), D features, BD = next power of 2 >= D, BM rows per
 program (more for narrow rows, so a program moves a few KB). Kernels call Triton builtins only (``tl.reduce``

@@ -17,7 +17,7 @@ column count of H (power of 2 >= 16, >= max rank; a runtime ``h_stride`` in the 
 one compiled variant serves every pack width), D_in / D_out features, K =
 reduced feature dim.
 
-Kernels (kernels.md §4), all driven by host-built tables (``kernels._launch.SegmentMeta``):
+Kernels, all driven by host-built tables (``kernels._launch.SegmentMeta``):
 
 - ``_seg_shrink_kernel``: grid (token tiles, rank tiles of BR columns). A rank tile at or past r_g exits at
   once, so a rank-8 slot in a pack with a rank-128 slot costs one BR tile, not R_PAD columns.
@@ -66,9 +66,8 @@ __all__ = ["seg_expand_add", "seg_shrink", "seg_wgrad"]
 _EXPAND_BR = 16  # rank chunk of the expand loop: the smallest tl.dot K, so a slot pays for ceil(r_g / 16) chunks
 WGRAD_BLOCK_N = 128
 """Feature tile of the weight gradient. Its grid is (chunks, D / BN, rank tiles), only 32-200 programs for a small
-pack (16 segments of 384 tokens, one chunk each, D = 192..1536), yet a narrower tile does not pay: H200,
-SmolLM2-shaped 16 x 8 x 48 pack, 5.39 ms of weight gradients per step at BN = 128, 5.98 at 64
-(``python -m lora_sweep.benchmarks.gpu_graph --tile-variants``)."""
+pack (16 segments of 384 tokens, one chunk each, D = 192..1536), yet a narrower tile does not pay: 64 is slower
+in the SmolLM2-shaped 16 x 8 x 48 pack (BENCHMARKS.md, "Kernel tiles, operand dtypes and the fused norms")."""
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -210,10 +209,10 @@ def _seg_wgrad_kernel(
 def _dot_config(act: torch.dtype, *, cast_to_act: bool) -> tuple[tl.dtype, str]:
     """Operand dtype and fp32 precision of ``tl.dot``.
 
-    fp32 activations (and the interpreter, whose bf16 ``tl.dot`` is wrong, kernels.md §7) use exact fp32.
-    16-bit activations: shrink and expand cast both operands (fp32 master weights, fp32 H) to the activation
-    dtype, the rounding PEFT's bf16 path has too; fp32 operands run 2x slower there on an H200 (expand 191 vs
-    92 us at T=16384, 4096 -> 4096). The weight gradient keeps H in fp32 and uses tf32.
+    fp32 activations (and the interpreter, whose bf16 ``tl.dot`` is wrong) use exact fp32. 16-bit activations: shrink
+    and expand cast both operands (fp32 master weights, fp32 H) to the activation dtype, the rounding PEFT's bf16 path
+    has too; fp32 operands run about 2x slower there (BENCHMARKS.md, "Kernel tiles, operand dtypes and the fused
+    norms"). The weight gradient keeps H in fp32 and uses tf32.
     """
     if act == torch.float32 or INTERPRET:
         return tl.float32, "ieee"
@@ -224,11 +223,10 @@ def _launch_config(dropout: bool) -> tuple[int, int]:
     """(tile, pipeline stages) of the two kernels that stream a (T, D) input: the shrink's K tile is twice the
     tile, the weight gradient's token step is the tile.
 
-    Measured on an H200 by ``python -m lora_sweep.benchmarks.gpu_kernels`` (T=16384, 8 slots, r=16, bf16;
-    BENCHMARKS.md):
-    without dropout (64, 3) is within 1 us of the best tried. With dropout the kernels drew their masks then, and
-    the Philox rounds made (32, 4) win; they read the mask's bits now (one int32 per 32 columns), so dropout
-    takes the same tiles (``dropout`` stays an argument for the benchmark that sweeps them).
+    Measured by ``python -m lora_sweep.benchmarks.gpu_kernels`` (BENCHMARKS.md, "Kernel tiles, operand dtypes and the
+    fused norms"): without dropout (64, 3) is within a microsecond of the best tried. With dropout the kernels drew
+    their masks then, and the Philox rounds made (32, 4) win; they read the mask's bits now (one int32 per 32 columns),
+    so dropout takes the same tiles (``dropout`` stays an argument for the benchmark that sweeps them).
     """
     return (64, 3)
 

@@ -1,4 +1,4 @@
-"""Per-slot cross-entropy: ``slot_losses`` from full logits (evaluation's dynamic batches), and chunked, without them.
+"""Per-slot cross-entropy: ``slot_losses`` from full logits (evaluation's per-adapter path), and chunked, without them.
 
 The plain path computes ``(B, L, V)`` logits, then an fp32 copy for the cross-entropy; with a large
 vocabulary (152k for Qwen2) that is the biggest activation of a step, and autograd keeps the fp32

@@ -24,13 +24,13 @@ from lora_sweep.kernels.ops import PackLayout
 from lora_sweep.packer.data.rows import Example
 from lora_sweep.packer.loss import chunked_slot_losses
 from lora_sweep.packer.model.packed import PackedModel
+from lora_sweep.packer.model.store import rank_bucket_for
 from lora_sweep.packer.plan import (
     ADAPTER_BYTES_PER_PARAM,
     AdapterSpec,
     MemoryModel,
     adapter_param_count,
 )
-from lora_sweep.packer.step.loop import rank_bucket_for
 from lora_sweep.packer.step.train import FixedBatch, SlotJob, chunk_tokens_of, train
 
 __all__ = ["peak_memory", "calibrate", "available_memory", "model_bytes", "plain_param_bytes", "PROBE_STEPS"]
@@ -178,7 +178,7 @@ def calibrate(pm: PackedModel, seq_len: int, *, rows: tuple[int, int] = (1, 2), 
             _step(pm, spec, examples, pad_id, steps, options)
         timed: list[float] = []
         peak = peak_memory(lambda: timed.append(_step(pm, spec, examples, pad_id, steps, options)), pm)  # noqa: B023
-        # the step's store holds every slot at the pack's rank bucket (``loop.rank_bucket_for``)
+        # the step's store holds every slot at the pack's rank bucket (``store.rank_bucket_for``)
         params = PROBE_SLOTS * adapter_param_count([(layer.in_features, layer.out_features)
                                                     for layer in pm.layers.values()], rank_bucket_for(rank))
         # per token, one column per row of its slot's rank bucket (the Triton kernels' h, the torch path's batched h)

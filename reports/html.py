@@ -207,8 +207,8 @@ def build_report(study_dir: str | Path, report_dir: str | Path | None = None) ->
 def preload() -> None:
     """Import what ``write_report`` loads lazily: Optuna's visualization package (it imports matplotlib too, where
     installed), scipy.stats (the bootstrap of the gain over the default) and plotly's layout classes (made with
-    the first figure). ``sweep run`` calls this on a thread while its pack trains, to take the ~1 s they cost on
-    an H200 host off the report written after the run."""
+    the first figure). ``sweep run`` calls this on a thread while its pack trains, to take the second they cost on
+    a GPU host off the report written after the run (BENCHMARKS.md, "A GPU run's start-up and exit")."""
     import optuna.visualization  # noqa: F401
     import scipy.stats  # noqa: F401
 

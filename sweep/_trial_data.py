@@ -12,12 +12,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from lora_sweep.evaluators.registry import load_eval_data
-from lora_sweep.packer.data.packing import batches_per_epoch, slot_stream
-from lora_sweep.packer.data.rows import Example, read_jsonl
-from lora_sweep.packer.model.packed import PackedModel
-from lora_sweep.packer.plan import AdapterSpec
-from lora_sweep.packer.step.isolation import check_sample_packing
-from lora_sweep.packer.step.train import BatchSource, target_tokens
+from lora_sweep.packer.api import (
+    AdapterSpec,
+    BatchSource,
+    Example,
+    PackedModel,
+    batches_per_epoch,
+    check_sample_packing,
+    read_jsonl,
+    slot_stream,
+    target_tokens,
+)
 from lora_sweep.sweep.config.spec import StudySpec
 
 __all__ = ["epoch_steps", "trial_adapter", "trial_stream", "planned_tokens", "check_packing", "check_data"]

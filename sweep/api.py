@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lora_sweep.sweep.store import ResultsStore, StudyDir, TrialRecord, is_feasible, pareto_front
+from lora_sweep.sweep.store import ResultsStore, StudyDir, TrialRecord
+from lora_sweep.sweep.store.feasibility import best_trials
 
 if TYPE_CHECKING:
     from lora_sweep.sweep.config.spec import StudySpec
@@ -51,28 +51,42 @@ def run(study: StudySpec | str | Path, overrides: Sequence[str] = (), *, out: st
     configured logging itself (``logging.getLogger("lora_sweep").setLevel(logging.WARNING)`` silences them, as
     ``optuna.logging.set_verbosity`` does Optuna's). ``allow_changes``: resume even if a fixed setting
     (e.g. ``train.max_steps``) differs from the one the study started with. ``gpus``: the ranks of a sharded
-    pack (``packing.shard: fsdp``; default 1), this process rank 0 (``sweep.ranks.run_ranks``).
+    pack (``pack.shard: fsdp``; default 1), this process rank 0 (``sweep.ranks.run_ranks``). The study's
+    ``trackers:`` log it from a thread of their own (``sweep.trackers``); with them, the HTML report is written at
+    the end for their parent runs (``summary.report``).
 
     Raises:
-        UserError: ``gpus`` without ``packing.shard: fsdp``, or more than the visible devices.
+        UserError: ``gpus`` without ``pack.shard: fsdp``, or more than the visible devices.
     """
     from lora_sweep.errors import UserError
     from lora_sweep.sweep.study import run_study
+    from lora_sweep.sweep.trackers.sync import start as start_tracking
 
     if isinstance(study, str | Path):
         spec = load_study(study, overrides, out=out)
     else:
         spec = study if out is None else dataclasses.replace(study, output=Path(out))
     say = log or _logger().info
-    if spec.packing.shard != "fsdp":
-        if gpus is not None:
-            raise UserError(f"--gpus {gpus} (gpus={gpus} in the API): needs packing.shard: fsdp (one pack over N "
-                            f"GPUs); sweep run --workers N runs a pack per GPU")
-        return run_study(spec, progress=progress, log=say, allow_changes=allow_changes)
-    from lora_sweep.sweep.ranks import run_ranks
+    if spec.pack.shard != "fsdp" and gpus is not None:
+        raise UserError(f"--gpus {gpus} (gpus={gpus} in the API): needs pack.shard: fsdp (one pack over N "
+                        f"GPUs); sweep run --workers N runs a pack per GPU")
+    tracking = start_tracking(spec, say)
+    finished = False
+    try:
+        if spec.pack.shard != "fsdp":
+            summary = run_study(spec, progress=progress, log=say, allow_changes=allow_changes)
+        else:
+            from lora_sweep.sweep.ranks import run_ranks
 
-    return run_ranks(spec, gpus or 1, lambda channel: run_study(spec, progress=progress, log=say,
-                                                                allow_changes=allow_changes, ranks=channel))
+            summary = run_ranks(spec, gpus or 1, lambda channel: run_study(
+                spec, progress=progress, log=say, allow_changes=allow_changes, ranks=channel))
+        finished = not summary.already_spent and summary.end_reason not in ("interrupt", "sigterm", "error")
+    finally:
+        if tracking is not None:
+            report = tracking.finish(finished, report=lambda: write_report(spec.out_dir))
+    if tracking is not None:
+        summary.report = report
+    return summary
 
 
 def _logger() -> logging.Logger:
@@ -114,13 +128,8 @@ class Results:
         objective), as Optuna's ``study.best_trials``; with ``feasible``, among those meeting the study's
         constraints when any does (Optuna's rule for constrained studies)."""
         meta = self.meta()
-        directions, constraints = meta.get("directions", []), list(meta.get("constraints") or [])
-        done = [t for t in self.trials("COMPLETE") if t.objective_values and len(t.objective_values) == len(directions)
-                and all(v is not None and math.isfinite(v) for v in t.objective_values)]
-        if feasible and constraints and any(is_feasible(t.metrics, constraints) for t in done):
-            done = [t for t in done if is_feasible(t.metrics, constraints)]
-        front = set(pareto_front([(t.number, [float(v) for v in t.objective_values]) for t in done], directions))
-        return [t for t in done if t.number in front]
+        return best_trials(self.trials("COMPLETE"), meta.get("directions", []), list(meta.get("constraints") or []),
+                           feasible)
 
     def status(self) -> dict[str, Any]:
         """What ``sweep status --json`` prints: counts by state, best trials, the Pareto front, packs."""

@@ -17,8 +17,7 @@ from typing import Protocol
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from lora_sweep.packer.data.rows import Example, SlotStream
-from lora_sweep.packer.step.train import target_tokens
+from lora_sweep.packer.api import Example, SlotStream, target_tokens
 from lora_sweep.sweep.config.space import GridSearch
 from lora_sweep.sweep.config.spec import StudySpec
 from lora_sweep.sweep.ledger import FINISHED, orphans, storage_url

@@ -19,13 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lora_sweep.packer.plan import ALL_LINEAR, MemoryModel, adapter_param_count
+from lora_sweep.packer.api import ALL_LINEAR, MemoryModel, adapter_param_count
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from lora_sweep.packer.model.packed import PackedModel
-    from lora_sweep.packer.model.shard import BaseShare
+    from lora_sweep.packer.api import BaseShare, PackedModel
     from lora_sweep.sweep.config.spec import StudySpec
 
 __all__ = ["BaseShape", "calibrated", "cached_calibration", "cache_dir", "calibration_key", "CALIBRATION_VERSION",
@@ -56,8 +55,7 @@ class BaseShape:
     def of(cls, model: nn.Module, worlds: Iterable[int] = SHARD_WORLDS) -> BaseShape:
         """Read the shape of ``model`` (wrapped by a pack or not)."""
         from lora_sweep.errors import ConfigError
-        from lora_sweep.packer.model.inject import linear_shape, projection_names
-        from lora_sweep.packer.probe import plain_param_bytes
+        from lora_sweep.packer.api import linear_shape, plain_param_bytes, projection_names
 
         projections = []
         for path, leaf in projection_names(model).items():
@@ -67,7 +65,7 @@ class BaseShape:
         shares: dict[int, BaseShare] = {}
         try:
             if worlds := tuple(worlds):
-                from lora_sweep.packer.model.shard import base_share
+                from lora_sweep.packer.api import base_share
 
                 shares = {w: base_share(model, w) for w in worlds}
         except ConfigError:
@@ -117,7 +115,7 @@ def calibrated(spec: StudySpec, pm: PackedModel, calibrations: int = 1,
     """The study's calibrated memory models (``calibrations`` of them) and a line saying where they came from:
     the cache when it holds as many for this model, device and shape, else measured now (one line through
     ``log`` first, as it takes a while) and cached with the base's shape."""
-    from lora_sweep.packer.probe import PROBE_STEPS, calibrate
+    from lora_sweep.packer.api import PROBE_STEPS, calibrate
 
     cached = cached_calibration(spec, str(pm.device), calibrations)
     if cached is not None:
@@ -127,8 +125,8 @@ def calibrated(spec: StudySpec, pm: PackedModel, calibrations: int = 1,
             f"{spec.data.max_length} tokens (cached for the next plan or run)")
     shape = BaseShape.of(pm.model)  # before the probes: they wrap the projections, the shape is the same
     t0 = time.perf_counter()
-    models = [calibrate(pm, spec.data.max_length, pad_id=0, chunked_ce=spec.packing.chunked_ce,
-                        activation_checkpointing=spec.packing.activation_checkpointing,
+    models = [calibrate(pm, spec.data.max_length, pad_id=0, chunked_ce=spec.pack.chunked_ce,
+                        activation_checkpointing=spec.pack.activation_checkpointing,
                         optimizer_in_backward=spec.train.optimizer_in_backward) for _ in range(calibrations)]
     seconds = time.perf_counter() - t0
     key = calibration_key(spec, str(pm.device))
@@ -179,9 +177,9 @@ def calibration_key(spec: StudySpec, device: str) -> dict[str, Any]:
         device = f"cuda {torch.cuda.get_device_name(where)}"
     return {"version": CALIBRATION_VERSION, "model": _files(spec.model.path, spec.model.gguf_file),
             "dtype": spec.model.dtype, "quantize": spec.model.quantize, "device": device,
-            "kernels": spec.packing.kernels, "fused_base_ops": spec.packing.fused_base_ops,
-            "seq_len": spec.data.max_length, "chunked_ce": spec.packing.chunked_ce,
-            "activation_checkpointing": spec.packing.activation_checkpointing,
+            "kernels": spec.pack.kernels, "fused_base_ops": spec.pack.fused_base_ops,
+            "seq_len": spec.data.max_length, "chunked_ce": spec.pack.chunked_ce,
+            "activation_checkpointing": spec.pack.activation_checkpointing,
             "optimizer_in_backward": spec.train.optimizer_in_backward, "torch": torch.__version__,
             "threads": torch.get_num_threads()}
 

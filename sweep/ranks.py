@@ -1,4 +1,4 @@
-"""One pack over several processes (``packing.shard: fsdp``): rank 0 leads the study, the other ranks follow it.
+"""One pack over several processes (``pack.shard: fsdp``): rank 0 leads the study, the other ranks follow it.
 
 Every rank holds a shard of the frozen base (``packer.model.shard.shard_base``) and runs the same
 ``packer.step.train.train``
@@ -36,11 +36,7 @@ import torch.multiprocessing as mp
 
 from lora_sweep.errors import UserError
 from lora_sweep.evaluators.registry import evaluate, load_eval_data
-from lora_sweep.packer.data.rows import load_examples
-from lora_sweep.packer.model.packed import PackedModel
-from lora_sweep.packer.model.shard_load import load_sharded
-from lora_sweep.packer.step.jobs import SlotEnd, SlotJob, StepReport
-from lora_sweep.packer.step.train import train
+from lora_sweep.packer.api import PackedModel, SlotEnd, SlotJob, StepReport, load_examples, load_sharded, train
 from lora_sweep.sweep._trial_data import trial_stream
 from lora_sweep.sweep.config.spec import StudySpec
 from lora_sweep.sweep.store import StudyDir
@@ -142,8 +138,8 @@ def follow(spec: StudySpec, channel: Channel) -> None:
     pack rank 0 starts (``pack``: its capacity, pad id and ``train`` options) until it sends ``end``."""
     device = "cpu" if spec.model.device == "cpu" else "cuda"  # this rank's GPU, made current by whoever started it
     loaded = load_sharded(spec.model.path, gguf_file=spec.model.gguf_file, dtype=spec.model.dtype, device=device,
-                          quantize=spec.model.quantize, impl=spec.packing.kernels,
-                          fused_base_ops=spec.packing.fused_base_ops)
+                          quantize=spec.model.quantize, impl=spec.pack.kernels,
+                          fused_base_ops=spec.pack.fused_base_ops)
     pm, tokenizer = loaded.pm, loaded.tokenizer
     d = spec.data
     examples = load_examples(d.train, tokenizer, fmt=d.format, max_length=d.max_length,
@@ -263,7 +259,7 @@ def torchrun_channel(spec: StudySpec) -> Channel | None:
     """Join the ranks ``torchrun`` (or Slurm through it) started, from its environment (``RANK``, ``WORLD_SIZE``,
     ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``); None when not started so (one process)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if spec.packing.shard != "fsdp" or "RANK" not in os.environ:
+    if spec.pack.shard != "fsdp" or "RANK" not in os.environ:
         return None
     local = int(os.environ.get("LOCAL_RANK", "0"))
     backend = rank_backend(spec, int(os.environ.get("LOCAL_WORLD_SIZE", world)))

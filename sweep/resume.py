@@ -24,9 +24,7 @@ from optuna.trial import TrialState
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.evaluators.registry import metrics_of
-from lora_sweep.packer.model.gguf import gguf_source
-from lora_sweep.packer.model.packed import PackedModel, load_base, prepare_kernels, resolve_base
-from lora_sweep.packer.model.shard_load import load_sharded
+from lora_sweep.packer.api import PackedModel, gguf_source, load_base, load_sharded, prepare_kernels, resolve_base
 from lora_sweep.sweep.budget import counted
 from lora_sweep.sweep.config.spec import StudySpec
 from lora_sweep.sweep.device import resolve_device
@@ -52,7 +50,7 @@ def open_session(spec: StudySpec, *, log: Callable[[str], None] = print, sharing
     """
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # our progress and store say what happened
     device = resolve_device(spec.model.device)  # before anything is created: a user error leaves no trace
-    if spec.packing.shard == "fsdp":
+    if spec.pack.shard == "fsdp":
         _check_shard(spec)
     sdir = StudyDir(spec.out_dir)
     lock = None if sharing is not None else own_directory(sdir, log)
@@ -73,23 +71,23 @@ def _check_shard(spec: StudySpec) -> None:
             once per model: ``packer.step.isolation``).
     """
     if not dist.is_initialized():
-        raise ConfigError("packing.shard: fsdp: the ranks of a sharded pack are not started: run it with sweep run "
+        raise ConfigError("pack.shard: fsdp: the ranks of a sharded pack are not started: run it with sweep run "
                           "--gpus N (api.run(..., gpus=N)) or sweep worker under torchrun")
     if spec.train.sample_packing or any(p.name == "sample_packing" for p in spec.search.params):
-        raise ConfigError("packing.shard: fsdp does not take sample packing (train.sample_packing or a searched "
+        raise ConfigError("pack.shard: fsdp does not take sample packing (train.sample_packing or a searched "
                           "sample_packing): its isolation check runs forwards on one rank")
 
 
 def _capacity(spec: StudySpec, pm: PackedModel, log: Callable[[str], None], split: WallSplit) -> int:
-    """The pack's slots: ``packing.max_slots``, or with ``auto`` the planner's, its calibration (announced, and
+    """The pack's slots: ``pack.max_slots``, or with ``auto`` the planner's, its calibration (announced, and
     read from the cache when it can be) charged to the run's ``calibrate`` phase."""
-    if spec.packing.max_slots != "auto":
-        return int(spec.packing.max_slots)
+    if spec.pack.max_slots != "auto":
+        return int(spec.pack.max_slots)
     from lora_sweep.sweep.planning import plan_pack
 
     with split.phase("calibrate"):
         report = plan_pack(spec, pm, log=log)
-    log(f"packing: auto -> {report.slots} slots (calibration {report.calibration})")
+    log(f"pack: auto -> {report.slots} slots (calibration {report.calibration})")
     return report.slots
 
 
@@ -97,7 +95,7 @@ def _open(spec: StudySpec, sdir: StudyDir, device: str, log: Callable[[str], Non
           lock: DirectoryLock | None, allow_changes: bool, split: WallSplit) -> Session:
     from lora_sweep.sweep.planning import check_targets
 
-    prepare_kernels(spec.packing.kernels, device)  # Triton's own hash, on a thread beside the model's load
+    prepare_kernels(spec.pack.kernels, device)  # Triton's own hash, on a thread beside the model's load
     log(Note(f"loading the base model {spec.model.path} on {device} (model.dtype: {spec.model.dtype})"))
     if device == "cpu" and spec.model.dtype in ("bfloat16", "float16"):  # a torchtune config's dtype: bf16, say
         log(f"warning: model.dtype: {spec.model.dtype} on a CPU: the base and adapters run in {spec.model.dtype} as "
@@ -107,10 +105,10 @@ def _open(spec: StudySpec, sdir: StudyDir, device: str, log: Callable[[str], Non
         # a GGUF source becomes its cached checkpoint directory: what every load, adapter and export names
         base = resolve_base(spec.model.path, spec.model.gguf_file, log=log)
         pm: PackedModel | None = None
-        if spec.packing.shard == "fsdp":  # each rank reads its shard of the base (packer.model.shard_load), as every
+        if spec.pack.shard == "fsdp":  # each rank reads its shard of the base (packer.model.shard_load), as every
             # other rank does (sweep.ranks.follow), before any slot
             loaded = load_sharded(base, dtype=spec.model.dtype, device=device, quantize=spec.model.quantize,
-                                  impl=spec.packing.kernels, fused_base_ops=spec.packing.fused_base_ops, log=log)
+                                  impl=spec.pack.kernels, fused_base_ops=spec.pack.fused_base_ops, log=log)
             pm, model, tokenizer = loaded.pm, loaded.pm.model, loaded.tokenizer
         else:
             model, tokenizer = load_base(base, dtype=spec.model.dtype, device=device, quantize=spec.model.quantize)
@@ -135,7 +133,7 @@ def _open(spec: StudySpec, sdir: StudyDir, device: str, log: Callable[[str], Non
                    constraints=[c.as_dict() for c in spec.constraints],
                    metric_directions={m: d for e in spec.evaluators for m, d in metrics_of(e.name, e.options).items()})
     if pm is None:
-        pm = PackedModel(model, impl=spec.packing.kernels, fused_base_ops=spec.packing.fused_base_ops)
+        pm = PackedModel(model, impl=spec.pack.kernels, fused_base_ops=spec.pack.fused_base_ops)
     if sharing is not None:
         with storage_lock(sharing.url, spec.name):  # the clock first: reaping makes dead trials' ends recent
             resume_clock(study, sharing.grace, earlier=float(store.meta().get("elapsed", 0.0)))

@@ -23,7 +23,7 @@ import yaml
 from optuna.trial import TrialState
 
 from lora_sweep.errors import UserError
-from lora_sweep.packer.model.packed import PackedModel
+from lora_sweep.packer.api import PackedModel
 from lora_sweep.sweep.config.spec import StudySpec
 from lora_sweep.sweep.ledger import Ledger
 from lora_sweep.sweep.storage import Sharing
@@ -143,9 +143,11 @@ def own_directory(sdir: StudyDir, log: Callable[[str], None], storage: str | Non
     return lock
 
 
-RESUMABLE = ("budget", "output", "description", "packing", "model.device", "artifacts", "storage", "evaluators")
+RESUMABLE = ("budget", "output", "description", "pack", "packing", "model.device", "artifacts", "storage", "evaluators",
+             "trackers")
 """Spec keys a resumed study may change: how long, where, and how it runs, not what a trial is.
-(Evaluators only add metrics to later trials; the objectives themselves are fixed.)"""
+(Evaluators only add metrics to later trials; the objectives themselves are fixed.) ``packing`` is the ``pack``
+section in a spec recorded under the section's other name."""
 
 
 def spec_record(spec: StudySpec) -> dict[str, Any]:

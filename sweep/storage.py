@@ -1,14 +1,17 @@
-"""Shared Optuna storages: open one by URL, lock it across workers, keep heartbeats in it.
+"""Shared Optuna storages: one backend object per URL scheme, to open a storage, lock it across workers, and keep
+heartbeats in it.
 
-Several ``sweep worker`` processes (on one host or many) share one study through its Optuna storage
-(notes §1.6): an RDB URL (``postgresql+psycopg2://...``, ``mysql+pymysql://...``, ``sqlite:///x.db``) or
+Several ``sweep worker`` processes (on one host or many) share one study through its Optuna storage:
+an RDB URL (``postgresql+psycopg2://...``, ``mysql+pymysql://...``, ``sqlite:///x.db``) or
 a journal file (``journal:///abs/path.log``, or a plain ``*.log`` path) for processes on one host.
 
-``storage_lock`` makes "count the trials that count + ask one" atomic across workers with a lock the
-storage owns: PostgreSQL ``pg_advisory_lock``, MySQL ``GET_LOCK``, and an ``fcntl.flock`` on a file
-beside a SQLite database or journal file. Heartbeats are a trial system attr (``attrs.HEARTBEAT``,
+``BACKENDS`` lists a ``StorageBackend`` per scheme: the URL prefixes it takes, how it normalises a URL, how it opens
+the Optuna storage, the one-owner lock that makes "count the trials that count + ask one" atomic across workers
+(PostgreSQL ``pg_advisory_lock``, MySQL ``GET_LOCK``, an ``fcntl.flock`` on a file beside a SQLite database or
+journal file), and the local file that holds it (a file storage is shared by the processes of one host; a server's
+by any host that reaches it). Heartbeats are a trial system attr (``attrs.HEARTBEAT``,
 wall-clock seconds, written by ``sweep.ledger``) that works on every storage; Optuna's own heartbeats run
-only inside ``Study.optimize`` (notes §1.5). The study's wall-time clock is a study user attr
+only inside ``Study.optimize``. The study's wall-time clock is a study user attr
 (``attrs.CLOCK``), so every worker measures the wall-time budget from the same start (``resume_clock``,
 ``study_elapsed``).
 """
@@ -22,7 +25,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,12 +33,15 @@ from typing import Any
 import optuna
 from optuna.storages import BaseStorage
 
-from lora_sweep.sweep.store import atomic_write_bytes, attrs
+from lora_sweep.errors import UserError, first_line
+from lora_sweep.sweep._journal import JournalFlock, cut_torn_tail, first_bad_line
+from lora_sweep.sweep.store import attrs, redact_url
 
-__all__ = ["Sharing", "JournalFlock", "cut_torn_tail", "damaged_record", "normalize_url", "open_storage",
-           "storage_lock", "last_beat", "resume_clock", "study_elapsed"]
+__all__ = ["Sharing", "StorageBackend", "BACKENDS", "backend_of", "JournalFlock", "cut_torn_tail", "normalize_url",
+           "open_storage", "unopenable", "storage_lock", "last_beat", "resume_clock", "study_elapsed"]
 
-_JOURNAL = "journal://"
+Log = Callable[[str], None]
+Lock = Callable[[str, str], AbstractContextManager[None]]
 
 
 @dataclass(frozen=True)
@@ -52,138 +58,172 @@ class Sharing:
     """A RUNNING trial whose last heartbeat is older than this belongs to a dead worker."""
 
 
-def normalize_url(text: str) -> str:
-    """A storage URL, or a plain ``*.log`` path turned into ``journal:///<absolute path>``."""
-    if "://" not in text and text.endswith(".log"):
-        return _JOURNAL + str(Path(text).expanduser().absolute())
-    return text
+def _same(url: str) -> str:
+    return url
 
 
-def _journal_path(url: str) -> Path:
-    return Path(url.removeprefix(_JOURNAL))
+def _no_file(url: str) -> Path | None:
+    return None
+
+
+def _not_known(url: str) -> int | None:
+    return None
+
+
+@dataclass(frozen=True)
+class StorageBackend:
+    """One kind of Optuna storage, by the URLs it takes."""
+
+    name: str
+    """What the storage is, in messages."""
+    prefixes: tuple[str, ...]
+    """The URL prefixes it takes."""
+    open: Callable[[str, Log], BaseStorage]
+    """``(url, log) -> storage``: opens (creating when new) the Optuna storage; says what it repaired on ``log``."""
+    lock: Lock
+    """``(url, study name) -> context manager``: the study's one-owner lock in this storage, held by one process
+    at a time (a second waits), taken whenever a process counts and asks trials."""
+    file: Callable[[str], Path | None] = _no_file
+    """The local file that holds the storage (None: a server). A file is shared by the processes of one host (its
+    lock is an ``flock`` on a file beside it); a server by every host that reaches it."""
+    suffixes: tuple[str, ...] = ()
+    """A plain path (no ``://``) ending in one of these is this storage's too (``normalize`` makes it a URL)."""
+    normalize: Callable[[str], str] = _same
+    """A URL or plain path it takes -> the URL the study keeps."""
+    damaged: Callable[[str], int | None] = _not_known
+    """The first line of the storage that does not decode, for a storage that fails to open (None: not known)."""
+
+    def takes(self, text: str) -> bool:
+        """Whether ``text`` (a URL, or a plain path) is this backend's."""
+        if text.startswith(self.prefixes):
+            return True
+        return bool(self.suffixes) and "://" not in text and text.endswith(self.suffixes)
 
 
 def _stderr(message: str) -> None:
     print(message, file=sys.stderr)
 
 
-def open_storage(url: str, log: Callable[[str], None] | None = None) -> BaseStorage:
-    """The Optuna storage behind ``url`` (journal file or RDB, with a patient SQLite).
+# ---------------------------------------------------------------- the one-owner locks
 
-    A journal file is appended to under ``JournalFlock`` (not Optuna's symlink lock, which a killed
-    process leaves behind), and a torn last record is set aside first (``cut_torn_tail``, said on ``log``;
-    default stderr).
-    """
-    if url.startswith(_JOURNAL):
-        from optuna.storages.journal import JournalFileBackend
-
-        path = _journal_path(url)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        lock = JournalFlock(path)
-        if path.is_file() and os.access(path, os.W_OK) and os.access(path.parent, os.W_OK):
-            with lock.held():  # no other writer is mid-append: an unterminated tail is torn, not in progress
-                cut_torn_tail(path, log or _stderr)
-        return optuna.storages.JournalStorage(JournalFileBackend(str(path), lock_obj=lock))
-    # SQLite serialises writers: wait for the lock instead of failing (Optuna FAQ).
-    kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
-    db = Path(url.removeprefix("sqlite:///"))
-    if url.startswith("sqlite:///") and "?" not in url and url != "sqlite:///:memory:" and db.parent.is_dir():
-        _wal(db)  # (a missing folder is left to Optuna's own error)
-    return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, skip_table_creation=False)
+_THREAD_LOCK = threading.Lock()  # threads of one process; the storage lock orders processes
+_ENGINES: dict[str, Any] = {}
 
 
-class JournalFlock:
-    """The lock a journal file is appended under: an ``flock`` on ``<journal>.writer-lock`` (Optuna's
-    ``lock_obj`` interface of ``JournalFileBackend``: ``acquire``, ``release``).
-
-    Optuna's default (``JournalFileSymlinkLock``) is a symlink that a process killed mid-append leaves
-    behind; the next writer then waits out its 30 s grace period. The kernel drops an flock when its
-    process dies, however it dies, so a dead owner's lock is taken over at once. One process's threads
-    (the heartbeat beside the step loop) are ordered by a thread lock first: an flock is held per open file.
-    """
-
-    def __init__(self, journal: Path) -> None:
-        self.path = journal.with_name(journal.name + ".writer-lock")
-        self._threads = threading.Lock()
-        self._fd: int | None = None
-
-    def acquire(self) -> bool:
-        self._threads.acquire()
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except BaseException:
-            self._threads.release()
-            raise
-        self._fd = fd
-        return True
-
-    def release(self) -> None:
-        if self._fd is not None:
-            fd, self._fd = self._fd, None
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
-            self._threads.release()
+def _flock_beside(file: Callable[[str], Path | None]) -> Lock:
+    """The lock of a file storage: an flock on ``<file>.sweep-lock`` (no file, as ``sqlite:///:memory:``: one
+    process holds the storage, the thread lock orders it)."""
 
     @contextmanager
-    def held(self) -> Iterator[None]:
-        self.acquire()
-        try:
+    def lock(url: str, study_name: str) -> Iterator[None]:
+        path = file(url)
+        if path is None:
             yield
-        finally:
-            self.release()
-
-
-def cut_torn_tail(path: Path, log: Callable[[str], None] = _stderr) -> Path | None:
-    """Set aside a journal's torn last record; returns the file holding it (None when the journal is whole).
-
-    Optuna writes each append as whole lines, then syncs; a process killed (or a disk filled) mid-append
-    leaves the last line without its newline. Optuna's reader skips such a line as "still being
-    written", but the next append would continue it into one undecodable line and make the whole
-    journal unreadable. The bytes after the last newline are copied to ``<journal>.torn-<time>`` and cut,
-    so every complete record stays and the next append starts a line of its own. The caller holds the
-    journal's writer lock (``JournalFlock``): no live writer is mid-append.
-    """
-    with open(path, "rb+") as f:
-        size = f.seek(0, os.SEEK_END)
-        keep = size
-        while keep > 0:  # back to the last newline, a block at a time
-            start = max(0, keep - 65536)
-            f.seek(start)
-            block = f.read(keep - start)
-            newline = block.rfind(b"\n")
-            if newline >= 0:
-                keep = start + newline + 1
-                break
-            keep = start
-        if keep == size:
-            return None
-        f.seek(keep)
-        torn = f.read()
-        aside = path.with_name(f"{path.name}.torn-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
-        atomic_write_bytes(aside, torn)
-        f.truncate(keep)
-        f.flush()
-        os.fsync(f.fileno())
-    log(f"storage: {path} ended in a partial record ({len(torn)} bytes, left by a process stopped while it wrote); "
-        f"kept every complete record and set the partial one aside in {aside}")
-    return aside
-
-
-def damaged_record(url: str) -> int | None:
-    """The line number of the first record of journal ``url`` that does not decode (None: all do, or not a
-    journal): what a torn record continued by a later append (an earlier version's resume) leaves."""
-    if not url.startswith(_JOURNAL):
-        return None
-    import json
-
-    with open(_journal_path(url), "rb") as f:
-        for number, line in enumerate(f, start=1):
+            return
+        with open(path.with_name(path.name + ".sweep-lock"), "a+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
             try:
-                json.loads(line)
-            except ValueError:
-                return number
-    return None
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    return lock
+
+
+def _server_lock(take: Callable[[Any, str], tuple[Any, dict[str, Any]]]) -> Lock:
+    """The lock of a database server: ``take(connection, study name)`` takes a session-level lock and returns the
+    statement that gives it back."""
+
+    @contextmanager
+    def lock(url: str, study_name: str) -> Iterator[None]:
+        import sqlalchemy as sa
+
+        engine = _ENGINES.get(url)
+        if engine is None:
+            engine = _ENGINES[url] = sa.create_engine(url, poolclass=sa.pool.NullPool)
+        with engine.connect() as conn:
+            give = take(conn, study_name)
+            try:
+                yield
+            finally:
+                conn.execute(*give)
+
+    return lock
+
+
+def _lock_key(name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"lora-sweep:{name}".encode()).digest()[:8], "big", signed=True)
+
+
+def _pg_lock(conn: Any, study_name: str) -> tuple[Any, dict[str, Any]]:
+    import sqlalchemy as sa
+
+    key = {"k": _lock_key(study_name)}
+    conn.execute(sa.text("select pg_advisory_lock(:k)"), key)
+    return sa.text("select pg_advisory_unlock(:k)"), key
+
+
+def _mysql_lock(conn: Any, study_name: str) -> tuple[Any, dict[str, Any]]:
+    import sqlalchemy as sa
+
+    key = {"k": f"lora-sweep:{study_name}"[:64]}  # MySQL lock names are at most 64 characters
+    # MariaDB rejects a negative (infinite) timeout with NULL and a warning: wait an hour at a time.
+    # GET_LOCK answers 1 (taken), 0 (timed out) or NULL (error): only 1 may go on.
+    while (got := conn.execute(sa.text("select get_lock(:k, 3600)"), key).scalar()) != 1:
+        if got is None:
+            raise RuntimeError(f"storage: GET_LOCK({key['k']!r}) failed on {conn.dialect.name}")
+    return sa.text("select release_lock(:k)"), key
+
+
+# ---------------------------------------------------------------- opening each kind
+
+_JOURNAL = "journal://"
+
+
+def _journal_file(url: str) -> Path:
+    return Path(url.removeprefix(_JOURNAL))
+
+
+def _journal_url(text: str) -> str:
+    """A plain ``*.log`` path as ``journal:///<absolute path>``."""
+    return text if text.startswith(_JOURNAL) else _JOURNAL + str(Path(text).expanduser().absolute())
+
+
+def _open_journal(url: str, log: Log) -> BaseStorage:
+    """A journal file appended to under ``JournalFlock`` (not Optuna's symlink lock, which a killed process leaves
+    behind), a torn last record set aside first (``cut_torn_tail``, said on ``log``)."""
+    from optuna.storages.journal import JournalFileBackend
+
+    path = _journal_file(url)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = JournalFlock(path)
+    if path.is_file() and os.access(path, os.W_OK) and os.access(path.parent, os.W_OK):
+        with lock.held():  # no other writer is mid-append: an unterminated tail is torn, not in progress
+            cut_torn_tail(path, log)
+    return optuna.storages.JournalStorage(JournalFileBackend(str(path), lock_obj=lock))
+
+
+def _journal_damaged(url: str) -> int | None:
+    return first_bad_line(_journal_file(url)) if _journal_file(url).is_file() else None
+
+
+def _sqlite_file(url: str) -> Path | None:
+    if url == "sqlite:///:memory:" or not url.startswith("sqlite:///"):
+        return None
+    return Path(url.removeprefix("sqlite:///").split("?", 1)[0])
+
+
+def _open_sqlite(url: str, log: Log) -> BaseStorage:
+    """A patient SQLite file (SQLite serialises writers: wait for the lock instead of failing, Optuna FAQ) in
+    write-ahead-log mode."""
+    db = _sqlite_file(url)
+    if db is not None and "?" not in url and db.parent.is_dir():
+        _wal(db)  # (a missing folder is left to Optuna's own error)
+    return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}}, skip_table_creation=False)
+
+
+def _open_server(url: str, log: Log) -> BaseStorage:
+    return optuna.storages.RDBStorage(url, skip_table_creation=False)
 
 
 def _wal(db: Path) -> None:
@@ -205,68 +245,83 @@ def _wal(db: Path) -> None:
         conn.close()
 
 
-_THREAD_LOCK = threading.Lock()  # threads of one process; the storage lock orders processes
-_ENGINES: dict[str, Any] = {}
+BACKENDS: list[StorageBackend] = [
+    StorageBackend("journal file", (_JOURNAL,), _open_journal, _flock_beside(_journal_file), file=_journal_file,
+                   suffixes=(".log",), normalize=_journal_url, damaged=_journal_damaged),
+    StorageBackend("SQLite", ("sqlite://",), _open_sqlite, _flock_beside(_sqlite_file), file=_sqlite_file),
+    StorageBackend("PostgreSQL", ("postgresql",), _open_server, _server_lock(_pg_lock)),
+    StorageBackend("MySQL", ("mysql", "mariadb"), _open_server, _server_lock(_mysql_lock)),
+]
+"""Every storage a study can use, by URL prefix; a new kind is one more ``StorageBackend`` here."""
 
 
-def _lock_key(name: str) -> int:
-    return int.from_bytes(hashlib.sha256(f"lora-sweep:{name}".encode()).digest()[:8], "big", signed=True)
+def backend_of(text: str) -> StorageBackend:
+    """The backend that takes ``text`` (a URL, or a plain ``*.log`` path).
+
+    Raises:
+        UserError: no backend takes it (one line).
+    """
+    for backend in BACKENDS:
+        if backend.takes(text):
+            return backend
+    takes = ", ".join(p + "..." for b in BACKENDS for p in b.prefixes)
+    raise UserError(f"storage: no storage takes {redact_url(text)!r} (expected {takes} or a path ending in .log)")
 
 
-def _lock_file(url: str) -> Path | None:
-    if url.startswith(_JOURNAL):
-        return _journal_path(url).with_name(_journal_path(url).name + ".sweep-lock")
-    if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
-        db = Path(url.removeprefix("sqlite:///"))
-        return db.with_name(db.name + ".sweep-lock")
-    return None
+def normalize_url(text: str) -> str:
+    """A storage URL, or a plain ``*.log`` path turned into ``journal:///<absolute path>``."""
+    return backend_of(text).normalize(text)
+
+
+def open_storage(url: str, log: Log | None = None) -> BaseStorage:
+    """The Optuna storage behind ``url``, by its backend (``BACKENDS``); ``log`` hears what opening it repaired
+    (a torn journal record set aside; default stderr).
+
+    Raises:
+        UserError: it cannot be opened (``unopenable``: one line).
+    """
+    backend = backend_of(url)
+    try:
+        return backend.open(url, log or _stderr)
+    except Exception as err:  # SQLAlchemy and the drivers raise many types for an unreachable or malformed URL
+        raise unopenable(url, err) from err
+
+
+def unopenable(url: str, err: Exception) -> UserError:
+    """The one-line error for a storage that cannot be opened (or locked): its URL and the first line of the
+    cause (its type when it has no message), or the first record of a damaged journal."""
+    if isinstance(err, UserError):
+        return err
+    cause = first_line(err)
+    line = backend_of(url).damaged(url) if isinstance(err, ValueError) else None
+    if line is not None:
+        return UserError(f"storage: {backend_of(url).file(url)}:{line}: not a journal record ({cause}); the "
+                         f"{line - 1} records before it are intact: keep a copy of the file, then cut it to them "
+                         f"(head -n {line - 1}) to resume")
+    password = _url_password(url)
+    if password:  # a driver may quote the DSN back
+        cause = cause.replace(password, "***")
+    return UserError(f"storage: cannot open {redact_url(url)!r}: {cause}")
+
+
+def _url_password(url: str) -> Any:
+    """The password in an RDB URL, if any (None for journal paths and URLs without one)."""
+    if "@" not in url:
+        return None
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        return make_url(url).password
+    except ArgumentError:
+        return None
 
 
 @contextmanager
 def storage_lock(url: str, study_name: str) -> Iterator[None]:
-    """Hold the study's lock in its storage: one worker at a time counts and asks."""
-    with _THREAD_LOCK:
-        path = _lock_file(url)
-        if path is not None:
-            with open(path, "a+") as f:
-                fcntl.flock(f, fcntl.LOCK_EX)
-                try:
-                    yield
-                finally:
-                    fcntl.flock(f, fcntl.LOCK_UN)
-            return
-        import sqlalchemy as sa
-
-        engine = _ENGINES.get(url)
-        if engine is None:
-            engine = _ENGINES[url] = sa.create_engine(url, poolclass=sa.pool.NullPool)
-        with engine.connect() as conn:
-            give = _take_server_lock(conn, url, study_name)
-            try:
-                yield
-            finally:
-                conn.execute(*give)
-
-
-def _take_server_lock(conn: Any, url: str, study_name: str) -> tuple[Any, dict[str, Any]]:
-    """Take the study's session-level lock on a database server; returns the statement that gives it back."""
-    import sqlalchemy as sa
-
-    dialect = url.split(":", 1)[0].split("+", 1)[0]
-    if dialect == "postgresql":
-        key = {"k": _lock_key(study_name)}
-        conn.execute(sa.text("select pg_advisory_lock(:k)"), key)
-        return sa.text("select pg_advisory_unlock(:k)"), key
-    if dialect in ("mysql", "mariadb"):
-        key = {"k": f"lora-sweep:{study_name}"[:64]}  # MySQL lock names are at most 64 characters
-        # MariaDB rejects a negative (infinite) timeout with NULL and a warning: wait an hour at a time.
-        # GET_LOCK answers 1 (taken), 0 (timed out) or NULL (error): only 1 may go on.
-        while (got := conn.execute(sa.text("select get_lock(:k, 3600)"), key).scalar()) != 1:
-            if got is None:
-                raise RuntimeError(f"storage: GET_LOCK({key['k']!r}) failed on {dialect}")
-        return sa.text("select release_lock(:k)"), key
-    raise ValueError(f"storage: no cross-worker lock for {dialect!r} URLs (use PostgreSQL, MySQL, "
-                     f"SQLite or a journal file)")
+    """Hold the study's lock in its storage (its backend's ``lock``): one worker at a time counts and asks."""
+    with _THREAD_LOCK, backend_of(url).lock(url, study_name):
+        yield
 
 
 def last_beat(trial: optuna.trial.FrozenTrial) -> float:

@@ -33,12 +33,18 @@ from optuna.trial import TrialState
 from lora_sweep.errors import STOP_SAID, Terminated, UserError, first_line
 from lora_sweep.evaluators.cost import cost_metrics, slot_adapter_params
 from lora_sweep.evaluators.registry import EvalResult, evaluate, load_eval_data, metrics_of
-from lora_sweep.packer.data.rows import load_examples
-from lora_sweep.packer.model.checkpoint import save_adapters
-from lora_sweep.packer.model.packed import PackedModel
-from lora_sweep.packer.plan import AdapterSpec
-from lora_sweep.packer.step.loop import rank_bucket_for
-from lora_sweep.packer.step.train import STEP_NAMES, SlotEnd, SlotJob, StepReport, train
+from lora_sweep.packer.api import (
+    STEP_NAMES,
+    AdapterSpec,
+    PackedModel,
+    SlotEnd,
+    SlotJob,
+    StepReport,
+    load_examples,
+    rank_bucket_for,
+    save_adapters,
+    train,
+)
 from lora_sweep.sweep._trial_data import check_data, check_packing, planned_tokens, trial_adapter, trial_stream
 from lora_sweep.sweep.budget import BudgetState, TokenPlan, budget_state, end_line, recorded_budget
 from lora_sweep.sweep.config.space import adapter_spec, suggest
@@ -99,6 +105,8 @@ class RunSummary:
     """The run went over the budget that ended it (the trials training when it was reached ran on)."""
     already_spent: bool = False
     """The budget was spent before this run started: it trained nothing and wrote no pack or timing row."""
+    report: Path | None = None
+    """The HTML report, when the run wrote it itself (``api.run``, for the trackers' parent runs); None: not written."""
 
 
 @dataclass
@@ -457,7 +465,7 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
 
     With ``sharing`` this is one pack of a worker: other workers share the study's storage and budget.
     ``allow_changes``: resume even if a fixed setting changed (``sweep.session.spec_changes``).
-    ``ranks``: rank 0's channel to the other ranks of a sharded pack (``packing.shard: fsdp``, ``sweep.ranks``).
+    ``ranks``: rank 0's channel to the other ranks of a sharded pack (``pack.shard: fsdp``, ``sweep.ranks``).
     """
     spent = recorded_budget(spec, log) if sharing is None and ranks is None else None
     if spent is not None and spent.exhausted:  # a finished study's rerun: said before the model loads
@@ -589,10 +597,10 @@ def _train_pack(sweep: _Sweep, session: Session) -> bool:
         torch.cuda.reset_peak_memory_stats(pm.device)
     status, step, fallback = "failed", None, None
     phased = sweep.split.timed  # the callbacks' own work is storage; evaluations and saves inside are their own
-    sharded = spec.packing.shard == "fsdp"
-    options = dict(chunked_ce=spec.packing.chunked_ce, activation_checkpointing=spec.packing.activation_checkpointing,
+    sharded = spec.pack.shard == "fsdp"
+    options = dict(chunked_ce=spec.pack.chunked_ce, activation_checkpointing=spec.pack.activation_checkpointing,
                    # no graph under FSDP (packer.model.shard)
-                   cuda_graphs="off" if sharded else spec.packing.cuda_graphs,
+                   cuda_graphs="off" if sharded else spec.pack.cuda_graphs,
                    sync_steps=tuple(sweep.sha.rungs) if sweep.sha else (),
                    optimizer_in_backward=spec.train.optimizer_in_backward,
                    # the bucket of the space's largest rank from the first step, as the pack is planned:
@@ -619,16 +627,16 @@ def _train_pack(sweep: _Sweep, session: Session) -> bool:
         return True
     except torch.OutOfMemoryError as err:
         if sharded:  # the other ranks are inside the step's collectives: no smaller pack to agree on
-            raise UserError(f"packing.shard: out of memory on rank 0 with {len(sweep.live)} slots "
+            raise UserError(f"pack.shard: out of memory on rank 0 with {len(sweep.live)} slots "
                             f"({first_line(err, 'CUDA out of memory')}); lower "
-                            "packing.max_slots, or shard over more GPUs") from None
+                            "pack.max_slots, or shard over more GPUs") from None
         status = "oom"
         training = len(sweep.live)
         sweep.retry_after_oom(first_line(err, "CUDA out of memory"))
         if training <= 1:
             raise UserError(f"out of memory with a single slot ({first_line(err)}); lower "
                             "data.max_length or the search space's largest rank / micro_batch, or set "
-                            "packing.activation_checkpointing: true") from None
+                            "pack.activation_checkpointing: true") from None
         session.capacity = training - 1
         sweep.log(f"pack {sweep.pack_id}: out of memory with {training} slots training; its trials are retried "
                   f"in a pack of {session.capacity} slots")

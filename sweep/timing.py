@@ -4,7 +4,7 @@
 a phase opened inside another (an evaluation inside the training loop's ``on_end`` callback, itself inside
 ``train``) stops the outer clock while it runs, so the phases add up to the run's wall time and nothing is
 counted twice. The sweep wraps: the model and data load (``load``), the planner's calibration of
-``packing: auto`` (``calibrate``; about nothing when the cache holds it), the ``packer.step.train`` call (``train``),
+``pack: auto`` (``calibrate``; about nothing when the cache holds it), the ``packer.step.train`` call (``train``),
 its callbacks' Optuna asks/tells and results-store writes (``storage``), evaluator calls (``evaluate``, with
 ``evaluate:<evaluator>`` beside it for each), adapter saving (``save``); the training loop's own kernel
 precompile, warm-up and CUDA-graph capture seconds (``packer.step.train.TrainResult``) move from ``train`` to

@@ -111,6 +111,20 @@ def add_slots_random_b(pm, specs: dict, seed: int = 2):  # noqa: ANN001, ANN201
     return pm
 
 
+def load_adapter(pm, slot: int, adapter_dir: Path) -> None:  # noqa: ANN001
+    """Copy a saved PEFT adapter's weights into ``slot`` of ``pm`` (added with the adapter's spec beforehand): an
+    exported or saved adapter back in a pack, to compare its logits with PEFT's."""
+    from lora_sweep.packer.model.checkpoint import read_adapter
+
+    _, tensors = read_adapter(adapter_dir)
+    weights = pm.slot_weights(slot)
+    assert set(tensors) == {f"base_model.model.{p}.lora_{n}.weight" for p in weights for n in "AB"}, adapter_dir
+    with torch.no_grad():
+        for path, (a, b) in weights.items():
+            a.copy_(tensors[f"base_model.model.{path}.lora_A.weight"])
+            b.copy_(tensors[f"base_model.model.{path}.lora_B.weight"])
+
+
 class Recorder:
     """``train()`` callbacks that keep each job's per-step losses and its final weights."""
 
@@ -160,7 +174,7 @@ def write_study(tmp_path: Path, model_dir: Path, name: str = "small", **changes)
                        {"metric": "adapter_params", "direction": "minimize"}],
         "budget": {"trials": 6},
         "pruning": {"kind": "cohort_sha", "rungs": [6], "reduction_factor": 2},
-        "packing": {"max_slots": 3},
+        "pack": {"max_slots": 3},
         "evaluators": [{"name": "heldout_loss"}, {"name": "generation", "options": {"max_new_tokens": 4}}],
         "output": str(tmp_path / f"runs-{name}"),
         **changes,

@@ -25,7 +25,7 @@ from transformers.pytorch_utils import Conv1D
 from lora_sweep.errors import UserError
 from lora_sweep.packer.model.packed import PackedModel
 
-__all__ = ["save_adapter", "save_adapters", "discard_adapter", "load_adapter", "read_adapter", "adapter_config",
+__all__ = ["save_adapter", "save_adapters", "discard_adapter", "read_adapter", "adapter_config",
            "CONFIG_NAME", "WEIGHTS_NAME"]
 
 CONFIG_NAME = "adapter_config.json"
@@ -63,7 +63,7 @@ def adapter_config(pm: PackedModel, slot: int, base_model_name_or_path: str) -> 
 
 SAVE_THREADS = 8
 """Adapters written at once: the files of slots that end together are serialized and fsynced in parallel
-(with the one host copy per slot, W3's 24 saves fell from 3.9 to 2.1 s on the H200 host; BENCHMARKS.md)."""
+(with the one host copy per slot, the saves of slots that end together overlap instead of queueing)."""
 
 
 def save_adapter(pm: PackedModel, slot: int, out_dir: str | Path, *, base_model_name_or_path: str,
@@ -186,25 +186,3 @@ def read_adapter(adapter_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]
         if not (d / name).is_file():
             raise UserError(f"{d / name}: not found (not a PEFT adapter directory)")
     return json.loads((d / CONFIG_NAME).read_text()), load_file(str(d / WEIGHTS_NAME))
-
-
-def load_adapter(pm: PackedModel, slot: int, adapter_dir: str | Path) -> None:
-    """Copy a saved adapter's weights into ``slot`` (created with the same spec beforehand).
-
-    Raises:
-        UserError: the adapter's modules or shapes do not match the slot.
-    """
-    _, tensors = read_adapter(adapter_dir)
-    weights = pm.slot_weights(slot)
-    expected = {f"base_model.model.{p}.lora_{n}.weight" for p in weights for n in "AB"}
-    if set(tensors) != expected:
-        raise UserError(f"{adapter_dir}: adapter modules do not match slot {slot} "
-                        f"({len(set(tensors) ^ expected)} keys differ)")
-    with torch.no_grad():
-        for path, (a, b) in weights.items():
-            for param, key in ((a, "A"), (b, "B")):
-                src = tensors[f"base_model.model.{path}.lora_{key}.weight"]
-                if src.shape != param.shape:
-                    raise UserError(f"{adapter_dir}: {path}.lora_{key} has shape {tuple(src.shape)}, "
-                                    f"slot {slot} expects {tuple(param.shape)}")
-                param.copy_(src)

@@ -1,8 +1,8 @@
 """Run the frozen base's RMSNorms, SiLU-gated MLP middles and rotary embeddings as fused Triton kernels.
 
 Once the LoRA side of a pack is cheap, a large base's step is its GEMMs plus eager elementwise ops:
-on a Llama-3-8B step of 8 x 1024 tokens on an H200 the base's elementwise kernels took 30% of the
-kernel time (167 of 557 ms; BENCHMARKS.md), most of it RMSNorm's fp32 passes. ``fuse_base_ops``
+on a Llama-3-8B step the base's elementwise kernels took a large share of the kernel time, most of it RMSNorm's
+fp32 passes (BENCHMARKS.md, "GPU training throughput (W1) and the memory model"). ``fuse_base_ops``
 swaps, in place, each module of a class known to compute exactly transformers' Llama RMSNorm or
 SiLU-gated MLP for a module that calls ``kernels.ops.rms_norm`` / ``kernels.ops.silu_mul`` (Liger-Kernel's
 idea; torchtune reaches the same with ``torch.compile``). The swapped modules hold the original

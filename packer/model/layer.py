@@ -1,17 +1,16 @@
 """``PackedLoRALinear``: a frozen base projection plus the LoRA weights of every slot that adapts it.
 
 Composition, not inheritance: the wrapper calls the base module unchanged (``nn.Linear``, GPT-2's
-``Conv1D``, anything mapping ``(..., D_in)`` to ``(..., D_out)``) and adds the packed LoRA term with
-``kernels.ops.packed_lora_eval`` (for an exact ``nn.Linear``, ``kernels.ops.packed_lora_eval_linear``, which fuses the
-base GEMM with it). Each slot's ``A`` (r, D_in) and ``B`` (D_out, r), the layout PEFT saves, are
-views into the slot's flat weight buffer (``PackedModel`` owns it, the optimizer updates it).
+``Conv1D``, anything mapping ``(..., D_in)`` to ``(..., D_out)``) and adds the packed LoRA term. Each slot's
+``A`` (r, D_in) and ``B`` (D_out, r), the layout PEFT saves, are views of the slot's rows of the pack's slot store
+(``packer.model.store``: ``PackedModel`` owns it, the step's optimizer updates it).
 
-Per forward the layer concatenates the active slots' weights into one ``a_cat`` / ``bt_cat`` (no
-autograd: a copy of a few MB) and makes each a leaf of the step's graph; a hook scatters its
-gradient into the slots' flat gradient buffers in one multi-tensor add. Autograd then tracks two
-tensors per layer instead of two per layer and slot: with 32 slots on a 24-layer model the per-slot
-leaves cost ~11k AccumulateGrad adds, ~11k transposes and ~11k slices per step, most of an H200
-step's host time.
+While the training step (or an evaluation forward on its shapes) runs, the layer hands its input to the store,
+which adds every slot's term from the step's tables (``SlotStore.forward``, ``kernels.ops.packed_lora``). Outside
+the step, a forward under a ``PackLayout`` is evaluation's per-adapter path: the layer concatenates the weights of
+the slots it adapts into one ``a_cat`` / ``bt_cat`` (a copy of a few MB) and adds their term with
+``kernels.ops.packed_lora_eval`` (for an exact ``nn.Linear``, ``kernels.ops.packed_lora_eval_linear``, which fuses
+the base GEMM with it). The slots' weights are constants there: that path computes no gradient of them.
 """
 
 from __future__ import annotations
@@ -48,9 +47,9 @@ class PackState:
 
 class _SlotWeights(NamedTuple):
     a: torch.Tensor
-    """(r, D_in) view of the slot's flat weights."""
+    """(r, D_in) view of the slot's rows of the store."""
     bt: torch.Tensor
-    """(r, D_out) B^T, contiguous in the flat weights (the kernels' row layout)."""
+    """(r, D_out) B^T, contiguous in the store (the kernels' row layout)."""
     grad_a: torch.Tensor
     grad_bt: torch.Tensor
 
@@ -61,9 +60,6 @@ class _Gathered(NamedTuple):
     ranks: LayerRanks
     a: list[torch.Tensor]
     bt: list[torch.Tensor]
-    grad_a: list[torch.Tensor]
-    grad_bt: list[torch.Tensor]
-    rows: list[int]
 
 
 class PackedLoRALinear(nn.Module):
@@ -97,9 +93,9 @@ class PackedLoRALinear(nn.Module):
                  grad_bt: torch.Tensor, trained: int | None = None) -> tuple[nn.Parameter, nn.Parameter]:
         """Register slot's adapter: A (rows, D_in) and B^T (rows, D_out), and their gradient buffers.
 
-        All four are views into the slot's flat buffers (``PackedModel`` owns them); the forward reads every row.
-        Returns the parameters A (r, D_in) and B (D_out, r) of the first ``trained`` rows (None: all), which alias
-        the weights, their ``grad`` the gradients; rows past them are a frozen term (``packer.model.principal``).
+        All four are views of the slot's rows of the store (``PackedModel`` owns it); the forward reads every row.
+        Returns the parameters A (r, D_in) and B (D_out, r) of the first ``trained`` rows (None: all), which alias the
+        weights, their ``grad`` the gradients; rows past them are a frozen term (``packer.model.principal``).
         """
         r = a.shape[0] if trained is None else trained
         pa, pb = nn.Parameter(a[:r]), nn.Parameter(bt[:r].T)
@@ -123,8 +119,8 @@ class PackedLoRALinear(nn.Module):
         self._cache = None
 
     def slot_weights(self, slot: int) -> _SlotWeights:
-        """The slot's A, B^T and their gradient buffers (views into the slot's flat buffers): every row the forward
-        reads, a frozen principal correction's included."""
+        """The slot's A, B^T and their gradient buffers (views of its rows of the store): every row the forward reads,
+        a frozen principal correction's included."""
         return self._slots[slot]
 
     def _gathered(self, slots: tuple[int, ...]) -> _Gathered:
@@ -134,8 +130,7 @@ class PackedLoRALinear(nn.Module):
         here = [self._slots[s] for s in slots if s in self._slots]
         rank = tuple(self._slots[s].a.shape[0] if s in self._slots else 0 for s in slots)
         scale = tuple(self.state.scales[s] if s in self._slots else 0.0 for s in slots)
-        g = _Gathered(LayerRanks(rank, scale, self.layer_id), [w.a for w in here], [w.bt for w in here],
-                      [w.grad_a for w in here], [w.grad_bt for w in here], [w.a.shape[0] for w in here])
+        g = _Gathered(LayerRanks(rank, scale, self.layer_id), [w.a for w in here], [w.bt for w in here])
         self._cache = (slots, g)
         return g
 
@@ -148,14 +143,15 @@ class PackedLoRALinear(nn.Module):
                 return self.forward(as_rows(x, rows)).reshape(*x.shape[:-1], self.out_features)  # hooks run once
         if self.state.store is not None:
             return self.state.store.forward(self, x)
-        layout = self.state.layout  # the per-batch path (evaluation off the fixed shapes): each member alone
+        layout = self.state.layout  # the per-adapter path (evaluation off the fixed shapes)
         g = None if layout is None else self._gathered(layout.slots)
         if g is None or not g.a:
             return self.base(x)
-        a_cat = _stacked_leaf(g.a, g.grad_a, g.rows)  # (R, D_in)
-        bt_cat = _stacked_leaf(g.bt, g.grad_bt, g.rows)  # (R, D_out)
-        mags = None if self.state.mag is None else self.state.mag.of_layer(self, layout.slots)
-        if mags is not None:  # a DoRA slot: the reference's loop (the per-batch path is evaluation's)
+        with torch.no_grad():  # the slots' weights as constants: evaluation's path, no adapter gradient
+            a_cat = torch.cat(g.a) if len(g.a) > 1 else g.a[0].detach()  # (R, D_in)
+            bt_cat = torch.cat(g.bt) if len(g.bt) > 1 else g.bt[0].detach()  # (R, D_out)
+            mags = None if self.state.mag is None else self.state.mag.of_layer(self, layout.slots)  # (D_out,) each
+        if mags is not None:  # a DoRA slot: the reference's loop
             return dora_loop(x, base_weight(self.base), self.base.bias, a_cat, bt_cat, mags, layout, g.ranks)
         return self._with_lora(x, a_cat, bt_cat, layout, g.ranks, self.state.impl)
 
@@ -190,20 +186,3 @@ def as_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
                          f"{rows} rows of tokens; LoRA slots cannot be routed through it")
     return x.reshape(rows, tokens // rows, x.shape[-1])
 
-
-def _stacked_leaf(parts: list[torch.Tensor], grads: list[torch.Tensor], rows: list[int]) -> torch.Tensor:
-    """The slots' weights ``parts`` stacked by rows (no autograd: a copy of a few MB) into one tensor that,
-    under grad mode, is a leaf of the step's graph whose gradient, once accumulated, is added to the slots'
-    gradient buffers (``grads``, split by ``rows``) and then dropped; see the module docstring."""
-    with torch.no_grad():
-        cat = torch.cat(parts) if len(parts) > 1 else parts[0].detach()
-    if not torch.is_grad_enabled():
-        return cat
-    leaf = cat.detach().requires_grad_()  # a single slot's cat is its own weights' view: detach, never write
-
-    def scatter(t: torch.Tensor) -> None:
-        torch._foreach_add_(grads, list(t.grad.split(rows)))  # type: ignore[union-attr]
-        t.grad = None
-
-    leaf.register_post_accumulate_grad_hook(scatter)
-    return leaf

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -36,12 +35,13 @@ from lora_sweep.packer.model.layer import PackedLoRALinear, PackState
 from lora_sweep.packer.model.magnitude import base_weight
 from lora_sweep.packer.model.principal import write_principal
 from lora_sweep.packer.model.quant import quantize_base
+from lora_sweep.packer.model.store import SlotStore, rank_bucket_for
 from lora_sweep.packer.plan import AdapterSpec
 
-if TYPE_CHECKING:
-    from lora_sweep.packer.model.store import SlotStore
-
 __all__ = ["PackedModel", "load_base", "resolve_base", "prepare_kernels", "DTYPES"]
+
+_Moments = tuple[torch.Tensor, torch.Tensor]
+"""AdamW's (exp_avg, exp_avg_sq) of one parameter."""
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -144,7 +144,7 @@ class PackedModel:
     Args:
         model: a Hugging Face causal LM (``AutoModelForCausalLM``) or any module with the same
             ``forward(input_ids, attention_mask) -> .logits`` contract.
-        impl: packed-LoRA implementation passed to ``kernels.ops.packed_lora_eval`` (``auto``: the Triton
+        impl: packed-LoRA implementation of ``kernels.ops`` (``packed_lora``, ``packed_lora_eval``; ``auto``: the Triton
             kernels on CUDA, PyTorch on CPU).
         fused_base_ops: where ``impl`` means the Triton kernels, run the base's RMSNorms, SiLU-gated MLP middles
             and rotary embeddings as fused Triton kernels too (``packer.model.fuse``); otherwise they run eagerly.
@@ -170,12 +170,11 @@ class PackedModel:
         """A slot's targets -> the paths they resolve to."""
         self.specs: dict[int, AdapterSpec] = {}
         self.slot_paths: dict[int, list[str]] = {}
-        self.flat: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._checkpointed: list[nn.Module] = []
         """Decoder layers whose forward is checkpointed (empty: activation checkpointing off)."""
         self.store: SlotStore | None = None
-        """Set by the training loop (``packer.step.train``): slots then take their rows of its preallocated
-        buffers instead of buffers of their own."""
+        """Where every slot's adapter, gradients and AdamW moments live (``packer.model.store``); set only by
+        ``ensure_store`` (the training loop's, or ``add_slot``'s for a pack built outside it) and ``drop_store``."""
 
     @property
     def checkpointing(self) -> bool:
@@ -188,7 +187,8 @@ class PackedModel:
         return self._home if first.is_meta and self._home is not None else first.device
 
     def add_slot(self, slot: int, spec: AdapterSpec) -> list[nn.Parameter]:
-        """Start a fresh adapter in ``slot``; returns its parameters (A then B per layer, module order).
+        """Start a fresh adapter in ``slot``; returns its parameters (A then B per layer, module order), views of the
+        slot's rows of the store (made, or remade larger, where the slot's id or rank does not fit: ``ensure_store``).
 
         The initialisation depends only on ``spec.seed`` (a generator of its own, on the pack's device),
         so a slot started mid-run gets exactly the weights it would get in a fresh run on that device.
@@ -203,10 +203,10 @@ class PackedModel:
             self._targets[key] = resolve_targets(self.model, key)
         paths = list(self._targets[key])
         if any(p not in self.layers for p in paths):
-            inject(self.model, paths, self.state, self.layers)  # a slot store wraps every projection up front
+            inject(self.model, paths, self.state, self.layers)  # (the store wraps every projection up front)
         if spec.dora and resolve_impl(self.state.impl, self.device) == "triton":
             raise ConfigError("dora: the Triton kernels do not train DoRA's magnitudes; use the torch kernels "
-                              "(packing.kernels: torch)")
+                              "(pack.kernels: torch)")
         for path in paths:
             layer = self.layers[path]
             if spec.rank > min(layer.in_features, layer.out_features):
@@ -219,41 +219,16 @@ class PackedModel:
         return params
 
     def _create_weights(self, slot: int, spec: AdapterSpec, paths: list[str]) -> list[nn.Parameter]:
-        """PEFT's init (A by ``spec.init``, ``packer.model.initial``, from the slot's own generator; B zero), all of the
-        slot's weights laid out in one flat fp32 buffer (per layer A, then B^T) with a flat gradient
-        buffer beside it. The generator lives on the pack's device: the same seed gives the same weights
-        on the same kind of device. Drawn by one CPU generator, W3's 24 slots on the 0.5B shape (about 7M
-        A weights each) took 1.2-2.6 s on the H200 host, more than a training step of them."""
-        generator = torch.Generator(device=self.device).manual_seed(spec.seed)
-        r = spec.rank
-        if self.store is not None:
-            return self._store_weights(slot, spec, paths, generator)
-        if spec.principal or spec.dora:
-            raise ValueError("pissa, olora and dora need the slot store (their frozen rows and magnitudes live there)")
-        dims = [(self.layers[p].in_features, self.layers[p].out_features) for p in paths]
-        flat = torch.zeros(sum(r * (d_in + d_out) for d_in, d_out in dims), device=self.device)
-        grad = torch.zeros_like(flat)
-        params: list[nn.Parameter] = []
-        off = 0
-        for path, (d_in, d_out) in zip(paths, dims, strict=True):
-            na, nb = r * d_in, r * d_out
-            a = flat[off:off + na].view(r, d_in)
-            init_a(a, spec, generator)
-            grad_a = grad[off:off + na].view(r, d_in)
-            grad_bt = grad[off + na:off + na + nb].view(r, d_out)
-            params += self.layers[path].add_slot(slot, a, flat[off + na:off + na + nb].view(r, d_out), grad_a, grad_bt)
-            off += na + nb
-        self.flat[slot] = (flat, grad)
-        return params
-
-    def _store_weights(self, slot: int, spec: AdapterSpec, paths: list[str],
-                        generator: torch.Generator) -> list[nn.Parameter]:
-        """``_create_weights`` into the slot's rows of the slot store: the same draws in the same order, so
-        the same initial adapter; every other row of the slot is zeroed first (``packer.model.store``)."""
+        """PEFT's init (A by ``spec.init``, ``packer.model.initial``, from the slot's own generator; B zero; a
+        principal init's A0, B0 and frozen removal rows, ``packer.model.principal``) into the slot's rows of the store,
+        every other row of the slot zeroed first (``packer.model.store``); a DoRA slot's magnitudes start at the base
+        weight's column norms. The generator lives on the pack's device: the same seed gives the same weights on the
+        same kind of device (one CPU generator drawing a large pack's A weights took longer than a training step of
+        them)."""
         store = self.store
-        assert store is not None
-        if spec.rows > store.rank_bucket:
-            raise ValueError(f"rank {spec.rank} ({spec.rows} rows) exceeds the pack's rank bucket {store.rank_bucket}")
+        if store is None or slot >= store.capacity or spec.rows > store.rank_bucket:
+            store = self.ensure_store(max(slot + 1, store.capacity if store is not None else 0), spec.rows)
+        generator = torch.Generator(device=self.device).manual_seed(spec.seed)
         store.reset_slot(slot, spec.dora)
         self.state.mag = store.mag  # made by the first DoRA slot
         params: list[nn.Parameter] = []
@@ -268,14 +243,45 @@ class PackedModel:
             params += self.layers[path].add_slot(slot, a, bt, grad_a, grad_bt, trained=spec.rank)
         return params
 
-    def flat_buffers(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights, gradients) of a slot added outside a slot store, as two flat fp32 tensors that its
-        parameters alias."""
-        return self.flat[slot]
+    def ensure_store(self, capacity: int, rank: int, bucket: int | None = None) -> SlotStore:
+        """The pack's slot store for ``capacity`` slots of rank up to ``rank``: the present one where it has exactly
+        ``capacity`` slots and a rank bucket that holds ``rank``, ``bucket`` and the live slots' ranks, else a new one
+        whose bucket is the smallest that does (``rank_bucket_for``); the live slots move into it, weights and AdamW
+        moments (and DoRA's magnitudes).
+
+        Args:
+            capacity: C, slots (slot ids 0 .. C - 1).
+            rank: the most rows per slot and layer the store must hold (a slot's ``rows``: 2r for a principal init).
+            bucket: rows per slot and layer to allocate at least (None: the smallest that holds ``rank``).
+
+        Raises:
+            ValueError: a live slot's id is not below ``capacity``.
+        """
+        old = self.store
+        need = max(bucket or 0, rank_bucket_for(max([rank, *(s.rows for s in self.specs.values())])))
+        if old is not None and old.capacity == capacity and old.rank_bucket >= need:
+            return old
+        if any(slot >= capacity for slot in self.specs):
+            raise ValueError(f"live slots {sorted(self.specs)} do not fit a store of {capacity} slots")
+        assert old is not None or not self.specs, "live slots without a store to move them from"
+        store = SlotStore(self.model, self.state, self.layers, capacity, need, self.device)
+        if resolve_impl(self.state.impl, self.device) == "triton":
+            store.use_operands(getattr(self.model, "dtype", torch.float32))
+        for slot, spec in self.specs.items():
+            store.copy_slot_from(old, slot, spec.rows, self.slot_paths[slot])  # type: ignore[arg-type]
+            for path in self.slot_paths[slot]:
+                layer = self.layers[path]
+                layer.remove_slot(slot)
+                layer.add_slot(slot, *store.slot_rows(slot, path, spec.rows), trained=spec.rank)
+        self.store, self.state.mag = store, store.mag
+        return store
+
+    def drop_store(self) -> None:
+        """Let go of the store (its memory is freed once nothing views it): the training run that used it is over."""
+        self.store, self.state.mag = None, None
 
     def remove_slot(self, slot: int) -> None:
         """Drop the slot's adapter; its parameters are freed once the caller lets go of them."""
-        self.flat.pop(slot, None)  # a slot of a slot store has no buffers of its own
         for path in self.slot_paths.pop(slot):
             self.layers[path].remove_slot(slot)
         del self.specs[slot]
@@ -291,6 +297,18 @@ class PackedModel:
         if self.store is None or self.store.mag is None or slot not in self.store.mag.slots:
             return {}
         return {p: self.store.mag.slot(slot, p) for p in self.slot_paths[slot]}
+
+    def slot_moments(self, slot: int) -> dict[str, tuple[_Moments, _Moments]]:
+        """Module path -> AdamW's (exp_avg, exp_avg_sq) of the slot's A (r, D_in) and of its B (D_out, r), in module
+        order: what ``torch.optim.AdamW`` keeps in ``state[param]`` for those parameters, as views of the store's
+        moments (the training step's optimizer state; ``on_end`` may read them, or a test check a slot's gradients:
+        after its first step ``exp_avg`` is ``(1 - beta1)`` times the clipped gradient)."""
+        assert self.store is not None, "no store: the slot's moments went with it"
+        out = {}
+        for p in self.slot_paths[slot]:
+            m_a, v_a, m_bt, v_bt = self.store.slot_moments(slot, p, self.specs[slot].rank)
+            out[p] = ((m_a, v_a), (m_bt.T, v_bt.T))
+        return out
 
     def slot_parameters(self, slot: int) -> list[nn.Parameter]:
         return [t for pair in self.slot_weights(slot).values() for t in pair]

@@ -15,7 +15,7 @@ rows, without a whole copy in any process: ``packer.model.shard_load``). The out
 rank: the chunked loss calls it outside the body's forward, where an FSDP unit's weights are sharded (and a head
 tied to the input embeddings is left out of the body's shard for the same reason, ``ignored_params``).
 
-The adapter slots are not FSDP's: their A/B live in each slot's flat fp32 buffer, outside every FSDP unit's
+The adapter slots are not FSDP's: their A/B live in the slot store's fp32 buffers, outside every FSDP unit's
 parameter group (a slot is added after ``fully_shard``, so FSDP never sees it), replicated on every rank with
 their gradients and AdamW state. Why replicated rather than sharded with their layer: replicated, the slot math,
 the slot store, its optimizer step and the Triton kernels see exactly the tensors they see in a
@@ -85,7 +85,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     names = set(getattr(model, "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:
-        raise ConfigError(f"packing.shard: {_family(model)} has no decoder layers to shard (_no_split_modules)")
+        raise ConfigError(f"pack.shard: {_family(model)} has no decoder layers to shard (_no_split_modules)")
     return layers
 
 
@@ -107,11 +107,11 @@ def decoder_body(model: nn.Module) -> nn.Module:
     embeddings = get() if get is not None else None
     paths = {id(m): name for name, m in model.named_modules()}
     if embeddings is None or id(embeddings) not in paths:
-        raise ConfigError(f"packing.shard: {_family(model)} has no input embeddings to find its decoder body by")
+        raise ConfigError(f"pack.shard: {_family(model)} has no input embeddings to find its decoder body by")
     parts = [paths[id(m)].split(".") for m in (embeddings, *decoder_layers(model))]
     body = model.get_submodule(".".join(os.path.commonprefix(parts)))  # the paths' longest common list of names
     if body is model:
-        raise ConfigError(f"packing.shard: {_family(model)} keeps its embeddings and decoder layers beside the head, "
+        raise ConfigError(f"pack.shard: {_family(model)} keeps its embeddings and decoder layers beside the head, "
                           "with no decoder body to shard apart from it")
     return body
 
@@ -133,7 +133,7 @@ def shard_base(pm: PackedModel, *, reshard_after_forward: bool = True) -> Shardi
             (``decoder_body``).
     """
     if pm.specs:
-        raise ConfigError("packing.shard: shard the base before adding slots")
+        raise ConfigError("pack.shard: shard the base before adding slots")
     if not dist.is_initialized():
         raise RuntimeError("shard_base needs torch.distributed initialised (init_process_group)")
     model = pm.model
@@ -161,7 +161,7 @@ def _refuse_ungathered(model: nn.Module, body: nn.Module, layers: list[nn.Module
 
     def check(module: nn.Module, args: object) -> None:
         if any(isinstance(p, DTensor) for p in module.parameters(recurse=False)):
-            raise ConfigError(f"packing.shard: {_family(model)} runs {names[id(module)]} outside the forward of its "
+            raise ConfigError(f"pack.shard: {_family(model)} runs {names[id(module)]} outside the forward of its "
                               f"decoder body ({names[id(body)]}), so FSDP never gathers its weights")
 
     for module in body.modules():
@@ -171,12 +171,12 @@ def _refuse_ungathered(model: nn.Module, body: nn.Module, layers: list[nn.Module
 
 class _SlotGradSync:
     """Broadcast the slots' gradient buffers from rank 0 once the backward of a forward through the body is done:
-    the slot store's one gradient buffer while a pack trains (else each slot's flat gradient buffer).
+    the slot store's one gradient buffer.
 
     A hook on the body's output (its first tensor, which needs a gradient whenever a slot is active) runs at the
     start of that output's backward and queues a callback on autograd's engine, which runs when the whole backward
-    has finished (every layer's hook has scattered its gradient into the slots' flat buffers): FSDP's own trick
-    for its post-backward work.
+    has finished (every layer has added its gradient into the store's buffer): FSDP's own trick for its
+    post-backward work.
     """
 
     def __init__(self, pm: PackedModel) -> None:
@@ -195,7 +195,7 @@ class _SlotGradSync:
     def broadcast(self) -> None:
         """Rank 0's gradient of every slot, in one flat bucket (the slots in slot order: the same on all ranks)."""
         store = self.pm.store
-        grads = [store.grad] if store is not None else [g for _, (_, g) in sorted(self.pm.flat.items())]
+        grads = [store.grad] if store is not None else []
         if dist.get_world_size() == 1 or not grads:
             return
         bucket = torch.cat(grads)  # (sum of slot sizes,)

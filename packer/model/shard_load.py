@@ -1,4 +1,4 @@
-"""Load the base of a sharded pack without any process holding it whole (``packing.shard: fsdp``).
+"""Load the base of a sharded pack without any process holding it whole (``pack.shard: fsdp``).
 
 Loading the base whole on every rank and then sharding it (``load_base`` + ``shard_base``) needs the whole base in
 one process's memory: a 70B bf16 base (141 GB) cannot load on one H200 (141 GB). torchtune's distributed LoRA
@@ -302,7 +302,7 @@ def load_sharded(name_or_path: str, *, dtype: str, device: str, quantize: str | 
                               seed=0, random=False)
                 return ShardedLoad(pm, load_tokenizer(source), sharding, stats)
     if log is not None:
-        log(f"packing.shard: each rank loads the whole base, then shards it: {why}")
+        log(f"pack.shard: each rank loads the whole base, then shards it: {why}")
     model, tokenizer = load_base(source, dtype=dtype, device=device, quantize=quantize,
                                  attn_implementation=attn_implementation)
     pm = PackedModel(model, impl=impl, fused_base_ops=fused_base_ops)

@@ -54,13 +54,18 @@ from lora_sweep.packer.model.layer import PackedLoRALinear, PackState
 from lora_sweep.packer.model.magnitude import Magnitudes, base_weight, dora_ratio
 from lora_sweep.packer.plan import ALL_LINEAR
 
-__all__ = ["SlotStore", "ShapeBuffers", "OPT_FIELDS", "SEG_INT", "SEG_FLT", "slot_losses", "head_losses",
-           "fused_loss_head", "shift_targets"]
+__all__ = ["SlotStore", "rank_bucket_for", "ShapeBuffers", "OPT_FIELDS", "SEG_INT", "SEG_FLT", "slot_losses",
+           "head_losses", "fused_loss_head", "shift_targets"]
 
 OPT_FIELDS = 11
 """Columns of the optimizer table, as ``kernels.triton_adamw.OPT_FIELDS``."""
 SEG_INT, SEG_FLT = SEG_INT_FIELDS, SEG_FLT_FIELDS
 """Columns of the segment tables (``kernels.ops.SegInt`` / ``kernels.ops.SegFlt``: the one list of their names)."""
+
+
+def rank_bucket_for(rank: int) -> int:
+    """The smallest power of two >= ``rank`` and >= 16 (the kernels' narrowest rank tile)."""
+    return max(16, 1 << max(rank - 1, 0).bit_length())
 
 
 @dataclass
@@ -181,13 +186,20 @@ class SlotStore:
         return (a.data[r0:r0 + rank], bt.data[r0:r0 + rank], a.grad[r0:r0 + rank],  # type: ignore[index]
                 bt.grad[r0:r0 + rank])  # type: ignore[index]
 
+    def slot_moments(self, slot: int, path: str, rank: int) -> tuple[torch.Tensor, ...]:
+        """AdamW's (exp_avg, exp_avg_sq) of ``slot``'s A (r, D_in), then of its B^T (r, D_out), in layer ``path``:
+        views of the store's moment buffers."""
+        r0 = slot * self.rank_bucket
+        (_, _, m_a, v_a), (_, _, m_bt, v_bt) = self._views(self.a[path]), self._views(self.bt[path])
+        return m_a[r0:r0 + rank], v_a[r0:r0 + rank], m_bt[r0:r0 + rank], v_bt[r0:r0 + rank]
+
     @torch.no_grad()
     def reset_slot(self, slot: int, dora: bool = False) -> None:
         """Zero the slot's rows (weights, gradients, moments) in every layer: a fresh slot starts from the zero
         padding the layout relies on.
 
         One multi-tensor zero over views kept per slot: a ``zero_`` per view (4 buffers x 2 leaves x 210 layers
-        of SmolLM2) took 3.9 s of host time over a 48-trial sweep on the H200, with the GPU idle at the refill."""
+        of SmolLM2) took seconds of host time over a sweep, with the GPU idle at each refill."""
         if slot not in self._slot_rows:
             r0, r1 = slot * self.rank_bucket, (slot + 1) * self.rank_bucket
             self._slot_rows[slot] = [buf[r0:r1] for p in self.paths for leaf in (self.a[p], self.bt[p])

@@ -82,7 +82,7 @@ def precompile(fn: Callable[[], object]) -> None:
     """Compile, in parallel, the Triton kernel variants ``fn`` launches (``kernels.ops.precompile``: one pass of ``fn``
     whose launches are compile-only warm-ups; its torch ops run on unwritten kernel outputs, so ``fn`` must only
     write state its next real run rewrites). A failure is one warning: the kernels then compile as ``fn`` meets
-    them, one after another (~1-2 s each on a cold cache on an H200 host)."""
+    them, one after another (seconds each on a cold cache)."""
     from lora_sweep.kernels import ops
 
     try:

@@ -2,7 +2,7 @@
 
 While a pack trains on the fixed-shape step (``packer.step.loop``), every slot's adapter lives in the
 pack's ``SlotStore`` (``PackedModel.store``). The evaluators the sweep runs at rungs and slot ends can then
-use the same machinery as the training step instead of the per-batch path: a batch of C slots x
+use the same machinery as the training step instead of the per-adapter path: a batch of C slots x
 ``rows`` rows (slot g owns rows ``g * rows ..``) x a padded length, the slots to score given their rank and
 scale in the segment tables and every other slot rank 0 and scale 0 (the kernels skip it; the torch path
 scales its term by 0), so one shape serves every evaluation whichever slots it scores, and on CUDA one captured
@@ -70,7 +70,7 @@ def bucket(n: int, multiple: int = EVAL_MULTIPLE) -> int:
 
 
 def available(pm: PackedModel) -> bool:
-    """Whether the pack holds its slots in a slot store (a fixed-shape training run is under way)."""
+    """Whether the pack has a slot store whose fixed shapes evaluation can run on (``PackedModel.ensure_store``)."""
     return pm.store is not None
 
 
@@ -136,8 +136,8 @@ class _Graph:
     """``fn`` captured as a CUDA graph on first use (after two warm-up runs on a side stream), eager on CPU or
     when capture fails (one warning). ``reset`` runs before the real work after a capture (warm-up and capture
     ran ``fn`` on the live buffers). ``triton``: ``fn`` launches the Triton kernels, compiled in parallel
-    (``packer.step.capture.precompile``) before the warm-ups, which otherwise compile them one after another. On an
-    H200 host a cold cache made a sweep's evaluations ~2.3 s slower than a warm one before, ~1.8 s after."""
+    (``packer.step.capture.precompile``) before the warm-ups, which otherwise compile them one after another (a
+    cold cache's cost to a sweep's evaluations)."""
 
     def __init__(self, fn: Callable[[], None], cuda: bool, triton: bool) -> None:
         self.fn, self.graph, self.cuda, self.triton = fn, None, cuda, triton

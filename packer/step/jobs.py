@@ -151,13 +151,13 @@ class TrainResult:
     ended: list[tuple[Any, int, str]] = field(default_factory=list)
     """(key, steps done, reason) of every job that ended, in order."""
     compile_s: float = 0.0
-    """Fixed-shape path: seconds of the parallel kernel precompile before a graph key's first step."""
+    """Seconds of the parallel kernel precompile before a graph key's first step."""
     warmup_s: float = 0.0
-    """Fixed-shape path: seconds of the eager warm-up steps before each CUDA-graph capture."""
+    """Seconds of the eager warm-up steps before each CUDA-graph capture."""
     capture_s: float = 0.0
-    """Fixed-shape path: seconds spent capturing CUDA graphs."""
+    """Seconds spent capturing CUDA graphs."""
     graphs: int = 0
-    """Fixed-shape path: CUDA graphs captured (0: eager)."""
+    """CUDA graphs captured (0: eager)."""
     step: str = ""
     """How the step ran (``STEP_NAMES``): ``cuda-graph`` (replayed as CUDA graphs) or ``eager`` (eagerly: on
     the CPU, with ``cuda_graphs: off``, or after a capture failed)."""

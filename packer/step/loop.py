@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lora_sweep.kernels.ops import FREE_FLT, PackLayout, SegFlt, dropout_seed, free_segment, resolve_impl
+from lora_sweep.kernels.ops import FREE_FLT, PackLayout, SegFlt, dropout_seed, free_segment
 from lora_sweep.packer.data.batch import IGNORE_INDEX
 from lora_sweep.packer.loss import chunked_slot_losses
 from lora_sweep.packer.model.packed import PackedModel
@@ -47,6 +47,7 @@ from lora_sweep.packer.model.store import (
     SlotStore,
     fused_loss_head,
     head_losses,
+    rank_bucket_for,
     slot_losses,
 )
 from lora_sweep.packer.step.capture import capture, capture_failure
@@ -54,17 +55,12 @@ from lora_sweep.packer.step.jobs import SlotEnd, SlotJob, StepReport, Tally, Tra
 from lora_sweep.packer.step.optim import ACCUMULATE, NOOP, adamw_step, optimizer_row
 
 __all__ = ["DEFAULT_READBACK", "SEQ_MULTIPLE", "rank_bucket_for", "Live", "Pending", "Graphs", "Staging", "fill",
-           "step_fn", "new_store", "record_step", "flush", "ends", "end_slots"]
+           "step_fn", "record_step", "flush", "ends", "end_slots"]
 
 DEFAULT_READBACK = 8
 SEQ_MULTIPLE = 16
 """Sequence lengths are padded up to a multiple of this: few graph keys, little padding on short rows."""
 _STAGING = 4
-
-
-def rank_bucket_for(rank: int) -> int:
-    """The smallest power of two >= ``rank`` and >= 16 (the kernels' narrowest rank tile)."""
-    return max(16, 1 << max(rank - 1, 0).bit_length())
 
 
 @dataclass
@@ -282,24 +278,6 @@ def step_fn(pm: PackedModel, store: SlotStore, shape: ShapeBuffers, ring: torch.
         ring.index_copy_(0, shape.ring_row, torch.stack([losses.detach(), counts, norms], dim=1)[None])
 
     return step
-
-
-def new_store(pm: PackedModel, old: SlotStore | None, capacity: int, bucket: int, rank: int,
-               active: dict[int, Live]) -> SlotStore:
-    """A store whose bucket holds ``rank``; the live slots of ``old`` move into it (weights and moments)."""
-    store = SlotStore(pm.model, pm.state, pm.layers, capacity, max(bucket, rank_bucket_for(rank)), pm.device)
-    if resolve_impl(pm.state.impl, pm.device) == "triton":
-        store.use_operands(getattr(pm.model, "dtype", torch.float32))
-    if old is not None:
-        for slot in active:
-            spec = pm.specs[slot]
-            store.copy_slot_from(old, slot, spec.rows, pm.slot_paths[slot])
-            for path in pm.slot_paths[slot]:
-                layer = pm.layers[path]
-                layer.remove_slot(slot)
-                layer.add_slot(slot, *store.slot_rows(slot, path, spec.rows), trained=spec.rank)
-    pm.store, pm.state.mag = store, store.mag
-    return store
 
 
 def flush(ring: torch.Tensor, pending: list[Pending], active: dict[int, Live], result: TrainResult,

@@ -30,6 +30,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable, Collection
+from typing import Protocol
 
 import torch
 
@@ -53,12 +54,18 @@ from lora_sweep.packer.step.jobs import (
     Window,
     target_tokens,
 )
-from lora_sweep.packer.step.loop import DEFAULT_READBACK, SEQ_MULTIPLE, Live, Pending, Staging, rank_bucket_for
+from lora_sweep.packer.step.loop import DEFAULT_READBACK, SEQ_MULTIPLE, Live, Pending, Staging
 from lora_sweep.packer.step.optim import lr_schedule
 
-__all__ = ["BatchSource", "FixedBatch", "SlotJob", "SlotEnd", "StepReport", "TrainResult", "train",
+__all__ = ["BatchSource", "FixedBatch", "SlotJob", "SlotEnd", "StepReport", "TrainResult", "StepProfiler", "train",
            "chunk_tokens_of", "check_in_backward", "target_tokens",
            "STEP_NAMES"]
+
+
+class StepProfiler(Protocol):
+    """What ``train`` needs of a profiler (``torch.profiler.profile`` is one): a mark at the end of every step."""
+
+    def step(self) -> None: ...
 
 
 def chunk_tokens_of(chunked_ce: bool | int) -> int | None:
@@ -132,6 +139,8 @@ def train(
     rank_bucket: int | None = None,
     optimizer_in_backward: bool = False,
     seq_multiple: int = SEQ_MULTIPLE,
+    profiler: StepProfiler | None = None,
+    graphs: loop.Graphs | None = None,
 ) -> TrainResult:
     """Train adapters in ``capacity`` slots until no job is left.
 
@@ -161,6 +170,13 @@ def train(
         optimizer_in_backward: torchtune's option, mapped onto this step: the same updates, the gradient buffer
             kept (one warning says so); jobs that clip or accumulate are refused (``check_in_backward``).
         seq_multiple: rows are padded to a multiple of this many positions.
+        profiler: told ``step()`` once per global step, at the end of it (after any read-back and slot ends): a
+            ``torch.profiler.profile`` the caller has entered, whose ``schedule`` then counts the pack's steps
+            (torchtune's recipes call theirs the same way); None: nothing.
+        graphs: the runner that captures and replays the step's CUDA graphs, used as given (its ``enabled``
+            included; a failed capture turns it off); None: a new ``loop.Graphs``, on where the device is CUDA and
+            ``cuda_graphs`` is not ``off``. A benchmark passes a subclass that also times replays of a captured graph
+            (``benchmarks.gpu_graph``).
 
     Returns:
         Totals of the run; ``step`` says how it ran (``STEP_NAMES``).
@@ -183,7 +199,8 @@ def train(
     pm.set_activation_checkpointing(activation_checkpointing)
     device = pm.device
     triton = resolve_impl(pm.state.impl, device) == "triton"
-    graphs = loop.Graphs(enabled=device.type == "cuda" and cuda_graphs != "off")
+    if graphs is None:
+        graphs = loop.Graphs(enabled=device.type == "cuda" and cuda_graphs != "off")
     ring = torch.zeros((readback_every + 1, capacity, 3), device=device)  # per step and slot: loss, count, norm
     result, active, pending = TrainResult(), dict[int, Live](), list[Pending]()
     store: SlotStore | None = None
@@ -202,8 +219,7 @@ def train(
                 if optimizer_in_backward:
                     check_in_backward(job.spec)
                 if store is None or job.spec.rows > store.rank_bucket:
-                    bucket = rank_bucket or rank_bucket_for(job.spec.rows)
-                    store = loop.new_store(pm, store, capacity, bucket, job.spec.rows, active)
+                    store = pm.ensure_store(capacity, job.spec.rows, rank_bucket)
                     shapes, graphs.graphs, prepared = {}, {}, set()
                 pm.add_slot(slot, job.spec)
                 active[slot] = Live(job, lr_schedule(job.spec), Window(job.spec.gradient_accumulation_steps))
@@ -256,10 +272,12 @@ def train(
             if due:
                 loop.flush(ring, pending, active, result, on_step, should_stop)
                 loop.end_slots(pm, active, loop.ends(active), on_end, result)
+            if profiler is not None:
+                profiler.step()
         loop.flush(ring, pending, active, result, on_step, should_stop)
         loop.end_slots(pm, active, loop.ends(active, "interrupted"), on_end, result)
     finally:
-        pm.store, pm.state.mag = None, None
+        pm.drop_store()
     result.wall_s = time.perf_counter() - t0
     result.warmup_s, result.capture_s, result.graphs = graphs.warmup_s, graphs.capture_s, len(graphs.graphs)
     result.step = "cuda-graph" if graphs.enabled and graphs.graphs else "eager"

@@ -5,13 +5,14 @@ config (``model: {_component_: ...lora_...}``, ``dataset``, ``optimizer``, ...) 
 ``search:``, ``budget:`` and ``objectives:`` is rewritten into a study file's mapping; the keys the
 two formats share with ours (``lora_r``, ``learning_rate``, ``micro_batch_size``, ``sequence_len``,
 ``gradient_accumulation_steps``, ...) are left to ``loader``'s alias table. The rule for every other
-key (README.md, "Axolotl and torchtune configs", has the table): a key that changes the math is translated, or refused
-in one error naming it when it asks for something not built (QLoRA, DoRA, 8-bit loading, a hub
-dataset, another optimizer); a key about logging, hardware or infrastructure is dropped, and all
-dropped keys are named in one warning.
+key (docs/guides/foreign-configs.md has the table): a key that changes the math is translated (QLoRA's
+``adapter: qlora`` and ``load_in_4bit`` to ``model.quantize: nf4``; 8-bit loading and 8-bit AdamW to the
+unquantized base and fp32 AdamW they approximate, with a warning), or refused in one error naming it when it asks
+for something not built (DoRA, GPTQ, a hub dataset, another optimizer); a key about logging, hardware or
+infrastructure is dropped, and all dropped keys are named in one warning.
 
 Over ~400 lines on purpose: both formats' translation and refusal tables, and the rules they share
-(dropped keys, the one warning), read as one page against the README's table.
+(dropped keys, the one warning), read as one page against that table.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.sweep.config._yaml import Doc, Key
+from lora_sweep.sweep.config.tracking import axolotl_trackers, torchtune_trackers
 
 __all__ = ["translate", "split_overrides"]
 
@@ -187,6 +189,7 @@ def translate(doc: Doc, data: dict[str, Any], aliases: Mapping[str, str], top: S
         raise ConfigError(head + "\n".join(out.errors))
     for message in out.warnings:
         logger.warning("%s: %s", doc.file, message)
+    _trackers(out, data, kind)
     if "baseline" not in out.data:
         out.data["baseline"] = _own_values(out.data, aliases, top, train)
     search = out.data.get("search")
@@ -199,6 +202,20 @@ def translate(doc: Doc, data: dict[str, Any], aliases: Mapping[str, str], top: S
         logger.warning("%s: ignored (identity, logging, hardware or infrastructure keys; the math is unchanged): %s",
                        doc.file, ", ".join(out.dropped))
     return out.data
+
+
+def _trackers(out: _Out, data: dict[str, Any], kind: str) -> None:
+    """The config's W&B / MLflow keys (Axolotl) or ``metric_logger`` (torchtune) as ``trackers:`` (unless the
+    file gives ``trackers:`` itself); the tracker keys that map are no longer named as ignored."""
+    if kind == "torchtune":
+        entries, ignored = torchtune_trackers(data.get("metric_logger")) if "metric_logger" in data else ([], [])
+        used = ["metric_logger"] if entries else []
+        out.dropped += ignored if entries else []
+    else:
+        entries, used = axolotl_trackers(data)
+    out.dropped = [k for k in out.dropped if k not in used]
+    if entries and "trackers" not in out.data:
+        out.put(("trackers",), entries, (used[0],))
 
 
 def _own_values(data: dict[str, Any], aliases: Mapping[str, str], top: Sequence[str],
@@ -255,12 +272,13 @@ def _axolotl(doc: Doc, data: dict[str, Any]) -> _Out:
     handlers: dict[str, Callable[[_Out, Any], None]] = {
         "datasets": _datasets, "adapter": _adapter, "load_in_4bit": _load_in_4bit, "optimizer": _optimizer,
         "output_dir": _output,
-        "gradient_checkpointing": lambda o, v: o.put(("packing", "activation_checkpointing"), bool(v),
+        "gradient_checkpointing": lambda o, v: o.put(("pack", "activation_checkpointing"), bool(v),
                                                      ("gradient_checkpointing",)),
         "warmup_ratio": lambda o, v: o.put(("train", "warmup_ratio"), v, ("warmup_ratio",)),
         "adam_beta1": lambda o, v: None, "adam_beta2": lambda o, v: None,  # with betas, below
         "adam_epsilon": lambda o, v: o.put(("train", "eps"), v, ("adam_epsilon",)),
         "val_set_size": lambda o, v: None,  # after the datasets
+        "use_wandb": lambda o, v: None, "use_mlflow": lambda o, v: None,  # trackers, after the loop
     }
     for key, value in data.items():
         if out.attempt(_common, out, key, value):
@@ -504,9 +522,9 @@ def _tt_schedule(out: _Out, value: Any) -> None:
 
 def _tt_loss(out: _Out, value: Any) -> None:
     cfg, name = _component(out, value, "loss")
-    out.dropped += [f"loss.{k}" for k in cfg if k != "_component_"]  # num_output_chunks: packing.chunked_ce's own
+    out.dropped += [f"loss.{k}" for k in cfg if k != "_component_"]  # num_output_chunks: pack.chunked_ce's own
     if name in ("CEWithChunkedOutputLoss", "LinearCrossEntropyLoss"):
-        out.put(("packing", "chunked_ce"), True, ("loss", "_component_"))  # the same loss, in chunks
+        out.put(("pack", "chunked_ce"), True, ("loss", "_component_"))  # the same loss, in chunks
     elif name != "CrossEntropyLoss":
         raise out.error(("loss", "_component_"), f"only cross-entropy losses are supported (got {name})")
 
@@ -537,7 +555,7 @@ _TT: dict[str, Callable[[_Out, Any], None]] = {
     "gradient_accumulation_steps": _tt_flag(("train", "gradient_accumulation_steps"), "gradient_accumulation_steps"),
     "clip_grad_norm": _tt_flag(("train", "max_grad_norm"), "clip_grad_norm"),
     "optimizer_in_bwd": lambda out, v: out.put(("train", "optimizer_in_backward"), bool(v), ("optimizer_in_bwd",)),
-    "enable_activation_checkpointing": _tt_flag(("packing", "activation_checkpointing"),
+    "enable_activation_checkpointing": _tt_flag(("pack", "activation_checkpointing"),
                                                 "enable_activation_checkpointing"),
     "device": _tt_flag(("model", "device"), "device"),
 }

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from lora_sweep.errors import ConfigError
-from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.packer.api import AdapterSpec
 
 __all__ = ["Param", "SearchSpace", "SEARCHABLE"]
 

@@ -184,7 +184,9 @@ def _walk(node: yaml.Node, path: Key, lines: dict[Key, int], file: Path) -> None
 def override(doc: Doc, data: dict[str, Any], text: str, aliases: Mapping[str, Mapping[str, str]]) -> None:
     """Apply ``dotted.key=value`` (value read as YAML) to ``data``.
 
-    A key that is an alias of a key already in the same mapping (``aliases[parent key]``) replaces that key.
+    A key that is an alias of a key already in the same mapping (``aliases[parent key]``, ``aliases[""]`` at the
+    top level) replaces that key; a section written under its alias reads its keys' aliases under the section's own
+    name (``packing.slots`` -> ``pack``'s table).
     """
     key, sep, raw_value = text.partition("=")
     if not sep or not key.strip():
@@ -201,7 +203,8 @@ def override(doc: Doc, data: dict[str, Any], text: str, aliases: Mapping[str, Ma
         if isinstance(node, list) and part.isdigit() and int(part) < len(node):
             k = int(part)
         elif isinstance(node, dict):
-            table = aliases.get(str(path[-1]) if path else "", {})
+            parent = str(path[-1]) if path else ""
+            table = aliases.get(aliases.get("", {}).get(parent, parent) if len(path) == 1 else parent, {})
             k = next((x for x in node if table.get(str(x), x) == table.get(part, part)), part)
         else:
             raise ConfigError(f"{doc.file}: override '{text}': {dotted(tuple(path)) or 'the file'} is not a mapping")

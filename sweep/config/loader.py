@@ -1,7 +1,7 @@
 """Study file -> ``StudySpec`` (``load_study``, the one way in): sections, key aliases, the W&B
 ``parameters:`` block, relocated flat keys.
 
-The alias table follows notes/optuna-and-sweeps.md §4 (Axolotl, torchtune, PEFT, HF/TRL names).
+The alias table holds the names Axolotl, torchtune, PEFT and HF/TRL give the same settings.
 Axolotl-style flat keys at the top level (``base_model``, ``lora_r``, ``learning_rate``,
 ``sequence_len``, ...) are moved into their section; W&B's ``method``, ``metric``, ``run_cap`` and
 ``parameters`` map onto ``sampler``, ``objectives``, ``budget.trials`` and ``search``. A whole Axolotl
@@ -31,12 +31,13 @@ from lora_sweep.sweep.config.spec import (
     EvalSpec,
     ModelSpec,
     Objective,
-    PackingSpec,
+    PackSpec,
     Param,
     PruningSpec,
     SamplerSpec,
     SearchSpace,
     StudySpec,
+    TrackerSpec,
     TrainSpec,
 )
 
@@ -56,6 +57,7 @@ _TRAIN = {
     "init_lora_weights": "init", "peft_init_lora_weights": "init",
 }  # fmt: skip
 _ALIASES: dict[str, dict[str, str]] = {
+    "": {"packing": "pack"},
     "train": _TRAIN,
     "search": _TRAIN,
     "parameters": _TRAIN,
@@ -66,12 +68,12 @@ _ALIASES: dict[str, dict[str, str]] = {
     "budget": {"n_trials": "trials", "run_cap": "trials", "timeout": "wall_time", "max_tokens": "tokens"},
     "sampler": {"type": "name"},
     "pruning": {"type": "kind", "eta": "reduction_factor"},
-    "packing": {"slots": "max_slots"},
+    "pack": {"slots": "max_slots"},
     "objectives": {"name": "metric", "goal": "direction"},
     "constraints": {"name": "metric"},
     "evaluators": {"type": "name", "args": "options"},
 }  # fmt: skip
-"""Section -> {alias: field}."""
+"""Section -> {alias: field}; ``""``, the top level: {alias: section}."""
 _TRAIN_FIELDS = [f.name for f in fields(TrainSpec)]
 _RELOCATE: dict[str, tuple[str, str]] = {
     **{k: ("train", _TRAIN.get(k, k)) for k in [*_TRAIN_FIELDS, *_TRAIN]},
@@ -82,8 +84,8 @@ _RELOCATE: dict[str, tuple[str, str]] = {
 """Top-level Axolotl-style key -> (section, field)."""
 _TOP = [
     "name", "description", "seed", "model", "data", "search", "parameters", "train", "objectives", "constraints",
-    "sampler", "budget", "pruning", "packing", "evaluators", "output", "storage", "artifacts",
-    "method", "metric", "run_cap", "baseline",
+    "sampler", "budget", "pruning", "pack", "evaluators", "output", "storage", "artifacts",
+    "method", "metric", "run_cap", "baseline", "trackers",
 ]  # fmt: skip
 _WANDB = ["values", "value", "min", "max", "distribution", "q", "probabilities"]
 _DISTRIBUTIONS = ("constant", "categorical", "uniform", "int_uniform", "q_uniform", "log_uniform_values", "log_uniform")
@@ -109,10 +111,11 @@ def load_study(path: str | Path, overrides: Sequence[str] = (), *, check_paths: 
     """
     path = Path(path)
     doc, data = read(path, check_paths)
-    own, overrides = _foreign.split_overrides(data, overrides, _TOP)  # an Axolotl/torchtune config's own keys
+    ours = [*_TOP, *_ALIASES[""]]
+    own, overrides = _foreign.split_overrides(data, overrides, ours)  # an Axolotl/torchtune config's own keys
     for text in own:
         override(doc, data, text, {})
-    data = _foreign.translate(doc, data, _TRAIN, _TOP, [*_TOP, *_RELOCATE], _TRAIN_FIELDS)  # Axolotl/torchtune
+    data = _foreign.translate(doc, data, _TRAIN, ours, [*ours, *_RELOCATE], _TRAIN_FIELDS)  # Axolotl/torchtune
     for text in overrides:
         _drop_spellings(data, text)
         override(doc, data, text, _ALIASES)
@@ -164,7 +167,7 @@ def _part(
 
 
 def _study(doc: Doc, data: dict[str, Any]) -> StudySpec:
-    top = section(doc, data, (), (), [*_TOP, *_RELOCATE])
+    top = section(doc, data, (), (), [*_TOP, *_RELOCATE], _ALIASES[""])
     moved: dict[str, dict[str, Item]] = {"train": {}, "data": {}, "model": {}}
     for k in [k for k in top if k in _RELOCATE]:
         it = top.pop(k)
@@ -176,7 +179,7 @@ def _study(doc: Doc, data: dict[str, Any]) -> StudySpec:
         add(doc, moved[part], (part,), {name: it})
     search, fixed = _search(doc, top)
     add(doc, moved["train"], ("train",), fixed)
-    packing = typed(doc, PackingSpec, _part(doc, top, "packing", PackingSpec, short="max_slots"), ("packing",))
+    pack = typed(doc, PackSpec, _part(doc, top, "pack", PackSpec, short="max_slots"), ("pack",))
     kw: dict[str, Any] = {
         "name": coerce(doc, top.pop("name", Item(doc.file.stem, ())).value, "str", ("name",)),
         "model": _model(doc, top, moved["model"]),
@@ -186,9 +189,10 @@ def _study(doc: Doc, data: dict[str, Any]) -> StudySpec:
         "budget": _budget(doc, top),
         "sampler": _sampler(doc, top),
         "pruning": _pruning(doc, top),
-        "packing": make(doc, PackingSpec, ("packing",), **packing),
+        "pack": make(doc, PackSpec, ("pack",), **pack),
     }
-    for key, build in (("objectives", _objective), ("constraints", _constraint), ("evaluators", _evaluator)):
+    for key, build in (("objectives", _objective), ("constraints", _constraint), ("evaluators", _evaluator),
+                       ("trackers", _tracker)):
         entries = _entries(doc, top, key)
         if entries is not None:
             kw[key] = tuple(build(doc, it, (key, i)) for i, it in enumerate(entries))
@@ -467,6 +471,19 @@ def _constraint(doc: Doc, it: Item, canon: Key) -> Constraint:
         return make(doc, Constraint, canon, metric=m[1], op=m[2], value=value)
     items = section(doc, it.value, it.path, canon, ["metric", "op", "value"], _ALIASES["constraints"])
     return make(doc, Constraint, canon, **typed(doc, Constraint, items, canon))
+
+
+def _tracker(doc: Doc, it: Item, canon: Key) -> TrackerSpec:
+    """A bare tracker name, or ``{name: ..., option: value, ...}`` (its options beside its name)."""
+    if not isinstance(it.value, dict):
+        doc.note(canon + ("name",), it.path)
+        return make(doc, TrackerSpec, canon, name=it.value)
+    if "name" not in it.value:
+        raise doc.error(canon + ("name",), "is required (mlflow, wandb or tensorboard)")
+    options = {k: v for k, v in it.value.items() if k != "name"}
+    for k in options:
+        doc.note(canon + (k,), it.path + (k,))
+    return make(doc, TrackerSpec, canon, name=it.value["name"], options=options)
 
 
 def _evaluator(doc: Doc, it: Item, canon: Key) -> EvalSpec:

@@ -19,7 +19,7 @@ from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from lora_sweep.errors import ConfigError
-from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.packer.api import AdapterSpec
 from lora_sweep.sweep.config.spec import Param, SamplerSpec, SearchSpace, TrainSpec
 
 __all__ = ["GridSearch", "adapter_spec", "baseline_params", "community_default", "default_params", "make_sampler",

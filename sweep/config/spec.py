@@ -19,22 +19,22 @@ from typing import Any, Literal
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.evaluators import registry
-from lora_sweep.packer.data.rows import FORMATS as DATA_FORMATS
-from lora_sweep.packer.model.quant import QUANTIZE
-from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.packer.api import FORMATS as DATA_FORMATS
+from lora_sweep.packer.api import QUANTIZE, AdapterSpec
 from lora_sweep.sweep.config._params import SEARCHABLE, Param, SearchSpace, _check, _check_adapter_value, _is_num
 from lora_sweep.sweep.config.strategy import _NAME, SAMPLERS, Budget, Constraint, Objective, PruningSpec, SamplerSpec
+from lora_sweep.sweep.config.tracking import TrackerSpec
 
 __all__ = [
-    "Budget", "Constraint", "DataSpec", "EvalSpec", "ModelSpec", "Objective", "PackingSpec", "Param", "PruningSpec",
-    "SamplerSpec", "SearchSpace", "StudySpec", "TrainSpec",
+    "Budget", "Constraint", "DataSpec", "EvalSpec", "ModelSpec", "Objective", "PackSpec", "Param", "PruningSpec",
+    "SamplerSpec", "SearchSpace", "StudySpec", "TrackerSpec", "TrainSpec",
     "DTYPES", "EVALUATORS", "FORMATS", "SAMPLERS", "SEARCHABLE",
 ]  # fmt: skip
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 FORMATS = ("auto", *DATA_FORMATS)
 _FORMAT_ALIASES = {"messages": "chat", "sharegpt": "chat", "completion": "prompt_completion"}
-EVALUATORS = tuple(registry.EVALUATORS)
+EVALUATORS = tuple(e.name for e in registry.EVALUATORS)
 _D = AdapterSpec()
 _NOT_ADAPTER = ("alpha_ratio", "epochs", "max_steps_per_epoch", "warmup_ratio", "eval_every", "optimizer_in_backward")
 """TrainSpec fields that are not AdapterSpec fields (resolved into rank/alpha or steps per trial, or options of the
@@ -201,7 +201,7 @@ class TrainSpec:
 
 
 @dataclass(frozen=True)
-class PackingSpec:
+class PackSpec:
     """How many trials share one training run."""
 
     max_slots: int | Literal["auto"] = "auto"
@@ -217,8 +217,8 @@ class PackingSpec:
     """With the Triton kernels, also run the base's RMSNorms and SiLU-gated MLPs (Llama, Qwen2/3, Mistral) as
     fused Triton kernels (``packer.model.fuse``); ``false`` keeps transformers' eager modules."""
     cuda_graphs: Literal["auto", "on", "off"] = "auto"
-    """On CUDA, train with the static-shape step replayed as a CUDA graph (``packer.step.loop``; ``auto`` and
-    ``on``: falling back to eager with a warning if capture fails) or ``off``: the same static step, eagerly."""
+    """On CUDA, train with the fixed-shape step replayed as a CUDA graph (``packer.step.loop``; ``auto`` and
+    ``on``: falling back to eager with a warning if capture fails) or ``off``: the same step, eagerly."""
     shard: Literal["none", "fsdp"] = "none"
     """``fsdp``: the frozen base sharded over the processes of a pack with FSDP2, the slots replicated
     (``packer.model.shard``), each rank reading only its shard from the checkpoint's safetensors files
@@ -243,7 +243,7 @@ class PackingSpec:
                "fsdp runs the eager step (no CUDA graph under FSDP's collectives): needs cuda_graphs auto or off",
                self.shard)
         _check(not (self.shard == "fsdp" and self.max_slots == "auto"), "shard",
-               "fsdp needs packing.max_slots set (the auto planner calibrates one process, not a sharded pack)",
+               "fsdp needs pack.max_slots set (the auto planner calibrates one process, not a sharded pack)",
                self.shard)
 
 
@@ -269,12 +269,14 @@ class EvalSpec:
     """One evaluator run on every trial; its options are checked by the evaluator itself."""
 
     name: str
-    """One of ``EVALUATORS`` (``evaluators.registry.EVALUATORS``)."""
+    """One of ``EVALUATORS`` (``evaluators.registry.EVALUATORS``), or ``file.py:OBJECT`` / ``module:OBJECT`` naming
+    an ``Evaluator`` object (docs/guides/extending.md)."""
     options: Mapping[str, object] = field(default_factory=dict, hash=False)
     """Evaluator options: string keys, JSON-like values."""
 
     def __post_init__(self) -> None:
-        _check(self.name in EVALUATORS, "name", f"must be one of {', '.join(EVALUATORS)}", self.name)
+        _check(isinstance(self.name, str) and (self.name in EVALUATORS or ":" in self.name), "name",
+               f"must be one of {', '.join(EVALUATORS)}, or file.py:OBJECT naming an Evaluator", self.name)
         _check(
             isinstance(self.options, Mapping) and _jsonlike(self.options),
             "options",
@@ -311,8 +313,8 @@ class StudySpec:
     """Optuna sampler."""
     pruning: PruningSpec = field(default_factory=PruningSpec)
     """Within-pack pruning."""
-    packing: PackingSpec = field(default_factory=PackingSpec)
-    """Pack size."""
+    pack: PackSpec = field(default_factory=PackSpec)
+    """How trials share one training run (``pack:``; ``packing:`` is read as the same section)."""
     evaluators: tuple[EvalSpec, ...] = (EvalSpec("heldout_loss"),)
     """Evaluators run after training (and at pruning rungs)."""
     output: Path | None = None
@@ -329,6 +331,10 @@ class StudySpec:
     """Train values of a trial enqueued beside the community default, named the baseline: an Axolotl or torchtune
     config's own hyperparameters (``sweep.config._foreign``), or the study file's ``baseline:``. Only the searched
     dimensions are used (``sweep.config.space.baseline_params``); {}: none."""
+    trackers: tuple[TrackerSpec, ...] = ()
+    """Experiment trackers every trial is logged to (``mlflow``, ``wandb``, ``tensorboard``; ``sweep.trackers``):
+    the study a parent run, each trial a child run. A bare name takes the defaults, all local and offline in the
+    study directory; ``[]``: none."""
     description: str = ""
     """Free text."""
     source: Path | None = field(default=None, compare=False)
@@ -352,6 +358,9 @@ class StudySpec:
         for i, n in enumerate(names):
             _check(names.index(n) == i, f"evaluators.{i}.name", "is listed twice", n)
         entries = [(e.name, e.options) for e in self.evaluators]
+        trackers = [t.name for t in self.trackers]
+        for i, n in enumerate(trackers):
+            _check(trackers.index(n) == i, f"trackers.{i}.name", "is listed twice", n)
         for i, o in enumerate(self.objectives):
             try:
                 registry.metric_direction(o.metric, entries)
@@ -373,7 +382,7 @@ class StudySpec:
             raise ConfigError(f"train.optimizer_in_backward: cannot be used with a searched {clash[0]} (it needs "
                               f"train.{clash[0]}: {_NOT_IN_BACKWARD[clash[0]]}, fixed)")
         principal = _values(self, "init") & {"pissa", "olora"}
-        base = "model.quantize: nf4" if self.model.quantize else "packing.shard: fsdp" if self.packing.shard != "none" \
+        base = "model.quantize: nf4" if self.model.quantize else "pack.shard: fsdp" if self.pack.shard != "none" \
             else None
         if principal and base:  # the factors come from the whole float weight, which no process holds then
             raise ConfigError(f"train.init: {sorted(principal)[0]} decomposes the whole float base weight, which "
@@ -405,14 +414,14 @@ class StudySpec:
 
     def _check_dora(self) -> None:
         """DoRA trains on the torch kernels over the whole float base, with dropout 0 (``packer.model.magnitude``)."""
-        kernels = self.packing.kernels
-        off = ("model.quantize: nf4" if self.model.quantize else "packing.shard: fsdp" if self.packing.shard != "none"
-               else "packing.kernels: triton" if kernels == "triton"
-               else f"packing.kernels: auto on model.device: {self.model.device}"
+        kernels = self.pack.kernels
+        off = ("model.quantize: nf4" if self.model.quantize else "pack.shard: fsdp" if self.pack.shard != "none"
+               else "pack.kernels: triton" if kernels == "triton"
+               else f"pack.kernels: auto on model.device: {self.model.device}"
                if kernels == "auto" and self.model.device != "cpu" else None)
         if off is not None:
             raise ConfigError(f"train.dora: DoRA trains on the torch kernels over a whole float base, not with {off} "
-                              "(set packing.kernels: torch)")
+                              "(set pack.kernels: torch)")
         if any(p > 0 for p in _values(self, "dropout", ranged=True)):
             raise ConfigError(f"train.dora: needs dropout 0, and the study can train dropout "
                               f"{max(_values(self, 'dropout', ranged=True))} (the packed DoRA term takes the "

@@ -22,7 +22,9 @@ A study directory (default ``runs/<name>/``, see :class:`StudyDir`) holds::
     results.db           the tables below, for SQL queries and the HTML report
     study.yaml           the resolved study the last run used (overrides and aliases applied; also meta ``spec``)
     adapters/trial-<n>/  each completed trial's adapter in PEFT format (``PeftModel.from_pretrained``)
-    report.html          the static HTML report
+    report.html          the self-contained HTML report
+    trackers.json        with ``trackers:``, each tracker's run ids and how far it logged (``sweep.trackers.sync``);
+                         beside it their default stores: mlflow.db and mlruns/, wandb/, tensorboard/
     lock                 flock'ed by the one ``sweep run`` that owns the directory; holds its pid and host (JSON).
                          A second run finds it held and stops; a dead holder's lock is released by the kernel
                          and the next run takes it over (``StudyDir.acquire``)
@@ -73,10 +75,11 @@ created, updated (time of the last write), lora_sweep_version.
     steps, tokens     Pack steps run and training tokens over all slots.  tokens_per_s: throughput.
     peak_mem_bytes    Peak device memory allocated.
     status            'running', 'finished', 'failed' or 'oom'; a pack left 'running' was killed.
-    step              The training step it ran: 'cuda-graph' (static shapes replayed as CUDA graphs) or
-                      'static-eager' (the same step run eagerly: the CPU, cuda_graphs off, a failed capture);
-                      NULL for a pack that did not finish training (and in stores written before schema 2).
-    fallback          Why a CUDA pack ran 'static-eager' though CUDA graphs were on: its configuration and the failed
+    step              The training step it ran: 'cuda-graph' (fixed shapes replayed as CUDA graphs) or
+                      'eager' (the same step run eagerly: the CPU, cuda_graphs off, a failed capture; an older
+                      file may hold 'static-eager', read back as 'eager'); NULL for a pack that did not finish
+                      training (and in stores written before schema 2).
+    fallback          Why a CUDA pack ran 'eager' though CUDA graphs were on: its configuration and the failed
                       capture's error with the line that raised it (docs/guides/training.md); NULL otherwise.
 
 ``slot_spans`` (PK pack_id, slot, trial): the pack timeline, which trial sat in which slot when.

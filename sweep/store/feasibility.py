@@ -6,7 +6,9 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["constraint_violation", "is_feasible", "pareto_front", "constraint_text"]
+from lora_sweep.sweep.store.schema import TrialRecord
+
+__all__ = ["constraint_violation", "is_feasible", "pareto_front", "constraint_text", "best_trials"]
 
 
 def constraint_violation(op: str, bound: float, x: Any) -> float:
@@ -41,6 +43,19 @@ def pareto_front(points: Iterable[tuple[int, Sequence[float]]], directions: Sequ
         return all(x <= y for x, y in zip(a, b, strict=True)) and a != b
 
     return [n for n, v in pts if not any(dominates(w, v) for _, w in pts)]
+
+
+def best_trials(complete: Sequence[TrialRecord], directions: Sequence[str], constraints: Sequence[Mapping[str, Any]],
+                feasible: bool = True) -> list[TrialRecord]:
+    """The trials of ``complete`` on the Pareto front of ``directions`` (one trial, or ties, for one objective), as
+    Optuna's ``study.best_trials``; with ``feasible``, among those meeting ``constraints`` when any does (Optuna's
+    rule for constrained studies). Trials without a finite value per objective are left out."""
+    done = [t for t in complete if t.objective_values and len(t.objective_values) == len(directions)
+            and all(v is not None and math.isfinite(v) for v in t.objective_values)]
+    if feasible and constraints and any(is_feasible(t.metrics, constraints) for t in done):
+        done = [t for t in done if is_feasible(t.metrics, constraints)]
+    front = set(pareto_front([(t.number, [float(v) for v in t.objective_values or []]) for t in done], directions))
+    return [t for t in done if t.number in front]
 
 
 def constraint_text(c: Mapping[str, Any]) -> str:

@@ -8,6 +8,7 @@ import importlib.metadata
 import sqlite3
 import time
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import sqlite_utils
 
 from lora_sweep.sweep.store.schema import (
     SCHEMA_VERSION,
+    STEP_WORDS,
     TABLES,
     EvalRow,
     ItemRow,
@@ -344,7 +346,8 @@ class ResultsStore:
         return self._get("items", {"evaluator": evaluator, "trial": trial})
 
     def packs(self) -> list[PackRecord]:
-        return self._get("packs")
+        """Every pack in order; ``step`` in the current words (``STEP_WORDS``), whichever version wrote the row."""
+        return [replace(p, step=STEP_WORDS.get(p.step, p.step)) if p.step else p for p in self._get("packs")]
 
     def spans(self, pack_id: int | None = None) -> list[SlotSpan]:
         return self._get("slot_spans", {"pack_id": pack_id}, order="pack_id, slot, start_step")

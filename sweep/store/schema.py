@@ -14,12 +14,15 @@ from typing import Any
 
 from lora_sweep.sweep.store.attrs import BASELINE, DEFAULT
 
-__all__ = ["SCHEMA_VERSION", "TrialRecord", "StepRow", "EvalRow", "ItemRow", "PackRecord", "SlotSpan",
+__all__ = ["SCHEMA_VERSION", "STEP_WORDS", "TrialRecord", "StepRow", "EvalRow", "ItemRow", "PackRecord", "SlotSpan",
            "PruneDecision", "TABLES", "columns", "to_json", "from_json", "plain", "now_or", "reference_trial"]
 
 SCHEMA_VERSION = 3
 """2: ``packs.step`` (the training step a pack ran); 3: ``packs.fallback`` (why a CUDA pack's step ran eagerly). An
 older file gains the missing columns when opened."""
+STEP_WORDS = {"static-eager": "eager"}
+"""``packs.step`` values stores hold under another word -> the word the reading API returns (``ResultsStore.packs``):
+the training step run eagerly was named ``static-eager``."""
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 
@@ -160,7 +163,7 @@ class PackRecord:
     wall_s: float | None = None
     status: str | None = None
     step: str | None = None
-    """The training step the pack ran (``packer.step.train``'s ``TrainResult.step``: cuda-graph or static-eager)."""
+    """The training step the pack ran (``packer.step.train``'s ``TrainResult.step``: cuda-graph or eager)."""
     fallback: str | None = None
     """Why a CUDA pack's step ran eagerly although graphs were asked for (``TrainResult.fallback``), else None."""
 

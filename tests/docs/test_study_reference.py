@@ -43,13 +43,13 @@ def _section_keys() -> set[str]:
     """Every dotted key the loader accepts inside a section: the fields it validates each section against."""
     keys = {f.name for f in GEN.study_fields(S.StudySpec) if f.name not in GEN.NESTED}
     for name, cls in [("model", S.ModelSpec), ("data", S.DataSpec), ("train", S.TrainSpec), ("budget", S.Budget),
-                      ("sampler", S.SamplerSpec), ("pruning", S.PruningSpec), ("packing", S.PackingSpec)]:
+                      ("sampler", S.SamplerSpec), ("pruning", S.PruningSpec), ("pack", S.PackSpec)]:
         keys |= {f"{name}.{f.name}" for f in dataclasses.fields(cls)}
     for name, cls in [("objectives", S.Objective), ("constraints", S.Constraint), ("evaluators", S.EvalSpec)]:
         keys |= {f"{name}[].{f.name}" for f in dataclasses.fields(cls)}
     keys |= {f"search.<name>.{k}" for k in ("low", "high", "log", "step", "choices")}
-    for name, cls in registry.OPTIONS.items():
-        keys |= {f"evaluators[{name}].options.{f.name}" for f in dataclasses.fields(cls)}
+    for e in registry.EVALUATORS:
+        keys |= {f"evaluators[{e.name}].options.{f.name}" for f in dataclasses.fields(e.options)}
     return keys
 
 

@@ -69,7 +69,7 @@ def trained(tiny_dirs, tmp_path_factory: pytest.TempPathFactory):
 
 def load_pack(t: Trained, slots: tuple[int, ...] = (0, 1, 2)):
     """(PackedModel with the trained adapters in ``slots``, tokenizer), freshly loaded."""
-    from lora_sweep.packer.model.checkpoint import load_adapter
+    from tests.conftest import load_adapter
 
     model, tok = load_base(str(t.model_dir))
     pm = PackedModel(model)

@@ -7,10 +7,11 @@ from pathlib import Path
 import pytest
 
 from lora_sweep.errors import ConfigError, UserError
-from lora_sweep.evaluators.custom import custom, load_function
+from lora_sweep.evaluators.custom import CUSTOM, custom, load_function
 from lora_sweep.evaluators.generation import generation
 from lora_sweep.evaluators.registry import SlotEvalError, load_eval_data
 from tests.evaluators.conftest import YESNO, load_pack
+from tests.evaluators.contract import EvaluatorContract
 
 METRICS_FILE = Path(__file__).parent / "data" / "metrics.py"
 
@@ -66,3 +67,39 @@ def test_function_spec_errors_are_one_line(tmp_path) -> None:
         load_function(f"{broken}:f")
     with pytest.raises(ConfigError, match=r"^custom\.options\.function: must read 'module:function'"):
         custom(None, [0], None, function="no_colon")  # type: ignore[arg-type]
+
+
+class TestCustomContract(EvaluatorContract):
+    @pytest.fixture
+    def evaluator(self):  # noqa: ANN201
+        return CUSTOM
+
+    @pytest.fixture
+    def options(self) -> dict:
+        return {"function": f"{METRICS_FILE}:says_yes", "max_new_tokens": 2}
+
+    @pytest.fixture
+    def data_file(self) -> Path:
+        return YESNO
+
+    @pytest.fixture
+    def bad_option(self) -> tuple:
+        return ("direction", "up")
+
+
+class TestUserEvaluatorObjectContract(EvaluatorContract):
+    """A user's own ``Evaluator`` object (tests/evaluators/data/metrics.py), as a study names it."""
+
+    @pytest.fixture
+    def evaluator(self):  # noqa: ANN201
+        from lora_sweep.evaluators.registry import find
+
+        return find(f"{METRICS_FILE}:SAYS_YES")
+
+    @pytest.fixture
+    def data_file(self) -> Path:
+        return YESNO
+
+    @pytest.fixture
+    def bad_option(self) -> tuple:
+        return ("max_new_tokens", "four")

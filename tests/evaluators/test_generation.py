@@ -8,11 +8,12 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from lora_sweep.errors import ConfigError, DataError
-from lora_sweep.evaluators.generation import build_prompts, generate_ids, generation, references
+from lora_sweep.evaluators.generation import GENERATION, build_prompts, generate_ids, generation, references
 from lora_sweep.evaluators.registry import EvalData, load_eval_data
 from lora_sweep.packer.data.rows import IGNORE_INDEX, tokenize_rows
 from lora_sweep.packer.tiny.data import arithmetic_rows
 from tests.evaluators.conftest import YESNO, load_pack
+from tests.evaluators.contract import EvaluatorContract
 
 MAX_NEW = 6
 
@@ -104,3 +105,21 @@ def test_bad_generation_input(trained) -> None:
         generation(pm, [0], data, stop=[""])
     with pytest.raises(DataError, match="needs rows of format"):
         generation(pm, [0], EvalData([{"text": "hello"}], "text", tok))
+
+
+class TestGenerationContract(EvaluatorContract):
+    @pytest.fixture
+    def evaluator(self):  # noqa: ANN201
+        return GENERATION
+
+    @pytest.fixture
+    def options(self) -> dict:  # sampled: the seed makes it repeat
+        return {"max_new_tokens": 2, "temperature": 0.8, "seed": 3, "scorers": ["exact_match", "contains"]}
+
+    @pytest.fixture
+    def data_file(self):  # noqa: ANN201
+        return YESNO
+
+    @pytest.fixture
+    def bad_option(self) -> tuple:
+        return ("scorers", ["rouge"])

@@ -55,13 +55,13 @@ def test_packed_equals_alone_on_cuda(tiny_dirs, impl: str) -> None:
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
-def test_captured_static_evaluation_equals_the_dynamic_path(tiny_dirs, impl: str) -> None:
+def test_captured_batched_evaluation_equals_the_per_adapter_path(tiny_dirs, impl: str) -> None:
     """Inside a static pack on CUDA (fp32): greedy tokens of the captured decode step over a static KV cache equal
-    the dynamic eager loop's exactly, and the captured held-out loss matches it; both ran as CUDA graphs."""
+    the per-adapter eager loop's exactly, and the captured held-out loss matches it; both ran as CUDA graphs."""
     from lora_sweep.evaluators.registry import load_eval_data
     from lora_sweep.packer.step import eval_graph
     from tests.evaluators.conftest import YESNO
-    from tests.evaluators.test_static_eval import static_pack_evaluations
+    from tests.helpers import pack_evaluations
 
     if impl == "triton":
         pytest.importorskip("triton")
@@ -71,15 +71,15 @@ def test_captured_static_evaluation_equals_the_dynamic_path(tiny_dirs, impl: str
         data = load_eval_data(YESNO, tok, fmt="prompt_completion", max_length=48)
         prompts = build_prompts(data)[:7]
         kw = {"eos_id": None, "pad_id": tok.pad_token_id, "max_new_tokens": 6, "batch_size": 3}
-        assert generate_ids(pm, slots, prompts, **kw) == generate_ids(pm, slots, prompts, static_shapes=False, **kw)
+        assert generate_ids(pm, slots, prompts, **kw) == generate_ids(pm, slots, prompts, batched=False, **kw)
         static = heldout_loss(pm, slots, data, batch_size=4)
-        dynamic = heldout_loss(pm, slots, data, batch_size=4, static_shapes=False)
+        per_adapter = heldout_loss(pm, slots, data, batch_size=4, batched=False)
         for slot in slots:
-            assert static.metrics[slot]["eval_loss"] == pytest.approx(dynamic.metrics[slot]["eval_loss"], rel=1e-4)
+            assert static.metrics[slot]["eval_loss"] == pytest.approx(per_adapter.metrics[slot]["eval_loss"], rel=1e-4)
         entries = eval_graph._CACHES[pm.store].values()
         graphs = [getattr(e, name, None) for e in entries for name in ("prefill_graph", "graph")]
         captured.append(sum(1 for g in graphs if getattr(g, "graph", None) is not None)
                         + sum(1 for e in entries if isinstance(e, tuple) and e[0].graph is not None))
 
-    static_pack_evaluations(tiny_dirs("llama"), check, device="cuda", impl=impl, cuda_graphs="on")
+    pack_evaluations(tiny_dirs("llama"), check, device="cuda", impl=impl, cuda_graphs="on")
     assert captured and all(n == 3 for n in captured)  # the prefill, the decode step and the held-out forward

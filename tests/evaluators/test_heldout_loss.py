@@ -11,11 +11,12 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from lora_sweep.errors import ConfigError, DataError
-from lora_sweep.evaluators.heldout_loss import heldout_loss
+from lora_sweep.evaluators.heldout_loss import HELDOUT_LOSS, heldout_loss
 from lora_sweep.evaluators.registry import EvalData, load_eval_data
 from lora_sweep.packer.data.batch import collate
 from lora_sweep.packer.data.rows import tokenize_rows
 from tests.evaluators.conftest import YESNO, load_pack
+from tests.evaluators.contract import EvaluatorContract
 
 ARITH_EVAL = Path(__file__).resolve().parents[2] / "studies" / "data" / "arith-eval.jsonl"
 
@@ -75,3 +76,21 @@ def test_bad_options_and_formats(trained, tmp_path) -> None:
         heldout_loss(pm, [0], mc)
     with pytest.raises(DataError, match="file not found"):
         load_eval_data(tmp_path / "missing.jsonl", tok)
+
+
+class TestHeldoutLossContract(EvaluatorContract):
+    @pytest.fixture
+    def evaluator(self):  # noqa: ANN201
+        return HELDOUT_LOSS
+
+    @pytest.fixture
+    def options(self) -> dict:
+        return {"batch_size": 4}
+
+    @pytest.fixture
+    def data_file(self) -> Path:
+        return YESNO
+
+    @pytest.fixture
+    def bad_option(self) -> tuple:
+        return ("batch_size", 0)

@@ -11,10 +11,11 @@ import yaml
 from lora_sweep.errors import ConfigError, UserError
 from lora_sweep.evaluators.choice import multiple_choice
 from lora_sweep.evaluators.generation import generation
-from lora_sweep.evaluators.lm_eval import INSTALL_HINT, SlotView, run_lm_eval
+from lora_sweep.evaluators.lm_eval import INSTALL_HINT, LM_EVAL, SlotView, run_lm_eval
 from lora_sweep.evaluators.registry import EvalData, load_eval_data
 from tests.conftest import need_module
 from tests.evaluators.conftest import YESNO, YESNO_MC, load_pack
+from tests.evaluators.contract import EvaluatorContract
 
 need_module("lm_eval", "eval")
 
@@ -107,3 +108,21 @@ def test_missing_lm_eval_gives_install_hint(trained, tmp_path, monkeypatch) -> N
     with pytest.raises(UserError, match=r"pip install 'lora-sweep\[eval\]'") as err:
         run_lm_eval(pm, [0], EvalData([], "prompt_completion", tok, work_dir=tmp_path), tasks=[mc_task])
     assert str(err.value).startswith(INSTALL_HINT) and "\n" not in str(err.value)
+
+
+class TestLmEvalContract(EvaluatorContract):
+    @pytest.fixture
+    def evaluator(self):  # noqa: ANN201
+        return LM_EVAL
+
+    @pytest.fixture
+    def options(self, tmp_path) -> dict:  # noqa: ANN001
+        return {"tasks": list(_write_tasks(tmp_path / "tasks")), "limit": 3}
+
+    @pytest.fixture
+    def data_file(self):  # noqa: ANN201
+        return YESNO
+
+    @pytest.fixture
+    def bad_option(self) -> tuple:
+        return ("limit", 0)

@@ -1,29 +1,25 @@
-"""Held-out loss and greedy generation on a static pack's fixed shapes (``packer.step.eval_graph``) equal the dynamic
-path.
+"""Held-out loss and greedy generation scored batched on a static pack's fixed shapes (``packer.step.eval_graph``) equal
+the per-adapter path's.
 
-On the CPU the static path runs eagerly (no CUDA graphs) where a test asks for it (``static_shapes=True``: its default,
-auto, evaluates per batch there); the shapes, tables, static KV cache and 4D masks are the
+On the CPU the batched path runs eagerly (no CUDA graphs) where a test asks for it (``batched=True``: its default,
+auto, takes the per-adapter path there); the shapes, tables, static KV cache and 4D masks are the
 ones a CUDA graph replays on the GPU (``test_gpu.py`` checks the captured decode there)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from lora_sweep.errors import ConfigError
-from lora_sweep.evaluators._core import uses_static_shapes
+from lora_sweep.evaluators._core import uses_batched
 from lora_sweep.evaluators.generation import GenerationOptions, build_prompts, generate_ids, generate_texts
 from lora_sweep.evaluators.heldout_loss import HeldoutOptions, heldout_loss
-from lora_sweep.evaluators.registry import load_eval_data
-from lora_sweep.packer.data.rows import SlotStream, read_jsonl, tokenize_rows
-from lora_sweep.packer.model.packed import PackedModel, load_base
-from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.evaluators.registry import load_eval_data, validate
 from lora_sweep.packer.step import eval_graph
-from lora_sweep.packer.step.train import SlotEnd, SlotJob, train
 from tests.evaluators.conftest import YESNO
+from tests.helpers import pack_evaluations
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
@@ -39,68 +35,44 @@ def _spy(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
     return calls
 
 
-def static_pack_evaluations(model_dir, check, attn: str = "sdpa", device: str = "cpu", impl: str = "torch",
-                            **train_kw):  # noqa: ANN001, ANN003, ANN201
-    """Train 3 jobs (mixed ranks, targets, lengths) in 4 static slots; ``check(pm, slots, tok)`` runs in every
-    ``on_end`` (the ending slots and every other live slot are still in the pack)."""
-    model, tok = load_base(str(model_dir), attn_implementation=attn, device=device)
-    pm = PackedModel(model, impl=impl)
-    _, rows = read_jsonl(YESNO)
-    examples = tokenize_rows(rows, "prompt_completion", tok)
-    base = AdapterSpec(rank=8, alpha=16, lr=3e-2, targets=("all-linear",), micro_batch=4, max_steps=6)
-    specs = [replace(base, max_steps=4, seed=1), replace(base, rank=4, targets=("q_proj", "v_proj"), seed=2),
-             replace(base, rank=16, alpha=8, targets=("gate_proj", "up_proj", "down_proj"), seed=3)]
-    queue = [SlotJob(s, SlotStream(examples, s.micro_batch, seed=i), key=i) for i, s in enumerate(specs)]
-    calls = []
-
-    def on_end(ends: list[SlotEnd]) -> None:
-        assert eval_graph.available(pm)
-        calls.append(sorted(pm.specs))
-        check(pm, sorted(e.slot for e in ends), tok)
-        check(pm, sorted(pm.specs), tok)
-
-    train(pm, 4, lambda slot: queue.pop(0) if queue else None, pad_id=tok.pad_token_id, on_end=on_end,
-          readback_every=2, **train_kw)
-    assert len(calls) == 2 and pm.store is None
-
-
-def test_static_heldout_loss_equals_the_dynamic_one(tiny_dirs, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_batched_heldout_loss_equals_the_per_adapter_one(tiny_dirs, monkeypatch: pytest.MonkeyPatch) -> None:
     seen, calls = [], _spy(monkeypatch, "row_losses")
 
     def check(pm, slots, tok) -> None:  # noqa: ANN001
         data = load_eval_data(YESNO, tok, fmt="prompt_completion", max_length=48)
-        static = heldout_loss(pm, slots, data, batch_size=3, static_shapes=True)
-        dynamic = heldout_loss(pm, slots, data, batch_size=3, static_shapes=False)
+        batched = heldout_loss(pm, slots, data, batch_size=3, batched=True)
+        per_adapter = heldout_loss(pm, slots, data, batch_size=3, batched=False)
         for slot in slots:
-            assert static.metrics[slot]["eval_loss"] == pytest.approx(dynamic.metrics[slot]["eval_loss"], rel=1e-5)
-            assert static.per_item[slot]["eval_loss"] == pytest.approx(dynamic.per_item[slot]["eval_loss"], rel=1e-5)
-        seen.append({s: static.metrics[s]["eval_loss"] for s in slots})
+            assert batched.metrics[slot]["eval_loss"] == pytest.approx(per_adapter.metrics[slot]["eval_loss"], rel=1e-5)
+            assert batched.per_item[slot]["eval_loss"] == pytest.approx(per_adapter.per_item[slot]["eval_loss"],
+                                                                        rel=1e-5)
+        seen.append({s: batched.metrics[s]["eval_loss"] for s in slots})
 
-    static_pack_evaluations(tiny_dirs("llama"), check)
+    pack_evaluations(tiny_dirs("llama"), check)
     assert len(calls) == 2 * 2 * 8  # slot ends x slot sets x 8 chunks of the 24 rows: the static path only
     assert len({round(v, 4) for d in seen for v in d.values()}) > 1  # the slots are different adapters
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_static_greedy_decoding_equals_the_dynamic_one(tiny_dirs, attn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_batched_greedy_decoding_equals_the_per_adapter_one(tiny_dirs, attn: str, monkeypatch) -> None:  # noqa: ANN001
     calls = _spy(monkeypatch, "greedy_decode")
     def check(pm, slots, tok) -> None:  # noqa: ANN001
         data = load_eval_data(YESNO, tok, fmt="prompt_completion", max_length=48)
         prompts = build_prompts(data)[:7]  # 3 chunks of 3: the last one has free rows
         kw = {"pad_id": tok.pad_token_id, "max_new_tokens": 5, "batch_size": 3}
-        dynamic = generate_ids(pm, slots, prompts, eos_id=None, static_shapes=False, **kw)
-        assert generate_ids(pm, slots, prompts, eos_id=None, static_shapes=True, **kw) == dynamic
-        assert all(len(a) == 5 for answers in dynamic.values() for a in answers)
-        eos = dynamic[slots[0]][0][2]  # a token some answer reaches: answers are cut before it
-        cut = generate_ids(pm, slots, prompts, eos_id=eos, static_shapes=False, **kw)
-        assert generate_ids(pm, slots, prompts, eos_id=eos, static_shapes=True, **kw) == cut
+        per_adapter = generate_ids(pm, slots, prompts, eos_id=None, batched=False, **kw)
+        assert generate_ids(pm, slots, prompts, eos_id=None, batched=True, **kw) == per_adapter
+        assert all(len(a) == 5 for answers in per_adapter.values() for a in answers)
+        eos = per_adapter[slots[0]][0][2]  # a token some answer reaches: answers are cut before it
+        cut = generate_ids(pm, slots, prompts, eos_id=eos, batched=False, **kw)
+        assert generate_ids(pm, slots, prompts, eos_id=eos, batched=True, **kw) == cut
         assert any(len(a) < 5 for answers in cut.values() for a in answers)
-        stop = tok.decode(dynamic[slots[-1]][1][1:3])  # a stop string: cut after the token that completes it
-        texts = {s: generate_texts(pm, slots, prompts, tok, stop=[stop], static_shapes=s, max_new_tokens=5,
+        stop = tok.decode(per_adapter[slots[-1]][1][1:3])  # a stop string: cut after the token that completes it
+        texts = {s: generate_texts(pm, slots, prompts, tok, stop=[stop], batched=s, max_new_tokens=5,
                                    batch_size=3) for s in (True, False)}
         assert texts[True] == texts[False]
 
-    static_pack_evaluations(tiny_dirs("llama"), check, attn)
+    pack_evaluations(tiny_dirs("llama"), check, attn)
     assert len(calls) == 2 * 2 * 3 * 3  # slot ends x slot sets x static calls x 3 chunks
 
 
@@ -122,26 +94,26 @@ def test_the_heldout_budget_counts_the_measured_bytes_per_logit_of_the_packs_los
         monkeypatch.undo()
         seen.append(slots)
 
-    static_pack_evaluations(tiny_dirs("llama"), check)
+    pack_evaluations(tiny_dirs("llama"), check)
     assert seen
 
 
-def test_a_static_heldout_shape_over_the_logits_budget_takes_the_dynamic_path(tiny_dirs, monkeypatch) -> None:
+def test_a_static_heldout_shape_over_the_logits_budget_takes_the_per_adapter_path(tiny_dirs, monkeypatch) -> None:
     calls = _spy(monkeypatch, "row_losses")
     monkeypatch.setattr(eval_graph, "LOGITS_BYTES", 1024)
 
     def check(pm, slots, tok) -> None:  # noqa: ANN001
         assert not eval_graph.heldout_fits(pm, 3, 48)
         data = load_eval_data(YESNO, tok, fmt="prompt_completion", max_length=48)
-        result = heldout_loss(pm, slots, data, batch_size=3, static_shapes=True)
+        result = heldout_loss(pm, slots, data, batch_size=3, batched=True)
         assert all(result.metrics[s]["eval_loss"] > 0 for s in slots)
 
-    static_pack_evaluations(tiny_dirs("llama"), check)
+    pack_evaluations(tiny_dirs("llama"), check)
     assert calls == []
 
 
-def test_auto_evaluates_per_batch_on_the_cpu_and_on_the_fixed_shapes_on_cuda(tiny_dirs, monkeypatch) -> None:
-    """``static_shapes: auto`` (the default): the CPU takes the per-batch path, which holds only the scored slots'
+def test_auto_evaluates_per_adapter_on_the_cpu_and_on_the_fixed_shapes_on_cuda(tiny_dirs, monkeypatch) -> None:
+    """``batched: auto`` (the default): the CPU takes the per-adapter path, which holds only the scored adapters'
     rows; CUDA, where a graph replays each forward, the fixed shapes."""
     losses, decodes = _spy(monkeypatch, "row_losses"), _spy(monkeypatch, "greedy_decode")
 
@@ -149,19 +121,27 @@ def test_auto_evaluates_per_batch_on_the_cpu_and_on_the_fixed_shapes_on_cuda(tin
         data = load_eval_data(YESNO, tok, fmt="prompt_completion", max_length=48)
         heldout_loss(pm, slots, data, batch_size=3)
         generate_ids(pm, slots, build_prompts(data)[:3], eos_id=None, pad_id=tok.pad_token_id, max_new_tokens=2)
-        assert uses_static_shapes("auto", SimpleNamespace(device=torch.device("cuda")))  # type: ignore[arg-type]
-        assert uses_static_shapes(True, pm) and not uses_static_shapes(False, pm) and not uses_static_shapes("auto", pm)
+        assert uses_batched("auto", SimpleNamespace(device=torch.device("cuda")))  # type: ignore[arg-type]
+        assert uses_batched(True, pm) and not uses_batched(False, pm) and not uses_batched("auto", pm)
 
-    static_pack_evaluations(tiny_dirs("llama"), check)
+    pack_evaluations(tiny_dirs("llama"), check)
     assert losses == [] and decodes == []
 
 
 @pytest.mark.parametrize("value", ["yes", 1, None, "Auto"])
-def test_static_shapes_is_true_false_or_auto(value) -> None:
-    with pytest.raises(ConfigError, match=r"static_shapes: must be true, false or auto"):
-        HeldoutOptions(static_shapes=value)
-    with pytest.raises(ConfigError, match=r"static_shapes: must be true, false or auto"):
-        GenerationOptions(static_shapes=value)
+def test_batched_is_true_false_or_auto(value) -> None:
+    with pytest.raises(ConfigError, match=r"batched: must be true, false or auto"):
+        HeldoutOptions(batched=value)
+    with pytest.raises(ConfigError, match=r"batched: must be true, false or auto"):
+        GenerationOptions(batched=value)
+
+
+def test_static_shapes_is_an_alias_of_batched() -> None:
+    """A study file written with the option's former name keeps working; both names at once is an error."""
+    assert validate("heldout_loss", {"static_shapes": False}) == HeldoutOptions(batched=False)
+    assert validate("generation", {"static_shapes": True}).batched is True
+    with pytest.raises(ConfigError, match=r"^generation\.options\.static_shapes: is an alias of batched; give one"):
+        validate("generation", {"static_shapes": True, "batched": False})
 
 
 @pytest.mark.parametrize("triton", [True, False])

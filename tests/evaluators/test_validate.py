@@ -8,7 +8,7 @@ import pytest
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.evaluators.generation import GenerationOptions
-from lora_sweep.evaluators.registry import EVALUATORS, METRICS, OPTIONS, metric_direction, metrics_of, validate
+from lora_sweep.evaluators.registry import EVALUATORS, find, metric_direction, metrics_of, validate
 
 METRICS_FILE = Path(__file__).parent / "data" / "metrics.py"
 
@@ -20,18 +20,29 @@ def _one_line(exc: pytest.ExceptionInfo) -> str:
 
 
 def test_every_evaluator_has_options_and_defaults_validate() -> None:
-    assert set(EVALUATORS) == set(OPTIONS) == {"heldout_loss", "generation", "multiple_choice", "lm_eval", "custom"}
+    assert [e.name for e in EVALUATORS] == ["heldout_loss", "generation", "multiple_choice", "lm_eval", "custom"]
     for name in ("heldout_loss", "generation", "multiple_choice"):
-        assert validate(name) == OPTIONS[name]()
+        assert validate(name) == find(name).options()
+        assert set(metrics_of(name).values()) <= {"minimize", "maximize"} and metrics_of(name)
     assert validate("generation", {"max_new_tokens": 8, "stop": "\n"}) == GenerationOptions(8, stop=("\n",))
-    assert set(METRICS) >= {"eval_loss", "perplexity", "exact_match", "adapter_params", "device_seconds"}
-    assert set(METRICS.values()) == {"minimize", "maximize"}
+
+
+def test_a_user_evaluator_object_is_named_by_file_and_attribute(tmp_path) -> None:
+    assert find(f"{METRICS_FILE}:SAYS_YES").name == "says_yes_eval"
+    assert metrics_of(f"{METRICS_FILE}:SAYS_YES") == {"yes_rate": "maximize"}
+    assert metric_direction("yes_rate", [(f"{METRICS_FILE}:SAYS_YES", None)]) == "maximize"
+    for name, pattern in [(f"{METRICS_FILE}:says_yes", r"is a function, not an lora_sweep"),
+                          (f"{METRICS_FILE}:NOPE", r"has no 'NOPE'"),
+                          (f"{tmp_path}/missing.py:X", r"file not found")]:
+        with pytest.raises(ConfigError, match=rf"^evaluators: name: .*{pattern}") as err:
+            find(name)
+        assert _one_line(err)
 
 
 @pytest.mark.parametrize(("name", "options", "pattern"), [
     ("bleu_score", {}, r"^evaluators: unknown evaluator 'bleu_score' \(expected one of: heldout_loss, "),
     ("heldout_loss", {"batchsize": 4},
-     r"^heldout_loss\.options: unknown option 'batchsize' \(expected: batch_size, static_shapes\)"),
+     r"^heldout_loss\.options: unknown option 'batchsize' \(expected: batch_size, batched\)"),
     ("generation", {"scorers": ["exact_match", "rouge"]}, r"^generation\.options\.scorers: unknown metric 'rouge'"),
     ("generation", {"max_new_tokens": 0}, r"^generation\.options\.max_new_tokens: must be an integer >= 1"),
     ("lm_eval", {}, r"^lm_eval\.options\.tasks: is required$"),
@@ -63,4 +74,4 @@ def test_metric_names_of_objectives(tmp_path) -> None:
     for unknown in ("exact_match", "accuracy", "other_task.acc"):
         with pytest.raises(ConfigError, match=rf"^metric: unknown metric '{unknown}' \(reported: ") as err:
             metric_direction(unknown, entries)
-        assert "lm-eval metrics read <task>.<metric> for tasks tiny_gen" in _one_line(err)
+        assert "tiny_gen.<metric>" in _one_line(err)

@@ -34,24 +34,27 @@ def _pack(model_dir, specs: list[AdapterSpec]) -> PackedModel:
     gen = torch.Generator().manual_seed(0)
     for slot, spec in enumerate(specs):
         pm.add_slot(slot, spec)
-        with torch.no_grad():  # B starts at 0, which would make every A gradient 0: nothing to compare
+        with torch.no_grad():  # B starts at 0, which would leave the hidden states the base's alone
             for _, b in pm.slot_weights(slot).values():
                 b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
     return pm
 
 
 def _loss_and_grads(pm: PackedModel, batch, chunk_tokens: int | None):
-    for slot in pm.specs:
-        pm.flat_buffers(slot)[1].zero_()
+    """Per-slot losses and counts of ``batch`` through the head, plain or chunked, and per slot the gradient of the
+    losses' sum with respect to its rows of the final hidden states (every adapter gradient is a product with it)."""
+    with torch.no_grad():
+        hidden = pm.forward_hidden(batch.input_ids, batch.attention_mask, batch.layout)  # (B, L, H)
+    hidden.requires_grad_()
     if chunk_tokens is None:
-        losses, counts = slot_losses(pm.forward(batch.input_ids, batch.attention_mask, batch.layout), batch.labels,
-                                     batch.layout)
+        losses, counts = slot_losses(pm.output_head()(hidden), batch.labels, batch.layout)
     else:
-        hidden = pm.forward_hidden(batch.input_ids, batch.attention_mask, batch.layout)
         losses, counts = chunked_slot_losses(hidden, pm.output_head(), batch.labels, batch.layout,
                                              chunk_tokens=chunk_tokens)
     losses.sum().backward()
-    return losses.detach(), counts, {s: pm.flat_buffers(s)[1].clone() for s in pm.specs}
+    lay = batch.layout
+    grads = {s: hidden.grad[r0:r0 + n] for s, r0, n in zip(lay.slots, lay.row_start, lay.n_rows, strict=True)}
+    return losses.detach(), counts, grads
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])

@@ -6,13 +6,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from lora_sweep.packer.data.rows import Example
 from lora_sweep.packer.model.inject import all_linear_params
 from lora_sweep.packer.model.packed import PackedModel, load_base
-from lora_sweep.packer.plan import AdapterSpec, adapter_param_count
-from lora_sweep.packer.probe import calibrate, peak_memory
-from lora_sweep.packer.step.train import FixedBatch, SlotJob, train
+from lora_sweep.packer.plan import adapter_param_count
+from lora_sweep.packer.probe import calibrate
 from lora_sweep.packer.tiny.models import build_tokenizer, tiny_config
+from tests.helpers import step_growth
 
 
 def _packed(tmp_path, vocab: int) -> PackedModel:
@@ -23,25 +22,6 @@ def _packed(tmp_path, vocab: int) -> PackedModel:
     build_tokenizer().save_pretrained(tmp_path / "m")
     model, _ = load_base(str(tmp_path / "m"))
     return PackedModel(model)
-
-
-def _growth(pm: PackedModel, mm, ranks: tuple[int, ...], micro: int, seq: int, vocab: int,
-            **options) -> tuple[float, float]:
-    """(predicted, measured) bytes a pack's step adds on top of the base part, for slots of ``ranks``."""
-    gen = torch.Generator().manual_seed(1)
-    jobs = []
-    for i, r in enumerate(ranks):
-        ids = torch.randint(3, vocab, (micro, seq), generator=gen).tolist()
-        spec = AdapterSpec(rank=r, targets=("all-linear",), micro_batch=micro, max_steps=2, seed=i)
-        jobs.append(SlotJob(spec, FixedBatch([Example(tuple(x), tuple(x)) for x in ids])))
-    shapes = [(layer.in_features, layer.out_features) for layer in pm.layers.values()]
-    params = sum(adapter_param_count(shapes, r) for r in ranks)
-    predicted = mm.predict(len(ranks) * micro * seq, params, sum(ranks))
-    measured = peak_memory(lambda: train(pm, len(ranks), lambda s: jobs.pop(0) if jobs else None, pad_id=0,
-                                         **options), pm)
-    print(f"growth predicted {(predicted - mm.base_bytes) / 1e6:.1f} MB, measured "
-          f"{(measured - mm.base_bytes) / 1e6:.1f} MB; adapters {params / 1e6:.2f} M parameters")
-    return predicted - mm.base_bytes, measured - mm.base_bytes
 
 
 @pytest.mark.parametrize("chunked_ce", [False, 1024], ids=["full-logits", "chunked-ce"])
@@ -56,7 +36,7 @@ def test_memory_model_predicts_measured_peak(tmp_path, chunked_ce) -> None:
     assert mm.bytes_per_token > 0 and mm.bytes_per_token_rank > 0
     assert (mm.ce_chunk_tokens, mm.ce_chunk_bytes > 0) == ((1024, True) if chunked_ce else (0, False))
     # Compare what the step adds on top of the base part: that is what the model has to get right.
-    growth_pred, growth_meas = _growth(pm, mm, (4, 8, 16, 32), 6, 96, 20_000, chunked_ce=chunked_ce)
+    growth_pred, growth_meas = step_growth(pm, mm, (4, 8, 16, 32), 6, 96, 20_000, chunked_ce=chunked_ce)
     assert growth_meas > 50e6, "the step must be large enough for the check to mean something"
     assert abs(growth_pred - growth_meas) <= 0.10 * growth_meas, (growth_pred / 1e6, growth_meas / 1e6)
 
@@ -68,7 +48,7 @@ def test_memory_model_counts_what_a_parameter_costs_in_a_pack(tmp_path) -> None:
     pm = _packed(tmp_path, 2_000)
     mm = calibrate(pm, 32, rows=(4, 12))
     assert mm.bytes_per_param >= 16
-    growth_pred, growth_meas = _growth(pm, mm, (64,) * 8, 1, 32, 2_000)
+    growth_pred, growth_meas = step_growth(pm, mm, (64,) * 8, 1, 32, 2_000)
     shapes = [(layer.in_features, layer.out_features) for layer in pm.layers.values()]
     assert 16 * 8 * adapter_param_count(shapes, 64) > 0.5 * growth_meas, "adapter memory must dominate the step"
     assert abs(growth_pred - growth_meas) <= 0.10 * growth_meas, (growth_pred / 1e6, growth_meas / 1e6)

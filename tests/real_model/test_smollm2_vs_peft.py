@@ -26,7 +26,7 @@ from transformers import AutoTokenizer
 from lora_sweep.packer.data.rows import SlotStream, load_examples
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.step.train import SlotJob
-from tests.packer.step.test_equivalence import _run_packed, assert_trained_as_peft, default_dtype
+from tests.helpers import assert_trained_as_peft, default_dtype, run_packed
 
 pytestmark = pytest.mark.real_model
 
@@ -43,7 +43,7 @@ SPECS = [
 ]
 
 
-def _jobs(model_dir: Path) -> list[SlotJob]:
+def slot_jobs(model_dir: Path) -> list[SlotJob]:
     tok = AutoTokenizer.from_pretrained(model_dir)
     rows = load_examples(DATA / "codes-train.jsonl", tok, fmt="prompt_completion", max_length=48)[:64]
     return [SlotJob(spec, SlotStream(rows, spec.micro_batch, seed=spec.seed), key=i) for i, spec in enumerate(SPECS)]
@@ -52,7 +52,7 @@ def _jobs(model_dir: Path) -> list[SlotJob]:
 def test_packed_equals_peft_on_smollm2(smollm2_dir: Path) -> None:
     torch.manual_seed(0)
     with default_dtype(torch.float64):
-        losses, final = _run_packed(smollm2_dir, _jobs(smollm2_dir), capacity=len(SPECS))
-        for job in _jobs(smollm2_dir):
+        losses, final = run_packed(smollm2_dir, slot_jobs(smollm2_dir), capacity=len(SPECS))
+        for job in slot_jobs(smollm2_dir):
             assert final[job.key] and all(a.dtype == torch.float64 for a, _ in final[job.key].values())
             assert_trained_as_peft(smollm2_dir, job, losses, final, min_steps=STEPS)

@@ -77,7 +77,7 @@ def test_tiny_demo_is_the_fast_random_model_demo() -> None:
     assert spec.search.param("rank").choices == (2, 4, 8, 16, 32)
     assert {"alpha_ratio", "lr", "dropout", "targets"} <= {p.name for p in spec.search.params}
     assert spec.budget.trials is not None and spec.budget.trials >= 24
-    assert spec.packing.max_slots == 8 and spec.pruning.kind == "cohort_sha"
+    assert spec.pack.max_slots == 8 and spec.pruning.kind == "cohort_sha"
     assert [e.name for e in spec.evaluators] == ["heldout_loss", "generation"]
     assert spec.model.path == str((STUDIES.parent / "models" / "tiny-llama").resolve())
 

@@ -30,7 +30,9 @@ from lora_sweep.sweep.storage import open_storage, resume_clock, study_elapsed
 from lora_sweep.sweep.store.attrs import CLOCK, HEARTBEAT, PLANNED_TOKENS, TOKENS
 from lora_sweep.sweep.study import run_study
 from tests.conftest import DEMO_DATA, optuna_study, write_study
-from tests.sweep.test_worker import ENV, ROOT, _cli, _server_url, _study_file, _trials
+from tests.helpers import WORKER_ENV, cli, server_url, stored_trials, worker_study
+
+ROOT = Path(__file__).resolve().parents[2]
 
 SMALL = {"max_steps": 10, "micro_batch": 4}
 NO_DEFAULT = {"rank": [2, 4, 8], "lr": {"low": 1e-4, "high": 3e-2, "log": True}}  # no community-default trial
@@ -61,7 +63,7 @@ def test_one_run_stops_asking_once_the_tokens_trained_reach_the_budget(tiny_dirs
     spec = load_study(write_study(tmp_path, tiny_dirs("llama"), "tokens-one", search=NO_DEFAULT, train=SMALL,
                                   objectives=[{"metric": "eval_loss", "direction": "minimize"}],
                                   budget={"tokens": budget, "trials": 12}, pruning={"kind": "none"},
-                                  packing={"max_slots": 2}, evaluators=[{"name": "heldout_loss"}]))
+                                  pack={"max_slots": 2}, evaluators=[{"name": "heldout_loss"}]))
     run_study(spec, log=lambda m: None)
     trials = optuna_study(spec.out_dir, "tokens-one").trials
     _check_tokens(trials, spec.out_dir / "results.db", budget, slots=2, full=full)
@@ -72,32 +74,33 @@ def test_workers_stop_at_the_shared_token_budget(tiny_dirs, tmp_path, backend: s
     """Two one-slot workers together train what one one-slot run would: each trial T, so exactly 4 trials
     for a budget of 3.5 T (workers counting only their own tokens train 4 each; counting another worker's
     training trial as nothing, they start a fifth)."""
-    url = str(tmp_path / "tokens.log") if backend == "journal" else _server_url("mysql")
+    url = str(tmp_path / "tokens.log") if backend == "journal" else server_url("mysql")
     name = f"tokens-{uuid.uuid4().hex[:8]}"
     full = _full_trial_tokens(tiny_dirs("llama"))
     budget = int(3.5 * full)
-    path = _study_file(tmp_path, tiny_dirs("llama"), name, search=NO_DEFAULT, train=SMALL,
-                       budget={"tokens": budget, "trials": 12}, packing={"max_slots": 1})
-    result = subprocess.run(_cli("run", str(path), "--workers", "2", "--storage", url, "--heartbeat", "1",
-                                 "--grace", "20"), capture_output=True, text=True, timeout=150, cwd=ROOT, env=ENV)
+    path = worker_study(tmp_path, tiny_dirs("llama"), name, search=NO_DEFAULT, train=SMALL,
+                        budget={"tokens": budget, "trials": 12}, pack={"max_slots": 1})
+    result = subprocess.run(cli("run", str(path), "--workers", "2", "--storage", url, "--heartbeat", "1",
+                                "--grace", "20"), capture_output=True, text=True, timeout=150, cwd=ROOT,
+                            env=WORKER_ENV)
     out = tmp_path / f"runs-{name}"
     assert result.returncode == 0, result.stderr + "".join(p.read_text() for p in (out / "workers").glob("*.log"))
     url = url if backend == "mysql" else f"journal://{url}"
-    _check_tokens(_trials(url, name), out / "results.db", budget, slots=1, full=full)
+    _check_tokens(stored_trials(url, name), out / "results.db", budget, slots=1, full=full)
 
 
 def test_workers_start_no_trial_after_the_shared_deadline(tiny_dirs, tmp_path) -> None:
     """A worker that joins late stops at the study's deadline, not at its own start plus the wall time."""
     wall = 12.0
     log = tmp_path / "wall.log"
-    path = _study_file(tmp_path, tiny_dirs("llama"), "wall", search=NO_DEFAULT, train=SMALL,
-                       budget={"wall_time": wall}, packing={"max_slots": 1})
+    path = worker_study(tmp_path, tiny_dirs("llama"), "wall", search=NO_DEFAULT, train=SMALL,
+                        budget={"wall_time": wall}, pack={"max_slots": 1})
     launched = time.time()
 
     def worker(index: int) -> subprocess.Popen:
-        return subprocess.Popen(_cli("worker", str(path), "--storage", str(log), "--index", str(index), "--heartbeat",
-                                     "0.5", "--grace", "5", "--quiet"), cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE)
+        return subprocess.Popen(cli("worker", str(path), "--storage", str(log), "--index", str(index), "--heartbeat",
+                                    "0.5", "--grace", "5", "--quiet"), cwd=ROOT, env=WORKER_ENV,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
     procs = [worker(0)]
     storage = open_storage(f"journal://{log}")

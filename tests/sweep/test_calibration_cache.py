@@ -11,17 +11,7 @@ from lora_sweep.sweep.live import PlainLog
 from lora_sweep.sweep.planning import plan_pack
 from lora_sweep.sweep.study import run_study
 from tests.conftest import write_study
-
-
-def refuse_model_loads(monkeypatch) -> None:  # noqa: ANN001
-    """From here on, loading the model or its tokenizer fails the test: what a cached plan must not do."""
-    import lora_sweep.packer.model.packed as model_module
-
-    def refused(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        raise AssertionError("a cached plan loads neither the model nor its tokenizer")
-
-    monkeypatch.setattr(model_module, "load_base", refused)
-    monkeypatch.setattr(model_module, "load_tokenizer", refused)
+from tests.helpers import refuse_model_loads
 
 
 def test_a_second_plan_reads_the_calibration_back(tiny_dirs, tmp_path, monkeypatch) -> None:
@@ -47,7 +37,7 @@ def test_packing_auto_calibrates_in_its_own_phase_once(tiny_dirs, tmp_path, monk
     monkeypatch.setenv("LORA_SWEEP_CACHE", str(tmp_path / "cache"))
     splits, logs = [], []
     for name in ("auto-a", "auto-b"):  # two studies of one model and shape: the second reads the first's
-        spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name, packing={"max_slots": "auto"},
+        spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name, pack={"max_slots": "auto"},
                                       budget={"trials": 1}, train={"max_steps": 2, "micro_batch": 4},
                                       pruning={"kind": "none"}))
         out = io.StringIO()
@@ -55,9 +45,9 @@ def test_packing_auto_calibrates_in_its_own_phase_once(tiny_dirs, tmp_path, monk
         splits.append(run_study(spec, progress=log.update, log=log.line).split)
         logs.append([line[9:] for line in out.getvalue().splitlines()])
     assert any(line.startswith("calibrating the memory model on cpu") for line in logs[0])
-    assert any(line.startswith("packing: auto -> ") and "(calibration measured in " in line for line in logs[0])
+    assert any(line.startswith("pack: auto -> ") and "(calibration measured in " in line for line in logs[0])
     assert not any(line.startswith("calibrating") for line in logs[1])
-    assert any(line.startswith("packing: auto -> ") and "(calibration cached (" in line for line in logs[1])
+    assert any(line.startswith("pack: auto -> ") and "(calibration cached (" in line for line in logs[1])
     first, second = (s["phases"]["calibrate"] for s in splits)
     assert first > 0 and second < first and splits[0]["calls"]["calibrate"] == 1
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.conftest import write_study
-from tests.sweep.test_calibration_cache import refuse_model_loads
+from tests.helpers import refuse_model_loads
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -35,7 +35,7 @@ def test_a_cached_plan_on_cuda_loads_no_weights(tiny_dirs, tmp_path, monkeypatch
 
     a, b = rows(first.stdout), rows(second.stdout)
     assert b["calibration"].startswith("cached (") and a["device"] == b["device"] == "cuda"
-    for key in ("slots per pack", "predicted peak of a full pack", "static (base model)", "predicted step"):
+    for key in ("slots per pack", "predicted peak of a full pack", "frozen (base model)", "predicted step"):
         assert a[key] == b[key], key
 
 

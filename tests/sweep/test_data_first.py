@@ -12,14 +12,14 @@ from tests.conftest import write_study
 
 @pytest.mark.parametrize("which", ["train", "eval"])
 def test_a_bad_row_fails_before_the_model_loads(tiny_dirs, tmp_path, monkeypatch, which: str) -> None:
-    import lora_sweep.packer.model.packed as model
+    import lora_sweep.packer.api as packer
     import lora_sweep.sweep.resume as resume
 
     def no_load(*a, **k):  # noqa: ANN002, ANN003, ANN202
         raise AssertionError("the model was loaded before the data was checked")
 
     monkeypatch.setattr(resume, "load_base", no_load)
-    monkeypatch.setattr(model, "load_base", no_load)  # what `sweep plan` imports
+    monkeypatch.setattr(packer, "load_base", no_load)  # what `sweep plan` imports, inside the function
     bad = tmp_path / f"bad-{which}.jsonl"
     bad.write_text('{"prompt": "1+1=", "completion": "2"}\n{"prompt": "2+2=", "completion": 4}\n')
     path = write_study(tmp_path, tiny_dirs("llama"), name="bad-data")

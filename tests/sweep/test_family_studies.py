@@ -22,7 +22,7 @@ from transformers.pytorch_utils import Conv1D
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.kernels.ops import PackLayout
-from lora_sweep.packer.model.checkpoint import load_adapter, read_adapter
+from lora_sweep.packer.model.checkpoint import read_adapter
 from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.tiny.data import arithmetic_rows, write_jsonl
@@ -31,7 +31,7 @@ from lora_sweep.sweep.config.loader import load_study
 from lora_sweep.sweep.export import export_trial
 from lora_sweep.sweep.store import ResultsStore
 from lora_sweep.sweep.study import run_study
-from tests.conftest import write_study
+from tests.conftest import load_adapter, write_study
 
 IDS = torch.randint(3, 260, (2, 12), generator=torch.Generator().manual_seed(0))
 MASK = torch.ones_like(IDS)
@@ -48,10 +48,10 @@ def _study(tmp_path: Path, model_dir: Path, family: str) -> Path:
                        search={"rank": [4, 8], "lr": {"low": 1e-2, "high": 3e-2, "log": True},
                                "targets": {"all": "all-linear"}},
                        objectives=[{"metric": "eval_loss", "direction": "minimize"}], pruning={"kind": "none"},
-                       packing={"max_slots": 2},
-                       # the fixed shapes a CUDA study evaluates on (static_shapes' auto is per batch on the CPU)
-                       evaluators=[{"name": "heldout_loss", "options": {"static_shapes": True}},
-                                   {"name": "generation", "options": {"max_new_tokens": 2, "static_shapes": True}}])
+                       pack={"max_slots": 2},
+                       # the fixed shapes a CUDA study evaluates on (batched's auto is per adapter on the CPU)
+                       evaluators=[{"name": "heldout_loss", "options": {"batched": True}},
+                                   {"name": "generation", "options": {"max_new_tokens": 2, "batched": True}}])
     spec = load_study(path)
     summary = run_study(spec, log=lambda m: None)
     assert summary.complete == 2, f"{family}: {summary}"
@@ -123,7 +123,7 @@ def test_cli_offers_every_family(tmp_path: Path) -> None:
 def test_chunked_loss_refuses_post_processed_logits(tiny_dirs, tmp_path: Path, family: str) -> None:
     """Their logits are not the head's output (soft-capping, scaling): the chunked loss would train them wrong."""
     path = write_study(tmp_path, tiny_dirs(family), family, budget={"trials": 1}, pruning={"kind": "none"},
-                       packing={"max_slots": 1, "chunked_ce": True}, evaluators=[{"name": "heldout_loss"}])
+                       pack={"max_slots": 1, "chunked_ce": True}, evaluators=[{"name": "heldout_loss"}])
     with pytest.raises(ConfigError, match=r"^chunked_ce: the model post-processes its logits \(\w+=[\d.]+\); "
                                           r"train it with chunked_ce off$"):
         run_study(load_study(path), log=lambda m: None)

@@ -14,33 +14,13 @@ import yaml
 from optuna.trial import TrialState
 
 from lora_sweep.errors import ConfigError
-from lora_sweep.packer.tiny.data import arithmetic_rows, write_jsonl
 from lora_sweep.sweep.config.loader import load_study
 from lora_sweep.sweep.study import run_study
 from tests.conftest import need_module, optuna_study
+from tests.helpers import foreign_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).parent / "data"
-
-
-def _config(tmp_path: Path, model_dir: Path, name: str, **changes) -> Path:  # noqa: ANN003
-    """A copy of ``data/<name>`` with BASE_MODEL, DATA, EVAL and OUTPUT filled in and ``changes`` applied."""
-    train, held_out = tmp_path / "alpaca-train.jsonl", tmp_path / "alpaca-eval.jsonl"
-    rows = arithmetic_rows(60, seed=3, fmt="alpaca")
-    write_jsonl(train, rows[:48])
-    write_jsonl(held_out, rows[48:])
-    text = (DATA / name).read_text()
-    for word, value in (("BASE_MODEL", model_dir), ("DATA", train), ("EVAL", held_out),
-                        ("OUTPUT", tmp_path / f"out-{name}")):
-        text = text.replace(word, str(value))
-    path = tmp_path / name
-    path.write_text(text)
-    if changes:
-        doc = yaml.safe_load(text)
-        for key, value in changes.items():
-            doc[key] = value
-        path.write_text(yaml.safe_dump(doc, sort_keys=False))
-    return path
 
 
 def _trials(out: Path, name: str) -> list[optuna.trial.FrozenTrial]:
@@ -48,7 +28,7 @@ def _trials(out: Path, name: str) -> list[optuna.trial.FrozenTrial]:
 
 
 def test_axolotl_lora_1b_runs_a_small_study(tiny_dirs, tmp_path, caplog) -> None:
-    path = _config(tmp_path, tiny_dirs("llama"), "axolotl-lora-1b.yml")
+    path = foreign_config(tmp_path, tiny_dirs("llama"), "axolotl-lora-1b.yml")
     with caplog.at_level(logging.WARNING):
         spec = load_study(path)
     warnings = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
@@ -63,7 +43,7 @@ def test_axolotl_lora_1b_runs_a_small_study(tiny_dirs, tmp_path, caplog) -> None
     assert set(t.targets) == {"gate_proj", "down_proj", "up_proj", "q_proj", "v_proj", "k_proj", "o_proj"}
     assert {p.name for p in spec.search.params} == {"rank", "lr"}  # searched: the file's lora_r, lr are dropped
     assert spec.data.max_length == 96 and spec.data.format == "alpaca" and not spec.data.train_on_prompt
-    assert spec.packing.activation_checkpointing and spec.out_dir == tmp_path / "out-axolotl-lora-1b.yml"
+    assert spec.pack.activation_checkpointing and spec.out_dir == tmp_path / "out-axolotl-lora-1b.yml"
     train_rows = spec.data.train.read_text().splitlines()
     eval_rows = spec.data.eval.read_text().splitlines()
     assert (len(train_rows), len(eval_rows)) == (43, 5) and not set(train_rows) & set(eval_rows)  # seeded split
@@ -73,13 +53,33 @@ def test_axolotl_lora_1b_runs_a_small_study(tiny_dirs, tmp_path, caplog) -> None
     assert len(trials) == 2 and all(tr.state == TrialState.COMPLETE for tr in trials)
 
 
+def test_an_axolotl_configs_wandb_keys_log_to_wandb_offline_with_no_key_of_ours(tiny_dirs, tmp_path, caplog,
+                                                                                monkeypatch) -> None:
+    need_module("wandb", "wandb")
+    from lora_sweep.sweep import api
+    from tests.sweep.trackers.readers import wandb_logged
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    path = foreign_config(tmp_path, tiny_dirs("llama"), "axolotl-lora-1b.yml", wandb_project="sweeps", wandb_mode="offline",
+                   wandb_watch="gradients")
+    with caplog.at_level(logging.WARNING):
+        spec = load_study(path)
+    assert [(t.name, dict(t.options)) for t in spec.trackers] == [("wandb", {"project": "sweeps", "mode": "offline"})]
+    ignored = next(r.getMessage() for r in caplog.records if "ignored" in r.getMessage())
+    assert "wandb_watch" in ignored and "wandb_project" not in ignored and "wandb_mode" not in ignored
+    api.run(spec, log=lambda m: None)
+    logged = wandb_logged(spec.out_dir)
+    assert len(logged.parents) == 1 and sorted(logged.children) == [0, 1]
+    assert all(c.state == "COMPLETE" and c.loss_steps for (c,) in logged.children.values())
+
+
 def test_torchtune_lora_recipe_runs_a_small_study(tiny_dirs, tmp_path) -> None:
-    spec = load_study(_config(tmp_path, tiny_dirs("llama"), "torchtune-1B-lora.yaml"))
+    spec = load_study(foreign_config(tmp_path, tiny_dirs("llama"), "torchtune-1B-lora.yaml"))
     t = spec.train
     assert set(t.targets) == {"q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     assert (t.alpha, t.lr, t.weight_decay, t.schedule, t.warmup_steps) == (128, 3e-4, 0.01, "cosine", 2)
     assert (t.micro_batch, t.gradient_accumulation_steps, t.epochs, t.max_steps_per_epoch) == (4, 2, 1, 3)
-    assert spec.packing.chunked_ce is True and spec.model.dtype == "float32" and spec.data.format == "alpaca"
+    assert spec.pack.chunked_ce is True and spec.model.dtype == "float32" and spec.data.format == "alpaca"
     run_study(spec, log=lambda m: None)
     trials = _trials(spec.out_dir, spec.name)
     assert len(trials) == 2 and all(tr.state == TrialState.COMPLETE for tr in trials)
@@ -99,8 +99,8 @@ def test_a_torchtune_configs_own_alpha_makes_its_baseline_the_reference_not_a_co
 
     model = {"_component_": "torchtune.models.llama3_2.lora_llama3_2_1b", "lora_attn_modules": ["q_proj", "v_proj"],
              "lora_rank": 8, "lora_alpha": 128, "lora_dropout": 0.0}
-    path = _config(tmp_path, tiny_dirs("llama"), "torchtune-1B-lora.yaml", model=model,
-                   search={"lora_rank": [8, 16]}, budget={"trials": 3})
+    path = foreign_config(tmp_path, tiny_dirs("llama"), "torchtune-1B-lora.yaml", model=model,
+                          search={"lora_rank": [8, 16]}, budget={"trials": 3})
     spec = load_study(path)
     lines: list[str] = []
     with caplog.at_level(logging.WARNING):
@@ -122,7 +122,7 @@ def test_a_torchtune_configs_own_alpha_makes_its_baseline_the_reference_not_a_co
                                                     ({"clip_grad_norm": 0.5}, 0.5)])
 def test_a_torchtune_config_clips_only_when_clip_grad_norm_is_set(tiny_dirs, tmp_path, changes, expected) -> None:
     """torchtune's LoRA recipes clip only with ``clip_grad_norm`` set; our own default (1.0) must not leak in."""
-    path = _config(tmp_path, tiny_dirs("llama"), "torchtune-1B-lora.yaml", **changes)
+    path = foreign_config(tmp_path, tiny_dirs("llama"), "torchtune-1B-lora.yaml", **changes)
     assert load_study(path).train.max_grad_norm == expected
 
 
@@ -133,7 +133,7 @@ def _cli(path: Path) -> subprocess.CompletedProcess:
 
 def test_axolotl_qlora_1b_runs_a_small_study_over_an_nf4_base(tiny_dirs, tmp_path) -> None:
     need_module("torchao", "qlora")
-    spec = load_study(_config(tmp_path, tiny_dirs("llama"), "axolotl-qlora-1b.yml"))
+    spec = load_study(foreign_config(tmp_path, tiny_dirs("llama"), "axolotl-qlora-1b.yml"))
     assert spec.model.quantize == "nf4"  # adapter: qlora and load_in_4bit: true
     t = spec.train
     assert (t.gradient_accumulation_steps, t.micro_batch, t.sample_packing, t.warmup_ratio) == (4, 2, True, 0.1)
@@ -144,15 +144,16 @@ def test_axolotl_qlora_1b_runs_a_small_study_over_an_nf4_base(tiny_dirs, tmp_pat
 
 @pytest.mark.parametrize("changes", [{"adapter": "lora"}, {"load_in_4bit": False}])
 def test_either_qlora_key_alone_asks_for_the_nf4_base(tiny_dirs, tmp_path, changes: dict) -> None:
-    assert load_study(_config(tmp_path, tiny_dirs("llama"), "axolotl-qlora-1b.yml", **changes)).model.quantize == "nf4"
+    path = foreign_config(tmp_path, tiny_dirs("llama"), "axolotl-qlora-1b.yml", **changes)
+    assert load_study(path).model.quantize == "nf4"
 
 
 def test_the_lora_config_keeps_the_base_unquantised(tiny_dirs, tmp_path) -> None:
-    assert load_study(_config(tmp_path, tiny_dirs("llama"), "axolotl-lora-1b.yml")).model.quantize is None
+    assert load_study(foreign_config(tmp_path, tiny_dirs("llama"), "axolotl-lora-1b.yml")).model.quantize is None
 
 
 def test_torchtune_qlora_builder_asks_for_the_nf4_base(tiny_dirs, tmp_path) -> None:
-    path = _config(tmp_path, tiny_dirs("llama"), "torchtune-1B-lora.yaml")
+    path = foreign_config(tmp_path, tiny_dirs("llama"), "torchtune-1B-lora.yaml")
     doc = yaml.safe_load(path.read_text())
     doc["model"]["_component_"] = "torchtune.models.llama3_2.qlora_llama3_2_1b"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
@@ -172,15 +173,15 @@ REFUSED = {
 @pytest.mark.parametrize("key", list(REFUSED))
 def test_each_refused_axolotl_key_is_one_error_naming_it(tiny_dirs, tmp_path, key: str) -> None:
     value, message = REFUSED[key]
-    path = _config(tmp_path, tiny_dirs("llama"), "axolotl-lora-1b.yml", **{key: value})
+    path = foreign_config(tmp_path, tiny_dirs("llama"), "axolotl-lora-1b.yml", **{key: value})
     with pytest.raises(ConfigError, match=re.escape(message)) as err:
         load_study(path)
     assert "\n" not in str(err.value) and str(path) in str(err.value)
 
 
 def test_refused_key_exits_2_through_the_cli(tiny_dirs, tmp_path) -> None:
-    path = _config(tmp_path, tiny_dirs("llama"), "axolotl-lora-1b.yml",
-                   datasets=[{"path": "teknium/GPT4-LLM-Cleaned", "type": "alpaca"}])
+    path = foreign_config(tmp_path, tiny_dirs("llama"), "axolotl-lora-1b.yml",
+                          datasets=[{"path": "teknium/GPT4-LLM-Cleaned", "type": "alpaca"}])
     result = _cli(path)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "datasets.0.path: only local files work" in result.stderr
@@ -198,7 +199,7 @@ TT_REFUSED = {
 def test_each_refused_torchtune_key_is_one_error_naming_it(tiny_dirs, tmp_path, key: str) -> None:
     value, message = TT_REFUSED[key]
     with pytest.raises(ConfigError, match=message) as err:
-        load_study(_config(tmp_path, tiny_dirs("llama"), "torchtune-1B-lora.yaml", **{key: value}))
+        load_study(foreign_config(tmp_path, tiny_dirs("llama"), "torchtune-1B-lora.yaml", **{key: value}))
     assert "\n" not in str(err.value) and key in str(err.value)
 
 
@@ -295,12 +296,12 @@ def _fate(tmp_path: Path, data: dict, path: tuple, caplog) -> str:  # noqa: ANN0
 
 @pytest.mark.parametrize("name", ["torchtune-1B-lora.yaml", "axolotl-lora-1b.yml", "axolotl-qlora-1b.yml"])
 def test_every_key_of_a_foreign_config_is_mapped_ignored_or_refused(tiny_dirs, tmp_path, caplog, name) -> None:
-    data = yaml.safe_load(_config(tmp_path, tiny_dirs("llama"), name).read_text())
+    data = yaml.safe_load(foreign_config(tmp_path, tiny_dirs("llama"), name).read_text())
     kind = "torchtune" if name.startswith("torchtune") else "axolotl"
     for dotted, value in EXTRA_KEYS[kind].items():
         parts = tuple(int(p) if p.isdigit() else p for p in dotted.split("."))
         data = _set(data, parts, value)
-    ours = {"search", "budget", "data", "objectives", "output", "name", "evaluators", "pruning", "packing"}
+    ours = {"search", "budget", "data", "objectives", "output", "name", "evaluators", "pruning", "pack"}
     paths = [p for p in _paths(data) if p[0] not in ours]
     parents = {p[:-1] for p in paths}  # a mapping walked key by key is judged by its keys
     fates = {".".join(map(str, p)): _fate(tmp_path, data, p, caplog) for p in paths if p not in parents}
@@ -310,7 +311,7 @@ def test_every_key_of_a_foreign_config_is_mapped_ignored_or_refused(tiny_dirs, t
 def test_a_configs_own_keys_work_as_overrides_and_bf16_on_a_cpu_is_said(tiny_dirs, tmp_path) -> None:
     """``device=cpu`` and ``dtype=bf16`` are torchtune's own spellings: overrides of them are applied to the config
     before it is translated, as ``tune run`` would; an unknown key is still refused."""
-    path = _config(tmp_path, tiny_dirs("llama"), "torchtune-1B-lora.yaml", device="cuda")
+    path = foreign_config(tmp_path, tiny_dirs("llama"), "torchtune-1B-lora.yaml", device="cuda")
     spec = load_study(path, ["device=cpu", "dtype=bf16", "model.lora_dropout=0.1", "budget.trials=1"])
     assert (spec.model.device, spec.model.dtype, spec.train.dropout) == ("cpu", "bfloat16", 0.1)
     with pytest.raises(ConfigError, match="devcie"):

@@ -34,7 +34,7 @@ def tiny(tmp_path: Path) -> Path:
 
 def _study(tmp_path: Path, model: object, **changes: object) -> Path:
     small = {"budget": {"trials": 2}, "pruning": {"kind": "none"}, "train": {"max_steps": 3, "micro_batch": 2},
-             "packing": {"max_slots": 2}, "search": {"rank": [2, 4], "lr": {"low": 1e-3, "high": 1e-2, "log": True}},
+             "pack": {"max_slots": 2}, "search": {"rank": [2, 4], "lr": {"low": 1e-3, "high": 1e-2, "log": True}},
              "evaluators": [{"name": "heldout_loss"}]}
     path = write_study(tmp_path, Path("."), name="g", **{**small, **changes})
     doc = yaml.safe_load(path.read_text())

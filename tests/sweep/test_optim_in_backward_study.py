@@ -14,8 +14,8 @@ from optuna.trial import TrialState
 from lora_sweep.errors import ConfigError
 from lora_sweep.sweep.config.loader import load_study
 from lora_sweep.sweep.study import run_study
-from tests.conftest import write_study
-from tests.sweep.test_foreign import _config, _trials
+from tests.conftest import optuna_study, write_study
+from tests.helpers import foreign_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -68,24 +68,24 @@ def test_a_study_with_it_trains_on_the_one_step_and_says_so(tiny_dirs, tmp_path)
         run_study(spec, log=logged.append)
     assert [m for m in logged if "trained on the" in m] == ["pack 1: trained on the eager step (fixed "
                                                             "shapes, eagerly)"]
-    trials = _trials(spec.out_dir, spec.name)
+    trials = optuna_study(spec.out_dir, spec.name).get_trials()
     assert len(trials) == 3 and all(tr.state in (TrialState.COMPLETE, TrialState.PRUNED) for tr in trials)
     assert any(tr.state == TrialState.COMPLETE for tr in trials)
 
 
 def test_torchtune_optimizer_in_bwd_runs_a_small_study(tiny_dirs, tmp_path) -> None:
-    path = _config(tmp_path, tiny_dirs("llama"), "torchtune-1B-lora.yaml", optimizer_in_bwd=True,
-                   gradient_accumulation_steps=1)
+    path = foreign_config(tmp_path, tiny_dirs("llama"), "torchtune-1B-lora.yaml", optimizer_in_bwd=True,
+                          gradient_accumulation_steps=1)
     spec = load_study(path)
     assert spec.train.optimizer_in_backward and spec.train.max_grad_norm is None  # torchtune: no clipping with it
     run_study(spec, log=lambda m: None)
-    trials = _trials(spec.out_dir, spec.name)
+    trials = optuna_study(spec.out_dir, spec.name).get_trials()
     assert len(trials) == 2 and all(tr.state == TrialState.COMPLETE for tr in trials)
 
 
 def test_torchtune_clip_grad_norm_with_optimizer_in_bwd_is_refused(tiny_dirs, tmp_path) -> None:
-    path = _config(tmp_path, tiny_dirs("llama"), "torchtune-1B-lora.yaml", optimizer_in_bwd=True,
-                   gradient_accumulation_steps=1, clip_grad_norm=1.0)
+    path = foreign_config(tmp_path, tiny_dirs("llama"), "torchtune-1B-lora.yaml", optimizer_in_bwd=True,
+                          gradient_accumulation_steps=1, clip_grad_norm=1.0)
     result = _cli("run", str(path), "--quiet")
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "clip_grad_norm: must be null with optimizer_in_bwd: true" in result.stderr

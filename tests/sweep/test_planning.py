@@ -39,7 +39,7 @@ def test_epochs_count_the_data_as_a_trial_does(tiny_dirs, tmp_path) -> None:
 
 
 def test_a_sharded_plan_counts_one_ranks_share_of_the_base_per_gpu(tiny_dirs, tmp_path) -> None:
-    """``packing.shard: fsdp`` over N GPUs: the plan's memory is per GPU, the whole base replaced by what one rank
+    """``pack.shard: fsdp`` over N GPUs: the plan's memory is per GPU, the whole base replaced by what one rank
     holds of it (``packer.model.shard.base_share``: its shard, the head kept whole, two units gathered), the slots'
     adapters, optimizer state and activations as in a one-GPU pack."""
     from lora_sweep.packer.model.packed import PackedModel
@@ -52,7 +52,7 @@ def test_a_sharded_plan_counts_one_ranks_share_of_the_base_per_gpu(tiny_dirs, tm
     whole = plain_param_bytes(model)
     # (two layers: the two units gathered beside the shard outweigh the saving; a deep model's share is far less)
     assert share != whole, "the share must differ from the base for the check to mean something"
-    spec = load_study(write_study(tmp_path, tiny_dirs("llama"), "sharded", packing={"max_slots": 3, "shard": "fsdp"}))
+    spec = load_study(write_study(tmp_path, tiny_dirs("llama"), "sharded", pack={"max_slots": 3, "shard": "fsdp"}))
     pm = PackedModel(model)
     one = plan_pack(spec, pm)
     two = plan_pack(spec, pm, gpus=2)
@@ -65,7 +65,7 @@ def test_a_sharded_plan_counts_one_ranks_share_of_the_base_per_gpu(tiny_dirs, tm
     load = base_share(model, 2).load_peak
     assert two.load_peak_bytes == load < share and two.predicted_peak_bytes > load
     assert "peak while loading the base, per GPU" in table and "GiB (each rank reads its shard by rows)" in table
-    unsharded = load_study(write_study(tmp_path, tiny_dirs("llama"), "whole", packing={"max_slots": 3}))
+    unsharded = load_study(write_study(tmp_path, tiny_dirs("llama"), "whole", pack={"max_slots": 3}))
     assert plan_pack(unsharded, pm, gpus=2).predicted_peak_bytes == one.predicted_peak_bytes  # shard: none
     from click.testing import CliRunner
 

@@ -12,13 +12,13 @@ from optuna.trial import TrialState
 from transformers import AutoModelForCausalLM
 
 from lora_sweep.kernels.ops import PackLayout
-from lora_sweep.packer.model.checkpoint import load_adapter, read_adapter
+from lora_sweep.packer.model.checkpoint import read_adapter
 from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.sweep.config.loader import load_study
 from lora_sweep.sweep.store import ResultsStore
 from lora_sweep.sweep.study import run_study
-from tests.conftest import need_module, write_study
+from tests.conftest import load_adapter, need_module, write_study
 
 need_module("torchao", "qlora")
 
@@ -84,7 +84,7 @@ def test_plan_of_a_qlora_study_measures_the_nf4_base(tiny_dirs, tmp_path) -> Non
                            model={"path": str(model_dir), "device": "cpu", "quantize": quantize})
         result = CliRunner().invoke(cli, ["plan", str(path)])
         assert result.exit_code == 0, result.output
-        line = next(x for x in result.output.splitlines() if x.startswith("static (base model"))
+        line = next(x for x in result.output.splitlines() if x.startswith("frozen (base model"))
         assert ("nf4 projections" in line) == (quantize == "nf4"), line
         model, _ = load_base(str(model_dir), quantize=quantize)
         static[quantize] = plan_pack(load_study(path), PackedModel(model)).memory.base_bytes

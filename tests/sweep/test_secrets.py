@@ -12,7 +12,7 @@ from sqlalchemy.engine import make_url
 
 from lora_sweep.sweep.store import redact_url, strip_password
 from tests.conftest import write_study
-from tests.sweep.test_worker import _server_url
+from tests.helpers import server_url
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = "hunter2-secret"
@@ -44,12 +44,12 @@ def test_an_unreachable_storage_error_names_the_url_without_its_password(tiny_di
 
 def test_a_password_in_the_storage_url_reaches_no_output(tiny_dirs, tmp_path) -> None:
     """Run a shared study on PostgreSQL with the password in the study file; then report and status."""
-    url = make_url(_server_url("postgresql"))
+    url = make_url(server_url("postgresql"))
     assert url.password, "the test server's URL carries a password"
     secret = f":{url.password}@"
     path = write_study(tmp_path, tiny_dirs("llama"), name=f"secret{os.getpid()}",
                        storage=url.render_as_string(hide_password=False), budget={"trials": 2},
-                       train={"max_steps": 6, "micro_batch": 2}, pruning={"kind": "none"}, packing={"max_slots": 2})
+                       train={"max_steps": 6, "micro_batch": 2}, pruning={"kind": "none"}, pack={"max_slots": 2})
     out = tmp_path / f"runs-secret{os.getpid()}"
     env = {k: v for k, v in os.environ.items() if k != "PGPASSWORD"} | {"PGPASSWORD": url.password}
     run = subprocess.run([sys.executable, "-m", "lora_sweep", "run", str(path), "--workers", "1", "--grace", "20"],

@@ -47,9 +47,11 @@ def test_spec_record_is_plain_data_without_the_password(spec) -> None:
 def test_only_fixed_settings_count_as_changes(spec) -> None:
     before = spec_record(spec)
     resumable = spec_record(dataclasses.replace(spec, budget=Budget(trials=60)))
-    assert spec_changes(before, resumable) == []  # budget, output, packing, ... may change on resume
+    assert spec_changes(before, resumable) == []  # budget, output, pack, ... may change on resume
     fixed = spec_record(dataclasses.replace(spec, train=dataclasses.replace(spec.train, max_steps=30)))
     assert spec_changes(before, fixed) == ["train.max_steps changed (12 -> 30)"]
+    named_packing = {("packing" if k == "pack" else k): v for k, v in before.items()}  # the section's other name
+    assert spec_changes(named_packing, before) == []
 
 
 def test_record_spec_writes_store_and_directory_and_refuses_a_changed_key(spec, tmp_path) -> None:

@@ -1,4 +1,4 @@
-"""``sweep run --gpus 2`` with ``packing.shard: fsdp``: two CPU ranks (gloo) train the study's packs with the base
+"""``sweep run --gpus 2`` with ``pack.shard: fsdp``: two CPU ranks (gloo) train the study's packs with the base
 sharded, rank 0 owning the study, and reach the trials the unsharded study reaches (a refill and a prune among
 them); a run killed mid-pack resumes to its budget in a process group of one; ``sweep worker`` under torchrun
 leads its ranks the same way; without the devices, or without ``fsdp``, one line, exit 2."""
@@ -34,7 +34,7 @@ refilled; the held-out loss only (generation is tested sharded in tests/packer/m
 
 
 def _study(tmp_path: Path, model_dir: Path, name: str, shard: str, device: str = "cpu", **changes) -> Path:
-    return write_study(tmp_path, model_dir, name=name, packing={"max_slots": 2, "shard": shard, "cuda_graphs": "off"},
+    return write_study(tmp_path, model_dir, name=name, pack={"max_slots": 2, "shard": shard, "cuda_graphs": "off"},
                        **(SMALL | changes | {"model": {"path": str(model_dir), "device": device}}))
 
 
@@ -142,7 +142,7 @@ def test_worker_under_torchrun_trains_a_sharded_pack(tiny_dirs, tmp_path) -> Non
 
 @pytest.mark.parametrize(("shard", "device", "said"), [
     ("fsdp", "auto", "error: --gpus 2 (gpus=2 in the API): 0 CUDA device(s) visible"),
-    ("none", "cpu", "error: --gpus 2 (gpus=2 in the API): needs packing.shard: fsdp"),
+    ("none", "cpu", "error: --gpus 2 (gpus=2 in the API): needs pack.shard: fsdp"),
 ])
 def test_gpus_without_devices_or_fsdp_exits_2(tiny_dirs, tmp_path, capsys, shard, device, said) -> None:
     if torch.cuda.is_available():
@@ -159,7 +159,7 @@ def test_sample_packing_is_refused_on_a_sharded_pack(tiny_dirs, tmp_path, capsys
     path = _study(tmp_path, tiny_dirs("llama"), "packed", "fsdp")
     capsys.readouterr()
     assert _main(["run", str(path), "--quiet", "train.sample_packing=true"]) == 2
-    assert capsys.readouterr().err.startswith("error: packing.shard: fsdp does not take sample packing")
+    assert capsys.readouterr().err.startswith("error: pack.shard: fsdp does not take sample packing")
     assert not (tmp_path / "runs-packed").exists()
 
 

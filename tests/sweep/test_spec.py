@@ -63,8 +63,8 @@ def test_minimal_file_and_defaults(folder: Path) -> None:
     assert s.search.param("rank").choices == (4, 8)
     assert s.train.max_steps == 40 and s.train.lr == AdapterSpec().lr
     assert s.objectives[0].metric == "eval_loss" and s.directions == ["minimize"]
-    assert s.sampler.name == "tpe" and s.pruning.kind == "none" and s.packing.max_slots == "auto"
-    assert s.packing.shard == "none"
+    assert s.sampler.name == "tpe" and s.pruning.kind == "none" and s.pack.max_slots == "auto"
+    assert s.pack.shard == "none"
     assert [e.name for e in s.evaluators] == ["heldout_loss"]
     assert s.out_dir == Path("runs/t") and s.source == folder / "study.yaml"
 
@@ -203,14 +203,16 @@ BAD = {
     "unknown top-level key": (BASE + "budjet: {trials: 3} #<\n", "unknown key 'budjet' at top level"),
     "wrong type": (BASE.replace("max_steps: 40", "max_steps: many #<"), "train.max_steps: must be an integer"),
     "fused ops not a bool": (
-        BASE + "packing: {fused_base_ops: maybe} #<\n", "packing.fused_base_ops: must be true or false"),
+        BASE + "pack: {fused_base_ops: maybe} #<\n", "pack.fused_base_ops: must be true or false"),
     "cuda graphs mode unknown": (
-        BASE + "packing: {cuda_graphs: always} #<\n", "packing.cuda_graphs: must be auto, on or off"),
-    "shard mode unknown": (BASE + "packing: {shard: ddp} #<\n", "packing.shard: must be none or fsdp"),
+        BASE + "pack: {cuda_graphs: always} #<\n", "pack.cuda_graphs: must be auto, on or off"),
+    "shard mode unknown": (BASE + "pack: {shard: ddp} #<\n", "pack.shard: must be none or fsdp"),
+    "shard mode unknown, the section under its other name": (
+        BASE + "packing: {shard: ddp} #<\n", "packing.shard: must be none or fsdp"),
     "sharded pack on a CUDA graph": (
-        BASE + "packing: {shard: fsdp, cuda_graphs: 'on'} #<\n", "packing.shard: fsdp runs the eager step"),
+        BASE + "pack: {shard: fsdp, cuda_graphs: 'on'} #<\n", "pack.shard: fsdp runs the eager step"),
     "sharded pack planned by calibration": (
-        BASE + "packing: {shard: fsdp} #<\n", "packing.shard: fsdp needs packing.max_slots set"),
+        BASE + "pack: {shard: fsdp} #<\n", "pack.shard: fsdp needs pack.max_slots set"),
     "empty search space": (
         BASE.replace("  rank: [4, 8]\n  lr: {low: 1e-4, high: 1e-2, log: true}\n", "  rank: 8\n").replace(
             "search:", "search: #<"
@@ -287,7 +289,7 @@ def test_string_forms_of_objectives_constraints_sampler_pruning(folder: Path) ->
         "objectives: [maximise exact_match, min adapter_params]\n"
         "constraints: ['peak_memory_mb <= 20', {metric: eval_loss, op: '>=', value: 0}]\n"
         "sampler: {name: nsga2, population_size: 8}\n"
-        "pruning: none\npacking: 4\nevaluators: [heldout_loss, {name: generation, options: {max_new_tokens: 4}}]\n"
+        "pruning: none\npack: 4\nevaluators: [heldout_loss, {name: generation, options: {max_new_tokens: 4}}]\n"
     )
     s = load_study(write(folder, text))
     assert [(o.metric, o.direction) for o in s.objectives] == [
@@ -297,7 +299,7 @@ def test_string_forms_of_objectives_constraints_sampler_pruning(folder: Path) ->
     c = s.constraints[0]
     assert (c.metric, c.op, c.value) == ("peak_memory_mb", "<=", 20.0) and c.violation(25.0) == 5.0
     assert s.constraints[1].violation(1.0) == -1.0
-    assert s.sampler.population_size == 8 and s.pruning.kind == "none" and s.packing.max_slots == 4
+    assert s.sampler.population_size == 8 and s.pruning.kind == "none" and s.pack.max_slots == 4
     assert dict(s.evaluators[1].options) == {"max_new_tokens": 4}
     assert s.prune_metric() == ("eval_loss", "minimize")
 
@@ -333,6 +335,24 @@ def test_metric_names_are_checked_against_the_evaluators(folder: Path) -> None:
         load_study(write(folder, BASE + "evaluators: [bleu]\n"))
 
 
-def test_sharded_packing_key(folder: Path) -> None:
-    s = load_study(write(folder, BASE + "packing: {shard: fsdp, max_slots: 4}\n"))
-    assert s.packing.shard == "fsdp" and s.packing.cuda_graphs == "auto"
+def test_sharded_pack_key(folder: Path) -> None:
+    s = load_study(write(folder, BASE + "pack: {shard: fsdp, max_slots: 4}\n"))
+    assert s.pack.shard == "fsdp" and s.pack.cuda_graphs == "auto"
+
+
+def test_packing_is_the_pack_section_under_another_name(folder: Path) -> None:
+    """``packing:`` and its dotted overrides set the ``pack`` section, its own aliases (``slots``) included;
+    an error names the key as written, and both names at once are one section written twice."""
+    alias = write(folder, BASE + "packing: {slots: 3, chunked_ce: true}\n")
+    s = load_study(alias)
+    assert (s.pack.max_slots, s.pack.chunked_ce) == (3, True)
+    assert load_study(alias, ("pack.slots=5",)).pack.max_slots == 5  # replaces the file's value, not a second one
+    own = write(folder, BASE + "pack: {max_slots: 3}\n", "own.yaml")
+    assert load_study(own, ("packing.max_slots=6",)).pack.max_slots == 6
+    assert load_study(write(folder, BASE, "bare.yaml"), ("packing.kernels=torch",)).pack.kernels == "torch"
+    assert error_of(own, ("packing.max_slots=0",)).endswith(
+        "override 'packing.max_slots=0': pack.max_slots: must be auto or an int in 1..256 (got 0)")
+    bad = write(folder, BASE + "packing: {max_slots: 0}\n", "bad.yaml")
+    assert error_of(bad).endswith("packing.max_slots: must be auto or an int in 1..256 (got 0)")
+    both = error_of(write(folder, BASE + "pack: 2\npacking: {kernels: torch}\n", "both.yaml"))
+    assert both.endswith("packing: sets pack again (already set by 'pack')")

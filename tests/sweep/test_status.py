@@ -21,10 +21,10 @@ def test_a_packs_capture_fallback_is_recorded_and_shown(tmp_path: Path, capsys: 
         store.set_meta(name="s", objectives=["eval_loss"], directions=["minimize"])
         captured, eager = store.start_pack(slots=2, device="cuda:0"), store.start_pack(slots=2, device="cuda:0")
         store.finish_pack(captured, steps=3, step="cuda-graph")
-        store.finish_pack(eager, steps=3, step="static-eager", fallback=WHY)
+        store.finish_pack(eager, steps=3, step="eager", fallback=WHY)
         assert [p.fallback for p in store.packs()] == [None, WHY]
     info = study_status(sdir.root)
-    assert [(p["step"], p["fallback"]) for p in info["packs"]] == [("cuda-graph", None), ("static-eager", WHY)]
+    assert [(p["step"], p["fallback"]) for p in info["packs"]] == [("cuda-graph", None), ("eager", WHY)]
     render(info)
     lines = [line for line in capsys.readouterr().out.splitlines() if "capture failed" in line]
     assert lines == [f"pack {eager}: CUDA graph capture failed, trained eagerly: {WHY}"]

@@ -1,4 +1,5 @@
-"""``sweep.storage.open_storage`` on SQLite: the file in write-ahead-log mode, commits synced as before."""
+"""``sweep.storage``: every backend keeps the storage contract (``tests/sweep/storage_contract.py``); SQLite files in
+write-ahead-log mode, commits synced as before."""
 
 from __future__ import annotations
 
@@ -7,7 +8,11 @@ import sqlite3
 import optuna
 import pytest
 
-from lora_sweep.sweep.storage import open_storage
+from lora_sweep.errors import UserError
+from lora_sweep.sweep.storage import BACKENDS, backend_of, normalize_url, open_storage
+from tests.conftest import need_module
+from tests.helpers import server_url
+from tests.sweep.storage_contract import StorageContract
 
 
 def _journal_mode(db) -> str:
@@ -47,3 +52,79 @@ def test_a_missing_folder_is_left_to_optuna_and_creates_nothing(tmp_path) -> Non
     with pytest.raises(Exception, match="unable to open database file"):
         open_storage(f"sqlite:///{tmp_path / 'nowhere' / 'x.db'}")
     assert not (tmp_path / "nowhere").exists()
+
+
+def test_a_url_no_backend_takes_is_one_line() -> None:
+    with pytest.raises(UserError, match=r"^storage: no storage takes 'oracle://u:\*\*\*@h/db' \(expected journal://"):
+        open_storage("oracle://u:secret@h/db")
+
+
+def test_every_backend_runs_the_contract() -> None:
+    classes = (TestJournalStorageContract, TestSqliteStorageContract, TestPostgresStorageContract,
+               TestMysqlStorageContract)
+    assert {backend_of(cls.EXAMPLE).name for cls in classes} == {b.name for b in BACKENDS}
+
+
+def _damaged_journal(path) -> str:  # noqa: ANN001
+    """A journal whose second record was torn and continued by a later append (not only at its end)."""
+    study = optuna.create_study(study_name="s", storage=open_storage(f"journal://{path}"))
+    study.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=2)
+    lines = path.read_bytes().splitlines(keepends=True)
+    path.write_bytes(b"".join([lines[0], lines[1][:10] + lines[2], *lines[3:]]))
+    return str(path)
+
+
+class TestJournalStorageContract(StorageContract):
+    EXAMPLE = "study.log"
+
+    @pytest.fixture
+    def url(self, tmp_path) -> str:  # noqa: ANN001
+        return str(tmp_path / "optuna.log")  # a plain path: the journal backend's too
+
+    @pytest.fixture
+    def unopenable_url(self, tmp_path) -> str:  # noqa: ANN001
+        return _damaged_journal(tmp_path / "damaged.log")
+
+    def test_a_damaged_journal_names_its_first_bad_line(self, tmp_path) -> None:  # noqa: ANN001
+        path = _damaged_journal(tmp_path / "optuna.log")
+        with pytest.raises(UserError, match=rf"^storage: {path}:2: not a journal record .*the 1 records before it"):
+            open_storage(normalize_url(path))
+
+
+class TestSqliteStorageContract(StorageContract):
+    EXAMPLE = "sqlite:///x.db"
+
+    @pytest.fixture
+    def url(self, tmp_path) -> str:  # noqa: ANN001
+        return f"sqlite:///{tmp_path / 'optuna.db'}"
+
+    @pytest.fixture
+    def unopenable_url(self, tmp_path) -> str:  # noqa: ANN001
+        (tmp_path / "text.db").write_text("not a database\n" * 100)
+        return f"sqlite:///{tmp_path / 'text.db'}"
+
+
+class TestPostgresStorageContract(StorageContract):
+    EXAMPLE = "postgresql+psycopg2://h/db"
+
+    @pytest.fixture
+    def url(self) -> str:
+        return server_url("postgresql")
+
+    @pytest.fixture
+    def unopenable_url(self) -> str:
+        need_module("psycopg2", "postgres")
+        return "postgresql+psycopg2://u:p@127.0.0.1:9/none"  # nothing listens on port 9
+
+
+class TestMysqlStorageContract(StorageContract):
+    EXAMPLE = "mysql+pymysql://h/db"
+
+    @pytest.fixture
+    def url(self) -> str:
+        return server_url("mysql")
+
+    @pytest.fixture
+    def unopenable_url(self) -> str:
+        need_module("pymysql", "mysql")
+        return "mysql+pymysql://u:p@127.0.0.1:9/none"

@@ -191,11 +191,11 @@ def test_plan_and_status_commands(tiny_dirs, tmp_path) -> None:
 
 
 def test_memory_options_reach_the_training_loop(tiny_dirs, tmp_path) -> None:
-    packing = {"max_slots": 2, "chunked_ce": 16, "activation_checkpointing": True}
-    spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name="memory", packing=packing,
+    pack = {"max_slots": 2, "chunked_ce": 16, "activation_checkpointing": True}
+    spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name="memory", pack=pack,
                                   budget={"trials": 2}, train={"max_steps": 8, "micro_batch": 2}))
-    assert (spec.packing.chunked_ce, spec.packing.activation_checkpointing) == (16, True)
-    plain = load_study(write_study(tmp_path, tiny_dirs("llama"), name="plain", packing={"max_slots": 2},
+    assert (spec.pack.chunked_ce, spec.pack.activation_checkpointing) == (16, True)
+    plain = load_study(write_study(tmp_path, tiny_dirs("llama"), name="plain", pack={"max_slots": 2},
                                    budget={"trials": 2}, train={"max_steps": 8, "micro_batch": 2}))
     for s in (spec, plain):
         run_study(s, log=lambda m: None)
@@ -222,9 +222,9 @@ def test_kernels_options_reach_the_packed_model(tiny_dirs, tmp_path, monkeypatch
     common = dict(budget={"trials": 1}, train={"max_steps": 8, "micro_batch": 2})
     default = load_study(write_study(tmp_path, tiny_dirs("llama"), name="default-kernels", **common))
     chosen = load_study(write_study(tmp_path, tiny_dirs("llama"), name="torch-kernels",
-                                    packing={"max_slots": 1, "kernels": "torch", "fused_base_ops": False}, **common))
-    assert default.packing.kernels == "auto"  # Triton on a GPU: the sweep must not default to the slow path
-    assert default.packing.fused_base_ops is True
+                                    pack={"max_slots": 1, "kernels": "torch", "fused_base_ops": False}, **common))
+    assert default.pack.kernels == "auto"  # Triton on a GPU: the sweep must not default to the slow path
+    assert default.pack.fused_base_ops is True
     for s in (default, chosen):
         run_study(s, log=lambda m: None)
     assert made == [("auto", True), ("torch", False)]
@@ -353,7 +353,7 @@ def test_overrides_are_recorded_and_a_changed_fixed_key_is_refused_on_resume(tin
     from lora_sweep.sweep.store import ResultsStore
 
     path = write_study(tmp_path, tiny_dirs("llama"), name="recorded", budget={"trials": 1},
-                       train={"max_steps": 12, "micro_batch": 2}, pruning={"kind": "none"}, packing={"max_slots": 1})
+                       train={"max_steps": 12, "micro_batch": 2}, pruning={"kind": "none"}, pack={"max_slots": 1})
     run_study(load_study(path, ["train.max_steps=6"]), log=lambda m: None)
     out = tmp_path / "runs-recorded"
     recorded = yaml.safe_load((out / "study.yaml").read_text())
@@ -403,7 +403,7 @@ def test_progress_final_frame_tokens_per_s_and_eta(tiny_dirs, tmp_path) -> None:
     frames = []
     spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name="frames", budget={"trials": 4},
                                   train={"max_steps": 8, "micro_batch": 2}, pruning={"kind": "none"},
-                                  packing={"max_slots": 2}))
+                                  pack={"max_slots": 2}))
     run_study(spec, progress=frames.append, log=lambda m: None)
     last = frames[-1]
     assert last.finished == 4, "the last frame shows every trial done, not the count before the last ones ended"
@@ -425,7 +425,7 @@ def test_rerunning_a_finished_study_writes_nothing_and_says_its_budget_is_spent(
     import lora_sweep
 
     path = write_study(tmp_path, tiny_dirs("llama"), name="spent", budget={"trials": 2},
-                       train={"max_steps": 4, "micro_batch": 2}, pruning={"kind": "none"}, packing={"max_slots": 2})
+                       train={"max_steps": 4, "micro_batch": 2}, pruning={"kind": "none"}, pack={"max_slots": 2})
     assert _run_cli("run", str(path), "--quiet").returncode == 0
     sdir = StudyDir(tmp_path / "runs-spent")
     before = _rows(sdir.results_db)
@@ -452,7 +452,7 @@ def test_rerunning_a_finished_study_writes_nothing_and_says_its_budget_is_spent(
                                                  (signal.SIGTERM, 143, "terminated (SIGTERM)")], ids=["INT", "TERM"])
 def test_ctrl_c_and_sigterm_say_that_running_again_resumes(tiny_dirs, tmp_path, sig, code, said) -> None:
     path = write_study(tmp_path, tiny_dirs("llama"), name="interrupted", budget={"trials": 4},
-                       train={"max_steps": 200, "micro_batch": 2}, pruning={"kind": "none"}, packing={"max_slots": 2})
+                       train={"max_steps": 200, "micro_batch": 2}, pruning={"kind": "none"}, pack={"max_slots": 2})
     proc = subprocess.Popen([sys.executable, "-m", "lora_sweep", "run", str(path), "--quiet"], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
@@ -477,7 +477,7 @@ def test_generated_texts_are_stored_per_item_and_sampled_in_the_report(tiny_dirs
 
     spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name="texts", budget={"trials": 2},
                                   train={"max_steps": 4, "micro_batch": 2}, pruning={"kind": "none"},
-                                  packing={"max_slots": 2}))
+                                  pack={"max_slots": 2}))
     run_study(spec, log=lambda m: None)
     eval_rows = [json.loads(line) for line in spec.data.eval.read_text().splitlines() if line.strip()]
     with ResultsStore(spec.out_dir / "results.db", create=False) as store:
@@ -515,7 +515,7 @@ def test_device_seconds_are_a_trials_steps_and_its_own_evaluation(tiny_dirs, tmp
     monkeypatch.setattr(lora_sweep.sweep.study, "evaluate", slow)
     spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name="charged", budget={"trials": 3},
                                   train={"max_steps": 6, "micro_batch": 2}, pruning={"kind": "none"},
-                                  packing={"max_slots": 2}, evaluators=[{"name": "heldout_loss"}]))
+                                  pack={"max_slots": 2}, evaluators=[{"name": "heldout_loss"}]))
     run_study(spec, log=lambda m: None)
     with ResultsStore(spec.out_dir / "results.db", create=False) as store:
         charged = {t.number: t.device_seconds for t in store.trials()}
@@ -531,7 +531,7 @@ def test_a_retried_dropout_trial_reproduces_a_fresh_run_bit_for_bit(tiny_dirs, t
     from lora_sweep.sweep.store import ResultsStore
 
     common = dict(search={"rank": [4], "lr": [2e-4, 1e-2], "dropout": [0.05]}, budget={"trials": 2},
-                  train={"max_steps": 8, "micro_batch": 2}, pruning={"kind": "none"}, packing={"max_slots": 2},
+                  train={"max_steps": 8, "micro_batch": 2}, pruning={"kind": "none"}, pack={"max_slots": 2},
                   evaluators=[{"name": "heldout_loss"}], objectives=[{"metric": "eval_loss", "direction": "minimize"}])
     once = load_study(write_study(tmp_path, tiny_dirs("llama"), name="once", **common))
     run_study(once, log=lambda m: None)
@@ -607,7 +607,7 @@ def test_join_becomes_a_worker_of_a_shared_run_and_refuses_a_single_one(tiny_dir
             except Exception:
                 continue
 
-    shared = write_study(tmp_path, tiny_dirs("llama"), name="joined", budget={"trials": 6}, packing={"max_slots": 2},
+    shared = write_study(tmp_path, tiny_dirs("llama"), name="joined", budget={"trials": 6}, pack={"max_slots": 2},
                          train={"max_steps": 30, "micro_batch": 2}, pruning={"kind": "none"},
                          evaluators=[{"name": "heldout_loss"}], objectives=[{"metric": "eval_loss",
                                                                               "direction": "minimize"}])
@@ -628,7 +628,7 @@ def test_join_becomes_a_worker_of_a_shared_run_and_refuses_a_single_one(tiny_dir
     trials = optuna.load_study(study_name="joined", storage=storage_of(tmp_path / "runs-joined")).get_trials()
     assert len(trials) == 6 and all(t.state == TrialState.COMPLETE for t in trials), [t.state for t in trials]
 
-    single = write_study(tmp_path, tiny_dirs("llama"), name="alone", budget={"trials": 3}, packing={"max_slots": 1},
+    single = write_study(tmp_path, tiny_dirs("llama"), name="alone", budget={"trials": 3}, pack={"max_slots": 1},
                          train={"max_steps": 60, "micro_batch": 2}, pruning={"kind": "none"})
     proc = subprocess.Popen([sys.executable, "-m", "lora_sweep", "run", str(single), "--quiet"], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -639,21 +639,23 @@ def test_join_becomes_a_worker_of_a_shared_run_and_refuses_a_single_one(tiny_dir
     assert refused.returncode == 2 and "runs the study alone" in refused.stderr, refused.stderr
 
 
-def test_a_static_pack_is_sized_once_by_the_spaces_largest_rank(tiny_dirs, tmp_path, monkeypatch) -> None:
+def test_a_pack_store_is_sized_once_by_the_spaces_largest_rank(tiny_dirs, tmp_path, monkeypatch) -> None:
     """The step's store takes the rank bucket of the space's largest rank from its first slot: a bucket
     grown when a larger-rank trial arrives would re-capture every graph and precompile again (on CPU the step runs
     eagerly)."""
-    import lora_sweep.packer.step.loop
+    from lora_sweep.packer.model.packed import PackedModel
 
     buckets: list[int] = []
-    real = lora_sweep.packer.step.loop.new_store
+    real = PackedModel.ensure_store
 
-    def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
-        store = real(*args, **kwargs)
-        buckets.append(store.rank_bucket)
+    def recording(pm, *args, **kwargs):  # type: ignore[no-untyped-def]
+        before = pm.store
+        store = real(pm, *args, **kwargs)
+        if store is not before:
+            buckets.append(store.rank_bucket)
         return store
 
-    monkeypatch.setattr(lora_sweep.packer.step.loop, "new_store", recording)
+    monkeypatch.setattr(PackedModel, "ensure_store", recording)
     search = {"rank": [2, 4, 16, 24], "lr": {"low": 1e-4, "high": 3e-2, "log": True}, "targets": {"all": "all-linear"}}
     spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name="bucket", search=search))
     summary = run_study(spec, log=lambda m: None)

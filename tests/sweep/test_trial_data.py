@@ -93,7 +93,7 @@ def test_sample_packing_where_the_installed_transformers_mixes_examples_is_one_e
                                                                                       monkeypatch) -> None:
     """A mask built without the packed positions (as Falcon's in transformers 5.23) lets a packed row's examples
     attend to each other: the study is refused with one error, as for a family packing is not verified for."""
-    from tests.packer.data.test_isolation import positions_ignored
+    from tests.helpers import positions_ignored
 
     positions_ignored(monkeypatch)
     path = _study(tmp_path, tiny_dirs("llama"))

@@ -93,13 +93,13 @@ def test_bad_values_are_one_line_naming_the_key(folder: Path, changes: dict, mes
     assert message in _error(folder, **changes)
 
 
-TORCH = {"packing": {"kernels": "torch"}}
+TORCH = {"pack": {"kernels": "torch"}}
 
 
 @pytest.mark.parametrize(("changes", "message"), [
     ({"train": {"dora": True}}, "train.dora: DoRA trains on the torch kernels over a whole float base, not with "
-                                "packing.kernels: auto on model.device: auto (set packing.kernels: torch)"),
-    ({"peft_use_dora": True, "packing": {"kernels": "triton"}}, "not with packing.kernels: triton"),
+                                "pack.kernels: auto on model.device: auto (set pack.kernels: torch)"),
+    ({"peft_use_dora": True, "pack": {"kernels": "triton"}}, "not with pack.kernels: triton"),
     ({"search": {"dora": [False, True]}, "model": {"path": "org/tiny-model", "quantize": "nf4"}, **TORCH},
      "not with model.quantize: nf4"),
     ({"train": {"dora": True}, "search": {"dropout": [0.0, 0.1]}, **TORCH}, "train.dora: needs dropout 0"),
@@ -143,7 +143,7 @@ def test_a_study_recorded_without_the_variant_keys_resumes_at_their_defaults(fol
 
 
 @pytest.mark.parametrize("changes", [{"model": {"path": "org/tiny-model", "quantize": "nf4"}},
-                                     {"packing": {"shard": "fsdp", "max_slots": 4}}])
+                                     {"pack": {"shard": "fsdp", "max_slots": 4}}])
 def test_a_principal_init_over_a_quantized_or_sharded_base_is_refused_at_load(folder: Path, changes: dict) -> None:
     assert "train.init: pissa decomposes the whole float base weight" in _error(folder, train={"init": "pissa"},
                                                                                   **changes)

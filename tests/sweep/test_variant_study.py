@@ -15,6 +15,7 @@ from lora_sweep.sweep.config.loader import load_study
 from lora_sweep.sweep.store import ResultsStore
 from lora_sweep.sweep.study import run_study
 from tests.conftest import write_study
+from tests.helpers import foreign_config
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 
@@ -69,10 +70,8 @@ def test_the_axolotl_config_with_peft_use_dora_runs_and_its_adapter_loads_in_pef
     input), on the torch kernels: the study runs, and a trial's adapter is a PEFT DoRA adapter PEFT loads."""
     from peft import PeftModel
 
-    from tests.sweep.test_foreign import _config
-
-    path = _config(tmp_path, tiny_dirs("llama"), "axolotl-lora-1b.yml", peft_use_dora=True, lora_dropout=0.0,
-                   packing={"kernels": "torch"})
+    path = foreign_config(tmp_path, tiny_dirs("llama"), "axolotl-lora-1b.yml", peft_use_dora=True, lora_dropout=0.0,
+                   pack={"kernels": "torch"})
     spec = load_study(path)
     assert spec.train.dora is True
     run_study(spec, log=lambda m: None)

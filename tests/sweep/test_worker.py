@@ -1,4 +1,5 @@
-"""Many workers sharing one study: a journal file, PostgreSQL with a worker killed mid-pack, the storage lock.
+"""Many workers sharing one study: a journal file, PostgreSQL with a worker killed mid-pack, CPU shares (the storage
+lock of every backend: test_storage.py's contract).
 
 The server tests need one: ``.ci/run`` starts PostgreSQL and MariaDB and exports ``LORA_SWEEP_TEST_PG``
 (e.g. ``postgresql+psycopg2://sweep:sweep@127.0.0.1:55432/sweep``) and ``LORA_SWEEP_TEST_MYSQL``
@@ -24,51 +25,12 @@ from lora_sweep.sweep import worker
 from lora_sweep.sweep.affinity import allowed_cpus
 from lora_sweep.sweep.config.loader import load_study
 from lora_sweep.sweep.ledger import open_study
-from lora_sweep.sweep.storage import Sharing, normalize_url, open_storage, storage_lock
+from lora_sweep.sweep.storage import Sharing, normalize_url
 from lora_sweep.sweep.store import StudyDir
 from lora_sweep.sweep.store.attrs import WORKER
-from tests.conftest import missing, need_module, write_study
+from tests.helpers import WORKER_ENV, cli, server_url, stored_trials, worker_study
 
 ROOT = Path(__file__).resolve().parents[2]
-_SERVERS = {"postgresql": ("LORA_SWEEP_TEST_PG", "PostgreSQL on 127.0.0.1:55432", "psycopg2", "postgres"),
-            "mysql": ("LORA_SWEEP_TEST_MYSQL", "MariaDB on 127.0.0.1:53306", "pymysql", "mysql")}
-
-
-def _server_url(kind: str) -> str:
-    """The test server's URL (``postgresql`` or ``mysql``), its driver's extra installed; else the test is skipped
-    (``tests.conftest.missing``)."""
-    env, server, module, extra = _SERVERS[kind]
-    need_module(module, extra)
-    if not os.environ.get(env):
-        missing(f"a {kind} server ({env} is unset)", f"export {env} (.ci/run starts {server})")
-    return os.environ[env]
-
-
-def _study_file(tmp_path: Path, model_dir: Path, name: str, **changes) -> Path:
-    """The shared small study, as a multi-worker job: 9 trials of 20 steps, 2 slots, no pruning."""
-    return write_study(tmp_path, model_dir, name, **{
-        "train": {"max_steps": 20, "micro_batch": 4},
-        "objectives": [{"metric": "eval_loss", "direction": "minimize"}],
-        "budget": {"trials": 9},
-        "pruning": {"kind": "none"},
-        "packing": {"max_slots": 2},
-        "evaluators": [{"name": "heldout_loss"}],
-        "artifacts": str(tmp_path / "shared-adapters" / name),
-        **changes,
-    })
-
-
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "lora_sweep", *args]
-
-
-# One thread per worker, as conftest gives the test process: workers sharing 2 cores with a pool of
-# threads each spin against one another and a 10-step trial takes a minute instead of a second.
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-def _trials(url: str, name: str) -> list[optuna.trial.FrozenTrial]:
-    return optuna.load_study(study_name=name, storage=open_storage(url)).get_trials()
 
 
 def _check_study(trials: list[optuna.trial.FrozenTrial], budget: int, artifacts: Path) -> None:
@@ -90,15 +52,16 @@ def _check_study(trials: list[optuna.trial.FrozenTrial], budget: int, artifacts:
 
 def test_journal_workers_on_one_host_share_the_budget(tiny_dirs, tmp_path) -> None:
     name = "journal"
-    path = _study_file(tmp_path, tiny_dirs("llama"), name, budget={"trials": 4},
-                       train={"max_steps": 10, "micro_batch": 4})
+    path = worker_study(tmp_path, tiny_dirs("llama"), name, budget={"trials": 4},
+                        train={"max_steps": 10, "micro_batch": 4})
     log = tmp_path / "optuna-journal.log"
     started = time.time()
-    result = subprocess.run(_cli("run", str(path), "--workers", "2", "--storage", str(log), "--heartbeat", "1",
-                                 "--grace", "10"), capture_output=True, text=True, timeout=180, cwd=ROOT, env=ENV)
+    result = subprocess.run(cli("run", str(path), "--workers", "2", "--storage", str(log), "--heartbeat", "1",
+                                "--grace", "10"), capture_output=True, text=True, timeout=180, cwd=ROOT,
+                            env=WORKER_ENV)
     assert result.returncode == 0, result.stderr + "".join(
         p.read_text() for p in (tmp_path / f"runs-{name}" / "workers").glob("*.log"))
-    trials = _trials(f"journal://{log}", name)
+    trials = stored_trials(f"journal://{log}", name)
     _check_study(trials, 4, tmp_path / "shared-adapters" / name)
     assert not [t for t in trials if t.state == TrialState.FAIL]
     workers = Counter(t.system_attrs[WORKER] for t in trials)
@@ -106,8 +69,8 @@ def test_journal_workers_on_one_host_share_the_budget(tiny_dirs, tmp_path) -> No
     assert "4 complete" in result.stdout and time.time() - started < 180
     # The study directory's store knows every trial and its adapter: export works from it.
     out = tmp_path / "exported"
-    exported = subprocess.run(_cli("export", str(tmp_path / f"runs-{name}"), "--trial", "0", "--out", str(out),
-                                   "--no-vllm"), capture_output=True, text=True, timeout=120, cwd=ROOT)
+    exported = subprocess.run(cli("export", str(tmp_path / f"runs-{name}"), "--trial", "0", "--out", str(out),
+                                  "--no-vllm"), capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert exported.returncode == 0, exported.stderr
     assert (out / "adapter_model.safetensors").is_file()
     # ... and the report opens the journal storage for its Optuna figures.
@@ -119,18 +82,18 @@ def test_journal_workers_on_one_host_share_the_budget(tiny_dirs, tmp_path) -> No
 
 
 def test_pg_three_workers_one_killed_mid_pack(tiny_dirs, tmp_path) -> None:
-    url = _server_url("postgresql")
+    url = server_url("postgresql")
     name = f"pg-{uuid.uuid4().hex[:8]}"
-    path = _study_file(tmp_path, tiny_dirs("llama"), name)
-    procs = [subprocess.Popen(_cli("worker", str(path), "--storage", url, "--index", str(i), "--heartbeat", "0.5",
-                                   "--grace", "4", "--quiet"), cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
+    path = worker_study(tmp_path, tiny_dirs("llama"), name)
+    procs = [subprocess.Popen(cli("worker", str(path), "--storage", url, "--index", str(i), "--heartbeat", "0.5",
+                                  "--grace", "4", "--quiet"), cwd=ROOT, env=WORKER_ENV, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, start_new_session=True) for i in range(3)]
     victim, killed = None, []
     deadline = time.time() + 120
     while time.time() < deadline:  # kill a worker while it trains, once some trial is complete
         time.sleep(0.2)
         try:
-            trials = _trials(url, name)
+            trials = stored_trials(url, name)
         except Exception:
             continue
         running = sorted((t for t in trials if t.state == TrialState.RUNNING and WORKER in t.system_attrs),
@@ -143,7 +106,7 @@ def test_pg_three_workers_one_killed_mid_pack(tiny_dirs, tmp_path) -> None:
             # Frozen first, so that its trials cannot end between looking at them and the kill.
             os.killpg(victim.pid, signal.SIGSTOP)
             time.sleep(0.5)  # a live worker names its new trial a few ms after asking; a frozen one may never
-            killed = [t for t in _trials(url, name)
+            killed = [t for t in stored_trials(url, name)
                       if t.state == TrialState.RUNNING and t.system_attrs.get(WORKER, index) == index]
             if not killed:  # it was between packs: let it go on, and look again
                 os.killpg(victim.pid, signal.SIGCONT)
@@ -157,7 +120,7 @@ def test_pg_three_workers_one_killed_mid_pack(tiny_dirs, tmp_path) -> None:
         if p is not victim:
             _, err = p.communicate(timeout=150)
             assert p.returncode == 0, err.decode()[-3000:]
-    trials = _trials(url, name)
+    trials = stored_trials(url, name)
     _check_study(trials, 9, tmp_path / "shared-adapters" / name)
     assert {t.number for t in trials if t.state == TrialState.FAIL} == {t.number for t in killed}
     params = [tuple(sorted(t.params.items())) for t in trials if t.state == TrialState.COMPLETE]
@@ -173,44 +136,24 @@ def _one_line_exit_2(result: subprocess.CompletedProcess, expected: str) -> None
 
 
 def test_unreachable_postgres_url_is_one_line_exit_2(tiny_dirs, tmp_path) -> None:
-    path = _study_file(tmp_path, tiny_dirs("llama"), "unreachable")
-    result = subprocess.run(_cli("worker", str(path), "--storage", "postgresql+psycopg2://u:p@127.0.0.1:9/none",
-                                 "--quiet"), capture_output=True, text=True, timeout=120, cwd=ROOT)
+    path = worker_study(tmp_path, tiny_dirs("llama"), "unreachable")
+    result = subprocess.run(cli("worker", str(path), "--storage", "postgresql+psycopg2://u:p@127.0.0.1:9/none",
+                                "--quiet"), capture_output=True, text=True, timeout=120, cwd=ROOT)
     _one_line_exit_2(result, "storage: cannot open")
 
 
 def _backend_url(backend: str, tmp_path: Path) -> str:
-    return normalize_url(str(tmp_path / f"{backend}.log")) if backend == "journal" else _server_url(backend)
-
-
-@pytest.mark.parametrize("backend", ["journal", "postgresql", "mysql"])
-def test_storage_lock_excludes_other_processes(tmp_path, backend: str) -> None:
-    """Another process holds the study's lock for 2 s: this one waits for it (a lock that is not taken,
-    as MariaDB's GET_LOCK with a negative timeout, lets it through at once)."""
-    url, name = _backend_url(backend, tmp_path), f"lock-{uuid.uuid4().hex[:8]}"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
-                               "from lora_sweep.sweep.storage import storage_lock\n"
-                               "with storage_lock(sys.argv[1], sys.argv[2]):\n    print('held', flush=True)\n"
-                               "    time.sleep(2)\n", url, name], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
-        started = time.time()
-        with storage_lock(url, name):
-            waited = time.time() - started
-        assert waited > 1.0, f"took a lock another process holds after {waited:.2f} s"
-    finally:
-        holder.wait(timeout=30)
-    assert holder.returncode == 0
+    return normalize_url(str(tmp_path / f"{backend}.log")) if backend == "journal" else server_url(backend)
 
 
 @pytest.mark.parametrize("backend", ["journal", "postgresql", "mysql"])
 def test_other_search_space_under_the_same_name_is_one_line_exit_2(tiny_dirs, tmp_path, backend: str) -> None:
     url = _backend_url(backend, tmp_path)
     name = f"space-{uuid.uuid4().hex[:8]}"
-    first = load_study(_study_file(tmp_path, tiny_dirs("llama"), name))
+    first = load_study(worker_study(tmp_path, tiny_dirs("llama"), name))
     open_study(first, StudyDir(first.out_dir), Sharing(normalize_url(url)))  # the study exists, no training
-    other = _study_file(tmp_path, tiny_dirs("llama"), name, search={"rank": [2, 4]})
-    result = subprocess.run(_cli("worker", str(other), "--storage", url, "--quiet"), capture_output=True,
+    other = worker_study(tmp_path, tiny_dirs("llama"), name, search={"rank": [2, 4]})
+    result = subprocess.run(cli("worker", str(other), "--storage", url, "--quiet"), capture_output=True,
                             text=True, timeout=120, cwd=ROOT)
     _one_line_exit_2(result, "with a different search space")
 
@@ -233,7 +176,7 @@ def test_launch_gives_each_worker_its_share_of_the_cpus(tiny_dirs, tmp_path, mon
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     else:
         monkeypatch.setenv("OMP_NUM_THREADS", user)
-    path = _study_file(tmp_path, tiny_dirs("llama"), "threads")
+    path = worker_study(tmp_path, tiny_dirs("llama"), "threads")
     spec = load_study(path)
     assert worker.launch(str(path), (), spec, f"journal://{tmp_path / 'j.log'}", 2, heartbeat=1, grace=5) == [0, 0]
     assert [env["OMP_NUM_THREADS"] for _, env in calls] == [expected, expected]
@@ -246,6 +189,6 @@ def test_worker_cpus_pins_the_process_and_bad_lists_are_one_line_exit_2(tmp_path
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.stdout.strip() == f"[{cpu}]", out.stderr
     for bad, why in (("x", "not a CPU list"), ("100000", "this process may use")):
-        result = subprocess.run(_cli("worker", str(tmp_path / "missing.yaml"), "--cpus", bad), capture_output=True,
+        result = subprocess.run(cli("worker", str(tmp_path / "missing.yaml"), "--cpus", bad), capture_output=True,
                                 text=True, timeout=60, cwd=ROOT)
         _one_line_exit_2(result, why)

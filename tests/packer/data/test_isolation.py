@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import transformers.masking_utils
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.packer.data.packing import SamplePackedStream
@@ -12,14 +11,9 @@ from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.step.isolation import TOLERANCE, check_sample_packing, cross_example_change
 from lora_sweep.packer.step.train import SlotJob, train
 from tests.conftest import random_examples
+from tests.helpers import positions_ignored
 
 SPEC = AdapterSpec(rank=2, lr=1e-2, micro_batch=2, max_steps=2, seed=1, sample_packing=True)
-
-
-def positions_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make transformers build a plain causal mask over packed rows, as a family whose modeling code does not
-    pass its positions to the mask does (Falcon in transformers 5.23): each example sees the ones before it."""
-    monkeypatch.setattr(transformers.masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "phi3"])

@@ -10,14 +10,13 @@ import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
-from lora_sweep.benchmarks.baseline import make_scheduler
-from lora_sweep.packer.data.batch import collate
 from lora_sweep.packer.data.rows import SlotStream
 from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.model.quant import NF4Linear, dequantize_base
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.step.train import SlotJob, train
 from tests.conftest import Recorder
+from tests.helpers import adamw_steps
 
 PAD = 0
 
@@ -49,18 +48,7 @@ def peft_over_dequantized(model_dir: Path, spec: AdapterSpec, stream: SlotStream
     with torch.no_grad():
         for path, a in init_a.items():
             lora[f"base_model.model.{path}.lora_A.default.weight"].copy_(a)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
-    sched = make_scheduler(opt, spec)
-    losses = []
-    for _ in range(spec.max_steps):
-        b = collate([0], [stream.next_batch()], PAD, dropout=[0.0], seeds=[0])
-        out = model(input_ids=b.input_ids, attention_mask=b.attention_mask, labels=b.labels)
-        out.loss.backward()
-        losses.append(out.loss.item())
-        torch.nn.utils.clip_grad_norm_(params, spec.max_grad_norm)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
+    assert spec.max_grad_norm is not None  # (as the engine, PEFT's steps clip)
+    losses, _ = adamw_steps(model, [p for p in model.parameters() if p.requires_grad], spec, stream)
     return losses, {p: (lora[f"base_model.model.{p}.lora_A.default.weight"].detach(),
                         lora[f"base_model.model.{p}.lora_B.default.weight"].detach()) for p in init_a}

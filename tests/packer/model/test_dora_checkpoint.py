@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from lora_sweep.packer.plan import AdapterSpec
-from tests.packer.model.test_principal_checkpoint import _train_and_save, assert_peft_and_merge_reproduce
+from tests.helpers import assert_peft_and_merge_reproduce, train_and_save
 
 SPECS = {
     "llama": [AdapterSpec(rank=4, alpha=8, targets=("q_proj", "down_proj"), lr=1e-2, max_steps=6, seed=1, dora=True),
@@ -22,7 +22,7 @@ SPECS = {
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_a_dora_slot_exports_as_a_peft_dora_adapter_and_merges(tiny_dirs, tmp_path, family: str) -> None:
     model_dir = tiny_dirs(family)
-    saved, logits = _train_and_save(model_dir, SPECS[family], tmp_path)
+    saved, logits = train_and_save(model_dir, SPECS[family], tmp_path)
     for key, adapter_dir in saved.items():
         spec = SPECS[family][key]
         config, tensors = assert_peft_and_merge_reproduce(model_dir, adapter_dir, logits[key])

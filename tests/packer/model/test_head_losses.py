@@ -19,7 +19,7 @@ from tests.conftest import need_triton
 
 need_triton()  # before anything imports the Triton kernel modules
 
-from tests.packer.step.test_equivalence import LLAMA_SPECS, _jobs, _run_packed  # noqa: E402
+from tests.helpers import LLAMA_SPECS, run_packed, slot_jobs  # noqa: E402
 
 
 def test_shift_targets_predicts_the_next_label_and_nothing_at_the_last_position() -> None:
@@ -87,9 +87,9 @@ def test_triton_step_with_the_fused_loss_equals_full_logits(tiny_dirs, monkeypat
 
     monkeypatch.setattr(loop, "head_losses", spy)
     specs = [replace(LLAMA_SPECS[1], max_steps=2), replace(LLAMA_SPECS[2], max_steps=2)]
-    triton_losses, triton_final = _run_packed(tiny_dirs("llama"), _jobs(specs), 2, impl="triton")
+    triton_losses, triton_final = run_packed(tiny_dirs("llama"), slot_jobs(specs), 2, impl="triton")
     assert calls and all(isinstance(h, nn.Linear) for h in calls)
-    torch_losses, torch_final = _run_packed(tiny_dirs("llama"), _jobs(specs), 2, impl="torch")
+    torch_losses, torch_final = run_packed(tiny_dirs("llama"), slot_jobs(specs), 2, impl="torch")
     for key, losses in torch_losses.items():
         torch.testing.assert_close(torch.tensor(triton_losses[key]), torch.tensor(losses), rtol=1e-5, atol=0)
         for path, (a, b) in torch_final[key].items():

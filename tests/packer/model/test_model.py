@@ -99,18 +99,24 @@ def test_second_packed_model_over_the_same_model_rewraps(tiny_dirs) -> None:
         assert second.forward(ids, torch.ones_like(ids), PackLayout((0,), (0,), (1,), (5,), (0.0,), (0,))).shape[-1]
 
 
-def test_a_removed_slot_leaves_nothing_behind(tiny_dirs) -> None:
-    """A slot's buffers are freed when it leaves the pack: the layers' cached gathers of its weights (views) go with
-    it (kept, they held a finished pack's adapters alive until the next pack, and a planner's probe counted them)."""
+def test_a_dropped_store_leaves_nothing_behind(tiny_dirs) -> None:
+    """The store's buffers are freed once its slots leave and the pack drops it: the layers' cached gathers of the
+    slots' weights (views) go with the slots (kept, they held a finished pack's adapters alive until the next pack,
+    and a planner's probe counted them)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     pm = PackedModel(load_base(str(tiny_dirs("llama")), device=device)[0], impl="torch")
     pm.add_slot(0, AdapterSpec(rank=4, targets=("all-linear",), seed=1))
     pm.add_slot(1, AdapterSpec(rank=8, alpha=8.0, targets=("q_proj", "v_proj", "up_proj"), seed=2))
     layout = PackLayout((0, 1), (0, 1), (1, 1), (6, 6), (0.0, 0.0), (7, 8))
     ids = torch.randint(3, 100, (2, 6), generator=torch.Generator().manual_seed(0)).to(device)
-    pm.forward(ids, torch.ones_like(ids), layout).sum().backward()
-    buffers = [weakref.ref(t) for slot in (0, 1) for t in pm.flat_buffers(slot)]
+    with torch.no_grad():
+        pm.forward(ids, torch.ones_like(ids), layout)  # the per-adapter path: the layers cache their gathers
+    store = pm.store
+    assert store is not None
+    buffers = [weakref.ref(t) for t in (store.flat, store.grad, store.exp_avg, store.exp_avg_sq)]
+    del store
     pm.remove_slot(0)
     pm.remove_slot(1)
+    pm.drop_store()
     gc.collect()
     assert [r() for r in buffers] == [None] * 4

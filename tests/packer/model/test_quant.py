@@ -120,7 +120,7 @@ def test_the_memory_model_knows_the_nf4_base(tmp_path) -> None:
 
     from lora_sweep.packer.probe import calibrate
     from lora_sweep.packer.tiny.models import build_tokenizer, tiny_config
-    from tests.packer.test_probe import _growth
+    from tests.helpers import step_growth
 
     config = tiny_config("llama", 20_000, hidden_size=256, num_layers=4)
     torch.manual_seed(0)
@@ -133,6 +133,6 @@ def test_the_memory_model_knows_the_nf4_base(tmp_path) -> None:
     mm = calibrate(pm, 96, rows=(4, 12))
     assert model_bytes(pm) == pytest.approx(nf4_bytes(n) + rest, rel=0.01)
     assert mm.base_bytes < rest + n  # well under 4 B (fp32) or even 1 B per projection weight
-    growth_pred, growth_meas = _growth(pm, mm, (4, 8, 16, 32), 6, 96, 20_000)
+    growth_pred, growth_meas = step_growth(pm, mm, (4, 8, 16, 32), 6, 96, 20_000)
     assert growth_meas > 50e6
     assert abs(growth_pred - growth_meas) <= 0.10 * growth_meas, (growth_pred / 1e6, growth_meas / 1e6)

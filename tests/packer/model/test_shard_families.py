@@ -140,12 +140,12 @@ def test_body_is_the_module_the_causal_lm_calls(tiny_dirs) -> None:
 
 
 def test_no_body_apart_from_the_head_is_refused_in_one_line() -> None:
-    with pytest.raises(ConfigError, match=r"^packing.shard: _Flat keeps its embeddings and decoder layers beside "
+    with pytest.raises(ConfigError, match=r"^pack.shard: _Flat keeps its embeddings and decoder layers beside "
                                           r"the head, with no decoder body to shard apart from it$"):
         decoder_body(_Flat())
     bare = _Flat()
     bare._no_split_modules = []
-    with pytest.raises(ConfigError, match=r"^packing.shard: _Flat has no decoder layers to shard"):
+    with pytest.raises(ConfigError, match=r"^pack.shard: _Flat has no decoder layers to shard"):
         decoder_body(bare)
 
 
@@ -156,7 +156,7 @@ def test_a_body_module_run_past_the_body_is_refused_in_one_line(tiny_dirs, tmp_p
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
     try:
         shard_base(pm)
-        with pytest.raises(ConfigError, match=r"^packing.shard: opt \(OPTForCausalLM\) runs "
+        with pytest.raises(ConfigError, match=r"^pack.shard: opt \(OPTForCausalLM\) runs "
                                               r"model.decoder.embed_positions outside the forward of its decoder "
                                               r"body \(model.decoder\), so FSDP never gathers its weights$"):
             pm.model.model.decoder.embed_positions(MASK, 0)

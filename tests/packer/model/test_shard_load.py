@@ -40,7 +40,7 @@ def test_nf4_loads_whole_and_says_why(tiny_dirs, group_of_one) -> None:
     said: list[str] = []
     loaded = load_sharded(str(tiny_dirs("llama")), dtype="float32", device="cpu", quantize="nf4", log=said.append)
     assert loaded.stats is None and len(said) == 1
-    assert said[0] == ("packing.shard: each rank loads the whole base, then shards it: model.quantize: nf4 "
+    assert said[0] == ("pack.shard: each rank loads the whole base, then shards it: model.quantize: nf4 "
                        "quantises the whole weights as they load")
 
 

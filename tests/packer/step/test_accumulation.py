@@ -16,7 +16,7 @@ from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.step.train import SlotJob, train
 from tests.conftest import Recorder, random_examples
-from tests.packer.step.test_equivalence import _initial_a, _run_peft
+from tests.helpers import initial_a, run_peft
 
 PAD = 0
 STEPS = 6
@@ -64,8 +64,8 @@ def test_micro_2_by_accumulation_4_equals_one_batch_of_8(tiny_dirs) -> None:
     # one report per optimizer step, after every 4th micro-batch
     assert [(s, k) for s, k, _ in steps[0]] == [(4 * i + 3, i + 1) for i in range(STEPS)]
     one_batch = replace(ACC, micro_batch=8, gradient_accumulation_steps=1)
-    ref_losses, ref_weights = _run_peft(model_dir, one_batch, _stream(ACC, 100, micro=8),
-                                        _initial_a(model_dir, one_batch))
+    ref_losses, ref_weights, _ = run_peft(model_dir, one_batch, _stream(ACC, 100, micro=8),
+                                          initial_a(model_dir, one_batch))
     _assert_same(losses, final, 0, ref_losses, ref_weights)
 
 
@@ -89,8 +89,8 @@ def test_heterogeneous_accumulation_in_one_pack(tiny_dirs) -> None:
     assert [s for s, _, _ in steps[0]] == list(range(10))
     for i, sp in enumerate(specs):
         one = replace(sp, micro_batch=sp.micro_batch * sp.gradient_accumulation_steps, gradient_accumulation_steps=1)
-        ref = _run_peft(model_dir, one, _stream(sp, 200 + i, micro=one.micro_batch), _initial_a(model_dir, one))
-        _assert_same(losses, final, i, *ref)
+        ref = run_peft(model_dir, one, _stream(sp, 200 + i, micro=one.micro_batch), initial_a(model_dir, one))
+        _assert_same(losses, final, i, ref.losses, ref.weights)
 
 
 def test_reported_tokens_are_the_whole_steps_target_tokens(tiny_dirs) -> None:

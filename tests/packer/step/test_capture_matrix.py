@@ -136,10 +136,8 @@ def test_a_failed_capture_is_one_warning_naming_the_configuration_and_the_cause(
 
     monkeypatch.setattr(loop, "capture", failing_capture)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
-    real_graphs = loop.Graphs
-    monkeypatch.setattr(loop, "Graphs", lambda enabled: real_graphs(enabled=True))
     with pytest.warns(UserWarning, match="CUDA graph capture failed") as caught:
-        result = _train_cpu(llama)
+        result = _train_cpu(llama, graphs=loop.Graphs(enabled=True))  # graphs on, on the CPU
     assert result.step == "eager" and result.graphs == 0
     assert result.fallback is not None
     assert result.fallback.startswith("LlamaForCausalLM (sdpa attention, base ops eager, ")
@@ -150,7 +148,7 @@ def test_a_failed_capture_is_one_warning_naming_the_configuration_and_the_cause(
         f"CUDA graph capture failed, training eagerly: {result.fallback}"]
 
 
-def _train_cpu(model_dir: Path) -> TrainResult:
+def _train_cpu(model_dir: Path, **options: object) -> TrainResult:
     """``_train`` on the CPU in fp32 with the torch ops (no interpreter: only the fallback is under test)."""
     model, _ = load_base(str(model_dir), attn_implementation="sdpa", device="cpu")
     pm = PackedModel(model, impl="torch")
@@ -158,4 +156,5 @@ def _train_cpu(model_dir: Path) -> TrainResult:
     spec = AdapterSpec(rank=4, alpha=8, lr=1e-3, micro_batch=2, targets=TARGETS, max_steps=2, seed=0,
                        gradient_accumulation_steps=2)
     jobs = [SlotJob(spec, SlotStream(examples, 2, 0), key=0)]
-    return train(pm, 1, lambda slot: jobs.pop(0) if jobs else None, pad_id=0, chunked_ce=True)
+    return train(pm, 1, lambda slot: jobs.pop(0) if jobs else None, pad_id=0, chunked_ce=True,
+                 **options)  # type: ignore[arg-type]

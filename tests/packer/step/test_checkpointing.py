@@ -39,10 +39,10 @@ def _train(model_dir, family: str, **options):
     def count(module, args, out) -> None:
         calls[0] += 1
 
-    pm.add_slot(99, AdapterSpec(rank=1, targets=TARGETS[family]))  # wrap the projections, to hook them
-    pm.remove_slot(99)
-    for layer in pm.layers.values():
-        layer.register_forward_hook(count)
+    pm.add_slot(0, AdapterSpec(rank=1, targets=TARGETS[family]))  # wrap the projections, to hook the targeted ones
+    for path in pm.slot_paths[0]:
+        pm.layers[path].register_forward_hook(count)
+    pm.remove_slot(0)
     train(pm, 2, lambda slot: queue.pop(0) if queue else None, pad_id=PAD, on_step=rec.on_step, on_end=rec.on_end,
           **options)
     return rec.losses, rec.final, calls[0]

@@ -13,7 +13,7 @@ import torch
 from lora_sweep.errors import ConfigError
 from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec
-from tests.packer.step import test_equivalence as eq
+from tests import helpers as eq
 
 MIXED = {
     "llama": [replace(eq.LLAMA_SPECS[0], dora=True), eq.LLAMA_SPECS[2],
@@ -26,8 +26,8 @@ MIXED = {
 def test_dora_slots_in_a_mixed_pack_equal_peft(tiny_dirs, family: str) -> None:
     model_dir = tiny_dirs(family)
     with eq.default_dtype(torch.float64):
-        losses, final = eq._run_packed(model_dir, eq._jobs(MIXED[family]), capacity=3)
-        for job in eq._jobs(MIXED[family]):
+        losses, final = eq.run_packed(model_dir, eq.slot_jobs(MIXED[family]), capacity=3)
+        for job in eq.slot_jobs(MIXED[family]):
             eq.assert_trained_as_peft(model_dir, job, losses, final)
 
 
@@ -45,7 +45,7 @@ def test_a_dora_slot_moved_to_a_larger_bucket_trains_on_as_alone(tiny_dirs) -> N
     wide = replace(eq.LLAMA_SPECS[2], rank=32, alpha=32, targets=("q_proj", "o_proj"), max_steps=4)
     model_dir = tiny_dirs("llama")
     with eq.default_dtype(torch.float64):
-        moved, _ = eq._run_packed(model_dir, eq._jobs([dora, short, wide]), capacity=2)
+        moved, _ = eq.run_packed(model_dir, eq.slot_jobs([dora, short, wide]), capacity=2)
         assert len(moved[2]) == 4
-        alone, _ = eq._run_packed(model_dir, eq._jobs([dora]), capacity=1)
+        alone, _ = eq.run_packed(model_dir, eq.slot_jobs([dora]), capacity=1)
     torch.testing.assert_close(torch.tensor(moved[0]), torch.tensor(alone[0]), rtol=1e-6, atol=0)

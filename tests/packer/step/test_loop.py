@@ -12,17 +12,17 @@ from lora_sweep.packer.model.store import SlotStore
 from lora_sweep.packer.step import loop
 from lora_sweep.packer.step.train import train
 from tests.conftest import Recorder
-from tests.packer.step.test_equivalence import LLAMA_SPECS, PAD, _jobs, _run_packed
+from tests.helpers import LLAMA_SPECS, PAD, run_packed, slot_jobs
 
 FIELDS = ("step", "slot", "key", "slot_step", "tokens", "input_tokens")
 
 
-def _train(model_dir, jobs, capacity, **kw):  # noqa: ANN001, ANN003, ANN202
+def _train(model_dir, jobs, capacity, on_step_extra: list | None = None, **kw):  # noqa: ANN001, ANN003, ANN202
     model, _ = load_base(str(model_dir), attn_implementation="eager")
     pm = PackedModel(model, impl="torch")
     queue = list(jobs)
     rec = Recorder(pm)
-    reports, calls = [], []
+    reports, calls = on_step_extra if on_step_extra is not None else [], []
 
     def on_step(reps) -> None:  # noqa: ANN001
         calls.append(reps[0].step)
@@ -38,8 +38,8 @@ def test_ring_buffer_reports_equal_reading_every_step(tiny_dirs) -> None:
     """Every per-step report (loss, counts, lr, grad norm), read back every 8 steps, equals the one read back
     after every step."""
     specs = [replace(s, max_steps=11 + i) for i, s in enumerate(LLAMA_SPECS[:3])]
-    _, eager, _, _ = _train(tiny_dirs("llama"), _jobs(specs), 3, readback_every=1)
-    _, ring, result, _ = _train(tiny_dirs("llama"), _jobs(specs), 3, readback_every=8)
+    _, eager, _, _ = _train(tiny_dirs("llama"), slot_jobs(specs), 3, readback_every=1)
+    _, ring, result, _ = _train(tiny_dirs("llama"), slot_jobs(specs), 3, readback_every=8)
     assert len(ring) == len(eager) == sum(s.max_steps for s in specs)
     for a, b in zip(eager, ring, strict=True):
         assert [getattr(a, f) for f in FIELDS] == [getattr(b, f) for f in FIELDS]
@@ -61,7 +61,7 @@ def test_reports_arrive_in_batches_at_readback_points(tiny_dirs, monkeypatch: py
 
     monkeypatch.setattr(loop, "flush", counting)
     specs = [replace(LLAMA_SPECS[0], max_steps=13), replace(LLAMA_SPECS[2], max_steps=20)]
-    _, reports, _, _ = _train(tiny_dirs("llama"), _jobs(specs), 2, readback_every=8)
+    _, reports, _, _ = _train(tiny_dirs("llama"), slot_jobs(specs), 2, readback_every=8)
     assert reads == [7, 12, 19]  # steps 0-7, then 8-12 (slot 0 ends at 13 steps), then 13-19
     assert [r.step for r in reports if r.slot == 1] == list(range(20))
 
@@ -79,11 +79,11 @@ def test_refill_without_new_buffers_trains_as_a_fresh_run(tiny_dirs, monkeypatch
     monkeypatch.setattr(SlotStore, "shape_buffers", counting)
     short = replace(LLAMA_SPECS[1], max_steps=5, micro_batch=3)
     late = replace(LLAMA_SPECS[2], dropout=0.2, max_steps=12)
-    jobs = _jobs([short, LLAMA_SPECS[3], late])
+    jobs = slot_jobs([short, LLAMA_SPECS[3], late])
     rec, reports, _, _ = _train(tiny_dirs("llama"), jobs, 2, rank_bucket=16)
     assert next(r for r in reports if r.key == 2).step == 5 and next(r for r in reports if r.key == 2).slot == 0
     assert len({(r, s) for r, s in built}) == len(built)  # each step shape built once, never for a refill
-    fresh_losses, fresh_final = _run_packed(tiny_dirs("llama"), [_jobs([short, LLAMA_SPECS[3], late])[2]], 1)
+    fresh_losses, fresh_final = run_packed(tiny_dirs("llama"), [slot_jobs([short, LLAMA_SPECS[3], late])[2]], 1)
     torch.testing.assert_close(torch.tensor(rec.losses[2]), torch.tensor(fresh_losses[2]), rtol=1e-5, atol=0)
     for path, (a, b) in rec.final[2].items():
         torch.testing.assert_close(a, fresh_final[2][path][0], rtol=0, atol=1e-5)
@@ -113,14 +113,14 @@ def test_padding_rows_stay_zero_and_larger_ranks_move_the_pack(tiny_dirs) -> Non
 
     model, _ = load_base(str(tiny_dirs("llama")), attn_implementation="eager")
     pm = PackedModel(model, impl="torch")
-    jobs = _jobs([replace(LLAMA_SPECS[1], max_steps=3), small, big])
+    jobs = slot_jobs([replace(LLAMA_SPECS[1], max_steps=3), small, big])
     rec = Recorder(pm)
     rec.snapshot = snapshot(pm)
     train(pm, 2, lambda slot: jobs.pop(0) if jobs else None, pad_id=PAD, on_step=rec.on_step, on_end=rec.on_end,
           readback_every=2)
     assert seen == {0: 32, 1: 32}
     for i, spec in ((1, small), (2, big)):
-        alone_losses, alone_final = _run_packed(tiny_dirs("llama"), [_jobs([LLAMA_SPECS[1], small, big])[i]], 1)
+        alone_losses, alone_final = run_packed(tiny_dirs("llama"), [slot_jobs([LLAMA_SPECS[1], small, big])[i]], 1)
         torch.testing.assert_close(torch.tensor(rec.losses[i]), torch.tensor(alone_losses[i]), rtol=1e-5, atol=0)
         for path, (a, b) in rec.final[i].items():
             torch.testing.assert_close(a, alone_final[i][path][0], rtol=0, atol=1e-5)
@@ -135,7 +135,7 @@ def test_should_stop_latency(tiny_dirs) -> None:
 
     def run(sync_steps):  # noqa: ANN001, ANN202
         model, _ = load_base(str(tiny_dirs("llama")), attn_implementation="eager")
-        jobs = _jobs(specs)
+        jobs = slot_jobs(specs)
         return train(PackedModel(model, impl="torch"), 2, lambda slot: jobs.pop(0) if jobs else None, pad_id=PAD,
                      should_stop=lambda r: r.key == 0 and r.slot_step == 4, readback_every=8,
                      sync_steps=sync_steps)
@@ -164,3 +164,27 @@ def test_operand_copy_follows_the_weights_into_every_forward(tiny_dirs, monkeypa
         with store.stepping(shape, False):
             assert torch.equal(store.a_op[path], store.a[path].detach().to(torch.bfloat16))
             assert torch.equal(store.bt_op[path], store.bt[path].detach().to(torch.bfloat16))
+
+
+def test_a_profiler_marks_every_step_after_its_reports(tiny_dirs) -> None:
+    """``profiler``: ``step()`` once per global step, after that step's reports (torch's profiler, scheduled over
+    the pack's steps: its step ranges are the loop's)."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    marks: list[int] = []
+    reported: list[int] = []
+
+    class Counting:
+        def step(self) -> None:
+            marks.append(len(reported))
+
+    specs = [replace(LLAMA_SPECS[0], max_steps=5), replace(LLAMA_SPECS[2], max_steps=3)]
+    jobs = slot_jobs(specs)
+    *_, result, _ = _train(tiny_dirs("llama"), jobs, 2, readback_every=1, profiler=Counting(),
+                           on_step_extra=reported)
+    assert marks == [2, 4, 6, 7, 8] and result.steps == 5  # each step's reports (2 slots, then 1) before its mark
+    with profile(activities=[ProfilerActivity.CPU],
+                 schedule=schedule(wait=1, warmup=1, active=2, repeat=1)) as prof:
+        _train(tiny_dirs("llama"), slot_jobs(specs), 2, profiler=prof)
+    # wait and warm-up take the loop's steps 0 and 1: the profiler records steps 2 and 3
+    assert sum(e.name.startswith("ProfilerStep") for e in prof.events()) == 2

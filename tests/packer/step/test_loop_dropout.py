@@ -27,7 +27,7 @@ from tests.conftest import Recorder, need_triton
 need_triton()  # before anything imports the Triton kernel modules
 
 from lora_sweep.kernels.triton_dropout import dropout_mask  # noqa: E402
-from tests.packer.step.test_equivalence import PAD, _jobs  # noqa: E402
+from tests.helpers import PAD, slot_jobs  # noqa: E402
 
 SPECS = [  # three slots; the first ends after 2 steps and the fourth job refills its slot for the last step
     AdapterSpec(rank=2, alpha=4, lr=1e-2, micro_batch=2, targets=("q_proj", "v_proj"), max_steps=2, seed=11),
@@ -85,7 +85,7 @@ def _train(model_dir, impl: str, device: str, monkeypatch: pytest.MonkeyPatch): 
     masks = KernelMasks(pm) if impl == "torch" else None
     if masks is not None:
         monkeypatch.setattr(slot_store, "dropout_keep_mask", masks)
-    jobs, rec = _jobs(SPECS), Recorder(pm)
+    jobs, rec = slot_jobs(SPECS), Recorder(pm)
     result = train(pm, 3, lambda slot: jobs.pop(0) if jobs else None, pad_id=PAD, on_step=rec.on_step,
                    on_end=rec.on_end)
     return rec, masks, result

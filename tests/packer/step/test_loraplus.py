@@ -8,13 +8,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tests.packer.step.test_equivalence import (
+from tests.helpers import (
     GPT2_SPECS,
     LLAMA_SPECS,
-    _jobs,
-    _run_packed,
     assert_trained_as_peft,
     default_dtype,
+    run_packed,
+    slot_jobs,
 )
 
 MIXED = {
@@ -31,16 +31,16 @@ MIXED = {
 def test_loraplus_slots_in_a_mixed_pack_equal_peft_loraplus(tiny_dirs, family: str) -> None:
     model_dir = tiny_dirs(family)
     with default_dtype(torch.float64):  # fp64: a wrong B learning rate is far outside the tolerances
-        losses, final = _run_packed(model_dir, _jobs(MIXED[family]), capacity=3)
-        for job in _jobs(MIXED[family]):
+        losses, final = run_packed(model_dir, slot_jobs(MIXED[family]), capacity=3)
+        for job in slot_jobs(MIXED[family]):
             assert_trained_as_peft(model_dir, job, losses, final)
 
 
 def test_the_ratio_changes_training(tiny_dirs) -> None:
     """The oracle's check has teeth: the same slot without its ratio ends elsewhere."""
     spec = MIXED["llama"][0]
-    with_ratio = _run_packed(tiny_dirs("llama"), _jobs([spec]), capacity=1)[1][0]
-    plain = _run_packed(tiny_dirs("llama"), _jobs([replace(spec, lr_ratio=1.0)]), capacity=1)[1][0]
+    with_ratio = run_packed(tiny_dirs("llama"), slot_jobs([spec]), capacity=1)[1][0]
+    plain = run_packed(tiny_dirs("llama"), slot_jobs([replace(spec, lr_ratio=1.0)]), capacity=1)[1][0]
     for path, (_, b) in with_ratio.items():
         assert (b - plain[path][1]).abs().max() > 1e-3, path
 
@@ -58,7 +58,7 @@ def test_loraplus_on_the_triton_adamw_equals_the_torch_step_on_cuda(tiny_dirs) -
     for impl, graphs in (("triton", "auto"), ("torch", "off")):
         model, _ = load_base(str(tiny_dirs("llama")), attn_implementation="sdpa", device="cuda", dtype="float32")
         pm = PackedModel(model, impl=impl)
-        queue = _jobs(MIXED["llama"])
+        queue = slot_jobs(MIXED["llama"])
         rec = Recorder(pm)
         train(pm, 3, lambda slot, q=queue: q.pop(0) if q else None, pad_id=0, on_step=rec.on_step,
               on_end=rec.on_end, cuda_graphs=graphs)

@@ -16,7 +16,7 @@ from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.step.train import SlotJob, train
 from tests.conftest import Recorder, random_examples
-from tests.packer.step.test_equivalence import assert_trained_as_peft
+from tests.helpers import assert_trained_as_peft
 
 PAD = 0
 STEPS = 6
@@ -31,7 +31,7 @@ SPECS = [  # heterogeneous: ranks, lrs, schedules, weight decay, micro-batches, 
 ]
 
 
-def _jobs(specs: list[AdapterSpec]) -> list[SlotJob]:
+def slot_jobs(specs: list[AdapterSpec]) -> list[SlotJob]:
     return [SlotJob(spec, SlotStream(random_examples(40, seed=100 + i), spec.micro_batch, seed=spec.seed), key=i)
             for i, spec in enumerate(specs)]
 
@@ -55,10 +55,10 @@ def _run(model_dir, jobs: list[SlotJob], capacity: int, in_backward: bool):  # n
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_optimizer_in_backward_equals_the_whole_gradient_step_and_says_so(tiny_dirs, family: str) -> None:
     specs = SPECS if family == "llama" else [replace(s, targets=("all-linear",)) for s in SPECS[:2]]
-    ref = _run(tiny_dirs(family), _jobs(specs), len(specs), False)
+    ref = _run(tiny_dirs(family), slot_jobs(specs), len(specs), False)
     with pytest.warns(UserWarning, match="optimizer_in_backward: the training step keeps its preallocated fp32 "
                                          "gradient buffer") as caught:
-        ours = _run(tiny_dirs(family), _jobs(specs), len(specs), True)
+        ours = _run(tiny_dirs(family), slot_jobs(specs), len(specs), True)
     assert len([w for w in caught if "optimizer_in_backward" in str(w.message)]) == 1
     for key in range(len(specs)):
         assert len(ours[0][key]) >= STEPS
@@ -70,17 +70,17 @@ def test_optimizer_in_backward_equals_the_whole_gradient_step_and_says_so(tiny_d
 
 
 def test_optimizer_in_backward_equals_peft(tiny_dirs) -> None:
-    job = _jobs([replace(SPECS[1], dropout=0.0)])[0]
+    job = slot_jobs([replace(SPECS[1], dropout=0.0)])[0]
     with pytest.warns(UserWarning, match="optimizer_in_backward"):
         losses, final, _ = _run(tiny_dirs("llama"), [job], 1, True)
-    assert_trained_as_peft(tiny_dirs("llama"), _jobs([replace(SPECS[1], dropout=0.0)])[0], losses, final,
+    assert_trained_as_peft(tiny_dirs("llama"), slot_jobs([replace(SPECS[1], dropout=0.0)])[0], losses, final,
                            min_steps=STEPS)
 
 
 @pytest.mark.parametrize(("change", "key"), [({"max_grad_norm": 1.0}, "max_grad_norm"),
                                              ({"gradient_accumulation_steps": 2}, "gradient_accumulation_steps")])
 def test_clipping_and_accumulation_are_refused(tiny_dirs, change: dict, key: str) -> None:
-    job = _jobs([replace(SPECS[0], **change)])[0]
+    job = slot_jobs([replace(SPECS[0], **change)])[0]
     with pytest.raises(ConfigError, match=f"^optimizer_in_backward: needs {key}: "), pytest.warns(UserWarning):
         _run(tiny_dirs("llama"), [job], 1, True)
 

@@ -9,12 +9,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tests.packer.step.test_equivalence import (
+from tests.helpers import (
     GPT2_SPECS,
     LLAMA_SPECS,
-    _jobs,
-    _run_packed,
     assert_trained_as_peft,
+    run_packed,
+    slot_jobs,
 )
 
 MIXED = {
@@ -29,14 +29,14 @@ MIXED = {
 def test_principal_slots_in_a_mixed_pack_equal_peft(tiny_dirs, family: str) -> None:
     """fp32: PEFT refuses to initialise PiSSA on an fp64 base (``pissa_init``: float32, float16 or bfloat16)."""
     model_dir = tiny_dirs(family)
-    losses, final = _run_packed(model_dir, _jobs(MIXED[family]), capacity=3)
-    for job in _jobs(MIXED[family]):
+    losses, final = run_packed(model_dir, slot_jobs(MIXED[family]), capacity=3)
+    for job in slot_jobs(MIXED[family]):
         assert_trained_as_peft(model_dir, job, losses, final)
 
 
 def test_loop_oracle_agrees_with_the_torch_step(tiny_dirs) -> None:
-    dense = _run_packed(tiny_dirs("llama"), _jobs(MIXED["llama"]), capacity=3, impl="torch")
-    loop = _run_packed(tiny_dirs("llama"), _jobs(MIXED["llama"]), capacity=3, impl="loop")
+    dense = run_packed(tiny_dirs("llama"), slot_jobs(MIXED["llama"]), capacity=3, impl="torch")
+    loop = run_packed(tiny_dirs("llama"), slot_jobs(MIXED["llama"]), capacity=3, impl="loop")
     for key in dense[0]:
         torch.testing.assert_close(torch.tensor(dense[0][key]), torch.tensor(loop[0][key]), rtol=1e-5, atol=0)
 

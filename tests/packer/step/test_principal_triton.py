@@ -16,7 +16,7 @@ need_triton()  # before anything imports the Triton kernel modules
 from lora_sweep.packer.model.packed import PackedModel, load_base  # noqa: E402
 from lora_sweep.packer.step.train import train  # noqa: E402
 from lora_sweep.packer.tiny.models import build_tiny_model  # noqa: E402
-from tests.packer.step.test_equivalence import LLAMA_SPECS, _jobs  # noqa: E402
+from tests.helpers import LLAMA_SPECS, slot_jobs  # noqa: E402
 
 TRITON_SPECS = [  # the Triton kernels read a principal slot's 2r rows (its segment rank); the optimizer its first r
     replace(LLAMA_SPECS[0], init="pissa", targets=("q_proj", "down_proj"), max_steps=3),
@@ -38,7 +38,7 @@ def test_triton_step_trains_principal_slots_as_the_torch_step(tmp_path_factory, 
         model, _ = load_base(str(model_dir), attn_implementation="sdpa" if device == "cuda" else "eager",
                              device=device)
         pm = PackedModel(model, impl=impl, fused_base_ops=False)  # type: ignore[arg-type]
-        queue, rec = _jobs(TRITON_SPECS), Recorder(pm)
+        queue, rec = slot_jobs(TRITON_SPECS), Recorder(pm)
         train(pm, 3, lambda slot, q=queue: q.pop(0) if q else None, pad_id=0, on_step=rec.on_step,
               on_end=rec.on_end)
         runs[impl] = rec

@@ -275,6 +275,14 @@ def test_packs_round_trip(store: ResultsStore) -> None:
         store.finish_pack(99)
 
 
+def test_a_packs_step_written_under_its_older_word_reads_back_in_the_current_one(store: ResultsStore) -> None:
+    eager, graph = store.start_pack(slots=2, started=1.0), store.start_pack(slots=2, started=2.0)
+    store.finish_pack(graph, finished=3.0, step="cuda-graph")
+    with sqlite3.connect(store.path) as db:  # the row as an older version wrote it: the eager step's old name
+        db.execute("UPDATE packs SET step = 'static-eager', status = 'finished' WHERE pack_id = ?", [eager])
+    assert [p.step for p in store.packs()] == ["eager", "cuda-graph"]
+
+
 def test_running_pack_is_visible(store: ResultsStore) -> None:
     store.start_pack(slots=2, started=1.0)
     (p,) = store.packs()
@@ -417,6 +425,6 @@ def test_a_schema_1_file_gains_the_pack_step_column(tmp_path: Path) -> None:
     conn.close()
     with ResultsStore(path) as s:
         assert s.packs()[0].step is None
-        s.finish_pack(pack, steps=3, step="static-eager")
-        assert s.packs()[0].step == "static-eager"
+        s.finish_pack(pack, steps=3, step="eager")
+        assert s.packs()[0].step == "eager"
     assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == store_module.SCHEMA_VERSION

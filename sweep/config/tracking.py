@@ -1,0 +1,117 @@
+"""``trackers:``: the experiment trackers a study logs to (MLflow, Weights & Biases, TensorBoard), and how an
+Axolotl config's ``wandb_*`` / ``mlflow_*`` keys and torchtune's ``metric_logger`` name them.
+
+A tracker is one entry of the list: a bare name takes the defaults, a mapping names it and sets its options
+(``{name: wandb, mode: online, project: p}``). The defaults keep everything in the study directory and offline;
+what each tracker receives is ``sweep.trackers``' business. A tracker whose package is not installed is refused
+here, at load, with the extra that installs it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from lora_sweep.errors import ConfigError
+from lora_sweep.sweep.config._params import _check
+
+__all__ = ["TrackerSpec", "TRACKERS", "axolotl_trackers", "torchtune_trackers"]
+
+TRACKERS: dict[str, dict[str, str]] = {
+    "mlflow": {"tracking_uri": "str", "experiment": "str"},
+    "wandb": {"project": "str", "entity": "str", "mode": "str", "name": "str"},
+    "tensorboard": {"log_dir": "str"},
+}
+"""Tracker name -> its options and their types (every option may be left out)."""
+_MODULE = {"mlflow": "mlflow", "wandb": "wandb", "tensorboard": "tensorboard"}
+"""The package each tracker imports; its extra has the tracker's name."""
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+@dataclass(frozen=True)
+class TrackerSpec:
+    """One experiment tracker the study's trials are logged to."""
+
+    name: str
+    """``mlflow``, ``wandb`` or ``tensorboard``."""
+    options: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    """The tracker's options, written beside ``name`` in its entry (not under an ``options:`` key). ``mlflow``:
+    ``tracking_uri`` (default: ``sqlite:///<study dir>/mlflow.db``, artifacts in
+    ``<study dir>/mlruns``; any URI MLflow takes, a server's included), ``experiment`` (default: the study's
+    name). ``wandb``: ``mode`` (``offline``, the default, writing under ``<study dir>/wandb``; ``online`` needs a
+    ``project``), ``project`` (default: ``lora-sweep``), ``entity``, ``name`` (the study run's name; default: the
+    study's). ``tensorboard``: ``log_dir`` (default: ``<study dir>/tensorboard``). A relative path or file URI is
+    taken from the working directory."""
+
+    def __post_init__(self) -> None:
+        _check(self.name in TRACKERS, "name", f"must be one of {', '.join(TRACKERS)}", self.name)
+        _check(isinstance(self.options, Mapping), "options", "must be a mapping", self.options)
+        known = TRACKERS[self.name]
+        for key, value in self.options.items():
+            _check(key in known, key, f"is not an option of {self.name} (its options: {', '.join(known)})", key)
+            _check(isinstance(value, str) and value.strip() != "", key, "must be a non-empty string", value)
+        if self.name == "wandb":
+            mode = self.options.get("mode", "offline")
+            _check(mode in WANDB_MODES, "mode", f"must be one of {', '.join(WANDB_MODES)}", mode)
+            _check(mode != "online" or "project" in self.options, "mode",
+                   "online needs a project (wandb_project in an Axolotl config)", mode)
+        if importlib.util.find_spec(_MODULE[self.name]) is None:
+            raise ConfigError(f"name: {self.name} is not installed: pip install 'lora-sweep[{self.name}]' "
+                              f"(got {self.name!r})")
+
+
+_AXOLOTL = {"wandb_project": ("wandb", "project"), "wandb_entity": ("wandb", "entity"),
+            "wandb_mode": ("wandb", "mode"), "wandb_name": ("wandb", "name"),
+            "mlflow_tracking_uri": ("mlflow", "tracking_uri"), "mlflow_experiment_name": ("mlflow", "experiment")}
+"""Axolotl's tracker keys -> (tracker, option); ``use_mlflow`` and ``use_wandb`` name a tracker alone."""
+
+
+def axolotl_trackers(data: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
+    """(``trackers:`` entries, the keys they used) of an Axolotl config: W&B when ``wandb_project`` or
+    ``use_wandb`` is set (as Axolotl decides), MLflow when ``use_mlflow`` or ``mlflow_tracking_uri`` is set. A
+    ``wandb_mode: disabled`` turns W&B off; the other ``wandb_*`` / ``mlflow_*`` keys are left to be named as
+    ignored."""
+    options: dict[str, dict[str, Any]] = {"wandb": {}, "mlflow": {}}
+    used = []
+    for key, (tracker, option) in _AXOLOTL.items():
+        if data.get(key) not in (None, ""):
+            options[tracker][option] = str(data[key])
+            used.append(key)
+    on = {"wandb": bool(data.get("use_wandb")) or "project" in options["wandb"],
+          "mlflow": bool(data.get("use_mlflow")) or "tracking_uri" in options["mlflow"]}
+    used += [k for k in ("use_wandb", "use_mlflow") if k in data]
+    if options["wandb"].get("mode") == "disabled":
+        on["wandb"] = False
+    return [{"name": t, **options[t]} for t in ("mlflow", "wandb") if on[t]], used
+
+
+_TT_LOGGERS = {"WandBLogger": "wandb", "MLFlowLogger": "mlflow", "TensorBoardLogger": "tensorboard"}
+_TT_OPTIONS = {"wandb": {"project": "project", "entity": "entity", "mode": "mode", "name": "name"},
+               "mlflow": {"tracking_uri": "tracking_uri", "experiment_name": "experiment"},
+               "tensorboard": {"log_dir": "log_dir"}}
+"""torchtune's logger arguments (``torchtune/training/metric_logging.py``) -> our option names; ``log_dir`` of
+W&B and ``run_id`` of MLflow say where torchtune's own run went and are ignored."""
+
+
+def torchtune_trackers(value: Any) -> tuple[list[dict[str, Any]], list[str]]:
+    """(``trackers:`` entries, the ``metric_logger`` keys ignored) of torchtune's ``metric_logger``: its W&B,
+    MLflow and TensorBoard loggers map onto ours; the disk and stdout loggers log nothing here (the study's
+    results.db holds what they would)."""
+    if not isinstance(value, Mapping):
+        return [], ["metric_logger"]
+    component = str(value.get("_component_", "")).rsplit(".", 1)[-1]
+    name = _TT_LOGGERS.get(component)
+    if name is None:
+        return [], ["metric_logger"]
+    entry: dict[str, Any] = {"name": name}
+    ignored = []
+    for key, v in value.items():
+        if key == "_component_" or v in (None, ""):
+            continue
+        if key in _TT_OPTIONS[name]:
+            entry[_TT_OPTIONS[name][key]] = str(v)
+        else:
+            ignored.append(f"metric_logger.{key}")
+    return [entry], ignored

@@ -1,0 +1,134 @@
+"""MLflow: the study a parent run, each trial a nested child run (tag ``mlflow.parentRunId``), through
+``mlflow.MlflowClient`` alone (no active-run globals: the trackers' thread owns every run).
+
+Default store: ``sqlite:///<study dir>/mlflow.db`` with the artifacts in ``<study dir>/mlruns``. (MLflow 3 refuses
+a plain ``./mlruns`` file store unless ``MLFLOW_ALLOW_FILE_STORE`` is set: its file backend is in maintenance
+mode; a SQLite file is MLflow's own local default.) ``mlflow ui --backend-store-uri sqlite:///<study dir>/mlflow.db``
+shows the sweep; any ``tracking_uri`` (a server's included) works the same way.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import logging
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param, RunTag
+
+from lora_sweep.sweep.store import TrialRecord
+from lora_sweep.sweep.trackers.base import Point, StudyInfo, flat_params, run_name, trial_tags
+
+__all__ = ["MlflowTracker", "default_uri"]
+
+_STATUS = {"COMPLETE": "FINISHED", "PRUNED": "KILLED", "FAIL": "FAILED"}
+"""Optuna's end states as MLflow run statuses (a pruned trial was stopped on purpose: KILLED); the state itself
+is the ``lora_sweep.state`` tag."""
+_BATCH = 1000
+"""MLflow's ``log_batch`` takes at most 1000 metrics, 100 params and 100 tags per call."""
+
+
+# the store's first open creates its tables and says so at INFO on stderr, in the middle of the run's own lines
+logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
+logging.getLogger("alembic").setLevel(logging.WARNING)
+
+
+def default_uri(root: Path) -> str:
+    """The tracking URI of a study directory's own MLflow store."""
+    return f"sqlite:///{(root / 'mlflow.db').resolve()}"
+
+
+class MlflowTracker:
+    """The ``mlflow`` tracker (``sweep.trackers.base.Tracker``)."""
+
+    name = "mlflow"
+
+    def __init__(self, options: Mapping[str, Any], root: Path, study: str) -> None:
+        self.root = root
+        self.client = MlflowClient(tracking_uri=options.get("tracking_uri") or default_uri(root))
+        self.experiment = options.get("experiment") or study
+        self.parent: str | None = None
+        self.runs: dict[int, str] = {}
+
+    def _experiment_id(self) -> str:
+        found = self.client.get_experiment_by_name(self.experiment)
+        if found is not None:
+            return found.experiment_id
+        location = (self.root / "mlruns").resolve().as_uri() if self.client.tracking_uri.startswith("sqlite:") else None
+        return self.client.create_experiment(self.experiment, artifact_location=location)
+
+    def study_started(self, study: StudyInfo, run_id: str | None) -> str:
+        if run_id is not None:
+            self.client.update_run(run_id, status="RUNNING")
+            self.parent = run_id
+            return run_id
+        run = self.client.create_run(self._experiment_id(), run_name=study.name,
+                                     tags={**study.tags, "lora_sweep.kind": "study"})
+        self.parent = run.info.run_id
+        self._batch(self.parent, params=flat_params(study.spec))
+        return self.parent
+
+    def trial_started(self, trial: TrialRecord, run_id: str | None, logged: int) -> tuple[str, int]:
+        if run_id is not None:  # reopened: what it holds is what MLflow says, not the cursor
+            self.client.update_run(run_id, status="RUNNING")
+            self.runs[trial.number] = run_id
+            history = self.client.get_metric_history(run_id, "train/loss")
+            return run_id, max([m.step for m in history], default=-1)
+        assert self.parent is not None
+        tags = {**trial_tags(trial), "lora_sweep.kind": "trial", "mlflow.parentRunId": self.parent}
+        run = self.client.create_run(self.client.get_run(self.parent).info.experiment_id, run_name=run_name(trial),
+                                     tags=tags)
+        self.runs[trial.number] = run.info.run_id
+        self._batch(run.info.run_id, params=flat_params(trial.params))
+        return run.info.run_id, logged
+
+    def log(self, number: int, points: list[Point]) -> None:
+        now = int(time.time() * 1000)
+        metrics = [Metric(k, v, now, p.step) for p in points for k, v in p.values.items()]
+        self._batch(self.runs[number], metrics=metrics)
+
+    def trial_finished(self, trial: TrialRecord, final: Mapping[str, float]) -> None:
+        run = self.runs.pop(trial.number)
+        now, step = int(time.time() * 1000), trial.steps_done or 0
+        values = {**{f"final/{k}": v for k, v in final.items()}, "device_seconds": trial.device_seconds or 0.0,
+                  "steps": float(step), "tokens": float(trial.tokens or 0)}
+        tags = {"lora_sweep.state": trial.state or "", "lora_sweep.reason": trial.reason or ""}
+        self._batch(run, metrics=[Metric(k, float(v), now, step) for k, v in values.items()], tags=tags)
+        self.client.set_terminated(run, _STATUS.get(trial.state or "", "FAILED"))
+
+    def study_finished(self, report: Path | None, pareto: list[dict[str, Any]]) -> None:
+        assert self.parent is not None
+        if report is not None and report.is_file():
+            self.client.log_artifact(self.parent, str(report))
+        if pareto:
+            self.client.log_text(self.parent, _csv(pareto), "pareto.csv")
+
+    def close(self, finished: bool) -> None:
+        for run in self.runs.values():  # trials still training: a resumed run reopens them
+            self.client.set_terminated(run, "KILLED")
+        self.runs.clear()
+        if self.parent is not None:
+            self.client.set_terminated(self.parent, "FINISHED" if finished else "KILLED")
+
+    def _batch(self, run: str, *, metrics: list[Metric] = (), params: Mapping[str, str] = {},  # type: ignore[assignment]
+               tags: Mapping[str, str] = {}) -> None:
+        """``log_batch`` in chunks of MLflow's limits; param values cut to its 6000 characters."""
+        ps = [Param(k, v[:6000]) for k, v in params.items()]
+        ts = [RunTag(k, v) for k, v in tags.items()]
+        for i in range(0, max(len(metrics), 10 * len(ps), 10 * len(ts), 1), _BATCH):  # 100 params, tags a call
+            self.client.log_batch(run, metrics=metrics[i:i + _BATCH], params=ps[i // 10:i // 10 + 100],
+                                  tags=ts[i // 10:i // 10 + 100])
+
+
+def _csv(rows: list[dict[str, Any]]) -> str:
+    """The Pareto table as CSV (its columns: every key of any row, in first-seen order)."""
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    out = io.StringIO()
+    writer = csv.DictWriter(out, columns)
+    writer.writeheader()
+    writer.writerows(rows)
+    return out.getvalue()

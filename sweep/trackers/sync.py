@@ -1,0 +1,217 @@
+"""The trackers' thread: what results.db holds, copied to each tracker, off the training thread.
+
+``start(spec, log)`` starts one daemon thread for the study's ``trackers:``; every ``interval`` seconds it reads
+results.db (read-only, its own connection) and hands each tracker what it has not yet logged: new trials (a child
+run each), their training steps and intermediate metrics, and the end of each finished trial. The training loop
+is not touched: it writes results.db as it always does (steps every few pack steps, rungs and ends at once), so a
+tracker costs it one read every ``interval`` seconds on another thread, whatever the tracker does meanwhile.
+
+What each tracker has logged is kept in ``<study dir>/trackers.json`` (written atomically after each pass): its
+parent run id, and per trial its child run id, the last step logged and whether its end was logged. A resumed
+study reads it back, reopens the same runs and carries on after what they hold (results.db being the source, the
+steps a killed run had stored but not yet logged are logged then). A tracker that raises (server down, disk full,
+an import error) is named in one warning line and dropped for the rest of the run; the sweep goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from lora_sweep.errors import first_line
+from lora_sweep.sweep.config.spec import StudySpec
+from lora_sweep.sweep.config.tracking import TrackerSpec
+from lora_sweep.sweep.store import EvalRow, ResultsStore, StepRow, StudyDir, TrialRecord, atomic_write_text
+from lora_sweep.sweep.store.feasibility import best_trials
+from lora_sweep.sweep.trackers.base import Point, StudyInfo, Tracker
+
+__all__ = ["Tracking", "start", "STATE_FILE"]
+
+STATE_FILE = "trackers.json"
+"""In the study directory: each tracker's run ids and how far it has logged."""
+_ENDED = ("COMPLETE", "PRUNED", "FAIL")
+NICE = 10
+"""The trackers' thread's niceness: below training, which shares the cores."""
+FINISH_S = 60.0
+"""How long the end of a run waits for the trackers' last pass and closing."""
+_STEP_KEYS = (("loss", "train/loss"), ("lr", "train/lr"), ("grad_norm", "train/grad_norm"), ("tokens", "train/tokens"))
+_EVAL_PREFIX = {"rung": "rung/", "curve": "eval/"}
+
+
+def _make(entry: TrackerSpec, root: Path, name: str) -> Tracker:
+    """The tracker of ``entry``, its package imported here (on the trackers' thread)."""
+    if entry.name == "mlflow":
+        from lora_sweep.sweep.trackers._mlflow import MlflowTracker
+
+        return MlflowTracker(entry.options, root, name)
+    if entry.name == "wandb":
+        from lora_sweep.sweep.trackers._wandb import WandbTracker
+
+        return WandbTracker(entry.options, root, name)
+    from lora_sweep.sweep.trackers._tensorboard import TensorBoardTracker
+
+    return TensorBoardTracker(entry.options, root, name)
+
+
+class Tracking:
+    """The thread copying results.db to the trackers; ``finish`` ends it."""
+
+    def __init__(self, spec: StudySpec, log: Callable[[str], None], interval: float = 2.0) -> None:
+        self.spec, self.log, self.interval = spec, log, interval
+        self.sdir = StudyDir(spec.out_dir)
+        self.state_path = self.sdir.root / STATE_FILE
+        self.trackers: dict[str, Tracker] = {}
+        self.failed: set[str] = set()
+        self.state: dict[str, Any] = {}
+        self.store: ResultsStore | None = None
+        self.stop = threading.Event()
+        self.finished = False
+        self.report: Callable[[], Path | None] | None = None
+        self.report_path: Path | None = None
+        self.thread = threading.Thread(target=self._loop, name="sweep-trackers", daemon=True)
+
+    # -- the thread ---------------------------------------------------------------------------
+    def _loop(self) -> None:
+        # niced, this thread and what it spawns (W&B's core process) yield the cores to training (Linux: per thread)
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+        while not self.stop.wait(self.interval):
+            self.sync()
+        self.sync()
+        self._end()
+
+    def sync(self) -> None:
+        """One pass: every tracker is given what results.db holds beyond what it logged."""
+        if self.store is None:
+            if not self.sdir.results_db.is_file():
+                return  # the run has not opened the study yet
+            self.store = ResultsStore(self.sdir.results_db, create=False)
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                self.state = json.loads(self.state_path.read_text(encoding="utf-8"))
+            for mine in self.state.values():  # this process has opened none of them yet
+                for cursor in mine.get("trials", {}).values():
+                    cursor["open"] = False
+        meta = self.store.meta()
+        if "spec" not in meta:
+            return  # the spec is recorded once the session is open
+        trials = self.store.trials()
+        for entry in self.spec.trackers:
+            if entry.name not in self.failed:
+                self._guarded(entry, lambda e=entry: self._pass(e, meta, trials))
+        atomic_write_text(self.state_path, json.dumps(self.state, indent=1, sort_keys=True))
+
+    def _guarded(self, entry: TrackerSpec, fn: Callable[[], None]) -> None:
+        """``fn()``; an exception drops the tracker with one warning line."""
+        try:
+            fn()
+        except Exception as err:  # noqa: BLE001  (any tracker failure costs the tracker, never the sweep)
+            self.failed.add(entry.name)
+            tracker = self.trackers.pop(entry.name, None)
+            self.log(f"warning: tracker {entry.name} stopped ({first_line(err)}); the sweep goes on without it")
+            if tracker is not None:
+                with contextlib.suppress(Exception):
+                    tracker.close(False)
+
+    def _pass(self, entry: TrackerSpec, meta: Mapping[str, Any], trials: list[TrialRecord]) -> None:
+        mine = self.state.setdefault(entry.name, {"trials": {}})
+        tracker = self.trackers.get(entry.name)
+        if tracker is None:
+            tracker = self.trackers[entry.name] = _make(entry, self.sdir.root, self.spec.name)
+            mine["parent"] = tracker.study_started(_info(self.spec.name, self.sdir.root, meta), mine.get("parent"))
+        assert self.store is not None
+        for trial in trials:
+            cursor = mine["trials"].setdefault(str(trial.number), {"run": None, "step": -1, "ended": False})
+            if cursor["ended"] or trial.state not in (*_ENDED, "RUNNING"):
+                continue
+            if not cursor.get("open"):
+                cursor["run"], cursor["step"] = tracker.trial_started(trial, cursor["run"], cursor["step"])
+                cursor["open"] = True
+            ended = trial.state in _ENDED
+            points = _points(self.store.curves([trial.number]).get(trial.number, []),
+                             self.store.evals(trial.number), cursor["step"], ended)
+            if points:
+                tracker.log(trial.number, points)
+                cursor["step"] = points[-1].step
+            if ended:
+                final = {e.metric: e.value for e in self.store.evals(trial.number, "final") if e.value is not None}
+                tracker.trial_finished(trial, final)
+                cursor["ended"], cursor["open"] = True, False
+
+    # -- the caller's side --------------------------------------------------------------------
+    def finish(self, finished: bool, report: Callable[[], Path | None] | None = None) -> Path | None:
+        """End the thread after a last pass; with ``finished`` (the budget ended the run) ``report()`` and the
+        Pareto table are attached to the parent runs; every run is closed. Waits at most ``FINISH_S`` for a slow
+        tracker. Returns the report's path when ``report()`` wrote it."""
+        self.finished, self.report = finished, report
+        self.stop.set()
+        self.thread.join(timeout=FINISH_S)
+        if self.thread.is_alive():
+            self.log(f"warning: trackers still busy after {FINISH_S:.0f} s; the run ends without waiting for them")
+        return self.report_path
+
+    def _end(self) -> None:
+        """On the thread, after its last pass: the study's end, every run closed, the state written."""
+        path = None
+        if self.finished and self.report is not None and self.trackers:
+            try:
+                path = self.report_path = self.report()
+            except Exception as err:  # noqa: BLE001  (the report's own failure is the CLI's to say)
+                self.log(f"warning: the report for the trackers could not be written ({first_line(err)})")
+        pareto = self._pareto() if self.finished and self.trackers else []
+        for entry in self.spec.trackers:
+            tracker = self.trackers.get(entry.name)
+            if tracker is not None:
+                if self.finished:
+                    self._guarded(entry, lambda t=tracker: t.study_finished(path, pareto))
+                self._guarded(entry, lambda t=tracker: t.close(self.finished))
+        if self.store is not None:
+            with contextlib.suppress(OSError):
+                atomic_write_text(self.state_path, json.dumps(self.state, indent=1, sort_keys=True))
+            self.store.close()
+
+    def _pareto(self) -> list[dict[str, Any]]:
+        if self.store is None:
+            return []
+        meta = self.store.meta()
+        objectives = list(meta.get("objectives") or [])
+        front = best_trials(self.store.trials("COMPLETE"), list(meta.get("directions") or []),
+                            list(meta.get("constraints") or []))
+        return [{"trial": t.number, **dict(zip(objectives, t.objective_values or [], strict=False)),
+                 **{f"param.{k}": v for k, v in (t.params or {}).items()}} for t in front]
+
+
+def _info(name: str, root: Path, meta: Mapping[str, Any]) -> StudyInfo:
+    spec = meta.get("spec") or {}
+    tags = {"lora_sweep.study": name, "lora_sweep.objectives": ", ".join(
+        f"{d} {o}" for o, d in zip(meta.get("objectives") or [], meta.get("directions") or [], strict=False)),
+        "lora_sweep.model": str((spec.get("model") or {}).get("path", "")),
+        "lora_sweep.version": str(meta.get("lora_sweep_version", ""))}
+    return StudyInfo(name, root, spec, tags)
+
+
+def _points(steps: list[StepRow], evals: list[EvalRow], after: int, ended: bool) -> list[Point]:
+    """The trial's points past step ``after``: its training steps, and its intermediate metrics at steps its
+    training steps have reached (all of them once the trial ended), merged by step, in step order."""
+    points: dict[int, dict[str, float]] = {}
+    for row in steps:
+        if row.step > after:
+            points[row.step] = {name: float(v) for key, name in _STEP_KEYS if (v := getattr(row, key)) is not None}
+    reached = max(points, default=after) if not ended else float("inf")
+    for e in evals:
+        if e.kind in _EVAL_PREFIX and after < e.step <= reached and e.value is not None:
+            points.setdefault(e.step, {})[_EVAL_PREFIX[e.kind] + e.metric] = float(e.value)
+    return [Point(step, points[step]) for step in sorted(points)]
+
+
+def start(spec: StudySpec, log: Callable[[str], None], interval: float = 2.0) -> Tracking | None:
+    """The study's trackers started on their thread, or None when the study names none."""
+    if not spec.trackers:
+        return None
+    tracking = Tracking(spec, log, interval)
+    tracking.thread.start()
+    return tracking

@@ -1,0 +1,136 @@
+"""The tiny study with each tracker, read back through the tracker's own reader (MLflow's client on the study's
+store, TensorBoard's EventAccumulator, the W&B offline run files): one parent, one child per trial, params equal to
+results.db's, the loss curve as long as the steps trained, pruned trials marked, the default tagged; a killed and
+resumed run keeps its run ids; a failing tracker costs one warning line, not the sweep."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lora_sweep.sweep import api
+from lora_sweep.sweep.store import ResultsStore, StudyDir
+from tests.conftest import need_module, write_study
+from tests.sweep.trackers.readers import Logged, mlflow_logged, tensorboard_logged, wandb_logged
+
+ROOT = Path(__file__).resolve().parents[3]
+TRACKERS = {"mlflow": "mlflow", "wandb": "wandb", "tensorboard": "tensorboard"}
+
+
+@pytest.fixture(autouse=True)
+def _packages(monkeypatch: pytest.MonkeyPatch) -> None:
+    for module, extra in TRACKERS.items():
+        need_module(module, extra)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+
+
+def _read(out: Path, name: str) -> dict[str, Logged]:
+    return {"mlflow": mlflow_logged(out, name), "tensorboard": tensorboard_logged(out), "wandb": wandb_logged(out)}
+
+
+def _check_against_results(out: Path, logged: dict[str, Logged]) -> None:
+    """Every tracker holds one parent and, per trial of results.db, one child with its params, its steps and its
+    end state; the community default is tagged."""
+    with ResultsStore(StudyDir(out).results_db, create=False) as store:
+        trials = store.trials()
+        curves = store.curves()
+    for name, got in logged.items():
+        assert len(got.parents) == 1, (name, got.parents)
+        assert sorted(got.children) == [t.number for t in trials], name
+        for t in trials:
+            (child,) = got.children[t.number]
+            assert child.params == t.params, (name, t.number)
+            assert child.loss_steps == [r.step for r in curves[t.number]], (name, t.number)
+            assert child.state == t.state, (name, t.number)
+            role = child.tags.get("lora_sweep.role", child.tags.get("role"))
+            assert (role == "default") == t.is_default, (name, t.number)
+
+
+def test_each_tracker_holds_the_study_as_results_db_does(tiny_dirs, tmp_path) -> None:
+    path = write_study(tmp_path, tiny_dirs("llama"), name="tracked")
+    lines: list[str] = []
+    summary = api.run(path, ["trackers=[mlflow, wandb, tensorboard]"], log=lines.append)
+    out = tmp_path / "runs-tracked"
+    assert summary.pruned >= 1 and not [m for m in lines if "warning" in m], lines
+    assert summary.report == out / "report.html" and summary.report.is_file()  # written once, for the trackers
+    logged = _read(out, "tracked")
+    _check_against_results(out, logged)
+    pruned = [c for cs in logged["mlflow"].children.values() for c in cs if c.state == "PRUNED"]
+    assert pruned and all(c.tags["lora_sweep.reason"].startswith("pruned by cohort SHA") for c in pruned)
+    assert all("rung/eval_loss" in c.metrics and "device_seconds" in c.metrics for c in pruned)
+    complete = [c for cs in logged["tensorboard"].children.values() for c in cs if c.state == "COMPLETE"]
+    assert complete and all({"final/eval_loss", "final/exact_match", "device_seconds"} <= c.metrics for c in complete)
+    assert {"report.html", "pareto.csv"} <= logged["mlflow"].parent_files
+    assert {"spec", "pareto"} <= logged["tensorboard"].parent_files
+    front = api.open_results(out).best_trials()
+    assert front
+    pareto = (out / "mlruns").rglob("pareto.csv")
+    assert {int(line.split(",")[0]) for line in next(pareto).read_text().splitlines()[1:]} == {t.number for t in front}
+
+
+def _states(out: Path) -> list[str]:
+    try:
+        with ResultsStore(StudyDir(out).results_db, create=False) as store:
+            return [t.state or "" for t in store.trials()]
+    except Exception:  # noqa: BLE001  (not created yet, or caught mid-write)
+        return []
+
+
+def test_a_killed_and_resumed_run_continues_the_same_runs(tiny_dirs, tmp_path) -> None:
+    path = write_study(tmp_path, tiny_dirs("llama"), name="killed", budget={"trials": 6},
+                       train={"max_steps": 800, "micro_batch": 4}, pruning={"kind": "none"})
+    out = tmp_path / "runs-killed"
+    cmd = [sys.executable, "-m", "lora_sweep", "run", str(path), "--quiet", "trackers=[mlflow, wandb, tensorboard]"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    state_file = out / "trackers.json"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:  # kill once the trackers hold ended and training trials
+        time.sleep(0.3)
+        states = _states(out)
+        if "RUNNING" in states and state_file.is_file():
+            ids = json.loads(state_file.read_text())
+            cursors = [list(ids.get(t, {}).get("trials", {}).values()) for t in TRACKERS]
+            if all(any(c["ended"] for c in cs) and any(not c["ended"] and c["step"] > 0 for c in cs)
+                   for cs in cursors):
+                break
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = json.loads(state_file.read_text())
+    assert "RUNNING" in _states(out), "the kill must land with trials still training"
+
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "warning" not in done.stdout + done.stderr
+    after = json.loads(state_file.read_text())
+    for tracker in TRACKERS:  # the same parent, and the same child run for every trial the killed run had opened
+        assert after[tracker]["parent"] == before[tracker]["parent"], tracker
+        for number, cursor in before[tracker]["trials"].items():
+            assert after[tracker]["trials"][number]["run"] == cursor["run"], (tracker, number)
+    logged = _read(out, "killed")
+    _check_against_results(out, logged)  # one child per trial (no duplicate), every stored step once (none lost)
+    assert logged["mlflow"].parents == [before["mlflow"]["parent"]]
+    reopened = [n for n, c in before["mlflow"]["trials"].items() if not c["ended"]]
+    assert reopened and all(logged["mlflow"].children[int(n)][0].state == "FAIL" for n in reopened)
+
+
+def test_a_failing_tracker_is_one_warning_and_the_sweep_goes_on(tiny_dirs, tmp_path) -> None:
+    path = write_study(tmp_path, tiny_dirs("llama"), name="broken", budget={"trials": 3},
+                       train={"max_steps": 6, "micro_batch": 4}, pruning={"kind": "none"})
+    lines: list[str] = []
+    (tmp_path / "a-file").write_text("")
+    unwritable = f"sqlite:///{tmp_path / 'a-file' / 'mlflow.db'}"  # its folder is a file: as a full disk, it fails
+    summary = api.run(path, [f"trackers=[{{name: mlflow, tracking_uri: '{unwritable}'}}, tensorboard]"],
+                      log=lines.append)
+    assert summary.complete == 3
+    warnings = [m for m in lines if "warning" in m]
+    assert len(warnings) == 1 and "tracker mlflow stopped" in warnings[0], lines
+    logged = tensorboard_logged(tmp_path / "runs-broken")
+    assert sorted(logged.children) == [0, 1, 2]
