@@ -15,12 +15,14 @@ with the same row order (slots in ``PackLayout.slots`` order, rank-0 slots contr
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 
 from lora_sweep.kernels.meta import LayerRanks, PackLayout, dropout_seed
 
-__all__ = ["lora_loop", "lora_masked_dense", "dropout_keep_mask", "rms_norm", "silu_mul", "rope", "linear_ce"]
+__all__ = ["lora_loop", "lora_masked_dense", "dora_loop", "dora_norm", "dropout_keep_mask", "rms_norm", "silu_mul",
+           "rope", "linear_ce"]
 
 
 def dropout_keep_mask(layout: PackLayout, g: int, layer_id: int, d_in: int, seq_len: int,
@@ -91,6 +93,72 @@ def lora_masked_dense(x: torch.Tensor, base_out: torch.Tensor, a_cat: torch.Tens
                                   a_cat.dtype)  # (B, 1, R)
     h = (xin @ a_cat.T) * col_scale  # (B, L, R)
     return base_out + (h @ bt_cat).to(base_out.dtype)
+
+
+def dora_norm(weight: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, scale: float) -> torch.Tensor:
+    """DoRA's row norm ``||W + s B A||`` over D_in without forming the (D_out, D_in) sum: the square expands to
+    ``||W_i||^2 + 2 s B_i . (W A^T)_i + s^2 B_i (A A^T) B_i^T``, O(D_out D_in r) like a LoRA pass of D_out tokens.
+
+    Args:
+        weight: (D_out, D_in) frozen base weight.
+        a: (r, D_in) A; bt: (r, D_out) B^T.
+        scale: s.
+
+    Returns:
+        (D_out,) in ``a``'s dtype, detached (DoRA's section 4.3: the norm is a constant of the step).
+    """
+    with torch.no_grad():
+        w = weight.to(a.dtype)
+        b = bt.T  # (D_out, r)
+        sq = w.square().sum(dim=1) + 2 * scale * (b * (w @ a.T)).sum(dim=1) + scale ** 2 * ((b @ (a @ a.T)) * b).sum(1)
+        return sq.clamp(min=0).sqrt()
+
+
+def dora_loop(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a_cat: torch.Tensor,
+              bt_cat: torch.Tensor, magnitude: Sequence[torch.Tensor | None], layout: PackLayout,
+              ranks: LayerRanks) -> torch.Tensor:
+    """A frozen linear layer plus every slot's DoRA term, slot by slot (PEFT's ``DoraLinearLayer.forward``).
+
+    For token t of slot g, with d = the slot's dropout (identity at p = 0), m_g its magnitude and
+    n_g = ``||W + s_g B_g A_g||`` per output row (computed directly here, detached):
+
+        y_t = W x_t + b + (m_g / n_g - 1) * W d(x_t) + (m_g / n_g) * s_g B_g A_g d(x_t)
+
+    (at p = 0: ``b + (m_g / n_g) (W + s_g B_g A_g) x_t``). A slot of rank 0 adds nothing; a slot without a
+    magnitude is a plain LoRA slot (``lora_loop``'s term).
+
+    Args:
+        x: (B, L, D_in) layer input.
+        weight: (D_out, D_in) base weight; bias: (D_out,) or None.
+        a_cat, bt_cat, layout, ranks: as ``lora_loop``.
+        magnitude: per slot in ``layout.slots`` order, its (D_out,) magnitude, or None for a plain LoRA slot.
+
+    Returns:
+        (B, L, D_out); differentiable in x, a_cat, bt_cat and magnitude.
+    """
+    base_out = torch.nn.functional.linear(x, weight, bias)
+    pieces, off = [], 0
+    for g, (r0, n) in enumerate(zip(layout.row_start, layout.n_rows, strict=True)):
+        r, s = ranks.rank[g], ranks.scale[g]
+        if r == 0 or n == 0:
+            pieces.append(base_out.new_zeros((n, *base_out.shape[1:])))
+            off += r
+            continue
+        a, bt = a_cat[off:off + r], bt_cat[off:off + r]
+        w = weight.to(a.dtype)
+        rows = x[r0:r0 + n].to(a.dtype)  # (n, L, D_in)
+        if layout.dropout[g] > 0:
+            rows = rows * dropout_keep_mask(layout, g, ranks.layer_id, x.shape[-1], x.shape[1], x.device)
+        lora = (rows @ a.T) @ bt * s  # (n, L, D_out)
+        m = magnitude[g]
+        if m is None:
+            pieces.append(lora.to(base_out.dtype))
+        else:
+            norm = torch.linalg.norm(w + s * (bt.T @ a).detach(), dim=1).detach()  # (D_out,)
+            ratio = m / norm  # (D_out,)
+            pieces.append(((ratio - 1) * torch.nn.functional.linear(rows, w) + ratio * lora).to(base_out.dtype))
+        off += r
+    return base_out + torch.cat(pieces, dim=0)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

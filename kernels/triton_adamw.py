@@ -7,7 +7,9 @@ bucket, d_k features), slot g's block at ``off_k + g * RB * d_k``. Only the firs
 block can be non-zero (the rest is rank padding, zero forever: ``packer.model.store``'s docstring), so both kernels
 touch only those: their traffic follows the slots' real ranks, not the bucket, and a free slot (rank 0) costs
 nothing. Every per-slot number (rank, clip coefficient, decay, betas, bias corrections, step size) is read
-from device tensors, so a captured CUDA graph serves any mix of slots.
+from device tensors, so a captured CUDA graph serves any mix of slots. A segment is an A or a B^T (the segment
+table's third column): B^T takes its own decay and step size, the slot's learning rate times its LoRA+ ratio
+(PEFT's ``create_loraplus_optimizer``: B in a parameter group of ``lr * loraplus_lr_ratio``).
 
 Grid (segment, slot, split): a program walks its block with stride ``split * BLOCK``. The sum of squares writes
 one partial per program (``out[g, k, split]``, every entry written), which torch sums in a fixed order:
@@ -24,10 +26,11 @@ from lora_sweep.kernels._jit import tl, triton
 
 __all__ = ["OPT_FIELDS", "segmented_sumsq", "segmented_adamw_"]
 
-OPT_FIELDS = 9
+OPT_FIELDS = 11
 """Columns of the per-slot optimizer table: decay (1 - lr * wd), 1 - beta1, beta2, 1 - beta2, sqrt of beta2's
 bias correction, eps, -lr / beta1's bias correction, max grad norm (inf: no clipping), keep (1: the gradient
-stays for the next micro-batch, 0: it is zeroed)."""
+stays for the next micro-batch, 0: it is zeroed), then B's decay and step size (columns 0 and 6 at B's learning
+rate, LoRA+)."""
 _NO: tl.constexpr = tl.constexpr(OPT_FIELDS)
 _BLOCK = 1024
 _SPLIT = 8
@@ -43,8 +46,8 @@ def _sumsq_kernel(g_ptr, segs_ptr, rank_ptr, out_ptr, RB, n_seg, SPLIT: tl.const
     k = tl.program_id(0)
     s = tl.program_id(1)
     part = tl.program_id(2)
-    off = tl.load(segs_ptr + 2 * k)
-    d = tl.load(segs_ptr + 2 * k + 1)
+    off = tl.load(segs_ptr + 3 * k)
+    d = tl.load(segs_ptr + 3 * k + 1)
     n = tl.load(rank_ptr + s) * d
     base = off + s.to(tl.int64) * RB * d
     acc = tl.full((BLOCK,), 0.0, tl.float32)
@@ -62,18 +65,19 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, segs_ptr, rank_ptr, coef_ptr, opt_
     k = tl.program_id(0)
     s = tl.program_id(1)
     part = tl.program_id(2)
-    off = tl.load(segs_ptr + 2 * k)
-    d = tl.load(segs_ptr + 2 * k + 1)
+    off = tl.load(segs_ptr + 3 * k)
+    d = tl.load(segs_ptr + 3 * k + 1)
+    is_b = tl.load(segs_ptr + 3 * k + 2)  # 0: an A segment, 1: a B^T segment (its own learning rate)
     n = tl.load(rank_ptr + s) * d
     base = off + s.to(tl.int64) * RB * d
     coef = tl.load(coef_ptr + s)
-    decay = tl.load(opt_ptr + s * _NO + 0)
+    decay = tl.load(opt_ptr + s * _NO + is_b * 9)  # column 0, or B's decay at 9
     w1 = tl.load(opt_ptr + s * _NO + 1)
     b2 = tl.load(opt_ptr + s * _NO + 2)
     w2 = tl.load(opt_ptr + s * _NO + 3)
     bc2 = tl.load(opt_ptr + s * _NO + 4)
     eps = tl.load(opt_ptr + s * _NO + 5)
-    step = tl.load(opt_ptr + s * _NO + 6)
+    step = tl.load(opt_ptr + s * _NO + 6 + is_b * 4)  # column 6, or B's step size at 10
     keep = tl.load(opt_ptr + s * _NO + 8)
     for start in range(part * BLOCK, n, SPLIT * BLOCK):
         idx = start + tl.arange(0, BLOCK)
@@ -98,7 +102,7 @@ def segmented_sumsq(grad: torch.Tensor, segs: torch.Tensor, rank: torch.Tensor, 
 
     Args:
         grad: (total,) fp32 flat gradients, layer-major (module docstring).
-        segs: (S, 2) int64 per segment: offset into ``grad``, feature width d_k.
+        segs: (S, 3) int64 per segment: offset into ``grad``, feature width d_k, and 1 for a B^T segment (0: A).
         rank: (C,) int64 rank of each slot (0: free).
         rank_bucket: RB, rows per slot in every segment.
 

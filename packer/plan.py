@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 from lora_sweep.errors import ConfigError
 
-__all__ = ["AdapterSpec", "ALL_LINEAR", "SCHEDULES", "MemoryModel", "adapter_param_count", "ADAPTER_BYTES_PER_PARAM"]
+__all__ = ["AdapterSpec", "ALL_LINEAR", "SCHEDULES", "INITS", "MemoryModel", "adapter_param_count",
+           "ADAPTER_BYTES_PER_PARAM"]
 
 ALL_LINEAR = "all-linear"
 """Target value meaning every linear projection of the decoder (PEFT's ``"all-linear"``)."""
@@ -29,6 +30,13 @@ SCHEDULES = (
 """Learning-rate schedule names, as ``transformers.get_scheduler`` spells them."""
 
 MAX_RANK = 256
+
+INITS = ("kaiming", "gaussian", "pissa", "olora")
+"""A's and B's initialisation, PEFT's ``init_lora_weights``: ``kaiming`` (PEFT's ``True``: A Kaiming-uniform with
+a = sqrt(5), B zero), ``gaussian`` (A normal with std 1/r, B zero), ``pissa`` (A, B from the base weight's
+principal singular vectors) or ``olora`` (from its QR decomposition)."""
+_INIT_ALIASES = {"true": "kaiming", "default": "kaiming"}
+"""Spellings of PEFT's default initialisation (``init_lora_weights: true``)."""
 
 
 @dataclass(frozen=True)
@@ -76,8 +84,18 @@ class AdapterSpec:
     sample_packing: bool = False
     """Pack several examples into each row up to the row length (``packer.data.packing``); ``micro_batch`` then
     counts rows, as in Axolotl."""
+    lr_ratio: float = 1.0
+    """LoRA+ (PEFT's ``loraplus_lr_ratio``): B's learning rate over A's; B's decay and step use ``lr * lr_ratio``
+    (1: plain LoRA)."""
+    dora: bool = False
+    """DoRA (PEFT's ``use_dora``): a trained magnitude per output column over the direction of W + s B A."""
+    init: str = "kaiming"
+    """Initialisation of A and B, one of ``INITS`` (PEFT's ``init_lora_weights``; ``true`` / ``default`` mean
+    ``kaiming``)."""
 
     def __post_init__(self) -> None:
+        if self.init is True or str(self.init).lower() in _INIT_ALIASES:  # YAML's true, PEFT's default
+            object.__setattr__(self, "init", "kaiming")
         _check(isinstance(self.rank, int) and 1 <= self.rank <= MAX_RANK, "rank", f"must be 1..{MAX_RANK}", self.rank)
         _check(math.isfinite(self.alpha) and self.alpha > 0, "alpha", "must be > 0", self.alpha)
         _check(0.0 <= self.dropout < 1.0, "dropout", "must be in [0, 1)", self.dropout)
@@ -101,6 +119,27 @@ class AdapterSpec:
         _check(isinstance(self.sample_packing, bool), "sample_packing", "must be true or false", self.sample_packing)
         _check(self.max_grad_norm is None or self.max_grad_norm > 0, "max_grad_norm", "must be > 0 or null",
                self.max_grad_norm)
+        ratio = self.lr_ratio
+        _check(isinstance(ratio, int | float) and not isinstance(ratio, bool) and math.isfinite(ratio) and ratio > 0,
+               "lr_ratio", "must be > 0", ratio)
+        _check(isinstance(self.dora, bool), "dora", "must be true or false", self.dora)
+        _check(self.init in INITS, "init", f"must be one of {', '.join(INITS)} (or true: kaiming)", self.init)
+        _check(not (self.dora and self.dropout > 0), "dora", "needs dropout 0 (the packed DoRA term takes the "
+               "undropped input)", self.dora)
+        _check(not (self.principal and self.dropout > 0), "init", f"{self.init} needs dropout 0 (the frozen "
+               "principal part is a term of the LoRA branch here, and would see the dropped input)", self.init)
+
+    @property
+    def principal(self) -> bool:
+        """Whether A and B start from the base weight's principal part (``pissa``, ``olora``), which the pack keeps
+        as a frozen correction ``-s B0 A0`` beside the shared base (``packer.model.principal``)."""
+        return self.init in ("pissa", "olora")
+
+    @property
+    def rows(self) -> int:
+        """Rows of A and B^T the slot's forward reads per layer: its rank, and as many again for the frozen
+        principal correction of ``pissa`` / ``olora``."""
+        return 2 * self.rank if self.principal else self.rank
 
     @property
     def scale(self) -> float:

@@ -213,9 +213,14 @@ def vllm_adapter(config: dict[str, Any], tensors: dict[str, torch.Tensor], cli: 
     return new, out, changes
 
 
+_MAGNITUDE = ".lora_magnitude_vector"
+"""PEFT's key suffix of a DoRA layer's (D_out,) magnitude."""
+
+
 def merge_adapter(model: torch.nn.Module, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
     """Fold the adapter into ``model`` in place: W += s·B·A (transposed for GPT-2's Conv1D, which stores W as
-    (D_in, D_out)); computed in fp32 and cast back to the weight's dtype.
+    (D_in, D_out)); with DoRA, W = m / ||W + s·B·A|| · (W + s·B·A) per output row (PEFT's merge); computed in fp32
+    and cast back to the weight's dtype.
 
     Raises:
         UserError: a module of the adapter is missing from the model or has another shape.
@@ -223,7 +228,9 @@ def merge_adapter(model: torch.nn.Module, config: dict[str, Any], tensors: dict[
     import torch
     from transformers.pytorch_utils import Conv1D
 
-    modules, _ = _modules(tensors)
+    magnitudes = {k.removeprefix("base_model.model.").removesuffix(_MAGNITUDE): t for k, t in tensors.items()
+                  if k.endswith(_MAGNITUDE)}
+    modules, _ = _modules({k: t for k, t in tensors.items() if not k.endswith(_MAGNITUDE)})
     with torch.no_grad():
         for path, (a, b) in modules.items():
             try:
@@ -236,7 +243,12 @@ def merge_adapter(model: torch.nn.Module, config: dict[str, Any], tensors: dict[
                 delta = delta.T  # (D_in, D_out)
             if delta.shape != w.shape:
                 raise UserError(f"export: {path}: adapter gives {tuple(delta.shape)}, model has {tuple(w.shape)}")
-            w.copy_((w.float() + delta.to(w.device)).to(w.dtype))
+            merged = w.float() + delta.to(w.device)
+            if path in magnitudes:  # DoRA: each output row rescaled to its magnitude
+                rows = merged.T if isinstance(module, Conv1D) else merged  # (D_out, D_in)
+                factor = magnitudes[path].float().to(w.device) / torch.linalg.norm(rows, dim=1)
+                merged = merged * (factor[None, :] if isinstance(module, Conv1D) else factor[:, None])
+            w.copy_(merged.to(w.dtype))
 
 
 # ---------------------------------------------------------------- model card and the export itself

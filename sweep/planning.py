@@ -149,8 +149,13 @@ def _largest(spec: StudySpec, name: str, fixed: object) -> int:
 
 
 def largest_rank(spec: StudySpec) -> int:
-    """The largest rank a trial of the space can have: what a pack is planned for and sized by."""
-    return _largest(spec, "rank", spec.train.rank)
+    """The most rank rows a trial of the space can have: what a pack is planned for and sized by. A PiSSA / OLoRA
+    trial has twice its rank (``AdapterSpec.rows``: the frozen principal correction beside the trained rows), which
+    its forward reads and the pack's buffers hold."""
+    rank = _largest(spec, "rank", spec.train.rank)
+    p = next((p for p in spec.search.params if p.name == "init"), None)
+    inits = set(p.choices) if p is not None else {spec.train.init}
+    return 2 * rank if inits & {"pissa", "olora"} else rank
 
 
 def _worst(spec: StudySpec) -> tuple[int, int]:

@@ -171,10 +171,23 @@ def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _section_defaults() -> dict[str, Any]:
+    """The flattened defaults of the spec's sections that have them (``train.lr_ratio``: 1.0, ...), as recorded."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(StudySpec):
+        if callable(f.default_factory) and dataclasses.is_dataclass(value := f.default_factory()):
+            out |= _flat(json.loads(json.dumps(dataclasses.asdict(value), default=str)), f.name)  # type: ignore[arg-type]
+    return out
+
+
 def spec_changes(earlier: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """'key changed (old -> new)' for each fixed setting (not under ``RESUMABLE``) that differs."""
+    """'key changed (old -> new)' for each fixed setting (not under ``RESUMABLE``) that differs. A setting the
+    earlier record lacks (a key this version reads that the recording one did not) and that is at its default now is
+    no change: the earlier run trained as that default does."""
     a, b = _flat(earlier), _flat(now)
+    defaults = _section_defaults()
     keys = [k for k in dict.fromkeys([*a, *b]) if a.get(k) != b.get(k)
+            and not (k not in a and k in defaults and b.get(k) == defaults[k])
             and not any(k == r or k.startswith(r + ".") for r in RESUMABLE)]
     return [f"{k} changed ({json.dumps(a.get(k))} -> {json.dumps(b.get(k))})" for k in keys]
 

@@ -21,20 +21,23 @@ import pytest
 import torch
 import transformers.masking_utils
 import yaml
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 from transformers import AutoModelForCausalLM
 from transformers.pytorch_utils import Conv1D
 
 from lora_sweep.benchmarks.baseline import make_scheduler
+from lora_sweep.kernels.ops import PackLayout
 from lora_sweep.packer.data.batch import collate
 from lora_sweep.packer.data.rows import Example, SlotStream, read_jsonl, tokenize_rows
+from lora_sweep.packer.model.checkpoint import read_adapter, save_adapters
 from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec, adapter_param_count
 from lora_sweep.packer.probe import peak_memory
 from lora_sweep.packer.step import eval_graph
 from lora_sweep.packer.step.train import FixedBatch, SlotEnd, SlotJob, train
 from lora_sweep.packer.tiny.data import arithmetic_rows, write_jsonl
+from lora_sweep.sweep.export import merge_adapter
 from lora_sweep.sweep.storage import open_storage
 from tests.conftest import Recorder, missing, need_module, random_examples, write_study
 from tests.evaluators.conftest import YESNO
@@ -61,6 +64,16 @@ LLAMA_SPECS = [
 ]
 
 
+GPT2_SPECS = [
+    AdapterSpec(rank=2, alpha=4, lr=3e-3, micro_batch=1, targets=("c_attn",), max_steps=STEPS, seed=1),
+    AdapterSpec(rank=4, alpha=16, lr=1e-2, micro_batch=2, targets=("all-linear",), max_steps=STEPS, seed=2,
+                schedule="cosine", warmup_steps=4),
+    AdapterSpec(rank=8, alpha=8, lr=5e-3, micro_batch=3, targets=("c_proj",), max_steps=STEPS, seed=3,
+                max_grad_norm=0.05, rslora=True),
+    AdapterSpec(rank=16, alpha=32, lr=2e-3, micro_batch=2, targets=("c_fc", "c_attn"), max_steps=STEPS, seed=4,
+                weight_decay=0.05),
+]
+
 @contextmanager
 def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     """Run the oracle and the engine in ``dtype``: torch's default dtype, in which the engine allocates its slot
@@ -73,12 +86,13 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(before)
 
 
-def initial_a(model_dir: Path, spec: AdapterSpec) -> dict[str, torch.Tensor]:
-    """The engine's initial A for ``spec`` (it depends on the seed only), to start PEFT from the same point."""
+def initial_a(model_dir: Path, spec: AdapterSpec) -> dict[str, torch.Tensor | None]:
+    """The engine's initial A for ``spec`` (it depends on the seed only), to start PEFT from the same point; None
+    for each path where PEFT computes its own from the base weight (``pissa``, ``olora``: the engine must agree)."""
     model, _ = load_base(str(model_dir), attn_implementation="eager")
     pm = PackedModel(model.to(torch.get_default_dtype()))
-    pm.add_slot(0, spec)
-    return {p: a.detach().clone() for p, (a, _) in pm.slot_weights(0).items()}
+    pm.add_slot(0, replace(spec, init="kaiming" if spec.principal else spec.init, dora=False))  # A by seed and init
+    return {p: None if spec.principal else a.detach().clone() for p, (a, _) in pm.slot_weights(0).items()}
 
 
 class PeftRun(NamedTuple):
@@ -93,8 +107,15 @@ class PeftRun(NamedTuple):
 def adamw_steps(model: nn.Module, params: list[nn.Parameter], spec: AdapterSpec,
                 stream: SlotStream) -> tuple[list[float], torch.optim.Optimizer]:
     """``spec.max_steps`` steps of ``model`` (a PEFT model: its loss from ``labels``) on ``stream``'s batches, torch
-    AdamW on ``params`` with ``spec``'s clipping and schedule; returns the losses and the optimizer (its state)."""
-    opt = torch.optim.AdamW(params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
+    AdamW on ``params`` with ``spec``'s clipping and schedule (with a LoRA+ ratio, PEFT's own
+    ``create_loraplus_optimizer``: B in a group of ``lr * lr_ratio``); returns the losses and the optimizer."""
+    if spec.lr_ratio == 1.0:
+        opt = torch.optim.AdamW(params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
+    else:
+        from peft.optimizers import create_loraplus_optimizer
+
+        opt = create_loraplus_optimizer(model, torch.optim.AdamW, lr=spec.lr, loraplus_lr_ratio=spec.lr_ratio,
+                                        loraplus_weight_decay=spec.weight_decay, betas=spec.betas, eps=spec.eps)
     sched = make_scheduler(opt, spec)
     losses = []
     for _ in range(spec.max_steps):
@@ -110,9 +131,10 @@ def adamw_steps(model: nn.Module, params: list[nn.Parameter], spec: AdapterSpec,
     return losses, opt
 
 
-def run_peft(model_dir: Path, spec: AdapterSpec, stream: SlotStream, init_a: dict[str, torch.Tensor],
+def run_peft(model_dir: Path, spec: AdapterSpec, stream: SlotStream, init_a: dict[str, torch.Tensor | None],
              targets: str | None = None) -> PeftRun:
-    """``spec``'s adapter alone for ``spec.max_steps`` steps of ``stream``'s batches, from ``init_a``.
+    """``spec``'s adapter alone for ``spec.max_steps`` steps of ``stream``'s batches, from ``init_a`` (None for a
+    path: PEFT's own init by ``spec.init``), with ``spec``'s DoRA.
 
     Args:
         targets: PEFT's ``target_modules`` (``all-linear``: PEFT's own resolution, which must adapt exactly the
@@ -122,17 +144,19 @@ def run_peft(model_dir: Path, spec: AdapterSpec, stream: SlotStream, init_a: dic
                                                 dtype=torch.get_default_dtype())
     conv1d = any(isinstance(m, Conv1D) for m in base.modules())
     cfg = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=0.0, use_rslora=spec.rslora, bias="none",
-                     target_modules=targets or sorted({p.rsplit(".", 1)[-1] for p in init_a}), fan_in_fan_out=conv1d)
+                     target_modules=targets or sorted({p.rsplit(".", 1)[-1] for p in init_a}), fan_in_fan_out=conv1d,
+                     init_lora_weights=True if spec.init == "kaiming" else spec.init, use_dora=spec.dora)
     model = get_peft_model(base, cfg)
     model.eval()  # base dropout off, as in the engine; gradients still flow
     named = dict(model.named_parameters())
     lora = {path: (named[f"base_model.model.{path}.lora_A.default.weight"],
                    named[f"base_model.model.{path}.lora_B.default.weight"]) for path in init_a}
     params = [p for p in model.parameters() if p.requires_grad]
-    assert len(params) == 2 * len(init_a), "PEFT adapts other modules than the engine's slot"
-    with torch.no_grad():
+    assert len(params) == (3 if spec.dora else 2) * len(init_a), "PEFT adapts other modules than the engine's slot"
+    with torch.no_grad():  # (DoRA: a magnitude per layer too)
         for path, a in init_a.items():
-            lora[path][0].copy_(a)
+            if a is not None:
+                lora[path][0].copy_(a)
     losses, opt = adamw_steps(model, params, spec, stream)
     weights = {path: (a.detach(), b.detach()) for path, (a, b) in lora.items()}
     moments = {path: tuple((opt.state[w]["exp_avg"], opt.state[w]["exp_avg_sq"]) for w in pair)
@@ -169,6 +193,49 @@ def assert_trained_as_peft(model_dir: Path, job: SlotJob, losses: dict, final: d
         assert b.abs().max() > 0, "B never moved: the test would not see a wrong update"
         torch.testing.assert_close(a, ra, rtol=0, atol=1e-4)
         torch.testing.assert_close(b, rb, rtol=0, atol=1e-4)
+
+
+# --------------------------------------------------------------- exported adapters: PEFT loads them, merges agree
+
+IDS = torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+
+
+def train_and_save(model_dir, specs, out_root):  # noqa: ANN001, ANN202
+    """Each slot's saved directory and its packed logits on IDS, taken as it ends (its frozen rows still live)."""
+    model, _ = load_base(str(model_dir))
+    pm = PackedModel(model)
+    queue = [SlotJob(s, SlotStream(random_examples(20, i), 2, seed=i), key=i) for i, s in enumerate(specs)]
+    saved, logits = {}, {}
+
+    def on_end(ends):  # noqa: ANN001, ANN202
+        dirs = save_adapters(pm, [(e.slot, out_root / f"trial-{e.job.key}", None) for e in ends],
+                             base_model_name_or_path=str(model_dir))
+        for e, d in zip(ends, dirs, strict=True):
+            saved[e.job.key] = d
+            with torch.no_grad():
+                layout = PackLayout((e.slot,), (0,), (2,), (12,), (0.0,), (0,))
+                logits[e.job.key] = pm.forward(IDS, torch.ones_like(IDS), layout)
+
+    train(pm, len(specs), lambda s: queue.pop(0) if queue else None, pad_id=0, on_end=on_end)
+    return saved, logits
+
+
+def assert_peft_and_merge_reproduce(model_dir, adapter_dir, packed: torch.Tensor):  # noqa: ANN001, ANN201
+    """PEFT's model of the saved adapter on the original base, and the base with it merged (``merge_adapter``), give
+    the packed adapter's logits on IDS; returns the adapter's (config, tensors)."""
+    config, tensors = read_adapter(adapter_dir)
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(model_dir)), str(adapter_dir))
+    peft_model.eval()
+    with torch.no_grad():
+        theirs = peft_model(input_ids=IDS, attention_mask=torch.ones_like(IDS)).logits
+        base = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+        plain = base(input_ids=IDS).logits
+        merge_adapter(base, config, tensors)
+        merged = base(input_ids=IDS).logits
+    assert (packed - plain).abs().max() > 1e-4, "the adapter must change the logits for the check to mean it"
+    torch.testing.assert_close(packed, theirs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(merged, theirs, rtol=1e-4, atol=1e-4)  # the merge in fp32, then the forward
+    return config, tensors
 
 
 # --------------------------------------------------------------- planning and evaluation on a pack

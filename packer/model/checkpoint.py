@@ -41,13 +41,15 @@ def adapter_config(pm: PackedModel, slot: int, base_model_name_or_path: str) -> 
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_name_or_path,
-        "r": spec.rank,
-        "lora_alpha": spec.alpha,
+        # a principal init is saved as PEFT converts it: a plain LoRA of rank 2r against the original base, alpha
+        # scaled to keep s (``packer.model.principal``)
+        "r": spec.rows,
+        "lora_alpha": spec.alpha * (spec.rows / spec.rank) ** (0.5 if spec.rslora else 1.0),
         "use_rslora": spec.rslora,
         "lora_dropout": spec.dropout,
         "target_modules": sorted({p.rsplit(".", 1)[-1] for p in paths}),
         "bias": "none",
-        "use_dora": False,
+        "use_dora": spec.dora,
         "fan_in_fan_out": conv1d,
         "modules_to_save": None,
         "rank_pattern": {},
@@ -104,9 +106,13 @@ def _host_tensors(pm: PackedModel, slot: int, dtype: torch.dtype | None) -> dict
     device by one multi-tensor copy (casting, and laying out each B^T view as B): a cast or copy per tensor
     took ~50 ms of host time per slot on SmolLM2's 210 projections, with the GPU idle while trials end."""
     names, parts = [], []
-    for path, (a, b) in pm.slot_weights(slot).items():
+    for path in pm.slot_paths[slot]:  # every row the forward reads: [A; A0] and [B, -B0] for a principal init
+        rows = pm.layers[path].slot_weights(slot)
         names += [f"base_model.model.{path}.lora_A.weight", f"base_model.model.{path}.lora_B.weight"]
-        parts += [a.detach(), b.detach()]
+        parts += [rows.a.detach(), rows.bt.detach().T]
+    for path, m in pm.slot_magnitudes(slot).items():  # DoRA: PEFT's key of the (D_out,) magnitude
+        names.append(f"base_model.model.{path}.lora_magnitude_vector")
+        parts.append(m.detach())
     dtype = dtype or parts[0].dtype
     sizes = [p.numel() for p in parts]
     gathered = torch.empty(sum(sizes), dtype=dtype, device=parts[0].device)

@@ -22,6 +22,8 @@ import torch
 from torch import nn
 
 from lora_sweep.kernels.ops import Impl, LayerRanks, PackLayout, packed_lora_eval, packed_lora_eval_linear
+from lora_sweep.kernels.reference import dora_loop
+from lora_sweep.packer.model.magnitude import base_weight
 
 __all__ = ["PackState", "PackedLoRALinear", "as_rows"]
 
@@ -38,6 +40,9 @@ class PackState:
     store: Any = None
     """While a fixed-shape step runs (``packer.model.store.SlotStore.stepping``), the store whose tables every
     wrapped layer reads instead of ``layout``; None otherwise."""
+    mag: Any = None
+    """While the pack has a slot store, its DoRA magnitudes (``packer.model.magnitude.Magnitudes``), which the
+    per-batch path applies to DoRA slots; None otherwise."""
 
 
 class _SlotWeights(NamedTuple):
@@ -85,14 +90,16 @@ class PackedLoRALinear(nn.Module):
         return self._state[0]
 
     def add_slot(self, slot: int, a: torch.Tensor, bt: torch.Tensor, grad_a: torch.Tensor,
-                 grad_bt: torch.Tensor) -> tuple[nn.Parameter, nn.Parameter]:
-        """Register slot's adapter: A (r, D_in) and B^T (r, D_out), and their gradient buffers.
+                 grad_bt: torch.Tensor, trained: int | None = None) -> tuple[nn.Parameter, nn.Parameter]:
+        """Register slot's adapter: A (rows, D_in) and B^T (rows, D_out), and their gradient buffers.
 
-        All four are views of the slot's rows of the store (``PackedModel`` owns it). Returns the
-        parameters A (r, D_in) and B (D_out, r), which alias the weights, their ``grad`` the gradients.
+        All four are views of the slot's rows of the store (``PackedModel`` owns it); the forward reads every row.
+        Returns the parameters A (r, D_in) and B (D_out, r) of the first ``trained`` rows (None: all), which alias the
+        weights, their ``grad`` the gradients; rows past them are a frozen term (``packer.model.principal``).
         """
-        pa, pb = nn.Parameter(a), nn.Parameter(bt.T)
-        pa.grad, pb.grad = grad_a, grad_bt.T
+        r = a.shape[0] if trained is None else trained
+        pa, pb = nn.Parameter(a[:r]), nn.Parameter(bt[:r].T)
+        pa.grad, pb.grad = grad_a[:r], grad_bt[:r].T
         self.lora_A[str(slot)] = pa
         self.lora_B[str(slot)] = pb
         self._slots[slot] = _SlotWeights(a, bt, grad_a, grad_bt)
@@ -112,7 +119,8 @@ class PackedLoRALinear(nn.Module):
         self._cache = None
 
     def slot_weights(self, slot: int) -> _SlotWeights:
-        """The slot's A, B^T and their gradient buffers (views of its rows of the store)."""
+        """The slot's A, B^T and their gradient buffers (views of its rows of the store): every row the forward reads,
+        a frozen principal correction's included."""
         return self._slots[slot]
 
     def _gathered(self, slots: tuple[int, ...]) -> _Gathered:
@@ -142,6 +150,9 @@ class PackedLoRALinear(nn.Module):
         with torch.no_grad():  # the slots' weights as constants: evaluation's path, no adapter gradient
             a_cat = torch.cat(g.a) if len(g.a) > 1 else g.a[0].detach()  # (R, D_in)
             bt_cat = torch.cat(g.bt) if len(g.bt) > 1 else g.bt[0].detach()  # (R, D_out)
+            mags = None if self.state.mag is None else self.state.mag.of_layer(self, layout.slots)  # (D_out,) each
+        if mags is not None:  # a DoRA slot: the reference's loop
+            return dora_loop(x, base_weight(self.base), self.base.bias, a_cat, bt_cat, mags, layout, g.ranks)
         return self._with_lora(x, a_cat, bt_cat, layout, g.ranks, self.state.impl)
 
     def _pack_rows(self) -> int | None:

@@ -19,7 +19,6 @@ the recompute draws the same masks.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -30,8 +29,11 @@ from lora_sweep.errors import ConfigError, UserError, first_line
 from lora_sweep.kernels.ops import IMPLS, Impl, PackLayout, hash_compiler_early, resolve_impl
 from lora_sweep.packer.loss import plain_output_head
 from lora_sweep.packer.model.fuse import fuse_base_ops
+from lora_sweep.packer.model.initial import init_a
 from lora_sweep.packer.model.inject import inject, resolve_targets
 from lora_sweep.packer.model.layer import PackedLoRALinear, PackState
+from lora_sweep.packer.model.magnitude import base_weight
+from lora_sweep.packer.model.principal import write_principal
 from lora_sweep.packer.model.quant import quantize_base
 from lora_sweep.packer.model.store import SlotStore, rank_bucket_for
 from lora_sweep.packer.plan import AdapterSpec
@@ -202,6 +204,9 @@ class PackedModel:
         paths = list(self._targets[key])
         if any(p not in self.layers for p in paths):
             inject(self.model, paths, self.state, self.layers)  # (the store wraps every projection up front)
+        if spec.dora and resolve_impl(self.state.impl, self.device) == "triton":
+            raise ConfigError("dora: the Triton kernels do not train DoRA's magnitudes; use the torch kernels "
+                              "(pack.kernels: torch)")
         for path in paths:
             layer = self.layers[path]
             if spec.rank > min(layer.in_features, layer.out_features):
@@ -214,39 +219,46 @@ class PackedModel:
         return params
 
     def _create_weights(self, slot: int, spec: AdapterSpec, paths: list[str]) -> list[nn.Parameter]:
-        """PEFT's init (A Kaiming-uniform(a=sqrt(5)) from the slot's own generator, B zero) into the slot's rows of
-        the store, every other row of the slot zeroed first (``packer.model.store``). The generator lives on the
-        pack's device: the same seed gives the same weights on the same kind of device (one CPU generator drawing
-        a large pack's A weights took longer than a training step of them)."""
+        """PEFT's init (A by ``spec.init``, ``packer.model.initial``, from the slot's own generator; B zero; a
+        principal init's A0, B0 and frozen removal rows, ``packer.model.principal``) into the slot's rows of the store,
+        every other row of the slot zeroed first (``packer.model.store``); a DoRA slot's magnitudes start at the base
+        weight's column norms. The generator lives on the pack's device: the same seed gives the same weights on the
+        same kind of device (one CPU generator drawing a large pack's A weights took longer than a training step of
+        them)."""
         store = self.store
-        if store is None or slot >= store.capacity or spec.rank > store.rank_bucket:
-            store = self.ensure_store(max(slot + 1, store.capacity if store is not None else 0), spec.rank)
+        if store is None or slot >= store.capacity or spec.rows > store.rank_bucket:
+            store = self.ensure_store(max(slot + 1, store.capacity if store is not None else 0), spec.rows)
         generator = torch.Generator(device=self.device).manual_seed(spec.seed)
-        store.reset_slot(slot)
+        store.reset_slot(slot, spec.dora)
+        self.state.mag = store.mag  # made by the first DoRA slot
         params: list[nn.Parameter] = []
         for path in paths:
-            a, bt, grad_a, grad_bt = store.slot_rows(slot, path, spec.rank)
-            with torch.no_grad():
-                nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
-            params += self.layers[path].add_slot(slot, a, bt, grad_a, grad_bt)
+            a, bt, grad_a, grad_bt = store.slot_rows(slot, path, spec.rows)
+            if spec.principal:
+                write_principal(a, bt, self.layers[path].base, spec, path)
+            else:
+                init_a(a, spec, generator)
+            if spec.dora:
+                store.mag.start(slot, path, base_weight(self.layers[path].base))
+            params += self.layers[path].add_slot(slot, a, bt, grad_a, grad_bt, trained=spec.rank)
         return params
 
     def ensure_store(self, capacity: int, rank: int, bucket: int | None = None) -> SlotStore:
         """The pack's slot store for ``capacity`` slots of rank up to ``rank``: the present one where it has exactly
         ``capacity`` slots and a rank bucket that holds ``rank``, ``bucket`` and the live slots' ranks, else a new one
         whose bucket is the smallest that does (``rank_bucket_for``); the live slots move into it, weights and AdamW
-        moments.
+        moments (and DoRA's magnitudes).
 
         Args:
             capacity: C, slots (slot ids 0 .. C - 1).
-            rank: the largest rank the store must hold.
+            rank: the most rows per slot and layer the store must hold (a slot's ``rows``: 2r for a principal init).
             bucket: rows per slot and layer to allocate at least (None: the smallest that holds ``rank``).
 
         Raises:
             ValueError: a live slot's id is not below ``capacity``.
         """
         old = self.store
-        need = max(bucket or 0, rank_bucket_for(max([rank, *(s.rank for s in self.specs.values())])))
+        need = max(bucket or 0, rank_bucket_for(max([rank, *(s.rows for s in self.specs.values())])))
         if old is not None and old.capacity == capacity and old.rank_bucket >= need:
             return old
         if any(slot >= capacity for slot in self.specs):
@@ -256,17 +268,17 @@ class PackedModel:
         if resolve_impl(self.state.impl, self.device) == "triton":
             store.use_operands(getattr(self.model, "dtype", torch.float32))
         for slot, spec in self.specs.items():
-            store.copy_slot_from(old, slot, spec.rank, self.slot_paths[slot])  # type: ignore[arg-type]
+            store.copy_slot_from(old, slot, spec.rows, self.slot_paths[slot])  # type: ignore[arg-type]
             for path in self.slot_paths[slot]:
                 layer = self.layers[path]
                 layer.remove_slot(slot)
-                layer.add_slot(slot, *store.slot_rows(slot, path, spec.rank))
-        self.store = store
+                layer.add_slot(slot, *store.slot_rows(slot, path, spec.rows), trained=spec.rank)
+        self.store, self.state.mag = store, store.mag
         return store
 
     def drop_store(self) -> None:
         """Let go of the store (its memory is freed once nothing views it): the training run that used it is over."""
-        self.store = None
+        self.store, self.state.mag = None, None
 
     def remove_slot(self, slot: int) -> None:
         """Drop the slot's adapter; its parameters are freed once the caller lets go of them."""
@@ -279,6 +291,12 @@ class PackedModel:
         """Module path -> (A (r, D_in), B (D_out, r)) of the slot's adapter, in module order."""
         return {p: (self.layers[p].lora_A[str(slot)], self.layers[p].lora_B[str(slot)])
                 for p in self.slot_paths[slot]}
+
+    def slot_magnitudes(self, slot: int) -> dict[str, torch.Tensor]:
+        """Module path -> the (D_out,) DoRA magnitude of a DoRA slot (views of the store's buffer); {} otherwise."""
+        if self.store is None or self.store.mag is None or slot not in self.store.mag.slots:
+            return {}
+        return {p: self.store.mag.slot(slot, p) for p in self.slot_paths[slot]}
 
     def slot_moments(self, slot: int) -> dict[str, tuple[_Moments, _Moments]]:
         """Module path -> AdamW's (exp_avg, exp_avg_sq) of the slot's A (r, D_in) and of its B (D_out, r), in module

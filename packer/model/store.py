@@ -28,8 +28,9 @@ front so layer ids and offsets never move), that layer's A for all C slots, ``(C
 of a sample-packed row), the segment tables (ranks, scales, dropout p and seeds), each slot's loss weight
 (gradient accumulation: its micro-batch's share of its optimizer step's target tokens), the optimizer table
 (``kernels.triton_adamw.OPT_FIELDS``: decay, betas, bias corrections, step size, clip norm, whether the
-gradient is kept for the next micro-batch) and the ring-buffer row. The host writes them into pinned staging
-memory and copies them with two non-blocking copies before each step (``packer.step.loop``).
+gradient is kept for the next micro-batch, B's decay and step size at its LoRA+ learning rate) and the
+ring-buffer row. The host writes them into pinned staging memory and copies them with two non-blocking copies
+before each step (``packer.step.loop``).
 """
 
 from __future__ import annotations
@@ -50,12 +51,13 @@ from lora_sweep.packer.data.batch import IGNORE_INDEX
 from lora_sweep.packer.loss import plain_output_head
 from lora_sweep.packer.model.inject import inject, resolve_targets
 from lora_sweep.packer.model.layer import PackedLoRALinear, PackState
+from lora_sweep.packer.model.magnitude import Magnitudes, base_weight, dora_ratio
 from lora_sweep.packer.plan import ALL_LINEAR
 
 __all__ = ["SlotStore", "rank_bucket_for", "ShapeBuffers", "OPT_FIELDS", "SEG_INT", "SEG_FLT", "slot_losses",
            "head_losses", "fused_loss_head", "shift_targets"]
 
-OPT_FIELDS = 9
+OPT_FIELDS = 11
 """Columns of the optimizer table, as ``kernels.triton_adamw.OPT_FIELDS``."""
 SEG_INT, SEG_FLT = SEG_INT_FIELDS, SEG_FLT_FIELDS
 """Columns of the segment tables (``kernels.ops.SegInt`` / ``kernels.ops.SegFlt``: the one list of their names)."""
@@ -129,8 +131,11 @@ class SlotStore:
             (oa, ob), d_in, d_out = offsets[p], layer.in_features, layer.out_features
             self.a[p] = self._leaf(oa, rows, d_in)
             self.bt[p] = self._leaf(ob, rows, d_out)
-            segs += [(oa, d_in), (ob, d_out)]
-        self.segs = torch.tensor(segs, dtype=torch.int64, device=device)  # (S, 2): offset, width
+            segs += [(oa, d_in, 0), (ob, d_out, 1)]
+        self.segs = torch.tensor(segs, dtype=torch.int64, device=device)  # (S, 3): offset, width, B^T (LoRA+'s lr)
+        self.mag: Magnitudes | None = None
+        """DoRA's per-slot magnitudes (``packer.model.magnitude``; the torch path only), made when the first DoRA
+        slot arrives: a pack without one holds none (16 B per output feature, slot and layer)."""
         self.active: frozenset[str] = frozenset()
         """Paths some live slot targets; the others run their base projection alone."""
         self.shape: ShapeBuffers | None = None
@@ -189,7 +194,7 @@ class SlotStore:
         return m_a[r0:r0 + rank], v_a[r0:r0 + rank], m_bt[r0:r0 + rank], v_bt[r0:r0 + rank]
 
     @torch.no_grad()
-    def reset_slot(self, slot: int) -> None:
+    def reset_slot(self, slot: int, dora: bool = False) -> None:
         """Zero the slot's rows (weights, gradients, moments) in every layer: a fresh slot starts from the zero
         padding the layout relies on.
 
@@ -200,6 +205,10 @@ class SlotStore:
             self._slot_rows[slot] = [buf[r0:r1] for p in self.paths for leaf in (self.a[p], self.bt[p])
                                      for buf in self._views(leaf)]
         torch._foreach_zero_(self._slot_rows[slot])
+        if dora and self.mag is None:
+            self.mag = Magnitudes(self.layers, self.capacity, self.device)
+        if self.mag is not None:
+            self.mag.reset_slot(slot, dora)
 
     def _views(self, leaf: nn.Parameter) -> list[torch.Tensor]:
         """The leaf's rows in all four buffers (weights, gradients, exp_avg, exp_avg_sq)."""
@@ -210,6 +219,10 @@ class SlotStore:
 
     def copy_slot_from(self, other: SlotStore, slot: int, rank: int, paths: list[str]) -> None:
         """Move a live slot's weights and moments from ``other`` (a smaller bucket) into this store's rows."""
+        if other.mag is not None:
+            if self.mag is None:
+                self.mag = Magnitudes(self.layers, self.capacity, self.device)
+            self.mag.copy_slot_from(other.mag, slot)
         with torch.no_grad():
             for p in paths:
                 for leaf, old_leaf in ((self.a[p], other.a[p]), (self.bt[p], other.bt[p])):
@@ -272,7 +285,24 @@ class SlotStore:
                 y = ops.packed_lora(x2, layer.base(x).reshape(b * seq, -1), None, None, a, bt, meta,
                                                grads, operands)
             return y.view(b, seq, -1)
-        return layer.base(x) + self._lora_term(layer, path, x)
+        base_out, lora = layer.base(x), self._lora_term(layer, path, x)
+        if self.mag is None or not self.mag.slots:
+            return base_out + lora
+        return base_out + lora + self._dora_term(layer, path, base_out, lora)
+
+    def _dora_term(self, layer: PackedLoRALinear, path: str, base_out: torch.Tensor,
+                   lora: torch.Tensor) -> torch.Tensor:
+        """What DoRA adds for its slots, ``(ratio - 1) * (W x + lora)`` (``packer.model.magnitude``): (B, L, D_out),
+        zero on every other slot's rows."""
+        shape, c, rb, mag = self.shape, self.capacity, self.rank_bucket, self.mag
+        assert shape is not None and mag is not None
+        weight = base_weight(layer.base)
+        wx = base_out if layer.base.bias is None else base_out - layer.base.bias  # (B, L, D_out)
+        ratio = dora_ratio(weight, self.a[path].view(c, rb, -1), self.bt[path].view(c, rb, -1),
+                           shape.meta.seg_flt[:, SEG_FLT_COL.scale], mag.m[path], mag.on[path])  # (C, D_out)
+        b, seq, d_out = wx.shape
+        per_row = (ratio - 1).to(wx.dtype)[:, None, None, :]  # (C, 1, 1, D_out): slot g's rows are a block
+        return (per_row * (wx + lora).view(c, b // c, seq, d_out)).view(b, seq, d_out)
 
     def _lora_term(self, layer: PackedLoRALinear, path: str, x: torch.Tensor) -> torch.Tensor:
         """The torch LoRA term of ``layer`` on x (B, L, D_in): (B, L, D_out). Slot g's rows meet only its own

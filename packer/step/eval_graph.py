@@ -98,7 +98,7 @@ def _shape(pm: PackedModel, store: SlotStore, slots: Sequence[int], rows: int, s
     if key not in cache:
         cache[key] = store.shape_buffers(rows, seq_len)
     shape: ShapeBuffers = cache[key]
-    ranks = [pm.specs[g].rank if g in slots else 0 for g in range(store.capacity)]
+    ranks = [pm.specs[g].rows if g in slots else 0 for g in range(store.capacity)]  # a frozen correction's too
     scales = [pm.specs[g].scale if g in slots else 0.0 for g in range(store.capacity)]
     dev = shape.ints.device
     shape.meta.seg_int[:, 3].copy_(torch.tensor(ranks, device=dev))

@@ -216,7 +216,8 @@ def fill(ints: np.ndarray, floats: np.ndarray, store: SlotStore, shape: ShapeBuf
         lr = spec.lr * live.schedule(live.steps)
         seeds[g], p_list[g] = dropout_seed(spec.seed, live.micro), spec.dropout
         own[g] = max((len(r.input_ids) for r in rows[g]), default=0)
-        seg_int[g] = free_segment(g, m, seq, store.rank_bucket)._replace(rank=spec.rank, seed=seeds[g])
+        # the kernels read the slot's rows (a frozen principal correction's too); the optimizer its rank's
+        seg_int[g] = free_segment(g, m, seq, store.rank_bucket)._replace(rank=spec.rows, seed=seeds[g])
         rank[g] = spec.rank
         seg_flt[g] = SegFlt(scale=spec.scale, p=spec.dropout, inv_keep=1.0 / (1.0 - spec.dropout))
         opt[g] = optimizer_row(spec, lr, live.steps + 1) if live.window.complete else ACCUMULATE

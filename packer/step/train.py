@@ -218,8 +218,8 @@ def train(
                     check_sample_packing(pm)
                 if optimizer_in_backward:
                     check_in_backward(job.spec)
-                if store is None or job.spec.rank > store.rank_bucket:
-                    store = pm.ensure_store(capacity, job.spec.rank, rank_bucket)
+                if store is None or job.spec.rows > store.rank_bucket:
+                    store = pm.ensure_store(capacity, job.spec.rows, rank_bucket)
                     shapes, graphs.graphs, prepared = {}, {}, set()
                 pm.add_slot(slot, job.spec)
                 active[slot] = Live(job, lr_schedule(job.spec), Window(job.spec.gradient_accumulation_steps))
@@ -257,7 +257,8 @@ def train(
                 t_compile = time.perf_counter()
                 precompile(step)  # gradients, weights and moments stay as they were (``capture.precompile``)
                 result.compile_s += time.perf_counter() - t_compile
-            eager_only = not triton and dropout  # the torch path's masks come from Python seeds: eager only
+            # the torch path's masks come from Python seeds, and its DoRA branch is chosen on the host: eager only
+            eager_only = not triton and (dropout or (store.mag is not None and bool(store.mag.slots)))
             if eager_only and graphs.enabled:
                 _fell_back(result, pm, active, chunk, _TORCH_DROPOUT)
             step() if eager_only else graphs.run(key, step, shape, readback_every)

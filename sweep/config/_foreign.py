@@ -69,7 +69,6 @@ _DEFAULT_ONLY = {
     "lora_model_dir": "starting from a saved adapter is not supported yet",
     "lora_fan_in_fan_out": "is read from the model's layers (GPT-2's Conv1D); set it to null",
     "lora_modules_to_save": "training whole modules beside the adapter is not supported yet",
-    "peft_use_dora": "DoRA is not supported yet",
     "group_by_length": "batches grouped by length are not supported (each slot draws a seeded shuffle)",
     "early_stopping_patience": "early stopping is not supported (the sweep prunes trials itself)",
     "neftune_noise_alpha": "NEFTune noise is not supported yet",
@@ -455,7 +454,9 @@ def _tt_model(out: _Out, value: Any) -> None:
                 raise out.error(src, f"unknown attention module {bad[0]!r} (expected {', '.join(_TT_TARGETS)})")
         elif k in ("lora_rank", "lora_alpha", "lora_dropout"):
             out.put(("train", {"lora_rank": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout"}[k]), v, src)
-        elif k in ("use_dora", "apply_lora_to_output") and v:
+        elif k == "use_dora":
+            out.put(("train", "dora"), v, src)
+        elif k == "apply_lora_to_output" and v:
             raise out.error(src, "is not supported yet")
         elif k not in ("apply_lora_to_mlp", "use_dora", "apply_lora_to_output", "quantize_base"):
             raise out.error(src, "is not a LoRA builder option this engine knows")

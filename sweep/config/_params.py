@@ -32,6 +32,9 @@ SEARCHABLE = (
     "max_grad_norm",
     "gradient_accumulation_steps",
     "sample_packing",
+    "lr_ratio",
+    "dora",
+    "init",
 )
 """Names a study may search: AdapterSpec fields (less seed/betas/eps/extra) plus ``alpha_ratio``."""
 
@@ -85,7 +88,7 @@ class Param:
                 for v in self.choices:
                     _check_adapter_value(self.name, "choices", v)
             return
-        if self.name in ("rslora", "targets", "schedule", "sample_packing"):
+        if self.name in ("rslora", "targets", "schedule", "sample_packing", "dora", "init"):
             raise ConfigError("takes a list of values, not a range")
         for key in ("low", "high"):
             v = getattr(self, key)

@@ -53,7 +53,8 @@ _TRAIN = {
     "warmup": "warmup_steps", "lr_scheduler": "schedule", "lr_scheduler_type": "schedule", "scheduler": "schedule",
     "alpha_rank_ratio": "alpha_ratio", "gradient_clipping": "max_grad_norm", "num_epochs": "epochs",
     "num_train_epochs": "epochs", "grad_accum": "gradient_accumulation_steps",
-    "eval_steps": "eval_every",
+    "eval_steps": "eval_every", "loraplus_lr_ratio": "lr_ratio", "use_dora": "dora", "peft_use_dora": "dora",
+    "init_lora_weights": "init", "peft_init_lora_weights": "init",
 }  # fmt: skip
 _ALIASES: dict[str, dict[str, str]] = {
     "": {"packing": "pack"},

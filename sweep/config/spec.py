@@ -147,6 +147,13 @@ class TrainSpec:
     """Micro-batches per optimizer step (the step's loss: the mean over all their target tokens)."""
     sample_packing: bool = _D.sample_packing
     """Pack several examples per row up to ``data.max_length`` tokens (``packer.data.packing``)."""
+    lr_ratio: float = _D.lr_ratio
+    """LoRA+: B's learning rate over A's (PEFT's ``loraplus_lr_ratio``; 1: plain LoRA)."""
+    dora: bool = _D.dora
+    """DoRA: a trained per-column magnitude over the direction of W + s B A (PEFT's ``use_dora``)."""
+    init: str | bool = _D.init
+    """A's and B's initialisation (``packer.plan.INITS``; PEFT's ``init_lora_weights``, whose ``true`` is
+    ``kaiming``)."""
     epochs: float | None = None
     """Train each trial for this many passes over the training data: its optimizer steps are
     ``ceil(epochs * ceil(micro-batches per epoch / gradient_accumulation_steps))``; a ``max_steps`` set in
@@ -183,7 +190,7 @@ class TrainSpec:
                 value = getattr(self, key)
                 _check(str(value if value is not None else "null") == needed, "optimizer_in_backward",
                        f"needs train.{key}: {needed} ({_WHY_NOT[key]})", value)
-        AdapterSpec(**self.adapter_values())
+        object.__setattr__(self, "init", AdapterSpec(**self.adapter_values()).init)  # PEFT's true: kaiming
 
     def adapter_values(self) -> dict[str, Any]:
         """These values as AdapterSpec keyword arguments (alpha from ``alpha_ratio`` when set)."""
@@ -238,6 +245,15 @@ class PackSpec:
         _check(not (self.shard == "fsdp" and self.max_slots == "auto"), "shard",
                "fsdp needs pack.max_slots set (the auto planner calibrates one process, not a sharded pack)",
                self.shard)
+
+
+def _values(spec: StudySpec, name: str, ranged: bool = False) -> set[Any]:
+    """The values train setting ``name`` takes over the study: its choices or range ends (``ranged``) if searched,
+    else the fixed value."""
+    p = next((p for p in spec.search.params if p.name == name), None)
+    if p is None:
+        return {getattr(spec.train, name)}
+    return set(p.choices) if p.kind == "categorical" else {p.low, p.high} if ranged else set()
 
 
 def _jsonlike(x: object) -> bool:
@@ -365,6 +381,18 @@ class StudySpec:
         if self.train.optimizer_in_backward and clash:
             raise ConfigError(f"train.optimizer_in_backward: cannot be used with a searched {clash[0]} (it needs "
                               f"train.{clash[0]}: {_NOT_IN_BACKWARD[clash[0]]}, fixed)")
+        principal = _values(self, "init") & {"pissa", "olora"}
+        base = "model.quantize: nf4" if self.model.quantize else "pack.shard: fsdp" if self.pack.shard != "none" \
+            else None
+        if principal and base:  # the factors come from the whole float weight, which no process holds then
+            raise ConfigError(f"train.init: {sorted(principal)[0]} decomposes the whole float base weight, which "
+                              f"{base} does not keep on one process")
+        if principal and any(p > 0 for p in _values(self, "dropout", ranged=True)):
+            raise ConfigError(f"train.init: {sorted(principal)[0]} needs dropout 0, and the study can train dropout "
+                              f"{max(_values(self, 'dropout', ranged=True))} (the frozen principal part would see the "
+                              "dropped input)")
+        if True in _values(self, "dora"):
+            self._check_dora()
         if self.data.eval is None and self.train.eval_every is not None:
             raise ConfigError("data.eval: is needed by train.eval_every")
         if self.data.eval is None and needs_eval:
@@ -383,6 +411,21 @@ class StudySpec:
                 f"must be < train.max_steps ({self.train.max_steps})",
                 last,
             )
+
+    def _check_dora(self) -> None:
+        """DoRA trains on the torch kernels over the whole float base, with dropout 0 (``packer.model.magnitude``)."""
+        kernels = self.pack.kernels
+        off = ("model.quantize: nf4" if self.model.quantize else "pack.shard: fsdp" if self.pack.shard != "none"
+               else "pack.kernels: triton" if kernels == "triton"
+               else f"pack.kernels: auto on model.device: {self.model.device}"
+               if kernels == "auto" and self.model.device != "cpu" else None)
+        if off is not None:
+            raise ConfigError(f"train.dora: DoRA trains on the torch kernels over a whole float base, not with {off} "
+                              "(set pack.kernels: torch)")
+        if any(p > 0 for p in _values(self, "dropout", ranged=True)):
+            raise ConfigError(f"train.dora: needs dropout 0, and the study can train dropout "
+                              f"{max(_values(self, 'dropout', ranged=True))} (the packed DoRA term takes the "
+                              "undropped input)")
 
     @property
     def directions(self) -> list[str]:

@@ -13,17 +13,7 @@ from lora_sweep.packer.model.packed import PackedModel, load_base
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.step.train import SlotJob, train
 from tests.conftest import Recorder
-from tests.helpers import LLAMA_SPECS, PAD, STEPS, assert_trained_as_peft, run_packed, slot_jobs
-
-GPT2_SPECS = [
-    AdapterSpec(rank=2, alpha=4, lr=3e-3, micro_batch=1, targets=("c_attn",), max_steps=STEPS, seed=1),
-    AdapterSpec(rank=4, alpha=16, lr=1e-2, micro_batch=2, targets=("all-linear",), max_steps=STEPS, seed=2,
-                schedule="cosine", warmup_steps=4),
-    AdapterSpec(rank=8, alpha=8, lr=5e-3, micro_batch=3, targets=("c_proj",), max_steps=STEPS, seed=3,
-                max_grad_norm=0.05, rslora=True),
-    AdapterSpec(rank=16, alpha=32, lr=2e-3, micro_batch=2, targets=("c_fc", "c_attn"), max_steps=STEPS, seed=4,
-                weight_decay=0.05),
-]
+from tests.helpers import GPT2_SPECS, LLAMA_SPECS, PAD, STEPS, assert_trained_as_peft, run_packed, slot_jobs
 
 OPT_SPECS = [  # OPT's decoder feeds fc1/fc2 flattened (B·L, D) tokens: both steps must route them by the pack's rows
     AdapterSpec(rank=2, alpha=4, lr=3e-3, micro_batch=2, targets=("fc1", "fc2"), max_steps=STEPS, seed=1),

@@ -1,0 +1,51 @@
+"""PiSSA / OLoRA on the Triton path: the kernels read a principal slot's 2r rows (its segment rank, the frozen
+correction's included) and the Triton AdamW walks its first r, so the slot trains as on the torch step, which
+``test_principal_equivalence`` holds to PEFT."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tests.conftest import Recorder, need_triton
+
+need_triton()  # before anything imports the Triton kernel modules
+
+from lora_sweep.packer.model.packed import PackedModel, load_base  # noqa: E402
+from lora_sweep.packer.step.train import train  # noqa: E402
+from lora_sweep.packer.tiny.models import build_tiny_model  # noqa: E402
+from tests.helpers import LLAMA_SPECS, slot_jobs  # noqa: E402
+
+TRITON_SPECS = [  # the Triton kernels read a principal slot's 2r rows (its segment rank); the optimizer its first r
+    replace(LLAMA_SPECS[0], init="pissa", targets=("q_proj", "down_proj"), max_steps=3),
+    replace(LLAMA_SPECS[2], targets=("q_proj", "down_proj"), max_steps=3),
+    replace(LLAMA_SPECS[3], init="olora", targets=("down_proj",), max_steps=3, lr_ratio=4.0),
+]
+
+
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=pytest.mark.slow),  # the Triton interpreter: three steps of one decoder layer
+    pytest.param("cuda", marks=pytest.mark.gpu),  # compiled kernels, the step replayed as a CUDA graph
+])
+def test_triton_step_trains_principal_slots_as_the_torch_step(tmp_path_factory, device: str) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model_dir = build_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama-1"), seed=0, num_layers=1)
+    runs = {}
+    for impl in ("torch", "triton"):
+        model, _ = load_base(str(model_dir), attn_implementation="sdpa" if device == "cuda" else "eager",
+                             device=device)
+        pm = PackedModel(model, impl=impl, fused_base_ops=False)  # type: ignore[arg-type]
+        queue, rec = slot_jobs(TRITON_SPECS), Recorder(pm)
+        train(pm, 3, lambda slot, q=queue: q.pop(0) if q else None, pad_id=0, on_step=rec.on_step,
+              on_end=rec.on_end)
+        runs[impl] = rec
+    for key in range(len(TRITON_SPECS)):
+        # fp32, the same sums in another order
+        torch.testing.assert_close(torch.tensor(runs["triton"].losses[key]), torch.tensor(runs["torch"].losses[key]),
+                                   rtol=1e-5, atol=0)
+        for path, (a, b) in runs["torch"].final[key].items():
+            torch.testing.assert_close(runs["triton"].final[key][path][0], a, rtol=0, atol=1e-5)
+            torch.testing.assert_close(runs["triton"].final[key][path][1], b, rtol=0, atol=1e-5)
