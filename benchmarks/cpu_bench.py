@@ -22,7 +22,8 @@ from lora_sweep.benchmarks.baseline import make_optimizer, make_scheduler
 from lora_sweep.benchmarks.timing import check_row, counted_params, gemm_tflops, step_flops
 from lora_sweep.packer.data.batch import collate
 from lora_sweep.packer.data.rows import Example, SlotStream, tokenize_rows
-from lora_sweep.packer.model.packed import PackedModel, load_base
+from lora_sweep.packer.model.load import load_base
+from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.step.train import SlotJob, train
 from lora_sweep.packer.tiny.data import arithmetic_rows

@@ -21,7 +21,8 @@ from lora_sweep.benchmarks.timing import check_row
 from lora_sweep.evaluators._core import EvalData
 from lora_sweep.evaluators.generation import generation
 from lora_sweep.evaluators.heldout_loss import heldout_loss
-from lora_sweep.packer.model.packed import PackedModel, load_base
+from lora_sweep.packer.model.load import load_base
+from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.tiny.data import arithmetic_rows
 from lora_sweep.packer.tiny.models import build_tiny_model
 

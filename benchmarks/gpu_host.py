@@ -22,7 +22,8 @@ import torch
 from lora_sweep.benchmarks import gpu_profile
 from lora_sweep.benchmarks.timing import check_row, random_jobs, timed_steps, timed_train
 from lora_sweep.packer.data.rows import Example, SlotStream, load_examples
-from lora_sweep.packer.model.packed import PackedModel, load_base
+from lora_sweep.packer.model.load import load_base
+from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.step.train import SlotJob, train
 
 __all__ = ["main"]

@@ -50,7 +50,8 @@ from lora_sweep.benchmarks.shapes import PROJ, SHAPES, build_shape
 from lora_sweep.benchmarks.timing import check_row, timed_steps
 from lora_sweep.packer.data.rows import Example
 from lora_sweep.packer.model.checkpoint import save_adapters
-from lora_sweep.packer.model.packed import DTYPES, PackedModel
+from lora_sweep.packer.model.load import DTYPES
+from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.step.train import FixedBatch, SlotJob
 
 __all__ = ["Setup", "MODES", "save_base", "run_packed", "run_sequential", "run_procs", "makespan", "main"]
@@ -73,7 +74,7 @@ class Setup:
     seq: int
     device: str
     dtype: str
-    """A key of ``packer.model.packed.DTYPES``."""
+    """A key of ``packer.model.load.DTYPES``."""
 
 
 def save_base(shape: str, out_dir: Path, *, device: str, dtype: str, tiny: bool = False) -> tuple[Path, int]:

@@ -54,7 +54,7 @@ from lora_sweep.errors import UserError
 from lora_sweep.packer.data.batch import collate
 from lora_sweep.packer.data.rows import IGNORE_INDEX, Example, load_examples
 from lora_sweep.packer.model.inject import resolve_targets
-from lora_sweep.packer.model.packed import load_base, resolve_base
+from lora_sweep.packer.model.load import load_base, resolve_base
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.step.capture import capture
 from lora_sweep.sweep._trial_data import trial_adapter, trial_stream

@@ -27,7 +27,8 @@ from lora_sweep.benchmarks.shapes import PROJ, build_shape
 from lora_sweep.benchmarks.timing import check_row, counted_params, gemm_tflops, sig, step_flops, timed_steps
 from lora_sweep.packer.data.packing import SamplePackedStream, slot_stream
 from lora_sweep.packer.data.rows import IGNORE_INDEX, Example, SlotStream, load_examples
-from lora_sweep.packer.model.packed import PackedModel, load_base
+from lora_sweep.packer.model.load import load_base
+from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.step.loop import SEQ_MULTIPLE
 from lora_sweep.packer.step.train import SlotJob

@@ -45,7 +45,8 @@ from lora_sweep.benchmarks.shard_peft import peft_model, timed_peft_steps, train
 from lora_sweep.benchmarks.timing import check_row, gemm_tflops, random_jobs, sig, step_flops, timed_train
 from lora_sweep.evaluators.cost import adapter_params
 from lora_sweep.packer.model.inject import linear_shape, resolve_targets
-from lora_sweep.packer.model.packed import DTYPES, PackedModel
+from lora_sweep.packer.model.load import DTYPES
+from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.model.shard import local_param_bytes, shard_base
 from lora_sweep.packer.model.shard_load import materialise, meta_model
 from lora_sweep.packer.step.launch import spawn

@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, Shard, init_device_mesh
 
 from lora_sweep.benchmarks.shapes import PROJ
 from lora_sweep.benchmarks.timing import time_calls
-from lora_sweep.packer.model.packed import DTYPES
+from lora_sweep.packer.model.load import DTYPES
 from lora_sweep.packer.model.shard import decoder_layers
 from lora_sweep.packer.model.shard_load import materialise, meta_model
 

@@ -63,7 +63,8 @@ if TYPE_CHECKING:
     )
     from lora_sweep.packer.model.gguf import convert, gguf_source, packaged_gguf
     from lora_sweep.packer.model.inject import linear_shape, projection_names, resolve_targets
-    from lora_sweep.packer.model.packed import PackedModel, load_base, load_tokenizer, prepare_kernels, resolve_base
+    from lora_sweep.packer.model.load import load_base, load_tokenizer, prepare_kernels, resolve_base
+    from lora_sweep.packer.model.packed import PackedModel
     from lora_sweep.packer.model.quant import QUANTIZE, dequantize_base, quantize_base
     from lora_sweep.packer.model.shard import BaseShare, base_share
     from lora_sweep.packer.model.shard_load import load_sharded, meta_load_refusal
@@ -84,7 +85,8 @@ _WHERE: dict[str, tuple[str, ...]] = {
     "model.checkpoint": ("CONFIG_NAME", "WEIGHTS_NAME", "discard_adapter", "read_adapter", "save_adapters"),
     "model.gguf": ("convert", "gguf_source", "packaged_gguf"),
     "model.inject": ("linear_shape", "projection_names", "resolve_targets"),
-    "model.packed": ("PackedModel", "load_base", "load_tokenizer", "prepare_kernels", "resolve_base"),
+    "model.load": ("load_base", "load_tokenizer", "prepare_kernels", "resolve_base"),
+    "model.packed": ("PackedModel",),
     "model.quant": ("QUANTIZE", "dequantize_base", "quantize_base"),
     "model.shard": ("BaseShare", "base_share"),
     "model.shard_load": ("load_sharded", "meta_load_refusal"),

@@ -31,7 +31,8 @@ from lora_sweep.kernels.ops import PackLayout
 from lora_sweep.packer.data.batch import collate
 from lora_sweep.packer.data.rows import Example, SlotStream, read_jsonl, tokenize_rows
 from lora_sweep.packer.model.checkpoint import read_adapter, save_adapters
-from lora_sweep.packer.model.packed import PackedModel, load_base
+from lora_sweep.packer.model.load import load_base
+from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import AdapterSpec, adapter_param_count
 from lora_sweep.packer.probe import peak_memory
 from lora_sweep.packer.step import eval_graph

@@ -1,4 +1,5 @@
-"""The frozen base and its adapter slots: ``packed.PackedModel`` and ``load_base`` (Hugging Face, GGUF in ``gguf``, NF4
-in ``quant``), the packed LoRA layer (``layer``) and its injection (``inject``), the fused base ops (``fuse``),
-the step's slot store (``store``), PEFT save/load (``checkpoint``) and FSDP2 sharding (``shard``), a
+"""The frozen base and its adapter slots: ``packed.PackedModel``; the base's loading in ``load`` (Hugging Face, GGUF
+in ``gguf``, NF4 in ``quant``); the packed LoRA layer (``layer``) and its injection (``inject``), the fused base ops
+(``fuse``), the step's slot store (``store``), the variants' initial weights (``initial``: PEFT's draws, ``principal``:
+PiSSA / OLoRA) and DoRA's magnitudes (``magnitude``), PEFT save (``checkpoint``), FSDP2 sharding (``shard``) and a
 sharded base loaded by rows (``shard_load``)."""

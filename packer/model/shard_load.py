@@ -49,7 +49,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from lora_sweep.errors import UserError, first_line
 from lora_sweep.kernels.ops import Impl
-from lora_sweep.packer.model.packed import DTYPES, PackedModel, load_base, load_tokenizer, resolve_base
+from lora_sweep.packer.model.load import DTYPES, load_base, load_tokenizer, resolve_base
+from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.model.shard import Sharding, shard_base, shard_rows
 
 __all__ = ["LoadStats", "ShardedLoad", "load_sharded", "meta_load_refusal", "meta_model", "materialise"]

@@ -19,9 +19,9 @@ from typing import Any, Literal
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.evaluators import registry
-from lora_sweep.packer.api import FORMATS as DATA_FORMATS
-from lora_sweep.packer.api import QUANTIZE, AdapterSpec
+from lora_sweep.packer.api import AdapterSpec
 from lora_sweep.sweep.config._params import SEARCHABLE, Param, SearchSpace, _check, _check_adapter_value, _is_num
+from lora_sweep.sweep.config.sources import DTYPES, FORMATS, DataSpec, ModelSpec
 from lora_sweep.sweep.config.strategy import _NAME, SAMPLERS, Budget, Constraint, Objective, PruningSpec, SamplerSpec
 from lora_sweep.sweep.config.tracking import TrackerSpec
 
@@ -31,9 +31,6 @@ __all__ = [
     "DTYPES", "EVALUATORS", "FORMATS", "SAMPLERS", "SEARCHABLE",
 ]  # fmt: skip
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-FORMATS = ("auto", *DATA_FORMATS)
-_FORMAT_ALIASES = {"messages": "chat", "sharegpt": "chat", "completion": "prompt_completion"}
 EVALUATORS = tuple(e.name for e in registry.EVALUATORS)
 _D = AdapterSpec()
 _NOT_ADAPTER = ("alpha_ratio", "epochs", "max_steps_per_epoch", "warmup_ratio", "eval_every", "optimizer_in_backward")
@@ -44,69 +41,6 @@ _WHY_NOT = {"max_grad_norm": "clipping needs the whole gradient before the step"
             "gradient_accumulation_steps": "the step needs every micro-batch's gradient first"}
 """What ``optimizer_in_backward`` needs: no clipping (a norm needs the whole gradient before the step) and one
 micro-batch per step (the step needs every micro-batch's gradient first)."""
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """The frozen base model."""
-
-    path: str
-    """Hub id (``openai-community/gpt2``), local directory, or local ``.gguf`` file (stored absolute); a GGUF
-    checkpoint is dequantized once into a cached plain checkpoint (``packer.model.gguf``)."""
-    gguf_file: str | None = None
-    """A GGUF file inside the directory ``path`` (transformers' ``gguf_file``); None: ``path`` is the model."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Dtype of the frozen base weights; ``auto``: bfloat16 on CUDA, float32 on CPU."""
-    device: str = "auto"
-    """``auto`` (CUDA if available), ``cpu``, ``cuda`` or ``cuda:N``."""
-    quantize: str | None = None
-    """``nf4``: QLoRA, the base's linear projections held as 4-bit NF4 weights shared by every slot
-    (``packer.model.quant``; needs the ``qlora`` extra); None: the base in ``dtype``."""
-
-    def __post_init__(self) -> None:
-        _check(
-            isinstance(self.path, str) and self.path.strip() == self.path != "",
-            "path",
-            "must be a hub id or path",
-            self.path,
-        )
-        _check(
-            self.gguf_file is None or (isinstance(self.gguf_file, str) and self.gguf_file.strip() != ""),
-            "gguf_file",
-            "must be the name of a .gguf file inside model.path",
-            self.gguf_file,
-        )
-        _check(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}", self.dtype)
-        _check(
-            re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(self.device)) is not None,
-            "device",
-            "must be auto, cpu, cuda or cuda:N",
-            self.device,
-        )
-        _check(self.quantize is None or self.quantize in QUANTIZE, "quantize",
-               f"must be {' or '.join(QUANTIZE)} or null", self.quantize)
-
-
-@dataclass(frozen=True)
-class DataSpec:
-    """Training and evaluation data (JSON lines)."""
-
-    train: Path
-    """Training file; relative paths in a study file are taken from the study file's folder."""
-    eval: Path | None = None
-    """Held-out file the evaluators score; required by ``heldout_loss`` and ``generation``."""
-    format: str = "auto"
-    """Row format: ``auto`` (from the first row's keys), alpaca ``{instruction, input, output}``, chat
-    ``{messages}`` (alias ``messages``), ``prompt_completion`` ``{prompt, completion}``, ``text``."""
-    max_length: int = 512
-    """Truncate tokenized examples to this many tokens."""
-    train_on_prompt: bool = False
-    """Also train on prompt tokens (default: labels masked to the response, as Axolotl)."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "format", _FORMAT_ALIASES.get(self.format, self.format))
-        _check(self.format in FORMATS, "format", f"must be one of {', '.join(FORMATS)}", self.format)
-        _check(isinstance(self.max_length, int) and self.max_length >= 1, "max_length", "must be >= 1", self.max_length)
 
 
 @dataclass(frozen=True)

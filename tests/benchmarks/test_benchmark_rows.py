@@ -13,7 +13,7 @@ import pytest
 from lora_sweep.benchmarks import packing_bench
 from lora_sweep.benchmarks.cpu_bench import cpu_bench
 from lora_sweep.benchmarks.timing import check_row, counted_params, gemm_tflops, step_flops
-from lora_sweep.packer.model.packed import load_base
+from lora_sweep.packer.model.load import load_base
 from lora_sweep.packer.tiny.models import build_tiny_model
 
 

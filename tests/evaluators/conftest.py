@@ -9,7 +9,8 @@ import pytest
 
 from lora_sweep.packer.data.rows import SlotStream, read_jsonl, tokenize_rows
 from lora_sweep.packer.model.checkpoint import save_adapter
-from lora_sweep.packer.model.packed import PackedModel, load_base
+from lora_sweep.packer.model.load import load_base
+from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.step.train import SlotEnd, SlotJob, train
 from lora_sweep.packer.tiny.data import arithmetic_rows

@@ -27,7 +27,8 @@ import pytest
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.evaluators.registry import EvalResult, Evaluator, load_eval_data
-from lora_sweep.packer.model.packed import PackedModel, load_base
+from lora_sweep.packer.model.load import load_base
+from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import AdapterSpec
 from tests.conftest import add_slots_random_b
 

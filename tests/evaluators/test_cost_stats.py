@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from lora_sweep.evaluators.cost import adapter_params, cost_metrics, device_seconds, memory_share, slot_adapter_params
-from lora_sweep.packer.model.packed import PackedModel, load_base
+from lora_sweep.packer.model.load import load_base
+from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import AdapterSpec
 
 

@@ -76,7 +76,7 @@ def test_sampling_is_the_same_packed_or_alone(trained) -> None:
 @pytest.mark.parametrize("fmt", ["alpaca", "prompt_completion", "chat"])
 @pytest.mark.parametrize("template", [True, False])
 def test_prompts_are_the_training_prompts(tiny_dirs, fmt: str, template: bool) -> None:
-    from lora_sweep.packer.model.packed import load_base
+    from lora_sweep.packer.model.load import load_base
 
     _, tok = load_base(str(tiny_dirs("llama")))
     if not template:

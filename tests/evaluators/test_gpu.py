@@ -12,7 +12,8 @@ import torch
 from lora_sweep.evaluators.generation import build_prompts, generate_ids
 from lora_sweep.evaluators.heldout_loss import heldout_loss
 from lora_sweep.evaluators.registry import EvalData
-from lora_sweep.packer.model.packed import PackedModel, load_base
+from lora_sweep.packer.model.load import load_base
+from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.tiny.data import arithmetic_rows
 

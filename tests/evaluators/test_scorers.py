@@ -34,7 +34,7 @@ def test_scorers() -> None:
 
 
 def test_multiple_choice_rows_are_checked(tmp_path, tiny_dirs) -> None:
-    from lora_sweep.packer.model.packed import load_base
+    from lora_sweep.packer.model.load import load_base
 
     _, tok = load_base(str(tiny_dirs("llama")))
     path = tmp_path / "mc.jsonl"

@@ -123,7 +123,7 @@ def test_the_compiler_hash_starts_on_a_thread_and_precompile_waits_for_it(monkey
     compiles nothing: off there); ``precompile`` joins that thread rather than hash beside it."""
     import importlib
 
-    from lora_sweep.packer.model.packed import prepare_kernels
+    from lora_sweep.packer.model.load import prepare_kernels
 
     key = next(f for f in (getattr(importlib.import_module(m), "triton_key", None)
                            for m in ("triton.runtime.cache", "triton.compiler.compiler")) if callable(f))

@@ -10,7 +10,8 @@ from lora_sweep.errors import ConfigError
 from lora_sweep.packer.data.batch import IGNORE_INDEX, collate
 from lora_sweep.packer.data.rows import Example, SlotStream
 from lora_sweep.packer.loss import chunked_slot_losses, output_head, plain_output_head, slot_losses
-from lora_sweep.packer.model.packed import PackedModel, load_base
+from lora_sweep.packer.model.load import load_base
+from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.probe import peak_memory
 from lora_sweep.packer.step.train import FixedBatch, SlotJob, train

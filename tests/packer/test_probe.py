@@ -7,7 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lora_sweep.packer.model.inject import all_linear_params
-from lora_sweep.packer.model.packed import PackedModel, load_base
+from lora_sweep.packer.model.load import load_base
+from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import adapter_param_count
 from lora_sweep.packer.probe import calibrate
 from lora_sweep.packer.tiny.models import build_tokenizer, tiny_config

@@ -5,7 +5,8 @@ from __future__ import annotations
 import io
 import json
 
-from lora_sweep.packer.model.packed import PackedModel, load_base
+from lora_sweep.packer.model.load import load_base
+from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.sweep.config.loader import load_study
 from lora_sweep.sweep.live import PlainLog
 from lora_sweep.sweep.planning import plan_pack

@@ -21,7 +21,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from lora_sweep.errors import UserError
 from lora_sweep.kernels.ops import PackLayout
 from lora_sweep.packer.model.checkpoint import read_adapter, save_adapter
-from lora_sweep.packer.model.packed import PackedModel, load_base
+from lora_sweep.packer.model.load import load_base
+from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.sweep.export import VLLM_RANKS, export_trial, merge_adapter, select_trial, vllm_adapter
 from lora_sweep.sweep.store import ResultsStore, StudyDir

@@ -23,7 +23,8 @@ from transformers.pytorch_utils import Conv1D
 from lora_sweep.errors import ConfigError
 from lora_sweep.kernels.ops import PackLayout
 from lora_sweep.packer.model.checkpoint import read_adapter
-from lora_sweep.packer.model.packed import PackedModel, load_base
+from lora_sweep.packer.model.load import load_base
+from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.tiny.data import arithmetic_rows, write_jsonl
 from lora_sweep.packer.tiny.models import FAMILIES

@@ -172,7 +172,7 @@ def test_sweep_model_smollm2(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     from gguf.quants import dequantize
 
     from lora_sweep.packer.model.gguf import packaged_gguf
-    from lora_sweep.packer.model.packed import load_base
+    from lora_sweep.packer.model.load import load_base
 
     main(["model", "smollm2", "--out", str(tmp_path / "smollm2-135m")])
     model, tokenizer = load_base(capsys.readouterr().out.strip())

@@ -6,7 +6,7 @@ import math
 
 from lora_sweep.packer.data.packing import batches_per_epoch
 from lora_sweep.packer.data.rows import load_examples
-from lora_sweep.packer.model.packed import load_base
+from lora_sweep.packer.model.load import load_base
 from lora_sweep.sweep.config.loader import load_study
 from lora_sweep.sweep.planning import trial_micro_steps
 from tests.conftest import write_study

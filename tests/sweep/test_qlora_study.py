@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM
 
 from lora_sweep.kernels.ops import PackLayout
 from lora_sweep.packer.model.checkpoint import read_adapter
-from lora_sweep.packer.model.packed import PackedModel, load_base
+from lora_sweep.packer.model.load import load_base
+from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.sweep.config.loader import load_study
 from lora_sweep.sweep.store import ResultsStore

@@ -11,7 +11,7 @@ from optuna.trial import TrialState
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.packer.data.rows import load_examples
-from lora_sweep.packer.model.packed import load_base
+from lora_sweep.packer.model.load import load_base
 from lora_sweep.sweep._trial_data import epoch_steps
 from lora_sweep.sweep.config.loader import load_study
 from lora_sweep.sweep.config.space import adapter_spec

@@ -6,7 +6,8 @@ import pytest
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.packer.data.packing import SamplePackedStream
-from lora_sweep.packer.model.packed import PackedModel, load_base
+from lora_sweep.packer.model.load import load_base
+from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.step.isolation import TOLERANCE, check_sample_packing, cross_example_change
 from lora_sweep.packer.step.train import SlotJob, train

@@ -17,7 +17,8 @@ from lora_sweep.packer.data.packing import (
     pack_rows,
 )
 from lora_sweep.packer.data.rows import Example, SlotStream
-from lora_sweep.packer.model.packed import PackedModel, load_base
+from lora_sweep.packer.model.load import load_base
+from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.step.train import SlotJob, target_tokens, train
 from tests.conftest import Recorder, random_examples

@@ -11,7 +11,8 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 
 from lora_sweep.packer.data.rows import SlotStream
-from lora_sweep.packer.model.packed import PackedModel, load_base
+from lora_sweep.packer.model.load import load_base
+from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.model.quant import NF4Linear, dequantize_base
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.step.train import SlotJob, train

@@ -16,7 +16,8 @@ from lora_sweep.errors import UserError
 from lora_sweep.kernels.ops import PackLayout
 from lora_sweep.packer.data.rows import SlotStream
 from lora_sweep.packer.model.checkpoint import read_adapter, save_adapter, save_adapters
-from lora_sweep.packer.model.packed import PackedModel, load_base
+from lora_sweep.packer.model.load import load_base
+from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.step.train import SlotJob, train
 from tests.conftest import load_adapter, random_examples

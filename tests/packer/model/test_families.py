@@ -24,7 +24,8 @@ from lora_sweep.kernels.ops import PackLayout  # noqa: E402
 from lora_sweep.packer.data.rows import SlotStream  # noqa: E402
 from lora_sweep.packer.loss import check_plain_head, chunked_slot_losses, slot_losses  # noqa: E402
 from lora_sweep.packer.model.layer import PackedLoRALinear, PackState  # noqa: E402
-from lora_sweep.packer.model.packed import PackedModel, load_base  # noqa: E402
+from lora_sweep.packer.model.load import load_base  # noqa: E402
+from lora_sweep.packer.model.packed import PackedModel  # noqa: E402
 from lora_sweep.packer.plan import AdapterSpec  # noqa: E402
 from lora_sweep.packer.step.train import SlotJob, train  # noqa: E402
 from lora_sweep.packer.tiny.models import FAMILIES, _init_model, tiny_config  # noqa: E402

@@ -16,7 +16,8 @@ need_triton()  # before anything imports the Triton kernel modules
 from transformers import AutoConfig  # noqa: E402
 
 from lora_sweep.packer.model.fuse import GATED_MLPS, RMS_NORMS, FusedGatedMLP, FusedRMSNorm, fuse_base_ops  # noqa: E402
-from lora_sweep.packer.model.packed import PackedModel, load_base  # noqa: E402
+from lora_sweep.packer.model.load import load_base  # noqa: E402
+from lora_sweep.packer.model.packed import PackedModel  # noqa: E402
 from lora_sweep.packer.plan import AdapterSpec  # noqa: E402
 from lora_sweep.packer.step.train import FixedBatch, SlotJob, train  # noqa: E402
 from tests.conftest import Recorder, random_examples  # noqa: E402

@@ -20,7 +20,8 @@ from transformers import AutoConfig, StaticCache  # noqa: E402
 from lora_sweep.kernels import ops  # noqa: E402
 from lora_sweep.kernels.ops import PackLayout  # noqa: E402
 from lora_sweep.packer.model.fuse import ROPE_ATTENTIONS, RopeSwap, _hook_rope, fuse_base_ops  # noqa: E402
-from lora_sweep.packer.model.packed import PackedModel, load_base  # noqa: E402
+from lora_sweep.packer.model.load import load_base  # noqa: E402
+from lora_sweep.packer.model.packed import PackedModel  # noqa: E402
 from lora_sweep.packer.plan import AdapterSpec  # noqa: E402
 from tests.conftest import add_slots_random_b, record_launches  # noqa: E402
 

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import lora_sweep.packer.model.gguf as G
 from lora_sweep.errors import UserError
-from lora_sweep.packer.model.packed import load_base, resolve_base
+from lora_sweep.packer.model.load import load_base, resolve_base
 from tests.packer.model._gguf import write_tiny_gguf
 
 IDS = torch.randint(0, 287, (2, 11), generator=torch.Generator().manual_seed(0))

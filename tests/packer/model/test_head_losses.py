@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from lora_sweep.packer.data.batch import IGNORE_INDEX
-from lora_sweep.packer.model.packed import load_base
+from lora_sweep.packer.model.load import load_base
 from lora_sweep.packer.model.store import fused_loss_head, head_losses, shift_targets, slot_losses
 from lora_sweep.packer.step import loop
 from tests.conftest import need_triton

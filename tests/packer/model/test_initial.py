@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from lora_sweep.packer.model.initial import init_a
-from lora_sweep.packer.model.packed import PackedModel, load_base
+from lora_sweep.packer.model.load import load_base
+from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import AdapterSpec
 
 

@@ -11,7 +11,8 @@ from torch import nn
 
 from lora_sweep.errors import ConfigError, UserError
 from lora_sweep.kernels.ops import PackLayout
-from lora_sweep.packer.model.packed import PackedModel, load_base
+from lora_sweep.packer.model.load import load_base
+from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import AdapterSpec
 
 

@@ -12,7 +12,8 @@ from tests.conftest import need_triton
 need_triton()  # before anything imports the Triton kernel modules
 
 import lora_sweep.packer.step.train  # noqa: E402
-from lora_sweep.packer.model.packed import PackedModel, load_base  # noqa: E402
+from lora_sweep.packer.model.load import load_base  # noqa: E402
+from lora_sweep.packer.model.packed import PackedModel  # noqa: E402
 from lora_sweep.packer.plan import AdapterSpec  # noqa: E402
 from lora_sweep.packer.step.train import FixedBatch, SlotJob, train  # noqa: E402
 from tests.conftest import random_examples, record_launches  # noqa: E402

@@ -9,7 +9,8 @@ from torch import nn
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.packer.data.rows import SlotStream
-from lora_sweep.packer.model.packed import PackedModel, load_base
+from lora_sweep.packer.model.load import load_base
+from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.model.quant import NF4Linear, nf4_bytes, quantize_base
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.probe import model_bytes

@@ -19,7 +19,8 @@ from lora_sweep.errors import ConfigError
 from lora_sweep.evaluators.registry import EvalData, evaluate
 from lora_sweep.packer.data.rows import SlotStream, read_jsonl
 from lora_sweep.packer.model import shard_load
-from lora_sweep.packer.model.packed import PackedModel, load_base
+from lora_sweep.packer.model.load import load_base
+from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.model.shard import base_share, decoder_layers, is_sharded, local_param_bytes, shard_base
 from lora_sweep.packer.model.shard_load import load_sharded, meta_model
 from lora_sweep.packer.plan import AdapterSpec

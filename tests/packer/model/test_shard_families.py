@@ -20,7 +20,8 @@ from torch import nn
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.packer.data.rows import SlotStream
-from lora_sweep.packer.model.packed import PackedModel, load_base
+from lora_sweep.packer.model.load import load_base
+from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.model.shard import base_share, decoder_body, decoder_layers, local_param_bytes, shard_base
 from lora_sweep.packer.model.shard_load import load_sharded, meta_model
 from lora_sweep.packer.plan import AdapterSpec

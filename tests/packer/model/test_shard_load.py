@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lora_sweep.packer.model.packed import PackedModel, load_base
+from lora_sweep.packer.model.load import load_base
+from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.model.shard import shard_base
 from lora_sweep.packer.model.shard_load import load_sharded, materialise, meta_load_refusal, meta_model
 from tests.conftest import need_module

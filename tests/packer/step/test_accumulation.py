@@ -12,7 +12,8 @@ from dataclasses import replace
 import torch
 
 from lora_sweep.packer.data.rows import SlotStream
-from lora_sweep.packer.model.packed import PackedModel, load_base
+from lora_sweep.packer.model.load import load_base
+from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.step.train import SlotJob, train
 from tests.conftest import Recorder, random_examples

@@ -22,7 +22,8 @@ from packaging.version import Version
 
 from lora_sweep.packer.data.packing import SamplePackedStream
 from lora_sweep.packer.data.rows import SlotStream
-from lora_sweep.packer.model.packed import PackedModel, load_base
+from lora_sweep.packer.model.load import load_base
+from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.step import loop
 from lora_sweep.packer.step.train import SlotJob, TrainResult, train

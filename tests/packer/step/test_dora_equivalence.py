@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from lora_sweep.errors import ConfigError
-from lora_sweep.packer.model.packed import PackedModel, load_base
+from lora_sweep.packer.model.load import load_base
+from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import AdapterSpec
 from tests import helpers as eq
 

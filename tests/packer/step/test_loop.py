@@ -7,7 +7,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from lora_sweep.packer.model.packed import PackedModel, load_base
+from lora_sweep.packer.model.load import load_base
+from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.model.store import SlotStore
 from lora_sweep.packer.step import loop
 from lora_sweep.packer.step.train import train

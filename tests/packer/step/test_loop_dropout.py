@@ -18,7 +18,8 @@ import torch
 
 import lora_sweep.packer.model.store as slot_store
 from lora_sweep.kernels.ops import SEG_INT_COL, PackLayout, dropout_seed
-from lora_sweep.packer.model.packed import PackedModel, load_base
+from lora_sweep.packer.model.load import load_base
+from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.step.train import train
 from lora_sweep.packer.tiny.models import build_tiny_model

@@ -50,7 +50,8 @@ def test_the_ratio_changes_training(tiny_dirs) -> None:
 def test_loraplus_on_the_triton_adamw_equals_the_torch_step_on_cuda(tiny_dirs) -> None:
     """The Triton AdamW's per-segment learning rate (``kernels.triton_adamw``, B^T segments at ``lr * lr_ratio``),
     captured in the CUDA graph, against the torch step that the CPU test above holds to PEFT, both on the GPU."""
-    from lora_sweep.packer.model.packed import PackedModel, load_base
+    from lora_sweep.packer.model.load import load_base
+    from lora_sweep.packer.model.packed import PackedModel
     from lora_sweep.packer.step.train import train
     from tests.conftest import Recorder
 

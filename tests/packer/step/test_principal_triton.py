@@ -13,7 +13,8 @@ from tests.conftest import Recorder, need_triton
 
 need_triton()  # before anything imports the Triton kernel modules
 
-from lora_sweep.packer.model.packed import PackedModel, load_base  # noqa: E402
+from lora_sweep.packer.model.load import load_base  # noqa: E402
+from lora_sweep.packer.model.packed import PackedModel  # noqa: E402
 from lora_sweep.packer.step.train import train  # noqa: E402
 from lora_sweep.packer.tiny.models import build_tiny_model  # noqa: E402
 from tests.helpers import LLAMA_SPECS, slot_jobs  # noqa: E402
