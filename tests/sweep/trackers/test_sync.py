@@ -91,8 +91,11 @@ def test_a_killed_and_resumed_run_continues_the_same_runs(tiny_dirs, tmp_path) -
                        train={"max_steps": 800, "micro_batch": 4}, pruning={"kind": "none"}, pack={"max_slots": 1})
     out = tmp_path / "runs-killed"
     cmd = [sys.executable, "-m", "lora_sweep", "run", str(path), "--quiet", "trackers=[mlflow, wandb, tensorboard]"]
+    # as from a user's shell: not through the W&B service this test process started for the tests before it (wandb
+    # exports WANDB_SERVICE to children; a killed child's runs would stay open in that service, their ids in use)
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+                            start_new_session=True, env=env)
     state_file = out / "trackers.json"
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:  # kill once the trackers hold ended and training trials
@@ -114,7 +117,7 @@ def test_a_killed_and_resumed_run_continues_the_same_runs(tiny_dirs, tmp_path) -
     killed = {n for n, state in _states(out).items() if state == "RUNNING"}
     assert killed, "the kill must land with trials still training"
 
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr
     assert "warning" not in done.stdout + done.stderr
     after = json.loads(state_file.read_text())
