@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from lora_sweep.errors import UserError
+from lora_sweep.errors import UserError, first_line
 from lora_sweep.sweep.store.results import SQLITE_ERRNO
 
 __all__ = ["fault_line", "about"]
@@ -94,7 +94,7 @@ def fault_line(err: BaseException, folder: Path | None = None) -> str | None:
         if code in _PATH and name:
             return f"{name}: {e.strerror}"
         if "file is not a database" in str(e):
-            return str(e).splitlines()[0]
+            return first_line(e)
     return None
 
 
