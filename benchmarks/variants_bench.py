@@ -29,8 +29,7 @@ __all__ = ["VARIANTS", "main"]
 
 VARIANTS = {"lora_plus": {"lr_ratio": 16.0}, "pissa": {"init": "pissa"}, "olora": {"init": "olora"},
             "dora": {"dora": True}}
-"""Variant name -> the AdapterSpec fields it sets (``dora``: on the torch kernels only, ``--kernels torch``; the
-Triton path refuses it)."""
+"""Variant name -> the AdapterSpec fields it sets."""
 _PEFT = {"lora_plus": {}, "pissa": {"init_lora_weights": "pissa"}, "olora": {"init_lora_weights": "olora"},
          "dora": {"use_dora": True}}
 """The LoraConfig arguments of the same variant (LoRA+ changes PEFT's optimizer only: its step is plain LoRA's)."""
@@ -107,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--device", default="cuda")
     p.add_argument("--kernels", choices=["auto", "torch", "triton"], default="auto",
-                   help="the pack's LoRA kernels (auto: Triton on CUDA; DoRA needs torch)")
+                   help="the pack's LoRA kernels (auto: Triton on CUDA)")
     args = p.parse_args(argv)
     for shape in args.shape or ["smollm2", "llama3-8b"]:
         print(json.dumps(row(args, shape)), flush=True)

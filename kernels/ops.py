@@ -1,12 +1,12 @@
 """Packed multi-adapter LoRA ops, and the frozen base's fused RMSNorm, SiLU-gated product and RoPE.
 
 ``packed_lora_eval`` is the entry point of the LoRA term (``packed_lora_eval_linear`` with the base GEMM; on a pack's
-tables ``packed_lora``);
+tables ``packed_lora``, with ``dora_scale`` after it for DoRA slots);
 ``rms_norm``, ``silu_mul`` and ``rope`` are those of the base's elementwise ops; ``linear_ce`` is a fixed-shape
 batch's per-slot loss through the frozen output head. The implementation is an explicit argument so the Triton
 kernels drop in without touching the packer. Imports without triton: the Triton modules (``kernels.triton_lora``,
-``triton_norm``, ``triton_swiglu``, ``triton_rope``, ``triton_ce``) are loaded on the first ``impl="triton"`` call,
-after a test's ``TRITON_INTERPRET=1`` has been set.
+``triton_dora``, ``triton_norm``, ``triton_swiglu``, ``triton_rope``, ``triton_ce``) are loaded on the first
+``impl="triton"`` call, after a test's ``TRITON_INTERPRET=1`` has been set.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from lora_sweep.kernels._launch import (
 from lora_sweep.kernels.meta import LayerRanks, PackLayout, dropout_seed
 from lora_sweep.kernels.reference import lora_loop, lora_masked_dense
 
-__all__ = ["packed_lora_eval", "packed_lora_eval_linear", "packed_lora", "precompile",
+__all__ = ["packed_lora_eval", "packed_lora_eval_linear", "packed_lora", "dora_scale", "dora_factors", "precompile",
            "hash_compiler_early",
            "lora_operand_dtype",
            "rms_norm", "silu_mul", "rope", "rope_problem", "linear_ce", "segmented_sumsq", "segmented_adamw_",
@@ -157,6 +157,42 @@ def packed_lora(x: torch.Tensor, base_out: torch.Tensor | None, weight: torch.Te
         (T, D_out); differentiable in x (and in a_cat and bt_cat unless ``grads`` takes their gradients).
     """
     return _triton_module().PackedLoRAFunction.apply(x, base_out, weight, bias, a_cat, bt_cat, meta, grads, ops)
+
+
+def dora_scale(y: torch.Tensor, ratio: torch.Tensor, gain: torch.Tensor, bias: torch.Tensor | None,
+               grad: torch.Tensor) -> torch.Tensor:
+    """DoRA's per-slot column rescale of a pack's projection output, on the Triton kernels (``kernels.triton_dora``):
+    ``y + (r - 1) (y - b)``, slot g owning the g-th block of T / C tokens.
+
+    Args:
+        y: (T, D) ``packed_lora``'s output (base, bias and LoRA term).
+        ratio: (C, D) fp32 ``m / ||W + s B A||`` per slot and column, 1 for a plain slot (a constant of the step).
+        gain: (C, D) fp32 ``1 / ||W + s B A||`` for a DoRA slot adapting the layer, 0 elsewhere.
+        bias: (D,) the base's bias, or None.
+        grad: (C, D) fp32 the layer's magnitude gradients, which the backward adds ``gain * sum dout (y - b)`` into.
+
+    Returns:
+        (T, D); differentiable in y.
+    """
+    return _triton_module("triton_dora").dora_scale_triton(y, ratio, gain, bias, grad)
+
+
+def dora_factors(wa: torch.Tensor, bt: torch.Tensor, aat: torch.Tensor, wsq: torch.Tensor, m: torch.Tensor,
+                 on: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every slot's DoRA factors of one projection on the Triton kernels (``kernels.triton_dora``): ``ratio = m / n``
+    (1 for a slot that is not DoRA) and ``gain = 1 / n`` (0 for it), n = ``||W + s B A||`` per output row, detached.
+
+    Args:
+        wa: (C * RB, D_out) fp32 the slots' ``A W^T`` (slot g's rows ``g * RB ..``; rank padding zero).
+        bt: (C * RB, D_out) fp32 their B^T.
+        aat: (C, RB, RB) fp32 their ``A A^T``.
+        wsq: (D_out,) squared row norms of the base weight W.
+        m: (C, D_out) magnitudes; on: (C,) 1 for a DoRA slot adapting the layer; scale: (C,) the slots' scales.
+
+    Returns:
+        (C, D_out) fp32 ratio and gain.
+    """
+    return _triton_module("triton_dora").dora_factors_triton(wa, bt, aat, wsq, m, on, scale)
 
 
 def lora_operand_dtype(act: torch.dtype) -> torch.dtype:

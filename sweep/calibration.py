@@ -27,8 +27,8 @@ if TYPE_CHECKING:
     from lora_sweep.packer.api import BaseShare, PackedModel
     from lora_sweep.sweep.config.spec import StudySpec
 
-__all__ = ["BaseShape", "calibrated", "cached_calibration", "cache_dir", "calibration_key", "CALIBRATION_VERSION",
-           "SHARD_WORLDS", "cached_lengths", "cache_lengths"]
+__all__ = ["BaseShape", "calibrated", "cached_calibration", "cache_dir", "calibration_key", "trains_dora",
+           "CALIBRATION_VERSION", "SHARD_WORLDS", "cached_lengths", "cache_lengths"]
 
 CALIBRATION_VERSION = 3
 """Bump when ``packer.probe.calibrate`` measures differently: older cache entries are then not read."""
@@ -127,7 +127,8 @@ def calibrated(spec: StudySpec, pm: PackedModel, calibrations: int = 1,
     t0 = time.perf_counter()
     models = [calibrate(pm, spec.data.max_length, pad_id=0, chunked_ce=spec.pack.chunked_ce,
                         activation_checkpointing=spec.pack.activation_checkpointing,
-                        optimizer_in_backward=spec.train.optimizer_in_backward) for _ in range(calibrations)]
+                        optimizer_in_backward=spec.train.optimizer_in_backward, dora=trains_dora(spec))
+              for _ in range(calibrations)]
     seconds = time.perf_counter() - t0
     key = calibration_key(spec, str(pm.device))
     path = _entry(key)
@@ -168,7 +169,7 @@ def cache_dir() -> Path:
 def calibration_key(spec: StudySpec, device: str) -> dict[str, Any]:
     """What a calibration depends on: the model's files (names, sizes, modification times), dtype and
     quantization, the device (and GPU), the kernels, the sequence length and the training options the probe
-    takes, torch's version and CPU threads. Computed from the spec, without the model; ``device`` as ``sweep plan``
+    takes (DoRA's among them), torch's version and CPU threads. Computed from the spec, without the model; ``device`` as ``sweep plan``
     resolves it (``cuda``) or as a pack's (``cuda:0``), the same key."""
     import torch
 
@@ -180,8 +181,15 @@ def calibration_key(spec: StudySpec, device: str) -> dict[str, Any]:
             "kernels": spec.pack.kernels, "fused_base_ops": spec.pack.fused_base_ops,
             "seq_len": spec.data.max_length, "chunked_ce": spec.pack.chunked_ce,
             "activation_checkpointing": spec.pack.activation_checkpointing,
-            "optimizer_in_backward": spec.train.optimizer_in_backward, "torch": torch.__version__,
-            "threads": torch.get_num_threads()}
+            "optimizer_in_backward": spec.train.optimizer_in_backward, "dora": trains_dora(spec),
+            "torch": torch.__version__, "threads": torch.get_num_threads()}
+
+
+def trains_dora(spec: StudySpec) -> bool:
+    """Whether a trial of the space can be a DoRA slot (``train.dora``, or ``true`` among ``search.dora``'s values):
+    then the probes are DoRA's (``packer.probe.calibrate``)."""
+    p = next((p for p in spec.search.params if p.name == "dora"), None)
+    return True in (p.choices if p is not None else (spec.train.dora,))
 
 
 def _entry(key: dict[str, Any], kind: str = "calibration") -> Path:

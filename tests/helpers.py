@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -29,7 +29,7 @@ from transformers.pytorch_utils import Conv1D
 from lora_sweep.benchmarks.baseline import make_scheduler
 from lora_sweep.kernels.ops import PackLayout
 from lora_sweep.packer.data.batch import collate
-from lora_sweep.packer.data.rows import Example, SlotStream, read_jsonl, tokenize_rows
+from lora_sweep.packer.data.rows import Example, SlotStream, load_examples, read_jsonl, tokenize_rows
 from lora_sweep.packer.model.checkpoint import read_adapter, save_adapters
 from lora_sweep.packer.model.load import load_base
 from lora_sweep.packer.model.packed import PackedModel
@@ -141,13 +141,16 @@ def run_peft(model_dir: Path, spec: AdapterSpec, stream: SlotStream, init_a: dic
         targets: PEFT's ``target_modules`` (``all-linear``: PEFT's own resolution, which must adapt exactly the
             modules of ``init_a``); None: the leaf names of ``init_a``'s paths.
     """
+    fp64_principal = spec.principal and torch.get_default_dtype() == torch.float64  # PEFT inits those in fp32 only
     base = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation="eager",
-                                                dtype=torch.get_default_dtype())
+                                                dtype=torch.float32 if fp64_principal else torch.get_default_dtype())
     conv1d = any(isinstance(m, Conv1D) for m in base.modules())
     cfg = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=0.0, use_rslora=spec.rslora, bias="none",
                      target_modules=targets or sorted({p.rsplit(".", 1)[-1] for p in init_a}), fan_in_fan_out=conv1d,
                      init_lora_weights=True if spec.init == "kaiming" else spec.init, use_dora=spec.dora)
     model = get_peft_model(base, cfg)
+    if fp64_principal:
+        _residual_in_fp64(model, model_dir, init_a)
     model.eval()  # base dropout off, as in the engine; gradients still flow
     named = dict(model.named_parameters())
     lora = {path: (named[f"base_model.model.{path}.lora_A.default.weight"],
@@ -163,6 +166,19 @@ def run_peft(model_dir: Path, spec: AdapterSpec, stream: SlotStream, init_a: dic
     moments = {path: tuple((opt.state[w]["exp_avg"], opt.state[w]["exp_avg_sq"]) for w in pair)
                for path, pair in lora.items()}
     return PeftRun(losses, weights, moments)  # type: ignore[arg-type]
+
+
+def _residual_in_fp64(model: nn.Module, model_dir: Path, paths: Iterable[str]) -> None:
+    """PEFT's PiSSA / OLoRA model, initialised in fp32 (``pissa_init`` / ``olora_init`` refuse fp64), in fp64 with its
+    residual base ``W_res = W - s B0 A0`` formed again in fp64 from the original W and the fp32 factors (exact in
+    fp64): PEFT's math, without the fp32 rounding of W_res."""
+    original = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation="eager", dtype=torch.float64)
+    model.double()
+    with torch.no_grad():
+        for path in paths:
+            layer = model.base_model.model.get_submodule(path)
+            b0a0 = layer.lora_B["default"].weight @ layer.lora_A["default"].weight  # (D_out, D_in)
+            layer.base_layer.weight.copy_(original.get_submodule(path).weight - layer.scaling["default"] * b0a0)
 
 
 def slot_jobs(specs: list[AdapterSpec]) -> list[SlotJob]:
@@ -194,6 +210,43 @@ def assert_trained_as_peft(model_dir: Path, job: SlotJob, losses: dict, final: d
         assert b.abs().max() > 0, "B never moved: the test would not see a wrong update"
         torch.testing.assert_close(a, ra, rtol=0, atol=1e-4)
         torch.testing.assert_close(b, rb, rtol=0, atol=1e-4)
+
+
+def smollm2_pack_equals_peft(model_dir: Path, specs: list[AdapterSpec], steps: int) -> None:
+    """The real-model parity check: ``specs`` trained as one fp64 pack on the demo task's rows (SmolLM2's tokenizer,
+    64 rows of at most 48 tokens), each slot ending where PEFT's same adapter trained alone ends."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rows = load_examples(Path(__file__).parents[1] / "studies" / "data" / "codes-train.jsonl", tok,
+                         fmt="prompt_completion", max_length=48)[:64]
+
+    def jobs() -> list[SlotJob]:
+        return [SlotJob(spec, SlotStream(rows, spec.micro_batch, seed=spec.seed), key=i)
+                for i, spec in enumerate(specs)]
+
+    torch.manual_seed(0)
+    with default_dtype(torch.float64):
+        losses, final = run_packed(model_dir, jobs(), capacity=len(specs))
+        for job in jobs():
+            assert final[job.key] and all(a.dtype == torch.float64 for a, _ in final[job.key].values())
+            assert_trained_as_peft(model_dir, job, losses, final, min_steps=steps)
+
+
+def torch_and_triton(model_dir: Path, specs: list[AdapterSpec], device: str, snapshot=None) -> dict:  # noqa: ANN001
+    """``specs`` trained in one pack of 3 slots on the torch step and on the Triton step (the base's own ops, SDPA on
+    CUDA): impl -> (its ``Recorder``, ``train``'s result). ``snapshot(pm)``: the Recorder's snapshot of a slot that
+    ends."""
+    runs = {}
+    for impl in ("torch", "triton"):
+        model, _ = load_base(str(model_dir), attn_implementation="sdpa" if device == "cuda" else "eager",
+                             device=device)
+        pm = PackedModel(model, impl=impl, fused_base_ops=False)  # type: ignore[arg-type]
+        queue, rec = slot_jobs(specs), Recorder(pm, None if snapshot is None else snapshot(pm))
+        result = train(pm, 3, lambda slot, q=queue: q.pop(0) if q else None, pad_id=0, on_step=rec.on_step,
+                       on_end=rec.on_end)
+        runs[impl] = (rec, result)
+    return runs
 
 
 # --------------------------------------------------------------- exported adapters: PEFT loads them, merges agree
@@ -241,14 +294,15 @@ def assert_peft_and_merge_reproduce(model_dir, adapter_dir, packed: torch.Tensor
 
 # --------------------------------------------------------------- planning and evaluation on a pack
 
-def step_growth(pm: PackedModel, mm, ranks: tuple[int, ...], micro: int, seq: int, vocab: int,
+def step_growth(pm: PackedModel, mm, ranks: tuple[int, ...], micro: int, seq: int, vocab: int, dora: bool = False,
                 **options) -> tuple[float, float]:
-    """(predicted, measured) bytes a pack's step adds on top of the base part, for slots of ``ranks``."""
+    """(predicted, measured) bytes a pack's step adds on top of the base part, for slots of ``ranks`` (DoRA slots
+    with ``dora``)."""
     gen = torch.Generator().manual_seed(1)
     jobs = []
     for i, r in enumerate(ranks):
         ids = torch.randint(3, vocab, (micro, seq), generator=gen).tolist()
-        spec = AdapterSpec(rank=r, targets=("all-linear",), micro_batch=micro, max_steps=2, seed=i)
+        spec = AdapterSpec(rank=r, targets=("all-linear",), micro_batch=micro, max_steps=2, seed=i, dora=dora)
         jobs.append(SlotJob(spec, FixedBatch([Example(tuple(x), tuple(x)) for x in ids])))
     shapes = [(layer.in_features, layer.out_features) for layer in pm.layers.values()]
     params = sum(adapter_param_count(shapes, r) for r in ranks)

@@ -11,19 +11,22 @@ with lora = s B A x. ``Magnitudes`` holds m for all C slots of every wrapped pro
 in four flat buffers beside the store's (weights, gradients and the two AdamW moments), and per layer a per-slot
 flag (1: a DoRA slot adapting that layer), so a refill writes data, never a shape. The optimizer takes m with B's
 learning rate and decay (PEFT's LoRA+ groups every 1-d parameter with B). Magnitudes start at ``||W||`` per row, n
-at B = 0. The Triton kernels do not read them: a DoRA slot trains on the torch path only (refused elsewhere).
+at B = 0. The torch path adds the term with autograd (``SlotStore``'s ``_dora_term``); the Triton path rescales the
+packed output by r in one kernel each way (``kernels.triton_dora``), which adds m's gradient into ``grad`` itself,
+and the Triton AdamW steps m as one more B-like segment per layer (``segs``).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 
 import torch
 from torch import nn
 
-from lora_sweep.kernels.reference import dora_norm
+from lora_sweep.kernels import ops
 
-__all__ = ["Magnitudes", "base_weight", "dora_ratio"]
+__all__ = ["Magnitudes", "base_weight", "dora_norms", "dora_ratio", "triton_factors"]
 
 
 def base_weight(base: nn.Module) -> torch.Tensor:
@@ -69,6 +72,15 @@ class Magnitudes:
             leaf.grad = self.grad[off:off + capacity * d_out].view(capacity, d_out)
             self.m[p] = leaf
             off += capacity * d_out
+        self.segs = torch.tensor([(o, d, 1) for o, d in self.offsets.values()], dtype=torch.int64, device=device)
+        self.wsq: dict[str, torch.Tensor] = {}
+        with torch.no_grad():  # W is frozen: its row norms once, for the Triton path's factors (``kernels.ops``)
+            for p, layer in layers.items():
+                with contextlib.suppress(ValueError):  # a projection DoRA cannot adapt (``base_weight``): no entry
+                    self.wsq[p] = base_weight(layer.base).to(self.flat.dtype).square().sum(dim=1)  # type: ignore[attr-defined]
+        """(layers, 3) the Triton AdamW's segment table (``kernels.triton_adamw``): per layer a block of one row of
+        D_out per slot, stepped at B's learning rate and decay. ``wsq``: path -> (D_out,) ``||W||^2`` per row, for
+        every projection DoRA can adapt."""
 
     def views(self, path: str) -> list[torch.Tensor]:
         """(C, D_out) views of the layer's magnitudes in the four buffers (weights, gradients, moments)."""
@@ -117,9 +129,31 @@ class Magnitudes:
             self.slots.add(slot)
 
 
+def dora_norms(weight: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Every slot's row norm ``||W + s B A||`` at once (``kernels.reference.dora_norm``'s expansion, batched over slots:
+    a few ops per layer whatever C is), detached.
+
+    Args:
+        weight: (D_out, D_in) base weight.
+        a: (C, RB, D_in) the slots' A (rank padding zero); bt: (C, RB, D_out) their B^T.
+        scale: (C,) the slots' scales.
+
+    Returns:
+        (C, D_out) in ``a``'s dtype.
+    """
+    with torch.no_grad():
+        w = weight.to(a.dtype)
+        s = scale.to(a.dtype)[:, None]  # (C, 1)
+        wa = torch.matmul(a, w.T)  # (C, RB, D_out): (A W^T)^T per slot
+        quad = torch.matmul(torch.matmul(a, a.transpose(1, 2)), bt)  # (C, RB, D_out): (A A^T) B^T
+        sq = w.square().sum(dim=1) + 2 * s * (bt * wa).sum(dim=1) + s.square() * (bt * quad).sum(dim=1)
+        return sq.clamp(min=0).sqrt()
+
+
 def dora_ratio(weight: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, scale: torch.Tensor, m: torch.Tensor,
-               on: torch.Tensor) -> torch.Tensor:
-    """Every slot's column factor ``m / ||W + s B A||`` (1 for a slot that is not DoRA), differentiable in m only.
+               on: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every slot's column factor ``m / ||W + s B A||`` (1 for a slot that is not DoRA), differentiable in m only,
+    and the factor's derivative in m, ``1 / ||W + s B A||`` (0 for a slot that is not DoRA).
 
     Args:
         weight: (D_out, D_in) base weight.
@@ -128,9 +162,37 @@ def dora_ratio(weight: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, scale: t
         m: (C, D_out) magnitudes; on: (C,) 1 for a DoRA slot.
 
     Returns:
-        (C, D_out).
+        (C, D_out) ratio and (C, D_out) gain.
     """
+    dora = on[:, None] > 0
     with torch.no_grad():
-        norm = torch.stack([dora_norm(weight, a[g], bt[g], scale[g]) for g in range(a.shape[0])])  # (C, D_out)
-        norm = torch.where(on[:, None] > 0, norm, torch.ones_like(norm))
-    return torch.where(on[:, None] > 0, m / norm, torch.ones_like(norm))
+        norm = torch.where(dora, dora_norms(weight, a, bt, scale), torch.ones_like(m))
+        gain = torch.where(dora, 1 / norm, torch.zeros_like(norm))
+    return torch.where(dora, m / norm, torch.ones_like(norm)), gain
+
+
+def triton_factors(mag: Magnitudes, path: str, weight: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
+                   a_op: torch.Tensor | None, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dora_ratio``'s (ratio, gain) on the Triton path, detached: ``kernels.ops.dora_factors`` given every slot's
+    ``A W^T`` in one GEMM (a bf16 base on CUDA: the kernels' bf16 copy of A, fp32 out; else in A's dtype) and
+    ``A A^T`` in one batched product.
+
+    Args:
+        mag: the store's magnitudes; path: the layer's.
+        weight: (D_out, D_in) base weight.
+        a: (C, RB, D_in) the slots' A; bt: (C * RB, D_out) their B^T.
+        a_op: (C * RB, D_in) A in the kernels' operand dtype, or None.
+        scale: (C,) the slots' scales.
+
+    Returns:
+        (C, D_out) fp32 each.
+    """
+    flat = a.reshape(-1, a.shape[-1])
+    if weight.dtype == a.dtype:
+        wa = flat @ weight.T
+    elif weight.is_cuda and a_op is not None and a_op.dtype == weight.dtype:
+        wa = torch.mm(a_op, weight.T, out_dtype=torch.float32)  # type: ignore[call-arg]
+    else:
+        wa = flat @ weight.to(a.dtype).T
+    return ops.dora_factors(wa, bt, torch.bmm(a, a.transpose(1, 2)), mag.wsq[path], mag.m[path].detach(),
+                            mag.on[path], scale)

@@ -107,9 +107,6 @@ class PackedModel:
         paths = list(self._targets[key])
         if any(p not in self.layers for p in paths):
             inject(self.model, paths, self.state, self.layers)  # (the store wraps every projection up front)
-        if spec.dora and resolve_impl(self.state.impl, self.device) == "triton":
-            raise ConfigError("dora: the Triton kernels do not train DoRA's magnitudes; use the torch kernels "
-                              "(pack.kernels: torch)")
         for path in paths:
             layer = self.layers[path]
             if spec.rank > min(layer.in_features, layer.out_features):

@@ -51,7 +51,7 @@ from lora_sweep.packer.data.batch import IGNORE_INDEX
 from lora_sweep.packer.loss import plain_output_head
 from lora_sweep.packer.model.inject import inject, resolve_targets
 from lora_sweep.packer.model.layer import PackedLoRALinear, PackState
-from lora_sweep.packer.model.magnitude import Magnitudes, base_weight, dora_ratio
+from lora_sweep.packer.model.magnitude import Magnitudes, base_weight, dora_ratio, triton_factors
 from lora_sweep.packer.plan import ALL_LINEAR
 
 __all__ = ["SlotStore", "rank_bucket_for", "ShapeBuffers", "OPT_FIELDS", "SEG_INT", "SEG_FLT", "slot_losses",
@@ -134,7 +134,7 @@ class SlotStore:
             segs += [(oa, d_in, 0), (ob, d_out, 1)]
         self.segs = torch.tensor(segs, dtype=torch.int64, device=device)  # (S, 3): offset, width, B^T (LoRA+'s lr)
         self.mag: Magnitudes | None = None
-        """DoRA's per-slot magnitudes (``packer.model.magnitude``; the torch path only), made when the first DoRA
+        """DoRA's per-slot magnitudes (``packer.model.magnitude``), made when the first DoRA
         slot arrives: a pack without one holds none (16 B per output feature, slot and layer)."""
         self.active: frozenset[str] = frozenset()
         """Paths some live slot targets; the others run their base projection alone."""
@@ -284,9 +284,14 @@ class SlotStore:
             else:
                 y = ops.packed_lora(x2, layer.base(x).reshape(b * seq, -1), None, None, a, bt, meta,
                                                grads, operands)
+            if self.mag is not None and path in self.mag.wsq:  # a pack that has held a DoRA slot: rescale its slots'
+                c, rb = self.capacity, self.rank_bucket  # columns (r = 1 for every other slot)
+                ratio, gain = triton_factors(self.mag, path, base_weight(layer.base), a.detach().view(c, rb, -1),
+                                             bt.detach(), self.a_op.get(path), meta.seg_flt[:, SEG_FLT_COL.scale])
+                y = ops.dora_scale(y, ratio, gain, layer.base.bias, self.mag.m[path].grad)
             return y.view(b, seq, -1)
         base_out, lora = layer.base(x), self._lora_term(layer, path, x)
-        if self.mag is None or not self.mag.slots:
+        if self.mag is None:  # a pack that has held a DoRA slot adds the term (zero for a plain slot), as above
             return base_out + lora
         return base_out + lora + self._dora_term(layer, path, base_out, lora)
 
@@ -294,15 +299,21 @@ class SlotStore:
                    lora: torch.Tensor) -> torch.Tensor:
         """What DoRA adds for its slots, ``(ratio - 1) * (W x + lora)`` (``packer.model.magnitude``): (B, L, D_out),
         zero on every other slot's rows."""
-        shape, c, rb, mag = self.shape, self.capacity, self.rank_bucket, self.mag
-        assert shape is not None and mag is not None
-        weight = base_weight(layer.base)
+        shape, c = self.shape, self.capacity
+        assert shape is not None
         wx = base_out if layer.base.bias is None else base_out - layer.base.bias  # (B, L, D_out)
-        ratio = dora_ratio(weight, self.a[path].view(c, rb, -1), self.bt[path].view(c, rb, -1),
-                           shape.meta.seg_flt[:, SEG_FLT_COL.scale], mag.m[path], mag.on[path])  # (C, D_out)
+        ratio, _ = self._dora_ratio(layer, path)  # (C, D_out)
         b, seq, d_out = wx.shape
         per_row = (ratio - 1).to(wx.dtype)[:, None, None, :]  # (C, 1, 1, D_out): slot g's rows are a block
         return (per_row * (wx + lora).view(c, b // c, seq, d_out)).view(b, seq, d_out)
+
+    def _dora_ratio(self, layer: PackedLoRALinear, path: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every slot's DoRA column factor of ``layer`` and its derivative in m (``magnitude.dora_ratio``): (C, D_out)
+        each, from the step's weights and scales."""
+        shape, c, rb, mag = self.shape, self.capacity, self.rank_bucket, self.mag
+        assert shape is not None and mag is not None
+        return dora_ratio(base_weight(layer.base), self.a[path].view(c, rb, -1), self.bt[path].view(c, rb, -1),
+                          shape.meta.seg_flt[:, SEG_FLT_COL.scale], mag.m[path], mag.on[path])
 
     def _lora_term(self, layer: PackedLoRALinear, path: str, x: torch.Tensor) -> torch.Tensor:
         """The torch LoRA term of ``layer`` on x (B, L, D_in): (B, L, D_out). Slot g's rows meet only its own

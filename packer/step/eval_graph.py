@@ -198,7 +198,7 @@ def row_losses(pm: PackedModel, slots: Sequence[int], chunk: Sequence[Any], rows
             ids[g * rows + i, :n], labels[g * rows + i, :n], mask[g * rows + i, :n] = ex.input_ids, ex.labels, 1
     shape.ints[:3 * b * seq_len].copy_(torch.from_numpy(host.reshape(-1)))
     cache = _cache(store)
-    key = ("loss", rows, seq_len)
+    key = ("loss", rows, seq_len, store.mag is not None)  # the last: whether the forward has DoRA's rescale
     if key not in cache:
         out = torch.zeros((b, 2), device=pm.device)
         head = fused_loss_head(pm.model) if _triton(pm) else None
@@ -326,7 +326,7 @@ def greedy_decode(pm: PackedModel, slots: Sequence[int], chunk: Sequence[Sequenc
     assert store is not None and 0 < len(chunk) <= rows and new_tokens >= 1
     shapes = _shape(pm, store, slots, rows, width), _shape(pm, store, slots, rows, 1)
     cache = _cache(store)
-    key = ("decode", rows, width, new_tokens)
+    key = ("decode", rows, width, new_tokens, store.mag is not None)
     if key not in cache:
         cache[key] = _Decoder(pm, store, shapes, width, new_tokens, cache_kwarg)
     dec: _Decoder = cache[key]

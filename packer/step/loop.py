@@ -113,9 +113,10 @@ class Graphs:
     pool: Any = None
     warmup_s: float = 0.0
     capture_s: float = 0.0
-    grads: torch.Tensor | None = None
-    """The store's gradient buffer while a slot accumulates: the warm-up steps before a capture add their
-    gradients and zero them, so an accumulating slot's gradient so far is saved and put back around them."""
+    grads: tuple[torch.Tensor, ...] = ()
+    """The store's gradient buffers (DoRA's magnitudes' too) while a slot accumulates: the warm-up steps before a
+    capture add their gradients and zero them, so an accumulating slot's gradient so far is saved and put back around
+    them."""
     fallback: str | None = None
     """Why the step runs eagerly on CUDA: the failed capture's error and where it was raised (None: no failure)."""
 
@@ -134,7 +135,7 @@ class Graphs:
 
     def _capture(self, step: Callable[[], None], shape: ShapeBuffers, scratch_row: int) -> torch.cuda.CUDAGraph | None:
         saved = shape.floats.clone(), shape.ints[-1:].clone()
-        grads = None if self.grads is None else self.grads.clone()
+        grads = [g.clone() for g in self.grads]
         shape.opt.copy_(torch.tensor(NOOP, device=shape.opt.device).expand_as(shape.opt))
         shape.ring_row.fill_(scratch_row)
         try:
@@ -147,8 +148,8 @@ class Graphs:
             self.enabled, graph, self.fallback = False, None, capture_failure(err)
         shape.floats.copy_(saved[0])
         shape.ints[-1:].copy_(saved[1])
-        if grads is not None:
-            self.grads.copy_(grads)  # type: ignore[union-attr]
+        for buf, kept in zip(self.grads, grads, strict=True):
+            buf.copy_(kept)
         return graph
 
 

@@ -6,7 +6,8 @@ table (``ShapeBuffers.opt``) instead of Python scalars, so that a captured graph
 learning rates and schedule positions. The host fills the table (``optimizer_row``); a free slot, or a warm-up
 step, gets the no-op row (``NOOP``): zero step size, decay 1, betas 1, which leaves weights and moments exactly
 as they were. On the Triton path two kernels do it (``kernels.triton_adamw``); elsewhere a few torch ops per
-layer on ``(C, rows * D)`` views with ``(C, 1)`` columns. B^T takes its own decay and step size from the row, at
+layer on ``(C, rows * D)`` views with ``(C, 1)`` columns. DoRA's magnitudes (``packer.model.magnitude``) are one more
+row per slot and layer, in the same clip norm and step. B^T takes its own decay and step size from the row, at
 the slot's learning rate times its LoRA+ ratio (``AdapterSpec.lr_ratio``).
 """
 
@@ -60,8 +61,12 @@ def adamw_step(store: SlotStore, shape: ShapeBuffers, triton: bool) -> torch.Ten
         (C,) fp32 gradient norms before clipping, on the device (no host sync).
     """
     opt, c = shape.opt, store.capacity
+    mag = store.mag
+    live = None if mag is None else (shape.rank > 0).to(torch.int64)  # (C,) a live slot's one row of m per layer
     if triton:
         sumsq = ops.segmented_sumsq(store.grad, store.segs, shape.rank, store.rank_bucket)
+        if mag is not None:  # DoRA's magnitudes: in the slot's norm (zero for a plain slot) and its step
+            sumsq = sumsq + ops.segmented_sumsq(mag.grad, mag.segs, live, 1)
     else:
         rb = store.rank_bucket
         trained = (torch.arange(rb, device=opt.device) < shape.rank[:, None]).to(store.flat.dtype)  # (C, RB)
@@ -77,6 +82,8 @@ def adamw_step(store: SlotStore, shape: ShapeBuffers, triton: bool) -> torch.Ten
     if triton:
         ops.segmented_adamw_(store.flat, store.grad, store.exp_avg, store.exp_avg_sq, store.segs, shape.rank,
                                  coef, opt, store.rank_bucket)
+        if mag is not None:  # with B's decay and step (the segment table's third column), as below
+            ops.segmented_adamw_(mag.flat, mag.grad, mag.exp_avg, mag.exp_avg_sq, mag.segs, live, coef, opt, 1)
         return norms
     cols = [opt[:, i:i + 1].to(store.flat.dtype) for i in range(len(NOOP))]  # (a float64 store: the fp64 tests)
     decay_a, w1, b2, w2, bc2, eps, step_a, _, keep, decay_b, step_b = cols

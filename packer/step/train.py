@@ -249,9 +249,10 @@ def train(
             # its key, or eager.
             dropout = any(a.job.spec.dropout > 0 for a in active.values())
             packed = any(a.job.spec.sample_packing for a in active.values())
-            key = (*dims, store.active, dropout, packed)
+            key = (*dims, store.active, dropout, packed, store.mag is not None)  # the last: the DoRA rescale
             step = loop.step_fn(pm, store, shape, ring, triton, dropout, packed, chunk)
-            graphs.grads = store.grad if any(a.k > 1 for a in active.values()) else None
+            graphs.grads = ((store.grad,) + (() if store.mag is None else (store.mag.grad,))
+                            if any(a.k > 1 for a in active.values()) else ())
             if triton and key not in prepared:  # the step's Triton kernel variants, compiled in parallel
                 prepared.add(key)
                 t_compile = time.perf_counter()

@@ -347,15 +347,12 @@ class StudySpec:
             )
 
     def _check_dora(self) -> None:
-        """DoRA trains on the torch kernels over the whole float base, with dropout 0 (``packer.model.magnitude``)."""
-        kernels = self.pack.kernels
-        off = ("model.quantize: nf4" if self.model.quantize else "pack.shard: fsdp" if self.pack.shard != "none"
-               else "pack.kernels: triton" if kernels == "triton"
-               else f"pack.kernels: auto on model.device: {self.model.device}"
-               if kernels == "auto" and self.model.device != "cpu" else None)
+        """DoRA trains over the whole float base (its norm reads W), unsharded, with dropout 0
+        (``packer.model.magnitude``)."""
+        off = ("model.quantize: nf4" if self.model.quantize
+               else "pack.shard: fsdp" if self.pack.shard != "none" else None)
         if off is not None:
-            raise ConfigError(f"train.dora: DoRA trains on the torch kernels over a whole float base, not with {off} "
-                              "(set pack.kernels: torch)")
+            raise ConfigError(f"train.dora: DoRA trains over a whole float base, not with {off}")
         if any(p > 0 for p in _values(self, "dropout", ranged=True)):
             raise ConfigError(f"train.dora: needs dropout 0, and the study can train dropout "
                               f"{max(_values(self, 'dropout', ranged=True))} (the packed DoRA term takes the "

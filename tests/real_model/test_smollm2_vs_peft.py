@@ -20,17 +20,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoTokenizer
 
-from lora_sweep.packer.data.rows import SlotStream, load_examples
 from lora_sweep.packer.plan import AdapterSpec
-from lora_sweep.packer.step.train import SlotJob
-from tests.helpers import assert_trained_as_peft, default_dtype, run_packed
+from tests.helpers import smollm2_pack_equals_peft
 
 pytestmark = pytest.mark.real_model
 
-DATA = Path(__file__).resolve().parents[2] / "studies" / "data"
 STEPS = 8
 SPECS = [
     AdapterSpec(rank=2, alpha=4, lr=3e-3, micro_batch=2, targets=("q_proj", "v_proj"), max_steps=STEPS, seed=1),
@@ -43,16 +38,5 @@ SPECS = [
 ]
 
 
-def slot_jobs(model_dir: Path) -> list[SlotJob]:
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    rows = load_examples(DATA / "codes-train.jsonl", tok, fmt="prompt_completion", max_length=48)[:64]
-    return [SlotJob(spec, SlotStream(rows, spec.micro_batch, seed=spec.seed), key=i) for i, spec in enumerate(SPECS)]
-
-
 def test_packed_equals_peft_on_smollm2(smollm2_dir: Path) -> None:
-    torch.manual_seed(0)
-    with default_dtype(torch.float64):
-        losses, final = run_packed(smollm2_dir, slot_jobs(smollm2_dir), capacity=len(SPECS))
-        for job in slot_jobs(smollm2_dir):
-            assert final[job.key] and all(a.dtype == torch.float64 for a, _ in final[job.key].values())
-            assert_trained_as_peft(smollm2_dir, job, losses, final, min_steps=STEPS)
+    smollm2_pack_equals_peft(smollm2_dir, SPECS, STEPS)

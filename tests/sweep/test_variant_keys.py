@@ -93,26 +93,23 @@ def test_bad_values_are_one_line_naming_the_key(folder: Path, changes: dict, mes
     assert message in _error(folder, **changes)
 
 
-TORCH = {"pack": {"kernels": "torch"}}
-
-
 @pytest.mark.parametrize(("changes", "message"), [
-    ({"train": {"dora": True}}, "train.dora: DoRA trains on the torch kernels over a whole float base, not with "
-                                "pack.kernels: auto on model.device: auto (set pack.kernels: torch)"),
-    ({"peft_use_dora": True, "pack": {"kernels": "triton"}}, "not with pack.kernels: triton"),
-    ({"search": {"dora": [False, True]}, "model": {"path": "org/tiny-model", "quantize": "nf4"}, **TORCH},
-     "not with model.quantize: nf4"),
-    ({"train": {"dora": True}, "search": {"dropout": [0.0, 0.1]}, **TORCH}, "train.dora: needs dropout 0"),
-    ({"train": {"dora": True, "dropout": 0.1}, **TORCH}, "train.dora: needs dropout 0"),
+    ({"search": {"dora": [False, True]}, "model": {"path": "org/tiny-model", "quantize": "nf4"}},
+     "train.dora: DoRA trains over a whole float base, not with model.quantize: nf4"),
+    ({"train": {"dora": True}, "pack": {"shard": "fsdp", "max_slots": 4}}, "not with pack.shard: fsdp"),
+    ({"train": {"dora": True}, "search": {"dropout": [0.0, 0.1]}}, "train.dora: needs dropout 0"),
+    ({"train": {"dora": True, "dropout": 0.1}}, "train.dora: needs dropout 0"),
 ])
-def test_dora_off_the_torch_kernels_or_with_dropout_is_refused_at_load(folder: Path, changes: dict,
-                                                                        message: str) -> None:
+def test_dora_over_a_quantized_or_sharded_base_or_with_dropout_is_refused_at_load(folder: Path, changes: dict,
+                                                                                  message: str) -> None:
     assert message in _error(folder, **changes)
 
 
-@pytest.mark.parametrize("changes", [{"train": {"use_dora": True}, **TORCH},
+@pytest.mark.parametrize("changes", [{"train": {"use_dora": True}},  # auto kernels: Triton on a GPU
+                                     {"train": {"dora": True}, "pack": {"kernels": "triton"}},
+                                     {"train": {"dora": True}, "pack": {"kernels": "torch"}},
                                      {"search": {"dora": [False, True]}, "model": {"path": "m", "device": "cpu"}}])
-def test_dora_on_the_torch_kernels_loads(folder: Path, changes: dict) -> None:
+def test_dora_loads_on_either_kernels(folder: Path, changes: dict) -> None:
     study = _load(folder, **changes)
     assert True in ({study.train.dora} | set(next((p.choices for p in study.search.params if p.name == "dora"), ())))
 
@@ -147,3 +144,16 @@ def test_a_study_recorded_without_the_variant_keys_resumes_at_their_defaults(fol
 def test_a_principal_init_over_a_quantized_or_sharded_base_is_refused_at_load(folder: Path, changes: dict) -> None:
     assert "train.init: pissa decomposes the whole float base weight" in _error(folder, train={"init": "pissa"},
                                                                                   **changes)
+
+
+def test_a_space_that_can_train_dora_calibrates_with_dora_probes(folder: Path) -> None:
+    """The plan sizes every slot of such a space as a DoRA slot (``packer.probe.calibrate(dora=True)``), cached apart
+    from the plain calibration."""
+    from lora_sweep.sweep.calibration import calibration_key, trains_dora
+
+    plain = _load(folder)
+    assert not trains_dora(plain) and calibration_key(plain, "cpu")["dora"] is False
+    for changes in ({"train": {"dora": True}}, {"search": {"dora": [False, True]}}):
+        study = _load(folder, **changes)
+        assert trains_dora(study) and calibration_key(study, "cpu")["dora"] is True
+    assert not trains_dora(_load(folder, search={"dora": [False]}))

@@ -1,7 +1,7 @@
 """DoRA in the pack (torch path): a slot with a trained magnitude per output column, beside plain and LoRA+ slots over
 the one base, ends where PEFT's ``use_dora=True`` trained alone ends on the same batches (fp64, losses and A, B; the
-magnitudes move the losses, and ``test_dora_checkpoint`` holds the saved ones to PEFT's logits). The Triton kernels
-refuse a DoRA slot."""
+magnitudes move the losses, and ``test_dora_checkpoint`` holds the saved ones to PEFT's logits); ``test_dora_triton``
+holds the Triton step to this one."""
 
 from __future__ import annotations
 
@@ -10,10 +10,6 @@ from dataclasses import replace
 import pytest
 import torch
 
-from lora_sweep.errors import ConfigError
-from lora_sweep.packer.model.load import load_base
-from lora_sweep.packer.model.packed import PackedModel
-from lora_sweep.packer.plan import AdapterSpec
 from tests import helpers as eq
 
 MIXED = {
@@ -30,12 +26,6 @@ def test_dora_slots_in_a_mixed_pack_equal_peft(tiny_dirs, family: str) -> None:
         losses, final = eq.run_packed(model_dir, eq.slot_jobs(MIXED[family]), capacity=3)
         for job in eq.slot_jobs(MIXED[family]):
             eq.assert_trained_as_peft(model_dir, job, losses, final)
-
-
-def test_dora_on_the_triton_kernels_is_refused_in_one_line(tiny_dirs) -> None:
-    model, _ = load_base(str(tiny_dirs("llama")), attn_implementation="eager")
-    with pytest.raises(ConfigError, match="dora: the Triton kernels do not train DoRA's magnitudes"):
-        PackedModel(model, impl="triton", fused_base_ops=False).add_slot(0, AdapterSpec(dora=True))
 
 
 def test_a_dora_slot_moved_to_a_larger_bucket_trains_on_as_alone(tiny_dirs) -> None:

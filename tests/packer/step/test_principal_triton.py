@@ -9,15 +9,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tests.conftest import Recorder, need_triton
+from tests.conftest import need_triton
 
 need_triton()  # before anything imports the Triton kernel modules
 
-from lora_sweep.packer.model.load import load_base  # noqa: E402
-from lora_sweep.packer.model.packed import PackedModel  # noqa: E402
-from lora_sweep.packer.step.train import train  # noqa: E402
 from lora_sweep.packer.tiny.models import build_tiny_model  # noqa: E402
-from tests.helpers import LLAMA_SPECS, slot_jobs  # noqa: E402
+from tests.helpers import LLAMA_SPECS, torch_and_triton  # noqa: E402
 
 TRITON_SPECS = [  # the Triton kernels read a principal slot's 2r rows (its segment rank); the optimizer its first r
     replace(LLAMA_SPECS[0], init="pissa", targets=("q_proj", "down_proj"), max_steps=3),
@@ -34,15 +31,7 @@ def test_triton_step_trains_principal_slots_as_the_torch_step(tmp_path_factory, 
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     model_dir = build_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama-1"), seed=0, num_layers=1)
-    runs = {}
-    for impl in ("torch", "triton"):
-        model, _ = load_base(str(model_dir), attn_implementation="sdpa" if device == "cuda" else "eager",
-                             device=device)
-        pm = PackedModel(model, impl=impl, fused_base_ops=False)  # type: ignore[arg-type]
-        queue, rec = slot_jobs(TRITON_SPECS), Recorder(pm)
-        train(pm, 3, lambda slot, q=queue: q.pop(0) if q else None, pad_id=0, on_step=rec.on_step,
-              on_end=rec.on_end)
-        runs[impl] = rec
+    runs = {impl: rec for impl, (rec, _) in torch_and_triton(model_dir, TRITON_SPECS, device).items()}
     for key in range(len(TRITON_SPECS)):
         # fp32, the same sums in another order
         torch.testing.assert_close(torch.tensor(runs["triton"].losses[key]), torch.tensor(runs["torch"].losses[key]),
