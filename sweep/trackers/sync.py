@@ -10,7 +10,9 @@ What each tracker has logged is kept in ``<study dir>/trackers.json`` (written a
 parent run id, and per trial its child run id, the last step logged and whether its end was logged. A resumed
 study reads it back, reopens the same runs and carries on after what they hold (results.db being the source, the
 steps a killed run had stored but not yet logged are logged then). A tracker that raises (server down, disk full,
-an import error) is named in one warning line and dropped for the rest of the run; the sweep goes on.
+an import error) is named in one warning line and dropped for the rest of the run; the sweep goes on. At the end one
+line says what the trackers cost: their passes, their thread's CPU seconds and those of the child processes (W&B's
+core) since they started (``benchmarks/trackers_overhead.sh`` reads it).
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import threading
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -73,6 +77,10 @@ class Tracking:
         self.finished = False
         self.report: Callable[[], Path | None] | None = None
         self.report_path: Path | None = None
+        self.passes = 0
+        self.cpu_s = 0.0
+        """CPU seconds the trackers' thread used (its passes, the study's end and closing the runs)."""
+        self._children_at_start = _children_cpu_s()
         self.thread = threading.Thread(target=self._loop, name="sweep-trackers", daemon=True)
 
     # -- the thread ---------------------------------------------------------------------------
@@ -80,13 +88,18 @@ class Tracking:
         # niced, this thread and what it spawns (W&B's core process) yield the cores to training (Linux: per thread)
         with contextlib.suppress(OSError, AttributeError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
-        while not self.stop.wait(self.interval):
+        start = time.thread_time()
+        try:
+            while not self.stop.wait(self.interval):
+                self.sync()
             self.sync()
-        self.sync()
-        self._end()
+            self._end()
+        finally:
+            self.cpu_s = time.thread_time() - start
 
     def sync(self) -> None:
         """One pass: every tracker is given what results.db holds beyond what it logged."""
+        self.passes += 1
         if self.store is None:
             if not self.sdir.results_db.is_file():
                 return  # the run has not opened the study yet
@@ -152,6 +165,9 @@ class Tracking:
         self.thread.join(timeout=FINISH_S)
         if self.thread.is_alive():
             self.log(f"warning: trackers still busy after {FINISH_S:.0f} s; the run ends without waiting for them")
+            return self.report_path
+        self.log(f"trackers: {self.passes} passes; CPU {self.cpu_s:.2f} s on their thread, "
+                 f"{_children_cpu_s() - self._children_at_start:.2f} s in child processes since they started")
         return self.report_path
 
     def _end(self) -> None:
@@ -183,6 +199,23 @@ class Tracking:
                             list(meta.get("constraints") or []))
         return [{"trial": t.number, **dict(zip(objectives, t.objective_values or [], strict=False)),
                  **{f"param.{k}": v for k, v in (t.params or {}).items()}} for t in front]
+
+
+def _children_cpu_s() -> float:
+    """User + system CPU seconds of this process's child processes: those ended and waited for, and (with psutil,
+    which W&B requires) those still running, such as W&B's core until the process exits."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = usage.ru_utime + usage.ru_stime
+    try:
+        import psutil
+    except ImportError:
+        return total
+    with contextlib.suppress(psutil.Error):
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                times = child.cpu_times()
+                total += times.user + times.system
+    return total
 
 
 def _info(name: str, root: Path, meta: Mapping[str, Any]) -> StudyInfo:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -59,6 +60,9 @@ def test_each_tracker_holds_the_study_as_results_db_does(tiny_dirs, tmp_path) ->
     summary = api.run(path, ["trackers=[mlflow, wandb, tensorboard]"], log=lines.append)
     out = tmp_path / "runs-tracked"
     assert summary.pruned >= 1 and not [m for m in lines if "warning" in m], lines
+    cost = [m for m in lines if m.startswith("trackers: ")]  # what they cost, said once at the end
+    assert len(cost) == 1 and re.fullmatch(r"trackers: [1-9]\d* passes; CPU \d+\.\d\d s on their thread, "
+                                           r"\d+\.\d\d s in child processes since they started", cost[0]), cost
     assert summary.report == out / "report.html" and summary.report.is_file()  # written once, for the trackers
     logged = _read(out, "tracked")
     _check_against_results(out, logged)
