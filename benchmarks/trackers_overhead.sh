@@ -3,8 +3,8 @@
 # Runs `sweep run STUDY` PAIRS times each way, alternating (plain first, then trackers=[mlflow, wandb, tensorboard],
 # all local: MLflow's SQLite store, W&B offline, TensorBoard files, in each run's own study directory), each into a
 # fresh directory, and prints every wall time, the medians and their ratio, and per tracked run the CPU seconds the
-# trackers say they used (their thread, and child processes: W&B's core), a bound on what they took from training
-# that the noise of wall times does not blur. Run it on an otherwise idle machine: the trackers' thread shares the
+# trackers say they used (their process, and its children: W&B's core), a bound on what they took from training
+# that the noise of wall times does not blur. Run it on an otherwise idle machine: the trackers' process shares the
 # cores with training, and so does anything else running.
 # Usage: benchmarks/trackers_overhead.sh [STUDY] [PAIRS]   (default: studies/demo.yaml 2; needs the mlflow, wandb
 #        and tensorboard extras and the demo's model: sweep model smollm2 --out models/smollm2-135m)
@@ -36,13 +36,13 @@ walls = [line.split() for line in (out / "walls.txt").read_text().splitlines()]
 plain = statistics.median(float(w) for n, w in walls if n.startswith("plain"))
 tracked = statistics.median(float(w) for n, w in walls if n.startswith("trackers"))
 print(f"median wall: plain {plain:.1f} s, with the three trackers {tracked:.1f} s: {100 * (tracked / plain - 1):+.1f}%")
-# what the trackers say they cost (sweep.trackers.sync): CPU on their thread and in W&B's core process
+# what the trackers say they cost (sweep.trackers.sync): CPU in their process and in W&B's core process
 for name, wall in walls:
     if name.startswith("trackers"):
-        said = re.search(r"trackers: (\d+) passes; CPU ([\d.]+) s on their thread, ([\d.]+) s in child processes",
+        said = re.search(r"trackers: (\d+) passes; CPU ([\d.]+) s in their process, ([\d.]+) s in its child",
                          (out / f"{name}.log").read_text())
         if said:
             cpu = float(said[2]) + float(said[3])
-            print(f"{name}: {said[1]} passes, CPU {said[2]} s (thread) + {said[3]} s (child processes) = "
-                  f"{cpu:.1f} s, {100 * cpu / float(wall):.2f}% of its {wall} s wall")
+            print(f"{name}: {said[1]} passes, CPU {said[2]} s (their process) + {said[3]} s (its children: W&B's "
+                  f"core) = {cpu:.1f} s, {100 * cpu / float(wall):.2f}% of its {wall} s wall")
 PY

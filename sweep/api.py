@@ -52,7 +52,7 @@ def run(study: StudySpec | str | Path, overrides: Sequence[str] = (), *, out: st
     ``optuna.logging.set_verbosity`` does Optuna's). ``allow_changes``: resume even if a fixed setting
     (e.g. ``train.max_steps``) differs from the one the study started with. ``gpus``: the ranks of a sharded
     pack (``pack.shard: fsdp``; default 1), this process rank 0 (``sweep.ranks.run_ranks``). The study's
-    ``trackers:`` log it from a thread of their own (``sweep.trackers``); with them, the HTML report is written at
+    ``trackers:`` log it from a process of their own (``sweep.trackers``); with them, the HTML report is written at
     the end for their parent runs (``summary.report``).
 
     Raises:

@@ -169,8 +169,8 @@ def cache_dir() -> Path:
 def calibration_key(spec: StudySpec, device: str) -> dict[str, Any]:
     """What a calibration depends on: the model's files (names, sizes, modification times), dtype and
     quantization, the device (and GPU), the kernels, the sequence length and the training options the probe
-    takes (DoRA's among them), torch's version and CPU threads. Computed from the spec, without the model; ``device`` as ``sweep plan``
-    resolves it (``cuda``) or as a pack's (``cuda:0``), the same key."""
+    takes (DoRA's among them), torch's version and CPU threads. Computed from the spec, without the model;
+    ``device`` as ``sweep plan`` resolves it (``cuda``) or as a pack's (``cuda:0``), the same key."""
     import torch
 
     where = torch.device(device)

@@ -76,7 +76,7 @@ def run(study: str, overrides: tuple[str, ...], out: str | None, quiet: bool, wo
     if gpus is not None and (workers is not None or join):
         raise UserError("run: --gpus trains one pack over N GPUs; --workers and --join run a pack per worker "
                         "(sweep worker under torchrun shards each worker's pack)")
-    if spec.trackers and (workers is not None or join):  # the trackers' thread lives in `sweep run`'s own process
+    if spec.trackers and (workers is not None or join):  # the trackers' process is `sweep run`'s child
         click.echo("warning: trackers: not logged by --workers or --join runs (run the study with `sweep run` alone "
                    "to log it; a later such run logs every trial the workers finished)", err=True)
     if join and _join(spec, storage, heartbeat, grace, quiet, allow_changes):

@@ -1,10 +1,10 @@
 """Experiment trackers (the study file's ``trackers:``): MLflow, Weights & Biases and TensorBoard see every trial.
 
     base          the ``Tracker`` protocol every tracker implements, and what it is given
-    sync          the thread copying results.db to the trackers (``start``), their run ids in trackers.json
+    sync          the process copying results.db to the trackers (``start``), their run ids in trackers.json
     _mlflow       MLflow: the study a parent run, each trial a nested run
     _wandb        Weights & Biases: a run per trial, grouped by study (offline by default)
     _tensorboard  TensorBoard: a run folder per trial
 
-Each tracker's package is imported only by its own module, on the trackers' thread.
+Each tracker's package is imported only by its own module, in the trackers' process.
 """

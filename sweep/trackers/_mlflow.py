@@ -1,5 +1,5 @@
 """MLflow: the study a parent run, each trial a nested child run (tag ``mlflow.parentRunId``), through
-``mlflow.MlflowClient`` alone (no active-run globals: the trackers' thread owns every run).
+``mlflow.MlflowClient`` alone (no active-run globals: the trackers' process owns every run).
 
 Default store: ``sqlite:///<study dir>/mlflow.db`` with the artifacts in ``<study dir>/mlruns``. (MLflow 3 refuses
 a plain ``./mlruns`` file store unless ``MLFLOW_ALLOW_FILE_STORE`` is set: its file backend is in maintenance

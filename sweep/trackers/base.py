@@ -1,7 +1,7 @@
 """What every tracker is given: the ``Tracker`` protocol, the points of a trial's curve, and the flat params.
 
 A tracker is one object per study run (``sweep run`` or ``api.run``), called from ``sweep.trackers.sync``'s
-thread only, in this order: ``study_started`` once, then per trial ``trial_started``, ``log`` any number of
+process only, in this order: ``study_started`` once, then per trial ``trial_started``, ``log`` any number of
 times with points in increasing step order, ``trial_finished`` once; ``study_finished`` when the budget ended
 the run, and ``close`` always. Run ids come back from ``study_started`` and ``trial_started`` and are handed to
 the same calls of a resumed run, which reopens those runs instead of creating new ones.

@@ -1,28 +1,31 @@
-"""The trackers' thread: what results.db holds, copied to each tracker, off the training thread.
+"""The trackers' process: what results.db holds, copied to each tracker, off the training process.
 
-``start(spec, log)`` starts one daemon thread for the study's ``trackers:``; every ``interval`` seconds it reads
-results.db (read-only, its own connection) and hands each tracker what it has not yet logged: new trials (a child
-run each), their training steps and intermediate metrics, and the end of each finished trial. The training loop
-is not touched: it writes results.db as it always does (steps every few pack steps, rungs and ends at once), so a
-tracker costs it one read every ``interval`` seconds on another thread, whatever the tracker does meanwhile.
+``start(spec, log)`` starts one niced process (``spawn``) for the study's ``trackers:``; every ``interval`` seconds
+it reads results.db (read-only, its own connection) and hands each tracker what it has not yet logged: new trials
+(a child run each), their training steps and intermediate metrics, and the end of each finished trial. The training
+loop is not touched: it writes results.db as it always does (steps every few pack steps, rungs and ends at once).
+A process, not a thread: the trackers' Python (importing MLflow and W&B, opening runs, their clients) would hold the
+interpreter's lock that the training thread takes back after every op, and on the 2-core demo a thread doing it
+cost 11-19% of the wall for 9 CPU seconds (BENCHMARKS.md, "The demo with MLflow, W&B and TensorBoard tracking it").
 
 What each tracker has logged is kept in ``<study dir>/trackers.json`` (written atomically after each pass): its
 parent run id, and per trial its child run id, the last step logged and whether its end was logged. A resumed
 study reads it back, reopens the same runs and carries on after what they hold (results.db being the source, the
-steps a killed run had stored but not yet logged are logged then). A tracker that raises (server down, disk full,
-an import error) is named in one warning line and dropped for the rest of the run; the sweep goes on. At the end one
-line says what the trackers cost: their passes, their thread's CPU seconds and those of the child processes (W&B's
-core) since they started (``benchmarks/trackers_overhead.sh`` reads it).
+steps a killed run had stored but not yet logged are logged then); the process ends with the run's process, killed
+or not. A tracker that raises (server down, disk full, an import error) is named in one warning line and dropped
+for the rest of the run; the sweep goes on. At the end one line says what the trackers cost: their passes, the CPU
+seconds of their process and of its child processes (W&B's core) (``benchmarks/trackers_overhead.sh`` reads it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
 import os
+import queue
 import resource
 import threading
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -34,13 +37,13 @@ from lora_sweep.sweep.store import EvalRow, ResultsStore, StepRow, StudyDir, Tri
 from lora_sweep.sweep.store.feasibility import best_trials
 from lora_sweep.sweep.trackers.base import Point, StudyInfo, Tracker
 
-__all__ = ["Tracking", "start", "STATE_FILE"]
+__all__ = ["Tracking", "Syncer", "start", "STATE_FILE"]
 
 STATE_FILE = "trackers.json"
 """In the study directory: each tracker's run ids and how far it has logged."""
 _ENDED = ("COMPLETE", "PRUNED", "FAIL")
 NICE = 10
-"""The trackers' thread's niceness: below training, which shares the cores."""
+"""The trackers' process's niceness: below training, which shares the cores."""
 FINISH_S = 60.0
 """How long the end of a run waits for the trackers' last pass and closing."""
 _STEP_KEYS = (("loss", "train/loss"), ("lr", "train/lr"), ("grad_norm", "train/grad_norm"), ("tokens", "train/tokens"))
@@ -48,7 +51,7 @@ _EVAL_PREFIX = {"rung": "rung/", "curve": "eval/"}
 
 
 def _make(entry: TrackerSpec, root: Path, name: str) -> Tracker:
-    """The tracker of ``entry``, its package imported here (on the trackers' thread)."""
+    """The tracker of ``entry``, its package imported here (in the trackers' process)."""
     if entry.name == "mlflow":
         from lora_sweep.sweep.trackers._mlflow import MlflowTracker
 
@@ -63,39 +66,79 @@ def _make(entry: TrackerSpec, root: Path, name: str) -> Tracker:
 
 
 class Tracking:
-    """The thread copying results.db to the trackers; ``finish`` ends it."""
+    """The run's side of the trackers' process: ``start`` starts it, ``finish`` ends it; its lines reach ``log``
+    through a queue that a thread of this process drains (it only waits)."""
 
     def __init__(self, spec: StudySpec, log: Callable[[str], None], interval: float = 2.0) -> None:
         self.spec, self.log, self.interval = spec, log, interval
+        context = multiprocessing.get_context("spawn")  # not fork: the run's process holds torch's threads
+        self.control: Any = context.Queue()
+        self.lines: Any = context.Queue()
+        self.process = context.Process(target=_child, args=(spec, interval, self.control, self.lines, os.getpid()),
+                                       name="sweep-trackers", daemon=True)
+        self.reader = threading.Thread(target=self._read, name="sweep-trackers-log", daemon=True)
+
+    def start(self) -> None:
+        self.process.start()
+        self.reader.start()
+
+    def _read(self) -> None:
+        while (line := self.lines.get()) is not None:
+            self.log(line)
+
+    def finish(self, finished: bool, report: Callable[[], Path | None] | None = None) -> Path | None:
+        """End the process after a last pass; with ``finished`` (the budget ended the run) ``report()`` is written
+        here and attached with the Pareto table to the parent runs; every run is closed. Waits at most ``FINISH_S``
+        for a slow tracker. Returns the report's path when ``report()`` wrote it."""
+        path = None
+        if finished and report is not None:
+            try:
+                path = report()
+            except Exception as err:  # noqa: BLE001  (the report's own failure is the CLI's to say)
+                self.log(f"warning: the report for the trackers could not be written ({first_line(err)})")
+        self.control.put((finished, None if path is None else str(path)))
+        self.process.join(timeout=FINISH_S)
+        if self.process.is_alive():
+            self.log(f"warning: trackers still busy after {FINISH_S:.0f} s; the run ends without waiting for them")
+            self.process.terminate()
+        self.lines.put(None)
+        self.reader.join(timeout=5.0)
+        return path
+
+
+def _child(spec: StudySpec, interval: float, control: Any, lines: Any, parent: int) -> None:
+    """The trackers' process: niced, a pass every ``interval`` seconds until the run says it ended (then a last
+    pass, the study's end, every run closed, the cost said) or its process is gone (killed: stop as it stopped)."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.nice(NICE)
+    syncer = Syncer(spec, lines.put)
+    while True:
+        try:
+            finished, path = control.get(timeout=interval)
+            break
+        except queue.Empty:
+            if os.getppid() != parent:
+                os._exit(0)  # no last pass: the runs stay open, and a resumed run reopens them
+            syncer.sync()
+    syncer.sync()
+    syncer.end(finished, None if path is None else Path(path))
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    lines.put(f"trackers: {syncer.passes} passes; CPU {usage.ru_utime + usage.ru_stime:.2f} s in their process, "
+              f"{_children_cpu_s():.2f} s in its child processes")
+
+
+class Syncer:
+    """The trackers' process's work: passes over results.db, and the study's end."""
+
+    def __init__(self, spec: StudySpec, log: Callable[[str], None]) -> None:
+        self.spec, self.log = spec, log
         self.sdir = StudyDir(spec.out_dir)
         self.state_path = self.sdir.root / STATE_FILE
         self.trackers: dict[str, Tracker] = {}
         self.failed: set[str] = set()
         self.state: dict[str, Any] = {}
         self.store: ResultsStore | None = None
-        self.stop = threading.Event()
-        self.finished = False
-        self.report: Callable[[], Path | None] | None = None
-        self.report_path: Path | None = None
         self.passes = 0
-        self.cpu_s = 0.0
-        """CPU seconds the trackers' thread used (its passes, the study's end and closing the runs)."""
-        self._children_at_start = _children_cpu_s()
-        self.thread = threading.Thread(target=self._loop, name="sweep-trackers", daemon=True)
-
-    # -- the thread ---------------------------------------------------------------------------
-    def _loop(self) -> None:
-        # niced, this thread and what it spawns (W&B's core process) yield the cores to training (Linux: per thread)
-        with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
-        start = time.thread_time()
-        try:
-            while not self.stop.wait(self.interval):
-                self.sync()
-            self.sync()
-            self._end()
-        finally:
-            self.cpu_s = time.thread_time() - start
 
     def sync(self) -> None:
         """One pass: every tracker is given what results.db holds beyond what it logged."""
@@ -155,36 +198,16 @@ class Tracking:
                 tracker.trial_finished(trial, final)
                 cursor["ended"], cursor["open"] = True, False
 
-    # -- the caller's side --------------------------------------------------------------------
-    def finish(self, finished: bool, report: Callable[[], Path | None] | None = None) -> Path | None:
-        """End the thread after a last pass; with ``finished`` (the budget ended the run) ``report()`` and the
-        Pareto table are attached to the parent runs; every run is closed. Waits at most ``FINISH_S`` for a slow
-        tracker. Returns the report's path when ``report()`` wrote it."""
-        self.finished, self.report = finished, report
-        self.stop.set()
-        self.thread.join(timeout=FINISH_S)
-        if self.thread.is_alive():
-            self.log(f"warning: trackers still busy after {FINISH_S:.0f} s; the run ends without waiting for them")
-            return self.report_path
-        self.log(f"trackers: {self.passes} passes; CPU {self.cpu_s:.2f} s on their thread, "
-                 f"{_children_cpu_s() - self._children_at_start:.2f} s in child processes since they started")
-        return self.report_path
-
-    def _end(self) -> None:
-        """On the thread, after its last pass: the study's end, every run closed, the state written."""
-        path = None
-        if self.finished and self.report is not None and self.trackers:
-            try:
-                path = self.report_path = self.report()
-            except Exception as err:  # noqa: BLE001  (the report's own failure is the CLI's to say)
-                self.log(f"warning: the report for the trackers could not be written ({first_line(err)})")
-        pareto = self._pareto() if self.finished and self.trackers else []
+    def end(self, finished: bool, path: Path | None) -> None:
+        """After the last pass: with ``finished``, the report at ``path`` and the Pareto table on the parent runs; every
+        run closed, the state written."""
+        pareto = self._pareto() if finished and self.trackers else []
         for entry in self.spec.trackers:
             tracker = self.trackers.get(entry.name)
             if tracker is not None:
-                if self.finished:
+                if finished:
                     self._guarded(entry, lambda t=tracker: t.study_finished(path, pareto))
-                self._guarded(entry, lambda t=tracker: t.close(self.finished))
+                self._guarded(entry, lambda t=tracker: t.close(finished))
         if self.store is not None:
             with contextlib.suppress(OSError):
                 atomic_write_text(self.state_path, json.dumps(self.state, indent=1, sort_keys=True))
@@ -242,9 +265,9 @@ def _points(steps: list[StepRow], evals: list[EvalRow], after: int, ended: bool)
 
 
 def start(spec: StudySpec, log: Callable[[str], None], interval: float = 2.0) -> Tracking | None:
-    """The study's trackers started on their thread, or None when the study names none."""
+    """The study's trackers started in their process, or None when the study names none."""
     if not spec.trackers:
         return None
     tracking = Tracking(spec, log, interval)
-    tracking.thread.start()
+    tracking.start()
     return tracking
