@@ -25,6 +25,7 @@ import multiprocessing
 import os
 import queue
 import resource
+import signal
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -111,7 +112,8 @@ def _child(spec: StudySpec, interval: float, control: Any, lines: Any, parent: i
     pass, the study's end, every run closed, the cost said) or its process is gone (killed: stop as it stopped)."""
     with contextlib.suppress(OSError, AttributeError):
         os.nice(NICE)
-    syncer = Syncer(spec, lines.put)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the run handles it, then
+    syncer = Syncer(spec, lines.put)  # says how it ended (``finish``)
     while True:
         try:
             finished, path = control.get(timeout=interval)

@@ -136,6 +136,29 @@ def test_a_killed_and_resumed_run_continues_the_same_runs(tiny_dirs, tmp_path) -
     assert reopened and all(logged["mlflow"].children[int(n)][0].state == "FAIL" for n in reopened)
 
 
+def test_ctrl_c_ends_the_run_and_then_its_trackers(tiny_dirs, tmp_path) -> None:
+    """Ctrl-C reaches the terminal's whole process group, the trackers' process too: it leaves the stop to the run,
+    which ends its trials and then tells the trackers, who close their runs and say their cost; no traceback."""
+    path = write_study(tmp_path, tiny_dirs("llama"), name="stopped", budget={"trials": 4},
+                       train={"max_steps": 800, "micro_batch": 4}, pruning={"kind": "none"}, pack={"max_slots": 1})
+    out = tmp_path / "runs-stopped"
+    cmd = [sys.executable, "-m", "lora_sweep", "run", str(path), "--quiet", "trackers=[mlflow, tensorboard]"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:  # once a trial trains and the trackers have logged it
+        time.sleep(0.3)
+        if "RUNNING" in _states(out).values() and (out / "trackers.json").is_file():
+            break
+    assert proc.poll() is None, "the run ended before a trial trained"
+    os.killpg(proc.pid, signal.SIGINT)
+    said, _ = proc.communicate(timeout=300)
+    assert "Traceback" not in said, said
+    assert re.search(r"trackers: [1-9]\d* passes; CPU", said), said
+    ids = json.loads((out / "trackers.json").read_text())
+    assert all(ids[t]["trials"] for t in ("mlflow", "tensorboard")), ids
+
+
 def test_a_failing_tracker_is_one_warning_and_the_sweep_goes_on(tiny_dirs, tmp_path) -> None:
     path = write_study(tmp_path, tiny_dirs("llama"), name="broken", budget={"trials": 3},
                        train={"max_steps": 6, "micro_batch": 4}, pruning={"kind": "none"})
