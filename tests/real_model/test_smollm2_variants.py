@@ -19,7 +19,7 @@ from tests.helpers import smollm2_pack_equals_peft
 
 pytestmark = pytest.mark.real_model
 
-STEPS = 6
+STEPS = 4
 SPECS = [
     AdapterSpec(rank=4, alpha=8, lr=2e-3, micro_batch=2, targets=("q_proj", "v_proj", "down_proj"), max_steps=STEPS,
                 seed=1, dora=True, max_grad_norm=0.5),

@@ -18,12 +18,13 @@ from lora_sweep.packer.tiny.models import build_tiny_model  # noqa: E402
 from tests.helpers import LLAMA_SPECS, torch_and_triton  # noqa: E402
 
 TRITON_SPECS = [  # DoRA with clipping (the magnitudes in the slot's norm), plain with dropout, DoRA with LoRA+ and
-    # gradient accumulation (the magnitudes' gradient kept across micro-batches), PiSSA under DoRA
-    replace(LLAMA_SPECS[2], dora=True, targets=("q_proj", "down_proj"), max_steps=3),
-    replace(LLAMA_SPECS[0], targets=("q_proj", "down_proj"), max_steps=3, dropout=0.1),
-    replace(LLAMA_SPECS[3], dora=True, targets=("down_proj", "k_proj"), max_steps=3, lr_ratio=4.0,
+    # gradient accumulation (the magnitudes' gradient kept across micro-batches), PiSSA under DoRA; two steps each
+    # (A first moves at the second: B starts at zero), one row per micro-batch (the interpreter's time)
+    replace(LLAMA_SPECS[2], dora=True, targets=("q_proj", "down_proj"), max_steps=2, micro_batch=1),
+    replace(LLAMA_SPECS[0], targets=("q_proj", "down_proj"), max_steps=2, dropout=0.1),
+    replace(LLAMA_SPECS[3], dora=True, targets=("down_proj", "k_proj"), max_steps=2, lr_ratio=4.0, micro_batch=1,
             gradient_accumulation_steps=2),
-    replace(LLAMA_SPECS[1], dora=True, init="pissa", targets=("o_proj",), max_steps=3),
+    replace(LLAMA_SPECS[1], dora=True, init="pissa", targets=("o_proj",), max_steps=2, micro_batch=1),
 ]
 
 
