@@ -1,9 +1,11 @@
 """The trackers' process: what results.db holds, copied to each tracker, off the training process.
 
-``start(spec, log)`` starts one niced process (``spawn``) for the study's ``trackers:``; every ``interval`` seconds
-it reads results.db (read-only, its own connection) and hands each tracker what it has not yet logged: new trials
-(a child run each), their training steps and intermediate metrics, and the end of each finished trial. The training
-loop is not touched: it writes results.db as it always does (steps every few pack steps, rungs and ends at once).
+``start(spec, log)`` starts one niced process (``python -m lora_sweep.sweep.trackers.sync``, ``main``) for the
+study's ``trackers:``, which imports only what it needs (no torch unless TensorBoard's writer brings it); every
+``interval`` seconds it reads results.db (read-only, its own connection) and hands each tracker what it has not yet
+logged: new trials (a child run each), their training steps and intermediate metrics, and the end of each finished
+trial. The training loop is not touched: it writes results.db as it always does (steps every few pack steps, rungs
+and ends at once).
 A process, not a thread: the trackers' Python (importing MLflow and W&B, opening runs, their clients) would hold the
 interpreter's lock that the training thread takes back after every op, and on the 2-core demo a thread doing it
 cost 11-19% of the wall for 9 CPU seconds (BENCHMARKS.md, "The demo with MLflow, W&B and TensorBoard tracking it").
@@ -12,31 +14,35 @@ What each tracker has logged is kept in ``<study dir>/trackers.json`` (written a
 parent run id, and per trial its child run id, the last step logged and whether its end was logged. A resumed
 study reads it back, reopens the same runs and carries on after what they hold (results.db being the source, the
 steps a killed run had stored but not yet logged are logged then); the process ends with the run's process, killed
-or not. A tracker that raises (server down, disk full, an import error) is named in one warning line and dropped
-for the rest of the run; the sweep goes on. At the end one line says what the trackers cost: their passes, the CPU
-seconds of their process and of its child processes (W&B's core) (``benchmarks/trackers_overhead.sh`` reads it).
+or not (its stdin closes). A tracker that raises (server down, disk full, an import error) is named in one warning
+line and dropped for the rest of the run; the sweep goes on. At the end one line says what the trackers cost: their
+passes, the CPU seconds of their process and of its child processes (W&B's core)
+(``benchmarks/trackers_overhead.sh`` reads it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import multiprocessing
 import os
-import queue
 import resource
+import select
 import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lora_sweep.errors import first_line
-from lora_sweep.sweep.config.spec import StudySpec
 from lora_sweep.sweep.config.tracking import TrackerSpec
 from lora_sweep.sweep.store import EvalRow, ResultsStore, StepRow, StudyDir, TrialRecord, atomic_write_text
 from lora_sweep.sweep.store.feasibility import best_trials
 from lora_sweep.sweep.trackers.base import Point, StudyInfo, Tracker
+
+if TYPE_CHECKING:  # not at run time: the trackers' process imports no more than it needs (torch comes with the spec)
+    from lora_sweep.sweep.config.spec import StudySpec
 
 __all__ = ["Tracking", "Syncer", "start", "STATE_FILE"]
 
@@ -67,74 +73,86 @@ def _make(entry: TrackerSpec, root: Path, name: str) -> Tracker:
 
 
 class Tracking:
-    """The run's side of the trackers' process: ``start`` starts it, ``finish`` ends it; its lines reach ``log``
-    through a queue that a thread of this process drains (it only waits)."""
+    """The run's side of the trackers' process (``python -m lora_sweep.sweep.trackers.sync CONFIG``): ``start``
+    starts it, ``finish`` ends it. It reads its end from its stdin (EOF: the run's process is gone) and writes the lines
+    it has to say to its stdout, which a thread of this process hands to ``log`` (the thread only waits)."""
 
     def __init__(self, spec: StudySpec, log: Callable[[str], None], interval: float = 2.0) -> None:
-        self.spec, self.log, self.interval = spec, log, interval
-        context = multiprocessing.get_context("spawn")  # not fork: the run's process holds torch's threads
-        self.control: Any = context.Queue()
-        self.lines: Any = context.Queue()
-        self.process = context.Process(target=_child, args=(spec, interval, self.control, self.lines, os.getpid()),
-                                       name="sweep-trackers", daemon=True)
+        self.log = log
+        self.config = {"out_dir": str(spec.out_dir), "name": spec.name, "interval": interval,
+                       "trackers": [[t.name, dict(t.options)] for t in spec.trackers]}
+        self.process: subprocess.Popen[str] | None = None
         self.reader = threading.Thread(target=self._read, name="sweep-trackers-log", daemon=True)
 
     def start(self) -> None:
-        self.process.start()
+        # the child imports lora_sweep from where this process did (an editable install, a PYTHONPATH, a script's dir)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        self.process = subprocess.Popen([sys.executable, "-m", __name__, json.dumps(self.config)], env=env,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.reader.start()
 
     def _read(self) -> None:
-        while (line := self.lines.get()) is not None:
-            self.log(line)
+        assert self.process is not None and self.process.stdout is not None
+        for line in self.process.stdout:
+            self.log(line.rstrip("\n"))
 
     def finish(self, finished: bool, report: Callable[[], Path | None] | None = None) -> Path | None:
         """End the process after a last pass; with ``finished`` (the budget ended the run) ``report()`` is written
         here and attached with the Pareto table to the parent runs; every run is closed. Waits at most ``FINISH_S``
         for a slow tracker. Returns the report's path when ``report()`` wrote it."""
+        assert self.process is not None and self.process.stdin is not None
         path = None
         if finished and report is not None:
             try:
                 path = report()
             except Exception as err:  # noqa: BLE001  (the report's own failure is the CLI's to say)
                 self.log(f"warning: the report for the trackers could not be written ({first_line(err)})")
-        self.control.put((finished, None if path is None else str(path)))
-        self.process.join(timeout=FINISH_S)
-        if self.process.is_alive():
+        with contextlib.suppress(OSError):  # a process that died already (its error is on stderr)
+            self.process.stdin.write(json.dumps({"finished": finished, "report": path and str(path)}) + "\n")
+            self.process.stdin.close()
+        try:
+            self.process.wait(timeout=FINISH_S)
+        except subprocess.TimeoutExpired:
             self.log(f"warning: trackers still busy after {FINISH_S:.0f} s; the run ends without waiting for them")
-            self.process.terminate()
-        self.lines.put(None)
+            self.process.kill()
         self.reader.join(timeout=5.0)
         return path
 
 
-def _child(spec: StudySpec, interval: float, control: Any, lines: Any, parent: int) -> None:
+def main(argv: list[str] | None = None) -> None:
     """The trackers' process: niced, a pass every ``interval`` seconds until the run says it ended (then a last
-    pass, the study's end, every run closed, the cost said) or its process is gone (killed: stop as it stopped)."""
+    pass, the study's end, every run closed, the cost said) or its process is gone (EOF on stdin: a killed run; stop
+    where it is, the runs left open for a resumed run to reopen)."""
+    config = json.loads((argv or sys.argv[1:])[0])
     with contextlib.suppress(OSError, AttributeError):
         os.nice(NICE)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the run handles it, then
-    syncer = Syncer(spec, lines.put)  # says how it ended (``finish``)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the run handles it
+    said = os.fdopen(os.dup(1), "w", buffering=1)  # this process's lines for the run; what the trackers' packages
+    os.dup2(2, 1)  # print goes to stderr, never into them
+    trackers = [TrackerSpec(name, options) for name, options in config["trackers"]]
+    syncer = Syncer(Path(config["out_dir"]), config["name"], trackers, lambda line: print(line, file=said))
     while True:
-        try:
-            finished, path = control.get(timeout=interval)
+        ready, _, _ = select.select([sys.stdin], [], [], config["interval"])
+        if ready:
+            line = sys.stdin.readline()
+            if not line:
+                os._exit(0)
+            end = json.loads(line)
             break
-        except queue.Empty:
-            if os.getppid() != parent:
-                os._exit(0)  # no last pass: the runs stay open, and a resumed run reopens them
-            syncer.sync()
+        syncer.sync()
     syncer.sync()
-    syncer.end(finished, None if path is None else Path(path))
+    syncer.end(end["finished"], None if end["report"] is None else Path(end["report"]))
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    lines.put(f"trackers: {syncer.passes} passes; CPU {usage.ru_utime + usage.ru_stime:.2f} s in their process, "
-              f"{_children_cpu_s():.2f} s in its child processes")
+    print(f"trackers: {syncer.passes} passes; CPU {usage.ru_utime + usage.ru_stime:.2f} s in their process, "
+          f"{_children_cpu_s():.2f} s in its child processes", file=said)
 
 
 class Syncer:
     """The trackers' process's work: passes over results.db, and the study's end."""
 
-    def __init__(self, spec: StudySpec, log: Callable[[str], None]) -> None:
-        self.spec, self.log = spec, log
-        self.sdir = StudyDir(spec.out_dir)
+    def __init__(self, out_dir: Path, name: str, trackers: list[TrackerSpec], log: Callable[[str], None]) -> None:
+        self.name, self.entries, self.log = name, trackers, log
+        self.sdir = StudyDir(out_dir)
         self.state_path = self.sdir.root / STATE_FILE
         self.trackers: dict[str, Tracker] = {}
         self.failed: set[str] = set()
@@ -158,7 +176,7 @@ class Syncer:
         if "spec" not in meta:
             return  # the spec is recorded once the session is open
         trials = self.store.trials()
-        for entry in self.spec.trackers:
+        for entry in self.entries:
             if entry.name not in self.failed:
                 self._guarded(entry, lambda e=entry: self._pass(e, meta, trials))
         atomic_write_text(self.state_path, json.dumps(self.state, indent=1, sort_keys=True))
@@ -179,8 +197,8 @@ class Syncer:
         mine = self.state.setdefault(entry.name, {"trials": {}})
         tracker = self.trackers.get(entry.name)
         if tracker is None:
-            tracker = self.trackers[entry.name] = _make(entry, self.sdir.root, self.spec.name)
-            mine["parent"] = tracker.study_started(_info(self.spec.name, self.sdir.root, meta), mine.get("parent"))
+            tracker = self.trackers[entry.name] = _make(entry, self.sdir.root, self.name)
+            mine["parent"] = tracker.study_started(_info(self.name, self.sdir.root, meta), mine.get("parent"))
         assert self.store is not None
         for trial in trials:
             cursor = mine["trials"].setdefault(str(trial.number), {"run": None, "step": -1, "ended": False})
@@ -204,7 +222,7 @@ class Syncer:
         """After the last pass: with ``finished``, the report at ``path`` and the Pareto table on the parent runs; every
         run closed, the state written."""
         pareto = self._pareto() if finished and self.trackers else []
-        for entry in self.spec.trackers:
+        for entry in self.entries:
             tracker = self.trackers.get(entry.name)
             if tracker is not None:
                 if finished:
@@ -273,3 +291,7 @@ def start(spec: StudySpec, log: Callable[[str], None], interval: float = 2.0) ->
     tracking = Tracking(spec, log, interval)
     tracking.start()
     return tracking
+
+
+if __name__ == "__main__":
+    main()
