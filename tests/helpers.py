@@ -29,7 +29,7 @@ from transformers.pytorch_utils import Conv1D
 from lora_sweep.benchmarks.baseline import make_scheduler
 from lora_sweep.kernels.ops import PackLayout
 from lora_sweep.packer.data.batch import collate
-from lora_sweep.packer.data.rows import Example, SlotStream, load_examples, read_jsonl, tokenize_rows
+from lora_sweep.packer.data.rows import Example, SlotStream, read_jsonl, tokenize_rows
 from lora_sweep.packer.model.checkpoint import read_adapter, save_adapters
 from lora_sweep.packer.model.load import load_base
 from lora_sweep.packer.model.packed import PackedModel
@@ -210,43 +210,6 @@ def assert_trained_as_peft(model_dir: Path, job: SlotJob, losses: dict, final: d
         assert b.abs().max() > 0, "B never moved: the test would not see a wrong update"
         torch.testing.assert_close(a, ra, rtol=0, atol=1e-4)
         torch.testing.assert_close(b, rb, rtol=0, atol=1e-4)
-
-
-def smollm2_pack_equals_peft(model_dir: Path, specs: list[AdapterSpec], steps: int) -> None:
-    """The real-model parity check: ``specs`` trained as one fp64 pack on the demo task's rows (SmolLM2's tokenizer,
-    64 rows of at most 48 tokens), each slot ending where PEFT's same adapter trained alone ends."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    rows = load_examples(Path(__file__).parents[1] / "studies" / "data" / "codes-train.jsonl", tok,
-                         fmt="prompt_completion", max_length=48)[:64]
-
-    def jobs() -> list[SlotJob]:
-        return [SlotJob(spec, SlotStream(rows, spec.micro_batch, seed=spec.seed), key=i)
-                for i, spec in enumerate(specs)]
-
-    torch.manual_seed(0)
-    with default_dtype(torch.float64):
-        losses, final = run_packed(model_dir, jobs(), capacity=len(specs))
-        for job in jobs():
-            assert final[job.key] and all(a.dtype == torch.float64 for a, _ in final[job.key].values())
-            assert_trained_as_peft(model_dir, job, losses, final, min_steps=steps)
-
-
-def torch_and_triton(model_dir: Path, specs: list[AdapterSpec], device: str, snapshot=None) -> dict:  # noqa: ANN001
-    """``specs`` trained in one pack of 3 slots on the torch step and on the Triton step (the base's own ops, SDPA on
-    CUDA): impl -> (its ``Recorder``, ``train``'s result). ``snapshot(pm)``: the Recorder's snapshot of a slot that
-    ends."""
-    runs = {}
-    for impl in ("torch", "triton"):
-        model, _ = load_base(str(model_dir), attn_implementation="sdpa" if device == "cuda" else "eager",
-                             device=device)
-        pm = PackedModel(model, impl=impl, fused_base_ops=False)  # type: ignore[arg-type]
-        queue, rec = slot_jobs(specs), Recorder(pm, None if snapshot is None else snapshot(pm))
-        result = train(pm, 3, lambda slot, q=queue: q.pop(0) if q else None, pad_id=0, on_step=rec.on_step,
-                       on_end=rec.on_end)
-        runs[impl] = (rec, result)
-    return runs
 
 
 # --------------------------------------------------------------- exported adapters: PEFT loads them, merges agree

@@ -10,12 +10,9 @@ PEFT's math in fp64, as ``test_smollm2_vs_peft`` does for plain LoRA (whose docs
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from lora_sweep.packer.plan import AdapterSpec
-from tests.helpers import smollm2_pack_equals_peft
 
 pytestmark = pytest.mark.real_model
 
@@ -32,5 +29,5 @@ SPECS = [
 ]
 
 
-def test_each_variant_in_a_mixed_pack_equals_peft_on_smollm2(smollm2_dir: Path) -> None:
-    smollm2_pack_equals_peft(smollm2_dir, SPECS, STEPS)
+def test_each_variant_in_a_mixed_pack_equals_peft_on_smollm2(pack_equals_peft) -> None:  # noqa: ANN001
+    pack_equals_peft(SPECS, STEPS)

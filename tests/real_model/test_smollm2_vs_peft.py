@@ -17,12 +17,9 @@ without clipping (a slot's gradient norm is taken in fp32).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from lora_sweep.packer.plan import AdapterSpec
-from tests.helpers import smollm2_pack_equals_peft
 
 pytestmark = pytest.mark.real_model
 
@@ -38,5 +35,5 @@ SPECS = [
 ]
 
 
-def test_packed_equals_peft_on_smollm2(smollm2_dir: Path) -> None:
-    smollm2_pack_equals_peft(smollm2_dir, SPECS, STEPS)
+def test_packed_equals_peft_on_smollm2(pack_equals_peft) -> None:  # noqa: ANN001
+    pack_equals_peft(SPECS, STEPS)

@@ -15,7 +15,7 @@ need_triton()  # before anything imports the Triton kernel modules
 
 from lora_sweep.packer.model.packed import PackedModel  # noqa: E402
 from lora_sweep.packer.tiny.models import build_tiny_model  # noqa: E402
-from tests.helpers import LLAMA_SPECS, torch_and_triton  # noqa: E402
+from tests.helpers import LLAMA_SPECS  # noqa: E402
 
 TRITON_SPECS = [  # DoRA with clipping (the magnitudes in the slot's norm), plain with dropout, DoRA with LoRA+ and
     # gradient accumulation (the magnitudes' gradient kept across micro-batches), PiSSA under DoRA; two steps each
@@ -42,7 +42,8 @@ def _snapshot(pm: PackedModel):  # noqa: ANN202
     pytest.param("cpu", marks=pytest.mark.slow),  # the Triton interpreter: three steps of one decoder layer
     pytest.param("cuda", marks=pytest.mark.gpu),  # compiled kernels, the step replayed as a CUDA graph
 ])
-def test_triton_step_trains_dora_slots_as_the_torch_step(tmp_path_factory, device: str) -> None:
+def test_triton_step_trains_dora_slots_as_the_torch_step(
+        tmp_path_factory, torch_and_triton, device: str) -> None:  # noqa: ANN001
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     model_dir = build_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama-1"), seed=0, num_layers=1)

@@ -14,7 +14,7 @@ from tests.conftest import need_triton
 need_triton()  # before anything imports the Triton kernel modules
 
 from lora_sweep.packer.tiny.models import build_tiny_model  # noqa: E402
-from tests.helpers import LLAMA_SPECS, torch_and_triton  # noqa: E402
+from tests.helpers import LLAMA_SPECS  # noqa: E402
 
 TRITON_SPECS = [  # the Triton kernels read a principal slot's 2r rows (its segment rank); the optimizer its first r
     replace(LLAMA_SPECS[0], init="pissa", targets=("q_proj", "down_proj"), max_steps=3),
@@ -27,7 +27,8 @@ TRITON_SPECS = [  # the Triton kernels read a principal slot's 2r rows (its segm
     pytest.param("cpu", marks=pytest.mark.slow),  # the Triton interpreter: three steps of one decoder layer
     pytest.param("cuda", marks=pytest.mark.gpu),  # compiled kernels, the step replayed as a CUDA graph
 ])
-def test_triton_step_trains_principal_slots_as_the_torch_step(tmp_path_factory, device: str) -> None:
+def test_triton_step_trains_principal_slots_as_the_torch_step(
+        tmp_path_factory, torch_and_triton, device: str) -> None:  # noqa: ANN001
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     model_dir = build_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama-1"), seed=0, num_layers=1)
