@@ -151,9 +151,8 @@ def dora_norms(weight: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, scale: t
 
 
 def dora_ratio(weight: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, scale: torch.Tensor, m: torch.Tensor,
-               on: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every slot's column factor ``m / ||W + s B A||`` (1 for a slot that is not DoRA), differentiable in m only,
-    and the factor's derivative in m, ``1 / ||W + s B A||`` (0 for a slot that is not DoRA).
+               on: torch.Tensor) -> torch.Tensor:
+    """Every slot's column factor ``m / ||W + s B A||`` (1 for a slot that is not DoRA), differentiable in m only.
 
     Args:
         weight: (D_out, D_in) base weight.
@@ -162,18 +161,18 @@ def dora_ratio(weight: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, scale: t
         m: (C, D_out) magnitudes; on: (C,) 1 for a DoRA slot.
 
     Returns:
-        (C, D_out) ratio and (C, D_out) gain.
+        (C, D_out).
     """
     dora = on[:, None] > 0
     with torch.no_grad():
         norm = torch.where(dora, dora_norms(weight, a, bt, scale), torch.ones_like(m))
-        gain = torch.where(dora, 1 / norm, torch.zeros_like(norm))
-    return torch.where(dora, m / norm, torch.ones_like(norm)), gain
+    return torch.where(dora, m / norm, torch.ones_like(norm))
 
 
 def triton_factors(mag: Magnitudes, path: str, weight: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
                    a_op: torch.Tensor | None, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``dora_ratio``'s (ratio, gain) on the Triton path, detached: ``kernels.ops.dora_factors`` given every slot's
+    """``dora_ratio`` on the Triton path, detached, with its derivative in m (``1 / ||W + s B A||``, 0 for a slot
+    that is not DoRA): ``kernels.ops.dora_factors`` given every slot's
     ``A W^T`` in one GEMM (a bf16 base on CUDA: the kernels' bf16 copy of A, fp32 out; else in A's dtype) and
     ``A A^T`` in one batched product.
 

@@ -302,14 +302,14 @@ class SlotStore:
         shape, c = self.shape, self.capacity
         assert shape is not None
         wx = base_out if layer.base.bias is None else base_out - layer.base.bias  # (B, L, D_out)
-        ratio, _ = self._dora_ratio(layer, path)  # (C, D_out)
+        ratio = self._dora_ratio(layer, path)  # (C, D_out)
         b, seq, d_out = wx.shape
         per_row = (ratio - 1).to(wx.dtype)[:, None, None, :]  # (C, 1, 1, D_out): slot g's rows are a block
         return (per_row * (wx + lora).view(c, b // c, seq, d_out)).view(b, seq, d_out)
 
-    def _dora_ratio(self, layer: PackedLoRALinear, path: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every slot's DoRA column factor of ``layer`` and its derivative in m (``magnitude.dora_ratio``): (C, D_out)
-        each, from the step's weights and scales."""
+    def _dora_ratio(self, layer: PackedLoRALinear, path: str) -> torch.Tensor:
+        """Every slot's DoRA column factor of ``layer`` (``magnitude.dora_ratio``): (C, D_out), from the step's
+        weights and scales."""
         shape, c, rb, mag = self.shape, self.capacity, self.rank_bucket, self.mag
         assert shape is not None and mag is not None
         return dora_ratio(base_weight(layer.base), self.a[path].view(c, rb, -1), self.bt[path].view(c, rb, -1),
