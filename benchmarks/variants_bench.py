@@ -7,7 +7,9 @@ magnitude. Random-init models of the SmolLM2 and Llama-3-8B shapes (``benchmarks
 the seven projections, every slot on ``micro`` fixed random rows; the pack's step is the median after warm-up
 (``timing.timed_train``), PEFT's the mean of eager steps (``timing.time_calls``). One JSON line per shape:
 ``pack_plain_ms``, ``pack_variant_ms``, their ratio (the issue's bound: a DoRA slot <= 1.3x a plain one), and
-``peft_plain_ms``, ``peft_variant_ms``, theirs.
+``peft_plain_ms``, ``peft_variant_ms``, theirs. ``--dropout p`` gives every slot (and PEFT's adapter) LoRA dropout p on
+both sides of each ratio: DoRA with dropout adds a base GEMM over the dropped part of its slots' input each way (PEFT's
+DoRA takes ``W dropout(x)``, a second base GEMM over all of it).
 Run: ``python -m lora_sweep.benchmarks.variants_bench --variant pissa`` (``--shape smollm2 --layers 2 --device cpu``
 for a check without a GPU).
 """
@@ -60,6 +62,7 @@ def peft_ms(model: torch.nn.Module, config: dict, *, micro: int, seq: int, steps
     from peft import LoraConfig, get_peft_model
 
     peft = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=list(PROJ), **config))
+    peft.train()  # PEFT's DoRA applies lora_dropout only while training (the shapes' own dropouts are 0)
     params = [p for p in peft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
     ids = torch.randint(0, model.config.vocab_size, (micro, seq), device=model.device)
@@ -79,12 +82,16 @@ def row(args: argparse.Namespace, shape: str) -> dict:
     out: dict = dict(shape=shape, variant=args.variant, kernels=args.kernels, slots=args.slots, micro=args.micro,
                      seq=args.seq)
     run = dict(micro=args.micro, seq=args.seq, steps=args.steps, warmup=args.warmup)
-    for name, variant in (("plain", {}), ("variant", VARIANTS[args.variant])):
+    drop = {"dropout": args.dropout} if args.dropout else {}
+    if drop:
+        out["dropout"] = args.dropout
+    for name, variant in (("plain", drop), ("variant", {**VARIANTS[args.variant], **drop})):
         model = _build(shape, args.layers, args.device)
         out[f"pack_{name}_ms"] = round(pack_ms(model, variant, slots=args.slots, kernels=args.kernels, **run), 2)
         del model
         gc.collect()
-    for name, config in (("plain", {}), ("variant", _PEFT[args.variant])):
+    peft_drop = {"lora_dropout": args.dropout} if args.dropout else {}
+    for name, config in (("plain", peft_drop), ("variant", {**_PEFT[args.variant], **peft_drop})):
         out[f"peft_{name}_ms"] = round(peft_ms(_build(shape, args.layers, args.device), config, **run), 2)
         gc.collect()
     out["pack_ratio"] = round(out["pack_variant_ms"] / out["pack_plain_ms"], 3)
@@ -104,6 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--dropout", type=float, default=0.0, help="LoRA dropout of every slot and of PEFT's adapter")
     p.add_argument("--device", default="cuda")
     p.add_argument("--kernels", choices=["auto", "torch", "triton"], default="auto",
                    help="the pack's LoRA kernels (auto: Triton on CUDA)")

@@ -40,7 +40,8 @@ from lora_sweep.kernels._launch import (
 from lora_sweep.kernels.meta import LayerRanks, PackLayout, dropout_seed
 from lora_sweep.kernels.reference import lora_loop, lora_masked_dense
 
-__all__ = ["packed_lora_eval", "packed_lora_eval_linear", "packed_lora", "dora_scale", "dora_factors", "precompile",
+__all__ = ["packed_lora_eval", "packed_lora_eval_linear", "packed_lora", "dora_scale", "dora_factors", "dropout_bits",
+           "dropped_part", "precompile",
            "hash_compiler_early",
            "lora_operand_dtype",
            "rms_norm", "silu_mul", "rope", "rope_problem", "linear_ce", "segmented_sumsq", "segmented_adamw_",
@@ -136,7 +137,8 @@ def packed_lora_eval_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
 def packed_lora(x: torch.Tensor, base_out: torch.Tensor | None, weight: torch.Tensor | None,
                        bias: torch.Tensor | None, a_cat: torch.Tensor, bt_cat: torch.Tensor,
                        meta: SegmentMeta, grads: tuple[torch.Tensor, torch.Tensor] | None = None,
-                       ops: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                       ops: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       keep: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton packed LoRA over prebuilt tables (``segment_meta``): no host work, no copy, so it can be
     captured in a CUDA graph. Same math as ``packed_lora_eval_linear`` (``weight`` given) or ``packed_lora_eval``
     (``base_out`` given).
@@ -152,29 +154,57 @@ def packed_lora(x: torch.Tensor, base_out: torch.Tensor | None, weight: torch.Te
         grads: (C * RB, D_in) and (C * RB, D_out) fp32 buffers the weight gradients are added to in place (the
             pack's gradient views), or None to hand them to autograd.
         ops: a_cat and bt_cat already in ``lora_operand_dtype(x.dtype)`` (cast once per step), or None.
+        keep: the layer call's dropout bits (``dropout_bits(meta, x)``: a caller that needs them too draws them),
+            or None to draw them here when ``meta.has_dropout``.
 
     Returns:
         (T, D_out); differentiable in x (and in a_cat and bt_cat unless ``grads`` takes their gradients).
     """
-    return _triton_module().PackedLoRAFunction.apply(x, base_out, weight, bias, a_cat, bt_cat, meta, grads, ops)
+    return _triton_module().PackedLoRAFunction.apply(x, base_out, weight, bias, a_cat, bt_cat, meta, grads, ops,
+                                                     keep)
+
+
+def dropout_bits(meta: SegmentMeta, x: torch.Tensor) -> torch.Tensor:
+    """Every slot's dropout keep mask of one layer call on x (T, D_in), as the Triton kernels draw it: (T, ceil(D_in /
+    32)) int32 bits (``kernels.triton_dropout.keep_bits``)."""
+    return _triton_module("triton_dropout").keep_bits(meta, x)
+
+
+def dropped_part(x: torch.Tensor, bits: torch.Tensor, meta: SegmentMeta, sel: torch.Tensor,
+                 capacity: int) -> torch.Tensor:
+    """What dropout removed from the selected slots' tokens of x, ``x - drop(x)``, from the layer call's bits, on the
+    Triton kernels (``kernels.triton_dropout.DroppedPartFunction``).
+
+    Args:
+        x: (T, D_in) the layer input, slot g owning the g-th block of T / C tokens.
+        bits: ``dropout_bits(meta, x)``; sel: (k,) int64 the slots; capacity: C.
+
+    Returns:
+        (k * T / C, D_in), block i slot ``sel[i]``'s; differentiable in x.
+    """
+    return _triton_module("triton_dropout").DroppedPartFunction.apply(x.contiguous(), bits, meta, sel, capacity)
 
 
 def dora_scale(y: torch.Tensor, ratio: torch.Tensor, gain: torch.Tensor, bias: torch.Tensor | None,
-               grad: torch.Tensor) -> torch.Tensor:
+               grad: torch.Tensor, res: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """DoRA's per-slot column rescale of a pack's projection output, on the Triton kernels (``kernels.triton_dora``):
-    ``y + (r - 1) (y - b)``, slot g owning the g-th block of T / C tokens.
+    ``y + (r - 1) (y - b - e)``, slot g owning the g-th block of T / C tokens; e = ``W (x - drop(x))`` on a DoRA
+    slot with dropout (PEFT's DoRA term sees the dropped input), 0 elsewhere.
 
     Args:
         y: (T, D) ``packed_lora``'s output (base, bias and LoRA term).
         ratio: (C, D) fp32 ``m / ||W + s B A||`` per slot and column, 1 for a plain slot (a constant of the step).
         gain: (C, D) fp32 ``1 / ||W + s B A||`` for a DoRA slot adapting the layer, 0 elsewhere.
         bias: (D,) the base's bias, or None.
-        grad: (C, D) fp32 the layer's magnitude gradients, which the backward adds ``gain * sum dout (y - b)`` into.
+        grad: (C, D) fp32 the layer's magnitude gradients, which the backward adds ``gain * sum dout (y - b - e)``
+            into.
+        res: (e, pos), or None (e = 0 everywhere): e (k * T / C, D) in y's dtype, one block per slot with dropout,
+            and pos (C,) each slot's block of e, -1 for none.
 
     Returns:
-        (T, D); differentiable in y.
+        (T, D); differentiable in y and e.
     """
-    return _triton_module("triton_dora").dora_scale_triton(y, ratio, gain, bias, grad)
+    return _triton_module("triton_dora").dora_scale_triton(y, ratio, gain, bias, grad, res)
 
 
 def dora_factors(wa: torch.Tensor, bt: torch.Tensor, aat: torch.Tensor, wsq: torch.Tensor, m: torch.Tensor,

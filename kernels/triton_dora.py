@@ -9,6 +9,14 @@ weight to a trained magnitude m. On the pack's output ``y = W x + b + s B A x`` 
     dy      = r * dout                                 (into the packed LoRA's backward: dx, dA, dB)
     dm[g]  += (1 / n_g) * sum over slot g's tokens of dout * (y - b)
 
+A DoRA slot with dropout (PEFT's ``DoraLinearLayer`` given ``dropout(x)``: ``W x + b + (r - 1) W drop(x) +
+r s B A drop(x)``, where y's LoRA term already saw ``drop(x)``) also subtracts what dropout removed from its base
+term, ``e = W (x - drop(x))`` (``resid``, computed by the caller over those slots' tokens only):
+
+    out     = y + (r - 1) * (y - b - e)
+    de      = (1 - r) * dout
+    dm[g]  += (1 / n_g) * sum over slot g's tokens of dout * (y - b - e)
+
 A plain slot's rows come out bit for bit as y and its dy as dout (r - 1 = 0, r = 1): mixing DoRA slots into a pack
 changes nothing for the others. Slot g owns the contiguous tokens ``g * T / C ..`` (the pack's fixed shape).
 
@@ -25,7 +33,8 @@ expansion), given the slots' ``A W^T`` (one GEMM over all slots, done by the cal
 dominated a DoRA step of a small model.
 
 Cost: one pass over the DoRA projection's output each way (read y, write out; read dout and y, write dy), and y
-kept for the backward while the pack holds a DoRA slot.
+kept for the backward while the pack holds a DoRA slot; with dropout, e read each way and de written (e and its
+GEMM cover only the DoRA slots with dropout).
 """
 
 from __future__ import annotations
@@ -47,15 +56,26 @@ def _add(a, b):
 
 
 @triton.jit
+def _resid(e_ptr, pos_ptr, g, rows, rr, cols, mask, D):
+    """(BM, BN) fp32 rows ``rr`` of slot g's block of e (zero for a slot without one)."""
+    pos = tl.load(pos_ptr + g) + rr * 0  # (BM,): a vector, as the interpreter takes no scalar in a mask
+    ptr = (tl.maximum(pos, 0).to(tl.int64) * rows + rr)[:, None] * D + cols[None, :]
+    return tl.load(e_ptr + ptr, mask=mask & (pos >= 0)[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _fwd_kernel(
     y_ptr,  # (T, D) the packed projection's output, T = C * rows
     r_ptr,  # (C, D) fp32 per-slot column factor m / n (1 for a plain slot)
     b_ptr,  # (D,) bias, read when HAS_BIAS
+    e_ptr,  # (k * rows, D) W (x - drop(x)) of the slots with a block in it, read when HAS_RES
+    pos_ptr,  # (C,) int32 the slot's block of e, -1 for none; read when HAS_RES
     out_ptr,  # (T, D) result
     rows,  # tokens per slot, T / C
     D,
     split,
     HAS_BIAS: tl.constexpr,
+    HAS_RES: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
 ):
@@ -74,8 +94,10 @@ def _fwd_kernel(
         mask = (rr < rows)[:, None] & cmask[None, :]
         ptr = (first + rr)[:, None] * D + cols[None, :]
         y = tl.load(y_ptr + ptr, mask=mask, other=0.0).to(tl.float32)
-        out = y + (r - 1.0)[None, :] * (y - b[None, :])
-        tl.store(out_ptr + ptr, out.to(out_ptr.dtype.element_ty), mask=mask)
+        yb = y - b[None, :]
+        if HAS_RES:
+            yb -= _resid(e_ptr, pos_ptr, g, rows, rr, cols, mask, D)
+        tl.store(out_ptr + ptr, (y + (r - 1.0)[None, :] * yb).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -84,12 +106,16 @@ def _bwd_kernel(
     y_ptr,  # (T, D) the forward's y
     r_ptr,  # (C, D) fp32
     b_ptr,  # (D,)
+    e_ptr,  # (k * rows, D), read when HAS_RES
+    pos_ptr,  # (C,) int32, read when HAS_RES
     dy_ptr,  # (T, D) gradient of y
-    part_ptr,  # (C, split, D) fp32 partial sums of dout * (y - b)
+    de_ptr,  # (k * rows, D) gradient of e, written when HAS_RES
+    part_ptr,  # (C, split, D) fp32 partial sums of dout * (y - b - e)
     rows,
     D,
     split,
     HAS_BIAS: tl.constexpr,
+    HAS_RES: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
 ):
@@ -111,8 +137,14 @@ def _bwd_kernel(
         dout = tl.load(dout_ptr + ptr, mask=mask, other=0.0).to(tl.float32)
         y = tl.load(y_ptr + ptr, mask=mask, other=0.0).to(tl.float32)
         tl.store(dy_ptr + ptr, (dout * r[None, :]).to(dy_ptr.dtype.element_ty), mask=mask)
+        yb = y - b[None, :]
+        if HAS_RES:
+            yb -= _resid(e_ptr, pos_ptr, g, rows, rr, cols, mask, D)
+            pos = tl.load(pos_ptr + g) + rr * 0
+            tl.store(de_ptr + (tl.maximum(pos, 0).to(tl.int64) * rows + rr)[:, None] * D + cols[None, :],
+                     (dout * (1.0 - r)[None, :]).to(de_ptr.dtype.element_ty), mask=mask & (pos >= 0)[:, None])
         # the builtin reduce: tl.sum is itself jit'd, which the interpreter cannot always run
-        acc += tl.reduce(dout * (y - b[None, :]), 0, _add)
+        acc += tl.reduce(dout * yb, 0, _add)
     tl.store(part_ptr + (g * split + part) * D + cols, acc, mask=cmask)
 
 
@@ -193,58 +225,69 @@ def _split(rows: int) -> int:
     return max(1, min(_SPLIT, triton.cdiv(rows, _BM)))
 
 
-def dora_scale_fwd(y: torch.Tensor, ratio: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``y + (r - 1) (y - b)`` per slot block: y (T, D) contiguous, ratio (C, D) fp32 contiguous -> (T, D)."""
+def dora_scale_fwd(y: torch.Tensor, ratio: torch.Tensor, bias: torch.Tensor | None,
+                   res: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """``y + (r - 1) (y - b - e)`` per slot block: y (T, D) contiguous, ratio (C, D) fp32 contiguous, res (e, pos)
+    or None (e = 0) -> (T, D)."""
     capacity, d = ratio.shape
     out = torch.empty_like(y)
     rows = y.shape[0] // capacity
+    e, pos = res if res is not None else (y, ratio)  # placeholders: unread without HAS_RES
     if y.numel():
         split = _split(rows)
         _jit.launch(_fwd_kernel, (capacity, triton.cdiv(d, _BN), split), y, ratio, bias if bias is not None else y,
-                    out, rows, d, split, HAS_BIAS=bias is not None, BM=_BM, BN=_BN, num_warps=4)
+                    e, pos, out, rows, d, split, HAS_BIAS=bias is not None, HAS_RES=res is not None, BM=_BM, BN=_BN,
+                    num_warps=4)
     return out
 
 
 def dora_scale_bwd(dout: torch.Tensor, y: torch.Tensor, ratio: torch.Tensor, bias: torch.Tensor | None,
-                   gain: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """dy (T, D) from dout and the forward's y, ratio and bias; adds ``gain * sum dout (y - b)`` per slot into
-    ``grad`` (C, D) fp32 in place."""
+                   gain: torch.Tensor, grad: torch.Tensor, res: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(dy (T, D), de (k * rows, D) or None) from dout and the forward's y, ratio, bias and res; adds
+    ``gain * sum dout (y - b - e)`` per slot into ``grad`` (C, D) fp32 in place."""
     capacity, d = ratio.shape
     dy = torch.empty_like(y)
     rows = y.shape[0] // capacity
+    e, pos = res if res is not None else (y, ratio)
+    de = torch.empty_like(e) if res is not None else None
     if y.numel():
         split = _split(rows)
         parts = torch.empty((capacity, split, d), dtype=torch.float32, device=y.device)
         cols = triton.cdiv(d, _BN)
-        _jit.launch(_bwd_kernel, (capacity, cols, split), dout, y, ratio, bias if bias is not None else y, dy,
-                    parts, rows, d, split, HAS_BIAS=bias is not None, BM=_BM, BN=_BN, num_warps=4)
+        _jit.launch(_bwd_kernel, (capacity, cols, split), dout, y, ratio, bias if bias is not None else y, e, pos,
+                    dy, de if de is not None else dy, parts, rows, d, split, HAS_BIAS=bias is not None,
+                    HAS_RES=res is not None, BM=_BM, BN=_BN, num_warps=4)
         _jit.launch(_grad_kernel, (capacity, cols), parts, gain, grad, d, split, BN=_BN, num_warps=4)
-    return dy
+    return dy, de
 
 
 class DoraScaleFunction(torch.autograd.Function):
-    """``out = y + (r - 1) (y - b)``, differentiable in y; the magnitudes' gradient goes into ``grad`` (module
-    docstring), not to autograd."""
+    """``out = y + (r - 1) (y - b - e)``, differentiable in y and e; the magnitudes' gradient goes into ``grad``
+    (module docstring), not to autograd."""
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, ratio: torch.Tensor, gain: torch.Tensor, bias: torch.Tensor | None,
-                grad: torch.Tensor) -> torch.Tensor:
+                grad: torch.Tensor, e: torch.Tensor | None = None, pos: torch.Tensor | None = None) -> torch.Tensor:
         """y: (T, D) contiguous, T a multiple of C; ratio, gain: (C, D) fp32 contiguous, constants of the step;
-        bias: (D,) or None; grad: (C, D) fp32, the layer's magnitude gradients -> (T, D)."""
-        ctx.save_for_backward(y, ratio, gain, bias)
+        bias: (D,) or None; grad: (C, D) fp32, the layer's magnitude gradients; e: (k * rows, D) contiguous
+        ``W (x - drop(x))`` of the slots with a block (or None: 0), pos: (C,) int32 each slot's block, -1 for none
+        -> (T, D)."""
+        ctx.save_for_backward(y, ratio, gain, bias, e, pos)
         ctx.grad = grad  # a view of a buffer that outlives the step
         ctx.warming = _jit.warm_context()
-        return dora_scale_fwd(y, ratio, bias)
+        return dora_scale_fwd(y, ratio, bias, None if e is None else (e, pos))
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        y, ratio, gain, bias = ctx.saved_tensors
-        dy = _jit.run_in(ctx.warming, dora_scale_bwd, dout.contiguous(), y, ratio, bias, gain, ctx.grad)
-        return dy, None, None, None, None
+        y, ratio, gain, bias, e, pos = ctx.saved_tensors
+        res = None if e is None else (e, pos)
+        dy, de = _jit.run_in(ctx.warming, dora_scale_bwd, dout.contiguous(), y, ratio, bias, gain, ctx.grad, res)
+        return dy, None, None, None, None, de, None
 
 
 def dora_scale_triton(y: torch.Tensor, ratio: torch.Tensor, gain: torch.Tensor, bias: torch.Tensor | None,
-                      grad: torch.Tensor) -> torch.Tensor:
+                      grad: torch.Tensor, res: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``kernels.ops.dora_scale``.
 
     Raises:
@@ -257,4 +300,11 @@ def dora_scale_triton(y: torch.Tensor, ratio: torch.Tensor, gain: torch.Tensor, 
             or grad.shape != ratio.shape:
         raise ValueError(f"dora_scale: y {tuple(y.shape)} must be (C * rows, D) for ratio, gain and grad "
                          f"{tuple(ratio.shape)}, {tuple(gain.shape)}, {tuple(grad.shape)}")
-    return DoraScaleFunction.apply(y.contiguous(), ratio.float().contiguous(), gain.float().contiguous(), bias, grad)
+    e, pos = res if res is not None else (None, None)
+    if e is not None and (pos is None or e.dim() != 2 or e.shape[1] != d or e.shape[0] % (y.shape[0] // capacity)
+                          or pos.shape != (capacity,)):
+        raise ValueError(f"dora_scale: e {tuple(e.shape)} must be (k * {y.shape[0] // capacity}, {d}) with a "
+                         f"({capacity},) block index")
+    return DoraScaleFunction.apply(y.contiguous(), ratio.float().contiguous(), gain.float().contiguous(), bias, grad,
+                                   None if e is None else e.contiguous(),
+                                   None if pos is None else pos.to(torch.int32).contiguous())

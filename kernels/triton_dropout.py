@@ -1,6 +1,8 @@
 """Slot dropout of the packed-LoRA kernels: Philox4x32-10 spelled out, the keep mask of one layer call drawn once
 as bits (``keep_bits``), the keep/scale multiplier every kernel of ``kernels.triton_lora`` reads from them
-(``bits_scale``), and a kernel that materialises the multiplier straight from Philox (tests and debugging).
+(``bits_scale``), a kernel that materialises the multiplier straight from Philox (tests and debugging), and
+``DroppedPartFunction``: what dropout removed from some slots' input, ``x - drop(x)`` from the same bits (DoRA's
+term with dropout, ``kernels.triton_dora``).
 
 keep = u >= p_g, u = word (col % 4) of Philox4x32-10 with key ``PackLayout.seed[g]`` (the slot's own seed for
 this step) and counter (((local_row << 20) + pos) * ceil(D_in / 4) + col // 4 as two words, layer_id, 0):
@@ -33,7 +35,7 @@ from lora_sweep.kernels._tables import (
     TI_TOK0,
 )
 
-__all__ = ["bits_scale", "dropout_mask", "keep_bits", "keep_scale", "philox"]
+__all__ = ["DroppedPartFunction", "bits_scale", "dropout_mask", "dropped_part", "keep_bits", "keep_scale", "philox"]
 
 _KEY_A: tl.constexpr = tl.constexpr(0x9E3779B9)  # Philox4x32 constants, as triton.language.random
 _KEY_B: tl.constexpr = tl.constexpr(0xBB67AE85)
@@ -221,3 +223,65 @@ def keep_bits(meta: SegmentMeta, x: torch.Tensor) -> torch.Tensor:
                     bits, meta.tiles, meta.seg_int, meta.seg_flt, d_in, n_words, meta.seq_len, meta.layer_id,
                     BM=meta.block_m, BW=KEEP_WORDS_PER_PROGRAM)
     return bits
+
+
+@triton.jit
+def _dropped_kernel(
+    src_ptr,  # (T, D) forward: the layer input x; backward: (k * rows, D) the gradient of the result
+    bits_ptr,  # (T, W) int32 keep bits of the layer call (``keep_bits``)
+    seg_flt_ptr,  # (C, SF) fp32 segment table (the slots' 1 / (1 - p))
+    sel_ptr,  # (k,) int64 the selected slots
+    dst_ptr,  # forward: (k * rows, D); backward: (T, D) zero outside the selected slots' tokens
+    rows,  # tokens per slot, T / C
+    D, W,
+    GATHER: tl.constexpr,  # forward: read slot sel[i]'s tokens of src, write block i of dst; backward: the reverse
+    BM: tl.constexpr, BC: tl.constexpr,
+):
+    i = tl.program_id(0)
+    g = tl.load(sel_ptr + i)
+    rr = tl.program_id(1) * BM + tl.arange(0, BM)
+    cols = tl.program_id(2) * BC + tl.arange(0, BC)
+    rmask = rr < rows
+    tok = g * rows + rr  # int64: the slot's tokens in the layer call (and in its bits)
+    mult = bits_scale(bits_ptr, seg_flt_ptr, g, tok, rmask, tl.program_id(2) * BC, W, BC)
+    mask = rmask[:, None] & (cols < D)[None, :]
+    own = (i * rows + rr).to(tl.int64)[:, None] * D + cols[None, :]  # block i of the (k * rows, D) side
+    full = tok[:, None] * D + cols[None, :]
+    src = tl.load(src_ptr + (full if GATHER else own), mask=mask, other=0.0).to(tl.float32)
+    tl.store(dst_ptr + (own if GATHER else full), (src * (1.0 - mult)).to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+def dropped_part(src: torch.Tensor, bits: torch.Tensor, meta: SegmentMeta, sel: torch.Tensor, capacity: int,
+                 gather: bool, out: torch.Tensor) -> torch.Tensor:
+    """``src * (1 - M / (1 - p))`` on the selected slots' tokens, into ``out`` (``DroppedPartFunction``)."""
+    rows, d = out.shape[0] // (sel.numel() if gather else capacity), out.shape[1]
+    if out.numel() and sel.numel():
+        _jit.launch(_dropped_kernel, (sel.numel(), triton.cdiv(rows, 32), triton.cdiv(d, 64)), src, bits,
+                    meta.seg_flt, sel, out, rows, d, bits.shape[1], GATHER=gather, BM=32, BC=64, num_warps=4)
+    return out
+
+
+class DroppedPartFunction(torch.autograd.Function):
+    """What each selected slot's dropout removed from its tokens of a layer input: ``x - drop(x) = x (1 - M / (1 - p))``
+    with the layer call's own keep bits (those the packed LoRA applied), as one (k * rows, D) block per selected slot.
+    Linear in x with a constant factor, so the backward is the same product, scattered back onto the slots' tokens.
+    Keeps nothing for the backward but the bits (which the packed LoRA keeps anyway)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, bits: torch.Tensor, meta: SegmentMeta, sel: torch.Tensor,
+                capacity: int) -> torch.Tensor:
+        """x: (T, D) contiguous, T = C * rows; bits: (T, ceil(D / 32)) int32 (``keep_bits``); sel: (k,) int64 slots
+        -> (k * rows, D) in x's dtype."""
+        ctx.save_for_backward(bits, sel)
+        ctx.meta, ctx.capacity, ctx.shape = meta, capacity, x.shape
+        ctx.warming = _jit.warm_context()
+        rows = x.shape[0] // capacity
+        out = torch.empty((sel.numel() * rows, x.shape[1]), dtype=x.dtype, device=x.device)
+        return dropped_part(x, bits, meta, sel, capacity, True, out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        bits, sel = ctx.saved_tensors
+        dx = grad.new_zeros(ctx.shape)
+        _jit.run_in(ctx.warming, dropped_part, grad.contiguous(), bits, ctx.meta, sel, ctx.capacity, False, dx)
+        return dx, None, None, None, None

@@ -37,13 +37,18 @@ class PackedLoRAFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, base_out: torch.Tensor | None, weight: torch.Tensor | None,
                 bias: torch.Tensor | None, a_cat: torch.Tensor, bt_cat: torch.Tensor, meta: SegmentMeta,
                 grads: tuple[torch.Tensor, torch.Tensor] | None = None,
-                ops: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                ops: tuple[torch.Tensor, torch.Tensor] | None = None,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
         """x: (T, D_in); base_out: (T, D_out) or None; weight: (D_out, D_in) or None; bias: (D_out,) or None;
         a_cat: (R, D_in); bt_cat: (R, D_out); grads: ((R, D_in), (R, D_out)) fp32 or None; ops: a_cat and bt_cat
-        already in ``operand_dtype(x.dtype)`` (a pack casts all its weights once per step), or None
+        already in ``operand_dtype(x.dtype)`` (a pack casts all its weights once per step), or None; keep: the
+        call's dropout bits, drawn by the caller (``keep_bits(meta, x)``), or None to draw them here
         -> (T, D_out)."""
         a_w, bt_w = ops or (a_cat, bt_cat)
-        keep = keep_bits(meta, x) if meta.has_dropout else None  # (T, ceil(D_in / 32)) int32
+        if meta.has_dropout and keep is None:
+            keep = keep_bits(meta, x)  # (T, ceil(D_in / 32)) int32
+        elif not meta.has_dropout:
+            keep = None
         h = seg_shrink(x, a_w, meta, dropout=True, keep=keep)  # (T, R_PAD) fp32, scaled by s_g
         bt_op = bt_w if ops else _expand_operand(bt_cat, x.dtype)
         if weight is not None:
@@ -88,7 +93,7 @@ class PackedLoRAFunction(torch.autograd.Function):
         if need_bias:
             dbias = dy.sum(0)
         return dx, dy if need_base else None, dw, dbias, None if ga is not None else da, \
-            None if gbt is not None else dbt, None, None, None
+            None if gbt is not None else dbt, None, None, None, None
 
 
 def operand_dtype(act: torch.dtype) -> torch.dtype:

@@ -124,8 +124,6 @@ class AdapterSpec:
                "lr_ratio", "must be > 0", ratio)
         _check(isinstance(self.dora, bool), "dora", "must be true or false", self.dora)
         _check(self.init in INITS, "init", f"must be one of {', '.join(INITS)} (or true: kaiming)", self.init)
-        _check(not (self.dora and self.dropout > 0), "dora", "needs dropout 0 (the packed DoRA term takes the "
-               "undropped input)", self.dora)
         _check(not (self.principal and self.dropout > 0), "init", f"{self.init} needs dropout 0 (the frozen "
                "principal part is a term of the LoRA branch here, and would see the dropped input)", self.init)
 

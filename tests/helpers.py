@@ -27,10 +27,12 @@ from transformers import AutoModelForCausalLM
 from transformers.pytorch_utils import Conv1D
 
 from lora_sweep.benchmarks.baseline import make_scheduler
-from lora_sweep.kernels.ops import PackLayout
+from lora_sweep.kernels.ops import PackLayout, dropout_seed
+from lora_sweep.kernels.reference import dropout_keep_mask
 from lora_sweep.packer.data.batch import collate
 from lora_sweep.packer.data.rows import Example, SlotStream, read_jsonl, tokenize_rows
 from lora_sweep.packer.model.checkpoint import read_adapter, save_adapters
+from lora_sweep.packer.model.inject import projection_names
 from lora_sweep.packer.model.load import load_base
 from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import AdapterSpec, adapter_param_count
@@ -135,7 +137,7 @@ def adamw_steps(model: nn.Module, params: list[nn.Parameter], spec: AdapterSpec,
 def run_peft(model_dir: Path, spec: AdapterSpec, stream: SlotStream, init_a: dict[str, torch.Tensor | None],
              targets: str | None = None) -> PeftRun:
     """``spec``'s adapter alone for ``spec.max_steps`` steps of ``stream``'s batches, from ``init_a`` (None for a
-    path: PEFT's own init by ``spec.init``), with ``spec``'s DoRA.
+    path: PEFT's own init by ``spec.init``), with ``spec``'s DoRA and dropout (the engine's masks: ``_EngineMask``).
 
     Args:
         targets: PEFT's ``target_modules`` (``all-linear``: PEFT's own resolution, which must adapt exactly the
@@ -145,13 +147,18 @@ def run_peft(model_dir: Path, spec: AdapterSpec, stream: SlotStream, init_a: dic
     base = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation="eager",
                                                 dtype=torch.float32 if fp64_principal else torch.get_default_dtype())
     conv1d = any(isinstance(m, Conv1D) for m in base.modules())
-    cfg = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=0.0, use_rslora=spec.rslora, bias="none",
+    layer_ids = {p: i for i, p in enumerate(projection_names(base))}  # the engine's (``inject``), before PEFT wraps
+    cfg = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout, use_rslora=spec.rslora, bias="none",
                      target_modules=targets or sorted({p.rsplit(".", 1)[-1] for p in init_a}), fan_in_fan_out=conv1d,
                      init_lora_weights=True if spec.init == "kaiming" else spec.init, use_dora=spec.dora)
     model = get_peft_model(base, cfg)
     if fp64_principal:
         _residual_in_fp64(model, model_dir, init_a)
     model.eval()  # base dropout off, as in the engine; gradients still flow
+    for path in init_a if spec.dropout > 0 else ():  # in training mode: PEFT's DoRA drops its input only then
+        layer = model.base_model.model.get_submodule(path)
+        layer.lora_dropout["default"] = _EngineMask(spec, layer_ids[path])
+        layer.train()
     named = dict(model.named_parameters())
     lora = {path: (named[f"base_model.model.{path}.lora_A.default.weight"],
                    named[f"base_model.model.{path}.lora_B.default.weight"]) for path in init_a}
@@ -166,6 +173,21 @@ def run_peft(model_dir: Path, spec: AdapterSpec, stream: SlotStream, init_a: dic
     moments = {path: tuple((opt.state[w]["exp_avg"], opt.state[w]["exp_avg_sq"]) for w in pair)
                for path, pair in lora.items()}
     return PeftRun(losses, weights, moments)  # type: ignore[arg-type]
+
+
+class _EngineMask(nn.Module):
+    """PEFT's ``lora_dropout`` of one layer as the mask the engine's torch step draws for the slot alone at each of its
+    steps (``dropout_keep_mask``: the step's seed, the engine's layer id): the oracle drops what the pack drops."""
+
+    def __init__(self, spec: AdapterSpec, layer_id: int) -> None:
+        super().__init__()
+        self.spec, self.layer_id, self.calls = spec, layer_id, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (rows, L, D_in), one call per step
+        n, seq, d_in = x.shape
+        lay = PackLayout((0,), (0,), (n,), (seq,), (self.spec.dropout,), (dropout_seed(self.spec.seed, self.calls),))
+        self.calls += 1
+        return x * dropout_keep_mask(lay, 0, self.layer_id, d_in, seq, x.device).to(x.dtype)
 
 
 def _residual_in_fp64(model: nn.Module, model_dir: Path, paths: Iterable[str]) -> None:

@@ -11,22 +11,28 @@ with lora = s B A x. ``Magnitudes`` holds m for all C slots of every wrapped pro
 in four flat buffers beside the store's (weights, gradients and the two AdamW moments), and per layer a per-slot
 flag (1: a DoRA slot adapting that layer), so a refill writes data, never a shape. The optimizer takes m with B's
 learning rate and decay (PEFT's LoRA+ groups every 1-d parameter with B). Magnitudes start at ``||W||`` per row, n
-at B = 0. The torch path adds the term with autograd (``SlotStore``'s ``_dora_term``); the Triton path rescales the
-packed output by r in one kernel each way (``kernels.triton_dora``), which adds m's gradient into ``grad`` itself,
+at B = 0. The torch path adds the term with autograd (``torch_term``); the Triton path rescales the packed output by
+r in one kernel each way (``kernels.triton_dora``, ``triton_rescale``), which adds m's gradient into ``grad`` itself,
 and the Triton AdamW steps m as one more B-like segment per layer (``segs``).
+
+With dropout d, PEFT's DoRA term takes the dropped input: ``(ratio - 1) * (W d(x) + lora)``, lora on d(x) too. The
+pack's base GEMM ran on x, so a DoRA slot with dropout subtracts ``W (x - d(x))``, one more GEMM over its own tokens
+(``stage_dropout`` names those slots for the step).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lora_sweep.kernels import ops
+from lora_sweep.kernels.ops import SEG_FLT_COL, SegmentMeta
 
-__all__ = ["Magnitudes", "base_weight", "dora_norms", "dora_ratio", "triton_factors"]
+__all__ = ["Magnitudes", "base_weight", "dora_norms", "dora_ratio", "torch_term", "triton_factors", "triton_rescale"]
 
 
 def base_weight(base: nn.Module) -> torch.Tensor:
@@ -73,6 +79,11 @@ class Magnitudes:
             self.m[p] = leaf
             off += capacity * d_out
         self.segs = torch.tensor([(o, d, 1) for o, d in self.offsets.values()], dtype=torch.int64, device=device)
+        self.drop_slots: tuple[int, ...] = ()
+        self.drop_sel = torch.zeros(capacity, dtype=torch.int64, device=device)
+        self.drop_pos = torch.full((capacity,), -1, dtype=torch.int32, device=device)
+        """The DoRA slots with dropout of the step being run (``stage_dropout``), on the host; on the device, those
+        slots in order (``drop_sel[:k]``) and each slot's place among them, -1 for any other (``drop_pos``)."""
         self.wsq: dict[str, torch.Tensor] = {}
         with torch.no_grad():  # W is frozen: its row norms once, for the Triton path's factors (``kernels.ops``)
             for p, layer in layers.items():
@@ -81,6 +92,20 @@ class Magnitudes:
         """(layers, 3) the Triton AdamW's segment table (``kernels.triton_adamw``): per layer a block of one row of
         D_out per slot, stepped at B's learning rate and decay. ``wsq``: path -> (D_out,) ``||W||^2`` per row, for
         every projection DoRA can adapt."""
+
+    def stage_dropout(self, dropout: Sequence[float]) -> int:
+        """Note the step's DoRA slots with dropout (p per slot, ``dropout``) in ``drop_slots`` and the device tables,
+        which are written only when they change, before the step runs (a captured step reads them, as its other
+        tables). Returns their count k: part of the step's graph key (the shape of their extra GEMM)."""
+        sel = tuple(g for g in sorted(self.slots) if dropout[g] > 0)
+        if sel != self.drop_slots:
+            pos = [-1] * self.capacity
+            for i, g in enumerate(sel):
+                pos[g] = i
+            self.drop_sel[:len(sel)].copy_(torch.tensor(sel, dtype=torch.int64))
+            self.drop_pos.copy_(torch.tensor(pos, dtype=torch.int32))
+            self.drop_slots = sel
+        return len(sel)
 
     def views(self, path: str) -> list[torch.Tensor]:
         """(C, D_out) views of the layer's magnitudes in the four buffers (weights, gradients, moments)."""
@@ -169,6 +194,31 @@ def dora_ratio(weight: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, scale: t
     return torch.where(dora, m / norm, torch.ones_like(norm))
 
 
+def torch_term(mag: Magnitudes, path: str, base: nn.Module, base_out: torch.Tensor, lora: torch.Tensor,
+               x: torch.Tensor, masks: torch.Tensor | None, a: torch.Tensor, bt: torch.Tensor,
+               scale: torch.Tensor) -> torch.Tensor:
+    """What DoRA adds for its slots on the torch path, ``(ratio - 1) * (W d(x) + lora)``, d a slot's dropout: zero on
+    every other slot's rows; differentiable in x, the LoRA term and m.
+
+    Args:
+        mag: the store's magnitudes; path: the layer's; base: its frozen projection.
+        base_out: (B, L, D_out) ``base(x)``; lora: (B, L, D_out) the slots' LoRA term (on the dropped input).
+        x: (B, L, D_in); masks: (B, L, D_in) every slot's dropout multiplier (ones without), or None.
+        a: (C, RB, D_in) the slots' A; bt: (C, RB, D_out) their B^T; scale: (C,) their scales.
+
+    Returns:
+        (B, L, D_out).
+    """
+    weight, bias = base_weight(base), getattr(base, "bias", None)
+    wx = base_out if bias is None else base_out - bias  # (B, L, D_out)
+    if masks is not None and mag.drop_slots:  # W d(x) = W x - W (x - d(x)): PEFT's DoRA term sees d(x)
+        wx = wx - F.linear((x * (1 - masks.to(x.dtype))).to(weight.dtype), weight).to(wx.dtype)
+    ratio = dora_ratio(weight, a, bt, scale, mag.m[path], mag.on[path])  # (C, D_out)
+    b, seq, d_out = wx.shape
+    per_row = (ratio - 1).to(wx.dtype)[:, None, None, :]  # (C, 1, 1, D_out): slot g's rows are a block
+    return (per_row * (wx + lora).view(mag.capacity, b // mag.capacity, seq, d_out)).view(b, seq, d_out)
+
+
 def triton_factors(mag: Magnitudes, path: str, weight: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
                    a_op: torch.Tensor | None, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``dora_ratio`` on the Triton path, detached, with its derivative in m (``1 / ||W + s B A||``, 0 for a slot
@@ -195,3 +245,30 @@ def triton_factors(mag: Magnitudes, path: str, weight: torch.Tensor, a: torch.Te
         wa = flat @ weight.to(a.dtype).T
     return ops.dora_factors(wa, bt, torch.bmm(a, a.transpose(1, 2)), mag.wsq[path], mag.m[path].detach(),
                             mag.on[path], scale)
+
+
+def triton_rescale(mag: Magnitudes, path: str, base: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                   bits: torch.Tensor | None, meta: SegmentMeta, a: torch.Tensor, bt: torch.Tensor,
+                   a_op: torch.Tensor | None) -> torch.Tensor:
+    """A projection's packed output with every DoRA slot's columns rescaled, on the Triton kernels
+    (``kernels.ops.dora_scale``), the factors from ``triton_factors``. With dropout (``bits``, the layer call's, and
+    ``mag.drop_slots``), the DoRA slots with dropout also subtract ``e = W (x - drop(x))`` from their base term: one
+    GEMM over those slots' tokens only (PEFT's DoRA takes ``W drop(x)``, a second base GEMM).
+
+    Args:
+        mag: the store's magnitudes; path: the layer's; base: its frozen projection.
+        x: (T, D_in) the layer input; y: (T, D_out) ``kernels.ops.packed_lora``'s output on it.
+        bits: ``kernels.ops.dropout_bits(meta, x)`` (those the packed LoRA applied), or None without dropout.
+        meta: the layer call's tables; a: (C, RB, D_in) the slots' A; bt: (C * RB, D_out) their B^T;
+        a_op: (C * RB, D_in) A in the kernels' operand dtype, or None.
+
+    Returns:
+        (T, D_out), differentiable in y and x.
+    """
+    weight = base_weight(base)
+    ratio, gain = triton_factors(mag, path, weight, a, bt, a_op, meta.seg_flt[:, SEG_FLT_COL.scale])
+    res = None
+    if bits is not None and mag.drop_slots:
+        part = ops.dropped_part(x, bits, meta, mag.drop_sel[:len(mag.drop_slots)], mag.capacity)  # (k * T / C, D_in)
+        res = (F.linear(part, weight.to(part.dtype)), mag.drop_pos)
+    return ops.dora_scale(y, ratio, gain, getattr(base, "bias", None), mag.m[path].grad, res)

@@ -51,7 +51,7 @@ from lora_sweep.packer.data.batch import IGNORE_INDEX
 from lora_sweep.packer.loss import plain_output_head
 from lora_sweep.packer.model.inject import inject, resolve_targets
 from lora_sweep.packer.model.layer import PackedLoRALinear, PackState
-from lora_sweep.packer.model.magnitude import Magnitudes, base_weight, dora_ratio, triton_factors
+from lora_sweep.packer.model.magnitude import Magnitudes, torch_term, triton_rescale
 from lora_sweep.packer.plan import ALL_LINEAR
 
 __all__ = ["SlotStore", "rank_bucket_for", "ShapeBuffers", "OPT_FIELDS", "SEG_INT", "SEG_FLT", "slot_losses",
@@ -279,56 +279,49 @@ class SlotStore:
             operands = None
             if self.flat_op is not None and x.dtype == self.flat_op.dtype:
                 operands = (self.a_op[path], self.bt_op[path])
+            dora = self.mag is not None and path in self.mag.wsq  # a pack that has held a DoRA slot
+            # DoRA slots with dropout: the LoRA kernels and DoRA's base term read the same bits
+            bits = ops.dropout_bits(meta, x2) if dora and self.dropout and self.mag.drop_slots else None
             if type(layer.base) is nn.Linear:
-                y = ops.packed_lora(x2, None, layer.base.weight, layer.base.bias, a, bt, meta, grads, operands)
+                y = ops.packed_lora(x2, None, layer.base.weight, layer.base.bias, a, bt, meta, grads, operands,
+                                    bits)
             else:
                 y = ops.packed_lora(x2, layer.base(x).reshape(b * seq, -1), None, None, a, bt, meta,
-                                               grads, operands)
-            if self.mag is not None and path in self.mag.wsq:  # a pack that has held a DoRA slot: rescale its slots'
-                c, rb = self.capacity, self.rank_bucket  # columns (r = 1 for every other slot)
-                ratio, gain = triton_factors(self.mag, path, base_weight(layer.base), a.detach().view(c, rb, -1),
-                                             bt.detach(), self.a_op.get(path), meta.seg_flt[:, SEG_FLT_COL.scale])
-                y = ops.dora_scale(y, ratio, gain, layer.base.bias, self.mag.m[path].grad)
+                                    grads, operands, bits)
+            if dora:  # rescale the DoRA slots' columns (r = 1 for every other slot)
+                c, rb = self.capacity, self.rank_bucket
+                y = triton_rescale(self.mag, path, layer.base, x2, y, bits, meta, a.detach().view(c, rb, -1),
+                                   bt.detach(), self.a_op.get(path))
             return y.view(b, seq, -1)
-        base_out, lora = layer.base(x), self._lora_term(layer, path, x)
+        masks = self._masks(layer, x) if self.dropout and self.host_layout is not None else None
+        base_out, lora = layer.base(x), self._lora_term(layer, path, x, masks)
         if self.mag is None:  # a pack that has held a DoRA slot adds the term (zero for a plain slot), as above
             return base_out + lora
-        return base_out + lora + self._dora_term(layer, path, base_out, lora)
-
-    def _dora_term(self, layer: PackedLoRALinear, path: str, base_out: torch.Tensor,
-                   lora: torch.Tensor) -> torch.Tensor:
-        """What DoRA adds for its slots, ``(ratio - 1) * (W x + lora)`` (``packer.model.magnitude``): (B, L, D_out),
-        zero on every other slot's rows."""
-        shape, c = self.shape, self.capacity
+        c, rb, shape = self.capacity, self.rank_bucket, self.shape
         assert shape is not None
-        wx = base_out if layer.base.bias is None else base_out - layer.base.bias  # (B, L, D_out)
-        ratio = self._dora_ratio(layer, path)  # (C, D_out)
-        b, seq, d_out = wx.shape
-        per_row = (ratio - 1).to(wx.dtype)[:, None, None, :]  # (C, 1, 1, D_out): slot g's rows are a block
-        return (per_row * (wx + lora).view(c, b // c, seq, d_out)).view(b, seq, d_out)
+        return base_out + lora + torch_term(self.mag, path, layer.base, base_out, lora, x, masks, self.a[path].view(
+            c, rb, -1), self.bt[path].view(c, rb, -1), shape.meta.seg_flt[:, SEG_FLT_COL.scale])
 
-    def _dora_ratio(self, layer: PackedLoRALinear, path: str) -> torch.Tensor:
-        """Every slot's DoRA column factor of ``layer`` (``magnitude.dora_ratio``): (C, D_out), from the step's
-        weights and scales."""
-        shape, c, rb, mag = self.shape, self.capacity, self.rank_bucket, self.mag
-        assert shape is not None and mag is not None
-        return dora_ratio(base_weight(layer.base), self.a[path].view(c, rb, -1), self.bt[path].view(c, rb, -1),
-                          shape.meta.seg_flt[:, SEG_FLT_COL.scale], mag.m[path], mag.on[path])
-
-    def _lora_term(self, layer: PackedLoRALinear, path: str, x: torch.Tensor) -> torch.Tensor:
-        """The torch LoRA term of ``layer`` on x (B, L, D_in): (B, L, D_out). Slot g's rows meet only its own
-        bucket's RB columns, in two batched products, scaled by its scale in the shape's segment table (a view:
-        a captured graph reads the value each step writes; 0 for a free or unscored slot, which therefore adds
-        nothing). Every slot's dropout mask is drawn by ``dropout_keep_mask`` (torch's generator seeded by the slot's
+    def _masks(self, layer: PackedLoRALinear, x: torch.Tensor) -> torch.Tensor:
+        """Every slot's dropout multiplier ``M / (1 - p)`` of this layer call on x (B, L, D_in): (B, L, D_in) fp32, ones
+        on the rows of a slot without dropout. Drawn by ``dropout_keep_mask`` (torch's generator seeded by the slot's
         step and the layer, as the kernels seed theirs: the same distribution, not the Triton kernels' bits)."""
+        lay, shape, (_, seq, d_in) = self.host_layout, self.shape, x.shape
+        assert lay is not None and shape is not None
+        return torch.cat([dropout_keep_mask(lay, g, layer.layer_id, d_in, seq, x.device) if lay.dropout[g] > 0
+                          else torch.ones((shape.rows, seq, d_in), device=x.device) for g in range(self.capacity)])
+
+    def _lora_term(self, layer: PackedLoRALinear, path: str, x: torch.Tensor,
+                   masks: torch.Tensor | None) -> torch.Tensor:
+        """The torch LoRA term of ``layer`` on x (B, L, D_in), its input dropped by ``masks`` (``_masks``, or None):
+        (B, L, D_out). Slot g's rows meet only its own bucket's RB columns, in two batched products, scaled by its
+        scale in the shape's segment table (a view: a captured graph reads the value each step writes; 0 for a free
+        or unscored slot, which therefore adds nothing)."""
         a, bt, shape = self.a[path], self.bt[path], self.shape
         assert shape is not None
         xin, (_, seq, d_in) = x.to(a.dtype), x.shape
-        if self.dropout and self.host_layout is not None:
-            lay = self.host_layout
-            masks = [dropout_keep_mask(lay, g, layer.layer_id, d_in, seq, x.device) if lay.dropout[g] > 0
-                     else xin.new_ones((shape.rows, seq, d_in)) for g in range(self.capacity)]
-            xin = xin * torch.cat(masks, dim=0)
+        if masks is not None:
+            xin = xin * masks.to(xin.dtype)
         c, m, rb = self.capacity, shape.rows, self.rank_bucket
         scale = shape.meta.seg_flt[:, SEG_FLT_COL.scale, None, None]  # (C, 1, 1)
         h = torch.bmm(xin.reshape(c, m * seq, d_in), a.view(c, rb, d_in).transpose(1, 2)) * scale  # (C, M * L, RB)

@@ -347,16 +347,11 @@ class StudySpec:
             )
 
     def _check_dora(self) -> None:
-        """DoRA trains over the whole float base (its norm reads W), unsharded, with dropout 0
-        (``packer.model.magnitude``)."""
+        """DoRA trains over the whole float base (its norm reads W), unsharded (``packer.model.magnitude``)."""
         off = ("model.quantize: nf4" if self.model.quantize
                else "pack.shard: fsdp" if self.pack.shard != "none" else None)
         if off is not None:
             raise ConfigError(f"train.dora: DoRA trains over a whole float base, not with {off}")
-        if any(p > 0 for p in _values(self, "dropout", ranged=True)):
-            raise ConfigError(f"train.dora: needs dropout 0, and the study can train dropout "
-                              f"{max(_values(self, 'dropout', ranged=True))} (the packed DoRA term takes the "
-                              "undropped input)")
 
     @property
     def directions(self) -> list[str]:

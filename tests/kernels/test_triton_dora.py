@@ -69,6 +69,71 @@ def test_the_rescale_equals_autograd_on_the_formula(capacity: int, rows: int, d:
     assert torch.equal(grad[1], grad0[1]), "a plain slot's magnitudes get no gradient"
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_rescale_with_dropout_subtracts_e_on_its_slots_only(bias: bool) -> None:
+    """``out = y + (r - 1)(y - b - e)`` with e on two of four slots (blocks in the opposite order), against autograd:
+    out, dy, de and dm; a DoRA slot without a block of e is the plain rescale."""
+    capacity, rows, d = 4, 45, 130
+    gen = torch.Generator().manual_seed(2)
+    y, dout = (torch.randn(capacity * rows, d, generator=gen) for _ in range(2))
+    e = torch.randn(2 * rows, d, generator=gen)
+    pos = torch.tensor([-1, 1, -1, 0], dtype=torch.int32)  # slot 3 owns block 0, slot 1 block 1; slot 2 plain
+    m, norm = (1 + torch.rand(capacity, d, generator=gen) for _ in range(2))
+    on = torch.tensor([1.0, 1.0, 0.0, 1.0])
+    b = torch.randn(d, generator=gen) if bias else None
+    dora = on[:, None] > 0
+    ratio, gain = torch.where(dora, m / norm, torch.ones_like(m)), torch.where(dora, 1 / norm, torch.zeros_like(m))
+    grad = torch.zeros(capacity, d, device=DEVICE)
+    y_in, e_in = y.clone().to(DEVICE).requires_grad_(), e.clone().to(DEVICE).requires_grad_()
+    out = ops.dora_scale(y_in, ratio.to(DEVICE), gain.to(DEVICE), None if b is None else b.to(DEVICE), grad,
+                         (e_in, pos.to(DEVICE)))
+    out.backward(dout.to(DEVICE))
+
+    y64, e64, m64 = (t.double().requires_grad_() for t in (y, e, m))
+    r = torch.where(dora, m64 / norm.double(), torch.ones_like(m64)).repeat_interleave(rows, dim=0)
+    full = torch.zeros(capacity * rows, d, dtype=torch.float64)
+    full = full.index_add(0, torch.arange(rows) + 3 * rows, e64[:rows]).index_add(0, torch.arange(rows) + rows,
+                                                                                    e64[rows:])
+    want = y64 + (r - 1) * (y64 - (0 if b is None else b.double()) - full)
+    want.backward(dout.double())
+    tol = dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.cpu().double(), want.detach(), **tol)
+    torch.testing.assert_close(y_in.grad.cpu().double(), y64.grad, **tol)
+    torch.testing.assert_close(e_in.grad.cpu().double(), e64.grad, **tol)
+    torch.testing.assert_close(grad.cpu().double(), m64.grad, rtol=1e-4, atol=1e-4 * rows ** 0.5)
+    assert e64.grad.abs().min() > 0 and m64.grad[0].abs().max() > 0  # both blocks and slot 0 (no block) take part
+
+
+def test_dropped_part_is_x_times_one_minus_the_kernels_multiplier() -> None:
+    """``ops.dropped_part``: the selected slots' tokens of ``x (1 - M / (1 - p))`` with the bits the packed LoRA
+    applies (``dropout_bits``; the multiplier as ``dropout_mask`` materialises it), in ``sel``'s order; its gradient
+    the same factor, scattered back, zero on every other slot's tokens."""
+    from lora_sweep.kernels.ops import SEG_FLT_COL, SEG_INT_COL, segment_meta
+    from lora_sweep.kernels.triton_dropout import dropout_mask
+
+    capacity, rows, seq, d = 3, 2, 20, 70
+    meta = segment_meta(capacity, rows, seq, 16, torch.device(DEVICE), dropout=True)
+    meta.seg_int[:, SEG_INT_COL.rank] = 4
+    meta.seg_int[:, SEG_INT_COL.seed] = torch.tensor([5, 6, 7])
+    p = torch.tensor([0.3, 0.0, 0.5])
+    meta.seg_flt[:, SEG_FLT_COL.p], meta.seg_flt[:, SEG_FLT_COL.inv_keep] = p, 1 / (1 - p)
+    meta = meta._replace(layer_id=3, has_dropout=True)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(capacity * rows * seq, d, generator=gen).to(DEVICE).requires_grad_()
+    sel = torch.tensor([2, 0], device=DEVICE)
+    part = ops.dropped_part(x, ops.dropout_bits(meta, x), meta, sel, capacity)
+    up = torch.randn(part.shape, generator=gen).to(DEVICE)
+    (part * up).sum().backward()
+    keep = 1 - dropout_mask(meta, x.shape[0], d, x.device)  # (T, D)
+    tok = rows * seq
+    for i, g in enumerate(sel.tolist()):
+        own = slice(g * tok, (g + 1) * tok)
+        torch.testing.assert_close(part[i * tok:(i + 1) * tok], x.detach()[own] * keep[own], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(x.grad[own], up[i * tok:(i + 1) * tok] * keep[own], rtol=1e-6, atol=1e-6)
+        assert abs((keep[own] == 1).float().mean().item() - float(p[g])) < 0.05  # x - drop(x) = x where dropped
+    assert torch.equal(x.grad[tok:2 * tok], torch.zeros(tok, d, device=DEVICE))
+
+
 def test_tokens_that_do_not_split_into_the_slots_are_refused() -> None:
     ratio = torch.ones(3, 8, device=DEVICE)
     with pytest.raises(ValueError, match=r"dora_scale: y \(10, 8\) must be \(C \* rows, D\)"):

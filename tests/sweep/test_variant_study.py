@@ -66,13 +66,14 @@ def test_a_study_over_dora_init_and_lr_ratio_runs_and_exports(tiny_dirs, tmp_pat
 
 def test_the_axolotl_config_with_peft_use_dora_runs_and_its_adapter_loads_in_peft_with_use_dora(tiny_dirs,
                                                                                                   tmp_path) -> None:
-    """Axolotl's lora-1b example with ``peft_use_dora: true`` (and ``lora_dropout: 0``: DoRA here takes the undropped
-    input): the study runs with no other key, and a trial's adapter is a PEFT DoRA adapter PEFT loads."""
+    """Axolotl's lora-1b example with ``peft_use_dora: true`` (and its own ``lora_dropout: 0.05``: DoRA with dropout,
+    PEFT's term on the dropped input): the study runs with no other key, and a trial's adapter is a PEFT DoRA adapter
+    PEFT loads."""
     from peft import PeftModel
 
-    path = foreign_config(tmp_path, tiny_dirs("llama"), "axolotl-lora-1b.yml", peft_use_dora=True, lora_dropout=0.0)
+    path = foreign_config(tmp_path, tiny_dirs("llama"), "axolotl-lora-1b.yml", peft_use_dora=True)
     spec = load_study(path)
-    assert spec.train.dora is True
+    assert spec.train.dora is True and spec.train.dropout == 0.05
     run_study(spec, log=lambda m: None)
     with ResultsStore(spec.out_dir / "results.db", create=False) as store:
         trials = store.trials()

@@ -12,9 +12,11 @@ import torch
 
 from tests import helpers as eq
 
-MIXED = {
-    "llama": [replace(eq.LLAMA_SPECS[0], dora=True), eq.LLAMA_SPECS[2],
-              replace(eq.LLAMA_SPECS[1], dora=True, lr=2e-3, lr_ratio=4.0)],
+MIXED = {  # llama's last slot: DoRA with dropout (PEFT's DoRA term on the dropped input; the oracle draws the
+    # engine's masks, ``tests.helpers.run_peft``), beside a plain slot with dropout
+    "llama": [replace(eq.LLAMA_SPECS[0], dora=True), replace(eq.LLAMA_SPECS[2], dropout=0.2),
+              replace(eq.LLAMA_SPECS[1], dora=True, lr=2e-3, lr_ratio=4.0),
+              replace(eq.LLAMA_SPECS[3], dora=True, dropout=0.1)],
     "gpt2": [replace(eq.GPT2_SPECS[0], dora=True), eq.GPT2_SPECS[1], replace(eq.GPT2_SPECS[3], dora=True, rslora=True)],
 }
 
@@ -23,7 +25,7 @@ MIXED = {
 def test_dora_slots_in_a_mixed_pack_equal_peft(tiny_dirs, family: str) -> None:
     model_dir = tiny_dirs(family)
     with eq.default_dtype(torch.float64):
-        losses, final = eq.run_packed(model_dir, eq.slot_jobs(MIXED[family]), capacity=3)
+        losses, final = eq.run_packed(model_dir, eq.slot_jobs(MIXED[family]), capacity=len(MIXED[family]))
         for job in eq.slot_jobs(MIXED[family]):
             eq.assert_trained_as_peft(model_dir, job, losses, final)
 

@@ -17,11 +17,12 @@ from lora_sweep.packer.model.packed import PackedModel  # noqa: E402
 from lora_sweep.packer.tiny.models import build_tiny_model  # noqa: E402
 from tests.helpers import LLAMA_SPECS  # noqa: E402
 
-TRITON_SPECS = [  # DoRA with clipping (the magnitudes in the slot's norm), plain with dropout, DoRA with LoRA+ and
-    # gradient accumulation (the magnitudes' gradient kept across micro-batches), PiSSA under DoRA; two steps each
-    # (A first moves at the second: B starts at zero), one row per micro-batch (the interpreter's time)
+TRITON_SPECS = [  # DoRA with clipping (the magnitudes in the slot's norm), DoRA with dropout (the kernels' masks on
+    # both steps: the base GEMM of what dropout removed, ``kernels.ops.dropped_part``), DoRA with LoRA+ and gradient
+    # accumulation (the magnitudes' gradient kept across micro-batches), PiSSA under DoRA; two steps each (A first
+    # moves at the second: B starts at zero), one row per micro-batch (the interpreter's time)
     replace(LLAMA_SPECS[2], dora=True, targets=("q_proj", "down_proj"), max_steps=2, micro_batch=1),
-    replace(LLAMA_SPECS[0], targets=("q_proj", "down_proj"), max_steps=2, dropout=0.1),
+    replace(LLAMA_SPECS[0], dora=True, targets=("q_proj", "down_proj"), max_steps=2, dropout=0.1),
     replace(LLAMA_SPECS[3], dora=True, targets=("down_proj", "k_proj"), max_steps=2, lr_ratio=4.0, micro_batch=1,
             gradient_accumulation_steps=2),
     replace(LLAMA_SPECS[1], dora=True, init="pissa", targets=("o_proj",), max_steps=2, micro_batch=1),
@@ -52,8 +53,6 @@ def test_triton_step_trains_dora_slots_as_the_torch_step(
         assert runs["triton"][1].step == "cuda-graph", "the DoRA step must capture"
     runs = {impl: rec for impl, (rec, _) in runs.items()}
     for key, spec in enumerate(TRITON_SPECS):
-        if spec.dropout > 0:  # the torch path draws its masks with torch's generator, the kernels their own bits
-            continue
         # fp32, the same sums in another order
         torch.testing.assert_close(torch.tensor(runs["triton"].losses[key]), torch.tensor(runs["torch"].losses[key]),
                                    rtol=1e-5, atol=0)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import lora_sweep.packer.model.store as slot_store
-from lora_sweep.kernels.ops import SEG_INT_COL, PackLayout, dropout_seed
+from lora_sweep.kernels.ops import dropout_seed
 from lora_sweep.packer.model.load import load_base
 from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import AdapterSpec
@@ -27,7 +27,6 @@ from tests.conftest import Recorder, need_triton
 
 need_triton()  # before anything imports the Triton kernel modules
 
-from lora_sweep.kernels.triton_dropout import dropout_mask  # noqa: E402
 from tests.helpers import PAD, slot_jobs  # noqa: E402
 
 SPECS = [  # three slots; the first ends after 2 steps and the fourth job refills its slot for the last step
@@ -50,40 +49,14 @@ def one_layer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama-1"), seed=0, num_layers=1)
 
 
-class KernelMasks:
-    """Stands in for ``packer.model.store.dropout_keep_mask``: slot g's rows of the multiplier the Triton kernels draw
-    from
-    the tables of the step being run (``dropout_mask`` on ``SlotStore.shape.meta`` with the layer's id), recorded
-    by (the slot's spec seed, its step seed, layer id)."""
-
-    def __init__(self, pm: PackedModel) -> None:
-        self.pm = pm
-        self.seen: dict[tuple[int, int, int], torch.Tensor] = {}
-        self._full: dict[tuple, torch.Tensor] = {}
-
-    def __call__(self, layout: PackLayout, g: int, layer_id: int, d_in: int, seq_len: int,
-                 device: torch.device) -> torch.Tensor:
-        shape = self.pm.store.shape
-        seeds = tuple(shape.meta.seg_int[:, SEG_INT_COL.seed].tolist())
-        assert seq_len == shape.seq_len and seeds[g] == layout.seed[g]  # the host layout is the tables' copy
-        key = (layer_id, seeds, seq_len, d_in)  # the slots draw from one call's tables: one launch per layer call
-        if key not in self._full:
-            b = shape.ids.shape[0]
-            meta = shape.meta._replace(layer_id=layer_id)
-            self._full[key] = dropout_mask(meta, b * seq_len, d_in, device).view(b, seq_len, d_in)
-        rows = self._full[key][g * shape.rows:(g + 1) * shape.rows]  # (rows, L, D_in)
-        self.seen[(self.pm.specs[g].seed, seeds[g], layer_id)] = rows
-        return rows
-
-
-def _train(model_dir, impl: str, device: str, monkeypatch: pytest.MonkeyPatch):  # noqa: ANN001, ANN202
+def _train(model_dir, impl: str, device: str, monkeypatch: pytest.MonkeyPatch, kernel_masks):  # noqa: ANN001, ANN202
     # eager attention on the CPU; SDPA on CUDA, where transformers < 5.21's eager mask cannot be captured
     # (tests/packer/step/test_capture_matrix.py): the masks are under test, both paths share the attention
     attn = "sdpa" if device == "cuda" else "eager"
     model, _ = load_base(str(model_dir), attn_implementation=attn, device=device)
     # the base's norms and MLP eager on both paths (the masks are under test; the interpreter runs the step faster)
     pm = PackedModel(model, impl=impl, fused_base_ops=False)  # type: ignore[arg-type]
-    masks = KernelMasks(pm) if impl == "torch" else None
+    masks = kernel_masks(pm) if impl == "torch" else None
     if masks is not None:
         monkeypatch.setattr(slot_store, "dropout_keep_mask", masks)
     jobs, rec = slot_jobs(SPECS), Recorder(pm)
@@ -97,12 +70,13 @@ def _train(model_dir, impl: str, device: str, monkeypatch: pytest.MonkeyPatch): 
     pytest.param("cuda", marks=pytest.mark.gpu),  # compiled kernels, the step replayed as a CUDA graph
 ])
 def test_triton_step_applies_each_steps_own_masks_per_slot_and_layer(one_layer: Path, device: str,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    reference, masks, result = _train(one_layer, "torch", device, monkeypatch)
+                                                                      monkeypatch: pytest.MonkeyPatch,
+                                                                      kernel_masks) -> None:  # noqa: ANN001
+    reference, masks, result = _train(one_layer, "torch", device, monkeypatch, kernel_masks)
     assert result.steps == 3 and result.jobs_started == 4  # the fourth job refilled slot 0
     assert masks is not None
     _check_masks({k: m.cpu() for k, m in masks.seen.items()})
-    triton, _, result = _train(one_layer, "triton", device, monkeypatch)
+    triton, _, result = _train(one_layer, "triton", device, monkeypatch, kernel_masks)
     assert (result.graphs > 0) == (device == "cuda")  # replayed as a CUDA graph there, eager on the CPU
     for key, spec in enumerate(SPECS):
         assert len(triton.losses[key]) == spec.max_steps
