@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lora_sweep.packer.api import ALL_LINEAR, MemoryModel, adapter_param_count
+from lora_sweep.sweep.store import cache_dir
 
 if TYPE_CHECKING:
     from torch import nn
@@ -157,13 +157,6 @@ def cache_lengths(spec: StudySpec, lengths: list[int]) -> None:
     """Keep the token lengths of the study's training rows for ``cached_lengths``."""
     key = _lengths_key(spec)
     _write(_entry(key, "lengths"), {"key": key, "lengths": lengths})
-
-
-def cache_dir() -> Path:
-    """``$LORA_SWEEP_CACHE``, else ``$XDG_CACHE_HOME/lora-sweep``, else ``~/.cache/lora-sweep``."""
-    if os.environ.get("LORA_SWEEP_CACHE"):
-        return Path(os.environ["LORA_SWEEP_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lora-sweep"
 
 
 def calibration_key(spec: StudySpec, device: str) -> dict[str, Any]:

@@ -5,7 +5,7 @@ A leaf: it imports no other lora-sweep module and nothing heavy, so the report (
 
     schema       the row classes the tables are derived from; JSON and non-finite values
     results      ``ResultsStore``, typed reads and writes of results.db
-    directory    ``StudyDir`` (the layout below), the owner's lock, atomic writes
+    directory    ``StudyDir`` (the layout below), the owner's lock, atomic writes, the user's cache folder
     feasibility  constraints and the one Pareto front
     attrs        the Optuna attribute keys, in one table
     stats        the paired bootstrap of two trials' per-item scores
@@ -115,6 +115,7 @@ from lora_sweep.sweep.store.directory import (
     StudyDir,
     atomic_write_bytes,
     atomic_write_text,
+    cache_dir,
 )
 from lora_sweep.sweep.store.feasibility import constraint_text, constraint_violation, is_feasible, pareto_front
 from lora_sweep.sweep.store.results import ResultsStore
@@ -136,5 +137,5 @@ __all__ = [
     "DirectoryInUse", "DirectoryLock", "EvalRow", "ItemRow", "constraint_text", "constraint_violation",
     "is_feasible", "pareto_front", "redact_url", "strip_password", "PackRecord", "PruneDecision", "ResultsStore",
     "SCHEMA_VERSION", "SlotSpan", "StepRow", "StudyDir", "TrialRecord", "atomic_write_bytes", "atomic_write_text",
-    "attrs", "paired_bootstrap", "paired_scores", "reference_trial",
+    "attrs", "cache_dir", "paired_bootstrap", "paired_scores", "reference_trial",
 ]  # fmt: skip

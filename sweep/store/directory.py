@@ -1,4 +1,5 @@
-"""A study directory: its layout (``StudyDir``), its owner's lock, and atomic file writes.
+"""A study directory: its layout (``StudyDir``), its owner's lock, and atomic file writes; and the user's cache
+(``cache_dir``).
 
 The layout is documented in ``sweep.store``'s docstring.
 """
@@ -16,7 +17,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["StudyDir", "DirectoryInUse", "DirectoryLock", "atomic_write_bytes", "atomic_write_text"]
+__all__ = ["StudyDir", "DirectoryInUse", "DirectoryLock", "atomic_write_bytes", "atomic_write_text", "cache_dir"]
+
+
+def cache_dir() -> Path:
+    """What lora-sweep keeps between studies (calibrations, an empty MLflow store): ``$LORA_SWEEP_CACHE``, else
+    ``$XDG_CACHE_HOME/lora-sweep``, else ``~/.cache/lora-sweep``."""
+    if os.environ.get("LORA_SWEEP_CACHE"):
+        return Path(os.environ["LORA_SWEEP_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lora-sweep"
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:

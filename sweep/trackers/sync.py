@@ -49,8 +49,9 @@ __all__ = ["Tracking", "Syncer", "start", "STATE_FILE"]
 STATE_FILE = "trackers.json"
 """In the study directory: each tracker's run ids and how far it has logged."""
 _ENDED = ("COMPLETE", "PRUNED", "FAIL")
-NICE = 10
-"""The trackers' process's niceness: below training, which shares the cores."""
+NICE = 19
+"""The trackers' process's niceness, the lowest: it takes the cycles training leaves idle, and a core training keeps
+busy gives it about 1/70 of its time (CFS weights 15 against 1024); what is left at the end is the last pass's."""
 FINISH_S = 60.0
 """How long the end of a run waits for the trackers' last pass and closing."""
 _STEP_KEYS = (("loss", "train/loss"), ("lr", "train/lr"), ("grad_norm", "train/grad_norm"), ("tokens", "train/tokens"))
@@ -159,6 +160,7 @@ class Syncer:
         self.state: dict[str, Any] = {}
         self.store: ResultsStore | None = None
         self.passes = 0
+        self._saved = ""
 
     def sync(self) -> None:
         """One pass: every tracker is given what results.db holds beyond what it logged."""
@@ -176,10 +178,18 @@ class Syncer:
         if "spec" not in meta:
             return  # the spec is recorded once the session is open
         trials = self.store.trials()
+        rows: dict[int, tuple[list[StepRow], list[EvalRow]]] = {}  # read once a pass, whatever the trackers
         for entry in self.entries:
             if entry.name not in self.failed:
-                self._guarded(entry, lambda e=entry: self._pass(e, meta, trials))
-        atomic_write_text(self.state_path, json.dumps(self.state, indent=1, sort_keys=True))
+                self._guarded(entry, lambda e=entry: self._pass(e, meta, trials, rows))
+        self._save()
+
+    def _save(self) -> None:
+        """``trackers.json``, written (atomically) only when it changed: most passes log nothing."""
+        text = json.dumps(self.state, indent=1, sort_keys=True)
+        if text != self._saved:
+            atomic_write_text(self.state_path, text)
+            self._saved = text
 
     def _guarded(self, entry: TrackerSpec, fn: Callable[[], None]) -> None:
         """``fn()``; an exception drops the tracker with one warning line."""
@@ -193,7 +203,10 @@ class Syncer:
                 with contextlib.suppress(Exception):
                     tracker.close(False)
 
-    def _pass(self, entry: TrackerSpec, meta: Mapping[str, Any], trials: list[TrialRecord]) -> None:
+    def _pass(self, entry: TrackerSpec, meta: Mapping[str, Any], trials: list[TrialRecord],
+              rows: dict[int, tuple[list[StepRow], list[EvalRow]]]) -> None:
+        """Hand one tracker what it has not logged; ``rows``: each trial's steps and evaluations, read on first need
+        and shared by the pass's trackers."""
         mine = self.state.setdefault(entry.name, {"trials": {}})
         tracker = self.trackers.get(entry.name)
         if tracker is None:
@@ -208,13 +221,16 @@ class Syncer:
                 cursor["run"], cursor["step"] = tracker.trial_started(trial, cursor["run"], cursor["step"])
                 cursor["open"] = True
             ended = trial.state in _ENDED
-            points = _points(self.store.curves([trial.number]).get(trial.number, []),
-                             self.store.evals(trial.number), cursor["step"], ended)
+            if trial.number not in rows:
+                rows[trial.number] = (self.store.curves([trial.number]).get(trial.number, []),
+                                      self.store.evals(trial.number))
+            steps, evals = rows[trial.number]
+            points = _points(steps, evals, cursor["step"], ended)
             if points:
                 tracker.log(trial.number, points)
                 cursor["step"] = points[-1].step
             if ended:
-                final = {e.metric: e.value for e in self.store.evals(trial.number, "final") if e.value is not None}
+                final = {e.metric: e.value for e in evals if e.kind == "final" and e.value is not None}
                 tracker.trial_finished(trial, final)
                 cursor["ended"], cursor["open"] = True, False
 
@@ -230,7 +246,7 @@ class Syncer:
                 self._guarded(entry, lambda t=tracker: t.close(finished))
         if self.store is not None:
             with contextlib.suppress(OSError):
-                atomic_write_text(self.state_path, json.dumps(self.state, indent=1, sort_keys=True))
+                self._save()
             self.store.close()
 
     def _pareto(self) -> list[dict[str, Any]]:

@@ -17,6 +17,8 @@ class Child:
     state: str
     tags: dict[str, str] = field(default_factory=dict)
     metrics: set[str] = field(default_factory=set)
+    hparams: dict[str, Any] = field(default_factory=dict)
+    """TensorBoard: the HParams tab's values and the metric tags it lists (``metrics:``), from the plugin's protos."""
 
 
 @dataclass
@@ -70,7 +72,23 @@ def tensorboard_logged(root: Path) -> Logged:
         state = text(acc, "state").split(":")[0] if "state/text_summary" in acc.Tags()["tensors"] else ""
         tags = dict(line.strip("| ").split(" | ") for line in text(acc, "tags").splitlines()[2:])
         out.children.setdefault(number, []).append(
-            Child(folder.name, json.loads(text(acc, "params")), steps, state, tags, set(acc.Tags()["scalars"])))
+            Child(folder.name, json.loads(text(acc, "params")), steps, state, tags, set(acc.Tags()["scalars"]),
+                  _hparams(acc.PluginTagToContent("hparams"))))
+    return out
+
+
+def _hparams(content: dict[str, bytes]) -> dict[str, Any]:
+    """The HParams plugin's session start (values by name) and experiment (``metrics:`` its metric tags)."""
+    from google.protobuf.json_format import MessageToDict
+    from tensorboard.plugins.hparams import metadata
+
+    out: dict[str, Any] = {}
+    if metadata.SESSION_START_INFO_TAG in content:
+        start = metadata.parse_session_start_info_plugin_data(content[metadata.SESSION_START_INFO_TAG])
+        out = {k: MessageToDict(v) for k, v in start.hparams.items()}
+    if metadata.EXPERIMENT_TAG in content:
+        experiment = metadata.parse_experiment_plugin_data(content[metadata.EXPERIMENT_TAG])
+        out["metrics:"] = {m.name.tag for m in experiment.metric_infos}
     return out
 
 

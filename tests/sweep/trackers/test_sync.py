@@ -71,6 +71,11 @@ def test_each_tracker_holds_the_study_as_results_db_does(tiny_dirs, tmp_path) ->
     assert all("rung/eval_loss" in c.metrics and "device_seconds" in c.metrics for c in pruned)
     complete = [c for cs in logged["tensorboard"].children.values() for c in cs if c.state == "COMPLETE"]
     assert complete and all({"final/eval_loss", "final/exact_match", "device_seconds"} <= c.metrics for c in complete)
+    for c in complete:  # the HParams tab: every param against the final metrics
+        assert c.hparams.pop("metrics:") == {m for m in c.metrics if m.startswith("final/")} | {"device_seconds"}
+        want = {k: v if isinstance(v, str | bool) else json.dumps(v) if isinstance(v, list | dict) else float(v)
+                for k, v in c.params.items()}
+        assert c.hparams == want, c.hparams
     assert {"report.html", "pareto.csv"} <= logged["mlflow"].parent_files
     assert {"spec", "pareto"} <= logged["tensorboard"].parent_files
     front = api.open_results(out).best_trials()
@@ -172,3 +177,29 @@ def test_a_failing_tracker_is_one_warning_and_the_sweep_goes_on(tiny_dirs, tmp_p
     assert len(warnings) == 1 and "tracker mlflow stopped" in warnings[0], lines
     logged = tensorboard_logged(tmp_path / "runs-broken")
     assert sorted(logged.children) == [0, 1, 2]
+
+
+def test_a_new_mlflow_store_is_a_copy_of_the_cached_empty_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``seed_store``: the first study makes the cache's empty store once (MLflow's migrations), every study's store is
+    its own copy of it, which MLflow opens as current and writes to."""
+    from mlflow import MlflowClient
+
+    from lora_sweep.sweep.trackers._mlflow import seed_store
+
+    monkeypatch.setenv("LORA_SWEEP_CACHE", str(tmp_path / "cache"))
+    first, second = tmp_path / "a" / "mlflow.db", tmp_path / "b" / "mlflow.db"
+    first.parent.mkdir()
+    second.parent.mkdir()
+    seed_store(first)
+    (template,) = (tmp_path / "cache" / "mlflow").iterdir()
+    made = template.stat().st_mtime_ns
+    seed_store(second)
+    assert template.stat().st_mtime_ns == made and first.read_bytes() == template.read_bytes()
+    client = MlflowClient(tracking_uri=f"sqlite:///{first}")
+    run = client.create_run(client.create_experiment("x"))
+    client.log_metric(run.info.run_id, "loss", 1.5, step=3)
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [3]
+    assert not MlflowClient(tracking_uri=f"sqlite:///{second}").get_experiment_by_name("x")  # its own file
+    seed_store(first)  # a store that exists is left as it is
+    assert MlflowClient(tracking_uri=f"sqlite:///{first}").get_experiment_by_name("x")
+    assert sorted(p.name for p in first.parent.iterdir()) == ["mlflow.db"]  # no file left aside
