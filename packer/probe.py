@@ -145,7 +145,7 @@ def _step(pm: PackedModel, spec: AdapterSpec, rows: list[Example], pad_id: int, 
 def calibrate(pm: PackedModel, seq_len: int, *, rows: tuple[int, int] = (1, 2), vocab: int | None = None,
               pad_id: int = 0, steps: int = PROBE_STEPS, chunked_ce: bool | int = False,
               activation_checkpointing: bool = False, optimizer_in_backward: bool = False,
-              dora: bool = False) -> MemoryModel:
+              dora: bool = False, dropout: float = 0.0) -> MemoryModel:
     """Fit ``MemoryModel`` from four probe packs of ``PROBE_SLOTS`` slots (one of them without rows):
     ``rows[0]`` and ``rows[1]`` sequences of ``seq_len`` tokens, with rank-8 and with rank-40 adapters
     (both ranks shrink to fit the narrowest layer). The four corners separate the per-token slope, the
@@ -156,7 +156,8 @@ def calibrate(pm: PackedModel, seq_len: int, *, rows: tuple[int, int] = (1, 2), 
     change the per-token slope several-fold, the last the bytes per parameter; its probes do not clip). ``dora``:
     the probes' adapters are DoRA adapters, so the slopes and the time are a DoRA slot's (its magnitudes, the
     norm per step and, on the Triton kernels, each projection's output kept for the rescale's backward): the plan of
-    a space that can train DoRA sizes every slot as the dearer one.
+    a space that can train DoRA sizes every slot as the dearer one. ``dropout``: the probes' LoRA dropout (a DoRA slot
+    with dropout also keeps ``W (x - drop(x))`` per projection for the backward).
 
     Each probe runs ``steps`` steps through ``packer.step.train.train`` once (on CUDA after a warm-up run): its peak
     memory is counted and the same run is timed, so the time line comes from the two low-rank probes without a
@@ -177,7 +178,7 @@ def calibrate(pm: PackedModel, seq_len: int, *, rows: tuple[int, int] = (1, 2), 
         ids = torch.randint(3, vocab, (n, seq_len), generator=gen).tolist()
         examples = [Example(tuple(r), tuple(r)) for r in ids]
         spec = AdapterSpec(rank=rank, targets=("all-linear",), max_steps=steps, lr=1e-4,
-                           max_grad_norm=None if optimizer_in_backward else 1.0, dora=dora)
+                           max_grad_norm=None if optimizer_in_backward else 1.0, dora=dora, dropout=dropout)
         if pm.device.type == "cuda":  # allocator pools and kernel selection depend on the shape
             _step(pm, spec, examples, pad_id, steps, options)
         timed: list[float] = []

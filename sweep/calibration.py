@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from lora_sweep.sweep.config.spec import StudySpec
 
 __all__ = ["BaseShape", "calibrated", "cached_calibration", "cache_dir", "calibration_key", "trains_dora",
-           "CALIBRATION_VERSION", "SHARD_WORLDS", "cached_lengths", "cache_lengths"]
+           "probe_dropout", "CALIBRATION_VERSION", "SHARD_WORLDS", "cached_lengths", "cache_lengths"]
 
 CALIBRATION_VERSION = 3
 """Bump when ``packer.probe.calibrate`` measures differently: older cache entries are then not read."""
@@ -127,7 +127,8 @@ def calibrated(spec: StudySpec, pm: PackedModel, calibrations: int = 1,
     t0 = time.perf_counter()
     models = [calibrate(pm, spec.data.max_length, pad_id=0, chunked_ce=spec.pack.chunked_ce,
                         activation_checkpointing=spec.pack.activation_checkpointing,
-                        optimizer_in_backward=spec.train.optimizer_in_backward, dora=trains_dora(spec))
+                        optimizer_in_backward=spec.train.optimizer_in_backward, dora=trains_dora(spec),
+                        dropout=probe_dropout(spec))
               for _ in range(calibrations)]
     seconds = time.perf_counter() - t0
     key = calibration_key(spec, str(pm.device))
@@ -175,6 +176,7 @@ def calibration_key(spec: StudySpec, device: str) -> dict[str, Any]:
             "seq_len": spec.data.max_length, "chunked_ce": spec.pack.chunked_ce,
             "activation_checkpointing": spec.pack.activation_checkpointing,
             "optimizer_in_backward": spec.train.optimizer_in_backward, "dora": trains_dora(spec),
+            "dropout": probe_dropout(spec),
             "torch": torch.__version__, "threads": torch.get_num_threads()}
 
 
@@ -183,6 +185,15 @@ def trains_dora(spec: StudySpec) -> bool:
     then the probes are DoRA's (``packer.probe.calibrate``)."""
     p = next((p for p in spec.search.params if p.name == "dora"), None)
     return True in (p.choices if p is not None else (spec.train.dora,))
+
+
+def probe_dropout(spec: StudySpec) -> float:
+    """The LoRA dropout of the planner's probes: with DoRA probes (``trains_dora``) the largest dropout the space can
+    train (a DoRA slot with dropout keeps ``W (x - drop(x))`` beside each projection's output), else 0."""
+    p = next((p for p in spec.search.params if p.name == "dropout"), None)
+    if not trains_dora(spec):
+        return 0.0
+    return float(spec.train.dropout if p is None else max(p.choices) if p.kind == "categorical" else p.high)
 
 
 def _entry(key: dict[str, Any], kind: str = "calibration") -> Path:

@@ -280,14 +280,15 @@ def assert_peft_and_merge_reproduce(model_dir, adapter_dir, packed: torch.Tensor
 # --------------------------------------------------------------- planning and evaluation on a pack
 
 def step_growth(pm: PackedModel, mm, ranks: tuple[int, ...], micro: int, seq: int, vocab: int, dora: bool = False,
-                **options) -> tuple[float, float]:
+                dropout: float = 0.0, **options) -> tuple[float, float]:
     """(predicted, measured) bytes a pack's step adds on top of the base part, for slots of ``ranks`` (DoRA slots
-    with ``dora``)."""
+    with ``dora``, with LoRA dropout ``dropout``)."""
     gen = torch.Generator().manual_seed(1)
     jobs = []
     for i, r in enumerate(ranks):
         ids = torch.randint(3, vocab, (micro, seq), generator=gen).tolist()
-        spec = AdapterSpec(rank=r, targets=("all-linear",), micro_batch=micro, max_steps=2, seed=i, dora=dora)
+        spec = AdapterSpec(rank=r, targets=("all-linear",), micro_batch=micro, max_steps=2, seed=i, dora=dora,
+                           dropout=dropout)
         jobs.append(SlotJob(spec, FixedBatch([Example(tuple(x), tuple(x)) for x in ids])))
     shapes = [(layer.in_features, layer.out_features) for layer in pm.layers.values()]
     params = sum(adapter_param_count(shapes, r) for r in ranks)

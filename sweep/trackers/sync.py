@@ -1,11 +1,11 @@
 """The trackers' process: what results.db holds, copied to each tracker, off the training process.
 
-``start(spec, log)`` starts one niced process (``python -m lora_sweep.sweep.trackers.sync``, ``main``) for the
-study's ``trackers:``, which imports only what it needs (no torch unless TensorBoard's writer brings it); every
-``interval`` seconds it reads results.db (read-only, its own connection) and hands each tracker what it has not yet
-logged: new trials (a child run each), their training steps and intermediate metrics, and the end of each finished
-trial. The training loop is not touched: it writes results.db as it always does (steps every few pack steps, rungs
-and ends at once).
+``start(spec, log)`` starts one process (``python -m lora_sweep.sweep.trackers.sync``, ``main``) for the
+study's ``trackers:``, which imports only what it needs (no torch: ``_tensorboard`` writes TensorBoard's own
+events); every ``interval`` seconds it reads results.db (read-only, its own connection) and hands each tracker what it
+has not yet logged: new trials (a child run each), their training steps and intermediate metrics, and the end of each
+finished trial. The training loop is not touched: it writes results.db as it always does (steps every few pack steps,
+rungs and ends at once).
 A process, not a thread: the trackers' Python (importing MLflow and W&B, opening runs, their clients) would hold the
 interpreter's lock that the training thread takes back after every op, and on the 2-core demo a thread doing it
 cost 11-19% of the wall for 9 CPU seconds (BENCHMARKS.md, "The demo with MLflow, W&B and TensorBoard tracking it").
@@ -50,8 +50,7 @@ STATE_FILE = "trackers.json"
 """In the study directory: each tracker's run ids and how far it has logged."""
 _ENDED = ("COMPLETE", "PRUNED", "FAIL")
 NICE = 19
-"""The trackers' process's niceness, the lowest: it takes the cycles training leaves idle, and a core training keeps
-busy gives it about 1/70 of its time (CFS weights 15 against 1024); what is left at the end is the last pass's."""
+"""The trackers' process's niceness where Linux's ``SCHED_IDLE`` is not to be had (``_lowest_priority``)."""
 FINISH_S = 60.0
 """How long the end of a run waits for the trackers' last pass and closing."""
 _STEP_KEYS = (("loss", "train/loss"), ("lr", "train/lr"), ("grad_norm", "train/grad_norm"), ("tokens", "train/tokens"))
@@ -121,12 +120,11 @@ class Tracking:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """The trackers' process: niced, a pass every ``interval`` seconds until the run says it ended (then a last
-    pass, the study's end, every run closed, the cost said) or its process is gone (EOF on stdin: a killed run; stop
-    where it is, the runs left open for a resumed run to reopen)."""
+    """The trackers' process: on idle cycles (``_lowest_priority``), a pass every ``interval`` seconds until the run
+    says it ended (then a last pass, the study's end, every run closed, the cost said) or its process is gone (EOF on
+    stdin: a killed run; stop where it is, the runs left open for a resumed run to reopen)."""
     config = json.loads((argv or sys.argv[1:])[0])
-    with contextlib.suppress(OSError, AttributeError):
-        os.nice(NICE)
+    _lowest_priority()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the run handles it
     said = os.fdopen(os.dup(1), "w", buffering=1)  # this process's lines for the run; what the trackers' packages
     os.dup2(2, 1)  # print goes to stderr, never into them
@@ -146,6 +144,18 @@ def main(argv: list[str] | None = None) -> None:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     print(f"trackers: {syncer.passes} passes; CPU {usage.ru_utime + usage.ru_stime:.2f} s in their process, "
           f"{_children_cpu_s():.2f} s in its child processes", file=said)
+
+
+def _lowest_priority() -> None:
+    """Run this process (and the processes it starts: W&B's core) on the cycles training leaves idle: Linux's
+    ``SCHED_IDLE`` policy, which runs a task only when no other wants the core and gives the core back at once when
+    one does; elsewhere the lowest niceness (``NICE``), which a busy core still shares about 1/70 of its time with.
+    What training never leaves idle waits for the end of the run, the last pass."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        with contextlib.suppress(OSError, AttributeError):
+            os.nice(NICE)
 
 
 class Syncer:

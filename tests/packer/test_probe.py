@@ -42,14 +42,17 @@ def test_memory_model_predicts_measured_peak(tmp_path, chunked_ce) -> None:
     assert abs(growth_pred - growth_meas) <= 0.10 * growth_meas, (growth_pred / 1e6, growth_meas / 1e6)
 
 
-def test_a_dora_calibration_predicts_a_dora_packs_peak(tmp_path) -> None:
-    """A space that can train DoRA calibrates with DoRA probes (``sweep.calibration.trains_dora``): a DoRA slot keeps
-    more per token (its rescale's operands for the backward), and that model predicts a pack of DoRA slots."""
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_a_dora_calibration_predicts_a_dora_packs_peak(tmp_path, dropout: float) -> None:
+    """A space that can train DoRA calibrates with DoRA probes (``sweep.calibration.trains_dora``), with the largest
+    dropout it can train (``probe_dropout``): a DoRA slot keeps more per token (its rescale's operands for the
+    backward; with dropout, what dropout removed from its input times W too), and that model predicts a pack of such
+    slots."""
     pm = _packed(tmp_path, 20_000)
-    plain = calibrate(pm, 96, rows=(4, 12))
-    mm = calibrate(pm, 96, rows=(4, 12), dora=True)
+    plain = calibrate(pm, 96, rows=(4, 12), dropout=dropout)
+    mm = calibrate(pm, 96, rows=(4, 12), dora=True, dropout=dropout)
     assert mm.bytes_per_token > plain.bytes_per_token, (mm.bytes_per_token, plain.bytes_per_token)
-    growth_pred, growth_meas = step_growth(pm, mm, (4, 8, 16, 32), 6, 96, 20_000, dora=True)
+    growth_pred, growth_meas = step_growth(pm, mm, (4, 8, 16, 32), 6, 96, 20_000, dora=True, dropout=dropout)
     assert abs(growth_pred - growth_meas) <= 0.10 * growth_meas, (growth_pred / 1e6, growth_meas / 1e6)
 
 

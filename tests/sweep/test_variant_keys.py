@@ -156,3 +156,17 @@ def test_a_space_that_can_train_dora_calibrates_with_dora_probes(folder: Path) -
         study = _load(folder, **changes)
         assert trains_dora(study) and calibration_key(study, "cpu")["dora"] is True
     assert not trains_dora(_load(folder, search={"dora": [False]}))
+
+
+def test_dora_probes_train_the_largest_dropout_the_space_can(folder: Path) -> None:
+    """``probe_dropout``: a DoRA slot with dropout keeps more (``packer.probe.calibrate(dropout=)``), so the DoRA probes
+    train the largest dropout of the space, cached apart; plain probes none."""
+    from lora_sweep.sweep.calibration import calibration_key, probe_dropout
+
+    cases = [({"train": {"dropout": 0.1}}, 0.0), ({"train": {"dora": True, "dropout": 0.0}}, 0.0),
+             ({"train": {"dora": True, "dropout": 0.1}}, 0.1),
+             ({"search": {"dora": [False, True], "dropout": [0.0, 0.05, 0.2]}}, 0.2),
+             ({"search": {"dora": [True], "dropout": {"low": 0.0, "high": 0.3}}}, 0.3)]
+    for changes, want in cases:
+        study = _load(folder, **changes)
+        assert probe_dropout(study) == want and calibration_key(study, "cpu")["dropout"] == want, changes

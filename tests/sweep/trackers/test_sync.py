@@ -203,3 +203,21 @@ def test_a_new_mlflow_store_is_a_copy_of_the_cached_empty_one(tmp_path: Path, mo
     seed_store(first)  # a store that exists is left as it is
     assert MlflowClient(tracking_uri=f"sqlite:///{first}").get_experiment_by_name("x")
     assert sorted(p.name for p in first.parent.iterdir()) == ["mlflow.db"]  # no file left aside
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux's SCHED_IDLE")
+def test_the_trackers_process_runs_on_idle_cycles(tmp_path: Path) -> None:
+    """The trackers' process (and what it starts) runs under ``SCHED_IDLE``: only on cycles training leaves idle."""
+    config = {"out_dir": str(tmp_path), "name": "idle", "interval": 0.2, "trackers": []}
+    proc = subprocess.Popen([sys.executable, "-m", "lora_sweep.sweep.trackers.sync", json.dumps(config)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        deadline, policy = time.monotonic() + 60, None
+        while policy != os.SCHED_IDLE and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+            policy = os.sched_getscheduler(proc.pid)
+        assert policy == os.SCHED_IDLE, policy
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()  # EOF: the process ends where it is
+        proc.wait(timeout=30)
