@@ -45,10 +45,10 @@ class PackedLoRAFunction(torch.autograd.Function):
         call's dropout bits, drawn by the caller (``keep_bits(meta, x)``), or None to draw them here
         -> (T, D_out)."""
         a_w, bt_w = ops or (a_cat, bt_cat)
-        if meta.has_dropout and keep is None:
-            keep = keep_bits(meta, x)  # (T, ceil(D_in / 32)) int32
-        elif not meta.has_dropout:
+        if not meta.has_dropout:
             keep = None
+        elif keep is None:
+            keep = keep_bits(meta, x)  # (T, ceil(D_in / 32)) int32
         h = seg_shrink(x, a_w, meta, dropout=True, keep=keep)  # (T, R_PAD) fp32, scaled by s_g
         bt_op = bt_w if ops else _expand_operand(bt_cat, x.dtype)
         if weight is not None:

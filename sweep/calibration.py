@@ -183,17 +183,13 @@ def calibration_key(spec: StudySpec, device: str) -> dict[str, Any]:
 def trains_dora(spec: StudySpec) -> bool:
     """Whether a trial of the space can be a DoRA slot (``train.dora``, or ``true`` among ``search.dora``'s values):
     then the probes are DoRA's (``packer.probe.calibrate``)."""
-    p = next((p for p in spec.search.params if p.name == "dora"), None)
-    return True in (p.choices if p is not None else (spec.train.dora,))
+    return True in spec.setting_values("dora")
 
 
 def probe_dropout(spec: StudySpec) -> float:
     """The LoRA dropout of the planner's probes: with DoRA probes (``trains_dora``) the largest dropout the space can
     train (a DoRA slot with dropout keeps ``W (x - drop(x))`` beside each projection's output), else 0."""
-    p = next((p for p in spec.search.params if p.name == "dropout"), None)
-    if not trains_dora(spec):
-        return 0.0
-    return float(spec.train.dropout if p is None else max(p.choices) if p.kind == "categorical" else p.high)
+    return float(max(spec.setting_values("dropout", ranged=True))) if trains_dora(spec) else 0.0
 
 
 def _entry(key: dict[str, Any], kind: str = "calibration") -> Path:

@@ -181,15 +181,6 @@ class PackSpec:
                self.shard)
 
 
-def _values(spec: StudySpec, name: str, ranged: bool = False) -> set[Any]:
-    """The values train setting ``name`` takes over the study: its choices or range ends (``ranged``) if searched,
-    else the fixed value."""
-    p = next((p for p in spec.search.params if p.name == name), None)
-    if p is None:
-        return {getattr(spec.train, name)}
-    return set(p.choices) if p.kind == "categorical" else {p.low, p.high} if ranged else set()
-
-
 def _jsonlike(x: object) -> bool:
     if isinstance(x, Mapping):
         return all(isinstance(k, str) and _jsonlike(v) for k, v in x.items())
@@ -315,17 +306,16 @@ class StudySpec:
         if self.train.optimizer_in_backward and clash:
             raise ConfigError(f"train.optimizer_in_backward: cannot be used with a searched {clash[0]} (it needs "
                               f"train.{clash[0]}: {_NOT_IN_BACKWARD[clash[0]]}, fixed)")
-        principal = _values(self, "init") & {"pissa", "olora"}
+        principal = self.setting_values("init") & {"pissa", "olora"}
         base = "model.quantize: nf4" if self.model.quantize else "pack.shard: fsdp" if self.pack.shard != "none" \
             else None
         if principal and base:  # the factors come from the whole float weight, which no process holds then
             raise ConfigError(f"train.init: {sorted(principal)[0]} decomposes the whole float base weight, which "
                               f"{base} does not keep on one process")
-        if principal and any(p > 0 for p in _values(self, "dropout", ranged=True)):
+        if principal and (dropout := max(self.setting_values("dropout", ranged=True))) > 0:
             raise ConfigError(f"train.init: {sorted(principal)[0]} needs dropout 0, and the study can train dropout "
-                              f"{max(_values(self, 'dropout', ranged=True))} (the frozen principal part would see the "
-                              "dropped input)")
-        if True in _values(self, "dora"):
+                              f"{dropout} (the frozen principal part would see the dropped input)")
+        if True in self.setting_values("dora"):
             self._check_dora()
         if self.data.eval is None and self.train.eval_every is not None:
             raise ConfigError("data.eval: is needed by train.eval_every")
@@ -352,6 +342,14 @@ class StudySpec:
                else "pack.shard: fsdp" if self.pack.shard != "none" else None)
         if off is not None:
             raise ConfigError(f"train.dora: DoRA trains over a whole float base, not with {off}")
+
+    def setting_values(self, name: str, ranged: bool = False) -> set[Any]:
+        """The values train setting ``name`` takes over the study: its choices or range ends (``ranged``) if searched,
+        else the fixed value."""
+        p = next((p for p in self.search.params if p.name == name), None)
+        if p is None:
+            return {getattr(self.train, name)}
+        return set(p.choices) if p.kind == "categorical" else {p.low, p.high} if ranged else set()
 
     @property
     def directions(self) -> list[str]:

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import mlflow
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 
@@ -53,8 +54,6 @@ def seed_store(path: Path) -> None:
     made first when missing; every file appears whole (written aside, then renamed)."""
     if path.exists():
         return
-    import mlflow
-
     template = cache_dir() / "mlflow" / f"{mlflow.__version__}.db"
     if not template.is_file():
         template.parent.mkdir(parents=True, exist_ok=True)

@@ -64,9 +64,9 @@ class _Writer:
         """The run's hyperparameters (numbers, strings, booleans) and the metric tags it reports against them."""
         start, infos = plugin_data_pb2.SessionStartInfo(), []
         for key, value in params.items():
-            kind = ("DATA_TYPE_BOOL" if isinstance(value, bool) else "DATA_TYPE_STRING" if isinstance(value, str)
-                    else "DATA_TYPE_FLOAT64")
-            field = {"DATA_TYPE_BOOL": "bool_value", "DATA_TYPE_STRING": "string_value"}.get(kind, "number_value")
+            kind, field = (("DATA_TYPE_BOOL", "bool_value") if isinstance(value, bool)
+                           else ("DATA_TYPE_STRING", "string_value") if isinstance(value, str)
+                           else ("DATA_TYPE_FLOAT64", "number_value"))
             setattr(start.hparams[key], field, value)
             infos.append(api_pb2.HParamInfo(name=key, type=api_pb2.DataType.Value(kind)))
         experiment = api_pb2.Experiment(hparam_infos=infos, metric_infos=[
