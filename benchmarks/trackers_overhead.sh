@@ -39,10 +39,11 @@ print(f"median wall: plain {plain:.1f} s, with the three trackers {tracked:.1f} 
 # what the trackers say they cost (sweep.trackers.sync): CPU in their process and in W&B's core process
 for name, wall in walls:
     if name.startswith("trackers"):
-        said = re.search(r"trackers: (\d+) passes; CPU ([\d.]+) s in their process, ([\d.]+) s in its child",
-                         (out / f"{name}.log").read_text())
+        said = re.search(r"trackers: (\d+) passes; CPU ([\d.]+) s in their process \(([\d.]+) s of it preparing\), "
+                         r"([\d.]+) s in its child", (out / f"{name}.log").read_text())
         if said:
-            cpu = float(said[2]) + float(said[3])
-            print(f"{name}: {said[1]} passes, CPU {said[2]} s (their process) + {said[3]} s (its children: W&B's "
-                  f"core) = {cpu:.1f} s, {100 * cpu / float(wall):.2f}% of its {wall} s wall")
+            passes, own, prepared, children = said[1], float(said[2]), float(said[3]), float(said[4])
+            print(f"{name}: {passes} passes, CPU {own:.2f} s (their process; {prepared:.2f} s of it preparing, before "
+                  f"the first trial) + {children:.2f} s (its children: W&B's core) = {own + children:.1f} s, "
+                  f"{100 * (own + children) / float(wall):.2f}% of its {wall} s wall")
 PY

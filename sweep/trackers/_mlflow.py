@@ -14,6 +14,7 @@ migrations, about 1.3 CPU seconds the trackers' process would take from training
 from __future__ import annotations
 
 import csv
+import importlib
 import io
 import logging
 import os
@@ -30,7 +31,7 @@ from mlflow.entities import Metric, Param, RunTag
 from lora_sweep.sweep.store import TrialRecord, cache_dir
 from lora_sweep.sweep.trackers.base import Point, StudyInfo, flat_params, run_name, trial_tags
 
-__all__ = ["MlflowTracker", "default_uri", "seed_store"]
+__all__ = ["MlflowTracker", "default_uri", "prepare", "seed_store"]
 
 _STATUS = {"COMPLETE": "FINISHED", "PRUNED": "KILLED", "FAIL": "FAILED"}
 """Optuna's end states as MLflow run statuses (a pruned trial was stopped on purpose: KILLED); the state itself
@@ -49,11 +50,17 @@ def default_uri(root: Path) -> str:
     return f"sqlite:///{(root / 'mlflow.db').resolve()}"
 
 
-def seed_store(path: Path) -> None:
-    """Create the SQLite store ``path`` (if absent) as a copy of the cache's empty store of this MLflow version,
-    made first when missing; every file appears whole (written aside, then renamed)."""
-    if path.exists():
-        return
+def prepare(options: Mapping[str, Any]) -> None:
+    """What MLflow needs that no study directory holds, done before the run has trials (``Syncer.prepare``): with
+    the default store, the cache's empty store made if missing, and MLflow's SQL store imported (SQLAlchemy and
+    MLflow's tables, the first client's cost)."""
+    if not options.get("tracking_uri"):
+        _empty_store()
+    importlib.import_module("mlflow.store.tracking.sqlalchemy_store")
+
+
+def _empty_store() -> Path:
+    """The cache's empty store of this MLflow version, made when missing (appearing whole: made aside, renamed)."""
     template = cache_dir() / "mlflow" / f"{mlflow.__version__}.db"
     if not template.is_file():
         template.parent.mkdir(parents=True, exist_ok=True)
@@ -61,6 +68,15 @@ def seed_store(path: Path) -> None:
         aside.unlink(missing_ok=True)
         MlflowClient(tracking_uri=f"sqlite:///{aside}").search_experiments(max_results=1)  # runs the migrations
         os.replace(aside, template)
+    return template
+
+
+def seed_store(path: Path) -> None:
+    """Create the SQLite store ``path`` (if absent) as a copy of the cache's empty store of this MLflow version,
+    made first when missing; every file appears whole (written aside, then renamed)."""
+    if path.exists():
+        return
+    template = _empty_store()
     aside = path.with_name(f".{path.name}.{os.getpid()}")
     shutil.copyfile(template, aside)
     os.replace(aside, path)

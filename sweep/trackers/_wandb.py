@@ -10,6 +10,7 @@ sync`` joins them into one run.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import secrets
@@ -23,9 +24,17 @@ import wandb
 from lora_sweep.sweep.store import TrialRecord
 from lora_sweep.sweep.trackers.base import Point, StudyInfo, run_name, trial_tags
 
-__all__ = ["WandbTracker", "offline_records"]
+__all__ = ["WandbTracker", "offline_records", "prepare"]
 
 _BLOCK = 32768
+
+
+def prepare(options: Mapping[str, Any]) -> None:
+    """What W&B needs that no study directory holds, done before the run has trials (``Syncer.prepare``): its core
+    process started, and the module every first ``wandb.init`` imports for W&B Launch's staged inputs (W&B's launch
+    agent and public API come with it) imported."""
+    wandb.setup()
+    importlib.import_module("wandb.sdk.launch.inputs.internal")
 
 
 def offline_records(file: Path) -> Iterator[Any]:
