@@ -39,11 +39,12 @@ print(f"median wall: plain {plain:.1f} s, with the three trackers {tracked:.1f} 
 # what the trackers say they cost (sweep.trackers.sync): CPU in their process and in W&B's core process
 for name, wall in walls:
     if name.startswith("trackers"):
-        said = re.search(r"trackers: (\d+) passes; CPU ([\d.]+) s in their process \(([\d.]+) s of it preparing\), "
-                         r"([\d.]+) s in its child", (out / f"{name}.log").read_text())
+        said = re.search(r"trackers: (\d+) passes; CPU ([\d.]+) s in their process \(([\d.]+) s preparing, ([\d.]+) s "
+                         r"after the run\), ([\d.]+) s in its child", (out / f"{name}.log").read_text())
         if said:
-            passes, own, prepared, children = said[1], float(said[2]), float(said[3]), float(said[4])
-            print(f"{name}: {passes} passes, CPU {own:.2f} s (their process; {prepared:.2f} s of it preparing, before "
-                  f"the first trial) + {children:.2f} s (its children: W&B's core) = {own + children:.1f} s, "
-                  f"{100 * (own + children) / float(wall):.2f}% of its {wall} s wall")
+            passes, own, prepared, after, children = said[1], *(float(x) for x in said.groups()[1:])
+            during = own - prepared - after + children
+            print(f"{name}: {passes} passes, CPU {own:.2f} s in their process ({prepared:.2f} s preparing, {after:.2f} s "
+                  f"after the run) + {children:.2f} s in its children (W&B's core): {during:.2f} s between preparing "
+                  f"and the run's end, {100 * during / float(wall):.2f}% of its {wall} s wall")
 PY

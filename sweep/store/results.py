@@ -321,6 +321,11 @@ class ResultsStore:
 
     # ------------------------------------------------------------ reads
 
+    def data_version(self) -> int:
+        """SQLite's ``data_version``: it changes whenever another connection (the run's, to this connection a
+        reader's) commits; a reader polling the store skips a read that would find nothing new."""
+        return int(self.db.execute("PRAGMA data_version").fetchone()[0])
+
     def meta(self) -> dict[str, Any]:
         return {r.key: r.value for r in self._get("study")}
 

@@ -61,8 +61,8 @@ def test_each_tracker_holds_the_study_as_results_db_does(tiny_dirs, tmp_path) ->
     out = tmp_path / "runs-tracked"
     assert summary.pruned >= 1 and not [m for m in lines if "warning" in m], lines
     cost = [m for m in lines if m.startswith("trackers: ")]  # what they cost, said once at the end
-    said = (r"trackers: [1-9]\d* passes; CPU \d+\.\d\d s in their process \(\d+\.\d\d s of it preparing\), "
-            r"\d+\.\d\d s in its child processes")
+    said = (r"trackers: [1-9]\d* passes; CPU \d+\.\d\d s in their process \(\d+\.\d\d s preparing, \d+\.\d\d s after "
+            r"the run\), \d+\.\d\d s in its child processes")
     assert len(cost) == 1 and re.fullmatch(said, cost[0]), cost
     assert summary.report == out / "report.html" and summary.report.is_file()  # written once, for the trackers
     logged = _read(out, "tracked")
