@@ -2,10 +2,11 @@
 
 ``start(spec, log)`` starts one process (``python -m lora_sweep.sweep.trackers.sync``, ``main``) for the
 study's ``trackers:``, which imports only what it needs (no torch: ``_tensorboard`` writes TensorBoard's own
-events); every ``interval`` seconds it reads results.db (read-only, its own connection) and hands each tracker what it
-has not yet logged: new trials (a child run each), their training steps and intermediate metrics, and the end of each
-finished trial. The training loop is not touched: it writes results.db as it always does (steps every few pack steps,
-rungs and ends at once).
+events), and imports it at once (``Syncer.prepare``), while the run loads its model. Every ``interval`` seconds it
+reads results.db (read-only, its own connection; only when the run committed since: ``data_version``) and hands each
+tracker what it has not yet logged: new trials (a child run each), their training steps and intermediate metrics,
+and the end of each finished trial. The training loop is not touched: it writes results.db as it always does (steps
+every few pack steps, rungs and ends at once).
 A process, not a thread: the trackers' Python (importing MLflow and W&B, opening runs, their clients) would hold the
 interpreter's lock that the training thread takes back after every op, and on the 2-core demo a thread doing it
 cost 11-19% of the wall for 9 CPU seconds (BENCHMARKS.md, "The demo with MLflow, W&B and TensorBoard tracking it").
@@ -16,8 +17,9 @@ study reads it back, reopens the same runs and carries on after what they hold (
 steps a killed run had stored but not yet logged are logged then); the process ends with the run's process, killed
 or not (its stdin closes). A tracker that raises (server down, disk full, an import error) is named in one warning
 line and dropped for the rest of the run; the sweep goes on. At the end one line says what the trackers cost: their
-passes, the CPU seconds of their process and of its child processes (W&B's core)
-(``benchmarks/trackers_overhead.sh`` reads it).
+passes, the CPU seconds of their process (those spent preparing, and after the run's end) and of its child processes
+(W&B's core) (``benchmarks/trackers_overhead.sh`` reads it); the run waits for that line, not for the process's
+exit.
 """
 
 from __future__ import annotations
