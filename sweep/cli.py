@@ -237,6 +237,8 @@ def _preloading_report(progress: Callable[[Progress], None]) -> Callable[[Progre
 
     def call(p: Progress) -> None:
         nonlocal started
+        if _SIGTERMS:  # its Terminated landed where Python ignores exceptions (a weakref callback, a __del__)
+            raise Terminated
         if not started:
             started = True
             threading.Thread(target=_preload_report, name="sweep-report-preload", daemon=True).start()
@@ -479,7 +481,12 @@ def _passive_openmp() -> None:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+_SIGTERMS: list[int] = []
+"""The SIGTERMs ``_on_sigterm`` took: one whose ``Terminated`` was swallowed is raised again at the next step."""
+
+
 def _on_sigterm(signum: int, frame: object) -> None:
+    _SIGTERMS.append(signum)
     raise Terminated  # in the main thread, as Ctrl-C is: the run records why it stopped, one line says so
 
 

@@ -52,6 +52,31 @@ def test_the_report_preload_starts_once_on_the_first_progress_and_passes_every_c
     assert sorted(calls) == [-1, 1, 2, 3] and [c for c in calls if c > 0] == [1, 2, 3]
 
 
+def test_a_sigterm_whose_exception_python_swallowed_stops_the_run_at_its_next_step(monkeypatch) -> None:
+    """A signal's handler runs wherever the main thread is; a ``Terminated`` raised inside a weakref callback (the
+    import system's module locks use them) is printed as "Exception ignored" and lost, and the run would go on to
+    its end. The SIGTERM is kept: the next step's progress raises it again."""
+    import weakref
+
+    from lora_sweep.errors import Terminated
+
+    monkeypatch.setattr(cli, "_SIGTERMS", [])
+    monkeypatch.setattr(cli, "_preload_report", lambda: None)
+    calls: list[int] = []
+    progress = cli._preloading_report(calls.append)
+    progress(1)
+
+    class Held:
+        pass
+
+    held = Held()
+    ref = weakref.ref(held, lambda _: cli._on_sigterm(15, None))  # noqa: F841  (its callback runs at the del)
+    del held  # the handler's Terminated is swallowed here, as Python does in a weakref callback
+    with pytest.raises(Terminated):
+        progress(2)
+    assert calls == [1]
+
+
 def _policy_in_a_command(env: dict[str, str]) -> str:
     """OMP_WAIT_POLICY as `sweep --help`, run as the console entry point, leaves it for torch's OpenMP runtime."""
     code = ("import os, sys; sys.argv = ['sweep', '--help']\n"
