@@ -207,7 +207,7 @@ class Syncer:
     def prepare(self) -> None:
         """Ready every tracker before the run has trials (``_prepare``, writing nothing in the study directory, which
         the run may not have made yet): importing their packages (about 2 CPU seconds for the three) then starts
-        beside the run's own start, which loads the model on one core, rather than in its training."""
+        beside the run's own start, which loads the model, rather than in its training."""
         # W&B first: its pydantic models read their fields' docstrings from source through inspect.getmodule, which
         # scans every loaded module; before MLflow's (and pandas') thousands load, that costs 0.25 CPU s less
         for entry in sorted(self.entries, key=lambda e: e.name != "wandb"):
