@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from lora_sweep.sweep.config.spec import StudySpec
     from lora_sweep.sweep.export import Export
     from lora_sweep.sweep.study import Progress, RunSummary
+    from lora_sweep.sweep.trackers.process import Tracking
 
 __all__ = ["load_study", "run", "open_results", "Results", "export", "write_report", "examples", "copy_example",
            "LOGGER"]
@@ -41,7 +42,7 @@ def load_study(path: str | Path, overrides: Sequence[str] = (), *, out: str | Pa
 
 def run(study: StudySpec | str | Path, overrides: Sequence[str] = (), *, out: str | Path | None = None,
         progress: Callable[[Progress], None] | None = None, log: Callable[[str], None] | None = None,
-        allow_changes: bool = False, gpus: int | None = None) -> RunSummary:
+        allow_changes: bool = False, gpus: int | None = None, trackers: Tracking | None = None) -> RunSummary:
     """Run the study (a spec from ``load_study``, or a study file with ``overrides``) until its budget ends.
 
     A study directory that already holds the study resumes it; one whose budget is already spent trains and writes
@@ -52,25 +53,32 @@ def run(study: StudySpec | str | Path, overrides: Sequence[str] = (), *, out: st
     ``optuna.logging.set_verbosity`` does Optuna's). ``allow_changes``: resume even if a fixed setting
     (e.g. ``train.max_steps``) differs from the one the study started with. ``gpus``: the ranks of a sharded
     pack (``pack.shard: fsdp``; default 1), this process rank 0 (``sweep.ranks.run_ranks``). The study's
-    ``trackers:`` log it from a process of their own (``sweep.trackers``); with them, the HTML report is written at
-    the end for their parent runs (``summary.report``).
+    ``trackers:`` log it from a process of their own (``sweep.trackers``), started here once the study is loaded
+    or, given ``trackers``, started before it loaded (``sweep.trackers.process.ahead``, as ``sweep run`` does so
+    that the trackers' packages import while torch does); with them, the HTML report is written at the end for
+    their parent runs (``summary.report``).
 
     Raises:
         UserError: ``gpus`` without ``pack.shard: fsdp``, or more than the visible devices.
     """
     from lora_sweep.errors import UserError
     from lora_sweep.sweep.study import run_study
-    from lora_sweep.sweep.trackers.sync import start as start_tracking
+    from lora_sweep.sweep.trackers.process import start as start_tracking
 
-    if isinstance(study, str | Path):
-        spec = load_study(study, overrides, out=out)
-    else:
-        spec = study if out is None else dataclasses.replace(study, output=Path(out))
+    try:
+        if isinstance(study, str | Path):
+            spec = load_study(study, overrides, out=out)
+        else:
+            spec = study if out is None else dataclasses.replace(study, output=Path(out))
+        if spec.pack.shard != "fsdp" and gpus is not None:
+            raise UserError(f"--gpus {gpus} (gpus={gpus} in the API): needs pack.shard: fsdp (one pack over N "
+                            f"GPUs); sweep run --workers N runs a pack per GPU")
+    except BaseException:
+        if trackers is not None:  # started for a study that is not run
+            trackers.abandon()
+        raise
     say = log or _logger().info
-    if spec.pack.shard != "fsdp" and gpus is not None:
-        raise UserError(f"--gpus {gpus} (gpus={gpus} in the API): needs pack.shard: fsdp (one pack over N "
-                        f"GPUs); sweep run --workers N runs a pack per GPU")
-    tracking = start_tracking(spec, say)
+    tracking = start_tracking(spec, say, started=trackers)
     finished = False
     try:
         if spec.pack.shard != "fsdp":

@@ -15,7 +15,7 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
@@ -24,6 +24,7 @@ from lora_sweep.errors import STOP_SAID, Terminated, UserError
 if TYPE_CHECKING:
     from lora_sweep.sweep.config.spec import StudySpec
     from lora_sweep.sweep.study import Progress
+    from lora_sweep.sweep.trackers.process import Tracking
 
 __all__ = ["main", "cli"]
 
@@ -33,12 +34,18 @@ def cli() -> None:
     """Hyperparameter sweeps for LoRA adapters, many trials packed into one training run."""
 
 
-def _load(study: str, overrides: tuple[str, ...], out: str | None) -> StudySpec:
+def _read(study: str) -> dict[str, Any]:
+    """The study file's mapping, as read: its YAML (UTF-8, the alias budget, syntax) checked before the API brings
+    in the engine (torch, sqlite_utils: seconds and ~300 MB), so that a hostile or mistyped file is refused at once."""
     from lora_sweep.sweep.config._yaml import read
 
-    # The file's YAML first (UTF-8, the alias budget, syntax), before the API brings in the engine (torch,
-    # sqlite_utils: seconds and ~300 MB): a hostile or mistyped file is refused at once.
-    read(Path(study), check_paths=False)
+    return read(Path(study), check_paths=False)[1]
+
+
+def _load(study: str, overrides: tuple[str, ...], out: str | None, read: bool = True) -> StudySpec:
+    """The study loaded (``read``: its file's YAML checked first, ``_read``)."""
+    if read:
+        _read(study)
     from lora_sweep.sweep.config.loader import (
         load_study,  # not the API's: it brings in the results store (sqlite_utils)
     )
@@ -68,41 +75,58 @@ def run(study: str, overrides: tuple[str, ...], out: str | None, quiet: bool, wo
         gpus: int | None, storage: str | None, heartbeat: float, grace: float, allow_changes: bool,
         join: bool) -> None:
     """Run STUDY.yaml (or resume it): OVERRIDES are dotted key=value pairs, e.g. train.max_steps=50."""
-    spec = _load(study, overrides, out)  # before the imports below: a hostile study file is refused at once
-    from lora_sweep.sweep import api
-    from lora_sweep.sweep._faults import about
-    from lora_sweep.sweep.live import LiveProgress
+    data = _read(study)  # before the imports below: a hostile study file is refused at once
+    # the trackers' process first: their packages import on the core that torch's import and the model's load leave
+    # idle (--workers and --join runs log to no tracker)
+    trackers = None if workers is not None or join else _trackers_ahead(data, overrides)
+    try:
+        spec = _load(study, overrides, out, read=False)
+        from lora_sweep.sweep import api
+        from lora_sweep.sweep._faults import about
+        from lora_sweep.sweep.live import LiveProgress
 
-    if gpus is not None and (workers is not None or join):
-        raise UserError("run: --gpus trains one pack over N GPUs; --workers and --join run a pack per worker "
-                        "(sweep worker under torchrun shards each worker's pack)")
-    if spec.trackers and (workers is not None or join):  # the trackers' process is `sweep run`'s child
-        click.echo("warning: trackers: not logged by --workers or --join runs (run the study with `sweep run` alone "
-                   "to log it; a later such run logs every trial the workers finished)", err=True)
-    if join and _join(spec, storage, heartbeat, grace, quiet, allow_changes):
-        return
-    if workers is not None:
-        _run_workers(study, overrides, spec, workers, storage, heartbeat, grace, quiet, allow_changes)
-        return
-    if storage is not None:
-        raise UserError("run: --storage needs --workers (or set storage: in the study file)")
-    with about(spec.out_dir), LiveProgress(enabled=not quiet) as live:
-        summary = api.run(spec, progress=_preloading_report(live.update), log=live.log, allow_changes=allow_changes,
-                          gpus=gpus)
-    if summary.already_spent:  # the run's log said so; nothing was written, the report included
-        more = f"to continue: sweep run {study} {summary.spent_key}=<more>; " if summary.spent_key else ""
-        click.echo(f"{spec.name}: {more}study in {spec.out_dir}")
-        return
-    click.echo(f"{spec.name}: {summary.complete} complete, {summary.pruned} pruned, {summary.failed} failed "
-               f"in {summary.wall_s:.1f} s ({summary.steps} packed steps); study in {spec.out_dir}")
-    if summary.split:
-        from lora_sweep.sweep.timing import WallSplit
+        if gpus is not None and (workers is not None or join):
+            raise UserError("run: --gpus trains one pack over N GPUs; --workers and --join run a pack per worker "
+                            "(sweep worker under torchrun shards each worker's pack)")
+        if spec.trackers and (workers is not None or join):  # the trackers' process is `sweep run`'s child
+            click.echo("warning: trackers: not logged by --workers or --join runs (run the study with `sweep run` "
+                       "alone to log it; a later such run logs every trial the workers finished)", err=True)
+        if join and _join(spec, storage, heartbeat, grace, quiet, allow_changes):
+            return
+        if workers is not None:
+            _run_workers(study, overrides, spec, workers, storage, heartbeat, grace, quiet, allow_changes)
+            return
+        if storage is not None:
+            raise UserError("run: --storage needs --workers (or set storage: in the study file)")
+        with about(spec.out_dir), LiveProgress(enabled=not quiet) as live:
+            summary = api.run(spec, progress=_preloading_report(live.update), log=live.log,
+                              allow_changes=allow_changes, gpus=gpus, trackers=trackers)
+        if summary.already_spent:  # the run's log said so; nothing was written, the report included
+            more = f"to continue: sweep run {study} {summary.spent_key}=<more>; " if summary.spent_key else ""
+            click.echo(f"{spec.name}: {more}study in {spec.out_dir}")
+            return
+        click.echo(f"{spec.name}: {summary.complete} complete, {summary.pruned} pruned, {summary.failed} failed "
+                   f"in {summary.wall_s:.1f} s ({summary.steps} packed steps); study in {spec.out_dir}")
+        if summary.split:
+            from lora_sweep.sweep.timing import WallSplit
 
-        click.echo(WallSplit().table(summary.split))
-    if summary.report is not None:  # written at the end of the run for the trackers
-        click.echo(f"report: {summary.report}")
-    else:
-        _refresh_report(spec.out_dir)
+            click.echo(WallSplit().table(summary.split))
+        if summary.report is not None:  # written at the end of the run for the trackers
+            click.echo(f"report: {summary.report}")
+        else:
+            _refresh_report(spec.out_dir)
+    finally:
+        if trackers is not None:  # the study did not load, or took another way than api.run (a no-op after it)
+            trackers.abandon()
+
+
+def _trackers_ahead(data: dict[str, Any], overrides: tuple[str, ...]) -> Tracking | None:
+    """The trackers' process, started with the trackers the study file seems to name (a guess: the loaded study's
+    ``trackers`` are what it logs to)."""
+    from lora_sweep.sweep.config.tracking import named_trackers
+    from lora_sweep.sweep.trackers.process import ahead
+
+    return ahead(named_trackers(data, overrides))
 
 
 def _join(spec: StudySpec, storage: str | None, heartbeat: float, grace: float, quiet: bool,

@@ -1,7 +1,9 @@
 """Experiment trackers (the study file's ``trackers:``): MLflow, Weights & Biases and TensorBoard see every trial.
 
     base          the ``Tracker`` protocol every tracker implements, and what it is given
-    sync          the process copying results.db to the trackers (``start``), their run ids in trackers.json
+    process       the run's side of the trackers' process: started (before the study loads, with ``sweep run``),
+                  told the study, ended
+    sync          the process copying results.db to the trackers, their run ids in trackers.json
     _mlflow       MLflow: the study a parent run, each trial a nested run
     _wandb        Weights & Biases: a run per trial, grouped by study (offline by default)
     _tensorboard  TensorBoard: a run folder per trial

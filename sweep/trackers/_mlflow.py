@@ -94,6 +94,7 @@ class MlflowTracker:
         self.client = MlflowClient(tracking_uri=options.get("tracking_uri") or default_uri(root))
         self.experiment = options.get("experiment") or study
         self.parent: str | None = None
+        self.experiment_id = ""  # the parent's, asked once: a query of MLflow's store per trial otherwise
         self.runs: dict[int, str] = {}
 
     def _experiment_id(self) -> str:
@@ -106,9 +107,10 @@ class MlflowTracker:
     def study_started(self, study: StudyInfo, run_id: str | None) -> str:
         if run_id is not None:
             self.client.update_run(run_id, status="RUNNING")
-            self.parent = run_id
+            self.parent, self.experiment_id = run_id, self.client.get_run(run_id).info.experiment_id
             return run_id
-        run = self.client.create_run(self._experiment_id(), run_name=study.name,
+        self.experiment_id = self._experiment_id()
+        run = self.client.create_run(self.experiment_id, run_name=study.name,
                                      tags={**study.tags, "lora_sweep.kind": "study"})
         self.parent = run.info.run_id
         self._batch(self.parent, params=flat_params(study.spec))
@@ -122,8 +124,7 @@ class MlflowTracker:
             return run_id, max([m.step for m in history], default=-1)
         assert self.parent is not None
         tags = {**trial_tags(trial), "lora_sweep.kind": "trial", "mlflow.parentRunId": self.parent}
-        run = self.client.create_run(self.client.get_run(self.parent).info.experiment_id, run_name=run_name(trial),
-                                     tags=tags)
+        run = self.client.create_run(self.experiment_id, run_name=run_name(trial), tags=tags)
         self.runs[trial.number] = run.info.run_id
         self._batch(run.info.run_id, params=flat_params(trial.params))
         return run.info.run_id, logged

@@ -1,8 +1,9 @@
 """The trackers' process: what results.db holds, copied to each tracker, off the training process.
 
-``start(spec, log)`` starts one process (``python -m lora_sweep.sweep.trackers.sync``, ``main``) for the
+``sweep.trackers.process`` starts one process (``python -m lora_sweep.sweep.trackers.sync``, ``main``) for the
 study's ``trackers:``, which imports only what it needs (no torch: ``_tensorboard`` writes TensorBoard's own
-events), and imports it at once (``Syncer.prepare``), while the run loads its model. Every ``interval`` seconds it
+events), and imports it at once (``_prepare_ahead``, ``Syncer.prepare``), while the run imports torch and loads its
+model. Told the study (its first line on stdin), every ``interval`` seconds it
 reads results.db (read-only, its own connection; only when the run committed since: ``data_version``) and hands each
 tracker what it has not yet logged: new trials (a child run each), their training steps and intermediate metrics,
 and the end of each finished trial. The training loop is not touched: it writes results.db as it always does (steps
@@ -31,12 +32,10 @@ import os
 import resource
 import select
 import signal
-import subprocess
 import sys
-import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lora_sweep.errors import first_line
 from lora_sweep.sweep.config.tracking import TrackerSpec
@@ -44,18 +43,13 @@ from lora_sweep.sweep.store import EvalRow, ResultsStore, StepRow, StudyDir, Tri
 from lora_sweep.sweep.store.feasibility import best_trials
 from lora_sweep.sweep.trackers.base import Point, StudyInfo, Tracker
 
-if TYPE_CHECKING:  # not at run time: the trackers' process imports no more than it needs (torch comes with the spec)
-    from lora_sweep.sweep.config.spec import StudySpec
-
-__all__ = ["Tracking", "Syncer", "start", "STATE_FILE"]
+__all__ = ["Syncer", "main", "STATE_FILE"]
 
 STATE_FILE = "trackers.json"
 """In the study directory: each tracker's run ids and how far it has logged."""
 _ENDED = ("COMPLETE", "PRUNED", "FAIL")
 NICE = 19
 """The trackers' process's niceness where Linux's ``SCHED_IDLE`` is not to be had (``_lowest_priority``)."""
-FINISH_S = 60.0
-"""How long the end of a run waits for the trackers' last pass and closing."""
 _STEP_KEYS = (("loss", "train/loss"), ("lr", "train/lr"), ("grad_norm", "train/grad_norm"), ("tokens", "train/tokens"))
 _EVAL_PREFIX = {"rung": "rung/", "curve": "eval/"}
 
@@ -75,93 +69,47 @@ def _make(entry: TrackerSpec, root: Path, name: str) -> Tracker:
     return TensorBoardTracker(entry.options, root, name)
 
 
-def _prepare(entry: TrackerSpec) -> None:
+def _prepare(name: str, options: Mapping[str, Any]) -> None:
     """Import the tracker's package and ready what it needs that no study directory holds (``Syncer.prepare``)."""
-    if entry.name == "mlflow":
+    if name == "mlflow":
         from lora_sweep.sweep.trackers._mlflow import prepare as prepare_mlflow
 
-        prepare_mlflow(entry.options)
-    elif entry.name == "wandb":
+        prepare_mlflow(options)
+    elif name == "wandb":
         from lora_sweep.sweep.trackers._wandb import prepare as prepare_wandb
 
-        prepare_wandb(entry.options)
+        prepare_wandb(options)
     else:  # TensorBoard's events writer: its import is all it needs
         importlib.import_module("lora_sweep.sweep.trackers._tensorboard")
 
 
-class Tracking:
-    """The run's side of the trackers' process (``python -m lora_sweep.sweep.trackers.sync CONFIG``): ``start``
-    starts it, ``finish`` ends it. It reads its end from its stdin (EOF: the run's process is gone) and writes the lines
-    it has to say to its stdout, which a thread of this process hands to ``log`` (the thread only waits)."""
-
-    def __init__(self, spec: StudySpec, log: Callable[[str], None], interval: float = 2.0) -> None:
-        self.log = log
-        self.config = {"out_dir": str(spec.out_dir), "name": spec.name, "interval": interval,
-                       "trackers": [[t.name, dict(t.options)] for t in spec.trackers]}
-        self.process: subprocess.Popen[str] | None = None
-        self.reader = threading.Thread(target=self._read, name="sweep-trackers-log", daemon=True)
-
-    def start(self) -> None:
-        # the child imports lora_sweep from where this process did (an editable install, a PYTHONPATH, a script's dir)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        self.process = subprocess.Popen([sys.executable, "-m", __name__, json.dumps(self.config)], env=env,
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        assert self.process is not None and self.process.stdout is not None
-        for line in self.process.stdout:
-            self.log(line.rstrip("\n"))
-
-    def finish(self, finished: bool, report: Callable[[], Path | None] | None = None) -> Path | None:
-        """End the process after a last pass; with ``finished`` (the budget ended the run) ``report()`` is written
-        here and attached with the Pareto table to the parent runs; every run is closed. Waits (at most ``FINISH_S``
-        for a slow tracker) until the process has said its last line. Returns the report's path when ``report()``
-        wrote it."""
-        assert self.process is not None and self.process.stdin is not None
-        path = None
-        if finished and report is not None:
-            try:
-                path = report()
-            except Exception as err:  # noqa: BLE001  (the report's own failure is the CLI's to say)
-                self.log(f"warning: the report for the trackers could not be written ({first_line(err)})")
-        with contextlib.suppress(OSError):  # a process that died already (its error is on stderr)
-            self.process.stdin.write(json.dumps({"finished": finished, "report": path and str(path)}) + "\n")
-            self.process.stdin.close()
-        # done when its output closes, after its last line: its exit (the packages' exit handlers, W&B's core shut
-        # down, and the interpreter's teardown of their thousands of modules, about 1 s) goes on without the run
-        self.reader.join(timeout=FINISH_S)
-        if self.reader.is_alive():
-            self.log(f"warning: trackers still busy after {FINISH_S:.0f} s; the run ends without waiting for them")
-            self.process.kill()
-            self.reader.join(timeout=5.0)
-        return path
-
-
 def main(argv: list[str] | None = None) -> None:
-    """The trackers' process: on idle cycles (``_lowest_priority``), a pass every ``interval`` seconds until the run
-    says it ended (then a last pass, the study's end, every run closed, the cost said) or its process is gone (EOF on
-    stdin: a killed run; stop where it is, the runs left open for a resumed run to reopen)."""
+    """The trackers' process: on idle cycles (``_lowest_priority``), the trackers its argument names prepared, then
+    once the run has told the study, a pass every ``interval`` seconds until the run says it ended (then a last
+    pass, the study's end, every run closed, the cost said) or its process is gone (EOF on stdin, at any time: a
+    killed run, or a study that did not load; stop where it is, the runs left open for a resumed run to reopen)."""
     config = json.loads((argv or sys.argv[1:])[0])
     _lowest_priority()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the run handles it
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a SIGINT sent to it (its group's) is the run's to handle too
     said = os.fdopen(os.dup(1), "w", buffering=1)  # this process's lines for the run; what the trackers' packages
     os.dup2(2, 1)  # print goes to stderr, never into them
-    trackers = [TrackerSpec(name, options) for name, options in config["trackers"]]
-    syncer = Syncer(Path(config["out_dir"]), config["name"], trackers, lambda line: print(line, file=said))
-    syncer.prepare()
+    run = _Lines(sys.stdin.fileno())
+    ready = _prepare_ahead(config["prepare"])
+    study = run.next(None)
+    if not study:
+        os._exit(0)
+    told = json.loads(study)
+    trackers = [TrackerSpec(name, options) for name, options in told["trackers"]]
+    syncer = Syncer(Path(told["out_dir"]), told["name"], trackers, lambda line: print(line, file=said))
+    syncer.prepare(ready)
     prepared = _cpu_s()
     wait = 0.0  # the first pass at once: the study's runs open while the run may still be loading its model
-    while True:
-        ready, _, _ = select.select([sys.stdin], [], [], wait)
+    while (line := run.next(wait)) is None:
         wait = config["interval"]
-        if ready:
-            line = sys.stdin.readline()
-            if not line:
-                os._exit(0)
-            end = json.loads(line)
-            break
         syncer.sync()
+    if not line:
+        os._exit(0)
+    end = json.loads(line)
     ran = _cpu_s()
     syncer.sync()
     syncer.end(end["finished"], None if end["report"] is None else Path(end["report"]))
@@ -169,6 +117,46 @@ def main(argv: list[str] | None = None) -> None:
     print(f"trackers: {syncer.passes} passes; CPU {total:.2f} s in their process ({prepared:.2f} s preparing, "
           f"{total - ran:.2f} s after the run), {_children_cpu_s():.2f} s in its child processes", file=said)
     said.close()  # the run's wait ends here (Tracking.finish), before this process's exit
+
+
+class _Lines:
+    """The run's lines on a file descriptor, read unbuffered: a buffered reader could hold the next line where
+    ``select`` no longer sees it."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.held, self.eof = fd, b"", False
+
+    def next(self, timeout: float | None) -> str | None:
+        """The next line; "" at EOF; None when none came within ``timeout`` seconds (None: wait for it)."""
+        while b"\n" not in self.held:
+            if self.eof:
+                return ""
+            if not select.select([self.fd], [], [], timeout)[0]:
+                return None
+            chunk = os.read(self.fd, 65536)
+            self.held += chunk
+            self.eof = not chunk
+        line, _, self.held = self.held.partition(b"\n")
+        return line.decode()
+
+
+def _wandb_first(names: list[str]) -> list[str]:
+    """W&B first: its pydantic models read their fields' docstrings from source through inspect.getmodule, which
+    scans every loaded module; before MLflow's (and pandas') thousands load, that costs 0.25 CPU s less."""
+    return sorted(names, key=lambda name: name != "wandb")
+
+
+def _prepare_ahead(named: list[list[Any]]) -> set[str]:
+    """The trackers the run guessed from the study file (``sweep.config.tracking.named_trackers``) prepared before
+    it tells the study; the names of those that were. One that failed is left for ``Syncer.prepare`` to try again
+    and say, if the study names it."""
+    options = {name: opts for name, opts in named}
+    ready = set()
+    for name in _wandb_first(list(options)):
+        with contextlib.suppress(Exception):  # any failure: said, if it matters, by Syncer.prepare
+            _prepare(name, options[name])
+            ready.add(name)
+    return ready
 
 
 def _cpu_s() -> float:
@@ -204,15 +192,13 @@ class Syncer:
         self._saved = ""
         self._read: int | None = None  # results.db's data_version the last whole pass read
 
-    def prepare(self) -> None:
-        """Ready every tracker before the run has trials (``_prepare``, writing nothing in the study directory, which
-        the run may not have made yet): importing their packages (about 2 CPU seconds for the three) then starts
-        beside the run's own start, which loads the model, rather than in its training."""
-        # W&B first: its pydantic models read their fields' docstrings from source through inspect.getmodule, which
-        # scans every loaded module; before MLflow's (and pandas') thousands load, that costs 0.25 CPU s less
-        for entry in sorted(self.entries, key=lambda e: e.name != "wandb"):
-            if entry.name not in self.failed:
-                self._guarded(entry, lambda e=entry: _prepare(e))
+    def prepare(self, ready: Collection[str] = ()) -> None:
+        """Ready every tracker not in ``ready`` before the run has trials (``_prepare``, writing nothing in the
+        study directory, which the run may not have made yet): importing their packages (about 2 CPU seconds for
+        the three) then runs beside the run's own start, which loads the model, rather than in its training."""
+        entries = {entry.name: entry for entry in self.entries}
+        for name in _wandb_first([n for n in entries if n not in ready and n not in self.failed]):
+            self._guarded(entries[name], lambda e=entries[name]: _prepare(e.name, e.options))
 
     def sync(self) -> None:
         """One pass: every tracker is given what results.db holds beyond what it logged."""
@@ -354,15 +340,6 @@ def _points(steps: list[StepRow], evals: list[EvalRow], after: int, ended: bool)
         if e.kind in _EVAL_PREFIX and after < e.step <= reached and e.value is not None:
             points.setdefault(e.step, {})[_EVAL_PREFIX[e.kind] + e.metric] = float(e.value)
     return [Point(step, points[step]) for step in sorted(points)]
-
-
-def start(spec: StudySpec, log: Callable[[str], None], interval: float = 2.0) -> Tracking | None:
-    """The study's trackers started in their process, or None when the study names none."""
-    if not spec.trackers:
-        return None
-    tracking = Tracking(spec, log, interval)
-    tracking.start()
-    return tracking
 
 
 if __name__ == "__main__":

@@ -209,7 +209,7 @@ def test_a_new_mlflow_store_is_a_copy_of_the_cached_empty_one(tmp_path: Path, mo
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux's SCHED_IDLE")
 def test_the_trackers_process_runs_on_idle_cycles(tmp_path: Path) -> None:
     """The trackers' process (and what it starts) runs under ``SCHED_IDLE``: only on cycles training leaves idle."""
-    config = {"out_dir": str(tmp_path), "name": "idle", "interval": 0.2, "trackers": []}
+    config = {"prepare": [], "interval": 0.2}
     proc = subprocess.Popen([sys.executable, "-m", "lora_sweep.sweep.trackers.sync", json.dumps(config)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:

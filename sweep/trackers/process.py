@@ -1,0 +1,131 @@
+"""The run's side of the trackers' process (``python -m lora_sweep.sweep.trackers.sync``): ``Tracking`` starts it,
+tells it the study, and ends it.
+
+The process can start before the study is loaded: ``sweep run`` starts it (``ahead``) as soon as the study file is
+read, with the trackers the file seems to name (``sweep.config.tracking.named_trackers``), and the process imports
+their packages (about 2 CPU seconds for the three) while the run imports torch and loads the model, which keep one
+core busy for about 5 s on the 2-core demo and leave the other idle. Once the study is loaded, ``attach`` sends the
+process the study's directory and its ``trackers`` (those are what is logged to; a tracker the guess missed is
+imported then). ``start`` does both at once for a study loaded already (the Python API). This module imports neither
+the results store nor a tracker's package: ``sweep run`` imports it before anything heavy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lora_sweep.errors import first_line
+
+if TYPE_CHECKING:  # not at run time: `sweep run` imports this module before the spec's engine (torch)
+    from lora_sweep.sweep.config.spec import StudySpec
+
+__all__ = ["Tracking", "ahead", "start", "FINISH_S"]
+
+FINISH_S = 60.0
+"""How long the end of a run waits for the trackers' last pass and closing."""
+_PROCESS = "lora_sweep.sweep.trackers.sync"
+
+
+class Tracking:
+    """The trackers' process, seen from the run: ``begin`` starts it (importing the ``prepare`` trackers' packages
+    at once), ``attach`` tells it the study and hands its lines to ``log``, ``finish`` ends it, ``abandon`` stops
+    one never attached. It reads the study and its end from its stdin (EOF: the run's process is gone) and writes
+    the lines it has to say to its stdout, which a thread of this process hands to ``log`` (the thread only
+    waits)."""
+
+    def __init__(self, prepare: Sequence[tuple[str, Mapping[str, Any]]], interval: float = 2.0) -> None:
+        self.prepare = [(name, dict(options)) for name, options in prepare]
+        self.interval = interval
+        self.process: subprocess.Popen[str] | None = None
+        self.reader: threading.Thread | None = None
+        self.log: Callable[[str], None] = lambda line: None
+
+    def begin(self) -> Tracking:
+        """Start the process (it imports the ``prepare`` trackers' packages at once)."""
+        # the child imports lora_sweep from where this process did (an editable install, a PYTHONPATH, a script's dir)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        config = {"prepare": self.prepare, "interval": self.interval}
+        # a process group of its own: the terminal's Ctrl-C is the run's to handle (it then ends the trackers), also
+        # while this process still starts, before it can ignore SIGINT
+        self.process = subprocess.Popen([sys.executable, "-m", _PROCESS, json.dumps(config)], env=env,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, process_group=0)
+        return self
+
+    def attach(self, spec: StudySpec, log: Callable[[str], None]) -> None:
+        """Tell the process the study it logs (its directory, name and ``trackers``); its lines go to ``log``."""
+        assert self.process is not None and self.process.stdin is not None and self.reader is None
+        study = {"out_dir": str(spec.out_dir), "name": spec.name,
+                 "trackers": [[t.name, dict(t.options)] for t in spec.trackers]}
+        with contextlib.suppress(OSError):  # a process that died already: its error is on stderr
+            self.process.stdin.write(json.dumps(study) + "\n")
+            self.process.stdin.flush()
+        self.log = log
+        self.reader = threading.Thread(target=self._read, name="sweep-trackers-log", daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.process is not None and self.process.stdout is not None
+        for line in self.process.stdout:
+            self.log(line.rstrip("\n"))
+
+    def abandon(self) -> None:
+        """Stop a process that was never attached (the study did not load, or the run took another way); one
+        attached is ``finish``'s."""
+        if self.process is not None and self.reader is None:
+            self.process.kill()
+            self.process.wait()
+            for pipe in (self.process.stdin, self.process.stdout):
+                if pipe is not None:
+                    with contextlib.suppress(OSError):
+                        pipe.close()
+
+    def finish(self, finished: bool, report: Callable[[], Path | None] | None = None) -> Path | None:
+        """End the process after a last pass; with ``finished`` (the budget ended the run) ``report()`` is written
+        here and attached with the Pareto table to the parent runs; every run is closed. Waits (at most ``FINISH_S``
+        for a slow tracker) until the process has said its last line. Returns the report's path when ``report()``
+        wrote it."""
+        assert self.process is not None and self.process.stdin is not None and self.reader is not None
+        path = None
+        if finished and report is not None:
+            try:
+                path = report()
+            except Exception as err:  # noqa: BLE001  (the report's own failure is the CLI's to say)
+                self.log(f"warning: the report for the trackers could not be written ({first_line(err)})")
+        with contextlib.suppress(OSError):  # a process that died already (its error is on stderr)
+            self.process.stdin.write(json.dumps({"finished": finished, "report": path and str(path)}) + "\n")
+            self.process.stdin.close()
+        # done when its output closes, after its last line: its exit (the packages' exit handlers, W&B's core shut
+        # down, and the interpreter's teardown of their thousands of modules, about 1 s) goes on without the run
+        self.reader.join(timeout=FINISH_S)
+        if self.reader.is_alive():
+            self.log(f"warning: trackers still busy after {FINISH_S:.0f} s; the run ends without waiting for them")
+            self.process.kill()
+            self.reader.join(timeout=5.0)
+        return path
+
+
+def ahead(prepare: Sequence[tuple[str, Mapping[str, Any]]], interval: float = 2.0) -> Tracking | None:
+    """The trackers' process started before the study is loaded, importing ``prepare``'s packages
+    (``sweep.config.tracking.named_trackers``: a guess from the study file); None when it names none."""
+    return Tracking(prepare, interval).begin() if prepare else None
+
+
+def start(spec: StudySpec, log: Callable[[str], None], started: Tracking | None = None,
+          interval: float = 2.0) -> Tracking | None:
+    """The study's trackers' process, attached to the study: ``started`` (``ahead``'s) when given, else one
+    started here; None when the study names no tracker (``started`` is then stopped)."""
+    if not spec.trackers:
+        if started is not None:
+            started.abandon()
+        return None
+    tracking = started or Tracking([(t.name, t.options) for t in spec.trackers], interval).begin()
+    tracking.attach(spec, log)
+    return tracking
