@@ -36,8 +36,9 @@ for i in $(seq "$pairs"); do
   run "trackers-$i" "trackers=[mlflow, wandb, tensorboard]"
 done
 python3 - "$out" <<'PY'
-import re, statistics, sys
+import statistics, sys
 from pathlib import Path
+from lora_sweep.benchmarks.trackers_pinned import said_cost
 out = Path(sys.argv[1])
 walls = [line.split() for line in (out / "walls.txt").read_text().splitlines()]
 median = {kind: [statistics.median(float(r[i]) for r in walls if r[0].startswith(kind)) for i in (1, 2)]
@@ -51,13 +52,9 @@ print("pairs (wall, CPU of the run's process): " + ", ".join(
     f"{100 * (float(b[1]) / float(a[1]) - 1):+.1f}% / {100 * (float(b[2]) / float(a[2]) - 1):+.1f}%" for a, b in pairs))
 # what the trackers say they cost (sweep.trackers.sync): CPU in their process and in W&B's core process
 for name, wall, _ in walls:
-    if name.startswith("trackers"):
-        said = re.search(r"trackers: (\d+) passes; CPU ([\d.]+) s in their process \(([\d.]+) s preparing, ([\d.]+) s "
-                         r"after the run\), ([\d.]+) s in its child", (out / f"{name}.log").read_text())
-        if said:
-            passes, own, prepared, after, children = said[1], *(float(x) for x in said.groups()[1:])
-            during = own - prepared - after + children
-            print(f"{name}: {passes} passes, CPU {own:.2f} s in their process ({prepared:.2f} s preparing, {after:.2f} s "
-                  f"after the run) + {children:.2f} s in its children (W&B's core): {during:.2f} s between preparing "
-                  f"and the run's end, {100 * during / float(wall):.2f}% of its {wall} s wall")
+    if name.startswith("trackers") and (c := said_cost((out / f"{name}.log").read_text())):
+        print(f"{name}: {c['passes']:.0f} passes, CPU {c['own']:.2f} s in their process ({c['prepared']:.2f} s "
+              f"preparing, {c['after']:.2f} s after the run) + {c['children']:.2f} s in its children (W&B's core): "
+              f"{c['during']:.2f} s between preparing and the run's end, {100 * c['during'] / float(wall):.2f}% of its "
+              f"{wall} s wall")
 PY

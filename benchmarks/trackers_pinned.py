@@ -32,11 +32,23 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["physical_cpus", "slots", "pairs", "summary", "main"]
+__all__ = ["physical_cpus", "slots", "said_cost", "pairs", "summary", "main"]
 
 TRACKERS = "trackers=[mlflow, wandb, tensorboard]"
 _SAID = re.compile(r"trackers: (\d+) passes; CPU ([\d.]+) s in their process \(([\d.]+) s preparing, ([\d.]+) s "
                    r"after the run\), ([\d.]+) s in its child")
+
+
+def said_cost(log: str) -> dict[str, float] | None:
+    """What the trackers said they cost in a run's log (``sweep.trackers.sync``'s last line): ``passes``, CPU
+    seconds ``own`` (their process), ``prepared``, ``after`` (the run's end), ``children`` (W&B's core), and
+    ``during``: their process's and its children's between preparing and the run's end. None if not said."""
+    found = _SAID.search(log)
+    if not found:
+        return None
+    passes, own, prepared, after, children = (float(x) for x in found.groups())
+    return dict(passes=passes, own=own, prepared=prepared, after=after, children=children,
+                during=own - prepared - after + children)
 
 
 def physical_cpus(allowed: Sequence[int], sys_cpu: Path = Path("/sys/devices/system/cpu")) -> list[int]:
@@ -85,10 +97,9 @@ def _round(study: str, out: Path, index: int, places: list[tuple[int, ...]]) -> 
             continue
         row = runs[pid] | dict(wall=round(time.monotonic() - start, 2), cpu=round(used.ru_utime + used.ru_stime, 2),
                                rc=os.waitstatus_to_exitcode(status))
-        said = _SAID.search((out / f"{row['name']}.log").read_text())
+        said = said_cost((out / f"{row['name']}.log").read_text())
         if said:  # the trackers' own account: their CPU between preparing and the run's end, W&B's core included
-            own, prepared, after, child = (float(x) for x in said.groups()[1:])
-            row["trackers_cpu_during"] = round(own - prepared - after + child, 3)
+            row["trackers_cpu_during"] = round(said["during"], 3)
         done.append(row)
     return sorted(done, key=lambda r: r["place"])
 

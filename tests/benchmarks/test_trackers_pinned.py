@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lora_sweep.benchmarks.trackers_pinned import pairs, physical_cpus, slots, summary
+from lora_sweep.benchmarks.trackers_pinned import pairs, physical_cpus, said_cost, slots, summary
 
 
 def _topology(root: Path, cores: dict[int, tuple[int, int]]) -> Path:
@@ -61,3 +61,12 @@ def test_pairs_and_summary() -> None:
 def test_summary_of_no_pairs_fails_loudly() -> None:
     with pytest.raises(ValueError):
         summary([_row(0, 0, "plain", 100.0, 190.0)])
+
+
+def test_said_cost_reads_the_trackers_last_line() -> None:
+    log = ("run: 6 complete\ntrackers: 60 passes; CPU 4.12 s in their process (2.73 s preparing, 0.05 s after the "
+           "run), 0.17 s in its child processes\n")
+    said = said_cost(log)
+    assert said is not None and said["passes"] == 60 and said["own"] == 4.12 and said["children"] == 0.17
+    assert said["during"] == pytest.approx(4.12 - 2.73 - 0.05 + 0.17)
+    assert said_cost("run: 6 complete\n") is None
