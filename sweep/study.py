@@ -45,7 +45,14 @@ from lora_sweep.packer.api import (
     save_adapters,
     train,
 )
-from lora_sweep.sweep._trial_data import check_data, check_packing, planned_tokens, trial_adapter, trial_stream
+from lora_sweep.sweep._trial_data import (
+    check_data,
+    check_packing,
+    planned_tokens,
+    step_lengths,
+    trial_adapter,
+    trial_stream,
+)
 from lora_sweep.sweep.budget import BudgetState, TokenPlan, budget_state, end_line, recorded_budget
 from lora_sweep.sweep.config.space import adapter_spec, suggest
 from lora_sweep.sweep.config.spec import StudySpec
@@ -605,7 +612,9 @@ def _train_pack(sweep: _Sweep, session: Session) -> bool:
                    optimizer_in_backward=spec.train.optimizer_in_backward,
                    # the bucket of the space's largest rank from the first step, as the pack is planned:
                    # a bucket grown when such a trial arrives re-captures every graph and precompiles again
-                   rank_bucket=rank_bucket_for(largest_rank(spec)))
+                   rank_bucket=rank_bucket_for(largest_rank(spec)),
+                   # at most a few step lengths, fitted to the data: bounded shapes, bounded CUDA graphs and pools
+                   lengths=step_lengths(spec, sweep.train_examples, session.capacity))
     callbacks = (phased("storage", sweep.next_job), phased("storage", sweep.on_step), sweep.should_stop,
                  phased("storage", sweep.on_end))
     if sweep.ranks is not None:  # every rank trains this pack with rank 0's decisions
