@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lora_sweep.errors import ConfigError, UserError, first_line
-from lora_sweep.kernels.ops import Impl, hash_compiler_early, resolve_impl
+from lora_sweep.kernels.ops import Impl, hash_compiler_early, resolve_impl, use_kernel_cache
 from lora_sweep.packer.model.quant import quantize_base
 
 __all__ = ["load_base", "load_tokenizer", "resolve_base", "prepare_kernels", "DTYPES", "LOAD_PARTS"]
@@ -49,11 +49,20 @@ def resolve_base(name_or_path: str, gguf_file: str | None = None, *,
     return str(Path(name_or_path).expanduser()) if looks_local else name_or_path
 
 
-def prepare_kernels(impl: Impl, device: str) -> None:
+def prepare_kernels(impl: Impl, device: str, cache_root: Path | None = None) -> Path | None:
     """Call before loading the base a pack on ``device`` will wrap with ``impl``: where that means the Triton
-    kernels, Triton's compiler hash starts on a thread beside the load (``kernels.ops.hash_compiler_early``)."""
-    if resolve_impl(impl, torch.device(device)) == "triton":
-        hash_compiler_early()
+    kernels, compiled kernels are kept under ``cache_root`` across runs (``kernels.ops.use_kernel_cache``: keyed by
+    Triton's version and the device; the user's ``TRITON_CACHE_DIR`` wins) and Triton's compiler hash starts on a
+    thread beside the load (``kernels.ops.hash_compiler_early``).
+
+    Returns:
+        The kernel cache folder in use (None: not the Triton path, or no ``cache_root`` and none set by the user).
+    """
+    if resolve_impl(impl, torch.device(device)) != "triton":
+        return None
+    folder = use_kernel_cache(cache_root, torch.device(device)) if cache_root is not None else None
+    hash_compiler_early()
+    return folder
 
 
 LOAD_PARTS = ("model", "tokenizer")
