@@ -106,7 +106,8 @@ def load_base(name_or_path: str, *, gguf_file: str | None = None, dtype: str = "
     looks_local = source.startswith((".", "/", "~")) or Path(source).exists()
     if looks_local and not Path(source).is_dir():
         raise UserError(f"{name_or_path}: model directory not found")
-    kwargs = {"dtype": "auto" if dtype == "auto" else DTYPES[dtype], "device_map": torch.device(device)}
+    kwargs: dict[str, object] = {"dtype": "auto" if dtype == "auto" else DTYPES[dtype],
+                                 "device_map": torch.device(device)}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     times = split if split is not None else {}
@@ -117,6 +118,9 @@ def load_base(name_or_path: str, *, gguf_file: str | None = None, dtype: str = "
                 model: nn.Module = AutoModelForCausalLM.from_pretrained(source, **kwargs)
             except (OSError, ValueError) as err:
                 raise UserError(f"{name_or_path}: cannot load model: {first_line(err)}") from err
+        # whole on one device, as a load then .to() left it: PEFT and accelerate take a model with a device map for
+        # one dispatched over devices (and re-dispatch it when an adapter loads)
+        model.__dict__.pop("hf_device_map", None)
     quantize_base(model, quantize)  # on the device: quantising on a GPU takes a fraction of the CPU's time
     return model, tokenizer.result()
 
