@@ -12,7 +12,7 @@
 # install with --no-compile otherwise makes the timed run compile every module it imports first (~11 s before
 # training starts on a 2-core CPU VM, ~4 s more for the report). BENCH_COLD_BYTECODE=1 skips this and measures
 # that cold case.
-# Triton's kernel cache (~/.triton/cache, or $TRITON_CACHE_DIR) is what it is: warm after a first run on this machine.
+# Triton's kernel cache ($LORA_SWEEP_CACHE/triton/..., or $TRITON_CACHE_DIR) is what it is: warm after a first run here.
 # BENCH_COLD_TRITON=1 points TRITON_CACHE_DIR at a new empty folder, to time a machine's first run.
 # BENCH_WRAP prefixes the timed command, e.g. BENCH_WRAP="py-spy record -f raw -o spy.txt --" to profile it.
 # Usage: benchmarks/sweep_split.sh [CONFIG_DIR] [OVERRIDES...]   e.g. ... cfg train.max_steps=150 'pruning.rungs=[40]'

@@ -31,7 +31,7 @@ from lora_sweep.sweep.device import resolve_device
 from lora_sweep.sweep.ledger import Ledger, open_study, recorded_trials, storage_url
 from lora_sweep.sweep.session import Note, Session, own_directory, record_spec, trial_adapter_dir
 from lora_sweep.sweep.storage import Sharing, resume_clock, storage_lock
-from lora_sweep.sweep.store import DirectoryLock, ResultsStore, StudyDir, strip_password
+from lora_sweep.sweep.store import DirectoryLock, ResultsStore, StudyDir, cache_dir, strip_password
 from lora_sweep.sweep.timing import WallSplit
 
 __all__ = ["open_session", "resolve_device"]
@@ -95,7 +95,8 @@ def _open(spec: StudySpec, sdir: StudyDir, device: str, log: Callable[[str], Non
           lock: DirectoryLock | None, allow_changes: bool, split: WallSplit) -> Session:
     from lora_sweep.sweep.planning import check_targets
 
-    prepare_kernels(spec.pack.kernels, device)  # Triton's own hash, on a thread beside the model's load
+    # compiled kernels kept between runs beside the calibrations; Triton's own hash on a thread beside the load
+    prepare_kernels(spec.pack.kernels, device, cache_dir())
     log(Note(f"loading the base model {spec.model.path} on {device} (model.dtype: {spec.model.dtype})"))
     if device == "cpu" and spec.model.dtype in ("bfloat16", "float16"):  # a torchtune config's dtype: bf16, say
         log(f"warning: model.dtype: {spec.model.dtype} on a CPU: the base and adapters run in {spec.model.dtype} as "
