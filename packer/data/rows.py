@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,9 @@ __all__ = [
     "ALPACA_PROMPT_NO_INPUT",
     "Example",
     "read_jsonl",
+    "iter_lines",
+    "line_bound",
+    "MAX_LINE_BYTES",
     "json_error",
     "tokenize_rows",
     "load_examples",
@@ -45,6 +48,9 @@ logger = logging.getLogger(__name__)
 
 FORMATS = ("alpaca", "prompt_completion", "chat", "text")
 """Row formats; ``fmt="auto"`` picks one from the first row's keys."""
+
+MAX_LINE_BYTES = 1 << 20
+"""The longest data row read, in bytes, unless the caller says (``line_bound``): 1 MiB, some 250k tokens of text."""
 
 IGNORE_INDEX = -100
 """Label of a token that takes no loss (``torch.nn.CrossEntropyLoss``'s default ``ignore_index``)."""
@@ -87,12 +93,14 @@ class Example:
             raise ValueError(f"input_ids and labels differ in length ({len(self.input_ids)} vs {len(self.labels)})")
 
 
-def read_jsonl(path: str | Path, fmt: str = "auto") -> tuple[str, list[dict[str, Any]]]:
+def read_jsonl(path: str | Path, fmt: str = "auto", max_line_bytes: int = MAX_LINE_BYTES
+               ) -> tuple[str, list[dict[str, Any]]]:
     """Read and validate the rows of a JSONL dataset.
 
     Args:
         path: JSONL file, one JSON object per line.
         fmt: One of ``FORMATS``, or ``"auto"`` to detect it from the first row's keys.
+        max_line_bytes: The longest row read (``iter_lines``); a longer one is refused by ``file:line``.
 
     Returns:
         The resolved format and the rows, in file order.
@@ -101,7 +109,7 @@ def read_jsonl(path: str | Path, fmt: str = "auto") -> tuple[str, list[dict[str,
         DataError: The file is missing or empty, the format is unknown, or a row is invalid JSON or lacks a
             field of the format; the message names ``file:line``.
     """
-    fmt, rows, _ = _read(path, fmt)
+    fmt, rows, _ = _read(path, fmt, max_line_bytes)
     return fmt, rows
 
 
@@ -147,12 +155,15 @@ def load_examples(
     fmt: str = "auto",
     max_length: int = 512,
     train_on_prompt: bool = False,
+    max_line_bytes: int | None = None,
 ) -> list[Example]:
     """Read a JSONL dataset and tokenize it: ``read_jsonl`` + ``tokenize_rows``, errors naming ``file:line``.
 
-    Arguments, result and errors are those of ``read_jsonl`` and ``tokenize_rows``.
+    Arguments, result and errors are those of ``read_jsonl`` and ``tokenize_rows``; ``max_line_bytes`` None:
+    ``line_bound(max_length)``.
     """
-    fmt, rows, lines = _read(path, fmt)
+    bound = line_bound(max_length) if max_line_bytes is None else max_line_bytes
+    fmt, rows, lines = _read(path, fmt, bound)
     return _tokenize(rows, lines, fmt, tokenizer, max_length, train_on_prompt, str(path))
 
 
@@ -232,40 +243,74 @@ class SlotStream:
         return self._order
 
 
-def _read(path: str | Path, fmt: str) -> tuple[str, list[dict[str, Any]], list[int]]:
+def _read(path: str | Path, fmt: str, max_line_bytes: int = MAX_LINE_BYTES
+          ) -> tuple[str, list[dict[str, Any]], list[int]]:
     """``read_jsonl`` that also returns each row's 1-based line number."""
     _check_format_name(fmt, str(path))
     rows: list[dict[str, Any]] = []
     lines: list[int] = []
-    try:
-        # utf-8-sig: tolerate a byte-order mark. File iteration splits on \n and \r only; JSON strings cannot
-        # hold either raw, so a line is always one row (str.splitlines would also split on U+2028).
-        with open(path, encoding="utf-8-sig") as file:
-            for lineno, line in enumerate(file, start=1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{lineno}"
-                try:
-                    row = json.loads(line.rstrip("\r\n"))
-                except json.JSONDecodeError as err:
-                    raise json_error(err, where) from None
-                except RecursionError:
-                    raise DataError(f"{where}: nested deeper than {MAX_DEPTH} levels") from None
-                _check_plain(row, where)
-                if fmt == "auto":
-                    fmt = _detect(row, where)
-                _check_row(row, fmt, where)
-                rows.append(row)
-                lines.append(lineno)
-    except FileNotFoundError:
-        raise DataError(f"{path}: file not found") from None
-    except UnicodeDecodeError as err:
-        raise DataError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
-    except OSError as err:
-        raise DataError(f"{path}: cannot read ({err.strerror})") from None
+    for lineno, line in iter_lines(path, max_line_bytes):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise json_error(err, where) from None
+        except RecursionError:
+            raise DataError(f"{where}: nested deeper than {MAX_DEPTH} levels") from None
+        _check_plain(row, where)
+        if fmt == "auto":
+            fmt = _detect(row, where)
+        _check_row(row, fmt, where)
+        rows.append(row)
+        lines.append(lineno)
     if not rows:
         raise DataError(f"{path}: no rows")
     return fmt, rows, lines
+
+
+def line_bound(max_length: int) -> int:
+    """The row bound for examples cut to ``max_length`` tokens: ``MAX_LINE_BYTES``, or 32 bytes a token when more
+    (a token is a few bytes of text; JSON escapes such as ``\\uXXXX`` take up to 6 a character)."""
+    return max(MAX_LINE_BYTES, 32 * max_length)
+
+
+def iter_lines(path: str | Path, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[int, str]]:
+    """``(line number, text)`` of a UTF-8 file, its line breaks removed, read in bounded blocks: a line is refused
+    before it is held whole or parsed once it is longer than ``max_line_bytes`` (a 50 MB single-line row would
+    otherwise be read, decoded and parsed whole, several times its size in memory).
+
+    Lines end at ``\\n``, ``\\r\\n`` or a lone ``\\r``, as Python's text files split them (JSON strings hold neither
+    raw); a byte-order mark at the start is skipped.
+
+    Raises:
+        DataError: a missing or unreadable file, text that is not UTF-8, or a line over the bound (``file:line``).
+    """
+    lineno, offset = 0, 0
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.readline(max_line_bytes + 2):  # +2: the bound counts no "\r\n"
+                start, offset = offset, offset + len(chunk)
+                body = chunk.rstrip(b"\n").removesuffix(b"\r")
+                if len(body) > max_line_bytes:
+                    raise DataError(f"{path}:{lineno + 1}: a row longer than {max_line_bytes:,} bytes (the row "
+                                    f"bound, data.max_line_bytes); cut the row or raise the bound")
+                if start == 0 and body.startswith(b"\xef\xbb\xbf"):  # a byte-order mark (utf-8-sig)
+                    body, start = body[3:], 3
+                try:
+                    text = body.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    raise DataError(f"{path}: not UTF-8 text ({err.reason} at byte {start + err.start})") from None
+                for part in text.split("\r"):
+                    lineno += 1
+                    yield lineno, part
+    except FileNotFoundError:
+        raise DataError(f"{path}: file not found") from None
+    except IsADirectoryError:
+        raise DataError(f"{path}: cannot read (Is a directory)") from None
+    except OSError as err:
+        raise DataError(f"{path}: cannot read ({err.strerror})") from None
 
 
 def json_error(err: json.JSONDecodeError, where: str) -> DataError:
