@@ -68,7 +68,8 @@ class CustomOptions:
     """Options of the ``custom`` evaluator."""
 
     function: str
-    """``package.module:function`` (importable) or ``path/to/file.py:function``."""
+    """``package.module:function`` (importable) or ``path/to/file.py:function`` (a relative path: from the study
+    file's folder); the function runs in the sweep's process (docs/guides/extending.md)."""
     metric: str | None = None
     """Name of the reported metric; default: the function's name."""
     direction: str = "maximize"

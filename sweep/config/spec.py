@@ -195,7 +195,8 @@ class EvalSpec:
 
     name: str
     """One of ``EVALUATORS`` (``evaluators.registry.EVALUATORS``), or ``file.py:OBJECT`` / ``module:OBJECT`` naming
-    an ``Evaluator`` object (docs/guides/extending.md)."""
+    an ``Evaluator`` object (docs/guides/extending.md); a relative ``file.py`` is taken from the study file's folder.
+    Naming one runs that code, as a Python config would."""
     options: Mapping[str, object] = field(default_factory=dict, hash=False)
     """Evaluator options: string keys, JSON-like values."""
     timeout: float = registry.DEFAULT_TIMEOUT
