@@ -303,6 +303,7 @@ def _refresh_report(out_dir: Path) -> None:
 def plan(study: str, overrides: tuple[str, ...], calibrations: int, gpus: int | None) -> None:
     """Print the pack layout, predicted memory and time of STUDY.yaml, without training (the calibration is
     cached per model, device and shape with the model's shape: a second plan loads no weights)."""
+    from lora_sweep.evaluators.registry import deferred_user_code, is_user_code
     from lora_sweep.sweep._trial_data import check_data
     from lora_sweep.sweep.device import resolve_device
     from lora_sweep.sweep.planning import (
@@ -313,8 +314,6 @@ def plan(study: str, overrides: tuple[str, ...], calibrations: int, gpus: int | 
         target_sets,
         train_lengths,
     )
-
-    from lora_sweep.evaluators.registry import deferred_user_code, is_user_code
 
     with deferred_user_code():  # a plan runs none of the study's code: its files are only looked for
         spec = _load(study, overrides, None)

@@ -15,11 +15,10 @@ study's wall-time clock resumes first (``sweep.storage.resume_clock``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from functools import partial
-
 import hashlib
 import time
+from collections.abc import Callable
+from functools import partial
 
 import optuna
 import torch.distributed as dist

@@ -21,7 +21,6 @@ from lora_sweep.evaluators.registry import (
     EvaluatorHung,
     Limits,
     abandoned,
-    deferred_user_code,
     evaluate,
     find,
 )
@@ -174,3 +173,13 @@ def test_a_run_with_a_hanging_evaluator_ends_within_the_wall_time(tiny_dirs, tmp
     trials = _trials(study.parent / "runs-user")
     failed = [t for t in trials if t.state == "FAIL" and "budget.wall_time was reached" in (t.reason or "")]
     assert len(failed) >= 1 and not [t for t in trials if t.state == "RUNNING"]
+
+
+def test_a_custom_function_file_resolves_from_the_study_folder(tiny_dirs, tmp_path, elsewhere) -> None:
+    study = _study(tmp_path, tiny_dirs("llama"), evaluators=[
+        {"name": "custom", "options": {"function": "metrics.py:score", "metric": "m"}}, "heldout_loss"])
+    (study.parent / "metrics.py").write_text("def score(generation, row):\n    return 1.0\n")
+    spec = load_study(study)
+    assert spec.evaluators[0].options["function"] == f"{study.parent / 'metrics.py'}:score"
+    assert load_study(study, ["evaluators.0.options.function=math:sqrt"]).evaluators[0].options["function"] == \
+        "math:sqrt"  # a module name stays one
