@@ -104,6 +104,32 @@ def test_an_evaluator_that_raises_fails_its_trials_and_the_run_goes_on(tiny_dirs
         assert t.reason == "evaluator ev.py:EV raised RuntimeError: the judge is down (second line)"
 
 
+def test_an_evaluator_that_raises_at_a_rung_fails_those_trials(tiny_dirs, tmp_path, elsewhere) -> None:
+    spec = load_study(_study(tmp_path, tiny_dirs("llama"), mode="raise", objectives=[
+        {"metric": "ev_score", "direction": "maximize"}], pruning={"kind": "cohort_sha", "rungs": [2],
+                                                                   "reduction_factor": 2}))
+    summary = run_study(spec, log=lambda m: None)
+    assert summary.failed == 4 and summary.pruned == 0
+    for t in _trials(spec.out_dir):
+        assert t.state == "FAIL" and t.reason == ("at the rung of step 2: evaluator ev.py:EV raised RuntimeError: "
+                                                  "the judge is down (second line)")
+
+
+def test_a_run_stops_at_an_evaluators_timeout_with_its_trials_failed(tiny_dirs, tmp_path, elsewhere) -> None:
+    study = _study(tmp_path, tiny_dirs("llama"), mode="hang", evaluators=[
+        "heldout_loss", {"name": "ev.py:EV", "options": {"mode": "hang"}, "timeout": "1s"}])
+    spec = load_study(study)
+    try:
+        with pytest.raises(EvaluatorHung, match=r"^evaluator ev.py:EV did not return within 1 s "
+                                                r"\(evaluators.1.timeout\); its trials failed and the run stops"):
+            run_study(spec, log=lambda m: None)
+    finally:
+        find(spec.evaluators[1].name).score.__globals__["RELEASE"].set()
+    trials = _trials(spec.out_dir)
+    assert trials and {t.state for t in trials} == {"FAIL"}
+    assert all(t.reason.startswith("evaluator ev.py:EV did not return within 1 s") for t in trials)
+
+
 class _Model:
     device = torch.device("cpu")
 
