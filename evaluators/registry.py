@@ -163,6 +163,9 @@ class Limits:
     """``time.monotonic()`` at which ``budget.wall_time`` is spent; None: no wall-time budget."""
     timeout_keys: Mapping[str, str] = field(default_factory=dict)
     """Entry name -> the key that set its timeout (``evaluators.0.timeout``), for the reason."""
+    grace: float = 10.0
+    """Seconds an evaluation may always have, even one that starts after ``deadline`` or just before it: the trials
+    training when the wall-time budget ends run on to their end (``budget``), and are still scored."""
 
 
 class EvaluatorHung(UserError):
@@ -235,7 +238,7 @@ def _contained(entry: str, evaluator: Evaluator, model: PackedModel, slots: Sequ
 
     thread = threading.Thread(target=run, name=f"evaluator {name}", daemon=True)
     timeout = limits.timeouts.get(entry, DEFAULT_TIMEOUT)
-    wait = timeout if limits.deadline is None else min(timeout, max(0.0, limits.deadline - time.monotonic()))
+    wait = timeout if limits.deadline is None else min(timeout, max(limits.grace, limits.deadline - time.monotonic()))
     thread.start()
     try:
         thread.join(wait)

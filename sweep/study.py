@@ -365,7 +365,8 @@ class _Sweep:
         deadline = (None if wall is None else
                     time.monotonic() + wall - self.s.elapsed - (time.time() - self.t_start))
         limits = Limits({e.name: e.timeout for e in self.spec.evaluators}, deadline,
-                        {e.name: f"evaluators.{i}.timeout" for i, e in enumerate(self.spec.evaluators)})
+                        {e.name: f"evaluators.{i}.timeout" for i, e in enumerate(self.spec.evaluators)},
+                        grace=max(10.0, 0.1 * wall) if wall is not None else 0.0)
         try:
             return evaluate(self.pm, slots, self.eval_data, entries, timings=self._eval_timings, limits=limits)
         except EvaluatorHung as hung:

@@ -201,8 +201,9 @@ class EvalSpec:
     """Evaluator options: string keys, JSON-like values."""
     timeout: float = registry.DEFAULT_TIMEOUT
     """Seconds a user's evaluator (``file.py:OBJECT``, or ``custom``'s function) may run on one set of slots (a
-    number or a duration like ``30s``, ``10m``); past it, or past ``budget.wall_time``, its trials fail with the
-    reason and the run stops (``evaluators.registry.evaluate``). Built-in evaluators are not timed."""
+    number or a duration like ``30s``, ``10m``); past it, or past ``budget.wall_time`` (an evaluation has at least a
+    tenth of the wall time, 10 s or more, so the trials training when the budget ends are still scored), its trials
+    fail with the reason and the run stops (``evaluators.registry.evaluate``). Built-in evaluators are not timed."""
 
     def __post_init__(self) -> None:
         _check(isinstance(self.name, str) and (self.name in EVALUATORS or ":" in self.name), "name",

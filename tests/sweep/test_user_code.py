@@ -163,7 +163,15 @@ def test_a_hung_evaluator_is_abandoned_at_its_timeout(tmp_path) -> None:
         assert len(abandoned()) >= 1
         with pytest.raises(EvaluatorHung, match=r"^budget.wall_time was reached while evaluator ev.py:EV ran"):
             evaluate(_Model(), [1], None, [(name, {"mode": "hang"})],  # type: ignore[arg-type]
-                     limits=Limits({name: 600.0}, time.monotonic() + 0.5))
+                     limits=Limits({name: 600.0}, time.monotonic() + 0.5, grace=0.2))
+        t0 = time.monotonic()
+        with pytest.raises(EvaluatorHung):  # started after the budget's end: it still has the grace
+            evaluate(_Model(), [1], None, [(name, {"mode": "hang"})],  # type: ignore[arg-type]
+                     limits=Limits({name: 600.0}, time.monotonic() - 5, grace=1.0))
+        assert time.monotonic() - t0 >= 1.0
+        module["RELEASE"].set()
+        late = evaluate(_Model(), [1], None, [(name, {})], limits=Limits({}, time.monotonic() - 5))  # type: ignore[arg-type]
+        assert late.errors == {} and late.metrics == {1: {"ev_score": 0.5}}  # a quick one after the end is scored
     finally:
         module["RELEASE"].set()
 
