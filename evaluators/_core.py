@@ -179,7 +179,7 @@ def load_eval_data(path: str | Path, tokenizer: Any, *, fmt: str = "auto", max_l
         max_length: see ``EvalData``.
         train_on_prompt: see ``EvalData``.
         work_dir: see ``EvalData``.
-        max_line_bytes: the longest row read (``packer.data.rows.iter_lines``); None: ``line_bound(max_length)``.
+        max_line_bytes: the longest row read (``packer.data.lines.iter_lines``); None: ``line_bound(max_length)``.
 
     Raises:
         DataError: missing file, invalid JSON, a row over the bound or without the format's fields (names

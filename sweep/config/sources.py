@@ -90,5 +90,5 @@ class DataSpec:
 
     @property
     def line_bytes(self) -> int:
-        """The row bound in force: ``max_line_bytes``, or ``packer.data.rows.line_bound(max_length)``."""
+        """The row bound in force: ``max_line_bytes``, or ``packer.data.lines.line_bound(max_length)``."""
         return self.max_line_bytes if self.max_line_bytes is not None else line_bound(self.max_length)

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from lora_sweep.errors import DataError
-from lora_sweep.packer.data.rows import MAX_LINE_BYTES, iter_lines, line_bound, read_jsonl
+from lora_sweep.packer.data.lines import MAX_LINE_BYTES, iter_lines, line_bound
+from lora_sweep.packer.data.rows import read_jsonl
 
 
 def test_a_50_mb_row_is_refused_by_file_line_without_being_read_whole(tmp_path: Path) -> None:
