@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lora_sweep.packer.data.batch import PackBatch, collate
+    from lora_sweep.packer.data.lines import iter_lines, line_bound
     from lora_sweep.packer.data.packing import batches_per_epoch, slot_stream
     from lora_sweep.packer.data.rows import (
         ALPACA_PROMPT,
@@ -82,6 +83,7 @@ _WHERE: dict[str, tuple[str, ...]] = {
     "data.packing": ("batches_per_epoch", "slot_stream"),
     "data.rows": ("ALPACA_PROMPT", "ALPACA_PROMPT_NO_INPUT", "FORMATS", "IGNORE_INDEX", "Example", "SlotStream",
                   "json_error", "load_examples", "read_jsonl", "tokenize_rows"),
+    "data.lines": ("iter_lines", "line_bound"),
     "loss": ("slot_losses",),
     "model.checkpoint": ("CONFIG_NAME", "WEIGHTS_NAME", "discard_adapter", "read_adapter", "save_adapters"),
     "model.gguf": ("convert", "gguf_source", "packaged_gguf"),

@@ -83,16 +83,16 @@ def check_packing(spec: StudySpec, pm: PackedModel) -> None:
 
 
 def check_data(spec: StudySpec) -> None:
-    """Read and check every row of the training and held-out files (JSON, the format's fields), before the model
-    loads: a bad row is one line in seconds, not after the base model's load. (Tokenizing needs the model's
-    tokenizer and comes after it.)
+    """Read and check every row of the training and held-out files (JSON, the format's fields, each row within
+    ``data.max_line_bytes`` before it is parsed), before the model loads: a bad row is one line in seconds, not after
+    the base model's load. (Tokenizing needs the model's tokenizer and comes after it.)
 
     Raises:
         DataError: the first bad row, as ``file:line``.
     """
-    read_jsonl(spec.data.train, spec.data.format)
+    read_jsonl(spec.data.train, spec.data.format, spec.data.line_bytes)
     if spec.data.eval is not None:
-        load_eval_data(spec.data.eval, None, fmt=spec.data.format)
+        load_eval_data(spec.data.eval, None, fmt=spec.data.format, max_line_bytes=spec.data.line_bytes)
 
 
 def step_lengths(spec: StudySpec, examples: Sequence[Example], capacity: int) -> tuple[int, ...]:

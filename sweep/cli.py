@@ -69,11 +69,13 @@ def _load(study: str, overrides: tuple[str, ...], out: str | None, read: bool = 
               "worker's trials are failed and retried.")
 @click.option("--allow-changes", is_flag=True, help="Resume even if a fixed setting (e.g. train.max_steps) "
               "differs from the one the study started with.")
+@click.option("--allow-data-change", is_flag=True, help="Resume even if a data file's contents differ from those "
+              "the study started with (recorded in the study).")
 @click.option("--join", is_flag=True, help="If a `sweep run --workers` owns the study directory, join its study as "
               "one more worker (through its storage) instead of stopping.")
 def run(study: str, overrides: tuple[str, ...], out: str | None, quiet: bool, workers: int | None,
         gpus: int | None, storage: str | None, heartbeat: float, grace: float, allow_changes: bool,
-        join: bool) -> None:
+        allow_data_change: bool, join: bool) -> None:
     """Run STUDY.yaml (or resume it): OVERRIDES are dotted key=value pairs, e.g. train.max_steps=50."""
     data = _read(study)  # before the imports below: a hostile study file is refused at once
     # the trackers' process first: their packages import on the core that torch's import and the model's load leave
@@ -100,7 +102,8 @@ def run(study: str, overrides: tuple[str, ...], out: str | None, quiet: bool, wo
             raise UserError("run: --storage needs --workers (or set storage: in the study file)")
         with about(spec.out_dir), LiveProgress(enabled=not quiet) as live:
             summary = api.run(spec, progress=_preloading_report(live.update), log=live.log,
-                              allow_changes=allow_changes, gpus=gpus, trackers=trackers)
+                              allow_changes=allow_changes, gpus=gpus, trackers=trackers,
+                              allow_data_change=allow_data_change)
         if summary.already_spent:  # the run's log said so; nothing was written, the report included
             more = f"to continue: sweep run {study} {summary.spent_key}=<more>; " if summary.spent_key else ""
             click.echo(f"{spec.name}: {more}study in {spec.out_dir}")
@@ -300,6 +303,7 @@ def _refresh_report(out_dir: Path) -> None:
 def plan(study: str, overrides: tuple[str, ...], calibrations: int, gpus: int | None) -> None:
     """Print the pack layout, predicted memory and time of STUDY.yaml, without training (the calibration is
     cached per model, device and shape with the model's shape: a second plan loads no weights)."""
+    from lora_sweep.evaluators.registry import deferred_user_code, is_user_code
     from lora_sweep.sweep._trial_data import check_data
     from lora_sweep.sweep.device import resolve_device
     from lora_sweep.sweep.planning import (
@@ -311,7 +315,13 @@ def plan(study: str, overrides: tuple[str, ...], calibrations: int, gpus: int | 
         train_lengths,
     )
 
-    spec = _load(study, overrides, None)
+    with deferred_user_code():  # a plan runs none of the study's code: its files are only looked for
+        spec = _load(study, overrides, None)
+    for i, e in enumerate(spec.evaluators):
+        if is_user_code(e.name):
+            what = e.options.get("function", e.name) if e.name == "custom" else e.name
+            click.echo(f"note: evaluators.{i}: {what} is user code: not imported by sweep plan (sweep run imports it "
+                       f"and checks its options and metrics)", err=True)
     device = resolve_device(spec.model.device)
     check_data(spec)  # the rows before the model: a bad row costs no model load
     if gpus is None:
@@ -489,7 +499,9 @@ def main(argv: list[str] | None = None) -> None:
         _passive_openmp()
     code = _main(argv)
     cuda = "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized()
-    if argv is None and (cuda or code in SIGNALLED):
+    registry = sys.modules.get("lora_sweep.evaluators.registry")
+    hung = registry is not None and bool(registry.abandoned())  # a hung evaluator's thread would run on in teardown
+    if argv is None and (cuda or hung or code in SIGNALLED):
         _leave(code)
     if code:
         sys.exit(code)
