@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from lora_sweep.packer.model.checkpoint import (
         CONFIG_NAME,
         WEIGHTS_NAME,
+        AdapterWriter,
         discard_adapter,
         read_adapter,
         save_adapters,
@@ -82,7 +83,8 @@ _WHERE: dict[str, tuple[str, ...]] = {
     "data.rows": ("ALPACA_PROMPT", "ALPACA_PROMPT_NO_INPUT", "FORMATS", "IGNORE_INDEX", "Example", "SlotStream",
                   "json_error", "load_examples", "read_jsonl", "tokenize_rows"),
     "loss": ("slot_losses",),
-    "model.checkpoint": ("CONFIG_NAME", "WEIGHTS_NAME", "discard_adapter", "read_adapter", "save_adapters"),
+    "model.checkpoint": ("CONFIG_NAME", "WEIGHTS_NAME", "AdapterWriter", "discard_adapter", "read_adapter",
+                         "save_adapters"),
     "model.gguf": ("convert", "gguf_source", "packaged_gguf"),
     "model.inject": ("linear_shape", "projection_names", "resolve_targets"),
     "model.load": ("load_base", "load_tokenizer", "prepare_kernels", "resolve_base"),
