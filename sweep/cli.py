@@ -179,6 +179,7 @@ def _close_split(split: WallSplit, run: dict[str, Any], out_dir: Path, profiler:
     from lora_sweep.sweep.timing import append_run, split_table
 
     record = split.record()
+    _SPLIT_CLOSED.append(record["wall_s"])  # what follows is the exit: no interpreter teardown (main, _leave)
     if run and run.get("started_at") == record["started_at"]:  # the run recorded this split: complete its record
         record = {**run, **record}
         append_run(out_dir, record)
@@ -551,15 +552,15 @@ def bench(cpu: bool, cpu_eval: bool, gpu: bool, gpu_part: str, adapters: int, st
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: user errors become one line and exit status 2.
 
-    As the entry point (``argv`` None) of a command that used CUDA or was stopped by a signal, the process leaves
-    without the interpreter's teardown (``_leave``)."""
+    As the entry point (``argv`` None) of a command that used CUDA, was stopped by a signal or is a ``sweep run`` that
+    recorded its wall-time split, the process leaves without the interpreter's teardown (``_leave``)."""
     if argv is None and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
     if argv is None:
         _passive_openmp()
     code = _main(argv)
     cuda = "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized()
-    if argv is None and (cuda or code in SIGNALLED):
+    if argv is None and (cuda or code in SIGNALLED or _SPLIT_CLOSED):
         _leave(code)
     if code:
         sys.exit(code)
@@ -610,6 +611,11 @@ def _main(argv: list[str] | None) -> int:
         return 2
     return 0
 
+
+_SPLIT_CLOSED: list[float] = []
+"""Set when ``sweep run`` recorded its split: the process then leaves without the interpreter's teardown
+(``_leave``), seconds after a CPU run too (collecting torch's modules, the profiler's threads), that no split could
+name."""
 
 SIGNALLED = (130, 143)
 """Exit codes of a run stopped by Ctrl-C or SIGTERM: they leave without the interpreter's teardown too (``_leave``).
