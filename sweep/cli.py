@@ -79,22 +79,23 @@ def run(study: str, overrides: tuple[str, ...], out: str | None, quiet: bool, wo
         gpus: int | None, storage: str | None, heartbeat: float, grace: float, allow_changes: bool,
         join: bool, profile: str | None) -> None:
     """Run STUDY.yaml (or resume it): OVERRIDES are dotted key=value pairs, e.g. train.max_steps=50."""
-    from lora_sweep.sweep.timing import command_split
+    from lora_sweep.sweep.timing import command_split, run_split
 
-    split = command_split()  # from the process's start: every second of the command is named
-    if not quiet:  # the first line, before the imports of seconds below
-        click.echo(f"{study}: reading the study file, then importing torch, transformers and optuna; then the model "
-                   f"and data load, and the packs train", err=True)
-    with split.phase("read"):
-        data = _read(study)  # before the imports below: a hostile study file is refused at once
     if profile is not None and (workers is not None or join):
         raise UserError("run: --profile profiles this process's run; not with --workers or --join (run the study "
                         "alone, or profile one `sweep worker`)")
-    # the trackers' process first: their packages import on the core that torch's import and the model's load leave
-    # idle (--workers and --join runs log to no tracker)
-    with split.phase("import"):
-        trackers = None if workers is not None or join else _trackers_ahead(data, overrides)
+    split = command_split()  # from the process's start: every second of the command is named
+    if not quiet:  # the first line, before the imports of seconds below; on stdout: stderr's one line is an error's
+        click.echo(f"{study}: reading the study file, then importing torch, transformers and optuna; then the model "
+                   f"and data load, and the packs train")
+    trackers = None
     try:
+        with split.phase("read"):
+            data = _read(study)  # before the imports below: a hostile study file is refused at once
+        # the trackers' process first: their packages import on the core that torch's import and the model's load
+        # leave idle (--workers and --join runs log to no tracker)
+        with split.phase("import"):
+            trackers = None if workers is not None or join else _trackers_ahead(data, overrides)
         _import_engine(split)
         with split.phase("read"):
             spec = _load(study, overrides, out, read=False)
@@ -137,6 +138,7 @@ def run(study: str, overrides: tuple[str, ...], out: str | None, quiet: bool, wo
                 _refresh_report(spec.out_dir)
         _close_split(split, summary.split, spec.out_dir, profiler)
     finally:
+        run_split()  # the command's split, if no run took it (--workers, an error before the run), is dropped
         if trackers is not None:  # the study did not load, or took another way than api.run (a no-op after it)
             trackers.abandon()
 

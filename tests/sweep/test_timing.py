@@ -172,14 +172,14 @@ def test_a_run_commands_split_is_its_whole_wall_and_profile_writes_a_trace_and_t
 
 def test_the_first_line_comes_before_torch_is_imported(tiny_dirs, tmp_path) -> None:
     """`sweep run`'s first line is out before any heavy import: -X importtime writes a line to stderr as each module's
-    import ends, in order with the command's own stderr lines."""
+    import ends, in order with the command's own lines (stdout and stderr, one pipe; click flushes each line)."""
     path = _quick_study(tmp_path, tiny_dirs, "first")
     proc = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "lora_sweep", "run", str(path)], cwd=ROOT,
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     before: list[str] = []
     try:
-        assert proc.stderr is not None
-        for line in proc.stderr:
+        assert proc.stdout is not None
+        for line in proc.stdout:
             if not line.startswith("import time:"):
                 first = line
                 break
