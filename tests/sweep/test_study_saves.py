@@ -79,3 +79,25 @@ def test_a_kill_while_adapters_are_being_written_loses_no_trial_recorded_complet
     assert resumed.returncode == 0, resumed.stderr
     assert len(_complete_adapters_load(out, "writes")) == 4  # the interrupted ones retried
     assert not [p.name for p in (out / "adapters").iterdir() if p.name.startswith(".")], "a half write is left"
+
+
+def test_a_trial_that_fails_its_evaluation_keeps_no_adapter(tiny_dirs, tmp_path) -> None:
+    """The adapter is written while the trial is evaluated; a trial the evaluation fails is told FAIL and what was
+    written for it is removed."""
+    from lora_sweep.sweep.config.loader import load_study
+    from lora_sweep.sweep.study import run_study
+
+    metric = tmp_path / "metric.py"
+    metric.write_text("def refuse(generation, row):\n    raise ValueError('no score')\n")
+    path = write_study(tmp_path, tiny_dirs("llama"), name="refused", budget={"trials": 2}, pack={"max_slots": 2},
+                       train={"max_steps": 4, "micro_batch": 2}, pruning={"kind": "none"},
+                       evaluators=[{"name": "heldout_loss"},
+                                   {"name": "custom", "options": {"function": f"{metric}:refuse",
+                                                                  "max_new_tokens": 2}}])
+    spec = load_study(path)
+    summary = run_study(spec, log=lambda m: None)
+    assert summary.failed == 2 and summary.complete == 0
+    trials = optuna_study(spec.out_dir, "refused").get_trials()
+    assert all(t.state == TrialState.FAIL for t in trials)
+    adapters = spec.out_dir / "adapters"
+    assert not (adapters.exists() and list(adapters.iterdir())), list(adapters.iterdir())
