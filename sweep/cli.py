@@ -99,10 +99,6 @@ def run(study: str, overrides: tuple[str, ...], out: str | None, quiet: bool, wo
         _import_engine(split)
         with split.phase("read"):
             spec = _load(study, overrides, out, read=False)
-        from lora_sweep.sweep import api
-        from lora_sweep.sweep._faults import about
-        from lora_sweep.sweep.live import LiveProgress
-
         if gpus is not None and (workers is not None or join):
             raise UserError("run: --gpus trains one pack over N GPUs; --workers and --join run a pack per worker "
                             "(sweep worker under torchrun shards each worker's pack)")
@@ -116,31 +112,42 @@ def run(study: str, overrides: tuple[str, ...], out: str | None, quiet: bool, wo
             return
         if storage is not None:
             raise UserError("run: --storage needs --workers (or set storage: in the study file)")
-        profiler = _profiler(profile, split)
-        try:
-            with about(spec.out_dir), LiveProgress(enabled=not quiet) as live:
-                progress = _preloading_report(live.update)
-                summary = api.run(spec, progress=progress if profiler is None else _profiled(progress, profiler),
-                                  log=live.log, allow_changes=allow_changes, gpus=gpus, trackers=trackers)
-        finally:
-            if profiler is not None:
-                profiler.stop()
-        if summary.already_spent:  # the run's log said so; nothing was written, the report included
-            more = f"to continue: sweep run {study} {summary.spent_key}=<more>; " if summary.spent_key else ""
-            click.echo(f"{spec.name}: {more}study in {spec.out_dir}")
-            return
-        click.echo(f"{spec.name}: {summary.complete} complete, {summary.pruned} pruned, {summary.failed} failed "
-                   f"in {summary.wall_s:.1f} s ({summary.steps} packed steps); study in {spec.out_dir}")
-        with split.phase("report"):
-            if summary.report is not None:  # written at the end of the run for the trackers
-                click.echo(f"report: {summary.report}")
-            else:
-                _refresh_report(spec.out_dir)
-        _close_split(split, summary.split, spec.out_dir, profiler)
+        _run_here(study, spec, split, profile, quiet, allow_changes, gpus, trackers)
     finally:
         run_split()  # the command's split, if no run took it (--workers, an error before the run), is dropped
         if trackers is not None:  # the study did not load, or took another way than api.run (a no-op after it)
             trackers.abandon()
+
+
+def _run_here(study: str, spec: StudySpec, split: WallSplit, profile: str | None, quiet: bool,
+              allow_changes: bool, gpus: int | None, trackers: Tracking | None) -> None:
+    """``sweep run`` in this process (no --workers, no --join): the run with its progress, the summary, the report,
+    and the command's split (``--profile``: with the profiler's window of steps)."""
+    from lora_sweep.sweep import api
+    from lora_sweep.sweep._faults import about
+    from lora_sweep.sweep.live import LiveProgress
+
+    profiler = _profiler(profile, split)
+    try:
+        with about(spec.out_dir), LiveProgress(enabled=not quiet) as live:
+            progress = _preloading_report(live.update)
+            summary = api.run(spec, progress=progress if profiler is None else _profiled(progress, profiler),
+                              log=live.log, allow_changes=allow_changes, gpus=gpus, trackers=trackers)
+    finally:
+        if profiler is not None:
+            profiler.stop()
+    if summary.already_spent:  # the run's log said so; nothing was written, the report included
+        more = f"to continue: sweep run {study} {summary.spent_key}=<more>; " if summary.spent_key else ""
+        click.echo(f"{spec.name}: {more}study in {spec.out_dir}")
+        return
+    click.echo(f"{spec.name}: {summary.complete} complete, {summary.pruned} pruned, {summary.failed} failed "
+               f"in {summary.wall_s:.1f} s ({summary.steps} packed steps); study in {spec.out_dir}")
+    with split.phase("report"):
+        if summary.report is not None:  # written at the end of the run for the trackers
+            click.echo(f"report: {summary.report}")
+        else:
+            _refresh_report(spec.out_dir)
+    _close_split(split, summary.split, spec.out_dir, profiler)
 
 
 def _import_engine(split: WallSplit) -> None:

@@ -154,7 +154,9 @@ def test_a_run_commands_split_is_its_whole_wall_and_profile_writes_a_trace_and_t
     rec = last_run(tmp_path / "runs-whole")
     assert rec["source"] == "process" and set(rec["phases"]) == {*PHASES, "other"}
     assert abs(sum(rec["phases"].values()) - rec["wall_s"]) < 0.01
-    assert outside - 1.0 < rec["wall_s"] <= outside, (outside, rec)
+    # what no split sees: the fork and exec before the process's start tick, the exit's atexit handlers after the
+    # record (a second at most on 2 busy cores)
+    assert outside - max(1.0, 0.02 * outside) < rec["wall_s"] <= outside, (outside, rec)
     assert rec["phases"]["other"] < 0.05 * rec["wall_s"], rec  # every second named but a sliver
     for phase in ("import", "read", "load", "train", "evaluate", "save", "storage", "report", "profile"):
         assert rec["phases"][phase] > 0, phase
