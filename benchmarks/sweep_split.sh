@@ -67,11 +67,12 @@ import json, sys
 run = json.load(open(sys.argv[1]))["runs"][-1]
 before = run.get("process_before_s")
 if before is not None:
-    print(f"outside the split: {before:.1f} s before the run (imports), "
-          f"{float(sys.argv[2]) - before - run['wall_s']:.1f} s after it (report, exit)")
+    print(f"outside the split: {before:.1f} s before it, {float(sys.argv[2]) - before - run['wall_s']:.1f} s after it "
+          f"(the split starts at the process's start: source {run.get('source', 'run')})")
     # the samples (every 0.5 s from the command's start) from the end of the load to the end of the run
     util = [float(x) for x in open(sys.argv[3]).read().split()]
-    t0, t1 = before + run["phases"]["load"], before + run["wall_s"]
+    ph = run["phases"]
+    t0, t1 = before + ph.get("import", 0) + ph.get("read", 0) + ph["load"], before + run["wall_s"] - ph.get("report", 0)
     window = [u for i, u in enumerate(util) if t0 <= i * 0.5 < t1]
     if window:
         print(f"gpu util after the load, {t0:.1f}-{t1:.1f} s of the command: {sum(window) / len(window):.1f}% "

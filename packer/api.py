@@ -58,6 +58,7 @@ if TYPE_CHECKING:
     from lora_sweep.packer.model.checkpoint import (
         CONFIG_NAME,
         WEIGHTS_NAME,
+        AdapterWriter,
         discard_adapter,
         read_adapter,
         save_adapters,
@@ -85,7 +86,8 @@ _WHERE: dict[str, tuple[str, ...]] = {
                   "json_error", "load_examples", "read_jsonl", "tokenize_rows"),
     "data.lines": ("iter_lines", "line_bound"),
     "loss": ("slot_losses",),
-    "model.checkpoint": ("CONFIG_NAME", "WEIGHTS_NAME", "discard_adapter", "read_adapter", "save_adapters"),
+    "model.checkpoint": ("CONFIG_NAME", "WEIGHTS_NAME", "AdapterWriter", "discard_adapter", "read_adapter",
+                         "save_adapters"),
     "model.gguf": ("convert", "gguf_source", "packaged_gguf"),
     "model.inject": ("linear_shape", "projection_names", "resolve_targets"),
     "model.load": ("load_base", "load_tokenizer", "prepare_kernels", "resolve_base"),

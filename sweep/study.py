@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,9 +41,9 @@ from lora_sweep.packer.api import (
     SlotEnd,
     SlotJob,
     StepReport,
+    discard_adapter,
     load_examples,
     rank_bucket_for,
-    save_adapters,
     train,
 )
 from lora_sweep.sweep._trial_data import (
@@ -64,7 +65,7 @@ from lora_sweep.sweep.resume import open_session
 from lora_sweep.sweep.session import Note, Session
 from lora_sweep.sweep.storage import Sharing, storage_lock
 from lora_sweep.sweep.store import attrs
-from lora_sweep.sweep.timing import WallSplit, append_run
+from lora_sweep.sweep.timing import WallSplit, append_run, run_split
 
 __all__ = ["run_study", "RunSummary", "Progress"]
 
@@ -403,15 +404,14 @@ class _Sweep:
     def on_end(self, ends: list[SlotEnd]) -> None:
         self._flush_curves()
         done = [e for e in ends if e.reason == "finished"]
+        writes = self._write_adapters(done)  # written while they are evaluated
         result = self._evaluate([e.slot for e in done]) if done else EvalResult()
         verdicts = {e.slot: self._verdict(e, self.live[e.slot], result) for e in done}
-        kept = [e for e in done if verdicts[e.slot][2] is None]
-        # the adapters of trials that complete together are written together (parallel files)
-        with self.split.phase("save"):
-            saved = save_adapters(self.pm, [(e.slot, self.s.adapter_dir(self.live[e.slot].trial.number),
-                                             {"trial": str(self.live[e.slot].trial.number), "study": self.spec.name})
-                                            for e in kept], base_model_name_or_path=self.s.base)
-        adapters = {e.slot: path for e, path in zip(kept, saved, strict=True)}
+        with self.split.phase("save"):  # only what the writer has not finished yet waits here
+            adapters = {e.slot: w.result() for e, w in zip(done, writes, strict=True)}
+        for e in done:
+            if verdicts[e.slot][2] is not None:  # a trial that fails keeps no adapter
+                discard_adapter(adapters.pop(e.slot))
         for e in ends:
             lv = self.live.pop(e.slot)
             self.to_prune.discard(e.slot)
@@ -437,6 +437,22 @@ class _Sweep:
             end = SlotEnd(slot, None, steps[slot], "failed")  # type: ignore[arg-type]  # no job: it ends here
             self._tell(self.live.pop(slot), TrialState.FAIL, end, reason=self.hung.result.errors[slot].reason)
         self.stop_if_hung()
+
+    def _write_adapters(self, done: list[SlotEnd]) -> list[Future[Path]]:
+        """Queue the adapters of the slots that finished on the session's writer (``packer.model.checkpoint``:
+        their weights copied off the slots now, the files written on its threads); one future per slot.
+
+        A trial is told COMPLETE only once its adapter is durable: ``on_end`` waits for the write after the
+        evaluation that it overlaps, before the tell. Telling at the next step boundary instead would let the next
+        asks run before it, and the sampler propose other trials than a seeded study does (``constant_liar`` sees
+        a trial RUNNING until it is told). A kill before the tell leaves the trial RUNNING: resume fails and retries
+        it, and removes what its write left (``sweep.ledger``).
+        """
+        with self.split.phase("save"):
+            return self.s.writer.submit(self.pm, [(e.slot, self.s.adapter_dir(self.live[e.slot].trial.number),
+                                                   {"trial": str(self.live[e.slot].trial.number),
+                                                    "study": self.spec.name}) for e in done],
+                                        base_model_name_or_path=self.s.base)
 
     def _verdict(self, e: SlotEnd, lv: _Live, result: EvalResult) -> tuple[dict[str, float], list[float], str | None]:
         """(metrics, objective values, why the trial fails or None) of a slot that finished training."""
@@ -531,7 +547,7 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
         nothing = _nothing_to_run(spent)
         log(f"{spec.name}: {nothing.ended}")
         return nothing
-    split = WallSplit()
+    split = run_split()  # a `sweep run` command's, from the process's start
     with split.phase("load"), split.part("load:data"):
         check_data(spec)  # the rows before the model: a bad row costs no model load
     with split.phase("load"):
@@ -590,6 +606,7 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
             session.store.set_meta(last_end={"reason": summary.end_reason, "text": summary.ended,
                                              "over": summary.over, "at": time.time()})
             session.close()
+        split.add("save:writer", session.writer.busy_s)  # the writer's threads, beside the run's path
         summary.split = {**split.record(), "end": {"reason": summary.end_reason, "text": summary.ended,
                                                    "over": summary.over}}
         with sweep._lock():  # workers sharing the study directory append one after another
