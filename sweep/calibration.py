@@ -27,8 +27,8 @@ if TYPE_CHECKING:
     from lora_sweep.packer.api import BaseShare, PackedModel
     from lora_sweep.sweep.config.spec import StudySpec
 
-__all__ = ["BaseShape", "calibrated", "forward_seconds", "cached_calibration", "cache_dir", "calibration_key", "trains_dora",
-           "probe_dropout", "CALIBRATION_VERSION", "SHARD_WORLDS", "cached_lengths", "cache_lengths"]
+__all__ = ["BaseShape", "calibrated", "forward_seconds", "cached_calibration", "cache_dir", "calibration_key",
+           "trains_dora", "probe_dropout", "CALIBRATION_VERSION", "SHARD_WORLDS", "cached_lengths", "cache_lengths"]
 
 CALIBRATION_VERSION = 4
 """Bump when ``packer.probe.calibrate`` measures differently: older cache entries are then not read."""

@@ -43,7 +43,8 @@ from lora_sweep.sweep.schedule import Schedule, expected_schedule
 
 __all__ = ["auto_slots", "check_targets", "largest_rank", "PlanReport", "plan_pack", "plan_report", "trial_micro_steps",
            "target_sets", "MEMORY_FRACTION", "MAX_AUTO_SLOTS", "calibrated", "cached_calibration", "cache_dir",
-           "calibration_key", "BaseShape", "train_lengths", "load_and_calibrate", "eval_seconds", "eval_rows", "pack_schedule"]
+           "calibration_key", "BaseShape", "train_lengths", "load_and_calibrate", "eval_seconds", "eval_rows",
+           "pack_schedule"]
 
 MEMORY_FRACTION = 0.85
 """Share of the device's available memory a pack may plan for (the rest: fragmentation, evaluation)."""

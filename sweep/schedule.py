@@ -23,7 +23,7 @@ __all__ = ["Schedule", "expected_schedule"]
 
 @dataclass(frozen=True)
 class Schedule:
-    """The mean over the played-out runs; steps are optimizer steps of the pack (times the accumulation: micro-steps)."""
+    """The mean over the played-out runs; steps are optimizer steps (times the accumulation: micro-steps)."""
 
     pack_steps: float
     """Steps from the pack's first to its last trial's end."""

@@ -15,14 +15,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 GUIDES = sorted((ROOT / "docs").rglob("*.md"))
-SHOWN = re.compile(r"^<!-- from (?P<path>[^\s:]+):(?P<section>[\w-]+)\b[^\n]*-->\n```(?P<lang>\w+)\n(?P<code>.*?)\n```$",
-                   re.MULTILINE | re.DOTALL)
+SHOWN = re.compile(r"^<!-- from (?P<path>[^\s:]+):(?P<section>[\w-]+)\b[^\n]*-->\n"
+                   r"```(?P<lang>\w+)\n(?P<code>.*?)\n```$", re.MULTILINE | re.DOTALL)
 
 
 def section(path: Path, name: str) -> str:
     """The lines of ``path`` between its ``[start:name]`` and ``[end:name]`` markers, dedented."""
     lines = path.read_text().splitlines()
-    marks = [i for i, line in enumerate(lines) if line.strip() in (f"# --8<-- [start:{name}]", f"# --8<-- [end:{name}]")]
+    ends = (f"# --8<-- [start:{name}]", f"# --8<-- [end:{name}]")
+    marks = [i for i, line in enumerate(lines) if line.strip() in ends]
     assert len(marks) == 2, f"{path.relative_to(ROOT)} marks section {name!r} {len(marks)} times, not twice"
     return textwrap.dedent("\n".join(lines[marks[0] + 1:marks[1]]))
 
