@@ -9,9 +9,10 @@ threads) with the base's shape beside it: a second ``sweep plan``, or a ``pack: 
 back instead of probing again, and ``plan_report`` plans from them without the model. What it is worth: the memory
 terms are exact for the probed shapes (on CUDA the allocator's peak, on the CPU counted tensor bytes) and linear
 between them; the time terms come from the two low-rank probes' own runs of two steps each, as noisy as the host is
-busy (a loaded shared CPU can be off by a large factor: the plan's time is a guide, its slots are not). The
-evaluation's time is modelled from the same step model (``eval_seconds``): a forward costs the step's fixed time and a
-third of its per-token time (no backward), for the held-out loss, each greedy decoding step and every rung.
+busy (a loaded shared CPU can be off by a large factor: the plan's time is a guide, its slots are not). The time
+counts the pack's expected steps under the rungs (``sweep.schedule``: backfill, cohort SHA's cumulative cohorts), the
+evaluations that schedule runs (``eval_seconds``: a forward costs a base forward's measured fixed time and a third of
+the step's per-token time), and the start-up (imports, load) measured where the calibration ran.
 """
 
 from __future__ import annotations
