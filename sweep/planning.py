@@ -40,7 +40,7 @@ from lora_sweep.sweep.calibration import (
     forward_seconds,
 )
 from lora_sweep.sweep.config.spec import StudySpec
-from lora_sweep.sweep.schedule import Schedule, expected_schedule
+from lora_sweep.sweep.schedule import Schedule, eval_rows, eval_seconds, expected_schedule
 
 __all__ = ["auto_slots", "check_targets", "largest_rank", "PlanReport", "plan_pack", "plan_report", "trial_micro_steps",
            "target_sets", "MEMORY_FRACTION", "MAX_AUTO_SLOTS", "calibrated", "cached_calibration", "cache_dir",
@@ -299,56 +299,6 @@ def _pruning_note(spec: StudySpec, schedule: Schedule | None, trial_steps: int) 
             f"rung values in random order)")
 
 
-def eval_rows(spec: StudySpec) -> int:
-    """Rows of the held-out file (0 without one)."""
-    if spec.data.eval is None:
-        return 0
-    with open(spec.data.eval, encoding="utf-8-sig") as f:
-        return sum(1 for line in f if line.strip())
-
-
-def eval_seconds(spec: StudySpec, mm: MemoryModel, forward_s: float, schedule: Schedule, rows: int,
-                 row_len: float) -> tuple[float, str]:
-    """Seconds the evaluators take over the pack's ``schedule``, and what they count (a line for the plan).
-
-    The trials that finish at one step are scored together, ``batch_size`` rows of each per packed forward, as are
-    those reaching a rung at one step (on the proxy: a held-out loss) and those at a ``train.eval_every`` step. A
-    forward of n tokens costs ``forward_s`` (the base's forward of one short row: launches, Python) plus a third of
-    ``mm``'s per-token step time for n (no backward); the generation evaluator's prompt forward and its
-    ``max_new_tokens`` one-token forwards per batch. Other evaluators are named, not timed.
-    """
-    if not rows:
-        return 0.0, "no held-out data"
-    per_token = mm.seconds_per_token / 3
-
-    def passes(events: float, scored: float, batch: int, forwards: int = 1, tokens: float = row_len) -> float:
-        """``events`` evaluations of ``scored`` slots in all: ``forwards`` per batch of ``batch`` rows a slot."""
-        batches = math.ceil(rows / batch)
-        return batches * (events * forwards * forward_s + scored * batch * tokens * per_token)
-
-    total, parts, untimed = 0.0, [], []
-    proxy_batch = 8
-    for e in spec.evaluators:
-        batch = int(e.options.get("batch_size", 8))  # type: ignore[call-overload]
-        if e.name == "heldout_loss":
-            proxy_batch = batch
-            total += passes(schedule.final_events, schedule.finished, batch)
-            parts.append(f"heldout_loss over {rows} rows")
-        elif e.name == "generation":
-            new = int(e.options.get("max_new_tokens", 32))  # type: ignore[call-overload]
-            total += passes(schedule.final_events, schedule.finished, batch, 1 + new, row_len + new)
-            parts.append(f"generation of {new} tokens for {rows} prompts")
-        else:
-            untimed.append(e.name)
-    rung_evals = sum(schedule.reached)
-    total += passes(schedule.rung_events + schedule.curve_events, rung_evals + schedule.curve_evals, proxy_batch)
-    text = (f"{total:.0f} s: {', '.join(parts) or 'nothing timed'} for each of {schedule.finished:.0f} finished "
-            f"trials")
-    text += f", {rung_evals:.0f} rung evaluations" if rung_evals else ""
-    text += f", {schedule.curve_evals:.0f} eval_every evaluations" if schedule.curve_evals else ""
-    return total, text + (f"; not timed: {', '.join(untimed)}" if untimed else "")
-
-
 def _load_peak(spec: StudySpec, base: BaseShape, gpus: int) -> tuple[int, str]:
     """The base bytes one of ``gpus`` GPUs holds while a sharded base loads, and how it loads
     (``packer.model.shard_load.load_sharded``: by rows where ``meta_load_refusal`` allows, else whole first)."""
@@ -394,7 +344,9 @@ def load_and_calibrate(spec: StudySpec, device: str, calibrations: int, gpus: in
     Raises:
         UserError, ConfigError: as ``load_base`` and ``check_targets``.
     """
-    import lora_sweep.sweep.study  # noqa: F401  (what a run imports before its model: timed as its start-up)
+    import optuna  # noqa: F401  (what a run imports beyond a plan before its model: timed as its start-up)
+
+    import lora_sweep.evaluators.registry  # noqa: F401
     from lora_sweep.packer.api import PackedModel, load_base
     from lora_sweep.sweep.calibration import SHARD_WORLDS, forward_seconds
     from lora_sweep.sweep.timing import seconds_since_import
@@ -405,9 +357,13 @@ def load_and_calibrate(spec: StudySpec, device: str, calibrations: int, gpus: in
     load_s = time.perf_counter() - t0
     check_targets(spec, model)
     pm = PackedModel(model, impl=spec.pack.kernels, fused_base_ops=spec.pack.fused_base_ops)
-    base = dataclasses.replace(BaseShape.of(model, {*SHARD_WORLDS, gpus} - {1}), forward_s=forward_seconds(pm),
-                               load_s=load_s, imports_s=imports_s)
+    base = BaseShape.of(model, {*SHARD_WORLDS, gpus} - {1})
     models, where = calibrated(spec, pm, calibrations, log=log, load_s=load_s, imports_s=imports_s)
+    # the times as the cache keeps them, so the next plan (from the cache) prints what this one does
+    cached = cached_calibration(spec, device, calibrations)
+    times = cached[2] if cached is not None else BaseShape((), 0, forward_s=forward_seconds(pm), load_s=load_s,
+                                                               imports_s=imports_s)
+    base = dataclasses.replace(base, forward_s=times.forward_s, load_s=times.load_s, imports_s=times.imports_s)
     return models, where, base, tokenizer
 
 

@@ -8,17 +8,25 @@ budget takes, depends on the order of arrivals and on the cumulative cohorts, wh
 schedule is played out with the real ``CohortSHA`` on random proxy values (each trial equally likely to be any rank,
 as before the sampler has learned anything), ``runs`` times with fixed seeds, and averaged. The community default and
 the config baseline (the first ``spared`` trials) are ranked but never pruned, as in ``sweep.study``.
+
+``eval_seconds`` times the evaluations such a schedule runs (``sweep plan``'s evaluation row).
 """
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from lora_sweep.sweep.pruning import CohortSHA
 
-__all__ = ["Schedule", "expected_schedule"]
+if TYPE_CHECKING:
+    from lora_sweep.packer.api import MemoryModel
+    from lora_sweep.sweep.config.spec import StudySpec
+
+__all__ = ["Schedule", "expected_schedule", "eval_rows", "eval_seconds"]
 
 
 @dataclass(frozen=True)
@@ -129,3 +137,53 @@ def _next_stop(steps: int, rungs: tuple[int, ...], max_steps: int, every: int | 
     if every:
         stops.append((steps // every + 1) * every)
     return min(stops)
+
+
+def eval_rows(spec: StudySpec) -> int:
+    """Rows of the held-out file (0 without one)."""
+    if spec.data.eval is None:
+        return 0
+    with open(spec.data.eval, encoding="utf-8-sig") as f:
+        return sum(1 for line in f if line.strip())
+
+
+def eval_seconds(spec: StudySpec, mm: MemoryModel, forward_s: float, schedule: Schedule, rows: int,
+                 row_len: float) -> tuple[float, str]:
+    """Seconds the evaluators take over the pack's ``schedule``, and what they count (a line for the plan).
+
+    The trials that finish at one step are scored together, ``batch_size`` rows of each per packed forward, as are
+    those reaching a rung at one step (on the proxy: a held-out loss) and those at a ``train.eval_every`` step. A
+    forward of n tokens costs ``forward_s`` (the base's forward of one short row: launches, Python) plus a third of
+    ``mm``'s per-token step time for n (no backward); the generation evaluator's prompt forward and its
+    ``max_new_tokens`` one-token forwards per batch. Other evaluators are named, not timed.
+    """
+    if not rows:
+        return 0.0, "no held-out data"
+    per_token = mm.seconds_per_token / 3
+
+    def passes(events: float, scored: float, batch: int, forwards: int = 1, tokens: float = row_len) -> float:
+        """``events`` evaluations of ``scored`` slots in all: ``forwards`` per batch of ``batch`` rows a slot."""
+        batches = math.ceil(rows / batch)
+        return batches * (events * forwards * forward_s + scored * batch * tokens * per_token)
+
+    total, parts, untimed = 0.0, [], []
+    proxy_batch = 8
+    for e in spec.evaluators:
+        batch = int(e.options.get("batch_size", 8))  # type: ignore[call-overload]
+        if e.name == "heldout_loss":
+            proxy_batch = batch
+            total += passes(schedule.final_events, schedule.finished, batch)
+            parts.append(f"heldout_loss over {rows} rows")
+        elif e.name == "generation":
+            new = int(e.options.get("max_new_tokens", 32))  # type: ignore[call-overload]
+            total += passes(schedule.final_events, schedule.finished, batch, 1 + new, row_len + new)
+            parts.append(f"generation of {new} tokens for {rows} prompts")
+        else:
+            untimed.append(e.name)
+    rung_evals = sum(schedule.reached)
+    total += passes(schedule.rung_events + schedule.curve_events, rung_evals + schedule.curve_evals, proxy_batch)
+    text = (f"{total:.0f} s: {', '.join(parts) or 'nothing timed'} for each of {schedule.finished:.0f} finished "
+            f"trials")
+    text += f", {rung_evals:.0f} rung evaluations" if rung_evals else ""
+    text += f", {schedule.curve_evals:.0f} eval_every evaluations" if schedule.curve_evals else ""
+    return total, text + (f"; not timed: {', '.join(untimed)}" if untimed else "")
