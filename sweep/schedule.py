@@ -17,7 +17,8 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from lora_sweep.sweep.pruning import CohortSHA
@@ -51,18 +52,6 @@ class Schedule:
     """Trials scored at those steps, summed."""
 
 
-@dataclass
-class _Run:
-    pack_steps: int = 0
-    reached: list[int] = field(default_factory=list)
-    finished: int = 0
-    rung_events: int = 0
-    final_events: int = 0
-    trial_steps: int = 0
-    curve_events: int = 0
-    curve_evals: int = 0
-
-
 def expected_schedule(trials: int, slots: int, max_steps: int, rungs: tuple[int, ...] = (), reduction_factor: int = 3,
                       *, spared: int = 0, eval_every: int | None = None, runs: int = 32,
                       seed: int = 0) -> Schedule:
@@ -82,22 +71,24 @@ def expected_schedule(trials: int, slots: int, max_steps: int, rungs: tuple[int,
         runs = 1  # nothing random
     played = [_play(trials, slots, max_steps, live_rungs, reduction_factor, spared, eval_every,
                     random.Random(seed + i)) for i in range(runs)]
-    reached = {r: statistics.fmean(p.reached[i] for p in played) for i, r in enumerate(live_rungs)}
-    return Schedule(pack_steps=statistics.fmean(p.pack_steps for p in played),
-                    reached=tuple(reached.get(r, 0.0) for r in rungs),
-                    finished=statistics.fmean(p.finished for p in played),
-                    rung_events=statistics.fmean(p.rung_events for p in played),
-                    final_events=statistics.fmean(p.final_events for p in played),
-                    trial_steps=statistics.fmean(p.trial_steps for p in played),
-                    curve_events=statistics.fmean(p.curve_events for p in played),
-                    curve_evals=statistics.fmean(p.curve_evals for p in played))
+    reached = {r: statistics.fmean(p[1][i] for p in played) for i, r in enumerate(live_rungs)}
+
+    def mean(key: str) -> float:
+        return statistics.fmean(p[0][key] for p in played)
+
+    return Schedule(pack_steps=mean("pack_steps"), reached=tuple(reached.get(r, 0.0) for r in rungs),
+                    finished=mean("finished"), rung_events=mean("rung_events"), final_events=mean("final_events"),
+                    trial_steps=mean("trial_steps"), curve_events=mean("curve_events"),
+                    curve_evals=mean("curve_evals"))
 
 
 def _play(trials: int, slots: int, max_steps: int, rungs: tuple[int, ...], eta: int, spared: int,
-          every: int | None, rng: random.Random) -> _Run:
-    """One pack, event to event: all live trials advance together to the nearest rung or end among them."""
+          every: int | None, rng: random.Random) -> tuple[Counter[str], list[int]]:
+    """One pack, event to event (all live trials advance together to the nearest rung, eval_every step or end among
+    them): its tallies by ``Schedule`` field, and the trials reaching each rung."""
     sha = CohortSHA(rungs, eta, "minimize")
-    run = _Run(reached=[0] * len(rungs))
+    run: Counter[str] = Counter()
+    reached = [0] * len(rungs)
     live: dict[int, int] = {}  # trial -> its steps so far
     asked = 0
     while True:
@@ -105,27 +96,27 @@ def _play(trials: int, slots: int, max_steps: int, rungs: tuple[int, ...], eta: 
             live[asked] = 0
             asked += 1
         if not live:
-            return run
+            return run, reached
         dt = min(_next_stop(s, rungs, max_steps, every) - s for s in live.values())
-        run.pack_steps += dt
-        run.trial_steps += dt * len(live)
+        run["pack_steps"] += dt
+        run["trial_steps"] += dt * len(live)
         for t in live:
             live[t] += dt
         curve = sum(1 for s in live.values() if every and s % every == 0)
-        run.curve_events += curve > 0
-        run.curve_evals += curve
+        run["curve_events"] += curve > 0
+        run["curve_evals"] += curve
         done = [t for t, s in live.items() if s >= max_steps]
         arrivals = {t: s for t, s in live.items() if s in rungs}
         if done:
-            run.final_events += 1
-            run.finished += len(done)
+            run["final_events"] += 1
+            run["finished"] += len(done)
             for t in done:
                 del live[t]
         if arrivals:
-            run.rung_events += 1
+            run["rung_events"] += 1
             for i, rung in enumerate(rungs):
                 values = {t: rng.random() for t, s in arrivals.items() if s == rung}
-                run.reached[i] += len(values)
+                reached[i] += len(values)
                 for d in sha.decide(rung, values) if values else ():
                     if not d.keep and d.trial >= spared:
                         del live[d.trial]
