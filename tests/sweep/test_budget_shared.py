@@ -82,8 +82,8 @@ def test_workers_stop_at_the_shared_token_budget(tiny_dirs, tmp_path, backend: s
     path = worker_study(tmp_path, tiny_dirs("llama"), name, search=NO_DEFAULT, train=SMALL,
                         budget={"tokens": budget, "trials": 12}, pack={"max_slots": 1})
     result = subprocess.run(cli("run", str(path), "--workers", "2", "--storage", url, "--heartbeat", "1",
-                                "--grace", "20"), capture_output=True, text=True, timeout=150, cwd=ROOT,
-                            env=WORKER_ENV)
+                                "--grace", "20"), capture_output=True, text=True, cwd=ROOT, env=WORKER_ENV,
+                            timeout=900)  # a hang's bound: three processes' imports took 132 s of 150 on a loaded host
     out = tmp_path / f"runs-{name}"
     assert result.returncode == 0, result.stderr + "".join(p.read_text() for p in (out / "workers").glob("*.log"))
     url = url if backend == "mysql" else f"journal://{url}"
