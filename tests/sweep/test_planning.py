@@ -138,7 +138,8 @@ def test_the_plan_counts_the_pack_steps_under_the_rungs_and_the_start_up(tiny_di
     assert "(no pruning)" not in table
     total = report.predicted_total_s + report.predicted_eval_s + 5.0
     assert f"predicted time for the trial budget  {total:.0f} s ({report.pack_steps} pack steps" in table
-    assert f"cohort SHA keeping 1/3 at steps 10, 20 of 40: of 12 trials {expected.reached[0]:.1f} reach step 10" in table
+    reached = expected.reached[0]
+    assert f"cohort SHA keeping 1/3 at steps 10, 20 of 40: of 12 trials {reached:.1f} reach step 10" in table
     flat = load_study(write_study(tmp_path, tiny_dirs("llama"), "flat", budget={"trials": 12}, pruning={"kind": "none"},
                                   train={"max_steps": 40, "micro_batch": 4}))
     plain = plan_report(flat, [mm], "test", base, "cpu", mean_len=20.0)
