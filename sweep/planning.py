@@ -99,7 +99,8 @@ class PlanReport:
         total = "-" if self.predicted_total_s is None else \
             f"{self.predicted_total_s + (self.predicted_eval_s or 0) + self.startup_s:.0f} s ({self.pack_steps} pack " \
             f"steps: training {self.predicted_total_s:.0f} s, evaluation {self.predicted_eval_s or 0:.0f} s, " \
-            f"start-up {self.startup_s:.0f} s)"
+            + (f"start-up {self.startup_s:.0f} s)" if self.startup_s else
+               "start-up not counted: the cached calibration was measured inside a run, which does not time it)")
         per_gpu = f" per GPU ({self.gpus} GPUs, FSDP)" if self.gpus > 1 else ""
         base = "one rank's FSDP share of the base" if self.gpus > 1 else "base model"
         rows = [

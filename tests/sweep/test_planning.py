@@ -144,3 +144,5 @@ def test_the_plan_counts_the_pack_steps_under_the_rungs_and_the_start_up(tiny_di
                                   train={"max_steps": 40, "micro_batch": 4}))
     plain = plan_report(flat, [mm], "test", base, "cpu", mean_len=20.0)
     assert plain.pack_steps == 12 * 40 / 3 and "none (every trial trains to its last step)" in plain.table()
+    unmeasured = plan_report(flat, [mm], "test", BaseShape(base.projections, 1000), "cpu", mean_len=20.0)
+    assert "start-up not counted: the cached calibration was measured inside a run" in unmeasured.table()
