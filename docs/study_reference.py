@@ -209,10 +209,22 @@ def _evaluator_options() -> list[str]:
            "an unknown option is an error.", ""]
     for e in registry.EVALUATORS:
         out += [f"#### {e.name}", "", *_table(f"evaluators[{e.name}].options.", e.options)]
+        if e.name == "custom":
+            out += _custom_signature()
         aliases = getattr(e.options, "ALIASES", {})
         if aliases:
             out += ["Aliases: " + ", ".join(f"`{a}` → `{k}`" for a, k in aliases.items()) + ".", ""]
     return out
+
+
+def _custom_signature() -> list[str]:
+    """What the ``custom`` evaluator calls, from ``evaluators.custom``'s docstring (its one statement)."""
+    from lora_sweep.evaluators import custom
+
+    body = (custom.__doc__ or "").split("\n\n", 1)[1].replace("``", "`").strip()
+    return [body, "", "A `path/to/file.py` is read relative to the study file, like every path a study file names. "
+            "A worked example: [Extending](../guides/extending.md#a-metric-function-the-built-in-custom-evaluator).",
+            ""]
 
 
 def generate() -> str:

@@ -9,16 +9,19 @@ threads) with the base's shape beside it: a second ``sweep plan``, or a ``pack: 
 back instead of probing again, and ``plan_report`` plans from them without the model. What it is worth: the memory
 terms are exact for the probed shapes (on CUDA the allocator's peak, on the CPU counted tensor bytes) and linear
 between them; the time terms come from the two low-rank probes' own runs of two steps each, as noisy as the host is
-busy (a loaded shared CPU can be off by a large factor: the plan's time is a guide, its slots are not). The
-evaluation's time is modelled from the same step model (``eval_seconds``): a forward costs the step's fixed time and a
-third of its per-token time (no backward), for the held-out loss, each greedy decoding step and every rung.
+busy (a loaded shared CPU can be off by a large factor: the plan's time is a guide, its slots are not). The time
+counts the pack's expected steps under the rungs (``sweep.schedule``: backfill, cohort SHA's cumulative cohorts), the
+evaluations that schedule runs (``eval_seconds``: a forward costs a base forward's measured fixed time and a third of
+the step's per-token time), and the start-up (imports, load) measured where the calibration ran.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,12 +31,21 @@ from torch import nn
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.packer.api import Example, MemoryModel, PackedModel, batches_per_epoch, resolve_targets
-from lora_sweep.sweep.calibration import BaseShape, cache_dir, cached_calibration, calibrated, calibration_key
+from lora_sweep.sweep.calibration import (
+    BaseShape,
+    cache_dir,
+    cached_calibration,
+    calibrated,
+    calibration_key,
+    forward_seconds,
+)
 from lora_sweep.sweep.config.spec import StudySpec
+from lora_sweep.sweep.schedule import Schedule, eval_rows, eval_seconds, expected_schedule
 
 __all__ = ["auto_slots", "check_targets", "largest_rank", "PlanReport", "plan_pack", "plan_report", "trial_micro_steps",
            "target_sets", "MEMORY_FRACTION", "MAX_AUTO_SLOTS", "calibrated", "cached_calibration", "cache_dir",
-           "calibration_key", "BaseShape", "train_lengths", "load_and_calibrate", "eval_seconds", "eval_rows"]
+           "calibration_key", "BaseShape", "train_lengths", "load_and_calibrate", "eval_seconds", "eval_rows",
+           "pack_schedule"]
 
 MEMORY_FRACTION = 0.85
 """Share of the device's available memory a pack may plan for (the rest: fragmentation, evaluation)."""
@@ -75,12 +87,20 @@ class PlanReport:
     """Seconds of evaluation for the trial budget (``eval_seconds``): final scores, rungs, ``eval_every``."""
     eval_note: str = ""
     """What the evaluation estimate counts, and the evaluators it cannot model."""
+    schedule: Schedule | None = None
+    """The pack's expected schedule under the rungs (``sweep.schedule``); None without a trial budget."""
+    startup_s: float = 0.0
+    """Seconds before the first step: a run's imports and the base's load, as measured where it was calibrated."""
+    pruning_note: str = ""
+    """How the rungs cut the budget, or that the study does not prune."""
 
     def table(self) -> str:
         gib = 1024**3
         total = "-" if self.predicted_total_s is None else \
-            f"{self.predicted_total_s + (self.predicted_eval_s or 0):.0f} s ({self.pack_steps} pack steps: training " \
-            f"{self.predicted_total_s:.0f} s, evaluation {self.predicted_eval_s or 0:.0f} s)"
+            f"{self.predicted_total_s + (self.predicted_eval_s or 0) + self.startup_s:.0f} s ({self.pack_steps} pack " \
+            f"steps: training {self.predicted_total_s:.0f} s, evaluation {self.predicted_eval_s or 0:.0f} s, " \
+            + (f"start-up {self.startup_s:.0f} s)" if self.startup_s else
+               "start-up not counted: the cached calibration was measured inside a run, which does not time it)")
         per_gpu = f" per GPU ({self.gpus} GPUs, FSDP)" if self.gpus > 1 else ""
         base = "one rank's FSDP share of the base" if self.gpus > 1 else "base model"
         rows = [
@@ -104,8 +124,9 @@ class PlanReport:
                          f"{self.load_peak_bytes / gib:.3f} GiB ({self.load_note})"))
             rows.append(("replicated on every GPU", "each slot's adapter, gradient and AdamW state; activations"))
         rows += [
+            ("pruning", self.pruning_note or "-"),
             ("predicted evaluation", self.eval_note or "-"),
-            ("predicted time for the trial budget (no pruning)", total),
+            ("predicted time for the trial budget", total),
         ]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
@@ -170,6 +191,12 @@ def trial_micro_steps(spec: StudySpec, micro: int, examples: Sequence[Example] |
     and the ``examples``, the epochs' steps at micro-batch ``micro`` as a trial counts them
     (``sweep._trial_data.epoch_steps``: ``ceil(epochs * ceil(micro-batches per epoch / accumulation))``, each
     epoch capped at ``max_steps_per_epoch``)."""
+    steps, accum = _trial_steps(spec, micro, examples)
+    return steps * accum
+
+
+def _trial_steps(spec: StudySpec, micro: int, examples: Sequence[Example] | None = None) -> tuple[int, int]:
+    """(optimizer steps, accumulation) of the longest trial, as ``trial_micro_steps`` counts them."""
     train = spec.train
     accum = _largest(spec, "gradient_accumulation_steps", train.gradient_accumulation_steps)
     searched = {p.name for p in spec.search.params}
@@ -182,7 +209,7 @@ def trial_micro_steps(spec: StudySpec, micro: int, examples: Sequence[Example] |
         steps = max(1, math.ceil(train.epochs * per_epoch))
     else:
         steps = _largest(spec, "max_steps", train.max_steps)
-    return steps * accum
+    return steps, accum
 
 
 def plan_pack(spec: StudySpec, pm: PackedModel, *, mean_len: float | None = None,
@@ -193,8 +220,8 @@ def plan_pack(spec: StudySpec, pm: PackedModel, *, mean_len: float | None = None
     gives the range); ``gpus`` and the rest as ``plan_report``."""
     models, where = calibrated(spec, pm, calibrations, log=log)
     sharded = spec.pack.shard == "fsdp" and gpus > 1  # else no FSDP share to compute (nor torch.distributed)
-    return plan_report(spec, models, where, BaseShape.of(pm.model, (gpus,) if sharded else ()), str(pm.device),
-                       mean_len=mean_len, examples=examples, gpus=gpus)
+    base = dataclasses.replace(BaseShape.of(pm.model, (gpus,) if sharded else ()), forward_s=forward_seconds(pm))
+    return plan_report(spec, models, where, base, str(pm.device), mean_len=mean_len, examples=examples, gpus=gpus)
 
 
 def plan_report(spec: StudySpec, models: list[MemoryModel], where: str, base: BaseShape, device: str, *,
@@ -231,66 +258,46 @@ def plan_report(spec: StudySpec, models: list[MemoryModel], where: str, base: Ba
     times = [m.step_seconds(step_tokens) for m in models]
     step_s = statistics.median_low(times)
     mm = models[times.index(step_s)]
-    steps = None
-    micro_steps = trial_micro_steps(spec, micro, examples)
-    if spec.budget.trials is not None:
-        steps = -(-spec.budget.trials * micro_steps // slots)
+    opt_steps, accum = _trial_steps(spec, micro, examples)
+    schedule = None if spec.budget.trials is None else pack_schedule(spec, slots, opt_steps)
+    steps = None if schedule is None else math.ceil(schedule.pack_steps * accum)
     load_peak, note = _load_peak(spec, base, gpus) if shard else (0, "")
     peak = mm.predict(slots * micro * seq, slots * params, slots * rank, rank) + base_delta
-    evals, eval_note = (None, "") if steps is None else eval_seconds(
-        spec, mm, slots, eval_rows(spec), mean_len or seq, micro_steps // spec.train.gradient_accumulation_steps)
+    evals, eval_note = (None, "") if schedule is None else eval_seconds(
+        spec, mm, base.forward_s, schedule, eval_rows(spec), mean_len or seq)
     return PlanReport(device, slots, rank, micro, seq, available, max(peak, load_peak), mm, step_s,
                       None if steps is None else steps * step_s, steps,
                       (min(times), max(times)) if len(models) > 1 else None, len(models), spec.model.quantize,
-                      where, gpus if shard else 1, mm.base_bytes + base_delta, load_peak, note, evals, eval_note)
+                      where, gpus if shard else 1, mm.base_bytes + base_delta, load_peak, note, evals, eval_note,
+                      schedule, base.imports_s + base.load_s, _pruning_note(spec, schedule, opt_steps))
 
 
-def eval_rows(spec: StudySpec) -> int:
-    """Rows of the held-out file (0 without one)."""
-    if spec.data.eval is None:
-        return 0
-    with open(spec.data.eval, encoding="utf-8-sig") as f:
-        return sum(1 for line in f if line.strip())
+def pack_schedule(spec: StudySpec, slots: int, trial_steps: int) -> Schedule:
+    """The expected schedule of the study's trial budget in a pack of ``slots`` (``sweep.schedule``): trials of
+    ``trial_steps`` optimizer steps, cut at the rungs when the study prunes; the community default and the config
+    baseline, when the study has them, are never pruned."""
+    from lora_sweep.sweep.config.space import baseline_params, community_default
+
+    assert spec.budget.trials is not None
+    default, _ = community_default(spec.search, spec.train)
+    baseline = baseline_params(spec.search, spec.baseline)[0] if spec.baseline else None
+    spared = (default is not None) + (baseline is not None and baseline != default)
+    prunes = spec.pruning.kind == "cohort_sha"
+    return expected_schedule(spec.budget.trials, slots, trial_steps, spec.pruning.rungs if prunes else (),
+                             spec.pruning.reduction_factor, spared=spared, eval_every=spec.train.eval_every)
 
 
-def eval_seconds(spec: StudySpec, mm: MemoryModel, slots: int, rows: int, row_len: float,
-                 trial_steps: int) -> tuple[float, str]:
-    """Seconds the evaluators take over the trial budget, and what they count (a line for the plan).
-
-    The pack's trials are scored ``slots`` at a time in packed forwards (``batch_size`` rows per slot each); a
-    forward of n tokens costs ``mm``'s fixed step time plus a third of its per-token time for n (forward only).
-    Counted per trial: the held-out loss over ``rows`` rows of ``row_len`` tokens; the generation evaluator's
-    prompt forward and ``max_new_tokens`` one-token decoding forwards per batch; the proxy's held-out loss at each
-    rung and every ``train.eval_every`` of a trial's ``trial_steps`` steps. Other evaluators are named, not timed.
-    """
-    if not rows or spec.budget.trials is None:
-        return 0.0, "no held-out data" if not rows else ""
-
-    def forward(tokens: float) -> float:
-        return mm.seconds_per_step + mm.seconds_per_token * tokens / 3
-
-    def heldout(batch: int) -> float:
-        return math.ceil(rows / batch) * forward(batch * slots * row_len)
-
-    per_pack, parts, untimed = 0.0, [], []
-    for e in spec.evaluators:
-        batch = int(e.options.get("batch_size", 8))  # type: ignore[call-overload]
-        if e.name == "heldout_loss":
-            per_pack += heldout(batch)
-            parts.append(f"heldout_loss over {rows} rows")
-        elif e.name == "generation":
-            new = int(e.options.get("max_new_tokens", 32))  # type: ignore[call-overload]
-            per_pack += math.ceil(rows / batch) * (forward(batch * slots * row_len) + new * forward(batch * slots))
-            parts.append(f"generation of {new} tokens for {rows} prompts")
-        else:
-            untimed.append(e.name)
-    checks = (len(spec.pruning.rungs) if spec.pruning.kind == "cohort_sha" else 0) + \
-        (trial_steps // spec.train.eval_every if spec.train.eval_every else 0)
-    per_pack += checks * heldout(8)
-    total = per_pack * math.ceil(spec.budget.trials / slots)
-    text = f"{total:.0f} s: {', '.join(parts) or 'nothing timed'} per trial, {slots} slots at a time"
-    text += f", {checks} proxy evaluation{'s' if checks > 1 else ''} per trial" if checks else ""
-    return total, text + (f"; not timed: {', '.join(untimed)}" if untimed else "")
+def _pruning_note(spec: StudySpec, schedule: Schedule | None, trial_steps: int) -> str:
+    """The plan's pruning line: the rungs, and how many trials the schedule expects at each and at the end."""
+    if spec.pruning.kind != "cohort_sha":
+        return "none (every trial trains to its last step)"
+    text = (f"cohort SHA keeping 1/{spec.pruning.reduction_factor} at steps "
+            f"{', '.join(map(str, spec.pruning.rungs))} of {trial_steps}")
+    if schedule is None:
+        return text
+    reached = ", ".join(f"{n:.1f} reach step {r}" for r, n in zip(spec.pruning.rungs, schedule.reached, strict=True))
+    return (f"{text}: of {spec.budget.trials} trials {reached}, {schedule.finished:.1f} train to the end (expected, "
+            f"rung values in random order)")
 
 
 def _load_peak(spec: StudySpec, base: BaseShape, gpus: int) -> tuple[int, str]:
@@ -338,15 +345,26 @@ def load_and_calibrate(spec: StudySpec, device: str, calibrations: int, gpus: in
     Raises:
         UserError, ConfigError: as ``load_base`` and ``check_targets``.
     """
-    from lora_sweep.packer.api import PackedModel, load_base
-    from lora_sweep.sweep.calibration import SHARD_WORLDS
+    import optuna  # noqa: F401  (what a run imports beyond a plan before its model: timed as its start-up)
 
+    import lora_sweep.evaluators.registry  # noqa: F401
+    from lora_sweep.packer.api import PackedModel, load_base
+    from lora_sweep.sweep.calibration import SHARD_WORLDS, forward_seconds
+    from lora_sweep.sweep.timing import seconds_since_import
+
+    imports_s, t0 = seconds_since_import(), time.perf_counter()
     model, tokenizer = load_base(spec.model.path, gguf_file=spec.model.gguf_file, dtype=spec.model.dtype,
                                  device=device, quantize=spec.model.quantize, log=log)
+    load_s = time.perf_counter() - t0
     check_targets(spec, model)
-    base = BaseShape.of(model, {*SHARD_WORLDS, gpus} - {1})
     pm = PackedModel(model, impl=spec.pack.kernels, fused_base_ops=spec.pack.fused_base_ops)
-    models, where = calibrated(spec, pm, calibrations, log=log)
+    base = BaseShape.of(model, {*SHARD_WORLDS, gpus} - {1})
+    models, where = calibrated(spec, pm, calibrations, log=log, load_s=load_s, imports_s=imports_s)
+    # the times as the cache keeps them, so the next plan (from the cache) prints what this one does
+    cached = cached_calibration(spec, device, calibrations)
+    times = cached[2] if cached is not None else BaseShape((), 0, forward_s=forward_seconds(pm), load_s=load_s,
+                                                               imports_s=imports_s)
+    base = dataclasses.replace(base, forward_s=times.forward_s, load_s=times.load_s, imports_s=times.imports_s)
     return models, where, base, tokenizer
 
 

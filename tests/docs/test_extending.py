@@ -28,14 +28,6 @@ def test_the_example_runs_its_study(script: str) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-def test_the_guide_includes_both_examples_and_the_contracts() -> None:
-    guide = (ROOT / "docs" / "guides" / "extending.md").read_text()
-    for part in ("docs/examples/extending_evaluator.py:evaluator", "docs/examples/extending_evaluator.py:study",
-                 "docs/examples/extending_storage.py:backend", "docs/examples/extending_storage.py:use",
-                 "tests/docs/test_extending.py:evaluator_contract", "tests/docs/test_extending.py:storage_contract"):
-        assert f'--8<-- "{part}"' in guide, part
-
-
 # --8<-- [start:evaluator_contract]
 class TestNumberRateContract(EvaluatorContract):
     @pytest.fixture

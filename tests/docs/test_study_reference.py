@@ -113,3 +113,15 @@ def test_every_results_db_table_and_column_has_an_entry(tmp_path: Path) -> None:
             # the study table's columns are its key/value pair, documented in its paragraph
             missing = [c for c in columns if c not in documented and table != "study"]
             assert not missing, f"{table}: columns without an entry: {missing}"
+
+
+def test_the_custom_evaluators_function_signature_is_on_the_page_and_in_the_guide() -> None:
+    """The ``custom`` evaluator calls a user's function: both signatures and where its file is read from are written
+    where users look (the reference's custom section, from ``evaluators.custom``'s docstring, and the guide)."""
+    page = (ROOT / "docs" / "reference" / "study-file.md").read_text()
+    custom = page[page.index("#### custom"):]
+    guide = (ROOT / "docs" / "guides" / "extending.md").read_text()
+    for text in (custom, guide):
+        assert "(generation: str, row: dict) -> float" in text
+        assert "(generations: list[str], rows: list[dict]) -> float" in text
+        assert "relative to the study file" in text

@@ -63,6 +63,10 @@ def test_example_study_plans(path: Path) -> None:
 
         if not torch.cuda.is_available():
             pytest.skip(f"model.device is {spec.model.device} and no CUDA device is visible")
+    if spec.model.quantize == "nf4":
+        from tests.conftest import need_module
+
+        need_module("torchao", "qlora")  # the NF4 base (packer.model.quant); skipped whatever else exists
     result = CliRunner().invoke(cli, ["plan", str(path)])
     assert result.exit_code == 0, result.output
     assert "slots per pack" in result.output

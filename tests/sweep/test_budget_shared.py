@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import sqlite3
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -81,12 +82,36 @@ def test_workers_stop_at_the_shared_token_budget(tiny_dirs, tmp_path, backend: s
     path = worker_study(tmp_path, tiny_dirs("llama"), name, search=NO_DEFAULT, train=SMALL,
                         budget={"tokens": budget, "trials": 12}, pack={"max_slots": 1})
     result = subprocess.run(cli("run", str(path), "--workers", "2", "--storage", url, "--heartbeat", "1",
-                                "--grace", "20"), capture_output=True, text=True, timeout=150, cwd=ROOT,
-                            env=WORKER_ENV)
+                                "--grace", "20"), capture_output=True, text=True, cwd=ROOT, env=WORKER_ENV,
+                            timeout=900)  # a hang's bound: three processes' imports took 132 s of 150 on a loaded host
     out = tmp_path / f"runs-{name}"
     assert result.returncode == 0, result.stderr + "".join(p.read_text() for p in (out / "workers").glob("*.log"))
     url = url if backend == "mysql" else f"journal://{url}"
     _check_tokens(stored_trials(url, name), out / "results.db", budget, slots=1, full=full)
+
+
+JOIN_ON_SIGNAL = """
+import os, sys, time
+from pathlib import Path
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the command line sets it, before torch is imported
+import lora_sweep.sweep.study, lora_sweep.sweep.worker  # what a worker imports before it joins
+from lora_sweep.sweep.cli import main
+ready, go, args = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
+ready.touch()
+while not go.exists():
+    time.sleep(0.05)
+sys.argv = ["sweep", *args]
+main()
+"""
+"""``sweep worker ARGS`` once its imports are made and the file GO exists (READY written in between)."""
+
+
+def _wait(condition: Callable[[], bool], what: str, bound: float = 900.0) -> None:
+    """Poll ``condition`` until it holds; ``bound`` only catches a hang."""
+    deadline = time.time() + bound
+    while not condition():
+        assert time.time() < deadline, f"waited {bound:.0f} s for {what}"
+        time.sleep(0.1)
 
 
 def test_workers_start_no_trial_after_the_shared_deadline(tiny_dirs, tmp_path) -> None:
@@ -95,26 +120,30 @@ def test_workers_start_no_trial_after_the_shared_deadline(tiny_dirs, tmp_path) -
     log = tmp_path / "wall.log"
     path = worker_study(tmp_path, tiny_dirs("llama"), "wall", search=NO_DEFAULT, train=SMALL,
                         budget={"wall_time": wall}, pack={"max_slots": 1})
+
+    args = ("worker", str(path), "--storage", str(log), "--heartbeat", "0.5", "--grace", "5", "--quiet")
+    ready, go = tmp_path / "late-ready", tmp_path / "late-go"
+    # The late worker has made its imports (seconds, or a minute on a loaded 2-core host) before the first starts
+    # the clock, and joins on a signal once it has: it joins within the wall time however slow the host, where a
+    # worker started after the clock could still be importing when the study's deadline passed.
+    late = subprocess.Popen([sys.executable, "-c", JOIN_ON_SIGNAL, str(ready), str(go), *args, "--index", "1"],
+                            cwd=ROOT, env=WORKER_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _wait(lambda: ready.exists() or late.poll() is not None, "the late worker's imports")
     launched = time.time()
-
-    def worker(index: int) -> subprocess.Popen:
-        return subprocess.Popen(cli("worker", str(path), "--storage", str(log), "--index", str(index), "--heartbeat",
-                                    "0.5", "--grace", "5", "--quiet"), cwd=ROOT, env=WORKER_ENV,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-
-    procs = [worker(0)]
+    procs = [subprocess.Popen(cli(*args, "--index", "0"), cwd=ROOT, env=WORKER_ENV, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE), late]
     storage = open_storage(f"journal://{log}")
-    deadline = time.time() + 60
-    while time.time() < deadline:  # the second worker starts once the first has started the clock
-        time.sleep(0.2)
+
+    def clock_started() -> bool:  # the second worker joins once the first has started the clock
         try:
-            if CLOCK in optuna.load_study(study_name="wall", storage=storage).user_attrs:
-                break
+            return CLOCK in optuna.load_study(study_name="wall", storage=storage).user_attrs
         except KeyError:  # the study does not exist yet
-            continue
-    procs.append(worker(1))
+            return procs[0].poll() is not None
+
+    _wait(clock_started, "the first worker's clock")
+    go.touch()
     for p in procs:
-        _, err = p.communicate(timeout=90)
+        _, err = p.communicate(timeout=900)  # a hang's bound
         assert p.returncode == 0, err.decode()[-3000:]
     study = optuna.load_study(study_name="wall", storage=storage)
     clock = study.user_attrs[CLOCK]

@@ -81,31 +81,68 @@ def test_a_sharded_plan_counts_one_ranks_share_of_the_base_per_gpu(tiny_dirs, tm
     assert three.exit_code == 0 and "per GPU (3 GPUs, FSDP)" in three.stdout, three.output
 
 
-def test_the_plan_models_the_evaluations_time_from_its_step_model(tiny_dirs, tmp_path) -> None:
-    """``sweep plan`` predicted 48 s for a run of 74 s, 31% of which was evaluation: the evaluators' forwards are
-    now counted, a forward costing the step's fixed time and a third of its per-token time."""
+def test_the_plan_times_the_evaluations_the_schedule_runs(tiny_dirs, tmp_path) -> None:
+    """Trials finishing together are scored together (each forward's fixed time once for all of them), a rung scores
+    its arrivals on the proxy (a held-out loss), and a forward costs the base forward's fixed time (measured) plus a
+    third of the step's per-token time."""
     import pytest
 
     from lora_sweep.packer.plan import MemoryModel
     from lora_sweep.sweep.planning import eval_rows, eval_seconds
+    from lora_sweep.sweep.schedule import Schedule
 
     mm = MemoryModel(base_bytes=0, bytes_per_token=0, bytes_per_token_rank=0, bytes_per_param=0,
-                     seconds_per_token=3e-4, seconds_per_step=0.01)
+                     seconds_per_token=3e-4, seconds_per_step=0.5)  # the step's fixed time is not a forward's
     evaluators = [{"name": "heldout_loss"}, {"name": "generation", "options": {"max_new_tokens": 4, "batch_size": 4}}]
     spec = load_study(write_study(tmp_path, tiny_dirs("llama"), "evals", budget={"trials": 6}, evaluators=evaluators))
     rows = eval_rows(spec)
     assert rows == sum(1 for line in spec.data.eval.read_text().splitlines() if line.strip()) > 0
+    # 3 trials finished in 2 evaluations, 6 reached the rung in 2, no eval_every
+    schedule = Schedule(pack_steps=24, reached=(6,), finished=3, rung_events=2, final_events=2)
+    per_token, fixed = 3e-4 / 3, 0.01
+    heldout = math.ceil(rows / 8) * (2 * fixed + 3 * 8 * 20.0 * per_token)
+    generation = math.ceil(rows / 4) * (2 * 5 * fixed + 3 * 4 * (20.0 + 4) * per_token)
+    rungs = math.ceil(rows / 8) * (2 * fixed + 6 * 8 * 20.0 * per_token)
+    seconds, line = eval_seconds(spec, mm, fixed, schedule, rows, 20.0)
+    assert seconds == pytest.approx(heldout + generation + rungs)
+    assert line == (f"{seconds:.0f} s: heldout_loss over {rows} rows, generation of 4 tokens for {rows} prompts for "
+                    f"each of 3 finished trials, 6 rung evaluations")
+    every = Schedule(pack_steps=24, reached=(), finished=3, rung_events=0, final_events=2, curve_events=4,
+                     curve_evals=9)
+    curve = math.ceil(rows / 8) * (4 * fixed + 9 * 8 * 20.0 * per_token)
+    assert eval_seconds(spec, mm, fixed, every, rows, 20.0)[0] == pytest.approx(heldout + generation + curve)
 
-    def forward(tokens: float) -> float:
-        return 0.01 + 3e-4 * tokens / 3
 
-    heldout = math.ceil(rows / 8) * forward(8 * 3 * 20.0)  # 3 slots, rows of 20 tokens
-    generation = math.ceil(rows / 4) * (forward(4 * 3 * 20.0) + 4 * forward(4 * 3))
-    per_pack = heldout + generation + heldout  # the cohort SHA rung at step 6 scores the proxy once more
-    seconds, line = eval_seconds(spec, mm, 3, rows, 20.0, 12)
-    assert seconds == pytest.approx(per_pack * 2)  # 6 trials, 3 at a time
-    assert line.startswith(f"{seconds:.0f} s: heldout_loss over {rows} rows, generation of 4 tokens for {rows} "
-                           f"prompts per trial, 3 slots at a time, 1 proxy evaluation per trial")
-    longer = load_study(write_study(tmp_path, tiny_dirs("llama"), "evals", budget={"trials": 6},
-                                    evaluators=evaluators, pruning={"kind": "none"}, train={"eval_every": 4}))
-    assert eval_seconds(longer, mm, 3, rows, 20.0, 12)[0] == pytest.approx((heldout * 4 + generation) * 2)
+def test_the_plan_counts_the_pack_steps_under_the_rungs_and_the_start_up(tiny_dirs, tmp_path) -> None:
+    """``sweep plan`` said "(no pruning)" and counted every trial to its last step for a study that prunes: the time
+    is now the expected schedule's pack steps (``sweep.schedule``) plus the run's start-up measured at calibration."""
+    from lora_sweep.packer.plan import MemoryModel
+    from lora_sweep.sweep.calibration import BaseShape
+    from lora_sweep.sweep.planning import pack_schedule, plan_report
+    from lora_sweep.sweep.schedule import expected_schedule
+
+    mm = MemoryModel(base_bytes=1000, bytes_per_token=10, bytes_per_token_rank=1, bytes_per_param=16,
+                     seconds_per_token=1e-5, seconds_per_step=0.02)
+    base = BaseShape((("q_proj", 64, 64), ("v_proj", 64, 64)), 1000, forward_s=0.002, load_s=2.0, imports_s=3.0)
+    path = write_study(tmp_path, tiny_dirs("llama"), "pruned", budget={"trials": 12}, train={"max_steps": 40,
+                       "micro_batch": 4, "gradient_accumulation_steps": 2}, pruning={"kind": "cohort_sha",
+                       "rungs": [10, 20], "reduction_factor": 3})
+    spec = load_study(path)
+    report = plan_report(spec, [mm], "test", base, "cpu", mean_len=20.0)
+    expected = expected_schedule(12, 3, 40, (10, 20), 3, spared=1)  # the community default (rank 16 in the space)
+    assert pack_schedule(spec, 3, 40) == expected == report.schedule
+    assert report.pack_steps == math.ceil(expected.pack_steps * 2) < 12 * 40 * 2 / 3
+    assert report.predicted_total_s == report.pack_steps * report.predicted_step_s
+    assert report.startup_s == 5.0
+    table = report.table()
+    assert "(no pruning)" not in table
+    total = report.predicted_total_s + report.predicted_eval_s + 5.0
+    assert f"predicted time for the trial budget  {total:.0f} s ({report.pack_steps} pack steps" in table
+    reached = expected.reached[0]
+    assert f"cohort SHA keeping 1/3 at steps 10, 20 of 40: of 12 trials {reached:.1f} reach step 10" in table
+    flat = load_study(write_study(tmp_path, tiny_dirs("llama"), "flat", budget={"trials": 12}, pruning={"kind": "none"},
+                                  train={"max_steps": 40, "micro_batch": 4}))
+    plain = plan_report(flat, [mm], "test", base, "cpu", mean_len=20.0)
+    assert plain.pack_steps == 12 * 40 / 3 and "none (every trial trains to its last step)" in plain.table()
+    unmeasured = plan_report(flat, [mm], "test", BaseShape(base.projections, 1000), "cpu", mean_len=20.0)
+    assert "start-up not counted: the cached calibration was measured inside a run" in unmeasured.table()
