@@ -222,14 +222,12 @@ def generate_ids(model: PackedModel, slots: Sequence[int], prompts: Sequence[Seq
     on_fixed_shapes = (uses_batched(batched, model) and temperature <= 0 and bool(prompts)
                        and eval_graph.available(model)
                        and eval_graph.generation_fits(model, width, max_new_tokens))
+    if on_fixed_shapes:  # every slot's rows in the fewest forwards, the tokens read once
+        tokens = eval_graph.greedy_decode(model, slots, prompts, batch_size, width, max_new_tokens, pad_id,
+                                          _cache_kwarg(model.model))
+        return {slot: [_answer(t, eos_id, should_stop) for t in tokens[g]] for g, slot in enumerate(slots)}
     for idx in chunks(len(prompts), batch_size):
         rows = [list(prompts[i]) for i in idx]
-        if on_fixed_shapes:
-            tokens = eval_graph.greedy_decode(model, slots, rows, batch_size, width, max_new_tokens, pad_id,
-                                              _cache_kwarg(model.model))
-            for g, slot in enumerate(slots):
-                out[slot].extend(_answer(t, eos_id, should_stop) for t in tokens[g * len(rows):(g + 1) * len(rows)])
-            continue
         gens = ([torch.Generator().manual_seed(seed * 1_000_003 + i) for _ in slots for i in idx]
                 if temperature > 0 else None)
         answers = _decode(model, slots, rows, eos_id=eos_id, pad_id=pad_id, max_new_tokens=max_new_tokens,
