@@ -40,12 +40,15 @@ class HeldoutOptions:
     """Options of the ``heldout_loss`` evaluator."""
 
     batch_size: int = 8
-    """Held-out rows per slot in one forward (a forward holds ``batch_size * len(slots)`` rows)."""
+    """Held-out rows of one slot per forward segment: per-adapter, a forward holds ``batch_size`` rows of every scored
+    slot; batched, ``batch_size`` rows of one slot per segment, as many segments as the pack has slots."""
     batched: bool | Literal["auto"] = "auto"
-    """True: while the pack trains on the fixed-shape step, score all slots' adapters together on its fixed shapes
-    (``packer.step.eval_graph``: rows padded to a multiple of 16, one CUDA graph on CUDA) when their logits fit
-    ``packer.step.eval_graph.LOGITS_BYTES``; False: always the per-adapter path, whose forwards hold only the
-    scored adapters' rows; auto: true on CUDA, false on the CPU (``evaluators._core.uses_batched``)."""
+    """True: while the pack trains on the fixed-shape step, score all the slots' adapters together on its fixed
+    shapes (``packer.step.eval_graph``: the scored (slot, item) rows packed into the fewest forwards of
+    ``slots x batch_size`` rows, padded to a multiple of 16 tokens, one CUDA graph per shape on CUDA) when their logits
+    fit ``packer.step.eval_graph.LOGITS_BYTES``; False: always the per-adapter path (forwards sized to the scored
+    adapters' rows, run eagerly); auto: true on CUDA, false on the CPU (``evaluators._core.uses_batched``). The
+    losses are the same either way."""
     ALIASES: ClassVar[dict[str, str]] = {"static_shapes": "batched"}
 
     def __post_init__(self) -> None:

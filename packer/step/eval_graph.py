@@ -112,8 +112,8 @@ def plan(slots: Sequence[int], n_items: int, rows: int, capacity: int, remap: bo
     """The forwards that score every item under every slot, each a list of at most ``capacity`` segments.
 
     ``remap``: each slot's items in pieces of ``rows``, slot by slot, packed into consecutive segments (the fewest
-    forwards: ``ceil(len(slots) * ceil(n_items / rows) / capacity)``). Otherwise segment k holds slot k's items, ``rows``
-    of them per forward (a pack with DoRA slots, whose magnitudes the forward reads by segment).
+    forwards: ``ceil(len(slots) * ceil(n_items / rows) / capacity)``). Otherwise segment k holds slot k's items,
+    ``rows`` of them per forward (a pack with DoRA slots, whose magnitudes the forward reads by segment).
     """
     starts = range(0, n_items, rows)
     if not remap:
