@@ -226,7 +226,7 @@ def generate_ids(model: PackedModel, slots: Sequence[int], prompts: Sequence[Seq
                        and eval_graph.generation_fits(model, width, max_new_tokens))
     if on_fixed_shapes:  # every slot's rows in the fewest forwards, the tokens read once
         tokens = eval_graph.greedy_decode(model, slots, prompts, batch_size, width, max_new_tokens, pad_id,
-                                          _cache_kwarg(model.model))
+                                          _cache_kwarg(model.model), eos_id)
         return {slot: [_answer(t, eos_id, should_stop) for t in tokens[g]] for g, slot in enumerate(slots)}
     for idx in chunks(len(prompts), batch_size):
         rows = [list(prompts[i]) for i in idx]

@@ -19,9 +19,10 @@ held a DoRA slot keeps segment k on slot k (its magnitudes are indexed by segmen
   the step computes on the device from a step counter (key k is visible to a query at cache index q when
   k <= q and k is not padding; a padding position sees itself, so no row is fully masked). The prefill (from
   prompt buffers the host fills per forward) and each decoding step (embed, the layers, the head, argmax, the next
-  input written back) are one graph replay each, with no host sync: the tokens of every forward are read once, after
-  the last one, and cut at EOS / stop strings on the host exactly where the eager loop (``evaluators.generation``)
-  would have stopped each row.
+  input written back) are one graph replay each. The device notes which rows have decoded EOS; every ``STOP_CHECK``
+  steps the host asks whether all of a forward's rows have (one sync) and stops it there. The tokens of every forward
+  are read once, after the last one, and cut at EOS / stop strings on the host exactly where the eager loop
+  (``evaluators.generation``) would have stopped each row.
 
 The host writes each forward's inputs and tables through pinned memory without waiting for the device, and reads the
 results once per evaluation, so it queues the next forward while the device runs the last. Free rows (a segment with
@@ -53,6 +54,8 @@ __all__ = ["available", "heldout_fits", "row_losses", "greedy_decode", "generati
            "graphs",
            "EVAL_MULTIPLE", "LOGITS_BYTES", "HELDOUT_BYTES_PER_LOGIT"]
 
+STOP_CHECK = 4
+"""Decoding steps between the host's checks whether every row of a forward has decoded EOS (one sync each)."""
 EVAL_MULTIPLE = 16
 """Padded lengths (held-out rows, prompt widths, cache lengths) are multiples of this: few shapes."""
 LOGITS_BYTES = 2 << 30
@@ -354,6 +357,9 @@ class _Decoder:
         self.out = torch.zeros((b, new_tokens), dtype=torch.long, device=dev)
         self.ids = torch.zeros((b, width), dtype=torch.long, device=dev)  # the prompts, left-padded
         self.ids_mask = torch.zeros((b, width), dtype=torch.long, device=dev)
+        self.live = torch.zeros((b,), dtype=torch.bool, device=dev)  # rows holding a (slot, prompt) pair
+        self.eos = torch.full((1,), -1, dtype=torch.long, device=dev)  # -1: no EOS (never a token)
+        self.done = torch.zeros((b,), dtype=torch.bool, device=dev)  # free, or has decoded EOS
         self.prefill_graph = _graph(pm, store, self._prefill)
         self.graph = _graph(pm, store, self._step)
 
@@ -377,6 +383,7 @@ class _Decoder:
         nxt = self._logits(self.tok, self.pos, self.limit).argmax(dim=-1, keepdim=True)  # (B, 1)
         self.tok.copy_(nxt)
         self.out.index_copy_(1, self.limit - (self.width - 1), nxt)
+        self.done.logical_or_(nxt[:, 0] == self.eos)
 
     def _prefill(self) -> None:
         """The prompts in ``ids`` / ``ids_mask`` (B, P), on device buffers only: resets the cache, runs the prompt,
@@ -390,6 +397,7 @@ class _Decoder:
         first = self._logits(self.ids, positions, q_idx).argmax(dim=-1, keepdim=True)
         self.tok.copy_(first)
         self.out[:, :1].copy_(first)
+        self.done.copy_(~self.live | (first[:, 0] == self.eos))
         self.pos.copy_(positions[:, -1:])
         self.limit.fill_(self.width - 1)
 
@@ -400,18 +408,24 @@ class _Decoder:
         self.prefill_graph.ready()  # a capture ran the prefill on these inputs: running it again is the same
         self.prefill_graph()
 
-    def run(self, ids: np.ndarray, mask: np.ndarray) -> torch.Tensor:
-        """Decode ``new_tokens`` after the (B, P) prompts; returns a (B, T) device copy of the tokens (no sync)."""
+    def run(self, ids: np.ndarray, mask: np.ndarray, live: np.ndarray, eos_id: int | None) -> torch.Tensor:
+        """Decode up to ``new_tokens`` after the (B, P) prompts of the ``live`` (B,) rows; returns a (B, T) device copy
+        of the tokens. With ``eos_id``, every ``STOP_CHECK`` steps the host asks whether every live row has decoded
+        it (one sync) and stops there: a row's tokens after its EOS, which the caller cuts, are then stale."""
+        _to_device(live, self.live)
+        self.eos.fill_(-1 if eos_id is None else eos_id)
         self.prefill(ids, mask)
         if self.new_tokens > 1 and self.graph.ready():
             self.prefill_graph()  # the warm-up and capture decoded from this prefill: start it again
-        for _ in range(self.new_tokens - 1):
+        for t in range(1, self.new_tokens):
+            if eos_id is not None and t % STOP_CHECK == 0 and bool(self.done.all()):
+                break
             self.graph()
         return self.out.clone()
 
 
 def greedy_decode(pm: PackedModel, slots: Sequence[int], prompts: Sequence[Sequence[int]], rows: int, width: int,
-                  new_tokens: int, pad_id: int, cache_kwarg: str) -> list[list[list[int]]]:
+                  new_tokens: int, pad_id: int, cache_kwarg: str, eos_id: int | None = None) -> list[list[list[int]]]:
     """``new_tokens`` greedy tokens after every prompt under every slot, the pairs packed densely (``plan``).
 
     Args:
@@ -423,9 +437,11 @@ def greedy_decode(pm: PackedModel, slots: Sequence[int], prompts: Sequence[Seque
         new_tokens: T, tokens decoded (the caller cuts each answer at EOS or a stop string).
         pad_id: left-padding id.
         cache_kwarg: the model's KV-cache argument name (``cache`` or ``past_key_values``).
+        eos_id: the token that ends an answer, or None; a forward whose rows have all decoded it stops early.
 
     Returns:
-        ``tokens[g][i]``: T tokens, slot ``slots[g]``'s continuation of prompt i.
+        ``tokens[g][i]``: T tokens, slot ``slots[g]``'s continuation of prompt i, exact up to its first ``eos_id``
+        (the caller cuts there; after it, stale tokens where the forward stopped early).
     """
     store = pm.store
     assert store is not None and len(prompts) > 0 and new_tokens >= 1
@@ -439,13 +455,15 @@ def greedy_decode(pm: PackedModel, slots: Sequence[int], prompts: Sequence[Seque
             cache[key] = _Decoder(pm, store, shapes, width, new_tokens, cache_kwarg)
         ids = np.full((b, width), pad_id, dtype=np.int64)
         mask = np.zeros((b, width), dtype=np.int64)
+        live = np.zeros((b,), dtype=np.bool_)
         fill = {s.seg: s for s in segments}
         for k in range(store.capacity):
             s = fill.get(k)
             for i in range(rows):  # free rows decode a copy of their segment's (or the first) prompt
                 p = prompts[s.item0 + (i if i < s.n else 0)] if s is not None else prompts[0]
                 ids[k * rows + i, width - len(p):], mask[k * rows + i, width - len(p):] = p, 1
-        results.append((segments, cache[key].run(ids, mask)))
+                live[k * rows + i] = s is not None and i < s.n
+        results.append((segments, cache[key].run(ids, mask, live, eos_id)))
     return _per_item([(segs, v.tolist()) for segs, v in _read(results)], slots, len(prompts), rows)
 
 

@@ -87,3 +87,24 @@ def test_a_batched_evaluation_reads_the_device_once(tiny_dirs, monkeypatch: pyte
     generate_ids(pm, [0, 1], build_prompts(data)[:9], eos_id=None, pad_id=tok.pad_token_id, max_new_tokens=2,
                  batch_size=2, batched=True)
     assert reads == [12, 3]  # 4 slots x 12 pieces / 4 segments; 2 slots x 5 pieces / 4 segments
+
+
+def test_a_batched_decode_stops_once_every_row_has_decoded_eos(tiny_dirs, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every row answers the same prompt under one adapter, so all decode EOS together (the answer's first new token
+    after its first, k): the forward stops at the next check instead of decoding ``max_new_tokens``, and the answers
+    are the per-adapter path's."""
+    pm, tok = _pack(tiny_dirs("llama"))
+    prompt = build_prompts(load_eval_data(YESNO, tok, fmt="prompt_completion", max_length=48))[0]
+    kw = {"pad_id": tok.pad_token_id, "max_new_tokens": 12, "batch_size": 3}
+    answer = generate_ids(pm, [0], [prompt], eos_id=None, batched=False, **kw)[0][0]
+    k = next(i for i, t in enumerate(answer) if t != answer[0])
+    assert k < 6, answer
+    eos = answer[k]
+    steps: list[int] = []
+    real = eval_graph._Decoder._step
+    monkeypatch.setattr(eval_graph._Decoder, "_step", lambda self: steps.append(1) or real(self))
+    monkeypatch.setattr(eval_graph, "STOP_CHECK", 2)
+    batched = generate_ids(pm, [0], [prompt] * 5, eos_id=eos, batched=True, **kw)
+    assert batched == generate_ids(pm, [0], [prompt] * 5, eos_id=eos, batched=False, **kw)
+    assert all(len(a) == k for a in batched[0])
+    assert len(steps) == k + (k + 1) % 2  # to the EOS (step k), then to the next check, which stops it: not 11
