@@ -36,10 +36,10 @@ def test_plan_without_remapping_keeps_each_slot_on_its_own_segment() -> None:
         [Segment(1, 1, 4, 1), Segment(3, 3, 4, 1)]]
 
 
-def _pack(model_dir, dora: bool = False):  # noqa: ANN001, ANN202
+def _pack(model_dir, dora: bool = False, impl: str = "torch"):  # noqa: ANN001, ANN202
     """Four slots of different ranks, targets and scales with non-zero B (slot 2 DoRA with ``dora``)."""
     model, tok = load_base(str(model_dir))
-    pm = PackedModel(model)
+    pm = PackedModel(model, impl=impl)
     gen = torch.Generator().manual_seed(0)
     targets = (("all-linear",), ("q_proj", "v_proj"), ("gate_proj", "up_proj", "down_proj"), ("all-linear",))
     for slot, (rank, tg) in enumerate(zip((8, 4, 16, 2), targets, strict=True)):
@@ -108,3 +108,4 @@ def test_a_batched_decode_stops_once_every_row_has_decoded_eos(tiny_dirs, monkey
     assert batched == generate_ids(pm, [0], [prompt] * 5, eos_id=eos, batched=False, **kw)
     assert all(len(a) == k for a in batched[0])
     assert len(steps) == k + (k + 1) % 2  # to the EOS (step k), then to the next check, which stops it: not 11
+
