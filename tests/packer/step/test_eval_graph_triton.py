@@ -25,10 +25,10 @@ def test_the_triton_kernels_apply_each_segments_slot_from_its_table_row(tiny_dir
     data = type(data)(data.rows[:5], data.fmt, tok, data.source, data.max_length)
     prompts = build_prompts(data)[:3]
     gen_kw = {"eos_id": None, "pad_id": tok.pad_token_id, "max_new_tokens": 3}
-    for slots in ([2, 1],):  # slot 2 in segments 0-2, slot 1 in segment 3 (heldout: 3 pieces of 2 rows each)
-        loss = heldout_loss(pm, slots, data, batch_size=2, batched=True)
-        ids = generate_ids(pm, slots, prompts, batch_size=2, batched=True, **gen_kw)
-        for slot in slots:
-            alone = _alone(pm, slot, data, prompts, gen_kw)
-            assert loss.per_item[slot]["eval_loss"] == pytest.approx(alone[0], rel=1e-4, abs=1e-5)
-            assert ids[slot] == alone[1]
+    slots = [2, 1]  # held-out: 3 pieces of 2 rows each; slot 2 in segments 0-2, slot 1 in segment 3, then 0-1
+    loss = heldout_loss(pm, slots, data, batch_size=2, batched=True)
+    ids = generate_ids(pm, slots, prompts, batch_size=2, batched=True, **gen_kw)
+    for slot in slots:
+        alone = _alone(pm, slot, data, prompts, gen_kw)
+        assert loss.per_item[slot]["eval_loss"] == pytest.approx(alone[0], rel=1e-4, abs=1e-5)
+        assert ids[slot] == alone[1]
