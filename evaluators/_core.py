@@ -287,10 +287,9 @@ def check_batched(value: object) -> None:
 def uses_batched(option: Batched, model: PackedModel) -> bool:
     """Whether an evaluator scores all slots' adapters together on the training pack's fixed shapes
     (``packer.step.eval_graph``; it still needs the slot store and a shape that fits) rather than on the
-    per-adapter path. ``"auto"``: on CUDA, where one captured graph replays each forward; not on the CPU, where
-    nothing replays and the fixed shapes run every slot's rows through the base, scored or not, while the
-    per-adapter path runs only the scored adapters' rows (the demo study's evaluation on 2 cores: 161 s batched,
-    48 s per adapter; BENCHMARKS.md, "The real-model demo on a CPU")."""
+    per-adapter path. ``"auto"``: on CUDA, where one captured graph per shape replays each forward; not on the CPU,
+    where nothing replays and each fixed-shape forward holds a full pack of rows padded to a multiple of 16 tokens,
+    while the per-adapter path's forwards hold only the scored adapters' rows at their own length."""
     if option == "auto":
         return model.device.type == "cuda"
     return bool(option)

@@ -8,10 +8,10 @@ never leave the batch (a finished row keeps decoding into the void), so one layo
 prefill and every ``(B, 1)`` step.
 
 That is the per-adapter path: each batch is sized to the scored adapters' rows. With ``batched`` on, while the
-pack trains on the fixed-shape step (``PackedModel.store``), greedy decoding of all slots' adapters runs on its fixed
-shapes instead (``packer.step.eval_graph``: prompts left-padded to a multiple of 16, a static KV cache, each decoding
-step one CUDA-graph replay, the tokens read once per chunk and cut where this loop would stop each row): the same
-tokens.
+pack trains on the fixed-shape step (``PackedModel.store``), greedy decoding of all the scored adapters runs on its
+fixed shapes instead (``packer.step.eval_graph``: every (slot, prompt) row packed into the fewest batches whichever
+slots are scored, prompts left-padded to a multiple of 16, a static KV cache, the prefill and each decoding step one
+CUDA-graph replay, the tokens read once per evaluation and cut where this loop would stop each row): the same tokens.
 
 Prompts are the training prompts: the rows go through ``packer.data.rows.tokenize_rows`` and the prompt is every
 token before the last response span (alpaca template, ``prompt``, or the chat template up to the last
@@ -59,7 +59,8 @@ class GenerationOptions:
     max_new_tokens: int = 32
     """Tokens generated at most per answer (EOS ends an answer earlier)."""
     batch_size: int = 8
-    """Prompts per slot in one batch (a batch holds ``batch_size * len(slots)`` rows)."""
+    """Prompts of one slot per batch segment: per-adapter, a batch holds ``batch_size`` prompts of every slot;
+    batched, ``batch_size`` prompts of one slot per segment, as many segments as the pack has slots."""
     stop: tuple[str, ...] = ()
     """Strings that end an answer; the answer is cut before the first one (lm-eval's ``until``)."""
     scorers: tuple[str, ...] = ("exact_match",)
@@ -69,10 +70,11 @@ class GenerationOptions:
     seed: int = 0
     """Seed of sampling."""
     batched: bool | Literal["auto"] = "auto"
-    """True: greedy decoding while the pack trains on the fixed-shape step scores all slots' adapters together on
-    its fixed shapes, a static KV cache and each decoding step replayed as one CUDA graph (``packer.step.eval_graph``);
-    False: always the per-adapter path, whose forwards hold only the scored adapters' rows; auto: true on CUDA, false
-    on the CPU (``evaluators._core.uses_batched``)."""
+    """True: greedy decoding while the pack trains on the fixed-shape step scores all the slots' adapters together on
+    its fixed shapes (``packer.step.eval_graph``: the (slot, prompt) rows packed into the fewest batches, a static KV
+    cache, the prefill and each decoding step replayed as CUDA graphs, one per shape); False: always the per-adapter
+    path (batches sized to the scored adapters' rows, run eagerly); auto: true on CUDA, false on the CPU
+    (``evaluators._core.uses_batched``). The tokens are the same either way."""
     ALIASES: ClassVar[dict[str, str]] = {"static_shapes": "batched"}
 
     def __post_init__(self) -> None:
@@ -222,14 +224,12 @@ def generate_ids(model: PackedModel, slots: Sequence[int], prompts: Sequence[Seq
     on_fixed_shapes = (uses_batched(batched, model) and temperature <= 0 and bool(prompts)
                        and eval_graph.available(model)
                        and eval_graph.generation_fits(model, width, max_new_tokens))
+    if on_fixed_shapes:  # every slot's rows in the fewest forwards, the tokens read once
+        tokens = eval_graph.greedy_decode(model, slots, prompts, batch_size, width, max_new_tokens, pad_id,
+                                          _cache_kwarg(model.model), eos_id)
+        return {slot: [_answer(t, eos_id, should_stop) for t in tokens[g]] for g, slot in enumerate(slots)}
     for idx in chunks(len(prompts), batch_size):
         rows = [list(prompts[i]) for i in idx]
-        if on_fixed_shapes:
-            tokens = eval_graph.greedy_decode(model, slots, rows, batch_size, width, max_new_tokens, pad_id,
-                                              _cache_kwarg(model.model))
-            for g, slot in enumerate(slots):
-                out[slot].extend(_answer(t, eos_id, should_stop) for t in tokens[g * len(rows):(g + 1) * len(rows)])
-            continue
         gens = ([torch.Generator().manual_seed(seed * 1_000_003 + i) for _ in slots for i in idx]
                 if temperature > 0 else None)
         answers = _decode(model, slots, rows, eos_id=eos_id, pad_id=pad_id, max_new_tokens=max_new_tokens,

@@ -40,12 +40,15 @@ class HeldoutOptions:
     """Options of the ``heldout_loss`` evaluator."""
 
     batch_size: int = 8
-    """Held-out rows per slot in one forward (a forward holds ``batch_size * len(slots)`` rows)."""
+    """Held-out rows of one slot per forward segment: per-adapter, a forward holds ``batch_size`` rows of every scored
+    slot; batched, ``batch_size`` rows of one slot per segment, as many segments as the pack has slots."""
     batched: bool | Literal["auto"] = "auto"
-    """True: while the pack trains on the fixed-shape step, score all slots' adapters together on its fixed shapes
-    (``packer.step.eval_graph``: rows padded to a multiple of 16, one CUDA graph on CUDA) when their logits fit
-    ``packer.step.eval_graph.LOGITS_BYTES``; False: always the per-adapter path, whose forwards hold only the
-    scored adapters' rows; auto: true on CUDA, false on the CPU (``evaluators._core.uses_batched``)."""
+    """True: while the pack trains on the fixed-shape step, score all the slots' adapters together on its fixed
+    shapes (``packer.step.eval_graph``: the scored (slot, item) rows packed into the fewest forwards of
+    ``slots x batch_size`` rows, padded to a multiple of 16 tokens, one CUDA graph per shape on CUDA) when their logits
+    fit ``packer.step.eval_graph.LOGITS_BYTES``; False: always the per-adapter path (forwards sized to the scored
+    adapters' rows, run eagerly); auto: true on CUDA, false on the CPU (``evaluators._core.uses_batched``). The
+    losses are the same either way."""
     ALIASES: ClassVar[dict[str, str]] = {"static_shapes": "batched"}
 
     def __post_init__(self) -> None:
@@ -74,38 +77,39 @@ def heldout_loss(model: PackedModel, slots: Sequence[int], data: EvalData, **opt
     check_format(data, FORMATS, "heldout_loss")
     examples = tokenize_rows(data.rows, data.fmt, data.tokenizer, max_length=data.max_length,
                              train_on_prompt=data.train_on_prompt, source=data.source)
-    n = len(slots)
-    loss_sum = [0.0] * n
-    tokens = [0.0] * n
-    per_item: list[list[float]] = [[] for _ in slots]
     seq = eval_graph.bucket(max((len(e.input_ids) for e in examples), default=1))
-    batched = (uses_batched(opts.batched, model) and bool(examples)
-               and eval_graph.heldout_fits(model, opts.batch_size, seq))
-    with torch.no_grad():
-        for idx in chunks(len(examples), opts.batch_size):
-            rows: list[Any] = [examples[i] for i in idx]  # Example satisfies packer.data.batch.Row
-            if batched:  # slot-major: slot g's item i at g * len(rows) + i
-                row_loss, row_tokens = eval_graph.row_losses(model, slots, rows, opts.batch_size, seq,
-                                                             pad_id(data.tokenizer))
-                starts = [g * len(rows) for g in range(n)]
-            else:
-                batch = collate(slots, [rows] * n, pad_id(data.tokenizer), dropout=[0.0] * n, seeds=[0] * n,
-                                device=model.device)
-                logits = model.forward(batch.input_ids, batch.attention_mask, batch.layout)  # (B, L, V)
-                means, counts = slot_losses(logits, batch.labels, _one_segment_per_row(batch))  # (B,), (B,)
-                row_loss, row_tokens = means.tolist(), counts.tolist()
-                starts = list(batch.layout.row_start)
-            for g in range(n):
-                for r in range(starts[g], starts[g] + len(rows)):
-                    loss_sum[g] += row_loss[r] * row_tokens[r]
-                    tokens[g] += row_tokens[r]
-                    per_item[g].append(row_loss[r])
+    if (uses_batched(opts.batched, model) and bool(examples) and eval_graph.available(model)
+            and eval_graph.heldout_fits(model, opts.batch_size, seq)):  # every slot's rows in the fewest forwards
+        per_item, counts = eval_graph.row_losses(model, slots, examples, opts.batch_size, seq, pad_id(data.tokenizer))
+    else:
+        per_item, counts = _per_adapter(model, slots, examples, opts.batch_size, pad_id(data.tokenizer))
     result = EvalResult()
     for g, slot in enumerate(slots):
-        mean = loss_sum[g] / max(tokens[g], 1.0)
+        loss_sum = sum(loss * n for loss, n in zip(per_item[g], counts[g], strict=True))
+        mean = loss_sum / max(sum(counts[g]), 1.0)
         result.metrics[slot] = {"eval_loss": mean, "perplexity": math.exp(min(mean, 700.0))}
         result.per_item[slot] = {"eval_loss": per_item[g]}
     return result
+
+
+def _per_adapter(model: PackedModel, slots: Sequence[int], examples: list[Any], batch_size: int,
+                 pad: int) -> tuple[list[list[float]], list[list[float]]]:
+    """Each item's mean token loss and target count under each slot, ``batch_size`` items of every scored slot per
+    forward (rows sized to the scored adapters): ``[g][i]`` for slot ``slots[g]``, item i."""
+    n = len(slots)
+    losses: list[list[float]] = [[] for _ in slots]
+    counts: list[list[float]] = [[] for _ in slots]
+    with torch.no_grad():
+        for idx in chunks(len(examples), batch_size):
+            rows: list[Any] = [examples[i] for i in idx]  # Example satisfies packer.data.batch.Row
+            batch = collate(slots, [rows] * n, pad, dropout=[0.0] * n, seeds=[0] * n, device=model.device)
+            logits = model.forward(batch.input_ids, batch.attention_mask, batch.layout)  # (B, L, V)
+            means, tokens = slot_losses(logits, batch.labels, _one_segment_per_row(batch))  # (B,), (B,)
+            row_loss, row_tokens = means.tolist(), tokens.tolist()
+            for g, start in enumerate(batch.layout.row_start):
+                losses[g] += row_loss[start:start + len(rows)]
+                counts[g] += row_tokens[start:start + len(rows)]
+    return losses, counts
 
 
 HELDOUT_LOSS = Evaluator("heldout_loss", HeldoutOptions, heldout_loss, metrics=lambda opts: dict(METRICS),

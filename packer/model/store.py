@@ -82,6 +82,9 @@ class ShapeBuffers:
         ring_row: (1,) int64, the ring-buffer row this step writes.
         opt: (C, OPT_FIELDS) fp32 optimizer table.
         loss_w: (C,) fp32 factor of each slot's mean loss in the backward (1 without accumulation).
+        slot_of: (C,) int64 slot whose adapter segment g applies on the torch path (the kernels read it as
+            ``seg_int``'s ``rank_off``), or None: segment g is slot g (the training step). Evaluation shapes
+            (``packer.step.eval_graph``) route any scored slot through any segment.
     """
 
     rows: int
@@ -97,6 +100,7 @@ class ShapeBuffers:
     ring_row: torch.Tensor
     opt: torch.Tensor
     loss_w: torch.Tensor
+    slot_of: torch.Tensor | None = None
 
 
 class SlotStore:
@@ -324,8 +328,11 @@ class SlotStore:
             xin = xin * masks.to(xin.dtype)
         c, m, rb = self.capacity, shape.rows, self.rank_bucket
         scale = shape.meta.seg_flt[:, SEG_FLT_COL.scale, None, None]  # (C, 1, 1)
-        h = torch.bmm(xin.reshape(c, m * seq, d_in), a.view(c, rb, d_in).transpose(1, 2)) * scale  # (C, M * L, RB)
-        return torch.bmm(h, bt.view(c, rb, -1)).view(c * m, seq, -1).to(x.dtype)  # (B, L, D_out)
+        a_seg, bt_seg = a.view(c, rb, d_in), bt.view(c, rb, -1)
+        if shape.slot_of is not None:  # an evaluation shape: segment g applies slot ``slot_of[g]``'s adapter
+            a_seg, bt_seg = a_seg.index_select(0, shape.slot_of), bt_seg.index_select(0, shape.slot_of)
+        h = torch.bmm(xin.reshape(c, m * seq, d_in), a_seg.transpose(1, 2)) * scale  # (C, M * L, RB)
+        return torch.bmm(h, bt_seg).view(c * m, seq, -1).to(x.dtype)  # (B, L, D_out)
 
 
 def slot_losses(logits: torch.Tensor, labels: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,26 +1,33 @@
-"""Evaluation forwards on a pack's buffers: held-out losses and greedy decoding with fixed shapes.
+"""Evaluation forwards on a pack's buffers: held-out losses and greedy decoding of all its adapters together.
 
 While a pack trains on the fixed-shape step (``packer.step.loop``), every slot's adapter lives in the
-pack's ``SlotStore`` (``PackedModel.store``). The evaluators the sweep runs at rungs and slot ends can then
-use the same machinery as the training step instead of the per-adapter path: a batch of C slots x
-``rows`` rows (slot g owns rows ``g * rows ..``) x a padded length, the slots to score given their rank and
-scale in the segment tables and every other slot rank 0 and scale 0 (the kernels skip it; the torch path
-scales its term by 0), so one shape serves every evaluation whichever slots it scores, and on CUDA one captured
-graph replays it (``torch.cuda.CUDAGraph``, the PyTorch CUDA-graph recipe: static inputs, warm-up on a side stream).
+pack's ``SlotStore`` (``PackedModel.store``). The evaluators the sweep runs at rungs, ``eval_every`` steps and slot
+ends then use the same machinery as the training step instead of the per-adapter path: a batch of C segments x
+``rows`` rows (segment k owns rows ``k * rows ..``) x a padded length. Which adapter a segment applies is data, not
+shape: its row of the segment tables holds that slot's rank, scale and rank rows (``SegInt.rank_off``; the torch path
+reads ``ShapeBuffers.slot_of``), and a segment no pair needs has rank 0 and scale 0 (the kernels skip it; the torch
+path scales its term by 0). So the (slot, item) pairs of an evaluation are packed densely, ``rows`` items of one slot
+per segment and C segments per forward (``plan``): scoring one finished slot costs its own rows, not every slot's, and
+one shape serves every evaluation whichever slots it scores; on CUDA one captured graph per shape replays it
+(``torch.cuda.CUDAGraph``, the PyTorch CUDA-graph recipe: static inputs, warm-up on a side stream). A pack that has
+held a DoRA slot keeps segment k on slot k (its magnitudes are indexed by segment).
 
-- ``row_losses``: per-row mean next-token cross-entropy and target counts of a held-out batch, right-padded
+- ``row_losses``: per-(slot, item) mean next-token cross-entropy and target counts of held-out rows, right-padded
   to a fixed length (what ``packer.loss.slot_losses`` computes per row).
 - ``greedy_decode``: every slot continues every prompt. The prompts are left-padded to a fixed width P, the
   KV cache is transformers' ``StaticCache`` of P + T positions, and the attention mask is a 4D additive mask
   the step computes on the device from a step counter (key k is visible to a query at cache index q when
   k <= q and k is not padding; a padding position sees itself, so no row is fully masked). The prefill (from
-  prompt buffers the host fills per chunk) and each decoding step (embed, 30 layers, the head, argmax, the next
-  input written back) are one graph replay each, with no host sync: the tokens are read once, after the last
-  step, and cut at EOS / stop strings on the host exactly where the eager loop (``evaluators.generation``) would
-  have stopped each row.
+  prompt buffers the host fills per forward) and each decoding step (embed, the layers, the head, argmax, the next
+  input written back) are one graph replay each. The device notes which rows have decoded EOS; every ``STOP_CHECK``
+  steps the host asks whether all of a forward's rows have (one sync) and stops it there. The tokens of every forward
+  are read once, after the last one, and cut at EOS / stop strings on the host exactly where the eager loop
+  (``evaluators.generation``) would have stopped each row.
 
-Free rows (a chunk with fewer items than ``rows``, slots not scored) hold padding or a copy of the first
-prompt and are dropped. Nothing here changes the adapters, the optimizer state or the training graphs.
+The host writes each forward's inputs and tables through pinned memory without waiting for the device, and reads the
+results once per evaluation, so it queues the next forward while the device runs the last. Free rows (a segment with
+fewer items than ``rows``, segments no pair needs) hold padding or a copy of a prompt and are dropped. Nothing here
+changes the adapters, the optimizer state or the training graphs.
 """
 
 from __future__ import annotations
@@ -29,13 +36,13 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from lora_sweep.kernels.ops import resolve_impl
+from lora_sweep.kernels.ops import FREE_FLT, SEG_FLT_COL, SEG_INT_COL, resolve_impl, to_device_async
 from lora_sweep.packer.data.batch import IGNORE_INDEX
 from lora_sweep.packer.loss import output_head
 from lora_sweep.packer.model.packed import PackedModel
@@ -43,9 +50,12 @@ from lora_sweep.packer.model.shard import is_sharded
 from lora_sweep.packer.model.store import ShapeBuffers, SlotStore, fused_loss_head, head_losses
 from lora_sweep.packer.step.capture import capture, capture_failure, precompile
 
-__all__ = ["available", "heldout_fits", "row_losses", "greedy_decode", "generation_fits", "bucket",
+__all__ = ["available", "heldout_fits", "row_losses", "greedy_decode", "generation_fits", "bucket", "plan", "Segment",
+           "graphs",
            "EVAL_MULTIPLE", "LOGITS_BYTES", "HELDOUT_BYTES_PER_LOGIT"]
 
+STOP_CHECK = 4
+"""Decoding steps between the host's checks whether every row of a forward has decoded EOS (one sync each)."""
 EVAL_MULTIPLE = 16
 """Padded lengths (held-out rows, prompt widths, cache lengths) are multiples of this: few shapes."""
 LOGITS_BYTES = 2 << 30
@@ -91,21 +101,88 @@ def _cache(store: SlotStore) -> dict[tuple, Any]:
     return _CACHES.setdefault(store, {})
 
 
-def _shape(pm: PackedModel, store: SlotStore, slots: Sequence[int], rows: int, seq_len: int) -> ShapeBuffers:
-    """The (C x rows, seq_len) evaluation buffers, their tables set so that exactly ``slots`` apply their adapter."""
+class Segment(NamedTuple):
+    """One segment of an evaluation forward: rows ``seg * rows .. seg * rows + n`` hold items ``item0 .. item0 + n``
+    under slot ``slot``'s adapter."""
+
+    seg: int
+    slot: int
+    item0: int
+    n: int
+
+
+def plan(slots: Sequence[int], n_items: int, rows: int, capacity: int, remap: bool = True) -> list[list[Segment]]:
+    """The forwards that score every item under every slot, each a list of at most ``capacity`` segments.
+
+    ``remap``: each slot's items in pieces of ``rows``, slot by slot, packed into consecutive segments (the fewest
+    forwards: ``ceil(len(slots) * ceil(n_items / rows) / capacity)``). Otherwise segment k holds slot k's items,
+    ``rows`` of them per forward (a pack with DoRA slots, whose magnitudes the forward reads by segment).
+    """
+    starts = range(0, n_items, rows)
+    if not remap:
+        return [[Segment(g, g, i0, min(rows, n_items - i0)) for g in slots] for i0 in starts]
+    pieces = [(slot, i0, min(rows, n_items - i0)) for slot in slots for i0 in starts]
+    return [[Segment(k, *piece) for k, piece in enumerate(pieces[f:f + capacity])]
+            for f in range(0, len(pieces), capacity)]
+
+
+def _remaps(store: SlotStore) -> bool:
+    """Whether a segment may apply any slot's adapter: not once the pack has held a DoRA slot (``plan``)."""
+    return store.mag is None
+
+
+def _buffers(store: SlotStore, rows: int, seq_len: int) -> ShapeBuffers:
+    """The store's (C x rows, seq_len) evaluation buffers, made on first use (a graph reads their addresses)."""
     key = ("shape", rows, seq_len)
     cache = _cache(store)
     if key not in cache:
-        cache[key] = store.shape_buffers(rows, seq_len)
-    shape: ShapeBuffers = cache[key]
-    ranks = [pm.specs[g].rows if g in slots else 0 for g in range(store.capacity)]  # a frozen correction's too
-    scales = [pm.specs[g].scale if g in slots else 0.0 for g in range(store.capacity)]
-    dev = shape.ints.device
-    shape.meta.seg_int[:, 3].copy_(torch.tensor(ranks, device=dev))
-    shape.meta.seg_int[:, 5].zero_()
-    shape.meta.seg_flt.copy_(torch.tensor([(s, 0.0, 1.0) for s in scales], device=dev))
-    shape.rank.copy_(torch.tensor(ranks, device=dev))
+        shape = store.shape_buffers(rows, seq_len)
+        shape.slot_of = torch.arange(store.capacity, device=shape.ints.device)
+        cache[key] = shape
+    return cache[key]
+
+
+def _shape(pm: PackedModel, store: SlotStore, segments: Sequence[Segment], rows: int, seq_len: int) -> ShapeBuffers:
+    """The (C x rows, seq_len) evaluation buffers, their tables set so that each of ``segments`` applies its slot's
+    adapter and every other segment none (queued on the device without a host sync)."""
+    shape = _buffers(store, rows, seq_len)
+    c, rb = store.capacity, store.rank_bucket
+    ints = torch.zeros((3, c), dtype=torch.int64)  # rank, rank_off, slot per segment
+    flt = torch.tensor([FREE_FLT] * c, dtype=torch.float32)  # (C, SEG_FLT)
+    ints[1] = torch.arange(c) * rb
+    ints[2] = torch.arange(c)
+    for s in segments:
+        spec = pm.specs[s.slot]
+        ints[:, s.seg] = torch.tensor([spec.rows, s.slot * rb, s.slot])  # a frozen correction's rows too
+        flt[s.seg, SEG_FLT_COL.scale] = spec.scale
+    ints, flt = to_device_async(ints, shape.ints.device), to_device_async(flt, shape.ints.device)
+    shape.meta.seg_int[:, SEG_INT_COL.rank].copy_(ints[0])
+    shape.meta.seg_int[:, SEG_INT_COL.rank_off].copy_(ints[1])
+    shape.meta.seg_int[:, SEG_INT_COL.seed].zero_()
+    shape.meta.seg_flt.copy_(flt)
+    shape.rank.copy_(ints[0])
+    assert shape.slot_of is not None
+    shape.slot_of.copy_(ints[2])
     return shape
+
+
+def _graph(pm: PackedModel, store: SlotStore, fn: Callable[[], None]) -> _Graph:
+    """A new ``_Graph`` of ``fn``, counted among the store's (``graphs``)."""
+    graph = _Graph(fn, _capturable(pm), _triton(pm))
+    _cache(store).setdefault(("graphs",), []).append(graph)
+    return graph
+
+
+def graphs(pm: PackedModel) -> tuple[int, int]:
+    """(evaluation graphs made, of which captured as CUDA graphs) for the pack's store: one held-out forward per
+    (rows, seq_len), one prefill and one decoding step per (rows, width, new tokens), whichever slots are scored."""
+    made = _cache(pm.store).get(("graphs",), []) if pm.store is not None else []
+    return len(made), sum(1 for g in made if g.graph is not None)
+
+
+def _to_device(host: np.ndarray, out: torch.Tensor) -> None:
+    """Copy ``host`` into the device buffer ``out`` through pinned memory, without a host sync."""
+    out.copy_(to_device_async(torch.from_numpy(host), out.device).view(out.shape))
 
 
 def _triton(pm: PackedModel) -> bool:
@@ -167,62 +244,93 @@ class _Graph:
 
 
 # -- held-out loss ----------------------------------------------------------------------------
-def row_losses(pm: PackedModel, slots: Sequence[int], chunk: Sequence[Any], rows: int, seq_len: int,
-               pad_id: int) -> tuple[list[float], list[float]]:
-    """Mean next-token loss and target count of each (slot, item) row of one held-out chunk.
+def row_losses(pm: PackedModel, slots: Sequence[int], examples: Sequence[Any], rows: int, seq_len: int,
+               pad_id: int) -> tuple[list[list[float]], list[list[float]]]:
+    """Mean next-token loss and target count of every item under every slot, the pairs packed densely (``plan``).
 
     Args:
         pm: a pack training on the step (``available``).
-        slots: slots to score; each gets the ``chunk``'s rows in its own block.
-        chunk: up to ``rows`` examples (``input_ids``, ``labels``), each no longer than ``seq_len``.
-        rows: rows per slot of the shape (the evaluator's batch size: one shape for every chunk).
+        slots: slots to score.
+        examples: the items (``input_ids``, ``labels``), each no longer than ``seq_len``.
+        rows: rows per segment of the shape (the evaluator's batch size: one shape for every evaluation).
         seq_len: padded length (a multiple of ``EVAL_MULTIPLE`` covering the longest example).
 
     Returns:
-        (means, counts), slot-major: entry ``g * len(chunk) + i`` is slot ``slots[g]``'s item i.
+        (means, counts): ``means[g][i]`` is slot ``slots[g]``'s mean loss on item i.
     """
     store = pm.store
-    assert store is not None and len(chunk) <= rows
-    shape = _shape(pm, store, slots, rows, seq_len)
-    c = store.capacity
-    b = c * rows
-    host = np.empty((3, b, seq_len), dtype=np.int64)
-    ids, labels, mask = host
-    ids.fill(pad_id)
-    labels.fill(IGNORE_INDEX)
-    mask.fill(0)
-    mask[:, 0] = 1  # a padding row attends to one token (no fully masked row)
-    for g in slots:
-        for i, ex in enumerate(chunk):
-            n = len(ex.input_ids)
-            ids[g * rows + i, :n], labels[g * rows + i, :n], mask[g * rows + i, :n] = ex.input_ids, ex.labels, 1
-    shape.ints[:3 * b * seq_len].copy_(torch.from_numpy(host.reshape(-1)))
+    assert store is not None
+    b = store.capacity * rows
+    graph, out = _loss_graph(pm, store, rows, seq_len)
+    results: list[tuple[list[Segment], torch.Tensor]] = []
+    for segments in plan(slots, len(examples), rows, store.capacity, _remaps(store)):
+        shape = _shape(pm, store, segments, rows, seq_len)
+        host = np.empty((3, b, seq_len), dtype=np.int64)
+        ids, labels, mask = host
+        ids.fill(pad_id)
+        labels.fill(IGNORE_INDEX)
+        mask.fill(0)
+        mask[:, 0] = 1  # a padding row attends to one token (no fully masked row)
+        for s in segments:
+            for i in range(s.n):
+                ex, r = examples[s.item0 + i], s.seg * rows + i
+                n = len(ex.input_ids)
+                ids[r, :n], labels[r, :n], mask[r, :n] = ex.input_ids, ex.labels, 1
+        _to_device(host.reshape(-1), shape.ints[:3 * b * seq_len])
+        graph.ready()  # warm-up and capture ran on these same inputs: nothing to restore
+        graph()
+        results.append((segments, out.clone()))
+    per = _per_item([(segs, v.tolist()) for segs, v in _read(results)], slots, len(examples), rows)
+    return [[v[0] for v in p] for p in per], [[v[1] for v in p] for p in per]
+
+
+def _loss_graph(pm: PackedModel, store: SlotStore, rows: int, seq_len: int) -> tuple[_Graph, torch.Tensor]:
+    """The held-out forward of a (C x rows, seq_len) shape and its (B, 2) output (row mean loss, target count)."""
     cache = _cache(store)
     key = ("loss", rows, seq_len, store.mag is not None)  # the last: whether the forward has DoRA's rescale
-    if key not in cache:
-        out = torch.zeros((b, 2), device=pm.device)
-        head = fused_loss_head(pm.model) if _triton(pm) else None
+    if key in cache:
+        return cache[key]
+    shape = _buffers(store, rows, seq_len)
+    b = store.capacity * rows
+    out = torch.zeros((b, 2), device=pm.device)
+    head = fused_loss_head(pm.model) if _triton(pm) else None
 
-        def fn() -> None:
-            if head is not None:  # no fp32 logits: the fused forward, each row its own group (``capacity`` = B)
-                hidden = _forward(pm, store, shape, body=True, input_ids=shape.ids, attention_mask=shape.mask,
-                                  use_cache=False).last_hidden_state
-                out.copy_(torch.stack(head_losses(hidden, head, shape.labels, b), dim=1))
-                return
-            logits = _forward(pm, store, shape, input_ids=shape.ids, attention_mask=shape.mask, use_cache=False).logits
-            shift = shape.labels[:, 1:]
-            ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), shift.reshape(-1),
-                                 ignore_index=IGNORE_INDEX, reduction="none").view(b, seq_len - 1)
-            counts = (shift != IGNORE_INDEX).sum(dim=1).float()
-            out.copy_(torch.stack([ce.sum(dim=1) / counts.clamp(min=1.0), counts], dim=1))
+    def fn() -> None:
+        if head is not None:  # no fp32 logits: the fused forward, each row its own group (``capacity`` = B)
+            hidden = _forward(pm, store, shape, body=True, input_ids=shape.ids, attention_mask=shape.mask,
+                              use_cache=False).last_hidden_state
+            out.copy_(torch.stack(head_losses(hidden, head, shape.labels, b), dim=1))
+            return
+        logits = _forward(pm, store, shape, input_ids=shape.ids, attention_mask=shape.mask, use_cache=False).logits
+        shift = shape.labels[:, 1:]
+        ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), shift.reshape(-1),
+                             ignore_index=IGNORE_INDEX, reduction="none").view(b, seq_len - 1)
+        counts = (shift != IGNORE_INDEX).sum(dim=1).float()
+        out.copy_(torch.stack([ce.sum(dim=1) / counts.clamp(min=1.0), counts], dim=1))
 
-        cache[key] = (_Graph(fn, _capturable(pm), _triton(pm)), out)
-    graph, out = cache[key]
-    graph.ready()  # warm-up and capture ran on these same inputs: nothing to restore
-    graph()
-    values = out.cpu().tolist()
-    picked = [values[g * rows + i] for g in slots for i in range(len(chunk))]
-    return [v[0] for v in picked], [v[1] for v in picked]
+    cache[key] = (_graph(pm, store, fn), out)
+    return cache[key]
+
+
+def _read(results: list[tuple[list[Segment], torch.Tensor]]) -> list[tuple[list[Segment], torch.Tensor]]:
+    """The forwards' device outputs on the host, in one copy (one sync per evaluation, not per forward)."""
+    if not results:
+        return []
+    host = torch.stack([v for _, v in results]).cpu()
+    return [(segs, host[k]) for k, (segs, _) in enumerate(results)]
+
+
+def _per_item(results: list[tuple[list[Segment], list]], slots: Sequence[int], n_items: int,
+              rows: int) -> list[list[Any]]:
+    """Per-row outputs of the forwards (row ``seg * rows + i`` of each) regrouped as ``[g][i]``: slot ``slots[g]``,
+    item i."""
+    index = {slot: g for g, slot in enumerate(slots)}
+    per: list[list[Any]] = [[None] * n_items for _ in slots]
+    for segments, values in results:
+        for s in segments:
+            for i in range(s.n):
+                per[index[s.slot]][s.item0 + i] = values[s.seg * rows + i]
+    return per
 
 
 # -- greedy decoding --------------------------------------------------------------------------
@@ -249,8 +357,11 @@ class _Decoder:
         self.out = torch.zeros((b, new_tokens), dtype=torch.long, device=dev)
         self.ids = torch.zeros((b, width), dtype=torch.long, device=dev)  # the prompts, left-padded
         self.ids_mask = torch.zeros((b, width), dtype=torch.long, device=dev)
-        self.prefill_graph = _Graph(self._prefill, _capturable(pm), _triton(pm))
-        self.graph = _Graph(self._step, _capturable(pm), _triton(pm))
+        self.live = torch.zeros((b,), dtype=torch.bool, device=dev)  # rows holding a (slot, prompt) pair
+        self.eos = torch.full((1,), -1, dtype=torch.long, device=dev)  # -1: no EOS (never a token)
+        self.done = torch.zeros((b,), dtype=torch.bool, device=dev)  # free, or has decoded EOS
+        self.prefill_graph = _graph(pm, store, self._prefill)
+        self.graph = _graph(pm, store, self._step)
 
     def _mask(self, q_idx: torch.Tensor) -> torch.Tensor:
         """(B, 1, Q, K) additive mask for queries at cache indices ``q_idx`` (Q,)."""
@@ -272,6 +383,7 @@ class _Decoder:
         nxt = self._logits(self.tok, self.pos, self.limit).argmax(dim=-1, keepdim=True)  # (B, 1)
         self.tok.copy_(nxt)
         self.out.index_copy_(1, self.limit - (self.width - 1), nxt)
+        self.done.logical_or_(nxt[:, 0] == self.eos)
 
     def _prefill(self) -> None:
         """The prompts in ``ids`` / ``ids_mask`` (B, P), on device buffers only: resets the cache, runs the prompt,
@@ -285,60 +397,74 @@ class _Decoder:
         first = self._logits(self.ids, positions, q_idx).argmax(dim=-1, keepdim=True)
         self.tok.copy_(first)
         self.out[:, :1].copy_(first)
+        self.done.copy_(~self.live | (first[:, 0] == self.eos))
         self.pos.copy_(positions[:, -1:])
         self.limit.fill_(self.width - 1)
 
     def prefill(self, ids: np.ndarray, mask: np.ndarray) -> None:
         """ids, mask: (B, P) left-padded prompts, copied into the prefill's buffers, then ``_prefill`` (replayed)."""
-        self.ids.copy_(torch.from_numpy(ids))
-        self.ids_mask.copy_(torch.from_numpy(mask))
+        _to_device(ids, self.ids)
+        _to_device(mask, self.ids_mask)
         self.prefill_graph.ready()  # a capture ran the prefill on these inputs: running it again is the same
         self.prefill_graph()
 
-    def run(self, ids: np.ndarray, mask: np.ndarray) -> list[list[int]]:
+    def run(self, ids: np.ndarray, mask: np.ndarray, live: np.ndarray, eos_id: int | None) -> torch.Tensor:
+        """Decode up to ``new_tokens`` after the (B, P) prompts of the ``live`` (B,) rows; returns a (B, T) device copy
+        of the tokens. With ``eos_id``, every ``STOP_CHECK`` steps the host asks whether every live row has decoded
+        it (one sync) and stops there: a row's tokens after its EOS, which the caller cuts, are then stale."""
+        _to_device(live, self.live)
+        self.eos.fill_(-1 if eos_id is None else eos_id)
         self.prefill(ids, mask)
         if self.new_tokens > 1 and self.graph.ready():
             self.prefill_graph()  # the warm-up and capture decoded from this prefill: start it again
-        for _ in range(self.new_tokens - 1):
+        for t in range(1, self.new_tokens):
+            if eos_id is not None and t % STOP_CHECK == 0 and bool(self.done.all()):
+                break
             self.graph()
-        return self.out.cpu().tolist()
+        return self.out.clone()
 
 
-def greedy_decode(pm: PackedModel, slots: Sequence[int], chunk: Sequence[Sequence[int]], rows: int, width: int,
-                  new_tokens: int, pad_id: int, cache_kwarg: str) -> list[list[int]]:
-    """``new_tokens`` greedy tokens after each prompt of ``chunk`` for each of ``slots``, slot-major.
+def greedy_decode(pm: PackedModel, slots: Sequence[int], prompts: Sequence[Sequence[int]], rows: int, width: int,
+                  new_tokens: int, pad_id: int, cache_kwarg: str, eos_id: int | None = None) -> list[list[list[int]]]:
+    """``new_tokens`` greedy tokens after every prompt under every slot, the pairs packed densely (``plan``).
 
     Args:
         pm: a pack training on the step (``available``).
         slots: slots that answer every prompt.
-        chunk: up to ``rows`` prompts (token ids), none longer than ``width``.
-        rows: prompts per slot of the shape (one shape for every chunk).
+        prompts: prompts (token ids), none longer than ``width``.
+        rows: prompts per segment of the shape (one shape for every evaluation).
         width: P, the prompts' padded width (a multiple of ``EVAL_MULTIPLE``).
         new_tokens: T, tokens decoded (the caller cuts each answer at EOS or a stop string).
         pad_id: left-padding id.
         cache_kwarg: the model's KV-cache argument name (``cache`` or ``past_key_values``).
+        eos_id: the token that ends an answer, or None; a forward whose rows have all decoded it stops early.
 
     Returns:
-        ``len(slots) * len(chunk)`` token lists of length T; entry ``g * len(chunk) + i`` is slot ``slots[g]``'s
-        continuation of prompt i.
+        ``tokens[g][i]``: T tokens, slot ``slots[g]``'s continuation of prompt i, exact up to its first ``eos_id``
+        (the caller cuts there; after it, stale tokens where the forward stopped early).
     """
     store = pm.store
-    assert store is not None and 0 < len(chunk) <= rows and new_tokens >= 1
-    shapes = _shape(pm, store, slots, rows, width), _shape(pm, store, slots, rows, 1)
-    cache = _cache(store)
-    key = ("decode", rows, width, new_tokens, store.mag is not None)
-    if key not in cache:
-        cache[key] = _Decoder(pm, store, shapes, width, new_tokens, cache_kwarg)
-    dec: _Decoder = cache[key]
+    assert store is not None and len(prompts) > 0 and new_tokens >= 1
     b = store.capacity * rows
-    ids = np.full((b, width), pad_id, dtype=np.int64)
-    mask = np.zeros((b, width), dtype=np.int64)
-    for g in range(store.capacity):
-        for i in range(rows):
-            p = chunk[i] if i < len(chunk) else chunk[0]  # free rows decode a copy of the first prompt
-            ids[g * rows + i, width - len(p):], mask[g * rows + i, width - len(p):] = p, 1
-    out = dec.run(ids, mask)
-    return [out[g * rows + i] for g in slots for i in range(len(chunk))]
+    results: list[tuple[list[Segment], torch.Tensor]] = []
+    for segments in plan(slots, len(prompts), rows, store.capacity, _remaps(store)):
+        shapes = _shape(pm, store, segments, rows, width), _shape(pm, store, segments, rows, 1)
+        cache = _cache(store)
+        key = ("decode", rows, width, new_tokens, store.mag is not None)
+        if key not in cache:
+            cache[key] = _Decoder(pm, store, shapes, width, new_tokens, cache_kwarg)
+        ids = np.full((b, width), pad_id, dtype=np.int64)
+        mask = np.zeros((b, width), dtype=np.int64)
+        live = np.zeros((b,), dtype=np.bool_)
+        fill = {s.seg: s for s in segments}
+        for k in range(store.capacity):
+            s = fill.get(k)
+            for i in range(rows):  # free rows decode a copy of their segment's (or the first) prompt
+                p = prompts[s.item0 + (i if i < s.n else 0)] if s is not None else prompts[0]
+                ids[k * rows + i, width - len(p):], mask[k * rows + i, width - len(p):] = p, 1
+                live[k * rows + i] = s is not None and i < s.n
+        results.append((segments, cache[key].run(ids, mask, live, eos_id)))
+    return _per_item([(segs, v.tolist()) for segs, v in _read(results)], slots, len(prompts), rows)
 
 
 def generation_fits(pm: PackedModel, width: int, new_tokens: int) -> bool:

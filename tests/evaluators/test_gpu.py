@@ -33,14 +33,19 @@ def _pack(model_dir, device: str, impl: str) -> tuple[PackedModel, object]:
     return pm, tok
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
-def test_packed_equals_alone_on_cuda(tiny_dirs, impl: str) -> None:
+def _cuda_case(tiny_dirs, impl: str, items: int, seed: int, new_tokens: int):  # noqa: ANN001, ANN202
+    """(pack on CUDA, tokenizer, arithmetic data of ``items`` rows, its prompts, ``generate_ids`` keywords)."""
     if impl == "triton":
         pytest.importorskip("triton")
     pm, tok = _pack(tiny_dirs("llama"), "cuda", impl)
-    data = EvalData(arithmetic_rows(20, seed=2, fmt="prompt_completion"), "prompt_completion", tok)
-    prompts = build_prompts(data)
-    kw = {"eos_id": tok.eos_token_id, "pad_id": tok.pad_token_id, "max_new_tokens": 8}
+    data = EvalData(arithmetic_rows(items, seed=seed, fmt="prompt_completion"), "prompt_completion", tok)
+    kw = {"eos_id": tok.eos_token_id, "pad_id": tok.pad_token_id, "max_new_tokens": new_tokens}
+    return pm, tok, data, build_prompts(data), kw
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_packed_equals_alone_on_cuda(tiny_dirs, impl: str) -> None:
+    pm, tok, data, prompts, kw = _cuda_case(tiny_dirs, impl, 20, 2, 8)
     packed = generate_ids(pm, [0, 1, 2], prompts, batch_size=7, **kw)
     for slot in (0, 1, 2):
         assert generate_ids(pm, [slot], prompts, batch_size=20, **kw)[slot] == packed[slot]
@@ -77,10 +82,27 @@ def test_captured_batched_evaluation_equals_the_per_adapter_path(tiny_dirs, impl
         per_adapter = heldout_loss(pm, slots, data, batch_size=4, batched=False)
         for slot in slots:
             assert static.metrics[slot]["eval_loss"] == pytest.approx(per_adapter.metrics[slot]["eval_loss"], rel=1e-4)
-        entries = eval_graph._CACHES[pm.store].values()
-        graphs = [getattr(e, name, None) for e in entries for name in ("prefill_graph", "graph")]
-        captured.append(sum(1 for g in graphs if getattr(g, "graph", None) is not None)
-                        + sum(1 for e in entries if isinstance(e, tuple) and e[0].graph is not None))
+        captured.append(eval_graph.graphs(pm)[1])
 
     pack_evaluations(tiny_dirs("llama"), check, device="cuda", impl=impl, cuda_graphs="on")
     assert captured and all(n == 3 for n in captured)  # the prefill, the decode step and the held-out forward
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_any_slot_set_scored_batched_equals_each_adapter_alone_with_one_captured_graph_per_shape(tiny_dirs,
+                                                                                                   impl: str) -> None:
+    """A sequence of batched evaluations of different slot sets (the sweep's rungs and slot ends) on CUDA graphs: each
+    slot's per-item losses and greedy tokens equal those of that adapter scored alone on the per-adapter path, and the
+    pack captured one graph per shape (held-out forward, prefill, decoding step), not one per slot set or call."""
+    from lora_sweep.packer.step import eval_graph
+
+    pm, _, data, prompts, kw = _cuda_case(tiny_dirs, impl, 21, 3, 6)
+    alone = {slot: (heldout_loss(pm, [slot], data, batch_size=4, batched=False).per_item[slot]["eval_loss"],
+                    generate_ids(pm, [slot], prompts, batch_size=4, batched=False, **kw)[slot]) for slot in (0, 1, 2)}
+    for slots in ([2], [0, 2], [1], [0, 1, 2], [1, 2]):
+        loss = heldout_loss(pm, slots, data, batch_size=4, batched=True)
+        ids = generate_ids(pm, slots, prompts, batch_size=4, batched=True, **kw)
+        for slot in slots:
+            assert loss.per_item[slot]["eval_loss"] == pytest.approx(alone[slot][0], rel=1e-4, abs=1e-5)
+            assert ids[slot] == alone[slot][1]
+    assert eval_graph.graphs(pm) == (3, 3)

@@ -35,8 +35,22 @@ def _spy(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
     return calls
 
 
+def _forwards(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of forwards of each batched evaluation (the length of each ``eval_graph.plan``)."""
+    seen: list[int] = []
+    real = eval_graph.plan
+
+    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        forwards = real(*args, **kwargs)
+        seen.append(len(forwards))
+        return forwards
+
+    monkeypatch.setattr(eval_graph, "plan", counted)
+    return seen
+
+
 def test_batched_heldout_loss_equals_the_per_adapter_one(tiny_dirs, monkeypatch: pytest.MonkeyPatch) -> None:
-    seen, calls = [], _spy(monkeypatch, "row_losses")
+    seen, calls, forwards, sizes = [], _spy(monkeypatch, "row_losses"), _forwards(monkeypatch), []
 
     def check(pm, slots, tok) -> None:  # noqa: ANN001
         data = load_eval_data(YESNO, tok, fmt="prompt_completion", max_length=48)
@@ -47,9 +61,12 @@ def test_batched_heldout_loss_equals_the_per_adapter_one(tiny_dirs, monkeypatch:
             assert batched.per_item[slot]["eval_loss"] == pytest.approx(per_adapter.per_item[slot]["eval_loss"],
                                                                         rel=1e-5)
         seen.append({s: batched.metrics[s]["eval_loss"] for s in slots})
+        sizes.append(len(slots))
 
     pack_evaluations(tiny_dirs("llama"), check)
-    assert len(calls) == 2 * 2 * 8  # slot ends x slot sets x 8 chunks of the 24 rows: the static path only
+    assert len(calls) == 2 * 2  # slot ends x slot sets, one call each: the static path only
+    # 24 rows in pieces of 3 per slot, 4 segments a forward: the forwards follow the scored slots, not the capacity
+    assert forwards == [-(-8 * n // 4) for n in sizes] and min(sizes) < 4
     assert len({round(v, 4) for d in seen for v in d.values()}) > 1  # the slots are different adapters
 
 
@@ -73,7 +90,7 @@ def test_batched_greedy_decoding_equals_the_per_adapter_one(tiny_dirs, attn: str
         assert texts[True] == texts[False]
 
     pack_evaluations(tiny_dirs("llama"), check, attn)
-    assert len(calls) == 2 * 2 * 3 * 3  # slot ends x slot sets x static calls x 3 chunks
+    assert len(calls) == 2 * 2 * 3  # slot ends x slot sets x static calls, each one call for all chunks
 
 
 def test_the_heldout_budget_counts_the_measured_bytes_per_logit_of_the_packs_loss(tiny_dirs, monkeypatch) -> None:
