@@ -27,21 +27,32 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import io
 import json
 import os
 import resource
 import select
 import signal
+import socket
 import sys
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from lora_sweep.errors import first_line
 from lora_sweep.sweep.config.tracking import TrackerSpec
-from lora_sweep.sweep.store import EvalRow, ResultsStore, StepRow, StudyDir, TrialRecord, atomic_write_text
+from lora_sweep.sweep.store import (
+    EvalRow,
+    ResultsStore,
+    StepRow,
+    StudyDir,
+    TrialRecord,
+    atomic_write_text,
+    redact_record,
+    redact_url,
+)
 from lora_sweep.sweep.store.feasibility import best_trials
-from lora_sweep.sweep.trackers.base import Point, StudyInfo, Tracker
+from lora_sweep.sweep.trackers.base import Point, StudyInfo, Tracker, study_uid
 
 __all__ = ["Syncer", "main", "STATE_FILE"]
 
@@ -52,6 +63,9 @@ NICE = 19
 """The trackers' process's niceness where Linux's ``SCHED_IDLE`` is not to be had (``_lowest_priority``)."""
 _STEP_KEYS = (("loss", "train/loss"), ("lr", "train/lr"), ("grad_norm", "train/grad_norm"), ("tokens", "train/tokens"))
 _EVAL_PREFIX = {"rung": "rung/", "curve": "eval/"}
+CALL_S = 10.0
+"""The longest a call of a tracker that talks to a server may take (its run opened, a batch logged, its end): one
+that cannot connect is given up after it, with one line, also at the run's end."""
 
 
 def _make(entry: TrackerSpec, root: Path, name: str) -> Tracker:
@@ -91,8 +105,11 @@ def main(argv: list[str] | None = None) -> None:
     config = json.loads((argv or sys.argv[1:])[0])
     _lowest_priority()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a SIGINT sent to it (its group's) is the run's to handle too
-    said = os.fdopen(os.dup(1), "w", buffering=1)  # this process's lines for the run; what the trackers' packages
-    os.dup2(2, 1)  # print goes to stderr, never into them
+    said = _Redacted(os.fdopen(os.dup(1), "w", buffering=1))  # this process's lines for the run; what the
+    os.dup2(2, 1)  # trackers' packages print goes to stderr, never into them
+    # before any package is imported (their loggers keep the stream they found): nothing this process prints,
+    # a traceback or a library's message echoing a tracking URI, shows a password
+    sys.stdout, sys.stderr = _Redacted(sys.stdout), _Redacted(sys.stderr)
     run = _Lines(sys.stdin.fileno())
     ready = _prepare_ahead(config["prepare"])
     study = run.next(None)
@@ -117,6 +134,33 @@ def main(argv: list[str] | None = None) -> None:
     print(f"trackers: {syncer.passes} passes; CPU {total:.2f} s in their process ({prepared:.2f} s preparing, "
           f"{total - ran:.2f} s after the run), {_children_cpu_s():.2f} s in its child processes", file=said)
     said.close()  # the run's wait ends here (Tracking.finish), before this process's exit
+
+
+class _Redacted(io.TextIOBase):
+    """A text stream whose writes go to ``stream`` with every URI's password hidden (``redact_url``)."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        self.stream.write(redact_url(text))
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def close(self) -> None:
+        self.stream.close()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    def isatty(self) -> bool:
+        return self.stream.isatty()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return self.stream.encoding
 
 
 class _Lines:
@@ -189,6 +233,8 @@ class Syncer:
         self.state: dict[str, Any] = {}
         self.store: ResultsStore | None = None
         self.passes = 0
+        self.foreign = False  # another live process held the study directory: this run was refused it
+        self.opened: set[str] = set()  # trackers whose study run this process opened
         self._saved = ""
         self._read: int | None = None  # results.db's data_version the last whole pass read
 
@@ -200,18 +246,24 @@ class Syncer:
         for name in _wandb_first([n for n in entries if n not in ready and n not in self.failed]):
             self._guarded(entries[name], lambda e=entries[name]: _prepare(e.name, e.options))
 
+    def _ours(self) -> bool:
+        """Whether this run may log the study: the directory's lock is the run's (the process that started this
+        one), or free and never seen held by another live process (a run refused the directory logs nothing)."""
+        if not self.foreign:
+            holder = _lock_holder(self.sdir.lock)
+            self.foreign = holder is not None and holder != os.getppid()
+        return not self.foreign
+
     def sync(self) -> None:
         """One pass: every tracker is given what results.db holds beyond what it logged."""
         self.passes += 1
+        if not self._ours():
+            return
         if self.store is None:
             if not self.sdir.results_db.is_file():
                 return  # the run has not opened the study yet
             self.store = ResultsStore(self.sdir.results_db, create=False)
-            with contextlib.suppress(FileNotFoundError, ValueError):
-                self.state = json.loads(self.state_path.read_text(encoding="utf-8"))
-            for mine in self.state.values():  # this process has opened none of them yet
-                for cursor in mine.get("trials", {}).values():
-                    cursor["open"] = False
+            self.state = self._load()
         version = self.store.data_version()
         if version == self._read:
             return  # nothing committed since the last pass: most passes while a pack step runs
@@ -225,6 +277,23 @@ class Syncer:
                 self._guarded(entry, lambda e=entry: self._pass(e, meta, trials, rows))
         self._save()
         self._read = version
+
+    def _load(self) -> dict[str, Any]:
+        """``trackers.json`` as the last pass wrote it; a torn or malformed one is said in one warning and left
+        for the trackers to rebuild from their own runs (``Tracker.find``)."""
+        try:
+            text = self.state_path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return {}
+        try:
+            state = _checked(json.loads(text))
+        except ValueError as err:
+            self.log(f"warning: {self.state_path}: {first_line(err)}; the trackers read their runs back instead")
+            return {}
+        for mine in state.values():  # this process has opened none of them yet
+            for cursor in mine.get("trials", {}).values():
+                cursor["open"] = False
+        return state
 
     def _save(self) -> None:
         """``trackers.json``, written (atomically) only when it changed: most passes log nothing."""
@@ -245,20 +314,43 @@ class Syncer:
                 with contextlib.suppress(Exception):
                     tracker.close(False)
 
+    def _tracker(self, entry: TrackerSpec, info: StudyInfo, trials: list[TrialRecord]) -> Tracker:
+        """The tracker of ``entry``, made at its first pass, its cursors reconciled with what it holds itself: a
+        run trackers.json names that the tracker no longer has (a deleted store) is made again, one it has that
+        trackers.json lost (a kill between a run's creation and the file's write, a torn file) is reopened."""
+        mine = self.state.setdefault(entry.name, {"trials": {}})
+        made = _make(entry, self.sdir.root, self.name)
+        tracker = self.trackers[entry.name] = _Bounded(made) if made.remote else made  # type: ignore[assignment]
+        hints = {int(n): c["run"] for n, c in mine["trials"].items() if c.get("run")}
+        found = tracker.find(info, mine.get("parent"), hints)
+        if found is None:  # it cannot read its runs back: trackers.json's ids are reopened by id
+            return tracker
+        mine["parent"], held = found[0], found[1]
+        cursors = mine["trials"]
+        for number in {t.number for t in trials} | {int(n) for n in cursors}:
+            got, cursor = held.get(number), cursors.get(str(number))
+            if got is None:
+                cursors[str(number)] = {"run": None, "step": -1, "ended": False}
+            elif cursor is None or cursor["run"] != got.run or cursor["ended"] != got.ended:
+                cursors[str(number)] = {"run": got.run, "step": -1, "ended": got.ended}
+        return tracker
+
     def _pass(self, entry: TrackerSpec, meta: Mapping[str, Any], trials: list[TrialRecord],
               rows: dict[int, tuple[list[StepRow], list[EvalRow]]]) -> None:
         """Hand one tracker what it has not logged; ``rows``: each trial's steps and evaluations, read on first need
-        and shared by the pass's trackers."""
-        mine = self.state.setdefault(entry.name, {"trials": {}})
-        tracker = self.trackers.get(entry.name)
-        if tracker is None:
-            tracker = self.trackers[entry.name] = _make(entry, self.sdir.root, self.name)
-            mine["parent"] = tracker.study_started(_info(self.name, self.sdir.root, meta), mine.get("parent"))
+        and shared by the pass's trackers. The study's run is opened once a trial is to be logged: a run with
+        nothing to log (a finished study run again) touches no run."""
+        info = _info(self.name, self.sdir.root, meta)
+        tracker = self.trackers.get(entry.name) or self._tracker(entry, info, trials)
+        mine = self.state[entry.name]
         assert self.store is not None
         for trial in trials:
             cursor = mine["trials"].setdefault(str(trial.number), {"run": None, "step": -1, "ended": False})
             if cursor["ended"] or trial.state not in (*_ENDED, "RUNNING"):
                 continue
+            if entry.name not in self.opened:
+                mine["parent"] = tracker.study_started(info, mine.get("parent"))
+                self.opened.add(entry.name)
             if not cursor.get("open"):
                 cursor["run"], cursor["step"] = tracker.trial_started(trial, cursor["run"], cursor["step"])
                 cursor["open"] = True
@@ -277,13 +369,13 @@ class Syncer:
                 cursor["ended"], cursor["open"] = True, False
 
     def end(self, finished: bool, path: Path | None) -> None:
-        """After the last pass: with ``finished``, the report at ``path`` and the Pareto table on the parent runs; every
-        run closed, the state written."""
+        """After the last pass: with ``finished``, the report at ``path`` and the Pareto table on the parent runs
+        opened; every run closed, the state written."""
         pareto = self._pareto() if finished and self.trackers else []
         for entry in self.entries:
             tracker = self.trackers.get(entry.name)
             if tracker is not None:
-                if finished:
+                if finished and entry.name in self.opened:
                     self._guarded(entry, lambda t=tracker: t.study_finished(path, pareto))
                 self._guarded(entry, lambda t=tracker: t.close(finished))
         if self.store is not None:
@@ -300,6 +392,82 @@ class Syncer:
                             list(meta.get("constraints") or []))
         return [{"trial": t.number, **dict(zip(objectives, t.objective_values or [], strict=False)),
                  **{f"param.{k}": v for k, v in (t.params or {}).items()}} for t in front]
+
+
+def _checked(state: Any) -> dict[str, Any]:
+    """``trackers.json``'s data, its shape checked: tracker -> {parent, trials: number -> {run, step, ended}}.
+
+    Raises:
+        ValueError: naming what is not as written.
+    """
+    if not isinstance(state, dict):
+        raise ValueError(f"not a mapping of trackers (a {type(state).__name__})")
+    for name, mine in state.items():
+        if not isinstance(mine, dict) or not isinstance(mine.get("trials", {}), dict):
+            raise ValueError(f"{name}: not a mapping with trials")
+        if not isinstance(mine.get("parent"), str | None):
+            raise ValueError(f"{name}: parent is not a run id")
+        for number, c in mine.get("trials", {}).items():
+            if not (number.isdigit() and isinstance(c, dict) and isinstance(c.get("run"), str | None)
+                    and type(c.get("step")) is int and type(c.get("ended")) is bool):
+                raise ValueError(f"{name}: trial {number!r} is not {{run, step, ended}}")
+        mine.setdefault("trials", {})
+    return state
+
+
+def _lock_holder(lock: Path) -> int | None:
+    """The pid of the live process of this host holding the study directory's lock (``StudyDir.acquire``), or
+    None: no holder (the file empty, absent or unreadable; the holder dead)."""
+    try:
+        holder = json.loads(lock.read_text(encoding="utf-8") or "{}")
+    except (OSError, ValueError):
+        return None
+    pid = holder.get("pid") if isinstance(holder, dict) else None
+    if not isinstance(pid, int) or holder.get("host") != socket.gethostname():
+        return pid if isinstance(pid, int) else None  # another host's: taken as alive
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass
+    return pid
+
+
+class _Bounded:
+    """A tracker that talks to a server, each of its calls given at most ``CALL_S`` seconds (``_deadline``)."""
+
+    def __init__(self, tracker: Tracker) -> None:
+        self.tracker, self.name, self.remote = tracker, tracker.name, True
+
+    def __getattr__(self, method: str) -> Callable[..., Any]:
+        call = getattr(self.tracker, method)
+
+        def bounded(*args: Any, **kwargs: Any) -> Any:
+            with _deadline(CALL_S):
+                return call(*args, **kwargs)
+
+        return bounded
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float | None) -> Iterator[None]:
+    """Raise ``TimeoutError`` in this (the main) thread if the block runs past ``seconds`` (None: no limit): a
+    tracker's call to a server that never answers, where its own timeouts do not apply."""
+    if seconds is None:
+        yield
+        return
+
+    def expire(signum: int, frame: Any) -> None:
+        raise TimeoutError(f"no answer in {seconds:.0f} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _children_cpu_s() -> float:
@@ -320,12 +488,12 @@ def _children_cpu_s() -> float:
 
 
 def _info(name: str, root: Path, meta: Mapping[str, Any]) -> StudyInfo:
-    spec = meta.get("spec") or {}
+    spec = redact_record(meta.get("spec") or {})  # recorded so already; a study recorded before, masked here
     tags = {"lora_sweep.study": name, "lora_sweep.objectives": ", ".join(
         f"{d} {o}" for o, d in zip(meta.get("objectives") or [], meta.get("directions") or [], strict=False)),
         "lora_sweep.model": str((spec.get("model") or {}).get("path", "")),
         "lora_sweep.version": str(meta.get("lora_sweep_version", ""))}
-    return StudyInfo(name, root, spec, tags)
+    return StudyInfo(name, root, spec, tags, study_uid(str(meta.get("name", name)), meta.get("created")))
 
 
 def _points(steps: list[StepRow], evals: list[EvalRow], after: int, ended: bool) -> list[Point]:
