@@ -233,7 +233,8 @@ class Syncer:
         self.state: dict[str, Any] = {}
         self.store: ResultsStore | None = None
         self.passes = 0
-        self.foreign = False  # another live process held the study directory: this run was refused it
+        self.mine = False  # the run that started this process was seen holding the study directory
+        self.foreign = False  # another live process was seen holding it first: this run was refused it
         self.opened: set[str] = set()  # trackers whose study run this process opened
         self._saved = ""
         self._read: int | None = None  # results.db's data_version the last whole pass read
@@ -247,12 +248,14 @@ class Syncer:
             self._guarded(entries[name], lambda e=entries[name]: _prepare(e.name, e.options))
 
     def _ours(self) -> bool:
-        """Whether this run may log the study: the directory's lock is the run's (the process that started this
-        one), or free and never seen held by another live process (a run refused the directory logs nothing)."""
-        if not self.foreign:
+        """Whether this run may log the study: the directory's lock was seen the run's (the process that started
+        this one), or it is free and was never seen held by another live process (a run refused the directory logs
+        nothing, not even once the other has ended)."""
+        if not self.mine:
             holder = _lock_holder(self.sdir.lock)
-            self.foreign = holder is not None and holder != os.getppid()
-        return not self.foreign
+            self.mine = holder == os.getppid()
+            self.foreign = self.foreign or (holder is not None and not self.mine)
+        return self.mine or not self.foreign
 
     def sync(self) -> None:
         """One pass: every tracker is given what results.db holds beyond what it logged."""
