@@ -17,7 +17,7 @@ trial whose ``lora_sweep.state`` tag is set has ended. A pruned trial's run ends
 stopped it) with the state in its tag, its name (``trial 3 (pruned)``) and its description.
 
 MLflow's own output is kept from the run's: no "View run ... at" line (its URL would hold a ``tracking_uri``'s
-password), and a server's requests fail within seconds (2 retries, 5 s each) rather than minutes, unless the
+password), and a server's requests fail within seconds (1 retry, 5 s each) rather than minutes, unless the
 environment sets MLflow's ``MLFLOW_HTTP_REQUEST_*`` variables itself.
 """
 
@@ -48,10 +48,10 @@ __all__ = ["MlflowTracker", "default_uri", "prepare", "seed_store"]
 _STATUS = {"COMPLETE": "FINISHED", "PRUNED": "FINISHED", "FAIL": "FAILED"}
 """Optuna's end states as MLflow run statuses: a pruned trial ran as the study asked (its rung stopped it), not a
 failure or a kill; the state itself is the ``lora_sweep.state`` tag, the run's name and its description."""
-_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
         "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
-"""A tracking server that is down or never answers fails a request in about 3 s (refused) or 15 s (silent), not
-MLflow's 7 retries of 120 s; the environment's own values win."""
+"""A tracking server that is down or never answers fails a request in about 1 s (refused) or 10 s (silent), not
+after MLflow's 7 retries of up to 120 s each; the environment's own values win."""
 for _key, _value in _ENV.items():
     os.environ.setdefault(_key, _value)
 os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"  # its URL holds the tracking URI, password included

@@ -67,7 +67,7 @@ class Tracker(Protocol):
 
     name: str
     remote: bool
-    """It talks to a server (its calls are given at most ``sync.CALL_S`` each)."""
+    """It talks to a server (its calls are given at most ``_guards.CALL_S`` each)."""
 
     def find(self, study: StudyInfo, parent: str | None,
              runs: Mapping[int, str]) -> tuple[str | None, dict[int, Held]] | None:

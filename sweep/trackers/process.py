@@ -31,7 +31,7 @@ __all__ = ["Tracking", "ahead", "start", "FINISH_S", "RESTARTS"]
 
 FINISH_S = 60.0
 """How long the end of a run waits at most for the trackers' last pass and closing (a tracker that talks to a server
-is given up sooner, ``sync.CALL_S`` a call)."""
+is given up sooner, ``_guards.CALL_S`` a call)."""
 RESTARTS = 2
 """How many times a trackers' process that died (killed, out of memory) is started again."""
 LAST_LINE = "trackers: "
@@ -147,6 +147,7 @@ class Tracking:
                 self.log(f"warning: the report for the trackers could not be written ({first_line(err)})")
         with self.lock:
             self.told.append(json.dumps({"finished": finished, "report": path and str(path)}))
+            _normal_priority(self.process.pid)
             self._tell(self.told[1], last=True)
         # done when its output closes, after its last line: its exit (the packages' exit handlers, W&B's core shut
         # down, and the interpreter's teardown of their thousands of modules, about 1 s) goes on without the run
@@ -158,6 +159,15 @@ class Tracking:
                 self.process.kill()
             self.reader.join(timeout=5.0)
         return path
+
+
+def _normal_priority(pid: int) -> None:
+    """Take the trackers' process off ``SCHED_IDLE`` for its last pass, which the run waits for: on a host that other
+    work keeps busy, an idle task may not run for seconds, also once training has ended. Where it is not allowed (an
+    unprivileged user whose ``RLIMIT_NICE`` is 0), it stays."""
+    with contextlib.suppress(AttributeError, OSError):
+        if os.sched_getscheduler(pid) == os.SCHED_IDLE:
+            os.sched_setscheduler(pid, os.SCHED_OTHER, os.sched_param(0))
 
 
 def ahead(prepare: Sequence[tuple[str, Mapping[str, Any]]], interval: float = 2.0) -> Tracking | None:

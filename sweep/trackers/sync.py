@@ -14,30 +14,33 @@ cost 11-19% of the wall for 9 CPU seconds (BENCHMARKS.md, "The demo with MLflow,
 
 What each tracker has logged is kept in ``<study dir>/trackers.json`` (written atomically after each pass): its
 parent run id, and per trial its child run id, the last step logged and whether its end was logged. A resumed
-study reads it back, reopens the same runs and carries on after what they hold (results.db being the source, the
-steps a killed run had stored but not yet logged are logged then); the process ends with the run's process, killed
-or not (its stdin closes). A tracker that raises (server down, disk full, an import error) is named in one warning
-line and dropped for the rest of the run; the sweep goes on. At the end one line says what the trackers cost: their
-passes, the CPU seconds of their process (those spent preparing, and after the run's end) and of its child processes
-(W&B's core) (``benchmarks/trackers_overhead.sh`` reads it); the run waits for that line, not for the process's
-exit.
+study reads it back (a torn or malformed file: one warning), and each tracker reads back what it holds by the ids it
+sets itself (``Tracker.find``), which wins: no run is made twice, a deleted store is made again, and the runs carry
+on after what they hold (results.db being the source, the steps a killed run had stored but not yet logged are
+logged then). Nothing is logged by a run that another live process's lock kept out of the study directory, and a
+study's run is opened only once a trial is to be logged. The process ends with the run's process, killed or not
+(its stdin closes). A tracker that raises (server down, disk full, an import error), or whose call to a server
+takes over ``_guards.CALL_S`` (``END_S`` in all once the run has ended), is named in one warning line and dropped for
+the rest of the run; the sweep goes on. What this process prints passes through ``redact_url``: no tracking URI's
+password reaches the run's output. At the end one line says what the trackers cost: their passes, the CPU seconds of
+their process (those spent preparing, and after the run's end) and of its child processes (W&B's core)
+(``benchmarks/trackers_overhead.sh`` reads it); the run waits for that line, not for the process's exit.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
-import io
 import json
 import os
 import resource
 import select
 import signal
-import socket
 import sys
-from collections.abc import Callable, Collection, Iterator, Mapping
+import time
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from lora_sweep.errors import first_line
 from lora_sweep.sweep.config.tracking import TrackerSpec
@@ -49,9 +52,9 @@ from lora_sweep.sweep.store import (
     TrialRecord,
     atomic_write_text,
     redact_record,
-    redact_url,
 )
 from lora_sweep.sweep.store.feasibility import best_trials
+from lora_sweep.sweep.trackers._guards import END_S, Bounded, Redacted, checked, lock_holder
 from lora_sweep.sweep.trackers.base import Point, StudyInfo, Tracker, study_uid
 
 __all__ = ["Syncer", "main", "STATE_FILE"]
@@ -63,9 +66,6 @@ NICE = 19
 """The trackers' process's niceness where Linux's ``SCHED_IDLE`` is not to be had (``_lowest_priority``)."""
 _STEP_KEYS = (("loss", "train/loss"), ("lr", "train/lr"), ("grad_norm", "train/grad_norm"), ("tokens", "train/tokens"))
 _EVAL_PREFIX = {"rung": "rung/", "curve": "eval/"}
-CALL_S = 10.0
-"""The longest a call of a tracker that talks to a server may take (its run opened, a batch logged, its end): one
-that cannot connect is given up after it, with one line, also at the run's end."""
 
 
 def _make(entry: TrackerSpec, root: Path, name: str) -> Tracker:
@@ -105,11 +105,11 @@ def main(argv: list[str] | None = None) -> None:
     config = json.loads((argv or sys.argv[1:])[0])
     _lowest_priority()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a SIGINT sent to it (its group's) is the run's to handle too
-    said = _Redacted(os.fdopen(os.dup(1), "w", buffering=1))  # this process's lines for the run; what the
+    said = Redacted(os.fdopen(os.dup(1), "w", buffering=1))  # this process's lines for the run; what the
     os.dup2(2, 1)  # trackers' packages print goes to stderr, never into them
     # before any package is imported (their loggers keep the stream they found): nothing this process prints,
     # a traceback or a library's message echoing a tracking URI, shows a password
-    sys.stdout, sys.stderr = _Redacted(sys.stdout), _Redacted(sys.stderr)
+    sys.stdout, sys.stderr = Redacted(sys.stdout), Redacted(sys.stderr)
     run = _Lines(sys.stdin.fileno())
     ready = _prepare_ahead(config["prepare"])
     study = run.next(None)
@@ -127,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     if not line:
         os._exit(0)
     end = json.loads(line)
+    syncer.ending()
     ran = _cpu_s()
     syncer.sync()
     syncer.end(end["finished"], None if end["report"] is None else Path(end["report"]))
@@ -134,33 +135,6 @@ def main(argv: list[str] | None = None) -> None:
     print(f"trackers: {syncer.passes} passes; CPU {total:.2f} s in their process ({prepared:.2f} s preparing, "
           f"{total - ran:.2f} s after the run), {_children_cpu_s():.2f} s in its child processes", file=said)
     said.close()  # the run's wait ends here (Tracking.finish), before this process's exit
-
-
-class _Redacted(io.TextIOBase):
-    """A text stream whose writes go to ``stream`` with every URI's password hidden (``redact_url``)."""
-
-    def __init__(self, stream: TextIO) -> None:
-        self.stream = stream
-
-    def write(self, text: str) -> int:
-        self.stream.write(redact_url(text))
-        return len(text)
-
-    def flush(self) -> None:
-        self.stream.flush()
-
-    def close(self) -> None:
-        self.stream.close()
-
-    def fileno(self) -> int:
-        return self.stream.fileno()
-
-    def isatty(self) -> bool:
-        return self.stream.isatty()
-
-    @property
-    def encoding(self) -> str:  # type: ignore[override]
-        return self.stream.encoding
 
 
 class _Lines:
@@ -236,6 +210,7 @@ class Syncer:
         self.mine = False  # the run that started this process was seen holding the study directory
         self.foreign = False  # another live process was seen holding it first: this run was refused it
         self.opened: set[str] = set()  # trackers whose study run this process opened
+        self.end_by: float | None = None  # when the time of servers' trackers ends (``ending``)
         self._saved = ""
         self._read: int | None = None  # results.db's data_version the last whole pass read
 
@@ -252,10 +227,17 @@ class Syncer:
         this one), or it is free and was never seen held by another live process (a run refused the directory logs
         nothing, not even once the other has ended)."""
         if not self.mine:
-            holder = _lock_holder(self.sdir.lock)
+            holder = lock_holder(self.sdir.lock)
             self.mine = holder == os.getppid()
             self.foreign = self.foreign or (holder is not None and not self.mine)
         return self.mine or not self.foreign
+
+    def ending(self) -> None:
+        """The run has ended: a tracker that talks to a server has ``END_S`` left for its last pass and its end."""
+        self.end_by = time.monotonic() + END_S
+        for tracker in self.trackers.values():
+            if isinstance(tracker, Bounded):
+                tracker.end()
 
     def sync(self) -> None:
         """One pass: every tracker is given what results.db holds beyond what it logged."""
@@ -289,7 +271,7 @@ class Syncer:
         except FileNotFoundError:
             return {}
         try:
-            state = _checked(json.loads(text))
+            state = checked(json.loads(text))
         except ValueError as err:
             self.log(f"warning: {self.state_path}: {first_line(err)}; the trackers read their runs back instead")
             return {}
@@ -323,7 +305,11 @@ class Syncer:
         trackers.json lost (a kill between a run's creation and the file's write, a torn file) is reopened."""
         mine = self.state.setdefault(entry.name, {"trials": {}})
         made = _make(entry, self.sdir.root, self.name)
-        tracker = self.trackers[entry.name] = _Bounded(made) if made.remote else made  # type: ignore[assignment]
+        if made.remote:
+            made = Bounded(made)  # type: ignore[assignment]
+            if self.end_by is not None:  # made in the last pass: its time is what is left of END_S
+                made.end_by = self.end_by  # type: ignore[attr-defined]
+        tracker = self.trackers[entry.name] = made
         hints = {int(n): c["run"] for n, c in mine["trials"].items() if c.get("run")}
         found = tracker.find(info, mine.get("parent"), hints)
         if found is None:  # it cannot read its runs back: trackers.json's ids are reopened by id
@@ -395,82 +381,6 @@ class Syncer:
                             list(meta.get("constraints") or []))
         return [{"trial": t.number, **dict(zip(objectives, t.objective_values or [], strict=False)),
                  **{f"param.{k}": v for k, v in (t.params or {}).items()}} for t in front]
-
-
-def _checked(state: Any) -> dict[str, Any]:
-    """``trackers.json``'s data, its shape checked: tracker -> {parent, trials: number -> {run, step, ended}}.
-
-    Raises:
-        ValueError: naming what is not as written.
-    """
-    if not isinstance(state, dict):
-        raise ValueError(f"not a mapping of trackers (a {type(state).__name__})")
-    for name, mine in state.items():
-        if not isinstance(mine, dict) or not isinstance(mine.get("trials", {}), dict):
-            raise ValueError(f"{name}: not a mapping with trials")
-        if not isinstance(mine.get("parent"), str | None):
-            raise ValueError(f"{name}: parent is not a run id")
-        for number, c in mine.get("trials", {}).items():
-            if not (number.isdigit() and isinstance(c, dict) and isinstance(c.get("run"), str | None)
-                    and type(c.get("step")) is int and type(c.get("ended")) is bool):
-                raise ValueError(f"{name}: trial {number!r} is not {{run, step, ended}}")
-        mine.setdefault("trials", {})
-    return state
-
-
-def _lock_holder(lock: Path) -> int | None:
-    """The pid of the live process of this host holding the study directory's lock (``StudyDir.acquire``), or
-    None: no holder (the file empty, absent or unreadable; the holder dead)."""
-    try:
-        holder = json.loads(lock.read_text(encoding="utf-8") or "{}")
-    except (OSError, ValueError):
-        return None
-    pid = holder.get("pid") if isinstance(holder, dict) else None
-    if not isinstance(pid, int) or holder.get("host") != socket.gethostname():
-        return pid if isinstance(pid, int) else None  # another host's: taken as alive
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return None
-    except PermissionError:
-        pass
-    return pid
-
-
-class _Bounded:
-    """A tracker that talks to a server, each of its calls given at most ``CALL_S`` seconds (``_deadline``)."""
-
-    def __init__(self, tracker: Tracker) -> None:
-        self.tracker, self.name, self.remote = tracker, tracker.name, True
-
-    def __getattr__(self, method: str) -> Callable[..., Any]:
-        call = getattr(self.tracker, method)
-
-        def bounded(*args: Any, **kwargs: Any) -> Any:
-            with _deadline(CALL_S):
-                return call(*args, **kwargs)
-
-        return bounded
-
-
-@contextlib.contextmanager
-def _deadline(seconds: float | None) -> Iterator[None]:
-    """Raise ``TimeoutError`` in this (the main) thread if the block runs past ``seconds`` (None: no limit): a
-    tracker's call to a server that never answers, where its own timeouts do not apply."""
-    if seconds is None:
-        yield
-        return
-
-    def expire(signum: int, frame: Any) -> None:
-        raise TimeoutError(f"no answer in {seconds:.0f} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def _children_cpu_s() -> float:
