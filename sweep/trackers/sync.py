@@ -52,6 +52,7 @@ from lora_sweep.sweep.store import (
     TrialRecord,
     atomic_write_text,
     redact_record,
+    redact_url,
 )
 from lora_sweep.sweep.store.feasibility import best_trials
 from lora_sweep.sweep.trackers._guards import END_S, Bounded, Redacted, checked, lock_holder
@@ -294,7 +295,8 @@ class Syncer:
         except Exception as err:  # noqa: BLE001  (any tracker failure costs the tracker, never the sweep)
             self.failed.add(entry.name)
             tracker = self.trackers.pop(entry.name, None)
-            self.log(f"warning: tracker {entry.name} stopped ({first_line(err)}); the sweep goes on without it")
+            self.log(redact_url(f"warning: tracker {entry.name} stopped ({first_line(err)}); the sweep goes on "
+                                f"without it"))  # an HTTP client's error names the URL it was given
             if tracker is not None:
                 with contextlib.suppress(Exception):
                     tracker.close(False)

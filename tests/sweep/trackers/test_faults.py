@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 
 from lora_sweep.sweep import api
+from lora_sweep.sweep.config.tracking import TrackerSpec
 from lora_sweep.sweep.store import ResultsStore, StudyDir
 from lora_sweep.sweep.trackers import process
+from lora_sweep.sweep.trackers.sync import Syncer
 from tests.conftest import need_module, write_study
 from tests.sweep.trackers.readers import Logged, mlflow_logged, tensorboard_logged, wandb_logged
 from tests.sweep.trackers.servers import free_port, silent_port
@@ -157,11 +159,10 @@ def test_a_killed_trackers_process_is_one_warning_and_started_again(tiny_dirs, t
     assert _parent(out, "dead")[0] == "FINISHED"
 
 
-@pytest.mark.parametrize("server", ["refused", "silent"])
-def test_a_server_that_does_not_answer_is_given_up_within_seconds(tiny_dirs, tmp_path, monkeypatch, server) -> None:
-    """A port where nothing listens, or a listener that never replies: one warning line (no password in it), given
-    during the run or at most 10 s after its end (however late the trackers' process got to it), and the other
-    trackers go on."""
+def test_a_server_that_is_down_is_given_up_within_seconds(tiny_dirs, tmp_path, monkeypatch) -> None:
+    """A port where nothing listens: one warning line (no password in it), given during the run or at most 10 s
+    after its end, and the other trackers go on."""
+    server = "refused"
     secret = "s3cr3t-pw"
     ended: list[float] = []  # when the run told the trackers its end (after the report written for them)
     finish = process.Tracking.finish
@@ -191,6 +192,31 @@ def test_a_server_that_does_not_answer_is_given_up_within_seconds(tiny_dirs, tmp
     assert sorted(tensorboard_logged(tmp_path / f"runs-{server}").children) == [0, 1]
     (given_up,) = [when for when, line in said if "tracker mlflow stopped" in line]
     assert ended and given_up - ended[0] <= 10.0, (given_up - ended[0], lines)
+
+
+@pytest.mark.parametrize("server", ["refused", "silent"])
+def test_at_the_run_s_end_a_server_that_does_not_answer_costs_at_most_10_s(tmp_path, server) -> None:
+    """The trackers' last pass and end (``Syncer``, as the run's end drives it), a trial to log: a port where nothing
+    listens, or a listener that never replies, costs one warning line and at most 10 s; TensorBoard logs the trial."""
+    out = tmp_path / "study"
+    out.mkdir()
+    with ResultsStore(StudyDir(out).results_db) as store:
+        store.set_meta(name="ended", spec={"name": "ended"})
+        store.upsert_trial(0, state="COMPLETE", params={"rank": 4}, steps_done=2)
+        store.add_steps(0, [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.5}])
+    lines: list[str] = []
+    with silent_port() as port:
+        uri = f"http://alice:s3cr3t@127.0.0.1:{port if server == 'silent' else free_port()}"
+        syncer = Syncer(out, "ended", [TrackerSpec("mlflow", {"tracking_uri": uri}), TrackerSpec("tensorboard")],
+                        lines.append)
+        start = time.monotonic()
+        syncer.ending()
+        syncer.sync()
+        syncer.end(True, None)
+        took = time.monotonic() - start
+    assert took <= 10.0, took
+    assert len(lines) == 1 and "tracker mlflow stopped" in lines[0] and "s3cr3t" not in lines[0], lines
+    assert tensorboard_logged(out).children[0][0].loss_steps == [1, 2]
 
 
 def test_sigterm_while_the_trackers_process_starts_is_a_clean_exit(tiny_dirs, tmp_path) -> None:
