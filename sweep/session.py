@@ -27,7 +27,15 @@ from lora_sweep.packer.api import AdapterWriter, PackedModel
 from lora_sweep.sweep.config.spec import StudySpec
 from lora_sweep.sweep.ledger import Ledger
 from lora_sweep.sweep.storage import Sharing
-from lora_sweep.sweep.store import DirectoryInUse, DirectoryLock, ResultsStore, StudyDir, pareto_front, strip_password
+from lora_sweep.sweep.store import (
+    DirectoryInUse,
+    DirectoryLock,
+    ResultsStore,
+    StudyDir,
+    pareto_front,
+    redact_record,
+    strip_password,
+)
 
 __all__ = ["Session", "own_directory", "record_spec", "spec_record", "spec_changes", "RESUMABLE",
            "trial_adapter_dir", "Note"]
@@ -156,14 +164,15 @@ section in a spec recorded under the section's other name."""
 
 def spec_record(spec: StudySpec) -> dict[str, Any]:
     """The resolved spec as plain data (JSON and YAML): paths absolute, search dimensions by name,
-    the storage URL without its password (``strip_password``)."""
+    the storage URL without its password (``strip_password``), every other URI's shown as ``***``
+    (``redact_record``: a tracker's ``tracking_uri``)."""
     d = dataclasses.asdict(spec)
     d.pop("source", None)
     search = d.pop("search")
     d["search"] = {p.pop("name"): p for p in search["params"]} | {"target_sets": search["target_sets"]}
     if d.get("storage"):
         d["storage"] = strip_password(d["storage"])
-    return json.loads(json.dumps(d, default=str))
+    return redact_record(json.loads(json.dumps(d, default=str)))
 
 
 def _flat(d: Any, prefix: str = "") -> dict[str, Any]:

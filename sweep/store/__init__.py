@@ -9,7 +9,7 @@ A leaf: it imports no other lora-sweep module and nothing heavy, so the report (
     feasibility  constraints and the one Pareto front
     attrs        the Optuna attribute keys, in one table
     stats        the paired bootstrap of two trials' per-item scores
-    urls         storage URLs without their password
+    urls         URIs without their password (storage, trackers): the one masking of secrets
 
 A study directory (default ``runs/<name>/``, see :class:`StudyDir`) holds::
 
@@ -131,11 +131,12 @@ from lora_sweep.sweep.store.schema import (
     reference_trial,
 )
 from lora_sweep.sweep.store.stats import paired_bootstrap, paired_scores
-from lora_sweep.sweep.store.urls import redact_url, strip_password
+from lora_sweep.sweep.store.urls import redact_record, redact_url, strip_password
 
 __all__ = [
     "DirectoryInUse", "DirectoryLock", "EvalRow", "ItemRow", "constraint_text", "constraint_violation",
-    "is_feasible", "pareto_front", "redact_url", "strip_password", "PackRecord", "PruneDecision", "ResultsStore",
+    "is_feasible", "pareto_front", "redact_record", "redact_url", "strip_password", "PackRecord", "PruneDecision",
+    "ResultsStore",
     "SCHEMA_VERSION", "SlotSpan", "StepRow", "StudyDir", "TrialRecord", "atomic_write_bytes", "atomic_write_text",
     "attrs", "cache_dir", "paired_bootstrap", "paired_scores", "reference_trial",
 ]  # fmt: skip

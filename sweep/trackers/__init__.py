@@ -4,6 +4,8 @@
     process       the run's side of the trackers' process: started (before the study loads, with ``sweep run``),
                   told the study, ended
     sync          the process copying results.db to the trackers, their run ids in trackers.json
+    _guards       that process's bounds: its output without passwords, trackers.json checked, the study directory's
+                  holder, a server's calls given bounded time
     _mlflow       MLflow: the study a parent run, each trial a nested run
     _wandb        Weights & Biases: a run per trial, grouped by study (offline by default)
     _tensorboard  TensorBoard: a run folder per trial

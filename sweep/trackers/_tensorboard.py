@@ -6,7 +6,9 @@ a second of CPU on the demo's machine).
 A trial's folder holds its curve as scalars (``train/loss`` per optimizer step, ``rung/<metric>``,
 ``eval/<metric>``, ``final/<metric>``), its params and tags as text, its end (state, reason) as text and its
 params against its final metrics in the HParams tab. A reopened run is written with ``purge_step`` one past what
-it logged: TensorBoard drops whatever a killed run wrote after that, so no step shows twice.
+it logged: TensorBoard drops whatever a killed run wrote after that, so no step shows twice. The folders are named
+by trial number: ``find`` reads their events back (the last ``train/loss`` step, whether ``state`` was written)
+whatever ``trackers.json`` holds.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 from tensorboard.compat.proto.event_pb2 import Event, SessionLog
 from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.compat.proto.tensor_pb2 import TensorProto
@@ -27,7 +30,7 @@ from tensorboard.plugins.text import metadata as text_metadata
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
 from lora_sweep.sweep.store import TrialRecord
-from lora_sweep.sweep.trackers.base import Point, StudyInfo, flat_params, run_name, trial_tags
+from lora_sweep.sweep.trackers.base import Held, Point, StudyInfo, flat_params, run_name, trial_tags
 
 __all__ = ["TensorBoardTracker"]
 
@@ -86,11 +89,28 @@ class TensorBoardTracker:
     """The ``tensorboard`` tracker (``sweep.trackers.base.Tracker``)."""
 
     name = "tensorboard"
+    remote = False
 
     def __init__(self, options: Mapping[str, Any], root: Path, study: str) -> None:
         self.dir = Path(options.get("log_dir") or root / "tensorboard")
         self.study: _Writer | None = None
         self.writers: dict[int, _Writer] = {}
+        self.steps: dict[int, int] = {}  # trial number -> the last train/loss step its folder holds (``find``)
+
+    def find(self, study: StudyInfo, parent: str | None,
+             runs: Mapping[int, str]) -> tuple[str | None, dict[int, Held]]:
+        held: dict[int, Held] = {}
+        for folder in sorted(self.dir.glob("trial-*")):
+            if not folder.name.removeprefix("trial-").isdigit():
+                continue
+            number, last, ended = int(folder.name.removeprefix("trial-")), -1, False
+            for file in sorted(folder.glob("events.out.tfevents.*")):
+                for event in EventFileLoader(str(file)).Load():
+                    for value in event.summary.value:
+                        last = max(last, event.step) if value.tag == "train/loss" else last
+                        ended = ended or value.tag == "state/text_summary"
+            held[number], self.steps[number] = Held(folder.name, ended), last
+        return ("study" if (self.dir / "study").is_dir() else None), held
 
     def study_started(self, study: StudyInfo, run_id: str | None) -> str:
         self.study = _Writer(self.dir / "study")
@@ -101,6 +121,8 @@ class TensorBoardTracker:
 
     def trial_started(self, trial: TrialRecord, run_id: str | None, logged: int) -> tuple[str, int]:
         name = run_id or f"trial-{trial.number:04d}"
+        if run_id is not None:  # what its folder holds (``find``): a killed writer may not have written all it had
+            logged = self.steps.get(trial.number, -1)
         writer = _Writer(self.dir / name, purge_step=logged + 1 if run_id is not None else None)
         if run_id is None:
             writer.add_text("params", json.dumps(trial.params or {}, sort_keys=True))

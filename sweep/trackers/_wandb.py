@@ -5,7 +5,9 @@ Default ``mode: offline``: runs are written under ``<study dir>/wandb/offline-ru
 wanted, by ``wandb sync <study dir>/wandb/offline-run-*``; nothing leaves the machine until then. ``mode: online``
 with a ``project`` logs as it goes. The run ids are kept (``sweep.trackers.sync``), so a resumed study reopens each
 run with ``resume="allow"``: offline, W&B writes the reopened run to a new folder with the same id, and ``wandb
-sync`` joins them into one run.
+sync`` joins them into one run. The ids are the study's (``StudyInfo.uid``): ``<uid>-study`` and
+``<uid>-trial-<n>``, so that a run is found again offline (``find`` reads the run files back) whatever
+``trackers.json`` holds, and online reopened rather than made twice.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import secrets
 import struct
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import Any
 import wandb
 
 from lora_sweep.sweep.store import TrialRecord
-from lora_sweep.sweep.trackers.base import Point, StudyInfo, run_name, trial_tags
+from lora_sweep.sweep.trackers.base import Held, Point, StudyInfo, run_name, trial_tags
 
 __all__ = ["WandbTracker", "offline_records", "prepare"]
 
@@ -77,6 +78,19 @@ def _last_step(folder: Path, run_id: str) -> int:
     return last
 
 
+def _run_of(file: Path) -> tuple[str, int | None, bool]:
+    """(job type, trial number, whether its end was logged: a ``state`` in its summary) of an offline run file."""
+    job, number, ended = "", None, False
+    for record in offline_records(file):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            job = record.run.job_type or job
+            number = next((int(t.split(":", 1)[1]) for t in record.run.tags if t.startswith("trial:")), number)
+        elif kind == "summary":
+            ended = ended or any(i.key == "state" for i in record.summary.update)
+    return job, number, ended
+
+
 class WandbTracker:
     """The ``wandb`` tracker (``sweep.trackers.base.Tracker``)."""
 
@@ -89,31 +103,52 @@ class WandbTracker:
         self.study_name = options.get("name") or study
         self.folder = root / "wandb"
         (root / "wandb").mkdir(parents=True, exist_ok=True)  # wandb.init's dir must exist; it writes wandb/ in it
+        self.remote = self.mode == "online"
+        self.uid = ""  # the study's (``find``)
         self.study: Any = None
         self.runs: dict[int, Any] = {}
 
-    def _init(self, run_id: str | None, requirements: bool = False, **kwargs: Any) -> Any:
+    def _init(self, run_id: str, requirements: bool = False, **kwargs: Any) -> Any:
         # create_new: one process holds the study's run and every training trial's at once; no console capture, no
         # system-metrics sampler (a thread per run polling the GPU and CPU), no code or git snapshot; the installed
         # packages on the study's run only (W&B reads every package's metadata for it: 0.38 CPU s a run on the demo)
         settings = wandb.Settings(silent=True, console="off", x_disable_stats=True, save_code=False,
                                   disable_git=True, disable_job_creation=True, x_save_requirements=requirements)
-        return wandb.init(**self.common, **kwargs, id=run_id or secrets.token_hex(4), resume="allow",
-                          reinit="create_new", settings=settings)
+        return wandb.init(**self.common, **kwargs, id=run_id, resume="allow", reinit="create_new", settings=settings)
+
+    def find(self, study: StudyInfo, parent: str | None,
+             runs: Mapping[int, str]) -> tuple[str | None, dict[int, Held]] | None:
+        self.uid = study.uid
+        if self.mode != "offline":
+            return None
+        known = {parent, *runs.values()} - {None}
+        found: str | None = None
+        held: dict[int, Held] = {}
+        for file in sorted(self.folder.glob("offline-run-*/run-*.wandb")):
+            run_id = file.stem.removeprefix("run-")
+            if not (run_id.startswith(f"{study.uid}-") or run_id in known):
+                continue
+            job, number, ended = _run_of(file)
+            if job == "study":
+                found = found or run_id
+            elif job == "trial" and number is not None:
+                ended = ended or (number in held and held[number].ended)
+                held[number] = Held(run_id, ended)
+        return found, held
 
     def study_started(self, study: StudyInfo, run_id: str | None) -> str:
-        self.study = self._init(run_id, requirements=True, name=self.study_name, job_type="study",
-                                config=dict(study.spec),
+        self.study = self._init(run_id or f"{study.uid}-study", requirements=True, name=self.study_name,
+                                job_type="study", config=dict(study.spec),
                                 tags=[f"{k.removeprefix('lora_sweep.')}:{v}"[:64] for k, v in study.tags.items()])
         return str(self.study.id)
 
     def trial_started(self, trial: TrialRecord, run_id: str | None, logged: int) -> tuple[str, int]:
         tags = [f"{k.removeprefix('lora_sweep.')}:{v}"[:64] for k, v in trial_tags(trial).items()]
-        run = self._init(run_id, name=run_name(trial), job_type="trial", tags=tags,
-                         config=dict(trial.params or {}))  # again when reopened: a killed run may not have written it
+        run = self._init(run_id or f"{self.uid}-trial-{trial.number}", name=run_name(trial), job_type="trial",
+                         tags=tags, config=dict(trial.params or {}))  # again when reopened: a killed run may lack it
         self.runs[trial.number] = run
-        if run_id is not None:  # what the killed run wrote, not what it was handed (its core writes behind)
-            logged = _last_step(self.folder, run_id) if self.mode == "offline" else run.step - 1
+        # what the runs of the id wrote, not what they were handed (a killed core writes behind); -1 when new
+        logged = _last_step(self.folder, str(run.id)) if self.mode == "offline" else run.step - 1
         return str(run.id), logged
 
     def log(self, number: int, points: list[Point]) -> None:

@@ -1,14 +1,16 @@
 """What every tracker is given: the ``Tracker`` protocol, the points of a trial's curve, and the flat params.
 
 A tracker is one object per study run (``sweep run`` or ``api.run``), called from ``sweep.trackers.sync``'s
-process only, in this order: ``study_started`` once, then per trial ``trial_started``, ``log`` any number of
+process only, in this order: ``find`` once (what it holds of the study already, read back by the ids it set
+itself), ``study_started`` once there is a trial to log, then per trial ``trial_started``, ``log`` any number of
 times with points in increasing step order, ``trial_finished`` once; ``study_finished`` when the budget ended
-the run, and ``close`` always. Run ids come back from ``study_started`` and ``trial_started`` and are handed to
-the same calls of a resumed run, which reopens those runs instead of creating new ones.
+the run, and ``close`` always. Run ids come back from ``find``, ``study_started`` and ``trial_started`` and are
+handed to the same calls of a resumed run, which reopens those runs instead of creating new ones.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -17,7 +19,7 @@ from typing import Any, Protocol
 
 from lora_sweep.sweep.store import TrialRecord
 
-__all__ = ["Point", "Tracker", "StudyInfo", "flat_params", "trial_tags", "run_name"]
+__all__ = ["Held", "Point", "Tracker", "StudyInfo", "flat_params", "trial_tags", "run_name", "study_uid"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,21 @@ class Point:
 
 
 @dataclass(frozen=True)
+class Held:
+    """A trial's run as its tracker reads it back (``Tracker.find``)."""
+
+    run: str
+    ended: bool
+    """Its end (state, reason, final metrics) was logged."""
+
+
+def study_uid(name: str, created: Any) -> str:
+    """The study's own id, from its name and the time its results.db was made (results.db meta ``created``): the
+    same for every run of the study, another for a study made again under the same name or directory."""
+    return hashlib.sha256(f"{name}\n{created}".encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
 class StudyInfo:
     """The study as the parent run shows it."""
 
@@ -41,12 +58,24 @@ class StudyInfo:
     """The resolved spec (results.db meta ``spec``)."""
     tags: Mapping[str, str]
     """``lora_sweep.study``, ``lora_sweep.objectives``, ``lora_sweep.model``, ``lora_sweep.version``."""
+    uid: str = ""
+    """``study_uid``: what a tracker finds its runs by (an MLflow tag, W&B's run ids)."""
 
 
 class Tracker(Protocol):
     """One experiment tracker's view of a study (``sweep.trackers._mlflow``, ``_wandb``, ``_tensorboard``)."""
 
     name: str
+    remote: bool
+    """It talks to a server (its calls are given at most ``_guards.CALL_S`` each)."""
+
+    def find(self, study: StudyInfo, parent: str | None,
+             runs: Mapping[int, str]) -> tuple[str | None, dict[int, Held]] | None:
+        """Read back, by the ids this tracker sets itself, the study's parent run and its trials' runs (``parent``,
+        ``runs``: the ids trackers.json names, if any, which runs of earlier versions may need); writes nothing.
+        Returns (the parent's id or None, trial number -> its run), or None when it cannot read them back (W&B
+        online: trackers.json's ids are then kept)."""
+        ...
 
     def study_started(self, study: StudyInfo, run_id: str | None) -> str:
         """Create the study's parent run, or reopen ``run_id``; returns its id."""

@@ -14,13 +14,17 @@ cost 11-19% of the wall for 9 CPU seconds (BENCHMARKS.md, "The demo with MLflow,
 
 What each tracker has logged is kept in ``<study dir>/trackers.json`` (written atomically after each pass): its
 parent run id, and per trial its child run id, the last step logged and whether its end was logged. A resumed
-study reads it back, reopens the same runs and carries on after what they hold (results.db being the source, the
-steps a killed run had stored but not yet logged are logged then); the process ends with the run's process, killed
-or not (its stdin closes). A tracker that raises (server down, disk full, an import error) is named in one warning
-line and dropped for the rest of the run; the sweep goes on. At the end one line says what the trackers cost: their
-passes, the CPU seconds of their process (those spent preparing, and after the run's end) and of its child processes
-(W&B's core) (``benchmarks/trackers_overhead.sh`` reads it); the run waits for that line, not for the process's
-exit.
+study reads it back (a torn or malformed file: one warning), and each tracker reads back what it holds by the ids it
+sets itself (``Tracker.find``), which wins: no run is made twice, a deleted store is made again, and the runs carry
+on after what they hold (results.db being the source, the steps a killed run had stored but not yet logged are
+logged then). Nothing is logged by a run that another live process's lock kept out of the study directory, and a
+study's run is opened only once a trial is to be logged. The process ends with the run's process, killed or not
+(its stdin closes). A tracker that raises (server down, disk full, an import error), or whose call to a server
+takes over ``_guards.CALL_S`` (``END_S`` in all once the run has ended), is named in one warning line and dropped for
+the rest of the run; the sweep goes on. What this process prints passes through ``redact_url``: no tracking URI's
+password reaches the run's output. At the end one line says what the trackers cost: their passes, the CPU seconds of
+their process (those spent preparing, and after the run's end) and of its child processes (W&B's core)
+(``benchmarks/trackers_overhead.sh`` reads it); the run waits for that line, not for the process's exit.
 """
 
 from __future__ import annotations
@@ -33,15 +37,26 @@ import resource
 import select
 import signal
 import sys
+import time
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
 from lora_sweep.errors import first_line
 from lora_sweep.sweep.config.tracking import TrackerSpec
-from lora_sweep.sweep.store import EvalRow, ResultsStore, StepRow, StudyDir, TrialRecord, atomic_write_text
+from lora_sweep.sweep.store import (
+    EvalRow,
+    ResultsStore,
+    StepRow,
+    StudyDir,
+    TrialRecord,
+    atomic_write_text,
+    redact_record,
+    redact_url,
+)
 from lora_sweep.sweep.store.feasibility import best_trials
-from lora_sweep.sweep.trackers.base import Point, StudyInfo, Tracker
+from lora_sweep.sweep.trackers._guards import END_S, Bounded, Redacted, checked, lock_holder
+from lora_sweep.sweep.trackers.base import Point, StudyInfo, Tracker, study_uid
 
 __all__ = ["Syncer", "main", "STATE_FILE"]
 
@@ -91,8 +106,11 @@ def main(argv: list[str] | None = None) -> None:
     config = json.loads((argv or sys.argv[1:])[0])
     _lowest_priority()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a SIGINT sent to it (its group's) is the run's to handle too
-    said = os.fdopen(os.dup(1), "w", buffering=1)  # this process's lines for the run; what the trackers' packages
-    os.dup2(2, 1)  # print goes to stderr, never into them
+    said = Redacted(os.fdopen(os.dup(1), "w", buffering=1))  # this process's lines for the run; what the
+    os.dup2(2, 1)  # trackers' packages print goes to stderr, never into them
+    # before any package is imported (their loggers keep the stream they found): nothing this process prints,
+    # a traceback or a library's message echoing a tracking URI, shows a password
+    sys.stdout, sys.stderr = Redacted(sys.stdout), Redacted(sys.stderr)
     run = _Lines(sys.stdin.fileno())
     ready = _prepare_ahead(config["prepare"])
     study = run.next(None)
@@ -110,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     if not line:
         os._exit(0)
     end = json.loads(line)
+    syncer.ending()
     ran = _cpu_s()
     syncer.sync()
     syncer.end(end["finished"], None if end["report"] is None else Path(end["report"]))
@@ -189,6 +208,10 @@ class Syncer:
         self.state: dict[str, Any] = {}
         self.store: ResultsStore | None = None
         self.passes = 0
+        self.mine = False  # the run that started this process was seen holding the study directory
+        self.foreign = False  # another live process was seen holding it first: this run was refused it
+        self.opened: set[str] = set()  # trackers whose study run this process opened
+        self.end_by: float | None = None  # when the time of servers' trackers ends (``ending``)
         self._saved = ""
         self._read: int | None = None  # results.db's data_version the last whole pass read
 
@@ -200,18 +223,33 @@ class Syncer:
         for name in _wandb_first([n for n in entries if n not in ready and n not in self.failed]):
             self._guarded(entries[name], lambda e=entries[name]: _prepare(e.name, e.options))
 
+    def _ours(self) -> bool:
+        """Whether this run may log the study: the directory's lock was seen the run's (the process that started
+        this one), or it is free and was never seen held by another live process (a run refused the directory logs
+        nothing, not even once the other has ended)."""
+        if not self.mine:
+            holder = lock_holder(self.sdir.lock)
+            self.mine = holder == os.getppid()
+            self.foreign = self.foreign or (holder is not None and not self.mine)
+        return self.mine or not self.foreign
+
+    def ending(self) -> None:
+        """The run has ended: a tracker that talks to a server has ``END_S`` left for its last pass and its end."""
+        self.end_by = time.monotonic() + END_S
+        for tracker in self.trackers.values():
+            if isinstance(tracker, Bounded):
+                tracker.end()
+
     def sync(self) -> None:
         """One pass: every tracker is given what results.db holds beyond what it logged."""
         self.passes += 1
+        if not self._ours():
+            return
         if self.store is None:
             if not self.sdir.results_db.is_file():
                 return  # the run has not opened the study yet
             self.store = ResultsStore(self.sdir.results_db, create=False)
-            with contextlib.suppress(FileNotFoundError, ValueError):
-                self.state = json.loads(self.state_path.read_text(encoding="utf-8"))
-            for mine in self.state.values():  # this process has opened none of them yet
-                for cursor in mine.get("trials", {}).values():
-                    cursor["open"] = False
+            self.state = self._load()
         version = self.store.data_version()
         if version == self._read:
             return  # nothing committed since the last pass: most passes while a pack step runs
@@ -225,6 +263,23 @@ class Syncer:
                 self._guarded(entry, lambda e=entry: self._pass(e, meta, trials, rows))
         self._save()
         self._read = version
+
+    def _load(self) -> dict[str, Any]:
+        """``trackers.json`` as the last pass wrote it; a torn or malformed one is said in one warning and left
+        for the trackers to rebuild from their own runs (``Tracker.find``)."""
+        try:
+            text = self.state_path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return {}
+        try:
+            state = checked(json.loads(text))
+        except ValueError as err:
+            self.log(f"warning: {self.state_path}: {first_line(err)}; the trackers read their runs back instead")
+            return {}
+        for mine in state.values():  # this process has opened none of them yet
+            for cursor in mine.get("trials", {}).values():
+                cursor["open"] = False
+        return state
 
     def _save(self) -> None:
         """``trackers.json``, written (atomically) only when it changed: most passes log nothing."""
@@ -240,25 +295,53 @@ class Syncer:
         except Exception as err:  # noqa: BLE001  (any tracker failure costs the tracker, never the sweep)
             self.failed.add(entry.name)
             tracker = self.trackers.pop(entry.name, None)
-            self.log(f"warning: tracker {entry.name} stopped ({first_line(err)}); the sweep goes on without it")
+            self.log(redact_url(f"warning: tracker {entry.name} stopped ({first_line(err)}); the sweep goes on "
+                                f"without it"))  # an HTTP client's error names the URL it was given
             if tracker is not None:
                 with contextlib.suppress(Exception):
                     tracker.close(False)
 
+    def _tracker(self, entry: TrackerSpec, info: StudyInfo, trials: list[TrialRecord]) -> Tracker:
+        """The tracker of ``entry``, made at its first pass, its cursors reconciled with what it holds itself: a
+        run trackers.json names that the tracker no longer has (a deleted store) is made again, one it has that
+        trackers.json lost (a kill between a run's creation and the file's write, a torn file) is reopened."""
+        mine = self.state.setdefault(entry.name, {"trials": {}})
+        made = _make(entry, self.sdir.root, self.name)
+        if made.remote:
+            made = Bounded(made)  # type: ignore[assignment]
+            if self.end_by is not None:  # made in the last pass: its time is what is left of END_S
+                made.end_by = self.end_by  # type: ignore[attr-defined]
+        tracker = self.trackers[entry.name] = made
+        hints = {int(n): c["run"] for n, c in mine["trials"].items() if c.get("run")}
+        found = tracker.find(info, mine.get("parent"), hints)
+        if found is None:  # it cannot read its runs back: trackers.json's ids are reopened by id
+            return tracker
+        mine["parent"], held = found[0], found[1]
+        cursors = mine["trials"]
+        for number in {t.number for t in trials} | {int(n) for n in cursors}:
+            got, cursor = held.get(number), cursors.get(str(number))
+            if got is None:
+                cursors[str(number)] = {"run": None, "step": -1, "ended": False}
+            elif cursor is None or cursor["run"] != got.run or cursor["ended"] != got.ended:
+                cursors[str(number)] = {"run": got.run, "step": -1, "ended": got.ended}
+        return tracker
+
     def _pass(self, entry: TrackerSpec, meta: Mapping[str, Any], trials: list[TrialRecord],
               rows: dict[int, tuple[list[StepRow], list[EvalRow]]]) -> None:
         """Hand one tracker what it has not logged; ``rows``: each trial's steps and evaluations, read on first need
-        and shared by the pass's trackers."""
-        mine = self.state.setdefault(entry.name, {"trials": {}})
-        tracker = self.trackers.get(entry.name)
-        if tracker is None:
-            tracker = self.trackers[entry.name] = _make(entry, self.sdir.root, self.name)
-            mine["parent"] = tracker.study_started(_info(self.name, self.sdir.root, meta), mine.get("parent"))
+        and shared by the pass's trackers. The study's run is opened once a trial is to be logged: a run with
+        nothing to log (a finished study run again) touches no run."""
+        info = _info(self.name, self.sdir.root, meta)
+        tracker = self.trackers.get(entry.name) or self._tracker(entry, info, trials)
+        mine = self.state[entry.name]
         assert self.store is not None
         for trial in trials:
             cursor = mine["trials"].setdefault(str(trial.number), {"run": None, "step": -1, "ended": False})
             if cursor["ended"] or trial.state not in (*_ENDED, "RUNNING"):
                 continue
+            if entry.name not in self.opened:
+                mine["parent"] = tracker.study_started(info, mine.get("parent"))
+                self.opened.add(entry.name)
             if not cursor.get("open"):
                 cursor["run"], cursor["step"] = tracker.trial_started(trial, cursor["run"], cursor["step"])
                 cursor["open"] = True
@@ -277,13 +360,13 @@ class Syncer:
                 cursor["ended"], cursor["open"] = True, False
 
     def end(self, finished: bool, path: Path | None) -> None:
-        """After the last pass: with ``finished``, the report at ``path`` and the Pareto table on the parent runs; every
-        run closed, the state written."""
+        """After the last pass: with ``finished``, the report at ``path`` and the Pareto table on the parent runs
+        opened; every run closed, the state written."""
         pareto = self._pareto() if finished and self.trackers else []
         for entry in self.entries:
             tracker = self.trackers.get(entry.name)
             if tracker is not None:
-                if finished:
+                if finished and entry.name in self.opened:
                     self._guarded(entry, lambda t=tracker: t.study_finished(path, pareto))
                 self._guarded(entry, lambda t=tracker: t.close(finished))
         if self.store is not None:
@@ -320,12 +403,12 @@ def _children_cpu_s() -> float:
 
 
 def _info(name: str, root: Path, meta: Mapping[str, Any]) -> StudyInfo:
-    spec = meta.get("spec") or {}
+    spec = redact_record(meta.get("spec") or {})  # recorded so already; a study recorded before, masked here
     tags = {"lora_sweep.study": name, "lora_sweep.objectives": ", ".join(
         f"{d} {o}" for o, d in zip(meta.get("objectives") or [], meta.get("directions") or [], strict=False)),
         "lora_sweep.model": str((spec.get("model") or {}).get("path", "")),
         "lora_sweep.version": str(meta.get("lora_sweep_version", ""))}
-    return StudyInfo(name, root, spec, tags)
+    return StudyInfo(name, root, spec, tags, study_uid(str(meta.get("name", name)), meta.get("created")))
 
 
 def _points(steps: list[StepRow], evals: list[EvalRow], after: int, ended: bool) -> list[Point]:

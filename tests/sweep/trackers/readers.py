@@ -19,6 +19,9 @@ class Child:
     metrics: set[str] = field(default_factory=set)
     hparams: dict[str, Any] = field(default_factory=dict)
     """TensorBoard: the HParams tab's values and the metric tags it lists (``metrics:``), from the plugin's protos."""
+    status: str = ""
+    """MLflow: the run's status (FINISHED, FAILED, KILLED, RUNNING)."""
+    name: str = ""
 
 
 @dataclass
@@ -46,7 +49,7 @@ def mlflow_logged(root: Path, experiment: str) -> Logged:
         steps = [m.step for m in client.get_metric_history(r.info.run_id, "train/loss")]
         params = {k: json.loads(v) if v[:1] in "[{0123456789-tfn" else v for k, v in r.data.params.items()}
         child = Child(r.info.run_id, params, steps, r.data.tags.get("lora_sweep.state", ""), dict(r.data.tags),
-                      set(r.data.metrics))
+                      set(r.data.metrics), status=r.info.status, name=r.info.run_name)
         out.children.setdefault(int(r.data.tags["lora_sweep.trial"]), []).append(child)
     if parents:
         out.parent_files = {a.path for a in client.list_artifacts(parents[0].info.run_id)}

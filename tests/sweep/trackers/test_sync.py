@@ -70,6 +70,9 @@ def test_each_tracker_holds_the_study_as_results_db_does(tiny_dirs, tmp_path) ->
     pruned = [c for cs in logged["mlflow"].children.values() for c in cs if c.state == "PRUNED"]
     assert pruned and all(c.tags["lora_sweep.reason"].startswith("pruned by cohort SHA") for c in pruned)
     assert all("rung/eval_loss" in c.metrics and "device_seconds" in c.metrics for c in pruned)
+    for c in pruned:  # stopped at a rung as the study asked: FINISHED, not a red KILLED; the state in name and note
+        assert c.status == "FINISHED" and c.name.endswith("(pruned)"), (c.status, c.name)
+        assert c.tags["mlflow.note.content"] == f"PRUNED: {c.tags['lora_sweep.reason']}"
     complete = [c for cs in logged["tensorboard"].children.values() for c in cs if c.state == "COMPLETE"]
     assert complete and all({"final/eval_loss", "final/exact_match", "device_seconds"} <= c.metrics for c in complete)
     for c in complete:  # the HParams tab: every param against the final metrics
@@ -200,7 +203,8 @@ def test_a_failing_tracker_is_one_warning_and_the_sweep_goes_on(tiny_dirs, tmp_p
 
 def test_a_new_mlflow_store_is_a_copy_of_the_cached_empty_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``seed_store``: the first study makes the cache's empty store once (MLflow's migrations), every study's store is
-    its own copy of it, which MLflow opens as current and writes to."""
+    its own copy of it, which MLflow opens as current and writes to, holding its own paths only (the Default
+    experiment's artifacts in its own folder, not in the one the cache was made from)."""
     from mlflow import MlflowClient
 
     from lora_sweep.sweep.trackers._mlflow import seed_store
@@ -213,7 +217,12 @@ def test_a_new_mlflow_store_is_a_copy_of_the_cached_empty_one(tmp_path: Path, mo
     (template,) = (tmp_path / "cache" / "mlflow").iterdir()
     made = template.stat().st_mtime_ns
     seed_store(second)
-    assert template.stat().st_mtime_ns == made and first.read_bytes() == template.read_bytes()
+    assert template.stat().st_mtime_ns == made
+    for store, other in ((first, second), (second, first)):
+        default = MlflowClient(tracking_uri=f"sqlite:///{store}").get_experiment("0")
+        assert Path(default.artifact_location) == store.parent.resolve() / "mlruns" / "0"
+        assert str(other.parent).encode() not in store.read_bytes() and str(tmp_path).encode() in store.read_bytes()
+        assert str(Path.cwd()).encode() not in store.read_bytes()  # where the cache's own store was made
     client = MlflowClient(tracking_uri=f"sqlite:///{first}")
     run = client.create_run(client.create_experiment("x"))
     client.log_metric(run.info.run_id, "loss", 1.5, step=3)
