@@ -95,6 +95,7 @@ def _open(spec: StudySpec, sdir: StudyDir, device: str, log: Callable[[str], Non
           lock: DirectoryLock | None, allow_changes: bool, split: WallSplit) -> Session:
     from lora_sweep.sweep.planning import check_targets
 
+    url = storage_url(spec, sdir, sharing)  # a URL no storage takes, or without its driver: refused before the load
     prepare_kernels(spec.pack.kernels, device)  # Triton's own hash, on a thread beside the model's load
     log(Note(f"loading the base model {spec.model.path} on {device} (model.dtype: {spec.model.dtype})"))
     if device == "cpu" and spec.model.dtype in ("bfloat16", "float16"):  # a torchtune config's dtype: bf16, say
@@ -125,7 +126,6 @@ def _open(spec: StudySpec, sdir: StudyDir, device: str, log: Callable[[str], Non
         ledger = Ledger(study, storage, store, partial(trial_adapter_dir, spec, sdir), log)
         if sharing is None:
             ledger.recover()
-    url = storage_url(spec, sdir, sharing)
     gguf = gguf_source(spec.model.path, spec.model.gguf_file)
     store.set_meta(name=spec.name, storage=strip_password(url), model=base,
                    **({"model_source": str(gguf)} if gguf else {}), data=str(spec.data.train),

@@ -35,6 +35,7 @@ from optuna.storages import BaseStorage
 
 from lora_sweep.errors import UserError, first_line
 from lora_sweep.sweep._journal import JournalFlock, cut_torn_tail, first_bad_line
+from lora_sweep.sweep._servers import answers, connect_timeout, driven_url
 from lora_sweep.sweep.store import attrs, redact_url
 
 __all__ = ["Sharing", "StorageBackend", "BACKENDS", "backend_of", "JournalFlock", "cut_torn_tail", "normalize_url",
@@ -140,7 +141,8 @@ def _server_lock(take: Callable[[Any, str], tuple[Any, dict[str, Any]]]) -> Lock
 
         engine = _ENGINES.get(url)
         if engine is None:
-            engine = _ENGINES[url] = sa.create_engine(url, poolclass=sa.pool.NullPool)
+            driven, args = answers(url)
+            engine = _ENGINES[url] = sa.create_engine(driven, poolclass=sa.pool.NullPool, connect_args=args)
         with engine.connect() as conn:
             give = take(conn, study_name)
             try:
@@ -222,8 +224,17 @@ def _open_sqlite(url: str, log: Log) -> BaseStorage:
     return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}}, skip_table_creation=False)
 
 
+def _server_url(url: str) -> str:
+    """A server's URL as given, once its driver is known to be installed and its connect timeout readable."""
+    driven_url(url)
+    connect_timeout(url)
+    return url
+
+
 def _open_server(url: str, log: Log) -> BaseStorage:
-    return optuna.storages.RDBStorage(url, skip_table_creation=False)
+    """A database server's storage, once ``_answers`` saw it answer within the connect timeout."""
+    driven, args = answers(url)
+    return optuna.storages.RDBStorage(driven, engine_kwargs={"connect_args": args}, skip_table_creation=False)
 
 
 def _wal(db: Path) -> None:
@@ -249,8 +260,8 @@ BACKENDS: list[StorageBackend] = [
     StorageBackend("journal file", (_JOURNAL,), _open_journal, _flock_beside(_journal_file), file=_journal_file,
                    suffixes=(".log",), normalize=_journal_url, damaged=_journal_damaged),
     StorageBackend("SQLite", ("sqlite://",), _open_sqlite, _flock_beside(_sqlite_file), file=_sqlite_file),
-    StorageBackend("PostgreSQL", ("postgresql",), _open_server, _server_lock(_pg_lock)),
-    StorageBackend("MySQL", ("mysql", "mariadb"), _open_server, _server_lock(_mysql_lock)),
+    StorageBackend("PostgreSQL", ("postgresql",), _open_server, _server_lock(_pg_lock), normalize=_server_url),
+    StorageBackend("MySQL", ("mysql", "mariadb"), _open_server, _server_lock(_mysql_lock), normalize=_server_url),
 ]
 """Every storage a study can use, by URL prefix; a new kind is one more ``StorageBackend`` here."""
 
