@@ -1,17 +1,20 @@
-"""``sweep export``: one trial's adapter as a PEFT directory (vLLM-ready by default), or merged into the base.
+"""``sweep export``: one trial's adapter as a PEFT directory (vLLM-ready where the adapter allows), or merged into
+the base.
 
 The trial's saved adapter (``adapters/trial-<n>``, written by ``packer.model.checkpoint``) is rewritten into a new
 directory with a model card (``README.md``: params, metrics, data, study provenance). vLLM's rules (a rank
 from its ``max_lora_rank`` choices, one rank and alpha per adapter, keys without adapter names) are met without
 changing the adapter's function: a rank outside ``VLLM_RANKS`` is zero-padded to the next allowed one (extra rows
 of A, columns of B) with alpha rescaled so the scale s stays (alpha' = s·r', or s·sqrt(r') with rsLoRA);
-rank/alpha patterns are folded into B; adapter names are dropped from keys. ``merge=True`` writes the base model
-with W + s·B·A folded in, plus its tokenizer.
+rank/alpha patterns are folded into B; adapter names are dropped from keys. An adapter vLLM cannot serve as it is
+(DoRA's magnitudes, a bias, ``modules_to_save``) is written as trained, which is what PEFT loads, with a one-line
+note. ``merge=True`` writes the base model with W + s·B·A folded in, plus its tokenizer.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import glob
 import json
 import math
 import os
@@ -24,12 +27,13 @@ from typing import TYPE_CHECKING, Any
 
 from lora_sweep.errors import UserError
 from lora_sweep.packer.api import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, read_jsonl
+from lora_sweep.sweep._faults import fault_line
 from lora_sweep.sweep.store import ResultsStore, StudyDir, TrialRecord, constraint_text, is_feasible, pareto_front
 
 if TYPE_CHECKING:  # torch, safetensors and transformers load in the functions that need them: errors stay fast
     import torch
 
-__all__ = ["VLLM_RANKS", "Export", "select_trial", "vllm_adapter", "merge_adapter", "export_trial"]
+__all__ = ["VLLM_RANKS", "Export", "select_trial", "vllm_refusal", "vllm_adapter", "merge_adapter", "export_trial"]
 
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """Values vLLM accepts for ``max_lora_rank`` (vllm/config/lora.py)."""
@@ -169,25 +173,34 @@ def _scale(config: dict[str, Any], path: str, rank: int) -> float:
     return alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
 
 
+def vllm_refusal(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> str | None:
+    """Why vLLM cannot serve the adapter without changing its function (DoRA, biases, ``modules_to_save``, a rank
+    above vLLM's largest ``max_lora_rank``), as words after "the adapter uses"; None when it can."""
+    for bad, why in ((config.get("use_dora"), "DoRA"), (config.get("modules_to_save"), "modules_to_save"),
+                     (config.get("bias", "none") != "none", f"bias={config.get('bias')!r}")):
+        if bad:
+            return f"{why}, which vLLM does not support"
+    rank = max((t.shape[0] for k, t in tensors.items() if k.endswith(".lora_A.weight") or ".lora_A." in k), default=0)
+    if rank > VLLM_RANKS[-1]:
+        return f"rank {rank}, above vLLM's largest max_lora_rank {VLLM_RANKS[-1]}"
+    return None
+
+
 def vllm_adapter(config: dict[str, Any], tensors: dict[str, torch.Tensor], cli: bool = False
                  ) -> tuple[dict[str, Any], dict[str, torch.Tensor], list[str]]:
     """The same adapter function under vLLM's rules: (config, tensors, list of the changes made).
 
     Raises:
-        UserError: DoRA, biases or ``modules_to_save``, which vLLM cannot take without changing the function.
+        UserError: an adapter vLLM cannot take without changing the function (``vllm_refusal``).
     """
     import torch
 
-    for bad, why in ((config.get("use_dora"), "DoRA"), (config.get("modules_to_save"), "modules_to_save"),
-                     (config.get("bias", "none") != "none", f"bias={config.get('bias')!r}")):
-        if bad:
-            raise UserError(f"export: the adapter uses {why}, which vLLM does not support; use {_opt('vllm', cli)}")
+    why = vllm_refusal(config, tensors)
+    if why is not None:
+        raise UserError(f"export: the adapter uses {why}; use {_opt('vllm', cli)}")
     modules, named = _modules(tensors, cli)
     rank = max(a.shape[0] for a, _ in modules.values())
-    target = next((r for r in VLLM_RANKS if r >= rank), None)
-    if target is None:
-        raise UserError(f"export: rank {rank} exceeds vLLM's largest max_lora_rank {VLLM_RANKS[-1]}; use "
-                        f"{_opt('vllm', cli)}")
+    target = next(r for r in VLLM_RANKS if r >= rank)
     s = float(config["lora_alpha"]) / (math.sqrt(config["r"]) if config.get("use_rslora") else config["r"])
     changes = []
     if target != config["r"]:
@@ -345,11 +358,56 @@ def _check_out(out: Path, cli: bool) -> None:
         raise UserError(f"export: {out} exists and is not empty; choose {_opt('out', cli)}")
 
 
+def _scratch_prefix(out: Path) -> str:
+    """The name of an export's scratch directory beside ``out`` up to the pid of the process writing it."""
+    return f".{out.name}.partial-"
+
+
 def _fresh_dir(out: Path, cli: bool) -> Path:
-    """A temporary directory beside ``out`` (renamed onto it once complete)."""
+    """A scratch directory beside ``out`` (``.<name>.partial-<pid>-<random>``, renamed onto ``out`` once complete),
+    after removing those that exports to ``out`` by processes no longer alive left behind (a SIGKILL, a power loss:
+    a Ctrl-C or SIGTERM removes its own).
+
+    Raises:
+        UserError: ``out`` is taken (``_check_out``) or cannot be written (named as given, ``_unwritable``).
+    """
     _check_out(out, cli)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        for old in out.parent.glob(glob.escape(_scratch_prefix(out)) + "*"):
+            pid = old.name.removeprefix(_scratch_prefix(out)).split("-", 1)[0]
+            if pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(old, ignore_errors=True)
+        return Path(tempfile.mkdtemp(prefix=f"{_scratch_prefix(out)}{os.getpid()}-", dir=out.parent))
+    except OSError as err:
+        refused = _unwritable(out, err)
+        if refused is None:
+            raise
+        raise refused from err
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
+def _unwritable(out: Path, err: BaseException) -> UserError | None:
+    """The one line for an ``err`` the system gave while writing ``out`` (a read-only or full disk, a file in the
+    way: ``sweep._faults.fault_line``), naming ``out`` where it named the scratch directory; None for another error."""
+    line = fault_line(err, out.parent)
+    if line is None:
+        return None
+    if line.startswith("no space left"):  # (its advice is a study's)
+        return UserError(f"export: no space left on the device for {out}: nothing was written (the partial export "
+                         f"is removed); free space and run the same command again")
+    scratch = re.escape(str(out.parent / _scratch_prefix(out))) + r"[\w-]*"  # mkdtemp's names: letters, digits, _
+    return UserError(f"export: {re.sub(scratch, lambda _: str(out), line)}")
 
 
 def _umask() -> int:
@@ -373,9 +431,15 @@ def export_trial(study_dir: str | Path, out: str | Path, *, trial: int | None = 
     """Export one complete trial of the study in ``study_dir`` to ``out`` (see the module docstring). ``cli``:
     messages name the ``sweep export`` flags, not the Python API's arguments.
 
+    The export is written to a scratch directory beside ``out`` and renamed onto it once complete: an export stopped
+    (Ctrl-C, SIGTERM, an error) leaves no ``out`` and nothing beside it, and the same call succeeds again. With
+    ``vllm`` an adapter vLLM can serve is converted to its rules; one it cannot (DoRA, a bias, ``modules_to_save``,
+    a rank above 512) is written as trained, which PEFT loads, and ``Export.note`` says so.
+
     Raises:
         UserError: not a study directory, a bad trial choice (``select_trial``), a missing adapter, an
-            ``out`` that exists and is not empty, or an adapter vLLM cannot take (use ``vllm=False``).
+            ``out`` that exists and is not empty, or one the system refuses to write (named, not the scratch
+            directory: a read-only or full disk, a file in the way).
     """
     sdir, out = StudyDir(study_dir), Path(out).absolute()
     if not sdir.is_study():
@@ -395,10 +459,14 @@ def export_trial(study_dir: str | Path, out: str | Path, *, trial: int | None = 
     config, tensors = read_adapter(source)
     rank = int(config["r"])
     changes: list[str] = []
-    if vllm and not merge:
-        config, tensors, changes = vllm_adapter(config, tensors, cli)
-    tmp = _fresh_dir(out, cli)
     note = None
+    if vllm and not merge:
+        why = vllm_refusal(config, tensors)
+        if why is None:
+            config, tensors, changes = vllm_adapter(config, tensors, cli)
+        else:  # the export is still what PEFT loads: the trial as trained
+            note = f"export: not padded for vLLM: the adapter uses {why} (it loads in PEFT as trained)"
+    tmp = _fresh_dir(out, cli)
     try:
         if merge:
             from lora_sweep.packer.api import load_base
@@ -418,7 +486,12 @@ def export_trial(study_dir: str | Path, out: str | Path, *, trial: int | None = 
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)
-    finally:
+    except Exception as err:
+        refused = _unwritable(out, err)
+        if refused is None:
+            raise
+        raise refused from err
+    finally:  # a Ctrl-C or SIGTERM (KeyboardInterrupt) too: no --out, nothing beside it
         shutil.rmtree(tmp, ignore_errors=True)
     return Export(rec.number, out, rank, int(config["r"]), merge, changes, note)
 
