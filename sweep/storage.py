@@ -39,7 +39,8 @@ from lora_sweep.sweep._servers import answers, connect_timeout, driven_url
 from lora_sweep.sweep.store import attrs, redact_url
 
 __all__ = ["Sharing", "StorageBackend", "BACKENDS", "backend_of", "JournalFlock", "cut_torn_tail", "normalize_url",
-           "open_storage", "unopenable", "storage_lock", "last_beat", "resume_clock", "study_elapsed"]
+           "open_storage", "unopenable", "storage_lock", "check_directory", "claim_directory", "last_beat",
+           "resume_clock", "study_elapsed"]
 
 Log = Callable[[str], None]
 Lock = Callable[[str, str], AbstractContextManager[None]]
@@ -333,6 +334,38 @@ def storage_lock(url: str, study_name: str) -> Iterator[None]:
     """Hold the study's lock in its storage (its backend's ``lock``): one worker at a time counts and asks."""
     with _THREAD_LOCK, backend_of(url).lock(url, study_name):
         yield
+
+
+def check_directory(storage: BaseStorage, url: str, name: str, directory: Path) -> None:
+    """Refuse a run without workers of study ``name`` in storage ``url`` (one outside the study directory: a study's
+    ``storage:``) from ``directory`` when another study directory runs it (``claim_directory``). The caller holds
+    the storage lock from here to ``claim_directory``, so of two runs started at once one is refused.
+
+    Such a run takes every RUNNING trial of its study for one its own killed run left, and retries it; a run that
+    failed before its first trial is deleted and started anew: two runs from two directories over one storage would
+    each fail (or delete) the other's trials, and the first stop on its next tell (``UpdateFinishedTrialError``).
+    Processes share a study as workers (``--workers``, ``--join``, ``sweep worker``), which tell a dead worker's
+    trials from a live one's by their heartbeats.
+
+    Raises:
+        UserError: the study is recorded as run from another directory (one line naming both).
+    """
+    here = str(directory.absolute())
+    try:
+        owner = optuna.load_study(study_name=name, storage=storage).user_attrs.get(attrs.DIRECTORY)
+    except KeyError:  # no such study yet
+        return
+    if owner is not None and owner != here:
+        raise UserError(f"storage: study {name!r} in {redact_url(url)} is run from the study directory {owner}, not "
+                        f"{here}: give --out {owner} to resume it there, or run it with --workers (--join to add "
+                        "processes) to share it")
+
+
+def claim_directory(study: optuna.Study, directory: Path) -> None:
+    """Record ``directory`` as the study directory that runs ``study`` without workers (``check_directory``)."""
+    here = str(directory.absolute())
+    if study.user_attrs.get(attrs.DIRECTORY) != here:
+        study.set_user_attr(attrs.DIRECTORY, here)
 
 
 def last_beat(trial: optuna.trial.FrozenTrial) -> float:
