@@ -108,7 +108,8 @@ def select_trial(store: ResultsStore, *, trial: int | None = None, best: bool = 
             raise UserError(f"export: trial {trial} does not exist in this study ({known})")
         if rec.state != "COMPLETE":
             why = f" ({rec.reason.strip().splitlines()[0]})" if rec.reason and rec.reason.strip() else ""
-            raise UserError(f"export: trial {trial} is {(rec.state or 'unknown').lower()}{why}; "
+            state = {"FAIL": "failed"}.get(rec.state or "", (rec.state or "unknown").lower())
+            raise UserError(f"export: trial {trial} is {state}{why}; "
                             "only complete trials have an adapter")
         return rec
     meta = store.meta()

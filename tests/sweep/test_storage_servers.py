@@ -1,6 +1,6 @@
 """``sweep.storage`` over a database server that accepts connections and never answers: bounded by the connect
 timeout, stopped by SIGTERM, one line naming the masked URL; a bare ``postgresql://`` or ``mysql://`` takes the
-installed driver; a URL no storage takes is refused before the model loads."""
+installed driver. (A URL no storage takes, refused before the model loads: tests/sweep/test_battery.py.)"""
 
 from __future__ import annotations
 
@@ -92,12 +92,3 @@ def test_a_scheme_without_its_driver_names_the_extra(monkeypatch) -> None:  # no
                                         r"pip install 'lora-sweep\[mysql\]'"):
         normalize_url("mysql+pymysql://h/db")
 
-
-def test_a_storage_no_backend_takes_is_refused_before_the_model_loads(tiny_dirs, tmp_path) -> None:
-    study = write_study(tmp_path, tiny_dirs("llama"), storage="oracle://alice:SECRETPW@h/db")
-    done = subprocess.run(cli("run", str(study)), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 2 and done.stdout == ""
-    assert done.stderr.strip().splitlines() == [
-        "error: storage: no storage takes 'oracle://alice:***@h/db' (expected journal://..., sqlite://..., "
-        "postgresql..., mysql..., mariadb... or a path ending in .log)"]
-    assert not (tmp_path / "runs-small" / "results.db").exists()
