@@ -14,20 +14,18 @@ note. ``merge=True`` writes the base model with W + s·B·A folded in, plus its 
 from __future__ import annotations
 
 import datetime as dt
-import glob
 import json
 import math
 import os
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lora_sweep.errors import UserError
 from lora_sweep.packer.api import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, read_jsonl
-from lora_sweep.sweep._faults import fault_line
+from lora_sweep.sweep._scratch import plain_modes, scratch_dir, unwritable
 from lora_sweep.sweep.store import ResultsStore, StudyDir, TrialRecord, constraint_text, is_feasible, pareto_front
 
 if TYPE_CHECKING:  # torch, safetensors and transformers load in the functions that need them: errors stay fast
@@ -359,73 +357,6 @@ def _check_out(out: Path, cli: bool) -> None:
         raise UserError(f"export: {out} exists and is not empty; choose {_opt('out', cli)}")
 
 
-def _scratch_prefix(out: Path) -> str:
-    """The name of an export's scratch directory beside ``out`` up to the pid of the process writing it."""
-    return f".{out.name}.partial-"
-
-
-def _fresh_dir(out: Path, cli: bool) -> Path:
-    """A scratch directory beside ``out`` (``.<name>.partial-<pid>-<random>``, renamed onto ``out`` once complete),
-    after removing those that exports to ``out`` by processes no longer alive left behind (a SIGKILL, a power loss:
-    a Ctrl-C or SIGTERM removes its own).
-
-    Raises:
-        UserError: ``out`` is taken (``_check_out``) or cannot be written (named as given, ``_unwritable``).
-    """
-    _check_out(out, cli)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        for old in out.parent.glob(glob.escape(_scratch_prefix(out)) + "*"):
-            pid = old.name.removeprefix(_scratch_prefix(out)).split("-", 1)[0]
-            if pid.isdigit() and not _alive(int(pid)):
-                shutil.rmtree(old, ignore_errors=True)
-        return Path(tempfile.mkdtemp(prefix=f"{_scratch_prefix(out)}{os.getpid()}-", dir=out.parent))
-    except OSError as err:
-        refused = _unwritable(out, err)
-        if refused is None:
-            raise
-        raise refused from err
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this host."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        return True
-    return True
-
-
-def _unwritable(out: Path, err: BaseException) -> UserError | None:
-    """The one line for an ``err`` the system gave while writing ``out`` (a read-only or full disk, a file in the
-    way: ``sweep._faults.fault_line``), naming ``out`` where it named the scratch directory; None for another error."""
-    line = fault_line(err, out.parent)
-    if line is None:
-        return None
-    if line.startswith("no space left"):  # (its advice is a study's)
-        return UserError(f"export: no space left on the device for {out}: nothing was written (the partial export "
-                         f"is removed); free space and run the same command again")
-    scratch = re.escape(str(out.parent / _scratch_prefix(out))) + r"[\w-]*"  # mkdtemp's names: letters, digits, _
-    return UserError(f"export: {re.sub(scratch, lambda _: str(out), line)}")
-
-
-def _umask() -> int:
-    """The process's umask (read by setting it and putting it back: POSIX has no getter)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def _plain_modes(root: Path) -> None:
-    """Give ``root`` and everything in it the modes ``mkdir`` and ``open`` would have (0755 / 0644 under
-    umask 022): ``mkdtemp`` made ``root`` 0700, and a serving process of another user must read the export."""
-    mask = _umask()
-    for path in [root, *root.rglob("*")]:
-        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
-
-
 def export_trial(study_dir: str | Path, out: str | Path, *, trial: int | None = None, best: bool = False,
                  objective: str | None = None, vllm: bool = True, merge: bool = False,
                  allow_infeasible: bool = False, cli: bool = False) -> Export:
@@ -467,7 +398,8 @@ def export_trial(study_dir: str | Path, out: str | Path, *, trial: int | None = 
             config, tensors, changes = vllm_adapter(config, tensors, cli)
         else:  # the export is still what PEFT loads: the trial as trained
             note = f"export: not padded for vLLM: the adapter uses {why} (it loads in PEFT as trained)"
-    tmp = _fresh_dir(out, cli)
+    _check_out(out, cli)
+    tmp = scratch_dir(out)
     try:
         if merge:
             from lora_sweep.packer.api import load_base
@@ -483,12 +415,12 @@ def export_trial(study_dir: str | Path, out: str | Path, *, trial: int | None = 
             (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         (tmp / "README.md").write_text(model_card(meta, rec, config, out, source=source, changes=changes,
                                                   merged=merge))
-        _plain_modes(tmp)
+        plain_modes(tmp)
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)
     except Exception as err:
-        refused = _unwritable(out, err)
+        refused = unwritable(out, err)
         if refused is None:
             raise
         raise refused from err
