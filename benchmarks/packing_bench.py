@@ -9,6 +9,9 @@ micro-batch is ``--micro`` examples padded to the pack's longest row; packed, ea
 is as many rows of ``--row-len`` tokens as hold about as many examples. Reported per run: examples
 and real (non-padding) tokens per step, the padding fraction of the padded batch, the median step
 time (``timing.timed_steps``: the loss read back and the device synchronised after every step), and real tokens/s.
+Unpacked steps pad to the step lengths a sweep fits to the data (at most ``packer.step.shapes.MAX_BUCKETS``:
+bounded shapes, so bounded CUDA graphs; ``--unbounded``: a multiple of 16 each, as before); each run also says the
+step shapes and graphs it took and, on CUDA, the most memory the allocator reserved (the graphs' pool included).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from lora_sweep.packer.model.load import load_base
 from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.step.loop import SEQ_MULTIPLE
+from lora_sweep.packer.step.shapes import length_buckets, padded_length
 from lora_sweep.packer.step.train import SlotJob
 from lora_sweep.packer.tiny.models import build_tiny_model
 
@@ -59,8 +63,13 @@ def _examples(n: int, row_len: int, vocab: int = 500) -> list[Example]:
 
 
 def _run(model: torch.nn.Module, examples: list[Example], *, slots: int, micro: int, packed: bool, row_len: int,
-         steps: int, warmup: int, flops_per_token: float, tflops: float) -> dict:
+         steps: int, warmup: int, flops_per_token: float, tflops: float, bounded: bool = True) -> dict:
     """One run's row (module docstring), checked (``check_row``) against the device's GEMM rate ``tflops``."""
+    lengths = length_buckets([len(e.input_ids) for e in examples], slots * micro) if bounded and not packed else None
+    cuda = next(model.parameters()).is_cuda
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     pm = PackedModel(model, impl="triton" if next(model.parameters()).is_cuda else "torch")
     streams = []
     jobs = []
@@ -70,22 +79,25 @@ def _run(model: torch.nn.Module, examples: list[Example], *, slots: int, micro: 
         spec = AdapterSpec(rank=16, alpha=32, targets=PROJ, micro_batch=micro, max_steps=warmup + steps, seed=i,
                            lr=1e-4, sample_packing=packed)
         jobs.append(SlotJob(spec, streams[-1], key=i))
-    timed = timed_steps(pm, jobs, slots, chunked_ce=True)
+    timed = timed_steps(pm, jobs, slots, chunked_ce=True, lengths=lengths)
     step_s = timed.median(warmup)
     padded, examples_per_step = [], []
     for step in range(warmup, warmup + steps):
         rows = [r for s in streams for r in s.served[step]]
-        padded.append(len(rows) * max(len(r.input_ids) for r in rows))
+        padded.append(len(rows) * padded_length(max(len(r.input_ids) for r in rows), SEQ_MULTIPLE, lengths))
         examples_per_step.append(sum(getattr(r, "n_examples", 1) for r in rows))
     real_tokens = timed.input_tokens(warmup)
     row = dict(mode="packed" if packed else "unpacked", slots=slots, micro=micro,
                row_len=row_len if packed else None, examples_per_step=round(statistics.mean(examples_per_step), 1),
                real_tokens_per_step=round(real_tokens), padding=round(1 - real_tokens / statistics.mean(padded), 3),
-               step_ms=sig(step_s * 1e3), tok_s=round(real_tokens / step_s))
+               step_ms=sig(step_s * 1e3), tok_s=round(real_tokens / step_s), shapes=len(timed.result.shapes),
+               graphs=timed.result.graphs,
+               reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2) if cuda else None)
     return check_row(row, f"{row['mode']} {slots} slots", flops_per_token=flops_per_token, tflops=tflops)
 
 
-def run(shape: str | None, *, slots: int, micro: int, row_len: int, steps: int, warmup: int) -> list[dict]:
+def run(shape: str | None, *, slots: int, micro: int, row_len: int, steps: int, warmup: int,
+        bounded: bool = True) -> list[dict]:
     """Both runs; ``shape`` None: the tiny Llama on the CPU."""
     if shape is None:
         with tempfile.TemporaryDirectory() as tmp:
@@ -99,7 +111,7 @@ def run(shape: str | None, *, slots: int, micro: int, row_len: int, steps: int, 
     ceiling = dict(flops_per_token=step_flops(model.config, counted_params(model), 1, 1),
                    tflops=gemm_tflops(next(model.parameters()).device))
     out = [_run(model, examples, slots=slots, micro=micro, packed=False, row_len=row_len, steps=steps,
-                warmup=warmup, **ceiling),
+                warmup=warmup, bounded=bounded, **ceiling),
            _run(model, examples, slots=slots, micro=rows, packed=True, row_len=row_len, steps=steps, warmup=warmup,
                 **ceiling)]
     for r in out:
@@ -136,6 +148,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--row-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--unbounded", action="store_true", help="unpacked steps padded to a multiple of 16 each (one "
+                   "CUDA graph per length) instead of at most MAX_BUCKETS lengths fitted to the rows")
     p.add_argument("--layout", metavar="JSONL", help="no training: what a slot's steps hold on this dataset, "
                    "tokenized by --tokenizer (a model directory), unpacked (--micro examples) and packed (--micro "
                    "rows of --row-len), over 150 steps")
@@ -150,7 +164,8 @@ def main(argv: list[str] | None = None) -> None:
         for r in layout(examples, micro=a.micro, row_len=a.row_len):
             print(json.dumps(r))
         return
-    rows = run(a.shape, slots=a.slots, micro=a.micro, row_len=a.row_len, steps=a.steps, warmup=a.warmup)
+    rows = run(a.shape, slots=a.slots, micro=a.micro, row_len=a.row_len, steps=a.steps, warmup=a.warmup,
+               bounded=not a.unbounded)
     for r in rows:
         print(json.dumps(r))
 

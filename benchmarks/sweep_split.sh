@@ -12,7 +12,7 @@
 # install with --no-compile otherwise makes the timed run compile every module it imports first (~11 s before
 # training starts on a 2-core CPU VM, ~4 s more for the report). BENCH_COLD_BYTECODE=1 skips this and measures
 # that cold case.
-# Triton's kernel cache (~/.triton/cache, or $TRITON_CACHE_DIR) is what it is: warm after a first run on this machine.
+# Triton's kernel cache ($LORA_SWEEP_CACHE/triton/..., or $TRITON_CACHE_DIR) is what it is: warm after a first run here.
 # BENCH_COLD_TRITON=1 points TRITON_CACHE_DIR at a new empty folder, to time a machine's first run.
 # BENCH_WRAP prefixes the timed command, e.g. BENCH_WRAP="py-spy record -f raw -o spy.txt --" to profile it.
 # Usage: benchmarks/sweep_split.sh [CONFIG_DIR] [OVERRIDES...]   e.g. ... cfg train.max_steps=150 'pruning.rungs=[40]'
@@ -67,11 +67,12 @@ import json, sys
 run = json.load(open(sys.argv[1]))["runs"][-1]
 before = run.get("process_before_s")
 if before is not None:
-    print(f"outside the split: {before:.1f} s before the run (imports), "
-          f"{float(sys.argv[2]) - before - run['wall_s']:.1f} s after it (report, exit)")
+    print(f"outside the split: {before:.1f} s before it, {float(sys.argv[2]) - before - run['wall_s']:.1f} s after it "
+          f"(the split starts at the process's start: source {run.get('source', 'run')})")
     # the samples (every 0.5 s from the command's start) from the end of the load to the end of the run
     util = [float(x) for x in open(sys.argv[3]).read().split()]
-    t0, t1 = before + run["phases"]["load"], before + run["wall_s"]
+    ph = run["phases"]
+    t0, t1 = before + ph.get("import", 0) + ph.get("read", 0) + ph["load"], before + run["wall_s"] - ph.get("report", 0)
     window = [u for i, u in enumerate(util) if t0 <= i * 0.5 < t1]
     if window:
         print(f"gpu util after the load, {t0:.1f}-{t1:.1f} s of the command: {sum(window) / len(window):.1f}% "

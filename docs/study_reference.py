@@ -190,6 +190,19 @@ def _metric_bullets() -> list[str]:
             f"- always (from the trainer's numbers, `evaluators.cost`): {cost}."]
 
 
+def _user_code() -> list[str]:
+    return ["**A study file that names `file.py:OBJECT` (an evaluator, or the `custom` evaluator's `function`) runs "
+            "that file's Python code**, with your permissions, as a Python config would: read a study file from "
+            "someone else as you would read their script. The file is taken from the study file's folder when its "
+            "path is relative, and imported once per process, when `sweep run` (or `lora_sweep.run`) loads the "
+            "study; `sweep plan` only checks that the file exists (it prints a note saying it did not import it), "
+            "and `sweep status` and `sweep report` read only the study directory. While it runs, the code is "
+            "contained: what it raises, a result that is not an `EvalResult` or a metric that is not a finite number "
+            "fails the trials it was scoring with a one-line reason, and the run goes on; past `evaluators[].timeout` "
+            "or `budget.wall_time` its trials fail and the run stops ([troubleshooting](../troubleshooting.md)).",
+            ""]
+
+
 def _evaluator_options() -> list[str]:
     out = ["### Evaluator options", "",
            "`options` of each evaluator (`evaluators: [{name: generation, options: {max_new_tokens: 8}}]`); "
@@ -224,7 +237,7 @@ def generate() -> str:
     names = ", ".join(f"`{e.name}`" for e in registry.EVALUATORS)
     out += [f"Evaluator names: {names}, or `file.py:OBJECT` naming an evaluator of your own "
             "([Extending](../guides/extending.md)). The metric names objectives, constraints and `pruning.proxy` may "
-            "use (from `lora_sweep.evaluators`):", "", *_metric_bullets(), "", *_evaluator_options()]
+            "use (from `lora_sweep.evaluators`):", "", *_metric_bullets(), "", *_user_code(), *_evaluator_options()]
     return "\n".join(out).rstrip() + "\n"
 
 

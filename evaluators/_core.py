@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import MISSING, dataclass, field, fields
@@ -22,11 +23,11 @@ from typing import Any, Literal, Protocol
 
 from lora_sweep.errors import ConfigError, DataError, UserError
 from lora_sweep.kernels.ops import PackLayout
-from lora_sweep.packer.api import FORMATS, PackedModel, json_error, read_jsonl
+from lora_sweep.packer.api import FORMATS, PackedModel, iter_lines, json_error, line_bound, read_jsonl
 
 __all__ = ["MC_FORMAT", "TEXT_FORMATS", "Evaluator", "Score", "EvalData", "EvalResult", "SlotEvalError",
            "load_eval_data", "make_options", "check_format", "routed", "slot_layout", "chunks", "pad_id", "finite",
-           "Batched", "check_batched", "uses_batched"]
+           "Batched", "check_batched", "uses_batched", "check_result"]
 
 Batched = bool | Literal["auto"]
 """An evaluator's ``batched`` option (alias ``static_shapes``): ``"auto"``, ``True`` or ``False`` (``uses_batched``)."""
@@ -166,7 +167,8 @@ class Evaluator:
 
 
 def load_eval_data(path: str | Path, tokenizer: Any, *, fmt: str = "auto", max_length: int = 512,
-                   train_on_prompt: bool = False, work_dir: str | Path | None = None) -> EvalData:
+                   train_on_prompt: bool = False, work_dir: str | Path | None = None,
+                   max_line_bytes: int | None = None) -> EvalData:
     """Read a held-out JSONL file.
 
     Args:
@@ -177,38 +179,31 @@ def load_eval_data(path: str | Path, tokenizer: Any, *, fmt: str = "auto", max_l
         max_length: see ``EvalData``.
         train_on_prompt: see ``EvalData``.
         work_dir: see ``EvalData``.
+        max_line_bytes: the longest row read (``packer.data.lines.iter_lines``); None: ``line_bound(max_length)``.
 
     Raises:
-        DataError: missing file, invalid JSON or a row without the format's fields (names ``file:line``).
+        DataError: missing file, invalid JSON, a row over the bound or without the format's fields (names
+            ``file:line``).
     """
-    if fmt == MC_FORMAT or (fmt == "auto" and _first_row_has(path, "choices")):
-        fmt, rows = MC_FORMAT, _read_choice_rows(path)
+    bound = line_bound(max_length) if max_line_bytes is None else max_line_bytes
+    if fmt == MC_FORMAT or (fmt == "auto" and _first_row_has(path, "choices", bound)):
+        fmt, rows = MC_FORMAT, _read_choice_rows(path, bound)
     else:
-        fmt, rows = read_jsonl(path, fmt)
+        fmt, rows = read_jsonl(path, fmt, bound)
     return EvalData(rows, fmt, tokenizer, str(path), max_length, train_on_prompt,
                     Path(work_dir) if work_dir is not None else None)
 
 
-def _first_row_has(path: str | Path, key: str) -> bool:
+def _first_row_has(path: str | Path, key: str, bound: int) -> bool:
     try:
-        with open(path, encoding="utf-8-sig") as f:
-            line = next((ln for ln in f if ln.strip()), "")
+        line = next((ln for _, ln in iter_lines(path, bound) if ln.strip()), "")
         return isinstance(row := json.loads(line), dict) and key in row
-    except (OSError, json.JSONDecodeError):
+    except (DataError, json.JSONDecodeError):
         return False  # read_jsonl reports it with file:line
 
 
-def _read_choice_rows(path: str | Path) -> list[dict[str, Any]]:
-    rows = []
-    try:
-        with open(path, encoding="utf-8-sig") as f:
-            for lineno, line in enumerate(f, start=1):
-                if line.strip():
-                    rows.append(_check_choice_row(line, f"{path}:{lineno}"))
-    except FileNotFoundError:
-        raise DataError(f"{path}: file not found") from None
-    except OSError as err:
-        raise DataError(f"{path}: cannot read ({err.strerror})") from None
+def _read_choice_rows(path: str | Path, bound: int) -> list[dict[str, Any]]:
+    rows = [_check_choice_row(line, f"{path}:{lineno}") for lineno, line in iter_lines(path, bound) if line.strip()]
     if not rows:
         raise DataError(f"{path}: no rows")
     return rows
@@ -216,7 +211,7 @@ def _read_choice_rows(path: str | Path) -> list[dict[str, Any]]:
 
 def _check_choice_row(line: str, where: str) -> dict[str, Any]:
     try:
-        row = json.loads(line.rstrip("\r\n"))
+        row = json.loads(line)
     except json.JSONDecodeError as err:
         raise json_error(err, where) from None
     ok = (isinstance(row, dict) and isinstance(row.get("prompt"), str) and isinstance(row.get("choices"), list)
@@ -322,3 +317,48 @@ def finite(value: float, what: str) -> float:
     if not math.isfinite(out):
         raise ValueError(f"{what} must be finite, got {out}")
     return out
+
+
+def check_result(result: object, slots: Sequence[int], who: str) -> EvalResult:
+    """A user evaluator's return value, checked: an ``EvalResult`` whose metrics are finite numbers.
+
+    What is wrong fails the slot it concerns (``errors``, one line naming ``who``) and leaves the others: a result of
+    another type (a dict) fails every slot; a metric that is not a number (a string, a bool) or not finite fails its
+    slot, as does a per-item list that is not all finite numbers.
+    """
+    if not isinstance(result, EvalResult):
+        error = f"{who} returned a {type(result).__name__}, not an EvalResult"
+        return EvalResult(errors={s: SlotEvalError(s, error) for s in slots})
+    checked = EvalResult(samples={s: list(v) for s, v in result.samples.items() if s in slots},
+                         errors={s: e for s, e in result.errors.items() if s in slots})
+    for slot in slots:
+        if slot in checked.errors:
+            continue
+        reason = _bad_values(result.metrics.get(slot, {}), result.per_item.get(slot, {}))
+        if reason is not None:
+            checked.errors[slot] = SlotEvalError(slot, f"{who}: {reason}")
+            continue
+        if slot in result.metrics:
+            checked.metrics[slot] = {k: float(v) for k, v in result.metrics[slot].items()}
+        if slot in result.per_item:
+            checked.per_item[slot] = {k: [float(x) for x in v] for k, v in result.per_item[slot].items()}
+    return checked
+
+
+def _bad_values(metrics: object, per_item: object) -> str | None:
+    """Why a slot's metrics or per-item values are unusable, or None."""
+    if not isinstance(metrics, Mapping) or not isinstance(per_item, Mapping):
+        return f"metrics must map names to numbers, got a {type(metrics).__name__}"
+    for name, value in metrics.items():
+        if not _is_number(value):
+            return f"metric {name!r} is a {type(value).__name__} ({str(value)[:40]!r}), not a number"
+        if not math.isfinite(value):
+            return f"metric {name!r} is not finite ({value})"
+    for name, items in per_item.items():
+        if not isinstance(items, Sequence) or not all(_is_number(x) and math.isfinite(x) for x in items):
+            return f"per-item values of {name!r} must be a list of finite numbers"
+    return None
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)  # numbers.Real: NumPy's floats too

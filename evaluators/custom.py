@@ -8,6 +8,10 @@ Every slot answers every held-out prompt (``evaluators.generation``, the trainin
 
 When the function raises or returns something that is not a finite number, that slot gets a
 ``SlotEvalError`` with the reason in ``EvalResult.errors`` (its trial fails); the other slots are scored.
+
+A study file naming ``file.py:function`` (here, or ``file.py:OBJECT`` as an evaluator) runs that file's code, as a
+Python config would. It is imported once per process (``load_object`` keeps the module), when the study is
+loaded for a run; inside ``deferred_user_code()`` (``sweep plan``) it is not imported at all, only looked for.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ import importlib
 import importlib.util
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +33,32 @@ from lora_sweep.evaluators._core import EvalData, EvalResult, Evaluator, SlotEva
 from lora_sweep.evaluators.generation import GenerationOptions, build_prompts, generate_texts
 from lora_sweep.packer.api import PackedModel
 
-__all__ = ["CustomOptions", "custom", "CUSTOM", "load_object", "load_function", "load_option_function"]
+__all__ = ["CustomOptions", "custom", "CUSTOM", "load_object", "load_function", "load_option_function",
+           "deferred_user_code", "user_code_deferred", "is_file_target"]
+
+_DEFERRED: ContextVar[bool] = ContextVar("lora_sweep_user_code_deferred", default=False)
+
+
+@contextmanager
+def deferred_user_code() -> Iterator[None]:
+    """Inside the block, a study's user code (``file.py:OBJECT`` evaluators, ``custom``'s ``function``) is not
+    imported: a file it names must exist, and what only importing it can check (the object, its options and
+    metrics) is left to the run. ``sweep plan`` loads its study this way."""
+    token = _DEFERRED.set(True)
+    try:
+        yield
+    finally:
+        _DEFERRED.reset(token)
+
+
+def user_code_deferred() -> bool:
+    """Whether the caller is inside ``deferred_user_code()``."""
+    return _DEFERRED.get()
+
+
+def is_file_target(target: str) -> bool:
+    """Whether the ``target`` of ``target:name`` is a file path (else an importable module name)."""
+    return target.endswith(".py") or "/" in target or "\\" in target
 
 _METRIC_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
@@ -37,7 +68,8 @@ class CustomOptions:
     """Options of the ``custom`` evaluator."""
 
     function: str
-    """``package.module:function`` (importable) or ``path/to/file.py:function``."""
+    """``package.module:function`` (importable) or ``path/to/file.py:function`` (a relative path: from the study
+    file's folder); the function runs in the sweep's process (docs/guides/extending.md)."""
     metric: str | None = None
     """Name of the reported metric; default: the function's name."""
     direction: str = "maximize"
@@ -76,8 +108,10 @@ def load_object(spec: str, kind: str = "") -> Any:
         ConfigError: the module or file cannot be imported, or has no such attribute (one line).
     """
     target, _, name = spec.rpartition(":")
+    if user_code_deferred():
+        raise AssertionError("load_object inside deferred_user_code(): check_target instead")
     try:
-        if target.endswith(".py") or "/" in target or "\\" in target:
+        if is_file_target(target):
             module = _import_file(Path(target))
         else:
             module = importlib.import_module(target)
@@ -112,12 +146,38 @@ def load_option_function(opts: CustomOptions) -> Callable[..., Any]:
         raise ConfigError(f"custom.options.{err}") from None
 
 
+def check_target(spec: str) -> None:
+    """What can be checked of ``file.py:name`` / ``module:name`` without running it: a file that exists.
+
+    Raises:
+        ConfigError: a file path that names no file (one line).
+    """
+    target = spec.rpartition(":")[0]
+    if is_file_target(target) and not Path(target).expanduser().is_file():
+        raise ConfigError(f"function: file not found: {Path(target).expanduser().resolve()}")
+
+
+def _check_option_function(opts: CustomOptions) -> None:
+    """``CUSTOM``'s load-time check: the function imports (only its file is looked for in ``deferred_user_code``)."""
+    if user_code_deferred():
+        try:
+            check_target(opts.function)
+        except ConfigError as err:
+            raise ConfigError(f"custom.options.{err}") from None
+        return
+    load_option_function(opts)
+
+
 def _import_file(path: Path) -> Any:
+    """The module of ``path``, executed once per process: a study names the file in its evaluators, objectives and
+    rung evaluations, and a file that loads a judge model when imported must pay for it once."""
     path = path.expanduser().resolve()
     if not path.is_file():
         raise ConfigError(f"function: file not found: {path}")
     # A name per file, so two studies' metrics.py never shadow each other in sys.modules.
     mod_name = f"_lora_sweep_metric_{hashlib.sha1(str(path).encode()).hexdigest()[:12]}"
+    if mod_name in sys.modules:
+        return sys.modules[mod_name]
     spec = importlib.util.spec_from_file_location(mod_name, path)
     if spec is None or spec.loader is None:
         raise ConfigError(f"function: cannot import {path}")
@@ -166,7 +226,7 @@ def custom(model: PackedModel, slots: Sequence[int], data: EvalData, **options: 
 
 CUSTOM = Evaluator("custom", CustomOptions, custom, metrics=lambda opts: {opts.metric_name: opts.direction},
                    reports="its `metric` option (default: the function's name)",
-                   check=load_option_function)
+                   check=_check_option_function)
 """The ``custom`` evaluator: a user's metric function over each slot's generations."""
 
 

@@ -6,15 +6,28 @@ one more object in the list. A study names a user's own evaluator object as ``pa
 ``package.module:OBJECT`` (``find``; docs/guides/extending.md). Besides what the evaluators report, every trial
 has the cost metrics of ``evaluators.cost`` (``adapter_params``, ``train_tokens``, ``device_seconds``,
 ``peak_memory_mb``).
+
+User code (a ``file.py:OBJECT`` evaluator, or ``custom``'s function) is contained: it runs in a watchdog thread
+(``evaluate``), and what it raises, returns wrongly (``check_result``) or the time it overruns
+(``EvalSpec.timeout``, ``budget.wall_time``) fails the trials it was scoring with a one-line reason. A thread cannot
+be killed, and the evaluator cannot move to another process (it reads the packed model's adapters in this process's
+device memory): a hung one is abandoned (``abandoned``) and ``EvaluatorHung`` stops the run, because that thread may
+still be using the model; the command line then leaves with ``os._exit`` once the run has written everything.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from lora_sweep.errors import ConfigError
+import torch
+
+from lora_sweep.errors import ConfigError, UserError
 from lora_sweep.evaluators._core import (
     MC_FORMAT,
     EvalData,
@@ -22,18 +35,24 @@ from lora_sweep.evaluators._core import (
     Evaluator,
     Score,
     SlotEvalError,
+    check_result,
     load_eval_data,
 )
 from lora_sweep.evaluators.choice import MULTIPLE_CHOICE
 from lora_sweep.evaluators.cost import COST_METRICS
-from lora_sweep.evaluators.custom import CUSTOM, load_object
+from lora_sweep.evaluators.custom import CUSTOM, check_target, deferred_user_code, load_object, user_code_deferred
 from lora_sweep.evaluators.generation import GENERATION
 from lora_sweep.evaluators.heldout_loss import HELDOUT_LOSS
 from lora_sweep.evaluators.lm_eval import LM_EVAL
 from lora_sweep.packer.api import PackedModel
 
 __all__ = ["Evaluator", "Score", "EVALUATORS", "MC_FORMAT", "EvalData", "EvalResult", "SlotEvalError",
-           "load_eval_data", "find", "validate", "metrics_of", "metric_direction", "evaluate"]
+           "load_eval_data", "find", "validate", "metrics_of", "metric_direction", "evaluate", "is_user_code",
+           "deferred_user_code", "Limits", "EvaluatorHung", "abandoned", "DEFAULT_TIMEOUT"]
+
+DEFAULT_TIMEOUT = 600.0
+"""Seconds a user's evaluator may take on one set of slots (``EvalSpec.timeout``'s default): generous for a
+judge over a few hundred generations, short enough that a hung one costs minutes, not a night."""
 
 EVALUATORS: list[Evaluator] = [HELDOUT_LOSS, GENERATION, MULTIPLE_CHOICE, LM_EVAL, CUSTOM]
 """The built-in evaluators, in the order the study-file reference lists them."""
@@ -55,6 +74,8 @@ def find(name: str) -> Evaluator:
     if ":" not in name:
         raise ConfigError(f"evaluators: unknown evaluator {name!r} (expected one of: "
                           f"{', '.join(e.name for e in EVALUATORS)}, or file.py:OBJECT naming an Evaluator)")
+    if user_code_deferred():
+        return _unimported(name)
     try:
         obj = load_object(name)
     except ConfigError as err:
@@ -63,6 +84,36 @@ def find(name: str) -> Evaluator:
         raise ConfigError(f"evaluators: name: {name} is a {type(obj).__name__}, not an "
                           "lora_sweep.evaluators.registry.Evaluator")
     return obj
+
+
+def is_user_code(name: str) -> bool:
+    """Whether an ``evaluators:`` entry runs a user's code: ``file.py:OBJECT`` / ``module:OBJECT``, or ``custom``."""
+    return name == CUSTOM.name or all(e.name != name for e in EVALUATORS)
+
+
+def _unimported(name: str) -> Evaluator:
+    """A user's evaluator inside ``deferred_user_code()``: its file looked for, not imported; any options and any
+    metric name accepted (they are checked when the run imports it)."""
+    try:
+        check_target(name)
+    except ConfigError as err:
+        raise ConfigError(f"evaluators: name: {name}: {str(err).removeprefix('function: ')}") from None
+
+    return _Unimported(name, dict, _not_run, metrics=lambda opts: {}, reports="(not imported)",
+                       families=lambda opts: {"": lambda metric: "maximize"})
+
+
+def _not_run(model: PackedModel, slots: Sequence[int], data: EvalData, **options: Any) -> EvalResult:
+    raise AssertionError("an evaluator loaded in deferred_user_code() cannot score")
+
+
+@dataclass(frozen=True)
+class _Unimported(Evaluator):
+    """A user's evaluator that ``deferred_user_code()`` did not import."""
+
+    def load(self, options: Mapping[str, Any] | None = None) -> Any:
+        """Any options: only the evaluator itself can check them."""
+        return dict(options or {})
 
 
 def validate(name: str, options: Mapping[str, Any] | None = None) -> Any:
@@ -102,18 +153,113 @@ def metric_direction(metric: str, entries: Iterable[Entry]) -> str:
     raise ConfigError(f"metric: unknown metric {metric!r} (reported: {', '.join(sorted(reported))})")
 
 
+@dataclass(frozen=True)
+class Limits:
+    """How long the user code among the entries may run (``evaluate``)."""
+
+    timeouts: Mapping[str, float] = field(default_factory=dict)
+    """Entry name -> seconds (``EvalSpec.timeout``); an entry not listed: ``DEFAULT_TIMEOUT``."""
+    deadline: float | None = None
+    """``time.monotonic()`` at which ``budget.wall_time`` is spent; None: no wall-time budget."""
+    timeout_keys: Mapping[str, str] = field(default_factory=dict)
+    """Entry name -> the key that set its timeout (``evaluators.0.timeout``), for the reason."""
+    grace: float = 10.0
+    """Seconds an evaluation may always have, even one that starts after ``deadline`` or just before it: the trials
+    training when the wall-time budget ends run on to their end (``budget``), and are still scored."""
+
+
+class EvaluatorHung(UserError):
+    """A user's evaluator ran past its timeout or the wall-time budget; its thread is abandoned (``abandoned``).
+
+    Attributes:
+        result: the evaluation so far, every slot of the hung entry in ``errors`` with the reason.
+    """
+
+    def __init__(self, reason: str, result: EvalResult) -> None:
+        super().__init__(reason)
+        self.result = result
+
+
+_ABANDONED: list[threading.Thread] = []
+
+
+def abandoned() -> list[threading.Thread]:
+    """The threads of hung evaluators this process left running (a process holding one should end with
+    ``os._exit`` once its results are written: the interpreter's teardown would run beside that code)."""
+    return [t for t in _ABANDONED if t.is_alive()]
+
+
 def evaluate(model: PackedModel, slots: Sequence[int], data: EvalData, entries: Iterable[Entry],
-             timings: Callable[[str, float], None] | None = None) -> EvalResult:
+             timings: Callable[[str, float], None] | None = None, limits: Limits | None = None) -> EvalResult:
     """Run several evaluator entries ``(name, options)`` on the same slots and merge their results.
 
-    ``timings``: called with each entry's name and its wall seconds (the sweep's wall-time split).
+    ``timings``: called with each entry's name and its wall seconds (the sweep's wall-time split). User code
+    (``is_user_code``) runs under ``limits`` in a watchdog thread; what it raises or returns wrongly becomes each
+    slot's error (``EvalResult.errors``) and the next entry runs.
+
+    Raises:
+        EvaluatorHung: a user's evaluator ran past its timeout or ``limits.deadline`` (the entries after it are not
+            run; the exception holds the result so far).
     """
     result = EvalResult()
     for name, options in entries:
         evaluator = find(name)
         evaluator.load(options)
         t0 = time.perf_counter()
-        result.merge(evaluator.score(model, slots, data, **dict(options or {})))
+        if is_user_code(name):
+            part = _contained(name, evaluator, model, slots, data, dict(options or {}), limits or Limits(), result)
+        else:
+            part = evaluator.score(model, slots, data, **dict(options or {}))
+        result.merge(part)
         if timings is not None:
             timings(name, time.perf_counter() - t0)
     return result
+
+
+def _contained(entry: str, evaluator: Evaluator, model: PackedModel, slots: Sequence[int], data: EvalData,
+               options: dict[str, Any], limits: Limits, so_far: EvalResult) -> EvalResult:
+    """One user evaluator in a watchdog thread: its result checked, or every slot failed with the reason.
+
+    The thread runs with the caller's grad mode and CUDA stream (both are per thread in torch), so the evaluator sees
+    the model as an evaluator in the main thread would; the caller waits, so the model is never used by two threads.
+    """
+    target, _, obj = entry.rpartition(":")
+    name = f"{Path(target).name}:{obj}" if target else entry  # the file's name: the study gives its whole path
+    box: dict[str, Any] = {}
+    grad = torch.is_grad_enabled()
+    stream = torch.cuda.current_stream(model.device) if model.device.type == "cuda" else None
+
+    def run() -> None:
+        try:
+            with torch.set_grad_enabled(grad), torch.cuda.stream(stream) if stream is not None else nullcontext():
+                box["result"] = evaluator.score(model, slots, data, **options)
+        except BaseException as err:  # the user's code may raise anything; its trials fail with it
+            box["error"] = err
+
+    thread = threading.Thread(target=run, name=f"evaluator {name}", daemon=True)
+    timeout = limits.timeouts.get(entry, DEFAULT_TIMEOUT)
+    wait = timeout if limits.deadline is None else min(timeout, max(limits.grace, limits.deadline - time.monotonic()))
+    thread.start()
+    try:
+        thread.join(wait)
+    finally:
+        if thread.is_alive():  # past the limit, or a Ctrl-C / SIGTERM while waiting: it cannot be stopped
+            _ABANDONED.append(thread)
+    if thread.is_alive():
+        if wait < timeout:
+            why = f"budget.wall_time was reached while evaluator {name} ran ({wait:.0f} s)"
+        else:
+            why = f"evaluator {name} did not return within {timeout:g} s ({limits.timeout_keys.get(entry, 'timeout')})"
+        failed = _failed(slots, why)
+        raise EvaluatorHung(f"{why}; its trials failed and the run stops (the evaluator's thread cannot be stopped "
+                            f"and may still use the model)", so_far.merge(failed))
+    if "error" in box:
+        err = box["error"]
+        if isinstance(err, KeyboardInterrupt):  # a Ctrl-C or SIGTERM landed in its thread: the run's, not the trial's
+            raise err
+        return _failed(slots, f"evaluator {name} raised {type(err).__name__}: {err}")
+    return check_result(box["result"], slots, f"evaluator {name}")
+
+
+def _failed(slots: Sequence[int], reason: str) -> EvalResult:
+    return EvalResult(errors={s: SlotEvalError(s, reason) for s in slots})

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import Context, ContextVar, copy_context
+from pathlib import Path
 
 import torch
 
@@ -22,8 +24,8 @@ try:  # the one guarded import of triton in the project (style guide habit 11): 
 except ImportError as err:
     raise ImportError("kernels' Triton path needs triton: pip install 'lora-sweep[triton]'") from err
 
-__all__ = ["INTERPRET", "PRECOMPILE_THREADS", "check_device", "hash_compiler_early", "launch", "precompile", "warming",
-           "warm_context", "run_in", "tl", "triton"]
+__all__ = ["INTERPRET", "PRECOMPILE_THREADS", "check_device", "hash_compiler_early", "kernel_cache_dir", "launch",
+           "precompile", "use_kernel_cache", "warming", "warm_context", "run_in", "tl", "triton"]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 """Read once, as ``@triton.jit`` does when it decorates a kernel."""
@@ -60,6 +62,35 @@ def hash_compiler_early() -> None:
             _COMPILER_KEY = threading.Thread(target=key, name="triton-key", daemon=True)
             _COMPILER_KEY.start()
             return
+
+
+def kernel_cache_dir(root: Path, device: torch.device) -> Path:
+    """Where compiled kernels for ``device`` are kept under ``root``: ``triton/<triton version>/<device>``, the
+    device named with its compute capability (``NVIDIA-H100-80GB-HBM3-sm90``; ``cpu`` for the interpreter).
+
+    A kernel compiled by one Triton for one GPU is never looked up by another Triton or another GPU: an upgrade or a
+    new card starts an empty folder instead of filling one shared folder with entries nobody reads again."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        name = f"{torch.cuda.get_device_name(device)}-sm{major}{minor}"
+    else:
+        name = device.type
+    return root / "triton" / triton.__version__ / re.sub(r"[^A-Za-z0-9._-]+", "-", name)
+
+
+def use_kernel_cache(root: Path, device: torch.device) -> Path:
+    """Keep the compiled kernels in ``kernel_cache_dir(root, device)`` across runs (``TRITON_CACHE_DIR``) and
+    return the folder in use: the user's ``TRITON_CACHE_DIR`` where one is set (theirs wins).
+
+    Triton reads the variable at each compile and cache lookup (``triton.knobs.cache.dir``), so this works as long
+    as it runs before the first kernel compiles; ``~/.triton/cache``, Triton's default, is keyed by nothing and
+    lives outside the project's cache folder that ``$LORA_SWEEP_CACHE`` moves."""
+    if os.environ.get("TRITON_CACHE_DIR"):
+        return Path(os.environ["TRITON_CACHE_DIR"])
+    folder = kernel_cache_dir(root, device)
+    folder.mkdir(parents=True, exist_ok=True)
+    os.environ["TRITON_CACHE_DIR"] = str(folder)  # inherited by the ranks a sharded pack launches
+    return folder
 
 
 def check_device(t: torch.Tensor, module: str) -> None:

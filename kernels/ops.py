@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from collections.abc import Callable
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -42,7 +43,7 @@ from lora_sweep.kernels.reference import lora_loop, lora_masked_dense
 
 __all__ = ["packed_lora_eval", "packed_lora_eval_linear", "packed_lora", "dora_scale", "dora_factors", "dropout_bits",
            "dropped_part", "precompile",
-           "hash_compiler_early",
+           "hash_compiler_early", "use_kernel_cache",
            "lora_operand_dtype",
            "rms_norm", "silu_mul", "rope", "rope_problem", "linear_ce", "segmented_sumsq", "segmented_adamw_",
            "segment_meta",
@@ -344,6 +345,12 @@ def precompile(run: Callable[[], object]) -> None:
     """Compile, in parallel, the Triton kernel variants that ``run`` launches (``kernels._jit.precompile``:
     launches become compile-only warm-ups while ``run`` executes)."""
     _triton_module("_jit").precompile(run)
+
+
+def use_kernel_cache(root: Path, device: torch.device) -> Path | None:
+    """Keep compiled Triton kernels under ``root`` across runs, keyed by Triton's version and the device
+    (``kernels._jit.use_kernel_cache``; the user's ``TRITON_CACHE_DIR`` wins); None without triton."""
+    return _triton_module("_jit").use_kernel_cache(root, device) if triton_available() else None
 
 
 def hash_compiler_early() -> None:

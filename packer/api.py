@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lora_sweep.packer.data.batch import PackBatch, collate
+    from lora_sweep.packer.data.lines import iter_lines, line_bound
     from lora_sweep.packer.data.packing import batches_per_epoch, slot_stream
     from lora_sweep.packer.data.rows import (
         ALPACA_PROMPT,
@@ -57,6 +58,7 @@ if TYPE_CHECKING:
     from lora_sweep.packer.model.checkpoint import (
         CONFIG_NAME,
         WEIGHTS_NAME,
+        AdapterWriter,
         discard_adapter,
         read_adapter,
         save_adapters,
@@ -73,6 +75,7 @@ if TYPE_CHECKING:
     from lora_sweep.packer.step import eval_graph
     from lora_sweep.packer.step.isolation import check_sample_packing
     from lora_sweep.packer.step.loop import rank_bucket_for
+    from lora_sweep.packer.step.shapes import length_buckets
     from lora_sweep.packer.step.train import STEP_NAMES, BatchSource, SlotEnd, SlotJob, StepReport, target_tokens, train
     from lora_sweep.packer.tiny.models import build_tiny_model
 
@@ -81,8 +84,10 @@ _WHERE: dict[str, tuple[str, ...]] = {
     "data.packing": ("batches_per_epoch", "slot_stream"),
     "data.rows": ("ALPACA_PROMPT", "ALPACA_PROMPT_NO_INPUT", "FORMATS", "IGNORE_INDEX", "Example", "SlotStream",
                   "json_error", "load_examples", "read_jsonl", "tokenize_rows"),
+    "data.lines": ("iter_lines", "line_bound"),
     "loss": ("slot_losses",),
-    "model.checkpoint": ("CONFIG_NAME", "WEIGHTS_NAME", "discard_adapter", "read_adapter", "save_adapters"),
+    "model.checkpoint": ("CONFIG_NAME", "WEIGHTS_NAME", "AdapterWriter", "discard_adapter", "read_adapter",
+                         "save_adapters"),
     "model.gguf": ("convert", "gguf_source", "packaged_gguf"),
     "model.inject": ("linear_shape", "projection_names", "resolve_targets"),
     "model.load": ("load_base", "load_tokenizer", "prepare_kernels", "resolve_base"),
@@ -95,6 +100,7 @@ _WHERE: dict[str, tuple[str, ...]] = {
     "step": ("eval_graph",),
     "step.isolation": ("check_sample_packing",),
     "step.loop": ("rank_bucket_for",),
+    "step.shapes": ("length_buckets",),
     "step.train": ("STEP_NAMES", "BatchSource", "SlotEnd", "SlotJob", "StepReport", "target_tokens", "train"),
     "tiny.models": ("build_tiny_model",),
 }  # fmt: skip

@@ -19,13 +19,15 @@ from lora_sweep.packer.api import (
     PackedModel,
     batches_per_epoch,
     check_sample_packing,
+    length_buckets,
     read_jsonl,
     slot_stream,
     target_tokens,
 )
 from lora_sweep.sweep.config.spec import StudySpec
 
-__all__ = ["epoch_steps", "trial_adapter", "trial_stream", "planned_tokens", "check_packing", "check_data"]
+__all__ = ["epoch_steps", "trial_adapter", "trial_stream", "planned_tokens", "check_packing", "check_data",
+           "step_lengths"]
 
 
 def epoch_steps(examples: Sequence[Example], adapter: AdapterSpec, epochs: float, row_len: int, seed: int,
@@ -81,13 +83,27 @@ def check_packing(spec: StudySpec, pm: PackedModel) -> None:
 
 
 def check_data(spec: StudySpec) -> None:
-    """Read and check every row of the training and held-out files (JSON, the format's fields), before the model
-    loads: a bad row is one line in seconds, not after the base model's load. (Tokenizing needs the model's
-    tokenizer and comes after it.)
+    """Read and check every row of the training and held-out files (JSON, the format's fields, each row within
+    ``data.max_line_bytes`` before it is parsed), before the model loads: a bad row is one line in seconds, not after
+    the base model's load. (Tokenizing needs the model's tokenizer and comes after it.)
 
     Raises:
         DataError: the first bad row, as ``file:line``.
     """
-    read_jsonl(spec.data.train, spec.data.format)
+    read_jsonl(spec.data.train, spec.data.format, spec.data.line_bytes)
     if spec.data.eval is not None:
-        load_eval_data(spec.data.eval, None, fmt=spec.data.format)
+        load_eval_data(spec.data.eval, None, fmt=spec.data.format, max_line_bytes=spec.data.line_bytes)
+
+
+def step_lengths(spec: StudySpec, examples: Sequence[Example], capacity: int) -> tuple[int, ...]:
+    """The padded lengths a pack's steps may take (``packer.step.shapes.length_buckets``): at most a few, fitted to
+    the longest of ``capacity`` x the smallest micro-batch rows the space can draw (the most spread a step's
+    longest row has); a pack that may sample-pack also gets its rows' length, ``data.max_length``."""
+    micro = [spec.train.micro_batch]
+    for p in spec.search.params:
+        if p.name == "micro_batch":
+            micro += [int(c) for c in p.choices] if p.choices else [int(p.low or 1)]
+    packs = spec.train.sample_packing or any(p.name == "sample_packing" and True in p.choices
+                                             for p in spec.search.params)
+    lengths = [len(e.input_ids) for e in examples] + ([spec.data.max_length] if packs else [])
+    return length_buckets(lengths, capacity * max(1, min(micro)))

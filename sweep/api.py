@@ -42,7 +42,8 @@ def load_study(path: str | Path, overrides: Sequence[str] = (), *, out: str | Pa
 
 def run(study: StudySpec | str | Path, overrides: Sequence[str] = (), *, out: str | Path | None = None,
         progress: Callable[[Progress], None] | None = None, log: Callable[[str], None] | None = None,
-        allow_changes: bool = False, gpus: int | None = None, trackers: Tracking | None = None) -> RunSummary:
+        allow_changes: bool = False, gpus: int | None = None, trackers: Tracking | None = None,
+        allow_data_change: bool = False) -> RunSummary:
     """Run the study (a spec from ``load_study``, or a study file with ``overrides``) until its budget ends.
 
     A study directory that already holds the study resumes it; one whose budget is already spent trains and writes
@@ -51,7 +52,8 @@ def run(study: StudySpec | str | Path, overrides: Sequence[str] = (), *, out: st
     run ended); without it they go to the ``lora_sweep`` logger at INFO, printed to stderr unless the application
     configured logging itself (``logging.getLogger("lora_sweep").setLevel(logging.WARNING)`` silences them, as
     ``optuna.logging.set_verbosity`` does Optuna's). ``allow_changes``: resume even if a fixed setting
-    (e.g. ``train.max_steps``) differs from the one the study started with. ``gpus``: the ranks of a sharded
+    (e.g. ``train.max_steps``) differs from the one the study started with; ``allow_data_change``: even if a data
+    file's contents differ (``sweep.resume.record_data``; recorded). ``gpus``: the ranks of a sharded
     pack (``pack.shard: fsdp``; default 1), this process rank 0 (``sweep.ranks.run_ranks``). The study's
     ``trackers:`` log it from a process of their own (``sweep.trackers``), started here once the study is loaded
     or, given ``trackers``, started before it loaded (``sweep.trackers.process.ahead``, as ``sweep run`` does so
@@ -82,12 +84,14 @@ def run(study: StudySpec | str | Path, overrides: Sequence[str] = (), *, out: st
     finished = False
     try:
         if spec.pack.shard != "fsdp":
-            summary = run_study(spec, progress=progress, log=say, allow_changes=allow_changes)
+            summary = run_study(spec, progress=progress, log=say, allow_changes=allow_changes,
+                                allow_data_change=allow_data_change)
         else:
             from lora_sweep.sweep.ranks import run_ranks
 
             summary = run_ranks(spec, gpus or 1, lambda channel: run_study(
-                spec, progress=progress, log=say, allow_changes=allow_changes, ranks=channel))
+                spec, progress=progress, log=say, allow_changes=allow_changes, ranks=channel,
+                allow_data_change=allow_data_change))
         finished = not summary.already_spent and summary.end_reason not in ("interrupt", "sigterm", "error")
     finally:
         if tracking is not None:

@@ -24,6 +24,7 @@ from lora_sweep.errors import STOP_SAID, Terminated, UserError
 if TYPE_CHECKING:
     from lora_sweep.sweep.config.spec import StudySpec
     from lora_sweep.sweep.study import Progress
+    from lora_sweep.sweep.timing import Profile, WallSplit
     from lora_sweep.sweep.trackers.process import Tracking
 
 __all__ = ["main", "cli"]
@@ -69,22 +70,37 @@ def _load(study: str, overrides: tuple[str, ...], out: str | None, read: bool = 
               "worker's trials are failed and retried.")
 @click.option("--allow-changes", is_flag=True, help="Resume even if a fixed setting (e.g. train.max_steps) "
               "differs from the one the study started with.")
+@click.option("--allow-data-change", is_flag=True, help="Resume even if a data file's contents differ from those "
+              "the study started with (recorded in the study).")
 @click.option("--join", is_flag=True, help="If a `sweep run --workers` owns the study directory, join its study as "
               "one more worker (through its storage) instead of stopping.")
+@click.option("--profile", type=click.Path(file_okay=False), help="Write a torch profiler trace of a window of packed "
+              "steps (CPU, and CUDA where available) and the run's wall-time split to DIR: trace.json (Chrome trace "
+              "format), ops.txt (operators by their own time), phases.txt (the split's table).")
 def run(study: str, overrides: tuple[str, ...], out: str | None, quiet: bool, workers: int | None,
         gpus: int | None, storage: str | None, heartbeat: float, grace: float, allow_changes: bool,
-        join: bool) -> None:
+        allow_data_change: bool, join: bool, profile: str | None) -> None:
     """Run STUDY.yaml (or resume it): OVERRIDES are dotted key=value pairs, e.g. train.max_steps=50."""
-    data = _read(study)  # before the imports below: a hostile study file is refused at once
-    # the trackers' process first: their packages import on the core that torch's import and the model's load leave
-    # idle (--workers and --join runs log to no tracker)
-    trackers = None if workers is not None or join else _trackers_ahead(data, overrides)
-    try:
-        spec = _load(study, overrides, out, read=False)
-        from lora_sweep.sweep import api
-        from lora_sweep.sweep._faults import about
-        from lora_sweep.sweep.live import LiveProgress
+    from lora_sweep.sweep.timing import command_split, run_split
 
+    if profile is not None and (workers is not None or join):
+        raise UserError("run: --profile profiles this process's run; not with --workers or --join (run the study "
+                        "alone, or profile one `sweep worker`)")
+    split = command_split()  # from the process's start: every second of the command is named
+    if not quiet:  # the first line, before the imports of seconds below; on stdout: stderr's one line is an error's
+        click.echo(f"{study}: reading the study file, then importing torch, transformers and optuna; then the model "
+                   f"and data load, and the packs train")
+    trackers = None
+    try:
+        with split.phase("read"):
+            data = _read(study)  # before the imports below: a hostile study file is refused at once
+        # the trackers' process first: their packages import on the core that torch's import and the model's load
+        # leave idle (--workers and --join runs log to no tracker)
+        with split.phase("import"):
+            trackers = None if workers is not None or join else _trackers_ahead(data, overrides)
+        _import_engine(split)
+        with split.phase("read"):
+            spec = _load(study, overrides, out, read=False)
         if gpus is not None and (workers is not None or join):
             raise UserError("run: --gpus trains one pack over N GPUs; --workers and --join run a pack per worker "
                             "(sweep worker under torchrun shards each worker's pack)")
@@ -98,26 +114,94 @@ def run(study: str, overrides: tuple[str, ...], out: str | None, quiet: bool, wo
             return
         if storage is not None:
             raise UserError("run: --storage needs --workers (or set storage: in the study file)")
-        with about(spec.out_dir), LiveProgress(enabled=not quiet) as live:
-            summary = api.run(spec, progress=_preloading_report(live.update), log=live.log,
-                              allow_changes=allow_changes, gpus=gpus, trackers=trackers)
-        if summary.already_spent:  # the run's log said so; nothing was written, the report included
-            more = f"to continue: sweep run {study} {summary.spent_key}=<more>; " if summary.spent_key else ""
-            click.echo(f"{spec.name}: {more}study in {spec.out_dir}")
-            return
-        click.echo(f"{spec.name}: {summary.complete} complete, {summary.pruned} pruned, {summary.failed} failed "
-                   f"in {summary.wall_s:.1f} s ({summary.steps} packed steps); study in {spec.out_dir}")
-        if summary.split:
-            from lora_sweep.sweep.timing import WallSplit
+        _run_here(study, spec, split, profile, quiet, (allow_changes, allow_data_change), gpus, trackers)
+    finally:
+        run_split()  # the command's split, if no run took it (--workers, an error before the run), is dropped
+        if trackers is not None:  # the study did not load, or took another way than api.run (a no-op after it)
+            trackers.abandon()
 
-            click.echo(WallSplit().table(summary.split))
+
+def _run_here(study: str, spec: StudySpec, split: WallSplit, profile: str | None, quiet: bool,
+              allow: tuple[bool, bool], gpus: int | None, trackers: Tracking | None) -> None:
+    """``sweep run`` in this process (no --workers, no --join): the run with its progress, the summary, the report,
+    and the command's split (``--profile``: with the profiler's window of steps). ``allow``: (--allow-changes,
+    --allow-data-change)."""
+    from lora_sweep.sweep import api
+    from lora_sweep.sweep._faults import about
+    from lora_sweep.sweep.live import LiveProgress
+
+    profiler = _profiler(profile, split)
+    try:
+        with about(spec.out_dir), LiveProgress(enabled=not quiet) as live:
+            progress = _preloading_report(live.update)
+            summary = api.run(spec, progress=progress if profiler is None else _profiled(progress, profiler),
+                              log=live.log, allow_changes=allow[0], allow_data_change=allow[1], gpus=gpus,
+                              trackers=trackers)
+    finally:
+        if profiler is not None:
+            profiler.stop()
+    if summary.already_spent:  # the run's log said so; nothing was written, the report included
+        more = f"to continue: sweep run {study} {summary.spent_key}=<more>; " if summary.spent_key else ""
+        click.echo(f"{spec.name}: {more}study in {spec.out_dir}")
+        return
+    click.echo(f"{spec.name}: {summary.complete} complete, {summary.pruned} pruned, {summary.failed} failed "
+               f"in {summary.wall_s:.1f} s ({summary.steps} packed steps); study in {spec.out_dir}")
+    with split.phase("report"):
         if summary.report is not None:  # written at the end of the run for the trackers
             click.echo(f"report: {summary.report}")
         else:
             _refresh_report(spec.out_dir)
-    finally:
-        if trackers is not None:  # the study did not load, or took another way than api.run (a no-op after it)
-            trackers.abandon()
+    _close_split(split, summary.split, spec.out_dir, profiler)
+
+
+def _import_engine(split: WallSplit) -> None:
+    """Import what a run needs, each part of the split's ``import`` phase: torch, transformers, optuna, then the
+    sweep's own modules (``import:engine``, with the transformers submodules they name). After the first line: it
+    says what comes."""
+    import importlib
+
+    with split.phase("import"):
+        for name in ("torch", "transformers", "optuna"):
+            with split.part(f"import:{name}"):
+                importlib.import_module(name)
+        with split.part("import:engine"):
+            for name in ("lora_sweep.sweep.study", "lora_sweep.sweep.api", "lora_sweep.sweep.live"):
+                importlib.import_module(name)
+
+
+def _profiler(out: str | None, split: WallSplit) -> Profile | None:
+    if out is None:
+        return None
+    from lora_sweep.sweep.timing import Profile
+
+    return Profile(out, split)
+
+
+def _profiled(progress: Callable[[Progress], None], profiler: Profile) -> Callable[[Progress], None]:
+    """``progress`` that also moves the profiler's window of steps (``sweep.timing.Profile.step``)."""
+    def call(p: Progress) -> None:
+        profiler.step(p.step)
+        progress(p)
+
+    return call
+
+
+def _close_split(split: WallSplit, run: dict[str, Any], out_dir: Path, profiler: Profile | None) -> None:
+    """The command's split, the report included, in place of the run's record in ``timing.json``; printed, and
+    written to the profile's ``phases.txt``."""
+    from lora_sweep.sweep.timing import append_run, split_table
+
+    record = split.record()
+    _SPLIT_CLOSED.append(record["wall_s"])  # what follows is the exit: no interpreter teardown (main, _leave)
+    if run and run.get("started_at") == record["started_at"]:  # the run recorded this split: complete its record
+        record = {**run, **record}
+        append_run(out_dir, record)
+    elif run:  # a split of the run's own (the API's), printed as the run recorded it
+        record = run
+    click.echo(split_table(record))
+    if profiler is not None:
+        click.echo(f"profile: {profiler.write_table(record)}, {profiler.out / profiler.TRACE}, "
+                   f"{profiler.out / profiler.OPS}")
 
 
 def _trackers_ahead(data: dict[str, Any], overrides: tuple[str, ...]) -> Tracking | None:
@@ -300,6 +384,7 @@ def _refresh_report(out_dir: Path) -> None:
 def plan(study: str, overrides: tuple[str, ...], calibrations: int, gpus: int | None) -> None:
     """Print the pack layout, predicted memory and time of STUDY.yaml, without training (the calibration is
     cached per model, device and shape with the model's shape: a second plan loads no weights)."""
+    from lora_sweep.evaluators.registry import deferred_user_code, is_user_code
     from lora_sweep.sweep._trial_data import check_data
     from lora_sweep.sweep.device import resolve_device
     from lora_sweep.sweep.planning import (
@@ -311,7 +396,13 @@ def plan(study: str, overrides: tuple[str, ...], calibrations: int, gpus: int | 
         train_lengths,
     )
 
-    spec = _load(study, overrides, None)
+    with deferred_user_code():  # a plan runs none of the study's code: its files are only looked for
+        spec = _load(study, overrides, None)
+    for i, e in enumerate(spec.evaluators):
+        if is_user_code(e.name):
+            what = e.options.get("function", e.name) if e.name == "custom" else e.name
+            click.echo(f"note: evaluators.{i}: {what} is user code: not imported by sweep plan (sweep run imports it "
+                       f"and checks its options and metrics)", err=True)
     device = resolve_device(spec.model.device)
     check_data(spec)  # the rows before the model: a bad row costs no model load
     if gpus is None:
@@ -488,15 +579,17 @@ def bench(cpu: bool, cpu_eval: bool, gpu: bool, gpu_part: str, adapters: int, st
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: user errors become one line and exit status 2.
 
-    As the entry point (``argv`` None) of a command that used CUDA or was stopped by a signal, the process leaves
-    without the interpreter's teardown (``_leave``)."""
+    As the entry point (``argv`` None) of a command that used CUDA, was stopped by a signal or is a ``sweep run`` that
+    recorded its wall-time split, the process leaves without the interpreter's teardown (``_leave``)."""
     if argv is None and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
     if argv is None:
         _passive_openmp()
     code = _main(argv)
     cuda = "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized()
-    if argv is None and (cuda or code in SIGNALLED or _FINISHED):
+    registry = sys.modules.get("lora_sweep.evaluators.registry")
+    hung = registry is not None and bool(registry.abandoned())  # a hung evaluator's thread would run on in teardown
+    if argv is None and (cuda or hung or code in SIGNALLED or _SPLIT_CLOSED or _FINISHED):
         _leave(code)
     if code:
         sys.exit(code)
@@ -551,6 +644,11 @@ def _main(argv: list[str] | None) -> int:
         return 2
     return 0
 
+
+_SPLIT_CLOSED: list[float] = []
+"""Set when ``sweep run`` recorded its split: the process then leaves without the interpreter's teardown
+(``_leave``), seconds after a CPU run too (collecting torch's modules, the profiler's threads), that no split could
+name."""
 
 SIGNALLED = (130, 143)
 """Exit codes of a run stopped by Ctrl-C or SIGTERM: they leave without the interpreter's teardown too (``_leave``).

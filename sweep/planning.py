@@ -335,7 +335,7 @@ def train_lengths(spec: StudySpec, tokenizer: Any) -> tuple[list[int], list[Exam
         tokenizer = load_tokenizer(spec.model.path, gguf_file=spec.model.gguf_file)
     data = spec.data
     examples = load_examples(data.train, tokenizer, fmt=data.format, max_length=data.max_length,
-                             train_on_prompt=data.train_on_prompt)
+                             train_on_prompt=data.train_on_prompt, max_line_bytes=data.line_bytes)
     lengths = [len(e.input_ids) for e in examples]
     cache_lengths(spec, lengths)
     return lengths, examples

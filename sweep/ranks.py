@@ -143,9 +143,10 @@ def follow(spec: StudySpec, channel: Channel) -> None:
     pm, tokenizer = loaded.pm, loaded.tokenizer
     d = spec.data
     examples = load_examples(d.train, tokenizer, fmt=d.format, max_length=d.max_length,
-                             train_on_prompt=d.train_on_prompt)
+                             train_on_prompt=d.train_on_prompt, max_line_bytes=d.line_bytes)
     eval_data = (load_eval_data(d.eval, tokenizer, fmt=d.format, max_length=d.max_length,
-                                train_on_prompt=d.train_on_prompt, work_dir=StudyDir(spec.out_dir).root)
+                                train_on_prompt=d.train_on_prompt, work_dir=StudyDir(spec.out_dir).root,
+                                max_line_bytes=d.line_bytes)
                  if d.eval is not None else None)
     f = Follower(spec, channel, pm, examples, eval_data)
     while True:

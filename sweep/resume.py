@@ -15,6 +15,8 @@ study's wall-time clock resumes first (``sweep.storage.resume_clock``).
 
 from __future__ import annotations
 
+import hashlib
+import time
 from collections.abc import Callable
 from functools import partial
 
@@ -22,7 +24,7 @@ import optuna
 import torch.distributed as dist
 from optuna.trial import TrialState
 
-from lora_sweep.errors import ConfigError
+from lora_sweep.errors import ConfigError, UserError
 from lora_sweep.evaluators.registry import metrics_of
 from lora_sweep.packer.api import PackedModel, gguf_source, load_base, load_sharded, prepare_kernels, resolve_base
 from lora_sweep.sweep.budget import counted
@@ -31,14 +33,15 @@ from lora_sweep.sweep.device import resolve_device
 from lora_sweep.sweep.ledger import Ledger, open_study, recorded_trials, storage_url
 from lora_sweep.sweep.session import Note, Session, own_directory, record_spec, trial_adapter_dir
 from lora_sweep.sweep.storage import Sharing, resume_clock, storage_lock
-from lora_sweep.sweep.store import DirectoryLock, ResultsStore, StudyDir, strip_password
+from lora_sweep.sweep.store import DirectoryLock, ResultsStore, StudyDir, cache_dir, strip_password
 from lora_sweep.sweep.timing import WallSplit
 
-__all__ = ["open_session", "resolve_device"]
+__all__ = ["open_session", "resolve_device", "record_data", "data_digests"]
 
 
 def open_session(spec: StudySpec, *, log: Callable[[str], None] = print, sharing: Sharing | None = None,
-                 allow_changes: bool = False, split: WallSplit | None = None) -> Session:
+                 allow_changes: bool = False, split: WallSplit | None = None,
+                 allow_data_change: bool = False) -> Session:
     """Create or resume the study in ``spec.out_dir`` and load the base model once.
 
     With ``sharing`` the study lives in a storage other workers use too: only stale RUNNING trials
@@ -46,7 +49,8 @@ def open_session(spec: StudySpec, *, log: Callable[[str], None] = print, sharing
     ``spec``) and the directory (``study.yaml``); resumed, a changed fixed setting
     (``sweep.session.spec_changes``) is an error unless ``allow_changes``. ``split``: the run's wall-time split,
     given the sub-phases ``load:model`` (base model and tokenizer to the device) and ``load:study`` (the results
-    store, the Optuna storage and study).
+    store, the Optuna storage and study). The data files' digests are recorded too (``record_data``); resumed, a
+    changed file is an error unless ``allow_data_change``.
     """
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # our progress and store say what happened
     device = resolve_device(spec.model.device)  # before anything is created: a user error leaves no trace
@@ -55,7 +59,7 @@ def open_session(spec: StudySpec, *, log: Callable[[str], None] = print, sharing
     sdir = StudyDir(spec.out_dir)
     lock = None if sharing is not None else own_directory(sdir, log)
     try:
-        return _open(spec, sdir, device, log, sharing, lock, allow_changes, split or WallSplit())
+        return _open(spec, sdir, device, log, sharing, lock, (allow_changes, allow_data_change), split or WallSplit())
     except BaseException:
         if lock is not None:
             lock.release()
@@ -92,11 +96,13 @@ def _capacity(spec: StudySpec, pm: PackedModel, log: Callable[[str], None], spli
 
 
 def _open(spec: StudySpec, sdir: StudyDir, device: str, log: Callable[[str], None], sharing: Sharing | None,
-          lock: DirectoryLock | None, allow_changes: bool, split: WallSplit) -> Session:
+          lock: DirectoryLock | None, allow: tuple[bool, bool], split: WallSplit) -> Session:
     from lora_sweep.sweep.planning import check_targets
 
+    allow_changes, allow_data_change = allow
     url = storage_url(spec, sdir, sharing)  # a URL no storage takes, or without its driver: refused before the load
-    prepare_kernels(spec.pack.kernels, device)  # Triton's own hash, on a thread beside the model's load
+    # compiled kernels kept between runs beside the calibrations; Triton's own hash on a thread beside the load
+    prepare_kernels(spec.pack.kernels, device, cache_dir())
     log(Note(f"loading the base model {spec.model.path} on {device} (model.dtype: {spec.model.dtype})"))
     if device == "cpu" and spec.model.dtype in ("bfloat16", "float16"):  # a torchtune config's dtype: bf16, say
         log(f"warning: model.dtype: {spec.model.dtype} on a CPU: the base and adapters run in {spec.model.dtype} as "
@@ -123,6 +129,7 @@ def _open(spec: StudySpec, sdir: StudyDir, device: str, log: Callable[[str], Non
         # first evaluation) is a new start, and the trials the failed run had asked are retried as orphans
         started = bool(counted(study.get_trials(deepcopy=False)))
         record_spec(spec, sdir, store, log, allow_changes, started=started)
+        record_data(spec, store, log, allow_data_change, started=started)
         ledger = Ledger(study, storage, store, partial(trial_adapter_dir, spec, sdir), log)
         if sharing is None:
             ledger.recover()
@@ -146,3 +153,45 @@ def _open(spec: StudySpec, sdir: StudyDir, device: str, log: Callable[[str], Non
                    elapsed=float(store.meta().get("elapsed", 0.0)),
                    completed=[(t.number, list(t.values)) for t in trials if t.state == TrialState.COMPLETE],
                    sharing=sharing, lock=lock)
+
+
+def data_digests(spec: StudySpec) -> dict[str, dict[str, str]]:
+    """``{"train": {"path", "sha256"}, "eval": ...}`` of the study's data files, read in 1 MiB blocks."""
+    out = {}
+    for role, path in (("train", spec.data.train), ("eval", spec.data.eval)):
+        if path is not None:
+            with open(path, "rb") as f:
+                out[role] = {"path": str(path), "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
+    return out
+
+
+def record_data(spec: StudySpec, store: ResultsStore, log: Callable[[str], None], allow: bool = False,
+                started: bool = True) -> None:
+    """Compare the data files' digests with those the study started with, then record them (meta ``data_digests``).
+
+    Trials scored on other data do not rank together (another held-out set is another metric), so a changed file is
+    refused as a changed fixed setting is. ``allow`` (``--allow-data-change``): resume anyway; each change is
+    logged and kept in meta ``data_changes`` (file, both digests, when, trials finished before it). ``started``: a
+    trial finished; until then a changed file pins nothing.
+
+    Raises:
+        UserError: a data file's contents changed since the study started (naming the file), and not ``allow``.
+    """
+    now = data_digests(spec)
+    meta = store.meta()
+    earlier = meta.get("data_digests") or {}
+    changed = [(role, earlier[role], now[role]) for role in now if started and role in earlier
+               and earlier[role].get("sha256") != now[role]["sha256"]]
+    if changed and not allow:
+        role, old, new = changed[0]
+        raise UserError(f"run: data.{role}: {new['path']} changed since the study started (sha256 {old['sha256'][:12]} "
+                        f"-> {new['sha256'][:12]}); trials scored on other data do not rank together: restore the "
+                        f"file, start a new study (--out), or pass --allow-data-change (recorded in the study)")
+    if changed:
+        history = list(meta.get("data_changes") or [])
+        for role, old, new in changed:
+            log(f"resuming with changed data.{role}: {new['path']} (--allow-data-change; recorded)")
+            history.append({"key": f"data.{role}", "path": new["path"], "from": old["sha256"], "to": new["sha256"],
+                            "at": time.time(), "trials_before": sum(1 for t in store.trials() if t.state != "RUNNING")})
+        store.set_meta(data_changes=history)
+    store.set_meta(data_digests=now)

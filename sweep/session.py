@@ -23,7 +23,7 @@ import yaml
 from optuna.trial import TrialState
 
 from lora_sweep.errors import UserError
-from lora_sweep.packer.api import PackedModel
+from lora_sweep.packer.api import AdapterWriter, PackedModel
 from lora_sweep.sweep.config.spec import StudySpec
 from lora_sweep.sweep.ledger import Ledger
 from lora_sweep.sweep.storage import Sharing
@@ -66,6 +66,9 @@ class Session:
     """Set when other workers share the study: the budget is then counted in the storage."""
     lock: DirectoryLock | None = None
     """The study directory's lock, held until ``close`` (None for a worker of a shared study)."""
+    writer: AdapterWriter = field(default_factory=AdapterWriter)
+    """Writes the trials' adapters off the run's path (``sweep.study``: a trial is told COMPLETE only once its
+    adapter is on disk); ``close`` waits for it."""
 
     @property
     def study(self) -> optuna.Study:
@@ -107,6 +110,7 @@ class Session:
         self.store.set_meta(elapsed=self.elapsed + seconds)
 
     def close(self) -> None:
+        self.writer.close()  # an adapter still being written lands before the directory is given back
         self.store.close()
         if self.lock is not None:
             self.lock.release()

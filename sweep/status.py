@@ -26,7 +26,7 @@ from lora_sweep.sweep.store import (
     pareto_front,
     reference_trial,
 )
-from lora_sweep.sweep.timing import WallSplit, last_run
+from lora_sweep.sweep.timing import last_run, split_table
 
 __all__ = ["study_status", "render"]
 
@@ -168,7 +168,7 @@ def render(info: dict[str, Any]) -> None:
             console.print(f"pack {p['pack_id']}: CUDA graph capture failed, trained eagerly: {p['fallback']}",
                           highlight=False, markup=False, soft_wrap=True)  # one line, however long
     if info.get("split"):
-        console.print(WallSplit().table(info["split"]).replace("this run", "the last run"), highlight=False)
+        console.print(split_table(info["split"], "the last run"), highlight=False)
 
 
 def _render_vs_default(console: Console, vs: dict[str, Any] | None) -> None:

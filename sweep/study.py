@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +33,7 @@ from optuna.trial import TrialState
 
 from lora_sweep.errors import STOP_SAID, Terminated, UserError, first_line
 from lora_sweep.evaluators.cost import cost_metrics, slot_adapter_params
-from lora_sweep.evaluators.registry import EvalResult, evaluate, load_eval_data, metrics_of
+from lora_sweep.evaluators.registry import EvalResult, EvaluatorHung, Limits, evaluate, load_eval_data, metrics_of
 from lora_sweep.packer.api import (
     STEP_NAMES,
     AdapterSpec,
@@ -40,12 +41,19 @@ from lora_sweep.packer.api import (
     SlotEnd,
     SlotJob,
     StepReport,
+    discard_adapter,
     load_examples,
     rank_bucket_for,
-    save_adapters,
     train,
 )
-from lora_sweep.sweep._trial_data import check_data, check_packing, planned_tokens, trial_adapter, trial_stream
+from lora_sweep.sweep._trial_data import (
+    check_data,
+    check_packing,
+    planned_tokens,
+    step_lengths,
+    trial_adapter,
+    trial_stream,
+)
 from lora_sweep.sweep.budget import BudgetState, TokenPlan, budget_state, end_line, recorded_budget
 from lora_sweep.sweep.config.space import adapter_spec, suggest
 from lora_sweep.sweep.config.spec import StudySpec
@@ -57,7 +65,7 @@ from lora_sweep.sweep.resume import open_session
 from lora_sweep.sweep.session import Note, Session
 from lora_sweep.sweep.storage import Sharing, storage_lock
 from lora_sweep.sweep.store import attrs
-from lora_sweep.sweep.timing import WallSplit, append_run
+from lora_sweep.sweep.timing import WallSplit, append_run, run_split
 
 __all__ = ["run_study", "RunSummary", "Progress"]
 
@@ -163,6 +171,8 @@ class _Sweep:
         self.split = WallSplit()
         self.warned_warmup = False
         self.ranks: Channel | None = None  # a sharded pack's other ranks, told every decision (sweep.ranks)
+        self.hung: EvaluatorHung | None = None  # a user evaluator overran: the run stops (stop_if_hung)
+        self.eval_failed: dict[int, str] = {}  # slot -> why its evaluation at a rung failed: it stops as FAIL
 
     def _lock(self) -> Any:
         sharing = self.s.sharing
@@ -232,6 +242,7 @@ class _Sweep:
             self._eval_curve(due)
         if arrivals:
             self._rung(arrivals)
+        self._fail_hung_at_step({**due, **arrivals})
         self.show(len(reports))
 
     def show(self, active: int) -> None:
@@ -292,9 +303,13 @@ class _Sweep:
     def _decide(self, arrivals: dict[int, int], result: EvalResult) -> None:
         """Record the rung values of the arriving slots and cohort SHA's decisions; mark the slots to stop."""
         assert self.sha is not None
+        for slot, err in result.errors.items():  # a user evaluator failed on it: the trial stops as FAIL
+            if slot in arrivals:
+                self.eval_failed[slot] = f"at the rung of step {arrivals[slot]}: {err.reason}"
+                self.to_prune.add(slot)
         for rung in sorted(set(arrivals.values())):
             values = {}
-            for slot in (s for s, r in arrivals.items() if r == rung):
+            for slot in (s for s, r in arrivals.items() if r == rung and s not in self.eval_failed):
                 value = result.metrics.get(slot, {}).get(self.proxy, math.nan)
                 values[self.live[slot].trial.number] = value
                 self.s.store.add_eval(self.live[slot].trial.number, rung, {self.proxy: value}, kind="rung")
@@ -349,10 +364,39 @@ class _Sweep:
         return result
 
     def _scored(self, slots: list[int], entries: list[tuple[str, dict[str, Any]]]) -> EvalResult:
-        """``evaluate`` the slots; a sharded pack's other ranks run the same forwards meanwhile (``sweep.ranks``)."""
+        """``evaluate`` the slots; a sharded pack's other ranks run the same forwards meanwhile (``sweep.ranks``).
+        A user evaluator that hangs (``EvaluatorHung``) fails the slots it scored; the run stops after the caller
+        has told them (``stop_if_hung``)."""
         if self.ranks is not None:
             self.ranks.send("evaluate", (slots, entries))
-        return evaluate(self.pm, slots, self.eval_data, entries, timings=self._eval_timings)
+        wall = self.spec.budget.wall_time
+        deadline = (None if wall is None else
+                    time.monotonic() + wall - self.s.elapsed - (time.time() - self.t_start))
+        limits = Limits({e.name: e.timeout for e in self.spec.evaluators}, deadline,
+                        {e.name: f"evaluators.{i}.timeout" for i, e in enumerate(self.spec.evaluators)},
+                        grace=max(10.0, 0.1 * wall) if wall is not None else 0.0)
+        try:
+            return evaluate(self.pm, slots, self.eval_data, entries, timings=self._eval_timings, limits=limits)
+        except EvaluatorHung as hung:
+            self.hung = hung
+            return hung.result
+
+    def stop_if_hung(self) -> None:
+        """After a hung evaluator's trials were told: the trials still training are failed and enqueued again (the
+        study's resume retries them, as a stopped run's), and the run stops with the reason.
+
+        Raises:
+            EvaluatorHung: an evaluation of this run hung.
+        """
+        if self.hung is None:
+            return
+        self._flush_curves()
+        for slot, lv in sorted(self.live.items()):
+            self.s.store.close_span(self.pack_id, slot, lv.trial.number, end_step=self.global_step, end_reason="stop")
+            self.s.ledger.requeue([lv.trial], f"the run stopped: {self.hung}; retried when the study is resumed",
+                                  log=lambda m: None)
+        self.live.clear()
+        raise self.hung
 
     def _eval_timings(self, name: str, seconds: float) -> None:
         self.split.add(f"evaluate:{name}", seconds)
@@ -360,26 +404,55 @@ class _Sweep:
     def on_end(self, ends: list[SlotEnd]) -> None:
         self._flush_curves()
         done = [e for e in ends if e.reason == "finished"]
+        writes = self._write_adapters(done)  # written while they are evaluated
         result = self._evaluate([e.slot for e in done]) if done else EvalResult()
         verdicts = {e.slot: self._verdict(e, self.live[e.slot], result) for e in done}
-        kept = [e for e in done if verdicts[e.slot][2] is None]
-        # the adapters of trials that complete together are written together (parallel files)
-        with self.split.phase("save"):
-            saved = save_adapters(self.pm, [(e.slot, self.s.adapter_dir(self.live[e.slot].trial.number),
-                                             {"trial": str(self.live[e.slot].trial.number), "study": self.spec.name})
-                                            for e in kept], base_model_name_or_path=self.s.base)
-        adapters = {e.slot: path for e, path in zip(kept, saved, strict=True)}
+        with self.split.phase("save"):  # only what the writer has not finished yet waits here
+            adapters = {e.slot: w.result() for e, w in zip(done, writes, strict=True)}
+        for e in done:
+            if verdicts[e.slot][2] is not None:  # a trial that fails keeps no adapter
+                discard_adapter(adapters.pop(e.slot))
         for e in ends:
             lv = self.live.pop(e.slot)
             self.to_prune.discard(e.slot)
             if e.reason == "finished":
                 self._complete(e, lv, result, *verdicts[e.slot], adapters.get(e.slot))
+            elif e.reason == "stopped" and e.slot in self.eval_failed:
+                self._tell(lv, TrialState.FAIL, e, reason=self.eval_failed.pop(e.slot))
             elif e.reason == "stopped":
                 self._tell(lv, TrialState.PRUNED, e, reason=f"pruned by cohort SHA at step {e.steps}")
             else:
                 self._tell(lv, TrialState.FAIL, e, reason=f"{e.reason} at step {e.steps}")
         self.show(len(self.live))
         self.step_t = time.perf_counter()  # saving adapters and telling Optuna are no trial's step
+        self.stop_if_hung()
+
+    def _fail_hung_at_step(self, steps: dict[int, int]) -> None:
+        """A rung or curve evaluation hung: the slots it scored fail now (``steps``: slot -> the trial's step), the
+        others are retried, and the run stops (``stop_if_hung``)."""
+        if self.hung is None:
+            return
+        self._flush_curves()
+        for slot in sorted(set(self.hung.result.errors) & set(self.live) & set(steps)):
+            end = SlotEnd(slot, None, steps[slot], "failed")  # type: ignore[arg-type]  # no job: it ends here
+            self._tell(self.live.pop(slot), TrialState.FAIL, end, reason=self.hung.result.errors[slot].reason)
+        self.stop_if_hung()
+
+    def _write_adapters(self, done: list[SlotEnd]) -> list[Future[Path]]:
+        """Queue the adapters of the slots that finished on the session's writer (``packer.model.checkpoint``:
+        their weights copied off the slots now, the files written on its threads); one future per slot.
+
+        A trial is told COMPLETE only once its adapter is durable: ``on_end`` waits for the write after the
+        evaluation that it overlaps, before the tell. Telling at the next step boundary instead would let the next
+        asks run before it, and the sampler propose other trials than a seeded study does (``constant_liar`` sees
+        a trial RUNNING until it is told). A kill before the tell leaves the trial RUNNING: resume fails and retries
+        it, and removes what its write left (``sweep.ledger``).
+        """
+        with self.split.phase("save"):
+            return self.s.writer.submit(self.pm, [(e.slot, self.s.adapter_dir(self.live[e.slot].trial.number),
+                                                   {"trial": str(self.live[e.slot].trial.number),
+                                                    "study": self.spec.name}) for e in done],
+                                        base_model_name_or_path=self.s.base)
 
     def _verdict(self, e: SlotEnd, lv: _Live, result: EvalResult) -> tuple[dict[str, float], list[float], str | None]:
         """(metrics, objective values, why the trial fails or None) of a slot that finished training."""
@@ -460,11 +533,13 @@ def _texts(samples: list[dict[str, Any]], metric: str, n: int) -> list[dict[str,
 
 def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = None,
               log: Callable[[str], None] = print, sharing: Sharing | None = None,
-              allow_changes: bool = False, ranks: Channel | None = None) -> RunSummary:
+              allow_changes: bool = False, ranks: Channel | None = None, allow_data_change: bool = False
+              ) -> RunSummary:
     """Run (or resume) the study until its budget ends; returns what this call did.
 
     With ``sharing`` this is one pack of a worker: other workers share the study's storage and budget.
     ``allow_changes``: resume even if a fixed setting changed (``sweep.session.spec_changes``).
+    ``allow_data_change``: resume even if a data file's contents changed (``sweep.resume.record_data``).
     ``ranks``: rank 0's channel to the other ranks of a sharded pack (``pack.shard: fsdp``, ``sweep.ranks``).
     """
     spent = recorded_budget(spec, log) if sharing is None and ranks is None else None
@@ -472,11 +547,12 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
         nothing = _nothing_to_run(spent)
         log(f"{spec.name}: {nothing.ended}")
         return nothing
-    split = WallSplit()
+    split = run_split()  # a `sweep run` command's, from the process's start
     with split.phase("load"), split.part("load:data"):
         check_data(spec)  # the rows before the model: a bad row costs no model load
     with split.phase("load"):
-        session = open_session(spec, log=log, sharing=sharing, allow_changes=allow_changes, split=split)
+        session = open_session(spec, log=log, sharing=sharing, allow_changes=allow_changes, split=split,
+                               allow_data_change=allow_data_change)
     pm, tokenizer = session.pm, session.tokenizer
     already = _spent_before(spec, session)
     if already is not None:
@@ -487,10 +563,12 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
         with split.phase("load"), split.part("load:data"):
             check_packing(spec, pm)
             train_examples = load_examples(spec.data.train, tokenizer, fmt=spec.data.format,
-                                           max_length=spec.data.max_length, train_on_prompt=spec.data.train_on_prompt)
+                                           max_length=spec.data.max_length, train_on_prompt=spec.data.train_on_prompt,
+                                           max_line_bytes=spec.data.line_bytes)
             eval_data = (load_eval_data(spec.data.eval, tokenizer, fmt=spec.data.format,
                                         max_length=spec.data.max_length, train_on_prompt=spec.data.train_on_prompt,
-                                        work_dir=session.sdir.root) if spec.data.eval is not None else None)
+                                        work_dir=session.sdir.root, max_line_bytes=spec.data.line_bytes)
+                         if spec.data.eval is not None else None)
     except BaseException:
         session.close()
         raise
@@ -528,6 +606,7 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
             session.store.set_meta(last_end={"reason": summary.end_reason, "text": summary.ended,
                                              "over": summary.over, "at": time.time()})
             session.close()
+        split.add("save:writer", session.writer.busy_s)  # the writer's threads, beside the run's path
         summary.split = {**split.record(), "end": {"reason": summary.end_reason, "text": summary.ended,
                                                    "over": summary.over}}
         with sweep._lock():  # workers sharing the study directory append one after another
@@ -605,7 +684,9 @@ def _train_pack(sweep: _Sweep, session: Session) -> bool:
                    optimizer_in_backward=spec.train.optimizer_in_backward,
                    # the bucket of the space's largest rank from the first step, as the pack is planned:
                    # a bucket grown when such a trial arrives re-captures every graph and precompiles again
-                   rank_bucket=rank_bucket_for(largest_rank(spec)))
+                   rank_bucket=rank_bucket_for(largest_rank(spec)),
+                   # at most a few step lengths, fitted to the data: bounded shapes, bounded CUDA graphs and pools
+                   lengths=step_lengths(spec, sweep.train_examples, session.capacity))
     callbacks = (phased("storage", sweep.next_job), phased("storage", sweep.on_step), sweep.should_stop,
                  phased("storage", sweep.on_end))
     if sweep.ranks is not None:  # every rank trains this pack with rank 0's decisions

@@ -27,6 +27,7 @@ from typing import Any
 
 from lora_sweep.errors import DataError
 from lora_sweep.packer.data.chat import Piece, chat_pieces, encode, eos_id
+from lora_sweep.packer.data.lines import MAX_LINE_BYTES, iter_lines, line_bound
 
 __all__ = [
     "FORMATS",
@@ -87,12 +88,14 @@ class Example:
             raise ValueError(f"input_ids and labels differ in length ({len(self.input_ids)} vs {len(self.labels)})")
 
 
-def read_jsonl(path: str | Path, fmt: str = "auto") -> tuple[str, list[dict[str, Any]]]:
+def read_jsonl(path: str | Path, fmt: str = "auto", max_line_bytes: int = MAX_LINE_BYTES
+               ) -> tuple[str, list[dict[str, Any]]]:
     """Read and validate the rows of a JSONL dataset.
 
     Args:
         path: JSONL file, one JSON object per line.
         fmt: One of ``FORMATS``, or ``"auto"`` to detect it from the first row's keys.
+        max_line_bytes: The longest row read (``iter_lines``); a longer one is refused by ``file:line``.
 
     Returns:
         The resolved format and the rows, in file order.
@@ -101,7 +104,7 @@ def read_jsonl(path: str | Path, fmt: str = "auto") -> tuple[str, list[dict[str,
         DataError: The file is missing or empty, the format is unknown, or a row is invalid JSON or lacks a
             field of the format; the message names ``file:line``.
     """
-    fmt, rows, _ = _read(path, fmt)
+    fmt, rows, _ = _read(path, fmt, max_line_bytes)
     return fmt, rows
 
 
@@ -147,12 +150,15 @@ def load_examples(
     fmt: str = "auto",
     max_length: int = 512,
     train_on_prompt: bool = False,
+    max_line_bytes: int | None = None,
 ) -> list[Example]:
     """Read a JSONL dataset and tokenize it: ``read_jsonl`` + ``tokenize_rows``, errors naming ``file:line``.
 
-    Arguments, result and errors are those of ``read_jsonl`` and ``tokenize_rows``.
+    Arguments, result and errors are those of ``read_jsonl`` and ``tokenize_rows``; ``max_line_bytes`` None:
+    ``line_bound(max_length)``.
     """
-    fmt, rows, lines = _read(path, fmt)
+    bound = line_bound(max_length) if max_line_bytes is None else max_line_bytes
+    fmt, rows, lines = _read(path, fmt, bound)
     return _tokenize(rows, lines, fmt, tokenizer, max_length, train_on_prompt, str(path))
 
 
@@ -232,37 +238,28 @@ class SlotStream:
         return self._order
 
 
-def _read(path: str | Path, fmt: str) -> tuple[str, list[dict[str, Any]], list[int]]:
+def _read(path: str | Path, fmt: str, max_line_bytes: int = MAX_LINE_BYTES
+          ) -> tuple[str, list[dict[str, Any]], list[int]]:
     """``read_jsonl`` that also returns each row's 1-based line number."""
     _check_format_name(fmt, str(path))
     rows: list[dict[str, Any]] = []
     lines: list[int] = []
-    try:
-        # utf-8-sig: tolerate a byte-order mark. File iteration splits on \n and \r only; JSON strings cannot
-        # hold either raw, so a line is always one row (str.splitlines would also split on U+2028).
-        with open(path, encoding="utf-8-sig") as file:
-            for lineno, line in enumerate(file, start=1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{lineno}"
-                try:
-                    row = json.loads(line.rstrip("\r\n"))
-                except json.JSONDecodeError as err:
-                    raise json_error(err, where) from None
-                except RecursionError:
-                    raise DataError(f"{where}: nested deeper than {MAX_DEPTH} levels") from None
-                _check_plain(row, where)
-                if fmt == "auto":
-                    fmt = _detect(row, where)
-                _check_row(row, fmt, where)
-                rows.append(row)
-                lines.append(lineno)
-    except FileNotFoundError:
-        raise DataError(f"{path}: file not found") from None
-    except UnicodeDecodeError as err:
-        raise DataError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
-    except OSError as err:
-        raise DataError(f"{path}: cannot read ({err.strerror})") from None
+    for lineno, line in iter_lines(path, max_line_bytes):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise json_error(err, where) from None
+        except RecursionError:
+            raise DataError(f"{where}: nested deeper than {MAX_DEPTH} levels") from None
+        _check_plain(row, where)
+        if fmt == "auto":
+            fmt = _detect(row, where)
+        _check_row(row, fmt, where)
+        rows.append(row)
+        lines.append(lineno)
     if not rows:
         raise DataError(f"{path}: no rows")
     return fmt, rows, lines

@@ -3,8 +3,14 @@
 The directory is what ``peft.PeftModel.from_pretrained`` reads (../shared/notes/formats-and-eval.md
 §1): ``adapter_config.json`` and ``adapter_model.safetensors`` with keys
 ``base_model.model.<module path>.lora_{A,B}.weight``, A (r, D_in), B (D_out, r), no adapter name.
-Files are written to a temporary directory beside the target and renamed into place, so a reader
+Files are written to a temporary directory beside the target, fsynced and renamed into place, so a reader
 (or a kill) never sees a half-written adapter.
+
+``AdapterWriter`` takes the writing off the caller's path: ``submit`` copies each slot's weights (one gather on
+the device, then, from a GPU, one ``non_blocking`` copy into pinned host memory) and returns; its threads wait for
+the copy, serialise the tensors with safetensors and rename the directory into place, and each write's future
+holds the path once the directory is durable. The snapshot is stream-ordered before any later kernel, so the slot
+may be refilled and trained at once. ``save_adapters`` is the same write, waited for.
 """
 
 from __future__ import annotations
@@ -14,8 +20,11 @@ import json
 import os
 import shutil
 import tempfile
+import threading
+import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,7 +34,7 @@ from transformers.pytorch_utils import Conv1D
 from lora_sweep.errors import UserError
 from lora_sweep.packer.model.packed import PackedModel
 
-__all__ = ["save_adapter", "save_adapters", "discard_adapter", "read_adapter", "adapter_config",
+__all__ = ["AdapterWriter", "save_adapter", "save_adapters", "discard_adapter", "read_adapter", "adapter_config",
            "CONFIG_NAME", "WEIGHTS_NAME"]
 
 CONFIG_NAME = "adapter_config.json"
@@ -92,19 +101,79 @@ def save_adapters(pm: PackedModel, items: Sequence[tuple[int, str | Path, dict[s
     The weights are copied to the host first, one copy per slot; the files are then written and
     fsynced by up to ``SAVE_THREADS`` threads. Returns when every directory is in place and on disk.
     """
-    jobs = [(_host_tensors(pm, slot, dtype), adapter_config(pm, slot, base_model_name_or_path), Path(out), meta)
-            for slot, out, meta in items]
-    if len(jobs) <= 1:
-        return [_write(*job) for job in jobs]
-    with ThreadPoolExecutor(min(SAVE_THREADS, len(jobs))) as pool:
-        return list(pool.map(lambda job: _write(*job), jobs))
+    with AdapterWriter(min(SAVE_THREADS, max(1, len(items)))) as writer:
+        futures = writer.submit(pm, items, base_model_name_or_path=base_model_name_or_path, dtype=dtype)
+        return [f.result() for f in futures]
 
 
-def _host_tensors(pm: PackedModel, slot: int, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """The slot's PEFT tensors on the host. One device-to-host copy of all of them: a copy per tensor
-    waits for the device each time (two per projection: 336 for a 24-layer model). They are gathered on the
-    device by one multi-tensor copy (casting, and laying out each B^T view as B): a cast or copy per tensor
-    took ~50 ms of host time per slot on SmolLM2's 210 projections, with the GPU idle while trials end."""
+class AdapterWriter:
+    """Writes adapter directories on background threads (module docstring); a context manager that waits for its
+    writes on exit (``close``).
+
+    Args:
+        threads: writes at once (the adapters of slots that end together are serialised and fsynced in parallel).
+    """
+
+    def __init__(self, threads: int = SAVE_THREADS) -> None:
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="adapter-writer")
+        self._lock = threading.Lock()
+        self.busy_s = 0.0
+        """Seconds the threads spent writing (waiting for the copy included), summed over the threads."""
+
+    def submit(self, pm: PackedModel, items: Sequence[tuple[int, str | Path, dict[str, str] | None]], *,
+               base_model_name_or_path: str, dtype: torch.dtype | None = None) -> list[Future[Path]]:
+        """Snapshot each slot's weights (``(slot, out_dir, metadata)`` each) and queue their writes; returns at once
+        with one future per item, whose result is ``out_dir`` once the directory is in place and on disk (or whose
+        exception is the write's: a full disk, a read-only folder)."""
+        jobs = [(_snapshot(pm, slot, dtype), adapter_config(pm, slot, base_model_name_or_path), Path(out), meta)
+                for slot, out, meta in items]
+        return [self._pool.submit(self._write, *job) for job in jobs]
+
+    def _write(self, snap: _Snapshot, config: dict, out_dir: Path, metadata: dict[str, str] | None) -> Path:
+        t0 = time.perf_counter()
+        try:
+            return _write(snap.tensors(), config, out_dir, metadata)
+        finally:
+            with self._lock:
+                self.busy_s += time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Wait for every queued write, then stop the threads."""
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> AdapterWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    """One slot's PEFT tensors as one flat host buffer: ``names``, their ``shapes`` in order; ``ready``, the CUDA
+    event after the device-to-host copy (None: the buffer is already filled)."""
+
+    names: list[str]
+    shapes: list[torch.Size]
+    flat: torch.Tensor
+    ready: torch.cuda.Event | None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """{name: tensor}, once the copy has landed; each its own copy of its slice (safetensors refuses tensors
+        that share memory)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        chunks = self.flat.split([s.numel() for s in self.shapes])
+        return {n: c.view(s).clone() for n, s, c in zip(self.names, self.shapes, chunks, strict=True)}
+
+
+def _snapshot(pm: PackedModel, slot: int, dtype: torch.dtype | None) -> _Snapshot:
+    """The slot's PEFT tensors copied off the slot: one gather on the device, then one device-to-host copy of all
+    of them. A copy per tensor waits for the device each time (two per projection: 336 for a 24-layer model); a
+    cast or copy per tensor took ~50 ms of host time per slot on SmolLM2's 210 projections, with the GPU idle
+    while trials end. The gather casts and lays out each B^T view as B. From a GPU the host copy is
+    ``non_blocking`` into pinned memory, so the caller goes on at once; later kernels (the slot refilled) run
+    after the gather on the same stream."""
     names, parts = [], []
     for path in pm.slot_paths[slot]:  # every row the forward reads: [A; A0] and [B, -B0] for a principal init
         rows = pm.layers[path].slot_weights(slot)
@@ -115,11 +184,15 @@ def _host_tensors(pm: PackedModel, slot: int, dtype: torch.dtype | None) -> dict
         parts.append(m.detach())
     dtype = dtype or parts[0].dtype
     sizes = [p.numel() for p in parts]
-    gathered = torch.empty(sum(sizes), dtype=dtype, device=parts[0].device)
+    gathered = torch.empty(sum(sizes), dtype=dtype, device=parts[0].device)  # (sum of sizes,): a fresh buffer
     torch._foreach_copy_([c.view(p.shape) for p, c in zip(parts, gathered.split(sizes), strict=True)], parts)
-    flat = gathered.cpu()
-    # safetensors refuses tensors that share memory: each gets its own copy of its slice
-    return {name: chunk.view(p.shape).clone() for name, p, chunk in zip(names, parts, flat.split(sizes), strict=True)}
+    if gathered.device.type != "cuda":
+        return _Snapshot(names, [p.shape for p in parts], gathered.cpu(), None)
+    host = torch.empty(gathered.shape, dtype=dtype, pin_memory=True)
+    host.copy_(gathered, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return _Snapshot(names, [p.shape for p in parts], host, ready)
 
 
 def _scratch_prefix(out_dir: Path) -> str:

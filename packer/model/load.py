@@ -4,19 +4,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import nn
 
 from lora_sweep.errors import ConfigError, UserError, first_line
-from lora_sweep.kernels.ops import Impl, hash_compiler_early, resolve_impl
+from lora_sweep.kernels.ops import Impl, hash_compiler_early, resolve_impl, use_kernel_cache
 from lora_sweep.packer.model.quant import quantize_base
 
-__all__ = ["load_base", "load_tokenizer", "resolve_base", "prepare_kernels", "DTYPES"]
+__all__ = ["load_base", "load_tokenizer", "resolve_base", "prepare_kernels", "DTYPES", "LOAD_PARTS"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+T = TypeVar("T")
 
 
 def resolve_base(name_or_path: str, gguf_file: str | None = None, *,
@@ -44,17 +49,36 @@ def resolve_base(name_or_path: str, gguf_file: str | None = None, *,
     return str(Path(name_or_path).expanduser()) if looks_local else name_or_path
 
 
-def prepare_kernels(impl: Impl, device: str) -> None:
+def prepare_kernels(impl: Impl, device: str, cache_root: Path | None = None) -> Path | None:
     """Call before loading the base a pack on ``device`` will wrap with ``impl``: where that means the Triton
-    kernels, Triton's compiler hash starts on a thread beside the load (``kernels.ops.hash_compiler_early``)."""
-    if resolve_impl(impl, torch.device(device)) == "triton":
-        hash_compiler_early()
+    kernels, compiled kernels are kept under ``cache_root`` across runs (``kernels.ops.use_kernel_cache``: keyed by
+    Triton's version and the device; the user's ``TRITON_CACHE_DIR`` wins) and Triton's compiler hash starts on a
+    thread beside the load (``kernels.ops.hash_compiler_early``).
+
+    Returns:
+        The kernel cache folder in use (None: not the Triton path, or no ``cache_root`` and none set by the user).
+    """
+    if resolve_impl(impl, torch.device(device)) != "triton":
+        return None
+    folder = use_kernel_cache(cache_root, torch.device(device)) if cache_root is not None else None
+    hash_compiler_early()
+    return folder
+
+
+LOAD_PARTS = ("model", "tokenizer")
+"""The parts of ``load_base``'s seconds (``split``): the model, read onto its device by ``from_pretrained``; the
+tokenizer, loaded on a thread beside it (the two overlap: their sum is more than the load's wall)."""
 
 
 def load_base(name_or_path: str, *, gguf_file: str | None = None, dtype: str = "float32", device: str = "cpu",
               attn_implementation: str | None = None, quantize: str | None = None,
-              log: Callable[[str], None] | None = None) -> tuple[nn.Module, object]:
+              log: Callable[[str], None] | None = None,
+              split: dict[str, float] | None = None) -> tuple[nn.Module, object]:
     """Load a causal LM and its tokenizer the way a user's checkpoint is loaded.
+
+    The weights go straight onto ``device`` in ``dtype`` (``from_pretrained`` with ``device_map``: the module built
+    on the meta device, each safetensors tensor read memory-mapped, cast once and placed; no weight the checkpoint
+    holds is initialised, no copy of the model waits on the CPU), while the tokenizer loads on a thread.
 
     Args:
         name_or_path: a local directory saved with ``save_pretrained``, a hub id, a ``.gguf`` file, or the
@@ -66,12 +90,13 @@ def load_base(name_or_path: str, *, gguf_file: str | None = None, dtype: str = "
         quantize: ``nf4``: the linear projections (not the output head) become NF4 weights on ``device``
             (``packer.model.quant``); None: as loaded.
         log: told when a GGUF file is converted (the first time only).
+        split: filled with the seconds of each of ``LOAD_PARTS`` (``benchmarks.load_bench``).
 
     Raises:
         UserError: the path does not exist or transformers cannot load it (one line).
         ConfigError: ``quantize`` is unknown or cannot hold a weight (``packer.model.quant.quantize_base``).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # the sweep shows its own progress; keep stderr for what matters
@@ -81,18 +106,47 @@ def load_base(name_or_path: str, *, gguf_file: str | None = None, dtype: str = "
     looks_local = source.startswith((".", "/", "~")) or Path(source).exists()
     if looks_local and not Path(source).is_dir():
         raise UserError(f"{name_or_path}: model directory not found")
-    kwargs = {"dtype": "auto" if dtype == "auto" else DTYPES[dtype]}
+    kwargs: dict[str, object] = {"dtype": "auto" if dtype == "auto" else DTYPES[dtype],
+                                 "device_map": torch.device(device)}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
-    try:
-        model: nn.Module = AutoModelForCausalLM.from_pretrained(source, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError) as err:
-        first = first_line(err)
-        raise UserError(f"{name_or_path}: cannot load model: {first}") from err
-    model = model.to(device)
+    times = split if split is not None else {}
+    with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:  # its exit waits for the tokenizer
+        tokenizer = pool.submit(_timed, times, "tokenizer", _tokenizer, source, name_or_path)
+        with _timer(times, "model"):
+            try:
+                model: nn.Module = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+            except (OSError, ValueError) as err:
+                raise UserError(f"{name_or_path}: cannot load model: {first_line(err)}") from err
+        # whole on one device, as a load then .to() left it: PEFT and accelerate take a model with a device map for
+        # one dispatched over devices (and re-dispatch it when an adapter loads)
+        model.__dict__.pop("hf_device_map", None)
     quantize_base(model, quantize)  # on the device: quantising on a GPU takes a fraction of the CPU's time
-    return model, tokenizer
+    return model, tokenizer.result()
+
+
+def _tokenizer(source: str, name_or_path: str) -> object:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as err:
+        raise UserError(f"{name_or_path}: cannot load tokenizer: {first_line(err)}") from err
+
+
+@contextmanager
+def _timer(times: dict[str, float], part: str) -> Iterator[None]:
+    """Add the block's seconds to ``times[part]``."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        times[part] = times.get(part, 0.0) + time.perf_counter() - t0
+
+
+def _timed(times: dict[str, float], part: str, fn: Callable[..., T], *args: object) -> T:
+    with _timer(times, part):
+        return fn(*args)
 
 
 def load_tokenizer(name_or_path: str, *, gguf_file: str | None = None) -> object:
@@ -101,11 +155,4 @@ def load_tokenizer(name_or_path: str, *, gguf_file: str | None = None) -> object
     Raises:
         UserError: as ``load_base``.
     """
-    from transformers import AutoTokenizer
-
-    source = resolve_base(name_or_path, gguf_file)
-    try:
-        return AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError) as err:
-        first = first_line(err)
-        raise UserError(f"{name_or_path}: cannot load tokenizer: {first}") from err
+    return _tokenizer(resolve_base(name_or_path, gguf_file), name_or_path)

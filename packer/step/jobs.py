@@ -158,6 +158,9 @@ class TrainResult:
     """Seconds spent capturing CUDA graphs."""
     graphs: int = 0
     """CUDA graphs captured (0: eager)."""
+    shapes: set[tuple[int, int]] = field(default_factory=set)
+    """The step shapes trained, (rows per slot, padded length): one CUDA graph each on a captured step (for each
+    set of adapted layers and dropout / packing switch)."""
     step: str = ""
     """How the step ran (``STEP_NAMES``): ``cuda-graph`` (replayed as CUDA graphs) or ``eager`` (eagerly: on
     the CPU, with ``cuda_graphs: off``, or after a capture failed)."""

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
 
 import torch
@@ -56,6 +56,7 @@ from lora_sweep.packer.step.jobs import (
 )
 from lora_sweep.packer.step.loop import DEFAULT_READBACK, SEQ_MULTIPLE, Live, Pending, Staging
 from lora_sweep.packer.step.optim import lr_schedule
+from lora_sweep.packer.step.shapes import padded_length
 
 __all__ = ["BatchSource", "FixedBatch", "SlotJob", "SlotEnd", "StepReport", "TrainResult", "StepProfiler", "train",
            "chunk_tokens_of", "check_in_backward", "target_tokens",
@@ -139,6 +140,7 @@ def train(
     rank_bucket: int | None = None,
     optimizer_in_backward: bool = False,
     seq_multiple: int = SEQ_MULTIPLE,
+    lengths: Sequence[int] | None = None,
     profiler: StepProfiler | None = None,
     graphs: loop.Graphs | None = None,
 ) -> TrainResult:
@@ -170,6 +172,9 @@ def train(
         optimizer_in_backward: torchtune's option, mapped onto this step: the same updates, the gradient buffer
             kept (one warning says so); jobs that clip or accumulate are refused (``check_in_backward``).
         seq_multiple: rows are padded to a multiple of this many positions.
+        lengths: the padded lengths a step may take (ascending; ``packer.step.shapes.length_buckets`` chooses at
+            most a few from the data, which bounds the step shapes and so the CUDA graphs): a step pads to the
+            smallest that holds its longest row. None, or a row longer than the last: a multiple of ``seq_multiple``.
         profiler: told ``step()`` once per global step, at the end of it (after any read-back and slot ends): a
             ``torch.profiler.profile`` the caller has entered, whose ``schedule`` then counts the pack's steps
             (torchtune's recipes call theirs the same way); None: nothing.
@@ -230,11 +235,12 @@ def train(
             store.active = frozenset(p for s in active for p in pm.slot_paths[s])
 
             # 2. Each live slot's micro-batch (k of them for an accumulating slot's step, one at a time), staged
-            # into the buffers of the step's shape: rows per slot x a length rounded up to ``seq_multiple``.
+            # into the buffers of the step's shape: rows per slot x the step length (``lengths``) holding the longest.
             rows = {s: active[s].window.draw(active[s].job.stream) for s in sorted(active)}
             rows_per_slot = max(rows_per_slot, *(len(r) for r in rows.values()))
             longest = max(len(r.input_ids) for rs in rows.values() for r in rs)
-            dims = (rows_per_slot, -(-longest // seq_multiple) * seq_multiple)
+            dims = (rows_per_slot, padded_length(longest, seq_multiple, lengths))
+            result.shapes.add(dims)
             if dims not in shapes:
                 buffers = store.shape_buffers(*dims)
                 shapes[dims] = buffers, Staging(buffers.ints.numel(), buffers.floats.numel(), device.type == "cuda")

@@ -21,6 +21,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from lora_sweep.evaluators.custom import is_file_target
 from lora_sweep.sweep.config import _foreign
 from lora_sweep.sweep.config._yaml import Doc, Item, Key, add, coerce, make, override, read, scalar, section, typed
 from lora_sweep.sweep.config.spec import (
@@ -489,12 +490,26 @@ def _tracker(doc: Doc, it: Item, canon: Key) -> TrackerSpec:
 def _evaluator(doc: Doc, it: Item, canon: Key) -> EvalSpec:
     if isinstance(it.value, str):
         doc.note(canon, it.path)
-        return make(doc, EvalSpec, canon, name=it.value)
-    kw = typed(
-        doc, EvalSpec, section(doc, it.value, it.path, canon, ["name", "options"], _ALIASES["evaluators"]), canon
-    )
+        return make(doc, EvalSpec, canon, name=_code_path(doc, it.value))
+    items = section(doc, it.value, it.path, canon, ["name", "options", "timeout"], _ALIASES["evaluators"])
+    timeout = items.pop("timeout", None)
+    kw = typed(doc, EvalSpec, items, canon)
     if kw.get("options") is None:
         kw.pop("options", None)
     elif not isinstance(kw["options"], dict):
         raise doc.error(canon + ("options",), f"must be a mapping (got {kw['options']!r})")
+    if isinstance(kw.get("name"), str):
+        kw["name"] = _code_path(doc, kw["name"])
+    if isinstance(kw.get("options"), dict) and isinstance(kw["options"].get("function"), str):
+        kw["options"] = {**kw["options"], "function": _code_path(doc, kw["options"]["function"])}
+    if timeout is not None:
+        kw["timeout"] = _amount(doc, timeout.value, "seconds or a duration like 30s, 10m", canon + ("timeout",), False)
     return make(doc, EvalSpec, canon, **kw)
+
+
+def _code_path(doc: Doc, spec: str) -> str:
+    """``file.py:OBJECT`` with a relative file taken from the study file's folder, as every path the file names."""
+    target, sep, name = spec.rpartition(":")
+    if not sep or not is_file_target(target) or Path(target).expanduser().is_absolute():
+        return spec
+    return f"{(doc.file.parent / target).resolve()}:{name}"

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Literal
 
 from lora_sweep.packer.api import FORMATS as DATA_FORMATS
-from lora_sweep.packer.api import QUANTIZE
+from lora_sweep.packer.api import QUANTIZE, line_bound
 from lora_sweep.sweep.config._params import _check
 
 __all__ = ["ModelSpec", "DataSpec", "DTYPES", "FORMATS"]
@@ -76,8 +76,19 @@ class DataSpec:
     """Truncate tokenized examples to this many tokens."""
     train_on_prompt: bool = False
     """Also train on prompt tokens (default: labels masked to the response, as Axolotl)."""
+    max_line_bytes: int | None = None
+    """The longest row (line) of the data files, in bytes: a longer one is refused by ``file:line`` before it is
+    parsed; null: 1 MiB, or 32 bytes a token of ``max_length`` when that is more (``line_bytes``)."""
 
     def __post_init__(self) -> None:
+        m = self.max_line_bytes
+        _check(m is None or (isinstance(m, int) and not isinstance(m, bool) and m >= 1), "max_line_bytes",
+               "must be a number of bytes >= 1", m)
         object.__setattr__(self, "format", _FORMAT_ALIASES.get(self.format, self.format))
         _check(self.format in FORMATS, "format", f"must be one of {', '.join(FORMATS)}", self.format)
         _check(isinstance(self.max_length, int) and self.max_length >= 1, "max_length", "must be >= 1", self.max_length)
+
+    @property
+    def line_bytes(self) -> int:
+        """The row bound in force: ``max_line_bytes``, or ``packer.data.lines.line_bound(max_length)``."""
+        return self.max_line_bytes if self.max_line_bytes is not None else line_bound(self.max_length)

@@ -195,13 +195,21 @@ class EvalSpec:
 
     name: str
     """One of ``EVALUATORS`` (``evaluators.registry.EVALUATORS``), or ``file.py:OBJECT`` / ``module:OBJECT`` naming
-    an ``Evaluator`` object (docs/guides/extending.md)."""
+    an ``Evaluator`` object (docs/guides/extending.md); a relative ``file.py`` is taken from the study file's folder.
+    Naming one runs that code, as a Python config would."""
     options: Mapping[str, object] = field(default_factory=dict, hash=False)
     """Evaluator options: string keys, JSON-like values."""
+    timeout: float = registry.DEFAULT_TIMEOUT
+    """Seconds a user's evaluator (``file.py:OBJECT``, or ``custom``'s function) may run on one set of slots (a
+    number or a duration like ``30s``, ``10m``); past it, or past ``budget.wall_time`` (an evaluation has at least a
+    tenth of the wall time, 10 s or more, so the trials training when the budget ends are still scored), its trials
+    fail with the reason and the run stops (``evaluators.registry.evaluate``). Built-in evaluators are not timed."""
 
     def __post_init__(self) -> None:
         _check(isinstance(self.name, str) and (self.name in EVALUATORS or ":" in self.name), "name",
                f"must be one of {', '.join(EVALUATORS)}, or file.py:OBJECT naming an Evaluator", self.name)
+        _check(_is_num(self.timeout) and self.timeout > 0, "timeout", "must be a number of seconds > 0",
+               self.timeout)
         _check(
             isinstance(self.options, Mapping) and _jsonlike(self.options),
             "options",

@@ -14,6 +14,7 @@ from lora_sweep.benchmarks import packing_bench
 from lora_sweep.benchmarks.cpu_bench import cpu_bench
 from lora_sweep.benchmarks.timing import check_row, counted_params, gemm_tflops, step_flops
 from lora_sweep.packer.model.load import load_base
+from lora_sweep.packer.step.shapes import MAX_BUCKETS
 from lora_sweep.packer.tiny.models import build_tiny_model
 
 
@@ -33,6 +34,7 @@ def test_packing_bench_rows(capsys: pytest.CaptureFixture[str], tiny_llama_ceili
         check_row(row, row["mode"], **tiny_llama_ceiling)
         assert row["real_tokens_per_step"] > 0 and 0 <= row["padding"] < 1
         assert row["tok_s"] == pytest.approx(row["real_tokens_per_step"] / row["step_ms"] * 1e3, rel=0.01)
+        assert 1 <= row["shapes"] <= MAX_BUCKETS and row["graphs"] == 0 and row["reserved_gib"] is None  # CPU
 
 
 def test_cpu_bench_rows(tiny_llama_ceiling: dict) -> None:

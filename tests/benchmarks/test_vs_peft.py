@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from lora_sweep.benchmarks.timing import check_row
-from lora_sweep.benchmarks.vs_peft import Way, main, prepare, rows, time_to_target, vs_peft
+from lora_sweep.benchmarks.vs_peft import GAP, Way, gap_target, main, prepare, rows, table, time_to_target, vs_peft
 from lora_sweep.errors import UserError
 from lora_sweep.packer.tiny.models import build_tiny_model
 from lora_sweep.sweep.api import load_study
@@ -59,12 +59,15 @@ def test_every_way_gives_a_plausible_row(run: tuple[Path, dict[str, dict]]) -> N
     _, by_way = run
     assert list(by_way) == list(WAYS)
     overall = min(r["best_eval_loss"] for r in by_way.values())
+    default = [t["eval_loss"] for log in _logs(run[0]).values() for n, t in log.items() if n == 0]
+    assert len(default) == len(WAYS)  # the default completes in every way
+    target = overall + (1 - GAP) * (sum(default) / len(default) - overall)
     for way, r in by_way.items():
         check_row(r, way)
         assert r["trials"] == N and r["complete"] + r["pruned"] == N and r["failed"] == 0, r
         assert r["complete"] >= 1 and math.isfinite(r["best_eval_loss"]), r  # the default is never pruned
         assert r["device_s_per_trial"] == pytest.approx(r["makespan_s"] / N, abs=1e-3)  # both rounded
-        assert r["target_eval_loss"] == pytest.approx(overall * 1.01)
+        assert r["target_eval_loss"] == pytest.approx(target) and "time_to_user_target_s" not in r
         if r["best_eval_loss"] <= r["target_eval_loss"]:
             assert 0 < r["time_to_target_s"] <= r["makespan_s"], r
         for other in by_way.values():
@@ -112,6 +115,11 @@ def test_a_rerun_keeps_the_recorded_ways(run: tuple[Path, dict[str, dict]]) -> N
     out, by_way = run
     again = vs_peft(str(out.parent / "vs.yaml"), ways=WAYS, procs=(2,), out=out)
     assert again == list(by_way.values())
+    worst = max(r["best_eval_loss"] for r in by_way.values())
+    mine = vs_peft(str(out.parent / "vs.yaml"), ways=WAYS, procs=(2,), out=out, target=worst)  # not a setting
+    for r in mine:
+        assert r["user_target_eval_loss"] == worst and 0 < r["time_to_user_target_s"] <= r["makespan_s"], r
+        assert r["time_to_target_s"] == by_way[r["way"]]["time_to_target_s"]
     with pytest.raises(UserError, match="other settings"):
         vs_peft(str(out.parent / "vs.yaml"), ways=("peft",), trials=3, out=out)
 
@@ -128,18 +136,59 @@ def test_the_compiled_way_trains_the_default_to_the_sweeps_loss(run: tuple[Path,
     assert mine["eval_loss"] == pytest.approx(sweep["eval_loss"], rel=1e-5)
 
 
-def test_time_to_target_is_the_first_complete_trial_within_one_percent_of_the_best() -> None:
-    fast = Way("a", 10.0, [dict(t=2.0, trial=0, state="PRUNED", eval_loss=None),
-                           dict(t=5.0, trial=1, state="COMPLETE", eval_loss=1.005),
-                           dict(t=9.0, trial=2, state="COMPLETE", eval_loss=1.0)])
-    slow = Way("b", 40.0, [dict(t=20.0, trial=0, state="COMPLETE", eval_loss=1.5),
-                           dict(t=30.0, trial=1, state="COMPLETE", eval_loss=1.2),
-                           dict(t=40.0, trial=2, state="FAIL", eval_loss=None)])
-    assert time_to_target(fast, 1.01) == 5.0 and time_to_target(slow, 1.01) is None
-    a, b = rows([fast, slow], 3)
-    assert a["target_eval_loss"] == pytest.approx(1.01) and a["time_to_target_s"] == 5.0
-    assert b["time_to_target_s"] is None and b["failed"] == 1
+def _synthetic() -> tuple[Way, Way]:
+    """Two ways' trial logs as trials.csv holds them: the default (trial 0) at loss 2.0 in both, the best 1.0."""
+    fast = Way("a", 10.0, [dict(t=1.0, trial=0, state="COMPLETE", eval_loss=2.0),
+                           dict(t=2.0, trial=1, state="PRUNED", eval_loss=None),
+                           dict(t=5.0, trial=2, state="COMPLETE", eval_loss=1.04),
+                           dict(t=9.0, trial=3, state="COMPLETE", eval_loss=1.0)])
+    slow = Way("b", 40.0, [dict(t=10.0, trial=0, state="COMPLETE", eval_loss=2.0),
+                           dict(t=20.0, trial=1, state="COMPLETE", eval_loss=1.5),
+                           dict(t=30.0, trial=2, state="COMPLETE", eval_loss=1.06),
+                           dict(t=40.0, trial=3, state="FAIL", eval_loss=None)])
+    return fast, slow
+
+
+def test_the_default_target_closes_95_percent_of_the_gap_from_the_default_trial() -> None:
+    """Default 2.0, best 1.0: the target is 1.05, met by a's 1.04 at 5 s and never by b (1.06 is 94% of the gap);
+    1% of the best (1.01), the old target, would have needed a's best trial at 9 s."""
+    fast, slow = _synthetic()
+    assert gap_target([fast, slow]) == pytest.approx(1.05)
+    assert time_to_target(fast, 1.05) == 5.0 and time_to_target(slow, 1.05) is None
+    a, b = rows([fast, slow], 4)
+    assert a["target_eval_loss"] == pytest.approx(1.05) and a["time_to_target_s"] == 5.0
+    assert b["time_to_target_s"] is None and b["failed"] == 1 and "time_to_user_target_s" not in a
     assert a["makespan_speedup"] == {"a": 1.0, "b": 4.0} and a["time_to_target_speedup"] == {"a": 1.0, "b": None}
+    text = table([a, b])
+    assert "to target s" in text and "--target" not in text and "held-out loss <= 1.05" in text
+
+
+def test_the_default_trials_loss_is_the_mean_over_the_ways_that_completed_it() -> None:
+    """Ways train the same default, equal up to the device's rounding: their mean is the gap's start; a way whose
+    default failed counts nowhere, and without any completed default there is no target."""
+    fast, slow = _synthetic()
+    slow.trials[0]["eval_loss"] = 2.2
+    assert gap_target([fast, slow]) == pytest.approx(1.0 + 0.05 * 1.1)
+    slow.trials[0].update(state="FAIL", eval_loss=None)
+    assert gap_target([fast, slow]) == pytest.approx(1.05)
+    fast.trials[0].update(state="FAIL", eval_loss=None)
+    assert gap_target([fast, slow]) is None
+    a, _ = rows([fast, slow], 4)
+    assert a["time_to_target_s"] is None and "no way completed the default trial" in table(rows([fast, slow], 4))
+
+
+def test_a_users_target_is_a_column_beside_the_default() -> None:
+    """--target 1.5: a gets there at 5 s, b at 20 s (4x); the default target's column stays."""
+    a, b = rows(list(_synthetic()), 4, target=1.5)
+    assert a["user_target_eval_loss"] == 1.5
+    assert a["time_to_user_target_s"] == 5.0 and b["time_to_user_target_s"] == 20.0
+    assert a["time_to_user_target_speedup"] == {"a": 1.0, "b": 4.0} and b["time_to_user_target_speedup"]["a"] == 0.25
+    assert a["time_to_target_s"] == 5.0 and b["time_to_target_s"] is None
+    head, row_a, row_b, *notes = table([a, b]).splitlines()
+    assert "to target s" in head and "to --target s" in head
+    assert row_a.split()[5:7] == ["5.0", "5.0"] and row_b.split()[5:7] == ["-", "20.0"]
+    assert "1.00x / 1.00x / 1.00x" in row_a and "4.00x / - / 4.00x" in row_a
+    assert notes[-1] == "--target: held-out loss <= 1.5"
 
 
 def test_a_study_the_peft_ways_cannot_score_is_refused(tmp_path: Path) -> None:

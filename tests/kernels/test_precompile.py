@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -143,3 +144,66 @@ def test_the_compiler_hash_starts_on_a_thread_and_precompile_waits_for_it(monkey
     assert joined and not started.is_alive() and key.cache_info().currsize == 1
     prepare_kernels("triton", "cpu")
     assert J._COMPILER_KEY is started, "once per process"
+
+
+def _no_user_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_CACHE_DIR", "unset")  # recorded, so the test's own setting is undone after it
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+
+
+def test_the_kernel_cache_is_keyed_by_triton_and_the_device(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import triton
+
+    assert J.kernel_cache_dir(tmp_path, torch.device("cpu")) == tmp_path / "triton" / triton.__version__ / "cpu"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    h100 = J.kernel_cache_dir(tmp_path, torch.device("cuda"))
+    assert h100 == tmp_path / "triton" / triton.__version__ / "NVIDIA-H100-80GB-HBM3-sm90"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert J.kernel_cache_dir(tmp_path, torch.device("cuda")) != h100  # another card, another folder
+    monkeypatch.setattr(triton, "__version__", "99.0.0")
+    assert J.kernel_cache_dir(tmp_path, torch.device("cpu")).parent.name == "99.0.0"
+
+
+def test_the_users_triton_cache_dir_wins(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    assert J.use_kernel_cache(tmp_path / "root", torch.device("cpu")) == tmp_path / "mine"
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine") and not (tmp_path / "root").exists()
+    _no_user_cache(monkeypatch)
+    folder = J.use_kernel_cache(tmp_path / "root", torch.device("cpu"))
+    assert folder == J.kernel_cache_dir(tmp_path / "root", torch.device("cpu")) and folder.is_dir()
+    assert os.environ["TRITON_CACHE_DIR"] == str(folder)
+
+
+_RUN = """
+import sys, torch
+from pathlib import Path
+from lora_sweep.packer.model.load import prepare_kernels
+from lora_sweep.sweep.store import cache_dir
+from triton.runtime.cache import get_cache_manager
+folder = prepare_kernels("triton", "cpu", cache_dir())
+cache = get_cache_manager("ab" * 32)  # a kernel's hash
+found = cache.get_file("kernel.bin")
+if found is None:
+    cache.put(b"compiled", "kernel.bin", binary=True)
+print(folder, found)
+"""
+
+
+def test_a_second_run_finds_what_the_first_compiled(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Two processes (runs) with the same ``$LORA_SWEEP_CACHE``: the first run's entry, put where Triton's cache
+    manager puts a compiled kernel, is what the second run's lookup finds, under that root's keyed folder."""
+    import subprocess
+    import sys
+
+    _no_user_cache(monkeypatch)
+    monkeypatch.setenv("LORA_SWEEP_CACHE", str(tmp_path / "cache"))
+    runs = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", _RUN], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        runs.append(done.stdout.split())
+    folder = J.kernel_cache_dir(tmp_path / "cache", torch.device("cpu"))
+    assert runs[0] == [str(folder), "None"]
+    assert runs[1][0] == str(folder) and Path(runs[1][1]).is_relative_to(folder)
+    assert Path(runs[1][1]).read_bytes() == b"compiled"

@@ -3,13 +3,33 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
+import pytest
+
+import lora_sweep
 from lora_sweep.sweep.config.loader import load_study
 from lora_sweep.sweep.status import study_status
 from lora_sweep.sweep.study import run_study
-from lora_sweep.sweep.timing import PHASES, TIMING_FILE, WallSplit, append_run, last_run
+from lora_sweep.sweep.timing import (
+    EXEC_GAP_S,
+    PHASES,
+    TIMING_FILE,
+    WallSplit,
+    append_run,
+    command_split,
+    last_run,
+    process_started,
+    run_split,
+)
 from tests.conftest import write_study
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _busy(seconds: float) -> None:
@@ -89,3 +109,98 @@ def test_a_run_records_its_split_and_status_shows_it(tiny_dirs, tmp_path) -> Non
     assert abs(sum(rec["phases"].values()) - rec["wall_s"]) < 0.05
     assert rec["wall_s"] >= summary.wall_s
     assert study_status(spec.out_dir)["split"] == rec
+
+
+def test_the_process_start_is_the_interpreters_and_a_command_split_charges_it_to_import() -> None:
+    code = ("import json, time, lora_sweep; from lora_sweep.sweep import timing as t; start, source = "
+            "t.process_started(); rec = t.command_split().record(); "
+            "print(json.dumps([start, source, lora_sweep.IMPORTED_AT, time.time(), rec]))")
+    t0 = time.time()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    start, source, imported, now, rec = json.loads(out.stdout)
+    assert source == "process" and t0 - 0.02 <= start <= imported <= start + EXEC_GAP_S  # /proc: a tick is 10 ms
+    assert rec["source"] == "process" and rec["process_before_s"] == 0.0
+    assert rec["wall_s"] == pytest.approx(now - start, abs=0.05)
+    assert rec["phases"]["import"] == pytest.approx(rec["detail"]["import:python"] + rec["detail"]["import:cli"],
+                                                    abs=2e-3)
+    assert rec["detail"]["import:python"] == pytest.approx(imported - start, abs=2e-3)
+
+
+def test_a_process_that_ran_something_before_python_counts_from_the_import(monkeypatch) -> None:
+    """A shell that exec's its last command in place (``(pip install ... && sweep run ...)``) keeps its process and
+    its start: the command's split then starts at ``lora_sweep``'s import."""
+    monkeypatch.setattr(lora_sweep, "IMPORTED_AT", time.time())  # long after this pytest process started
+    assert process_started() == (lora_sweep.IMPORTED_AT, "import")
+    split = command_split()
+    assert split.source == "import" and run_split() is split and run_split() is not split  # one run takes it
+
+
+def _quick_study(tmp_path: Path, tiny_dirs, name: str) -> Path:
+    return write_study(tmp_path, tiny_dirs("llama"), name=name, budget={"trials": 2}, pack={"max_slots": 2},
+                       train={"max_steps": 8, "micro_batch": 2}, pruning={"kind": "none"},
+                       evaluators=[{"name": "heldout_loss"}])
+
+
+def test_a_run_commands_split_is_its_whole_wall_and_profile_writes_a_trace_and_the_table(tiny_dirs, tmp_path) -> None:
+    """Measured from outside: the split's parts add up to the command's wall time, from the process's start to its
+    exit, within what the process spends outside Python's reach (exec, the interpreter's exit)."""
+    path = _quick_study(tmp_path, tiny_dirs, "whole")
+    prof = tmp_path / "prof"
+    t0 = time.time()
+    done = subprocess.run([sys.executable, "-m", "lora_sweep", "run", str(path), "--quiet", "--profile", str(prof)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    outside = time.time() - t0
+    assert done.returncode == 0, done.stderr
+    rec = last_run(tmp_path / "runs-whole")
+    assert rec["source"] == "process" and set(rec["phases"]) == {*PHASES, "other"}
+    assert abs(sum(rec["phases"].values()) - rec["wall_s"]) < 0.01
+    # what no split sees: the fork and exec before the process's start tick, the exit's atexit handlers after the
+    # record (a second at most on 2 busy cores)
+    assert outside - max(1.0, 0.02 * outside) < rec["wall_s"] <= outside, (outside, rec)
+    assert rec["phases"]["other"] < 0.05 * rec["wall_s"], rec  # every second named but a sliver
+    for phase in ("import", "read", "load", "train", "evaluate", "save", "storage", "report", "profile"):
+        assert rec["phases"][phase] > 0, phase
+    imports = [k for k in rec["detail"] if k.startswith("import:")]
+    assert imports == [f"import:{m}" for m in ("python", "cli", "torch", "transformers", "optuna", "engine")]
+    assert rec["detail"]["save:writer"] > 0 and rec["end"]["reason"] == "budget.trials"
+    # --profile: a Chrome trace holding the window's operators and the phases as named ranges; the tables
+    trace = json.loads((prof / "trace.json").read_text())
+    names = {e.get("name", "") for e in trace["traceEvents"]}
+    assert "aten::mm" in names and any(n.startswith("phase:") for n in names)
+    assert "Self CPU" in (prof / "ops.txt").read_text()
+    table = (prof / "phases.txt").read_text()
+    assert table in done.stdout and "from the process's start" in table and "torch" in table
+
+
+def test_the_first_line_comes_before_torch_is_imported(tiny_dirs, tmp_path) -> None:
+    """`sweep run`'s first line is out before any heavy import: -X importtime writes a line to stderr as each module's
+    import ends, in order with the command's own lines (stdout and stderr, one pipe; click flushes each line)."""
+    path = _quick_study(tmp_path, tiny_dirs, "first")
+    proc = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "lora_sweep", "run", str(path)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    before: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if not line.startswith("import time:"):
+                first = line
+                break
+            before.append(line.rsplit("|", 1)[1].strip())
+        else:
+            raise AssertionError("no line before the process ended")
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+    assert first.startswith(f"{path}: reading the study file"), first
+    heavy = {"torch", "transformers", "optuna", "numpy", "sqlite_utils", "yaml", "rich"}
+    assert not heavy & set(before), sorted(heavy & set(before))
+
+
+@pytest.mark.parametrize("module", ["lora_sweep.sweep.cli", "lora_sweep.sweep.timing", "lora_sweep.sweep.config._yaml"])
+def test_the_modules_before_the_first_line_import_nothing_heavy(module: str) -> None:
+    out = subprocess.run([sys.executable, "-X", "importtime", "-c", f"import {module}"], capture_output=True,
+                         text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    imported = {m.group(1) for m in re.finditer(r"\|\s+(\S+)$", out.stderr, re.M)}
+    assert module in imported
+    assert not {"torch", "transformers", "optuna", "numpy", "sqlite_utils"} & imported, module

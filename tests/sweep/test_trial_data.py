@@ -12,7 +12,8 @@ from optuna.trial import TrialState
 from lora_sweep.errors import ConfigError
 from lora_sweep.packer.data.rows import load_examples
 from lora_sweep.packer.model.load import load_base
-from lora_sweep.sweep._trial_data import epoch_steps
+from lora_sweep.packer.step.shapes import MAX_BUCKETS, length_buckets
+from lora_sweep.sweep._trial_data import epoch_steps, step_lengths
 from lora_sweep.sweep.config.loader import load_study
 from lora_sweep.sweep.config.space import adapter_spec
 from lora_sweep.sweep.store.attrs import PLANNED_TOKENS, TOKENS
@@ -139,3 +140,17 @@ def test_eval_every_records_a_heldout_curve_and_optuna_intermediates(tiny_dirs, 
             assert curve[6] == pytest.approx(t.values[0], rel=1e-5)  # the last point is the final eval_loss
     with pytest.raises(ConfigError, match="data.eval: is needed by train.eval_every"):
         load_study(path, ["data.eval=null", "evaluators=[]", "objectives=[minimize adapter_params]"])
+
+
+def test_step_lengths_cover_the_data_and_a_packed_row(tiny_dirs, tmp_path) -> None:
+    """A pack's step lengths: at most MAX_BUCKETS, the longest example held, and the sample-packed row's length
+    (data.max_length) among them when the space can sample-pack; the smallest micro-batch the space draws sets how
+    many rows a step's longest is taken over."""
+    spec = load_study(_study(tmp_path, tiny_dirs("llama")))
+    _, tokenizer = load_base(str(tiny_dirs("llama")))
+    examples = load_examples(spec.data.train, tokenizer, fmt=spec.data.format, max_length=spec.data.max_length)
+    lengths = step_lengths(spec, examples, capacity=2)
+    assert 1 <= len(lengths) <= MAX_BUCKETS
+    assert lengths[-1] >= max(len(e.input_ids) for e in examples)
+    assert 48 in lengths  # sample_packing is searched: a packed row of max_length has its own length
+    assert step_lengths(spec, examples, 2) == length_buckets([len(e.input_ids) for e in examples] + [48], 2 * 4)

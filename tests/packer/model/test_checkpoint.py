@@ -132,3 +132,61 @@ def test_a_save_in_another_dtype_holds_each_tensor_cast_and_laid_out_as_peft(tin
             got = saved[f"base_model.model.{path}.lora_{kind}.weight"]
             assert got.dtype == torch.bfloat16 and got.shape == want.shape
             assert torch.equal(got, want.detach().to(torch.bfloat16))
+
+
+def _writer_saves_the_weights_as_submitted(model_dir, tmp_path, monkeypatch, device: str) -> None:
+    """``AdapterWriter.submit`` snapshots the slot and returns; the slot may train on (here: its B changed) while
+    the write waits, and the file holds the weights at the submit, in place only when the future says so."""
+    import threading
+
+    from lora_sweep.packer.model import checkpoint
+
+    model, _ = load_base(str(model_dir), device=device)
+    pm = PackedModel(model)
+    pm.add_slot(0, SPECS["llama"][0])
+    with torch.no_grad():
+        for _, b in pm.slot_weights(0).values():
+            b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(b.numel())))
+    before = {p: (a.detach().cpu().clone(), b.detach().cpu().clone()) for p, (a, b) in pm.slot_weights(0).items()}
+    gate, write = threading.Event(), checkpoint._write
+    monkeypatch.setattr(checkpoint, "_write", lambda *job: (gate.wait(30), write(*job))[1])
+    with checkpoint.AdapterWriter() as writer:
+        [future] = writer.submit(pm, [(0, tmp_path / "a", {"trial": "0"})], base_model_name_or_path="x")
+        assert not future.done() and not (tmp_path / "a").exists()
+        with torch.no_grad():  # the slot trains on (or is refilled) while the write is queued
+            for _, b in pm.slot_weights(0).values():
+                b.add_(1.0)
+        gate.set()
+        assert future.result(timeout=60) == tmp_path / "a"
+    assert writer.busy_s > 0
+    _, saved = read_adapter(tmp_path / "a")
+    for path, (a, b) in before.items():
+        assert torch.equal(saved[f"base_model.model.{path}.lora_A.weight"], a)
+        assert torch.equal(saved[f"base_model.model.{path}.lora_B.weight"], b)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
+
+
+def test_a_writer_returns_before_the_write_and_saves_the_weights_as_they_were(tiny_dirs, tmp_path, monkeypatch) -> None:
+    _writer_saves_the_weights_as_submitted(tiny_dirs("llama"), tmp_path, monkeypatch, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_writer_on_cuda_copies_to_pinned_memory_before_the_slot_trains_on(tiny_dirs, tmp_path, monkeypatch) -> None:
+    """From the GPU the host copy is non_blocking into pinned memory; the weights changed right after the submit
+    (a later kernel on the same stream) are not what is saved."""
+    _writer_saves_the_weights_as_submitted(tiny_dirs("llama"), tmp_path, monkeypatch, "cuda")
+
+
+def test_a_failed_write_is_the_futures_error_and_leaves_no_directory(tiny_dirs, tmp_path) -> None:
+    model, _ = load_base(str(tiny_dirs("llama")))
+    pm = PackedModel(model)
+    pm.add_slot(0, AdapterSpec(rank=2, targets=("q_proj",)))
+    (tmp_path / "file").write_text("")  # a path below a file: the write's mkdir fails
+    from lora_sweep.packer.model.checkpoint import AdapterWriter
+
+    with AdapterWriter() as writer:
+        [future] = writer.submit(pm, [(0, tmp_path / "file" / "a", None)], base_model_name_or_path="x")
+        with pytest.raises(OSError):
+            future.result(timeout=60)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
