@@ -504,13 +504,20 @@ def export(study_dir: str, trial: int | None, best: bool, objective: str | None,
     """Export one trial of STUDY_DIR as a PEFT adapter directory (vLLM-ready by default) or a merged model."""
     from lora_sweep.sweep.export import export_trial
 
-    done = export_trial(study_dir, out, trial=trial, best=best, objective=objective, vllm=not no_vllm, merge=merge,
-                        allow_infeasible=allow_infeasible, cli=True)
+    try:
+        done = export_trial(study_dir, out, trial=trial, best=best, objective=objective, vllm=not no_vllm,
+                            merge=merge, allow_infeasible=allow_infeasible, cli=True)
+    except KeyboardInterrupt as err:  # Ctrl-C, SIGTERM: the scratch directory is gone, --out never appeared
+        stop = "terminated (SIGTERM)" if isinstance(err, Terminated) else "interrupted (Ctrl-C)"
+        click.echo(f"export: {stop}: nothing written to {out}; run the same command again to export", err=True)
+        err.add_note(STOP_SAID)
+        raise
     what = "merged model" if done.merged else f"adapter (rank {done.rank}" + (
         f" padded to {done.exported_rank})" if done.exported_rank != done.rank else ")")
     if done.note:
         click.echo(done.note)
     click.echo(f"trial {done.trial}: {what} written to {done.out}")
+    _FINISHED.append(done.out)  # the process leaves at once (``main``): a Ctrl-C now would call a written export lost
 
 
 @cli.command()
@@ -582,7 +589,7 @@ def main(argv: list[str] | None = None) -> None:
     cuda = "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized()
     registry = sys.modules.get("lora_sweep.evaluators.registry")
     hung = registry is not None and bool(registry.abandoned())  # a hung evaluator's thread would run on in teardown
-    if argv is None and (cuda or hung or code in SIGNALLED or _SPLIT_CLOSED):
+    if argv is None and (cuda or hung or code in SIGNALLED or _SPLIT_CLOSED or _FINISHED):
         _leave(code)
     if code:
         sys.exit(code)
@@ -597,6 +604,10 @@ def _passive_openmp() -> None:
     if "torch" not in sys.modules:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+
+_FINISHED: list[Path] = []
+"""What a command wrote that a signal in the interpreter's teardown (seconds after torch was imported, on a busy host)
+must not report as interrupted: an export. The process then leaves without that teardown (``_leave``)."""
 
 _SIGTERMS: list[int] = []
 """The SIGTERMs ``_on_sigterm`` took: one whose ``Terminated`` was swallowed is raised again at the next step."""

@@ -1,12 +1,14 @@
-"""``sweep export``: one trial's adapter as a PEFT directory (vLLM-ready by default), or merged into the base.
+"""``sweep export``: one trial's adapter as a PEFT directory (vLLM-ready where the adapter allows), or merged into
+the base.
 
 The trial's saved adapter (``adapters/trial-<n>``, written by ``packer.model.checkpoint``) is rewritten into a new
 directory with a model card (``README.md``: params, metrics, data, study provenance). vLLM's rules (a rank
 from its ``max_lora_rank`` choices, one rank and alpha per adapter, keys without adapter names) are met without
 changing the adapter's function: a rank outside ``VLLM_RANKS`` is zero-padded to the next allowed one (extra rows
 of A, columns of B) with alpha rescaled so the scale s stays (alpha' = s·r', or s·sqrt(r') with rsLoRA);
-rank/alpha patterns are folded into B; adapter names are dropped from keys. ``merge=True`` writes the base model
-with W + s·B·A folded in, plus its tokenizer.
+rank/alpha patterns are folded into B; adapter names are dropped from keys. An adapter vLLM cannot serve as it is
+(DoRA's magnitudes, a bias, ``modules_to_save``) is written as trained, which is what PEFT loads, with a one-line
+note. ``merge=True`` writes the base model with W + s·B·A folded in, plus its tokenizer.
 """
 
 from __future__ import annotations
@@ -17,19 +19,19 @@ import math
 import os
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lora_sweep.errors import UserError
 from lora_sweep.packer.api import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, read_jsonl
+from lora_sweep.sweep._scratch import plain_modes, scratch_dir, unwritable
 from lora_sweep.sweep.store import ResultsStore, StudyDir, TrialRecord, constraint_text, is_feasible, pareto_front
 
 if TYPE_CHECKING:  # torch, safetensors and transformers load in the functions that need them: errors stay fast
     import torch
 
-__all__ = ["VLLM_RANKS", "Export", "select_trial", "vllm_adapter", "merge_adapter", "export_trial"]
+__all__ = ["VLLM_RANKS", "Export", "select_trial", "vllm_refusal", "vllm_adapter", "merge_adapter", "export_trial"]
 
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """Values vLLM accepts for ``max_lora_rank`` (vllm/config/lora.py)."""
@@ -104,7 +106,8 @@ def select_trial(store: ResultsStore, *, trial: int | None = None, best: bool = 
             raise UserError(f"export: trial {trial} does not exist in this study ({known})")
         if rec.state != "COMPLETE":
             why = f" ({rec.reason.strip().splitlines()[0]})" if rec.reason and rec.reason.strip() else ""
-            raise UserError(f"export: trial {trial} is {(rec.state or 'unknown').lower()}{why}; "
+            state = {"FAIL": "failed"}.get(rec.state or "", (rec.state or "unknown").lower())
+            raise UserError(f"export: trial {trial} is {state}{why}; "
                             "only complete trials have an adapter")
         return rec
     meta = store.meta()
@@ -169,25 +172,34 @@ def _scale(config: dict[str, Any], path: str, rank: int) -> float:
     return alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
 
 
+def vllm_refusal(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> str | None:
+    """Why vLLM cannot serve the adapter without changing its function (DoRA, biases, ``modules_to_save``, a rank
+    above vLLM's largest ``max_lora_rank``), as words after "the adapter uses"; None when it can."""
+    for bad, why in ((config.get("use_dora"), "DoRA"), (config.get("modules_to_save"), "modules_to_save"),
+                     (config.get("bias", "none") != "none", f"bias={config.get('bias')!r}")):
+        if bad:
+            return f"{why}, which vLLM does not support"
+    rank = max((t.shape[0] for k, t in tensors.items() if k.endswith(".lora_A.weight") or ".lora_A." in k), default=0)
+    if rank > VLLM_RANKS[-1]:
+        return f"rank {rank}, above vLLM's largest max_lora_rank {VLLM_RANKS[-1]}"
+    return None
+
+
 def vllm_adapter(config: dict[str, Any], tensors: dict[str, torch.Tensor], cli: bool = False
                  ) -> tuple[dict[str, Any], dict[str, torch.Tensor], list[str]]:
     """The same adapter function under vLLM's rules: (config, tensors, list of the changes made).
 
     Raises:
-        UserError: DoRA, biases or ``modules_to_save``, which vLLM cannot take without changing the function.
+        UserError: an adapter vLLM cannot take without changing the function (``vllm_refusal``).
     """
     import torch
 
-    for bad, why in ((config.get("use_dora"), "DoRA"), (config.get("modules_to_save"), "modules_to_save"),
-                     (config.get("bias", "none") != "none", f"bias={config.get('bias')!r}")):
-        if bad:
-            raise UserError(f"export: the adapter uses {why}, which vLLM does not support; use {_opt('vllm', cli)}")
+    why = vllm_refusal(config, tensors)
+    if why is not None:
+        raise UserError(f"export: the adapter uses {why}; use {_opt('vllm', cli)}")
     modules, named = _modules(tensors, cli)
     rank = max(a.shape[0] for a, _ in modules.values())
-    target = next((r for r in VLLM_RANKS if r >= rank), None)
-    if target is None:
-        raise UserError(f"export: rank {rank} exceeds vLLM's largest max_lora_rank {VLLM_RANKS[-1]}; use "
-                        f"{_opt('vllm', cli)}")
+    target = next(r for r in VLLM_RANKS if r >= rank)
     s = float(config["lora_alpha"]) / (math.sqrt(config["r"]) if config.get("use_rslora") else config["r"])
     changes = []
     if target != config["r"]:
@@ -345,37 +357,21 @@ def _check_out(out: Path, cli: bool) -> None:
         raise UserError(f"export: {out} exists and is not empty; choose {_opt('out', cli)}")
 
 
-def _fresh_dir(out: Path, cli: bool) -> Path:
-    """A temporary directory beside ``out`` (renamed onto it once complete)."""
-    _check_out(out, cli)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-
-
-def _umask() -> int:
-    """The process's umask (read by setting it and putting it back: POSIX has no getter)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def _plain_modes(root: Path) -> None:
-    """Give ``root`` and everything in it the modes ``mkdir`` and ``open`` would have (0755 / 0644 under
-    umask 022): ``mkdtemp`` made ``root`` 0700, and a serving process of another user must read the export."""
-    mask = _umask()
-    for path in [root, *root.rglob("*")]:
-        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
-
-
 def export_trial(study_dir: str | Path, out: str | Path, *, trial: int | None = None, best: bool = False,
                  objective: str | None = None, vllm: bool = True, merge: bool = False,
                  allow_infeasible: bool = False, cli: bool = False) -> Export:
     """Export one complete trial of the study in ``study_dir`` to ``out`` (see the module docstring). ``cli``:
     messages name the ``sweep export`` flags, not the Python API's arguments.
 
+    The export is written to a scratch directory beside ``out`` and renamed onto it once complete: an export stopped
+    (Ctrl-C, SIGTERM, an error) leaves no ``out`` and nothing beside it, and the same call succeeds again. With
+    ``vllm`` an adapter vLLM can serve is converted to its rules; one it cannot (DoRA, a bias, ``modules_to_save``,
+    a rank above 512) is written as trained, which PEFT loads, and ``Export.note`` says so.
+
     Raises:
         UserError: not a study directory, a bad trial choice (``select_trial``), a missing adapter, an
-            ``out`` that exists and is not empty, or an adapter vLLM cannot take (use ``vllm=False``).
+            ``out`` that exists and is not empty, or one the system refuses to write (named, not the scratch
+            directory: a read-only or full disk, a file in the way).
     """
     sdir, out = StudyDir(study_dir), Path(out).absolute()
     if not sdir.is_study():
@@ -395,10 +391,15 @@ def export_trial(study_dir: str | Path, out: str | Path, *, trial: int | None = 
     config, tensors = read_adapter(source)
     rank = int(config["r"])
     changes: list[str] = []
-    if vllm and not merge:
-        config, tensors, changes = vllm_adapter(config, tensors, cli)
-    tmp = _fresh_dir(out, cli)
     note = None
+    if vllm and not merge:
+        why = vllm_refusal(config, tensors)
+        if why is None:
+            config, tensors, changes = vllm_adapter(config, tensors, cli)
+        else:  # the export is still what PEFT loads: the trial as trained
+            note = f"export: not padded for vLLM: the adapter uses {why} (it loads in PEFT as trained)"
+    _check_out(out, cli)
+    tmp = scratch_dir(out)
     try:
         if merge:
             from lora_sweep.packer.api import load_base
@@ -414,11 +415,16 @@ def export_trial(study_dir: str | Path, out: str | Path, *, trial: int | None = 
             (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         (tmp / "README.md").write_text(model_card(meta, rec, config, out, source=source, changes=changes,
                                                   merged=merge))
-        _plain_modes(tmp)
+        plain_modes(tmp)
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)
-    finally:
+    except Exception as err:
+        refused = unwritable(out, err)
+        if refused is None:
+            raise
+        raise refused from err
+    finally:  # a Ctrl-C or SIGTERM (KeyboardInterrupt) too: no --out, nothing beside it
         shutil.rmtree(tmp, ignore_errors=True)
     return Export(rec.number, out, rank, int(config["r"]), merge, changes, note)
 

@@ -35,7 +35,16 @@ from lora_sweep.errors import UserError, first_line
 from lora_sweep.packer.api import discard_adapter
 from lora_sweep.sweep.config.space import baseline_params, community_default, make_sampler
 from lora_sweep.sweep.config.spec import StudySpec
-from lora_sweep.sweep.storage import Sharing, last_beat, normalize_url, open_storage, storage_lock, unopenable
+from lora_sweep.sweep.storage import (
+    Sharing,
+    check_directory,
+    claim_directory,
+    last_beat,
+    normalize_url,
+    open_storage,
+    storage_lock,
+    unopenable,
+)
 from lora_sweep.sweep.store import ResultsStore, StudyDir, attrs, redact_url
 
 __all__ = ["Ledger", "Heartbeat", "open_study", "recorded_trials", "storage_url", "ORPHAN_REASON", "FINISHED",
@@ -223,15 +232,21 @@ def open_study(spec: StudySpec, sdir: StudyDir, sharing: Sharing | None = None,
             or other objective directions, or does not know a trial the directory records.
     """
     url = storage_url(spec, sdir, sharing)
-    with ExitStack() as stack:  # sharing: one worker at a time creates the tables, the study and its default
+    alone = sharing is None and spec.storage is not None  # a run without workers over a storage outside its directory
+    with ExitStack() as stack:  # one worker (or run) at a time creates the tables, the study and its default
         try:
-            if sharing is not None:
-                stack.enter_context(storage_lock(sharing.url, spec.name))
+            if sharing is not None or alone:
+                stack.enter_context(storage_lock(url, spec.name))
             storage = open_storage(url, log)
         except Exception as err:  # SQLAlchemy raises many types for an unreachable or malformed URL
             raise unopenable(url, err) from err
+        if alone:
+            check_directory(storage, url, spec.name, sdir.root)
         worker = sharing.worker if sharing is not None else None
-        return _create(spec, storage, url, worker, sdir, recorded or {}), storage
+        study = _create(spec, storage, url, worker, sdir, recorded or {})
+        if alone:
+            claim_directory(study, sdir.root)
+        return study, storage
 
 
 def storage_url(spec: StudySpec, sdir: StudyDir, sharing: Sharing | None = None) -> str:

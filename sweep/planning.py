@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from lora_sweep.errors import ConfigError
-from lora_sweep.packer.api import Example, MemoryModel, PackedModel, batches_per_epoch, resolve_targets
+from lora_sweep.packer.api import Example, MemoryModel, PackedModel, batches_per_epoch, linear_shape, resolve_targets
 from lora_sweep.sweep.calibration import (
     BaseShape,
     cache_dir,
@@ -143,18 +143,29 @@ class PlanReport:
 
 
 def check_targets(spec: StudySpec, model: nn.Module) -> None:
-    """Every target set the study can train names projections ``model`` has (as ``sweep run`` requires).
+    """Every target set the study can train names projections ``model`` has, each as wide as the study's largest
+    rank (as ``sweep run`` requires: ``PackedModel.add_slot`` refuses a rank above a layer's ``min(D_in, D_out)``,
+    which a PiSSA / OLoRA decomposition cannot give either); called before the study creates a trial.
 
     Raises:
-        ConfigError: ``search.targets.<set>`` (or ``train.targets``) names a module the model lacks.
+        ConfigError: ``search.targets.<set>`` (or ``train.targets``) names a module the model lacks, or
+            ``search.rank`` (``train.rank``) holds a rank larger than a layer one of them targets.
     """
     searched = any(p.name == "targets" for p in spec.search.params)
+    rank = _largest(spec, "rank", spec.train.rank)
     for name, modules in target_sets(spec).items():
         try:
-            resolve_targets(model, modules)
+            paths = resolve_targets(model, modules)
         except ConfigError as err:
             key = f"search.targets.{name}" if searched else "train.targets"
             raise ConfigError(f"{key}: {str(err).removeprefix('targets: ')}") from None
+        for path in paths:
+            shape = linear_shape(model.get_submodule(path))
+            if shape is not None and rank > min(shape):
+                key = "search.rank" if any(p.name == "rank" for p in spec.search.params) else "train.rank"
+                where = f"search.targets.{name}" if searched else "train.targets"
+                raise ConfigError(f"{key}: rank {rank} is larger than layer {path} ({shape[0]} -> {shape[1]}) of "
+                                  f"{where}, whose largest rank is {min(shape)}")
 
 
 def target_sets(spec: StudySpec) -> dict[str, tuple[str, ...]]:

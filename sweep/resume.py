@@ -100,6 +100,7 @@ def _open(spec: StudySpec, sdir: StudyDir, device: str, log: Callable[[str], Non
     from lora_sweep.sweep.planning import check_targets
 
     allow_changes, allow_data_change = allow
+    url = storage_url(spec, sdir, sharing)  # a URL no storage takes, or without its driver: refused before the load
     # compiled kernels kept between runs beside the calibrations; Triton's own hash on a thread beside the load
     prepare_kernels(spec.pack.kernels, device, cache_dir())
     log(Note(f"loading the base model {spec.model.path} on {device} (model.dtype: {spec.model.dtype})"))
@@ -132,7 +133,6 @@ def _open(spec: StudySpec, sdir: StudyDir, device: str, log: Callable[[str], Non
         ledger = Ledger(study, storage, store, partial(trial_adapter_dir, spec, sdir), log)
         if sharing is None:
             ledger.recover()
-    url = storage_url(spec, sdir, sharing)
     gguf = gguf_source(spec.model.path, spec.model.gguf_file)
     store.set_meta(name=spec.name, storage=strip_password(url), model=base,
                    **({"model_source": str(gguf)} if gguf else {}), data=str(spec.data.train),

@@ -35,10 +35,12 @@ from optuna.storages import BaseStorage
 
 from lora_sweep.errors import UserError, first_line
 from lora_sweep.sweep._journal import JournalFlock, cut_torn_tail, first_bad_line
+from lora_sweep.sweep._servers import answers, connect_timeout, driven_url
 from lora_sweep.sweep.store import attrs, redact_url
 
 __all__ = ["Sharing", "StorageBackend", "BACKENDS", "backend_of", "JournalFlock", "cut_torn_tail", "normalize_url",
-           "open_storage", "unopenable", "storage_lock", "last_beat", "resume_clock", "study_elapsed"]
+           "open_storage", "unopenable", "storage_lock", "check_directory", "claim_directory", "last_beat",
+           "resume_clock", "study_elapsed"]
 
 Log = Callable[[str], None]
 Lock = Callable[[str, str], AbstractContextManager[None]]
@@ -140,7 +142,8 @@ def _server_lock(take: Callable[[Any, str], tuple[Any, dict[str, Any]]]) -> Lock
 
         engine = _ENGINES.get(url)
         if engine is None:
-            engine = _ENGINES[url] = sa.create_engine(url, poolclass=sa.pool.NullPool)
+            driven, args = answers(url)
+            engine = _ENGINES[url] = sa.create_engine(driven, poolclass=sa.pool.NullPool, connect_args=args)
         with engine.connect() as conn:
             give = take(conn, study_name)
             try:
@@ -222,8 +225,17 @@ def _open_sqlite(url: str, log: Log) -> BaseStorage:
     return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}}, skip_table_creation=False)
 
 
+def _server_url(url: str) -> str:
+    """A server's URL as given, once its driver is known to be installed and its connect timeout readable."""
+    driven_url(url)
+    connect_timeout(url)
+    return url
+
+
 def _open_server(url: str, log: Log) -> BaseStorage:
-    return optuna.storages.RDBStorage(url, skip_table_creation=False)
+    """A database server's storage, once ``_answers`` saw it answer within the connect timeout."""
+    driven, args = answers(url)
+    return optuna.storages.RDBStorage(driven, engine_kwargs={"connect_args": args}, skip_table_creation=False)
 
 
 def _wal(db: Path) -> None:
@@ -249,8 +261,8 @@ BACKENDS: list[StorageBackend] = [
     StorageBackend("journal file", (_JOURNAL,), _open_journal, _flock_beside(_journal_file), file=_journal_file,
                    suffixes=(".log",), normalize=_journal_url, damaged=_journal_damaged),
     StorageBackend("SQLite", ("sqlite://",), _open_sqlite, _flock_beside(_sqlite_file), file=_sqlite_file),
-    StorageBackend("PostgreSQL", ("postgresql",), _open_server, _server_lock(_pg_lock)),
-    StorageBackend("MySQL", ("mysql", "mariadb"), _open_server, _server_lock(_mysql_lock)),
+    StorageBackend("PostgreSQL", ("postgresql",), _open_server, _server_lock(_pg_lock), normalize=_server_url),
+    StorageBackend("MySQL", ("mysql", "mariadb"), _open_server, _server_lock(_mysql_lock), normalize=_server_url),
 ]
 """Every storage a study can use, by URL prefix; a new kind is one more ``StorageBackend`` here."""
 
@@ -322,6 +334,38 @@ def storage_lock(url: str, study_name: str) -> Iterator[None]:
     """Hold the study's lock in its storage (its backend's ``lock``): one worker at a time counts and asks."""
     with _THREAD_LOCK, backend_of(url).lock(url, study_name):
         yield
+
+
+def check_directory(storage: BaseStorage, url: str, name: str, directory: Path) -> None:
+    """Refuse a run without workers of study ``name`` in storage ``url`` (one outside the study directory: a study's
+    ``storage:``) from ``directory`` when another study directory runs it (``claim_directory``). The caller holds
+    the storage lock from here to ``claim_directory``, so of two runs started at once one is refused.
+
+    Such a run takes every RUNNING trial of its study for one its own killed run left, and retries it; a run that
+    failed before its first trial is deleted and started anew: two runs from two directories over one storage would
+    each fail (or delete) the other's trials, and the first stop on its next tell (``UpdateFinishedTrialError``).
+    Processes share a study as workers (``--workers``, ``--join``, ``sweep worker``), which tell a dead worker's
+    trials from a live one's by their heartbeats.
+
+    Raises:
+        UserError: the study is recorded as run from another directory (one line naming both).
+    """
+    here = str(directory.absolute())
+    try:
+        owner = optuna.load_study(study_name=name, storage=storage).user_attrs.get(attrs.DIRECTORY)
+    except KeyError:  # no such study yet
+        return
+    if owner is not None and owner != here:
+        raise UserError(f"storage: study {name!r} in {redact_url(url)} is run from the study directory {owner}, not "
+                        f"{here}: give --out {owner} to resume it there, or run it with --workers (--join to add "
+                        "processes) to share it")
+
+
+def claim_directory(study: optuna.Study, directory: Path) -> None:
+    """Record ``directory`` as the study directory that runs ``study`` without workers (``check_directory``)."""
+    here = str(directory.absolute())
+    if study.user_attrs.get(attrs.DIRECTORY) != here:
+        study.set_user_attr(attrs.DIRECTORY, here)
 
 
 def last_beat(trial: optuna.trial.FrozenTrial) -> float:

@@ -24,13 +24,15 @@ constant (key)                on        kind    meaning
 ``SEARCH_SPACE``              study     user    fingerprint of the search space; a resume with another one is
 (search_space)                                  refused
 ``CLOCK`` (sweep:clock)       study     user    the shared study's wall-time clock ``{start, banked}``
+``DIRECTORY``                 study     user    the study directory that runs the study without workers over a
+(sweep:directory)                               storage outside it; a run from another directory is refused
 ============================  ========  ======  ==============================================================
 """
 
 from __future__ import annotations
 
 __all__ = ["DEFAULT", "BASELINE", "RETRY_OF", "ADAPTER_PATH", "REASON", "TOKENS", "PLANNED_TOKENS", "HEARTBEAT",
-           "WORKER", "SEARCH_SPACE", "CLOCK", "TRIAL_USER_ATTRS", "TRIAL_SYSTEM_ATTRS", "STUDY_USER_ATTRS"]
+           "WORKER", "SEARCH_SPACE", "CLOCK", "DIRECTORY", "TRIAL_USER_ATTRS", "TRIAL_SYSTEM_ATTRS", "STUDY_USER_ATTRS"]
 
 DEFAULT = "default"
 BASELINE = "baseline"
@@ -43,7 +45,8 @@ HEARTBEAT = "sweep:heartbeat"
 WORKER = "sweep:worker"
 SEARCH_SPACE = "search_space"
 CLOCK = "sweep:clock"
+DIRECTORY = "sweep:directory"
 
 TRIAL_USER_ATTRS = (DEFAULT, BASELINE, RETRY_OF, ADAPTER_PATH, REASON, TOKENS, PLANNED_TOKENS)
 TRIAL_SYSTEM_ATTRS = (HEARTBEAT, WORKER)
-STUDY_USER_ATTRS = (SEARCH_SPACE, CLOCK)
+STUDY_USER_ATTRS = (SEARCH_SPACE, CLOCK, DIRECTORY)

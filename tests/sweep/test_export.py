@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -250,3 +253,120 @@ def test_export_modes_follow_the_umask_like_plain_files(study: Path, tmp_path: P
     for path in [out, *out.rglob("*")]:
         want = (0o777 if path.is_dir() else 0o666) & ~umask
         assert stat.S_IMODE(path.stat().st_mode) == want, f"{path}: {oct(path.stat().st_mode)}"
+
+
+# ---------------------------------------------------------------- every variant exports to what PEFT loads
+
+
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory, tiny_dirs) -> Path:
+    """A study over DoRA x PiSSA x LoRA+ (``lr_ratio``), one trial each (grid), trained enough to move the logits."""
+    from lora_sweep.sweep.config.loader import load_study
+    from lora_sweep.sweep.study import run_study
+    from tests.conftest import write_study
+
+    tmp = tmp_path_factory.mktemp("variants")
+    space = {"dora": [False, True], "init": ["gaussian", "pissa"], "lr_ratio": [1, 8]}
+    path = write_study(tmp, tiny_dirs("llama"), "variants", search=space,
+                       sampler={"name": "grid"}, train={"max_steps": 4, "micro_batch": 2, "rank": 4, "lr": 1e-2},
+                       budget={"trials": 8}, pruning={"kind": "none"}, evaluators=[{"name": "heldout_loss"}],
+                       objectives=[{"metric": "eval_loss", "direction": "minimize"}])
+    spec = load_study(path)
+    run_study(spec, log=lambda m: None)
+    return spec.out_dir
+
+
+@pytest.mark.parametrize(("dora", "init", "lr_ratio"), [(True, "gaussian", 1), (False, "pissa", 1),
+                                                         (False, "gaussian", 8), (True, "pissa", 8)])
+def test_every_variant_exports_by_default_to_what_peft_loads(variants: Path, tiny_dirs, tmp_path: Path, dora: bool,
+                                                             init: str, lr_ratio: int) -> None:
+    """The default export (``vllm=True``) of a DoRA trial is the adapter as trained, with a note; of the others the
+    vLLM-ready adapter. Both load in PEFT with no missing or unexpected keys and give the merged model's logits."""
+    rec = next(t for t in _trials(variants) if (t.params["dora"], t.params["init"], t.params["lr_ratio"])
+               == (dora, init, lr_ratio))
+    done = export_trial(variants, tmp_path / "default", trial=rec.number)
+    cfg, _ = read_adapter(done.out)
+    if dora:
+        assert done.note == ("export: not padded for vLLM: the adapter uses DoRA, which vLLM does not support (it "
+                             "loads in PEFT as trained)")
+        assert cfg["use_dora"] and done.exported_rank == done.rank and done.changes == []
+    else:
+        assert done.note is None
+        _meets_vllm_rules(done.out)
+    merged = export_trial(variants, tmp_path / "merged", trial=rec.number, merge=True)
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(str(merged.out)).eval()(input_ids=IDS, attention_mask=MASK).logits
+        base = AutoModelForCausalLM.from_pretrained(str(tiny_dirs("llama"))).eval()(input_ids=IDS,
+                                                                                    attention_mask=MASK).logits
+    assert (want - base).abs().max() > 1e-3, "the adapter must move the logits for the comparison to mean anything"
+    torch.testing.assert_close(_peft_logits(tiny_dirs("llama"), done.out), want, rtol=1e-4, atol=1e-4)
+
+
+def test_sweep_export_of_a_dora_trial_succeeds_with_one_note(variants: Path, tmp_path: Path) -> None:
+    rec = next(t for t in _trials(variants) if t.params["dora"])
+    proc = _cli(str(variants), "--trial", str(rec.number), "--out", str(tmp_path / "dora"))
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert proc.stdout.splitlines() == [
+        "export: not padded for vLLM: the adapter uses DoRA, which vLLM does not support (it loads in PEFT as trained)",
+        f"trial {rec.number}: adapter (rank {rec.params.get('rank', 4)}) written to {tmp_path / 'dora'}"]
+
+
+# ---------------------------------------------------------------- an export stopped, or refused by the disk
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_mid_export_leaves_no_out_and_the_same_command_succeeds(study: Path, tmp_path: Path, sig) -> None:
+    rec = next(t for t in _trials(study) if t.state == "COMPLETE")
+    out = tmp_path / "merged"
+    command = [sys.executable, "-m", "lora_sweep", "export", str(study), "--trial", str(rec.number), "--merge",
+               "--out", str(out)]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob(".merged.partial-*")):  # the export is under way: its scratch directory
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.02)
+        proc.send_signal(sig)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    stop = "interrupted (Ctrl-C)" if sig == signal.SIGINT else "terminated (SIGTERM)"
+    assert proc.returncode == (130 if sig == signal.SIGINT else 143), stderr
+    said = f"export: {stop}: nothing written to {out}; run the same command again to export"
+    assert stderr.strip().splitlines() == [said]  # (click writes a blank line first on a KeyboardInterrupt)
+    assert stdout == "" and list(tmp_path.iterdir()) == []
+    again = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert (out / "config.json").is_file() and [p.name for p in tmp_path.iterdir()] == ["merged"]
+
+
+def test_a_scratch_directory_left_by_a_dead_export_is_removed_and_a_live_ones_kept(study: Path,
+                                                                                  tmp_path: Path) -> None:
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = tmp_path / f".out.partial-{int(gone.stdout)}-x1y2"
+    live = tmp_path / f".out.partial-{os.getpid()}-x3y4"
+    for folder in (dead, live):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"partial")
+    rec = next(t for t in _trials(study) if t.state == "COMPLETE")
+    export_trial(study, tmp_path / "out", trial=rec.number)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, "out"])
+
+
+def test_an_unwritable_out_is_named_as_given(study: Path, tmp_path: Path) -> None:
+    """Root ignores file modes: a read-only tmpfs refuses it (skipped where ``mount`` is refused, as in
+    tests/sweep/test_disk_faults.py)."""
+    disk = tmp_path / "ro"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(disk)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"mount -t tmpfs is refused here ({mounted.stderr.strip() or mounted.returncode}): it needs root "
+                    f"with CAP_SYS_ADMIN, which CI has")
+    try:
+        rec = next(t for t in _trials(study) if t.state == "COMPLETE")
+        proc = _cli(str(study), "--trial", str(rec.number), "--out", str(disk / "adapter"))
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines() == [f"error: export: {disk / 'adapter'}: read-only file system"]
