@@ -115,7 +115,9 @@ def load_study(path: str | Path, overrides: Sequence[str] = (), *, check_paths: 
     own, overrides = _foreign.split_overrides(data, overrides, ours)  # an Axolotl/torchtune config's own keys
     for text in own:
         override(doc, data, text, {})
-    data = _foreign.translate(doc, data, _TRAIN, ours, [*ours, *_RELOCATE], _TRAIN_FIELDS)  # Axolotl/torchtune
+    searches = any(o.partition("=")[0].strip().startswith(("search", "parameters")) for o in overrides)
+    data = _foreign.translate(doc, data, _TRAIN, ours, [*ours, *_RELOCATE], _TRAIN_FIELDS,  # Axolotl/torchtune
+                              default_search=not searches)
     for text in overrides:
         _drop_spellings(data, text)
         override(doc, data, text, _ALIASES)
