@@ -31,7 +31,7 @@ from lora_sweep.sweep.config._own_search import around
 from lora_sweep.sweep.config._yaml import Doc, Key
 from lora_sweep.sweep.config.tracking import axolotl_trackers, torchtune_trackers
 
-__all__ = ["translate", "split_overrides"]
+__all__ = ["translate", "split_overrides", "is_foreign"]
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +131,11 @@ class _Out:
         return ConfigError(f"{self.doc.where(src)}: {'.'.join(map(str, src))}: {rule}")
 
 
+def is_foreign(data: dict[str, Any]) -> bool:
+    """Whether ``data`` is an Axolotl or torchtune config (not a study file)."""
+    return _kind(data) is not None
+
+
 def _kind(data: dict[str, Any]) -> str | None:
     """``torchtune``, ``axolotl`` or None (a study file)."""
     model = data.get("model")
@@ -169,8 +174,8 @@ def translate(doc: Doc, data: dict[str, Any], aliases: Mapping[str, str], top: S
     """``data`` itself when it is a study file; else the study mapping of an Axolotl or torchtune config.
 
     A config with no ``search:`` (nor W&B ``parameters:``) searches around its own values
-    (``sweep.config._own_search``), with its default budget unless the file gives ``budget:``, and one line says
-    what is searched; ``default_search`` False (an override sets ``search.*``): the overrides' search alone.
+    (``sweep.config._own_search``), and one line says what is searched; ``default_search`` False (an override
+    sets ``search.*``): the overrides' search alone.
 
     The config's own value of a searched setting is dropped from the fixed ones (the search decides it) and
     kept in ``baseline:``, the trial of the config's own hyperparameters (``aliases`` maps the train aliases,
@@ -228,12 +233,8 @@ def _trackers(out: _Out, data: dict[str, Any], kind: str) -> None:
 
 
 def _search_around(out: _Out, own: dict[str, Any]) -> None:
-    """The default search around the config's ``own`` values, its budget unless the file has one, said in one
-    line."""
-    search, trials, line = around(own)
-    out.data["search"] = search
-    if "budget" not in out.data and "run_cap" not in out.data:
-        out.data["budget"] = {"trials": trials}
+    """The default search around the config's ``own`` values, said in one line (``loader`` gives the budget)."""
+    out.data["search"], line = around(own)
     logger.warning("%s: %s", out.doc.file.name, line)
 
 

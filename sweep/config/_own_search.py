@@ -12,9 +12,9 @@ has the table):
 ``targets``    the config's own modules, or every linear layer (``all-linear``)
 =============  ==========================================================================
 
-A value the config leaves out is AdapterSpec's (rank 16, alpha 32, lr 2e-4, dropout 0, all-linear). The budget,
-unless the file gives one, is ``TRIALS_PER_DIMENSION`` trials per searched dimension; the config's own trial is
-the study's baseline (``translate`` keeps it in ``baseline:``), trained first.
+A value the config leaves out is AdapterSpec's (rank 16, alpha 32, lr 2e-4, dropout 0, all-linear). A foreign
+config's budget, unless it gives one, is ``TRIALS_PER_DIMENSION`` trials per searched dimension (``loader``);
+the config's own trial is the study's baseline (``translate`` keeps it in ``baseline:``), trained first.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 
 from lora_sweep.packer.api import ALL_LINEAR, AdapterSpec
 
-__all__ = ["TRIALS_PER_DIMENSION", "LR_SPAN", "around"]
+__all__ = ["TRIALS_PER_DIMENSION", "LR_SPAN", "around", "default_budget"]
 
 TRIALS_PER_DIMENSION = 4
 """Trials of the default budget per searched dimension: 20 for all five, so that Optuna's TPE, which draws its
@@ -33,9 +33,14 @@ LR_SPAN = 5.0
 """The learning rate is searched on a log scale from ``lr / LR_SPAN`` to ``lr * LR_SPAN``."""
 
 
-def around(own: Mapping[str, Any]) -> tuple[dict[str, Any], int, str]:
-    """The ``search:`` mapping centred on ``own`` (a config's hyperparameters by train field), the default trial
-    budget for it, and the one line that says what is searched.
+def default_budget(search: Mapping[str, Any]) -> dict[str, int]:
+    """The ``budget:`` of a foreign config that gives none: ``TRIALS_PER_DIMENSION`` trials per searched dimension."""
+    return {"trials": TRIALS_PER_DIMENSION * max(1, len(search))}
+
+
+def around(own: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+    """The ``search:`` mapping centred on ``own`` (a config's hyperparameters by train field), and the one line that
+    says what is searched (with ``default_budget``'s trials).
 
     ``targets`` is searched only when the config adapts a subset of the layers (its own set or all of them);
     a config already on ``all-linear`` keeps it fixed.
@@ -56,11 +61,11 @@ def around(own: Mapping[str, Any]) -> tuple[dict[str, Any], int, str]:
     modules = [targets] if isinstance(targets, str) else list(targets or [])
     if modules and modules != [ALL_LINEAR]:
         search["targets"] = {"own": modules, ALL_LINEAR: ALL_LINEAR}
-    trials = TRIALS_PER_DIMENSION * len(search)
+    trials = default_budget(search)["trials"]
     said = "; ".join(f"{k} {_text(v)}" for k, v in search.items())
     line = (f"no search: block: searching around the config's own values ({said}); the config's own trial is the "
             f"baseline; budget {trials} trials unless budget: says otherwise")
-    return search, trials, line
+    return search, line
 
 
 def _positive(value: Any, default: float) -> float:
