@@ -53,6 +53,10 @@ def test_an_axolotl_config_without_search_runs_around_its_own_values_its_own_tri
     assert own.user_attrs.get("baseline") and not own.user_attrs.get("default")  # the config's own trial, first
     assert own.params == {"rank": 16, "alpha_ratio": 2.0, "lr": 2e-4, "dropout": 0.05, "targets": "own"}
     assert default.user_attrs.get("default") and default.params["targets"] == "all-linear"
+    from lora_sweep.reports.html import write_report
+
+    html = write_report(spec.out_dir).read_text()
+    assert "<h2>Gain over the config baseline (the config&#x27;s own hyperparameters)</h2>" in html
 
 
 def test_a_torchtune_config_without_search_searches_around_its_rank_alpha_lr_dropout_and_modules(
