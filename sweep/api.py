@@ -113,10 +113,10 @@ def engine_threads() -> Iterator[None]:
     ``import lora_sweep`` before torch sets ``OMP_WAIT_POLICY=PASSIVE`` (unless the environment chose a policy),
     as the ``sweep`` command does: torch's OpenMP threads then sleep, not spin, while they wait. When torch was
     imported first with no policy in the environment, its OpenMP runtime already spins, for good: on a CPU that
-    another process also uses, every small product then waits on a descheduled spinning thread (2x the CLI's time
-    on 2 cores beside one busy process, docs/reference/api.md). The block then runs torch on one intra-op thread
-    (``torch.set_num_threads(1)``, which has no sibling to wait on), says so in one warning of the ``lora_sweep``
-    logger, and gives the caller's thread count back at its end.
+    another process also uses, every small product then waits on a descheduled spinning thread (several times slower
+    than one thread: BENCHMARKS.md, "Planning"; docs/reference/api.md, "Threads"). The block then runs torch on one
+    intra-op thread (``torch.set_num_threads(1)``, which has no sibling to wait on), says so in one warning of the
+    ``lora_sweep`` logger, and gives the caller's thread count back at its end.
     """
     import lora_sweep
 
