@@ -150,7 +150,6 @@ class _Sweep:
         self.to_prune: set[int] = set()
         self.global_step = 0
         self.t_start = started  # the pack row's start: tokens/s and elapsed mean what the packs table means
-        self.finished_before = session.finished_count()
         self.step_t = time.perf_counter()
         self.summary = RunSummary(pack_id)
         metric, direction = spec.prune_metric()
