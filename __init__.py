@@ -18,12 +18,17 @@ entry has been searched for a regular package of that name, so from the checkout
 
 Importing ``lora_sweep`` is light: the API's names load on first use (PEP 562), so ``import lora_sweep.packer``
 on a machine without optuna or plotly works.
+
+Imported before torch, it sets ``OMP_WAIT_POLICY=PASSIVE`` unless the environment chose a policy (the CLI's setting,
+the engine's in any process): docs/reference/api.md, "Threads", says why and what holds when torch came first.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import os
+import sys
 import time
 from typing import Any
 
@@ -32,6 +37,16 @@ __version__ = "0.1.0"
 IMPORTED_AT = time.time()
 """Wall clock when ``lora_sweep`` was first imported, the start ``sweep.timing`` counts a process's seconds before a
 run from (a ``sweep`` command imports it first, after the interpreter's own start of a few tens of ms)."""
+
+TORCH_FIRST = "torch" in sys.modules
+"""Whether torch was imported before ``lora_sweep``: its OpenMP runtime then read the wait policy already, and
+``sweep.api.run`` caps torch's threads for the run instead (``sweep.api.engine_threads``)."""
+if not TORCH_FIRST:
+    # Let torch's OpenMP threads sleep rather than spin while they wait. The OpenMP runtime reads the policy once,
+    # when torch loads it, so it is set here, before any module of the package imports torch. On a CPU whose cores
+    # something else also uses, spinning threads wait on a descheduled sibling at every small matrix product, and a
+    # sweep's many small products then run several times slower than on one thread (BENCHMARKS.md, "Planning").
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # torchao (the qlora extra, packer.model.quant) is imported by transformers whenever it is installed; at import it logs
 # a warning for each optional C++ extension the installed torch cannot load, and torch one for each enum it

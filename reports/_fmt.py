@@ -46,7 +46,8 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], *, table_id: st
     by their text.
     """
     cls = ' class="sortable"' if sortable else ""
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    # a header may break after an underscore (adapter_<wbr>params): a metric's name is no wider than its values
+    head = "".join(f"<th>{html.escape(h).replace('_', '_<wbr>')}</th>" for h in headers)
     body = []
     for row in rows:
         cells = []

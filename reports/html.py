@@ -35,6 +35,7 @@ table { border-collapse: collapse; font-size: .85em; margin: .5em 0; }
 th, td { border: 1px solid #ddd; padding: .25em .5em; text-align: left; vertical-align: top; }
 table.sortable th { cursor: pointer; background: #f4f6f8; position: sticky; top: 0; }
 #trials td { white-space: nowrap; }
+#trials td:nth-last-child(-n+2) { white-space: normal; overflow-wrap: anywhere; min-width: 8em; max-width: 16em; }
 th[data-dir=asc]::after { content: " ▲"; } th[data-dir=desc]::after { content: " ▼"; }
 .tablewrap { max-height: 36em; overflow: auto; }
 .note { color: #555; font-style: italic; }
@@ -96,7 +97,7 @@ def _safe(what: str, build: Callable[[], str]) -> str:
 
 
 IMPORTANCE_TRIALS = 20
-"""Complete trials under which the parameter importances carry a caveat: PED-ANOVA compares the best trials'
+"""Complete trials under which the parameter importances are not drawn: PED-ANOVA compares the best trials'
 parameter distribution with all trials', which a handful of trials cannot pin down."""
 
 
@@ -118,11 +119,11 @@ def _optuna_section(data: StudyData, study: object, kind: str) -> str:
     def one(t: optuna_figures.Target) -> str:
         return _safe(f"{kind} for {t.name}", lambda: _figure(plot(study, t), f"fig-{kind}-{t.idx}"))
 
-    caveat = ""
     if kind == "importances" and info.n_complete < IMPORTANCE_TRIALS:
-        caveat = _note(f"A rough guide only: importances from {info.n_complete} complete trials (fewer than "
-                       f"{IMPORTANCE_TRIALS}) can rank the parameters by noise; read them again after more trials.")
-    return caveat + "\n".join(one(t) for t in info.targets)
+        return _note(f"Not drawn: importances need at least {IMPORTANCE_TRIALS} complete trials ({info.n_complete} "
+                     f"so far). With fewer, PED-ANOVA ranks the parameters by noise (on a 12-trial study it ranked "
+                     f"lr first for adapter_params, which lr cannot change).")
+    return "\n".join(one(t) for t in info.targets)
 
 
 def _pareto_section(data: StudyData) -> str:
@@ -168,6 +169,15 @@ def _prunes_section(data: StudyData) -> str:
     return "\n".join(out)
 
 
+def _gain_title(data: StudyData) -> str:
+    """The gain section's heading: what the best is measured against in this study."""
+    if data.default is None:
+        return "Gain over the default trial"
+    if data.default_name == "config baseline":
+        return "Gain over the config baseline (the config's own hyperparameters)"
+    return "Gain over the community default (rank 16, alpha 32, lr 2e-4)"
+
+
 def build_report(study_dir: str | Path, report_dir: str | Path | None = None) -> str:
     """The report's HTML text; ``report_dir`` is where it will be written (adapter links are relative to it).
 
@@ -179,7 +189,7 @@ def build_report(study_dir: str | Path, report_dir: str | Path | None = None) ->
     study = load_optuna_study(data) if data.complete else "no complete trial yet"
     sections: list[tuple[str, str, str]] = [
         ("summary", "Summary", _safe("the summary", lambda: summary.render_summary(summary._summary_info(data)))),
-        ("gain", "Gain over the default trial (the config's own hyperparameters, when the study has them)",
+        ("gain", _gain_title(data),
          _safe("the gain over the default", lambda: summary.render_gain(summary._gain_info(data)))),
         ("pareto", "Pareto front", _safe("the Pareto front", lambda: _pareto_section(data))),
         ("history", "Optimisation history", _optuna_section(data, study, "history")),

@@ -45,7 +45,9 @@ class TrialTableInfo(NamedTuple):
 
 def _trial_table_info(data: StudyData, report_dir: Path) -> TrialTableInfo:
     n = len(data.objectives)
-    metric_names = sorted({k for t in data.trials for k in (t.metrics or {})} - set(data.objectives))
+    # the table has columns of its own for a trial's tokens and device seconds: not twice
+    shown = {*data.objectives, "train_tokens", "device_seconds"}
+    metric_names = sorted({k for t in data.trials for k in (t.metrics or {})} - shown)
     param_names = list(dict.fromkeys(k for t in data.trials for k in (t.params or {})))
     rows = []
     for t in data.trials:

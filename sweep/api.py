@@ -3,10 +3,12 @@ plus argument parsing and printing); docs/reference/api.md shows it in use."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +22,7 @@ if TYPE_CHECKING:
     from lora_sweep.sweep.trackers.process import Tracking
 
 __all__ = ["load_study", "run", "open_results", "Results", "export", "write_report", "examples", "copy_example",
-           "LOGGER"]
+           "LOGGER", "engine_threads"]
 
 LOGGER = "lora_sweep"
 """The name of the logger ``run`` writes its lines to (at INFO) when no ``log`` is given."""
@@ -58,13 +60,12 @@ def run(study: StudySpec | str | Path, overrides: Sequence[str] = (), *, out: st
     ``trackers:`` log it from a process of their own (``sweep.trackers``), started here once the study is loaded
     or, given ``trackers``, started before it loaded (``sweep.trackers.process.ahead``, as ``sweep run`` does so
     that the trackers' packages import while torch does); with them, the HTML report is written at the end for
-    their parent runs (``summary.report``).
+    their parent runs (``summary.report``). The run's CPU threads are the CLI's (``engine_threads``).
 
     Raises:
         UserError: ``gpus`` without ``pack.shard: fsdp``, or more than the visible devices.
     """
     from lora_sweep.errors import UserError
-    from lora_sweep.sweep.study import run_study
     from lora_sweep.sweep.trackers.process import start as start_tracking
 
     try:
@@ -83,15 +84,8 @@ def run(study: StudySpec | str | Path, overrides: Sequence[str] = (), *, out: st
     tracking = start_tracking(spec, say, started=trackers)
     finished = False
     try:
-        if spec.pack.shard != "fsdp":
-            summary = run_study(spec, progress=progress, log=say, allow_changes=allow_changes,
-                                allow_data_change=allow_data_change)
-        else:
-            from lora_sweep.sweep.ranks import run_ranks
-
-            summary = run_ranks(spec, gpus or 1, lambda channel: run_study(
-                spec, progress=progress, log=say, allow_changes=allow_changes, ranks=channel,
-                allow_data_change=allow_data_change))
+        with engine_threads():
+            summary = _run(spec, gpus, progress, say, allow_changes, allow_data_change)
         finished = not summary.already_spent and summary.end_reason not in ("interrupt", "sigterm", "error")
     finally:
         if tracking is not None:
@@ -99,6 +93,53 @@ def run(study: StudySpec | str | Path, overrides: Sequence[str] = (), *, out: st
     if tracking is not None:
         summary.report = report
     return summary
+
+
+def _run(spec: StudySpec, gpus: int | None, progress: Callable[[Progress], None] | None, say: Callable[[str], None],
+         allow_changes: bool, allow_data_change: bool) -> RunSummary:
+    """The study run in this process, or over ``gpus`` ranks of a sharded pack."""
+    from lora_sweep.sweep.study import run_study
+
+    if spec.pack.shard != "fsdp":
+        return run_study(spec, progress=progress, log=say, allow_changes=allow_changes,
+                         allow_data_change=allow_data_change)
+    from lora_sweep.sweep.ranks import run_ranks
+
+    return run_ranks(spec, gpus or 1, lambda channel: run_study(
+        spec, progress=progress, log=say, allow_changes=allow_changes, ranks=channel,
+        allow_data_change=allow_data_change))
+
+
+@contextlib.contextmanager
+def engine_threads() -> Iterator[None]:
+    """The CPU threads of the engine's work inside the block: the CLI's, whatever the calling process did first.
+
+    ``import lora_sweep`` before torch sets ``OMP_WAIT_POLICY=PASSIVE`` (unless the environment chose a policy),
+    as the ``sweep`` command does: torch's OpenMP threads then sleep, not spin, while they wait. When torch was
+    imported first with no policy in the environment, its OpenMP runtime already spins, for good: on a CPU that
+    another process also uses, every small product then waits on a descheduled spinning thread (several times slower
+    than one thread: BENCHMARKS.md, "Planning"; docs/reference/api.md, "Threads"). The block then runs torch on one
+    intra-op thread (``torch.set_num_threads(1)``, which has no sibling to wait on), says so in one warning of the
+    ``lora_sweep`` logger, and gives the caller's thread count back at its end.
+    """
+    import lora_sweep
+
+    if not lora_sweep.TORCH_FIRST or "OMP_WAIT_POLICY" in os.environ:
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    if before > 1:
+        logging.getLogger(__name__).warning(
+            "torch was imported before lora_sweep with no OMP_WAIT_POLICY: its threads spin while they wait, so the "
+            "run uses 1 CPU thread instead of %d (import lora_sweep first, or set OMP_WAIT_POLICY=PASSIVE before "
+            "Python starts, to use them all)", before)
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _logger() -> logging.Logger:

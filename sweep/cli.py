@@ -583,8 +583,6 @@ def main(argv: list[str] | None = None) -> None:
     recorded its wall-time split, the process leaves without the interpreter's teardown (``_leave``)."""
     if argv is None and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
-    if argv is None:
-        _passive_openmp()
     code = _main(argv)
     cuda = "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized()
     registry = sys.modules.get("lora_sweep.evaluators.registry")
@@ -593,16 +591,6 @@ def main(argv: list[str] | None = None) -> None:
         _leave(code)
     if code:
         sys.exit(code)
-
-
-def _passive_openmp() -> None:
-    """Let torch's OpenMP threads sleep rather than spin while they wait (``OMP_WAIT_POLICY=PASSIVE``), unless the
-    user chose a policy. It must be set before torch is imported (the OpenMP runtime reads it once). On a CPU whose
-    cores something else also uses, spinning threads wait on a descheduled sibling at every small matrix product, and
-    a sweep's many small products then run several times slower than on one thread (BENCHMARKS.md, "Planning").
-    Set for the command line only: a program importing the library keeps its own policy."""
-    if "torch" not in sys.modules:
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 _FINISHED: list[Path] = []

@@ -339,11 +339,11 @@ def _create(spec: StudySpec, storage: BaseStorage, url: str, worker: int | None,
         if default is None:  # the report then measures the best against the config baseline, if there is one
             logger.warning("%s: no community-default trial: %s", spec.name, no_default)
         baseline, why = baseline_params(spec.search, spec.baseline) if spec.baseline else (None, "")
+        if baseline is not None and baseline != default:  # the config's own hyperparameters, first
+            study.enqueue_trial(baseline, user_attrs={attrs.BASELINE: True})
         if default is not None:  # the community default, so the report can show the gain over it
             same = {attrs.BASELINE: True} if baseline == default else {}
             study.enqueue_trial(default, user_attrs={attrs.DEFAULT: True, **same})
-        if baseline is not None and baseline != default:  # the config's own hyperparameters, trained and compared
-            study.enqueue_trial(baseline, user_attrs={attrs.BASELINE: True})
-        elif spec.baseline and baseline is None:
+        if spec.baseline and baseline is None:
             logger.warning("%s: no baseline trial of the config's own hyperparameters: %s", spec.name, why)
     return study

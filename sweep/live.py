@@ -1,10 +1,13 @@
 """Live progress of a running pack: a rich bar on a terminal, plain lines anywhere else.
 
-On a terminal the bar shows the finished trials, the pack's step, slots, tokens/s, ETA and the best so far,
-with log lines printed above it. Without one (``nohup``, CI, ``> run.log``) nothing redraws: every trial
-event (started with its parameters, pruned, complete with its metrics, failed) is one timestamped line, and
-a status line with the ETA comes at least once every ``every_s`` seconds, from a ticker thread, so a long
-compile or evaluation still shows the run is alive.
+On a terminal the bar shows the finished trials, what the run is doing, the pack's step, slots, tokens/s, ETA and
+the best so far, with log lines printed above it. Without one (``nohup``, CI, ``> run.log``) nothing redraws: every
+trial event (started with its parameters, pruned, complete with its metrics, failed) is one timestamped line, and
+a status line with the phase and the ETA comes at least once every ``every_s`` seconds, from a ticker thread, so a
+long compile or evaluation still shows the run is alive and says which it is. Before the first packed step the
+phase is the start's latest line (loading the base model, tokenizing the data, calibrating, the first step's
+warm-up and compile); from the first step on, the frames' (training, evaluating), with the ETA counted in steps
+(``sweep.eta``) less the seconds since the frame.
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ class LiveProgress:
         self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                             TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=self.console,
                             disable=not enabled or self.plain is not None)
-        self.task = self.bar.add_task("trials", total=None, info="starting")
+        self.task = self.bar.add_task("trials", total=None, info=f"starting: {LOADING}")
+        self.started = False
 
     def __enter__(self) -> LiveProgress:
         self.bar.__enter__()
@@ -58,12 +62,16 @@ class LiveProgress:
         if self.plain is not None:
             self.plain.update(p)
             return
+        self.started = True
         self.bar.update(self.task, completed=p.finished, total=p.budget_trials, info=status_text(p))
 
     def log(self, message: str) -> None:
         """A line of the run's log; with progress off (``--quiet``), not its progress notes (``Note``)."""
         if not self.enabled and isinstance(message, Note):
             return
+        phase = start_phase(message)
+        if phase is not None and not self.started and self.plain is None:
+            self.bar.update(self.task, info=f"starting: {phase}")
         if self.plain is not None:
             self.plain.line(message)
         else:
@@ -83,6 +91,10 @@ class PlainLog:
     def __init__(self, out: TextIO, every_s: float = 60.0, clock: Callable[[], float] = time.time) -> None:
         self.out, self.every_s, self.clock = out, every_s, clock
         self.last: PackProgress | None = None
+        self.last_at = 0.0
+        """When ``last`` came: its ETA is counted down from then."""
+        self.phase = LOADING
+        """What the start is doing (``start_phase`` of its latest line), until the first frame."""
         self.started = clock()
         self.last_status = self.started
         self._lock = threading.Lock()
@@ -112,32 +124,52 @@ class PlainLog:
         """A status line when a trial finished since the last frame, or when one is due (the trial events
         themselves are the run's log lines, printed as they happen)."""
         finished = self.last is not None and p.finished != self.last.finished
-        self.last = p
+        self.last, self.last_at = p, self.clock()
         if finished or self.clock() - self.last_status >= self.every_s:
             self.status()
 
     def status(self) -> None:
-        """The status line: trials finished (of the budget), step, slots, tokens/s, ETA, best; or 'starting'."""
+        """The status line: trials finished (of the budget), phase, step, slots, tokens/s, ETA, best; before the first
+        frame, the start's phase."""
         with self._lock:
             self.last_status = self.clock()
+        elapsed = _clock(self.clock() - self.started)
         if self.last is None:
-            self.line(f"starting ({_clock(self.clock() - self.started)} elapsed: loading, calibrating, compiling)")
+            self.line(f"starting ({elapsed} elapsed): {self.phase}")
         else:
             done = f"{self.last.finished}" + (f"/{self.last.budget_trials}" if self.last.budget_trials else "")
-            self.line(f"progress: {done} trials finished  {status_text(self.last)}  "
-                      f"elapsed {_clock(self.clock() - self.started)}")
+            self.line(f"progress: {done} trials finished  {status_text(self.last, self.clock() - self.last_at)}  "
+                      f"elapsed {elapsed}")
 
     def line(self, message: str) -> None:
+        phase = start_phase(message)
+        if phase is not None:
+            self.phase = phase
         stamp = time.strftime("%H:%M:%S", time.localtime(self.clock()))
         with self._lock:
             self.out.write(f"{stamp} {message}\n")
             self.out.flush()
 
 
-def status_text(p: PackProgress) -> str:
-    """The pack's step, slots, tokens/s, ETA and best so far, as the bar and the plain status line show them."""
-    eta = "  ETA -" if p.eta_s is None else f"  ETA {_clock(p.eta_s)}"
-    return f"step {p.step}  slots {p.active}/{p.capacity}  {p.tokens_per_s:,.0f} tok/s{eta}  best {p.best}"
+LOADING = "loading"
+_START_PHASES = (("loading the base model", "loading the base model"), ("tokenizing", "tokenizing the data"),
+                 ("calibrating", "calibrating the memory model"), ("pack ", "the first step (warm-up, compile)"),
+                 ("trial ", "the first step (warm-up, compile)"))
+"""The start's log lines (``sweep.resume``, ``sweep.study``, ``sweep.calibration``) by their first words, and the
+phase each begins: a trial starts in its slot just before the pack's first step, which warms up and compiles."""
+
+
+def start_phase(message: str) -> str | None:
+    """The phase of the start that the log line ``message`` begins; None for any other line."""
+    return next((phase for head, phase in _START_PHASES if message.startswith(head)), None)
+
+
+def status_text(p: PackProgress, since: float = 0.0) -> str:
+    """What the run does (when not training), the pack's step, slots, tokens/s, ETA (the frame's, ``since`` seconds
+    ago) and best so far, as the bar and the plain status line show them."""
+    eta = "  ETA -" if p.eta_s is None else f"  ETA {_clock(max(0.0, p.eta_s - since))}"
+    doing = "" if p.phase == "training" else f"{p.phase}  "
+    return f"{doing}step {p.step}  slots {p.active}/{p.capacity}  {p.tokens_per_s:,.0f} tok/s{eta}  best {p.best}"
 
 
 def _clock(seconds: float) -> str:

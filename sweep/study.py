@@ -57,6 +57,7 @@ from lora_sweep.sweep._trial_data import (
 from lora_sweep.sweep.budget import BudgetState, TokenPlan, budget_state, end_line, recorded_budget
 from lora_sweep.sweep.config.space import adapter_spec, suggest
 from lora_sweep.sweep.config.spec import StudySpec
+from lora_sweep.sweep.eta import expected_steps, pack_steps_left, steps_left
 from lora_sweep.sweep.ledger import Heartbeat, Ledger
 from lora_sweep.sweep.planning import largest_rank
 from lora_sweep.sweep.pruning import CohortSHA
@@ -84,7 +85,10 @@ class Progress:
     budget_trials: int | None
     best: str
     eta_s: float | None = None
-    """Seconds until the budget is spent, at this run's pace so far; None before a trial has finished."""
+    """Seconds until the budget is spent: its packed steps left at this run's seconds per packed step
+    (``sweep.eta``), capped by the wall-time budget; None before the first step."""
+    phase: str = "training"
+    """What the run is doing: ``training``, or ``evaluating`` (a frame sent as an evaluation starts)."""
 
 
 @dataclass
@@ -154,7 +158,6 @@ class _Sweep:
         self.to_prune: set[int] = set()
         self.global_step = 0
         self.t_start = started  # the pack row's start: tokens/s and elapsed mean what the packs table means
-        self.finished_before = session.finished_count()
         self.step_t = time.perf_counter()
         self.summary = RunSummary(pack_id)
         metric, direction = spec.prune_metric()
@@ -173,6 +176,7 @@ class _Sweep:
         self.ranks: Channel | None = None  # a sharded pack's other ranks, told every decision (sweep.ranks)
         self.hung: EvaluatorHung | None = None  # a user evaluator overran: the run stops (stop_if_hung)
         self.eval_failed: dict[int, str] = {}  # slot -> why its evaluation at a rung failed: it stops as FAIL
+        self.paced_from: tuple[float, int] | None = None  # (wall time, run step) the ETA's pace counts from
 
     def _lock(self) -> Any:
         sharing = self.s.sharing
@@ -245,25 +249,44 @@ class _Sweep:
         self._fail_hung_at_step({**due, **arrivals})
         self.show(len(reports))
 
-    def show(self, active: int) -> None:
-        """Send the progress frame: after each step, and after trials end (the last frame is current)."""
+    def show(self, active: int, phase: str = "training") -> None:
+        """Send the progress frame: after each step, before each evaluation (``phase`` evaluating) and after trials
+        end (the last frame is current)."""
         if self.progress is None:
             return
-        elapsed = max(time.time() - self.t_start, 1e-9)
+        now = time.time()
+        elapsed = max(now - self.t_start, 1e-9)
+        if phase == "training" and self.paced_from is None:  # the first step's end: the pace counts from here
+            self.paced_from = (now, self.summary.steps)
         self.progress(Progress(self.global_step, active, self.s.capacity, self.summary.tokens / elapsed,
                                self.s.finished_count(), self.spec.budget.trials, self.s.best_text(),
-                               self._eta(elapsed)))
+                               self._eta(now), phase))
 
-    def _eta(self, elapsed: float) -> float | None:
-        """Seconds left: the trial budget at this run's trials per second, capped by the wall-time budget."""
+    def _eta(self, now: float) -> float | None:
+        """Seconds left: the budget's packed steps left (``sweep.eta``: the live trials' expected steps, those not
+        started yet at their expected steps under the rungs) at this run's seconds per packed step since its first,
+        capped by the wall-time budget; None before the first step."""
         b, done = self.spec.budget, self.s.finished_count()
-        etas = []
-        if b.trials is not None and done - self.finished_before > 0:
-            etas.append(max(0, b.trials - done) * elapsed / (done - self.finished_before))
-        if b.wall_time is not None:
-            etas.append(max(0.0, b.wall_time - self.s.elapsed - elapsed))
         if b.trials is not None and done >= b.trials:
             return 0.0
+        etas = []
+        if b.wall_time is not None:
+            etas.append(max(0.0, b.wall_time - self.s.elapsed - (now - self.t_start)))
+        if b.trials is not None and self.paced_from is not None and self.summary.steps > 0:
+            since, step0 = self.paced_from
+            # The loop hands the steps over in bursts (``packer.step.loop``: losses read back every few steps), so
+            # the pace counts from the first frame once a second has passed; before, from the pack's start (its
+            # first step's warm-up and compile too: an ETA that only shrinks).
+            paced = now - since >= 1.0 and self.summary.steps > step0
+            per_step = ((now - since) / (self.summary.steps - step0) if paced
+                        else (now - self.t_start) / self.summary.steps)
+            rungs, factor = (self.sha.rungs, self.spec.pruning.reduction_factor) if self.sha else ((), 1)
+            live = [steps_left(self.global_step - lv.start_step, lv.spec.max_steps, rungs, factor)
+                    for lv in self.live.values()]
+            max_steps = [lv.spec.max_steps for lv in self.live.values()] or [self.spec.train.max_steps]
+            per_trial = expected_steps(round(sum(max_steps) / len(max_steps)), rungs, factor)
+            waiting = b.trials - done - len(self.live)
+            etas.append(pack_steps_left(live, waiting, per_trial, self.s.capacity) * per_step)
         return min(etas) if etas else None
 
     def reap(self) -> list[int]:
@@ -367,6 +390,7 @@ class _Sweep:
         """``evaluate`` the slots; a sharded pack's other ranks run the same forwards meanwhile (``sweep.ranks``).
         A user evaluator that hangs (``EvaluatorHung``) fails the slots it scored; the run stops after the caller
         has told them (``stop_if_hung``)."""
+        self.show(len(self.live), "evaluating")  # said as it starts: an evaluation can take minutes
         if self.ranks is not None:
             self.ranks.send("evaluate", (slots, entries))
         wall = self.spec.budget.wall_time

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,50 @@ def test_import_is_light_and_names_load_on_use() -> None:
     before, names = json.loads(out.stdout)
     assert before is False
     assert {"load_study", "run", "open_results", "export", "write_report", "Results"} <= set(names)
+
+
+def _policy_and_threads(env: dict[str, str], first: str, study: Path | None = None) -> dict:
+    """A fresh interpreter that imports ``first`` (torch or lora_sweep) first: the OpenMP policy torch's runtime
+    read, and with ``study`` the torch threads seen at every step of its run and after it."""
+    code = ("import json, os, sys\n"
+            f"import {first}\n"
+            "import lora_sweep, torch\n"
+            "torch.set_num_threads(2)\n"
+            "seen = []\n"
+            "if len(sys.argv) > 1:\n"
+            "    lora_sweep.run(sys.argv[1], progress=lambda p: seen.append(torch.get_num_threads()), log=print)\n"
+            "print(json.dumps({'policy': os.environ.get('OMP_WAIT_POLICY'), 'seen': sorted(set(seen)),\n"
+            "                  'after': torch.get_num_threads()}))")
+    out = subprocess.run([sys.executable, "-c", code, *([str(study)] if study else [])], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    return {**json.loads(out.stdout.splitlines()[-1]), "stderr": out.stderr}
+
+
+def test_importing_lora_sweep_first_gives_torch_the_clis_passive_openmp_policy_unless_one_was_chosen() -> None:
+    """Spinning OpenMP threads make a sweep 2x slower than the CLI beside one busy process: ``import lora_sweep``
+    sets the CLI's OMP_WAIT_POLICY=PASSIVE before torch loads, and a policy the environment chose wins."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    assert _policy_and_threads(env, "lora_sweep")["policy"] == "PASSIVE"
+    assert _policy_and_threads({**env, "OMP_WAIT_POLICY": "ACTIVE"}, "lora_sweep")["policy"] == "ACTIVE"
+    assert _policy_and_threads(env, "torch")["policy"] is None  # too late for the runtime: left unset, not faked
+
+
+def test_a_run_after_torch_was_imported_first_trains_on_one_thread_and_gives_the_threads_back(
+        tmp_path: Path, tiny_dirs) -> None:  # noqa: ANN001
+    """torch imported first, no policy: its runtime spins for good, so the engine's steps run on one thread (said in
+    one warning) and the caller's count comes back after; imported after lora_sweep, the run keeps the caller's."""
+    def two_steps(name: str) -> Path:
+        return write_study(tmp_path, tiny_dirs("llama"), name=name, budget={"trials": 2}, pruning={"kind": "none"},
+                           train={"max_steps": 2, "micro_batch": 2}, pack={"max_slots": 2},
+                           evaluators=[{"name": "heldout_loss"}])
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    spun = _policy_and_threads(env, "torch", two_steps("spun"))
+    assert (spun["seen"], spun["after"]) == ([1], 2)
+    assert "torch was imported before lora_sweep with no OMP_WAIT_POLICY" in spun["stderr"]
+    asleep = _policy_and_threads(env, "lora_sweep", two_steps("asleep"))
+    assert (asleep["seen"], asleep["after"]) == ([2], 2) and "spin" not in asleep["stderr"]
 
 
 def test_a_study_from_python(tmp_path: Path, tiny_dirs, caplog) -> None:  # noqa: ANN001

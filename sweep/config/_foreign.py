@@ -27,10 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from lora_sweep.errors import ConfigError
+from lora_sweep.sweep.config._own_search import around
 from lora_sweep.sweep.config._yaml import Doc, Key
 from lora_sweep.sweep.config.tracking import axolotl_trackers, torchtune_trackers
 
-__all__ = ["translate", "split_overrides"]
+__all__ = ["translate", "split_overrides", "is_foreign"]
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +131,11 @@ class _Out:
         return ConfigError(f"{self.doc.where(src)}: {'.'.join(map(str, src))}: {rule}")
 
 
+def is_foreign(data: dict[str, Any]) -> bool:
+    """Whether ``data`` is an Axolotl or torchtune config (not a study file)."""
+    return _kind(data) is not None
+
+
 def _kind(data: dict[str, Any]) -> str | None:
     """``torchtune``, ``axolotl`` or None (a study file)."""
     model = data.get("model")
@@ -164,8 +170,12 @@ def split_overrides(data: dict[str, Any], overrides: Sequence[str], top: Sequenc
 
 
 def translate(doc: Doc, data: dict[str, Any], aliases: Mapping[str, str], top: Sequence[str],
-              known: Sequence[str] = (), train: Sequence[str] = ()) -> dict[str, Any]:
+              known: Sequence[str] = (), train: Sequence[str] = (), default_search: bool = True) -> dict[str, Any]:
     """``data`` itself when it is a study file; else the study mapping of an Axolotl or torchtune config.
+
+    A config with no ``search:`` (nor W&B ``parameters:``) searches around its own values
+    (``sweep.config._own_search``), and one line says what is searched; ``default_search`` False (an override
+    sets ``search.*``): the overrides' search alone.
 
     The config's own value of a searched setting is dropped from the fixed ones (the search decides it) and
     kept in ``baseline:``, the trial of the config's own hyperparameters (``aliases`` maps the train aliases,
@@ -192,8 +202,12 @@ def translate(doc: Doc, data: dict[str, Any], aliases: Mapping[str, str], top: S
     _trackers(out, data, kind)
     if "baseline" not in out.data:
         out.data["baseline"] = _own_values(out.data, aliases, top, train)
+    if default_search and "search" not in out.data and "parameters" not in out.data:
+        _search_around(out, _own_values(out.data, aliases, top, train))
     search = out.data.get("search")
     searched = {aliases.get(str(k), str(k)) for k in search} if isinstance(search, dict) else set()
+    if "alpha_ratio" in searched:  # alpha = alpha_ratio * rank: the config's fixed alpha would contradict the draw
+        searched.add("alpha")
     for k in [k for k in out.data if k not in top and aliases.get(k, k) in searched]:
         del out.data[k]
     if isinstance(out.data.get("train"), dict):
@@ -216,6 +230,12 @@ def _trackers(out: _Out, data: dict[str, Any], kind: str) -> None:
     out.dropped = [k for k in out.dropped if k not in used]
     if entries and "trackers" not in out.data:
         out.put(("trackers",), entries, (used[0],))
+
+
+def _search_around(out: _Out, own: dict[str, Any]) -> None:
+    """The default search around the config's ``own`` values, said in one line (``loader`` gives the budget)."""
+    out.data["search"], line = around(own)
+    logger.warning("%s: %s", out.doc.file.name, line)
 
 
 def _own_values(data: dict[str, Any], aliases: Mapping[str, str], top: Sequence[str],

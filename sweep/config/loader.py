@@ -23,6 +23,7 @@ from typing import Any
 
 from lora_sweep.evaluators.custom import is_file_target
 from lora_sweep.sweep.config import _foreign
+from lora_sweep.sweep.config._own_search import default_budget
 from lora_sweep.sweep.config._yaml import Doc, Item, Key, add, coerce, make, override, read, scalar, section, typed
 from lora_sweep.sweep.config.spec import (
     SEARCHABLE,
@@ -116,10 +117,15 @@ def load_study(path: str | Path, overrides: Sequence[str] = (), *, check_paths: 
     own, overrides = _foreign.split_overrides(data, overrides, ours)  # an Axolotl/torchtune config's own keys
     for text in own:
         override(doc, data, text, {})
-    data = _foreign.translate(doc, data, _TRAIN, ours, [*ours, *_RELOCATE], _TRAIN_FIELDS)  # Axolotl/torchtune
+    searches = any(o.partition("=")[0].strip().startswith(("search", "parameters")) for o in overrides)
+    foreign = _foreign.is_foreign(data)
+    data = _foreign.translate(doc, data, _TRAIN, ours, [*ours, *_RELOCATE], _TRAIN_FIELDS,  # Axolotl/torchtune
+                              default_search=not searches)
     for text in overrides:
         _drop_spellings(data, text)
         override(doc, data, text, _ALIASES)
+    if foreign and not {"budget", "run_cap"} & set(data) and isinstance(data.get("search"), dict):
+        data["budget"] = default_budget(data["search"])  # a training config has none: trials per searched dimension
     return _study(doc, data)
 
 

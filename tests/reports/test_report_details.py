@@ -1,5 +1,6 @@
-"""The report's smaller promises: the gain over the default for every per-item metric, the importance caveat,
-whole-number trial ticks, and one row per generated answer however many scorers scored it."""
+"""The report's smaller promises: the gain over the default for every per-item metric (under the heading that names
+it), importances drawn only from enough trials, a trial table without a column twice, whole-number trial ticks, and
+one row per generated answer however many scorers scored it."""
 
 from __future__ import annotations
 
@@ -28,7 +29,16 @@ def test_report_details(tiny_dirs, tmp_path) -> None:
     for r in gain.rows[1:]:
         assert r.direction == "maximize" and r.n_items == 200 and r.diff == r.best_value - r.default_value
     html = write_report(spec.out_dir).read_text()
-    assert 3 < IMPORTANCE_TRIALS and "importances from 3 complete trials" in html
+    assert 3 < IMPORTANCE_TRIALS and f"importances need at least {IMPORTANCE_TRIALS} complete trials (3 so far)" in html
+    importances = html[html.index('<section id="importances">'):]
+    assert "Plotly.newPlot" not in importances[:importances.index("</section>")]  # noise is not drawn as a ranking
+    # a study file's default is the community default: no word of a config's own hyperparameters
+    assert "<h2>Gain over the community default (rank 16, alpha 32, lr 2e-4)</h2>" in html
+    assert "config&#x27;s own" not in html
+    trials = html[html.index('<table id="trials"'):]
+    heads = re.findall(r"<th>(.*?)</th>", trials[:trials.index("</thead>")])
+    assert heads.count("tokens") == 1 and "device s" in heads and not {"train_<wbr>tokens", "device_<wbr>seconds"} & \
+        set(heads), heads  # their own columns, not again as metrics
     assert '"dtick":1' in html.replace(" ", "") and '"tickmode":"linear"' in html.replace(" ", "")
     table = html[html.index('id="samples-table"'):]
     table = table[:table.index("</table>")]

@@ -66,6 +66,20 @@ def test_report_renders_in_headless_chromium(study: Path, tmp_path: Path, tmp_pa
     assert shot.stat().st_size > 50_000
 
 
+def test_the_trial_table_fits_a_1400_px_window(study: Path, tmp_path: Path) -> None:
+    """Every column of the trial table in view at 1400 px: long cells (adapter path, reason) wrap, headers break
+    after an underscore, and the metrics that have columns of their own are not repeated."""
+    need_chromium()
+    report = write_report(study, tmp_path / "r.html")
+    result = load_page(report.resolve().as_uri(), user_data_dir=tmp_path / "chromium-profile",
+                       screenshot=tmp_path / "wide.png", width=1400, expressions={
+                           "table": "document.getElementById('trials').getBoundingClientRect().width",
+                           "box": "document.getElementById('trials').parentNode.clientWidth",
+                           "page": "document.documentElement.scrollWidth"})
+    assert result.errors == [], result.errors
+    assert result.values["table"] <= result.values["box"] and result.values["page"] <= 1400, result.values
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "lora_sweep", *args], capture_output=True, text=True, cwd=ROOT,
                           timeout=120)

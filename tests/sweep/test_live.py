@@ -31,8 +31,8 @@ class _Clock:
         return self.now
 
 
-def _frame(step: int, finished: int, eta: float | None = None) -> Progress:
-    return Progress(step, 2, 3, 1234.5, finished, 6, "-", eta)
+def _frame(step: int, finished: int, eta: float | None = None, phase: str = "training") -> Progress:
+    return Progress(step, 2, 3, 1234.5, finished, 6, "-", eta, phase)
 
 
 def test_plain_log_prints_each_event_and_a_status_line_a_minute() -> None:
@@ -42,6 +42,8 @@ def test_plain_log_prints_each_event_and_a_status_line_a_minute() -> None:
     clock.now += 61
     log.tick()  # still loading, a minute on: says so
     log.line("trial 0 (community default) started in slot 0: rank=16")  # the run's log, as it happens
+    clock.now += 60
+    log.tick()  # the first step, a minute on: says that, not loading again
     log.update(_frame(1, 0))
     clock.now += 10
     log.update(_frame(2, 0))  # a plain step within the minute: no line
@@ -54,12 +56,37 @@ def test_plain_log_prints_each_event_and_a_status_line_a_minute() -> None:
     lines = out.getvalue().splitlines()
     assert all(re.match(STAMP, line) for line in lines), lines
     bodies = [line[9:] for line in lines]
-    assert bodies[0].startswith("starting (0:01:01 elapsed")
+    assert bodies[0] == "starting (0:01:01 elapsed): loading"
     assert bodies[1] == "trial 0 (community default) started in slot 0: rank=16"
-    assert bodies[2] == "trial 0 (community default) complete: eval_loss=1.5 (3 steps, 120 tokens)"
-    assert bodies[3].startswith("progress: 1/6 trials finished  step 3  slots 2/3  1,234 tok/s  ETA 0:01:30")
-    assert bodies[4].startswith("progress: 1/6 trials finished  step 4") and "ETA -" in bodies[4]
-    assert len(bodies) == 5, bodies
+    assert bodies[2] == "starting (0:02:01 elapsed): the first step (warm-up, compile)"
+    assert bodies[3] == "trial 0 (community default) complete: eval_loss=1.5 (3 steps, 120 tokens)"
+    assert bodies[4].startswith("progress: 1/6 trials finished  step 3  slots 2/3  1,234 tok/s  ETA 0:01:30")
+    assert bodies[5].startswith("progress: 1/6 trials finished  step 4") and "ETA -" in bodies[5]
+    assert len(bodies) == 6, bodies
+
+
+def test_the_status_line_says_each_start_phase_then_counts_the_eta_down_and_says_an_evaluation() -> None:
+    out, clock = io.StringIO(), _Clock()
+    log = PlainLog(out, every_s=60, clock=clock)
+    for line, phase in (("loading the base model m on cpu (model.dtype: auto)", "loading the base model"),
+                        ("tokenizing the data (data.max_length: 48)", "tokenizing the data"),
+                        ("calibrating the memory model on cuda:0: 1 x 4 probe packs", "calibrating the memory model"),
+                        ("pack 1: training 3 slots on 20 examples (its first step also warms up)",
+                         "the first step (warm-up, compile)")):
+        log.line(line)
+        clock.now += 60
+        log.tick()
+        assert out.getvalue().splitlines()[-1].endswith(f"elapsed): {phase}")
+    log.update(_frame(1, 0, eta=600))  # the first step's frame: an ETA at once, though no trial finished
+    clock.now += 60
+    log.tick()
+    assert " step 1 " in out.getvalue().splitlines()[-1] and "ETA 0:09:00" in out.getvalue().splitlines()[-1]
+    log.update(_frame(5, 0, eta=480, phase="evaluating"))  # an evaluation starts
+    clock.now += 120
+    log.tick()  # two minutes into it
+    last = out.getvalue().splitlines()[-1][9:]
+    assert last.startswith("progress: 0/6 trials finished  evaluating  step 5") and "ETA 0:06:00" in last, last
+    assert sum("starting" in line for line in out.getvalue().splitlines()) == 4  # never once a step has run
 
 
 def test_live_progress_off_a_terminal_is_plain(capsys) -> None:
@@ -203,3 +230,19 @@ def test_a_ctrl_c_a_library_wrapped_in_its_own_error_still_stops_the_run_as_an_i
     end = study_status(spec.out_dir)["last_end"]
     assert end["reason"] == "interrupt"
     assert end["text"].startswith("stopped: interrupted (Ctrl-C) at pack step "), end
+
+
+def test_a_run_has_an_eta_from_its_first_step_in_steps_and_says_its_evaluations(tiny_dirs, tmp_path) -> None:
+    """No trial finishes before the pack's trials reach their rung, yet the first frame has an ETA: the budget's
+    expected steps (6 trials of 12 steps, 1 in 2 kept at step 6: 9 each, 3 slots) at the run's pace; the
+    evaluations are said as they start, and the ETA is 0 once the budget is spent."""
+    spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name="eta"))
+    frames: list[tuple[float, Progress]] = []
+    run_study(spec, progress=lambda p: frames.append((time.time(), p)), log=lambda m: None)
+    first = frames[0][1]
+    assert first.phase == "training" and first.finished == 0 and first.eta_s is not None and first.eta_s > 0
+    end = frames[-1][0]
+    half = next((t, p) for t, p in frames if p.phase == "training" and t - frames[0][0] >= (end - frames[0][0]) / 2)
+    assert 0.5 < half[1].eta_s / (end - half[0]) < 2, (half, end)  # halfway: the time left within 2x
+    assert any(p.phase == "evaluating" for _, p in frames)
+    assert frames[-1][1].eta_s == 0.0
