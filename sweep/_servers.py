@@ -111,7 +111,7 @@ def answers(url: str) -> tuple[str, dict[str, Any]]:
 
     if url in _ANSWERED:
         return _ANSWERED[url]
-    driven, timeout = driven_url(url), connect_timeout(url)
+    timeout, driven = connect_timeout(url), driven_url(url)
     args: dict[str, Any] = {"connect_timeout": timeout}
     failed: list[BaseException] = []
 

@@ -227,8 +227,8 @@ def _open_sqlite(url: str, log: Log) -> BaseStorage:
 
 def _server_url(url: str) -> str:
     """A server's URL as given, once its driver is known to be installed and its connect timeout readable."""
+    connect_timeout(url)  # the URL's own mistakes first, then whether a driver for it is installed
     driven_url(url)
-    connect_timeout(url)
     return url
 
 

@@ -405,3 +405,27 @@ def refuse_model_loads(monkeypatch) -> None:  # noqa: ANN001
 
     monkeypatch.setattr(packer, "load_base", refused)
     monkeypatch.setattr(packer, "load_tokenizer", refused)
+
+
+def scored_pack(model_dir: Path, dora: bool = False, impl: str = "torch") -> tuple[PackedModel, object]:
+    """(pack, tokenizer): four slots of different ranks, targets and scales with non-zero B (slot 2 DoRA with
+    ``dora``), for the batched evaluation's tests (tests/packer/step/test_eval_graph*.py)."""
+    model, tok = load_base(str(model_dir))
+    pm = PackedModel(model, impl=impl)  # type: ignore[arg-type]
+    gen = torch.Generator().manual_seed(0)
+    targets = (("all-linear",), ("q_proj", "v_proj"), ("gate_proj", "up_proj", "down_proj"), ("all-linear",))
+    for slot, (rank, tg) in enumerate(zip((8, 4, 16, 2), targets, strict=True)):
+        pm.add_slot(slot, AdapterSpec(rank=rank, alpha=3.0 * rank, targets=tg, seed=slot, dora=dora and slot == 2))
+        with torch.no_grad():
+            for _, b in pm.slot_weights(slot).values():
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.3)
+    return pm, tok
+
+
+def scored_alone(pm: PackedModel, slot: int, data, prompts, gen_kw) -> tuple:  # noqa: ANN001
+    """Slot ``slot`` scored by itself on the per-adapter path: (per-item losses, generated ids)."""
+    from lora_sweep.evaluators.generation import generate_ids
+    from lora_sweep.evaluators.heldout_loss import heldout_loss
+
+    loss = heldout_loss(pm, [slot], data, batch_size=5, batched=False).per_item[slot]["eval_loss"]
+    return loss, generate_ids(pm, [slot], prompts, batched=False, **gen_kw)[slot]

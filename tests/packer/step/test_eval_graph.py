@@ -5,17 +5,14 @@ adapter alone on the per-adapter path. CPU, eager (``tests/evaluators/test_gpu.p
 from __future__ import annotations
 
 import pytest
-import torch
 
 from lora_sweep.evaluators.generation import build_prompts, generate_ids
 from lora_sweep.evaluators.heldout_loss import heldout_loss
 from lora_sweep.evaluators.registry import load_eval_data
-from lora_sweep.packer.model.load import load_base
-from lora_sweep.packer.model.packed import PackedModel
-from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.step import eval_graph
 from lora_sweep.packer.step.eval_graph import Segment, plan
 from tests.evaluators.conftest import YESNO
+from tests.helpers import scored_alone, scored_pack
 
 
 def test_plan_packs_every_slots_items_into_the_fewest_forwards() -> None:
@@ -36,35 +33,15 @@ def test_plan_without_remapping_keeps_each_slot_on_its_own_segment() -> None:
         [Segment(1, 1, 4, 1), Segment(3, 3, 4, 1)]]
 
 
-def _pack(model_dir, dora: bool = False, impl: str = "torch"):  # noqa: ANN001, ANN202
-    """Four slots of different ranks, targets and scales with non-zero B (slot 2 DoRA with ``dora``)."""
-    model, tok = load_base(str(model_dir))
-    pm = PackedModel(model, impl=impl)
-    gen = torch.Generator().manual_seed(0)
-    targets = (("all-linear",), ("q_proj", "v_proj"), ("gate_proj", "up_proj", "down_proj"), ("all-linear",))
-    for slot, (rank, tg) in enumerate(zip((8, 4, 16, 2), targets, strict=True)):
-        pm.add_slot(slot, AdapterSpec(rank=rank, alpha=3.0 * rank, targets=tg, seed=slot, dora=dora and slot == 2))
-        with torch.no_grad():
-            for _, b in pm.slot_weights(slot).values():
-                b.copy_(torch.randn(b.shape, generator=gen) * 0.3)
-    return pm, tok
-
-
-def _alone(pm: PackedModel, slot: int, data, prompts, gen_kw):  # noqa: ANN001, ANN202
-    """Slot ``slot`` scored by itself on the per-adapter path: per-item losses and generated ids."""
-    loss = heldout_loss(pm, [slot], data, batch_size=5, batched=False).per_item[slot]["eval_loss"]
-    return loss, generate_ids(pm, [slot], prompts, batched=False, **gen_kw)[slot]
-
-
 @pytest.mark.parametrize("dora", [False, True])
 def test_batched_evaluation_of_any_slot_set_equals_each_adapter_alone_with_one_graph_per_shape(tiny_dirs,
                                                                                                  dora: bool) -> None:
-    pm, tok = _pack(tiny_dirs("llama"), dora)
+    pm, tok = scored_pack(tiny_dirs("llama"), dora)
     assert (pm.store.mag is not None) is dora
     data = load_eval_data(YESNO, tok, fmt="prompt_completion", max_length=48)
     prompts = build_prompts(data)[:11]
     gen_kw = {"eos_id": None, "pad_id": tok.pad_token_id, "max_new_tokens": 4}
-    alone = {slot: _alone(pm, slot, data, prompts, gen_kw) for slot in range(4)}
+    alone = {slot: scored_alone(pm, slot, data, prompts, gen_kw) for slot in range(4)}
     assert alone[0][0] != alone[1][0] and alone[0][1] != alone[3][1]  # different adapters
     for slots in ([3], [0, 2], [1, 3, 0], [0, 1, 2, 3], [2]):
         loss = heldout_loss(pm, slots, data, batch_size=3, batched=True)
@@ -78,7 +55,7 @@ def test_batched_evaluation_of_any_slot_set_equals_each_adapter_alone_with_one_g
 def test_a_batched_evaluation_reads_the_device_once(tiny_dirs, monkeypatch: pytest.MonkeyPatch) -> None:
     """However many forwards an evaluation takes, the host waits for the device once (``_read``), so it queues the
     next forward's inputs while the last one runs."""
-    pm, tok = _pack(tiny_dirs("llama"))
+    pm, tok = scored_pack(tiny_dirs("llama"))
     data = load_eval_data(YESNO, tok, fmt="prompt_completion", max_length=48)
     reads: list[int] = []
     real = eval_graph._read
@@ -93,7 +70,7 @@ def test_a_batched_decode_stops_once_every_row_has_decoded_eos(tiny_dirs, monkey
     """Every row answers the same prompt under one adapter, so all decode EOS together (the answer's first new token
     after its first, k): the forward stops at the next check instead of decoding ``max_new_tokens``, and the answers
     are the per-adapter path's."""
-    pm, tok = _pack(tiny_dirs("llama"))
+    pm, tok = scored_pack(tiny_dirs("llama"))
     prompt = build_prompts(load_eval_data(YESNO, tok, fmt="prompt_completion", max_length=48))[0]
     kw = {"pad_id": tok.pad_token_id, "max_new_tokens": 12, "batch_size": 3}
     answer = generate_ids(pm, [0], [prompt], eos_id=None, batched=False, **kw)[0][0]
