@@ -55,6 +55,7 @@ if TYPE_CHECKING:
         tokenize_rows,
     )
     from lora_sweep.packer.loss import slot_losses
+    from lora_sweep.packer.model import QUANTIZE
     from lora_sweep.packer.model.checkpoint import (
         CONFIG_NAME,
         WEIGHTS_NAME,
@@ -67,7 +68,7 @@ if TYPE_CHECKING:
     from lora_sweep.packer.model.inject import linear_shape, projection_names, resolve_targets
     from lora_sweep.packer.model.load import load_base, load_tokenizer, prepare_kernels, resolve_base
     from lora_sweep.packer.model.packed import PackedModel
-    from lora_sweep.packer.model.quant import QUANTIZE, dequantize_base, quantize_base
+    from lora_sweep.packer.model.quant import dequantize_base, quantize_base
     from lora_sweep.packer.model.shard import BaseShare, base_share
     from lora_sweep.packer.model.shard_load import load_sharded, meta_load_refusal
     from lora_sweep.packer.plan import ALL_LINEAR, AdapterSpec, MemoryModel, adapter_param_count
@@ -92,7 +93,8 @@ _WHERE: dict[str, tuple[str, ...]] = {
     "model.inject": ("linear_shape", "projection_names", "resolve_targets"),
     "model.load": ("load_base", "load_tokenizer", "prepare_kernels", "resolve_base"),
     "model.packed": ("PackedModel",),
-    "model.quant": ("QUANTIZE", "dequantize_base", "quantize_base"),
+    "model": ("QUANTIZE",),
+    "model.quant": ("dequantize_base", "quantize_base"),
     "model.shard": ("BaseShare", "base_share"),
     "model.shard_load": ("load_sharded", "meta_load_refusal"),
     "plan": ("ALL_LINEAR", "AdapterSpec", "MemoryModel", "adapter_param_count"),
