@@ -75,7 +75,6 @@ if TYPE_CHECKING:
     from lora_sweep.packer.probe import PROBE_STEPS, available_memory, calibrate, plain_param_bytes
     from lora_sweep.packer.step import eval_graph
     from lora_sweep.packer.step.isolation import check_sample_packing
-    from lora_sweep.packer.step.loop import rank_bucket_for
     from lora_sweep.packer.step.shapes import length_buckets
     from lora_sweep.packer.step.train import STEP_NAMES, BatchSource, SlotEnd, SlotJob, StepReport, target_tokens, train
     from lora_sweep.packer.tiny.models import build_tiny_model
@@ -101,7 +100,6 @@ _WHERE: dict[str, tuple[str, ...]] = {
     "probe": ("PROBE_STEPS", "available_memory", "calibrate", "plain_param_bytes"),
     "step": ("eval_graph",),
     "step.isolation": ("check_sample_packing",),
-    "step.loop": ("rank_bucket_for",),
     "step.shapes": ("length_buckets",),
     "step.train": ("STEP_NAMES", "BatchSource", "SlotEnd", "SlotJob", "StepReport", "target_tokens", "train"),
     "tiny.models": ("build_tiny_model",),

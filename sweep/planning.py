@@ -30,7 +30,15 @@ import torch
 from torch import nn
 
 from lora_sweep.errors import ConfigError
-from lora_sweep.packer.api import Example, MemoryModel, PackedModel, batches_per_epoch, linear_shape, resolve_targets
+from lora_sweep.packer.api import (
+    AdapterSpec,
+    Example,
+    MemoryModel,
+    PackedModel,
+    batches_per_epoch,
+    linear_shape,
+    resolve_targets,
+)
 from lora_sweep.sweep.calibration import (
     BaseShape,
     cache_dir,
@@ -186,8 +194,8 @@ def largest_rank(spec: StudySpec) -> int:
     its forward reads and the pack's buffers hold."""
     rank = _largest(spec, "rank", spec.train.rank)
     p = next((p for p in spec.search.params if p.name == "init"), None)
-    inits = set(p.choices) if p is not None else {spec.train.init}
-    return 2 * rank if inits & {"pissa", "olora"} else rank
+    inits = p.choices if p is not None else (spec.train.init,)
+    return max(AdapterSpec(rank=rank, init=str(init)).rows for init in inits)
 
 
 def _worst(spec: StudySpec) -> tuple[int, int]:
