@@ -71,8 +71,15 @@ if TYPE_CHECKING:
     from lora_sweep.packer.model.quant import dequantize_base, quantize_base
     from lora_sweep.packer.model.shard import BaseShare, base_share
     from lora_sweep.packer.model.shard_load import load_sharded, meta_load_refusal
-    from lora_sweep.packer.plan import ALL_LINEAR, AdapterSpec, MemoryModel, adapter_param_count
-    from lora_sweep.packer.probe import PROBE_STEPS, available_memory, calibrate, plain_param_bytes
+    from lora_sweep.packer.plan import ALL_LINEAR, AdapterSpec, BaseShape, MemoryModel, adapter_param_count
+    from lora_sweep.packer.probe import (
+        PROBE_STEPS,
+        available_memory,
+        base_shape,
+        calibrate,
+        forward_seconds,
+        plain_param_bytes,
+    )
     from lora_sweep.packer.step import eval_graph
     from lora_sweep.packer.step.isolation import check_sample_packing
     from lora_sweep.packer.step.shapes import length_buckets
@@ -96,8 +103,8 @@ _WHERE: dict[str, tuple[str, ...]] = {
     "model.quant": ("dequantize_base", "quantize_base"),
     "model.shard": ("BaseShare", "base_share"),
     "model.shard_load": ("load_sharded", "meta_load_refusal"),
-    "plan": ("ALL_LINEAR", "AdapterSpec", "MemoryModel", "adapter_param_count"),
-    "probe": ("PROBE_STEPS", "available_memory", "calibrate", "plain_param_bytes"),
+    "plan": ("ALL_LINEAR", "AdapterSpec", "BaseShape", "MemoryModel", "adapter_param_count"),
+    "probe": ("PROBE_STEPS", "available_memory", "base_shape", "calibrate", "forward_seconds", "plain_param_bytes"),
     "step": ("eval_graph",),
     "step.isolation": ("check_sample_packing",),
     "step.shapes": ("length_buckets",),

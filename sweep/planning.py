@@ -32,27 +32,23 @@ from torch import nn
 from lora_sweep.errors import ConfigError
 from lora_sweep.packer.api import (
     AdapterSpec,
+    BaseShape,
     Example,
     MemoryModel,
     PackedModel,
+    base_shape,
     batches_per_epoch,
+    forward_seconds,
     linear_shape,
     resolve_targets,
 )
-from lora_sweep.sweep.calibration import (
-    BaseShape,
-    cache_dir,
-    cached_calibration,
-    calibrated,
-    calibration_key,
-    forward_seconds,
-)
+from lora_sweep.sweep.calibration import SHARD_WORLDS, cache_dir, cached_calibration, calibrated, calibration_key
 from lora_sweep.sweep.config.spec import StudySpec
 from lora_sweep.sweep.schedule import Schedule, eval_rows, eval_seconds, expected_schedule
 
 __all__ = ["auto_slots", "check_targets", "largest_rank", "PlanReport", "plan_pack", "plan_report", "trial_micro_steps",
            "target_sets", "MEMORY_FRACTION", "MAX_AUTO_SLOTS", "calibrated", "cached_calibration", "cache_dir",
-           "calibration_key", "BaseShape", "train_lengths", "load_and_calibrate", "eval_seconds", "eval_rows",
+           "calibration_key", "train_lengths", "load_and_calibrate", "eval_seconds", "eval_rows",
            "pack_schedule"]
 
 MEMORY_FRACTION = 0.85
@@ -239,7 +235,7 @@ def plan_pack(spec: StudySpec, pm: PackedModel, *, mean_len: float | None = None
     gives the range); ``gpus`` and the rest as ``plan_report``."""
     models, where = calibrated(spec, pm, calibrations, log=log)
     sharded = spec.pack.shard == "fsdp" and gpus > 1  # else no FSDP share to compute (nor torch.distributed)
-    base = dataclasses.replace(BaseShape.of(pm.model, (gpus,) if sharded else ()), forward_s=forward_seconds(pm))
+    base = dataclasses.replace(base_shape(pm.model, (gpus,) if sharded else ()), forward_s=forward_seconds(pm))
     return plan_report(spec, models, where, base, str(pm.device), mean_len=mean_len, examples=examples, gpus=gpus)
 
 
@@ -368,7 +364,6 @@ def load_and_calibrate(spec: StudySpec, device: str, calibrations: int, gpus: in
 
     import lora_sweep.evaluators.registry  # noqa: F401
     from lora_sweep.packer.api import PackedModel, load_base
-    from lora_sweep.sweep.calibration import SHARD_WORLDS, forward_seconds
     from lora_sweep.sweep.timing import seconds_since_import
 
     imports_s, t0 = seconds_since_import(), time.perf_counter()
@@ -377,7 +372,7 @@ def load_and_calibrate(spec: StudySpec, device: str, calibrations: int, gpus: in
     load_s = time.perf_counter() - t0
     check_targets(spec, model)
     pm = PackedModel(model, impl=spec.pack.kernels, fused_base_ops=spec.pack.fused_base_ops)
-    base = BaseShape.of(model, {*SHARD_WORLDS, gpus} - {1})
+    base = base_shape(model, {*SHARD_WORLDS, gpus} - {1})
     models, where = calibrated(spec, pm, calibrations, log=log, load_s=load_s, imports_s=imports_s)
     # the times as the cache keeps them, so the next plan (from the cache) prints what this one does
     cached = cached_calibration(spec, device, calibrations)
