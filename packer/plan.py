@@ -221,6 +221,15 @@ class MemoryModel:
             n += 1
         return n
 
+    def pack_peak(self, base: BaseShape, slots: int, rows: int, tokens_per_slot: int) -> int:
+        """Peak bytes of a step of ``slots`` slots as wide as a slot gets: every projection of ``base`` adapted with
+        ``rows`` rows (a PiSSA / OLoRA slot's 2r: ``AdapterSpec.rows``), ``tokens_per_slot`` padded tokens each."""
+        return self.predict(slots * tokens_per_slot, slots * base.adapter_params(rows), slots * rows, rows)
+
+    def slots_for(self, base: BaseShape, rows: int, tokens_per_slot: int, budget_bytes: int, limit: int = 256) -> int:
+        """Most slots of ``pack_peak``'s kind whose step fits in ``budget_bytes`` (0 if not even one fits)."""
+        return self.max_slots(budget_bytes, tokens_per_slot, base.adapter_params(rows), rows, limit=limit)
+
 
 def adapter_param_count(shapes: list[tuple[int, int]], rank: int) -> int:
     """Trainable parameters of a rank-``rank`` adapter on layers of (D_in, D_out) ``shapes``."""
@@ -250,6 +259,15 @@ class BaseShape:
     imports_s: float = 0.0
     """Seconds a ``sweep run`` process spends before it loads the model (its imports, the study file): measured in
     the process that calibrated, with what a run imports; 0: not measured."""
+
+    def shard_extra(self, gpus: int) -> int:
+        """Bytes one of ``gpus`` ranks holds of the base sharded over them, beyond the whole base a calibration
+        counted (negative: the saving); 0 for one GPU.
+
+        Raises:
+            KeyError: no share was computed for ``gpus`` (``shard_peak``).
+        """
+        return self.shard_peak[gpus] - self.param_bytes if gpus > 1 else 0
 
     def adapter_params(self, rank: int) -> int:
         """Trainable parameters of a rank-``rank`` adapter on every projection."""

@@ -2,10 +2,11 @@
 
 A calibration is cached per (model files, dtype, device, shape and training options, torch and threads) in
 ``$LORA_SWEEP_CACHE`` (default ``~/.cache/lora-sweep``), ``calibration/<key>.json``. Beside the memory models the
-entry keeps what a plan needs of the base model (``BaseShape``: its adaptable projections, its parameter bytes
-and what one rank of an FSDP shard holds), so a second ``sweep plan`` reads both back and plans without loading
-the base's weights, or even transformers' modeling code: config-only, in the time of the imports.
-"""
+entry keeps what a plan needs of the base model (``packer.plan.BaseShape``, read by ``packer.probe.base_shape``: its
+adaptable projections, its parameter bytes and what one rank of an FSDP shard holds), so a second ``sweep plan``
+reads both back and plans without loading the base's weights, or even transformers' modeling code: config-only, in
+the time of the imports. The measuring is the packer's (``packer.probe``); what is kept, and under which key, is
+the study's."""
 
 from __future__ import annotations
 

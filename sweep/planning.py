@@ -2,7 +2,8 @@
 
 The memory model (``packer.plan.MemoryModel``) is calibrated on the study's own model and device by
 ``packer.probe.calibrate``; the worst-case slot of the search space (largest rank and micro-batch,
-widest target set, full sequence length) decides how many fit.
+widest target set, full sequence length) decides how many fit, and the packer says how many that is
+(``MemoryModel.slots_for``) and what their step's peak is (``MemoryModel.pack_peak``).
 
 A calibration is cached (``sweep.calibration``) per (model files, device, shape and training options, torch and
 threads) with the base's shape beside it: a second ``sweep plan``, or a ``pack: auto`` run after it, reads them
@@ -260,11 +261,9 @@ def plan_report(spec: StudySpec, models: list[MemoryModel], where: str, base: Ba
     if shard and gpus not in base.shard_peak:
         raise ConfigError(f"pack.shard: fsdp over {gpus} GPUs: {spec.model.path} has no decoder layers and body "
                           f"to shard")
-    # what one rank holds of the base beyond the whole base the calibration counted (negative: the saving)
-    base_delta = base.shard_peak[gpus] - base.param_bytes if shard else 0
+    base_delta = base.shard_extra(gpus) if shard else 0
     available = int(available_memory(torch.device(device)) * MEMORY_FRACTION)
-    params = base.adapter_params(rank)
-    fit = mm.max_slots(available - base_delta, micro * seq, params, rank, limit=MAX_AUTO_SLOTS)
+    fit = mm.slots_for(base, rank, micro * seq, available - base_delta, limit=MAX_AUTO_SLOTS)
     if spec.pack.max_slots != "auto":
         slots = int(spec.pack.max_slots)
     else:
@@ -277,7 +276,7 @@ def plan_report(spec: StudySpec, models: list[MemoryModel], where: str, base: Ba
     schedule = None if spec.budget.trials is None else pack_schedule(spec, slots, opt_steps)
     steps = None if schedule is None else math.ceil(schedule.pack_steps * accum)
     load_peak, note = _load_peak(spec, base, gpus) if shard else (0, "")
-    peak = mm.predict(slots * micro * seq, slots * params, slots * rank, rank) + base_delta
+    peak = mm.pack_peak(base, slots, rank, micro * seq) + base_delta
     evals, eval_note = (None, "") if schedule is None else eval_seconds(
         spec, mm, base.forward_s, schedule, eval_rows(spec), mean_len or seq)
     return PlanReport(device, slots, rank, micro, seq, available, max(peak, load_peak), mm, step_s,
