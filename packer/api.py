@@ -54,6 +54,7 @@ if TYPE_CHECKING:
         read_jsonl,
         tokenize_rows,
     )
+    from lora_sweep.packer.data.stream import adapter_stream, epoch_steps, stream_tokens, target_tokens
     from lora_sweep.packer.loss import slot_losses
     from lora_sweep.packer.model import QUANTIZE
     from lora_sweep.packer.model.checkpoint import (
@@ -83,7 +84,7 @@ if TYPE_CHECKING:
     from lora_sweep.packer.step import eval_graph
     from lora_sweep.packer.step.isolation import check_sample_packing
     from lora_sweep.packer.step.shapes import length_buckets
-    from lora_sweep.packer.step.train import STEP_NAMES, BatchSource, SlotEnd, SlotJob, StepReport, target_tokens, train
+    from lora_sweep.packer.step.train import STEP_NAMES, BatchSource, SlotEnd, SlotJob, StepReport, train
     from lora_sweep.packer.tiny.models import build_tiny_model
 
 _WHERE: dict[str, tuple[str, ...]] = {
@@ -92,6 +93,7 @@ _WHERE: dict[str, tuple[str, ...]] = {
     "data.rows": ("ALPACA_PROMPT", "ALPACA_PROMPT_NO_INPUT", "FORMATS", "IGNORE_INDEX", "Example", "SlotStream",
                   "json_error", "load_examples", "read_jsonl", "tokenize_rows"),
     "data.lines": ("iter_lines", "line_bound"),
+    "data.stream": ("adapter_stream", "epoch_steps", "stream_tokens", "target_tokens"),
     "loss": ("slot_losses",),
     "model.checkpoint": ("CONFIG_NAME", "WEIGHTS_NAME", "AdapterWriter", "discard_adapter", "read_adapter",
                          "save_adapters"),
@@ -108,7 +110,7 @@ _WHERE: dict[str, tuple[str, ...]] = {
     "step": ("eval_graph",),
     "step.isolation": ("check_sample_packing",),
     "step.shapes": ("length_buckets",),
-    "step.train": ("STEP_NAMES", "BatchSource", "SlotEnd", "SlotJob", "StepReport", "target_tokens", "train"),
+    "step.train": ("STEP_NAMES", "BatchSource", "SlotEnd", "SlotJob", "StepReport", "train"),
     "tiny.models": ("build_tiny_model",),
 }  # fmt: skip
 """Module under ``lora_sweep.packer`` -> the names this face takes from it (the ``TYPE_CHECKING`` imports above,

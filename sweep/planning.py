@@ -38,7 +38,7 @@ from lora_sweep.packer.api import (
     MemoryModel,
     PackedModel,
     base_shape,
-    batches_per_epoch,
+    epoch_steps,
     forward_seconds,
     linear_shape,
     resolve_targets,
@@ -205,7 +205,7 @@ def trial_micro_steps(spec: StudySpec, micro: int, examples: Sequence[Example] |
 
     Optimizer steps: the largest ``max_steps`` of the space, or with ``train.epochs`` (``max_steps`` not searched)
     and the ``examples``, the epochs' steps at micro-batch ``micro`` as a trial counts them
-    (``sweep._trial_data.epoch_steps``: ``ceil(epochs * ceil(micro-batches per epoch / accumulation))``, each
+    (``packer.data.stream.epoch_steps``: ``ceil(epochs * ceil(micro-batches per epoch / accumulation))``, each
     epoch capped at ``max_steps_per_epoch``)."""
     steps, accum = _trial_steps(spec, micro, examples)
     return steps * accum
@@ -217,12 +217,8 @@ def _trial_steps(spec: StudySpec, micro: int, examples: Sequence[Example] | None
     accum = _largest(spec, "gradient_accumulation_steps", train.gradient_accumulation_steps)
     searched = {p.name for p in spec.search.params}
     if train.epochs is not None and "max_steps" not in searched and examples:
-        batches = batches_per_epoch(examples, micro, sample_packing=train.sample_packing,
-                                    row_len=spec.data.max_length, seed=spec.seed)
-        per_epoch = max(1, -(-batches // accum))
-        if train.max_steps_per_epoch is not None:
-            per_epoch = min(per_epoch, train.max_steps_per_epoch)
-        steps = max(1, math.ceil(train.epochs * per_epoch))
+        widest = AdapterSpec(micro_batch=micro, gradient_accumulation_steps=accum, sample_packing=train.sample_packing)
+        steps = epoch_steps(examples, widest, train.epochs, spec.data.max_length, spec.seed, train.max_steps_per_epoch)
     else:
         steps = _largest(spec, "max_steps", train.max_steps)
     return steps, accum
