@@ -54,6 +54,7 @@ if TYPE_CHECKING:
         read_jsonl,
         tokenize_rows,
     )
+    from lora_sweep.packer.families import FAMILY_NAMES
     from lora_sweep.packer.loss import slot_losses
     from lora_sweep.packer.model.checkpoint import (
         CONFIG_NAME,
@@ -85,6 +86,7 @@ _WHERE: dict[str, tuple[str, ...]] = {
     "data.rows": ("ALPACA_PROMPT", "ALPACA_PROMPT_NO_INPUT", "FORMATS", "IGNORE_INDEX", "Example", "SlotStream",
                   "json_error", "load_examples", "read_jsonl", "tokenize_rows"),
     "data.lines": ("iter_lines", "line_bound"),
+    "families": ("FAMILY_NAMES",),
     "loss": ("slot_losses",),
     "model.checkpoint": ("CONFIG_NAME", "WEIGHTS_NAME", "AdapterWriter", "discard_adapter", "read_adapter",
                          "save_adapters"),
