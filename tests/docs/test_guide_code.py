@@ -67,7 +67,8 @@ def test_the_extending_guide_shows_both_examples_and_the_contracts() -> None:
     shown = {f"{m['path']}:{m['section']}" for m in _shown(ROOT / "docs" / "guides" / "extending.md")}
     assert shown == {"docs/examples/extending_evaluator.py:evaluator", "docs/examples/extending_evaluator.py:study",
                      "docs/examples/extending_storage.py:backend", "docs/examples/extending_storage.py:use",
-                     "tests/docs/test_extending.py:evaluator_contract", "tests/docs/test_extending.py:storage_contract"}
+                     "tests/docs/test_extending.py:evaluator_contract", "tests/docs/test_extending.py:storage_contract",
+                     "tests/docs/test_extending.py:check_call"}
 
 
 def test_a_block_that_differs_from_its_file_is_stale(tmp_path: Path) -> None:
