@@ -24,6 +24,7 @@ from dataclasses import dataclass
 __all__ = ["Family", "FAMILIES", "FAMILY_NAMES", "family"]
 
 
+# --8<-- [start:family]
 @dataclass(frozen=True)
 class Family:
     """One supported model family."""
@@ -34,6 +35,7 @@ class Family:
     """Class-name prefix of its RMSNorm / MLP / attention when ``packer.model.fuse`` runs them fused; None: not."""
     sample_packing: bool = True
     """Packed rows checked to keep each example's logits (else sample packing is refused)."""
+# --8<-- [end:family]
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -43,11 +45,13 @@ FAMILIES: tuple[Family, ...] = (
     Family("gpt2"),
     Family("gpt_neox"),
     Family("phi3"),
+    # --8<-- [start:rows]
     Family("opt", sample_packing=False),  # its learned positions come from the padding mask, not position_ids
     Family("gemma"),
     Family("gemma2", sample_packing=False),
     Family("gemma3_text"),
     Family("qwen3", fuses="Qwen3"),
+    # --8<-- [end:rows]
     Family("falcon"),
     Family("gptj"),
     Family("phi"),
