@@ -82,7 +82,7 @@ def multiple_choice(model: PackedModel, slots: Sequence[int], data: EvalData, **
 
 
 MULTIPLE_CHOICE = Evaluator("multiple_choice", ChoiceOptions, multiple_choice, metrics=lambda opts: dict(METRICS),
-                            reports="`mc_acc`, `mc_acc_norm`")
+                            reports="`mc_acc`, `mc_acc_norm`")  # not timed: the plan counts rows, not choices
 """The ``multiple_choice`` evaluator."""
 
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.evaluators._core import EvalData, EvalResult, Evaluator, SlotEvalError, finite, make_options
-from lora_sweep.evaluators.generation import GenerationOptions, build_prompts, generate_texts
+from lora_sweep.evaluators.generation import GenerationOptions, build_prompts, generate_texts, generation_cost
 
 if TYPE_CHECKING:
     from lora_sweep.packer.api import PackedModel
@@ -228,7 +228,8 @@ def custom(model: PackedModel, slots: Sequence[int], data: EvalData, **options: 
 
 CUSTOM = Evaluator("custom", CustomOptions, custom, metrics=lambda opts: {opts.metric_name: opts.direction},
                    reports="its `metric` option (default: the function's name)",
-                   check=_check_option_function)
+                   check=_check_option_function,
+                   cost=lambda opts: generation_cost(opts.max_new_tokens, opts.batch_size, "custom's generation"))
 """The ``custom`` evaluator: a user's metric function over each slot's generations."""
 
 

@@ -41,6 +41,7 @@ from lora_sweep.evaluators._core import (
     slot_layout,
     uses_batched,
 )
+from lora_sweep.evaluators.cost import EvalCost
 from lora_sweep.evaluators.scorers import SCORERS
 from lora_sweep.packer.api import IGNORE_INDEX, tokenize_rows
 
@@ -50,7 +51,7 @@ if TYPE_CHECKING:  # torch and the model are imported where an evaluation runs: 
     from lora_sweep.packer.api import PackedModel
 
 __all__ = ["GenerationOptions", "generation", "GENERATION", "generate_ids", "generate_texts", "build_prompts",
-           "references", "METRICS"]
+           "references", "METRICS", "generation_cost"]
 
 METRICS = {name: "maximize" for name in SCORERS}
 
@@ -132,9 +133,17 @@ def generation(model: PackedModel, slots: Sequence[int], data: EvalData, **optio
     return result
 
 
+def generation_cost(max_new_tokens: int, batch_size: int, who: str = "generation") -> EvalCost:
+    """Greedy decoding's cost: per batch of ``batch_size`` prompts of each slot, the prompts' forward and
+    ``max_new_tokens`` one-token forwards (EOS may end it sooner: the plan counts them all)."""
+    return EvalCost(batch_size, forwards=1 + max_new_tokens, new_tokens=max_new_tokens,
+                    what=f"{who} of {max_new_tokens} tokens for {{rows}} prompts")
+
+
 GENERATION = Evaluator("generation", GenerationOptions, generation,
                        metrics=lambda opts: {s: METRICS[s] for s in opts.scorers},
-                       reports="the chosen `scorers` (" + ", ".join(f"`{s}`" for s in SCORERS) + ")")
+                       reports="the chosen `scorers` (" + ", ".join(f"`{s}`" for s in SCORERS) + ")",
+                       cost=lambda opts: generation_cost(opts.max_new_tokens, opts.batch_size))
 """The ``generation`` evaluator."""
 
 

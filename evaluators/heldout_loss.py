@@ -25,6 +25,7 @@ from lora_sweep.evaluators._core import (
     pad_id,
     uses_batched,
 )
+from lora_sweep.evaluators.cost import EvalCost
 from lora_sweep.kernels.meta import PackLayout
 from lora_sweep.packer.api import FORMATS, tokenize_rows
 
@@ -119,8 +120,13 @@ def _per_adapter(model: PackedModel, slots: Sequence[int], examples: list[Any], 
     return losses, counts
 
 
+def heldout_cost(opts: HeldoutOptions) -> EvalCost:
+    """One forward per ``batch_size`` rows of each slot, no generated tokens."""
+    return EvalCost(opts.batch_size, what="heldout_loss over {rows} rows")
+
+
 HELDOUT_LOSS = Evaluator("heldout_loss", HeldoutOptions, heldout_loss, metrics=lambda opts: dict(METRICS),
-                         reports="`eval_loss`, `perplexity`")
+                         reports="`eval_loss`, `perplexity`", cost=heldout_cost, curve="eval_loss")
 """The ``heldout_loss`` evaluator."""
 
 

@@ -227,7 +227,8 @@ def _task_families(opts: LmEvalOptions) -> dict[str, Any]:
 
 
 LM_EVAL = Evaluator("lm_eval", LmEvalOptions, run_lm_eval, metrics=lambda opts: {}, families=_task_families,
-                    reports="`<task>.<metric>` (`.<filter>` appended unless the filter is `none`)")
+                    reports="`<task>.<metric>` (`.<filter>` appended unless the filter is `none`)",
+                    needs_eval_data=False)  # its tasks bring their own data; not timed by the plan
 """The ``lm_eval`` evaluator: its metric names are known from its tasks when it runs."""
 
 

@@ -56,6 +56,7 @@ if TYPE_CHECKING:
         tokenize_rows,
     )
     from lora_sweep.packer.data.stream import adapter_stream, epoch_steps, stream_tokens, target_tokens
+    from lora_sweep.packer.families import FAMILY_NAMES
     from lora_sweep.packer.loss import slot_losses
     from lora_sweep.packer.model import QUANTIZE
     from lora_sweep.packer.model.checkpoint import (
@@ -91,6 +92,7 @@ _WHERE: dict[str, tuple[str, ...]] = {
                   "json_error", "load_examples", "read_jsonl", "tokenize_rows"),
     "data.lines": ("iter_lines", "line_bound"),
     "data.stream": ("adapter_stream", "epoch_steps", "stream_tokens", "target_tokens"),
+    "families": ("FAMILY_NAMES",),
     "loss": ("slot_losses",),
     "model.checkpoint": ("CONFIG_NAME", "WEIGHTS_NAME", "AdapterWriter", "discard_adapter", "read_adapter"),
     "model.gguf": ("convert", "gguf_source", "packaged_gguf"),

@@ -309,7 +309,7 @@ class StudySpec:
                 registry.metric_direction(self.pruning.proxy, entries)
             except ConfigError as e:
                 raise ConfigError(f"pruning.proxy: {str(e).removeprefix('metric: ')}") from None
-        needs_eval = [n for n in names if n in ("heldout_loss", "generation", "multiple_choice", "custom")]
+        needs_eval = registry.needing_eval_data(names)
         clash = [p.name for p in self.search.params if p.name in _NOT_IN_BACKWARD]
         if self.train.optimizer_in_backward and clash:
             raise ConfigError(f"train.optimizer_in_backward: cannot be used with a searched {clash[0]} (it needs "
