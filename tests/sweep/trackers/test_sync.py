@@ -125,8 +125,11 @@ def test_a_killed_and_resumed_run_continues_the_same_runs(tiny_dirs, tmp_path) -
     # as from a user's shell: not through the W&B service this test process started for the tests before it (wandb
     # exports WANDB_SERVICE to children; a killed child's runs would stay open in that service, their ids in use)
     env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
+    # The run at the lowest nice: its trackers' process runs under SCHED_IDLE, which a busy host (another test's
+    # process on each CPU) starves to the end of the run, before any trial ended in the trackers; below a nice-19 run
+    # it still gets about a sixth of a CPU, and the kill can land while the trackers hold an ended trial.
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, env=env)
+                            start_new_session=True, env=env, preexec_fn=lambda: os.nice(19))
     state_file = out / "trackers.json"
     held = None
     deadline = time.time() + 900  # a bound for a hung run only: the wait below is on the condition, however slow
