@@ -3,10 +3,11 @@ definitions, and the results.db tables (docs/reference/results-db.md) from the s
 
 Every key's type and default come from the dataclasses the loader validates into (``sweep.config.spec``,
 ``sweep.config.strategy``, ``sweep.config._params``, each evaluator's options class), its meaning from the field's
-docstring, and the aliases from the loader's key tables (``sweep.config.loader``). A field without a docstring
-stops the generator (``MissingDoc``), so a key added to the spec without its meaning cannot reach the page;
-``tests/docs/test_study_reference.py`` checks the committed page against this output and against every key
-the loader accepts.
+docstring (a train setting's from its row of ``sweep.config.settings.SETTINGS``, kept on the field's metadata), and
+the aliases from the loader's key tables (``sweep.config.loader``, the train aliases from the same rows). A field
+without a docstring stops the generator (``MissingDoc``), so a key added to the spec without its meaning cannot
+reach the page; ``tests/docs/test_study_reference.py`` checks the committed page against this output and against
+every key the loader accepts.
 
 The results.db page turns ``lora_sweep.sweep.store``'s table descriptions (one indented ``column  meaning`` line per
 column) into Markdown tables, so the schema is written once, beside the code that creates it.
@@ -123,7 +124,7 @@ def _default(f: dataclasses.Field) -> str:
 
 def rows(prefix: str, cls: type, skip: set[str] = frozenset()) -> Iterator[str]:  # type: ignore[assignment]
     """One table row per study-file key of ``cls``: key, type, default, meaning. Raises MissingDoc."""
-    docs = field_docs(cls)
+    docs = {f.name: f.metadata["doc"] for f in dataclasses.fields(cls) if "doc" in f.metadata} or field_docs(cls)
     for f in study_fields(cls):
         if f.name in skip:
             continue
