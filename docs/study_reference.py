@@ -33,7 +33,7 @@ import yaml
 from lora_sweep.evaluators import registry
 from lora_sweep.evaluators.cost import COST_METRICS
 from lora_sweep.sweep import store
-from lora_sweep.sweep.config import loader
+from lora_sweep.sweep.config import loader, settings
 from lora_sweep.sweep.config import spec as S
 
 PAGE = Path(__file__).resolve().parent / "reference" / "study-file.md"
@@ -149,10 +149,22 @@ def _aliases(section: str) -> list[str]:
     names = sorted(a for a, c in loader._ALIASES[""].items() if c == section)
     out = [f"The section under another name: {', '.join(f'`{a}` → `{section}`' for a in names)} (its overrides "
            f"too: `{names[0]}.max_slots=4`).", ""] if names else []
+    if section == "train":
+        return [*out, *_train_aliases()]
     if not table:
         return out
     pairs = ", ".join(f"`{a}` → `{c}`" for a, c in sorted(table.items()))
     return [*out, f"Aliases (Axolotl, torchtune, PEFT, HF and Optuna names): {pairs}.", ""]
+
+
+def _train_aliases() -> list[str]:
+    """The train settings' other names, by the tool that spells them so (``sweep.config.settings.SETTINGS``)."""
+    by_format = {f: [f"`{a}` → `{s.name}`" for s in settings.SETTINGS for a in getattr(s, f).split()]
+                 for f in settings.FORMATS}
+    names = {"axolotl": "Axolotl", "torchtune": "torchtune", "peft": "PEFT (`LoraConfig`)", "hf": "HF Trainer / TRL",
+             "other": "short spellings"}
+    bullets = [f"- {names[f]}: {', '.join(pairs)}." for f, pairs in by_format.items() if pairs]
+    return ["Aliases, by the tool that names the setting so:", "", *bullets, ""]
 
 
 def _top() -> list[str]:
