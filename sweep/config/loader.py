@@ -25,7 +25,7 @@ from lora_sweep.evaluators.custom import is_file_target
 from lora_sweep.sweep.config import _foreign
 from lora_sweep.sweep.config._own_search import default_budget
 from lora_sweep.sweep.config._yaml import Doc, Item, Key, add, coerce, make, override, read, scalar, section, typed
-from lora_sweep.sweep.config.settings import TRAIN_ALIASES
+from lora_sweep.sweep.config.settings import NOT_IN_BACKWARD, TRAIN_ALIASES
 from lora_sweep.sweep.config.spec import (
     SEARCHABLE,
     Budget,
@@ -264,10 +264,10 @@ def _train(doc: Doc, top: dict[str, Item], extra: dict[str, Item], search: Searc
         if name in searched:
             raise doc.error(it.path, f"is fixed here but also searched (search.{name}); keep one")
     in_backward = items.get("optimizer_in_backward")
-    clash = sorted(searched & {"max_grad_norm", "gradient_accumulation_steps"})
+    clash = sorted(searched & set(NOT_IN_BACKWARD))
     if in_backward is not None and in_backward.value is True and clash:  # before TrainSpec's own check of them
         raise doc.error(in_backward.path, f"cannot be used with a searched {clash[0]} (it needs train.{clash[0]}: "
-                                          f"{'null' if clash[0] == 'max_grad_norm' else 1}, fixed)")
+                                          f"{NOT_IN_BACKWARD[clash[0]][0]}, fixed)")
     for name in ("alpha", "alpha_ratio"):
         if name in items and {"alpha", "alpha_ratio"} <= set(items) | searched:
             raise doc.error(items[name].path, "set either alpha or alpha_ratio (alpha = alpha_ratio * rank)")
