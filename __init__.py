@@ -2,7 +2,8 @@
 
 The import package is ``lora_sweep``; its directory is the checkout's root, whose folders install as
 ``lora_sweep.sweep``, ``lora_sweep.packer``, ``lora_sweep.kernels``, ``lora_sweep.evaluators``,
-``lora_sweep.reports`` and ``lora_sweep.benchmarks`` (pyproject.toml's ``package-dir``). Those six folders have no
+``lora_sweep.reports``, ``lora_sweep.benchmarks`` and ``lora_sweep.testing`` (the contract suites a user's own
+evaluator or storage backend runs in its tests; pyproject.toml's ``package-dir``). Those seven folders have no
 ``__init__.py``: they are namespace portions (PEP 420), which the import system takes only after every ``sys.path``
 entry has been searched for a regular package of that name, so from the checkout's root an installed ``kernels``
 (Hugging Face's) or ``sweep`` is the one imported. The public API::

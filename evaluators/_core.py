@@ -19,11 +19,15 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from lora_sweep.errors import ConfigError, DataError, UserError
-from lora_sweep.kernels.ops import PackLayout
-from lora_sweep.packer.api import FORMATS, PackedModel, iter_lines, json_error, line_bound, read_jsonl
+from lora_sweep.evaluators.cost import EvalCost
+from lora_sweep.kernels.meta import PackLayout
+from lora_sweep.packer.api import FORMATS, iter_lines, json_error, line_bound, read_jsonl
+
+if TYPE_CHECKING:
+    from lora_sweep.packer.api import PackedModel
 
 __all__ = ["MC_FORMAT", "TEXT_FORMATS", "Evaluator", "Score", "EvalData", "EvalResult", "SlotEvalError",
            "load_eval_data", "make_options", "check_format", "routed", "slot_layout", "chunks", "pad_id", "finite",
@@ -119,6 +123,10 @@ def _no_check(opts: Any) -> None:
     return None
 
 
+def _untimed(opts: Any) -> EvalCost | None:
+    return None
+
+
 @dataclass(frozen=True)
 class Evaluator:
     """One evaluator: what an ``evaluators: [{name, options}]`` entry of a study file names.
@@ -144,6 +152,16 @@ class Evaluator:
     (lm-eval's ``<task>.<metric>``)."""
     check: Callable[[Any], None] = _no_check
     """A load-time check beyond the options dataclass (``custom``: its function imports); raises ``ConfigError``."""
+    needs_eval_data: bool = True
+    """Whether it scores the study's held-out rows (``data.eval``): a study that lists it without them is refused at
+    load, naming the key. False for one that brings its own data (``lm_eval``'s tasks)."""
+    cost: Callable[[Any], EvalCost | None] = _untimed
+    """Options object -> what one evaluation of a slot costs in packed forwards (``EvalCost``), which ``sweep plan``
+    times; None: not timed (the plan names it as such)."""
+    curve: str | None = None
+    """The metric it reports that ``train.eval_every`` records as a learning curve during training (``heldout_loss``:
+    ``eval_loss``); None: it serves no curve. A study's first entry that serves one scores the curve
+    (``evaluators.registry.curve_entry``)."""
 
     def load(self, options: Mapping[str, Any] | None = None) -> Any:
         """The options object of an entry, checked; errors name ``<name>.options.<key>`` (one line).

@@ -8,11 +8,39 @@ base (``base_bytes``), which every slot of the pack uses alike and is charged in
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from lora_sweep.packer.api import PackedModel
+if TYPE_CHECKING:
+    from lora_sweep.packer.api import PackedModel
 
-__all__ = ["COST_METRICS", "adapter_params", "slot_adapter_params", "device_seconds", "memory_share",
+__all__ = ["COST_METRICS", "EvalCost", "adapter_params", "slot_adapter_params", "device_seconds", "memory_share",
            "cost_metrics"]
+
+
+@dataclass(frozen=True)
+class EvalCost:
+    """What one evaluation of a slot costs in packed forwards, as an evaluator declares it (``Evaluator.cost``):
+    ``sweep plan`` times it (``sweep.schedule.eval_seconds``) without knowing the evaluator.
+
+    The held-out rows are scored ``batch_size`` rows of each slot per batch; a batch costs ``forwards`` packed
+    forwards, each of rows ``new_tokens`` longer than a held-out row (the plan takes the training rows' mean
+    padded length). A held-out loss: one forward per batch, no new tokens; greedy generation of n tokens: the prompt's
+    forward and n one-token forwards, over rows n tokens longer.
+    """
+
+    batch_size: int
+    """Held-out rows of one slot per batch."""
+    forwards: int = 1
+    """Packed forwards per batch."""
+    new_tokens: int = 0
+    """Tokens a row grows by while it is scored (generated tokens)."""
+    what: str = ""
+    """What is timed, for the plan's line; ``{rows}`` is replaced by the held-out file's row count."""
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1 or self.forwards < 1 or self.new_tokens < 0:
+            raise ValueError(f"need batch_size >= 1, forwards >= 1, new_tokens >= 0 (got {self})")
 
 COST_METRICS = {
     "adapter_params": "minimize",

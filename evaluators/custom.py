@@ -26,12 +26,14 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.evaluators._core import EvalData, EvalResult, Evaluator, SlotEvalError, finite, make_options
-from lora_sweep.evaluators.generation import GenerationOptions, build_prompts, generate_texts
-from lora_sweep.packer.api import PackedModel
+from lora_sweep.evaluators.generation import GenerationOptions, build_prompts, generate_texts, generation_cost
+
+if TYPE_CHECKING:
+    from lora_sweep.packer.api import PackedModel
 
 __all__ = ["CustomOptions", "custom", "CUSTOM", "load_object", "load_function", "load_option_function",
            "deferred_user_code", "user_code_deferred", "is_file_target"]
@@ -226,7 +228,8 @@ def custom(model: PackedModel, slots: Sequence[int], data: EvalData, **options: 
 
 CUSTOM = Evaluator("custom", CustomOptions, custom, metrics=lambda opts: {opts.metric_name: opts.direction},
                    reports="its `metric` option (default: the function's name)",
-                   check=_check_option_function)
+                   check=_check_option_function,
+                   cost=lambda opts: generation_cost(opts.max_new_tokens, opts.batch_size, "custom's generation"))
 """The ``custom`` evaluator: a user's metric function over each slot's generations."""
 
 

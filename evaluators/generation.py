@@ -23,9 +23,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
-
-import torch
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from lora_sweep.errors import ConfigError, DataError
 from lora_sweep.evaluators._core import (
@@ -43,11 +41,17 @@ from lora_sweep.evaluators._core import (
     slot_layout,
     uses_batched,
 )
+from lora_sweep.evaluators.cost import EvalCost
 from lora_sweep.evaluators.scorers import SCORERS
-from lora_sweep.packer.api import IGNORE_INDEX, PackedModel, eval_graph, tokenize_rows
+from lora_sweep.packer.api import IGNORE_INDEX, tokenize_rows
+
+if TYPE_CHECKING:  # torch and the model are imported where an evaluation runs: a study file is checked without them
+    import torch
+
+    from lora_sweep.packer.api import PackedModel
 
 __all__ = ["GenerationOptions", "generation", "GENERATION", "generate_ids", "generate_texts", "build_prompts",
-           "references", "METRICS"]
+           "references", "METRICS", "generation_cost"]
 
 METRICS = {name: "maximize" for name in SCORERS}
 
@@ -129,9 +133,17 @@ def generation(model: PackedModel, slots: Sequence[int], data: EvalData, **optio
     return result
 
 
+def generation_cost(max_new_tokens: int, batch_size: int, who: str = "generation") -> EvalCost:
+    """Greedy decoding's cost: per batch of ``batch_size`` prompts of each slot, the prompts' forward and
+    ``max_new_tokens`` one-token forwards (EOS may end it sooner: the plan counts them all)."""
+    return EvalCost(batch_size, forwards=1 + max_new_tokens, new_tokens=max_new_tokens,
+                    what=f"{who} of {max_new_tokens} tokens for {{rows}} prompts")
+
+
 GENERATION = Evaluator("generation", GenerationOptions, generation,
                        metrics=lambda opts: {s: METRICS[s] for s in opts.scorers},
-                       reports="the chosen `scorers` (" + ", ".join(f"`{s}`" for s in SCORERS) + ")")
+                       reports="the chosen `scorers` (" + ", ".join(f"`{s}`" for s in SCORERS) + ")",
+                       cost=lambda opts: generation_cost(opts.max_new_tokens, opts.batch_size))
 """The ``generation`` evaluator."""
 
 
@@ -215,6 +227,10 @@ def generate_ids(model: PackedModel, slots: Sequence[int], prompts: Sequence[Seq
     Returns:
         slot -> generated ids of each prompt, in prompt order.
     """
+    import torch
+
+    from lora_sweep.packer.api import eval_graph
+
     out: dict[int, list[list[int]]] = {slot: [] for slot in slots}
     if not slots:
         return out
@@ -243,6 +259,8 @@ def _decode(model: PackedModel, slots: Sequence[int], rows: list[list[int]], *, 
             max_new_tokens: int, should_stop: Callable[[list[int]], bool] | None, temperature: float,
             gens: list[torch.Generator] | None) -> list[list[int]]:
     """Decode one batch: ``rows`` repeated for each slot, grouped by slot. Returns B answers, slot-major."""
+    import torch
+
     device = model.device
     width = max(len(r) for r in rows)
     batch = [r for _ in slots for r in rows]
@@ -297,6 +315,8 @@ def _cache_kwarg(module: torch.nn.Module) -> str:
 
 def _next_tokens(logits: torch.Tensor, temperature: float, gens: list[torch.Generator] | None) -> torch.Tensor:
     """logits: (B, V) -> (B,) next token ids (greedy, or each row sampled with its own generator)."""
+    import torch
+
     if temperature <= 0 or gens is None:
         return logits.argmax(dim=-1)
     probs = torch.softmax(logits / temperature, dim=-1).cpu()  # (B, V)

@@ -23,9 +23,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from lora_sweep.errors import ConfigError, UserError
 from lora_sweep.evaluators._core import (
@@ -37,17 +35,21 @@ from lora_sweep.evaluators._core import (
     SlotEvalError,
     check_result,
     load_eval_data,
+    make_options,
 )
 from lora_sweep.evaluators.choice import MULTIPLE_CHOICE
-from lora_sweep.evaluators.cost import COST_METRICS
+from lora_sweep.evaluators.cost import COST_METRICS, EvalCost
 from lora_sweep.evaluators.custom import CUSTOM, check_target, deferred_user_code, load_object, user_code_deferred
 from lora_sweep.evaluators.generation import GENERATION
 from lora_sweep.evaluators.heldout_loss import HELDOUT_LOSS
 from lora_sweep.evaluators.lm_eval import LM_EVAL
-from lora_sweep.packer.api import PackedModel
 
-__all__ = ["Evaluator", "Score", "EVALUATORS", "MC_FORMAT", "EvalData", "EvalResult", "SlotEvalError",
+if TYPE_CHECKING:  # torch and the model are imported where an evaluation runs: a study file is checked without them
+    from lora_sweep.packer.api import PackedModel
+
+__all__ = ["Evaluator", "Score", "EVALUATORS", "MC_FORMAT", "EvalData", "EvalCost", "EvalResult", "SlotEvalError",
            "load_eval_data", "find", "validate", "metrics_of", "metric_direction", "evaluate", "is_user_code",
+           "needing_eval_data", "plan_cost", "curve_entry",
            "deferred_user_code", "Limits", "EvaluatorHung", "abandoned", "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = 600.0
@@ -83,7 +85,44 @@ def find(name: str) -> Evaluator:
     if not isinstance(obj, Evaluator):
         raise ConfigError(f"evaluators: name: {name} is a {type(obj).__name__}, not an "
                           "lora_sweep.evaluators.registry.Evaluator")
+    _FOUND[name] = obj
     return obj
+
+
+_FOUND: dict[str, Evaluator] = {}
+"""The users' evaluators ``find`` imported in this process, by the name a study gives them, the latest kept
+(``plan_cost`` reads a declaration only from one imported already: it never runs a study's code itself)."""
+
+
+def needing_eval_data(names: Iterable[str]) -> list[str]:
+    """The evaluators among ``names`` that declare they score the study's held-out rows (``Evaluator.needs_eval_data``;
+    a user's evaluator in ``deferred_user_code()`` is not imported, so not among them: the run checks it)."""
+    return [name for name in names if find(name).needs_eval_data]
+
+
+def plan_cost(name: str, options: Mapping[str, Any] | None = None) -> EvalCost | None:
+    """What an entry declares one evaluation of a slot costs (``Evaluator.cost``), for ``sweep plan``; None: not timed.
+
+    Runs none of the study's code: a user's evaluator is timed only once this process has imported it (``find``;
+    ``sweep plan`` does not), and its options are read without the entry's ``check`` (``custom`` imports its function
+    there).
+    """
+    evaluator = next((e for e in EVALUATORS if e.name == name), None) or _FOUND.get(name)
+    if evaluator is None:
+        return None
+    return evaluator.cost(make_options(evaluator.options, dict(options or {}), evaluator.name))
+
+
+def curve_entry(entries: Iterable[Entry]) -> tuple[Entry, str]:
+    """The entry that scores ``train.eval_every``'s learning curve, and the curve's metric: the first entry whose
+    evaluator serves one (``Evaluator.curve``), else the first built-in evaluator that does, with its default
+    options (a study scored by generation alone still gets a held-out-loss curve)."""
+    for name, options in entries:
+        metric = find(name).curve
+        if metric is not None:
+            return (name, options), metric
+    default = next(e for e in EVALUATORS if e.curve is not None)
+    return (default.name, {}), default.curve  # type: ignore[return-value]
 
 
 def is_user_code(name: str) -> bool:
@@ -100,7 +139,7 @@ def _unimported(name: str) -> Evaluator:
         raise ConfigError(f"evaluators: name: {name}: {str(err).removeprefix('function: ')}") from None
 
     return _Unimported(name, dict, _not_run, metrics=lambda opts: {}, reports="(not imported)",
-                       families=lambda opts: {"": lambda metric: "maximize"})
+                       families=lambda opts: {"": lambda metric: "maximize"}, needs_eval_data=False)
 
 
 def _not_run(model: PackedModel, slots: Sequence[int], data: EvalData, **options: Any) -> EvalResult:
@@ -223,6 +262,8 @@ def _contained(entry: str, evaluator: Evaluator, model: PackedModel, slots: Sequ
     The thread runs with the caller's grad mode and CUDA stream (both are per thread in torch), so the evaluator sees
     the model as an evaluator in the main thread would; the caller waits, so the model is never used by two threads.
     """
+    import torch
+
     target, _, obj = entry.rpartition(":")
     name = f"{Path(target).name}:{obj}" if target else entry  # the file's name: the study gives its whole path
     box: dict[str, Any] = {}

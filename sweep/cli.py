@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 
 from lora_sweep.errors import STOP_SAID, Terminated, UserError
+from lora_sweep.packer.api import FAMILY_NAMES
 
 if TYPE_CHECKING:
     from lora_sweep.sweep.config.spec import StudySpec
@@ -442,11 +443,8 @@ def status(study_dir: str, as_json: bool) -> None:
         render(info)
 
 
-TINY_FAMILIES = ("llama", "qwen2", "mistral", "gpt2", "gpt_neox", "phi3", "opt", "gemma", "gemma2", "gemma3_text",
-                 "qwen3", "falcon", "gptj", "phi", "stablelm", "bloom", "codegen", "olmo2", "granite", "mpt",
-                 "gpt_bigcode", "cohere", "gpt_neo", "starcoder2", "nemotron", "persimmon")
-"""``packer.tiny.models.FAMILIES``, spelled out: importing packer.tiny.models (torch, transformers) would slow every
-command."""
+TINY_FAMILIES = FAMILY_NAMES
+"""The packer's family table (``packer.families``, a light module: no torch), every family of which has a tiny model."""
 
 
 @cli.command("tiny-model")

@@ -21,6 +21,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from lora_sweep.evaluators.registry import EvalCost, curve_entry, plan_cost
 from lora_sweep.sweep.pruning import CohortSHA
 
 if TYPE_CHECKING:
@@ -142,37 +143,36 @@ def eval_seconds(spec: StudySpec, mm: MemoryModel, forward_s: float, schedule: S
                  row_len: float) -> tuple[float, str]:
     """Seconds the evaluators take over the pack's ``schedule``, and what they count (a line for the plan).
 
-    The trials that finish at one step are scored together, ``batch_size`` rows of each per packed forward, as are
-    those reaching a rung at one step (on the proxy: a held-out loss) and those at a ``train.eval_every`` step. A
-    forward of n tokens costs ``forward_s`` (the base's forward of one short row: launches, Python) plus a third of
-    ``mm``'s per-token step time for n (no backward); the generation evaluator's prompt forward and its
-    ``max_new_tokens`` one-token forwards per batch. Other evaluators are named, not timed.
+    Each entry's evaluator declares what it costs (``Evaluator.cost``: rows of a slot per batch, forwards per batch,
+    tokens a row grows by; ``evaluators.registry.plan_cost``); one that declares nothing is named, not timed. The
+    trials that finish at one step are scored together, as are those reaching a rung at one step and those at a
+    ``train.eval_every`` step, both on the cost of the entry that scores the learning curve (``curve_entry``: a
+    held-out loss). A forward of n tokens costs ``forward_s`` (the base's forward of one short row: launches, Python)
+    plus a third of ``mm``'s per-token step time for n (no backward).
     """
     if not rows:
         return 0.0, "no held-out data"
     per_token = mm.seconds_per_token / 3
 
-    def passes(events: float, scored: float, batch: int, forwards: int = 1, tokens: float = row_len) -> float:
-        """``events`` evaluations of ``scored`` slots in all: ``forwards`` per batch of ``batch`` rows a slot."""
-        batches = math.ceil(rows / batch)
-        return batches * (events * forwards * forward_s + scored * batch * tokens * per_token)
+    def passes(events: float, scored: float, cost: EvalCost) -> float:
+        """``events`` evaluations of ``scored`` slots in all, each ``cost`` per batch of a slot's rows."""
+        batches = math.ceil(rows / cost.batch_size)
+        return batches * (events * cost.forwards * forward_s
+                          + scored * cost.batch_size * (row_len + cost.new_tokens) * per_token)
 
     total, parts, untimed = 0.0, [], []
-    proxy_batch = 8
     for e in spec.evaluators:
-        batch = int(e.options.get("batch_size", 8))  # type: ignore[call-overload]
-        if e.name == "heldout_loss":
-            proxy_batch = batch
-            total += passes(schedule.final_events, schedule.finished, batch)
-            parts.append(f"heldout_loss over {rows} rows")
-        elif e.name == "generation":
-            new = int(e.options.get("max_new_tokens", 32))  # type: ignore[call-overload]
-            total += passes(schedule.final_events, schedule.finished, batch, 1 + new, row_len + new)
-            parts.append(f"generation of {new} tokens for {rows} prompts")
-        else:
+        cost = plan_cost(e.name, e.options)
+        if cost is None:
             untimed.append(e.name)
+            continue
+        total += passes(schedule.final_events, schedule.finished, cost)
+        parts.append(cost.what.format(rows=rows))
+    (curve_name, curve_options), _ = curve_entry((e.name, e.options) for e in spec.evaluators)
+    curve_cost = plan_cost(curve_name, curve_options)
     rung_evals = sum(schedule.reached)
-    total += passes(schedule.rung_events + schedule.curve_events, rung_evals + schedule.curve_evals, proxy_batch)
+    if curve_cost is not None:
+        total += passes(schedule.rung_events + schedule.curve_events, rung_evals + schedule.curve_evals, curve_cost)
     text = (f"{total:.0f} s: {', '.join(parts) or 'nothing timed'} for each of {schedule.finished:.0f} finished "
             f"trials")
     text += f", {rung_evals:.0f} rung evaluations" if rung_evals else ""

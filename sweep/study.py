@@ -33,7 +33,15 @@ from optuna.trial import TrialState
 
 from lora_sweep.errors import STOP_SAID, Terminated, UserError, first_line
 from lora_sweep.evaluators.cost import cost_metrics, slot_adapter_params
-from lora_sweep.evaluators.registry import EvalResult, EvaluatorHung, Limits, evaluate, load_eval_data, metrics_of
+from lora_sweep.evaluators.registry import (
+    EvalResult,
+    EvaluatorHung,
+    Limits,
+    curve_entry,
+    evaluate,
+    load_eval_data,
+    metrics_of,
+)
 from lora_sweep.packer.api import (
     STEP_NAMES,
     AdapterSpec,
@@ -43,7 +51,6 @@ from lora_sweep.packer.api import (
     StepReport,
     discard_adapter,
     load_examples,
-    rank_bucket_for,
     train,
 )
 from lora_sweep.sweep._trial_data import (
@@ -304,16 +311,17 @@ class _Sweep:
             lv.steps = []
 
     def _eval_curve(self, due: dict[int, int]) -> None:
-        """``train.eval_every``: the held-out loss of the slots at such a step, stored as a curve and, with one
+        """``train.eval_every``: the curve metric of the slots at such a step (the held-out loss, or what the entry
+        serving the curve declares: ``curve_entry``), stored as a curve and, when it is the pruner's metric with one
         objective, given to Optuna as the intermediate value at that step."""
-        entries = [e for e in self.entries if e[0] == "heldout_loss"] or [("heldout_loss", {})]
+        entry, metric = curve_entry(self.entries)  # the evaluator that declares it serves the curve
         with self.split.phase("evaluate"):
-            result = self._scored(sorted(due), entries)
+            result = self._scored(sorted(due), [entry])
         for slot, step in due.items():
             lv = self.live[slot]
-            value = result.metrics.get(slot, {}).get("eval_loss", math.nan)
-            self.s.store.add_eval(lv.trial.number, step, {"eval_loss": value}, kind="curve")
-            if self.proxy == "eval_loss":  # the pruner's metric: intermediate values never mix two metrics
+            value = result.metrics.get(slot, {}).get(metric, math.nan)
+            self.s.store.add_eval(lv.trial.number, step, {metric: value}, kind="curve")
+            if self.proxy == metric:  # the pruner's metric: intermediate values never mix two metrics
                 lv.report(value, step, len(self.spec.objectives) == 1)
 
     def _rung(self, arrivals: dict[int, int]) -> None:
@@ -706,9 +714,9 @@ def _train_pack(sweep: _Sweep, session: Session) -> bool:
                    cuda_graphs="off" if sharded else spec.pack.cuda_graphs,
                    sync_steps=tuple(sweep.sha.rungs) if sweep.sha else (),
                    optimizer_in_backward=spec.train.optimizer_in_backward,
-                   # the bucket of the space's largest rank from the first step, as the pack is planned:
-                   # a bucket grown when such a trial arrives re-captures every graph and precompiles again
-                   rank_bucket=rank_bucket_for(largest_rank(spec)),
+                   # the space's largest rank held from the first step, as the pack is planned: a rank bucket
+                   # grown when such a trial arrives re-captures every graph and precompiles again
+                   max_rows=largest_rank(spec),
                    # at most a few step lengths, fitted to the data: bounded shapes, bounded CUDA graphs and pools
                    lengths=step_lengths(spec, sweep.train_examples, session.capacity))
     callbacks = (phased("storage", sweep.next_job), phased("storage", sweep.on_step), sweep.should_stop,

@@ -25,7 +25,7 @@ torch.set_num_threads(1)  # tiny models gain nothing from threads; one keeps tim
 os.environ.setdefault("LORA_SWEEP_CACHE", tempfile.mkdtemp(prefix="lora-sweep-test-cache-"))
 
 
-PACKAGE_FOLDERS = ("sweep", "packer", "kernels", "evaluators", "reports", "benchmarks")
+PACKAGE_FOLDERS = ("sweep", "packer", "kernels", "evaluators", "reports", "benchmarks", "testing")
 """The design card's top-level folders, each the namespace package ``lora_sweep.<folder>`` (no ``__init__.py``)."""
 
 REQUIRE_ALL = bool(os.environ.get("LORA_SWEEP_REQUIRE_EXTRAS"))

@@ -17,7 +17,7 @@ import yaml
 
 import lora_sweep
 from lora_sweep.errors import ConfigError
-from lora_sweep.evaluators.generation import build_prompts, generate_texts
+from lora_sweep.evaluators.generation import build_prompts, generate_texts, generation_cost
 from lora_sweep.evaluators.registry import EvalData, EvalResult, Evaluator
 from lora_sweep.evaluators.scorers import extract_number
 from lora_sweep.packer.model.packed import PackedModel
@@ -54,7 +54,10 @@ def number_rate(model: PackedModel, slots: Sequence[int], data: EvalData, **opti
 
 
 NUMBER_RATE = Evaluator("number_rate", NumberRateOptions, number_rate,
-                        metrics=lambda opts: {"number_rate": "maximize"}, reports="`number_rate`")
+                        metrics=lambda opts: {"number_rate": "maximize"}, reports="`number_rate`",
+                        cost=lambda opts: generation_cost(opts.max_new_tokens, 8, "number_rate"))
+# it scores data.eval's rows (needs_eval_data: True, the default); its cost is greedy decoding's, which sweep plan
+# times where the study was loaded for a run (sweep plan itself imports no user code)
 # --8<-- [end:evaluator]
 
 

@@ -25,16 +25,16 @@ from typing import Any
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.packer.data.rows import IGNORE_INDEX, Example, SlotStream
+from lora_sweep.packer.families import FAMILIES
 
 __all__ = ["PackedRow", "SamplePackedStream", "VERIFIED_FAMILIES", "batches_per_epoch", "check_family", "pack_rows",
            "slot_stream"]
 
-VERIFIED_FAMILIES = ("llama", "qwen2", "mistral", "gpt2", "gpt_neox", "phi3", "gemma", "gemma3_text", "qwen3",
-                     "falcon", "gptj", "phi", "stablelm", "codegen", "olmo2", "granite", "gpt_bigcode", "cohere",
-                     "starcoder2", "nemotron", "persimmon")
+VERIFIED_FAMILIES = tuple(f.name for f in FAMILIES if f.sample_packing)
 """``config.model_type`` values whose packed rows are tested to give each example the logits it has in its
-own row (eager and SDPA attention, tests/packer/data/test_packing.py). OPT is not among them: its learned
-positions come from the padding mask, not from ``position_ids``."""
+own row (eager and SDPA attention, tests/packer/data/test_packing.py): the ``sample_packing`` column of
+``packer.families``. OPT is not among them: its learned positions come from the padding mask, not from
+``position_ids``."""
 
 
 @dataclass(frozen=True)

@@ -34,16 +34,19 @@ from torch import nn
 
 from lora_sweep.kernels import ops
 from lora_sweep.kernels.ops import Impl
+from lora_sweep.packer.families import FAMILIES
 
 __all__ = ["RMS_NORMS", "GATED_MLPS", "ROPE_ATTENTIONS", "FusedRMSNorm", "FusedGatedMLP", "RopeSwap", "fuse_base_ops",
            "fused_rope"]
 
-RMS_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"})
+_FUSED = tuple(f.fuses for f in FAMILIES if f.fuses is not None)
+"""Class-name prefixes of the families whose norms, MLPs and attention fuse (``packer.families``)."""
+RMS_NORMS = frozenset(f"{prefix}RMSNorm" for prefix in _FUSED)
 """Classes whose forward is ``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`` with the mean in fp32 (checked
 against each by ``tests/packer/model/test_fuse.py``)."""
-GATED_MLPS = frozenset({"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP"})
+GATED_MLPS = frozenset(f"{prefix}MLP" for prefix in _FUSED)
 """Classes whose forward is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``; fused when ``act_fn`` is SiLU."""
-ROPE_ATTENTIONS = frozenset({"LlamaAttention", "Qwen2Attention", "Qwen3Attention", "MistralAttention"})
+ROPE_ATTENTIONS = frozenset(f"{prefix}Attention" for prefix in _FUSED)
 """Classes whose forward calls its module's ``apply_rotary_pos_emb(q, k, cos, sin)`` on q, k of (B, H, L, d) and
 the rotary module's (B, L, d) cos, sin, that function being ``q * cos + rotate_half(q) * sin`` (the same for k)
 with ``unsqueeze_dim=1`` (checked against each by ``tests/packer/model/test_fuse_rope.py``)."""

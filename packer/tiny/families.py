@@ -60,7 +60,9 @@ def _configs(h: int, n: int, p: int) -> dict[str, tuple[type[PreTrainedConfig], 
         "gemma": (GemmaConfig, gemma),
         "gemma2": (Gemma2Config, {**gemma, "sliding_window": 16}),  # final_logit_softcapping=30 by default
         "gemma3_text": (Gemma3TextConfig, {**gemma, "sliding_window": 16}),
+        # --8<-- [start:tiny]
         "qwen3": (Qwen3Config, {**gqa, "head_dim": h // 4}),
+        # --8<-- [end:tiny]
         "falcon": (FalconConfig, {**common, "ffn_hidden_size": 2 * h, "tie_word_embeddings": False}),
         "gptj": (GPTJConfig, {**gpt_style, "rotary_dim": 8, "tie_word_embeddings": False}),
         "phi": (PhiConfig, llama_like),

@@ -40,6 +40,7 @@ from transformers import (
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.packer.data.rows import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT
+from lora_sweep.packer.families import FAMILY_NAMES
 from lora_sweep.packer.tiny.data import arithmetic_rows, write_demo_data
 from lora_sweep.packer.tiny.families import EXTRA_FAMILIES, extra_config
 
@@ -51,9 +52,9 @@ __all__ = [
     "tiny_config",
 ]
 
-FAMILIES = ("llama", "qwen2", "mistral", "gpt2", *EXTRA_FAMILIES)
-"""Architectures ``build_tiny_model`` can build (``transformers`` model types): the first four configured here, the
-others in ``packer.tiny.families``."""
+FAMILIES = FAMILY_NAMES
+"""Architectures ``build_tiny_model`` can build (``transformers`` model types): every family of
+``packer.families``; llama, qwen2, mistral and gpt2 configured here, the others in ``packer.tiny.families``."""
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 # Trained first, so their ids are 0..3. Byte-level BPE never emits <unk>; it is declared so that Qwen2Tokenizer

@@ -68,7 +68,8 @@ class DataSpec:
     train: Path
     """Training file; relative paths in a study file are taken from the study file's folder."""
     eval: Path | None = None
-    """Held-out file the evaluators score; required by ``heldout_loss`` and ``generation``."""
+    """Held-out file the evaluators score; required by those that declare they score it (every built-in one but
+    ``lm_eval``: ``Evaluator.needs_eval_data``)."""
     format: str = "auto"
     """Row format: ``auto`` (from the first row's keys), alpaca ``{instruction, input, output}``, chat
     ``{messages}`` (alias ``messages``), ``prompt_completion`` ``{prompt, completion}``, ``text``."""

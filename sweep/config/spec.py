@@ -121,11 +121,6 @@ class EvalSpec:
             raise ConfigError(str(e).removeprefix("evaluators: ")) from None
 
 
-def _needing_eval_data(evaluators: tuple[EvalSpec, ...]) -> list[str]:
-    """The names of the ``evaluators`` that score held-out data (``data.eval``)."""
-    return [e.name for e in evaluators if e.name in ("heldout_loss", "generation", "multiple_choice", "custom")]
-
-
 @dataclass(frozen=True)
 class StudySpec:
     """A whole study: what to train, what to search, how to judge and when to stop."""
@@ -230,7 +225,7 @@ class StudySpec:
             self._check_dora()
         if self.data.eval is None and self.train.eval_every is not None:
             raise ConfigError("data.eval: is needed by train.eval_every")
-        needs_eval = _needing_eval_data(self.evaluators)
+        needs_eval = registry.needing_eval_data(names)
         if self.data.eval is None and needs_eval:
             raise ConfigError(f"data.eval: is needed by {', '.join(needs_eval)}")
         if self.sampler.name == "grid":

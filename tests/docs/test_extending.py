@@ -13,9 +13,9 @@ import pytest
 
 from lora_sweep.evaluators.registry import Evaluator, find
 from lora_sweep.sweep import storage
+from lora_sweep.testing.evaluator import EvaluatorContract
+from lora_sweep.testing.storage import StorageContract
 from tests.evaluators.conftest import YESNO
-from tests.evaluators.contract import EvaluatorContract
-from tests.sweep.storage_contract import StorageContract
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "docs" / "examples"
@@ -42,6 +42,15 @@ class TestNumberRateContract(EvaluatorContract):
     def bad_option(self) -> tuple:
         return ("max_new_tokens", 0)
 # --8<-- [end:evaluator_contract]
+
+
+def test_the_contract_as_one_call() -> None:
+    # --8<-- [start:check_call]
+    from lora_sweep.testing.evaluator import check_evaluator
+
+    check_evaluator(find(f"{EXAMPLES / 'extending_evaluator.py'}:NUMBER_RATE"), data_file=YESNO,
+                    bad_option=("max_new_tokens", 0))  # and options=..., model_dir=... (default: the tiny Llama)
+    # --8<-- [end:check_call]
 
 
 # --8<-- [start:storage_contract]

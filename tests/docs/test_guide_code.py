@@ -63,11 +63,13 @@ def test_every_example_section_is_shown_in_a_guide() -> None:
             assert (rel, name) in shown, f"{rel}:{name} is marked as a section but no guide shows it"
 
 
-def test_the_extending_guide_shows_both_examples_and_the_contracts() -> None:
+def test_the_extending_guide_shows_the_four_seams_and_the_contracts() -> None:
     shown = {f"{m['path']}:{m['section']}" for m in _shown(ROOT / "docs" / "guides" / "extending.md")}
     assert shown == {"docs/examples/extending_evaluator.py:evaluator", "docs/examples/extending_evaluator.py:study",
                      "docs/examples/extending_storage.py:backend", "docs/examples/extending_storage.py:use",
-                     "tests/docs/test_extending.py:evaluator_contract", "tests/docs/test_extending.py:storage_contract"}
+                     "tests/docs/test_extending.py:evaluator_contract", "tests/docs/test_extending.py:storage_contract",
+                     "tests/docs/test_extending.py:check_call", "packer/families.py:family", "packer/families.py:rows",
+                     "packer/tiny/families.py:tiny", "studies/variants.yaml:variants"}
 
 
 def test_a_block_that_differs_from_its_file_is_stale(tmp_path: Path) -> None:

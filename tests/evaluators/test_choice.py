@@ -8,8 +8,8 @@ import pytest
 
 from lora_sweep.evaluators.choice import MULTIPLE_CHOICE
 from lora_sweep.evaluators.registry import Evaluator
+from lora_sweep.testing.evaluator import EvaluatorContract
 from tests.evaluators.conftest import YESNO_MC
-from tests.evaluators.contract import EvaluatorContract
 
 
 class TestMultipleChoiceContract(EvaluatorContract):

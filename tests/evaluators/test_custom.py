@@ -10,8 +10,8 @@ from lora_sweep.errors import ConfigError, UserError
 from lora_sweep.evaluators.custom import CUSTOM, custom, load_function
 from lora_sweep.evaluators.generation import generation
 from lora_sweep.evaluators.registry import SlotEvalError, load_eval_data
+from lora_sweep.testing.evaluator import EvaluatorContract
 from tests.evaluators.conftest import YESNO, load_pack
-from tests.evaluators.contract import EvaluatorContract
 
 METRICS_FILE = Path(__file__).parent / "data" / "metrics.py"
 

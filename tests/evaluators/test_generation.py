@@ -12,8 +12,8 @@ from lora_sweep.evaluators.generation import GENERATION, build_prompts, generate
 from lora_sweep.evaluators.registry import EvalData, load_eval_data
 from lora_sweep.packer.data.rows import IGNORE_INDEX, tokenize_rows
 from lora_sweep.packer.tiny.data import arithmetic_rows
+from lora_sweep.testing.evaluator import EvaluatorContract
 from tests.evaluators.conftest import YESNO, load_pack
-from tests.evaluators.contract import EvaluatorContract
 
 MAX_NEW = 6
 

@@ -15,8 +15,8 @@ from lora_sweep.evaluators.heldout_loss import HELDOUT_LOSS, heldout_loss
 from lora_sweep.evaluators.registry import EvalData, load_eval_data
 from lora_sweep.packer.data.batch import collate
 from lora_sweep.packer.data.rows import tokenize_rows
+from lora_sweep.testing.evaluator import EvaluatorContract
 from tests.evaluators.conftest import YESNO, load_pack
-from tests.evaluators.contract import EvaluatorContract
 
 ARITH_EVAL = Path(__file__).resolve().parents[2] / "studies" / "data" / "arith-eval.jsonl"
 

@@ -33,11 +33,17 @@ def _config(tmp_path: Path, model_dir: Path, name: str, replace: dict[str, str] 
     return path
 
 
+# A tiny model's 48 arithmetic rows pack into one row of the configs' 2,048-8,192 tokens, padded to that length
+# (pad_to_sequence_len): each CPU step would then compute 8k positions (the Mistral config's two runs took 13 minutes
+# of the suite). The command line sets the length a user shortens a first try to; the keys it replaces are checked
+# by test_an_override_replaces_the_axolotl_key_whatever_the_spelling.
+SHORT = "sequence_len=256"
+
 # name: (tiny family, command-line overrides, the config's own value of the searched rank, its lr)
 CONFIGS = {
-    "axolotl-llama-3-qlora-1b.yml": ("llama", ["search.lora_r=[16, 32]"], 32, 2e-4),
-    "axolotl-mistral-lora.yml": ("mistral", ["search.lora_r=[16, 32]"], 32, 2e-4),
-    "axolotl-qwen2-qlora-fsdp.yaml": ("qwen2", ["search.lora_r=[16, 32]"], 32, 2e-4),
+    "axolotl-llama-3-qlora-1b.yml": ("llama", ["search.lora_r=[16, 32]", SHORT], 32, 2e-4),
+    "axolotl-mistral-lora.yml": ("mistral", ["search.lora_r=[16, 32]", SHORT], 32, 2e-4),
+    "axolotl-qwen2-qlora-fsdp.yaml": ("qwen2", ["search.lora_r=[16, 32]", SHORT], 32, 2e-4),
     "torchtune-llama3_2-1B_lora_single_device.yaml": ("llama-wide", ["search.lora_rank=[16, 64]", "model.device=cpu"],
                                                       64, 3e-4),
     "torchtune-qwen2_5-0.5B_lora_single_device.yaml": ("qwen2", ["search.lora_rank=[16, 32]", "model.device=cpu"],
@@ -146,7 +152,7 @@ def test_an_override_replaces_the_torchtune_key(tiny_dirs, tmp_path, override: s
 
 def test_a_baseline_outside_the_space_is_skipped_with_a_warning(tiny_dirs, tmp_path, caplog) -> None:
     path = _config(tmp_path, tiny_dirs("mistral"), "axolotl-mistral-lora.yml")
-    spec = load_study(path, ["search.lora_r=[8, 16]", "budget.trials=1"])
+    spec = load_study(path, ["search.lora_r=[8, 16]", "budget.trials=1", SHORT])
     with caplog.at_level(logging.WARNING):
         run_study(spec, log=lambda m: None)
     assert "no baseline trial of the config's own hyperparameters: its rank=32 lies outside search.rank" in caplog.text

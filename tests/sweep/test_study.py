@@ -662,3 +662,40 @@ def test_a_pack_store_is_sized_once_by_the_spaces_largest_rank(tiny_dirs, tmp_pa
     ranks = [t.params["rank"] for t in _trials(spec.out_dir, "bucket")]
     assert summary.complete + summary.pruned == 6 and ranks[0] == 16 and 24 in ranks  # the default (r=16) first
     assert buckets == [32], "one store, of the bucket holding rank 24, for the whole pack"
+
+
+CURVE_EVALUATOR = '''
+from lora_sweep.evaluators.heldout_loss import HeldoutOptions, heldout_loss
+from lora_sweep.evaluators.registry import EvalResult, Evaluator
+
+
+def token_loss(model, slots, data, **options):
+    result = heldout_loss(model, slots, data, **options)
+    return EvalResult(metrics={s: {"token_loss": m["eval_loss"]} for s, m in result.metrics.items()})
+
+
+TOKEN_LOSS = Evaluator("token_loss", HeldoutOptions, token_loss, metrics=lambda opts: {"token_loss": "minimize"},
+                       reports="`token_loss`", curve="token_loss")
+'''
+
+
+def test_eval_every_scores_the_curve_an_evaluator_declares(tiny_dirs, tmp_path) -> None:
+    """``train.eval_every``'s curve is scored by the entry whose evaluator declares it serves one (here a user's,
+    named by file), not by a built-in the sweep names: its metric is the curve's and the pruner's intermediate
+    values."""
+    from lora_sweep.sweep.store import ResultsStore
+
+    (tmp_path / "curve_eval.py").write_text(CURVE_EVALUATOR)
+    path = write_study(tmp_path, tiny_dirs("llama"), name="own-curve", train={"max_steps": 4, "micro_batch": 4,
+                                                                              "eval_every": 2},
+                       search={"rank": [2, 4]}, budget={"trials": 1}, pruning={"kind": "none"},
+                       evaluators=[{"name": f"{tmp_path / 'curve_eval.py'}:TOKEN_LOSS"}],
+                       objectives=[{"metric": "token_loss", "direction": "minimize"}])
+    spec = load_study(path)
+    run_study(spec, log=lambda m: None)
+    (trial,) = optuna_study(spec.out_dir, "own-curve").get_trials()
+    with ResultsStore(spec.out_dir / "results.db", create=False) as store:
+        curve = store.evals(trial=trial.number, kind="curve")
+    assert [(e.step, e.metric) for e in curve] == [(2, "token_loss"), (4, "token_loss")]
+    assert trial.intermediate_values == {e.step: e.value for e in curve}
+    assert curve[-1].value == pytest.approx(trial.values[0], rel=1e-5)  # the last point is the final score
