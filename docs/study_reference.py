@@ -3,10 +3,11 @@ definitions, and the results.db tables (docs/reference/results-db.md) from the s
 
 Every key's type and default come from the dataclasses the loader validates into (``sweep.config.spec``,
 ``sweep.config.strategy``, ``sweep.config._params``, each evaluator's options class), its meaning from the field's
-docstring, and the aliases from the loader's key tables (``sweep.config.loader``). A field without a docstring
-stops the generator (``MissingDoc``), so a key added to the spec without its meaning cannot reach the page;
-``tests/docs/test_study_reference.py`` checks the committed page against this output and against every key
-the loader accepts.
+docstring (a train setting's from its row of ``sweep.config.settings.SETTINGS``, kept on the field's metadata), and
+the aliases from the loader's key tables (``sweep.config.loader``, the train aliases from the same rows). A field
+without a docstring stops the generator (``MissingDoc``), so a key added to the spec without its meaning cannot
+reach the page; ``tests/docs/test_study_reference.py`` checks the committed page against this output and against
+every key the loader accepts.
 
 The results.db page turns ``lora_sweep.sweep.store``'s table descriptions (one indented ``column  meaning`` line per
 column) into Markdown tables, so the schema is written once, beside the code that creates it.
@@ -32,7 +33,7 @@ import yaml
 from lora_sweep.evaluators import registry
 from lora_sweep.evaluators.cost import COST_METRICS
 from lora_sweep.sweep import store
-from lora_sweep.sweep.config import loader
+from lora_sweep.sweep.config import loader, settings
 from lora_sweep.sweep.config import spec as S
 
 PAGE = Path(__file__).resolve().parent / "reference" / "study-file.md"
@@ -123,7 +124,7 @@ def _default(f: dataclasses.Field) -> str:
 
 def rows(prefix: str, cls: type, skip: set[str] = frozenset()) -> Iterator[str]:  # type: ignore[assignment]
     """One table row per study-file key of ``cls``: key, type, default, meaning. Raises MissingDoc."""
-    docs = field_docs(cls)
+    docs = {f.name: f.metadata["doc"] for f in dataclasses.fields(cls) if "doc" in f.metadata} or field_docs(cls)
     for f in study_fields(cls):
         if f.name in skip:
             continue
@@ -148,10 +149,22 @@ def _aliases(section: str) -> list[str]:
     names = sorted(a for a, c in loader._ALIASES[""].items() if c == section)
     out = [f"The section under another name: {', '.join(f'`{a}` → `{section}`' for a in names)} (its overrides "
            f"too: `{names[0]}.max_slots=4`).", ""] if names else []
+    if section == "train":
+        return [*out, *_train_aliases()]
     if not table:
         return out
     pairs = ", ".join(f"`{a}` → `{c}`" for a, c in sorted(table.items()))
     return [*out, f"Aliases (Axolotl, torchtune, PEFT, HF and Optuna names): {pairs}.", ""]
+
+
+def _train_aliases() -> list[str]:
+    """The train settings' other names, by the tool that spells them so (``sweep.config.settings.SETTINGS``)."""
+    by_format = {f: [f"`{a}` → `{s.name}`" for s in settings.SETTINGS for a in getattr(s, f).split()]
+                 for f in settings.FORMATS}
+    names = {"axolotl": "Axolotl", "torchtune": "torchtune", "peft": "PEFT (`LoraConfig`)", "hf": "HF Trainer / TRL",
+             "other": "short spellings"}
+    bullets = [f"- {names[f]}: {', '.join(pairs)}." for f, pairs in by_format.items() if pairs]
+    return ["Aliases, by the tool that names the setting so:", "", *bullets, ""]
 
 
 def _top() -> list[str]:

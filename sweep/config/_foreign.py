@@ -11,8 +11,11 @@ unquantized base and fp32 AdamW they approximate, with a warning), or refused in
 for something not built (DoRA, GPTQ, a hub dataset, another optimizer); a key about logging, hardware or
 infrastructure is dropped, and all dropped keys are named in one warning.
 
-Over ~400 lines on purpose: both formats' translation and refusal tables, and the rules they share
-(dropped keys, the one warning), read as one page against that table.
+A key that only moves (``adam_epsilon`` -> ``train.eps``, torchtune's ``optimizer.lr`` -> ``train.lr``, ``dtype:
+bf16`` -> ``model.dtype: bfloat16``) is a row of ``AXOLOTL`` / ``TORCHTUNE`` (foreign key -> our key, conversion);
+the functions below are for keys with a rule (a dataset file, a model builder's targets, a held-out split).
+Over ~400 lines on purpose: both formats' tables and the rules they share (dropped keys, the one warning) read as
+one page against the guide's table.
 """
 
 from __future__ import annotations
@@ -88,10 +91,80 @@ _TT_DATASETS = {"alpaca_dataset": "alpaca", "alpaca_cleaned_dataset": "alpaca", 
                 "chat_dataset": "chat", "text_completion_dataset": "text"}
 _TT_SCHEDULES = {"get_cosine_schedule_with_warmup": "cosine", "get_linear_schedule_with_warmup": "linear",
                  "get_constant_schedule_with_warmup": "constant"}
+_TT_DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
 _TT_HELD_OUT = 0.1
 """The share of a torchtune config's data file held out as ``data.eval`` when the study gives none."""
 _TT_TARGETS = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "output_proj": "o_proj"}
 _MISSING = object()
+_SKIP = object()
+
+
+def _set(value: Any) -> Any:
+    """A value moved only when set (null: the study's default stays)."""
+    return _SKIP if value is None else value
+
+
+Move = tuple[str | None, Callable[[Any], Any] | Mapping[Any, Any] | None]
+"""Where a foreign key goes: (our dotted key, or None: dropped and named with the ignored keys; conversion: None
+(as written), a function (``bool``; ``_set``: only when not null), or a table of the values accepted, whose other
+values are refused naming them)."""
+
+AXOLOTL: dict[Key, Move] = {
+    ("gradient_checkpointing",): ("pack.activation_checkpointing", bool),
+    ("warmup_ratio",): ("train.warmup_ratio", None),
+    ("adam_epsilon",): ("train.eps", None),
+    ("output_dir",): ("output", _set),
+}
+"""Axolotl keys that move to one of ours; the keys Axolotl shares with a study file (``lora_r``, ``learning_rate``,
+``sequence_len``, ...) are the loader's train aliases (``sweep.config.settings``), the rest are translated below."""
+TORCHTUNE: dict[Key, Move] = {
+    ("output_dir",): ("output", _set),
+    ("epochs",): ("train.epochs", None),
+    ("max_steps_per_epoch",): ("train.max_steps_per_epoch", None),
+    ("batch_size",): ("train.micro_batch", None),
+    ("gradient_accumulation_steps",): ("train.gradient_accumulation_steps", None),
+    ("clip_grad_norm",): ("train.max_grad_norm", None),
+    ("optimizer_in_bwd",): ("train.optimizer_in_backward", bool),
+    ("enable_activation_checkpointing",): ("pack.activation_checkpointing", None),
+    ("device",): ("model.device", None),
+    ("dtype",): ("model.dtype", _TT_DTYPES),
+    ("model", "lora_rank"): ("train.rank", None),
+    ("model", "lora_alpha"): ("train.alpha", None),
+    ("model", "lora_dropout"): ("train.dropout", None),
+    ("model", "use_dora"): ("train.dora", None),
+    ("optimizer", "lr"): ("train.lr", None),
+    ("optimizer", "weight_decay"): ("train.weight_decay", None),
+    ("optimizer", "betas"): ("train.betas", None),
+    ("optimizer", "eps"): ("train.eps", None),
+    ("optimizer", "fused"): (None, None),  # how torch runs AdamW's update, not what it computes
+    ("optimizer", "foreach"): (None, None),
+    ("lr_scheduler", "num_warmup_steps"): ("train.warmup_steps", None),
+    ("dataset", "packed"): ("train.sample_packing", bool),
+    ("dataset", "train_on_input"): ("data.train_on_prompt", bool),
+    ("dataset", "train_on_inputs"): ("data.train_on_prompt", bool),
+    ("dataset", "source"): (None, None),  # json (checked first): a local file
+}
+"""torchtune keys (a component's options under its section) that move to one of ours; the components themselves
+(model builder, dataset, optimizer, scheduler, loss) are translated below."""
+
+
+def _move(out: _Out, table: Mapping[Key, Move], src: Key, value: Any) -> bool:
+    """Move ``src`` by its row of ``table``; False when it has none."""
+    if src not in table:
+        return False
+    dest, convert = table[src]
+    if dest is None:
+        out.dropped.append(".".join(map(str, src)))
+        return True
+    if isinstance(convert, Mapping):
+        if value not in convert:
+            raise out.error(src, f"must be one of {', '.join(convert)} (got {value!r})")
+        value = convert[value]
+    elif convert is not None:
+        value = convert(value)
+    if value is not _SKIP:
+        out.put(tuple(dest.split(".")), value, src)
+    return True
 
 
 class _Out:
@@ -155,7 +228,8 @@ def split_overrides(data: dict[str, Any], overrides: Sequence[str], top: Sequenc
     kind = _kind(data)
     if kind is None:
         return [], list(overrides)
-    reads = set(_TT) if kind == "torchtune" else {*_AXOLOTL_ONLY, "optimizer", "output_dir", "warmup_ratio"}
+    reads = {*_TT, *(k[0] for k in TORCHTUNE)} if kind == "torchtune" else {*_AXOLOTL_ONLY, "optimizer", "output_dir",
+                                                                           "warmup_ratio"}
     own, ours = [], []
     for text in overrides:
         parts = text.partition("=")[0].strip().split(".")
@@ -291,12 +365,7 @@ def _axolotl(doc: Doc, data: dict[str, Any]) -> _Out:
     out = _Out(doc, {})
     handlers: dict[str, Callable[[_Out, Any], None]] = {
         "datasets": _datasets, "adapter": _adapter, "load_in_4bit": _load_in_4bit, "optimizer": _optimizer,
-        "output_dir": _output,
-        "gradient_checkpointing": lambda o, v: o.put(("pack", "activation_checkpointing"), bool(v),
-                                                     ("gradient_checkpointing",)),
-        "warmup_ratio": lambda o, v: o.put(("train", "warmup_ratio"), v, ("warmup_ratio",)),
         "adam_beta1": lambda o, v: None, "adam_beta2": lambda o, v: None,  # with betas, below
-        "adam_epsilon": lambda o, v: o.put(("train", "eps"), v, ("adam_epsilon",)),
         "val_set_size": lambda o, v: None,  # after the datasets
         "use_wandb": lambda o, v: None, "use_mlflow": lambda o, v: None,  # trackers, after the loop
     }
@@ -305,7 +374,7 @@ def _axolotl(doc: Doc, data: dict[str, Any]) -> _Out:
             continue
         if key in handlers:
             out.attempt(handlers[key], out, value)
-        else:
+        elif not out.attempt(_move, out, AXOLOTL, (key,), value):
             _keep(out, key, value)
     if data.get("lora_target_linear") and data.get("lora_target_modules"):
         # Axolotl adapts the listed modules and every linear layer: all of them, as lora_target_linear alone
@@ -376,11 +445,6 @@ def _optimizer(out: _Out, value: Any, src: Key = ("optimizer",)) -> None:
         raise out.error(src, f"only AdamW is supported ({', '.join(_OPTIMIZERS + _8BIT)}; got {value!r})")
 
 
-def _output(out: _Out, value: Any) -> None:
-    if value is not None:
-        out.put(("output",), value, ("output_dir",))
-
-
 def _val_split(out: _Out, data: dict[str, Any], size: Any = None) -> None:
     """``val_set_size`` (or ``size``): a seeded split of the training file into train and eval files (written
     once)."""
@@ -421,7 +485,7 @@ def _torchtune(doc: Doc, data: dict[str, Any]) -> _Out:
         handler = _TT.get(key)
         if handler is not None:
             out.attempt(handler, out, value)
-        else:
+        elif not out.attempt(_move, out, TORCHTUNE, (key,), value):
             _keep(out, key, value)
     ckpt = data.get("checkpointer") if isinstance(data.get("checkpointer"), dict) else {}
     if "checkpointer" not in data:
@@ -472,13 +536,11 @@ def _tt_model(out: _Out, value: Any) -> None:
             bad = [m for m in v if m not in _TT_TARGETS]
             if bad:
                 raise out.error(src, f"unknown attention module {bad[0]!r} (expected {', '.join(_TT_TARGETS)})")
-        elif k in ("lora_rank", "lora_alpha", "lora_dropout"):
-            out.put(("train", {"lora_rank": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout"}[k]), v, src)
-        elif k == "use_dora":
-            out.put(("train", "dora"), v, src)
+        elif _move(out, TORCHTUNE, src, v):
+            continue
         elif k == "apply_lora_to_output" and v:
             raise out.error(src, "is not supported yet")
-        elif k not in ("apply_lora_to_mlp", "use_dora", "apply_lora_to_output", "quantize_base"):
+        elif k not in ("apply_lora_to_mlp", "apply_lora_to_output", "quantize_base"):
             raise out.error(src, "is not a LoRA builder option this engine knows")
     targets = [_TT_TARGETS[m] for m in cfg.get("lora_attn_modules", [])]
     if cfg.get("apply_lora_to_mlp"):
@@ -497,17 +559,11 @@ def _tt_dataset(out: _Out, value: Any) -> None:
                                       "download a hub dataset)")
     for k, v in cfg.items():
         src = ("dataset", k)
-        if k == "packed":
-            out.put(("train", "sample_packing"), bool(v), src)
-        elif k in ("train_on_input", "train_on_inputs"):
-            out.put(("data", "train_on_prompt"), bool(v), src)
-        elif k == "split":
+        if k == "split":
             if v != "train":
                 raise out.error(src, f"only the train split of a local file (got {v!r})")
             out.dropped.append("dataset.split")  # a local file is its train split
-        elif k == "source":
-            out.dropped.append("dataset.source")  # json (checked above): a local file
-        elif k not in ("_component_", "data_files"):
+        elif not _move(out, TORCHTUNE, src, v) and k not in ("_component_", "data_files"):
             raise out.error(src, "is not supported (a dataset is a local JSON-lines file)")
     src = ("dataset", "data_files")
     out.put(("data", "train"), _local_file(out, cfg["data_files"], src), src)
@@ -519,11 +575,7 @@ def _tt_optimizer(out: _Out, value: Any) -> None:
     if name != "AdamW":
         raise out.error(("optimizer", "_component_"), f"only torch.optim.AdamW is supported (got {name})")
     for k, v in cfg.items():
-        if k in ("lr", "weight_decay", "betas", "eps"):
-            out.put(("train", k), v, ("optimizer", k))
-        elif k in ("fused", "foreach"):  # how torch runs AdamW's update, not what it computes
-            out.dropped.append(f"optimizer.{k}")
-        elif k != "_component_":
+        if not _move(out, TORCHTUNE, ("optimizer", k), v) and k != "_component_":
             raise out.error(("optimizer", k), "is not supported")
 
 
@@ -534,9 +586,7 @@ def _tt_schedule(out: _Out, value: Any) -> None:
                                                          f"(expected {', '.join(_TT_SCHEDULES)})")
     out.put(("train", "schedule"), _TT_SCHEDULES[name], ("lr_scheduler", "_component_"))
     for k, v in cfg.items():
-        if k == "num_warmup_steps":
-            out.put(("train", "warmup_steps"), v, ("lr_scheduler", k))
-        elif k != "_component_":
+        if not _move(out, TORCHTUNE, ("lr_scheduler", k), v) and k != "_component_":
             raise out.error(("lr_scheduler", k), "is not supported")
 
 
@@ -549,33 +599,14 @@ def _tt_loss(out: _Out, value: Any) -> None:
         raise out.error(("loss", "_component_"), f"only cross-entropy losses are supported (got {name})")
 
 
-def _tt_flag(dest: Key, key: str) -> Callable[[_Out, Any], None]:
-    return lambda out, v: out.put(dest, v, (key,))
-
-
 def _tt_shuffle(out: _Out, value: Any) -> None:
     if value is False:
         raise out.error(("shuffle",), "false is not supported (each slot draws a seeded shuffle)")
     out.dropped.append("shuffle")  # true: what every slot does
 
 
-def _tt_dtype(out: _Out, value: Any) -> None:
-    dtypes = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
-    if value not in dtypes:
-        raise out.error(("dtype",), f"must be one of {', '.join(dtypes)} (got {value!r})")
-    out.put(("model", "dtype"), dtypes[value], ("dtype",))
-
-
 _TT: dict[str, Callable[[_Out, Any], None]] = {
     "model": _tt_model, "dataset": _tt_dataset, "optimizer": _tt_optimizer, "lr_scheduler": _tt_schedule,
-    "loss": _tt_loss, "shuffle": _tt_shuffle, "dtype": _tt_dtype, "output_dir": _output,
-    "epochs": _tt_flag(("train", "epochs"), "epochs"),
-    "max_steps_per_epoch": _tt_flag(("train", "max_steps_per_epoch"), "max_steps_per_epoch"),
-    "batch_size": _tt_flag(("train", "micro_batch"), "batch_size"),
-    "gradient_accumulation_steps": _tt_flag(("train", "gradient_accumulation_steps"), "gradient_accumulation_steps"),
-    "clip_grad_norm": _tt_flag(("train", "max_grad_norm"), "clip_grad_norm"),
-    "optimizer_in_bwd": lambda out, v: out.put(("train", "optimizer_in_backward"), bool(v), ("optimizer_in_bwd",)),
-    "enable_activation_checkpointing": _tt_flag(("pack", "activation_checkpointing"),
-                                                "enable_activation_checkpointing"),
-    "device": _tt_flag(("model", "device"), "device"),
+    "loss": _tt_loss, "shuffle": _tt_shuffle,
 }
+"""torchtune's components and the keys with a rule of their own; the rest move by ``TORCHTUNE``."""

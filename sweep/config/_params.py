@@ -1,67 +1,24 @@
 """The searched dimensions of a study: ``Param`` and ``SearchSpace`` (re-exported by ``sweep.config.spec``).
 
-Values are checked with ``packer.plan.AdapterSpec``'s own rules, so a range or a list of choices
-accepts exactly what an adapter accepts (rank 1..256, dropout in [0, 1), ...).
+Values are checked with each setting's own rules (``sweep.config.settings``: AdapterSpec's, for its fields), so a
+range or a list of choices accepts exactly what an adapter accepts (rank 1..256, dropout in [0, 1), ...).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
 from lora_sweep.errors import ConfigError
-from lora_sweep.packer.api import AdapterSpec
+from lora_sweep.sweep.config.settings import RANGED, SEARCHABLE, _check, _is_num, check_value
 
 __all__ = ["Param", "SearchSpace", "SEARCHABLE"]
-
-SEARCHABLE = (
-    "rank",
-    "alpha",
-    "alpha_ratio",
-    "rslora",
-    "dropout",
-    "targets",
-    "lr",
-    "weight_decay",
-    "warmup_steps",
-    "schedule",
-    "max_steps",
-    "micro_batch",
-    "max_grad_norm",
-    "gradient_accumulation_steps",
-    "sample_packing",
-    "lr_ratio",
-    "dora",
-    "init",
-)
-"""Names a study may search: AdapterSpec fields (less seed/betas/eps/extra) plus ``alpha_ratio``."""
-
-
-def _check(ok: bool, key: str, rule: str, value: object) -> None:
-    if not ok:
-        raise ConfigError(f"{key}: {rule} (got {value!r})")
-
-
-def _is_num(x: object) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def _check_adapter_value(name: str, key: str, value: object) -> None:
-    """Validate one value of adapter field ``name`` with AdapterSpec's own rules, reported at ``key``."""
-    if name == "alpha_ratio":
-        _check(_is_num(value) and value > 0, key, "must be > 0", value)  # type: ignore[operator]
-        return
-    try:
-        AdapterSpec(**{name: value})  # type: ignore[arg-type]
-    except ConfigError as e:
-        raise ConfigError(f"{key}: {str(e).partition(': ')[2]}") from None
 
 
 @dataclass(frozen=True)
 class Param:
-    """One search dimension; ``name`` is an AdapterSpec field or ``alpha_ratio``."""
+    """One search dimension; ``name`` is a searchable train setting (``sweep.config.settings.SETTINGS``)."""
 
     name: str
     """What is searched (one of ``SEARCHABLE``); also the Optuna parameter name."""
@@ -86,14 +43,14 @@ class Param:
             _check(len(set(map(repr, self.choices))) == len(self.choices), "choices", "must be unique", self.choices)
             if self.name != "targets":
                 for v in self.choices:
-                    _check_adapter_value(self.name, "choices", v)
+                    check_value(self.name, "choices", v)
             return
-        if self.name in ("rslora", "targets", "schedule", "sample_packing", "dora", "init"):
+        if self.name not in RANGED:
             raise ConfigError("takes a list of values, not a range")
         for key in ("low", "high"):
             v = getattr(self, key)
             _check(_is_num(v) and (self.kind == "float" or isinstance(v, int)), key, f"must be a {self.kind}", v)
-            _check_adapter_value(self.name, key, v)
+            check_value(self.name, key, v)
         assert self.low is not None and self.high is not None
         _check(self.low < self.high, "high", f"must be > low ({self.low})", self.high)
         _check(not self.log or self.low > 0, "low", "must be > 0 with log", self.low)
@@ -125,7 +82,7 @@ class SearchSpace:
             "alpha",
         )
         for set_name, modules in self.target_sets.items():
-            _check_adapter_value("targets", f"targets.{set_name}", modules)
+            check_value("targets", f"targets.{set_name}", modules)
         if "targets" in names:
             for c in self.param("targets").choices:
                 _check(c in self.target_sets, "targets", "unknown target set", c)

@@ -25,6 +25,7 @@ from lora_sweep.evaluators.custom import is_file_target
 from lora_sweep.sweep.config import _foreign
 from lora_sweep.sweep.config._own_search import default_budget
 from lora_sweep.sweep.config._yaml import Doc, Item, Key, add, coerce, make, override, read, scalar, section, typed
+from lora_sweep.sweep.config.settings import NOT_IN_BACKWARD, TRAIN_ALIASES
 from lora_sweep.sweep.config.spec import (
     SEARCHABLE,
     Budget,
@@ -47,17 +48,8 @@ __all__ = ["load_study"]
 
 logger = logging.getLogger(__name__)
 
-_TRAIN = {
-    "lora_r": "rank", "r": "rank", "lora_rank": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout",
-    "learning_rate": "lr", "micro_batch_size": "micro_batch", "batch_size": "micro_batch",
-    "per_device_train_batch_size": "micro_batch", "lora_target_modules": "targets", "target_modules": "targets",
-    "lora_attn_modules": "targets", "use_rslora": "rslora", "peft_use_rslora": "rslora", "steps": "max_steps",
-    "warmup": "warmup_steps", "lr_scheduler": "schedule", "lr_scheduler_type": "schedule", "scheduler": "schedule",
-    "alpha_rank_ratio": "alpha_ratio", "gradient_clipping": "max_grad_norm", "num_epochs": "epochs",
-    "num_train_epochs": "epochs", "grad_accum": "gradient_accumulation_steps",
-    "eval_steps": "eval_every", "loraplus_lr_ratio": "lr_ratio", "use_dora": "dora", "peft_use_dora": "dora",
-    "init_lora_weights": "init", "peft_init_lora_weights": "init",
-}  # fmt: skip
+_TRAIN = TRAIN_ALIASES
+"""Train alias -> setting (``sweep.config.settings.SETTINGS``: Axolotl, torchtune, PEFT and HF names)."""
 _ALIASES: dict[str, dict[str, str]] = {
     "": {"packing": "pack"},
     "train": _TRAIN,
@@ -272,10 +264,10 @@ def _train(doc: Doc, top: dict[str, Item], extra: dict[str, Item], search: Searc
         if name in searched:
             raise doc.error(it.path, f"is fixed here but also searched (search.{name}); keep one")
     in_backward = items.get("optimizer_in_backward")
-    clash = sorted(searched & {"max_grad_norm", "gradient_accumulation_steps"})
+    clash = sorted(searched & set(NOT_IN_BACKWARD))
     if in_backward is not None and in_backward.value is True and clash:  # before TrainSpec's own check of them
         raise doc.error(in_backward.path, f"cannot be used with a searched {clash[0]} (it needs train.{clash[0]}: "
-                                          f"{'null' if clash[0] == 'max_grad_norm' else 1}, fixed)")
+                                          f"{NOT_IN_BACKWARD[clash[0]][0]}, fixed)")
     for name in ("alpha", "alpha_ratio"):
         if name in items and {"alpha", "alpha_ratio"} <= set(items) | searched:
             raise doc.error(items[name].path, "set either alpha or alpha_ratio (alpha = alpha_ratio * rank)")

@@ -6,21 +6,22 @@ dataclasses, applies dotted command-line overrides and validates everything once
 validates itself in ``__post_init__`` and raises ``ConfigError("key: rule (got value)")``; the
 loader adds the file, the line and the full dotted key. Defaults live only here (the study's
 strategy — objectives, constraints, budget, pruning, sampler — in ``sweep/config/strategy.py``, re-exported
-here), and the per-adapter ones only in ``packer.plan.AdapterSpec``.
+here), the train settings' in ``sweep/config/settings.py``'s table, and the per-adapter ones only in
+``packer.plan.AdapterSpec``.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.evaluators import registry
-from lora_sweep.packer.api import AdapterSpec
-from lora_sweep.sweep.config._params import SEARCHABLE, Param, SearchSpace, _check, _check_adapter_value, _is_num
+from lora_sweep.sweep.config._params import SEARCHABLE, Param, SearchSpace, _check, _is_num
+from lora_sweep.sweep.config.settings import NOT_IN_BACKWARD, TrainSpec
 from lora_sweep.sweep.config.sources import DTYPES, FORMATS, DataSpec, ModelSpec
 from lora_sweep.sweep.config.strategy import _NAME, SAMPLERS, Budget, Constraint, Objective, PruningSpec, SamplerSpec
 from lora_sweep.sweep.config.tracking import TrackerSpec
@@ -32,108 +33,6 @@ __all__ = [
 ]  # fmt: skip
 
 EVALUATORS = tuple(e.name for e in registry.EVALUATORS)
-_D = AdapterSpec()
-_NOT_ADAPTER = ("alpha_ratio", "epochs", "max_steps_per_epoch", "warmup_ratio", "eval_every", "optimizer_in_backward")
-"""TrainSpec fields that are not AdapterSpec fields (resolved into rank/alpha or steps per trial, or options of the
-packed training loop)."""
-_NOT_IN_BACKWARD = {"max_grad_norm": "null", "gradient_accumulation_steps": "1"}
-_WHY_NOT = {"max_grad_norm": "clipping needs the whole gradient before the step",
-            "gradient_accumulation_steps": "the step needs every micro-batch's gradient first"}
-"""What ``optimizer_in_backward`` needs: no clipping (a norm needs the whole gradient before the step) and one
-micro-batch per step (the step needs every micro-batch's gradient first)."""
-
-
-@dataclass(frozen=True)
-class TrainSpec:
-    """Fixed values of every AdapterSpec field that is not searched (defaults: AdapterSpec's)."""
-
-    rank: int = _D.rank
-    """LoRA rank r, 1..256."""
-    alpha: float = _D.alpha
-    """LoRA alpha (ignored when ``alpha_ratio`` is set or searched)."""
-    alpha_ratio: float | None = None
-    """If set: alpha = alpha_ratio * rank for every trial."""
-    rslora: bool = _D.rslora
-    """Scale by alpha/sqrt(r) instead of alpha/r."""
-    dropout: float = _D.dropout
-    """LoRA dropout, in [0, 1)."""
-    targets: tuple[str, ...] = _D.targets
-    """Module names to adapt, or ``all-linear``."""
-    lr: float = _D.lr
-    """Peak learning rate of AdamW."""
-    weight_decay: float = _D.weight_decay
-    """AdamW decoupled weight decay."""
-    betas: tuple[float, float] = _D.betas
-    """AdamW betas."""
-    eps: float = _D.eps
-    """AdamW epsilon."""
-    warmup_steps: int = _D.warmup_steps
-    """Linear warm-up steps."""
-    schedule: str = _D.schedule
-    """Learning-rate schedule after warm-up (``packer.plan.SCHEDULES``)."""
-    max_steps: int = _D.max_steps
-    """Optimizer steps per trial."""
-    micro_batch: int = _D.micro_batch
-    """Sequences per step per trial."""
-    max_grad_norm: float | None = _D.max_grad_norm
-    """Per-trial gradient clipping (null: none)."""
-    gradient_accumulation_steps: int = _D.gradient_accumulation_steps
-    """Micro-batches per optimizer step (the step's loss: the mean over all their target tokens)."""
-    sample_packing: bool = _D.sample_packing
-    """Pack several examples per row up to ``data.max_length`` tokens (``packer.data.packing``)."""
-    lr_ratio: float = _D.lr_ratio
-    """LoRA+: B's learning rate over A's (PEFT's ``loraplus_lr_ratio``; 1: plain LoRA)."""
-    dora: bool = _D.dora
-    """DoRA: a trained per-column magnitude over the direction of W + s B A (PEFT's ``use_dora``)."""
-    init: str | bool = _D.init
-    """A's and B's initialisation (``packer.plan.INITS``; PEFT's ``init_lora_weights``, whose ``true`` is
-    ``kaiming``)."""
-    epochs: float | None = None
-    """Train each trial for this many passes over the training data: its optimizer steps are
-    ``ceil(epochs * ceil(micro-batches per epoch / gradient_accumulation_steps))``; a ``max_steps`` set in
-    the file (fixed or searched) overrides it, as in HF Trainer."""
-    max_steps_per_epoch: int | None = None
-    """With ``epochs``: at most this many optimizer steps per epoch (torchtune's ``max_steps_per_epoch``)."""
-    warmup_ratio: float | None = None
-    """Warm-up over ``ceil(warmup_ratio * max_steps)`` steps, once a trial's steps are known (HF Trainer's
-    rule; a non-zero ``warmup_steps`` wins)."""
-    eval_every: int | None = None
-    """Score each trial's held-out loss every this many optimizer steps (a curve in the store, kind
-    ``curve``; with one objective also Optuna's intermediate values, instead of the training loss)."""
-    optimizer_in_backward: bool = False
-    """torchtune's ``optimizer_in_bwd``, mapped onto the one training step (``packer.step.train``): the same AdamW
-    updates, taken after the backward from the step's preallocated fp32 gradient buffer, so the memory saving
-    (4 B per adapter parameter) is not taken; a warning says so. Needs ``max_grad_norm: null`` and
-    ``gradient_accumulation_steps: 1``, not searched."""
-
-    def __post_init__(self) -> None:
-        if self.alpha_ratio is not None:
-            _check_adapter_value("alpha_ratio", "alpha_ratio", self.alpha_ratio)
-        _check(self.epochs is None or (_is_num(self.epochs) and self.epochs > 0), "epochs", "must be > 0",
-               self.epochs)
-        m = self.max_steps_per_epoch
-        _check(m is None or (isinstance(m, int) and m >= 1), "max_steps_per_epoch", "must be an int >= 1", m)
-        e = self.eval_every
-        _check(e is None or (isinstance(e, int) and e >= 1), "eval_every", "must be an int >= 1", e)
-        r = self.warmup_ratio
-        _check(r is None or (_is_num(r) and 0 <= r < 1), "warmup_ratio", "must be in [0, 1)", r)
-        _check(isinstance(self.optimizer_in_backward, bool), "optimizer_in_backward", "must be true or false",
-               self.optimizer_in_backward)
-        if self.optimizer_in_backward:
-            for key, needed in _NOT_IN_BACKWARD.items():
-                value = getattr(self, key)
-                _check(str(value if value is not None else "null") == needed, "optimizer_in_backward",
-                       f"needs train.{key}: {needed} ({_WHY_NOT[key]})", value)
-        object.__setattr__(self, "init", AdapterSpec(**self.adapter_values()).init)  # PEFT's true: kaiming
-
-    def adapter_values(self) -> dict[str, Any]:
-        """These values as AdapterSpec keyword arguments (alpha from ``alpha_ratio`` when set)."""
-        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_ADAPTER}
-        if self.alpha_ratio is not None:
-            values["alpha"] = float(self.alpha_ratio * self.rank)
-        return values
-
-
 @dataclass(frozen=True)
 class PackSpec:
     """How many trials share one training run."""
@@ -309,11 +208,10 @@ class StudySpec:
                 registry.metric_direction(self.pruning.proxy, entries)
             except ConfigError as e:
                 raise ConfigError(f"pruning.proxy: {str(e).removeprefix('metric: ')}") from None
-        needs_eval = registry.needing_eval_data(names)
-        clash = [p.name for p in self.search.params if p.name in _NOT_IN_BACKWARD]
+        clash = [p.name for p in self.search.params if p.name in NOT_IN_BACKWARD]
         if self.train.optimizer_in_backward and clash:
             raise ConfigError(f"train.optimizer_in_backward: cannot be used with a searched {clash[0]} (it needs "
-                              f"train.{clash[0]}: {_NOT_IN_BACKWARD[clash[0]]}, fixed)")
+                              f"train.{clash[0]}: {NOT_IN_BACKWARD[clash[0]][0]}, fixed)")
         principal = self.setting_values("init") & {"pissa", "olora"}
         base = "model.quantize: nf4" if self.model.quantize else "pack.shard: fsdp" if self.pack.shard != "none" \
             else None
@@ -327,6 +225,7 @@ class StudySpec:
             self._check_dora()
         if self.data.eval is None and self.train.eval_every is not None:
             raise ConfigError("data.eval: is needed by train.eval_every")
+        needs_eval = registry.needing_eval_data(names)
         if self.data.eval is None and needs_eval:
             raise ConfigError(f"data.eval: is needed by {', '.join(needs_eval)}")
         if self.sampler.name == "grid":
