@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from lora_sweep.evaluators.registry import Evaluator, find
-from lora_sweep.sweep import storage
+from lora_sweep.store import storage
 from tests.evaluators.conftest import YESNO
 from tests.evaluators.contract import EvaluatorContract
-from tests.sweep.storage_contract import StorageContract
+from tests.store.storage_contract import StorageContract
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "docs" / "examples"
@@ -56,7 +56,7 @@ class TestFolderStorageContract(StorageContract):
 
     @pytest.fixture
     def holder_setup(self) -> str:  # the lock holder's process adds it as well
-        return ("import runpy; from lora_sweep.sweep import storage\n"
+        return ("import runpy; from lora_sweep.store import storage\n"
                 f"storage.BACKENDS.append(runpy.run_path({str(FOLDER_EXAMPLE)!r})['FOLDER'])")
 
     @pytest.fixture

@@ -1,4 +1,4 @@
-"""``sweep.storage``: every backend keeps the storage contract (``tests/sweep/storage_contract.py``); SQLite files in
+"""``store.storage``: every backend keeps the storage contract (``tests/store/storage_contract.py``); SQLite files in
 write-ahead-log mode, commits synced as before."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import optuna
 import pytest
 
 from lora_sweep.errors import UserError
-from lora_sweep.sweep.storage import BACKENDS, backend_of, normalize_url, open_storage
+from lora_sweep.store.storage import BACKENDS, backend_of, normalize_url, open_storage
 from tests.conftest import need_module
 from tests.helpers import server_url
-from tests.sweep.storage_contract import StorageContract
+from tests.store.storage_contract import StorageContract
 
 
 def _journal_mode(db) -> str:

@@ -25,8 +25,8 @@ import pytest
 from optuna.trial import TrialState
 
 from lora_sweep.errors import UserError
-from lora_sweep.sweep import storage
-from lora_sweep.sweep.storage import backend_of, normalize_url, open_storage, storage_lock
+from lora_sweep.store import storage
+from lora_sweep.store.storage import backend_of, normalize_url, open_storage, storage_lock
 
 ROOT = Path(__file__).resolve().parents[2]
 class StorageContract:
@@ -44,7 +44,7 @@ class StorageContract:
     @pytest.fixture
     def holder_setup(self) -> str:
         """Python statements a second process runs before it takes the lock (a backend of one's own appends itself
-        to ``sweep.storage.BACKENDS`` there, as in the process under test)."""
+        to ``store.storage.BACKENDS`` there, as in the process under test)."""
         return ""
 
     @pytest.fixture
@@ -77,7 +77,7 @@ class StorageContract:
     def test_the_one_owner_lock_makes_a_second_owner_wait(self, url: str, name: str, holder_setup: str) -> None:
         """Another process holds the study's lock for 2 s: this one gets it only after."""
         holder = subprocess.Popen([sys.executable, "-c", holder_setup + "\nimport sys, time\n"
-                                   "from lora_sweep.sweep.storage import storage_lock\n"
+                                   "from lora_sweep.store.storage import storage_lock\n"
                                    "with storage_lock(sys.argv[1], sys.argv[2]):\n    print('held', flush=True)\n"
                                    "    time.sleep(2)\n", normalize_url(url), name], cwd=ROOT,
                                   stdout=subprocess.PIPE, text=True)
