@@ -19,11 +19,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from lora_sweep.errors import ConfigError, DataError, UserError
-from lora_sweep.kernels.ops import PackLayout
-from lora_sweep.packer.api import FORMATS, PackedModel, iter_lines, json_error, line_bound, read_jsonl
+from lora_sweep.kernels.meta import PackLayout
+from lora_sweep.packer.api import FORMATS, iter_lines, json_error, line_bound, read_jsonl
+
+if TYPE_CHECKING:
+    from lora_sweep.packer.api import PackedModel
 
 __all__ = ["MC_FORMAT", "TEXT_FORMATS", "Evaluator", "Score", "EvalData", "EvalResult", "SlotEvalError",
            "load_eval_data", "make_options", "check_format", "routed", "slot_layout", "chunks", "pad_id", "finite",

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.evaluators._core import (
@@ -30,7 +28,9 @@ from lora_sweep.evaluators._core import (
     pad_id,
     slot_layout,
 )
-from lora_sweep.packer.api import PackedModel
+
+if TYPE_CHECKING:  # torch and the model are imported where an evaluation runs: a study file is checked without them
+    from lora_sweep.packer.api import PackedModel
 
 __all__ = ["ChoiceOptions", "multiple_choice", "MULTIPLE_CHOICE", "choice_logprobs", "encode_pair", "METRICS"]
 
@@ -125,6 +125,8 @@ def choice_logprobs(model: PackedModel, slots: Sequence[int], contexts: Sequence
     Returns:
         slot -> item -> one log-likelihood per choice.
     """
+    import torch
+
     pairs = [(i, encode_pair(tokenizer, ctx, delimiter + c)) for i, ctx in enumerate(contexts) for c in choices[i]]
     flat: dict[int, list[float]] = {slot: [] for slot in slots}
     with torch.no_grad():
@@ -145,6 +147,8 @@ def choice_logprobs(model: PackedModel, slots: Sequence[int], contexts: Sequence
 def _score_batch(model: PackedModel, slots: Sequence[int], pairs: list[tuple[list[int], list[int]]],
                  pad: int) -> list[list[float]]:
     """Log-likelihood of each pair's continuation under each slot; rows right-padded, slot-major."""
+    import torch
+
     inputs = [(ctx + cont)[:-1] for ctx, cont in pairs]  # the last token is only ever a target
     width = max(len(x) for x in inputs)
     n = len(pairs)

@@ -8,8 +8,10 @@ base (``base_bytes``), which every slot of the pack uses alike and is charged in
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-from lora_sweep.packer.api import PackedModel
+if TYPE_CHECKING:
+    from lora_sweep.packer.api import PackedModel
 
 __all__ = ["COST_METRICS", "adapter_params", "slot_adapter_params", "device_seconds", "memory_share",
            "cost_metrics"]

@@ -26,12 +26,14 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.evaluators._core import EvalData, EvalResult, Evaluator, SlotEvalError, finite, make_options
 from lora_sweep.evaluators.generation import GenerationOptions, build_prompts, generate_texts
-from lora_sweep.packer.api import PackedModel
+
+if TYPE_CHECKING:
+    from lora_sweep.packer.api import PackedModel
 
 __all__ = ["CustomOptions", "custom", "CUSTOM", "load_object", "load_function", "load_option_function",
            "deferred_user_code", "user_code_deferred", "is_file_target"]

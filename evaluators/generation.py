@@ -23,9 +23,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
-
-import torch
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from lora_sweep.errors import ConfigError, DataError
 from lora_sweep.evaluators._core import (
@@ -44,7 +42,12 @@ from lora_sweep.evaluators._core import (
     uses_batched,
 )
 from lora_sweep.evaluators.scorers import SCORERS
-from lora_sweep.packer.api import IGNORE_INDEX, PackedModel, eval_graph, tokenize_rows
+from lora_sweep.packer.api import IGNORE_INDEX, tokenize_rows
+
+if TYPE_CHECKING:  # torch and the model are imported where an evaluation runs: a study file is checked without them
+    import torch
+
+    from lora_sweep.packer.api import PackedModel
 
 __all__ = ["GenerationOptions", "generation", "GENERATION", "generate_ids", "generate_texts", "build_prompts",
            "references", "METRICS"]
@@ -215,6 +218,10 @@ def generate_ids(model: PackedModel, slots: Sequence[int], prompts: Sequence[Seq
     Returns:
         slot -> generated ids of each prompt, in prompt order.
     """
+    import torch
+
+    from lora_sweep.packer.api import eval_graph
+
     out: dict[int, list[list[int]]] = {slot: [] for slot in slots}
     if not slots:
         return out
@@ -243,6 +250,8 @@ def _decode(model: PackedModel, slots: Sequence[int], rows: list[list[int]], *, 
             max_new_tokens: int, should_stop: Callable[[list[int]], bool] | None, temperature: float,
             gens: list[torch.Generator] | None) -> list[list[int]]:
     """Decode one batch: ``rows`` repeated for each slot, grouped by slot. Returns B answers, slot-major."""
+    import torch
+
     device = model.device
     width = max(len(r) for r in rows)
     batch = [r for _ in slots for r in rows]
@@ -297,6 +306,8 @@ def _cache_kwarg(module: torch.nn.Module) -> str:
 
 def _next_tokens(logits: torch.Tensor, temperature: float, gens: list[torch.Generator] | None) -> torch.Tensor:
     """logits: (B, V) -> (B,) next token ids (greedy, or each row sampled with its own generator)."""
+    import torch
+
     if temperature <= 0 or gens is None:
         return logits.argmax(dim=-1)
     probs = torch.softmax(logits / temperature, dim=-1).cpu()  # (B, V)

@@ -11,9 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
-
-import torch
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.evaluators._core import (
@@ -27,8 +25,11 @@ from lora_sweep.evaluators._core import (
     pad_id,
     uses_batched,
 )
-from lora_sweep.kernels.ops import PackLayout
-from lora_sweep.packer.api import FORMATS, PackBatch, PackedModel, collate, eval_graph, slot_losses, tokenize_rows
+from lora_sweep.kernels.meta import PackLayout
+from lora_sweep.packer.api import FORMATS, tokenize_rows
+
+if TYPE_CHECKING:  # torch and the model are imported where an evaluation runs: a study file is checked without them
+    from lora_sweep.packer.api import PackBatch, PackedModel
 
 __all__ = ["HeldoutOptions", "heldout_loss", "HELDOUT_LOSS", "METRICS"]
 
@@ -73,6 +74,8 @@ def heldout_loss(model: PackedModel, slots: Sequence[int], data: EvalData, **opt
         ConfigError: unknown or invalid option.
         DataError: rows of the wrong format.
     """
+    from lora_sweep.packer.api import eval_graph
+
     opts: HeldoutOptions = make_options(HeldoutOptions, options, "heldout_loss")
     check_format(data, FORMATS, "heldout_loss")
     examples = tokenize_rows(data.rows, data.fmt, data.tokenizer, max_length=data.max_length,
@@ -96,6 +99,10 @@ def _per_adapter(model: PackedModel, slots: Sequence[int], examples: list[Any], 
                  pad: int) -> tuple[list[list[float]], list[list[float]]]:
     """Each item's mean token loss and target count under each slot, ``batch_size`` items of every scored slot per
     forward (rows sized to the scored adapters): ``[g][i]`` for slot ``slots[g]``, item i."""
+    import torch
+
+    from lora_sweep.packer.api import collate, slot_losses
+
     n = len(slots)
     losses: list[list[float]] = [[] for _ in slots]
     counts: list[list[float]] = [[] for _ in slots]

@@ -1,9 +1,9 @@
 """lm-evaluation-harness tasks on any slot, offline, without reloading the base model.
 
 The only module that imports ``lm_eval`` (the optional extra ``lora-sweep[eval]``). A ``SlotView`` is an
-``nn.Module`` whose ``forward`` and ``generate`` run the shared base model with every row routed to one
-slot's adapter; it is handed to lm-eval's ``HFLM`` as an already-built model (the pattern of torchtune's
-``recipes/eleuther_eval.py``), one ``simple_evaluate`` per slot with one ``TaskManager``.
+``nn.Module`` (``evaluators.slot_view``) whose ``forward`` and ``generate`` run the shared base model with every
+row routed to one slot's adapter; it is handed to lm-eval's ``HFLM`` as an already-built model (the pattern of
+torchtune's ``recipes/eleuther_eval.py``), one ``simple_evaluate`` per slot with one ``TaskManager``.
 
 Offline, as lm-eval runs without a hub: ``HF_HUB_OFFLINE``, ``HF_DATASETS_OFFLINE`` and ``HF_HOME``
 (``<work_dir>/hf_home``) are set before ``datasets`` / ``lm_eval`` are imported (and ``datasets.config`` is
@@ -25,16 +25,15 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from lora_sweep.errors import ConfigError, UserError
-from lora_sweep.evaluators._core import EvalData, EvalResult, Evaluator, make_options, slot_layout
-from lora_sweep.packer.api import PackedModel
+from lora_sweep.evaluators._core import EvalData, EvalResult, Evaluator, make_options
 
-__all__ = ["LmEvalOptions", "SlotView", "run_lm_eval", "LM_EVAL", "task_names", "metric_direction", "INSTALL_HINT"]
+if TYPE_CHECKING:  # torch and the model are imported where an evaluation runs: a study file is checked without them
+    from lora_sweep.packer.api import PackedModel
+
+__all__ = ["LmEvalOptions", "run_lm_eval", "LM_EVAL", "task_names", "metric_direction", "INSTALL_HINT"]
 
 INSTALL_HINT = "the lm_eval evaluator needs lm-eval: pip install 'lora-sweep[eval]'"
 _LOWER_IS_BETTER = {"perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte"}
@@ -156,64 +155,6 @@ def metric_direction(metric: str) -> str:
     return "minimize" if len(parts) > 1 and parts[1] in _LOWER_IS_BETTER else "maximize"
 
 
-class SlotView(nn.Module):
-    """One slot of a packed model seen as a plain causal LM: every row of every call uses that slot.
-
-    The base model is not a submodule, so ``eval()``/``train()``/``to()`` on the view (HFLM calls ``eval()``)
-    leave the shared base alone; ``tie_weights()`` is a no-op (the base's weights are not the view's to tie).
-
-    Args:
-        model: the packed model.
-        slot: the slot every row is routed to.
-    """
-
-    def __init__(self, model: PackedModel, slot: int) -> None:
-        super().__init__()
-        self._packed = [model]  # a list keeps the shared model out of nn.Module's registry
-        self.slot = slot
-        self.config = model.model.config
-        self.generation_config = getattr(model.model, "generation_config", None)
-
-    @property
-    def device(self) -> torch.device:
-        return self._packed[0].device
-
-    @property
-    def name_or_path(self) -> str:
-        return str(getattr(self.config, "_name_or_path", ""))
-
-    def tie_weights(self, *args: Any, **kwargs: Any) -> None:
-        """No-op: the base model's weights are shared with every other slot."""
-
-    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                **kwargs: Any) -> Any:
-        """The base model's forward with every row on ``slot``; input_ids: (B, L)."""
-        with self._routing():
-            return self._packed[0].model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-
-    def generate(self, *args: Any, **kwargs: Any) -> Any:
-        """The base model's ``generate`` with every row of every step on ``slot``."""
-        generate: Any = self._packed[0].model.generate  # transformers' GenerationMixin
-        with self._routing():
-            return generate(*args, **kwargs)
-
-    @contextmanager
-    def _routing(self) -> Iterator[None]:
-        pm = self._packed[0]
-        handle = pm.model.register_forward_pre_hook(self._set_layout, with_kwargs=True)
-        try:
-            yield
-        finally:
-            handle.remove()
-            pm.state.layout = None
-
-    def _set_layout(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        x = kwargs.get("input_ids")
-        x = (args[0] if args else kwargs.get("inputs_embeds")) if x is None else x
-        assert x is not None, "the base model was called without input_ids or inputs_embeds"
-        self._packed[0].state.layout = slot_layout([self.slot], x.shape[0], x.shape[1])
-
-
 def _offline_env(hf_home: Path) -> None:
     """Point datasets / the hub at ``hf_home`` and switch their network access off."""
     import sys
@@ -262,6 +203,8 @@ def run_lm_eval(model: PackedModel, slots: Sequence[int], data: EvalData, **opti
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
+    from lora_sweep.evaluators.slot_view import SlotView
+
     manager = TaskManager(include_path=opts.paths or None, include_defaults=opts.include_defaults)
     result = EvalResult()
     for slot in slots:
@@ -292,6 +235,7 @@ LM_EVAL = Evaluator("lm_eval", LmEvalOptions, run_lm_eval, metrics=lambda opts: 
 def _rng_kept() -> Iterator[None]:
     """lm-eval seeds the global RNGs; give the caller (a training process) its own states back."""
     import numpy as np
+    import torch
 
     py_state, np_state = random.getstate(), np.random.get_state()
     with torch.random.fork_rng(devices=[]):

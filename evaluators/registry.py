@@ -23,9 +23,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from lora_sweep.errors import ConfigError, UserError
 from lora_sweep.evaluators._core import (
@@ -44,7 +42,9 @@ from lora_sweep.evaluators.custom import CUSTOM, check_target, deferred_user_cod
 from lora_sweep.evaluators.generation import GENERATION
 from lora_sweep.evaluators.heldout_loss import HELDOUT_LOSS
 from lora_sweep.evaluators.lm_eval import LM_EVAL
-from lora_sweep.packer.api import PackedModel
+
+if TYPE_CHECKING:  # torch and the model are imported where an evaluation runs: a study file is checked without them
+    from lora_sweep.packer.api import PackedModel
 
 __all__ = ["Evaluator", "Score", "EVALUATORS", "MC_FORMAT", "EvalData", "EvalResult", "SlotEvalError",
            "load_eval_data", "find", "validate", "metrics_of", "metric_direction", "evaluate", "is_user_code",
@@ -223,6 +223,8 @@ def _contained(entry: str, evaluator: Evaluator, model: PackedModel, slots: Sequ
     The thread runs with the caller's grad mode and CUDA stream (both are per thread in torch), so the evaluator sees
     the model as an evaluator in the main thread would; the caller waits, so the model is never used by two threads.
     """
+    import torch
+
     target, _, obj = entry.rpartition(":")
     name = f"{Path(target).name}:{obj}" if target else entry  # the file's name: the study gives its whole path
     box: dict[str, Any] = {}

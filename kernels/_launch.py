@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from lora_sweep.kernels.meta import LayerRanks, PackLayout
+from lora_sweep.kernels.meta import LayerRanks, PackLayout, rank_bucket_for
 
 __all__ = ["SegmentMeta", "build_meta", "segment_meta", "check_2d", "to_device_async",
            "SegInt", "SegFlt", "Tile", "Chunk", "SEG_INT_COL", "SEG_FLT_COL", "TILE_COL", "CHUNK_COL",
@@ -155,11 +155,6 @@ def build_meta(layout: PackLayout, ranks: LayerRanks, n_tokens: int, seq_len: in
     return meta._replace(layer_id=ranks.layer_id)
 
 
-def _pow2_cols(r_max: int) -> int:
-    """The per-token columns ranks up to ``r_max`` take in h: a power of 2, at least 16 (``tl.dot``'s K)."""
-    return max(16, 1 << max(r_max - 1, 0).bit_length())
-
-
 @lru_cache(maxsize=64)
 def _tables(layout: PackLayout, rank: tuple[int, ...], scale: tuple[float, ...], n_tokens: int, seq_len: int,
             device: torch.device, block_m: int, chunk_tokens: int) -> SegmentMeta:
@@ -186,7 +181,7 @@ def _tables(layout: PackLayout, rank: tuple[int, ...], scale: tuple[float, ...],
         rank_off += r
     blob = to_device_async(torch.tensor(seg_int + tiles + chunks, dtype=torch.int64), device)  # one copy for all ints
     a, b = len(seg_int), len(seg_int) + len(tiles)
-    r_cols = _pow2_cols(max(rank, default=0))
+    r_cols = rank_bucket_for(max(rank, default=0))  # h's columns per token
     return SegmentMeta(
         seg_int=blob[:a].view(-1, SEG_INT_FIELDS),
         seg_flt=to_device_async(torch.tensor(seg_flt, dtype=torch.float32), device).view(-1, SEG_FLT_FIELDS),
@@ -249,7 +244,7 @@ def segment_meta(capacity: int, rows: int, seq_len: int, rank_cols: int, device:
     tiles = [Tile(g, t) for g in range(capacity) for t in range(g * per, (g + 1) * per, block_m)]
     chunks = [Chunk(g, t, min(t + chunk_tokens, (g + 1) * per), c) for g in range(capacity)
               for c, t in enumerate(range(g * per, (g + 1) * per, chunk_tokens))]
-    r_cols = _pow2_cols(rank_cols)
+    r_cols = rank_bucket_for(rank_cols)
     return SegmentMeta(
         seg_int=seg_int.to(device), seg_flt=seg_flt.to(device),
         tiles=torch.tensor(tiles, dtype=torch.int64).view(-1, TILE_FIELDS).to(device),

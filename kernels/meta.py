@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["PackLayout", "LayerRanks", "dropout_seed"]
+__all__ = ["PackLayout", "LayerRanks", "dropout_seed", "rank_bucket_for"]
 
 _MIX_A = 0x9E3779B97F4A7C15
 _MIX_B = 0xBF58476D1CE4E5B9
@@ -63,3 +63,13 @@ def dropout_seed(slot_seed: int, slot_step: int, layer_id: int = 0) -> int:
     h = (slot_seed * _MIX_A + (slot_step + 1) * _MIX_B + layer_id * 0x94D049BB133111EB) & _MASK63
     h ^= h >> 31
     return (h * _MIX_A) & _MASK63
+
+
+def rank_bucket_for(rank: int) -> int:
+    """The rows per slot that ranks up to ``rank`` are padded to: the smallest power of two >= ``rank`` and >= 16.
+
+    16 is ``tl.dot``'s narrowest K, so the kernels' per-token buffer h has at least that many columns; a power of two
+    lets a pack hold many ranks in few shapes (the slot store's rank bucket, ``packer.model.store``), so a new rank
+    seldom changes the step's shapes and with them its compiled kernels and CUDA graphs.
+    """
+    return max(16, 1 << max(rank - 1, 0).bit_length())

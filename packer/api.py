@@ -8,13 +8,14 @@ trial takes it (``SlotJob``, ``SlotEnd``).
 
 **The model** (``packer.model``). ``load_base`` reads the base (a Hugging Face checkpoint, a hub id, a GGUF file:
 ``gguf_source``; NF4 quantization: ``QUANTIZE``), ``PackedModel`` wraps its target projections with the packed LoRA
-layer (``resolve_targets`` expands ``ALL_LINEAR`` and named targets) and holds the slots; ``save_adapters``
+layer (``resolve_targets`` expands ``ALL_LINEAR`` and named targets) and holds the slots; an ``AdapterWriter``
 writes a slot as a PEFT adapter directory (``read_adapter`` reads one back). A base too large for one GPU is
-sharded over the processes of a pack with FSDP2 and read by rows (``load_sharded``, ``BaseShare``).
+sharded over the processes of a pack with FSDP2 and read by rows (``load_sharded``).
 
 **The data** (``packer.data``). ``read_jsonl`` and ``tokenize_rows`` turn a JSON-lines file in one of ``FORMATS``
 into ``Example`` rows (labels ``IGNORE_INDEX`` on the prompt); each slot draws from its own stream (``SlotStream``,
-``slot_stream``: sample packing puts several examples in one row); ``collate`` builds a ``PackBatch``.
+``adapter_stream``: sample packing puts several examples in one row; ``epoch_steps``, ``stream_tokens``: what it adds
+up to); ``collate`` builds a ``PackBatch``.
 
 **The step** (``packer.step``). ``train`` runs the pack: every step the rows of all slots go through the model
 together in one step of fixed shape, each slot's loss is the mean over its own target tokens and the pack's loss
@@ -24,13 +25,14 @@ names the two). It reports every slot step (``StepReport``). ``eval_graph`` eval
 machinery; ``slot_losses`` is the per-slot cross-entropy.
 
 **Planning** (``packer.plan``, ``packer.probe``). ``MemoryModel`` predicts a pack's peak memory and time from its
-slots; ``calibrate`` fits it by running real packed steps at two sizes. ``adapter_param_count`` counts a slot's
-parameters without building it.
+slots (``slots_for``, ``pack_peak``: how many of a kind fit, and their step's peak); ``calibrate`` fits it by running
+real packed steps at two sizes; ``BaseShape`` is what a plan needs of the base without its weights (``base_shape``
+reads it, ``forward_seconds`` times a base forward).
 
 The packer never sees a study object: the sweep builds plain values (``AdapterSpec``, paths, numbers) and calls
-these names. Each name is imported from its module on first use (``__getattr__``, PEP 562), so importing this
-module loads neither torch nor transformers: a light command (``sweep status``, a cached ``sweep plan``) pays only
-for the names it touches.
+these names, and only those (a name no module above the packer imports is not here). Each name is imported from
+its module on first use (``__getattr__``, PEP 562), so importing this module loads neither torch nor transformers: a
+light command (``sweep status``, a cached ``sweep plan``) pays only for the names it touches.
 """
 
 from __future__ import annotations
@@ -41,7 +43,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from lora_sweep.packer.data.batch import PackBatch, collate
     from lora_sweep.packer.data.lines import iter_lines, line_bound
-    from lora_sweep.packer.data.packing import batches_per_epoch, slot_stream
     from lora_sweep.packer.data.rows import (
         ALPACA_PROMPT,
         ALPACA_PROMPT_NO_INPUT,
@@ -54,58 +55,61 @@ if TYPE_CHECKING:
         read_jsonl,
         tokenize_rows,
     )
+    from lora_sweep.packer.data.stream import adapter_stream, epoch_steps, stream_tokens, target_tokens
     from lora_sweep.packer.loss import slot_losses
+    from lora_sweep.packer.model import QUANTIZE
     from lora_sweep.packer.model.checkpoint import (
         CONFIG_NAME,
         WEIGHTS_NAME,
         AdapterWriter,
         discard_adapter,
         read_adapter,
-        save_adapters,
     )
     from lora_sweep.packer.model.gguf import convert, gguf_source, packaged_gguf
-    from lora_sweep.packer.model.inject import linear_shape, projection_names, resolve_targets
+    from lora_sweep.packer.model.inject import linear_shape, resolve_targets
     from lora_sweep.packer.model.load import load_base, load_tokenizer, prepare_kernels, resolve_base
     from lora_sweep.packer.model.packed import PackedModel
-    from lora_sweep.packer.model.quant import QUANTIZE, dequantize_base, quantize_base
-    from lora_sweep.packer.model.shard import BaseShare, base_share
+    from lora_sweep.packer.model.quant import dequantize_base, quantize_base
     from lora_sweep.packer.model.shard_load import load_sharded, meta_load_refusal
-    from lora_sweep.packer.plan import ALL_LINEAR, AdapterSpec, MemoryModel, adapter_param_count
-    from lora_sweep.packer.probe import PROBE_STEPS, available_memory, calibrate, plain_param_bytes
+    from lora_sweep.packer.plan import ALL_LINEAR, AdapterSpec, BaseShape, MemoryModel
+    from lora_sweep.packer.probe import (
+        PROBE_STEPS,
+        available_memory,
+        base_shape,
+        calibrate,
+        forward_seconds,
+    )
     from lora_sweep.packer.step import eval_graph
     from lora_sweep.packer.step.isolation import check_sample_packing
-    from lora_sweep.packer.step.loop import rank_bucket_for
     from lora_sweep.packer.step.shapes import length_buckets
-    from lora_sweep.packer.step.train import STEP_NAMES, BatchSource, SlotEnd, SlotJob, StepReport, target_tokens, train
+    from lora_sweep.packer.step.train import STEP_NAMES, BatchSource, SlotEnd, SlotJob, StepReport, train
     from lora_sweep.packer.tiny.models import build_tiny_model
 
 _WHERE: dict[str, tuple[str, ...]] = {
     "data.batch": ("PackBatch", "collate"),
-    "data.packing": ("batches_per_epoch", "slot_stream"),
     "data.rows": ("ALPACA_PROMPT", "ALPACA_PROMPT_NO_INPUT", "FORMATS", "IGNORE_INDEX", "Example", "SlotStream",
                   "json_error", "load_examples", "read_jsonl", "tokenize_rows"),
     "data.lines": ("iter_lines", "line_bound"),
+    "data.stream": ("adapter_stream", "epoch_steps", "stream_tokens", "target_tokens"),
     "loss": ("slot_losses",),
-    "model.checkpoint": ("CONFIG_NAME", "WEIGHTS_NAME", "AdapterWriter", "discard_adapter", "read_adapter",
-                         "save_adapters"),
+    "model.checkpoint": ("CONFIG_NAME", "WEIGHTS_NAME", "AdapterWriter", "discard_adapter", "read_adapter"),
     "model.gguf": ("convert", "gguf_source", "packaged_gguf"),
-    "model.inject": ("linear_shape", "projection_names", "resolve_targets"),
+    "model.inject": ("linear_shape", "resolve_targets"),
     "model.load": ("load_base", "load_tokenizer", "prepare_kernels", "resolve_base"),
     "model.packed": ("PackedModel",),
-    "model.quant": ("QUANTIZE", "dequantize_base", "quantize_base"),
-    "model.shard": ("BaseShare", "base_share"),
+    "model": ("QUANTIZE",),
+    "model.quant": ("dequantize_base", "quantize_base"),
     "model.shard_load": ("load_sharded", "meta_load_refusal"),
-    "plan": ("ALL_LINEAR", "AdapterSpec", "MemoryModel", "adapter_param_count"),
-    "probe": ("PROBE_STEPS", "available_memory", "calibrate", "plain_param_bytes"),
+    "plan": ("ALL_LINEAR", "AdapterSpec", "BaseShape", "MemoryModel"),
+    "probe": ("PROBE_STEPS", "available_memory", "base_shape", "calibrate", "forward_seconds"),
     "step": ("eval_graph",),
     "step.isolation": ("check_sample_packing",),
-    "step.loop": ("rank_bucket_for",),
     "step.shapes": ("length_buckets",),
-    "step.train": ("STEP_NAMES", "BatchSource", "SlotEnd", "SlotJob", "StepReport", "target_tokens", "train"),
+    "step.train": ("STEP_NAMES", "BatchSource", "SlotEnd", "SlotJob", "StepReport", "train"),
     "tiny.models": ("build_tiny_model",),
 }  # fmt: skip
 """Module under ``lora_sweep.packer`` -> the names this face takes from it (the ``TYPE_CHECKING`` imports above,
-for the type checker; tests/packer/test_api.py keeps the two equal)."""
+for the type checker; tests/packer/test_packer_api.py keeps the two equal)."""
 _MODULE = {name: module for module, names in _WHERE.items() for name in names}
 
 __all__ = sorted(_MODULE)

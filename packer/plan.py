@@ -7,13 +7,16 @@ packer never sees a study object. Stdlib only, so validation tests run in millis
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from lora_sweep.errors import ConfigError
 
 __all__ = ["AdapterSpec", "ALL_LINEAR", "SCHEDULES", "INITS", "MemoryModel", "adapter_param_count",
-           "ADAPTER_BYTES_PER_PARAM"]
+           "ADAPTER_BYTES_PER_PARAM", "BaseShape"]
 
 ALL_LINEAR = "all-linear"
 """Target value meaning every linear projection of the decoder (PEFT's ``"all-linear"``)."""
@@ -218,7 +221,72 @@ class MemoryModel:
             n += 1
         return n
 
+    def pack_peak(self, base: BaseShape, slots: int, rows: int, tokens_per_slot: int) -> int:
+        """Peak bytes of a step of ``slots`` slots as wide as a slot gets: every projection of ``base`` adapted with
+        ``rows`` rows (a PiSSA / OLoRA slot's 2r: ``AdapterSpec.rows``), ``tokens_per_slot`` padded tokens each."""
+        return self.predict(slots * tokens_per_slot, slots * base.adapter_params(rows), slots * rows, rows)
+
+    def slots_for(self, base: BaseShape, rows: int, tokens_per_slot: int, budget_bytes: int, limit: int = 256) -> int:
+        """Most slots of ``pack_peak``'s kind whose step fits in ``budget_bytes`` (0 if not even one fits)."""
+        return self.max_slots(budget_bytes, tokens_per_slot, base.adapter_params(rows), rows, limit=limit)
+
 
 def adapter_param_count(shapes: list[tuple[int, int]], rank: int) -> int:
     """Trainable parameters of a rank-``rank`` adapter on layers of (D_in, D_out) ``shapes``."""
     return sum(rank * (d_in + d_out) for d_in, d_out in shapes)
+
+
+@dataclass(frozen=True)
+class BaseShape:
+    """What a plan needs of the base model, without its weights (``packer.probe.base_shape`` reads it from a model;
+    ``to_json`` / ``from_json`` keep it beside a cached calibration)."""
+
+    projections: tuple[tuple[str, int, int], ...]
+    """(leaf name, D_in, D_out) of every adaptable projection, in module order (output head excluded)."""
+    param_bytes: int
+    """Bytes of the base's parameters (distinct tensors; the FSDP share replaces them per rank)."""
+    shard_peak: dict[int, int] = dataclasses.field(default_factory=dict)
+    """World size -> the most parameter bytes one rank holds at once under ``packer.model.shard`` (``BaseShare.peak`` of
+    rank 0); only for models ``packer.model.shard`` can shard."""
+    shard_load: dict[int, int] = dataclasses.field(default_factory=dict)
+    """World size -> the most parameter bytes one rank holds while it loads its share by rows (``BaseShare.load_peak``
+    of rank 0, ``packer.model.shard_load``)."""
+    forward_s: float = 0.0
+    """Seconds of one forward of the base over one short row without gradients (``packer.probe.forward_seconds``):
+    the fixed cost of each of an evaluation's forwards; 0: not measured."""
+    load_s: float = 0.0
+    """Seconds the base took to load (weights and tokenizer) where the calibration loaded it; 0: not measured."""
+    imports_s: float = 0.0
+    """Seconds a ``sweep run`` process spends before it loads the model (its imports, the study file): measured in
+    the process that calibrated, with what a run imports; 0: not measured."""
+
+    def shard_extra(self, gpus: int) -> int:
+        """Bytes one of ``gpus`` ranks holds of the base sharded over them, beyond the whole base a calibration
+        counted (negative: the saving); 0 for one GPU.
+
+        Raises:
+            KeyError: no share was computed for ``gpus`` (``shard_peak``).
+        """
+        return self.shard_peak[gpus] - self.param_bytes if gpus > 1 else 0
+
+    def adapter_params(self, rank: int) -> int:
+        """Trainable parameters of a rank-``rank`` adapter on every projection."""
+        return adapter_param_count([(d_in, d_out) for _, d_in, d_out in self.projections], rank)
+
+    def has_targets(self, target_sets: Iterable[Iterable[str]]) -> bool:
+        """Whether every set names only projections this base has (``all-linear`` included)."""
+        leaves = {leaf for leaf, _, _ in self.projections}
+        return all(ALL_LINEAR in names or set(names) <= leaves for names in map(set, target_sets))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"projections": [list(p) for p in self.projections], "param_bytes": self.param_bytes,
+                "shard_peak": {str(w): b for w, b in self.shard_peak.items()},
+                "shard_load": {str(w): b for w, b in self.shard_load.items()},
+                "forward_s": self.forward_s, "load_s": self.load_s, "imports_s": self.imports_s}
+
+    @classmethod
+    def from_json(cls, record: dict[str, Any]) -> BaseShape:
+        return cls(tuple((str(leaf), int(d_in), int(d_out)) for leaf, d_in, d_out in record["projections"]),
+                   int(record["param_bytes"]), {int(w): int(b) for w, b in record["shard_peak"].items()},
+                   {int(w): int(b) for w, b in record["shard_load"].items()}, float(record["forward_s"]),
+                   float(record["load_s"]), float(record["imports_s"]))

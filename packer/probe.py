@@ -12,28 +12,35 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from lora_sweep.errors import ConfigError
 from lora_sweep.kernels.ops import PackLayout
 from lora_sweep.packer.data.rows import Example
 from lora_sweep.packer.loss import chunked_slot_losses
+from lora_sweep.packer.model.inject import linear_shape, projection_names
 from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.model.store import rank_bucket_for
 from lora_sweep.packer.plan import (
     ADAPTER_BYTES_PER_PARAM,
     AdapterSpec,
+    BaseShape,
     MemoryModel,
     adapter_param_count,
 )
 from lora_sweep.packer.step.train import FixedBatch, SlotJob, chunk_tokens_of, train
 
-__all__ = ["peak_memory", "calibrate", "available_memory", "model_bytes", "plain_param_bytes", "PROBE_STEPS"]
+if TYPE_CHECKING:
+    from lora_sweep.packer.model.shard import BaseShare
+
+__all__ = ["peak_memory", "calibrate", "available_memory", "model_bytes", "plain_param_bytes", "PROBE_STEPS",
+           "base_shape", "forward_seconds"]
 
 
 def _proc_status(field: str) -> int:
@@ -122,6 +129,44 @@ def available_memory(device: torch.device) -> int:
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024 + _proc_status("VmRSS")
     raise RuntimeError("MemAvailable not in /proc/meminfo")
+
+
+def base_shape(model: torch.nn.Module, worlds: Iterable[int] = ()) -> BaseShape:
+    """What a plan needs of ``model`` (wrapped by a pack or not): its adaptable projections, its parameter bytes, and
+    for each world size in ``worlds`` what one rank of an FSDP shard holds (``packer.model.shard.base_share``; none
+    for a model it cannot shard)."""
+    projections = []
+    for path, leaf in projection_names(model).items():
+        shape = linear_shape(model.get_submodule(path))
+        if shape is not None:
+            projections.append((leaf, int(shape[0]), int(shape[1])))
+    shares: dict[int, BaseShare] = {}
+    try:
+        if worlds := tuple(worlds):
+            from lora_sweep.packer.model.shard import base_share  # torch.distributed: only for a sharded plan
+
+            shares = {w: base_share(model, w) for w in worlds}
+    except ConfigError:
+        pass  # no decoder layers or body to shard: a sharded plan of this model says so
+    return BaseShape(tuple(projections), plain_param_bytes(model), {w: s.peak for w, s in shares.items()},
+                     {w: s.load_peak for w, s in shares.items()})
+
+
+def forward_seconds(pm: PackedModel, tokens: int = 8, repeats: int = 5) -> float:
+    """The fastest of ``repeats`` base forwards (no adapter, no gradient) over one row of ``tokens`` tokens, after one
+    to warm up: an evaluation forward's fixed time (launches, Python), which the training step's fixed time overstates
+    several-fold (it holds the backward and the optimizer too)."""
+    ids = torch.full((1, tokens), 3, dtype=torch.long, device=pm.device)
+    mask = torch.ones_like(ids)
+    times = []
+    with torch.no_grad():
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            pm.forward(ids, mask, None)
+            if pm.device.type == "cuda":
+                torch.cuda.synchronize(pm.device)
+            times.append(time.perf_counter() - t0)
+    return min(times[1:])
 
 
 PROBE_STEPS = 2

@@ -1,8 +1,9 @@
-"""A trial's data stream and step count: accumulation, sample packing and epochs, in one place.
+"""A trial's data stream and step count from the study: accumulation, sample packing and epochs, in one place.
 
 ``sweep.study`` asks these when it starts a trial, so the stream it trains on, the optimizer steps it
 runs for (from ``train.epochs`` when no ``max_steps`` is given) and the tokens the budget plans for it
-(``sweep.budget.TokenPlan`` for plain streams) are computed from the same numbers.
+(``sweep.budget.TokenPlan`` for plain streams) are computed from the same numbers: the packer's
+(``packer.data.stream``), given the study's seed and row length.
 """
 
 from __future__ import annotations
@@ -17,30 +18,17 @@ from lora_sweep.packer.api import (
     BatchSource,
     Example,
     PackedModel,
-    batches_per_epoch,
+    adapter_stream,
     check_sample_packing,
+    epoch_steps,
     length_buckets,
     read_jsonl,
-    slot_stream,
-    target_tokens,
+    stream_tokens,
 )
 from lora_sweep.sweep.config.spec import StudySpec
 
-__all__ = ["epoch_steps", "trial_adapter", "trial_stream", "planned_tokens", "check_packing", "check_data",
+__all__ = ["trial_adapter", "trial_stream", "planned_tokens", "check_packing", "check_data",
            "step_lengths"]
-
-
-def epoch_steps(examples: Sequence[Example], adapter: AdapterSpec, epochs: float, row_len: int, seed: int,
-                max_per_epoch: int | None = None) -> int:
-    """Optimizer steps of ``epochs`` passes: ``ceil(epochs * ceil(micro-batches per epoch / accumulation))``
-    (HF Trainer's count, the last partial accumulation counted as a step), each epoch capped at
-    ``max_per_epoch`` steps (torchtune's ``max_steps_per_epoch``)."""
-    batches = batches_per_epoch(examples, adapter.micro_batch, sample_packing=adapter.sample_packing,
-                                row_len=row_len, seed=seed)
-    per_epoch = max(1, -(-batches // adapter.gradient_accumulation_steps))
-    if max_per_epoch is not None:
-        per_epoch = min(per_epoch, max_per_epoch)
-    return max(1, math.ceil(epochs * per_epoch))
 
 
 def trial_adapter(spec: StudySpec, adapter: AdapterSpec, searched: Sequence[str], examples: Sequence[Example]
@@ -59,8 +47,7 @@ def trial_adapter(spec: StudySpec, adapter: AdapterSpec, searched: Sequence[str]
 
 def trial_stream(spec: StudySpec, adapter: AdapterSpec, examples: Sequence[Example]) -> BatchSource:
     """The trial's stream: every trial the same seeded order (pack peers are paired samples)."""
-    return slot_stream(examples, adapter.micro_batch, spec.seed, sample_packing=adapter.sample_packing,
-                       row_len=spec.data.max_length)
+    return adapter_stream(examples, adapter, spec.seed, spec.data.max_length)
 
 
 def planned_tokens(spec: StudySpec, adapter: AdapterSpec, examples: Sequence[Example],
@@ -70,8 +57,7 @@ def planned_tokens(spec: StudySpec, adapter: AdapterSpec, examples: Sequence[Exa
     n = adapter.max_steps * adapter.gradient_accumulation_steps
     if not adapter.sample_packing:
         return plain(adapter.micro_batch, n)
-    stream = trial_stream(spec, adapter, examples)
-    return sum(target_tokens(r) for _ in range(n) for r in stream.next_batch())
+    return stream_tokens(examples, adapter, spec.seed, spec.data.max_length, n)
 
 
 def check_packing(spec: StudySpec, pm: PackedModel) -> None:

@@ -2,10 +2,11 @@
 
 A calibration is cached per (model files, dtype, device, shape and training options, torch and threads) in
 ``$LORA_SWEEP_CACHE`` (default ``~/.cache/lora-sweep``), ``calibration/<key>.json``. Beside the memory models the
-entry keeps what a plan needs of the base model (``BaseShape``: its adaptable projections, its parameter bytes
-and what one rank of an FSDP shard holds), so a second ``sweep plan`` reads both back and plans without loading
-the base's weights, or even transformers' modeling code: config-only, in the time of the imports.
-"""
+entry keeps what a plan needs of the base model (``packer.plan.BaseShape``, read by ``packer.probe.base_shape``: its
+adaptable projections, its parameter bytes and what one rank of an FSDP shard holds), so a second ``sweep plan``
+reads both back and plans without loading the base's weights, or even transformers' modeling code: config-only, in
+the time of the imports. The measuring is the packer's (``packer.probe``); what is kept, and under which key, is
+the study's."""
 
 from __future__ import annotations
 
@@ -13,95 +14,24 @@ import dataclasses
 import hashlib
 import json
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lora_sweep.packer.api import ALL_LINEAR, MemoryModel, adapter_param_count
+from lora_sweep.packer.api import BaseShape, MemoryModel
 from lora_sweep.store.api import cache_dir
 
 if TYPE_CHECKING:
-    from torch import nn
-
-    from lora_sweep.packer.api import BaseShare, PackedModel
+    from lora_sweep.packer.api import PackedModel
     from lora_sweep.sweep.config.spec import StudySpec
 
-__all__ = ["BaseShape", "calibrated", "forward_seconds", "cached_calibration", "cache_dir", "calibration_key",
+__all__ = ["calibrated", "cached_calibration", "cache_dir", "calibration_key",
            "trains_dora", "probe_dropout", "CALIBRATION_VERSION", "SHARD_WORLDS", "cached_lengths", "cache_lengths"]
 
 CALIBRATION_VERSION = 4
 """Bump when ``packer.probe.calibrate`` measures differently: older cache entries are then not read."""
 SHARD_WORLDS = (2, 4, 8)
 """World sizes whose FSDP share the cache keeps (a host's GPUs); others are computed from the loaded model."""
-
-
-@dataclass(frozen=True)
-class BaseShape:
-    """What a plan needs of the base model, without its weights."""
-
-    projections: tuple[tuple[str, int, int], ...]
-    """(leaf name, D_in, D_out) of every adaptable projection, in module order (output head excluded)."""
-    param_bytes: int
-    """Bytes of the base's parameters (distinct tensors; the FSDP share replaces them per rank)."""
-    shard_peak: dict[int, int] = dataclasses.field(default_factory=dict)
-    """World size -> the most parameter bytes one rank holds at once under ``packer.model.shard`` (``BaseShare.peak`` of
-    rank 0); only for models ``shard_base`` can shard."""
-    shard_load: dict[int, int] = dataclasses.field(default_factory=dict)
-    """World size -> the most parameter bytes one rank holds while it loads its share by rows (``BaseShare.load_peak``
-    of rank 0, ``packer.model.shard_load``)."""
-    forward_s: float = 0.0
-    """Seconds of one forward of the base over one short row without gradients (``forward_seconds``): the fixed cost
-    of each of an evaluation's forwards; 0: not measured."""
-    load_s: float = 0.0
-    """Seconds the base took to load (weights and tokenizer) where the calibration loaded it; 0: not measured."""
-    imports_s: float = 0.0
-    """Seconds a ``sweep run`` process spends before it loads the model (its imports, the study file): measured in
-    the process that calibrated, with what a run imports; 0: not measured."""
-
-    @classmethod
-    def of(cls, model: nn.Module, worlds: Iterable[int] = SHARD_WORLDS) -> BaseShape:
-        """Read the shape of ``model`` (wrapped by a pack or not)."""
-        from lora_sweep.errors import ConfigError
-        from lora_sweep.packer.api import linear_shape, plain_param_bytes, projection_names
-
-        projections = []
-        for path, leaf in projection_names(model).items():
-            shape = linear_shape(model.get_submodule(path))
-            if shape is not None:
-                projections.append((leaf, int(shape[0]), int(shape[1])))
-        shares: dict[int, BaseShare] = {}
-        try:
-            if worlds := tuple(worlds):
-                from lora_sweep.packer.api import base_share
-
-                shares = {w: base_share(model, w) for w in worlds}
-        except ConfigError:
-            pass  # no decoder layers or body to shard: a sharded plan of this model says so (plan_report)
-        return cls(tuple(projections), plain_param_bytes(model), {w: s.peak for w, s in shares.items()},
-                   {w: s.load_peak for w, s in shares.items()})
-
-    def adapter_params(self, rank: int) -> int:
-        """Trainable parameters of a rank-``rank`` adapter on every projection."""
-        return adapter_param_count([(d_in, d_out) for _, d_in, d_out in self.projections], rank)
-
-    def has_targets(self, target_sets: Iterable[Iterable[str]]) -> bool:
-        """Whether every set names only projections this base has (``all-linear`` included)."""
-        leaves = {leaf for leaf, _, _ in self.projections}
-        return all(ALL_LINEAR in names or set(names) <= leaves for names in map(set, target_sets))
-
-    def to_json(self) -> dict[str, Any]:
-        return {"projections": [list(p) for p in self.projections], "param_bytes": self.param_bytes,
-                "shard_peak": {str(w): b for w, b in self.shard_peak.items()},
-                "shard_load": {str(w): b for w, b in self.shard_load.items()},
-                "forward_s": self.forward_s, "load_s": self.load_s, "imports_s": self.imports_s}
-
-    @classmethod
-    def from_json(cls, record: dict[str, Any]) -> BaseShape:
-        return cls(tuple((str(leaf), int(d_in), int(d_out)) for leaf, d_in, d_out in record["projections"]),
-                   int(record["param_bytes"]), {int(w): int(b) for w, b in record["shard_peak"].items()},
-                   {int(w): int(b) for w, b in record["shard_load"].items()}, float(record["forward_s"]),
-                   float(record["load_s"]), float(record["imports_s"]))
 
 
 def cached_calibration(spec: StudySpec, device: str,
@@ -127,7 +57,7 @@ def calibrated(spec: StudySpec, pm: PackedModel, calibrations: int = 1,
     the cache when it holds as many for this model, device and shape, else measured now (one line through
     ``log`` first, as it takes a while) and cached with the base's shape, its forward's time (``forward_seconds``)
     and the ``load_s`` and ``imports_s`` the caller measured (``BaseShape``)."""
-    from lora_sweep.packer.api import PROBE_STEPS, calibrate
+    from lora_sweep.packer.api import PROBE_STEPS, base_shape, calibrate, forward_seconds
 
     cached = cached_calibration(spec, str(pm.device), calibrations)
     if cached is not None:
@@ -135,7 +65,7 @@ def calibrated(spec: StudySpec, pm: PackedModel, calibrations: int = 1,
     if log is not None:
         log(f"calibrating the memory model on {pm.device}: {calibrations} x 4 probe packs of {PROBE_STEPS} steps at "
             f"{spec.data.max_length} tokens (cached for the next plan or run)")
-    shape = BaseShape.of(pm.model)  # before the probes: they wrap the projections, the shape is the same
+    shape = base_shape(pm.model, SHARD_WORLDS)  # before the probes: they wrap the projections, the shape is the same
     shape = dataclasses.replace(shape, forward_s=forward_seconds(pm), load_s=load_s, imports_s=imports_s)
     t0 = time.perf_counter()
     models = [calibrate(pm, spec.data.max_length, pad_id=0, chunked_ce=spec.pack.chunked_ce,
@@ -149,25 +79,6 @@ def calibrated(spec: StudySpec, pm: PackedModel, calibrations: int = 1,
     _write(path, {"key": key, "models": [dataclasses.asdict(m) for m in models], "base": shape.to_json(),
                   "seconds": round(seconds, 3), "at": time.time()})
     return models, f"measured in {seconds:.1f} s ({calibrations} x 4 probe packs; cached in {path})"
-
-
-def forward_seconds(pm: PackedModel, tokens: int = 8, repeats: int = 5) -> float:
-    """The fastest of ``repeats`` base forwards (no adapter, no gradient) over one row of ``tokens`` tokens, after one
-    to warm up: an evaluation forward's fixed time (launches, Python), which the training step's fixed time overstates
-    several-fold (it holds the backward and the optimizer too)."""
-    import torch
-
-    ids = torch.full((1, tokens), 3, dtype=torch.long, device=pm.device)
-    mask = torch.ones_like(ids)
-    times = []
-    with torch.no_grad():
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            pm.forward(ids, mask, None)
-            if pm.device.type == "cuda":
-                torch.cuda.synchronize(pm.device)
-            times.append(time.perf_counter() - t0)
-    return min(times[1:])
 
 
 def _lengths_key(spec: StudySpec) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 The memory model (``packer.plan.MemoryModel``) is calibrated on the study's own model and device by
 ``packer.probe.calibrate``; the worst-case slot of the search space (largest rank and micro-batch,
-widest target set, full sequence length) decides how many fit.
+widest target set, full sequence length) decides how many fit, and the packer says how many that is
+(``MemoryModel.slots_for``) and what their step's peak is (``MemoryModel.pack_peak``).
 
 A calibration is cached (``sweep.calibration``) per (model files, device, shape and training options, torch and
 threads) with the base's shape beside it: a second ``sweep plan``, or a ``pack: auto`` run after it, reads them
@@ -30,21 +31,25 @@ import torch
 from torch import nn
 
 from lora_sweep.errors import ConfigError
-from lora_sweep.packer.api import Example, MemoryModel, PackedModel, batches_per_epoch, linear_shape, resolve_targets
-from lora_sweep.sweep.calibration import (
+from lora_sweep.packer.api import (
+    AdapterSpec,
     BaseShape,
-    cache_dir,
-    cached_calibration,
-    calibrated,
-    calibration_key,
+    Example,
+    MemoryModel,
+    PackedModel,
+    base_shape,
+    epoch_steps,
     forward_seconds,
+    linear_shape,
+    resolve_targets,
 )
+from lora_sweep.sweep.calibration import SHARD_WORLDS, cache_dir, cached_calibration, calibrated, calibration_key
 from lora_sweep.sweep.config.spec import StudySpec
 from lora_sweep.sweep.schedule import Schedule, eval_rows, eval_seconds, expected_schedule
 
 __all__ = ["auto_slots", "check_targets", "largest_rank", "PlanReport", "plan_pack", "plan_report", "trial_micro_steps",
            "target_sets", "MEMORY_FRACTION", "MAX_AUTO_SLOTS", "calibrated", "cached_calibration", "cache_dir",
-           "calibration_key", "BaseShape", "train_lengths", "load_and_calibrate", "eval_seconds", "eval_rows",
+           "calibration_key", "train_lengths", "load_and_calibrate", "eval_seconds", "eval_rows",
            "pack_schedule"]
 
 MEMORY_FRACTION = 0.85
@@ -186,8 +191,8 @@ def largest_rank(spec: StudySpec) -> int:
     its forward reads and the pack's buffers hold."""
     rank = _largest(spec, "rank", spec.train.rank)
     p = next((p for p in spec.search.params if p.name == "init"), None)
-    inits = set(p.choices) if p is not None else {spec.train.init}
-    return 2 * rank if inits & {"pissa", "olora"} else rank
+    inits = p.choices if p is not None else (spec.train.init,)
+    return max(AdapterSpec(rank=rank, init=str(init)).rows for init in inits)
 
 
 def _worst(spec: StudySpec) -> tuple[int, int]:
@@ -200,7 +205,7 @@ def trial_micro_steps(spec: StudySpec, micro: int, examples: Sequence[Example] |
 
     Optimizer steps: the largest ``max_steps`` of the space, or with ``train.epochs`` (``max_steps`` not searched)
     and the ``examples``, the epochs' steps at micro-batch ``micro`` as a trial counts them
-    (``sweep._trial_data.epoch_steps``: ``ceil(epochs * ceil(micro-batches per epoch / accumulation))``, each
+    (``packer.data.stream.epoch_steps``: ``ceil(epochs * ceil(micro-batches per epoch / accumulation))``, each
     epoch capped at ``max_steps_per_epoch``)."""
     steps, accum = _trial_steps(spec, micro, examples)
     return steps * accum
@@ -212,12 +217,8 @@ def _trial_steps(spec: StudySpec, micro: int, examples: Sequence[Example] | None
     accum = _largest(spec, "gradient_accumulation_steps", train.gradient_accumulation_steps)
     searched = {p.name for p in spec.search.params}
     if train.epochs is not None and "max_steps" not in searched and examples:
-        batches = batches_per_epoch(examples, micro, sample_packing=train.sample_packing,
-                                    row_len=spec.data.max_length, seed=spec.seed)
-        per_epoch = max(1, -(-batches // accum))
-        if train.max_steps_per_epoch is not None:
-            per_epoch = min(per_epoch, train.max_steps_per_epoch)
-        steps = max(1, math.ceil(train.epochs * per_epoch))
+        widest = AdapterSpec(micro_batch=micro, gradient_accumulation_steps=accum, sample_packing=train.sample_packing)
+        steps = epoch_steps(examples, widest, train.epochs, spec.data.max_length, spec.seed, train.max_steps_per_epoch)
     else:
         steps = _largest(spec, "max_steps", train.max_steps)
     return steps, accum
@@ -231,7 +232,7 @@ def plan_pack(spec: StudySpec, pm: PackedModel, *, mean_len: float | None = None
     gives the range); ``gpus`` and the rest as ``plan_report``."""
     models, where = calibrated(spec, pm, calibrations, log=log)
     sharded = spec.pack.shard == "fsdp" and gpus > 1  # else no FSDP share to compute (nor torch.distributed)
-    base = dataclasses.replace(BaseShape.of(pm.model, (gpus,) if sharded else ()), forward_s=forward_seconds(pm))
+    base = dataclasses.replace(base_shape(pm.model, (gpus,) if sharded else ()), forward_s=forward_seconds(pm))
     return plan_report(spec, models, where, base, str(pm.device), mean_len=mean_len, examples=examples, gpus=gpus)
 
 
@@ -256,11 +257,9 @@ def plan_report(spec: StudySpec, models: list[MemoryModel], where: str, base: Ba
     if shard and gpus not in base.shard_peak:
         raise ConfigError(f"pack.shard: fsdp over {gpus} GPUs: {spec.model.path} has no decoder layers and body "
                           f"to shard")
-    # what one rank holds of the base beyond the whole base the calibration counted (negative: the saving)
-    base_delta = base.shard_peak[gpus] - base.param_bytes if shard else 0
+    base_delta = base.shard_extra(gpus) if shard else 0
     available = int(available_memory(torch.device(device)) * MEMORY_FRACTION)
-    params = base.adapter_params(rank)
-    fit = mm.max_slots(available - base_delta, micro * seq, params, rank, limit=MAX_AUTO_SLOTS)
+    fit = mm.slots_for(base, rank, micro * seq, available - base_delta, limit=MAX_AUTO_SLOTS)
     if spec.pack.max_slots != "auto":
         slots = int(spec.pack.max_slots)
     else:
@@ -273,7 +272,7 @@ def plan_report(spec: StudySpec, models: list[MemoryModel], where: str, base: Ba
     schedule = None if spec.budget.trials is None else pack_schedule(spec, slots, opt_steps)
     steps = None if schedule is None else math.ceil(schedule.pack_steps * accum)
     load_peak, note = _load_peak(spec, base, gpus) if shard else (0, "")
-    peak = mm.predict(slots * micro * seq, slots * params, slots * rank, rank) + base_delta
+    peak = mm.pack_peak(base, slots, rank, micro * seq) + base_delta
     evals, eval_note = (None, "") if schedule is None else eval_seconds(
         spec, mm, base.forward_s, schedule, eval_rows(spec), mean_len or seq)
     return PlanReport(device, slots, rank, micro, seq, available, max(peak, load_peak), mm, step_s,
@@ -360,7 +359,6 @@ def load_and_calibrate(spec: StudySpec, device: str, calibrations: int, gpus: in
 
     import lora_sweep.evaluators.registry  # noqa: F401
     from lora_sweep.packer.api import PackedModel, load_base
-    from lora_sweep.sweep.calibration import SHARD_WORLDS, forward_seconds
     from lora_sweep.sweep.timing import seconds_since_import
 
     imports_s, t0 = seconds_since_import(), time.perf_counter()
@@ -369,7 +367,7 @@ def load_and_calibrate(spec: StudySpec, device: str, calibrations: int, gpus: in
     load_s = time.perf_counter() - t0
     check_targets(spec, model)
     pm = PackedModel(model, impl=spec.pack.kernels, fused_base_ops=spec.pack.fused_base_ops)
-    base = BaseShape.of(model, {*SHARD_WORLDS, gpus} - {1})
+    base = base_shape(model, {*SHARD_WORLDS, gpus} - {1})
     models, where = calibrated(spec, pm, calibrations, log=log, load_s=load_s, imports_s=imports_s)
     # the times as the cache keeps them, so the next plan (from the cache) prints what this one does
     cached = cached_calibration(spec, device, calibrations)

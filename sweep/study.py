@@ -43,7 +43,6 @@ from lora_sweep.packer.api import (
     StepReport,
     discard_adapter,
     load_examples,
-    rank_bucket_for,
     train,
 )
 from lora_sweep.store.api import attrs
@@ -706,9 +705,9 @@ def _train_pack(sweep: _Sweep, session: Session) -> bool:
                    cuda_graphs="off" if sharded else spec.pack.cuda_graphs,
                    sync_steps=tuple(sweep.sha.rungs) if sweep.sha else (),
                    optimizer_in_backward=spec.train.optimizer_in_backward,
-                   # the bucket of the space's largest rank from the first step, as the pack is planned:
-                   # a bucket grown when such a trial arrives re-captures every graph and precompiles again
-                   rank_bucket=rank_bucket_for(largest_rank(spec)),
+                   # the space's largest rank held from the first step, as the pack is planned: a rank bucket
+                   # grown when such a trial arrives re-captures every graph and precompiles again
+                   max_rows=largest_rank(spec),
                    # at most a few step lengths, fitted to the data: bounded shapes, bounded CUDA graphs and pools
                    lengths=step_lengths(spec, sweep.train_examples, session.capacity))
     callbacks = (phased("storage", sweep.next_job), phased("storage", sweep.on_step), sweep.should_stop,

@@ -136,3 +136,27 @@ def test_the_package_and_its_folders_import_from_the_root() -> None:
     code = "import lora_sweep.kernels.ops as k, lora_sweep.evaluators.registry as r; print(k.__file__, r.__file__)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.split() == [str(ROOT / "kernels" / "ops.py"), str(ROOT / "evaluators" / "registry.py")]
+
+
+_STUDIES = """\
+import json, sys
+from pathlib import Path
+import lora_sweep
+from lora_sweep.sweep.config.loader import load_study
+paths = sorted(Path("studies").rglob("*.yaml"))
+for path in paths:  # a local model is built later (the file's header says how): its directory is not required here
+    load_study(path, check_paths=False)
+lora_sweep.load_study("studies/gpt2-single-objective.yaml")  # the public call, paths checked (a hub id)
+heavy = sorted(n for n in sys.modules if n.split(".")[0] in ("torch", "transformers", "triton"))
+print("RESULT " + json.dumps({"studies": len(paths), "heavy": heavy}))
+"""
+
+
+def test_loading_every_example_study_imports_no_torch() -> None:
+    """Checking a study file (its keys, every evaluator's options and metrics, its data files) loads neither torch
+    nor transformers: the evaluators import them where an evaluation runs, and the packer's names a study is
+    checked against live in light modules (``packer.plan``, ``packer.data.rows``, ``packer.model``)."""
+    run = subprocess.run([sys.executable, "-c", _STUDIES], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = json.loads(next(line for line in run.stdout.splitlines() if "RESULT " in line).split("RESULT ", 1)[1])
+    assert result["studies"] > 0 and result["heavy"] == []

@@ -3,3 +3,9 @@ in ``gguf``, NF4 in ``quant``); the packed LoRA layer (``layer``) and its inject
 (``fuse``), the step's slot store (``store``), the variants' initial weights (``initial``: PEFT's draws, ``principal``:
 PiSSA / OLoRA) and DoRA's magnitudes (``magnitude``), PEFT save (``checkpoint``), FSDP2 sharding (``shard``) and a
 sharded base loaded by rows (``shard_load``)."""
+
+__all__ = ["QUANTIZE"]
+
+QUANTIZE = ("nf4",)
+"""Values of ``model.quantize`` (besides None: the base in its own dtype). Here, not in ``quant`` (which imports
+torch), so that a study file is checked without loading torch."""

@@ -143,22 +143,22 @@ class PackedModel:
             params += self.layers[path].add_slot(slot, a, bt, grad_a, grad_bt, trained=spec.rank)
         return params
 
-    def ensure_store(self, capacity: int, rank: int, bucket: int | None = None) -> SlotStore:
+    def ensure_store(self, capacity: int, rank: int, max_rows: int | None = None) -> SlotStore:
         """The pack's slot store for ``capacity`` slots of rank up to ``rank``: the present one where it has exactly
-        ``capacity`` slots and a rank bucket that holds ``rank``, ``bucket`` and the live slots' ranks, else a new one
-        whose bucket is the smallest that does (``rank_bucket_for``); the live slots move into it, weights and AdamW
-        moments (and DoRA's magnitudes).
+        ``capacity`` slots and a rank bucket that holds ``rank``, ``max_rows`` and the live slots' ranks, else a new
+        one whose bucket is the smallest that does (``rank_bucket_for``); the live slots move into it, weights and
+        AdamW moments (and DoRA's magnitudes).
 
         Args:
             capacity: C, slots (slot ids 0 .. C - 1).
             rank: the most rows per slot and layer the store must hold (a slot's ``rows``: 2r for a principal init).
-            bucket: rows per slot and layer to allocate at least (None: the smallest that holds ``rank``).
+            max_rows: rows per slot and layer the bucket must hold as well (the most a later slot will need), or None.
 
         Raises:
             ValueError: a live slot's id is not below ``capacity``.
         """
         old = self.store
-        need = max(bucket or 0, rank_bucket_for(max([rank, *(s.rows for s in self.specs.values())])))
+        need = rank_bucket_for(max([rank, max_rows or 0, *(s.rows for s in self.specs.values())]))
         if old is not None and old.capacity == capacity and old.rank_bucket >= need:
             return old
         if any(slot >= capacity for slot in self.specs):

@@ -26,11 +26,10 @@ from torch import nn
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.packer.loss import output_head
+from lora_sweep.packer.model import QUANTIZE
 
 __all__ = ["QUANTIZE", "NF4Linear", "quantize_base", "dequantize_base", "nf4_bytes", "BLOCK", "SCALE_BLOCK"]
 
-QUANTIZE = ("nf4",)
-"""Values of ``model.quantize`` (besides None: the base in its own dtype)."""
 BLOCK, SCALE_BLOCK = 64, 256
 """torchao's (and torchtune's) NF4 defaults: weights per absmax scale, scales per double-quantisation factor."""
 

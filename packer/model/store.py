@@ -45,6 +45,7 @@ from torch import nn
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.kernels import ops
+from lora_sweep.kernels.meta import rank_bucket_for
 from lora_sweep.kernels.ops import SEG_FLT_COL, SEG_FLT_FIELDS, SEG_INT_FIELDS, SegmentMeta, resolve_impl, segment_meta
 from lora_sweep.kernels.reference import dropout_keep_mask
 from lora_sweep.packer.data.batch import IGNORE_INDEX
@@ -61,11 +62,6 @@ OPT_FIELDS = 11
 """Columns of the optimizer table, as ``kernels.triton_adamw.OPT_FIELDS``."""
 SEG_INT, SEG_FLT = SEG_INT_FIELDS, SEG_FLT_FIELDS
 """Columns of the segment tables (``kernels.ops.SegInt`` / ``kernels.ops.SegFlt``: the one list of their names)."""
-
-
-def rank_bucket_for(rank: int) -> int:
-    """The smallest power of two >= ``rank`` and >= 16 (the kernels' narrowest rank tile)."""
-    return max(16, 1 << max(rank - 1, 0).bit_length())
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from lora_sweep.packer.data.rows import IGNORE_INDEX
+from lora_sweep.packer.data.stream import target_tokens
 from lora_sweep.packer.plan import AdapterSpec
 
 __all__ = ["BatchSource", "FixedBatch", "SlotJob", "SlotEnd", "StepReport", "TrainResult", "Window", "Tally",
@@ -78,11 +78,6 @@ class SlotEnd:
     """Optimizer steps the adapter took."""
     reason: str
     """``finished`` (max_steps), ``stopped`` (should_stop) or ``interrupted`` (max_global_steps)."""
-
-
-def target_tokens(row: Any) -> int:
-    """Tokens of a row that take a loss (``labels[1:]`` after the causal shift)."""
-    return sum(1 for label in row.labels[1:] if label != IGNORE_INDEX)
 
 
 @dataclass

@@ -47,14 +47,13 @@ from lora_sweep.packer.model.store import (
     SlotStore,
     fused_loss_head,
     head_losses,
-    rank_bucket_for,
     slot_losses,
 )
 from lora_sweep.packer.step.capture import capture, capture_failure
 from lora_sweep.packer.step.jobs import SlotEnd, SlotJob, StepReport, Tally, TrainResult, Window, target_tokens
 from lora_sweep.packer.step.optim import ACCUMULATE, NOOP, adamw_step, optimizer_row
 
-__all__ = ["DEFAULT_READBACK", "SEQ_MULTIPLE", "rank_bucket_for", "Live", "Pending", "Graphs", "Staging", "fill",
+__all__ = ["DEFAULT_READBACK", "SEQ_MULTIPLE", "Live", "Pending", "Graphs", "Staging", "fill",
            "step_fn", "record_step", "flush", "ends", "end_slots"]
 
 DEFAULT_READBACK = 8

@@ -137,7 +137,7 @@ def train(
     cuda_graphs: str = "auto",
     readback_every: int = DEFAULT_READBACK,
     sync_steps: Collection[int] = (),
-    rank_bucket: int | None = None,
+    max_rows: int | None = None,
     optimizer_in_backward: bool = False,
     seq_multiple: int = SEQ_MULTIPLE,
     lengths: Sequence[int] | None = None,
@@ -167,8 +167,10 @@ def train(
             ``off``: run it eagerly. The CPU always runs it eagerly.
         readback_every: steps between reads of the loss ring buffer (>= 1).
         sync_steps: slot steps at which the loop reads back at once (the sweep's rungs).
-        rank_bucket: rows per slot and layer (None: the smallest power of two >= 16 holding the first job's rank;
-            a larger rank later moves the live slots to a larger bucket).
+        max_rows: the most rows per slot and layer a job will need (the largest ``AdapterSpec.rows`` the caller
+            will send): the slots' rank bucket holds them from the first step, so no later job grows it (a grown
+            bucket moves the live slots and re-captures the step's graphs). None: the bucket holds the first job's
+            rows, and a larger job later moves the live slots to a larger bucket.
         optimizer_in_backward: torchtune's option, mapped onto this step: the same updates, the gradient buffer
             kept (one warning says so); jobs that clip or accumulate are refused (``check_in_backward``).
         seq_multiple: rows are padded to a multiple of this many positions.
@@ -224,7 +226,7 @@ def train(
                 if optimizer_in_backward:
                     check_in_backward(job.spec)
                 if store is None or job.spec.rows > store.rank_bucket:
-                    store = pm.ensure_store(capacity, job.spec.rows, rank_bucket)
+                    store = pm.ensure_store(capacity, job.spec.rows, max_rows)
                     shapes, graphs.graphs, prepared = {}, {}, set()
                 pm.add_slot(slot, job.spec)
                 active[slot] = Live(job, lr_schedule(job.spec), Window(job.spec.gradient_accumulation_steps))

@@ -11,8 +11,9 @@ import yaml
 from lora_sweep.errors import ConfigError, UserError
 from lora_sweep.evaluators.choice import multiple_choice
 from lora_sweep.evaluators.generation import generation
-from lora_sweep.evaluators.lm_eval import INSTALL_HINT, LM_EVAL, SlotView, run_lm_eval
+from lora_sweep.evaluators.lm_eval import INSTALL_HINT, LM_EVAL, run_lm_eval
 from lora_sweep.evaluators.registry import EvalData, load_eval_data
+from lora_sweep.evaluators.slot_view import SlotView
 from tests.conftest import need_module
 from tests.evaluators.conftest import YESNO, YESNO_MC, load_pack
 from tests.evaluators.contract import EvaluatorContract

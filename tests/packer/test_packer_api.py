@@ -60,3 +60,20 @@ def test_the_face_contract_forbids_every_other_packer_module() -> None:
     (face,) = [c for c in contracts if c["name"].endswith("only through packer.api")]
     children = {p.stem for p in (ROOT / "packer").iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()}
     assert {m.removeprefix("lora_sweep.packer.") for m in face["forbidden_modules"]} == children - {"api"}
+
+
+def _imported_from_the_face() -> set[str]:
+    """Names the package's modules outside packer/ (sweep, evaluators, the entry points ...) import from the face."""
+    names: set[str] = set()
+    for path in ROOT.rglob("*.py"):
+        if {"packer", "tests"} & set(path.relative_to(ROOT).parts[:1]):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "lora_sweep.packer.api":
+                names.update(a.name for a in node.names)
+    return names
+
+
+def test_the_face_holds_exactly_the_names_the_floors_above_use() -> None:
+    """A name nothing above the packer imports widens the face for nothing; one imported but missing fails there."""
+    assert _imported_from_the_face() == set(api.__all__)

@@ -79,3 +79,28 @@ def test_planner_counts_adapter_parameters_after_the_probes_wrapped_the_model(tm
     assert before == 16 * sum(d_in + d_out for d_in, d_out in
                               [(layer.in_features, layer.out_features) for layer in pm.layers.values()])
     assert all_linear_params(pm.model, 16) == before
+
+
+def test_a_base_shape_is_read_from_the_model_wrapped_or_not_and_survives_json(tiny_dirs) -> None:
+    """``base_shape`` gives what a plan needs of the base without its weights: every adaptable projection (leaf,
+    D_in, D_out), the parameter bytes, and per world size an FSDP rank's share; the same once a pack wrapped the
+    projections; ``BaseShape`` round-trips through the JSON a cached calibration keeps."""
+    import json
+
+    from lora_sweep.packer.model.shard import base_share
+    from lora_sweep.packer.plan import BaseShape
+    from lora_sweep.packer.probe import base_shape, forward_seconds, plain_param_bytes
+
+    model, _ = load_base(str(tiny_dirs("llama")))
+    shape = base_shape(model, (2,))
+    assert len(shape.projections) == 2 * 7 and ("q_proj", 64, 64) in shape.projections  # 2 layers of a tiny Llama
+    assert shape.param_bytes == plain_param_bytes(model) == sum(p.numel() * p.element_size()
+                                                                 for p in model.parameters())
+    share = base_share(model, 2)
+    assert (shape.shard_peak, shape.shard_load) == ({2: share.peak}, {2: share.load_peak})
+    assert shape.adapter_params(16) == all_linear_params(model, 16)
+    assert shape.has_targets([("q_proj", "v_proj"), ("all-linear",)]) and not shape.has_targets([("c_attn",)])
+    pm = PackedModel(model)
+    assert base_shape(pm.model) == BaseShape(shape.projections, shape.param_bytes)
+    assert forward_seconds(pm, repeats=2) > 0
+    assert BaseShape.from_json(json.loads(json.dumps(shape.to_json()))) == shape

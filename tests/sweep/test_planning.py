@@ -116,8 +116,7 @@ def test_the_plan_times_the_evaluations_the_schedule_runs(tiny_dirs, tmp_path) -
 def test_the_plan_counts_the_pack_steps_under_the_rungs_and_the_start_up(tiny_dirs, tmp_path) -> None:
     """``sweep plan`` said "(no pruning)" and counted every trial to its last step for a study that prunes: the time
     is now the expected schedule's pack steps (``sweep.schedule``) plus the run's start-up measured at calibration."""
-    from lora_sweep.packer.plan import MemoryModel
-    from lora_sweep.sweep.calibration import BaseShape
+    from lora_sweep.packer.plan import BaseShape, MemoryModel
     from lora_sweep.sweep.planning import pack_schedule, plan_report
     from lora_sweep.sweep.schedule import expected_schedule
 

@@ -11,10 +11,11 @@ from optuna.trial import TrialState
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.packer.data.rows import load_examples
+from lora_sweep.packer.data.stream import epoch_steps
 from lora_sweep.packer.model.load import load_base
 from lora_sweep.packer.step.shapes import MAX_BUCKETS, length_buckets
 from lora_sweep.store.attrs import PLANNED_TOKENS, TOKENS
-from lora_sweep.sweep._trial_data import epoch_steps, step_lengths
+from lora_sweep.sweep._trial_data import step_lengths
 from lora_sweep.sweep.config.loader import load_study
 from lora_sweep.sweep.config.space import adapter_spec
 from lora_sweep.sweep.study import run_study

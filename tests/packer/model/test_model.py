@@ -121,3 +121,13 @@ def test_a_dropped_store_leaves_nothing_behind(tiny_dirs) -> None:
     pm.drop_store()
     gc.collect()
     assert [r() for r in buffers] == [None] * 4
+
+
+def test_the_store_buckets_the_rows_a_caller_says_are_coming(tiny_dirs) -> None:
+    """``max_rows`` (the most rows a later slot will need: the sweep's largest rank over its space) is bucketed by the
+    packer like a slot's own rows: 24 rows -> the power-of-two bucket 32, kept while it holds every rank asked for;
+    a PiSSA / OLoRA slot needs twice its rank (``AdapterSpec.rows``)."""
+    pm = PackedModel(load_base(str(tiny_dirs("llama")))[0], impl="torch")
+    store = pm.ensure_store(2, 4, max_rows=24)
+    assert store.rank_bucket == 32 and pm.ensure_store(2, 8) is store
+    assert pm.ensure_store(2, AdapterSpec(rank=32, init="pissa").rows).rank_bucket == 64

@@ -81,7 +81,7 @@ def test_refill_without_new_buffers_trains_as_a_fresh_run(tiny_dirs, monkeypatch
     short = replace(LLAMA_SPECS[1], max_steps=5, micro_batch=3)
     late = replace(LLAMA_SPECS[2], dropout=0.2, max_steps=12)
     jobs = slot_jobs([short, LLAMA_SPECS[3], late])
-    rec, reports, _, _ = _train(tiny_dirs("llama"), jobs, 2, rank_bucket=16)
+    rec, reports, _, _ = _train(tiny_dirs("llama"), jobs, 2, max_rows=16)
     assert next(r for r in reports if r.key == 2).step == 5 and next(r for r in reports if r.key == 2).slot == 0
     assert len({(r, s) for r, s in built}) == len(built)  # each step shape built once, never for a refill
     fresh_losses, fresh_final = run_packed(tiny_dirs("llama"), [slot_jobs([short, LLAMA_SPECS[3], late])[2]], 1)

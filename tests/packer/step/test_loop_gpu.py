@@ -156,8 +156,8 @@ def test_replay_after_refill_captures_once(tiny_dirs) -> None:
             for _ in range(32)]
     wide = ("q_proj", "o_proj", "gate_proj", "down_proj")  # rank 64 fits these; one set: one graph key
     specs = [replace(s, micro_batch=4, dropout=0.0, targets=wide) for s in _specs()[:6]]
-    eager, _ = _run(tiny_dirs("llama"), specs, 2, cuda_graphs="off", examples=rows, rank_bucket=64)
-    graph, result = _run(tiny_dirs("llama"), specs, 2, cuda_graphs="on", examples=rows, rank_bucket=64)
+    eager, _ = _run(tiny_dirs("llama"), specs, 2, cuda_graphs="off", examples=rows, max_rows=64)
+    graph, result = _run(tiny_dirs("llama"), specs, 2, cuda_graphs="on", examples=rows, max_rows=64)
     assert result.graphs == 1 and result.capture_s > 0 and result.warmup_s > 0
     _same(eager, graph)
 
