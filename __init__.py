@@ -1,12 +1,14 @@
 """lora-sweep: hyperparameter sweeps for LoRA adapters, many trials packed into one training run.
 
 The import package is ``lora_sweep``; its directory is the checkout's root, whose folders install as
-``lora_sweep.sweep``, ``lora_sweep.packer``, ``lora_sweep.kernels``, ``lora_sweep.evaluators``,
+``lora_sweep.sweep``, ``lora_sweep.store``, ``lora_sweep.packer``, ``lora_sweep.kernels``, ``lora_sweep.evaluators``,
 ``lora_sweep.reports``, ``lora_sweep.benchmarks`` and ``lora_sweep.testing`` (the contract suites a user's own
-evaluator or storage backend runs in its tests; pyproject.toml's ``package-dir``). Those seven folders have no
+evaluator or storage backend runs in its tests; pyproject.toml's ``package-dir``). Those eight folders have no
 ``__init__.py``: they are namespace portions (PEP 420), which the import system takes only after every ``sys.path``
 entry has been searched for a regular package of that name, so from the checkout's root an installed ``kernels``
-(Hugging Face's) or ``sweep`` is the one imported. The public API::
+(Hugging Face's) or ``sweep`` is the one imported. The entry points sit on top of them, beside this file: ``cli``
+(the ``sweep`` command, ``python -m lora_sweep``) and ``api`` (the Python API below); no folder imports either.
+The public API::
 
     import lora_sweep
 
@@ -41,7 +43,7 @@ run from (a ``sweep`` command imports it first, after the interpreter's own star
 
 TORCH_FIRST = "torch" in sys.modules
 """Whether torch was imported before ``lora_sweep``: its OpenMP runtime then read the wait policy already, and
-``sweep.api.run`` caps torch's threads for the run instead (``sweep.api.engine_threads``)."""
+``api.run`` caps torch's threads for the run instead (``api.engine_threads``)."""
 if not TORCH_FIRST:
     # Let torch's OpenMP threads sleep rather than spin while they wait. The OpenMP runtime reads the policy once,
     # when torch loads it, so it is set here, before any module of the package imports torch. On a CPU whose cores
@@ -56,17 +58,17 @@ for _name in ("torchao", "torch.utils._pytree"):
     logging.getLogger(_name).setLevel(logging.ERROR)
 
 _API = {
-    "load_study": "lora_sweep.sweep.api",
-    "run": "lora_sweep.sweep.api",
-    "open_results": "lora_sweep.sweep.api",
-    "Results": "lora_sweep.sweep.api",
-    "export": "lora_sweep.sweep.api",
-    "write_report": "lora_sweep.sweep.api",
-    "examples": "lora_sweep.sweep.api",
-    "copy_example": "lora_sweep.sweep.api",
+    "load_study": "lora_sweep.api",
+    "run": "lora_sweep.api",
+    "open_results": "lora_sweep.api",
+    "Results": "lora_sweep.api",
+    "export": "lora_sweep.api",
+    "write_report": "lora_sweep.api",
+    "examples": "lora_sweep.api",
+    "copy_example": "lora_sweep.api",
     "StudySpec": "lora_sweep.sweep.config.spec",
     "RunSummary": "lora_sweep.sweep.study",
-    "TrialRecord": "lora_sweep.sweep.store",
+    "TrialRecord": "lora_sweep.store.api",
     "UserError": "lora_sweep.errors",
     "ConfigError": "lora_sweep.errors",
 }

@@ -1,6 +1,6 @@
 """``python -m lora_sweep``: the ``sweep`` command line."""
 
-from lora_sweep.sweep.cli import main
+from lora_sweep.cli import main
 
 if __name__ == "__main__":
     main()

@@ -1,6 +1,6 @@
 """``lint-imports`` for this checkout: import-linter's command with grimp told how to name a namespace package.
 
-The contracts' root packages are the six folders, ``lora_sweep.sweep`` ... ``lora_sweep.benchmarks``: namespace
+The contracts' root packages are the seven folders, ``lora_sweep.sweep`` ... ``lora_sweep.benchmarks``: namespace
 packages (no ``__init__.py``), which grimp takes as roots but names after the path of their directory, as if it
 were ``.../lora_sweep/sweep`` (grimp 3.20, ``ModuleFinder._namespace_from_dir``). Here that directory is
 ``<clone>/sweep``, so grimp would call the root ``<clone's parent>.<clone>.sweep`` and every contract would miss

@@ -57,12 +57,12 @@ from lora_sweep.packer.model.inject import resolve_targets
 from lora_sweep.packer.model.load import load_base, resolve_base
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.step.capture import capture
+from lora_sweep.store.api import attrs
 from lora_sweep.sweep._trial_data import trial_adapter, trial_stream
 from lora_sweep.sweep.config.space import adapter_spec, baseline_params, community_default, make_sampler, suggest
 from lora_sweep.sweep.config.spec import StudySpec
 from lora_sweep.sweep.device import resolve_device
 from lora_sweep.sweep.pruning import CohortSHA
-from lora_sweep.sweep.store import attrs
 
 __all__ = ["METRICS", "Base", "load", "create_study", "journal", "open_study", "run_trials", "heldout_loss", "wrap"]
 

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from lora_sweep.benchmarks.timing import check_row
-from lora_sweep.sweep.store import ResultsStore, StudyDir
+from lora_sweep.store.api import ResultsStore, StudyDir
 from lora_sweep.sweep.worker import study_counts
 
 __all__ = ["run_once", "main"]

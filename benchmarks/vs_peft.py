@@ -2,7 +2,7 @@
 
 The ways (``--ways``, in this order):
 
-- ``sweep``: ``sweep run`` (``sweep.api.run``) of the study: its trials packed as slots of one training run.
+- ``sweep``: ``sweep run`` (``api.run``) of the study: its trials packed as slots of one training run.
 - ``peft``: Optuna with the study's sampler, seed, rungs and reduction factor, each trial trained eagerly by
   transformers + PEFT alone on a base loaded once, one trial after another (``benchmarks.optuna_peft``, whose
   docstring lists what it does the same per trial and what differs).
@@ -56,11 +56,11 @@ from typing import Any
 import optuna
 import torch
 
+from lora_sweep import api
 from lora_sweep.benchmarks import optuna_peft
 from lora_sweep.benchmarks.shapes import SHAPES, build_shape
 from lora_sweep.benchmarks.timing import check_row
 from lora_sweep.errors import UserError
-from lora_sweep.sweep import api
 from lora_sweep.sweep.config.spec import Budget, EvalSpec, StudySpec
 from lora_sweep.sweep.device import resolve_device
 

@@ -11,14 +11,14 @@ ROOT=$(pwd)
 
 # mkdocstrings reads lora_sweep from source with griffe, which looks for a folder named lora_sweep (the checkout's
 # root is the package's directory, whatever the clone is called) and skips a folder without __init__.py inside a
-# regular package (griffe's loader: a namespace package there is "a user error"), as the six package folders are
+# regular package (griffe's loader: a namespace package there is "a user error"), as the seven package folders are
 # (PEP 420: so they shadow no installed package). Its search path (mkdocs.yml: LORA_SWEEP_DOCS_PATH) holds
 # lora_sweep/: links to the root's modules, and for each folder of pyproject.toml's packages a folder of links to
 # its files with an empty __init__.py.
 export LORA_SWEEP_DOCS_PATH="$ROOT/build/docs-path"
 rm -rf "$LORA_SWEEP_DOCS_PATH"
 mkdir -p "$LORA_SWEEP_DOCS_PATH/lora_sweep"
-ln -s "$ROOT/__init__.py" "$ROOT/__main__.py" "$LORA_SWEEP_DOCS_PATH/lora_sweep/"
+ln -s "$ROOT"/*.py "$LORA_SWEEP_DOCS_PATH/lora_sweep/"
 for folder in $(python3 -c 'import tomllib; print(*(p.split(".")[1] for p in tomllib.load(open("pyproject.toml", "rb"))
                                                   ["tool"]["setuptools"]["packages"] if p.count(".") == 1))'); do
   mkdir "$LORA_SWEEP_DOCS_PATH/lora_sweep/$folder"

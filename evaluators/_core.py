@@ -3,7 +3,7 @@
 An evaluator is ``(model, slots, data, **options) -> EvalResult``: ``model`` is a ``PackedModel`` holding
 the adapters, ``slots`` the slot ids to score, ``data`` the held-out rows (``EvalData``). Every slot is
 scored on the same items in the same order, so ``EvalResult.per_item`` lists line up across slots and a
-paired test (``sweep.store.stats.paired_bootstrap``) can compare two adapters item by item.
+paired test (``store.stats.paired_bootstrap``) can compare two adapters item by item.
 
 Routing: a batch holds the rows of several slots, grouped by slot as ``kernels.ops.PackLayout`` says; the
 packed LoRA layers read the layout from the pack's shared state on every forward, so one forward (or

@@ -1,6 +1,6 @@
 """Everything the report shows, read once from a study directory's results store.
 
-Reports read only ``sweep.store``: the results tables, and in its ``study`` table the resolved spec
+Reports read only ``store``: the results tables, and in its ``study`` table the resolved spec
 the last run used (its budget included: overrides and aliases applied) and the Optuna storage URL.
 The directory's ``study.yaml`` is a copy for people; nothing here reads it.
 """
@@ -12,7 +12,7 @@ import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from lora_sweep.sweep.store import (
+from lora_sweep.store.api import (
     EvalRow,
     ItemRow,
     PackRecord,

@@ -18,7 +18,7 @@ from plotly.offline import get_plotlyjs
 
 from lora_sweep.reports import figures, optuna_figures, summary, tables, timeline
 from lora_sweep.reports._load import StudyData, load_optuna_study, load_study_data
-from lora_sweep.sweep.store import StudyDir, atomic_write_text
+from lora_sweep.store.api import StudyDir, atomic_write_text
 
 __all__ = ["write_report", "build_report", "preload"]
 

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 from lora_sweep.reports._fmt import esc, fmt, table
 from lora_sweep.reports._load import StudyData, best_trial, objective_values, pareto_numbers
-from lora_sweep.sweep.store import constraint_text, paired_bootstrap, paired_scores
+from lora_sweep.store.api import constraint_text, paired_bootstrap, paired_scores
 
 __all__ = ["SummaryInfo", "GainInfo", "GainRow", "BestRow", "_summary_info", "_gain_info", "render_summary",
            "render_gain"]

@@ -1,5 +1,5 @@
 """What the operating system refused (a full disk, a read-only or missing folder, a path below a file) as the
-one line of a user error, naming the file and its folder, instead of a traceback (``sweep.cli`` prints it).
+one line of a user error, naming the file and its folder, instead of a traceback (``cli`` prints it).
 
 Such a failure is the machine's state, not a bug: the study keeps everything it wrote before it (journal
 appends and SQLite commits are synced, files are written atomically, a torn journal tail is set aside on the
@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from lora_sweep.errors import UserError, first_line
-from lora_sweep.sweep.store.results import SQLITE_ERRNO
+from lora_sweep.store.results import SQLITE_ERRNO
 
 __all__ = ["fault_line", "about"]
 

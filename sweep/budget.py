@@ -1,10 +1,10 @@
 """The study's budget: trials, tokens and wall time, whichever ends first, and the tokens a trial plans.
 
 A single run counts the budget itself (``budget_state`` over the counts of earlier runs and its own
-training trials). Shared by several workers (``sweep.storage.Sharing``), the budget is counted in the
+training trials). Shared by several workers (``store.storage.Sharing``), the budget is counted in the
 shared storage instead (``shared_budget``): each trial records its planned tokens when asked and its
-trained tokens when told (``sweep.store.attrs``), and the wall time runs on the study's own clock
-(``sweep.storage.study_elapsed``). A grid study ends with its grid, whatever its budget says.
+trained tokens when told (``store.attrs``), and the wall time runs on the study's own clock
+(``store.storage.study_elapsed``). A grid study ends with its grid, whatever its budget says.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from lora_sweep.packer.api import Example, SlotStream, target_tokens
+from lora_sweep.store.api import DirectoryInUse, ResultsStore, StudyDir, attrs
+from lora_sweep.store.storage import Sharing, open_storage, study_elapsed
 from lora_sweep.sweep.config.space import GridSearch
 from lora_sweep.sweep.config.spec import StudySpec
 from lora_sweep.sweep.ledger import FINISHED, orphans, storage_url
-from lora_sweep.sweep.storage import Sharing, open_storage, study_elapsed
-from lora_sweep.sweep.store import DirectoryInUse, ResultsStore, StudyDir, attrs
 
 __all__ = ["BudgetState", "Counts", "budget_state", "shared_budget", "counted", "TokenPlan", "end_line",
            "recorded_budget"]
@@ -76,7 +76,7 @@ def recorded_budget(spec: StudySpec, log: Callable[[str], None]) -> BudgetState 
     """The budget of the study ``spec.out_dir`` holds, read from its storage and results.db before any model loads
     (under the directory's lock), so a finished study's rerun says so at once; None when the directory holds no
     study (or one this cannot read, or another run owns it: the run itself then says what is wrong). Opening the
-    storage sets a torn journal record aside, said on ``log`` (``sweep.storage.open_storage``)."""
+    storage sets a torn journal record aside, said on ``log`` (``store.storage.open_storage``)."""
     sdir = StudyDir(spec.out_dir)
     if not sdir.is_study():
         return None
@@ -109,7 +109,7 @@ def shared_budget(spec: StudySpec, study: optuna.Study, *, mine: Collection[int]
     starts a trial once the tokens trained by all workers reach the budget, and the overshoot stays
     what one worker's pack allows alone. This worker's own training trials (``mine``) count
     ``live_tokens``, their tokens so far, as in a single run. The wall time is the study's clock
-    (``sweep.storage.study_elapsed``).
+    (``store.storage.study_elapsed``).
     """
     trials = counted(study.get_trials(deepcopy=False), running=True)
     tokens = live_tokens + sum(_tokens_of(t) for t in trials if t.number not in mine)

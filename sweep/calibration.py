@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lora_sweep.packer.api import BaseShape, MemoryModel
-from lora_sweep.sweep.store import cache_dir
+from lora_sweep.store.api import cache_dir
 
 if TYPE_CHECKING:
     from lora_sweep.packer.api import PackedModel
@@ -162,7 +162,7 @@ def _read(path: Path, key: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _write(path: Path, record: dict[str, Any]) -> None:
-    from lora_sweep.sweep.store import atomic_write_text
+    from lora_sweep.store.api import atomic_write_text
 
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

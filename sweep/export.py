@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 from lora_sweep.errors import UserError
 from lora_sweep.packer.api import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, read_jsonl
+from lora_sweep.store.api import ResultsStore, StudyDir, TrialRecord, constraint_text, is_feasible, pareto_front
 from lora_sweep.sweep._scratch import plain_modes, scratch_dir, unwritable
-from lora_sweep.sweep.store import ResultsStore, StudyDir, TrialRecord, constraint_text, is_feasible, pareto_front
 
 if TYPE_CHECKING:  # torch, safetensors and transformers load in the functions that need them: errors stay fast
     import torch

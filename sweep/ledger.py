@@ -2,7 +2,7 @@
 trials, and keeps the results store in line with them.
 
 The Optuna storage is the source of truth; the store is its queryable copy. Every attribute the
-ledger writes is named in ``sweep.store.attrs`` (the one table of keys). Only public Optuna API is
+ledger writes is named in ``store.attrs`` (the one table of keys). Only public Optuna API is
 used: the ``optuna.Study`` calls, the ``optuna.Trial`` one is given, and the ``BaseStorage`` methods
 of the storage object this module opened itself (``open_study``) for what a study does not expose:
 a trial's storage id (``get_trial_id_from_study_id_trial_number``) and its system attributes.
@@ -33,9 +33,8 @@ from optuna.trial import FrozenTrial, TrialState
 
 from lora_sweep.errors import UserError, first_line
 from lora_sweep.packer.api import discard_adapter
-from lora_sweep.sweep.config.space import baseline_params, community_default, make_sampler
-from lora_sweep.sweep.config.spec import StudySpec
-from lora_sweep.sweep.storage import (
+from lora_sweep.store.api import ResultsStore, StudyDir, attrs, redact_url
+from lora_sweep.store.storage import (
     Sharing,
     check_directory,
     claim_directory,
@@ -45,7 +44,8 @@ from lora_sweep.sweep.storage import (
     storage_lock,
     unopenable,
 )
-from lora_sweep.sweep.store import ResultsStore, StudyDir, attrs, redact_url
+from lora_sweep.sweep.config.space import baseline_params, community_default, make_sampler
+from lora_sweep.sweep.config.spec import StudySpec
 
 __all__ = ["Ledger", "Heartbeat", "open_study", "recorded_trials", "storage_url", "ORPHAN_REASON", "FINISHED",
            "is_default", "orphans"]

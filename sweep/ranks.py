@@ -37,9 +37,9 @@ import torch.multiprocessing as mp
 from lora_sweep.errors import UserError
 from lora_sweep.evaluators.registry import evaluate, load_eval_data
 from lora_sweep.packer.api import PackedModel, SlotEnd, SlotJob, StepReport, load_examples, load_sharded, train
+from lora_sweep.store.api import StudyDir
 from lora_sweep.sweep._trial_data import trial_stream
 from lora_sweep.sweep.config.spec import StudySpec
-from lora_sweep.sweep.store import StudyDir
 
 __all__ = ["Channel", "Follower", "follow", "run_ranks", "torchrun_channel", "rank_backend"]
 

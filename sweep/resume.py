@@ -8,9 +8,9 @@ parameters enqueued again (``Ledger.recover``), so the constant-liar sampler doe
 region forever and the budget counts stay exact (an orphan does not count, its retry does). The
 session then starts from the counts of the earlier runs.
 
-Shared by several workers (``sweep.storage.Sharing``), a RUNNING trial may belong to a live worker:
+Shared by several workers (``store.storage.Sharing``), a RUNNING trial may belong to a live worker:
 only trials whose heartbeat is older than the grace period are orphans (``Ledger.reap``), and the
-study's wall-time clock resumes first (``sweep.storage.resume_clock``).
+study's wall-time clock resumes first (``store.storage.resume_clock``).
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ from optuna.trial import TrialState
 from lora_sweep.errors import ConfigError, UserError
 from lora_sweep.evaluators.registry import metrics_of
 from lora_sweep.packer.api import PackedModel, gguf_source, load_base, load_sharded, prepare_kernels, resolve_base
+from lora_sweep.store.api import DirectoryLock, ResultsStore, StudyDir, cache_dir, strip_password
+from lora_sweep.store.storage import Sharing, resume_clock, storage_lock
 from lora_sweep.sweep.budget import counted
 from lora_sweep.sweep.config.spec import StudySpec
 from lora_sweep.sweep.device import resolve_device
 from lora_sweep.sweep.ledger import Ledger, open_study, recorded_trials, storage_url
 from lora_sweep.sweep.session import Note, Session, own_directory, record_spec, trial_adapter_dir
-from lora_sweep.sweep.storage import Sharing, resume_clock, storage_lock
-from lora_sweep.sweep.store import DirectoryLock, ResultsStore, StudyDir, cache_dir, strip_password
 from lora_sweep.sweep.timing import WallSplit
 
 __all__ = ["open_session", "resolve_device", "record_data", "data_digests"]

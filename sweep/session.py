@@ -24,10 +24,7 @@ from optuna.trial import TrialState
 
 from lora_sweep.errors import UserError
 from lora_sweep.packer.api import AdapterWriter, PackedModel
-from lora_sweep.sweep.config.spec import StudySpec
-from lora_sweep.sweep.ledger import Ledger
-from lora_sweep.sweep.storage import Sharing
-from lora_sweep.sweep.store import (
+from lora_sweep.store.api import (
     DirectoryInUse,
     DirectoryLock,
     ResultsStore,
@@ -36,6 +33,9 @@ from lora_sweep.sweep.store import (
     redact_record,
     strip_password,
 )
+from lora_sweep.store.storage import Sharing
+from lora_sweep.sweep.config.spec import StudySpec
+from lora_sweep.sweep.ledger import Ledger
 
 __all__ = ["Session", "own_directory", "record_spec", "spec_record", "spec_changes", "RESUMABLE",
            "trial_adapter_dir", "Note"]

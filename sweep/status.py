@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lora_sweep.errors import UserError
-from lora_sweep.sweep.store import (
+from lora_sweep.store.api import (
     ResultsStore,
     StudyDir,
     TrialRecord,

@@ -53,6 +53,8 @@ from lora_sweep.packer.api import (
     load_examples,
     train,
 )
+from lora_sweep.store.api import attrs
+from lora_sweep.store.storage import Sharing, storage_lock
 from lora_sweep.sweep._trial_data import (
     check_data,
     check_packing,
@@ -71,8 +73,6 @@ from lora_sweep.sweep.pruning import CohortSHA
 from lora_sweep.sweep.ranks import Channel
 from lora_sweep.sweep.resume import open_session
 from lora_sweep.sweep.session import Note, Session
-from lora_sweep.sweep.storage import Sharing, storage_lock
-from lora_sweep.sweep.store import attrs
 from lora_sweep.sweep.timing import WallSplit, append_run, run_split
 
 __all__ = ["run_study", "RunSummary", "Progress"]

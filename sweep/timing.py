@@ -300,7 +300,7 @@ class Profile:
 def append_run(root: str | Path, record: dict[str, Any]) -> None:
     """Add one run's record to ``root/timing.json``, or replace the one with the same ``started_at`` (the command's
     record, completed after its run with the report); written atomically: a resumed study keeps every run's."""
-    from lora_sweep.sweep.store import atomic_write_text
+    from lora_sweep.store.api import atomic_write_text
 
     path = Path(root) / TIMING_FILE
     runs = [r for r in _runs(path) if r.get("started_at") is None or r.get("started_at") != record.get("started_at")]

@@ -22,14 +22,14 @@ from pathlib import Path
 
 import optuna
 
+from lora_sweep.store.api import ResultsStore, StudyDir
+from lora_sweep.store.storage import Sharing, open_storage, storage_lock
 from lora_sweep.sweep.affinity import allowed_cpus, cpu_list, cpu_shares
 from lora_sweep.sweep.budget import shared_budget
 from lora_sweep.sweep.config.spec import StudySpec
 from lora_sweep.sweep.ledger import Ledger, storage_url
 from lora_sweep.sweep.ranks import Channel
 from lora_sweep.sweep.session import trial_adapter_dir
-from lora_sweep.sweep.storage import Sharing, open_storage, storage_lock
-from lora_sweep.sweep.store import ResultsStore, StudyDir
 from lora_sweep.sweep.study import Progress, RunSummary, run_study
 
 __all__ = ["run_worker", "launch", "study_counts", "with_storage"]
@@ -170,7 +170,7 @@ def launch(study_file: str, overrides: tuple[str, ...], spec: StudySpec, url: st
 def with_storage(spec: StudySpec, url: str | None) -> tuple[StudySpec, str]:
     """The spec with its shared storage URL set (``url``, the study's, or the study directory's own:
     ``StudyDir.optuna_url``)."""
-    from lora_sweep.sweep.storage import normalize_url
+    from lora_sweep.store.storage import normalize_url
 
     chosen = normalize_url(url) if url else storage_url(spec, StudyDir(spec.out_dir))
     return dataclasses.replace(spec, storage=chosen), chosen

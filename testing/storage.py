@@ -15,7 +15,7 @@ or, under pytest, a class that subclasses the suite (Optuna's ``StorageTestCase`
         @pytest.fixture
         def unopenable_url(self, tmp_path) -> str: return ...               # one that cannot be opened
 
-A backend added at run time (``sweep.storage.BACKENDS.append``) is added in the lock holder's process too:
+A backend added at run time (``store.storage.BACKENDS.append``) is added in the lock holder's process too:
 ``holder_setup``, Python statements that process runs first. Nothing in the library imports this module (an import
 contract).
 """
@@ -32,8 +32,8 @@ import pytest
 from optuna.trial import TrialState
 
 from lora_sweep.errors import UserError
-from lora_sweep.sweep import storage
-from lora_sweep.sweep.storage import backend_of, normalize_url, open_storage, storage_lock
+from lora_sweep.store import storage
+from lora_sweep.store.storage import backend_of, normalize_url, open_storage, storage_lock
 
 __all__ = ["check_storage", "check_url", "check_reopens", "check_lock_waits", "check_unopenable", "StorageContract"]
 
@@ -69,7 +69,7 @@ def check_reopens(url: str, name: str) -> None:
 def check_lock_waits(url: str, name: str, holder_setup: str = "") -> None:
     """Another process holds the study's one-owner lock for 2 s: this one gets it only after."""
     holder = subprocess.Popen([sys.executable, "-c", holder_setup + "\nimport sys, time\n"
-                               "from lora_sweep.sweep.storage import storage_lock\n"
+                               "from lora_sweep.store.storage import storage_lock\n"
                                "with storage_lock(sys.argv[1], sys.argv[2]):\n    print('held', flush=True)\n"
                                "    time.sleep(2)\n", normalize_url(url), name], stdout=subprocess.PIPE, text=True)
     try:

@@ -25,7 +25,7 @@ torch.set_num_threads(1)  # tiny models gain nothing from threads; one keeps tim
 os.environ.setdefault("LORA_SWEEP_CACHE", tempfile.mkdtemp(prefix="lora-sweep-test-cache-"))
 
 
-PACKAGE_FOLDERS = ("sweep", "packer", "kernels", "evaluators", "reports", "benchmarks", "testing")
+PACKAGE_FOLDERS = ("sweep", "store", "packer", "kernels", "evaluators", "reports", "benchmarks", "testing")
 """The design card's top-level folders, each the namespace package ``lora_sweep.<folder>`` (no ``__init__.py``)."""
 
 REQUIRE_ALL = bool(os.environ.get("LORA_SWEEP_REQUIRE_EXTRAS"))
@@ -152,8 +152,8 @@ def optuna_study(out: Path, name: str):  # noqa: ANN201
     """The Optuna study a run left in study directory ``out``, from its default storage (``StudyDir.optuna_url``)."""
     import optuna
 
-    from lora_sweep.sweep.storage import open_storage
-    from lora_sweep.sweep.store import StudyDir
+    from lora_sweep.store.api import StudyDir
+    from lora_sweep.store.storage import open_storage
 
     return optuna.load_study(study_name=name, storage=open_storage(StudyDir(out).optuna_url))
 

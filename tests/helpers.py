@@ -40,8 +40,8 @@ from lora_sweep.packer.probe import peak_memory
 from lora_sweep.packer.step import eval_graph
 from lora_sweep.packer.step.train import FixedBatch, SlotEnd, SlotJob, train
 from lora_sweep.packer.tiny.data import arithmetic_rows, write_jsonl
+from lora_sweep.store.storage import open_storage
 from lora_sweep.sweep.export import merge_adapter
-from lora_sweep.sweep.storage import open_storage
 from tests.conftest import Recorder, missing, need_module, random_examples, write_study
 from tests.evaluators.conftest import YESNO
 

@@ -112,7 +112,7 @@ def test_a_study_from_python(tmp_path: Path, tiny_dirs, caplog) -> None:  # noqa
     ({"best": True}, "or pass objective='eval_loss' or objective='adapter_params'"),
 ])
 def test_export_errors_name_the_functions_arguments_not_the_cli_flags(tmp_path: Path, kwargs, said) -> None:
-    from lora_sweep.sweep.store import ResultsStore, StudyDir
+    from lora_sweep.store.api import ResultsStore, StudyDir
 
     sdir = StudyDir(tmp_path / "study").create()  # two objectives, two trials on the Pareto front, no training
     sdir.write_study_yaml("name: study\n")
@@ -133,7 +133,7 @@ def test_errors_are_user_errors(tmp_path: Path) -> None:
 
 
 def test_example_copies_a_study_with_its_data(tmp_path: Path) -> None:
-    from lora_sweep.sweep.cli import main
+    from lora_sweep.cli import main
 
     assert "demo" in lora_sweep.examples()  # api.md lists both at the package's top
     path = lora_sweep.copy_example("demo", tmp_path / "work")

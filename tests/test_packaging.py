@@ -1,4 +1,5 @@
-"""One import name: the wheel installs ``lora_sweep`` alone (its folders below it, every module of them), with the
+"""One import name: the wheel installs ``lora_sweep`` alone (its root modules, among them the entry points cli.py
+and api.py, and its folders below it, every module of them), with the
 example studies, their data and both console scripts; pyproject.toml lists every folder that holds modules."""
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def test_the_wheel_holds_lora_sweep_alone(wheel: zipfile.ZipFile) -> None:
     assert wheel.read(top_level).decode().split() == ["lora_sweep"]
     assert {f"lora_sweep/{m}" for m in MODULES} <= set(names) and len(MODULES) > 100
     assert not [f for f in FOLDERS if f"lora_sweep/{f}/__init__.py" in names]
-    assert "lora_sweep/__init__.py" in names and "lora_sweep/__main__.py" in names
+    # the root's modules: the public API's names, python -m lora_sweep, the entry points on top, the user errors
+    assert {f"lora_sweep/{m}.py" for m in ("__init__", "__main__", "cli", "api", "errors")} <= set(names)
     assert not [n for n in names if n.startswith(("lora_sweep/tests/", "lora_sweep/.ci/"))]
 
 
@@ -59,5 +61,5 @@ def test_the_wheel_ships_the_examples_and_both_commands(wheel: zipfile.ZipFile) 
         assert f"lora_sweep/studies/data/{data.name}" in names
     assert "lora_sweep/benchmarks/sweep_split.sh" in names
     entry_points = wheel.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
-    assert "sweep = lora_sweep.sweep.cli:main" in entry_points
-    assert "lora-sweep = lora_sweep.sweep.cli:main" in entry_points
+    assert "sweep = lora_sweep.cli:main" in entry_points
+    assert "lora-sweep = lora_sweep.cli:main" in entry_points

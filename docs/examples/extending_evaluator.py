@@ -16,13 +16,13 @@ from typing import Any
 import yaml
 
 import lora_sweep
+from lora_sweep.api import STUDIES
 from lora_sweep.errors import ConfigError
 from lora_sweep.evaluators.generation import build_prompts, generate_texts, generation_cost
 from lora_sweep.evaluators.registry import EvalData, EvalResult, Evaluator
 from lora_sweep.evaluators.scorers import extract_number
 from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.tiny.models import build_tiny_model
-from lora_sweep.sweep.api import STUDIES
 
 HERE = Path(__file__).resolve()
 

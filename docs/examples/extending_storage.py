@@ -1,4 +1,4 @@
-"""A new storage backend end to end: define it, add it to ``sweep.storage.BACKENDS``, run the tiny demo study on it.
+"""A new storage backend end to end: define it, add it to ``store.storage.BACKENDS``, run the tiny demo study on it.
 
 ``folder:///abs/dir`` keeps a study in a folder of its own (``dir/optuna.log``, a journal file), for instance a
 scratch folder per study on a host's shared disk. It is built from the journal file backend: it opens, locks and
@@ -18,10 +18,10 @@ import optuna
 from optuna.storages import BaseStorage
 
 import lora_sweep
+from lora_sweep.api import STUDIES
 from lora_sweep.packer.tiny.models import build_tiny_model
-from lora_sweep.sweep import storage
-from lora_sweep.sweep.api import STUDIES
-from lora_sweep.sweep.storage import StorageBackend, backend_of, open_storage
+from lora_sweep.store import storage
+from lora_sweep.store.storage import StorageBackend, backend_of, open_storage
 
 # --8<-- [start:backend]
 JOURNAL = backend_of("journal:///any.log")  # the built-in journal file backend this one is made of

@@ -220,7 +220,7 @@ def _write(tensors: dict[str, torch.Tensor], config: dict, out_dir: Path, metada
 
 def _fsync_dir(folder: Path) -> None:
     """Make a folder's entries durable (a power loss may otherwise undo a rename); not possible on Windows.
-    ``sweep.store`` has its own copy: it imports nothing of the packer's."""
+    ``store`` has its own copy: it imports nothing of the packer's."""
     with contextlib.suppress(OSError):
         fd = os.open(folder, os.O_RDONLY)
         try:

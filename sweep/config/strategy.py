@@ -53,8 +53,8 @@ class Constraint:
 
     def violation(self, x: float | None) -> float:
         """Optuna's constraint value for metric value ``x``: feasible iff <= 0; a missing or non-finite
-        ``x`` is infeasible in both directions (``sweep.store.constraint_violation``)."""
-        from lora_sweep.sweep.store import constraint_violation  # sqlite_utils: not on the path of a spec's load
+        ``x`` is infeasible in both directions (``store.feasibility.constraint_violation``)."""
+        from lora_sweep.store.api import constraint_violation  # sqlite_utils: not on the path of a spec's load
 
         return constraint_violation(self.op, self.value, x)
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-from lora_sweep.sweep.store import redact_url
+from lora_sweep.store.api import redact_url
 from lora_sweep.sweep.trackers.base import Tracker
 
 __all__ = ["CALL_S", "END_S", "Bounded", "NoAnswer", "Redacted", "checked", "deadline", "lock_holder"]

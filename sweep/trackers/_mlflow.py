@@ -40,7 +40,7 @@ import mlflow
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 
-from lora_sweep.sweep.store import TrialRecord, cache_dir
+from lora_sweep.store.api import TrialRecord, cache_dir
 from lora_sweep.sweep.trackers.base import Held, Point, StudyInfo, flat_params, run_name, trial_tags
 
 __all__ = ["MlflowTracker", "default_uri", "prepare", "seed_store"]

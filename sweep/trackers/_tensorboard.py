@@ -29,7 +29,7 @@ from tensorboard.plugins.hparams import metadata as hp_metadata
 from tensorboard.plugins.text import metadata as text_metadata
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-from lora_sweep.sweep.store import TrialRecord
+from lora_sweep.store.api import TrialRecord
 from lora_sweep.sweep.trackers.base import Held, Point, StudyInfo, flat_params, run_name, trial_tags
 
 __all__ = ["TensorBoardTracker"]

@@ -22,7 +22,7 @@ from typing import Any
 
 import wandb
 
-from lora_sweep.sweep.store import TrialRecord
+from lora_sweep.store.api import TrialRecord
 from lora_sweep.sweep.trackers.base import Held, Point, StudyInfo, run_name, trial_tags
 
 __all__ = ["WandbTracker", "offline_records", "prepare"]

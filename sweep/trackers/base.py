@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from lora_sweep.sweep.store import TrialRecord
+from lora_sweep.store.api import TrialRecord
 
 __all__ = ["Held", "Point", "Tracker", "StudyInfo", "flat_params", "trial_tags", "run_name", "study_uid"]
 

@@ -43,8 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from lora_sweep.errors import first_line
-from lora_sweep.sweep.config.tracking import TrackerSpec
-from lora_sweep.sweep.store import (
+from lora_sweep.store.api import (
     EvalRow,
     ResultsStore,
     StepRow,
@@ -54,7 +53,8 @@ from lora_sweep.sweep.store import (
     redact_record,
     redact_url,
 )
-from lora_sweep.sweep.store.feasibility import best_trials
+from lora_sweep.store.feasibility import best_trials
+from lora_sweep.sweep.config.tracking import TrackerSpec
 from lora_sweep.sweep.trackers._guards import END_S, Bounded, Redacted, checked, lock_holder
 from lora_sweep.sweep.trackers.base import Point, StudyInfo, Tracker, study_uid
 

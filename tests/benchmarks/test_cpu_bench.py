@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from click.testing import CliRunner
 
-from lora_sweep.sweep.cli import cli
+from lora_sweep.cli import cli
 
 
 def test_sweep_bench_cpu_runs_the_benchmark() -> None:

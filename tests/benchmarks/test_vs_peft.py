@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from lora_sweep.api import load_study
 from lora_sweep.benchmarks.timing import check_row
 from lora_sweep.benchmarks.vs_peft import GAP, Way, gap_target, main, prepare, rows, table, time_to_target, vs_peft
 from lora_sweep.errors import UserError
 from lora_sweep.packer.tiny.models import build_tiny_model
-from lora_sweep.sweep.api import load_study
 from tests.conftest import DEMO_DATA, write_study
 
 N = 4

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from lora_sweep.evaluators.registry import Evaluator, find
-from lora_sweep.sweep import storage
+from lora_sweep.store import storage
 from lora_sweep.testing.evaluator import EvaluatorContract
 from lora_sweep.testing.storage import StorageContract
 from tests.evaluators.conftest import YESNO
@@ -65,7 +65,7 @@ class TestFolderStorageContract(StorageContract):
 
     @pytest.fixture
     def holder_setup(self) -> str:  # the lock holder's process adds it as well
-        return ("import runpy; from lora_sweep.sweep import storage\n"
+        return ("import runpy; from lora_sweep.store import storage\n"
                 f"storage.BACKENDS.append(runpy.run_path({str(FOLDER_EXAMPLE)!r})['FOLDER'])")
 
     @pytest.fixture

@@ -99,7 +99,7 @@ def test_committed_results_db_page_is_what_the_store_documents() -> None:
 def test_every_results_db_table_and_column_has_an_entry(tmp_path: Path) -> None:
     import sqlite3
 
-    from lora_sweep.sweep.store import ResultsStore
+    from lora_sweep.store.api import ResultsStore
 
     ResultsStore(tmp_path / "results.db").close()
     page = GEN.generate_schema()

@@ -179,7 +179,7 @@ _RUN = """
 import sys, torch
 from pathlib import Path
 from lora_sweep.packer.model.load import prepare_kernels
-from lora_sweep.sweep.store import cache_dir
+from lora_sweep.store.api import cache_dir
 from triton.runtime.cache import get_cache_manager
 folder = prepare_kernels("triton", "cpu", cache_dir())
 cache = get_cache_manager("ab" * 32)  # a kernel's hash

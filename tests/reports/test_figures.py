@@ -13,7 +13,7 @@ from lora_sweep.reports import figures, summary, timeline
 from lora_sweep.reports._fmt import table
 from lora_sweep.reports._load import load_study_data, pareto_numbers
 from lora_sweep.reports.html import build_report, write_report
-from lora_sweep.sweep.store import ResultsStore, StudyDir
+from lora_sweep.store.api import ResultsStore, StudyDir
 
 NAN = math.nan
 

@@ -51,7 +51,7 @@ def test_example_study_plans(path: Path) -> None:
     """``sweep plan`` on the file as a user runs it: the model loads, the data tokenizes, the targets exist."""
     from click.testing import CliRunner
 
-    from lora_sweep.sweep.cli import cli
+    from lora_sweep.cli import cli
 
     spec = _spec(path)
     model = Path(spec.model.path)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lora_sweep.sweep.store import ResultsStore
+from lora_sweep.store.api import ResultsStore
 from tests.conftest import need_module, write_study
 from tests.helpers import cli, stored_trials
 
@@ -117,7 +117,7 @@ def test_an_unknown_storage_scheme_is_refused_before_the_model_loads(tiny_dirs, 
 def test_a_second_study_directory_over_one_journal_storage_is_refused(tiny_dirs, tmp_path: Path) -> None:
     """Without workers, a run takes its study's RUNNING trials for its own killed run's: a run from a second
     directory would fail the first's (which then ended in ``UpdateFinishedTrialError``). It is refused, also
-    while the first runs (the check is made under the storage lock: ``sweep.storage.check_directory``)."""
+    while the first runs (the check is made under the storage lock: ``store.storage.check_directory``)."""
     journal = tmp_path / "shared.log"
     study = _study(tmp_path, tiny_dirs, "shared", storage=str(journal))
     first, second = tmp_path / "first", tmp_path / "second"

@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import optuna
 from optuna.trial import TrialState
 
+from lora_sweep.store.api import attrs
 from lora_sweep.sweep.budget import budget_state, counted
 from lora_sweep.sweep.config.loader import load_study
 from lora_sweep.sweep.config.spec import Budget
-from lora_sweep.sweep.store import attrs
 from tests.conftest import write_study
 
 

@@ -24,11 +24,11 @@ from optuna.trial import TrialState
 from transformers import AutoTokenizer
 
 from lora_sweep.packer.data.rows import load_examples
+from lora_sweep.store.attrs import CLOCK, HEARTBEAT, PLANNED_TOKENS, TOKENS
+from lora_sweep.store.storage import open_storage, resume_clock, study_elapsed
 from lora_sweep.sweep.budget import TokenPlan, shared_budget
 from lora_sweep.sweep.config.loader import load_study
 from lora_sweep.sweep.config.spec import Budget, StudySpec
-from lora_sweep.sweep.storage import open_storage, resume_clock, study_elapsed
-from lora_sweep.sweep.store.attrs import CLOCK, HEARTBEAT, PLANNED_TOKENS, TOKENS
 from lora_sweep.sweep.study import run_study
 from tests.conftest import DEMO_DATA, optuna_study, write_study
 from tests.helpers import WORKER_ENV, cli, server_url, stored_trials, worker_study
@@ -95,7 +95,7 @@ import os, sys, time
 from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the command line sets it, before torch is imported
 import lora_sweep.sweep.study, lora_sweep.sweep.worker  # what a worker imports before it joins
-from lora_sweep.sweep.cli import main
+from lora_sweep.cli import main
 ready, go, args = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
 ready.touch()
 while not go.exists():

@@ -58,7 +58,7 @@ def test_a_cached_plan_loads_no_weights_nor_tokenizer_and_prints_the_same(tiny_d
     plans from them (the table as the first printed it) without the base's weights or its tokenizer."""
     from click.testing import CliRunner
 
-    from lora_sweep.sweep.cli import cli
+    from lora_sweep.cli import cli
 
     monkeypatch.setenv("LORA_SWEEP_CACHE", str(tmp_path / "cache"))
     path = write_study(tmp_path, tiny_dirs("llama"), "shaped", budget={"trials": 4})

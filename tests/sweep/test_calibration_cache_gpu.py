@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def test_a_cached_plan_on_cuda_loads_no_weights(tiny_dirs, tmp_path, monkeypatch) -> None:
     from click.testing import CliRunner
 
-    from lora_sweep.sweep.cli import cli
+    from lora_sweep.cli import cli
 
     monkeypatch.setenv("LORA_SWEEP_CACHE", str(tmp_path / "cache"))
     model = {"path": str(tiny_dirs("llama")), "device": "cuda"}

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from lora_sweep.errors import UserError
+from lora_sweep.store.api import ResultsStore, StudyDir, is_feasible
 from lora_sweep.sweep.config.spec import Constraint
 from lora_sweep.sweep.export import select_trial
 from lora_sweep.sweep.status import study_status
-from lora_sweep.sweep.store import ResultsStore, StudyDir, is_feasible
 
 CONSTRAINTS = [{"metric": "adapter_params", "op": "<=", "value": 5000.0}]
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from lora_sweep.cli import cli
 from lora_sweep.errors import DataError, UserError
-from lora_sweep.sweep.cli import cli
+from lora_sweep.store.api import ResultsStore, StudyDir
 from lora_sweep.sweep.config.loader import load_study
-from lora_sweep.sweep.store import ResultsStore, StudyDir
 from lora_sweep.sweep.study import run_study
 from tests.conftest import DEMO_DATA, write_study
 

@@ -28,7 +28,7 @@ def test_a_bad_row_fails_before_the_model_loads(tiny_dirs, tmp_path, monkeypatch
         run_study(spec, log=lambda m: None)
     from click.testing import CliRunner
 
-    from lora_sweep.sweep.cli import cli
+    from lora_sweep.cli import cli
 
     planned = CliRunner().invoke(cli, ["plan", str(path), f"data.{which}={bad}"])
     assert isinstance(planned.exception, DataError) and f"bad-{which}.jsonl:2: " in str(planned.exception)

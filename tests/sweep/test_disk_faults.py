@@ -16,13 +16,13 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
+from lora_sweep.api import examples
+from lora_sweep.cli import main
 from lora_sweep.packer.model.checkpoint import read_adapter
-from lora_sweep.sweep.api import examples
+from lora_sweep.store.api import StudyDir
+from lora_sweep.store.storage import open_storage
 from lora_sweep.sweep.budget import counted
-from lora_sweep.sweep.cli import main
 from lora_sweep.sweep.config.loader import load_study
-from lora_sweep.sweep.storage import open_storage
-from lora_sweep.sweep.store import StudyDir
 from lora_sweep.sweep.study import run_study
 from tests.conftest import write_study
 

@@ -27,8 +27,8 @@ from lora_sweep.packer.model.checkpoint import read_adapter, save_adapter
 from lora_sweep.packer.model.load import load_base
 from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.store.api import ResultsStore, StudyDir
 from lora_sweep.sweep.export import VLLM_RANKS, export_trial, merge_adapter, select_trial, vllm_adapter
-from lora_sweep.sweep.store import ResultsStore, StudyDir
 from tests.conftest import load_adapter
 from tests.reports._study import ROOT, fixture_study
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from lora_sweep.packer.data.rows import ALPACA_PROMPT_NO_INPUT
+from lora_sweep.store.api import TrialRecord
 from lora_sweep.sweep.export import model_card
-from lora_sweep.sweep.store import TrialRecord
 
 CONFIG = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}
 

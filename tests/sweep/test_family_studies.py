@@ -28,9 +28,9 @@ from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.tiny.data import arithmetic_rows, write_jsonl
 from lora_sweep.packer.tiny.models import FAMILIES
+from lora_sweep.store.api import ResultsStore
 from lora_sweep.sweep.config.loader import load_study
 from lora_sweep.sweep.export import export_trial
-from lora_sweep.sweep.store import ResultsStore
 from lora_sweep.sweep.study import run_study
 from tests.conftest import load_adapter, write_study
 
@@ -112,7 +112,7 @@ def test_all_linear_study_exports_an_adapter_peft_loads(tiny_dirs, tmp_path: Pat
 def test_cli_offers_every_family(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    from lora_sweep.sweep.cli import cli
+    from lora_sweep.cli import cli
 
     result = CliRunner().invoke(cli, ["tiny-model", "--family", "phi3", "--out", str(tmp_path / "phi3")])
     assert result.exit_code == 0, result.output

@@ -18,12 +18,12 @@ from optuna.trial import TrialState
 
 from lora_sweep.errors import UserError
 from lora_sweep.packer.model.checkpoint import read_adapter
+from lora_sweep.store.api import ResultsStore, StudyDir
+from lora_sweep.store.storage import JournalFlock, open_storage
 from lora_sweep.sweep.budget import counted
 from lora_sweep.sweep.config.loader import load_study
 from lora_sweep.sweep.config.spec import StudySpec
 from lora_sweep.sweep.ledger import open_study
-from lora_sweep.sweep.storage import JournalFlock, open_storage
-from lora_sweep.sweep.store import ResultsStore, StudyDir
 from lora_sweep.sweep.study import run_study
 from lora_sweep.sweep.worker import study_counts
 from tests.conftest import write_study
@@ -82,7 +82,7 @@ def test_a_writer_killed_holding_the_journal_lock_does_not_delay_the_next(tmp_pa
     path = tmp_path / "optuna.log"
     _journal(path)
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from pathlib import Path; from lora_sweep.sweep.storage import JournalFlock; "
+        "import sys, time; from pathlib import Path; from lora_sweep.store.storage import JournalFlock; "
         f"JournalFlock(Path({str(path)!r})).acquire(); print('held', flush=True); time.sleep(600)")],
         stdout=subprocess.PIPE, text=True)
     try:
@@ -237,7 +237,7 @@ def test_a_finished_studys_rerun_over_a_dead_runs_lock_says_both_and_writes_noth
     spec = _spec(tmp_path, tiny_dirs, "dead")
     run_study(spec, log=lambda m: None)
     sdir = StudyDir(spec.out_dir)
-    dead = subprocess.run([sys.executable, "-c", "import os, sys; from lora_sweep.sweep.store import StudyDir; "
+    dead = subprocess.run([sys.executable, "-c", "import os, sys; from lora_sweep.store.api import StudyDir; "
                            "StudyDir(sys.argv[1]).acquire(); os._exit(9)", str(sdir.root)])
     assert dead.returncode == 9
     before = sdir.results_db.read_bytes(), (sdir.root / "timing.json").read_bytes()

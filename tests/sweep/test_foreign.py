@@ -56,7 +56,7 @@ def test_axolotl_lora_1b_runs_a_small_study(tiny_dirs, tmp_path, caplog) -> None
 def test_an_axolotl_configs_wandb_keys_log_to_wandb_offline_with_no_key_of_ours(tiny_dirs, tmp_path, caplog,
                                                                                 monkeypatch) -> None:
     need_module("wandb", "wandb")
-    from lora_sweep.sweep import api
+    from lora_sweep import api
     from tests.sweep.trackers.readers import wandb_logged
 
     monkeypatch.setenv("WANDB_SILENT", "true")

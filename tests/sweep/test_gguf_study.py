@@ -12,9 +12,9 @@ import torch
 import yaml
 from click.testing import CliRunner
 
+from lora_sweep.cli import cli, main
 from lora_sweep.errors import ConfigError
 from lora_sweep.packer.model.gguf import MANIFEST
-from lora_sweep.sweep.cli import cli, main
 from lora_sweep.sweep.config.loader import load_study
 from tests.conftest import write_study
 from tests.packer.model._gguf import write_tiny_gguf

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from lora_sweep.store.api import ResultsStore
 from lora_sweep.sweep.config.loader import load_study
-from lora_sweep.sweep.store import ResultsStore
 from lora_sweep.sweep.study import run_study
 from tests.conftest import optuna_study, write_study
 

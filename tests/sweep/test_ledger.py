@@ -9,8 +9,8 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
+from lora_sweep.store.api import ResultsStore, attrs
 from lora_sweep.sweep.ledger import ORPHAN_REASON, Ledger, is_default, orphans
-from lora_sweep.sweep.store import ResultsStore, attrs
 
 
 @pytest.fixture
@@ -106,9 +106,9 @@ def test_heartbeat_thread_beats_the_live_trials(ledger: Ledger) -> None:
 def test_storage_url_is_the_shared_one_the_studys_or_the_directorys(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
+    from lora_sweep.store.api import StudyDir
+    from lora_sweep.store.storage import Sharing
     from lora_sweep.sweep.ledger import storage_url
-    from lora_sweep.sweep.storage import Sharing
-    from lora_sweep.sweep.store import StudyDir
 
     sdir = StudyDir(tmp_path / "run")
     assert storage_url(SimpleNamespace(storage=None), sdir) == sdir.optuna_url  # type: ignore[arg-type]

@@ -69,7 +69,7 @@ def test_a_sharded_plan_counts_one_ranks_share_of_the_base_per_gpu(tiny_dirs, tm
     assert plan_pack(unsharded, pm, gpus=2).predicted_peak_bytes == one.predicted_peak_bytes  # shard: none
     from click.testing import CliRunner
 
-    from lora_sweep.sweep.cli import cli
+    from lora_sweep.cli import cli
 
     sharded = tmp_path / "sharded.yaml"
     result = CliRunner().invoke(cli, ["plan", str(sharded), "--gpus", "2"])

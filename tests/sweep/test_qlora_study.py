@@ -16,8 +16,8 @@ from lora_sweep.packer.model.checkpoint import read_adapter
 from lora_sweep.packer.model.load import load_base
 from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.store.api import ResultsStore
 from lora_sweep.sweep.config.loader import load_study
-from lora_sweep.sweep.store import ResultsStore
 from lora_sweep.sweep.study import run_study
 from tests.conftest import load_adapter, need_module, write_study
 
@@ -75,7 +75,7 @@ def test_a_qlora_study_runs_and_its_merge_is_the_nf4_model(tiny_dirs, tmp_path) 
 def test_plan_of_a_qlora_study_measures_the_nf4_base(tiny_dirs, tmp_path) -> None:
     from click.testing import CliRunner
 
-    from lora_sweep.sweep.cli import cli
+    from lora_sweep.cli import cli
     from lora_sweep.sweep.planning import plan_pack
 
     model_dir = tiny_dirs("llama")

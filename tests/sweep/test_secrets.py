@@ -10,7 +10,7 @@ from pathlib import Path
 
 from sqlalchemy.engine import make_url
 
-from lora_sweep.sweep.store import redact_url, strip_password
+from lora_sweep.store.api import redact_url, strip_password
 from tests.conftest import write_study
 from tests.helpers import server_url
 

@@ -10,10 +10,10 @@ import pytest
 import yaml
 
 from lora_sweep.errors import UserError
+from lora_sweep.store.api import ResultsStore, StudyDir
 from lora_sweep.sweep.config.loader import load_study
 from lora_sweep.sweep.config.spec import Budget
 from lora_sweep.sweep.session import own_directory, record_spec, spec_changes, spec_record
-from lora_sweep.sweep.store import ResultsStore, StudyDir
 from tests.conftest import write_study
 
 

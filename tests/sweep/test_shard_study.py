@@ -18,9 +18,9 @@ import torch
 from optuna.trial import TrialState
 from safetensors.torch import load_file
 
+from lora_sweep.api import run
+from lora_sweep.cli import _main
 from lora_sweep.errors import ConfigError
-from lora_sweep.sweep.api import run
-from lora_sweep.sweep.cli import _main
 from lora_sweep.sweep.config.loader import load_study
 from lora_sweep.sweep.study import run_study
 from tests.conftest import optuna_study, write_study

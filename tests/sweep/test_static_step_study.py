@@ -4,9 +4,9 @@ CPU), and says so: in the log, on the pack's row of results.db, in ``sweep statu
 from __future__ import annotations
 
 from lora_sweep.reports.html import build_report
+from lora_sweep.store.api import ResultsStore, StudyDir
 from lora_sweep.sweep.config.loader import load_study
 from lora_sweep.sweep.status import study_status
-from lora_sweep.sweep.store import ResultsStore, StudyDir
 from lora_sweep.sweep.study import run_study
 from tests.conftest import write_study
 

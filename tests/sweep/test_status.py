@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from lora_sweep.store.api import ResultsStore, StudyDir
 from lora_sweep.sweep.status import render, study_status
-from lora_sweep.sweep.store import ResultsStore, StudyDir
 
 WHY = ("FalconForCausalLM (sdpa attention, base ops eager, dropout): RuntimeError: Cannot copy between CPU and CUDA "
        "tensors during CUDA graph capture unless the CPU tensor is pinned. (at falcon/modeling_falcon.py:283 in "

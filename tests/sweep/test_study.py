@@ -17,9 +17,9 @@ import torch
 import yaml
 from optuna.trial import TrialState
 
+from lora_sweep.store.api import StudyDir
+from lora_sweep.store.storage import open_storage
 from lora_sweep.sweep.config.loader import load_study
-from lora_sweep.sweep.storage import open_storage
-from lora_sweep.sweep.store import StudyDir
 from lora_sweep.sweep.study import run_study
 from tests.conftest import optuna_study, write_study
 
@@ -159,7 +159,7 @@ def test_bad_study_file_exits_2_with_one_line(tiny_dirs, tmp_path, case: str) ->
 def test_plan_and_status_commands(tiny_dirs, tmp_path) -> None:
     from click.testing import CliRunner
 
-    from lora_sweep.sweep.cli import cli
+    from lora_sweep.cli import cli
 
     path = write_study(tmp_path, tiny_dirs("llama"), name="planned", budget={"trials": 3})
     runner = CliRunner()
@@ -317,10 +317,10 @@ def test_second_run_on_a_directory_in_use_exits_2_and_the_first_finishes(tiny_di
 
 
 def test_a_dead_runs_lock_is_taken_over(tmp_path) -> None:
-    from lora_sweep.sweep.store import DirectoryInUse
+    from lora_sweep.store.api import DirectoryInUse
 
     sdir = StudyDir(tmp_path / "study")
-    dead = subprocess.run([sys.executable, "-c", "import sys; from lora_sweep.sweep.store import StudyDir; "
+    dead = subprocess.run([sys.executable, "-c", "import sys; from lora_sweep.store.api import StudyDir; "
                            "StudyDir(sys.argv[1]).acquire(); import os; os._exit(9)", str(sdir.root)],
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert dead.returncode == 9 and json.loads(sdir.lock.read_text())["pid"] > 0  # killed holding it
@@ -350,7 +350,7 @@ def test_a_directory_an_earlier_version_started_on_sqlite_resumes_from_it(tiny_d
 
 def test_overrides_are_recorded_and_a_changed_fixed_key_is_refused_on_resume(tiny_dirs, tmp_path) -> None:
     from lora_sweep.errors import UserError
-    from lora_sweep.sweep.store import ResultsStore
+    from lora_sweep.store.api import ResultsStore
 
     path = write_study(tmp_path, tiny_dirs("llama"), name="recorded", budget={"trials": 1},
                        train={"max_steps": 12, "micro_batch": 2}, pruning={"kind": "none"}, pack={"max_slots": 1})
@@ -385,7 +385,7 @@ def test_plan_rejects_targets_the_model_lacks_as_run_does(tiny_dirs, tmp_path) -
 def test_plan_reports_the_spread_of_its_time_measurements(tiny_dirs, tmp_path) -> None:
     from click.testing import CliRunner
 
-    from lora_sweep.sweep.cli import cli
+    from lora_sweep.cli import cli
 
     path = write_study(tmp_path, tiny_dirs("llama"), name="spread", budget={"trials": 3})
     result = CliRunner().invoke(cli, ["plan", str(path), "--calibrations", "3"])
@@ -398,7 +398,7 @@ def test_plan_reports_the_spread_of_its_time_measurements(tiny_dirs, tmp_path) -
 
 
 def test_progress_final_frame_tokens_per_s_and_eta(tiny_dirs, tmp_path) -> None:
-    from lora_sweep.sweep.store import ResultsStore
+    from lora_sweep.store.api import ResultsStore
 
     frames = []
     spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name="frames", budget={"trials": 4},
@@ -473,7 +473,7 @@ def test_ctrl_c_and_sigterm_say_that_running_again_resumes(tiny_dirs, tmp_path, 
 
 def test_generated_texts_are_stored_per_item_and_sampled_in_the_report(tiny_dirs, tmp_path) -> None:
     from lora_sweep.reports.html import build_report
-    from lora_sweep.sweep.store import ResultsStore
+    from lora_sweep.store.api import ResultsStore
 
     spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name="texts", budget={"trials": 2},
                                   train={"max_steps": 4, "micro_batch": 2}, pruning={"kind": "none"},
@@ -504,7 +504,7 @@ def _html_escape(text: str) -> str:
 def test_device_seconds_are_a_trials_steps_and_its_own_evaluation(tiny_dirs, tmp_path, monkeypatch) -> None:
     """Evaluation made slow (2 s a call): a trial is charged its share of its own evaluation, not its peers'."""
     import lora_sweep.sweep.study
-    from lora_sweep.sweep.store import ResultsStore
+    from lora_sweep.store.api import ResultsStore
 
     real = lora_sweep.sweep.study.evaluate
 
@@ -528,7 +528,7 @@ def test_device_seconds_are_a_trials_steps_and_its_own_evaluation(tiny_dirs, tmp
 
 def test_a_retried_dropout_trial_reproduces_a_fresh_run_bit_for_bit(tiny_dirs, tmp_path) -> None:
     """A run stopped mid-trial, resumed: the retry (dropout 0.05) ends where the same trial run once ends."""
-    from lora_sweep.sweep.store import ResultsStore
+    from lora_sweep.store.api import ResultsStore
 
     common = dict(search={"rank": [4], "lr": [2e-4, 1e-2], "dropout": [0.05]}, budget={"trials": 2},
                   train={"max_steps": 8, "micro_batch": 2}, pruning={"kind": "none"}, pack={"max_slots": 2},
@@ -560,7 +560,7 @@ def test_a_retried_dropout_trial_reproduces_a_fresh_run_bit_for_bit(tiny_dirs, t
 def test_an_oom_mid_pack_shrinks_the_pack_and_keeps_the_budget_exact(tiny_dirs, tmp_path, monkeypatch) -> None:
     """A CUDA out-of-memory error, injected on CPU at the first pack's fourth step with 3 slots training."""
     import lora_sweep.sweep.study
-    from lora_sweep.sweep.store import ResultsStore
+    from lora_sweep.store.api import ResultsStore
 
     real, calls = lora_sweep.sweep.study.train, []
 
@@ -683,7 +683,7 @@ def test_eval_every_scores_the_curve_an_evaluator_declares(tiny_dirs, tmp_path) 
     """``train.eval_every``'s curve is scored by the entry whose evaluator declares it serves one (here a user's,
     named by file), not by a built-in the sweep names: its metric is the curve's and the pruner's intermediate
     values."""
-    from lora_sweep.sweep.store import ResultsStore
+    from lora_sweep.store.api import ResultsStore
 
     (tmp_path / "curve_eval.py").write_text(CURVE_EVALUATOR)
     path = write_study(tmp_path, tiny_dirs("llama"), name="own-curve", train={"max_steps": 4, "micro_batch": 4,

@@ -28,7 +28,7 @@ def slow(tensors, config, out_dir, metadata):  # each write says it started, the
     time.sleep(float(os.environ["WRITE_DELAY"]))
     return write(tensors, config, out_dir, metadata)
 checkpoint._write = slow
-from lora_sweep.sweep.cli import main
+from lora_sweep.cli import main
 main()
 """
 

@@ -196,7 +196,7 @@ def test_the_first_line_comes_before_torch_is_imported(tiny_dirs, tmp_path) -> N
     assert not heavy & set(before), sorted(heavy & set(before))
 
 
-@pytest.mark.parametrize("module", ["lora_sweep.sweep.cli", "lora_sweep.sweep.timing", "lora_sweep.sweep.config._yaml"])
+@pytest.mark.parametrize("module", ["lora_sweep.cli", "lora_sweep.sweep.timing", "lora_sweep.sweep.config._yaml"])
 def test_the_modules_before_the_first_line_import_nothing_heavy(module: str) -> None:
     out = subprocess.run([sys.executable, "-X", "importtime", "-c", f"import {module}"], capture_output=True,
                          text=True, cwd=ROOT, timeout=120)

@@ -14,10 +14,10 @@ from lora_sweep.packer.data.rows import load_examples
 from lora_sweep.packer.data.stream import epoch_steps
 from lora_sweep.packer.model.load import load_base
 from lora_sweep.packer.step.shapes import MAX_BUCKETS, length_buckets
+from lora_sweep.store.attrs import PLANNED_TOKENS, TOKENS
 from lora_sweep.sweep._trial_data import step_lengths
 from lora_sweep.sweep.config.loader import load_study
 from lora_sweep.sweep.config.space import adapter_spec
-from lora_sweep.sweep.store.attrs import PLANNED_TOKENS, TOKENS
 from lora_sweep.sweep.study import run_study
 from tests.conftest import DEMO_DATA, optuna_study, write_study
 
@@ -122,7 +122,7 @@ def test_warmup_ratio_and_steps_per_epoch_resolve_per_trial(tiny_dirs, tmp_path)
 
 
 def test_eval_every_records_a_heldout_curve_and_optuna_intermediates(tiny_dirs, tmp_path) -> None:
-    from lora_sweep.sweep.store import ResultsStore
+    from lora_sweep.store.api import ResultsStore
 
     path = write_study(tmp_path, tiny_dirs("llama"), name="curve", train={"max_steps": 6, "micro_batch": 4,
                                                                           "eval_steps": 2},

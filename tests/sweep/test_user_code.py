@@ -15,6 +15,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from lora_sweep.cli import cli
 from lora_sweep.errors import ConfigError
 from lora_sweep.evaluators.registry import (
     EvalResult,
@@ -24,9 +25,8 @@ from lora_sweep.evaluators.registry import (
     evaluate,
     find,
 )
-from lora_sweep.sweep.cli import cli
+from lora_sweep.store.api import ResultsStore, StudyDir
 from lora_sweep.sweep.config.loader import load_study
-from lora_sweep.sweep.store import ResultsStore, StudyDir
 from lora_sweep.sweep.study import run_study
 from tests.conftest import write_study
 
@@ -190,7 +190,7 @@ def test_a_run_with_a_hanging_evaluator_ends_within_the_wall_time(tiny_dirs, tmp
     the trials it scored failed with the reason, none left RUNNING. Counted from the run's first line (the
     interpreter's and torch's import before it take from 2 s on an idle machine to 30 s on a loaded one)."""
     study = _study(tmp_path, tiny_dirs("llama"), mode="hang", budget={"wall_time": "30s"})
-    proc = subprocess.Popen([sys.executable, "-m", "lora_sweep.sweep.cli", "run", str(study)], cwd=tmp_path,
+    proc = subprocess.Popen([sys.executable, "-m", "lora_sweep.cli", "run", str(study)], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert proc.stdout is not None

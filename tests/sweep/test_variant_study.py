@@ -11,8 +11,8 @@ from optuna.trial import TrialState
 from transformers import AutoModelForCausalLM
 
 from lora_sweep.packer.model.checkpoint import read_adapter
+from lora_sweep.store.api import ResultsStore
 from lora_sweep.sweep.config.loader import load_study
-from lora_sweep.sweep.store import ResultsStore
 from lora_sweep.sweep.study import run_study
 from tests.conftest import write_study
 from tests.helpers import foreign_config

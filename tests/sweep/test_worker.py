@@ -22,13 +22,13 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
+from lora_sweep.store.api import StudyDir
+from lora_sweep.store.attrs import WORKER
+from lora_sweep.store.storage import Sharing, normalize_url
 from lora_sweep.sweep import worker
 from lora_sweep.sweep.affinity import allowed_cpus
 from lora_sweep.sweep.config.loader import load_study
 from lora_sweep.sweep.ledger import open_study
-from lora_sweep.sweep.storage import Sharing, normalize_url
-from lora_sweep.sweep.store import StudyDir
-from lora_sweep.sweep.store.attrs import WORKER
 from tests.helpers import WORKER_ENV, cli, server_url, stored_trials, worker_study
 
 ROOT = Path(__file__).resolve().parents[2]

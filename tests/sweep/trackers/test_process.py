@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-import lora_sweep.sweep.cli as cli
+import lora_sweep.cli as cli
+from lora_sweep import api
 from lora_sweep.errors import ConfigError
-from lora_sweep.sweep import api
 from lora_sweep.sweep.trackers import process
 from tests.conftest import need_module, write_study
 from tests.sweep.trackers.readers import tensorboard_logged

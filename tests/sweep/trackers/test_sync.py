@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from lora_sweep.sweep import api
-from lora_sweep.sweep.store import ResultsStore, StudyDir
+from lora_sweep import api
+from lora_sweep.store.api import ResultsStore, StudyDir
 from tests.conftest import need_module, write_study
 from tests.sweep.trackers.readers import Logged, mlflow_logged, tensorboard_logged, wandb_logged
 

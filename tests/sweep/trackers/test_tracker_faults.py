@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from lora_sweep.sweep import api
+from lora_sweep import api
+from lora_sweep.store.api import ResultsStore, StudyDir
 from lora_sweep.sweep.config.tracking import TrackerSpec
-from lora_sweep.sweep.store import ResultsStore, StudyDir
 from lora_sweep.sweep.trackers import process
 from lora_sweep.sweep.trackers.sync import Syncer
 from tests.conftest import need_module, write_study

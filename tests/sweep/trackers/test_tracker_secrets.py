@@ -1,4 +1,4 @@
-"""A tracking URI's password reaches no output (sweep/store/urls.py, the one masking): a tracked run against a live
+"""A tracking URI's password reaches no output (store/urls.py, the one masking): a tracked run against a live
 MLflow server on 127.0.0.1 with the password in the URL's user information logs there with it, and neither the
 run's output, nor `sweep status`, nor any file of the study directory (study.yaml, results.db, trackers.json, the
 report), nor a parameter or tag of the runs it made holds it."""

@@ -1,9 +1,9 @@
-"""The one masking of secrets (sweep/store/urls.py): every URI's password hidden, in a URI, in a message holding
+"""The one masking of secrets (store/urls.py): every URI's password hidden, in a URI, in a message holding
 URIs, in a record; nothing else changed."""
 
 from __future__ import annotations
 
-from lora_sweep.sweep.store import redact_record, redact_url, strip_password
+from lora_sweep.store.api import redact_record, redact_url, strip_password
 
 SECRET = "hunter2-secret"
 

@@ -1,4 +1,4 @@
-"""Tests of sweep/store/ (results.py, schema.py, directory.py): study-directory layout, results tables, atomic
+"""Tests of store/ (results.py, schema.py, directory.py): study-directory layout, results tables, atomic
 writes, the leaf-import contract."""
 
 import json
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-import lora_sweep.sweep.store as store_module
-from lora_sweep.sweep.store import (
+import lora_sweep.store.api as store_module
+from lora_sweep.store.api import (
     EvalRow,
     ItemRow,
     PruneDecision,
@@ -24,9 +24,9 @@ from lora_sweep.sweep.store import (
     atomic_write_bytes,
     atomic_write_text,
 )
-from lora_sweep.sweep.store.schema import TABLES, columns
+from lora_sweep.store.schema import TABLES, columns
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -384,10 +384,10 @@ def test_atomic_write_failure_keeps_old_content(tmp_path: Path, monkeypatch: pyt
 
 def test_import_is_a_leaf() -> None:
     code = (
-        "import sys, lora_sweep.sweep.store\n"
+        "import sys, lora_sweep.store.api\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in {'torch', 'optuna', 'yaml', 'triton', 'plotly'} "
-        "or m.split('.')[:2] in (['lora_sweep', n] for n in ('packer', 'kernels', 'evaluators', 'reports')) "
-        "or (m.startswith('lora_sweep.sweep.') and not m.startswith('lora_sweep.sweep.store')))\n"
+        "or m.split('.')[:2] in (['lora_sweep', n] for n in ('sweep', 'packer', 'kernels', 'evaluators', 'reports', "
+        "'benchmarks', 'cli', 'api')))\n"
         "print(','.join(bad))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
@@ -405,7 +405,7 @@ def test_numpy_scalars_become_numbers(store: ResultsStore) -> None:
 
 
 def test_pareto_front_reads_each_objective_in_its_direction() -> None:
-    from lora_sweep.sweep.store import pareto_front
+    from lora_sweep.store.api import pareto_front
 
     points = [(0, [1.0, 5.0]), (1, [2.0, 9.0]), (2, [1.0, 5.0]), (3, [3.0, 2.0]), (4, [0.5, 1.0])]
     assert pareto_front(points, ["minimize", "maximize"]) == [0, 1, 2, 4]  # 3 loses to 1 on both

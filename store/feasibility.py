@@ -6,7 +6,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from lora_sweep.sweep.store.schema import TrialRecord
+from lora_sweep.store.schema import TrialRecord
 
 __all__ = ["constraint_violation", "is_feasible", "pareto_front", "constraint_text", "best_trials"]
 

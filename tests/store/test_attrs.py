@@ -1,13 +1,13 @@
-"""sweep/store/attrs.py: the one table of Optuna attribute keys, and no module spelling a key itself."""
+"""store/attrs.py: the one table of Optuna attribute keys, and no module spelling a key itself."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-from lora_sweep.sweep.store import attrs
+from lora_sweep.store.api import attrs
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 _SETTERS = {"set_user_attr", "set_system_attr", "set_trial_user_attr", "set_trial_system_attr"}
 _READERS = {"user_attrs", "system_attrs"}
 
@@ -52,13 +52,14 @@ def _reads_attrs(node: ast.AST) -> bool:
 
 
 def test_no_module_spells_an_attribute_key() -> None:
-    table = REPO / "sweep" / "store" / "attrs.py"
+    table = REPO / "store" / "attrs.py"
     offenders = []
-    for path in sorted([*(REPO / "sweep").rglob("*.py"), *(REPO / "reports").rglob("*.py")]):
+    folders = [p for folder in ("sweep", "store", "reports") for p in (REPO / folder).rglob("*.py")]
+    for path in sorted([*folders, REPO / "cli.py", REPO / "api.py"]):
         if path != table:
             offenders += [f"{path.relative_to(REPO)}:{line}: {key!r}" for line, key in _literal_keys(
                 ast.parse(path.read_text()))]
-    assert not offenders, "use the constants of sweep.store.attrs:\n" + "\n".join(offenders)
+    assert not offenders, "use the constants of store.attrs:\n" + "\n".join(offenders)
 
 
 def test_the_scan_finds_each_spelling() -> None:

@@ -1,7 +1,7 @@
 """The results store: the layout of a study directory and the flat results tables of one study.
 
 A leaf: it imports no other lora-sweep module and nothing heavy, so the report (which may import only
-``sweep.store``) and every layer of ``sweep`` share it. Its modules:
+``store``) and every layer of ``sweep`` share it. Its modules:
 
     schema       the row classes the tables are derived from; JSON and non-finite values
     results      ``ResultsStore``, typed reads and writes of results.db
@@ -108,8 +108,8 @@ or MySQL) as the truth and rebuild results from it.
 
 from __future__ import annotations
 
-from lora_sweep.sweep.store import attrs
-from lora_sweep.sweep.store.directory import (
+from lora_sweep.store import attrs
+from lora_sweep.store.directory import (
     DirectoryInUse,
     DirectoryLock,
     StudyDir,
@@ -117,9 +117,9 @@ from lora_sweep.sweep.store.directory import (
     atomic_write_text,
     cache_dir,
 )
-from lora_sweep.sweep.store.feasibility import constraint_text, constraint_violation, is_feasible, pareto_front
-from lora_sweep.sweep.store.results import ResultsStore
-from lora_sweep.sweep.store.schema import (
+from lora_sweep.store.feasibility import constraint_text, constraint_violation, is_feasible, pareto_front
+from lora_sweep.store.results import ResultsStore
+from lora_sweep.store.schema import (
     SCHEMA_VERSION,
     EvalRow,
     ItemRow,
@@ -130,8 +130,8 @@ from lora_sweep.sweep.store.schema import (
     TrialRecord,
     reference_trial,
 )
-from lora_sweep.sweep.store.stats import paired_bootstrap, paired_scores
-from lora_sweep.sweep.store.urls import redact_record, redact_url, strip_password
+from lora_sweep.store.stats import paired_bootstrap, paired_scores
+from lora_sweep.store.urls import redact_record, redact_url, strip_password
 
 __all__ = [
     "DirectoryInUse", "DirectoryLock", "EvalRow", "ItemRow", "constraint_text", "constraint_violation",

@@ -1,4 +1,4 @@
-"""``sweep.storage``: every backend keeps the storage contract (``lora_sweep.testing.storage``); SQLite files in
+"""``store.storage``: every backend keeps the storage contract (``lora_sweep.testing.storage``); SQLite files in
 write-ahead-log mode, commits synced as before."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import optuna
 import pytest
 
 from lora_sweep.errors import UserError
-from lora_sweep.sweep.storage import BACKENDS, backend_of, normalize_url, open_storage
+from lora_sweep.store.storage import BACKENDS, backend_of, normalize_url, open_storage
 from lora_sweep.testing.storage import StorageContract
 from tests.conftest import need_module
 from tests.helpers import server_url

@@ -1,7 +1,7 @@
 """A study directory: its layout (``StudyDir``), its owner's lock, and atomic file writes; and the user's cache
 (``cache_dir``).
 
-The layout is documented in ``sweep.store``'s docstring.
+The layout is documented in ``store.api``'s docstring.
 """
 
 from __future__ import annotations

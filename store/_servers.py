@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from lora_sweep.errors import UserError
-from lora_sweep.sweep.store import redact_url
+from lora_sweep.store.urls import redact_url
 
 __all__ = ["CONNECT_TIMEOUT_S", "connect_timeout", "driven_url", "answers"]
 

@@ -33,7 +33,7 @@ def paired_bootstrap(a: Sequence[float], b: Sequence[float], *, confidence: floa
     Raises:
         ValueError: different lengths, no items, or a confidence outside (0, 1).
     """
-    from scipy.stats import bootstrap  # imported here: ``import sweep.store`` stays light
+    from scipy.stats import bootstrap  # imported here: ``import lora_sweep.store.api`` stays light
 
     x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     if x.shape != y.shape or x.ndim != 1 or x.size == 0:

@@ -127,7 +127,7 @@ def _run_here(study: str, spec: StudySpec, split: WallSplit, profile: str | None
     """``sweep run`` in this process (no --workers, no --join): the run with its progress, the summary, the report,
     and the command's split (``--profile``: with the profiler's window of steps). ``allow``: (--allow-changes,
     --allow-data-change)."""
-    from lora_sweep.sweep import api
+    from lora_sweep import api
     from lora_sweep.sweep._faults import about
     from lora_sweep.sweep.live import LiveProgress
 
@@ -166,7 +166,7 @@ def _import_engine(split: WallSplit) -> None:
             with split.part(f"import:{name}"):
                 importlib.import_module(name)
         with split.part("import:engine"):
-            for name in ("lora_sweep.sweep.study", "lora_sweep.sweep.api", "lora_sweep.sweep.live"):
+            for name in ("lora_sweep.sweep.study", "lora_sweep.api", "lora_sweep.sweep.live"):
                 importlib.import_module(name)
 
 
@@ -223,9 +223,9 @@ def _join(spec: StudySpec, storage: str | None, heartbeat: float, grace: float, 
     """
     import os
 
+    from lora_sweep.store.api import DirectoryInUse, StudyDir, strip_password
+    from lora_sweep.store.storage import Sharing
     from lora_sweep.sweep.live import LiveProgress
-    from lora_sweep.sweep.storage import Sharing
-    from lora_sweep.sweep.store import DirectoryInUse, StudyDir, strip_password
     from lora_sweep.sweep.worker import run_worker, with_storage
 
     try:
@@ -249,8 +249,8 @@ def _join(spec: StudySpec, storage: str | None, heartbeat: float, grace: float, 
 
 def _run_workers(study: str, overrides: tuple[str, ...], spec: StudySpec, workers: int, storage: str | None,
                  heartbeat: float, grace: float, quiet: bool, allow_changes: bool) -> None:
+    from lora_sweep.store.api import StudyDir
     from lora_sweep.sweep.session import own_directory
-    from lora_sweep.sweep.store import StudyDir
     from lora_sweep.sweep.worker import with_storage
 
     spec, url = with_storage(spec, storage)
@@ -315,10 +315,10 @@ def worker(study: str, overrides: tuple[str, ...], storage: str | None, out: str
 
     if cpus is not None:
         pin(cpus)  # before the imports below bring torch in, and before it starts its CPU threads
+    from lora_sweep.store.storage import Sharing
     from lora_sweep.sweep._faults import about
     from lora_sweep.sweep.live import LiveProgress
     from lora_sweep.sweep.ranks import follow, torchrun_channel
-    from lora_sweep.sweep.storage import Sharing
     from lora_sweep.sweep.worker import run_worker, with_storage
 
     if heartbeat <= 0 or grace <= heartbeat:
@@ -432,7 +432,7 @@ def plan(study: str, overrides: tuple[str, ...], calibrations: int, gpus: int | 
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def status(study_dir: str, as_json: bool) -> None:
     """Counts by state, best trials and packs of the study in STUDY_DIR."""
-    from lora_sweep.sweep.api import open_results
+    from lora_sweep.api import open_results
 
     info = open_results(study_dir).status()
     if as_json:
@@ -482,7 +482,7 @@ def model_command(name: str, out: str, dtype: str) -> None:
 @click.option("--out", type=click.Path(dir_okay=False), help="HTML file to write (default: STUDY_DIR/report.html).")
 def report(study_dir: str, out: str | None) -> None:
     """Write the self-contained HTML report of the study in STUDY_DIR (opens offline)."""
-    from lora_sweep.sweep.api import write_report
+    from lora_sweep.api import write_report
 
     click.echo(f"report: {write_report(study_dir, out)}")
 
@@ -523,7 +523,7 @@ def export(study_dir: str, trial: int | None, best: bool, objective: str | None,
 @click.option("--out", type=click.Path(file_okay=False), help="Directory to create (must not exist or be empty).")
 def example(name: str | None, out: str | None) -> None:
     """Copy the shipped example study NAME with its data into --out (without NAME: list the examples)."""
-    from lora_sweep.sweep.api import copy_example, examples
+    from lora_sweep.api import copy_example, examples
 
     if name is None:
         click.echo("\n".join(examples()))

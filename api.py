@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lora_sweep.sweep.store import ResultsStore, StudyDir, TrialRecord
-from lora_sweep.sweep.store.feasibility import best_trials
+from lora_sweep.store.api import ResultsStore, StudyDir, TrialRecord
+from lora_sweep.store.feasibility import best_trials
 
 if TYPE_CHECKING:
     from lora_sweep.sweep.config.spec import StudySpec
@@ -27,7 +27,7 @@ __all__ = ["load_study", "run", "open_results", "Results", "export", "write_repo
 LOGGER = "lora_sweep"
 """The name of the logger ``run`` writes its lines to (at INFO) when no ``log`` is given."""
 
-STUDIES = Path(__file__).resolve().parents[1] / "studies"
+STUDIES = Path(__file__).resolve().parent / "studies"
 """The example studies and their data: the checkout's studies/, or the installed package's lora_sweep/studies/."""
 
 

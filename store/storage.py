@@ -34,9 +34,10 @@ import optuna
 from optuna.storages import BaseStorage
 
 from lora_sweep.errors import UserError, first_line
-from lora_sweep.sweep._journal import JournalFlock, cut_torn_tail, first_bad_line
-from lora_sweep.sweep._servers import answers, connect_timeout, driven_url
-from lora_sweep.sweep.store import attrs, redact_url
+from lora_sweep.store import attrs
+from lora_sweep.store._journal import JournalFlock, cut_torn_tail, first_bad_line
+from lora_sweep.store._servers import answers, connect_timeout, driven_url
+from lora_sweep.store.urls import redact_url
 
 __all__ = ["Sharing", "StorageBackend", "BACKENDS", "backend_of", "JournalFlock", "cut_torn_tail", "normalize_url",
            "open_storage", "unopenable", "storage_lock", "check_directory", "claim_directory", "last_beat",

@@ -1,4 +1,4 @@
-"""``sweep.storage`` over a database server that accepts connections and never answers: bounded by the connect
+"""``store.storage`` over a database server that accepts connections and never answers: bounded by the connect
 timeout, stopped by SIGTERM, one line naming the masked URL; a bare ``postgresql://`` or ``mysql://`` takes the
 installed driver. (A URL no storage takes, refused before the model loads: tests/sweep/test_battery.py.)"""
 
@@ -12,9 +12,9 @@ from collections.abc import Iterator
 
 import pytest
 
-import lora_sweep.sweep._servers as servers
+import lora_sweep.store._servers as servers
 from lora_sweep.errors import UserError
-from lora_sweep.sweep.storage import normalize_url, open_storage
+from lora_sweep.store.storage import normalize_url, open_storage
 from tests.conftest import need_module, write_study
 from tests.helpers import cli
 

@@ -1,4 +1,4 @@
-"""``sweep.cli``'s entry point: exit codes, the teardown-free exit after a CUDA run, the report's preload."""
+"""``cli``'s entry point: exit codes, the teardown-free exit after a CUDA run, the report's preload."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-import lora_sweep.sweep.cli as cli
+import lora_sweep.cli as cli
 
 
 def test_main_returns_on_success_and_exits_2_on_a_user_error(tmp_path, capsys) -> None:
@@ -35,7 +35,7 @@ def test_only_the_entry_point_of_a_cuda_command_leaves_without_teardown(monkeypa
 
 def test_leave_runs_the_atexit_handlers_flushes_and_exits_with_the_code() -> None:
     code = ("import atexit, sys; atexit.register(lambda: print('handler ran')); "
-            "from lora_sweep.sweep.cli import _leave; sys.stdout.write('buffered, no newline'); _leave(3)")
+            "from lora_sweep.cli import _leave; sys.stdout.write('buffered, no newline'); _leave(3)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 3
     assert done.stdout == "buffered, no newlinehandler ran\n"
@@ -80,7 +80,7 @@ def test_a_sigterm_whose_exception_python_swallowed_stops_the_run_at_its_next_st
 def _policy_in_a_command(env: dict[str, str]) -> str:
     """OMP_WAIT_POLICY as `sweep --help`, run as the console entry point, leaves it for torch's OpenMP runtime."""
     code = ("import os, sys; sys.argv = ['sweep', '--help']\n"
-            "from lora_sweep.sweep.cli import main\n"
+            "from lora_sweep.cli import main\n"
             "main()\n"
             "import torch  # the runtime reads the policy here\n"
             "print(os.environ.get('OMP_WAIT_POLICY'), file=sys.stderr)")

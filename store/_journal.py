@@ -1,7 +1,7 @@
 """A journal file storage's own machinery: the lock its appends are made under and the repair of a torn last record.
 
 Optuna's ``JournalStorage`` over a ``JournalFileBackend`` appends each change to one file as a JSON line, synced.
-``sweep.storage``'s journal backend opens it with ``JournalFlock`` as the writer lock, sets a torn tail aside first
+``store.storage``'s journal backend opens it with ``JournalFlock`` as the writer lock, sets a torn tail aside first
 (``cut_torn_tail``) and names the first undecodable record of a journal damaged before its end (``first_bad_line``).
 """
 
@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from lora_sweep.sweep.store import atomic_write_bytes
+from lora_sweep.store.directory import atomic_write_bytes
 
 __all__ = ["JournalFlock", "cut_torn_tail", "first_bad_line"]
 

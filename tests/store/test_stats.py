@@ -1,11 +1,11 @@
-"""sweep/store/stats.py: the one paired bootstrap (status and report), against intervals computed by hand."""
+"""store/stats.py: the one paired bootstrap (status and report), against intervals computed by hand."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from lora_sweep.sweep.store.stats import paired_bootstrap, paired_scores
+from lora_sweep.store.stats import paired_bootstrap, paired_scores
 
 
 def test_interval_of_a_hand_computed_resampling_distribution() -> None:

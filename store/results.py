@@ -1,4 +1,4 @@
-"""``ResultsStore``: typed reads and writes of results.db (the schema is in ``sweep.store``'s docstring)."""
+"""``ResultsStore``: typed reads and writes of results.db (the schema is in ``store.api``'s docstring)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import sqlite_utils
 
-from lora_sweep.sweep.store.schema import (
+from lora_sweep.store.schema import (
     SCHEMA_VERSION,
     STEP_WORDS,
     TABLES,

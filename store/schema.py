@@ -1,6 +1,6 @@
 """The rows of results.db and how values travel through SQLite: the tables are derived from the row classes.
 
-The tables, their columns and the JSON conventions are documented in ``sweep.store``'s docstring.
+The tables, their columns and the JSON conventions are documented in ``store.api``'s docstring.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from lora_sweep.sweep.store.attrs import BASELINE, DEFAULT
+from lora_sweep.store.attrs import BASELINE, DEFAULT
 
 __all__ = ["SCHEMA_VERSION", "STEP_WORDS", "TrialRecord", "StepRow", "EvalRow", "ItemRow", "PackRecord", "SlotSpan",
            "PruneDecision", "TABLES", "columns", "to_json", "from_json", "plain", "now_or", "reference_trial"]
