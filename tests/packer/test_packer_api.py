@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import lora_sweep.packer.api as api
+from tests.conftest import PACKAGE_FOLDERS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,9 +66,10 @@ def test_the_face_contract_forbids_every_other_packer_module() -> None:
 def _imported_from_the_face() -> set[str]:
     """Names the package's modules outside packer/ (sweep, evaluators, the entry points ...) import from the face."""
     names: set[str] = set()
-    for path in ROOT.rglob("*.py"):
-        if {"packer", "tests"} & set(path.relative_to(ROOT).parts[:1]):
-            continue
+    # the package's own files only: a clone may hold a build/ tree, a .venv or models beside them
+    paths = [*ROOT.glob("*.py"), *(p for folder in PACKAGE_FOLDERS if folder != "packer"
+                                   for p in (ROOT / folder).rglob("*.py"))]
+    for path in paths:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module == "lora_sweep.packer.api":
                 names.update(a.name for a in node.names)
