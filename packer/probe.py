@@ -179,11 +179,19 @@ per-parameter costs a pack of any size repeats; a second slot would double every
 
 def _step(pm: PackedModel, spec: AdapterSpec, rows: list[Example], pad_id: int, steps: int,
           options: dict[str, Any]) -> float:
+    """Seconds of one step of the probe pack as a run takes it: from the first step's report to the last's (each
+    read back at once), without ``train``'s set-up of the slots, their store and their optimizer state, which a run
+    pays once per pack and which, spread over a probe's two steps, made a CPU plan's step 2.5x the run's. The whole
+    call over ``steps`` where a single step leaves no interval."""
     jobs = [SlotJob(spec, FixedBatch(rows))] + [SlotJob(spec, FixedBatch([])) for _ in range(PROBE_SLOTS - 1)]
+    stamps: list[float] = []
     t0 = time.perf_counter()
-    train(pm, PROBE_SLOTS, lambda slot: jobs.pop(0) if jobs else None, pad_id=pad_id, **options)
+    train(pm, PROBE_SLOTS, lambda slot: jobs.pop(0) if jobs else None, pad_id=pad_id, readback_every=1,
+          on_step=lambda reports: stamps.append(time.perf_counter()), **options)
     if pm.device.type == "cuda":
         torch.cuda.synchronize(pm.device)
+    if len(stamps) >= 2:
+        return (stamps[-1] - stamps[0]) / (len(stamps) - 1)
     return (time.perf_counter() - t0) / steps
 
 

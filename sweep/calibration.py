@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 __all__ = ["calibrated", "cached_calibration", "cache_dir", "calibration_key",
            "trains_dora", "probe_dropout", "CALIBRATION_VERSION", "SHARD_WORLDS", "cached_lengths", "cache_lengths"]
 
-CALIBRATION_VERSION = 4
+CALIBRATION_VERSION = 5
 """Bump when ``packer.probe.calibrate`` measures differently: older cache entries are then not read."""
 SHARD_WORLDS = (2, 4, 8)
 """World sizes whose FSDP share the cache keeps (a host's GPUs); others are computed from the loaded model."""
