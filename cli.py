@@ -393,6 +393,7 @@ def plan(study: str, overrides: tuple[str, ...], calibrations: int, gpus: int | 
         load_and_calibrate,
         padded_mean_length,
         plan_report,
+        step_mean_length,
         target_sets,
         train_lengths,
     )
@@ -422,8 +423,8 @@ def plan(study: str, overrides: tuple[str, ...], calibrations: int, gpus: int | 
         models, where, base, tokenizer = load_and_calibrate(spec, device, calibrations, gpus,
                                                             log=lambda m: click.echo(m, err=True))
     lengths, examples = train_lengths(spec, tokenizer)
-    mean_len = padded_mean_length(lengths, spec.train.micro_batch)
-    click.echo(plan_report(spec, models, where, base, device, mean_len=mean_len, examples=examples,
+    click.echo(plan_report(spec, models, where, base, device, mean_len=step_mean_length(spec, lengths),
+                           eval_len=padded_mean_length(lengths, spec.train.micro_batch), examples=examples,
                            gpus=gpus).table())
 
 

@@ -55,7 +55,13 @@ if TYPE_CHECKING:
         read_jsonl,
         tokenize_rows,
     )
-    from lora_sweep.packer.data.stream import adapter_stream, epoch_steps, stream_tokens, target_tokens
+    from lora_sweep.packer.data.stream import (
+        adapter_stream,
+        epoch_steps,
+        row_lengths,
+        stream_tokens,
+        target_tokens,
+    )
     from lora_sweep.packer.families import FAMILY_NAMES
     from lora_sweep.packer.loss import slot_losses
     from lora_sweep.packer.model import QUANTIZE
@@ -91,7 +97,7 @@ _WHERE: dict[str, tuple[str, ...]] = {
     "data.rows": ("ALPACA_PROMPT", "ALPACA_PROMPT_NO_INPUT", "FORMATS", "IGNORE_INDEX", "Example", "SlotStream",
                   "json_error", "load_examples", "read_jsonl", "tokenize_rows"),
     "data.lines": ("iter_lines", "line_bound"),
-    "data.stream": ("adapter_stream", "epoch_steps", "stream_tokens", "target_tokens"),
+    "data.stream": ("adapter_stream", "epoch_steps", "row_lengths", "stream_tokens", "target_tokens"),
     "families": ("FAMILY_NAMES",),
     "loss": ("slot_losses",),
     "model.checkpoint": ("CONFIG_NAME", "WEIGHTS_NAME", "AdapterWriter", "discard_adapter", "read_adapter"),

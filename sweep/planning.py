@@ -50,7 +50,7 @@ from lora_sweep.sweep.schedule import Schedule, eval_rows, eval_seconds, expecte
 __all__ = ["auto_slots", "check_targets", "largest_rank", "PlanReport", "plan_pack", "plan_report", "trial_micro_steps",
            "target_sets", "MEMORY_FRACTION", "MAX_AUTO_SLOTS", "calibrated", "cached_calibration", "cache_dir",
            "calibration_key", "train_lengths", "load_and_calibrate", "eval_seconds", "eval_rows",
-           "pack_schedule"]
+           "pack_schedule", "padded_mean_length", "step_mean_length"]
 
 MEMORY_FRACTION = 0.85
 """Share of the device's available memory a pack may plan for (the rest: fragmentation, evaluation)."""
@@ -238,11 +238,13 @@ def plan_pack(spec: StudySpec, pm: PackedModel, *, mean_len: float | None = None
 
 def plan_report(spec: StudySpec, models: list[MemoryModel], where: str, base: BaseShape, device: str, *,
                 mean_len: float | None = None, examples: Sequence[Example] | None = None,
-                gpus: int = 1) -> PlanReport:
+                gpus: int = 1, eval_len: float | None = None) -> PlanReport:
     """Size the pack from calibrated ``models`` (the median step's one; ``where``: the calibration line) and the base's
     ``base`` shape: no model needed, so a plan from the cache loads no weights. The time counts every trial's
     micro-batches (``trial_micro_steps``: optimizer steps x accumulation; with ``train.epochs``, from ``examples``).
-    With ``pack.shard: fsdp`` over ``gpus`` > 1 the memory is per GPU: the base's share of one rank
+    ``eval_len``: the held-out rows' mean padded length where it differs from a training step's row (``mean_len``:
+    sample packing packs training rows, not held-out ones). With ``pack.shard: fsdp`` over ``gpus`` > 1 the memory
+    is per GPU: the base's share of one rank
     (``packer.model.shard.base_share``) in place of the whole base, beside the replicated slots.
 
     Raises:
@@ -274,7 +276,7 @@ def plan_report(spec: StudySpec, models: list[MemoryModel], where: str, base: Ba
     load_peak, note = _load_peak(spec, base, gpus) if shard else (0, "")
     peak = mm.pack_peak(base, slots, rank, micro * seq) + base_delta
     evals, eval_note = (None, "") if schedule is None else eval_seconds(
-        spec, mm, base.forward_s, schedule, eval_rows(spec), mean_len or seq)
+        spec, mm, base.forward_s, schedule, eval_rows(spec), eval_len or mean_len or seq)
     return PlanReport(device, slots, rank, micro, seq, available, max(peak, load_peak), mm, step_s,
                       None if steps is None else steps * step_s, steps,
                       (min(times), max(times)) if len(models) > 1 else None, len(models), spec.model.quantize,
@@ -375,6 +377,16 @@ def load_and_calibrate(spec: StudySpec, device: str, calibrations: int, gpus: in
                                                                imports_s=imports_s)
     base = dataclasses.replace(base, forward_s=times.forward_s, load_s=times.load_s, imports_s=times.imports_s)
     return models, where, base, tokenizer
+
+
+def step_mean_length(spec: StudySpec, lengths: list[int]) -> float:
+    """Mean padded length per row of the study's steps from its training examples' ``lengths``: of the examples, or
+    with ``train.sample_packing`` of the packed rows they make (``packer.api.row_lengths``)."""
+    from lora_sweep.packer.api import row_lengths
+
+    train = spec.train
+    adapter = AdapterSpec(micro_batch=train.micro_batch, sample_packing=train.sample_packing)
+    return padded_mean_length(row_lengths(lengths, adapter, spec.seed, spec.data.max_length), train.micro_batch)
 
 
 def padded_mean_length(lengths: list[int], rows: int, samples: int = 50, seed: int = 0) -> float:

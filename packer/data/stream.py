@@ -15,7 +15,7 @@ from lora_sweep.packer.data.packing import SamplePackedStream, batches_per_epoch
 from lora_sweep.packer.data.rows import IGNORE_INDEX, Example, SlotStream
 from lora_sweep.packer.plan import AdapterSpec
 
-__all__ = ["adapter_stream", "epoch_steps", "stream_tokens", "target_tokens"]
+__all__ = ["adapter_stream", "epoch_steps", "row_lengths", "stream_tokens", "target_tokens"]
 
 
 def target_tokens(row: Any) -> int:
@@ -42,6 +42,16 @@ def epoch_steps(examples: Sequence[Example], adapter: AdapterSpec, epochs: float
     if max_per_epoch is not None:
         per_epoch = min(per_epoch, max_per_epoch)
     return max(1, math.ceil(epochs * per_epoch))
+
+
+def row_lengths(lengths: Sequence[int], adapter: AdapterSpec, seed: int, row_len: int) -> list[int]:
+    """Token lengths of the rows a slot of ``adapter`` trains on, from its examples' lengths alone (a plan has no
+    rows): the examples themselves, or with sample packing the rows one epoch's packing makes of them (nearly
+    ``row_len`` each, where a plan that took the examples' lengths counted a step's tokens several times too few)."""
+    if not adapter.sample_packing or not lengths:
+        return list(lengths)
+    shaped = [Example(tuple(range(n)), tuple(range(n))) for n in lengths]  # only the lengths count for the packing
+    return [len(row.input_ids) for row in SamplePackedStream(shaped, 1, seed, row_len).epoch_rows(0)]
 
 
 def stream_tokens(examples: Sequence[Example], adapter: AdapterSpec, seed: int, row_len: int,

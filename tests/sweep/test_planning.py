@@ -8,7 +8,7 @@ from lora_sweep.packer.data.packing import batches_per_epoch
 from lora_sweep.packer.data.rows import load_examples
 from lora_sweep.packer.model.load import load_base
 from lora_sweep.sweep.config.loader import load_study
-from lora_sweep.sweep.planning import trial_micro_steps
+from lora_sweep.sweep.planning import padded_mean_length, step_mean_length, trial_micro_steps
 from tests.conftest import write_study
 
 
@@ -36,6 +36,17 @@ def test_epochs_count_the_data_as_a_trial_does(tiny_dirs, tmp_path) -> None:
     assert trial_micro_steps(spec, 4, examples) == 2 * math.ceil(batches / 2) * 2  # 2 epochs, accumulation 2
     capped = _spec(tmp_path, tiny_dirs("llama"), epochs=2, max_steps_per_epoch=3, gradient_accumulation_steps=2)
     assert trial_micro_steps(capped, 4, examples) == 2 * 3 * 2
+
+
+def test_a_sample_packed_study_times_steps_of_packed_rows(tiny_dirs, tmp_path) -> None:
+    """With ``train.sample_packing`` a step holds packed rows of up to ``data.max_length`` tokens, not the examples:
+    the plan's tokens per row are the packed rows' (the Axolotl example's plan counted a step's tokens 8x too few)."""
+    lengths = [6, 10, 5, 15, 8, 12, 7, 11] * 8
+    plain = _spec(tmp_path, tiny_dirs("llama"))
+    assert step_mean_length(plain, lengths) == padded_mean_length(lengths, 4)
+    packed = _spec(tmp_path, tiny_dirs("llama"), sample_packing=True)
+    assert packed.data.max_length >= 32 and max(lengths) < packed.data.max_length
+    assert step_mean_length(packed, lengths) > 0.75 * packed.data.max_length > 2 * padded_mean_length(lengths, 4)
 
 
 def test_a_sharded_plan_counts_one_ranks_share_of_the_base_per_gpu(tiny_dirs, tmp_path) -> None:

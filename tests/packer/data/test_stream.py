@@ -9,7 +9,7 @@ import pytest
 
 from lora_sweep.packer.data.packing import SamplePackedStream
 from lora_sweep.packer.data.rows import IGNORE_INDEX, Example, SlotStream
-from lora_sweep.packer.data.stream import adapter_stream, epoch_steps, stream_tokens
+from lora_sweep.packer.data.stream import adapter_stream, epoch_steps, row_lengths, stream_tokens
 from lora_sweep.packer.plan import AdapterSpec
 
 
@@ -55,3 +55,18 @@ def test_the_tokens_are_the_target_tokens_of_the_first_micro_batches() -> None:
     drawn = [r for _ in range(3) for r in stream.next_batch()]
     expected = sum(sum(1 for label in r.labels[1:] if label != IGNORE_INDEX) for r in drawn)
     assert stream_tokens(rows, adapter, 7, 16, 3) == expected > 0
+
+
+def test_row_lengths_are_the_examples_or_the_rows_packing_makes_of_them() -> None:
+    """A plan has only the examples' lengths: with sample packing a step's rows are the packed ones, as long as the
+    slot's own stream packs them (same seed, same row length)."""
+    examples = _examples()
+    lengths = [len(e.input_ids) for e in examples]
+    plain = AdapterSpec(micro_batch=2)
+    assert row_lengths(lengths, plain, seed=5, row_len=16) == lengths
+    packed = AdapterSpec(micro_batch=2, sample_packing=True)
+    rows = row_lengths(lengths, packed, seed=5, row_len=16)
+    stream = adapter_stream(examples, packed, 5, 16)
+    assert isinstance(stream, SamplePackedStream)
+    assert rows == [len(r.input_ids) for r in stream.epoch_rows(0)]
+    assert sum(rows) == sum(lengths) and max(rows) <= 16 and len(rows) < len(lengths)
