@@ -25,9 +25,16 @@ def test_main_returns_on_success_and_exits_2_on_a_user_error(tmp_path, capsys) -
 def test_only_the_entry_point_of_a_cuda_command_leaves_without_teardown(monkeypatch, argv, cuda, leaves) -> None:
     import torch
 
+    from lora_sweep.evaluators import registry
+
     left: list[int] = []
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: cuda)
     monkeypatch.setattr(cli, "_leave", left.append)
+    # what earlier commands in this process left (an export written, a hung evaluator's thread: other tests of the
+    # same pytest worker) would also make the entry point leave: none here
+    monkeypatch.setattr(cli, "_FINISHED", [])
+    monkeypatch.setattr(cli, "_SPLIT_CLOSED", [])
+    monkeypatch.setattr(registry, "abandoned", lambda: [])
     monkeypatch.setattr(sys, "argv", ["sweep", "status", "--help"])
     cli.main(argv)
     assert left == ([0] if leaves else [])
