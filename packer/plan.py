@@ -13,7 +13,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from lora_sweep.errors import ConfigError
+from lora_sweep.packer import variants as _variants
+from lora_sweep.packer.variants import INITS, Variant, require
 
 __all__ = ["AdapterSpec", "ALL_LINEAR", "SCHEDULES", "INITS", "MemoryModel", "adapter_param_count",
            "ADAPTER_BYTES_PER_PARAM", "BaseShape"]
@@ -34,10 +35,6 @@ SCHEDULES = (
 
 MAX_RANK = 256
 
-INITS = ("kaiming", "gaussian", "pissa", "olora")
-"""A's and B's initialisation, PEFT's ``init_lora_weights``: ``kaiming`` (PEFT's ``True``: A Kaiming-uniform with
-a = sqrt(5), B zero), ``gaussian`` (A normal with std 1/r, B zero), ``pissa`` (A, B from the base weight's
-principal singular vectors) or ``olora`` (from its QR decomposition)."""
 _INIT_ALIASES = {"true": "kaiming", "default": "kaiming"}
 """Spellings of PEFT's default initialisation (``init_lora_weights: true``)."""
 
@@ -122,25 +119,24 @@ class AdapterSpec:
         _check(isinstance(self.sample_packing, bool), "sample_packing", "must be true or false", self.sample_packing)
         _check(self.max_grad_norm is None or self.max_grad_norm > 0, "max_grad_norm", "must be > 0 or null",
                self.max_grad_norm)
-        ratio = self.lr_ratio
-        _check(isinstance(ratio, int | float) and not isinstance(ratio, bool) and math.isfinite(ratio) and ratio > 0,
-               "lr_ratio", "must be > 0", ratio)
-        _check(isinstance(self.dora, bool), "dora", "must be true or false", self.dora)
-        _check(self.init in INITS, "init", f"must be one of {', '.join(INITS)} (or true: kaiming)", self.init)
-        _check(not (self.principal and self.dropout > 0), "init", f"{self.init} needs dropout 0 (the frozen "
-               "principal part is a term of the LoRA branch here, and would see the dropped input)", self.init)
+        _variants.check(self)  # the variants' own fields: lr_ratio, dora, init (packer.variants)
 
     @property
     def principal(self) -> bool:
         """Whether A and B start from the base weight's principal part (``pissa``, ``olora``), which the pack keeps
         as a frozen correction ``-s B0 A0`` beside the shared base (``packer.model.principal``)."""
-        return self.init in ("pissa", "olora")
+        return _variants.principal.VARIANT.applies(self)
+
+    @property
+    def variants(self) -> tuple[Variant, ...]:
+        """The slot's adapter variants (``packer.variants.of``), which the pack's call sites ask."""
+        return _variants.of(self)
 
     @property
     def rows(self) -> int:
         """Rows of A and B^T the slot's forward reads per layer: its rank, and as many again for the frozen
-        principal correction of ``pissa`` / ``olora``."""
-        return 2 * self.rank if self.principal else self.rank
+        principal correction of ``pissa`` / ``olora`` (a variant's ``rows``)."""
+        return max([self.rank, *(v.rows(self) for v in self.variants if v.rows is not None)])
 
     @property
     def scale(self) -> float:
@@ -148,9 +144,7 @@ class AdapterSpec:
         return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
 
 
-def _check(ok: bool, key: str, rule: str, value: object) -> None:
-    if not ok:
-        raise ConfigError(f"{key}: {rule} (got {value!r})")
+_check = require
 
 
 ADAPTER_BYTES_PER_PARAM = 16

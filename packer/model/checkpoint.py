@@ -46,19 +46,17 @@ def adapter_config(pm: PackedModel, slot: int, base_model_name_or_path: str) -> 
     spec = pm.specs[slot]
     paths = pm.slot_paths[slot]
     conv1d = any(isinstance(pm.layers[p].base, Conv1D) for p in paths)  # GPT-2 stores W as (D_in, D_out)
-    return {
+    config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_name_or_path,
-        # a principal init is saved as PEFT converts it: a plain LoRA of rank 2r against the original base, alpha
-        # scaled to keep s (``packer.model.principal``)
-        "r": spec.rows,
-        "lora_alpha": spec.alpha * (spec.rows / spec.rank) ** (0.5 if spec.rslora else 1.0),
+        "r": spec.rank,
+        "lora_alpha": float(spec.alpha),
         "use_rslora": spec.rslora,
         "lora_dropout": spec.dropout,
         "target_modules": sorted({p.rsplit(".", 1)[-1] for p in paths}),
         "bias": "none",
-        "use_dora": spec.dora,
+        "use_dora": False,
         "fan_in_fan_out": conv1d,
         "modules_to_save": None,
         "rank_pattern": {},
@@ -68,6 +66,10 @@ def adapter_config(pm: PackedModel, slot: int, base_model_name_or_path: str) -> 
         "layers_pattern": None,
         "inference_mode": True,
     }
+    for variant in spec.variants:  # a principal init's rank 2r, as PEFT converts it; DoRA's use_dora
+        if variant.peft_config is not None:
+            variant.peft_config(spec, config)
+    return config
 
 
 SAVE_THREADS = 8
@@ -179,9 +181,10 @@ def _snapshot(pm: PackedModel, slot: int, dtype: torch.dtype | None) -> _Snapsho
         rows = pm.layers[path].slot_weights(slot)
         names += [f"base_model.model.{path}.lora_A.weight", f"base_model.model.{path}.lora_B.weight"]
         parts += [rows.a.detach(), rows.bt.detach().T]
-    for path, m in pm.slot_magnitudes(slot).items():  # DoRA: PEFT's key of the (D_out,) magnitude
-        names.append(f"base_model.model.{path}.lora_magnitude_vector")
-        parts.append(m.detach())
+    for variant in pm.specs[slot].variants:  # DoRA: PEFT's key of the (D_out,) magnitude
+        for path, t in (variant.peft_tensors(pm, slot) if variant.peft_tensors is not None else {}).items():
+            names.append(f"base_model.model.{path}.{variant.peft_key}")
+            parts.append(t.detach())
     dtype = dtype or parts[0].dtype
     sizes = [p.numel() for p in parts]
     gathered = torch.empty(sum(sizes), dtype=dtype, device=parts[0].device)  # (sum of sizes,): a fresh buffer

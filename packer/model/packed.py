@@ -28,11 +28,8 @@ from lora_sweep.errors import ConfigError
 from lora_sweep.kernels.ops import IMPLS, Impl, PackLayout, resolve_impl
 from lora_sweep.packer.loss import plain_output_head
 from lora_sweep.packer.model.fuse import fuse_base_ops
-from lora_sweep.packer.model.initial import init_a
 from lora_sweep.packer.model.inject import inject, resolve_targets
 from lora_sweep.packer.model.layer import PackedLoRALinear, PackState
-from lora_sweep.packer.model.magnitude import base_weight
-from lora_sweep.packer.model.principal import write_principal
 from lora_sweep.packer.model.store import SlotStore, rank_bucket_for
 from lora_sweep.packer.plan import AdapterSpec
 
@@ -119,27 +116,29 @@ class PackedModel:
         return params
 
     def _create_weights(self, slot: int, spec: AdapterSpec, paths: list[str]) -> list[nn.Parameter]:
-        """PEFT's init (A by ``spec.init``, ``packer.model.initial``, from the slot's own generator; B zero; a
-        principal init's A0, B0 and frozen removal rows, ``packer.model.principal``) into the slot's rows of the store,
-        every other row of the slot zeroed first (``packer.model.store``); a DoRA slot's magnitudes start at the base
-        weight's column norms. The generator lives on the pack's device: the same seed gives the same weights on the
-        same kind of device (one CPU generator drawing a large pack's A weights took longer than a training step of
-        them)."""
+        """The slot's variants' init (``packer.variants``: A by ``spec.init`` from the slot's own generator and B
+        zero, or a principal init's A0, B0 and frozen removal rows) into the slot's rows of the store, every other row
+        of the slot zeroed first (``packer.model.store``); then their per-slot buffers' start (a DoRA slot's
+        magnitudes at the base weight's column norms). The generator lives on the pack's device: the same seed gives
+        the same weights on the same kind of device (one CPU generator drawing a large pack's A weights took longer
+        than a training step of them)."""
         store = self.store
         if store is None or slot >= store.capacity or spec.rows > store.rank_bucket:
             store = self.ensure_store(max(slot + 1, store.capacity if store is not None else 0), spec.rows)
         generator = torch.Generator(device=self.device).manual_seed(spec.seed)
-        store.reset_slot(slot, spec.dora)
+        variants = spec.variants
+        store.reset_slot(slot, variants)
         self.state.mag = store.mag  # made by the first DoRA slot
         params: list[nn.Parameter] = []
         for path in paths:
             a, bt, grad_a, grad_bt = store.slot_rows(slot, path, spec.rows)
-            if spec.principal:
-                write_principal(a, bt, self.layers[path].base, spec, path)
-            else:
-                init_a(a, spec, generator)
-            if spec.dora:
-                store.mag.start(slot, path, base_weight(self.layers[path].base))
+            base = self.layers[path].base
+            for v in variants:  # one variant initialises A and B^T (lora, principal); others start their buffers
+                if v.init is not None:
+                    v.init(a, bt, base, spec, path, generator)
+            for v in variants:
+                if v.start is not None:
+                    v.start(store.states[v], slot, spec, path, base)
             params += self.layers[path].add_slot(slot, a, bt, grad_a, grad_bt, trained=spec.rank)
         return params
 

@@ -54,6 +54,7 @@ from lora_sweep.packer.model.inject import inject, resolve_targets
 from lora_sweep.packer.model.layer import PackedLoRALinear, PackState
 from lora_sweep.packer.model.magnitude import Magnitudes, torch_term, triton_rescale
 from lora_sweep.packer.plan import ALL_LINEAR
+from lora_sweep.packer.variants import SlotState, Variant
 
 __all__ = ["SlotStore", "rank_bucket_for", "ShapeBuffers", "OPT_FIELDS", "SEG_INT", "SEG_FLT", "slot_losses",
            "head_losses", "fused_loss_head", "shift_targets"]
@@ -133,9 +134,9 @@ class SlotStore:
             self.bt[p] = self._leaf(ob, rows, d_out)
             segs += [(oa, d_in, 0), (ob, d_out, 1)]
         self.segs = torch.tensor(segs, dtype=torch.int64, device=device)  # (S, 3): offset, width, B^T (LoRA+'s lr)
-        self.mag: Magnitudes | None = None
-        """DoRA's per-slot magnitudes (``packer.model.magnitude``), made when the first DoRA
-        slot arrives: a pack without one holds none (16 B per output feature, slot and layer)."""
+        self.states: dict[Variant, SlotState] = {}
+        """Variant -> its per-slot buffers (``Variant.state``), made when the first slot of the variant arrives: a
+        pack without one holds none."""
         self.active: frozenset[str] = frozenset()
         """Paths some live slot targets; the others run their base projection alone."""
         self.shape: ShapeBuffers | None = None
@@ -193,10 +194,22 @@ class SlotStore:
         (_, _, m_a, v_a), (_, _, m_bt, v_bt) = self._views(self.a[path]), self._views(self.bt[path])
         return m_a[r0:r0 + rank], v_a[r0:r0 + rank], m_bt[r0:r0 + rank], v_bt[r0:r0 + rank]
 
+    @property
+    def mag(self) -> Magnitudes | None:
+        """DoRA's per-slot magnitudes (``packer.model.magnitude``; 16 B per output feature, slot and layer) once the
+        store has held a DoRA slot, else None: the forward's rescale term reads them."""
+        return next((s for v, s in self.states.items() if v.name == "dora"), None)  # type: ignore[return-value]
+
+    @property
+    def variant_key(self) -> tuple[str, ...]:
+        """Names of the variants whose buffers the store holds: each adds work to the step (a part of its key)."""
+        return tuple(v.name for v in self.states)
+
     @torch.no_grad()
-    def reset_slot(self, slot: int, dora: bool = False) -> None:
+    def reset_slot(self, slot: int, variants: tuple[Variant, ...] = ()) -> None:
         """Zero the slot's rows (weights, gradients, moments) in every layer: a fresh slot starts from the zero
-        padding the layout relies on.
+        padding the layout relies on. The buffers of ``variants`` (the slot's) are made if the store has none yet;
+        the slot's share of every variant's buffers is reset, on for its own.
 
         One multi-tensor zero over views kept per slot: a ``zero_`` per view (4 buffers x 2 leaves x 210 layers
         of SmolLM2) took seconds of host time over a sweep, with the GPU idle at each refill."""
@@ -205,10 +218,11 @@ class SlotStore:
             self._slot_rows[slot] = [buf[r0:r1] for p in self.paths for leaf in (self.a[p], self.bt[p])
                                      for buf in self._views(leaf)]
         torch._foreach_zero_(self._slot_rows[slot])
-        if dora and self.mag is None:
-            self.mag = Magnitudes(self.layers, self.capacity, self.device)
-        if self.mag is not None:
-            self.mag.reset_slot(slot, dora)
+        for variant in variants:
+            if variant.state is not None and variant not in self.states:
+                self.states[variant] = variant.state(self)
+        for variant, state in self.states.items():
+            state.reset_slot(slot, variant in variants)
 
     def _views(self, leaf: nn.Parameter) -> list[torch.Tensor]:
         """The leaf's rows in all four buffers (weights, gradients, exp_avg, exp_avg_sq)."""
@@ -219,10 +233,10 @@ class SlotStore:
 
     def copy_slot_from(self, other: SlotStore, slot: int, rank: int, paths: list[str]) -> None:
         """Move a live slot's weights and moments from ``other`` (a smaller bucket) into this store's rows."""
-        if other.mag is not None:
-            if self.mag is None:
-                self.mag = Magnitudes(self.layers, self.capacity, self.device)
-            self.mag.copy_slot_from(other.mag, slot)
+        for variant, state in other.states.items():
+            if variant not in self.states:
+                self.states[variant] = variant.state(self)  # type: ignore[misc]
+            self.states[variant].copy_slot_from(state, slot)
         with torch.no_grad():
             for p in paths:
                 for leaf, old_leaf in ((self.a[p], other.a[p]), (self.bt[p], other.bt[p])):

@@ -7,8 +7,8 @@ learning rates and schedule positions. The host fills the table (``optimizer_row
 step, gets the no-op row (``NOOP``): zero step size, decay 1, betas 1, which leaves weights and moments exactly
 as they were. On the Triton path two kernels do it (``kernels.triton_adamw``); elsewhere a few torch ops per
 layer on ``(C, rows * D)`` views with ``(C, 1)`` columns. DoRA's magnitudes (``packer.model.magnitude``) are one more
-row per slot and layer, in the same clip norm and step. B^T takes its own decay and step size from the row, at
-the slot's learning rate times its LoRA+ ratio (``AdapterSpec.lr_ratio``).
+row per slot and layer, in the same clip norm and step. B^T takes its own decay and step size from the row (LoRA+'s
+ratio); a variant changes its slot's columns (``Variant.optimizer``).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 from lora_sweep.kernels import ops
 from lora_sweep.packer.model.store import ShapeBuffers, SlotStore
 from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.packer.variants import OPT_COLUMNS
 
 __all__ = ["adamw_step", "optimizer_row", "lr_schedule", "NOOP", "ACCUMULATE"]
 
@@ -42,14 +43,17 @@ ACCUMULATE = (*NOOP[:8], 1.0, *NOOP[9:])
 
 def optimizer_row(spec: AdapterSpec, lr: float, step: int) -> tuple[float, ...]:
     """The optimizer table row of a slot taking its ``step``-th update (1-based) at learning rate ``lr``: the
-    scalars ``torch.optim.AdamW``'s foreach path computes, in double as there. B's decay and step size use
-    ``lr * spec.lr_ratio`` (LoRA+: PEFT's ``create_loraplus_optimizer`` puts B in a group of that learning rate,
-    and the schedule scales every group alike)."""
+    scalars ``torch.optim.AdamW``'s foreach path computes, in double as there, for A and B alike; then the slot's
+    variants change their columns (``Variant.optimizer``: LoRA+'s B rate)."""
     b1, b2 = spec.betas
-    lr_b = lr * spec.lr_ratio
-    return (1 - lr * spec.weight_decay, 1 - b1, b2, 1 - b2, (1 - b2 ** step) ** 0.5, spec.eps,
-            -(lr / (1 - b1 ** step)), spec.max_grad_norm if spec.max_grad_norm is not None else math.inf, 0.0,
-            1 - lr_b * spec.weight_decay, -(lr_b / (1 - b1 ** step)))
+    decay, step_size = 1 - lr * spec.weight_decay, -(lr / (1 - b1 ** step))
+    row = dict(zip(OPT_COLUMNS, (decay, 1 - b1, b2, 1 - b2, (1 - b2 ** step) ** 0.5, spec.eps, step_size,
+                                 spec.max_grad_norm if spec.max_grad_norm is not None else math.inf, 0.0, decay,
+                                 step_size), strict=True))
+    for variant in spec.variants:
+        if variant.optimizer is not None:
+            variant.optimizer(spec, row, lr, step)
+    return tuple(row.values())
 
 
 @torch.no_grad()

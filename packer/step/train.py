@@ -257,9 +257,10 @@ def train(
             # its key, or eager.
             dropout = any(a.job.spec.dropout > 0 for a in active.values())
             packed = any(a.job.spec.sample_packing for a in active.values())
-            # the last two: the DoRA rescale, and the number of DoRA slots with dropout (their extra GEMM's shape)
+            # the last two: the variants whose buffers the store holds (each adds work to the step: DoRA's rescale),
+            # and the number of DoRA slots with dropout (their extra GEMM's shape)
             drop = store.mag.stage_dropout(store.host_layout.dropout) if dropout and store.mag is not None else 0
-            key = (*dims, store.active, dropout, packed, store.mag is not None, drop)
+            key = (*dims, store.active, dropout, packed, store.variant_key, drop)
             step = loop.step_fn(pm, store, shape, ring, triton, dropout, packed, chunk)
             graphs.grads = ((store.grad,) + (() if store.mag is None else (store.mag.grad,))
                             if any(a.k > 1 for a in active.values()) else ())

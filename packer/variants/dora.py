@@ -1,0 +1,51 @@
+"""DoRA (Liu et al., 2024; PEFT's ``use_dora``): a trained magnitude per output column over the direction of
+``W + s B A``.
+
+Per-slot buffers: a (D_out,) magnitude per layer in the store (``packer.model.magnitude.Magnitudes``), started at
+the base weight's row norms, stepped with B's columns, saved as PEFT's ``lora_magnitude_vector``. The forward term is
+the store's column rescale (``SlotStore.lora_out``: ``kernels.ops.dora_factors`` / ``dora_scale`` on the Triton path,
+``magnitude.torch_term`` on the torch path).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from lora_sweep.packer.variants.base import Variant, require
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from lora_sweep.packer.model.magnitude import Magnitudes
+    from lora_sweep.packer.model.packed import PackedModel
+    from lora_sweep.packer.model.store import SlotStore
+    from lora_sweep.packer.plan import AdapterSpec
+
+__all__ = ["VARIANT"]
+
+
+def _state(store: SlotStore) -> Magnitudes:
+    from lora_sweep.packer.model.magnitude import Magnitudes  # torch: not while a study file loads
+
+    return Magnitudes(store.layers, store.capacity, store.device)
+
+
+def _start(state: Magnitudes, slot: int, spec: AdapterSpec, path: str, base: nn.Module) -> None:
+    from lora_sweep.packer.model.magnitude import base_weight
+
+    state.start(slot, path, base_weight(base))
+
+
+def _peft_config(spec: AdapterSpec, config: dict[str, Any]) -> None:
+    config["use_dora"] = True
+
+
+def _peft_tensors(pm: PackedModel, slot: int) -> dict[str, torch.Tensor]:
+    return pm.slot_magnitudes(slot)
+
+
+VARIANT = Variant(name="dora", applies=lambda spec: spec.dora,
+                  check=lambda spec: require(isinstance(spec.dora, bool), "dora", "must be true or false", spec.dora),
+                  state=_state, start=_start, peft_config=_peft_config, peft_tensors=_peft_tensors,
+                  peft_key="lora_magnitude_vector")
