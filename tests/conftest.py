@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import random
 import tempfile
-from collections import defaultdict
 from pathlib import Path
 from typing import NoReturn
 
@@ -16,9 +14,8 @@ import pytest
 import torch
 import yaml
 
-from lora_sweep.packer.data.batch import IGNORE_INDEX
-from lora_sweep.packer.data.rows import Example
 from lora_sweep.packer.tiny.models import build_tiny_model
+from lora_sweep.testing.variant import Recorder, random_examples  # noqa: F401  (the suite's, shared)
 
 torch.set_num_threads(1)  # tiny models gain nothing from threads; one keeps timings stable
 # calibrations are cached (sweep.planning.cache_dir): the tests' own, not the user's, shared by their subprocesses
@@ -87,18 +84,6 @@ def tiny_dirs(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
-def random_examples(n: int, seed: int, vocab: int = 300, min_len: int = 6, max_len: int = 24) -> list[Example]:
-    """Synthetic rows of random lengths with a masked prompt, for engine tests that need no text."""
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        length = rng.randint(min_len, max_len)
-        ids = tuple(rng.randrange(3, vocab) for _ in range(length))
-        prompt = rng.randint(1, length - 2)
-        rows.append(Example(ids, (IGNORE_INDEX,) * prompt + ids[prompt:]))
-    return rows
-
-
 def add_slots_random_b(pm, specs: dict, seed: int = 2):  # noqa: ANN001, ANN201
     """Add every slot of ``specs`` ({slot: AdapterSpec}) to ``pm`` with its B drawn at random (PEFT's zero init
     would leave B's gradient alone to check); returns ``pm``."""
@@ -123,26 +108,6 @@ def load_adapter(pm, slot: int, adapter_dir: Path) -> None:  # noqa: ANN001
         for path, (a, b) in weights.items():
             a.copy_(tensors[f"base_model.model.{path}.lora_A.weight"])
             b.copy_(tensors[f"base_model.model.{path}.lora_B.weight"])
-
-
-class Recorder:
-    """``train()`` callbacks that keep each job's per-step losses and its final weights."""
-
-    def __init__(self, pm, snapshot=None) -> None:  # noqa: ANN001
-        self.losses: dict = defaultdict(list)
-        self.final: dict = {}
-        self.global_step = 0
-        self.snapshot = snapshot or (lambda slot: {p: (a.detach().clone(), b.detach().clone())
-                                                   for p, (a, b) in pm.slot_weights(slot).items()})
-
-    def on_step(self, reports) -> None:  # noqa: ANN001
-        self.global_step = reports[0].step + 1
-        for r in reports:
-            self.losses[r.key].append(r.loss)
-
-    def on_end(self, ends) -> None:  # noqa: ANN001
-        for e in ends:
-            self.final[e.job.key] = self.snapshot(e.slot)
 
 
 DEMO_DATA = Path(__file__).resolve().parents[1] / "studies" / "data"
