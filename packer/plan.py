@@ -92,6 +92,9 @@ class AdapterSpec:
     init: str = "kaiming"
     """Initialisation of A and B, one of ``INITS`` (PEFT's ``init_lora_weights``; ``true`` / ``default`` mean
     ``kaiming``)."""
+    lorafa: bool = False
+    """LoRA-FA (PEFT's ``create_lorafa_optimizer``): A frozen at its init, B trained with the projected gradient
+    (``packer.variants.lorafa``)."""
 
     def __post_init__(self) -> None:
         if self.init is True or str(self.init).lower() in _INIT_ALIASES:  # YAML's true, PEFT's default
@@ -119,7 +122,7 @@ class AdapterSpec:
         _check(isinstance(self.sample_packing, bool), "sample_packing", "must be true or false", self.sample_packing)
         _check(self.max_grad_norm is None or self.max_grad_norm > 0, "max_grad_norm", "must be > 0 or null",
                self.max_grad_norm)
-        _variants.check(self)  # the variants' own fields: lr_ratio, dora, init (packer.variants)
+        _variants.check(self)  # the variants' own fields: lr_ratio, dora, init, lorafa (packer.variants)
 
     @property
     def principal(self) -> bool:

@@ -3,7 +3,7 @@
 A variant (``packer.variants.Variant``) is a row: an ``AdapterSpec`` that selects it. The promises::
 
     from lora_sweep.testing.variant import check_variant
-    check_variant(AdapterSpec(rank=2, alpha=4, dora=True, ...))  # AssertionError naming the promise
+    check_variant(AdapterSpec(rank=2, alpha=4, lorafa=True, eps=1e-6, ...))  # AssertionError naming the promise
 
 or, under pytest, a class that subclasses the suite and provides the row (Optuna's ``StorageTestCase`` style)::
 
@@ -15,7 +15,7 @@ or, under pytest, a class that subclasses the suite and provides the row (Optuna
 
 - **alone = PEFT** (``check_alone_is_peft``): the slot trained alone in a pack, per-step losses and final A, B,
   equal PEFT's model of the same config (``run_peft``: ``get_peft_model`` with ``init_lora_weights`` / ``use_dora``,
-  torch AdamW, or PEFT's own LoRA+ optimizer) on the same batches from the same initial A, in fp64;
+  torch AdamW, or PEFT's own LoRA+ / LoRA-FA optimizer) on the same batches from the same initial A, in fp64;
 - **mixed pack = alone** (``check_mixed_is_alone``): beside slots of other variants the slot trains as alone;
 - **Triton = torch** (``check_triton_is_torch``): the Triton step (the interpreter on CPU, ``TRITON_INTERPRET=1`` set
   before the kernels are imported) trains the slot as the torch step, fp32, one decoder layer;
@@ -43,6 +43,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
+from unittest import mock
 
 import pytest
 import torch
@@ -158,8 +159,11 @@ def adamw_steps(model: nn.Module, params: list[nn.Parameter], spec: AdapterSpec,
                 stream: SlotStream) -> tuple[list[float], torch.optim.Optimizer]:
     """``spec.max_steps`` steps of ``model`` (a PEFT model: its loss from ``labels``) on ``stream``'s batches, torch
     AdamW on ``params`` with ``spec``'s clipping and schedule (with a LoRA+ ratio, PEFT's own
-    ``create_loraplus_optimizer``: B in a group of ``lr * lr_ratio``); returns the losses and the optimizer."""
-    if spec.lr_ratio == 1.0:
+    ``create_loraplus_optimizer``: B in a group of ``lr * lr_ratio``; with LoRA-FA, PEFT's ``create_lorafa_optimizer``);
+    returns the losses and the optimizer."""
+    if spec.lorafa:
+        opt = _lorafa_optimizer(model, spec)
+    elif spec.lr_ratio == 1.0:
         opt = torch.optim.AdamW(params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
     else:
         from peft.optimizers import create_loraplus_optimizer
@@ -168,14 +172,15 @@ def adamw_steps(model: nn.Module, params: list[nn.Parameter], spec: AdapterSpec,
                                         loraplus_weight_decay=spec.weight_decay, betas=spec.betas, eps=spec.eps)
     sched = make_scheduler(opt, spec)
     losses = []
-    for _ in range(spec.max_steps):
+    for _ in range(spec.max_steps):  # PEFT's LoRA-FA projects in bf16 wherever bf16 is: the oracle in the test's dtype
         b = collate([0], [stream.next_batch()], PAD, dropout=[0.0], seeds=[0])
         out = model(input_ids=b.input_ids, attention_mask=b.attention_mask, labels=b.labels)
         out.loss.backward()
         losses.append(out.loss.item())
         if spec.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(params, spec.max_grad_norm)
-        opt.step()
+        with mock.patch("peft.optimizers.lorafa.is_bf16_available", lambda: False):
+            opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
     return losses, opt
@@ -219,8 +224,8 @@ def run_peft(model_dir: Path, spec: AdapterSpec, stream: SlotStream, init_a: dic
                 lora[path][0].copy_(a)
     losses, opt = adamw_steps(model, params, spec, stream)
     weights = {path: (a.detach(), b.detach()) for path, (a, b) in lora.items()}
-    moments = {path: tuple((opt.state[w]["exp_avg"], opt.state[w]["exp_avg_sq"]) for w in pair)
-               for path, pair in lora.items()}
+    moments = {} if spec.lorafa else {  # LoRA-FA's optimizer keys its state by module name
+        path: tuple((opt.state[w]["exp_avg"], opt.state[w]["exp_avg_sq"]) for w in pair) for path, pair in lora.items()}
     return PeftRun(losses, weights, moments)  # type: ignore[arg-type]
 
 
@@ -250,6 +255,16 @@ def _residual_in_fp64(model: nn.Module, model_dir: Path, paths: Iterable[str]) -
             layer = model.base_model.model.get_submodule(path)
             b0a0 = layer.lora_B["default"].weight @ layer.lora_A["default"].weight  # (D_out, D_in)
             layer.base_layer.weight.copy_(original.get_submodule(path).weight - layer.scaling["default"] * b0a0)
+
+
+def _lorafa_optimizer(model: nn.Module, spec: AdapterSpec) -> torch.optim.Optimizer:
+    """PEFT's ``create_lorafa_optimizer`` (A frozen, B's gradient projected, HF-style AdamW with betas (0.9, 0.999)
+    and eps 1e-6, which ``spec`` must have for the comparison to hold)."""
+    from peft.optimizers import create_lorafa_optimizer
+
+    assert spec.betas == (0.9, 0.999) and spec.eps == 1e-6, "PEFT's LoRA-FA optimizer fixes betas and eps"
+    return create_lorafa_optimizer(model, r=spec.rank, lora_alpha=spec.alpha, lr=spec.lr,
+                                   weight_decay=spec.weight_decay)
 
 
 def slot_jobs(specs: list[AdapterSpec]) -> list[SlotJob]:

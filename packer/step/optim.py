@@ -8,7 +8,8 @@ step, gets the no-op row (``NOOP``): zero step size, decay 1, betas 1, which lea
 as they were. On the Triton path two kernels do it (``kernels.triton_adamw``); elsewhere a few torch ops per
 layer on ``(C, rows * D)`` views with ``(C, 1)`` columns. DoRA's magnitudes (``packer.model.magnitude``) are one more
 row per slot and layer, in the same clip norm and step. B^T takes its own decay and step size from the row (LoRA+'s
-ratio); a variant changes its slot's columns (``Variant.optimizer``).
+ratio); a variant changes its slot's columns (``Variant.optimizer``) and the pack's gradients before the norm and
+before the step (``Variant.before_norm`` / ``before_step``: LoRA-FA).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ ACCUMULATE = (*NOOP[:8], 1.0, *NOOP[9:])
 def optimizer_row(spec: AdapterSpec, lr: float, step: int) -> tuple[float, ...]:
     """The optimizer table row of a slot taking its ``step``-th update (1-based) at learning rate ``lr``: the
     scalars ``torch.optim.AdamW``'s foreach path computes, in double as there, for A and B alike; then the slot's
-    variants change their columns (``Variant.optimizer``: LoRA+'s B rate)."""
+    variants change their columns (``Variant.optimizer``: LoRA+'s B rate, LoRA-FA's frozen A)."""
     b1, b2 = spec.betas
     decay, step_size = 1 - lr * spec.weight_decay, -(lr / (1 - b1 ** step))
     row = dict(zip(OPT_COLUMNS, (decay, 1 - b1, b2, 1 - b2, (1 - b2 ** step) ** 0.5, spec.eps, step_size,
@@ -66,6 +67,9 @@ def adamw_step(store: SlotStore, shape: ShapeBuffers, triton: bool) -> torch.Ten
     """
     opt, c = shape.opt, store.capacity
     mag = store.mag
+    for variant in store.states:  # device ops on the gradients, before the norm (LoRA-FA: A's dropped)
+        if variant.before_norm is not None:
+            variant.before_norm(store, shape)
     live = None if mag is None else (shape.rank > 0).to(torch.int64)  # (C,) a live slot's one row of m per layer
     if triton:
         sumsq = ops.segmented_sumsq(store.grad, store.segs, shape.rank, store.rank_bucket)
@@ -83,6 +87,9 @@ def adamw_step(store: SlotStore, shape: ShapeBuffers, triton: bool) -> torch.Ten
             sumsq = sumsq + sum(store.mag.views(p)[1].square().sum(dim=1) for p in store.paths)
     norms = sumsq.sqrt()  # type: ignore[union-attr]
     coef = torch.clamp(opt[:, 7] / (norms + 1e-6), max=1.0)  # clip_grad_norm_'s formula, per slot
+    for variant in store.states:  # and after it (LoRA-FA: B's gradient projected)
+        if variant.before_step is not None:
+            variant.before_step(store, shape)
     if triton:
         ops.segmented_adamw_(store.flat, store.grad, store.exp_avg, store.exp_avg_sq, store.segs, shape.rank,
                                  coef, opt, store.rank_bucket)

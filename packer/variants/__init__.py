@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lora_sweep.packer.variants import dora, lora, loraplus, principal
+from lora_sweep.packer.variants import dora, lora, lorafa, loraplus, principal
 from lora_sweep.packer.variants.base import OPT_COLUMNS, SlotState, Variant, require
 
 if TYPE_CHECKING:
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 __all__ = ["BUILT_IN", "INITS", "of", "check", "Variant", "SlotState", "OPT_COLUMNS", "require"]
 
-BUILT_IN: tuple[Variant, ...] = (lora.VARIANT, principal.VARIANT, dora.VARIANT, loraplus.VARIANT)
+BUILT_IN: tuple[Variant, ...] = (lora.VARIANT, principal.VARIANT, dora.VARIANT, loraplus.VARIANT, lorafa.VARIANT)
 """Every variant the pack knows; a slot's are those whose ``applies`` holds."""
 
 INITS = (*lora.INITS, *principal.INITS)

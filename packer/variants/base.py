@@ -11,8 +11,10 @@ hook                    asked by                                         built-i
 ``applies``, ``check``  ``AdapterSpec.__post_init__``: its fields' rules  every one
 ``rows``                ``AdapterSpec.rows``: store and planner rows      ``principal`` (2r)
 ``init``                ``PackedModel``: a slot's A and B^T rows          ``lora`` (kaiming, gaussian), ``principal``
-``state``, ``start``    ``SlotStore``: per-slot buffers of the store      ``dora`` (magnitudes)
-``optimizer``           ``optimizer_row``: the slot's optimizer columns   ``loraplus`` (B's rate)
+``state``, ``start``    ``SlotStore``: per-slot buffers of the store      ``dora`` (magnitudes), ``lorafa`` (gains)
+``optimizer``           ``optimizer_row``: the slot's optimizer columns   ``loraplus`` (B's rate), ``lorafa``
+``before_norm``,        ``adamw_step``: the pack's gradient before the    ``lorafa`` (A frozen, B's gradient
+``before_step``         clip norm, then before the AdamW step             projected)
 ``peft_config``,        ``checkpoint``: ``adapter_config.json`` fields,   ``principal`` (rank 2r), ``dora``
 ``peft_tensors``        the extra tensors of the safetensors file         (``use_dora``, magnitude vectors)
 ======================  ===============================================  ========================================
@@ -20,7 +22,7 @@ hook                    asked by                                         built-i
 A slot's variants are every built-in whose ``applies(spec)`` holds (``packer.variants.of``), so they compose: a DoRA
 slot with PiSSA's init and LoRA+'s ratio asks three. The forward term and its kernel entry stay with the store's
 state (DoRA's column rescale: ``packer.model.magnitude``, ``kernels.triton_dora``); a variant whose forward is plain
-LoRA's (LoRA+) needs none. This module and the variant modules import no torch at module level:
+LoRA's (LoRA+, LoRA-FA) needs none. This module and the variant modules import no torch at module level:
 ``AdapterSpec`` checks its fields with them while a study file loads.
 """
 
@@ -37,7 +39,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from lora_sweep.packer.model.packed import PackedModel
-    from lora_sweep.packer.model.store import SlotStore
+    from lora_sweep.packer.model.store import ShapeBuffers, SlotStore
     from lora_sweep.packer.plan import AdapterSpec
 
 __all__ = ["Variant", "SlotState", "require", "OPT_COLUMNS"]
@@ -100,6 +102,11 @@ class Variant:
     optimizer: Callable[[AdapterSpec, dict[str, float], float, int], None] | None = None
     """Change the slot's optimizer row (``OPT_COLUMNS`` -> value) in place, for its ``step``-th update (1-based) at
     learning rate ``lr``: ``(spec, row, lr, step)``."""
+    before_norm: Callable[[SlotStore, ShapeBuffers], None] | None = None
+    """Change the pack's gradients before the per-slot clip norm is taken (device ops only: the step is captured
+    in a CUDA graph; slots are told apart by the variant's state, never by a host branch on a value)."""
+    before_step: Callable[[SlotStore, ShapeBuffers], None] | None = None
+    """Change the pack's gradients after the norm, before the AdamW step (a linear map commutes with clipping)."""
     peft_config: Callable[[AdapterSpec, dict[str, Any]], None] | None = None
     """Change the slot's ``adapter_config.json`` fields in place."""
     peft_tensors: Callable[[PackedModel, int], dict[str, torch.Tensor]] | None = None

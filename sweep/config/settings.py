@@ -105,6 +105,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("init", "A's and B's initialisation (``packer.plan.INITS``; PEFT's ``init_lora_weights``, whose "
             "``true`` is ``kaiming``).", "choices", axolotl="peft_init_lora_weights", peft="init_lora_weights",
             type="str | bool"),
+    Setting("lorafa", "LoRA-FA: A frozen at its initialisation, B trained with the projected gradient (PEFT's "
+            "``create_lorafa_optimizer``; ``packer.variants.lorafa``).", "choices"),
     Setting("epochs", "Train each trial for this many passes over the training data: its optimizer steps are "
             "``ceil(epochs * ceil(micro-batches per epoch / gradient_accumulation_steps))``; a ``max_steps`` set in "
             "the file (fixed or searched) overrides it, as in HF Trainer.", None, axolotl="num_epochs",

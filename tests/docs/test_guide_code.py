@@ -69,7 +69,8 @@ def test_the_extending_guide_shows_the_four_seams_and_the_contracts() -> None:
                      "docs/examples/extending_storage.py:backend", "docs/examples/extending_storage.py:use",
                      "tests/docs/test_extending.py:evaluator_contract", "tests/docs/test_extending.py:storage_contract",
                      "tests/docs/test_extending.py:check_call", "packer/families.py:family", "packer/families.py:rows",
-                     "packer/tiny/families.py:tiny", "studies/variants.yaml:variants"}
+                     "packer/tiny/families.py:tiny", "studies/variants.yaml:variants",
+                     "packer/variants/lorafa.py:variant", "tests/testing/test_variant_suite.py:rows"}
 
 
 def test_a_block_that_differs_from_its_file_is_stale(tmp_path: Path) -> None:

@@ -83,3 +83,22 @@ def test_the_axolotl_config_with_peft_use_dora_runs_and_its_adapter_loads_in_pef
     assert cfg["use_dora"] is True and any(k.endswith(".lora_magnitude_vector") for k in tensors)
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tiny_dirs("llama"))), str(adapter))
     assert model.peft_config["default"].use_dora
+
+
+def test_a_study_searching_lorafa_trains_both_and_saves_plain_peft_adapters(tiny_dirs, tmp_path) -> None:
+    """``lorafa`` is a searchable name (``sweep/config/settings.py``): each trial trains, and a LoRA-FA trial's
+    adapter is a plain PEFT LoRA (PEFT has no LoRA-FA config field)."""
+    model_dir = tiny_dirs("llama")
+    path = write_study(tmp_path, model_dir, "lorafa", search={"lorafa": [False, True]}, sampler={"name": "grid"},
+                       train={"max_steps": 4, "micro_batch": 2, "rank": 4, "eps": 1e-6}, budget={"trials": 2},
+                       pruning={"kind": "none"}, evaluators=[{"name": "heldout_loss"}],
+                       objectives=[{"metric": "eval_loss", "direction": "minimize"}])
+    spec = load_study(path)
+    run_study(spec, log=lambda m: None)
+    with ResultsStore(spec.out_dir / "results.db", create=False) as store:
+        trials = store.trials()
+    assert sorted(t.params["lorafa"] for t in trials) == [False, True]
+    assert all(t.state == TrialState.COMPLETE.name for t in trials)
+    for t in trials:
+        cfg, tensors = read_adapter(spec.out_dir / t.adapter_path)
+        assert cfg["r"] == 4 and cfg["use_dora"] is False and len(tensors) > 0

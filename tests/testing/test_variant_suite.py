@@ -1,5 +1,5 @@
 """``lora_sweep.testing.variant``: the variant contract runs on every built-in variant (one row each: plain LoRA,
-DoRA, PiSSA, OLoRA and LoRA+), and a broken variant is named by the promise it breaks."""
+DoRA, PiSSA, OLoRA, LoRA+ and LoRA-FA), and a broken variant is named by the promise it breaks."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ need_triton()  # before anything imports the Triton kernel modules (the contract
 
 from lora_sweep.packer.model.magnitude import Magnitudes  # noqa: E402
 from lora_sweep.packer.plan import AdapterSpec  # noqa: E402
+from lora_sweep.packer.variants import lorafa  # noqa: E402
 from lora_sweep.testing.variant import VariantContract, check_alone_is_peft  # noqa: E402
 
 PLAIN = AdapterSpec(rank=2, alpha=4, lr=3e-3, micro_batch=1, targets=("q_proj", "v_proj", "down_proj"), max_steps=8,
@@ -26,6 +27,9 @@ ROWS = {
     "pissa": replace(PLAIN, init="pissa"),
     "olora": replace(PLAIN, init="olora"),
     "loraplus": replace(PLAIN, lr_ratio=8.0),
+    # PEFT's LoRA-FA optimizer fixes betas (0.9, 0.999) and eps 1e-6; the projection makes B's steps larger, hence
+    # the smaller rate
+    "lorafa": replace(PLAIN, lorafa=True, eps=1e-6, lr=1e-3),
 }
 # --8<-- [end:rows]
 """One row per built-in variant (``packer.variants.BUILT_IN``)."""
@@ -50,3 +54,10 @@ def test_a_variant_whose_buffers_start_wrong_breaks_alone_is_peft(monkeypatch: p
     monkeypatch.setattr(Magnitudes, "start", lambda self, slot, path, w: None)
     with pytest.raises(AssertionError, match="alone = PEFT"):
         check_alone_is_peft(ROWS["dora"])
+
+
+def test_lorafa_without_the_scale_of_its_projection_breaks_alone_is_peft(monkeypatch: pytest.MonkeyPatch) -> None:
+    """LoRA-FA's row has teeth too: a projection without its 1/s^2 no longer trains as PEFT's."""
+    monkeypatch.setattr(lorafa.Gains, "start", lambda self, slot, spec: self.gain.__setitem__(slot, 1.0))
+    with pytest.raises(AssertionError, match="alone = PEFT"):
+        check_alone_is_peft(ROWS["lorafa"])
