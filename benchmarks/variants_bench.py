@@ -2,7 +2,7 @@
 against its plain LoRA, in one call on one device.
 
 A variant's cost is its own slots' extra work: LoRA+ none (two more columns of the optimizer table), PiSSA / OLoRA a
-forward over 2r rows (the frozen principal correction, ``packer.model.principal``), DoRA the per-column norm and
+forward over 2r rows (the frozen principal correction, ``packer.variants.decompose``), DoRA the per-column norm and
 magnitude. Random-init models of the SmolLM2 and Llama-3-8B shapes (``benchmarks.shapes``), bf16, SDPA, rank 16 on
 the seven projections, every slot on ``micro`` fixed random rows; the pack's step is the median after warm-up
 (``timing.timed_train``), PEFT's the mean of eager steps (``timing.time_calls``). One JSON line per shape:

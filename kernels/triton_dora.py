@@ -1,7 +1,7 @@
 """DoRA's per-slot column rescale of a packed projection's output: one kernel forward, two backward, and one for
 the factors.
 
-A DoRA slot (``packer.model.magnitude``, PEFT's ``DoraLinearLayer``) rescales each output column of its adapted
+A DoRA slot (``packer.variants.magnitude``, PEFT's ``DoraLinearLayer``) rescales each output column of its adapted
 weight to a trained magnitude m. On the pack's output ``y = W x + b + s B A x`` (``kernels.triton_lora``), with
 ``r = m / ||W + s B A||`` per slot and column (the norm detached, DoRA's section 4.3; r = 1 for a plain slot):
 

@@ -127,7 +127,7 @@ class AdapterSpec:
     @property
     def principal(self) -> bool:
         """Whether A and B start from the base weight's principal part (``pissa``, ``olora``), which the pack keeps
-        as a frozen correction ``-s B0 A0`` beside the shared base (``packer.model.principal``)."""
+        as a frozen correction ``-s B0 A0`` beside the shared base (``packer.variants.decompose``)."""
         return _variants.principal.VARIANT.applies(self)
 
     @property

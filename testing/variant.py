@@ -48,10 +48,9 @@ from unittest import mock
 import pytest
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, get_scheduler
 from transformers.pytorch_utils import Conv1D
 
-from lora_sweep.benchmarks.baseline import make_scheduler
 from lora_sweep.kernels.ops import PackLayout, dropout_seed
 from lora_sweep.kernels.reference import dropout_keep_mask
 from lora_sweep.packer.data.batch import collate
@@ -170,7 +169,8 @@ def adamw_steps(model: nn.Module, params: list[nn.Parameter], spec: AdapterSpec,
 
         opt = create_loraplus_optimizer(model, torch.optim.AdamW, lr=spec.lr, loraplus_lr_ratio=spec.lr_ratio,
                                         loraplus_weight_decay=spec.weight_decay, betas=spec.betas, eps=spec.eps)
-    sched = make_scheduler(opt, spec)
+    name = "constant_with_warmup" if spec.schedule == "constant" else spec.schedule  # transformers' names
+    sched = get_scheduler(name, opt, num_warmup_steps=spec.warmup_steps, num_training_steps=spec.max_steps)
     losses = []
     for _ in range(spec.max_steps):  # PEFT's LoRA-FA projects in bf16 wherever bf16 is: the oracle in the test's dtype
         b = collate([0], [stream.next_batch()], PAD, dropout=[0.0], seeds=[0])

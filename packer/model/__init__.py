@@ -1,8 +1,7 @@
 """The frozen base and its adapter slots: ``packed.PackedModel``; the base's loading in ``load`` (Hugging Face, GGUF
 in ``gguf``, NF4 in ``quant``); the packed LoRA layer (``layer``) and its injection (``inject``), the fused base ops
-(``fuse``), the step's slot store (``store``), the variants' initial weights (``initial``: PEFT's draws, ``principal``:
-PiSSA / OLoRA) and DoRA's magnitudes (``magnitude``), PEFT save (``checkpoint``), FSDP2 sharding (``shard``) and a
-sharded base loaded by rows (``shard_load``)."""
+(``fuse``), the step's slot store (``store``; the adapter variants' inits, buffers and terms are ``packer.variants``),
+PEFT save (``checkpoint``), FSDP2 sharding (``shard``) and a sharded base loaded by rows (``shard_load``)."""
 
 __all__ = ["QUANTIZE"]
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from lora_sweep.kernels.ops import Impl, LayerRanks, PackLayout, packed_lora_eval, packed_lora_eval_linear
 from lora_sweep.kernels.reference import dora_loop
-from lora_sweep.packer.model.magnitude import base_weight
+from lora_sweep.packer.variants.magnitude import base_weight
 
 __all__ = ["PackState", "PackedLoRALinear", "as_rows"]
 
@@ -41,7 +41,7 @@ class PackState:
     """While a fixed-shape step runs (``packer.model.store.SlotStore.stepping``), the store whose tables every
     wrapped layer reads instead of ``layout``; None otherwise."""
     mag: Any = None
-    """While the pack has a slot store, its DoRA magnitudes (``packer.model.magnitude.Magnitudes``), which the
+    """While the pack has a slot store, its DoRA magnitudes (``packer.variants.magnitude.Magnitudes``), which the
     per-batch path applies to DoRA slots; None otherwise."""
 
 
@@ -95,7 +95,7 @@ class PackedLoRALinear(nn.Module):
 
         All four are views of the slot's rows of the store (``PackedModel`` owns it); the forward reads every row.
         Returns the parameters A (r, D_in) and B (D_out, r) of the first ``trained`` rows (None: all), which alias the
-        weights, their ``grad`` the gradients; rows past them are a frozen term (``packer.model.principal``).
+        weights, their ``grad`` the gradients; rows past them are a frozen term (``packer.variants.decompose``).
         """
         r = a.shape[0] if trained is None else trained
         pa, pb = nn.Parameter(a[:r]), nn.Parameter(bt[:r].T)

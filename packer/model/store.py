@@ -52,9 +52,9 @@ from lora_sweep.packer.data.batch import IGNORE_INDEX
 from lora_sweep.packer.loss import plain_output_head
 from lora_sweep.packer.model.inject import inject, resolve_targets
 from lora_sweep.packer.model.layer import PackedLoRALinear, PackState
-from lora_sweep.packer.model.magnitude import Magnitudes, torch_term, triton_rescale
 from lora_sweep.packer.plan import ALL_LINEAR
 from lora_sweep.packer.variants import SlotState, Variant
+from lora_sweep.packer.variants.magnitude import Magnitudes, torch_term, triton_rescale
 
 __all__ = ["SlotStore", "rank_bucket_for", "ShapeBuffers", "OPT_FIELDS", "SEG_INT", "SEG_FLT", "slot_losses",
            "head_losses", "fused_loss_head", "shift_targets"]
@@ -196,7 +196,7 @@ class SlotStore:
 
     @property
     def mag(self) -> Magnitudes | None:
-        """DoRA's per-slot magnitudes (``packer.model.magnitude``; 16 B per output feature, slot and layer) once the
+        """DoRA's per-slot magnitudes (``packer.variants.magnitude``; 16 B per output feature, slot and layer) once the
         store has held a DoRA slot, else None: the forward's rescale term reads them."""
         return next((s for v, s in self.states.items() if v.name == "dora"), None)  # type: ignore[return-value]
 

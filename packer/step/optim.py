@@ -6,7 +6,7 @@ table (``ShapeBuffers.opt``) instead of Python scalars, so that a captured graph
 learning rates and schedule positions. The host fills the table (``optimizer_row``); a free slot, or a warm-up
 step, gets the no-op row (``NOOP``): zero step size, decay 1, betas 1, which leaves weights and moments exactly
 as they were. On the Triton path two kernels do it (``kernels.triton_adamw``); elsewhere a few torch ops per
-layer on ``(C, rows * D)`` views with ``(C, 1)`` columns. DoRA's magnitudes (``packer.model.magnitude``) are one more
+layer on ``(C, rows * D)`` views with ``(C, 1)`` columns. DoRA's magnitudes (``packer.variants.magnitude``) are one more
 row per slot and layer, in the same clip norm and step. B^T takes its own decay and step size from the row (LoRA+'s
 ratio); a variant changes its slot's columns (``Variant.optimizer``) and the pack's gradients before the norm and
 before the step (``Variant.before_norm`` / ``before_step``: LoRA-FA).

@@ -6,13 +6,8 @@ import (``packer.plan`` checks a spec's fields with them while a study file load
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from lora_sweep.packer.variants import dora, lora, lorafa, loraplus, principal
-from lora_sweep.packer.variants.base import OPT_COLUMNS, SlotState, Variant, require
-
-if TYPE_CHECKING:
-    from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.packer.variants.base import OPT_COLUMNS, AdapterSpec, SlotState, Variant, require
 
 __all__ = ["BUILT_IN", "INITS", "of", "check", "Variant", "SlotState", "OPT_COLUMNS", "require"]
 

@@ -21,9 +21,12 @@ hook                    asked by                                         built-i
 
 A slot's variants are every built-in whose ``applies(spec)`` holds (``packer.variants.of``), so they compose: a DoRA
 slot with PiSSA's init and LoRA+'s ratio asks three. The forward term and its kernel entry stay with the store's
-state (DoRA's column rescale: ``packer.model.magnitude``, ``kernels.triton_dora``); a variant whose forward is plain
+state (DoRA's column rescale: ``packer.variants.magnitude``, ``kernels.triton_dora``); a variant whose forward is plain
 LoRA's (LoRA+, LoRA-FA) needs none. This module and the variant modules import no torch at module level:
-``AdapterSpec`` checks its fields with them while a study file loads.
+``AdapterSpec`` checks its fields with them while a study file loads; the torch halves are modules of their own
+(``magnitude``: DoRA's buffers and term, ``decompose``: PiSSA's and OLoRA's factors, ``initial``: PEFT's draws of A),
+imported by the hooks that run them. The variants import nothing else of the packer: ``packer.plan`` and
+``packer.model`` import them.
 """
 
 from __future__ import annotations
@@ -38,11 +41,19 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from lora_sweep.packer.model.packed import PackedModel
-    from lora_sweep.packer.model.store import ShapeBuffers, SlotStore
-    from lora_sweep.packer.plan import AdapterSpec
+__all__ = ["Variant", "SlotState", "require", "OPT_COLUMNS", "AdapterSpec", "PackedModel", "SlotStore",
+           "ShapeBuffers"]
 
-__all__ = ["Variant", "SlotState", "require", "OPT_COLUMNS"]
+# The pack's types a hook receives, by name only: ``packer.plan`` and ``packer.model`` import this package (the
+# specs' checks, the variants' buffers and terms), so importing them here would close an import circle.
+AdapterSpec = Any
+"""A slot's ``packer.plan.AdapterSpec``."""
+PackedModel = Any
+"""The pack, ``packer.model.packed.PackedModel``."""
+SlotStore = Any
+"""The pack's ``packer.model.store.SlotStore``."""
+ShapeBuffers = Any
+"""The step's ``packer.model.store.ShapeBuffers``."""
 
 OPT_COLUMNS = ("decay_a", "w1", "b2", "w2", "bc2", "eps", "step_a", "clip", "keep", "decay_b", "step_b")
 """Names of the optimizer table's columns, in order (``kernels.triton_adamw.OPT_FIELDS`` of them): A's decay

@@ -1,7 +1,7 @@
 """DoRA (Liu et al., 2024; PEFT's ``use_dora``): a trained magnitude per output column over the direction of
 ``W + s B A``.
 
-Per-slot buffers: a (D_out,) magnitude per layer in the store (``packer.model.magnitude.Magnitudes``), started at
+Per-slot buffers: a (D_out,) magnitude per layer in the store (``packer.variants.magnitude.Magnitudes``), started at
 the base weight's row norms, stepped with B's columns, saved as PEFT's ``lora_magnitude_vector``. The forward term is
 the store's column rescale (``SlotStore.lora_out``: ``kernels.ops.dora_factors`` / ``dora_scale`` on the Triton path,
 ``magnitude.torch_term`` on the torch path).
@@ -11,28 +11,25 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from lora_sweep.packer.variants.base import Variant, require
+from lora_sweep.packer.variants.base import AdapterSpec, PackedModel, SlotStore, Variant, require
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from lora_sweep.packer.model.magnitude import Magnitudes
-    from lora_sweep.packer.model.packed import PackedModel
-    from lora_sweep.packer.model.store import SlotStore
-    from lora_sweep.packer.plan import AdapterSpec
+    from lora_sweep.packer.variants.magnitude import Magnitudes
 
 __all__ = ["VARIANT"]
 
 
 def _state(store: SlotStore) -> Magnitudes:
-    from lora_sweep.packer.model.magnitude import Magnitudes  # torch: not while a study file loads
+    from lora_sweep.packer.variants.magnitude import Magnitudes  # torch: not while a study file loads
 
     return Magnitudes(store.layers, store.capacity, store.device)
 
 
 def _start(state: Magnitudes, slot: int, spec: AdapterSpec, path: str, base: nn.Module) -> None:
-    from lora_sweep.packer.model.magnitude import base_weight
+    from lora_sweep.packer.variants.magnitude import base_weight
 
     state.start(slot, path, base_weight(base))
 

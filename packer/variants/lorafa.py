@@ -29,14 +29,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lora_sweep.packer.variants.base import OPT_COLUMNS, Variant, require
+from lora_sweep.packer.variants.base import OPT_COLUMNS, AdapterSpec, ShapeBuffers, SlotStore, Variant, require
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from lora_sweep.packer.model.store import ShapeBuffers, SlotStore
-    from lora_sweep.packer.plan import AdapterSpec
 
 __all__ = ["VARIANT", "Gains", "DELTA"]
 

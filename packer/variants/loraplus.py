@@ -8,12 +8,8 @@ group of that rate; the schedule scales every group alike.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
-from lora_sweep.packer.variants.base import Variant, require
-
-if TYPE_CHECKING:
-    from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.packer.variants.base import AdapterSpec, Variant, require
 
 __all__ = ["VARIANT"]
 

@@ -1,7 +1,7 @@
 """PiSSA and OLoRA: A and B start from the base weight's principal part (``init: pissa | olora``).
 
 PEFT removes the principal part from the base it wraps; a pack shares one base, so each such slot keeps it as a
-frozen correction ``-s B0 A0`` in r more rows of its own (``packer.model.principal``): the slot reads 2r rows per
+frozen correction ``-s B0 A0`` in r more rows of its own (``packer.variants.decompose``): the slot reads 2r rows per
 layer, which the store's bucket and the planner's memory term count (``rows``), and is saved as PEFT converts it,
 a plain LoRA of rank 2r with alpha scaled to keep s (``peft_config``).
 """
@@ -10,13 +10,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from lora_sweep.packer.variants.base import Variant, require
+from lora_sweep.packer.variants.base import AdapterSpec, Variant, require
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from lora_sweep.packer.plan import AdapterSpec
 
 __all__ = ["VARIANT", "INITS"]
 
@@ -35,7 +34,7 @@ def _check(spec: AdapterSpec) -> None:
 
 def _init(a: torch.Tensor, bt: torch.Tensor, base: nn.Module, spec: AdapterSpec, path: str,
           generator: torch.Generator) -> None:
-    from lora_sweep.packer.model.principal import write_principal  # torch: not while a study file loads
+    from lora_sweep.packer.variants.decompose import write_principal  # torch: not while a study file loads
 
     write_principal(a, bt, base, spec, path)
 

@@ -244,7 +244,7 @@ class StudySpec:
             )
 
     def _check_dora(self) -> None:
-        """DoRA trains over the whole float base (its norm reads W), unsharded (``packer.model.magnitude``)."""
+        """DoRA trains over the whole float base (its norm reads W), unsharded (``packer.variants.magnitude``)."""
         off = ("model.quantize: nf4" if self.model.quantize
                else "pack.shard: fsdp" if self.pack.shard != "none" else None)
         if off is not None:

@@ -20,18 +20,22 @@ from tests.helpers import foreign_config
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 
 
-def test_a_study_over_dora_init_and_lr_ratio_runs_and_exports(tiny_dirs, tmp_path) -> None:
-    model_dir = tiny_dirs("llama")
-    path = write_study(tmp_path, model_dir, "variants", search={"dora": [False, True], "init": ["gaussian", "pissa"],
-                                                                 "lr_ratio": [1, 8]},
-                       sampler={"name": "grid"}, train={"max_steps": 4, "micro_batch": 2, "rank": 4},
-                       budget={"trials": 8},
+def _grid_study(tmp_path, model_dir, name: str, search: dict, trials: int, **train):  # noqa: ANN001, ANN202
+    """Every combination of ``search`` trained 4 steps at rank 4 (a grid of ``trials``), scored by held-out loss;
+    returns the loaded spec and the stored trials."""
+    path = write_study(tmp_path, model_dir, name, search=search, sampler={"name": "grid"},
+                       train={"max_steps": 4, "micro_batch": 2, "rank": 4, **train}, budget={"trials": trials},
                        pruning={"kind": "none"}, evaluators=[{"name": "heldout_loss"}],
                        objectives=[{"metric": "eval_loss", "direction": "minimize"}])
     spec = load_study(path)
     run_study(spec, log=lambda m: None)
     with ResultsStore(spec.out_dir / "results.db", create=False) as store:
-        trials = store.trials()
+        return spec, store.trials()
+
+
+def test_a_study_over_dora_init_and_lr_ratio_runs_and_exports(tiny_dirs, tmp_path) -> None:
+    spec, trials = _grid_study(tmp_path, tiny_dirs("llama"), "variants", {"dora": [False, True], "init": [
+        "gaussian", "pissa"], "lr_ratio": [1, 8]}, 8)
     assert len(trials) == 8 and all(t.state == TrialState.COMPLETE.name for t in trials)
     assert {(t.params["dora"], t.params["init"], t.params["lr_ratio"]) for t in trials} == {
         (d, i, r) for d in (False, True) for i in ("gaussian", "pissa") for r in (1, 8)}
@@ -88,15 +92,7 @@ def test_the_axolotl_config_with_peft_use_dora_runs_and_its_adapter_loads_in_pef
 def test_a_study_searching_lorafa_trains_both_and_saves_plain_peft_adapters(tiny_dirs, tmp_path) -> None:
     """``lorafa`` is a searchable name (``sweep/config/settings.py``): each trial trains, and a LoRA-FA trial's
     adapter is a plain PEFT LoRA (PEFT has no LoRA-FA config field)."""
-    model_dir = tiny_dirs("llama")
-    path = write_study(tmp_path, model_dir, "lorafa", search={"lorafa": [False, True]}, sampler={"name": "grid"},
-                       train={"max_steps": 4, "micro_batch": 2, "rank": 4, "eps": 1e-6}, budget={"trials": 2},
-                       pruning={"kind": "none"}, evaluators=[{"name": "heldout_loss"}],
-                       objectives=[{"metric": "eval_loss", "direction": "minimize"}])
-    spec = load_study(path)
-    run_study(spec, log=lambda m: None)
-    with ResultsStore(spec.out_dir / "results.db", create=False) as store:
-        trials = store.trials()
+    spec, trials = _grid_study(tmp_path, tiny_dirs("llama"), "lorafa", {"lorafa": [False, True]}, 2, eps=1e-6)
     assert sorted(t.params["lorafa"] for t in trials) == [False, True]
     assert all(t.state == TrialState.COMPLETE.name for t in trials)
     for t in trials:

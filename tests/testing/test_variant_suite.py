@@ -11,9 +11,9 @@ from tests.conftest import need_triton
 
 need_triton()  # before anything imports the Triton kernel modules (the contract's Triton check)
 
-from lora_sweep.packer.model.magnitude import Magnitudes  # noqa: E402
 from lora_sweep.packer.plan import AdapterSpec  # noqa: E402
 from lora_sweep.packer.variants import lorafa  # noqa: E402
+from lora_sweep.packer.variants.magnitude import Magnitudes  # noqa: E402
 from lora_sweep.testing.variant import VariantContract, check_alone_is_peft  # noqa: E402
 
 PLAIN = AdapterSpec(rank=2, alpha=4, lr=3e-3, micro_batch=1, targets=("q_proj", "v_proj", "down_proj"), max_steps=8,

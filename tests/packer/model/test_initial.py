@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from lora_sweep.packer.model.initial import init_a
 from lora_sweep.packer.model.load import load_base
 from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.packer.variants.initial import init_a
 
 
 @pytest.mark.parametrize("rank", [1, 4, 16])

@@ -12,9 +12,9 @@ from lora_sweep.errors import ConfigError
 from lora_sweep.packer.data.rows import SlotStream
 from lora_sweep.packer.model.load import load_base
 from lora_sweep.packer.model.packed import PackedModel
-from lora_sweep.packer.model.principal import principal_factors
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.step.train import SlotJob, train
+from lora_sweep.packer.variants.decompose import principal_factors
 from tests.conftest import Recorder, random_examples
 
 

@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.packer.variants.base import AdapterSpec
 
 __all__ = ["init_a"]
 

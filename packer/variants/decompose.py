@@ -28,7 +28,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from lora_sweep.errors import ConfigError
-from lora_sweep.packer.plan import AdapterSpec
+from lora_sweep.packer.variants.base import AdapterSpec
 
 __all__ = ["principal_factors", "write_principal"]
 
