@@ -134,6 +134,7 @@ class SlotStore:
             self.bt[p] = self._leaf(ob, rows, d_out)
             segs += [(oa, d_in, 0), (ob, d_out, 1)]
         self.segs = torch.tensor(segs, dtype=torch.int64, device=device)  # (S, 3): offset, width, B^T (LoRA+'s lr)
+        self._mag: Magnitudes | None = None
         self.states: dict[Variant, SlotState] = {}
         """Variant -> its per-slot buffers (``Variant.state``), made when the first slot of the variant arrives: a
         pack without one holds none."""
@@ -198,7 +199,12 @@ class SlotStore:
     def mag(self) -> Magnitudes | None:
         """DoRA's per-slot magnitudes (``packer.variants.magnitude``; 16 B per output feature, slot and layer) once the
         store has held a DoRA slot, else None: the forward's rescale term reads them."""
-        return next((s for v, s in self.states.items() if v.name == "dora"), None)  # type: ignore[return-value]
+        return self._mag
+
+    def _add_state(self, variant: Variant) -> None:
+        self.states[variant] = variant.state(self)  # type: ignore[misc]
+        if variant.name == "dora":  # kept as an attribute: every layer call of the forward asks for it
+            self._mag = self.states[variant]  # type: ignore[assignment]
 
     @property
     def variant_key(self) -> tuple[str, ...]:
@@ -220,7 +226,7 @@ class SlotStore:
         torch._foreach_zero_(self._slot_rows[slot])
         for variant in variants:
             if variant.state is not None and variant not in self.states:
-                self.states[variant] = variant.state(self)
+                self._add_state(variant)
         for variant, state in self.states.items():
             state.reset_slot(slot, variant in variants)
 
@@ -235,7 +241,7 @@ class SlotStore:
         """Move a live slot's weights and moments from ``other`` (a smaller bucket) into this store's rows."""
         for variant, state in other.states.items():
             if variant not in self.states:
-                self.states[variant] = variant.state(self)  # type: ignore[misc]
+                self._add_state(variant)
             self.states[variant].copy_slot_from(state, slot)
         with torch.no_grad():
             for p in paths:
