@@ -9,10 +9,13 @@ from __future__ import annotations
 from lora_sweep.packer.variants import dora, lora, lorafa, loraplus, principal
 from lora_sweep.packer.variants.base import OPT_COLUMNS, AdapterSpec, SlotState, Variant, require
 
-__all__ = ["BUILT_IN", "INITS", "of", "check", "Variant", "SlotState", "OPT_COLUMNS", "require"]
+__all__ = ["BUILT_IN", "FIELDS", "INITS", "of", "check", "Variant", "SlotState", "OPT_COLUMNS", "require"]
 
 BUILT_IN: tuple[Variant, ...] = (lora.VARIANT, principal.VARIANT, dora.VARIANT, loraplus.VARIANT, lorafa.VARIANT)
 """Every variant the pack knows; a slot's are those whose ``applies`` holds."""
+
+FIELDS = tuple(dict.fromkeys(f for v in BUILT_IN for f in v.fields))
+"""The ``AdapterSpec`` fields the variants own, each once."""
 
 INITS = (*lora.INITS, *principal.INITS)
 """A's and B's initialisations, PEFT's ``init_lora_weights``: ``kaiming`` (PEFT's ``True``: A Kaiming-uniform with

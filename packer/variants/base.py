@@ -97,6 +97,8 @@ class Variant:
     """The name a study searches it by (a setting or a value of one)."""
     applies: Callable[[AdapterSpec], bool]
     """Whether a slot of ``spec`` is of this variant."""
+    fields: tuple[str, ...] = ()
+    """The ``AdapterSpec`` fields that select the variant or tune it (a study's settings of the same names)."""
     check: Callable[[AdapterSpec], None] = _nothing
     """Raise ``ConfigError`` naming the key of a value of the variant's fields it refuses (every spec is checked,
     applying or not: a field's value rule holds everywhere)."""

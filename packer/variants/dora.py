@@ -42,7 +42,7 @@ def _peft_tensors(pm: PackedModel, slot: int) -> dict[str, torch.Tensor]:
     return pm.slot_magnitudes(slot)
 
 
-VARIANT = Variant(name="dora", applies=lambda spec: spec.dora,
+VARIANT = Variant(name="dora", applies=lambda spec: spec.dora, fields=("dora",),
                   check=lambda spec: require(isinstance(spec.dora, bool), "dora", "must be true or false", spec.dora),
                   state=_state, start=_start, peft_config=_peft_config, peft_tensors=_peft_tensors,
                   peft_key="lora_magnitude_vector")

@@ -29,4 +29,4 @@ def _init(a: torch.Tensor, bt: torch.Tensor, base: nn.Module, spec: AdapterSpec,
     init_a(a, spec, generator)  # B^T stays the zero the store reset it to
 
 
-VARIANT = Variant(name="lora", applies=lambda spec: spec.init in INITS, init=_init)
+VARIANT = Variant(name="lora", applies=lambda spec: spec.init in INITS, fields=("init",), init=_init)

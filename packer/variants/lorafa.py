@@ -118,6 +118,6 @@ def _before_step(store: SlotStore, shape: ShapeBuffers) -> None:
 
 
 # --8<-- [start:variant]
-VARIANT = Variant(name="lorafa", applies=lambda spec: spec.lorafa, check=_check, state=Gains, start=_start,
-                  optimizer=_optimizer, before_norm=_before_norm, before_step=_before_step)
+VARIANT = Variant(name="lorafa", applies=lambda spec: spec.lorafa, fields=("lorafa",), check=_check, state=Gains,
+                  start=_start, optimizer=_optimizer, before_norm=_before_norm, before_step=_before_step)
 # --8<-- [end:variant]

@@ -26,4 +26,5 @@ def _optimizer(spec: AdapterSpec, row: dict[str, float], lr: float, step: int) -
     row["step_b"] = -(lr_b / (1 - spec.betas[0] ** step))
 
 
-VARIANT = Variant(name="loraplus", applies=lambda spec: spec.lr_ratio != 1.0, check=_check, optimizer=_optimizer)
+VARIANT = Variant(name="loraplus", applies=lambda spec: spec.lr_ratio != 1.0, fields=("lr_ratio",), check=_check,
+                  optimizer=_optimizer)

@@ -10,6 +10,7 @@ resolved before an adapter is built and carry their own. Adding an AdapterSpec f
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields, make_dataclass
@@ -17,6 +18,7 @@ from typing import Any, Literal
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.packer.api import AdapterSpec
+from lora_sweep.packer.variants import FIELDS as VARIANT_FIELDS
 
 __all__ = ["Setting", "SETTINGS", "SEARCHABLE", "RANGED", "TRAIN_ALIASES", "FORMATS", "TrainSpec", "check_value"]
 
@@ -151,6 +153,19 @@ def check_value(name: str, key: str, value: object) -> None:
         AdapterSpec(**{name: value})  # type: ignore[arg-type]
     except ConfigError as e:
         raise ConfigError(f"{key}: {str(e).partition(': ')[2]}") from None
+
+
+def check_variant_combinations(values_of: Callable[[str], set[Any]], searched: set[str], base: dict[str, Any]) -> None:
+    """Refuse a search that can propose a combination of variant settings the packer refuses (LoRA-FA with DoRA):
+    every product of the searched variant settings' values (``values_of``: choices, or a range's ends) over the fixed
+    ``base`` (``TrainSpec.adapter_values``) must be an ``AdapterSpec``, so no trial fails on one mid-run."""
+    names = [n for n in VARIANT_FIELDS if n in searched]
+    for combo in itertools.product(*(sorted(values_of(n), key=repr) for n in names)):
+        try:
+            AdapterSpec(**{**base, **dict(zip(names, combo, strict=True))})
+        except ConfigError as e:
+            proposed = ", ".join(f"{n}: {v}" for n, v in zip(names, combo, strict=True))
+            raise ConfigError(f"search: can propose {proposed}, which is refused ({e})") from None
 
 
 _ADAPTER = {f.name: f for f in fields(AdapterSpec)}

@@ -21,7 +21,7 @@ from typing import Any, Literal
 from lora_sweep.errors import ConfigError
 from lora_sweep.evaluators import registry
 from lora_sweep.sweep.config._params import SEARCHABLE, Param, SearchSpace, _check, _is_num
-from lora_sweep.sweep.config.settings import NOT_IN_BACKWARD, TrainSpec
+from lora_sweep.sweep.config.settings import NOT_IN_BACKWARD, TrainSpec, check_variant_combinations
 from lora_sweep.sweep.config.sources import DTYPES, FORMATS, DataSpec, ModelSpec
 from lora_sweep.sweep.config.strategy import _NAME, SAMPLERS, Budget, Constraint, Objective, PruningSpec, SamplerSpec
 from lora_sweep.sweep.config.tracking import TrackerSpec
@@ -223,6 +223,8 @@ class StudySpec:
                               f"{dropout} (the frozen principal part would see the dropped input)")
         if True in self.setting_values("dora"):
             self._check_dora()
+        check_variant_combinations(lambda n: self.setting_values(n, ranged=True), {p.name for p in self.search.params},
+                                   self.train.adapter_values())
         if self.data.eval is None and self.train.eval_every is not None:
             raise ConfigError("data.eval: is needed by train.eval_every")
         needs_eval = registry.needing_eval_data(names)

@@ -7,9 +7,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from optuna.trial import TrialState
 from transformers import AutoModelForCausalLM
 
+from lora_sweep.errors import ConfigError
 from lora_sweep.packer.model.checkpoint import read_adapter
 from lora_sweep.store.api import ResultsStore
 from lora_sweep.sweep.config.loader import load_study
@@ -98,3 +100,12 @@ def test_a_study_searching_lorafa_trains_both_and_saves_plain_peft_adapters(tiny
     for t in trials:
         cfg, tensors = read_adapter(spec.out_dir / t.adapter_path)
         assert cfg["r"] == 4 and cfg["use_dora"] is False and len(tensors) > 0
+
+
+def test_a_search_that_can_propose_lorafa_with_dora_is_refused_at_load(tiny_dirs, tmp_path) -> None:
+    """The packer refuses LoRA-FA with DoRA (``packer.variants.lorafa``): the study file is refused before any trial
+    trains, naming the combination, instead of stopping mid-run when the sampler first proposes it."""
+    path = write_study(tmp_path, tiny_dirs("llama"), "clash", search={"dora": [False, True], "lorafa": [False, True]})
+    with pytest.raises(ConfigError, match=r"search: can propose dora: True, lorafa: True, which is refused "
+                                          r"\(lorafa: does not combine with dora"):
+        load_study(path)
