@@ -379,7 +379,8 @@ def _refresh_report(out_dir: Path) -> None:
 @click.argument("study", type=click.Path(dir_okay=False))
 @click.argument("overrides", nargs=-1)
 @click.option("--calibrations", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Calibrations to measure when the cache holds fewer (more: the median step and its range).")
+              help="Calibrations to measure when the cache holds fewer (more: the median one; where the sized "
+              "pack is not timed, its step and their range).")
 @click.option("--gpus", type=click.IntRange(min=1), help="GPUs a `pack.shard: fsdp` pack is sharded over: memory "
               "per GPU (default: the visible GPUs, 1 without).")
 def plan(study: str, overrides: tuple[str, ...], calibrations: int, gpus: int | None) -> None:
