@@ -429,7 +429,7 @@ def plan(study: str, overrides: tuple[str, ...], calibrations: int, gpus: int | 
     load = (lambda: pm) if pm is not None else lambda: load_and_calibrate(spec, device, calibrations, gpus, log=say)[4]
     click.echo(plan_report(spec, models, where, base, device, mean_len=step_mean_length(spec, lengths),
                            eval_len=padded_mean_length(lengths, spec.train.micro_batch), examples=examples,
-                           gpus=gpus, timer=PackTimer(spec, device, lengths, load, log=say)).table())
+                           gpus=gpus, timer=PackTimer(spec, device, lengths, load, log=say, gpus=gpus)).table())
 
 
 @cli.command()

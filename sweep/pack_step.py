@@ -161,9 +161,12 @@ class PackTimer:
     measured on the model ``load`` returns (called only then: a plan whose timing is cached loads no model)."""
 
     def __init__(self, spec: StudySpec, device: str, lengths: Sequence[int], load: Callable[[], PackedModel], *,
-                 log: Callable[[str], None] | None = None, budget_s: float = PACK_BUDGET_S) -> None:
+                 log: Callable[[str], None] | None = None, budget_s: float = PACK_BUDGET_S, gpus: int = 1) -> None:
         self.spec, self.device, self.lengths, self.load, self.log, self.budget_s = \
             spec, device, lengths, load, log, budget_s
+        self.gpus = gpus
+        """GPUs a ``pack.shard: fsdp`` pack trains over: above one, its step (FSDP's collectives across processes)
+        is not what one process can time, and the probes' line stands."""
 
     def __call__(self, slots: int, rank: int, rows: int, mm: MemoryModel) -> PackStep:
         """The step of ``slots`` slots of ``rows`` rows each, rank bucket ``rank`` (the space's most rank rows);
@@ -185,22 +188,30 @@ class PackTimer:
         if hit is not None:
             return dataclasses.replace(shape, step_s=float(hit[0]["step_s"]), where=f"cached ({hit[1]})")
         size = f"{slots} slots x {rows} rows x {length} tokens"
+        if spec.pack.shard == "fsdp" and self.gpus > 1:
+            return dataclasses.replace(shape, where=f"not timed: a pack sharded over {self.gpus} GPUs steps in "
+                                                    f"{self.gpus} processes; the probes' line")
         if steps < 1:
             return dataclasses.replace(shape, where=f"not timed: its warm-up and one step of {size} would take about "
                                                     f"{(PACK_WARMUP + 1) * line:.0f} s on the probes' line, over "
                                                     f"{self.budget_s:.0f} s; the probes' line")
+        return self._measure(shape, specs, rank, steps, pack, size)
+
+    def _measure(self, shape: PackStep, specs: list[AdapterSpec], rank: int, steps: int, pack: dict[str, Any],
+                 size: str) -> PackStep:
+        """``shape`` timed over ``steps`` steps of ``specs``'s slots (announced first), and cached as ``pack``."""
+        import torch
+
         if self.log is not None:
             self.log(f"timing the sized pack on {self.device}: {PACK_WARMUP} + {steps} steps of {size} (cached for "
                      f"the next plan)")
-        import torch
-
         try:
-            timing = time_pack(self.load(), specs, rows, length, steps=steps, warmup=PACK_WARMUP, max_rows=rank,
-                               **options)
+            timing = time_pack(self.load(), specs, shape.rows, shape.length, steps=steps, warmup=PACK_WARMUP,
+                               max_rows=rank, **pack["options"])
         except torch.OutOfMemoryError:
             return dataclasses.replace(shape, where=f"not timed: {size} ran out of device memory; the probes' line")
-        path = cache_pack_step(spec, self.device, pack, {"step_s": timing.step_s, "steps": steps,
-                                                         "wall_s": round(timing.wall_s, 3), "step": timing.step})
+        path = cache_pack_step(self.spec, self.device, pack, {"step_s": timing.step_s, "steps": steps,
+                                                              "wall_s": round(timing.wall_s, 3), "step": timing.step})
         how = "mean" if self.device.startswith("cuda") else "median"  # as ``time_pack`` takes them
         return dataclasses.replace(shape, step_s=timing.step_s, where=(
             f"{how} of {steps} steps of {size}, {timing.step} step, after {PACK_WARMUP} warm-up; measured in "

@@ -63,3 +63,17 @@ def test_it_refuses_a_pack_it_cannot_time() -> None:
         probe.time_pack(None, [], 1, 16)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="0 timed"):
         probe.time_pack(None, [AdapterSpec()], 1, 16, steps=0)  # type: ignore[arg-type]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not probe.torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_it_times_the_captured_step(tiny_dirs) -> None:
+    """On CUDA the timed steps are the run's: the step captured as a CUDA graph and replayed, its capture in the
+    warm-up; off, the eager step."""
+    model, _ = load_base(str(tiny_dirs("llama")), device="cuda")
+    pm = PackedModel(model)
+    specs = [AdapterSpec(rank=8), AdapterSpec(rank=4, targets=("q_proj", "v_proj"))]
+    graphed = probe.time_pack(pm, specs, 4, 64, steps=5, max_rows=8, cuda_graphs="auto")
+    eager = probe.time_pack(pm, specs, 4, 64, steps=5, max_rows=8, cuda_graphs="off")
+    assert (graphed.step, eager.step) == ("cuda-graph", "eager") and graphed.steps == eager.steps == 5
+    assert 0 < graphed.step_s < graphed.wall_s / 5 and 0 < eager.step_s

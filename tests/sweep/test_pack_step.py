@@ -170,3 +170,21 @@ def test_the_timed_slots_are_drawn_from_the_space(tiny_dirs, tmp_path) -> None:
     assert {s.dora for s in specs} == {False, True} and {s.init for s in specs} == {"gaussian", "pissa"}
     assert all(4 <= s.alpha <= 64 for s in specs) and len({s.alpha for s in specs}) == 8  # a float range's draws
     assert all(isinstance(s.warmup_steps, int) and 0 <= s.warmup_steps <= 10 for s in specs)  # an int range's
+
+
+def test_a_pack_sharded_over_gpus_is_not_timed_in_one_process(tiny_dirs, tmp_path, monkeypatch) -> None:
+    """``pack.shard: fsdp`` over 2 GPUs steps in two processes with FSDP's collectives: the plan keeps the line (and
+    says why) rather than time one process's whole-base step; over one GPU it times as any pack, on the eager step
+    the sharded run takes."""
+    monkeypatch.setenv("LORA_SWEEP_CACHE", str(tmp_path / "cache"))
+    spec = _spec(tmp_path, tiny_dirs, "sharded", pack={"max_slots": 3, "shard": "fsdp"})
+    fake = FakeStep(0.1)
+
+    def refused():  # noqa: ANN202
+        raise AssertionError("nothing timed: no model loaded")
+
+    two = _timer(spec, fake, monkeypatch, load=refused, gpus=2)(3, 16, 4, MM)
+    assert two.step_s is None and two.where == "not timed: a pack sharded over 2 GPUs steps in 2 processes; " \
+                                               "the probes' line" and not fake.calls
+    one = _timer(spec, fake, monkeypatch)(3, 16, 4, MM)
+    assert one.step_s == 0.1 and fake.calls[0]["cuda_graphs"] == "off"
