@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from lora_sweep.sweep.config.spec import Param, StudySpec
 
 __all__ = ["PackStep", "PackTimer", "PACK_STEPS", "PACK_MAX_STEPS", "PACK_TIMED_S", "PACK_WARMUP", "PACK_BUDGET_S",
-           "slot_specs", "step_length",
+           "slot_specs", "step_length", "step_mean_length", "padded_mean_length",
            "bucket_lengths", "timed_model"]
 
 PACK_STEPS = 3
@@ -110,14 +110,34 @@ def bucket_lengths(spec: StudySpec, lengths: Sequence[int], capacity: int) -> tu
     return length_buckets([*lengths, *([spec.data.max_length] if packs else [])], capacity * max(1, min(micro)))
 
 
+def _step_rows(spec: StudySpec, lengths: Sequence[int]) -> list[int]:
+    """Token lengths of the rows a study's steps draw, from its training examples' ``lengths``: the examples, or
+    with ``train.sample_packing`` the packed rows they make (``packer.api.row_lengths``)."""
+    train = spec.train
+    adapter = AdapterSpec(micro_batch=train.micro_batch, sample_packing=train.sample_packing)
+    return row_lengths(lengths, adapter, spec.seed, spec.data.max_length)
+
+
+def step_mean_length(spec: StudySpec, lengths: list[int]) -> float:
+    """Mean padded length per row of one slot's micro-batch (``padded_mean_length`` of ``_step_rows``): a plan's
+    step length where it times no pack (``step_length`` is a whole pack's)."""
+    return padded_mean_length(_step_rows(spec, lengths), spec.train.micro_batch)
+
+
+def padded_mean_length(lengths: list[int], rows: int, samples: int = 50, seed: int = 0) -> float:
+    """Mean padded length per row of random batches of ``rows`` rows (what a step really computes)."""
+    rng = random.Random(seed)
+    if not lengths:
+        return 0.0
+    return sum(max(rng.choices(lengths, k=rows)) for _ in range(samples)) / samples
+
+
 def step_length(spec: StudySpec, lengths: Sequence[int], slots: int, rows: int) -> tuple[int, float]:
     """(the step length to time, the run's mean padded step length) of a pack of ``slots`` slots of ``rows`` rows
     drawn from training rows of ``lengths`` tokens (with sample packing the packed rows they make): a step pads every
     row to the smallest of the pack's lengths (``bucket_lengths``) holding the longest of its ``slots * rows`` rows.
     The timed length is the smallest of them holding the mean."""
-    train = spec.train
-    adapter = AdapterSpec(micro_batch=train.micro_batch, sample_packing=train.sample_packing)
-    drawn = row_lengths(lengths, adapter, spec.seed, spec.data.max_length) or [spec.data.max_length]
+    drawn = _step_rows(spec, lengths) or [spec.data.max_length]
     buckets = bucket_lengths(spec, lengths or [spec.data.max_length], slots)
 
     def padded(longest: float) -> int:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -46,7 +45,7 @@ from lora_sweep.packer.api import (
 )
 from lora_sweep.sweep.calibration import SHARD_WORLDS, cache_dir, cached_calibration, calibrated, calibration_key
 from lora_sweep.sweep.config.spec import StudySpec
-from lora_sweep.sweep.pack_step import PackStep, PackTimer, timed_model
+from lora_sweep.sweep.pack_step import PackStep, PackTimer, padded_mean_length, step_mean_length, timed_model
 from lora_sweep.sweep.schedule import Schedule, eval_rows, eval_seconds, expected_schedule
 
 __all__ = ["auto_slots", "check_targets", "largest_rank", "PlanReport", "plan_pack", "plan_report", "trial_micro_steps",
@@ -280,14 +279,12 @@ def plan_report(spec: StudySpec, models: list[MemoryModel], where: str, base: Ba
         slots = int(spec.pack.max_slots)
     else:
         slots = max(1, min(fit, spec.budget.trials or MAX_AUTO_SLOTS))
-    step_tokens = int(slots * micro * (mean_len or seq))
-    times = [m.step_seconds(step_tokens) for m in models]
+    timed = None if timer is None else timer(slots, rank, micro, models[0])  # (the line bounds the timing's cost)
+    step_tokens = timed.mean_tokens if timed is not None else int(slots * micro * (mean_len or seq))
+    lines = models if timed is None else [timed_model(m, timed) for m in models]
+    times = [m.step_seconds(step_tokens) for m in lines]
     step_s = statistics.median_low(times)
-    mm = models[times.index(step_s)]
-    timed = None if timer is None else timer(slots, rank, micro, mm)
-    if timed is not None:
-        mm = timed_model(mm, timed)
-        step_s = mm.step_seconds(timed.mean_tokens)
+    mm = lines[times.index(step_s)]
     opt_steps, accum = _trial_steps(spec, micro, examples)
     schedule = None if spec.budget.trials is None else pack_schedule(spec, slots, opt_steps)
     steps = None if schedule is None else math.ceil(schedule.pack_steps * accum)
@@ -398,20 +395,3 @@ def load_and_calibrate(spec: StudySpec, device: str, calibrations: int, gpus: in
     base = dataclasses.replace(base, forward_s=times.forward_s, load_s=times.load_s, imports_s=times.imports_s)
     return models, where, base, tokenizer, pm
 
-
-def step_mean_length(spec: StudySpec, lengths: list[int]) -> float:
-    """Mean padded length per row of the study's steps from its training examples' ``lengths``: of the examples, or
-    with ``train.sample_packing`` of the packed rows they make (``packer.api.row_lengths``)."""
-    from lora_sweep.packer.api import row_lengths
-
-    train = spec.train
-    adapter = AdapterSpec(micro_batch=train.micro_batch, sample_packing=train.sample_packing)
-    return padded_mean_length(row_lengths(lengths, adapter, spec.seed, spec.data.max_length), train.micro_batch)
-
-
-def padded_mean_length(lengths: list[int], rows: int, samples: int = 50, seed: int = 0) -> float:
-    """Mean padded length per row of random batches of ``rows`` rows (what a step really computes)."""
-    rng = random.Random(seed)
-    if not lengths:
-        return 0.0
-    return sum(max(rng.choices(lengths, k=rows)) for _ in range(samples)) / samples

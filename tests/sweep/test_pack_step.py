@@ -134,9 +134,12 @@ def test_a_pack_too_slow_to_time_keeps_the_calibrations_line(tiny_dirs, tmp_path
 
     timer = _timer(spec, fake, monkeypatch, load=refused, budget_s=1.5 * line)
     timer.spec = _spec(tmp_path, tiny_dirs, "untimed", "seed=2")  # another pack than the one cached above
-    report = plan_report(timer.spec, [MM], "test", BASE, "cpu", timer=timer)
+    slower = MemoryModel(base_bytes=1000, bytes_per_token=10, seconds_per_token=2e-5, seconds_per_step=0.03)
+    report = plan_report(timer.spec, [MM, slower], "test", BASE, "cpu", timer=timer)  # two calibrations
     assert not fake.calls and report.timed is not None and report.timed.step_s is None
-    assert report.predicted_step_s == pytest.approx(MM.step_seconds(report.timed.mean_tokens))
+    mean_tokens = report.timed.mean_tokens  # the pack's mean step, at which the range is taken too
+    assert report.predicted_step_s == pytest.approx(MM.step_seconds(mean_tokens))
+    assert report.step_range_s == pytest.approx((MM.step_seconds(mean_tokens), slower.step_seconds(mean_tokens)))
     table = report.table()
     assert f"not timed: its warm-up and one step of 3 slots x 4 rows x 32 tokens would take about {2 * line:.0f} s" \
         in table and "two timed probes extrapolated to the pack" in table
