@@ -39,8 +39,7 @@ if TYPE_CHECKING:
     from lora_sweep.sweep.config.spec import Param, StudySpec
 
 __all__ = ["PackStep", "PackTimer", "PACK_STEPS", "PACK_MAX_STEPS", "PACK_TIMED_S", "PACK_WARMUP", "PACK_BUDGET_S",
-           "slot_specs", "step_length", "step_mean_length", "padded_mean_length",
-           "bucket_lengths", "timed_model"]
+           "slot_specs", "step_length", "step_mean_length", "padded_mean_length", "bucket_lengths", "timed_model"]
 
 PACK_STEPS = 3
 """Steps of the sized pack timed after its warm-up, at least (their median on the CPU, their mean on CUDA)."""
@@ -48,6 +47,7 @@ PACK_TIMED_S = 2.0
 """Seconds of timed steps aimed at, as the probes' line predicts them: short steps are timed by more of them (up to
 ``PACK_MAX_STEPS``), so a moment's load on a shared host moves the median less."""
 PACK_MAX_STEPS = 20
+"""Timed steps at most, however short: enough for a median that one descheduled step does not move."""
 PACK_WARMUP = 1
 """Untimed steps first: the slots' first step (on CUDA the kernels' compile and the graph's capture)."""
 PACK_BUDGET_S = 60.0
