@@ -32,6 +32,7 @@ from typing import Any
 from lora_sweep.errors import ConfigError
 from lora_sweep.sweep.config._own_search import around
 from lora_sweep.sweep.config._yaml import Doc, Key
+from lora_sweep.sweep.config.settings import SETTINGS, TRAIN_ALIASES
 from lora_sweep.sweep.config.tracking import axolotl_trackers, torchtune_trackers
 
 __all__ = ["translate", "split_overrides", "is_foreign"]
@@ -111,41 +112,28 @@ values are refused naming them)."""
 
 AXOLOTL: dict[Key, Move] = {
     ("gradient_checkpointing",): ("pack.activation_checkpointing", bool),
-    ("warmup_ratio",): ("train.warmup_ratio", None),
-    ("adam_epsilon",): ("train.eps", None),
     ("output_dir",): ("output", _set),
 }
 """Axolotl keys that move to one of ours; the keys Axolotl shares with a study file (``lora_r``, ``learning_rate``,
-``sequence_len``, ...) are the loader's train aliases (``sweep.config.settings``), the rest are translated below."""
+``sequence_len``, ``adam_epsilon``, ...) are the loader's train aliases (``sweep.config.settings``), the rest are
+translated below."""
 TORCHTUNE: dict[Key, Move] = {
     ("output_dir",): ("output", _set),
-    ("epochs",): ("train.epochs", None),
-    ("max_steps_per_epoch",): ("train.max_steps_per_epoch", None),
-    ("batch_size",): ("train.micro_batch", None),
-    ("gradient_accumulation_steps",): ("train.gradient_accumulation_steps", None),
-    ("clip_grad_norm",): ("train.max_grad_norm", None),
-    ("optimizer_in_bwd",): ("train.optimizer_in_backward", bool),
     ("enable_activation_checkpointing",): ("pack.activation_checkpointing", None),
     ("device",): ("model.device", None),
     ("dtype",): ("model.dtype", _TT_DTYPES),
-    ("model", "lora_rank"): ("train.rank", None),
-    ("model", "lora_alpha"): ("train.alpha", None),
-    ("model", "lora_dropout"): ("train.dropout", None),
-    ("model", "use_dora"): ("train.dora", None),
-    ("optimizer", "lr"): ("train.lr", None),
-    ("optimizer", "weight_decay"): ("train.weight_decay", None),
-    ("optimizer", "betas"): ("train.betas", None),
-    ("optimizer", "eps"): ("train.eps", None),
     ("optimizer", "fused"): (None, None),  # how torch runs AdamW's update, not what it computes
     ("optimizer", "foreach"): (None, None),
-    ("lr_scheduler", "num_warmup_steps"): ("train.warmup_steps", None),
-    ("dataset", "packed"): ("train.sample_packing", bool),
     ("dataset", "train_on_input"): ("data.train_on_prompt", bool),
     ("dataset", "train_on_inputs"): ("data.train_on_prompt", bool),
     ("dataset", "source"): (None, None),  # json (checked first): a local file
+    **{(part, name): (f"train.{s.name}", None) for part in ("model", "optimizer", "lr_scheduler", "dataset")
+       for s in SETTINGS for name in (s.name, *s.torchtune.split())},
 }
-"""torchtune keys (a component's options under its section) that move to one of ours; the components themselves
-(model builder, dataset, optimizer, scheduler, loss) are translated below."""
+"""torchtune keys that move to one of ours: a component's option that names a train setting (``model.lora_rank``,
+``optimizer.lr``: the torchtune column of ``sweep.config.settings.SETTINGS``, as the loader's aliases read a top-level
+``clip_grad_norm``) and the rows above; the components themselves (model builder, dataset, optimizer, scheduler,
+loss) are translated below."""
 
 
 def _move(out: _Out, table: Mapping[Key, Move], src: Key, value: Any) -> bool:
@@ -228,8 +216,8 @@ def split_overrides(data: dict[str, Any], overrides: Sequence[str], top: Sequenc
     kind = _kind(data)
     if kind is None:
         return [], list(overrides)
-    reads = {*_TT, *(k[0] for k in TORCHTUNE)} if kind == "torchtune" else {*_AXOLOTL_ONLY, "optimizer", "output_dir",
-                                                                           "warmup_ratio"}
+    reads = ({*_TT, *(k[0] for k in TORCHTUNE), *TRAIN_ALIASES} if kind == "torchtune"
+             else {*_AXOLOTL_ONLY, "optimizer", "output_dir", "warmup_ratio"})
     own, ours = [], []
     for text in overrides:
         parts = text.partition("=")[0].strip().split(".")
@@ -382,8 +370,9 @@ def _axolotl(doc: Doc, data: dict[str, Any]) -> _Out:
     if "adam_beta1" in data or "adam_beta2" in data:
         betas = [data.get("adam_beta1", 0.9), data.get("adam_beta2", 0.999)]
         out.put(("train", "betas"), betas, ("adam_beta1",) if "adam_beta1" in data else ("adam_beta2",))
-    if "warmup_ratio" in data and data.get("warmup_steps"):  # HF Trainer: warmup_steps wins
-        del out.data["train"]["warmup_ratio"]
+    if "warmup_ratio" in data and data.get("warmup_steps"):
+        del out.data["warmup_ratio"]
+        out.warn(f"warmup_ratio is ignored: warmup_steps {data['warmup_steps']} wins (HF Trainer's rule)")
     if not out.errors:  # a refused dataset has nothing to split
         out.attempt(_val_split, out, data)
     return out
