@@ -20,12 +20,13 @@ one page against the guide's table.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
 import random
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -88,10 +89,17 @@ _OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw", "paged_a
 _8BIT = ("adamw_8bit", "adamw_bnb_8bit", "paged_adamw_8bit")
 _FORMATS = {"alpaca": "alpaca", "alpaca_chat": "alpaca", "completion": "text", "chat_template": "chat",
             "sharegpt": "chat", "prompt_completion": "prompt_completion", "text": "text", "chat": "chat"}
-_TT_DATASETS = {"alpaca_dataset": "alpaca", "alpaca_cleaned_dataset": "alpaca", "instruct_dataset": "alpaca",
-                "chat_dataset": "chat", "text_completion_dataset": "text"}
-_TT_SCHEDULES = {"get_cosine_schedule_with_warmup": "cosine", "get_linear_schedule_with_warmup": "linear",
-                 "get_constant_schedule_with_warmup": "constant"}
+_TT_BUILDERS: dict[str, dict[str, dict[Key, Any]]] = {
+    "dataset": {**dict.fromkeys(("alpaca_dataset", "alpaca_cleaned_dataset", "instruct_dataset"),
+                                {("data", "format"): "alpaca"}),
+                "chat_dataset": {("data", "format"): "chat"}, "text_completion_dataset": {("data", "format"): "text"}},
+    "optimizer": {"AdamW": {}},
+    "lr_scheduler": {f"get_{s}_schedule_with_warmup": {("train", "schedule"): s} for s in ("cosine", "linear",
+                                                                                            "constant")},
+    "loss": {"CrossEntropyLoss": {}, **dict.fromkeys(("CEWithChunkedOutputLoss", "LinearCrossEntropyLoss"),
+                                                     {("pack", "chunked_ce"): True})},  # the same loss, in chunks
+}
+"""torchtune components -> the builders accepted (the last name of ``_component_``) -> the keys of ours each sets."""
 _TT_DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
 _TT_HELD_OUT = 0.1
 """The share of a torchtune config's data file held out as ``data.eval`` when the study gives none."""
@@ -111,6 +119,9 @@ Move = tuple[str | None, Callable[[Any], Any] | Mapping[Any, Any] | None]
 values are refused naming them)."""
 
 AXOLOTL: dict[Key, Move] = {
+    # QLoRA: bitsandbytes NF4 with double-quantised scales in Axolotl, torchao's NF4 here
+    ("adapter",): ("model.quantize", {"lora": _SKIP, "qlora": "nf4"}),
+    ("load_in_4bit",): ("model.quantize", lambda v: "nf4" if v else _SKIP),
     ("gradient_checkpointing",): ("pack.activation_checkpointing", bool),
     ("output_dir",): ("output", _set),
 }
@@ -127,6 +138,9 @@ TORCHTUNE: dict[Key, Move] = {
     ("dataset", "train_on_input"): ("data.train_on_prompt", bool),
     ("dataset", "train_on_inputs"): ("data.train_on_prompt", bool),
     ("dataset", "source"): (None, None),  # json (checked first): a local file
+    ("dataset", "split"): (None, {"train": "train"}),  # a local file is its train split
+    ("loss", "num_output_chunks"): (None, None),  # pack.chunked_ce's own
+    ("loss", "ignore_index"): (None, None),  # the labels' own masking
     **{(part, name): (f"train.{s.name}", None) for part in ("model", "optimizer", "lr_scheduler", "dataset")
        for s in SETTINGS for name in (s.name, *s.torchtune.split())},
 }
@@ -141,15 +155,15 @@ def _move(out: _Out, table: Mapping[Key, Move], src: Key, value: Any) -> bool:
     if src not in table:
         return False
     dest, convert = table[src]
-    if dest is None:
-        out.dropped.append(".".join(map(str, src)))
-        return True
     if isinstance(convert, Mapping):
-        if value not in convert:
+        if not isinstance(value, Hashable) or value not in convert:
             raise out.error(src, f"must be one of {', '.join(convert)} (got {value!r})")
         value = convert[value]
     elif convert is not None:
         value = convert(value)
+    if dest is None:
+        out.dropped.append(".".join(map(str, src)))
+        return True
     if value is not _SKIP:
         out.put(tuple(dest.split(".")), value, src)
     return True
@@ -352,7 +366,7 @@ def _keep(out: _Out, key: str, value: Any) -> None:
 def _axolotl(doc: Doc, data: dict[str, Any]) -> _Out:
     out = _Out(doc, {})
     handlers: dict[str, Callable[[_Out, Any], None]] = {
-        "datasets": _datasets, "adapter": _adapter, "load_in_4bit": _load_in_4bit, "optimizer": _optimizer,
+        "datasets": _datasets, "optimizer": _optimizer,
         "adam_beta1": lambda o, v: None, "adam_beta2": lambda o, v: None,  # with betas, below
         "val_set_size": lambda o, v: None,  # after the datasets
         "use_wandb": lambda o, v: None, "use_mlflow": lambda o, v: None,  # trackers, after the loop
@@ -411,18 +425,6 @@ def _local_file(out: _Out, path: Any, src: Key) -> str:
         raise out.error(src, f"only local files work; {path!r} looks like a hub dataset: download it to a "
                              "JSON-lines file and give its path")
     raise out.error(src, f"file not found: {full} (only local JSON-lines files work)")
-
-
-def _adapter(out: _Out, value: Any) -> None:
-    if value == "qlora":  # Axolotl's QLoRA: bitsandbytes NF4 with double-quantised scales, here torchao's NF4
-        out.put(("model", "quantize"), "nf4", ("adapter",))
-    elif value != "lora":
-        raise out.error(("adapter",), f"only lora or qlora is supported (got {value!r})")
-
-
-def _load_in_4bit(out: _Out, value: Any) -> None:
-    if value not in (None, False):
-        out.put(("model", "quantize"), "nf4", ("load_in_4bit",))
 
 
 def _optimizer(out: _Out, value: Any, src: Key = ("optimizer",)) -> None:
@@ -540,52 +542,27 @@ def _tt_model(out: _Out, value: Any) -> None:
 
 
 def _tt_dataset(out: _Out, value: Any) -> None:
-    cfg, name = _component(out, value, "dataset")
-    if name not in _TT_DATASETS:
-        raise out.error(("dataset", "_component_"), f"{name} is not supported (expected {', '.join(_TT_DATASETS)})")
+    cfg = _tt_component(out, value, "dataset", handled=("data_files",))
     if cfg.get("source") not in ("json", None) or "data_files" not in cfg:
-        raise out.error(("dataset",), f"only local files work: give source: json and data_files ({name} would "
+        raise out.error(("dataset",), "only local files work: give source: json and data_files (the builder would "
                                       "download a hub dataset)")
-    for k, v in cfg.items():
-        src = ("dataset", k)
-        if k == "split":
-            if v != "train":
-                raise out.error(src, f"only the train split of a local file (got {v!r})")
-            out.dropped.append("dataset.split")  # a local file is its train split
-        elif not _move(out, TORCHTUNE, src, v) and k not in ("_component_", "data_files"):
-            raise out.error(src, "is not supported (a dataset is a local JSON-lines file)")
     src = ("dataset", "data_files")
     out.put(("data", "train"), _local_file(out, cfg["data_files"], src), src)
-    out.put(("data", "format"), _TT_DATASETS[name], ("dataset", "_component_"))
 
 
-def _tt_optimizer(out: _Out, value: Any) -> None:
-    cfg, name = _component(out, value, "optimizer")
-    if name != "AdamW":
-        raise out.error(("optimizer", "_component_"), f"only torch.optim.AdamW is supported (got {name})")
+def _tt_component(out: _Out, value: Any, key: str, handled: Sequence[str] = ()) -> dict[str, Any]:
+    """A component of ``_TT_BUILDERS`` (its builder sets what its row says) whose options each move by a row of
+    ``TORCHTUNE``, but those ``handled`` by the caller; returns the component's mapping."""
+    cfg, name = _component(out, value, key)
+    builders = _TT_BUILDERS[key]
+    if name not in builders:
+        raise out.error((key, "_component_"), f"{name} is not supported (expected {', '.join(builders)})")
+    for dest, v in builders[name].items():
+        out.put(dest, v, (key, "_component_"))
     for k, v in cfg.items():
-        if not _move(out, TORCHTUNE, ("optimizer", k), v) and k != "_component_":
-            raise out.error(("optimizer", k), "is not supported")
-
-
-def _tt_schedule(out: _Out, value: Any) -> None:
-    cfg, name = _component(out, value, "lr_scheduler")
-    if name not in _TT_SCHEDULES:
-        raise out.error(("lr_scheduler", "_component_"), f"{name} is not supported "
-                                                         f"(expected {', '.join(_TT_SCHEDULES)})")
-    out.put(("train", "schedule"), _TT_SCHEDULES[name], ("lr_scheduler", "_component_"))
-    for k, v in cfg.items():
-        if not _move(out, TORCHTUNE, ("lr_scheduler", k), v) and k != "_component_":
-            raise out.error(("lr_scheduler", k), "is not supported")
-
-
-def _tt_loss(out: _Out, value: Any) -> None:
-    cfg, name = _component(out, value, "loss")
-    out.dropped += [f"loss.{k}" for k in cfg if k != "_component_"]  # num_output_chunks: pack.chunked_ce's own
-    if name in ("CEWithChunkedOutputLoss", "LinearCrossEntropyLoss"):
-        out.put(("pack", "chunked_ce"), True, ("loss", "_component_"))  # the same loss, in chunks
-    elif name != "CrossEntropyLoss":
-        raise out.error(("loss", "_component_"), f"only cross-entropy losses are supported (got {name})")
+        if k not in ("_component_", *handled) and not _move(out, TORCHTUNE, (key, k), v):
+            raise out.error((key, k), "is not supported")
+    return cfg
 
 
 def _tt_shuffle(out: _Out, value: Any) -> None:
@@ -595,7 +572,7 @@ def _tt_shuffle(out: _Out, value: Any) -> None:
 
 
 _TT: dict[str, Callable[[_Out, Any], None]] = {
-    "model": _tt_model, "dataset": _tt_dataset, "optimizer": _tt_optimizer, "lr_scheduler": _tt_schedule,
-    "loss": _tt_loss, "shuffle": _tt_shuffle,
+    "model": _tt_model, "dataset": _tt_dataset, "shuffle": _tt_shuffle,
+    **{key: functools.partial(_tt_component, key=key) for key in ("optimizer", "lr_scheduler", "loss")},
 }
 """torchtune's components and the keys with a rule of their own; the rest move by ``TORCHTUNE``."""
