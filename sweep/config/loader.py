@@ -76,11 +76,11 @@ _RELOCATE: dict[str, tuple[str, str]] = {
     "lora_target_linear": ("train", "targets"),
 }
 """Top-level Axolotl-style key -> (section, field)."""
-_TOP = [
-    "name", "description", "seed", "model", "data", "search", "parameters", "train", "objectives", "constraints",
-    "sampler", "budget", "pruning", "pack", "evaluators", "output", "storage", "artifacts",
-    "method", "metric", "run_cap", "baseline", "trackers",
-]  # fmt: skip
+_TOP = [*(f.name for f in fields(StudySpec) if f.init and f.name != "source"), "parameters", "method", "metric",
+        "run_cap"]
+"""The top-level keys read: StudySpec's fields (``source`` is where the file was read from) and W&B's
+(``parameters`` -> ``search``, ``method`` -> ``sampler.name``, ``metric`` -> an objective, ``run_cap`` ->
+``budget.trials``)."""
 _WANDB = ["values", "value", "min", "max", "distribution", "q", "probabilities"]
 _DISTRIBUTIONS = ("constant", "categorical", "uniform", "int_uniform", "q_uniform", "log_uniform_values", "log_uniform")
 _DIRECTION = {"maximize": "maximize", "maximise": "maximize", "max": "maximize",
@@ -195,10 +195,8 @@ def _study(doc: Doc, data: dict[str, Any]) -> StudySpec:
         entries = _entries(doc, top, key)
         if entries is not None:
             kw[key] = tuple(build(doc, it, (key, i)) for i, it in enumerate(entries))
-    for key, typ in (("description", "str"), ("seed", "int"), ("output", "Path | None"), ("storage", "str | None"),
-                     ("artifacts", "Path | None")):
-        if key in top:
-            kw[key] = coerce(doc, top[key].value, typ, (key,))
+    kw |= typed(doc, StudySpec, {k: top[k] for k in ("description", "seed", "output", "storage", "artifacts")
+                                 if k in top}, ())
     if "baseline" in top:
         kw["baseline"] = _baseline(doc, top["baseline"])
     return make(doc, StudySpec, (), source=doc.file, **kw)

@@ -26,9 +26,8 @@ TRACKERS: dict[str, dict[str, str]] = {
     "wandb": {"project": "str", "entity": "str", "mode": "str", "name": "str"},
     "tensorboard": {"log_dir": "str"},
 }
-"""Tracker name -> its options and their types (every option may be left out)."""
-_MODULE = {"mlflow": "mlflow", "wandb": "wandb", "tensorboard": "tensorboard"}
-"""The package each tracker imports; its extra has the tracker's name."""
+"""Tracker name -> its options and their types (every option may be left out); each is also the name of the package
+the tracker imports and of the extra that installs it."""
 WANDB_MODES = ("offline", "online", "disabled")
 
 
@@ -59,7 +58,7 @@ class TrackerSpec:
             _check(mode in WANDB_MODES, "mode", f"must be one of {', '.join(WANDB_MODES)}", mode)
             _check(mode != "online" or "project" in self.options, "mode",
                    "online needs a project (wandb_project in an Axolotl config)", mode)
-        if importlib.util.find_spec(_MODULE[self.name]) is None:
+        if importlib.util.find_spec(self.name) is None:
             raise ConfigError(f"name: {self.name} is not installed: pip install 'lora-sweep[{self.name}]' "
                               f"(got {self.name!r})")
 
