@@ -286,18 +286,18 @@ def _search(doc: Doc, top: dict[str, Item]) -> tuple[SearchSpace, dict[str, Item
     params: list[Param] = []
     fixed: dict[str, Item] = {}
     sets: dict[str, tuple[str, ...]] = {}
-    types = {f.name: str(f.type).removesuffix(" | None") for f in fields(TrainSpec)}
+    types = {f.name: str(f.type) for f in fields(TrainSpec)}
     for name, it in items.items():
         canon = ("search", name)
         kw = _targets(doc, it, sets) if name == "targets" else _dimension(doc, it, canon)
         if isinstance(kw, Item):
             fixed[name] = kw
             continue
-        if "choices" in kw and name != "targets":
-            opt = " | None" if name == "max_grad_norm" else ""
-            kw["choices"] = coerce(doc, kw["choices"], f"tuple[{types[name]}{opt}, ...]", canon + ("choices",))
-        numeric = types[name] in ("int", "float")
-        kind = kw.pop("kind", types[name] if numeric else "float")
+        if "choices" in kw and name != "targets":  # null among them where the setting takes it
+            kw["choices"] = coerce(doc, kw["choices"], f"tuple[{types[name]}, ...]", canon + ("choices",))
+        base = types[name].removesuffix(" | None")
+        numeric = base in ("int", "float")
+        kind = kw.pop("kind", base if numeric else "float")
         for key in ("low", "high", "step"):
             if key in kw and numeric and kind != "categorical":
                 kw[key] = coerce(doc, kw[key], kind, canon + (key,))
