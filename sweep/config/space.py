@@ -197,17 +197,18 @@ def community_default(space: SearchSpace, train: TrainSpec) -> tuple[dict[str, o
     """``default_params``, or (None, why) when that trial would not train the community default: the study fixes
     one of its rank, alpha or lr otherwise (a torchtune config's ``lora_alpha: 128`` beside a searched rank), and a
     trial labelled the community default would train the config's value."""
+    base = AdapterSpec()
+    default = f"rank {base.rank}, alpha {base.alpha:g}, lr {base.lr:g}"
     params = default_params(space)
     if params is None:
-        return None, "the community default (rank 16, alpha 32, lr 2e-4) lies outside the search space"
+        return None, f"the community default ({default}) lies outside the search space"
     searched = {p.name for p in space.params} | ({"alpha"} if any(p.name == "alpha_ratio" for p in space.params)
                                                  else set())
-    trained, base = adapter_spec(params, train, 0, space=space), AdapterSpec()
+    trained = adapter_spec(params, train, 0, space=space)
     off = [f"{k} {getattr(trained, k):g}" for k in ("rank", "alpha", "lr")
            if k not in searched and not math.isclose(getattr(trained, k), getattr(base, k))]
     if off:
-        return None, (f"the study fixes {', '.join(off)} (the community default trains rank {base.rank}, alpha "
-                      f"{base.alpha:g}, lr {base.lr:g})")
+        return None, f"the study fixes {', '.join(off)} (the community default trains {default})"
     return params, ""
 
 
