@@ -89,11 +89,9 @@ def axolotl_trackers(data: Mapping[str, Any]) -> tuple[list[dict[str, Any]], lis
 
 
 _TT_LOGGERS = {"WandBLogger": "wandb", "MLFlowLogger": "mlflow", "TensorBoardLogger": "tensorboard"}
-_TT_OPTIONS = {"wandb": {"project": "project", "entity": "entity", "mode": "mode", "name": "name"},
-               "mlflow": {"tracking_uri": "tracking_uri", "experiment_name": "experiment"},
-               "tensorboard": {"log_dir": "log_dir"}}
-"""torchtune's logger arguments (``torchtune/training/metric_logging.py``) -> our option names; ``log_dir`` of
-W&B and ``run_id`` of MLflow say where torchtune's own run went and are ignored."""
+_TT_OPTIONS = {"experiment_name": "experiment"}
+"""torchtune's logger arguments (``torchtune/training/metric_logging.py``) that our trackers name otherwise; the others
+are ours (``TRACKERS``) or ignored (``log_dir`` of W&B and ``run_id`` of MLflow say where torchtune's own run went)."""
 
 
 def torchtune_trackers(value: Any) -> tuple[list[dict[str, Any]], list[str]]:
@@ -111,8 +109,8 @@ def torchtune_trackers(value: Any) -> tuple[list[dict[str, Any]], list[str]]:
     for key, v in value.items():
         if key == "_component_" or v in (None, ""):
             continue
-        if key in _TT_OPTIONS[name]:
-            entry[_TT_OPTIONS[name][key]] = str(v)
+        if _TT_OPTIONS.get(key, key) in TRACKERS[name]:
+            entry[_TT_OPTIONS.get(key, key)] = str(v)
         else:
             ignored.append(f"metric_logger.{key}")
     return [entry], ignored
