@@ -7,6 +7,7 @@ Optuna parameter names are the canonical names of ``sweep.config.spec.SEARCHABLE
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -20,7 +21,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.packer.api import AdapterSpec
-from lora_sweep.sweep.config.spec import Param, SamplerSpec, SearchSpace, TrainSpec
+from lora_sweep.sweep.config.spec import SEARCHABLE, Param, SamplerSpec, SearchSpace, TrainSpec
 
 __all__ = ["GridSearch", "adapter_spec", "baseline_params", "community_default", "default_params", "make_sampler",
            "suggest"]
@@ -66,24 +67,18 @@ def adapter_spec(params: Mapping[str, Any], train: TrainSpec, seed: int, *, spac
     Raises:
         ConfigError: An unknown parameter name or target set, or a value AdapterSpec rejects.
     """
-    values = train.adapter_values()
-    names = {f.name for f in fields(AdapterSpec)} - {"seed", "extra"}
-    for name, value in params.items():
-        if name not in names and name != "alpha_ratio":
+    values = dict(params)
+    for name, value in values.items():
+        if name not in SEARCHABLE:
             raise ConfigError(f"{name}: not an adapter hyperparameter (got {value!r})")
-        values[name] = value
-    ratio = params.get("alpha_ratio", train.alpha_ratio)
-    if ratio is not None:
-        values["alpha"] = float(ratio) * values["rank"]  # type: ignore[operator]
-    values.pop("alpha_ratio", None)
-    if "targets" in params:
-        t = params["targets"]
-        if isinstance(t, str):
-            if t not in space.target_sets:
-                raise ConfigError(f"targets: unknown target set (got {t!r})")
-            t = space.target_sets[t]
+    t = values.get("targets")
+    if isinstance(t, str):
+        if t not in space.target_sets:
+            raise ConfigError(f"targets: unknown target set (got {t!r})")
+        values["targets"] = tuple(space.target_sets[t])
+    elif t is not None:
         values["targets"] = tuple(t)
-    return AdapterSpec(seed=seed, **values)  # type: ignore[arg-type]
+    return AdapterSpec(seed=seed, **dataclasses.replace(train, **values).adapter_values())  # type: ignore[arg-type]
 
 
 def make_sampler(spec: SamplerSpec, seed: int, space: SearchSpace) -> optuna.samplers.BaseSampler:
