@@ -159,7 +159,7 @@ class GridSearch(optuna.samplers.BaseSampler):
         self._assigned.pop(trial.number, None)
 
 
-def default_params(space: SearchSpace) -> dict[str, object] | None:
+def default_params(space: SearchSpace, clamp: bool = False) -> dict[str, object] | None:
     """The community default trial (rank 16, alpha 32, lr 2e-4: AdapterSpec's defaults) inside ``space``.
 
     Each searched value starts from AdapterSpec's default and snaps to the nearest choice or step. The
@@ -167,6 +167,10 @@ def default_params(space: SearchSpace) -> dict[str, object] | None:
     others are clamped into it. Non-numeric values not among the choices take the first choice (a
     target set equal to the default targets is preferred). Enqueue it first with
     ``study.enqueue_trial(params)`` so the searched points are ranked against the default.
+
+    Args:
+        space: The study's search space.
+        clamp: Clamp the community defaults into their spans too (never None: the baseline's other dimensions).
 
     Returns:
         Parameter name -> value, or None if rank, alpha, alpha_ratio or lr has its default outside the space.
@@ -181,7 +185,7 @@ def default_params(space: SearchSpace) -> dict[str, object] | None:
             same = [n for n in p.choices if space.target_sets[str(n)] == base.targets]
             out[p.name] = (same or list(p.choices))[0]
             continue
-        value = _snap(p, want[p.name], clamp=p.name not in _COMMUNITY)
+        value = _snap(p, want[p.name], clamp=clamp or p.name not in _COMMUNITY)
         if value is None:
             return None
         out[p.name] = value
@@ -209,7 +213,7 @@ def community_default(space: SearchSpace, train: TrainSpec) -> tuple[dict[str, o
 
 def baseline_params(space: SearchSpace, own: Mapping[str, Any]) -> tuple[dict[str, object] | None, str]:
     """The baseline trial: ``own`` values (a config's hyperparameters, by train field) on the searched dimensions,
-    the community default's (``default_params``, else AdapterSpec's snapped in) on the others.
+    the community default's (``default_params``, clamped into the space) on the others.
 
     Returns:
         (parameter name -> value, '') or (None, why there is none: no searched value set, or one outside
@@ -220,12 +224,9 @@ def baseline_params(space: SearchSpace, own: Mapping[str, Any]) -> tuple[dict[st
         own["alpha_ratio"] = own["alpha"] / own["rank"] if own.get("rank") else None  # alpha = alpha_ratio * rank
     if not any(p.name in own for p in space.params):
         return None, "it sets none of the searched dimensions"
-    base = AdapterSpec()
-    fill: Mapping[str, Any] = default_params(space) or {}
-    out: dict[str, object] = {}
+    out = default_params(space, clamp=True) or {}
     for p in space.params:
         if p.name not in own:
-            out[p.name] = fill.get(p.name, _snap(p, getattr(base, p.name, base.alpha / base.rank), clamp=True))
             continue
         value = _own_point(space, p, own[p.name])
         if value is None:
