@@ -8,12 +8,15 @@ two formats share with ours (``lora_r``, ``learning_rate``, ``micro_batch_size``
 key (docs/guides/foreign-configs.md has the table): a key that changes the math is translated (QLoRA's
 ``adapter: qlora`` and ``load_in_4bit`` to ``model.quantize: nf4``; 8-bit loading and 8-bit AdamW to the
 unquantized base and fp32 AdamW they approximate, with a warning), or refused in one error naming it when it asks
-for something not built (DoRA, GPTQ, a hub dataset, another optimizer); a key about logging, hardware or
-infrastructure is dropped, and all dropped keys are named in one warning.
+for something not built (GPTQ, a hub dataset, another optimizer); a key about logging, hardware or infrastructure
+is dropped, and all dropped keys are named in one warning.
 
-A key that only moves (``adam_epsilon`` -> ``train.eps``, torchtune's ``optimizer.lr`` -> ``train.lr``, ``dtype:
-bf16`` -> ``model.dtype: bfloat16``) is a row of ``AXOLOTL`` / ``TORCHTUNE`` (foreign key -> our key, conversion);
-the functions below are for keys with a rule (a dataset file, a model builder's targets, a held-out split).
+A train setting's name in either format is a column of its row in ``sweep.config.settings.SETTINGS``
+(``adam_epsilon``, torchtune's ``clip_grad_norm`` and ``model.lora_rank``), not restated here. Another key that only
+moves (``output_dir`` -> ``output``, ``dtype: bf16`` -> ``model.dtype: bfloat16``, ``adapter: qlora`` ->
+``model.quantize: nf4``) is a row of ``AXOLOTL`` / ``TORCHTUNE`` (foreign key -> our key, conversion), and a torchtune
+builder a row of ``_TT_BUILDERS`` (builder -> the keys it sets); the functions below are for keys with a rule (a
+dataset file, a model builder's targets, a held-out split).
 Over ~400 lines on purpose: both formats' tables and the rules they share (dropped keys, the one warning) read as
 one page against the guide's table.
 """

@@ -56,9 +56,8 @@ class PackSpec:
     """``fsdp``: the frozen base sharded over the processes of a pack with FSDP2, the slots replicated
     (``packer.model.shard``), each rank reading only its shard from the checkpoint's safetensors files
     (``packer.model.shard_load``), one process per GPU (``sweep run --gpus N``, or ``sweep worker`` under torchrun); its
-    step
-    runs eagerly, so ``cuda_graphs: on`` is refused, and ``max_slots`` must be set. ``none``: the whole base on one
-    device."""
+    step runs eagerly, so ``cuda_graphs: on`` is refused, and ``max_slots`` must be set. ``none``: the whole base on
+    one device."""
 
     def __post_init__(self) -> None:
         ok = self.max_slots == "auto" or (isinstance(self.max_slots, int) and 1 <= self.max_slots <= 256)
