@@ -379,7 +379,8 @@ def _refresh_report(out_dir: Path) -> None:
 @click.argument("study", type=click.Path(dir_okay=False))
 @click.argument("overrides", nargs=-1)
 @click.option("--calibrations", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Calibrations to measure when the cache holds fewer (more: the median step and its range).")
+              help="Calibrations to measure when the cache holds fewer (more: the median one; where the sized "
+              "pack is not timed, its step and their range).")
 @click.option("--gpus", type=click.IntRange(min=1), help="GPUs a `pack.shard: fsdp` pack is sharded over: memory "
               "per GPU (default: the visible GPUs, 1 without).")
 def plan(study: str, overrides: tuple[str, ...], calibrations: int, gpus: int | None) -> None:
@@ -388,6 +389,7 @@ def plan(study: str, overrides: tuple[str, ...], calibrations: int, gpus: int | 
     from lora_sweep.evaluators.registry import deferred_user_code, is_user_code
     from lora_sweep.sweep._trial_data import check_data
     from lora_sweep.sweep.device import resolve_device
+    from lora_sweep.sweep.pack_step import PackTimer
     from lora_sweep.sweep.planning import (
         cached_calibration,
         load_and_calibrate,
@@ -415,17 +417,19 @@ def plan(study: str, overrides: tuple[str, ...], calibrations: int, gpus: int | 
     # a target the cached shape lacks: load the model, whose check names what it has; likewise a world size the
     # cache holds no FSDP share for
     sharded = spec.pack.shard == "fsdp" and gpus > 1
+    say = lambda m: click.echo(m, err=True)  # noqa: E731
     if cached is not None and cached[2].has_targets(target_sets(spec).values()) and \
             (not sharded or gpus in cached[2].shard_peak):
         models, where, base = cached
-        tokenizer = None
+        tokenizer, pm = None, None
     else:
-        models, where, base, tokenizer = load_and_calibrate(spec, device, calibrations, gpus,
-                                                            log=lambda m: click.echo(m, err=True))
+        models, where, base, tokenizer, pm = load_and_calibrate(spec, device, calibrations, gpus, log=say)
     lengths, examples = train_lengths(spec, tokenizer)
+    # the sized pack's steps are timed on the loaded model; from the cache, the model is loaded only if they are not
+    load = (lambda: pm) if pm is not None else lambda: load_and_calibrate(spec, device, calibrations, gpus, log=say)[4]
     click.echo(plan_report(spec, models, where, base, device, mean_len=step_mean_length(spec, lengths),
                            eval_len=padded_mean_length(lengths, spec.train.micro_batch), examples=examples,
-                           gpus=gpus).table())
+                           gpus=gpus, timer=PackTimer(spec, device, lengths, load, log=say, gpus=gpus)).table())
 
 
 @cli.command()

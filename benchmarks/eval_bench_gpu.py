@@ -54,7 +54,7 @@ def build_pack(slots: int, device: str, layers: int | None) -> PackedModel:
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     pm = PackedModel(model)
-    pm.ensure_store(slots, rank=max(RANKS), bucket=max(RANKS))
+    pm.ensure_store(slots, rank=max(RANKS))
     gen = torch.Generator().manual_seed(1)
     for slot in range(slots):
         rank = RANKS[slot % len(RANKS)]

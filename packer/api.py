@@ -85,6 +85,7 @@ if TYPE_CHECKING:
         base_shape,
         calibrate,
         forward_seconds,
+        time_pack,
     )
     from lora_sweep.packer.step import eval_graph
     from lora_sweep.packer.step.isolation import check_sample_packing
@@ -109,7 +110,7 @@ _WHERE: dict[str, tuple[str, ...]] = {
     "model.quant": ("dequantize_base", "quantize_base"),
     "model.shard_load": ("load_sharded", "meta_load_refusal"),
     "plan": ("ALL_LINEAR", "AdapterSpec", "BaseShape", "MemoryModel"),
-    "probe": ("PROBE_STEPS", "available_memory", "base_shape", "calibrate", "forward_seconds"),
+    "probe": ("PROBE_STEPS", "available_memory", "base_shape", "calibrate", "forward_seconds", "time_pack"),
     "step": ("eval_graph",),
     "step.isolation": ("check_sample_packing",),
     "step.shapes": ("length_buckets",),

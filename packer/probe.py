@@ -10,9 +10,12 @@ set, which the C allocator's caching blurs by tens of percent).
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +25,7 @@ from torch.utils._pytree import tree_leaves
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.kernels.ops import PackLayout
+from lora_sweep.packer.data.packing import PackedRow
 from lora_sweep.packer.data.rows import Example
 from lora_sweep.packer.loss import chunked_slot_losses
 from lora_sweep.packer.model.inject import linear_shape, projection_names
@@ -40,7 +44,7 @@ if TYPE_CHECKING:
     from lora_sweep.packer.model.shard import BaseShare
 
 __all__ = ["peak_memory", "calibrate", "available_memory", "model_bytes", "plain_param_bytes", "PROBE_STEPS",
-           "base_shape", "forward_seconds"]
+           "base_shape", "forward_seconds", "PackTiming", "time_pack"]
 
 
 def _proc_status(field: str) -> int:
@@ -167,6 +171,72 @@ def forward_seconds(pm: PackedModel, tokens: int = 8, repeats: int = 5) -> float
                 torch.cuda.synchronize(pm.device)
             times.append(time.perf_counter() - t0)
     return min(times[1:])
+
+
+@dataclass(frozen=True)
+class PackTiming:
+    """What ``time_pack`` measured of one pack shape."""
+
+    step_s: float
+    """Seconds of one step: the median of the timed steps on the CPU, their mean on CUDA (pipelined, as a run)."""
+    steps: int
+    """Steps timed (after the warm-up)."""
+    wall_s: float
+    """Seconds the whole measurement took: the slots' set-up, the warm-up (on CUDA the graph's capture), the steps."""
+    step: str
+    """How the step ran (``STEP_NAMES``): the run's own path on this device and options."""
+
+
+class _Marks:
+    """A ``train`` profiler keeping the time at the end of every global step. On CUDA only the window's two ends are
+    synchronised (after ``first`` steps and after ``last``), so the steps between run pipelined, as in a run."""
+
+    def __init__(self, device: torch.device, first: int, last: int) -> None:
+        self.device, self.ends, self.stamps = device, (first, last), list[float]()
+
+    def step(self) -> None:
+        if self.device.type == "cuda" and len(self.stamps) + 1 in self.ends:
+            torch.cuda.synchronize(self.device)
+        self.stamps.append(time.perf_counter())
+
+
+def time_pack(pm: PackedModel, specs: Sequence[AdapterSpec], rows: int, length: int, *, steps: int = 3,
+              warmup: int = 1, pad_id: int = 0, vocab: int | None = None, max_rows: int | None = None,
+              **options: Any) -> PackTiming:
+    """Time ``warmup`` + ``steps`` real steps of a pack of ``len(specs)`` slots (slot i trains ``specs[i]``), each
+    slot ``rows`` rows of ``length`` random tokens (a sample-packed slot's rows hold one example each): the pack a
+    plan has sized, on the step a run of it takes (``packer.step.train.train`` with ``options``: ``cuda_graphs``,
+    ``chunked_ce``, ``activation_checkpointing``, ``optimizer_in_backward``; ``max_rows``: the rank bucket held from
+    the first step). A step is timed from one step's end to the next, so the set-up (slots, their store and
+    optimizer state) and the warm-up (on CUDA the kernels' compile and the graph's capture) are not in it. The slots
+    are removed afterwards; nothing is kept.
+
+    Raises:
+        ValueError: no slot, or ``steps`` / ``warmup`` < 1.
+    """
+    if not specs or steps < 1 or warmup < 1:
+        raise ValueError(f"time_pack: needs a slot, a warm-up step and a timed step (got {len(specs)} slots, "
+                         f"{warmup} warm-up, {steps} timed)")
+    vocab = vocab or pm.model.get_input_embeddings().num_embeddings
+    gen = torch.Generator().manual_seed(0)
+    total = warmup + steps
+    jobs = []
+    for spec in specs:
+        ids = [tuple(r) for r in torch.randint(3, vocab, (rows, length), generator=gen).tolist()]
+        batch = [PackedRow(r, r, tuple(range(length)), 1) if spec.sample_packing else Example(r, r) for r in ids]
+        # more optimizer steps than the pack takes: no slot ends (and is removed) inside the last timed step
+        jobs.append(SlotJob(dataclasses.replace(spec, max_steps=total + 1), FixedBatch(batch)))
+    marks = _Marks(pm.device, warmup, total)
+    t0 = time.perf_counter()
+    result = train(pm, len(jobs), lambda slot: jobs.pop(0) if jobs else None, pad_id=pad_id, max_global_steps=total,
+                   max_rows=max_rows, profiler=marks, **options)
+    wall = time.perf_counter() - t0
+    window = marks.stamps[warmup - 1:total]
+    if pm.device.type == "cuda":
+        step_s = (window[-1] - window[0]) / steps
+    else:
+        step_s = statistics.median(b - a for a, b in zip(window, window[1:], strict=False))
+    return PackTiming(step_s, steps, wall, result.step)
 
 
 PROBE_STEPS = 2

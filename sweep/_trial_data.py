@@ -21,11 +21,11 @@ from lora_sweep.packer.api import (
     adapter_stream,
     check_sample_packing,
     epoch_steps,
-    length_buckets,
     read_jsonl,
     stream_tokens,
 )
 from lora_sweep.sweep.config.spec import StudySpec
+from lora_sweep.sweep.pack_step import bucket_lengths
 
 __all__ = ["trial_adapter", "trial_stream", "planned_tokens", "check_packing", "check_data",
            "step_lengths"]
@@ -82,14 +82,6 @@ def check_data(spec: StudySpec) -> None:
 
 
 def step_lengths(spec: StudySpec, examples: Sequence[Example], capacity: int) -> tuple[int, ...]:
-    """The padded lengths a pack's steps may take (``packer.step.shapes.length_buckets``): at most a few, fitted to
-    the longest of ``capacity`` x the smallest micro-batch rows the space can draw (the most spread a step's
-    longest row has); a pack that may sample-pack also gets its rows' length, ``data.max_length``."""
-    micro = [spec.train.micro_batch]
-    for p in spec.search.params:
-        if p.name == "micro_batch":
-            micro += [int(c) for c in p.choices] if p.choices else [int(p.low or 1)]
-    packs = spec.train.sample_packing or any(p.name == "sample_packing" and True in p.choices
-                                             for p in spec.search.params)
-    lengths = [len(e.input_ids) for e in examples] + ([spec.data.max_length] if packs else [])
-    return length_buckets(lengths, capacity * max(1, min(micro)))
+    """The padded lengths a pack's steps may take (``sweep.pack_step.bucket_lengths``, which ``sweep plan`` times
+    with): at most a few, fitted to the rows of ``examples``."""
+    return bucket_lengths(spec, [len(e.input_ids) for e in examples], capacity)

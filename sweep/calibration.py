@@ -5,8 +5,9 @@ A calibration is cached per (model files, dtype, device, shape and training opti
 entry keeps what a plan needs of the base model (``packer.plan.BaseShape``, read by ``packer.probe.base_shape``: its
 adaptable projections, its parameter bytes and what one rank of an FSDP shard holds), so a second ``sweep plan``
 reads both back and plans without loading the base's weights, or even transformers' modeling code: config-only, in
-the time of the imports. The measuring is the packer's (``packer.probe``); what is kept, and under which key, is
-the study's."""
+the time of the imports. Beside them, ``pack_step/<key>.json`` keeps the step time ``sweep plan`` measured on the
+pack it sized (``sweep.pack_step``), keyed by the calibration's key and that pack's shape and slots. The measuring is
+the packer's (``packer.probe``); what is kept, and under which key, is the study's."""
 
 from __future__ import annotations
 
@@ -26,10 +27,13 @@ if TYPE_CHECKING:
     from lora_sweep.sweep.config.spec import StudySpec
 
 __all__ = ["calibrated", "cached_calibration", "cache_dir", "calibration_key",
-           "trains_dora", "probe_dropout", "CALIBRATION_VERSION", "SHARD_WORLDS", "cached_lengths", "cache_lengths"]
+           "trains_dora", "probe_dropout", "CALIBRATION_VERSION", "SHARD_WORLDS", "cached_lengths", "cache_lengths",
+           "PACK_STEP_VERSION", "cached_pack_step", "cache_pack_step"]
 
 CALIBRATION_VERSION = 5
 """Bump when ``packer.probe.calibrate`` measures differently: older cache entries are then not read."""
+PACK_STEP_VERSION = 1
+"""Bump when ``sweep.pack_step`` times the sized pack differently (its steps, its slots, its rows)."""
 SHARD_WORLDS = (2, 4, 8)
 """World sizes whose FSDP share the cache keeps (a host's GPUs); others are computed from the loaded model."""
 
@@ -101,6 +105,29 @@ def cache_lengths(spec: StudySpec, lengths: list[int]) -> None:
     """Keep the token lengths of the study's training rows for ``cached_lengths``."""
     key = _lengths_key(spec)
     _write(_entry(key, "lengths"), {"key": key, "lengths": lengths})
+
+
+def _pack_step_key(spec: StudySpec, device: str, pack: dict[str, Any]) -> dict[str, Any]:
+    """What a sized pack's step time depends on: everything a calibration does (``calibration_key``: the model,
+    the device, torch and threads, the training options) and the ``pack`` itself (its shape, its slots' adapters,
+    how many steps were timed)."""
+    return {"version": PACK_STEP_VERSION, "calibration": calibration_key(spec, device), "pack": pack}
+
+
+def cached_pack_step(spec: StudySpec, device: str, pack: dict[str, Any]) -> tuple[dict[str, Any], Path] | None:
+    """The record ``cache_pack_step`` kept for this study's ``pack`` on ``device``, and its file; None if none."""
+    key = _pack_step_key(spec, device, pack)
+    path = _entry(key, "pack_step")
+    record = _read(path, key)
+    return None if record is None else (record, path)
+
+
+def cache_pack_step(spec: StudySpec, device: str, pack: dict[str, Any], record: dict[str, Any]) -> Path:
+    """Keep ``record`` (what timing ``pack`` measured) for ``cached_pack_step``; returns its file."""
+    key = _pack_step_key(spec, device, pack)
+    path = _entry(key, "pack_step")
+    _write(path, {**record, "key": key, "at": time.time()})
+    return path
 
 
 def calibration_key(spec: StudySpec, device: str) -> dict[str, Any]:

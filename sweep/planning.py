@@ -9,8 +9,9 @@ A calibration is cached (``sweep.calibration``) per (model files, device, shape 
 threads) with the base's shape beside it: a second ``sweep plan``, or a ``pack: auto`` run after it, reads them
 back instead of probing again, and ``plan_report`` plans from them without the model. What it is worth: the memory
 terms are exact for the probed shapes (on CUDA the allocator's peak, on the CPU counted tensor bytes) and linear
-between them; the time terms come from the two low-rank probes' own runs of two steps each, as noisy as the host is
-busy (a loaded shared CPU can be off by a large factor: the plan's time is a guide, its slots are not). The time
+between them; the step time is measured on the pack the plan sized (``sweep.pack_step``: a few real steps of its
+slots, rows and step length, cached too), as the host is while it runs (a loaded shared CPU skews it: the plan's
+time is a guide, its slots are not); the probes' time line only carries it to the run's mean step. The time
 counts the pack's expected steps under the rungs (``sweep.schedule``: backfill, cohort SHA's cumulative cohorts), the
 evaluations that schedule runs (``eval_seconds``: a forward costs a base forward's measured fixed time and a third of
 the step's per-token time), and the start-up (imports, load) measured where the calibration ran.
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -45,6 +45,7 @@ from lora_sweep.packer.api import (
 )
 from lora_sweep.sweep.calibration import SHARD_WORLDS, cache_dir, cached_calibration, calibrated, calibration_key
 from lora_sweep.sweep.config.spec import StudySpec
+from lora_sweep.sweep.pack_step import PackStep, PackTimer, padded_mean_length, step_mean_length, timed_model
 from lora_sweep.sweep.schedule import Schedule, eval_rows, eval_seconds, expected_schedule
 
 __all__ = ["auto_slots", "check_targets", "largest_rank", "PlanReport", "plan_pack", "plan_report", "trial_micro_steps",
@@ -98,6 +99,8 @@ class PlanReport:
     """Seconds before the first step: a run's imports and the base's load, as measured where it was calibrated."""
     pruning_note: str = ""
     """How the rungs cut the budget, or that the study does not prune."""
+    timed: PackStep | None = None
+    """The sized pack's own step, timed (``sweep.pack_step``); None: the calibration's line alone."""
 
     def table(self) -> str:
         gib = 1024**3
@@ -121,9 +124,13 @@ class PlanReport:
             ("per adapter parameter", f"{self.memory.bytes_per_param:.1f} B"),
             ("predicted step", self._step_text()),
             ("calibration", self.calibration or "-"),
-            ("accuracy", "memory: measured at the probed sizes, linear between them (the slots); time: two "
-                         "timed probes, as noisy as the host is busy (a guide)"),
         ]
+        if self.timed is not None:
+            rows.append(("sized pack's step", self.timed.where))
+        timed = self.timed is not None and self.timed.step_s is not None
+        rows.append(("accuracy", "memory: measured at the probed sizes, linear between them (the slots); time: " + (
+            "the sized pack's own steps, timed on the host as it is (a busy host skews it)" if timed else
+            "two timed probes extrapolated to the pack, as noisy as the host is busy (a guide)")))
         if self.gpus > 1:
             rows.append(("peak while loading the base, per GPU",
                          f"{self.load_peak_bytes / gib:.3f} GiB ({self.load_note})"))
@@ -139,6 +146,10 @@ class PlanReport:
 
     def _step_text(self) -> str:
         text = f"{self.predicted_step_s * 1000:.0f} ms"
+        t = self.timed
+        if t is not None and t.step_s is not None:
+            return (f"{text} (a mean step of {t.slots} slots x {t.rows} rows x {t.mean_length:.1f} tokens; the "
+                    f"timed {t.length} tokens: {t.step_s * 1000:.0f} ms)")
         if self.step_range_s is None:
             return text
         low, high = self.step_range_s
@@ -238,14 +249,16 @@ def plan_pack(spec: StudySpec, pm: PackedModel, *, mean_len: float | None = None
 
 def plan_report(spec: StudySpec, models: list[MemoryModel], where: str, base: BaseShape, device: str, *,
                 mean_len: float | None = None, examples: Sequence[Example] | None = None,
-                gpus: int = 1, eval_len: float | None = None) -> PlanReport:
+                gpus: int = 1, eval_len: float | None = None, timer: PackTimer | None = None) -> PlanReport:
     """Size the pack from calibrated ``models`` (the median step's one; ``where``: the calibration line) and the base's
     ``base`` shape: no model needed, so a plan from the cache loads no weights. The time counts every trial's
     micro-batches (``trial_micro_steps``: optimizer steps x accumulation; with ``train.epochs``, from ``examples``).
     ``eval_len``: the held-out rows' mean padded length where it differs from a training step's row (``mean_len``:
     sample packing packs training rows, not held-out ones). With ``pack.shard: fsdp`` over ``gpus`` > 1 the memory
     is per GPU: the base's share of one rank
-    (``packer.model.shard.base_share``) in place of the whole base, beside the replicated slots.
+    (``packer.model.shard.base_share``) in place of the whole base, beside the replicated slots. ``timer``: times the
+    pack the plan sized (``sweep.pack_step``), whose step then replaces the calibration's line at the pack's size
+    (``timed_model``: the evaluation's per-token time scaled alike) and whose mean step length replaces ``mean_len``.
 
     Raises:
         ConfigError: a sharded plan of a model ``packer.model.shard`` cannot shard.
@@ -266,10 +279,12 @@ def plan_report(spec: StudySpec, models: list[MemoryModel], where: str, base: Ba
         slots = int(spec.pack.max_slots)
     else:
         slots = max(1, min(fit, spec.budget.trials or MAX_AUTO_SLOTS))
-    step_tokens = int(slots * micro * (mean_len or seq))
-    times = [m.step_seconds(step_tokens) for m in models]
+    timed = None if timer is None else timer(slots, rank, micro, models[0])  # (the line bounds the timing's cost)
+    step_tokens = timed.mean_tokens if timed is not None else int(slots * micro * (mean_len or seq))
+    lines = models if timed is None else [timed_model(m, timed) for m in models]
+    times = [m.step_seconds(step_tokens) for m in lines]
     step_s = statistics.median_low(times)
-    mm = models[times.index(step_s)]
+    mm = lines[times.index(step_s)]
     opt_steps, accum = _trial_steps(spec, micro, examples)
     schedule = None if spec.budget.trials is None else pack_schedule(spec, slots, opt_steps)
     steps = None if schedule is None else math.ceil(schedule.pack_steps * accum)
@@ -281,7 +296,7 @@ def plan_report(spec: StudySpec, models: list[MemoryModel], where: str, base: Ba
                       None if steps is None else steps * step_s, steps,
                       (min(times), max(times)) if len(models) > 1 else None, len(models), spec.model.quantize,
                       where, gpus if shard else 1, mm.base_bytes + base_delta, load_peak, note, evals, eval_note,
-                      schedule, base.imports_s + base.load_s, _pruning_note(spec, schedule, opt_steps))
+                      schedule, base.imports_s + base.load_s, _pruning_note(spec, schedule, opt_steps), timed)
 
 
 def pack_schedule(spec: StudySpec, slots: int, trial_steps: int) -> Schedule:
@@ -350,9 +365,11 @@ def train_lengths(spec: StudySpec, tokenizer: Any) -> tuple[list[int], list[Exam
 
 
 def load_and_calibrate(spec: StudySpec, device: str, calibrations: int, gpus: int, *,
-                       log: Callable[[str], None] | None = None) -> tuple[list[MemoryModel], str, BaseShape, Any]:
+                       log: Callable[[str], None] | None = None
+                       ) -> tuple[list[MemoryModel], str, BaseShape, Any, PackedModel]:
     """Load the study's model and calibrate it (announced through ``log``; or read the calibration from the cache):
-    memory models, their line, the base's shape (with its FSDP share over ``gpus`` too), tokenizer.
+    memory models, their line, the base's shape (with its FSDP share over ``gpus`` too), tokenizer, packed model
+    (what ``sweep.pack_step`` times the sized pack on).
 
     Raises:
         UserError, ConfigError: as ``load_base`` and ``check_targets``.
@@ -376,22 +393,5 @@ def load_and_calibrate(spec: StudySpec, device: str, calibrations: int, gpus: in
     times = cached[2] if cached is not None else BaseShape((), 0, forward_s=forward_seconds(pm), load_s=load_s,
                                                                imports_s=imports_s)
     base = dataclasses.replace(base, forward_s=times.forward_s, load_s=times.load_s, imports_s=times.imports_s)
-    return models, where, base, tokenizer
+    return models, where, base, tokenizer, pm
 
-
-def step_mean_length(spec: StudySpec, lengths: list[int]) -> float:
-    """Mean padded length per row of the study's steps from its training examples' ``lengths``: of the examples, or
-    with ``train.sample_packing`` of the packed rows they make (``packer.api.row_lengths``)."""
-    from lora_sweep.packer.api import row_lengths
-
-    train = spec.train
-    adapter = AdapterSpec(micro_batch=train.micro_batch, sample_packing=train.sample_packing)
-    return padded_mean_length(row_lengths(lengths, adapter, spec.seed, spec.data.max_length), train.micro_batch)
-
-
-def padded_mean_length(lengths: list[int], rows: int, samples: int = 50, seed: int = 0) -> float:
-    """Mean padded length per row of random batches of ``rows`` rows (what a step really computes)."""
-    rng = random.Random(seed)
-    if not lengths:
-        return 0.0
-    return sum(max(rng.choices(lengths, k=rows)) for _ in range(samples)) / samples

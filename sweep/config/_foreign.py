@@ -8,30 +8,35 @@ two formats share with ours (``lora_r``, ``learning_rate``, ``micro_batch_size``
 key (docs/guides/foreign-configs.md has the table): a key that changes the math is translated (QLoRA's
 ``adapter: qlora`` and ``load_in_4bit`` to ``model.quantize: nf4``; 8-bit loading and 8-bit AdamW to the
 unquantized base and fp32 AdamW they approximate, with a warning), or refused in one error naming it when it asks
-for something not built (DoRA, GPTQ, a hub dataset, another optimizer); a key about logging, hardware or
-infrastructure is dropped, and all dropped keys are named in one warning.
+for something not built (GPTQ, a hub dataset, another optimizer); a key about logging, hardware or infrastructure
+is dropped, and all dropped keys are named in one warning.
 
-A key that only moves (``adam_epsilon`` -> ``train.eps``, torchtune's ``optimizer.lr`` -> ``train.lr``, ``dtype:
-bf16`` -> ``model.dtype: bfloat16``) is a row of ``AXOLOTL`` / ``TORCHTUNE`` (foreign key -> our key, conversion);
-the functions below are for keys with a rule (a dataset file, a model builder's targets, a held-out split).
+A train setting's name in either format is a column of its row in ``sweep.config.settings.SETTINGS``
+(``adam_epsilon``, torchtune's ``clip_grad_norm`` and ``model.lora_rank``), not restated here. Another key that only
+moves (``output_dir`` -> ``output``, ``dtype: bf16`` -> ``model.dtype: bfloat16``, ``adapter: qlora`` ->
+``model.quantize: nf4``) is a row of ``AXOLOTL`` / ``TORCHTUNE`` (foreign key -> our key, conversion), and a torchtune
+builder a row of ``_TT_BUILDERS`` (builder -> the keys it sets); the functions below are for keys with a rule (a
+dataset file, a model builder's targets, a held-out split).
 Over ~400 lines on purpose: both formats' tables and the rules they share (dropped keys, the one warning) read as
 one page against the guide's table.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
 import random
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.sweep.config._own_search import around
 from lora_sweep.sweep.config._yaml import Doc, Key
+from lora_sweep.sweep.config.settings import SETTINGS, TRAIN_ALIASES
 from lora_sweep.sweep.config.tracking import axolotl_trackers, torchtune_trackers
 
 __all__ = ["translate", "split_overrides", "is_foreign"]
@@ -87,10 +92,17 @@ _OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw", "paged_a
 _8BIT = ("adamw_8bit", "adamw_bnb_8bit", "paged_adamw_8bit")
 _FORMATS = {"alpaca": "alpaca", "alpaca_chat": "alpaca", "completion": "text", "chat_template": "chat",
             "sharegpt": "chat", "prompt_completion": "prompt_completion", "text": "text", "chat": "chat"}
-_TT_DATASETS = {"alpaca_dataset": "alpaca", "alpaca_cleaned_dataset": "alpaca", "instruct_dataset": "alpaca",
-                "chat_dataset": "chat", "text_completion_dataset": "text"}
-_TT_SCHEDULES = {"get_cosine_schedule_with_warmup": "cosine", "get_linear_schedule_with_warmup": "linear",
-                 "get_constant_schedule_with_warmup": "constant"}
+_TT_BUILDERS: dict[str, dict[str, dict[Key, Any]]] = {
+    "dataset": {**dict.fromkeys(("alpaca_dataset", "alpaca_cleaned_dataset", "instruct_dataset"),
+                                {("data", "format"): "alpaca"}),
+                "chat_dataset": {("data", "format"): "chat"}, "text_completion_dataset": {("data", "format"): "text"}},
+    "optimizer": {"AdamW": {}},
+    "lr_scheduler": {f"get_{s}_schedule_with_warmup": {("train", "schedule"): s} for s in ("cosine", "linear",
+                                                                                            "constant")},
+    "loss": {"CrossEntropyLoss": {}, **dict.fromkeys(("CEWithChunkedOutputLoss", "LinearCrossEntropyLoss"),
+                                                     {("pack", "chunked_ce"): True})},  # the same loss, in chunks
+}
+"""torchtune components -> the builders accepted (the last name of ``_component_``) -> the keys of ours each sets."""
 _TT_DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
 _TT_HELD_OUT = 0.1
 """The share of a torchtune config's data file held out as ``data.eval`` when the study gives none."""
@@ -110,42 +122,35 @@ Move = tuple[str | None, Callable[[Any], Any] | Mapping[Any, Any] | None]
 values are refused naming them)."""
 
 AXOLOTL: dict[Key, Move] = {
+    # QLoRA: bitsandbytes NF4 with double-quantised scales in Axolotl, torchao's NF4 here
+    ("adapter",): ("model.quantize", {"lora": _SKIP, "qlora": "nf4"}),
+    ("load_in_4bit",): ("model.quantize", lambda v: "nf4" if v else _SKIP),
     ("gradient_checkpointing",): ("pack.activation_checkpointing", bool),
-    ("warmup_ratio",): ("train.warmup_ratio", None),
-    ("adam_epsilon",): ("train.eps", None),
     ("output_dir",): ("output", _set),
 }
 """Axolotl keys that move to one of ours; the keys Axolotl shares with a study file (``lora_r``, ``learning_rate``,
-``sequence_len``, ...) are the loader's train aliases (``sweep.config.settings``), the rest are translated below."""
+``sequence_len``, ``adam_epsilon``, ...) are the loader's train aliases (``sweep.config.settings``), the rest are
+translated below."""
 TORCHTUNE: dict[Key, Move] = {
     ("output_dir",): ("output", _set),
-    ("epochs",): ("train.epochs", None),
-    ("max_steps_per_epoch",): ("train.max_steps_per_epoch", None),
-    ("batch_size",): ("train.micro_batch", None),
-    ("gradient_accumulation_steps",): ("train.gradient_accumulation_steps", None),
-    ("clip_grad_norm",): ("train.max_grad_norm", None),
-    ("optimizer_in_bwd",): ("train.optimizer_in_backward", bool),
     ("enable_activation_checkpointing",): ("pack.activation_checkpointing", None),
     ("device",): ("model.device", None),
     ("dtype",): ("model.dtype", _TT_DTYPES),
-    ("model", "lora_rank"): ("train.rank", None),
-    ("model", "lora_alpha"): ("train.alpha", None),
-    ("model", "lora_dropout"): ("train.dropout", None),
-    ("model", "use_dora"): ("train.dora", None),
-    ("optimizer", "lr"): ("train.lr", None),
-    ("optimizer", "weight_decay"): ("train.weight_decay", None),
-    ("optimizer", "betas"): ("train.betas", None),
-    ("optimizer", "eps"): ("train.eps", None),
     ("optimizer", "fused"): (None, None),  # how torch runs AdamW's update, not what it computes
     ("optimizer", "foreach"): (None, None),
-    ("lr_scheduler", "num_warmup_steps"): ("train.warmup_steps", None),
-    ("dataset", "packed"): ("train.sample_packing", bool),
     ("dataset", "train_on_input"): ("data.train_on_prompt", bool),
     ("dataset", "train_on_inputs"): ("data.train_on_prompt", bool),
     ("dataset", "source"): (None, None),  # json (checked first): a local file
+    ("dataset", "split"): (None, {"train": "train"}),  # a local file is its train split
+    ("loss", "num_output_chunks"): (None, None),  # pack.chunked_ce's own
+    ("loss", "ignore_index"): (None, None),  # the labels' own masking
+    **{(part, name): (f"train.{s.name}", None) for part in ("model", "optimizer", "lr_scheduler", "dataset")
+       for s in SETTINGS for name in (s.name, *s.torchtune.split())},
 }
-"""torchtune keys (a component's options under its section) that move to one of ours; the components themselves
-(model builder, dataset, optimizer, scheduler, loss) are translated below."""
+"""torchtune keys that move to one of ours: a component's option that names a train setting (``model.lora_rank``,
+``optimizer.lr``: the torchtune column of ``sweep.config.settings.SETTINGS``, as the loader's aliases read a top-level
+``clip_grad_norm``) and the rows above; the components themselves (model builder, dataset, optimizer, scheduler,
+loss) are translated below."""
 
 
 def _move(out: _Out, table: Mapping[Key, Move], src: Key, value: Any) -> bool:
@@ -153,15 +158,15 @@ def _move(out: _Out, table: Mapping[Key, Move], src: Key, value: Any) -> bool:
     if src not in table:
         return False
     dest, convert = table[src]
-    if dest is None:
-        out.dropped.append(".".join(map(str, src)))
-        return True
     if isinstance(convert, Mapping):
-        if value not in convert:
+        if not isinstance(value, Hashable) or value not in convert:
             raise out.error(src, f"must be one of {', '.join(convert)} (got {value!r})")
         value = convert[value]
     elif convert is not None:
         value = convert(value)
+    if dest is None:
+        out.dropped.append(".".join(map(str, src)))
+        return True
     if value is not _SKIP:
         out.put(tuple(dest.split(".")), value, src)
     return True
@@ -228,8 +233,8 @@ def split_overrides(data: dict[str, Any], overrides: Sequence[str], top: Sequenc
     kind = _kind(data)
     if kind is None:
         return [], list(overrides)
-    reads = {*_TT, *(k[0] for k in TORCHTUNE)} if kind == "torchtune" else {*_AXOLOTL_ONLY, "optimizer", "output_dir",
-                                                                           "warmup_ratio"}
+    reads = ({*_TT, *(k[0] for k in TORCHTUNE), *TRAIN_ALIASES} if kind == "torchtune"
+             else {*_AXOLOTL_ONLY, "optimizer", "output_dir", "warmup_ratio"})
     own, ours = [], []
     for text in overrides:
         parts = text.partition("=")[0].strip().split(".")
@@ -364,7 +369,7 @@ def _keep(out: _Out, key: str, value: Any) -> None:
 def _axolotl(doc: Doc, data: dict[str, Any]) -> _Out:
     out = _Out(doc, {})
     handlers: dict[str, Callable[[_Out, Any], None]] = {
-        "datasets": _datasets, "adapter": _adapter, "load_in_4bit": _load_in_4bit, "optimizer": _optimizer,
+        "datasets": _datasets, "optimizer": _optimizer,
         "adam_beta1": lambda o, v: None, "adam_beta2": lambda o, v: None,  # with betas, below
         "val_set_size": lambda o, v: None,  # after the datasets
         "use_wandb": lambda o, v: None, "use_mlflow": lambda o, v: None,  # trackers, after the loop
@@ -382,8 +387,9 @@ def _axolotl(doc: Doc, data: dict[str, Any]) -> _Out:
     if "adam_beta1" in data or "adam_beta2" in data:
         betas = [data.get("adam_beta1", 0.9), data.get("adam_beta2", 0.999)]
         out.put(("train", "betas"), betas, ("adam_beta1",) if "adam_beta1" in data else ("adam_beta2",))
-    if "warmup_ratio" in data and data.get("warmup_steps"):  # HF Trainer: warmup_steps wins
-        del out.data["train"]["warmup_ratio"]
+    if "warmup_ratio" in data and data.get("warmup_steps"):
+        del out.data["warmup_ratio"]
+        out.warn(f"warmup_ratio is ignored: warmup_steps {data['warmup_steps']} wins (HF Trainer's rule)")
     if not out.errors:  # a refused dataset has nothing to split
         out.attempt(_val_split, out, data)
     return out
@@ -422,18 +428,6 @@ def _local_file(out: _Out, path: Any, src: Key) -> str:
         raise out.error(src, f"only local files work; {path!r} looks like a hub dataset: download it to a "
                              "JSON-lines file and give its path")
     raise out.error(src, f"file not found: {full} (only local JSON-lines files work)")
-
-
-def _adapter(out: _Out, value: Any) -> None:
-    if value == "qlora":  # Axolotl's QLoRA: bitsandbytes NF4 with double-quantised scales, here torchao's NF4
-        out.put(("model", "quantize"), "nf4", ("adapter",))
-    elif value != "lora":
-        raise out.error(("adapter",), f"only lora or qlora is supported (got {value!r})")
-
-
-def _load_in_4bit(out: _Out, value: Any) -> None:
-    if value not in (None, False):
-        out.put(("model", "quantize"), "nf4", ("load_in_4bit",))
 
 
 def _optimizer(out: _Out, value: Any, src: Key = ("optimizer",)) -> None:
@@ -551,52 +545,27 @@ def _tt_model(out: _Out, value: Any) -> None:
 
 
 def _tt_dataset(out: _Out, value: Any) -> None:
-    cfg, name = _component(out, value, "dataset")
-    if name not in _TT_DATASETS:
-        raise out.error(("dataset", "_component_"), f"{name} is not supported (expected {', '.join(_TT_DATASETS)})")
+    cfg = _tt_component(out, value, "dataset", handled=("data_files",))
     if cfg.get("source") not in ("json", None) or "data_files" not in cfg:
-        raise out.error(("dataset",), f"only local files work: give source: json and data_files ({name} would "
+        raise out.error(("dataset",), "only local files work: give source: json and data_files (the builder would "
                                       "download a hub dataset)")
-    for k, v in cfg.items():
-        src = ("dataset", k)
-        if k == "split":
-            if v != "train":
-                raise out.error(src, f"only the train split of a local file (got {v!r})")
-            out.dropped.append("dataset.split")  # a local file is its train split
-        elif not _move(out, TORCHTUNE, src, v) and k not in ("_component_", "data_files"):
-            raise out.error(src, "is not supported (a dataset is a local JSON-lines file)")
     src = ("dataset", "data_files")
     out.put(("data", "train"), _local_file(out, cfg["data_files"], src), src)
-    out.put(("data", "format"), _TT_DATASETS[name], ("dataset", "_component_"))
 
 
-def _tt_optimizer(out: _Out, value: Any) -> None:
-    cfg, name = _component(out, value, "optimizer")
-    if name != "AdamW":
-        raise out.error(("optimizer", "_component_"), f"only torch.optim.AdamW is supported (got {name})")
+def _tt_component(out: _Out, value: Any, key: str, handled: Sequence[str] = ()) -> dict[str, Any]:
+    """A component of ``_TT_BUILDERS`` (its builder sets what its row says) whose options each move by a row of
+    ``TORCHTUNE``, but those ``handled`` by the caller; returns the component's mapping."""
+    cfg, name = _component(out, value, key)
+    builders = _TT_BUILDERS[key]
+    if name not in builders:
+        raise out.error((key, "_component_"), f"{name} is not supported (expected {', '.join(builders)})")
+    for dest, v in builders[name].items():
+        out.put(dest, v, (key, "_component_"))
     for k, v in cfg.items():
-        if not _move(out, TORCHTUNE, ("optimizer", k), v) and k != "_component_":
-            raise out.error(("optimizer", k), "is not supported")
-
-
-def _tt_schedule(out: _Out, value: Any) -> None:
-    cfg, name = _component(out, value, "lr_scheduler")
-    if name not in _TT_SCHEDULES:
-        raise out.error(("lr_scheduler", "_component_"), f"{name} is not supported "
-                                                         f"(expected {', '.join(_TT_SCHEDULES)})")
-    out.put(("train", "schedule"), _TT_SCHEDULES[name], ("lr_scheduler", "_component_"))
-    for k, v in cfg.items():
-        if not _move(out, TORCHTUNE, ("lr_scheduler", k), v) and k != "_component_":
-            raise out.error(("lr_scheduler", k), "is not supported")
-
-
-def _tt_loss(out: _Out, value: Any) -> None:
-    cfg, name = _component(out, value, "loss")
-    out.dropped += [f"loss.{k}" for k in cfg if k != "_component_"]  # num_output_chunks: pack.chunked_ce's own
-    if name in ("CEWithChunkedOutputLoss", "LinearCrossEntropyLoss"):
-        out.put(("pack", "chunked_ce"), True, ("loss", "_component_"))  # the same loss, in chunks
-    elif name != "CrossEntropyLoss":
-        raise out.error(("loss", "_component_"), f"only cross-entropy losses are supported (got {name})")
+        if k not in ("_component_", *handled) and not _move(out, TORCHTUNE, (key, k), v):
+            raise out.error((key, k), "is not supported")
+    return cfg
 
 
 def _tt_shuffle(out: _Out, value: Any) -> None:
@@ -606,7 +575,7 @@ def _tt_shuffle(out: _Out, value: Any) -> None:
 
 
 _TT: dict[str, Callable[[_Out, Any], None]] = {
-    "model": _tt_model, "dataset": _tt_dataset, "optimizer": _tt_optimizer, "lr_scheduler": _tt_schedule,
-    "loss": _tt_loss, "shuffle": _tt_shuffle,
+    "model": _tt_model, "dataset": _tt_dataset, "shuffle": _tt_shuffle,
+    **{key: functools.partial(_tt_component, key=key) for key in ("optimizer", "lr_scheduler", "loss")},
 }
 """torchtune's components and the keys with a rule of their own; the rest move by ``TORCHTUNE``."""

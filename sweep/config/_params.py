@@ -6,14 +6,35 @@ range or a list of choices accepts exactly what an adapter accepts (rank 1..256,
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.sweep.config.settings import RANGED, SEARCHABLE, _check, _is_num, check_value
 
-__all__ = ["Param", "SearchSpace", "SEARCHABLE"]
+__all__ = ["Param", "SearchSpace", "SEARCHABLE", "check_annotated"]
+
+
+def check_annotated(obj: Any) -> None:
+    """Check each ``bool`` and ``Literal`` field of dataclass ``obj`` against its annotation, where the closed set of
+    a field is declared (``cuda_graphs: Literal["auto", "on", "off"]``: "cuda_graphs: must be auto, on or off")."""
+    hints = _hints(type(obj))
+    for f in fields(obj):
+        value, hint = getattr(obj, f.name), hints[f.name]
+        if hint is bool:
+            _check(isinstance(value, bool), f.name, "must be true or false", value)
+        elif get_origin(hint) is Literal:
+            options = get_args(hint)
+            either = f"one of {', '.join(options)}" if len(options) > 3 else " or ".join(
+                [", ".join(options[:-1]), options[-1]])
+            _check(value in options, f.name, f"must be {either}", value)
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)
 
 
 @dataclass(frozen=True)

@@ -114,7 +114,9 @@ def read(path: Path, check_paths: bool) -> tuple[Doc, dict[str, Any]]:
         raise ConfigError(f"{path}:{line}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     try:
         root = yaml.compose(text, Loader=Loader)
-        _check_size(root, path)  # before anything walks the aliases out
+        lines: dict[Key, int] = {(): 1}
+        if root is not None:  # before the aliases are written out
+            _walk(root, (), lines, {}, path)
         data = yaml.load(text, Loader=Loader)
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
@@ -125,8 +127,6 @@ def read(path: Path, check_paths: bool) -> tuple[Doc, dict[str, Any]]:
         raise ConfigError(f"{path}: nested too deep to read") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}:1: a study file is a mapping of keys (got {type(data).__name__})")
-    lines: dict[Key, int] = {(): 1}
-    _walk(root, (), lines, path)
     return Doc(path, lines, check_paths), data
 
 
@@ -135,50 +135,38 @@ MAX_VALUES = 100_000
 of nested aliases (the "billion laughs") would otherwise expand without bound in memory and time."""
 
 
-def _check_size(root: yaml.Node | None, file: Path) -> None:
-    """Refuse a document whose aliases expand to more than ``MAX_VALUES`` values, or refer to themselves.
+def _walk(node: yaml.Node, path: Key, lines: dict[Key, int], sizes: dict[int, int | None], file: Path) -> int:
+    """Record the line of every key under ``node`` (at ``path``); return how many values ``node`` holds with its
+    aliases written out, refusing more than ``MAX_VALUES`` or an alias inside its own anchor.
 
-    Each node's expanded size is counted once (an alias is the same node object as its anchor), so the count
-    itself takes time linear in the file, however far the aliases would expand.
+    An alias is the same node object as its anchor, so each node is walked once (``sizes``: node id -> its count,
+    None while it is walked): the walk takes time linear in the file however far the aliases would expand, and a key
+    under a repeated alias is located at the alias.
     """
-    sizes: dict[int, int] = {}
-    open_nodes: set[int] = set()
-
-    def size(node: yaml.Node) -> int:
-        key = id(node)
-        if key in sizes:
-            return sizes[key]
-        if key in open_nodes:
+    if id(node) in sizes:
+        size = sizes[id(node)]
+        if size is None:
             raise ConfigError(f"{file}:{node.start_mark.line + 1}: an alias refers to the value that holds it")
-        children = ([n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode)
-                    else node.value if isinstance(node, yaml.SequenceNode) else [])
-        open_nodes.add(key)
-        total = 1
-        for child in children:
-            total += size(child)
-            if total > MAX_VALUES:
-                raise ConfigError(f"{file}: its aliases expand to more than {MAX_VALUES:,} values (a study file "
-                                  f"holds a few hundred); write the values out or use fewer aliases")
-        open_nodes.discard(key)
-        sizes[key] = total
-        return total
-
-    if root is not None:
-        size(root)
-
-
-def _walk(node: yaml.Node, path: Key, lines: dict[Key, int], file: Path) -> None:
-    if isinstance(node, yaml.MappingNode):
-        for k, v in node.value:
-            key = path + (str(k.value),)
+        return size
+    sizes[id(node)] = None
+    pairs = (node.value if isinstance(node, yaml.MappingNode)
+             else list(enumerate(node.value)) if isinstance(node, yaml.SequenceNode) else [])
+    total = 1
+    for k, v in pairs:
+        if isinstance(k, yaml.Node):  # a mapping's key, counted too
+            total += _walk(k, path, {}, sizes, file)
+            key, line = path + (str(k.value),), k.start_mark.line + 1
             if key in lines:
-                raise ConfigError(f"{file}:{k.start_mark.line + 1}: {dotted(key)}: duplicate key")
-            lines[key] = k.start_mark.line + 1
-            _walk(v, key, lines, file)
-    elif isinstance(node, yaml.SequenceNode):
-        for i, v in enumerate(node.value):
-            lines[path + (i,)] = v.start_mark.line + 1
-            _walk(v, path + (i,), lines, file)
+                raise ConfigError(f"{file}:{line}: {dotted(key)}: duplicate key")
+        else:
+            key, line = path + (k,), v.start_mark.line + 1
+        lines[key] = line
+        total += _walk(v, key, lines, sizes, file)
+        if total > MAX_VALUES:
+            raise ConfigError(f"{file}: its aliases expand to more than {MAX_VALUES:,} values (a study file "
+                              f"holds a few hundred); write the values out or use fewer aliases")
+    sizes[id(node)] = total
+    return total
 
 
 def override(doc: Doc, data: dict[str, Any], text: str, aliases: Mapping[str, Mapping[str, str]]) -> None:

@@ -76,11 +76,11 @@ _RELOCATE: dict[str, tuple[str, str]] = {
     "lora_target_linear": ("train", "targets"),
 }
 """Top-level Axolotl-style key -> (section, field)."""
-_TOP = [
-    "name", "description", "seed", "model", "data", "search", "parameters", "train", "objectives", "constraints",
-    "sampler", "budget", "pruning", "pack", "evaluators", "output", "storage", "artifacts",
-    "method", "metric", "run_cap", "baseline", "trackers",
-]  # fmt: skip
+_TOP = [*(f.name for f in fields(StudySpec) if f.init and f.name != "source"), "parameters", "method", "metric",
+        "run_cap"]
+"""The top-level keys read: StudySpec's fields (``source`` is where the file was read from) and W&B's
+(``parameters`` -> ``search``, ``method`` -> ``sampler.name``, ``metric`` -> an objective, ``run_cap`` ->
+``budget.trials``)."""
 _WANDB = ["values", "value", "min", "max", "distribution", "q", "probabilities"]
 _DISTRIBUTIONS = ("constant", "categorical", "uniform", "int_uniform", "q_uniform", "log_uniform_values", "log_uniform")
 _DIRECTION = {"maximize": "maximize", "maximise": "maximize", "max": "maximize",
@@ -195,10 +195,8 @@ def _study(doc: Doc, data: dict[str, Any]) -> StudySpec:
         entries = _entries(doc, top, key)
         if entries is not None:
             kw[key] = tuple(build(doc, it, (key, i)) for i, it in enumerate(entries))
-    for key, typ in (("description", "str"), ("seed", "int"), ("output", "Path | None"), ("storage", "str | None"),
-                     ("artifacts", "Path | None")):
-        if key in top:
-            kw[key] = coerce(doc, top[key].value, typ, (key,))
+    kw |= typed(doc, StudySpec, {k: top[k] for k in ("description", "seed", "output", "storage", "artifacts")
+                                 if k in top}, ())
     if "baseline" in top:
         kw["baseline"] = _baseline(doc, top["baseline"])
     return make(doc, StudySpec, (), source=doc.file, **kw)
@@ -288,18 +286,18 @@ def _search(doc: Doc, top: dict[str, Item]) -> tuple[SearchSpace, dict[str, Item
     params: list[Param] = []
     fixed: dict[str, Item] = {}
     sets: dict[str, tuple[str, ...]] = {}
-    types = {f.name: str(f.type).removesuffix(" | None") for f in fields(TrainSpec)}
+    types = {f.name: str(f.type) for f in fields(TrainSpec)}
     for name, it in items.items():
         canon = ("search", name)
         kw = _targets(doc, it, sets) if name == "targets" else _dimension(doc, it, canon)
         if isinstance(kw, Item):
             fixed[name] = kw
             continue
-        if "choices" in kw and name != "targets":
-            opt = " | None" if name == "max_grad_norm" else ""
-            kw["choices"] = coerce(doc, kw["choices"], f"tuple[{types[name]}{opt}, ...]", canon + ("choices",))
-        numeric = types[name] in ("int", "float")
-        kind = kw.pop("kind", types[name] if numeric else "float")
+        if "choices" in kw and name != "targets":  # null among them where the setting takes it
+            kw["choices"] = coerce(doc, kw["choices"], f"tuple[{types[name]}, ...]", canon + ("choices",))
+        base = types[name].removesuffix(" | None")
+        numeric = base in ("int", "float")
+        kind = kw.pop("kind", base if numeric else "float")
         for key in ("low", "high", "step"):
             if key in kw and numeric and kind != "categorical":
                 kw[key] = coerce(doc, kw[key], kind, canon + (key,))

@@ -88,18 +88,19 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("lr", "Peak learning rate of AdamW.", axolotl="learning_rate", hf="learning_rate"),
     Setting("weight_decay", "AdamW decoupled weight decay."),
     Setting("betas", "AdamW betas.", None),
-    Setting("eps", "AdamW epsilon.", None),
-    Setting("warmup_steps", "Linear warm-up steps.", other="warmup"),
+    Setting("eps", "AdamW epsilon.", None, hf="adam_epsilon"),
+    Setting("warmup_steps", "Linear warm-up steps.", torchtune="num_warmup_steps", other="warmup"),
     Setting("schedule", "Learning-rate schedule after warm-up (``packer.plan.SCHEDULES``).", "choices",
             axolotl="lr_scheduler", hf="lr_scheduler_type", other="scheduler"),
     Setting("max_steps", "Optimizer steps per trial.", other="steps"),
     Setting("micro_batch", "Sequences per step per trial.", axolotl="micro_batch_size", torchtune="batch_size",
             hf="per_device_train_batch_size"),
-    Setting("max_grad_norm", "Per-trial gradient clipping (null: none).", other="gradient_clipping"),
+    Setting("max_grad_norm", "Per-trial gradient clipping (null: none).", torchtune="clip_grad_norm",
+            other="gradient_clipping"),
     Setting("gradient_accumulation_steps", "Micro-batches per optimizer step (the step's loss: the mean over all "
             "their target tokens).", other="grad_accum"),
     Setting("sample_packing", "Pack several examples per row up to ``data.max_length`` tokens "
-            "(``packer.data.packing``).", "choices"),
+            "(``packer.data.packing``).", "choices", torchtune="packed"),
     Setting("lr_ratio", "LoRA+: B's learning rate over A's (PEFT's ``loraplus_lr_ratio``; 1: plain LoRA).",
             axolotl="loraplus_lr_ratio"),
     Setting("dora", "DoRA: a trained per-column magnitude over the direction of W + s B A (PEFT's ``use_dora``).",
@@ -127,7 +128,8 @@ SETTINGS: tuple[Setting, ...] = (
             "(``packer.step.train``): the same AdamW updates, taken after the backward from the step's preallocated "
             "fp32 gradient buffer, so the memory saving (4 B per adapter parameter) is not taken; a warning says so. "
             "Needs ``max_grad_norm: null`` and ``gradient_accumulation_steps: 1``, not searched.", None,
-            type="bool", default=False, check=(lambda v: isinstance(v, bool), "must be true or false")),
+            torchtune="optimizer_in_bwd", type="bool", default=False,
+            check=(lambda v: isinstance(v, bool), "must be true or false")),
 )
 """Every train setting, in the order of ``TrainSpec``'s fields and of the reference page."""
 

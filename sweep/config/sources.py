@@ -11,11 +11,10 @@ from typing import Literal
 
 from lora_sweep.packer.api import FORMATS as DATA_FORMATS
 from lora_sweep.packer.api import QUANTIZE, line_bound
-from lora_sweep.sweep.config._params import _check
+from lora_sweep.sweep.config._params import _check, check_annotated
 
-__all__ = ["ModelSpec", "DataSpec", "DTYPES", "FORMATS"]
+__all__ = ["ModelSpec", "DataSpec", "FORMATS"]
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 FORMATS = ("auto", *DATA_FORMATS)
 _FORMAT_ALIASES = {"messages": "chat", "sharegpt": "chat", "completion": "prompt_completion"}
 
@@ -50,7 +49,7 @@ class ModelSpec:
             "must be the name of a .gguf file inside model.path",
             self.gguf_file,
         )
-        _check(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}", self.dtype)
+        check_annotated(self)
         _check(
             re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(self.device)) is not None,
             "device",

@@ -7,6 +7,7 @@ Optuna parameter names are the canonical names of ``sweep.config.spec.SEARCHABLE
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -20,7 +21,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.packer.api import AdapterSpec
-from lora_sweep.sweep.config.spec import Param, SamplerSpec, SearchSpace, TrainSpec
+from lora_sweep.sweep.config.spec import SEARCHABLE, Param, SamplerSpec, SearchSpace, TrainSpec
 
 __all__ = ["GridSearch", "adapter_spec", "baseline_params", "community_default", "default_params", "make_sampler",
            "suggest"]
@@ -66,24 +67,18 @@ def adapter_spec(params: Mapping[str, Any], train: TrainSpec, seed: int, *, spac
     Raises:
         ConfigError: An unknown parameter name or target set, or a value AdapterSpec rejects.
     """
-    values = train.adapter_values()
-    names = {f.name for f in fields(AdapterSpec)} - {"seed", "extra"}
-    for name, value in params.items():
-        if name not in names and name != "alpha_ratio":
+    values = dict(params)
+    for name, value in values.items():
+        if name not in SEARCHABLE:
             raise ConfigError(f"{name}: not an adapter hyperparameter (got {value!r})")
-        values[name] = value
-    ratio = params.get("alpha_ratio", train.alpha_ratio)
-    if ratio is not None:
-        values["alpha"] = float(ratio) * values["rank"]  # type: ignore[operator]
-    values.pop("alpha_ratio", None)
-    if "targets" in params:
-        t = params["targets"]
-        if isinstance(t, str):
-            if t not in space.target_sets:
-                raise ConfigError(f"targets: unknown target set (got {t!r})")
-            t = space.target_sets[t]
+    t = values.get("targets")
+    if isinstance(t, str):
+        if t not in space.target_sets:
+            raise ConfigError(f"targets: unknown target set (got {t!r})")
+        values["targets"] = tuple(space.target_sets[t])
+    elif t is not None:
         values["targets"] = tuple(t)
-    return AdapterSpec(seed=seed, **values)  # type: ignore[arg-type]
+    return AdapterSpec(seed=seed, **dataclasses.replace(train, **values).adapter_values())  # type: ignore[arg-type]
 
 
 def make_sampler(spec: SamplerSpec, seed: int, space: SearchSpace) -> optuna.samplers.BaseSampler:
@@ -164,7 +159,7 @@ class GridSearch(optuna.samplers.BaseSampler):
         self._assigned.pop(trial.number, None)
 
 
-def default_params(space: SearchSpace) -> dict[str, object] | None:
+def default_params(space: SearchSpace, clamp: bool = False) -> dict[str, object] | None:
     """The community default trial (rank 16, alpha 32, lr 2e-4: AdapterSpec's defaults) inside ``space``.
 
     Each searched value starts from AdapterSpec's default and snaps to the nearest choice or step. The
@@ -172,6 +167,10 @@ def default_params(space: SearchSpace) -> dict[str, object] | None:
     others are clamped into it. Non-numeric values not among the choices take the first choice (a
     target set equal to the default targets is preferred). Enqueue it first with
     ``study.enqueue_trial(params)`` so the searched points are ranked against the default.
+
+    Args:
+        space: The study's search space.
+        clamp: Clamp the community defaults into their spans too (never None: the baseline's other dimensions).
 
     Returns:
         Parameter name -> value, or None if rank, alpha, alpha_ratio or lr has its default outside the space.
@@ -186,7 +185,7 @@ def default_params(space: SearchSpace) -> dict[str, object] | None:
             same = [n for n in p.choices if space.target_sets[str(n)] == base.targets]
             out[p.name] = (same or list(p.choices))[0]
             continue
-        value = _snap(p, want[p.name], clamp=p.name not in _COMMUNITY)
+        value = _snap(p, want[p.name], clamp=clamp or p.name not in _COMMUNITY)
         if value is None:
             return None
         out[p.name] = value
@@ -197,23 +196,24 @@ def community_default(space: SearchSpace, train: TrainSpec) -> tuple[dict[str, o
     """``default_params``, or (None, why) when that trial would not train the community default: the study fixes
     one of its rank, alpha or lr otherwise (a torchtune config's ``lora_alpha: 128`` beside a searched rank), and a
     trial labelled the community default would train the config's value."""
+    base = AdapterSpec()
+    default = f"rank {base.rank}, alpha {base.alpha:g}, lr {base.lr:g}"
     params = default_params(space)
     if params is None:
-        return None, "the community default (rank 16, alpha 32, lr 2e-4) lies outside the search space"
+        return None, f"the community default ({default}) lies outside the search space"
     searched = {p.name for p in space.params} | ({"alpha"} if any(p.name == "alpha_ratio" for p in space.params)
                                                  else set())
-    trained, base = adapter_spec(params, train, 0, space=space), AdapterSpec()
+    trained = adapter_spec(params, train, 0, space=space)
     off = [f"{k} {getattr(trained, k):g}" for k in ("rank", "alpha", "lr")
            if k not in searched and not math.isclose(getattr(trained, k), getattr(base, k))]
     if off:
-        return None, (f"the study fixes {', '.join(off)} (the community default trains rank {base.rank}, alpha "
-                      f"{base.alpha:g}, lr {base.lr:g})")
+        return None, f"the study fixes {', '.join(off)} (the community default trains {default})"
     return params, ""
 
 
 def baseline_params(space: SearchSpace, own: Mapping[str, Any]) -> tuple[dict[str, object] | None, str]:
     """The baseline trial: ``own`` values (a config's hyperparameters, by train field) on the searched dimensions,
-    the community default's (``default_params``, else AdapterSpec's snapped in) on the others.
+    the community default's (``default_params``, clamped into the space) on the others.
 
     Returns:
         (parameter name -> value, '') or (None, why there is none: no searched value set, or one outside
@@ -224,12 +224,9 @@ def baseline_params(space: SearchSpace, own: Mapping[str, Any]) -> tuple[dict[st
         own["alpha_ratio"] = own["alpha"] / own["rank"] if own.get("rank") else None  # alpha = alpha_ratio * rank
     if not any(p.name in own for p in space.params):
         return None, "it sets none of the searched dimensions"
-    base = AdapterSpec()
-    fill: Mapping[str, Any] = default_params(space) or {}
-    out: dict[str, object] = {}
+    out = default_params(space, clamp=True) or {}
     for p in space.params:
         if p.name not in own:
-            out[p.name] = fill.get(p.name, _snap(p, getattr(base, p.name, base.alpha / base.rank), clamp=True))
             continue
         value = _own_point(space, p, own[p.name])
         if value is None:

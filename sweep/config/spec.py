@@ -20,16 +20,16 @@ from typing import Any, Literal
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.evaluators import registry
-from lora_sweep.sweep.config._params import SEARCHABLE, Param, SearchSpace, _check, _is_num
+from lora_sweep.sweep.config._params import SEARCHABLE, Param, SearchSpace, _check, _is_num, check_annotated
 from lora_sweep.sweep.config.settings import NOT_IN_BACKWARD, TrainSpec, check_variant_combinations
-from lora_sweep.sweep.config.sources import DTYPES, FORMATS, DataSpec, ModelSpec
-from lora_sweep.sweep.config.strategy import _NAME, SAMPLERS, Budget, Constraint, Objective, PruningSpec, SamplerSpec
+from lora_sweep.sweep.config.sources import FORMATS, DataSpec, ModelSpec
+from lora_sweep.sweep.config.strategy import _NAME, Budget, Constraint, Objective, PruningSpec, SamplerSpec
 from lora_sweep.sweep.config.tracking import TrackerSpec
 
 __all__ = [
     "Budget", "Constraint", "DataSpec", "EvalSpec", "ModelSpec", "Objective", "PackSpec", "Param", "PruningSpec",
     "SamplerSpec", "SearchSpace", "StudySpec", "TrackerSpec", "TrainSpec",
-    "DTYPES", "EVALUATORS", "FORMATS", "SAMPLERS", "SEARCHABLE",
+    "EVALUATORS", "FORMATS", "SEARCHABLE",
 ]  # fmt: skip
 
 EVALUATORS = tuple(e.name for e in registry.EVALUATORS)
@@ -56,9 +56,8 @@ class PackSpec:
     """``fsdp``: the frozen base sharded over the processes of a pack with FSDP2, the slots replicated
     (``packer.model.shard``), each rank reading only its shard from the checkpoint's safetensors files
     (``packer.model.shard_load``), one process per GPU (``sweep run --gpus N``, or ``sweep worker`` under torchrun); its
-    step
-    runs eagerly, so ``cuda_graphs: on`` is refused, and ``max_slots`` must be set. ``none``: the whole base on one
-    device."""
+    step runs eagerly, so ``cuda_graphs: on`` is refused, and ``max_slots`` must be set. ``none``: the whole base on
+    one device."""
 
     def __post_init__(self) -> None:
         ok = self.max_slots == "auto" or (isinstance(self.max_slots, int) and 1 <= self.max_slots <= 256)
@@ -66,12 +65,7 @@ class PackSpec:
         ce = self.chunked_ce
         _check(isinstance(ce, bool) or (isinstance(ce, int) and ce >= 1), "chunked_ce",
                "must be true, false or a number of tokens >= 1", ce)
-        _check(isinstance(self.activation_checkpointing, bool), "activation_checkpointing", "must be true or false",
-               self.activation_checkpointing)
-        _check(self.kernels in ("auto", "triton", "torch"), "kernels", "must be auto, triton or torch", self.kernels)
-        _check(isinstance(self.fused_base_ops, bool), "fused_base_ops", "must be true or false", self.fused_base_ops)
-        _check(self.cuda_graphs in ("auto", "on", "off"), "cuda_graphs", "must be auto, on or off", self.cuda_graphs)
-        _check(self.shard in ("none", "fsdp"), "shard", "must be none or fsdp", self.shard)
+        check_annotated(self)
         _check(not (self.shard == "fsdp" and self.cuda_graphs == "on"), "shard",
                "fsdp runs the eager step (no CUDA graph under FSDP's collectives): needs cuda_graphs auto or off",
                self.shard)
@@ -193,36 +187,20 @@ class StudySpec:
         trackers = [t.name for t in self.trackers]
         for i, n in enumerate(trackers):
             _check(trackers.index(n) == i, f"trackers.{i}.name", "is listed twice", n)
-        for i, o in enumerate(self.objectives):
-            try:
-                registry.metric_direction(o.metric, entries)
-            except ConfigError as e:
-                raise ConfigError(f"objectives.{i}.{e}") from None
-        for i, c in enumerate(self.constraints):
-            try:
-                registry.metric_direction(c.metric, entries)
-            except ConfigError as e:
-                raise ConfigError(f"constraints.{i}.{e}") from None
+        metrics = [(f"objectives.{i}.metric", o.metric) for i, o in enumerate(self.objectives)]
+        metrics += [(f"constraints.{i}.metric", c.metric) for i, c in enumerate(self.constraints)]
         if self.pruning.kind == "cohort_sha" and self.pruning.proxy is not None:
+            metrics.append(("pruning.proxy", self.pruning.proxy))
+        for key, metric in metrics:
             try:
-                registry.metric_direction(self.pruning.proxy, entries)
-            except ConfigError as e:
-                raise ConfigError(f"pruning.proxy: {str(e).removeprefix('metric: ')}") from None
+                registry.metric_direction(metric, entries)
+            except ConfigError as e:  # "metric: rule": the evaluators' word for the key is ours here
+                raise ConfigError(f"{key}: {str(e).removeprefix('metric: ')}") from None
         clash = [p.name for p in self.search.params if p.name in NOT_IN_BACKWARD]
         if self.train.optimizer_in_backward and clash:
             raise ConfigError(f"train.optimizer_in_backward: cannot be used with a searched {clash[0]} (it needs "
                               f"train.{clash[0]}: {NOT_IN_BACKWARD[clash[0]][0]}, fixed)")
-        principal = self.setting_values("init") & {"pissa", "olora"}
-        base = "model.quantize: nf4" if self.model.quantize else "pack.shard: fsdp" if self.pack.shard != "none" \
-            else None
-        if principal and base:  # the factors come from the whole float weight, which no process holds then
-            raise ConfigError(f"train.init: {sorted(principal)[0]} decomposes the whole float base weight, which "
-                              f"{base} does not keep on one process")
-        if principal and (dropout := max(self.setting_values("dropout", ranged=True))) > 0:
-            raise ConfigError(f"train.init: {sorted(principal)[0]} needs dropout 0, and the study can train dropout "
-                              f"{dropout} (the frozen principal part would see the dropped input)")
-        if True in self.setting_values("dora"):
-            self._check_dora()
+        self._check_whole_base()
         check_variant_combinations(lambda n: self.setting_values(n, ranged=True), {p.name for p in self.search.params},
                                    self.train.adapter_values())
         if self.data.eval is None and self.train.eval_every is not None:
@@ -245,12 +223,21 @@ class StudySpec:
                 last,
             )
 
-    def _check_dora(self) -> None:
-        """DoRA trains over the whole float base (its norm reads W), unsharded (``packer.variants.magnitude``)."""
-        off = ("model.quantize: nf4" if self.model.quantize
-               else "pack.shard: fsdp" if self.pack.shard != "none" else None)
-        if off is not None:
-            raise ConfigError(f"train.dora: DoRA trains over a whole float base, not with {off}")
+    def _check_whole_base(self) -> None:
+        """PiSSA / OLoRA decompose, and DoRA's norm reads, the whole float base weight (``packer.variants.magnitude``),
+        which neither an NF4 base nor an FSDP shard keeps on one process; PiSSA / OLoRA also need dropout 0 (the
+        frozen principal part would see the dropped input)."""
+        principal = sorted(self.setting_values("init") & {"pissa", "olora"})
+        part = "model.quantize: nf4" if self.model.quantize else "pack.shard: fsdp" if self.pack.shard != "none" \
+            else None
+        if principal and part:
+            raise ConfigError(f"train.init: {principal[0]} decomposes the whole float base weight, which {part} does "
+                              "not keep on one process")
+        if principal and (dropout := max(self.setting_values("dropout", ranged=True))) > 0:
+            raise ConfigError(f"train.init: {principal[0]} needs dropout 0, and the study can train dropout "
+                              f"{dropout} (the frozen principal part would see the dropped input)")
+        if True in self.setting_values("dora") and part:
+            raise ConfigError(f"train.dora: DoRA trains over a whole float base, not with {part}")
 
     def setting_values(self, name: str, ranged: bool = False) -> set[Any]:
         """The values train setting ``name`` takes over the study: its choices or range ends (``ranged``) if searched,

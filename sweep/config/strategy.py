@@ -12,11 +12,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from lora_sweep.errors import ConfigError
-from lora_sweep.sweep.config._params import _check, _is_num
+from lora_sweep.sweep.config._params import _check, _is_num, check_annotated
 
-__all__ = ["Objective", "Constraint", "Budget", "PruningSpec", "SamplerSpec", "SAMPLERS"]
+__all__ = ["Objective", "Constraint", "Budget", "PruningSpec", "SamplerSpec"]
 
-SAMPLERS = ("tpe", "random", "grid", "gp", "nsga2")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 """A metric or study name."""
 
@@ -32,7 +31,7 @@ class Objective:
 
     def __post_init__(self) -> None:
         _check(bool(_NAME.fullmatch(self.metric)), "metric", "must be a metric name", self.metric)
-        _check(self.direction in ("minimize", "maximize"), "direction", "must be minimize or maximize", self.direction)
+        check_annotated(self)
 
 
 @dataclass(frozen=True)
@@ -48,7 +47,7 @@ class Constraint:
 
     def __post_init__(self) -> None:
         _check(bool(_NAME.fullmatch(self.metric)), "metric", "must be a metric name", self.metric)
-        _check(self.op in ("<=", ">="), "op", "must be <= or >=", self.op)
+        check_annotated(self)
         _check(_is_num(self.value), "value", "must be a number", self.value)
 
     def violation(self, x: float | None) -> float:
@@ -98,7 +97,7 @@ class PruningSpec:
     """Direction of ``proxy`` when it is not an objective."""
 
     def __post_init__(self) -> None:
-        _check(self.kind in ("none", "cohort_sha"), "kind", "must be none or cohort_sha", self.kind)
+        check_annotated(self)
         if self.kind == "none":
             _check(not self.rungs, "rungs", "only used with kind cohort_sha", self.rungs)
             return
@@ -112,12 +111,6 @@ class PruningSpec:
             self.reduction_factor,
         )
         _check(self.proxy is None or bool(_NAME.fullmatch(self.proxy)), "proxy", "must be a metric name", self.proxy)
-        _check(
-            self.proxy_direction in ("minimize", "maximize"),
-            "proxy_direction",
-            "must be minimize or maximize",
-            self.proxy_direction,
-        )
 
 
 @dataclass(frozen=True)
@@ -125,14 +118,14 @@ class SamplerSpec:
     """Optuna sampler; TPE always runs with ``constant_liar=True, multivariate=True``."""
 
     name: Literal["tpe", "random", "grid", "gp", "nsga2"] = "tpe"
-    """One of ``SAMPLERS``."""
+    """The Optuna sampler: TPE, random, every point of a grid, a Gaussian process, or NSGA-II."""
     n_startup_trials: int | None = None
     """Random trials before TPE / GP model (None: Optuna's default)."""
     population_size: int | None = None
     """NSGA-II generation size (None: Optuna's default)."""
 
     def __post_init__(self) -> None:
-        _check(self.name in SAMPLERS, "name", f"must be one of {', '.join(SAMPLERS)}", self.name)
+        check_annotated(self)
         n, pop = self.n_startup_trials, self.population_size
         _check(n is None or self.name in ("tpe", "gp"), "n_startup_trials", "only used by tpe and gp", n)
         _check(n is None or (isinstance(n, int) and n >= 0), "n_startup_trials", "must be >= 0", n)

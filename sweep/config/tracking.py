@@ -26,9 +26,8 @@ TRACKERS: dict[str, dict[str, str]] = {
     "wandb": {"project": "str", "entity": "str", "mode": "str", "name": "str"},
     "tensorboard": {"log_dir": "str"},
 }
-"""Tracker name -> its options and their types (every option may be left out)."""
-_MODULE = {"mlflow": "mlflow", "wandb": "wandb", "tensorboard": "tensorboard"}
-"""The package each tracker imports; its extra has the tracker's name."""
+"""Tracker name -> its options and their types (every option may be left out); each is also the name of the package
+the tracker imports and of the extra that installs it."""
 WANDB_MODES = ("offline", "online", "disabled")
 
 
@@ -59,7 +58,7 @@ class TrackerSpec:
             _check(mode in WANDB_MODES, "mode", f"must be one of {', '.join(WANDB_MODES)}", mode)
             _check(mode != "online" or "project" in self.options, "mode",
                    "online needs a project (wandb_project in an Axolotl config)", mode)
-        if importlib.util.find_spec(_MODULE[self.name]) is None:
+        if importlib.util.find_spec(self.name) is None:
             raise ConfigError(f"name: {self.name} is not installed: pip install 'lora-sweep[{self.name}]' "
                               f"(got {self.name!r})")
 
@@ -90,11 +89,9 @@ def axolotl_trackers(data: Mapping[str, Any]) -> tuple[list[dict[str, Any]], lis
 
 
 _TT_LOGGERS = {"WandBLogger": "wandb", "MLFlowLogger": "mlflow", "TensorBoardLogger": "tensorboard"}
-_TT_OPTIONS = {"wandb": {"project": "project", "entity": "entity", "mode": "mode", "name": "name"},
-               "mlflow": {"tracking_uri": "tracking_uri", "experiment_name": "experiment"},
-               "tensorboard": {"log_dir": "log_dir"}}
-"""torchtune's logger arguments (``torchtune/training/metric_logging.py``) -> our option names; ``log_dir`` of
-W&B and ``run_id`` of MLflow say where torchtune's own run went and are ignored."""
+_TT_OPTIONS = {"experiment_name": "experiment"}
+"""torchtune's logger arguments (``torchtune/training/metric_logging.py``) that our trackers name otherwise; the others
+are ours (``TRACKERS``) or ignored (``log_dir`` of W&B and ``run_id`` of MLflow say where torchtune's own run went)."""
 
 
 def torchtune_trackers(value: Any) -> tuple[list[dict[str, Any]], list[str]]:
@@ -112,8 +109,8 @@ def torchtune_trackers(value: Any) -> tuple[list[dict[str, Any]], list[str]]:
     for key, v in value.items():
         if key == "_component_" or v in (None, ""):
             continue
-        if key in _TT_OPTIONS[name]:
-            entry[_TT_OPTIONS[name][key]] = str(v)
+        if _TT_OPTIONS.get(key, key) in TRACKERS[name]:
+            entry[_TT_OPTIONS.get(key, key)] = str(v)
         else:
             ignored.append(f"metric_logger.{key}")
     return [entry], ignored

@@ -54,8 +54,9 @@ def test_packing_auto_calibrates_in_its_own_phase_once(tiny_dirs, tmp_path, monk
 
 
 def test_a_cached_plan_loads_no_weights_nor_tokenizer_and_prints_the_same(tiny_dirs, tmp_path, monkeypatch) -> None:
-    """The cache keeps the base's shape and the rows' token lengths beside the calibration: a second ``sweep plan``
-    plans from them (the table as the first printed it) without the base's weights or its tokenizer."""
+    """The cache keeps the base's shape and the rows' token lengths beside the calibration, and the sized pack's timed
+    step (``sweep.pack_step``): a second ``sweep plan`` plans from them (the table as the first printed it) without
+    the base's weights or its tokenizer."""
     from click.testing import CliRunner
 
     from lora_sweep.cli import cli
@@ -69,8 +70,11 @@ def test_a_cached_plan_loads_no_weights_nor_tokenizer_and_prints_the_same(tiny_d
     second = CliRunner().invoke(cli, ["plan", str(path)])
     assert second.exit_code == 0, second.output
     differ = [(a, b) for a, b in zip(first.stdout.splitlines(), second.stdout.splitlines(), strict=True) if a != b]
-    assert [a.split()[0] for a, _ in differ if not a.startswith("memory available")] == ["calibration"], differ
-    assert "cached (" in second.output
+    assert [a.split()[0] for a, _ in differ if not a.startswith("memory available")] == ["calibration", "sized"], \
+        differ
+    assert "timing the sized pack on cpu: 1 + " in first.stderr and "timing" not in second.stderr
+    sized = next(line for line in second.stdout.splitlines() if line.startswith("sized pack's step"))
+    assert "cached (" in second.output and sized.split()[-1].startswith("(") and "pack_step" in sized
     # a target set the cached shape lacks goes to the model, whose check names the projections it has
     bad = CliRunner().invoke(cli, ["plan", str(path), "search.targets.attn=[q_proj, w_proj]"])
     assert bad.exit_code != 0 and "a cached plan loads neither" in str(bad.exception), bad.output

@@ -37,6 +37,10 @@ def test_a_cached_plan_on_cuda_loads_no_weights(tiny_dirs, tmp_path, monkeypatch
     assert b["calibration"].startswith("cached (") and a["device"] == b["device"] == "cuda"
     for key in ("slots per pack", "predicted peak of a full pack", "frozen (base model)", "predicted step"):
         assert a[key] == b[key], key
+    # the sized pack is timed on the run's step, the CUDA graph, once: the second plan reads it back
+    assert re.fullmatch(r"mean of \d+ steps of \d+ slots x \d+ rows x \d+ tokens, cuda-graph step, after 1 warm-up; "
+                        r"measured in .*", a["sized pack's step"]), a
+    assert b["sized pack's step"].startswith("cached (")
 
 
 def test_a_plan_and_a_runs_pack_share_one_cuda_key(tiny_dirs, tmp_path) -> None:

@@ -161,7 +161,7 @@ def test_torchtune_qlora_builder_asks_for_the_nf4_base(tiny_dirs, tmp_path) -> N
 
 
 REFUSED = {
-    "adapter": ("dora", "adapter: only lora or qlora is supported (got 'dora')"),
+    "adapter": ("dora", "adapter: must be one of lora, qlora (got 'dora')"),
     "gptq": (True, "gptq: a GPTQ base is not supported yet"),
     "datasets": ([{"path": "teknium/GPT4-LLM-Cleaned", "type": "alpaca"}], "datasets.0.path: only local files work"),
     "optimizer": ("lion_8bit", "optimizer: only AdamW is supported"),
@@ -191,7 +191,8 @@ TT_REFUSED = {
     "model": ({"_component_": "torchtune.models.llama3_2.dora_llama3_2_1b", "lora_attn_modules": ["q_proj"]},
               r"only LoRA model builders \(lora_\*, qlora_\*\) are supported \(got dora_llama3_2_1b\)"),
     "dataset": ({"_component_": "torchtune.datasets.alpaca_cleaned_dataset"}, "only local files work"),
-    "optimizer": ({"_component_": "torch.optim.SGD", "lr": 0.1}, "only torch.optim.AdamW"),
+    "optimizer": ({"_component_": "torch.optim.SGD", "lr": 0.1},
+                  r"optimizer._component_: SGD is not supported \(expected AdamW\)"),
 }
 
 

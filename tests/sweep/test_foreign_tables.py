@@ -39,3 +39,19 @@ def test_a_value_table_maps_and_refuses(tmp_path) -> None:
         _foreign._move(out, _foreign.TORCHTUNE, ("dtype",), "int8")
     assert not _foreign._move(out, _foreign.TORCHTUNE, ("no_such_key",), 1)
     assert _foreign._move(out, _foreign.TORCHTUNE, ("optimizer", "fused"), True) and out.dropped == ["optimizer.fused"]
+
+
+def test_torchtune_names_of_the_train_settings_are_the_settings_tables(tmp_path) -> None:
+    """A component's option named as a train setting moves to it by the settings' torchtune column (one declaration:
+    ``Setting("rank", torchtune="lora_rank")``), and a top-level one is the loader's alias of it."""
+    from lora_sweep.sweep.config._yaml import read
+    from lora_sweep.sweep.config.settings import SETTINGS, TRAIN_ALIASES
+
+    file = tmp_path / "tt.yaml"
+    file.write_text("model: {}\n")
+    out = _foreign._Out(read(file, False)[0], {})
+    named = [(s.name, alias) for s in SETTINGS for alias in s.torchtune.split()]
+    assert ("rank", "lora_rank") in named and ("max_grad_norm", "clip_grad_norm") in named
+    for i, (name, alias) in enumerate(named):
+        assert _foreign._move(out, _foreign.TORCHTUNE, ("model", alias), i)
+        assert out.data["train"][name] == i and TRAIN_ALIASES[alias] == name

@@ -167,6 +167,14 @@ def test_overrides(folder: Path) -> None:
     assert s.pruning.rungs == (10, 20) and s.sampler.name == "random"
 
 
+def test_searched_choices_take_null_where_the_setting_does(folder: Path) -> None:
+    """A list of values is read with the setting's own type: ``max_grad_norm`` is ``float | None``, ``rank`` an int."""
+    s = load_study(write(folder, BASE), ["search.max_grad_norm=[null, 1]"])
+    assert s.search.param("max_grad_norm").choices == (None, 1.0)
+    assert error_of(write(folder, BASE), ("search.rank=[null, 8]",)).endswith(
+        "search.rank.0: must be an integer (got None)")
+
+
 def test_override_replaces_an_aliased_key(folder: Path) -> None:
     path = write(folder, BASE.replace("  max_steps: 40\n", "  max_steps: 40\n  lora_dropout: 0.1\n"))
     assert load_study(path, ["train.dropout=0.2"]).train.dropout == 0.2

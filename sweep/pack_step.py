@@ -1,0 +1,238 @@
+"""The plan's step time, measured on the pack it sized: ``sweep plan`` times a few real steps of that pack.
+
+The calibration's time line (``packer.probe.calibrate``) comes from two probes of one and two rows, each timed over a
+single step, and a plan extrapolated it to a pack of 10-20x their tokens: the same plan on the same idle host gave
+2.7x apart step times. Once the plan has sized the pack (its slots, rows per slot and step length for the study's
+space), ``PackTimer`` runs that pack (``packer.probe.time_pack``: one warm-up step, then at least ``PACK_STEPS``
+timed and more where they are short, on the step the run takes, CUDA graph included) and the plan predicts with
+the measured step; the memory still comes from the probes.
+
+What the timed pack is: ``slots`` slots whose adapters are drawn at random from the space (``slot_specs``: each
+categorical value, target set and range as the sampler's random start-up draws them, so a pack mixes DoRA and plain
+slots, attention and MLP targets, as a run's does), every slot the plan's rows per slot (the space's largest
+micro-batch, as the memory plan), at the step length that holds a run's mean step (``step_length``: a run pads every
+row of a step to the length, among the pack's few, that holds the longest row of all its slots). The prediction then
+goes through the measured point along the calibration's line (``timed_model``), to the run's mean length exactly,
+and the evaluation's per-token time is scaled alike.
+
+It is bounded: the probes' line says what the timed steps would cost, and a pack whose warm-up and first timed step
+would pass ``PACK_BUDGET_S`` is not timed (the plan says so and keeps the probes' line). The measurement is cached
+beside the calibration (``sweep.calibration.cached_pack_step``), keyed by the calibration's key and the pack.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+import random
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from lora_sweep.packer.api import AdapterSpec, length_buckets, row_lengths, time_pack
+from lora_sweep.sweep.calibration import cache_pack_step, cached_pack_step
+
+if TYPE_CHECKING:
+    from lora_sweep.packer.api import MemoryModel, PackedModel
+    from lora_sweep.sweep.config.spec import Param, StudySpec
+
+__all__ = ["PackStep", "PackTimer", "PACK_STEPS", "PACK_MAX_STEPS", "PACK_TIMED_S", "PACK_WARMUP", "PACK_BUDGET_S",
+           "slot_specs", "step_length", "step_mean_length", "padded_mean_length", "bucket_lengths", "timed_model"]
+
+PACK_STEPS = 3
+"""Steps of the sized pack timed after its warm-up, at least (their median on the CPU, their mean on CUDA)."""
+PACK_TIMED_S = 2.0
+"""Seconds of timed steps aimed at, as the probes' line predicts them: short steps are timed by more of them (up to
+``PACK_MAX_STEPS``), so a moment's load on a shared host moves the median less."""
+PACK_MAX_STEPS = 20
+"""Timed steps at most, however short: enough for a median that one descheduled step does not move."""
+PACK_WARMUP = 1
+"""Untimed steps first: the slots' first step (on CUDA the kernels' compile and the graph's capture)."""
+PACK_BUDGET_S = 60.0
+"""Seconds the timing may take, as the probes' line predicts it: fewer timed steps where all would pass it, none
+(the probes' line kept) where the warm-up and one step would."""
+_SAMPLES = 512
+"""Simulated steps whose padded length ``step_length`` averages."""
+
+
+@dataclass(frozen=True)
+class PackStep:
+    """The sized pack and its step, as ``PackTimer`` timed it (or why it did not)."""
+
+    slots: int
+    rows: int
+    """Rows per slot of a step."""
+    length: int
+    """Padded length of the timed steps' rows (one of the run's step lengths)."""
+    mean_length: float
+    """The run's mean padded step length (``step_length``): what the prediction is for."""
+    step_s: float | None
+    """Seconds of one timed step; None: not timed (``where`` says why)."""
+    where: str
+    """How the step time was had: measured (steps, cost, cache file), cached (the file) or not timed (why)."""
+
+    @property
+    def tokens(self) -> int:
+        """Padded tokens of a timed step."""
+        return self.slots * self.rows * self.length
+
+    @property
+    def mean_tokens(self) -> float:
+        """Padded tokens of the run's mean step."""
+        return self.slots * self.rows * self.mean_length
+
+
+def timed_model(mm: MemoryModel, timed: PackStep) -> MemoryModel:
+    """``mm`` with its time line scaled through the measured point (``timed``'s tokens, its step seconds): both
+    terms by the measured step over the line's, so the line holds the measured step at the timed size and keeps its
+    shape (fixed part against per-token part) elsewhere; ``mm`` itself when nothing was timed."""
+    line = mm.step_seconds(timed.tokens)
+    if timed.step_s is None or line <= 0:
+        return mm
+    factor = timed.step_s / line
+    return dataclasses.replace(mm, seconds_per_token=mm.seconds_per_token * factor,
+                               seconds_per_step=mm.seconds_per_step * factor)
+
+
+def bucket_lengths(spec: StudySpec, lengths: Sequence[int], capacity: int) -> tuple[int, ...]:
+    """The padded lengths a pack of ``capacity`` slots steps at (``packer.step.shapes.length_buckets``) for training
+    rows of ``lengths`` tokens: at most a few, fitted to the longest of ``capacity`` x the smallest micro-batch rows
+    the space can draw (the most spread a step's longest row has); a pack that may sample-pack also gets its rows'
+    length, ``data.max_length``."""
+    micro = [spec.train.micro_batch]
+    for p in spec.search.params:
+        if p.name == "micro_batch":
+            micro += [int(c) for c in p.choices] if p.choices else [int(p.low or 1)]
+    packs = spec.train.sample_packing or any(p.name == "sample_packing" and True in p.choices
+                                             for p in spec.search.params)
+    return length_buckets([*lengths, *([spec.data.max_length] if packs else [])], capacity * max(1, min(micro)))
+
+
+def _step_rows(spec: StudySpec, lengths: Sequence[int]) -> list[int]:
+    """Token lengths of the rows a study's steps draw, from its training examples' ``lengths``: the examples, or
+    with ``train.sample_packing`` the packed rows they make (``packer.api.row_lengths``)."""
+    train = spec.train
+    adapter = AdapterSpec(micro_batch=train.micro_batch, sample_packing=train.sample_packing)
+    return row_lengths(lengths, adapter, spec.seed, spec.data.max_length)
+
+
+def step_mean_length(spec: StudySpec, lengths: list[int]) -> float:
+    """Mean padded length per row of one slot's micro-batch (``padded_mean_length`` of ``_step_rows``): a plan's
+    step length where it times no pack (``step_length`` is a whole pack's)."""
+    return padded_mean_length(_step_rows(spec, lengths), spec.train.micro_batch)
+
+
+def padded_mean_length(lengths: list[int], rows: int, samples: int = 50, seed: int = 0) -> float:
+    """Mean padded length per row of random batches of ``rows`` rows (what a step really computes)."""
+    rng = random.Random(seed)
+    if not lengths:
+        return 0.0
+    return sum(max(rng.choices(lengths, k=rows)) for _ in range(samples)) / samples
+
+
+def step_length(spec: StudySpec, lengths: Sequence[int], slots: int, rows: int) -> tuple[int, float]:
+    """(the step length to time, the run's mean padded step length) of a pack of ``slots`` slots of ``rows`` rows
+    drawn from training rows of ``lengths`` tokens (with sample packing the packed rows they make): a step pads every
+    row to the smallest of the pack's lengths (``bucket_lengths``) holding the longest of its ``slots * rows`` rows.
+    The timed length is the smallest of them holding the mean."""
+    drawn = _step_rows(spec, lengths) or [spec.data.max_length]
+    buckets = bucket_lengths(spec, lengths or [spec.data.max_length], slots)
+
+    def padded(longest: float) -> int:
+        return buckets[min(bisect.bisect_left(buckets, longest), len(buckets) - 1)]
+
+    rng = random.Random(spec.seed)
+    mean = statistics.fmean(padded(max(rng.choices(drawn, k=slots * rows))) for _ in range(_SAMPLES))
+    return padded(mean), mean
+
+
+def slot_specs(spec: StudySpec, slots: int) -> list[AdapterSpec]:
+    """One adapter per slot, drawn at random from the study's space (seeded by the study's seed): each searched
+    value as a random start-up trial draws it (a categorical's choice, a range's uniform or log-uniform point), on top
+    of the fixed ``train`` values (the study's checks have refused a space with a point the adapter refuses)."""
+    from lora_sweep.sweep.config.space import adapter_spec  # Optuna's: only where a plan draws slots
+
+    rng = random.Random(spec.seed)
+    return [adapter_spec({p.name: _draw(p, rng) for p in spec.search.params}, spec.train, i, space=spec.search)
+            for i in range(slots)]
+
+
+def _draw(p: Param, rng: random.Random) -> object:
+    """A random value of dimension ``p``."""
+    if p.kind == "categorical":
+        return rng.choice(p.choices)
+    low, high = float(p.low or 0), float(p.high or 0)
+    x = math.exp(rng.uniform(math.log(low), math.log(high))) if p.log and low > 0 else rng.uniform(low, high)
+    if p.step:
+        x = min(high, low + round((x - low) / p.step) * p.step)
+    return round(x) if p.kind == "int" else x
+
+
+def _describe(spec: AdapterSpec) -> dict[str, Any]:
+    """What of a slot's adapter its step's time depends on (the cache key's part)."""
+    return {"rank": spec.rank, "rows": spec.rows, "targets": list(spec.targets), "dropout": spec.dropout > 0,
+            "dora": spec.dora, "sample_packing": spec.sample_packing, "accumulation": spec.gradient_accumulation_steps}
+
+
+class PackTimer:
+    """Times the pack a plan sizes (``planning.plan_report`` calls it with the slots it chose): from the cache, or
+    measured on the model ``load`` returns (called only then: a plan whose timing is cached loads no model)."""
+
+    def __init__(self, spec: StudySpec, device: str, lengths: Sequence[int], load: Callable[[], PackedModel], *,
+                 log: Callable[[str], None] | None = None, budget_s: float = PACK_BUDGET_S, gpus: int = 1) -> None:
+        self.spec, self.device, self.lengths, self.load, self.log, self.budget_s = \
+            spec, device, lengths, load, log, budget_s
+        self.gpus = gpus
+        """GPUs a ``pack.shard: fsdp`` pack trains over: above one, its step (FSDP's collectives across processes)
+        is not what one process can time, and the probes' line stands."""
+
+    def __call__(self, slots: int, rank: int, rows: int, mm: MemoryModel) -> PackStep:
+        """The step of ``slots`` slots of ``rows`` rows each, rank bucket ``rank`` (the space's most rank rows);
+        ``mm``: the calibration, whose line bounds the timing's cost."""
+        spec = self.spec
+        length, mean = step_length(spec, self.lengths, slots, rows)
+        specs = slot_specs(spec, slots)
+        options: dict[str, Any] = {
+            "cuda_graphs": "off" if spec.pack.shard == "fsdp" else spec.pack.cuda_graphs,  # as the run's step
+            "chunked_ce": spec.pack.chunked_ce, "activation_checkpointing": spec.pack.activation_checkpointing,
+            "optimizer_in_backward": spec.train.optimizer_in_backward}
+        shape = PackStep(slots, rows, length, mean, None, "")
+        line = mm.step_seconds(shape.tokens)
+        steps = PACK_STEPS if line <= 0 else min(max(PACK_STEPS, math.ceil(PACK_TIMED_S / line)), PACK_MAX_STEPS,
+                                                  math.floor(self.budget_s / line) - PACK_WARMUP)
+        pack = {"rows": rows, "length": length, "max_rows": rank, "warmup": PACK_WARMUP,
+                "slots": [_describe(s) for s in specs], "options": options}
+        hit = cached_pack_step(spec, self.device, pack)
+        if hit is not None:
+            return dataclasses.replace(shape, step_s=float(hit[0]["step_s"]), where=f"cached ({hit[1]})")
+        size = f"{slots} slots x {rows} rows x {length} tokens"
+        if spec.pack.shard == "fsdp" and self.gpus > 1:
+            return dataclasses.replace(shape, where=f"not timed: a pack sharded over {self.gpus} GPUs steps in "
+                                                    f"{self.gpus} processes; the probes' line")
+        if steps < 1:
+            return dataclasses.replace(shape, where=f"not timed: its warm-up and one step of {size} would take about "
+                                                    f"{(PACK_WARMUP + 1) * line:.0f} s on the probes' line, over "
+                                                    f"{self.budget_s:.0f} s; the probes' line")
+        return self._measure(shape, specs, rank, steps, pack, size)
+
+    def _measure(self, shape: PackStep, specs: list[AdapterSpec], rank: int, steps: int, pack: dict[str, Any],
+                 size: str) -> PackStep:
+        """``shape`` timed over ``steps`` steps of ``specs``'s slots (announced first), and cached as ``pack``."""
+        import torch
+
+        if self.log is not None:
+            self.log(f"timing the sized pack on {self.device}: {PACK_WARMUP} + {steps} steps of {size} (cached for "
+                     f"the next plan)")
+        try:
+            timing = time_pack(self.load(), specs, shape.rows, shape.length, steps=steps, warmup=PACK_WARMUP,
+                               max_rows=rank, **pack["options"])
+        except torch.OutOfMemoryError:
+            return dataclasses.replace(shape, where=f"not timed: {size} ran out of device memory; the probes' line")
+        path = cache_pack_step(self.spec, self.device, pack, {"step_s": timing.step_s, "steps": steps,
+                                                              "wall_s": round(timing.wall_s, 3), "step": timing.step})
+        how = "mean" if self.device.startswith("cuda") else "median"  # as ``time_pack`` takes them
+        return dataclasses.replace(shape, step_s=timing.step_s, where=(
+            f"{how} of {steps} steps of {size}, {timing.step} step, after {PACK_WARMUP} warm-up; measured in "
+            f"{timing.wall_s:.1f} s, cached in {path}"))

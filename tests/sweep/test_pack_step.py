@@ -1,0 +1,193 @@
+"""``sweep plan`` predicts with the step of the pack it sized, timed (``sweep.pack_step``): that shape, that time,
+cached by what determines it, bounded in cost."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import lora_sweep.sweep.pack_step as pack_step
+from lora_sweep.packer.plan import BaseShape, MemoryModel
+from lora_sweep.packer.probe import PackTiming
+from lora_sweep.sweep.config.loader import load_study
+from lora_sweep.sweep.pack_step import PackTimer, bucket_lengths, slot_specs, step_length
+from lora_sweep.sweep.planning import largest_rank, plan_report
+from tests.conftest import write_study
+
+MM = MemoryModel(base_bytes=1000, bytes_per_token=10, bytes_per_token_rank=1, bytes_per_param=16,
+                 seconds_per_token=1e-5, seconds_per_step=0.02)
+BASE = BaseShape((("q_proj", 64, 64), ("v_proj", 64, 64)), 1000, forward_s=0.002, load_s=2.0, imports_s=3.0)
+LENGTHS = [20] * 40  # every step pads to 32: the timed length is the run's mean one
+
+
+class FakeStep:
+    """``time_pack`` as the timer calls it, on a fake step of ``seconds``: records what it was asked to time."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.calls = seconds, list[dict[str, object]]()
+
+    def __call__(self, pm, specs, rows, length, **kwargs) -> PackTiming:  # noqa: ANN001, ANN003
+        self.calls.append({"pm": pm, "slots": len(specs), "specs": specs, "rows": rows, "length": length, **kwargs})
+        return PackTiming(self.seconds, kwargs["steps"], 4 * self.seconds, "eager")
+
+
+def _spec(tmp_path, tiny_dirs, name="timed", *overrides, **changes):  # noqa: ANN001, ANN002, ANN003, ANN202
+    changes = {"budget": {"trials": 12}, "train": {"max_steps": 40, "micro_batch": 4},
+               "pruning": {"kind": "cohort_sha", "rungs": [10, 20], "reduction_factor": 3}, **changes}
+    return load_study(write_study(tmp_path, tiny_dirs("llama"), name, **changes), list(overrides))
+
+
+def _timer(spec, fake, monkeypatch, load=lambda: "the model", **kwargs) -> PackTimer:  # noqa: ANN001
+    monkeypatch.setattr(pack_step, "time_pack", fake)
+    return PackTimer(spec, "cpu", LENGTHS, load, **kwargs)
+
+
+def test_the_prediction_is_the_sized_packs_timed_step(tiny_dirs, tmp_path, monkeypatch) -> None:
+    """The plan times the pack it sized (its slots, the space's largest micro-batch, the run's step length, the rank
+    bucket of the space's most rank rows) and predicts with that step: a step 4x slower makes the training time 4x,
+    whatever the calibration's line said."""
+    monkeypatch.setenv("LORA_SWEEP_CACHE", str(tmp_path / "cache"))
+    spec = _spec(tmp_path, tiny_dirs)
+    fast, slow = FakeStep(0.05), FakeStep(0.2)
+    one = plan_report(spec, [MM], "test", BASE, "cpu", timer=_timer(spec, fast, monkeypatch))
+    (call,) = fast.calls
+    assert (call["pm"], call["slots"], call["rows"], call["length"]) == ("the model", one.slots, 4, 32)
+    assert call["max_rows"] == largest_rank(spec) and call["warmup"] == 1
+    assert call["steps"] == pack_step.PACK_MAX_STEPS  # the line's 24 ms a step: the most steps, well under 2 s
+    assert one.predicted_step_s == pytest.approx(0.05)  # the run's mean step is the timed one (every row pads to 32)
+    assert one.predicted_total_s == pytest.approx(one.pack_steps * 0.05)
+    probes = plan_report(spec, [MM], "test", BASE, "cpu")  # no timer: the calibration's line
+    assert probes.predicted_step_s != pytest.approx(0.05)
+    spec_slow = _spec(tmp_path, tiny_dirs, "slow", "seed=1")  # another pack (other slots drawn): not from the cache
+    four = plan_report(spec_slow, [MM], "test", BASE, "cpu", timer=_timer(spec_slow, slow, monkeypatch))
+    assert len(slow.calls) == 1 and four.pack_steps == one.pack_steps
+    assert four.predicted_total_s == pytest.approx(4 * one.predicted_total_s)
+    # the evaluation's per-token time is the line's, scaled through the measured step alike
+    assert four.memory.seconds_per_token == pytest.approx(4 * one.memory.seconds_per_token)
+    assert four.memory.bytes_per_token == MM.bytes_per_token  # the memory stays the probes'
+    table = four.table()
+    assert "predicted step                       200 ms (a mean step of 3 slots x 4 rows x 32.0 tokens" in table
+    assert "median of 20 steps of 3 slots x 4 rows x 32 tokens, eager step, after 1 warm-up" in table
+    assert "time: the sized pack's own steps, timed" in table and "(no pruning)" not in table
+    assert "cohort SHA keeping 1/3 at steps 10, 20 of 40" in table
+
+
+def test_between_lengths_the_calibrations_line_carries_the_measured_step(tiny_dirs, tmp_path, monkeypatch) -> None:
+    """A run's mean step is shorter than the timed one (the longest row of a step varies): the prediction follows
+    the calibration's line from the measured point, scaled through it."""
+    monkeypatch.setenv("LORA_SWEEP_CACHE", str(tmp_path / "cache"))
+    spec = _spec(tmp_path, tiny_dirs)
+    fake = FakeStep(0.3)
+    timer = _timer(spec, fake, monkeypatch)
+    timer.lengths = [10] * 95 + [20] * 5  # most steps pad to 16, some to 32
+    report = plan_report(spec, [MM], "test", BASE, "cpu", timer=timer)
+    timed = report.timed
+    assert timed is not None and timed.length == 32 and 16 < timed.mean_length < 32
+    line = MM.step_seconds
+    assert report.predicted_step_s == pytest.approx(0.3 * line(timed.mean_tokens) / line(timed.tokens))
+
+
+def test_the_timing_is_cached_by_the_calibration_and_the_pack(tiny_dirs, tmp_path, monkeypatch) -> None:
+    """A second plan of the same pack reads the step back without loading the model; another sequence length (the
+    calibration's key), another pack (slots), or other slots' adapters (the space) time again."""
+    monkeypatch.setenv("LORA_SWEEP_CACHE", str(tmp_path / "cache"))
+    spec = _spec(tmp_path, tiny_dirs)
+    fake = FakeStep(0.1)
+    first = _timer(spec, fake, monkeypatch)(3, 16, 4, MM)
+    assert len(fake.calls) == 1 and first.where.startswith("median of 20 steps")
+    (entry,) = (tmp_path / "cache" / "pack_step").iterdir()
+    record = json.loads(entry.read_text())
+    assert record["step_s"] == 0.1 and record["key"]["calibration"]["seq_len"] == 48
+    assert record["key"]["pack"]["rows"] == 4 and len(record["key"]["pack"]["slots"]) == 3
+
+    def refused():  # noqa: ANN202
+        raise AssertionError("a cached timing loads no model")
+
+    again = _timer(spec, fake, monkeypatch, load=refused)(3, 16, 4, MM)
+    assert len(fake.calls) == 1 and again.step_s == 0.1 and again.where == f"cached ({entry})"
+    _timer(spec, fake, monkeypatch)(4, 16, 4, MM)  # a fourth slot
+    longer = _spec(tmp_path, tiny_dirs, "timed", "data.max_length=64")
+    _timer(longer, fake, monkeypatch)(3, 16, 4, MM)
+    other = _spec(tmp_path, tiny_dirs, "timed", "search.rank=[2]")
+    _timer(other, fake, monkeypatch)(3, 16, 4, MM)
+    assert len(fake.calls) == 4 and len(list((tmp_path / "cache" / "pack_step").iterdir())) == 4
+
+
+def test_a_pack_too_slow_to_time_keeps_the_calibrations_line(tiny_dirs, tmp_path, monkeypatch) -> None:
+    """The timing is bounded: short steps are timed by more of them (about ``PACK_TIMED_S`` of them), long ones by
+    ``PACK_STEPS``, fewer where the line says they would not fit the budget, and where not even the warm-up and one
+    step do, none (no model loaded): the plan says so."""
+    monkeypatch.setenv("LORA_SWEEP_CACHE", str(tmp_path / "cache"))
+    fake = FakeStep(1.0)
+    tokens = 3 * 4 * 32
+    for seed, seconds, steps in ((10, 0.5, 4), (11, 1.0, 3), (12, 30.0, 1)):  # 60 s: a warm-up and one 30 s step
+        mm = MemoryModel(base_bytes=1000, bytes_per_token=10, seconds_per_token=0.0, seconds_per_step=seconds)
+        _timer(_spec(tmp_path, tiny_dirs, f"s{seed}", f"seed={seed}"), fake, monkeypatch)(3, 16, 4, mm)
+        assert fake.calls[-1]["steps"] == steps
+    spec = _spec(tmp_path, tiny_dirs)
+    line = MM.step_seconds(tokens)
+    fake.calls.clear()
+
+    def refused():  # noqa: ANN202
+        raise AssertionError("nothing timed: no model loaded")
+
+    timer = _timer(spec, fake, monkeypatch, load=refused, budget_s=1.5 * line)
+    timer.spec = _spec(tmp_path, tiny_dirs, "untimed", "seed=2")  # another pack than the one cached above
+    slower = MemoryModel(base_bytes=1000, bytes_per_token=10, seconds_per_token=2e-5, seconds_per_step=0.03)
+    report = plan_report(timer.spec, [MM, slower], "test", BASE, "cpu", timer=timer)  # two calibrations
+    assert not fake.calls and report.timed is not None and report.timed.step_s is None
+    mean_tokens = report.timed.mean_tokens  # the pack's mean step, at which the range is taken too
+    assert report.predicted_step_s == pytest.approx(MM.step_seconds(mean_tokens))
+    assert report.step_range_s == pytest.approx((MM.step_seconds(mean_tokens), slower.step_seconds(mean_tokens)))
+    table = report.table()
+    assert f"not timed: its warm-up and one step of 3 slots x 4 rows x 32 tokens would take about {2 * line:.0f} s" \
+        in table and "two timed probes extrapolated to the pack" in table
+
+
+def test_a_step_pads_every_row_to_the_longest_of_all_slots_rows(tiny_dirs, tmp_path) -> None:
+    """The run's step is as long as the longest row of every slot's micro-batch (padded to one of the pack's
+    lengths), not one slot's: with a few long rows, a pack of 8 slots x 4 rows nearly always meets one."""
+    spec = _spec(tmp_path, tiny_dirs)
+    lengths = [10] * 90 + [40] * 10
+    assert bucket_lengths(spec, lengths, 8) == (16, 48)
+    one_slot, eight = step_length(spec, lengths, 1, 4), step_length(spec, lengths, 8, 4)
+    assert eight[0] == 48 and eight[1] > 46  # 1 - 0.9 ** 32: 97% of the steps meet a 40-token row
+    assert one_slot[1] == pytest.approx(16 + 32 * (1 - 0.9 ** 4), abs=3) and one_slot[0] == 48
+    packed = _spec(tmp_path, tiny_dirs, "packed", train={"max_steps": 40, "micro_batch": 4, "sample_packing": True})
+    assert step_length(packed, lengths, 2, 4)[0] == 48 == packed.data.max_length  # packed rows fill the row
+
+
+def test_the_timed_slots_are_drawn_from_the_space(tiny_dirs, tmp_path) -> None:
+    """Each slot a random point of the space over the fixed values (seeded): the pack mixes the target sets, ranks
+    and variants a run's does."""
+    search = {"rank": [2, 4, 8, 16], "targets": {"attn": ["q_proj", "v_proj"], "all": "all-linear"},
+              "lr": {"low": 1e-4, "high": 3e-2, "log": True}, "dora": [False, True], "init": ["gaussian", "pissa"],
+              "alpha": {"low": 4.0, "high": 64.0}, "warmup_steps": {"low": 0, "high": 10}}
+    spec = _spec(tmp_path, tiny_dirs, search=search)
+    specs = slot_specs(spec, 8)
+    assert specs == slot_specs(spec, 8) and len(specs) == 8
+    assert {s.rank for s in specs} <= {2, 4, 8, 16} and len({s.rank for s in specs}) > 1
+    assert {s.targets for s in specs} == {("q_proj", "v_proj"), ("all-linear",)}
+    assert all(1e-4 <= s.lr <= 3e-2 for s in specs) and all(s.micro_batch == 4 for s in specs)
+    assert {s.dora for s in specs} == {False, True} and {s.init for s in specs} == {"gaussian", "pissa"}
+    assert all(4 <= s.alpha <= 64 for s in specs) and len({s.alpha for s in specs}) == 8  # a float range's draws
+    assert all(isinstance(s.warmup_steps, int) and 0 <= s.warmup_steps <= 10 for s in specs)  # an int range's
+
+
+def test_a_pack_sharded_over_gpus_is_not_timed_in_one_process(tiny_dirs, tmp_path, monkeypatch) -> None:
+    """``pack.shard: fsdp`` over 2 GPUs steps in two processes with FSDP's collectives: the plan keeps the line (and
+    says why) rather than time one process's whole-base step; over one GPU it times as any pack, on the eager step
+    the sharded run takes."""
+    monkeypatch.setenv("LORA_SWEEP_CACHE", str(tmp_path / "cache"))
+    spec = _spec(tmp_path, tiny_dirs, "sharded", pack={"max_slots": 3, "shard": "fsdp"})
+    fake = FakeStep(0.1)
+
+    def refused():  # noqa: ANN202
+        raise AssertionError("nothing timed: no model loaded")
+
+    two = _timer(spec, fake, monkeypatch, load=refused, gpus=2)(3, 16, 4, MM)
+    assert two.step_s is None and two.where == "not timed: a pack sharded over 2 GPUs steps in 2 processes; " \
+                                               "the probes' line" and not fake.calls
+    one = _timer(spec, fake, monkeypatch)(3, 16, 4, MM)
+    assert one.step_s == 0.1 and fake.calls[0]["cuda_graphs"] == "off"
