@@ -381,14 +381,16 @@ def check_mixed_is_alone(spec: AdapterSpec, model_dir: Path | None = None,
     _assert_same_run((mixed[0][0], mixed[1][0]), (alone[0][0], alone[1][0]), 1e-9, 1e-9, "mixed pack = alone")
 
 
-def check_triton_is_torch(spec: AdapterSpec, steps: int = 3) -> None:
+def check_triton_is_torch(spec: AdapterSpec, steps: int = 3, device: str | None = None) -> None:
     """The Triton step trains the slot as the torch step: fp32 on a one-layer llama, ``steps`` steps, beside a plain
-    slot (on CPU the kernels run in the interpreter: set ``TRITON_INTERPRET=1`` before anything imports them)."""
+    slot, on ``device`` (default: CUDA where there is one; on CPU the kernels run in the interpreter: set
+    ``TRITON_INTERPRET=1`` before anything imports them)."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     spec = replace(spec, max_steps=steps)
     specs = [spec, replace(BESIDE[0], max_steps=steps)]
     runs = {}
     for impl in ("torch", "triton"):
-        model, _ = load_base(str(tiny_model_dir("llama", num_layers=1)), attn_implementation="eager")
+        model, _ = load_base(str(tiny_model_dir("llama", num_layers=1)), attn_implementation="eager", device=device)
         pm = PackedModel(model, impl=impl, fused_base_ops=False)  # type: ignore[arg-type]
         queue, rec = slot_jobs(specs), Recorder(pm)
         train(pm, len(specs), lambda slot, q=queue: q.pop(0) if q else None, pad_id=PAD, on_step=rec.on_step,
