@@ -38,7 +38,7 @@ import random
 import shutil
 import tempfile
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -381,13 +381,14 @@ def check_mixed_is_alone(spec: AdapterSpec, model_dir: Path | None = None,
     _assert_same_run((mixed[0][0], mixed[1][0]), (alone[0][0], alone[1][0]), 1e-9, 1e-9, "mixed pack = alone")
 
 
-def check_triton_is_torch(spec: AdapterSpec, steps: int = 3, device: str | None = None) -> None:
-    """The Triton step trains the slot as the torch step: fp32 on a one-layer llama, ``steps`` steps, beside a plain
-    slot, on ``device`` (default: CUDA where there is one; on CPU the kernels run in the interpreter: set
-    ``TRITON_INTERPRET=1`` before anything imports them)."""
+def check_triton_is_torch(spec: AdapterSpec, steps: int = 3, device: str | None = None,
+                          beside: Sequence[AdapterSpec] = BESIDE[:1]) -> None:
+    """The Triton step trains the slot, and every slot ``beside`` it (default: a plain slot), as the torch step: fp32
+    on a one-layer llama, ``steps`` steps, on ``device`` (default: CUDA where there is one; on CPU the kernels run in
+    the interpreter: set ``TRITON_INTERPRET=1`` before anything imports them). Several variants checked in one pack
+    (``beside``) cost the interpreter one run instead of one each."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    spec = replace(spec, max_steps=steps)
-    specs = [spec, replace(BESIDE[0], max_steps=steps)]
+    specs = [replace(s, max_steps=steps) for s in (spec, *beside)]
     runs = {}
     for impl in ("torch", "triton"):
         model, _ = load_base(str(tiny_model_dir("llama", num_layers=1)), attn_implementation="eager", device=device)
@@ -395,9 +396,12 @@ def check_triton_is_torch(spec: AdapterSpec, steps: int = 3, device: str | None 
         queue, rec = slot_jobs(specs), Recorder(pm)
         train(pm, len(specs), lambda slot, q=queue: q.pop(0) if q else None, pad_id=PAD, on_step=rec.on_step,
               on_end=rec.on_end)
-        runs[impl] = (rec.losses[0], rec.final[0])
-    # fp32, the same sums in another order
-    _assert_same_run(runs["triton"], runs["torch"], 1e-5, 1e-5, "Triton = torch")
+        runs[impl] = rec
+    for key in range(len(specs)):
+        # fp32, the same sums in another order
+        _assert_same_run((runs["triton"].losses[key], runs["triton"].final[key]),
+                         (runs["torch"].losses[key], runs["torch"].final[key]), 1e-5, 1e-5,
+                         f"Triton = torch (slot {key})")
 
 
 def check_checkpoint_loads_in_peft(spec: AdapterSpec, out_dir: Path, model_dir: Path | None = None) -> None:

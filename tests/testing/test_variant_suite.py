@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 
 from tests.conftest import need_triton
 
@@ -14,7 +15,7 @@ need_triton()  # before anything imports the Triton kernel modules (the contract
 from lora_sweep.packer.plan import AdapterSpec  # noqa: E402
 from lora_sweep.packer.variants import lorafa  # noqa: E402
 from lora_sweep.packer.variants.magnitude import Magnitudes  # noqa: E402
-from lora_sweep.testing.variant import VariantContract, check_alone_is_peft  # noqa: E402
+from lora_sweep.testing.variant import VariantContract, check_alone_is_peft, check_triton_is_torch  # noqa: E402
 
 PLAIN = AdapterSpec(rank=2, alpha=4, lr=3e-3, micro_batch=1, targets=("q_proj", "v_proj", "down_proj"), max_steps=8,
                     seed=1, max_grad_norm=0.5, warmup_steps=2, schedule="cosine")
@@ -40,6 +41,23 @@ class TestBuiltInVariant(VariantContract):
     @pytest.fixture
     def spec(self, name: str) -> AdapterSpec:
         return ROWS[name]
+
+    @pytest.mark.gpu
+    def test_triton_is_torch(self, spec: AdapterSpec) -> None:
+        """Each row on the compiled kernels. On the CPU's interpreter (1.5-2.5 CPU-minutes a row, six in one pack
+        over 6 minutes) the rows the packer's own Triton tests already step are left to them:
+        tests/packer/step/test_dora_triton.py (DoRA, with dropout, with LoRA+, under PiSSA) and
+        test_principal_triton.py (PiSSA, OLoRA with LoRA+, a plain slot); LoRA-FA has its CPU row below."""
+        if not torch.cuda.is_available():
+            pytest.skip("needs CUDA (the CPU's interpreter runs the rows no packer Triton test steps: LoRA-FA)")
+        check_triton_is_torch(spec)
+
+
+@pytest.mark.slow
+def test_lorafa_is_triton_is_torch_on_the_cpu() -> None:
+    """The contract's Triton check on the CPU's interpreter for the one built-in variant no packer Triton test steps:
+    LoRA-FA (its projection of B's gradient between the kernels' backward and the Triton AdamW) beside a plain slot."""
+    check_triton_is_torch(ROWS["lorafa"])
 
 
 def test_every_built_in_variant_has_a_row() -> None:
