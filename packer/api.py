@@ -20,12 +20,13 @@ everything a base is needed for, by verb (``packer.base``):
 - *evaluate*: ``Packer.model`` (a ``PackedModel``) is what an evaluator scores, with ``evaluation.row_losses`` and
   ``evaluation.greedy_decode`` (on the pack's fixed shapes where they serve, else per adapter);
 - *save / export*: ``Packer.save`` writes slots as PEFT adapter directories off the caller's path;
-  ``Packer.read_adapter``, ``Packer.discard_adapter`` and ``Packer.merge_base`` work on written ones.
+  ``Packer.read_adapter``, ``Packer.write_adapter`` and ``Packer.discard_adapter`` work on written ones, and
+  ``Packer.merge_base`` loads the base an export merges one into.
 
 **Values and namespaces.** ``data``: reading and streaming rows (``read_jsonl``, ``load_examples``, ``FORMATS``,
 ``Example``, ``SlotStream``, ``adapter_stream``, ``epoch_steps`` ...); ``gguf``: GGUF sources and their conversion
-(``gguf_source``, ``packaged_gguf``, ``convert``); what a study file is checked against: ``FORMATS``,
-``line_bound``, ``QUANTIZE``, ``ALL_LINEAR``, ``FAMILY_NAMES``.
+(``gguf_source``, ``packaged_gguf``, ``convert``); ``STEP_NAMES``: what each ``TrainResult.step`` means; what a
+study file is checked against: ``FORMATS``, ``line_bound``, ``QUANTIZE``, ``ALL_LINEAR``, ``FAMILY_NAMES``.
 
 The packer never sees a study object: the sweep builds plain values (``AdapterSpec``, paths, numbers) and calls
 these names, and only those (a name no module above the packer imports is not here). Every module imported here is
@@ -45,13 +46,12 @@ from lora_sweep.packer.families import FAMILY_NAMES
 from lora_sweep.packer.model import QUANTIZE, gguf
 from lora_sweep.packer.plan import ALL_LINEAR, AdapterSpec, BaseShape, MemoryModel
 from lora_sweep.packer.step.jobs import STEP_NAMES, SlotEnd, SlotJob, StepReport
-from lora_sweep.packer.step.shapes import length_buckets
 
 if TYPE_CHECKING:  # a type for annotations only: a PackedModel is built by open_base
     from lora_sweep.packer.model.packed import PackedModel
 
 __all__ = ["ALL_LINEAR", "FAMILY_NAMES", "FORMATS", "QUANTIZE", "STEP_NAMES", "AdapterSpec", "BaseShape", "MemoryModel",
-           "Packer", "SlotEnd", "SlotJob", "StepReport", "data", "evaluation", "gguf", "length_buckets", "line_bound",
+           "Packer", "SlotEnd", "SlotJob", "StepReport", "data", "evaluation", "gguf", "line_bound",
            "open_base", "tiny_base"]
 TYPE_NAMES = ("PackedModel",)
 """Names the face gives the type checker only (under ``TYPE_CHECKING``): annotations, never built above the packer."""

@@ -130,6 +130,14 @@ class Packer:
 
     # -- train
 
+    @staticmethod
+    def length_buckets(row_lengths: Sequence[int], rows_per_step: int) -> tuple[int, ...]:
+        """At most a few padded step lengths for a pack whose steps hold ``rows_per_step`` rows drawn from rows of
+        ``row_lengths`` tokens (``packer.step.shapes.length_buckets``): ``train``'s ``lengths``, its bounded shapes."""
+        from lora_sweep.packer.step.shapes import length_buckets
+
+        return length_buckets(row_lengths, rows_per_step)
+
     def train(self, capacity: int, next_job: Callable[[int], SlotJob | None], *,
               on_step: Callable[[list[StepReport]], None] | None = None,
               should_stop: Callable[[StepReport], bool] | None = None,

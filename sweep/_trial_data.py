@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from lora_sweep.evaluators.registry import load_eval_data
-from lora_sweep.packer.api import AdapterSpec, Packer, data, length_buckets
+from lora_sweep.packer.api import AdapterSpec, Packer, data
 from lora_sweep.sweep.config.spec import StudySpec
 
 __all__ = ["trial_adapter", "trial_stream", "planned_tokens", "check_packing", "check_data",
@@ -72,7 +72,7 @@ def check_data(spec: StudySpec) -> None:
 
 
 def step_lengths(spec: StudySpec, examples: Sequence[data.Example], capacity: int) -> tuple[int, ...]:
-    """The padded lengths a pack's steps may take (``packer.step.shapes.length_buckets``): at most a few, fitted to
+    """The padded lengths a pack's steps may take (``Packer.length_buckets``): at most a few, fitted to
     the longest of ``capacity`` x the smallest micro-batch rows the space can draw (the most spread a step's
     longest row has); a pack that may sample-pack also gets its rows' length, ``data.max_length``."""
     micro = [spec.train.micro_batch]
@@ -82,4 +82,4 @@ def step_lengths(spec: StudySpec, examples: Sequence[data.Example], capacity: in
     packs = spec.train.sample_packing or any(p.name == "sample_packing" and True in p.choices
                                              for p in spec.search.params)
     lengths = [len(e.input_ids) for e in examples] + ([spec.data.max_length] if packs else [])
-    return length_buckets(lengths, capacity * max(1, min(micro)))
+    return Packer.length_buckets(lengths, capacity * max(1, min(micro)))
