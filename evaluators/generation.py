@@ -43,7 +43,8 @@ from lora_sweep.evaluators._core import (
 )
 from lora_sweep.evaluators.cost import EvalCost
 from lora_sweep.evaluators.scorers import SCORERS
-from lora_sweep.packer.api import IGNORE_INDEX, tokenize_rows
+from lora_sweep.packer.api import data as packer_data
+from lora_sweep.packer.api import evaluation
 
 if TYPE_CHECKING:  # torch and the model are imported where an evaluation runs: a study file is checked without them
     import torch
@@ -154,15 +155,15 @@ def build_prompts(data: EvalData) -> list[list[int]]:
         DataError: a format without a response (``text``), or a row without a response.
     """
     check_format(data, TEXT_FORMATS, "generation")
-    examples = tokenize_rows(data.rows, data.fmt, data.tokenizer, max_length=1 << 30, source=data.source)
+    examples = packer_data.tokenize_rows(data.rows, data.fmt, data.tokenizer, max_length=1 << 30, source=data.source)
     if len(examples) != len(data.rows):
         raise DataError(f"{data.source}: every row needs a response to compare a generation with")
     prompts = []
     for ex in examples:
         start = len(ex.labels)  # start of the last run of response (trained) tokens
-        while start > 0 and ex.labels[start - 1] == IGNORE_INDEX:
+        while start > 0 and ex.labels[start - 1] == packer_data.IGNORE_INDEX:
             start -= 1
-        while start > 0 and ex.labels[start - 1] != IGNORE_INDEX:
+        while start > 0 and ex.labels[start - 1] != packer_data.IGNORE_INDEX:
             start -= 1
         prompts.append(list(ex.input_ids[:start]))
     return prompts
@@ -229,21 +230,16 @@ def generate_ids(model: PackedModel, slots: Sequence[int], prompts: Sequence[Seq
     """
     import torch
 
-    from lora_sweep.packer.api import eval_graph
-
     out: dict[int, list[list[int]]] = {slot: [] for slot in slots}
     if not slots:
         return out
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token (e.g. BOS)")
-    width = eval_graph.bucket(max(len(p) for p in prompts)) if prompts else 0
-    on_fixed_shapes = (uses_batched(batched, model) and temperature <= 0 and bool(prompts)
-                       and eval_graph.available(model)
-                       and eval_graph.generation_fits(model, width, max_new_tokens))
-    if on_fixed_shapes:  # every slot's rows in the fewest forwards, the tokens read once
-        tokens = eval_graph.greedy_decode(model, slots, prompts, batch_size, width, max_new_tokens, pad_id,
+    if uses_batched(batched, model) and temperature <= 0:  # every slot's rows in the fewest forwards, read once
+        tokens = evaluation.greedy_decode(model, slots, prompts, batch_size, max_new_tokens, pad_id,
                                           _cache_kwarg(model.model), eos_id)
-        return {slot: [_answer(t, eos_id, should_stop) for t in tokens[g]] for g, slot in enumerate(slots)}
+        if tokens is not None:
+            return {slot: [_answer(t, eos_id, should_stop) for t in tokens[g]] for g, slot in enumerate(slots)}
     for idx in chunks(len(prompts), batch_size):
         rows = [list(prompts[i]) for i in idx]
         gens = ([torch.Generator().manual_seed(seed * 1_000_003 + i) for _ in slots for i in idx]

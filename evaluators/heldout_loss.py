@@ -20,17 +20,16 @@ from lora_sweep.evaluators._core import (
     Evaluator,
     check_batched,
     check_format,
-    chunks,
     make_options,
     pad_id,
     uses_batched,
 )
 from lora_sweep.evaluators.cost import EvalCost
-from lora_sweep.kernels.meta import PackLayout
-from lora_sweep.packer.api import FORMATS, tokenize_rows
+from lora_sweep.packer.api import FORMATS, evaluation
+from lora_sweep.packer.api import data as packer_data
 
 if TYPE_CHECKING:  # torch and the model are imported where an evaluation runs: a study file is checked without them
-    from lora_sweep.packer.api import PackBatch, PackedModel
+    from lora_sweep.packer.api import PackedModel
 
 __all__ = ["HeldoutOptions", "heldout_loss", "HELDOUT_LOSS", "METRICS"]
 
@@ -75,18 +74,12 @@ def heldout_loss(model: PackedModel, slots: Sequence[int], data: EvalData, **opt
         ConfigError: unknown or invalid option.
         DataError: rows of the wrong format.
     """
-    from lora_sweep.packer.api import eval_graph
-
     opts: HeldoutOptions = make_options(HeldoutOptions, options, "heldout_loss")
     check_format(data, FORMATS, "heldout_loss")
-    examples = tokenize_rows(data.rows, data.fmt, data.tokenizer, max_length=data.max_length,
-                             train_on_prompt=data.train_on_prompt, source=data.source)
-    seq = eval_graph.bucket(max((len(e.input_ids) for e in examples), default=1))
-    if (uses_batched(opts.batched, model) and bool(examples) and eval_graph.available(model)
-            and eval_graph.heldout_fits(model, opts.batch_size, seq)):  # every slot's rows in the fewest forwards
-        per_item, counts = eval_graph.row_losses(model, slots, examples, opts.batch_size, seq, pad_id(data.tokenizer))
-    else:
-        per_item, counts = _per_adapter(model, slots, examples, opts.batch_size, pad_id(data.tokenizer))
+    examples = packer_data.tokenize_rows(data.rows, data.fmt, data.tokenizer, max_length=data.max_length,
+                                         train_on_prompt=data.train_on_prompt, source=data.source)
+    per_item, counts = evaluation.row_losses(model, slots, examples, opts.batch_size, pad_id(data.tokenizer),
+                                             batched=uses_batched(opts.batched, model) and bool(examples))
     result = EvalResult()
     for g, slot in enumerate(slots):
         loss_sum = sum(loss * n for loss, n in zip(per_item[g], counts[g], strict=True))
@@ -94,30 +87,6 @@ def heldout_loss(model: PackedModel, slots: Sequence[int], data: EvalData, **opt
         result.metrics[slot] = {"eval_loss": mean, "perplexity": math.exp(min(mean, 700.0))}
         result.per_item[slot] = {"eval_loss": per_item[g]}
     return result
-
-
-def _per_adapter(model: PackedModel, slots: Sequence[int], examples: list[Any], batch_size: int,
-                 pad: int) -> tuple[list[list[float]], list[list[float]]]:
-    """Each item's mean token loss and target count under each slot, ``batch_size`` items of every scored slot per
-    forward (rows sized to the scored adapters): ``[g][i]`` for slot ``slots[g]``, item i."""
-    import torch
-
-    from lora_sweep.packer.api import collate, slot_losses
-
-    n = len(slots)
-    losses: list[list[float]] = [[] for _ in slots]
-    counts: list[list[float]] = [[] for _ in slots]
-    with torch.no_grad():
-        for idx in chunks(len(examples), batch_size):
-            rows: list[Any] = [examples[i] for i in idx]  # Example satisfies packer.data.batch.Row
-            batch = collate(slots, [rows] * n, pad, dropout=[0.0] * n, seeds=[0] * n, device=model.device)
-            logits = model.forward(batch.input_ids, batch.attention_mask, batch.layout)  # (B, L, V)
-            means, tokens = slot_losses(logits, batch.labels, _one_segment_per_row(batch))  # (B,), (B,)
-            row_loss, row_tokens = means.tolist(), tokens.tolist()
-            for g, start in enumerate(batch.layout.row_start):
-                losses[g] += row_loss[start:start + len(rows)]
-                counts[g] += row_tokens[start:start + len(rows)]
-    return losses, counts
 
 
 def heldout_cost(opts: HeldoutOptions) -> EvalCost:
@@ -128,15 +97,3 @@ def heldout_cost(opts: HeldoutOptions) -> EvalCost:
 HELDOUT_LOSS = Evaluator("heldout_loss", HeldoutOptions, heldout_loss, metrics=lambda opts: dict(METRICS),
                          reports="`eval_loss`, `perplexity`", cost=heldout_cost, curve="eval_loss")
 """The ``heldout_loss`` evaluator."""
-
-
-def _one_segment_per_row(batch: PackBatch) -> PackLayout:
-    """The layout that makes ``slot_losses`` see the batch as one segment per row: it returns per-row means and counts.
-
-    A slot's mean over the whole set is then sum(row mean * row count) / sum(row count): exactly
-    ``slot_losses`` over all its rows at once.
-    """
-    b = batch.input_ids.shape[0]
-    layout = PackLayout(slots=tuple(range(b)), row_start=tuple(range(b)), n_rows=(1,) * b, own_len=(0,) * b,
-                        dropout=(0.0,) * b, seed=(0,) * b)
-    return layout

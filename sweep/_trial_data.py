@@ -13,17 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from lora_sweep.evaluators.registry import load_eval_data
-from lora_sweep.packer.api import (
-    AdapterSpec,
-    BatchSource,
-    Example,
-    PackedModel,
-    adapter_stream,
-    check_sample_packing,
-    epoch_steps,
-    read_jsonl,
-    stream_tokens,
-)
+from lora_sweep.packer.api import AdapterSpec, Packer, data
 from lora_sweep.sweep.config.spec import StudySpec
 from lora_sweep.sweep.pack_step import bucket_lengths
 
@@ -31,13 +21,13 @@ __all__ = ["trial_adapter", "trial_stream", "planned_tokens", "check_packing", "
            "step_lengths"]
 
 
-def trial_adapter(spec: StudySpec, adapter: AdapterSpec, searched: Sequence[str], examples: Sequence[Example]
+def trial_adapter(spec: StudySpec, adapter: AdapterSpec, searched: Sequence[str], examples: Sequence[data.Example]
                   ) -> AdapterSpec:
     """The adapter with ``max_steps`` from ``train.epochs`` when it is set and ``max_steps`` is not searched,
     then ``warmup_steps`` from ``train.warmup_ratio`` when no warm-up is given in steps."""
     train = spec.train
     if train.epochs is not None and "max_steps" not in searched:
-        steps = epoch_steps(examples, adapter, train.epochs, spec.data.max_length, spec.seed,
+        steps = data.epoch_steps(examples, adapter, train.epochs, spec.data.max_length, spec.seed,
                             train.max_steps_per_epoch)
         adapter = replace(adapter, max_steps=steps)
     if train.warmup_ratio is not None and "warmup_steps" not in searched and not train.warmup_steps:
@@ -45,27 +35,28 @@ def trial_adapter(spec: StudySpec, adapter: AdapterSpec, searched: Sequence[str]
     return adapter
 
 
-def trial_stream(spec: StudySpec, adapter: AdapterSpec, examples: Sequence[Example]) -> BatchSource:
+def trial_stream(spec: StudySpec, adapter: AdapterSpec,
+                 examples: Sequence[data.Example]) -> data.SlotStream | data.SamplePackedStream:
     """The trial's stream: every trial the same seeded order (pack peers are paired samples)."""
-    return adapter_stream(examples, adapter, spec.seed, spec.data.max_length)
+    return data.adapter_stream(examples, adapter, spec.seed, spec.data.max_length)
 
 
-def planned_tokens(spec: StudySpec, adapter: AdapterSpec, examples: Sequence[Example],
+def planned_tokens(spec: StudySpec, adapter: AdapterSpec, examples: Sequence[data.Example],
                    plain: Callable[[int, int], int]) -> int:
     """Target tokens of the trial's ``max_steps * accumulation`` micro-batches; ``plain(micro_batch, n)``
     counts them for an unpacked stream (cached)."""
     n = adapter.max_steps * adapter.gradient_accumulation_steps
     if not adapter.sample_packing:
         return plain(adapter.micro_batch, n)
-    return stream_tokens(examples, adapter, spec.seed, spec.data.max_length, n)
+    return data.stream_tokens(examples, adapter, spec.seed, spec.data.max_length, n)
 
 
-def check_packing(spec: StudySpec, pm: PackedModel) -> None:
+def check_packing(spec: StudySpec, packer: Packer) -> None:
     """Refuse a study that may sample-pack (fixed or searched) on a family packing is not verified for, or on a
     model whose packed rows' examples attend to each other under the installed transformers (before any trial)."""
     searched = any(p.name == "sample_packing" and True in p.choices for p in spec.search.params)
     if spec.train.sample_packing or searched:
-        check_sample_packing(pm)
+        packer.check_sample_packing()
 
 
 def check_data(spec: StudySpec) -> None:
@@ -76,12 +67,12 @@ def check_data(spec: StudySpec) -> None:
     Raises:
         DataError: the first bad row, as ``file:line``.
     """
-    read_jsonl(spec.data.train, spec.data.format, spec.data.line_bytes)
+    data.read_jsonl(spec.data.train, spec.data.format, spec.data.line_bytes)
     if spec.data.eval is not None:
         load_eval_data(spec.data.eval, None, fmt=spec.data.format, max_line_bytes=spec.data.line_bytes)
 
 
-def step_lengths(spec: StudySpec, examples: Sequence[Example], capacity: int) -> tuple[int, ...]:
+def step_lengths(spec: StudySpec, examples: Sequence[data.Example], capacity: int) -> tuple[int, ...]:
     """The padded lengths a pack's steps may take (``sweep.pack_step.bucket_lengths``, which ``sweep plan`` times
     with): at most a few, fitted to the rows of ``examples``."""
     return bucket_lengths(spec, [len(e.input_ids) for e in examples], capacity)

@@ -17,7 +17,7 @@ from typing import Protocol
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from lora_sweep.packer.api import Example, SlotStream, target_tokens
+from lora_sweep.packer.api import data
 from lora_sweep.store.api import DirectoryInUse, ResultsStore, StudyDir, attrs
 from lora_sweep.store.storage import Sharing, open_storage, study_elapsed
 from lora_sweep.sweep.config.space import GridSearch
@@ -188,7 +188,7 @@ class TokenPlan:
     loop counts them) of its first ``max_steps`` micro-batches. A pruned or failed trial trains fewer.
     """
 
-    def __init__(self, examples: Sequence[Example], seed: int) -> None:
+    def __init__(self, examples: Sequence[data.Example], seed: int) -> None:
         self.examples, self.seed = examples, seed
         self._per_example: dict[int, int] = {}
         self._planned: dict[tuple[int, int], int] = {}
@@ -196,14 +196,14 @@ class TokenPlan:
     def __call__(self, micro_batch: int, max_steps: int) -> int:
         key = (micro_batch, max_steps)
         if key not in self._planned:
-            stream = SlotStream(self.examples, micro_batch, seed=self.seed)
+            stream = data.SlotStream(self.examples, micro_batch, seed=self.seed)
             self._planned[key] = sum(self._targets(e) for _ in range(max_steps) for e in stream.next_batch())
         return self._planned[key]
 
-    def _targets(self, example: Example) -> int:
+    def _targets(self, example: data.Example) -> int:
         # Counted once per example drawn (not over the whole data set), keyed by identity: the stream
         # hands out the very objects of ``examples``, which stay alive as long as it does.
         n = self._per_example.get(id(example))
         if n is None:
-            n = self._per_example[id(example)] = target_tokens(example)
+            n = self._per_example[id(example)] = data.target_tokens(example)
         return n

@@ -23,7 +23,7 @@ from lora_sweep.packer.api import BaseShape, MemoryModel
 from lora_sweep.store.api import cache_dir
 
 if TYPE_CHECKING:
-    from lora_sweep.packer.api import PackedModel
+    from lora_sweep.packer.api import Packer
     from lora_sweep.sweep.config.spec import StudySpec
 
 __all__ = ["calibrated", "cached_calibration", "cache_dir", "calibration_key",
@@ -54,31 +54,30 @@ def cached_calibration(spec: StudySpec, device: str,
         return None  # written by another version: measure again
 
 
-def calibrated(spec: StudySpec, pm: PackedModel, calibrations: int = 1,
+def calibrated(spec: StudySpec, packer: Packer, calibrations: int = 1,
                log: Callable[[str], None] | None = None, *, load_s: float = 0.0,
                imports_s: float = 0.0) -> tuple[list[MemoryModel], str]:
     """The study's calibrated memory models (``calibrations`` of them) and a line saying where they came from:
     the cache when it holds as many for this model, device and shape, else measured now (one line through
     ``log`` first, as it takes a while) and cached with the base's shape, its forward's time (``forward_seconds``)
     and the ``load_s`` and ``imports_s`` the caller measured (``BaseShape``)."""
-    from lora_sweep.packer.api import PROBE_STEPS, base_shape, calibrate, forward_seconds
-
-    cached = cached_calibration(spec, str(pm.device), calibrations)
+    device = str(packer.model.device)
+    cached = cached_calibration(spec, device, calibrations)
     if cached is not None:
         return cached[0], cached[1]
     if log is not None:
-        log(f"calibrating the memory model on {pm.device}: {calibrations} x 4 probe packs of {PROBE_STEPS} steps at "
-            f"{spec.data.max_length} tokens (cached for the next plan or run)")
-    shape = base_shape(pm.model, SHARD_WORLDS)  # before the probes: they wrap the projections, the shape is the same
-    shape = dataclasses.replace(shape, forward_s=forward_seconds(pm), load_s=load_s, imports_s=imports_s)
+        log(f"calibrating the memory model on {device}: {calibrations} x 4 probe packs of {packer.probe_steps} steps "
+            f"at {spec.data.max_length} tokens (cached for the next plan or run)")
+    shape = packer.shape(SHARD_WORLDS)  # before the probes: they wrap the projections, the shape is the same
+    shape = dataclasses.replace(shape, forward_s=packer.forward_seconds(), load_s=load_s, imports_s=imports_s)
     t0 = time.perf_counter()
-    models = [calibrate(pm, spec.data.max_length, pad_id=0, chunked_ce=spec.pack.chunked_ce,
-                        activation_checkpointing=spec.pack.activation_checkpointing,
-                        optimizer_in_backward=spec.train.optimizer_in_backward, dora=trains_dora(spec),
-                        dropout=probe_dropout(spec))
+    models = [packer.calibrate(spec.data.max_length, pad_id=0, chunked_ce=spec.pack.chunked_ce,
+                               activation_checkpointing=spec.pack.activation_checkpointing,
+                               optimizer_in_backward=spec.train.optimizer_in_backward, dora=trains_dora(spec),
+                               dropout=probe_dropout(spec))
               for _ in range(calibrations)]
     seconds = time.perf_counter() - t0
-    key = calibration_key(spec, str(pm.device))
+    key = calibration_key(spec, device)
     path = _entry(key)
     _write(path, {"key": key, "models": [dataclasses.asdict(m) for m in models], "base": shape.to_json(),
                   "seconds": round(seconds, 3), "at": time.time()})

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lora_sweep.errors import UserError
-from lora_sweep.packer.api import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, read_jsonl
+from lora_sweep.packer.api import Packer
+from lora_sweep.packer.api import data as packer_data
 from lora_sweep.store.api import ResultsStore, StudyDir, TrialRecord, constraint_text, is_feasible, pareto_front
 from lora_sweep.sweep._scratch import plain_modes, scratch_dir, unwritable
 
@@ -322,7 +323,7 @@ def _prompt_format(meta: dict[str, Any]) -> list[str]:
     fmt = data.get("format") or "auto"
     if fmt == "auto":
         try:
-            fmt = read_jsonl(str(data.get("train") or meta.get("data")), "auto")[0]
+            fmt = packer_data.read_jsonl(str(data.get("train") or meta.get("data")), "auto")[0]
         except (UserError, OSError):
             return ["The study detected its data format from the rows (`data.format: auto`); its training file is "
                     "gone, so this card cannot say which."]
@@ -330,8 +331,8 @@ def _prompt_format(meta: dict[str, Any]) -> list[str]:
     if fmt == "alpaca":
         return ["Alpaca rows (`instruction`, `input`, `output`): the prompt is this template, with the empty "
                 f"`input` section left out when a row has none; {bos}; the answer follows the prompt and ends with "
-                "EOS.", "", "```text", ALPACA_PROMPT.rstrip("\n"), "```", "", "Without an input:", "", "```text",
-                ALPACA_PROMPT_NO_INPUT.rstrip("\n"), "```"]
+                "EOS.", "", "```text", packer_data.ALPACA_PROMPT.rstrip("\n"), "```", "", "Without an input:", "",
+                "```text", packer_data.ALPACA_PROMPT_NO_INPUT.rstrip("\n"), "```"]
     if fmt == "chat":
         return ["Chat rows (`messages`): the tokenizer's own chat template. Prompt with "
                 "`tokenizer.apply_chat_template(messages, add_generation_prompt=True)`; the answer is the "
@@ -384,11 +385,7 @@ def export_trial(study_dir: str | Path, out: str | Path, *, trial: int | None = 
     source = (sdir.root / rec.adapter_path if rec.adapter_path else sdir.adapter_dir(rec.number)).absolute()
     if not source.is_dir():
         raise UserError(f"export: trial {rec.number}'s adapter {source} is missing")
-    from safetensors.torch import save_file
-
-    from lora_sweep.packer.api import CONFIG_NAME, WEIGHTS_NAME, read_adapter
-
-    config, tensors = read_adapter(source)
+    config, tensors = Packer.read_adapter(source)
     rank = int(config["r"])
     changes: list[str] = []
     note = None
@@ -402,17 +399,14 @@ def export_trial(study_dir: str | Path, out: str | Path, *, trial: int | None = 
     tmp = scratch_dir(out)
     try:
         if merge:
-            from lora_sweep.packer.api import load_base
-
-            model, tokenizer = load_base(_base_source(meta, config), dtype="auto")
-            note = _dequantized_base(model, meta)
+            quantize = ((meta.get("spec") or {}).get("model") or {}).get("quantize")
+            model, tokenizer = Packer.merge_base(_base_source(meta, config), quantize)
+            note = _dequantized_note(quantize)
             merge_adapter(model, config, tensors)
             model.save_pretrained(tmp)  # type: ignore[operator]
             tokenizer.save_pretrained(tmp)  # type: ignore[attr-defined]
         else:
-            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / WEIGHTS_NAME),
-                      metadata={"format": "pt", "study": str(meta.get("name", "")), "trial": str(rec.number)})
-            (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+            Packer.write_adapter(tmp, config, tensors, {"study": str(meta.get("name", "")), "trial": str(rec.number)})
         (tmp / "README.md").write_text(model_card(meta, rec, config, out, source=source, changes=changes,
                                                   merged=merge))
         plain_modes(tmp)
@@ -429,15 +423,10 @@ def export_trial(study_dir: str | Path, out: str | Path, *, trial: int | None = 
     return Export(rec.number, out, rank, int(config["r"]), merge, changes, note)
 
 
-def _dequantized_base(model: torch.nn.Module, meta: dict[str, Any]) -> str | None:
-    """For a QLoRA study (``model.quantize: nf4``), ``model``'s projections replaced in place by what the adapter
-    trained against: quantised to NF4 and dequantized again (``packer.model.quant``); the line saying so, else None."""
-    kind = ((meta.get("spec") or {}).get("model") or {}).get("quantize")
+def _dequantized_note(kind: str | None) -> str | None:
+    """For a QLoRA study (``model.quantize: nf4``), the line saying the base was merged into as the adapter trained
+    over it (``Packer.merge_base``: quantised to NF4 and dequantized again); else None."""
     if not kind:
         return None
-    from lora_sweep.packer.api import dequantize_base, quantize_base
-
-    quantize_base(model, kind)
-    dequantize_base(model)
     return (f"merge: the study trained over a {kind.upper()} base (model.quantize: {kind}): the base weights were "
             f"dequantized from {kind.upper()} before merging, the weights the adapter was trained over")

@@ -32,7 +32,7 @@ from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
 
 from lora_sweep.errors import UserError, first_line
-from lora_sweep.packer.api import discard_adapter
+from lora_sweep.packer.api import Packer
 from lora_sweep.store.api import ResultsStore, StudyDir, attrs, redact_url
 from lora_sweep.store.storage import (
     Sharing,
@@ -130,7 +130,7 @@ class Ledger:
                 t.set_user_attr(attrs.REASON, reason)
             self.study.tell(t.number, state=TrialState.FAIL)
             self.store.upsert_trial(t.number, state="FAIL", reason=reason)
-            discard_adapter(self.adapters(t.number))  # saved but never told, or half written
+            Packer.discard_adapter(self.adapters(t.number))  # saved but never told, or half written
             retry = {attrs.RETRY_OF: t.number, **{k: True for k in (attrs.DEFAULT, attrs.BASELINE)
                                                   if t.user_attrs.get(k)}}
             # Killed before or between its suggests, a trial has drawn some parameters or none: its retry

@@ -31,11 +31,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from lora_sweep.packer.api import AdapterSpec, length_buckets, row_lengths, time_pack
+from lora_sweep.packer.api import AdapterSpec, Packer, data
 from lora_sweep.sweep.calibration import cache_pack_step, cached_pack_step
 
 if TYPE_CHECKING:
-    from lora_sweep.packer.api import MemoryModel, PackedModel
+    from lora_sweep.packer.api import MemoryModel
     from lora_sweep.sweep.config.spec import Param, StudySpec
 
 __all__ = ["PackStep", "PackTimer", "PACK_STEPS", "PACK_MAX_STEPS", "PACK_TIMED_S", "PACK_WARMUP", "PACK_BUDGET_S",
@@ -107,15 +107,15 @@ def bucket_lengths(spec: StudySpec, lengths: Sequence[int], capacity: int) -> tu
             micro += [int(c) for c in p.choices] if p.choices else [int(p.low or 1)]
     packs = spec.train.sample_packing or any(p.name == "sample_packing" and True in p.choices
                                              for p in spec.search.params)
-    return length_buckets([*lengths, *([spec.data.max_length] if packs else [])], capacity * max(1, min(micro)))
+    return Packer.length_buckets([*lengths, *([spec.data.max_length] if packs else [])], capacity * max(1, min(micro)))
 
 
 def _step_rows(spec: StudySpec, lengths: Sequence[int]) -> list[int]:
     """Token lengths of the rows a study's steps draw, from its training examples' ``lengths``: the examples, or
-    with ``train.sample_packing`` the packed rows they make (``packer.api.row_lengths``)."""
+    with ``train.sample_packing`` the packed rows they make (``packer.data.row_lengths``)."""
     train = spec.train
     adapter = AdapterSpec(micro_batch=train.micro_batch, sample_packing=train.sample_packing)
-    return row_lengths(lengths, adapter, spec.seed, spec.data.max_length)
+    return data.row_lengths(lengths, adapter, spec.seed, spec.data.max_length)
 
 
 def step_mean_length(spec: StudySpec, lengths: list[int]) -> float:
@@ -180,7 +180,7 @@ class PackTimer:
     """Times the pack a plan sizes (``planning.plan_report`` calls it with the slots it chose): from the cache, or
     measured on the model ``load`` returns (called only then: a plan whose timing is cached loads no model)."""
 
-    def __init__(self, spec: StudySpec, device: str, lengths: Sequence[int], load: Callable[[], PackedModel], *,
+    def __init__(self, spec: StudySpec, device: str, lengths: Sequence[int], load: Callable[[], Packer], *,
                  log: Callable[[str], None] | None = None, budget_s: float = PACK_BUDGET_S, gpus: int = 1) -> None:
         self.spec, self.device, self.lengths, self.load, self.log, self.budget_s = \
             spec, device, lengths, load, log, budget_s
@@ -226,8 +226,8 @@ class PackTimer:
             self.log(f"timing the sized pack on {self.device}: {PACK_WARMUP} + {steps} steps of {size} (cached for "
                      f"the next plan)")
         try:
-            timing = time_pack(self.load(), specs, shape.rows, shape.length, steps=steps, warmup=PACK_WARMUP,
-                               max_rows=rank, **pack["options"])
+            timing = self.load().time_pack(specs, shape.rows, shape.length, steps=steps, warmup=PACK_WARMUP,
+                                           max_rows=rank, **pack["options"])
         except torch.OutOfMemoryError:
             return dataclasses.replace(shape, where=f"not timed: {size} ran out of device memory; the probes' line")
         path = cache_pack_step(self.spec, self.device, pack, {"step_s": timing.step_s, "steps": steps,

@@ -27,22 +27,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-from torch import nn
-
 from lora_sweep.errors import ConfigError
-from lora_sweep.packer.api import (
-    AdapterSpec,
-    BaseShape,
-    Example,
-    MemoryModel,
-    PackedModel,
-    base_shape,
-    epoch_steps,
-    forward_seconds,
-    linear_shape,
-    resolve_targets,
-)
+from lora_sweep.packer.api import AdapterSpec, BaseShape, MemoryModel, Packer, data
 from lora_sweep.sweep.calibration import SHARD_WORLDS, cache_dir, cached_calibration, calibrated, calibration_key
 from lora_sweep.sweep.config.spec import StudySpec
 from lora_sweep.sweep.pack_step import PackStep, PackTimer, padded_mean_length, step_mean_length, timed_model
@@ -158,8 +144,8 @@ class PlanReport:
                 f"spread {spread})")
 
 
-def check_targets(spec: StudySpec, model: nn.Module) -> None:
-    """Every target set the study can train names projections ``model`` has, each as wide as the study's largest
+def check_targets(spec: StudySpec, packer: Packer) -> None:
+    """Every target set the study can train names projections the base has, each as wide as the study's largest
     rank (as ``sweep run`` requires: ``PackedModel.add_slot`` refuses a rank above a layer's ``min(D_in, D_out)``,
     which a PiSSA / OLoRA decomposition cannot give either); called before the study creates a trial.
 
@@ -171,12 +157,11 @@ def check_targets(spec: StudySpec, model: nn.Module) -> None:
     rank = _largest(spec, "rank", spec.train.rank)
     for name, modules in target_sets(spec).items():
         try:
-            paths = resolve_targets(model, modules)
+            shapes = packer.targets(modules)
         except ConfigError as err:
             key = f"search.targets.{name}" if searched else "train.targets"
             raise ConfigError(f"{key}: {str(err).removeprefix('targets: ')}") from None
-        for path in paths:
-            shape = linear_shape(model.get_submodule(path))
+        for path, shape in shapes.items():
             if shape is not None and rank > min(shape):
                 key = "search.rank" if any(p.name == "rank" for p in spec.search.params) else "train.rank"
                 where = f"search.targets.{name}" if searched else "train.targets"
@@ -211,7 +196,7 @@ def _worst(spec: StudySpec) -> tuple[int, int]:
     return largest_rank(spec), _largest(spec, "micro_batch", spec.train.micro_batch)
 
 
-def trial_micro_steps(spec: StudySpec, micro: int, examples: Sequence[Example] | None = None) -> int:
+def trial_micro_steps(spec: StudySpec, micro: int, examples: Sequence[data.Example] | None = None) -> int:
     """Pack steps (micro-batches) the longest trial takes: its optimizer steps times its accumulation.
 
     Optimizer steps: the largest ``max_steps`` of the space, or with ``train.epochs`` (``max_steps`` not searched)
@@ -222,33 +207,35 @@ def trial_micro_steps(spec: StudySpec, micro: int, examples: Sequence[Example] |
     return steps * accum
 
 
-def _trial_steps(spec: StudySpec, micro: int, examples: Sequence[Example] | None = None) -> tuple[int, int]:
+def _trial_steps(spec: StudySpec, micro: int, examples: Sequence[data.Example] | None = None) -> tuple[int, int]:
     """(optimizer steps, accumulation) of the longest trial, as ``trial_micro_steps`` counts them."""
     train = spec.train
     accum = _largest(spec, "gradient_accumulation_steps", train.gradient_accumulation_steps)
     searched = {p.name for p in spec.search.params}
     if train.epochs is not None and "max_steps" not in searched and examples:
         widest = AdapterSpec(micro_batch=micro, gradient_accumulation_steps=accum, sample_packing=train.sample_packing)
-        steps = epoch_steps(examples, widest, train.epochs, spec.data.max_length, spec.seed, train.max_steps_per_epoch)
+        steps = data.epoch_steps(examples, widest, train.epochs, spec.data.max_length, spec.seed,
+                                 train.max_steps_per_epoch)
     else:
         steps = _largest(spec, "max_steps", train.max_steps)
     return steps, accum
 
 
-def plan_pack(spec: StudySpec, pm: PackedModel, *, mean_len: float | None = None,
-              calibrations: int = 1, examples: Sequence[Example] | None = None,
+def plan_pack(spec: StudySpec, packer: Packer, *, mean_len: float | None = None,
+              calibrations: int = 1, examples: Sequence[data.Example] | None = None,
               log: Callable[[str], None] | None = None, gpus: int = 1) -> PlanReport:
     """Calibrate the memory model (or read it from the cache) and size the pack; ``mean_len`` (tokens per row)
     sharpens the time. ``calibrations`` > 1 calibrates that many times and predicts with the median step (the report
     gives the range); ``gpus`` and the rest as ``plan_report``."""
-    models, where = calibrated(spec, pm, calibrations, log=log)
+    models, where = calibrated(spec, packer, calibrations, log=log)
     sharded = spec.pack.shard == "fsdp" and gpus > 1  # else no FSDP share to compute (nor torch.distributed)
-    base = dataclasses.replace(base_shape(pm.model, (gpus,) if sharded else ()), forward_s=forward_seconds(pm))
-    return plan_report(spec, models, where, base, str(pm.device), mean_len=mean_len, examples=examples, gpus=gpus)
+    base = dataclasses.replace(packer.shape((gpus,) if sharded else ()), forward_s=packer.forward_seconds())
+    return plan_report(spec, models, where, base, str(packer.model.device), mean_len=mean_len, examples=examples,
+                       gpus=gpus)
 
 
 def plan_report(spec: StudySpec, models: list[MemoryModel], where: str, base: BaseShape, device: str, *,
-                mean_len: float | None = None, examples: Sequence[Example] | None = None,
+                mean_len: float | None = None, examples: Sequence[data.Example] | None = None,
                 gpus: int = 1, eval_len: float | None = None, timer: PackTimer | None = None) -> PlanReport:
     """Size the pack from calibrated ``models`` (the median step's one; ``where``: the calibration line) and the base's
     ``base`` shape: no model needed, so a plan from the cache loads no weights. The time counts every trial's
@@ -263,8 +250,6 @@ def plan_report(spec: StudySpec, models: list[MemoryModel], where: str, base: Ba
     Raises:
         ConfigError: a sharded plan of a model ``packer.model.shard`` cannot shard.
     """
-    from lora_sweep.packer.api import available_memory
-
     rank, micro = _worst(spec)
     seq = spec.data.max_length
     mm = models[0]
@@ -273,7 +258,7 @@ def plan_report(spec: StudySpec, models: list[MemoryModel], where: str, base: Ba
         raise ConfigError(f"pack.shard: fsdp over {gpus} GPUs: {spec.model.path} has no decoder layers and body "
                           f"to shard")
     base_delta = base.shard_extra(gpus) if shard else 0
-    available = int(available_memory(torch.device(device)) * MEMORY_FRACTION)
+    available = int(Packer.free_memory(device) * MEMORY_FRACTION)
     fit = mm.slots_for(base, rank, micro * seq, available - base_delta, limit=MAX_AUTO_SLOTS)
     if spec.pack.max_slots != "auto":
         slots = int(spec.pack.max_slots)
@@ -330,35 +315,30 @@ def _pruning_note(spec: StudySpec, schedule: Schedule | None, trial_steps: int) 
 def _load_peak(spec: StudySpec, base: BaseShape, gpus: int) -> tuple[int, str]:
     """The base bytes one of ``gpus`` GPUs holds while a sharded base loads, and how it loads
     (``packer.model.shard_load.load_sharded``: by rows where ``meta_load_refusal`` allows, else whole first)."""
-    from lora_sweep.packer.api import meta_load_refusal, resolve_base
-
-    why = meta_load_refusal(resolve_base(spec.model.path, spec.model.gguf_file), spec.model.quantize)
+    why = Packer.shard_load_refusal(spec.model.path, spec.model.gguf_file, spec.model.quantize)
     if why is None and gpus in base.shard_load:
         return base.shard_load[gpus], "each rank reads its shard by rows"
     return base.param_bytes, f"each rank loads the whole base first: {why or 'no shard computed'}"
 
 
-def auto_slots(spec: StudySpec, pm: PackedModel, log: Callable[[str], None] | None = None) -> int:
+def auto_slots(spec: StudySpec, packer: Packer, log: Callable[[str], None] | None = None) -> int:
     """Slots for ``pack: {max_slots: auto}`` (the calibration announced through ``log``)."""
-    return plan_pack(spec, pm, log=log).slots
+    return plan_pack(spec, packer, log=log).slots
 
 
-def train_lengths(spec: StudySpec, tokenizer: Any) -> tuple[list[int], list[Example] | None]:
+def train_lengths(spec: StudySpec, tokenizer: Any) -> tuple[list[int], list[data.Example] | None]:
     """Token lengths of the training rows, and the rows themselves where the plan counts them (``train.epochs``):
     from the cache when the tokenizer is not loaded and the lengths suffice, else tokenized (and cached)."""
-    from lora_sweep.packer.api import load_examples
     from lora_sweep.sweep.calibration import cache_lengths, cached_lengths
 
     lengths = cached_lengths(spec) if tokenizer is None and spec.train.epochs is None else None
     if lengths is not None:
         return lengths, None
     if tokenizer is None:
-        from lora_sweep.packer.api import load_tokenizer
-
-        tokenizer = load_tokenizer(spec.model.path, gguf_file=spec.model.gguf_file)
-    data = spec.data
-    examples = load_examples(data.train, tokenizer, fmt=data.format, max_length=data.max_length,
-                             train_on_prompt=data.train_on_prompt, max_line_bytes=data.line_bytes)
+        tokenizer = Packer.read_tokenizer(spec.model.path, spec.model.gguf_file)
+    d = spec.data
+    examples = data.load_examples(d.train, tokenizer, fmt=d.format, max_length=d.max_length,
+                                  train_on_prompt=d.train_on_prompt, max_line_bytes=d.line_bytes)
     lengths = [len(e.input_ids) for e in examples]
     cache_lengths(spec, lengths)
     return lengths, examples
@@ -366,9 +346,9 @@ def train_lengths(spec: StudySpec, tokenizer: Any) -> tuple[list[int], list[Exam
 
 def load_and_calibrate(spec: StudySpec, device: str, calibrations: int, gpus: int, *,
                        log: Callable[[str], None] | None = None
-                       ) -> tuple[list[MemoryModel], str, BaseShape, Any, PackedModel]:
+                       ) -> tuple[list[MemoryModel], str, BaseShape, Any, Packer]:
     """Load the study's model and calibrate it (announced through ``log``; or read the calibration from the cache):
-    memory models, their line, the base's shape (with its FSDP share over ``gpus`` too), tokenizer, packed model
+    memory models, their line, the base's shape (with its FSDP share over ``gpus`` too), tokenizer, and the packer
     (what ``sweep.pack_step`` times the sized pack on).
 
     Raises:
@@ -377,21 +357,21 @@ def load_and_calibrate(spec: StudySpec, device: str, calibrations: int, gpus: in
     import optuna  # noqa: F401  (what a run imports beyond a plan before its model: timed as its start-up)
 
     import lora_sweep.evaluators.registry  # noqa: F401
-    from lora_sweep.packer.api import PackedModel, load_base
+    from lora_sweep.packer.api import open_base
     from lora_sweep.sweep.timing import seconds_since_import
 
     imports_s, t0 = seconds_since_import(), time.perf_counter()
-    model, tokenizer = load_base(spec.model.path, gguf_file=spec.model.gguf_file, dtype=spec.model.dtype,
-                                 device=device, quantize=spec.model.quantize, log=log)
+    packer = open_base(spec.model.path, gguf_file=spec.model.gguf_file, dtype=spec.model.dtype, device=device,
+                       quantize=spec.model.quantize, kernels=spec.pack.kernels,
+                       fused_base_ops=spec.pack.fused_base_ops, log=log)
     load_s = time.perf_counter() - t0
-    check_targets(spec, model)
-    pm = PackedModel(model, impl=spec.pack.kernels, fused_base_ops=spec.pack.fused_base_ops)
-    base = base_shape(model, {*SHARD_WORLDS, gpus} - {1})
-    models, where = calibrated(spec, pm, calibrations, log=log, load_s=load_s, imports_s=imports_s)
+    check_targets(spec, packer)
+    base = packer.shape({*SHARD_WORLDS, gpus} - {1})
+    models, where = calibrated(spec, packer, calibrations, log=log, load_s=load_s, imports_s=imports_s)
     # the times as the cache keeps them, so the next plan (from the cache) prints what this one does
     cached = cached_calibration(spec, device, calibrations)
-    times = cached[2] if cached is not None else BaseShape((), 0, forward_s=forward_seconds(pm), load_s=load_s,
+    times = cached[2] if cached is not None else BaseShape((), 0, forward_s=packer.forward_seconds(), load_s=load_s,
                                                                imports_s=imports_s)
     base = dataclasses.replace(base, forward_s=times.forward_s, load_s=times.load_s, imports_s=times.imports_s)
-    return models, where, base, tokenizer, pm
+    return models, where, base, packer.tokenizer, packer
 

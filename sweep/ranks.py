@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 
 from lora_sweep.errors import UserError
 from lora_sweep.evaluators.registry import evaluate, load_eval_data
-from lora_sweep.packer.api import PackedModel, SlotEnd, SlotJob, StepReport, load_examples, load_sharded, train
+from lora_sweep.packer.api import Packer, SlotEnd, SlotJob, StepReport, open_base
 from lora_sweep.store.api import StudyDir
 from lora_sweep.sweep._trial_data import trial_stream
 from lora_sweep.sweep.config.spec import StudySpec
@@ -100,8 +100,8 @@ class Channel:
 class Follower:
     """A rank other than 0 training the pack rank 0 leads: its callbacks do what rank 0's did."""
 
-    def __init__(self, spec: StudySpec, channel: Channel, pm: PackedModel, examples: list, eval_data: Any) -> None:
-        self.spec, self.channel, self.pm = spec, channel, pm
+    def __init__(self, spec: StudySpec, channel: Channel, packer: Packer, examples: list, eval_data: Any) -> None:
+        self.spec, self.channel, self.packer = spec, channel, packer
         self.examples, self.eval_data = examples, eval_data
 
     def serve(self, expected: str) -> Any:
@@ -110,7 +110,7 @@ class Follower:
             kind, payload = self.channel.recv()
             if kind == "evaluate":
                 slots, entries = payload
-                evaluate(self.pm, slots, self.eval_data, entries)
+                evaluate(self.packer.model, slots, self.eval_data, entries)
                 continue
             if kind != expected:  # a follower out of step would deadlock in FSDP's next collective: say it now
                 raise RuntimeError(f"rank {self.channel.rank}: expected {expected!r} from rank 0, got {kind!r}")
@@ -137,18 +137,17 @@ def follow(spec: StudySpec, channel: Channel) -> None:
     """A follower's whole run: load its shard of the base as rank 0 does (``packer.model.shard_load``), then train each
     pack rank 0 starts (``pack``: its capacity, pad id and ``train`` options) until it sends ``end``."""
     device = "cpu" if spec.model.device == "cpu" else "cuda"  # this rank's GPU, made current by whoever started it
-    loaded = load_sharded(spec.model.path, gguf_file=spec.model.gguf_file, dtype=spec.model.dtype, device=device,
-                          quantize=spec.model.quantize, impl=spec.pack.kernels,
-                          fused_base_ops=spec.pack.fused_base_ops)
-    pm, tokenizer = loaded.pm, loaded.tokenizer
+    packer = open_base(spec.model.path, gguf_file=spec.model.gguf_file, dtype=spec.model.dtype, device=device,
+                       quantize=spec.model.quantize, kernels=spec.pack.kernels,
+                       fused_base_ops=spec.pack.fused_base_ops, sharded=True)
     d = spec.data
-    examples = load_examples(d.train, tokenizer, fmt=d.format, max_length=d.max_length,
-                             train_on_prompt=d.train_on_prompt, max_line_bytes=d.line_bytes)
-    eval_data = (load_eval_data(d.eval, tokenizer, fmt=d.format, max_length=d.max_length,
+    examples = packer.examples(d.train, fmt=d.format, max_length=d.max_length, train_on_prompt=d.train_on_prompt,
+                               max_line_bytes=d.line_bytes)
+    eval_data = (load_eval_data(d.eval, packer.tokenizer, fmt=d.format, max_length=d.max_length,
                                 train_on_prompt=d.train_on_prompt, work_dir=StudyDir(spec.out_dir).root,
                                 max_line_bytes=d.line_bytes)
                  if d.eval is not None else None)
-    f = Follower(spec, channel, pm, examples, eval_data)
+    f = Follower(spec, channel, packer, examples, eval_data)
     while True:
         kind, payload = channel.recv()
         if kind == "end":
@@ -156,8 +155,8 @@ def follow(spec: StudySpec, channel: Channel) -> None:
         if kind != "pack":
             raise RuntimeError(f"rank {channel.rank}: expected a pack from rank 0, got {kind!r}")
         capacity, pad_id, options = payload
-        train(pm, capacity, f.next_job, pad_id=pad_id, on_step=f.on_step, should_stop=f.should_stop,
-              on_end=f.on_end, **options)
+        packer.train(capacity, f.next_job, pad_id=pad_id, on_step=f.on_step, should_stop=f.should_stop,
+                     on_end=f.on_end, **options)
 
 
 def rank_backend(spec: StudySpec, gpus: int) -> str:

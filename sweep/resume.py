@@ -26,7 +26,7 @@ from optuna.trial import TrialState
 
 from lora_sweep.errors import ConfigError, UserError
 from lora_sweep.evaluators.registry import metrics_of
-from lora_sweep.packer.api import PackedModel, gguf_source, load_base, load_sharded, prepare_kernels, resolve_base
+from lora_sweep.packer.api import Packer, open_base
 from lora_sweep.store.api import DirectoryLock, ResultsStore, StudyDir, cache_dir, strip_password
 from lora_sweep.store.storage import Sharing, resume_clock, storage_lock
 from lora_sweep.sweep.budget import counted
@@ -82,7 +82,7 @@ def _check_shard(spec: StudySpec) -> None:
                           "sample_packing): its isolation check runs forwards on one rank")
 
 
-def _capacity(spec: StudySpec, pm: PackedModel, log: Callable[[str], None], split: WallSplit) -> int:
+def _capacity(spec: StudySpec, packer: Packer, log: Callable[[str], None], split: WallSplit) -> int:
     """The pack's slots: ``pack.max_slots``, or with ``auto`` the planner's, its calibration (announced, and
     read from the cache when it can be) charged to the run's ``calibrate`` phase."""
     if spec.pack.max_slots != "auto":
@@ -90,7 +90,7 @@ def _capacity(spec: StudySpec, pm: PackedModel, log: Callable[[str], None], spli
     from lora_sweep.sweep.planning import plan_pack
 
     with split.phase("calibrate"):
-        report = plan_pack(spec, pm, log=log)
+        report = plan_pack(spec, packer, log=log)
     log(f"pack: auto -> {report.slots} slots (calibration {report.calibration})")
     return report.slots
 
@@ -101,25 +101,20 @@ def _open(spec: StudySpec, sdir: StudyDir, device: str, log: Callable[[str], Non
 
     allow_changes, allow_data_change = allow
     url = storage_url(spec, sdir, sharing)  # a URL no storage takes, or without its driver: refused before the load
-    # compiled kernels kept between runs beside the calibrations; Triton's own hash on a thread beside the load
-    prepare_kernels(spec.pack.kernels, device, cache_dir())
     log(Note(f"loading the base model {spec.model.path} on {device} (model.dtype: {spec.model.dtype})"))
     if device == "cpu" and spec.model.dtype in ("bfloat16", "float16"):  # a torchtune config's dtype: bf16, say
         log(f"warning: model.dtype: {spec.model.dtype} on a CPU: the base and adapters run in {spec.model.dtype} as "
             f"asked, less exact than float32 and often slower (most CPUs lack {spec.model.dtype} matrix units); "
             f"model.dtype=float32 for CPU runs")
     with split.part("load:model"):
-        # a GGUF source becomes its cached checkpoint directory: what every load, adapter and export names
-        base = resolve_base(spec.model.path, spec.model.gguf_file, log=log)
-        pm: PackedModel | None = None
-        if spec.pack.shard == "fsdp":  # each rank reads its shard of the base (packer.model.shard_load), as every
-            # other rank does (sweep.ranks.follow), before any slot
-            loaded = load_sharded(base, dtype=spec.model.dtype, device=device, quantize=spec.model.quantize,
-                                  impl=spec.pack.kernels, fused_base_ops=spec.pack.fused_base_ops, log=log)
-            pm, model, tokenizer = loaded.pm, loaded.pm.model, loaded.tokenizer
-        else:
-            model, tokenizer = load_base(base, dtype=spec.model.dtype, device=device, quantize=spec.model.quantize)
-    check_targets(spec, model)  # before the study is created: a target set the model lacks fails no trial
+        # a GGUF source becomes its cached checkpoint directory: what every adapter and export names (source);
+        # sharded, each rank reads its shard of the base, as every other rank does (sweep.ranks.follow), before any
+        # slot; compiled kernels kept between runs beside the calibrations
+        packer = open_base(spec.model.path, gguf_file=spec.model.gguf_file, dtype=spec.model.dtype, device=device,
+                           quantize=spec.model.quantize, kernels=spec.pack.kernels,
+                           fused_base_ops=spec.pack.fused_base_ops, sharded=spec.pack.shard == "fsdp",
+                           kernel_cache=cache_dir(), log=log)
+    check_targets(spec, packer)  # before the study is created: a target set the model lacks fails no trial
     with split.part("load:study"):
         sdir.create()
         store = ResultsStore(sdir.results_db)
@@ -133,23 +128,19 @@ def _open(spec: StudySpec, sdir: StudyDir, device: str, log: Callable[[str], Non
         ledger = Ledger(study, storage, store, partial(trial_adapter_dir, spec, sdir), log)
         if sharing is None:
             ledger.recover()
-    gguf = gguf_source(spec.model.path, spec.model.gguf_file)
-    store.set_meta(name=spec.name, storage=strip_password(url), model=base,
-                   **({"model_source": str(gguf)} if gguf else {}), data=str(spec.data.train),
+    store.set_meta(name=spec.name, storage=strip_password(url), model=packer.source,
+                   **({"model_source": str(packer.gguf)} if packer.gguf else {}), data=str(spec.data.train),
                    objectives=[o.metric for o in spec.objectives], directions=spec.directions,
                    constraints=[c.as_dict() for c in spec.constraints],
                    metric_directions={m: d for e in spec.evaluators for m, d in metrics_of(e.name, e.options).items()})
-    if pm is None:
-        pm = PackedModel(model, impl=spec.pack.kernels, fused_base_ops=spec.pack.fused_base_ops)
     if sharing is not None:
         with storage_lock(sharing.url, spec.name):  # the clock first: reaping makes dead trials' ends recent
             resume_clock(study, sharing.grace, earlier=float(store.meta().get("elapsed", 0.0)))
             ledger.reap(sharing.grace)
         ledger.sync()
     trials = ledger.trials()
-    return Session(spec, sdir, store, ledger, pm, tokenizer, _capacity(spec, pm, log, split),
-                   pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-                   base=base, finished=len(counted(trials)), tokens=sum(r.tokens or 0 for r in store.trials()),
+    return Session(spec, sdir, store, ledger, packer, _capacity(spec, packer, log, split),
+                   finished=len(counted(trials)), tokens=sum(r.tokens or 0 for r in store.trials()),
                    elapsed=float(store.meta().get("elapsed", 0.0)),
                    completed=[(t.number, list(t.values)) for t in trials if t.state == TrialState.COMPLETE],
                    sharing=sharing, lock=lock)

@@ -23,7 +23,7 @@ import yaml
 from optuna.trial import TrialState
 
 from lora_sweep.errors import UserError
-from lora_sweep.packer.api import AdapterWriter, PackedModel
+from lora_sweep.packer.api import Packer
 from lora_sweep.store.api import (
     DirectoryInUse,
     DirectoryLock,
@@ -56,13 +56,9 @@ class Session:
     sdir: StudyDir
     store: ResultsStore
     ledger: Ledger
-    pm: PackedModel
-    tokenizer: Any
+    packer: Packer
+    """The base, opened once (``packer.api.open_base``): what trains, saves and is scored."""
     capacity: int
-    pad_id: int
-    base: str
-    """What the base model was loaded from and adapters name as ``base_model_name_or_path``: ``model.path``, or
-    a GGUF source's cached checkpoint directory."""
     finished: int = 0
     """Trials that count against the budget (finished, orphans excluded)."""
     tokens: int = 0
@@ -74,9 +70,6 @@ class Session:
     """Set when other workers share the study: the budget is then counted in the storage."""
     lock: DirectoryLock | None = None
     """The study directory's lock, held until ``close`` (None for a worker of a shared study)."""
-    writer: AdapterWriter = field(default_factory=AdapterWriter)
-    """Writes the trials' adapters off the run's path (``sweep.study``: a trial is told COMPLETE only once its
-    adapter is on disk); ``close`` waits for it."""
 
     @property
     def study(self) -> optuna.Study:
@@ -118,7 +111,7 @@ class Session:
         self.store.set_meta(elapsed=self.elapsed + seconds)
 
     def close(self) -> None:
-        self.writer.close()  # an adapter still being written lands before the directory is given back
+        self.packer.close()  # an adapter still being written lands before the directory is given back
         self.store.close()
         if self.lock is not None:
             self.lock.release()

@@ -42,17 +42,7 @@ from lora_sweep.evaluators.registry import (
     load_eval_data,
     metrics_of,
 )
-from lora_sweep.packer.api import (
-    STEP_NAMES,
-    AdapterSpec,
-    PackedModel,
-    SlotEnd,
-    SlotJob,
-    StepReport,
-    discard_adapter,
-    load_examples,
-    train,
-)
+from lora_sweep.packer.api import STEP_NAMES, AdapterSpec, Packer, SlotEnd, SlotJob, StepReport
 from lora_sweep.store.api import attrs
 from lora_sweep.store.storage import Sharing, storage_lock
 from lora_sweep.sweep._trial_data import (
@@ -156,9 +146,9 @@ class _Live:
 class _Sweep:
     """The callbacks ``packer.step.train`` runs the pack with; all study state lives here."""
 
-    def __init__(self, spec: StudySpec, session: Session, pm: PackedModel, train_examples: list, eval_data: Any,
+    def __init__(self, spec: StudySpec, session: Session, train_examples: list, eval_data: Any,
                  pack_id: int, progress: Callable[[Progress], None] | None, started: float) -> None:
-        self.spec, self.s, self.pm = spec, session, pm
+        self.spec, self.s, self.pm = spec, session, session.packer.model
         self.train_examples, self.eval_data = train_examples, eval_data
         self.pack_id, self.progress = pack_id, progress
         self.live: dict[int, _Live] = {}
@@ -443,7 +433,7 @@ class _Sweep:
             adapters = {e.slot: w.result() for e, w in zip(done, writes, strict=True)}
         for e in done:
             if verdicts[e.slot][2] is not None:  # a trial that fails keeps no adapter
-                discard_adapter(adapters.pop(e.slot))
+                Packer.discard_adapter(adapters.pop(e.slot))
         for e in ends:
             lv = self.live.pop(e.slot)
             self.to_prune.discard(e.slot)
@@ -471,8 +461,8 @@ class _Sweep:
         self.stop_if_hung()
 
     def _write_adapters(self, done: list[SlotEnd]) -> list[Future[Path]]:
-        """Queue the adapters of the slots that finished on the session's writer (``packer.model.checkpoint``:
-        their weights copied off the slots now, the files written on its threads); one future per slot.
+        """Queue the adapters of the slots that finished on the packer's writer (``Packer.save``: their weights
+        copied off the slots now, the files written on its threads); one future per slot.
 
         A trial is told COMPLETE only once its adapter is durable: ``on_end`` waits for the write after the
         evaluation that it overlaps, before the tell. Telling at the next step boundary instead would let the next
@@ -481,10 +471,9 @@ class _Sweep:
         it, and removes what its write left (``sweep.ledger``).
         """
         with self.split.phase("save"):
-            return self.s.writer.submit(self.pm, [(e.slot, self.s.adapter_dir(self.live[e.slot].trial.number),
-                                                   {"trial": str(self.live[e.slot].trial.number),
-                                                    "study": self.spec.name}) for e in done],
-                                        base_model_name_or_path=self.s.base)
+            return self.s.packer.save([(e.slot, self.s.adapter_dir(self.live[e.slot].trial.number),
+                                        {"trial": str(self.live[e.slot].trial.number), "study": self.spec.name})
+                                       for e in done])
 
     def _verdict(self, e: SlotEnd, lv: _Live, result: EvalResult) -> tuple[dict[str, float], list[float], str | None]:
         """(metrics, objective values, why the trial fails or None) of a slot that finished training."""
@@ -585,7 +574,8 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
     with split.phase("load"):
         session = open_session(spec, log=log, sharing=sharing, allow_changes=allow_changes, split=split,
                                allow_data_change=allow_data_change)
-    pm, tokenizer = session.pm, session.tokenizer
+    packer = session.packer
+    pm = packer.model
     already = _spent_before(spec, session)
     if already is not None:
         log(f"{spec.name}: {already.ended}")
@@ -593,11 +583,11 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
     log(Note(f"tokenizing the data (data.max_length: {spec.data.max_length})"))
     try:  # a data error gives the study directory back (its lock, results.db) before it is reported
         with split.phase("load"), split.part("load:data"):
-            check_packing(spec, pm)
-            train_examples = load_examples(spec.data.train, tokenizer, fmt=spec.data.format,
-                                           max_length=spec.data.max_length, train_on_prompt=spec.data.train_on_prompt,
-                                           max_line_bytes=spec.data.line_bytes)
-            eval_data = (load_eval_data(spec.data.eval, tokenizer, fmt=spec.data.format,
+            check_packing(spec, packer)
+            train_examples = packer.examples(spec.data.train, fmt=spec.data.format, max_length=spec.data.max_length,
+                                             train_on_prompt=spec.data.train_on_prompt,
+                                             max_line_bytes=spec.data.line_bytes)
+            eval_data = (load_eval_data(spec.data.eval, packer.tokenizer, fmt=spec.data.format,
                                         max_length=spec.data.max_length, train_on_prompt=spec.data.train_on_prompt,
                                         work_dir=session.sdir.root, max_line_bytes=spec.data.line_bytes)
                          if spec.data.eval is not None else None)
@@ -608,7 +598,7 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
     pack_id = session.store.start_pack(slots=session.capacity, device=str(pm.device), started=started)
     log(Note(f"pack {pack_id}: training {session.capacity} slots on {len(train_examples)} examples (its first step "
              f"also warms up{', compiles and captures' if pm.device.type == 'cuda' else ''})"))
-    sweep = _Sweep(spec, session, pm, train_examples, eval_data, pack_id, progress, started)
+    sweep = _Sweep(spec, session, train_examples, eval_data, pack_id, progress, started)
     sweep.log, sweep.split, sweep.ranks = log, split, ranks
     if sharing is not None:
         sweep.heartbeat = session.ledger.heartbeat(sweep.live_numbers, sharing.heartbeat)
@@ -638,7 +628,7 @@ def run_study(spec: StudySpec, *, progress: Callable[[Progress], None] | None = 
             session.store.set_meta(last_end={"reason": summary.end_reason, "text": summary.ended,
                                              "over": summary.over, "at": time.time()})
             session.close()
-        split.add("save:writer", session.writer.busy_s)  # the writer's threads, beside the run's path
+        split.add("save:writer", session.packer.save_seconds)  # the writer's threads, beside the run's path
         summary.split = {**split.record(), "end": {"reason": summary.end_reason, "text": summary.ended,
                                                    "over": summary.over}}
         with sweep._lock():  # workers sharing the study directory append one after another
@@ -703,7 +693,7 @@ def _train_pack(sweep: _Sweep, session: Session) -> bool:
     Raises:
         UserError: out of memory with a single slot (nothing smaller to try).
     """
-    pm, spec = session.pm, sweep.spec
+    pm, spec = session.packer.model, sweep.spec
     if pm.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(pm.device)
     status, step, fallback = "failed", None, None
@@ -722,13 +712,13 @@ def _train_pack(sweep: _Sweep, session: Session) -> bool:
     callbacks = (phased("storage", sweep.next_job), phased("storage", sweep.on_step), sweep.should_stop,
                  phased("storage", sweep.on_end))
     if sweep.ranks is not None:  # every rank trains this pack with rank 0's decisions
-        sweep.ranks.send("pack", (session.capacity, session.pad_id, options))
+        sweep.ranks.send("pack", (session.capacity, session.packer.pad_id, options))
         callbacks = sweep.ranks.lead(*callbacks)
     next_job, on_step, should_stop, on_end = callbacks
     try:
         with sweep.split.phase("train"):
-            result = train(pm, session.capacity, next_job, pad_id=session.pad_id, on_step=on_step,
-                           should_stop=should_stop, on_end=on_end, **options)  # type: ignore[arg-type]
+            result = session.packer.train(session.capacity, next_job, on_step=on_step, should_stop=should_stop,
+                                          on_end=on_end, **options)  # type: ignore[arg-type]
         for part, seconds in (("precompile", result.compile_s), ("warm-up", result.warmup_s),
                               ("capture", result.capture_s)):
             sweep.split.move(seconds, "train", "compile", detail=f"compile:{part}")

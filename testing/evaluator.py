@@ -42,7 +42,7 @@ import torch
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.evaluators.registry import EvalCost, EvalResult, Evaluator, load_eval_data
-from lora_sweep.packer.api import AdapterSpec, PackedModel, build_tiny_model, load_base
+from lora_sweep.packer.api import AdapterSpec, open_base, tiny_base
 
 __all__ = ["SLOTS", "check_evaluator", "check_declarations", "check_option_errors", "check_scores", "score_twice",
            "tiny_model_dir", "EvaluatorContract"]
@@ -56,15 +56,15 @@ def tiny_model_dir() -> Path:
     """The tiny Llama, built once per process in a temporary directory removed at exit."""
     root = Path(tempfile.mkdtemp(prefix="lora-sweep-contract-"))
     atexit.register(shutil.rmtree, root, ignore_errors=True)
-    return build_tiny_model("llama", root / "tiny-llama", seed=0)
+    return tiny_base("llama", root / "tiny-llama", seed=0)
 
 
 def score_twice(evaluator: Evaluator, options: Mapping[str, Any], data_file: str | Path,
                 work_dir: str | Path | None = None,
                 model_dir: str | Path | None = None) -> tuple[EvalResult, EvalResult]:
     """The evaluator run twice on the same two-adapter pack of the tiny model (or of ``model_dir``)."""
-    model, tok = load_base(str(model_dir or tiny_model_dir()))
-    pm = PackedModel(model)
+    packer = open_base(str(model_dir or tiny_model_dir()))
+    pm, tok = packer.model, packer.tokenizer
     gen = torch.Generator().manual_seed(2)
     for slot in SLOTS:
         pm.add_slot(slot, AdapterSpec(rank=4, alpha=8, targets=("all-linear",), seed=slot))

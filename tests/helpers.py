@@ -196,13 +196,13 @@ def positions_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def refuse_model_loads(monkeypatch) -> None:  # noqa: ANN001
     """From here on, loading the model or its tokenizer fails the test: what a cached plan must not do."""
-    import lora_sweep.packer.api as packer  # the face the plan imports them from, inside its functions
+    import lora_sweep.packer.model.load as load  # where the packer's object reads them, when a method is called
 
     def refused(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise AssertionError("a cached plan loads neither the model nor its tokenizer")
 
-    monkeypatch.setattr(packer, "load_base", refused)
-    monkeypatch.setattr(packer, "load_tokenizer", refused)
+    monkeypatch.setattr(load, "load_base", refused)
+    monkeypatch.setattr(load, "load_tokenizer", refused)
 
 
 def scored_pack(model_dir: Path, dora: bool = False, impl: str = "torch") -> tuple[PackedModel, object]:

@@ -1,59 +1,62 @@
-"""``lora_sweep.packer.api``, the packer's face: every name resolves to its module's own object, the type checker's
-imports and the runtime table agree, importing the face loads nothing heavy, and the import contract that keeps
-sweep and evaluators on it covers every other module of the packer."""
+"""``lora_sweep.packer.api``, the packer's face: plain imports of light modules (importing it loads no torch, nor
+any heavy packer module), exactly the names the floors above use, and the import contract that keeps sweep and
+evaluators on it covers every other module of the packer."""
 
 from __future__ import annotations
 
 import ast
-import importlib
 import json
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
 
-import pytest
-
 import lora_sweep.packer.api as api
 from tests.conftest import PACKAGE_FOLDERS
 
 ROOT = Path(__file__).resolve().parents[2]
+HEAVY = ("torch", "transformers", "triton", "safetensors", "peft")
 
 
-def _type_checking_imports() -> dict[str, set[str]]:
-    """Module under ``lora_sweep.packer`` -> the names the ``if TYPE_CHECKING:`` block of api.py imports from it."""
-    tree = ast.parse((ROOT / "packer" / "api.py").read_text())
-    block = next(n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", "") == "TYPE_CHECKING")
-    out: dict[str, set[str]] = {}
-    for node in block.body:
-        assert isinstance(node, ast.ImportFrom) and node.module is not None
-        out.setdefault(node.module.removeprefix("lora_sweep.packer."), set()).update(a.name for a in node.names)
-    return out
+def _face_tree() -> ast.Module:
+    return ast.parse((ROOT / "packer" / "api.py").read_text())
 
 
-def test_the_runtime_table_and_the_type_checkers_imports_name_the_same_things() -> None:
-    assert _type_checking_imports() == {m: set(names) for m, names in api._WHERE.items()}
+def test_the_face_is_plain_imports_with_no_module_getattr() -> None:
+    """Every name is bound by an import at the face's top level: no ``__getattr__`` (PEP 562) table to keep in step."""
+    tree = _face_tree()
+    assert not [n for n in tree.body if isinstance(n, ast.FunctionDef)]
+    bound = {(a.asname or a.name) for n in tree.body if isinstance(n, ast.ImportFrom) and n.module != "__future__"
+             and n.module != "typing" for a in n.names}
+    assert set(api.__all__) == bound
+    assert all(getattr(api, name, None) is not None for name in api.__all__)
 
 
-@pytest.mark.parametrize("name", api.__all__)
-def test_each_name_is_its_modules_own_object(name: str) -> None:
-    module = importlib.import_module(f"lora_sweep.packer.{api._MODULE[name]}")
-    home = getattr(module, name, None) or importlib.import_module(f"{module.__name__}.{name}")
-    assert getattr(api, name) is home
-
-
-def test_an_unknown_name_is_an_attribute_error() -> None:
-    with pytest.raises(AttributeError, match="has no attribute 'PackingSpec'"):
-        api.PackingSpec  # noqa: B018
-
-
-def test_importing_the_face_loads_neither_torch_nor_a_packer_module() -> None:
-    code = ("import json, sys; import lora_sweep.packer.api as a; heavy = sorted(n for n in sys.modules if n == "
-            "'torch' or n.startswith('lora_sweep.packer.') and n != 'lora_sweep.packer.api'); a.AdapterSpec; "
-            "print(json.dumps([heavy, 'torch' in sys.modules]))")
+def test_importing_the_face_loads_no_torch_nor_a_heavy_module() -> None:
+    code = ("import json, sys; import lora_sweep.packer.api; "
+            f"print(json.dumps(sorted(n for n in sys.modules if n.split('.')[0] in {HEAVY!r})))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-    heavy, torch_after_plan = json.loads(out.stdout)
-    assert heavy == [] and torch_after_plan is False  # packer.plan is stdlib only: its name costs no torch
+    assert json.loads(out.stdout) == []
+
+
+def test_the_object_loads_what_it_runs_when_a_method_is_called(tmp_path: Path) -> None:
+    """``open_base`` is where torch comes in: a method imports the packer modules it runs (here all of the open)."""
+    code = ("import json, sys; from lora_sweep.packer.api import open_base, tiny_base; "
+            f"before = 'torch' in sys.modules; p = open_base(str(tiny_base('llama', {str(tmp_path / 'm')!r}))); "
+            "print(json.dumps([before, type(p.model).__name__, p.pad_id is not None, p.source]))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    before, model, pad, source = json.loads(out.stdout.splitlines()[-1])
+    assert (before, model, pad, source) == (False, "PackedModel", True, str(tmp_path / "m"))
+
+
+def _type_checking_names() -> set[str]:
+    """The names the face gives the type checker alone (its ``if TYPE_CHECKING:`` block)."""
+    block = next(n for n in _face_tree().body if isinstance(n, ast.If) and getattr(n.test, "id", "") == "TYPE_CHECKING")
+    return {a.name for node in block.body if isinstance(node, ast.ImportFrom) for a in node.names}
+
+
+def test_the_type_checkers_names_are_declared() -> None:
+    assert _type_checking_names() == set(api.TYPE_NAMES) and not set(api.TYPE_NAMES) & set(api.__all__)
 
 
 def test_the_face_contract_forbids_every_other_packer_module() -> None:
@@ -63,12 +66,11 @@ def test_the_face_contract_forbids_every_other_packer_module() -> None:
     assert {m.removeprefix("lora_sweep.packer.") for m in face["forbidden_modules"]} == children - {"api"}
 
 
-def _imported_from_the_face() -> set[str]:
-    """Names the package's modules outside packer/ (sweep, evaluators, the entry points ...) import from the face."""
+def _imported_from_the_face(folders: tuple[str, ...], root: bool = True) -> set[str]:
+    """Names the package's modules in ``folders`` (and with ``root`` the entry points there) import from the face."""
     names: set[str] = set()
     # the package's own files only: a clone may hold a build/ tree, a .venv or models beside them
-    paths = [*ROOT.glob("*.py"), *(p for folder in PACKAGE_FOLDERS if folder != "packer"
-                                   for p in (ROOT / folder).rglob("*.py"))]
+    paths = [*(ROOT.glob("*.py") if root else ()), *(p for folder in folders for p in (ROOT / folder).rglob("*.py"))]
     for path in paths:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module == "lora_sweep.packer.api":
@@ -78,4 +80,13 @@ def _imported_from_the_face() -> set[str]:
 
 def test_the_face_holds_exactly_the_names_the_floors_above_use() -> None:
     """A name nothing above the packer imports widens the face for nothing; one imported but missing fails there."""
-    assert _imported_from_the_face() == set(api.__all__)
+    above = tuple(f for f in PACKAGE_FOLDERS if f != "packer")
+    assert _imported_from_the_face(above) == set(api.__all__) | set(api.TYPE_NAMES)
+
+
+def test_sweep_asks_the_packer_one_object() -> None:
+    """sweep/ opens the base once and asks that object for its work: of the packer's names it imports the object and
+    plain values only, never a loader, a training loop or a probe by itself."""
+    values = {"AdapterSpec", "ALL_LINEAR", "BaseShape", "MemoryModel", "SlotJob", "SlotEnd", "StepReport",
+              "STEP_NAMES", "FORMATS", "QUANTIZE", "line_bound", "data"}
+    assert _imported_from_the_face(("sweep",), root=False) - {"Packer", "open_base"} <= values

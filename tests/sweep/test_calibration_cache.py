@@ -5,8 +5,7 @@ from __future__ import annotations
 import io
 import json
 
-from lora_sweep.packer.model.load import load_base
-from lora_sweep.packer.model.packed import PackedModel
+from lora_sweep.packer.api import open_base
 from lora_sweep.sweep.config.loader import load_study
 from lora_sweep.sweep.live import PlainLog
 from lora_sweep.sweep.planning import plan_pack
@@ -18,8 +17,7 @@ from tests.helpers import refuse_model_loads
 def test_a_second_plan_reads_the_calibration_back(tiny_dirs, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("LORA_SWEEP_CACHE", str(tmp_path / "cache"))
     spec = load_study(write_study(tmp_path, tiny_dirs("llama"), "cached"))
-    model, _ = load_base(str(tiny_dirs("llama")))
-    pm = PackedModel(model)
+    pm = open_base(str(tiny_dirs("llama")))
     said: list[str] = []
     first = plan_pack(spec, pm, log=said.append)
     assert len(said) == 1 and said[0].startswith("calibrating the memory model on cpu: 1 x 4 probe packs")

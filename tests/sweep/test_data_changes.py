@@ -30,12 +30,12 @@ def _study(tmp_path: Path, model: Path, **changes: object) -> Path:
 
 
 def test_a_row_over_data_max_line_bytes_is_refused_before_the_model_loads(tiny_dirs, tmp_path, monkeypatch) -> None:
-    import lora_sweep.sweep.resume as resume
+    import lora_sweep.packer.model.load as load
 
     def no_load(*a: object, **k: object) -> None:
         raise AssertionError("the model was loaded before the rows were bounded")
 
-    monkeypatch.setattr(resume, "load_base", no_load)
+    monkeypatch.setattr(load, "load_base", no_load)  # what open_base calls
     study = _study(tmp_path, tiny_dirs("llama"))
     with open(tmp_path / "arith-eval.jsonl", "a") as f:
         f.write('{"prompt": "' + "9" * 300 + '", "completion": "1"}\n')

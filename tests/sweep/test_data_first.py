@@ -12,14 +12,12 @@ from tests.conftest import write_study
 
 @pytest.mark.parametrize("which", ["train", "eval"])
 def test_a_bad_row_fails_before_the_model_loads(tiny_dirs, tmp_path, monkeypatch, which: str) -> None:
-    import lora_sweep.packer.api as packer
-    import lora_sweep.sweep.resume as resume
+    import lora_sweep.packer.model.load as load
 
     def no_load(*a, **k):  # noqa: ANN002, ANN003, ANN202
         raise AssertionError("the model was loaded before the data was checked")
 
-    monkeypatch.setattr(resume, "load_base", no_load)
-    monkeypatch.setattr(packer, "load_base", no_load)  # what `sweep plan` imports, inside the function
+    monkeypatch.setattr(load, "load_base", no_load)  # what open_base calls, for `sweep run` and `sweep plan` alike
     bad = tmp_path / f"bad-{which}.jsonl"
     bad.write_text('{"prompt": "1+1=", "completion": "2"}\n{"prompt": "2+2=", "completion": 4}\n')
     path = write_study(tmp_path, tiny_dirs("llama"), name="bad-data")

@@ -53,6 +53,7 @@ def test_a_sharded_plan_counts_one_ranks_share_of_the_base_per_gpu(tiny_dirs, tm
     """``pack.shard: fsdp`` over N GPUs: the plan's memory is per GPU, the whole base replaced by what one rank
     holds of it (``packer.model.shard.base_share``: its shard, the head kept whole, two units gathered), the slots'
     adapters, optimizer state and activations as in a one-GPU pack."""
+    from lora_sweep.packer.api import Packer
     from lora_sweep.packer.model.packed import PackedModel
     from lora_sweep.packer.model.shard import base_share
     from lora_sweep.packer.probe import plain_param_bytes
@@ -64,7 +65,7 @@ def test_a_sharded_plan_counts_one_ranks_share_of_the_base_per_gpu(tiny_dirs, tm
     # (two layers: the two units gathered beside the shard outweigh the saving; a deep model's share is far less)
     assert share != whole, "the share must differ from the base for the check to mean something"
     spec = load_study(write_study(tmp_path, tiny_dirs("llama"), "sharded", pack={"max_slots": 3, "shard": "fsdp"}))
-    pm = PackedModel(model)
+    pm = Packer(PackedModel(model))
     one = plan_pack(spec, pm)
     two = plan_pack(spec, pm, gpus=2)
     assert (one.gpus, two.gpus) == (1, 2)

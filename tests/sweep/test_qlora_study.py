@@ -76,6 +76,7 @@ def test_plan_of_a_qlora_study_measures_the_nf4_base(tiny_dirs, tmp_path) -> Non
     from click.testing import CliRunner
 
     from lora_sweep.cli import cli
+    from lora_sweep.packer.api import Packer
     from lora_sweep.sweep.planning import plan_pack
 
     model_dir = tiny_dirs("llama")
@@ -88,5 +89,5 @@ def test_plan_of_a_qlora_study_measures_the_nf4_base(tiny_dirs, tmp_path) -> Non
         line = next(x for x in result.output.splitlines() if x.startswith("frozen (base model"))
         assert ("nf4 projections" in line) == (quantize == "nf4"), line
         model, _ = load_base(str(model_dir), quantize=quantize)
-        static[quantize] = plan_pack(load_study(path), PackedModel(model)).memory.base_bytes
+        static[quantize] = plan_pack(load_study(path), Packer(PackedModel(model))).memory.base_bytes
     assert static["nf4"] < static[None]

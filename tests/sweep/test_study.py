@@ -209,7 +209,7 @@ def test_memory_options_reach_the_training_loop(tiny_dirs, tmp_path) -> None:
 
 
 def test_kernels_options_reach_the_packed_model(tiny_dirs, tmp_path, monkeypatch) -> None:
-    import lora_sweep.sweep.resume
+    import lora_sweep.packer.model.packed as packed
     from lora_sweep.packer.model.packed import PackedModel
 
     made: list[tuple[str, bool]] = []
@@ -218,7 +218,7 @@ def test_kernels_options_reach_the_packed_model(tiny_dirs, tmp_path, monkeypatch
         made.append((impl, fused_base_ops))
         return PackedModel(model, impl=impl, fused_base_ops=fused_base_ops)
 
-    monkeypatch.setattr(lora_sweep.sweep.resume, "PackedModel", recording)
+    monkeypatch.setattr(packed, "PackedModel", recording)  # what open_base builds the pack with, when it runs
     common = dict(budget={"trials": 1}, train={"max_steps": 8, "micro_batch": 2})
     default = load_study(write_study(tmp_path, tiny_dirs("llama"), name="default-kernels", **common))
     chosen = load_study(write_study(tmp_path, tiny_dirs("llama"), name="torch-kernels",
@@ -559,10 +559,10 @@ def test_a_retried_dropout_trial_reproduces_a_fresh_run_bit_for_bit(tiny_dirs, t
 
 def test_an_oom_mid_pack_shrinks_the_pack_and_keeps_the_budget_exact(tiny_dirs, tmp_path, monkeypatch) -> None:
     """A CUDA out-of-memory error, injected on CPU at the first pack's fourth step with 3 slots training."""
-    import lora_sweep.sweep.study
+    import lora_sweep.packer.step.train
     from lora_sweep.store.api import ResultsStore
 
-    real, calls = lora_sweep.sweep.study.train, []
+    real, calls = lora_sweep.packer.step.train.train, []
 
     def oom_once(pm, capacity, next_job, *, on_step, **kwargs):  # type: ignore[no-untyped-def]
         calls.append(capacity)
@@ -574,7 +574,7 @@ def test_an_oom_mid_pack_shrinks_the_pack_and_keeps_the_budget_exact(tiny_dirs, 
 
         return real(pm, capacity, next_job, on_step=step, **kwargs)
 
-    monkeypatch.setattr(lora_sweep.sweep.study, "train", oom_once)
+    monkeypatch.setattr(lora_sweep.packer.step.train, "train", oom_once)  # what Packer.train runs, when called
     spec = load_study(write_study(tmp_path, tiny_dirs("llama"), name="oom", budget={"trials": 5},
                                   train={"max_steps": 8, "micro_batch": 2}, pruning={"kind": "none"}))
     logs: list[str] = []
