@@ -25,8 +25,10 @@ everything a base is needed for, by verb (``packer.base``):
 
 **Values and namespaces.** ``data``: reading and streaming rows (``read_jsonl``, ``load_examples``, ``FORMATS``,
 ``Example``, ``SlotStream``, ``adapter_stream``, ``epoch_steps`` ...); ``gguf``: GGUF sources and their conversion
-(``gguf_source``, ``packaged_gguf``, ``convert``); ``STEP_NAMES``: what each ``TrainResult.step`` means; what a
-study file is checked against: ``FORMATS``, ``line_bound``, ``QUANTIZE``, ``ALL_LINEAR``, ``FAMILY_NAMES``.
+(``gguf_source``, ``packaged_gguf``, ``convert``); ``variants``: the adapter variants (``FIELDS``: the
+``AdapterSpec`` fields they own, which a study's settings table reads); ``STEP_NAMES``: what each
+``TrainResult.step`` means; what a study file is checked against: ``FORMATS``, ``line_bound``, ``QUANTIZE``,
+``ALL_LINEAR``, ``FAMILY_NAMES``.
 
 The packer never sees a study object: the sweep builds plain values (``AdapterSpec``, paths, numbers) and calls
 these names, and only those (a name no module above the packer imports is not here). Every module imported here is
@@ -38,7 +40,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lora_sweep.packer import data, evaluation
+from lora_sweep.packer import data, evaluation, variants
 from lora_sweep.packer.base import Packer, open_base, tiny_base
 from lora_sweep.packer.data.lines import line_bound
 from lora_sweep.packer.data.rows import FORMATS
@@ -52,6 +54,6 @@ if TYPE_CHECKING:  # a type for annotations only: a PackedModel is built by open
 
 __all__ = ["ALL_LINEAR", "FAMILY_NAMES", "FORMATS", "QUANTIZE", "STEP_NAMES", "AdapterSpec", "BaseShape", "MemoryModel",
            "Packer", "SlotEnd", "SlotJob", "StepReport", "data", "evaluation", "gguf", "line_bound",
-           "open_base", "tiny_base"]
+           "open_base", "tiny_base", "variants"]
 TYPE_NAMES = ("PackedModel",)
 """Names the face gives the type checker only (under ``TYPE_CHECKING``): annotations, never built above the packer."""

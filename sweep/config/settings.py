@@ -17,8 +17,7 @@ from dataclasses import MISSING, dataclass, field, fields, make_dataclass
 from typing import Any, Literal
 
 from lora_sweep.errors import ConfigError
-from lora_sweep.packer.api import AdapterSpec
-from lora_sweep.packer.variants import FIELDS as VARIANT_FIELDS
+from lora_sweep.packer.api import AdapterSpec, variants
 
 __all__ = ["Setting", "SETTINGS", "SEARCHABLE", "RANGED", "TRAIN_ALIASES", "FORMATS", "TrainSpec", "check_value"]
 
@@ -161,7 +160,7 @@ def check_variant_combinations(values_of: Callable[[str], set[Any]], searched: s
     """Refuse a search that can propose a combination of variant settings the packer refuses (LoRA-FA with DoRA):
     every product of the searched variant settings' values (``values_of``: choices, or a range's ends) over the fixed
     ``base`` (``TrainSpec.adapter_values``) must be an ``AdapterSpec``, so no trial fails on one mid-run."""
-    names = [n for n in VARIANT_FIELDS if n in searched]
+    names = [n for n in variants.FIELDS if n in searched]
     for combo in itertools.product(*(sorted(values_of(n), key=repr) for n in names)):
         try:
             AdapterSpec(**{**base, **dict(zip(names, combo, strict=True))})

@@ -88,5 +88,5 @@ def test_sweep_asks_the_packer_one_object() -> None:
     """sweep/ opens the base once and asks that object for its work: of the packer's names it imports the object and
     plain values only, never a loader, a training loop or a probe by itself."""
     values = {"AdapterSpec", "ALL_LINEAR", "BaseShape", "MemoryModel", "SlotJob", "SlotEnd", "StepReport",
-              "STEP_NAMES", "FORMATS", "QUANTIZE", "line_bound", "data"}
+              "STEP_NAMES", "FORMATS", "QUANTIZE", "line_bound", "data", "variants"}
     assert _imported_from_the_face(("sweep",), root=False) - {"Packer", "open_base"} <= values

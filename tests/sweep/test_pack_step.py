@@ -22,13 +22,14 @@ LENGTHS = [20] * 40  # every step pads to 32: the timed length is the run's mean
 
 
 class FakeStep:
-    """``time_pack`` as the timer calls it, on a fake step of ``seconds``: records what it was asked to time."""
+    """A loaded base whose ``Packer.time_pack`` (as the timer calls it) is a fake step of ``seconds``: records what
+    it was asked to time."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds, self.calls = seconds, list[dict[str, object]]()
 
-    def __call__(self, pm, specs, rows, length, **kwargs) -> PackTiming:  # noqa: ANN001, ANN003
-        self.calls.append({"pm": pm, "slots": len(specs), "specs": specs, "rows": rows, "length": length, **kwargs})
+    def time_pack(self, specs, rows, length, **kwargs) -> PackTiming:  # noqa: ANN001, ANN003
+        self.calls.append({"pm": self, "slots": len(specs), "specs": specs, "rows": rows, "length": length, **kwargs})
         return PackTiming(self.seconds, kwargs["steps"], 4 * self.seconds, "eager")
 
 
@@ -38,9 +39,9 @@ def _spec(tmp_path, tiny_dirs, name="timed", *overrides, **changes):  # noqa: AN
     return load_study(write_study(tmp_path, tiny_dirs("llama"), name, **changes), list(overrides))
 
 
-def _timer(spec, fake, monkeypatch, load=lambda: "the model", **kwargs) -> PackTimer:  # noqa: ANN001
-    monkeypatch.setattr(pack_step, "time_pack", fake)
-    return PackTimer(spec, "cpu", LENGTHS, load, **kwargs)
+def _timer(spec, fake, load=None, **kwargs) -> PackTimer:  # noqa: ANN001
+    """A timer whose model load gives ``fake`` (or calls ``load``)."""
+    return PackTimer(spec, "cpu", LENGTHS, load or (lambda: fake), **kwargs)
 
 
 def test_the_prediction_is_the_sized_packs_timed_step(tiny_dirs, tmp_path, monkeypatch) -> None:
@@ -50,9 +51,9 @@ def test_the_prediction_is_the_sized_packs_timed_step(tiny_dirs, tmp_path, monke
     monkeypatch.setenv("LORA_SWEEP_CACHE", str(tmp_path / "cache"))
     spec = _spec(tmp_path, tiny_dirs)
     fast, slow = FakeStep(0.05), FakeStep(0.2)
-    one = plan_report(spec, [MM], "test", BASE, "cpu", timer=_timer(spec, fast, monkeypatch))
+    one = plan_report(spec, [MM], "test", BASE, "cpu", timer=_timer(spec, fast))
     (call,) = fast.calls
-    assert (call["pm"], call["slots"], call["rows"], call["length"]) == ("the model", one.slots, 4, 32)
+    assert call["pm"] is fast and (call["slots"], call["rows"], call["length"]) == (one.slots, 4, 32)
     assert call["max_rows"] == largest_rank(spec) and call["warmup"] == 1
     assert call["steps"] == pack_step.PACK_MAX_STEPS  # the line's 24 ms a step: the most steps, well under 2 s
     assert one.predicted_step_s == pytest.approx(0.05)  # the run's mean step is the timed one (every row pads to 32)
@@ -60,7 +61,7 @@ def test_the_prediction_is_the_sized_packs_timed_step(tiny_dirs, tmp_path, monke
     probes = plan_report(spec, [MM], "test", BASE, "cpu")  # no timer: the calibration's line
     assert probes.predicted_step_s != pytest.approx(0.05)
     spec_slow = _spec(tmp_path, tiny_dirs, "slow", "seed=1")  # another pack (other slots drawn): not from the cache
-    four = plan_report(spec_slow, [MM], "test", BASE, "cpu", timer=_timer(spec_slow, slow, monkeypatch))
+    four = plan_report(spec_slow, [MM], "test", BASE, "cpu", timer=_timer(spec_slow, slow))
     assert len(slow.calls) == 1 and four.pack_steps == one.pack_steps
     assert four.predicted_total_s == pytest.approx(4 * one.predicted_total_s)
     # the evaluation's per-token time is the line's, scaled through the measured step alike
@@ -79,7 +80,7 @@ def test_between_lengths_the_calibrations_line_carries_the_measured_step(tiny_di
     monkeypatch.setenv("LORA_SWEEP_CACHE", str(tmp_path / "cache"))
     spec = _spec(tmp_path, tiny_dirs)
     fake = FakeStep(0.3)
-    timer = _timer(spec, fake, monkeypatch)
+    timer = _timer(spec, fake)
     timer.lengths = [10] * 95 + [20] * 5  # most steps pad to 16, some to 32
     report = plan_report(spec, [MM], "test", BASE, "cpu", timer=timer)
     timed = report.timed
@@ -94,7 +95,7 @@ def test_the_timing_is_cached_by_the_calibration_and_the_pack(tiny_dirs, tmp_pat
     monkeypatch.setenv("LORA_SWEEP_CACHE", str(tmp_path / "cache"))
     spec = _spec(tmp_path, tiny_dirs)
     fake = FakeStep(0.1)
-    first = _timer(spec, fake, monkeypatch)(3, 16, 4, MM)
+    first = _timer(spec, fake)(3, 16, 4, MM)
     assert len(fake.calls) == 1 and first.where.startswith("median of 20 steps")
     (entry,) = (tmp_path / "cache" / "pack_step").iterdir()
     record = json.loads(entry.read_text())
@@ -104,13 +105,13 @@ def test_the_timing_is_cached_by_the_calibration_and_the_pack(tiny_dirs, tmp_pat
     def refused():  # noqa: ANN202
         raise AssertionError("a cached timing loads no model")
 
-    again = _timer(spec, fake, monkeypatch, load=refused)(3, 16, 4, MM)
+    again = _timer(spec, fake, load=refused)(3, 16, 4, MM)
     assert len(fake.calls) == 1 and again.step_s == 0.1 and again.where == f"cached ({entry})"
-    _timer(spec, fake, monkeypatch)(4, 16, 4, MM)  # a fourth slot
+    _timer(spec, fake)(4, 16, 4, MM)  # a fourth slot
     longer = _spec(tmp_path, tiny_dirs, "timed", "data.max_length=64")
-    _timer(longer, fake, monkeypatch)(3, 16, 4, MM)
+    _timer(longer, fake)(3, 16, 4, MM)
     other = _spec(tmp_path, tiny_dirs, "timed", "search.rank=[2]")
-    _timer(other, fake, monkeypatch)(3, 16, 4, MM)
+    _timer(other, fake)(3, 16, 4, MM)
     assert len(fake.calls) == 4 and len(list((tmp_path / "cache" / "pack_step").iterdir())) == 4
 
 
@@ -123,7 +124,7 @@ def test_a_pack_too_slow_to_time_keeps_the_calibrations_line(tiny_dirs, tmp_path
     tokens = 3 * 4 * 32
     for seed, seconds, steps in ((10, 0.5, 4), (11, 1.0, 3), (12, 30.0, 1)):  # 60 s: a warm-up and one 30 s step
         mm = MemoryModel(base_bytes=1000, bytes_per_token=10, seconds_per_token=0.0, seconds_per_step=seconds)
-        _timer(_spec(tmp_path, tiny_dirs, f"s{seed}", f"seed={seed}"), fake, monkeypatch)(3, 16, 4, mm)
+        _timer(_spec(tmp_path, tiny_dirs, f"s{seed}", f"seed={seed}"), fake)(3, 16, 4, mm)
         assert fake.calls[-1]["steps"] == steps
     spec = _spec(tmp_path, tiny_dirs)
     line = MM.step_seconds(tokens)
@@ -132,7 +133,7 @@ def test_a_pack_too_slow_to_time_keeps_the_calibrations_line(tiny_dirs, tmp_path
     def refused():  # noqa: ANN202
         raise AssertionError("nothing timed: no model loaded")
 
-    timer = _timer(spec, fake, monkeypatch, load=refused, budget_s=1.5 * line)
+    timer = _timer(spec, fake, load=refused, budget_s=1.5 * line)
     timer.spec = _spec(tmp_path, tiny_dirs, "untimed", "seed=2")  # another pack than the one cached above
     slower = MemoryModel(base_bytes=1000, bytes_per_token=10, seconds_per_token=2e-5, seconds_per_step=0.03)
     report = plan_report(timer.spec, [MM, slower], "test", BASE, "cpu", timer=timer)  # two calibrations
@@ -186,8 +187,8 @@ def test_a_pack_sharded_over_gpus_is_not_timed_in_one_process(tiny_dirs, tmp_pat
     def refused():  # noqa: ANN202
         raise AssertionError("nothing timed: no model loaded")
 
-    two = _timer(spec, fake, monkeypatch, load=refused, gpus=2)(3, 16, 4, MM)
+    two = _timer(spec, fake, load=refused, gpus=2)(3, 16, 4, MM)
     assert two.step_s is None and two.where == "not timed: a pack sharded over 2 GPUs steps in 2 processes; " \
                                                "the probes' line" and not fake.calls
-    one = _timer(spec, fake, monkeypatch)(3, 16, 4, MM)
+    one = _timer(spec, fake)(3, 16, 4, MM)
     assert one.step_s == 0.1 and fake.calls[0]["cuda_graphs"] == "off"
