@@ -383,18 +383,28 @@ def test_plan_rejects_targets_the_model_lacks_as_run_does(tiny_dirs, tmp_path) -
 
 
 def test_plan_reports_the_spread_of_its_time_measurements(tiny_dirs, tmp_path) -> None:
+    """``--calibrations 3`` measures three calibrations: the plan predicts with the sized pack's timed step (each
+    calibration's line carried through it), and where no pack is timed with the median calibration and their range.
+    A second plan reads all of it from the cache."""
     from click.testing import CliRunner
 
     from lora_sweep.cli import cli
+    from lora_sweep.sweep.planning import cached_calibration, plan_report
 
     path = write_study(tmp_path, tiny_dirs("llama"), name="spread", budget={"trials": 3})
     result = CliRunner().invoke(cli, ["plan", str(path), "--calibrations", "3"])
     assert result.exit_code == 0, result.output
     line = next(x for x in result.output.splitlines() if x.startswith("predicted step"))
-    assert "median of 3 calibrations" in line and "range" in line and "spread" in line, line
+    assert "the timed" in line, line
     again = CliRunner().invoke(cli, ["plan", str(path), "--calibrations", "3"])  # the three, from the cache
     assert next(x for x in again.output.splitlines() if x.startswith("predicted step")) == line
     assert any(x.split()[:2] == ["calibration", "cached"] for x in again.output.splitlines()), again.output
+    spec = load_study(path)
+    models, where, base = cached_calibration(spec, "cpu", 3)
+    assert len(models) == 3
+    untimed = plan_report(spec, models, where, base, "cpu").table()  # no pack timed: the calibrations' own lines
+    line = next(x for x in untimed.splitlines() if x.startswith("predicted step"))
+    assert "median of 3 calibrations" in line and "range" in line and "spread" in line, line
 
 
 def test_progress_final_frame_tokens_per_s_and_eta(tiny_dirs, tmp_path) -> None:
