@@ -49,7 +49,7 @@ if TYPE_CHECKING:  # torch and the model are imported where an evaluation runs: 
 
 __all__ = ["Evaluator", "Score", "EVALUATORS", "MC_FORMAT", "EvalData", "EvalCost", "EvalResult", "SlotEvalError",
            "load_eval_data", "find", "validate", "metrics_of", "metric_direction", "evaluate", "is_user_code",
-           "needing_eval_data", "plan_cost", "curve_entry",
+           "needing_eval_data", "plan_cost", "curve_entry", "DEFAULT", "DEFAULT_METRIC",
            "deferred_user_code", "Limits", "EvaluatorHung", "abandoned", "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = 600.0
@@ -58,6 +58,11 @@ judge over a few hundred generations, short enough that a hung one costs minutes
 
 EVALUATORS: list[Evaluator] = [HELDOUT_LOSS, GENERATION, MULTIPLE_CHOICE, LM_EVAL, CUSTOM]
 """The built-in evaluators, in the order the study-file reference lists them."""
+DEFAULT = HELDOUT_LOSS
+"""The evaluator a study runs when its file lists none (``StudySpec.evaluators``' default)."""
+DEFAULT_METRIC: tuple[str, str] = (str(DEFAULT.curve), DEFAULT.metrics(DEFAULT.load())[str(DEFAULT.curve)])
+"""(metric, direction) of a study that names no objective, and ranked at pruning rungs when several objectives and no
+``pruning.proxy`` are set: the metric ``DEFAULT`` records as a curve (``eval_loss``, minimized)."""
 
 Entry = tuple[str, Mapping[str, Any] | None]
 """One ``evaluators:`` entry of a study: ``(name, options)``."""

@@ -131,7 +131,7 @@ class StudySpec:
     """Stopping limits."""
     train: TrainSpec = field(default_factory=TrainSpec)
     """Fixed values of the adapter fields that are not searched."""
-    objectives: tuple[Objective, ...] = (Objective("eval_loss", "minimize"),)
+    objectives: tuple[Objective, ...] = (Objective(*registry.DEFAULT_METRIC),)
     """One or more targets (several: a Pareto front)."""
     constraints: tuple[Constraint, ...] = ()
     """Soft constraints on reported metrics."""
@@ -141,7 +141,7 @@ class StudySpec:
     """Within-pack pruning."""
     pack: PackSpec = field(default_factory=PackSpec)
     """How trials share one training run (``pack:``; ``packing:`` is read as the same section)."""
-    evaluators: tuple[EvalSpec, ...] = (EvalSpec("heldout_loss"),)
+    evaluators: tuple[EvalSpec, ...] = (EvalSpec(registry.DEFAULT.name),)
     """Evaluators run after training (and at pruning rungs)."""
     output: Path | None = None
     """Output folder; None: ``runs/<name>`` (see ``out_dir``)."""
@@ -258,11 +258,12 @@ class StudySpec:
         return self.output if self.output is not None else Path("runs") / self.name
 
     def prune_metric(self) -> tuple[str, str]:
-        """(metric, direction) ranked at pruning rungs: ``pruning.proxy``, the single objective, or eval_loss."""
+        """(metric, direction) ranked at pruning rungs: ``pruning.proxy``, the single objective, or the default
+        evaluator's metric (``evaluators.registry.DEFAULT_METRIC``: eval_loss)."""
         by_metric = {o.metric: o.direction for o in self.objectives}
         if self.pruning.proxy is not None:
             return self.pruning.proxy, by_metric.get(self.pruning.proxy, self.pruning.proxy_direction)
         if len(self.objectives) == 1:
             return self.objectives[0].metric, self.objectives[0].direction
-        return "eval_loss", "minimize"
+        return registry.DEFAULT_METRIC
 

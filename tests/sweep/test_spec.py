@@ -5,6 +5,7 @@ Run: python -m pytest tests/sweep/test_spec.py -q
 
 from __future__ import annotations
 
+import ast
 import math
 import re
 from dataclasses import fields
@@ -319,6 +320,25 @@ def test_prune_metric(folder: Path) -> None:
     proxy = BASE + "objectives: [maximize exact_match, minimize adapter_params]\n"
     proxy += "pruning: {kind: cohort_sha, rungs: [10], proxy: exact_match}\nevaluators: [generation]\n"
     assert load_study(write(folder, proxy)).prune_metric() == ("exact_match", "maximize")
+
+
+def test_the_defaults_come_from_the_evaluators_and_the_config_names_none(
+        folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default evaluator, objective and pruning proxy are declared once, by the evaluators (``DEFAULT``):
+    no module of sweep/config spells an evaluator's name or the default's metrics in its code."""
+    from lora_sweep.evaluators import registry
+    from lora_sweep.sweep.config import spec
+
+    assert registry.DEFAULT_METRIC == ("eval_loss", "minimize")
+    assert [e.name for e in load_study(write(folder, BASE)).evaluators] == [registry.DEFAULT.name]
+    several = BASE + "objectives: [minimize eval_loss, minimize adapter_params]\n"
+    monkeypatch.setattr(registry, "DEFAULT_METRIC", ("perplexity", "minimize"))
+    assert load_study(write(folder, several)).prune_metric() == ("perplexity", "minimize")
+    named = {e.name for e in registry.EVALUATORS} | set(registry.DEFAULT.metrics(registry.DEFAULT.load()))
+    for file in sorted(Path(spec.__file__).parent.glob("*.py")):
+        spelled = [n.value for n in ast.walk(ast.parse(file.read_text()))
+                   if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value in named]
+        assert not spelled, f"{file.name} names {spelled}"
 
 
 def test_search_space_rules() -> None:
