@@ -25,6 +25,7 @@ __all__ = [
     "Key",
     "Loader",
     "add",
+    "amount",
     "coerce",
     "dotted",
     "make",
@@ -264,9 +265,33 @@ def coerce(doc: Doc, value: Any, typ: str, canon: Key) -> Any:
 
 
 def typed(doc: Doc, cls: type, items: Mapping[str, Item], canon: Key) -> dict[str, Any]:
-    """``items`` coerced to the field types of dataclass ``cls``."""
-    types = {f.name: str(f.type) for f in fields(cls)}
-    return {k: coerce(doc, it.value, types[k], canon + (k,)) for k, it in items.items()}
+    """``items`` read as fields of dataclass ``cls``: a field whose metadata has an ``amount`` rule takes a number or
+    number+unit parts (``amount``); another is coerced to its type, then mapped by its metadata's ``spellings``."""
+    of = {f.name: f for f in fields(cls)}
+    out: dict[str, Any] = {}
+    for k, it in items.items():
+        f = of[k]
+        if "amount" in f.metadata:
+            out[k] = amount(doc, it.value, f.metadata["amount"], canon + (k,), str(f.type).startswith("int"))
+            continue
+        v = coerce(doc, it.value, str(f.type), canon + (k,))
+        out[k] = f.metadata.get("spellings", {}).get(v, v) if isinstance(v, str) else v
+    return out
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "B": 10**9}
+
+
+def amount(doc: Doc, v: Any, rule: str, canon: Key, whole: bool) -> Any:
+    """A number, or number+unit parts: ``1h30m`` (seconds) or ``50M``, ``1.5B`` (a count, ``whole``)."""
+    if v is None or (isinstance(v, int | float) and not isinstance(v, bool)):
+        return int(v) if whole and isinstance(v, float) and v.is_integer() else v
+    units = "kKMGB" if whole else "smhd"
+    parts = re.findall(rf"(\d+(?:\.\d+)?)([{units}])", v) if isinstance(v, str) else []
+    if not parts or "".join(a + u for a, u in parts) != v.replace(" ", ""):
+        raise doc.error(canon, f"must be {rule} (got {v!r})")
+    total = sum(float(a) * _UNITS[u] for a, u in parts)
+    return round(total) if whole else total
 
 
 _KEYED = re.compile(r"([\w.\-]+): (.*)", re.S)

@@ -83,9 +83,12 @@ _TOP = [*(f.name for f in fields(StudySpec) if f.init and f.name != "source"), "
 ``budget.trials``)."""
 _WANDB = ["values", "value", "min", "max", "distribution", "q", "probabilities"]
 _DISTRIBUTIONS = ("constant", "categorical", "uniform", "int_uniform", "q_uniform", "log_uniform_values", "log_uniform")
-_DIRECTION = {"maximize": "maximize", "maximise": "maximize", "max": "maximize",
-              "minimize": "minimize", "minimise": "minimize", "min": "minimize"}  # fmt: skip
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "B": 10**9}
+_SECTIONS: dict[str, tuple[type, str]] = {"budget": (Budget, ""), "sampler": (SamplerSpec, "name"),
+                                          "pruning": (PruningSpec, ""), "pack": (PackSpec, "max_slots")}
+"""Sections read field by field alone (the others have rules of their own below): section -> (dataclass, the field a
+scalar is short for)."""
+_LISTS = {"objectives": Objective, "constraints": Constraint, "evaluators": EvalSpec, "trackers": TrackerSpec}
+"""List sections -> the dataclass of one entry."""
 
 
 def load_study(path: str | Path, overrides: Sequence[str] = (), *, check_paths: bool = True) -> StudySpec:
@@ -151,18 +154,17 @@ def _drop_spellings(data: dict[str, Any], text: str) -> None:
             del node[k]
 
 
-def _part(
-    doc: Doc, top: dict[str, Item], name: str, cls: type, extra: Mapping[str, Item] = {}, short: str = ""
-) -> dict[str, Item]:
-    """Items of top-level section ``name`` plus ``extra``; a scalar is shorthand for its ``short`` field."""
-    it = top.get(name, Item(None, (name,)))
+def _items(doc: Doc, it: Item, canon: Key, cls: type, extra: Mapping[str, Item] = {}, short: str = "") -> dict:
+    """The values of mapping ``it`` (a scalar: short for its ``short`` field) plus ``extra``, read as fields of
+    ``cls`` (``_yaml.typed``), under their aliases of ``_ALIASES``."""
     if short and it.value is not None and not isinstance(it.value, dict):
         items = {short: it}
-        doc.note((name, short), it.path)
+        doc.note(canon + (short,), it.path)
     else:
-        items = section(doc, it.value, it.path, (name,), [f.name for f in fields(cls)], _ALIASES.get(name, {}))
-    add(doc, items, (name,), extra)
-    return items
+        names = [f.name for f in fields(cls)]
+        items = section(doc, it.value, it.path, canon, names, _ALIASES.get(str(canon[0]), {}))
+    add(doc, items, canon, extra)
+    return typed(doc, cls, items, canon)
 
 
 def _study(doc: Doc, data: dict[str, Any]) -> StudySpec:
@@ -178,23 +180,27 @@ def _study(doc: Doc, data: dict[str, Any]) -> StudySpec:
         add(doc, moved[part], (part,), {name: it})
     search, fixed = _search(doc, top)
     add(doc, moved["train"], ("train",), fixed)
-    pack = typed(doc, PackSpec, _part(doc, top, "pack", PackSpec, short="max_slots"), ("pack",))
+    if top.get("pruning", Item(None, ())).value in (False, "none"):
+        del top["pruning"]
+    extra: dict[str, dict[str, Item]] = {"budget": {"trials": top["run_cap"]} if "run_cap" in top else {}}
+    if "method" in top:  # W&B: method: bayes | random | grid
+        m = top["method"]
+        extra["sampler"] = {"name": Item({"bayes": "tpe"}.get(m.value, m.value) if isinstance(m.value, str)
+                                         else m.value, m.path)}
     kw: dict[str, Any] = {
         "name": coerce(doc, top.pop("name", Item(doc.file.stem, ())).value, "str", ("name",)),
         "model": _model(doc, top, moved["model"]),
         "data": _data(doc, top, moved["data"]),
         "search": search,
         "train": _train(doc, top, moved["train"], search),
-        "budget": _budget(doc, top),
-        "sampler": _sampler(doc, top),
-        "pruning": _pruning(doc, top),
-        "pack": make(doc, PackSpec, ("pack",), **pack),
     }
-    for key, build in (("objectives", _objective), ("constraints", _constraint), ("evaluators", _evaluator),
-                       ("trackers", _tracker)):
+    for key, (cls, short) in _SECTIONS.items():
+        items = _items(doc, top.get(key, Item(None, (key,))), (key,), cls, extra.get(key, {}), short)
+        kw[key] = make(doc, cls, (key,), **items)
+    for key, cls in _LISTS.items():
         entries = _entries(doc, top, key)
         if entries is not None:
-            kw[key] = tuple(build(doc, it, (key, i)) for i, it in enumerate(entries))
+            kw[key] = tuple(_entry(doc, it, (key, i), cls) for i, it in enumerate(entries))
     kw |= typed(doc, StudySpec, {k: top[k] for k in ("description", "seed", "output", "storage", "artifacts")
                                  if k in top}, ())
     if "baseline" in top:
@@ -212,7 +218,7 @@ def _baseline(doc: Doc, it: Item) -> dict[str, Any]:
 
 def _model(doc: Doc, top: dict[str, Item], extra: dict[str, Item]) -> ModelSpec:
     canon = ("model",)
-    kw = typed(doc, ModelSpec, _part(doc, top, "model", ModelSpec, extra, short="path"), canon)
+    kw = _items(doc, top.get("model", Item(None, canon)), canon, ModelSpec, extra, "path")
     if "path" not in kw:
         raise doc.error(canon + ("path",), "is required (a hub id, a local directory or a .gguf file)")
     make(doc, ModelSpec, canon, **kw)  # the values first, then the files they name
@@ -243,7 +249,7 @@ def _model(doc: Doc, top: dict[str, Item], extra: dict[str, Item]) -> ModelSpec:
 
 def _data(doc: Doc, top: dict[str, Item], extra: dict[str, Item]) -> DataSpec:
     canon = ("data",)
-    kw = typed(doc, DataSpec, _part(doc, top, "data", DataSpec, extra, short="train"), canon)
+    kw = _items(doc, top.get("data", Item(None, canon)), canon, DataSpec, extra, "train")
     if "train" not in kw:
         raise doc.error(canon + ("train",), "is required (a JSON-lines file)")
     for key in ("train", "eval"):
@@ -256,7 +262,9 @@ def _data(doc: Doc, top: dict[str, Item], extra: dict[str, Item]) -> DataSpec:
 
 
 def _train(doc: Doc, top: dict[str, Item], extra: dict[str, Item], search: SearchSpace) -> TrainSpec:
-    items = _part(doc, top, "train", TrainSpec, extra)
+    it = top.get("train", Item(None, ("train",)))
+    items = section(doc, it.value, it.path, ("train",), _TRAIN_FIELDS, _TRAIN)
+    add(doc, items, ("train",), extra)
     searched = {p.name for p in search.params}
     for name, it in items.items():
         if name in searched:
@@ -390,46 +398,6 @@ def _targets(doc: Doc, it: Item, sets: dict[str, tuple[str, ...]]) -> dict[str, 
     return {"kind": "categorical", "choices": tuple(sets)}
 
 
-def _budget(doc: Doc, top: dict[str, Item]) -> Budget:
-    canon = ("budget",)
-    items = _part(doc, top, "budget", Budget, {"trials": top["run_cap"]} if "run_cap" in top else {})
-    kw = typed(doc, Budget, {k: i for k, i in items.items() if k == "trials"}, canon)
-    for key, rule in (("wall_time", "seconds or a duration like 90m, 2h, 1h30m"), ("tokens", "a count like 5e6, 50M")):
-        if key in items:
-            kw[key] = _amount(doc, items[key].value, rule, canon + (key,), key == "tokens")
-    return make(doc, Budget, canon, **kw)
-
-
-def _amount(doc: Doc, v: Any, rule: str, canon: Key, whole: bool) -> Any:
-    """A number, or number+unit parts: ``1h30m`` (seconds) or ``50M``, ``1.5B`` (a count)."""
-    if v is None or (isinstance(v, int | float) and not isinstance(v, bool)):
-        return int(v) if whole and isinstance(v, float) and v.is_integer() else v
-    units = "kKMGB" if whole else "smhd"
-    parts = re.findall(rf"(\d+(?:\.\d+)?)([{units}])", v) if isinstance(v, str) else []
-    if not parts or "".join(a + u for a, u in parts) != v.replace(" ", ""):
-        raise doc.error(canon, f"must be {rule} (got {v!r})")
-    total = sum(float(a) * _UNITS[u] for a, u in parts)
-    return round(total) if whole else total
-
-
-def _sampler(doc: Doc, top: dict[str, Item]) -> SamplerSpec:
-    extra = {}
-    if "method" in top:  # W&B: method: bayes | random | grid
-        m = top["method"]
-        extra["name"] = Item({"bayes": "tpe"}.get(m.value, m.value) if isinstance(m.value, str) else m.value, m.path)
-    items = _part(doc, top, "sampler", SamplerSpec, extra, short="name")
-    return make(doc, SamplerSpec, ("sampler",), **typed(doc, SamplerSpec, items, ("sampler",)))
-
-
-def _pruning(doc: Doc, top: dict[str, Item]) -> PruningSpec:
-    if top.get("pruning", Item(None, ())).value in (None, False, "none"):
-        return PruningSpec()
-    kw = typed(doc, PruningSpec, _part(doc, top, "pruning", PruningSpec), ("pruning",))
-    if "proxy_direction" in kw:
-        kw["proxy_direction"] = _DIRECTION.get(kw["proxy_direction"], kw["proxy_direction"])
-    return make(doc, PruningSpec, ("pruning",), **kw)
-
-
 def _entries(doc: Doc, top: dict[str, Item], key: str) -> list[Item] | None:
     """The items of a top-level list (or of a single value); W&B ``metric:`` is one objective."""
     if key == "objectives" and "metric" in top:
@@ -446,61 +414,48 @@ def _entries(doc: Doc, top: dict[str, Item], key: str) -> list[Item] | None:
     return [Item(v, it.path + (i,)) for i, v in enumerate(it.value)]
 
 
-def _objective(doc: Doc, it: Item, canon: Key) -> Objective:
-    if isinstance(it.value, str):  # "maximize exact_match"
-        words = it.value.split()
-        kw: dict[str, Any] = {"direction": words[0], "metric": words[1]} if len(words) == 2 else {"metric": it.value}
+def _entry(doc: Doc, it: Item, canon: Key, cls: type) -> Any:
+    """One entry of a list section: a mapping of ``cls``'s fields, or its string form (``_string_entry``)."""
+    if isinstance(it.value, str) or (cls is TrackerSpec and not isinstance(it.value, dict)):
         doc.note(canon, it.path)
+        kw = _string_entry(doc, it, canon, cls)
+    elif cls is TrackerSpec:  # its options beside its name
+        if "name" not in it.value:
+            raise doc.error(canon + ("name",), "is required (mlflow, wandb or tensorboard)")
+        for k in it.value:
+            doc.note(canon + (k,), it.path + (k,))
+        kw = {"name": it.value["name"], "options": {k: v for k, v in it.value.items() if k != "name"}}
     else:
-        items = section(doc, it.value, it.path, canon, ["metric", "direction"], _ALIASES["objectives"])
-        kw = typed(doc, Objective, items, canon)
-    kw["direction"] = _DIRECTION.get(kw.get("direction", ""), kw.get("direction"))
-    return make(doc, Objective, canon, **kw)
+        kw = _items(doc, it, canon, cls)
+    if cls is Objective:
+        kw.setdefault("direction", None)
+    if cls is EvalSpec:
+        if kw.get("options", {}) is None:
+            del kw["options"]
+        elif not isinstance(kw.get("options", {}), dict):
+            raise doc.error(canon + ("options",), f"must be a mapping (got {kw['options']!r})")
+        if isinstance(kw.get("name"), str):
+            kw["name"] = _code_path(doc, kw["name"])
+        if isinstance(kw.get("options"), dict) and isinstance(kw["options"].get("function"), str):
+            kw["options"] = {**kw["options"], "function": _code_path(doc, kw["options"]["function"])}
+    return make(doc, cls, canon, **kw)
 
 
-def _constraint(doc: Doc, it: Item, canon: Key) -> Constraint:
-    if isinstance(it.value, str):  # "peak_mem_gb <= 20"
+def _string_entry(doc: Doc, it: Item, canon: Key, cls: type) -> dict[str, Any]:
+    """A list entry written as one string: ``maximize exact_match``, ``peak_mem_gb <= 20``, a bare evaluator or
+    tracker name."""
+    if cls is Objective:
+        words = it.value.split()
+        return typed(doc, Objective, {"direction": Item(words[0], it.path), "metric": Item(words[1], it.path)}
+                     if len(words) == 2 else {"metric": it}, canon)
+    if cls is Constraint:
         m = re.fullmatch(r"\s*([\w.-]+)\s*(<=|>=)\s*(\S+)\s*", it.value)
         if m is None:
             raise doc.error(it.path, f"must read 'metric <= value' or 'metric >= value' (got {it.value!r})")
-        doc.note(canon, it.path)
-        value = coerce(doc, scalar(m[3]), "float", canon)
-        return make(doc, Constraint, canon, metric=m[1], op=m[2], value=value)
-    items = section(doc, it.value, it.path, canon, ["metric", "op", "value"], _ALIASES["constraints"])
-    return make(doc, Constraint, canon, **typed(doc, Constraint, items, canon))
-
-
-def _tracker(doc: Doc, it: Item, canon: Key) -> TrackerSpec:
-    """A bare tracker name, or ``{name: ..., option: value, ...}`` (its options beside its name)."""
-    if not isinstance(it.value, dict):
+        return {"metric": m[1], "op": m[2], "value": coerce(doc, scalar(m[3]), "float", canon)}
+    if cls is TrackerSpec:
         doc.note(canon + ("name",), it.path)
-        return make(doc, TrackerSpec, canon, name=it.value)
-    if "name" not in it.value:
-        raise doc.error(canon + ("name",), "is required (mlflow, wandb or tensorboard)")
-    options = {k: v for k, v in it.value.items() if k != "name"}
-    for k in options:
-        doc.note(canon + (k,), it.path + (k,))
-    return make(doc, TrackerSpec, canon, name=it.value["name"], options=options)
-
-
-def _evaluator(doc: Doc, it: Item, canon: Key) -> EvalSpec:
-    if isinstance(it.value, str):
-        doc.note(canon, it.path)
-        return make(doc, EvalSpec, canon, name=_code_path(doc, it.value))
-    items = section(doc, it.value, it.path, canon, ["name", "options", "timeout"], _ALIASES["evaluators"])
-    timeout = items.pop("timeout", None)
-    kw = typed(doc, EvalSpec, items, canon)
-    if kw.get("options") is None:
-        kw.pop("options", None)
-    elif not isinstance(kw["options"], dict):
-        raise doc.error(canon + ("options",), f"must be a mapping (got {kw['options']!r})")
-    if isinstance(kw.get("name"), str):
-        kw["name"] = _code_path(doc, kw["name"])
-    if isinstance(kw.get("options"), dict) and isinstance(kw["options"].get("function"), str):
-        kw["options"] = {**kw["options"], "function": _code_path(doc, kw["options"]["function"])}
-    if timeout is not None:
-        kw["timeout"] = _amount(doc, timeout.value, "seconds or a duration like 30s, 10m", canon + ("timeout",), False)
-    return make(doc, EvalSpec, canon, **kw)
+    return {"name": it.value}
 
 
 def _code_path(doc: Doc, spec: str) -> str:

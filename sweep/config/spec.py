@@ -92,7 +92,7 @@ class EvalSpec:
     Naming one runs that code, as a Python config would."""
     options: Mapping[str, object] = field(default_factory=dict, hash=False)
     """Evaluator options: string keys, JSON-like values."""
-    timeout: float = registry.DEFAULT_TIMEOUT
+    timeout: float = field(default=registry.DEFAULT_TIMEOUT, metadata={"amount": "seconds or a duration like 30s, 10m"})
     """Seconds a user's evaluator (``file.py:OBJECT``, or ``custom``'s function) may run on one set of slots (a
     number or a duration like ``30s``, ``10m``); past it, or past ``budget.wall_time`` (an evaluation has at least a
     tenth of the wall time, 10 s or more, so the trials training when the budget ends are still scored), its trials

@@ -8,7 +8,7 @@ they validate themselves in ``__post_init__`` and raise ``ConfigError("key: rule
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from lora_sweep.errors import ConfigError
@@ -18,6 +18,8 @@ __all__ = ["Objective", "Constraint", "Budget", "PruningSpec", "SamplerSpec"]
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 """A metric or study name."""
+DIRECTIONS = {"maximise": "maximize", "max": "maximize", "minimise": "minimize", "min": "minimize"}
+"""Other spellings of a direction a study file may use."""
 
 
 @dataclass(frozen=True)
@@ -26,7 +28,7 @@ class Objective:
 
     metric: str
     """Metric name an evaluator or the trainer reports (``eval_loss``, ``exact_match``, ``adapter_params``)."""
-    direction: Literal["minimize", "maximize"]
+    direction: Literal["minimize", "maximize"] = field(metadata={"spellings": DIRECTIONS})
     """Optuna's spelling."""
 
     def __post_init__(self) -> None:
@@ -68,9 +70,9 @@ class Budget:
 
     trials: int | None = None
     """Number of finished trials (complete, pruned or failed)."""
-    wall_time: float | None = None
+    wall_time: float | None = field(default=None, metadata={"amount": "seconds or a duration like 90m, 2h, 1h30m"})
     """Seconds of wall time; the study file also takes ``90m``, ``2h``, ``1h30m``."""
-    tokens: int | None = None
+    tokens: int | None = field(default=None, metadata={"amount": "a count like 5e6, 50M"})
     """Training tokens over all trials; the study file also takes ``200k``, ``50M``, ``1.5B``."""
 
     def __post_init__(self) -> None:
@@ -93,7 +95,7 @@ class PruningSpec:
     """Keep ceil(n / reduction_factor) of n live trials at each rung."""
     proxy: str | None = None
     """Metric ranked at rungs; None: the objective if there is one, else ``eval_loss``."""
-    proxy_direction: Literal["minimize", "maximize"] = "minimize"
+    proxy_direction: Literal["minimize", "maximize"] = field(default="minimize", metadata={"spellings": DIRECTIONS})
     """Direction of ``proxy`` when it is not an objective."""
 
     def __post_init__(self) -> None:
