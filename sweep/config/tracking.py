@@ -21,13 +21,20 @@ from lora_sweep.sweep.config._params import _check
 
 __all__ = ["TrackerSpec", "TRACKERS", "axolotl_trackers", "named_trackers", "torchtune_trackers"]
 
-TRACKERS: dict[str, dict[str, str]] = {
-    "mlflow": {"tracking_uri": "str", "experiment": "str"},
-    "wandb": {"project": "str", "entity": "str", "mode": "str", "name": "str"},
-    "tensorboard": {"log_dir": "str"},
-}
-"""Tracker name -> its options and their types (every option may be left out); each is also the name of the package
-the tracker imports and of the extra that installs it."""
+OPTIONS: tuple[tuple[str, str, str, str], ...] = (
+    ("wandb", "project", "wandb_project", "project"),
+    ("wandb", "entity", "wandb_entity", "entity"),
+    ("wandb", "mode", "wandb_mode", "mode"),
+    ("wandb", "name", "wandb_name", "name"),
+    ("mlflow", "tracking_uri", "mlflow_tracking_uri", "tracking_uri"),
+    ("mlflow", "experiment", "mlflow_experiment_name", "experiment_name experiment"),
+    ("tensorboard", "log_dir", "", "log_dir"),
+)
+"""One row per tracker option (every one a string that may be left out): (tracker, option, Axolotl's key, torchtune's
+``metric_logger`` arguments, ``torchtune/training/metric_logging.py``). A tracker's name is also the package it
+imports and the extra that installs it."""
+TRACKERS = {t: [o for t2, o, _, _ in OPTIONS if t2 == t] for t in ("mlflow", "wandb", "tensorboard")}
+"""Tracker name -> its options."""
 WANDB_MODES = ("offline", "online", "disabled")
 
 
@@ -63,12 +70,6 @@ class TrackerSpec:
                               f"(got {self.name!r})")
 
 
-_AXOLOTL = {"wandb_project": ("wandb", "project"), "wandb_entity": ("wandb", "entity"),
-            "wandb_mode": ("wandb", "mode"), "wandb_name": ("wandb", "name"),
-            "mlflow_tracking_uri": ("mlflow", "tracking_uri"), "mlflow_experiment_name": ("mlflow", "experiment")}
-"""Axolotl's tracker keys -> (tracker, option); ``use_mlflow`` and ``use_wandb`` name a tracker alone."""
-
-
 def axolotl_trackers(data: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
     """(``trackers:`` entries, the keys they used) of an Axolotl config: W&B when ``wandb_project`` or
     ``use_wandb`` is set (as Axolotl decides), MLflow when ``use_mlflow`` or ``mlflow_tracking_uri`` is set. A
@@ -76,8 +77,8 @@ def axolotl_trackers(data: Mapping[str, Any]) -> tuple[list[dict[str, Any]], lis
     ignored."""
     options: dict[str, dict[str, Any]] = {"wandb": {}, "mlflow": {}}
     used = []
-    for key, (tracker, option) in _AXOLOTL.items():
-        if data.get(key) not in (None, ""):
+    for tracker, option, key, _ in OPTIONS:
+        if key and data.get(key) not in (None, ""):
             options[tracker][option] = str(data[key])
             used.append(key)
     on = {"wandb": bool(data.get("use_wandb")) or "project" in options["wandb"],
@@ -89,9 +90,6 @@ def axolotl_trackers(data: Mapping[str, Any]) -> tuple[list[dict[str, Any]], lis
 
 
 _TT_LOGGERS = {"WandBLogger": "wandb", "MLFlowLogger": "mlflow", "TensorBoardLogger": "tensorboard"}
-_TT_OPTIONS = {"experiment_name": "experiment"}
-"""torchtune's logger arguments (``torchtune/training/metric_logging.py``) that our trackers name otherwise; the others
-are ours (``TRACKERS``) or ignored (``log_dir`` of W&B and ``run_id`` of MLflow say where torchtune's own run went)."""
 
 
 def torchtune_trackers(value: Any) -> tuple[list[dict[str, Any]], list[str]]:
@@ -105,12 +103,13 @@ def torchtune_trackers(value: Any) -> tuple[list[dict[str, Any]], list[str]]:
     if name is None:
         return [], ["metric_logger"]
     entry: dict[str, Any] = {"name": name}
-    ignored = []
+    ours = {tt: option for tracker, option, _, names in OPTIONS if tracker == name for tt in names.split()}
+    ignored = []  # W&B's log_dir and MLflow's run_id say where torchtune's own run went
     for key, v in value.items():
         if key == "_component_" or v in (None, ""):
             continue
-        if _TT_OPTIONS.get(key, key) in TRACKERS[name]:
-            entry[_TT_OPTIONS.get(key, key)] = str(v)
+        if key in ours:
+            entry[ours[key]] = str(v)
         else:
             ignored.append(f"metric_logger.{key}")
     return [entry], ignored
