@@ -7,22 +7,30 @@ range or a list of choices accepts exactly what an adapter accepts (rank 1..256,
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.sweep.config.settings import RANGED, SEARCHABLE, _check, _is_num, check_value
 
-__all__ = ["Param", "SearchSpace", "SEARCHABLE", "check_annotated"]
+__all__ = ["Param", "SearchSpace", "SEARCHABLE", "check_fields", "rule"]
 
 
-def check_annotated(obj: Any) -> None:
-    """Check each ``bool`` and ``Literal`` field of dataclass ``obj`` against its annotation, where the closed set of
-    a field is declared (``cuda_graphs: Literal["auto", "on", "off"]``: "cuda_graphs: must be auto, on or off")."""
+def rule(test: Callable[[Any], bool], text: str, default: Any = MISSING, **metadata: Any) -> Any:
+    """A dataclass field that ``check_fields`` checks with ``test``; ``text`` is the rule its error states."""
+    return field(default=default, metadata={"rule": (test, text), **metadata})
+
+
+def check_fields(obj: Any) -> None:
+    """Check each field of dataclass ``obj``, in order: by its ``rule`` (``rule``), and a ``bool`` or ``Literal`` one
+    against its annotation, where the closed set is declared (``cuda_graphs: Literal["auto", "on", "off"]``:
+    "cuda_graphs: must be auto, on or off")."""
     hints = _hints(type(obj))
     for f in fields(obj):
         value, hint = getattr(obj, f.name), hints[f.name]
+        if "rule" in f.metadata:
+            _check(f.metadata["rule"][0](value), f.name, f.metadata["rule"][1], value)
         if hint is bool:
             _check(isinstance(value, bool), f.name, "must be true or false", value)
         elif get_origin(hint) is Literal:

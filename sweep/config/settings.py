@@ -34,6 +34,11 @@ def _is_num(x: object) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def whole(low: int = 1, null: bool = False) -> Callable[[Any], bool]:
+    """A value's test: an int (not a bool) >= ``low``, or null where ``null``."""
+    return lambda v: (null and v is None) or (isinstance(v, int) and not isinstance(v, bool) and v >= low)
+
+
 @dataclass(frozen=True)
 class Setting:
     """One train setting: a key of a study file's ``train:`` (and of ``search:`` when searchable)."""
@@ -115,14 +120,14 @@ SETTINGS: tuple[Setting, ...] = (
             hf="num_train_epochs", type="float | None", check=(lambda v: _is_num(v) and v > 0, "must be > 0")),
     Setting("max_steps_per_epoch", "With ``epochs``: at most this many optimizer steps per epoch (torchtune's "
             "``max_steps_per_epoch``).", None, type="int | None",
-            check=(lambda v: isinstance(v, int) and v >= 1, "must be an int >= 1")),
+            check=(whole(), "must be an int >= 1")),
     Setting("warmup_ratio", "Warm-up over ``ceil(warmup_ratio * max_steps)`` steps, once a trial's steps are known "
             "(HF Trainer's rule; a non-zero ``warmup_steps`` wins).", None, type="float | None",
             check=(lambda v: _is_num(v) and 0 <= v < 1, "must be in [0, 1)")),
     Setting("eval_every", "Score each trial's held-out loss every this many optimizer steps (a curve in the store, "
             "kind ``curve``; with one objective also Optuna's intermediate values, instead of the training loss).",
             None, hf="eval_steps", type="int | None",
-            check=(lambda v: isinstance(v, int) and v >= 1, "must be an int >= 1")),
+            check=(whole(), "must be an int >= 1")),
     Setting("optimizer_in_backward", "torchtune's ``optimizer_in_bwd``, mapped onto the one training step "
             "(``packer.step.train``): the same AdamW updates, taken after the backward from the step's preallocated "
             "fp32 gradient buffer, so the memory saving (4 B per adapter parameter) is not taken; a warning says so. "

@@ -11,7 +11,8 @@ from typing import Literal
 
 from lora_sweep.packer.api import FORMATS as DATA_FORMATS
 from lora_sweep.packer.api import QUANTIZE, line_bound
-from lora_sweep.sweep.config._params import _check, check_annotated
+from lora_sweep.sweep.config._params import check_fields, rule
+from lora_sweep.sweep.config.settings import whole
 
 __all__ = ["ModelSpec", "DataSpec", "FORMATS"]
 
@@ -23,41 +24,23 @@ _FORMAT_ALIASES = {"messages": "chat", "sharegpt": "chat", "completion": "prompt
 class ModelSpec:
     """The frozen base model."""
 
-    path: str
+    path: str = rule(lambda v: isinstance(v, str) and v.strip() == v != "", "must be a hub id or path")
     """Hub id (``openai-community/gpt2``), local directory, or local ``.gguf`` file (stored absolute); a GGUF
     checkpoint is dequantized once into a cached plain checkpoint (``packer.model.gguf``)."""
-    gguf_file: str | None = None
+    gguf_file: str | None = rule(lambda v: v is None or (isinstance(v, str) and v.strip() != ""),
+                                 "must be the name of a .gguf file inside model.path", None)
     """A GGUF file inside the directory ``path`` (transformers' ``gguf_file``); None: ``path`` is the model."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Dtype of the frozen base weights; ``auto``: bfloat16 on CUDA, float32 on CPU."""
-    device: str = "auto"
+    device: str = rule(lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(v)) is not None,
+                       "must be auto, cpu, cuda or cuda:N", "auto")
     """``auto`` (CUDA if available), ``cpu``, ``cuda`` or ``cuda:N``."""
-    quantize: str | None = None
+    quantize: str | None = rule(lambda v: v is None or v in QUANTIZE, f"must be {' or '.join(QUANTIZE)} or null", None)
     """``nf4``: QLoRA, the base's linear projections held as 4-bit NF4 weights shared by every slot
     (``packer.model.quant``; needs the ``qlora`` extra); None: the base in ``dtype``."""
 
     def __post_init__(self) -> None:
-        _check(
-            isinstance(self.path, str) and self.path.strip() == self.path != "",
-            "path",
-            "must be a hub id or path",
-            self.path,
-        )
-        _check(
-            self.gguf_file is None or (isinstance(self.gguf_file, str) and self.gguf_file.strip() != ""),
-            "gguf_file",
-            "must be the name of a .gguf file inside model.path",
-            self.gguf_file,
-        )
-        check_annotated(self)
-        _check(
-            re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(self.device)) is not None,
-            "device",
-            "must be auto, cpu, cuda or cuda:N",
-            self.device,
-        )
-        _check(self.quantize is None or self.quantize in QUANTIZE, "quantize",
-               f"must be {' or '.join(QUANTIZE)} or null", self.quantize)
+        check_fields(self)
 
 
 @dataclass(frozen=True)
@@ -69,24 +52,20 @@ class DataSpec:
     eval: Path | None = None
     """Held-out file the evaluators score; required by those that declare they score it (every built-in one but
     ``lm_eval``: ``Evaluator.needs_eval_data``)."""
-    format: str = "auto"
+    format: str = rule(lambda v: v in FORMATS, f"must be one of {', '.join(FORMATS)}", "auto")
     """Row format: ``auto`` (from the first row's keys), alpaca ``{instruction, input, output}``, chat
     ``{messages}`` (alias ``messages``), ``prompt_completion`` ``{prompt, completion}``, ``text``."""
-    max_length: int = 512
+    max_length: int = rule(whole(), "must be >= 1", 512)
     """Truncate tokenized examples to this many tokens."""
     train_on_prompt: bool = False
     """Also train on prompt tokens (default: labels masked to the response, as Axolotl)."""
-    max_line_bytes: int | None = None
+    max_line_bytes: int | None = rule(whole(null=True), "must be a number of bytes >= 1", None)
     """The longest row (line) of the data files, in bytes: a longer one is refused by ``file:line`` before it is
     parsed; null: 1 MiB, or 32 bytes a token of ``max_length`` when that is more (``line_bytes``)."""
 
     def __post_init__(self) -> None:
-        m = self.max_line_bytes
-        _check(m is None or (isinstance(m, int) and not isinstance(m, bool) and m >= 1), "max_line_bytes",
-               "must be a number of bytes >= 1", m)
         object.__setattr__(self, "format", _FORMAT_ALIASES.get(self.format, self.format))
-        _check(self.format in FORMATS, "format", f"must be one of {', '.join(FORMATS)}", self.format)
-        _check(isinstance(self.max_length, int) and self.max_length >= 1, "max_length", "must be >= 1", self.max_length)
+        check_fields(self)
 
     @property
     def line_bytes(self) -> int:

@@ -20,8 +20,8 @@ from typing import Any, Literal
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.evaluators import registry
-from lora_sweep.sweep.config._params import SEARCHABLE, Param, SearchSpace, _check, _is_num, check_annotated
-from lora_sweep.sweep.config.settings import NOT_IN_BACKWARD, TrainSpec, check_variant_combinations
+from lora_sweep.sweep.config._params import SEARCHABLE, Param, SearchSpace, _check, _is_num, check_fields, rule
+from lora_sweep.sweep.config.settings import NOT_IN_BACKWARD, TrainSpec, check_variant_combinations, whole
 from lora_sweep.sweep.config.sources import FORMATS, DataSpec, ModelSpec
 from lora_sweep.sweep.config.strategy import _NAME, Budget, Constraint, Objective, PruningSpec, SamplerSpec
 from lora_sweep.sweep.config.tracking import TrackerSpec
@@ -37,9 +37,11 @@ EVALUATORS = tuple(e.name for e in registry.EVALUATORS)
 class PackSpec:
     """How many trials share one training run."""
 
-    max_slots: int | Literal["auto"] = "auto"
+    max_slots: int | Literal["auto"] = rule(lambda v: v == "auto" or (isinstance(v, int) and 1 <= v <= 256),
+                                            "must be auto or an int in 1..256", "auto")
     """Slots per pack, or ``auto``: as many as the planner's memory model allows."""
-    chunked_ce: bool | int = False
+    chunked_ce: bool | int = rule(lambda v: isinstance(v, bool) or (isinstance(v, int) and v >= 1),
+                                  "must be true, false or a number of tokens >= 1", False)
     """Cross-entropy in chunks of this many target tokens (``true``: 4096), never all logits at once."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer in backward instead of keeping its activations."""
@@ -60,12 +62,7 @@ class PackSpec:
     one device."""
 
     def __post_init__(self) -> None:
-        ok = self.max_slots == "auto" or (isinstance(self.max_slots, int) and 1 <= self.max_slots <= 256)
-        _check(ok, "max_slots", "must be auto or an int in 1..256", self.max_slots)
-        ce = self.chunked_ce
-        _check(isinstance(ce, bool) or (isinstance(ce, int) and ce >= 1), "chunked_ce",
-               "must be true, false or a number of tokens >= 1", ce)
-        check_annotated(self)
+        check_fields(self)
         _check(not (self.shard == "fsdp" and self.cuda_graphs == "on"), "shard",
                "fsdp runs the eager step (no CUDA graph under FSDP's collectives): needs cuda_graphs auto or off",
                self.shard)
@@ -86,29 +83,23 @@ def _jsonlike(x: object) -> bool:
 class EvalSpec:
     """One evaluator run on every trial; its options are checked by the evaluator itself."""
 
-    name: str
+    name: str = rule(lambda v: isinstance(v, str) and (v in EVALUATORS or ":" in v),
+                     f"must be one of {', '.join(EVALUATORS)}, or file.py:OBJECT naming an Evaluator")
     """One of ``EVALUATORS`` (``evaluators.registry.EVALUATORS``), or ``file.py:OBJECT`` / ``module:OBJECT`` naming
     an ``Evaluator`` object (docs/guides/extending.md); a relative ``file.py`` is taken from the study file's folder.
     Naming one runs that code, as a Python config would."""
-    options: Mapping[str, object] = field(default_factory=dict, hash=False)
+    options: Mapping[str, object] = field(default_factory=dict, hash=False, metadata={"rule": (
+        lambda v: isinstance(v, Mapping) and _jsonlike(v), "must be a mapping of names to plain values")})
     """Evaluator options: string keys, JSON-like values."""
-    timeout: float = field(default=registry.DEFAULT_TIMEOUT, metadata={"amount": "seconds or a duration like 30s, 10m"})
+    timeout: float = rule(lambda v: _is_num(v) and v > 0, "must be a number of seconds > 0", registry.DEFAULT_TIMEOUT,
+                          amount="seconds or a duration like 30s, 10m")
     """Seconds a user's evaluator (``file.py:OBJECT``, or ``custom``'s function) may run on one set of slots (a
     number or a duration like ``30s``, ``10m``); past it, or past ``budget.wall_time`` (an evaluation has at least a
     tenth of the wall time, 10 s or more, so the trials training when the budget ends are still scored), its trials
     fail with the reason and the run stops (``evaluators.registry.evaluate``). Built-in evaluators are not timed."""
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.name, str) and (self.name in EVALUATORS or ":" in self.name), "name",
-               f"must be one of {', '.join(EVALUATORS)}, or file.py:OBJECT naming an Evaluator", self.name)
-        _check(_is_num(self.timeout) and self.timeout > 0, "timeout", "must be a number of seconds > 0",
-               self.timeout)
-        _check(
-            isinstance(self.options, Mapping) and _jsonlike(self.options),
-            "options",
-            "must be a mapping of names to plain values",
-            self.options,
-        )
+        check_fields(self)
         try:
             registry.validate(self.name, self.options)
         except ConfigError as e:  # the evaluator owns its options; strip its "evaluators: " prefix
@@ -119,7 +110,7 @@ class EvalSpec:
 class StudySpec:
     """A whole study: what to train, what to search, how to judge and when to stop."""
 
-    name: str
+    name: str = rule(lambda v: bool(_NAME.fullmatch(v)), "must be letters, digits, '.', '_' or '-'")
     """Study name (Optuna study name and default output folder); default: the file's stem."""
     model: ModelSpec
     """Base model."""
@@ -145,13 +136,15 @@ class StudySpec:
     """Evaluators run after training (and at pruning rungs)."""
     output: Path | None = None
     """Output folder; None: ``runs/<name>`` (see ``out_dir``)."""
-    storage: str | None = None
+    storage: str | None = rule(lambda v: v is None or re.match(r"[a-z][a-z0-9+]*://", v) is not None
+                               or v.endswith(".log"), "must be an RDB URL such as sqlite:///study.db or a journal "
+                               "file path ending in .log", None)
     """Optuna storage: an RDB URL (``sqlite:///x.db``, ``postgresql+psycopg2://...``) or a journal file
     (``journal:///abs/path.log`` or a plain ``*.log`` path); None: a file in the output folder."""
     artifacts: Path | None = None
     """Folder of the trials' adapters (``trial-<n>/``), e.g. on a filesystem every worker host shares;
     None: the output folder's ``adapters/``."""
-    seed: int = 0
+    seed: int = rule(whole(0), "must be an int >= 0", 0)
     """Seeds the sampler (and, through the study loop, the adapters)."""
     baseline: Mapping[str, Any] = field(default_factory=dict, hash=False)
     """Train values of a trial enqueued beside the community default, named the baseline: an Axolotl or torchtune
@@ -167,15 +160,7 @@ class StudySpec:
     """The study file this was loaded from."""
 
     def __post_init__(self) -> None:
-        _check(bool(_NAME.fullmatch(self.name)), "name", "must be letters, digits, '.', '_' or '-'", self.name)
-        _check(isinstance(self.seed, int) and self.seed >= 0, "seed", "must be an int >= 0", self.seed)
-        _check(
-            self.storage is None or re.match(r"[a-z][a-z0-9+]*://", self.storage) is not None
-            or self.storage.endswith(".log"),
-            "storage",
-            "must be an RDB URL such as sqlite:///study.db or a journal file path ending in .log",
-            self.storage,
-        )
+        check_fields(self)
         _check(len(self.objectives) > 0, "objectives", "must not be empty", self.objectives)
         metrics = [o.metric for o in self.objectives]
         for i, m in enumerate(metrics):

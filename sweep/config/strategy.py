@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from lora_sweep.errors import ConfigError
-from lora_sweep.sweep.config._params import _check, _is_num, check_annotated
+from lora_sweep.sweep.config._params import _check, _is_num, check_fields, rule
 
 __all__ = ["Objective", "Constraint", "Budget", "PruningSpec", "SamplerSpec"]
 
@@ -26,31 +26,28 @@ DIRECTIONS = {"maximise": "maximize", "max": "maximize", "minimise": "minimize",
 class Objective:
     """One optimisation target."""
 
-    metric: str
+    metric: str = rule(lambda v: bool(_NAME.fullmatch(v)), "must be a metric name")
     """Metric name an evaluator or the trainer reports (``eval_loss``, ``exact_match``, ``adapter_params``)."""
     direction: Literal["minimize", "maximize"] = field(metadata={"spellings": DIRECTIONS})
     """Optuna's spelling."""
 
     def __post_init__(self) -> None:
-        _check(bool(_NAME.fullmatch(self.metric)), "metric", "must be a metric name", self.metric)
-        check_annotated(self)
+        check_fields(self)
 
 
 @dataclass(frozen=True)
 class Constraint:
     """A soft constraint ``metric <= value`` or ``metric >= value`` (Optuna ``set_constraint``)."""
 
-    metric: str
+    metric: str = rule(lambda v: bool(_NAME.fullmatch(v)), "must be a metric name")
     """Metric name."""
     op: Literal["<=", ">="]
     """Comparison."""
-    value: float
+    value: float = rule(_is_num, "must be a number")
     """Bound."""
 
     def __post_init__(self) -> None:
-        _check(bool(_NAME.fullmatch(self.metric)), "metric", "must be a metric name", self.metric)
-        check_annotated(self)
-        _check(_is_num(self.value), "value", "must be a number", self.value)
+        check_fields(self)
 
     def violation(self, x: float | None) -> float:
         """Optuna's constraint value for metric value ``x``: feasible iff <= 0; a missing or non-finite
@@ -99,7 +96,7 @@ class PruningSpec:
     """Direction of ``proxy`` when it is not an objective."""
 
     def __post_init__(self) -> None:
-        check_annotated(self)
+        check_fields(self)
         if self.kind == "none":
             _check(not self.rungs, "rungs", "only used with kind cohort_sha", self.rungs)
             return
@@ -127,7 +124,7 @@ class SamplerSpec:
     """NSGA-II generation size (None: Optuna's default)."""
 
     def __post_init__(self) -> None:
-        check_annotated(self)
+        check_fields(self)
         n, pop = self.n_startup_trials, self.population_size
         _check(n is None or self.name in ("tpe", "gp"), "n_startup_trials", "only used by tpe and gp", n)
         _check(n is None or (isinstance(n, int) and n >= 0), "n_startup_trials", "must be >= 0", n)
