@@ -30,6 +30,7 @@ import os
 import random
 import re
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -172,16 +173,18 @@ def _move(out: _Out, table: Mapping[Key, Move], src: Key, value: Any) -> bool:
     return True
 
 
+@dataclass
 class _Out:
     """The translated mapping, with the line of every moved key, and the dropped keys."""
 
-    def __init__(self, doc: Doc, data: dict[str, Any]) -> None:
-        self.doc, self.data, self.dropped = doc, data, []  # type: ignore[var-annotated]
-        self.errors: list[str] = []
-        """Every refusal of the file, so one run names them all (``translate`` raises them together)."""
-        self.warnings: list[str] = []
-        """What runs otherwise than written (an 8-bit optimizer as fp32 AdamW, ...): said once the file is
-        accepted (a refused file gets its refusals only)."""
+    doc: Doc
+    data: dict[str, Any]
+    dropped: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    """Every refusal of the file, so one run names them all (``translate`` raises them together)."""
+    warnings: list[str] = field(default_factory=list)
+    """What runs otherwise than written (an 8-bit optimizer as fp32 AdamW, ...): said once the file is accepted (a
+    refused file gets its refusals only)."""
 
     def warn(self, message: str) -> None:
         self.warnings.append(message)
@@ -366,21 +369,23 @@ def _keep(out: _Out, key: str, value: Any) -> None:
         out.data[key] = value
 
 
-def _axolotl(doc: Doc, data: dict[str, Any]) -> _Out:
-    out = _Out(doc, {})
-    handlers: dict[str, Callable[[_Out, Any], None]] = {
-        "datasets": _datasets, "optimizer": _optimizer,
-        "adam_beta1": lambda o, v: None, "adam_beta2": lambda o, v: None,  # with betas, below
-        "val_set_size": lambda o, v: None,  # after the datasets
-        "use_wandb": lambda o, v: None, "use_mlflow": lambda o, v: None,  # trackers, after the loop
-    }
+def _keys(out: _Out, data: dict[str, Any], table: Mapping[Key, Move], rules: Mapping[str, Callable[[_Out, Any], None]],
+          skip: Sequence[str] = ()) -> _Out:
+    """Each top-level key of ``data`` (but ``skip``, read by the caller) by the rules both formats share
+    (``_common``), its own rule (``rules``) or its row of ``table``; any other is kept for ``loader``."""
     for key, value in data.items():
-        if out.attempt(_common, out, key, value):
+        if key in skip or out.attempt(_common, out, key, value):
             continue
-        if key in handlers:
-            out.attempt(handlers[key], out, value)
-        elif not out.attempt(_move, out, AXOLOTL, (key,), value):
+        if key in rules:
+            out.attempt(rules[key], out, value)
+        elif not out.attempt(_move, out, table, (key,), value):
             _keep(out, key, value)
+    return out
+
+
+def _axolotl(doc: Doc, data: dict[str, Any]) -> _Out:
+    later = dict.fromkeys(("adam_beta1", "adam_beta2", "val_set_size", "use_wandb", "use_mlflow"), _read_after)
+    out = _keys(_Out(doc, {}), data, AXOLOTL, {"datasets": _datasets, "optimizer": _optimizer, **later})
     if data.get("lora_target_linear") and data.get("lora_target_modules"):
         # Axolotl adapts the listed modules and every linear layer: all of them, as lora_target_linear alone
         del out.data["lora_target_modules"]
@@ -393,6 +398,10 @@ def _axolotl(doc: Doc, data: dict[str, Any]) -> _Out:
     if not out.errors:  # a refused dataset has nothing to split
         out.attempt(_val_split, out, data)
     return out
+
+
+def _read_after(out: _Out, value: Any) -> None:
+    """A key read after the others (Axolotl's betas, its held-out split and tracker switches)."""
 
 
 def _datasets(out: _Out, value: Any) -> None:
@@ -472,15 +481,7 @@ def _val_split(out: _Out, data: dict[str, Any], size: Any = None) -> None:
 
 
 def _torchtune(doc: Doc, data: dict[str, Any]) -> _Out:
-    out = _Out(doc, {})
-    for key, value in data.items():
-        if key in ("checkpointer", "tokenizer") or out.attempt(_common, out, key, value):
-            continue
-        handler = _TT.get(key)
-        if handler is not None:
-            out.attempt(handler, out, value)
-        elif not out.attempt(_move, out, TORCHTUNE, (key,), value):
-            _keep(out, key, value)
+    out = _keys(_Out(doc, {}), data, TORCHTUNE, _TT, skip=("checkpointer", "tokenizer"))
     ckpt = data.get("checkpointer") if isinstance(data.get("checkpointer"), dict) else {}
     if "checkpointer" not in data:
         out.errors.append(str(out.error(("model",), "a torchtune config needs checkpointer.checkpoint_dir (the HF "
