@@ -313,6 +313,22 @@ def test_string_forms_of_objectives_constraints_sampler_pruning(folder: Path) ->
     assert s.prune_metric() == ("eval_loss", "minimize")
 
 
+def test_a_fields_metadata_says_how_the_file_spells_it(folder: Path) -> None:
+    """Every section and list entry is read by one reader from its fields: a duration or a count where the field
+    declares an ``amount`` rule, a direction's other spellings where it declares ``spellings``."""
+    text = BASE.replace("trials: 4", "trials: 4\n  wall_time: 1h30m\n  tokens: 1.5B") + (
+        "objectives: [{metric: eval_loss, direction: min}, maximise exact_match]\n"
+        "pruning: {kind: cohort_sha, rungs: [10], proxy: perplexity, proxy_direction: minimise}\n"
+        "evaluators: [{name: heldout_loss, timeout: 2m}, {name: generation, timeout: 90}]\n")
+    s = load_study(write(folder, text))
+    assert (s.budget.wall_time, s.budget.tokens, s.budget.trials) == (5400.0, 1_500_000_000, 4)
+    assert [o.direction for o in s.objectives] == ["minimize", "maximize"]
+    assert s.pruning.proxy_direction == "minimize" and s.prune_metric() == ("perplexity", "minimize")
+    assert [e.timeout for e in s.evaluators] == [120.0, 90]
+    with pytest.raises(ConfigError, match=r"study.yaml:\d+: pruning.proxy_direction: must be minimize or maximize"):
+        load_study(write(folder, text.replace("minimise}", "down}")))
+
+
 def test_prune_metric(folder: Path) -> None:
     single = BASE + "objectives: [maximize exact_match]\npruning: {kind: cohort_sha, rungs: [10]}\n"
     single += "evaluators: [generation]\n"
