@@ -3,7 +3,7 @@ transformers + PEFT alone, on a base loaded once per process.
 
 This is the loop a careful user writes around Optuna, doing per trial the work a ``sweep run`` trial does:
 
-- the same Optuna study: the study's sampler built by ``sweep.config.space.make_sampler`` with the study's seed,
+- the same Optuna study: the study's sampler built by ``sweep.sampling.make_sampler`` with the study's seed,
   its objective directions, the community default (and a config baseline) enqueued first, as ``sweep.ledger``;
 - the same rows in the same order (``sweep._trial_data``: ``trial_adapter`` for the step count, ``trial_stream``
   for the seeded micro-batches), the same adapter (``adapter_spec``: rank, alpha, dropout, targets resolved by
@@ -59,10 +59,11 @@ from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.packer.step.capture import capture
 from lora_sweep.store.api import attrs
 from lora_sweep.sweep._trial_data import trial_adapter, trial_stream
-from lora_sweep.sweep.config.space import adapter_spec, baseline_params, community_default, make_sampler, suggest
+from lora_sweep.sweep.config.space import adapter_spec, baseline_params, community_default
 from lora_sweep.sweep.config.spec import StudySpec
 from lora_sweep.sweep.device import resolve_device
 from lora_sweep.sweep.pruning import CohortSHA
+from lora_sweep.sweep.sampling import make_sampler, suggest
 
 __all__ = ["METRICS", "Base", "load", "create_study", "journal", "open_study", "run_trials", "heldout_loss", "wrap"]
 

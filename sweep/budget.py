@@ -20,9 +20,9 @@ from optuna.trial import FrozenTrial, TrialState
 from lora_sweep.packer.api import data
 from lora_sweep.store.api import DirectoryInUse, ResultsStore, StudyDir, attrs
 from lora_sweep.store.storage import Sharing, open_storage, study_elapsed
-from lora_sweep.sweep.config.space import GridSearch
 from lora_sweep.sweep.config.spec import StudySpec
 from lora_sweep.sweep.ledger import FINISHED, orphans, storage_url
+from lora_sweep.sweep.sampling import GridSearch
 
 __all__ = ["BudgetState", "Counts", "budget_state", "shared_budget", "counted", "TokenPlan", "end_line",
            "recorded_budget"]

@@ -44,8 +44,9 @@ from lora_sweep.store.storage import (
     storage_lock,
     unopenable,
 )
-from lora_sweep.sweep.config.space import baseline_params, community_default, make_sampler
+from lora_sweep.sweep.config.space import baseline_params, community_default
 from lora_sweep.sweep.config.spec import StudySpec
+from lora_sweep.sweep.sampling import make_sampler
 
 __all__ = ["Ledger", "Heartbeat", "open_study", "recorded_trials", "storage_url", "ORPHAN_REASON", "FINISHED",
            "is_default", "orphans"]

@@ -54,7 +54,7 @@ from lora_sweep.sweep._trial_data import (
     trial_stream,
 )
 from lora_sweep.sweep.budget import BudgetState, TokenPlan, budget_state, end_line, recorded_budget
-from lora_sweep.sweep.config.space import adapter_spec, suggest
+from lora_sweep.sweep.config.space import adapter_spec
 from lora_sweep.sweep.config.spec import StudySpec
 from lora_sweep.sweep.eta import expected_steps, pack_steps_left, steps_left
 from lora_sweep.sweep.ledger import Heartbeat, Ledger
@@ -62,6 +62,7 @@ from lora_sweep.sweep.planning import largest_rank
 from lora_sweep.sweep.pruning import CohortSHA
 from lora_sweep.sweep.ranks import Channel
 from lora_sweep.sweep.resume import open_session
+from lora_sweep.sweep.sampling import suggest
 from lora_sweep.sweep.session import Note, Session
 from lora_sweep.sweep.timing import WallSplit, append_run, run_split
 

@@ -13,7 +13,8 @@ import yaml
 from lora_sweep.errors import ConfigError
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.sweep.config.loader import load_study
-from lora_sweep.sweep.config.space import adapter_spec, suggest
+from lora_sweep.sweep.config.space import adapter_spec
+from lora_sweep.sweep.sampling import suggest
 
 STUDY = {
     "name": "variants",
