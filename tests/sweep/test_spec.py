@@ -329,6 +329,31 @@ def test_a_fields_metadata_says_how_the_file_spells_it(folder: Path) -> None:
         load_study(write(folder, text.replace("minimise}", "down}")))
 
 
+@pytest.mark.parametrize(("override", "rule"), [
+    ("model.path=' padded'", "model.path: must be a hub id or path"),
+    ("model.device=gpu", "model.device: must be auto, cpu, cuda or cuda:N (got 'gpu')"),
+    ("model.quantize=int8", "model.quantize: must be nf4 or null (got 'int8')"),
+    ("data.format=csv", "data.format: must be one of auto, "),
+    ("data.max_length=0", "data.max_length: must be >= 1 (got 0)"),
+    ("pack.chunked_ce=0", "pack.chunked_ce: must be true, false or a number of tokens >= 1 (got 0)"),
+    ("evaluators=[{name: heldout_loss, options: {batch_size: [{1: 2}]}}]",
+     "evaluators.0.options: must be a mapping of names to plain values"),
+    ("evaluators=[{name: heldout_loss, timeout: -1}]", "evaluators.0.timeout: must be a number of seconds > 0"),
+    ("name='a b'", "name: must be letters, digits, '.', '_' or '-' (got 'a b')"),
+    ("seed=-1", "seed: must be an int >= 0 (got -1)"),
+    ("storage=results.db", "storage: must be an RDB URL such as sqlite:///study.db or a journal file path ending in"),
+    ("objectives=[{metric: 'a b', direction: minimize}]", "objectives.0.metric: must be a metric name"),
+    ("constraints=[{metric: eval_loss, op: '<=', value: .nan}]", "constraints.0.value: must be a number (got nan)"),
+])
+def test_a_fields_own_rule_is_one_located_line(folder: Path, override: str, rule: str) -> None:
+    """Each field states its check beside its type (``rule``); a value it refuses is one line naming the override
+    and the dotted key."""
+    with pytest.raises(ConfigError) as e:
+        load_study(write(folder, BASE.replace("model: org/tiny-model", "model: {path: org/tiny-model}")), [override])
+    assert str(e.value).startswith(f"{folder / 'study.yaml'}: override '{override}': {rule}"), str(e.value)
+    assert "\n" not in str(e.value)
+
+
 def test_prune_metric(folder: Path) -> None:
     single = BASE + "objectives: [maximize exact_match]\npruning: {kind: cohort_sha, rungs: [10]}\n"
     single += "evaluators: [generation]\n"
