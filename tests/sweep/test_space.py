@@ -5,6 +5,9 @@ Run: python -m pytest tests/sweep/test_space.py -q
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import optuna
 import pytest
 
@@ -102,3 +105,12 @@ def test_default_trial_snaps_or_gives_up() -> None:
     assert (params["micro_batch"], params["max_steps"], params["max_grad_norm"]) == (4, 60, 0.5)  # clamped
     assert default_params(SearchSpace((Param("lr", "float", low=1e-3, high=1e-2, log=True),))) is None
     assert default_params(SearchSpace((Param("rank", "categorical", choices=(32, 64)),))) is None
+
+
+def test_the_config_layer_imports_no_optuna() -> None:
+    """A study file's layer, the trials its space defines included, is read without Optuna: the sampler and the
+    suggestions are the study's (``sweep.sampling``)."""
+    code = ("import sys, lora_sweep.sweep.config.loader, lora_sweep.sweep.config.space; "
+            "print(sorted(n for n in sys.modules if n.split('.')[0] == 'optuna'))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "[]", run.stdout + run.stderr
