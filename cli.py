@@ -386,7 +386,7 @@ def _refresh_report(out_dir: Path) -> None:
 def plan(study: str, overrides: tuple[str, ...], calibrations: int, gpus: int | None) -> None:
     """Print the pack layout, predicted memory and time of STUDY.yaml, without training (the calibration is
     cached per model, device and shape with the model's shape: a second plan loads no weights)."""
-    from lora_sweep.evaluators.registry import deferred_user_code, is_user_code
+    from lora_sweep.evaluators.registry import deferred_user_code, user_code
     from lora_sweep.sweep._trial_data import check_data
     from lora_sweep.sweep.device import resolve_device
     from lora_sweep.sweep.pack_step import PackTimer
@@ -403,8 +403,7 @@ def plan(study: str, overrides: tuple[str, ...], calibrations: int, gpus: int | 
     with deferred_user_code():  # a plan runs none of the study's code: its files are only looked for
         spec = _load(study, overrides, None)
     for i, e in enumerate(spec.evaluators):
-        if is_user_code(e.name):
-            what = e.options.get("function", e.name) if e.name == "custom" else e.name
+        if (what := user_code(e.name, e.options)) is not None:
             click.echo(f"note: evaluators.{i}: {what} is user code: not imported by sweep plan (sweep run imports it "
                        f"and checks its options and metrics)", err=True)
     device = resolve_device(spec.model.device)

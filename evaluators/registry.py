@@ -49,7 +49,7 @@ if TYPE_CHECKING:  # torch and the model are imported where an evaluation runs: 
 
 __all__ = ["Evaluator", "Score", "EVALUATORS", "MC_FORMAT", "EvalData", "EvalCost", "EvalResult", "SlotEvalError",
            "load_eval_data", "find", "validate", "metrics_of", "metric_direction", "evaluate", "is_user_code",
-           "needing_eval_data", "plan_cost", "curve_entry", "DEFAULT", "DEFAULT_METRIC",
+           "user_code", "needing_eval_data", "plan_cost", "curve_entry", "DEFAULT", "DEFAULT_METRIC",
            "deferred_user_code", "Limits", "EvaluatorHung", "abandoned", "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = 600.0
@@ -133,6 +133,14 @@ def curve_entry(entries: Iterable[Entry]) -> tuple[Entry, str]:
 def is_user_code(name: str) -> bool:
     """Whether an ``evaluators:`` entry runs a user's code: ``file.py:OBJECT`` / ``module:OBJECT``, or ``custom``."""
     return name == CUSTOM.name or all(e.name != name for e in EVALUATORS)
+
+
+def user_code(name: str, options: Mapping[str, Any] | None = None) -> str | None:
+    """The user's code an ``evaluators:`` entry runs, as its study file names it (``custom``'s ``function``, else the
+    entry's own ``file.py:OBJECT`` / ``module:OBJECT``); None for a built-in evaluator."""
+    if not is_user_code(name):
+        return None
+    return str((options or {}).get("function", name)) if name == CUSTOM.name else name
 
 
 def _unimported(name: str) -> Evaluator:

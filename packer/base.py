@@ -244,6 +244,30 @@ class Packer:
         (out / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
     @staticmethod
+    def vllm_refusal(config: dict, tensors: dict[str, torch.Tensor]) -> str | None:
+        """Why vLLM cannot serve a read adapter as it is, or None (``packer.model.peft_adapter.vllm_refusal``)."""
+        from lora_sweep.packer.model.peft_adapter import vllm_refusal
+
+        return vllm_refusal(config, tensors)
+
+    @staticmethod
+    def vllm_adapter(config: dict, tensors: dict[str, torch.Tensor], hint: str = "use vllm=False"
+                     ) -> tuple[dict, dict[str, torch.Tensor], list[str]]:
+        """The read adapter under vLLM's rules, the same function: (config, tensors, the changes made)
+        (``packer.model.peft_adapter.vllm_adapter``)."""
+        from lora_sweep.packer.model.peft_adapter import vllm_adapter
+
+        return vllm_adapter(config, tensors, hint)
+
+    @staticmethod
+    def merge_adapter(model: torch.nn.Module, config: dict, tensors: dict[str, torch.Tensor]) -> None:
+        """Fold a read adapter into ``model`` (``merge_base``'s) in place, each variant's tensors by its ``merge``
+        (``packer.model.peft_adapter.merge_adapter``)."""
+        from lora_sweep.packer.model.peft_adapter import merge_adapter
+
+        merge_adapter(model, config, tensors)
+
+    @staticmethod
     def merge_base(path: str, quantize: str | None = None) -> tuple[torch.nn.Module, Any]:
         """The base at ``path`` and its tokenizer as an export merges an adapter into it: in the checkpoint's own
         dtype, on the CPU; for an adapter trained over a quantized base (``quantize``: ``nf4``), its projections

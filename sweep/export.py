@@ -2,11 +2,9 @@
 the base.
 
 The trial's saved adapter (``adapters/trial-<n>``, written by ``packer.model.checkpoint``) is rewritten into a new
-directory with a model card (``README.md``: params, metrics, data, study provenance). vLLM's rules (a rank
-from its ``max_lora_rank`` choices, one rank and alpha per adapter, keys without adapter names) are met without
-changing the adapter's function: a rank outside ``VLLM_RANKS`` is zero-padded to the next allowed one (extra rows
-of A, columns of B) with alpha rescaled so the scale s stays (alpha' = s·r', or s·sqrt(r') with rsLoRA);
-rank/alpha patterns are folded into B; adapter names are dropped from keys. An adapter vLLM cannot serve as it is
+directory with a model card (``README.md``: params, metrics, data, study provenance). vLLM's rules are met
+without changing the adapter's function (``Packer.vllm_adapter``: ranks zero-padded to vLLM's choices, patterns
+folded into B, adapter names dropped from keys). An adapter vLLM cannot serve as it is
 (DoRA's magnitudes, a bias, ``modules_to_save``) is written as trained, which is what PEFT loads, with a one-line
 note. ``merge=True`` writes the base model with W + s·B·A folded in, plus its tokenizer.
 """
@@ -17,11 +15,10 @@ import datetime as dt
 import json
 import math
 import os
-import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lora_sweep.errors import UserError
 from lora_sweep.packer.api import Packer
@@ -29,15 +26,7 @@ from lora_sweep.packer.api import data as packer_data
 from lora_sweep.store.api import ResultsStore, StudyDir, TrialRecord, constraint_text, is_feasible, pareto_front
 from lora_sweep.sweep._scratch import plain_modes, scratch_dir, unwritable
 
-if TYPE_CHECKING:  # torch, safetensors and transformers load in the functions that need them: errors stay fast
-    import torch
-
-__all__ = ["VLLM_RANKS", "Export", "select_trial", "vllm_refusal", "vllm_adapter", "merge_adapter", "export_trial"]
-
-VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-"""Values vLLM accepts for ``max_lora_rank`` (vllm/config/lora.py)."""
-
-_KEY = re.compile(r"base_model\.model\.(.+)\.lora_([AB])(?:\.[^.]+)?\.weight")  # an adapter name may sit before .weight
+__all__ = ["Export", "select_trial", "export_trial"]
 
 
 @dataclass(frozen=True)
@@ -139,129 +128,6 @@ def select_trial(store: ResultsStore, *, trial: int | None = None, best: bool = 
     i = objectives.index(objective) if objective is not None else 0
     sign = 1.0 if directions[i] == "minimize" else -1.0
     return min(done, key=lambda x: (sign * x[1][i], x[0].number))[0]
-
-
-# ---------------------------------------------------------------- converting and merging
-
-
-def _modules(tensors: dict[str, torch.Tensor], cli: bool = False) -> tuple[dict[str, list[torch.Tensor]], bool]:
-    """Module path -> [A (r, D_in), B (D_out, r)], and whether any key carried an adapter name."""
-    import torch
-
-    out: dict[str, list[torch.Tensor]] = {}
-    named = False
-    for key, t in tensors.items():
-        m = _KEY.fullmatch(key)
-        if m is None:
-            raise UserError(f"export: tensor {key!r} is not a LoRA A/B weight (vLLM rejects it; use "
-                            f"{_opt('vllm', cli)})")
-        named |= not key.endswith(f".lora_{m.group(2)}.weight")
-        out.setdefault(m.group(1), [torch.empty(0), torch.empty(0)])["AB".index(m.group(2))] = t
-    return out, named
-
-
-def _pattern_value(patterns: dict[str, Any], path: str, default: float) -> float:
-    for key, value in patterns.items():  # PEFT's get_pattern_key: a suffix of dotted module names
-        if re.match(rf"(.*\.)?({key})$", path):
-            return float(value)
-    return default
-
-
-def _scale(config: dict[str, Any], path: str, rank: int) -> float:
-    """The module's LoRA scale s as PEFT computes it: alpha/r, or alpha/sqrt(r) with rsLoRA."""
-    alpha = _pattern_value(config.get("alpha_pattern") or {}, path, float(config["lora_alpha"]))
-    return alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
-
-
-def vllm_refusal(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> str | None:
-    """Why vLLM cannot serve the adapter without changing its function (DoRA, biases, ``modules_to_save``, a rank
-    above vLLM's largest ``max_lora_rank``), as words after "the adapter uses"; None when it can."""
-    for bad, why in ((config.get("use_dora"), "DoRA"), (config.get("modules_to_save"), "modules_to_save"),
-                     (config.get("bias", "none") != "none", f"bias={config.get('bias')!r}")):
-        if bad:
-            return f"{why}, which vLLM does not support"
-    rank = max((t.shape[0] for k, t in tensors.items() if k.endswith(".lora_A.weight") or ".lora_A." in k), default=0)
-    if rank > VLLM_RANKS[-1]:
-        return f"rank {rank}, above vLLM's largest max_lora_rank {VLLM_RANKS[-1]}"
-    return None
-
-
-def vllm_adapter(config: dict[str, Any], tensors: dict[str, torch.Tensor], cli: bool = False
-                 ) -> tuple[dict[str, Any], dict[str, torch.Tensor], list[str]]:
-    """The same adapter function under vLLM's rules: (config, tensors, list of the changes made).
-
-    Raises:
-        UserError: an adapter vLLM cannot take without changing the function (``vllm_refusal``).
-    """
-    import torch
-
-    why = vllm_refusal(config, tensors)
-    if why is not None:
-        raise UserError(f"export: the adapter uses {why}; use {_opt('vllm', cli)}")
-    modules, named = _modules(tensors, cli)
-    rank = max(a.shape[0] for a, _ in modules.values())
-    target = next(r for r in VLLM_RANKS if r >= rank)
-    s = float(config["lora_alpha"]) / (math.sqrt(config["r"]) if config.get("use_rslora") else config["r"])
-    changes = []
-    if target != config["r"]:
-        changes.append(f"rank {config['r']} zero-padded to {target} (alpha rescaled, same scale {s:.6g})")
-    if config.get("rank_pattern") or config.get("alpha_pattern"):
-        changes.append("rank/alpha patterns folded into lora_B (vLLM ignores patterns)")
-    if named:
-        changes.append("adapter names dropped from tensor keys")
-    out: dict[str, torch.Tensor] = {}
-    for path, (a, b) in modules.items():
-        r = a.shape[0]
-        ratio = _scale(config, path, r) / s  # 1.0 unless patterns give this module its own scale
-        a2 = torch.zeros((target, a.shape[1]), dtype=a.dtype)  # (r', D_in): extra rows are zero
-        b2 = torch.zeros((b.shape[0], target), dtype=b.dtype)  # (D_out, r'): extra columns are zero
-        a2[:r] = a
-        b2[:, :r] = b if ratio == 1.0 else (b.double() * ratio).to(b.dtype)
-        out[f"base_model.model.{path}.lora_A.weight"] = a2
-        out[f"base_model.model.{path}.lora_B.weight"] = b2
-    alpha = s * (math.sqrt(target) if config.get("use_rslora") else target)
-    new = {**config, "r": target, "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
-           "rank_pattern": {}, "alpha_pattern": {}, "bias": "none", "modules_to_save": None, "use_dora": False,
-           "target_modules": sorted({p.rsplit(".", 1)[-1] for p in modules})}
-    return new, out, changes
-
-
-_MAGNITUDE = ".lora_magnitude_vector"
-"""PEFT's key suffix of a DoRA layer's (D_out,) magnitude."""
-
-
-def merge_adapter(model: torch.nn.Module, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
-    """Fold the adapter into ``model`` in place: W += s·B·A (transposed for GPT-2's Conv1D, which stores W as
-    (D_in, D_out)); with DoRA, W = m / ||W + s·B·A|| · (W + s·B·A) per output row (PEFT's merge); computed in fp32
-    and cast back to the weight's dtype.
-
-    Raises:
-        UserError: a module of the adapter is missing from the model or has another shape.
-    """
-    import torch
-    from transformers.pytorch_utils import Conv1D
-
-    magnitudes = {k.removeprefix("base_model.model.").removesuffix(_MAGNITUDE): t for k, t in tensors.items()
-                  if k.endswith(_MAGNITUDE)}
-    modules, _ = _modules({k: t for k, t in tensors.items() if not k.endswith(_MAGNITUDE)})
-    with torch.no_grad():
-        for path, (a, b) in modules.items():
-            try:
-                module = model.get_submodule(path)
-            except AttributeError as err:
-                raise UserError(f"export: the base model has no module {path!r}") from err
-            w: torch.Tensor = module.weight  # type: ignore[assignment]
-            delta = _scale(config, path, a.shape[0]) * (b.float() @ a.float())  # (D_out, D_in)
-            if isinstance(module, Conv1D):
-                delta = delta.T  # (D_in, D_out)
-            if delta.shape != w.shape:
-                raise UserError(f"export: {path}: adapter gives {tuple(delta.shape)}, model has {tuple(w.shape)}")
-            merged = w.float() + delta.to(w.device)
-            if path in magnitudes:  # DoRA: each output row rescaled to its magnitude
-                rows = merged.T if isinstance(module, Conv1D) else merged  # (D_out, D_in)
-                factor = magnitudes[path].float().to(w.device) / torch.linalg.norm(rows, dim=1)
-                merged = merged * (factor[None, :] if isinstance(module, Conv1D) else factor[:, None])
-            w.copy_(merged.to(w.dtype))
 
 
 # ---------------------------------------------------------------- model card and the export itself
@@ -390,9 +256,9 @@ def export_trial(study_dir: str | Path, out: str | Path, *, trial: int | None = 
     changes: list[str] = []
     note = None
     if vllm and not merge:
-        why = vllm_refusal(config, tensors)
+        why = Packer.vllm_refusal(config, tensors)
         if why is None:
-            config, tensors, changes = vllm_adapter(config, tensors, cli)
+            config, tensors, changes = Packer.vllm_adapter(config, tensors, f"use {_opt('vllm', cli)}")
         else:  # the export is still what PEFT loads: the trial as trained
             note = f"export: not padded for vLLM: the adapter uses {why} (it loads in PEFT as trained)"
     _check_out(out, cli)
@@ -402,7 +268,7 @@ def export_trial(study_dir: str | Path, out: str | Path, *, trial: int | None = 
             quantize = ((meta.get("spec") or {}).get("model") or {}).get("quantize")
             model, tokenizer = Packer.merge_base(_base_source(meta, config), quantize)
             note = _dequantized_note(quantize)
-            merge_adapter(model, config, tensors)
+            Packer.merge_adapter(model, config, tensors)
             model.save_pretrained(tmp)  # type: ignore[operator]
             tokenizer.save_pretrained(tmp)  # type: ignore[attr-defined]
         else:

@@ -21,7 +21,7 @@ or, under pytest, a class that subclasses the suite and provides the row (Optuna
   before the kernels are imported) trains the slot as the torch step, fp32, one decoder layer;
 - **PEFT loads the checkpoint** (``check_checkpoint_loads_in_peft``): the saved directory, loaded by
   ``PeftModel.from_pretrained`` on the original base, gives the pack's logits, and so does the merged base
-  (``sweep.export.merge_adapter``);
+  (``Packer.merge_adapter``, each variant's ``merge``);
 - **state survives a bucket move** (``check_bucket_move``): a later job whose rank outgrows the store's rank bucket
   moves the live slot to a new store (``SlotStore.copy_slot_from``, the variant's buffers too) and it ends as alone.
 
@@ -326,7 +326,7 @@ def assert_peft_and_merge_reproduce(model_dir, adapter_dir, packed: torch.Tensor
     the packed adapter's logits on IDS; returns the adapter's (config, tensors)."""
     from peft import PeftModel
 
-    from lora_sweep.sweep.export import merge_adapter  # the sweep's merge, which a variant's checkpoint must take
+    from lora_sweep.packer.api import Packer  # the export's merge, which a variant's checkpoint must take
 
     config, tensors = read_adapter(adapter_dir)
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(model_dir)), str(adapter_dir))
@@ -335,7 +335,7 @@ def assert_peft_and_merge_reproduce(model_dir, adapter_dir, packed: torch.Tensor
         theirs = peft_model(input_ids=IDS, attention_mask=torch.ones_like(IDS)).logits
         base = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
         plain = base(input_ids=IDS).logits
-        merge_adapter(base, config, tensors)
+        Packer.merge_adapter(base, config, tensors)
         merged = base(input_ids=IDS).logits
     assert (packed - plain).abs().max() > 1e-4, "the adapter must change the logits for the check to mean it"
     torch.testing.assert_close(packed, theirs, rtol=1e-5, atol=1e-5)

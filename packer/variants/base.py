@@ -17,6 +17,8 @@ hook                    asked by                                         built-i
 ``before_step``         clip norm, then before the AdamW step             projected)
 ``peft_config``,        ``checkpoint``: ``adapter_config.json`` fields,   ``principal`` (rank 2r), ``dora``
 ``peft_tensors``        the extra tensors of the safetensors file         (``use_dora``, magnitude vectors)
+``merge``               ``merge_adapter``: an export folding the adapter  ``dora`` (rows rescaled to magnitudes)
+                        into its base, the extra tensors' share
 ======================  ===============================================  ========================================
 
 A slot's variants are every built-in whose ``applies(spec)`` holds (``packer.variants.of``), so they compose: a DoRA
@@ -126,6 +128,9 @@ class Variant:
     """The slot's extra PEFT tensors, module path -> tensor, each saved under ``f"{path}.{peft_key}"``."""
     peft_key: str = ""
     """PEFT's key suffix of ``peft_tensors``' tensors (``lora_magnitude_vector``)."""
+    merge: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    """Fold one module's ``peft_key`` tensor into its merged weight, PEFT's ``merge``: ``(merged, tensor)`` ->
+    merged, with ``merged`` W + s·B·A as (D_out, D_in) and both in fp32; None with a ``peft_key``: not mergeable."""
 
     def __repr__(self) -> str:
         return f"Variant({self.name!r})"

@@ -42,7 +42,14 @@ def _peft_tensors(pm: PackedModel, slot: int) -> dict[str, torch.Tensor]:
     return pm.slot_magnitudes(slot)
 
 
+def _merge(merged: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
+    """PEFT's DoRA merge: each output row of ``W + s B A`` (D_out, D_in) rescaled to its magnitude (D_out,)."""
+    import torch
+
+    return merged * (magnitude / torch.linalg.norm(merged, dim=1))[:, None]
+
+
 VARIANT = Variant(name="dora", applies=lambda spec: spec.dora, fields=("dora",),
                   check=lambda spec: require(isinstance(spec.dora, bool), "dora", "must be true or false", spec.dora),
                   state=_state, start=_start, peft_config=_peft_config, peft_tensors=_peft_tensors,
-                  peft_key="lora_magnitude_vector")
+                  peft_key="lora_magnitude_vector", merge=_merge)

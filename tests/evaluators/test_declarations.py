@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from lora_sweep.errors import ConfigError
-from lora_sweep.evaluators.registry import EVALUATORS, EvalCost, curve_entry, find, plan_cost
+from lora_sweep.evaluators.registry import EVALUATORS, EvalCost, curve_entry, find, plan_cost, user_code
 from lora_sweep.packer.plan import MemoryModel
 from lora_sweep.sweep.config.loader import load_study
 from lora_sweep.sweep.schedule import Schedule, eval_seconds
@@ -120,3 +120,11 @@ def test_the_plan_times_a_user_evaluator_by_its_declaration_once_imported(user_f
     assert seconds == pytest.approx(generation + final + rungs_and_curve)
     assert "generation of 32 tokens for 10 prompts, lossy on 10 rows for each of 3 finished trials" in line
     assert find(lossy).curve == "my_loss"
+
+
+def test_the_user_code_an_entry_runs_is_named_by_the_registry_not_by_the_sweep() -> None:
+    """``custom`` names its ``function``; a ``file.py:OBJECT`` entry names itself; a built-in runs no user code."""
+    assert user_code("custom", {"function": "metrics.py:score"}) == "metrics.py:score"
+    assert user_code("ev.py:EV", {}) == "ev.py:EV"
+    assert user_code("my_pkg.evals:JUDGE") == "my_pkg.evals:JUDGE"
+    assert all(user_code(e.name, {}) is None for e in EVALUATORS if e.name != "custom")

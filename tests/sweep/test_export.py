@@ -26,9 +26,10 @@ from lora_sweep.kernels.ops import PackLayout
 from lora_sweep.packer.model.checkpoint import read_adapter, save_adapter
 from lora_sweep.packer.model.load import load_base
 from lora_sweep.packer.model.packed import PackedModel
+from lora_sweep.packer.model.peft_adapter import VLLM_RANKS, merge_adapter, vllm_adapter
 from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.store.api import ResultsStore, StudyDir
-from lora_sweep.sweep.export import VLLM_RANKS, export_trial, merge_adapter, select_trial, vllm_adapter
+from lora_sweep.sweep.export import export_trial, select_trial
 from tests.conftest import load_adapter
 from tests.reports._study import ROOT, fixture_study
 
