@@ -24,11 +24,21 @@ try:  # the one guarded import of triton in the project (style guide habit 11): 
 except ImportError as err:
     raise ImportError("kernels' Triton path needs triton: pip install 'lora-sweep[triton]'") from err
 
-__all__ = ["INTERPRET", "PRECOMPILE_THREADS", "check_device", "hash_compiler_early", "kernel_cache_dir", "launch",
-           "precompile", "use_kernel_cache", "warming", "warm_context", "run_in", "tl", "triton"]
+__all__ = ["INTERPRET", "MAX_COMBINE", "PRECOMPILE_THREADS", "SUM_COMBINE", "check_device", "hash_compiler_early",
+           "kernel_cache_dir", "launch", "precompile", "use_kernel_cache", "warming", "warm_context", "run_in", "tl",
+           "triton"]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 """Read once, as ``@triton.jit`` does when it decorates a kernel."""
+
+SUM_COMBINE = tl.standard._sum_combine
+"""``(a, b) -> a + b``, the combine of ``tl.sum``, for the kernels' ``tl.reduce`` sums (they call builtins only:
+``tl.sum`` is jit'd, which the interpreter cannot run when triton was imported before ``TRITON_INTERPRET=1``).
+Compiled, it is the same reduction as a combine of the module's own; the interpreter knows Triton's combines by
+identity and reduces with one numpy call, where it applies any other combine element by element in Python (most of
+a CPU test's Triton step went there)."""
+MAX_COMBINE = tl.standard._elementwise_max
+"""``(a, b) -> tl.maximum(a, b)``, the combine of ``tl.max``, for ``tl.reduce`` maxima (see ``SUM_COMBINE``)."""
 
 PRECOMPILE_THREADS = max(1, min(16, len(os.sched_getaffinity(0))))
 """Threads compiling kernel variants at once in ``precompile``: one per CPU this process may run on, up to 16

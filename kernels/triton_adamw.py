@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from lora_sweep.kernels import _jit
-from lora_sweep.kernels._jit import tl, triton
+from lora_sweep.kernels._jit import SUM_COMBINE, tl, triton
 
 __all__ = ["OPT_FIELDS", "segmented_sumsq", "segmented_adamw_"]
 
@@ -34,11 +34,6 @@ rate, LoRA+)."""
 _NO: tl.constexpr = tl.constexpr(OPT_FIELDS)
 _BLOCK = 1024
 _SPLIT = 8
-
-
-@triton.jit
-def _add(a, b):
-    return a + b
 
 
 @triton.jit
@@ -55,8 +50,8 @@ def _sumsq_kernel(g_ptr, segs_ptr, rank_ptr, out_ptr, RB, n_seg, SPLIT: tl.const
         idx = start + tl.arange(0, BLOCK)
         x = tl.load(g_ptr + base + idx, mask=idx < n, other=0.0)
         acc += x * x
-    # the builtin reduce: tl.sum is itself jit'd, which the interpreter cannot always run
-    tl.store(out_ptr + (s * n_seg + k) * SPLIT + part, tl.reduce(acc, 0, _add))
+    # the builtin reduce with tl.sum's combine (_jit.SUM_COMBINE): tl.sum is itself jit'd
+    tl.store(out_ptr + (s * n_seg + k) * SPLIT + part, tl.reduce(acc, 0, SUM_COMBINE))
 
 
 @triton.jit

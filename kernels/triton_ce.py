@@ -20,8 +20,8 @@ backward tensors (1.2 GB each at 6,144 tokens x 49,152 vocabulary), over which t
 Shapes are fixed (C slots of T / C rows each, the layout of ``packer.model.store``), and nothing reads a value on the
 host: the step that calls it can be captured as a CUDA graph. Shape legend: T token rows, H hidden features,
 V vocabulary, C slots (groups of T / C consecutive rows), BV vocabulary columns per block. The kernel calls
-Triton builtins only (``tl.reduce`` with jit'd combines, ``tl.exp``): see ``kernels.triton_segments``' docstring
-on the interpreter.
+Triton builtins only (``tl.reduce`` with Triton's own combines, ``_jit.SUM_COMBINE`` and ``MAX_COMBINE``,
+``tl.exp``): see ``kernels.triton_segments``' docstring on the interpreter.
 """
 
 from __future__ import annotations
@@ -30,23 +30,13 @@ import torch
 import torch.nn.functional as F
 
 from lora_sweep.kernels import _jit
-from lora_sweep.kernels._jit import tl, triton
+from lora_sweep.kernels._jit import MAX_COMBINE, SUM_COMBINE, tl, triton
 
 __all__ = ["IGNORE_INDEX", "LinearCE", "cross_entropy_rows", "linear_ce_triton"]
 
 IGNORE_INDEX = -100
 """Target of a row without loss (torch's ``F.cross_entropy`` default, ``packer.data.batch.IGNORE_INDEX``)."""
 _MAX_BLOCK = 4096  # vocabulary columns per block: 8 KB of bf16 logits per program and pass
-
-
-@triton.jit
-def _add(a, b):
-    return a + b
-
-
-@triton.jit
-def _max(a, b):
-    return tl.maximum(a, b)
 
 
 @triton.jit(do_not_specialize=["n_rows", "rows_per_group"])
@@ -68,8 +58,8 @@ def _ce_rows_kernel(
     d = 0.0
     for start in range(0, V, BV):
         z = tl.load(z_row + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.reduce(z, 0, _max))
-        d = d * tl.exp(m - m_new) + tl.reduce(tl.exp(z - m_new), 0, _add)
+        m_new = tl.maximum(m, tl.reduce(z, 0, MAX_COMBINE))
+        d = d * tl.exp(m - m_new) + tl.reduce(tl.exp(z - m_new), 0, SUM_COMBINE)
         m = m_new
     lse = m + tl.log(d)
     z_y = tl.load(z_row + tl.where(ignored, 0, y)).to(tl.float32)  # read before pass 2 overwrites it

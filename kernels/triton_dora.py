@@ -42,17 +42,12 @@ from __future__ import annotations
 import torch
 
 from lora_sweep.kernels import _jit
-from lora_sweep.kernels._jit import tl, triton
+from lora_sweep.kernels._jit import SUM_COMBINE, tl, triton
 
 __all__ = ["DoraScaleFunction", "dora_scale_triton", "dora_scale_fwd", "dora_scale_bwd", "dora_factors_triton"]
 
 _BM, _BN = 32, 128  # a (32, 128) tile: 8 KB of bf16 per operand
 _SPLIT = 8  # programs per slot and column block, at most (fewer for a short slot)
-
-
-@triton.jit
-def _add(a, b):
-    return a + b
 
 
 @triton.jit
@@ -143,8 +138,8 @@ def _bwd_kernel(
             pos = tl.load(pos_ptr + g) + rr * 0
             tl.store(de_ptr + (tl.maximum(pos, 0).to(tl.int64) * rows + rr)[:, None] * D + cols[None, :],
                      (dout * (1.0 - r)[None, :]).to(de_ptr.dtype.element_ty), mask=mask & (pos >= 0)[:, None])
-        # the builtin reduce: tl.sum is itself jit'd, which the interpreter cannot always run
-        acc += tl.reduce(dout * yb, 0, _add)
+        # the builtin reduce with tl.sum's combine (_jit.SUM_COMBINE): tl.sum is itself jit'd
+        acc += tl.reduce(dout * yb, 0, SUM_COMBINE)
     tl.store(part_ptr + (g * split + part) * D + cols, acc, mask=cmask)
 
 
@@ -193,8 +188,8 @@ def _factors_kernel(
     aat = tl.load(aat_ptr + g * RB * RB + k[:, None] * RB + k[None, :])  # (RB, RB)
     quad = tl.dot(aat, bt, input_precision="ieee")  # (RB, BN): (A A^T) B^T
     s = tl.load(scale_ptr + g)
-    n2 = (tl.load(wsq_ptr + cols, mask=cmask, other=1.0) + 2.0 * s * tl.reduce(bt * wa, 0, _add)
-          + s * s * tl.reduce(bt * quad, 0, _add))
+    n2 = (tl.load(wsq_ptr + cols, mask=cmask, other=1.0) + 2.0 * s * tl.reduce(bt * wa, 0, SUM_COMBINE)
+          + s * s * tl.reduce(bt * quad, 0, SUM_COMBINE))
     n = tl.sqrt(tl.maximum(n2, 0.0))
     dora = tl.load(on_ptr + g) > 0
     m = tl.load(m_ptr + g * D + cols, mask=cmask, other=0.0).to(tl.float32)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from lora_sweep.kernels import _jit
-from lora_sweep.kernels._jit import tl, triton
+from lora_sweep.kernels._jit import SUM_COMBINE, tl, triton
 from lora_sweep.kernels._launch import SegmentMeta
 from lora_sweep.kernels._tables import (
     POS_SHIFT,
@@ -115,11 +115,6 @@ def _keep(seg_int_ptr, seg, tok, col0, seq_len, d_in, layer_id, p, BC: tl.conste
 
 
 @triton.jit
-def _or(a, b):
-    return a | b
-
-
-@triton.jit
 def bits_scale(bits_ptr, seg_flt_ptr, seg, tok, tok_mask, col0, n_words, BC: tl.constexpr):
     """(len(tok), BC) fp32 dropout multiplier M / (1 - p) of segment ``seg`` read from its keep bits (``keep_bits``)
     for tokens ``tok`` and columns ``col0 + arange(BC)`` (col0 and BC multiples of 32): the multiplier
@@ -154,7 +149,9 @@ def _keep_bits_kernel(
     if p > 0.0:
         keep = _keep(seg_int_ptr, seg, tok, w0 * 32, seq_len, D, layer_id, p, BW * 32).to(tl.int32)
         shifted = tl.reshape(keep, (BM, BW, 32)) << tl.arange(0, 32)[None, None, :]
-        words = tl.reduce(shifted, 2, _or)  # the builtin reduce: tl.sum and friends are jit'd (module docstring)
+        # the 32 bits are disjoint, so their sum (no carry) is their OR: Triton's own sum combine, which the
+        # interpreter reduces in one numpy call (any other combine it runs element by element: _jit.SUM_COMBINE)
+        words = tl.reduce(shifted, 2, SUM_COMBINE)
     tl.store(bits_ptr + tok[:, None] * W + words_i[None, :], words,
              mask=(tok < t_end)[:, None] & (words_i < W)[None, :])
 

@@ -14,7 +14,7 @@ PyTorch expression, not a kernel.
 
 Shape legend: T rows (tokens, all leading dims flattened), D features, BD = next power of 2 >= D, BM rows per
 program (more for narrow rows, so a program moves a few KB). Kernels call Triton builtins only (``tl.reduce``
-with a jit'd combine, ``tl.sqrt``): see ``kernels.triton_lora``'s docstring on the interpreter.
+with ``_jit.SUM_COMBINE``, ``tl.sqrt``): see ``kernels.triton_lora``'s docstring on the interpreter.
 """
 
 from __future__ import annotations
@@ -22,16 +22,11 @@ from __future__ import annotations
 import torch
 
 from lora_sweep.kernels import _jit
-from lora_sweep.kernels._jit import tl, triton
+from lora_sweep.kernels._jit import SUM_COMBINE, tl, triton
 
 __all__ = ["RMSNormFunction", "rms_norm_triton", "rms_norm_fwd", "rms_norm_bwd"]
 
 _MAX_D = 65536  # one row per program in registers; wider rows would spill
-
-
-@triton.jit
-def _add(a, b):
-    return a + b
 
 
 @triton.jit
@@ -55,7 +50,7 @@ def _rms_norm_fwd_kernel(
     rows, mask, offs = _tile(tl.program_id(0), n_rows, D, BM, BD)
     cols = tl.arange(0, BD)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.reduce(x * x, 1, _add) / D + eps)  # (BM,)
+    rstd = 1.0 / tl.sqrt(tl.reduce(x * x, 1, SUM_COMBINE) / D + eps)  # (BM,)
     xn = (x * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)  # the module rounds to the input dtype
     w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs, (xn * w[None, :]).to(y_ptr.dtype.element_ty), mask=mask)
@@ -80,7 +75,7 @@ def _rms_norm_bwd_kernel(
     rstd = tl.load(rstd_ptr + rows, mask=rows < n_rows, other=0.0)
     g = dy * w[None, :]
     xhat = x * rstd[:, None]
-    c = tl.reduce(g * xhat, 1, _add) / D  # (BM,)
+    c = tl.reduce(g * xhat, 1, SUM_COMBINE) / D  # (BM,)
     tl.store(dx_ptr + offs, ((g - xhat * c[:, None]) * rstd[:, None]).to(dx_ptr.dtype.element_ty), mask=mask)
 
 

@@ -44,8 +44,8 @@ class TestBuiltInVariant(VariantContract):
 
     @pytest.mark.gpu
     def test_triton_is_torch(self, spec: AdapterSpec) -> None:
-        """Each row on the compiled kernels. On the CPU's interpreter (1.5-2.5 CPU-minutes a row, six in one pack
-        over 6 minutes) the rows the packer's own Triton tests already step are left to them:
+        """Each row on the compiled kernels. On the CPU's interpreter (5-8 CPU seconds a row) the rows the packer's
+        own Triton tests already step are left to them, not run through the same interpreter path twice:
         tests/packer/step/test_dora_triton.py (DoRA, with dropout, with LoRA+, under PiSSA) and
         test_principal_triton.py (PiSSA, OLoRA with LoRA+, a plain slot); LoRA-FA has its CPU row below."""
         if not torch.cuda.is_available():

@@ -20,6 +20,7 @@ from lora_sweep.packer.model.load import load_base  # noqa: E402
 from lora_sweep.packer.model.packed import PackedModel  # noqa: E402
 from lora_sweep.packer.plan import AdapterSpec  # noqa: E402
 from lora_sweep.packer.step.train import FixedBatch, SlotJob, train  # noqa: E402
+from lora_sweep.packer.tiny.models import build_tiny_model  # noqa: E402
 from tests.conftest import Recorder, random_examples  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -117,10 +118,12 @@ def _losses(pm: PackedModel) -> Recorder:
     return rec
 
 
-def test_a_pack_on_the_triton_path_fuses_and_trains_the_same(tiny_dirs) -> None:
-    fused_pm = PackedModel(load_base(str(tiny_dirs("qwen2")), device=DEVICE)[0], impl="triton")
-    plain_pm = PackedModel(load_base(str(tiny_dirs("qwen2")), device=DEVICE)[0], impl="triton", fused_base_ops=False)
-    assert len(fused_pm.fused) == 9 and plain_pm.fused == []  # 2 layers: 2 norms, a MLP, a RoPE each; the final norm
+def test_a_pack_on_the_triton_path_fuses_and_trains_the_same(tmp_path_factory: pytest.TempPathFactory) -> None:
+    # one decoder layer: every fused kind is in it, and each layer more is as many interpreted kernels again
+    qwen2 = build_tiny_model("qwen2", tmp_path_factory.mktemp("tiny-qwen2-1"), seed=0, num_layers=1)
+    fused_pm = PackedModel(load_base(str(qwen2), device=DEVICE)[0], impl="triton")
+    plain_pm = PackedModel(load_base(str(qwen2), device=DEVICE)[0], impl="triton", fused_base_ops=False)
+    assert len(fused_pm.fused) == 5 and plain_pm.fused == []  # 1 layer: 2 norms, a MLP, a RoPE; the final norm
     fused, plain = _losses(fused_pm), _losses(plain_pm)
     for key in (0, 1):
         assert len(fused.losses[key]) == 3
@@ -134,5 +137,5 @@ def test_a_pack_on_the_triton_path_fuses_and_trains_the_same(tiny_dirs) -> None:
     assert again.fused == []
     assert {m.impl for m in again.model.modules() if isinstance(m, (FusedRMSNorm, FusedGatedMLP))} == {"torch"}
     assert not any(hasattr(m, "_fused_rope_hooks") for m in again.model.modules())  # the RoPE hooks removed
-    eager = PackedModel(load_base(str(tiny_dirs("qwen2")), device=DEVICE)[0], impl="torch")
+    eager = PackedModel(load_base(str(qwen2), device=DEVICE)[0], impl="torch")
     assert eager.fused == [] and not any(isinstance(m, FusedRMSNorm) for m in eager.model.modules())

@@ -74,7 +74,7 @@ def test_models_whose_logits_are_not_the_heads_output_keep_full_logits(tiny_dirs
     assert fused_loss_head(Bare().requires_grad_(False)) is None
 
 
-@pytest.mark.slow  # ~1 min: one step in the Triton interpreter
+@pytest.mark.slow  # ~20 s: two steps in the Triton interpreter
 def test_triton_step_with_the_fused_loss_equals_full_logits(tiny_dirs, monkeypatch: pytest.MonkeyPatch) -> None:
     """The Triton step, its loss through the fused head, equals the torch step, on full logits:
     both steps' losses and the adapters after them (so the gradient the fused loss sends back is the same)."""

@@ -66,7 +66,7 @@ def _train(model_dir, impl: str, device: str, monkeypatch: pytest.MonkeyPatch, k
 
 
 @pytest.mark.parametrize("device", [
-    pytest.param("cpu", marks=pytest.mark.slow),  # ~60 s on a 2-core CPU: three Triton steps in the interpreter
+    pytest.param("cpu", marks=pytest.mark.slow),  # ~20 s on a 2-core CPU: three Triton steps in the interpreter
     pytest.param("cuda", marks=pytest.mark.gpu),  # compiled kernels, the step replayed as a CUDA graph
 ])
 def test_triton_step_applies_each_steps_own_masks_per_slot_and_layer(one_layer: Path, device: str,
