@@ -27,8 +27,10 @@ import dataclasses
 import math
 import random
 import statistics
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lora_sweep.packer.api import AdapterSpec, Packer, data
@@ -72,6 +74,11 @@ class PackStep:
     """Seconds of one timed step; None: not timed (``where`` says why)."""
     where: str
     """How the step time was had: measured (steps, cost, cache file), cached (the file) or not timed (why)."""
+    setup_s: float = 0.0
+    """Seconds the pack's start adds to its first step (the slots' store and set-up, the first step's warm-up)."""
+    turnover_s: float = 0.0
+    """Seconds per slot that ends and is refilled: its end, its adapter saved as a run saves it, a new slot's
+    start (``packer.probe.time_pack``'s ``turnover``)."""
 
     @property
     def tokens(self) -> int:
@@ -206,7 +213,8 @@ class PackTimer:
                 "slots": [_describe(s) for s in specs], "options": options}
         hit = cached_pack_step(spec, self.device, pack)
         if hit is not None:
-            return dataclasses.replace(shape, step_s=float(hit[0]["step_s"]), where=f"cached ({hit[1]})")
+            return dataclasses.replace(shape, step_s=float(hit[0]["step_s"]), setup_s=float(hit[0]["setup_s"]),
+                                       turnover_s=float(hit[0]["turnover_s"]), where=f"cached ({hit[1]})")
         size = f"{slots} slots x {rows} rows x {length} tokens"
         if spec.pack.shard == "fsdp" and self.gpus > 1:
             return dataclasses.replace(shape, where=f"not timed: a pack sharded over {self.gpus} GPUs steps in "
@@ -225,14 +233,29 @@ class PackTimer:
         if self.log is not None:
             self.log(f"timing the sized pack on {self.device}: {PACK_WARMUP} + {steps} steps of {size} (cached for "
                      f"the next plan)")
+        packer = self.load()
         try:
-            timing = self.load().time_pack(specs, shape.rows, shape.length, steps=steps, warmup=PACK_WARMUP,
-                                           max_rows=rank, **pack["options"])
+            with tempfile.TemporaryDirectory(prefix="lora-sweep-plan-") as scratch:
+                timing = packer.time_pack(specs, shape.rows, shape.length, steps=steps, warmup=PACK_WARMUP,
+                                          max_rows=rank, turnover=True, on_end=_saver(packer, Path(scratch)),
+                                          **pack["options"])
         except torch.OutOfMemoryError:
             return dataclasses.replace(shape, where=f"not timed: {size} ran out of device memory; the probes' line")
-        path = cache_pack_step(self.spec, self.device, pack, {"step_s": timing.step_s, "steps": steps,
-                                                              "wall_s": round(timing.wall_s, 3), "step": timing.step})
+        turnover = timing.turnover_s or 0.0
+        path = cache_pack_step(self.spec, self.device, pack, {
+            "step_s": timing.step_s, "steps": steps, "wall_s": round(timing.wall_s, 3), "step": timing.step,
+            "setup_s": timing.setup_s, "turnover_s": turnover})
         how = "mean" if self.device.startswith("cuda") else "median"  # as ``time_pack`` takes them
-        return dataclasses.replace(shape, step_s=timing.step_s, where=(
+        return dataclasses.replace(shape, step_s=timing.step_s, setup_s=timing.setup_s, turnover_s=turnover, where=(
             f"{how} of {steps} steps of {size}, {timing.step} step, after {PACK_WARMUP} warm-up; measured in "
             f"{timing.wall_s:.1f} s, cached in {path}"))
+
+
+def _saver(packer: Packer, scratch: Path) -> Callable[[list[Any]], None]:
+    """The timed pack's ``on_end``: the ending slots' adapters saved under ``scratch`` as a run saves a finished
+    trial's (``Packer.save``: copied off the slots, written by the packer's writer), waited for."""
+    def save(ends: list[Any]) -> None:
+        for future in packer.save([(e.slot, scratch / f"slot-{e.slot}", None) for e in ends]):
+            future.result()
+
+    return save

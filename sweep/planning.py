@@ -37,7 +37,7 @@ from lora_sweep.sweep.schedule import Schedule, eval_rows, eval_seconds, expecte
 __all__ = ["auto_slots", "check_targets", "largest_rank", "PlanReport", "plan_pack", "plan_report", "trial_micro_steps",
            "target_sets", "MEMORY_FRACTION", "MAX_AUTO_SLOTS", "calibrated", "cached_calibration", "cache_dir",
            "calibration_key", "train_lengths", "load_and_calibrate", "eval_seconds", "eval_rows",
-           "pack_schedule", "padded_mean_length", "step_mean_length"]
+           "pack_schedule", "padded_mean_length", "step_mean_length", "turnover_seconds"]
 
 MEMORY_FRACTION = 0.85
 """Share of the device's available memory a pack may plan for (the rest: fragmentation, evaluation)."""
@@ -87,12 +87,17 @@ class PlanReport:
     """How the rungs cut the budget, or that the study does not prune."""
     timed: PackStep | None = None
     """The sized pack's own step, timed (``sweep.pack_step``); None: the calibration's line alone."""
+    turnover_s: float = 0.0
+    """Seconds of the pack's start and its slots' turnover for the trial budget (``turnover_seconds``)."""
+    turnover_note: str = ""
+    """What the turnover counts (the pack's start, per trial), or why it is not counted."""
 
     def table(self) -> str:
         gib = 1024**3
         total = "-" if self.predicted_total_s is None else \
-            f"{self.predicted_total_s + (self.predicted_eval_s or 0) + self.startup_s:.0f} s ({self.pack_steps} pack " \
-            f"steps: training {self.predicted_total_s:.0f} s, evaluation {self.predicted_eval_s or 0:.0f} s, " \
+            f"{self.predicted_total_s + (self.predicted_eval_s or 0) + self.startup_s + self.turnover_s:.0f} s " \
+            f"({self.pack_steps} pack steps: training {self.predicted_total_s:.0f} s, " \
+            f"evaluation {self.predicted_eval_s or 0:.0f} s, slot turnover {self.turnover_s:.0f} s, " \
             + (f"start-up {self.startup_s:.0f} s)" if self.startup_s else
                "start-up not counted: the cached calibration was measured inside a run, which does not time it)")
         per_gpu = f" per GPU ({self.gpus} GPUs, FSDP)" if self.gpus > 1 else ""
@@ -124,6 +129,7 @@ class PlanReport:
         rows += [
             ("pruning", self.pruning_note or "-"),
             ("predicted evaluation", self.eval_note or "-"),
+            ("predicted slot turnover", self.turnover_note or "-"),
             ("predicted time for the trial budget", total),
         ]
         width = max(len(k) for k, _ in rows)
@@ -277,11 +283,26 @@ def plan_report(spec: StudySpec, models: list[MemoryModel], where: str, base: Ba
     peak = mm.pack_peak(base, slots, rank, micro * seq) + base_delta
     evals, eval_note = (None, "") if schedule is None else eval_seconds(
         spec, mm, base.forward_s, schedule, eval_rows(spec), eval_len or mean_len or seq)
+    turnover, turnover_note = (0.0, "") if spec.budget.trials is None else turnover_seconds(timed, spec.budget.trials)
     return PlanReport(device, slots, rank, micro, seq, available, max(peak, load_peak), mm, step_s,
                       None if steps is None else steps * step_s, steps,
                       (min(times), max(times)) if len(models) > 1 else None, len(models), spec.model.quantize,
                       where, gpus if shard else 1, mm.base_bytes + base_delta, load_peak, note, evals, eval_note,
-                      schedule, base.imports_s + base.load_s, _pruning_note(spec, schedule, opt_steps), timed)
+                      schedule, base.imports_s + base.load_s, _pruning_note(spec, schedule, opt_steps), timed,
+                      turnover, turnover_note)
+
+
+def turnover_seconds(timed: PackStep | None, trials: int) -> tuple[float, str]:
+    """Seconds a run spends around its steps on its pack's start and its slots' turnover, and the plan's line: the
+    pack's start once (its store and first slots' set-up, the first step's warm-up), then for each of ``trials``
+    trials its slot's end with its adapter saved and a new slot's start; both measured on the sized pack
+    (``sweep.pack_step``, ``packer.probe.time_pack``'s ``turnover``). Not counted (0) where the pack was not timed."""
+    if timed is None or timed.step_s is None:
+        return 0.0, "not counted: the sized pack was not timed"
+    total = timed.setup_s + trials * timed.turnover_s
+    return total, (f"{total:.0f} s: the pack's start {timed.setup_s:.1f} s, then {timed.turnover_s * 1000:.0f} ms per "
+                   f"trial (its slot's end, its adapter saved, a new slot's start) x {trials} trials, measured on the "
+                   f"sized pack")
 
 
 def pack_schedule(spec: StudySpec, slots: int, trial_steps: int) -> Schedule:
