@@ -379,9 +379,10 @@ def load_and_calibrate(spec: StudySpec, device: str, calibrations: int, gpus: in
 
     import lora_sweep.evaluators.registry  # noqa: F401
     from lora_sweep.packer.api import open_base
-    from lora_sweep.sweep.timing import seconds_since_import
+    from lora_sweep.sweep.timing import process_started
 
-    imports_s, t0 = seconds_since_import(), time.perf_counter()
+    # from the process's start, as a run's split counts its imports (``sweep.timing``): the interpreter's own too
+    imports_s, t0 = time.time() - process_started()[0], time.perf_counter()
     packer = open_base(spec.model.path, gguf_file=spec.model.gguf_file, dtype=spec.model.dtype, device=device,
                        quantize=spec.model.quantize, kernels=spec.pack.kernels,
                        fused_base_ops=spec.pack.fused_base_ops, log=log)

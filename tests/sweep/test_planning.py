@@ -157,3 +157,19 @@ def test_the_plan_counts_the_pack_steps_under_the_rungs_and_the_start_up(tiny_di
     assert plain.pack_steps == 12 * 40 / 3 and "none (every trial trains to its last step)" in plain.table()
     unmeasured = plan_report(flat, [mm], "test", BaseShape(base.projections, 1000), "cpu", mean_len=20.0)
     assert "start-up not counted: the cached calibration was measured inside a run" in unmeasured.table()
+
+
+def test_the_start_up_counts_the_imports_from_the_processs_start(tiny_dirs, tmp_path, monkeypatch) -> None:
+    """A run's split counts its imports from the process's start (``sweep.timing.process_started``), the
+    interpreter's own start included: the plan's start-up measures them from the same point, not from
+    ``lora_sweep``'s import."""
+    import time
+
+    import lora_sweep.sweep.timing as timing
+    from lora_sweep.sweep.planning import load_and_calibrate
+
+    monkeypatch.setenv("LORA_SWEEP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(timing, "process_started", lambda: (time.time() - 1e6, "process"))
+    spec = _spec(tmp_path, tiny_dirs("llama"))
+    _, _, base, _, _ = load_and_calibrate(spec, "cpu", 1, 1)
+    assert 1e6 - 1 <= base.imports_s < 1e6 + 600 and base.load_s > 0  # (1 s: the clock's float rounding)
