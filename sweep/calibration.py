@@ -6,7 +6,8 @@ entry keeps what a plan needs of the base model (``packer.plan.BaseShape``, read
 adaptable projections, its parameter bytes and what one rank of an FSDP shard holds), so a second ``sweep plan``
 reads both back and plans without loading the base's weights, or even transformers' modeling code: config-only, in
 the time of the imports. Beside them, ``pack_step/<key>.json`` keeps the step time ``sweep plan`` measured on the
-pack it sized (``sweep.pack_step``), keyed by the calibration's key and that pack's shape and slots. The measuring is
+pack it sized (``sweep.pack_step``), keyed by the calibration's key and that pack's shape and slots, and
+``bookkeeping/<key>.json`` what a trial budget's asks, rows and tells took (``sweep.bookkeeping``). The measuring is
 the packer's (``packer.probe``); what is kept, and under which key, is the study's."""
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = ["calibrated", "cached_calibration", "cache_dir", "calibration_key",
            "trains_dora", "probe_dropout", "CALIBRATION_VERSION", "SHARD_WORLDS", "cached_lengths", "cache_lengths",
-           "PACK_STEP_VERSION", "cached_pack_step", "cache_pack_step"]
+           "PACK_STEP_VERSION", "cached_pack_step", "cache_pack_step", "cached_bookkeeping", "cache_bookkeeping"]
 
 CALIBRATION_VERSION = 5
 """Bump when ``packer.probe.calibrate`` measures differently: older cache entries are then not read."""
@@ -126,6 +127,20 @@ def cache_pack_step(spec: StudySpec, device: str, pack: dict[str, Any], record: 
     """Keep ``record`` (what timing ``pack`` measured) for ``cached_pack_step``; returns its file."""
     key = _pack_step_key(spec, device, pack)
     path = _entry(key, "pack_step")
+    _write(path, {**record, "key": key, "at": time.time()})
+    return path
+
+
+def cached_bookkeeping(key: dict[str, Any]) -> tuple[dict[str, Any], Path] | None:
+    """The record ``cache_bookkeeping`` kept under ``key`` (``sweep.bookkeeping``'s), and its file; None if none."""
+    path = _entry(key, "bookkeeping")
+    record = _read(path, key)
+    return None if record is None else (record, path)
+
+
+def cache_bookkeeping(key: dict[str, Any], record: dict[str, Any]) -> Path:
+    """Keep ``record`` (a trial budget's bookkeeping, timed) for ``cached_bookkeeping``; returns its file."""
+    path = _entry(key, "bookkeeping")
     _write(path, {**record, "key": key, "at": time.time()})
     return path
 

@@ -41,7 +41,8 @@ if TYPE_CHECKING:
     from lora_sweep.sweep.config.spec import Param, StudySpec
 
 __all__ = ["PackStep", "PackTimer", "PACK_STEPS", "PACK_MAX_STEPS", "PACK_TIMED_S", "PACK_WARMUP", "PACK_BUDGET_S",
-           "slot_specs", "step_length", "step_mean_length", "padded_mean_length", "bucket_lengths", "timed_model"]
+           "slot_specs", "step_length", "step_mean_length", "padded_mean_length", "bucket_lengths", "timed_model",
+           "turnover_seconds"]
 
 PACK_STEPS = 3
 """Steps of the sized pack timed after its warm-up, at least (their median on the CPU, their mean on CUDA)."""
@@ -101,6 +102,19 @@ def timed_model(mm: MemoryModel, timed: PackStep) -> MemoryModel:
     factor = timed.step_s / line
     return dataclasses.replace(mm, seconds_per_token=mm.seconds_per_token * factor,
                                seconds_per_step=mm.seconds_per_step * factor)
+
+
+def turnover_seconds(timed: PackStep | None, trials: int) -> tuple[float, str]:
+    """Seconds a run spends around its steps on its pack's start and its slots' turnover, and the plan's line: the
+    pack's start once (its store and first slots' set-up, the first step's warm-up), then for each of ``trials``
+    trials its slot's end with its adapter saved and a new slot's start; both measured on the sized pack
+    (``sweep.pack_step``, ``packer.probe.time_pack``'s ``turnover``). Not counted (0) where the pack was not timed."""
+    if timed is None or timed.step_s is None:
+        return 0.0, "not counted: the sized pack was not timed"
+    total = timed.setup_s + trials * timed.turnover_s
+    return total, (f"{total:.0f} s: the pack's start {timed.setup_s:.1f} s, then {timed.turnover_s * 1000:.0f} ms per "
+                   f"trial (its slot's end, its adapter saved, a new slot's start) x {trials} trials, measured on the "
+                   f"sized pack")
 
 
 def bucket_lengths(spec: StudySpec, lengths: Sequence[int], capacity: int) -> tuple[int, ...]:

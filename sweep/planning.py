@@ -29,9 +29,17 @@ from typing import Any
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.packer.api import AdapterSpec, BaseShape, MemoryModel, Packer, data
+from lora_sweep.sweep.bookkeeping import storage_seconds
 from lora_sweep.sweep.calibration import SHARD_WORLDS, cache_dir, cached_calibration, calibrated, calibration_key
 from lora_sweep.sweep.config.spec import StudySpec
-from lora_sweep.sweep.pack_step import PackStep, PackTimer, padded_mean_length, step_mean_length, timed_model
+from lora_sweep.sweep.pack_step import (
+    PackStep,
+    PackTimer,
+    padded_mean_length,
+    step_mean_length,
+    timed_model,
+    turnover_seconds,
+)
 from lora_sweep.sweep.schedule import Schedule, eval_rows, eval_seconds, expected_schedule
 
 __all__ = ["auto_slots", "check_targets", "largest_rank", "PlanReport", "plan_pack", "plan_report", "trial_micro_steps",
@@ -91,13 +99,19 @@ class PlanReport:
     """Seconds of the pack's start and its slots' turnover for the trial budget (``turnover_seconds``)."""
     turnover_note: str = ""
     """What the turnover counts (the pack's start, per trial), or why it is not counted."""
+    storage_s: float = 0.0
+    """Seconds of the run's storage for the trial budget: asks, rows and tells (``sweep.bookkeeping``)."""
+    storage_note: str = ""
+    """How the storage was had, or why it is not counted."""
 
     def table(self) -> str:
         gib = 1024**3
+        around = self.startup_s + self.turnover_s + self.storage_s
         total = "-" if self.predicted_total_s is None else \
-            f"{self.predicted_total_s + (self.predicted_eval_s or 0) + self.startup_s + self.turnover_s:.0f} s " \
+            f"{self.predicted_total_s + (self.predicted_eval_s or 0) + around:.0f} s " \
             f"({self.pack_steps} pack steps: training {self.predicted_total_s:.0f} s, " \
             f"evaluation {self.predicted_eval_s or 0:.0f} s, slot turnover {self.turnover_s:.0f} s, " \
+            f"storage {self.storage_s:.0f} s, " \
             + (f"start-up {self.startup_s:.0f} s)" if self.startup_s else
                "start-up not counted: the cached calibration was measured inside a run, which does not time it)")
         per_gpu = f" per GPU ({self.gpus} GPUs, FSDP)" if self.gpus > 1 else ""
@@ -130,6 +144,7 @@ class PlanReport:
             ("pruning", self.pruning_note or "-"),
             ("predicted evaluation", self.eval_note or "-"),
             ("predicted slot turnover", self.turnover_note or "-"),
+            ("predicted storage", self.storage_note or "-"),
             ("predicted time for the trial budget", total),
         ]
         width = max(len(k) for k, _ in rows)
@@ -284,25 +299,16 @@ def plan_report(spec: StudySpec, models: list[MemoryModel], where: str, base: Ba
     evals, eval_note = (None, "") if schedule is None else eval_seconds(
         spec, mm, base.forward_s, schedule, eval_rows(spec), eval_len or mean_len or seq)
     turnover, turnover_note = (0.0, "") if spec.budget.trials is None else turnover_seconds(timed, spec.budget.trials)
+    # the run's storage: measured where the plan times its pack (sweep plan), not in a ``pack: auto`` run's sizing
+    storage, storage_note = (0.0, "") if spec.budget.trials is None else \
+        storage_seconds(spec, spec.budget.trials, slots) if timer is not None else \
+        (0.0, "not counted: measured only where the plan times its pack (sweep plan)")
     return PlanReport(device, slots, rank, micro, seq, available, max(peak, load_peak), mm, step_s,
                       None if steps is None else steps * step_s, steps,
                       (min(times), max(times)) if len(models) > 1 else None, len(models), spec.model.quantize,
                       where, gpus if shard else 1, mm.base_bytes + base_delta, load_peak, note, evals, eval_note,
                       schedule, base.imports_s + base.load_s, _pruning_note(spec, schedule, opt_steps), timed,
-                      turnover, turnover_note)
-
-
-def turnover_seconds(timed: PackStep | None, trials: int) -> tuple[float, str]:
-    """Seconds a run spends around its steps on its pack's start and its slots' turnover, and the plan's line: the
-    pack's start once (its store and first slots' set-up, the first step's warm-up), then for each of ``trials``
-    trials its slot's end with its adapter saved and a new slot's start; both measured on the sized pack
-    (``sweep.pack_step``, ``packer.probe.time_pack``'s ``turnover``). Not counted (0) where the pack was not timed."""
-    if timed is None or timed.step_s is None:
-        return 0.0, "not counted: the sized pack was not timed"
-    total = timed.setup_s + trials * timed.turnover_s
-    return total, (f"{total:.0f} s: the pack's start {timed.setup_s:.1f} s, then {timed.turnover_s * 1000:.0f} ms per "
-                   f"trial (its slot's end, its adapter saved, a new slot's start) x {trials} trials, measured on the "
-                   f"sized pack")
+                      turnover, turnover_note, storage, storage_note)
 
 
 def pack_schedule(spec: StudySpec, slots: int, trial_steps: int) -> Schedule:

@@ -220,7 +220,7 @@ def test_the_plan_counts_the_packs_start_and_every_trials_slot_turnover(tiny_dir
     table = report.table()
     assert ("predicted slot turnover              5 s: the pack's start 1.5 s, then 300 ms per trial (its slot's "
             "end, its adapter saved, a new slot's start) x 12 trials, measured on the sized pack") in table
-    total = report.predicted_total_s + report.predicted_eval_s + report.startup_s + 5.1
+    total = report.predicted_total_s + report.predicted_eval_s + report.startup_s + 5.1 + report.storage_s
     assert f"predicted time for the trial budget  {total:.0f} s (" in table and "slot turnover 5 s" in table
 
     def refused():  # noqa: ANN202
