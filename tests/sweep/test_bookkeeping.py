@@ -79,8 +79,8 @@ def test_the_plan_says_the_storage_and_adds_it_to_the_total(tiny_dirs, tmp_path,
     report = plan_report(spec, [MM], "test", BASE, "cpu", timer=timer)
     assert report.storage_s == pytest.approx(6.0)
     table = report.table()
-    assert (f"predicted storage                    6.0 s: 8 trials asked of the study's sampler, their rows written and "
-            f"told ({report.slots} in flight) on a scratch study; measured, cached in ") in table
+    assert (f"predicted storage                    6.0 s: 8 trials asked of the study's sampler, their rows written "
+            f"and told ({report.slots} in flight) on a scratch study; measured, cached in ") in table
     total = report.predicted_total_s + report.predicted_eval_s + report.startup_s + report.turnover_s + 6.0
     assert f"predicted time for the trial budget  {total:.0f} s (" in table and "storage 6 s" in table
     sizing = plan_report(spec, [MM], "test", BASE, "cpu")
