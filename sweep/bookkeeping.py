@@ -34,20 +34,20 @@ BOOKKEEPING_TRIALS = 60
 
 
 def bookkeeping_seconds(spec: StudySpec, trials: int, slots: int) -> tuple[float, str]:
-    """Seconds the run's storage spends on ``trials`` trials trained ``slots`` at a time (module docstring), and how
-    they were had (measured, or the cache's file)."""
+    """Seconds the run's storage spends on ``trials`` trials trained ``slots`` at a time (module docstring), and
+    where they are kept (the cache's file: a second plan reads them back and prints the same)."""
     import optuna
 
     asked = min(trials, BOOKKEEPING_TRIALS)
     key = {"version": 1, "space": _described(spec), "trials": asked, "slots": slots, "optuna": optuna.__version__}
     hit = cached_bookkeeping(key)
     if hit is not None:
-        each, path = [float(s) for s in hit[0]["each"]], f"cached ({hit[1]})"
+        each, path = [float(s) for s in hit[0]["each"]], hit[1]
     else:
         each = _measure(spec, asked, slots)
-        path = f"measured, cached in {cache_bookkeeping(key, {'each': each})}"
+        path = cache_bookkeeping(key, {"each": each})
     total = sum(each) + (trials - asked) * statistics.fmean(each[len(each) // 2:])
-    return total, path
+    return total, f"cached in {path}"
 
 
 def storage_seconds(spec: StudySpec, trials: int, slots: int) -> tuple[float, str]:

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = ["calibrated", "cached_calibration", "cache_dir", "calibration_key",
            "trains_dora", "probe_dropout", "CALIBRATION_VERSION", "SHARD_WORLDS", "cached_lengths", "cache_lengths",
+           "tokenize_seconds",
            "PACK_STEP_VERSION", "cached_pack_step", "cache_pack_step", "cached_bookkeeping", "cache_bookkeeping"]
 
 CALIBRATION_VERSION = 5
@@ -102,10 +103,20 @@ def cached_lengths(spec: StudySpec) -> list[int] | None:
     return lengths if isinstance(lengths, list) and all(isinstance(n, int) for n in lengths) else None
 
 
-def cache_lengths(spec: StudySpec, lengths: list[int]) -> None:
-    """Keep the token lengths of the study's training rows for ``cached_lengths``."""
+def cache_lengths(spec: StudySpec, lengths: list[int], seconds: float = 0.0) -> None:
+    """Keep the token lengths of the study's training rows for ``cached_lengths``, and the ``seconds`` reading and
+    tokenizing its data took (``tokenize_seconds``)."""
     key = _lengths_key(spec)
-    _write(_entry(key, "lengths"), {"key": key, "lengths": lengths})
+    _write(_entry(key, "lengths"), {"key": key, "lengths": lengths, "seconds": seconds})
+
+
+def tokenize_seconds(spec: StudySpec) -> float:
+    """Seconds a run takes to read and tokenize the study's data, as the plan that cached its lengths measured them
+    (``cache_lengths``); 0 where none did."""
+    key = _lengths_key(spec)
+    record = _read(_entry(key, "lengths"), key)
+    seconds = None if record is None else record.get("seconds")
+    return float(seconds) if isinstance(seconds, (int, float)) else 0.0
 
 
 def _pack_step_key(spec: StudySpec, device: str, pack: dict[str, Any]) -> dict[str, Any]:

@@ -307,8 +307,17 @@ def plan_report(spec: StudySpec, models: list[MemoryModel], where: str, base: Ba
                       None if steps is None else steps * step_s, steps,
                       (min(times), max(times)) if len(models) > 1 else None, len(models), spec.model.quantize,
                       where, gpus if shard else 1, mm.base_bytes + base_delta, load_peak, note, evals, eval_note,
-                      schedule, base.imports_s + base.load_s, _pruning_note(spec, schedule, opt_steps), timed,
+                      schedule, _startup(spec, base), _pruning_note(spec, schedule, opt_steps), timed,
                       turnover, turnover_note, storage, storage_note)
+
+
+def _startup(spec: StudySpec, base: BaseShape) -> float:
+    """A run's seconds before its first step, where the calibration measured them (0: not measured): the imports and
+    the base's load (``base``), then reading and tokenizing the data (``train_lengths``, kept with the lengths)."""
+    from lora_sweep.sweep.calibration import tokenize_seconds
+
+    measured = base.imports_s + base.load_s
+    return measured + tokenize_seconds(spec) if measured else 0.0
 
 
 def pack_schedule(spec: StudySpec, slots: int, trial_steps: int) -> Schedule:
@@ -364,10 +373,13 @@ def train_lengths(spec: StudySpec, tokenizer: Any) -> tuple[list[int], list[data
     if tokenizer is None:
         tokenizer = Packer.read_tokenizer(spec.model.path, spec.model.gguf_file)
     d = spec.data
+    t0 = time.perf_counter()
     examples = data.load_examples(d.train, tokenizer, fmt=d.format, max_length=d.max_length,
                                   train_on_prompt=d.train_on_prompt, max_line_bytes=d.line_bytes)
+    # a run tokenizes the held-out rows too (its split's load:data): at the training rows' measured pace
+    seconds = (time.perf_counter() - t0) * (1 + eval_rows(spec) / max(1, len(examples)))
     lengths = [len(e.input_ids) for e in examples]
-    cache_lengths(spec, lengths)
+    cache_lengths(spec, lengths, seconds)
     return lengths, examples
 
 

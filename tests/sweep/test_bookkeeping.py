@@ -40,7 +40,7 @@ def test_a_trial_budgets_storage_is_measured_on_a_scratch_study_and_cached(tiny_
 
     monkeypatch.setattr(bookkeeping, "_asked", counted)
     seconds, how = bookkeeping.bookkeeping_seconds(spec, 6, 2)
-    assert asked == list(range(6)) and seconds > 0 and how.startswith("measured, cached in ")
+    assert asked == list(range(6)) and seconds > 0 and how.startswith("cached in ")
     (entry,) = (tmp_path / "cache" / "bookkeeping").iterdir()
     record = json.loads(entry.read_text())
     assert len(record["each"]) == 6 and sum(record["each"]) == pytest.approx(seconds)
@@ -50,7 +50,7 @@ def test_a_trial_budgets_storage_is_measured_on_a_scratch_study_and_cached(tiny_
         raise AssertionError("a cached measurement asks nothing")
 
     monkeypatch.setattr(bookkeeping, "_measure", refused)
-    assert bookkeeping.bookkeeping_seconds(spec, 6, 2) == (seconds, f"cached ({entry})")
+    assert bookkeeping.bookkeeping_seconds(spec, 6, 2) == (seconds, f"cached in {entry}")
 
 
 def test_a_large_budget_is_timed_on_its_first_trials(tiny_dirs, tmp_path, monkeypatch) -> None:
@@ -80,7 +80,7 @@ def test_the_plan_says_the_storage_and_adds_it_to_the_total(tiny_dirs, tmp_path,
     assert report.storage_s == pytest.approx(6.0)
     table = report.table()
     assert (f"predicted storage                    6.0 s: 8 trials asked of the study's sampler, their rows written "
-            f"and told ({report.slots} in flight) on a scratch study; measured, cached in ") in table
+            f"and told ({report.slots} in flight) on a scratch study; cached in ") in table
     total = report.predicted_total_s + report.predicted_eval_s + report.startup_s + report.turnover_s + 6.0
     assert f"predicted time for the trial budget  {total:.0f} s (" in table and "storage 6 s" in table
     sizing = plan_report(spec, [MM], "test", BASE, "cpu")

@@ -125,9 +125,10 @@ def test_the_plan_times_the_evaluations_the_schedule_runs(tiny_dirs, tmp_path) -
     assert eval_seconds(spec, mm, fixed, every, rows, 20.0)[0] == pytest.approx(heldout + generation + curve)
 
 
-def test_the_plan_counts_the_pack_steps_under_the_rungs_and_the_start_up(tiny_dirs, tmp_path) -> None:
+def test_the_plan_counts_the_pack_steps_under_the_rungs_and_the_start_up(tiny_dirs, tmp_path, monkeypatch) -> None:
     """``sweep plan`` said "(no pruning)" and counted every trial to its last step for a study that prunes: the time
     is now the expected schedule's pack steps (``sweep.schedule``) plus the run's start-up measured at calibration."""
+    monkeypatch.setenv("LORA_SWEEP_CACHE", str(tmp_path / "cache"))  # no other test's tokenizing of the same rows
     from lora_sweep.packer.plan import BaseShape, MemoryModel
     from lora_sweep.sweep.planning import pack_schedule, plan_report
     from lora_sweep.sweep.schedule import expected_schedule
@@ -173,3 +174,24 @@ def test_the_start_up_counts_the_imports_from_the_processs_start(tiny_dirs, tmp_
     spec = _spec(tmp_path, tiny_dirs("llama"))
     _, _, base, _, _ = load_and_calibrate(spec, "cpu", 1, 1)
     assert 1e6 - 1 <= base.imports_s < 1e6 + 600 and base.load_s > 0  # (1 s: the clock's float rounding)
+
+
+def test_the_start_up_counts_the_datas_tokenizing(tiny_dirs, tmp_path, monkeypatch) -> None:
+    """A run reads and tokenizes its training and held-out rows before its first step (its split's ``load:data``):
+    the plan times the training rows' tokenizing where it tokenizes them, keeps it with their lengths, and adds it to
+    the start-up, the held-out rows at the same pace."""
+    from lora_sweep.packer.plan import BaseShape, MemoryModel
+    from lora_sweep.sweep.calibration import tokenize_seconds
+    from lora_sweep.sweep.planning import plan_report, train_lengths
+
+    monkeypatch.setenv("LORA_SWEEP_CACHE", str(tmp_path / "cache"))
+    spec = _spec(tmp_path, tiny_dirs("llama"))
+    mm = MemoryModel(base_bytes=1000, bytes_per_token=10, seconds_per_token=1e-5, seconds_per_step=0.02)
+    base = BaseShape((("q_proj", 64, 64),), 1000, forward_s=0.002, load_s=2.0, imports_s=3.0)
+    assert tokenize_seconds(spec) == 0 and plan_report(spec, [mm], "test", base, "cpu").startup_s == 5.0
+    _, tokenizer = load_base(str(tiny_dirs("llama")))
+    train_lengths(spec, tokenizer)
+    seconds = tokenize_seconds(spec)
+    assert seconds > 0 and plan_report(spec, [mm], "test", base, "cpu").startup_s == 5.0 + seconds
+    unmeasured = BaseShape(base.projections, 1000)  # a calibration a run made: no start-up measured, none counted
+    assert plan_report(spec, [mm], "test", unmeasured, "cpu").startup_s == 0
