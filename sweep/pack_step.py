@@ -80,6 +80,11 @@ class PackStep:
     turnover_s: float = 0.0
     """Seconds per slot that ends and is refilled: its end, its adapter saved as a run saves it, a new slot's
     start (``packer.probe.time_pack``'s ``turnover``)."""
+    eval_batch_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Per evaluator (by name): seconds of one batch of its held-out rows scored for ``eval_slots`` slots of the pack
+    as they ended (``sweep.schedule.eval_seconds`` scales its estimate through it); empty: not measured."""
+    eval_slots: int = 0
+    """Slots ``eval_batch_s`` scored at once (the first slots to end)."""
 
     @property
     def tokens(self) -> int:
@@ -224,11 +229,14 @@ class PackTimer:
         steps = PACK_STEPS if line <= 0 else min(max(PACK_STEPS, math.ceil(PACK_TIMED_S / line)), PACK_MAX_STEPS,
                                                   math.floor(self.budget_s / line) - PACK_WARMUP)
         pack = {"rows": rows, "length": length, "max_rows": rank, "warmup": PACK_WARMUP,
-                "slots": [_describe(s) for s in specs], "options": options}
+                "slots": [_describe(s) for s in specs], "options": options,
+                "evaluators": [[name, opts] for name, opts in _timed_entries(spec)]}
         hit = cached_pack_step(spec, self.device, pack)
         if hit is not None:
             return dataclasses.replace(shape, step_s=float(hit[0]["step_s"]), setup_s=float(hit[0]["setup_s"]),
-                                       turnover_s=float(hit[0]["turnover_s"]), where=f"cached ({hit[1]})")
+                                       turnover_s=float(hit[0]["turnover_s"]), where=f"cached ({hit[1]})",
+                                       eval_batch_s={k: float(v) for k, v in hit[0]["eval_batch_s"].items()},
+                                       eval_slots=int(hit[0]["eval_slots"]))
         size = f"{slots} slots x {rows} rows x {length} tokens"
         if spec.pack.shard == "fsdp" and self.gpus > 1:
             return dataclasses.replace(shape, where=f"not timed: a pack sharded over {self.gpus} GPUs steps in "
@@ -248,28 +256,76 @@ class PackTimer:
             self.log(f"timing the sized pack on {self.device}: {PACK_WARMUP} + {steps} steps of {size} (cached for "
                      f"the next plan)")
         packer = self.load()
+        ended = _Ended(self.spec, packer)
         try:
             with tempfile.TemporaryDirectory(prefix="lora-sweep-plan-") as scratch:
+                ended.scratch = Path(scratch)
                 timing = packer.time_pack(specs, shape.rows, shape.length, steps=steps, warmup=PACK_WARMUP,
-                                          max_rows=rank, turnover=True, on_end=_saver(packer, Path(scratch)),
-                                          **pack["options"])
+                                          max_rows=rank, turnover=True, on_end=ended, **pack["options"])
         except torch.OutOfMemoryError:
             return dataclasses.replace(shape, where=f"not timed: {size} ran out of device memory; the probes' line")
-        turnover = timing.turnover_s or 0.0
+        # the evaluations ran inside the turnover's steps: a trial's turnover is what is left of them
+        turnover = max(0.0, (timing.turnover_s or 0.0) - sum(ended.eval_batch_s.values()) / shape.slots)
         path = cache_pack_step(self.spec, self.device, pack, {
             "step_s": timing.step_s, "steps": steps, "wall_s": round(timing.wall_s, 3), "step": timing.step,
-            "setup_s": timing.setup_s, "turnover_s": turnover})
+            "setup_s": timing.setup_s, "turnover_s": turnover, "eval_batch_s": ended.eval_batch_s,
+            "eval_slots": ended.eval_slots})
         how = "mean" if self.device.startswith("cuda") else "median"  # as ``time_pack`` takes them
-        return dataclasses.replace(shape, step_s=timing.step_s, setup_s=timing.setup_s, turnover_s=turnover, where=(
+        return dataclasses.replace(shape, step_s=timing.step_s, setup_s=timing.setup_s, turnover_s=turnover,
+                                   eval_batch_s=ended.eval_batch_s, eval_slots=ended.eval_slots, where=(
             f"{how} of {steps} steps of {size}, {timing.step} step, after {PACK_WARMUP} warm-up; measured in "
             f"{timing.wall_s:.1f} s, cached in {path}"))
 
 
-def _saver(packer: Packer, scratch: Path) -> Callable[[list[Any]], None]:
-    """The timed pack's ``on_end``: the ending slots' adapters saved under ``scratch`` as a run saves a finished
-    trial's (``Packer.save``: copied off the slots, written by the packer's writer), waited for."""
-    def save(ends: list[Any]) -> None:
-        for future in packer.save([(e.slot, scratch / f"slot-{e.slot}", None) for e in ends]):
-            future.result()
+def _timed_entries(spec: StudySpec) -> list[tuple[str, dict[str, Any]]]:
+    """The evaluator entries whose batch the timed pack scores: the study's built-in ones that declare a cost
+    (``evaluators.registry.plan_cost``; a user's code is never run by a plan), and the one scoring the rungs and
+    ``eval_every`` (``curve_entry``) where the study prunes or has a curve."""
+    from lora_sweep.evaluators.registry import curve_entry, is_user_code, plan_cost
 
-    return save
+    entries = [(e.name, dict(e.options)) for e in spec.evaluators]
+    curve, _ = curve_entry(entries)
+    if spec.pruning.kind == "cohort_sha" or spec.train.eval_every:
+        entries.append((curve[0], dict(curve[1])))
+    if not spec.data.eval:
+        return []
+    named = {name: opts for name, opts in entries if not is_user_code(name) and plan_cost(name, opts) is not None}
+    return list(named.items())
+
+
+class _Ended:
+    """The timed pack's ``on_end``, as a run's: the ending slots' adapters saved under ``scratch`` (``Packer.save``:
+    copied off the slots, written by the packer's writer, waited for), then each timed entry (``_timed_entries``)
+    scoring one batch of the held-out rows on the first slots to end, its seconds kept (``eval_batch_s``). An entry that
+    fails here is left untimed (the run's own check says why)."""
+
+    def __init__(self, spec: StudySpec, packer: Packer) -> None:
+        self.spec, self.packer, self.scratch = spec, packer, Path()
+        self.eval_batch_s: dict[str, float] = {}
+        self.eval_slots = 0
+
+    def __call__(self, ends: list[Any]) -> None:
+        import time
+
+        from lora_sweep.evaluators.registry import evaluate, load_eval_data, plan_cost
+
+        for future in self.packer.save([(e.slot, self.scratch / f"slot-{e.slot}", None) for e in ends]):
+            future.result()
+        entries = _timed_entries(self.spec)
+        if not entries or self.eval_slots:  # scored once: by the first slots to end (with accumulation, not all)
+            return
+        self.eval_slots = len(ends)
+        d = self.spec.data
+        held_out = load_eval_data(d.eval, self.packer.tokenizer, fmt=d.format, max_length=d.max_length,
+                                    train_on_prompt=d.train_on_prompt, work_dir=self.scratch,
+                                    max_line_bytes=d.line_bytes)
+        for name, opts in entries:
+            cost = plan_cost(name, opts)
+            assert cost is not None  # (``_timed_entries``)
+            batch = dataclasses.replace(held_out, rows=held_out.rows[:cost.batch_size])
+            t0 = time.perf_counter()
+            try:
+                evaluate(self.packer.model, [e.slot for e in ends], batch, [(name, opts)])
+            except Exception:  # noqa: BLE001  (the plan's estimate stays the model's; the run reports the error)
+                continue
+            self.eval_batch_s[name] = time.perf_counter() - t0

@@ -234,7 +234,8 @@ def test_the_plan_counts_the_packs_start_and_every_trials_slot_turnover(tiny_dir
 
 def test_the_turnover_is_timed_on_the_loaded_model_with_the_adapters_saved(tiny_dirs, tmp_path, monkeypatch) -> None:
     """On the real tiny model: every slot of the timed pack ends once (an accumulating one too) and is saved as a
-    run saves it, a new slot starts in it, and the pack's start and the turnover are measured beside the step."""
+    run saves it, a new slot starts in it, and the pack's start and the turnover are measured beside the step, and
+    a batch of the study's evaluation on the slots that ended (less from the turnover, in which it ran)."""
     from lora_sweep.packer.api import open_base
 
     monkeypatch.setenv("LORA_SWEEP_CACHE", str(tmp_path / "cache"))
@@ -254,7 +255,11 @@ def test_the_turnover_is_timed_on_the_loaded_model_with_the_adapters_saved(tiny_
     specs = slot_specs(spec, 3)
     assert {s.gradient_accumulation_steps for s in specs} == {1, 2}  # the seed draws both
     timed = PackTimer(spec, "cpu", LENGTHS, lambda: packer)(3, 4, 2, MM)
-    assert timed.step_s is not None and timed.step_s > 0 and timed.setup_s > 0 and timed.turnover_s > 0
+    assert timed.step_s is not None and timed.step_s > 0 and timed.setup_s > 0 and timed.turnover_s >= 0
+    # the first slots to end scored a batch of the held-out rows with each of the study's evaluators, timed
+    assert set(timed.eval_batch_s) == {e.name for e in spec.evaluators} == {"heldout_loss", "generation"}
+    assert all(seconds > 0 for seconds in timed.eval_batch_s.values())
+    assert 1 <= timed.eval_slots <= 3
     assert sorted(slot for slot, _ in saved) == [0, 1, 2]  # each slot's adapter, once
     assert all("adapter_config.json" in files for _, files in saved)  # written as a run writes it
     assert not packer.model.slot_paths and packer.model.store is None  # nothing left behind

@@ -195,3 +195,32 @@ def test_the_start_up_counts_the_datas_tokenizing(tiny_dirs, tmp_path, monkeypat
     assert seconds > 0 and plan_report(spec, [mm], "test", base, "cpu").startup_s == 5.0 + seconds
     unmeasured = BaseShape(base.projections, 1000)  # a calibration a run made: no start-up measured, none counted
     assert plan_report(spec, [mm], "test", unmeasured, "cpu").startup_s == 0
+
+
+def test_each_evaluators_estimate_goes_through_its_batch_measured_on_the_sized_pack(tiny_dirs, tmp_path) -> None:
+    """The estimate per batch (a base forward's fixed time, a third of the step's per-token time) left the runs'
+    evaluations 2-3x above it: with a batch of each evaluator scored on the sized pack's ending slots, each
+    evaluator's estimate (finals, rungs) is scaled by that batch's seconds over the same batch as estimated."""
+    import pytest
+
+    from lora_sweep.packer.plan import MemoryModel
+    from lora_sweep.sweep.planning import eval_rows, eval_seconds
+    from lora_sweep.sweep.schedule import Schedule
+
+    mm = MemoryModel(base_bytes=0, bytes_per_token=0, bytes_per_token_rank=0, bytes_per_param=0,
+                     seconds_per_token=3e-4, seconds_per_step=0.5)
+    evaluators = [{"name": "heldout_loss"}, {"name": "generation", "options": {"max_new_tokens": 4, "batch_size": 4}}]
+    spec = load_study(write_study(tmp_path, tiny_dirs("llama"), "evals", budget={"trials": 6}, evaluators=evaluators))
+    rows = eval_rows(spec)
+    schedule = Schedule(pack_steps=24, reached=(6,), finished=3, rung_events=2, final_events=2)
+    per_token, fixed = 3e-4 / 3, 0.01
+    heldout = math.ceil(rows / 8) * (2 * fixed + 3 * 8 * 20.0 * per_token)
+    generation = math.ceil(rows / 4) * (2 * 5 * fixed + 3 * 4 * (20.0 + 4) * per_token)
+    rungs = math.ceil(rows / 8) * (2 * fixed + 6 * 8 * 20.0 * per_token)
+    one_heldout = fixed + 2 * 8 * 20.0 * per_token  # one batch of 2 slots, as the plan estimates it
+    measured = {"heldout_loss": 3 * one_heldout}  # measured 3x that; generation not measured: as estimated
+    seconds, line = eval_seconds(spec, mm, fixed, schedule, rows, 20.0, measured, 2)
+    assert seconds == pytest.approx(3 * heldout + generation + 3 * rungs)
+    assert line.endswith("6 rung evaluations; scaled by a batch of each scored on the sized pack (heldout_loss x3.00)")
+    assert eval_seconds(spec, mm, fixed, schedule, rows, 20.0, measured, 0)[0] == pytest.approx(
+        heldout + generation + rungs)  # no slots scored: nothing to scale by
