@@ -265,7 +265,7 @@ class PackTimer:
         except torch.OutOfMemoryError:
             return dataclasses.replace(shape, where=f"not timed: {size} ran out of device memory; the probes' line")
         # the evaluations ran inside the turnover's steps: a trial's turnover is what is left of them
-        turnover = max(0.0, (timing.turnover_s or 0.0) - sum(ended.eval_batch_s.values()) / shape.slots)
+        turnover = max(0.0, (timing.turnover_s or 0.0) - ended.spent_s / shape.slots)
         path = cache_pack_step(self.spec, self.device, pack, {
             "step_s": timing.step_s, "steps": steps, "wall_s": round(timing.wall_s, 3), "step": timing.step,
             "setup_s": timing.setup_s, "turnover_s": turnover, "eval_batch_s": ended.eval_batch_s,
@@ -296,18 +296,18 @@ def _timed_entries(spec: StudySpec) -> list[tuple[str, dict[str, Any]]]:
 class _Ended:
     """The timed pack's ``on_end``, as a run's: the ending slots' adapters saved under ``scratch`` (``Packer.save``:
     copied off the slots, written by the packer's writer, waited for), then each timed entry (``_timed_entries``)
-    scoring one batch of the held-out rows on the first slots to end, its seconds kept (``eval_batch_s``). An entry that
-    fails here is left untimed (the run's own check says why)."""
+    scoring one batch of the held-out rows on the first slots to end, twice, the second's seconds kept
+    (``eval_batch_s``). An entry that fails here is left untimed (the run's own check says why)."""
 
     def __init__(self, spec: StudySpec, packer: Packer) -> None:
         self.spec, self.packer, self.scratch = spec, packer, Path()
         self.eval_batch_s: dict[str, float] = {}
         self.eval_slots = 0
+        self.spent_s = 0.0
+        """Seconds of the evaluations here in all (the held-out rows read, the warm-ups): not the turnover's."""
 
     def __call__(self, ends: list[Any]) -> None:
         import time
-
-        from lora_sweep.evaluators.registry import evaluate, load_eval_data, plan_cost
 
         for future in self.packer.save([(e.slot, self.scratch / f"slot-{e.slot}", None) for e in ends]):
             future.result()
@@ -315,16 +315,26 @@ class _Ended:
         if not entries or self.eval_slots:  # scored once: by the first slots to end (with accumulation, not all)
             return
         self.eval_slots = len(ends)
+        started = time.perf_counter()
+        self._score(ends, entries)
+        self.spent_s += time.perf_counter() - started
+
+    def _score(self, ends: list[Any], entries: list[tuple[str, dict[str, Any]]]) -> None:
+        """Each entry's batch, scored twice on the ending slots (``__call__``)."""
+        import time
+
+        from lora_sweep.evaluators.registry import evaluate, load_eval_data, plan_cost
+
         d = self.spec.data
         held_out = load_eval_data(d.eval, self.packer.tokenizer, fmt=d.format, max_length=d.max_length,
-                                    train_on_prompt=d.train_on_prompt, work_dir=self.scratch,
-                                    max_line_bytes=d.line_bytes)
+                                  train_on_prompt=d.train_on_prompt, work_dir=self.scratch, max_line_bytes=d.line_bytes)
         for name, opts in entries:
             cost = plan_cost(name, opts)
             assert cost is not None  # (``_timed_entries``)
             batch = dataclasses.replace(held_out, rows=held_out.rows[:cost.batch_size])
-            t0 = time.perf_counter()
-            try:
+            try:  # twice, the second timed: the first also pays what an evaluator does once in a run (a warm-up)
+                evaluate(self.packer.model, [e.slot for e in ends], batch, [(name, opts)])
+                t0 = time.perf_counter()
                 evaluate(self.packer.model, [e.slot for e in ends], batch, [(name, opts)])
             except Exception:  # noqa: BLE001  (the plan's estimate stays the model's; the run reports the error)
                 continue
