@@ -40,9 +40,9 @@ if TYPE_CHECKING:
     from lora_sweep.packer.api import MemoryModel
     from lora_sweep.sweep.config.spec import Param, StudySpec
 
-__all__ = ["PackStep", "PackTimer", "PACK_STEPS", "PACK_MAX_STEPS", "PACK_TIMED_S", "PACK_WARMUP", "PACK_BUDGET_S",
-           "slot_specs", "step_length", "step_mean_length", "padded_mean_length", "bucket_lengths", "timed_model",
-           "turnover_seconds"]
+__all__ = ["PackStep", "PackTimer", "EVAL_REPEATS", "PACK_STEPS", "PACK_MAX_STEPS", "PACK_TIMED_S", "PACK_WARMUP",
+           "PACK_BUDGET_S", "slot_specs", "step_length", "step_mean_length", "padded_mean_length", "bucket_lengths",
+           "timed_model", "turnover_seconds"]
 
 PACK_STEPS = 3
 """Steps of the sized pack timed after its warm-up, at least (their median on the CPU, their mean on CUDA)."""
@@ -56,6 +56,8 @@ PACK_WARMUP = 1
 PACK_BUDGET_S = 60.0
 """Seconds the timing may take, as the probes' line predicts it: fewer timed steps where all would pass it, none
 (the probes' line kept) where the warm-up and one step would."""
+EVAL_REPEATS = 3
+"""Timed batches of each evaluator on the sized pack's ending slots, after one warm-up: their median is kept."""
 _SAMPLES = 512
 """Simulated steps whose padded length ``step_length`` averages."""
 
@@ -296,8 +298,8 @@ def _timed_entries(spec: StudySpec) -> list[tuple[str, dict[str, Any]]]:
 class _Ended:
     """The timed pack's ``on_end``, as a run's: the ending slots' adapters saved under ``scratch`` (``Packer.save``:
     copied off the slots, written by the packer's writer, waited for), then each timed entry (``_timed_entries``)
-    scoring one batch of the held-out rows on the first slots to end, twice, the second's seconds kept
-    (``eval_batch_s``). An entry that fails here is left untimed (the run's own check says why)."""
+    scoring one batch of the held-out rows on the first slots to end, a warm-up and then ``EVAL_REPEATS`` times,
+    their median kept (``eval_batch_s``). An entry that fails here is left untimed (the run's own check says why)."""
 
     def __init__(self, spec: StudySpec, packer: Packer) -> None:
         self.spec, self.packer, self.scratch = spec, packer, Path()
@@ -320,7 +322,7 @@ class _Ended:
         self.spent_s += time.perf_counter() - started
 
     def _score(self, ends: list[Any], entries: list[tuple[str, dict[str, Any]]]) -> None:
-        """Each entry's batch, scored twice on the ending slots (``__call__``)."""
+        """Each entry's batch, scored on the ending slots: a warm-up, then ``EVAL_REPEATS`` timed (``__call__``)."""
         import time
 
         from lora_sweep.evaluators.registry import evaluate, load_eval_data, plan_cost
@@ -332,10 +334,12 @@ class _Ended:
             cost = plan_cost(name, opts)
             assert cost is not None  # (``_timed_entries``)
             batch = dataclasses.replace(held_out, rows=held_out.rows[:cost.batch_size])
-            try:  # twice, the second timed: the first also pays what an evaluator does once in a run (a warm-up)
-                evaluate(self.packer.model, [e.slot for e in ends], batch, [(name, opts)])
-                t0 = time.perf_counter()
-                evaluate(self.packer.model, [e.slot for e in ends], batch, [(name, opts)])
+            times = []
+            try:  # the first untimed: it also pays what an evaluator does once in a run (a warm-up)
+                for _ in range(1 + EVAL_REPEATS):
+                    t0 = time.perf_counter()
+                    evaluate(self.packer.model, [e.slot for e in ends], batch, [(name, opts)])
+                    times.append(time.perf_counter() - t0)
             except Exception:  # noqa: BLE001  (the plan's estimate stays the model's; the run reports the error)
                 continue
-            self.eval_batch_s[name] = time.perf_counter() - t0
+            self.eval_batch_s[name] = statistics.median(times[1:])  # as the steps: one descheduled batch moves less
