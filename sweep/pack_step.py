@@ -87,6 +87,9 @@ class PackStep:
     as they ended (``sweep.schedule.eval_seconds`` scales its estimate through it); empty: not measured."""
     eval_slots: int = 0
     """Slots ``eval_batch_s`` scored at once (the first slots to end)."""
+    eval_first_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Per evaluator: seconds its first batch took beyond ``eval_batch_s`` (what a run pays once: the held-out rows'
+    tokenizing, the evaluator's own set-up)."""
 
     @property
     def tokens(self) -> int:
@@ -238,7 +241,8 @@ class PackTimer:
             return dataclasses.replace(shape, step_s=float(hit[0]["step_s"]), setup_s=float(hit[0]["setup_s"]),
                                        turnover_s=float(hit[0]["turnover_s"]), where=f"cached ({hit[1]})",
                                        eval_batch_s={k: float(v) for k, v in hit[0]["eval_batch_s"].items()},
-                                       eval_slots=int(hit[0]["eval_slots"]))
+                                       eval_slots=int(hit[0]["eval_slots"]),
+                                       eval_first_s={k: float(v) for k, v in hit[0]["eval_first_s"].items()})
         size = f"{slots} slots x {rows} rows x {length} tokens"
         if spec.pack.shard == "fsdp" and self.gpus > 1:
             return dataclasses.replace(shape, where=f"not timed: a pack sharded over {self.gpus} GPUs steps in "
@@ -271,10 +275,11 @@ class PackTimer:
         path = cache_pack_step(self.spec, self.device, pack, {
             "step_s": timing.step_s, "steps": steps, "wall_s": round(timing.wall_s, 3), "step": timing.step,
             "setup_s": timing.setup_s, "turnover_s": turnover, "eval_batch_s": ended.eval_batch_s,
-            "eval_slots": ended.eval_slots})
+            "eval_slots": ended.eval_slots, "eval_first_s": ended.eval_first_s})
         how = "mean" if self.device.startswith("cuda") else "median"  # as ``time_pack`` takes them
         return dataclasses.replace(shape, step_s=timing.step_s, setup_s=timing.setup_s, turnover_s=turnover,
-                                   eval_batch_s=ended.eval_batch_s, eval_slots=ended.eval_slots, where=(
+                                   eval_batch_s=ended.eval_batch_s, eval_slots=ended.eval_slots,
+                                   eval_first_s=ended.eval_first_s, where=(
             f"{how} of {steps} steps of {size}, {timing.step} step, after {PACK_WARMUP} warm-up; measured in "
             f"{timing.wall_s:.1f} s, cached in {path}"))
 
@@ -299,11 +304,13 @@ class _Ended:
     """The timed pack's ``on_end``, as a run's: the ending slots' adapters saved under ``scratch`` (``Packer.save``:
     copied off the slots, written by the packer's writer, waited for), then each timed entry (``_timed_entries``)
     scoring one batch of the held-out rows on the first slots to end, a warm-up and then ``EVAL_REPEATS`` times,
-    their median kept (``eval_batch_s``). An entry that fails here is left untimed (the run's own check says why)."""
+    their median kept (``eval_batch_s``), and what the warm-up took beyond it (``eval_first_s``). An entry that
+    fails here is left untimed (the run's own check says why)."""
 
     def __init__(self, spec: StudySpec, packer: Packer) -> None:
         self.spec, self.packer, self.scratch = spec, packer, Path()
         self.eval_batch_s: dict[str, float] = {}
+        self.eval_first_s: dict[str, float] = {}
         self.eval_slots = 0
         self.spent_s = 0.0
         """Seconds of the evaluations here in all (the held-out rows read, the warm-ups): not the turnover's."""
@@ -343,3 +350,4 @@ class _Ended:
             except Exception:  # noqa: BLE001  (the plan's estimate stays the model's; the run reports the error)
                 continue
             self.eval_batch_s[name] = statistics.median(times[1:])  # as the steps: one descheduled batch moves less
+            self.eval_first_s[name] = max(0.0, times[0] - self.eval_batch_s[name])

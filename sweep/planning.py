@@ -298,7 +298,8 @@ def plan_report(spec: StudySpec, models: list[MemoryModel], where: str, base: Ba
     peak = mm.pack_peak(base, slots, rank, micro * seq) + base_delta
     evals, eval_note = (None, "") if schedule is None else eval_seconds(
         spec, mm, base.forward_s, schedule, eval_rows(spec), eval_len or mean_len or seq,
-        timed.eval_batch_s if timed is not None else None, timed.eval_slots if timed is not None else 0)
+        timed.eval_batch_s if timed is not None else None, timed.eval_slots if timed is not None else 0,
+        timed.eval_first_s if timed is not None else None)
     turnover, turnover_note = (0.0, "") if spec.budget.trials is None else turnover_seconds(timed, spec.budget.trials)
     # the run's storage: measured where the plan times its pack (sweep plan), not in a ``pack: auto`` run's sizing
     storage, storage_note = (0.0, "") if spec.budget.trials is None else \

@@ -142,7 +142,7 @@ def eval_rows(spec: StudySpec) -> int:
 
 def eval_seconds(spec: StudySpec, mm: MemoryModel, forward_s: float, schedule: Schedule, rows: int,
                  row_len: float, measured: Mapping[str, float] | None = None,
-                 measured_slots: int = 0) -> tuple[float, str]:
+                 measured_slots: int = 0, once: Mapping[str, float] | None = None) -> tuple[float, str]:
     """Seconds the evaluators take over the pack's ``schedule``, and what they count (a line for the plan).
 
     Each entry's evaluator declares what it costs (``Evaluator.cost``: rows of a slot per batch, forwards per batch,
@@ -153,6 +153,7 @@ def eval_seconds(spec: StudySpec, mm: MemoryModel, forward_s: float, schedule: S
     plus a third of ``mm``'s per-token step time for n (no backward). ``measured``: per evaluator, the seconds one
     batch of its rows took for ``measured_slots`` slots of the sized pack (``sweep.pack_step``): that evaluator's
     estimate is scaled by the measured batch over the same batch as estimated (its fixed and per-token parts alike).
+    ``once``: per evaluator, the seconds its first call adds (measured there too): added once for each that runs.
     """
     if not rows:
         return 0.0, "no held-out data"
@@ -166,12 +167,17 @@ def eval_seconds(spec: StudySpec, mm: MemoryModel, forward_s: float, schedule: S
 
     scales: dict[str, float] = {}
 
+    firsts: dict[str, float] = {}
+
     def scaled(name: str, cost: EvalCost, seconds: float) -> float:
-        """``seconds`` of evaluator ``name`` through its measured batch, where one was measured."""
-        if not measured or name not in measured or measured_slots < 1:
+        """``seconds`` of evaluator ``name`` through its measured batch, where one was measured (and its first
+        call's extra, once)."""
+        if not measured or name not in measured or measured_slots < 1 or seconds <= 0:
             return seconds
         scales[name] = measured[name] / max(passes(1, measured_slots, cost, batches=1), 1e-9)
-        return seconds * scales[name]
+        first = 0.0 if name in firsts else (once or {}).get(name, 0.0)
+        firsts[name] = firsts.get(name, 0.0) + first
+        return seconds * scales[name] + first
 
     total, parts, untimed = 0.0, [], []
     for e in spec.evaluators:
@@ -193,5 +199,6 @@ def eval_seconds(spec: StudySpec, mm: MemoryModel, forward_s: float, schedule: S
     text += f", {schedule.curve_evals:.0f} eval_every evaluations" if schedule.curve_evals else ""
     if scales:
         text += "; scaled by a batch of each scored on the sized pack (" + ", ".join(
-            f"{name} x{x:.2f}" for name, x in scales.items()) + ")"
+            f"{name} x{x:.2f}" + (f" and {firsts[name]:.1f} s once" if firsts.get(name) else "")
+            for name, x in scales.items()) + ")"
     return total, text + (f"; not timed: {', '.join(untimed)}" if untimed else "")

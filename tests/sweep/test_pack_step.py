@@ -259,6 +259,7 @@ def test_the_turnover_is_timed_on_the_loaded_model_with_the_adapters_saved(tiny_
     # the first slots to end scored a batch of the held-out rows with each of the study's evaluators, timed
     assert set(timed.eval_batch_s) == {e.name for e in spec.evaluators} == {"heldout_loss", "generation"}
     assert all(seconds > 0 for seconds in timed.eval_batch_s.values())
+    assert set(timed.eval_first_s) == set(timed.eval_batch_s) and min(timed.eval_first_s.values()) >= 0
     assert 1 <= timed.eval_slots <= 3
     assert sorted(slot for slot, _ in saved) == [0, 1, 2]  # each slot's adapter, once
     assert all("adapter_config.json" in files for _, files in saved)  # written as a run writes it

@@ -224,3 +224,7 @@ def test_each_evaluators_estimate_goes_through_its_batch_measured_on_the_sized_p
     assert line.endswith("6 rung evaluations; scaled by a batch of each scored on the sized pack (heldout_loss x3.00)")
     assert eval_seconds(spec, mm, fixed, schedule, rows, 20.0, measured, 0)[0] == pytest.approx(
         heldout + generation + rungs)  # no slots scored: nothing to scale by
+    # what its first call took beyond a batch (the rows' tokenizing): once a run, though it scores finals and rungs
+    once, line = eval_seconds(spec, mm, fixed, schedule, rows, 20.0, measured, 2, {"heldout_loss": 1.5})
+    assert once == pytest.approx(seconds + 1.5)
+    assert line.endswith("(heldout_loss x3.00 and 1.5 s once)")
