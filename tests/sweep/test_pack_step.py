@@ -264,3 +264,23 @@ def test_the_turnover_is_timed_on_the_loaded_model_with_the_adapters_saved(tiny_
     assert sorted(slot for slot, _ in saved) == [0, 1, 2]  # each slot's adapter, once
     assert all("adapter_config.json" in files for _, files in saved)  # written as a run writes it
     assert not packer.model.slot_paths and packer.model.store is None  # nothing left behind
+
+
+def test_a_users_evaluator_is_never_run_by_the_plan(tiny_dirs, tmp_path, monkeypatch) -> None:
+    """The sized pack's ending slots are scored by the study's built-in evaluators only: a ``custom`` function (a
+    user's code) is neither imported nor run by a plan, and its estimate stays its declared cost's."""
+    from lora_sweep.evaluators.registry import deferred_user_code
+    from lora_sweep.packer.api import open_base
+
+    monkeypatch.setenv("LORA_SWEEP_CACHE", str(tmp_path / "cache"))
+    marker = tmp_path / "imported"
+    evaluators = [{"name": "custom", "options": {"function": "metrics.py:score", "metric": "m"}}, "heldout_loss"]
+    path = write_study(tmp_path, tiny_dirs("llama"), "user", budget={"trials": 4}, evaluators=evaluators,
+                       train={"max_steps": 40, "micro_batch": 2})
+    (path.parent / "metrics.py").write_text(f"open({str(marker)!r}, 'w').close()\n\n\ndef score(generation, row):\n"
+                                            f"    return 1.0\n")
+    with deferred_user_code():
+        spec = load_study(path)
+    packer = open_base(str(tiny_dirs("llama")), device="cpu")
+    timed = PackTimer(spec, "cpu", LENGTHS, lambda: packer)(2, 4, 2, MM)
+    assert set(timed.eval_batch_s) == {"heldout_loss"} and not marker.exists()
