@@ -14,7 +14,9 @@ slots, rows and step length, cached too), as the host is while it runs (a loaded
 time is a guide, its slots are not); the probes' time line only carries it to the run's mean step. The time
 counts the pack's expected steps under the rungs (``sweep.schedule``: backfill, cohort SHA's cumulative cohorts), the
 evaluations that schedule runs (``eval_seconds``: a forward costs a base forward's measured fixed time and a third of
-the step's per-token time), and the start-up (imports, load) measured where the calibration ran.
+the step's per-token time, scaled through a batch of each evaluator scored on the sized pack), the pack's start and
+every trial's slot turnover (measured on the sized pack), the storage of the trial budget (``sweep.bookkeeping``) and
+the start-up (imports, load, the data's tokenizing) measured where the calibration ran.
 """
 
 from __future__ import annotations
