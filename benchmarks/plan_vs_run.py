@@ -6,7 +6,9 @@ each in its own process, and prints one row per study: the plan's predicted seco
 command's wall seconds (from its start to its exit, report included) and their ratio, with the host's load average
 before and after (the plan's time is measured on the host as it is: a busy shared one skews both).
 
-Run:  python -m lora_sweep.benchmarks.plan_vs_run studies/tiny-demo.yaml studies/variants.yaml [-- key=value ...]
+Run:  python -m lora_sweep.benchmarks.plan_vs_run studies/tiny-demo.yaml studies/variants.yaml [--split]
+      [--override key=value ...]
+(``--split``: each study's plan parts, from its total line, beside its run's phases from ``timing.json``.)
 The models the studies name must exist (``sweep tiny-model --family llama --out models/tiny-llama``).
 """
 
@@ -19,12 +21,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["PlanVsRun", "plan_vs_run", "predicted_seconds"]
+from lora_sweep.sweep.timing import last_run
 
-_TOTAL = re.compile(r"^predicted time for the trial budget\s+(\d+(?:\.\d+)?) s", re.MULTILINE)
+__all__ = ["PlanVsRun", "plan_vs_run", "predicted_seconds", "plan_total"]
+
+_TOTAL = re.compile(r"^predicted time for the trial budget\s+(\d+(?:\.\d+)?) s(?: \((.*)\))?$", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,10 @@ class PlanVsRun:
     run_s: float
     load_before: float
     load_after: float
+    plan_parts: str = ""
+    """What the plan's total counts (its total line's parenthesis: steps, training, evaluation, turnover, ...)."""
+    run_phases: dict[str, float] = field(default_factory=dict)
+    """The run's own split (``timing.json``: seconds per phase), to read against ``plan_parts``."""
 
     @property
     def ratio(self) -> float:
@@ -46,6 +54,11 @@ class PlanVsRun:
         return (f"| {self.study} | {self.predicted_s:.0f} | {self.run_s:.0f} | {self.ratio:.2f} | "
                 f"{self.load_before:.1f} / {self.load_after:.1f} |")
 
+    def split(self) -> str:
+        """The plan's parts beside the run's phases, one line each (``--split``)."""
+        phases = ", ".join(f"{k} {v:.1f} s" for k, v in self.run_phases.items() if v >= 0.05)
+        return f"{self.study}: plan: {self.plan_parts or '-'}\n{self.study}: run: {phases or '-'}"
+
 
 def predicted_seconds(plan_output: str) -> float:
     """The total of ``sweep plan``'s line ``predicted time for the trial budget``.
@@ -53,10 +66,16 @@ def predicted_seconds(plan_output: str) -> float:
     Raises:
         ValueError: the output has no such line (a study without a trial budget, or a failed plan).
     """
+    return plan_total(plan_output)[0]
+
+
+def plan_total(plan_output: str) -> tuple[float, str]:
+    """(the total, what it counts: the line's parenthesis) of the plan's total line; ValueError as
+    ``predicted_seconds``."""
     match = _TOTAL.search(plan_output)
     if match is None:
         raise ValueError(f"no predicted time in the plan's output:\n{plan_output}")
-    return float(match.group(1))
+    return float(match.group(1)), match.group(2) or ""
 
 
 def _sweep(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -72,22 +91,30 @@ def plan_vs_run(study: str | Path, overrides: tuple[str, ...] = (), work: Path |
     with tempfile.TemporaryDirectory(prefix="plan-vs-run-", dir=work) as tmp:
         env = {**os.environ, "LORA_SWEEP_CACHE": str(Path(tmp) / "cache")}
         load_before = os.getloadavg()[0]
-        predicted = predicted_seconds(_sweep("plan", str(study), *overrides, env=env).stdout)
+        predicted, parts = plan_total(_sweep("plan", str(study), *overrides, env=env).stdout)
         t0 = time.perf_counter()
         _sweep("run", str(study), *overrides, "--out", str(Path(tmp) / "study"), "--quiet", env=env)
         run_s = time.perf_counter() - t0
-        return PlanVsRun(Path(study).name, predicted, run_s, load_before, os.getloadavg()[0])
+        record = last_run(Path(tmp) / "study") or {}
+        return PlanVsRun(Path(study).name, predicted, run_s, load_before, os.getloadavg()[0], parts,
+                         dict(record.get("phases", {})))
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("studies", nargs="+", help="Study files (their models built).")
     parser.add_argument("--override", action="append", default=[], help="key=value for every study (repeatable).")
+    parser.add_argument("--split", action="store_true",
+                        help="After the table, each study's plan parts beside its run's phases (timing.json).")
     args = parser.parse_args(argv)
     print("| study | predicted s | run s | predicted / run | load avg before / after |")
     print("|---|---|---|---|---|")
+    rows = []
     for study in args.studies:
-        print(plan_vs_run(study, tuple(args.override)).row(), flush=True)
+        rows.append(plan_vs_run(study, tuple(args.override)))
+        print(rows[-1].row(), flush=True)
+    if args.split:
+        print("\n" + "\n".join(r.split() for r in rows))
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from lora_sweep.packer.plan import (
     MemoryModel,
     adapter_param_count,
 )
-from lora_sweep.packer.step.train import FixedBatch, SlotJob, chunk_tokens_of, train
+from lora_sweep.packer.step.train import FixedBatch, SlotEnd, SlotJob, chunk_tokens_of, train
 
 if TYPE_CHECKING:
     from lora_sweep.packer.model.shard import BaseShare
@@ -185,14 +185,21 @@ class PackTiming:
     """Seconds the whole measurement took: the slots' set-up, the warm-up (on CUDA the graph's capture), the steps."""
     step: str
     """How the step ran (``STEP_NAMES``): the run's own path on this device and options."""
+    setup_s: float = 0.0
+    """Seconds the pack's start adds to its first step: from the call to the first step's end, less one step (the
+    slots' store and set-up, the first step's warm-up; on CUDA the kernels' compile and the graph's capture)."""
+    turnover_s: float | None = None
+    """Seconds one slot's end and a new slot's start add, per slot (``turnover``: every slot ends at once, the caller's
+    ``on_end`` called on them, and new slots of the same adapters start at the next step); None: not measured."""
 
 
 class _Marks:
     """A ``train`` profiler keeping the time at the end of every global step. On CUDA only the window's two ends are
-    synchronised (after ``first`` steps and after ``last``), so the steps between run pipelined, as in a run."""
+    synchronised (after ``first`` steps and after ``last``; and after ``turnover``, a turnover's last step), so the
+    steps between run pipelined, as in a run."""
 
-    def __init__(self, device: torch.device, first: int, last: int) -> None:
-        self.device, self.ends, self.stamps = device, (first, last), list[float]()
+    def __init__(self, device: torch.device, first: int, last: int, turnover: int | None = None) -> None:
+        self.device, self.ends, self.stamps = device, (first, last, turnover or last), list[float]()
 
     def step(self) -> None:
         if self.device.type == "cuda" and len(self.stamps) + 1 in self.ends:
@@ -202,14 +209,20 @@ class _Marks:
 
 def time_pack(pm: PackedModel, specs: Sequence[AdapterSpec], rows: int, length: int, *, steps: int = 3,
               warmup: int = 1, pad_id: int = 0, vocab: int | None = None, max_rows: int | None = None,
+              turnover: bool = False, on_end: Callable[[list[SlotEnd]], None] | None = None,
               **options: Any) -> PackTiming:
     """Time ``warmup`` + ``steps`` real steps of a pack of ``len(specs)`` slots (slot i trains ``specs[i]``), each
     slot ``rows`` rows of ``length`` random tokens (a sample-packed slot's rows hold one example each): the pack a
     plan has sized, on the step a run of it takes (``packer.step.train.train`` with ``options``: ``cuda_graphs``,
     ``chunked_ce``, ``activation_checkpointing``, ``optimizer_in_backward``; ``max_rows``: the rank bucket held from
     the first step). A step is timed from one step's end to the next, so the set-up (slots, their store and
-    optimizer state) and the warm-up (on CUDA the kernels' compile and the graph's capture) are not in it. The slots
-    are removed afterwards; nothing is kept.
+    optimizer state) and the warm-up (on CUDA the kernels' compile and the graph's capture) are not in it; what they
+    add to the first step is ``setup_s``. The slots are removed afterwards; nothing is kept.
+
+    ``turnover``: after the timed steps every slot ends (its last step; ``on_end`` is handed them as a run's callback
+    is, their weights still in place: a caller saves their adapters there) and a new slot of the same adapter starts
+    at the next step, as a run's backfill does; those steps' time beyond as many timed steps, per slot, is
+    ``turnover_s``. It does not touch the timed steps (two or a few more steps after them).
 
     Raises:
         ValueError: no slot, or ``steps`` / ``warmup`` < 1.
@@ -220,23 +233,42 @@ def time_pack(pm: PackedModel, specs: Sequence[AdapterSpec], rows: int, length: 
     vocab = vocab or pm.model.get_input_embeddings().num_embeddings
     gen = torch.Generator().manual_seed(0)
     total = warmup + steps
-    jobs = []
-    for spec in specs:
+    jobs, refills, ends = [], dict[int, SlotJob](), [total]
+    for slot, spec in enumerate(specs):
         ids = [tuple(r) for r in torch.randint(3, vocab, (rows, length), generator=gen).tolist()]
         batch = [PackedRow(r, r, tuple(range(length)), 1) if spec.sample_packing else Example(r, r) for r in ids]
-        # more optimizer steps than the pack takes: no slot ends (and is removed) inside the last timed step
-        jobs.append(SlotJob(dataclasses.replace(spec, max_steps=total + 1), FixedBatch(batch)))
-    marks = _Marks(pm.device, warmup, total)
+        # more optimizer steps than the timed window: no slot ends (and is removed) inside its last step; with a
+        # turnover each ends at the first step after it that closes its accumulation (its optimizer steps count k
+        # pack steps each), and its successor starts at the next (two optimizer steps: it does not end)
+        accum = spec.gradient_accumulation_steps
+        jobs.append(SlotJob(dataclasses.replace(spec, max_steps=-(-(total + 1) // accum)), FixedBatch(batch)))
+        refills[slot] = SlotJob(dataclasses.replace(spec, max_steps=2), FixedBatch(batch))
+        ends.append(-(-(total + 1) // accum) * accum)
+    last = max(ends) + 1 if turnover else total
+    marks = _Marks(pm.device, warmup, total, last)
+
+    def next_job(slot: int) -> SlotJob | None:  # the slots in order, then each its own successor (its graph's key)
+        return jobs.pop(0) if jobs else refills.pop(slot, None) if turnover else None
+
+    def ended(ends: list[SlotEnd]) -> None:  # the turnover's ends; not the successors' at the loop's exit
+        done = [e for e in ends if e.reason == "finished"]
+        if done and on_end is not None:
+            on_end(done)
+
     t0 = time.perf_counter()
-    result = train(pm, len(jobs), lambda slot: jobs.pop(0) if jobs else None, pad_id=pad_id, max_global_steps=total,
-                   max_rows=max_rows, profiler=marks, **options)
+    result = train(pm, len(specs), next_job, pad_id=pad_id, max_global_steps=last, max_rows=max_rows,
+                   profiler=marks, on_end=ended if turnover else None, **options)
     wall = time.perf_counter() - t0
-    window = marks.stamps[warmup - 1:total]
+    stamps = marks.stamps
+    window = stamps[warmup - 1:total]
     if pm.device.type == "cuda":
         step_s = (window[-1] - window[0]) / steps
     else:
         step_s = statistics.median(b - a for a, b in zip(window, window[1:], strict=False))
-    return PackTiming(step_s, steps, wall, result.step)
+    setup_s = max(0.0, stamps[0] - t0 - step_s)
+    swap = None if not turnover else \
+        max(0.0, stamps[last - 1] - stamps[total - 1] - (last - total) * step_s) / len(specs)
+    return PackTiming(step_s, steps, wall, result.step, setup_s, swap)
 
 
 PROBE_STEPS = 2

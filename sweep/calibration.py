@@ -6,7 +6,8 @@ entry keeps what a plan needs of the base model (``packer.plan.BaseShape``, read
 adaptable projections, its parameter bytes and what one rank of an FSDP shard holds), so a second ``sweep plan``
 reads both back and plans without loading the base's weights, or even transformers' modeling code: config-only, in
 the time of the imports. Beside them, ``pack_step/<key>.json`` keeps the step time ``sweep plan`` measured on the
-pack it sized (``sweep.pack_step``), keyed by the calibration's key and that pack's shape and slots. The measuring is
+pack it sized (``sweep.pack_step``), keyed by the calibration's key and that pack's shape and slots, and
+``bookkeeping/<key>.json`` what a trial budget's asks, rows and tells took (``sweep.bookkeeping``). The measuring is
 the packer's (``packer.probe``); what is kept, and under which key, is the study's."""
 
 from __future__ import annotations
@@ -28,12 +29,15 @@ if TYPE_CHECKING:
 
 __all__ = ["calibrated", "cached_calibration", "cache_dir", "calibration_key",
            "trains_dora", "probe_dropout", "CALIBRATION_VERSION", "SHARD_WORLDS", "cached_lengths", "cache_lengths",
-           "PACK_STEP_VERSION", "cached_pack_step", "cache_pack_step"]
+           "tokenize_seconds",
+           "PACK_STEP_VERSION", "cached_pack_step", "cache_pack_step", "cached_bookkeeping", "cache_bookkeeping"]
 
 CALIBRATION_VERSION = 5
 """Bump when ``packer.probe.calibrate`` measures differently: older cache entries are then not read."""
-PACK_STEP_VERSION = 1
-"""Bump when ``sweep.pack_step`` times the sized pack differently (its steps, its slots, its rows)."""
+PACK_STEP_VERSION = 4
+"""Bump when ``sweep.pack_step`` times the sized pack differently (its steps, its slots, its rows) or keeps more of
+it (2: the pack's start and its slots' turnover beside the step; 3: a batch of each evaluator on the ending slots;
+4: and what its first batch took beyond it)."""
 SHARD_WORLDS = (2, 4, 8)
 """World sizes whose FSDP share the cache keeps (a host's GPUs); others are computed from the loaded model."""
 
@@ -100,10 +104,20 @@ def cached_lengths(spec: StudySpec) -> list[int] | None:
     return lengths if isinstance(lengths, list) and all(isinstance(n, int) for n in lengths) else None
 
 
-def cache_lengths(spec: StudySpec, lengths: list[int]) -> None:
-    """Keep the token lengths of the study's training rows for ``cached_lengths``."""
+def cache_lengths(spec: StudySpec, lengths: list[int], seconds: float = 0.0) -> None:
+    """Keep the token lengths of the study's training rows for ``cached_lengths``, and the ``seconds`` reading and
+    tokenizing its data took (``tokenize_seconds``)."""
     key = _lengths_key(spec)
-    _write(_entry(key, "lengths"), {"key": key, "lengths": lengths})
+    _write(_entry(key, "lengths"), {"key": key, "lengths": lengths, "seconds": seconds})
+
+
+def tokenize_seconds(spec: StudySpec) -> float:
+    """Seconds a run takes to read and tokenize the study's data, as the plan that cached its lengths measured them
+    (``cache_lengths``); 0 where none did."""
+    key = _lengths_key(spec)
+    record = _read(_entry(key, "lengths"), key)
+    seconds = None if record is None else record.get("seconds")
+    return float(seconds) if isinstance(seconds, (int, float)) else 0.0
 
 
 def _pack_step_key(spec: StudySpec, device: str, pack: dict[str, Any]) -> dict[str, Any]:
@@ -125,6 +139,20 @@ def cache_pack_step(spec: StudySpec, device: str, pack: dict[str, Any], record: 
     """Keep ``record`` (what timing ``pack`` measured) for ``cached_pack_step``; returns its file."""
     key = _pack_step_key(spec, device, pack)
     path = _entry(key, "pack_step")
+    _write(path, {**record, "key": key, "at": time.time()})
+    return path
+
+
+def cached_bookkeeping(key: dict[str, Any]) -> tuple[dict[str, Any], Path] | None:
+    """The record ``cache_bookkeeping`` kept under ``key`` (``sweep.bookkeeping``'s), and its file; None if none."""
+    path = _entry(key, "bookkeeping")
+    record = _read(path, key)
+    return None if record is None else (record, path)
+
+
+def cache_bookkeeping(key: dict[str, Any], record: dict[str, Any]) -> Path:
+    """Keep ``record`` (a trial budget's bookkeeping, timed) for ``cached_bookkeeping``; returns its file."""
+    path = _entry(key, "bookkeeping")
     _write(path, {**record, "key": key, "at": time.time()})
     return path
 

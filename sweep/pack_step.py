@@ -27,8 +27,10 @@ import dataclasses
 import math
 import random
 import statistics
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lora_sweep.packer.api import AdapterSpec, Packer, data
@@ -38,8 +40,9 @@ if TYPE_CHECKING:
     from lora_sweep.packer.api import MemoryModel
     from lora_sweep.sweep.config.spec import Param, StudySpec
 
-__all__ = ["PackStep", "PackTimer", "PACK_STEPS", "PACK_MAX_STEPS", "PACK_TIMED_S", "PACK_WARMUP", "PACK_BUDGET_S",
-           "slot_specs", "step_length", "step_mean_length", "padded_mean_length", "bucket_lengths", "timed_model"]
+__all__ = ["PackStep", "PackTimer", "EVAL_REPEATS", "PACK_STEPS", "PACK_MAX_STEPS", "PACK_TIMED_S", "PACK_WARMUP",
+           "PACK_BUDGET_S", "slot_specs", "step_length", "step_mean_length", "padded_mean_length", "bucket_lengths",
+           "timed_model", "turnover_seconds"]
 
 PACK_STEPS = 3
 """Steps of the sized pack timed after its warm-up, at least (their median on the CPU, their mean on CUDA)."""
@@ -53,6 +56,8 @@ PACK_WARMUP = 1
 PACK_BUDGET_S = 60.0
 """Seconds the timing may take, as the probes' line predicts it: fewer timed steps where all would pass it, none
 (the probes' line kept) where the warm-up and one step would."""
+EVAL_REPEATS = 3
+"""Timed batches of each evaluator on the sized pack's ending slots, after one warm-up: their median is kept."""
 _SAMPLES = 512
 """Simulated steps whose padded length ``step_length`` averages."""
 
@@ -72,6 +77,19 @@ class PackStep:
     """Seconds of one timed step; None: not timed (``where`` says why)."""
     where: str
     """How the step time was had: measured (steps, cost, cache file), cached (the file) or not timed (why)."""
+    setup_s: float = 0.0
+    """Seconds the pack's start adds to its first step (the slots' store and set-up, the first step's warm-up)."""
+    turnover_s: float = 0.0
+    """Seconds per slot that ends and is refilled: its end, its adapter saved as a run saves it, a new slot's
+    start (``packer.probe.time_pack``'s ``turnover``)."""
+    eval_batch_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Per evaluator (by name): seconds of one batch of its held-out rows scored for ``eval_slots`` slots of the pack
+    as they ended (``sweep.schedule.eval_seconds`` scales its estimate through it); empty: not measured."""
+    eval_slots: int = 0
+    """Slots ``eval_batch_s`` scored at once (the first slots to end)."""
+    eval_first_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Per evaluator: seconds its first batch took beyond ``eval_batch_s`` (what a run pays once: the held-out rows'
+    tokenizing, the evaluator's own set-up)."""
 
     @property
     def tokens(self) -> int:
@@ -94,6 +112,19 @@ def timed_model(mm: MemoryModel, timed: PackStep) -> MemoryModel:
     factor = timed.step_s / line
     return dataclasses.replace(mm, seconds_per_token=mm.seconds_per_token * factor,
                                seconds_per_step=mm.seconds_per_step * factor)
+
+
+def turnover_seconds(timed: PackStep | None, trials: int) -> tuple[float, str]:
+    """Seconds a run spends around its steps on its pack's start and its slots' turnover, and the plan's line: the
+    pack's start once (its store and first slots' set-up, the first step's warm-up), then for each of ``trials``
+    trials its slot's end with its adapter saved and a new slot's start; both measured on the sized pack
+    (``sweep.pack_step``, ``packer.probe.time_pack``'s ``turnover``). Not counted (0) where the pack was not timed."""
+    if timed is None or timed.step_s is None:
+        return 0.0, "not counted: the sized pack was not timed"
+    total = timed.setup_s + trials * timed.turnover_s
+    return total, (f"{total:.0f} s: the pack's start {timed.setup_s:.1f} s, then {timed.turnover_s * 1000:.0f} ms per "
+                   f"trial (its slot's end, its adapter saved, a new slot's start) x {trials} trials, measured on the "
+                   f"sized pack")
 
 
 def bucket_lengths(spec: StudySpec, lengths: Sequence[int], capacity: int) -> tuple[int, ...]:
@@ -203,10 +234,15 @@ class PackTimer:
         steps = PACK_STEPS if line <= 0 else min(max(PACK_STEPS, math.ceil(PACK_TIMED_S / line)), PACK_MAX_STEPS,
                                                   math.floor(self.budget_s / line) - PACK_WARMUP)
         pack = {"rows": rows, "length": length, "max_rows": rank, "warmup": PACK_WARMUP,
-                "slots": [_describe(s) for s in specs], "options": options}
+                "slots": [_describe(s) for s in specs], "options": options,
+                "evaluators": [[name, opts] for name, opts in _timed_entries(spec)]}
         hit = cached_pack_step(spec, self.device, pack)
         if hit is not None:
-            return dataclasses.replace(shape, step_s=float(hit[0]["step_s"]), where=f"cached ({hit[1]})")
+            return dataclasses.replace(shape, step_s=float(hit[0]["step_s"]), setup_s=float(hit[0]["setup_s"]),
+                                       turnover_s=float(hit[0]["turnover_s"]), where=f"cached ({hit[1]})",
+                                       eval_batch_s={k: float(v) for k, v in hit[0]["eval_batch_s"].items()},
+                                       eval_slots=int(hit[0]["eval_slots"]),
+                                       eval_first_s={k: float(v) for k, v in hit[0]["eval_first_s"].items()})
         size = f"{slots} slots x {rows} rows x {length} tokens"
         if spec.pack.shard == "fsdp" and self.gpus > 1:
             return dataclasses.replace(shape, where=f"not timed: a pack sharded over {self.gpus} GPUs steps in "
@@ -225,14 +261,93 @@ class PackTimer:
         if self.log is not None:
             self.log(f"timing the sized pack on {self.device}: {PACK_WARMUP} + {steps} steps of {size} (cached for "
                      f"the next plan)")
+        packer = self.load()
+        ended = _Ended(self.spec, packer)
         try:
-            timing = self.load().time_pack(specs, shape.rows, shape.length, steps=steps, warmup=PACK_WARMUP,
-                                           max_rows=rank, **pack["options"])
+            with tempfile.TemporaryDirectory(prefix="lora-sweep-plan-") as scratch:
+                ended.scratch = Path(scratch)
+                timing = packer.time_pack(specs, shape.rows, shape.length, steps=steps, warmup=PACK_WARMUP,
+                                          max_rows=rank, turnover=True, on_end=ended, **pack["options"])
         except torch.OutOfMemoryError:
             return dataclasses.replace(shape, where=f"not timed: {size} ran out of device memory; the probes' line")
-        path = cache_pack_step(self.spec, self.device, pack, {"step_s": timing.step_s, "steps": steps,
-                                                              "wall_s": round(timing.wall_s, 3), "step": timing.step})
+        # the evaluations ran inside the turnover's steps: a trial's turnover is what is left of them
+        turnover = max(0.0, (timing.turnover_s or 0.0) - ended.spent_s / shape.slots)
+        path = cache_pack_step(self.spec, self.device, pack, {
+            "step_s": timing.step_s, "steps": steps, "wall_s": round(timing.wall_s, 3), "step": timing.step,
+            "setup_s": timing.setup_s, "turnover_s": turnover, "eval_batch_s": ended.eval_batch_s,
+            "eval_slots": ended.eval_slots, "eval_first_s": ended.eval_first_s})
         how = "mean" if self.device.startswith("cuda") else "median"  # as ``time_pack`` takes them
-        return dataclasses.replace(shape, step_s=timing.step_s, where=(
+        return dataclasses.replace(shape, step_s=timing.step_s, setup_s=timing.setup_s, turnover_s=turnover,
+                                   eval_batch_s=ended.eval_batch_s, eval_slots=ended.eval_slots,
+                                   eval_first_s=ended.eval_first_s, where=(
             f"{how} of {steps} steps of {size}, {timing.step} step, after {PACK_WARMUP} warm-up; measured in "
             f"{timing.wall_s:.1f} s, cached in {path}"))
+
+
+def _timed_entries(spec: StudySpec) -> list[tuple[str, dict[str, Any]]]:
+    """The evaluator entries whose batch the timed pack scores: the study's built-in ones that declare a cost
+    (``evaluators.registry.plan_cost``; a user's code is never run by a plan), and the one scoring the rungs and
+    ``eval_every`` (``curve_entry``) where the study prunes or has a curve."""
+    from lora_sweep.evaluators.registry import curve_entry, is_user_code, plan_cost
+
+    entries = [(e.name, dict(e.options)) for e in spec.evaluators]
+    curve, _ = curve_entry(entries)
+    if spec.pruning.kind == "cohort_sha" or spec.train.eval_every:
+        entries.append((curve[0], dict(curve[1])))
+    if not spec.data.eval:
+        return []
+    named = {name: opts for name, opts in entries if not is_user_code(name) and plan_cost(name, opts) is not None}
+    return list(named.items())
+
+
+class _Ended:
+    """The timed pack's ``on_end``, as a run's: the ending slots' adapters saved under ``scratch`` (``Packer.save``:
+    copied off the slots, written by the packer's writer, waited for), then each timed entry (``_timed_entries``)
+    scoring one batch of the held-out rows on the first slots to end, a warm-up and then ``EVAL_REPEATS`` times,
+    their median kept (``eval_batch_s``), and what the warm-up took beyond it (``eval_first_s``). An entry that
+    fails here is left untimed (the run's own check says why)."""
+
+    def __init__(self, spec: StudySpec, packer: Packer) -> None:
+        self.spec, self.packer, self.scratch = spec, packer, Path()
+        self.eval_batch_s: dict[str, float] = {}
+        self.eval_first_s: dict[str, float] = {}
+        self.eval_slots = 0
+        self.spent_s = 0.0
+        """Seconds of the evaluations here in all (the held-out rows read, the warm-ups): not the turnover's."""
+
+    def __call__(self, ends: list[Any]) -> None:
+        import time
+
+        for future in self.packer.save([(e.slot, self.scratch / f"slot-{e.slot}", None) for e in ends]):
+            future.result()
+        entries = _timed_entries(self.spec)
+        if not entries or self.eval_slots:  # scored once: by the first slots to end (with accumulation, not all)
+            return
+        self.eval_slots = len(ends)
+        started = time.perf_counter()
+        self._score(ends, entries)
+        self.spent_s += time.perf_counter() - started
+
+    def _score(self, ends: list[Any], entries: list[tuple[str, dict[str, Any]]]) -> None:
+        """Each entry's batch, scored on the ending slots: a warm-up, then ``EVAL_REPEATS`` timed (``__call__``)."""
+        import time
+
+        from lora_sweep.evaluators.registry import evaluate, load_eval_data, plan_cost
+
+        d = self.spec.data
+        held_out = load_eval_data(d.eval, self.packer.tokenizer, fmt=d.format, max_length=d.max_length,
+                                  train_on_prompt=d.train_on_prompt, work_dir=self.scratch, max_line_bytes=d.line_bytes)
+        for name, opts in entries:
+            cost = plan_cost(name, opts)
+            assert cost is not None  # (``_timed_entries``)
+            batch = dataclasses.replace(held_out, rows=held_out.rows[:cost.batch_size])
+            times = []
+            try:  # the first untimed: it also pays what an evaluator does once in a run (a warm-up)
+                for _ in range(1 + EVAL_REPEATS):
+                    t0 = time.perf_counter()
+                    evaluate(self.packer.model, [e.slot for e in ends], batch, [(name, opts)])
+                    times.append(time.perf_counter() - t0)
+            except Exception:  # noqa: BLE001  (the plan's estimate stays the model's; the run reports the error)
+                continue
+            self.eval_batch_s[name] = statistics.median(times[1:])  # as the steps: one descheduled batch moves less
+            self.eval_first_s[name] = max(0.0, times[0] - self.eval_batch_s[name])

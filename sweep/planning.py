@@ -14,7 +14,9 @@ slots, rows and step length, cached too), as the host is while it runs (a loaded
 time is a guide, its slots are not); the probes' time line only carries it to the run's mean step. The time
 counts the pack's expected steps under the rungs (``sweep.schedule``: backfill, cohort SHA's cumulative cohorts), the
 evaluations that schedule runs (``eval_seconds``: a forward costs a base forward's measured fixed time and a third of
-the step's per-token time), and the start-up (imports, load) measured where the calibration ran.
+the step's per-token time, scaled through a batch of each evaluator scored on the sized pack), the pack's start and
+every trial's slot turnover (measured on the sized pack), the storage of the trial budget (``sweep.bookkeeping``) and
+the start-up (imports, load, the data's tokenizing) measured where the calibration ran.
 """
 
 from __future__ import annotations
@@ -29,15 +31,23 @@ from typing import Any
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.packer.api import AdapterSpec, BaseShape, MemoryModel, Packer, data
+from lora_sweep.sweep.bookkeeping import storage_seconds
 from lora_sweep.sweep.calibration import SHARD_WORLDS, cache_dir, cached_calibration, calibrated, calibration_key
 from lora_sweep.sweep.config.spec import StudySpec
-from lora_sweep.sweep.pack_step import PackStep, PackTimer, padded_mean_length, step_mean_length, timed_model
+from lora_sweep.sweep.pack_step import (
+    PackStep,
+    PackTimer,
+    padded_mean_length,
+    step_mean_length,
+    timed_model,
+    turnover_seconds,
+)
 from lora_sweep.sweep.schedule import Schedule, eval_rows, eval_seconds, expected_schedule
 
 __all__ = ["auto_slots", "check_targets", "largest_rank", "PlanReport", "plan_pack", "plan_report", "trial_micro_steps",
            "target_sets", "MEMORY_FRACTION", "MAX_AUTO_SLOTS", "calibrated", "cached_calibration", "cache_dir",
            "calibration_key", "train_lengths", "load_and_calibrate", "eval_seconds", "eval_rows",
-           "pack_schedule", "padded_mean_length", "step_mean_length"]
+           "pack_schedule", "padded_mean_length", "step_mean_length", "turnover_seconds"]
 
 MEMORY_FRACTION = 0.85
 """Share of the device's available memory a pack may plan for (the rest: fragmentation, evaluation)."""
@@ -87,12 +97,23 @@ class PlanReport:
     """How the rungs cut the budget, or that the study does not prune."""
     timed: PackStep | None = None
     """The sized pack's own step, timed (``sweep.pack_step``); None: the calibration's line alone."""
+    turnover_s: float = 0.0
+    """Seconds of the pack's start and its slots' turnover for the trial budget (``turnover_seconds``)."""
+    turnover_note: str = ""
+    """What the turnover counts (the pack's start, per trial), or why it is not counted."""
+    storage_s: float = 0.0
+    """Seconds of the run's storage for the trial budget: asks, rows and tells (``sweep.bookkeeping``)."""
+    storage_note: str = ""
+    """How the storage was had, or why it is not counted."""
 
     def table(self) -> str:
         gib = 1024**3
+        around = self.startup_s + self.turnover_s + self.storage_s
         total = "-" if self.predicted_total_s is None else \
-            f"{self.predicted_total_s + (self.predicted_eval_s or 0) + self.startup_s:.0f} s ({self.pack_steps} pack " \
-            f"steps: training {self.predicted_total_s:.0f} s, evaluation {self.predicted_eval_s or 0:.0f} s, " \
+            f"{self.predicted_total_s + (self.predicted_eval_s or 0) + around:.0f} s " \
+            f"({self.pack_steps} pack steps: training {self.predicted_total_s:.0f} s, " \
+            f"evaluation {self.predicted_eval_s or 0:.0f} s, slot turnover {self.turnover_s:.0f} s, " \
+            f"storage {self.storage_s:.0f} s, " \
             + (f"start-up {self.startup_s:.0f} s)" if self.startup_s else
                "start-up not counted: the cached calibration was measured inside a run, which does not time it)")
         per_gpu = f" per GPU ({self.gpus} GPUs, FSDP)" if self.gpus > 1 else ""
@@ -124,6 +145,8 @@ class PlanReport:
         rows += [
             ("pruning", self.pruning_note or "-"),
             ("predicted evaluation", self.eval_note or "-"),
+            ("predicted slot turnover", self.turnover_note or "-"),
+            ("predicted storage", self.storage_note or "-"),
             ("predicted time for the trial budget", total),
         ]
         width = max(len(k) for k, _ in rows)
@@ -276,12 +299,29 @@ def plan_report(spec: StudySpec, models: list[MemoryModel], where: str, base: Ba
     load_peak, note = _load_peak(spec, base, gpus) if shard else (0, "")
     peak = mm.pack_peak(base, slots, rank, micro * seq) + base_delta
     evals, eval_note = (None, "") if schedule is None else eval_seconds(
-        spec, mm, base.forward_s, schedule, eval_rows(spec), eval_len or mean_len or seq)
+        spec, mm, base.forward_s, schedule, eval_rows(spec), eval_len or mean_len or seq,
+        timed.eval_batch_s if timed is not None else None, timed.eval_slots if timed is not None else 0,
+        timed.eval_first_s if timed is not None else None)
+    turnover, turnover_note = (0.0, "") if spec.budget.trials is None else turnover_seconds(timed, spec.budget.trials)
+    # the run's storage: measured where the plan times its pack (sweep plan), not in a ``pack: auto`` run's sizing
+    storage, storage_note = (0.0, "") if spec.budget.trials is None else \
+        storage_seconds(spec, spec.budget.trials, slots) if timer is not None else \
+        (0.0, "not counted: measured only where the plan times its pack (sweep plan)")
     return PlanReport(device, slots, rank, micro, seq, available, max(peak, load_peak), mm, step_s,
                       None if steps is None else steps * step_s, steps,
                       (min(times), max(times)) if len(models) > 1 else None, len(models), spec.model.quantize,
                       where, gpus if shard else 1, mm.base_bytes + base_delta, load_peak, note, evals, eval_note,
-                      schedule, base.imports_s + base.load_s, _pruning_note(spec, schedule, opt_steps), timed)
+                      schedule, _startup(spec, base), _pruning_note(spec, schedule, opt_steps), timed,
+                      turnover, turnover_note, storage, storage_note)
+
+
+def _startup(spec: StudySpec, base: BaseShape) -> float:
+    """A run's seconds before its first step, where the calibration measured them (0: not measured): the imports and
+    the base's load (``base``), then reading and tokenizing the data (``train_lengths``, kept with the lengths)."""
+    from lora_sweep.sweep.calibration import tokenize_seconds
+
+    measured = base.imports_s + base.load_s
+    return measured + tokenize_seconds(spec) if measured else 0.0
 
 
 def pack_schedule(spec: StudySpec, slots: int, trial_steps: int) -> Schedule:
@@ -337,10 +377,13 @@ def train_lengths(spec: StudySpec, tokenizer: Any) -> tuple[list[int], list[data
     if tokenizer is None:
         tokenizer = Packer.read_tokenizer(spec.model.path, spec.model.gguf_file)
     d = spec.data
+    t0 = time.perf_counter()
     examples = data.load_examples(d.train, tokenizer, fmt=d.format, max_length=d.max_length,
                                   train_on_prompt=d.train_on_prompt, max_line_bytes=d.line_bytes)
+    # a run tokenizes the held-out rows too (its split's load:data): at the training rows' measured pace
+    seconds = (time.perf_counter() - t0) * (1 + eval_rows(spec) / max(1, len(examples)))
     lengths = [len(e.input_ids) for e in examples]
-    cache_lengths(spec, lengths)
+    cache_lengths(spec, lengths, seconds)
     return lengths, examples
 
 
@@ -358,9 +401,10 @@ def load_and_calibrate(spec: StudySpec, device: str, calibrations: int, gpus: in
 
     import lora_sweep.evaluators.registry  # noqa: F401
     from lora_sweep.packer.api import open_base
-    from lora_sweep.sweep.timing import seconds_since_import
+    from lora_sweep.sweep.timing import process_started
 
-    imports_s, t0 = seconds_since_import(), time.perf_counter()
+    # from the process's start, as a run's split counts its imports (``sweep.timing``): the interpreter's own too
+    imports_s, t0 = time.time() - process_started()[0], time.perf_counter()
     packer = open_base(spec.model.path, gguf_file=spec.model.gguf_file, dtype=spec.model.dtype, device=device,
                        quantize=spec.model.quantize, kernels=spec.pack.kernels,
                        fused_base_ops=spec.pack.fused_base_ops, log=log)

@@ -18,6 +18,7 @@ import math
 import random
 import statistics
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -140,7 +141,8 @@ def eval_rows(spec: StudySpec) -> int:
 
 
 def eval_seconds(spec: StudySpec, mm: MemoryModel, forward_s: float, schedule: Schedule, rows: int,
-                 row_len: float) -> tuple[float, str]:
+                 row_len: float, measured: Mapping[str, float] | None = None,
+                 measured_slots: int = 0, once: Mapping[str, float] | None = None) -> tuple[float, str]:
     """Seconds the evaluators take over the pack's ``schedule``, and what they count (a line for the plan).
 
     Each entry's evaluator declares what it costs (``Evaluator.cost``: rows of a slot per batch, forwards per batch,
@@ -148,17 +150,34 @@ def eval_seconds(spec: StudySpec, mm: MemoryModel, forward_s: float, schedule: S
     trials that finish at one step are scored together, as are those reaching a rung at one step and those at a
     ``train.eval_every`` step, both on the cost of the entry that scores the learning curve (``curve_entry``: a
     held-out loss). A forward of n tokens costs ``forward_s`` (the base's forward of one short row: launches, Python)
-    plus a third of ``mm``'s per-token step time for n (no backward).
+    plus a third of ``mm``'s per-token step time for n (no backward). ``measured``: per evaluator, the seconds one
+    batch of its rows took for ``measured_slots`` slots of the sized pack (``sweep.pack_step``): that evaluator's
+    estimate is scaled by the measured batch over the same batch as estimated (its fixed and per-token parts alike).
+    ``once``: per evaluator, the seconds its first call adds (measured there too): added once for each that runs.
     """
     if not rows:
         return 0.0, "no held-out data"
     per_token = mm.seconds_per_token / 3
 
-    def passes(events: float, scored: float, cost: EvalCost) -> float:
+    def passes(events: float, scored: float, cost: EvalCost, batches: int | None = None) -> float:
         """``events`` evaluations of ``scored`` slots in all, each ``cost`` per batch of a slot's rows."""
-        batches = math.ceil(rows / cost.batch_size)
+        batches = math.ceil(rows / cost.batch_size) if batches is None else batches
         return batches * (events * cost.forwards * forward_s
                           + scored * cost.batch_size * (row_len + cost.new_tokens) * per_token)
+
+    scales: dict[str, float] = {}
+
+    firsts: dict[str, float] = {}
+
+    def scaled(name: str, cost: EvalCost, seconds: float) -> float:
+        """``seconds`` of evaluator ``name`` through its measured batch, where one was measured (and its first
+        call's extra, once)."""
+        if not measured or name not in measured or measured_slots < 1 or seconds <= 0:
+            return seconds
+        scales[name] = measured[name] / max(passes(1, measured_slots, cost, batches=1), 1e-9)
+        first = 0.0 if name in firsts else (once or {}).get(name, 0.0)
+        firsts[name] = firsts.get(name, 0.0) + first
+        return seconds * scales[name] + first
 
     total, parts, untimed = 0.0, [], []
     for e in spec.evaluators:
@@ -166,15 +185,20 @@ def eval_seconds(spec: StudySpec, mm: MemoryModel, forward_s: float, schedule: S
         if cost is None:
             untimed.append(e.name)
             continue
-        total += passes(schedule.final_events, schedule.finished, cost)
+        total += scaled(e.name, cost, passes(schedule.final_events, schedule.finished, cost))
         parts.append(cost.what.format(rows=rows))
     (curve_name, curve_options), _ = curve_entry((e.name, e.options) for e in spec.evaluators)
     curve_cost = plan_cost(curve_name, curve_options)
     rung_evals = sum(schedule.reached)
     if curve_cost is not None:
-        total += passes(schedule.rung_events + schedule.curve_events, rung_evals + schedule.curve_evals, curve_cost)
+        total += scaled(curve_name, curve_cost, passes(schedule.rung_events + schedule.curve_events,
+                                                       rung_evals + schedule.curve_evals, curve_cost))
     text = (f"{total:.0f} s: {', '.join(parts) or 'nothing timed'} for each of {schedule.finished:.0f} finished "
             f"trials")
     text += f", {rung_evals:.0f} rung evaluations" if rung_evals else ""
     text += f", {schedule.curve_evals:.0f} eval_every evaluations" if schedule.curve_evals else ""
+    if scales:
+        text += "; scaled by a batch of each scored on the sized pack (" + ", ".join(
+            f"{name} x{x:.2f}" + (f" and {firsts[name]:.1f} s once" if firsts.get(name) else "")
+            for name, x in scales.items()) + ")"
     return total, text + (f"; not timed: {', '.join(untimed)}" if untimed else "")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lora_sweep.benchmarks.plan_vs_run import PlanVsRun, predicted_seconds
+from lora_sweep.benchmarks.plan_vs_run import PlanVsRun, plan_total, predicted_seconds
 from lora_sweep.sweep.planning import PlanReport
 
 
@@ -23,3 +23,18 @@ def test_a_row_gives_the_ratio_of_predicted_to_measured() -> None:
     row = PlanVsRun("tiny-demo.yaml", 90.0, 100.0, 1.5, 2.0)
     assert row.ratio == pytest.approx(0.9)
     assert row.row() == "| tiny-demo.yaml | 90 | 100 | 0.90 | 1.5 / 2.0 |"
+
+
+def test_the_split_puts_the_plans_parts_beside_the_runs_phases() -> None:
+    """``--split``: what the plan's total counts (its line's parenthesis, the turnover and storage among them) beside
+    the run's own split, so a gap can be read part by part."""
+    from lora_sweep.packer.plan import MemoryModel
+
+    mm = MemoryModel(base_bytes=0, bytes_per_token=0, bytes_per_token_rank=0, bytes_per_param=16)
+    report = PlanReport("cpu", 8, 32, 8, 64, 1 << 30, 1 << 20, mm, 0.1, 46.7, 467, predicted_eval_s=12.0,
+                        startup_s=9.0, turnover_s=2.0, storage_s=3.0)
+    total, parts = plan_total(report.table())
+    assert total == round(46.7 + 12.0 + 9.0 + 2.0 + 3.0)
+    assert parts == ("467 pack steps: training 47 s, evaluation 12 s, slot turnover 2 s, storage 3 s, start-up 9 s")
+    row = PlanVsRun("tiny-demo.yaml", total, 80.0, 1.0, 1.1, parts, {"import": 4.0, "train": 50.0, "other": 0.01})
+    assert row.split() == (f"tiny-demo.yaml: plan: {parts}\ntiny-demo.yaml: run: import 4.0 s, train 50.0 s")

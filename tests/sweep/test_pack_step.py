@@ -192,3 +192,95 @@ def test_a_pack_sharded_over_gpus_is_not_timed_in_one_process(tiny_dirs, tmp_pat
                                                "the probes' line" and not fake.calls
     one = _timer(spec, fake)(3, 16, 4, MM)
     assert one.step_s == 0.1 and fake.calls[0]["cuda_graphs"] == "off"
+
+
+class FakeTurnover(FakeStep):
+    """A fake step that also measured the pack's start and its slots' turnover."""
+
+    def __init__(self, seconds: float, setup_s: float, turnover_s: float) -> None:
+        super().__init__(seconds)
+        self.setup_s, self.turnover_s = setup_s, turnover_s
+
+    def time_pack(self, specs, rows, length, **kwargs) -> PackTiming:  # noqa: ANN001, ANN003
+        timing = super().time_pack(specs, rows, length, **kwargs)
+        return PackTiming(timing.step_s, timing.steps, timing.wall_s, timing.step, self.setup_s, self.turnover_s)
+
+
+def test_the_plan_counts_the_packs_start_and_every_trials_slot_turnover(tiny_dirs, tmp_path, monkeypatch) -> None:
+    """A run ends every trial's slot (its adapter saved) and starts another in it, and starts its pack once: the
+    plan times both on the sized pack (a turnover after the timed steps, the adapters saved by ``Packer.save``), says
+    them on their own line and adds them to the total; a second plan reads them back from the cache."""
+    monkeypatch.setenv("LORA_SWEEP_CACHE", str(tmp_path / "cache"))
+    spec = _spec(tmp_path, tiny_dirs)
+    fake = FakeTurnover(0.05, setup_s=1.5, turnover_s=0.3)
+    report = plan_report(spec, [MM], "test", BASE, "cpu", timer=_timer(spec, fake))
+    (call,) = fake.calls
+    assert call["turnover"] is True and callable(call["on_end"])
+    assert report.turnover_s == pytest.approx(1.5 + 12 * 0.3)  # the pack's start, then 12 trials' turnovers
+    table = report.table()
+    assert ("predicted slot turnover              5 s: the pack's start 1.5 s, then 300 ms per trial (its slot's "
+            "end, its adapter saved, a new slot's start) x 12 trials, measured on the sized pack") in table
+    total = report.predicted_total_s + report.predicted_eval_s + report.startup_s + 5.1 + report.storage_s
+    assert f"predicted time for the trial budget  {total:.0f} s (" in table and "slot turnover 5 s" in table
+
+    def refused():  # noqa: ANN202
+        raise AssertionError("a cached timing loads no model")
+
+    again = plan_report(spec, [MM], "test", BASE, "cpu", timer=_timer(spec, fake, load=refused))
+    assert again.turnover_s == report.turnover_s and again.timed is not None and again.timed.setup_s == 1.5
+    untimed = plan_report(spec, [MM], "test", BASE, "cpu")
+    assert untimed.turnover_s == 0 and "not counted: the sized pack was not timed" in untimed.table()
+
+
+def test_the_turnover_is_timed_on_the_loaded_model_with_the_adapters_saved(tiny_dirs, tmp_path, monkeypatch) -> None:
+    """On the real tiny model: every slot of the timed pack ends once (an accumulating one too) and is saved as a
+    run saves it, a new slot starts in it, and the pack's start and the turnover are measured beside the step, and
+    a batch of the study's evaluation on the slots that ended (less from the turnover, in which it ran)."""
+    from lora_sweep.packer.api import open_base
+
+    monkeypatch.setenv("LORA_SWEEP_CACHE", str(tmp_path / "cache"))
+    spec = _spec(tmp_path, tiny_dirs, search={"rank": [2, 4], "gradient_accumulation_steps": [1, 2]},
+                 train={"max_steps": 40, "micro_batch": 2})
+    packer = open_base(str(tiny_dirs("llama")), device="cpu")
+    saved: list[tuple[int, list[str]]] = []
+    real_save = packer.save
+
+    def save(items, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        futures = real_save(items, **kwargs)
+        saved.extend((slot, sorted(p.name for p in f.result().iterdir())) for (slot, _, _), f in zip(items, futures,
+                                                                                                   strict=True))
+        return futures
+
+    monkeypatch.setattr(packer, "save", save)
+    specs = slot_specs(spec, 3)
+    assert {s.gradient_accumulation_steps for s in specs} == {1, 2}  # the seed draws both
+    timed = PackTimer(spec, "cpu", LENGTHS, lambda: packer)(3, 4, 2, MM)
+    assert timed.step_s is not None and timed.step_s > 0 and timed.setup_s > 0 and timed.turnover_s >= 0
+    # the first slots to end scored a batch of the held-out rows with each of the study's evaluators, timed
+    assert set(timed.eval_batch_s) == {e.name for e in spec.evaluators} == {"heldout_loss", "generation"}
+    assert all(seconds > 0 for seconds in timed.eval_batch_s.values())
+    assert set(timed.eval_first_s) == set(timed.eval_batch_s) and min(timed.eval_first_s.values()) >= 0
+    assert 1 <= timed.eval_slots <= 3
+    assert sorted(slot for slot, _ in saved) == [0, 1, 2]  # each slot's adapter, once
+    assert all("adapter_config.json" in files for _, files in saved)  # written as a run writes it
+    assert not packer.model.slot_paths and packer.model.store is None  # nothing left behind
+
+
+def test_a_users_evaluator_is_never_run_by_the_plan(tiny_dirs, tmp_path, monkeypatch) -> None:
+    """The sized pack's ending slots are scored by the study's built-in evaluators only: a ``custom`` function (a
+    user's code) is neither imported nor run by a plan, and its estimate stays its declared cost's."""
+    from lora_sweep.evaluators.registry import deferred_user_code
+    from lora_sweep.packer.api import open_base
+
+    monkeypatch.setenv("LORA_SWEEP_CACHE", str(tmp_path / "cache"))
+    marker = tmp_path / "imported"
+    evaluators = [{"name": "custom", "options": {"function": "metrics.py:score", "metric": "m"}}, "heldout_loss"]
+    path = write_study(tmp_path, tiny_dirs("llama"), "user", budget={"trials": 4}, evaluators=evaluators,
+                       train={"max_steps": 40, "micro_batch": 2})
+    (path.parent / "metrics.py").write_text(f"open({str(marker)!r}, 'w').close()\n\n\ndef score(generation, row):\n"
+                                            f"    return 1.0\n")
+    with deferred_user_code():
+        spec = load_study(path)
+    packer = open_base(str(tiny_dirs("llama")), device="cpu")
+    timed = PackTimer(spec, "cpu", LENGTHS, lambda: packer)(2, 4, 2, MM)
+    assert set(timed.eval_batch_s) == {"heldout_loss"} and not marker.exists()

@@ -125,9 +125,10 @@ def test_the_plan_times_the_evaluations_the_schedule_runs(tiny_dirs, tmp_path) -
     assert eval_seconds(spec, mm, fixed, every, rows, 20.0)[0] == pytest.approx(heldout + generation + curve)
 
 
-def test_the_plan_counts_the_pack_steps_under_the_rungs_and_the_start_up(tiny_dirs, tmp_path) -> None:
+def test_the_plan_counts_the_pack_steps_under_the_rungs_and_the_start_up(tiny_dirs, tmp_path, monkeypatch) -> None:
     """``sweep plan`` said "(no pruning)" and counted every trial to its last step for a study that prunes: the time
     is now the expected schedule's pack steps (``sweep.schedule``) plus the run's start-up measured at calibration."""
+    monkeypatch.setenv("LORA_SWEEP_CACHE", str(tmp_path / "cache"))  # no other test's tokenizing of the same rows
     from lora_sweep.packer.plan import BaseShape, MemoryModel
     from lora_sweep.sweep.planning import pack_schedule, plan_report
     from lora_sweep.sweep.schedule import expected_schedule
@@ -157,3 +158,73 @@ def test_the_plan_counts_the_pack_steps_under_the_rungs_and_the_start_up(tiny_di
     assert plain.pack_steps == 12 * 40 / 3 and "none (every trial trains to its last step)" in plain.table()
     unmeasured = plan_report(flat, [mm], "test", BaseShape(base.projections, 1000), "cpu", mean_len=20.0)
     assert "start-up not counted: the cached calibration was measured inside a run" in unmeasured.table()
+
+
+def test_the_start_up_counts_the_imports_from_the_processs_start(tiny_dirs, tmp_path, monkeypatch) -> None:
+    """A run's split counts its imports from the process's start (``sweep.timing.process_started``), the
+    interpreter's own start included: the plan's start-up measures them from the same point, not from
+    ``lora_sweep``'s import."""
+    import time
+
+    import lora_sweep.sweep.timing as timing
+    from lora_sweep.sweep.planning import load_and_calibrate
+
+    monkeypatch.setenv("LORA_SWEEP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(timing, "process_started", lambda: (time.time() - 1e6, "process"))
+    spec = _spec(tmp_path, tiny_dirs("llama"))
+    _, _, base, _, _ = load_and_calibrate(spec, "cpu", 1, 1)
+    assert 1e6 - 1 <= base.imports_s < 1e6 + 600 and base.load_s > 0  # (1 s: the clock's float rounding)
+
+
+def test_the_start_up_counts_the_datas_tokenizing(tiny_dirs, tmp_path, monkeypatch) -> None:
+    """A run reads and tokenizes its training and held-out rows before its first step (its split's ``load:data``):
+    the plan times the training rows' tokenizing where it tokenizes them, keeps it with their lengths, and adds it to
+    the start-up, the held-out rows at the same pace."""
+    from lora_sweep.packer.plan import BaseShape, MemoryModel
+    from lora_sweep.sweep.calibration import tokenize_seconds
+    from lora_sweep.sweep.planning import plan_report, train_lengths
+
+    monkeypatch.setenv("LORA_SWEEP_CACHE", str(tmp_path / "cache"))
+    spec = _spec(tmp_path, tiny_dirs("llama"))
+    mm = MemoryModel(base_bytes=1000, bytes_per_token=10, seconds_per_token=1e-5, seconds_per_step=0.02)
+    base = BaseShape((("q_proj", 64, 64),), 1000, forward_s=0.002, load_s=2.0, imports_s=3.0)
+    assert tokenize_seconds(spec) == 0 and plan_report(spec, [mm], "test", base, "cpu").startup_s == 5.0
+    _, tokenizer = load_base(str(tiny_dirs("llama")))
+    train_lengths(spec, tokenizer)
+    seconds = tokenize_seconds(spec)
+    assert seconds > 0 and plan_report(spec, [mm], "test", base, "cpu").startup_s == 5.0 + seconds
+    unmeasured = BaseShape(base.projections, 1000)  # a calibration a run made: no start-up measured, none counted
+    assert plan_report(spec, [mm], "test", unmeasured, "cpu").startup_s == 0
+
+
+def test_each_evaluators_estimate_goes_through_its_batch_measured_on_the_sized_pack(tiny_dirs, tmp_path) -> None:
+    """The estimate per batch (a base forward's fixed time, a third of the step's per-token time) left the runs'
+    evaluations 2-3x above it: with a batch of each evaluator scored on the sized pack's ending slots, each
+    evaluator's estimate (finals, rungs) is scaled by that batch's seconds over the same batch as estimated."""
+    import pytest
+
+    from lora_sweep.packer.plan import MemoryModel
+    from lora_sweep.sweep.planning import eval_rows, eval_seconds
+    from lora_sweep.sweep.schedule import Schedule
+
+    mm = MemoryModel(base_bytes=0, bytes_per_token=0, bytes_per_token_rank=0, bytes_per_param=0,
+                     seconds_per_token=3e-4, seconds_per_step=0.5)
+    evaluators = [{"name": "heldout_loss"}, {"name": "generation", "options": {"max_new_tokens": 4, "batch_size": 4}}]
+    spec = load_study(write_study(tmp_path, tiny_dirs("llama"), "evals", budget={"trials": 6}, evaluators=evaluators))
+    rows = eval_rows(spec)
+    schedule = Schedule(pack_steps=24, reached=(6,), finished=3, rung_events=2, final_events=2)
+    per_token, fixed = 3e-4 / 3, 0.01
+    heldout = math.ceil(rows / 8) * (2 * fixed + 3 * 8 * 20.0 * per_token)
+    generation = math.ceil(rows / 4) * (2 * 5 * fixed + 3 * 4 * (20.0 + 4) * per_token)
+    rungs = math.ceil(rows / 8) * (2 * fixed + 6 * 8 * 20.0 * per_token)
+    one_heldout = fixed + 2 * 8 * 20.0 * per_token  # one batch of 2 slots, as the plan estimates it
+    measured = {"heldout_loss": 3 * one_heldout}  # measured 3x that; generation not measured: as estimated
+    seconds, line = eval_seconds(spec, mm, fixed, schedule, rows, 20.0, measured, 2)
+    assert seconds == pytest.approx(3 * heldout + generation + 3 * rungs)
+    assert line.endswith("6 rung evaluations; scaled by a batch of each scored on the sized pack (heldout_loss x3.00)")
+    assert eval_seconds(spec, mm, fixed, schedule, rows, 20.0, measured, 0)[0] == pytest.approx(
+        heldout + generation + rungs)  # no slots scored: nothing to scale by
+    # what its first call took beyond a batch (the rows' tokenizing): once a run, though it scores finals and rungs
+    once, line = eval_seconds(spec, mm, fixed, schedule, rows, 20.0, measured, 2, {"heldout_loss": 1.5})
+    assert once == pytest.approx(seconds + 1.5)
+    assert line.endswith("(heldout_loss x3.00 and 1.5 s once)")

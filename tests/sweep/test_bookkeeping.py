@@ -1,0 +1,87 @@
+"""``sweep plan`` counts the run's storage (``sweep.bookkeeping``): each trial asked of the study's own sampler, its
+rows written and told, timed on a scratch study, cached, and said on the plan's own line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import lora_sweep.sweep.bookkeeping as bookkeeping
+from lora_sweep.packer.plan import BaseShape, MemoryModel
+from lora_sweep.packer.probe import PackTiming
+from lora_sweep.sweep.config.loader import load_study
+from lora_sweep.sweep.pack_step import PackTimer
+from lora_sweep.sweep.planning import plan_report
+from tests.conftest import write_study
+
+MM = MemoryModel(base_bytes=1000, bytes_per_token=10, bytes_per_token_rank=1, bytes_per_param=16,
+                 seconds_per_token=1e-5, seconds_per_step=0.02)
+BASE = BaseShape((("q_proj", 64, 64), ("v_proj", 64, 64)), 1000, forward_s=0.002, load_s=2.0, imports_s=3.0)
+
+
+def _spec(tmp_path, tiny_dirs, trials=6, name="kept"):  # noqa: ANN001, ANN202
+    return load_study(write_study(tmp_path, tiny_dirs("llama"), name, budget={"trials": trials},
+                                  train={"max_steps": 20, "micro_batch": 2}))
+
+
+def test_a_trial_budgets_storage_is_measured_on_a_scratch_study_and_cached(tiny_dirs, tmp_path, monkeypatch) -> None:
+    """Every trial of the budget asked of the study's sampler and told, on a scratch study (nothing in the study's
+    own directory), the seconds per trial kept in the cache; a second plan reads them back without measuring."""
+    monkeypatch.setenv("LORA_SWEEP_CACHE", str(tmp_path / "cache"))
+    spec = _spec(tmp_path, tiny_dirs)
+    asked: list[int] = []
+    real = bookkeeping._asked
+
+    def counted(*args):  # noqa: ANN002, ANN202
+        trial = real(*args)
+        asked.append(trial.number)
+        return trial
+
+    monkeypatch.setattr(bookkeeping, "_asked", counted)
+    seconds, how = bookkeeping.bookkeeping_seconds(spec, 6, 2)
+    assert asked == list(range(6)) and seconds > 0 and how.startswith("cached in ")
+    (entry,) = (tmp_path / "cache" / "bookkeeping").iterdir()
+    record = json.loads(entry.read_text())
+    assert len(record["each"]) == 6 and sum(record["each"]) == pytest.approx(seconds)
+    assert not spec.out_dir.exists()  # the scratch study is not the study's
+
+    def refused(*args):  # noqa: ANN002, ANN202
+        raise AssertionError("a cached measurement asks nothing")
+
+    monkeypatch.setattr(bookkeeping, "_measure", refused)
+    assert bookkeeping.bookkeeping_seconds(spec, 6, 2) == (seconds, f"cached in {entry}")
+
+
+def test_a_large_budget_is_timed_on_its_first_trials(tiny_dirs, tmp_path, monkeypatch) -> None:
+    """Above ``BOOKKEEPING_TRIALS`` the rest of the budget costs the mean of the last half of those timed."""
+    monkeypatch.setenv("LORA_SWEEP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(bookkeeping, "BOOKKEEPING_TRIALS", 4)
+    monkeypatch.setattr(bookkeeping, "_measure", lambda spec, trials, slots: [0.5, 0.1, 0.2, 0.4][:trials])
+    spec = _spec(tmp_path, tiny_dirs, trials=10, name="large")
+    assert bookkeeping.bookkeeping_seconds(spec, 10, 3)[0] == pytest.approx(1.2 + 6 * 0.3)
+
+
+class FakeStep:
+    """A loaded base whose timed pack takes 50 ms a step."""
+
+    def time_pack(self, specs, rows, length, **kwargs) -> PackTiming:  # noqa: ANN001, ANN003
+        return PackTiming(0.05, kwargs["steps"], 1.0, "eager")
+
+
+def test_the_plan_says_the_storage_and_adds_it_to_the_total(tiny_dirs, tmp_path, monkeypatch) -> None:
+    """``sweep plan`` (which times its pack) measures the storage and prints it on its own line, in the total; a
+    ``pack: auto`` run's own sizing (no timer) does not pay for it."""
+    monkeypatch.setenv("LORA_SWEEP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(bookkeeping, "_measure", lambda spec, trials, slots: [0.75] * trials)
+    spec = _spec(tmp_path, tiny_dirs, trials=8, name="told")
+    timer = PackTimer(spec, "cpu", [20] * 40, lambda: FakeStep())
+    report = plan_report(spec, [MM], "test", BASE, "cpu", timer=timer)
+    assert report.storage_s == pytest.approx(6.0)
+    table = report.table()
+    assert (f"predicted storage                    6.0 s: 8 trials asked of the study's sampler, their rows written "
+            f"and told ({report.slots} in flight) on a scratch study; cached in ") in table
+    total = report.predicted_total_s + report.predicted_eval_s + report.startup_s + report.turnover_s + 6.0
+    assert f"predicted time for the trial budget  {total:.0f} s (" in table and "storage 6 s" in table
+    sizing = plan_report(spec, [MM], "test", BASE, "cpu")
+    assert sizing.storage_s == 0 and "not counted: measured only where the plan times its pack" in sizing.table()
