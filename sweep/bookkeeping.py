@@ -107,7 +107,7 @@ def _measure(spec: StudySpec, trials: int, slots: int) -> list[float]:
 
 def _asked(spec: StudySpec, ledger: Any, store: Any, pack: int, slot: int) -> Any:
     """A trial asked and its row and span written, as a run's backfill does (``sweep.study``'s ``next_job``)."""
-    from lora_sweep.sweep.config.space import suggest
+    from lora_sweep.sweep.sampling import suggest
 
     trial = ledger.ask()
     params = suggest(trial, spec.search)
