@@ -28,6 +28,7 @@ from lora_sweep.packer.step import eval_graph
 from lora_sweep.packer.step.train import FixedBatch, SlotEnd, SlotJob, train
 from lora_sweep.packer.tiny.data import arithmetic_rows, write_jsonl
 from lora_sweep.store.storage import open_storage
+from lora_sweep.sweep.config.spec import Param, SearchSpace
 from lora_sweep.testing.variant import (  # noqa: F401  (the oracle, re-exported for the packer's parity tests)
     IDS,
     PAD,
@@ -227,3 +228,21 @@ def scored_alone(pm: PackedModel, slot: int, data, prompts, gen_kw) -> tuple:  #
 
     loss = heldout_loss(pm, [slot], data, batch_size=5, batched=False).per_item[slot]["eval_loss"]
     return loss, generate_ids(pm, [slot], prompts, batched=False, **gen_kw)[slot]
+
+
+# --------------------------------------------------------------- a search space (the space's and the sampler's tests)
+
+SETS = {"attn": ("q_proj", "v_proj"), "all": ("all-linear",)}
+"""Target sets ``SPACE``'s ``targets`` names."""
+SPACE = SearchSpace(
+    (
+        Param("rank", "categorical", choices=(2, 4, 8, 16, 32)),
+        Param("alpha_ratio", "categorical", choices=(0.5, 1.0, 2.0, 4.0)),
+        Param("lr", "float", low=1e-4, high=3e-2, log=True),
+        Param("dropout", "categorical", choices=(0.0, 0.05)),
+        Param("warmup_steps", "int", low=0, high=20, step=5),
+        Param("targets", "categorical", choices=("attn", "all")),
+    ),
+    target_sets=SETS,
+)
+"""Every kind of parameter a study file searches: categorical, float on a log scale, int with a step, target sets."""

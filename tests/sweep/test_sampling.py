@@ -13,7 +13,7 @@ import pytest
 from lora_sweep.errors import ConfigError
 from lora_sweep.sweep.config.spec import Param, SamplerSpec, SearchSpace
 from lora_sweep.sweep.sampling import make_sampler, suggest
-from tests.sweep.test_space import SETS, SPACE
+from tests.helpers import SETS, SPACE
 
 
 def test_tpe_is_explicitly_constant_liar_and_multivariate() -> None:

@@ -16,21 +16,10 @@ from lora_sweep.packer.plan import AdapterSpec
 from lora_sweep.sweep.config.space import adapter_spec, default_params
 from lora_sweep.sweep.config.spec import Param, SamplerSpec, SearchSpace, TrainSpec
 from lora_sweep.sweep.sampling import make_sampler, suggest
+from tests.helpers import SETS, SPACE
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
-SETS = {"attn": ("q_proj", "v_proj"), "all": ("all-linear",)}
-SPACE = SearchSpace(
-    (
-        Param("rank", "categorical", choices=(2, 4, 8, 16, 32)),
-        Param("alpha_ratio", "categorical", choices=(0.5, 1.0, 2.0, 4.0)),
-        Param("lr", "float", low=1e-4, high=3e-2, log=True),
-        Param("dropout", "categorical", choices=(0.0, 0.05)),
-        Param("warmup_steps", "int", low=0, high=20, step=5),
-        Param("targets", "categorical", choices=("attn", "all")),
-    ),
-    target_sets=SETS,
-)
 TRAIN = TrainSpec(max_steps=30, micro_batch=2, schedule="cosine")
 
 
