@@ -149,7 +149,13 @@ def test_a_killed_trackers_process_is_one_warning_and_started_again(tiny_dirs, t
     watcher = threading.Thread(target=kill_once_logging, daemon=True)
     watcher.start()
     lines: list[str] = []
-    summary = api.run(path, log=lines.append, trackers=started)
+
+    def log(line: str) -> None:
+        lines.append(line)
+        if " complete: " in line:  # the run waits at its first trial's end until the kill: the trackers' process
+            killed.wait(timeout=120)  # runs under SCHED_IDLE, and on a loaded host it logs nothing while the run trains
+
+    summary = api.run(path, log=log, trackers=started)
     watcher.join(timeout=5)
     assert killed.is_set() and summary.complete == 4, "the trackers' process was not killed while the run trained"
     warnings = _warnings(lines)
