@@ -117,9 +117,10 @@ def _ended_and_training(out: Path, state_file: Path) -> tuple[set[str], dict] | 
 
 def test_a_killed_and_resumed_run_continues_the_same_runs(tiny_dirs, tmp_path) -> None:
     # 1 slot for 6 trials: six waves of training, so the kill can land after the trackers logged an ended trial
-    # and while the next wave trains, however far behind the trackers' thread runs on a busy machine
+    # and while the next wave trains, however far behind the trackers' thread runs on a busy machine; a wave of 400
+    # steps (about 10 s here) gives the trackers' process time to log its steps, and the rerun trains what is left
     path = write_study(tmp_path, tiny_dirs("llama"), name="killed", budget={"trials": 6},
-                       train={"max_steps": 800, "micro_batch": 4}, pruning={"kind": "none"}, pack={"max_slots": 1})
+                       train={"max_steps": 400, "micro_batch": 4}, pruning={"kind": "none"}, pack={"max_slots": 1})
     out = tmp_path / "runs-killed"
     cmd = [sys.executable, "-m", "lora_sweep", "run", str(path), "--quiet", "trackers=[mlflow, wandb, tensorboard]"]
     # as from a user's shell: not through the W&B service this test process started for the tests before it (wandb
