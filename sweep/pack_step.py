@@ -290,12 +290,12 @@ def _timed_entries(spec: StudySpec) -> list[tuple[str, dict[str, Any]]]:
     ``eval_every`` (``curve_entry``) where the study prunes or has a curve."""
     from lora_sweep.evaluators.registry import curve_entry, is_user_code, plan_cost
 
+    if not spec.data.eval:
+        return []
     entries = [(e.name, dict(e.options)) for e in spec.evaluators]
     curve, _ = curve_entry(entries)
     if spec.pruning.kind == "cohort_sha" or spec.train.eval_every:
         entries.append((curve[0], dict(curve[1])))
-    if not spec.data.eval:
-        return []
     named = {name: opts for name, opts in entries if not is_user_code(name) and plan_cost(name, opts) is not None}
     return list(named.items())
 
@@ -309,6 +309,7 @@ class _Ended:
 
     def __init__(self, spec: StudySpec, packer: Packer) -> None:
         self.spec, self.packer, self.scratch = spec, packer, Path()
+        self.entries = _timed_entries(spec)
         self.eval_batch_s: dict[str, float] = {}
         self.eval_first_s: dict[str, float] = {}
         self.eval_slots = 0
@@ -320,12 +321,11 @@ class _Ended:
 
         for future in self.packer.save([(e.slot, self.scratch / f"slot-{e.slot}", None) for e in ends]):
             future.result()
-        entries = _timed_entries(self.spec)
-        if not entries or self.eval_slots:  # scored once: by the first slots to end (with accumulation, not all)
+        if not self.entries or self.eval_slots:  # scored once: by the first slots to end (with accumulation, not all)
             return
         self.eval_slots = len(ends)
         started = time.perf_counter()
-        self._score(ends, entries)
+        self._score(ends, self.entries)
         self.spent_s += time.perf_counter() - started
 
     def _score(self, ends: list[Any], entries: list[tuple[str, dict[str, Any]]]) -> None:
