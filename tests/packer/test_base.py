@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lora_sweep.errors import ConfigError, UserError
-from lora_sweep.packer.api import AdapterSpec, Packer, SlotEnd, SlotJob, StepReport, data, open_base
+from lora_sweep.packer.api import AdapterSpec, Packer, data, jobs, open_base
 from lora_sweep.packer.model.load import load_base
 from tests.conftest import DEMO_DATA, need_module
 
@@ -22,18 +22,18 @@ def packer(tiny_dirs) -> Packer:  # noqa: ANN001
 def test_a_pack_trains_its_jobs_and_saves_each_adapter_for_peft(packer: Packer, tmp_path: Path) -> None:
     examples = packer.examples(DEMO_DATA / "arith-train.jsonl", max_length=48)
     assert examples and all(len(e.input_ids) <= 48 for e in examples)
-    jobs = [SlotJob(spec, data.adapter_stream(examples, spec, 0, 48), key=name)
+    queue = [jobs.SlotJob(spec, data.adapter_stream(examples, spec, 0, 48), key=name)
             for name, spec in (("a", AdapterSpec(rank=4, max_steps=2, micro_batch=2)),
                                ("b", AdapterSpec(rank=2, max_steps=3, micro_batch=2, targets=("q_proj",))))]
-    reports: list[StepReport] = []
-    ends: list[SlotEnd] = []
+    reports: list[jobs.StepReport] = []
+    ends: list[jobs.SlotEnd] = []
     saved = []
 
-    def on_end(done: list[SlotEnd]) -> None:  # the slots' weights are still in the model here
+    def on_end(done: list[jobs.SlotEnd]) -> None:  # the slots' weights are still in the model here
         ends.extend(done)
         saved.extend(packer.save([(e.slot, tmp_path / str(e.job.key), {"trial": str(e.job.key)}) for e in done]))
 
-    result = packer.train(2, lambda slot: jobs.pop(0) if jobs else None, on_step=reports.extend, on_end=on_end)
+    result = packer.train(2, lambda slot: queue.pop(0) if queue else None, on_step=reports.extend, on_end=on_end)
     assert result.step == "eager"
     assert sorted((e.job.key, e.steps, e.reason) for e in ends) == [("a", 2, "finished"), ("b", 3, "finished")]
     assert sorted((r.key, r.slot_step) for r in reports) == [("a", 1), ("a", 2), ("b", 1), ("b", 2), ("b", 3)]
