@@ -13,7 +13,9 @@ everything a base is needed for, by verb (``packer.base``):
 - *open*: ``open_base``; ``Packer.examples`` tokenizes a data file with the base's tokenizer (``tiny_base`` builds a
   tiny random-init base to open);
 - *plan*: ``Packer.shape`` (a ``BaseShape``), ``Packer.calibrate`` (a measured ``MemoryModel``: how many slots of a
-  kind fit and their step's peak), ``Packer.forward_seconds``, ``Packer.check_sample_packing``;
+  kind fit and their step's peak, per GPU of a sharded base too), its probes' options for a space
+  (``Packer.probe_options``) and what its measurement depends on (``Packer.measured_on``),
+  ``Packer.sharded_load_peak``, ``Packer.forward_seconds``, ``Packer.check_sample_packing``;
 - *train*: ``Packer.train(capacity, next_job, on_step=..., should_stop=..., on_end=...)``: every step the rows of
   all slots go through the model together, each slot's loss is the mean over its own target tokens, so each
   slot's gradient is the one it would get training alone; each slot clips and takes its own AdamW step;
