@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 
 from lora_sweep.errors import STOP_SAID, Terminated, UserError
-from lora_sweep.packer.api import FAMILY_NAMES
+from lora_sweep.packer.api import supported
 
 if TYPE_CHECKING:
     from lora_sweep.sweep.config.spec import StudySpec
@@ -448,7 +448,7 @@ def status(study_dir: str, as_json: bool) -> None:
         render(info)
 
 
-TINY_FAMILIES = FAMILY_NAMES
+TINY_FAMILIES = supported.FAMILY_NAMES
 """The packer's family table (``packer.families``, a light module: no torch), every family of which has a tiny model."""
 
 

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from lora_sweep.errors import ConfigError, DataError, UserError
 from lora_sweep.evaluators.cost import EvalCost
 from lora_sweep.kernels.meta import PackLayout
-from lora_sweep.packer.api import FORMATS, line_bound
 from lora_sweep.packer.api import data as packer_data
+from lora_sweep.packer.api import supported
 
 if TYPE_CHECKING:
     from lora_sweep.packer.api import PackedModel
@@ -204,7 +204,7 @@ def load_eval_data(path: str | Path, tokenizer: Any, *, fmt: str = "auto", max_l
         DataError: missing file, invalid JSON, a row over the bound or without the format's fields (names
             ``file:line``).
     """
-    bound = line_bound(max_length) if max_line_bytes is None else max_line_bytes
+    bound = supported.line_bound(max_length) if max_line_bytes is None else max_line_bytes
     if fmt == MC_FORMAT or (fmt == "auto" and _first_row_has(path, "choices", bound)):
         fmt, rows = MC_FORMAT, _read_choice_rows(path, bound)
     else:
@@ -251,7 +251,7 @@ def check_format(data: EvalData, allowed: Sequence[str], evaluator: str) -> None
                         f"{' or '.join(allowed)}, got {data.fmt}")
 
 
-TEXT_FORMATS = tuple(f for f in FORMATS if f != "text")
+TEXT_FORMATS = tuple(f for f in supported.FORMATS if f != "text")
 """Formats with a prompt and a response (generation and custom evaluators)."""
 
 

@@ -25,8 +25,8 @@ from lora_sweep.evaluators._core import (
     uses_batched,
 )
 from lora_sweep.evaluators.cost import EvalCost
-from lora_sweep.packer.api import FORMATS, evaluation
 from lora_sweep.packer.api import data as packer_data
+from lora_sweep.packer.api import evaluation, supported
 
 if TYPE_CHECKING:  # torch and the model are imported where an evaluation runs: a study file is checked without them
     from lora_sweep.packer.api import PackedModel
@@ -75,7 +75,7 @@ def heldout_loss(model: PackedModel, slots: Sequence[int], data: EvalData, **opt
         DataError: rows of the wrong format.
     """
     opts: HeldoutOptions = make_options(HeldoutOptions, options, "heldout_loss")
-    check_format(data, FORMATS, "heldout_loss")
+    check_format(data, supported.FORMATS, "heldout_loss")
     examples = packer_data.tokenize_rows(data.rows, data.fmt, data.tokenizer, max_length=data.max_length,
                                          train_on_prompt=data.train_on_prompt, source=data.source)
     per_item, counts = evaluation.row_losses(model, slots, examples, opts.batch_size, pad_id(data.tokenizer),

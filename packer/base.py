@@ -7,7 +7,9 @@ torchtune's recipe ``setup`` / ``train`` are the shapes it follows):
 - **open**: ``open_base(path, ...)``: the base model and its tokenizer, wrapped as a pack (``PackedModel``), whole
   or sharded over the process group; ``Packer.examples`` tokenizes a data file with the base's tokenizer.
 - **plan**: ``Packer.shape`` (the base's projections and bytes, ``packer.plan.BaseShape``), ``Packer.calibrate``
-  (a measured ``packer.plan.MemoryModel``), ``Packer.forward_seconds`` and ``Packer.check_sample_packing``.
+  (a measured ``packer.plan.MemoryModel``, its probes' options for a space from ``Packer.probe_options``, what it
+  depends on from ``Packer.measured_on``), ``Packer.forward_seconds``, ``Packer.sharded_load_peak`` and
+  ``Packer.check_sample_packing``.
 - **train**: ``Packer.train(capacity, next_job, on_step=..., should_stop=..., on_end=...)``, the one training loop
   (``packer.step.train.train``).
 - **evaluate**: ``Packer.model`` is what an evaluator scores (``evaluators.registry.evaluate``), through
@@ -23,7 +25,7 @@ This module imports no torch: a method imports the packer module it runs when it
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,6 +113,17 @@ class Packer:
 
         model = self.model.model
         return {path: linear_shape(model.get_submodule(path)) for path in resolve_targets(model, modules)}
+
+    @staticmethod
+    def probe_options(values: Callable[[str], Collection[Any]]) -> dict[str, Any]:
+        """``calibrate``'s adapter options (``dora``, ``dropout``) that size the dearest slot of a space whose slots
+        take ``values(field)`` for an ``AdapterSpec`` field (its choices, or a range's ends). A space that can train
+        DoRA is probed with DoRA slots (their magnitudes, the norm per step and, on the Triton kernels, each
+        projection's output kept for the rescale's backward) at the largest dropout it can train (a DoRA slot with
+        dropout also keeps ``W (x - drop(x))`` per projection); else with plain slots without dropout. What a
+        calibration measured depends on them: a cached one is keyed by them too."""
+        dora = True in values("dora")
+        return {"dora": dora, "dropout": float(max(values("dropout"))) if dora else 0.0}
 
     @property
     def probe_steps(self) -> int:
@@ -205,6 +218,18 @@ class Packer:
         return available_memory(torch.device(device))
 
     @staticmethod
+    def measured_on(device: str) -> dict[str, Any]:
+        """What a measurement on ``device`` (``calibrate``, ``time_pack``) depends on beyond the base and the options
+        it is given: the device, a GPU by its model rather than its index (``cuda`` as a plan names it and a pack's
+        ``cuda:0`` are one), torch's version and its CPU threads."""
+        import torch
+
+        where = torch.device(device)
+        if where.type == "cuda":
+            device = f"cuda {torch.cuda.get_device_name(where)}"
+        return {"device": device, "torch": torch.__version__, "threads": torch.get_num_threads()}
+
+    @staticmethod
     def shard_load_refusal(path: str, gguf_file: str | None = None, quantize: str | None = None) -> str | None:
         """Why a sharded pack cannot read the base at ``path`` by rows (each rank then loads it whole first), or None
         when it can (``packer.model.shard_load.meta_load_refusal``; reads file names and headers only)."""
@@ -212,6 +237,17 @@ class Packer:
         from lora_sweep.packer.model.shard_load import meta_load_refusal
 
         return meta_load_refusal(resolve_base(path, gguf_file), quantize)
+
+    @staticmethod
+    def sharded_load_peak(base: BaseShape, gpus: int, path: str, gguf_file: str | None = None,
+                          quantize: str | None = None) -> tuple[int, str]:
+        """The base bytes one of ``gpus`` GPUs holds while the base at ``path`` (of shape ``base``) loads sharded, and
+        how it loads (``packer.model.shard_load.load_sharded``): its share and a chunk read by rows
+        (``BaseShape.shard_load``) where ``shard_load_refusal`` allows, else the whole base on every rank first."""
+        why = Packer.shard_load_refusal(path, gguf_file, quantize)
+        if why is None and gpus in base.shard_load:
+            return base.shard_load[gpus], "each rank reads its shard by rows"
+        return base.param_bytes, f"each rank loads the whole base first: {why or 'no shard computed'}"
 
     @staticmethod
     def read_adapter(adapter_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -218,14 +218,23 @@ class MemoryModel:
             n += 1
         return n
 
-    def pack_peak(self, base: BaseShape, slots: int, rows: int, tokens_per_slot: int) -> int:
+    def pack_peak(self, base: BaseShape, slots: int, rows: int, tokens_per_slot: int, gpus: int = 1) -> int:
         """Peak bytes of a step of ``slots`` slots as wide as a slot gets: every projection of ``base`` adapted with
-        ``rows`` rows (a PiSSA / OLoRA slot's 2r: ``AdapterSpec.rows``), ``tokens_per_slot`` padded tokens each."""
-        return self.predict(slots * tokens_per_slot, slots * base.adapter_params(rows), slots * rows, rows)
+        ``rows`` rows (a PiSSA / OLoRA slot's 2r: ``AdapterSpec.rows``), ``tokens_per_slot`` padded tokens each; on
+        one of ``gpus`` GPUs the base is sharded over (``base_bytes``: one rank's share in place of the whole base,
+        the slots replicated on every GPU)."""
+        return self.predict(slots * tokens_per_slot, slots * base.adapter_params(rows), slots * rows, rows) + \
+            base.shard_extra(gpus)
 
-    def slots_for(self, base: BaseShape, rows: int, tokens_per_slot: int, budget_bytes: int, limit: int = 256) -> int:
+    def slots_for(self, base: BaseShape, rows: int, tokens_per_slot: int, budget_bytes: int, limit: int = 256,
+                  gpus: int = 1) -> int:
         """Most slots of ``pack_peak``'s kind whose step fits in ``budget_bytes`` (0 if not even one fits)."""
-        return self.max_slots(budget_bytes, tokens_per_slot, base.adapter_params(rows), rows, limit=limit)
+        return self.max_slots(budget_bytes - base.shard_extra(gpus), tokens_per_slot, base.adapter_params(rows), rows,
+                              limit=limit)
+
+    def base_on(self, base: BaseShape, gpus: int = 1) -> int:
+        """The base's part of the peak on one of ``gpus`` GPUs: the whole base, or one rank's share of it sharded."""
+        return self.base_bytes + base.shard_extra(gpus)
 
 
 def adapter_param_count(shapes: list[tuple[int, int]], rank: int) -> int:

@@ -20,15 +20,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lora_sweep.packer.api import BaseShape, MemoryModel
+from lora_sweep.packer.api import BaseShape, MemoryModel, Packer
 from lora_sweep.store.api import cache_dir
 
 if TYPE_CHECKING:
-    from lora_sweep.packer.api import Packer
     from lora_sweep.sweep.config.spec import StudySpec
 
 __all__ = ["calibrated", "cached_calibration", "cache_dir", "calibration_key",
-           "trains_dora", "probe_dropout", "CALIBRATION_VERSION", "SHARD_WORLDS", "cached_lengths", "cache_lengths",
+           "probe_options", "CALIBRATION_VERSION", "SHARD_WORLDS", "cached_lengths", "cache_lengths",
            "tokenize_seconds",
            "PACK_STEP_VERSION", "cached_pack_step", "cache_pack_step", "cached_bookkeeping", "cache_bookkeeping"]
 
@@ -60,15 +59,15 @@ def cached_calibration(spec: StudySpec, device: str,
 
 def calibrated(spec: StudySpec, packer: Packer, calibrations: int = 1,
                log: Callable[[str], None] | None = None, *, load_s: float = 0.0,
-               imports_s: float = 0.0) -> tuple[list[MemoryModel], str]:
-    """The study's calibrated memory models (``calibrations`` of them) and a line saying where they came from:
-    the cache when it holds as many for this model, device and shape, else measured now (one line through
-    ``log`` first, as it takes a while) and cached with the base's shape, its forward's time (``forward_seconds``)
-    and the ``load_s`` and ``imports_s`` the caller measured (``BaseShape``)."""
+               imports_s: float = 0.0) -> tuple[list[MemoryModel], str, BaseShape]:
+    """The study's calibrated memory models (``calibrations`` of them), a line saying where they came from and the
+    base's shape kept beside them: the cache when it holds as many for this model, device and shape, else measured
+    now (one line through ``log`` first, as it takes a while) and cached with the base's shape, its forward's time
+    (``forward_seconds``) and the ``load_s`` and ``imports_s`` the caller measured (``BaseShape``)."""
     device = str(packer.model.device)
     cached = cached_calibration(spec, device, calibrations)
     if cached is not None:
-        return cached[0], cached[1]
+        return cached
     if log is not None:
         log(f"calibrating the memory model on {device}: {calibrations} x 4 probe packs of {packer.probe_steps} steps "
             f"at {spec.data.max_length} tokens (cached for the next plan or run)")
@@ -77,15 +76,14 @@ def calibrated(spec: StudySpec, packer: Packer, calibrations: int = 1,
     t0 = time.perf_counter()
     models = [packer.calibrate(spec.data.max_length, pad_id=0, chunked_ce=spec.pack.chunked_ce,
                                activation_checkpointing=spec.pack.activation_checkpointing,
-                               optimizer_in_backward=spec.train.optimizer_in_backward, dora=trains_dora(spec),
-                               dropout=probe_dropout(spec))
+                               optimizer_in_backward=spec.train.optimizer_in_backward, **probe_options(spec))
               for _ in range(calibrations)]
     seconds = time.perf_counter() - t0
     key = calibration_key(spec, device)
     path = _entry(key)
     _write(path, {"key": key, "models": [dataclasses.asdict(m) for m in models], "base": shape.to_json(),
                   "seconds": round(seconds, 3), "at": time.time()})
-    return models, f"measured in {seconds:.1f} s ({calibrations} x 4 probe packs; cached in {path})"
+    return models, f"measured in {seconds:.1f} s ({calibrations} x 4 probe packs; cached in {path})", shape
 
 
 def _lengths_key(spec: StudySpec) -> dict[str, Any]:
@@ -160,33 +158,21 @@ def cache_bookkeeping(key: dict[str, Any], record: dict[str, Any]) -> Path:
 def calibration_key(spec: StudySpec, device: str) -> dict[str, Any]:
     """What a calibration depends on: the model's files (names, sizes, modification times), dtype and
     quantization, the device (and GPU), the kernels, the sequence length and the training options the probe
-    takes (DoRA's among them), torch's version and CPU threads. Computed from the spec, without the model;
-    ``device`` as ``sweep plan`` resolves it (``cuda``) or as a pack's (``cuda:0``), the same key."""
-    import torch
-
-    where = torch.device(device)
-    if where.type == "cuda":  # the GPU's model, not its index: "cuda" (a plan) and "cuda:0" (a run's pack) are one
-        device = f"cuda {torch.cuda.get_device_name(where)}"
+    takes (``probe_options``), torch's version and CPU threads (``Packer.measured_on``). Computed from the spec,
+    without the model; ``device`` as ``sweep plan`` resolves it (``cuda``) or as a pack's (``cuda:0``), the same key."""
     return {"version": CALIBRATION_VERSION, "model": _files(spec.model.path, spec.model.gguf_file),
-            "dtype": spec.model.dtype, "quantize": spec.model.quantize, "device": device,
+            "dtype": spec.model.dtype, "quantize": spec.model.quantize, **Packer.measured_on(device),
             "kernels": spec.pack.kernels, "fused_base_ops": spec.pack.fused_base_ops,
             "seq_len": spec.data.max_length, "chunked_ce": spec.pack.chunked_ce,
             "activation_checkpointing": spec.pack.activation_checkpointing,
-            "optimizer_in_backward": spec.train.optimizer_in_backward, "dora": trains_dora(spec),
-            "dropout": probe_dropout(spec),
-            "torch": torch.__version__, "threads": torch.get_num_threads()}
+            "optimizer_in_backward": spec.train.optimizer_in_backward, **probe_options(spec)}
 
 
-def trains_dora(spec: StudySpec) -> bool:
-    """Whether a trial of the space can be a DoRA slot (``train.dora``, or ``true`` among ``search.dora``'s values):
-    then the probes are DoRA's (``packer.probe.calibrate``)."""
-    return True in spec.setting_values("dora")
-
-
-def probe_dropout(spec: StudySpec) -> float:
-    """The LoRA dropout of the planner's probes: with DoRA probes (``trains_dora``) the largest dropout the space can
-    train (a DoRA slot with dropout keeps ``W (x - drop(x))`` beside each projection's output), else 0."""
-    return float(max(spec.setting_values("dropout", ranged=True))) if trains_dora(spec) else 0.0
+def probe_options(spec: StudySpec) -> dict[str, Any]:
+    """The adapter options of the planner's probes for the study's space, as the packer sizes its dearest slot
+    (``Packer.probe_options``: ``dora`` where a trial can be a DoRA slot, at the largest ``dropout`` it can train)
+    from each setting's values over the space (``train.<name>``, or ``search.<name>``'s choices or range ends)."""
+    return Packer.probe_options(lambda name: spec.setting_values(name, ranged=True))
 
 
 def _entry(key: dict[str, Any], kind: str = "calibration") -> Path:

@@ -1,9 +1,10 @@
 """How many slots a pack gets, and what a study will cost, before any training: ``sweep plan``.
 
-The memory model (``packer.plan.MemoryModel``) is calibrated on the study's own model and device by
-``packer.probe.calibrate``; the worst-case slot of the search space (largest rank and micro-batch,
-widest target set, full sequence length) decides how many fit, and the packer says how many that is
-(``MemoryModel.slots_for``) and what their step's peak is (``MemoryModel.pack_peak``).
+The memory model (``packer.plan.MemoryModel``) is calibrated on the study's own model and device by the packer
+(``Packer.calibrate``, its probes sized for the space by ``Packer.probe_options``); the worst-case slot of the search
+space (largest rank and micro-batch, widest target set, full sequence length) decides how many fit, and the packer
+says how many that is (``MemoryModel.slots_for``) and what their step's peak is (``MemoryModel.pack_peak``), on one
+GPU of a sharded base too, and what a sharded base's load holds (``Packer.sharded_load_peak``).
 
 A calibration is cached (``sweep.calibration``) per (model files, device, shape and training options, torch and
 threads) with the base's shape beside it: a second ``sweep plan``, or a ``pack: auto`` run after it, reads them
@@ -44,7 +45,7 @@ from lora_sweep.sweep.pack_step import (
 )
 from lora_sweep.sweep.schedule import Schedule, eval_rows, eval_seconds, expected_schedule
 
-__all__ = ["auto_slots", "check_targets", "largest_rank", "PlanReport", "plan_pack", "plan_report", "trial_micro_steps",
+__all__ = ["check_targets", "largest_rank", "PlanReport", "plan_pack", "plan_report", "trial_micro_steps",
            "target_sets", "MEMORY_FRACTION", "MAX_AUTO_SLOTS", "calibrated", "cached_calibration", "cache_dir",
            "calibration_key", "train_lengths", "load_and_calibrate", "eval_seconds", "eval_rows",
            "pack_schedule", "padded_mean_length", "step_mean_length", "turnover_seconds"]
@@ -152,7 +153,6 @@ class PlanReport:
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
-
     def _step_text(self) -> str:
         text = f"{self.predicted_step_s * 1000:.0f} ms"
         t = self.timed
@@ -177,7 +177,7 @@ def check_targets(spec: StudySpec, packer: Packer) -> None:
             ``search.rank`` (``train.rank``) holds a rank larger than a layer one of them targets.
     """
     searched = any(p.name == "targets" for p in spec.search.params)
-    rank = _largest(spec, "rank", spec.train.rank)
+    rank = _largest(spec, "rank")
     for name, modules in target_sets(spec).items():
         try:
             shapes = packer.targets(modules)
@@ -198,25 +198,17 @@ def target_sets(spec: StudySpec) -> dict[str, tuple[str, ...]]:
     return {k: tuple(v) for k, v in spec.search.target_sets.items()} if searched else {"": tuple(spec.train.targets)}
 
 
-def _largest(spec: StudySpec, name: str, fixed: object) -> int:
-    """The largest value of setting ``name`` over the space (``fixed`` when it is not searched)."""
-    p = next((p for p in spec.search.params if p.name == name), None)
-    return int(fixed) if p is None else max(int(v) for v in (p.choices if p.kind == "categorical" else [p.high]))
+def _largest(spec: StudySpec, name: str) -> int:
+    """The largest value of setting ``name`` over the space (its ``train`` value when it is not searched)."""
+    return int(max(spec.setting_values(name, ranged=True)))
 
 
 def largest_rank(spec: StudySpec) -> int:
     """The most rank rows a trial of the space can have: what a pack is planned for and sized by. A PiSSA / OLoRA
     trial has twice its rank (``AdapterSpec.rows``: the frozen principal correction beside the trained rows), which
     its forward reads and the pack's buffers hold."""
-    rank = _largest(spec, "rank", spec.train.rank)
-    p = next((p for p in spec.search.params if p.name == "init"), None)
-    inits = p.choices if p is not None else (spec.train.init,)
-    return max(AdapterSpec(rank=rank, init=str(init)).rows for init in inits)
-
-
-def _worst(spec: StudySpec) -> tuple[int, int]:
-    """(largest rank, largest micro-batch) over the space; the worst slot targets every projection."""
-    return largest_rank(spec), _largest(spec, "micro_batch", spec.train.micro_batch)
+    rank = _largest(spec, "rank")
+    return max(AdapterSpec(rank=rank, init=str(init)).rows for init in spec.setting_values("init"))
 
 
 def trial_micro_steps(spec: StudySpec, micro: int, examples: Sequence[data.Example] | None = None) -> int:
@@ -233,14 +225,14 @@ def trial_micro_steps(spec: StudySpec, micro: int, examples: Sequence[data.Examp
 def _trial_steps(spec: StudySpec, micro: int, examples: Sequence[data.Example] | None = None) -> tuple[int, int]:
     """(optimizer steps, accumulation) of the longest trial, as ``trial_micro_steps`` counts them."""
     train = spec.train
-    accum = _largest(spec, "gradient_accumulation_steps", train.gradient_accumulation_steps)
+    accum = _largest(spec, "gradient_accumulation_steps")
     searched = {p.name for p in spec.search.params}
     if train.epochs is not None and "max_steps" not in searched and examples:
         widest = AdapterSpec(micro_batch=micro, gradient_accumulation_steps=accum, sample_packing=train.sample_packing)
         steps = data.epoch_steps(examples, widest, train.epochs, spec.data.max_length, spec.seed,
                                  train.max_steps_per_epoch)
     else:
-        steps = _largest(spec, "max_steps", train.max_steps)
+        steps = _largest(spec, "max_steps")
     return steps, accum
 
 
@@ -250,7 +242,7 @@ def plan_pack(spec: StudySpec, packer: Packer, *, mean_len: float | None = None,
     """Calibrate the memory model (or read it from the cache) and size the pack; ``mean_len`` (tokens per row)
     sharpens the time. ``calibrations`` > 1 calibrates that many times and predicts with the median step (the report
     gives the range); ``gpus`` and the rest as ``plan_report``."""
-    models, where = calibrated(spec, packer, calibrations, log=log)
+    models, where, _ = calibrated(spec, packer, calibrations, log=log)
     sharded = spec.pack.shard == "fsdp" and gpus > 1  # else no FSDP share to compute (nor torch.distributed)
     base = dataclasses.replace(packer.shape((gpus,) if sharded else ()), forward_s=packer.forward_seconds())
     return plan_report(spec, models, where, base, str(packer.model.device), mean_len=mean_len, examples=examples,
@@ -273,16 +265,15 @@ def plan_report(spec: StudySpec, models: list[MemoryModel], where: str, base: Ba
     Raises:
         ConfigError: a sharded plan of a model ``packer.model.shard`` cannot shard.
     """
-    rank, micro = _worst(spec)
+    rank, micro = largest_rank(spec), _largest(spec, "micro_batch")  # the worst slot, on every projection
     seq = spec.data.max_length
     mm = models[0]
-    shard = spec.pack.shard == "fsdp" and gpus > 1
-    if shard and gpus not in base.shard_peak:
+    world = gpus if spec.pack.shard == "fsdp" else 1  # the memory is one GPU's (``MemoryModel.pack_peak``)
+    if world > 1 and gpus not in base.shard_peak:
         raise ConfigError(f"pack.shard: fsdp over {gpus} GPUs: {spec.model.path} has no decoder layers and body "
                           f"to shard")
-    base_delta = base.shard_extra(gpus) if shard else 0
     available = int(Packer.free_memory(device) * MEMORY_FRACTION)
-    fit = mm.slots_for(base, rank, micro * seq, available - base_delta, limit=MAX_AUTO_SLOTS)
+    fit = mm.slots_for(base, rank, micro * seq, available, limit=MAX_AUTO_SLOTS, gpus=world)
     if spec.pack.max_slots != "auto":
         slots = int(spec.pack.max_slots)
     else:
@@ -296,8 +287,9 @@ def plan_report(spec: StudySpec, models: list[MemoryModel], where: str, base: Ba
     opt_steps, accum = _trial_steps(spec, micro, examples)
     schedule = None if spec.budget.trials is None else pack_schedule(spec, slots, opt_steps)
     steps = None if schedule is None else math.ceil(schedule.pack_steps * accum)
-    load_peak, note = _load_peak(spec, base, gpus) if shard else (0, "")
-    peak = mm.pack_peak(base, slots, rank, micro * seq) + base_delta
+    load_peak, note = Packer.sharded_load_peak(base, world, spec.model.path, spec.model.gguf_file,
+                                               spec.model.quantize) if world > 1 else (0, "")
+    peak = mm.pack_peak(base, slots, rank, micro * seq, gpus=world)
     evals, eval_note = (None, "") if schedule is None else eval_seconds(
         spec, mm, base.forward_s, schedule, eval_rows(spec), eval_len or mean_len or seq,
         timed.eval_batch_s if timed is not None else None, timed.eval_slots if timed is not None else 0,
@@ -310,7 +302,7 @@ def plan_report(spec: StudySpec, models: list[MemoryModel], where: str, base: Ba
     return PlanReport(device, slots, rank, micro, seq, available, max(peak, load_peak), mm, step_s,
                       None if steps is None else steps * step_s, steps,
                       (min(times), max(times)) if len(models) > 1 else None, len(models), spec.model.quantize,
-                      where, gpus if shard else 1, mm.base_bytes + base_delta, load_peak, note, evals, eval_note,
+                      where, world, mm.base_on(base, world), load_peak, note, evals, eval_note,
                       schedule, _startup(spec, base), _pruning_note(spec, schedule, opt_steps), timed,
                       turnover, turnover_note, storage, storage_note)
 
@@ -350,20 +342,6 @@ def _pruning_note(spec: StudySpec, schedule: Schedule | None, trial_steps: int) 
     reached = ", ".join(f"{n:.1f} reach step {r}" for r, n in zip(spec.pruning.rungs, schedule.reached, strict=True))
     return (f"{text}: of {spec.budget.trials} trials {reached}, {schedule.finished:.1f} train to the end (expected, "
             f"rung values in random order)")
-
-
-def _load_peak(spec: StudySpec, base: BaseShape, gpus: int) -> tuple[int, str]:
-    """The base bytes one of ``gpus`` GPUs holds while a sharded base loads, and how it loads
-    (``packer.model.shard_load.load_sharded``: by rows where ``meta_load_refusal`` allows, else whole first)."""
-    why = Packer.shard_load_refusal(spec.model.path, spec.model.gguf_file, spec.model.quantize)
-    if why is None and gpus in base.shard_load:
-        return base.shard_load[gpus], "each rank reads its shard by rows"
-    return base.param_bytes, f"each rank loads the whole base first: {why or 'no shard computed'}"
-
-
-def auto_slots(spec: StudySpec, packer: Packer, log: Callable[[str], None] | None = None) -> int:
-    """Slots for ``pack: {max_slots: auto}`` (the calibration announced through ``log``)."""
-    return plan_pack(spec, packer, log=log).slots
 
 
 def train_lengths(spec: StudySpec, tokenizer: Any) -> tuple[list[int], list[data.Example] | None]:
@@ -411,11 +389,8 @@ def load_and_calibrate(spec: StudySpec, device: str, calibrations: int, gpus: in
     load_s = time.perf_counter() - t0
     check_targets(spec, packer)
     base = packer.shape({*SHARD_WORLDS, gpus} - {1})
-    models, where = calibrated(spec, packer, calibrations, log=log, load_s=load_s, imports_s=imports_s)
+    models, where, kept = calibrated(spec, packer, calibrations, log=log, load_s=load_s, imports_s=imports_s)
     # the times as the cache keeps them, so the next plan (from the cache) prints what this one does
-    cached = cached_calibration(spec, device, calibrations)
-    times = cached[2] if cached is not None else BaseShape((), 0, forward_s=packer.forward_seconds(), load_s=load_s,
-                                                               imports_s=imports_s)
-    base = dataclasses.replace(base, forward_s=times.forward_s, load_s=times.load_s, imports_s=times.imports_s)
+    base = dataclasses.replace(base, forward_s=kept.forward_s, load_s=kept.load_s, imports_s=kept.imports_s)
     return models, where, base, packer.tokenizer, packer
 

@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 
 from lora_sweep.errors import UserError
 from lora_sweep.evaluators.registry import evaluate, load_eval_data
-from lora_sweep.packer.api import Packer, SlotEnd, SlotJob, StepReport, open_base
+from lora_sweep.packer.api import Packer, jobs, open_base
 from lora_sweep.store.api import StudyDir
 from lora_sweep.sweep._trial_data import trial_stream
 from lora_sweep.sweep.config.spec import StudySpec
@@ -71,26 +71,27 @@ class Channel:
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
-    def lead(self, next_job: Callable[[int], SlotJob | None], on_step: Callable[[list[StepReport]], None],
-             should_stop: Callable[[StepReport], bool], on_end: Callable[[list[SlotEnd]], None]) -> tuple[
-                 Callable[[int], SlotJob | None], Callable[[list[StepReport]], None],
-                 Callable[[StepReport], bool], Callable[[list[SlotEnd]], None]]:
+    def lead(self, next_job: Callable[[int], jobs.SlotJob | None],
+             on_step: Callable[[list[jobs.StepReport]], None], should_stop: Callable[[jobs.StepReport], bool],
+             on_end: Callable[[list[jobs.SlotEnd]], None]) -> tuple[
+                 Callable[[int], jobs.SlotJob | None], Callable[[list[jobs.StepReport]], None],
+                 Callable[[jobs.StepReport], bool], Callable[[list[jobs.SlotEnd]], None]]:
         """Rank 0's training-loop callbacks, each telling the followers its outcome once it has one."""
-        def job(slot: int) -> SlotJob | None:
+        def job(slot: int) -> jobs.SlotJob | None:
             got = next_job(slot)
             self.send("job", None if got is None else (got.spec, got.key))
             return got
 
-        def step(reports: list[StepReport]) -> None:
+        def step(reports: list[jobs.StepReport]) -> None:
             on_step(reports)
             self.send("step")
 
-        def stop(report: StepReport) -> bool:
+        def stop(report: jobs.StepReport) -> bool:
             said = should_stop(report)
             self.send("stop", said)
             return said
 
-        def end(ends: list[SlotEnd]) -> None:
+        def end(ends: list[jobs.SlotEnd]) -> None:
             on_end(ends)
             self.send("ended")
 
@@ -116,20 +117,20 @@ class Follower:
                 raise RuntimeError(f"rank {self.channel.rank}: expected {expected!r} from rank 0, got {kind!r}")
             return payload
 
-    def next_job(self, slot: int) -> SlotJob | None:
+    def next_job(self, slot: int) -> jobs.SlotJob | None:
         got = self.serve("job")
         if got is None:
             return None
         adapter, key = got
-        return SlotJob(adapter, trial_stream(self.spec, adapter, self.examples), key=key)
+        return jobs.SlotJob(adapter, trial_stream(self.spec, adapter, self.examples), key=key)
 
-    def on_step(self, reports: list[StepReport]) -> None:
+    def on_step(self, reports: list[jobs.StepReport]) -> None:
         self.serve("step")
 
-    def should_stop(self, report: StepReport) -> bool:
+    def should_stop(self, report: jobs.StepReport) -> bool:
         return bool(self.serve("stop"))
 
-    def on_end(self, ends: list[SlotEnd]) -> None:
+    def on_end(self, ends: list[jobs.SlotEnd]) -> None:
         self.serve("ended")
 
 

@@ -42,7 +42,7 @@ from lora_sweep.evaluators.registry import (
     load_eval_data,
     metrics_of,
 )
-from lora_sweep.packer.api import STEP_NAMES, AdapterSpec, Packer, SlotEnd, SlotJob, StepReport
+from lora_sweep.packer.api import AdapterSpec, Packer, jobs
 from lora_sweep.store.api import attrs
 from lora_sweep.store.storage import Sharing, storage_lock
 from lora_sweep.sweep._trial_data import (
@@ -184,7 +184,7 @@ class _Sweep:
         return [lv.trial.number for lv in list(self.live.values())]
 
     # -- asking -------------------------------------------------------------------------------
-    def next_job(self, slot: int) -> SlotJob | None:
+    def next_job(self, slot: int) -> jobs.SlotJob | None:
         """Backfill: ask Optuna for a trial while the budget allows."""
         if time.time() < self.idle_until:
             return None
@@ -216,10 +216,10 @@ class _Sweep:
                                       started=time.time(), user_attrs=dict(trial.user_attrs))
             self.s.store.open_span(self.pack_id, slot, trial.number, start_step=self.global_step)
         # Every trial sees the same data order (one data seed): pack peers are paired samples.
-        return SlotJob(spec, trial_stream(self.spec, spec, self.train_examples), key=trial.number)
+        return jobs.SlotJob(spec, trial_stream(self.spec, spec, self.train_examples), key=trial.number)
 
     # -- each step ----------------------------------------------------------------------------
-    def on_step(self, reports: list[StepReport]) -> None:
+    def on_step(self, reports: list[jobs.StepReport]) -> None:
         now = time.perf_counter()
         step_s, self.step_t = now - self.step_t, now
         step_tokens = sum(r.tokens for r in reports) or 1
@@ -367,7 +367,7 @@ class _Sweep:
         self.pack_id, self.global_step = pack_id, 0
         self.pack_step0, self.pack_tokens0 = self.summary.steps, self.summary.tokens
 
-    def should_stop(self, report: StepReport) -> bool:
+    def should_stop(self, report: jobs.StepReport) -> bool:
         return report.slot in self.to_prune
 
     # -- leaving ------------------------------------------------------------------------------
@@ -424,7 +424,7 @@ class _Sweep:
     def _eval_timings(self, name: str, seconds: float) -> None:
         self.split.add(f"evaluate:{name}", seconds)
 
-    def on_end(self, ends: list[SlotEnd]) -> None:
+    def on_end(self, ends: list[jobs.SlotEnd]) -> None:
         self._flush_curves()
         done = [e for e in ends if e.reason == "finished"]
         writes = self._write_adapters(done)  # written while they are evaluated
@@ -457,11 +457,11 @@ class _Sweep:
             return
         self._flush_curves()
         for slot in sorted(set(self.hung.result.errors) & set(self.live) & set(steps)):
-            end = SlotEnd(slot, None, steps[slot], "failed")  # type: ignore[arg-type]  # no job: it ends here
+            end = jobs.SlotEnd(slot, None, steps[slot], "failed")  # type: ignore[arg-type]  # no job: it ends here
             self._tell(self.live.pop(slot), TrialState.FAIL, end, reason=self.hung.result.errors[slot].reason)
         self.stop_if_hung()
 
-    def _write_adapters(self, done: list[SlotEnd]) -> list[Future[Path]]:
+    def _write_adapters(self, done: list[jobs.SlotEnd]) -> list[Future[Path]]:
         """Queue the adapters of the slots that finished on the packer's writer (``Packer.save``: their weights
         copied off the slots now, the files written on its threads); one future per slot.
 
@@ -476,7 +476,8 @@ class _Sweep:
                                         {"trial": str(self.live[e.slot].trial.number), "study": self.spec.name})
                                        for e in done])
 
-    def _verdict(self, e: SlotEnd, lv: _Live, result: EvalResult) -> tuple[dict[str, float], list[float], str | None]:
+    def _verdict(self, e: jobs.SlotEnd, lv: _Live,
+                 result: EvalResult) -> tuple[dict[str, float], list[float], str | None]:
         """(metrics, objective values, why the trial fails or None) of a slot that finished training."""
         if e.slot in result.errors:
             return {}, [], result.errors[e.slot].reason
@@ -487,7 +488,7 @@ class _Sweep:
         bad = [o.metric for o, v in zip(self.spec.objectives, values, strict=True) if not math.isfinite(v)]
         return metrics, values, f"objective {', '.join(bad)} is not finite" if bad else None
 
-    def _complete(self, e: SlotEnd, lv: _Live, result: EvalResult, metrics: dict[str, float], values: list[float],
+    def _complete(self, e: jobs.SlotEnd, lv: _Live, result: EvalResult, metrics: dict[str, float], values: list[float],
                   failed: str | None, adapter: Path | None) -> None:
         number = lv.trial.number
         if failed is not None:
@@ -506,7 +507,7 @@ class _Sweep:
                    adapter=str(adapter.relative_to(self.s.sdir.root) if adapter.is_relative_to(self.s.sdir.root)
                                else adapter))
 
-    def _tell(self, lv: _Live, state: TrialState, e: SlotEnd, *, reason: str | None = None,
+    def _tell(self, lv: _Live, state: TrialState, e: jobs.SlotEnd, *, reason: str | None = None,
               metrics: dict[str, float] | None = None, values: list[float] | None = None,
               adapter: str | None = None) -> None:
         """Record in the store first, then tell Optuna (the source of truth): a kill in between leaves
@@ -724,7 +725,7 @@ def _train_pack(sweep: _Sweep, session: Session) -> bool:
                               ("capture", result.capture_s)):
             sweep.split.move(seconds, "train", "compile", detail=f"compile:{part}")
         step, fallback = result.step, result.fallback
-        sweep.log(f"pack {sweep.pack_id}: trained on the {step} step ({STEP_NAMES[step]})")
+        sweep.log(f"pack {sweep.pack_id}: trained on the {step} step ({jobs.STEP_NAMES[step]})")
         if fallback is not None:  # slower than asked: the log, sweep status and packs.fallback say why
             sweep.log(f"pack {sweep.pack_id}: CUDA graph capture failed, trained eagerly: {fallback}")
         status = "finished"

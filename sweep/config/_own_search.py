@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from lora_sweep.packer.api import ALL_LINEAR, AdapterSpec
+from lora_sweep.packer.api import AdapterSpec, supported
 
 __all__ = ["TRIALS_PER_DIMENSION", "LR_SPAN", "around", "default_budget"]
 
@@ -59,8 +59,8 @@ def around(own: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
     }
     targets = own.get("targets", base.targets)
     modules = [targets] if isinstance(targets, str) else list(targets or [])
-    if modules and modules != [ALL_LINEAR]:
-        search["targets"] = {"own": modules, ALL_LINEAR: ALL_LINEAR}
+    if modules and modules != [supported.ALL_LINEAR]:
+        search["targets"] = {"own": modules, supported.ALL_LINEAR: supported.ALL_LINEAR}
     trials = default_budget(search)["trials"]
     said = "; ".join(f"{k} {_text(v)}" for k, v in search.items())
     line = (f"no search: block: searching around the config's own values ({said}); the config's own trial is the "

@@ -9,14 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from lora_sweep.packer.api import FORMATS as DATA_FORMATS
-from lora_sweep.packer.api import QUANTIZE, line_bound
+from lora_sweep.packer.api import supported
 from lora_sweep.sweep.config._params import check_fields, rule
 from lora_sweep.sweep.config.settings import whole
 
 __all__ = ["ModelSpec", "DataSpec", "FORMATS"]
 
-FORMATS = ("auto", *DATA_FORMATS)
+FORMATS = ("auto", *supported.FORMATS)
 _FORMAT_ALIASES = {"messages": "chat", "sharegpt": "chat", "completion": "prompt_completion"}
 
 
@@ -35,7 +34,8 @@ class ModelSpec:
     device: str = rule(lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(v)) is not None,
                        "must be auto, cpu, cuda or cuda:N", "auto")
     """``auto`` (CUDA if available), ``cpu``, ``cuda`` or ``cuda:N``."""
-    quantize: str | None = rule(lambda v: v is None or v in QUANTIZE, f"must be {' or '.join(QUANTIZE)} or null", None)
+    quantize: str | None = rule(lambda v: v is None or v in supported.QUANTIZE,
+                                f"must be {' or '.join(supported.QUANTIZE)} or null", None)
     """``nf4``: QLoRA, the base's linear projections held as 4-bit NF4 weights shared by every slot
     (``packer.model.quant``; needs the ``qlora`` extra); None: the base in ``dtype``."""
 
@@ -70,4 +70,4 @@ class DataSpec:
     @property
     def line_bytes(self) -> int:
         """The row bound in force: ``max_line_bytes``, or ``packer.data.lines.line_bound(max_length)``."""
-        return self.max_line_bytes if self.max_line_bytes is not None else line_bound(self.max_length)
+        return self.max_line_bytes if self.max_line_bytes is not None else supported.line_bound(self.max_length)

@@ -5,11 +5,15 @@ evaluators on it covers every other module of the packer."""
 from __future__ import annotations
 
 import ast
+import importlib
 import json
 import subprocess
 import sys
 import tomllib
+import types
 from pathlib import Path
+
+import pytest
 
 import lora_sweep.packer.api as api
 from tests.conftest import PACKAGE_FOLDERS
@@ -86,7 +90,30 @@ def test_the_face_holds_exactly_the_names_the_floors_above_use() -> None:
 
 def test_sweep_asks_the_packer_one_object() -> None:
     """sweep/ opens the base once and asks that object for its work: of the packer's names it imports the object and
-    plain values only, never a loader, a training loop or a probe by itself."""
-    values = {"AdapterSpec", "ALL_LINEAR", "BaseShape", "MemoryModel", "SlotJob", "SlotEnd", "StepReport",
-              "STEP_NAMES", "FORMATS", "QUANTIZE", "line_bound", "data", "variants"}
+    plain values and namespaces only, never a loader, a training loop or a probe by itself."""
+    values = {"AdapterSpec", "BaseShape", "MemoryModel", "jobs", "supported", "data", "variants"}
     assert _imported_from_the_face(("sweep",), root=False) - {"Packer", "open_base"} <= values
+
+
+def test_the_face_stays_narrow() -> None:
+    """The object, its two builders, three values and six namespaces: a new value joins the namespace it belongs to
+    (``jobs``, ``supported``, ``data`` ...) rather than widening the face."""
+    assert len(api.__all__) <= 12, sorted(api.__all__)
+    modules = {n for n in api.__all__ if isinstance(getattr(api, n), types.ModuleType)}
+    assert modules == {"jobs", "supported", "data", "evaluation", "gguf", "variants"}
+
+
+@pytest.mark.parametrize("name", ["jobs", "supported"])
+def test_a_gathering_namespace_names_its_owners_objects(name: str) -> None:
+    """``jobs`` and ``supported`` define nothing: each of their names is its owner's object, bound by a plain import
+    (the loop and a study file's check cannot disagree with them)."""
+    module = getattr(api, name)
+    tree = ast.parse(Path(module.__file__).read_text())
+    imported = {(a.asname or a.name): n.module for n in tree.body if isinstance(n, ast.ImportFrom)
+                and n.module != "__future__" for a in n.names}
+    rest = tree.body[1:]  # after the docstring
+    own = [n for n in rest if not isinstance(n, ast.ImportFrom) and not (
+        isinstance(n, ast.Assign) and [getattr(t, "id", "") for t in n.targets] == ["__all__"])]
+    assert ast.get_docstring(tree) and not own and set(module.__all__) == set(imported)
+    for attr, owner in imported.items():
+        assert getattr(module, attr) is getattr(importlib.import_module(owner), attr)

@@ -39,3 +39,14 @@ def test_a_sharded_base_counts_one_ranks_share_beyond_the_whole_base() -> None:
     assert BASE.shard_extra(2) == 70_000 - 100_000 and BASE.shard_extra(1) == 0
     with pytest.raises(KeyError):
         BASE.shard_extra(4)  # no share computed for 4 GPUs: a sharded plan refuses it first
+
+
+def test_a_sharded_pack_is_planned_per_gpu_with_its_share_of_the_base() -> None:
+    """Over 2 GPUs one rank holds 70 000 base bytes in place of 100 000, beside slots replicated as on one GPU: the
+    peak is 30 000 less, and a budget a sixth slot just misses on one GPU fits it on each of two."""
+    rows, tokens = 8, 128
+    assert MODEL.pack_peak(BASE, 3, rows, tokens, gpus=2) == MODEL.pack_peak(BASE, 3, rows, tokens) - 30_000
+    assert MODEL.base_on(BASE, 2) == 70_000 and MODEL.base_on(BASE) == 100_000
+    budget = MODEL.pack_peak(BASE, 6, rows, tokens) - 1
+    assert MODEL.slots_for(BASE, rows, tokens, budget) == 5 and MODEL.slots_for(BASE, rows, tokens, budget, gpus=2) == 6
+    assert MODEL.pack_peak(BASE, 6, rows, tokens, gpus=2) <= budget < MODEL.pack_peak(BASE, 7, rows, tokens, gpus=2)

@@ -44,8 +44,8 @@ def test_memory_model_predicts_measured_peak(tmp_path, chunked_ce) -> None:
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_a_dora_calibration_predicts_a_dora_packs_peak(tmp_path, dropout: float) -> None:
-    """A space that can train DoRA calibrates with DoRA probes (``sweep.calibration.trains_dora``), with the largest
-    dropout it can train (``probe_dropout``): a DoRA slot keeps more per token (its rescale's operands for the
+    """A space that can train DoRA calibrates with DoRA probes, with the largest dropout it can train
+    (``Packer.probe_options``): a DoRA slot keeps more per token (its rescale's operands for the
     backward; with dropout, what dropout removed from its input times W too), and that model predicts a pack of such
     slots."""
     pm = _packed(tmp_path, 20_000)

@@ -149,20 +149,20 @@ def test_a_principal_init_over_a_quantized_or_sharded_base_is_refused_at_load(fo
 def test_a_space_that_can_train_dora_calibrates_with_dora_probes(folder: Path) -> None:
     """The plan sizes every slot of such a space as a DoRA slot (``packer.probe.calibrate(dora=True)``), cached apart
     from the plain calibration."""
-    from lora_sweep.sweep.calibration import calibration_key, trains_dora
+    from lora_sweep.sweep.calibration import calibration_key, probe_options
 
     plain = _load(folder)
-    assert not trains_dora(plain) and calibration_key(plain, "cpu")["dora"] is False
+    assert not probe_options(plain)["dora"] and calibration_key(plain, "cpu")["dora"] is False
     for changes in ({"train": {"dora": True}}, {"search": {"dora": [False, True]}}):
         study = _load(folder, **changes)
-        assert trains_dora(study) and calibration_key(study, "cpu")["dora"] is True
-    assert not trains_dora(_load(folder, search={"dora": [False]}))
+        assert probe_options(study)["dora"] and calibration_key(study, "cpu")["dora"] is True
+    assert not probe_options(_load(folder, search={"dora": [False]}))["dora"]
 
 
 def test_dora_probes_train_the_largest_dropout_the_space_can(folder: Path) -> None:
-    """``probe_dropout``: a DoRA slot with dropout keeps more (``packer.probe.calibrate(dropout=)``), so the DoRA probes
+    """``probe_options``: a DoRA slot with dropout keeps more (``packer.probe.calibrate(dropout=)``), so the DoRA probes
     train the largest dropout of the space, cached apart; plain probes none."""
-    from lora_sweep.sweep.calibration import calibration_key, probe_dropout
+    from lora_sweep.sweep.calibration import calibration_key, probe_options
 
     cases = [({"train": {"dropout": 0.1}}, 0.0), ({"train": {"dora": True, "dropout": 0.0}}, 0.0),
              ({"train": {"dora": True, "dropout": 0.1}}, 0.1),
@@ -170,4 +170,4 @@ def test_dora_probes_train_the_largest_dropout_the_space_can(folder: Path) -> No
              ({"search": {"dora": [True], "dropout": {"low": 0.0, "high": 0.3}}}, 0.3)]
     for changes, want in cases:
         study = _load(folder, **changes)
-        assert probe_dropout(study) == want and calibration_key(study, "cpu")["dropout"] == want, changes
+        assert probe_options(study)["dropout"] == want and calibration_key(study, "cpu")["dropout"] == want, changes
