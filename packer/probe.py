@@ -197,10 +197,10 @@ class _Marks:
     """A ``train`` profiler keeping the time at the end of every global step, and the timed window's end.
 
     The window opens at the end of step ``start``. On the CPU it closes (``enough``, ``train``'s ``should_stop``,
-    read back every step) once it holds ``steps`` steps and as many as ``min_s`` seconds hold of its fastest
-    step, whichever is later, or ``most`` steps: at the read-back of the step that makes it enough, before its slots end. On CUDA it holds ``steps``
-    steps and only the window's ends are synchronised (and the warm-up's end, where the turnover starts), so the
-    steps between run pipelined, as in a run."""
+    read back every step) once it holds ``steps`` steps and as many as ``min_s`` seconds hold of its fastest step,
+    whichever is later, or ``most`` steps: at the read-back of the step that makes it enough, before its slots end.
+    On CUDA it holds ``steps`` steps and only the window's ends are synchronised (and the warm-up's end, where the
+    turnover starts), so the steps between run pipelined, as in a run."""
 
     def __init__(self, device: torch.device, warmup: int, start: int, steps: int, min_s: float = 0.0,
                  most: int | None = None) -> None:

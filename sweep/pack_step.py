@@ -214,12 +214,16 @@ class PackTimer:
     measured on the model ``load`` returns (called only then: a plan whose timing is cached loads no model)."""
 
     def __init__(self, spec: StudySpec, device: str, lengths: Sequence[int], load: Callable[[], Packer], *,
-                 log: Callable[[str], None] | None = None, budget_s: float = PACK_BUDGET_S, gpus: int = 1) -> None:
+                 log: Callable[[str], None] | None = None, budget_s: float = PACK_BUDGET_S, gpus: int = 1,
+                 report: Callable[[Path], object] | None = None) -> None:
         self.spec, self.device, self.lengths, self.load, self.log, self.budget_s = \
             spec, device, lengths, load, log, budget_s
         self.gpus = gpus
         """GPUs a ``pack.shard: fsdp`` pack trains over: above one, its step (FSDP's collectives across processes)
         is not what one process can time, and the probes' line stands."""
+        self.report = report
+        """Writes a study directory's HTML report (``reports.html.write_report``, handed over by the command: the
+        sweep does not import ``reports``): the plan times it on its scratch study (``sweep.bookkeeping``)."""
 
     def __call__(self, slots: int, rank: int, rows: int, mm: MemoryModel) -> PackStep:
         """The step of ``slots`` slots of ``rows`` rows each, rank bucket ``rank`` (the space's most rank rows);

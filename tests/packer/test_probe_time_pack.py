@@ -76,7 +76,8 @@ def fake_train(clock: FakeClock, seconds: Iterator[float], setup_s: float = 0.0)
                 k = state[0].spec.gradient_accumulation_steps
                 if should_stop is not None and state[1] % k == 0 and state[1] // k < state[0].spec.max_steps:
                     state[2] = state[2] or should_stop(None)
-            done = {s: st[1] // st[0].spec.gradient_accumulation_steps >= st[0].spec.max_steps for s, st in live.items()}
+            done = {s: st[1] // st[0].spec.gradient_accumulation_steps >= st[0].spec.max_steps
+                    for s, st in live.items()}
             ends = [SlotEnd(s, st[0], st[1], "finished" if done[s] else "stopped")
                     for s, st in sorted(live.items()) if done[s] or st[2]]
             if ends and on_end is not None:
