@@ -8,8 +8,8 @@ before and after (the plan's time is measured on the host as it is: a busy share
 
 Run:  python -m lora_sweep.benchmarks.plan_vs_run studies/tiny-demo.yaml studies/variants.yaml [--split]
       [--override key=value ...]
-(``--split``: each study's plan parts, from its total line, and how it had its step, beside its run's phases from
-``timing.json`` and its pack steps.)
+(``--split``: each study's plan parts, from its total line, how it had its step and what its storage counts,
+beside its run's phases from ``timing.json`` and its pack steps.)
 The models the studies name must exist (``sweep tiny-model --family llama --out models/tiny-llama``).
 """
 
@@ -27,10 +27,9 @@ from pathlib import Path
 
 from lora_sweep.sweep.timing import last_run
 
-__all__ = ["PlanVsRun", "plan_vs_run", "predicted_seconds", "plan_total", "plan_step", "run_steps"]
+__all__ = ["PlanVsRun", "plan_vs_run", "predicted_seconds", "plan_total", "plan_row", "run_steps"]
 
 _TOTAL = re.compile(r"^predicted time for the trial budget\s+(\d+(?:\.\d+)?) s(?: \((.*)\))?$", re.MULTILINE)
-_TIMED = re.compile(r"^sized pack's step\s+(.*)$", re.MULTILINE)
 _STEPS = re.compile(r" in \d+(?:\.\d+)? s \((\d+) packed steps\); study in ")
 
 
@@ -51,6 +50,8 @@ class PlanVsRun:
     """How the plan had its step (its ``sized pack's step`` row: the steps timed, or why none)."""
     run_steps: int = 0
     """The run's pack steps (its summary line), to read the run's seconds per step off ``run_phases``."""
+    plan_storage: str = ""
+    """What the plan's storage counts (its ``predicted storage`` row: the trials, the curves, the report)."""
 
     @property
     def ratio(self) -> float:
@@ -66,7 +67,7 @@ class PlanVsRun:
         phases = ", ".join(f"{k} {v:.1f} s" for k, v in self.run_phases.items() if v >= 0.05)
         steps = f" ({self.run_steps} pack steps)" if self.run_steps else ""
         return (f"{self.study}: plan: {self.plan_parts or '-'}\n{self.study}: plan's step: {self.plan_step or '-'}\n"
-                f"{self.study}: run{steps}: {phases or '-'}")
+                f"{self.study}: plan's storage: {self.plan_storage or '-'}\n{self.study}: run{steps}: {phases or '-'}")
 
 
 def predicted_seconds(plan_output: str) -> float:
@@ -107,12 +108,14 @@ def plan_vs_run(study: str | Path, overrides: tuple[str, ...] = (), work: Path |
         run_s = time.perf_counter() - t0
         record = last_run(Path(tmp) / "study") or {}
         return PlanVsRun(Path(study).name, predicted, run_s, load_before, os.getloadavg()[0], parts,
-                         dict(record.get("phases", {})), plan_step(plan), run_steps(run))
+                         dict(record.get("phases", {})), plan_row(plan, "sized pack's step"), run_steps(run),
+                         plan_row(plan, "predicted storage"))
 
 
-def plan_step(plan_output: str) -> str:
-    """The plan's ``sized pack's step`` row (how many steps it timed, or why none); "" where it has none."""
-    match = _TIMED.search(plan_output)
+def plan_row(plan_output: str, name: str) -> str:
+    """The text of the plan's row ``name`` (``sized pack's step``: how many steps it timed, or why none); "" where it
+    has none."""
+    match = re.search(rf"^{re.escape(name)}\s{{2,}}(.*)$", plan_output, re.MULTILINE)
     return match.group(1) if match else ""
 
 
