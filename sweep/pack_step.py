@@ -238,10 +238,9 @@ class PackTimer:
         shape = PackStep(slots, rows, length, mean, None, "")
         line = mm.step_seconds(shape.tokens)
         most = PACK_MAX_STEPS if line <= 0 else min(PACK_MAX_STEPS, math.floor(self.budget_s / line) - PACK_WARMUP)
-        # the CPU's window closes once it holds PACK_TIMED_S (``time_pack``); CUDA's steps are set here, from the line
-        cuda = self.device.startswith("cuda")
-        steps = min(PACK_STEPS, most) if not cuda or line <= 0 else min(max(PACK_STEPS, math.ceil(PACK_TIMED_S / line)),
-                                                                         most)
+        steps = min(PACK_STEPS, most)
+        if self.device.startswith("cuda") and line > 0:  # the CPU's steps go on until they hold PACK_TIMED_S
+            steps = min(max(PACK_STEPS, math.ceil(PACK_TIMED_S / line)), most)  # (``time_pack``); CUDA's: the line's
         pack = {"rows": rows, "length": length, "max_rows": rank, "warmup": PACK_WARMUP,
                 "slots": [_describe(s) for s in specs], "options": options,
                 "evaluators": [[name, opts] for name, opts in _timed_entries(spec)]}
