@@ -429,7 +429,16 @@ def plan(study: str, overrides: tuple[str, ...], calibrations: int, gpus: int | 
         lambda: load_and_calibrate(spec, device, calibrations, gpus, log=say)[4]
     click.echo(plan_report(spec, models, where, base, device, mean_len=step_mean_length(spec, lengths),
                            eval_len=padded_mean_length(lengths, spec.train.micro_batch), examples=examples,
-                           gpus=gpus, timer=PackTimer(spec, device, lengths, load, log=say, gpus=gpus)).table())
+                           gpus=gpus, timer=PackTimer(spec, device, lengths, load, log=say, gpus=gpus,
+                                                      report=_write_report)).table())
+
+
+def _write_report(study_dir: Path) -> object:
+    """``reports.html.write_report``, imported when called: what ``sweep plan`` times on its scratch study (the
+    sweep does not import ``reports``; a plan whose storage is cached imports nothing of it)."""
+    from lora_sweep.reports.html import write_report
+
+    return write_report(study_dir)
 
 
 @cli.command()

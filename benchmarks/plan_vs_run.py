@@ -8,7 +8,8 @@ before and after (the plan's time is measured on the host as it is: a busy share
 
 Run:  python -m lora_sweep.benchmarks.plan_vs_run studies/tiny-demo.yaml studies/variants.yaml [--split]
       [--override key=value ...]
-(``--split``: each study's plan parts, from its total line, beside its run's phases from ``timing.json``.)
+(``--split``: each study's plan parts, from its total line, how it had its step and what its storage counts,
+beside its run's phases from ``timing.json`` and its pack steps.)
 The models the studies name must exist (``sweep tiny-model --family llama --out models/tiny-llama``).
 """
 
@@ -26,9 +27,10 @@ from pathlib import Path
 
 from lora_sweep.sweep.timing import last_run
 
-__all__ = ["PlanVsRun", "plan_vs_run", "predicted_seconds", "plan_total"]
+__all__ = ["PlanVsRun", "plan_vs_run", "predicted_seconds", "plan_total", "plan_row", "run_steps"]
 
 _TOTAL = re.compile(r"^predicted time for the trial budget\s+(\d+(?:\.\d+)?) s(?: \((.*)\))?$", re.MULTILINE)
+_STEPS = re.compile(r" in \d+(?:\.\d+)? s \((\d+) packed steps\); study in ")
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,12 @@ class PlanVsRun:
     """What the plan's total counts (its total line's parenthesis: steps, training, evaluation, turnover, ...)."""
     run_phases: dict[str, float] = field(default_factory=dict)
     """The run's own split (``timing.json``: seconds per phase), to read against ``plan_parts``."""
+    plan_step: str = ""
+    """How the plan had its step (its ``sized pack's step`` row: the steps timed, or why none)."""
+    run_steps: int = 0
+    """The run's pack steps (its summary line), to read the run's seconds per step off ``run_phases``."""
+    plan_storage: str = ""
+    """What the plan's storage counts (its ``predicted storage`` row: the trials, the curves, the report)."""
 
     @property
     def ratio(self) -> float:
@@ -57,7 +65,9 @@ class PlanVsRun:
     def split(self) -> str:
         """The plan's parts beside the run's phases, one line each (``--split``)."""
         phases = ", ".join(f"{k} {v:.1f} s" for k, v in self.run_phases.items() if v >= 0.05)
-        return f"{self.study}: plan: {self.plan_parts or '-'}\n{self.study}: run: {phases or '-'}"
+        steps = f" ({self.run_steps} pack steps)" if self.run_steps else ""
+        return (f"{self.study}: plan: {self.plan_parts or '-'}\n{self.study}: plan's step: {self.plan_step or '-'}\n"
+                f"{self.study}: plan's storage: {self.plan_storage or '-'}\n{self.study}: run{steps}: {phases or '-'}")
 
 
 def predicted_seconds(plan_output: str) -> float:
@@ -91,13 +101,28 @@ def plan_vs_run(study: str | Path, overrides: tuple[str, ...] = (), work: Path |
     with tempfile.TemporaryDirectory(prefix="plan-vs-run-", dir=work) as tmp:
         env = {**os.environ, "LORA_SWEEP_CACHE": str(Path(tmp) / "cache")}
         load_before = os.getloadavg()[0]
-        predicted, parts = plan_total(_sweep("plan", str(study), *overrides, env=env).stdout)
+        plan = _sweep("plan", str(study), *overrides, env=env).stdout
+        predicted, parts = plan_total(plan)
         t0 = time.perf_counter()
-        _sweep("run", str(study), *overrides, "--out", str(Path(tmp) / "study"), "--quiet", env=env)
+        run = _sweep("run", str(study), *overrides, "--out", str(Path(tmp) / "study"), "--quiet", env=env).stdout
         run_s = time.perf_counter() - t0
         record = last_run(Path(tmp) / "study") or {}
         return PlanVsRun(Path(study).name, predicted, run_s, load_before, os.getloadavg()[0], parts,
-                         dict(record.get("phases", {})))
+                         dict(record.get("phases", {})), plan_row(plan, "sized pack's step"), run_steps(run),
+                         plan_row(plan, "predicted storage"))
+
+
+def plan_row(plan_output: str, name: str) -> str:
+    """The text of the plan's row ``name`` (``sized pack's step``: how many steps it timed, or why none); "" where it
+    has none."""
+    match = re.search(rf"^{re.escape(name)}\s{{2,}}(.*)$", plan_output, re.MULTILINE)
+    return match.group(1) if match else ""
+
+
+def run_steps(run_output: str) -> int:
+    """The pack steps of ``sweep run``'s summary line; 0 where it has none."""
+    match = _STEPS.search(run_output)
+    return int(match.group(1)) if match else 0
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -180,7 +180,7 @@ class PackTiming:
     step_s: float
     """Seconds of one step: the median of the timed steps on the CPU, their mean on CUDA (pipelined, as a run)."""
     steps: int
-    """Steps timed (after the warm-up)."""
+    """Steps timed (after the warm-up and the turnover)."""
     wall_s: float
     """Seconds the whole measurement took: the slots' set-up, the warm-up (on CUDA the graph's capture), the steps."""
     step: str
@@ -194,35 +194,69 @@ class PackTiming:
 
 
 class _Marks:
-    """A ``train`` profiler keeping the time at the end of every global step. On CUDA only the window's two ends are
-    synchronised (after ``first`` steps and after ``last``; and after ``turnover``, a turnover's last step), so the
-    steps between run pipelined, as in a run."""
+    """A ``train`` profiler keeping the time at the end of every global step, and the timed window's end.
 
-    def __init__(self, device: torch.device, first: int, last: int, turnover: int | None = None) -> None:
-        self.device, self.ends, self.stamps = device, (first, last, turnover or last), list[float]()
+    The window opens at the end of step ``start``. On the CPU it closes (``enough``, ``train``'s ``should_stop``,
+    read back every step) once it holds ``steps`` steps and as many as ``min_s`` seconds hold of its fastest step,
+    whichever is later, or ``most`` steps: at the read-back of the step that makes it enough, before its slots end.
+    On CUDA it holds ``steps`` steps and only the window's ends are synchronised (and the warm-up's end, where the
+    turnover starts), so the steps between run pipelined, as in a run."""
+
+    def __init__(self, device: torch.device, warmup: int, start: int, steps: int, min_s: float = 0.0,
+                 most: int | None = None) -> None:
+        self.device, self.start, self.steps, self.min_s, self.most = device, start, steps, min_s, most or steps
+        self.syncs = {warmup, start, start + steps}
+        self.stamps: list[float] = []
+        self.cut: tuple[int, float] | None = None
+        """(stamps before it, the time) where the CPU's window closed."""
 
     def step(self) -> None:
-        if self.device.type == "cuda" and len(self.stamps) + 1 in self.ends:
+        if self.device.type == "cuda" and len(self.stamps) + 1 in self.syncs:
             torch.cuda.synchronize(self.device)
         self.stamps.append(time.perf_counter())
 
+    def enough(self, report: object = None) -> bool:
+        """True once the window holds enough steps (the class docstring), then for every slot after."""
+        if self.cut is not None:
+            return True
+        if len(self.stamps) < self.start:  # the warm-up or the turnover: the window is not open yet
+            return False
+        now = time.perf_counter()
+        ends = [*self.stamps[self.start - 1:], now]  # the step being read back has done its work: it counts
+        timed = [b - a for a, b in zip(ends, ends[1:], strict=False)]
+        # the seconds as its fastest step counts them: a step descheduled by another process, however long, does
+        # not close the window early (so a moment's load is outvoted in the median)
+        if len(timed) >= self.most or (len(timed) >= self.steps and len(timed) * min(timed) >= self.min_s):
+            self.cut = (len(self.stamps), now)
+        return self.cut is not None
+
+    def durations(self) -> list[float]:
+        """Seconds of each timed step, from one step's end to the next."""
+        ends = self.stamps[self.start - 1:self.start + self.steps] if self.cut is None else \
+            [*self.stamps[self.start - 1:self.cut[0]], self.cut[1]]
+        return [b - a for a, b in zip(ends, ends[1:], strict=False)]
+
 
 def time_pack(pm: PackedModel, specs: Sequence[AdapterSpec], rows: int, length: int, *, steps: int = 3,
-              warmup: int = 1, pad_id: int = 0, vocab: int | None = None, max_rows: int | None = None,
-              turnover: bool = False, on_end: Callable[[list[SlotEnd]], None] | None = None,
-              **options: Any) -> PackTiming:
-    """Time ``warmup`` + ``steps`` real steps of a pack of ``len(specs)`` slots (slot i trains ``specs[i]``), each
-    slot ``rows`` rows of ``length`` random tokens (a sample-packed slot's rows hold one example each): the pack a
-    plan has sized, on the step a run of it takes (``packer.step.train.train`` with ``options``: ``cuda_graphs``,
-    ``chunked_ce``, ``activation_checkpointing``, ``optimizer_in_backward``; ``max_rows``: the rank bucket held from
-    the first step). A step is timed from one step's end to the next, so the set-up (slots, their store and
-    optimizer state) and the warm-up (on CUDA the kernels' compile and the graph's capture) are not in it; what they
-    add to the first step is ``setup_s``. The slots are removed afterwards; nothing is kept.
+              warmup: int = 1, min_s: float = 0.0, max_steps: int | None = None, pad_id: int = 0,
+              vocab: int | None = None, max_rows: int | None = None, turnover: bool = False,
+              on_end: Callable[[list[SlotEnd]], None] | None = None, **options: Any) -> PackTiming:
+    """Time real steps of a pack of ``len(specs)`` slots (slot i trains ``specs[i]``), each slot ``rows`` rows of
+    ``length`` random tokens (a sample-packed slot's rows hold one example each): the pack a plan has sized, on the
+    step a run of it takes (``packer.step.train.train`` with ``options``: ``cuda_graphs``, ``chunked_ce``,
+    ``activation_checkpointing``, ``optimizer_in_backward``; ``max_rows``: the rank bucket held from the first step).
+    ``warmup`` steps first, untimed; what the pack's start (slots, their store and optimizer state; on CUDA the
+    kernels' compile and the graph's capture) adds to the first of them is ``setup_s``. A step is timed from one
+    step's end to the next. On the CPU the timed steps go on until there are ``steps`` of them and as many as
+    ``min_s`` seconds hold of the fastest of them, whichever is later, at most ``max_steps`` (default ``steps``),
+    and the step is their median: a short step is timed by many, so the steps another process slowed, however
+    long, move it little. On
+    CUDA exactly ``steps``, pipelined as a run's, and their mean. The slots are removed afterwards; nothing is kept.
 
-    ``turnover``: after the timed steps every slot ends (its last step; ``on_end`` is handed them as a run's callback
-    is, their weights still in place: a caller saves their adapters there) and a new slot of the same adapter starts
-    at the next step, as a run's backfill does; those steps' time beyond as many timed steps, per slot, is
-    ``turnover_s``. It does not touch the timed steps (two or a few more steps after them).
+    ``turnover``: after the warm-up every slot ends (at its first optimizer step after it; ``on_end`` is handed them
+    as a run's callback is, their weights still in place: a caller saves their adapters there) and a new slot of the
+    same adapter starts at the next step, as a run's backfill does; those steps' time beyond as many timed steps,
+    per slot, is ``turnover_s``. The timed steps are the new slots' once every one has started.
 
     Raises:
         ValueError: no slot, or ``steps`` / ``warmup`` < 1.
@@ -230,45 +264,62 @@ def time_pack(pm: PackedModel, specs: Sequence[AdapterSpec], rows: int, length: 
     if not specs or steps < 1 or warmup < 1:
         raise ValueError(f"time_pack: needs a slot, a warm-up step and a timed step (got {len(specs)} slots, "
                          f"{warmup} warm-up, {steps} timed)")
-    vocab = vocab or pm.model.get_input_embeddings().num_embeddings
-    gen = torch.Generator().manual_seed(0)
-    total = warmup + steps
-    jobs, refills, ends = [], dict[int, SlotJob](), [total]
-    for slot, spec in enumerate(specs):
-        ids = [tuple(r) for r in torch.randint(3, vocab, (rows, length), generator=gen).tolist()]
-        batch = [PackedRow(r, r, tuple(range(length)), 1) if spec.sample_packing else Example(r, r) for r in ids]
-        # more optimizer steps than the timed window: no slot ends (and is removed) inside its last step; with a
-        # turnover each ends at the first step after it that closes its accumulation (its optimizer steps count k
-        # pack steps each), and its successor starts at the next (two optimizer steps: it does not end)
-        accum = spec.gradient_accumulation_steps
-        jobs.append(SlotJob(dataclasses.replace(spec, max_steps=-(-(total + 1) // accum)), FixedBatch(batch)))
-        refills[slot] = SlotJob(dataclasses.replace(spec, max_steps=2), FixedBatch(batch))
-        ends.append(-(-(total + 1) // accum) * accum)
-    last = max(ends) + 1 if turnover else total
-    marks = _Marks(pm.device, warmup, total, last)
+    cuda = pm.device.type == "cuda"
+    most = steps if cuda or max_steps is None else max(steps, max_steps)
+    # on the CPU the window closes at a slot's read-back, which an accumulating slot has every k steps
+    window = steps if cuda else most + max(s.gradient_accumulation_steps for s in specs)
+    jobs, refills, start = _pack_jobs(pm, specs, rows, length, warmup, window, turnover, vocab)
+    marks = _Marks(pm.device, warmup, start, steps, min_s, most)
 
     def next_job(slot: int) -> SlotJob | None:  # the slots in order, then each its own successor (its graph's key)
-        return jobs.pop(0) if jobs else refills.pop(slot, None) if turnover else None
+        return jobs.pop(0) if jobs else refills.pop(slot, None)
 
-    def ended(ends: list[SlotEnd]) -> None:  # the turnover's ends; not the successors' at the loop's exit
+    def ended(ends: list[SlotEnd]) -> None:  # the turnover's ends; not the timed slots' at the window's end
         done = [e for e in ends if e.reason == "finished"]
         if done and on_end is not None:
             on_end(done)
 
+    if not cuda:  # the CPU's read-back costs nothing: every step's, so the window closes at the step it is enough
+        options = {"readback_every": 1, **options}
     t0 = time.perf_counter()
-    result = train(pm, len(specs), next_job, pad_id=pad_id, max_global_steps=last, max_rows=max_rows,
-                   profiler=marks, on_end=ended if turnover else None, **options)
+    result = train(pm, len(specs), next_job, pad_id=pad_id, max_global_steps=start + window,
+                   max_rows=max_rows, profiler=marks, should_stop=None if cuda else marks.enough,
+                   on_end=ended if turnover else None, **options)
     wall = time.perf_counter() - t0
+    durations = marks.durations()
+    step_s = statistics.fmean(durations) if cuda else statistics.median(durations)
     stamps = marks.stamps
-    window = stamps[warmup - 1:total]
-    if pm.device.type == "cuda":
-        step_s = (window[-1] - window[0]) / steps
-    else:
-        step_s = statistics.median(b - a for a, b in zip(window, window[1:], strict=False))
     setup_s = max(0.0, stamps[0] - t0 - step_s)
     swap = None if not turnover else \
-        max(0.0, stamps[last - 1] - stamps[total - 1] - (last - total) * step_s) / len(specs)
-    return PackTiming(step_s, steps, wall, result.step, setup_s, swap)
+        max(0.0, stamps[start - 1] - stamps[warmup - 1] - (start - warmup) * step_s) / len(specs)
+    return PackTiming(step_s, len(durations), wall, result.step, setup_s, swap)
+
+
+def _pack_jobs(pm: PackedModel, specs: Sequence[AdapterSpec], rows: int, length: int, warmup: int, steps: int,
+               turnover: bool, vocab: int | None) -> tuple[list[SlotJob], dict[int, SlotJob], int]:
+    """``time_pack``'s jobs: the first slot's of each spec, the successor each slot starts after the turnover (none
+    without one), and the step after which every slot timed has started (the timed window's start). A slot timed
+    has more optimizer steps than the window's ``steps`` and whatever precedes it: it never ends inside it. With a
+    turnover each first slot ends at the first step after the warm-up that closes its accumulation (its optimizer
+    steps count k pack steps each)."""
+    vocab = vocab or pm.model.get_input_embeddings().num_embeddings
+    gen = torch.Generator().manual_seed(0)
+    jobs, refills, ends = [], dict[int, SlotJob](), [warmup]
+    # a successor starts by step warmup + 2k (the longest accumulation k): its steps to the window's end are fewer
+    span = 2 * (warmup + max(s.gradient_accumulation_steps for s in specs)) + steps + 2
+    for slot, spec in enumerate(specs):
+        ids = [tuple(r) for r in torch.randint(3, vocab, (rows, length), generator=gen).tolist()]
+        batch = [PackedRow(r, r, tuple(range(length)), 1) if spec.sample_packing else Example(r, r) for r in ids]
+        accum = spec.gradient_accumulation_steps
+        first = -(-(warmup + 1) // accum)
+        ends.append(first * accum)
+        timed = dataclasses.replace(spec, max_steps=-(-span // accum))
+        if turnover:
+            jobs.append(SlotJob(dataclasses.replace(spec, max_steps=first), FixedBatch(batch)))
+            refills[slot] = SlotJob(timed, FixedBatch(batch))
+        else:
+            jobs.append(SlotJob(timed, FixedBatch(batch)))
+    return jobs, refills, (max(ends) + 1 if turnover else warmup)
 
 
 PROBE_STEPS = 2

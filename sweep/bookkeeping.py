@@ -1,14 +1,19 @@
-"""What a run's storage spends on its trials, measured for ``sweep plan``: the ``storage`` phase of a run's split.
+"""What a run's storage and its report spend on its trials, measured for ``sweep plan``: the ``storage`` and
+``report`` phases of a run's split.
 
 Each trial a run trains is asked of the study's sampler (Optuna's ``ask`` and the space's suggestions: TPE's cost
 grows with the trials told before it), its row and slot span written to the results store (one commit), and told
-with its values (its row, its span's end, Optuna's ``tell``). ``bookkeeping_seconds`` does that for the trial budget
-on a scratch study directory made as a run makes its own (``ledger.open_study``: the study's sampler and objectives,
-its community default enqueued; the directory's own journal storage), with random objective values, and times it
-from the study's opening to its store's close. A budget above ``BOOKKEEPING_TRIALS`` is timed on that many, the
-rest at the mean of the last half of them (the sampler's cost per trial as it stands then). The measurement is
-cached beside the calibration (``sweep.calibration.cached_bookkeeping``), keyed by the space, the objectives, the
-sampler, the trial count and Optuna's version.
+with its values (its row, its span's end, Optuna's ``tell``); every 10 pack steps the live trials' learning curves
+are written (one insert); at its end the run writes the study's HTML report. ``bookkeeping_seconds`` does that for
+the trial budget on a scratch study directory made as a run makes its own (``ledger.open_study``: the study's
+sampler and objectives, its community default enqueued; the directory's own journal storage), with random
+objective values and curves, and times the trials from the study's opening to its store's close, the curves, and
+the report (where the caller hands over its writer: ``reports`` is not the sweep's to import; written twice, the
+second timed, as a run's report comes after the lazy imports its ``sweep run`` preloads while the pack trains). A
+budget above ``BOOKKEEPING_TRIALS`` is timed on that many, the rest at the mean of the last half of them (the
+sampler's cost per trial as it stands then; the report is of those). The measurement is cached beside the
+calibration (``sweep.calibration.cached_bookkeeping``), keyed by the space, the objectives, the sampler, the trial
+count, the pack steps and Optuna's version.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import random
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,34 +34,63 @@ from lora_sweep.sweep.calibration import cache_bookkeeping, cached_bookkeeping
 if TYPE_CHECKING:
     from lora_sweep.sweep.config.spec import StudySpec
 
-__all__ = ["BOOKKEEPING_TRIALS", "bookkeeping_seconds", "storage_seconds"]
+__all__ = ["BOOKKEEPING_TRIALS", "CURVE_EVERY", "Bookkeeping", "bookkeeping_seconds", "storage_seconds"]
 
 BOOKKEEPING_TRIALS = 60
 """Trials asked and told at most on the scratch study; a larger budget's others at the last half's mean."""
+CURVE_EVERY = 10
+"""Pack steps between a run's writes of its live trials' learning curves (``sweep.study``'s ``on_step``)."""
+ReportWriter = Callable[[Path], object]
+"""Writes the HTML report of the study directory it is handed (``reports.html.write_report``)."""
 
 
-def bookkeeping_seconds(spec: StudySpec, trials: int, slots: int) -> tuple[float, str]:
-    """Seconds the run's storage spends on ``trials`` trials trained ``slots`` at a time (module docstring), and
-    where they are kept (the cache's file: a second plan reads them back and prints the same)."""
+@dataclass(frozen=True)
+class Bookkeeping:
+    """A trial budget's storage and report, timed (``bookkeeping_seconds``)."""
+
+    trials_s: float
+    """Seconds of the trials' asks, rows and tells (the study's opening and its store's close too)."""
+    curves_s: float
+    """Seconds of the learning curves' writes, every ``CURVE_EVERY`` pack steps, and the pack's record."""
+    report_s: float | None
+    """Seconds of the HTML report's write; None: not measured (no writer handed over, or it failed)."""
+    where: str
+    """The cache's file that keeps them."""
+
+
+def bookkeeping_seconds(spec: StudySpec, trials: int, slots: int, *, steps: int = 0,
+                        report: ReportWriter | None = None) -> Bookkeeping:
+    """The run's storage for ``trials`` trials trained ``slots`` at a time over ``steps`` pack steps, and its report
+    written by ``report`` (module docstring); where they are kept (the cache's file: a second plan reads them back
+    and prints the same)."""
     import optuna
 
     asked = min(trials, BOOKKEEPING_TRIALS)
-    key = {"version": 1, "space": _described(spec), "trials": asked, "slots": slots, "optuna": optuna.__version__}
+    key = {"version": 2, "space": _described(spec), "trials": asked, "slots": slots, "steps": steps,
+           "report": report is not None, "optuna": optuna.__version__}
     hit = cached_bookkeeping(key)
     if hit is not None:
-        each, path = [float(s) for s in hit[0]["each"]], hit[1]
+        record, path = hit
     else:
-        each = _measure(spec, asked, slots)
-        path = cache_bookkeeping(key, {"each": each})
+        record = _measure(spec, asked, slots, steps, report)
+        path = cache_bookkeeping(key, record)
+    each = [float(s) for s in record["each"]]
     total = sum(each) + (trials - asked) * statistics.fmean(each[len(each) // 2:])
-    return total, f"cached in {path}"
+    report_s = record.get("report_s")
+    return Bookkeeping(total, float(record["curves_s"]), None if report_s is None else float(report_s), str(path))
 
 
-def storage_seconds(spec: StudySpec, trials: int, slots: int) -> tuple[float, str]:
-    """``bookkeeping_seconds`` and the plan's line saying what they count."""
-    seconds, how = bookkeeping_seconds(spec, trials, slots)
+def storage_seconds(spec: StudySpec, trials: int, slots: int, *, steps: int = 0,
+                    report: ReportWriter | None = None) -> tuple[float, str]:
+    """``bookkeeping_seconds`` in all, and the plan's line saying what they count."""
+    kept = bookkeeping_seconds(spec, trials, slots, steps=steps, report=report)
+    seconds = kept.trials_s + kept.curves_s + (kept.report_s or 0.0)
+    written = "not counted (no report writer)" if report is None else "not counted (it failed on the scratch study)" \
+        if kept.report_s is None else f"{kept.report_s:.1f} s"
     return seconds, (f"{seconds:.1f} s: {trials} trials asked of the study's sampler, their rows written and told "
-                     f"({slots} in flight) on a scratch study; {how}")
+                     f"({slots} in flight) on a scratch study {kept.trials_s:.1f} s, their curves every "
+                     f"{CURVE_EVERY} of {steps} pack steps {kept.curves_s:.1f} s, its HTML report {written}; "
+                     f"cached in {kept.where}")
 
 
 def _described(spec: StudySpec) -> dict[str, Any]:
@@ -63,10 +99,12 @@ def _described(spec: StudySpec) -> dict[str, Any]:
             "baseline": repr(spec.baseline), "seed": spec.seed}
 
 
-def _measure(spec: StudySpec, trials: int, slots: int) -> list[float]:
-    """Seconds of each of ``trials`` trials' ask, rows and tell on a scratch study, ``slots`` of them in flight as
-    in a pack (the sampler asked while they run, as a run's backfill asks it); the first also the study's opening,
-    the last also the store's close. Optuna's and the ledger's log lines are held back meanwhile."""
+def _measure(spec: StudySpec, trials: int, slots: int, steps: int, report: ReportWriter | None) -> dict[str, Any]:
+    """The record ``bookkeeping_seconds`` keeps: ``each``, the seconds of each of ``trials`` trials' ask, rows and
+    tell on a scratch study, ``slots`` of them in flight as in a pack (the sampler asked while they run, as a run's
+    backfill asks it; the first also the study's opening, the last also the store's close); ``curves_s``, the
+    curves of ``steps`` pack steps and the pack's record; ``report_s``, the report (None: not measured). Optuna's
+    and the ledger's log lines are held back meanwhile."""
     import optuna
 
     from lora_sweep.store.api import ResultsStore, StudyDir
@@ -74,6 +112,7 @@ def _measure(spec: StudySpec, trials: int, slots: int) -> list[float]:
 
     rng = random.Random(spec.seed)
     each: list[float] = []
+    curves_s, report_s = 0.0, None
     quiet = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     ledger_log = logging.getLogger("lora_sweep.sweep.ledger")
@@ -95,14 +134,42 @@ def _measure(spec: StudySpec, trials: int, slots: int) -> list[float]:
                         _told(ledger, store, pack, slot, trial, [rng.random() for _ in spec.objectives])
                     live = live[1:] if i < trials - 1 else []
                 if i == trials - 1:
+                    curves_s = _curves(store, pack, trials, slots, steps, rng)
+                    t0 += curves_s  # not the last trial's
                     store.close()
                 now = time.perf_counter()
                 each.append(now - t0)
                 t0 = now
+            report_s = None if report is None else _report_seconds(report, sdir.root)
     finally:
         optuna.logging.set_verbosity(quiet)
         ledger_log.disabled = was
-    return each
+    return {"each": each, "curves_s": curves_s, "report_s": report_s}
+
+
+def _curves(store: Any, pack: int, trials: int, slots: int, steps: int, rng: random.Random) -> float:
+    """Seconds of a run's curve writes over ``steps`` pack steps (every ``CURVE_EVERY``, each live slot's trial
+    its rows since the last; the trials in turn) and of its pack's record closed."""
+    t0 = time.perf_counter()
+    for flush in range(-(-steps // CURVE_EVERY)):
+        first = flush * CURVE_EVERY
+        store.add_curves({(flush * slots + s) % trials: [
+            {"step": step, "loss": rng.random(), "tokens": 100 * step, "lr": 1e-4, "grad_norm": rng.random(),
+             "time": time.time()} for step in range(first, min(steps, first + CURVE_EVERY))] for s in range(slots)})
+    store.finish_pack(pack, steps=steps, tokens=0)
+    return time.perf_counter() - t0
+
+
+def _report_seconds(report: ReportWriter, root: Path) -> float | None:
+    """Seconds of the second of two reports of the study at ``root`` (the first loads what the writer imports); None
+    where it fails (the run's own report says why)."""
+    try:
+        report(root)
+        t0 = time.perf_counter()
+        report(root)
+        return time.perf_counter() - t0
+    except Exception:  # noqa: BLE001  (the plan leaves the report out; the run writes it or says why)
+        return None
 
 
 def _asked(spec: StudySpec, ledger: Any, store: Any, pack: int, slot: int) -> Any:

@@ -3,9 +3,9 @@
 The calibration's time line (``packer.probe.calibrate``) comes from two probes of one and two rows, each timed over a
 single step, and a plan extrapolated it to a pack of 10-20x their tokens: the same plan on the same idle host gave
 2.7x apart step times. Once the plan has sized the pack (its slots, rows per slot and step length for the study's
-space), ``PackTimer`` runs that pack (``packer.probe.time_pack``: one warm-up step, then at least ``PACK_STEPS``
-timed and more where they are short, on the step the run takes, CUDA graph included) and the plan predicts with
-the measured step; the memory still comes from the probes.
+space), ``PackTimer`` runs that pack (``packer.probe.time_pack``: one warm-up step, every slot's turnover, then at
+least ``PACK_STEPS`` timed, on the CPU as many more as ``PACK_TIMED_S`` holds, on the step the run takes, CUDA graph
+included) and the plan predicts with the measured step; the memory still comes from the probes.
 
 What the timed pack is: ``slots`` slots whose adapters are drawn at random from the space (``slot_specs``: each
 categorical value, target set and range as the sampler's random start-up draws them, so a pack mixes DoRA and plain
@@ -46,11 +46,13 @@ __all__ = ["PackStep", "PackTimer", "EVAL_REPEATS", "PACK_STEPS", "PACK_MAX_STEP
 
 PACK_STEPS = 3
 """Steps of the sized pack timed after its warm-up, at least (their median on the CPU, their mean on CUDA)."""
-PACK_TIMED_S = 2.0
-"""Seconds of timed steps aimed at, as the probes' line predicts them: short steps are timed by more of them (up to
-``PACK_MAX_STEPS``), so a moment's load on a shared host moves the median less."""
-PACK_MAX_STEPS = 20
-"""Timed steps at most, however short: enough for a median that one descheduled step does not move."""
+PACK_TIMED_S = 3.0
+"""Seconds of timed steps aimed at: on the CPU the steps are timed until as many as this holds of the fastest of
+them (``packer.probe.time_pack``'s ``min_s``), up to ``PACK_MAX_STEPS``, so a moment's load on a shared host, or a
+short pack's three steps of a fraction of a second, no longer decide the plan; on CUDA, whose steps are steady, as
+many as the probes' line says it holds."""
+PACK_MAX_STEPS = 60
+"""Timed steps at most, however short."""
 PACK_WARMUP = 1
 """Untimed steps first: the slots' first step (on CUDA the kernels' compile and the graph's capture)."""
 PACK_BUDGET_S = 60.0
@@ -212,12 +214,16 @@ class PackTimer:
     measured on the model ``load`` returns (called only then: a plan whose timing is cached loads no model)."""
 
     def __init__(self, spec: StudySpec, device: str, lengths: Sequence[int], load: Callable[[], Packer], *,
-                 log: Callable[[str], None] | None = None, budget_s: float = PACK_BUDGET_S, gpus: int = 1) -> None:
+                 log: Callable[[str], None] | None = None, budget_s: float = PACK_BUDGET_S, gpus: int = 1,
+                 report: Callable[[Path], object] | None = None) -> None:
         self.spec, self.device, self.lengths, self.load, self.log, self.budget_s = \
             spec, device, lengths, load, log, budget_s
         self.gpus = gpus
         """GPUs a ``pack.shard: fsdp`` pack trains over: above one, its step (FSDP's collectives across processes)
         is not what one process can time, and the probes' line stands."""
+        self.report = report
+        """Writes a study directory's HTML report (``reports.html.write_report``, handed over by the command: the
+        sweep does not import ``reports``): the plan times it on its scratch study (``sweep.bookkeeping``)."""
 
     def __call__(self, slots: int, rank: int, rows: int, mm: MemoryModel) -> PackStep:
         """The step of ``slots`` slots of ``rows`` rows each, rank bucket ``rank`` (the space's most rank rows);
@@ -231,8 +237,10 @@ class PackTimer:
             "optimizer_in_backward": spec.train.optimizer_in_backward}
         shape = PackStep(slots, rows, length, mean, None, "")
         line = mm.step_seconds(shape.tokens)
-        steps = PACK_STEPS if line <= 0 else min(max(PACK_STEPS, math.ceil(PACK_TIMED_S / line)), PACK_MAX_STEPS,
-                                                  math.floor(self.budget_s / line) - PACK_WARMUP)
+        most = PACK_MAX_STEPS if line <= 0 else min(PACK_MAX_STEPS, math.floor(self.budget_s / line) - PACK_WARMUP)
+        steps = min(PACK_STEPS, most)
+        if self.device.startswith("cuda") and line > 0:  # the CPU's steps go on until they hold PACK_TIMED_S
+            steps = min(max(PACK_STEPS, math.ceil(PACK_TIMED_S / line)), most)  # (``time_pack``); CUDA's: the line's
         pack = {"rows": rows, "length": length, "max_rows": rank, "warmup": PACK_WARMUP,
                 "slots": [_describe(s) for s in specs], "options": options,
                 "evaluators": [[name, opts] for name, opts in _timed_entries(spec)]}
@@ -251,37 +259,42 @@ class PackTimer:
             return dataclasses.replace(shape, where=f"not timed: its warm-up and one step of {size} would take about "
                                                     f"{(PACK_WARMUP + 1) * line:.0f} s on the probes' line, over "
                                                     f"{self.budget_s:.0f} s; the probes' line")
-        return self._measure(shape, specs, rank, steps, pack, size)
+        return self._measure(shape, specs, rank, (steps, max(steps, most)), pack, size)
 
-    def _measure(self, shape: PackStep, specs: list[AdapterSpec], rank: int, steps: int, pack: dict[str, Any],
-                 size: str) -> PackStep:
-        """``shape`` timed over ``steps`` steps of ``specs``'s slots (announced first), and cached as ``pack``."""
+    def _measure(self, shape: PackStep, specs: list[AdapterSpec], rank: int, steps: tuple[int, int],
+                 pack: dict[str, Any], size: str) -> PackStep:
+        """``shape`` timed over at least ``steps[0]`` steps of ``specs``'s slots, on the CPU up to ``steps[1]`` until
+        they hold ``PACK_TIMED_S`` (announced first), and cached as ``pack``."""
         import torch
 
+        cuda = self.device.startswith("cuda")
         if self.log is not None:
-            self.log(f"timing the sized pack on {self.device}: {PACK_WARMUP} + {steps} steps of {size} (cached for "
+            count = f"{steps[0]}" if cuda or steps[1] == steps[0] else \
+                f"{steps[0]}-{steps[1]} (until {PACK_TIMED_S:.0f} s of them)"
+            self.log(f"timing the sized pack on {self.device}: {PACK_WARMUP} + {count} steps of {size} (cached for "
                      f"the next plan)")
         packer = self.load()
         ended = _Ended(self.spec, packer)
         try:
             with tempfile.TemporaryDirectory(prefix="lora-sweep-plan-") as scratch:
                 ended.scratch = Path(scratch)
-                timing = packer.time_pack(specs, shape.rows, shape.length, steps=steps, warmup=PACK_WARMUP,
-                                          max_rows=rank, turnover=True, on_end=ended, **pack["options"])
+                timing = packer.time_pack(specs, shape.rows, shape.length, steps=steps[0], warmup=PACK_WARMUP,
+                                          min_s=0.0 if cuda else PACK_TIMED_S, max_steps=steps[1], max_rows=rank,
+                                          turnover=True, on_end=ended, **pack["options"])
         except torch.OutOfMemoryError:
             return dataclasses.replace(shape, where=f"not timed: {size} ran out of device memory; the probes' line")
         # the evaluations ran inside the turnover's steps: a trial's turnover is what is left of them
         turnover = max(0.0, (timing.turnover_s or 0.0) - ended.spent_s / shape.slots)
         path = cache_pack_step(self.spec, self.device, pack, {
-            "step_s": timing.step_s, "steps": steps, "wall_s": round(timing.wall_s, 3), "step": timing.step,
+            "step_s": timing.step_s, "steps": timing.steps, "wall_s": round(timing.wall_s, 3), "step": timing.step,
             "setup_s": timing.setup_s, "turnover_s": turnover, "eval_batch_s": ended.eval_batch_s,
             "eval_slots": ended.eval_slots, "eval_first_s": ended.eval_first_s})
-        how = "mean" if self.device.startswith("cuda") else "median"  # as ``time_pack`` takes them
+        how = "mean" if cuda else "median"  # as ``time_pack`` takes them
         return dataclasses.replace(shape, step_s=timing.step_s, setup_s=timing.setup_s, turnover_s=turnover,
                                    eval_batch_s=ended.eval_batch_s, eval_slots=ended.eval_slots,
                                    eval_first_s=ended.eval_first_s, where=(
-            f"{how} of {steps} steps of {size}, {timing.step} step, after {PACK_WARMUP} warm-up; measured in "
-            f"{timing.wall_s:.1f} s, cached in {path}"))
+            f"{how} of {timing.steps} steps of {size}, {timing.step} step, after {PACK_WARMUP} warm-up and a "
+            f"turnover; measured in {timing.wall_s:.1f} s, cached in {path}"))
 
 
 def _timed_entries(spec: StudySpec) -> list[tuple[str, dict[str, Any]]]:

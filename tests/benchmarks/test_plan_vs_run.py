@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lora_sweep.benchmarks.plan_vs_run import PlanVsRun, plan_total, predicted_seconds
+from lora_sweep.benchmarks.plan_vs_run import PlanVsRun, plan_row, plan_total, predicted_seconds, run_steps
 from lora_sweep.sweep.planning import PlanReport
 
 
@@ -36,5 +36,25 @@ def test_the_split_puts_the_plans_parts_beside_the_runs_phases() -> None:
     total, parts = plan_total(report.table())
     assert total == round(46.7 + 12.0 + 9.0 + 2.0 + 3.0)
     assert parts == ("467 pack steps: training 47 s, evaluation 12 s, slot turnover 2 s, storage 3 s, start-up 9 s")
-    row = PlanVsRun("tiny-demo.yaml", total, 80.0, 1.0, 1.1, parts, {"import": 4.0, "train": 50.0, "other": 0.01})
-    assert row.split() == (f"tiny-demo.yaml: plan: {parts}\ntiny-demo.yaml: run: import 4.0 s, train 50.0 s")
+    row = PlanVsRun("tiny-demo.yaml", total, 80.0, 1.0, 1.1, parts, {"import": 4.0, "train": 50.0, "other": 0.01},
+                    "median of 12 steps", 467, "3.0 s: 24 trials")
+    assert row.split() == (f"tiny-demo.yaml: plan: {parts}\ntiny-demo.yaml: plan's step: median of 12 steps\n"
+                           f"tiny-demo.yaml: plan's storage: 3.0 s: 24 trials\n"
+                           f"tiny-demo.yaml: run (467 pack steps): import 4.0 s, train 50.0 s")
+
+
+def test_it_reads_the_plans_rows_and_the_runs_pack_steps() -> None:
+    """The plan's ``sized pack's step`` row (how many steps it timed), its storage row, and the run's summary line's
+    pack steps, to read a step's seconds on both sides."""
+    from lora_sweep.packer.plan import MemoryModel
+    from lora_sweep.sweep.pack_step import PackStep
+
+    mm = MemoryModel(base_bytes=0, bytes_per_token=0, bytes_per_token_rank=0, bytes_per_param=16)
+    timed = PackStep(8, 4, 64, 60.0, 0.1, "median of 31 steps of 8 slots x 4 rows x 64 tokens, eager step")
+    table = PlanReport("cpu", 8, 32, 8, 64, 1 << 30, 1 << 20, mm, 0.1, 46.7, 467, timed=timed, storage_s=2.5,
+                       storage_note="2.5 s: 24 trials asked").table()
+    assert plan_row(table, "sized pack's step") == "median of 31 steps of 8 slots x 4 rows x 64 tokens, eager step"
+    assert plan_row(table, "predicted storage") == "2.5 s: 24 trials asked"
+    assert plan_row("predicted time for the trial budget  60 s", "sized pack's step") == ""
+    run = "tiny-demo: 20 complete, 4 pruned, 0 failed in 61.2 s (480 packed steps); study in runs/tiny-demo\n"
+    assert run_steps(run) == 480 and run_steps("") == 0

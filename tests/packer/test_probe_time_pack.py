@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import random
+import statistics
+from collections.abc import Iterator
+
 import pytest
 
 import lora_sweep.packer.probe as probe
 from lora_sweep.packer.model.load import load_base
 from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.plan import AdapterSpec
-from lora_sweep.packer.step.jobs import TrainResult
+from lora_sweep.packer.step.jobs import SlotEnd, TrainResult
 
 
 def test_it_trains_the_asked_pack_and_leaves_nothing_behind(tiny_dirs, monkeypatch) -> None:
@@ -32,30 +36,117 @@ def test_it_trains_the_asked_pack_and_leaves_nothing_behind(tiny_dirs, monkeypat
     assert isinstance(result, TrainResult)
     assert (seen["capacity"], seen["max_rows"], seen["cuda"]) == (3, 16, "auto")
     assert result.steps == 3 and result.jobs_started == 3 and result.shapes == {(2, 32)}
-    assert [reason for _, _, reason in result.ended] == ["interrupted"] * 3  # no slot ended before the last step
+    # no slot ended before the window closed: at its last step's read-back, on the CPU
+    assert [reason for _, _, reason in result.ended] == ["stopped"] * 3
     assert timing.steps == 2 and timing.step == result.step == "eager" and 0 < timing.step_s < timing.wall_s
     assert not pm.slot_paths and pm.store is None  # the slots and their store are gone
 
 
-def test_a_step_is_timed_from_one_steps_end_to_the_next(monkeypatch) -> None:
-    """The set-up and the warm-up are not in the step, and the CPU's step is the median of the timed ones: a fake
-    ``train`` on a fake clock (set-up and warm-up 5 s, then steps of 1, 3 and 2 s) gives 2 s."""
-    clock = iter([0.0, 5.0, 6.0, 9.0, 11.0, 11.5])  # t0, the four steps' ends, the wall's end
+class FakeClock:
+    """``time.perf_counter`` of a fake host: a step's work moves it by that step's seconds."""
 
-    def fake_train(pm, capacity, next_job, *, profiler, max_global_steps, **kwargs):  # noqa: ANN001, ANN003, ANN202
-        while next_job(0) is not None:
-            pass
-        for _ in range(max_global_steps):
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def fake_train(clock: FakeClock, seconds: Iterator[float], setup_s: float = 0.0):  # noqa: ANN201
+    """``packer.step.train.train`` as ``time_pack`` calls it on the CPU, on ``clock``: each global step takes the next
+    of ``seconds`` (the first also ``setup_s``), then reads back (``should_stop`` asked for every live slot), ends its
+    finished and stopped slots, and marks the profiler; a slot of accumulation k takes an optimizer step (and
+    reports it) every k steps."""
+
+    def train(pm, capacity, next_job, *, profiler, max_global_steps, should_stop=None, on_end=None,
+              **kwargs):  # noqa: ANN001, ANN003, ANN202
+        live: dict[int, list] = {}  # slot: [job, steps, stopped]
+        result = TrainResult(step="eager")
+        clock.now += setup_s
+        while result.steps < max_global_steps:
+            for slot in range(capacity):
+                if slot not in live and (job := next_job(slot)) is not None:
+                    live[slot] = [job, 0, False]
+            if not live:
+                break
+            clock.now += next(seconds)
+            result.steps += 1
+            for state in live.values():
+                state[1] += 1
+                k = state[0].spec.gradient_accumulation_steps
+                if should_stop is not None and state[1] % k == 0 and state[1] // k < state[0].spec.max_steps:
+                    state[2] = state[2] or should_stop(None)
+            done = {s: st[1] // st[0].spec.gradient_accumulation_steps >= st[0].spec.max_steps
+                    for s, st in live.items()}
+            ends = [SlotEnd(s, st[0], st[1], "finished" if done[s] else "stopped")
+                    for s, st in sorted(live.items()) if done[s] or st[2]]
+            if ends and on_end is not None:
+                on_end(ends)
+            for e in ends:
+                del live[e.slot]
             profiler.step()
-        return TrainResult(steps=max_global_steps, step="eager")
+        return result
 
-    class Pm:
-        device = probe.torch.device("cpu")
+    return train
 
-    monkeypatch.setattr(probe, "train", fake_train)
-    monkeypatch.setattr(probe.time, "perf_counter", lambda: next(clock))
-    timing = probe.time_pack(Pm(), [AdapterSpec()], 1, 16, steps=3, warmup=1, vocab=50)  # type: ignore[arg-type]
-    assert (timing.step_s, timing.steps, timing.wall_s) == (2.0, 3, 11.5)
+
+class Cpu:
+    device = probe.torch.device("cpu")
+
+
+def _timed(monkeypatch, seconds, **kwargs) -> probe.PackTiming:  # noqa: ANN001
+    """``time_pack`` of one slot on the fake host whose steps take ``seconds`` (after a 5 s set-up)."""
+    clock = FakeClock()
+    monkeypatch.setattr(probe, "train", fake_train(clock, iter(seconds), setup_s=5.0))
+    monkeypatch.setattr(probe.time, "perf_counter", clock)
+    return probe.time_pack(Cpu(), [AdapterSpec()], 1, 16, vocab=50, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_step_is_timed_from_one_steps_end_to_the_next(monkeypatch) -> None:
+    """The set-up and the warm-up are not in the step, and the CPU's step of three is their median: set-up 5 s, a
+    warm-up of 1 s, then steps of 1, 3 and 2 s give 2 s, the set-up 5 s (the first step's end less a step)."""
+    timing = _timed(monkeypatch, [1.0, 1.0, 3.0, 2.0, 9.0], steps=3, warmup=1)
+    assert (timing.step_s, timing.steps, timing.setup_s) == (2.0, 3, 4.0)
+
+
+def test_short_steps_are_timed_until_they_add_up_to_min_s(monkeypatch) -> None:
+    """On the CPU the timed steps go on until ``steps`` of them and ``min_s`` seconds, whichever is later, at most
+    ``max_steps``: 0.125 s steps with 2 s asked are timed by 16; 1 s steps by the 3 asked; the bound holds."""
+    assert _timed(monkeypatch, [0.125] * 100, steps=3, min_s=2.0, max_steps=50).steps == 16
+    assert _timed(monkeypatch, [1.0] * 100, steps=3, min_s=2.0, max_steps=50).steps == 3
+    assert _timed(monkeypatch, [0.125] * 100, steps=3, min_s=2.0, max_steps=8).steps == 8
+    assert _timed(monkeypatch, [0.125] * 100, steps=3, min_s=2.0).steps == 3  # no max_steps: the 3 asked
+
+
+def test_a_noisy_hosts_step_is_steadier_when_timed_long_enough(monkeypatch) -> None:
+    """A shared host's steps: 250 ms of work each, and a random wait for the CPU on top (exponential, 30% of a step
+    on average). Over 40 places the window may fall, the median of three steps spreads twice as wide as the median
+    of the steps that 3 s holds of the fastest (12 here), which stays within 30% of the host's median step."""
+    rng = random.Random(0)
+    host = [0.25 * (1 + rng.expovariate(1 / 0.3)) for _ in range(4000)]
+    steady = statistics.median(host)
+    short, long = [], []
+    for offset in range(0, 2000, 50):
+        short.append(_timed(monkeypatch, host[offset:], steps=3).step_s / steady)
+        long.append(_timed(monkeypatch, host[offset:], steps=3, min_s=3.0, max_steps=60).step_s / steady)
+    assert statistics.stdev(long) < 0.5 * statistics.stdev(short)
+    assert max(abs(r - 1) for r in long) < 0.3 < max(abs(r - 1) for r in short)
+
+
+def test_the_turnover_comes_before_the_timed_steps(monkeypatch) -> None:
+    """With ``turnover``, every slot ends once after the warm-up (its adapter handed to ``on_end``), a new slot of the
+    same adapter starts, and the steps timed are the new slots' once all have started: an accumulating slot ends at
+    its first optimizer step; the turnover's extra seconds are per slot."""
+    clock = FakeClock()
+    # the warm-up, then the turnover's two steps (each 0.5 s over the steps' 1 s), then the timed steps
+    monkeypatch.setattr(probe, "train", fake_train(clock, iter([1.0, 1.5, 1.5] + [1.0] * 50)))
+    monkeypatch.setattr(probe.time, "perf_counter", clock)
+    handed: list[tuple[int, str]] = []
+    timing = probe.time_pack(Cpu(), [AdapterSpec(), AdapterSpec(gradient_accumulation_steps=2)], 1, 16, vocab=50,
+                             steps=4, turnover=True,
+                             on_end=lambda ends: handed.extend((e.slot, e.reason) for e in ends))  # type: ignore
+    assert handed == [(0, "finished"), (1, "finished")]  # the timed slots' ends are not handed on
+    assert (timing.step_s, timing.steps) == (1.0, 4) and timing.turnover_s == pytest.approx(0.5)
 
 
 def test_it_refuses_a_pack_it_cannot_time() -> None:

@@ -39,27 +39,68 @@ def test_a_trial_budgets_storage_is_measured_on_a_scratch_study_and_cached(tiny_
         return trial
 
     monkeypatch.setattr(bookkeeping, "_asked", counted)
-    seconds, how = bookkeeping.bookkeeping_seconds(spec, 6, 2)
-    assert asked == list(range(6)) and seconds > 0 and how.startswith("cached in ")
+    kept = bookkeeping.bookkeeping_seconds(spec, 6, 2)
+    assert asked == list(range(6)) and kept.trials_s > 0 and kept.report_s is None  # no report writer
     (entry,) = (tmp_path / "cache" / "bookkeeping").iterdir()
     record = json.loads(entry.read_text())
-    assert len(record["each"]) == 6 and sum(record["each"]) == pytest.approx(seconds)
+    assert len(record["each"]) == 6 and sum(record["each"]) == pytest.approx(kept.trials_s)
     assert not spec.out_dir.exists()  # the scratch study is not the study's
 
     def refused(*args):  # noqa: ANN002, ANN202
         raise AssertionError("a cached measurement asks nothing")
 
     monkeypatch.setattr(bookkeeping, "_measure", refused)
-    assert bookkeeping.bookkeeping_seconds(spec, 6, 2) == (seconds, f"cached in {entry}")
+    assert bookkeeping.bookkeeping_seconds(spec, 6, 2) == kept and kept.where == str(entry)
+
+
+def test_the_runs_curves_and_its_report_are_timed_on_the_scratch_study(tiny_dirs, tmp_path, monkeypatch) -> None:
+    """A run writes its live trials' curves every 10 pack steps (its split's storage) and its HTML report at the end
+    (its report phase): the plan writes as many curve rows on the scratch study, and has the writer it is handed
+    (the command's ``reports.html.write_report``) write that study's report twice, timing the second; a writer that
+    fails leaves the report uncounted."""
+    monkeypatch.setenv("LORA_SWEEP_CACHE", str(tmp_path / "cache"))
+    spec = _spec(tmp_path, tiny_dirs, trials=6, name="reported")
+    seen: list[tuple[int, int, set[int]]] = []
+
+    def writer(root):  # noqa: ANN001, ANN202
+        from lora_sweep.store.api import ResultsStore, StudyDir
+
+        store = ResultsStore(StudyDir(root).results_db)
+        steps = store.db.execute("SELECT count(*), count(DISTINCT trial) FROM steps").fetchone()
+        packs = {row[0] for row in store.db.execute("SELECT steps FROM packs")}
+        store.close()
+        seen.append((*steps, packs))
+        return root / "report.html"
+
+    kept = bookkeeping.bookkeeping_seconds(spec, 6, 2, steps=45, report=writer)
+    # 5 writes of 2 slots' rows since the last (45 pack steps: 10, 10, 10, 10, 5 each), the trials in turn
+    assert seen == [(2 * 45, 6, {45})] * 2 and kept.curves_s > 0 and kept.report_s is not None
+    seconds, line = bookkeeping.storage_seconds(spec, 6, 2, steps=45, report=writer)
+    assert seconds == pytest.approx(kept.trials_s + kept.curves_s + kept.report_s) and len(seen) == 2  # cached
+    assert f"their curves every 10 of 45 pack steps {kept.curves_s:.1f} s, its HTML report {kept.report_s:.1f} s" \
+        in line
+
+    def broken(root):  # noqa: ANN001, ANN202
+        raise RuntimeError("no plotly")
+
+    from lora_sweep.reports.html import write_report
+
+    real = bookkeeping.bookkeeping_seconds(spec, 6, 2, steps=40, report=write_report)  # the command's writer
+    assert real.report_s is not None and real.report_s > 0  # the scratch study is a study the report reads
+    failed = bookkeeping.bookkeeping_seconds(spec, 6, 3, steps=45, report=broken)
+    assert failed.report_s is None
+    assert "its HTML report not counted (it failed on the scratch study)" in \
+        bookkeeping.storage_seconds(spec, 6, 3, steps=45, report=broken)[1]
 
 
 def test_a_large_budget_is_timed_on_its_first_trials(tiny_dirs, tmp_path, monkeypatch) -> None:
     """Above ``BOOKKEEPING_TRIALS`` the rest of the budget costs the mean of the last half of those timed."""
     monkeypatch.setenv("LORA_SWEEP_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(bookkeeping, "BOOKKEEPING_TRIALS", 4)
-    monkeypatch.setattr(bookkeeping, "_measure", lambda spec, trials, slots: [0.5, 0.1, 0.2, 0.4][:trials])
+    monkeypatch.setattr(bookkeeping, "_measure", lambda spec, trials, slots, steps, report: {
+        "each": [0.5, 0.1, 0.2, 0.4][:trials], "curves_s": 0.0, "report_s": None})
     spec = _spec(tmp_path, tiny_dirs, trials=10, name="large")
-    assert bookkeeping.bookkeeping_seconds(spec, 10, 3)[0] == pytest.approx(1.2 + 6 * 0.3)
+    assert bookkeeping.bookkeeping_seconds(spec, 10, 3).trials_s == pytest.approx(1.2 + 6 * 0.3)
 
 
 class FakeStep:
@@ -73,15 +114,17 @@ def test_the_plan_says_the_storage_and_adds_it_to_the_total(tiny_dirs, tmp_path,
     """``sweep plan`` (which times its pack) measures the storage and prints it on its own line, in the total; a
     ``pack: auto`` run's own sizing (no timer) does not pay for it."""
     monkeypatch.setenv("LORA_SWEEP_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(bookkeeping, "_measure", lambda spec, trials, slots: [0.75] * trials)
+    monkeypatch.setattr(bookkeeping, "_measure", lambda spec, trials, slots, steps, report: {
+        "each": [0.75] * trials, "curves_s": 0.5, "report_s": 0.25})
     spec = _spec(tmp_path, tiny_dirs, trials=8, name="told")
-    timer = PackTimer(spec, "cpu", [20] * 40, lambda: FakeStep())
+    timer = PackTimer(spec, "cpu", [20] * 40, lambda: FakeStep(), report=lambda root: root)
     report = plan_report(spec, [MM], "test", BASE, "cpu", timer=timer)
-    assert report.storage_s == pytest.approx(6.0)
+    assert report.storage_s == pytest.approx(6.75)  # the trials', the curves' and the report's
     table = report.table()
-    assert (f"predicted storage                    6.0 s: 8 trials asked of the study's sampler, their rows written "
-            f"and told ({report.slots} in flight) on a scratch study; cached in ") in table
-    total = report.predicted_total_s + report.predicted_eval_s + report.startup_s + report.turnover_s + 6.0
-    assert f"predicted time for the trial budget  {total:.0f} s (" in table and "storage 6 s" in table
+    assert (f"predicted storage                    6.8 s: 8 trials asked of the study's sampler, their rows written "
+            f"and told ({report.slots} in flight) on a scratch study 6.0 s, their curves every 10 of "
+            f"{report.pack_steps} pack steps 0.5 s, its HTML report 0.2 s; cached in ") in table
+    total = report.predicted_total_s + report.predicted_eval_s + report.startup_s + report.turnover_s + 6.75
+    assert f"predicted time for the trial budget  {total:.0f} s (" in table and "storage 7 s" in table
     sizing = plan_report(spec, [MM], "test", BASE, "cpu")
     assert sizing.storage_s == 0 and "not counted: measured only where the plan times its pack" in sizing.table()

@@ -4,6 +4,7 @@ cached by what determines it, bounded in cost."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -30,7 +31,9 @@ class FakeStep:
 
     def time_pack(self, specs, rows, length, **kwargs) -> PackTiming:  # noqa: ANN001, ANN003
         self.calls.append({"pm": self, "slots": len(specs), "specs": specs, "rows": rows, "length": length, **kwargs})
-        return PackTiming(self.seconds, kwargs["steps"], 4 * self.seconds, "eager")
+        # as ``time_pack`` on the CPU: at least ``steps``, as many as ``min_s`` holds, at most ``max_steps``
+        timed = min(kwargs["max_steps"], max(kwargs["steps"], math.ceil(kwargs["min_s"] / self.seconds)))
+        return PackTiming(self.seconds, timed, 4 * self.seconds, "eager")
 
 
 def _spec(tmp_path, tiny_dirs, name="timed", *overrides, **changes):  # noqa: ANN001, ANN002, ANN003, ANN202
@@ -55,7 +58,8 @@ def test_the_prediction_is_the_sized_packs_timed_step(tiny_dirs, tmp_path, monke
     (call,) = fast.calls
     assert call["pm"] is fast and (call["slots"], call["rows"], call["length"]) == (one.slots, 4, 32)
     assert call["max_rows"] == largest_rank(spec) and call["warmup"] == 1
-    assert call["steps"] == pack_step.PACK_MAX_STEPS  # the line's 24 ms a step: the most steps, well under 2 s
+    # at least 3 steps, on the CPU as many as 3 s holds (``time_pack``), up to 60
+    assert (call["steps"], call["min_s"], call["max_steps"]) == (3, pack_step.PACK_TIMED_S, pack_step.PACK_MAX_STEPS)
     assert one.predicted_step_s == pytest.approx(0.05)  # the run's mean step is the timed one (every row pads to 32)
     assert one.predicted_total_s == pytest.approx(one.pack_steps * 0.05)
     probes = plan_report(spec, [MM], "test", BASE, "cpu")  # no timer: the calibration's line
@@ -69,7 +73,7 @@ def test_the_prediction_is_the_sized_packs_timed_step(tiny_dirs, tmp_path, monke
     assert four.memory.bytes_per_token == MM.bytes_per_token  # the memory stays the probes'
     table = four.table()
     assert "predicted step                       200 ms (a mean step of 3 slots x 4 rows x 32.0 tokens" in table
-    assert "median of 20 steps of 3 slots x 4 rows x 32 tokens, eager step, after 1 warm-up" in table
+    assert "median of 15 steps of 3 slots x 4 rows x 32 tokens, eager step, after 1 warm-up and a turnover" in table
     assert "time: the sized pack's own steps, timed" in table and "(no pruning)" not in table
     assert "cohort SHA keeping 1/3 at steps 10, 20 of 40" in table
 
@@ -96,7 +100,7 @@ def test_the_timing_is_cached_by_the_calibration_and_the_pack(tiny_dirs, tmp_pat
     spec = _spec(tmp_path, tiny_dirs)
     fake = FakeStep(0.1)
     first = _timer(spec, fake)(3, 16, 4, MM)
-    assert len(fake.calls) == 1 and first.where.startswith("median of 20 steps")
+    assert len(fake.calls) == 1 and first.where.startswith("median of 30 steps")
     (entry,) = (tmp_path / "cache" / "pack_step").iterdir()
     record = json.loads(entry.read_text())
     assert record["step_s"] == 0.1 and record["key"]["calibration"]["seq_len"] == 48
@@ -116,16 +120,16 @@ def test_the_timing_is_cached_by_the_calibration_and_the_pack(tiny_dirs, tmp_pat
 
 
 def test_a_pack_too_slow_to_time_keeps_the_calibrations_line(tiny_dirs, tmp_path, monkeypatch) -> None:
-    """The timing is bounded: short steps are timed by more of them (about ``PACK_TIMED_S`` of them), long ones by
-    ``PACK_STEPS``, fewer where the line says they would not fit the budget, and where not even the warm-up and one
-    step do, none (no model loaded): the plan says so."""
+    """The timing is bounded: on the CPU at least ``PACK_STEPS`` steps and as many more as ``PACK_TIMED_S`` holds
+    (``time_pack``), at most ``PACK_MAX_STEPS`` and as many as the line says fit the budget, fewer where not even
+    those do, and where not even the warm-up and one step do, none (no model loaded): the plan says so."""
     monkeypatch.setenv("LORA_SWEEP_CACHE", str(tmp_path / "cache"))
     fake = FakeStep(1.0)
     tokens = 3 * 4 * 32
-    for seed, seconds, steps in ((10, 0.5, 4), (11, 1.0, 3), (12, 30.0, 1)):  # 60 s: a warm-up and one 30 s step
+    for seed, seconds, steps in ((10, 0.5, (3, 60)), (11, 1.0, (3, 59)), (12, 30.0, (1, 1))):  # 60 s: 30 s, 30 s
         mm = MemoryModel(base_bytes=1000, bytes_per_token=10, seconds_per_token=0.0, seconds_per_step=seconds)
         _timer(_spec(tmp_path, tiny_dirs, f"s{seed}", f"seed={seed}"), fake)(3, 16, 4, mm)
-        assert fake.calls[-1]["steps"] == steps
+        assert (fake.calls[-1]["steps"], fake.calls[-1]["max_steps"]) == steps
     spec = _spec(tmp_path, tiny_dirs)
     line = MM.step_seconds(tokens)
     fake.calls.clear()
