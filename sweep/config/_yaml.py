@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import yaml
 
 from lora_sweep.errors import ConfigError, first_line
+from lora_sweep.sweep.config.settings import FIELDS
 
 __all__ = [
     "Doc",
@@ -265,17 +266,18 @@ def coerce(doc: Doc, value: Any, typ: str, canon: Key) -> Any:
 
 
 def typed(doc: Doc, cls: type, items: Mapping[str, Item], canon: Key) -> dict[str, Any]:
-    """``items`` read as fields of dataclass ``cls``: a field whose metadata has an ``amount`` rule takes a number or
-    number+unit parts (``amount``); another is coerced to its type, then mapped by its metadata's ``spellings``."""
-    of = {f.name: f for f in fields(cls)}
+    """``items`` read as fields of dataclass ``cls``: a field whose row of ``fields.yaml`` has an ``amount`` rule takes
+    a number or number+unit parts (``amount``); another is coerced to its type, then mapped by its row's
+    ``spellings``."""
+    of, rows = {f.name: f for f in fields(cls)}, FIELDS[cls.__name__]
     out: dict[str, Any] = {}
     for k, it in items.items():
-        f = of[k]
-        if "amount" in f.metadata:
-            out[k] = amount(doc, it.value, f.metadata["amount"], canon + (k,), str(f.type).startswith("int"))
+        f, row = of[k], rows[k]
+        if "amount" in row:
+            out[k] = amount(doc, it.value, row["amount"], canon + (k,), str(f.type).startswith("int"))
             continue
         v = coerce(doc, it.value, str(f.type), canon + (k,))
-        out[k] = f.metadata.get("spellings", {}).get(v, v) if isinstance(v, str) else v
+        out[k] = row.get("spellings", {}).get(v, v) if isinstance(v, str) else v
     return out
 
 

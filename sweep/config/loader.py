@@ -25,7 +25,7 @@ from lora_sweep.evaluators.custom import is_file_target
 from lora_sweep.sweep.config import _foreign
 from lora_sweep.sweep.config._own_search import default_budget
 from lora_sweep.sweep.config._yaml import Doc, Item, Key, add, coerce, make, override, read, scalar, section, typed
-from lora_sweep.sweep.config.settings import NOT_IN_BACKWARD, TRAIN_ALIASES
+from lora_sweep.sweep.config.settings import FIELDS, NOT_IN_BACKWARD, TRAIN_ALIASES
 from lora_sweep.sweep.config.spec import (
     SEARCHABLE,
     Budget,
@@ -49,29 +49,22 @@ __all__ = ["load_study"]
 logger = logging.getLogger(__name__)
 
 _TRAIN = TRAIN_ALIASES
-"""Train alias -> setting (``sweep.config.settings.SETTINGS``: Axolotl, torchtune, PEFT and HF names)."""
-_ALIASES: dict[str, dict[str, str]] = {
-    "": {"packing": "pack"},
-    "train": _TRAIN,
-    "search": _TRAIN,
-    "parameters": _TRAIN,
-    "model": {"base_model": "path", "model_name_or_path": "path", "name_or_path": "path", "torch_dtype": "dtype"},
-    "data": {"sequence_len": "max_length", "max_seq_length": "max_length", "max_seq_len": "max_length",
-             "seq_len": "max_length", "train_on_inputs": "train_on_prompt", "train_on_input": "train_on_prompt",
-             "type": "format", "train_file": "train", "eval_file": "eval", "val_file": "eval"},
-    "budget": {"n_trials": "trials", "run_cap": "trials", "timeout": "wall_time", "max_tokens": "tokens"},
-    "sampler": {"type": "name"},
-    "pruning": {"type": "kind", "eta": "reduction_factor"},
-    "pack": {"slots": "max_slots"},
-    "objectives": {"name": "metric", "goal": "direction"},
-    "constraints": {"name": "metric"},
-    "evaluators": {"type": "name", "args": "options"},
-}  # fmt: skip
-"""Section -> {alias: field}; ``""``, the top level: {alias: section}."""
+"""Train alias -> setting (``fields.yaml``'s TrainSpec rows: Axolotl, torchtune, PEFT and HF names)."""
+_SECTIONS: dict[str, tuple[type, str]] = {"budget": (Budget, ""), "sampler": (SamplerSpec, "name"),
+                                          "pruning": (PruningSpec, ""), "pack": (PackSpec, "max_slots")}
+"""Sections read field by field alone (the others have rules of their own below): section -> (dataclass, the field a
+scalar is short for)."""
+_LISTS = {"objectives": Objective, "constraints": Constraint, "evaluators": EvalSpec, "trackers": TrackerSpec}
+"""List sections -> the dataclass of one entry."""
+_CLASSES = {"": StudySpec, "model": ModelSpec, "data": DataSpec, **{k: c for k, (c, _) in _SECTIONS.items()}, **_LISTS}
+_ALIASES: dict[str, dict[str, str]] = {"train": _TRAIN, "search": _TRAIN, "parameters": _TRAIN} | {
+    key: {a: name for name, row in FIELDS[cls.__name__].items() for a in row.get("aliases", ())}
+    for key, cls in _CLASSES.items()}
+"""Section -> {alias: field} (``fields.yaml``'s ``aliases``); ``""``, the top level: {alias: section}."""
 _TRAIN_FIELDS = [f.name for f in fields(TrainSpec)]
 _RELOCATE: dict[str, tuple[str, str]] = {
     **{k: ("train", _TRAIN.get(k, k)) for k in [*_TRAIN_FIELDS, *_TRAIN]},
-    **{k: ("data", c) for k, c in _ALIASES["data"].items() if c in ("max_length", "train_on_prompt")},
+    **{k: ("data", c) for k, c in _ALIASES["data"].items() if FIELDS["DataSpec"][c].get("flat")},
     "base_model": ("model", "path"),
     "lora_target_linear": ("train", "targets"),
 }
@@ -83,12 +76,6 @@ _TOP = [*(f.name for f in fields(StudySpec) if f.init and f.name != "source"), "
 ``budget.trials``)."""
 _WANDB = ["values", "value", "min", "max", "distribution", "q", "probabilities"]
 _DISTRIBUTIONS = ("constant", "categorical", "uniform", "int_uniform", "q_uniform", "log_uniform_values", "log_uniform")
-_SECTIONS: dict[str, tuple[type, str]] = {"budget": (Budget, ""), "sampler": (SamplerSpec, "name"),
-                                          "pruning": (PruningSpec, ""), "pack": (PackSpec, "max_slots")}
-"""Sections read field by field alone (the others have rules of their own below): section -> (dataclass, the field a
-scalar is short for)."""
-_LISTS = {"objectives": Objective, "constraints": Constraint, "evaluators": EvalSpec, "trackers": TrackerSpec}
-"""List sections -> the dataclass of one entry."""
 
 
 def load_study(path: str | Path, overrides: Sequence[str] = (), *, check_paths: bool = True) -> StudySpec:

@@ -43,15 +43,7 @@ class TrackerSpec:
     """One experiment tracker the study's trials are logged to."""
 
     name: str
-    """``mlflow``, ``wandb`` or ``tensorboard``."""
     options: Mapping[str, Any] = field(default_factory=dict, hash=False)
-    """The tracker's options, written beside ``name`` in its entry (not under an ``options:`` key). ``mlflow``:
-    ``tracking_uri`` (default: ``sqlite:///<study dir>/mlflow.db``, artifacts in
-    ``<study dir>/mlruns``; any URI MLflow takes, a server's included), ``experiment`` (default: the study's
-    name). ``wandb``: ``mode`` (``offline``, the default, writing under ``<study dir>/wandb``; ``online`` needs a
-    ``project``), ``project`` (default: ``lora-sweep``), ``entity``, ``name`` (the study run's name; default: the
-    study's). ``tensorboard``: ``log_dir`` (default: ``<study dir>/tensorboard``). A relative path or file URI is
-    taken from the working directory."""
 
     def __post_init__(self) -> None:
         _check(self.name in TRACKERS, "name", f"must be one of {', '.join(TRACKERS)}", self.name)
