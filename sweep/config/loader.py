@@ -1,14 +1,11 @@
 """Study file -> ``StudySpec`` (``load_study``, the one way in): sections, key aliases, the W&B
 ``parameters:`` block, relocated flat keys.
 
-The alias table holds the names Axolotl, torchtune, PEFT and HF/TRL give the same settings.
+The aliases (``fields.yaml``) are the names Axolotl, torchtune, PEFT and HF/TRL give the same settings.
 Axolotl-style flat keys at the top level (``base_model``, ``lora_r``, ``learning_rate``,
 ``sequence_len``, ...) are moved into their section; W&B's ``method``, ``metric``, ``run_cap`` and
 ``parameters`` map onto ``sampler``, ``objectives``, ``budget.trials`` and ``search``. A whole Axolotl
 or torchtune config is first rewritten into this shape by ``sweep/config/_foreign.py``.
-
-Over ~400 lines on purpose: the alias table and the code applying it (sections, flat keys, W&B, the
-error positions) are one boundary, validated once; split, each half would need the other to be read.
 """
 
 from __future__ import annotations
@@ -203,11 +200,18 @@ def _baseline(doc: Doc, it: Item) -> dict[str, Any]:
     return {k: i.value for k, i in items.items()}
 
 
+def _required(doc: Doc, top: dict[str, Item], extra: dict[str, Item], key: str, short: str, what: str) -> dict:
+    """The fields of section ``key`` (a scalar: its ``short`` field, which is required: ``what``)."""
+    canon = (key,)
+    kw = _items(doc, top.get(key, Item(None, canon)), canon, _CLASSES[key], extra, short)
+    if short not in kw:
+        raise doc.error(canon + (short,), f"is required ({what})")
+    return kw
+
+
 def _model(doc: Doc, top: dict[str, Item], extra: dict[str, Item]) -> ModelSpec:
     canon = ("model",)
-    kw = _items(doc, top.get("model", Item(None, canon)), canon, ModelSpec, extra, "path")
-    if "path" not in kw:
-        raise doc.error(canon + ("path",), "is required (a hub id, a local directory or a .gguf file)")
+    kw = _required(doc, top, extra, "model", "path", "a hub id, a local directory or a .gguf file")
     make(doc, ModelSpec, canon, **kw)  # the values first, then the files they name
     p, gguf_file = kw["path"], kw.get("gguf_file")
     is_gguf = Path(p).suffix.lower() == ".gguf"
@@ -236,9 +240,7 @@ def _model(doc: Doc, top: dict[str, Item], extra: dict[str, Item]) -> ModelSpec:
 
 def _data(doc: Doc, top: dict[str, Item], extra: dict[str, Item]) -> DataSpec:
     canon = ("data",)
-    kw = _items(doc, top.get("data", Item(None, canon)), canon, DataSpec, extra, "train")
-    if "train" not in kw:
-        raise doc.error(canon + ("train",), "is required (a JSON-lines file)")
+    kw = _required(doc, top, extra, "data", "train", "a JSON-lines file")
     for key in ("train", "eval"):
         if kw.get(key) is not None:
             full = (doc.file.parent / kw[key].expanduser()).resolve()

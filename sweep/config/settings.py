@@ -8,6 +8,7 @@ them); the others (``alpha_ratio``, ``epochs``, ...) are resolved before an adap
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable
@@ -24,8 +25,9 @@ __all__ = ["Setting", "SETTINGS", "SEARCHABLE", "RANGED", "TRAIN_ALIASES", "FORM
            "check_value", "rule", "table"]
 
 
+@functools.cache
 def table(name: str) -> Any:
-    """A data file of this folder (``fields.yaml``, ``foreign.yaml``), read as YAML."""
+    """A data file of this folder (``fields.yaml``, ``foreign.yaml``), read as YAML once (not to be changed)."""
     return yaml.load(Path(__file__).with_name(name).read_text(encoding="utf-8"),
                      Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
 

@@ -6,8 +6,8 @@ dataclasses, applies dotted command-line overrides and validates everything once
 validates itself in ``__post_init__`` and raises ``ConfigError("key: rule (got value)")``; the
 loader adds the file, the line and the full dotted key. Defaults live only here (the study's
 strategy — objectives, constraints, budget, pruning, sampler — in ``sweep/config/strategy.py``, re-exported
-here), the train settings' in ``sweep/config/settings.py``'s table, and the per-adapter ones only in
-``packer.plan.AdapterSpec``.
+here), the per-adapter ones only in ``packer.plan.AdapterSpec``; what each key means, and its aliases, in
+``sweep/config/fields.yaml``.
 """
 
 from __future__ import annotations
@@ -113,16 +113,14 @@ class StudySpec:
     def __post_init__(self) -> None:
         check_fields(self)
         _check(len(self.objectives) > 0, "objectives", "must not be empty", self.objectives)
-        metrics = [o.metric for o in self.objectives]
-        for i, m in enumerate(metrics):
-            _check(metrics.index(m) == i, f"objectives.{i}.metric", "is already an objective", m)
         names = [e.name for e in self.evaluators]
-        for i, n in enumerate(names):
-            _check(names.index(n) == i, f"evaluators.{i}.name", "is listed twice", n)
+        unique = {"objectives.{}.metric": ([o.metric for o in self.objectives], "is already an objective"),
+                  "evaluators.{}.name": (names, "is listed twice"),
+                  "trackers.{}.name": ([t.name for t in self.trackers], "is listed twice")}
+        for key, (values, text) in unique.items():
+            for i, v in enumerate(values):
+                _check(values.index(v) == i, key.format(i), text, v)
         entries = [(e.name, e.options) for e in self.evaluators]
-        trackers = [t.name for t in self.trackers]
-        for i, n in enumerate(trackers):
-            _check(trackers.index(n) == i, f"trackers.{i}.name", "is listed twice", n)
         metrics = [(f"objectives.{i}.metric", o.metric) for i, o in enumerate(self.objectives)]
         metrics += [(f"constraints.{i}.metric", c.metric) for i, c in enumerate(self.constraints)]
         if self.pruning.kind == "cohort_sha" and self.pruning.proxy is not None:
