@@ -1,6 +1,7 @@
 """YAML with the line of every key, dotted overrides, type coercion and located one-line errors.
 
-Generic helpers for ``sweep/config/loader.py``; nothing here knows the study schema. Keys are tracked
+Helpers for ``sweep/config/loader.py``; of the study schema they know only the field table's units and
+spellings (``fields.yaml``, in ``typed``). Keys are tracked
 twice: *canonical* paths (``("train", "lr")``) name dataclass fields; *raw* paths
 (``("learning_rate",)``) are what the user wrote, so an error points at the user's own key and
 line: ``studies/x.yaml:12: search.rank.low: must be 1..256 (got -4)``.
@@ -20,22 +21,8 @@ import yaml
 from lora_sweep.errors import ConfigError, first_line
 from lora_sweep.sweep.config.settings import FIELDS
 
-__all__ = [
-    "Doc",
-    "Item",
-    "Key",
-    "Loader",
-    "add",
-    "amount",
-    "coerce",
-    "dotted",
-    "make",
-    "override",
-    "read",
-    "scalar",
-    "section",
-    "typed",
-]
+__all__ = ["Doc", "Item", "Key", "Loader", "add", "amount", "coerce", "dotted", "make", "override", "read", "scalar",
+           "section", "typed"]
 
 Key = tuple[str | int, ...]
 
