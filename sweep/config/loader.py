@@ -47,13 +47,13 @@ logger = logging.getLogger(__name__)
 
 _TRAIN = TRAIN_ALIASES
 """Train alias -> setting (``fields.yaml``'s TrainSpec rows: Axolotl, torchtune, PEFT and HF names)."""
-_SECTIONS: dict[str, tuple[type, str]] = {"budget": (Budget, ""), "sampler": (SamplerSpec, "name"),
-                                          "pruning": (PruningSpec, ""), "pack": (PackSpec, "max_slots")}
-"""Sections read field by field alone (the others have rules of their own below): section -> (dataclass, the field a
-scalar is short for)."""
+_SECTIONS = {"budget": Budget, "sampler": SamplerSpec, "pruning": PruningSpec, "pack": PackSpec}
+"""Sections read field by field alone (the others have rules of their own below) -> their dataclass."""
 _LISTS = {"objectives": Objective, "constraints": Constraint, "evaluators": EvalSpec, "trackers": TrackerSpec}
 """List sections -> the dataclass of one entry."""
-_CLASSES = {"": StudySpec, "model": ModelSpec, "data": DataSpec, **{k: c for k, (c, _) in _SECTIONS.items()}, **_LISTS}
+_CLASSES = {"": StudySpec, "model": ModelSpec, "data": DataSpec, **_SECTIONS, **_LISTS}
+_SHORT = {c: next((n for n, row in FIELDS[c.__name__].items() if row.get("short")), "") for c in _CLASSES.values()}
+"""Dataclass -> the field a scalar written for its whole section stands for (``fields.yaml``'s ``short``), or ""."""
 _ALIASES: dict[str, dict[str, str]] = {"train": _TRAIN, "search": _TRAIN, "parameters": _TRAIN} | {
     key: {a: name for name, row in FIELDS[cls.__name__].items() for a in row.get("aliases", ())}
     for key, cls in _CLASSES.items()}
@@ -138,9 +138,10 @@ def _drop_spellings(data: dict[str, Any], text: str) -> None:
             del node[k]
 
 
-def _items(doc: Doc, it: Item, canon: Key, cls: type, extra: Mapping[str, Item] = {}, short: str = "") -> dict:
-    """The values of mapping ``it`` (a scalar: short for its ``short`` field) plus ``extra``, read as fields of
+def _items(doc: Doc, it: Item, canon: Key, cls: type, extra: Mapping[str, Item] = {}) -> dict:
+    """The values of mapping ``it`` (a scalar: short for its ``_SHORT`` field) plus ``extra``, read as fields of
     ``cls`` (``_yaml.typed``), under their aliases of ``_ALIASES``."""
+    short = _SHORT[cls]
     if short and it.value is not None and not isinstance(it.value, dict):
         items = {short: it}
         doc.note(canon + (short,), it.path)
@@ -178,8 +179,8 @@ def _study(doc: Doc, data: dict[str, Any]) -> StudySpec:
         "search": search,
         "train": _train(doc, top, moved["train"], search),
     }
-    for key, (cls, short) in _SECTIONS.items():
-        items = _items(doc, top.get(key, Item(None, (key,))), (key,), cls, extra.get(key, {}), short)
+    for key, cls in _SECTIONS.items():
+        items = _items(doc, top.get(key, Item(None, (key,))), (key,), cls, extra.get(key, {}))
         kw[key] = make(doc, cls, (key,), **items)
     for key, cls in _LISTS.items():
         entries = _entries(doc, top, key)
@@ -200,18 +201,18 @@ def _baseline(doc: Doc, it: Item) -> dict[str, Any]:
     return {k: i.value for k, i in items.items()}
 
 
-def _required(doc: Doc, top: dict[str, Item], extra: dict[str, Item], key: str, short: str, what: str) -> dict:
-    """The fields of section ``key`` (a scalar: its ``short`` field, which is required: ``what``)."""
-    canon = (key,)
-    kw = _items(doc, top.get(key, Item(None, canon)), canon, _CLASSES[key], extra, short)
-    if short not in kw:
-        raise doc.error(canon + (short,), f"is required ({what})")
+def _required(doc: Doc, top: dict[str, Item], extra: dict[str, Item], key: str) -> dict:
+    """The fields of section ``key``, whose ``short`` field is required (``fields.yaml``'s ``required`` says what)."""
+    cls = _CLASSES[key]
+    kw = _items(doc, top.get(key, Item(None, (key,))), (key,), cls, extra)
+    if _SHORT[cls] not in kw:
+        raise doc.error((key, _SHORT[cls]), f"is required ({FIELDS[cls.__name__][_SHORT[cls]]['required']})")
     return kw
 
 
 def _model(doc: Doc, top: dict[str, Item], extra: dict[str, Item]) -> ModelSpec:
     canon = ("model",)
-    kw = _required(doc, top, extra, "model", "path", "a hub id, a local directory or a .gguf file")
+    kw = _required(doc, top, extra, "model")
     make(doc, ModelSpec, canon, **kw)  # the values first, then the files they name
     p, gguf_file = kw["path"], kw.get("gguf_file")
     is_gguf = Path(p).suffix.lower() == ".gguf"
@@ -240,7 +241,7 @@ def _model(doc: Doc, top: dict[str, Item], extra: dict[str, Item]) -> ModelSpec:
 
 def _data(doc: Doc, top: dict[str, Item], extra: dict[str, Item]) -> DataSpec:
     canon = ("data",)
-    kw = _required(doc, top, extra, "data", "train", "a JSON-lines file")
+    kw = _required(doc, top, extra, "data")
     for key in ("train", "eval"):
         if kw.get(key) is not None:
             full = (doc.file.parent / kw[key].expanduser()).resolve()

@@ -43,6 +43,10 @@ def _config_dataclasses() -> dict[str, type]:
     return {n: c for n, c in found.items() if n not in ("Setting", "_Out")}
 
 
+COLUMNS = {"doc", "aliases", "flat", "amount", "spellings", "short", "required"}
+"""The columns fields.yaml's header describes (a TrainSpec row also has ``search`` and one per alias format)."""
+
+
 def test_every_field_has_a_row_and_every_row_a_field() -> None:
     classes = _config_dataclasses()
     assert set(FIELDS) == set(classes), "fields.yaml's classes differ from the config layer's dataclasses"
@@ -50,6 +54,9 @@ def test_every_field_has_a_row_and_every_row_a_field() -> None:
         assert list(FIELDS[name]) == [f.name for f in dataclasses.fields(cls)], name  # in the field order
         for field, row in FIELDS[name].items():
             assert row["doc"].strip(), (name, field)
+            assert set(row) <= COLUMNS | (set(FORMATS) | {"search"} if name == "TrainSpec" else set()), (name, field)
+        shorts = [field for field, row in FIELDS[name].items() if row.get("short")]
+        assert len(shorts) <= 1 and all(row.get("short") for row in FIELDS[name].values() if "required" in row), name
 
 
 def test_units_and_spellings_come_from_the_table(tmp_path) -> None:
@@ -96,3 +103,21 @@ def test_own_settings_carry_their_checks_and_adapter_fields_use_adapter_specs() 
         TrainSpec(rank=0)
     assert TrainSpec(init=True).init == "kaiming"
     assert TrainSpec(eval_every=None).eval_every is None
+
+
+def test_a_scalar_section_and_a_required_key_come_from_the_table(tmp_path) -> None:
+    """``short``: a scalar written for a section is its short field's value; ``required``: its error says what."""
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "a"}\n')
+    study = tmp_path / "s.yaml"
+    study.write_text(f"model: gpt2\ndata: {{train: {data}, eval: {data}}}\nsearch: {{rank: [4, 8]}}\n"
+                     "budget: {trials: 2}\nsampler: random\npack: 4\n")
+    spec = loader.load_study(study)
+    assert (spec.model.path, spec.data.train, spec.sampler.name, spec.pack.max_slots) == ("gpt2", data, "random", 4)
+    study.write_text(study.read_text().replace("model: gpt2\n", ""))
+    with pytest.raises(ConfigError, match=r"s.yaml:1: model.path: is required \(a hub id, a local directory or a "
+                                          r"\.gguf file\)$"):
+        loader.load_study(study)
+    study.write_text(f"model: gpt2\ndata: {{eval: {data}}}\nsearch: {{rank: [4, 8]}}\nbudget: {{trials: 2}}\n")
+    with pytest.raises(ConfigError, match=r"s.yaml:2: data.train: is required \(a JSON-lines file\)$"):
+        loader.load_study(study)
