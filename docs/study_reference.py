@@ -2,12 +2,11 @@
 definitions, and the results.db tables (docs/reference/results-db.md) from the store's own docstring.
 
 Every key's type and default come from the dataclasses the loader validates into (``sweep.config.spec``,
-``sweep.config.strategy``, ``sweep.config._params``, each evaluator's options class), its meaning from the field's
-docstring (a train setting's from its row of ``sweep.config.settings.SETTINGS``, kept on the field's metadata), and
-the aliases from the loader's key tables (``sweep.config.loader``, the train aliases from the same rows). A field
-without a docstring stops the generator (``MissingDoc``), so a key added to the spec without its meaning cannot
-reach the page; ``tests/docs/test_study_reference.py`` checks the committed page against this output and against
-every key the loader accepts.
+``sweep.config.strategy``, ``sweep.config._params``, each evaluator's options class), its meaning and aliases from
+its row of the field table (``sweep/config/fields.yaml``, read as ``sweep.config.settings.FIELDS``; an evaluator's
+option's meaning from the field's docstring). A field without a meaning stops the generator (``MissingDoc``), so a
+key added to the spec without its meaning cannot reach the page; ``tests/docs/test_study_reference.py`` checks the
+committed page against this output and against every key the loader accepts.
 
 The results.db page turns ``lora_sweep.store.api``'s table descriptions (one indented ``column  meaning`` line per
 column) into Markdown tables, so the schema is written once, beside the code that creates it.
@@ -124,13 +123,15 @@ def _default(f: dataclasses.Field) -> str:
 
 def rows(prefix: str, cls: type, skip: set[str] = frozenset()) -> Iterator[str]:  # type: ignore[assignment]
     """One table row per study-file key of ``cls``: key, type, default, meaning. Raises MissingDoc."""
-    docs = {f.name: f.metadata["doc"] for f in dataclasses.fields(cls) if "doc" in f.metadata} or field_docs(cls)
+    table = settings.FIELDS.get(cls.__name__)
+    docs = {name: " ".join(row["doc"].split()) for name, row in table.items()} if table else field_docs(cls)
     for f in study_fields(cls):
         if f.name in skip:
             continue
         if not docs.get(f.name):
-            raise MissingDoc(f"{cls.__module__}.{cls.__qualname__}.{f.name}: no docstring; the study-file key "
-                             f"{prefix}{f.name} needs one (docs/study_reference.py)")
+            raise MissingDoc(f"{cls.__module__}.{cls.__qualname__}.{f.name}: no meaning; the study-file key "
+                             f"{prefix}{f.name} needs one (a row of sweep/config/fields.yaml, or an option's "
+                             "docstring)")
         default = "the file's stem" if cls is S.StudySpec and f.name == "name" else _default(f)
         yield f"| `{prefix}{f.name}` | {_cell(_type(f.type))} | {_cell(default)} | {_cell(docs[f.name])} |"
 
@@ -158,7 +159,7 @@ def _aliases(section: str) -> list[str]:
 
 
 def _train_aliases() -> list[str]:
-    """The train settings' other names, by the tool that spells them so (``sweep.config.settings.SETTINGS``)."""
+    """The train settings' other names, by the tool that spells them so (``fields.yaml``'s TrainSpec rows)."""
     by_format = {f: [f"`{a}` → `{s.name}`" for s in settings.SETTINGS for a in getattr(s, f).split()]
                  for f in settings.FORMATS}
     names = {"axolotl": "Axolotl", "torchtune": "torchtune", "peft": "PEFT (`LoraConfig`)", "hf": "HF Trainer / TRL",

@@ -60,6 +60,8 @@ def test_the_wheel_ships_the_examples_and_both_commands(wheel: zipfile.ZipFile) 
     for data in (ROOT / "studies" / "data").glob("*.jsonl"):
         assert f"lora_sweep/studies/data/{data.name}" in names
     assert "lora_sweep/benchmarks/sweep_split.sh" in names
+    for table in (ROOT / "sweep" / "config").glob("*.yaml"):  # read at import by sweep.config
+        assert f"lora_sweep/sweep/config/{table.name}" in names
     entry_points = wheel.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
     assert "sweep = lora_sweep.cli:main" in entry_points
     assert "lora-sweep = lora_sweep.cli:main" in entry_points

@@ -1,29 +1,15 @@
 """Axolotl and torchtune training configs as study files: their keys -> our sections, before ``loader``.
 
-An Axolotl LoRA config (``base_model``, ``datasets``, ``adapter``, ...) or a torchtune LoRA recipe
-config (``model: {_component_: ...lora_...}``, ``dataset``, ``optimizer``, ...) plus our own
-``search:``, ``budget:`` and ``objectives:`` is rewritten into a study file's mapping; the keys the
-two formats share with ours (``lora_r``, ``learning_rate``, ``micro_batch_size``, ``sequence_len``,
-``gradient_accumulation_steps``, ...) are left to ``loader``'s alias table. The rule for every other
-key (docs/guides/foreign-configs.md has the table): a key that changes the math is translated (QLoRA's
-``adapter: qlora`` and ``load_in_4bit`` to ``model.quantize: nf4``; 8-bit loading and 8-bit AdamW to the
-unquantized base and fp32 AdamW they approximate, with a warning), or refused in one error naming it when it asks
-for something not built (GPTQ, a hub dataset, another optimizer); a key about logging, hardware or infrastructure
-is dropped, and all dropped keys are named in one warning.
-
-A train setting's name in either format is a column of its row in ``sweep.config.settings.SETTINGS``
-(``adam_epsilon``, torchtune's ``clip_grad_norm`` and ``model.lora_rank``), not restated here. Another key that only
-moves (``output_dir`` -> ``output``, ``dtype: bf16`` -> ``model.dtype: bfloat16``, ``adapter: qlora`` ->
-``model.quantize: nf4``) is a row of ``AXOLOTL`` / ``TORCHTUNE`` (foreign key -> our key, conversion), and a torchtune
-builder a row of ``_TT_BUILDERS`` (builder -> the keys it sets); the functions below are for keys with a rule (a
-dataset file, a model builder's targets, a held-out split).
-Over ~400 lines on purpose: both formats' tables and the rules they share (dropped keys, the one warning) read as
-one page against the guide's table.
+An Axolotl LoRA config (``base_model``, ``datasets``, ``adapter``, ...) or a torchtune LoRA recipe config (``model:
+{_component_: ...lora_...}``, ``dataset``, ``optimizer``, ...) plus our own ``search:``, ``budget:`` and
+``objectives:`` is rewritten into a study file's mapping; the keys they share with ours (``lora_r``,
+``learning_rate``, ``sequence_len``, ...) are left to ``loader``'s aliases. Every other key is a row of
+``foreign.yaml`` (docs/guides/foreign-configs.md has the table): translated, refused in one error naming it, or
+dropped and named in one warning; the functions here are the rules its rows name (``RULES``).
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import os
@@ -37,139 +23,51 @@ from typing import Any
 from lora_sweep.errors import ConfigError
 from lora_sweep.sweep.config._own_search import around
 from lora_sweep.sweep.config._yaml import Doc, Key
-from lora_sweep.sweep.config.settings import SETTINGS, TRAIN_ALIASES
+from lora_sweep.sweep.config.settings import SETTINGS, TRAIN_ALIASES, table
 from lora_sweep.sweep.config.tracking import axolotl_trackers, torchtune_trackers
 
 __all__ = ["translate", "split_overrides", "is_foreign"]
 
 logger = logging.getLogger(__name__)
 
-_AXOLOTL_ONLY = ("datasets", "adapter", "load_in_4bit", "load_in_8bit", "val_set_size", "num_epochs",
-                 "micro_batch_size", "sequence_len", "sample_packing", "lora_target_modules")
-"""Top-level keys that mark a file as Axolotl's (none of them is a study file's own top-level key)."""
-
-_INFRA = {
-    "strict", "dataset_prepared_path", "eval_sample_packing", "pad_to_sequence_len", "bf16", "fp16", "tf32",
-    "resume_from_checkpoint", "local_rank", "logging_steps", "xformers_attention", "flash_attention",
-    "sdp_attention", "attn_implementation", "loss_watchdog_threshold", "loss_watchdog_patience", "evals_per_epoch",
-    "saves_per_epoch", "save_steps", "save_total_limit", "save_first_step", "debug", "deepspeed",
-    "fsdp", "fsdp_config", "hub_model_id", "hub_strategy", "dataloader_num_workers", "dataloader_pin_memory",
-    "dataloader_prefetch_factor", "torch_compile", "gradient_checkpointing_kwargs", "eval_batch_size",
-    "eval_max_new_tokens", "eval_table_size", "special_tokens", "dataset_processes", "shuffle_merged_datasets",
-    # torchtune
-    "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "profiler", "compile", "checkpointer",
-    "save_adapter_weights_only", "enable_activation_offloading", "custom_sharded_layers", "fsdp_cpu_offload",
-    "log_level",
-}
-"""Keys that do not change what is trained (logging, precision flags, attention kernels, saving, parallelism).
-``special_tokens`` is here because only ``pad_token`` is accepted and padding never reaches the loss."""
-_INFRA_PREFIXES = ("wandb_", "mlflow_", "comet_", "hub_", "fsdp_", "deepspeed_")
-_IDENTITY = {
-    "model_type", "tokenizer_type", "trust_remote_code", "base_model_config", "tokenizer_config",
-    "tokenizer_use_fast", "tokenizer_legacy", "is_llama_derived_model", "is_mistral_derived_model",
-    "is_falcon_derived_model", "is_qwen_derived_model", "attention",
-}
-"""Axolotl keys that name what the checkpoint already is (its architecture class, its tokenizer class, whether
-its code may be trusted, Axolotl's family hints) or pick an attention kernel (``attention: flash``): the model
-and tokenizer are read from the checkpoint itself, so these are ignored like the infrastructure keys. (A
-checkpoint that truly needs remote code fails to load, in one line, whatever ``trust_remote_code`` says.)"""
-
-_DEFAULT_ONLY = {
-    "gptq": "a GPTQ base is not supported yet",
-    "lora_model_dir": "starting from a saved adapter is not supported yet",
-    "lora_fan_in_fan_out": "is read from the model's layers (GPT-2's Conv1D); set it to null",
-    "lora_modules_to_save": "training whole modules beside the adapter is not supported yet",
-    "group_by_length": "batches grouped by length are not supported (each slot draws a seeded shuffle)",
-    "early_stopping_patience": "early stopping is not supported (the sweep prunes trials itself)",
-    "neftune_noise_alpha": "NEFTune noise is not supported yet",
-    "relora_steps": "ReLoRA is not supported yet",
-    "test_datasets": "a separate test dataset is not supported; use val_set_size or data.eval",
-    "chat_template": "a chat template override is not supported yet (the tokenizer's own template is used)",
-    "rl": "preference training is not supported",
-}
-"""Keys accepted only at their default (null / false / empty): anything else is refused with the reason."""
-
-_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw", "paged_adamw_32bit")
-_8BIT = ("adamw_8bit", "adamw_bnb_8bit", "paged_adamw_8bit")
-_FORMATS = {"alpaca": "alpaca", "alpaca_chat": "alpaca", "completion": "text", "chat_template": "chat",
-            "sharegpt": "chat", "prompt_completion": "prompt_completion", "text": "text", "chat": "chat"}
+_T = table("foreign.yaml")
+_AXOLOTL_ONLY, _DEFAULT_ONLY, _FORMATS = _T["axolotl_only"], _T["default_only"], _T["formats"]
+_INFRA, _IDENTITY = set(_T["infra"]), set(_T["identity"])
+_INFRA_PREFIXES, _OPTIMIZERS, _8BIT = (tuple(_T[k]) for k in ("infra_prefixes", "optimizers", "optimizers_8bit"))
+_TT_TARGETS, _TT_HELD_OUT = _T["torchtune_targets"], _T["torchtune_held_out"]
 _TT_BUILDERS: dict[str, dict[str, dict[Key, Any]]] = {
-    "dataset": {**dict.fromkeys(("alpaca_dataset", "alpaca_cleaned_dataset", "instruct_dataset"),
-                                {("data", "format"): "alpaca"}),
-                "chat_dataset": {("data", "format"): "chat"}, "text_completion_dataset": {("data", "format"): "text"}},
-    "optimizer": {"AdamW": {}},
-    "lr_scheduler": {f"get_{s}_schedule_with_warmup": {("train", "schedule"): s} for s in ("cosine", "linear",
-                                                                                            "constant")},
-    "loss": {"CrossEntropyLoss": {}, **dict.fromkeys(("CEWithChunkedOutputLoss", "LinearCrossEntropyLoss"),
-                                                     {("pack", "chunked_ce"): True})},  # the same loss, in chunks
-}
-"""torchtune components -> the builders accepted (the last name of ``_component_``) -> the keys of ours each sets."""
-_TT_DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
-_TT_HELD_OUT = 0.1
-"""The share of a torchtune config's data file held out as ``data.eval`` when the study gives none."""
-_TT_TARGETS = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "output_proj": "o_proj"}
+    part: {name: {tuple(k.split(".")): v for k, v in sets.items()} for name, sets in builders.items()}
+    for part, builders in _T["torchtune_builders"].items()}
 _MISSING = object()
 _SKIP = object()
 
 
-def _set(value: Any) -> Any:
-    """A value moved only when set (null: the study's default stays)."""
-    return _SKIP if value is None else value
+def _moves(fmt: str) -> dict[Key, dict[str, Any]]:
+    """``foreign.yaml``'s moves of ``fmt`` by source key path."""
+    return {tuple(k.split(".")): row for k, row in _T[f"{fmt}_moves"].items()}
 
 
-Move = tuple[str | None, Callable[[Any], Any] | Mapping[Any, Any] | None]
-"""Where a foreign key goes: (our dotted key, or None: dropped and named with the ignored keys; conversion: None
-(as written), a function (``bool``; ``_set``: only when not null), or a table of the values accepted, whose other
-values are refused naming them)."""
-
-AXOLOTL: dict[Key, Move] = {
-    # QLoRA: bitsandbytes NF4 with double-quantised scales in Axolotl, torchao's NF4 here
-    ("adapter",): ("model.quantize", {"lora": _SKIP, "qlora": "nf4"}),
-    ("load_in_4bit",): ("model.quantize", lambda v: "nf4" if v else _SKIP),
-    ("gradient_checkpointing",): ("pack.activation_checkpointing", bool),
-    ("output_dir",): ("output", _set),
-}
-"""Axolotl keys that move to one of ours; the keys Axolotl shares with a study file (``lora_r``, ``learning_rate``,
-``sequence_len``, ``adam_epsilon``, ...) are the loader's train aliases (``sweep.config.settings``), the rest are
-translated below."""
-TORCHTUNE: dict[Key, Move] = {
-    ("output_dir",): ("output", _set),
-    ("enable_activation_checkpointing",): ("pack.activation_checkpointing", None),
-    ("device",): ("model.device", None),
-    ("dtype",): ("model.dtype", _TT_DTYPES),
-    ("optimizer", "fused"): (None, None),  # how torch runs AdamW's update, not what it computes
-    ("optimizer", "foreach"): (None, None),
-    ("dataset", "train_on_input"): ("data.train_on_prompt", bool),
-    ("dataset", "train_on_inputs"): ("data.train_on_prompt", bool),
-    ("dataset", "source"): (None, None),  # json (checked first): a local file
-    ("dataset", "split"): (None, {"train": "train"}),  # a local file is its train split
-    ("loss", "num_output_chunks"): (None, None),  # pack.chunked_ce's own
-    ("loss", "ignore_index"): (None, None),  # the labels' own masking
-    **{(part, name): (f"train.{s.name}", None) for part in ("model", "optimizer", "lr_scheduler", "dataset")
-       for s in SETTINGS for name in (s.name, *s.torchtune.split())},
-}
-"""torchtune keys that move to one of ours: a component's option that names a train setting (``model.lora_rank``,
-``optimizer.lr``: the torchtune column of ``sweep.config.settings.SETTINGS``, as the loader's aliases read a top-level
-``clip_grad_norm``) and the rows above; the components themselves (model builder, dataset, optimizer, scheduler,
-loss) are translated below."""
+AXOLOTL = _moves("axolotl")
+TORCHTUNE = _moves("torchtune") | {  # a component's option that names a train setting: the settings' torchtune column
+    (part, name): {"to": f"train.{s.name}"} for part in ("model", "optimizer", "lr_scheduler", "dataset")
+    for s in SETTINGS for name in (s.name, *s.torchtune.split())}
 
 
-def _move(out: _Out, table: Mapping[Key, Move], src: Key, value: Any) -> bool:
-    """Move ``src`` by its row of ``table``; False when it has none."""
+def _move(out: _Out, table: Mapping[Key, Mapping[str, Any]], src: Key, value: Any) -> bool:
+    """Move ``src`` by its row of ``table`` (``foreign.yaml``'s moves); False when it has none."""
     if src not in table:
         return False
-    dest, convert = table[src]
-    if isinstance(convert, Mapping):
-        if not isinstance(value, Hashable) or value not in convert:
-            raise out.error(src, f"must be one of {', '.join(convert)} (got {value!r})")
-        value = convert[value]
-    elif convert is not None:
-        value = convert(value)
-    if dest is None:
+    row = table[src]
+    if "values" in row:
+        if not isinstance(value, Hashable) or value not in row["values"]:
+            raise out.error(src, f"must be one of {', '.join(row['values'])} (got {value!r})")
+        value = _SKIP if row["values"][value] is None else row["values"][value]  # null: nothing is written
+    elif "rule" in row:
+        value = RULES[row["rule"]](value)
+    if row["to"] is None:
         out.dropped.append(".".join(map(str, src)))
-        return True
-    if value is not _SKIP:
-        out.put(tuple(dest.split(".")), value, src)
+    elif value is not _SKIP:
+        out.put(tuple(row["to"].split(".")), value, src)
     return True
 
 
@@ -236,7 +134,7 @@ def split_overrides(data: dict[str, Any], overrides: Sequence[str], top: Sequenc
     kind = _kind(data)
     if kind is None:
         return [], list(overrides)
-    reads = ({*_TT, *(k[0] for k in TORCHTUNE), *TRAIN_ALIASES} if kind == "torchtune"
+    reads = ({*_T["torchtune_rules"], *(k[0] for k in TORCHTUNE), *TRAIN_ALIASES} if kind == "torchtune"
              else {*_AXOLOTL_ONLY, "optimizer", "output_dir", "warmup_ratio"})
     own, ours = [], []
     for text in overrides:
@@ -369,23 +267,22 @@ def _keep(out: _Out, key: str, value: Any) -> None:
         out.data[key] = value
 
 
-def _keys(out: _Out, data: dict[str, Any], table: Mapping[Key, Move], rules: Mapping[str, Callable[[_Out, Any], None]],
-          skip: Sequence[str] = ()) -> _Out:
+def _keys(out: _Out, data: dict[str, Any], fmt: str, skip: Sequence[str] = ()) -> _Out:
     """Each top-level key of ``data`` (but ``skip``, read by the caller) by the rules both formats share
-    (``_common``), its own rule (``rules``) or its row of ``table``; any other is kept for ``loader``."""
+    (``_common``), its own rule (``foreign.yaml``'s ``<fmt>_rules``) or its move; any other is kept for ``loader``."""
+    rules, moves = _T[f"{fmt}_rules"], AXOLOTL if fmt == "axolotl" else TORCHTUNE
     for key, value in data.items():
         if key in skip or out.attempt(_common, out, key, value):
             continue
         if key in rules:
-            out.attempt(rules[key], out, value)
-        elif not out.attempt(_move, out, table, (key,), value):
+            out.attempt(RULES[rules[key]], out, key, value)
+        elif not out.attempt(_move, out, moves, (key,), value):
             _keep(out, key, value)
     return out
 
 
 def _axolotl(doc: Doc, data: dict[str, Any]) -> _Out:
-    later = dict.fromkeys(("adam_beta1", "adam_beta2", "val_set_size", "use_wandb", "use_mlflow"), _read_after)
-    out = _keys(_Out(doc, {}), data, AXOLOTL, {"datasets": _datasets, "optimizer": _optimizer, **later})
+    out = _keys(_Out(doc, {}), data, "axolotl")
     if data.get("lora_target_linear") and data.get("lora_target_modules"):
         # Axolotl adapts the listed modules and every linear layer: all of them, as lora_target_linear alone
         del out.data["lora_target_modules"]
@@ -400,11 +297,7 @@ def _axolotl(doc: Doc, data: dict[str, Any]) -> _Out:
     return out
 
 
-def _read_after(out: _Out, value: Any) -> None:
-    """A key read after the others (Axolotl's betas, its held-out split and tracker switches)."""
-
-
-def _datasets(out: _Out, value: Any) -> None:
+def _datasets(out: _Out, key: str, value: Any) -> None:
     if not isinstance(value, list) or not value:
         raise out.error(("datasets",), f"must be a list of {{path, type}} (got {value!r})")
     if len(value) > 1:
@@ -439,13 +332,13 @@ def _local_file(out: _Out, path: Any, src: Key) -> str:
     raise out.error(src, f"file not found: {full} (only local JSON-lines files work)")
 
 
-def _optimizer(out: _Out, value: Any, src: Key = ("optimizer",)) -> None:
+def _optimizer(out: _Out, key: str, value: Any) -> None:
     if value in _8BIT:
         # 8-bit AdamW approximates AdamW with quantised moments to save optimizer memory; for LoRA-sized
         # adapters that memory is small, so the exact fp32 AdamW it approximates runs instead.
         out.warn(f"optimizer {value} runs as fp32 AdamW (the update 8-bit AdamW approximates)")
     elif value not in _OPTIMIZERS and value is not None:
-        raise out.error(src, f"only AdamW is supported ({', '.join(_OPTIMIZERS + _8BIT)}; got {value!r})")
+        raise out.error((key,), f"only AdamW is supported ({', '.join(_OPTIMIZERS + _8BIT)}; got {value!r})")
 
 
 def _val_split(out: _Out, data: dict[str, Any], size: Any = None) -> None:
@@ -481,7 +374,7 @@ def _val_split(out: _Out, data: dict[str, Any], size: Any = None) -> None:
 
 
 def _torchtune(doc: Doc, data: dict[str, Any]) -> _Out:
-    out = _keys(_Out(doc, {}), data, TORCHTUNE, _TT, skip=("checkpointer", "tokenizer"))
+    out = _keys(_Out(doc, {}), data, "torchtune", skip=("checkpointer", "tokenizer"))
     ckpt = data.get("checkpointer") if isinstance(data.get("checkpointer"), dict) else {}
     if "checkpointer" not in data:
         out.errors.append(str(out.error(("model",), "a torchtune config needs checkpointer.checkpoint_dir (the HF "
@@ -516,7 +409,7 @@ def _component(out: _Out, value: Any, key: str) -> tuple[dict[str, Any], str]:
     return value, value["_component_"].rsplit(".", 1)[-1]
 
 
-def _tt_model(out: _Out, value: Any) -> None:
+def _tt_model(out: _Out, key: str, value: Any) -> None:
     cfg, name = _component(out, value, "model")
     if name.startswith("qlora_") or cfg.get("quantize_base"):  # torchtune's QLoRA: torchao's NF4, as here
         out.put(("model", "quantize"), "nf4", ("model", "_component_"))
@@ -535,18 +428,18 @@ def _tt_model(out: _Out, value: Any) -> None:
             continue
         elif k == "apply_lora_to_output" and v:
             raise out.error(src, "is not supported yet")
-        elif k not in ("apply_lora_to_mlp", "apply_lora_to_output", "quantize_base"):
+        elif k not in _T["torchtune_builder_options"]:
             raise out.error(src, "is not a LoRA builder option this engine knows")
     targets = [_TT_TARGETS[m] for m in cfg.get("lora_attn_modules", [])]
     if cfg.get("apply_lora_to_mlp"):
-        targets += ["gate_proj", "up_proj", "down_proj"]
+        targets += _T["torchtune_mlp_targets"]
     if not targets:
         raise out.error(("model", "lora_attn_modules"), "no module to adapt")
     out.put(("train", "targets"), targets, ("model", "lora_attn_modules"))
 
 
-def _tt_dataset(out: _Out, value: Any) -> None:
-    cfg = _tt_component(out, value, "dataset", handled=("data_files",))
+def _tt_dataset(out: _Out, key: str, value: Any) -> None:
+    cfg = _tt_component(out, key, value, handled=("data_files",))
     if cfg.get("source") not in ("json", None) or "data_files" not in cfg:
         raise out.error(("dataset",), "only local files work: give source: json and data_files (the builder would "
                                       "download a hub dataset)")
@@ -554,7 +447,7 @@ def _tt_dataset(out: _Out, value: Any) -> None:
     out.put(("data", "train"), _local_file(out, cfg["data_files"], src), src)
 
 
-def _tt_component(out: _Out, value: Any, key: str, handled: Sequence[str] = ()) -> dict[str, Any]:
+def _tt_component(out: _Out, key: str, value: Any, handled: Sequence[str] = ()) -> dict[str, Any]:
     """A component of ``_TT_BUILDERS`` (its builder sets what its row says) whose options each move by a row of
     ``TORCHTUNE``, but those ``handled`` by the caller; returns the component's mapping."""
     cfg, name = _component(out, value, key)
@@ -569,14 +462,21 @@ def _tt_component(out: _Out, value: Any, key: str, handled: Sequence[str] = ()) 
     return cfg
 
 
-def _tt_shuffle(out: _Out, value: Any) -> None:
+def _tt_shuffle(out: _Out, key: str, value: Any) -> None:
     if value is False:
         raise out.error(("shuffle",), "false is not supported (each slot draws a seeded shuffle)")
     out.dropped.append("shuffle")  # true: what every slot does
 
 
-_TT: dict[str, Callable[[_Out, Any], None]] = {
-    "model": _tt_model, "dataset": _tt_dataset, "shuffle": _tt_shuffle,
-    **{key: functools.partial(_tt_component, key=key) for key in ("optimizer", "lr_scheduler", "loss")},
+RULES: dict[str, Callable[..., Any]] = {
+    # conversions of a move's value
+    "bool": bool, "when_set": lambda v: _SKIP if v is None else v, "nf4_when_true": lambda v: "nf4" if v else _SKIP,
+    # a key's own rule: (out, key, value)
+    "datasets": _datasets, "optimizer": _optimizer, "later": lambda out, key, value: None,
+    "model_builder": _tt_model, "dataset_builder": _tt_dataset, "shuffle": _tt_shuffle, "component": _tt_component,
 }
-"""torchtune's components and the keys with a rule of their own; the rest move by ``TORCHTUNE``."""
+"""The functions ``foreign.yaml``'s rows name (``rule``)."""
+_unknown = ({r["rule"] for r in [*AXOLOTL.values(), *TORCHTUNE.values()] if "rule" in r}
+            | {*_T["axolotl_rules"].values(), *_T["torchtune_rules"].values()}) - set(RULES)
+if _unknown:
+    raise ImportError(f"sweep/config/foreign.yaml names rules _foreign.RULES lacks: {', '.join(sorted(_unknown))}")

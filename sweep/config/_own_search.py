@@ -1,20 +1,10 @@
 """The search an Axolotl or torchtune config gets when it brings no ``search:``: one around its own values.
 
-Someone who hands a training config to a sweep engine expects it to try the neighbours of their settings. The
-config's own rank, alpha, learning rate, dropout and target modules are the centre (docs/guides/foreign-configs.md
-has the table):
-
-=============  ==========================================================================
-``rank``       the config's rank halved, as is, doubled (``lora_r: 16`` -> 8, 16, 32)
-``alpha_ratio``  alpha / rank halved, as is, doubled (alpha then scales with the drawn rank)
-``lr``         a log range from a fifth to five times the config's learning rate
-``dropout``    0, the config's own, and twice it (0.05 when the config has none)
-``targets``    the config's own modules, or every linear layer (``all-linear``)
-=============  ==========================================================================
-
-A value the config leaves out is AdapterSpec's (rank 16, alpha 32, lr 2e-4, dropout 0, all-linear). A foreign
-config's budget, unless it gives one, is ``TRIALS_PER_DIMENSION`` trials per searched dimension (``loader``);
-the config's own trial is the study's baseline (``translate`` keeps it in ``baseline:``), trained first.
+Someone who hands a training config to a sweep engine expects it to try the neighbours of their settings: the
+config's own rank, alpha / rank, learning rate, dropout and target modules are the centre (docs/guides/
+foreign-configs.md has the table of what is searched around each). A value the config leaves out is AdapterSpec's.
+A foreign config's budget, unless it gives one, is ``TRIALS_PER_DIMENSION`` trials per searched dimension
+(``loader``); the config's own trial is the study's baseline (``translate`` keeps it in ``baseline:``), trained first.
 """
 
 from __future__ import annotations

@@ -7,19 +7,14 @@ range or a list of choices accepts exactly what an adapter accepts (rank 1..256,
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
-from dataclasses import MISSING, dataclass, field, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from lora_sweep.errors import ConfigError
-from lora_sweep.sweep.config.settings import RANGED, SEARCHABLE, _check, _is_num, check_value
+from lora_sweep.sweep.config.settings import RANGED, SEARCHABLE, _check, _is_num, check_value, rule
 
 __all__ = ["Param", "SearchSpace", "SEARCHABLE", "check_fields", "rule"]
-
-
-def rule(test: Callable[[Any], bool], text: str, default: Any = MISSING, **metadata: Any) -> Any:
-    """A dataclass field that ``check_fields`` checks with ``test``; ``text`` is the rule its error states."""
-    return field(default=default, metadata={"rule": (test, text), **metadata})
 
 
 def check_fields(obj: Any) -> None:
@@ -50,19 +45,12 @@ class Param:
     """One search dimension; ``name`` is a searchable train setting (``sweep.config.settings.SETTINGS``)."""
 
     name: str
-    """What is searched (one of ``SEARCHABLE``); also the Optuna parameter name."""
     kind: Literal["float", "int", "categorical"]
-    """``float`` / ``int`` ranges map to ``suggest_float`` / ``suggest_int``; else ``suggest_categorical``."""
     low: float | None = None
-    """Lower bound of a range (inclusive)."""
     high: float | None = None
-    """Upper bound of a range (inclusive)."""
     log: bool = False
-    """Sample the range in log space."""
     step: float | None = None
-    """Discretisation step of a range (not with ``log``)."""
     choices: tuple[object, ...] = ()
-    """Values of a categorical; for ``targets``, names of ``SearchSpace.target_sets``."""
 
     def __post_init__(self) -> None:
         _check(self.name in SEARCHABLE, "name", f"must be one of {', '.join(SEARCHABLE)}", self.name)
@@ -94,9 +82,7 @@ class SearchSpace:
     """The searched dimensions and the named target-module sets."""
 
     params: tuple[Param, ...]
-    """Search dimensions, in file order; at least one."""
     target_sets: Mapping[str, tuple[str, ...]] = field(default_factory=dict, hash=False)
-    """Set name -> module names (``all-linear`` allowed), the choices of a searched ``targets``."""
 
     def __post_init__(self) -> None:
         names = [p.name for p in self.params]

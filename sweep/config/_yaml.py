@@ -1,6 +1,7 @@
 """YAML with the line of every key, dotted overrides, type coercion and located one-line errors.
 
-Generic helpers for ``sweep/config/loader.py``; nothing here knows the study schema. Keys are tracked
+Helpers for ``sweep/config/loader.py``; of the study schema they know only the field table's units and
+spellings (``fields.yaml``, in ``typed``). Keys are tracked
 twice: *canonical* paths (``("train", "lr")``) name dataclass fields; *raw* paths
 (``("learning_rate",)``) are what the user wrote, so an error points at the user's own key and
 line: ``studies/x.yaml:12: search.rank.low: must be 1..256 (got -4)``.
@@ -18,23 +19,10 @@ from typing import Any, NamedTuple
 import yaml
 
 from lora_sweep.errors import ConfigError, first_line
+from lora_sweep.sweep.config.settings import FIELDS
 
-__all__ = [
-    "Doc",
-    "Item",
-    "Key",
-    "Loader",
-    "add",
-    "amount",
-    "coerce",
-    "dotted",
-    "make",
-    "override",
-    "read",
-    "scalar",
-    "section",
-    "typed",
-]
+__all__ = ["Doc", "Item", "Key", "Loader", "add", "amount", "coerce", "dotted", "make", "override", "read", "scalar",
+           "section", "typed"]
 
 Key = tuple[str | int, ...]
 
@@ -265,17 +253,18 @@ def coerce(doc: Doc, value: Any, typ: str, canon: Key) -> Any:
 
 
 def typed(doc: Doc, cls: type, items: Mapping[str, Item], canon: Key) -> dict[str, Any]:
-    """``items`` read as fields of dataclass ``cls``: a field whose metadata has an ``amount`` rule takes a number or
-    number+unit parts (``amount``); another is coerced to its type, then mapped by its metadata's ``spellings``."""
-    of = {f.name: f for f in fields(cls)}
+    """``items`` read as fields of dataclass ``cls``: a field whose row of ``fields.yaml`` has an ``amount`` rule takes
+    a number or number+unit parts (``amount``); another is coerced to its type, then mapped by its row's
+    ``spellings``."""
+    of, rows = {f.name: f for f in fields(cls)}, FIELDS[cls.__name__]
     out: dict[str, Any] = {}
     for k, it in items.items():
-        f = of[k]
-        if "amount" in f.metadata:
-            out[k] = amount(doc, it.value, f.metadata["amount"], canon + (k,), str(f.type).startswith("int"))
+        f, row = of[k], rows[k]
+        if "amount" in row:
+            out[k] = amount(doc, it.value, row["amount"], canon + (k,), str(f.type).startswith("int"))
             continue
         v = coerce(doc, it.value, str(f.type), canon + (k,))
-        out[k] = f.metadata.get("spellings", {}).get(v, v) if isinstance(v, str) else v
+        out[k] = row.get("spellings", {}).get(v, v) if isinstance(v, str) else v
     return out
 
 

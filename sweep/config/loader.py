@@ -1,14 +1,11 @@
 """Study file -> ``StudySpec`` (``load_study``, the one way in): sections, key aliases, the W&B
 ``parameters:`` block, relocated flat keys.
 
-The alias table holds the names Axolotl, torchtune, PEFT and HF/TRL give the same settings.
+The aliases (``fields.yaml``) are the names Axolotl, torchtune, PEFT and HF/TRL give the same settings.
 Axolotl-style flat keys at the top level (``base_model``, ``lora_r``, ``learning_rate``,
 ``sequence_len``, ...) are moved into their section; W&B's ``method``, ``metric``, ``run_cap`` and
 ``parameters`` map onto ``sampler``, ``objectives``, ``budget.trials`` and ``search``. A whole Axolotl
 or torchtune config is first rewritten into this shape by ``sweep/config/_foreign.py``.
-
-Over ~400 lines on purpose: the alias table and the code applying it (sections, flat keys, W&B, the
-error positions) are one boundary, validated once; split, each half would need the other to be read.
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ from lora_sweep.evaluators.custom import is_file_target
 from lora_sweep.sweep.config import _foreign
 from lora_sweep.sweep.config._own_search import default_budget
 from lora_sweep.sweep.config._yaml import Doc, Item, Key, add, coerce, make, override, read, scalar, section, typed
-from lora_sweep.sweep.config.settings import NOT_IN_BACKWARD, TRAIN_ALIASES
+from lora_sweep.sweep.config.settings import FIELDS, NOT_IN_BACKWARD, TRAIN_ALIASES
 from lora_sweep.sweep.config.spec import (
     SEARCHABLE,
     Budget,
@@ -49,29 +46,22 @@ __all__ = ["load_study"]
 logger = logging.getLogger(__name__)
 
 _TRAIN = TRAIN_ALIASES
-"""Train alias -> setting (``sweep.config.settings.SETTINGS``: Axolotl, torchtune, PEFT and HF names)."""
-_ALIASES: dict[str, dict[str, str]] = {
-    "": {"packing": "pack"},
-    "train": _TRAIN,
-    "search": _TRAIN,
-    "parameters": _TRAIN,
-    "model": {"base_model": "path", "model_name_or_path": "path", "name_or_path": "path", "torch_dtype": "dtype"},
-    "data": {"sequence_len": "max_length", "max_seq_length": "max_length", "max_seq_len": "max_length",
-             "seq_len": "max_length", "train_on_inputs": "train_on_prompt", "train_on_input": "train_on_prompt",
-             "type": "format", "train_file": "train", "eval_file": "eval", "val_file": "eval"},
-    "budget": {"n_trials": "trials", "run_cap": "trials", "timeout": "wall_time", "max_tokens": "tokens"},
-    "sampler": {"type": "name"},
-    "pruning": {"type": "kind", "eta": "reduction_factor"},
-    "pack": {"slots": "max_slots"},
-    "objectives": {"name": "metric", "goal": "direction"},
-    "constraints": {"name": "metric"},
-    "evaluators": {"type": "name", "args": "options"},
-}  # fmt: skip
-"""Section -> {alias: field}; ``""``, the top level: {alias: section}."""
+"""Train alias -> setting (``fields.yaml``'s TrainSpec rows: Axolotl, torchtune, PEFT and HF names)."""
+_SECTIONS = {"budget": Budget, "sampler": SamplerSpec, "pruning": PruningSpec, "pack": PackSpec}
+"""Sections read field by field alone (the others have rules of their own below) -> their dataclass."""
+_LISTS = {"objectives": Objective, "constraints": Constraint, "evaluators": EvalSpec, "trackers": TrackerSpec}
+"""List sections -> the dataclass of one entry."""
+_CLASSES = {"": StudySpec, "model": ModelSpec, "data": DataSpec, **_SECTIONS, **_LISTS}
+_SHORT = {c: next((n for n, row in FIELDS[c.__name__].items() if row.get("short")), "") for c in _CLASSES.values()}
+"""Dataclass -> the field a scalar written for its whole section stands for (``fields.yaml``'s ``short``), or ""."""
+_ALIASES: dict[str, dict[str, str]] = {"train": _TRAIN, "search": _TRAIN, "parameters": _TRAIN} | {
+    key: {a: name for name, row in FIELDS[cls.__name__].items() for a in row.get("aliases", ())}
+    for key, cls in _CLASSES.items()}
+"""Section -> {alias: field} (``fields.yaml``'s ``aliases``); ``""``, the top level: {alias: section}."""
 _TRAIN_FIELDS = [f.name for f in fields(TrainSpec)]
 _RELOCATE: dict[str, tuple[str, str]] = {
     **{k: ("train", _TRAIN.get(k, k)) for k in [*_TRAIN_FIELDS, *_TRAIN]},
-    **{k: ("data", c) for k, c in _ALIASES["data"].items() if c in ("max_length", "train_on_prompt")},
+    **{k: ("data", c) for k, c in _ALIASES["data"].items() if FIELDS["DataSpec"][c].get("flat")},
     "base_model": ("model", "path"),
     "lora_target_linear": ("train", "targets"),
 }
@@ -83,12 +73,6 @@ _TOP = [*(f.name for f in fields(StudySpec) if f.init and f.name != "source"), "
 ``budget.trials``)."""
 _WANDB = ["values", "value", "min", "max", "distribution", "q", "probabilities"]
 _DISTRIBUTIONS = ("constant", "categorical", "uniform", "int_uniform", "q_uniform", "log_uniform_values", "log_uniform")
-_SECTIONS: dict[str, tuple[type, str]] = {"budget": (Budget, ""), "sampler": (SamplerSpec, "name"),
-                                          "pruning": (PruningSpec, ""), "pack": (PackSpec, "max_slots")}
-"""Sections read field by field alone (the others have rules of their own below): section -> (dataclass, the field a
-scalar is short for)."""
-_LISTS = {"objectives": Objective, "constraints": Constraint, "evaluators": EvalSpec, "trackers": TrackerSpec}
-"""List sections -> the dataclass of one entry."""
 
 
 def load_study(path: str | Path, overrides: Sequence[str] = (), *, check_paths: bool = True) -> StudySpec:
@@ -154,9 +138,10 @@ def _drop_spellings(data: dict[str, Any], text: str) -> None:
             del node[k]
 
 
-def _items(doc: Doc, it: Item, canon: Key, cls: type, extra: Mapping[str, Item] = {}, short: str = "") -> dict:
-    """The values of mapping ``it`` (a scalar: short for its ``short`` field) plus ``extra``, read as fields of
+def _items(doc: Doc, it: Item, canon: Key, cls: type, extra: Mapping[str, Item] = {}) -> dict:
+    """The values of mapping ``it`` (a scalar: short for its ``_SHORT`` field) plus ``extra``, read as fields of
     ``cls`` (``_yaml.typed``), under their aliases of ``_ALIASES``."""
+    short = _SHORT[cls]
     if short and it.value is not None and not isinstance(it.value, dict):
         items = {short: it}
         doc.note(canon + (short,), it.path)
@@ -194,8 +179,8 @@ def _study(doc: Doc, data: dict[str, Any]) -> StudySpec:
         "search": search,
         "train": _train(doc, top, moved["train"], search),
     }
-    for key, (cls, short) in _SECTIONS.items():
-        items = _items(doc, top.get(key, Item(None, (key,))), (key,), cls, extra.get(key, {}), short)
+    for key, cls in _SECTIONS.items():
+        items = _items(doc, top.get(key, Item(None, (key,))), (key,), cls, extra.get(key, {}))
         kw[key] = make(doc, cls, (key,), **items)
     for key, cls in _LISTS.items():
         entries = _entries(doc, top, key)
@@ -216,11 +201,18 @@ def _baseline(doc: Doc, it: Item) -> dict[str, Any]:
     return {k: i.value for k, i in items.items()}
 
 
+def _required(doc: Doc, top: dict[str, Item], extra: dict[str, Item], key: str) -> dict:
+    """The fields of section ``key``, whose ``short`` field is required (``fields.yaml``'s ``required`` says what)."""
+    cls = _CLASSES[key]
+    kw = _items(doc, top.get(key, Item(None, (key,))), (key,), cls, extra)
+    if _SHORT[cls] not in kw:
+        raise doc.error((key, _SHORT[cls]), f"is required ({FIELDS[cls.__name__][_SHORT[cls]]['required']})")
+    return kw
+
+
 def _model(doc: Doc, top: dict[str, Item], extra: dict[str, Item]) -> ModelSpec:
     canon = ("model",)
-    kw = _items(doc, top.get("model", Item(None, canon)), canon, ModelSpec, extra, "path")
-    if "path" not in kw:
-        raise doc.error(canon + ("path",), "is required (a hub id, a local directory or a .gguf file)")
+    kw = _required(doc, top, extra, "model")
     make(doc, ModelSpec, canon, **kw)  # the values first, then the files they name
     p, gguf_file = kw["path"], kw.get("gguf_file")
     is_gguf = Path(p).suffix.lower() == ".gguf"
@@ -249,9 +241,7 @@ def _model(doc: Doc, top: dict[str, Item], extra: dict[str, Item]) -> ModelSpec:
 
 def _data(doc: Doc, top: dict[str, Item], extra: dict[str, Item]) -> DataSpec:
     canon = ("data",)
-    kw = _items(doc, top.get("data", Item(None, canon)), canon, DataSpec, extra, "train")
-    if "train" not in kw:
-        raise doc.error(canon + ("train",), "is required (a JSON-lines file)")
+    kw = _required(doc, top, extra, "data")
     for key in ("train", "eval"):
         if kw.get(key) is not None:
             full = (doc.file.parent / kw[key].expanduser()).resolve()

@@ -6,8 +6,8 @@ dataclasses, applies dotted command-line overrides and validates everything once
 validates itself in ``__post_init__`` and raises ``ConfigError("key: rule (got value)")``; the
 loader adds the file, the line and the full dotted key. Defaults live only here (the study's
 strategy — objectives, constraints, budget, pruning, sampler — in ``sweep/config/strategy.py``, re-exported
-here), the train settings' in ``sweep/config/settings.py``'s table, and the per-adapter ones only in
-``packer.plan.AdapterSpec``.
+here), the per-adapter ones only in ``packer.plan.AdapterSpec``; what each key means, and its aliases, in
+``sweep/config/fields.yaml``.
 """
 
 from __future__ import annotations
@@ -39,27 +39,13 @@ class PackSpec:
 
     max_slots: int | Literal["auto"] = rule(lambda v: v == "auto" or (isinstance(v, int) and 1 <= v <= 256),
                                             "must be auto or an int in 1..256", "auto")
-    """Slots per pack, or ``auto``: as many as the planner's memory model allows."""
     chunked_ce: bool | int = rule(lambda v: isinstance(v, bool) or (isinstance(v, int) and v >= 1),
                                   "must be true, false or a number of tokens >= 1", False)
-    """Cross-entropy in chunks of this many target tokens (``true``: 4096), never all logits at once."""
     activation_checkpointing: bool = False
-    """Recompute each decoder layer in backward instead of keeping its activations."""
     kernels: Literal["auto", "triton", "torch"] = "auto"
-    """Packed-LoRA implementation: ``auto`` (Triton on a CUDA device, PyTorch on CPU), ``triton`` or
-    ``torch`` (PyTorch, any device)."""
     fused_base_ops: bool = True
-    """With the Triton kernels, also run the base's RMSNorms and SiLU-gated MLPs (Llama, Qwen2/3, Mistral) as
-    fused Triton kernels (``packer.model.fuse``); ``false`` keeps transformers' eager modules."""
     cuda_graphs: Literal["auto", "on", "off"] = "auto"
-    """On CUDA, train with the fixed-shape step replayed as a CUDA graph (``packer.step.loop``; ``auto`` and
-    ``on``: falling back to eager with a warning if capture fails) or ``off``: the same step, eagerly."""
     shard: Literal["none", "fsdp"] = "none"
-    """``fsdp``: the frozen base sharded over the processes of a pack with FSDP2, the slots replicated
-    (``packer.model.shard``), each rank reading only its shard from the checkpoint's safetensors files
-    (``packer.model.shard_load``), one process per GPU (``sweep run --gpus N``, or ``sweep worker`` under torchrun); its
-    step runs eagerly, so ``cuda_graphs: on`` is refused, and ``max_slots`` must be set. ``none``: the whole base on
-    one device."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -85,18 +71,9 @@ class EvalSpec:
 
     name: str = rule(lambda v: isinstance(v, str) and (v in EVALUATORS or ":" in v),
                      f"must be one of {', '.join(EVALUATORS)}, or file.py:OBJECT naming an Evaluator")
-    """One of ``EVALUATORS`` (``evaluators.registry.EVALUATORS``), or ``file.py:OBJECT`` / ``module:OBJECT`` naming
-    an ``Evaluator`` object (docs/guides/extending.md); a relative ``file.py`` is taken from the study file's folder.
-    Naming one runs that code, as a Python config would."""
     options: Mapping[str, object] = field(default_factory=dict, hash=False, metadata={"rule": (
         lambda v: isinstance(v, Mapping) and _jsonlike(v), "must be a mapping of names to plain values")})
-    """Evaluator options: string keys, JSON-like values."""
-    timeout: float = rule(lambda v: _is_num(v) and v > 0, "must be a number of seconds > 0", registry.DEFAULT_TIMEOUT,
-                          amount="seconds or a duration like 30s, 10m")
-    """Seconds a user's evaluator (``file.py:OBJECT``, or ``custom``'s function) may run on one set of slots (a
-    number or a duration like ``30s``, ``10m``); past it, or past ``budget.wall_time`` (an evaluation has at least a
-    tenth of the wall time, 10 s or more, so the trials training when the budget ends are still scored), its trials
-    fail with the reason and the run stops (``evaluators.registry.evaluate``). Built-in evaluators are not timed."""
+    timeout: float = rule(lambda v: _is_num(v) and v > 0, "must be a number of seconds > 0", registry.DEFAULT_TIMEOUT)
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -111,67 +88,39 @@ class StudySpec:
     """A whole study: what to train, what to search, how to judge and when to stop."""
 
     name: str = rule(lambda v: bool(_NAME.fullmatch(v)), "must be letters, digits, '.', '_' or '-'")
-    """Study name (Optuna study name and default output folder); default: the file's stem."""
     model: ModelSpec
-    """Base model."""
     data: DataSpec
-    """Training and evaluation data."""
     search: SearchSpace
-    """Searched dimensions."""
     budget: Budget
-    """Stopping limits."""
     train: TrainSpec = field(default_factory=TrainSpec)
-    """Fixed values of the adapter fields that are not searched."""
     objectives: tuple[Objective, ...] = (Objective(*registry.DEFAULT_METRIC),)
-    """One or more targets (several: a Pareto front)."""
     constraints: tuple[Constraint, ...] = ()
-    """Soft constraints on reported metrics."""
     sampler: SamplerSpec = field(default_factory=SamplerSpec)
-    """Optuna sampler."""
     pruning: PruningSpec = field(default_factory=PruningSpec)
-    """Within-pack pruning."""
     pack: PackSpec = field(default_factory=PackSpec)
-    """How trials share one training run (``pack:``; ``packing:`` is read as the same section)."""
     evaluators: tuple[EvalSpec, ...] = (EvalSpec(registry.DEFAULT.name),)
-    """Evaluators run after training (and at pruning rungs)."""
     output: Path | None = None
-    """Output folder; None: ``runs/<name>`` (see ``out_dir``)."""
     storage: str | None = rule(lambda v: v is None or re.match(r"[a-z][a-z0-9+]*://", v) is not None
                                or v.endswith(".log"), "must be an RDB URL such as sqlite:///study.db or a journal "
                                "file path ending in .log", None)
-    """Optuna storage: an RDB URL (``sqlite:///x.db``, ``postgresql+psycopg2://...``) or a journal file
-    (``journal:///abs/path.log`` or a plain ``*.log`` path); None: a file in the output folder."""
     artifacts: Path | None = None
-    """Folder of the trials' adapters (``trial-<n>/``), e.g. on a filesystem every worker host shares;
-    None: the output folder's ``adapters/``."""
     seed: int = rule(whole(0), "must be an int >= 0", 0)
-    """Seeds the sampler (and, through the study loop, the adapters)."""
     baseline: Mapping[str, Any] = field(default_factory=dict, hash=False)
-    """Train values of a trial enqueued beside the community default, named the baseline: an Axolotl or torchtune
-    config's own hyperparameters (``sweep.config._foreign``), or the study file's ``baseline:``. Only the searched
-    dimensions are used (``sweep.config.space.baseline_params``); {}: none."""
     trackers: tuple[TrackerSpec, ...] = ()
-    """Experiment trackers every trial is logged to (``mlflow``, ``wandb``, ``tensorboard``; ``sweep.trackers``):
-    the study a parent run, each trial a child run. A bare name takes the defaults, all local and offline in the
-    study directory; ``[]``: none."""
     description: str = ""
-    """Free text."""
     source: Path | None = field(default=None, compare=False)
-    """The study file this was loaded from."""
 
     def __post_init__(self) -> None:
         check_fields(self)
         _check(len(self.objectives) > 0, "objectives", "must not be empty", self.objectives)
-        metrics = [o.metric for o in self.objectives]
-        for i, m in enumerate(metrics):
-            _check(metrics.index(m) == i, f"objectives.{i}.metric", "is already an objective", m)
         names = [e.name for e in self.evaluators]
-        for i, n in enumerate(names):
-            _check(names.index(n) == i, f"evaluators.{i}.name", "is listed twice", n)
+        unique = {"objectives.{}.metric": ([o.metric for o in self.objectives], "is already an objective"),
+                  "evaluators.{}.name": (names, "is listed twice"),
+                  "trackers.{}.name": ([t.name for t in self.trackers], "is listed twice")}
+        for key, (values, text) in unique.items():
+            for i, v in enumerate(values):
+                _check(values.index(v) == i, key.format(i), text, v)
         entries = [(e.name, e.options) for e in self.evaluators]
-        trackers = [t.name for t in self.trackers]
-        for i, n in enumerate(trackers):
-            _check(trackers.index(n) == i, f"trackers.{i}.name", "is listed twice", n)
         metrics = [(f"objectives.{i}.metric", o.metric) for i, o in enumerate(self.objectives)]
         metrics += [(f"constraints.{i}.metric", c.metric) for i, c in enumerate(self.constraints)]
         if self.pruning.kind == "cohort_sha" and self.pruning.proxy is not None:

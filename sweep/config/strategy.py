@@ -8,7 +8,7 @@ they validate themselves in ``__post_init__`` and raise ``ConfigError("key: rule
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from lora_sweep.errors import ConfigError
@@ -18,8 +18,6 @@ __all__ = ["Objective", "Constraint", "Budget", "PruningSpec", "SamplerSpec"]
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 """A metric or study name."""
-DIRECTIONS = {"maximise": "maximize", "max": "maximize", "minimise": "minimize", "min": "minimize"}
-"""Other spellings of a direction a study file may use."""
 
 
 @dataclass(frozen=True)
@@ -27,9 +25,7 @@ class Objective:
     """One optimisation target."""
 
     metric: str = rule(lambda v: bool(_NAME.fullmatch(v)), "must be a metric name")
-    """Metric name an evaluator or the trainer reports (``eval_loss``, ``exact_match``, ``adapter_params``)."""
-    direction: Literal["minimize", "maximize"] = field(metadata={"spellings": DIRECTIONS})
-    """Optuna's spelling."""
+    direction: Literal["minimize", "maximize"]
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -40,11 +36,8 @@ class Constraint:
     """A soft constraint ``metric <= value`` or ``metric >= value`` (Optuna ``set_constraint``)."""
 
     metric: str = rule(lambda v: bool(_NAME.fullmatch(v)), "must be a metric name")
-    """Metric name."""
     op: Literal["<=", ">="]
-    """Comparison."""
     value: float = rule(_is_num, "must be a number")
-    """Bound."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -66,11 +59,8 @@ class Budget:
     """When the study stops: whichever limit is reached first (at least one)."""
 
     trials: int | None = None
-    """Number of finished trials (complete, pruned or failed)."""
-    wall_time: float | None = field(default=None, metadata={"amount": "seconds or a duration like 90m, 2h, 1h30m"})
-    """Seconds of wall time; the study file also takes ``90m``, ``2h``, ``1h30m``."""
-    tokens: int | None = field(default=None, metadata={"amount": "a count like 5e6, 50M"})
-    """Training tokens over all trials; the study file also takes ``200k``, ``50M``, ``1.5B``."""
+    wall_time: float | None = None
+    tokens: int | None = None
 
     def __post_init__(self) -> None:
         if all(v is None for v in (self.trials, self.wall_time, self.tokens)):
@@ -85,15 +75,10 @@ class PruningSpec:
     """Cohort successive halving among the trials of one pack, at fixed rung steps."""
 
     kind: Literal["none", "cohort_sha"] = "none"
-    """``none`` or ``cohort_sha``."""
     rungs: tuple[int, ...] = ()
-    """Optimizer steps at which each pack keeps its best 1/reduction_factor trials (increasing)."""
     reduction_factor: int = 3
-    """Keep ceil(n / reduction_factor) of n live trials at each rung."""
     proxy: str | None = None
-    """Metric ranked at rungs; None: the objective if there is one, else ``eval_loss``."""
-    proxy_direction: Literal["minimize", "maximize"] = field(default="minimize", metadata={"spellings": DIRECTIONS})
-    """Direction of ``proxy`` when it is not an objective."""
+    proxy_direction: Literal["minimize", "maximize"] = "minimize"
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -117,11 +102,8 @@ class SamplerSpec:
     """Optuna sampler; TPE always runs with ``constant_liar=True, multivariate=True``."""
 
     name: Literal["tpe", "random", "grid", "gp", "nsga2"] = "tpe"
-    """The Optuna sampler: TPE, random, every point of a grid, a Gaussian process, or NSGA-II."""
     n_startup_trials: int | None = None
-    """Random trials before TPE / GP model (None: Optuna's default)."""
     population_size: int | None = None
-    """NSGA-II generation size (None: Optuna's default)."""
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -18,22 +18,16 @@ import yaml
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.sweep.config._params import _check
+from lora_sweep.sweep.config.settings import table
 
 __all__ = ["TrackerSpec", "TRACKERS", "axolotl_trackers", "named_trackers", "torchtune_trackers"]
 
-OPTIONS: tuple[tuple[str, str, str, str], ...] = (
-    ("wandb", "project", "wandb_project", "project"),
-    ("wandb", "entity", "wandb_entity", "entity"),
-    ("wandb", "mode", "wandb_mode", "mode"),
-    ("wandb", "name", "wandb_name", "name"),
-    ("mlflow", "tracking_uri", "mlflow_tracking_uri", "tracking_uri"),
-    ("mlflow", "experiment", "mlflow_experiment_name", "experiment_name experiment"),
-    ("tensorboard", "log_dir", "", "log_dir"),
-)
-"""One row per tracker option (every one a string that may be left out): (tracker, option, Axolotl's key, torchtune's
-``metric_logger`` arguments, ``torchtune/training/metric_logging.py``). A tracker's name is also the package it
-imports and the extra that installs it."""
-TRACKERS = {t: [o for t2, o, _, _ in OPTIONS if t2 == t] for t in ("mlflow", "wandb", "tensorboard")}
+_ROWS: dict[str, dict[str, dict[str, str]]] = table("foreign.yaml")["trackers"]
+OPTIONS = [(t, o, row.get("axolotl", ""), row.get("torchtune", "")) for t, rows in _ROWS.items()
+           for o, row in rows.items()]
+"""(tracker, option, Axolotl's key, torchtune's ``metric_logger`` arguments), one per row of ``foreign.yaml``'s
+``trackers``."""
+TRACKERS = {t: list(_ROWS[t]) for t in ("mlflow", "wandb", "tensorboard")}
 """Tracker name -> its options."""
 WANDB_MODES = ("offline", "online", "disabled")
 
@@ -43,15 +37,7 @@ class TrackerSpec:
     """One experiment tracker the study's trials are logged to."""
 
     name: str
-    """``mlflow``, ``wandb`` or ``tensorboard``."""
     options: Mapping[str, Any] = field(default_factory=dict, hash=False)
-    """The tracker's options, written beside ``name`` in its entry (not under an ``options:`` key). ``mlflow``:
-    ``tracking_uri`` (default: ``sqlite:///<study dir>/mlflow.db``, artifacts in
-    ``<study dir>/mlruns``; any URI MLflow takes, a server's included), ``experiment`` (default: the study's
-    name). ``wandb``: ``mode`` (``offline``, the default, writing under ``<study dir>/wandb``; ``online`` needs a
-    ``project``), ``project`` (default: ``lora-sweep``), ``entity``, ``name`` (the study run's name; default: the
-    study's). ``tensorboard``: ``log_dir`` (default: ``<study dir>/tensorboard``). A relative path or file URI is
-    taken from the working directory."""
 
     def __post_init__(self) -> None:
         _check(self.name in TRACKERS, "name", f"must be one of {', '.join(TRACKERS)}", self.name)
@@ -89,7 +75,7 @@ def axolotl_trackers(data: Mapping[str, Any]) -> tuple[list[dict[str, Any]], lis
     return [{"name": t, **options[t]} for t in ("mlflow", "wandb") if on[t]], used
 
 
-_TT_LOGGERS = {"WandBLogger": "wandb", "MLFlowLogger": "mlflow", "TensorBoardLogger": "tensorboard"}
+_TT_LOGGERS: dict[str, str] = table("foreign.yaml")["torchtune_loggers"]
 
 
 def torchtune_trackers(value: Any) -> tuple[list[dict[str, Any]], list[str]]:

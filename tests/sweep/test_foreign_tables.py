@@ -1,9 +1,12 @@
-"""The Axolotl and torchtune key tables (``sweep.config._foreign.AXOLOTL`` / ``TORCHTUNE``): every row moves a key
-to one a study file has, and a row's value table refuses the values it does not list."""
+"""The Axolotl and torchtune key tables (``sweep/config/foreign.yaml``, read by ``sweep.config._foreign``): every row
+moves a key to one a study file has, a row's value table refuses the values it does not list, every rule a row names
+exists, and the guide's tables (docs/guides/foreign-configs.md) name every key the data names."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
 
 import pytest
 
@@ -16,7 +19,8 @@ SECTIONS = {"train": S.TrainSpec, "model": S.ModelSpec, "data": S.DataSpec, "pac
 
 @pytest.mark.parametrize("table", [_foreign.AXOLOTL, _foreign.TORCHTUNE], ids=["axolotl", "torchtune"])
 def test_every_row_moves_to_a_key_of_ours(table: dict) -> None:
-    for src, (dest, _) in table.items():
+    for src, row in table.items():
+        dest = row["to"]
         if dest is None:  # dropped, named with the ignored keys
             continue
         parts = dest.split(".")
@@ -55,3 +59,50 @@ def test_torchtune_names_of_the_train_settings_are_the_settings_tables(tmp_path)
     for i, (name, alias) in enumerate(named):
         assert _foreign._move(out, _foreign.TORCHTUNE, ("model", alias), i)
         assert out.data["train"][name] == i and TRAIN_ALIASES[alias] == name
+
+
+def test_every_rule_a_row_names_is_a_function() -> None:
+    names = {r["rule"] for r in [*_foreign.AXOLOTL.values(), *_foreign.TORCHTUNE.values()] if "rule" in r}
+    names |= {*_foreign._T["axolotl_rules"].values(), *_foreign._T["torchtune_rules"].values()}
+    assert names and names <= set(_foreign.RULES)
+    assert {"datasets", "component", "when_set"} <= names
+
+
+def test_the_builders_and_values_of_the_data_refuse_the_others(tmp_path) -> None:
+    from lora_sweep.sweep.config._yaml import read
+
+    file = tmp_path / "tt.yaml"
+    file.write_text("loss: {}\n")
+    out = _foreign._Out(read(file, False)[0], {})
+    _foreign.RULES["component"](out, "loss", {"_component_": "torchtune.modules.loss.CEWithChunkedOutputLoss"})
+    assert out.data == {"pack": {"chunked_ce": True}}
+    with pytest.raises(ConfigError, match=r"loss._component_: KLLoss is not supported \(expected CrossEntropyLoss, "
+                                          r"CEWithChunkedOutputLoss, LinearCrossEntropyLoss\)"):
+        _foreign.RULES["component"](out, "loss", {"_component_": "x.KLLoss"})
+
+
+GUIDE = (Path(__file__).resolve().parents[2] / "docs" / "guides" / "foreign-configs.md").read_text()
+
+
+def _named_in_guide(key: str) -> bool:
+    """Whether the guide's tables name ``key`` in their code spans: as a word (``adapter: lora|qlora``), or by a
+    written pattern (``tokenizer_*``, ``fsdp*``, ``is_*_derived_model``)."""
+    table = "\n".join(line for line in GUIDE.splitlines() if line.startswith("|"))
+    spans = re.findall(r"`([^`]+)`", table)
+    patterns = [re.escape(w).replace(r"\*", r"\w*") for w in spans if re.fullmatch(r"[\w*]+", w) and "*" in w]
+    return any(re.search(rf"(?<!\w){re.escape(key)}(?!\w)", w) for w in spans) or any(
+        re.fullmatch(p, key) for p in patterns)
+
+
+def test_the_guide_names_every_key_of_the_data() -> None:
+    """docs/guides/foreign-configs.md's tables are the data's, for a reader: each key foreign.yaml lists (accepted
+    only at its default, an identity key, an optimizer, a dataset type, a moved key, a torchtune builder) is named
+    there, so a row added to the data without its line in the guide fails here."""
+    t = _foreign._T
+    keys = [*t["default_only"], *t["identity"], *t["optimizers"], *t["optimizers_8bit"], *t["formats"],
+            *t["axolotl_moves"], *(k.split(".")[-1] for k in t["torchtune_moves"]), *t["torchtune_targets"],
+            *t["torchtune_mlp_targets"], *(n for builders in t["torchtune_builders"].values() for n in builders),
+            *t["torchtune_rules"], *t["axolotl_rules"]]
+    missing = [k for k in keys if not _named_in_guide(k)]
+    assert not missing, f"foreign.yaml keys the guide's tables do not name: {missing}"
+    assert not _named_in_guide("no_such_key")
