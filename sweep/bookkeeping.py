@@ -9,7 +9,8 @@ the trial budget on a scratch study directory made as a run makes its own (``led
 sampler and objectives, its community default enqueued; the directory's own journal storage), with random
 objective values and curves, and times the trials from the study's opening to its store's close, the curves, and
 the report (where the caller hands over its writer: ``reports`` is not the sweep's to import; written twice, the
-second timed, as a run's report comes after the lazy imports its ``sweep run`` preloads while the pack trains). A
+second timed, as a run's report comes after the lazy imports its ``sweep run`` preloads while the pack trains, and
+the first's extra time kept as those imports, which on a CPU host take their seconds from the training). A
 budget above ``BOOKKEEPING_TRIALS`` is timed on that many, the rest at the mean of the last half of them (the
 sampler's cost per trial as it stands then; the report is of those). The measurement is cached beside the
 calibration (``sweep.calibration.cached_bookkeeping``), keyed by the space, the objectives, the sampler, the trial
@@ -56,6 +57,9 @@ class Bookkeeping:
     """Seconds of the HTML report's write; None: not measured (no writer handed over, or it failed)."""
     where: str
     """The cache's file that keeps them."""
+    imports_s: float = 0.0
+    """Seconds of the report's lazy imports (its first write's beyond the second): a ``sweep run`` loads them on a
+    thread while its pack trains (``reports.html.preload``), which on a CPU host takes them from the training."""
 
 
 def bookkeeping_seconds(spec: StudySpec, trials: int, slots: int, *, steps: int = 0,
@@ -66,7 +70,7 @@ def bookkeeping_seconds(spec: StudySpec, trials: int, slots: int, *, steps: int 
     import optuna
 
     asked = min(trials, BOOKKEEPING_TRIALS)
-    key = {"version": 2, "space": _described(spec), "trials": asked, "slots": slots, "steps": steps,
+    key = {"version": 3, "space": _described(spec), "trials": asked, "slots": slots, "steps": steps,
            "report": report is not None, "optuna": optuna.__version__}
     hit = cached_bookkeeping(key)
     if hit is not None:
@@ -77,16 +81,22 @@ def bookkeeping_seconds(spec: StudySpec, trials: int, slots: int, *, steps: int 
     each = [float(s) for s in record["each"]]
     total = sum(each) + (trials - asked) * statistics.fmean(each[len(each) // 2:])
     report_s = record.get("report_s")
-    return Bookkeeping(total, float(record["curves_s"]), None if report_s is None else float(report_s), str(path))
+    return Bookkeeping(total, float(record["curves_s"]), None if report_s is None else float(report_s), str(path),
+                       float(record["imports_s"]))
 
 
 def storage_seconds(spec: StudySpec, trials: int, slots: int, *, steps: int = 0,
-                    report: ReportWriter | None = None) -> tuple[float, str]:
-    """``bookkeeping_seconds`` in all, and the plan's line saying what they count."""
+                    report: ReportWriter | None = None, device: str = "cpu") -> tuple[float, str]:
+    """``bookkeeping_seconds`` in all, and the plan's line saying what they count: on a CPU ``device`` with the
+    report's imports, which the run loads beside its training (on a GPU host while the step loop waits on the GPU)."""
     kept = bookkeeping_seconds(spec, trials, slots, steps=steps, report=report)
-    seconds = kept.trials_s + kept.curves_s + (kept.report_s or 0.0)
-    written = "not counted (no report writer)" if report is None else "not counted (it failed on the scratch study)" \
-        if kept.report_s is None else f"{kept.report_s:.1f} s"
+    cpu = device.startswith("cpu")
+    seconds = kept.trials_s + kept.curves_s + (kept.report_s or 0.0) + (kept.imports_s if cpu else 0.0)
+    if report is None or kept.report_s is None:
+        written = "not counted (no report writer)" if report is None else "not counted (it failed on the scratch study)"
+    else:
+        written = f"{kept.report_s:.1f} s" + (f" and its imports {kept.imports_s:.1f} s (loaded while the pack trains, "
+                                              f"beside it on a CPU)" if cpu else "")
     return seconds, (f"{seconds:.1f} s: {trials} trials asked of the study's sampler, their rows written and told "
                      f"({slots} in flight) on a scratch study {kept.trials_s:.1f} s, their curves every "
                      f"{CURVE_EVERY} of {steps} pack steps {kept.curves_s:.1f} s, its HTML report {written}; "
@@ -140,11 +150,11 @@ def _measure(spec: StudySpec, trials: int, slots: int, steps: int, report: Repor
                 now = time.perf_counter()
                 each.append(now - t0)
                 t0 = now
-            report_s = None if report is None else _report_seconds(report, sdir.root)
+            report_s, imports_s = (None, 0.0) if report is None else _report_seconds(report, sdir.root)
     finally:
         optuna.logging.set_verbosity(quiet)
         ledger_log.disabled = was
-    return {"each": each, "curves_s": curves_s, "report_s": report_s}
+    return {"each": each, "curves_s": curves_s, "report_s": report_s, "imports_s": imports_s}
 
 
 def _curves(store: Any, pack: int, trials: int, slots: int, steps: int, rng: random.Random) -> float:
@@ -160,16 +170,18 @@ def _curves(store: Any, pack: int, trials: int, slots: int, steps: int, rng: ran
     return time.perf_counter() - t0
 
 
-def _report_seconds(report: ReportWriter, root: Path) -> float | None:
-    """Seconds of the second of two reports of the study at ``root`` (the first loads what the writer imports); None
-    where it fails (the run's own report says why)."""
+def _report_seconds(report: ReportWriter, root: Path) -> tuple[float | None, float]:
+    """(seconds of the second of two reports of the study at ``root``, what the first took beyond it: the writer's
+    imports); (None, 0) where it fails (the run's own report says why)."""
     try:
-        report(root)
         t0 = time.perf_counter()
         report(root)
-        return time.perf_counter() - t0
+        t1 = time.perf_counter()
+        report(root)
+        t2 = time.perf_counter()
     except Exception:  # noqa: BLE001  (the plan leaves the report out; the run writes it or says why)
-        return None
+        return None, 0.0
+    return t2 - t1, max(0.0, (t1 - t0) - (t2 - t1))
 
 
 def _asked(spec: StudySpec, ledger: Any, store: Any, pack: int, slot: int) -> Any:

@@ -33,11 +33,11 @@ __all__ = ["calibrated", "cached_calibration", "cache_dir", "calibration_key",
 
 CALIBRATION_VERSION = 5
 """Bump when ``packer.probe.calibrate`` measures differently: older cache entries are then not read."""
-PACK_STEP_VERSION = 5
+PACK_STEP_VERSION = 6
 """Bump when ``sweep.pack_step`` times the sized pack differently (its steps, its slots, its rows) or keeps more of
 it (2: the pack's start and its slots' turnover beside the step; 3: a batch of each evaluator on the ending slots;
 4: and what its first batch took beyond it; 5: on the CPU timed until the steps hold ``PACK_TIMED_S``, after the
-turnover)."""
+turnover; 6: each evaluator's batch timed until its batches hold ``EVAL_TIMED_S``)."""
 SHARD_WORLDS = (2, 4, 8)
 """World sizes whose FSDP share the cache keeps (a host's GPUs); others are computed from the loaded model."""
 

@@ -40,9 +40,9 @@ if TYPE_CHECKING:
     from lora_sweep.packer.api import MemoryModel
     from lora_sweep.sweep.config.spec import Param, StudySpec
 
-__all__ = ["PackStep", "PackTimer", "EVAL_REPEATS", "PACK_STEPS", "PACK_MAX_STEPS", "PACK_TIMED_S", "PACK_WARMUP",
-           "PACK_BUDGET_S", "slot_specs", "step_length", "step_mean_length", "padded_mean_length", "bucket_lengths",
-           "timed_model", "turnover_seconds"]
+__all__ = ["PackStep", "PackTimer", "EVAL_REPEATS", "EVAL_TIMED_S", "EVAL_MAX_REPEATS", "timed_repeats", "PACK_STEPS",
+           "PACK_MAX_STEPS", "PACK_TIMED_S", "PACK_WARMUP", "PACK_BUDGET_S", "slot_specs", "step_length",
+           "step_mean_length", "padded_mean_length", "bucket_lengths", "timed_model", "turnover_seconds"]
 
 PACK_STEPS = 3
 """Steps of the sized pack timed after its warm-up, at least (their median on the CPU, their mean on CUDA)."""
@@ -59,7 +59,14 @@ PACK_BUDGET_S = 60.0
 """Seconds the timing may take, as the probes' line predicts it: fewer timed steps where all would pass it, none
 (the probes' line kept) where the warm-up and one step would."""
 EVAL_REPEATS = 3
-"""Timed batches of each evaluator on the sized pack's ending slots, after one warm-up: their median is kept."""
+"""Timed batches of each evaluator on the sized pack's ending slots, after one warm-up, at least: their median is
+kept."""
+EVAL_TIMED_S = 1.0
+"""Seconds of timed batches aimed at: a short batch (tens of milliseconds) is timed until as many as this holds of
+the fastest of them, up to ``EVAL_MAX_REPEATS``, as the steps are (``PACK_TIMED_S``): three batches of 40 ms put a
+plan's evaluation at 1x in one pass and 3.4x in the next on a shared host."""
+EVAL_MAX_REPEATS = 25
+"""Timed batches at most, however short."""
 _SAMPLES = 512
 """Simulated steps whose padded length ``step_length`` averages."""
 
@@ -313,10 +320,25 @@ def _timed_entries(spec: StudySpec) -> list[tuple[str, dict[str, Any]]]:
     return list(named.items())
 
 
+def timed_repeats(fn: Callable[[], object], least: int = EVAL_REPEATS, min_s: float = EVAL_TIMED_S,
+                  most: int = EVAL_MAX_REPEATS) -> list[float]:
+    """Seconds of each call of ``fn``, called ``least`` times and then until as many as ``min_s`` seconds hold of the
+    fastest call, at most ``most`` (a short call is timed by many, so one another process slowed moves their median
+    little; a long one by ``least``)."""
+    import time
+
+    times: list[float] = []
+    while len(times) < most and (len(times) < least or len(times) * min(times) < min_s):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 class _Ended:
     """The timed pack's ``on_end``, as a run's: the ending slots' adapters saved under ``scratch`` (``Packer.save``:
     copied off the slots, written by the packer's writer, waited for), then each timed entry (``_timed_entries``)
-    scoring one batch of the held-out rows on the first slots to end, a warm-up and then ``EVAL_REPEATS`` times,
+    scoring one batch of the held-out rows on the first slots to end, a warm-up and then ``timed_repeats`` times,
     their median kept (``eval_batch_s``), and what the warm-up took beyond it (``eval_first_s``). An entry that
     fails here is left untimed (the run's own check says why)."""
 
@@ -342,7 +364,7 @@ class _Ended:
         self.spent_s += time.perf_counter() - started
 
     def _score(self, ends: list[Any], entries: list[tuple[str, dict[str, Any]]]) -> None:
-        """Each entry's batch, scored on the ending slots: a warm-up, then ``EVAL_REPEATS`` timed (``__call__``)."""
+        """Each entry's batch, scored on the ending slots: a warm-up, then ``timed_repeats`` (``__call__``)."""
         import time
 
         from lora_sweep.evaluators.registry import evaluate, load_eval_data, plan_cost
@@ -354,12 +376,12 @@ class _Ended:
             cost = plan_cost(name, opts)
             assert cost is not None  # (``_timed_entries``)
             batch = dataclasses.replace(held_out, rows=held_out.rows[:cost.batch_size])
-            times = []
+            slots = [e.slot for e in ends]
             try:  # the first untimed: it also pays what an evaluator does once in a run (a warm-up)
-                for _ in range(1 + EVAL_REPEATS):
-                    t0 = time.perf_counter()
-                    evaluate(self.packer.model, [e.slot for e in ends], batch, [(name, opts)])
-                    times.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                evaluate(self.packer.model, slots, batch, [(name, opts)])
+                times = [time.perf_counter() - t0, *timed_repeats(
+                    lambda: evaluate(self.packer.model, slots, batch, [(name, opts)]))]  # noqa: B023
             except Exception:  # noqa: BLE001  (the plan's estimate stays the model's; the run reports the error)
                 continue
             self.eval_batch_s[name] = statistics.median(times[1:])  # as the steps: one descheduled batch moves less

@@ -297,7 +297,8 @@ def plan_report(spec: StudySpec, models: list[MemoryModel], where: str, base: Ba
     turnover, turnover_note = (0.0, "") if spec.budget.trials is None else turnover_seconds(timed, spec.budget.trials)
     # the run's storage: measured where the plan times its pack (sweep plan), not in a ``pack: auto`` run's sizing
     storage, storage_note = (0.0, "") if spec.budget.trials is None else \
-        storage_seconds(spec, spec.budget.trials, slots, steps=steps or 0, report=timer.report) if timer else \
+        storage_seconds(spec, spec.budget.trials, slots, steps=steps or 0, report=timer.report, device=device) \
+        if timer else \
         (0.0, "not counted: measured only where the plan times its pack (sweep plan)")
     return PlanReport(device, slots, rank, micro, seq, available, max(peak, load_peak), mm, step_s,
                       None if steps is None else steps * step_s, steps,

@@ -4,6 +4,7 @@ rows written and told, timed on a scratch study, cached, and said on the plan's 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -76,9 +77,22 @@ def test_the_runs_curves_and_its_report_are_timed_on_the_scratch_study(tiny_dirs
     # 5 writes of 2 slots' rows since the last (45 pack steps: 10, 10, 10, 10, 5 each), the trials in turn
     assert seen == [(2 * 45, 6, {45})] * 2 and kept.curves_s > 0 and kept.report_s is not None
     seconds, line = bookkeeping.storage_seconds(spec, 6, 2, steps=45, report=writer)
-    assert seconds == pytest.approx(kept.trials_s + kept.curves_s + kept.report_s) and len(seen) == 2  # cached
+    assert seconds == pytest.approx(kept.trials_s + kept.curves_s + kept.report_s + kept.imports_s) and len(seen) == 2
     assert f"their curves every 10 of 45 pack steps {kept.curves_s:.1f} s, its HTML report {kept.report_s:.1f} s" \
         in line
+
+    def importing(root):  # noqa: ANN001, ANN202  (its first call loads what it imports: 0.3 s more)
+        if not importing.loaded:
+            importing.loaded = True
+            time.sleep(0.3)
+        return writer(root)
+
+    importing.loaded = False
+    first = bookkeeping.bookkeeping_seconds(spec, 6, 4, steps=45, report=importing)
+    assert first.imports_s >= 0.25  # a run loads them on a thread while its pack trains: on a CPU, beside it
+    cpu, _ = bookkeeping.storage_seconds(spec, 6, 4, steps=45, report=importing)
+    cuda, line = bookkeeping.storage_seconds(spec, 6, 4, steps=45, report=importing, device="cuda")
+    assert cpu - cuda == pytest.approx(first.imports_s) and "imports" not in line
 
     def broken(root):  # noqa: ANN001, ANN202
         raise RuntimeError("no plotly")
@@ -98,7 +112,7 @@ def test_a_large_budget_is_timed_on_its_first_trials(tiny_dirs, tmp_path, monkey
     monkeypatch.setenv("LORA_SWEEP_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(bookkeeping, "BOOKKEEPING_TRIALS", 4)
     monkeypatch.setattr(bookkeeping, "_measure", lambda spec, trials, slots, steps, report: {
-        "each": [0.5, 0.1, 0.2, 0.4][:trials], "curves_s": 0.0, "report_s": None})
+        "each": [0.5, 0.1, 0.2, 0.4][:trials], "curves_s": 0.0, "report_s": None, "imports_s": 0.0})
     spec = _spec(tmp_path, tiny_dirs, trials=10, name="large")
     assert bookkeeping.bookkeeping_seconds(spec, 10, 3).trials_s == pytest.approx(1.2 + 6 * 0.3)
 
@@ -115,16 +129,17 @@ def test_the_plan_says_the_storage_and_adds_it_to_the_total(tiny_dirs, tmp_path,
     ``pack: auto`` run's own sizing (no timer) does not pay for it."""
     monkeypatch.setenv("LORA_SWEEP_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(bookkeeping, "_measure", lambda spec, trials, slots, steps, report: {
-        "each": [0.75] * trials, "curves_s": 0.5, "report_s": 0.25})
+        "each": [0.75] * trials, "curves_s": 0.5, "report_s": 0.25, "imports_s": 1.0})
     spec = _spec(tmp_path, tiny_dirs, trials=8, name="told")
     timer = PackTimer(spec, "cpu", [20] * 40, lambda: FakeStep(), report=lambda root: root)
     report = plan_report(spec, [MM], "test", BASE, "cpu", timer=timer)
-    assert report.storage_s == pytest.approx(6.75)  # the trials', the curves' and the report's
+    assert report.storage_s == pytest.approx(7.75)  # the trials', the curves', the report's and its imports'
     table = report.table()
-    assert (f"predicted storage                    6.8 s: 8 trials asked of the study's sampler, their rows written "
+    assert (f"predicted storage                    7.8 s: 8 trials asked of the study's sampler, their rows written "
             f"and told ({report.slots} in flight) on a scratch study 6.0 s, their curves every 10 of "
-            f"{report.pack_steps} pack steps 0.5 s, its HTML report 0.2 s; cached in ") in table
-    total = report.predicted_total_s + report.predicted_eval_s + report.startup_s + report.turnover_s + 6.75
-    assert f"predicted time for the trial budget  {total:.0f} s (" in table and "storage 7 s" in table
+            f"{report.pack_steps} pack steps 0.5 s, its HTML report 0.2 s and its imports 1.0 s (loaded while the "
+            f"pack trains, beside it on a CPU); cached in ") in table
+    total = report.predicted_total_s + report.predicted_eval_s + report.startup_s + report.turnover_s + 7.75
+    assert f"predicted time for the trial budget  {total:.0f} s (" in table and "storage 8 s" in table
     sizing = plan_report(spec, [MM], "test", BASE, "cpu")
     assert sizing.storage_s == 0 and "not counted: measured only where the plan times its pack" in sizing.table()

@@ -288,3 +288,23 @@ def test_a_users_evaluator_is_never_run_by_the_plan(tiny_dirs, tmp_path, monkeyp
     packer = open_base(str(tiny_dirs("llama")), device="cpu")
     timed = PackTimer(spec, "cpu", LENGTHS, lambda: packer)(2, 4, 2, MM)
     assert set(timed.eval_batch_s) == {"heldout_loss"} and not marker.exists()
+
+
+def test_a_short_evaluation_batch_is_timed_until_its_batches_hold_a_second(monkeypatch) -> None:
+    """Each evaluator's batch on the sized pack is timed as the steps are: at least three times, then until as many
+    as ``EVAL_TIMED_S`` holds of the fastest, at most ``EVAL_MAX_REPEATS``: 0.125 s batches 8 times, 0.5 s ones 3,
+    0.01 s ones 25 (a batch another process slowed does not shorten it)."""
+    clock = [0.0]
+
+    def batches(seconds):  # noqa: ANN001, ANN202
+        it = iter(seconds)
+
+        def call() -> None:
+            clock[0] += next(it)
+        return call
+
+    monkeypatch.setattr("time.perf_counter", lambda: clock[0])
+    assert pack_step.timed_repeats(batches([0.125] * 50)) == [0.125] * 8
+    assert pack_step.timed_repeats(batches([0.5] * 50)) == [0.5] * 3
+    assert len(pack_step.timed_repeats(batches([0.01] * 50))) == pack_step.EVAL_MAX_REPEATS == 25
+    assert len(pack_step.timed_repeats(batches([0.125, 2.0, 2.0] + [0.125] * 50))) == 8
