@@ -36,7 +36,9 @@ Beside each phase's wall seconds the split keeps the process's CPU seconds in it
 all its threads, charged the same exclusive way; child processes such as the trackers' are not counted). On a
 shared or throttled host the wall seconds move from run to run; the CPU seconds of the same work do not move much,
 so a phase that took longer at the same CPU seconds ran on a busier or slower host, and one whose CPU seconds grew
-does more work. ``timing.json`` in the study directory keeps the split of every run of the study; ``sweep status`` shows the last
+does more work.
+
+``timing.json`` in the study directory keeps the split of every run of the study; ``sweep status`` shows the last
 one. ``Profile`` (``sweep run --profile DIR``) adds a torch profiler trace of a window of packed steps, each
 phase a named range in it.
 """
