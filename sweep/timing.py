@@ -32,6 +32,12 @@ its split when the run starts; what the program did before is ``process_before_s
 
 The clock is the host's: GPU work launched asynchronously is charged to the phase that waits for it (the
 training step's read-back is in ``train``; evaluations read their results, so they wait for their own work).
+Beside each phase's wall seconds the split keeps the process's CPU seconds in it (``cpu``: user and system time of
+all its threads, charged the same exclusive way; child processes such as the trackers' are not counted). On a
+shared or throttled host the wall seconds move from run to run; the CPU seconds of the same work do not move much,
+so a phase that took longer at the same CPU seconds ran on a busier or slower host, and one whose CPU seconds grew
+does more work.
+
 ``timing.json`` in the study directory keeps the split of every run of the study; ``sweep status`` shows the last
 one. ``Profile`` (``sweep run --profile DIR``) adds a torch profiler trace of a window of packed steps, each
 phase a named range in it.
@@ -82,6 +88,12 @@ class WallSplit:
         self.process_before_s = 0.0 if start is not None else seconds_since_import()
         """Seconds of the process before the split started (imports, the study file, a program's own work): 0 for a
         split that starts with the process."""
+        self.cpu: dict[str, float] = {}
+        """The process's CPU seconds (user + system, all its threads; ``time.process_time``) charged to each phase
+        as its wall time is: more CPU seconds than wall seconds is the phase's parallelism, and a phase whose wall
+        grew at the same CPU seconds ran on a slower or busier host, not on more work."""
+        self._cpu_mark = self.cpu_started = time.process_time()
+        """The process's CPU seconds at the split's start (``command_split`` charges them to ``import``)."""
         self.label: Callable[[str], AbstractContextManager[Any]] | None = None
         """Opens a named range for each phase (``Profile``: a ``torch.profiler.record_function``), or None."""
 
@@ -99,11 +111,12 @@ class WallSplit:
             self._stack.pop()
 
     def _switch(self) -> None:
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.process_time()
         if self._stack:
             top = self._stack[-1]
             self.seconds[top] = self.seconds.get(top, 0.0) + now - self._mark
-        self._mark = now
+            self.cpu[top] = self.cpu.get(top, 0.0) + cpu - self._cpu_mark
+        self._mark, self._cpu_mark = now, cpu
 
     def timed(self, name: str, fn: Callable[..., T]) -> Callable[..., T]:
         """``fn`` with every call charged to phase ``name``."""
@@ -147,7 +160,9 @@ class WallSplit:
         top = {p: round(self.seconds.get(p, 0.0), 3) for p in PHASES}
         top["other"] = round(max(0.0, wall - sum(top.values())), 3)
         sub = {k: round(v, 3) for k, v in self.seconds.items() if ":" in k}  # in the order they began
-        return {"wall_s": round(wall, 3), "phases": top, "detail": sub,
+        cpu = {p: round(self.cpu.get(p, 0.0), 3) for p in PHASES}
+        cpu["other"] = round(max(0.0, time.process_time() - self.cpu_started - sum(cpu.values())), 3)
+        return {"wall_s": round(wall, 3), "phases": top, "cpu": cpu, "detail": sub,
                 "calls": {k: v for k, v in sorted(self.counts.items())},
                 "process_before_s": round(self.process_before_s, 3), "source": self.source,
                 "started_at": round(self.started_at, 3)}
@@ -162,8 +177,10 @@ def split_table(rec: dict[str, Any], title: str = "this run") -> str:
     wall = max(rec["wall_s"], 1e-9)
     since = {"process": ", from the process's start", "import": ", from lora_sweep's import"}.get(rec.get("source", ""))
     lines = [f"wall-time split of {title} ({rec['wall_s']:.1f} s{since or ''}):"]
+    cpu = rec.get("cpu", {})  # records written before it was kept have none
     for name, sec in rec["phases"].items():
-        lines.append(f"  {name:<10} {sec:8.1f} s {100 * sec / wall:5.1f}%")
+        used = f"  cpu {cpu[name]:6.1f} s" if name in cpu else ""
+        lines.append(f"  {name:<10} {sec:8.1f} s {100 * sec / wall:5.1f}%{used}")
         for sub, s in rec["detail"].items():
             if sub.split(":", 1)[0] == name:
                 lines.append(f"    {sub.split(':', 1)[1]:<12} {s:6.1f} s")
@@ -223,6 +240,7 @@ def command_split() -> WallSplit:
     split.add("import", before)
     split.add("import:python", python)
     split.add("import:cli", before - python)
+    split.cpu["import"], split.cpu_started = split.cpu_started, 0.0  # the process's CPU so far: its imports
     _COMMAND[:] = [split]
     return split
 

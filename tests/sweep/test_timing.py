@@ -54,6 +54,37 @@ def test_a_nested_phase_stops_the_outer_clock() -> None:
     assert rec["calls"] == {"evaluate": 1, "storage": 1, "train": 1}
 
 
+def _burn_cpu(seconds: float) -> None:
+    """Spin until this process has used ``seconds`` more CPU, however busy the host (its wall may be longer)."""
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+
+
+def test_each_phase_keeps_the_process_cpu_seconds_it_used_exclusively() -> None:
+    """The CPU beside the wall: a phase that waits uses none, one that computes uses its own, a nested phase's CPU
+    is not its parent's, and the record's CPU seconds add up to what the process used since the split's start."""
+    split = WallSplit()
+    cpu0 = time.process_time()
+    with split.phase("load"):
+        time.sleep(0.15)  # waits: wall, no CPU
+    with split.phase("train"):
+        _burn_cpu(0.1)
+        with split.phase("evaluate"):
+            _burn_cpu(0.2)
+    rec = split.record()
+    used = time.process_time() - cpu0
+    cpu = rec["cpu"]
+    assert set(cpu) == set(rec["phases"]) == {*PHASES, "other"}
+    assert rec["phases"]["load"] >= 0.15 and cpu["load"] < 0.05
+    assert 0.1 <= cpu["train"] < 0.15 and 0.2 <= cpu["evaluate"] < 0.25  # the evaluation's not the training's
+    assert sum(cpu.values()) == pytest.approx(used, abs=0.02)
+    table = split.table(rec)
+    assert re.search(r"train\s+[\d.]+ s\s+[\d.]+%\s+cpu\s+0\.1 s", table), table
+    old = {k: v for k, v in rec.items() if k != "cpu"}  # a record from before the CPU was kept still prints
+    assert "cpu" not in split.table(old) and "train" in split.table(old)
+
+
 def test_move_recharges_and_never_goes_negative() -> None:
     split = WallSplit()
     split.add("train", 1.0)
@@ -124,6 +155,7 @@ def test_the_process_start_is_the_interpreters_and_a_command_split_charges_it_to
     assert rec["phases"]["import"] == pytest.approx(rec["detail"]["import:python"] + rec["detail"]["import:cli"],
                                                     abs=2e-3)
     assert rec["detail"]["import:python"] == pytest.approx(imported - start, abs=2e-3)
+    assert rec["cpu"]["import"] > 0  # the interpreter's and the imports' CPU before the split was made
 
 
 def test_a_process_that_ran_something_before_python_counts_from_the_import(monkeypatch) -> None:
@@ -154,6 +186,7 @@ def test_a_run_commands_split_is_its_whole_wall_and_profile_writes_a_trace_and_t
     rec = last_run(tmp_path / "runs-whole")
     assert rec["source"] == "process" and set(rec["phases"]) == {*PHASES, "other"}
     assert abs(sum(rec["phases"].values()) - rec["wall_s"]) < 0.01
+    assert rec["cpu"]["train"] > 0 and rec["cpu"]["import"] > 0 and set(rec["cpu"]) == set(rec["phases"])
     # what no split sees: the fork and exec before the process's start tick, the exit's atexit handlers after the
     # record (a second at most on 2 busy cores)
     assert outside - max(1.0, 0.02 * outside) < rec["wall_s"] <= outside, (outside, rec)
