@@ -38,17 +38,39 @@ def _busy(seconds: float) -> None:
         pass
 
 
-def test_a_nested_phase_stops_the_outer_clock() -> None:
+class _Clock:
+    """A clock that moves only when told: the split's arithmetic checked exactly, whatever the host's load."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def process_time(self) -> float:
+        return 0.0
+
+    def time(self) -> float:
+        return 1.7e9 + self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_a_nested_phase_stops_the_outer_clock(monkeypatch) -> None:
+    clock = _Clock()
+    monkeypatch.setattr("lora_sweep.sweep.timing.time", clock)
     split = WallSplit()
     with split.phase("train"):
-        _busy(0.05)
+        clock.advance(0.05)
         with split.phase("storage"):
-            _busy(0.02)
+            clock.advance(0.02)
             with split.phase("evaluate"):
-                _busy(0.04)
-        _busy(0.01)
+                clock.advance(0.04)
+        clock.advance(0.01)
     s = split.seconds
-    assert 0.06 <= s["train"] < 0.09 and 0.02 <= s["storage"] < 0.04 and 0.04 <= s["evaluate"] < 0.06
+    assert s["train"] == pytest.approx(0.06) and s["storage"] == pytest.approx(0.02)
+    assert s["evaluate"] == pytest.approx(0.04)
     rec = split.record()
     assert abs(sum(rec["phases"].values()) - rec["wall_s"]) < 1e-2  # the phases (and other) add up to the wall
     assert rec["calls"] == {"evaluate": 1, "storage": 1, "train": 1}
