@@ -53,6 +53,7 @@ from lora_sweep.sweep._trial_data import (
     trial_adapter,
     trial_stream,
 )
+from lora_sweep.sweep.bookkeeping import CURVE_EVERY
 from lora_sweep.sweep.budget import BudgetState, TokenPlan, budget_state, end_line, recorded_budget
 from lora_sweep.sweep.config.space import adapter_spec
 from lora_sweep.sweep.config.spec import StudySpec
@@ -234,7 +235,7 @@ class _Sweep:
                 arrivals[r.slot] = r.slot_step
         self.global_step = reports[0].step + 1
         self.summary.steps, self.summary.tokens = self.pack_step0 + self.global_step, self.summary.tokens + step_tokens
-        if self.global_step % 10 == 0:
+        if self.global_step % CURVE_EVERY == 0:  # the plan's storage times this cadence
             self._flush_curves()
         if self.s.sharing is not None and time.time() - self.last_reap > 2 * self.s.sharing.heartbeat:
             self.reap()
