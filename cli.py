@@ -93,15 +93,14 @@ def run(study: str, overrides: tuple[str, ...], out: str | None, quiet: bool, wo
                    f"and data load, and the packs train")
     trackers = None
     try:
-        with split.phase("read"):
-            data = _read(study)  # before the imports below: a hostile study file is refused at once
+        with split.phase("read"):  # before the imports below (seconds): a hostile or wrong study file is refused
+            data = _read(study)  # at once, in the time of a YAML read and its validation (no torch: ~0.5 s)
+            spec = _load(study, overrides, out, read=False)
         # the trackers' process first: their packages import on the core that torch's import and the model's load
         # leave idle (--workers and --join runs log to no tracker)
         with split.phase("import"):
             trackers = None if workers is not None or join else _trackers_ahead(data, overrides)
         _import_engine(split)
-        with split.phase("read"):
-            spec = _load(study, overrides, out, read=False)
         if gpus is not None and (workers is not None or join):
             raise UserError("run: --gpus trains one pack over N GPUs; --workers and --join run a pack per worker "
                             "(sweep worker under torchrun shards each worker's pack)")

