@@ -9,6 +9,7 @@ pack's call sites ask, each None where the variant leaves plain LoRA as it is:
 hook                    asked by                                         built-in that fills it
 ======================  ===============================================  ========================================
 ``applies``, ``check``  ``AdapterSpec.__post_init__``: its fields' rules  every one
+``whole_base``          ``StudySpec``: an NF4 or sharded base refused      ``principal``, ``dora``
 ``rows``                ``AdapterSpec.rows``: store and planner rows      ``principal`` (2r)
 ``init``                ``PackedModel``: a slot's A and B^T rows          ``lora`` (kaiming, gaussian), ``principal``
 ``state``, ``start``    ``SlotStore``: per-slot buffers of the store      ``dora`` (magnitudes), ``lorafa`` (gains)
@@ -104,6 +105,10 @@ class Variant:
     check: Callable[[AdapterSpec], None] = _nothing
     """Raise ``ConfigError`` naming the key of a value of the variant's fields it refuses (every spec is checked,
     applying or not: a field's value rule holds everywhere)."""
+    whole_base: str = ""
+    """What the variant does with the whole floating-point base weight of a layer (PiSSA decomposes it, DoRA reads its
+    row norms), which a base that no process holds whole and in float (an NF4 base, an FSDP shard) cannot give: a
+    study of such a base is refused at load with it; empty: any base serves."""
     rows: Callable[[AdapterSpec], int] | None = None
     """Rows of A and B^T the slot's forward reads per layer (default: its rank); the store's bucket and the
     planner's memory term size a slot by it."""

@@ -51,5 +51,6 @@ def _merge(merged: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
 
 VARIANT = Variant(name="dora", applies=lambda spec: spec.dora, fields=("dora",),
                   check=lambda spec: require(isinstance(spec.dora, bool), "dora", "must be true or false", spec.dora),
+                  whole_base="reads the whole float base weight (the row norms of W + s B A)",
                   state=_state, start=_start, peft_config=_peft_config, peft_tensors=_peft_tensors,
                   peft_key="lora_magnitude_vector", merge=_merge)

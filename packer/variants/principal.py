@@ -45,5 +45,6 @@ def _peft_config(spec: AdapterSpec, config: dict[str, Any]) -> None:
     config["lora_alpha"] = spec.alpha * (rows / spec.rank) ** (0.5 if spec.rslora else 1.0)
 
 
-VARIANT = Variant(name="principal", applies=_applies, fields=("init",), check=_check, rows=lambda spec: 2 * spec.rank,
-                  init=_init, peft_config=_peft_config)
+VARIANT = Variant(name="principal", applies=_applies, fields=("init",), check=_check,
+                  whole_base="decomposes the whole float base weight", rows=lambda spec: 2 * spec.rank, init=_init,
+                  peft_config=_peft_config)

@@ -116,17 +116,28 @@ def check_value(name: str, key: str, value: object) -> None:
         raise ConfigError(f"{key}: {str(e).partition(': ')[2]}") from None
 
 
-def check_variant_combinations(values_of: Callable[[str], set[Any]], searched: set[str], base: dict[str, Any]) -> None:
-    """Refuse a search that can propose a combination of variant settings the packer refuses (LoRA-FA with DoRA):
-    every product of the searched variant settings' values (``values_of``: choices, or a range's ends) over the fixed
-    ``base`` (``TrainSpec.adapter_values``) must be an ``AdapterSpec``, so no trial fails on one mid-run."""
-    names = [n for n in variants.FIELDS if n in searched]
+_COMBINED = (*variants.FIELDS, "dropout")
+"""The settings the variants' rules weigh together: their own, and dropout (PiSSA / OLoRA need dropout 0)."""
+
+
+def variant_specs(values_of: Callable[[str], set[Any]], searched: set[str], base: dict[str, Any]) -> list[AdapterSpec]:
+    """Every adapter a study can propose, as far as the variants tell them apart: each product of the searched
+    ``_COMBINED`` settings' values (``values_of``: choices, or a range's ends) over the fixed ``base``
+    (``TrainSpec.adapter_values``).
+
+    Raises:
+        ConfigError: a product the packer refuses (LoRA-FA with DoRA, PiSSA with dropout), so that no trial fails on
+            one mid-run.
+    """
+    names = [n for n in _COMBINED if n in searched]
+    specs = []
     for combo in itertools.product(*(sorted(values_of(n), key=repr) for n in names)):
         try:
-            AdapterSpec(**{**base, **dict(zip(names, combo, strict=True))})
+            specs.append(AdapterSpec(**{**base, **dict(zip(names, combo, strict=True))}))
         except ConfigError as e:
             proposed = ", ".join(f"{n}: {v}" for n, v in zip(names, combo, strict=True))
             raise ConfigError(f"search: can propose {proposed}, which is refused ({e})") from None
+    return specs
 
 
 _ADAPTER = {f.name: f for f in fields(AdapterSpec)}

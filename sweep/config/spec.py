@@ -20,8 +20,9 @@ from typing import Any, Literal
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.evaluators import registry
+from lora_sweep.packer.api import AdapterSpec, variants
 from lora_sweep.sweep.config._params import SEARCHABLE, Param, SearchSpace, _check, _is_num, check_fields, rule
-from lora_sweep.sweep.config.settings import NOT_IN_BACKWARD, TrainSpec, check_variant_combinations, whole
+from lora_sweep.sweep.config.settings import NOT_IN_BACKWARD, TrainSpec, variant_specs, whole
 from lora_sweep.sweep.config.sources import FORMATS, DataSpec, ModelSpec
 from lora_sweep.sweep.config.strategy import _NAME, Budget, Constraint, Objective, PruningSpec, SamplerSpec
 from lora_sweep.sweep.config.tracking import TrackerSpec
@@ -134,9 +135,8 @@ class StudySpec:
         if self.train.optimizer_in_backward and clash:
             raise ConfigError(f"train.optimizer_in_backward: cannot be used with a searched {clash[0]} (it needs "
                               f"train.{clash[0]}: {NOT_IN_BACKWARD[clash[0]][0]}, fixed)")
-        self._check_whole_base()
-        check_variant_combinations(lambda n: self.setting_values(n, ranged=True), {p.name for p in self.search.params},
-                                   self.train.adapter_values())
+        self._check_whole_base(variant_specs(lambda n: self.setting_values(n, ranged=True),
+                                             {p.name for p in self.search.params}, self.train.adapter_values()))
         if self.data.eval is None and self.train.eval_every is not None:
             raise ConfigError("data.eval: is needed by train.eval_every")
         needs_eval = registry.needing_eval_data(names)
@@ -157,21 +157,19 @@ class StudySpec:
                 last,
             )
 
-    def _check_whole_base(self) -> None:
-        """PiSSA / OLoRA decompose, and DoRA's norm reads, the whole float base weight (``packer.variants.magnitude``),
-        which neither an NF4 base nor an FSDP shard keeps on one process; PiSSA / OLoRA also need dropout 0 (the
-        frozen principal part would see the dropped input)."""
-        principal = sorted(self.setting_values("init") & {"pissa", "olora"})
+    def _check_whole_base(self, specs: list[AdapterSpec]) -> None:
+        """Refuse a variant that needs the whole float base weight (``Variant.whole_base``: PiSSA's decomposition,
+        DoRA's norms) of any adapter the study can propose (``specs``) over a base that no process holds whole and
+        in float: an NF4 base, an FSDP shard."""
         part = "model.quantize: nf4" if self.model.quantize else "pack.shard: fsdp" if self.pack.shard != "none" \
             else None
-        if principal and part:
-            raise ConfigError(f"train.init: {principal[0]} decomposes the whole float base weight, which {part} does "
-                              "not keep on one process")
-        if principal and (dropout := max(self.setting_values("dropout", ranged=True))) > 0:
-            raise ConfigError(f"train.init: {principal[0]} needs dropout 0, and the study can train dropout "
-                              f"{dropout} (the frozen principal part would see the dropped input)")
-        if True in self.setting_values("dora") and part:
-            raise ConfigError(f"train.dora: DoRA trains over a whole float base, not with {part}")
+        needs = [(spec, v) for spec in specs for v in variants.of(spec) if v.whole_base] if part else []
+        if needs:
+            spec, v = needs[0]
+            value = getattr(spec, v.fields[0])
+            section = "search" if v.fields[0] in {p.name for p in self.search.params} else "train"
+            raise ConfigError(f"{section}.{v.fields[0]}: {value if isinstance(value, str) else v.name} "
+                              f"{v.whole_base}, which {part} does not keep on one process")
 
     def setting_values(self, name: str, ranged: bool = False) -> set[Any]:
         """The values train setting ``name`` takes over the study: its choices or range ends (``ranged``) if searched,

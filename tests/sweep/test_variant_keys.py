@@ -96,8 +96,11 @@ def test_bad_values_are_one_line_naming_the_key(folder: Path, changes: dict, mes
 
 @pytest.mark.parametrize(("changes", "message"), [
     ({"search": {"dora": [False, True]}, "model": {"path": "org/tiny-model", "quantize": "nf4"}},
-     "train.dora: DoRA trains over a whole float base, not with model.quantize: nf4"),
-    ({"train": {"dora": True}, "pack": {"shard": "fsdp", "max_slots": 4}}, "not with pack.shard: fsdp"),
+     "search.dora: dora reads the whole float base weight (the row norms of W + s B A), which model.quantize: nf4 "
+     "does not keep on one process"),
+    ({"train": {"dora": True}, "pack": {"shard": "fsdp", "max_slots": 4}},
+     "train.dora: dora reads the whole float base weight (the row norms of W + s B A), which pack.shard: fsdp does "
+     "not keep"),
 ])
 def test_dora_over_a_quantized_or_sharded_base_is_refused_at_load(folder: Path, changes: dict, message: str) -> None:
     assert message in _error(folder, **changes)
@@ -116,7 +119,9 @@ def test_dora_loads_on_either_kernels(folder: Path, changes: dict) -> None:
 
 def test_a_searched_dropout_with_a_principal_init_is_refused_at_load(folder: Path) -> None:
     message = _error(folder, search={"init": ["kaiming", "pissa"], "dropout": [0.0, 0.05]})
-    assert "train.init: pissa needs dropout 0" in message and "0.05" in message
+    assert "search: can propose init: pissa, dropout: 0.05, which is refused (init: pissa needs dropout 0" in message
+    message = _error(folder, search={"init": ["kaiming", "pissa"]}, train={"dropout": 0.1})
+    assert "search: can propose init: pissa, which is refused (init: pissa needs dropout 0" in message
     assert _load(folder, search={"init": ["kaiming", "pissa"]}, train={"dropout": 0.0}).train.dropout == 0.0
 
 
