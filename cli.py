@@ -36,18 +36,8 @@ def cli() -> None:
     """Hyperparameter sweeps for LoRA adapters, many trials packed into one training run."""
 
 
-def _read(study: str) -> dict[str, Any]:
-    """The study file's mapping, as read: its YAML (UTF-8, the alias budget, syntax) checked before the API brings
-    in the engine (torch, sqlite_utils: seconds and ~300 MB), so that a hostile or mistyped file is refused at once."""
-    from lora_sweep.sweep.config._yaml import read
-
-    return read(Path(study), check_paths=False)[1]
-
-
-def _load(study: str, overrides: tuple[str, ...], out: str | None, read: bool = True) -> StudySpec:
-    """The study loaded (``read``: its file's YAML checked first, ``_read``)."""
-    if read:
-        _read(study)
+def _load(study: str, overrides: tuple[str, ...], out: str | None) -> StudySpec:
+    """The study loaded and validated: no torch, no store (~0.5 s), so a hostile or wrong file is refused at once."""
     from lora_sweep.sweep.config.loader import (
         load_study,  # not the API's: it brings in the results store (sqlite_utils)
     )
@@ -93,13 +83,12 @@ def run(study: str, overrides: tuple[str, ...], out: str | None, quiet: bool, wo
                    f"and data load, and the packs train")
     trackers = None
     try:
-        with split.phase("read"):  # before the imports below (seconds): a hostile or wrong study file is refused
-            data = _read(study)  # at once, in the time of a YAML read and its validation (no torch: ~0.5 s)
-            spec = _load(study, overrides, out, read=False)
+        with split.phase("read"):  # before the imports below (seconds): a wrong study file is refused at once
+            spec = _load(study, overrides, out)
         # the trackers' process first: their packages import on the core that torch's import and the model's load
         # leave idle (--workers and --join runs log to no tracker)
         with split.phase("import"):
-            trackers = None if workers is not None or join else _trackers_ahead(data, overrides)
+            trackers = None if workers is not None or join else _trackers_ahead(spec)
         _import_engine(split)
         if gpus is not None and (workers is not None or join):
             raise UserError("run: --gpus trains one pack over N GPUs; --workers and --join run a pack per worker "
@@ -204,13 +193,11 @@ def _close_split(split: WallSplit, run: dict[str, Any], out_dir: Path, profiler:
                    f"{profiler.out / profiler.OPS}")
 
 
-def _trackers_ahead(data: dict[str, Any], overrides: tuple[str, ...]) -> Tracking | None:
-    """The trackers' process, started with the trackers the study file seems to name (a guess: the loaded study's
-    ``trackers`` are what it logs to)."""
-    from lora_sweep.sweep.config.tracking import named_trackers
+def _trackers_ahead(spec: StudySpec) -> Tracking | None:
+    """The trackers' process of the study's ``trackers``, started before the engine's imports (None: it names none)."""
     from lora_sweep.sweep.trackers.process import ahead
 
-    return ahead(named_trackers(data, overrides))
+    return ahead([(t.name, dict(t.options)) for t in spec.trackers])
 
 
 def _join(spec: StudySpec, storage: str | None, heartbeat: float, grace: float, quiet: bool,

@@ -10,17 +10,15 @@ here, at load, with the extra that installs it.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
-
-import yaml
 
 from lora_sweep.errors import ConfigError
 from lora_sweep.sweep.config._params import _check
 from lora_sweep.sweep.config.settings import table
 
-__all__ = ["TrackerSpec", "TRACKERS", "axolotl_trackers", "named_trackers", "torchtune_trackers"]
+__all__ = ["TrackerSpec", "TRACKERS", "axolotl_trackers", "torchtune_trackers"]
 
 _ROWS: dict[str, dict[str, dict[str, str]]] = table("foreign.yaml")["trackers"]
 OPTIONS = [(t, o, row.get("axolotl", ""), row.get("torchtune", "")) for t, rows in _ROWS.items()
@@ -99,32 +97,3 @@ def torchtune_trackers(value: Any) -> tuple[list[dict[str, Any]], list[str]]:
         else:
             ignored.append(f"metric_logger.{key}")
     return [entry], ignored
-
-
-def named_trackers(data: Mapping[str, Any], overrides: Sequence[str]) -> list[tuple[str, dict[str, Any]]]:
-    """(name, options) of each tracker a study file's mapping, as read (``_yaml.read``: no alias resolved, nothing
-    checked), and its overrides seem to name: its ``trackers:`` (or a ``trackers=`` override's), an Axolotl
-    config's ``wandb_*`` / ``mlflow_*`` keys, torchtune's ``metric_logger``. A guess made before the study loads,
-    never an error: ``sweep run`` starts the trackers' process with it so that their packages import while torch
-    does (``sweep.trackers.process``); what is logged to is the loaded study's ``trackers``."""
-    entries: Any = data.get("trackers")
-    for text in overrides:
-        key, _, value = text.partition("=")
-        if key.strip() == "trackers":
-            try:
-                entries = yaml.safe_load(value)
-            except yaml.YAMLError:
-                entries = None
-    found: list[Any] = list(entries) if isinstance(entries, list) else []
-    found += axolotl_trackers(data)[0]
-    if "metric_logger" in data:
-        found += torchtune_trackers(data["metric_logger"])[0]
-    named: dict[str, dict[str, Any]] = {}
-    for entry in found:
-        name, options = entry, {}
-        if isinstance(entry, Mapping):  # options kept as written when strings (they are; anything else is refused)
-            name = entry.get("name")
-            options = {k: v for k, v in entry.items() if k != "name" and isinstance(k, str) and isinstance(v, str)}
-        if isinstance(name, str) and name in TRACKERS:
-            named.setdefault(name, options)
-    return list(named.items())

@@ -1,12 +1,11 @@
 """The run's side of the trackers' process (``python -m lora_sweep.sweep.trackers.sync``): ``Tracking`` starts it,
 tells it the study, and ends it.
 
-The process can start before the study is loaded: ``sweep run`` starts it (``ahead``) as soon as the study file is
-read, with the trackers the file seems to name (``sweep.config.tracking.named_trackers``), and the process imports
-their packages (about 2 CPU seconds for the three) while the run imports torch and loads the model, which keep one
-core busy for about 5 s on the 2-core demo and leave the other idle. Once the study is loaded, ``attach`` sends the
-process the study's directory and its ``trackers`` (those are what is logged to; a tracker the guess missed is
-imported then). ``start`` does both at once for a study loaded already (the Python API). This module imports neither
+The process can start before the engine is imported: ``sweep run`` starts it (``ahead``) as soon as the study is
+loaded (no torch yet), with the study's trackers, and the process imports their packages (about 2 CPU seconds for the
+three) while the run imports torch and loads the model, which keep one core busy for about 5 s on the 2-core demo and
+leave the other idle. ``attach`` then sends the process the study's directory and its ``trackers``. ``start`` does
+both at once (the Python API). This module imports neither
 the results store nor a tracker's package: ``sweep run`` imports it before anything heavy.
 """
 
@@ -171,8 +170,8 @@ def _normal_priority(pid: int) -> None:
 
 
 def ahead(prepare: Sequence[tuple[str, Mapping[str, Any]]], interval: float = 2.0) -> Tracking | None:
-    """The trackers' process started before the study is loaded, importing ``prepare``'s packages
-    (``sweep.config.tracking.named_trackers``: a guess from the study file); None when it names none."""
+    """The trackers' process started before the engine's imports, importing ``prepare``'s packages ((name, options)
+    of the study's trackers); None when it names none."""
     return Tracking(prepare, interval).begin() if prepare else None
 
 

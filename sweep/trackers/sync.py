@@ -166,8 +166,8 @@ def _wandb_first(names: list[str]) -> list[str]:
 
 
 def _prepare_ahead(named: list[list[Any]]) -> set[str]:
-    """The trackers the run guessed from the study file (``sweep.config.tracking.named_trackers``) prepared before
-    it tells the study; the names of those that were. One that failed is left for ``Syncer.prepare`` to try again
+    """The trackers ``sweep run`` started the process with (``process.ahead``) prepared before it tells the study;
+    the names of those that were. One that failed is left for ``Syncer.prepare`` to try again
     and say, if the study names it."""
     options = {name: opts for name, opts in named}
     ready = set()

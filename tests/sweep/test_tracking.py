@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 
 from lora_sweep.errors import ConfigError
-from lora_sweep.sweep.config._yaml import read
 from lora_sweep.sweep.config.loader import load_study
-from lora_sweep.sweep.config.tracking import TrackerSpec, axolotl_trackers, named_trackers, torchtune_trackers
+from lora_sweep.sweep.config.tracking import TrackerSpec, axolotl_trackers, torchtune_trackers
 from tests.conftest import need_module
 
 STUDY = """\
@@ -94,26 +93,3 @@ def test_torchtune_metric_logger() -> None:
     assert torchtune_trackers(disk) == ([], ["metric_logger"])  # logs nothing a study's results.db lacks
 
 
-@pytest.mark.parametrize(("written", "overrides"), [
-    ("trackers: [mlflow, {name: wandb, mode: online, project: p}]\n", []),
-    ("trackers: [mlflow]\n", ["trackers=[{name: tensorboard, log_dir: tb}, wandb]"]),
-    ("trackers: [mlflow]\n", ["trackers=[]"]),
-    ("", []),
-])
-def test_the_guess_before_loading_names_what_loading_gives(study: Path, written: str, overrides: list[str]) -> None:
-    """``named_trackers`` (read from the file's mapping before it loads, for ``sweep run`` to start the trackers'
-    process early) names the trackers, with their options, that the loaded study holds."""
-    study.write_text(STUDY + written)
-    loaded = [(t.name, dict(t.options)) for t in load_study(study, overrides).trackers]
-    assert named_trackers(read(study, False)[1], overrides) == loaded
-
-
-def test_the_guess_reads_foreign_tracker_keys_and_never_fails() -> None:
-    axolotl = {"base_model": "m", "wandb_project": "p", "wandb_mode": "offline", "use_mlflow": True}
-    assert named_trackers(axolotl, []) == [(e.pop("name"), e) for e in axolotl_trackers(axolotl)[0]]
-    logger = {"_component_": "torchtune.training.metric_logging.TensorBoardLogger", "log_dir": "/tb"}
-    assert named_trackers({"metric_logger": logger}, []) == [("tensorboard", {"log_dir": "/tb"})]
-    for data, overrides in [({"trackers": "mlflow"}, []), ({"trackers": [3, None, [], {"name": ["x"]}]}, []),
-                            ({"trackers": [{"name": "wandb", "mode": 3, 4: "x"}]}, []), ({}, ["trackers=[unclosed"]),
-                            ({"trackers": ["comet"]}, ["trackers"])]:
-        assert named_trackers(data, overrides) in ([], [("wandb", {})])  # nothing it cannot tell, not an error
