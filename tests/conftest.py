@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import tempfile
 from pathlib import Path
 from typing import NoReturn
@@ -18,6 +19,11 @@ from lora_sweep.packer.tiny.models import build_tiny_model
 from lora_sweep.testing.variant import Recorder, random_examples  # noqa: F401  (the suite's, shared)
 
 torch.set_num_threads(1)  # tiny models gain nothing from threads; one keeps timings stable
+# A test run started from a script's background job (`cmd &`, no job control) inherits SIGINT ignored, and so would
+# every `sweep` process a test starts (an ignored signal stays ignored across exec): the tests that press Ctrl-C on
+# one would see it ignored. A handler of this process's own is reset to the default in each child it starts.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 # calibrations are cached (sweep.planning.cache_dir): the tests' own, not the user's, shared by their subprocesses
 os.environ.setdefault("LORA_SWEEP_CACHE", tempfile.mkdtemp(prefix="lora-sweep-test-cache-"))
 
