@@ -1,7 +1,7 @@
 """Experiment trackers (the study file's ``trackers:``): MLflow, Weights & Biases and TensorBoard see every trial.
 
     base          the ``Tracker`` protocol every tracker implements, and what it is given
-    process       the run's side of the trackers' process: started (before the study loads, with ``sweep run``),
+    process       the run's side of the trackers' process: started (before torch's import, with ``sweep run``),
                   told the study, ended
     sync          the process copying results.db to the trackers, their run ids in trackers.json
     _guards       that process's bounds: its output without passwords, trackers.json checked, the study directory's
