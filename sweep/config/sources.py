@@ -16,7 +16,6 @@ from lora_sweep.sweep.config.settings import whole
 __all__ = ["ModelSpec", "DataSpec", "FORMATS"]
 
 FORMATS = ("auto", *supported.FORMATS)
-_FORMAT_ALIASES = {"messages": "chat", "sharegpt": "chat", "completion": "prompt_completion"}
 
 
 @dataclass(frozen=True)
@@ -48,7 +47,6 @@ class DataSpec:
     max_line_bytes: int | None = rule(whole(null=True), "must be a number of bytes >= 1", None)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "format", _FORMAT_ALIASES.get(self.format, self.format))
         check_fields(self)
 
     @property

@@ -69,6 +69,9 @@ def test_units_and_spellings_come_from_the_table(tmp_path) -> None:
                      "budget: {wall_time: 1h30m}\nobjectives: [{metric: eval_loss, direction: minimise}]\n")
     spec = loader.load_study(study)
     assert spec.budget.wall_time == 5400 and spec.objectives[0].direction == "minimize"
+    spelled = ("messages", "sharegpt", "completion")
+    formats = [loader.load_study(study, [f"data.format={f}"]).data.format for f in spelled]
+    assert formats == ["chat", "chat", "prompt_completion"]
     study.write_text(study.read_text().replace("1h30m", "90 minutes"))
     with pytest.raises(ConfigError, match=r"budget.wall_time: must be seconds or a duration like 90m, 2h, 1h30m"):
         loader.load_study(study)
