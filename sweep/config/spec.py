@@ -131,12 +131,13 @@ class StudySpec:
                 registry.metric_direction(metric, entries)
             except ConfigError as e:  # "metric: rule": the evaluators' word for the key is ours here
                 raise ConfigError(f"{key}: {str(e).removeprefix('metric: ')}") from None
-        clash = [p.name for p in self.search.params if p.name in NOT_IN_BACKWARD]
+        searched = {p.name for p in self.search.params}
+        clash = [p.name for p in self.search.params if p.name in NOT_IN_BACKWARD]  # in file order: the first is named
         if self.train.optimizer_in_backward and clash:
             raise ConfigError(f"train.optimizer_in_backward: cannot be used with a searched {clash[0]} (it needs "
                               f"train.{clash[0]}: {NOT_IN_BACKWARD[clash[0]][0]}, fixed)")
-        self._check_whole_base(variant_specs(lambda n: self.setting_values(n, ranged=True),
-                                             {p.name for p in self.search.params}, self.train.adapter_values()))
+        self._check_whole_base(variant_specs(lambda n: self.setting_values(n, ranged=True), searched,
+                                             self.train.adapter_values()), searched)
         if self.data.eval is None and self.train.eval_every is not None:
             raise ConfigError("data.eval: is needed by train.eval_every")
         needs_eval = registry.needing_eval_data(names)
@@ -147,7 +148,7 @@ class StudySpec:
                 self.search.grid()
             except ConfigError as e:
                 raise ConfigError(f"search.{e}") from None
-        if (self.pruning.kind == "cohort_sha" and "max_steps" not in [p.name for p in self.search.params]
+        if (self.pruning.kind == "cohort_sha" and "max_steps" not in searched
                 and self.train.epochs is None):
             last = self.pruning.rungs[-1]
             _check(
@@ -157,17 +158,17 @@ class StudySpec:
                 last,
             )
 
-    def _check_whole_base(self, specs: list[AdapterSpec]) -> None:
+    def _check_whole_base(self, specs: list[AdapterSpec], searched: set[str]) -> None:
         """Refuse a variant that needs the whole float base weight (``Variant.whole_base``: PiSSA's decomposition,
         DoRA's norms) of any adapter the study can propose (``specs``) over a base that no process holds whole and
-        in float: an NF4 base, an FSDP shard."""
+        in float: an NF4 base, an FSDP shard. ``searched``: the searched settings' names (the key an error names)."""
         part = "model.quantize: nf4" if self.model.quantize else "pack.shard: fsdp" if self.pack.shard != "none" \
             else None
         needs = [(spec, v) for spec in specs for v in variants.of(spec) if v.whole_base] if part else []
         if needs:
             spec, v = needs[0]
             value = getattr(spec, v.fields[0])
-            section = "search" if v.fields[0] in {p.name for p in self.search.params} else "train"
+            section = "search" if v.fields[0] in searched else "train"
             raise ConfigError(f"{section}.{v.fields[0]}: {value if isinstance(value, str) else v.name} "
                               f"{v.whole_base}, which {part} does not keep on one process")
 
