@@ -1,8 +1,9 @@
 """The directory an export is written in: a scratch directory beside ``--out``, renamed onto it once complete.
 
-An export stopped by Ctrl-C or SIGTERM removes its scratch directory (``sweep.export``'s ``finally``); one stopped by
-SIGKILL or a power loss leaves it, named for its process (``.<out>.partial-<pid>-<random>``), and the next export to
-the same ``--out`` removes it once that process is gone. The system's refusals name ``--out``, not the scratch.
+An export stopped by Ctrl-C or SIGTERM removes its scratch directory (``scratch_dir``'s exit; its name is held
+before ``mkdir`` makes it, so a signal between the two leaves none either); one stopped by SIGKILL or a power loss
+leaves it, named for its process (``.<out>.partial-<pid>-<random>``), and the next export to the same ``--out``
+removes it once that process is gone. The system's refusals name ``--out``, not the scratch.
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ from __future__ import annotations
 import glob
 import os
 import re
+import secrets
 import shutil
-import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from lora_sweep.errors import UserError
@@ -25,26 +28,39 @@ def _scratch_prefix(out: Path) -> str:
     return f".{out.name}.partial-"
 
 
-def scratch_dir(out: Path) -> Path:
-    """A scratch directory beside ``out`` (``.<name>.partial-<pid>-<random>``, renamed onto ``out`` once complete),
-    after removing those that exports to ``out`` by processes no longer alive left behind (a SIGKILL, a power loss:
-    a Ctrl-C or SIGTERM removes its own).
+@contextmanager
+def scratch_dir(out: Path) -> Iterator[Path]:
+    """A scratch directory beside ``out`` (``.<name>.partial-<pid>-<random>``, for the caller to rename onto ``out``
+    once complete), after removing those that exports to ``out`` by processes no longer alive left behind (a SIGKILL,
+    a power loss). On exit, however the block ends (an error, Ctrl-C, SIGTERM), no scratch of this process is left
+    beside ``out``.
 
     Raises:
         UserError: ``out`` cannot be written (named as given, ``unwritable``).
     """
+    tmp: Path | None = None
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        for old in out.parent.glob(glob.escape(_scratch_prefix(out)) + "*"):
-            pid = old.name.removeprefix(_scratch_prefix(out)).split("-", 1)[0]
-            if pid.isdigit() and not _alive(int(pid)):
-                shutil.rmtree(old, ignore_errors=True)
-        return Path(tempfile.mkdtemp(prefix=f"{_scratch_prefix(out)}{os.getpid()}-", dir=out.parent))
-    except OSError as err:
-        refused = unwritable(out, err)
-        if refused is None:
-            raise
-        raise refused from err
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            for old in out.parent.glob(glob.escape(_scratch_prefix(out)) + "*"):
+                pid = old.name.removeprefix(_scratch_prefix(out)).split("-", 1)[0]
+                if pid.isdigit() and not _alive(int(pid)):
+                    shutil.rmtree(old, ignore_errors=True)
+            while tmp is None or not tmp.is_dir():
+                # named before mkdir (not tempfile.mkdtemp, which names it after): a signal that lands between the
+                # two finds the name held, and the exit below removes what mkdir made
+                tmp = out.parent / f"{_scratch_prefix(out)}{os.getpid()}-{secrets.token_hex(4)}"
+                with suppress(FileExistsError):
+                    tmp.mkdir(mode=0o700)
+        except OSError as err:
+            refused = unwritable(out, err)
+            if refused is None:
+                raise
+            raise refused from err
+        yield tmp
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _alive(pid: int) -> bool:
@@ -67,7 +83,7 @@ def unwritable(out: Path, err: BaseException) -> UserError | None:
     if line.startswith("no space left"):  # (its advice is a study's)
         return UserError(f"export: no space left on the device for {out}: nothing was written (the partial export "
                          f"is removed); free space and run the same command again")
-    scratch = re.escape(str(out.parent / _scratch_prefix(out))) + r"[\w-]*"  # mkdtemp's names: letters, digits, _
+    scratch = re.escape(str(out.parent / _scratch_prefix(out))) + r"[\w-]*"  # <pid>-<hex>
     return UserError(f"export: {re.sub(scratch, lambda _: str(out), line)}")
 
 
@@ -80,7 +96,7 @@ def _umask() -> int:
 
 def plain_modes(root: Path) -> None:
     """Give ``root`` and everything in it the modes ``mkdir`` and ``open`` would have (0755 / 0644 under
-    umask 022): ``mkdtemp`` made ``root`` 0700, and a serving process of another user must read the export."""
+    umask 022): ````scratch_dir`` made ``root`` 0700, and a serving process of another user must read the export."""
     mask = _umask()
     for path in [root, *root.rglob("*")]:
         os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)

@@ -15,7 +15,6 @@ import datetime as dt
 import json
 import math
 import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -262,30 +261,29 @@ def export_trial(study_dir: str | Path, out: str | Path, *, trial: int | None = 
         else:  # the export is still what PEFT loads: the trial as trained
             note = f"export: not padded for vLLM: the adapter uses {why} (it loads in PEFT as trained)"
     _check_out(out, cli)
-    tmp = scratch_dir(out)
-    try:
-        if merge:
-            quantize = ((meta.get("spec") or {}).get("model") or {}).get("quantize")
-            model, tokenizer = Packer.merge_base(_base_source(meta, config), quantize)
-            note = _dequantized_note(quantize)
-            Packer.merge_adapter(model, config, tensors)
-            model.save_pretrained(tmp)  # type: ignore[operator]
-            tokenizer.save_pretrained(tmp)  # type: ignore[attr-defined]
-        else:
-            Packer.write_adapter(tmp, config, tensors, {"study": str(meta.get("name", "")), "trial": str(rec.number)})
-        (tmp / "README.md").write_text(model_card(meta, rec, config, out, source=source, changes=changes,
-                                                  merged=merge))
-        plain_modes(tmp)
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    except Exception as err:
-        refused = unwritable(out, err)
-        if refused is None:
-            raise
-        raise refused from err
-    finally:  # a Ctrl-C or SIGTERM (KeyboardInterrupt) too: no --out, nothing beside it
-        shutil.rmtree(tmp, ignore_errors=True)
+    with scratch_dir(out) as tmp:  # removed however the block ends (a Ctrl-C or SIGTERM too): nothing beside --out
+        try:
+            if merge:
+                quantize = ((meta.get("spec") or {}).get("model") or {}).get("quantize")
+                model, tokenizer = Packer.merge_base(_base_source(meta, config), quantize)
+                note = _dequantized_note(quantize)
+                Packer.merge_adapter(model, config, tensors)
+                model.save_pretrained(tmp)  # type: ignore[operator]
+                tokenizer.save_pretrained(tmp)  # type: ignore[attr-defined]
+            else:
+                marks = {"study": str(meta.get("name", "")), "trial": str(rec.number)}
+                Packer.write_adapter(tmp, config, tensors, marks)
+            (tmp / "README.md").write_text(model_card(meta, rec, config, out, source=source, changes=changes,
+                                                      merged=merge))
+            plain_modes(tmp)
+            if out.exists():
+                out.rmdir()
+            os.replace(tmp, out)
+        except Exception as err:
+            refused = unwritable(out, err)
+            if refused is None:
+                raise
+            raise refused from err
     return Export(rec.number, out, rank, int(config["r"]), merge, changes, note)
 
 

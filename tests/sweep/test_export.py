@@ -341,6 +341,24 @@ def test_a_signal_mid_export_leaves_no_out_and_the_same_command_succeeds(study: 
     assert (out / "config.json").is_file() and [p.name for p in tmp_path.iterdir()] == ["merged"]
 
 
+def test_a_signal_right_after_the_scratch_directory_is_made_leaves_nothing(study: Path, tmp_path: Path,
+                                                                          monkeypatch) -> None:
+    """A signal can land after ``mkdir`` made the scratch directory and before any name held it (a busy host
+    deschedules the export there): CI saw one SIGTERM in that gap leave ``.merged.partial-*`` behind."""
+    made = os.mkdir
+
+    def mkdir_then_signal(path, *args, **kwargs):
+        made(path, *args, **kwargs)
+        if ".partial-" in os.fspath(path):
+            raise KeyboardInterrupt  # what the signal handler raises at the next bytecode
+
+    monkeypatch.setattr(os, "mkdir", mkdir_then_signal)
+    rec = next(t for t in _trials(study) if t.state == "COMPLETE")
+    with pytest.raises(KeyboardInterrupt):
+        export_trial(study, tmp_path / "out", trial=rec.number)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_scratch_directory_left_by_a_dead_export_is_removed_and_a_live_ones_kept(study: Path,
                                                                                   tmp_path: Path) -> None:
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
