@@ -10,8 +10,8 @@ import contextlib
 import fcntl
 import json
 import os
+import secrets
 import socket
-import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -34,8 +34,11 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     Writes a temporary file in the same folder, fsyncs it, then ``os.replace``s it onto ``path``.
     """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    # named before it is made (mkstemp names it after): a Ctrl-C or SIGTERM landing between the file's creation and
+    # this frame holding its name would otherwise leave it behind
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
     try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

@@ -27,8 +27,8 @@ import importlib.util
 import json
 import os
 import re
+import secrets
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -157,9 +157,11 @@ def convert(gguf: str | Path, out: str | Path, *, dtype: str = "float32",
         log(f"converting {gguf} (dequantizing to {dtype})")
     model, tokenizer = _dequantize(gguf, dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    # named before mkdir makes it (mkdtemp names it after): a Ctrl-C between the two leaves nothing beside ``out``;
+    # mkdir's own mode (0777 under the umask), not mkdtemp's 0700, which would make a shared cache or model private
+    tmp = out.parent / f".{out.name}.{os.getpid()}.{secrets.token_hex(6)}"
     try:
-        tmp.chmod(0o777 & ~_umask())  # mkdtemp's 0700 would make a shared cache or model directory private
+        tmp.mkdir()
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / MANIFEST).write_text(json.dumps(_manifest(gguf, model, dtype), indent=2) + "\n")
@@ -167,12 +169,6 @@ def convert(gguf: str | Path, out: str | Path, *, dtype: str = "float32",
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _manifest(gguf: Path, model: Any, dtype: str) -> dict[str, Any]:

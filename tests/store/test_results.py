@@ -362,6 +362,27 @@ def test_atomic_write(tmp_path: Path) -> None:
     assert _leftovers(tmp_path) == []
 
 
+def test_a_signal_right_after_the_temporary_file_is_made_leaves_nothing(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C or SIGTERM can land once the temporary file exists and before anything holds its name (a busy host
+    deschedules the writer there): the file is removed all the same, and the old content stays."""
+    target = tmp_path / "study.yaml"
+    atomic_write_text(target, "old: 1\n")
+    made = os.open
+
+    def open_then_signal(file, flags, *args, **kwargs):
+        fd = made(file, flags, *args, **kwargs)
+        if os.fspath(file).endswith(".tmp"):
+            os.close(fd)  # (the test's own hygiene: a process stopped by the signal closes it as it exits)
+            raise KeyboardInterrupt  # what the signal handler raises at the next bytecode
+        return fd
+
+    monkeypatch.setattr(os, "open", open_then_signal)
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write_text(target, "new: 2\n")
+    assert target.read_text() == "old: 1\n" and _leftovers(tmp_path) == []
+
+
 def test_atomic_write_failure_keeps_old_content(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     target = tmp_path / "study.yaml"
     atomic_write_text(target, "old: 1\n")

@@ -148,6 +148,23 @@ def test_convert_into_a_directory(tiny: Path, tmp_path: Path) -> None:
         G.convert(tiny, out)
 
 
+def test_a_signal_right_after_the_scratch_directory_is_made_leaves_nothing(tiny: Path, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C can land once mkdir made the conversion's scratch directory and before anything held its name:
+    ``sweep model`` leaves nothing beside ``--out`` all the same."""
+    made = os.mkdir
+
+    def mkdir_then_signal(path, *args, **kwargs):
+        made(path, *args, **kwargs)
+        if Path(path).name.startswith(".m16."):
+            raise KeyboardInterrupt  # what the signal handler raises at the next bytecode
+
+    monkeypatch.setattr(os, "mkdir", mkdir_then_signal)
+    with pytest.raises(KeyboardInterrupt):
+        G.convert(tiny, tmp_path / "m16")
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".m16")] == []
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
