@@ -186,10 +186,10 @@ def test_the_timeout_key_is_validated(tiny_dirs, tmp_path) -> None:
 
 
 def test_a_run_with_a_hanging_evaluator_ends_within_the_wall_time(tiny_dirs, tmp_path) -> None:
-    """``sweep run`` ends within 60 s of its start with ``budget.wall_time: 30s`` and an evaluator that never returns:
+    """``sweep run`` ends within 60 s of its start with ``budget.wall_time: 15s`` and an evaluator that never returns:
     the trials it scored failed with the reason, none left RUNNING. Counted from the run's first line (the
     interpreter's and torch's import before it take from 2 s on an idle machine to 30 s on a loaded one)."""
-    study = _study(tmp_path, tiny_dirs("llama"), mode="hang", budget={"wall_time": "30s"})
+    study = _study(tmp_path, tiny_dirs("llama"), mode="hang", budget={"wall_time": "15s"})
     proc = subprocess.Popen([sys.executable, "-m", "lora_sweep.cli", "run", str(study)], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
