@@ -11,13 +11,15 @@ import fcntl
 import json
 import os
 import secrets
+import shutil
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["StudyDir", "DirectoryInUse", "DirectoryLock", "atomic_write_bytes", "atomic_write_text", "cache_dir"]
+__all__ = ["StudyDir", "DirectoryInUse", "DirectoryLock", "atomic_write_bytes", "atomic_write_text", "cache_dir",
+           "scratch_directory"]
 
 
 def cache_dir() -> Path:
@@ -57,6 +59,28 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
 def atomic_write_text(path: str | Path, text: str, encoding: str = "utf-8") -> None:
     """Text version of :func:`atomic_write_bytes`."""
     atomic_write_bytes(path, text.encode(encoding))
+
+
+@contextlib.contextmanager
+def scratch_directory(beside: Path, prefix: str, mode: int = 0o777) -> Iterator[Path]:
+    """A new directory ``<prefix><pid>-<random>`` in the folder ``beside``, for the caller to fill and rename into
+    place; on exit, however the block ends (an error, Ctrl-C, SIGTERM), it is removed unless renamed away.
+
+    Named before ``mkdir`` makes it (``tempfile.mkdtemp`` names it after): a signal landing between the two would
+    leave a directory no name held. A name already taken carries this process's pid, so it is a dead process's
+    leftover (pids are reused): another is drawn. ``mode`` is ``mkdir``'s, under the umask.
+    """
+    tmp: Path | None = None
+    try:
+        while True:
+            tmp = beside / f"{prefix}{os.getpid()}-{secrets.token_hex(4)}"
+            with contextlib.suppress(FileExistsError):
+                tmp.mkdir(mode)
+                break
+        yield tmp
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _fsync_dir(folder: Path) -> None:

@@ -1,9 +1,9 @@
 """The directory an export is written in: a scratch directory beside ``--out``, renamed onto it once complete.
 
-An export stopped by Ctrl-C or SIGTERM removes its scratch directory (``scratch_dir``'s exit; its name is held
-before ``mkdir`` makes it, so a signal between the two leaves none either); one stopped by SIGKILL or a power loss
-leaves it, named for its process (``.<out>.partial-<pid>-<random>``), and the next export to the same ``--out``
-removes it once that process is gone. The system's refusals name ``--out``, not the scratch.
+An export stopped by Ctrl-C or SIGTERM removes its scratch directory (``scratch_dir``'s exit, over ``store``'s
+``scratch_directory``: a signal between its ``mkdir`` and its name being held leaves none either); one stopped by
+SIGKILL or a power loss leaves it, named for its process (``.<out>.partial-<pid>-<random>``), and the next export
+to the same ``--out`` removes it once that process is gone. The system's refusals name ``--out``, not the scratch.
 """
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from __future__ import annotations
 import glob
 import os
 import re
-import secrets
 import shutil
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from lora_sweep.errors import UserError
+from lora_sweep.store.directory import scratch_directory
 from lora_sweep.sweep._faults import fault_line
 
 __all__ = ["scratch_dir", "unwritable", "plain_modes"]
@@ -30,37 +30,28 @@ def _scratch_prefix(out: Path) -> str:
 
 @contextmanager
 def scratch_dir(out: Path) -> Iterator[Path]:
-    """A scratch directory beside ``out`` (``.<name>.partial-<pid>-<random>``, for the caller to rename onto ``out``
-    once complete), after removing those that exports to ``out`` by processes no longer alive left behind (a SIGKILL,
-    a power loss). On exit, however the block ends (an error, Ctrl-C, SIGTERM), no scratch of this process is left
-    beside ``out``.
+    """A scratch directory beside ``out`` (``.<name>.partial-<pid>-<random>``, ``store``'s ``scratch_directory``, for
+    the caller to rename onto ``out`` once complete), after removing those that exports to ``out`` by processes no
+    longer alive left behind (a SIGKILL, a power loss). On exit, however the block ends (an error, Ctrl-C,
+    SIGTERM), no scratch of this process is left beside ``out``.
 
     Raises:
         UserError: ``out`` cannot be written (named as given, ``unwritable``).
     """
-    tmp: Path | None = None
-    try:
+    with ExitStack() as stack:  # the scratch's removal is held from the moment it exists
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
             for old in out.parent.glob(glob.escape(_scratch_prefix(out)) + "*"):
                 pid = old.name.removeprefix(_scratch_prefix(out)).split("-", 1)[0]
                 if pid.isdigit() and not _alive(int(pid)):
                     shutil.rmtree(old, ignore_errors=True)
-            while tmp is None or not tmp.is_dir():
-                # named before mkdir (not tempfile.mkdtemp, which names it after): a signal that lands between the
-                # two finds the name held, and the exit below removes what mkdir made
-                tmp = out.parent / f"{_scratch_prefix(out)}{os.getpid()}-{secrets.token_hex(4)}"
-                with suppress(FileExistsError):
-                    tmp.mkdir(mode=0o700)
+            tmp = stack.enter_context(scratch_directory(out.parent, _scratch_prefix(out), mode=0o700))
         except OSError as err:
             refused = unwritable(out, err)
             if refused is None:
                 raise
             raise refused from err
         yield tmp
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _alive(pid: int) -> bool:
@@ -96,7 +87,7 @@ def _umask() -> int:
 
 def plain_modes(root: Path) -> None:
     """Give ``root`` and everything in it the modes ``mkdir`` and ``open`` would have (0755 / 0644 under
-    umask 022): ````scratch_dir`` made ``root`` 0700, and a serving process of another user must read the export."""
+    umask 022): ``scratch_dir`` made ``root`` 0700, and a serving process of another user must read the export."""
     mask = _umask()
     for path in [root, *root.rglob("*")]:
         os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)

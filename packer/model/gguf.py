@@ -27,13 +27,13 @@ import importlib.util
 import json
 import os
 import re
-import secrets
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from lora_sweep.errors import UserError, first_line
+from lora_sweep.store.directory import scratch_directory
 
 __all__ = ["MANIFEST", "cache_root", "checkpoint_dir", "convert", "gguf_source", "packaged_gguf"]
 
@@ -157,17 +157,13 @@ def convert(gguf: str | Path, out: str | Path, *, dtype: str = "float32",
         log(f"converting {gguf} (dequantizing to {dtype})")
     model, tokenizer = _dequantize(gguf, dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
-    # named before mkdir makes it (mkdtemp names it after): a Ctrl-C between the two leaves nothing beside ``out``;
-    # mkdir's own mode (0777 under the umask), not mkdtemp's 0700, which would make a shared cache or model private
-    tmp = out.parent / f".{out.name}.{os.getpid()}.{secrets.token_hex(6)}"
-    try:
-        tmp.mkdir()
+    # mkdir's own mode (0777 under the umask), not mkdtemp's 0700, which would make a shared cache or model private;
+    # removed however the block ends (a Ctrl-C too) unless renamed onto ``out``
+    with scratch_directory(out.parent, f".{out.name}.") as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / MANIFEST).write_text(json.dumps(_manifest(gguf, model, dtype), indent=2) + "\n")
         os.replace(tmp, out)  # onto an empty directory too (rename(2)); a non-empty one fails, it is not ours
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

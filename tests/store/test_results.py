@@ -24,6 +24,7 @@ from lora_sweep.store.api import (
     atomic_write_bytes,
     atomic_write_text,
 )
+from lora_sweep.store.directory import scratch_directory
 from lora_sweep.store.schema import TABLES, columns
 
 REPO = Path(__file__).resolve().parents[2]
@@ -381,6 +382,24 @@ def test_a_signal_right_after_the_temporary_file_is_made_leaves_nothing(tmp_path
     with pytest.raises(KeyboardInterrupt):
         atomic_write_text(target, "new: 2\n")
     assert target.read_text() == "old: 1\n" and _leftovers(tmp_path) == []
+
+
+def test_a_scratch_directory_never_takes_or_removes_a_name_already_there(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A name already taken (a dead process's leftover with this pid) is passed over and left; the directory drawn
+    instead is removed on exit, and one renamed away is not followed."""
+    taken = tmp_path / f".out.{os.getpid()}-aaaa"
+    taken.mkdir()
+    (taken / "kept").write_text("x")
+    draws = iter(["aaaa", "bbbb", "cccc"])
+    monkeypatch.setattr("secrets.token_hex", lambda n: next(draws))
+    with scratch_directory(tmp_path, ".out.") as tmp:
+        assert tmp.name == f".out.{os.getpid()}-bbbb" and tmp.is_dir() and (taken / "kept").is_file()
+        (tmp / "f").write_text("y")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [taken.name]
+    with scratch_directory(tmp_path, ".out.") as tmp:
+        os.replace(tmp, tmp_path / "out")
+    assert (tmp_path / "out").is_dir() and sorted(p.name for p in tmp_path.iterdir()) == [taken.name, "out"]
 
 
 def test_atomic_write_failure_keeps_old_content(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
