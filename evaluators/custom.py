@@ -155,8 +155,15 @@ def check_target(spec: str) -> None:
         ConfigError: a file path that names no file (one line).
     """
     target = spec.rpartition(":")[0]
-    if is_file_target(target) and not Path(target).expanduser().is_file():
-        raise ConfigError(f"function: file not found: {Path(target).expanduser().resolve()}")
+    if not is_file_target(target):
+        return
+    try:
+        path = Path(target).expanduser().resolve()
+        found = path.is_file()
+    except (RuntimeError, ValueError, OSError) as err:  # ~user of no such user, a NUL byte, a name too long
+        raise ConfigError(f"function: not a usable file path ({err}; got {target!r})") from None
+    if not found:
+        raise ConfigError(f"function: file not found: {path}")
 
 
 def _check_option_function(opts: CustomOptions) -> None:

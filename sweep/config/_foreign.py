@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lora_sweep.errors import ConfigError
+from lora_sweep.errors import ConfigError, first_line
 from lora_sweep.sweep.config._own_search import around
-from lora_sweep.sweep.config._yaml import Doc, Key
+from lora_sweep.sweep.config._yaml import Doc, Key, kind_of
 from lora_sweep.sweep.config.settings import SETTINGS, TRAIN_ALIASES, table
 from lora_sweep.sweep.config.tracking import axolotl_trackers, torchtune_trackers
 
@@ -97,9 +97,14 @@ class _Out:
             return True
 
     def put(self, dest: Key, value: Any, src: Key) -> None:
+        """Write ``value`` at ``dest`` (a section left null becomes a mapping), located at ``src``'s line."""
         node = self.data
-        for part in dest[:-1]:
-            node = node.setdefault(part, {}) if isinstance(node.get(part), dict | None) else node[part]
+        for i, part in enumerate(dest[:-1]):
+            if node.get(part) is None:
+                node[part] = {}
+            elif not isinstance(node[part], dict):  # the file's own ``train: 5`` where a translated key goes
+                raise self.error(dest[:i + 1], f"must be a mapping (got {node[part]!r})")
+            node = node[part]
         node[dest[-1]] = value
         line = self.doc.lines.get(src)
         for i in range(1, len(dest) + 1):
@@ -225,7 +230,9 @@ def _own_values(data: dict[str, Any], aliases: Mapping[str, str], top: Sequence[
     own = {aliases.get(k, k): v for k, v in data.items() if k not in top and v is not None}
     if data.get("lora_target_linear"):  # Axolotl: every linear layer
         own["targets"] = "all-linear"
-    own |= {aliases.get(k, k): v for k, v in (data.get("train") or {}).items() if v is not None}
+    section = data.get("train")
+    if isinstance(section, dict):  # a train: that is no mapping is refused by the loader, naming its line
+        own |= {aliases.get(k, k): v for k, v in section.items() if v is not None}
     return {k: v for k, v in own.items() if k in train}
 
 
@@ -323,8 +330,8 @@ def _local_file(out: _Out, path: Any, src: Key) -> str:
         path = path[0]
     if not isinstance(path, str) or not path:
         raise out.error(src, f"must be the path of a local JSON-lines file (got {path!r})")
-    full = (out.doc.file.parent / Path(path).expanduser()).resolve()
-    if full.is_file():
+    full = out.doc.local(path, src)
+    if kind_of(full) == "file":
         return str(full)
     if re.fullmatch(r"[\w.-]+/[\w.-]+", path) and not path.endswith((".json", ".jsonl")):
         raise out.error(src, f"only local files work; {path!r} looks like a hub dataset: download it to a "
@@ -350,10 +357,14 @@ def _val_split(out: _Out, data: dict[str, Any], size: Any = None) -> None:
     ok = isinstance(size, int | float) and not isinstance(size, bool) and size > 0
     if not ok or (isinstance(size, float) and size >= 1 and not size.is_integer()):
         raise out.error(("val_set_size",), f"must be a fraction in (0, 1) or a number of rows (got {size!r})")
-    if "train" not in out.data.get("data", {}):
+    section = out.data.get("data")
+    if not isinstance(section, dict) or "train" not in section:
         raise out.error(("val_set_size",), "needs datasets (a local file) to split")
-    src = Path(out.data["data"]["train"])
-    lines = [line for line in src.read_text(encoding="utf-8-sig").splitlines() if line.strip()]
+    src = Path(_local_file(out, section["train"], ("data", "train")))
+    try:
+        lines = [line for line in src.read_text(encoding="utf-8-sig").splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise out.error(("data", "train"), f"cannot be read to split it ({first_line(e)})") from None
     n_val = round(size * len(lines)) if size < 1 else int(size)
     if not 1 <= n_val < len(lines):
         raise out.error(("val_set_size",), f"leaves no train or no eval row of {len(lines)} (got {size!r})")
@@ -362,7 +373,8 @@ def _val_split(out: _Out, data: dict[str, Any], size: Any = None) -> None:
     random.Random(f"{seed}:val_set_size").shuffle(order)
     val = set(order[:n_val])
     digest = hashlib.sha256(f"{seed}:{n_val}:".encode() + src.read_bytes()).hexdigest()[:12]
-    folder = Path(out.data.get("output") or Path("runs") / (data.get("name") or out.doc.file.stem)) / "val-split"
+    name, output = data.get("name") or out.doc.file.stem, out.data.get("output")
+    folder = Path(output if isinstance(output, str) and output else Path("runs") / str(name)) / "val-split"
     for name, keep in (("train", lambda i: i not in val), ("eval", lambda i: i in val)):
         path = (folder / f"{name}-{digest}.jsonl").resolve()
         if not path.is_file():

@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import fields
+from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -21,8 +21,8 @@ import yaml
 from lora_sweep.errors import ConfigError, first_line
 from lora_sweep.sweep.config.settings import FIELDS
 
-__all__ = ["Doc", "Item", "Key", "Loader", "add", "amount", "coerce", "dotted", "make", "override", "read", "scalar",
-           "section", "typed"]
+__all__ = ["Doc", "Item", "Key", "Loader", "add", "amount", "coerce", "dotted", "kind_of", "make", "override", "read",
+           "scalar", "section", "typed"]
 
 Key = tuple[str | int, ...]
 
@@ -81,11 +81,31 @@ class Doc:
                 break
         return ConfigError(f"{self.where(raw)}: {dotted(raw)}: {rule}" if raw else f"{self.where(raw)}: {rule}")
 
+    def local(self, text: str, canon: Key) -> Path:
+        """``text``, a path the file names, resolved from the file's folder (``~`` expanded), as ``canon``'s value.
+
+        Raises:
+            ConfigError: a path the system cannot take (``~user`` of no such user, a NUL byte).
+        """
+        try:
+            return (self.file.parent / Path(text).expanduser()).resolve()
+        except (RuntimeError, ValueError, OSError) as e:
+            raise self.error(canon, f"is not a usable path ({first_line(e)}; got {text!r})") from None
+
     def unknown(self, raw: Key, key: object, names: Sequence[str], aliases: Sequence[str]) -> ConfigError:
         near = difflib.get_close_matches(str(key), [*names, *aliases], n=1)
         hint = f"did you mean '{near[0]}'?" if near else f"expected one of: {', '.join(names)}"
         where = f"in {dotted(raw)}" if raw else "at top level"
         return ConfigError(f"{self.where(raw + (str(key),))}: unknown key '{key}' {where} ({hint})")
+
+
+def kind_of(path: Path) -> str | None:
+    """``"file"``, ``"dir"`` or None: nothing there, or a name the system refuses (too long, a NUL byte), which a
+    study's error then calls not found rather than a traceback."""
+    try:
+        return "dir" if path.is_dir() else "file" if path.is_file() else None
+    except (OSError, ValueError):
+        return None
 
 
 def read(path: Path, check_paths: bool) -> tuple[Doc, dict[str, Any]]:
@@ -166,6 +186,7 @@ def override(doc: Doc, data: dict[str, Any], text: str, aliases: Mapping[str, Ma
     name (``packing.slots`` -> ``pack``'s table).
     """
     key, sep, raw_value = text.partition("=")
+    text = text.replace("\r", "\\r").replace("\n", "\\n")  # as errors quote it: one line, however written
     if not sep or not key.strip():
         raise ConfigError(f"{doc.file}: override '{text}': expected dotted.key=value")
     try:
@@ -287,7 +308,11 @@ _KEYED = re.compile(r"([\w.\-]+): (.*)", re.S)
 
 
 def make(doc: Doc, cls: type, canon: Key, **kwargs: Any) -> Any:
-    """``cls(**kwargs)``, its ``key: rule`` error located in the file (``key`` is relative to ``canon``)."""
+    """``cls(**kwargs)``, its ``key: rule`` error located in the file (``key`` is relative to ``canon``); a field
+    with no default that ``kwargs`` lacks is named as required."""
+    for f in fields(cls):
+        if f.init and f.name not in kwargs and f.default is MISSING and f.default_factory is MISSING:
+            raise doc.error(canon + (f.name,), "is required")
     try:
         return cls(**kwargs)
     except ConfigError as e:

@@ -21,7 +21,20 @@ from typing import Any
 from lora_sweep.evaluators.custom import is_file_target
 from lora_sweep.sweep.config import _foreign
 from lora_sweep.sweep.config._own_search import default_budget
-from lora_sweep.sweep.config._yaml import Doc, Item, Key, add, coerce, make, override, read, scalar, section, typed
+from lora_sweep.sweep.config._yaml import (
+    Doc,
+    Item,
+    Key,
+    add,
+    coerce,
+    kind_of,
+    make,
+    override,
+    read,
+    scalar,
+    section,
+    typed,
+)
 from lora_sweep.sweep.config.settings import FIELDS, NOT_IN_BACKWARD, TRAIN_ALIASES
 from lora_sweep.sweep.config.spec import (
     SEARCHABLE,
@@ -217,21 +230,21 @@ def _model(doc: Doc, top: dict[str, Item], extra: dict[str, Item]) -> ModelSpec:
     p, gguf_file = kw["path"], kw.get("gguf_file")
     is_gguf = Path(p).suffix.lower() == ".gguf"
     if is_gguf or gguf_file is not None:  # a GGUF checkpoint is always a local file
-        full = (doc.file.parent / Path(p).expanduser()).resolve()
+        full = doc.local(p, canon + ("path",))
         if is_gguf and gguf_file is not None:
             raise doc.error(canon + ("gguf_file",), f"is for a directory model.path; {p!r} is a .gguf file already")
         file = full / gguf_file if gguf_file is not None else full
         hub_like = gguf_file is not None and not p.startswith((".", "/", "~")) and re.fullmatch(r"[\w.-]+/[\w.-]+", p)
-        if doc.check_paths and hub_like and not full.exists():
+        if doc.check_paths and hub_like and kind_of(full) is None:
             raise doc.error(canon + ("path",), f"a GGUF checkpoint is read from a local file, not a hub repo; "
                                                f"download it first (not found: {file})")
-        if doc.check_paths and not file.is_file():
-            key, got = ("gguf_file", gguf_file) if gguf_file is not None and full.is_dir() else ("path", p)
+        if doc.check_paths and kind_of(file) != "file":
+            key, got = ("gguf_file", gguf_file) if gguf_file is not None and kind_of(full) == "dir" else ("path", p)
             raise doc.error(canon + (key,), f"GGUF file not found: {file} (got {got!r})")
         kw["path"] = str(full)
-    elif p.startswith((".", "/", "~")) or (doc.file.parent / p).is_dir():  # a local path; else a hub id
-        full = (doc.file.parent / Path(p).expanduser()).resolve()
-        if doc.check_paths and not full.is_dir():
+    elif p.startswith((".", "/", "~")) or kind_of(doc.file.parent / p) == "dir":  # a local path; else a hub id
+        full = doc.local(p, canon + ("path",))
+        if doc.check_paths and kind_of(full) != "dir":
             raise doc.error(canon + ("path",), f"local model directory not found: {full} (got {p!r})")
         kw["path"] = str(full)
     elif not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", p):
@@ -244,8 +257,8 @@ def _data(doc: Doc, top: dict[str, Item], extra: dict[str, Item]) -> DataSpec:
     kw = _required(doc, top, extra, "data")
     for key in ("train", "eval"):
         if kw.get(key) is not None:
-            full = (doc.file.parent / kw[key].expanduser()).resolve()
-            if not full.is_file():
+            full = doc.local(str(kw[key]), canon + (key,))
+            if kind_of(full) != "file":
                 raise doc.error(canon + (key,), f"file not found: {full} (got '{kw[key]}')")
             kw[key] = full
     return make(doc, DataSpec, canon, **kw)
@@ -451,6 +464,6 @@ def _string_entry(doc: Doc, it: Item, canon: Key, cls: type) -> dict[str, Any]:
 def _code_path(doc: Doc, spec: str) -> str:
     """``file.py:OBJECT`` with a relative file taken from the study file's folder, as every path the file names."""
     target, sep, name = spec.rpartition(":")
-    if not sep or not is_file_target(target) or Path(target).expanduser().is_absolute():
+    if not sep or not is_file_target(target) or target.startswith(("/", "~")):
         return spec
-    return f"{(doc.file.parent / target).resolve()}:{name}"
+    return f"{doc.local(target, ('evaluators',))}:{name}"

@@ -111,3 +111,82 @@ def test_chat_rows_are_within_the_depth_bound(tmp_path) -> None:
     fmt, rows = read_jsonl(data)
     assert fmt == "chat" and rows[0]["messages"][1]["content"].endswith("\U0001f600")
 
+
+
+def _study(tmp_path: Path, drop: tuple[str, ...] = (), **changes) -> Path:  # noqa: ANN003
+    """``write_study``'s file (over an empty model folder) with ``changes`` at the top level and the keys ``drop``
+    removed."""
+    (tmp_path / "model").mkdir(exist_ok=True)
+    path = write_study(tmp_path, tmp_path / "model", **changes)
+    doc = yaml.safe_load(path.read_text())
+    for key in drop:
+        del doc[key]
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+# Found by mutating the example study files at random (each was a traceback before): every one is one line naming
+# the key, and the file's line where it has one.
+@pytest.mark.parametrize(("changes", "drop", "message"), [
+    ({"evaluators": [{}]}, (), r"small.yaml:\d+: evaluators.0.name: is required"),
+    ({"evaluators": [{"options": {"max_new_tokens": 4}}]}, (), r"evaluators.0.name: is required"),
+    ({"model": {"path": "./" + "a" * 300}}, (), r"model.path: local model directory not found"),
+    ({"model": {"path": "~no-such-user-here/model"}}, (), r"model.path: is not a usable path"),
+    ({"model": {"path": "a" * 300 + ".gguf"}}, (), r"model.path: GGUF file not found"),
+    ({"data": {"train": "a" * 300}}, (), r"data.train: file not found"),
+    ({"data": {"train": "~no-such-user-here/rows.jsonl"}}, (), r"data.train: is not a usable path"),
+    ({"data": {"train": "rows\x00.jsonl"}}, (), r"data.train: (file not found|is not a usable path)"),
+    # an Axolotl key makes the file an Axolotl config, whose translation read train: and data: as mappings
+    ({"adapter": "lora", "train": "1h30m"}, (), r"small.yaml:\d+: train: must be a mapping"),
+    ({"adapter": "lora", "val_set_size": 0.1, "data": {"train": "a" * 300}}, (), r"data.train: file not found"),
+    ({"adapter": "lora", "val_set_size": 0.1, "data": "rows.jsonl"}, (), r"val_set_size: needs datasets"),
+])
+def test_a_mutated_study_file_is_one_line_naming_the_key(tmp_path, changes, drop, message) -> None:
+    with pytest.raises(ConfigError, match=message) as err:
+        load_study(_study(tmp_path, drop, **changes))
+    assert "\n" not in str(err.value)
+
+
+def test_a_torchtune_configs_null_or_scalar_train_section_is_refused_or_filled(tmp_path) -> None:
+    tune = {"model": {"_component_": "torchtune.models.llama3_2.lora_llama3_2_1b", "lora_attn_modules": ["q_proj"]},
+            "checkpointer": {"_component_": "torchtune.training.FullModelHFCheckpointer",
+                             "checkpoint_dir": str(tmp_path)},
+            "dataset": {"_component_": "torchtune.datasets.instruct_dataset", "source": "json",
+                        "data_files": str(ROOT / "studies/data/arith-train.jsonl")},
+            "data": {"eval": str(ROOT / "studies/data/arith-eval.jsonl")}, "max_steps_per_epoch": 4}
+    path = tmp_path / "tune.yaml"
+    path.write_text(yaml.safe_dump({**tune, "train": None}))
+    assert load_study(path, check_paths=False).train.max_grad_norm is None  # no clip_grad_norm: torchtune clips not
+    path.write_text(yaml.safe_dump({**tune, "train": 5}))
+    with pytest.raises(ConfigError, match=r"tune.yaml:\d+: train: must be a mapping \(got 5\)"):
+        load_study(path, check_paths=False)
+
+
+def test_an_axolotl_configs_relative_data_file_is_split_from_the_files_folder(tmp_path, monkeypatch) -> None:
+    folder = tmp_path / "study"
+    (folder / "data").mkdir(parents=True)
+    (folder / "data" / "rows.jsonl").write_text((ROOT / "studies/data/arith-train.jsonl").read_text())
+    path = _study(folder, adapter="lora", val_set_size=0.25, drop=("data",))
+    doc = yaml.safe_load(path.read_text())
+    path.write_text(yaml.safe_dump({**doc, "data": {"train": "data/rows.jsonl", "format": "prompt_completion"}}))
+    monkeypatch.chdir(tmp_path)  # not the file's folder: the relative path is the file's
+    spec = load_study(path, check_paths=False)
+    assert spec.data.eval is not None and spec.data.eval.is_file() and spec.data.train.parent == spec.data.eval.parent
+
+
+def test_an_override_written_over_two_lines_is_quoted_on_one(tmp_path) -> None:
+    with pytest.raises(ConfigError, match=r"override 'seed.x=\[1,\\n 2\]': seed is not a mapping") as err:
+        load_study(_study(tmp_path), ["seed.x=[1,\n 2]"], check_paths=False)
+    assert "\n" not in str(err.value)
+
+
+def test_a_custom_evaluators_unusable_file_path_is_one_line_whether_imported_or_not(tmp_path) -> None:
+    from lora_sweep.evaluators.registry import deferred_user_code
+
+    path = _study(tmp_path, evaluators=[{"name": "custom", "options": {"function": "~no-such-user-here/m.py:f"}}])
+    with pytest.raises(ConfigError, match=r"evaluators.0.custom.options.function: cannot import") as err:
+        load_study(path)
+    with deferred_user_code(), pytest.raises(ConfigError, match=r"evaluators.0.custom.options.function: not a usable "
+                                                                r"file path \(.*home directory") as deferred:
+        load_study(path)  # sweep run's way: the file is looked for, not imported
+    assert "\n" not in str(err.value) + str(deferred.value)
