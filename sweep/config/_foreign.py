@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import random
 import re
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -21,9 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from lora_sweep.errors import ConfigError, first_line
+from lora_sweep.store.directory import atomic_write_text
 from lora_sweep.sweep.config._own_search import around
 from lora_sweep.sweep.config._yaml import Doc, Key, kind_of
 from lora_sweep.sweep.config.settings import SETTINGS, TRAIN_ALIASES, table
+from lora_sweep.sweep.config.strategy import _NAME
 from lora_sweep.sweep.config.tracking import axolotl_trackers, torchtune_trackers
 
 __all__ = ["translate", "split_overrides", "is_foreign"]
@@ -373,16 +374,18 @@ def _val_split(out: _Out, data: dict[str, Any], size: Any = None) -> None:
     random.Random(f"{seed}:val_set_size").shuffle(order)
     val = set(order[:n_val])
     digest = hashlib.sha256(f"{seed}:{n_val}:".encode() + src.read_bytes()).hexdigest()[:12]
-    name, output = data.get("name") or out.doc.file.stem, out.data.get("output")
-    folder = Path(output if isinstance(output, str) and output else Path("runs") / str(name)) / "val-split"
-    for name, keep in (("train", lambda i: i not in val), ("eval", lambda i: i in val)):
-        path = (folder / f"{name}-{digest}.jsonl").resolve()
-        if not path.is_file():
-            folder.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text("".join(line + "\n" for i, line in enumerate(lines) if keep(i)), encoding="utf-8")
-            os.replace(tmp, path)
-        out.put(("data", name), str(path), ("val_set_size",))
+    name, output = data.get("name"), out.data.get("output")
+    name = name if isinstance(name, str) and _NAME.fullmatch(name) else out.doc.file.stem  # a bad one: refused later
+    folder = Path(output if isinstance(output, str) and output else Path("runs") / name) / "val-split"
+    for part, keep in (("train", lambda i: i not in val), ("eval", lambda i: i in val)):
+        path = (folder / f"{part}-{digest}.jsonl").resolve()
+        try:
+            if kind_of(path) != "file":
+                folder.mkdir(parents=True, exist_ok=True)
+                atomic_write_text(path, "".join(line + "\n" for i, line in enumerate(lines) if keep(i)))
+        except OSError as e:
+            raise out.error(("val_set_size",), f"cannot write the split into {folder} ({e.strerror})") from None
+        out.put(("data", part), str(path), ("val_set_size",))
 
 
 def _torchtune(doc: Doc, data: dict[str, Any]) -> _Out:

@@ -116,7 +116,7 @@ def test_chat_rows_are_within_the_depth_bound(tmp_path) -> None:
 def _study(tmp_path: Path, drop: tuple[str, ...] = (), **changes) -> Path:  # noqa: ANN003
     """``write_study``'s file (over an empty model folder) with ``changes`` at the top level and the keys ``drop``
     removed."""
-    (tmp_path / "model").mkdir(exist_ok=True)
+    (tmp_path / "model").mkdir(parents=True, exist_ok=True)
     path = write_study(tmp_path, tmp_path / "model", **changes)
     doc = yaml.safe_load(path.read_text())
     for key in drop:
@@ -190,3 +190,20 @@ def test_a_custom_evaluators_unusable_file_path_is_one_line_whether_imported_or_
                                                                 r"file path \(.*home directory") as deferred:
         load_study(path)  # sweep run's way: the file is looked for, not imported
     assert "\n" not in str(err.value) + str(deferred.value)
+
+
+def test_an_axolotl_split_is_never_written_under_a_name_the_study_refuses(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    path = _study(tmp_path / "s", adapter="lora", val_set_size=0.25, drop=("output",))
+    path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), "name": {"a": "b" * 300}}))
+    with pytest.raises(ConfigError, match=r"name: must be a string"):
+        load_study(path)
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["small"]  # the file's stem, as the study would be
+
+
+def test_an_axolotl_split_that_cannot_be_written_is_one_line(tmp_path) -> None:
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    path = _study(tmp_path, adapter="lora", val_set_size=0.25, output=str(blocked / "out"))
+    with pytest.raises(ConfigError, match=r"val_set_size: cannot write the split into .*file/out/val-split"):
+        load_study(path)
