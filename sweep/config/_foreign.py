@@ -410,6 +410,9 @@ def _torchtune(doc: Doc, data: dict[str, Any]) -> _Out:
                  "held out as data.eval (give data.eval to choose it)")
         out.attempt(_val_split, out, data, _TT_HELD_OUT)
     tok = data.get("tokenizer") or {}
+    if not isinstance(tok, dict):
+        out.errors.append(str(out.error(("tokenizer",), f"must be a mapping with a _component_ (got {tok!r})")))
+        tok = {}
     if tok.get("max_seq_len") is not None:
         out.put(("data", "max_length"), tok["max_seq_len"], ("tokenizer", "max_seq_len"))
     # the checkpoint's own tokenizer is used; max_seq_len null: data.max_length's default applies
@@ -436,7 +439,9 @@ def _tt_model(out: _Out, key: str, value: Any) -> None:
         if k in ("_component_",):
             continue
         if k == "lora_attn_modules":
-            bad = [m for m in v if m not in _TT_TARGETS]
+            if not isinstance(v, list):
+                raise out.error(src, f"must be a list of attention modules ({', '.join(_TT_TARGETS)}; got {v!r})")
+            bad = [m for m in v if not isinstance(m, str) or m not in _TT_TARGETS]
             if bad:
                 raise out.error(src, f"unknown attention module {bad[0]!r} (expected {', '.join(_TT_TARGETS)})")
         elif _move(out, TORCHTUNE, src, v):

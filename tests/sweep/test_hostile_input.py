@@ -125,6 +125,16 @@ def _study(tmp_path: Path, drop: tuple[str, ...] = (), **changes) -> Path:  # no
     return path
 
 
+def _tune(tmp_path: Path) -> dict:
+    """A torchtune LoRA recipe's config over ``tmp_path`` as its checkpoint, on the demo's data."""
+    return {"model": {"_component_": "torchtune.models.llama3_2.lora_llama3_2_1b", "lora_attn_modules": ["q_proj"]},
+            "checkpointer": {"_component_": "torchtune.training.FullModelHFCheckpointer",
+                             "checkpoint_dir": str(tmp_path)},
+            "dataset": {"_component_": "torchtune.datasets.instruct_dataset", "source": "json",
+                        "data_files": str(ROOT / "studies/data/arith-train.jsonl")},
+            "data": {"eval": str(ROOT / "studies/data/arith-eval.jsonl")}}
+
+
 # Found by mutating the example study files at random (each was a traceback before): every one is one line naming
 # the key, and the file's line where it has one.
 @pytest.mark.parametrize(("changes", "drop", "message"), [
@@ -148,12 +158,7 @@ def test_a_mutated_study_file_is_one_line_naming_the_key(tmp_path, changes, drop
 
 
 def test_a_torchtune_configs_null_or_scalar_train_section_is_refused_or_filled(tmp_path) -> None:
-    tune = {"model": {"_component_": "torchtune.models.llama3_2.lora_llama3_2_1b", "lora_attn_modules": ["q_proj"]},
-            "checkpointer": {"_component_": "torchtune.training.FullModelHFCheckpointer",
-                             "checkpoint_dir": str(tmp_path)},
-            "dataset": {"_component_": "torchtune.datasets.instruct_dataset", "source": "json",
-                        "data_files": str(ROOT / "studies/data/arith-train.jsonl")},
-            "data": {"eval": str(ROOT / "studies/data/arith-eval.jsonl")}, "max_steps_per_epoch": 4}
+    tune = {**_tune(tmp_path), "max_steps_per_epoch": 4}
     path = tmp_path / "tune.yaml"
     path.write_text(yaml.safe_dump({**tune, "train": None}))
     assert load_study(path, check_paths=False).train.max_grad_norm is None  # no clip_grad_norm: torchtune clips not
@@ -207,3 +212,19 @@ def test_an_axolotl_split_that_cannot_be_written_is_one_line(tmp_path) -> None:
     path = _study(tmp_path, adapter="lora", val_set_size=0.25, output=str(blocked / "out"))
     with pytest.raises(ConfigError, match=r"val_set_size: cannot write the split into .*file/out/val-split"):
         load_study(path)
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"tokenizer": "llama3"}, r"tokenizer: must be a mapping with a _component_ \(got 'llama3'\)"),
+    ({"model": {"_component_": "torchtune.models.llama3_2.lora_llama3_2_1b", "lora_attn_modules": 0.5}},
+     r"model.lora_attn_modules: must be a list of attention modules"),
+    ({"model": {"_component_": "torchtune.models.llama3_2.lora_llama3_2_1b", "lora_attn_modules": [["q_proj"]]}},
+     r"model.lora_attn_modules: unknown attention module \['q_proj'\]"),
+])
+def test_a_torchtune_configs_mistyped_section_is_one_line_naming_it(tmp_path, changes, message) -> None:
+    tune = {**_tune(tmp_path), **changes}
+    path = tmp_path / "tune.yaml"
+    path.write_text(yaml.safe_dump(tune))
+    with pytest.raises(ConfigError, match=message) as err:
+        load_study(path, check_paths=False)
+    assert "\n" not in str(err.value)
