@@ -404,7 +404,8 @@ def _torchtune(doc: Doc, data: dict[str, Any]) -> _Out:
                                         f"needs the whole gradient before the step; got {data['clip_grad_norm']!r})")))
     if "clip_grad_norm" not in data:  # torchtune's recipes clip only when clip_grad_norm is set; our default is 1.0
         out.put(("train", "max_grad_norm"), None, ("optimizer_in_bwd",) if data.get("optimizer_in_bwd") else ())
-    if not out.errors and "train" in out.data.get("data", {}) and "eval" not in out.data["data"]:
+    held = out.data.get("data")
+    if not out.errors and isinstance(held, dict) and "train" in held and "eval" not in held:
         # torchtune's LoRA recipes evaluate nothing; a study ranks its trials on held-out data
         out.warn(f"no held-out data in the config: a seeded {round(100 * _TT_HELD_OUT)}% of dataset.data_files is "
                  "held out as data.eval (give data.eval to choose it)")

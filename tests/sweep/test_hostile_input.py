@@ -216,6 +216,7 @@ def test_an_axolotl_split_that_cannot_be_written_is_one_line(tmp_path) -> None:
 
 @pytest.mark.parametrize(("changes", "message"), [
     ({"tokenizer": "llama3"}, r"tokenizer: must be a mapping with a _component_ \(got 'llama3'\)"),
+    ({"data": 5}, r"data: must be a mapping \(got 5\)"),
     ({"model": {"_component_": "torchtune.models.llama3_2.lora_llama3_2_1b", "lora_attn_modules": 0.5}},
      r"model.lora_attn_modules: must be a list of attention modules"),
     ({"model": {"_component_": "torchtune.models.llama3_2.lora_llama3_2_1b", "lora_attn_modules": [["q_proj"]]}},
