@@ -193,8 +193,9 @@ def _dequantize(gguf: Path, dtype: str) -> tuple[Any, Any]:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except ValueError as err:
         raise _not_readable(gguf, err) from err
-    except (OSError, KeyError, IndexError) as err:  # a truncated or corrupt file
-        raise UserError(f"{gguf}: cannot read GGUF file: {first_line(err)}") from err
+    except Exception as err:  # noqa: BLE001  a truncated or corrupt file fails in the readers' own ways (struct,
+        # overflow, tokenizer, shape and config errors): the file is the user's input, so one line names it
+        raise UserError(f"{gguf}: cannot read GGUF file: {type(err).__name__}: {first_line(err)}") from err
     config = copy.deepcopy(loaded.config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the rebuilt model is a plain one; save_pretrained would refuse otherwise

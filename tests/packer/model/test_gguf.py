@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import sys
 import threading
 import time
@@ -221,6 +222,26 @@ def test_not_a_gguf_file(tmp_path: Path) -> None:
     with pytest.raises(UserError) as err:
         load_base(str(file))
     assert _one_line(err).startswith(f"{file}: ")
+
+
+def _corrupt(good: bytes, how: str) -> bytes:
+    """``good`` damaged as a torn download or a flipped byte damages a file (cases the random corruptions found)."""
+    if how == "truncated in the metadata":
+        return good[:5300]
+    if how == "a tensor count of 2**63 - 1":  # after the magic and the version
+        return good[:8] + struct.pack("<Q", 2**63 - 1) + good[16:]
+    at = good.index(b"llama.attention.head_count") + len(b"llama.attention.head_count") + 4  # past the value's type
+    return good[:at] + struct.pack("<I", 2031620) + good[at + 4:]  # 64 wide: heads that do not divide it
+
+
+@pytest.mark.parametrize("how", ["truncated in the metadata", "a tensor count of 2**63 - 1", "a head count of 2031620"])
+def test_a_corrupt_gguf_file_is_one_line_naming_it(tiny: Path, tmp_path: Path, how: str) -> None:
+    file = tmp_path / "corrupt.gguf"
+    file.write_bytes(_corrupt(tiny.read_bytes(), how))
+    with pytest.raises(UserError) as err:
+        G.convert(file, tmp_path / "out")
+    assert _one_line(err).startswith(f"{file}: cannot read GGUF file: ")
+    assert not (tmp_path / "out").exists()
 
 
 def test_packaged_model_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
