@@ -22,8 +22,11 @@
   trained up to that many steps past the report that stopped it (zero at a sync step, which is where the
   sweep prunes). Its ``SlotEnd.steps`` counts every step it took, and its reports up to its end are delivered.
 
-Capture (``cuda_graphs``: ``auto``/``on`` on CUDA): on a new key the step runs twice eagerly on a side stream with
-a no-op optimizer table (weights and moments stay as they were), then is captured (seconds in ``TrainResult``). If
+Capture (``cuda_graphs``: ``auto``/``on`` on CUDA): on the first key the step runs twice eagerly on a side stream with
+a no-op optimizer table (weights and moments stay as they were), then is captured (seconds in ``TrainResult``); a
+later key (another step shape) is captured straight into the graphs' shared pool, with no eager run beside it: an
+eager run's activations live outside the pool, so with the earlier graphs' pool held they doubled the peak (the
+0.5B unpacked benchmark's 128 rows of up to 512 tokens ran out of an 80 GB card that way, its pool 39.8 GiB). If
 capture fails, a one-line warning says why and the pack runs the same step eagerly.
 """
 
@@ -140,7 +143,7 @@ class Graphs:
         try:
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
-            graph, warmup_s, capture_s = capture(step, pool=self.pool)
+            graph, warmup_s, capture_s = capture(step, pool=self.pool, warmups=0 if self.graphs else 2)
             self.warmup_s += warmup_s
             self.capture_s += capture_s
         except Exception as err:  # any failure: the same step runs eagerly from now on (the caller says so)
