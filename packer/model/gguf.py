@@ -185,6 +185,7 @@ def _dequantize(gguf: Path, dtype: str) -> tuple[Any, Any]:
 
     torch_dtype = getattr(torch, dtype)
     hf_logging.disable_progress_bar()
+    _check_header(gguf)
     try:
         # dequantize=True: where the `kernels` package is installed transformers would otherwise keep the weights
         # as packed GGUF blocks, and the state dict would hold those instead of the weights
@@ -195,7 +196,7 @@ def _dequantize(gguf: Path, dtype: str) -> tuple[Any, Any]:
         raise _not_readable(gguf, err) from err
     except Exception as err:  # noqa: BLE001  a truncated or corrupt file fails in the readers' own ways (struct,
         # overflow, tokenizer, shape and config errors): the file is the user's input, so one line names it
-        raise UserError(f"{gguf}: cannot read GGUF file: {type(err).__name__}: {first_line(err)}") from err
+        raise _corrupt_file(gguf, err) from err
     config = copy.deepcopy(loaded.config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the rebuilt model is a plain one; save_pretrained would refuse otherwise
@@ -205,6 +206,42 @@ def _dequantize(gguf: Path, dtype: str) -> tuple[Any, Any]:
     plain.tie_weights()
     plain.generation_config = loaded.generation_config
     return plain, tokenizer
+
+
+def _check_header(gguf: Path) -> None:
+    """Refuse a header whose sizes the file's own tensors do not have.
+
+    transformers builds the model the metadata describes before it reads a weight, so a damaged or hostile header
+    would cost whatever it describes first: 39,938 layers for the tiny 2-layer file took minutes, a feed-forward
+    width of 2**31 would take terabytes. So the layer count may not exceed the tensors' ``blk.N`` count, the
+    embedding and feed-forward widths must be dimensions some tensor has, and the vocabulary no wider than the widest
+    tensor: the model built is then about the file's size.
+    """
+    from gguf import GGUFReader  # memory-maps the file: the header is read, the weights are not
+
+    def claim(key: str) -> list[int]:  # a per-layer list in some architectures
+        value = reader.fields[key].contents() if key in reader.fields else []
+        return value if isinstance(value, list) else [value]
+
+    try:
+        reader = GGUFReader(gguf)
+        arch = reader.fields["general.architecture"].contents()
+        dims = {int(d) for t in reader.tensors for d in t.shape} or {0}
+        blocks = len({m[1] for t in reader.tensors if (m := re.match(r"blk\.(\d+)\.", t.name))})
+        bad = [(f"{arch}.block_count", n, f"{blocks} layers") for n in claim(f"{arch}.block_count") if n > blocks]
+        bad += [(key, n, "no tensor that wide") for key in (f"{arch}.embedding_length", f"{arch}.feed_forward_length")
+                for n in claim(key) if n not in dims]
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else 0
+        bad += [("tokenizer.ggml.tokens", vocab, f"tensors at most {max(dims)} wide")] if vocab > max(dims) else []
+    except Exception as err:  # noqa: BLE001  the header's own damage, in the reader's ways (as in _dequantize)
+        raise _corrupt_file(gguf, err) from err
+    if bad:
+        key, n, has = bad[0]
+        raise UserError(f"{gguf}: damaged GGUF header: {key} is {n}, but the file's tensors have {has}")
+
+
+def _corrupt_file(gguf: Path, err: Exception) -> UserError:
+    return UserError(f"{gguf}: cannot read GGUF file: {type(err).__name__}: {first_line(err)}")
 
 
 def _check_packages(gguf: Path) -> None:

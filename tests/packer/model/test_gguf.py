@@ -230,17 +230,28 @@ def _corrupt(good: bytes, how: str) -> bytes:
         return good[:5300]
     if how == "a tensor count of 2**63 - 1":  # after the magic and the version
         return good[:8] + struct.pack("<Q", 2**63 - 1) + good[16:]
-    at = good.index(b"llama.attention.head_count") + len(b"llama.attention.head_count") + 4  # past the value's type
-    return good[:at] + struct.pack("<I", 2031620) + good[at + 4:]  # 64 wide: heads that do not divide it
+    key, value = {"a head count of 2031620": (b"llama.attention.head_count", 2031620),  # heads that do not divide 64
+                  "a block count of 39938": (b"llama.block_count", 39938),
+                  "a feed-forward width of 2**31": (b"llama.feed_forward_length", 2**31)}[how]
+    at = good.index(key) + len(key) + 4  # past the value's type
+    return good[:at] + struct.pack("<I", value) + good[at + 4:]
 
 
-@pytest.mark.parametrize("how", ["truncated in the metadata", "a tensor count of 2**63 - 1", "a head count of 2031620"])
-def test_a_corrupt_gguf_file_is_one_line_naming_it(tiny: Path, tmp_path: Path, how: str) -> None:
+@pytest.mark.parametrize(("how", "says"), [
+    ("truncated in the metadata", "cannot read GGUF file: "),
+    ("a tensor count of 2**63 - 1", "cannot read GGUF file: "), ("a head count of 2031620", "cannot read GGUF file: "),
+    # what the header describes is built before a weight is read: 39,938 layers took minutes, 2**31 a few TB
+    ("a block count of 39938", "damaged GGUF header: llama.block_count is 39938, but the file's tensors have 2 layers"),
+    ("a feed-forward width of 2**31", "damaged GGUF header: llama.feed_forward_length is 2147483648, but the file's "
+                                      "tensors have no tensor that wide"),
+])
+def test_a_corrupt_gguf_file_is_one_line_naming_it_at_once(tiny: Path, tmp_path: Path, how: str, says: str) -> None:
     file = tmp_path / "corrupt.gguf"
     file.write_bytes(_corrupt(tiny.read_bytes(), how))
+    started = time.monotonic()
     with pytest.raises(UserError) as err:
         G.convert(file, tmp_path / "out")
-    assert _one_line(err).startswith(f"{file}: cannot read GGUF file: ")
+    assert _one_line(err).startswith(f"{file}: {says}") and time.monotonic() - started < 10
     assert not (tmp_path / "out").exists()
 
 
