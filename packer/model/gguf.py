@@ -219,12 +219,22 @@ def _check_header(gguf: Path) -> None:
     """
     from gguf import GGUFReader  # memory-maps the file: the header is read, the weights are not
 
+    class BoundedReader(GGUFReader):
+        """gguf's reader, failing at a read past the end of the file: its own returns an empty array there and goes
+        on, so a damaged array length (2**63) in the header looped for ever, here and in transformers' reading."""
+
+        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
+            values = super()._get(offset, dtype, count, override_order)
+            if values.size != int(count):
+                raise ValueError(f"the header reads past the end of the file (byte {offset} of {len(self.data)})")
+            return values
+
     def claim(key: str) -> list[int]:  # a per-layer list in some architectures
         value = reader.fields[key].contents() if key in reader.fields else []
         return value if isinstance(value, list) else [value]
 
     try:
-        reader = GGUFReader(gguf)
+        reader = BoundedReader(gguf)
         arch = reader.fields["general.architecture"].contents()
         dims = {int(d) for t in reader.tensors for d in t.shape} or {0}
         blocks = len({m[1] for t in reader.tensors if (m := re.match(r"blk\.(\d+)\.", t.name))})

@@ -230,6 +230,9 @@ def _corrupt(good: bytes, how: str) -> bytes:
         return good[:5300]
     if how == "a tensor count of 2**63 - 1":  # after the magic and the version
         return good[:8] + struct.pack("<Q", 2**63 - 1) + good[16:]
+    if how == "a token-type array of 2**63 - 1 values":  # gguf's reader read on past the end for ever
+        at = good.index(b"tokenizer.ggml.token_type") + len(b"tokenizer.ggml.token_type") + 8  # past two types
+        return good[:at] + struct.pack("<Q", 2**63 - 1) + good[at + 8:]
     key, value = {"a head count of 2031620": (b"llama.attention.head_count", 2031620),  # heads that do not divide 64
                   "a block count of 39938": (b"llama.block_count", 39938),
                   "a feed-forward width of 2**31": (b"llama.feed_forward_length", 2**31)}[how]
@@ -240,6 +243,7 @@ def _corrupt(good: bytes, how: str) -> bytes:
 @pytest.mark.parametrize(("how", "says"), [
     ("truncated in the metadata", "cannot read GGUF file: "),
     ("a tensor count of 2**63 - 1", "cannot read GGUF file: "), ("a head count of 2031620", "cannot read GGUF file: "),
+    ("a token-type array of 2**63 - 1 values", "cannot read GGUF file: ValueError: the header reads past the end"),
     # what the header describes is built before a weight is read: 39,938 layers took minutes, 2**31 a few TB
     ("a block count of 39938", "damaged GGUF header: llama.block_count is 39938, but the file's tensors have 2 layers"),
     ("a feed-forward width of 2**31", "damaged GGUF header: llama.feed_forward_length is 2147483648, but the file's "
