@@ -3,7 +3,10 @@ without bound or holding lone surrogates. Each ends in one line naming the file 
 
 from __future__ import annotations
 
+import copy
 import json
+import random
+import shutil
 import subprocess
 import sys
 import time
@@ -12,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lora_sweep.errors import ConfigError, DataError
+from lora_sweep.errors import ConfigError, DataError, UserError
 from lora_sweep.packer.data.rows import MAX_DEPTH, read_jsonl
 from lora_sweep.sweep.config._yaml import MAX_VALUES
 from lora_sweep.sweep.config.loader import load_study
@@ -229,3 +232,63 @@ def test_a_torchtune_configs_mistyped_section_is_one_line_naming_it(tmp_path, ch
     with pytest.raises(ConfigError, match=message) as err:
         load_study(path, check_paths=False)
     assert "\n" not in str(err.value)
+
+
+_ATOMS = [None, -1, 0, 2.5, 1e309, True, "", "x", "1e-4", "nan", [], {}, [1, 2], {"a": 1}, [[1]],
+          {"low": 1, "high": 0}, {"min": 0, "max": 1}, {"values": [1, None]}, "all-linear", "a" * 300, "rows\x00.jsonl",
+          "~no-such-user-here/x", "x.py:f", "a:b:c", "maximize a b", "x <= y", 2**63, {"_component_": "x.y"}, "1h30m",
+          {"name": "custom", "options": {"function": "~no-such-user-here/m.py:f"}}, [None], ["q_proj", 3]]
+_KEYS = ["rank", "lr", "alpha", "alpha_ratio", "targets", "dropout", "max_steps", "epochs", "method", "metric",
+         "run_cap", "parameters", "search", "train", "data", "model", "budget", "pack", "pruning", "sampler",
+         "objectives", "constraints", "evaluators", "trackers", "baseline", "lora_r", "learning_rate", "sequence_len",
+         "base_model", "datasets", "adapter", "val_set_size", "lora_target_linear", "eval_every", "seed", "output",
+         "name", "values", "low", "high", "log", "step", "trials", "path", "eval", "format", "options", "tokenizer",
+         "checkpointer", "dataset", "lora_attn_modules", "optimizer"]
+
+
+def _damage(node: object, rng: random.Random) -> object:
+    """``node`` with one random change somewhere: a value replaced, a key removed or added, a list item changed."""
+    if isinstance(node, dict) and node:
+        key, r = rng.choice(list(node)), rng.random()
+        if r < 0.25:
+            node[key] = copy.deepcopy(rng.choice(_ATOMS))
+        elif r < 0.35:
+            del node[key]
+        elif r < 0.5:
+            node[rng.choice(_KEYS)] = copy.deepcopy(rng.choice(_ATOMS))
+        else:
+            node[key] = _damage(node[key], rng)
+        return node
+    if isinstance(node, list) and node:
+        i = rng.randrange(len(node))
+        node[i] = _damage(node[i], rng) if rng.random() < 0.6 else copy.deepcopy(rng.choice(_ATOMS))
+        return node
+    return copy.deepcopy(rng.choice(_ATOMS))
+
+
+_SOURCES = [*sorted((ROOT / "studies").glob("*.yaml")), ROOT / "tests/sweep/data/torchtune-1B-lora.yaml"]
+
+
+@pytest.mark.parametrize("source", _SOURCES, ids=[p.name for p in _SOURCES])
+def test_randomly_damaged_study_files_are_one_line_each(tmp_path, monkeypatch, source: Path) -> None:
+    """120 seeded random damages of each example study and foreign config (a sample of what a throwaway harness ran
+    by the hundred thousand, which found the tracebacks the tests above pin): each loads or is one ``UserError`` line,
+    within a second."""
+    shutil.copytree(ROOT / "studies" / "data", tmp_path / "data")
+    (tmp_path / "model").mkdir()
+    text = source.read_text().replace("BASE_MODEL", str(tmp_path / "model")).replace("DATA", "data/arith-train.jsonl")
+    original = yaml.safe_load(text)
+    monkeypatch.chdir(tmp_path)  # an Axolotl split of a refused name is written under runs/ here
+    rng = random.Random(source.name)
+    for i in range(120):
+        damaged = original
+        for _ in range(rng.randint(1, 4)):
+            damaged = _damage(copy.deepcopy(damaged), rng)
+        path = tmp_path / f"damaged-{i}.yaml"
+        path.write_text(yaml.safe_dump(damaged, sort_keys=False, allow_unicode=True))
+        started = time.monotonic()
+        try:
+            load_study(path)
+        except UserError as err:
+            assert "\n" not in str(err) or "cannot run here" in str(err), (i, str(err))  # the foreign configs' list
+        assert time.monotonic() - started < 1.0, (i, path.read_text())
