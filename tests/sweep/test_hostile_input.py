@@ -273,7 +273,7 @@ _SOURCES = [*sorted((ROOT / "studies").glob("*.yaml")), ROOT / "tests/sweep/data
 def test_randomly_damaged_study_files_are_one_line_each(tmp_path, monkeypatch, source: Path) -> None:
     """120 seeded random damages of each example study and foreign config (a sample of what a throwaway harness ran
     by the hundred thousand, which found the tracebacks the tests above pin): each loads or is one ``UserError`` line,
-    within a second."""
+    within 5 s."""
     shutil.copytree(ROOT / "studies" / "data", tmp_path / "data")
     (tmp_path / "model").mkdir()
     text = source.read_text().replace("BASE_MODEL", str(tmp_path / "model")).replace("DATA", "data/arith-train.jsonl")
@@ -291,4 +291,4 @@ def test_randomly_damaged_study_files_are_one_line_each(tmp_path, monkeypatch, s
             load_study(path)
         except UserError as err:
             assert "\n" not in str(err) or "cannot run here" in str(err), (i, str(err))  # the foreign configs' list
-        assert time.monotonic() - started < 1.0, (i, path.read_text())
+        assert time.monotonic() - started < 5.0, (i, path.read_text())  # milliseconds each here; a hang is minutes
