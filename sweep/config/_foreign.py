@@ -363,7 +363,8 @@ def _val_split(out: _Out, data: dict[str, Any], size: Any = None) -> None:
         raise out.error(("val_set_size",), "needs datasets (a local file) to split")
     src = Path(_local_file(out, section["train"], ("data", "train")))
     try:
-        lines = [line for line in src.read_text(encoding="utf-8-sig").splitlines() if line.strip()]
+        raw = src.read_bytes()  # once: its lines are split, and its bytes name the split
+        lines = [line for line in raw.decode("utf-8-sig").splitlines() if line.strip()]
     except (OSError, UnicodeDecodeError) as e:
         raise out.error(("data", "train"), f"cannot be read to split it ({first_line(e)})") from None
     n_val = round(size * len(lines)) if size < 1 else int(size)
@@ -373,7 +374,7 @@ def _val_split(out: _Out, data: dict[str, Any], size: Any = None) -> None:
     order = list(range(len(lines)))
     random.Random(f"{seed}:val_set_size").shuffle(order)
     val = set(order[:n_val])
-    digest = hashlib.sha256(f"{seed}:{n_val}:".encode() + src.read_bytes()).hexdigest()[:12]
+    digest = hashlib.sha256(f"{seed}:{n_val}:".encode() + raw).hexdigest()[:12]
     name, output = data.get("name"), out.data.get("output")
     name = name if isinstance(name, str) and _NAME.fullmatch(name) else out.doc.file.stem  # a bad one: refused later
     folder = Path(output if isinstance(output, str) and output else Path("runs") / name) / "val-split"
