@@ -85,23 +85,29 @@ def test_journal_workers_on_one_host_share_the_budget(tiny_dirs, tmp_path) -> No
 def test_pg_three_workers_one_killed_mid_pack(tiny_dirs, tmp_path) -> None:
     url = server_url("postgresql")
     name = f"pg-{uuid.uuid4().hex[:8]}"
-    path = worker_study(tmp_path, tiny_dirs("llama"), name)
+    # 100 steps a trial, not the helper's 20: at 20 the time between the first COMPLETE and the last trial's end was
+    # about 1 s on CPU-G (0.4 s a trial), and a CI run whose polls missed it failed; at 100 it is about 2.5 s.
+    path = worker_study(tmp_path, tiny_dirs("llama"), name, train={"max_steps": 100, "micro_batch": 4})
     procs = [subprocess.Popen(cli("worker", str(path), "--storage", url, "--index", str(i), "--heartbeat", "0.5",
                                   "--grace", "4", "--quiet"), cwd=ROOT, env=WORKER_ENV, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, start_new_session=True) for i in range(3)]
-    victim, killed = None, []
-    deadline = time.time() + 120
-    while time.time() < deadline:  # kill a worker while it trains, once some trial is complete
+    victim, killed, seen = None, [], [f"{0.0:.1f} s: started"]
+    started = time.time()
+    # Kill a worker while it trains, once some trial is complete; stop looking once every worker has ended.
+    while time.time() < started + 120 and any(p.poll() is None for p in procs):
         time.sleep(0.2)
         try:
             trials = stored_trials(url, name)
-        except Exception:
-            continue
+            now = str(dict(Counter(t.state.name for t in trials)))
+        except Exception as exc:  # the study is made by the first worker to start
+            trials, now = [], type(exc).__name__
+        if not seen[-1].endswith(now):  # what the test saw, for the message if no kill came
+            seen.append(f"{time.time() - started:.1f} s: {now}")
         running = sorted((t for t in trials if t.state == TrialState.RUNNING and WORKER in t.system_attrs),
                          key=lambda t: t.datetime_start)
         if running and any(t.state == TrialState.COMPLETE for t in trials):
             # Which worker trains what depends on timing: take the one whose trial started last, the
-            # furthest from its end (a trial of 20 steps lasts well under a second on one thread).
+            # furthest from its end (a trial of 100 steps lasts about 2 s on one thread).
             index = running[-1].system_attrs[WORKER]
             victim = procs[index]
             # Frozen first, so that its trials cannot end between looking at them and the kill.
@@ -116,7 +122,14 @@ def test_pg_three_workers_one_killed_mid_pack(tiny_dirs, tmp_path) -> None:
             os.killpg(victim.pid, signal.SIGKILL)
             victim.wait()
             break
-    assert killed, "a worker must be killed mid-pack, with trials still training"
+    if not killed:
+        for p in procs:  # none left behind to share the next tests' cores
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        tails = "".join(f"\nworker {i}, exit {p.wait()}: {p.stderr.read().decode()[-800:]}"
+                        for i, p in enumerate(procs))
+        pytest.fail("a worker must be killed mid-pack, with trials still training; seen: "
+                    + "; ".join(seen[-12:]) + tails)
     for p in procs:
         if p is not victim:
             _, err = p.communicate(timeout=150)
