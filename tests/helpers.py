@@ -1,6 +1,7 @@
 """Helpers several test modules share (a test module imports none from another): the packed-vs-PEFT oracle of the
 packer's invariant, the probe's growth measure, the evaluations on a training pack, the workers' and the foreign
-configs' study files, and the patches that make a test see one cause.
+configs' study files, a tiny byte-level tokenizer (``build_tokenizer``), and the patches that make a test see one
+cause.
 
 tests/conftest.py keeps the fixtures and pytest hooks, the skips for want of an extra (``missing``, ``need_module``)
 and the tiny rows and study file the whole suite builds on (``random_examples``, ``write_study``, ``Recorder``).
@@ -18,6 +19,8 @@ import pytest
 import torch
 import transformers.masking_utils
 import yaml
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast
 
 from lora_sweep.packer.data.rows import Example, SlotStream, read_jsonl, tokenize_rows
 from lora_sweep.packer.model.load import load_base
@@ -246,3 +249,40 @@ SPACE = SearchSpace(
     target_sets=SETS,
 )
 """Every kind of parameter a study file searches: categorical, float on a log scale, int with a step, target sets."""
+
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ '\\n' }}{{ m['content'] }}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{{ '\\n' }}{% endif %}"
+)
+CORPUS = [
+    "Below is an instruction that describes a task, paired with an input that provides further context.",
+    "Write a response that appropriately completes the request. ### Instruction: ### Input: ### Response:",
+    "System: User: Assistant: What is the capital of France? Paris. Say hello. Hello world! 2 + 2 = 4",
+]
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Capital of France?"},
+    {"role": "assistant", "content": "Paris."},
+    {"role": "user", "content": "Say hello."},
+    {"role": "assistant", "content": "Hello world!"},
+]
+
+
+def build_tokenizer(chat_template: str | None) -> PreTrainedTokenizerFast:
+    """A byte-level BPE (vocab ~300) trained on CORPUS; BOS is added by the post-processor, as Llama does."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    hf.chat_template = chat_template
+    return hf

@@ -1,7 +1,8 @@
 """The test tree itself: each test file is named after the module it tests (tests mirror the source tree), so one
 basename twice under tests/ is two files testing one module, or a name that says the wrong one. (pytest's importlib
 mode, set in pyproject.toml, would import both; the rule is for the reader.) A helper two test files share lives in
-tests/helpers.py (or, a fixture, in a conftest.py), never in one of them: a test file imports no other."""
+tests/helpers.py (a fixture in a conftest.py; one that is also a command, in a module of its own: tests/damage.py),
+never in one of them: a test file imports no other."""
 
 from __future__ import annotations
 

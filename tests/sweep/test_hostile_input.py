@@ -3,9 +3,10 @@ without bound or holding lone surrogates. Each ends in one line naming the file 
 
 from __future__ import annotations
 
-import copy
+import itertools
 import json
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -15,11 +16,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lora_sweep.errors import ConfigError, DataError, UserError
+from lora_sweep.errors import ConfigError, DataError
 from lora_sweep.packer.data.rows import MAX_DEPTH, read_jsonl
 from lora_sweep.sweep.config._yaml import MAX_VALUES
 from lora_sweep.sweep.config.loader import load_study
 from tests.conftest import write_study
+from tests.damage import STUDIES, judge, study_cases
+from tests.damage import main as damage_main
 
 ROOT = Path(__file__).resolve().parents[2]
 BOMB = "".join(f"{a}: &{a} [{', '.join([f'*{p}' if p else 'lol'] * 9)}]\n"
@@ -234,61 +237,33 @@ def test_a_torchtune_configs_mistyped_section_is_one_line_naming_it(tmp_path, ch
     assert "\n" not in str(err.value)
 
 
-_ATOMS = [None, -1, 0, 2.5, 1e309, True, "", "x", "1e-4", "nan", [], {}, [1, 2], {"a": 1}, [[1]],
-          {"low": 1, "high": 0}, {"min": 0, "max": 1}, {"values": [1, None]}, "all-linear", "a" * 300, "rows\x00.jsonl",
-          "~no-such-user-here/x", "x.py:f", "a:b:c", "maximize a b", "x <= y", 2**63, {"_component_": "x.y"}, "1h30m",
-          {"name": "custom", "options": {"function": "~no-such-user-here/m.py:f"}}, [None], ["q_proj", 3]]
-_KEYS = ["rank", "lr", "alpha", "alpha_ratio", "targets", "dropout", "max_steps", "epochs", "method", "metric",
-         "run_cap", "parameters", "search", "train", "data", "model", "budget", "pack", "pruning", "sampler",
-         "objectives", "constraints", "evaluators", "trackers", "baseline", "lora_r", "learning_rate", "sequence_len",
-         "base_model", "datasets", "adapter", "val_set_size", "lora_target_linear", "eval_every", "seed", "output",
-         "name", "values", "low", "high", "log", "step", "trials", "path", "eval", "format", "options", "tokenizer",
-         "checkpointer", "dataset", "lora_attn_modules", "optimizer"]
-
-
-def _damage(node: object, rng: random.Random) -> object:
-    """``node`` with one random change somewhere: a value replaced, a key removed or added, a list item changed."""
-    if isinstance(node, dict) and node:
-        key, r = rng.choice(list(node)), rng.random()
-        if r < 0.25:
-            node[key] = copy.deepcopy(rng.choice(_ATOMS))
-        elif r < 0.35:
-            del node[key]
-        elif r < 0.5:
-            node[rng.choice(_KEYS)] = copy.deepcopy(rng.choice(_ATOMS))
-        else:
-            node[key] = _damage(node[key], rng)
-        return node
-    if isinstance(node, list) and node:
-        i = rng.randrange(len(node))
-        node[i] = _damage(node[i], rng) if rng.random() < 0.6 else copy.deepcopy(rng.choice(_ATOMS))
-        return node
-    return copy.deepcopy(rng.choice(_ATOMS))
-
-
-_SOURCES = [*sorted((ROOT / "studies").glob("*.yaml")), ROOT / "tests/sweep/data/torchtune-1B-lora.yaml"]
-
-
-@pytest.mark.parametrize("source", _SOURCES, ids=[p.name for p in _SOURCES])
+@pytest.mark.parametrize("source", STUDIES, ids=[p.name for p in STUDIES])
 def test_randomly_damaged_study_files_are_one_line_each(tmp_path, monkeypatch, source: Path) -> None:
-    """120 seeded random damages of each example study and foreign config (a sample of what a throwaway harness ran
-    by the hundred thousand, which found the tracebacks the tests above pin): each loads or is one ``UserError`` line,
-    within 5 s."""
-    shutil.copytree(ROOT / "studies" / "data", tmp_path / "data")
-    (tmp_path / "model").mkdir()
-    text = source.read_text().replace("BASE_MODEL", str(tmp_path / "model")).replace("DATA", "data/arith-train.jsonl")
-    original = yaml.safe_load(text)
+    """120 seeded random damages of each example study and foreign config, a third with a damaged override (a sample
+    of ``python -m tests.damage study``, which found the tracebacks the tests above pin): each loads or is one
+    ``UserError`` line, within 5 s (milliseconds each here; a hang is minutes)."""
     monkeypatch.chdir(tmp_path)  # an Axolotl split of a refused name is written under runs/ here
-    rng = random.Random(source.name)
-    for i in range(120):
-        damaged = original
-        for _ in range(rng.randint(1, 4)):
-            damaged = _damage(copy.deepcopy(damaged), rng)
-        path = tmp_path / f"damaged-{i}.yaml"
-        path.write_text(yaml.safe_dump(damaged, sort_keys=False, allow_unicode=True))
-        started = time.monotonic()
-        try:
-            load_study(path)
-        except UserError as err:
-            assert "\n" not in str(err) or "cannot run here" in str(err), (i, str(err))  # the foreign configs' list
-        assert time.monotonic() - started < 5.0, (i, path.read_text())  # milliseconds each here; a hang is minutes
+    for path, run in itertools.islice(study_cases(tmp_path, random.Random(source.name), [source]), 120):
+        assert judge(run, 5.0) is None, path.read_text()
+
+
+def test_the_damage_command_keeps_what_it_finds_and_fails(tmp_path, monkeypatch, capsys) -> None:
+    """A reader that raises anything but a ``UserError`` is a finding: named by type and line, its file kept, exit 1."""
+    def broken(path: Path, overrides: list[str]) -> None:
+        raise KeyError("a loader bug")
+
+    monkeypatch.chdir(tmp_path)  # the command works in a folder of its own and goes there
+    monkeypatch.setattr("lora_sweep.sweep.config.loader.load_study", broken)
+    assert damage_main(["study", "--seconds", "0.5", "--memory-gb", "0"]) == 1
+    out = capsys.readouterr().out
+    assert "finding 1: KeyError at test_hostile_input.py:" in out and "1 findings; kept in " in out, out
+    kept = Path(out.split("(")[1].split(")")[0])
+    assert kept.name == "finding-0.yaml" and kept.is_file()
+    shutil.rmtree(kept.parent)
+
+
+def test_the_damage_command_passes_on_the_loader_as_it_is() -> None:
+    result = subprocess.run([sys.executable, "-m", "tests.damage", "study", "--seconds", "3"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.fullmatch(r"study: [\d,]+ damaged files in \d+ s \(seed 0\), 0 findings\n", result.stdout), result.stdout

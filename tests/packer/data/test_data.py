@@ -5,13 +5,13 @@ Run: python -m pytest tests/packer/data/test_data.py -q
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import random
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
 from lora_sweep.errors import DataError, UserError
@@ -26,52 +26,18 @@ from lora_sweep.packer.data.rows import (
     read_jsonl,
     tokenize_rows,
 )
-
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ '\\n' }}{{ m['content'] }}"
-    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{{ '\\n' }}{% endif %}"
-)
-CORPUS = [
-    "Below is an instruction that describes a task, paired with an input that provides further context.",
-    "Write a response that appropriately completes the request. ### Instruction: ### Input: ### Response:",
-    "System: User: Assistant: What is the capital of France? Paris. Say hello. Hello world! 2 + 2 = 4",
-]
-CONVERSATION = [
-    {"role": "system", "content": "Be brief."},
-    {"role": "user", "content": "Capital of France?"},
-    {"role": "assistant", "content": "Paris."},
-    {"role": "user", "content": "Say hello."},
-    {"role": "assistant", "content": "Hello world!"},
-]
-
-
-def _build_tokenizer(chat_template: str | None) -> PreTrainedTokenizerFast:
-    """A byte-level BPE (vocab ~300) trained on CORPUS; BOS is added by the post-processor, as Llama does."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=320,
-        special_tokens=["<pad>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS, trainer=trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    hf.chat_template = chat_template
-    return hf
+from tests.damage import judge, rows_cases
+from tests.helpers import CHAT_TEMPLATE, CONVERSATION, build_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tokenizer() -> PreTrainedTokenizerFast:
-    return _build_tokenizer(CHAT_TEMPLATE)
+    return build_tokenizer(CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
 def plain_tokenizer() -> PreTrainedTokenizerFast:
-    return _build_tokenizer(None)
+    return build_tokenizer(None)
 
 
 def write_jsonl(path: Path, rows: list[object]) -> Path:
@@ -167,7 +133,7 @@ def test_chat_with_template_trains_assistant_turns(tmp_path: Path, tokenizer: Pr
 
 
 def test_chat_with_chatml_template() -> None:
-    chatml = _build_tokenizer(
+    chatml = build_tokenizer(
         "{% for m in messages %}<|im_start|>{{ m['role'] + '\\n' + m['content'] }}<|im_end|>{{ '\\n' }}{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant{{ '\\n' }}{% endif %}"
     )
@@ -194,7 +160,7 @@ def test_chat_opening_with_assistant_trains_that_turn(plain_tokenizer: PreTraine
 
 
 def test_chat_template_that_is_not_prefix_stable(tokenizer: PreTrainedTokenizerFast) -> None:
-    odd = _build_tokenizer("{% for m in messages %}{% if loop.last %}LAST {% endif %}{{ m['content'] }}{% endfor %}")
+    odd = build_tokenizer("{% for m in messages %}{% if loop.last %}LAST {% endif %}{{ m['content'] }}{% endfor %}")
     row = {"messages": CONVERSATION[1:3]}
     with pytest.raises(DataError) as err:
         tokenize_rows([row], "chat", odd, source="d.jsonl")
@@ -205,7 +171,7 @@ def test_chat_template_that_is_not_prefix_stable(tokenizer: PreTrainedTokenizerF
 
 
 def test_chat_template_exception_names_the_row(tokenizer: PreTrainedTokenizerFast) -> None:
-    strict = _build_tokenizer("{{ raise_exception('roles must alternate') }}")
+    strict = build_tokenizer("{{ raise_exception('roles must alternate') }}")
     with pytest.raises(DataError, match=r"^d.jsonl:1: chat template failed: roles must alternate$"):
         tokenize_rows([{"messages": CONVERSATION}], "chat", strict, source="d.jsonl")
 
@@ -353,7 +319,7 @@ def test_unknown_format_lists_the_valid_ones(tmp_path: Path, tokenizer: PreTrain
 
 
 def test_load_examples_reports_file_lines_at_tokenize_time(tmp_path: Path, tokenizer: PreTrainedTokenizerFast) -> None:
-    strict = _build_tokenizer("{{ raise_exception('no') }}")
+    strict = build_tokenizer("{{ raise_exception('no') }}")
     path = write_jsonl(tmp_path / "d.jsonl", [{"messages": CONVERSATION}, ""])
     path.write_text(path.read_text() + json.dumps({"messages": CONVERSATION}) + "\n")
     with pytest.raises(DataError, match=rf"^{path}:1: chat template failed: no$"):
@@ -368,7 +334,7 @@ def test_tokenize_rows_names_rows_by_index(tokenizer: PreTrainedTokenizerFast) -
 
 
 def test_missing_eos_token_is_a_user_error(tokenizer: PreTrainedTokenizerFast) -> None:
-    no_eos = _build_tokenizer(None)
+    no_eos = build_tokenizer(None)
     no_eos.eos_token = None
     with pytest.raises(UserError, match="no eos_token"):
         tokenize_rows([{"prompt": "Q", "completion": "A"}], "prompt_completion", no_eos)
@@ -475,3 +441,11 @@ def test_a_byte_order_mark_inside_the_file_is_named(tmp_path: Path) -> None:
     with pytest.raises(DataError) as err:
         read_jsonl(path)
     assert str(err.value).startswith(f"{path}:2: invalid JSON: a byte-order mark (U+FEFF) starts the line")
+
+
+def test_randomly_damaged_rows_are_one_line_each(tmp_path) -> None:
+    """2,000 seeded files of damaged rows in every format, read under a random format, length bound and masking, with
+    and without a chat template (a sample of ``python -m tests.damage rows``): each reads or is one ``UserError``
+    line, within 5 s."""
+    for path, run in itertools.islice(rows_cases(tmp_path, random.Random(0)), 2000):
+        assert judge(run, 5.0) is None, path.read_text(errors="surrogateescape")
