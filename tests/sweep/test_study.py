@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -89,7 +90,7 @@ def test_resume_after_sigkill_loses_and_duplicates_nothing(tiny_dirs, tmp_path) 
     proc = subprocess.Popen([sys.executable, "-m", "lora_sweep", "run", str(path), "--quiet"], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 240
-    while time.time() < deadline:  # kill mid-pack: some trial complete, others still training
+    while time.time() < deadline and proc.poll() is None:  # kill mid-pack: some trial complete, others still training
         time.sleep(0.2)
         try:
             states = [t.state for t in _trials(out, "killed")]
@@ -98,7 +99,8 @@ def test_resume_after_sigkill_loses_and_duplicates_nothing(tiny_dirs, tmp_path) 
         # between one pack's trials completing and the next ones being asked, none is running: wait that out
         if states.count(TrialState.COMPLETE) >= 3 and TrialState.RUNNING in states:
             break
-    os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):  # ended on its own: the assertion below says so
+        os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     before = _trials(out, "killed")
     running = [t for t in before if t.state == TrialState.RUNNING]
