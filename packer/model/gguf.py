@@ -213,9 +213,10 @@ def _check_header(gguf: Path) -> None:
 
     transformers builds the model the metadata describes before it reads a weight, so a damaged or hostile header
     would cost whatever it describes first: 39,938 layers for the tiny 2-layer file took minutes, a feed-forward
-    width of 2**31 would take terabytes. So the layer count may not exceed the tensors' ``blk.N`` count, the
-    embedding and feed-forward widths must be dimensions some tensor has, and the vocabulary no wider than the widest
-    tensor: the model built is then about the file's size.
+    width of 2**31 would take terabytes. So the layer count must be the tensors' ``blk.N`` count (one that is missing
+    or smaller would build transformers' default of 32 layers, or fewer than the file holds, and convert without a
+    word: the layers the tensors lack drawn at random), the embedding and feed-forward widths must be dimensions some
+    tensor has, and the vocabulary no wider than the widest tensor: the model built is then about the file's size.
     """
     from gguf import GGUFReader  # memory-maps the file: the header is read, the weights are not
 
@@ -238,7 +239,8 @@ def _check_header(gguf: Path) -> None:
         arch = reader.fields["general.architecture"].contents()
         dims = {int(d) for t in reader.tensors for d in t.shape} or {0}
         blocks = len({m[1] for t in reader.tensors if (m := re.match(r"blk\.(\d+)\.", t.name))})
-        bad = [(f"{arch}.block_count", n, f"{blocks} layers") for n in claim(f"{arch}.block_count") if n > blocks]
+        counts = claim(f"{arch}.block_count") or ([None] if blocks else [])  # missing: transformers' default, 32
+        bad = [(f"{arch}.block_count", n, f"{blocks} layers") for n in counts if n != blocks]
         bad += [(key, n, "no tensor that wide") for key in (f"{arch}.embedding_length", f"{arch}.feed_forward_length")
                 for n in claim(key) if n not in dims]
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else 0
@@ -247,7 +249,8 @@ def _check_header(gguf: Path) -> None:
         raise _corrupt_file(gguf, err) from err
     if bad:
         key, n, has = bad[0]
-        raise UserError(f"{gguf}: damaged GGUF header: {key} is {n}, but the file's tensors have {has}")
+        is_ = "is missing" if n is None else f"is {n}"
+        raise UserError(f"{gguf}: damaged GGUF header: {key} {is_}, but the file's tensors have {has}")
 
 
 def _corrupt_file(gguf: Path, err: Exception) -> UserError:

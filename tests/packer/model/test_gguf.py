@@ -236,7 +236,10 @@ def _corrupt(good: bytes, how: str) -> bytes:
     if how == "a token-type array of 2**63 - 1 values":  # gguf's reader read on past the end for ever
         at = good.index(b"tokenizer.ggml.token_type") + len(b"tokenizer.ggml.token_type") + 8  # past two types
         return good[:at] + struct.pack("<Q", 2**63 - 1) + good[at + 8:]
+    if how == "no block count":  # its key's name damaged: transformers built its default 32 layers, 30 at random
+        return good.replace(b"llama.block_count", b"llama.block_cOunt")
     key, value = {"a head count of 2031620": (b"llama.attention.head_count", 2031620),  # heads that do not divide 64
+                  "a block count of 1": (b"llama.block_count", 1),
                   "a block count of 39938": (b"llama.block_count", 39938),
                   "a feed-forward width of 2**31": (b"llama.feed_forward_length", 2**31)}[how]
     at = good.index(key) + len(key) + 4  # past the value's type
@@ -249,6 +252,9 @@ def _corrupt(good: bytes, how: str) -> bytes:
     ("a token-type array of 2**63 - 1 values", "cannot read GGUF file: ValueError: the header reads past the end"),
     # what the header describes is built before a weight is read: 39,938 layers took minutes, 2**31 a few TB
     ("a block count of 39938", "damaged GGUF header: llama.block_count is 39938, but the file's tensors have 2 layers"),
+    # and a missing or smaller one converted without a word: 32 layers (30 drawn at random), or 1 of the file's 2
+    ("no block count", "damaged GGUF header: llama.block_count is missing, but the file's tensors have 2 layers"),
+    ("a block count of 1", "damaged GGUF header: llama.block_count is 1, but the file's tensors have 2 layers"),
     ("a feed-forward width of 2**31", "damaged GGUF header: llama.feed_forward_length is 2147483648, but the file's "
                                       "tensors have no tensor that wide"),
 ])
