@@ -1,12 +1,14 @@
-"""Damaged input files, at random: study files, data rows and GGUF checkpoints, for the invariant that every input
-file, however hostile, loads or ends in one ``UserError`` line within a bound.
+"""Damaged input files, at random: study files, data rows, GGUF checkpoints and checkpoint directories, for the
+invariant that every input file, however hostile, loads or ends in one ``UserError`` line within a bound.
 
 The seeded tests take a sample (tests/sweep/test_hostile_input.py, tests/packer/data/test_data.py,
-tests/packer/model/test_gguf.py); the command runs as long as it is given and reports what breaks the invariant::
+tests/packer/model/test_gguf.py, tests/packer/model/test_load.py); the command runs as long as it is given and
+reports what breaks the invariant::
 
     python -m tests.damage study --seconds 300 --seed 1
     python -m tests.damage rows --seconds 300
     python -m tests.damage gguf --seconds 300 --bound 30
+    python -m tests.damage model --seconds 300
 
 A finding is any other exception (its type and the line that raised it, once per kind), a ``UserError`` over
 several lines (but a foreign config's list of refusals), or a case over ``--bound`` seconds. Each finding's file is
@@ -155,6 +157,45 @@ def gguf_cases(folder: Path, rng: random.Random) -> Iterator[Case]:
         yield path, lambda path=path: convert(path, folder / "out")
 
 
+_CONFIG_ATOMS = [None, 0, -1, 1, 3, 65, 2**31, 10**5, 1e309, "x", True, [], {}, ["Nope"], "nope", "int3", "bfloat16",
+                 {"type": "weird"}, {"rope_type": "linear"}, {"rope_type": "yarn", "factor": 0}]
+_CONFIG_KEYS = ["num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "vocab_size", "rope_scaling", "rope_parameters", "rope_theta", "max_position_embeddings",
+                "tie_word_embeddings", "model_type", "architectures", "dtype", "rms_norm_eps", "hidden_act",
+                "pad_token_id", "eos_token_id"]
+
+
+def model_cases(folder: Path, rng: random.Random) -> Iterator[Case]:
+    """Damaged copies of a tiny Llama checkpoint directory: values of its ``config.json`` changed (layer counts and
+    widths set huge, zero or of the wrong type, an unknown rope or architecture), or, one case in five, bytes of its
+    safetensors header flipped or the file cut short; each loaded by ``load_base`` on the CPU."""
+    from lora_sweep.packer.model.load import load_base
+    from lora_sweep.packer.tiny.models import build_tiny_model
+
+    good = build_tiny_model("llama", folder / "tiny", seed=0)
+    config = json.loads((good / "config.json").read_text())
+    weights = (good / "model.safetensors").read_bytes()
+    header = 8 + int.from_bytes(weights[:8], "little")
+    for i in itertools.count():
+        path = folder / f"damaged-{i}"
+        shutil.copytree(good, path)
+        if rng.random() < 0.2:
+            damaged = bytearray(weights)
+            if rng.random() < 0.3:
+                damaged = damaged[:rng.randrange(1, len(weights))]
+            else:
+                for _ in range(rng.randint(1, 4)):
+                    damaged[rng.randrange(0, header)] = rng.randrange(256)
+            (path / "model.safetensors").write_bytes(bytes(damaged))
+        else:
+            damaged_config = copy.deepcopy(config)
+            for _ in range(rng.randint(1, 3)):
+                damaged_config = damage(damaged_config, rng, _CONFIG_ATOMS, _CONFIG_KEYS)
+            (path / "config.json").write_text(json.dumps(damaged_config))
+        shutil.rmtree(folder / f"damaged-{i - 1}", ignore_errors=True)  # the last case's copy
+        yield path, lambda path=path: load_base(str(path))
+
+
 class _Late(BaseException):
     """Raised by the alarm in a case past its bound (a BaseException: no ``except Exception`` in the code read
     swallows it)."""
@@ -187,7 +228,7 @@ def judge(run: Callable[[], object], bound: float) -> str | None:
     return None
 
 
-CASES = {"study": study_cases, "rows": rows_cases, "gguf": gguf_cases}
+CASES = {"study": study_cases, "rows": rows_cases, "gguf": gguf_cases, "model": model_cases}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         if kind is not None and kind not in kinds:
             kinds[kind] = path.rename(path.with_name(f"finding-{len(kinds)}{path.suffix}"))
             print(f"finding {len(kinds)}: {found} ({kinds[kind]})", flush=True)
+        elif path.is_dir():
+            shutil.rmtree(path)
         elif path.exists():
             path.unlink()
     print(f"{args.kind}: {count:,} damaged files in {time.monotonic() - started:.0f} s (seed {args.seed}), "

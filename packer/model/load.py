@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +20,8 @@ from lora_sweep.errors import ConfigError, UserError, first_line
 from lora_sweep.kernels.ops import Impl, hash_compiler_early, resolve_impl, use_kernel_cache
 from lora_sweep.packer.model.quant import quantize_base
 
-__all__ = ["load_base", "load_tokenizer", "resolve_base", "prepare_kernels", "DTYPES", "LOAD_PARTS"]
+__all__ = ["load_base", "load_tokenizer", "resolve_base", "check_checkpoint", "prepare_kernels", "DTYPES",
+           "LOAD_PARTS"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 T = TypeVar("T")
@@ -106,6 +109,8 @@ def load_base(name_or_path: str, *, gguf_file: str | None = None, dtype: str = "
     looks_local = source.startswith((".", "/", "~")) or Path(source).exists()
     if looks_local and not Path(source).is_dir():
         raise UserError(f"{name_or_path}: model directory not found")
+    if looks_local:
+        check_checkpoint(source, name_or_path)
     kwargs: dict[str, object] = {"dtype": "auto" if dtype == "auto" else DTYPES[dtype],
                                  "device_map": torch.device(device)}
     if attn_implementation:
@@ -118,11 +123,67 @@ def load_base(name_or_path: str, *, gguf_file: str | None = None, dtype: str = "
                 model: nn.Module = AutoModelForCausalLM.from_pretrained(source, **kwargs)
             except (OSError, ValueError) as err:
                 raise UserError(f"{name_or_path}: cannot load model: {first_line(err)}") from err
+            except Exception as err:  # a damaged checkpoint fails anywhere in transformers: a RuntimeError of a
+                raise UserError(f"{name_or_path}: cannot load model: {_named(err)}") from err  # size, a KeyError...
         # whole on one device, as a load then .to() left it: PEFT and accelerate take a model with a device map for
         # one dispatched over devices (and re-dispatch it when an adapter loads)
         model.__dict__.pop("hf_device_map", None)
     quantize_base(model, quantize)  # on the device: quantising on a GPU takes a fraction of the CPU's time
     return model, tokenizer.result()
+
+
+def check_checkpoint(source: str, name_or_path: str) -> None:
+    """Read a local checkpoint's ``config.json`` as transformers does and hold its layer count to the layers its
+    safetensors weights hold, before any model is built from it.
+
+    A damaged or hand-edited config otherwise fails deep inside transformers' config classes (a TypeError, a
+    ZeroDivisionError, their own validation errors: a traceback), and a layer count far above the weights' builds and
+    initialises every missing layer (minutes, or all the memory there is).
+
+    Raises:
+        UserError: one line naming ``name_or_path``: the config cannot be read, a weights file's header cannot, or
+            ``num_hidden_layers`` is below 1 or above the weights' layers.
+    """
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as err:  # no config.json, not JSON: transformers' own sentence
+        raise UserError(f"{name_or_path}: cannot load model: {first_line(err)}") from None
+    except Exception as err:  # noqa: BLE001  (its config classes' checks raise any type)
+        raise UserError(f"{name_or_path}: cannot load model: config.json: {_named(err)}") from None
+    layers = getattr(config.get_text_config(), "num_hidden_layers", None)
+    held = _weight_layers(Path(source), name_or_path)
+    if isinstance(layers, int) and (layers < 1 or (held and layers > held)):
+        why = f", but the weights hold {held}" if layers >= 1 else ": a model has at least 1 layer"
+        raise UserError(f"{name_or_path}: cannot load model: config.json: num_hidden_layers is {layers}{why}")
+
+
+def _weight_layers(folder: Path, name_or_path: str) -> int:
+    """How many layers the safetensors weights of ``folder`` hold (their names' largest block index, plus one; of
+    any tower, in a model of several); 0: no safetensors weights, or no numbered block in them."""
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    try:
+        if index.is_file():
+            names = list(json.loads(index.read_text())["weight_map"])
+        else:
+            names = []
+            for file in sorted(folder.glob("*.safetensors")):
+                with safe_open(str(file), framework="pt") as weights:  # its header alone
+                    names += list(weights.keys())
+    except Exception as err:  # noqa: BLE001  (a torn header, an index that is no JSON mapping)
+        raise UserError(f"{name_or_path}: cannot load model: its weights' header: {_named(err)}") from None
+    blocks = [int(m[1]) for name in names if (m := re.search(r"\.(\d+)\.", str(name)))]
+    return max(blocks) + 1 if blocks else 0
+
+
+def _named(err: BaseException) -> str:
+    """``Type: message`` on one line (transformers' validation errors put their reason on the lines after the
+    first), at most 300 characters."""
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text[:300]}" if text else type(err).__name__
 
 
 def _tokenizer(source: str, name_or_path: str) -> object:

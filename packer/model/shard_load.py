@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from lora_sweep.errors import UserError, first_line
 from lora_sweep.kernels.ops import Impl
-from lora_sweep.packer.model.load import DTYPES, load_base, load_tokenizer, resolve_base
+from lora_sweep.packer.model.load import DTYPES, check_checkpoint, load_base, load_tokenizer, resolve_base
 from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.model.shard import Sharding, shard_base, shard_rows
 
@@ -288,6 +288,8 @@ def load_sharded(name_or_path: str, *, dtype: str, device: str, quantize: str | 
         UserError, ConfigError: as ``load_base`` and ``shard_base``.
     """
     source = resolve_base(name_or_path, gguf_file, log=log)
+    if Path(source).is_dir():  # a damaged config.json is one line here too, before any rank builds from it
+        check_checkpoint(source, name_or_path)
     why = meta_load_refusal(source, quantize)
     if why is None:
         model = meta_model(source, dtype, attn_implementation)

@@ -5,8 +5,11 @@ weight is initialised on the way."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import random
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from lora_sweep.errors import UserError
 from lora_sweep.packer.model.load import LOAD_PARTS, load_base
 from lora_sweep.packer.tiny.models import FAMILIES
+from tests.damage import judge, model_cases
 
 INIT_OPS = {"normal_", "uniform_", "fill_", "zero_", "trunc_normal_", "random_", "exponential_", "bernoulli_",
             "orthogonal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_"}
@@ -115,6 +119,56 @@ def test_a_model_the_checkpoint_does_not_fill_says_so(tiny_dirs: Callable[[str],
     (out / "model.safetensors").unlink()
     with pytest.raises(UserError, match=f"{out}: cannot load model"):
         load_base(str(out))
+
+
+DAMAGED_CONFIGS = [
+    ({"num_hidden_layers": 100000}, "config.json: num_hidden_layers is 100000, but the weights hold 2"),
+    ({"num_hidden_layers": 0}, "config.json: num_hidden_layers is 0: a model has at least 1 layer"),
+    ({"hidden_size": "x"}, "config.json: StrictDataclassFieldValidationError: Validation error for field "
+                           "'hidden_size': TypeError: Field 'hidden_size' expected int, got str"),
+    ({"num_attention_heads": 0}, "config.json: ZeroDivisionError: integer modulo by zero"),
+    ({"rope_scaling": {"type": "weird"}}, "KeyError: 'weird'"),
+    ({"hidden_act": "x"}, "KeyError: "),
+]
+"""A damaged or hand-edited config.json, and the line it ends in (the first two were a build of 100,000 layers, minutes
+of it, and a model without layers; the others, tracebacks from transformers' config classes and model code)."""
+
+
+@pytest.mark.parametrize(("change", "said"), DAMAGED_CONFIGS, ids=[next(iter(c)) + "=" + str(next(iter(c.values())))
+                                                                   for c, _ in DAMAGED_CONFIGS])
+def test_a_damaged_config_is_one_line_at_once(tiny_dirs: Callable[[str], Path], tmp_path: Path, change: dict,
+                                              said: str) -> None:
+    out = tmp_path / "damaged"
+    shutil.copytree(tiny_dirs("llama"), out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, **change}))
+    started = time.monotonic()
+    with pytest.raises(UserError) as err:
+        load_base(str(out))
+    assert str(err.value).startswith(f"{out}: cannot load model: ") and said in str(err.value), str(err.value)
+    assert "\n" not in str(err.value) and time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize("damage", ["a torn header", "an index that is no mapping"])
+def test_damaged_weights_are_one_line_before_a_model_is_built(tiny_dirs: Callable[[str], Path], tmp_path: Path,
+                                                               damage: str) -> None:
+    out = tmp_path / "damaged"
+    shutil.copytree(tiny_dirs("llama"), out)
+    if damage == "a torn header":
+        weights = (out / "model.safetensors").read_bytes()
+        (out / "model.safetensors").write_bytes(weights[:8] + b"{\xff" + weights[10:])
+    else:
+        (out / "model.safetensors.index.json").write_text("[1, 2]")
+    with pytest.raises(UserError, match=rf"^{out}: cannot load model: its weights' header: \w+Error: ") as err:
+        load_base(str(out))
+    assert "\n" not in str(err.value)
+
+
+def test_randomly_damaged_checkpoints_are_one_line_each(tmp_path: Path) -> None:
+    """60 seeded random damages of a tiny Llama checkpoint's config.json and weights (a sample of ``python -m
+    tests.damage model``, which found the cases above): each loads or is one ``UserError`` line, within 10 s."""
+    for path, run in itertools.islice(model_cases(tmp_path, random.Random(0)), 60):
+        assert judge(run, 10.0) is None, (path / "config.json").read_text()
 
 
 @pytest.mark.gpu

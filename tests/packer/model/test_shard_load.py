@@ -4,6 +4,7 @@ its rows, is shown on 2 gloo ranks in tests/packer/model/test_shard.py (its ``me
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from lora_sweep.errors import UserError
 from lora_sweep.packer.model.load import load_base
 from lora_sweep.packer.model.packed import PackedModel
 from lora_sweep.packer.model.shard import shard_base
@@ -119,3 +121,16 @@ def test_checkpoint_names_without_transformers_loader_internals_are_taken_as_the
     plain = shard_load._by_model_name(model, index)
     assert plain == {key: (file, key) for key, file in index.items()}
     assert (plain == mapped) == (family == "llama")
+
+
+def test_a_damaged_config_is_one_line_before_a_rank_builds_from_it(tiny_dirs, tmp_path: Path, group_of_one) -> None:
+    """The sharded load reads config.json itself (``meta_model``): a layer count above the weights' is refused first,
+    as ``load_base`` refuses it, not built on meta and materialised layer by layer."""
+    out = tmp_path / "damaged"
+    shutil.copytree(tiny_dirs("llama"), out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 100000}))
+    with pytest.raises(UserError) as err:
+        load_sharded(str(out), dtype="float32", device="cpu")
+    said = "config.json: num_hidden_layers is 100000, but the weights hold 2"
+    assert str(err.value) == f"{out}: cannot load model: {said}"
