@@ -1,12 +1,14 @@
-"""Damaged input files, at random: study files, data rows, GGUF checkpoints and checkpoint directories, for the
-invariant that every input file, however hostile, loads or ends in one ``UserError`` line within a bound.
+"""Damaged input files, at random: study files, training and held-out rows, GGUF checkpoints and checkpoint
+directories, for the invariant that every input file, however hostile, loads or ends in one ``UserError`` line
+within a bound.
 
 The seeded tests take a sample (tests/sweep/test_hostile_input.py, tests/packer/data/test_data.py,
-tests/packer/model/test_gguf.py, tests/packer/model/test_load.py); the command runs as long as it is given and
-reports what breaks the invariant::
+tests/evaluators/test_generation.py, tests/packer/model/test_gguf.py, tests/packer/model/test_load.py); the command
+runs as long as it is given and reports what breaks the invariant::
 
     python -m tests.damage study --seconds 300 --seed 1
     python -m tests.damage rows --seconds 300
+    python -m tests.damage eval --seconds 300
     python -m tests.damage gguf --seconds 300 --bound 30
     python -m tests.damage model --seconds 300
 
@@ -134,6 +136,36 @@ def rows_cases(folder: Path, rng: random.Random) -> Iterator[Case]:
         yield path, lambda path=path, tok=tok, options=options: load_examples(path, tok, **options)
 
 
+def eval_cases(folder: Path, rng: random.Random) -> Iterator[Case]:
+    """Damaged held-out files, multiple-choice rows among them, each read as an evaluator reads its data:
+    ``load_eval_data`` under a random format, then a generation evaluator's prompts and references."""
+    from lora_sweep.evaluators._core import MC_FORMAT, load_eval_data
+    from lora_sweep.evaluators.generation import build_prompts, references
+    from tests.helpers import CHAT_TEMPLATE, CONVERSATION, build_tokenizer
+
+    tokenizers = [build_tokenizer(CHAT_TEMPLATE), build_tokenizer(None)]
+    rows = [{"messages": CONVERSATION}, {"prompt": "a", "completion": "b"}, {"instruction": "a", "input": "b",
+            "output": "c"}, {"prompt": "2 + 2 =", "choices": ["4", "5"], "label": 0}, {"text": "hello"}]
+    atoms, keys = [*_ROW_ATOMS, ["a"], 5, "0"], [*_ROW_KEYS, "choices", "label"]
+
+    def read(path: Path, tok: object, fmt: str, max_length: int) -> None:
+        data = load_eval_data(path, tok, fmt=fmt, max_length=max_length)
+        if data.fmt != MC_FORMAT:
+            build_prompts(data)
+            references(data)
+
+    for i in itertools.count():
+        batch = [copy.deepcopy(rng.choice(rows)) for _ in range(rng.randint(1, 3))]
+        for _ in range(rng.randint(1, 3)):
+            at = rng.randrange(len(batch))
+            batch[at] = damage(batch[at], rng, atoms, keys)
+        path = folder / f"damaged-{i}.jsonl"
+        path.write_text("".join(json.dumps(row) + "\n" for row in batch))
+        how = (rng.choice(tokenizers), rng.choice(["auto", MC_FORMAT, "chat", "alpaca", "prompt_completion", "text"]),
+               rng.choice([8, 512]))
+        yield path, lambda path=path, how=how: read(path, *how)
+
+
 def gguf_cases(folder: Path, rng: random.Random) -> Iterator[Case]:
     """Damaged copies of the tiny GGUF (tests/packer/model/_gguf.py): bytes flipped near the start (the header and
     metadata), 8-byte fields set huge, the file cut short; each converted by ``sweep model``'s conversion."""
@@ -228,7 +260,7 @@ def judge(run: Callable[[], object], bound: float) -> str | None:
     return None
 
 
-CASES = {"study": study_cases, "rows": rows_cases, "gguf": gguf_cases, "model": model_cases}
+CASES = {"study": study_cases, "rows": rows_cases, "eval": eval_cases, "gguf": gguf_cases, "model": model_cases}
 
 
 def main(argv: list[str] | None = None) -> int:

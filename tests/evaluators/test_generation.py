@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+import random
+
 import pytest
 import torch
 from peft import PeftModel
@@ -13,6 +16,7 @@ from lora_sweep.evaluators.registry import EvalData, load_eval_data
 from lora_sweep.packer.data.rows import IGNORE_INDEX, tokenize_rows
 from lora_sweep.packer.tiny.data import arithmetic_rows
 from lora_sweep.testing.evaluator import EvaluatorContract
+from tests.damage import eval_cases, judge
 from tests.evaluators.conftest import YESNO, load_pack
 
 MAX_NEW = 6
@@ -123,3 +127,10 @@ class TestGenerationContract(EvaluatorContract):
     @pytest.fixture
     def bad_option(self) -> tuple:
         return ("scorers", ["rouge"])
+
+
+def test_randomly_damaged_held_out_files_are_one_line_each(tmp_path) -> None:
+    """1,000 seeded damaged held-out files, multiple-choice rows among them, read as an evaluator reads its data
+    (a sample of ``python -m tests.damage eval``): each reads or is one ``UserError`` line, within 5 s."""
+    for path, run in itertools.islice(eval_cases(tmp_path, random.Random(0)), 1000):
+        assert judge(run, 5.0) is None, path.read_text()
