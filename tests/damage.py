@@ -87,6 +87,15 @@ def damage(node: object, rng: random.Random, atoms: list = _ATOMS, keys: list[st
     return copy.deepcopy(rng.choice(atoms))
 
 
+def _damaged_rows(rows: list[dict], rng: random.Random, most: int, atoms: list, keys: list[str]) -> list[object]:
+    """1 to ``most`` copies of ``rows``' rows, 1 to 3 times one of them damaged (``damage``)."""
+    batch: list[object] = [copy.deepcopy(rng.choice(rows)) for _ in range(rng.randint(1, most))]
+    for _ in range(rng.randint(1, 3)):
+        at = rng.randrange(len(batch))
+        batch[at] = damage(batch[at], rng, atoms, keys)
+    return batch
+
+
 def study_cases(folder: Path, rng: random.Random, sources: list[Path] = STUDIES) -> Iterator[Case]:
     """Damaged copies of ``sources`` in ``folder`` (their data and model paths pointing into it), each read by
     ``load_study``, a third of them with a damaged ``key=value`` override. Run from ``folder``: an Axolotl split under
@@ -121,10 +130,7 @@ def rows_cases(folder: Path, rng: random.Random) -> Iterator[Case]:
     rows += [{"messages": CONVERSATION}, {"text": "hello"}, {"instruction": "a", "input": "b", "output": "c"},
              {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}]
     for i in itertools.count():
-        batch = [copy.deepcopy(rng.choice(rows)) for _ in range(rng.randint(1, 4))]
-        for _ in range(rng.randint(1, 3)):
-            at = rng.randrange(len(batch))
-            batch[at] = damage(batch[at], rng, _ROW_ATOMS, _ROW_KEYS)
+        batch = _damaged_rows(rows, rng, 4, _ROW_ATOMS, _ROW_KEYS)
         lines = [json.dumps(row, ensure_ascii=rng.random() < 0.5) for row in batch]
         if rng.random() < 0.1:
             lines.append(rng.choice(_BROKEN_LINES))
@@ -155,10 +161,7 @@ def eval_cases(folder: Path, rng: random.Random) -> Iterator[Case]:
             references(data)
 
     for i in itertools.count():
-        batch = [copy.deepcopy(rng.choice(rows)) for _ in range(rng.randint(1, 3))]
-        for _ in range(rng.randint(1, 3)):
-            at = rng.randrange(len(batch))
-            batch[at] = damage(batch[at], rng, atoms, keys)
+        batch = _damaged_rows(rows, rng, 3, atoms, keys)
         path = folder / f"damaged-{i}.jsonl"
         path.write_text("".join(json.dumps(row) + "\n" for row in batch))
         how = (rng.choice(tokenizers), rng.choice(["auto", MC_FORMAT, "chat", "alpaca", "prompt_completion", "text"]),

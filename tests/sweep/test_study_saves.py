@@ -65,7 +65,7 @@ def test_a_kill_while_adapters_are_being_written_loses_no_trial_recorded_complet
             writing = [int(m.name.split("-")[1]) for m in marks.iterdir() if int(m.name.split("-")[1]) not in done]
             # Both of the first pair told, not only one: a trial is recorded in results.db and then told to Optuna
             # (sweep/ledger.py's tell), so a kill between the first pair's two tells (the second one's write done)
-            # leaves the stores apart until the resume; CI's run at d10c3d0 killed there.
+            # leaves the stores apart until the resume; a fresh clone's .ci/run at d10c3d0 killed there.
             if len(done) >= 2 and writing:
                 break
     finally:
